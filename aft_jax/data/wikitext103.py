@@ -1,0 +1,411 @@
+"""WikiText-103 (Merity et al., 2016) as a TFDS dataset of whole articles.
+
+Two builder configs (TFDS config names cannot carry the official dashes):
+
+* `v1`     <- `wikitext-103-v1.zip`: tokenised text, rare words are `<unk>`;
+              files `wikitext-103/wiki.{train,valid,test}.tokens`.
+* `raw_v1` <- `wikitext-103-raw-v1.zip`: the same text without `<unk>`;
+              files `wikitext-103-raw/wiki.{train,valid,test}.raw`.
+
+One example per article: a file is cut before every top-level title line
+(` = Title = `; ` = = Section = = ` lines are not article starts), and the
+blank line(s) before the first title belong to the first article. Examples
+are stored in file order (`disable_shuffling`), so concatenating the texts of
+a split reproduces its file byte for byte.
+
+Where the data comes from, first match wins:
+  1. `manual_dir/<archive>.zip` (checked against the recorded sha256);
+  2. the extracted files in `manual_dir` (`manual_dir/wikitext-103/wiki.train.tokens`
+     or `manual_dir/wiki.train.tokens`, etc.);
+  3. `<download_dir>/<archive>.zip` from an earlier download (checked again);
+     (TFDS's default manual_dir, when none is given, is `<download_dir>/manual`)
+  4. a download from each mirror in `MIRRORS`, in turn (checked, then kept).
+If none works, `MissingDataError` says which file to put where.
+
+Every problem with the data (checksum mismatch, corrupt or truncated zip, a
+missing or empty split file, bytes that are not UTF-8) raises a subclass of
+`WikiTextError` (a `ValueError`). TFDS generates into a temporary directory
+that it renames only on success, so a failed build is never taken for a
+finished one and the next run rebuilds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import re
+import shutil
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Iterator
+
+import tensorflow_datasets as tfds
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("v1", "raw_v1")
+SPLITS = ("train", "validation", "test")
+# Split name in this library -> the word used in the official file names.
+_FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Archive:
+  """One official archive: where it lives and what it must hash to.
+
+  `sha256=None` skips the checksum (only for tests of the zip handling itself).
+  """
+
+  filename: str   # e.g. 'wikitext-103-v1.zip'
+  folder: str     # top folder inside the zip, e.g. 'wikitext-103'
+  extension: str  # 'tokens' or 'raw'
+  sha256: str | None
+  num_bytes: int  # published size, for messages and progress bars
+
+  def member(self, split: str) -> str:
+    return f"{self.folder}/{self.split_file(split)}"
+
+  def split_file(self, split: str) -> str:
+    return f"wiki.{_FILE_SPLIT[split]}.{self.extension}"
+
+
+# The checksums are the sha256 of the archives published by Salesforce
+# research (the same bytes are on both mirrors); they match the values recorded
+# by other projects (e.g. the Julia DataDeps and qnarre registrations).
+ARCHIVES: dict[str, Archive] = {
+    "v1": Archive(
+        filename="wikitext-103-v1.zip",
+        folder="wikitext-103",
+        extension="tokens",
+        sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+        num_bytes=190_229_076,
+    ),
+    "raw_v1": Archive(
+        filename="wikitext-103-raw-v1.zip",
+        folder="wikitext-103-raw",
+        extension="raw",
+        sha256="91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
+        num_bytes=191_984_949,
+    ),
+}
+
+# Tried in turn; `{filename}` is the archive name. The original S3 bucket is
+# gone in some regions, so the author's own host comes first.
+MIRRORS: list[str] = [
+    "https://wikitext.smerity.com/{filename}",
+    "https://s3.amazonaws.com/research.metamind.io/wikitext/{filename}",
+]
+
+# A top-level title: ' = Title = ' with a title that neither starts nor ends
+# with '=' (so ' = = Section = = ' and deeper headings never match).
+_TITLE = re.compile(r" = [^=\n](?:[^\n]*[^=\n])? = \n?")
+
+
+class WikiTextError(ValueError):
+  """The WikiText-103 data is missing, corrupt or not what it should be."""
+
+
+class ChecksumError(WikiTextError):
+  """An archive does not hash to its recorded sha256."""
+
+
+class CorruptArchiveError(WikiTextError):
+  """A zip file cannot be read (truncated, damaged)."""
+
+
+class MissingDataError(WikiTextError):
+  """A file the dataset needs is nowhere to be found."""
+
+
+class BadSplitFileError(WikiTextError):
+  """A split file is empty or is not UTF-8."""
+
+
+def is_title_line(line: str) -> bool:
+  """True for a top-level article title line ` = Title = ` (newline optional)."""
+  return _TITLE.fullmatch(line) is not None
+
+
+def split_articles(lines: Iterator[str]) -> Iterator[str]:
+  """Groups lines (with their '\\n') into article texts.
+
+  A new article starts at every title line except the first one seen, so text
+  before the first title is part of the first article and `''.join(output)`
+  equals `''.join(lines)`.
+  """
+  buf: list[str] = []
+  seen_title = False
+  for line in lines:
+    if is_title_line(line):
+      if seen_title:
+        yield "".join(buf)
+        buf = []
+      seen_title = True
+    buf.append(line)
+  if buf:
+    yield "".join(buf)
+
+
+def sha256_of(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def verify_archive(path: str, archive: Archive) -> None:
+  """Raises ChecksumError unless `path` hashes to `archive.sha256`."""
+  if archive.sha256 is None:
+    log.warning("No checksum recorded for %s; not verifying %s", archive.filename, path)
+    return
+  got = sha256_of(path)
+  if got != archive.sha256:
+    raise ChecksumError(
+        f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
+        f"{archive.filename} (sha256 {archive.sha256}, {archive.num_bytes:,} bytes). The file is "
+        "truncated, damaged or a different archive: delete it and download it again."
+    )
+
+
+class Source:
+  """Where the three split files of one variant are read from."""
+
+  def __init__(self, archive: Archive, *, zip_path: str | None = None, folder: str | None = None):
+    assert (zip_path is None) != (folder is None)
+    self.archive, self.zip_path, self.folder = archive, zip_path, folder
+    if zip_path is not None:
+      self._check_zip()
+
+  def __repr__(self) -> str:
+    return f"Source({self.zip_path or self.folder})"
+
+  def _check_zip(self) -> None:
+    try:
+      with zipfile.ZipFile(self.zip_path) as zf:
+        names = set(zf.namelist())
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+      raise CorruptArchiveError(
+          f"{self.zip_path} is not a readable zip file ({e}); it is probably truncated: "
+          f"delete it and fetch {self.archive.filename} again."
+      ) from e
+    missing = [self.archive.member(s) for s in SPLITS if self.archive.member(s) not in names]
+    if missing:
+      raise MissingDataError(f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}.")
+
+  @contextlib.contextmanager
+  def open(self, split: str) -> Iterator[io.BufferedIOBase]:
+    """Opens the split file for binary reading."""
+    if self.zip_path is None:
+      path = os.path.join(self.folder, self.archive.split_file(split))
+      with open(path, "rb") as f:
+        yield f
+      return
+    with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.archive.member(split)) as f:
+      yield f
+
+  def name(self, split: str) -> str:
+    if self.zip_path is None:
+      return os.path.join(self.folder, self.archive.split_file(split))
+    return f"{self.zip_path}:{self.archive.member(split)}"
+
+  def lines(self, split: str) -> Iterator[str]:
+    """The split's lines (with '\\n'), decoded strictly as UTF-8.
+
+    Raises BadSplitFileError on an empty file or invalid UTF-8, and
+    CorruptArchiveError if the zip member fails to decompress or its CRC.
+    """
+    name = self.name(split)
+    empty = True
+    try:
+      with self.open(split) as f:
+        for lineno, raw in enumerate(f, start=1):
+          empty = False
+          try:
+            yield raw.decode("utf-8")
+          except UnicodeDecodeError as e:
+            raise BadSplitFileError(
+                f"{name} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
+                f"{raw[max(0, e.start - 10):e.start + 10]!r}); the file is damaged."
+            ) from None
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+      raise CorruptArchiveError(f"{name} cannot be decompressed ({e}); the zip is damaged.") from e
+    if empty:
+      raise BadSplitFileError(f"{name} is empty.")
+
+
+def _find_extracted(archive: Archive, manual_dir: str) -> str | None:
+  """Folder in manual_dir holding the extracted files, or None if none is there.
+
+  Raises MissingDataError when only some of the three files are present.
+  """
+  for folder in (os.path.join(manual_dir, archive.folder), manual_dir):
+    present = [s for s in SPLITS if os.path.isfile(os.path.join(folder, archive.split_file(s)))]
+    if len(present) == len(SPLITS):
+      return folder
+    if present:
+      missing = [os.path.join(folder, archive.split_file(s)) for s in SPLITS if s not in present]
+      raise MissingDataError(f"WikiText-103 split file(s) missing: {', '.join(missing)}.")
+  return None
+
+
+def _download(archive: Archive, download_dir: str) -> tuple[str | None, list[str]]:
+  """Tries each mirror; returns (verified path or None, what went wrong)."""
+  os.makedirs(download_dir, exist_ok=True)
+  dest = os.path.join(download_dir, archive.filename)
+  errors = []
+  for template in MIRRORS:
+    url = template.format(filename=archive.filename)
+    tmp = f"{dest}.part-{os.getpid()}"
+    try:
+      _fetch(url, tmp, archive.num_bytes)
+      verify_archive(tmp, archive)
+      os.replace(tmp, dest)  # only a verified archive ever gets the real name
+      return dest, errors
+    except (OSError, ValueError) as e:  # URLError is an OSError
+      errors.append(f"{url}: {e}")
+      log.warning("Download of %s failed: %s", url, e)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+  return None, errors
+
+
+def _fetch(url: str, path: str, expected_bytes: int) -> None:
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
+    total = int(r.headers.get("Content-Length") or 0) or expected_bytes
+    with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path)) as bar:
+      for chunk in iter(lambda: r.read(1 << 20), b""):
+        f.write(chunk)
+        bar.update(len(chunk))
+
+
+def locate_source(variant: str, *, manual_dir: str | None, download_dir: str | None,
+                  download: bool = True) -> Source:
+  """Finds (or downloads) the data of `variant`; see the module docstring."""
+  archive = ARCHIVES[variant]
+  if manual_dir:
+    zip_path = os.path.join(manual_dir, archive.filename)
+    if os.path.isfile(zip_path):
+      verify_archive(zip_path, archive)
+      return Source(archive, zip_path=zip_path)
+    folder = _find_extracted(archive, manual_dir)
+    if folder is not None:
+      return Source(archive, folder=folder)
+  errors = []
+  if download_dir:
+    cached = os.path.join(download_dir, archive.filename)
+    if os.path.isfile(cached):
+      verify_archive(cached, archive)
+      return Source(archive, zip_path=cached)
+    if download:
+      path, errors = _download(archive, download_dir)
+      if path is not None:
+        return Source(archive, zip_path=path)
+  where = manual_dir or "<manual_dir>"
+  tried = ("\nDownload attempts:\n  " + "\n  ".join(errors)) if errors else (
+      "" if download else "\nDownloading was disabled.")
+  raise MissingDataError(
+      f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
+      f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
+      f"{where}, or extract it there so that "
+      f"{os.path.join(where, archive.folder, archive.split_file('train'))}, "
+      f"{archive.split_file('validation')} and {archive.split_file('test')} exist "
+      f"(manual_dir is set with --manual_dir or cfg.manual_dir).{tried}"
+  )
+
+
+@dataclasses.dataclass
+class Wikitext103Config(tfds.core.BuilderConfig):
+  """Selects the tokenised (`v1`) or raw (`raw_v1`) release."""
+
+
+class Wikitext103(tfds.core.GeneratorBasedBuilder):
+  """WikiText-103, one example per article, in file order."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "One example per article; texts concatenate to the official files."}
+  BUILDER_CONFIGS = [
+      Wikitext103Config(name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."),
+      Wikitext103Config(name="raw_v1", description="wikitext-103-raw-v1: the same text without <unk>."),
+  ]
+  DEFAULT_CONFIG_NAME = "v1"
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      "Put wikitext-103-v1.zip / wikitext-103-raw-v1.zip (or their extracted folders "
+      "wikitext-103/ / wikitext-103-raw/) into manual_dir. Mirrors: " + ", ".join(MIRRORS)
+  )
+
+  # TFDS derives this path through `importlib_resources`, a package it does not
+  # declare (and that is absent here); this module's own path is what it wants.
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    return epath.Path(__file__)
+
+  def __init__(self, *, download: bool = True, **kwargs):
+    """`download=False` never touches the network (offline use, tests)."""
+    self._allow_download = download
+    super().__init__(file_format="array_record", **kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=__doc__,
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+        homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
+        citation=(
+            "@inproceedings{merity2017pointer, title={Pointer Sentinel Mixture Models}, "
+            "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
+            "booktitle={ICLR}, year={2017}}"
+        ),
+        disable_shuffling=True,  # examples must stay in file order
+    )
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+    try:
+      manual_dir = os.fspath(dl_manager.manual_dir)
+    except AssertionError:
+      # Not given, missing or empty; keep a given path for the error message.
+      given = getattr(dl_manager, "_manual_dir", None)
+      manual_dir = os.fspath(given) if given else None
+    source = locate_source(self.builder_config.name, manual_dir=manual_dir,
+                           download_dir=os.fspath(dl_manager.download_dir),
+                           download=self._allow_download)
+    return {split: self._generate_examples(source, split) for split in SPLITS}
+
+  def _generate_examples(self, source: Source, split: str):
+    for i, text in enumerate(split_articles(source.lines(split))):
+      yield i, {"text": text}
+
+
+def build(variant: str, *, data_dir: str, manual_dir: str | None = None,
+          download: bool = True) -> Wikitext103:
+  """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
+
+  Read it back with `builder.as_data_source(split)`; each record is
+  `{'text': bytes}` (UTF-8).
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+  builder = Wikitext103(config=variant, data_dir=data_dir, download=download)
+  builder.download_and_prepare(
+      download_dir=os.path.join(data_dir, "downloads"),
+      download_config=tfds.download.DownloadConfig(
+          manual_dir=manual_dir or None,
+          try_download_gcs=False,  # never look for a prebuilt copy on GCS
+      ),
+  )
+  return builder
+
+
+def remove(data_dir: str, variant: str) -> None:
+  """Deletes a built dataset (not the downloads), e.g. to rebuild it."""
+  shutil.rmtree(os.path.join(data_dir, "wikitext103", variant), ignore_errors=True)

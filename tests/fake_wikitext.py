@@ -1,0 +1,165 @@
+"""Small WikiText-103 look-alikes in the official file and archive layout.
+
+The texts follow the real format: a leading ' \\n', top-level titles
+' = Title = ', sections ' = = Sub = = ', blank lines made of one space,
+paragraph lines with a leading and a trailing space, `<unk>` in the tokenised
+release only, and non-ASCII text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zipfile
+
+from aft_jax.data import wikitext103
+
+# (title, [(section title or None, [paragraph, ...]), ...]). '{x}' is a rare
+# word that the tokenised release (v1) writes as <unk>; as in the real v1,
+# held-out words that never occur in train are <unk> there too.
+_ARTICLES = {
+    "train": [
+        ("Valkyria Chronicles III", [
+            (None, ["Senjō no {Valkyria} 3 : Unrecorded Chronicles is a tactical role @-@ playing video game .",
+                    "The game began development in 2010 , carrying over a large portion of the work ."]),
+            ("Gameplay", ["As with previous games , the player controls a squad of soldiers .",
+                          "Troops are divided into five classes : Scouts , Shocktroopers , Engineers ."]),
+            ("Reception", ["It sold 102 @,@ 779 copies in Japan – a {modest} result ."]),
+        ]),
+        ("Tower Building of the Little Rock Arsenal", [
+            (None, ["The building is located in MacArthur Park in downtown Little Rock , Arkansas .",
+                    "Café Zürich and 東京 are not mentioned in the original article ."]),
+            ("= Construction =", ["The arsenal was constructed at the request of Governor {Yell} ."]),
+        ]),
+        ("Cicely Mary Barker", [
+            (None, ["Cicely Mary Barker was an English illustrator best known for a series of fantasy books ."]),
+        ]),
+    ],
+    "validation": [
+        ("Homarus gammarus", [
+            (None, ["Homarus gammarus is a game of the English Park series , and it sold 779 copies .",
+                    "The game was known in Japan as Café Little Rock ."]),
+            ("Reception", ["It is a {modest} tactical game with five classes ."]),
+        ]),
+        ("Naïve art", [(None, ["Naïve art is a series of books by Cicely Mary Barker ."])]),
+    ],
+    "test": [
+        ("Robert Boulter", [
+            (None, ["Robert Boulter is an English illustrator and video game player .",
+                    "He was known for the 2010 game Tower of Arkansas ."]),
+            ("Career", ["In 2010 Boulter began work on a {Herons} series ."]),
+        ]),
+    ],
+}
+
+
+def _fill(text: str, raw: bool) -> str:
+  out = []
+  for word in text.split(" "):
+    if word.startswith("{") and word.endswith("}"):
+      word = word[1:-1] if raw else "<unk>"
+    out.append(word)
+  return " ".join(out)
+
+
+def _raw_text(split: str) -> str:
+  lines = [" "]
+  for title, sections in _ARTICLES[split]:
+    lines += [f" = {title} = ", " "]
+    for section, paragraphs in sections:
+      if section is not None:
+        lines += [f" = = {section} = = ", " "]
+      for p in paragraphs:
+        lines += [f" {_fill(p, True)} ", " "]
+    lines.append(" ")
+  return "\n".join(lines) + "\n"
+
+
+def _train_words() -> set[str]:
+  return set(_fill(_raw_text("train"), False).split())
+
+
+def _v1(text: str, split: str) -> str:
+  """As in the real v1: marked words and held-out words unseen in train are <unk>."""
+  known = _train_words() if split != "train" else None
+  out = []
+  for word in text.split(" "):
+    core = word.rstrip("\n")
+    if known is not None and core and core not in known:
+      word = "<unk>" + word[len(core):]
+    out.append(word)
+  return " ".join(out)
+
+
+def split_text(split: str, *, raw: bool) -> str:
+  """The fake file content of one split (a str; encode as UTF-8)."""
+  lines = [" "]
+  for title, sections in _ARTICLES[split]:
+    lines += [f" = {title} = ", " "]
+    for section, paragraphs in sections:
+      if section is not None:
+        lines += [f" = = {section} = = ", " "]
+      for p in paragraphs:
+        lines += [f" {_fill(p, raw)} ", " "]
+    lines.append(" ")
+  text = "\n".join(lines) + "\n"
+  return text if raw else _v1(text, split)
+
+
+def titles(split: str, *, raw: bool = True) -> list[str]:
+  """Article titles as they appear in the split file."""
+  return [t if raw else _v1(t, split) for t, _ in _ARTICLES[split]]
+
+
+def texts(variant: str) -> dict[str, str]:
+  return {s: split_text(s, raw=variant == "raw_v1") for s in wikitext103.SPLITS}
+
+
+def write_zip(directory: str, variant: str, contents: dict[str, bytes | str] | None = None,
+              *, skip: tuple[str, ...] = ()) -> str:
+  """Writes `<directory>/<official zip name>`; returns its path.
+
+  `contents` overrides split contents (bytes are written as they are).
+  """
+  archive = wikitext103.ARCHIVES[variant]
+  contents = {**texts(variant), **(contents or {})}
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, archive.filename)
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+    zf.writestr(f"{archive.folder}/", b"")
+    for split in wikitext103.SPLITS:
+      if split in skip:
+        continue
+      data = contents[split]
+      zf.writestr(archive.member(split), data.encode("utf-8") if isinstance(data, str) else data)
+  return path
+
+
+def write_extracted(directory: str, variant: str, contents: dict[str, bytes | str] | None = None,
+                    *, skip: tuple[str, ...] = ()) -> str:
+  """Writes `<directory>/<folder>/wiki.<split>.<ext>`; returns the folder."""
+  archive = wikitext103.ARCHIVES[variant]
+  contents = {**texts(variant), **(contents or {})}
+  folder = os.path.join(directory, archive.folder)
+  os.makedirs(folder, exist_ok=True)
+  for split in wikitext103.SPLITS:
+    if split in skip:
+      continue
+    data = contents[split]
+    with open(os.path.join(folder, archive.split_file(split)), "wb") as f:
+      f.write(data.encode("utf-8") if isinstance(data, str) else data)
+  return folder
+
+
+def sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def trust(monkeypatch, variant: str, path: str | None) -> None:
+  """Records the checksum of `path` (None: no checksum) as the official one."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  archive = wikitext103.ARCHIVES[variant]
+  monkeypatch.setitem(wikitext103.ARCHIVES, variant,
+                      dataclasses.replace(archive, sha256=sha256(path) if path else None))

@@ -1,0 +1,203 @@
+"""Training and evaluation batches: shapes, coverage, sharding, checkpointing."""
+
+import json
+
+import numpy as np
+import pytest
+
+from aft_jax.data import pipeline
+
+L = 8
+
+
+def _tokens(n, seed=0):
+  # Distinct values make every window identifiable by its first token.
+  return np.random.default_rng(seed).permutation(n).astype(np.uint32)
+
+
+def _take(it, k):
+  return [next(it) for _ in range(k)]
+
+
+def _window_ids(batch, tokens):
+  """Window index of each row (its first input token is unique)."""
+  where = {int(t): i for i, t in enumerate(tokens)}
+  starts = [where[int(r[0])] for r in batch["inputs"]]
+  assert all(s % (L + 1) == 0 for s in starts)
+  return [s // (L + 1) for s in starts]
+
+
+def test_train_batches_are_windows_of_the_stream():
+  toks = _tokens(1000)
+  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=0)
+  for b in _take(it, 5):
+    assert set(b) == {"inputs", "targets"}
+    assert b["inputs"].shape == b["targets"].shape == (4, L)
+    assert b["inputs"].dtype == b["targets"].dtype == np.int32
+    for row_in, row_tg, w in zip(b["inputs"], b["targets"], _window_ids(b, toks)):
+      window = toks[w * (L + 1):(w + 1) * (L + 1)]
+      np.testing.assert_array_equal(row_in, window[:-1])
+      np.testing.assert_array_equal(row_tg, window[1:])
+
+
+def test_epochs_cover_windows_once_in_a_new_order():
+  toks = _tokens(9 * 40 + 5)  # 40 windows, 5 left-over tokens
+  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=3)
+  epochs = [[w for b in _take(it, 5) for w in _window_ids(b, toks)] for _ in range(3)]
+  for e in epochs:
+    assert sorted(e) == list(range(40))  # 40 % 8 == 0: every window exactly once
+  assert epochs[0] != epochs[1] != epochs[2]
+  again = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=3)
+  assert [w for b in _take(again, 5) for w in _window_ids(b, toks)] == epochs[0]
+  other = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=4)
+  assert [w for b in _take(other, 5) for w in _window_ids(b, toks)] != epochs[0]
+
+
+def test_drop_remainder_keeps_batches_full_and_distinct():
+  toks = _tokens(9 * 10)  # 10 windows, batches of 4: two batches per epoch
+  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=1)
+  for _ in range(3):
+    ids = [w for b in _take(it, 2) for w in _window_ids(b, toks)]
+    assert len(set(ids)) == 8
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_shards_concatenate_to_the_global_batch(process_count):
+  toks = _tokens(2000)
+  full = _take(pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=5), 30)
+  shards = [_take(pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=5,
+                                          process_index=p, process_count=process_count), 30)
+            for p in range(process_count)]
+  for step in range(30):
+    for key in ("inputs", "targets"):
+      parts = [shards[p][step][key] for p in range(process_count)]
+      assert all(part.shape == (8 // process_count, L) for part in parts)
+      np.testing.assert_array_equal(np.concatenate(parts), full[step][key])
+
+
+def test_checkpoint_restores_the_following_batches():
+  toks = _tokens(3000)
+  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=7)
+  _take(it, 5)
+  state = json.loads(json.dumps(it.get_state()))  # must survive JSON
+  expected = _take(it, 3)
+  fresh = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=7)
+  fresh.set_state(state)
+  for a, b in zip(_take(fresh, 3), expected):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    np.testing.assert_array_equal(a["targets"], b["targets"])
+  # The state counts global batches: a 2-process iterator resumes at the same step.
+  half = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=7, process_index=1, process_count=2)
+  half.set_state(state)
+  np.testing.assert_array_equal(next(half)["inputs"], expected[0]["inputs"][2:])
+  with pytest.raises(ValueError, match="seed"):
+    pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=8).set_state(state)
+
+
+def test_train_argument_errors():
+  toks = _tokens(100)
+  with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by process_count=4"):
+    pipeline.train_iterator(toks, seq_len=L, global_batch_size=6, seed=0, process_count=4)
+  with pytest.raises(ValueError, match=r"len\(tokens\)=100 .* global_batch_size=16"):
+    pipeline.train_iterator(toks, seq_len=L, global_batch_size=16, seed=0)
+  with pytest.raises(ValueError, match="process_index=2"):
+    pipeline.train_iterator(toks, seq_len=L, global_batch_size=2, seed=0, process_index=2, process_count=2)
+
+
+def _collect(tokens, *, stride, global_batch_size=4, process_index=0, process_count=1, bos_id=999):
+  return list(pipeline.eval_batches(tokens, seq_len=L, global_batch_size=global_batch_size, bos_id=bos_id,
+                                    stride=stride, process_index=process_index, process_count=process_count))
+
+
+def _weighted(batches):
+  """(target, its context token) for weighted positions, in row order."""
+  out = []
+  for b in batches:
+    for r in range(b["targets"].shape[0]):
+      for j in np.flatnonzero(b["weights"][r]):
+        out.append((int(b["targets"][r, j]), int(b["inputs"][r, j]), int(j)))
+  return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 50, 64, 101])
+@pytest.mark.parametrize("stride", [None, 8, 3, 1])
+def test_eval_covers_every_token_once(n, stride):
+  toks = (np.arange(n) + 1).astype(np.uint32)
+  batches = _collect(toks, stride=stride)
+  assert len(batches) == pipeline.num_eval_batches(n, seq_len=L, global_batch_size=4, stride=stride)
+  for b in batches:
+    assert b["inputs"].shape == b["targets"].shape == b["weights"].shape == (4, L)
+    assert b["inputs"].dtype == b["targets"].dtype == np.int32 and b["weights"].dtype == np.float32
+    assert set(np.unique(b["weights"])) <= {0.0, 1.0}
+  assert sum(float(b["weights"].sum()) for b in batches) == n
+  got = _weighted(batches)
+  assert [t for t, _, _ in got] == toks.tolist()  # in order: the token stream
+  # Every counted target's context is the previous token (bos for the first).
+  assert [c for _, c, _ in got] == [999] + toks[:-1].tolist()
+  # Inputs are the stream shifted by one everywhere in a row, not only where weighted.
+  for b in batches:
+    for r in range(4):
+      if b["weights"][r].any():
+        np.testing.assert_array_equal(b["inputs"][r, 1:], b["targets"][r, :-1][: L - 1])
+  if stride is not None and stride < L and n > L:
+    # Sliding windows: after the first window, each counted target sees >= L - stride tokens.
+    assert all(j >= L - stride for _, _, j in got[L:])
+
+
+@pytest.mark.parametrize("stride", [None, 3])
+def test_eval_sharded_union_is_the_stream(stride):
+  toks = (np.arange(203) + 1).astype(np.uint32)
+  single = _collect(toks, stride=stride)
+  per_process = [_collect(toks, stride=stride, process_index=p, process_count=2) for p in range(2)]
+  assert len(per_process[0]) == len(per_process[1]) == len(single)
+  merged = [{k: np.concatenate([per_process[0][i][k], per_process[1][i][k]]) for k in single[0]}
+            for i in range(len(single))]
+  for a, b in zip(merged, single):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  assert sum(float(b["weights"].sum()) for pp in per_process for b in pp) == toks.size
+  assert per_process[0][0]["inputs"].shape == (2, L)
+
+
+def test_eval_every_process_same_batch_count_with_uneven_rows():
+  toks = (np.arange(5 * L) + 1).astype(np.uint32)  # 5 windows, 4 rows per batch: 2 batches
+  counts = [len(_collect(toks, stride=None, global_batch_size=4, process_index=p, process_count=4))
+            for p in range(4)]
+  assert counts == [2, 2, 2, 2]
+  last = _collect(toks, stride=None, global_batch_size=4, process_index=3, process_count=4)[-1]
+  assert last["weights"].sum() == 0 and not last["inputs"].any()  # pure padding row
+
+
+def test_eval_argument_errors():
+  toks = np.arange(10, dtype=np.uint32)
+  with pytest.raises(ValueError, match="stride=9"):
+    _collect(toks, stride=9)
+  with pytest.raises(ValueError, match="stride=0"):
+    _collect(toks, stride=0)
+  with pytest.raises(ValueError, match="not divisible"):
+    _collect(toks, stride=None, global_batch_size=3, process_count=2)
+  with pytest.raises(ValueError, match="too short"):
+    _collect(toks[:0], stride=None)
+
+
+def test_eval_reads_a_memmap(tmp_path):
+  path = tmp_path / "t.npy"
+  np.save(path, (np.arange(77) + 3).astype(np.uint32))
+  toks = np.load(path, mmap_mode="r")
+  got = [t for t, _, _ in _weighted(_collect(toks, stride=5))]
+  assert got == (np.arange(77) + 3).tolist()
+  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=2, seed=0)
+  assert next(it)["inputs"].shape == (2, L)
+
+
+def test_train_and_eval_agree_on_the_pydoc_corpus():
+  from aft_jax.data import corpus as corpus_lib
+
+  c = corpus_lib.pydoc_corpus("byte")
+  it = pipeline.train_iterator(c.splits["train"], seq_len=64, global_batch_size=8, seed=0)
+  b = next(it)
+  assert b["inputs"].max() < c.vocab.size
+  val = c.splits["validation"]
+  total = sum(float(x["weights"].sum()) for x in pipeline.eval_batches(
+      val, seq_len=64, global_batch_size=8, bos_id=c.bos_id, stride=32))
+  assert total == val.size

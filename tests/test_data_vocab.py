@@ -1,0 +1,147 @@
+"""Word protocol, vocabulary order and files, byte tokenizer, pydoc corpus."""
+
+import collections
+import time
+
+import numpy as np
+import pytest
+
+from aft_jax.data import corpus as corpus_lib
+from aft_jax.data import vocab as vocab_lib
+from aft_jax.data.vocab import EOS, UNK, ByteVocab, WordVocab
+
+
+def _reference_tokens(text):
+  """The protocol written the slow, obvious way: per line, split, then <eos>."""
+  lines = text.split("\n")
+  if lines and lines[-1] == "":
+    lines = lines[:-1]
+  out = []
+  for line in lines:
+    out += line.split() + [EOS]
+  return out
+
+
+@pytest.mark.parametrize("text", [
+    "", "\n", "a b\n", "a b", " a  b \n\n c\n", " \n = T = \n \n x <unk> y \n",
+    "tab\tsep\x0bvt\u3000ideographic\n\n\nend", "Café Zürich 東京\u2028line-sep\n",
+])
+def test_word_tokens_match_line_protocol(text):
+  assert vocab_lib.word_tokens(text) == _reference_tokens(text)
+
+
+def test_empty_lines_give_lone_eos():
+  assert vocab_lib.word_tokens("a\n\n \nb\n") == ["a", EOS, EOS, EOS, "b", EOS]
+
+
+def test_build_orders_by_frequency_then_string():
+  counts = collections.Counter({"b": 3, "a": 3, "c": 5, EOS: 4, "z": 1, "y": 1})
+  v = WordVocab.build(counts)
+  assert v.tokens == ["c", EOS, "a", "b", "y", "z"]
+  # Insertion order of the counter must not matter.
+  v2 = WordVocab.build(collections.Counter(dict(reversed(list(counts.items())))))
+  assert v2.tokens == v.tokens
+
+
+def test_build_adds_eos_and_optional_unk_last():
+  v = WordVocab.build(collections.Counter({"x": 2}), add_unk=True)
+  assert v.tokens == ["x", EOS, UNK]
+  assert v.unk_id == 2 and v.eos_id == 1
+
+
+def test_encode_decode_and_oov():
+  v = WordVocab.build(vocab_lib.count_words(["the cat sat\nthe dog\n"]), add_unk=True)
+  ids = v.encode("the cat\nsat\n")
+  assert ids.dtype == np.uint32
+  assert [v.tokens[i] for i in ids] == ["the", "cat", EOS, "sat", EOS]
+  assert v.decode(ids) == "the cat\nsat\n"
+  assert v.tokens[v.encode("unseen\n")[0]] == UNK
+  no_unk = WordVocab([EOS, "a"], unk=None)
+  with pytest.raises(ValueError, match="'b' is not in the vocabulary"):
+    no_unk.encode("a b\n")
+
+
+def test_save_load_roundtrip(tmp_path):
+  words = ["the", EOS, UNK, "Café", "東京", "@-@", "a\u200bb", "ſ"]
+  v = WordVocab(words)
+  path = str(tmp_path / "vocab.txt")
+  v.save(path)
+  assert open(path, encoding="utf-8").read() == "".join(w + "\n" for w in words)
+  w = WordVocab.load(path)
+  assert w.tokens == words and w.size == len(words) and w.eos_id == 1 and w.unk_id == 2
+  assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_invalid_vocabularies_rejected(tmp_path):
+  with pytest.raises(ValueError, match="duplicate"):
+    WordVocab([EOS, "a", "a"])
+  with pytest.raises(ValueError, match="no '<eos>'"):
+    WordVocab(["a"])
+  with pytest.raises(ValueError, match="whitespace"):
+    WordVocab([EOS, "a b"])
+  path = tmp_path / "v.txt"
+  path.write_text(f"{EOS}\na", encoding="utf-8")
+  with pytest.raises(ValueError, match="truncated"):
+    WordVocab.load(str(path))
+
+
+def test_byte_vocab():
+  v = ByteVocab()
+  text = "naïve 東京\nx"
+  ids = v.encode(text)
+  assert ids.dtype == np.uint32 and ids.tolist() == list(text.encode("utf-8"))
+  assert v.size == 256 and v.eos_id == 10 and v.unit == "byte"
+  assert v.decode(ids) == text
+  assert v.decode(ids[:7]) == "naïve " and "\ufffd" in v.decode(ids[:8])  # cut inside '東'
+  with pytest.raises(ValueError):
+    v.decode([300])
+
+
+def test_pydoc_corpus_byte_is_the_text():
+  t0 = time.perf_counter()
+  c = corpus_lib.pydoc_corpus("byte")
+  assert time.perf_counter() - t0 < 1.0
+  text = corpus_lib.pydoc_text()
+  assert len(text) > 100_000
+  assert c.unit == "byte" and c.bos_id == ord("\n") and c.vocab.size == 256
+  assert set(c.splits) == {"train", "validation", "test"}
+  assert all(v.dtype == np.uint32 for v in c.splits.values())
+  # Text order is train, test, validation (validation is the last 10%).
+  joined = np.concatenate([c.splits["train"], c.splits["test"], c.splits["validation"]])
+  assert joined.tobytes() == np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32).tobytes()
+  n = joined.size
+  assert 0.78 < c.splits["train"].size / n < 0.82
+  assert 0.08 < c.splits["validation"].size / n < 0.12
+  assert c.splits["train"][-1] == ord("\n") and c.splits["test"][-1] == ord("\n")
+
+
+def test_pydoc_corpus_deterministic_and_word_level():
+  a, b = corpus_lib.pydoc_corpus("word"), corpus_lib.pydoc_corpus("word")
+  assert a.vocab.tokens == b.vocab.tokens
+  for s in a.splits:
+    np.testing.assert_array_equal(a.splits[s], b.splits[s])
+  assert a.unit == "word" and a.bos_id == a.vocab.eos_id
+  pieces = corpus_lib.split_at_lines(corpus_lib.pydoc_text(), corpus_lib.PYDOC_FRACTIONS)
+  assert "".join(pieces.values()) == corpus_lib.pydoc_text()
+  # Train has no OOV; held-out words unseen in train map to <unk>.
+  unk = a.vocab.unk_id
+  assert unk is not None and not (a.splits["train"] == unk).any()
+  train_words = set(vocab_lib.word_tokens(pieces["train"]))
+  valid = vocab_lib.word_tokens(pieces["validation"])
+  expected_unk = sum(w not in train_words for w in valid)
+  assert expected_unk > 0 and int((a.splits["validation"] == unk).sum()) == expected_unk
+  assert a.splits["validation"].size == len(valid)
+
+
+def test_load_corpus_pydoc_from_config_object():
+  class Cfg:
+    dataset = "pydoc"
+    tokenizer = "byte"
+    data_dir = ""
+    manual_dir = None
+    variant = "v1"
+
+  c = corpus_lib.load_corpus(Cfg())
+  assert c.name == "pydoc-byte"
+  with pytest.raises(ValueError, match="dataset"):
+    corpus_lib.load_corpus({"dataset": "enwik8"})
