@@ -1,0 +1,108 @@
+"""Config validation before anything is compiled: one clear line per problem."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from aft_jax import default_config
+from aft_jax.model import MIXINGS
+
+# Keys that may differ when resuming a run: they do not change what is computed.
+RESUMABLE = ("num_train_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
+             "keep_checkpoints", "eval_batch_size", "eval_stride", "sample", "mesh",
+             "logical_axis_rules", "data.data_dir", "data.manual_dir", "nonfinite")
+
+
+def _flatten(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, (dict, ml_collections.ConfigDict)):
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def _type_ok(value, default):
+  if default is None or value is None:
+    return True
+  if isinstance(default, bool):
+    return isinstance(value, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if isinstance(default, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return isinstance(value, type(default))
+
+
+def check_config(config) -> None:
+  """Raises ValueError listing every unknown key, wrong type and impossible combination."""
+  errors = []
+  ref = _flatten(default_config.get_config().to_dict())
+  cur = _flatten(config.to_dict() if hasattr(config, "to_dict") else config)
+  for key in sorted(set(cur) - set(ref)):
+    errors.append(f"unknown config key {key!r}")
+  for key in sorted(set(ref) - set(cur)):
+    errors.append(f"missing config key {key!r}")
+  for key in sorted(set(cur) & set(ref)):
+    if not _type_ok(cur[key], ref[key]):
+      errors.append(f"config.{key} = {cur[key]!r} should be a {type(ref[key]).__name__}")
+  if errors:
+    raise ValueError("invalid config: " + "; ".join(errors))
+
+  c = config
+  m = c.model
+  positive = ["num_train_steps", "batch_size", "seq_len", "log_every_steps", "eval_every_steps",
+              "checkpoint_every_steps", "keep_checkpoints", "eval_batch_size",
+              "grad_accum_steps"]
+  errors += [f"config.{k} = {c[k]} must be >= 1" for k in positive if c[k] < 1]
+  if c.learning_rate <= 0:
+    errors.append(f"config.learning_rate = {c.learning_rate} must be > 0")
+  if c.warmup_steps < 0:
+    errors.append(f"config.warmup_steps = {c.warmup_steps} must be >= 0")
+  if m.mixing not in MIXINGS:
+    errors.append(f"config.model.mixing = {m.mixing!r} is not one of {', '.join(MIXINGS)}")
+  if c.seq_len > m.max_len:
+    errors.append(f"config.seq_len = {c.seq_len} exceeds config.model.max_len = {m.max_len}")
+  if m.mixing == "aft_local" and not 1 <= m.window <= m.max_len:
+    errors.append(f"config.model.window = {m.window} must be in [1, model.max_len = "
+                  f"{m.max_len}]")
+  if m.mixing in ("softmax", "aft_conv1d") and m.num_heads >= 1 and m.d_model % m.num_heads:
+    errors.append(f"config.model.d_model = {m.d_model} is not divisible by "
+                  f"config.model.num_heads = {m.num_heads}")
+  if m.dtype not in ("float32", "bfloat16", "float16") or m.param_dtype not in (
+      "float32", "bfloat16"):
+    errors.append(f"config.model.dtype / param_dtype = {m.dtype!r} / {m.param_dtype!r}: use "
+                  "'float32' or 'bfloat16'")
+  if c.data.dataset not in ("pydoc", "wikitext103"):
+    errors.append(f"config.data.dataset = {c.data.dataset!r} is not 'pydoc' or 'wikitext103'")
+  if c.data.tokenizer not in ("byte", "word"):
+    errors.append(f"config.data.tokenizer = {c.data.tokenizer!r} is not 'byte' or 'word'")
+  if c.nonfinite not in ("skip", "stop"):
+    errors.append(f"config.nonfinite = {c.nonfinite!r} is not 'skip' or 'stop'")
+  if c.eval_stride < 0 or c.eval_stride > c.seq_len:
+    errors.append(f"config.eval_stride = {c.eval_stride} must be in [0, seq_len = {c.seq_len}]")
+  if c.sample.length < 0:
+    errors.append(f"config.sample.length = {c.sample.length} must be >= 0")
+  if errors:
+    raise ValueError("invalid config: " + "; ".join(errors))
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+  """Differences between two configs (as dicts) that make resuming one as the other wrong."""
+  a, b = _flatten(saved), _flatten(current)
+  out = []
+  for key in sorted(set(a) | set(b)):
+    if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+      continue
+    va, vb = a.get(key), b.get(key)
+    if isinstance(va, list):
+      va = tuple(va)
+    if isinstance(vb, list):
+      vb = tuple(vb)
+    if va != vb:
+      out.append(f"{key}: {va!r} in the workdir, {vb!r} now")
+  return out

@@ -1,0 +1,423 @@
+"""Flax linen AFT layers: drop-in replacements for multi-head attention.
+
+Every module maps ``x [..., T, d_model] -> [..., T, d_model]``: it projects x to q, k, v, mixes
+them with one of the ops of :mod:`aft_jax.ops` and projects back to d_model. They share one
+interface (``causal``, ``dtype`` for compute, ``param_dtype`` for parameters) so a model can
+switch its mixing layer by name, and every parameter carries logical axis names for sharding:
+
+    embed     the model dimension d_model
+    heads     AFT's channels (every channel is its own "head" in AFT-full/local/simple), or the
+              heads of AFT-conv and softmax attention
+    kv        the channels of one head
+    length    the query position of the T x T bias; length_k its key position
+    bias_factor  the factor dimension d' of a factorised bias w = u v^T
+    kernel    the offsets of an AFT-conv kernel
+
+Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
+and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
+denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
+AFT-full and softmax attention all past keys and values. Initialise the cache with
+``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from aft_jax import ops
+from aft_jax import recurrent
+
+Dtype = Any
+_dense_init = nn.initializers.xavier_uniform()
+
+
+def _dense(features, names, dtype, param_dtype, name):
+  return nn.DenseGeneral(
+      features, dtype=dtype, param_dtype=param_dtype, name=name,
+      kernel_init=nn.with_logical_partitioning(_dense_init, names),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]))
+
+
+def _check_len(module, t_len):
+  if t_len > module.max_len:
+    raise ValueError(
+        f"{type(module).__name__}: sequence length T = {t_len} exceeds max_len = "
+        f"{module.max_len} (input shape [..., T, d_model])")
+
+
+def _check_decode_input(module, x):
+  if not module.causal:
+    raise ValueError(f"{type(module).__name__}: decode=True needs causal=True")
+  if x.shape[-2] != 1:
+    raise ValueError(
+        f"{type(module).__name__}: decode=True takes one token at a time, x [..., 1, d_model]; "
+        f"got x {x.shape}")
+
+
+class _AFTChannels(nn.Module):
+  """Shared parts of AFT-full/local/simple: per-channel q, k, v and the output projection."""
+
+  hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
+  causal: bool = False
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def _qkv(self, x):
+    d = self.hidden_dim or x.shape[-1]
+    names = ("embed", "heads")
+    return tuple(_dense(d, names, self.dtype, self.param_dtype, n)(x)
+                 for n in ("query", "key", "value"))
+
+  def _out(self, y, d_model):
+    return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
+
+  def _cache(self, name, shape, dtype, fill=0.0):
+    return self.variable("cache", name, lambda: jnp.full(shape, fill, dtype))
+
+  def _index(self):
+    return self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+
+
+class _PositionBias(_AFTChannels):
+  """A learned T x T position bias w: full (init 0) or factorised u v^T (init N(0, 1e-2))."""
+
+  max_len: int = 512
+  factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
+
+  def _bias_params(self):
+    if self.factor_dim:
+      init = nn.initializers.normal(stddev=1e-2)
+      names = ("length", "bias_factor")
+      u = self.param("pos_u", nn.with_logical_partitioning(init, names),
+                     (self.max_len, self.factor_dim), self.param_dtype)
+      v = self.param("pos_v", nn.with_logical_partitioning(init, ("length_k", "bias_factor")),
+                     (self.max_len, self.factor_dim), self.param_dtype)
+      return u, v
+    w = self.param("pos_bias",
+                   nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                ("length", "length_k")),
+                   (self.max_len, self.max_len), self.param_dtype)
+    return (w,)
+
+  def bias(self, t_len):
+    """The top-left [T, T] block of w (float32)."""
+    p = self._bias_params()
+    if self.factor_dim:
+      u, v = p
+      return jnp.asarray(u[:t_len], jnp.float32) @ jnp.asarray(v[:t_len], jnp.float32).T
+    return jnp.asarray(p[0][:t_len, :t_len], jnp.float32)
+
+  def bias_row(self, t):
+    """Row t of w, all max_len keys: [max_len] (float32)."""
+    p = self._bias_params()
+    if self.factor_dim:
+      u, v = (jnp.asarray(a, jnp.float32) for a in p)
+      return v @ u[t]
+    return jnp.asarray(p[0][t], jnp.float32)
+
+
+class AFTFull(_PositionBias):
+  """AFT-full (paper Eq. 2) with a learned [max_len, max_len] position bias.
+
+  Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)), Q, K, V = x Wq, x Wk, x Wv;
+  the sums run over t' <= t when causal. Input ``[..., T, d_model]``, T <= max_len; a shorter
+  sequence uses the top-left T x T block of w.
+  """
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False):
+    d_model = x.shape[-1]
+    _check_len(self, x.shape[-2])
+    q, k, v = self._qkv(x)
+    if decode:
+      _check_decode_input(self, x)
+      return self._out(self._step(q, k, v), d_model)
+    y = ops.aft_full(q, k, v, self.bias(x.shape[-2]), causal=self.causal)
+    return self._out(y, d_model)
+
+  def _step(self, q, k, v):
+    lead, d = q.shape[:-2], q.shape[-1]
+    ready = self.has_variable("cache", "index")
+    keys = self._cache("keys", lead + (self.max_len, d), jnp.float32)
+    values = self._cache("values", lead + (self.max_len, d), jnp.float32)
+    index = self._index()
+    if not ready:
+      return q
+    t = index.value
+    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), t, -2)
+    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), t,
+                                                       -2)
+    index.value = t + 1
+    logits = keys.value + self.bias_row(t)[:, None]
+    valid = (jnp.arange(self.max_len) <= t)[:, None]
+    state = recurrent.from_terms(logits, values.value, valid, axis=keys.value.ndim - 2)
+    return recurrent.output(q[..., 0, :].astype(jnp.float32), state)[..., None, :].astype(
+        q.dtype)
+
+
+class AFTLocal(_PositionBias):
+  """AFT-local (paper Eq. 4): w is learned where |t - t'| < window and 0 (not -inf) elsewhere.
+
+  Input ``[..., T, d_model]``, T <= max_len. Time O(T window d).
+  """
+
+  window: int = 32
+
+  def _check_window(self):
+    if not isinstance(self.window, int) or self.window < 1:
+      raise ValueError(f"AFTLocal: window must be an int >= 1, got {self.window!r}")
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False):
+    self._check_window()
+    d_model = x.shape[-1]
+    _check_len(self, x.shape[-2])
+    q, k, v = self._qkv(x)
+    if decode:
+      _check_decode_input(self, x)
+      return self._out(self._step(q, k, v), d_model)
+    y = ops.aft_local(q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal)
+    return self._out(y, d_model)
+
+  def _step(self, q, k, v):
+    lead, d = q.shape[:-2], q.shape[-1]
+    s = min(self.window, self.max_len)
+    ready = self.has_variable("cache", "index")
+    keys = self._cache("keys", lead + (s, d), jnp.float32)
+    values = self._cache("values", lead + (s, d), jnp.float32)
+    m = self._cache("m", lead + (d,), jnp.float32, recurrent._NEG)
+    num = self._cache("num", lead + (d,), jnp.float32)
+    den = self._cache("den", lead + (d,), jnp.float32)
+    index = self._index()
+    if not ready:
+      return q
+    t = index.value
+    slot = t % s
+    # The key leaving the window (position t - s) joins the bias-free prefix sum.
+    old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, -2, keepdims=False)
+    old_v = jax.lax.dynamic_index_in_dim(values.value, slot, -2, keepdims=False)
+    prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= s)
+    m.value, num.value, den.value = prefix
+    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), slot, -2)
+    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), slot,
+                                                       -2)
+    index.value = t + 1
+    pos = t - (slot - jnp.arange(s)) % s  # the position held in each slot
+    bias = self.bias_row(t)[jnp.clip(pos, 0, self.max_len - 1)]
+    band = recurrent.from_terms(keys.value + bias[:, None], values.value, (pos >= 0)[:, None],
+                                axis=keys.value.ndim - 2)
+    y = recurrent.output(q[..., 0, :].astype(jnp.float32), recurrent.combine(prefix, band))
+    return y[..., None, :].astype(q.dtype)
+
+
+class AFTSimple(_AFTChannels):
+  """AFT-simple (paper Eq. 5): w = 0. Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'.
+
+  Input ``[..., T, d_model]``, any T. O(T d) time and memory; decoding keeps an O(d) state.
+  """
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False):
+    d_model = x.shape[-1]
+    q, k, v = self._qkv(x)
+    if decode:
+      _check_decode_input(self, x)
+      return self._out(self._step(q, k, v), d_model)
+    return self._out(ops.aft_simple(q, k, v, causal=self.causal), d_model)
+
+  def _step(self, q, k, v):
+    lead, d = q.shape[:-2], q.shape[-1]
+    ready = self.has_variable("cache", "m")
+    m = self._cache("m", lead + (d,), jnp.float32, recurrent._NEG)
+    num = self._cache("num", lead + (d,), jnp.float32)
+    den = self._cache("den", lead + (d,), jnp.float32)
+    if not ready:
+      return q
+    f32 = lambda a: a[..., 0, :].astype(jnp.float32)
+    state = recurrent.add(recurrent.State(m.value, num.value, den.value), f32(k), f32(v))
+    m.value, num.value, den.value = state
+    return recurrent.output(f32(q), state)[..., None, :].astype(q.dtype)
+
+
+class _ConvKernel(nn.Module):
+  """w = gamma (w - mean w) / std w + beta per head; gamma = beta = 0 at init (paper Sec. 3.4)."""
+
+  heads: int
+  shape: tuple[int, ...]
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self):
+    names = ("heads",) + ("kernel",) * len(self.shape)
+    raw = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(1.0), names),
+                     (self.heads,) + self.shape, self.param_dtype)
+    gamma = self.param("gamma", nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                             ("heads",)),
+                       (self.heads,), self.param_dtype)
+    beta = self.param("beta", nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                           ("heads",)),
+                      (self.heads,), self.param_dtype)
+    raw = jnp.asarray(raw, jnp.float32).reshape(self.heads, -1)
+    axes = (1,)
+    norm = (raw - raw.mean(axes, keepdims=True)) / (raw.std(axes, keepdims=True) + 1e-5)
+    w = jnp.asarray(gamma, jnp.float32)[:, None] * norm + jnp.asarray(beta, jnp.float32)[:, None]
+    return w.reshape((self.heads,) + self.shape)
+
+
+class _AFTConvBase(nn.Module):
+  num_heads: int = 8
+  kernel_size: Any = 7
+  causal: bool = False
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def _heads_qkv(self, x):
+    d_model, h = x.shape[-1], self.num_heads
+    if d_model % h:
+      raise ValueError(
+          f"{type(self).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
+          f"num_heads = {h}")
+    feat = (h, d_model // h)
+    q = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "query")(x)
+    v = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "value")(x)
+    k = _dense(h, ("embed", "heads"), self.dtype, self.param_dtype, "key")(x)
+    return q, k, v
+
+  def _out(self, y, d_model):
+    return nn.DenseGeneral(
+        d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out",
+        kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))(y)
+
+
+class AFTConv1D(_AFTConvBase):
+  """AFT-conv over sequences (paper Eq. 6, 1-D): per head a learned kernel of ``kernel_size``.
+
+  Input ``[..., T, d_model]``; heads H = num_heads, each with C = d_model / H channels and one
+  key. Non-causal kernels are centred (odd size); causal kernel entry j is the bias of t' = t - j.
+  At initialisation (gamma = beta = 0) it equals AFT-simple with one key per head.
+  """
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False):
+    d_model = x.shape[-1]
+    if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or (
+        not self.causal and self.kernel_size % 2 == 0):
+      raise ValueError(
+          f"AFTConv1D: kernel_size must be a positive int, odd unless causal; got "
+          f"{self.kernel_size!r}")
+    q, k, v = self._heads_qkv(x)
+    kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
+    if decode:
+      _check_decode_input(self, x)
+      return self._out(self._step(q, k, v, kernel), d_model)
+    return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal), d_model)
+
+  def _step(self, q, k, v, kernel):
+    lead, (h, c) = q.shape[:-3], q.shape[-2:]
+    s = self.kernel_size
+    ready = self.has_variable("cache", "index")
+    keys = self.variable("cache", "keys", jnp.zeros, lead + (s, h), jnp.float32)
+    values = self.variable("cache", "values", jnp.zeros, lead + (s, h, c), jnp.float32)
+    m = self.variable("cache", "m", jnp.full, lead + (h,), recurrent._NEG, jnp.float32)
+    num = self.variable("cache", "num", jnp.zeros, lead + (h, c), jnp.float32)
+    den = self.variable("cache", "den", jnp.zeros, lead + (h,), jnp.float32)
+    index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
+    if not ready:
+      return q
+    t = index.value
+    slot = t % s
+    axis = len(lead)
+    old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, axis, keepdims=False)
+    old_v = jax.lax.dynamic_index_in_dim(values.value, slot, axis, keepdims=False)
+    prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= s)
+    m.value, num.value, den.value = prefix
+    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), slot,
+                                                     axis)
+    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32),
+                                                       slot, axis)
+    index.value = t + 1
+    age = (slot - jnp.arange(s)) % s  # t - position held in each slot = kernel entry
+    band = recurrent.from_terms(keys.value + kernel.T[age], values.value, (t - age >= 0)[:, None],
+                                axis=axis)
+    y = recurrent.output(q[..., 0, :, :].astype(jnp.float32), recurrent.combine(prefix, band))
+    return y[..., None, :, :].astype(q.dtype)
+
+
+class AFTConv2D(_AFTConvBase):
+  """AFT-conv over images (paper Eq. 6): per head a learned kh x kw kernel ("SAME").
+
+  Input ``[..., Ht, Wd, d_model]`` -> ``[..., Ht, Wd, d_model]``; ``kernel_size`` an odd int
+  or (kh, kw). Not causal. At initialisation it equals AFT-simple over all Ht * Wd positions.
+  """
+
+  @nn.compact
+  def __call__(self, x):
+    d_model = x.shape[-1]
+    ks = self.kernel_size
+    ks = (ks, ks) if isinstance(ks, int) else tuple(ks)
+    if len(ks) != 2 or any(s < 1 or s % 2 == 0 for s in ks):
+      raise ValueError(f"AFTConv2D: kernel_size must be odd (kh, kw); got {self.kernel_size!r}")
+    if self.causal:
+      raise ValueError("AFTConv2D: there is no causal 2-D AFT-conv; use causal=False")
+    if x.ndim < 3:
+      raise ValueError(f"AFTConv2D: x must be [..., Ht, Wd, d_model]; got x {x.shape}")
+    q, k, v = self._heads_qkv(x)
+    kernel = _ConvKernel(self.num_heads, ks, self.param_dtype, name="bias")()
+    return self._out(ops.aft_conv2d(q, k, v, kernel), d_model)
+
+
+class MultiHeadAttention(nn.Module):
+  """Softmax multi-head attention (the Transformer baseline) with the AFT layers' interface.
+
+  Input ``[..., T, d_model]``; uses ``jax.nn.dot_product_attention``. ``max_len`` is only
+  needed for decoding (the size of the key/value cache).
+  """
+
+  num_heads: int = 8
+  causal: bool = False
+  max_len: int = 512
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False):
+    d_model, h = x.shape[-1], self.num_heads
+    if d_model % h:
+      raise ValueError(
+          f"MultiHeadAttention: d_model = {d_model} (x {x.shape}) is not divisible by "
+          f"num_heads = {h}")
+    feat = (h, d_model // h)
+    q, k, v = (_dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
+               for n in ("query", "key", "value"))
+    lead, t_len = x.shape[:-2], x.shape[-2]
+    flat = lambda a: a.reshape((-1,) + a.shape[-3:])
+    if decode:
+      _check_decode_input(self, x)
+      y = self._step(flat(q), flat(k), flat(v))
+    else:
+      y = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), is_causal=self.causal)
+    y = y.reshape(lead + (t_len,) + feat)
+    return nn.DenseGeneral(
+        d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out",
+        kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))(y)
+
+  def _step(self, q, k, v):
+    b, _, h, dh = q.shape
+    ready = self.has_variable("cache", "index")
+    keys = self.variable("cache", "keys", jnp.zeros, (b, self.max_len, h, dh), k.dtype)
+    values = self.variable("cache", "values", jnp.zeros, (b, self.max_len, h, dh), v.dtype)
+    index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
+    if not ready:
+      return q
+    t = index.value
+    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k, t, 1)
+    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v, t, 1)
+    index.value = t + 1
+    mask = (jnp.arange(self.max_len) <= t)[None, None, None, :]
+    return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)

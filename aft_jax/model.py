@@ -1,0 +1,220 @@
+"""A decoder-only language model whose token-mixing layer is chosen by name.
+
+    x_BTD = embed(tokens_BT) + pos_embed[:T]                   (or adaptive input)
+    for each of num_layers blocks (pre-LayerNorm):
+        x_BTD += dropout(mix(LN(x_BTD)))                          mix: AFT-* or softmax attention
+        x_BTD += dropout(MLP(LN(x_BTD)))                          MLP: Dense -> GELU -> Dense
+    logits_BTV = LN(x_BTD) @ embed^T                             (tied; or a Dense; or adaptive)
+
+``__call__(tokens_BT, targets_BT)`` returns the per-token negative log-likelihood ``[B, T]``
+(float32) without building ``[B, T, V]`` logits when the adaptive softmax is used;
+``__call__(tokens_BT)`` returns log-probabilities ``[B, T, V]`` (for sampling and tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from aft_jax import adaptive
+from aft_jax import layers
+
+MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The language model's hyperparameters. ``validate()`` explains what is wrong."""
+
+  vocab_size: int
+  max_len: int = 256
+  num_layers: int = 2
+  d_model: int = 128
+  num_heads: int = 4  # softmax attention and AFT-conv heads
+  mlp_dim: int = 512
+  mixing: str = "aft_local"
+  window: int = 32  # AFT-local: |t - t'| < window
+  kernel_size: int = 7  # AFT-conv1d (causal: entry j is the bias of t - j)
+  factor_dim: int = 0  # AFT-full/local bias w = u v^T with u, v [max_len, factor_dim]; 0 = full w
+  dropout_rate: float = 0.1
+  dtype: Any = jnp.float32  # compute dtype (bfloat16 on accelerators)
+  param_dtype: Any = jnp.float32
+  remat: bool = False  # rematerialise each block in the backward pass
+  scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
+  tie_embeddings: bool = True
+  adaptive_cutoffs: tuple[int, ...] | None = None  # adaptive input + softmax (None: plain)
+  adaptive_factor: float = 4.0
+
+  def validate(self) -> "ModelConfig":
+    errors = []
+    if self.mixing not in MIXINGS:
+      errors.append(f"model.mixing = {self.mixing!r} is not one of {MIXINGS}")
+    for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        errors.append(f"model.{name} = {getattr(self, name)!r} must be a positive int")
+    if self.mixing in ("softmax", "aft_conv1d") and self.d_model % max(self.num_heads, 1):
+      errors.append(f"model.d_model = {self.d_model} is not divisible by model.num_heads = "
+                    f"{self.num_heads}")
+    if self.mixing == "aft_local" and not 1 <= self.window <= self.max_len:
+      errors.append(f"model.window = {self.window} must be in [1, model.max_len = "
+                    f"{self.max_len}]")
+    if self.mixing == "aft_conv1d" and not 1 <= self.kernel_size <= self.max_len:
+      errors.append(f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = "
+                    f"{self.max_len}]")
+    if self.factor_dim < 0:
+      errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      errors.append(f"model.dropout_rate = {self.dropout_rate} must be in [0, 1)")
+    if errors:
+      raise ValueError("; ".join(errors))
+    return self
+
+
+def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
+  """The causal mixing layer named by ``cfg.mixing``."""
+  common = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+  factor = cfg.factor_dim or None
+  if cfg.mixing == "aft_full":
+    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **common)
+  if cfg.mixing == "aft_local":
+    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **common)
+  if cfg.mixing == "aft_simple":
+    return layers.AFTSimple(**common)
+  if cfg.mixing == "aft_conv1d":
+    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **common)
+  if cfg.mixing == "softmax":
+    return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **common)
+  raise ValueError(f"model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
+
+
+def _ln(cfg, name):
+  return nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
+class Block(nn.Module):
+  """One pre-LayerNorm block: x + mix(LN(x)), then x + MLP(LN(x)). ``[B, T, D] -> [B, T, D]``."""
+
+  cfg: ModelConfig
+  deterministic: bool = True
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, _=None):
+    cfg = self.cfg
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
+    h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode)
+    x_BTD = x_BTD + drop(h)
+    dense = lambda f, names, name: nn.Dense(
+        f, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]))
+    h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
+    h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(nn.gelu(h)))
+    x_BTD = x_BTD + drop(h)
+    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+    return (x_BTD, None) if self.cfg.scan_layers else x_BTD
+
+
+class TransformerLM(nn.Module):
+  """Decoder-only LM. ``tokens_BT`` int ``[B, T]``, T <= max_len (decode: T = 1)."""
+
+  cfg: ModelConfig
+
+  def _embeddings(self):
+    """(embed(tokens) -> [B, T, D], head(h, targets) -> nll [B, T] or log-probs [B, T, V])."""
+    cfg = self.cfg
+    if cfg.adaptive_cutoffs is not None:
+      cutoffs = tuple(cfg.adaptive_cutoffs)
+      inp = adaptive.AdaptiveInput(cfg.vocab_size, cfg.d_model, cutoffs, cfg.adaptive_factor,
+                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                   name="adaptive_input")
+      out = adaptive.AdaptiveSoftmax(cfg.vocab_size, cfg.d_model, cutoffs, cfg.adaptive_factor,
+                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                     tie_to=inp if cfg.tie_embeddings else None,
+                                     name="adaptive_softmax")
+
+      def head(h_BTD, targets_BT):
+        return out.log_probs(h_BTD) if targets_BT is None else out.nll(h_BTD, targets_BT)
+      return inp, head
+    embed = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="embed",
+        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                                    ("vocab", "embed")))
+    # Tied: the N(0, 1) embedding is scaled by 1/sqrt(d_model) on the way out (as in Flax's
+    # lm1b), so initial logits are O(1).
+    tied = lambda h_BTD: embed.attend(h_BTD) / jnp.sqrt(jnp.asarray(cfg.d_model, h_BTD.dtype))
+    unembed = tied if cfg.tie_embeddings else nn.Dense(
+        cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        name="unembed", kernel_init=nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(), ("embed", "vocab")))
+
+    def head(h_BTD, targets_BT):
+      logits_BTV = unembed(h_BTD).astype(jnp.float32)
+      if targets_BT is None:
+        return jax.nn.log_softmax(logits_BTV, axis=-1)
+      return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    return embed, head
+
+  def _blocks(self, x_BTD, deterministic, decode):
+    cfg = self.cfg
+    block = Block
+    if cfg.remat:
+      block = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
+                      split_rngs={"params": True, "dropout": True}, length=cfg.num_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BTD, _ = stack(cfg, deterministic, decode, name="blocks")(x_BTD, None)
+      return x_BTD
+    for i in range(cfg.num_layers):
+      x_BTD = block(cfg, deterministic, decode, name=f"block_{i}")(x_BTD)
+    return x_BTD
+
+  @nn.compact
+  def __call__(self, tokens_BT, targets_BT=None, *, train: bool = False, decode: bool = False):
+    """Per-token NLL ``[B, T]`` (float32) given targets, else log-probabilities ``[B, T, V]``.
+
+    ``train`` enables dropout (needs a "dropout" rng); ``decode`` runs one step of incremental
+    decoding on ``tokens [B, 1]`` with a "cache" collection (see ``aft_jax.decode``).
+    """
+    cfg = self.cfg
+    cfg.validate()
+    t_len = tokens_BT.shape[-1]
+    if t_len > cfg.max_len:
+      raise ValueError(f"TransformerLM: tokens {tokens_BT.shape} are longer than max_len = "
+                       f"{cfg.max_len}")
+    if targets_BT is not None and targets_BT.shape != tokens_BT.shape:
+      raise ValueError(f"TransformerLM: targets {targets_BT.shape} must match tokens "
+                       f"{tokens_BT.shape}")
+    pos_embed = self.param(
+        "pos_embed", nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
+                                                  ("length", "embed")),
+        (cfg.max_len, cfg.d_model), cfg.param_dtype)
+    if decode:
+      if t_len != 1:
+        raise ValueError(f"TransformerLM: decode=True takes tokens [B, 1], got {tokens_BT.shape}")
+      ready = self.has_variable("cache", "pos")
+      pos = self.variable("cache", "pos", jnp.zeros, (), jnp.int32)
+      start = pos.value
+      if ready:
+        pos.value = start + 1
+      pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, 1, 0)
+    else:
+      pos_TD = pos_embed[:t_len]
+    embed, head = self._embeddings()
+    x_BTD = embed(tokens_BT) + jnp.asarray(pos_TD, cfg.dtype)
+    x_BTD = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x_BTD)
+    x_BTD = self._blocks(x_BTD, not train, decode)
+    h_BTD = _ln(cfg, "ln_final")(x_BTD)
+    return head(h_BTD, targets_BT)
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

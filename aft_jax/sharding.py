@@ -1,0 +1,110 @@
+"""Device meshes and logical-axis sharding (what pjit became: ``jax.jit`` with shardings).
+
+The mesh has three axes (MaxText's names):
+
+    data    pure data parallelism: the batch is split, parameters are replicated
+    fsdp    data parallelism with parameters and optimizer state sharded too (ZeRO-3 style)
+    tensor  tensor (model) parallelism: MLP hidden units, AFT channels and attention heads split
+
+Modules name their parameters' axes (``embed``, ``mlp``, ``heads``, ...; see
+``aft_jax.layers``); ``DEFAULT_RULES`` maps those logical names to mesh axes. This module knows
+nothing about the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis name -> mesh axis (or axes, or None = replicated).
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+    ("length", None),
+    ("length_k", None),
+    ("bias_factor", None),
+    ("kernel", None),
+    ("layers", None),
+    ("embed_small", None),
+    ("cluster", None),
+)
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) from a config with those fields; one of them may be -1 (the rest)."""
+  sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
+  if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(
+        f"mesh: data, fsdp, tensor = {tuple(sizes)}: each must be a positive int, and at most "
+        "one of them may be -1 (all remaining devices)")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"mesh: data, fsdp, tensor = {tuple(sizes)}: {num_devices} devices are "
+                       f"not divisible by {known}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(
+        f"mesh: data x fsdp x tensor = {' x '.join(map(str, sizes))} = {math.prod(sizes)} does "
+        f"not match the {num_devices} available devices")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of all hosts)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  try:
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  except Exception:  # e.g. CPU devices without a physical topology
+    grid = np.asarray(devices).reshape(shape)
+  return Mesh(grid, MESH_AXES)
+
+
+def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
+  """Normalises rules from a config (lists from JSON/ConfigDict) to tuples."""
+  if rules is None:
+    return DEFAULT_RULES
+  out = []
+  for name, axes in rules:
+    if isinstance(axes, list):
+      axes = tuple(axes)
+    out.append((name, axes))
+  return tuple(out)
+
+
+def logical_shardings(abstract_tree, mesh: Mesh, rules):
+  """NamedShardings for a tree whose leaves may be ``nn.Partitioned`` (logical names) boxes."""
+  specs = nn.get_partition_spec(abstract_tree)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches ``[B, T]`` are split over the data-parallel axes."""
+  return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def put_batch(batch: dict, mesh: Mesh) -> dict:
+  """Assembles each process's local rows into global arrays sharded over the batch axes."""
+  sh = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}

@@ -1,0 +1,84 @@
+"""Every config file loads and validates; invalid values fail before anything is compiled."""
+
+import glob
+import os
+
+import ml_collections
+import pytest
+from ml_collections import config_flags  # noqa: F401  (config files are plain modules)
+import importlib.util
+
+from aft_jax import config_check, train_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+
+def load(path):
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def test_there_are_configs_for_every_mixing_layer():
+  names = {os.path.basename(p) for p in CONFIGS}
+  assert "quickstart.py" in names
+  for mixing in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax"):
+    assert f"wikitext103_{mixing}.py" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_loads_and_validates(path):
+  config = load(path)
+  config_check.check_config(config)
+  vocab = 267_735 if config.data.dataset == "wikitext103" else 256
+  cfg = train_lib.model_config(config, vocab)
+  assert cfg.mixing == config.model.mixing
+  if config.data.dataset == "wikitext103":
+    assert (cfg.num_layers, cfg.d_model, config.seq_len) == (16, 128, 256)
+    assert cfg.adaptive_cutoffs == (20000, 40000, 200000)
+
+
+def _quick():
+  return load(os.path.join(ROOT, "configs", "quickstart.py"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c.model, "window", 1000), "model.window = 1000 must be in \\[1, model.max_len"),
+    (lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "num_heads", 3)),
+     "d_model = 128 is not divisible by config.model.num_heads = 3"),
+    (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
+    (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 128"),
+    (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
+    (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
+])
+def test_invalid_values_fail_with_a_message(change, message):
+  config = _quick()
+  change(config)
+  with pytest.raises(ValueError, match=message):
+    config_check.check_config(config)
+
+
+def test_unknown_keys_and_wrong_types_fail():
+  d = _quick().to_dict()  # (a ConfigDict itself refuses a str for an int field)
+  d["learning_rte"] = 0.1
+  d["model"]["num_layers"] = "two"
+  config = ml_collections.ConfigDict(d)
+  with pytest.raises(ValueError) as err:
+    config_check.check_config(config)
+  assert "unknown config key 'learning_rte'" in str(err.value)
+  assert "config.model.num_layers = 'two' should be a int" in str(err.value)
+
+
+def test_resume_conflicts_ignore_only_harmless_keys():
+  a = _quick().to_dict()
+  b = _quick()
+  b.num_train_steps = 5000
+  b.log_every_steps = 1
+  assert config_check.resume_conflicts(a, b.to_dict()) == []
+  b.model.d_model = 64
+  b.seed = 3
+  conflicts = config_check.resume_conflicts(a, b.to_dict())
+  assert any(c.startswith("model.d_model: 128") for c in conflicts)
+  assert any(c.startswith("seed: 0") for c in conflicts)
