@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from aft_jax import data as data_lib
@@ -202,11 +203,33 @@ def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
                                            enable_async_checkpointing=False))
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def _save(mngr, step, state, data_iter):
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                           data=ocp.args.JsonSave(data_iter.get_state())),
-            force=True)
-  mngr.wait_until_finished()
+  """Saves state + data position atomically (Orbax writes a tmp dir, then renames it).
+
+  Never writes non-finite parameters or optimizer state, and turns a failed write (a full
+  disk, say) into an error that says the previous checkpoint is intact.
+  """
+  if not bool(_all_finite((state.params, state.opt_state))):
+    raise FloatingPointError(
+        f"refusing to checkpoint non-finite parameters at step {step}; the last checkpoint "
+        f"(step {mngr.latest_step()}) is intact")
+  try:
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                             data=ocp.args.JsonSave(data_iter.get_state())),
+              force=True)
+    mngr.wait_until_finished()
+  except Exception as e:
+    raise OSError(
+        f"saving the checkpoint at step {step} failed ({type(e).__name__}: {e}); the previous "
+        f"checkpoint (step {mngr.latest_step()}) is intact: free disk space and rerun the same "
+        "command to resume from it") from e
 
 
 def _config_path(workdir):
@@ -345,8 +368,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           flush=True)
   writer.write({"step": step, **{k: v for k, v in results.items() if isinstance(v, float)}})
   writer.close()
+  if config.sample.length > 0:
+    params = state.params
+    if jax.process_count() > 1:
+      # Process 0 samples alone, so it needs every parameter on its own devices; all processes
+      # take part in the gather.
+      params = jax.tree_util.tree_map(jnp.asarray,
+                                      multihost_utils.process_allgather(params, tiled=True))
   if config.sample.length > 0 and is_main:
-    text = decode_lib.sample_text(trainer.model, state.params, corpus.vocab,
+    text = decode_lib.sample_text(trainer.model, params, corpus.vocab,
                                   config.sample.prompt, config.sample.length,
                                   temperature=config.sample.temperature, top_k=config.sample.top_k,
                                   seed=config.seed)

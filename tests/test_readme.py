@@ -1,0 +1,43 @@
+"""The README's commands and examples are the ones that run."""
+
+import contextlib
+import io
+import os
+import re
+import shlex
+
+from conftest import ROOT
+
+README = open(os.path.join(ROOT, "README.md")).read()
+
+
+def _blocks(lang):
+  return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def _commands(block):
+  return [l for l in block.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+
+
+def test_readme_opens_with_the_quickstart_and_the_test_command():
+  first, second = _blocks("bash")[:2]
+  (install_and_train,) = _commands(first)
+  (install_and_test,) = _commands(second)
+  assert install_and_train.startswith("python3 -m pip install -e . && python3 train.py")
+  assert "--config configs/quickstart.py" in install_and_train
+  assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))
+  assert install_and_test.startswith('python3 -m pip install -e ".[test]" && python3 -m pytest')
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  assert install_and_test in ci
+
+
+def test_using_the_layers_example_runs():
+  (example,) = [b for b in _blocks("python") if "AFTLocal" in b]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(example, "README.md", "exec"), {})
+  assert out.getvalue().strip() == "(4, 100, 64)"
+
+
+def test_readme_says_the_blog_formula_is_not_aft():
+  assert "`sigma(Q) * (K^T V)`; that is not\nAFT" in README or "that is not AFT" in README

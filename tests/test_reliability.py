@@ -1,0 +1,192 @@
+"""Interruption, faults and bad input never lose work or produce silent garbage."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, config_flags, tiny_config
+from aft_jax import metrics, train_lib
+
+TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
+
+
+def _steps(workdir):
+  return sorted(int(os.path.basename(p)) for p in glob.glob(os.path.join(workdir, "checkpoints", "*"))
+                if os.path.basename(p).isdigit())
+
+
+def _wait_for(predicate, proc, timeout=240):
+  start = time.time()
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+    if time.time() - start > timeout:
+      proc.kill()
+      raise AssertionError("timed out")
+    time.sleep(0.05)
+
+
+def _logged(workdir, n):
+  path = os.path.join(workdir, "metrics.jsonl")
+  return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= n
+
+
+def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = config_flags(tiny_config(num_train_steps=100_000))
+  proc = subprocess.Popen(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  _wait_for(_logged(workdir, 3), proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert "Interrupted (signal 15): saved the checkpoint at step" in out
+  step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
+  assert step >= 3 and _steps(workdir) == [step]
+  # The same run, now asked to stop two steps later, continues from that step.
+  flags = config_flags(tiny_config(num_train_steps=step + 2))
+  again = subprocess.run(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
+                         capture_output=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {step}" in again.stdout
+  assert step + 2 in _steps(workdir)
+
+
+def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = config_flags(tiny_config(num_train_steps=100_000, checkpoint_every_steps=1,
+                                   log_every_steps=1000))
+  proc = subprocess.Popen(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  ckpts = os.path.join(workdir, "checkpoints")
+  # Kill it while a checkpoint is being written (its temporary directory exists), after at
+  # least one complete checkpoint.
+  _wait_for(lambda: len(_steps(workdir)) >= 1 and glob.glob(os.path.join(ckpts, "*tmp*")), proc)
+  proc.kill()
+  proc.wait()
+  complete = _steps(workdir)
+  assert complete
+  flags = config_flags(tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1,
+                                   log_every_steps=1000))
+  again = subprocess.run(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
+                         capture_output=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout
+  assert complete[-1] + 1 in _steps(workdir)
+
+
+POISON = 255  # a byte that never occurs in UTF-8 text
+
+
+def _poison(monkeypatch, at_step):
+  """Batch ``at_step`` gets a poison token whose loss is NaN (so its gradient is NaN too)."""
+  orig_nll = train_lib._weighted_nll
+
+  def nll(model, params, batch, **kw):
+    total, count = orig_nll(model, params, batch, **kw)
+    bad = jnp.any(batch["inputs"] == POISON)
+    return jnp.where(bad, jnp.nan, total), count
+  monkeypatch.setattr(train_lib, "_weighted_nll", nll)
+
+  orig_iter = train_lib.data_lib.train_iterator
+  monkeypatch.setattr(train_lib.data_lib, "train_iterator",
+                      lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step))
+
+
+class _Poisoned:
+  """Forwards a train iterator, putting a poison token into its ``at``-th batch."""
+
+  def __init__(self, it, at):
+    self.it, self.at, self.n = it, at, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.n += 1
+    batch = next(self.it)
+    if self.n == self.at:
+      inputs = np.array(batch["inputs"])
+      inputs[:, 0] = POISON
+      batch = dict(batch, inputs=inputs)
+    return batch
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def set_state(self, state):
+    self.it.set_state(state)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+  _poison(monkeypatch, at_step=3)
+  workdir = str(tmp_path / "run")
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
+  assert results["skipped_steps"] == 1
+  assert np.isfinite(results["valid_loss"])
+  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  assert [r["skipped_steps"] for r in records][-1] == 1
+  assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
+
+
+def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypatch):
+  _poison(monkeypatch, at_step=3)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
+    train_lib.train_and_evaluate(tiny_config(num_train_steps=5, nonfinite="stop",
+                                             checkpoint_every_steps=2), workdir)
+  assert _steps(workdir) == [2]  # nothing written after the bad step
+
+
+def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
+  mngr = train_lib.checkpoint_manager(str(tmp_path), 2)
+  state = {"w": jnp.array([1.0, jnp.nan])}
+
+  class S:  # the two fields _save inspects
+    params, opt_state = state, ()
+
+  class It:
+    def get_state(self):
+      return {}
+  with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite"):
+    train_lib._save(mngr, 1, S(), It())
+  assert mngr.latest_step() is None
+
+
+DISK_FULL = """
+import resource, signal, sys
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from aft_jax import train_lib
+orig, calls = train_lib._save, []
+def save(*args):
+  orig(*args)
+  calls.append(1)
+  if len(calls) == 1:  # the disk fills up after the first checkpoint
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+train_lib._save = save
+train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2), sys.argv[1])
+"""
+
+
+def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
+  workdir = str(tmp_path / "run")
+  out = subprocess.run([sys.executable, "-c", DISK_FULL, workdir], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300)
+  assert out.returncode != 0
+  assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
+  assert "the previous checkpoint (step 2) is intact" in out.stderr
+  assert _steps(workdir) == [2]
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2),
+                                         workdir)
+  assert results["steps"] == 6 and _steps(workdir)[-1] == 6
