@@ -1,0 +1,300 @@
+"""aft_jax.model: parameter counts, normalisation, decode == forward for every mixing layer,
+scan == unrolled, remat, dropout, config validation and the adaptive input/softmax.
+
+Each test compiles one jitted function that does all of its comparisons, so a mixing layer is
+compiled once per test, not once per assertion. Params come from ``jax.eval_shape(init)`` filled
+with random values (compiling ``init`` costs as much as compiling the model), so position
+biases and AFT-conv's gamma/beta are non-zero.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import model as M
+
+B, T, V = 2, 10, 17
+BASE = M.ModelConfig(vocab_size=V, max_len=12, num_layers=2, d_model=8, num_heads=2, mlp_dim=16,
+                     window=3, kernel_size=3, dropout_rate=0.0)
+
+
+def _cfg(**kw):
+  return dataclasses.replace(BASE, **kw)
+
+
+def _tokens(seed=0, shape=(B, T)):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, V, size=shape), jnp.int32)
+
+
+def _abstract(cfg, tokens_shape=(B, T)):
+  model = M.TransformerLM(cfg)
+  return jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(tokens_shape,
+                                                                            jnp.int32))
+
+
+def _params(cfg, seed=0):
+  """Random params with the model's structure; LayerNorm scales near 1."""
+  rng = np.random.default_rng(seed)
+
+  def f(path, s):
+    name = path[-1].key
+    if name == "scale":
+      x = 1.0 + 0.1 * rng.normal(size=s.shape)
+    elif name in ("pos_bias", "gamma", "beta"):
+      x = rng.normal(size=s.shape)
+    else:
+      x = 0.4 * rng.normal(size=s.shape)
+    return jnp.asarray(x, s.dtype)
+  return jax.tree_util.tree_map_with_path(f, nn.unbox(_abstract(cfg))["params"])
+
+
+def _stack(params, num_layers):
+  """Unrolled params (block_0, block_1, ...) -> scan params (blocks with a leading layer axis)."""
+  out = {k: v for k, v in params.items() if not k.startswith("block_")}
+  out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs),
+                               *[params[f"block_{i}"] for i in range(num_layers)])
+  return out
+
+
+def _count(tree):
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+# ---------------------------------------------------------------- parameter counts
+
+
+def _expected_count(cfg):
+  d, v, m, h = cfg.d_model, cfg.vocab_size, cfg.mlp_dim, cfg.num_heads
+  dense = d * d + d
+  if cfg.mixing in ("aft_full", "aft_local"):
+    bias = 2 * cfg.max_len * cfg.factor_dim if cfg.factor_dim else cfg.max_len ** 2
+    mix = 4 * dense + bias
+  elif cfg.mixing in ("aft_simple", "softmax"):
+    mix = 4 * dense
+  else:  # aft_conv1d: q, v [d, H, d/H] + bias; k [d, H] + bias; out; kernel [H, s], gamma, beta
+    mix = 3 * dense + (d * h + h) + h * cfg.kernel_size + 2 * h
+  ln = 2 * d
+  mlp = d * m + m + m * d + d
+  total = v * d + cfg.max_len * d + cfg.num_layers * (2 * ln + mix + mlp) + ln
+  return total if cfg.tie_embeddings else total + d * v
+
+
+@pytest.mark.parametrize("mixing", M.MIXINGS)
+def test_param_count_shapes_and_axis_names(mixing):
+  for kw in [dict(), dict(tie_embeddings=False), dict(factor_dim=3), dict(scan_layers=True)]:
+    cfg = _cfg(mixing=mixing, **kw)
+    variables = _abstract(cfg)
+    params = nn.unbox(variables)["params"]
+    assert M.count_params(params) == _count(params) == _expected_count(cfg), (mixing, kw)
+    assert ("unembed" in params) == (not cfg.tie_embeddings)
+    # Every parameter carries logical axis names (one per dimension), and a scanned stack
+    # carries the extra "layers" axis first.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+        variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)):
+      key = "/".join(p.key for p in path)
+      assert isinstance(leaf, nn.Partitioned), (key, leaf)
+      assert len(leaf.names) == len(leaf.value.shape), (key, leaf.names)
+      assert all(isinstance(n, str) for n in leaf.names), (key, leaf.names)
+      if cfg.scan_layers and key.startswith("blocks/"):
+        assert leaf.names[0] == "layers", (key, leaf.names)
+      else:
+        assert "layers" not in leaf.names, (key, leaf.names)
+  cfg = _cfg(mixing=mixing)
+  variables = _abstract(cfg)
+  out = jax.eval_shape(M.TransformerLM(cfg).apply, variables,
+                       jax.ShapeDtypeStruct((B, T), jnp.int32))
+  assert out.shape == (B, T, V) and out.dtype == jnp.float32
+  nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
+  assert nll.shape == (B, T) and nll.dtype == jnp.float32
+  # bfloat16 compute keeps float32 params and float32 outputs.
+  cfg = _cfg(mixing=mixing, dtype=jnp.bfloat16)
+  variables = _abstract(cfg)
+  assert {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))} == {
+      jnp.dtype(jnp.float32)}
+  nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
+  assert nll.dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- forward == decode == scan
+
+
+def _decode_all(model, params, tokens):
+  """Log-probs [B, T, V] from decoding one token at a time (decode=True, a "cache")."""
+  cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
+
+  def step(cache, tok_B):
+    logp, mut = model.apply({"params": params, "cache": cache}, tok_B[:, None], decode=True,
+                            mutable=["cache"])
+    return mut["cache"], logp[:, 0]
+  _, logp_TBV = jax.lax.scan(step, cache, tokens.T)
+  return jnp.swapaxes(logp_TBV, 0, 1)
+
+
+def _with_nll(cfg):
+  """The NLL path depends only on the output head: check it for the plain and adaptive one."""
+  return cfg.mixing == "aft_simple"
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _all_paths(cfg, params, tokens, targets):
+  """Log-probs of forward, forward with scan, decode, decode with scan (and the NLL)."""
+  unrolled = M.TransformerLM(cfg)
+  scanned = M.TransformerLM(dataclasses.replace(cfg, scan_layers=True))
+  stacked = _stack(params, cfg.num_layers)
+  out = dict(
+      fwd=unrolled.apply({"params": params}, tokens),
+      fwd_scan=scanned.apply({"params": stacked}, tokens),
+      dec=_decode_all(unrolled, params, tokens),
+      dec_scan=_decode_all(scanned, stacked, tokens))
+  if _with_nll(cfg):
+    out["nll"] = unrolled.apply({"params": params}, tokens, targets)
+  return out
+
+
+# T = 10 > window = kernel_size = 3, so the decode ring buffers wrap; aft_local uses a factorised
+# bias and aft_full a full one, so both bias paths of decoding are covered.
+DECODE_CASES = [
+    _cfg(mixing="aft_full"),
+    _cfg(mixing="aft_local", factor_dim=3),
+    _cfg(mixing="aft_simple"),
+    _cfg(mixing="aft_conv1d"),
+    _cfg(mixing="softmax"),
+    _cfg(mixing="aft_simple", adaptive_cutoffs=(6, 11), adaptive_factor=2.0,
+         tie_embeddings=False, d_model=16, max_len=10),
+]
+
+
+@pytest.mark.parametrize("cfg", DECODE_CASES,
+                         ids=[c.mixing + ("_adaptive" if c.adaptive_cutoffs else "")
+                              for c in DECODE_CASES])
+def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
+  params = _params(cfg, seed=2)
+  tokens, targets = _tokens(3), _tokens(4)
+  out = jax.device_get(_all_paths(cfg, params, tokens, targets))
+  fwd = out["fwd"]
+  assert fwd.shape == (B, T, V)
+  chex.assert_tree_all_finite(out)
+  # Normalised, and the NLL is minus the target's log-probability.
+  chex.assert_trees_all_close(jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros((B, T)),
+                              atol=1e-5)
+  if _with_nll(cfg):
+    chex.assert_trees_all_close(
+        out["nll"], -np.take_along_axis(fwd, np.asarray(targets)[..., None], -1)[..., 0],
+        rtol=1e-5, atol=1e-5)
+    assert out["nll"].shape == (B, T)
+  # The model really mixes positions: log-probs differ along T (not a bag of unigrams).
+  assert np.abs(np.diff(fwd, axis=1)).max() > 1e-2
+  for key in ("fwd_scan", "dec", "dec_scan"):
+    chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
+
+
+def test_decode_changes_with_history():
+  """Decoding is not position-blind: the log-probs at step t depend on earlier tokens."""
+  cfg = _cfg(mixing="aft_local", factor_dim=3)
+  params = _params(cfg, seed=2)
+  a = _tokens(3)
+  b = a.at[:, 0].set((a[:, 0] + 1) % V)
+  out_a = _all_paths(cfg, params, a, a)
+  out_b = _all_paths(cfg, params, b, b)
+  assert np.abs(out_a["dec"][:, -1] - out_b["dec"][:, -1]).max() > 1e-4
+
+
+# ---------------------------------------------------------------- remat
+
+
+def test_remat_does_not_change_loss_or_gradients():
+  cfg = _cfg(mixing="aft_full")
+  params = _params(cfg, seed=5)
+  tokens, targets = _tokens(6), _tokens(7)
+
+  variants = [(False, False), (True, False), (True, True)]  # (remat, scan_layers)
+
+  @jax.jit
+  def losses_and_grads(params):
+    out = {}
+    for remat, scan in variants:
+      model = M.TransformerLM(dataclasses.replace(cfg, remat=remat, scan_layers=scan))
+      p = _stack(params, cfg.num_layers) if scan else params
+      loss = lambda p: model.apply({"params": p}, tokens, targets).mean()
+      out[remat, scan] = jax.value_and_grad(loss)(p)
+    return out
+  out = losses_and_grads(params)
+  loss, grads = out[False, False]
+  assert np.isfinite(loss)
+  assert _count(grads) == M.count_params(params)
+  # The gradient reaches the position bias (its used, causal T x T block).
+  assert np.abs(grads["block_0"]["mix"]["pos_bias"][:T, :T]).max() > 0
+  assert np.abs(grads["block_1"]["mix"]["pos_bias"][T:]).max() == 0  # rows past T are unused
+  loss_r, grads_r = out[True, False]
+  chex.assert_trees_all_close(loss_r, loss, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(grads_r, grads, rtol=1e-5, atol=1e-6)
+  # remat inside nn.scan (prevent_cse=False there) against the unrolled, restacked gradients.
+  loss_s, grads_s = out[True, True]
+  chex.assert_trees_all_close(loss_s, loss, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(grads_s, _stack(grads, cfg.num_layers), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def test_dropout():
+  cfg = _cfg(mixing="aft_simple", dropout_rate=0.3)
+  params = _params(cfg, seed=8)
+  tokens, targets = _tokens(9), _tokens(10)
+  model = M.TransformerLM(cfg)
+
+  @functools.partial(jax.jit, static_argnums=(1,))
+  def loss(seed, train):
+    nll = model.apply({"params": params}, tokens, targets, train=train,
+                      rngs={"dropout": jax.random.key(seed)})
+    return nll.mean()
+  eval0, eval1 = loss(0, False), loss(1, False)
+  train0, train0_again, train1 = loss(0, True), loss(0, True), loss(1, True)
+  assert eval0 == eval1  # train=False ignores the dropout rng: deterministic
+  assert train0 == train0_again  # same rng, same mask
+  assert abs(train0 - eval0) > 1e-4
+  assert abs(train0 - train1) > 1e-4
+  with pytest.raises(Exception, match="dropout"):  # train=True without a dropout rng
+    jax.eval_shape(functools.partial(model.apply, train=True), {"params": params}, tokens,
+                   targets)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(mixing="aft_mystery"), "model.mixing"),
+    (dict(mixing="aft_local", window=13), "model.window"),
+    (dict(mixing="aft_local", window=0), "model.window"),
+    (dict(mixing="softmax", num_heads=3), "model.d_model = 8 is not divisible by model.num_heads"),
+    (dict(mixing="aft_conv1d", num_heads=3), "model.num_heads = 3"),
+    (dict(mixing="aft_conv1d", kernel_size=13), "model.kernel_size"),
+    (dict(num_layers=0), "model.num_layers"),
+    (dict(factor_dim=-1), "model.factor_dim"),
+    (dict(dropout_rate=1.0), "model.dropout_rate"),
+])
+def test_validate_names_the_field(kw, field):
+  cfg = _cfg(**kw)
+  with pytest.raises(ValueError, match=field):
+    cfg.validate()
+  with pytest.raises(ValueError, match=field):  # and the model checks its config
+    _abstract(cfg)
+
+
+def test_validate_accepts_good_configs_and_bad_token_shapes_raise():
+  for mixing in M.MIXINGS:
+    assert _cfg(mixing=mixing).validate() == _cfg(mixing=mixing)
+  model = M.TransformerLM(_cfg(mixing="aft_simple"))
+  variables = _abstract(_cfg(mixing="aft_simple"))
+  with pytest.raises(ValueError, match=r"tokens \(2, 13\) are longer than max_len = 12"):
+    jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
+  with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
+    jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
+  with pytest.raises(ValueError, match=r"decode=True takes tokens \[B, 1\]"):
+    jax.eval_shape(functools.partial(model.init, decode=True), jax.random.key(0), _tokens())
