@@ -67,4 +67,5 @@ def sample_text(model, params, vocab, prompt: str, length: int, *, temperature: 
   ids = ids[-(max_len + 1 - length):]  # keep the end of a long prompt
   new = generate(model, params, np.asarray([ids]), length, rng=jax.random.key(seed),
                  temperature=temperature, top_k=top_k)
-  return vocab.decode(new[0].tolist())
+  text = vocab.decode(new[0].tolist())
+  return " " + text if vocab.unit == "word" and text else text  # words are space-separated
