@@ -25,6 +25,11 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  if (FLAGS.coordinator_address or FLAGS.distributed) and (
+      jax.config.jax_cpu_collectives_implementation in (None, "none")):
+    # CPU processes need a cross-process collectives library: gloo is the default in recent
+    # jax; older versions default to none and fail at the first cross-process computation.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   elif FLAGS.distributed:

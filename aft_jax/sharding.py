@@ -17,6 +17,7 @@ import math
 from typing import Any, Sequence
 
 import flax.linen as nn
+from absl import logging
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -86,9 +87,32 @@ def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
 
 
 def logical_shardings(abstract_tree, mesh: Mesh, rules):
-  """NamedShardings for a tree whose leaves may be ``nn.Partitioned`` (logical names) boxes."""
+  """NamedShardings for a tree whose leaves may be ``nn.Partitioned`` (logical names) boxes.
+
+  A dimension whose size the mesh axes it maps to do not divide (a word vocabulary of 267,735
+  over tensor = 2, say) is replicated instead, with a warning: jit cannot split it evenly.
+  """
   specs = nn.get_partition_spec(abstract_tree)
-  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  replicated_dims = []
+
+  def divisible(path, sh, leaf):
+    if not isinstance(sh, NamedSharding) or not hasattr(leaf, "shape"):
+      return sh
+    spec, changed = list(sh.spec), False
+    for i, (dim, axes) in enumerate(zip(leaf.shape, spec)):
+      names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+      if dim % math.prod(mesh.shape[a] for a in names):
+        replicated_dims.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} dim {i} "
+                               f"over {axes}")
+        spec[i], changed = None, True
+    return NamedSharding(mesh, P(*spec)) if changed else sh
+
+  shardings = jax.tree_util.tree_map_with_path(divisible, shardings, nn.unbox(abstract_tree))
+  if replicated_dims and jax.process_index() == 0:
+    logging.warning("replicated (not divisible by the mesh axes of their logical names): %s",
+                    "; ".join(replicated_dims))
+  return shardings
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -105,6 +129,15 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:
-  """Assembles each process's local rows into global arrays sharded over the batch axes."""
+  """Assembles each process's local rows into global arrays sharded over the batch axes.
+
+  Every process passes the same number of rows; the global batch has process_count times as
+  many (stating it makes a mesh whose batch shards do not split across processes an error).
+  """
   sh = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}
+  out = {}
+  for k, v in batch.items():
+    v = np.asarray(v)
+    out[k] = jax.make_array_from_process_local_data(
+        sh, v, (v.shape[0] * jax.process_count(),) + v.shape[1:])
+  return out

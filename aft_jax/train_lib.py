@@ -269,6 +269,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if config[name] % dp:
       raise ValueError(f"{name} = {config[name]} is not divisible by the {dp} data-parallel "
                        f"devices (mesh data x fsdp)")
+  if dp % jax.process_count():
+    # Each process reads its own rows of every batch, so the batch axes must split across them.
+    raise ValueError(f"mesh data x fsdp = {dp} is not a multiple of the {jax.process_count()} "
+                     "processes: each process feeds its own rows of the batch, so give the "
+                     "data or fsdp axis at least one slot per process")
   _check_workdir_config(config, workdir, allow_config_change)
   is_main = jax.process_index() == 0
 

@@ -1,0 +1,63 @@
+"""Meshes and logical-axis sharding: mesh shapes here, 8-device training in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from conftest import ROOT
+from aft_jax import sharding
+
+
+def _mesh(data, fsdp, tensor):
+  return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+@pytest.mark.parametrize("cfg, devices, expected", [
+    ((-1, 1, 1), 8, (8, 1, 1)),
+    ((2, -1, 2), 8, (2, 2, 2)),
+    ((1, 4, -1), 8, (1, 4, 2)),
+    ((2, 2, 2), 8, (2, 2, 2)),
+    ((-1, 1, 1), 1, (1, 1, 1)),
+])
+def test_mesh_shape(cfg, devices, expected):
+  assert sharding.mesh_shape(_mesh(*cfg), devices) == expected
+
+
+@pytest.mark.parametrize("cfg, devices, message", [
+    ((2, 2, 1), 8, "2 x 2 x 1 = 4 does not match the 8 available devices"),
+    ((3, -1, 1), 8, "8 devices are not divisible by 3"),
+    ((-1, -1, 1), 8, "at most one of them may be -1"),
+    ((0, 1, 1), 8, "each must be a positive int"),
+])
+def test_bad_mesh_is_refused(cfg, devices, message):
+  with pytest.raises(ValueError, match=message):
+    sharding.mesh_shape(_mesh(*cfg), devices)
+
+
+def test_rules_from_config_round_trips_the_default():
+  from aft_jax.default_config import get_config
+  assert sharding.rules_from_config(get_config().logical_axis_rules) == sharding.DEFAULT_RULES
+  assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
+
+
+def test_eight_devices_match_one(tmp_path):
+  """tests/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
+  (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;
+  parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
+  continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
+  out = tmp_path / "report.json"
+  proc = subprocess.run([sys.executable, os.path.join("tests", "sharding_worker.py"), str(out)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  assert sorted(report["meshes"]) == ["(1, 1, 8)", "(1, 4, 2)", "(2, 2, 2)", "(8, 1, 1)"]
+  for mesh in report["meshes"].values():
+    assert mesh["max_param_diff"] < 1e-5
+  assert report["checkpoint"]["next_loss"] == pytest.approx(report["checkpoint"]["ref_next_loss"],
+                                                            abs=1e-5)
+  assert "not divisible" in report["batch_error"]
