@@ -117,7 +117,7 @@ class _PositionBias(_AFTChannels):
     if self.factor_dim:
       u, v = (jnp.asarray(a, jnp.float32) for a in p)
       return v @ u[t]
-    return jnp.asarray(p[0][t], jnp.float32)
+    return jnp.asarray(p[0], jnp.float32)[t]  # (p may be a NumPy array; t is traced)
 
 
 class AFTFull(_PositionBias):

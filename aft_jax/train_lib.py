@@ -8,11 +8,13 @@ so rerunning the same command resumes exactly; SIGTERM / Ctrl-C save a checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
 import time
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -32,6 +34,17 @@ from aft_jax import sharding
 from aft_jax.config_check import check_config, resume_conflicts
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
+
+
+@contextlib.contextmanager
+def _on_mesh(mesh, rules):
+  """The mesh and logical axis rules that flax's logical constraints resolve against."""
+  with warnings.catch_warnings():
+    # jax 0.10 deprecates `with mesh:` in favour of jax.set_mesh, which also switches to
+    # explicit-sharding semantics that flax's logical partitioning does not use yet.
+    warnings.filterwarnings("ignore", message=".*context manager has been deprecated.*")
+    with mesh, nn.logical_axis_rules(rules):
+      yield
 
 
 class TrainState(train_state.TrainState):
@@ -97,7 +110,7 @@ class Trainer:
       return TrainState.create(apply_fn=self.model.apply, params=params, tx=self.tx,
                                skipped=jnp.zeros((), jnp.int32))
 
-    with mesh, nn.logical_axis_rules(self.rules):
+    with _on_mesh(mesh, self.rules):
       abstract = jax.eval_shape(init, jax.random.key(0))
       self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
       self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
@@ -114,7 +127,7 @@ class Trainer:
                               out_shardings=repl)
 
   def init_state(self, seed: int) -> TrainState:
-    with self.mesh, nn.logical_axis_rules(self.rules):
+    with _on_mesh(self.mesh, self.rules):
       return self._init(jax.random.key(seed))
 
   def _train_step_fn(self, state: TrainState, batch, rng):
@@ -143,7 +156,7 @@ class Trainer:
     return _weighted_nll(self.model, params, batch, train=False)
 
   def train_step(self, state, batch, rng):
-    with self.mesh, nn.logical_axis_rules(self.rules):
+    with _on_mesh(self.mesh, self.rules):
       return self._train_step(state, sharding.put_batch(batch, self.mesh), rng)
 
   def evaluate(self, params, tokens: np.ndarray, bos_id: int, desc: str = "eval") -> dict:
@@ -155,7 +168,7 @@ class Trainer:
     batches = data_lib.eval_batches(tokens, bos_id=bos_id, process_index=jax.process_index(),
                                     process_count=jax.process_count(), **kw)
     total, count = 0.0, 0.0
-    with self.mesh, nn.logical_axis_rules(self.rules):
+    with _on_mesh(self.mesh, self.rules):
       for batch in tqdm(batches, total=n, desc=desc, leave=False,
                         disable=jax.process_index() != 0):
         s, c = self._eval_step(params, sharding.put_batch(batch, self.mesh))
@@ -190,6 +203,21 @@ class _Interrupt:
     if self.signal is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # a second Ctrl-C stops at once
     self.signal = signum
+
+  def should_stop(self, step: int, every: int) -> bool:
+    """Whether to save and stop after ``step``; all processes agree on the same step.
+
+    One process stops at once. Several processes each see the signal at their own time, so
+    they compare flags every ``every`` steps (where logging already syncs) and stop together.
+    """
+    if jax.process_count() == 1:
+      return self.signal is not None
+    if step % every:
+      return False
+    flags = multihost_utils.process_allgather(np.int32(self.signal is not None))
+    if np.any(flags) and self.signal is None:
+      self.signal = "from another process"
+    return bool(np.any(flags))
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
@@ -341,7 +369,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
       if step % config.checkpoint_every_steps == 0 or last:
         _save(mngr, step, state, data_iter)
-      if interrupt.signal is not None:
+      if interrupt.should_stop(step, config.log_every_steps):
         if mngr.latest_step() != step:
           _save(mngr, step, state, data_iter)
         bar.close()

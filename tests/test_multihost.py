@@ -172,3 +172,26 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   again = json.load(open(two / "results.json"))
   assert again["valid_loss"] == pytest.approx(before["valid_loss"], abs=1e-6)
   assert again["steps"] == STEPS
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
+  config = _config((1, 2, 2), num_train_steps=100_000, log_every_steps=2,
+                   checkpoint_every_steps=100_000)
+  workdir, port = str(tmp_path / "run"), _free_port()
+  logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+  procs = [_start(workdir, config, 2, [f"--coordinator_address=127.0.0.1:{port}",
+                                       "--num_processes=2", f"--process_id={i}"], logs[i])
+           for i in range(2)]
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + TIMEOUT_S
+  while not (os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2):
+    assert all(p.poll() is None for p in procs), _tails(logs)
+    assert time.monotonic() < deadline, _tails(logs)
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)  # only the second process is told
+  _wait_all(procs, logs)
+  out0 = open(logs[0].name).read()
+  assert "Interrupted (signal from another process)" in out0, _tails(logs)
+  step = int(out0.split("saved the checkpoint at step ")[1].split(";")[0])
+  assert step % 2 == 0
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(step)]
