@@ -75,6 +75,17 @@ class _AFTChannels(nn.Module):
   def _out(self, y, d_model):
     return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
 
+  def _mix(self, x, decode, mix):
+    """Projects x to q, k, v, mixes them (``mix(q, k, v)``, or a decoding step) and projects
+    back to d_model."""
+    q, k, v = self._qkv(x)
+    if decode:
+      _check_decode_input(self, x)
+      y = self._step(q, k, v)
+    else:
+      y = mix(q, k, v)
+    return self._out(y, x.shape[-1])
+
   def _cache(self, name, shape, dtype, fill=0.0):
     return self.variable("cache", name, lambda: jnp.full(shape, fill, dtype))
 
@@ -130,14 +141,9 @@ class AFTFull(_PositionBias):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
-    d_model = x.shape[-1]
     _check_len(self, x.shape[-2])
-    q, k, v = self._qkv(x)
-    if decode:
-      _check_decode_input(self, x)
-      return self._out(self._step(q, k, v), d_model)
-    y = ops.aft_full(q, k, v, self.bias(x.shape[-2]), causal=self.causal)
-    return self._out(y, d_model)
+    return self._mix(x, decode, lambda q, k, v: ops.aft_full(
+        q, k, v, self.bias(x.shape[-2]), causal=self.causal))
 
   def _step(self, q, k, v):
     lead, d = q.shape[:-2], q.shape[-1]
@@ -174,14 +180,9 @@ class AFTLocal(_PositionBias):
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
     self._check_window()
-    d_model = x.shape[-1]
     _check_len(self, x.shape[-2])
-    q, k, v = self._qkv(x)
-    if decode:
-      _check_decode_input(self, x)
-      return self._out(self._step(q, k, v), d_model)
-    y = ops.aft_local(q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal)
-    return self._out(y, d_model)
+    return self._mix(x, decode, lambda q, k, v: ops.aft_local(
+        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal))
 
   def _step(self, q, k, v):
     lead, d = q.shape[:-2], q.shape[-1]
@@ -222,12 +223,7 @@ class AFTSimple(_AFTChannels):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
-    d_model = x.shape[-1]
-    q, k, v = self._qkv(x)
-    if decode:
-      _check_decode_input(self, x)
-      return self._out(self._step(q, k, v), d_model)
-    return self._out(ops.aft_simple(q, k, v, causal=self.causal), d_model)
+    return self._mix(x, decode, lambda q, k, v: ops.aft_simple(q, k, v, causal=self.causal))
 
   def _step(self, q, k, v):
     lead, d = q.shape[:-2], q.shape[-1]

@@ -12,6 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Test programs are tiny: XLA's backend optimisations cost more compile time than they save.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

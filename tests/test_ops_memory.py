@@ -1,0 +1,50 @@
+"""Memory scaling read from the compiled program (exact, no timing): AFT-simple and AFT-local
+grow linearly in T, softmax attention quadratically."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from aft_jax import ops
+
+D = 64
+LENGTHS = (1024, 4096, 16384)
+
+
+def _temp_bytes(fn, t_len, with_w=False):
+  """Scratch memory of forward + backward (gradients of q, k, v) at sequence length T."""
+  x = jax.ShapeDtypeStruct((1, t_len, D), jnp.float32)
+  args = (x, x, x) + ((jax.ShapeDtypeStruct((t_len, t_len), jnp.float32),) if with_w else ())
+  loss = lambda *a: jnp.sum(fn(*a))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _softmax(q, k, v):
+  return jax.nn.dot_product_attention(q[:, :, None], k[:, :, None], v[:, :, None],
+                                      is_causal=True)[:, :, 0]
+
+
+CASES = {
+    "aft_simple": (functools.partial(ops.aft_simple, causal=True), False),
+    "aft_local": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_causal_aft_memory_grows_linearly(name):
+  fn, with_w = CASES[name]
+  sizes = [_temp_bytes(fn, t, with_w) for t in LENGTHS]
+  for small, big in zip(sizes, sizes[1:]):
+    assert big <= 5 * small, (name, sizes)  # 4x longer: at most ~5x the memory
+  # and far below a single T x T float32 array at the longest length
+  assert sizes[-1] < LENGTHS[-1] ** 2 * 4 / 4, (name, sizes)
+
+
+def test_softmax_attention_memory_grows_quadratically():
+  sizes = [_temp_bytes(_softmax, t) for t in LENGTHS]
+  for small, big in zip(sizes, sizes[1:]):
+    assert big >= 8 * small, sizes  # 4x longer: towards 16x the memory (T x T scores)
+  assert sizes[-1] >= 100 * sizes[0], sizes  # 16x longer: ~256x
