@@ -14,14 +14,19 @@ magnitude a single shift per row of ``w`` and per channel of ``k`` is not enough
 ``w`` and the largest ``k`` usually sit at different ``t'``, and every shifted term underflows.
 So every sum here is an exact log-sum-exp: partial sums are carried as triples
 ``(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a stable
-log-sum-exp, and prefix sums use an associative scan with a carried maximum. Results are finite
-and accurate in float32 for logits of any size. bfloat16 inputs are computed in float32 and
-returned in bfloat16.
+log-sum-exp, and prefix sums carry the running maximum. Results are finite and accurate in
+float32 for logits of any size. bfloat16 inputs are computed in float32 and returned in
+bfloat16. The maxima ``m`` never carry a gradient (they cancel in num / den), so the backward
+pass is linear scans and matrix products, with no max() to differentiate.
 
 Cost. Positions where ``w == 0`` (everything outside AFT-local's window or AFT-conv's kernel,
-and all of AFT-simple) are summed with prefix/suffix scans in O(T D); only positions with a
-bias are summed explicitly, in query blocks, so AFT-local costs O(T s D) and never builds a
-T x T array when s << T, and AFT-full never builds a [T, T, D] array.
+and all of AFT-simple) are summed with prefix/suffix scans in O(T D): a two-level sequential
+scan (chunks of ~sqrt(T) positions), which is short to run and quick to compile. Positions with
+a bias (AFT-full, AFT-local's window) are summed as matrix products of exp(w - row max) with
+exp(k - channel max) v, in query blocks against the keys they can see, so AFT-local costs
+O(T s D) and never builds a T x T array when s << T. That split shift is exact unless the
+largest term of a sum underflows (|k + w| of order 100); such row groups are detected (their
+denominator is tiny) and recomputed with a per-(t, channel) maximum.
 """
 
 from __future__ import annotations
@@ -37,16 +42,22 @@ __all__ = ["aft_full", "aft_simple", "aft_local", "aft_conv1d", "aft_conv2d"]
 # The max of an empty sum. Finite (not -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no
 # inf - inf = NaN can reach a gradient.
 _NEG = -1e30
-# Elements of the [..., block, keys, D] logits tensor materialised per query block.
-_BLOCK_ELEMENTS = 1 << 22
 
 
 class _Acc(NamedTuple):
-  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``."""
+  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
+
+  ``m`` never carries a gradient: every result is a ratio num / den in which m cancels, so
+  holding m fixed (``stop_gradient``) gives the exact derivative and keeps max() out of the
+  backward pass.
+  """
 
   m: jax.Array
   num: jax.Array
   den: jax.Array
+
+
+_sg = jax.lax.stop_gradient
 
 
 def _bcast(scale, num):
@@ -56,13 +67,18 @@ def _bcast(scale, num):
 def _combine(a: _Acc, b: _Acc) -> _Acc:
   """(m, num, den) of the union of two disjoint sets of terms (stable log-sum-exp)."""
   m = jnp.maximum(a.m, b.m)
-  sa, sb = jnp.exp(a.m - m), jnp.exp(b.m - m)
+  # One exp: the larger side is scaled by 1, the smaller by exp(-|a.m - b.m|).
+  x = jnp.exp(-jnp.abs(a.m - b.m))
+  a_big = a.m >= b.m
+  sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
   return _Acc(m, a.num * _bcast(sa, a.num) + b.num * _bcast(sb, b.num), a.den * sa + b.den * sb)
 
 
 def _leaf(k, v) -> _Acc:
-  """One term per position: logit k, value v."""
-  return _Acc(k, v, jnp.ones_like(k))
+  """One term per position: logit k, value v. den = exp(k - m) at m = k: value 1, d/dk = 1."""
+  m = _sg(k)
+  e = 1.0 + (k - m)
+  return _Acc(m, v * _bcast(e, v), e)
 
 
 def _shift(x, offset: int, axis: int, fill):
@@ -81,9 +97,66 @@ def _acc_shift(acc: _Acc, offset: int, axis: int) -> _Acc:
               _shift(acc.den, offset, axis, 0.0))
 
 
+def _chunk(t_len: int) -> int:
+  """Chunk length for the two-level scan: about sqrt(T), so both loops are short."""
+  return max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
+
+
+def _prefix0(acc: _Acc) -> _Acc:
+  """Inclusive prefix sums along axis 0, exactly (a carried maximum per position).
+
+  Two short sequential loops instead of one of length T: the sequence is cut into n chunks of
+  length c ~ sqrt(T); a scan over the c positions of every chunk at once gives the
+  within-chunk prefixes, a scan over the n chunk totals gives what precedes each chunk, and
+  one elementwise combine finishes. Cost O(T D), c + n loop steps, no log-depth graph (so it
+  also compiles fast), and m carries no gradient so the backward pass is two linear scans.
+  """
+  t_len = acc.m.shape[0]
+  c = _chunk(t_len)
+  n = -(-t_len // c)
+  fills = (_NEG, 0.0, 0.0)
+
+  def to_chunks(x, fill):  # [T, ...] -> [c, n, ...]
+    x = jnp.pad(x, [(0, n * c - t_len)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
+
+  xs = _Acc(*(to_chunks(x, f) for x, f in zip(acc, fills)))
+  empty = _Acc(*(jnp.full(x.shape[1:], f, x.dtype) for x, f in zip(xs, fills)))
+
+  def step(carry, x):
+    new = _combine(carry, _Acc(*x))
+    return new, new
+
+  totals, local = jax.lax.scan(step, empty, tuple(xs))  # local: [c, n, ...]
+  if n == 1:
+    out = _Acc(*local)
+  else:
+    def outer(carry, x):
+      return _combine(carry, _Acc(*x)), carry
+
+    first = _Acc(*(x[0] for x in empty))
+    _, before = jax.lax.scan(outer, first, tuple(totals))  # exclusive, [n, ...]
+    out = _combine(_Acc(*(x[None] for x in before)), _Acc(*local))
+
+  def from_chunks(x):
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape((n * c,) + x.shape[2:])[:t_len]
+
+  return _Acc(*(from_chunks(x) for x in out))
+
+
 def _acc_scan(acc: _Acc, axis: int, reverse: bool = False) -> _Acc:
   """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
-  return jax.lax.associative_scan(_combine, acc, reverse=reverse, axis=axis)
+  def fwd(x):
+    x = jnp.moveaxis(x, axis, 0)
+    return jnp.flip(x, 0) if reverse else x
+
+  def back(x):
+    x = jnp.flip(x, 0) if reverse else x
+    return jnp.moveaxis(x, 0, axis)
+
+  out = _prefix0(_Acc(*(fwd(x) for x in acc)))
+  return _Acc(*(back(x) for x in out))
 
 
 def _acc_reduce(acc: _Acc, axis: int) -> _Acc:
@@ -110,58 +183,159 @@ def _finish(q, acc: _Acc, dtype):
   return (jax.nn.sigmoid(q) * (acc.num / _bcast(acc.den, acc.num))).astype(dtype)
 
 
-def _block_size(t_len: int, per_pair: int, extra_keys: int) -> int:
-  """Largest query block c with c * (c + extra_keys) * per_pair <= _BLOCK_ELEMENTS."""
-  budget = _BLOCK_ELEMENTS / max(1, per_pair)
-  c = int((-extra_keys + math.sqrt(extra_keys * extra_keys + 4 * budget)) / 2)
-  return max(1, min(t_len, c))
+def _to_rows(x):
+  """[..., T, D] -> [T, R] with R = prod(...) * D (free when there is no batch dim)."""
+  t_len, d = x.shape[-2:]
+  x = x.reshape((-1, t_len, d))
+  return jnp.swapaxes(x, 0, 1).reshape(t_len, -1)
+
+
+def _from_rows(x, shape):
+  t_len, d = shape[-2:]
+  x = jnp.swapaxes(x.reshape(t_len, -1, d), 0, 1)
+  return x.reshape(shape)
+
+
+# Below this value of the fast path's denominator (whose terms are products of two factors
+# <= 1), terms may have underflowed and the block is recomputed exactly. Terms smaller than
+# 1e-38 then weigh < 1e-10 relative to den, far below float32 resolution.
+_DEN_OK = 1e-25
+# Elements of the [rows, keys, R] logits tensor of one exact (fallback) step.
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _band_rect(w, lo: int, hi: int, c: int, nb: int):
+  """w[t, t'] for the keys t' in [t + lo, t + hi] of each query block, as [nb, c, W].
+
+  Row i of block b is query t = b c + i; column j is key t' = b c + lo + j (W = c + hi - lo);
+  entries outside the band or outside [0, T) are _NEG. No gather: the band is read from the
+  flattened w with row stride T + 1 (w[t, t + lo + j] = flat[t (T + 1) + lo + j]) and skewed
+  into rectangles with the same trick (row stride W - 1).
+  """
+  t_len = w.shape[0]
+  width = hi - lo + 1  # lo <= 0 <= hi, width + 2 <= T
+  flat = w.reshape(-1)
+  first = jnp.pad(w[0, :lo + width], (-lo, 0))
+  start = (t_len + 1) + lo
+  mid = flat[start:start + (t_len - 2) * (t_len + 1)].reshape(t_len - 2, t_len + 1)[:, :width]
+  last = jnp.pad(w[t_len - 1, t_len - 1 + lo:], (0, width - (1 - lo)))
+  band = jnp.concatenate([first[None], mid, last[None]], axis=0)  # band[t, j] = w[t, t + lo + j]
+  key = jnp.arange(t_len)[:, None] + lo + jnp.arange(width)[None, :]
+  band = jnp.where((key >= 0) & (key < t_len), band, _NEG)
+  band = jnp.pad(band, ((0, nb * c - t_len), (0, 0)), constant_values=_NEG)
+  # Skew: rect[b, i, j] = band[b c + i, j - i] (and _NEG where j - i is outside [0, width)).
+  x = jnp.pad(band.reshape(nb, c, width), ((0, 0), (0, 0), (0, c)), constant_values=_NEG)
+  x = x.reshape(nb, c * (width + c))[:, :c * (width + c - 1)]
+  return x.reshape(nb, c, width + c - 1)
+
+
+def _exact_rows(wr, kw, vw) -> _Acc:
+  """Exact sums for query rows: wr [r, W] (_NEG = absent), kw, vw [W, R] -> [r, R] each."""
+  logits = kw[None, :, :] + wr[:, :, None]
+  m = _sg(jnp.max(logits, axis=1))
+  p = jnp.exp(logits - m[:, None, :])
+  return _Acc(m, jnp.einsum("rwx,wx->rx", p, vw, precision=_HI), jnp.sum(p, axis=1))
+
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _exact_fallback(rect, kwin, vwin, bad, rows):
+  """Exact (m, num, den) [nb, c, R] of the row groups flagged in ``bad`` [nb, groups]; zeros
+  elsewhere. rect [nb, c, W]; kwin, vwin [nb, W, R] (the keys each query block can see)."""
+  nb, c, win = rect.shape
+  r = kwin.shape[-1]
+  groups = bad.shape[1]
+
+  def run(_):
+    rect_g = jnp.pad(rect, ((0, 0), (0, groups * rows - c), (0, 0)), constant_values=_NEG)
+    rect_g = rect_g.reshape(nb * groups, rows, win)
+    if nb == 1:  # every group sees the same keys: share them instead of copying per group
+      def one(args):
+        flag, wr = args
+        return jax.lax.cond(flag, lambda: tuple(_exact_rows(wr, kwin[0], vwin[0])),
+                            lambda: (jnp.zeros((rows, r), kwin.dtype),) * 3)
+
+      xs = (bad.reshape(-1), rect_g)
+    else:
+      def one(args):
+        flag, wr, kw, vw = args
+        return jax.lax.cond(flag, lambda: tuple(_exact_rows(wr, kw, vw)),
+                            lambda: (jnp.zeros((rows, r), kw.dtype),) * 3)
+
+      rep = lambda x: jnp.repeat(x, groups, axis=0) if groups > 1 else x
+      xs = (bad.reshape(-1), rect_g, rep(kwin), rep(vwin))
+    out = jax.lax.map(jax.checkpoint(one), xs)
+    return tuple(x.reshape(nb, groups * rows, r)[:, :c] for x in out)
+
+  return jax.lax.cond(jnp.any(bad), run, lambda _: (jnp.zeros((nb, c, r), kwin.dtype),) * 3,
+                      None)
 
 
 def _band(k, v, w, lo: int, hi: int) -> _Acc:
   """Exact sum over t' in [t + lo, t + hi] (clipped to [0, T)) with logits k[t'] + w[t, t'].
 
-  k, v: [..., T, D] float32; w: [T, T]. Computed in blocks of c queries against the
-  c + hi - lo keys they can see, so the largest array is [..., c, c + hi - lo, D]; the
-  entries of w are gathered per block, so no copy of w (nor any other T x T array) is made.
+  k, v: [T, R] float32 (rows layout); w: [T, T]; lo <= 0 <= hi. Returns [T, R] arrays.
+
+  Fast path: exp(k + w) = exp(w - mw[t]) exp(k - mk[r]) with a per-row shift of w and a
+  per-channel shift of k (per key block), so the sums are matrix products of [c, W] blocks
+  of exp(w) with [W, R] blocks of exp(k) v and exp(k). Every term is a product of factors
+  <= 1, so the result is exact unless the largest term underflowed, which shows as
+  den < _DEN_OK: those row groups (only they) are recomputed with an exact per-(t, channel)
+  maximum. With logits of ordinary size that never happens; with huge ones (|k + w| ~ 100)
+  it keeps the result exact. No [T, T] array is built when the band is narrow.
   """
-  t_len, d = k.shape[-2], k.shape[-1]
-  per_pair = math.prod(k.shape[:-2]) * d
-  c = _block_size(t_len, per_pair, hi - lo)
-  nb = -(-t_len // c)
-  t_pad = nb * c
-  all_keys = c + hi - lo >= t_len
-  if all_keys:  # every block sees every key: no key slicing needed
-    width, kp, vp = t_len, k, v
+  t_len, r = k.shape
+  width = hi - lo + 1
+  if width + 63 >= t_len:  # one block sees every key: rows of w against all keys
+    c, nb, jlo, jhi = t_len, 1, 0, 0
+    key = jnp.arange(t_len)[None, :] - jnp.arange(t_len)[:, None]
+    rect = jnp.where((key >= lo) & (key <= hi), w, _NEG)[None]
   else:
-    width = c + hi - lo
-    pads = ((0, 0),) * (k.ndim - 2) + ((-lo, t_pad - t_len + hi), (0, 0))
-    kp, vp = jnp.pad(k, pads), jnp.pad(v, pads)
+    c = max(64, 1 << math.ceil(math.log2(max(1, width - 1) / 2)))
+    nb = -(-t_len // c)
+    jlo, jhi = -(-(-lo) // c), -(-hi // c)  # key blocks b + jlo ... b + jhi are in view
+    jlo = -jlo
+    rect = _band_rect(w, lo, hi, c, nb)  # columns: keys b c + lo + j
+    rect = jnp.pad(rect, ((0, 0), (0, 0), (lo - jlo * c, (jhi + 1) * c - (c + hi))),
+                   constant_values=_NEG)  # columns: keys (b + jlo) c + j
+  parts = jhi - jlo + 1
+  nbk = nb + parts - 1
+  pad = ((-jlo * c, nbk * c + jlo * c - t_len), (0, 0))
+  kb = jnp.pad(k, pad, constant_values=_NEG).reshape(nbk, c, r)
+  vb = jnp.pad(v, pad).reshape(nbk, c, r)
 
-  def block(i):
-    start = i * c
-    if all_keys:
-      kb, vb, key0 = kp, vp, 0
-    else:  # padded index start <-> original index start + lo
-      kb = jax.lax.dynamic_slice_in_dim(kp, start, width, axis=-2)
-      vb = jax.lax.dynamic_slice_in_dim(vp, start, width, axis=-2)
-      key0 = start + lo
-    t = start + jnp.arange(c)[:, None]
-    tk = key0 + jnp.arange(width)[None, :]
-    mask = (tk >= t + lo) & (tk <= t + hi) & (tk >= 0) & (tk < t_len)  # [c, width]
-    wb = w[jnp.clip(t, 0, t_len - 1), jnp.clip(tk, 0, t_len - 1)]
-    logits = jnp.where(mask[:, :, None], kb[..., None, :, :] + wb[:, :, None], _NEG)
-    m = jnp.max(logits, axis=-2)  # [..., c, D]
-    p = jnp.where(mask[:, :, None], jnp.exp(logits - m[..., None, :]), 0.0)
-    return _Acc(m, jnp.sum(p * vb[..., None, :, :], axis=-2), jnp.sum(p, axis=-2))
+  mw = _sg(jnp.max(rect, axis=2))  # [nb, c]
+  mkb = _sg(jnp.max(kb, axis=1))  # [nbk, R]
+  mk = mkb[0:nb]
+  for j in range(1, parts):
+    mk = jnp.maximum(mk, mkb[j:j + nb])
+  p = jnp.exp(rect - mw[:, :, None])  # 0 outside the band
+  e = jnp.exp(kb - mkb[:, None, :])  # 0 at padding keys
+  ev = e * vb
+  num = den = 0.0
+  for j in range(parts):
+    pj = p[:, :, j * c:(j + 1) * c]
+    scale = jnp.exp(mkb[j:j + nb] - mk)[:, None, :]
+    num = num + scale * jnp.einsum("bcw,bwx->bcx", pj, ev[j:j + nb], precision=_HI)
+    den = den + scale * jnp.einsum("bcw,bwx->bcx", pj, e[j:j + nb], precision=_HI)
+  fast = _Acc(mw[:, :, None] + mk[:, None, :], num, den)
 
-  # Recompute each block in the backward pass instead of storing its [c, width, D] logits.
-  blocks = jax.lax.map(jax.checkpoint(block), jnp.arange(nb))
+  # Exact recomputation of row groups whose fast denominator may have lost its largest terms.
+  win = parts * c
+  rows = max(1, min(c, (_BLOCK_ELEMENTS * (4 if nb == 1 else 1)) // max(1, win * r)))
+  groups = -(-c // rows)
+  real = (jnp.arange(nb * c) < t_len).reshape(nb, c, 1)
+  bad = ~(fast.den >= _DEN_OK) & real  # also catches NaN
+  bad = jnp.pad(bad, ((0, 0), (0, groups * rows - c), (0, 0))).reshape(nb, groups, -1).any(-1)
 
-  def unblock(x):  # [nb, ..., c, D] -> [..., T, D]
-    x = jnp.moveaxis(x, 0, -3)
-    return x.reshape(x.shape[:-3] + (t_pad, d))[..., :t_len, :]
-
-  return _Acc(*(unblock(x) for x in blocks))
+  def fallback(rect, kb, vb, bad):
+    windows = lambda x: jnp.concatenate([x[j:j + nb] for j in range(parts)], axis=1)
+    return _exact_fallback(rect, windows(kb), windows(vb), bad, rows)
+  exact = jax.checkpoint(fallback)(rect, kb, vb, bad)
+  use = jnp.repeat(bad, rows, axis=1)[:, :c, None]
+  acc = _Acc(*(jnp.where(use, x, y) for x, y in zip(exact, fast)))
+  return _Acc(*(x.reshape(nb * c, r)[:t_len] for x in acc))
 
 
 # --------------------------------------------------------------------------- validation
@@ -219,8 +393,8 @@ def aft_full(q, k, v, w, *, causal: bool = False):
   _check_w("aft_full", w, t_len)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
-  acc = _band(k, v, w, -(t_len - 1), 0 if causal else t_len - 1)
-  return _finish(q, acc, out_dt)
+  acc = _band(_to_rows(k), _to_rows(v), w, -(t_len - 1), 0 if causal else t_len - 1)
+  return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
 
 
 def aft_simple(q, k, v, *, causal: bool = False):
@@ -238,8 +412,8 @@ def aft_simple(q, k, v, *, causal: bool = False):
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v = _cast(dt, q, k, v)
   if causal:
-    acc = _acc_scan(_leaf(k, v), axis=q.ndim - 2)
-    return _finish(q, acc, out_dt)
+    acc = _prefix0(_leaf(_to_rows(k), _to_rows(v)))
+    return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
   weights = jax.nn.softmax(k, axis=-2)
   return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
 
@@ -265,10 +439,12 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False):
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
   s = min(window, t_len)
-  acc = _band(k, v, w, -(s - 1), 0 if causal else s - 1)
-  rest = _outside(_leaf(k, v), q.ndim - 2, s if s < t_len else None,
+  k2, v2 = _to_rows(k), _to_rows(v)
+  acc = _band(k2, v2, w, -(s - 1), 0 if causal else s - 1)
+  rest = _outside(_leaf(k2, v2), 0, s if s < t_len else None,
                   None if causal or s >= t_len else s)
-  return _finish(q, acc if rest is None else _combine(acc, rest), out_dt)
+  acc = acc if rest is None else _combine(acc, rest)
+  return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
 
 
 def _kernel_sum(leaf: _Acc, kernel, offsets, axes) -> _Acc:
@@ -284,13 +460,13 @@ def _kernel_sum(leaf: _Acc, kernel, offsets, axes) -> _Acc:
 
   shifts = [shifted(leaf, o) for o in offsets]
   logits = [jnp.where(s.den > 0, s.m + kernel[:, j], _NEG) for j, s in enumerate(shifts)]
-  m = jnp.max(jnp.stack(logits), axis=0)
+  m = _sg(jnp.max(jnp.stack(logits), axis=0))
   num = jnp.zeros_like(leaf.num)
   den = jnp.zeros_like(leaf.den)
   for s, logit in zip(shifts, logits):
-    p = s.den * jnp.exp(logit - m)  # s.den is 1 in range, 0 outside
+    p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor; 0 outside
     num = num + p[..., None] * s.num
-    den = den + p
+    den = den + p * s.den
   return _Acc(m, num, den)
 
 

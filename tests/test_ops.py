@@ -235,3 +235,40 @@ class BadInput(parameterized.TestCase):
         fn()
     # Even kernels are fine when causal: entry j is the bias of t' = t - j.
     ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4)), causal=True)
+
+
+def _dense_reference(q, k, v, w, causal):
+  """Vectorised float64 version of the loop reference (for sizes the loops are too slow for)."""
+  q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, w))
+  t_len = w.shape[0]
+  logits = k[..., None, :, :] + w[:, :, None]  # [..., t, t', D]
+  if causal:
+    logits = np.where(np.tril(np.ones((t_len, t_len), bool))[:, :, None], logits, -np.inf)
+  p = np.exp(logits - logits.max(axis=-2, keepdims=True))
+  y = (p * v[..., None, :, :]).sum(-2) / p.sum(-2)
+  return y / (1.0 + np.exp(-q))
+
+
+@pytest.mark.parametrize("causal,window,scale", [(True, 32, 1.0), (True, 100, 40.0),
+                                                 (False, 50, 40.0), (False, 20, 1.0)])
+def test_local_long_sequence(causal, window, scale):
+  """T well above the window: the blocked band path, and at scale 40 its exact fallback."""
+  t_len = 300
+  q, k, v, w = _qkvw(20, (2,), t_len, 4, scale)
+  fn = jax.jit(functools.partial(ops.aft_local, window=window, causal=causal))
+  expected = _dense_reference(q, k, v, ref.local_bias(w, window), causal)
+  chex.assert_trees_all_close(fn(q, k, v, w), expected, rtol=RTOL, atol=ATOL)
+  # Gradients against the same dense formula in jnp (exact: a per-(t, d) maximum).
+  def dense(q, k, v, w):
+    idx = np.arange(t_len)
+    keep = np.abs(idx[:, None] - idx[None, :]) < window
+    logits = k[..., None, :, :] + jnp.where(keep, w, 0.0)[:, :, None]
+    if causal:
+      logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-2)
+    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
+
+  ct = _rand(21, q.shape)[0]
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
+  chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3,
+                              atol=1e-4)

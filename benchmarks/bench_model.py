@@ -1,0 +1,238 @@
+"""Benchmark one training step of the language model for each mixing layer.
+
+One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens.
+Records the median step time after compilation, tokens/s, XLA FLOPs per token, the compiled
+program's temp memory (activations and scratch) plus its argument bytes (parameters, optimizer
+state, batch), the device's peak memory where available, and on accelerators the model FLOPs
+utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
+
+    python -m benchmarks.bench_model --out benchmarks/results          # CPU: 2 layers, d 256
+    python -m benchmarks.bench_model --layers 12 --d_model 512         # the GPU size
+    python -m benchmarks.bench_model --quick --out /tmp/bench          # < 1 minute on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+
+from aft_jax.model import MIXINGS, ModelConfig, TransformerLM
+from benchmarks import common
+
+FIELDS = ("time_s", "tokens_per_s", "flops_per_token", "temp_bytes", "argument_bytes")
+
+
+def make_step(model, tx):
+  def loss_fn(params, tokens, targets):
+    return jnp.mean(model.apply({"params": params}, tokens, targets, train=False))
+
+  def step(params, opt_state, tokens, targets):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def config_for(mixing, t_len, a, dtype):
+  return ModelConfig(vocab_size=a.vocab, max_len=t_len, num_layers=a.layers, d_model=a.d_model,
+                     num_heads=a.heads, mlp_dim=4 * a.d_model, mixing=mixing, window=a.window,
+                     kernel_size=a.kernel_size, dropout_rate=0.0, dtype=dtype)
+
+
+def run(a, sizes, mixings, dtype, max_step_s, log=print):
+  dev = jax.devices()[0]
+  peak = common.peak_tflops(dev.device_kind) if dev.platform != "cpu" else None
+  records = []
+  for mixing in mixings:
+    last = None
+    stop = None
+    for t_len in sizes:
+      rec = {"mixing": mixing, "T": t_len, "batch": a.batch}
+      cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"
+      if stop is None and last is not None:
+        grow = (4.0 if cost == "quadratic" else 2.0) ** math.log2(t_len / last[0])
+        est = last[1] * grow
+        if est > max_step_s:
+          stop = (f"estimated {est:.1f} s per step (from {last[1]:.2f} s at T={last[0]}, "
+                  f"attention part {cost} in T) > --max_step_s {max_step_s}")
+      if stop is not None:
+        rec.update(common.skipped(stop))
+        records.append(rec)
+        log(f"{mixing:11s} T={t_len:5d} skipped: {stop}")
+        continue
+      cfg = config_for(mixing, t_len, a, dtype)
+      model = TransformerLM(cfg)
+      rng = np.random.default_rng(0)
+      tokens = jnp.asarray(rng.integers(0, a.vocab, (a.batch, t_len)), jnp.int32)
+      targets = jnp.asarray(rng.integers(0, a.vocab, (a.batch, t_len)), jnp.int32)
+      params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])["params"])
+      tx = optax.adamw(1e-4, weight_decay=0.1)
+      opt_state = tx.init(params)
+      args = (params, opt_state, tokens, targets)
+      step = make_step(model, tx)
+      compiled, compile_s = common.compile_fn(step, args)
+      m = common.measure(step, args, repeats=a.repeats, max_seconds=max(2.0, 2 * max_step_s),
+                         compiled=compiled, compile_s=compile_s)
+      try:
+        arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
+      except Exception:  # pylint: disable=broad-except
+        arg_bytes = None
+      n_tok = a.batch * t_len
+      flops = m["flops"]
+      rec.update(
+          status="ok", time_s=m["time_s"], time_min_s=m["time_min_s"], repeats=m["repeats"],
+          compile_s=compile_s, tokens_per_s=n_tok / m["time_s"],
+          flops_per_token=None if flops is None else flops / n_tok, flops=flops,
+          temp_bytes=m["temp_bytes"], argument_bytes=arg_bytes, peak_bytes=m["peak_bytes"],
+          params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
+          mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12))
+      records.append(rec)
+      last = (t_len, m["time_s"])
+      log(f"{mixing:11s} T={t_len:5d} {common.fmt_time(m['time_s']):>9s} "
+          f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(m['temp_bytes']):>10s} "
+          f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} compile {compile_s:.1f}s")
+      del compiled, params, opt_state, args
+  return records
+
+
+def _get(records, mixing, t_len):
+  for r in records:
+    if r["mixing"] == mixing and r["T"] == t_len and r.get("status") == "ok":
+      return r
+  return None
+
+
+def ratios(records, t_len):
+  """Each mixing layer's FLOPs, memory and step time as ratios to the softmax Transformer."""
+  base = _get(records, "softmax", t_len)
+  out = {}
+  for r in records:
+    if r["T"] != t_len or r.get("status") != "ok" or base is None:
+      continue
+    mem = lambda x: x["temp_bytes"] + (x["argument_bytes"] or 0)
+    out[r["mixing"]] = {
+        "flops": r["flops_per_token"] / base["flops_per_token"],
+        "temp_memory": r["temp_bytes"] / base["temp_bytes"],
+        "total_memory": mem(r) / mem(base),
+        "step_time": r["time_s"] / base["time_s"],
+    }
+  return out
+
+
+def markdown(records, sizes, mixings, info):
+  lines = [f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
+           f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
+           "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory | MFU |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for mixing in mixings:
+    for t_len in sizes:
+      r = [x for x in records if x["mixing"] == mixing and x["T"] == t_len][0]
+      if r["status"] != "ok":
+        lines.append(f"| {mixing} | {t_len} | skipped | | | | | |")
+        continue
+      mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+      lines.append(
+          f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
+          f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
+          f"{common.fmt_bytes(r['argument_bytes'])} | {mfu} |")
+  for t_len in sizes:
+    rat = ratios(records, t_len)
+    if not rat:
+      continue
+    lines += [f"\n**Ratios to the softmax Transformer at T = {t_len}**\n",
+              "| mixing | FLOPs/token | temp memory | temp + args memory | step time |",
+              "|---|---:|---:|---:|---:|"]
+    for mixing, x in rat.items():
+      lines.append(f"| {mixing} | {x['flops']:.2f}x | {x['temp_memory']:.2f}x | "
+                   f"{x['total_memory']:.2f}x | {x['step_time']:.2f}x |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(records, mixings, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for mixing in mixings:
+    rs = [r for r in records if r["mixing"] == mixing and r["status"] == "ok"]
+    if not rs:
+      continue
+    ts = [r["T"] for r in rs]
+    axes[0].plot(ts, [r["time_s"] for r in rs], marker="o", label=mixing)
+    axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], marker="o", label=mixing)
+  for ax, ylabel in zip(axes, ("training step time (s)", "XLA temp memory (MiB)")):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None):
+  on_cpu = jax.devices()[0].platform == "cpu"
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--quick", action="store_true", help="tiny model, for tests (< 1 min on CPU)")
+  p.add_argument("--sizes", type=int, nargs="+", default=None)
+  p.add_argument("--mixings", nargs="+", default=None, choices=MIXINGS)
+  p.add_argument("--layers", type=int, default=2 if on_cpu else 12)
+  p.add_argument("--d_model", type=int, default=256 if on_cpu else 512)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--vocab", type=int, default=8192 if on_cpu else 32768)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--window", type=int, default=32)
+  p.add_argument("--kernel_size", type=int, default=7)
+  p.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--max_step_s", type=float, default=None)
+  a = p.parse_args(argv)
+  if a.quick:
+    sizes = a.sizes or [32, 64]
+    a.layers, a.d_model, a.heads, a.vocab, a.repeats = 1, 32, 4, 128, 2
+    a.window, a.kernel_size = min(a.window, 16), min(a.kernel_size, 7)
+    max_step_s = a.max_step_s or 2.0
+  else:
+    sizes = a.sizes or [1024, 4096]
+    max_step_s = a.max_step_s or (30.0 if on_cpu else 5.0)
+  mixings = a.mixings or list(MIXINGS)
+  info = common.machine_info()
+  info.update(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, batch=a.batch,
+              window=a.window, kernel_size=a.kernel_size, dtype=a.dtype, sizes=sizes,
+              quick=a.quick, max_step_s=max_step_s,
+              peak_bf16_tflops=common.peak_tflops(jax.devices()[0].device_kind),
+              command=" ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:])))
+  t0 = time.time()
+  records = run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s)
+  info["wall_s"] = time.time() - t0
+  try:
+    info["load_average_at_end"] = list(os.getloadavg())
+  except OSError:
+    pass
+  result = {"machine": info, "mixings": mixings, "records": records,
+            "ratios_to_softmax": {str(t): ratios(records, t) for t in sizes}}
+  os.makedirs(a.out, exist_ok=True)
+  common.write_json(os.path.join(a.out, "bench_model.json"), result)
+  md = markdown(records, sizes, mixings, info)
+  with open(os.path.join(a.out, "bench_model.md"), "w") as f:
+    f.write(md)
+  plot(records, mixings, os.path.join(a.out, "bench_model.png"))
+  print(md)
+  print(f"wrote {a.out}/bench_model.{{json,md,png}} in {info['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,305 @@
+"""Benchmark the mixing ops: AFT-full/local/simple/conv1d against softmax attention.
+
+For each op and sequence length T: forward and forward+backward (gradient of
+``sum(out * cotangent)`` with respect to every input, the bias ``w`` / kernel included), causal,
+``[B, T, D]`` float32 inputs. Records the median wall time after compilation, XLA's FLOP count,
+the compiled program's temp memory and (on accelerators) the peak device memory. ``cumsum`` is
+one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the floor for causal AFT-simple.
+
+    python -m benchmarks.bench_ops --out benchmarks/results           # full sweep
+    python -m benchmarks.bench_ops --quick --out /tmp/bench           # < 1 minute on CPU
+
+Sizes whose estimated time per call (extrapolated from the previous size) exceeds
+``--max_call_s`` or whose compiled temp memory exceeds ``--max_temp_gib`` are recorded as
+``{"status": "skipped", "reason": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aft_jax import ops
+from benchmarks import common
+
+HEADS = 8
+MODES = ("fwd", "fwd_bwd")
+FIELDS = ("time_s", "flops", "temp_bytes", "compile_s", "repeats")
+
+
+def _softmax_einsum(q, k, v):
+  """Causal multi-head softmax attention written out: [B, T, D] -> [B, T, D]."""
+  b, t, d = q.shape
+  split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
+  q, k, v = split(q), split(k), split(v)
+  logits = jnp.einsum("bthc,bshc->bhts", q, k) / math.sqrt(d // HEADS)
+  mask = jnp.tril(jnp.ones((t, t), bool))
+  logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhts,bshc->bthc", probs, v).reshape(b, t, d)
+
+
+def _softmax_dpa(q, k, v):
+  b, t, d = q.shape
+  split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
+  out = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True)
+  return out.reshape(b, t, d)
+
+
+def _conv1d(q, k, v, kernel):
+  b, t, d = q.shape
+  split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
+  # One key per head (the head's first channel), as in AFT-conv.
+  out = ops.aft_conv1d(split(q), split(k)[..., 0], split(v), kernel, causal=True)
+  return out.reshape(b, t, d)
+
+
+def op_table(conv_kernel: int):
+  """name -> (fn(q, k, v, extra), extra-shape(T) or None, cost class, description)."""
+  return {
+      "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+                   lambda t: (t, t), "quadratic", "causal AFT-full, w [T, T]"),
+      "aft_local_32": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True),
+                       lambda t: (t, t), "linear", "causal AFT-local, s = 32"),
+      "aft_local_128": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True),
+                        lambda t: (t, t), "linear", "causal AFT-local, s = 128"),
+      "aft_simple": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), None, "linear",
+                     "causal AFT-simple"),
+      "aft_conv1d": (_conv1d, lambda t: (HEADS, conv_kernel), "linear",
+                     f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}"),
+      "softmax_einsum": (lambda q, k, v: _softmax_einsum(q, k, v), None, "quadratic",
+                         f"causal softmax attention, einsum, {HEADS} heads"),
+      "softmax_dpa": (lambda q, k, v: _softmax_dpa(q, k, v), None, "quadratic",
+                      f"causal jax.nn.dot_product_attention, {HEADS} heads"),
+      "cumsum": (lambda q, k, v: jnp.cumsum(k, axis=-2), None, "linear",
+                 "floor: one jnp.cumsum over [B, T, D]"),
+  }
+
+
+def make_inputs(batch, t_len, d, extra_shape, seed=0):
+  rng = np.random.default_rng(seed)
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))
+  args = [arr(batch, t_len, d) for _ in range(3)]
+  if extra_shape is not None:
+    args.append(arr(*extra_shape(t_len)) * 0.1)
+  cotangent = arr(batch, t_len, d)
+  return tuple(args), cotangent
+
+
+def fwd_bwd(fn):
+  """All input gradients of sum(fn(*args) * cotangent)."""
+  def loss(*args_and_ct):
+    *args, ct = args_and_ct
+    return jnp.sum(fn(*args) * ct)
+  def grads(*args_and_ct):
+    return jax.grad(loss, argnums=tuple(range(len(args_and_ct) - 1)))(*args_and_ct)
+  return grads
+
+
+def growth(cost_class):
+  return 4.0 if cost_class == "quadratic" else 2.0
+
+
+def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib,
+        log=print):
+  table = op_table(conv_kernel)
+  records = []
+  for name in names:
+    fn, extra, cost_class, _ = table[name]
+    for mode in MODES:
+      if name == "cumsum" and mode == "fwd_bwd":
+        continue
+      last = None  # (T, seconds) of the last measured size
+      stop_reason = None
+      for t_len in sizes:
+        rec = {"op": name, "mode": mode, "T": t_len, "batch": batch, "d": d}
+        if stop_reason is None and last is not None:
+          est = last[1] * growth(cost_class) ** math.log2(t_len / last[0])
+          if est > max_call_s:
+            stop_reason = (f"estimated {est:.1f} s per call (from {last[1]:.2f} s at "
+                           f"T={last[0]}, {cost_class} in T) > --max_call_s {max_call_s}")
+        if stop_reason is not None:
+          rec.update(common.skipped(stop_reason))
+          records.append(rec)
+          log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
+          continue
+        args, ct = make_inputs(batch, t_len, d, extra)
+        f = fn if mode == "fwd" else fwd_bwd(fn)
+        call_args = args if mode == "fwd" else args + (ct,)
+        # Check memory before running: compile only.
+        compiled, compile_s = common.compile_fn(f, call_args)
+        temp = common.compiled_stats(compiled)["temp_bytes"]
+        if temp is not None and temp > max_temp_gib * (1 << 30):
+          stop_reason = (f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib "
+                         f"{max_temp_gib}")
+          rec.update(common.skipped(stop_reason))
+          records.append(rec)
+          log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
+          continue
+        m = common.measure(f, call_args, repeats=repeats, max_seconds=max(2.0, 2 * max_call_s),
+                           compiled=compiled, compile_s=compile_s)
+        del compiled
+        rec.update(status="ok", **m)
+        records.append(rec)
+        last = (t_len, m["time_s"])
+        log(f"{name:15s} {mode:8s} T={t_len:6d} {common.fmt_time(m['time_s']):>10s} "
+            f"temp {common.fmt_bytes(m['temp_bytes']):>10s} flops "
+            f"{common.fmt_flops(m['flops']):>9s} compile {m['compile_s']:.1f}s")
+        del args, ct
+  return records
+
+
+def _get(records, op, mode, t_len):
+  for r in records:
+    if r["op"] == op and r["mode"] == mode and r["T"] == t_len and r.get("status") == "ok":
+      return r
+  return None
+
+
+def checks(records):
+  """The issue's targets, evaluated where the needed sizes were measured."""
+  out = []
+
+  def ratio(a, b, field):
+    if a is None or b is None or not a.get(field) or not b.get(field):
+      return None
+    return a[field] / b[field]
+
+  ref4 = _get(records, "softmax_einsum", "fwd_bwd", 4096)
+  for op, max_time in (("aft_simple", 0.02), ("aft_local_128", 0.05)):
+    r4 = _get(records, op, "fwd_bwd", 4096)
+    r1 = _get(records, op, "fwd_bwd", 1024)
+    tr, mr, gr = ratio(r4, ref4, "time_s"), ratio(r4, ref4, "temp_bytes"), ratio(r4, r1, "time_s")
+    out.append({"check": f"{op} fwd+bwd time / softmax_einsum at T=4096", "value": tr,
+                "target": f"<= {max_time}", "holds": None if tr is None else tr <= max_time})
+    out.append({"check": f"{op} fwd+bwd temp memory / softmax_einsum at T=4096", "value": mr,
+                "target": "<= 0.05", "holds": None if mr is None else mr <= 0.05})
+    out.append({"check": f"{op} fwd+bwd time growth T=1024 -> 4096", "value": gr,
+                "target": "<= ~5", "holds": None if gr is None else gr <= 5.0})
+  fr = ratio(_get(records, "aft_simple", "fwd", 4096), _get(records, "cumsum", "fwd", 4096),
+             "time_s")
+  out.append({"check": "aft_simple fwd time / cumsum floor at T=4096", "value": fr,
+              "target": "<= 2", "holds": None if fr is None else fr <= 2.0})
+  return out
+
+
+def _check_line(c):
+  value = "-" if c["value"] is None else f"{c['value']:.3g}"
+  verdict = "n/a" if c["holds"] is None else ("holds" if c["holds"] else "FAILS")
+  return f"- {c['check']}: {value} (target {c['target']}: {verdict})"
+
+
+def markdown(records, sizes, names, info):
+  lines = []
+  for mode, title in (("fwd_bwd", "forward+backward"), ("fwd", "forward")):
+    for field, label, fmt in (("time_s", "median time", common.fmt_time),
+                              ("temp_bytes", "XLA temp memory", common.fmt_bytes),
+                              ("flops", "XLA FLOPs", common.fmt_flops)):
+      lines.append(f"\n**{title}, {label}** (batch {info['batch']}, d {info['d']}, causal)\n")
+      lines.append("| op | " + " | ".join(f"T={t}" for t in sizes) + " |")
+      lines.append("|---|" + "---:|" * len(sizes))
+      for name in names:
+        if name == "cumsum" and mode == "fwd_bwd":
+          continue
+        cells = []
+        for t_len in sizes:
+          r = [x for x in records if x["op"] == name and x["mode"] == mode and x["T"] == t_len]
+          if not r:
+            cells.append("")
+          elif r[0]["status"] != "ok":
+            cells.append("skipped")
+          else:
+            cells.append(fmt(r[0][field]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(records, names, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for i, name in enumerate(names):
+    color = plt.get_cmap("tab10")(i % 10)
+    for mode, style in (("fwd_bwd", "-"), ("fwd", ":")):
+      rs = [r for r in records if r["op"] == name and r["mode"] == mode and r["status"] == "ok"]
+      if not rs:
+        continue
+      ts = [r["T"] for r in rs]
+      label = f"{name} ({'fwd+bwd' if mode == 'fwd_bwd' else 'fwd'})"
+      axes[0].plot(ts, [r["time_s"] for r in rs], style, marker="o", color=color, label=label)
+      if mode == "fwd_bwd":
+        axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], style, marker="o",
+                     color=color, label=name)
+  for ax, ylabel in zip(axes, ("median time (s)", "XLA temp memory, fwd+bwd (MiB)")):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].legend(fontsize=7)
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (< 1 min on CPU)")
+  p.add_argument("--sizes", type=int, nargs="+", default=None)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--d", type=int, default=512)
+  p.add_argument("--conv_kernel", type=int, default=7)
+  p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--max_call_s", type=float, default=None,
+                 help="skip a size when its extrapolated time per call exceeds this")
+  p.add_argument("--max_temp_gib", type=float, default=8.0)
+  a = p.parse_args(argv)
+  on_cpu = jax.devices()[0].platform == "cpu"
+  if a.quick:
+    sizes = a.sizes or [64, 128]
+    a.d, a.repeats = min(a.d, 64), 2
+    max_call_s = a.max_call_s or 1.0
+  else:
+    sizes = a.sizes or [256, 512, 1024, 2048, 4096, 8192, 16384]
+    max_call_s = a.max_call_s or (15.0 if on_cpu else 2.0)
+  table = op_table(a.conv_kernel)
+  names = a.ops or list(table)
+  info = common.machine_info()
+  info.update(batch=a.batch, d=a.d, heads=HEADS, conv_kernel=a.conv_kernel, sizes=sizes,
+              quick=a.quick, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib,
+              command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])))
+  t0 = time.time()
+  records = run(sizes, batch=a.batch, d=a.d, conv_kernel=a.conv_kernel, names=names,
+                repeats=a.repeats, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
+  info["wall_s"] = time.time() - t0
+  try:
+    info["load_average_at_end"] = list(os.getloadavg())
+  except OSError:
+    pass
+  result = {"machine": info, "ops": {n: table[n][3] for n in names}, "records": records,
+            "checks": checks(records)}
+  os.makedirs(a.out, exist_ok=True)
+  common.write_json(os.path.join(a.out, "bench_ops.json"), result)
+  md = markdown(records, sizes, names, info)
+  md += "\n" + "\n".join(_check_line(c) for c in result["checks"]) + "\n"
+  with open(os.path.join(a.out, "bench_ops.md"), "w") as f:
+    f.write(md)
+  plot(records, names, os.path.join(a.out, "bench_ops.png"))
+  print(md)
+  print(f"wrote {a.out}/bench_ops.{{json,md,png}} in {info['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+  main()

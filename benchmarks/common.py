@@ -1,0 +1,191 @@
+"""Shared helpers for the benchmarks: timing, XLA cost/memory analysis, machine info, output.
+
+Every measurement is taken on a jitted function after compilation: the median wall time of
+``repeats`` calls, each ending in ``block_until_ready``. FLOPs come from XLA's cost analysis of
+the compiled program and temp memory from its memory analysis (the scratch buffers XLA
+allocates besides the arguments and outputs). On accelerators the device's peak memory counter
+(``memory_stats()['peak_bytes_in_use']``) is recorded too; on CPU it is not available.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+# Peak dense bf16 TFLOP/s per chip, for model FLOPs utilisation. Matched by substring of
+# device_kind (first match wins, so more specific names come first).
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100", 125.0),
+    ("v6", 918.0),
+    ("v5p", 459.0),
+    ("v5 lite", 197.0),
+    ("v5e", 197.0),
+    ("v4", 275.0),
+    ("v3", 123.0),
+)
+
+SKIPPED = "skipped"
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  for name, tflops in PEAK_BF16_TFLOPS:
+    if name.lower() in device_kind.lower():
+      return tflops
+  return None
+
+
+def machine_info() -> dict[str, Any]:
+  dev = jax.devices()[0]
+  try:
+    load = list(os.getloadavg())
+  except OSError:
+    load = None
+  return {
+      "platform": dev.platform,
+      "device_kind": dev.device_kind,
+      "device_count": jax.device_count(),
+      "jax_version": jax.__version__,
+      "python": platform.python_version(),
+      "cpu_count": os.cpu_count(),
+      "machine": platform.machine(),
+      "load_average_at_start": load,
+      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+
+
+def _first(x):
+  # cost_analysis() returns a dict (new jax) or a list with one dict per program (old jax).
+  if isinstance(x, (list, tuple)):
+    return x[0] if x else {}
+  return x or {}
+
+
+def compiled_stats(compiled) -> dict[str, float | None]:
+  """FLOPs and temp/argument/output bytes of a compiled XLA program."""
+  out = {"flops": None, "temp_bytes": None}
+  try:
+    cost = _first(compiled.cost_analysis())
+    out["flops"] = float(cost.get("flops", math.nan))
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    mem = compiled.memory_analysis()
+    out["temp_bytes"] = float(mem.temp_size_in_bytes)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return out
+
+
+def peak_device_bytes() -> float | None:
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return float(stats["peak_bytes_in_use"])
+
+
+def reset_peak():
+  # There is no public reset of the peak counter; clearing caches at least frees buffers.
+  jax.clear_caches()
+
+
+def _block(x):
+  return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+
+
+def compile_fn(fn: Callable, args: tuple):
+  """(compiled program, seconds to lower and compile) of ``jax.jit(fn)`` for ``args``."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2,
+            max_seconds: float = 10.0, compiled=None, compile_s=None) -> dict[str, Any]:
+  """Compile ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given), then time it.
+
+  Runs up to ``repeats`` timed calls, stopping early (after at least ``min_repeats``) once the
+  timed calls have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs, temp
+  bytes and (on accelerators) peak device bytes.
+  """
+  if compiled is None:
+    compiled, compile_s = compile_fn(fn, args)
+  stats = compiled_stats(compiled)
+  _block(compiled(*args))  # warm-up
+  times = []
+  spent = 0.0
+  for i in range(repeats):
+    t = time.perf_counter()
+    _block(compiled(*args))
+    dt = time.perf_counter() - t
+    times.append(dt)
+    spent += dt
+    if i + 1 >= min_repeats and spent > max_seconds:
+      break
+  return {
+      "time_s": statistics.median(times),
+      "time_min_s": min(times),
+      "repeats": len(times),
+      "compile_s": compile_s,
+      "flops": stats["flops"],
+      "temp_bytes": stats["temp_bytes"],
+      "peak_bytes": peak_device_bytes(),
+  }
+
+
+def skipped(reason: str) -> dict[str, str]:
+  return {"status": SKIPPED, "reason": reason}
+
+
+def write_json(path: str, obj: Any):
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1, default=_json_default)
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  raise TypeError(type(x))
+
+
+def fmt_time(s):
+  if s is None or (isinstance(s, float) and not math.isfinite(s)):
+    return "-"
+  if s < 1e-3:
+    return f"{s * 1e6:.0f} us"
+  if s < 1:
+    return f"{s * 1e3:.1f} ms"
+  return f"{s:.2f} s"
+
+
+def fmt_bytes(b):
+  if b is None or (isinstance(b, float) and not math.isfinite(b)):
+    return "-"
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if b >= size:
+      return f"{b / size:.1f} {unit}"
+  return f"{b:.0f} B"
+
+
+def fmt_flops(f):
+  if f is None or (isinstance(f, float) and not math.isfinite(f)):
+    return "-"
+  for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if f >= size:
+      return f"{f / size:.2f} {unit}"
+  return f"{f:.0f}"

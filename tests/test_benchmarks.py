@@ -1,0 +1,62 @@
+"""The benchmarks' quick modes run and write complete results (no timing assertions)."""
+
+import json
+import math
+import os
+
+import pytest
+
+from benchmarks import bench_model, bench_ops
+
+
+def _finite(x):
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check_record(rec, fields):
+  if rec.get("status") == "skipped":
+    assert rec.get("reason"), rec
+    return
+  assert rec.get("status") == "ok", rec
+  for field in fields:
+    assert _finite(rec.get(field)), (field, rec)
+
+
+def test_bench_ops_quick(tmp_path):
+  bench_ops.main(["--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "bench_ops.json").read_text())
+  info = result["machine"]
+  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
+    assert info[key] not in (None, ""), key
+  sizes = info["sizes"]
+  names = list(bench_ops.op_table(7))
+  assert sorted(result["ops"]) == sorted(names)
+  got = {(r["op"], r["mode"], r["T"]): r for r in result["records"]}
+  for name in names:
+    for mode in bench_ops.MODES:
+      if name == "cumsum" and mode == "fwd_bwd":
+        continue
+      for t_len in sizes:
+        _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
+  assert len(result["checks"]) == 7
+  for name in ("bench_ops.md", "bench_ops.png"):
+    assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_bench_model_quick(tmp_path):
+  bench_model.main(["--quick", "--sizes", "32", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "bench_model.json").read_text())
+  info = result["machine"]
+  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
+    assert info[key] not in (None, ""), key
+  got = {(r["mixing"], r["T"]): r for r in result["records"]}
+  assert set(result["mixings"]) == set(bench_model.MIXINGS)
+  for mixing in bench_model.MIXINGS:
+    for t_len in info["sizes"]:
+      _check_record(got[(mixing, t_len)], bench_model.FIELDS)
+  ratios = result["ratios_to_softmax"][str(info["sizes"][0])]
+  assert set(ratios) == set(bench_model.MIXINGS)
+  for x in ratios.values():
+    assert all(_finite(v) for v in x.values()), x
+  for name in ("bench_model.md", "bench_model.png"):
+    assert os.path.getsize(tmp_path / name) > 0
