@@ -1,3 +1,17 @@
-"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax."""
+"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax.
+
+    Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w[t, t']) V_t' / sum_t' exp(K_t' + w[t, t'])
+
+Modules:
+  ops        the AFT maths as pure functions (aft_full, aft_local, aft_simple, aft_conv1d/2d)
+  layers     Flax linen modules: AFTFull, AFTLocal, AFTSimple, AFTConv1D, AFTConv2D and the
+             softmax MultiHeadAttention baseline, with incremental decoding
+  model      the decoder-only language model (ModelConfig, TransformerLM)
+  adaptive   adaptive input and adaptive softmax
+  data, sharding, train_lib, decode   the trainer's pieces (imported on demand)
+"""
+
+from aft_jax import adaptive, layers, model, ops
 
 __version__ = "0.1.0"
+__all__ = ["adaptive", "layers", "model", "ops"]

@@ -168,7 +168,20 @@ class AFTFull(_PositionBias):
 class AFTLocal(_PositionBias):
   """AFT-local (paper Eq. 4): w is learned where |t - t'| < window and 0 (not -inf) elsewhere.
 
-  Input ``[..., T, d_model]``, T <= max_len. Time O(T window d).
+      Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'[t, t']) V_t' / sum_t' exp(K_t' + w'[t, t']),
+      w'[t, t'] = w[t, t'] if |t - t'| < window else 0;  Q, K, V = x Wq, x Wk, x Wv.
+
+  Every position still sees the whole sequence; the window only limits where the learned bias
+  applies. Input ``[..., T, d_model]`` -> ``[..., T, d_model]``, T <= max_len (a shorter
+  sequence uses the top-left T x T block of w). Time O(T window d), no T x T work per channel.
+
+  Attributes:
+    max_len: the largest T; w is ``[max_len, max_len]`` (initialised to 0) or, with
+      ``factor_dim = d'``, u v^T with u, v ``[max_len, d']`` ~ N(0, 1e-2).
+    window: s >= 1.
+    causal: sum over t' <= t only; enables ``decode=True`` (O(d) state + the last s keys/values).
+    hidden_dim: channels of Q, K, V (default d_model).
+    dtype, param_dtype: compute and parameter dtypes.
   """
 
   window: int = 32

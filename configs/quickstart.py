@@ -19,12 +19,12 @@ def get_config():
   config.model.dropout_rate = 0.0
   config.seq_len = 128
   config.batch_size = 16
-  config.num_train_steps = 600
+  config.num_train_steps = 1000
   config.learning_rate = 3e-3
   config.warmup_steps = 50
   config.log_every_steps = 50
-  config.eval_every_steps = 300
-  config.checkpoint_every_steps = 100
+  config.eval_every_steps = 500
+  config.checkpoint_every_steps = 200
   config.eval_batch_size = 64
   config.sample.prompt = "The "
   config.sample.length = 200

@@ -41,3 +41,14 @@ def test_using_the_layers_example_runs():
 
 def test_readme_says_the_blog_formula_is_not_aft():
   assert "`sigma(Q) * (K^T V)`; that is not\nAFT" in README or "that is not AFT" in README
+
+
+def test_help_on_the_layers_reads_well():
+  import pydoc
+
+  import aft_jax
+  text = pydoc.render_doc(aft_jax.layers.AFTLocal, renderer=pydoc.plaintext)
+  assert "AFT-local (paper Eq. 4)" in text and "window" in text
+  for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d"):
+    doc = getattr(aft_jax.ops, name).__doc__
+    assert "Args:" in doc and "Returns:" in doc and "[..., " in doc, name

@@ -87,3 +87,18 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
   with pytest.raises(ValueError, match="model.d_model: 16 in the workdir, 32 now"):
     train_lib.train_and_evaluate(tiny_config(num_train_steps=2, **{"model.d_model": 32}),
                                  workdir)
+
+
+def test_quickstart_recipe_learns(tmp_path):
+  """configs/quickstart.py as the README runs it, shortened to 400 of its 1000 steps to fit
+  CI's time budget: validation perplexity already far below the unigram baseline."""
+  workdir = str(tmp_path / "quick")
+  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir,
+         "--config.num_train_steps=400", "--config.sample.length=20"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  results = json.load(open(os.path.join(workdir, "results.json")))
+  assert results["unigram_valid_ppl"] > 20  # bytes of English text
+  assert results["valid_ppl"] < results["unigram_valid_ppl"] / 2.5, results
+  assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
+  assert "Sample:\nThe " in out.stdout
