@@ -67,12 +67,17 @@ def model_config(config, vocab_size: int) -> ModelConfig:
 
 
 def learning_rate_schedule(config):
-  """Linear warmup to ``learning_rate``, then cosine decay to 10% of it."""
+  """Linear warmup from 0 over ``warmup_steps`` updates, then cosine decay to 10% of the peak.
+
+  Counted in optimizer updates (``num_train_steps // grad_accum_steps``).
+  """
   updates = max(1, config.num_train_steps // config.grad_accum_steps)
-  warmup = min(config.warmup_steps, updates)
-  return optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, max(warmup, 1), max(updates, warmup + 1),
-      end_value=0.1 * config.learning_rate)
+  warmup = min(config.warmup_steps, updates - 1)
+  decay = optax.cosine_decay_schedule(config.learning_rate, max(1, updates - warmup), alpha=0.1)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, config.learning_rate, warmup), decay],
+                              [warmup])
 
 
 def make_optimizer(config):
@@ -138,7 +143,7 @@ class Trainer:
       return total / jnp.maximum(count, 1.0), count
 
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = state.apply_gradients(grads=grads)
     if self.config.nonfinite == "skip":
@@ -363,6 +368,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         record["perplexity"] = math.exp(min(record["loss"], 50.0))
         writer.write(record)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        if is_main:
+          bar.write(f"step {step}: loss {record['loss']:.4f}  ppl {record['perplexity']:.2f}  "
+                    f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+                    f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} "
+                    "ms/step")
         pending, t_last, steps_since = [], time.perf_counter(), 0
       if step % config.eval_every_steps == 0 and not last:
         ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)

@@ -102,3 +102,31 @@ def test_quickstart_recipe_learns(tmp_path):
   assert results["valid_ppl"] < results["unigram_valid_ppl"] / 2.5, results
   assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
   assert "Sample:\nThe " in out.stdout
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+  """grad_accum_steps=2 over two batches of 4 = one step on the batch of 8 they make up (the
+  iterator cuts the same shuffled stream into batches; dropout off)."""
+  common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
+  accum = train_lib.train_and_evaluate(
+      tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
+      str(tmp_path / "accum"))
+  big = train_lib.train_and_evaluate(
+      tiny_config(batch_size=8, num_train_steps=1, **common), str(tmp_path / "big"))
+  untrained = train_lib.train_and_evaluate(
+      tiny_config(batch_size=8, num_train_steps=1, learning_rate=1e-12, **common),
+      str(tmp_path / "none"))
+  assert accum["valid_loss"] == pytest.approx(big["valid_loss"], rel=1e-5)
+  assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
+
+
+def test_allow_config_change_resumes_anyway(tmp_path):
+  workdir = str(tmp_path / "run")
+  train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  changed = tiny_config(num_train_steps=2, learning_rate=1e-3)
+  with pytest.raises(ValueError, match="learning_rate"):
+    train_lib.train_and_evaluate(changed, workdir)
+  results = train_lib.train_and_evaluate(changed, workdir, allow_config_change=True)
+  assert results["steps"] == 2
+  saved = json.load(open(os.path.join(workdir, "config.json")))
+  assert saved["learning_rate"] == 1e-3  # the workdir records the config it resumed with
