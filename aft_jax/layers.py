@@ -58,6 +58,47 @@ def _check_decode_input(module, x):
         f"got x {x.shape}")
 
 
+def _ring_window(module, k, v, size: int, axis: int):
+  """Decoding cache of a causal window: the last ``size`` keys/values in a ring buffer along
+  ``axis``, and the bias-free prefix state (recurrent.State) of every older position.
+
+  k: one token's keys ``[..., H]``; v: its values ``[..., H]`` or ``[..., H, C]`` (float32).
+  Returns ``(prefix, keys, values, age, t)`` with ``age[j] = t - position held in slot j``, or
+  None while the cache is being initialised.
+  """
+  ready = module.has_variable("cache", "index")
+  ring = lambda x: x.shape[:axis] + (size,) + x.shape[axis:]
+  keys = module.variable("cache", "keys", jnp.zeros, ring(k), jnp.float32)
+  values = module.variable("cache", "values", jnp.zeros, ring(v), jnp.float32)
+  m = module.variable("cache", "m", jnp.full, k.shape, recurrent._NEG, jnp.float32)
+  num = module.variable("cache", "num", jnp.zeros, v.shape, jnp.float32)
+  den = module.variable("cache", "den", jnp.zeros, k.shape, jnp.float32)
+  index = module.variable("cache", "index", jnp.zeros, (), jnp.int32)
+  if not ready:
+    return None
+  t = index.value
+  slot = t % size
+  # The key leaving the window (position t - size) joins the bias-free prefix sum.
+  old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, axis, keepdims=False)
+  old_v = jax.lax.dynamic_index_in_dim(values.value, slot, axis, keepdims=False)
+  prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= size)
+  m.value, num.value, den.value = prefix
+  keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, jnp.expand_dims(k, axis), slot,
+                                                   axis)
+  values.value = jax.lax.dynamic_update_slice_in_dim(values.value, jnp.expand_dims(v, axis),
+                                                     slot, axis)
+  index.value = t + 1
+  return prefix, keys.value, values.value, (slot - jnp.arange(size)) % size, t
+
+
+def _heads_out(d_model, dtype, param_dtype):
+  """The output projection of per-head values ``[..., H, C] -> [..., d_model]``."""
+  return nn.DenseGeneral(
+      d_model, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype, name="out",
+      kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))
+
+
 class _AFTChannels(nn.Module):
   """Shared parts of AFT-full/local/simple: per-channel q, k, v and the output projection."""
 
@@ -198,34 +239,16 @@ class AFTLocal(_PositionBias):
         q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal))
 
   def _step(self, q, k, v):
-    lead, d = q.shape[:-2], q.shape[-1]
-    s = min(self.window, self.max_len)
-    ready = self.has_variable("cache", "index")
-    keys = self._cache("keys", lead + (s, d), jnp.float32)
-    values = self._cache("values", lead + (s, d), jnp.float32)
-    m = self._cache("m", lead + (d,), jnp.float32, recurrent._NEG)
-    num = self._cache("num", lead + (d,), jnp.float32)
-    den = self._cache("den", lead + (d,), jnp.float32)
-    index = self._index()
-    if not ready:
+    axis = q.ndim - 2
+    f32 = lambda a: a[..., 0, :].astype(jnp.float32)
+    cache = _ring_window(self, f32(k), f32(v), min(self.window, self.max_len), axis)
+    if cache is None:
       return q
-    t = index.value
-    slot = t % s
-    # The key leaving the window (position t - s) joins the bias-free prefix sum.
-    old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, -2, keepdims=False)
-    old_v = jax.lax.dynamic_index_in_dim(values.value, slot, -2, keepdims=False)
-    prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= s)
-    m.value, num.value, den.value = prefix
-    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), slot, -2)
-    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), slot,
-                                                       -2)
-    index.value = t + 1
-    pos = t - (slot - jnp.arange(s)) % s  # the position held in each slot
+    prefix, keys, values, age, t = cache
+    pos = t - age
     bias = self.bias_row(t)[jnp.clip(pos, 0, self.max_len - 1)]
-    band = recurrent.from_terms(keys.value + bias[:, None], values.value, (pos >= 0)[:, None],
-                                axis=keys.value.ndim - 2)
-    y = recurrent.output(q[..., 0, :].astype(jnp.float32), recurrent.combine(prefix, band))
-    return y[..., None, :].astype(q.dtype)
+    band = recurrent.from_terms(keys + bias[:, None], values, (pos >= 0)[:, None], axis=axis)
+    return recurrent.output(f32(q), recurrent.combine(prefix, band))[..., None, :].astype(q.dtype)
 
 
 class AFTSimple(_AFTChannels):
@@ -297,10 +320,7 @@ class _AFTConvBase(nn.Module):
     return q, k, v
 
   def _out(self, y, d_model):
-    return nn.DenseGeneral(
-        d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out",
-        kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))(y)
+    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
 
 
 class AFTConv1D(_AFTConvBase):
@@ -327,32 +347,13 @@ class AFTConv1D(_AFTConvBase):
     return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal), d_model)
 
   def _step(self, q, k, v, kernel):
-    lead, (h, c) = q.shape[:-3], q.shape[-2:]
-    s = self.kernel_size
-    ready = self.has_variable("cache", "index")
-    keys = self.variable("cache", "keys", jnp.zeros, lead + (s, h), jnp.float32)
-    values = self.variable("cache", "values", jnp.zeros, lead + (s, h, c), jnp.float32)
-    m = self.variable("cache", "m", jnp.full, lead + (h,), recurrent._NEG, jnp.float32)
-    num = self.variable("cache", "num", jnp.zeros, lead + (h, c), jnp.float32)
-    den = self.variable("cache", "den", jnp.zeros, lead + (h,), jnp.float32)
-    index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
-    if not ready:
+    axis = q.ndim - 3
+    cache = _ring_window(self, k[..., 0, :].astype(jnp.float32),
+                         v[..., 0, :, :].astype(jnp.float32), self.kernel_size, axis)
+    if cache is None:
       return q
-    t = index.value
-    slot = t % s
-    axis = len(lead)
-    old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, axis, keepdims=False)
-    old_v = jax.lax.dynamic_index_in_dim(values.value, slot, axis, keepdims=False)
-    prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= s)
-    m.value, num.value, den.value = prefix
-    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), slot,
-                                                     axis)
-    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32),
-                                                       slot, axis)
-    index.value = t + 1
-    age = (slot - jnp.arange(s)) % s  # t - position held in each slot = kernel entry
-    band = recurrent.from_terms(keys.value + kernel.T[age], values.value, (t - age >= 0)[:, None],
-                                axis=axis)
+    prefix, keys, values, age, t = cache  # slot j holds position t - age[j]: kernel entry age[j]
+    band = recurrent.from_terms(keys + kernel.T[age], values, (t - age >= 0)[:, None], axis=axis)
     y = recurrent.output(q[..., 0, :, :].astype(jnp.float32), recurrent.combine(prefix, band))
     return y[..., None, :, :].astype(q.dtype)
 
@@ -411,10 +412,7 @@ class MultiHeadAttention(nn.Module):
     else:
       y = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), is_causal=self.causal)
     y = y.reshape(lead + (t_len,) + feat)
-    return nn.DenseGeneral(
-        d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out",
-        kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))(y)
+    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
 
   def _step(self, q, k, v):
     b, _, h, dh = q.shape
