@@ -15,7 +15,6 @@ import os
 import signal
 import time
 import warnings
-from typing import Any
 
 import flax.linen as nn
 import jax

@@ -17,7 +17,6 @@ Sizes whose estimated time per call (extrapolated from the previous size) exceed
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys

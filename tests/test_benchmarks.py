@@ -4,7 +4,6 @@ import json
 import math
 import os
 
-import pytest
 
 from benchmarks import bench_model, bench_ops
 

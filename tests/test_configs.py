@@ -5,7 +5,6 @@ import os
 
 import ml_collections
 import pytest
-from ml_collections import config_flags  # noqa: F401  (config files are plain modules)
 import importlib.util
 
 from aft_jax import config_check, train_lib

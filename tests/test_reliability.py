@@ -1,14 +1,12 @@
 """Interruption, faults and bad input never lose work or produce silent garbage."""
 
 import glob
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

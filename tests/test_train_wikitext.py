@@ -9,7 +9,6 @@ import numpy as np
 
 import fake_wikitext
 from conftest import ROOT
-from aft_jax.data import vocab as vocab_lib
 
 
 def test_wikitext_recipe_trains_on_fake_data(tmp_path):
