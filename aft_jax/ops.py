@@ -102,6 +102,18 @@ def _chunk(t_len: int) -> int:
   return max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
 
 
+def _to_chunks(x, c: int, n: int, fill):
+  """[T, ...] -> [c, n, ...]: position j c + i at [i, j]; ``fill`` pads T up to n c."""
+  x = jnp.pad(x, [(0, n * c - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+  return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
+
+
+def _from_chunks(x, t_len: int):
+  """Inverse of ``_to_chunks``."""
+  x = jnp.swapaxes(x, 0, 1)
+  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])[:t_len]
+
+
 def _prefix0(acc: _Acc) -> _Acc:
   """Inclusive prefix sums along axis 0, exactly (a carried maximum per position).
 
@@ -116,11 +128,7 @@ def _prefix0(acc: _Acc) -> _Acc:
   n = -(-t_len // c)
   fills = (_NEG, 0.0, 0.0)
 
-  def to_chunks(x, fill):  # [T, ...] -> [c, n, ...]
-    x = jnp.pad(x, [(0, n * c - t_len)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-    return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
-
-  xs = _Acc(*(to_chunks(x, f) for x, f in zip(acc, fills)))
+  xs = _Acc(*(_to_chunks(x, c, n, f) for x, f in zip(acc, fills)))
   empty = _Acc(*(jnp.full(x.shape[1:], f, x.dtype) for x, f in zip(xs, fills)))
 
   def step(carry, x):
@@ -138,11 +146,127 @@ def _prefix0(acc: _Acc) -> _Acc:
     _, before = jax.lax.scan(outer, first, tuple(totals))  # exclusive, [n, ...]
     out = _combine(_Acc(*(x[None] for x in before)), _Acc(*local))
 
-  def from_chunks(x):
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape((n * c,) + x.shape[2:])[:t_len]
+  return _Acc(*(_from_chunks(x, t_len) for x in out))
 
-  return _Acc(*(from_chunks(x) for x in out))
+
+def _ema(r, u, decay, x):
+  """s_t = s_{t-1} + r_t (x_t - s_{t-1}) from s_{-1} = 0, in chunk layout; linear in x.
+
+  r, x: [c, n, R] (``_to_chunks`` layout). The chunk totals are sum(u x) over each chunk
+  (u [c, n, R]: the weight of each term at the chunk's end), a scan over the chunks with
+  decay [n, R] (the product of (1 - r) over a chunk) gives what precedes each chunk, and one
+  pass over the chunks started from that gives every position. Every factor is in [0, 1]
+  (stable at any logit size); the transpose is the same scan run backwards.
+  """
+  n = r.shape[1]
+
+  def inner(s, rx):
+    rr, xx = rx
+    s = s + rr * (xx - s)
+    return s, s
+
+  init = jnp.zeros(x.shape[1:], x.dtype)
+  if n > 1:
+    def outer(carry, dt):
+      d, t = dt
+      return d * carry + t, carry
+
+    _, init = jax.lax.scan(outer, init[0], (decay, jnp.sum(u * x, axis=0)))
+  return jax.lax.scan(inner, init, (r, x))[1]
+
+
+def _mean_pass(kc, vc, residuals: bool):
+  """Causal softmax-weighted means of vc with logits kc, both [c, n, R] (chunk layout).
+
+  Returns a [c, n, R]: a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'] with L = logcumsumexp(k);
+  with ``residuals`` also r = exp(k - L) [c, n, R] (the weight of the newest term, in (0, 1])
+  and (m, den) [n, R] of the sums up to each chunk's end. A pass over the chunks that keeps
+  only the carried (m, num, den), a scan over the chunk totals, and a second pass started
+  from what precedes each chunk that writes only a (and r): no [T, D] arrays of m, num, den.
+  """
+  c, n, _ = kc.shape
+
+  def add(carry, kv):  # fold one term (logit kk, value vv) into (m, num, den): one exp
+    m, num, den = carry
+    kk, vv = kv
+    x = jnp.exp(-jnp.abs(m - kk))
+    new = kk > m
+    s_old, s_new = jnp.where(new, x, 1.0), jnp.where(new, 1.0, x)
+    return (jnp.maximum(m, kk), num * s_old + vv * s_new, den * s_old + s_new), s_new
+
+  zero = jnp.zeros(kc.shape[1:], kc.dtype)
+  init = (zero + _NEG, zero, zero)
+  if n > 1:
+    totals, _ = jax.lax.scan(lambda cr, kv: (add(cr, kv)[0], None), init, (kc, vc))
+
+    def outer(carry, tot):
+      after = _combine(_Acc(*carry), _Acc(*tot))
+      return tuple(after), (carry, tuple(after))
+
+    _, (before, after) = jax.lax.scan(outer, tuple(x[0] for x in init), totals)
+    init = before
+    ends = (after[0], after[2])
+  else:
+    ends = None
+
+  def step(carry, kv):
+    carry, s_new = add(carry, kv)
+    a = carry[1] / carry[2]
+    if not residuals:
+      return carry, a
+    return carry, (a, s_new / carry[2])
+
+  out = jax.lax.scan(step, init, (kc, vc))[1]
+  return (*out, ends) if residuals else out
+
+
+def _chunks(t_len: int):
+  """(c, n): chunk length and number of chunks for ``_to_chunks``."""
+  c = _chunk(t_len)
+  return c, -(-t_len // c)
+
+
+@jax.custom_jvp
+def _causal_mean(k, v):
+  """a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'] with L = logcumsumexp(k); k, v, a [T, R].
+
+  A custom JVP (not VJP: forward mode works too), for memory: with r = exp(k - L) in (0, 1],
+  a[t] = a[t-1] + r[t] (v[t] - a[t-1]), and dL = Q = that recurrence on dk, so da = the
+  recurrence on dv + (dk - Q) (v[t] - a[t-1]) (exact: no max() to differentiate). Both are
+  linear scans (``_ema``) whose only [T, D] coefficient is r, and the tangent is
+  rematerialized, so reverse mode (linearize + transpose) keeps just a and r as [T, D]
+  residuals: half the scratch of differentiating ``_prefix0``, and faster.
+  """
+  c, n = _chunks(k.shape[0])
+  a = _mean_pass(_to_chunks(k, c, n, 0.0), _to_chunks(v, c, n, 0.0), False)
+  return _from_chunks(a, k.shape[0])
+
+
+def _mean_tangent(k, v, a, r, ends, dk, dv):
+  """da of ``_causal_mean`` (linear in dk, dv; recomputes everything but a and r)."""
+  c, n = r.shape[:2]
+  u = decay = None
+  if n > 1:
+    m_end, den_end = ends  # (m, den) of the sums up to each chunk's end, [n, R]
+    # Weight of each term at its chunk's end (for the chunk totals; <= 1, the padding of the
+    # last chunk included), and the product of (1 - r) over chunk j: Z(end of j - 1) /
+    # Z(end of j) with Z = exp(m) den (0 for chunk 0).
+    u = jnp.exp(_to_chunks(k, c, n, 0.0) - m_end) / den_end
+    decay = jnp.exp(m_end[:-1] - m_end[1:]) * den_end[:-1] / den_end[1:]
+    decay = jnp.concatenate([jnp.zeros_like(decay[:1]), decay])
+  w = v - jnp.pad(a[:-1], [(1, 0)] + [(0, 0)] * (a.ndim - 1))  # v[t] - a[t - 1]
+  dk, dv, w = (_to_chunks(x, c, n, 0.0) for x in (dk, dv, w))
+  q = _ema(r, u, decay, dk)
+  return _from_chunks(_ema(r, u, decay, dv + (dk - q) * w), v.shape[0])
+
+
+@_causal_mean.defjvp
+def _causal_mean_jvp(primals, tangents):
+  k, v = primals
+  c, n = _chunks(k.shape[0])
+  a, r, ends = _mean_pass(_to_chunks(k, c, n, 0.0), _to_chunks(v, c, n, 0.0), True)
+  a = _from_chunks(a, k.shape[0])
+  return a, jax.checkpoint(_mean_tangent)(k, v, a, r, ends, *tangents)
 
 
 def _acc_scan(acc: _Acc, axis: int, reverse: bool = False) -> _Acc:
@@ -257,14 +381,15 @@ def _exact_fallback(rect, kwin, vwin, bad, rows):
                             lambda: (jnp.zeros((rows, r), kwin.dtype),) * 3)
 
       xs = (bad.reshape(-1), rect_g)
-    else:
+    else:  # one step per query block: its row groups share the block's keys (no copies)
       def one(args):
-        flag, wr, kw, vw = args
-        return jax.lax.cond(flag, lambda: tuple(_exact_rows(wr, kw, vw)),
-                            lambda: (jnp.zeros((rows, r), kw.dtype),) * 3)
+        flags, wrs, kw, vw = args
+        outs = [jax.lax.cond(flags[g], lambda g=g: tuple(_exact_rows(wrs[g], kw, vw)),
+                             lambda: (jnp.zeros((rows, r), kw.dtype),) * 3)
+                for g in range(groups)]
+        return tuple(jnp.concatenate(x, axis=0) for x in zip(*outs))
 
-      rep = lambda x: jnp.repeat(x, groups, axis=0) if groups > 1 else x
-      xs = (bad.reshape(-1), rect_g, rep(kwin), rep(vwin))
+      xs = (bad, rect_g.reshape(nb, groups, rows, win), kwin, vwin)
     out = jax.lax.map(jax.checkpoint(one), xs)
     return tuple(x.reshape(nb, groups * rows, r)[:, :c] for x in out)
 
@@ -412,8 +537,8 @@ def aft_simple(q, k, v, *, causal: bool = False):
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v = _cast(dt, q, k, v)
   if causal:
-    acc = _prefix0(_leaf(_to_rows(k), _to_rows(v)))
-    return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
+    a = _from_rows(_causal_mean(_to_rows(k), _to_rows(v)), q.shape)
+    return (jax.nn.sigmoid(q) * a).astype(out_dt)
   weights = jax.nn.softmax(k, axis=-2)
   return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
 

@@ -272,3 +272,29 @@ def test_local_long_sequence(causal, window, scale):
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
   chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3,
                               atol=1e-4)
+
+
+@pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])
+def test_simple_causal_derivatives_exact_at_large_logits(t_len, scale):
+  """Causal AFT-simple's custom JVP (and the reverse mode transposed from it): float32
+  against a dense float64 softmax, at logits of std 40, over several chunks (T = 37, 300:
+  a padded last chunk)."""
+  q, k, v, _ = _qkvw(22, (2,), t_len, 3, scale)
+  ct, tk, tv = _rand(23, q.shape, q.shape, q.shape)
+  fn = jax.jit(functools.partial(ops.aft_simple, causal=True))
+
+  def dense(q, k, v):
+    idx = np.arange(t_len)
+    logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], k[..., None, :, :], -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-2)
+    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
+
+  with jax.enable_x64(True):
+    q64, k64, v64, ct64, tk64, tv64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct, tk, tv))
+    want_rev = jax.grad(lambda *a: jnp.sum(dense(*a) * ct64), argnums=(0, 1, 2))(q64, k64, v64)
+    want_fwd = jax.jvp(lambda k, v: dense(q64, k, v), (k64, v64), (tk64, tv64))[1]
+    want_rev, want_fwd = jax.tree.map(np.asarray, (want_rev, want_fwd))
+  got_rev = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
+  got_fwd = jax.jvp(lambda k, v: fn(q, k, v), (k, v), (tk, tv))[1]
+  for got, want in zip(got_rev + (got_fwd,), want_rev + (want_fwd,)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
