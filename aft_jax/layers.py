@@ -91,6 +91,16 @@ def _ring_window(module, k, v, size: int, axis: int):
   return prefix, keys.value, values.value, (slot - jnp.arange(size)) % size, t
 
 
+def _head_features(module, x):
+  """(num_heads, d_model // num_heads) for x [..., d_model]; ValueError if it does not divide."""
+  d_model, h = x.shape[-1], module.num_heads
+  if d_model % h:
+    raise ValueError(
+        f"{type(module).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
+        f"num_heads = {h}")
+  return (h, d_model // h)
+
+
 def _heads_out(d_model, dtype, param_dtype):
   """The output projection of per-head values ``[..., H, C] -> [..., d_model]``."""
   return nn.DenseGeneral(
@@ -308,12 +318,8 @@ class _AFTConvBase(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   def _heads_qkv(self, x):
-    d_model, h = x.shape[-1], self.num_heads
-    if d_model % h:
-      raise ValueError(
-          f"{type(self).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
-          f"num_heads = {h}")
-    feat = (h, d_model // h)
+    feat = _head_features(self, x)
+    h = feat[0]
     q = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "query")(x)
     v = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "value")(x)
     k = _dense(h, ("embed", "heads"), self.dtype, self.param_dtype, "key")(x)
@@ -396,12 +402,8 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
-    d_model, h = x.shape[-1], self.num_heads
-    if d_model % h:
-      raise ValueError(
-          f"MultiHeadAttention: d_model = {d_model} (x {x.shape}) is not divisible by "
-          f"num_heads = {h}")
-    feat = (h, d_model // h)
+    d_model = x.shape[-1]
+    feat = _head_features(self, x)
     q, k, v = (_dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
                for n in ("query", "key", "value"))
     lead, t_len = x.shape[:-2], x.shape[-2]

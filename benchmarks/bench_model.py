@@ -224,14 +224,9 @@ def main(argv=None):
     pass
   result = {"machine": info, "mixings": mixings, "records": records,
             "ratios_to_softmax": {str(t): ratios(records, t) for t in sizes}}
-  os.makedirs(a.out, exist_ok=True)
-  common.write_json(os.path.join(a.out, "bench_model.json"), result)
   md = markdown(records, sizes, mixings, info)
-  with open(os.path.join(a.out, "bench_model.md"), "w") as f:
-    f.write(md)
-  plot(records, mixings, os.path.join(a.out, "bench_model.png"))
-  print(md)
-  print(f"wrote {a.out}/bench_model.{{json,md,png}} in {info['wall_s']:.0f} s")
+  common.write_outputs(a.out, "bench_model", result, md,
+                       lambda path: plot(records, mixings, path))
 
 
 if __name__ == "__main__":

@@ -289,15 +289,10 @@ def main(argv=None):
     pass
   result = {"machine": info, "ops": {n: table[n][3] for n in names}, "records": records,
             "checks": checks(records)}
-  os.makedirs(a.out, exist_ok=True)
-  common.write_json(os.path.join(a.out, "bench_ops.json"), result)
   md = markdown(records, sizes, names, info)
   md += "\n" + "\n".join(_check_line(c) for c in result["checks"]) + "\n"
-  with open(os.path.join(a.out, "bench_ops.md"), "w") as f:
-    f.write(md)
-  plot(records, names, os.path.join(a.out, "bench_ops.png"))
-  print(md)
-  print(f"wrote {a.out}/bench_ops.{{json,md,png}} in {info['wall_s']:.0f} s")
+  common.write_outputs(a.out, "bench_ops", result, md,
+                       lambda path: plot(records, names, path))
 
 
 if __name__ == "__main__":

@@ -189,3 +189,14 @@ def fmt_flops(f):
     if f >= size:
       return f"{f / size:.2f} {unit}"
   return f"{f:.0f}"
+
+
+def write_outputs(out: str, name: str, result: dict, md: str, plot_fn) -> None:
+  """Writes ``out/<name>.json`` (result), ``.md`` (md) and ``.png`` (``plot_fn(path)``)."""
+  os.makedirs(out, exist_ok=True)
+  write_json(os.path.join(out, f"{name}.json"), result)
+  with open(os.path.join(out, f"{name}.md"), "w") as f:
+    f.write(md)
+  plot_fn(os.path.join(out, f"{name}.png"))
+  print(md)
+  print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")
