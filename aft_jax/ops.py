@@ -19,59 +19,29 @@ float32 for logits of any size. bfloat16 inputs are computed in float32 and retu
 bfloat16. The maxima ``m`` never carry a gradient (they cancel in num / den), so the backward
 pass is linear scans and matrix products, with no max() to differentiate.
 
-Cost. Positions where ``w == 0`` (everything outside AFT-local's window or AFT-conv's kernel,
-and all of AFT-simple) are summed with prefix/suffix scans in O(T D): a two-level sequential
-scan (chunks of ~sqrt(T) positions), which is short to run and quick to compile. Positions with
-a bias (AFT-full, AFT-local's window) are summed as matrix products of exp(w - row max) with
-exp(k - channel max) v, in query blocks against the keys they can see, so AFT-local costs
-O(T s D) and never builds a T x T array when s << T. That split shift is exact unless the
-largest term of a sum underflows (|k + w| of order 100); such row groups are detected (their
-denominator is tiny) and recomputed with a per-(t, channel) maximum.
+Where the work happens. AFT-local and AFT-full: ``banded.py`` (query blocks against the keys
+they can see, as matrix products of exp(w - row max) and exp(k - channel max) v, plus running
+sums of the bias-0 keys outside the window; O(T s D), no T x T array when s << T). Causal
+AFT-simple: ``causal_mean.py`` (one pass over chunks with a triangular matrix product per
+chunk; about the speed of a ``cumsum``). Both have a hand-written JVP whose only [T, D]
+residuals are the output mean and its log-normalizer, so the backward pass stores little.
+AFT-conv and non-causal AFT-simple: the triples below (prefix scans and shifted sums), with
+plain autodiff.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from aft_jax import banded, causal_mean
+from aft_jax.logsumexp import NEG as _NEG, Acc as _Acc, bcast as _bcast, combine as _combine
+
 __all__ = ["aft_full", "aft_simple", "aft_local", "aft_conv1d", "aft_conv2d"]
 
-# The max of an empty sum. Finite (not -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no
-# inf - inf = NaN can reach a gradient.
-_NEG = -1e30
-
-
-class _Acc(NamedTuple):
-  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
-
-  ``m`` never carries a gradient: every result is a ratio num / den in which m cancels, so
-  holding m fixed (``stop_gradient``) gives the exact derivative and keeps max() out of the
-  backward pass.
-  """
-
-  m: jax.Array
-  num: jax.Array
-  den: jax.Array
-
-
 _sg = jax.lax.stop_gradient
-
-
-def _bcast(scale, num):
-  return scale[..., None] if num.ndim > scale.ndim else scale
-
-
-def _combine(a: _Acc, b: _Acc) -> _Acc:
-  """(m, num, den) of the union of two disjoint sets of terms (stable log-sum-exp)."""
-  m = jnp.maximum(a.m, b.m)
-  # One exp: the larger side is scaled by 1, the smaller by exp(-|a.m - b.m|).
-  x = jnp.exp(-jnp.abs(a.m - b.m))
-  a_big = a.m >= b.m
-  sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
-  return _Acc(m, a.num * _bcast(sa, a.num) + b.num * _bcast(sb, b.num), a.den * sa + b.den * sb)
 
 
 def _leaf(k, v) -> _Acc:
@@ -149,126 +119,6 @@ def _prefix0(acc: _Acc) -> _Acc:
   return _Acc(*(_from_chunks(x, t_len) for x in out))
 
 
-def _ema(r, u, decay, x):
-  """s_t = s_{t-1} + r_t (x_t - s_{t-1}) from s_{-1} = 0, in chunk layout; linear in x.
-
-  r, x: [c, n, R] (``_to_chunks`` layout). The chunk totals are sum(u x) over each chunk
-  (u [c, n, R]: the weight of each term at the chunk's end), a scan over the chunks with
-  decay [n, R] (the product of (1 - r) over a chunk) gives what precedes each chunk, and one
-  pass over the chunks started from that gives every position. Every factor is in [0, 1]
-  (stable at any logit size); the transpose is the same scan run backwards.
-  """
-  n = r.shape[1]
-
-  def inner(s, rx):
-    rr, xx = rx
-    s = s + rr * (xx - s)
-    return s, s
-
-  init = jnp.zeros(x.shape[1:], x.dtype)
-  if n > 1:
-    def outer(carry, dt):
-      d, t = dt
-      return d * carry + t, carry
-
-    _, init = jax.lax.scan(outer, init[0], (decay, jnp.sum(u * x, axis=0)))
-  return jax.lax.scan(inner, init, (r, x))[1]
-
-
-def _mean_pass(kc, vc, residuals: bool):
-  """Causal softmax-weighted means of vc with logits kc, both [c, n, R] (chunk layout).
-
-  Returns a [c, n, R]: a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'] with L = logcumsumexp(k);
-  with ``residuals`` also r = exp(k - L) [c, n, R] (the weight of the newest term, in (0, 1])
-  and (m, den) [n, R] of the sums up to each chunk's end. A pass over the chunks that keeps
-  only the carried (m, num, den), a scan over the chunk totals, and a second pass started
-  from what precedes each chunk that writes only a (and r): no [T, D] arrays of m, num, den.
-  """
-  c, n, _ = kc.shape
-
-  def add(carry, kv):  # fold one term (logit kk, value vv) into (m, num, den): one exp
-    m, num, den = carry
-    kk, vv = kv
-    x = jnp.exp(-jnp.abs(m - kk))
-    new = kk > m
-    s_old, s_new = jnp.where(new, x, 1.0), jnp.where(new, 1.0, x)
-    return (jnp.maximum(m, kk), num * s_old + vv * s_new, den * s_old + s_new), s_new
-
-  zero = jnp.zeros(kc.shape[1:], kc.dtype)
-  init = (zero + _NEG, zero, zero)
-  if n > 1:
-    totals, _ = jax.lax.scan(lambda cr, kv: (add(cr, kv)[0], None), init, (kc, vc))
-
-    def outer(carry, tot):
-      after = _combine(_Acc(*carry), _Acc(*tot))
-      return tuple(after), (carry, tuple(after))
-
-    _, (before, after) = jax.lax.scan(outer, tuple(x[0] for x in init), totals)
-    init = before
-    ends = (after[0], after[2])
-  else:
-    ends = None
-
-  def step(carry, kv):
-    carry, s_new = add(carry, kv)
-    a = carry[1] / carry[2]
-    if not residuals:
-      return carry, a
-    return carry, (a, s_new / carry[2])
-
-  out = jax.lax.scan(step, init, (kc, vc))[1]
-  return (*out, ends) if residuals else out
-
-
-def _chunks(t_len: int):
-  """(c, n): chunk length and number of chunks for ``_to_chunks``."""
-  c = _chunk(t_len)
-  return c, -(-t_len // c)
-
-
-@jax.custom_jvp
-def _causal_mean(k, v):
-  """a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'] with L = logcumsumexp(k); k, v, a [T, R].
-
-  A custom JVP (not VJP: forward mode works too), for memory: with r = exp(k - L) in (0, 1],
-  a[t] = a[t-1] + r[t] (v[t] - a[t-1]), and dL = Q = that recurrence on dk, so da = the
-  recurrence on dv + (dk - Q) (v[t] - a[t-1]) (exact: no max() to differentiate). Both are
-  linear scans (``_ema``) whose only [T, D] coefficient is r, and the tangent is
-  rematerialized, so reverse mode (linearize + transpose) keeps just a and r as [T, D]
-  residuals: half the scratch of differentiating ``_prefix0``, and faster.
-  """
-  c, n = _chunks(k.shape[0])
-  a = _mean_pass(_to_chunks(k, c, n, 0.0), _to_chunks(v, c, n, 0.0), False)
-  return _from_chunks(a, k.shape[0])
-
-
-def _mean_tangent(k, v, a, r, ends, dk, dv):
-  """da of ``_causal_mean`` (linear in dk, dv; recomputes everything but a and r)."""
-  c, n = r.shape[:2]
-  u = decay = None
-  if n > 1:
-    m_end, den_end = ends  # (m, den) of the sums up to each chunk's end, [n, R]
-    # Weight of each term at its chunk's end (for the chunk totals; <= 1, the padding of the
-    # last chunk included), and the product of (1 - r) over chunk j: Z(end of j - 1) /
-    # Z(end of j) with Z = exp(m) den (0 for chunk 0).
-    u = jnp.exp(_to_chunks(k, c, n, 0.0) - m_end) / den_end
-    decay = jnp.exp(m_end[:-1] - m_end[1:]) * den_end[:-1] / den_end[1:]
-    decay = jnp.concatenate([jnp.zeros_like(decay[:1]), decay])
-  w = v - jnp.pad(a[:-1], [(1, 0)] + [(0, 0)] * (a.ndim - 1))  # v[t] - a[t - 1]
-  dk, dv, w = (_to_chunks(x, c, n, 0.0) for x in (dk, dv, w))
-  q = _ema(r, u, decay, dk)
-  return _from_chunks(_ema(r, u, decay, dv + (dk - q) * w), v.shape[0])
-
-
-@_causal_mean.defjvp
-def _causal_mean_jvp(primals, tangents):
-  k, v = primals
-  c, n = _chunks(k.shape[0])
-  a, r, ends = _mean_pass(_to_chunks(k, c, n, 0.0), _to_chunks(v, c, n, 0.0), True)
-  a = _from_chunks(a, k.shape[0])
-  return a, jax.checkpoint(_mean_tangent)(k, v, a, r, ends, *tangents)
-
-
 def _acc_scan(acc: _Acc, axis: int, reverse: bool = False) -> _Acc:
   """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
   def fwd(x):
@@ -320,147 +170,12 @@ def _from_rows(x, shape):
   return x.reshape(shape)
 
 
-# Below this value of the fast path's denominator (whose terms are products of two factors
-# <= 1), terms may have underflowed and the block is recomputed exactly. Terms smaller than
-# 1e-38 then weigh < 1e-10 relative to den, far below float32 resolution.
-_DEN_OK = 1e-25
-# Elements of the [rows, keys, R] logits tensor of one exact (fallback) step.
-_BLOCK_ELEMENTS = 1 << 22
-
-
-def _band_rect(w, lo: int, hi: int, c: int, nb: int):
-  """w[t, t'] for the keys t' in [t + lo, t + hi] of each query block, as [nb, c, W].
-
-  Row i of block b is query t = b c + i; column j is key t' = b c + lo + j (W = c + hi - lo);
-  entries outside the band or outside [0, T) are _NEG. No gather: the band is read from the
-  flattened w with row stride T + 1 (w[t, t + lo + j] = flat[t (T + 1) + lo + j]) and skewed
-  into rectangles with the same trick (row stride W - 1).
-  """
-  t_len = w.shape[0]
-  width = hi - lo + 1  # lo <= 0 <= hi, width + 2 <= T
-  flat = w.reshape(-1)
-  first = jnp.pad(w[0, :lo + width], (-lo, 0))
-  start = (t_len + 1) + lo
-  mid = flat[start:start + (t_len - 2) * (t_len + 1)].reshape(t_len - 2, t_len + 1)[:, :width]
-  last = jnp.pad(w[t_len - 1, t_len - 1 + lo:], (0, width - (1 - lo)))
-  band = jnp.concatenate([first[None], mid, last[None]], axis=0)  # band[t, j] = w[t, t + lo + j]
-  key = jnp.arange(t_len)[:, None] + lo + jnp.arange(width)[None, :]
-  band = jnp.where((key >= 0) & (key < t_len), band, _NEG)
-  band = jnp.pad(band, ((0, nb * c - t_len), (0, 0)), constant_values=_NEG)
-  # Skew: rect[b, i, j] = band[b c + i, j - i] (and _NEG where j - i is outside [0, width)).
-  x = jnp.pad(band.reshape(nb, c, width), ((0, 0), (0, 0), (0, c)), constant_values=_NEG)
-  x = x.reshape(nb, c * (width + c))[:, :c * (width + c - 1)]
-  return x.reshape(nb, c, width + c - 1)
-
-
-def _exact_rows(wr, kw, vw) -> _Acc:
-  """Exact sums for query rows: wr [r, W] (_NEG = absent), kw, vw [W, R] -> [r, R] each."""
-  logits = kw[None, :, :] + wr[:, :, None]
-  m = _sg(jnp.max(logits, axis=1))
-  p = jnp.exp(logits - m[:, None, :])
-  return _Acc(m, jnp.einsum("rwx,wx->rx", p, vw, precision=_HI), jnp.sum(p, axis=1))
-
-
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _exact_fallback(rect, kwin, vwin, bad, rows):
-  """Exact (m, num, den) [nb, c, R] of the row groups flagged in ``bad`` [nb, groups]; zeros
-  elsewhere. rect [nb, c, W]; kwin, vwin [nb, W, R] (the keys each query block can see)."""
-  nb, c, win = rect.shape
-  r = kwin.shape[-1]
-  groups = bad.shape[1]
-
-  def run(_):
-    rect_g = jnp.pad(rect, ((0, 0), (0, groups * rows - c), (0, 0)), constant_values=_NEG)
-    rect_g = rect_g.reshape(nb * groups, rows, win)
-    if nb == 1:  # every group sees the same keys: share them instead of copying per group
-      def one(args):
-        flag, wr = args
-        return jax.lax.cond(flag, lambda: tuple(_exact_rows(wr, kwin[0], vwin[0])),
-                            lambda: (jnp.zeros((rows, r), kwin.dtype),) * 3)
-
-      xs = (bad.reshape(-1), rect_g)
-    else:  # one step per query block: its row groups share the block's keys (no copies)
-      def one(args):
-        flags, wrs, kw, vw = args
-        outs = [jax.lax.cond(flags[g], lambda g=g: tuple(_exact_rows(wrs[g], kw, vw)),
-                             lambda: (jnp.zeros((rows, r), kw.dtype),) * 3)
-                for g in range(groups)]
-        return tuple(jnp.concatenate(x, axis=0) for x in zip(*outs))
-
-      xs = (bad, rect_g.reshape(nb, groups, rows, win), kwin, vwin)
-    out = jax.lax.map(jax.checkpoint(one), xs)
-    return tuple(x.reshape(nb, groups * rows, r)[:, :c] for x in out)
-
-  return jax.lax.cond(jnp.any(bad), run, lambda _: (jnp.zeros((nb, c, r), kwin.dtype),) * 3,
-                      None)
-
-
-def _band(k, v, w, lo: int, hi: int) -> _Acc:
-  """Exact sum over t' in [t + lo, t + hi] (clipped to [0, T)) with logits k[t'] + w[t, t'].
-
-  k, v: [T, R] float32 (rows layout); w: [T, T]; lo <= 0 <= hi. Returns [T, R] arrays.
-
-  Fast path: exp(k + w) = exp(w - mw[t]) exp(k - mk[r]) with a per-row shift of w and a
-  per-channel shift of k (per key block), so the sums are matrix products of [c, W] blocks
-  of exp(w) with [W, R] blocks of exp(k) v and exp(k). Every term is a product of factors
-  <= 1, so the result is exact unless the largest term underflowed, which shows as
-  den < _DEN_OK: those row groups (only they) are recomputed with an exact per-(t, channel)
-  maximum. With logits of ordinary size that never happens; with huge ones (|k + w| ~ 100)
-  it keeps the result exact. No [T, T] array is built when the band is narrow.
-  """
-  t_len, r = k.shape
-  width = hi - lo + 1
-  if width + 63 >= t_len:  # one block sees every key: rows of w against all keys
-    c, nb, jlo, jhi = t_len, 1, 0, 0
-    key = jnp.arange(t_len)[None, :] - jnp.arange(t_len)[:, None]
-    rect = jnp.where((key >= lo) & (key <= hi), w, _NEG)[None]
-  else:
-    c = max(64, 1 << math.ceil(math.log2(max(1, width - 1) / 2)))
-    nb = -(-t_len // c)
-    jlo, jhi = -(-(-lo) // c), -(-hi // c)  # key blocks b + jlo ... b + jhi are in view
-    jlo = -jlo
-    rect = _band_rect(w, lo, hi, c, nb)  # columns: keys b c + lo + j
-    rect = jnp.pad(rect, ((0, 0), (0, 0), (lo - jlo * c, (jhi + 1) * c - (c + hi))),
-                   constant_values=_NEG)  # columns: keys (b + jlo) c + j
-  parts = jhi - jlo + 1
-  nbk = nb + parts - 1
-  pad = ((-jlo * c, nbk * c + jlo * c - t_len), (0, 0))
-  kb = jnp.pad(k, pad, constant_values=_NEG).reshape(nbk, c, r)
-  vb = jnp.pad(v, pad).reshape(nbk, c, r)
-
-  mw = _sg(jnp.max(rect, axis=2))  # [nb, c]
-  mkb = _sg(jnp.max(kb, axis=1))  # [nbk, R]
-  mk = mkb[0:nb]
-  for j in range(1, parts):
-    mk = jnp.maximum(mk, mkb[j:j + nb])
-  p = jnp.exp(rect - mw[:, :, None])  # 0 outside the band
-  e = jnp.exp(kb - mkb[:, None, :])  # 0 at padding keys
-  ev = e * vb
-  num = den = 0.0
-  for j in range(parts):
-    pj = p[:, :, j * c:(j + 1) * c]
-    scale = jnp.exp(mkb[j:j + nb] - mk)[:, None, :]
-    num = num + scale * jnp.einsum("bcw,bwx->bcx", pj, ev[j:j + nb], precision=_HI)
-    den = den + scale * jnp.einsum("bcw,bwx->bcx", pj, e[j:j + nb], precision=_HI)
-  fast = _Acc(mw[:, :, None] + mk[:, None, :], num, den)
-
-  # Exact recomputation of row groups whose fast denominator may have lost its largest terms.
-  win = parts * c
-  rows = max(1, min(c, (_BLOCK_ELEMENTS * (4 if nb == 1 else 1)) // max(1, win * r)))
-  groups = -(-c // rows)
-  real = (jnp.arange(nb * c) < t_len).reshape(nb, c, 1)
-  bad = ~(fast.den >= _DEN_OK) & real  # also catches NaN
-  bad = jnp.pad(bad, ((0, 0), (0, groups * rows - c), (0, 0))).reshape(nb, groups, -1).any(-1)
-
-  def fallback(rect, kb, vb, bad):
-    windows = lambda x: jnp.concatenate([x[j:j + nb] for j in range(parts)], axis=1)
-    return _exact_fallback(rect, windows(kb), windows(vb), bad, rows)
-  exact = jax.checkpoint(fallback)(rect, kb, vb, bad)
-  use = jnp.repeat(bad, rows, axis=1)[:, :c, None]
-  acc = _Acc(*(jnp.where(use, x, y) for x, y in zip(exact, fast)))
-  return _Acc(*(x.reshape(nb * c, r)[:t_len] for x in acc))
+def _windowed(q, k, v, w, window: int, causal: bool, dtype):
+  """sigma(q) * the banded mean (``banded.banded_mean``) of [..., T, D] inputs."""
+  k2, v2 = _to_rows(k), _to_rows(v)
+  plan = banded.make_plan(k2.shape[0], k2.shape[1], window, causal)
+  a = _from_rows(banded.banded_mean(plan, k2, v2, w), q.shape)
+  return (jax.nn.sigmoid(q) * a).astype(dtype)
 
 
 # --------------------------------------------------------------------------- validation
@@ -518,8 +233,7 @@ def aft_full(q, k, v, w, *, causal: bool = False):
   _check_w("aft_full", w, t_len)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
-  acc = _band(_to_rows(k), _to_rows(v), w, -(t_len - 1), 0 if causal else t_len - 1)
-  return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
+  return _windowed(q, k, v, w, t_len, causal, out_dt)
 
 
 def aft_simple(q, k, v, *, causal: bool = False):
@@ -537,7 +251,7 @@ def aft_simple(q, k, v, *, causal: bool = False):
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v = _cast(dt, q, k, v)
   if causal:
-    a = _from_rows(_causal_mean(_to_rows(k), _to_rows(v)), q.shape)
+    a = _from_rows(causal_mean.causal_mean(_to_rows(k), _to_rows(v)), q.shape)
     return (jax.nn.sigmoid(q) * a).astype(out_dt)
   weights = jax.nn.softmax(k, axis=-2)
   return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
@@ -563,13 +277,7 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False):
   _check_w("aft_local", w, t_len)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
-  s = min(window, t_len)
-  k2, v2 = _to_rows(k), _to_rows(v)
-  acc = _band(k2, v2, w, -(s - 1), 0 if causal else s - 1)
-  rest = _outside(_leaf(k2, v2), 0, s if s < t_len else None,
-                  None if causal or s >= t_len else s)
-  acc = acc if rest is None else _combine(acc, rest)
-  return _finish(q, _Acc(*(_from_rows(x, q.shape) for x in acc)), out_dt)
+  return _windowed(q, k, v, w, window, causal, out_dt)
 
 
 def _kernel_sum(leaf: _Acc, kernel, offsets, axes) -> _Acc:

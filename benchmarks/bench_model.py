@@ -1,7 +1,8 @@
 """Benchmark one training step of the language model for each mixing layer.
 
 One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens.
-Records the median step time after compilation, tokens/s, XLA FLOPs per token, the compiled
+Records the median step time after compilation, tokens/s, FLOPs per token (``flops.count``:
+loops counted per trip, which XLA's own count, also recorded, is not), the compiled
 program's temp memory (activations and scratch) plus its argument bytes (parameters, optimizer
 state, batch), the device's peak memory where available, and on accelerators the model FLOPs
 utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
@@ -93,6 +94,7 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
           status="ok", time_s=m["time_s"], time_min_s=m["time_min_s"], repeats=m["repeats"],
           compile_s=compile_s, tokens_per_s=n_tok / m["time_s"],
           flops_per_token=None if flops is None else flops / n_tok, flops=flops,
+          xla_flops=m["xla_flops"],
           temp_bytes=m["temp_bytes"], argument_bytes=arg_bytes, peak_bytes=m["peak_bytes"],
           params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
           mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12))

@@ -2,9 +2,11 @@
 
 For each op and sequence length T: forward and forward+backward (gradient of
 ``sum(out * cotangent)`` with respect to every input, the bias ``w`` / kernel included), causal,
-``[B, T, D]`` float32 inputs. Records the median wall time after compilation, XLA's FLOP count,
-the compiled program's temp memory and (on accelerators) the peak device memory. ``cumsum`` is
-one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the floor for causal AFT-simple.
+``[B, T, D]`` float32 inputs. Records the median wall time after compilation, the FLOP count
+(``flops.count``: loops counted once per trip; XLA's own count, which counts a loop body
+once, is kept as ``xla_flops``), the compiled program's temp memory and (on accelerators) the
+peak device memory. ``cumsum`` is one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the
+floor for causal AFT-simple.
 
     python -m benchmarks.bench_ops --out benchmarks/results           # full sweep
     python -m benchmarks.bench_ops --quick --out /tmp/bench           # < 1 minute on CPU
@@ -31,7 +33,7 @@ from benchmarks import common
 
 HEADS = 8
 MODES = ("fwd", "fwd_bwd")
-FIELDS = ("time_s", "flops", "temp_bytes", "compile_s", "repeats")
+FIELDS = ("time_s", "flops", "xla_flops", "temp_bytes", "compile_s", "repeats")
 
 
 def _softmax_einsum(q, k, v):
@@ -201,7 +203,7 @@ def markdown(records, sizes, names, info):
   for mode, title in (("fwd_bwd", "forward+backward"), ("fwd", "forward")):
     for field, label, fmt in (("time_s", "median time", common.fmt_time),
                               ("temp_bytes", "XLA temp memory", common.fmt_bytes),
-                              ("flops", "XLA FLOPs", common.fmt_flops)):
+                              ("flops", "FLOPs (loops counted per trip)", common.fmt_flops)):
       lines.append(f"\n**{title}, {label}** (batch {info['batch']}, d {info['d']}, causal)\n")
       lines.append("| op | " + " | ".join(f"T={t}" for t in sizes) + " |")
       lines.append("|---|" + "---:|" * len(sizes))

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from benchmarks import flops
+
 # Peak dense bf16 TFLOP/s per chip, for model FLOPs utilisation. Matched by substring of
 # device_kind (first match wins, so more specific names come first).
 PEAK_BF16_TFLOPS = (
@@ -74,11 +76,11 @@ def _first(x):
 
 
 def compiled_stats(compiled) -> dict[str, float | None]:
-  """FLOPs and temp/argument/output bytes of a compiled XLA program."""
-  out = {"flops": None, "temp_bytes": None}
+  """XLA's FLOP count (loop bodies counted once) and the temp bytes of a compiled program."""
+  out = {"xla_flops": None, "temp_bytes": None}
   try:
     cost = _first(compiled.cost_analysis())
-    out["flops"] = float(cost.get("flops", math.nan))
+    out["xla_flops"] = float(cost.get("flops", math.nan))
   except Exception:  # pylint: disable=broad-except
     pass
   try:
@@ -120,12 +122,14 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
   """Compile ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given), then time it.
 
   Runs up to ``repeats`` timed calls, stopping early (after at least ``min_repeats``) once the
-  timed calls have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs, temp
-  bytes and (on accelerators) peak device bytes.
+  timed calls have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs
+  (``flops.count``: loops times their trip count; and XLA's own count), temp bytes and (on
+  accelerators) peak device bytes.
   """
   if compiled is None:
     compiled, compile_s = compile_fn(fn, args)
   stats = compiled_stats(compiled)
+  stats["flops"] = flops.count(fn, *args)
   _block(compiled(*args))  # warm-up
   times = []
   spent = 0.0
@@ -143,6 +147,7 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
       "repeats": len(times),
       "compile_s": compile_s,
       "flops": stats["flops"],
+      "xla_flops": stats["xla_flops"],
       "temp_bytes": stats["temp_bytes"],
       "peak_bytes": peak_device_bytes(),
   }

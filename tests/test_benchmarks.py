@@ -59,3 +59,31 @@ def test_bench_model_quick(tmp_path):
     assert all(_finite(v) for v in x.values()), x
   for name in ("bench_model.md", "bench_model.png"):
     assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_flop_count_multiplies_loops_and_matches_xla_without_them():
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import flops
+
+  a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  b = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+  matmul = 2 * 8 * 16 * 4
+  assert flops.count(jnp.matmul, a, b) == matmul
+
+  def loop(a, b):
+    return jax.lax.scan(lambda c, _: (c + a @ b, None), jnp.zeros((8, 4)), None, length=10)[0]
+
+  assert flops.count(loop, a, b) == 10 * (matmul + 8 * 4)  # XLA would count one trip
+
+  def branch(p, a, b):  # the first (false) branch is counted
+    return jax.lax.cond(p, lambda: jnp.exp(a) @ b, lambda: a @ b)
+
+  assert flops.count(branch, True, a, b) == matmul
+
+  # A loop-free program: the same count as XLA's cost analysis (within 5%).
+  x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
+  fwd = bench_ops._softmax_einsum
+  cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05

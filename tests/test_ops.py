@@ -10,7 +10,7 @@ import pytest
 from absl.testing import parameterized
 from jax.test_util import check_grads
 
-from aft_jax import ops
+from aft_jax import banded, causal_mean, ops
 import numpy_reference as ref
 
 # Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
@@ -250,35 +250,55 @@ def _dense_reference(q, k, v, w, causal):
 
 
 @pytest.mark.parametrize("causal,window,scale", [(True, 32, 1.0), (True, 100, 40.0),
-                                                 (False, 50, 40.0), (False, 20, 1.0)])
-def test_local_long_sequence(causal, window, scale):
-  """T well above the window: the blocked band path, and at scale 40 its exact fallback."""
+                                                 (False, 50, 40.0), (False, 20, 1.0),
+                                                 (True, None, 40.0), (False, None, 1.0)])
+def test_banded_long_sequence(causal, window, scale):
+  """T well above the block size: several query blocks (the last one overlapping), the running
+  sums outside the window, and at scale 40 the exact recomputation of row groups. Values,
+  reverse-mode and forward-mode derivatives (the custom JVP itself) against dense formulas.
+  ``window=None``: AFT-full."""
   t_len = 300
   q, k, v, w = _qkvw(20, (2,), t_len, 4, scale)
-  fn = jax.jit(functools.partial(ops.aft_local, window=window, causal=causal))
-  expected = _dense_reference(q, k, v, ref.local_bias(w, window), causal)
+  if window is None:
+    fn = jax.jit(functools.partial(ops.aft_full, causal=causal))
+    bias = w
+  else:
+    fn = jax.jit(functools.partial(ops.aft_local, window=window, causal=causal))
+    bias = ref.local_bias(w, window)
+  expected = _dense_reference(q, k, v, bias, causal)
   chex.assert_trees_all_close(fn(q, k, v, w), expected, rtol=RTOL, atol=ATOL)
-  # Gradients against the same dense formula in jnp (exact: a per-(t, d) maximum).
-  def dense(q, k, v, w):
+
+  plan = banded.make_plan(t_len, 2 * 4, window or t_len, causal)
+  assert plan.nb > 1 and plan.nb * plan.c > t_len, plan  # several blocks, the last overlapping
+  rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
+  recomputed = banded._forward(plan, rows(k), rows(v), w)[2]
+  assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
+
+  def dense(q, k, v, w):  # exact: a per-(t, d) maximum
     idx = np.arange(t_len)
-    keep = np.abs(idx[:, None] - idx[None, :]) < window
+    keep = np.abs(idx[:, None] - idx[None, :]) < (window or t_len)
     logits = k[..., None, :, :] + jnp.where(keep, w, 0.0)[:, :, None]
     if causal:
       logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-2)
     return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
 
-  ct = _rand(21, q.shape)[0]
+  ct, tk, tv = _rand(21, q.shape, q.shape, q.shape)
+  (tw,) = _rand(22, w.shape)
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
   chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3,
                               atol=1e-4)
+  jvp = lambda f: jax.jit(lambda *a: jax.jvp(lambda k, v, w: f(q, k, v, w), a[:3], a[3:])[1])
+  want = jvp(dense)(k, v, w, tk, tv, tw)
+  np.testing.assert_allclose(jvp(fn)(k, v, w, tk, tv, tw), want, rtol=1e-3,
+                             atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])
 def test_simple_causal_derivatives_exact_at_large_logits(t_len, scale):
   """Causal AFT-simple's custom JVP (and the reverse mode transposed from it): float32
-  against a dense float64 softmax, at logits of std 40, over several chunks (T = 37, 300:
-  a padded last chunk)."""
+  against a dense float64 softmax, at logits of std 40 (where chunks are recomputed with a
+  running maximum), over several chunks (T = 37, 300: a padded last chunk)."""
   q, k, v, _ = _qkvw(22, (2,), t_len, 3, scale)
   ct, tk, tv = _rand(23, q.shape, q.shape, q.shape)
   fn = jax.jit(functools.partial(ops.aft_simple, causal=True))
@@ -294,6 +314,11 @@ def test_simple_causal_derivatives_exact_at_large_logits(t_len, scale):
     want_rev = jax.grad(lambda *a: jnp.sum(dense(*a) * ct64), argnums=(0, 1, 2))(q64, k64, v64)
     want_fwd = jax.jvp(lambda k, v: dense(q64, k, v), (k64, v64), (tk64, tv64))[1]
     want_rev, want_fwd = jax.tree.map(np.asarray, (want_rev, want_fwd))
+  rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
+  c = min(causal_mean.CHUNK, t_len)
+  chunks = lambda x: causal_mean._chunked(rows(x), c, -1e30)
+  recomputed = causal_mean._forward(chunks(k), chunks(v))[3]
+  assert bool(np.any(recomputed)) == (scale > 1.0 and t_len > 1), recomputed
   got_rev = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
   got_fwd = jax.jvp(lambda k, v: fn(q, k, v), (k, v), (tk, tv))[1]
   for got, want in zip(got_rev + (got_fwd,), want_rev + (want_fwd,)):

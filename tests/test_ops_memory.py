@@ -48,3 +48,26 @@ def test_softmax_attention_memory_grows_quadratically():
   for small, big in zip(sizes, sizes[1:]):
     assert big >= 8 * small, sizes  # 4x longer: towards 16x the memory (T x T scores)
   assert sizes[-1] >= 100 * sizes[0], sizes  # 16x longer: ~256x
+
+
+def test_causal_aft_uses_a_twentieth_of_softmax_memory_at_4096():
+  """The benchmark's target, read from the compiled programs: forward+backward at T = 4096,
+  d = 512, batch 1, every input differentiated; AFT-simple and AFT-local (s = 128) need at
+  most 0.05x the scratch of causal softmax attention (einsum form, 8 heads)."""
+  from benchmarks.bench_ops import _softmax_einsum
+
+  t_len, d = 4096, 512
+  x = jax.ShapeDtypeStruct((1, t_len, d), jnp.float32)
+  w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
+
+  def temp(fn, *args):
+    loss = lambda *a: jnp.sum(fn(*a))
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  softmax = temp(_softmax_einsum, x, x, x)
+  simple = temp(functools.partial(ops.aft_simple, causal=True), x, x, x)
+  local = temp(functools.partial(ops.aft_local, window=128, causal=True), x, x, x, w)
+  assert softmax > t_len * t_len * 4 * 8 / 2, softmax  # the 8 heads' scores: the baseline is real
+  assert simple <= 0.05 * softmax, (simple, softmax)
+  assert local <= 0.05 * softmax, (local, softmax)

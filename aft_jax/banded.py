@@ -1,0 +1,289 @@
+"""Softmax-weighted means with a pairwise bias on a band of keys: the core of AFT-local and
+AFT-full, computed in query blocks with a hand-written tangent.
+
+For a query t and a channel r (k, v, a, L are ``[T, R]``; w is ``[T, T]``):
+
+    a[t, r] = sum_t' exp(k[t', r] + b[t, t']) v[t', r] / sum_t' exp(k[t', r] + b[t, t'])
+    L[t, r] = log sum_t' exp(k[t', r] + b[t, t'])
+
+where b[t, t'] = w[t, t'] on the band |t - t'| < s and 0 on every other key; causal: only
+t' <= t. (s >= T: the band is every key, AFT-full.)
+
+Layout. Queries are cut into nb blocks of c rows (the last block is moved back to end at T,
+so it may overlap the one before; overlapping rows get the same values). Block b, rows
+[rs, rs + c), sees the keys [ks, ks + W): its band plus the bias-0 keys between, a [c, W]
+rectangle summed with matrix products of exp(b - row max) and exp(k - channel max) v. Keys
+before ks (and, two-sided, from ks + W on) have bias 0 for every row of the block: their sums
+are per-block vectors [nb, R] from a running scan. Every sum is exact: the running scans
+carry their maximum; the rectangle's split shift is exact unless the largest term of a row
+underflows, which shows as a tiny denominator (< 1e-25, with logits |k + w| ~ 100), and such
+row groups are recomputed with a per-(t, r) maximum.
+
+Memory. Scans over blocks keep every intermediate at block size. The derivative is a custom
+JVP (forward mode works; reverse mode is its transpose): with p[t, t'] = exp(k[t'] + b[t, t']
+- L[t]),
+
+    da[t] = sum_t' p[t, t'] (dv[t'] + (dk[t'] + dw[t, t']) (v[t'] - a[t]))
+
+(dw on the band only), the same blocked products with the saved a and L, so the only [T, R]
+residuals are a and L, and the scan bodies are rematerialized: no per-block copies of exp(w)
+or exp(k) are kept for the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aft_jax.logsumexp import NEG, Acc, combine
+
+_HI = jax.lax.Precision.HIGHEST
+# Below this value of the rectangle's fast denominator (a sum of products of two factors
+# <= 1), its largest terms may have underflowed and the row group is recomputed exactly. Terms
+# smaller than 1e-38 then weigh < 1e-13 relative to den, far below float32 resolution.
+_DEN_OK = 1e-25
+# Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
+_GROUP_ELEMENTS = 1 << 20
+# exp(row max + channel max - L) is < 1e25 wherever the fast path is used; capped elsewhere
+# (where its product is discarded) so that no inf can meet a zero cotangent.
+_MAX_LOG_SCALE = 80.0
+
+
+class Plan(NamedTuple):
+  """Static block layout: T, window s (>= T: all keys), causal, c rows per block, nb blocks,
+  W keys per block, and rows per exact-recomputation group."""
+
+  t_len: int
+  s: int
+  causal: bool
+  c: int
+  nb: int
+  width: int
+  rows: int
+
+  @property
+  def groups(self) -> int:
+    return self.c // self.rows
+
+
+def _default_block(s: int, t_len: int) -> int:
+  # Measured on CPU (T = 4096, R = 512): the per-block cost of a scan step dominates below
+  # ~64 rows, and the masked corners of the [c, c + s - 1] rectangle above ~s rows.
+  if s >= t_len:
+    return 256
+  return min(128, max(64, 1 << round(math.log2(s))))
+
+
+def make_plan(t_len: int, r: int, window: int, causal: bool, block: int | None = None) -> Plan:
+  """The layout for ``T = t_len`` positions, ``R = r`` channels and band half-width ``window``."""
+  s = min(window, t_len)
+  c = min(t_len, block or _default_block(s, t_len))
+  nb = -(-t_len // c)
+  width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
+  rows = 1
+  while c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
+    rows *= 2
+  return Plan(t_len, s, causal, c, nb, width, rows)
+
+
+def _starts(p: Plan):
+  """Per block: first row rs, first key ks and end of the keys ke = ks + W (numpy, [nb])."""
+  rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
+  ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
+  return rs.astype(np.int32), ks.astype(np.int32), (ks + p.width).astype(np.int32)
+
+
+def _edge_ranges(p: Plan):
+  """Key ranges [lo, hi) added per block to the prefix sums (keys < ks) and, two-sided, to the
+  suffix sums (keys >= ke, built from the last block back). Each range has <= c keys."""
+  _, ks, ke = _starts(p)
+  pre = (np.concatenate([[0], ks[:-1]]).astype(np.int32), ks)
+  suf = (ke, np.concatenate([ke[1:], [p.t_len]]).astype(np.int32))
+  return pre, suf
+
+
+def _bias(p: Plan, w_blk, rs, ks):
+  """The block's biases [c, W] (NEG where a key is excluded) and its band mask."""
+  d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
+  band = jnp.abs(d) < p.s
+  if p.causal:
+    band &= d <= 0
+    return jnp.where(band, w_blk, jnp.where(d < 0, 0.0, NEG)), band
+  return jnp.where(band, w_blk, 0.0), band
+
+
+def _slice(x, start, size):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, 0)
+
+
+def _range_keys(k, lo, hi, c):
+  """The c keys from min(lo, T - c), their mask lo <= t' < hi, and the slice start."""
+  st = jnp.clip(lo, 0, k.shape[0] - c)
+  idx = st + jnp.arange(c)
+  return st, ((idx >= lo) & (idx < hi))[:, None]
+
+
+def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
+  """Running exact sums (bias 0) over the blocks' key ranges: the triple after each block's
+  range is added, [nb, R] each (in block order, or from the last block back)."""
+  c = p.c
+
+  def step(acc, lohi):
+    st, keep = _range_keys(k, *lohi, c)
+    kk = jnp.where(keep, _slice(k, st, c), NEG)
+    m = jnp.maximum(acc.m, jnp.max(kk, axis=0))
+    e = jnp.where(keep, jnp.exp(kk - m), 0.0)
+    scale = jnp.exp(acc.m - m)
+    acc = Acc(m, acc.num * scale + jnp.sum(e * _slice(v, st, c), axis=0),
+              acc.den * scale + jnp.sum(e, axis=0))
+    return acc, acc
+
+  zero = jnp.zeros(k.shape[1:], k.dtype)
+  return jax.lax.scan(step, Acc(zero + NEG, zero, zero), ranges, reverse=reverse)[1]
+
+
+def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
+  """The tangent of ``_edge_sums`` in the scale of its maxima m [nb, R]: per block
+  G = sum exp(k - m) (dv + dk v) and H = sum exp(k - m) dk over the keys so far, [nb, R]."""
+  c = p.c
+  m_prev = jnp.concatenate([m[1:], m[-1:] * 0 + NEG]) if reverse else \
+      jnp.concatenate([m[:1] * 0 + NEG, m[:-1]])
+
+  def step(gh, xs):
+    lo, hi, mb, mp = xs
+    st, keep = _range_keys(k, lo, hi, c)
+    e = jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG))
+    dkk = _slice(dk, st, c)
+    scale = jnp.exp(mp - mb)  # <= 1: the maximum only grows
+    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * _slice(v, st, c)), axis=0)
+    h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
+    return (g, h), (g, h)
+
+  zero = jnp.zeros(k.shape[1:], k.dtype)
+  return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev),
+                      reverse=reverse)[1]
+
+
+def _patch(p: Plan, bad, fast, exact):
+  """``fast`` (a tuple of [c, R] arrays) with the row groups flagged in ``bad`` [groups]
+  replaced by ``exact(g)`` (a tuple of [rows, R]); nothing is recomputed when none is."""
+  def one(args):
+    g, flag, f = args
+    return jax.lax.cond(flag, lambda: exact(g), lambda: f)
+
+  def run():
+    split = tuple(x.reshape((p.groups, p.rows) + x.shape[1:]) for x in fast)
+    out = jax.lax.map(jax.checkpoint(one), (jnp.arange(p.groups), bad, split))
+    return tuple(x.reshape((p.c,) + x.shape[2:]) for x in out)
+
+  return jax.lax.cond(jnp.any(bad), run, lambda: fast)
+
+
+def _shifted(bias, kw):
+  """exp(bias - row max) [c, W], exp(k - channel max) [W, R] and the two maxima."""
+  mw = jnp.max(bias, axis=1)
+  mk = jnp.max(kw, axis=0)
+  return jnp.exp(bias - mw[:, None]), jnp.exp(kw - mk), mw, mk
+
+
+def _matmul(pt, x):
+  return jnp.einsum("cw,wx->cx", pt, x, precision=_HI)
+
+
+def _forward(p: Plan, k, v, w):
+  """a, L [T, R] (and for the tangent: the recomputed row groups [nb, groups] and the edge
+  sums' maxima)."""
+  r = k.shape[1]
+  rs, ks, _ = _starts(p)
+  pre_r, suf_r = _edge_ranges(p)
+  pre = _edge_sums(p, k, v, pre_r, False)
+  suf = None if p.causal else _edge_sums(p, k, v, suf_r, True)
+
+  def block(_, xs):
+    b_rs, b_ks, pre_b, suf_b = xs
+    bias, _ = _bias(p, jax.lax.dynamic_slice(w, (b_rs, b_ks), (p.c, p.width)), b_rs, b_ks)
+    kw, vw = _slice(k, b_ks, p.width), _slice(v, b_ks, p.width)
+    pt, e, mw, mk = _shifted(bias, kw)
+    nd = _matmul(pt, jnp.concatenate([e * vw, e], axis=1))
+    fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
+    bad = jnp.any(fast[2] < _DEN_OK, axis=1) | jnp.any(jnp.isnan(fast[2]), axis=1)
+    bad = jnp.any(bad.reshape(p.groups, p.rows), axis=1)
+
+    def exact(g):
+      logits = _slice(bias, g * p.rows, p.rows)[:, :, None] + kw[None]
+      m = jnp.max(logits, axis=1)
+      pe = jnp.exp(logits - m[:, None])
+      return m, jnp.einsum("rwx,wx->rx", pe, vw, precision=_HI), jnp.sum(pe, axis=1)
+
+    acc = combine(Acc(*_patch(p, bad, fast, exact)), Acc(*(x[None] for x in pre_b)))
+    if suf_b is not None:
+      acc = combine(acc, Acc(*(x[None] for x in suf_b)))
+    return None, (acc.num / acc.den, acc.m + jnp.log(acc.den), bad)
+
+  _, (a, lse, bad) = jax.lax.scan(block, None, (rs, ks, pre, suf))
+  return _unblock(p, a), _unblock(p, lse), bad, pre.m, None if suf is None else suf.m
+
+
+def _unblock(p: Plan, x):
+  """[nb, c, ...] -> [T, ...]: the last block's rows that the one before already has dropped."""
+  if p.nb * p.c == p.t_len:
+    return x.reshape((p.t_len,) + x.shape[2:])
+  head = x[:-1].reshape(((p.nb - 1) * p.c,) + x.shape[2:])
+  return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len:]], axis=0)
+
+
+def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
+  """da [T, R]: linear in (dk, dv, dw); everything else is recomputed from the primals."""
+  r = k.shape[1]
+  rs, ks, _ = _starts(p)
+  pre_r, suf_r = _edge_ranges(p)
+  pre = (pre_m, *_edge_tangent(p, k, v, pre_m, pre_r, False, dk, dv))
+  suf = None if p.causal else (suf_m, *_edge_tangent(p, k, v, suf_m, suf_r, True, dk, dv))
+
+  def block(_, xs):
+    b_rs, b_ks, bad_b, pre_b, suf_b = xs
+    bias, band = _bias(p, jax.lax.dynamic_slice(w, (b_rs, b_ks), (p.c, p.width)), b_rs, b_ks)
+    dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
+    kw, vw = _slice(k, b_ks, p.width), _slice(v, b_ks, p.width)
+    dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
+    a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
+    pt, e, mw, mk = _shifted(bias, kw)
+    scale = jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE))
+    nd = (_matmul(pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1))
+          + _matmul(pt * dwb, jnp.concatenate([e * vw, e], axis=1)))
+    da = scale * (nd[:, :r] - a_r * nd[:, r:])
+
+    def exact(g):
+      rows = lambda x: _slice(x, g * p.rows, p.rows)
+      pe = jnp.exp(rows(bias)[:, :, None] + kw[None] - rows(l_r)[:, None])  # <= 1
+      t = dvw[None] + (dkw[None] + rows(dwb)[:, :, None]) * (vw[None] - rows(a_r)[:, None])
+      return (jnp.sum(pe * t, axis=1),)
+
+    (da,) = _patch(p, bad_b, (da,), exact)
+    for edge in (pre_b, suf_b):
+      if edge is not None:
+        m, g, h = edge
+        da = da + jnp.exp(m - l_r) * (g - a_r * h)  # exp(m - L) <= 1
+    return None, da
+
+  _, da = jax.lax.scan(jax.checkpoint(block), None, (rs, ks, bad, pre, suf))
+  return _unblock(p, da)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def banded_mean(p: Plan, k, v, w):
+  """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
+  return _forward(p, k, v, w)[0]
+
+
+@banded_mean.defjvp
+def _banded_mean_jvp(p, primals, tangents):
+  k, v, w = primals
+  a, lse, bad, pre_m, suf_m = _forward(p, k, v, w)
+  tangent = jax.checkpoint(functools.partial(_tangent, p))
+  return a, tangent(k, v, w, a, lse, bad, pre_m, suf_m, *tangents)

@@ -1,0 +1,46 @@
+"""Exact partial softmax sums, carried as (max, numerator, denominator) triples.
+
+``exp`` overflows float32 above ~88, and a single shift per row of a bias and per channel of
+the keys is not enough when the two maxima sit at different positions (every shifted term
+underflows). So partial sums are carried as triples ``(m, num, den)`` = (max logit,
+sum exp(logit - m) v, sum exp(logit - m)) and combined like a stable log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# The max of an empty sum. Finite (not -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no
+# inf - inf = NaN can reach a gradient.
+NEG = -1e30
+
+
+class Acc(NamedTuple):
+  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
+
+  ``m`` never carries a gradient: every result is a ratio num / den in which m cancels, so
+  holding m fixed (``stop_gradient``) gives the exact derivative and keeps max() out of the
+  backward pass.
+  """
+
+  m: jax.Array
+  num: jax.Array
+  den: jax.Array
+
+
+def bcast(scale, num):
+  """``scale`` [..., D] broadcast against ``num`` [..., D] or [..., D, C]."""
+  return scale[..., None] if num.ndim > scale.ndim else scale
+
+
+def combine(a: Acc, b: Acc) -> Acc:
+  """(m, num, den) of the union of two disjoint sets of terms (stable log-sum-exp)."""
+  m = jnp.maximum(a.m, b.m)
+  # One exp: the larger side is scaled by 1, the smaller by exp(-|a.m - b.m|).
+  x = jnp.exp(-jnp.abs(a.m - b.m))
+  a_big = a.m >= b.m
+  sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
+  return Acc(m, a.num * bcast(sa, a.num) + b.num * bcast(sb, b.num), a.den * sa + b.den * sb)
