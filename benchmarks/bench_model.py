@@ -83,6 +83,7 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
       step = make_step(model, tx)
       compiled, compile_s = common.compile_fn(step, args)
       m = common.measure(step, args, repeats=a.repeats, max_seconds=max(2.0, 2 * max_step_s),
+                         min_seconds=a.min_seconds,
                          compiled=compiled, compile_s=compile_s)
       try:
         arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
@@ -200,11 +201,14 @@ def main(argv=None):
   p.add_argument("--kernel_size", type=int, default=7)
   p.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--min_seconds", type=float, default=1.0,
+                 help="keep timing a size (up to 50 steps) until the steps have used this long")
   p.add_argument("--max_step_s", type=float, default=None)
   a = p.parse_args(argv)
   if a.quick:
     sizes = a.sizes or [32, 64]
     a.layers, a.d_model, a.heads, a.vocab, a.repeats = 1, 32, 4, 128, 2
+    a.min_seconds = 0.0
     a.window, a.kernel_size = min(a.window, 16), min(a.kernel_size, 7)
     max_step_s = a.max_step_s or 2.0
   else:

@@ -110,6 +110,7 @@ def growth(cost_class):
 
 
 def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib,
+        min_seconds=1.0,
         log=print):
   table = op_table(conv_kernel)
   records = []
@@ -146,7 +147,7 @@ def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gi
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
         m = common.measure(f, call_args, repeats=repeats, max_seconds=max(2.0, 2 * max_call_s),
-                           compiled=compiled, compile_s=compile_s)
+                           min_seconds=min_seconds, compiled=compiled, compile_s=compile_s)
         del compiled
         rec.update(status="ok", **m)
         records.append(rec)
@@ -263,6 +264,8 @@ def main(argv=None):
   p.add_argument("--conv_kernel", type=int, default=7)
   p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--min_seconds", type=float, default=1.0,
+                 help="keep timing a size (up to 50 calls) until the calls have used this long")
   p.add_argument("--max_call_s", type=float, default=None,
                  help="skip a size when its extrapolated time per call exceeds this")
   p.add_argument("--max_temp_gib", type=float, default=8.0)
@@ -270,7 +273,7 @@ def main(argv=None):
   on_cpu = jax.devices()[0].platform == "cpu"
   if a.quick:
     sizes = a.sizes or [64, 128]
-    a.d, a.repeats = min(a.d, 64), 2
+    a.d, a.repeats, a.min_seconds = min(a.d, 64), 2, 0.0
     max_call_s = a.max_call_s or 1.0
   else:
     sizes = a.sizes or [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -283,7 +286,8 @@ def main(argv=None):
               command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])))
   t0 = time.time()
   records = run(sizes, batch=a.batch, d=a.d, conv_kernel=a.conv_kernel, names=names,
-                repeats=a.repeats, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
+                repeats=a.repeats, min_seconds=a.min_seconds, max_call_s=max_call_s,
+                max_temp_gib=a.max_temp_gib)
   info["wall_s"] = time.time() - t0
   try:
     info["load_average_at_end"] = list(os.getloadavg())

@@ -118,11 +118,13 @@ def compile_fn(fn: Callable, args: tuple):
 
 
 def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2,
-            max_seconds: float = 10.0, compiled=None, compile_s=None) -> dict[str, Any]:
+            max_seconds: float = 10.0, min_seconds: float = 1.0, max_repeats: int = 50,
+            compiled=None, compile_s=None) -> dict[str, Any]:
   """Compile ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given), then time it.
 
-  Runs up to ``repeats`` timed calls, stopping early (after at least ``min_repeats``) once the
-  timed calls have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs
+  Runs ``repeats`` timed calls, more (up to ``max_repeats``) until they have used
+  ``min_seconds`` (fast calls: a median over many, robust to bursts of load), fewer (at least
+  ``min_repeats``) once they have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs
   (``flops.count``: loops times their trip count; and XLA's own count), temp bytes and (on
   accelerators) peak device bytes.
   """
@@ -133,7 +135,9 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
   _block(compiled(*args))  # warm-up
   times = []
   spent = 0.0
-  for i in range(repeats):
+  for i in range(max_repeats):
+    if i >= repeats and spent >= min_seconds:
+      break
     t = time.perf_counter()
     _block(compiled(*args))
     dt = time.perf_counter() - t
