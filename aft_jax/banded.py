@@ -122,7 +122,7 @@ def _slice(x, start, size):
 
 
 def _range_keys(k, lo, hi, c):
-  """The c keys from min(lo, T - c), their mask lo <= t' < hi, and the slice start."""
+  """(start, mask) of the c keys from start = min(lo, T - c): mask [c, 1] is lo <= t' < hi."""
   st = jnp.clip(lo, 0, k.shape[0] - c)
   idx = st + jnp.arange(c)
   return st, ((idx >= lo) & (idx < hi))[:, None]
