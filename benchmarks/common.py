@@ -124,9 +124,9 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
 
   Runs ``repeats`` timed calls, more (up to ``max_repeats``) until they have used
   ``min_seconds`` (fast calls: a median over many, robust to bursts of load), fewer (at least
-  ``min_repeats``) once they have used ``max_seconds``. Returns median seconds, compile seconds, FLOPs
-  (``flops.count``: loops times their trip count; and XLA's own count), temp bytes and (on
-  accelerators) peak device bytes.
+  ``min_repeats``) once they have used ``max_seconds``. Returns median seconds, compile
+  seconds, FLOPs (``flops.count``: loops times their trip count; and XLA's own count), temp
+  bytes and (on accelerators) peak device bytes.
   """
   if compiled is None:
     compiled, compile_s = compile_fn(fn, args)

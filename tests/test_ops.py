@@ -323,3 +323,41 @@ def test_simple_causal_derivatives_exact_at_large_logits(t_len, scale):
   got_fwd = jax.jvp(lambda k, v: fn(q, k, v), (k, v), (tk, tv))[1]
   for got, want in zip(got_rev + (got_fwd,), want_rev + (want_fwd,)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("t_len,window", [(13, 1), (13, 3), (13, 6), (16, 2), (16, 40)])
+def test_banded_small_blocks(causal, t_len, window):
+  """Blocks of 4 rows (the last one overlapping when 4 does not divide T): every layout case
+  of ``banded`` (windows narrower and wider than a block, clamped key ranges at both ends,
+  running sums on both sides) against the float64 loop reference, and its derivatives in
+  both modes against finite differences."""
+  plan = banded.make_plan(t_len, 3, window, causal, block=4)
+  assert plan.nb == -(-t_len // 4)
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(t_len * 100 + window)
+    k, v = (jnp.asarray(rng.normal(size=(t_len, 3)) * 2) for _ in range(2))
+    w = jnp.asarray(rng.normal(size=(t_len, t_len)))
+    fn = jax.jit(functools.partial(banded.banded_mean, plan))
+    # The reference's output is sigma(q) * mean: q = +inf gives the mean itself.
+    q = np.full((t_len, 3), np.inf)
+    expected = ref.aft_local(q, np.asarray(k), np.asarray(v), np.asarray(w), window, causal)
+    np.testing.assert_allclose(fn(k, v, w), expected, rtol=1e-10, atol=1e-12)
+    check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t_len", [1, 13, 16])
+def test_causal_mean_small_chunks(t_len):
+  """Chunks of 4 positions (the last one padded when 4 does not divide T), at ordinary and at
+  huge logit sizes (where chunks are recomputed sequentially): values against the float64
+  loop reference, derivatives in both modes against finite differences."""
+  with jax.enable_x64(True):
+    for scale in (1.0, 100.0):
+      rng = np.random.default_rng(t_len)
+      k = jnp.asarray(rng.normal(size=(t_len, 3)) * scale)
+      v = jnp.asarray(rng.normal(size=(t_len, 3)))
+      fn = jax.jit(functools.partial(causal_mean.causal_mean, chunk=4))
+      q = np.full((t_len, 3), np.inf)  # sigma(q) = 1: the reference gives the mean itself
+      expected = ref.aft_simple(q, np.asarray(k), np.asarray(v), True)
+      np.testing.assert_allclose(fn(k, v), expected, rtol=1e-10, atol=1e-12)
+      check_grads(fn, (k, v), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
