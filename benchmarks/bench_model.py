@@ -15,7 +15,6 @@ utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -60,12 +59,8 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
     for t_len in sizes:
       rec = {"mixing": mixing, "T": t_len, "batch": a.batch}
       cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"
-      if stop is None and last is not None:
-        grow = (4.0 if cost == "quadratic" else 2.0) ** math.log2(t_len / last[0])
-        est = last[1] * grow
-        if est > max_step_s:
-          stop = (f"estimated {est:.1f} s per step (from {last[1]:.2f} s at T={last[0]}, "
-                  f"attention part {cost} in T) > --max_step_s {max_step_s}")
+      if stop is None:  # cost: of the attention part
+        stop = common.budget_exceeded(last, t_len, cost, max_step_s, "step", "--max_step_s")
       if stop is not None:
         rec.update(common.skipped(stop))
         records.append(rec)

@@ -105,10 +105,6 @@ def fwd_bwd(fn):
   return grads
 
 
-def growth(cost_class):
-  return 4.0 if cost_class == "quadratic" else 2.0
-
-
 def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib,
         min_seconds=1.0,
         log=print):
@@ -123,11 +119,9 @@ def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gi
       stop_reason = None
       for t_len in sizes:
         rec = {"op": name, "mode": mode, "T": t_len, "batch": batch, "d": d}
-        if stop_reason is None and last is not None:
-          est = last[1] * growth(cost_class) ** math.log2(t_len / last[0])
-          if est > max_call_s:
-            stop_reason = (f"estimated {est:.1f} s per call (from {last[1]:.2f} s at "
-                           f"T={last[0]}, {cost_class} in T) > --max_call_s {max_call_s}")
+        if stop_reason is None:
+          stop_reason = common.budget_exceeded(last, t_len, cost_class, max_call_s, "call",
+                                               "--max_call_s")
         if stop_reason is not None:
           rec.update(common.skipped(stop_reason))
           records.append(rec)

@@ -157,6 +157,20 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
   }
 
 
+def budget_exceeded(last, t_len: int, cost_class: str, budget_s: float, what: str,
+                    flag: str) -> str | None:
+  """Why size ``t_len`` should be skipped, or None: the time of the last measured size
+  ``last = (T, seconds)`` extrapolated to ``t_len`` (x2 per doubling of T when ``cost_class``
+  is 'linear', x4 when 'quadratic') exceeds ``budget_s``."""
+  if last is None:
+    return None
+  est = last[1] * (4.0 if cost_class == "quadratic" else 2.0) ** math.log2(t_len / last[0])
+  if est <= budget_s:
+    return None
+  return (f"estimated {est:.1f} s per {what} (from {last[1]:.2f} s at T={last[0]}, "
+          f"{cost_class} in T) > {flag} {budget_s}")
+
+
 def skipped(reason: str) -> dict[str, str]:
   return {"status": SKIPPED, "reason": reason}
 
