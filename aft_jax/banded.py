@@ -40,13 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.logsumexp import NEG, Acc, combine
+from aft_jax.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine
 
-_HI = jax.lax.Precision.HIGHEST
-# Below this value of the rectangle's fast denominator (a sum of products of two factors
-# <= 1), its largest terms may have underflowed and the row group is recomputed exactly. Terms
-# smaller than 1e-38 then weigh < 1e-13 relative to den, far below float32 resolution.
-_DEN_OK = 1e-25
 # Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
 _GROUP_ELEMENTS = 1 << 20
 # exp(row max + channel max - L) is < 1e25 wherever the fast path is used; capped elsewhere
@@ -151,8 +146,8 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
   """The tangent of ``_edge_sums`` in the scale of its maxima m [nb, R]: per block
   G = sum exp(k - m) (dv + dk v) and H = sum exp(k - m) dk over the keys so far, [nb, R]."""
   c = p.c
-  m_prev = jnp.concatenate([m[1:], m[-1:] * 0 + NEG]) if reverse else \
-      jnp.concatenate([m[:1] * 0 + NEG, m[:-1]])
+  empty = jnp.full_like(m[:1], NEG)
+  m_prev = jnp.concatenate([m[1:], empty] if reverse else [empty, m[:-1]])
 
   def step(gh, xs):
     lo, hi, mb, mp = xs
@@ -184,6 +179,13 @@ def _patch(p: Plan, bad, fast, exact):
   return jax.lax.cond(jnp.any(bad), run, lambda: fast)
 
 
+def _block(p: Plan, k, v, w, rs, ks):
+  """Block (rs, ks): its biases [c, W] and band mask (``_bias``) and its keys and values
+  [W, R]."""
+  bias, band = _bias(p, jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width)), rs, ks)
+  return bias, band, _slice(k, ks, p.width), _slice(v, ks, p.width)
+
+
 def _shifted(bias, kw):
   """exp(bias - row max) [c, W], exp(k - channel max) [W, R] and the two maxima."""
   mw = jnp.max(bias, axis=1)
@@ -192,7 +194,7 @@ def _shifted(bias, kw):
 
 
 def _matmul(pt, x):
-  return jnp.einsum("cw,wx->cx", pt, x, precision=_HI)
+  return jnp.einsum("cw,wx->cx", pt, x, precision=HIGHEST)
 
 
 def _forward(p: Plan, k, v, w):
@@ -206,19 +208,18 @@ def _forward(p: Plan, k, v, w):
 
   def block(_, xs):
     b_rs, b_ks, pre_b, suf_b = xs
-    bias, _ = _bias(p, jax.lax.dynamic_slice(w, (b_rs, b_ks), (p.c, p.width)), b_rs, b_ks)
-    kw, vw = _slice(k, b_ks, p.width), _slice(v, b_ks, p.width)
+    bias, _, kw, vw = _block(p, k, v, w, b_rs, b_ks)
     pt, e, mw, mk = _shifted(bias, kw)
     nd = _matmul(pt, jnp.concatenate([e * vw, e], axis=1))
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
-    bad = jnp.any(fast[2] < _DEN_OK, axis=1) | jnp.any(jnp.isnan(fast[2]), axis=1)
+    bad = ~jnp.all(fast[2] >= DEN_OK, axis=1)  # also catches NaN
     bad = jnp.any(bad.reshape(p.groups, p.rows), axis=1)
 
     def exact(g):
       logits = _slice(bias, g * p.rows, p.rows)[:, :, None] + kw[None]
       m = jnp.max(logits, axis=1)
       pe = jnp.exp(logits - m[:, None])
-      return m, jnp.einsum("rwx,wx->rx", pe, vw, precision=_HI), jnp.sum(pe, axis=1)
+      return m, jnp.einsum("rwx,wx->rx", pe, vw, precision=HIGHEST), jnp.sum(pe, axis=1)
 
     acc = combine(Acc(*_patch(p, bad, fast, exact)), Acc(*(x[None] for x in pre_b)))
     if suf_b is not None:
@@ -230,7 +231,7 @@ def _forward(p: Plan, k, v, w):
 
 
 def _unblock(p: Plan, x):
-  """[nb, c, ...] -> [T, ...]: the last block's rows that the one before already has dropped."""
+  """[nb, c, ...] -> [T, ...], dropping the rows the last block shares with the one before."""
   if p.nb * p.c == p.t_len:
     return x.reshape((p.t_len,) + x.shape[2:])
   head = x[:-1].reshape(((p.nb - 1) * p.c,) + x.shape[2:])
@@ -247,9 +248,8 @@ def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
 
   def block(_, xs):
     b_rs, b_ks, bad_b, pre_b, suf_b = xs
-    bias, band = _bias(p, jax.lax.dynamic_slice(w, (b_rs, b_ks), (p.c, p.width)), b_rs, b_ks)
+    bias, band, kw, vw = _block(p, k, v, w, b_rs, b_ks)
     dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
-    kw, vw = _slice(k, b_ks, p.width), _slice(v, b_ks, p.width)
     dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
     a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
     pt, e, mw, mk = _shifted(bias, kw)

@@ -28,12 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from aft_jax.logsumexp import NEG
+from aft_jax.logsumexp import DEN_OK, HIGHEST, NEG
 
-_HI = jax.lax.Precision.HIGHEST
-# A chunk whose fast denominator falls below this (a sum of terms <= 1 that includes each
-# row's own running maximum only if it is within ~57 nats of the chunk's) is recomputed.
-_DEN_OK = 1e-25
 # Measured on CPU (T = 4096, R = 512): 32 positions per chunk is the fastest forward and
 # backward; larger chunks spend more on the triangular product, smaller on loop steps.
 CHUNK = 32
@@ -49,7 +45,7 @@ def _chunked(x, c: int, fill=0.0):
 def _tril_matmul(x):
   """Inclusive prefix sums along axis 0 of x [c, X], as one matrix product."""
   c = x.shape[0]
-  return jnp.einsum("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, precision=_HI)
+  return jnp.einsum("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, precision=HIGHEST)
 
 
 def _forward(kc, vc):
@@ -75,7 +71,7 @@ def _forward(kc, vc):
     e, s0 = jnp.exp(kk - m), jnp.exp(m0 - m)
     nd = _tril_matmul(jnp.concatenate([e * vv, e], axis=1))
     num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
-    bad = ~jnp.all(den >= _DEN_OK)  # also catches NaN
+    bad = ~jnp.all(den >= DEN_OK)  # also catches NaN
 
     def fast():
       return (m, num[-1], den[-1]), (num / den, m + jnp.log(den))
@@ -97,8 +93,9 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
   """da [n, c, R] for k, v, a, L in chunks, linear in dk, dv [T, R]; the rest is recomputed
   from the primals."""
   c = a.shape[1]
-  m_prev = jnp.concatenate([m[:1] * 0 + NEG, m[:-1]])
-  lse_prev = jnp.concatenate([m[:1] * 0 + NEG, lse[:-1, -1]])  # L at the previous chunk's end
+  empty = jnp.full_like(m[:1], NEG)
+  m_prev = jnp.concatenate([empty, m[:-1]])
+  lse_prev = jnp.concatenate([empty, lse[:-1, -1]])  # L at the previous chunk's end
 
   def step(gh, xs):
     kk, vv, aa, ll, mm, mp, lp, bb, dkk, dvv = xs

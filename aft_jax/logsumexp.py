@@ -17,6 +17,14 @@ import jax.numpy as jnp
 # inf - inf = NaN can reach a gradient.
 NEG = -1e30
 
+# Fast paths share one shift across many terms (a sum of products of factors <= 1). A fast
+# denominator below this may have lost its largest terms to underflow, and the rows are
+# recomputed exactly; terms below 1e-38 then weigh < 1e-13 of den, far below float32
+# resolution. (Above it the shift is at most ~57 nats from the true maximum.)
+DEN_OK = 1e-25
+# Matrix products of exact sums: float32 on GPUs/TPUs too (no TF32/bf16 passes).
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 class Acc(NamedTuple):
   """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
