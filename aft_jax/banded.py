@@ -134,8 +134,11 @@ def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
     m = jnp.maximum(acc.m, jnp.max(kk, axis=0))
     e = jnp.where(keep, jnp.exp(kk - m), 0.0)
     scale = jnp.exp(acc.m - m)
-    acc = Acc(m, acc.num * scale + jnp.sum(e * _slice(v, st, c), axis=0),
-              acc.den * scale + jnp.sum(e, axis=0))
+    acc = Acc(
+      m,
+      acc.num * scale + jnp.sum(e * _slice(v, st, c), axis=0),
+      acc.den * scale + jnp.sum(e, axis=0),
+    )
     return acc, acc
 
   zero = jnp.zeros(k.shape[1:], k.dtype)
@@ -160,13 +163,13 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
     return (g, h), (g, h)
 
   zero = jnp.zeros(k.shape[1:], k.dtype)
-  return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev),
-                      reverse=reverse)[1]
+  return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
 
 def _patch(p: Plan, bad, fast, exact):
   """``fast`` (a tuple of [c, R] arrays) with the row groups flagged in ``bad`` [groups]
   replaced by ``exact(g)`` (a tuple of [rows, R]); nothing is recomputed when none is."""
+
   def one(args):
     g, flag, f = args
     return jax.lax.cond(flag, lambda: exact(g), lambda: f)
@@ -235,7 +238,7 @@ def _unblock(p: Plan, x):
   if p.nb * p.c == p.t_len:
     return x.reshape((p.t_len,) + x.shape[2:])
   head = x[:-1].reshape(((p.nb - 1) * p.c,) + x.shape[2:])
-  return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len:]], axis=0)
+  return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
 def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
@@ -254,8 +257,9 @@ def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
     a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
     pt, e, mw, mk = _shifted(bias, kw)
     scale = jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE))
-    nd = (_matmul(pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1))
-          + _matmul(pt * dwb, jnp.concatenate([e * vw, e], axis=1)))
+    nd = _matmul(pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1)) + _matmul(
+      pt * dwb, jnp.concatenate([e * vw, e], axis=1)
+    )
     da = scale * (nd[:, :r] - a_r * nd[:, r:])
 
     def exact(g):

@@ -105,7 +105,7 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
       e = jnp.exp(kk - mm)
       s0 = jnp.exp(mp - mm)
       nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1))
-      g, h = gh[0] * s0 + nd[:, :x.shape[1]], gh[1] * s0 + nd[:, x.shape[1]:]
+      g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
       return (g[-1], h[-1]), jnp.exp(mm - ll) * (g - aa * h)
 
     def exact():  # S[t] = sum exp(k - L[t]) x: every factor <= 1
@@ -117,8 +117,7 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
 
       scale = jnp.exp(mp - lp)
       l_before = jnp.concatenate([lp[None], ll[:-1]])
-      (g, h), (sg, sh) = jax.lax.scan(add, (gh[0] * scale, gh[1] * scale),
-                                      (kk, l_before, ll, x, y))
+      (g, h), (sg, sh) = jax.lax.scan(add, (gh[0] * scale, gh[1] * scale), (kk, l_before, ll, x, y))
       back = jnp.exp(ll[-1] - mm)
       return (g * back, h * back), sg - aa * sh
 

@@ -8,9 +8,21 @@ from aft_jax import default_config
 from aft_jax.model import MIXINGS
 
 # Keys that may differ when resuming a run: they do not change what is computed.
-RESUMABLE = ("num_train_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-             "keep_checkpoints", "eval_batch_size", "eval_stride", "sample", "mesh",
-             "logical_axis_rules", "data.data_dir", "data.manual_dir", "nonfinite")
+RESUMABLE = (
+  "num_train_steps",
+  "log_every_steps",
+  "eval_every_steps",
+  "checkpoint_every_steps",
+  "keep_checkpoints",
+  "eval_batch_size",
+  "eval_stride",
+  "sample",
+  "mesh",
+  "logical_axis_rules",
+  "data.data_dir",
+  "data.manual_dir",
+  "nonfinite",
+)
 
 
 def _flatten(d, prefix=""):
@@ -55,9 +67,17 @@ def check_config(config) -> None:
 
   c = config
   m = c.model
-  positive = ["num_train_steps", "batch_size", "seq_len", "log_every_steps", "eval_every_steps",
-              "checkpoint_every_steps", "keep_checkpoints", "eval_batch_size",
-              "grad_accum_steps"]
+  positive = [
+    "num_train_steps",
+    "batch_size",
+    "seq_len",
+    "log_every_steps",
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "keep_checkpoints",
+    "eval_batch_size",
+    "grad_accum_steps",
+  ]
   errors += [f"config.{k} = {c[k]} must be >= 1" for k in positive if c[k] < 1]
   if c.learning_rate <= 0:
     errors.append(f"config.learning_rate = {c.learning_rate} must be > 0")
@@ -68,15 +88,20 @@ def check_config(config) -> None:
   if c.seq_len > m.max_len:
     errors.append(f"config.seq_len = {c.seq_len} exceeds config.model.max_len = {m.max_len}")
   if m.mixing == "aft_local" and not 1 <= m.window <= m.max_len:
-    errors.append(f"config.model.window = {m.window} must be in [1, model.max_len = "
-                  f"{m.max_len}]")
+    errors.append(f"config.model.window = {m.window} must be in [1, model.max_len = {m.max_len}]")
   if m.mixing in ("softmax", "aft_conv1d") and m.num_heads >= 1 and m.d_model % m.num_heads:
-    errors.append(f"config.model.d_model = {m.d_model} is not divisible by "
-                  f"config.model.num_heads = {m.num_heads}")
+    errors.append(
+      f"config.model.d_model = {m.d_model} is not divisible by "
+      f"config.model.num_heads = {m.num_heads}"
+    )
   if m.dtype not in ("float32", "bfloat16", "float16") or m.param_dtype not in (
-      "float32", "bfloat16"):
-    errors.append(f"config.model.dtype / param_dtype = {m.dtype!r} / {m.param_dtype!r}: use "
-                  "'float32' or 'bfloat16'")
+    "float32",
+    "bfloat16",
+  ):
+    errors.append(
+      f"config.model.dtype / param_dtype = {m.dtype!r} / {m.param_dtype!r}: use "
+      "'float32' or 'bfloat16'"
+    )
   if c.data.dataset not in ("pydoc", "wikitext103"):
     errors.append(f"config.data.dataset = {c.data.dataset!r} is not 'pydoc' or 'wikitext103'")
   if c.data.tokenizer not in ("byte", "word"):

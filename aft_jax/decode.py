@@ -25,8 +25,9 @@ def sample_logits(rng, logp_BV, temperature: float, top_k: int):
   return jax.random.categorical(rng, logits, axis=-1)
 
 
-def generate(model, params, prompt_BP, length: int, *, rng, temperature: float = 1.0,
-             top_k: int = 0) -> np.ndarray:
+def generate(
+  model, params, prompt_BP, length: int, *, rng, temperature: float = 1.0, top_k: int = 0
+) -> np.ndarray:
   """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1) by ``length`` tokens: ``[B, length]``."""
   prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
   if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
@@ -34,14 +35,16 @@ def generate(model, params, prompt_BP, length: int, *, rng, temperature: float =
   b, p = prompt_BP.shape
   max_len = model.cfg.max_len
   if p + length - 1 > max_len:  # the last sampled token is never fed back
-    raise ValueError(f"generate: prompt length {p} + length {length} - 1 exceeds the model's "
-                     f"max_len = {max_len}")
+    raise ValueError(
+      f"generate: prompt length {p} + length {length} - 1 exceeds the model's max_len = {max_len}"
+    )
   cache = model.init(jax.random.key(0), prompt_BP[:, :1], decode=True)["cache"]
 
   @functools.partial(jax.jit, donate_argnums=(0,))
   def step(cache, tok_B, rng):
-    logp, mutated = model.apply({"params": params, "cache": cache}, tok_B[:, None], decode=True,
-                                mutable=["cache"])
+    logp, mutated = model.apply(
+      {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
+    )
     return mutated["cache"], sample_logits(rng, logp[:, 0], temperature, top_k)
 
   out = []
@@ -57,15 +60,31 @@ def generate(model, params, prompt_BP, length: int, *, rng, temperature: float =
   return np.asarray(jnp.stack(out, axis=1)) if out else np.zeros((b, 0), np.int32)
 
 
-def sample_text(model, params, vocab, prompt: str, length: int, *, temperature: float = 0.8,
-                top_k: int = 0, seed: int = 0) -> str:
+def sample_text(
+  model,
+  params,
+  vocab,
+  prompt: str,
+  length: int,
+  *,
+  temperature: float = 0.8,
+  top_k: int = 0,
+  seed: int = 0,
+) -> str:
   """Text that continues ``prompt`` (an empty prompt starts after an end-of-sequence token)."""
   ids = list(vocab.encode(prompt)) if prompt else []
   ids = ids or [vocab.eos_id]
   max_len = model.cfg.max_len
   length = min(length, max_len)
-  ids = ids[-(max_len + 1 - length):]  # keep the end of a long prompt
-  new = generate(model, params, np.asarray([ids]), length, rng=jax.random.key(seed),
-                 temperature=temperature, top_k=top_k)
+  ids = ids[-(max_len + 1 - length) :]  # keep the end of a long prompt
+  new = generate(
+    model,
+    params,
+    np.asarray([ids]),
+    length,
+    rng=jax.random.key(seed),
+    temperature=temperature,
+    top_k=top_k,
+  )
   text = vocab.decode(new[0].tolist())
   return " " + text if vocab.unit == "word" and text else text  # words are space-separated

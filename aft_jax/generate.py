@@ -26,6 +26,7 @@ def load_run(workdir: str, step: int | None = None):
   """(config, corpus, model, params) of the run in ``workdir`` at ``step`` (default latest)."""
   from aft_jax import data as data_lib
   from aft_jax import sharding, train_lib
+
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
   corpus = data_lib.load_corpus(config.data)
@@ -36,8 +37,9 @@ def load_run(workdir: str, step: int | None = None):
   step = mngr.latest_step() if step is None else step
   if step is None:
     raise ValueError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(trainer.abstract_state)))
+  restored = mngr.restore(
+    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(trainer.abstract_state))
+  )
   return config, corpus, trainer.model, restored["state"].params
 
 
@@ -45,9 +47,18 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from aft_jax import decode
+
   _, corpus, model, params = load_run(FLAGS.workdir, FLAGS.step)
-  text = decode.sample_text(model, params, corpus.vocab, FLAGS.prompt, FLAGS.length,
-                            temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
+  text = decode.sample_text(
+    model,
+    params,
+    corpus.vocab,
+    FLAGS.prompt,
+    FLAGS.length,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    seed=FLAGS.seed,
+  )
   print(FLAGS.prompt + text)
 
 

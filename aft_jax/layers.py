@@ -37,16 +37,21 @@ _dense_init = nn.initializers.xavier_uniform()
 
 def _dense(features, names, dtype, param_dtype, name):
   return nn.DenseGeneral(
-      features, dtype=dtype, param_dtype=param_dtype, name=name,
-      kernel_init=nn.with_logical_partitioning(_dense_init, names),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]))
+    features,
+    dtype=dtype,
+    param_dtype=param_dtype,
+    name=name,
+    kernel_init=nn.with_logical_partitioning(_dense_init, names),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
+  )
 
 
 def _check_len(module, t_len):
   if t_len > module.max_len:
     raise ValueError(
-        f"{type(module).__name__}: sequence length T = {t_len} exceeds max_len = "
-        f"{module.max_len} (input shape [..., T, d_model])")
+      f"{type(module).__name__}: sequence length T = {t_len} exceeds max_len = "
+      f"{module.max_len} (input shape [..., T, d_model])"
+    )
 
 
 def _check_decode_input(module, x):
@@ -54,8 +59,9 @@ def _check_decode_input(module, x):
     raise ValueError(f"{type(module).__name__}: decode=True needs causal=True")
   if x.shape[-2] != 1:
     raise ValueError(
-        f"{type(module).__name__}: decode=True takes one token at a time, x [..., 1, d_model]; "
-        f"got x {x.shape}")
+      f"{type(module).__name__}: decode=True takes one token at a time, x [..., 1, d_model]; "
+      f"got x {x.shape}"
+    )
 
 
 def _ring_window(module, k, v, size: int, axis: int):
@@ -83,10 +89,10 @@ def _ring_window(module, k, v, size: int, axis: int):
   old_v = jax.lax.dynamic_index_in_dim(values.value, slot, axis, keepdims=False)
   prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= size)
   m.value, num.value, den.value = prefix
-  keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, jnp.expand_dims(k, axis), slot,
-                                                   axis)
-  values.value = jax.lax.dynamic_update_slice_in_dim(values.value, jnp.expand_dims(v, axis),
-                                                     slot, axis)
+  keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, jnp.expand_dims(k, axis), slot, axis)
+  values.value = jax.lax.dynamic_update_slice_in_dim(
+    values.value, jnp.expand_dims(v, axis), slot, axis
+  )
   index.value = t + 1
   return prefix, keys.value, values.value, (slot - jnp.arange(size)) % size, t
 
@@ -96,17 +102,23 @@ def _head_features(module, x):
   d_model, h = x.shape[-1], module.num_heads
   if d_model % h:
     raise ValueError(
-        f"{type(module).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
-        f"num_heads = {h}")
+      f"{type(module).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
+      f"num_heads = {h}"
+    )
   return (h, d_model // h)
 
 
 def _heads_out(d_model, dtype, param_dtype):
   """The output projection of per-head values ``[..., H, C] -> [..., d_model]``."""
   return nn.DenseGeneral(
-      d_model, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype, name="out",
-      kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)))
+    d_model,
+    axis=(-2, -1),
+    dtype=dtype,
+    param_dtype=param_dtype,
+    name="out",
+    kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+  )
 
 
 class _AFTChannels(nn.Module):
@@ -120,8 +132,9 @@ class _AFTChannels(nn.Module):
   def _qkv(self, x):
     d = self.hidden_dim or x.shape[-1]
     names = ("embed", "heads")
-    return tuple(_dense(d, names, self.dtype, self.param_dtype, n)(x)
-                 for n in ("query", "key", "value"))
+    return tuple(
+      _dense(d, names, self.dtype, self.param_dtype, n)(x) for n in ("query", "key", "value")
+    )
 
   def _out(self, y, d_model):
     return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
@@ -154,15 +167,25 @@ class _PositionBias(_AFTChannels):
     if self.factor_dim:
       init = nn.initializers.normal(stddev=1e-2)
       names = ("length", "bias_factor")
-      u = self.param("pos_u", nn.with_logical_partitioning(init, names),
-                     (self.max_len, self.factor_dim), self.param_dtype)
-      v = self.param("pos_v", nn.with_logical_partitioning(init, ("length_k", "bias_factor")),
-                     (self.max_len, self.factor_dim), self.param_dtype)
+      u = self.param(
+        "pos_u",
+        nn.with_logical_partitioning(init, names),
+        (self.max_len, self.factor_dim),
+        self.param_dtype,
+      )
+      v = self.param(
+        "pos_v",
+        nn.with_logical_partitioning(init, ("length_k", "bias_factor")),
+        (self.max_len, self.factor_dim),
+        self.param_dtype,
+      )
       return u, v
-    w = self.param("pos_bias",
-                   nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                                ("length", "length_k")),
-                   (self.max_len, self.max_len), self.param_dtype)
+    w = self.param(
+      "pos_bias",
+      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("length", "length_k")),
+      (self.max_len, self.max_len),
+      self.param_dtype,
+    )
     return (w,)
 
   def bias(self, t_len):
@@ -193,8 +216,9 @@ class AFTFull(_PositionBias):
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
     _check_len(self, x.shape[-2])
-    return self._mix(x, decode, lambda q, k, v: ops.aft_full(
-        q, k, v, self.bias(x.shape[-2]), causal=self.causal))
+    return self._mix(
+      x, decode, lambda q, k, v: ops.aft_full(q, k, v, self.bias(x.shape[-2]), causal=self.causal)
+    )
 
   def _step(self, q, k, v):
     lead, d = q.shape[:-2], q.shape[-1]
@@ -206,14 +230,12 @@ class AFTFull(_PositionBias):
       return q
     t = index.value
     keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), t, -2)
-    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), t,
-                                                       -2)
+    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), t, -2)
     index.value = t + 1
     logits = keys.value + self.bias_row(t)[:, None]
     valid = (jnp.arange(self.max_len) <= t)[:, None]
     state = recurrent.from_terms(logits, values.value, valid, axis=keys.value.ndim - 2)
-    return recurrent.output(q[..., 0, :].astype(jnp.float32), state)[..., None, :].astype(
-        q.dtype)
+    return recurrent.output(q[..., 0, :].astype(jnp.float32), state)[..., None, :].astype(q.dtype)
 
 
 class AFTLocal(_PositionBias):
@@ -245,8 +267,13 @@ class AFTLocal(_PositionBias):
   def __call__(self, x, *, decode: bool = False):
     self._check_window()
     _check_len(self, x.shape[-2])
-    return self._mix(x, decode, lambda q, k, v: ops.aft_local(
-        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal))
+    return self._mix(
+      x,
+      decode,
+      lambda q, k, v: ops.aft_local(
+        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal
+      ),
+    )
 
   def _step(self, q, k, v):
     axis = q.ndim - 2
@@ -295,14 +322,24 @@ class _ConvKernel(nn.Module):
   @nn.compact
   def __call__(self):
     names = ("heads",) + ("kernel",) * len(self.shape)
-    raw = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(1.0), names),
-                     (self.heads,) + self.shape, self.param_dtype)
-    gamma = self.param("gamma", nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                                             ("heads",)),
-                       (self.heads,), self.param_dtype)
-    beta = self.param("beta", nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                                           ("heads",)),
-                      (self.heads,), self.param_dtype)
+    raw = self.param(
+      "kernel",
+      nn.with_logical_partitioning(nn.initializers.normal(1.0), names),
+      (self.heads,) + self.shape,
+      self.param_dtype,
+    )
+    gamma = self.param(
+      "gamma",
+      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
+      (self.heads,),
+      self.param_dtype,
+    )
+    beta = self.param(
+      "beta",
+      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
+      (self.heads,),
+      self.param_dtype,
+    )
     raw = jnp.asarray(raw, jnp.float32).reshape(self.heads, -1)
     axes = (1,)
     norm = (raw - raw.mean(axes, keepdims=True)) / (raw.std(axes, keepdims=True) + 1e-5)
@@ -340,11 +377,15 @@ class AFTConv1D(_AFTConvBase):
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
     d_model = x.shape[-1]
-    if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or (
-        not self.causal and self.kernel_size % 2 == 0):
+    if (
+      not isinstance(self.kernel_size, int)
+      or self.kernel_size < 1
+      or (not self.causal and self.kernel_size % 2 == 0)
+    ):
       raise ValueError(
-          f"AFTConv1D: kernel_size must be a positive int, odd unless causal; got "
-          f"{self.kernel_size!r}")
+        f"AFTConv1D: kernel_size must be a positive int, odd unless causal; got "
+        f"{self.kernel_size!r}"
+      )
     q, k, v = self._heads_qkv(x)
     kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
     if decode:
@@ -354,8 +395,13 @@ class AFTConv1D(_AFTConvBase):
 
   def _step(self, q, k, v, kernel):
     axis = q.ndim - 3
-    cache = _ring_window(self, k[..., 0, :].astype(jnp.float32),
-                         v[..., 0, :, :].astype(jnp.float32), self.kernel_size, axis)
+    cache = _ring_window(
+      self,
+      k[..., 0, :].astype(jnp.float32),
+      v[..., 0, :, :].astype(jnp.float32),
+      self.kernel_size,
+      axis,
+    )
     if cache is None:
       return q
     prefix, keys, values, age, t = cache  # slot j holds position t - age[j]: kernel entry age[j]
@@ -404,8 +450,10 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x, *, decode: bool = False):
     d_model = x.shape[-1]
     feat = _head_features(self, x)
-    q, k, v = (_dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
-               for n in ("query", "key", "value"))
+    q, k, v = (
+      _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
+      for n in ("query", "key", "value")
+    )
     lead, t_len = x.shape[:-2], x.shape[-2]
     flat = lambda a: a.reshape((-1,) + a.shape[-3:])
     if decode:

@@ -58,14 +58,15 @@ class ModelConfig:
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         errors.append(f"model.{name} = {getattr(self, name)!r} must be a positive int")
     if self.mixing in ("softmax", "aft_conv1d") and self.d_model % max(self.num_heads, 1):
-      errors.append(f"model.d_model = {self.d_model} is not divisible by model.num_heads = "
-                    f"{self.num_heads}")
+      errors.append(
+        f"model.d_model = {self.d_model} is not divisible by model.num_heads = {self.num_heads}"
+      )
     if self.mixing == "aft_local" and not 1 <= self.window <= self.max_len:
-      errors.append(f"model.window = {self.window} must be in [1, model.max_len = "
-                    f"{self.max_len}]")
+      errors.append(f"model.window = {self.window} must be in [1, model.max_len = {self.max_len}]")
     if self.mixing == "aft_conv1d" and not 1 <= self.kernel_size <= self.max_len:
-      errors.append(f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = "
-                    f"{self.max_len}]")
+      errors.append(
+        f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = {self.max_len}]"
+      )
     if self.factor_dim < 0:
       errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -93,9 +94,13 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
 
 
 def _ln(cfg, name):
-  return nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+  return nn.LayerNorm(
+    dtype=cfg.dtype,
+    param_dtype=cfg.param_dtype,
+    name=name,
+    scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+  )
 
 
 class Block(nn.Module):
@@ -112,9 +117,13 @@ class Block(nn.Module):
     h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode)
     x_BTD = x_BTD + drop(h)
     dense = lambda f, names, name: nn.Dense(
-        f, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]))
+      f,
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+      name=name,
+      kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+    )
     h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
     h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(nn.gelu(h)))
     x_BTD = x_BTD + drop(h)
@@ -132,34 +141,64 @@ class TransformerLM(nn.Module):
     cfg = self.cfg
     if cfg.adaptive_cutoffs is not None:
       cutoffs = tuple(cfg.adaptive_cutoffs)
-      inp = adaptive.AdaptiveInput(cfg.vocab_size, cfg.d_model, cutoffs, cfg.adaptive_factor,
-                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                   name="adaptive_input")
-      out = adaptive.AdaptiveSoftmax(cfg.vocab_size, cfg.d_model, cutoffs, cfg.adaptive_factor,
-                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                     tie_to=inp if cfg.tie_embeddings else None,
-                                     name="adaptive_softmax")
+      inp = adaptive.AdaptiveInput(
+        cfg.vocab_size,
+        cfg.d_model,
+        cutoffs,
+        cfg.adaptive_factor,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        name="adaptive_input",
+      )
+      out = adaptive.AdaptiveSoftmax(
+        cfg.vocab_size,
+        cfg.d_model,
+        cutoffs,
+        cfg.adaptive_factor,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        tie_to=inp if cfg.tie_embeddings else None,
+        name="adaptive_softmax",
+      )
 
       def head(h_BTD, targets_BT):
         return out.log_probs(h_BTD) if targets_BT is None else out.nll(h_BTD, targets_BT)
+
       return inp, head
     embed = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="embed",
-        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                                    ("vocab", "embed")))
+      cfg.vocab_size,
+      cfg.d_model,
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+      name="embed",
+      embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=1.0), ("vocab", "embed")
+      ),
+    )
     # Tied: the N(0, 1) embedding is scaled by 1/sqrt(d_model) on the way out (as in Flax's
     # lm1b), so initial logits are O(1).
     tied = lambda h_BTD: embed.attend(h_BTD) / jnp.sqrt(jnp.asarray(cfg.d_model, h_BTD.dtype))
-    unembed = tied if cfg.tie_embeddings else nn.Dense(
-        cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        name="unembed", kernel_init=nn.with_logical_partitioning(
-            nn.initializers.xavier_uniform(), ("embed", "vocab")))
+    unembed = (
+      tied
+      if cfg.tie_embeddings
+      else nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        name="unembed",
+        kernel_init=nn.with_logical_partitioning(
+          nn.initializers.xavier_uniform(), ("embed", "vocab")
+        ),
+      )
+    )
 
     def head(h_BTD, targets_BT):
       logits_BTV = unembed(h_BTD).astype(jnp.float32)
       if targets_BT is None:
         return jax.nn.log_softmax(logits_BTV, axis=-1)
       return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+
     return embed, head
 
   def _blocks(self, x_BTD, deterministic, decode):
@@ -168,9 +207,13 @@ class TransformerLM(nn.Module):
     if cfg.remat:
       block = nn.remat(Block, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
-                      split_rngs={"params": True, "dropout": True}, length=cfg.num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+      stack = nn.scan(
+        block,
+        variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       x_BTD, _ = stack(cfg, deterministic, decode, name="blocks")(x_BTD, None)
       return x_BTD
     for i in range(cfg.num_layers):
@@ -188,15 +231,19 @@ class TransformerLM(nn.Module):
     cfg.validate()
     t_len = tokens_BT.shape[-1]
     if t_len > cfg.max_len:
-      raise ValueError(f"TransformerLM: tokens {tokens_BT.shape} are longer than max_len = "
-                       f"{cfg.max_len}")
+      raise ValueError(
+        f"TransformerLM: tokens {tokens_BT.shape} are longer than max_len = {cfg.max_len}"
+      )
     if targets_BT is not None and targets_BT.shape != tokens_BT.shape:
-      raise ValueError(f"TransformerLM: targets {targets_BT.shape} must match tokens "
-                       f"{tokens_BT.shape}")
+      raise ValueError(
+        f"TransformerLM: targets {targets_BT.shape} must match tokens {tokens_BT.shape}"
+      )
     pos_embed = self.param(
-        "pos_embed", nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
-                                                  ("length", "embed")),
-        (cfg.max_len, cfg.d_model), cfg.param_dtype)
+      "pos_embed",
+      nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+      (cfg.max_len, cfg.d_model),
+      cfg.param_dtype,
+    )
     if decode:
       if t_len != 1:
         raise ValueError(f"TransformerLM: decode=True takes tokens [B, 1], got {tokens_BT.shape}")

@@ -63,8 +63,11 @@ def _shift(x, offset: int, axis: int, fill):
 
 
 def _acc_shift(acc: _Acc, offset: int, axis: int) -> _Acc:
-  return _Acc(_shift(acc.m, offset, axis, _NEG), _shift(acc.num, offset, axis, 0.0),
-              _shift(acc.den, offset, axis, 0.0))
+  return _Acc(
+    _shift(acc.m, offset, axis, _NEG),
+    _shift(acc.num, offset, axis, 0.0),
+    _shift(acc.den, offset, axis, 0.0),
+  )
 
 
 def _chunk(t_len: int) -> int:
@@ -109,6 +112,7 @@ def _prefix0(acc: _Acc) -> _Acc:
   if n == 1:
     out = _Acc(*local)
   else:
+
     def outer(carry, x):
       return _combine(carry, _Acc(*x)), carry
 
@@ -121,6 +125,7 @@ def _prefix0(acc: _Acc) -> _Acc:
 
 def _acc_scan(acc: _Acc, axis: int, reverse: bool = False) -> _Acc:
   """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
+
   def fwd(x):
     x = jnp.moveaxis(x, axis, 0)
     return jnp.flip(x, 0) if reverse else x
@@ -137,8 +142,11 @@ def _acc_reduce(acc: _Acc, axis: int) -> _Acc:
   """The whole sum along ``axis`` (the axis is kept, with size 1)."""
   m = jnp.max(acc.m, axis=axis, keepdims=True)
   s = jnp.exp(acc.m - m)  # positive axes index num and m alike
-  return _Acc(m, jnp.sum(acc.num * _bcast(s, acc.num), axis=axis, keepdims=True),
-              jnp.sum(acc.den * s, axis=axis, keepdims=True))
+  return _Acc(
+    m,
+    jnp.sum(acc.num * _bcast(s, acc.num), axis=axis, keepdims=True),
+    jnp.sum(acc.den * s, axis=axis, keepdims=True),
+  )
 
 
 def _outside(leaf: _Acc, axis: int, before: int | None, after: int | None) -> _Acc | None:
@@ -186,15 +194,17 @@ def _check_qkv(fn, q, k, v):
     raise ValueError(f"{fn}: q must be [..., T, D], got shape {q.shape}")
   if k.shape != q.shape or v.shape != q.shape:
     raise ValueError(
-        f"{fn}: q, k and v must have the same shape [..., T, D]; got q {q.shape}, "
-        f"k {k.shape}, v {v.shape}")
+      f"{fn}: q, k and v must have the same shape [..., T, D]; got q {q.shape}, "
+      f"k {k.shape}, v {v.shape}"
+    )
 
 
 def _check_w(fn, w, t_len):
   if w.shape != (t_len, t_len):
     raise ValueError(
-        f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {w.shape} "
-        "(slice the top-left block of a larger bias first)")
+      f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {w.shape} "
+      "(slice the top-left block of a larger bias first)"
+    )
 
 
 def _check_window(fn, window):
@@ -286,6 +296,7 @@ def _kernel_sum(leaf: _Acc, kernel, offsets, axes) -> _Acc:
   leaf.m: [..., *spatial, H]; leaf.num: [..., *spatial, H, C]; kernel: [H, n_offsets];
   offsets: a tuple of per-axis integer offsets for each kernel entry.
   """
+
   def shifted(acc, offset):
     for off, axis in zip(offset, axes):
       acc = _acc_shift(acc, off, axis)
@@ -308,12 +319,14 @@ def _check_conv(fn, q, k, v, kernel, n_spatial):
   if q.ndim < nd or v.shape != q.shape or k.shape != q.shape[:-1]:
     sp = "Ht, Wd" if n_spatial == 2 else "T"
     raise ValueError(
-        f"{fn}: expected q, v [..., {sp}, H, C] and k [..., {sp}, H]; got q {q.shape}, "
-        f"k {k.shape}, v {v.shape}")
+      f"{fn}: expected q, v [..., {sp}, H, C] and k [..., {sp}, H]; got q {q.shape}, "
+      f"k {k.shape}, v {v.shape}"
+    )
   if kernel.ndim != n_spatial + 1 or kernel.shape[0] != q.shape[-2]:
     raise ValueError(
-        f"{fn}: kernel must be [H, {'kh, kw' if n_spatial == 2 else 's'}] with H = "
-        f"{q.shape[-2]} heads; got kernel {kernel.shape}")
+      f"{fn}: kernel must be [H, {'kh, kw' if n_spatial == 2 else 's'}] with H = "
+      f"{q.shape[-2]} heads; got kernel {kernel.shape}"
+    )
 
 
 def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
@@ -336,7 +349,8 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
   s = kernel.shape[-1]
   if s < 1 or (not causal and s % 2 == 0):
     raise ValueError(
-        f"aft_conv1d: a non-causal kernel size must be odd (centred); got kernel {kernel.shape}")
+      f"aft_conv1d: a non-causal kernel size must be odd (centred); got kernel {kernel.shape}"
+    )
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, kernel = _cast(dt, q, k, v, kernel)
   axis = k.ndim - 2  # the T axis of k [..., T, H] (and of v [..., T, H, C])

@@ -30,8 +30,9 @@ def _bcast(scale, num):
 
 def empty(m_shape, num_shape, dtype=jnp.float32) -> State:
   """The state of an empty sum."""
-  return State(jnp.full(m_shape, _NEG, dtype), jnp.zeros(num_shape, dtype),
-               jnp.zeros(m_shape, dtype))
+  return State(
+    jnp.full(m_shape, _NEG, dtype), jnp.zeros(num_shape, dtype), jnp.zeros(m_shape, dtype)
+  )
 
 
 def combine(a: State, b: State) -> State:
@@ -44,8 +45,11 @@ def combine(a: State, b: State) -> State:
 def add(state: State, logit, value, valid=True) -> State:
   """Adds one term exp(logit) * value (skipped where ``valid`` is False)."""
   valid = jnp.asarray(valid)
-  term = State(jnp.where(valid, logit, _NEG), jnp.where(_bcast(valid, value), value, 0.0),
-               jnp.where(valid, 1.0, 0.0).astype(state.den.dtype) * jnp.ones_like(logit))
+  term = State(
+    jnp.where(valid, logit, _NEG),
+    jnp.where(_bcast(valid, value), value, 0.0),
+    jnp.where(valid, 1.0, 0.0).astype(state.den.dtype) * jnp.ones_like(logit),
+  )
   return combine(state, term)
 
 

@@ -26,19 +26,19 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis name -> mesh axis (or axes, or None = replicated).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("vocab", "tensor"),
-    ("length", None),
-    ("length_k", None),
-    ("bias_factor", None),
-    ("kernel", None),
-    ("layers", None),
-    ("embed_small", None),
-    ("cluster", None),
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv", None),
+  ("vocab", "tensor"),
+  ("length", None),
+  ("length_k", None),
+  ("bias_factor", None),
+  ("kernel", None),
+  ("layers", None),
+  ("embed_small", None),
+  ("cluster", None),
 )
 
 
@@ -47,18 +47,22 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
   if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise ValueError(
-        f"mesh: data, fsdp, tensor = {tuple(sizes)}: each must be a positive int, and at most "
-        "one of them may be -1 (all remaining devices)")
+      f"mesh: data, fsdp, tensor = {tuple(sizes)}: each must be a positive int, and at most "
+      "one of them may be -1 (all remaining devices)"
+    )
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(f"mesh: data, fsdp, tensor = {tuple(sizes)}: {num_devices} devices are "
-                       f"not divisible by {known}")
+      raise ValueError(
+        f"mesh: data, fsdp, tensor = {tuple(sizes)}: {num_devices} devices are "
+        f"not divisible by {known}"
+      )
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ValueError(
-        f"mesh: data x fsdp x tensor = {' x '.join(map(str, sizes))} = {math.prod(sizes)} does "
-        f"not match the {num_devices} available devices")
+      f"mesh: data x fsdp x tensor = {' x '.join(map(str, sizes))} = {math.prod(sizes)} does "
+      f"not match the {num_devices} available devices"
+    )
   return tuple(sizes)
 
 
@@ -68,6 +72,7 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   shape = mesh_shape(mesh_cfg, len(devices))
   try:
     from jax.experimental import mesh_utils
+
     grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
   except Exception:  # e.g. CPU devices without a physical topology
     grid = np.asarray(devices).reshape(shape)
@@ -103,15 +108,18 @@ def logical_shardings(abstract_tree, mesh: Mesh, rules):
     for i, (dim, axes) in enumerate(zip(leaf.shape, spec)):
       names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
       if dim % math.prod(mesh.shape[a] for a in names):
-        replicated_dims.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} dim {i} "
-                               f"over {axes}")
+        replicated_dims.append(
+          f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} dim {i} over {axes}"
+        )
         spec[i], changed = None, True
     return NamedSharding(mesh, P(*spec)) if changed else sh
 
   shardings = jax.tree_util.tree_map_with_path(divisible, shardings, nn.unbox(abstract_tree))
   if replicated_dims and jax.process_index() == 0:
-    logging.warning("replicated (not divisible by the mesh axes of their logical names): %s",
-                    "; ".join(replicated_dims))
+    logging.warning(
+      "replicated (not divisible by the mesh axes of their logical names): %s",
+      "; ".join(replicated_dims),
+    )
   return shardings
 
 
@@ -139,5 +147,6 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
   for k, v in batch.items():
     v = np.asarray(v)
     out[k] = jax.make_array_from_process_local_data(
-        sh, v, (v.shape[0] * jax.process_count(),) + v.shape[1:])
+      sh, v, (v.shape[0] * jax.process_count(),) + v.shape[1:]
+    )
   return out

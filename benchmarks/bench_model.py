@@ -44,9 +44,19 @@ def make_step(model, tx):
 
 
 def config_for(mixing, t_len, a, dtype):
-  return ModelConfig(vocab_size=a.vocab, max_len=t_len, num_layers=a.layers, d_model=a.d_model,
-                     num_heads=a.heads, mlp_dim=4 * a.d_model, mixing=mixing, window=a.window,
-                     kernel_size=a.kernel_size, dropout_rate=0.0, dtype=dtype)
+  return ModelConfig(
+    vocab_size=a.vocab,
+    max_len=t_len,
+    num_layers=a.layers,
+    d_model=a.d_model,
+    num_heads=a.heads,
+    mlp_dim=4 * a.d_model,
+    mixing=mixing,
+    window=a.window,
+    kernel_size=a.kernel_size,
+    dropout_rate=0.0,
+    dtype=dtype,
+  )
 
 
 def run(a, sizes, mixings, dtype, max_step_s, log=print):
@@ -77,9 +87,15 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
       args = (params, opt_state, tokens, targets)
       step = make_step(model, tx)
       compiled, compile_s = common.compile_fn(step, args)
-      m = common.measure(step, args, repeats=a.repeats, max_seconds=max(2.0, 2 * max_step_s),
-                         min_seconds=a.min_seconds,
-                         compiled=compiled, compile_s=compile_s)
+      m = common.measure(
+        step,
+        args,
+        repeats=a.repeats,
+        max_seconds=max(2.0, 2 * max_step_s),
+        min_seconds=a.min_seconds,
+        compiled=compiled,
+        compile_s=compile_s,
+      )
       try:
         arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
       except Exception:  # pylint: disable=broad-except
@@ -87,18 +103,28 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
       n_tok = a.batch * t_len
       flops = m["flops"]
       rec.update(
-          status="ok", time_s=m["time_s"], time_min_s=m["time_min_s"], repeats=m["repeats"],
-          compile_s=compile_s, tokens_per_s=n_tok / m["time_s"],
-          flops_per_token=None if flops is None else flops / n_tok, flops=flops,
-          xla_flops=m["xla_flops"],
-          temp_bytes=m["temp_bytes"], argument_bytes=arg_bytes, peak_bytes=m["peak_bytes"],
-          params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
-          mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12))
+        status="ok",
+        time_s=m["time_s"],
+        time_min_s=m["time_min_s"],
+        repeats=m["repeats"],
+        compile_s=compile_s,
+        tokens_per_s=n_tok / m["time_s"],
+        flops_per_token=None if flops is None else flops / n_tok,
+        flops=flops,
+        xla_flops=m["xla_flops"],
+        temp_bytes=m["temp_bytes"],
+        argument_bytes=arg_bytes,
+        peak_bytes=m["peak_bytes"],
+        params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
+        mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
+      )
       records.append(rec)
       last = (t_len, m["time_s"])
-      log(f"{mixing:11s} T={t_len:5d} {common.fmt_time(m['time_s']):>9s} "
-          f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(m['temp_bytes']):>10s} "
-          f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} compile {compile_s:.1f}s")
+      log(
+        f"{mixing:11s} T={t_len:5d} {common.fmt_time(m['time_s']):>9s} "
+        f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(m['temp_bytes']):>10s} "
+        f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} compile {compile_s:.1f}s"
+      )
       del compiled, params, opt_state, args
   return records
 
@@ -119,19 +145,21 @@ def ratios(records, t_len):
       continue
     mem = lambda x: x["temp_bytes"] + (x["argument_bytes"] or 0)
     out[r["mixing"]] = {
-        "flops": r["flops_per_token"] / base["flops_per_token"],
-        "temp_memory": r["temp_bytes"] / base["temp_bytes"],
-        "total_memory": mem(r) / mem(base),
-        "step_time": r["time_s"] / base["time_s"],
+      "flops": r["flops_per_token"] / base["flops_per_token"],
+      "temp_memory": r["temp_bytes"] / base["temp_bytes"],
+      "total_memory": mem(r) / mem(base),
+      "step_time": r["time_s"] / base["time_s"],
     }
   return out
 
 
 def markdown(records, sizes, mixings, info):
-  lines = [f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
-           f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
-           "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory | MFU |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+    f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
+    f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
+    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory | MFU |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
   for mixing in mixings:
     for t_len in sizes:
       r = [x for x in records if x["mixing"] == mixing and x["T"] == t_len][0]
@@ -140,26 +168,33 @@ def markdown(records, sizes, mixings, info):
         continue
       mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
       lines.append(
-          f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
-          f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
-          f"{common.fmt_bytes(r['argument_bytes'])} | {mfu} |")
+        f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
+        f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
+        f"{common.fmt_bytes(r['argument_bytes'])} | {mfu} |"
+      )
   for t_len in sizes:
     rat = ratios(records, t_len)
     if not rat:
       continue
-    lines += [f"\n**Ratios to the softmax Transformer at T = {t_len}**\n",
-              "| mixing | FLOPs/token | temp memory | temp + args memory | step time |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+      f"\n**Ratios to the softmax Transformer at T = {t_len}**\n",
+      "| mixing | FLOPs/token | temp memory | temp + args memory | step time |",
+      "|---|---:|---:|---:|---:|",
+    ]
     for mixing, x in rat.items():
-      lines.append(f"| {mixing} | {x['flops']:.2f}x | {x['temp_memory']:.2f}x | "
-                   f"{x['total_memory']:.2f}x | {x['step_time']:.2f}x |")
+      lines.append(
+        f"| {mixing} | {x['flops']:.2f}x | {x['temp_memory']:.2f}x | "
+        f"{x['total_memory']:.2f}x | {x['step_time']:.2f}x |"
+      )
   return "\n".join(lines) + "\n"
 
 
 def plot(records, mixings, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
   for mixing in mixings:
     rs = [r for r in records if r["mixing"] == mixing and r["status"] == "ok"]
@@ -196,8 +231,12 @@ def main(argv=None):
   p.add_argument("--kernel_size", type=int, default=7)
   p.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--min_seconds", type=float, default=1.0,
-                 help="keep timing a size (up to 50 steps) until the steps have used this long")
+  p.add_argument(
+    "--min_seconds",
+    type=float,
+    default=1.0,
+    help="keep timing a size (up to 50 steps) until the steps have used this long",
+  )
   p.add_argument("--max_step_s", type=float, default=None)
   a = p.parse_args(argv)
   if a.quick:
@@ -211,11 +250,21 @@ def main(argv=None):
     max_step_s = a.max_step_s or (30.0 if on_cpu else 5.0)
   mixings = a.mixings or list(MIXINGS)
   info = common.machine_info()
-  info.update(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, batch=a.batch,
-              window=a.window, kernel_size=a.kernel_size, dtype=a.dtype, sizes=sizes,
-              quick=a.quick, max_step_s=max_step_s,
-              peak_bf16_tflops=common.peak_tflops(jax.devices()[0].device_kind),
-              command=" ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:])))
+  info.update(
+    layers=a.layers,
+    d_model=a.d_model,
+    heads=a.heads,
+    vocab=a.vocab,
+    batch=a.batch,
+    window=a.window,
+    kernel_size=a.kernel_size,
+    dtype=a.dtype,
+    sizes=sizes,
+    quick=a.quick,
+    max_step_s=max_step_s,
+    peak_bf16_tflops=common.peak_tflops(jax.devices()[0].device_kind),
+    command=" ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:])),
+  )
   t0 = time.time()
   records = run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s)
   info["wall_s"] = time.time() - t0
@@ -223,11 +272,14 @@ def main(argv=None):
     info["load_average_at_end"] = list(os.getloadavg())
   except OSError:
     pass
-  result = {"machine": info, "mixings": mixings, "records": records,
-            "ratios_to_softmax": {str(t): ratios(records, t) for t in sizes}}
+  result = {
+    "machine": info,
+    "mixings": mixings,
+    "records": records,
+    "ratios_to_softmax": {str(t): ratios(records, t) for t in sizes},
+  }
   md = markdown(records, sizes, mixings, info)
-  common.write_outputs(a.out, "bench_model", result, md,
-                       lambda path: plot(records, mixings, path))
+  common.write_outputs(a.out, "bench_model", result, md, lambda path: plot(records, mixings, path))
 
 
 if __name__ == "__main__":

@@ -66,22 +66,54 @@ def _conv1d(q, k, v, kernel):
 def op_table(conv_kernel: int):
   """name -> (fn(q, k, v, extra), extra-shape(T) or None, cost class, description)."""
   return {
-      "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
-                   lambda t: (t, t), "quadratic", "causal AFT-full, w [T, T]"),
-      "aft_local_32": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True),
-                       lambda t: (t, t), "linear", "causal AFT-local, s = 32"),
-      "aft_local_128": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True),
-                        lambda t: (t, t), "linear", "causal AFT-local, s = 128"),
-      "aft_simple": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), None, "linear",
-                     "causal AFT-simple"),
-      "aft_conv1d": (_conv1d, lambda t: (HEADS, conv_kernel), "linear",
-                     f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}"),
-      "softmax_einsum": (lambda q, k, v: _softmax_einsum(q, k, v), None, "quadratic",
-                         f"causal softmax attention, einsum, {HEADS} heads"),
-      "softmax_dpa": (lambda q, k, v: _softmax_dpa(q, k, v), None, "quadratic",
-                      f"causal jax.nn.dot_product_attention, {HEADS} heads"),
-      "cumsum": (lambda q, k, v: jnp.cumsum(k, axis=-2), None, "linear",
-                 "floor: one jnp.cumsum over [B, T, D]"),
+    "aft_full": (
+      lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+      lambda t: (t, t),
+      "quadratic",
+      "causal AFT-full, w [T, T]",
+    ),
+    "aft_local_32": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True),
+      lambda t: (t, t),
+      "linear",
+      "causal AFT-local, s = 32",
+    ),
+    "aft_local_128": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True),
+      lambda t: (t, t),
+      "linear",
+      "causal AFT-local, s = 128",
+    ),
+    "aft_simple": (
+      lambda q, k, v: ops.aft_simple(q, k, v, causal=True),
+      None,
+      "linear",
+      "causal AFT-simple",
+    ),
+    "aft_conv1d": (
+      _conv1d,
+      lambda t: (HEADS, conv_kernel),
+      "linear",
+      f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}",
+    ),
+    "softmax_einsum": (
+      lambda q, k, v: _softmax_einsum(q, k, v),
+      None,
+      "quadratic",
+      f"causal softmax attention, einsum, {HEADS} heads",
+    ),
+    "softmax_dpa": (
+      lambda q, k, v: _softmax_dpa(q, k, v),
+      None,
+      "quadratic",
+      f"causal jax.nn.dot_product_attention, {HEADS} heads",
+    ),
+    "cumsum": (
+      lambda q, k, v: jnp.cumsum(k, axis=-2),
+      None,
+      "linear",
+      "floor: one jnp.cumsum over [B, T, D]",
+    ),
   }
 
 
@@ -97,17 +129,30 @@ def make_inputs(batch, t_len, d, extra_shape, seed=0):
 
 def fwd_bwd(fn):
   """All input gradients of sum(fn(*args) * cotangent)."""
+
   def loss(*args_and_ct):
     *args, ct = args_and_ct
     return jnp.sum(fn(*args) * ct)
+
   def grads(*args_and_ct):
     return jax.grad(loss, argnums=tuple(range(len(args_and_ct) - 1)))(*args_and_ct)
+
   return grads
 
 
-def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib,
-        min_seconds=1.0,
-        log=print):
+def run(
+  sizes,
+  *,
+  batch,
+  d,
+  conv_kernel,
+  names,
+  repeats,
+  max_call_s,
+  max_temp_gib,
+  min_seconds=1.0,
+  log=print,
+):
   table = op_table(conv_kernel)
   records = []
   for name in names:
@@ -120,8 +165,9 @@ def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gi
       for t_len in sizes:
         rec = {"op": name, "mode": mode, "T": t_len, "batch": batch, "d": d}
         if stop_reason is None:
-          stop_reason = common.budget_exceeded(last, t_len, cost_class, max_call_s, "call",
-                                               "--max_call_s")
+          stop_reason = common.budget_exceeded(
+            last, t_len, cost_class, max_call_s, "call", "--max_call_s"
+          )
         if stop_reason is not None:
           rec.update(common.skipped(stop_reason))
           records.append(rec)
@@ -134,21 +180,31 @@ def run(sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gi
         compiled, compile_s = common.compile_fn(f, call_args)
         temp = common.compiled_stats(compiled)["temp_bytes"]
         if temp is not None and temp > max_temp_gib * (1 << 30):
-          stop_reason = (f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib "
-                         f"{max_temp_gib}")
+          stop_reason = (
+            f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
+          )
           rec.update(common.skipped(stop_reason))
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        m = common.measure(f, call_args, repeats=repeats, max_seconds=max(2.0, 2 * max_call_s),
-                           min_seconds=min_seconds, compiled=compiled, compile_s=compile_s)
+        m = common.measure(
+          f,
+          call_args,
+          repeats=repeats,
+          max_seconds=max(2.0, 2 * max_call_s),
+          min_seconds=min_seconds,
+          compiled=compiled,
+          compile_s=compile_s,
+        )
         del compiled
         rec.update(status="ok", **m)
         records.append(rec)
         last = (t_len, m["time_s"])
-        log(f"{name:15s} {mode:8s} T={t_len:6d} {common.fmt_time(m['time_s']):>10s} "
-            f"temp {common.fmt_bytes(m['temp_bytes']):>10s} flops "
-            f"{common.fmt_flops(m['flops']):>9s} compile {m['compile_s']:.1f}s")
+        log(
+          f"{name:15s} {mode:8s} T={t_len:6d} {common.fmt_time(m['time_s']):>10s} "
+          f"temp {common.fmt_bytes(m['temp_bytes']):>10s} flops "
+          f"{common.fmt_flops(m['flops']):>9s} compile {m['compile_s']:.1f}s"
+        )
         del args, ct
   return records
 
@@ -174,16 +230,41 @@ def checks(records):
     r4 = _get(records, op, "fwd_bwd", 4096)
     r1 = _get(records, op, "fwd_bwd", 1024)
     tr, mr, gr = ratio(r4, ref4, "time_s"), ratio(r4, ref4, "temp_bytes"), ratio(r4, r1, "time_s")
-    out.append({"check": f"{op} fwd+bwd time / softmax_einsum at T=4096", "value": tr,
-                "target": f"<= {max_time}", "holds": None if tr is None else tr <= max_time})
-    out.append({"check": f"{op} fwd+bwd temp memory / softmax_einsum at T=4096", "value": mr,
-                "target": "<= 0.05", "holds": None if mr is None else mr <= 0.05})
-    out.append({"check": f"{op} fwd+bwd time growth T=1024 -> 4096", "value": gr,
-                "target": "<= ~5", "holds": None if gr is None else gr <= 5.0})
-  fr = ratio(_get(records, "aft_simple", "fwd", 4096), _get(records, "cumsum", "fwd", 4096),
-             "time_s")
-  out.append({"check": "aft_simple fwd time / cumsum floor at T=4096", "value": fr,
-              "target": "<= 2", "holds": None if fr is None else fr <= 2.0})
+    out.append(
+      {
+        "check": f"{op} fwd+bwd time / softmax_einsum at T=4096",
+        "value": tr,
+        "target": f"<= {max_time}",
+        "holds": None if tr is None else tr <= max_time,
+      }
+    )
+    out.append(
+      {
+        "check": f"{op} fwd+bwd temp memory / softmax_einsum at T=4096",
+        "value": mr,
+        "target": "<= 0.05",
+        "holds": None if mr is None else mr <= 0.05,
+      }
+    )
+    out.append(
+      {
+        "check": f"{op} fwd+bwd time growth T=1024 -> 4096",
+        "value": gr,
+        "target": "<= ~5",
+        "holds": None if gr is None else gr <= 5.0,
+      }
+    )
+  fr = ratio(
+    _get(records, "aft_simple", "fwd", 4096), _get(records, "cumsum", "fwd", 4096), "time_s"
+  )
+  out.append(
+    {
+      "check": "aft_simple fwd time / cumsum floor at T=4096",
+      "value": fr,
+      "target": "<= 2",
+      "holds": None if fr is None else fr <= 2.0,
+    }
+  )
   return out
 
 
@@ -196,9 +277,11 @@ def _check_line(c):
 def markdown(records, sizes, names, info):
   lines = []
   for mode, title in (("fwd_bwd", "forward+backward"), ("fwd", "forward")):
-    for field, label, fmt in (("time_s", "median time", common.fmt_time),
-                              ("temp_bytes", "XLA temp memory", common.fmt_bytes),
-                              ("flops", "FLOPs (loops counted per trip)", common.fmt_flops)):
+    for field, label, fmt in (
+      ("time_s", "median time", common.fmt_time),
+      ("temp_bytes", "XLA temp memory", common.fmt_bytes),
+      ("flops", "FLOPs (loops counted per trip)", common.fmt_flops),
+    ):
       lines.append(f"\n**{title}, {label}** (batch {info['batch']}, d {info['d']}, causal)\n")
       lines.append("| op | " + " | ".join(f"T={t}" for t in sizes) + " |")
       lines.append("|---|" + "---:|" * len(sizes))
@@ -220,8 +303,10 @@ def markdown(records, sizes, names, info):
 
 def plot(records, names, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for i, name in enumerate(names):
     color = plt.get_cmap("tab10")(i % 10)
@@ -233,8 +318,14 @@ def plot(records, names, path):
       label = f"{name} ({'fwd+bwd' if mode == 'fwd_bwd' else 'fwd'})"
       axes[0].plot(ts, [r["time_s"] for r in rs], style, marker="o", color=color, label=label)
       if mode == "fwd_bwd":
-        axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], style, marker="o",
-                     color=color, label=name)
+        axes[1].plot(
+          ts,
+          [max(r["temp_bytes"], 1) / 2**20 for r in rs],
+          style,
+          marker="o",
+          color=color,
+          label=name,
+        )
   for ax, ylabel in zip(axes, ("median time (s)", "XLA temp memory, fwd+bwd (MiB)")):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -258,10 +349,18 @@ def main(argv=None):
   p.add_argument("--conv_kernel", type=int, default=7)
   p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--min_seconds", type=float, default=1.0,
-                 help="keep timing a size (up to 50 calls) until the calls have used this long")
-  p.add_argument("--max_call_s", type=float, default=None,
-                 help="skip a size when its extrapolated time per call exceeds this")
+  p.add_argument(
+    "--min_seconds",
+    type=float,
+    default=1.0,
+    help="keep timing a size (up to 50 calls) until the calls have used this long",
+  )
+  p.add_argument(
+    "--max_call_s",
+    type=float,
+    default=None,
+    help="skip a size when its extrapolated time per call exceeds this",
+  )
   p.add_argument("--max_temp_gib", type=float, default=8.0)
   a = p.parse_args(argv)
   on_cpu = jax.devices()[0].platform == "cpu"
@@ -275,24 +374,43 @@ def main(argv=None):
   table = op_table(a.conv_kernel)
   names = a.ops or list(table)
   info = common.machine_info()
-  info.update(batch=a.batch, d=a.d, heads=HEADS, conv_kernel=a.conv_kernel, sizes=sizes,
-              quick=a.quick, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib,
-              command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])))
+  info.update(
+    batch=a.batch,
+    d=a.d,
+    heads=HEADS,
+    conv_kernel=a.conv_kernel,
+    sizes=sizes,
+    quick=a.quick,
+    max_call_s=max_call_s,
+    max_temp_gib=a.max_temp_gib,
+    command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])),
+  )
   t0 = time.time()
-  records = run(sizes, batch=a.batch, d=a.d, conv_kernel=a.conv_kernel, names=names,
-                repeats=a.repeats, min_seconds=a.min_seconds, max_call_s=max_call_s,
-                max_temp_gib=a.max_temp_gib)
+  records = run(
+    sizes,
+    batch=a.batch,
+    d=a.d,
+    conv_kernel=a.conv_kernel,
+    names=names,
+    repeats=a.repeats,
+    min_seconds=a.min_seconds,
+    max_call_s=max_call_s,
+    max_temp_gib=a.max_temp_gib,
+  )
   info["wall_s"] = time.time() - t0
   try:
     info["load_average_at_end"] = list(os.getloadavg())
   except OSError:
     pass
-  result = {"machine": info, "ops": {n: table[n][3] for n in names}, "records": records,
-            "checks": checks(records)}
+  result = {
+    "machine": info,
+    "ops": {n: table[n][3] for n in names},
+    "records": records,
+    "checks": checks(records),
+  }
   md = markdown(records, sizes, names, info)
   md += "\n" + "\n".join(_check_line(c) for c in result["checks"]) + "\n"
-  common.write_outputs(a.out, "bench_ops", result, md,
-                       lambda path: plot(records, names, path))
+  common.write_outputs(a.out, "bench_ops", result, md, lambda path: plot(records, names, path))
 
 
 if __name__ == "__main__":

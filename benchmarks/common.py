@@ -25,18 +25,18 @@ from benchmarks import flops
 # Peak dense bf16 TFLOP/s per chip, for model FLOPs utilisation. Matched by substring of
 # device_kind (first match wins, so more specific names come first).
 PEAK_BF16_TFLOPS = (
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("V100", 125.0),
-    ("v6", 918.0),
-    ("v5p", 459.0),
-    ("v5 lite", 197.0),
-    ("v5e", 197.0),
-    ("v4", 275.0),
-    ("v3", 123.0),
+  ("H200", 989.0),
+  ("H100", 989.0),
+  ("A100", 312.0),
+  ("L4", 121.0),
+  ("A10", 125.0),
+  ("V100", 125.0),
+  ("v6", 918.0),
+  ("v5p", 459.0),
+  ("v5 lite", 197.0),
+  ("v5e", 197.0),
+  ("v4", 275.0),
+  ("v3", 123.0),
 )
 
 SKIPPED = "skipped"
@@ -56,15 +56,15 @@ def machine_info() -> dict[str, Any]:
   except OSError:
     load = None
   return {
-      "platform": dev.platform,
-      "device_kind": dev.device_kind,
-      "device_count": jax.device_count(),
-      "jax_version": jax.__version__,
-      "python": platform.python_version(),
-      "cpu_count": os.cpu_count(),
-      "machine": platform.machine(),
-      "load_average_at_start": load,
-      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "platform": dev.platform,
+    "device_kind": dev.device_kind,
+    "device_count": jax.device_count(),
+    "jax_version": jax.__version__,
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "machine": platform.machine(),
+    "load_average_at_start": load,
+    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
   }
 
 
@@ -117,9 +117,18 @@ def compile_fn(fn: Callable, args: tuple):
   return compiled, time.perf_counter() - t0
 
 
-def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2,
-            max_seconds: float = 10.0, min_seconds: float = 1.0, max_repeats: int = 50,
-            compiled=None, compile_s=None) -> dict[str, Any]:
+def measure(
+  fn: Callable,
+  args: tuple,
+  *,
+  repeats: int = 5,
+  min_repeats: int = 2,
+  max_seconds: float = 10.0,
+  min_seconds: float = 1.0,
+  max_repeats: int = 50,
+  compiled=None,
+  compile_s=None,
+) -> dict[str, Any]:
   """Compile ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given), then time it.
 
   Runs ``repeats`` timed calls, more (up to ``max_repeats``) until they have used
@@ -146,19 +155,20 @@ def measure(fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2
     if i + 1 >= min_repeats and spent > max_seconds:
       break
   return {
-      "time_s": statistics.median(times),
-      "time_min_s": min(times),
-      "repeats": len(times),
-      "compile_s": compile_s,
-      "flops": stats["flops"],
-      "xla_flops": stats["xla_flops"],
-      "temp_bytes": stats["temp_bytes"],
-      "peak_bytes": peak_device_bytes(),
+    "time_s": statistics.median(times),
+    "time_min_s": min(times),
+    "repeats": len(times),
+    "compile_s": compile_s,
+    "flops": stats["flops"],
+    "xla_flops": stats["xla_flops"],
+    "temp_bytes": stats["temp_bytes"],
+    "peak_bytes": peak_device_bytes(),
   }
 
 
-def budget_exceeded(last, t_len: int, cost_class: str, budget_s: float, what: str,
-                    flag: str) -> str | None:
+def budget_exceeded(
+  last, t_len: int, cost_class: str, budget_s: float, what: str, flag: str
+) -> str | None:
   """Why size ``t_len`` should be skipped, or None: the time of the last measured size
   ``last = (T, seconds)`` extrapolated to ``t_len`` (x2 per doubling of T when ``cost_class``
   is 'linear', x4 when 'quadratic') exceeds ``budget_s``."""
@@ -167,8 +177,10 @@ def budget_exceeded(last, t_len: int, cost_class: str, budget_s: float, what: st
   est = last[1] * (4.0 if cost_class == "quadratic" else 2.0) ** math.log2(t_len / last[0])
   if est <= budget_s:
     return None
-  return (f"estimated {est:.1f} s per {what} (from {last[1]:.2f} s at T={last[0]}, "
-          f"{cost_class} in T) > {flag} {budget_s}")
+  return (
+    f"estimated {est:.1f} s per {what} (from {last[1]:.2f} s at T={last[0]}, "
+    f"{cost_class} in T) > {flag} {budget_s}"
+  )
 
 
 def skipped(reason: str) -> dict[str, str]:

@@ -24,13 +24,17 @@ from typing import Callable
 import jax
 from jax.extend import core
 
-ELEMENTWISE = frozenset("""
+ELEMENTWISE = frozenset(
+  """
     abs add add_any and atan2 cbrt ceil clamp cos div eq erf erf_inv erfc exp exp2 expm1 floor
     ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow
-    rem round rsqrt select_n sign sin sqrt square sub tan tanh xor""".split())
-REDUCTIONS = frozenset("""
+    rem round rsqrt select_n sign sin sqrt square sub tan tanh xor""".split()
+)
+REDUCTIONS = frozenset(
+  """
     argmax argmin cumlogsumexp cummax cummin cumprod cumsum reduce_and reduce_max reduce_min
-    reduce_or reduce_prod reduce_sum""".split())
+    reduce_or reduce_prod reduce_sum""".split()
+)
 
 
 def _size(aval) -> int:
@@ -81,8 +85,10 @@ def _eval(jaxpr, in_nnz):
     elif name == "dynamic_update_slice":
       outs = [min(get(eqn.invars[0]) + _size(eqn.invars[1].aval), _size(eqn.outvars[0].aval))]
     elif name == "scan":  # the carries may fill up: the body sees full bounds
-      total += params["length"] * _eval(params["jaxpr"], [_size(v.aval) for v in
-                                                         _jaxpr(params["jaxpr"]).invars])[0]
+      total += (
+        params["length"]
+        * _eval(params["jaxpr"], [_size(v.aval) for v in _jaxpr(params["jaxpr"]).invars])[0]
+      )
     elif name == "cond":
       flops, outs = _eval(params["branches"][0], [get(x) for x in eqn.invars[1:]])
       total += flops

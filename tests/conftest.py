@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def tiny_config(**overrides):
   """The quickstart recipe shrunk to one small layer; ``overrides`` use dotted keys."""
   from aft_jax.default_config import get_config
+
   config = get_config()
   config.data.dataset = "pydoc"
   config.data.tokenizer = "byte"

@@ -18,38 +18,85 @@ from aft_jax.data import wikitext103
 # word that the tokenised release (v1) writes as <unk>; as in the real v1,
 # held-out words that never occur in train are <unk> there too.
 _ARTICLES = {
-    "train": [
-        ("Valkyria Chronicles III", [
-            (None, ["Senjō no {Valkyria} 3 : Unrecorded Chronicles is a tactical role @-@ playing video game .",
-                    "The game began development in 2010 , carrying over a large portion of the work ."]),
-            ("Gameplay", ["As with previous games , the player controls a squad of soldiers .",
-                          "Troops are divided into five classes : Scouts , Shocktroopers , Engineers ."]),
-            ("Reception", ["It sold 102 @,@ 779 copies in Japan – a {modest} result ."]),
-        ]),
-        ("Tower Building of the Little Rock Arsenal", [
-            (None, ["The building is located in MacArthur Park in downtown Little Rock , Arkansas .",
-                    "Café Zürich and 東京 are not mentioned in the original article ."]),
-            ("= Construction =", ["The arsenal was constructed at the request of Governor {Yell} ."]),
-        ]),
-        ("Cicely Mary Barker", [
-            (None, ["Cicely Mary Barker was an English illustrator best known for a series of fantasy books ."]),
-        ]),
-    ],
-    "validation": [
-        ("Homarus gammarus", [
-            (None, ["Homarus gammarus is a game of the English Park series , and it sold 779 copies .",
-                    "The game was known in Japan as Café Little Rock ."]),
-            ("Reception", ["It is a {modest} tactical game with five classes ."]),
-        ]),
-        ("Naïve art", [(None, ["Naïve art is a series of books by Cicely Mary Barker ."])]),
-    ],
-    "test": [
-        ("Robert Boulter", [
-            (None, ["Robert Boulter is an English illustrator and video game player .",
-                    "He was known for the 2010 game Tower of Arkansas ."]),
-            ("Career", ["In 2010 Boulter began work on a {Herons} series ."]),
-        ]),
-    ],
+  "train": [
+    (
+      "Valkyria Chronicles III",
+      [
+        (
+          None,
+          [
+            "Senjō no {Valkyria} 3 : Unrecorded Chronicles is a tactical role @-@ playing video "
+            "game .",
+            "The game began development in 2010 , carrying over a large portion of the work .",
+          ],
+        ),
+        (
+          "Gameplay",
+          [
+            "As with previous games , the player controls a squad of soldiers .",
+            "Troops are divided into five classes : Scouts , Shocktroopers , Engineers .",
+          ],
+        ),
+        ("Reception", ["It sold 102 @,@ 779 copies in Japan – a {modest} result ."]),
+      ],
+    ),
+    (
+      "Tower Building of the Little Rock Arsenal",
+      [
+        (
+          None,
+          [
+            "The building is located in MacArthur Park in downtown Little Rock , Arkansas .",
+            "Café Zürich and 東京 are not mentioned in the original article .",
+          ],
+        ),
+        ("= Construction =", ["The arsenal was constructed at the request of Governor {Yell} ."]),
+      ],
+    ),
+    (
+      "Cicely Mary Barker",
+      [
+        (
+          None,
+          [
+            "Cicely Mary Barker was an English illustrator best known for a series of fantasy "
+            "books ."
+          ],
+        ),
+      ],
+    ),
+  ],
+  "validation": [
+    (
+      "Homarus gammarus",
+      [
+        (
+          None,
+          [
+            "Homarus gammarus is a game of the English Park series , and it sold 779 copies .",
+            "The game was known in Japan as Café Little Rock .",
+          ],
+        ),
+        ("Reception", ["It is a {modest} tactical game with five classes ."]),
+      ],
+    ),
+    ("Naïve art", [(None, ["Naïve art is a series of books by Cicely Mary Barker ."])]),
+  ],
+  "test": [
+    (
+      "Robert Boulter",
+      [
+        (
+          None,
+          [
+            "Robert Boulter is an English illustrator and video game player .",
+            "He was known for the 2010 game Tower of Arkansas .",
+          ],
+        ),
+        ("Career", ["In 2010 Boulter began work on a {Herons} series ."]),
+      ],
+    ),
+  ],
 }
 
 
@@ -86,7 +133,7 @@ def _v1(text: str, split: str) -> str:
   for word in text.split(" "):
     core = word.rstrip("\n")
     if known is not None and core and core not in known:
-      word = "<unk>" + word[len(core):]
+      word = "<unk>" + word[len(core) :]
     out.append(word)
   return " ".join(out)
 
@@ -115,8 +162,13 @@ def texts(variant: str) -> dict[str, str]:
   return {s: split_text(s, raw=variant == "raw_v1") for s in wikitext103.SPLITS}
 
 
-def write_zip(directory: str, variant: str, contents: dict[str, bytes | str] | None = None,
-              *, skip: tuple[str, ...] = ()) -> str:
+def write_zip(
+  directory: str,
+  variant: str,
+  contents: dict[str, bytes | str] | None = None,
+  *,
+  skip: tuple[str, ...] = (),
+) -> str:
   """Writes `<directory>/<official zip name>`; returns its path.
 
   `contents` overrides split contents (bytes are written as they are).
@@ -135,8 +187,13 @@ def write_zip(directory: str, variant: str, contents: dict[str, bytes | str] | N
   return path
 
 
-def write_extracted(directory: str, variant: str, contents: dict[str, bytes | str] | None = None,
-                    *, skip: tuple[str, ...] = ()) -> str:
+def write_extracted(
+  directory: str,
+  variant: str,
+  contents: dict[str, bytes | str] | None = None,
+  *,
+  skip: tuple[str, ...] = (),
+) -> str:
   """Writes `<directory>/<folder>/wiki.<split>.<ext>`; returns the folder."""
   archive = wikitext103.ARCHIVES[variant]
   contents = {**texts(variant), **(contents or {})}
@@ -161,5 +218,8 @@ def trust(monkeypatch, variant: str, path: str | None) -> None:
   import dataclasses  # pylint: disable=g-import-not-at-top
 
   archive = wikitext103.ARCHIVES[variant]
-  monkeypatch.setitem(wikitext103.ARCHIVES, variant,
-                      dataclasses.replace(archive, sha256=sha256(path) if path else None))
+  monkeypatch.setitem(
+    wikitext103.ARCHIVES,
+    variant,
+    dataclasses.replace(archive, sha256=sha256(path) if path else None),
+  )

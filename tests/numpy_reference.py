@@ -82,8 +82,9 @@ def aft_conv1d(q, k, v, kernel, causal=False):
   for h in range(heads):
     w = conv1d_bias(kernel[h], t_len, causal)
     for c in range(ch):
-      y[..., h, c] = aft_full(q[..., h, c, None], k[..., h, None], v[..., h, c, None], w,
-                              causal)[..., 0]
+      y[..., h, c] = aft_full(q[..., h, c, None], k[..., h, None], v[..., h, c, None], w, causal)[
+        ..., 0
+      ]
   return y
 
 

@@ -16,9 +16,10 @@ import time
 
 # Must precede the first jax import: the device count is fixed when the CPU backend starts.
 # Optimisation level 0 halves XLA's compile time on CPU; every mesh here compiles with it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  " --xla_backend_optimization_level=0"
+)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -38,8 +39,15 @@ STEPS = 3
 def _config(mesh=(1, 1, 1), **overrides):
   # d_model 16, mlp 32, vocab 256 (bytes), 16 AFT channels: all divisible by every mesh axis.
   # aft_full: its train step compiles in about half the time of aft_local's / aft_simple's.
-  c = tiny_config(**{"model.mixing": "aft_full", "model.dropout_rate": 0.0, "batch_size": 8, "eval_batch_size": 8,
-                     **overrides})
+  c = tiny_config(
+    **{
+      "model.mixing": "aft_full",
+      "model.dropout_rate": 0.0,
+      "batch_size": 8,
+      "eval_batch_size": 8,
+      **overrides,
+    }
+  )
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   return c
 
@@ -65,6 +73,7 @@ def _max_diff(a, b):
       # bias: its gradient is rounding noise that Adam scales up to +-lr per step.
       d[0, 0] = 0.0
     return float(np.max(d))
+
   return max(diff(k) for k in a if not k.endswith(NOISE_ONLY))
 
 
@@ -79,16 +88,16 @@ def _check_sharded(state, mesh_shape):
   p = state.params
   mu = state.opt_state[1][0].mu  # chain(clip, adamw): adamw's ScaleByAdamState
   expected = {
-      # name: (array, logical names -> mesh spec, global shape)
-      "mlp_in": (p["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
-      "mlp_in (adam mu)": (mu["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
-      "mlp_out": (p["block_0"]["mlp_out"]["kernel"], P("tensor", "fsdp"), (32, 16)),
-      "query": (p["block_0"]["mix"]["query"]["kernel"], P("fsdp", "tensor"), (16, 16)),
-      "key": (p["block_0"]["mix"]["key"]["kernel"], P("fsdp", "tensor"), (16, 16)),
-      "value": (p["block_0"]["mix"]["value"]["kernel"], P("fsdp", "tensor"), (16, 16)),
-      "out": (p["block_0"]["mix"]["out"]["kernel"], P("tensor", "fsdp"), (16, 16)),
-      "embed": (p["embed"]["embedding"], P("tensor", "fsdp"), (256, 16)),
-      "pos_bias": (p["block_0"]["mix"]["pos_bias"], P(None, None), (32, 32)),
+    # name: (array, logical names -> mesh spec, global shape)
+    "mlp_in": (p["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
+    "mlp_in (adam mu)": (mu["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
+    "mlp_out": (p["block_0"]["mlp_out"]["kernel"], P("tensor", "fsdp"), (32, 16)),
+    "query": (p["block_0"]["mix"]["query"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "key": (p["block_0"]["mix"]["key"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "value": (p["block_0"]["mix"]["value"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "out": (p["block_0"]["mix"]["out"]["kernel"], P("tensor", "fsdp"), (16, 16)),
+    "embed": (p["embed"]["embedding"], P("tensor", "fsdp"), (256, 16)),
+    "pos_bias": (p["block_0"]["mix"]["pos_bias"], P(None, None), (32, 32)),
   }
   split = {"fsdp": fsdp, "tensor": tensor, None: 1}
   for name, (arr, spec, shape) in expected.items():
@@ -105,8 +114,9 @@ def main(out_path):
   assert jax.device_count() == 8, jax.devices()
   base = _config()
   corpus = data_lib.load_corpus(base.data)
-  it = data_lib.train_iterator(corpus.splits["train"], seq_len=base.seq_len,
-                               global_batch_size=base.batch_size, seed=0)
+  it = data_lib.train_iterator(
+    corpus.splits["train"], seq_len=base.seq_len, global_batch_size=base.batch_size, seed=0
+  )
   batches = [next(it) for _ in range(STEPS + 1)]
   rng = jax.random.key(1)
   report = {"meshes": {}}
@@ -136,17 +146,23 @@ def main(out_path):
     diff = _max_diff(jax.device_get(state.params), ref_params3)
     np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-5, atol=1e-5)
     assert diff < 1e-5, (shape, diff)
-    report["meshes"][str(shape)] = {"losses": losses, "max_param_diff": diff,
-                                    "seconds": time.perf_counter() - t}
+    report["meshes"][str(shape)] = {
+      "losses": losses,
+      "max_param_diff": diff,
+      "seconds": time.perf_counter() - t,
+    }
     if shape == (8, 1, 1):
       trainer811 = trainer
     if shape == (2, 2, 2):
       # A checkpoint written on (2, 2, 2) restores onto (8, 1, 1) and continues identically.
       mngr = train_lib.checkpoint_manager(os.path.join(workdir, "ckpt"), 1)
       train_lib._save(mngr, STEPS, state, it)
-      restored = mngr.restore(STEPS, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(trainer811.abstract_state),
-          data=ocp.args.JsonRestore()))["state"]
+      restored = mngr.restore(
+        STEPS,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(trainer811.abstract_state), data=ocp.args.JsonRestore()
+        ),
+      )["state"]
       mngr.close()
       assert int(restored.step) == STEPS
       _check_sharded(restored, (8, 1, 1))
@@ -160,8 +176,10 @@ def main(out_path):
 
   # A dimension the mesh cannot split evenly (a word vocabulary, say) is replicated, not an error.
   mesh = sharding.make_mesh(_config((1, 4, 2)).mesh)
-  odd = {"embed": nn.Partitioned(jax.ShapeDtypeStruct((255, 16), np.float32), ("vocab", "embed")),
-         "mlp": nn.Partitioned(jax.ShapeDtypeStruct((16, 32), np.float32), ("embed", "mlp"))}
+  odd = {
+    "embed": nn.Partitioned(jax.ShapeDtypeStruct((255, 16), np.float32), ("vocab", "embed")),
+    "mlp": nn.Partitioned(jax.ShapeDtypeStruct((16, 32), np.float32), ("embed", "mlp")),
+  }
   sh = sharding.logical_shardings(odd, mesh, sharding.DEFAULT_RULES)
   assert sh["embed"].spec == P(None, "fsdp") and sh["mlp"].spec == P("fsdp", "tensor"), sh
 
@@ -172,16 +190,22 @@ def main(out_path):
   def spy(self, *a, **k):
     built.append(1)
     orig(self, *a, **k)
+
   train_lib.Trainer.__init__ = spy
-  for shape, name, bad in [((8, 1, 1), "batch_size", 12), ((2, 2, 2), "batch_size", 6),
-                           ((2, 2, 2), "eval_batch_size", 2)]:
+  for shape, name, bad in [
+    ((8, 1, 1), "batch_size", 12),
+    ((2, 2, 2), "batch_size", 6),
+    ((2, 2, 2), "eval_batch_size", 2),
+  ]:
     try:
-      train_lib.train_and_evaluate(_config(shape, **{name: bad}),
-                                   os.path.join(workdir, f"bad_{name}"))
+      train_lib.train_and_evaluate(
+        _config(shape, **{name: bad}), os.path.join(workdir, f"bad_{name}")
+      )
     except ValueError as e:
       msg = str(e)
       assert f"{name} = {bad} is not divisible by the 4" in msg or (
-          f"{name} = {bad} is not divisible by the 8" in msg), msg
+        f"{name} = {bad} is not divisible by the 8" in msg
+      ), msg
       assert "data x fsdp" in msg, msg
     else:
       raise AssertionError(f"{name}={bad} on mesh {shape} was accepted")

@@ -18,240 +18,247 @@ V, D, CUT = 50, 16, (10, 25)
 
 @partial(jax.jit, static_argnames=("module", "method"))
 def _apply(module, variables, *args, method="__call__"):
-    # Jit every apply: eager calls would re-trace and re-compile the lax.scan each time.
-    return module.apply(variables, *args, method=method)
+  # Jit every apply: eager calls would re-trace and re-compile the lax.scan each time.
+  return module.apply(variables, *args, method=method)
 
 
 def _count(tree):
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(tree)))
+  return sum(x.size for x in jax.tree.leaves(nn.unbox(tree)))
 
 
-def _setup_softmax(cutoffs=CUT, chunk_size=8192, dtype=jnp.float32, param_dtype=jnp.float32,
-                   scale=1.0, n=V, seed=0):
-    sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype)
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    h = scale * jax.random.normal(k1, (n, D), param_dtype)
-    # Every word id appears once when n == V (covers all cluster boundaries).
-    t = jax.random.permutation(k2, V)[:n] if n <= V else jax.random.randint(k2, (n,), 0, V)
-    # Init through log_probs: creates the same params without compiling nll's scans.
-    variables = sm.init(k3, h, method="log_probs")
-    return sm, variables, h, t
+def _setup_softmax(
+  cutoffs=CUT, chunk_size=8192, dtype=jnp.float32, param_dtype=jnp.float32, scale=1.0, n=V, seed=0
+):
+  sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype)
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  h = scale * jax.random.normal(k1, (n, D), param_dtype)
+  # Every word id appears once when n == V (covers all cluster boundaries).
+  t = jax.random.permutation(k2, V)[:n] if n <= V else jax.random.randint(k2, (n,), 0, V)
+  # Init through log_probs: creates the same params without compiling nll's scans.
+  variables = sm.init(k3, h, method="log_probs")
+  return sm, variables, h, t
 
 
 @pytest.mark.parametrize("cutoffs", [CUT, (), (10,)])
 def test_log_probs_normalised(cutoffs):
-    sm, v, h, _ = _setup_softmax(cutoffs, scale=2.0)
-    lp = _apply(sm, v, h.reshape(5, 10, D), method="log_probs")
-    chex.assert_shape(lp, (5, 10, V))
-    np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, atol=1e-5)
+  sm, v, h, _ = _setup_softmax(cutoffs, scale=2.0)
+  lp = _apply(sm, v, h.reshape(5, 10, D), method="log_probs")
+  chex.assert_shape(lp, (5, 10, V))
+  np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("cutoffs", [CUT, ()])
 @pytest.mark.parametrize("chunk_size", [1, 7, 8192])
 def test_nll_matches_log_probs(cutoffs, chunk_size):
-    sm, v, h, t = _setup_softmax(cutoffs, chunk_size=chunk_size)
-    # Batch [2, V]: row 0 at unit scale, row 1 at |h| ~ 1e3 (logits ~ 1e3-1e4, no overflow).
-    scale = jnp.array([1.0, 1e3])[:, None, None]
-    hb, tb = h[None] * scale, jnp.stack([t, t])
-    nll = _apply(sm, v, hb, tb)
-    chex.assert_shape(nll, (2, V))
-    chex.assert_tree_all_finite(nll)
-    lp = _apply(sm, v, hb, method="log_probs")
-    ref = -jnp.take_along_axis(lp, tb[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(nll[0], ref[0], rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(nll[1], ref[1], rtol=1e-5, atol=2e-2)  # relative to ~1e3 logits
-    assert float(jnp.max(nll[1])) > 100.0  # the large case really has big logits
+  sm, v, h, t = _setup_softmax(cutoffs, chunk_size=chunk_size)
+  # Batch [2, V]: row 0 at unit scale, row 1 at |h| ~ 1e3 (logits ~ 1e3-1e4, no overflow).
+  scale = jnp.array([1.0, 1e3])[:, None, None]
+  hb, tb = h[None] * scale, jnp.stack([t, t])
+  nll = _apply(sm, v, hb, tb)
+  chex.assert_shape(nll, (2, V))
+  chex.assert_tree_all_finite(nll)
+  lp = _apply(sm, v, hb, method="log_probs")
+  ref = -jnp.take_along_axis(lp, tb[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(nll[0], ref[0], rtol=1e-5, atol=2e-5)
+  np.testing.assert_allclose(nll[1], ref[1], rtol=1e-5, atol=2e-2)  # relative to ~1e3 logits
+  assert float(jnp.max(nll[1])) > 100.0  # the large case really has big logits
 
 
 def test_chunked_logsumexp_matches_dense():
-    z = jax.random.normal(jax.random.key(0), (6, 5)) * 30.0
-    table = jax.random.normal(jax.random.key(1), (23, 5))
-    ref = jax.nn.logsumexp(z @ table.T, axis=-1)
-    for c in (1, 7, 100):  # 1 row, non-dividing (last chunk overlaps), > table
-        np.testing.assert_allclose(chunked_logsumexp(z, table, c), ref, rtol=1e-6, atol=1e-4)
+  z = jax.random.normal(jax.random.key(0), (6, 5)) * 30.0
+  table = jax.random.normal(jax.random.key(1), (23, 5))
+  ref = jax.nn.logsumexp(z @ table.T, axis=-1)
+  for c in (1, 7, 100):  # 1 row, non-dividing (last chunk overlaps), > table
+    np.testing.assert_allclose(chunked_logsumexp(z, table, c), ref, rtol=1e-6, atol=1e-4)
 
 
 def test_single_cluster_equals_optax_full_softmax():
-    sm, v, h, t = _setup_softmax((), chunk_size=7)
-    w = nn.unbox(v)["params"]["head_embed"]  # [V, D]: the module's own table
-    ref = optax.softmax_cross_entropy_with_integer_labels(h @ w.T, t)
-    np.testing.assert_allclose(_apply(sm, v, h, t), ref, rtol=1e-5, atol=1e-5)
-    assert set(nn.unbox(v)["params"]) == {"head_embed"}
+  sm, v, h, t = _setup_softmax((), chunk_size=7)
+  w = nn.unbox(v)["params"]["head_embed"]  # [V, D]: the module's own table
+  ref = optax.softmax_cross_entropy_with_integer_labels(h @ w.T, t)
+  np.testing.assert_allclose(_apply(sm, v, h, t), ref, rtol=1e-5, atol=1e-5)
+  assert set(nn.unbox(v)["params"]) == {"head_embed"}
 
 
 def test_grads_finite():
-    sm, v, h, t = _setup_softmax(CUT, chunk_size=7)
-    grad = jax.jit(jax.grad(lambda v, h: sm.apply(v, h, t).mean(), argnums=(0, 1)))
-    for scale in (1.0, 1e3):
-        g = grad(v, h * scale)
-        chex.assert_tree_all_finite(g)
-        # every table gets gradient (no param silently unused)
-        for name, leaf in nn.unbox(g[0])["params"].items():
-            assert float(jnp.abs(leaf).sum()) > 0, name
+  sm, v, h, t = _setup_softmax(CUT, chunk_size=7)
+  grad = jax.jit(jax.grad(lambda v, h: sm.apply(v, h, t).mean(), argnums=(0, 1)))
+  for scale in (1.0, 1e3):
+    g = grad(v, h * scale)
+    chex.assert_tree_all_finite(g)
+    # every table gets gradient (no param silently unused)
+    for name, leaf in nn.unbox(g[0])["params"].items():
+      assert float(jnp.abs(leaf).sum()) > 0, name
 
 
 def test_check_grads_float64():
-    # Params/inputs are made in float32 (reusing compiled init ops), then cast up.
-    _, v, h, t = _setup_softmax(CUT, chunk_size=7, n=12)
-    with jax.enable_x64(True):
-        sm = AdaptiveSoftmax(V, D, CUT, chunk_size=7, dtype=jnp.float64, param_dtype=jnp.float64)
-        p64, h64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (nn.unbox(v)["params"], h))
-        f = jax.jit(lambda h, p: sm.apply({"params": p}, h, t))
-        assert f(h64, p64).dtype == jnp.float64
-        # One reverse-mode check w.r.t. h and every parameter (one compile, not several).
-        check_grads(f, (h64, p64), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+  # Params/inputs are made in float32 (reusing compiled init ops), then cast up.
+  _, v, h, t = _setup_softmax(CUT, chunk_size=7, n=12)
+  with jax.enable_x64(True):
+    sm = AdaptiveSoftmax(V, D, CUT, chunk_size=7, dtype=jnp.float64, param_dtype=jnp.float64)
+    p64, h64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (nn.unbox(v)["params"], h))
+    f = jax.jit(lambda h, p: sm.apply({"params": p}, h, t))
+    assert f(h64, p64).dtype == jnp.float64
+    # One reverse-mode check w.r.t. h and every parameter (one compile, not several).
+    check_grads(f, (h64, p64), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
 def test_bfloat16_compute():
-    sm32, v, h, t = _setup_softmax(CUT, chunk_size=7, scale=3.0)
-    sm16 = AdaptiveSoftmax(V, D, CUT, chunk_size=7, dtype=jnp.bfloat16)
-    nll16 = _apply(sm16, v, h, t)
-    assert nll16.dtype == jnp.float32
-    chex.assert_tree_all_finite(nll16)
-    np.testing.assert_allclose(nll16, _apply(sm32, v, h, t), rtol=5e-2, atol=5e-2)
+  sm32, v, h, t = _setup_softmax(CUT, chunk_size=7, scale=3.0)
+  sm16 = AdaptiveSoftmax(V, D, CUT, chunk_size=7, dtype=jnp.bfloat16)
+  nll16 = _apply(sm16, v, h, t)
+  assert nll16.dtype == jnp.float32
+  chex.assert_tree_all_finite(nll16)
+  np.testing.assert_allclose(nll16, _apply(sm32, v, h, t), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("cutoffs", [(1000,), ()])
 def test_compiled_memory_no_full_logits(cutoffs):
-    vocab, n, d = 200_000, 512, 64
-    sm = AdaptiveSoftmax(vocab, d, cutoffs, chunk_size=4096)
-    h = jax.ShapeDtypeStruct((n, d), jnp.float32)
-    t = jax.ShapeDtypeStruct((n,), jnp.int32)
-    v = jax.eval_shape(sm.init, jax.random.key(0), h, t)
-    loss = lambda v, h, t: sm.apply(v, h, t).mean()
-    dense_bytes = n * (vocab - (cutoffs[0] if cutoffs else 0)) * 4
-    fwd = jax.jit(loss).lower(v, h, t).compile().memory_analysis().temp_size_in_bytes
-    bwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(v, h, t).compile()
-    bwd = bwd.memory_analysis().temp_size_in_bytes
-    assert fwd < dense_bytes / 4, (fwd, dense_bytes)
-    assert bwd < dense_bytes / 4, (bwd, dense_bytes)  # remat: backward doesn't store chunks
+  vocab, n, d = 200_000, 512, 64
+  sm = AdaptiveSoftmax(vocab, d, cutoffs, chunk_size=4096)
+  h = jax.ShapeDtypeStruct((n, d), jnp.float32)
+  t = jax.ShapeDtypeStruct((n,), jnp.int32)
+  v = jax.eval_shape(sm.init, jax.random.key(0), h, t)
+  loss = lambda v, h, t: sm.apply(v, h, t).mean()
+  dense_bytes = n * (vocab - (cutoffs[0] if cutoffs else 0)) * 4
+  fwd = jax.jit(loss).lower(v, h, t).compile().memory_analysis().temp_size_in_bytes
+  bwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(v, h, t).compile()
+  bwd = bwd.memory_analysis().temp_size_in_bytes
+  assert fwd < dense_bytes / 4, (fwd, dense_bytes)
+  assert bwd < dense_bytes / 4, (bwd, dense_bytes)  # remat: backward doesn't store chunks
 
 
 # ----------------------------------------------------------------------------- input
 
 
 def test_adaptive_input_shapes_and_values():
-    ai = AdaptiveInput(V, D, CUT)
-    ids = jnp.arange(V).reshape(5, 10)
-    v = ai.init(jax.random.key(0), ids)
-    p = nn.unbox(v)["params"]
-    chex.assert_shape([p["embed_0"], p["embed_1"], p["proj_1"], p["embed_2"], p["proj_2"]],
-                      [(10, 16), (15, 4), (4, 16), (25, 1), (1, 16)])
-    out = ai.apply(v, ids)
-    chex.assert_shape(out, (5, 10, D))
-    out = np.asarray(out.reshape(V, D))
-    # Each word's vector is its own cluster's row (projected): e(w) = E_i[w - lo_i] @ P_i.
-    np.testing.assert_allclose(out[:10], p["embed_0"], rtol=1e-6)
-    np.testing.assert_allclose(out[10:25], p["embed_1"] @ p["proj_1"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out[25:], p["embed_2"] @ p["proj_2"], rtol=1e-5, atol=1e-6)
-    # All rows distinct (within and across clusters).
-    dists = np.linalg.norm(out[:, None] - out[None], axis=-1) + np.eye(V)
-    assert dists.min() > 1e-4
-    assert ai.apply(v, ids).dtype == jnp.float32
-    bf = AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids)
-    assert bf.dtype == jnp.bfloat16
+  ai = AdaptiveInput(V, D, CUT)
+  ids = jnp.arange(V).reshape(5, 10)
+  v = ai.init(jax.random.key(0), ids)
+  p = nn.unbox(v)["params"]
+  chex.assert_shape(
+    [p["embed_0"], p["embed_1"], p["proj_1"], p["embed_2"], p["proj_2"]],
+    [(10, 16), (15, 4), (4, 16), (25, 1), (1, 16)],
+  )
+  out = ai.apply(v, ids)
+  chex.assert_shape(out, (5, 10, D))
+  out = np.asarray(out.reshape(V, D))
+  # Each word's vector is its own cluster's row (projected): e(w) = E_i[w - lo_i] @ P_i.
+  np.testing.assert_allclose(out[:10], p["embed_0"], rtol=1e-6)
+  np.testing.assert_allclose(out[10:25], p["embed_1"] @ p["proj_1"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out[25:], p["embed_2"] @ p["proj_2"], rtol=1e-5, atol=1e-6)
+  # All rows distinct (within and across clusters).
+  dists = np.linalg.norm(out[:, None] - out[None], axis=-1) + np.eye(V)
+  assert dists.min() > 1e-4
+  assert ai.apply(v, ids).dtype == jnp.float32
+  bf = AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids)
+  assert bf.dtype == jnp.bfloat16
 
 
 def test_adaptive_input_single_cluster():
-    ai = AdaptiveInput(V, D, [])
-    v = ai.init(jax.random.key(0), jnp.arange(V))
-    assert set(nn.unbox(v)["params"]) == {"embed_0"}
-    np.testing.assert_array_equal(ai.apply(v, jnp.arange(V)), nn.unbox(v)["params"]["embed_0"])
+  ai = AdaptiveInput(V, D, [])
+  v = ai.init(jax.random.key(0), jnp.arange(V))
+  assert set(nn.unbox(v)["params"]) == {"embed_0"}
+  np.testing.assert_array_equal(ai.apply(v, jnp.arange(V)), nn.unbox(v)["params"]["embed_0"])
 
 
 def test_logical_axis_names():
-    v = AdaptiveInput(V, D, CUT).init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
-    specs = nn.get_partition_spec(v)["params"]
-    assert tuple(specs["embed_0"]) == ("vocab", "embed")
-    assert tuple(specs["embed_2"]) == ("vocab", "embed_small")
-    assert tuple(specs["proj_1"]) == ("embed_small", "embed")
-    sm, v, _, _ = _setup_softmax()
-    specs = nn.get_partition_spec(v)["params"]
-    assert tuple(specs["cluster_logits"]) == ("cluster", "embed")
-    assert tuple(specs["head_embed"]) == ("vocab", "embed")
-    assert tuple(specs["tail_proj_2"]) == ("embed_small", "embed")
+  v = AdaptiveInput(V, D, CUT).init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
+  specs = nn.get_partition_spec(v)["params"]
+  assert tuple(specs["embed_0"]) == ("vocab", "embed")
+  assert tuple(specs["embed_2"]) == ("vocab", "embed_small")
+  assert tuple(specs["proj_1"]) == ("embed_small", "embed")
+  sm, v, _, _ = _setup_softmax()
+  specs = nn.get_partition_spec(v)["params"]
+  assert tuple(specs["cluster_logits"]) == ("cluster", "embed")
+  assert tuple(specs["head_embed"]) == ("vocab", "embed")
+  assert tuple(specs["tail_proj_2"]) == ("embed_small", "embed")
 
 
 # ----------------------------------------------------------------------------- tying
 
 
 class _TinyLM(nn.Module):
-    tie: bool
-    cutoffs: tuple = CUT
+  tie: bool
+  cutoffs: tuple = CUT
 
-    def setup(self):
-        self.embed = AdaptiveInput(V, D, self.cutoffs)
-        self.out = AdaptiveSoftmax(V, D, self.cutoffs, chunk_size=7,
-                                   tie_to=self.embed if self.tie else None)
-        self.mix = nn.Dense(D)
+  def setup(self):
+    self.embed = AdaptiveInput(V, D, self.cutoffs)
+    self.out = AdaptiveSoftmax(
+      V, D, self.cutoffs, chunk_size=7, tie_to=self.embed if self.tie else None
+    )
+    self.mix = nn.Dense(D)
 
-    def __call__(self, ids, targets):
-        return self.out(jnp.tanh(self.mix(self.embed(ids))), targets)
+  def __call__(self, ids, targets):
+    return self.out(jnp.tanh(self.mix(self.embed(ids))), targets)
 
-    def log_probs(self, ids):
-        return self.out.log_probs(jnp.tanh(self.mix(self.embed(ids))))
+  def log_probs(self, ids):
+    return self.out.log_probs(jnp.tanh(self.mix(self.embed(ids))))
 
 
 @pytest.mark.parametrize("cutoffs", [CUT, ()])
 def test_tying_shares_params(cutoffs):
-    ids = jnp.arange(V)[None]
-    tgt = jnp.roll(ids, 1, axis=-1)
-    tied, untied = _TinyLM(True, cutoffs), _TinyLM(False, cutoffs)
-    vt = jax.jit(partial(tied.init, method="log_probs"))(jax.random.key(0), ids)
-    vu = jax.eval_shape(partial(untied.init, method="log_probs"), jax.random.key(0), ids)
-    n_in = _count(vt["params"]["embed"])
-    n_cl = len(cutoffs) * D
-    n_dense = D * D + D
-    assert _count(vt) == n_in + n_cl + n_dense
-    assert _count(vu) == 2 * n_in + n_cl + n_dense
-    assert set(nn.unbox(vt)["params"].get("out", {})) <= {"cluster_logits"}
+  ids = jnp.arange(V)[None]
+  tgt = jnp.roll(ids, 1, axis=-1)
+  tied, untied = _TinyLM(True, cutoffs), _TinyLM(False, cutoffs)
+  vt = jax.jit(partial(tied.init, method="log_probs"))(jax.random.key(0), ids)
+  vu = jax.eval_shape(partial(untied.init, method="log_probs"), jax.random.key(0), ids)
+  n_in = _count(vt["params"]["embed"])
+  n_cl = len(cutoffs) * D
+  n_dense = D * D + D
+  assert _count(vt) == n_in + n_cl + n_dense
+  assert _count(vu) == 2 * n_in + n_cl + n_dense
+  assert set(nn.unbox(vt)["params"].get("out", {})) <= {"cluster_logits"}
 
-    # Tied == untied with the softmax's tables set to the input's.
-    pt = nn.unbox(vt)["params"]
-    emb = pt["embed"]
-    pu = dict(pt)
-    out = dict(pt.get("out", {}))
-    out["head_embed"] = emb["embed_0"]
-    for i in range(1, len(cutoffs) + 1):
-        out[f"tail_embed_{i}"] = emb[f"embed_{i}"]
-        out[f"tail_proj_{i}"] = emb[f"proj_{i}"]
-    pu["out"] = out
-    lp = _apply(untied, {"params": pu}, ids, method="log_probs")
-    np.testing.assert_allclose(_apply(tied, vt, ids, method="log_probs"), lp, rtol=1e-5, atol=1e-5)
-    ref = -jnp.take_along_axis(lp, tgt[..., None], axis=-1).mean()
+  # Tied == untied with the softmax's tables set to the input's.
+  pt = nn.unbox(vt)["params"]
+  emb = pt["embed"]
+  pu = dict(pt)
+  out = dict(pt.get("out", {}))
+  out["head_embed"] = emb["embed_0"]
+  for i in range(1, len(cutoffs) + 1):
+    out[f"tail_embed_{i}"] = emb[f"embed_{i}"]
+    out[f"tail_proj_{i}"] = emb[f"proj_{i}"]
+  pu["out"] = out
+  lp = _apply(untied, {"params": pu}, ids, method="log_probs")
+  np.testing.assert_allclose(_apply(tied, vt, ids, method="log_probs"), lp, rtol=1e-5, atol=1e-5)
+  ref = -jnp.take_along_axis(lp, tgt[..., None], axis=-1).mean()
 
-    # Tied loss (streamed nll) matches, and the gradient reaching the shared table is
-    # finite and nonzero (input-path + output-path contributions).
-    loss, g = jax.jit(jax.value_and_grad(lambda p: tied.apply({"params": p}, ids, tgt).mean()))(pt)
-    np.testing.assert_allclose(loss, ref, rtol=1e-5)
-    chex.assert_tree_all_finite(g)
-    assert float(jnp.abs(g["embed"]["embed_0"]).sum()) > 0
+  # Tied loss (streamed nll) matches, and the gradient reaching the shared table is
+  # finite and nonzero (input-path + output-path contributions).
+  loss, g = jax.jit(jax.value_and_grad(lambda p: tied.apply({"params": p}, ids, tgt).mean()))(pt)
+  np.testing.assert_allclose(loss, ref, rtol=1e-5)
+  chex.assert_tree_all_finite(g)
+  assert float(jnp.abs(g["embed"]["embed_0"]).sum()) > 0
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(cutoffs=[25, 10]), "strictly increasing"),
     (dict(cutoffs=[10, 10]), "strictly increasing"),
     (dict(cutoffs=[10, 50]), "vocab_size"),
     (dict(cutoffs=[0, 10]), "cutoffs"),
-    (dict(cutoffs=[2, 4, 6]), "d_model"),        # 16 // 4**3 = 0
+    (dict(cutoffs=[2, 4, 6]), "d_model"),  # 16 // 4**3 = 0
     (dict(cutoffs=[10], factor=0.5), "factor"),
     (dict(cutoffs=[10], d_model=0), "d_model"),
-])
+  ],
+)
 @pytest.mark.parametrize("cls", [AdaptiveInput, AdaptiveSoftmax])
 def test_bad_arguments_raise(cls, kwargs, match):
-    args = dict(vocab_size=V, d_model=D) | kwargs
-    with pytest.raises(ValueError, match=match):
-        cls(**args)
+  args = dict(vocab_size=V, d_model=D) | kwargs
+  with pytest.raises(ValueError, match=match):
+    cls(**args)
 
 
 def test_bad_softmax_arguments_raise():
-    with pytest.raises(ValueError, match="chunk_size"):
-        AdaptiveSoftmax(V, D, CUT, chunk_size=0)
-    with pytest.raises(ValueError, match="tie_to"):
-        AdaptiveSoftmax(V, D, CUT, tie_to=AdaptiveInput(V, D, (10,)))
-    sm, v, h, t = _setup_softmax(n=8)
-    with pytest.raises(ValueError, match="targets"):
-        sm.apply(v, h, t[:-1])
+  with pytest.raises(ValueError, match="chunk_size"):
+    AdaptiveSoftmax(V, D, CUT, chunk_size=0)
+  with pytest.raises(ValueError, match="tie_to"):
+    AdaptiveSoftmax(V, D, CUT, tie_to=AdaptiveInput(V, D, (10,)))
+  sm, v, h, t = _setup_softmax(n=8)
+  with pytest.raises(ValueError, match="targets"):
+    sm.apply(v, h, t[:-1])

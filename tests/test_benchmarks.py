@@ -84,8 +84,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   # The gradient of a loop over slices of w accumulates each slice's cotangent in place: a
   # trip costs the slice (8 x 16), not the accumulator (64 x 64).
   def sliced(w):
-    body = lambda c, b: (c + jnp.sum(jnp.sin(jax.lax.dynamic_slice(w, (8 * b, 0), (8, 16)))),
-                         None)
+    body = lambda c, b: (c + jnp.sum(jnp.sin(jax.lax.dynamic_slice(w, (8 * b, 0), (8, 16)))), None)
     return jax.lax.scan(body, 0.0, jnp.arange(8))[0]
 
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)

@@ -43,15 +43,23 @@ def _quick():
   return load(os.path.join(ROOT, "configs", "quickstart.py"))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: setattr(c.model, "window", 1000), "model.window = 1000 must be in \\[1, model.max_len"),
-    (lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "num_heads", 3)),
-     "d_model = 128 is not divisible by config.model.num_heads = 3"),
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda c: setattr(c.model, "window", 1000),
+      "model.window = 1000 must be in \\[1, model.max_len",
+    ),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "num_heads", 3)),
+      "d_model = 128 is not divisible by config.model.num_heads = 3",
+    ),
     (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
     (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 128"),
     (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
     (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
-])
+  ],
+)
 def test_invalid_values_fail_with_a_message(change, message):
   config = _quick()
   change(config)

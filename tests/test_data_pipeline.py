@@ -35,7 +35,7 @@ def test_train_batches_are_windows_of_the_stream():
     assert b["inputs"].shape == b["targets"].shape == (4, L)
     assert b["inputs"].dtype == b["targets"].dtype == np.int32
     for row_in, row_tg, w in zip(b["inputs"], b["targets"], _window_ids(b, toks)):
-      window = toks[w * (L + 1):(w + 1) * (L + 1)]
+      window = toks[w * (L + 1) : (w + 1) * (L + 1)]
       np.testing.assert_array_equal(row_in, window[:-1])
       np.testing.assert_array_equal(row_tg, window[1:])
 
@@ -65,9 +65,15 @@ def test_drop_remainder_keeps_batches_full_and_distinct():
 def test_process_shards_concatenate_to_the_global_batch(process_count):
   toks = _tokens(2000)
   full = _take(pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=5), 30)
-  shards = [_take(pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=5,
-                                          process_index=p, process_count=process_count), 30)
-            for p in range(process_count)]
+  shards = [
+    _take(
+      pipeline.train_iterator(
+        toks, seq_len=L, global_batch_size=8, seed=5, process_index=p, process_count=process_count
+      ),
+      30,
+    )
+    for p in range(process_count)
+  ]
   for step in range(30):
     for key in ("inputs", "targets"):
       parts = [shards[p][step][key] for p in range(process_count)]
@@ -87,7 +93,9 @@ def test_checkpoint_restores_the_following_batches():
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
     np.testing.assert_array_equal(a["targets"], b["targets"])
   # The state counts global batches: a 2-process iterator resumes at the same step.
-  half = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=7, process_index=1, process_count=2)
+  half = pipeline.train_iterator(
+    toks, seq_len=L, global_batch_size=4, seed=7, process_index=1, process_count=2
+  )
   half.set_state(state)
   np.testing.assert_array_equal(next(half)["inputs"], expected[0]["inputs"][2:])
   with pytest.raises(ValueError, match="seed"):
@@ -101,12 +109,23 @@ def test_train_argument_errors():
   with pytest.raises(ValueError, match=r"len\(tokens\)=100 .* global_batch_size=16"):
     pipeline.train_iterator(toks, seq_len=L, global_batch_size=16, seed=0)
   with pytest.raises(ValueError, match="process_index=2"):
-    pipeline.train_iterator(toks, seq_len=L, global_batch_size=2, seed=0, process_index=2, process_count=2)
+    pipeline.train_iterator(
+      toks, seq_len=L, global_batch_size=2, seed=0, process_index=2, process_count=2
+    )
 
 
 def _collect(tokens, *, stride, global_batch_size=4, process_index=0, process_count=1, bos_id=999):
-  return list(pipeline.eval_batches(tokens, seq_len=L, global_batch_size=global_batch_size, bos_id=bos_id,
-                                    stride=stride, process_index=process_index, process_count=process_count))
+  return list(
+    pipeline.eval_batches(
+      tokens,
+      seq_len=L,
+      global_batch_size=global_batch_size,
+      bos_id=bos_id,
+      stride=stride,
+      process_index=process_index,
+      process_count=process_count,
+    )
+  )
 
 
 def _weighted(batches):
@@ -150,8 +169,10 @@ def test_eval_sharded_union_is_the_stream(stride):
   single = _collect(toks, stride=stride)
   per_process = [_collect(toks, stride=stride, process_index=p, process_count=2) for p in range(2)]
   assert len(per_process[0]) == len(per_process[1]) == len(single)
-  merged = [{k: np.concatenate([per_process[0][i][k], per_process[1][i][k]]) for k in single[0]}
-            for i in range(len(single))]
+  merged = [
+    {k: np.concatenate([per_process[0][i][k], per_process[1][i][k]]) for k in single[0]}
+    for i in range(len(single))
+  ]
   for a, b in zip(merged, single):
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
@@ -161,8 +182,10 @@ def test_eval_sharded_union_is_the_stream(stride):
 
 def test_eval_every_process_same_batch_count_with_uneven_rows():
   toks = (np.arange(5 * L) + 1).astype(np.uint32)  # 5 windows, 4 rows per batch: 2 batches
-  counts = [len(_collect(toks, stride=None, global_batch_size=4, process_index=p, process_count=4))
-            for p in range(4)]
+  counts = [
+    len(_collect(toks, stride=None, global_batch_size=4, process_index=p, process_count=4))
+    for p in range(4)
+  ]
   assert counts == [2, 2, 2, 2]
   last = _collect(toks, stride=None, global_batch_size=4, process_index=3, process_count=4)[-1]
   assert last["weights"].sum() == 0 and not last["inputs"].any()  # pure padding row
@@ -198,6 +221,8 @@ def test_train_and_eval_agree_on_the_pydoc_corpus():
   b = next(it)
   assert b["inputs"].max() < c.vocab.size
   val = c.splits["validation"]
-  total = sum(float(x["weights"].sum()) for x in pipeline.eval_batches(
-      val, seq_len=64, global_batch_size=8, bos_id=c.bos_id, stride=32))
+  total = sum(
+    float(x["weights"].sum())
+    for x in pipeline.eval_batches(val, seq_len=64, global_batch_size=8, bos_id=c.bos_id, stride=32)
+  )
   assert total == val.size

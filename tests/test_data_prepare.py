@@ -36,8 +36,7 @@ def _expected_word_summary(variant):
   vocab = set(_protocol_tokens(texts["train"])) | {"<eos>"}
   if variant == "raw_v1":
     vocab.add("<unk>")
-  return {"vocab_size": len(vocab),
-          "tokens": {s: len(_protocol_tokens(texts[s])) for s in SPLITS}}
+  return {"vocab_size": len(vocab), "tokens": {s: len(_protocol_tokens(texts[s])) for s in SPLITS}}
 
 
 def _run(argv):
@@ -47,8 +46,17 @@ def _run(argv):
 
 
 def _args(tmp_path, *extra):
-  return ["--dataset", "wikitext103", "--data_dir", str(tmp_path / "data"),
-          "--manual_dir", str(tmp_path / "manual"), "--nodownload", "--quiet", *extra]
+  return [
+    "--dataset",
+    "wikitext103",
+    "--data_dir",
+    str(tmp_path / "data"),
+    "--manual_dir",
+    str(tmp_path / "manual"),
+    "--nodownload",
+    "--quiet",
+    *extra,
+  ]
 
 
 def test_cli_prints_counts_as_last_line_and_reuses(tmp_path):
@@ -102,11 +110,15 @@ def test_byte_tokenizer_uses_raw_text(tmp_path):
   summary = _run(_args(tmp_path, "--tokenizer", "byte"))
   raw = {s: fw.split_text(s, raw=True).encode("utf-8") for s in SPLITS}
   assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
-  c = corpus_lib.load_prepared(store.prepared_dir(str(tmp_path / "data"), "wikitext103-raw_v1-byte"))
+  c = corpus_lib.load_prepared(
+    store.prepared_dir(str(tmp_path / "data"), "wikitext103-raw_v1-byte")
+  )
   assert c.unit == "byte" and c.bos_id == ord("\n")
   for s in SPLITS:
     assert c.splits[s].astype(np.uint8).tobytes() == raw[s]
-  assert not os.path.exists(os.path.join(str(tmp_path / "data"), "prepared", "wikitext103-raw_v1-byte", "vocab.txt"))
+  assert not os.path.exists(
+    os.path.join(str(tmp_path / "data"), "prepared", "wikitext103-raw_v1-byte", "vocab.txt")
+  )
 
 
 def test_rerun_reuses_without_source_or_tfds(tmp_path, monkeypatch, capsys):
@@ -143,8 +155,15 @@ def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch
   with pytest.raises(FileNotFoundError, match="not a complete prepared corpus"):
     corpus_lib.load_prepared(path)
   monkeypatch.setattr(store, "write_tokens", real_write)
-  cfg = ml_collections.ConfigDict({"dataset": "wikitext103", "tokenizer": "word", "variant": "v1",
-                                   "data_dir": str(tmp_path / "data"), "manual_dir": str(tmp_path / "manual")})
+  cfg = ml_collections.ConfigDict(
+    {
+      "dataset": "wikitext103",
+      "tokenizer": "word",
+      "variant": "v1",
+      "data_dir": str(tmp_path / "data"),
+      "manual_dir": str(tmp_path / "manual"),
+    }
+  )
   c = corpus_lib.load_corpus(cfg)  # prepares again because the marker is missing
   assert store.is_complete(path)
   assert {s: int(c.splits[s].size) for s in SPLITS} == _expected_word_summary("v1")["tokens"]
@@ -165,8 +184,15 @@ def test_partial_npy_is_never_visible(tmp_path):
 
 def test_load_corpus_prepares_when_missing(tmp_path):
   fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  cfg = ml_collections.ConfigDict({"dataset": "wikitext103", "tokenizer": "byte", "variant": "v1",
-                                   "data_dir": str(tmp_path / "data"), "manual_dir": str(tmp_path / "manual")})
+  cfg = ml_collections.ConfigDict(
+    {
+      "dataset": "wikitext103",
+      "tokenizer": "byte",
+      "variant": "v1",
+      "data_dir": str(tmp_path / "data"),
+      "manual_dir": str(tmp_path / "manual"),
+    }
+  )
   c = corpus_lib.load_corpus(cfg)
   assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
   assert set(c.splits) == set(SPLITS)

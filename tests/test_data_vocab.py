@@ -22,10 +22,19 @@ def _reference_tokens(text):
   return out
 
 
-@pytest.mark.parametrize("text", [
-    "", "\n", "a b\n", "a b", " a  b \n\n c\n", " \n = T = \n \n x <unk> y \n",
-    "tab\tsep\x0bvt\u3000ideographic\n\n\nend", "Café Zürich 東京\u2028line-sep\n",
-])
+@pytest.mark.parametrize(
+  "text",
+  [
+    "",
+    "\n",
+    "a b\n",
+    "a b",
+    " a  b \n\n c\n",
+    " \n = T = \n \n x <unk> y \n",
+    "tab\tsep\x0bvt\u3000ideographic\n\n\nend",
+    "Café Zürich 東京\u2028line-sep\n",
+  ],
+)
 def test_word_tokens_match_line_protocol(text):
   assert vocab_lib.word_tokens(text) == _reference_tokens(text)
 
@@ -108,7 +117,9 @@ def test_pydoc_corpus_byte_is_the_text():
   assert all(v.dtype == np.uint32 for v in c.splits.values())
   # Text order is train, test, validation (validation is the last 10%).
   joined = np.concatenate([c.splits["train"], c.splits["test"], c.splits["validation"]])
-  assert joined.tobytes() == np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32).tobytes()
+  assert (
+    joined.tobytes() == np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32).tobytes()
+  )
   n = joined.size
   assert 0.78 < c.splits["train"].size / n < 0.82
   assert 0.08 < c.splits["validation"].size / n < 0.12

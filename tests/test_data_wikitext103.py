@@ -19,8 +19,13 @@ def _no_network(monkeypatch, tmp_path):
 
 
 def _build(tmp_path, variant, manual_dir, **kw):
-  return wt.build(variant, data_dir=str(tmp_path / "tfds"), manual_dir=manual_dir and str(manual_dir),
-                  download=kw.pop("download", False), **kw)
+  return wt.build(
+    variant,
+    data_dir=str(tmp_path / "tfds"),
+    manual_dir=manual_dir and str(manual_dir),
+    download=kw.pop("download", False),
+    **kw,
+  )
 
 
 def _texts(builder, split):
@@ -34,11 +39,15 @@ def _dataset_dir(tmp_path, variant):
 
 def _assert_nothing_built(tmp_path, variant):
   assert not _dataset_dir(tmp_path, variant).exists()
-  leftovers = list((tmp_path / "tfds").rglob("*incomplete*")) if (tmp_path / "tfds").exists() else []
+  leftovers = (
+    list((tmp_path / "tfds").rglob("*incomplete*")) if (tmp_path / "tfds").exists() else []
+  )
   assert not leftovers, leftovers
 
 
-@pytest.mark.parametrize("line,expected", [
+@pytest.mark.parametrize(
+  "line,expected",
+  [
     (" = Valkyria Chronicles III = \n", True),
     (" = Naïve art = \n", True),
     (" = A = \n", True),
@@ -49,7 +58,8 @@ def _assert_nothing_built(tmp_path, variant):
     ("= Title = \n", False),
     (" \n", False),
     (" The score was 2 = 3 . \n", False),
-])
+  ],
+)
 def test_title_lines(line, expected):
   assert wt.is_title_line(line) is expected
 
@@ -120,13 +130,13 @@ def _stored_zip(manual, variant):
 
 
 BAD_CASES = {
-    "checksum": (wt.ChecksumError, "sha256"),
-    "truncated_zip": (wt.CorruptArchiveError, "not a readable zip"),
-    "bad_crc": (wt.CorruptArchiveError, "cannot be decompressed"),
-    "zip_missing_split": (wt.MissingDataError, "wikitext-103/wiki.valid.tokens"),
-    "dir_missing_split": (wt.MissingDataError, "wiki.test.tokens"),
-    "empty_file": (wt.BadSplitFileError, "wiki.valid.tokens is empty"),
-    "not_utf8": (wt.BadSplitFileError, "line 3 is not valid UTF-8"),
+  "checksum": (wt.ChecksumError, "sha256"),
+  "truncated_zip": (wt.CorruptArchiveError, "not a readable zip"),
+  "bad_crc": (wt.CorruptArchiveError, "cannot be decompressed"),
+  "zip_missing_split": (wt.MissingDataError, "wikitext-103/wiki.valid.tokens"),
+  "dir_missing_split": (wt.MissingDataError, "wiki.test.tokens"),
+  "empty_file": (wt.BadSplitFileError, "wiki.valid.tokens is empty"),
+  "not_utf8": (wt.BadSplitFileError, "line 3 is not valid UTF-8"),
 }
 
 
@@ -192,11 +202,15 @@ def test_download_tries_mirrors_in_turn(tmp_path, monkeypatch):
   good = fw.write_zip(str(tmp_path / "good"), "v1")
   bad = fw.write_zip(str(tmp_path / "bad"), "v1", {"test": " = X = \n tampered \n"})
   fw.trust(monkeypatch, "v1", good)
-  monkeypatch.setattr(wt, "MIRRORS", [
+  monkeypatch.setattr(
+    wt,
+    "MIRRORS",
+    [
       f"file://{tmp_path}/nowhere/{{filename}}",
       f"file://{os.path.dirname(bad)}/{{filename}}",
       f"file://{os.path.dirname(good)}/{{filename}}",
-  ])
+    ],
+  )
   builder = wt.build("v1", data_dir=str(tmp_path / "tfds"), manual_dir=None, download=True)
   assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
   downloads = tmp_path / "tfds" / "downloads"

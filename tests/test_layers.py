@@ -30,13 +30,13 @@ def _modules(causal=False, dtype=jnp.float32):
   """One small instance of every layer (AFTConv2D only when not causal)."""
   kw = dict(causal=causal, dtype=dtype, param_dtype=jnp.float32)
   mods = {
-      "aft_full": layers.AFTFull(max_len=MAX_LEN, **kw),
-      "aft_full_factor": layers.AFTFull(max_len=MAX_LEN, factor_dim=3, **kw),
-      "aft_local": layers.AFTLocal(max_len=MAX_LEN, window=2, **kw),
-      "aft_local_factor": layers.AFTLocal(max_len=MAX_LEN, window=3, factor_dim=3, **kw),
-      "aft_simple": layers.AFTSimple(**kw),
-      "aft_conv1d": layers.AFTConv1D(num_heads=HEADS, kernel_size=3, **kw),
-      "mha": layers.MultiHeadAttention(num_heads=HEADS, max_len=MAX_LEN, **kw),
+    "aft_full": layers.AFTFull(max_len=MAX_LEN, **kw),
+    "aft_full_factor": layers.AFTFull(max_len=MAX_LEN, factor_dim=3, **kw),
+    "aft_local": layers.AFTLocal(max_len=MAX_LEN, window=2, **kw),
+    "aft_local_factor": layers.AFTLocal(max_len=MAX_LEN, window=3, factor_dim=3, **kw),
+    "aft_simple": layers.AFTSimple(**kw),
+    "aft_conv1d": layers.AFTConv1D(num_heads=HEADS, kernel_size=3, **kw),
+    "mha": layers.MultiHeadAttention(num_heads=HEADS, max_len=MAX_LEN, **kw),
   }
   if not causal:
     mods["aft_conv2d"] = layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5), **kw)
@@ -65,13 +65,15 @@ def _perturb(params, seed=1):
     if name in ("pos_bias", "pos_u", "pos_v", "gamma", "beta"):
       return jnp.asarray(rng.normal(size=p.shape) * (0.7 if name != "beta" else 1.0), p.dtype)
     return p
+
   return jax.tree_util.tree_map_with_path(f, params)
 
 
 def _abstract(module, shape, dtype=jnp.float32, **kw):
   """module.init traced, not compiled: boxed ShapeDtypeStructs."""
-  return jax.eval_shape(functools.partial(module.init, **kw), jax.random.key(0),
-                        jax.ShapeDtypeStruct(shape, dtype))
+  return jax.eval_shape(
+    functools.partial(module.init, **kw), jax.random.key(0), jax.ShapeDtypeStruct(shape, dtype)
+  )
 
 
 def _params(module, shape, seed=0):
@@ -86,6 +88,7 @@ def _params(module, shape, seed=0):
   def f(path, s):
     scale = 1.0 if path[-1].key in ("gamma", "beta") else 0.5
     return jnp.asarray(rng.normal(size=s.shape) * scale, s.dtype)
+
   return jax.tree_util.tree_map_with_path(f, struct)
 
 
@@ -184,8 +187,9 @@ def test_bfloat16_compute_is_close_to_float32():
     assert y.dtype == jnp.bfloat16, (name, y.dtype)
     y32 = _jit_apply(f32[name])({"params": params}, x)
     chex.assert_tree_all_finite(y)
-    chex.assert_trees_all_close(y.astype(jnp.float32), y32, atol=0.15, rtol=0.05,
-                                custom_message=name)
+    chex.assert_trees_all_close(
+      y.astype(jnp.float32), y32, atol=0.15, rtol=0.05, custom_message=name
+    )
 
 
 # ---------------------------------------------------------------- the paper's equations
@@ -203,8 +207,9 @@ def test_matches_numpy_reference(causal):
     x = _x(shape, seed=4)
     y = _jit_apply(module)({"params": params}, x)
     assert y.shape == x.shape
-    chex.assert_trees_all_close(y, _expected(name, module, params, x), rtol=RTOL, atol=ATOL,
-                                custom_message=name)
+    chex.assert_trees_all_close(
+      y, _expected(name, module, params, x), rtol=RTOL, atol=ATOL, custom_message=name
+    )
 
 
 def test_reference_depends_on_bias_block():
@@ -260,7 +265,7 @@ def _simple_one_key_per_head(params, x, causal, spatial):
   q = _dense_np(x, params["query"])  # [..., *S, H, C]
   v = _dense_np(x, params["value"])
   k = _dense_np(x, params["key"])[..., None] * np.ones(q.shape[-1])
-  lead = x.shape[:x.ndim - 1 - spatial]
+  lead = x.shape[: x.ndim - 1 - spatial]
   flat = lambda a: a.reshape(lead + (-1, a.shape[-2] * a.shape[-1]))
   y = ops.aft_simple(*(jnp.asarray(flat(a), jnp.float32) for a in (q, k, v)), causal=causal)
   y = np.asarray(y, np.float64).reshape(q.shape)
@@ -269,12 +274,13 @@ def _simple_one_key_per_head(params, x, causal, spatial):
 
 def test_aft_conv_equals_aft_simple_at_init():
   conv1d = _init(layers.AFTConv1D(num_heads=HEADS, kernel_size=3), (2, T, D), seed=7)
-  conv2d = _init(layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5)), _input_shape("aft_conv2d"),
-                 seed=7)
+  conv2d = _init(
+    layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5)), _input_shape("aft_conv2d"), seed=7
+  )
   cases = [  # the causal and non-causal AFTConv1D have the same params
-      (layers.AFTConv1D(num_heads=HEADS, kernel_size=3), conv1d, 1),
-      (layers.AFTConv1D(num_heads=HEADS, kernel_size=3, causal=True), conv1d, 1),
-      (layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5)), conv2d, 2),
+    (layers.AFTConv1D(num_heads=HEADS, kernel_size=3), conv1d, 1),
+    (layers.AFTConv1D(num_heads=HEADS, kernel_size=3, causal=True), conv1d, 1),
+    (layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5)), conv2d, 2),
   ]
   for module, params, spatial in cases:
     np.testing.assert_array_equal(params["bias"]["gamma"], 0.0)
@@ -301,11 +307,12 @@ def test_causal_modules_ignore_the_future():
     fn = _jit_apply(module)
     y = fn({"params": params}, x)
     for t in range(T - 1):
-      x2 = x.at[:, t + 1:].set(other[:, t + 1:])
+      x2 = x.at[:, t + 1 :].set(other[:, t + 1 :])
       y2 = fn({"params": params}, x2)
-      chex.assert_trees_all_close(y2[:, :t + 1], y[:, :t + 1], rtol=1e-5, atol=1e-6,
-                                  custom_message=f"{name} t={t}")
-      assert np.abs(y2[:, t + 1:] - y[:, t + 1:]).max() > 1e-4, (name, t)
+      chex.assert_trees_all_close(
+        y2[:, : t + 1], y[:, : t + 1], rtol=1e-5, atol=1e-6, custom_message=f"{name} t={t}"
+      )
+      assert np.abs(y2[:, t + 1 :] - y[:, t + 1 :]).max() > 1e-4, (name, t)
     # The same params without causal=True do see the future (so the check above has teeth).
     x2 = x.at[:, 1:].set(other[:, 1:])
     fn_nc = _jit_apply(noncausal[name])
@@ -316,16 +323,24 @@ def test_causal_modules_ignore_the_future():
 # ---------------------------------------------------------------- logical axis names
 
 EXPECTED_NAMES = {
-    "aft_full": {"query/kernel": ("embed", "heads"), "query/bias": ("heads",),
-                 "out/kernel": ("heads", "embed"), "out/bias": ("embed",),
-                 "pos_bias": ("length", "length_k")},
-    "aft_full_factor": {"pos_u": ("length", "bias_factor"),
-                        "pos_v": ("length_k", "bias_factor")},
-    "aft_conv1d": {"query/kernel": ("embed", "heads", "kv"), "key/kernel": ("embed", "heads"),
-                   "out/kernel": ("heads", "kv", "embed"), "bias/kernel": ("heads", "kernel"),
-                   "bias/gamma": ("heads",), "bias/beta": ("heads",)},
-    "aft_conv2d": {"bias/kernel": ("heads", "kernel", "kernel")},
-    "mha": {"key/kernel": ("embed", "heads", "kv"), "out/kernel": ("heads", "kv", "embed")},
+  "aft_full": {
+    "query/kernel": ("embed", "heads"),
+    "query/bias": ("heads",),
+    "out/kernel": ("heads", "embed"),
+    "out/bias": ("embed",),
+    "pos_bias": ("length", "length_k"),
+  },
+  "aft_full_factor": {"pos_u": ("length", "bias_factor"), "pos_v": ("length_k", "bias_factor")},
+  "aft_conv1d": {
+    "query/kernel": ("embed", "heads", "kv"),
+    "key/kernel": ("embed", "heads"),
+    "out/kernel": ("heads", "kv", "embed"),
+    "bias/kernel": ("heads", "kernel"),
+    "bias/gamma": ("heads",),
+    "bias/beta": ("heads",),
+  },
+  "aft_conv2d": {"bias/kernel": ("heads", "kernel", "kernel")},
+  "mha": {"key/kernel": ("embed", "heads", "kv"), "out/kernel": ("heads", "kv", "embed")},
 }
 
 
@@ -333,7 +348,8 @@ def test_every_param_has_logical_axis_names():
   for name, module in _modules(causal=False).items():
     variables = _abstract(module, _input_shape(name))
     boxed = jax.tree_util.tree_leaves_with_path(
-        variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned))
+      variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)
+    )
     assert boxed
     names = {}
     for path, leaf in boxed:
@@ -346,8 +362,9 @@ def test_every_param_has_logical_axis_names():
       assert names[key] == want, (name, key, names[key])
     # get_partition_spec turns every box into a PartitionSpec of those names.
     specs = jax.tree_util.tree_leaves_with_path(
-        nn.get_partition_spec(variables["params"]),
-        is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))
+      nn.get_partition_spec(variables["params"]),
+      is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec),
+    )
     assert {"/".join(p.key for p in path): tuple(s) for path, s in specs} == names
 
 
@@ -368,8 +385,11 @@ def test_bad_input_raises_value_error():
   _raises(layers.AFTConv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"kernel_size")
   _raises(layers.AFTConv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"kernel_size")
   _raises(layers.AFTConv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"kernel_size")
-  for mod in (layers.AFTConv1D(num_heads=3), layers.AFTConv2D(num_heads=3, kernel_size=3),
-              layers.MultiHeadAttention(num_heads=3)):
+  for mod in (
+    layers.AFTConv1D(num_heads=3),
+    layers.AFTConv2D(num_heads=3, kernel_size=3),
+    layers.MultiHeadAttention(num_heads=3),
+  ):
     shape = (1, 3, 3, D) if isinstance(mod, layers.AFTConv2D) else (1, 4, D)
     _raises(mod, shape, rf"d_model = {D}.*num_heads = 3")
   for name, mod in _modules(causal=False).items():

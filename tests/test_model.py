@@ -20,8 +20,17 @@ import pytest
 from aft_jax import model as M
 
 B, T, V = 2, 10, 17
-BASE = M.ModelConfig(vocab_size=V, max_len=12, num_layers=2, d_model=8, num_heads=2, mlp_dim=16,
-                     window=3, kernel_size=3, dropout_rate=0.0)
+BASE = M.ModelConfig(
+  vocab_size=V,
+  max_len=12,
+  num_layers=2,
+  d_model=8,
+  num_heads=2,
+  mlp_dim=16,
+  window=3,
+  kernel_size=3,
+  dropout_rate=0.0,
+)
 
 
 def _cfg(**kw):
@@ -34,8 +43,9 @@ def _tokens(seed=0, shape=(B, T)):
 
 def _abstract(cfg, tokens_shape=(B, T)):
   model = M.TransformerLM(cfg)
-  return jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(tokens_shape,
-                                                                            jnp.int32))
+  return jax.eval_shape(
+    model.init, jax.random.key(0), jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+  )
 
 
 def _params(cfg, seed=0):
@@ -51,14 +61,16 @@ def _params(cfg, seed=0):
     else:
       x = 0.4 * rng.normal(size=s.shape)
     return jnp.asarray(x, s.dtype)
+
   return jax.tree_util.tree_map_with_path(f, nn.unbox(_abstract(cfg))["params"])
 
 
 def _stack(params, num_layers):
   """Unrolled params (block_0, block_1, ...) -> scan params (blocks with a leading layer axis)."""
   out = {k: v for k, v in params.items() if not k.startswith("block_")}
-  out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs),
-                               *[params[f"block_{i}"] for i in range(num_layers)])
+  out["blocks"] = jax.tree.map(
+    lambda *xs: jnp.stack(xs), *[params[f"block_{i}"] for i in range(num_layers)]
+  )
   return out
 
 
@@ -73,7 +85,7 @@ def _expected_count(cfg):
   d, v, m, h = cfg.d_model, cfg.vocab_size, cfg.mlp_dim, cfg.num_heads
   dense = d * d + d
   if cfg.mixing in ("aft_full", "aft_local"):
-    bias = 2 * cfg.max_len * cfg.factor_dim if cfg.factor_dim else cfg.max_len ** 2
+    bias = 2 * cfg.max_len * cfg.factor_dim if cfg.factor_dim else cfg.max_len**2
     mix = 4 * dense + bias
   elif cfg.mixing in ("aft_simple", "softmax"):
     mix = 4 * dense
@@ -96,7 +108,8 @@ def test_param_count_shapes_and_axis_names(mixing):
     # Every parameter carries logical axis names (one per dimension), and a scanned stack
     # carries the extra "layers" axis first.
     for path, leaf in jax.tree_util.tree_leaves_with_path(
-        variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)):
+      variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)
+    ):
       key = "/".join(p.key for p in path)
       assert isinstance(leaf, nn.Partitioned), (key, leaf)
       assert len(leaf.names) == len(leaf.value.shape), (key, leaf.names)
@@ -107,8 +120,9 @@ def test_param_count_shapes_and_axis_names(mixing):
         assert "layers" not in leaf.names, (key, leaf.names)
   cfg = _cfg(mixing=mixing)
   variables = _abstract(cfg)
-  out = jax.eval_shape(M.TransformerLM(cfg).apply, variables,
-                       jax.ShapeDtypeStruct((B, T), jnp.int32))
+  out = jax.eval_shape(
+    M.TransformerLM(cfg).apply, variables, jax.ShapeDtypeStruct((B, T), jnp.int32)
+  )
   assert out.shape == (B, T, V) and out.dtype == jnp.float32
   nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
   assert nll.shape == (B, T) and nll.dtype == jnp.float32
@@ -116,7 +130,8 @@ def test_param_count_shapes_and_axis_names(mixing):
   cfg = _cfg(mixing=mixing, dtype=jnp.bfloat16)
   variables = _abstract(cfg)
   assert {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))} == {
-      jnp.dtype(jnp.float32)}
+    jnp.dtype(jnp.float32)
+  }
   nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
   assert nll.dtype == jnp.float32
 
@@ -129,9 +144,11 @@ def _decode_all(model, params, tokens):
   cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
 
   def step(cache, tok_B):
-    logp, mut = model.apply({"params": params, "cache": cache}, tok_B[:, None], decode=True,
-                            mutable=["cache"])
+    logp, mut = model.apply(
+      {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
+    )
     return mut["cache"], logp[:, 0]
+
   _, logp_TBV = jax.lax.scan(step, cache, tokens.T)
   return jnp.swapaxes(logp_TBV, 0, 1)
 
@@ -148,10 +165,11 @@ def _all_paths(cfg, params, tokens, targets):
   scanned = M.TransformerLM(dataclasses.replace(cfg, scan_layers=True))
   stacked = _stack(params, cfg.num_layers)
   out = dict(
-      fwd=unrolled.apply({"params": params}, tokens),
-      fwd_scan=scanned.apply({"params": stacked}, tokens),
-      dec=_decode_all(unrolled, params, tokens),
-      dec_scan=_decode_all(scanned, stacked, tokens))
+    fwd=unrolled.apply({"params": params}, tokens),
+    fwd_scan=scanned.apply({"params": stacked}, tokens),
+    dec=_decode_all(unrolled, params, tokens),
+    dec_scan=_decode_all(scanned, stacked, tokens),
+  )
   if _with_nll(cfg):
     out["nll"] = unrolled.apply({"params": params}, tokens, targets)
   return out
@@ -160,19 +178,27 @@ def _all_paths(cfg, params, tokens, targets):
 # T = 10 > window = kernel_size = 3, so the decode ring buffers wrap; aft_local uses a factorised
 # bias and aft_full a full one, so both bias paths of decoding are covered.
 DECODE_CASES = [
-    _cfg(mixing="aft_full"),
-    _cfg(mixing="aft_local", factor_dim=3),
-    _cfg(mixing="aft_simple"),
-    _cfg(mixing="aft_conv1d"),
-    _cfg(mixing="softmax"),
-    _cfg(mixing="aft_simple", adaptive_cutoffs=(6, 11), adaptive_factor=2.0,
-         tie_embeddings=False, d_model=16, max_len=10),
+  _cfg(mixing="aft_full"),
+  _cfg(mixing="aft_local", factor_dim=3),
+  _cfg(mixing="aft_simple"),
+  _cfg(mixing="aft_conv1d"),
+  _cfg(mixing="softmax"),
+  _cfg(
+    mixing="aft_simple",
+    adaptive_cutoffs=(6, 11),
+    adaptive_factor=2.0,
+    tie_embeddings=False,
+    d_model=16,
+    max_len=10,
+  ),
 ]
 
 
-@pytest.mark.parametrize("cfg", DECODE_CASES,
-                         ids=[c.mixing + ("_adaptive" if c.adaptive_cutoffs else "")
-                              for c in DECODE_CASES])
+@pytest.mark.parametrize(
+  "cfg",
+  DECODE_CASES,
+  ids=[c.mixing + ("_adaptive" if c.adaptive_cutoffs else "") for c in DECODE_CASES],
+)
 def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   params = _params(cfg, seed=2)
   tokens, targets = _tokens(3), _tokens(4)
@@ -181,12 +207,16 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   assert fwd.shape == (B, T, V)
   chex.assert_tree_all_finite(out)
   # Normalised, and the NLL is minus the target's log-probability.
-  chex.assert_trees_all_close(jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros((B, T)),
-                              atol=1e-5)
+  chex.assert_trees_all_close(
+    jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros((B, T)), atol=1e-5
+  )
   if _with_nll(cfg):
     chex.assert_trees_all_close(
-        out["nll"], -np.take_along_axis(fwd, np.asarray(targets)[..., None], -1)[..., 0],
-        rtol=1e-5, atol=1e-5)
+      out["nll"],
+      -np.take_along_axis(fwd, np.asarray(targets)[..., None], -1)[..., 0],
+      rtol=1e-5,
+      atol=1e-5,
+    )
     assert out["nll"].shape == (B, T)
   # The model really mixes positions: log-probs differ along T (not a bag of unigrams).
   assert np.abs(np.diff(fwd, axis=1)).max() > 1e-2
@@ -224,6 +254,7 @@ def test_remat_does_not_change_loss_or_gradients():
       loss = lambda p: model.apply({"params": p}, tokens, targets).mean()
       out[remat, scan] = jax.value_and_grad(loss)(p)
     return out
+
   out = losses_and_grads(params)
   loss, grads = out[False, False]
   assert np.isfinite(loss)
@@ -251,9 +282,11 @@ def test_dropout():
 
   @functools.partial(jax.jit, static_argnums=(1,))
   def loss(seed, train):
-    nll = model.apply({"params": params}, tokens, targets, train=train,
-                      rngs={"dropout": jax.random.key(seed)})
+    nll = model.apply(
+      {"params": params}, tokens, targets, train=train, rngs={"dropout": jax.random.key(seed)}
+    )
     return nll.mean()
+
   eval0, eval1 = loss(0, False), loss(1, False)
   train0, train0_again, train1 = loss(0, True), loss(0, True), loss(1, True)
   assert eval0 == eval1  # train=False ignores the dropout rng: deterministic
@@ -261,14 +294,15 @@ def test_dropout():
   assert abs(train0 - eval0) > 1e-4
   assert abs(train0 - train1) > 1e-4
   with pytest.raises(Exception, match="dropout"):  # train=True without a dropout rng
-    jax.eval_shape(functools.partial(model.apply, train=True), {"params": params}, tokens,
-                   targets)
+    jax.eval_shape(functools.partial(model.apply, train=True), {"params": params}, tokens, targets)
 
 
 # ---------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("kw, field", [
+@pytest.mark.parametrize(
+  "kw, field",
+  [
     (dict(mixing="aft_mystery"), "model.mixing"),
     (dict(mixing="aft_local", window=13), "model.window"),
     (dict(mixing="aft_local", window=0), "model.window"),
@@ -278,7 +312,8 @@ def test_dropout():
     (dict(num_layers=0), "model.num_layers"),
     (dict(factor_dim=-1), "model.factor_dim"),
     (dict(dropout_rate=1.0), "model.dropout_rate"),
-])
+  ],
+)
 def test_validate_names_the_field(kw, field):
   cfg = _cfg(**kw)
   with pytest.raises(ValueError, match=field):

@@ -33,9 +33,17 @@ XLA_FAST = "--xla_backend_optimization_level=0"
 
 
 def _config(mesh, **overrides):
-  c = tiny_config(**{"model.mixing": "aft_full", "model.dropout_rate": 0.0, "batch_size": 8,
-                     "eval_batch_size": 512, "num_train_steps": STEPS,
-                     "checkpoint_every_steps": 2, **overrides})
+  c = tiny_config(
+    **{
+      "model.mixing": "aft_full",
+      "model.dropout_rate": 0.0,
+      "batch_size": 8,
+      "eval_batch_size": 512,
+      "num_train_steps": STEPS,
+      "checkpoint_every_steps": 2,
+      **overrides,
+    }
+  )
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   return c
 
@@ -43,6 +51,7 @@ def _config(mesh, **overrides):
 def _free_port():
   try:
     import portpicker
+
     return portpicker.pick_unused_port()
   except ImportError:
     with socket.socket() as s:
@@ -64,12 +73,24 @@ def _kill_leftovers():
 
 
 def _start(workdir, config, devices, extra=(), log=None):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}",
-             JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir,
-         *config_flags(config), *extra]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True)
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}",
+    JAX_PLATFORMS="cpu",
+  )
+  cmd = [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/quickstart.py",
+    "--workdir",
+    workdir,
+    *config_flags(config),
+    *extra,
+  ]
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+  )
   _STARTED.append(proc)
   return proc
 
@@ -103,8 +124,11 @@ def _losses(workdir):
 
 
 def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
-  runs = {"one_device": ((1, 1, 1), 1), "one_process": ((2, 1, 2), 4),
-          "two_processes": ((1, 2, 2), 2)}
+  runs = {
+    "one_device": ((1, 1, 1), 1),
+    "one_process": ((2, 1, 2), 4),
+    "two_processes": ((1, 2, 2), 2),
+  }
   procs, logs = [], []
 
   def log(name):
@@ -120,8 +144,7 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
     port = _free_port()
     for i in range(2):
       dist = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
-      procs.append(_start(str(tmp_path / name), config, devices, dist,
-                          log(f"{name}{suffix}_{i}")))
+      procs.append(_start(str(tmp_path / name), config, devices, dist, log(f"{name}{suffix}_{i}")))
 
   for name, (mesh, devices) in runs.items():
     if name == "two_processes":
@@ -140,13 +163,13 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   losses = {name: _losses(str(tmp_path / name)) for name in runs}
   assert len(losses["one_device"]) == STEPS, losses
   for name in ("one_process", "two_processes"):
-    np.testing.assert_allclose(losses[name], losses["one_device"], rtol=0, atol=1e-4,
-                               err_msg=name)
+    np.testing.assert_allclose(losses[name], losses["one_device"], rtol=0, atol=1e-4, err_msg=name)
 
   two = tmp_path / "two_processes"
   # Only process 0 writes metrics: each step's record appears once (the file is shared).
-  steps = [json.loads(line)["step"] for line in open(two / "metrics.jsonl")
-           if "loss" in json.loads(line)]
+  steps = [
+    json.loads(line)["step"] for line in open(two / "metrics.jsonl") if "loss" in json.loads(line)
+  ]
   assert steps == list(range(1, STEPS + 1)), steps
   assert len(os.listdir(two / "tensorboard")) == 1
   out0, out1 = (open(tmp_path / f"two_processes_{i}.log").read() for i in range(2))
@@ -158,8 +181,9 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   # Evaluation over the whole split, each process reading its rows, agrees too.
   results = {n: json.load(open(tmp_path / n / "results.json")) for n in runs}
   for name in ("one_process", "two_processes"):
-    assert results[name]["valid_loss"] == pytest.approx(results["one_device"]["valid_loss"],
-                                                        abs=1e-4)
+    assert results[name]["valid_loss"] == pytest.approx(
+      results["one_device"]["valid_loss"], abs=1e-4
+    )
     assert results[name]["valid_tokens"] == results["one_device"]["valid_tokens"]
 
   # Rerunning the finished two-process run: both processes restore the last checkpoint (each its
@@ -175,13 +199,21 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
 
 
 def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
-  config = _config((1, 2, 2), num_train_steps=100_000, log_every_steps=2,
-                   checkpoint_every_steps=100_000)
+  config = _config(
+    (1, 2, 2), num_train_steps=100_000, log_every_steps=2, checkpoint_every_steps=100_000
+  )
   workdir, port = str(tmp_path / "run"), _free_port()
   logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
-  procs = [_start(workdir, config, 2, [f"--coordinator_address=127.0.0.1:{port}",
-                                       "--num_processes=2", f"--process_id={i}"], logs[i])
-           for i in range(2)]
+  procs = [
+    _start(
+      workdir,
+      config,
+      2,
+      [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      logs[i],
+    )
+    for i in range(2)
+  ]
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + TIMEOUT_S
   while not (os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2):

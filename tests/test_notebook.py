@@ -21,8 +21,12 @@ def test_notebook_runs_in_quick_mode(monkeypatch):
   monkeypatch.setenv("AFT_QUICK", "1")
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
   nb = nbformat.read(PATH, as_version=4)
-  NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+  NotebookClient(
+    nb,
+    timeout=600,
+    kernel_name="python3",
+    resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}},
+  ).execute()
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")

@@ -37,38 +37,48 @@ class OpsMatchReference(chex.TestCase, parameterized.TestCase):
   def test_full(self, causal, t_len, scale):
     q, k, v, w = _qkvw(0, (2,), t_len, 3, scale)
     fn = self.variant(functools.partial(ops.aft_full, causal=causal))
-    chex.assert_trees_all_close(fn(q, k, v, w), ref.aft_full(q, k, v, w, causal),
-                                rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(
+      fn(q, k, v, w), ref.aft_full(q, k, v, w, causal), rtol=RTOL, atol=ATOL
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((False, 1, 1.0), (True, 1, 40.0), (False, 3, 40.0), (True, 3, 1.0),
-                            (True, 3, 40.0), (False, 12, 1.0), (True, 12, 40.0))
+  @parameterized.parameters(
+    (False, 1, 1.0),
+    (True, 1, 40.0),
+    (False, 3, 40.0),
+    (True, 3, 1.0),
+    (True, 3, 40.0),
+    (False, 12, 1.0),
+    (True, 12, 40.0),
+  )
   def test_local(self, causal, window, scale):
     q, k, v, w = _qkvw(1, (2, 1), 10, 3, scale)
     fn = self.variant(functools.partial(ops.aft_local, window=window, causal=causal))
     out = fn(q, k, v, w)
     chex.assert_tree_all_finite(out)
-    chex.assert_trees_all_close(out, ref.aft_local(q, k, v, w, window, causal),
-                                rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(
+      out, ref.aft_local(q, k, v, w, window, causal), rtol=RTOL, atol=ATOL
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.product(causal=[False, True], scale=[1.0, 40.0])
   def test_simple(self, causal, scale):
     q, k, v, _ = _qkvw(2, (3,), 11, 4, scale)
     fn = self.variant(functools.partial(ops.aft_simple, causal=causal))
-    chex.assert_trees_all_close(fn(q, k, v), ref.aft_simple(q, k, v, causal),
-                                rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(fn(q, k, v), ref.aft_simple(q, k, v, causal), rtol=RTOL, atol=ATOL)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(
-      (False, 1, 1.0), (False, 3, 40.0), (False, 5, 1.0), (True, 2, 1.0), (True, 3, 40.0))
+    (False, 1, 1.0), (False, 3, 40.0), (False, 5, 1.0), (True, 2, 1.0), (True, 3, 40.0)
+  )
   def test_conv1d(self, causal, size, scale):
     t_len, heads, ch = 9, 2, 3
     q, v = _rand(3, (2, t_len, heads, ch), (2, t_len, heads, ch))
     k, kernel = _rand(4, (2, t_len, heads), (heads, size), scale=scale)
     fn = self.variant(functools.partial(ops.aft_conv1d, causal=causal))
-    chex.assert_trees_all_close(fn(q, k, v, kernel), ref.aft_conv1d(q, k, v, kernel, causal),
-                                rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(
+      fn(q, k, v, kernel), ref.aft_conv1d(q, k, v, kernel, causal), rtol=RTOL, atol=ATOL
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(((1, 1), 1.0), ((3, 3), 40.0), ((3, 5), 1.0))
@@ -77,26 +87,38 @@ class OpsMatchReference(chex.TestCase, parameterized.TestCase):
     q, v = _rand(5, (1, ht, wd, heads, ch), (1, ht, wd, heads, ch))
     k, kernel = _rand(6, (1, ht, wd, heads), (heads,) + ksize, scale=scale)
     fn = self.variant(ops.aft_conv2d)
-    chex.assert_trees_all_close(fn(q, k, v, kernel), ref.aft_conv2d(q, k, v, kernel),
-                                rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(
+      fn(q, k, v, kernel), ref.aft_conv2d(q, k, v, kernel), rtol=RTOL, atol=ATOL
+    )
 
 
 class Identities(parameterized.TestCase):
-
   @parameterized.parameters(False, True)
   def test_local_with_wide_window_is_full(self, causal):
     q, k, v, w = _qkvw(7, (2,), 12, 5, 3.0)
-    chex.assert_trees_all_close(ops.aft_local(q, k, v, w, window=12, causal=causal),
-                                ops.aft_full(q, k, v, w, causal=causal), rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(ops.aft_local(q, k, v, w, window=50, causal=causal),
-                                ops.aft_full(q, k, v, w, causal=causal), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+      ops.aft_local(q, k, v, w, window=12, causal=causal),
+      ops.aft_full(q, k, v, w, causal=causal),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+    chex.assert_trees_all_close(
+      ops.aft_local(q, k, v, w, window=50, causal=causal),
+      ops.aft_full(q, k, v, w, causal=causal),
+      rtol=1e-5,
+      atol=1e-6,
+    )
 
   @parameterized.parameters(False, True)
   def test_local_with_zero_bias_is_simple(self, causal):
     q, k, v, _ = _qkvw(8, (2,), 12, 5, 3.0)
     w = np.zeros((12, 12), np.float32)
-    chex.assert_trees_all_close(ops.aft_local(q, k, v, w, window=3, causal=causal),
-                                ops.aft_simple(q, k, v, causal=causal), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+      ops.aft_local(q, k, v, w, window=3, causal=causal),
+      ops.aft_simple(q, k, v, causal=causal),
+      rtol=1e-5,
+      atol=1e-6,
+    )
 
   @parameterized.parameters(False, True)
   def test_conv1d_with_zero_kernel_is_simple_per_head(self, causal):
@@ -106,8 +128,11 @@ class Identities(parameterized.TestCase):
     k_full = np.broadcast_to(k[..., None], q.shape)
     flat = lambda x: x.reshape(2, 8, 6)
     chex.assert_trees_all_close(
-        out, ops.aft_simple(flat(q), flat(k_full), flat(v), causal=causal).reshape(q.shape),
-        rtol=1e-5, atol=1e-6)
+      out,
+      ops.aft_simple(flat(q), flat(k_full), flat(v), causal=causal).reshape(q.shape),
+      rtol=1e-5,
+      atol=1e-6,
+    )
 
   def test_vmap_equals_batched_call(self):
     q, k, v, w = _qkvw(11, (3,), 8, 4, 2.0)
@@ -116,24 +141,29 @@ class Identities(parameterized.TestCase):
     q2, v2 = _rand(14, (3, 4, 5, 2, 2), (3, 4, 5, 2, 2))
     k2, kern2 = _rand(15, (3, 4, 5, 2), (2, 3, 3))
     cases = [
-        (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
-        (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
-        (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
-        (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
-        (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
+      (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
+      (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
+      (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
+      (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
+      (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
     ]
     for fn, args in cases:
-      chex.assert_trees_all_close(jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args),
-                                  rtol=1e-6, atol=1e-6)
+      chex.assert_trees_all_close(
+        jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args), rtol=1e-6, atol=1e-6
+      )
 
 
 CAUSAL_OPS = {
-    "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
-    "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=3, causal=True),
-    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
-    "conv1d": lambda q, k, v, w: ops.aft_conv1d(
-        q.reshape(2, 10, 2, 2), k.reshape(2, 10, 2, 2)[..., 0], v.reshape(2, 10, 2, 2),
-        w[:2, :3], causal=True).reshape(2, 10, 4),
+  "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+  "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=3, causal=True),
+  "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
+  "conv1d": lambda q, k, v, w: ops.aft_conv1d(
+    q.reshape(2, 10, 2, 2),
+    k.reshape(2, 10, 2, 2)[..., 0],
+    v.reshape(2, 10, 2, 2),
+    w[:2, :3],
+    causal=True,
+  ).reshape(2, 10, 4),
 }
 
 
@@ -145,28 +175,39 @@ def test_causal_ops_ignore_the_future(name):
   t0 = 4
   q2, k2, v2, w2 = (x.copy() for x in (q, k, v, w))
   for x in (q2, k2, v2):
-    x[:, t0 + 1:] += 100.0
-  w2[:, t0 + 1:] += 100.0
+    x[:, t0 + 1 :] += 100.0
+  w2[:, t0 + 1 :] += 100.0
   out = fn(q2, k2, v2, w2)
-  chex.assert_trees_all_close(out[:, :t0 + 1], base[:, :t0 + 1], rtol=1e-6, atol=1e-6)
-  assert not np.allclose(out[:, t0 + 1:], base[:, t0 + 1:])
+  chex.assert_trees_all_close(out[:, : t0 + 1], base[:, : t0 + 1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out[:, t0 + 1 :], base[:, t0 + 1 :])
 
 
 GRAD_CASES = {
-    "full": (lambda q, k, v, w: ops.aft_full(q, k, v, w), "qkvw"),
-    "full_causal": (lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True), "qkvw"),
-    "local": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2), "qkvw"),
-    "local_causal": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2, causal=True),
-                     "qkvw"),
-    "simple": (lambda q, k, v: ops.aft_simple(q, k, v), "qkv"),
-    "simple_causal": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), "qkv"),
-    "conv1d": (lambda q, k, v, w: ops.aft_conv1d(
-        q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :3]), "qkvw"),
-    "conv1d_causal": (lambda q, k, v, w: ops.aft_conv1d(
-        q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :2], causal=True), "qkvw"),
-    "conv2d": (lambda q, k, v, w: ops.aft_conv2d(
-        q.reshape(2, 3, 2, 2), k[:, :2].reshape(2, 3, 2), v.reshape(2, 3, 2, 2),
-        w[:2, :3].reshape(2, 1, 3)), "qkvw"),
+  "full": (lambda q, k, v, w: ops.aft_full(q, k, v, w), "qkvw"),
+  "full_causal": (lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True), "qkvw"),
+  "local": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2), "qkvw"),
+  "local_causal": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2, causal=True), "qkvw"),
+  "simple": (lambda q, k, v: ops.aft_simple(q, k, v), "qkv"),
+  "simple_causal": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), "qkv"),
+  "conv1d": (
+    lambda q, k, v, w: ops.aft_conv1d(q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :3]),
+    "qkvw",
+  ),
+  "conv1d_causal": (
+    lambda q, k, v, w: ops.aft_conv1d(
+      q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :2], causal=True
+    ),
+    "qkvw",
+  ),
+  "conv2d": (
+    lambda q, k, v, w: ops.aft_conv2d(
+      q.reshape(2, 3, 2, 2),
+      k[:, :2].reshape(2, 3, 2),
+      v.reshape(2, 3, 2, 2),
+      w[:2, :3].reshape(2, 1, 3),
+    ),
+    "qkvw",
+  ),
 }
 
 
@@ -175,8 +216,12 @@ def test_gradients_match_finite_differences(name):
   fn, argnames = GRAD_CASES[name]
   with jax.enable_x64(True):
     rng = np.random.default_rng(17)
-    vals = {"q": rng.normal(size=(6, 4)), "k": rng.normal(size=(6, 4)) * 2,
-            "v": rng.normal(size=(6, 4)), "w": rng.normal(size=(6, 6))}
+    vals = {
+      "q": rng.normal(size=(6, 4)),
+      "k": rng.normal(size=(6, 4)) * 2,
+      "v": rng.normal(size=(6, 4)),
+      "w": rng.normal(size=(6, 6)),
+    }
     args = tuple(jnp.asarray(vals[a], jnp.float64) for a in argnames)
     check_grads(jax.jit(fn), args, order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
 
@@ -185,8 +230,12 @@ def test_gradients_match_finite_differences(name):
 def test_gradients_finite_at_large_logits(name):
   fn, argnames = GRAD_CASES[name]
   rng = np.random.default_rng(18)
-  vals = {"q": rng.normal(size=(6, 4)), "k": rng.normal(size=(6, 4)) * 40,
-          "v": rng.normal(size=(6, 4)), "w": rng.normal(size=(6, 6)) * 40}
+  vals = {
+    "q": rng.normal(size=(6, 4)),
+    "k": rng.normal(size=(6, 4)) * 40,
+    "v": rng.normal(size=(6, 4)),
+    "w": rng.normal(size=(6, 6)) * 40,
+  }
   args = tuple(jnp.asarray(vals[a], jnp.float32) for a in argnames)
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=tuple(range(len(args)))))(*args)
   chex.assert_tree_all_finite(grads)
@@ -195,12 +244,18 @@ def test_gradients_finite_at_large_logits(name):
 @pytest.mark.parametrize("name", ["full", "local", "simple", "conv1d"])
 def test_bfloat16_close_to_float32(name):
   q, k, v, w = _qkvw(19, (2,), 16, 8, 1.0)
-  fn = {"full": lambda *a: ops.aft_full(*a, causal=True),
-        "local": lambda *a: ops.aft_local(*a, window=4, causal=True),
-        "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
-        "conv1d": lambda q, k, v, w: ops.aft_conv1d(
-            q.reshape(2, 16, 2, 4), k.reshape(2, 16, 2, 4)[..., 0], v.reshape(2, 16, 2, 4),
-            w[:2, :3], causal=True)}[name]
+  fn = {
+    "full": lambda *a: ops.aft_full(*a, causal=True),
+    "local": lambda *a: ops.aft_local(*a, window=4, causal=True),
+    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
+    "conv1d": lambda q, k, v, w: ops.aft_conv1d(
+      q.reshape(2, 16, 2, 4),
+      k.reshape(2, 16, 2, 4)[..., 0],
+      v.reshape(2, 16, 2, 4),
+      w[:2, :3],
+      causal=True,
+    ),
+  }[name]
   fn = jax.jit(fn)
   out32 = fn(q, k, v, w)
   bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
@@ -211,24 +266,30 @@ def test_bfloat16_close_to_float32(name):
 
 
 class BadInput(parameterized.TestCase):
-
   def test_messages(self):
     x = np.zeros((2, 6, 4), np.float32)
     w = np.zeros((6, 6), np.float32)
     cases = [
-        (lambda: ops.aft_full(x, x[:, :5], x, w), "aft_full.*same shape.*k \\(2, 5, 4\\)"),
-        (lambda: ops.aft_full(x, x, x, np.zeros((5, 5))), "w must be \\[T, T\\].*\\(5, 5\\)"),
-        (lambda: ops.aft_simple(x[0, 0], x[0, 0], x[0, 0]), "q must be \\[..., T, D\\]"),
-        (lambda: ops.aft_local(x, x, x, w, window=0), "window must be an int >= 1, got 0"),
-        (lambda: ops.aft_local(x, x, x, w, window=2.5), "window"),
-        (lambda: ops.aft_conv1d(x[..., None], x[..., :3], x[..., None], np.zeros((4, 3))),
-         "k \\[..., T, H\\].*k \\(2, 6, 3\\)"),
-        (lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4))),
-         "odd.*\\(4, 4\\)"),
-        (lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((3, 3))),
-         "H = 4 heads.*\\(3, 3\\)"),
-        (lambda: ops.aft_conv2d(x[..., None, None], x[..., None], x[..., None, None],
-                                np.zeros((1, 3, 2))), "odd.*\\(1, 3, 2\\)"),
+      (lambda: ops.aft_full(x, x[:, :5], x, w), "aft_full.*same shape.*k \\(2, 5, 4\\)"),
+      (lambda: ops.aft_full(x, x, x, np.zeros((5, 5))), "w must be \\[T, T\\].*\\(5, 5\\)"),
+      (lambda: ops.aft_simple(x[0, 0], x[0, 0], x[0, 0]), "q must be \\[..., T, D\\]"),
+      (lambda: ops.aft_local(x, x, x, w, window=0), "window must be an int >= 1, got 0"),
+      (lambda: ops.aft_local(x, x, x, w, window=2.5), "window"),
+      (
+        lambda: ops.aft_conv1d(x[..., None], x[..., :3], x[..., None], np.zeros((4, 3))),
+        "k \\[..., T, H\\].*k \\(2, 6, 3\\)",
+      ),
+      (lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4))), "odd.*\\(4, 4\\)"),
+      (
+        lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((3, 3))),
+        "H = 4 heads.*\\(3, 3\\)",
+      ),
+      (
+        lambda: ops.aft_conv2d(
+          x[..., None, None], x[..., None], x[..., None, None], np.zeros((1, 3, 2))
+        ),
+        "odd.*\\(1, 3, 2\\)",
+      ),
     ]
     for fn, pattern in cases:
       with self.assertRaisesRegex(ValueError, pattern):
@@ -249,9 +310,17 @@ def _dense_reference(q, k, v, w, causal):
   return y / (1.0 + np.exp(-q))
 
 
-@pytest.mark.parametrize("causal,window,scale", [(True, 32, 1.0), (True, 100, 40.0),
-                                                 (False, 50, 40.0), (False, 20, 1.0),
-                                                 (True, None, 40.0), (False, None, 1.0)])
+@pytest.mark.parametrize(
+  "causal,window,scale",
+  [
+    (True, 32, 1.0),
+    (True, 100, 40.0),
+    (False, 50, 40.0),
+    (False, 20, 1.0),
+    (True, None, 40.0),
+    (False, None, 1.0),
+  ],
+)
 def test_banded_long_sequence(causal, window, scale):
   """T well above the block size: several query blocks (the last one overlapping), the running
   sums outside the window, and at scale 40 the exact recomputation of row groups. Values,
@@ -286,12 +355,12 @@ def test_banded_long_sequence(causal, window, scale):
   ct, tk, tv = _rand(21, q.shape, q.shape, q.shape)
   (tw,) = _rand(22, w.shape)
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
-  chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3,
-                              atol=1e-4)
+  chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3, atol=1e-4)
   jvp = lambda f: jax.jit(lambda *a: jax.jvp(lambda k, v, w: f(q, k, v, w), a[:3], a[3:])[1])
   want = jvp(dense)(k, v, w, tk, tv, tw)
-  np.testing.assert_allclose(jvp(fn)(k, v, w, tk, tv, tw), want, rtol=1e-3,
-                             atol=1e-4 * np.abs(want).max())
+  np.testing.assert_allclose(
+    jvp(fn)(k, v, w, tk, tv, tw), want, rtol=1e-3, atol=1e-4 * np.abs(want).max()
+  )
 
 
 @pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])

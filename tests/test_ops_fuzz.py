@@ -21,9 +21,9 @@ SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 @functools.lru_cache(maxsize=None)
 def _jitted(name, causal, window, dtype):
   fns = {
-      "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=causal),
-      "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=causal),
-      "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=causal),
+    "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=causal),
+    "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=causal),
+    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=causal),
   }
   return jax.jit(lambda q, k, v, w: fns[name](*(x.astype(dtype) for x in (q, k, v, w))))
 
@@ -37,10 +37,17 @@ def _reference(name, q, k, v, w, causal, window):
 
 
 @SETTINGS
-@given(name=st.sampled_from(["full", "local", "simple"]), causal=st.booleans(),
-       t_len=st.integers(1, 8), d=st.sampled_from([1, 3]), lead=st.sampled_from([(), (2,)]),
-       window=st.integers(1, 10), scale=st.sampled_from([0.1, 1.0, 10.0, 60.0]),
-       dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+@given(
+  name=st.sampled_from(["full", "local", "simple"]),
+  causal=st.booleans(),
+  t_len=st.integers(1, 8),
+  d=st.sampled_from([1, 3]),
+  lead=st.sampled_from([(), (2,)]),
+  window=st.integers(1, 10),
+  scale=st.sampled_from([0.1, 1.0, 10.0, 60.0]),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  seed=st.integers(0, 2**16),
+)
 def test_sequence_ops(name, causal, t_len, d, lead, window, scale, dtype, seed):
   rng = np.random.default_rng(seed)
   shape = lead + (t_len, d)
@@ -52,21 +59,27 @@ def test_sequence_ops(name, causal, t_len, d, lead, window, scale, dtype, seed):
   assert out.dtype == jnp.dtype(dtype)
   chex.assert_tree_all_finite(out)
   if dtype == "float32":
-    chex.assert_trees_all_close(out, _reference(name, q, k, v, w, causal, window),
-                                rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(
+      out, _reference(name, q, k, v, w, causal, window), rtol=2e-4, atol=2e-5
+    )
   if causal and t_len > 1:
     t0 = int(rng.integers(0, t_len - 1))
     k2, v2, w2 = k.copy(), v.copy(), w.copy()
-    k2[..., t0 + 1:, :] += scale * 3
-    v2[..., t0 + 1:, :] -= 5.0
-    w2[:, t0 + 1:] += scale * 3
+    k2[..., t0 + 1 :, :] += scale * 3
+    v2[..., t0 + 1 :, :] -= 5.0
+    w2[:, t0 + 1 :] += scale * 3
     out2 = fn(q, k2, v2, w2)
-    chex.assert_trees_all_close(out2[..., :t0 + 1, :], out[..., :t0 + 1, :], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(out2[..., : t0 + 1, :], out[..., : t0 + 1, :], rtol=1e-5, atol=1e-6)
 
 
 @SETTINGS
-@given(causal=st.booleans(), t_len=st.integers(1, 7), size=st.sampled_from([1, 3, 5]),
-       scale=st.sampled_from([1.0, 50.0]), seed=st.integers(0, 2**16))
+@given(
+  causal=st.booleans(),
+  t_len=st.integers(1, 7),
+  size=st.sampled_from([1, 3, 5]),
+  scale=st.sampled_from([1.0, 50.0]),
+  seed=st.integers(0, 2**16),
+)
 def test_conv1d(causal, t_len, size, scale, seed):
   rng = np.random.default_rng(seed)
   q, v = (rng.normal(size=(t_len, 2, 2)).astype(np.float32) for _ in range(2))

@@ -23,13 +23,14 @@ def _temp_bytes(fn, t_len, with_w=False):
 
 
 def _softmax(q, k, v):
-  return jax.nn.dot_product_attention(q[:, :, None], k[:, :, None], v[:, :, None],
-                                      is_causal=True)[:, :, 0]
+  return jax.nn.dot_product_attention(q[:, :, None], k[:, :, None], v[:, :, None], is_causal=True)[
+    :, :, 0
+  ]
 
 
 CASES = {
-    "aft_simple": (functools.partial(ops.aft_simple, causal=True), False),
-    "aft_local": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True), True),
+  "aft_simple": (functools.partial(ops.aft_simple, causal=True), False),
+  "aft_local": (lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True), True),
 }
 
 

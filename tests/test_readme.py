@@ -15,7 +15,7 @@ def _blocks(lang):
 
 
 def _commands(block):
-  return [l for l in block.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+  return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_readme_opens_with_the_quickstart_and_the_test_command():
@@ -46,6 +46,7 @@ def test_help_on_the_layers_reads_well():
   import pydoc
 
   import aft_jax
+
   text = pydoc.render_doc(aft_jax.layers.AFTLocal, renderer=pydoc.plaintext)
   assert "AFT-local (paper Eq. 4)" in text and "window" in text
   for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d"):

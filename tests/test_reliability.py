@@ -18,8 +18,11 @@ TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
 
 
 def _steps(workdir):
-  return sorted(int(os.path.basename(p)) for p in glob.glob(os.path.join(workdir, "checkpoints", "*"))
-                if os.path.basename(p).isdigit())
+  return sorted(
+    int(os.path.basename(p))
+    for p in glob.glob(os.path.join(workdir, "checkpoints", "*"))
+    if os.path.basename(p).isdigit()
+  )
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -41,8 +44,13 @@ def _logged(workdir, n):
 def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   flags = config_flags(tiny_config(num_train_steps=100_000))
-  proc = subprocess.Popen(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(
+    TRAIN + ["--workdir", workdir] + flags,
+    cwd=ROOT,
+    text=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
   _wait_for(_logged(workdir, 3), proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
@@ -52,8 +60,9 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   assert step >= 3 and _steps(workdir) == [step]
   # The same run, now asked to stop two steps later, continues from that step.
   flags = config_flags(tiny_config(num_train_steps=step + 2))
-  again = subprocess.run(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
-                         capture_output=True, timeout=300)
+  again = subprocess.run(
+    TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
+  )
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"Resuming from the checkpoint at step {step}" in again.stdout
   assert step + 2 in _steps(workdir)
@@ -61,10 +70,16 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
 
 def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
   workdir = str(tmp_path / "run")
-  flags = config_flags(tiny_config(num_train_steps=100_000, checkpoint_every_steps=1,
-                                   log_every_steps=1000))
-  proc = subprocess.Popen(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  flags = config_flags(
+    tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
+  )
+  proc = subprocess.Popen(
+    TRAIN + ["--workdir", workdir] + flags,
+    cwd=ROOT,
+    text=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
   ckpts = os.path.join(workdir, "checkpoints")
   # Kill it while a checkpoint is being written (its temporary directory exists), after at
   # least one complete checkpoint.
@@ -73,10 +88,12 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
   proc.wait()
   complete = _steps(workdir)
   assert complete
-  flags = config_flags(tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1,
-                                   log_every_steps=1000))
-  again = subprocess.run(TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True,
-                         capture_output=True, timeout=300)
+  flags = config_flags(
+    tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
+  )
+  again = subprocess.run(
+    TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
+  )
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout
   assert complete[-1] + 1 in _steps(workdir)
@@ -93,11 +110,13 @@ def _poison(monkeypatch, at_step):
     total, count = orig_nll(model, params, batch, **kw)
     bad = jnp.any(batch["inputs"] == POISON)
     return jnp.where(bad, jnp.nan, total), count
+
   monkeypatch.setattr(train_lib, "_weighted_nll", nll)
 
   orig_iter = train_lib.data_lib.train_iterator
-  monkeypatch.setattr(train_lib.data_lib, "train_iterator",
-                      lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step))
+  monkeypatch.setattr(
+    train_lib.data_lib, "train_iterator", lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step)
+  )
 
 
 class _Poisoned:
@@ -140,8 +159,9 @@ def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypa
   _poison(monkeypatch, at_step=3)
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
-    train_lib.train_and_evaluate(tiny_config(num_train_steps=5, nonfinite="stop",
-                                             checkpoint_every_steps=2), workdir)
+    train_lib.train_and_evaluate(
+      tiny_config(num_train_steps=5, nonfinite="stop", checkpoint_every_steps=2), workdir
+    )
   assert _steps(workdir) == [2]  # nothing written after the bad step
 
 
@@ -155,6 +175,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
   class It:
     def get_state(self):
       return {}
+
   with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite"):
     train_lib._save(mngr, 1, S(), It())
   assert mngr.latest_step() is None
@@ -179,12 +200,18 @@ train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_ste
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
   workdir = str(tmp_path / "run")
-  out = subprocess.run([sys.executable, "-c", DISK_FULL, workdir], cwd=ROOT, text=True,
-                       capture_output=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, "-c", DISK_FULL, workdir],
+    cwd=ROOT,
+    text=True,
+    capture_output=True,
+    timeout=300,
+  )
   assert out.returncode != 0
   assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
   assert "the previous checkpoint (step 2) is intact" in out.stderr
   assert _steps(workdir) == [2]
-  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2),
-                                         workdir)
+  results = train_lib.train_and_evaluate(
+    tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
+  )
   assert results["steps"] == 6 and _steps(workdir)[-1] == 6

@@ -16,23 +16,29 @@ def _mesh(data, fsdp, tensor):
   return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
-@pytest.mark.parametrize("cfg, devices, expected", [
+@pytest.mark.parametrize(
+  "cfg, devices, expected",
+  [
     ((-1, 1, 1), 8, (8, 1, 1)),
     ((2, -1, 2), 8, (2, 2, 2)),
     ((1, 4, -1), 8, (1, 4, 2)),
     ((2, 2, 2), 8, (2, 2, 2)),
     ((-1, 1, 1), 1, (1, 1, 1)),
-])
+  ],
+)
 def test_mesh_shape(cfg, devices, expected):
   assert sharding.mesh_shape(_mesh(*cfg), devices) == expected
 
 
-@pytest.mark.parametrize("cfg, devices, message", [
+@pytest.mark.parametrize(
+  "cfg, devices, message",
+  [
     ((2, 2, 1), 8, "2 x 2 x 1 = 4 does not match the 8 available devices"),
     ((3, -1, 1), 8, "8 devices are not divisible by 3"),
     ((-1, -1, 1), 8, "at most one of them may be -1"),
     ((0, 1, 1), 8, "each must be a positive int"),
-])
+  ],
+)
 def test_bad_mesh_is_refused(cfg, devices, message):
   with pytest.raises(ValueError, match=message):
     sharding.mesh_shape(_mesh(*cfg), devices)
@@ -40,6 +46,7 @@ def test_bad_mesh_is_refused(cfg, devices, message):
 
 def test_rules_from_config_round_trips_the_default():
   from aft_jax.default_config import get_config
+
   assert sharding.rules_from_config(get_config().logical_axis_rules) == sharding.DEFAULT_RULES
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
 
@@ -50,14 +57,20 @@ def test_eight_devices_match_one(tmp_path):
   parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
   continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
   out = tmp_path / "report.json"
-  proc = subprocess.run([sys.executable, os.path.join("tests", "sharding_worker.py"), str(out)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    [sys.executable, os.path.join("tests", "sharding_worker.py"), str(out)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
   report = json.loads(out.read_text())
   assert sorted(report["meshes"]) == ["(1, 1, 8)", "(1, 4, 2)", "(2, 2, 2)", "(8, 1, 1)"]
   for mesh in report["meshes"].values():
     assert mesh["max_param_diff"] < 1e-5
-  assert report["checkpoint"]["next_loss"] == pytest.approx(report["checkpoint"]["ref_next_loss"],
-                                                            abs=1e-5)
+  assert report["checkpoint"]["next_loss"] == pytest.approx(
+    report["checkpoint"]["ref_next_loss"], abs=1e-5
+  )
   assert "not divisible" in report["batch_error"]

@@ -22,8 +22,9 @@ def test_train_py_two_steps_then_generate(tmp_path):
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 8, "sample.prompt": "def "})
   cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir]
-  out = subprocess.run(cmd + config_flags(config), cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+  out = subprocess.run(
+    cmd + config_flags(config), cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "validation perplexity" in out.stdout and "unigram baseline" in out.stdout
   assert "Sample:\ndef " in out.stdout
@@ -33,16 +34,32 @@ def test_train_py_two_steps_then_generate(tmp_path):
     assert key in results, key
   assert results["steps"] == 2 and results["tokens_seen"] == 2 * 4 * 32
   assert math.isfinite(results["valid_ppl"])
-  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in records if "loss" in r][:2] == [1, 2]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   saved = json.load(open(os.path.join(workdir, "config.json")))
   assert saved["model"]["d_model"] == 16
 
-  gen = subprocess.run([sys.executable, "-m", "aft_jax.generate", "--workdir", workdir,
-                        "--prompt", "class ", "--length", "12", "--temperature", "0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  gen = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "aft_jax.generate",
+      "--workdir",
+      workdir,
+      "--prompt",
+      "class ",
+      "--length",
+      "12",
+      "--temperature",
+      "0",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert gen.returncode == 0, gen.stderr[-3000:]
   assert gen.stdout.startswith("class ")
   assert len(gen.stdout.rstrip("\n")) > len("class ")
@@ -59,6 +76,7 @@ def _interrupt_after(monkeypatch, n):
     if calls["n"] == n:
       os.kill(os.getpid(), signal.SIGTERM)
     return out
+
   monkeypatch.setattr(train_lib.Trainer, "train_step", step)
 
 
@@ -75,8 +93,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
 
   a, b = _losses(str(tmp_path / "a")), _losses(resumed_dir)
   assert sorted(b) == [1, 2, 3, 4, 5, 6]
-  np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)],
-                             rtol=1e-5)
+  np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)], rtol=1e-5)
   assert resumed["valid_loss"] == pytest.approx(straight["valid_loss"], rel=1e-5)
   assert resumed["steps"] == straight["steps"] == 6
 
@@ -85,16 +102,23 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
   workdir = str(tmp_path / "run")
   train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
   with pytest.raises(ValueError, match="model.d_model: 16 in the workdir, 32 now"):
-    train_lib.train_and_evaluate(tiny_config(num_train_steps=2, **{"model.d_model": 32}),
-                                 workdir)
+    train_lib.train_and_evaluate(tiny_config(num_train_steps=2, **{"model.d_model": 32}), workdir)
 
 
 def test_quickstart_recipe_learns(tmp_path):
   """configs/quickstart.py as the README runs it, shortened to 400 of its 1000 steps to fit
   CI's time budget: validation perplexity already far below the unigram baseline."""
   workdir = str(tmp_path / "quick")
-  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir,
-         "--config.num_train_steps=400", "--config.sample.length=20"]
+  cmd = [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/quickstart.py",
+    "--workdir",
+    workdir,
+    "--config.num_train_steps=400",
+    "--config.sample.length=20",
+  ]
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
@@ -109,13 +133,16 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   iterator cuts the same shuffled stream into batches; dropout off)."""
   common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
   accum = train_lib.train_and_evaluate(
-      tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
-      str(tmp_path / "accum"))
+    tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
+    str(tmp_path / "accum"),
+  )
   big = train_lib.train_and_evaluate(
-      tiny_config(batch_size=8, num_train_steps=1, **common), str(tmp_path / "big"))
+    tiny_config(batch_size=8, num_train_steps=1, **common), str(tmp_path / "big")
+  )
   untrained = train_lib.train_and_evaluate(
-      tiny_config(batch_size=8, num_train_steps=1, learning_rate=1e-12, **common),
-      str(tmp_path / "none"))
+    tiny_config(batch_size=8, num_train_steps=1, learning_rate=1e-12, **common),
+    str(tmp_path / "none"),
+  )
   assert accum["valid_loss"] == pytest.approx(big["valid_loss"], rel=1e-5)
   assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
 

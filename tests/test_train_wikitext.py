@@ -15,14 +15,30 @@ def test_wikitext_recipe_trains_on_fake_data(tmp_path):
   manual = str(tmp_path / "manual")
   fake_wikitext.write_extracted(manual, "v1")
   data_dir, workdir = str(tmp_path / "data"), str(tmp_path / "run")
-  cmd = [sys.executable, "train.py", "--config", "configs/wikitext103_aft_local.py",
-         "--workdir", workdir, f"--config.data.data_dir={data_dir}",
-         f"--config.data.manual_dir={manual}", "--config.num_train_steps=2",
-         "--config.model.num_layers=1", "--config.model.d_model=16", "--config.model.num_heads=2",
-         "--config.model.mlp_dim=32", "--config.seq_len=32", "--config.model.max_len=32",
-         "--config.model.window=8", "--config.batch_size=4", "--config.eval_batch_size=8",
-         "--config.model.adaptive_cutoffs=(8,16)", "--config.model.dtype=float32",
-         "--config.sample.length=5", "--config.log_every_steps=1"]
+  cmd = [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/wikitext103_aft_local.py",
+    "--workdir",
+    workdir,
+    f"--config.data.data_dir={data_dir}",
+    f"--config.data.manual_dir={manual}",
+    "--config.num_train_steps=2",
+    "--config.model.num_layers=1",
+    "--config.model.d_model=16",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=32",
+    "--config.seq_len=32",
+    "--config.model.max_len=32",
+    "--config.model.window=8",
+    "--config.batch_size=4",
+    "--config.eval_batch_size=8",
+    "--config.model.adaptive_cutoffs=(8,16)",
+    "--config.model.dtype=float32",
+    "--config.sample.length=5",
+    "--config.log_every_steps=1",
+  ]
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))

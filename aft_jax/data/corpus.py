@@ -78,8 +78,9 @@ def load_corpus(cfg) -> Corpus:
     raise ValueError("cfg.data_dir must be set for dataset='wikitext103'")
   path = store.prepared_dir(data_dir, prepare.corpus_name(variant, tokenizer))
   if not store.is_complete(path):
-    prepare.prepare_wikitext103(data_dir, manual_dir=_get(cfg, "manual_dir") or None,
-                                variant=variant, tokenizer=tokenizer)
+    prepare.prepare_wikitext103(
+      data_dir, manual_dir=_get(cfg, "manual_dir") or None, variant=variant, tokenizer=tokenizer
+    )
   return load_prepared(path)
 
 
@@ -93,9 +94,13 @@ def load_prepared(path: str) -> Corpus:
   else:
     vocab = vocab_lib.ByteVocab()
   if vocab.size != summary["vocab_size"]:
-    raise ValueError(f"{path}: vocabulary has {vocab.size} entries, summary.json says {summary['vocab_size']}")
+    raise ValueError(
+      f"{path}: vocabulary has {vocab.size} entries, summary.json says {summary['vocab_size']}"
+    )
   splits = {s: store.load_tokens(path, s, n) for s, n in summary["tokens"].items()}
-  return Corpus(name=summary["name"], unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id)
+  return Corpus(
+    name=summary["name"], unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id
+  )
 
 
 def pydoc_text() -> str:
@@ -138,4 +143,6 @@ def pydoc_corpus(tokenizer: str = "byte") -> Corpus:
   for name, ids in splits.items():
     if ids.size < 2:
       raise ValueError(f"pydoc {name} split is empty; this Python ships too little documentation")
-  return Corpus(name=f"pydoc-{tokenizer}", unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id)
+  return Corpus(
+    name=f"pydoc-{tokenizer}", unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id
+  )

@@ -27,9 +27,13 @@ _STATE_VERSION = 1
 
 def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> int:
   if global_batch_size <= 0 or process_count <= 0:
-    raise ValueError(f"global_batch_size={global_batch_size} and process_count={process_count} must be positive")
+    raise ValueError(
+      f"global_batch_size={global_batch_size} and process_count={process_count} must be positive"
+    )
   if global_batch_size % process_count:
-    raise ValueError(f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
+    raise ValueError(
+      f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}"
+    )
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
   return global_batch_size // process_count
@@ -70,7 +74,9 @@ class TrainIterator:
 
     # grain's default (16 threads, 500 batches ahead) would keep the CPU busy
     # far ahead of a training step; a few batches hide the gather latency.
-    return iter(self._dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+    return iter(
+      self._dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
+    )
 
   def __iter__(self) -> "TrainIterator":
     return self
@@ -84,13 +90,22 @@ class TrainIterator:
   def set_state(self, state: dict) -> None:
     mismatched = {k: (state.get(k), v) for k, v in self._fingerprint.items() if state.get(k) != v}
     if state.get("version") != _STATE_VERSION or mismatched:
-      raise ValueError(f"iterator state does not match this iterator: (saved, current) = {mismatched}")
+      raise ValueError(
+        f"iterator state does not match this iterator: (saved, current) = {mismatched}"
+      )
     self._it = self._new_iterator()
     self._it.set_state(state["grain"])
 
 
-def train_iterator(tokens: np.ndarray, *, seq_len: int, global_batch_size: int, seed: int,
-                   process_index: int = 0, process_count: int = 1) -> TrainIterator:
+def train_iterator(
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> TrainIterator:
   """Shuffled, sharded, infinite, checkpointable training batches (see module doc).
 
   Args:
@@ -112,18 +127,26 @@ def train_iterator(tokens: np.ndarray, *, seq_len: int, global_batch_size: int, 
   num_windows = tokens.shape[0] // (seq_len + 1)
   if num_windows < global_batch_size:
     raise ValueError(
-        f"split too short: len(tokens)={tokens.shape[0]} gives {num_windows} windows of seq_len+1={seq_len + 1}, "
-        f"fewer than global_batch_size={global_batch_size}")
+      f"split too short: len(tokens)={tokens.shape[0]} gives {num_windows} windows of "
+      f"seq_len+1={seq_len + 1}, "
+      f"fewer than global_batch_size={global_batch_size}"
+    )
   import grain  # pylint: disable=g-import-not-at-top  (imports jax; keep `aft_jax.data` light)
 
   rows = slice(process_index * local, (process_index + 1) * local)
-  ds = (grain.MapDataset.range(num_windows)
-        .shuffle(seed=seed)  # epoch e of the repeat below is shuffled with seed + e
-        .batch(global_batch_size, drop_remainder=True)
-        .repeat()
-        .map(_Windows(tokens, seq_len, rows)))
-  fingerprint = {"seed": int(seed), "seq_len": int(seq_len), "global_batch_size": int(global_batch_size),
-                 "num_tokens": int(tokens.shape[0])}
+  ds = (
+    grain.MapDataset.range(num_windows)
+    .shuffle(seed=seed)  # epoch e of the repeat below is shuffled with seed + e
+    .batch(global_batch_size, drop_remainder=True)
+    .repeat()
+    .map(_Windows(tokens, seq_len, rows))
+  )
+  fingerprint = {
+    "seed": int(seed),
+    "seq_len": int(seq_len),
+    "global_batch_size": int(global_batch_size),
+    "num_tokens": int(tokens.shape[0]),
+  }
   return TrainIterator(ds, fingerprint)
 
 
@@ -158,15 +181,23 @@ def _eval_plan(n: int, seq_len: int, stride: int | None) -> _EvalPlan:
   return _EvalPlan(start, lo, hi)
 
 
-def num_eval_batches(num_tokens: int, *, seq_len: int, global_batch_size: int,
-                     stride: int | None = None) -> int:
+def num_eval_batches(
+  num_tokens: int, *, seq_len: int, global_batch_size: int, stride: int | None = None
+) -> int:
   """Number of batches `eval_batches` yields (the same on every process)."""
   return math.ceil(_eval_plan(num_tokens, seq_len, stride).start.size / global_batch_size)
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, global_batch_size: int, bos_id: int,
-                 stride: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  bos_id: int,
+  stride: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> Iterator[dict[str, np.ndarray]]:
   """Batches covering every token of `tokens` exactly once as a weighted target.
 
   Args:

@@ -70,16 +70,18 @@ def _articles(builder, split: str, progress: bool) -> Iterator[str]:
 
   ds = builder.as_data_source(split)
   step = 256
-  with tqdm(total=len(ds), desc=f"{split} articles", unit="art", disable=not progress,
-            file=sys.stderr) as bar:
+  with tqdm(
+    total=len(ds), desc=f"{split} articles", unit="art", disable=not progress, file=sys.stderr
+  ) as bar:
     for start in range(0, len(ds), step):
       for rec in ds.__getitems__(list(range(start, min(start + step, len(ds))))):
         yield rec["text"].decode("utf-8")
       bar.update(min(step, len(ds) - start))
 
 
-def check_official(summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str,
-                   official: bool | None) -> bool:
+def check_official(
+  summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str, official: bool | None
+) -> bool:
   """Checks the published counts on real data; returns whether it is real.
 
   `official=None` recognises real data by its line counts; True insists on it.
@@ -87,23 +89,40 @@ def check_official(summary: dict, lines: dict[str, int], *, variant: str, tokeni
   is_real = lines == OFFICIAL_LINES if official is None else official
   if not is_real:
     return False
-  problems = [f"{s}: {lines[s]:,} lines, expected {OFFICIAL_LINES[s]:,}"
-              for s in SPLITS if lines[s] != OFFICIAL_LINES[s]]
+  problems = [
+    f"{s}: {lines[s]:,} lines, expected {OFFICIAL_LINES[s]:,}"
+    for s in SPLITS
+    if lines[s] != OFFICIAL_LINES[s]
+  ]
   if variant == "v1" and tokenizer == "word":
     if summary["vocab_size"] != OFFICIAL_VOCAB_SIZE:
-      problems.append(f"vocabulary: {summary['vocab_size']:,} words, expected {OFFICIAL_VOCAB_SIZE:,}")
-    problems += [f"{s}: {summary['tokens'][s]:,} tokens, expected {OFFICIAL_TOKENS[s]:,}"
-                 for s in SPLITS if summary["tokens"][s] != OFFICIAL_TOKENS[s]]
+      problems.append(
+        f"vocabulary: {summary['vocab_size']:,} words, expected {OFFICIAL_VOCAB_SIZE:,}"
+      )
+    problems += [
+      f"{s}: {summary['tokens'][s]:,} tokens, expected {OFFICIAL_TOKENS[s]:,}"
+      for s in SPLITS
+      if summary["tokens"][s] != OFFICIAL_TOKENS[s]
+    ]
   if problems:
     raise CountMismatchError(
-        f"WikiText-103 ({variant}, {tokenizer}) does not match the published statistics: "
-        + "; ".join(problems) + ". The source files are not the official ones or are damaged.")
+      f"WikiText-103 ({variant}, {tokenizer}) does not match the published statistics: "
+      + "; ".join(problems)
+      + ". The source files are not the official ones or are damaged."
+    )
   return True
 
 
-def prepare_wikitext103(data_dir: str, *, manual_dir: str | None = None, variant: str | None = None,
-                        tokenizer: str = "word", download: bool = True, official: bool | None = None,
-                        progress: bool = True) -> dict:
+def prepare_wikitext103(
+  data_dir: str,
+  *,
+  manual_dir: str | None = None,
+  variant: str | None = None,
+  tokenizer: str = "word",
+  download: bool = True,
+  official: bool | None = None,
+  progress: bool = True,
+) -> dict:
   """Builds `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its summary.
 
   Reuses a complete earlier result. Raises `wikitext103.WikiTextError` for
@@ -125,8 +144,12 @@ def prepare_wikitext103(data_dir: str, *, manual_dir: str | None = None, variant
 
     tfds.disable_progress_bar()  # TFDS's own bars; ours are switched off below
 
-  builder = wikitext103.build(variant, data_dir=os.path.join(data_dir, "tfds"),
-                              manual_dir=manual_dir or None, download=download)
+  builder = wikitext103.build(
+    variant,
+    data_dir=os.path.join(data_dir, "tfds"),
+    manual_dir=manual_dir or None,
+    download=download,
+  )
   store.start(out)
   tokens, lines = {}, {}
   if tokenizer == "word":
@@ -149,25 +172,55 @@ def prepare_wikitext103(data_dir: str, *, manual_dir: str | None = None, variant
     del chunks
   summary = {"vocab_size": vocab.size, "tokens": tokens}
   real = check_official(summary, lines, variant=variant, tokenizer=tokenizer, official=official)
-  store.finish(out, {**summary, "name": corpus_name(variant, tokenizer), "variant": variant,
-                     "tokenizer": tokenizer, "lines": lines, "official": real})
+  store.finish(
+    out,
+    {
+      **summary,
+      "name": corpus_name(variant, tokenizer),
+      "variant": variant,
+      "tokenizer": tokenizer,
+      "lines": lines,
+      "official": real,
+    },
+  )
   return summary
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m aft_jax.data.prepare", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m aft_jax.data.prepare",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--dataset", choices=("wikitext103", "pydoc"), default="wikitext103")
   p.add_argument("--data_dir", default="", help="where TFDS data, downloads and token ids go")
   p.add_argument("--manual_dir", default="", help="holds the official zip or its extracted files")
-  p.add_argument("--variant", choices=("v1", "raw_v1"), default=None,
-                 help="v1 (tokenised, <unk>) or raw_v1; default v1 for words, raw_v1 for bytes")
-  p.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
-                 help="default: word for wikitext103, byte for pydoc")
-  p.add_argument("--nodownload", dest="download", action="store_false",
-                 help="never use the network; fail if the data is not in manual_dir")
-  p.add_argument("--official", choices=("auto", "yes", "no"), default="auto",
-                 help="check the published WikiText-103 counts: auto = when the line counts are the official ones")
+  p.add_argument(
+    "--variant",
+    choices=("v1", "raw_v1"),
+    default=None,
+    help="v1 (tokenised, <unk>) or raw_v1; default v1 for words, raw_v1 for bytes",
+  )
+  p.add_argument(
+    "--tokenizer",
+    choices=TOKENIZERS,
+    default=None,
+    help="default: word for wikitext103, byte for pydoc",
+  )
+  p.add_argument(
+    "--nodownload",
+    dest="download",
+    action="store_false",
+    help="never use the network; fail if the data is not in manual_dir",
+  )
+  p.add_argument(
+    "--official",
+    choices=("auto", "yes", "no"),
+    default="auto",
+    help=(
+      "check the published WikiText-103 counts: auto = when the line counts are the official ones"
+    ),
+  )
   p.add_argument("--quiet", action="store_true", help="no progress bars")
   return p.parse_args(argv)
 
@@ -175,7 +228,9 @@ def _parse(argv):
 def main(argv=None) -> dict:
   """Runs the CLI; returns the summary it printed."""
   args = _parse(argv)
-  logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+  logging.basicConfig(
+    level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+  )
   if args.dataset == "pydoc":
     from aft_jax.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
 
@@ -185,11 +240,18 @@ def main(argv=None) -> dict:
     if not args.data_dir:
       raise SystemExit("--data_dir is required for --dataset wikitext103")
     summary = prepare_wikitext103(
-        args.data_dir, manual_dir=args.manual_dir or None, variant=args.variant,
-        tokenizer=args.tokenizer or "word", download=args.download,
-        official={"auto": None, "yes": True, "no": False}[args.official], progress=not args.quiet)
-  summary = {"vocab_size": summary["vocab_size"],
-             "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]}}
+      args.data_dir,
+      manual_dir=args.manual_dir or None,
+      variant=args.variant,
+      tokenizer=args.tokenizer or "word",
+      download=args.download,
+      official={"auto": None, "yes": True, "no": False}[args.official],
+      progress=not args.quiet,
+    )
+  summary = {
+    "vocab_size": summary["vocab_size"],
+    "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]},
+  }
   sys.stderr.flush()
   print(json.dumps(summary), flush=True)
   return summary

@@ -51,7 +51,7 @@ def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
   out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint32, shape=(n,))
   pos = 0
   for c in chunks:
-    out[pos:pos + c.size] = c.reshape(-1)
+    out[pos : pos + c.size] = c.reshape(-1)
     pos += c.size
   out.flush()
   del out
@@ -80,6 +80,8 @@ def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarra
   if arr.dtype != np.uint32 or arr.ndim != 1:
     raise ValueError(f"{path}/{split}.npy holds {arr.dtype}{list(arr.shape)}, expected uint32[n]")
   if expected is not None and arr.shape[0] != expected:
-    raise ValueError(f"{path}/{split}.npy has {arr.shape[0]} tokens, summary.json says {expected}; "
-                     f"delete {path} and prepare again")
+    raise ValueError(
+      f"{path}/{split}.npy has {arr.shape[0]} tokens, summary.json says {expected}; "
+      f"delete {path} and prepare again"
+    )
   return arr

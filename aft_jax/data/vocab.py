@@ -164,7 +164,9 @@ class WordVocab(Vocab):
       try:
         ids = [self._stoi[t] for t in tokens]
       except KeyError as e:
-        raise ValueError(f"word {e.args[0]!r} is not in the vocabulary (which has no <unk>)") from None
+        raise ValueError(
+          f"word {e.args[0]!r} is not in the vocabulary (which has no <unk>)"
+        ) from None
     else:
       get, unk = self._stoi.get, self._unk_id
       ids = [get(t, unk) for t in tokens]

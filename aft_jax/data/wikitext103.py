@@ -62,8 +62,8 @@ class Archive:
   `sha256=None` skips the checksum (only for tests of the zip handling itself).
   """
 
-  filename: str   # e.g. 'wikitext-103-v1.zip'
-  folder: str     # top folder inside the zip, e.g. 'wikitext-103'
+  filename: str  # e.g. 'wikitext-103-v1.zip'
+  folder: str  # top folder inside the zip, e.g. 'wikitext-103'
   extension: str  # 'tokens' or 'raw'
   sha256: str | None
   num_bytes: int  # published size, for messages and progress bars
@@ -79,27 +79,27 @@ class Archive:
 # research (the same bytes are on both mirrors); they match the values recorded
 # by other projects (e.g. the Julia DataDeps and qnarre registrations).
 ARCHIVES: dict[str, Archive] = {
-    "v1": Archive(
-        filename="wikitext-103-v1.zip",
-        folder="wikitext-103",
-        extension="tokens",
-        sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
-        num_bytes=190_229_076,
-    ),
-    "raw_v1": Archive(
-        filename="wikitext-103-raw-v1.zip",
-        folder="wikitext-103-raw",
-        extension="raw",
-        sha256="91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
-        num_bytes=191_984_949,
-    ),
+  "v1": Archive(
+    filename="wikitext-103-v1.zip",
+    folder="wikitext-103",
+    extension="tokens",
+    sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+    num_bytes=190_229_076,
+  ),
+  "raw_v1": Archive(
+    filename="wikitext-103-raw-v1.zip",
+    folder="wikitext-103-raw",
+    extension="raw",
+    sha256="91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
+    num_bytes=191_984_949,
+  ),
 }
 
 # Tried in turn; `{filename}` is the archive name. The original S3 bucket is
 # gone in some regions, so the author's own host comes first.
 MIRRORS: list[str] = [
-    "https://wikitext.smerity.com/{filename}",
-    "https://s3.amazonaws.com/research.metamind.io/wikitext/{filename}",
+  "https://wikitext.smerity.com/{filename}",
+  "https://s3.amazonaws.com/research.metamind.io/wikitext/{filename}",
 ]
 
 # A top-level title: ' = Title = ' with a title that neither starts nor ends
@@ -168,9 +168,9 @@ def verify_archive(path: str, archive: Archive) -> None:
   got = sha256_of(path)
   if got != archive.sha256:
     raise ChecksumError(
-        f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
-        f"{archive.filename} (sha256 {archive.sha256}, {archive.num_bytes:,} bytes). The file is "
-        "truncated, damaged or a different archive: delete it and download it again."
+      f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
+      f"{archive.filename} (sha256 {archive.sha256}, {archive.num_bytes:,} bytes). The file is "
+      "truncated, damaged or a different archive: delete it and download it again."
     )
 
 
@@ -192,12 +192,14 @@ class Source:
         names = set(zf.namelist())
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
       raise CorruptArchiveError(
-          f"{self.zip_path} is not a readable zip file ({e}); it is probably truncated: "
-          f"delete it and fetch {self.archive.filename} again."
+        f"{self.zip_path} is not a readable zip file ({e}); it is probably truncated: "
+        f"delete it and fetch {self.archive.filename} again."
       ) from e
     missing = [self.archive.member(s) for s in SPLITS if self.archive.member(s) not in names]
     if missing:
-      raise MissingDataError(f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}.")
+      raise MissingDataError(
+        f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}."
+      )
 
   @contextlib.contextmanager
   def open(self, split: str) -> Iterator[io.BufferedIOBase]:
@@ -231,8 +233,8 @@ class Source:
             yield raw.decode("utf-8")
           except UnicodeDecodeError as e:
             raise BadSplitFileError(
-                f"{name} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
-                f"{raw[max(0, e.start - 10):e.start + 10]!r}); the file is damaged."
+              f"{name} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
+              f"{raw[max(0, e.start - 10) : e.start + 10]!r}); the file is damaged."
             ) from None
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
       raise CorruptArchiveError(f"{name} cannot be decompressed ({e}); the zip is damaged.") from e
@@ -288,8 +290,9 @@ def _fetch(url: str, path: str, expected_bytes: int) -> None:
         bar.update(len(chunk))
 
 
-def locate_source(variant: str, *, manual_dir: str | None, download_dir: str | None,
-                  download: bool = True) -> Source:
+def locate_source(
+  variant: str, *, manual_dir: str | None, download_dir: str | None, download: bool = True
+) -> Source:
   """Finds (or downloads) the data of `variant`; see the module docstring."""
   archive = ARCHIVES[variant]
   if manual_dir:
@@ -311,15 +314,18 @@ def locate_source(variant: str, *, manual_dir: str | None, download_dir: str | N
       if path is not None:
         return Source(archive, zip_path=path)
   where = manual_dir or "<manual_dir>"
-  tried = ("\nDownload attempts:\n  " + "\n  ".join(errors)) if errors else (
-      "" if download else "\nDownloading was disabled.")
+  tried = (
+    ("\nDownload attempts:\n  " + "\n  ".join(errors))
+    if errors
+    else ("" if download else "\nDownloading was disabled.")
+  )
   raise MissingDataError(
-      f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
-      f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
-      f"{where}, or extract it there so that "
-      f"{os.path.join(where, archive.folder, archive.split_file('train'))}, "
-      f"{archive.split_file('validation')} and {archive.split_file('test')} exist "
-      f"(manual_dir is set with --manual_dir or cfg.manual_dir).{tried}"
+    f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
+    f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
+    f"{where}, or extract it there so that "
+    f"{os.path.join(where, archive.folder, archive.split_file('train'))}, "
+    f"{archive.split_file('validation')} and {archive.split_file('test')} exist "
+    f"(manual_dir is set with --manual_dir or cfg.manual_dir).{tried}"
   )
 
 
@@ -334,13 +340,15 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "One example per article; texts concatenate to the official files."}
   BUILDER_CONFIGS = [
-      Wikitext103Config(name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."),
-      Wikitext103Config(name="raw_v1", description="wikitext-103-raw-v1: the same text without <unk>."),
+    Wikitext103Config(name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."),
+    Wikitext103Config(
+      name="raw_v1", description="wikitext-103-raw-v1: the same text without <unk>."
+    ),
   ]
   DEFAULT_CONFIG_NAME = "v1"
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
-      "Put wikitext-103-v1.zip / wikitext-103-raw-v1.zip (or their extracted folders "
-      "wikitext-103/ / wikitext-103-raw/) into manual_dir. Mirrors: " + ", ".join(MIRRORS)
+    "Put wikitext-103-v1.zip / wikitext-103-raw-v1.zip (or their extracted folders "
+    "wikitext-103/ / wikitext-103-raw/) into manual_dir. Mirrors: " + ", ".join(MIRRORS)
   )
 
   # TFDS derives this path through `importlib_resources`, a package it does not
@@ -357,16 +365,16 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=__doc__,
-        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
-        homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
-        citation=(
-            "@inproceedings{merity2017pointer, title={Pointer Sentinel Mixture Models}, "
-            "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
-            "booktitle={ICLR}, year={2017}}"
-        ),
-        disable_shuffling=True,  # examples must stay in file order
+      builder=self,
+      description=__doc__,
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+      homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
+      citation=(
+        "@inproceedings{merity2017pointer, title={Pointer Sentinel Mixture Models}, "
+        "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
+        "booktitle={ICLR}, year={2017}}"
+      ),
+      disable_shuffling=True,  # examples must stay in file order
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
@@ -376,9 +384,12 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
       # Not given, missing or empty; keep a given path for the error message.
       given = getattr(dl_manager, "_manual_dir", None)
       manual_dir = os.fspath(given) if given else None
-    source = locate_source(self.builder_config.name, manual_dir=manual_dir,
-                           download_dir=os.fspath(dl_manager.download_dir),
-                           download=self._allow_download)
+    source = locate_source(
+      self.builder_config.name,
+      manual_dir=manual_dir,
+      download_dir=os.fspath(dl_manager.download_dir),
+      download=self._allow_download,
+    )
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
   def _generate_examples(self, source: Source, split: str):
@@ -386,8 +397,9 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
       yield i, {"text": text}
 
 
-def build(variant: str, *, data_dir: str, manual_dir: str | None = None,
-          download: bool = True) -> Wikitext103:
+def build(
+  variant: str, *, data_dir: str, manual_dir: str | None = None, download: bool = True
+) -> Wikitext103:
   """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
 
   Read it back with `builder.as_data_source(split)`; each record is
@@ -397,11 +409,11 @@ def build(variant: str, *, data_dir: str, manual_dir: str | None = None,
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
   builder = Wikitext103(config=variant, data_dir=data_dir, download=download)
   builder.download_and_prepare(
-      download_dir=os.path.join(data_dir, "downloads"),
-      download_config=tfds.download.DownloadConfig(
-          manual_dir=manual_dir or None,
-          try_download_gcs=False,  # never look for a prebuilt copy on GCS
-      ),
+    download_dir=os.path.join(data_dir, "downloads"),
+    download_config=tfds.download.DownloadConfig(
+      manual_dir=manual_dir or None,
+      try_download_gcs=False,  # never look for a prebuilt copy on GCS
+    ),
   )
   return builder
 
