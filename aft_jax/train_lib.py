@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from aft_jax import data as data_lib
 from aft_jax import decode as decode_lib
+from aft_jax import files
 from aft_jax import sharding
 from aft_jax.config_check import check_config, resume_conflicts
 from aft_jax.metrics import MetricWriter
@@ -331,10 +332,7 @@ def _check_workdir_config(config, workdir: str, allow_config_change: bool):
       )
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(current, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    files.atomic_write_json(path, current)
 
 
 def train_and_evaluate(
@@ -483,9 +481,7 @@ def train_and_evaluate(
   if corpus.unit == "byte":
     results["valid_bpb"] = results["valid_loss"] / math.log(2)
   if is_main:
-    with open(os.path.join(workdir, "results.json.tmp"), "w") as f:
-      json.dump(results, f, indent=2, sort_keys=True)
-    os.replace(os.path.join(workdir, "results.json.tmp"), os.path.join(workdir, "results.json"))
+    files.atomic_write_json(os.path.join(workdir, "results.json"), results)
     print(
       f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline "
       f"{results['unigram_valid_ppl']:.3f})"

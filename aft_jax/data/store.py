@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from aft_jax import files
+
 MARKER = "COMPLETE"
 SUMMARY = "summary.json"
 
@@ -45,26 +47,21 @@ def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
   """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n."""
   chunks = [np.asarray(c) for c in chunks]
   n = int(sum(c.size for c in chunks))
-  final = os.path.join(path, f"{split}.npy")
-  tmp = final + ".tmp.npy"
-  # Fill a memory-mapped file chunk by chunk: the split is never held twice.
-  out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint32, shape=(n,))
-  pos = 0
-  for c in chunks:
-    out[pos : pos + c.size] = c.reshape(-1)
-    pos += c.size
-  out.flush()
-  del out
-  os.replace(tmp, final)
+  with files.atomic_path(os.path.join(path, f"{split}.npy"), suffix=".npy") as tmp:
+    # Fill a memory-mapped file chunk by chunk: the split is never held twice.
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint32, shape=(n,))
+    pos = 0
+    for c in chunks:
+      out[pos : pos + c.size] = c.reshape(-1)
+      pos += c.size
+    out.flush()
+    del out
   return n
 
 
 def finish(path: str, summary: dict) -> None:
   """Writes summary.json, then the COMPLETE marker."""
-  tmp = os.path.join(path, SUMMARY + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(summary, f, indent=1)
-  os.replace(tmp, os.path.join(path, SUMMARY))
+  files.atomic_write_json(os.path.join(path, SUMMARY), summary, indent=1)
   with open(os.path.join(path, MARKER), "w") as f:
     f.write("ok\n")
 

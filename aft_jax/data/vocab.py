@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import abc
 import collections
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from aft_jax import files
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -43,13 +44,6 @@ def count_words(texts: Iterable[str]) -> collections.Counter:
   for text in texts:
     counts.update(word_tokens(text))
   return counts
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-    f.write(text)
-  os.replace(tmp, path)  # readers never see a half-written vocabulary
 
 
 class Vocab(abc.ABC):
@@ -189,7 +183,7 @@ class WordVocab(Vocab):
 
   def save(self, path: str) -> None:
     """One token per line, id order, written atomically."""
-    _atomic_write_text(path, "".join(t + "\n" for t in self._tokens))
+    files.atomic_write(path, "".join(t + "\n" for t in self._tokens))
 
   @classmethod
   def load(cls, path: str) -> "WordVocab":
