@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_collections
 
 from aft_jax import default_config
-from aft_jax.model import MIXINGS
+from aft_jax.model import ModelConfig
 
 # Keys that may differ when resuming a run: they do not change what is computed.
 RESUMABLE = (
@@ -83,25 +83,13 @@ def check_config(config) -> None:
     errors.append(f"config.learning_rate = {c.learning_rate} must be > 0")
   if c.warmup_steps < 0:
     errors.append(f"config.warmup_steps = {c.warmup_steps} must be >= 0")
-  if m.mixing not in MIXINGS:
-    errors.append(f"config.model.mixing = {m.mixing!r} is not one of {', '.join(MIXINGS)}")
+  # The model's own settings are checked where they are defined (vocab_size: from the data).
+  try:
+    errors += [f"config.{e}" for e in ModelConfig(vocab_size=1, **m).problems()]
+  except ValueError as e:  # a dtype that is no dtype
+    errors.append(f"config.{e}")
   if c.seq_len > m.max_len:
     errors.append(f"config.seq_len = {c.seq_len} exceeds config.model.max_len = {m.max_len}")
-  if m.mixing == "aft_local" and not 1 <= m.window <= m.max_len:
-    errors.append(f"config.model.window = {m.window} must be in [1, model.max_len = {m.max_len}]")
-  if m.mixing in ("softmax", "aft_conv1d") and m.num_heads >= 1 and m.d_model % m.num_heads:
-    errors.append(
-      f"config.model.d_model = {m.d_model} is not divisible by "
-      f"config.model.num_heads = {m.num_heads}"
-    )
-  if m.dtype not in ("float32", "bfloat16", "float16") or m.param_dtype not in (
-    "float32",
-    "bfloat16",
-  ):
-    errors.append(
-      f"config.model.dtype / param_dtype = {m.dtype!r} / {m.param_dtype!r}: use "
-      "'float32' or 'bfloat16'"
-    )
   if c.data.dataset not in ("pydoc", "wikitext103"):
     errors.append(f"config.data.dataset = {c.data.dataset!r} is not 'pydoc' or 'wikitext103'")
   if c.data.tokenizer not in ("byte", "word"):

@@ -1,8 +1,14 @@
-"""The default configuration: every key a config may set, with its type (configs/ override it)."""
+"""The default configuration: every key a config may set, with its type and meaning.
+
+Recipes in ``configs/`` start from ``get_config()`` and change what they need; ``check_config``
+refuses any key that is not here. ``config.model`` is built from ``aft_jax.model.ModelConfig``
+(where each model setting is defined and documented), so the two cannot disagree.
+"""
 
 import ml_collections
 
 from aft_jax import sharding
+from aft_jax.model import model_config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -12,94 +18,41 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.dataset = "pydoc"  # 'pydoc' (ships with Python, no download) or 'wikitext103'
   config.data.tokenizer = "byte"  # 'byte' or 'word'
   config.data.variant = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
-  config.data.data_dir = "data"
+  config.data.data_dir = "data"  # prepared datasets live in <data_dir>/prepared
   config.data.manual_dir = ""  # a folder holding the official zip or its extracted files
 
-  config.model = ml_collections.ConfigDict()
-  config.model.mixing = "aft_local"  # aft_full, aft_local, aft_simple, aft_conv1d, softmax
-  config.model.num_layers = 2
-  config.model.d_model = 128
-  config.model.num_heads = 4
-  config.model.mlp_dim = 512
-  config.model.max_len = 256
-  config.model.window = 32
-  config.model.kernel_size = 7
-  config.model.factor_dim = 0
-  config.model.dropout_rate = 0.1
-  config.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
-  config.model.param_dtype = "float32"
-  config.model.remat = False
-  config.model.scan_layers = False
-  config.model.tie_embeddings = True
-  config.model.adaptive_cutoffs = ml_collections.FieldReference(None, field_type=tuple)
-  config.model.adaptive_factor = 4.0
+  config.model = model_config_dict()  # see aft_jax.model.ModelConfig for each key
 
-  config.seed = 0
-  config.num_train_steps = 1000
-  config.batch_size = 16  # global, in sequences
-  config.seq_len = 128
-  config.learning_rate = 1e-3
-  config.warmup_steps = 100
-  config.weight_decay = 0.01
-  config.b1 = 0.9
-  config.b2 = 0.98
-  config.grad_clip_norm = 1.0
+  config.seed = 0  # parameters, dropout and the data order
+  config.num_train_steps = 1000  # micro-steps (each one batch); updates = this / grad_accum_steps
+  config.batch_size = 16  # global, in sequences, summed over all devices and processes
+  config.seq_len = 128  # tokens per training sequence (<= model.max_len)
+  config.learning_rate = 1e-3  # peak AdamW rate
+  config.warmup_steps = 100  # linear warmup (updates), then cosine decay to 10% of the peak
+  config.weight_decay = 0.01  # AdamW decoupled weight decay
+  config.b1 = 0.9  # AdamW first-moment decay
+  config.b2 = 0.98  # AdamW second-moment decay
+  config.grad_clip_norm = 1.0  # clip the global gradient norm to this
   config.grad_accum_steps = 1  # > 1: optax.MultiSteps, one update every k steps
 
-  config.log_every_steps = 50
-  config.eval_every_steps = 500
-  config.checkpoint_every_steps = 500
-  config.keep_checkpoints = 2
-  config.eval_batch_size = 16
-  config.eval_stride = 0  # > 0: sliding-window evaluation with this stride
+  config.log_every_steps = 50  # metrics to the console, metrics.jsonl and TensorBoard
+  config.eval_every_steps = 500  # validation perplexity during training
+  config.checkpoint_every_steps = 500  # Orbax checkpoints (also at the end and on SIGTERM)
+  config.keep_checkpoints = 2  # how many recent checkpoints to keep
+  config.eval_batch_size = 16  # global, in windows of seq_len tokens
+  config.eval_stride = 0  # > 0: sliding-window evaluation with this stride (0: disjoint)
   config.nonfinite = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
 
-  config.sample = ml_collections.ConfigDict()
-  config.sample.prompt = ""
-  config.sample.length = 200
-  config.sample.temperature = 0.8
-  config.sample.top_k = 0
+  config.sample = ml_collections.ConfigDict()  # the sample printed at the end of a run
+  config.sample.prompt = ""  # text to continue ('' starts after an end-of-line)
+  config.sample.length = 200  # tokens to generate (0: no sample)
+  config.sample.temperature = 0.8  # 0: greedy
+  config.sample.top_k = 0  # sample among the k most likely tokens (0: all)
 
-  config.mesh = ml_collections.ConfigDict()
-  config.mesh.data = -1  # -1: all remaining devices
-  config.mesh.fsdp = 1
-  config.mesh.tensor = 1
+  config.mesh = ml_collections.ConfigDict()  # device mesh; data x fsdp x tensor = #devices
+  config.mesh.data = -1  # data parallelism; -1: all remaining devices
+  config.mesh.fsdp = 1  # data parallelism with sharded parameters and optimizer state
+  config.mesh.tensor = 1  # tensor parallelism (MLP units, AFT channels, heads, vocabulary)
+  # logical axis name -> mesh axes (a list of [name, axis] pairs; only settable in a file)
   config.logical_axis_rules = [list(r) for r in sharding.DEFAULT_RULES]
-  return config
-
-
-def wikitext103_small(mixing: str) -> ml_collections.ConfigDict:
-  """The WikiText-103 "small" setting of the linear-attention literature (DESIGN.md section 5):
-  16 layers, d_model 128, 8 heads, MLP 2048, context 256, adaptive input and softmax
-  (cutoffs 20k / 40k / 200k, tied), word level; ~40M parameters, mostly embeddings."""
-  config = get_config()
-  config.data.dataset = "wikitext103"
-  config.data.tokenizer = "word"
-  config.data.variant = "v1"
-  m = config.model
-  m.mixing = mixing
-  m.num_layers = 16
-  m.d_model = 128
-  m.num_heads = 8
-  m.mlp_dim = 2048
-  m.max_len = 256
-  m.window = 32  # the paper's AFT-local-32
-  m.kernel_size = 31
-  m.factor_dim = 0
-  m.dropout_rate = 0.1
-  m.dtype = "bfloat16"
-  m.scan_layers = True
-  m.adaptive_cutoffs = (20000, 40000, 200000)
-  config.seq_len = 256
-  config.batch_size = 96
-  config.num_train_steps = 120_000
-  config.learning_rate = 1e-3
-  config.warmup_steps = 2000
-  config.weight_decay = 0.01
-  config.log_every_steps = 200
-  config.eval_every_steps = 10_000
-  config.checkpoint_every_steps = 2000
-  config.eval_batch_size = 32
-  config.sample.prompt = "The"
-  config.sample.length = 50
   return config

@@ -8,7 +8,6 @@ import os
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 
 flags.DEFINE_string("workdir", None, "A workdir written by train.py.")
@@ -24,23 +23,22 @@ FLAGS = flags.FLAGS
 
 def load_run(workdir: str, step: int | None = None):
   """(config, corpus, model, params) of the run in ``workdir`` at ``step`` (default latest)."""
+  from aft_jax import checkpointing, sharding, train_lib
   from aft_jax import data as data_lib
-  from aft_jax import sharding, train_lib
+  from aft_jax.model import ModelConfig
 
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
   corpus = data_lib.load_corpus(config.data)
-  model_cfg = train_lib.model_config(config, corpus.vocab.size)
+  model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
   one = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
   trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(one, jax.devices()[:1]))
-  mngr = train_lib.checkpoint_manager(workdir, config.keep_checkpoints)
+  mngr = checkpointing.checkpoint_manager(workdir, config.keep_checkpoints)
   step = mngr.latest_step() if step is None else step
   if step is None:
     raise ValueError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
-  restored = mngr.restore(
-    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(trainer.abstract_state))
-  )
-  return config, corpus, trainer.model, restored["state"].params
+  state, _ = checkpointing.restore(mngr, step, trainer.abstract_state, with_data=False)
+  return config, corpus, trainer.model, state.params
 
 
 def main(argv):

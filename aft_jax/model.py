@@ -14,11 +14,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from aft_jax import adaptive
@@ -29,35 +31,55 @@ MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The language model's hyperparameters. ``validate()`` explains what is wrong."""
+  """The language model's hyperparameters: the one place each model setting is defined.
 
-  vocab_size: int
-  max_len: int = 256
+  ``config.model`` in a training config has exactly these fields but ``vocab_size`` (which
+  comes from the data; ``model_config_dict`` builds it from the defaults below), and the model
+  is built from it by name: ``ModelConfig(vocab_size=V, **config.model)``. ``problems()`` lists
+  what is wrong; ``validate()`` raises it.
+  """
+
+  vocab_size: int  # from the data
+  max_len: int = 256  # longest sequence: size of the position embedding and AFT bias w
   num_layers: int = 2
   d_model: int = 128
-  num_heads: int = 4  # softmax attention and AFT-conv heads
-  mlp_dim: int = 512
-  mixing: str = "aft_local"
-  window: int = 32  # AFT-local: |t - t'| < window
-  kernel_size: int = 7  # AFT-conv1d (causal: entry j is the bias of t - j)
-  factor_dim: int = 0  # AFT-full/local bias w = u v^T with u, v [max_len, factor_dim]; 0 = full w
-  dropout_rate: float = 0.1
-  dtype: Any = jnp.float32  # compute dtype (bfloat16 on accelerators)
-  param_dtype: Any = jnp.float32
-  remat: bool = False  # rematerialise each block in the backward pass
+  num_heads: int = 4  # softmax attention and AFT-conv heads (AFT-full/local/simple: per channel)
+  mlp_dim: int = 512  # hidden units of each block's MLP
+  mixing: str = "aft_local"  # one of MIXINGS
+  window: int = 32  # AFT-local: w is learned where |t - t'| < window, 0 elsewhere
+  kernel_size: int = 7  # AFT-conv1d kernel (causal: entry j is the bias of t - j)
+  factor_dim: int = 0  # AFT-full/local bias w = u v^T, u, v [max_len, factor_dim]; 0: full w
+  dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
+  dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
+  param_dtype: Any = "float32"  # parameters (and optimizer state)
+  remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
-  tie_embeddings: bool = True
-  adaptive_cutoffs: tuple[int, ...] | None = None  # adaptive input + softmax (None: plain)
-  adaptive_factor: float = 4.0
+  tie_embeddings: bool = True  # the output layer is the transposed input embedding
+  adaptive_cutoffs: tuple[int, ...] = ()  # adaptive input + softmax cluster cutoffs; (): plain
+  adaptive_factor: float = 4.0  # cluster i has dimension d_model / factor**i
 
-  def validate(self) -> "ModelConfig":
+  def __post_init__(self):
+    # Configs come from files, the command line or JSON: dtypes as names, tuples as lists.
+    set_ = functools.partial(object.__setattr__, self)
+    for name in ("dtype", "param_dtype"):
+      try:
+        set_(name, jnp.dtype(getattr(self, name)))
+      except TypeError:
+        raise ValueError(f"model.{name} = {getattr(self, name)!r} is not a dtype name") from None
+    set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs or ()))
+
+  def problems(self) -> list[str]:
+    """One line per invalid setting (empty if the config is valid)."""
     errors = []
     if self.mixing not in MIXINGS:
-      errors.append(f"model.mixing = {self.mixing!r} is not one of {MIXINGS}")
+      errors.append(f"model.mixing = {self.mixing!r} is not one of {', '.join(MIXINGS)}")
     for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
-      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-        errors.append(f"model.{name} = {getattr(self, name)!r} must be a positive int")
-    if self.mixing in ("softmax", "aft_conv1d") and self.d_model % max(self.num_heads, 1):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        errors.append(f"model.{name} = {value!r} must be a positive int")
+    if errors:
+      return errors  # the checks below assume positive ints
+    if self.mixing in ("softmax", "aft_conv1d") and self.d_model % self.num_heads:
       errors.append(
         f"model.d_model = {self.d_model} is not divisible by model.num_heads = {self.num_heads}"
       )
@@ -71,9 +93,25 @@ class ModelConfig:
       errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
       errors.append(f"model.dropout_rate = {self.dropout_rate} must be in [0, 1)")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in (jnp.float32, jnp.bfloat16):
+        errors.append(f"model.{name} = {getattr(self, name).name!r}: use 'float32' or 'bfloat16'")
+    return errors
+
+  def validate(self) -> "ModelConfig":
+    """Raises ValueError naming every invalid setting; returns self otherwise."""
+    errors = self.problems()
     if errors:
       raise ValueError("; ".join(errors))
     return self
+
+
+def model_config_dict() -> ml_collections.ConfigDict:
+  """``config.model`` with every ModelConfig field and its default, except ``vocab_size``."""
+  fields = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"}
+  for name in ("dtype", "param_dtype"):
+    fields[name] = jnp.dtype(fields[name]).name
+  return ml_collections.ConfigDict(fields)
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
@@ -139,8 +177,8 @@ class TransformerLM(nn.Module):
   def _embeddings(self):
     """(embed(tokens) -> [B, T, D], head(h, targets) -> nll [B, T] or log-probs [B, T, V])."""
     cfg = self.cfg
-    if cfg.adaptive_cutoffs is not None:
-      cutoffs = tuple(cfg.adaptive_cutoffs)
+    if cfg.adaptive_cutoffs:
+      cutoffs = cfg.adaptive_cutoffs
       inp = adaptive.AdaptiveInput(
         cfg.vocab_size,
         cfg.d_model,

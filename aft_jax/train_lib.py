@@ -2,17 +2,22 @@
 
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
-exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position,
-so rerunning the same command resumes exactly; SIGTERM / Ctrl-C save a checkpoint and exit.
+exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
+(``aft_jax.checkpointing``), so rerunning the same command resumes exactly; SIGTERM / Ctrl-C save
+a checkpoint and exit (``aft_jax.preemption``).
+
+``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
+loop, final evaluation, results, a sample. The step functions are pure module-level functions
+that ``Trainer`` binds with ``functools.partial`` and jits with the mesh's shardings.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import functools
 import math
 import os
-import signal
 import time
 import warnings
 
@@ -22,18 +27,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax.training import train_state
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from aft_jax import checkpointing
 from aft_jax import data as data_lib
 from aft_jax import decode as decode_lib
 from aft_jax import files
 from aft_jax import sharding
-from aft_jax.config_check import check_config, resume_conflicts
+from aft_jax.config_check import check_config
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
+from aft_jax.preemption import Preemption
 
 
 @contextlib.contextmanager
@@ -51,31 +57,6 @@ class TrainState(train_state.TrainState):
   """Parameters, optimizer state and step; ``skipped`` counts updates dropped as non-finite."""
 
   skipped: jax.Array = None
-
-
-def model_config(config, vocab_size: int) -> ModelConfig:
-  m = config.model
-  cutoffs = m.get("adaptive_cutoffs", None)
-  return ModelConfig(
-    vocab_size=vocab_size,
-    max_len=m.max_len,
-    num_layers=m.num_layers,
-    d_model=m.d_model,
-    num_heads=m.num_heads,
-    mlp_dim=m.mlp_dim,
-    mixing=m.mixing,
-    window=m.window,
-    kernel_size=m.kernel_size,
-    factor_dim=m.factor_dim,
-    dropout_rate=m.dropout_rate,
-    dtype=jnp.dtype(m.dtype),
-    param_dtype=jnp.dtype(m.param_dtype),
-    remat=m.remat,
-    scan_layers=m.scan_layers,
-    tie_embeddings=m.tie_embeddings,
-    adaptive_cutoffs=tuple(cutoffs) if cutoffs else None,
-    adaptive_factor=m.get("adaptive_factor", 4.0),
-  ).validate()
 
 
 def learning_rate_schedule(config):
@@ -105,7 +86,8 @@ def make_optimizer(config):
   return tx
 
 
-def _weighted_nll(model, params, batch, *, train, rng=None):
+def weighted_nll(model, params, batch, *, train, rng=None):
+  """(sum of weight * NLL, sum of weights) over a batch {'inputs', 'targets'[, 'weights']}."""
   nll = model.apply(
     {"params": params},
     batch["inputs"],
@@ -117,6 +99,41 @@ def _weighted_nll(model, params, batch, *, train, rng=None):
   if weights is None:
     weights = jnp.ones_like(nll)
   return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def train_step(state: TrainState, batch, rng, *, model, schedule, accum: int, skip: bool):
+  """One update: (new state, metrics). A non-finite loss or gradient is counted in
+  ``state.skipped`` and, with ``skip``, leaves parameters and optimizer state untouched."""
+  rng = jax.random.fold_in(rng, state.step)  # same dropout for a step, resumed or not
+
+  def loss_fn(params):
+    total, count = weighted_nll(model, params, batch, train=True, rng=rng)
+    return total / jnp.maximum(count, 1.0), count
+
+  (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grad_norm = optax.tree_utils.tree_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new_state = state.apply_gradients(grads=grads)
+  if skip:
+    keep = lambda new, old: jnp.where(finite, new, old)
+    new_state = new_state.replace(
+      params=jax.tree_util.tree_map(keep, new_state.params, state.params),
+      opt_state=jax.tree_util.tree_map(keep, new_state.opt_state, state.opt_state),
+    )
+  new_state = new_state.replace(skipped=state.skipped + (~finite).astype(jnp.int32))
+  metrics = {
+    "loss": loss,
+    "grad_norm": grad_norm,
+    "finite": finite,
+    "tokens": count,
+    "learning_rate": schedule(state.step // accum),
+  }
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, model):
+  """(sum of weighted NLL, sum of weights) of one evaluation batch."""
+  return weighted_nll(model, params, batch, train=False)
 
 
 class Trainer:
@@ -147,50 +164,28 @@ class Trainer:
     )
     batch_sh = sharding.batch_sharding(mesh)
     repl = sharding.replicated(mesh)
+    step = functools.partial(
+      train_step,
+      model=self.model,
+      schedule=self.schedule,
+      accum=config.grad_accum_steps,
+      skip=config.nonfinite == "skip",
+    )
     self._train_step = jax.jit(
-      self._train_step_fn,
+      step,
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
     )
     self._eval_step = jax.jit(
-      self._eval_step_fn, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=repl
+      functools.partial(eval_step, model=self.model),
+      in_shardings=(self.state_shardings.params, batch_sh),
+      out_shardings=repl,
     )
 
   def init_state(self, seed: int) -> TrainState:
     with _on_mesh(self.mesh, self.rules):
       return self._init(jax.random.key(seed))
-
-  def _train_step_fn(self, state: TrainState, batch, rng):
-    rng = jax.random.fold_in(rng, state.step)  # same dropout for a step, resumed or not
-
-    def loss_fn(params):
-      total, count = _weighted_nll(self.model, params, batch, train=True, rng=rng)
-      return total / jnp.maximum(count, 1.0), count
-
-    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grad_norm = optax.tree_utils.tree_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_state = state.apply_gradients(grads=grads)
-    if self.config.nonfinite == "skip":
-      # A non-finite step leaves parameters and optimizer state untouched.
-      keep = lambda new, old: jnp.where(finite, new, old)
-      new_state = new_state.replace(
-        params=jax.tree_util.tree_map(keep, new_state.params, state.params),
-        opt_state=jax.tree_util.tree_map(keep, new_state.opt_state, state.opt_state),
-      )
-    new_state = new_state.replace(skipped=state.skipped + (~finite).astype(jnp.int32))
-    metrics = {
-      "loss": loss,
-      "grad_norm": grad_norm,
-      "finite": finite,
-      "tokens": count,
-      "learning_rate": self.schedule(state.step // self.config.grad_accum_steps),
-    }
-    return new_state, metrics
-
-  def _eval_step_fn(self, params, batch):
-    return _weighted_nll(self.model, params, batch, train=False)
 
   def train_step(self, state, batch, rng):
     with _on_mesh(self.mesh, self.rules):
@@ -226,124 +221,26 @@ def unigram_ppl(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: i
   return float(np.exp(-logp[eval_tokens].mean()))
 
 
-class _Interrupt:
-  """Turns SIGTERM / SIGINT into a flag checked after each step (the step in flight finishes)."""
-
-  def __init__(self):
-    self.signal = None
-    self._old = {}
-
-  def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    if self.signal is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C stops at once
-    self.signal = signum
-
-  def should_stop(self, step: int, every: int) -> bool:
-    """Whether to save and stop after ``step``; all processes agree on the same step.
-
-    One process stops at once. Several processes each see the signal at their own time, so
-    they compare flags every ``every`` steps (where logging already syncs) and stop together.
-    """
-    if jax.process_count() == 1:
-      return self.signal is not None
-    if step % every:
-      return False
-    flags = multihost_utils.process_allgather(np.int32(self.signal is not None))
-    if np.any(flags) and self.signal is None:
-      self.signal = "from another process"
-    return bool(np.any(flags))
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
+# --------------------------------------------------------------------------- the run's parts
 
 
-def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints")),
-    options=ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=False
-    ),
-  )
+@dataclasses.dataclass
+class Run:
+  """What the parts of a run share: its config, workdir, data, model and trainer."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  corpus: data_lib.Corpus
+  model_cfg: ModelConfig
+  trainer: Trainer
+
+  @property
+  def is_main(self) -> bool:
+    return jax.process_index() == 0  # process 0 alone writes logs, metrics and results
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  leaves = [
-    jnp.all(jnp.isfinite(x))
-    for x in jax.tree_util.tree_leaves(tree)
-    if jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def _save(mngr, step, state, data_iter):
-  """Saves state + data position atomically (Orbax writes a tmp dir, then renames it).
-
-  Never writes non-finite parameters or optimizer state, and turns a failed write (a full
-  disk, say) into an error that says the previous checkpoint is intact.
-  """
-  if not bool(_all_finite((state.params, state.opt_state))):
-    raise FloatingPointError(
-      f"refusing to checkpoint non-finite parameters at step {step}; the last checkpoint "
-      f"(step {mngr.latest_step()}) is intact"
-    )
-  try:
-    mngr.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
-      ),
-      force=True,
-    )
-    mngr.wait_until_finished()
-  except Exception as e:
-    raise OSError(
-      f"saving the checkpoint at step {step} failed ({type(e).__name__}: {e}); the previous "
-      f"checkpoint (step {mngr.latest_step()}) is intact: free disk space and rerun the same "
-      "command to resume from it"
-    ) from e
-
-
-def _config_path(workdir):
-  return os.path.join(workdir, "config.json")
-
-
-def _check_workdir_config(config, workdir: str, allow_config_change: bool):
-  """Saves the config, or refuses to resume a run whose config differs in what matters."""
-  path = _config_path(workdir)
-  current = json.loads(config.to_json_best_effort())
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    conflicts = resume_conflicts(saved, current)
-    if conflicts and not allow_config_change:
-      raise ValueError(
-        f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}); "
-        "use another --workdir, or pass --allow_config_change to resume it anyway"
-      )
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    files.atomic_write_json(path, current)
-
-
-def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, *, allow_config_change: bool = False
-) -> dict:
-  """Trains ``config`` in ``workdir`` (resuming what is there) and returns results.json's dict."""
-  check_config(config)
-  workdir = os.path.abspath(workdir)
-  corpus = data_lib.load_corpus(config.data)
-  model_cfg = model_config(config, corpus.vocab.size)
-  mesh = sharding.make_mesh(config.mesh)
+def check_mesh(config, mesh) -> None:
+  """The batch must split evenly over the data-parallel devices and over the processes."""
   dp = sharding.data_parallel_size(mesh)
   for name in ("batch_size", "eval_batch_size"):
     if config[name] % dp:
@@ -358,156 +255,217 @@ def train_and_evaluate(
       "processes: each process feeds its own rows of the batch, so give the "
       "data or fsdp axis at least one slot per process"
     )
-  _check_workdir_config(config, workdir, allow_config_change)
-  is_main = jax.process_index() == 0
 
-  trainer = Trainer(config, model_cfg, mesh)
+
+def setup(config, workdir: str, allow_config_change: bool) -> Run:
+  """Checks the config, loads the data, builds the mesh and the jitted steps."""
+  check_config(config)
+  workdir = os.path.abspath(workdir)
+  corpus = data_lib.load_corpus(config.data)
+  model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
+  mesh = sharding.make_mesh(config.mesh)
+  check_mesh(config, mesh)
+  checkpointing.check_workdir_config(config, workdir, allow_config_change)
+  return Run(config, workdir, corpus, model_cfg, Trainer(config, model_cfg, mesh))
+
+
+def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
+  """The latest checkpoint's state (and data position), or a freshly initialised state."""
+  latest = mngr.latest_step()
+  if latest is None:
+    state = run.trainer.init_state(run.config.seed)
+    if run.is_main:
+      print(
+        f"Model: {run.model_cfg.mixing}, {count_params(state.params):,} parameters; corpus "
+        f"{run.corpus.name} ({run.corpus.unit}-level, vocab {run.corpus.vocab.size:,}); mesh "
+        f"{dict(run.trainer.mesh.shape)}",
+        flush=True,
+      )
+    return state
+  state, data_state = checkpointing.restore(mngr, latest, run.trainer.abstract_state)
+  data_iter.set_state(data_state)
+  if run.is_main:
+    print(f"Resuming from the checkpoint at step {latest} in {run.workdir}", flush=True)
+  return state
+
+
+class _StepLog:
+  """Collects per-step metrics on the device and writes one record per logged step."""
+
+  def __init__(self, run: Run, writer: MetricWriter, bar):
+    self.run, self.writer, self.bar = run, writer, bar
+    self.pending, self.t_last = [], time.perf_counter()
+
+  def add(self, metrics) -> None:
+    self.pending.append(metrics)
+
+  def flush(self, step: int, state: TrainState, mngr) -> None:
+    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to."""
+    config = self.run.config
+    stacked = jax.device_get(self.pending)  # the only host sync of the training loop
+    elapsed = time.perf_counter() - self.t_last
+    n = len(stacked)
+    losses = [float(m["loss"]) for m in stacked if bool(m["finite"])]
+    nonfinite = [i for i, m in enumerate(stacked) if not bool(m["finite"])]
+    if nonfinite and config.nonfinite == "stop":
+      raise FloatingPointError(
+        f"non-finite loss or gradient at step {step - n + nonfinite[0] + 1}; the last "
+        f"checkpoint is step {mngr.latest_step()} (set nonfinite='skip' to skip such updates)"
+      )
+    record = {
+      "step": step,
+      "loss": float(np.mean(losses)) if losses else float("nan"),
+      "learning_rate": float(stacked[-1]["learning_rate"]),
+      "grad_norm": float(np.mean([float(m["grad_norm"]) for m in stacked])),
+      "tokens_per_sec": config.batch_size * config.seq_len * n / elapsed,
+      "step_time": elapsed / n,
+      "skipped_steps": int(state.skipped),
+    }
+    record["perplexity"] = math.exp(min(record["loss"], 50.0))
+    self.writer.write(record)
+    self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    if self.run.is_main:
+      self.bar.write(
+        f"step {step}: loss {record['loss']:.4f}  ppl {record['perplexity']:.2f}  "
+        f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+        f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} ms/step"
+      )
+    self.pending, self.t_last = [], time.perf_counter()
+
+
+def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
+  """Trains to ``num_train_steps``: (final state, whether a signal stopped it early)."""
+  config, trainer = run.config, run.trainer
+  step = int(state.step)
+  dropout_rng = jax.random.key(config.seed + 1)
+  bar = tqdm(
+    total=config.num_train_steps,
+    initial=step,
+    desc="train",
+    disable=not run.is_main,
+    dynamic_ncols=True,
+  )
+  log = _StepLog(run, writer, bar)
+  with bar, Preemption() as preemption:
+    while step < config.num_train_steps:
+      state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
+      step += 1
+      log.add(metrics)
+      bar.update(1)
+      last = step == config.num_train_steps
+      if step % config.log_every_steps == 0 or last:
+        log.flush(step, state, mngr)
+      if step % config.eval_every_steps == 0 and not last:
+        ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
+        writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
+      if step % config.checkpoint_every_steps == 0 or last:
+        checkpointing.save(mngr, step, state, data_iter)
+      if preemption.should_stop(step, config.log_every_steps):
+        if mngr.latest_step() != step:
+          checkpointing.save(mngr, step, state, data_iter)
+        if run.is_main:
+          print(
+            f"\nInterrupted (signal {preemption.signal}): saved the checkpoint at step "
+            f"{step}; run the same command again to resume.",
+            flush=True,
+          )
+        return state, True
+  return state, False
+
+
+def final_results(run: Run, state: TrainState) -> dict:
+  """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size."""
+  config, corpus, trainer = run.config, run.corpus, run.trainer
+  step = int(state.step)
+  results = {
+    "steps": step,
+    "num_params": count_params(state.params),
+    "tokens_seen": step * config.batch_size * config.seq_len,
+    "unit": corpus.unit,
+    "mixing": run.model_cfg.mixing,
+    "skipped_steps": int(state.skipped),
+  }
+  for split, prefix in (("validation", "valid"), ("test", "test")):
+    if split in corpus.splits:
+      ev = trainer.evaluate(state.params, corpus.splits[split], corpus.bos_id, prefix)
+      results.update(
+        {f"{prefix}_loss": ev["nll"], f"{prefix}_ppl": ev["ppl"], f"{prefix}_tokens": ev["tokens"]}
+      )
+  results["unigram_valid_ppl"] = unigram_ppl(
+    corpus.splits["train"], corpus.splits["validation"], corpus.vocab.size
+  )
+  if corpus.unit == "byte":
+    results["valid_bpb"] = results["valid_loss"] / math.log(2)
+  return results
+
+
+def write_results(run: Run, results: dict, writer: MetricWriter) -> None:
+  """results.json, its line on the console and its scalars in the metrics."""
+  if run.is_main:
+    files.atomic_write_json(os.path.join(run.workdir, "results.json"), results)
+    test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
+    print(
+      f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline "
+      f"{results['unigram_valid_ppl']:.3f}){test}",
+      flush=True,
+    )
+  scalars = {k: v for k, v in results.items() if isinstance(v, float)}
+  writer.write({"step": results["steps"], **scalars})
+
+
+def sample(run: Run, params) -> str | None:
+  """The end-of-run sample (``config.sample``), printed by process 0; None if not asked for."""
+  cfg = run.config.sample
+  if cfg.length <= 0:
+    return None
+  if jax.process_count() > 1:
+    # Process 0 samples alone, so it needs every parameter on its own devices; all processes
+    # take part in the gather.
+    gathered = multihost_utils.process_allgather(params, tiled=True)
+    params = jax.tree_util.tree_map(jnp.asarray, gathered)
+  if not run.is_main:
+    return None
+  text = decode_lib.sample_text(
+    run.trainer.model,
+    params,
+    run.corpus.vocab,
+    cfg.prompt,
+    cfg.length,
+    temperature=cfg.temperature,
+    top_k=cfg.top_k,
+    seed=run.config.seed,
+  )
+  print(f"Sample:\n{cfg.prompt}{text}", flush=True)
+  return text
+
+
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, *, allow_config_change: bool = False
+) -> dict:
+  """Trains ``config`` in ``workdir`` (resuming what is there) and returns results.json's dict.
+
+  Interrupted by SIGTERM / Ctrl-C, it saves a checkpoint and returns
+  ``{"interrupted": True, "step": step}``.
+  """
+  run = setup(config, workdir, allow_config_change)
   data_iter = data_lib.train_iterator(
-    corpus.splits["train"],
+    run.corpus.splits["train"],
     seq_len=config.seq_len,
     global_batch_size=config.batch_size,
     seed=config.seed,
     process_index=jax.process_index(),
     process_count=jax.process_count(),
   )
-  mngr = checkpoint_manager(workdir, config.keep_checkpoints)
-  latest = mngr.latest_step()
-  if latest is not None:
-    restored = mngr.restore(
-      latest,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(trainer.abstract_state), data=ocp.args.JsonRestore()
-      ),
-    )
-    state = restored["state"]
-    data_iter.set_state(restored["data"])
-    if is_main:
-      print(f"Resuming from the checkpoint at step {latest} in {workdir}", flush=True)
-  else:
-    state = trainer.init_state(config.seed)
-  num_params = count_params(state.params)
-  step = int(state.step)
-  writer = MetricWriter(workdir, enabled=is_main)
-  if is_main and latest is None:
-    print(
-      f"Model: {model_cfg.mixing}, {num_params:,} parameters; corpus {corpus.name} "
-      f"({corpus.unit}-level, vocab {corpus.vocab.size:,}); mesh {dict(mesh.shape)}",
-      flush=True,
-    )
-
-  tokens_per_step = config.batch_size * config.seq_len
-  dropout_rng = jax.random.key(config.seed + 1)
-  bar = tqdm(
-    total=config.num_train_steps,
-    initial=step,
-    desc="train",
-    disable=not is_main,
-    dynamic_ncols=True,
-  )
-  pending, t_last, steps_since = [], time.perf_counter(), 0
-  with _Interrupt() as interrupt:
-    while step < config.num_train_steps:
-      state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
-      step += 1
-      steps_since += 1
-      pending.append(metrics)
-      bar.update(1)
-      last = step == config.num_train_steps
-      if step % config.log_every_steps == 0 or last:
-        stacked = jax.device_get(pending)  # the only host sync of the training loop
-        elapsed = time.perf_counter() - t_last
-        losses = [float(m["loss"]) for m in stacked if bool(m["finite"])]
-        nonfinite = [i for i, m in enumerate(stacked) if not bool(m["finite"])]
-        if nonfinite and config.nonfinite == "stop":
-          bad = step - len(stacked) + nonfinite[0] + 1
-          raise FloatingPointError(
-            f"non-finite loss or gradient at step {bad}; the last checkpoint is step "
-            f"{mngr.latest_step()} (set nonfinite='skip' to skip such updates)"
-          )
-        record = {
-          "step": step,
-          "loss": float(np.mean(losses)) if losses else float("nan"),
-          "learning_rate": float(stacked[-1]["learning_rate"]),
-          "grad_norm": float(np.mean([float(m["grad_norm"]) for m in stacked])),
-          "tokens_per_sec": tokens_per_step * steps_since / elapsed,
-          "step_time": elapsed / steps_since,
-          "skipped_steps": int(state.skipped),
-        }
-        record["perplexity"] = math.exp(min(record["loss"], 50.0))
-        writer.write(record)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        if is_main:
-          bar.write(
-            f"step {step}: loss {record['loss']:.4f}  ppl {record['perplexity']:.2f}  "
-            f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-            f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} "
-            "ms/step"
-          )
-        pending, t_last, steps_since = [], time.perf_counter(), 0
-      if step % config.eval_every_steps == 0 and not last:
-        ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)
-        writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
-      if step % config.checkpoint_every_steps == 0 or last:
-        _save(mngr, step, state, data_iter)
-      if interrupt.should_stop(step, config.log_every_steps):
-        if mngr.latest_step() != step:
-          _save(mngr, step, state, data_iter)
-        bar.close()
-        if is_main:
-          print(
-            f"\nInterrupted (signal {interrupt.signal}): saved the checkpoint at step "
-            f"{step}; run the same command again to resume.",
-            flush=True,
-          )
-        return {"interrupted": True, "step": step}
-  bar.close()
-
-  results = {
-    "steps": step,
-    "num_params": num_params,
-    "tokens_seen": step * tokens_per_step,
-    "unit": corpus.unit,
-    "mixing": model_cfg.mixing,
-    "skipped_steps": int(state.skipped),
-  }
-  ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id, "valid")
-  results.update(valid_loss=ev["nll"], valid_ppl=ev["ppl"], valid_tokens=ev["tokens"])
-  if "test" in corpus.splits:
-    ev = trainer.evaluate(state.params, corpus.splits["test"], corpus.bos_id, "test")
-    results.update(test_loss=ev["nll"], test_ppl=ev["ppl"], test_tokens=ev["tokens"])
-  results["unigram_valid_ppl"] = unigram_ppl(
-    corpus.splits["train"], corpus.splits["validation"], corpus.vocab.size
-  )
-  if corpus.unit == "byte":
-    results["valid_bpb"] = results["valid_loss"] / math.log(2)
-  if is_main:
-    files.atomic_write_json(os.path.join(workdir, "results.json"), results)
-    print(
-      f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline "
-      f"{results['unigram_valid_ppl']:.3f})"
-      + (f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""),
-      flush=True,
-    )
-  writer.write({"step": step, **{k: v for k, v in results.items() if isinstance(v, float)}})
-  writer.close()
-  if config.sample.length > 0:
-    params = state.params
-    if jax.process_count() > 1:
-      # Process 0 samples alone, so it needs every parameter on its own devices; all processes
-      # take part in the gather.
-      params = jax.tree_util.tree_map(
-        jnp.asarray, multihost_utils.process_allgather(params, tiled=True)
-      )
-  if config.sample.length > 0 and is_main:
-    text = decode_lib.sample_text(
-      trainer.model,
-      params,
-      corpus.vocab,
-      config.sample.prompt,
-      config.sample.length,
-      temperature=config.sample.temperature,
-      top_k=config.sample.top_k,
-      seed=config.seed,
-    )
-    print(f"Sample:\n{config.sample.prompt}{text}", flush=True)
+  mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
+  state = restore_or_init(run, mngr, data_iter)
+  writer = MetricWriter(run.workdir, enabled=run.is_main)
+  try:
+    state, interrupted = train_loop(run, state, data_iter, mngr, writer)
+    if interrupted:
+      return {"interrupted": True, "step": int(state.step)}
+    results = final_results(run, state)
+    write_results(run, results, writer)
+  finally:
+    writer.close()
+  sample(run, state.params)
   return results

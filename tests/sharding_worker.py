@@ -24,13 +24,13 @@ os.environ["XLA_FLAGS"] = (
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import tiny_config  # noqa: E402
 from aft_jax import data as data_lib  # noqa: E402
-from aft_jax import sharding, train_lib  # noqa: E402
+from aft_jax import checkpointing, sharding, train_lib  # noqa: E402
+from aft_jax.model import ModelConfig  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
 STEPS = 3
@@ -79,7 +79,7 @@ def _max_diff(a, b):
 
 def _trainer(config, corpus, devices):
   mesh = sharding.make_mesh(config.mesh, devices)
-  return train_lib.Trainer(config, train_lib.model_config(config, corpus.vocab.size), mesh)
+  return train_lib.Trainer(config, ModelConfig(vocab_size=corpus.vocab.size, **config.model), mesh)
 
 
 def _check_sharded(state, mesh_shape):
@@ -155,14 +155,9 @@ def main(out_path):
       trainer811 = trainer
     if shape == (2, 2, 2):
       # A checkpoint written on (2, 2, 2) restores onto (8, 1, 1) and continues identically.
-      mngr = train_lib.checkpoint_manager(os.path.join(workdir, "ckpt"), 1)
-      train_lib._save(mngr, STEPS, state, it)
-      restored = mngr.restore(
-        STEPS,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(trainer811.abstract_state), data=ocp.args.JsonRestore()
-        ),
-      )["state"]
+      mngr = checkpointing.checkpoint_manager(os.path.join(workdir, "ckpt"), 1)
+      checkpointing.save(mngr, STEPS, state, it)
+      restored, _ = checkpointing.restore(mngr, STEPS, trainer811.abstract_state)
       mngr.close()
       assert int(restored.step) == STEPS
       _check_sharded(restored, (8, 1, 1))

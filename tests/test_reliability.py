@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, config_flags, tiny_config
-from aft_jax import metrics, train_lib
+from aft_jax import checkpointing, metrics, train_lib
 
 TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
 
@@ -104,14 +104,14 @@ POISON = 255  # a byte that never occurs in UTF-8 text
 
 def _poison(monkeypatch, at_step):
   """Batch ``at_step`` gets a poison token whose loss is NaN (so its gradient is NaN too)."""
-  orig_nll = train_lib._weighted_nll
+  orig_nll = train_lib.weighted_nll
 
   def nll(model, params, batch, **kw):
     total, count = orig_nll(model, params, batch, **kw)
     bad = jnp.any(batch["inputs"] == POISON)
     return jnp.where(bad, jnp.nan, total), count
 
-  monkeypatch.setattr(train_lib, "_weighted_nll", nll)
+  monkeypatch.setattr(train_lib, "weighted_nll", nll)
 
   orig_iter = train_lib.data_lib.train_iterator
   monkeypatch.setattr(
@@ -166,10 +166,10 @@ def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypa
 
 
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
-  mngr = train_lib.checkpoint_manager(str(tmp_path), 2)
+  mngr = checkpointing.checkpoint_manager(str(tmp_path), 2)
   state = {"w": jnp.array([1.0, jnp.nan])}
 
-  class S:  # the two fields _save inspects
+  class S:  # the two fields save inspects
     params, opt_state = state, ()
 
   class It:
@@ -177,7 +177,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
       return {}
 
   with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite"):
-    train_lib._save(mngr, 1, S(), It())
+    checkpointing.save(mngr, 1, S(), It())
   assert mngr.latest_step() is None
 
 
@@ -185,15 +185,15 @@ DISK_FULL = """
 import resource, signal, sys
 sys.path.insert(0, "tests")
 from conftest import tiny_config
-from aft_jax import train_lib
-orig, calls = train_lib._save, []
+from aft_jax import checkpointing, train_lib
+orig, calls = checkpointing.save, []
 def save(*args):
   orig(*args)
   calls.append(1)
   if len(calls) == 1:  # the disk fills up after the first checkpoint
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-train_lib._save = save
+checkpointing.save = save
 train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2), sys.argv[1])
 """
 

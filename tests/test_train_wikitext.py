@@ -19,7 +19,7 @@ def test_wikitext_recipe_trains_on_fake_data(tmp_path):
     sys.executable,
     "train.py",
     "--config",
-    "configs/wikitext103_aft_local.py",
+    "configs/wikitext103.py:aft_local",
     "--workdir",
     workdir,
     f"--config.data.data_dir={data_dir}",
