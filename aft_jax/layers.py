@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax import ops
-from aft_jax import recurrent
+from aft_jax.ops import logsumexp as lse
 
 Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
@@ -64,37 +64,56 @@ def _check_decode_input(module, x):
     )
 
 
+def _decode_cache(module, **specs):
+  """The layer's "cache" collection for decoding: one variable per ``name=(shape, dtype, fill)``
+  plus "index", the number of tokens seen so far.
+
+  Returns ``(cache, index)``: a dict of the variables and the index variable, or ``None`` while
+  the cache is being initialised (``model.init(..., decode=True)``: shapes only, no step).
+  """
+  ready = module.has_variable("cache", "index")
+  cache = {
+    name: module.variable("cache", name, jnp.full, shape, fill, dtype)
+    for name, (shape, dtype, fill) in specs.items()
+  }
+  index = module.variable("cache", "index", jnp.zeros, (), jnp.int32)
+  return (cache, index) if ready else None
+
+
 def _ring_window(module, k, v, size: int, axis: int):
   """Decoding cache of a causal window: the last ``size`` keys/values in a ring buffer along
-  ``axis``, and the bias-free prefix state (recurrent.State) of every older position.
+  ``axis``, and the bias-free prefix triple (``logsumexp.Acc``) of every older position.
 
   k: one token's keys ``[..., H]``; v: its values ``[..., H]`` or ``[..., H, C]`` (float32).
   Returns ``(prefix, keys, values, age, t)`` with ``age[j] = t - position held in slot j``, or
   None while the cache is being initialised.
   """
-  ready = module.has_variable("cache", "index")
   ring = lambda x: x.shape[:axis] + (size,) + x.shape[axis:]
-  keys = module.variable("cache", "keys", jnp.zeros, ring(k), jnp.float32)
-  values = module.variable("cache", "values", jnp.zeros, ring(v), jnp.float32)
-  m = module.variable("cache", "m", jnp.full, k.shape, recurrent._NEG, jnp.float32)
-  num = module.variable("cache", "num", jnp.zeros, v.shape, jnp.float32)
-  den = module.variable("cache", "den", jnp.zeros, k.shape, jnp.float32)
-  index = module.variable("cache", "index", jnp.zeros, (), jnp.int32)
-  if not ready:
+  f32 = jnp.float32
+  setup = _decode_cache(
+    module,
+    keys=(ring(k), f32, 0.0),
+    values=(ring(v), f32, 0.0),
+    m=(k.shape, f32, lse.NEG),
+    num=(v.shape, f32, 0.0),
+    den=(k.shape, f32, 0.0),
+  )
+  if setup is None:
     return None
+  c, index = setup
   t = index.value
   slot = t % size
   # The key leaving the window (position t - size) joins the bias-free prefix sum.
-  old_k = jax.lax.dynamic_index_in_dim(keys.value, slot, axis, keepdims=False)
-  old_v = jax.lax.dynamic_index_in_dim(values.value, slot, axis, keepdims=False)
-  prefix = recurrent.add(recurrent.State(m.value, num.value, den.value), old_k, old_v, t >= size)
-  m.value, num.value, den.value = prefix
-  keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, jnp.expand_dims(k, axis), slot, axis)
-  values.value = jax.lax.dynamic_update_slice_in_dim(
-    values.value, jnp.expand_dims(v, axis), slot, axis
-  )
+  old_k = jax.lax.dynamic_index_in_dim(c["keys"].value, slot, axis, keepdims=False)
+  old_v = jax.lax.dynamic_index_in_dim(c["values"].value, slot, axis, keepdims=False)
+  prefix = lse.add(lse.Acc(c["m"].value, c["num"].value, c["den"].value), old_k, old_v, t >= size)
+  c["m"].value, c["num"].value, c["den"].value = prefix
+  for name, x in (("keys", k), ("values", v)):
+    c[name].value = jax.lax.dynamic_update_slice_in_dim(
+      c[name].value, jnp.expand_dims(x, axis), slot, axis
+    )
   index.value = t + 1
-  return prefix, keys.value, values.value, (slot - jnp.arange(size)) % size, t
+  return prefix, c["keys"].value, c["values"].value, (slot - jnp.arange(size)) % size, t
 
 
 def _head_features(module, x):
@@ -149,12 +168,6 @@ class _AFTChannels(nn.Module):
     else:
       y = mix(q, k, v)
     return self._out(y, x.shape[-1])
-
-  def _cache(self, name, shape, dtype, fill=0.0):
-    return self.variable("cache", name, lambda: jnp.full(shape, fill, dtype))
-
-  def _index(self):
-    return self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
 
 
 class _PositionBias(_AFTChannels):
@@ -221,21 +234,19 @@ class AFTFull(_PositionBias):
     )
 
   def _step(self, q, k, v):
-    lead, d = q.shape[:-2], q.shape[-1]
-    ready = self.has_variable("cache", "index")
-    keys = self._cache("keys", lead + (self.max_len, d), jnp.float32)
-    values = self._cache("values", lead + (self.max_len, d), jnp.float32)
-    index = self._index()
-    if not ready:
+    shape = q.shape[:-2] + (self.max_len, q.shape[-1])
+    setup = _decode_cache(self, keys=(shape, jnp.float32, 0.0), values=(shape, jnp.float32, 0.0))
+    if setup is None:
       return q
+    (keys, values), index = setup[0].values(), setup[1]
     t = index.value
     keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), t, -2)
     values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), t, -2)
     index.value = t + 1
     logits = keys.value + self.bias_row(t)[:, None]
     valid = (jnp.arange(self.max_len) <= t)[:, None]
-    state = recurrent.from_terms(logits, values.value, valid, axis=keys.value.ndim - 2)
-    return recurrent.output(q[..., 0, :].astype(jnp.float32), state)[..., None, :].astype(q.dtype)
+    acc = lse.from_terms(logits, values.value, valid, axis=keys.value.ndim - 2)
+    return lse.output(q[..., 0, :].astype(jnp.float32), acc)[..., None, :].astype(q.dtype)
 
 
 class AFTLocal(_PositionBias):
@@ -259,13 +270,9 @@ class AFTLocal(_PositionBias):
 
   window: int = 32
 
-  def _check_window(self):
-    if not isinstance(self.window, int) or self.window < 1:
-      raise ValueError(f"AFTLocal: window must be an int >= 1, got {self.window!r}")
-
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
-    self._check_window()
+    ops.check_window("AFTLocal", self.window)
     _check_len(self, x.shape[-2])
     return self._mix(
       x,
@@ -284,8 +291,8 @@ class AFTLocal(_PositionBias):
     prefix, keys, values, age, t = cache
     pos = t - age
     bias = self.bias_row(t)[jnp.clip(pos, 0, self.max_len - 1)]
-    band = recurrent.from_terms(keys + bias[:, None], values, (pos >= 0)[:, None], axis=axis)
-    return recurrent.output(f32(q), recurrent.combine(prefix, band))[..., None, :].astype(q.dtype)
+    band = lse.from_terms(keys + bias[:, None], values, (pos >= 0)[:, None], axis=axis)
+    return lse.output(f32(q), lse.combine(prefix, band))[..., None, :].astype(q.dtype)
 
 
 class AFTSimple(_AFTChannels):
@@ -299,17 +306,19 @@ class AFTSimple(_AFTChannels):
     return self._mix(x, decode, lambda q, k, v: ops.aft_simple(q, k, v, causal=self.causal))
 
   def _step(self, q, k, v):
-    lead, d = q.shape[:-2], q.shape[-1]
-    ready = self.has_variable("cache", "m")
-    m = self._cache("m", lead + (d,), jnp.float32, recurrent._NEG)
-    num = self._cache("num", lead + (d,), jnp.float32)
-    den = self._cache("den", lead + (d,), jnp.float32)
-    if not ready:
+    shape = q.shape[:-2] + q.shape[-1:]
+    f32 = jnp.float32
+    setup = _decode_cache(
+      self, m=(shape, f32, lse.NEG), num=(shape, f32, 0.0), den=(shape, f32, 0.0)
+    )
+    if setup is None:
       return q
-    f32 = lambda a: a[..., 0, :].astype(jnp.float32)
-    state = recurrent.add(recurrent.State(m.value, num.value, den.value), f32(k), f32(v))
-    m.value, num.value, den.value = state
-    return recurrent.output(f32(q), state)[..., None, :].astype(q.dtype)
+    c, index = setup
+    one = lambda a: a[..., 0, :].astype(f32)
+    acc = lse.add(lse.Acc(c["m"].value, c["num"].value, c["den"].value), one(k), one(v))
+    c["m"].value, c["num"].value, c["den"].value = acc
+    index.value = index.value + 1
+    return lse.output(one(q), acc)[..., None, :].astype(q.dtype)
 
 
 class _ConvKernel(nn.Module):
@@ -405,8 +414,8 @@ class AFTConv1D(_AFTConvBase):
     if cache is None:
       return q
     prefix, keys, values, age, t = cache  # slot j holds position t - age[j]: kernel entry age[j]
-    band = recurrent.from_terms(keys + kernel.T[age], values, (t - age >= 0)[:, None], axis=axis)
-    y = recurrent.output(q[..., 0, :, :].astype(jnp.float32), recurrent.combine(prefix, band))
+    band = lse.from_terms(keys + kernel.T[age], values, (t - age >= 0)[:, None], axis=axis)
+    y = lse.output(q[..., 0, :, :].astype(jnp.float32), lse.combine(prefix, band))
     return y[..., None, :, :].astype(q.dtype)
 
 
@@ -466,12 +475,11 @@ class MultiHeadAttention(nn.Module):
 
   def _step(self, q, k, v):
     b, _, h, dh = q.shape
-    ready = self.has_variable("cache", "index")
-    keys = self.variable("cache", "keys", jnp.zeros, (b, self.max_len, h, dh), k.dtype)
-    values = self.variable("cache", "values", jnp.zeros, (b, self.max_len, h, dh), v.dtype)
-    index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
-    if not ready:
+    shape = (b, self.max_len, h, dh)
+    setup = _decode_cache(self, keys=(shape, k.dtype, 0.0), values=(shape, v.dtype, 0.0))
+    if setup is None:
       return q
+    (keys, values), index = setup[0].values(), setup[1]
     t = index.value
     keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k, t, 1)
     values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v, t, 1)

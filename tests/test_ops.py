@@ -10,7 +10,8 @@ import pytest
 from absl.testing import parameterized
 from jax.test_util import check_grads
 
-from aft_jax import banded, causal_mean, ops
+from aft_jax import ops
+from aft_jax.ops import banded, causal_mean
 import numpy_reference as ref
 
 # Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
@@ -340,7 +341,7 @@ def test_banded_long_sequence(causal, window, scale):
   plan = banded.make_plan(t_len, 2 * 4, window or t_len, causal)
   assert plan.nb > 1 and plan.nb * plan.c > t_len, plan  # several blocks, the last overlapping
   rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
-  recomputed = banded._forward(plan, rows(k), rows(v), w)[2]
+  recomputed = banded._forward(plan, rows(k), rows(v), w).bad
   assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
 
   def dense(q, k, v, w):  # exact: a per-(t, d) maximum

@@ -24,15 +24,33 @@ the same chunked products applied to dv + dk v and dk, with the saved a and L: t
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from aft_jax.logsumexp import DEN_OK, HIGHEST, NEG
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
 
 # Measured on CPU (T = 4096, R = 512): 32 positions per chunk is the fastest forward and
 # backward; larger chunks spend more on the triangular product, smaller on loop steps.
 CHUNK = 32
+
+
+class _Chunk(NamedTuple):
+  """One chunk's slice of everything the tangent pass reads: k, v, a, L ``[c, R]``; the chunk's
+  max m, the previous chunk's max and L at its end ``[R]``; whether the forward pass recomputed
+  the chunk (``bool``); the tangents dk, dv ``[c, R]``."""
+
+  k: jax.Array
+  v: jax.Array
+  a: jax.Array
+  lse: jax.Array
+  m: jax.Array
+  m_prev: jax.Array
+  lse_prev: jax.Array
+  bad: jax.Array
+  dk: jax.Array
+  dv: jax.Array
 
 
 def _chunked(x, c: int, fill=0.0):
@@ -97,16 +115,15 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
   m_prev = jnp.concatenate([empty, m[:-1]])
   lse_prev = jnp.concatenate([empty, lse[:-1, -1]])  # L at the previous chunk's end
 
-  def step(gh, xs):
-    kk, vv, aa, ll, mm, mp, lp, bb, dkk, dvv = xs
-    x, y = dvv + dkk * vv, dkk
+  def step(gh, ch: _Chunk):
+    x, y = ch.dv + ch.dk * ch.v, ch.dk
 
     def fast():  # sums of exp(k - m) x and exp(k - m) y, in the scale of the chunk's max
-      e = jnp.exp(kk - mm)
-      s0 = jnp.exp(mp - mm)
+      e = jnp.exp(ch.k - ch.m)
+      s0 = jnp.exp(ch.m_prev - ch.m)
       nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1))
       g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
-      return (g[-1], h[-1]), jnp.exp(mm - ll) * (g - aa * h)
+      return (g[-1], h[-1]), jnp.exp(ch.m - ch.lse) * (g - ch.a * h)
 
     def exact():  # S[t] = sum exp(k - L[t]) x: every factor <= 1
       def add(s, xs1):
@@ -115,16 +132,18 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
         s = (s[0] * decay + r * x1, s[1] * decay + r * y1)
         return s, s
 
-      scale = jnp.exp(mp - lp)
-      l_before = jnp.concatenate([lp[None], ll[:-1]])
-      (g, h), (sg, sh) = jax.lax.scan(add, (gh[0] * scale, gh[1] * scale), (kk, l_before, ll, x, y))
-      back = jnp.exp(ll[-1] - mm)
-      return (g * back, h * back), sg - aa * sh
+      scale = jnp.exp(ch.m_prev - ch.lse_prev)
+      l_before = jnp.concatenate([ch.lse_prev[None], ch.lse[:-1]])
+      (g, h), (sg, sh) = jax.lax.scan(
+        add, (gh[0] * scale, gh[1] * scale), (ch.k, l_before, ch.lse, x, y)
+      )
+      back = jnp.exp(ch.lse[-1] - ch.m)
+      return (g * back, h * back), sg - ch.a * sh
 
-    return jax.lax.cond(bb, exact, fast)
+    return jax.lax.cond(ch.bad, exact, fast)
 
   zero = jnp.zeros(kc.shape[2:], kc.dtype)
-  xs = (kc, vc, a, lse, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
+  xs = _Chunk(kc, vc, a, lse, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), xs)[1]
 
 

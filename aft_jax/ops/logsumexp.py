@@ -4,6 +4,10 @@
 the keys is not enough when the two maxima sit at different positions (every shifted term
 underflows). So partial sums are carried as triples ``(m, num, den)`` = (max logit,
 sum exp(logit - m) v, sum exp(logit - m)) and combined like a stable log-sum-exp.
+
+The same triple is the state of incremental decoding: the causal sums of the ops are prefix
+sums, so a causal AFT layer is a recurrence whose state is the triple of everything seen so far
+(``add`` one term per token, ``from_terms`` for a window of keys, ``output`` = sigma(q) num/den).
 """
 
 from __future__ import annotations
@@ -52,3 +56,33 @@ def combine(a: Acc, b: Acc) -> Acc:
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
   return Acc(m, a.num * bcast(sa, a.num) + b.num * bcast(sb, b.num), a.den * sa + b.den * sb)
+
+
+def add(acc: Acc, logit, value, valid=True) -> Acc:
+  """``acc`` plus one term exp(logit) * value (skipped where ``valid`` is False).
+
+  logit: ``[..., D]``; value: ``[..., D]`` or ``[..., D, C]``.
+  """
+  valid = jnp.asarray(valid)
+  term = Acc(
+    jnp.where(valid, logit, NEG),
+    jnp.where(bcast(valid, value), value, 0.0),
+    jnp.where(valid, 1.0, 0.0).astype(acc.den.dtype) * jnp.ones_like(logit),
+  )
+  return combine(acc, term)
+
+
+def from_terms(logits, values, valid, axis: int) -> Acc:
+  """The triple of a set of terms laid out along ``axis`` (non-negative; ``valid`` masks them).
+
+  logits, valid: ``[..., n, ..., D]``; values: the same, possibly with one more trailing axis.
+  """
+  logits = jnp.where(valid, logits, NEG)
+  m = jnp.max(logits, axis=axis)
+  p = jnp.where(valid, jnp.exp(logits - jnp.expand_dims(m, axis)), 0.0)
+  return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
+
+
+def output(q, acc: Acc):
+  """sigma(q) * num / den."""
+  return jax.nn.sigmoid(q) * (acc.num / bcast(acc.den, acc.num))

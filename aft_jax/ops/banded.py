@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine
 
 # Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
 _GROUP_ELEMENTS = 1 << 20
@@ -182,6 +182,18 @@ def _patch(p: Plan, bad, fast, exact):
   return jax.lax.cond(jnp.any(bad), run, lambda: fast)
 
 
+class _Residuals(NamedTuple):
+  """What the forward pass hands to the tangent: a, L ``[T, R]``, the recomputed row groups
+  ``[nb, groups]`` and the maxima of the prefix and suffix edge sums ``[nb, R]`` (suffix: None
+  when causal)."""
+
+  a: jax.Array
+  lse: jax.Array
+  bad: jax.Array
+  pre_m: jax.Array
+  suf_m: jax.Array | None
+
+
 def _block(p: Plan, k, v, w, rs, ks):
   """Block (rs, ks): its biases [c, W] and band mask (``_bias``) and its keys and values
   [W, R]."""
@@ -200,9 +212,8 @@ def _matmul(pt, x):
   return jnp.einsum("cw,wx->cx", pt, x, precision=HIGHEST)
 
 
-def _forward(p: Plan, k, v, w):
-  """a, L [T, R] (and for the tangent: the recomputed row groups [nb, groups] and the edge
-  sums' maxima)."""
+def _forward(p: Plan, k, v, w) -> _Residuals:
+  """a, L [T, R] and what the tangent needs besides (``_Residuals``)."""
   r = k.shape[1]
   rs, ks, _ = _starts(p)
   pre_r, suf_r = _edge_ranges(p)
@@ -230,7 +241,8 @@ def _forward(p: Plan, k, v, w):
     return None, (acc.num / acc.den, acc.m + jnp.log(acc.den), bad)
 
   _, (a, lse, bad) = jax.lax.scan(block, None, (rs, ks, pre, suf))
-  return _unblock(p, a), _unblock(p, lse), bad, pre.m, None if suf is None else suf.m
+  suf_m = None if suf is None else suf.m
+  return _Residuals(_unblock(p, a), _unblock(p, lse), bad, pre.m, suf_m)
 
 
 def _unblock(p: Plan, x):
@@ -241,9 +253,10 @@ def _unblock(p: Plan, x):
   return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
-def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
+def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
   """da [T, R]: linear in (dk, dv, dw); everything else is recomputed from the primals."""
   r = k.shape[1]
+  a, lse, pre_m, suf_m = res.a, res.lse, res.pre_m, res.suf_m
   rs, ks, _ = _starts(p)
   pre_r, suf_r = _edge_ranges(p)
   pre = (pre_m, *_edge_tangent(p, k, v, pre_m, pre_r, False, dk, dv))
@@ -275,19 +288,19 @@ def _tangent(p: Plan, k, v, w, a, lse, bad, pre_m, suf_m, dk, dv, dw):
         da = da + jnp.exp(m - l_r) * (g - a_r * h)  # exp(m - L) <= 1
     return None, da
 
-  _, da = jax.lax.scan(jax.checkpoint(block), None, (rs, ks, bad, pre, suf))
+  _, da = jax.lax.scan(jax.checkpoint(block), None, (rs, ks, res.bad, pre, suf))
   return _unblock(p, da)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def banded_mean(p: Plan, k, v, w):
   """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
-  return _forward(p, k, v, w)[0]
+  return _forward(p, k, v, w).a
 
 
 @banded_mean.defjvp
 def _banded_mean_jvp(p, primals, tangents):
   k, v, w = primals
-  a, lse, bad, pre_m, suf_m = _forward(p, k, v, w)
+  res = _forward(p, k, v, w)
   tangent = jax.checkpoint(functools.partial(_tangent, p))
-  return a, tangent(k, v, w, a, lse, bad, pre_m, suf_m, *tangents)
+  return res.a, tangent(k, v, w, res, *tangents)

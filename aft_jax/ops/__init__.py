@@ -19,150 +19,25 @@ float32 for logits of any size. bfloat16 inputs are computed in float32 and retu
 bfloat16. The maxima ``m`` never carry a gradient (they cancel in num / den), so the backward
 pass is linear scans and matrix products, with no max() to differentiate.
 
-Where the work happens. AFT-local and AFT-full: ``banded.py`` (query blocks against the keys
-they can see, as matrix products of exp(w - row max) and exp(k - channel max) v, plus running
-sums of the bias-0 keys outside the window; O(T s D), no T x T array when s << T). Causal
-AFT-simple: ``causal_mean.py`` (one pass over chunks with a triangular matrix product per
-chunk; about the speed of a ``cumsum``). Both have a hand-written JVP whose only [T, D]
-residuals are the output mean and its log-normalizer, so the backward pass stores little.
-AFT-conv and non-causal AFT-simple: the triples below (prefix scans and shifted sums), with
-plain autodiff.
+Where the work happens (modules of this package). AFT-local and AFT-full: ``banded`` (query
+blocks against the keys they can see, as matrix products of exp(w - row max) and
+exp(k - channel max) v, plus running sums of the bias-0 keys outside the window; O(T s D), no
+T x T array when s << T). Causal AFT-simple: ``causal_mean`` (one pass over chunks with a
+triangular matrix product per chunk; about the speed of a ``cumsum``). Both have a
+hand-written JVP whose only [T, D] residuals are the output mean and its log-normalizer, so
+the backward pass stores little. AFT-conv: ``conv`` (the triples of ``logsumexp``: prefix scans
+and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one shift per
+channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from aft_jax import banded, causal_mean
-from aft_jax.logsumexp import NEG as _NEG, Acc as _Acc, bcast as _bcast, combine as _combine
+from aft_jax.ops import banded, causal_mean, conv
 
-__all__ = ["aft_full", "aft_simple", "aft_local", "aft_conv1d", "aft_conv2d"]
-
-_sg = jax.lax.stop_gradient
-
-
-def _leaf(k, v) -> _Acc:
-  """One term per position: logit k, value v. den = exp(k - m) at m = k: value 1, d/dk = 1."""
-  m = _sg(k)
-  e = 1.0 + (k - m)
-  return _Acc(m, v * _bcast(e, v), e)
-
-
-def _shift(x, offset: int, axis: int, fill):
-  """y[..., i, ...] = x[..., i + offset, ...] along ``axis``; ``fill`` where out of range."""
-  n = x.shape[axis]
-  if abs(offset) >= n:
-    return jnp.full_like(x, fill)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (max(-offset, 0), max(offset, 0))
-  x = jnp.pad(x, pad, constant_values=fill)
-  return jax.lax.slice_in_dim(x, max(offset, 0), max(offset, 0) + n, axis=axis)
-
-
-def _acc_shift(acc: _Acc, offset: int, axis: int) -> _Acc:
-  return _Acc(
-    _shift(acc.m, offset, axis, _NEG),
-    _shift(acc.num, offset, axis, 0.0),
-    _shift(acc.den, offset, axis, 0.0),
-  )
-
-
-def _chunk(t_len: int) -> int:
-  """Chunk length for the two-level scan: about sqrt(T), so both loops are short."""
-  return max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
-
-
-def _to_chunks(x, c: int, n: int, fill):
-  """[T, ...] -> [c, n, ...]: position j c + i at [i, j]; ``fill`` pads T up to n c."""
-  x = jnp.pad(x, [(0, n * c - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-  return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
-
-
-def _from_chunks(x, t_len: int):
-  """Inverse of ``_to_chunks``."""
-  x = jnp.swapaxes(x, 0, 1)
-  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])[:t_len]
-
-
-def _prefix0(acc: _Acc) -> _Acc:
-  """Inclusive prefix sums along axis 0, exactly (a carried maximum per position).
-
-  Two short sequential loops instead of one of length T: the sequence is cut into n chunks of
-  length c ~ sqrt(T); a scan over the c positions of every chunk at once gives the
-  within-chunk prefixes, a scan over the n chunk totals gives what precedes each chunk, and
-  one elementwise combine finishes. Cost O(T D), c + n loop steps, no log-depth graph (so it
-  also compiles fast), and m carries no gradient so the backward pass is two linear scans.
-  """
-  t_len = acc.m.shape[0]
-  c = _chunk(t_len)
-  n = -(-t_len // c)
-  fills = (_NEG, 0.0, 0.0)
-
-  xs = _Acc(*(_to_chunks(x, c, n, f) for x, f in zip(acc, fills)))
-  empty = _Acc(*(jnp.full(x.shape[1:], f, x.dtype) for x, f in zip(xs, fills)))
-
-  def step(carry, x):
-    new = _combine(carry, _Acc(*x))
-    return new, new
-
-  totals, local = jax.lax.scan(step, empty, tuple(xs))  # local: [c, n, ...]
-  if n == 1:
-    out = _Acc(*local)
-  else:
-
-    def outer(carry, x):
-      return _combine(carry, _Acc(*x)), carry
-
-    first = _Acc(*(x[0] for x in empty))
-    _, before = jax.lax.scan(outer, first, tuple(totals))  # exclusive, [n, ...]
-    out = _combine(_Acc(*(x[None] for x in before)), _Acc(*local))
-
-  return _Acc(*(_from_chunks(x, t_len) for x in out))
-
-
-def _acc_scan(acc: _Acc, axis: int, reverse: bool = False) -> _Acc:
-  """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
-
-  def fwd(x):
-    x = jnp.moveaxis(x, axis, 0)
-    return jnp.flip(x, 0) if reverse else x
-
-  def back(x):
-    x = jnp.flip(x, 0) if reverse else x
-    return jnp.moveaxis(x, 0, axis)
-
-  out = _prefix0(_Acc(*(fwd(x) for x in acc)))
-  return _Acc(*(back(x) for x in out))
-
-
-def _acc_reduce(acc: _Acc, axis: int) -> _Acc:
-  """The whole sum along ``axis`` (the axis is kept, with size 1)."""
-  m = jnp.max(acc.m, axis=axis, keepdims=True)
-  s = jnp.exp(acc.m - m)  # positive axes index num and m alike
-  return _Acc(
-    m,
-    jnp.sum(acc.num * _bcast(s, acc.num), axis=axis, keepdims=True),
-    jnp.sum(acc.den * s, axis=axis, keepdims=True),
-  )
-
-
-def _outside(leaf: _Acc, axis: int, before: int | None, after: int | None) -> _Acc | None:
-  """Sum of the terms at t' <= t - before and t' >= t + after (w = 0 there); None if none."""
-  parts = []
-  if before is not None:
-    parts.append(_acc_shift(_acc_scan(leaf, axis), -before, axis))
-  if after is not None:
-    parts.append(_acc_shift(_acc_scan(leaf, axis, reverse=True), after, axis))
-  if not parts:
-    return None
-  return parts[0] if len(parts) == 1 else _combine(*parts)
-
-
-def _finish(q, acc: _Acc, dtype):
-  return (jax.nn.sigmoid(q) * (acc.num / _bcast(acc.den, acc.num))).astype(dtype)
+__all__ = ["aft_full", "aft_simple", "aft_local", "aft_conv1d", "aft_conv2d", "check_window"]
 
 
 def _to_rows(x):
@@ -207,7 +82,8 @@ def _check_w(fn, w, t_len):
     )
 
 
-def _check_window(fn, window):
+def check_window(fn: str, window) -> None:
+  """ValueError (naming ``fn``) unless ``window`` is an int >= 1 (a bool is not a window)."""
   if not isinstance(window, int) or isinstance(window, bool) or window < 1:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
 
@@ -263,6 +139,7 @@ def aft_simple(q, k, v, *, causal: bool = False):
   if causal:
     a = _from_rows(causal_mean.causal_mean(_to_rows(k), _to_rows(v)), q.shape)
     return (jax.nn.sigmoid(q) * a).astype(out_dt)
+  # w = 0: one shift per channel (the max of k over T) is exact, which is what softmax does.
   weights = jax.nn.softmax(k, axis=-2)
   return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
 
@@ -282,36 +159,12 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False):
     ``[..., T, D]``. O(T s D) time; no T x T array is built when s << T.
   """
   _check_qkv("aft_local", q, k, v)
-  _check_window("aft_local", window)
+  check_window("aft_local", window)
   t_len = q.shape[-2]
   _check_w("aft_local", w, t_len)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
   return _windowed(q, k, v, w, window, causal, out_dt)
-
-
-def _kernel_sum(leaf: _Acc, kernel, offsets, axes) -> _Acc:
-  """Exact sum over the kernel's positions: logits k[t + o] + kernel[o] for each offset o.
-
-  leaf.m: [..., *spatial, H]; leaf.num: [..., *spatial, H, C]; kernel: [H, n_offsets];
-  offsets: a tuple of per-axis integer offsets for each kernel entry.
-  """
-
-  def shifted(acc, offset):
-    for off, axis in zip(offset, axes):
-      acc = _acc_shift(acc, off, axis)
-    return acc
-
-  shifts = [shifted(leaf, o) for o in offsets]
-  logits = [jnp.where(s.den > 0, s.m + kernel[:, j], _NEG) for j, s in enumerate(shifts)]
-  m = _sg(jnp.max(jnp.stack(logits), axis=0))
-  num = jnp.zeros_like(leaf.num)
-  den = jnp.zeros_like(leaf.den)
-  for s, logit in zip(shifts, logits):
-    p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor; 0 outside
-    num = num + p[..., None] * s.num
-    den = den + p * s.den
-  return _Acc(m, num, den)
 
 
 def _check_conv(fn, q, k, v, kernel, n_spatial):
@@ -353,16 +206,7 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
     )
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, kernel = _cast(dt, q, k, v, kernel)
-  axis = k.ndim - 2  # the T axis of k [..., T, H] (and of v [..., T, H, C])
-  leaf = _leaf(k, v)
-  if causal:
-    offsets = [(-j,) for j in range(s)]
-    rest = _outside(leaf, axis, s, None)
-  else:
-    offsets = [(j - s // 2,) for j in range(s)]
-    rest = _outside(leaf, axis, s // 2 + 1, s // 2 + 1)
-  acc = _combine(_kernel_sum(leaf, kernel, offsets, (axis,)), rest)
-  return _finish(q, acc, out_dt)
+  return conv.conv1d(q, k, v, kernel, causal).astype(out_dt)
 
 
 def aft_conv2d(q, k, v, kernel):
@@ -387,18 +231,4 @@ def aft_conv2d(q, k, v, kernel):
     raise ValueError(f"aft_conv2d: kernel sizes must be odd; got kernel {kernel.shape}")
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, kernel = _cast(dt, q, k, v, kernel)
-  row, col = k.ndim - 3, k.ndim - 2
-  leaf = _leaf(k, v)
-  offsets = [(a - kh // 2, b - kw // 2) for a in range(kh) for b in range(kw)]
-  inside = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
-  # Outside the kernel (w = 0): whole rows above and below the kernel's rows, plus, within
-  # its rows, the columns left and right of it. All exact, no subtraction.
-  rows = _acc_reduce(leaf, col)
-  parts = [_outside(rows, row, kh // 2 + 1, kh // 2 + 1)]
-  sides = _outside(leaf, col, kw // 2 + 1, kw // 2 + 1)
-  for a in range(-(kh // 2), kh // 2 + 1):
-    parts.append(_acc_shift(sides, a, row))
-  acc = inside
-  for part in parts:
-    acc = _combine(acc, part)
-  return _finish(q, acc, out_dt)
+  return conv.conv2d(q, k, v, kernel).astype(out_dt)
