@@ -27,10 +27,12 @@ from collections.abc import Callable, Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
+from aft_jax.data import store
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
-FINGERPRINT_KEY = "source_fingerprint"
+FINGERPRINT_KEY = store.FINGERPRINT_KEY
 # Errors zipfile raises on a truncated or damaged archive.
 ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
 
@@ -196,17 +198,27 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
   def current_fingerprint(self, manual_dir: str | None, download_dir: str) -> str | None:
-    """Fingerprint of the source present now (no download, no full checksum); None if absent."""
-    try:
-      source = self.locate(
-        manual_dir=manual_dir or os.path.join(download_dir, "manual"),  # TFDS's default
-        download_dir=download_dir,
-        download=False,
-        verify=False,
-      )
-    except MissingDataError:
-      return None
-    return fingerprint(source.paths())
+    """Fingerprint of the source present now (see `current_fingerprint`)."""
+    return current_fingerprint(self.locate, manual_dir, download_dir)
+
+
+def current_fingerprint(
+  locate: Callable[..., object], manual_dir: str | None, download_dir: str
+) -> str | None:
+  """Fingerprint of the source `locate` finds now, without downloading or a full checksum.
+
+  None when there is no source (it may be deleted once a dataset is built).
+  """
+  try:
+    source = locate(
+      manual_dir=manual_dir or os.path.join(download_dir, "manual"),  # TFDS's default
+      download_dir=download_dir,
+      download=False,
+      verify=False,
+    )
+  except MissingDataError:
+    return None
+  return fingerprint(source.paths())
 
 
 def build(
