@@ -169,29 +169,26 @@ def locate_source(
 
   `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint).
   """
-  check = verify_zip if verify else lambda source: None
+  # In order: manual_dir's zip, manual_dir's unzipped file, an earlier download.
+  candidates = []
   if manual_dir:
-    zip_path = os.path.join(manual_dir, ZIP_FILENAME)
-    if os.path.isfile(zip_path):
-      source = Source(zip_path=zip_path)
-      check(source)
-      return source
-    path = os.path.join(manual_dir, FILENAME)
-    if os.path.isfile(path):
-      return Source(path=path)
-  errors = []
+    candidates += [{"zip_path": os.path.join(manual_dir, ZIP_FILENAME)}]
+    candidates += [{"path": os.path.join(manual_dir, FILENAME)}]
   if download_dir:
-    cached = os.path.join(download_dir, ZIP_FILENAME)
-    if os.path.isfile(cached):
-      source = Source(zip_path=cached)
-      check(source)
+    candidates += [{"zip_path": os.path.join(download_dir, ZIP_FILENAME)}]
+  for where in candidates:
+    if os.path.isfile(next(iter(where.values()))):
+      source = Source(**where)
+      if verify:
+        verify_zip(source)
       return source
-    if download:
-      path, errors = sources.download(
-        ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=_verified_download
-      )
-      if path is not None:
-        return Source(zip_path=path)
+  errors = []
+  if download_dir and download:
+    path, errors = sources.download(
+      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=_verified_download
+    )
+    if path is not None:
+      return Source(zip_path=path)
   where = manual_dir or "<manual_dir>"
   raise sources.MissingDataError(
     f"enwik8 not found. Put {ZIP_FILENAME} (sha256 {ZIP_SHA256}, {ZIP_NUM_BYTES:,} bytes, from "

@@ -54,6 +54,8 @@ OFFICIAL_LINES = {"train": 1_801_350, "validation": 3_760, "test": 4_358}
 SPLITS = ("train", "validation", "test")
 DATASETS = ("wikitext103", "enwik8", "pydoc")
 TOKENIZERS = ("word", "byte")
+# --official / cfg.official -> the `official` argument of the prepare functions.
+OFFICIAL_CHOICES = {"auto": None, "yes": True, "no": False}
 
 
 class CountMismatchError(ValueError):
@@ -159,7 +161,7 @@ def check_official(
     hint = (
       "The files have the official names and some official counts, so they look truncated or "
       "modified: restore them (or fetch the zip again), or prepare them as a custom corpus in "
-      "the same layout with --official no."
+      "the same layout with --official no (cfg.official = 'no')."
       if official is None
       else "The source files are not the official ones or are damaged."
     )
@@ -305,8 +307,8 @@ def prepare_enwik8(
   if not real and official:
     raise CountMismatchError(
       f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
-      "truncated or a different file; fetch enwik8.zip again, or drop --official yes to prepare "
-      "it as a custom byte corpus."
+      "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
+      "(cfg.official = 'yes') to prepare it as a custom byte corpus."
     )
   if not real and official is None:
     log.warning(
@@ -359,7 +361,7 @@ def _parse(argv):
   )
   p.add_argument(
     "--official",
-    choices=("auto", "yes", "no"),
+    choices=tuple(OFFICIAL_CHOICES),
     default="auto",
     help=(
       "require the published counts: auto = when the files look official (see above), "
@@ -376,7 +378,7 @@ def main(argv=None) -> dict:
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )
-  official = {"auto": None, "yes": True, "no": False}[args.official]
+  official = OFFICIAL_CHOICES[args.official]
   if args.dataset != "pydoc" and not args.data_dir:
     raise SystemExit(f"--data_dir is required for --dataset {args.dataset}")
   if args.dataset == "pydoc":
