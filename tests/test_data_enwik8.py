@@ -36,19 +36,9 @@ def _split_bytes(builder, split):
 
 
 def _prepare(tmp_path, *extra):
-  return prepare.main(
-    [
-      "--dataset",
-      "enwik8",
-      "--data_dir",
-      str(tmp_path / "data"),
-      "--manual_dir",
-      str(tmp_path / "manual"),
-      "--nodownload",
-      "--quiet",
-      *extra,
-    ]
-  )
+  data, manual = str(tmp_path / "data"), str(tmp_path / "manual")
+  flags = ["--data_dir", data, "--manual_dir", manual, "--nodownload", "--quiet"]
+  return prepare.main(["--dataset", "enwik8", *flags, *extra])
 
 
 def _prepared(tmp_path):
