@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -254,3 +255,36 @@ def test_pydoc_cli(capsys):
   c = corpus_lib.pydoc_corpus("byte")
   assert summary == {"vocab_size": 256, "tokens": {s: int(c.splits[s].size) for s in SPLITS}}
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+
+
+@pytest.mark.parametrize("keep_prepared", [True, False])
+def test_changed_source_is_prepared_again(tmp_path, keep_prepared):
+  """Neither prepared/ nor the TFDS build under tfds/ is reused once the source changed."""
+  fw.write_extracted(str(tmp_path / "manual"), "v1")
+  first = _run(_args(tmp_path))
+  path = store.prepared_dir(str(tmp_path / "data"), "wikitext103-v1-word")
+  if not keep_prepared:
+    shutil.rmtree(path)
+  extra = " = Added = \n \n a new line of test text . \n"
+  fw.write_extracted(str(tmp_path / "manual"), "v1", {"test": fw.texts("v1")["test"] + extra})
+  second = _run(_args(tmp_path))
+  assert second["tokens"]["test"] == first["tokens"]["test"] + len(_protocol_tokens(extra))
+  assert store.read_summary(path)["source_fingerprint"].startswith("size+ends-sha256:")
+
+
+def test_half_truncated_official_file_is_an_error_under_auto(tmp_path, monkeypatch):
+  """A truncated wiki.train.tokens beside intact valid/test files is not a custom corpus."""
+  fw.write_extracted(str(tmp_path / "manual"), "v1")
+  _patch_official(monkeypatch, _expected_word_summary("v1"), _fake_lines())  # fake == official
+  train = tmp_path / "manual" / "wikitext-103" / "wiki.train.tokens"
+  text = train.read_bytes()
+  train.write_bytes(text[: text.index(b"\n", len(text) // 2) + 1])  # cut at a line end
+  with pytest.raises(prepare.CountMismatchError, match="look truncated or modified") as info:
+    _run(_args(tmp_path))
+  assert "--official no" in str(info.value) and "train: " in str(info.value)
+  path = store.prepared_dir(str(tmp_path / "data"), "wikitext103-v1-word")
+  assert not store.is_complete(path)
+  # Asked for explicitly, the same files are a custom corpus in the official layout.
+  full = _expected_word_summary("v1")["tokens"]["train"]
+  assert 0 < _run(_args(tmp_path, "--official", "no"))["tokens"]["train"] < full
+  assert store.read_summary(path)["official"] is False

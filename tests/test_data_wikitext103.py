@@ -222,3 +222,18 @@ def test_download_tries_mirrors_in_turn(tmp_path, monkeypatch):
     wt.locate_source("v1", manual_dir=None, download_dir=str(tmp_path / "dl2"))
   assert "Download attempts" in str(info.value)
   assert not list((tmp_path / "dl2").iterdir())  # no partial file kept
+
+
+def test_changed_source_is_built_again(tmp_path):
+  """A finished build is not reused once the source files differ from the ones it read."""
+  manual = tmp_path / "manual"
+  fw.write_extracted(str(manual), "v1")
+  _build(tmp_path, "v1", manual)
+  changed = fw.split_text("test", raw=False).replace("illustrator", "painter")
+  folder = fw.write_extracted(str(manual), "v1", {"test": changed})
+  builder = _build(tmp_path, "v1", manual)
+  assert "".join(_texts(builder, "test")) == changed
+  paths = [os.path.join(folder, f"wiki.{s}.tokens") for s in ("train", "valid", "test")]
+  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  assert builder.info.metadata["source_fingerprint"] == sources.fingerprint(paths)

@@ -1,22 +1,33 @@
-"""Data: WikiText-103 (TFDS builder, tokenisers, prepare CLI), the pydoc corpus, input pipelines.
+"""Data: WikiText-103 and enwik8 (TFDS builders, prepare CLI), tokenisers, the pydoc corpus,
+input pipelines.
 
-Importing this package does not import TFDS (slow); `aft_jax.data.wikitext103`
-and `aft_jax.data.prepare` do, when WikiText-103 is actually prepared.
+Importing this package imports neither TFDS nor JAX (both slow to import); the builders
+(`aft_jax.data.wikitext103`, `aft_jax.data.enwik8`) import TFDS when data is actually prepared.
 """
 
-from aft_jax.data.corpus import Corpus, load_corpus, pydoc_corpus
+from aft_jax.data.corpus import (
+  DATASETS,
+  Corpus,
+  default_data_dir,
+  load_corpus,
+  pydoc_corpus,
+  resolve_data_dir,
+)
 from aft_jax.data.pipeline import TrainIterator, eval_batches, num_eval_batches, train_iterator
 from aft_jax.data.vocab import ByteVocab, Vocab, WordVocab
 
 __all__ = [
   "ByteVocab",
   "Corpus",
+  "DATASETS",
   "TrainIterator",
   "Vocab",
   "WordVocab",
+  "default_data_dir",
   "eval_batches",
   "load_corpus",
   "num_eval_batches",
   "pydoc_corpus",
+  "resolve_data_dir",
   "train_iterator",
 ]

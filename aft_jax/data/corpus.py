@@ -9,8 +9,10 @@ Datasets:
   held-out words unseen in train become `<unk>` (so its word perplexity is not
   comparable with open-vocabulary numbers). The text depends on the Python
   version, so compare pydoc numbers only within one Python version.
-* 'wikitext103': prepared by `aft_jax.data.prepare` into `cfg.data_dir` (run
-  on first use), then memory-mapped.
+* 'wikitext103', 'enwik8': prepared by `aft_jax.data.prepare` into
+  `cfg.data_dir` (default: `default_data_dir()`) on first use and again
+  whenever their source files change, then memory-mapped. In a run of several
+  processes only process 0 prepares; the others wait for it at a barrier.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -28,6 +30,9 @@ from aft_jax.data import vocab as vocab_lib
 log = logging.getLogger(__name__)
 
 PYDOC_FRACTIONS = {"train": 0.8, "test": 0.1, "validation": 0.1}  # in text order
+DATASETS = ("pydoc", "wikitext103", "enwik8")
+DATA_DIR_ENV = "AFT_JAX_DATA"
+BARRIER_NAME = "aft_jax.data.prepare"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,32 +61,96 @@ def _get(cfg, field: str, default=None):
   return default if value is None else value
 
 
-def load_corpus(cfg) -> Corpus:
+def default_data_dir() -> str:
+  """The folder for prepared data when `cfg.data_dir` is empty: `$AFT_JAX_DATA`, else
+  `~/.cache/aft_jax`, as an absolute path.
+
+  Absolute and per user, so that runs started from any directory share one prepared copy
+  instead of preparing WikiText-103 (190 MB) again under a relative `data/`.
+  """
+  path = os.environ.get(DATA_DIR_ENV) or os.path.join("~", ".cache", "aft_jax")
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_data_dir(data_dir: str | None) -> str:
+  """`data_dir` as an absolute path; `default_data_dir()` when it is empty."""
+  return os.path.abspath(os.path.expanduser(data_dir)) if data_dir else default_data_dir()
+
+
+def load_corpus(
+  cfg,
+  *,
+  process_index: int | None = None,
+  barrier: Callable[[str], None] | None = None,
+) -> Corpus:
   """Corpus named by `cfg` (attributes or a mapping).
 
-  Fields: dataset ('pydoc' | 'wikitext103'), tokenizer ('word' | 'byte'),
-  data_dir, manual_dir (optional), variant ('v1' | 'raw_v1'; bytes always
-  use raw_v1). WikiText-103 is prepared on first use (downloading unless the
-  data is in manual_dir).
+  Fields: dataset ('pydoc' | 'wikitext103' | 'enwik8'), tokenizer ('word' |
+  'byte'; enwik8 is bytes), data_dir (empty: `default_data_dir()`), manual_dir
+  (optional), variant ('v1' | 'raw_v1'; bytes always use raw_v1), official
+  (optional: 'auto' | 'yes' | 'no', as `prepare --official`). WikiText-103 and
+  enwik8 are prepared on first use (downloading unless the data is in
+  manual_dir) and again when their source files change.
+
+  Several processes: only process 0 (`process_index`, default
+  `jax.process_index()`) prepares; every process then meets the others at
+  `barrier(name)` (default: `jax.experimental.multihost_utils.sync_global_devices`
+  when `jax.process_count() > 1`, none otherwise) before reading, so no two
+  processes write the same files. Process 0 reaches the barrier even when
+  preparing fails, so the others stop with an error instead of waiting forever.
   """
   dataset = _get(cfg, "dataset", "pydoc")
   if dataset == "pydoc":
     return pydoc_corpus(_get(cfg, "tokenizer", "byte"))
-  if dataset != "wikitext103":
-    raise ValueError(f"cfg.dataset must be 'pydoc' or 'wikitext103', got {dataset!r}")
+  if dataset not in DATASETS:
+    raise ValueError(f"cfg.dataset must be one of {DATASETS}, got {dataset!r}")
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  tokenizer = _get(cfg, "tokenizer", "word")
-  variant = prepare.resolve_variant(tokenizer, _get(cfg, "variant"))
-  data_dir = _get(cfg, "data_dir", "")
-  if not data_dir:
-    raise ValueError("cfg.data_dir must be set for dataset='wikitext103'")
-  path = store.prepared_dir(data_dir, prepare.corpus_name(variant, tokenizer))
-  if not store.is_complete(path):
-    prepare.prepare_wikitext103(
-      data_dir, manual_dir=_get(cfg, "manual_dir") or None, variant=variant, tokenizer=tokenizer
+  data_dir = resolve_data_dir(_get(cfg, "data_dir", ""))
+  official = _get(cfg, "official", "auto")
+  if official not in prepare.OFFICIAL_CHOICES:
+    raise ValueError(
+      f"cfg.official must be one of {tuple(prepare.OFFICIAL_CHOICES)}, got {official!r}"
     )
-  return load_prepared(path)
+  kwargs = {
+    "manual_dir": _get(cfg, "manual_dir") or None,
+    "official": prepare.OFFICIAL_CHOICES[official],
+  }
+  if dataset == "enwik8":
+    if _get(cfg, "tokenizer", "byte") != "byte":
+      raise ValueError("enwik8 is byte-level: cfg.tokenizer must be 'byte'")
+    name = prepare.ENWIK8_NAME
+    prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731
+  else:
+    tokenizer = _get(cfg, "tokenizer", "word")
+    variant = prepare.resolve_variant(tokenizer, _get(cfg, "variant"))
+    name = prepare.corpus_name(variant, tokenizer)
+    prepare_now = lambda: prepare.prepare_wikitext103(  # noqa: E731
+      data_dir, variant=variant, tokenizer=tokenizer, **kwargs
+    )
+  _on_process_zero(prepare_now, process_index, barrier)
+  return load_prepared(store.prepared_dir(data_dir, name))
+
+
+def _on_process_zero(
+  fn: Callable[[], object], process_index: int | None, barrier: Callable[[str], None] | None
+) -> None:
+  """Runs `fn` on process 0 only, then meets the other processes at the barrier."""
+  if process_index is None or barrier is None:
+    import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
+
+    if process_index is None:
+      process_index = jax.process_index()
+    if barrier is None and jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+      barrier = multihost_utils.sync_global_devices
+  try:
+    if process_index == 0:
+      fn()
+  finally:
+    if barrier is not None:
+      barrier(BARRIER_NAME)
 
 
 def load_prepared(path: str) -> Corpus:

@@ -2,27 +2,40 @@
 
     python -m aft_jax.data.prepare --dataset wikitext103 --data_dir DIR \\
         [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte] [--nodownload]
+    python -m aft_jax.data.prepare --dataset enwik8 --data_dir DIR [--manual_dir DIR] [--nodownload]
 
 prints progress on stderr and, as its last stdout line, one JSON object:
     {"vocab_size": V, "tokens": {"train": N, "validation": N, "test": N}}
 
 A second run finds `<data_dir>/prepared/<name>/COMPLETE` and only prints the
-summary. The byte tokenizer always reads the raw release (`raw_v1`).
+summary, unless the source files found now differ from the ones it was prepared
+from (their fingerprint, `sources.fingerprint`, is kept in summary.json): then
+it prepares again. The byte tokenizer always reads the raw release (`raw_v1`).
 
-On the real WikiText-103 v1 data (recognised by its official line counts, or
-forced with `--official yes`) the word-level result must be the published one:
-267,735 words and 103,227,021 / 217,646 / 245,569 tokens; anything else is a
-`CountMismatchError` and nothing is marked complete.
+`--official` says whether the source must be the published data:
+* WikiText-103, `auto` (default): files whose line count is the official one
+  for at least one split are taken to be the official release, so every count
+  must then be the published one (267,735 words and 103,227,021 / 217,646 /
+  245,569 tokens for v1 words); otherwise the error says the files look
+  truncated or modified, and that `--official no` prepares them as a custom
+  corpus in the same layout. Files with no official line count at all are a
+  custom corpus (with a warning). `yes` requires the published counts, `no`
+  never checks them.
+* enwik8: `auto` prepares a file of any size (one that is not 100,000,000
+  bytes with a warning that it is a custom byte corpus), `yes` requires
+  100,000,000 bytes, `no` says nothing.
+Any mismatch is a `CountMismatchError` and nothing is marked complete.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -39,7 +52,10 @@ OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 OFFICIAL_LINES = {"train": 1_801_350, "validation": 3_760, "test": 4_358}
 
 SPLITS = ("train", "validation", "test")
+DATASETS = ("wikitext103", "enwik8", "pydoc")
 TOKENIZERS = ("word", "byte")
+# --official / cfg.official -> the `official` argument of the prepare functions.
+OFFICIAL_CHOICES = {"auto": None, "yes": True, "no": False}
 
 
 class CountMismatchError(ValueError):
@@ -64,19 +80,45 @@ def corpus_name(variant: str, tokenizer: str) -> str:
   return f"wikitext103-{variant}-{tokenizer}"
 
 
-def _articles(builder, split: str, progress: bool) -> Iterator[str]:
-  """Article texts of a built split, in file order."""
+def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
+  """Field `key` of a built split's examples, in file order."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   ds = builder.as_data_source(split)
   step = 256
   with tqdm(
-    total=len(ds), desc=f"{split} articles", unit="art", disable=not progress, file=sys.stderr
+    total=len(ds), desc=f"{split} {unit}", unit=unit[:3], disable=not progress, file=sys.stderr
   ) as bar:
     for start in range(0, len(ds), step):
       for rec in ds.__getitems__(list(range(start, min(start + step, len(ds))))):
-        yield rec["text"].decode("utf-8")
+        yield rec[key]
       bar.update(min(step, len(ds) - start))
+
+
+def _articles(builder, split: str, progress: bool) -> Iterator[str]:
+  """Article texts of a built WikiText-103 split, in file order."""
+  for text in _records(builder, split, "text", "articles", progress):
+    yield text.decode("utf-8")
+
+
+def _reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict | None:
+  """The summary of a complete `out` prepared from the source found now (or from any source,
+  when none is found now); None when `out` must be prepared (again)."""
+  if not store.is_complete(out):
+    return None
+  summary = store.read_summary(out)
+  current = current_fingerprint()
+  if current is None or current == summary.get(store.FINGERPRINT_KEY):
+    log.info("Reusing %s", out)
+    return summary
+  log.warning(
+    "%s was prepared from other source files than the ones found now (fingerprint %s, now %s); "
+    "preparing it again.",
+    out,
+    summary.get(store.FINGERPRINT_KEY),
+    current,
+  )
+  return None
 
 
 def check_official(
@@ -86,7 +128,18 @@ def check_official(
 
   `official=None` recognises real data by its line counts; True insists on it.
   """
-  is_real = lines == OFFICIAL_LINES if official is None else official
+  if official is None:
+    # One split with its official line count: these are the official files (a custom corpus in
+    # the same layout would not hit 1,801,350, 3,760 or 4,358 lines), maybe partly damaged.
+    is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS)
+    if not is_real:
+      log.warning(
+        "WikiText-103 (%s): no split has its official line count %s; prepared as a custom corpus.",
+        variant,
+        OFFICIAL_LINES,
+      )
+  else:
+    is_real = official
   if not is_real:
     return False
   problems = [
@@ -105,10 +158,17 @@ def check_official(
       if summary["tokens"][s] != OFFICIAL_TOKENS[s]
     ]
   if problems:
+    hint = (
+      "The files have the official names and some official counts, so they look truncated or "
+      "modified: restore them (or fetch the zip again), or prepare them as a custom corpus in "
+      "the same layout with --official no (cfg.official = 'no')."
+      if official is None
+      else "The source files are not the official ones or are damaged."
+    )
     raise CountMismatchError(
       f"WikiText-103 ({variant}, {tokenizer}) does not match the published statistics: "
       + "; ".join(problems)
-      + ". The source files are not the official ones or are damaged."
+      + f". {hint}"
     )
   return True
 
@@ -133,17 +193,15 @@ def prepare_wikitext103(
     raise ValueError("data_dir is required to prepare wikitext103")
   data_dir = os.path.expanduser(data_dir)
   out = store.prepared_dir(data_dir, corpus_name(variant, tokenizer))
-  if store.is_complete(out):
-    log.info("Reusing %s", out)
-    return store.read_summary(out)
-
   from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
-  if not progress:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-    tfds.disable_progress_bar()  # TFDS's own bars; ours are switched off below
-
+  summary = _reusable(
+    out,
+    _fingerprint_now(functools.partial(wikitext103.locate_source, variant), data_dir, manual_dir),
+  )
+  if summary is not None:
+    return summary
+  _quiet_tfds(progress)
   builder = wikitext103.build(
     variant,
     data_dir=os.path.join(data_dir, "tfds"),
@@ -181,6 +239,94 @@ def prepare_wikitext103(
       "tokenizer": tokenizer,
       "lines": lines,
       "official": real,
+      **_fingerprint_of(builder),
+    },
+  )
+  return summary
+
+
+def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[[], str | None]:
+  """A thunk giving the fingerprint of the source `locate` finds now (None: none found)."""
+  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  download_dir = os.path.join(data_dir, "tfds", "downloads")
+  return lambda: sources.current_fingerprint(locate, manual_dir or None, download_dir)
+
+
+def _fingerprint_of(builder) -> dict:
+  key = store.FINGERPRINT_KEY
+  return {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
+
+
+def _quiet_tfds(progress: bool) -> None:
+  if not progress:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+    tfds.disable_progress_bar()  # TFDS's own bars; ours are switched off below
+
+
+ENWIK8_NAME = "enwik8-byte"
+
+
+def prepare_enwik8(
+  data_dir: str,
+  *,
+  manual_dir: str | None = None,
+  download: bool = True,
+  official: bool | None = None,
+  progress: bool = True,
+) -> dict:
+  """Builds `<data_dir>/prepared/enwik8-byte/` (byte ids, vocabulary 256); returns its summary.
+
+  Reuses a complete earlier result prepared from the same source. Raises
+  `sources.DataError` for bad or missing source data and `CountMismatchError`
+  when `official` is True and the file is not 100,000,000 bytes.
+  """
+  if not data_dir:
+    raise ValueError("data_dir is required to prepare enwik8")
+  data_dir = os.path.expanduser(data_dir)
+  out = store.prepared_dir(data_dir, ENWIK8_NAME)
+  from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
+
+  summary = _reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
+  if summary is not None:
+    return summary
+  _quiet_tfds(progress)
+  builder = enwik8.build(
+    data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
+  )
+  store.start(out)
+  tokens = {}
+  for split in SPLITS:
+    chunks = (
+      np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
+    )
+    tokens[split] = store.write_tokens(out, split, chunks)
+  total = sum(tokens.values())
+  real = total == enwik8.NUM_BYTES
+  if not real and official:
+    raise CountMismatchError(
+      f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
+      "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
+      "(cfg.official = 'yes') to prepare it as a custom byte corpus."
+    )
+  if not real and official is None:
+    log.warning(
+      "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
+      "same layout (validation and test are N // 20 bytes each: %s).",
+      f"{total:,}",
+      f"{enwik8.NUM_BYTES:,}",
+      tokens,
+    )
+  summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
+  store.finish(
+    out,
+    {
+      **summary,
+      "name": ENWIK8_NAME,
+      "tokenizer": "byte",
+      "official": real and official is not False,
+      **_fingerprint_of(builder),
     },
   )
   return summary
@@ -192,7 +338,7 @@ def _parse(argv):
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument("--dataset", choices=("wikitext103", "pydoc"), default="wikitext103")
+  p.add_argument("--dataset", choices=DATASETS, default="wikitext103")
   p.add_argument("--data_dir", default="", help="where TFDS data, downloads and token ids go")
   p.add_argument("--manual_dir", default="", help="holds the official zip or its extracted files")
   p.add_argument(
@@ -215,10 +361,11 @@ def _parse(argv):
   )
   p.add_argument(
     "--official",
-    choices=("auto", "yes", "no"),
+    choices=tuple(OFFICIAL_CHOICES),
     default="auto",
     help=(
-      "check the published WikiText-103 counts: auto = when the line counts are the official ones"
+      "require the published counts: auto = when the files look official (see above), "
+      "no = prepare any files in the official layout as a custom corpus"
     ),
   )
   p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -231,21 +378,30 @@ def main(argv=None) -> dict:
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )
+  official = OFFICIAL_CHOICES[args.official]
+  if args.dataset != "pydoc" and not args.data_dir:
+    raise SystemExit(f"--data_dir is required for --dataset {args.dataset}")
   if args.dataset == "pydoc":
     from aft_jax.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
 
     c = corpus_lib.pydoc_corpus(args.tokenizer or "byte")
     summary = {"vocab_size": c.vocab.size, "tokens": {k: int(v.size) for k, v in c.splits.items()}}
+  elif args.dataset == "enwik8":
+    summary = prepare_enwik8(
+      args.data_dir,
+      manual_dir=args.manual_dir or None,
+      download=args.download,
+      official=official,
+      progress=not args.quiet,
+    )
   else:
-    if not args.data_dir:
-      raise SystemExit("--data_dir is required for --dataset wikitext103")
     summary = prepare_wikitext103(
       args.data_dir,
       manual_dir=args.manual_dir or None,
       variant=args.variant,
       tokenizer=args.tokenizer or "word",
       download=args.download,
-      official={"auto": None, "yes": True, "no": False}[args.official],
+      official=official,
       progress=not args.quiet,
     )
   summary = {

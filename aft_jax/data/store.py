@@ -23,6 +23,8 @@ import numpy as np
 from aft_jax import files
 
 MARKER = "COMPLETE"
+# summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
+FINGERPRINT_KEY = "source_fingerprint"
 SUMMARY = "summary.json"
 
 
@@ -62,8 +64,7 @@ def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
 def finish(path: str, summary: dict) -> None:
   """Writes summary.json, then the COMPLETE marker."""
   files.atomic_write_json(os.path.join(path, SUMMARY), summary, indent=1)
-  with open(os.path.join(path, MARKER), "w") as f:
-    f.write("ok\n")
+  files.atomic_write(os.path.join(path, MARKER), "ok\n")
 
 
 def read_summary(path: str) -> dict:

@@ -24,33 +24,33 @@ If none works, `MissingDataError` says which file to put where.
 
 Every problem with the data (checksum mismatch, corrupt or truncated zip, a
 missing or empty split file, bytes that are not UTF-8) raises a subclass of
-`WikiTextError` (a `ValueError`). TFDS generates into a temporary directory
-that it renames only on success, so a failed build is never taken for a
-finished one and the next run rebuilds it.
+`WikiTextError` (`sources.DataError`, a `ValueError`). TFDS generates into a
+temporary directory that it renames only on success, so a failed build is
+never taken for a finished one and the next run rebuilds it. A build records
+a fingerprint of its source files and is built again when they change
+(`sources.build`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import logging
 import os
 import re
 import shutil
-import urllib.request
 import zipfile
-import zlib
 from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
-from etils import epath
+
+from aft_jax.data import sources
 
 log = logging.getLogger(__name__)
 
 VARIANTS = ("v1", "raw_v1")
-SPLITS = ("train", "validation", "test")
+SPLITS = sources.SPLITS
 # Split name in this library -> the word used in the official file names.
 _FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
 
@@ -107,24 +107,12 @@ MIRRORS: list[str] = [
 _TITLE = re.compile(r" = [^=\n](?:[^\n]*[^=\n])? = \n?")
 
 
-class WikiTextError(ValueError):
-  """The WikiText-103 data is missing, corrupt or not what it should be."""
-
-
-class ChecksumError(WikiTextError):
-  """An archive does not hash to its recorded sha256."""
-
-
-class CorruptArchiveError(WikiTextError):
-  """A zip file cannot be read (truncated, damaged)."""
-
-
-class MissingDataError(WikiTextError):
-  """A file the dataset needs is nowhere to be found."""
-
-
-class BadSplitFileError(WikiTextError):
-  """A split file is empty or is not UTF-8."""
+WikiTextError = sources.DataError
+ChecksumError = sources.ChecksumError
+CorruptArchiveError = sources.CorruptArchiveError
+MissingDataError = sources.MissingDataError
+BadSplitFileError = sources.BadSplitFileError
+sha256_of = sources.sha256_of
 
 
 def is_title_line(line: str) -> bool:
@@ -152,26 +140,11 @@ def split_articles(lines: Iterator[str]) -> Iterator[str]:
     yield "".join(buf)
 
 
-def sha256_of(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
-
 def verify_archive(path: str, archive: Archive) -> None:
   """Raises ChecksumError unless `path` hashes to `archive.sha256`."""
-  if archive.sha256 is None:
-    log.warning("No checksum recorded for %s; not verifying %s", archive.filename, path)
-    return
-  got = sha256_of(path)
-  if got != archive.sha256:
-    raise ChecksumError(
-      f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
-      f"{archive.filename} (sha256 {archive.sha256}, {archive.num_bytes:,} bytes). The file is "
-      "truncated, damaged or a different archive: delete it and download it again."
-    )
+  sources.verify_sha256(
+    path, expected=archive.sha256, name=archive.filename, num_bytes=archive.num_bytes
+  )
 
 
 class Source:
@@ -187,19 +160,18 @@ class Source:
     return f"Source({self.zip_path or self.folder})"
 
   def _check_zip(self) -> None:
-    try:
-      with zipfile.ZipFile(self.zip_path) as zf:
-        names = set(zf.namelist())
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
-      raise CorruptArchiveError(
-        f"{self.zip_path} is not a readable zip file ({e}); it is probably truncated: "
-        f"delete it and fetch {self.archive.filename} again."
-      ) from e
+    names = sources.zip_members(self.zip_path, self.archive.filename)
     missing = [self.archive.member(s) for s in SPLITS if self.archive.member(s) not in names]
     if missing:
       raise MissingDataError(
         f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}."
       )
+
+  def paths(self) -> list[str]:
+    """The files this source reads (for its fingerprint)."""
+    if self.zip_path is not None:
+      return [self.zip_path]
+    return [os.path.join(self.folder, self.archive.split_file(s)) for s in SPLITS]
 
   @contextlib.contextmanager
   def open(self, split: str) -> Iterator[io.BufferedIOBase]:
@@ -236,7 +208,7 @@ class Source:
               f"{name} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
               f"{raw[max(0, e.start - 10) : e.start + 10]!r}); the file is damaged."
             ) from None
-    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+    except sources.ZIP_ERRORS as e:
       raise CorruptArchiveError(f"{name} cannot be decompressed ({e}); the zip is damaged.") from e
     if empty:
       raise BadSplitFileError(f"{name} is empty.")
@@ -257,48 +229,24 @@ def _find_extracted(archive: Archive, manual_dir: str) -> str | None:
   return None
 
 
-def _download(archive: Archive, download_dir: str) -> tuple[str | None, list[str]]:
-  """Tries each mirror; returns (verified path or None, what went wrong)."""
-  os.makedirs(download_dir, exist_ok=True)
-  dest = os.path.join(download_dir, archive.filename)
-  errors = []
-  for template in MIRRORS:
-    url = template.format(filename=archive.filename)
-    tmp = f"{dest}.part-{os.getpid()}"
-    try:
-      _fetch(url, tmp, archive.num_bytes)
-      verify_archive(tmp, archive)
-      os.replace(tmp, dest)  # only a verified archive ever gets the real name
-      return dest, errors
-    except (OSError, ValueError) as e:  # URLError is an OSError
-      errors.append(f"{url}: {e}")
-      log.warning("Download of %s failed: %s", url, e)
-    finally:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-  return None, errors
-
-
-def _fetch(url: str, path: str, expected_bytes: int) -> None:
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-  with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
-    total = int(r.headers.get("Content-Length") or 0) or expected_bytes
-    with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path)) as bar:
-      for chunk in iter(lambda: r.read(1 << 20), b""):
-        f.write(chunk)
-        bar.update(len(chunk))
-
-
 def locate_source(
-  variant: str, *, manual_dir: str | None, download_dir: str | None, download: bool = True
+  variant: str,
+  *,
+  manual_dir: str | None,
+  download_dir: str | None,
+  download: bool = True,
+  verify: bool = True,
 ) -> Source:
-  """Finds (or downloads) the data of `variant`; see the module docstring."""
+  """Finds (or downloads) the data of `variant`; see the module docstring.
+
+  `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint).
+  """
   archive = ARCHIVES[variant]
+  check = verify_archive if verify else lambda path, archive: None
   if manual_dir:
     zip_path = os.path.join(manual_dir, archive.filename)
     if os.path.isfile(zip_path):
-      verify_archive(zip_path, archive)
+      check(zip_path, archive)
       return Source(archive, zip_path=zip_path)
     folder = _find_extracted(archive, manual_dir)
     if folder is not None:
@@ -307,25 +255,28 @@ def locate_source(
   if download_dir:
     cached = os.path.join(download_dir, archive.filename)
     if os.path.isfile(cached):
-      verify_archive(cached, archive)
+      check(cached, archive)
       return Source(archive, zip_path=cached)
     if download:
-      path, errors = _download(archive, download_dir)
+      urls = [template.format(filename=archive.filename) for template in MIRRORS]
+      path, errors = sources.download(
+        archive.filename,
+        urls,
+        download_dir,
+        num_bytes=archive.num_bytes,
+        verify=lambda p: verify_archive(p, archive),
+      )
       if path is not None:
         return Source(archive, zip_path=path)
   where = manual_dir or "<manual_dir>"
-  tried = (
-    ("\nDownload attempts:\n  " + "\n  ".join(errors))
-    if errors
-    else ("" if download else "\nDownloading was disabled.")
-  )
   raise MissingDataError(
     f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
     f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
     f"{where}, or extract it there so that "
     f"{os.path.join(where, archive.folder, archive.split_file('train'))}, "
     f"{archive.split_file('validation')} and {archive.split_file('test')} exist "
-    f"(manual_dir is set with --manual_dir or cfg.manual_dir).{tried}"
+    f"(manual_dir is set with --manual_dir or cfg.manual_dir)."
+    + sources.download_attempts(errors, download)
   )
 
 
@@ -334,7 +285,7 @@ class Wikitext103Config(tfds.core.BuilderConfig):
   """Selects the tokenised (`v1`) or raw (`raw_v1`) release."""
 
 
-class Wikitext103(tfds.core.GeneratorBasedBuilder):
+class Wikitext103(sources.SourceBuilder):
   """WikiText-103, one example per article, in file order."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -351,21 +302,8 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
     "wikitext-103/ / wikitext-103-raw/) into manual_dir. Mirrors: " + ", ".join(MIRRORS)
   )
 
-  # TFDS derives this path through `importlib_resources`, a package it does not
-  # declare (and that is absent here); this module's own path is what it wants.
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    return epath.Path(__file__)
-
-  def __init__(self, *, download: bool = True, **kwargs):
-    """`download=False` never touches the network (offline use, tests)."""
-    self._allow_download = download
-    super().__init__(file_format="array_record", **kwargs)
-
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-      builder=self,
+    return self.dataset_info(
       description=__doc__,
       features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
       homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
@@ -374,23 +312,16 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
         "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
         "booktitle={ICLR}, year={2017}}"
       ),
-      disable_shuffling=True,  # examples must stay in file order
     )
 
-  def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-    try:
-      manual_dir = os.fspath(dl_manager.manual_dir)
-    except AssertionError:
-      # Not given, missing or empty; keep a given path for the error message.
-      given = getattr(dl_manager, "_manual_dir", None)
-      manual_dir = os.fspath(given) if given else None
-    source = locate_source(
+  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
+    return locate_source(
       self.builder_config.name,
       manual_dir=manual_dir,
-      download_dir=os.fspath(dl_manager.download_dir),
-      download=self._allow_download,
+      download_dir=download_dir,
+      download=download,
+      verify=verify,
     )
-    return {split: self._generate_examples(source, split) for split in SPLITS}
 
   def _generate_examples(self, source: Source, split: str):
     for i, text in enumerate(split_articles(source.lines(split))):
@@ -403,19 +334,14 @@ def build(
   """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
 
   Read it back with `builder.as_data_source(split)`; each record is
-  `{'text': bytes}` (UTF-8).
+  `{'text': bytes}` (UTF-8). A build from other source files than the ones
+  found now is built again (`sources.build`).
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-  builder = Wikitext103(config=variant, data_dir=data_dir, download=download)
-  builder.download_and_prepare(
-    download_dir=os.path.join(data_dir, "downloads"),
-    download_config=tfds.download.DownloadConfig(
-      manual_dir=manual_dir or None,
-      try_download_gcs=False,  # never look for a prebuilt copy on GCS
-    ),
+  return sources.build(
+    Wikitext103, variant, data_dir=data_dir, manual_dir=manual_dir, download=download
   )
-  return builder
 
 
 def remove(data_dir: str, variant: str) -> None:

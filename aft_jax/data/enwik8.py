@@ -1,0 +1,246 @@
+"""enwik8 (the Hutter Prize file: the first 10^8 bytes of an English Wikipedia XML dump) in TFDS.
+
+The standard split (used by the AFT paper, Transformer-XL and most byte-level language-model
+work): for a file of N bytes, test is the last N // 20 bytes, validation the N // 20 bytes
+before them and train the rest; 90,000,000 / 5,000,000 / 5,000,000 bytes for the real file.
+Each split is stored as consecutive chunks of at most `CHUNK_BYTES` bytes in file order
+(`disable_shuffling`), so concatenating a split's examples gives its bytes exactly.
+
+Where the data comes from, first match wins:
+  1. `manual_dir/enwik8.zip` (the archive, holding the file `enwik8`);
+  2. `manual_dir/enwik8` (the unzipped file);
+  3. `<download_dir>/enwik8.zip` from an earlier download;
+  4. a download from each URL in `MIRRORS`, in turn (checked, then kept).
+If none works, `MissingDataError` says which file to put where.
+
+Real or custom: a file of exactly 100,000,000 bytes is the real enwik8. Inside `enwik8.zip` it
+is checked against the archive's sha256 as recorded by the Hugging Face `datasets` enwik8
+loader (`datasets/enwik8/dataset_infos.json`: 36,445,475 bytes); no public source gives the
+sha256 of the unzipped file, so that one is recognised by its size only (bytes read from a zip
+are also checked by the zip's CRC). A file of any other size is split and prepared the same way
+as a custom byte corpus, with a warning (see `aft_jax.data.prepare`).
+
+Every problem with the data (checksum mismatch, a corrupt or truncated zip, a zip without
+`enwik8`, an empty or too short file) raises a subclass of `sources.DataError` (a `ValueError`)
+naming the file; nothing is marked built after an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import zipfile
+from collections.abc import Iterator
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from aft_jax.data import sources
+
+SPLITS = sources.SPLITS
+FILENAME = "enwik8"
+ZIP_FILENAME = "enwik8.zip"
+NUM_BYTES = 100_000_000
+ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
+ZIP_NUM_BYTES = 36_445_475
+# Tried in turn. The first is Matt Mahoney's own page (Hutter Prize, "Large Text Compression
+# Benchmark"); the second is a copy that public training scripts also fetch. Both are checked
+# against ZIP_SHA256 before use.
+MIRRORS: list[str] = [
+  "http://mattmahoney.net/dc/enwik8.zip",
+  "https://data.deepai.org/enwik8.zip",
+]
+CHUNK_BYTES = 1 << 20
+HELD_OUT_FRACTION = 20  # validation and test are each N // 20 bytes
+
+
+def split_ranges(num_bytes: int) -> dict[str, tuple[int, int]]:
+  """[start, stop) byte offsets of each split in a file of `num_bytes` bytes."""
+  held = num_bytes // HELD_OUT_FRACTION
+  train = num_bytes - 2 * held
+  return {
+    "train": (0, train),
+    "validation": (train, train + held),
+    "test": (train + held, num_bytes),
+  }
+
+
+def split_sizes(num_bytes: int) -> dict[str, int]:
+  """Bytes per split: {'train': N - 2 (N // 20), 'validation': N // 20, 'test': N // 20}."""
+  return {s: stop - start for s, (start, stop) in split_ranges(num_bytes).items()}
+
+
+class Source:
+  """The enwik8 file, inside its zip or unzipped; knows its size without reading it."""
+
+  def __init__(self, *, zip_path: str | None = None, path: str | None = None):
+    assert (zip_path is None) != (path is None)
+    self.zip_path, self.path = zip_path, path
+    if zip_path is not None:
+      if FILENAME not in sources.zip_members(zip_path, ZIP_FILENAME):
+        raise sources.MissingDataError(
+          f"{zip_path} lacks the file {FILENAME}; it is not {ZIP_FILENAME}."
+        )
+      with zipfile.ZipFile(zip_path) as zf:
+        self.size = zf.getinfo(FILENAME).file_size
+    else:
+      self.size = os.path.getsize(path)
+    if self.size < HELD_OUT_FRACTION:
+      what = "is empty" if self.size == 0 else f"has only {self.size} bytes"
+      raise sources.BadSplitFileError(
+        f"{self.name} {what}; it needs at least {HELD_OUT_FRACTION} bytes to give every split "
+        f"one byte: put the real {FILENAME} ({NUM_BYTES:,} bytes) there."
+      )
+
+  def __repr__(self) -> str:
+    return f"Source({self.name})"
+
+  @property
+  def name(self) -> str:
+    return self.path if self.zip_path is None else f"{self.zip_path}:{FILENAME}"
+
+  @property
+  def is_real(self) -> bool:
+    return self.size == NUM_BYTES
+
+  def paths(self) -> list[str]:
+    """The files this source reads (for its fingerprint)."""
+    return [self.zip_path or self.path]
+
+  @contextlib.contextmanager
+  def _open(self) -> Iterator[io.BufferedIOBase]:
+    if self.zip_path is None:
+      with open(self.path, "rb") as f:
+        yield f
+      return
+    with zipfile.ZipFile(self.zip_path) as zf, zf.open(FILENAME) as f:
+      yield f
+
+  def chunks(self, split: str) -> Iterator[bytes]:
+    """The split's bytes in chunks of at most CHUNK_BYTES.
+
+    Raises CorruptArchiveError when the zip fails to decompress or its CRC, and
+    BadSplitFileError when the file ends early or grows (it changed while being read).
+    """
+    start, stop = split_ranges(self.size)[split]
+    try:
+      with self._open() as f:
+        f.seek(start)  # a zip member seeks forward by decompressing (and CRC-checking) bytes
+        pos = start
+        while pos < stop:
+          chunk = f.read(min(CHUNK_BYTES, stop - pos))
+          if not chunk:
+            raise sources.BadSplitFileError(
+              f"{self.name} ended at byte {pos:,} instead of {self.size:,}; it changed while "
+              "being read: prepare again."
+            )
+          pos += len(chunk)
+          yield chunk
+        if stop == self.size and f.read(1):  # reading to the end also checks a zip's CRC
+          raise sources.BadSplitFileError(
+            f"{self.name} is longer than {self.size:,} bytes; it changed while being read."
+          )
+    except sources.ZIP_ERRORS as e:
+      raise sources.CorruptArchiveError(
+        f"{self.name} cannot be decompressed ({e}); the zip is damaged: delete it and fetch "
+        f"{ZIP_FILENAME} again."
+      ) from e
+
+
+def verify_zip(source: Source) -> None:
+  """Checks the archive's sha256 when it holds a file of the real size (a custom one has none)."""
+  if source.zip_path is not None and source.is_real:
+    sources.verify_sha256(
+      source.zip_path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES
+    )
+
+
+def _verified_download(path: str) -> None:
+  sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
+  Source(zip_path=path)
+
+
+def locate_source(
+  *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
+) -> Source:
+  """Finds (or downloads) enwik8; see the module docstring.
+
+  `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint).
+  """
+  # In order: manual_dir's zip, manual_dir's unzipped file, an earlier download.
+  candidates = []
+  if manual_dir:
+    candidates += [{"zip_path": os.path.join(manual_dir, ZIP_FILENAME)}]
+    candidates += [{"path": os.path.join(manual_dir, FILENAME)}]
+  if download_dir:
+    candidates += [{"zip_path": os.path.join(download_dir, ZIP_FILENAME)}]
+  for where in candidates:
+    if os.path.isfile(next(iter(where.values()))):
+      source = Source(**where)
+      if verify:
+        verify_zip(source)
+      return source
+  errors = []
+  if download_dir and download:
+    path, errors = sources.download(
+      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=_verified_download
+    )
+    if path is not None:
+      return Source(zip_path=path)
+  where = manual_dir or "<manual_dir>"
+  raise sources.MissingDataError(
+    f"enwik8 not found. Put {ZIP_FILENAME} (sha256 {ZIP_SHA256}, {ZIP_NUM_BYTES:,} bytes, from "
+    f"{MIRRORS[0]}) or the unzipped {os.path.join(where, FILENAME)} ({NUM_BYTES:,} bytes) into "
+    f"{where} (manual_dir is set with --manual_dir or cfg.manual_dir)."
+    + sources.download_attempts(errors, download)
+  )
+
+
+class Enwik8(sources.SourceBuilder):
+  """enwik8 bytes in the standard 90/5/5 split, as chunks in file order."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Chunks of at most 1 MiB; a split's chunks concatenate to its bytes."}
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="bytes", description="The raw bytes.")]
+  DEFAULT_CONFIG_NAME = "bytes"
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+    f"Put {ZIP_FILENAME} (or the unzipped {FILENAME}) into manual_dir. Mirrors: "
+    + ", ".join(MIRRORS)
+  )
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return self.dataset_info(
+      description=__doc__,
+      features=tfds.features.FeaturesDict(
+        {"bytes": tfds.features.Tensor(shape=(), dtype=np.object_)}
+      ),
+      homepage="http://mattmahoney.net/dc/textdata.html",
+      citation=(
+        "@misc{hutter2006prize, title={The Human Knowledge Compression Prize}, "
+        "author={Hutter, Marcus}, year={2006}, url={http://prize.hutter1.net}}"
+      ),
+    )
+
+  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
+    return locate_source(
+      manual_dir=manual_dir, download_dir=download_dir, download=download, verify=verify
+    )
+
+  def _generate_examples(self, source: Source, split: str):
+    for i, chunk in enumerate(source.chunks(split)):
+      yield i, {"bytes": chunk}
+
+
+def build(*, data_dir: str, manual_dir: str | None = None, download: bool = True) -> Enwik8:
+  """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
+
+  Read it back with `builder.as_data_source(split)`; each record is `{'bytes': bytes}`.
+  """
+  return sources.build(Enwik8, "bytes", data_dir=data_dir, manual_dir=manual_dir, download=download)
+
+
+def remove(data_dir: str) -> None:
+  """Deletes a built dataset (not the downloads), e.g. to rebuild it."""
+  shutil.rmtree(os.path.join(data_dir, "enwik8"), ignore_errors=True)

@@ -1,0 +1,271 @@
+"""What the dataset builders share: errors, checksums, source fingerprints, downloads, (re)builds.
+
+A builder (`SourceBuilder`) reads its source files from `manual_dir` (an official archive or its
+extracted files), from an earlier download, or from a fresh download, and records a fingerprint
+of the files it read in its TFDS metadata. `build()` compares that fingerprint with the source
+files present now and builds the dataset again when they differ, so a changed source never
+leaves a stale build in use; without any source (deleted after the build) the build is reused.
+
+Every problem with the source data raises a subclass of `DataError` (a `ValueError`) whose
+one-line message names the file and says what to do. TFDS generates into a temporary directory
+that it renames only on success, so a failed build is never taken for a finished one.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Callable, Sequence
+
+import tensorflow_datasets as tfds
+from etils import epath
+
+from aft_jax.data import store
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+FINGERPRINT_KEY = store.FINGERPRINT_KEY
+# Errors zipfile raises on a truncated or damaged archive.
+ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
+
+
+class DataError(ValueError):
+  """Source data is missing, corrupt or not what it should be."""
+
+
+class ChecksumError(DataError):
+  """An archive does not hash to its recorded sha256."""
+
+
+class CorruptArchiveError(DataError):
+  """A zip file cannot be read (truncated, damaged)."""
+
+
+class MissingDataError(DataError):
+  """A file the dataset needs is nowhere to be found."""
+
+
+class BadSplitFileError(DataError):
+  """A source file is empty, too short or not in the expected encoding."""
+
+
+def sha256_of(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def verify_sha256(path: str, *, expected: str | None, name: str, num_bytes: int) -> None:
+  """Raises ChecksumError unless `path` hashes to `expected` (None: not checked, logged)."""
+  if expected is None:
+    log.warning("No checksum recorded for %s; not verifying %s", name, path)
+    return
+  got = sha256_of(path)
+  if got != expected:
+    raise ChecksumError(
+      f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
+      f"{name} (sha256 {expected}, {num_bytes:,} bytes). The file is truncated, damaged or a "
+      "different archive: delete it and download it again."
+    )
+
+
+_END_BYTES = 1 << 20
+
+
+def fingerprint(paths: Sequence[str]) -> str:
+  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB.
+
+  Reading at most 2 MiB per file (not the whole 100-500 MB) keeps the check cheap enough to run
+  on every start. It sees any change of size (truncation, appended data), a replaced file and
+  any edit within a MiB of either end; a same-size edit deep inside a file is not seen (official
+  archives are checked against their full sha256 whenever a build reads them).
+  """
+  h = hashlib.sha256()
+  for path in paths:
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
+    with open(path, "rb") as f:
+      h.update(f.read(_END_BYTES))
+      if size > _END_BYTES:
+        f.seek(max(_END_BYTES, size - _END_BYTES))
+        h.update(f.read())
+  return "size+ends-sha256:" + h.hexdigest()
+
+
+def download(
+  filename: str,
+  urls: Sequence[str],
+  download_dir: str,
+  *,
+  num_bytes: int,
+  verify: Callable[[str], None],
+) -> tuple[str | None, list[str]]:
+  """Tries each URL in turn; returns (path of a verified download or None, what went wrong).
+
+  A download is kept under `<download_dir>/<filename>` only after `verify(path)` passes.
+  """
+  os.makedirs(download_dir, exist_ok=True)
+  dest = os.path.join(download_dir, filename)
+  errors = []
+  for url in urls:
+    tmp = f"{dest}.part-{os.getpid()}"
+    try:
+      _fetch(url, tmp, num_bytes)
+      verify(tmp)
+      os.replace(tmp, dest)  # only a verified archive ever gets the real name
+      return dest, errors
+    except (OSError, ValueError) as e:  # URLError is an OSError
+      errors.append(f"{url}: {e}")
+      log.warning("Download of %s failed: %s", url, e)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+  return None, errors
+
+
+def _fetch(url: str, path: str, expected_bytes: int) -> None:
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
+    total = int(r.headers.get("Content-Length") or 0) or expected_bytes
+    with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path)) as bar:
+      for chunk in iter(lambda: r.read(1 << 20), b""):
+        f.write(chunk)
+        bar.update(len(chunk))
+
+
+def download_attempts(errors: list[str], download: bool) -> str:
+  """The tail of a MissingDataError message: what the downloads tried, or that none was made."""
+  if errors:
+    return "\nDownload attempts:\n  " + "\n  ".join(errors)
+  return "" if download else "\nDownloading was disabled."
+
+
+class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A builder that reads local source files and records their fingerprint in its metadata.
+
+  Subclasses implement `locate()` (returning an object with `paths()`) and
+  `_generate_examples(source, split)`, and build their `_info()` with `dataset_info()`.
+  """
+
+  # TFDS derives this path through `importlib_resources`, a package it does not
+  # declare (and that is absent here); the subclass's own module is what it wants.
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    return epath.Path(sys.modules[cls.__module__].__file__)
+
+  def __init__(self, *, download: bool = True, **kwargs):
+    """`download=False` never touches the network (offline use, tests)."""
+    self._allow_download = download
+    super().__init__(file_format="array_record", **kwargs)
+
+  @abc.abstractmethod
+  def locate(
+    self, *, manual_dir: str | None, download_dir: str | None, download: bool, verify=True
+  ):
+    """The source of this builder's config; `verify=False` skips full-file checksums."""
+
+  def dataset_info(self, **kwargs) -> tfds.core.DatasetInfo:
+    """DatasetInfo in file order, with room for the source fingerprint."""
+    return tfds.core.DatasetInfo(
+      builder=self, metadata=tfds.core.MetadataDict(), disable_shuffling=True, **kwargs
+    )
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+    try:
+      manual_dir = os.fspath(dl_manager.manual_dir)
+    except AssertionError:
+      # Not given, missing or empty; keep a given path for the error message.
+      given = getattr(dl_manager, "_manual_dir", None)
+      manual_dir = os.fspath(given) if given else None
+    source = self.locate(
+      manual_dir=manual_dir,
+      download_dir=os.fspath(dl_manager.download_dir),
+      download=self._allow_download,
+    )
+    self.info.metadata[FINGERPRINT_KEY] = fingerprint(source.paths())
+    return {split: self._generate_examples(source, split) for split in SPLITS}
+
+  def current_fingerprint(self, manual_dir: str | None, download_dir: str) -> str | None:
+    """Fingerprint of the source present now (see `current_fingerprint`)."""
+    return current_fingerprint(self.locate, manual_dir, download_dir)
+
+
+def current_fingerprint(
+  locate: Callable[..., object], manual_dir: str | None, download_dir: str
+) -> str | None:
+  """Fingerprint of the source `locate` finds now, without downloading or a full checksum.
+
+  None when there is no source (it may be deleted once a dataset is built).
+  """
+  try:
+    source = locate(
+      manual_dir=manual_dir or os.path.join(download_dir, "manual"),  # TFDS's default
+      download_dir=download_dir,
+      download=False,
+      verify=False,
+    )
+  except MissingDataError:
+    return None
+  return fingerprint(source.paths())
+
+
+def build(
+  cls: type[SourceBuilder],
+  config: str,
+  *,
+  data_dir: str,
+  manual_dir: str | None = None,
+  download: bool = True,
+) -> SourceBuilder:
+  """Builds (or reuses) `cls`'s dataset under `data_dir` and returns the builder.
+
+  A finished build is reused unless the source files found now have another fingerprint than
+  the ones it was built from; then it is deleted and built again (with a warning).
+  """
+  download_dir = os.path.join(data_dir, "downloads")
+  builder = cls(config=config, data_dir=data_dir, download=download)
+  if builder.is_prepared():
+    recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
+    current = builder.current_fingerprint(manual_dir, download_dir)
+    if current is not None and current != recorded:
+      log.warning(
+        "%s was built from other source files than the ones found now (fingerprint %s, now "
+        "%s); building it again.",
+        builder.data_path,
+        recorded,
+        current,
+      )
+      shutil.rmtree(os.fspath(builder.data_path))
+      builder = cls(config=config, data_dir=data_dir, download=download)
+  builder.download_and_prepare(
+    download_dir=download_dir,
+    download_config=tfds.download.DownloadConfig(
+      manual_dir=manual_dir or None,
+      try_download_gcs=False,  # never look for a prebuilt copy on GCS
+    ),
+  )
+  return builder
+
+
+def zip_members(path: str, filename: str) -> set[str]:
+  """Member names of the zip at `path`; CorruptArchiveError if it cannot be read."""
+  try:
+    with zipfile.ZipFile(path) as zf:
+      return set(zf.namelist())
+  except (*ZIP_ERRORS, OSError) as e:
+    raise CorruptArchiveError(
+      f"{path} is not a readable zip file ({e}); it is probably truncated: "
+      f"delete it and fetch {filename} again."
+    ) from e
