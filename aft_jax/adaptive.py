@@ -147,6 +147,35 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
 # --------------------------------------------------------------------------- modules
 
 
+def _cluster_params(module, head: str, table: str, proj: str):
+  """(tables, projections) of an adaptive input or softmax, created as ``module``'s params.
+
+  Cluster 0: a ``[c_0, d_model]`` table named ``head`` and no projection; cluster i > 0: a
+  ``[|c_i|, d_i]`` table ``table.format(i)`` and a ``[d_i, d_model]`` projection
+  ``proj.format(i)``. Each is N(0, 1 / its width) so every embedding has about unit norm.
+  """
+  tables, projs = [], []
+  for i, (lo, hi) in enumerate(_bounds(module.vocab_size, module.cutoffs)):
+    d_i = _dim(module.d_model, module.factor, i)
+    init = nn.initializers.normal(d_i**-0.5)
+    axes = ("vocab", "embed" if i == 0 else "embed_small")
+    name = head if i == 0 else table.format(i)
+    tables.append(module.param(name, _partitioned(init, axes), (hi - lo, d_i), module.param_dtype))
+    if i == 0:
+      projs.append(None)
+    else:
+      init = nn.initializers.normal(module.d_model**-0.5)
+      projs.append(
+        module.param(
+          proj.format(i),
+          _partitioned(init, ("embed_small", "embed")),
+          (d_i, module.d_model),
+          module.param_dtype,
+        )
+      )
+  return tuple(tables), tuple(projs)
+
+
 class AdaptiveInput(nn.Module):
   """Adaptive input embedding (Baevski & Auli, 2019).
 
@@ -180,38 +209,7 @@ class AdaptiveInput(nn.Module):
   def setup(self):
     # Params live in setup (not compact) so that a tied AdaptiveSoftmax can call
     # embedding_tables()/projections() before or without this module's __call__.
-    tables, projs = [], []
-    for i, (lo, hi) in enumerate(_bounds(self.vocab_size, self.cutoffs)):
-      d_i = _dim(self.d_model, self.factor, i)
-      if i == 0:
-        tables.append(
-          self.param(
-            "embed_0",
-            _partitioned(nn.initializers.normal(self.d_model**-0.5), ("vocab", "embed")),
-            (hi - lo, d_i),
-            self.param_dtype,
-          )
-        )
-        projs.append(None)
-      else:
-        tables.append(
-          self.param(
-            f"embed_{i}",
-            _partitioned(nn.initializers.normal(d_i**-0.5), ("vocab", "embed_small")),
-            (hi - lo, d_i),
-            self.param_dtype,
-          )
-        )
-        projs.append(
-          self.param(
-            f"proj_{i}",
-            _partitioned(nn.initializers.normal(self.d_model**-0.5), ("embed_small", "embed")),
-            (d_i, self.d_model),
-            self.param_dtype,
-          )
-        )
-    self._tables = tuple(tables)
-    self._projs = tuple(projs)
+    self._tables, self._projs = _cluster_params(self, "embed_0", "embed_{}", "proj_{}")
 
   def embedding_tables(self) -> tuple[Array, ...]:
     """Per-cluster tables ``(E_0 [c_0, d_model], E_1 [|c1|, d_1], ...)`` (param dtype)."""
@@ -298,7 +296,6 @@ class AdaptiveSoftmax(nn.Module):
 
   def setup(self):
     n_tail = len(self.cutoffs)
-    bounds = _bounds(self.vocab_size, self.cutoffs)
     if n_tail:
       self.cluster_logits = self.param(
         "cluster_logits",
@@ -307,38 +304,9 @@ class AdaptiveSoftmax(nn.Module):
         self.param_dtype,
       )
     if self.tie_to is None:
-      tables, projs = [], []
-      for i, (lo, hi) in enumerate(bounds):
-        d_i = _dim(self.d_model, self.factor, i)
-        if i == 0:
-          tables.append(
-            self.param(
-              "head_embed",
-              _partitioned(nn.initializers.normal(self.d_model**-0.5), ("vocab", "embed")),
-              (hi - lo, d_i),
-              self.param_dtype,
-            )
-          )
-          projs.append(None)
-        else:
-          tables.append(
-            self.param(
-              f"tail_embed_{i}",
-              _partitioned(nn.initializers.normal(d_i**-0.5), ("vocab", "embed_small")),
-              (hi - lo, d_i),
-              self.param_dtype,
-            )
-          )
-          projs.append(
-            self.param(
-              f"tail_proj_{i}",
-              _partitioned(nn.initializers.normal(self.d_model**-0.5), ("embed_small", "embed")),
-              (d_i, self.d_model),
-              self.param_dtype,
-            )
-          )
-      self._own_tables = tuple(tables)
-      self._own_projs = tuple(projs)
+      self._own_tables, self._own_projs = _cluster_params(
+        self, "head_embed", "tail_embed_{}", "tail_proj_{}"
+      )
 
   def _weights(self) -> tuple[tuple[Array, ...], tuple[Array | None, ...]]:
     if self.tie_to is not None:

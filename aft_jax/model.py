@@ -149,7 +149,9 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, _=None):
+  def __call__(self, x_BTD, unused_scan_input=None):
+    # nn.scan calls a scanned block as (carry, input) -> (carry, output): the carry is x_BTD
+    # and there is no per-layer input or output, hence the unused argument and the None below.
     cfg = self.cfg
     drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
     h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode)

@@ -149,9 +149,6 @@ class WordVocab(Vocab):
   def unk_id(self) -> int | None:
     return self._unk_id
 
-  def id_of(self, token: str) -> int:
-    return self._stoi[token]
-
   def encode_tokens(self, tokens: Sequence[str]) -> np.ndarray:
     """uint32[len(tokens)] ids of already-split tokens."""
     if self._unk_id is None:
