@@ -108,3 +108,16 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
   assert "not a complete prepared corpus" in str(results[1])
   assert [e for e in events if e[0] == "prepare"] == [("prepare", 0)]
   assert not os.path.exists(os.path.join(str(tmp_path / "data"), "prepared", "enwik8-byte"))
+
+
+@pytest.mark.parametrize(
+  "cfg,message",
+  [
+    ({"dataset": "enwik9"}, "one of \\('pydoc', 'wikitext103', 'enwik8'\\)"),
+    ({"dataset": "enwik8", "tokenizer": "word"}, "enwik8 is byte-level"),
+    ({"dataset": "enwik8", "official": "maybe"}, "cfg.official must be one of"),
+  ],
+)
+def test_bad_fields_are_one_line_errors(cfg, message):
+  with pytest.raises(ValueError, match=message):
+    corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)
