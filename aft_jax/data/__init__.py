@@ -1,8 +1,9 @@
 """Data: WikiText-103 and enwik8 (TFDS builders, prepare CLI), tokenisers, the pydoc corpus,
 input pipelines.
 
-Importing this package imports neither TFDS nor JAX (both slow to import); the builders
-(`aft_jax.data.wikitext103`, `aft_jax.data.enwik8`) import TFDS when data is actually prepared.
+Importing this package does not import TFDS (slow to import): the builders
+(`aft_jax.data.wikitext103`, `aft_jax.data.enwik8`) import it when data is actually prepared, and
+`load_corpus` imports JAX's multi-host utilities only when it needs a barrier.
 """
 
 from aft_jax.data.corpus import (

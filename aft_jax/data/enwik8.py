@@ -158,6 +158,7 @@ def verify_zip(source: Source) -> None:
 
 
 def _verified_download(path: str) -> None:
+  """A download must be the official archive: its sha256, then a readable zip holding enwik8."""
   sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
   Source(zip_path=path)
 

@@ -3,7 +3,7 @@
     <data_dir>/prepared/<name>/
         train.npy, validation.npy, test.npy   uint32[n] token ids
         vocab.txt                             word vocabularies only
-        summary.json                          {"vocab_size", "tokens", ...}
+        summary.json                          {"vocab_size", "tokens", "source_fingerprint", ...}
         COMPLETE                              written last
 
 Every file is written to a temporary name and renamed into place; `COMPLETE`
