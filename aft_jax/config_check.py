@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_collections
 
 from aft_jax import default_config
+from aft_jax.data import DATASETS
 from aft_jax.model import ModelConfig
 
 # Keys that may differ when resuming a run: they do not change what is computed.
@@ -90,8 +91,10 @@ def check_config(config) -> None:
     errors.append(f"config.{e}")
   if c.seq_len > m.max_len:
     errors.append(f"config.seq_len = {c.seq_len} exceeds config.model.max_len = {m.max_len}")
-  if c.data.dataset not in ("pydoc", "wikitext103"):
-    errors.append(f"config.data.dataset = {c.data.dataset!r} is not 'pydoc' or 'wikitext103'")
+  if c.data.dataset not in DATASETS:
+    errors.append(f"config.data.dataset = {c.data.dataset!r} is not one of {', '.join(DATASETS)}")
+  if c.data.official not in ("auto", "yes", "no"):
+    errors.append(f"config.data.official = {c.data.official!r} is not 'auto', 'yes' or 'no'")
   if c.data.tokenizer not in ("byte", "word"):
     errors.append(f"config.data.tokenizer = {c.data.tokenizer!r} is not 'byte' or 'word'")
   if c.nonfinite not in ("skip", "stop"):

@@ -15,11 +15,15 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   config.data = ml_collections.ConfigDict()
-  config.data.dataset = "pydoc"  # 'pydoc' (ships with Python, no download) or 'wikitext103'
+  config.data.dataset = "pydoc"  # 'pydoc' (ships with Python, no download), 'wikitext103', 'enwik8'
   config.data.tokenizer = "byte"  # 'byte' or 'word'
   config.data.variant = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
-  config.data.data_dir = "data"  # prepared datasets live in <data_dir>/prepared
+  # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
+  config.data.data_dir = ""
   config.data.manual_dir = ""  # a folder holding the official zip or its extracted files
+  # is the source the official release? 'auto': judge by its line counts / size (a file under
+  # an official name with other counts is an error), 'yes': require it, 'no': a custom corpus
+  config.data.official = "auto"
 
   config.model = model_config_dict()  # see aft_jax.model.ModelConfig for each key
 
