@@ -176,7 +176,22 @@ def _cluster_params(module, head: str, table: str, proj: str):
   return tuple(tables), tuple(projs)
 
 
-class AdaptiveInput(nn.Module):
+class _Clusters(nn.Module):
+  """The settings an adaptive input and an adaptive softmax share, checked before tracing."""
+
+  vocab_size: int
+  d_model: int
+  cutoffs: Sequence[int]
+  factor: float = 4.0
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    _validate(self.vocab_size, self.d_model, self.cutoffs, self.factor)
+    super().__post_init__()
+
+
+class AdaptiveInput(_Clusters):
   """Adaptive input embedding (Baevski & Auli, 2019).
 
   For a word ``w`` in cluster ``i`` with local index ``j = w - lo_i``::
@@ -194,17 +209,6 @@ class AdaptiveInput(nn.Module):
   For weight tying, ``embedding_tables()`` and ``projections()`` return the raw
   parameters (see ``AdaptiveSoftmax.tie_to``).
   """
-
-  vocab_size: int
-  d_model: int
-  cutoffs: Sequence[int]
-  factor: float = 4.0
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  def __post_init__(self):
-    _validate(self.vocab_size, self.d_model, self.cutoffs, self.factor)
-    super().__post_init__()
 
   def setup(self):
     # Params live in setup (not compact) so that a tied AdaptiveSoftmax can call
@@ -236,7 +240,7 @@ class AdaptiveInput(nn.Module):
     return out
 
 
-class AdaptiveSoftmax(nn.Module):
+class AdaptiveSoftmax(_Clusters):
   """Adaptive softmax (Grave et al., 2017), with streaming normalisers.
 
   The head scores the ``c_0`` frequent words plus one logit per tail cluster
@@ -268,17 +272,10 @@ class AdaptiveSoftmax(nn.Module):
   ``C ~ N(0, 1/d_model)``.  Targets outside ``[0, vocab_size)`` give meaningless values.
   """
 
-  vocab_size: int
-  d_model: int
-  cutoffs: Sequence[int]
-  factor: float = 4.0
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
   tie_to: AdaptiveInput | None = None
   chunk_size: int = 8192
 
   def __post_init__(self):
-    _validate(self.vocab_size, self.d_model, self.cutoffs, self.factor)
     if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
       raise ValueError(f"chunk_size must be a positive int, got chunk_size={self.chunk_size!r}")
     t = self.tie_to

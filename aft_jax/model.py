@@ -180,26 +180,17 @@ class TransformerLM(nn.Module):
     """(embed(tokens) -> [B, T, D], head(h, targets) -> nll [B, T] or log-probs [B, T, V])."""
     cfg = self.cfg
     if cfg.adaptive_cutoffs:
-      cutoffs = cfg.adaptive_cutoffs
-      inp = adaptive.AdaptiveInput(
-        cfg.vocab_size,
-        cfg.d_model,
-        cutoffs,
-        cfg.adaptive_factor,
+      kw = dict(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        cutoffs=cfg.adaptive_cutoffs,
+        factor=cfg.adaptive_factor,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
-        name="adaptive_input",
       )
-      out = adaptive.AdaptiveSoftmax(
-        cfg.vocab_size,
-        cfg.d_model,
-        cutoffs,
-        cfg.adaptive_factor,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        tie_to=inp if cfg.tie_embeddings else None,
-        name="adaptive_softmax",
-      )
+      inp = adaptive.AdaptiveInput(**kw, name="adaptive_input")
+      tie_to = inp if cfg.tie_embeddings else None
+      out = adaptive.AdaptiveSoftmax(**kw, tie_to=tie_to, name="adaptive_softmax")
 
       def head(h_BTD, targets_BT):
         return out.log_probs(h_BTD) if targets_BT is None else out.nll(h_BTD, targets_BT)
