@@ -109,7 +109,8 @@ def _fill(text: str, raw: bool) -> str:
   return " ".join(out)
 
 
-def _raw_text(split: str) -> str:
+def _text(split: str, raw: bool) -> str:
+  """The split file's lines: articles, section headings and paragraphs, as in the release."""
   lines = [" "]
   for title, sections in _ARTICLES[split]:
     lines += [f" = {title} = ", " "]
@@ -117,13 +118,13 @@ def _raw_text(split: str) -> str:
       if section is not None:
         lines += [f" = = {section} = = ", " "]
       for p in paragraphs:
-        lines += [f" {_fill(p, True)} ", " "]
+        lines += [f" {_fill(p, raw)} ", " "]
     lines.append(" ")
   return "\n".join(lines) + "\n"
 
 
 def _train_words() -> set[str]:
-  return set(_fill(_raw_text("train"), False).split())
+  return set(_text("train", raw=True).split())
 
 
 def _v1(text: str, split: str) -> str:
@@ -140,16 +141,7 @@ def _v1(text: str, split: str) -> str:
 
 def split_text(split: str, *, raw: bool) -> str:
   """The fake file content of one split (a str; encode as UTF-8)."""
-  lines = [" "]
-  for title, sections in _ARTICLES[split]:
-    lines += [f" = {title} = ", " "]
-    for section, paragraphs in sections:
-      if section is not None:
-        lines += [f" = = {section} = = ", " "]
-      for p in paragraphs:
-        lines += [f" {_fill(p, raw)} ", " "]
-    lines.append(" ")
-  text = "\n".join(lines) + "\n"
+  text = _text(split, raw)
   return text if raw else _v1(text, split)
 
 
