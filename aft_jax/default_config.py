@@ -27,6 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.factor_dim = 0
   config.model.dropout_rate = 0.1
   config.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
+  # AFT ops' implementation: "auto" (Pallas kernels on GPU where one exists, XLA elsewhere),
+  # "xla", "pallas" (error where no kernel exists) or "pallas_interpret" (kernels on CPU: tests).
+  config.model.impl = "auto"
   config.model.param_dtype = "float32"
   config.model.remat = False
   config.model.scan_layers = False

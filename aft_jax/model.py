@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from aft_jax import adaptive
-from aft_jax import layers
+from aft_jax import layers, ops
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 
@@ -44,6 +44,7 @@ class ModelConfig:
   dropout_rate: float = 0.1
   dtype: Any = jnp.float32  # compute dtype (bfloat16 on accelerators)
   param_dtype: Any = jnp.float32
+  impl: str = "auto"  # AFT ops: "auto" | "xla" | "pallas" | "pallas_interpret" (aft_jax.ops)
   remat: bool = False  # rematerialise each block in the backward pass
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
   tie_embeddings: bool = True
@@ -67,6 +68,8 @@ class ModelConfig:
       errors.append(
         f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = {self.max_len}]"
       )
+    if self.impl not in ops.IMPLS:
+      errors.append(f"model.impl = {self.impl!r} is not one of {ops.IMPLS}")
     if self.factor_dim < 0:
       errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -80,14 +83,15 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
   """The causal mixing layer named by ``cfg.mixing``."""
   common = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
   factor = cfg.factor_dim or None
+  aft = dict(common, impl=cfg.impl)
   if cfg.mixing == "aft_full":
-    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **common)
+    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **aft)
   if cfg.mixing == "aft_local":
-    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **common)
+    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **aft)
   if cfg.mixing == "aft_simple":
-    return layers.AFTSimple(**common)
+    return layers.AFTSimple(**aft)
   if cfg.mixing == "aft_conv1d":
-    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **common)
+    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **aft)
   if cfg.mixing == "softmax":
     return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **common)
   raise ValueError(f"model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
