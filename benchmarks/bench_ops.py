@@ -79,23 +79,20 @@ def _dense_aft(q, k, v, w, window: int):
   return jax.nn.sigmoid(q) * num / den
 
 
-def _scan_simple(q, k, v):
+def scan_simple(q, k, v):
   """Causal AFT-simple as a plain ``jax.lax.scan`` recurrence with a carried maximum (how JAX
-  ports of RWKV write WKV)."""
+  ports of RWKV write WKV): q, k, v ``[B, T, D]``. Exact in any float dtype."""
 
   def step(carry, kv):
-    m0, num0, den0 = carry
+    m0, nd0 = carry  # running max [B, D]; (num, den) [2, B, D] in its scale
     k1, v1 = kv
     m = jnp.maximum(m0, k1)
-    s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
-    carry = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
-    return carry, carry[1] / carry[2]
+    nd = nd0 * jnp.exp(m0 - m) + jnp.stack([v1, jnp.ones_like(v1)]) * jnp.exp(k1 - m)
+    return (m, nd), nd[0] / nd[1]
 
-  zero = jnp.zeros((q.shape[0], q.shape[2]), q.dtype)
-  _, a = jax.lax.scan(
-    step, (zero - jnp.inf, zero, zero), (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
-  )
-  return jax.nn.sigmoid(q) * jnp.swapaxes(a, 0, 1)
+  kv = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
+  init = (jnp.full(k[:, 0].shape, -jnp.inf, k.dtype), jnp.zeros((2,) + k[:, 0].shape, k.dtype))
+  return jax.nn.sigmoid(q) * jnp.swapaxes(jax.lax.scan(step, init, kv)[1], 0, 1)
 
 
 def op_table(conv_kernel: int, impl: str = "auto"):
@@ -134,7 +131,7 @@ def op_table(conv_kernel: int, impl: str = "auto"):
       f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}",
     ),
     "peer_scan_simple": (
-      lambda q, k, v: _scan_simple(q, k, v),
+      scan_simple,
       None,
       "linear",
       "peer: causal AFT-simple as a plain lax.scan with a carried max",

@@ -17,6 +17,7 @@ import pytest
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import pallas_simple
+from benchmarks.bench_ops import scan_simple
 import numpy_reference as ref
 
 RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
@@ -30,30 +31,12 @@ def _inputs(t_len, d, seed=0):
   return tuple(np.asarray(x, np.float32) for x in (q, k, v, ct))
 
 
-def _scan64(q, k, v):
-  """Causal AFT-simple in float64 as a recurrence with a carried maximum (exact)."""
-
-  def step(carry, kv):
-    m0, num0, den0 = carry
-    k1, v1 = kv
-    m = jnp.maximum(m0, k1)
-    s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
-    carry = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
-    return carry, carry[1] / carry[2]
-
-  zero = jnp.zeros(k.shape[::2], k.dtype)  # [B, D]
-  _, a = jax.lax.scan(
-    step, (zero - jnp.inf, zero, zero), (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
-  )
-  return jax.nn.sigmoid(q) * jnp.swapaxes(a, 0, 1)
-
-
 def _reference(q, k, v, ct):
   """Output and gradients (q, k, v) of sum(out * ct), in float64."""
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
-    out = _scan64(*args)
-    grads = jax.grad(lambda *a: jnp.sum(_scan64(*a) * ct), argnums=(0, 1, 2))(*args)
+    out = scan_simple(*args)
+    grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(*args)
     return jax.tree.map(np.asarray, (out, grads))
 
 
