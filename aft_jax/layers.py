@@ -147,6 +147,7 @@ class _AFTChannels(nn.Module):
   causal: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _qkv(self, x):
     d = self.hidden_dim or x.shape[-1]
@@ -230,7 +231,11 @@ class AFTFull(_PositionBias):
   def __call__(self, x, *, decode: bool = False):
     _check_len(self, x.shape[-2])
     return self._mix(
-      x, decode, lambda q, k, v: ops.aft_full(q, k, v, self.bias(x.shape[-2]), causal=self.causal)
+      x,
+      decode,
+      lambda q, k, v: ops.aft_full(
+        q, k, v, self.bias(x.shape[-2]), causal=self.causal, impl=self.impl
+      ),
     )
 
   def _step(self, q, k, v):
@@ -278,7 +283,7 @@ class AFTLocal(_PositionBias):
       x,
       decode,
       lambda q, k, v: ops.aft_local(
-        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal
+        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal, impl=self.impl
       ),
     )
 
@@ -303,7 +308,9 @@ class AFTSimple(_AFTChannels):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
-    return self._mix(x, decode, lambda q, k, v: ops.aft_simple(q, k, v, causal=self.causal))
+    return self._mix(
+      x, decode, lambda q, k, v: ops.aft_simple(q, k, v, causal=self.causal, impl=self.impl)
+    )
 
   def _step(self, q, k, v):
     shape = q.shape[:-2] + q.shape[-1:]
@@ -362,6 +369,7 @@ class _AFTConvBase(nn.Module):
   causal: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _heads_qkv(self, x):
     feat = _head_features(self, x)
@@ -400,7 +408,7 @@ class AFTConv1D(_AFTConvBase):
     if decode:
       _check_decode_input(self, x)
       return self._out(self._step(q, k, v, kernel), d_model)
-    return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal), d_model)
+    return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal, impl=self.impl), d_model)
 
   def _step(self, q, k, v, kernel):
     axis = q.ndim - 3
@@ -439,7 +447,7 @@ class AFTConv2D(_AFTConvBase):
       raise ValueError(f"AFTConv2D: x must be [..., Ht, Wd, d_model]; got x {x.shape}")
     q, k, v = self._heads_qkv(x)
     kernel = _ConvKernel(self.num_heads, ks, self.param_dtype, name="bias")()
-    return self._out(ops.aft_conv2d(q, k, v, kernel), d_model)
+    return self._out(ops.aft_conv2d(q, k, v, kernel, impl=self.impl), d_model)
 
 
 class MultiHeadAttention(nn.Module):

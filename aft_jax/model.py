@@ -24,7 +24,7 @@ import ml_collections
 import optax
 
 from aft_jax import adaptive
-from aft_jax import layers
+from aft_jax import layers, ops
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 
@@ -52,6 +52,9 @@ class ModelConfig:
   dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
   dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
   param_dtype: Any = "float32"  # parameters (and optimizer state)
+  # AFT ops' implementation: 'auto' (Pallas kernels on GPU where one exists, XLA elsewhere),
+  # 'xla', 'pallas' (an error where no kernel exists) or 'pallas_interpret' (kernels on CPU)
+  impl: str = "auto"
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
   tie_embeddings: bool = True  # the output layer is the transposed input embedding
@@ -89,6 +92,8 @@ class ModelConfig:
       errors.append(
         f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = {self.max_len}]"
       )
+    if self.impl not in ops.IMPLS:
+      errors.append(f"model.impl = {self.impl!r} is not one of {ops.IMPLS}")
     if self.factor_dim < 0:
       errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -118,14 +123,15 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
   """The causal mixing layer named by ``cfg.mixing``."""
   common = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
   factor = cfg.factor_dim or None
+  aft = dict(common, impl=cfg.impl)
   if cfg.mixing == "aft_full":
-    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **common)
+    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **aft)
   if cfg.mixing == "aft_local":
-    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **common)
+    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **aft)
   if cfg.mixing == "aft_simple":
-    return layers.AFTSimple(**common)
+    return layers.AFTSimple(**aft)
   if cfg.mixing == "aft_conv1d":
-    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **common)
+    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **aft)
   if cfg.mixing == "softmax":
     return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **common)
   raise ValueError(f"model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")

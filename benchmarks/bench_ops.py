@@ -19,6 +19,7 @@ Sizes whose estimated time per call (extrapolated from the previous size) exceed
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -55,46 +56,97 @@ def _softmax_dpa(q, k, v):
   return out.reshape(b, t, d)
 
 
-def _conv1d(q, k, v, kernel):
+def _conv1d(q, k, v, kernel, impl="auto"):
   b, t, d = q.shape
   split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
   # One key per head (the head's first channel), as in AFT-conv.
-  out = ops.aft_conv1d(split(q), split(k)[..., 0], split(v), kernel, causal=True)
+  out = ops.aft_conv1d(split(q), split(k)[..., 0], split(v), kernel, causal=True, impl=impl)
   return out.reshape(b, t, d)
 
 
-def op_table(conv_kernel: int):
-  """name -> (fn(q, k, v, extra), extra-shape(T) or None, cost class, description)."""
+def _dense_aft(q, k, v, w, window: int):
+  """Causal AFT-local/full the way the PyTorch implementations write it: dense [T, T] exp(w)
+  matrix products, num = exp(w) @ (exp(k) v), den = exp(w) @ exp(k) (one shift per row of w
+  and per channel of k, so not exact for large logits)."""
+  t = q.shape[-2]
+  idx = jnp.arange(t)
+  w = jnp.where(jnp.abs(idx[:, None] - idx[None, :]) < window, w, 0.0)
+  w = jnp.where(idx[:, None] >= idx[None, :], w, -jnp.inf)
+  ew = jnp.exp(w - jnp.max(w, axis=1, keepdims=True))
+  ek = jnp.exp(k - jnp.max(k, axis=-2, keepdims=True))
+  num = jnp.einsum("ts,bsd->btd", ew, ek * v)
+  den = jnp.einsum("ts,bsd->btd", ew, ek)
+  return jax.nn.sigmoid(q) * num / den
+
+
+def scan_simple(q, k, v):
+  """Causal AFT-simple as a plain ``jax.lax.scan`` recurrence with a carried maximum (how JAX
+  ports of RWKV write WKV): q, k, v ``[B, T, D]``. Exact in any float dtype."""
+
+  def step(carry, kv):
+    m0, nd0 = carry  # running max [B, D]; (num, den) [2, B, D] in its scale
+    k1, v1 = kv
+    m = jnp.maximum(m0, k1)
+    nd = nd0 * jnp.exp(m0 - m) + jnp.stack([v1, jnp.ones_like(v1)]) * jnp.exp(k1 - m)
+    return (m, nd), nd[0] / nd[1]
+
+  kv = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
+  init = (jnp.full(k[:, 0].shape, -jnp.inf, k.dtype), jnp.zeros((2,) + k[:, 0].shape, k.dtype))
+  return jax.nn.sigmoid(q) * jnp.swapaxes(jax.lax.scan(step, init, kv)[1], 0, 1)
+
+
+def op_table(conv_kernel: int, impl: str = "auto"):
+  """name -> (fn(q, k, v, extra), extra-shape(T) or None, cost class, description).
+
+  ``impl`` is passed to the AFT ops; ``peer_*`` rows are other projects' formulations."""
   return {
     "aft_full": (
-      lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+      lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl),
       lambda t: (t, t),
       "quadratic",
       "causal AFT-full, w [T, T]",
     ),
     "aft_local_32": (
-      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True),
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True, impl=impl),
       lambda t: (t, t),
       "linear",
       "causal AFT-local, s = 32",
     ),
     "aft_local_128": (
-      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True),
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True, impl=impl),
       lambda t: (t, t),
       "linear",
       "causal AFT-local, s = 128",
     ),
     "aft_simple": (
-      lambda q, k, v: ops.aft_simple(q, k, v, causal=True),
+      lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl=impl),
       None,
       "linear",
       "causal AFT-simple",
     ),
     "aft_conv1d": (
-      _conv1d,
+      functools.partial(_conv1d, impl=impl),
       lambda t: (HEADS, conv_kernel),
       "linear",
       f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}",
+    ),
+    "peer_scan_simple": (
+      scan_simple,
+      None,
+      "linear",
+      "peer: causal AFT-simple as a plain lax.scan with a carried max",
+    ),
+    "peer_dense_local_32": (
+      lambda q, k, v, w: _dense_aft(q, k, v, w, 32),
+      lambda t: (t, t),
+      "quadratic",
+      "peer: causal AFT-local, s = 32, dense T x T exp(w) products",
+    ),
+    "peer_dense_full": (
+      lambda q, k, v, w: _dense_aft(q, k, v, w, q.shape[-2]),
+      lambda t: (t, t),
+      "quadratic",
+      "peer: causal AFT-full, dense T x T exp(w) products",
     ),
     "softmax_einsum": (
       lambda q, k, v: _softmax_einsum(q, k, v),

@@ -28,6 +28,14 @@ hand-written JVP whose only [T, D] residuals are the output mean and its log-nor
 the backward pass stores little. AFT-conv: ``conv`` (the triples of ``logsumexp``: prefix scans
 and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one shift per
 channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
+
+Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), ``"pallas"``
+(a Pallas kernel compiled for the accelerator: causal AFT-simple on GPU, ``pallas_simple``),
+``"pallas_interpret"`` (the same kernel run by Pallas' interpreter on any backend: slow, for
+tests) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the channel
+count, XLA otherwise). The choice changes results only by float rounding. Asking for a kernel
+that does not exist (an op without one, ``"pallas"`` on a CPU, a channel count the kernel
+cannot tile) is a ValueError, never a silent switch to XLA.
 """
 
 from __future__ import annotations
@@ -35,9 +43,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops import banded, causal_mean, conv
+from aft_jax.ops import banded, causal_mean, conv, pallas_simple
 
-__all__ = ["aft_full", "aft_simple", "aft_local", "aft_conv1d", "aft_conv2d", "check_window"]
+__all__ = [
+  "IMPLS",
+  "aft_full",
+  "aft_simple",
+  "aft_local",
+  "aft_conv1d",
+  "aft_conv2d",
+  "check_impl",
+  "check_window",
+]
+
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+# Backends with compiled Pallas kernels (Triton on GPU); TPU runs the XLA path.
+_KERNEL_BACKENDS = ("gpu",)
 
 
 def _to_rows(x):
@@ -88,6 +109,32 @@ def check_window(fn: str, window) -> None:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
 
 
+def check_impl(fn: str, impl) -> None:
+  """ValueError (naming ``fn``) unless ``impl`` is one of ``IMPLS``."""
+  if impl not in IMPLS:
+    raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _resolve_impl(fn: str, impl: str, kernel_ok: str | None) -> str:
+  """ "xla", "pallas" or "pallas_interpret" for ``impl``. ``kernel_ok`` is None where a kernel
+  exists for these arguments, else why not (the error for an explicit Pallas request)."""
+  check_impl(fn, impl)
+  backend = jax.default_backend()
+  if impl == "auto":
+    return "pallas" if kernel_ok is None and backend in _KERNEL_BACKENDS else "xla"
+  if impl != "xla" and kernel_ok is not None:
+    raise ValueError(f"{fn}: impl={impl!r} is not available: {kernel_ok}; use impl='xla'")
+  if impl == "pallas" and backend not in _KERNEL_BACKENDS:
+    raise ValueError(
+      f"{fn}: impl='pallas' compiles kernels for {_KERNEL_BACKENDS}, not for the {backend!r} "
+      "backend; use impl='xla', or 'pallas_interpret' to run the kernel in Pallas' interpreter"
+    )
+  return impl
+
+
+_NO_KERNEL = "there is no Pallas kernel for this op"
+
+
 def _compute_dtype(*xs):
   """(output dtype, compute dtype): bfloat16 and float16 are computed in float32."""
   dt = jnp.result_type(*xs)
@@ -101,7 +148,7 @@ def _cast(dt, *xs):
 # --------------------------------------------------------------------------- the ops
 
 
-def aft_full(q, k, v, w, *, causal: bool = False):
+def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
   """AFT-full (paper Eq. 2).
 
   Y[t] = sigma(q[t]) * sum_t' exp(k[t'] + w[t, t']) v[t'] / sum_t' exp(k[t'] + w[t, t'])
@@ -110,6 +157,7 @@ def aft_full(q, k, v, w, *, causal: bool = False):
     q, k, v: ``[..., T, D]``.
     w: ``[T, T]`` pairwise position bias.
     causal: sum over ``t' <= t`` only.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
 
   Returns:
     ``[..., T, D]`` in the dtype of the inputs. O(T^2 D) time, O(T^2 + T D) memory.
@@ -117,24 +165,35 @@ def aft_full(q, k, v, w, *, causal: bool = False):
   _check_qkv("aft_full", q, k, v)
   t_len = q.shape[-2]
   _check_w("aft_full", w, t_len)
+  _resolve_impl("aft_full", impl, _NO_KERNEL)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
   return _windowed(q, k, v, w, t_len, causal, out_dt)
 
 
-def aft_simple(q, k, v, *, causal: bool = False):
+def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
   """AFT-simple (paper Eq. 5): w = 0.
 
   Y[t] = sigma(q[t]) * sum_t' softmax_t'(k)[t'] v[t']   (t' <= t when causal)
 
   Args:
     q, k, v: ``[..., T, D]``.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
 
   Returns:
     ``[..., T, D]``. O(T D) time and memory; the causal form is a prefix scan.
   """
   _check_qkv("aft_simple", q, k, v)
+  why = "the kernel is for causal=True" if not causal else pallas_simple.unsupported(q.shape[-1])
+  impl = _resolve_impl("aft_simple", impl, why)
   out_dt, dt = _compute_dtype(q, k, v)
+  if impl != "xla":
+    # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
+    flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+    cfg = pallas_simple.config_for(q.shape[-1])
+    a = pallas_simple.causal_mean(flat(k), flat(v), cfg, impl == "pallas_interpret")
+    a = a.reshape(q.shape)
+    return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
   q, k, v = _cast(dt, q, k, v)
   if causal:
     a = _from_rows(causal_mean.causal_mean(_to_rows(k), _to_rows(v)), q.shape)
@@ -144,7 +203,7 @@ def aft_simple(q, k, v, *, causal: bool = False):
   return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
 
 
-def aft_local(q, k, v, w, *, window: int, causal: bool = False):
+def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "auto"):
   """AFT-local (paper Eq. 4): w[t, t'] is used where |t - t'| < window and is 0 elsewhere.
 
   Positions outside the window still contribute, with bias 0 (not -inf).
@@ -154,6 +213,7 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False):
     w: ``[T, T]``; entries outside the window are ignored.
     window: s >= 1.
     causal: sum over ``t' <= t`` only.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
 
   Returns:
     ``[..., T, D]``. O(T s D) time; no T x T array is built when s << T.
@@ -162,6 +222,7 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False):
   check_window("aft_local", window)
   t_len = q.shape[-2]
   _check_w("aft_local", w, t_len)
+  _resolve_impl("aft_local", impl, _NO_KERNEL)
   out_dt, dt = _compute_dtype(q, k, v)
   q, k, v, w = _cast(dt, q, k, v, w)
   return _windowed(q, k, v, w, window, causal, out_dt)
@@ -182,7 +243,7 @@ def _check_conv(fn, q, k, v, kernel, n_spatial):
     )
 
 
-def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
+def aft_conv1d(q, k, v, kernel, *, causal: bool = False, impl: str = "auto"):
   """AFT-conv over a sequence (paper Eq. 6, 1-D): per head i, a kernel w^i of size s.
 
   Y[t, i] = sigma(q[t, i]) * sum_t' exp(k[t', i] + w^i[t, t']) v[t', i]
@@ -194,11 +255,13 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
   Args:
     q, v: ``[..., T, H, C]``; k: ``[..., T, H]`` (one key per head).
     kernel: ``[H, s]``.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
 
   Returns:
     ``[..., T, H, C]``. O(T s H C): a depth-wise windowed sum plus O(T) prefix scans.
   """
   _check_conv("aft_conv1d", q, k, v, kernel, 1)
+  _resolve_impl("aft_conv1d", impl, _NO_KERNEL)
   s = kernel.shape[-1]
   if s < 1 or (not causal and s % 2 == 0):
     raise ValueError(
@@ -209,7 +272,7 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False):
   return conv.conv1d(q, k, v, kernel, causal).astype(out_dt)
 
 
-def aft_conv2d(q, k, v, kernel):
+def aft_conv2d(q, k, v, kernel, *, impl: str = "auto"):
   """AFT-conv over an image (paper Eq. 6): per head i, a kh x kw kernel w^i ("SAME").
 
   Y[r, c, i] = sigma(q[r, c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i]
@@ -221,11 +284,13 @@ def aft_conv2d(q, k, v, kernel):
   Args:
     q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``.
     kernel: ``[H, kh, kw]``, odd sizes.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
 
   Returns:
     ``[..., Ht, Wd, H, C]``. O(Ht Wd kh kw C) per head.
   """
   _check_conv("aft_conv2d", q, k, v, kernel, 2)
+  _resolve_impl("aft_conv2d", impl, _NO_KERNEL)
   kh, kw = kernel.shape[1:]
   if kh % 2 == 0 or kw % 2 == 0:
     raise ValueError(f"aft_conv2d: kernel sizes must be odd; got kernel {kernel.shape}")

@@ -1,0 +1,252 @@
+"""Causal AFT-simple's softmax-weighted mean as Pallas kernels (GPU: Triton lowering).
+
+For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32):
+
+    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
+
+Layout. One program per (batch row, block of ``block_d`` channels); it walks the sequence in
+chunks of ``block_t`` positions, carrying the exact triple (max, num, den) of everything
+before (the way ``causal_mean`` does in XLA). Within a chunk the prefix sums are one
+lower-triangular ``[block_t, block_t]`` matrix product of exp(k - m) [v, 1] at float32
+precision (m: the running max at the chunk's end), so each element of k and v is read once
+and a and L are written once: the op runs at memory speed. A chunk whose denominators fall
+below ``DEN_OK`` (k rising by ~57 nats inside it) is redone row by row with a running max, so
+the result is exact for logits of any size.
+
+Backward (a custom VJP whose residuals are a and L). With g the cotangent of a,
+
+    dv[t'] = exp(k[t'] - L[t']) C1[t'],   dk[t'] = exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t'])
+    C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t],   C2 the same with g[t] a[t]
+
+and since L never decreases every factor is <= 1. Chunks are visited from the end; within a
+chunk the suffix sums are an upper-triangular product in the scale of the chunk's first L;
+a chunk over which L grows by more than ``_MAX_RISE`` nats is done row by row (C[t'] =
+g[t'] + exp(L[t'] - L[t' + 1]) C[t' + 1]).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
+
+# Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
+# g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
+_MAX_RISE = 40.0
+
+
+class Config(NamedTuple):
+  """A kernel configuration: positions per chunk, channels per program, Triton warps and
+  pipeline stages. Triton's matrix products need both block sizes >= 16 (powers of two)."""
+
+  block_t: int = 16
+  block_d: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+
+
+# Every configuration ``config_for`` can choose (the cross-lowering tests export each).
+CONFIGS = tuple(Config(block_d=bd) for bd in (64, 32, 16))
+
+
+def unsupported(d: int) -> str | None:
+  """Why the kernel cannot take D = d channels, or None if it can."""
+  if d % CONFIGS[-1].block_d:
+    return f"the channel dim D = {d} is not a multiple of {CONFIGS[-1].block_d} (the kernel's tile)"
+  return None
+
+
+def config_for(d: int) -> Config:
+  """The configuration for D = d channels: the widest channel block that divides d."""
+  for cfg in CONFIGS:
+    if d % cfg.block_d == 0:
+      return cfg
+  raise ValueError(f"pallas_simple: {unsupported(d)}")
+
+
+def _tri(n: int, lower: bool):
+  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
+  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
+
+
+def _all(cond):
+  """True where every element of the 2-D bool ``cond`` is (Triton has no reduce_and)."""
+  return jnp.min(jnp.min(jnp.where(cond, 1.0, 0.0), axis=1), axis=0) > 0.5
+
+
+def _dot(x, y):
+  return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _rows(j, n):
+  return pl.ds(pl.multiple_of(j * n, n), n)
+
+
+def _load(ref, idx):
+  return ref[idx, :].astype(jnp.float32)
+
+
+def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
+  """One (batch row, channel block): a [and L] for k, v refs [T, bd] (T a multiple of bt)."""
+  n_chunks = k_ref.shape[0] // bt
+  tril = _tri(bt, lower=True)
+
+  def store(idx, a, lse):
+    a_ref[idx, :] = a
+    if lse_ref:
+      lse_ref[0][idx, :] = lse
+
+  def chunk(j, carry):
+    m0, num0, den0 = carry  # [1, bd] each
+    idx = _rows(j, bt)
+    kc, vc = _load(k_ref, idx), _load(v_ref, idx)
+    m = jnp.maximum(m0, jnp.max(kc, axis=0, keepdims=True))
+    e, s0 = jnp.exp(kc - m), jnp.exp(m0 - m)
+    num = s0 * num0 + _dot(tril, e * vc)
+    den = s0 * den0 + _dot(tril, e)
+
+    def fast():
+      store(idx, num / den, m + jnp.log(den))
+      ev = e * vc
+      return (
+        m,
+        s0 * num0 + jnp.sum(ev, axis=0, keepdims=True),
+        s0 * den0 + jnp.sum(e, axis=0, keepdims=True),
+      )
+
+    def exact():  # row by row with a running maximum
+      def row(i, c):
+        m1, num1, den1 = c
+        r = pl.ds(j * bt + i, 1)
+        k1, v1 = _load(k_ref, r), _load(v_ref, r)
+        m2 = jnp.maximum(m1, k1)
+        s1, s2 = jnp.exp(m1 - m2), jnp.exp(k1 - m2)
+        num2, den2 = num1 * s1 + v1 * s2, den1 * s1 + s2
+        store(r, num2 / den2, m2 + jnp.log(den2))
+        return m2, num2, den2
+
+      return jax.lax.fori_loop(0, bt, row, carry)
+
+    return jax.lax.cond(_all(den >= DEN_OK), fast, exact)
+
+  zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
+  jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))
+
+
+def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *, bt: int):
+  """One (batch row, channel block): dk, dv from k, v, a, L and the cotangent g [T, bd]."""
+  n_chunks = k_ref.shape[0] // bt
+  triu = _tri(bt, lower=False)
+
+  def store(idx, p, v, c1, c2):
+    dv_ref[idx, :] = (p * c1).astype(dv_ref.dtype)
+    dk_ref[idx, :] = (p * (v * c1 - c2)).astype(dk_ref.dtype)
+
+  def chunk(i, carry):
+    c1n, c2n, ln = carry  # C1, C2 at the next chunk's first row, in the scale of its L
+    j = n_chunks - 1 - i
+    idx = _rows(j, bt)
+    lse = _load(lse_ref, idx)
+    l0 = jnp.min(lse, axis=0, keepdims=True)  # L never decreases: the chunk's first row
+
+    def fast():
+      kc, vc = _load(k_ref, idx), _load(v_ref, idx)
+      gs = _load(g_ref, idx) * jnp.exp(l0 - lse)
+      ga = gs * _load(a_ref, idx)
+      up, nx = jnp.exp(lse - l0), jnp.exp(lse - ln)
+      c1 = up * _dot(triu, gs) + nx * c1n
+      c2 = up * _dot(triu, ga) + nx * c2n
+      store(idx, jnp.exp(kc - lse), vc, c1, c2)
+      back = jnp.exp(l0 - ln)
+      return (
+        jnp.sum(gs, axis=0, keepdims=True) + back * c1n,
+        jnp.sum(ga, axis=0, keepdims=True) + back * c2n,
+        l0,
+      )
+
+    def exact():
+      def row(i2, c):
+        c1, c2, l1 = c
+        r = pl.ds(j * bt + bt - 1 - i2, 1)
+        lr, g = _load(lse_ref, r), _load(g_ref, r)
+        nx = jnp.exp(lr - l1)
+        c1, c2 = g + nx * c1, g * _load(a_ref, r) + nx * c2
+        store(r, jnp.exp(_load(k_ref, r) - lr), _load(v_ref, r), c1, c2)
+        return c1, c2, lr
+
+      return jax.lax.fori_loop(0, bt, row, carry)
+
+    rise = jnp.max(lse, axis=0, keepdims=True) - l0
+    return jax.lax.cond(_all(rise <= _MAX_RISE), fast, exact)
+
+  zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
+  jax.lax.fori_loop(0, n_chunks, chunk, (zero, zero, zero - NEG))
+
+
+def _call(kernel, cfg: Config, interpret: bool, ins, outs):
+  """pallas_call over the grid (batch, D / block_d); every ref is one [T, block_d] column."""
+  b, t_len, d = ins[0].shape
+  spec = pl.BlockSpec((None, t_len, cfg.block_d), lambda i, j: (i, 0, j))
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+
+    params["compiler_params"] = plt.CompilerParams(
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
+  return pl.pallas_call(
+    functools.partial(kernel, bt=cfg.block_t),
+    grid=(b, d // cfg.block_d),
+    in_specs=[spec] * len(ins),
+    out_specs=[spec] * len(outs),
+    out_shape=[jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
+    interpret=interpret,
+    **params,
+  )(*ins)
+
+
+def _pad(x, t_pad: int, fill):
+  return jnp.pad(x, ((0, 0), (0, t_pad), (0, 0)), constant_values=fill) if t_pad else x
+
+
+def _padded(k, v, cfg: Config):
+  """k, v with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0, so they
+  change no sum), values 0."""
+  t_pad = -k.shape[1] % cfg.block_t
+  return _pad(k, t_pad, NEG), _pad(v, t_pad, 0.0)
+
+
+def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
+  """a [and L] over the padded length."""
+  outs = [jnp.float32] * (2 if with_lse else 1)
+  return _call(_fwd_kernel, cfg, interpret, _padded(k, v, cfg), outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def causal_mean(k_BTD, v_BTD, cfg: Config, interpret: bool):
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32)."""
+  return _forward(k_BTD, v_BTD, cfg, interpret, with_lse=False)[0][:, : k_BTD.shape[1]]
+
+
+def _causal_mean_fwd(k, v, cfg, interpret):
+  a, lse = _forward(k, v, cfg, interpret, with_lse=True)  # padded: kept as residuals
+  return a[:, : k.shape[1]], (k, v, a, lse)
+
+
+def _causal_mean_bwd(cfg, interpret, res, g):
+  k, v, a, lse = res
+  t_len = k.shape[1]
+  g = _pad(g.astype(jnp.float32), a.shape[1] - t_len, 0.0)  # padding rows: cotangent 0
+  ins = (*_padded(k, v, cfg), a, lse, g)
+  dk, dv = _call(_bwd_kernel, cfg, interpret, ins, [k.dtype, v.dtype])
+  return dk[:, :t_len], dv[:, :t_len]
+
+
+causal_mean.defvjp(_causal_mean_fwd, _causal_mean_bwd)

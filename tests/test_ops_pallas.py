@@ -1,0 +1,145 @@
+"""The Pallas kernels (aft_jax.ops.pallas_simple) and the ``impl`` choice of the ops.
+
+The kernels run in Pallas interpret mode on CPU against a float64 reference, and are lowered
+(not run) for GPUs with ``jax.export``, so a kernel that would fail to compile there fails here.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from aft_jax import ops
+from aft_jax.model import ModelConfig, TransformerLM
+from aft_jax.ops import pallas_simple
+from benchmarks.bench_ops import scan_simple
+import numpy_reference as ref
+
+RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
+
+
+def _inputs(t_len, d, seed=0):
+  """q, k, v, cotangent [2, T, d] float32; batch row 0 has logits of std 1, row 1 std 40."""
+  rng = np.random.default_rng(seed)
+  q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
+  k = k * np.array([1.0, 40.0])[:, None, None]
+  return tuple(np.asarray(x, np.float32) for x in (q, k, v, ct))
+
+
+def _reference(q, k, v, ct):
+  """Output and gradients (q, k, v) of sum(out * ct), in float64."""
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
+    out = scan_simple(*args)
+    grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(*args)
+    return jax.tree.map(np.asarray, (out, grads))
+
+
+def _pallas(q, k, v, ct):
+  fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
+  return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
+
+
+def test_scan_reference_is_the_loop_reference():
+  q, k, v, _ = _inputs(7, 3)
+  out, _ = _reference(q, k, v, np.zeros_like(q))
+  np.testing.assert_allclose(out, ref.aft_simple(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t_len", [1, 7, 128, 1000])
+def test_simple_kernel_matches_reference(t_len):
+  """Values and gradients, std 1 and 40, T not a multiple of the chunk (7, 1000)."""
+  q, k, v, ct = _inputs(t_len, 16, seed=t_len)
+  out, grads = _pallas(q, k, v, ct)
+  want_out, want_grads = _reference(q, k, v, ct)
+  chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_simple_kernel_long_sequence_forward():
+  q, k, v, _ = _inputs(4096, 16, seed=3)
+  out = jax.jit(functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret"))(q, k, v)
+  chex.assert_trees_all_close(out, _reference(q, k, v, np.zeros_like(q))[0], rtol=RTOL, atol=ATOL)
+
+
+def test_simple_kernel_bfloat16_inputs():
+  """bf16 in, bf16 out, float32 inside: as close to the float32 result as the XLA path's."""
+  q, k, v, _ = _inputs(37, 32)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  out16 = ops.aft_simple(bf(q), bf(k), bf(v), causal=True, impl="pallas_interpret")
+  assert out16.dtype == jnp.bfloat16
+  xla16 = ops.aft_simple(bf(q), bf(k), bf(v), causal=True, impl="xla")
+  chex.assert_trees_all_close(out16.astype(jnp.float32), xla16.astype(jnp.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("cfg", pallas_simple.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_simple_kernel_lowers_for_cuda(cfg, dtype):
+  """Every configuration ``auto`` can choose lowers to Triton (forward and backward), T
+  ragged."""
+  x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 3 * block_d picks cfg
+  loss = lambda k, v: jnp.sum(pallas_simple.causal_mean(k, v, cfg, False))
+  exported = jax.export.export(
+    jax.jit(jax.grad(loss, argnums=(0, 1))),
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(x, x)
+  assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+  assert pallas_simple.config_for(3 * cfg.block_d) == cfg
+
+
+def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():
+  q, k, v, _ = _inputs(8, 16)
+  jaxpr = str(jax.make_jaxpr(functools.partial(ops.aft_simple, causal=True))(q, k, v))
+  assert "pallas_call" not in jaxpr
+  jaxpr = str(
+    jax.make_jaxpr(functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret"))(q, k, v)
+  )
+  assert "pallas_call" in jaxpr
+  w = np.zeros((8, 8), np.float32)
+  cases = [
+    (lambda: ops.aft_simple(q, k, v, causal=True, impl="pallas"), "not for the 'cpu' backend"),
+    (lambda: ops.aft_simple(q, k, v, impl="pallas_interpret"), "the kernel is for causal=True"),
+    (
+      lambda: ops.aft_simple(q[..., :12], k[..., :12], v[..., :12], causal=True, impl="pallas"),
+      "D = 12 is not a multiple of 16",
+    ),
+    (lambda: ops.aft_local(q, k, v, w, window=2, impl="pallas"), "no Pallas kernel for this op"),
+    (lambda: ops.aft_full(q, k, v, w, impl="triton"), "impl must be one of"),
+  ]
+  for fn, msg in cases:
+    with pytest.raises(ValueError, match=msg):
+      fn()
+
+
+def test_model_trains_the_same_with_the_kernel():
+  """A tiny causal AFT-simple LM, 20 Adam steps: impl=pallas_interpret gives the losses of
+  impl=xla within 1e-4."""
+  cfg = ModelConfig(vocab_size=32, max_len=8, num_layers=1, d_model=16, mlp_dim=32)
+  cfg = dataclasses.replace(cfg, mixing="aft_simple", dropout_rate=0.0)
+  tokens = np.random.default_rng(0).integers(0, 32, size=(20, 4, 9))
+  tx = optax.adam(3e-3)
+
+  def losses(impl):
+    model = TransformerLM(dataclasses.replace(cfg, impl=impl).validate())
+    params = model.init(jax.random.key(0), tokens[0, :, :-1])["params"]
+
+    def step(carry, batch):
+      params, opt = carry
+      loss_fn = lambda p: jnp.mean(model.apply({"params": p}, batch[:, :-1], batch[:, 1:]))
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt = tx.update(grads, opt, params)
+      return (optax.apply_updates(params, updates), opt), loss
+
+    return jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), tokens)[1])(params)
+
+  xla, kernel = losses("xla"), losses("pallas_interpret")
+  assert float(xla[-1]) < float(xla[0]) - 0.1  # it trains
+  np.testing.assert_allclose(kernel, xla, atol=1e-4, rtol=0)
