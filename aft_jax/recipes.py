@@ -1,0 +1,67 @@
+"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``.
+
+A recipe is a config file ``NAME.py`` whose ``get_config(arg)`` builds the run's config. In a
+checkout the recipes are the top-level ``configs/`` folder; an installed wheel carries the same
+files as the package ``aft_jax.configs`` (see setup.py), so a pip user names a recipe without having
+the repository. A config file path (``configs/quickstart.py:ARG``) is accepted everywhere a name is.
+"""
+
+import os
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def recipe_dir() -> str:
+  """The folder holding the recipes: the installed package's copy, else the checkout's."""
+  installed = os.path.join(_PACKAGE, "configs")
+  if os.path.isdir(installed):
+    return installed
+  root = os.path.dirname(_PACKAGE)
+  # Only a checkout of this project (a pyproject.toml beside aft_jax/): a folder named configs
+  # next to some other installation of the package is not ours.
+  if os.path.isfile(os.path.join(root, "pyproject.toml")):
+    return os.path.join(root, "configs")
+  raise FileNotFoundError(f"no recipes found: neither {installed} nor a checkout around {_PACKAGE}")
+
+
+def available() -> list[str]:
+  """The recipe names, sorted."""
+  files = os.listdir(recipe_dir())
+  return sorted(f[:-3] for f in files if f.endswith(".py") and not f.startswith("_"))
+
+
+def resolve(spec: str) -> str:
+  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``.
+
+  A path to a config file (anything with a path separator or ending in ``.py`` before the
+  argument) is returned unchanged. Raises ValueError naming the recipes for an unknown name.
+  """
+  name, sep, arg = spec.partition(":")
+  if "/" in spec or os.sep in spec or name.endswith(".py"):
+    return spec
+  names = available()
+  if name not in names:
+    raise ValueError(
+      f"unknown recipe {name!r}; the recipes are: {', '.join(names)} "
+      "(give NAME or NAME:ARG, or the path of a config file)"
+    )
+  return os.path.join(recipe_dir(), name + ".py") + sep + arg
+
+
+def resolve_flag(argv: list[str], flag: str = "config") -> list[str]:
+  """``argv`` with the value of ``--flag`` (``--flag X`` or ``--flag=X``) passed through resolve().
+
+  Done before absl parses the command line, so that the config flag (ml_collections, which loads
+  a file path) and its ``--config.KEY=VALUE`` overrides work unchanged with recipe names.
+  """
+  out = list(argv)
+  names = (f"-{flag}", f"--{flag}")
+  for i, a in enumerate(out):
+    if a == "--":  # absl: everything after it is a positional argument
+      break
+    if a in names and i + 1 < len(out):
+      out[i + 1] = resolve(out[i + 1])
+    elif a.split("=", 1)[0] in names and "=" in a:
+      key, value = a.split("=", 1)
+      out[i] = f"{key}={resolve(value)}"
+  return out

@@ -1,0 +1,71 @@
+"""Trains an AFT language model: aft-train --config quickstart --workdir runs/x
+
+(in a checkout, the same as python train.py --config configs/quickstart.py --workdir runs/x).
+--config takes a recipe name, NAME or NAME:ARG (aft_jax/recipes.py), or a config file path.
+Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
+Rerunning the same command resumes from the workdir's last checkpoint.
+"""
+
+import os
+import sys
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from aft_jax import recipes
+
+config_flags.DEFINE_config_file(
+  "config",
+  None,
+  "A recipe name (quickstart, NAME:ARG) or a config file (configs/quickstart.py[:ARG]).",
+  lock_config=True,
+)
+flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and results go.")
+flags.DEFINE_bool(
+  "allow_config_change", False, "Resume a workdir whose saved config differs from --config."
+)
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+flags.DEFINE_bool(
+  "distributed",
+  False,
+  "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
+  "SLURM) when no coordinator address is given.",
+)
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  if (FLAGS.coordinator_address or FLAGS.distributed) and (
+    jax.config.jax_cpu_collectives_implementation in (None, "none")
+  ):
+    # CPU processes need a cross-process collectives library: gloo is the default in recent
+    # jax; older versions default to none and fail at the first cross-process computation.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if FLAGS.coordinator_address:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  elif FLAGS.distributed:
+    jax.distributed.initialize()
+  from aft_jax import train_lib  # after distributed init: nothing may touch devices before it
+
+  train_lib.train_and_evaluate(
+    FLAGS.config, FLAGS.workdir, allow_config_change=FLAGS.allow_config_change
+  )
+
+
+def run():
+  """The ``aft-train`` console script (and the checkout's train.py)."""
+  try:
+    argv = recipes.resolve_flag(sys.argv)
+  except ValueError as e:
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+  app.run(main, argv=argv)
+
+
+if __name__ == "__main__":
+  run()

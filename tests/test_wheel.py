@@ -1,0 +1,159 @@
+"""The wheel, installed where the checkout is out of reach, works for a pip user.
+
+One fresh virtual environment in a temporary folder plays a notebook runtime (Colab) whose jax is
+the oldest this project supports: the notebook's own install cell installs the wheel built from
+this checkout (AFT_JAX_SOURCE), holding that jax; the notebook then runs in quick mode, and the
+console scripts train and prepare with a recipe named the way the README names it. Needs the
+package registry (or pip's cache) for the venv's packages.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import ROOT
+
+from aft_jax import recipes
+
+PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
+
+
+def _oldest(package):
+  """The lower bound pyproject.toml claims for ``package`` (``jax>=0.8.0`` -> ``0.8.0``)."""
+  for req in PYPROJECT["project"]["dependencies"]:
+    m = re.fullmatch(rf"{package}>=([\w.]+)(,.*)?", req)
+    if m:
+      return m.group(1)
+  raise AssertionError(f"no lower bound for {package} in pyproject.toml")
+
+
+def _run(cmd, timings, name, **kw):
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+  timings[name] = round(time.perf_counter() - start, 1)
+  assert proc.returncode == 0, f"{name} failed ({cmd}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+  return proc.stdout
+
+
+def _source_tree(dest):
+  """The files a clone has (tracked, plus untracked ones git does not ignore), copied to dest,
+  so the build sees neither caches nor a stale build/ folder of this checkout."""
+  files = subprocess.run(
+    ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    capture_output=True,
+    check=True,
+  ).stdout.split(b"\0")
+  for f in filter(None, (f.decode() for f in files)):
+    if os.path.isfile(os.path.join(ROOT, f)):  # a file deleted but not yet committed is skipped
+      os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
+      shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
+
+
+def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
+  assert not str(tmp_path).startswith(ROOT)
+  timings = {}
+  jax_version = _oldest("jax")
+
+  # The wheel, built from the checkout's files.
+  src, dist = tmp_path / "src", tmp_path / "dist"
+  _source_tree(src)
+  pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+  _run([*pip, "wheel", str(src), "--no-deps", "-w", str(dist), "-q"], timings, "build wheel")
+  (wheel,) = dist.glob("aft_jax-*.whl")
+
+  # The runtime: the oldest supported jax, and what a notebook needs (a kernel, matplotlib).
+  venv = tmp_path / "venv"
+  _run([sys.executable, "-m", "venv", str(venv)], timings, "venv")
+  py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
+  runtime = [f"jax=={jax_version}", f"jaxlib=={jax_version}", "ipykernel", "matplotlib"]
+  _run([py, "-m", "pip", "install", "-q", *runtime], timings, "runtime jax")
+
+  # The notebook in that runtime: its install cell installs the wheel (nothing from the checkout
+  # is importable: no PYTHONPATH, the kernel starts outside the repository).
+  kernels = tmp_path / "jupyter" / "kernels" / "wheel-venv"
+  kernels.mkdir(parents=True)
+  argv = [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+  (kernels / "kernel.json").write_text(json.dumps({"argv": argv, "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+  monkeypatch.delenv("PYTHONPATH", raising=False)
+  monkeypatch.setenv("AFT_QUICK", "1")
+  monkeypatch.setenv("AFT_JAX_SOURCE", str(wheel))
+  monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
+  start = time.perf_counter()
+  NotebookClient(
+    nb, timeout=600, kernel_name="wheel-venv", resources={"metadata": {"path": str(tmp_path)}}
+  ).execute()
+  timings["notebook"] = round(time.perf_counter() - start, 1)
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "quick mode" in text
+  kept = {"jax": jax_version, "jaxlib": jax_version}
+  assert f"kept {kept} on cpu" in text, text[:3000]
+  assert "AFTSimple matches the NumPy equation" in text
+  assert "validation perplexity" in text
+  assert text.count("The ") >= 1
+  assert "softmax attention" in text and "T=512" in text  # the timing cell's last length
+  images = [o for o in outputs if "image/png" in o.get("data", {})]
+  assert len(images) >= 3  # the loss curve, the bias heatmap, the timing plot
+
+  # The install held jax, and aft_jax comes from the venv, not the checkout.
+  show = "import aft_jax, jax, jaxlib; print(aft_jax.__file__, jax.__version__, jaxlib.__version__)"
+  path, jax_now, jaxlib_now = _run([py, "-c", show], timings, "versions").split()
+  assert (jax_now, jaxlib_now) == (jax_version, jax_version)
+  assert path.startswith(str(venv)) and "site-packages" in path
+
+  # The console scripts, with the recipe by name.
+  workdir = tmp_path / "run"
+  train = [str(bin_dir / "aft-train"), "--config", "quickstart", "--workdir", str(workdir)]
+  train += ["--config.num_train_steps=3", "--config.log_every_steps=1", "--config.sample.length=8"]
+  _run(train, timings, "aft-train", cwd=tmp_path)
+  results = json.load(open(workdir / "results.json"))
+  assert results["steps"] == 3 and results["valid_ppl"] > 1
+  out = _run([str(bin_dir / "aft-prepare"), "--dataset", "pydoc", "--quiet"], timings, "prepare")
+  assert json.loads(out.strip().splitlines()[-1])["vocab_size"] == 256
+  print("wheel test seconds:", timings)
+
+
+def test_the_wheel_ships_every_recipe_and_console_script():
+  # What setup.py and pyproject.toml declare, against what the checkout has (the wheel test
+  # above runs one recipe and two scripts; this covers the rest without building anything).
+  scripts = PYPROJECT["project"]["scripts"]
+  assert {"aft-train", "aft-generate", "aft-prepare"} <= set(scripts)
+  for target in scripts.values():
+    module, func = target.split(":")
+    assert os.path.exists(os.path.join(ROOT, *module.split("."))) or os.path.exists(
+      os.path.join(ROOT, *module.split(".")) + ".py"
+    ), target
+    source = open(os.path.join(ROOT, *module.split(".")) + ".py").read()
+    assert re.search(rf"^def {func}\(\):", source, flags=re.M), target
+  assert "quickstart" in recipes.available()
+  assert recipes.recipe_dir() == os.path.join(ROOT, "configs")
+
+
+@pytest.mark.parametrize("spec", ["quickstart", "quickstart:arg"])
+def test_a_recipe_name_resolves_to_the_packaged_file(spec):
+  path, _, arg = recipes.resolve(spec).partition(":")
+  assert path == os.path.join(ROOT, "configs", "quickstart.py") and arg == spec[11:]
+  assert recipes.resolve("configs/quickstart.py:x") == "configs/quickstart.py:x"  # a path stays
+
+
+def test_an_unknown_recipe_names_the_recipes():
+  with pytest.raises(ValueError, match=r"unknown recipe 'nope'; the recipes are: .*quickstart"):
+    recipes.resolve("nope")
+  argv = ["aft-train", "--config=quickstart", "--config.seed=3", "--workdir", "w"]
+  assert recipes.resolve_flag(argv)[1] == "--config=" + os.path.join(
+    ROOT, "configs", "quickstart.py"
+  )
+  assert recipes.resolve_flag(argv)[2:] == argv[2:]
