@@ -14,11 +14,14 @@ or garbled file) is skipped on resume in favour of the newest intact one.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,23 +62,34 @@ def _intact_note(mngr: ocp.CheckpointManager) -> str:
 
 @contextlib.contextmanager
 def _quiet_orbax_threads():
-  """Keeps Orbax's background threads from printing their own tracebacks and ERROR logs.
+  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
 
-  A failed write (a full disk) fails in several of Orbax's threads at once; each would print
-  a traceback, burying the one error that says what happened. ``save`` reports it instead.
+  A failed write (a full disk) fails in several threads at once, their callbacks keep failing
+  against closed event loops for a moment afterwards, and their coroutines again at exit; each
+  prints a traceback (through logging, the thread or unraisable hook, or to stderr), burying
+  the one error that ``save`` raises to say what happened. On success what was written to
+  stderr is passed on; after a failure it is dropped, the threads are given a moment to wind
+  down, and the hooks and logging stay quiet.
   """
-  loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+  loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
   levels = [lg.level for lg in loggers]
-  hook = threading.excepthook
-  threading.excepthook = lambda args: None
+  hook, unraisable, stderr = threading.excepthook, sys.unraisablehook, sys.stderr
+  threading.excepthook = sys.unraisablehook = lambda args: None
   for lg in loggers:
     lg.setLevel(logging.CRITICAL)
+  sys.stderr = captured = io.StringIO()
   try:
     yield
-  finally:
-    threading.excepthook = hook
+  except BaseException:
+    time.sleep(1.0)
+    raise
+  else:
+    threading.excepthook, sys.unraisablehook = hook, unraisable
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
+  finally:
+    sys.stderr = stderr
+  stderr.write(captured.getvalue())
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

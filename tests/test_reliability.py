@@ -221,6 +221,7 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   # Our error alone: not Orbax's threads' tracebacks, logs and asyncio shutdown noise.
   assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
   assert "ERROR:absl" not in out.stderr and "Event loop is closed" not in out.stderr
+  assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
   assert _steps(workdir) == [2]
   results = train_lib.train_and_evaluate(
     tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
