@@ -99,8 +99,10 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config) -> None:
+def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) -> None:
   """Saves state + data position + ``config`` (what a resume is checked against) atomically.
+
+  The trainer always passes its config; ``None`` (tools that only move state) saves none.
 
   Never writes non-finite parameters or optimizer state, and turns a failed write (a full
   disk, say) into one error that says what is left to resume from.
@@ -111,15 +113,12 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config) -> No
     )
   try:
     with _quiet_orbax_threads():
-      mngr.save(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
-          data=ocp.args.JsonSave(data_iter.get_state()),
-          config=ocp.args.JsonSave(config_dict(config)),
-        ),
-        force=True,
+      items = dict(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
       )
+      if config is not None:
+        items["config"] = ocp.args.JsonSave(config_dict(config))
+      mngr.save(step, args=ocp.args.Composite(**items), force=True)
       mngr.wait_until_finished()
   except Exception as e:
     raise OSError(
