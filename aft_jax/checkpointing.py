@@ -195,6 +195,9 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_con
   """
   failed = []
   for step in sorted(mngr.all_steps(), reverse=True):
+    if not os.listdir(os.path.join(str(mngr.directory), str(step))):
+      failed.append((step, FileNotFoundError("the folder is empty")))
+      continue
     try:
       saved = saved_config(mngr, step)
     except Exception as e:

@@ -290,7 +290,9 @@ def test_resume_walks_back_from_damaged_checkpoints(tmp_path, capsys):
   out = capsys.readouterr().out
   skipped = [line for line in out.splitlines() if line.startswith("Skipped the damaged")]
   assert len(skipped) == 2, out
-  assert skipped[0].startswith("Skipped the damaged checkpoint at step 6 (")
+  assert skipped[0].startswith(
+    "Skipped the damaged checkpoint at step 6 (FileNotFoundError: the folder is empty; resuming"
+  )
   assert skipped[1].startswith("Skipped the damaged checkpoint at step 4 (")
   assert all("resuming from step 2" in line for line in skipped)
   assert "Resuming from the checkpoint at step 2" in out
@@ -298,23 +300,40 @@ def test_resume_walks_back_from_damaged_checkpoints(tmp_path, capsys):
   assert sorted(os.listdir(os.path.join(workdir, "damaged_checkpoints"))) == ["4", "6"]
 
 
-def test_a_signal_flushes_the_metrics_since_the_last_log_line(tmp_path, monkeypatch):
+class _Flag:
+  """A step's finite flag that records when the training loop reads it."""
+
+  def __init__(self, value, step, events):
+    self.value, self.step, self.events = value, step, events
+
+  def __bool__(self):
+    self.events.append(("read", self.step))
+    return bool(self.value)
+
+
+def test_a_signal_is_acted_on_within_a_step_and_flushes_the_metrics(tmp_path, monkeypatch):
+  """The host reads step n-1's finite flag before it dispatches step n+1 (so it never runs
+  more than one step ahead of the device), and the metrics since the last log line are
+  written before exiting on a signal."""
   orig = train_lib.Trainer.train_step
-  calls = []
+  events = []
 
   def step(self, *args):
-    out = orig(self, *args)
-    calls.append(1)
-    if len(calls) == 3:
+    n = sum(1 for e in events if e[0] == "dispatch") + 1
+    events.append(("dispatch", n))
+    state, metrics = orig(self, *args)
+    if n == 4:
       os.kill(os.getpid(), signal.SIGTERM)
-    return out
+    return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
 
   monkeypatch.setattr(train_lib.Trainer, "train_step", step)
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=50, log_every_steps=1000)
-  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 3}
+  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 4}
+  for n in (3, 4):
+    assert events.index(("read", n - 2)) < events.index(("dispatch", n)), events
   records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
-  assert [r["step"] for r in records] == [3] and np.isfinite(records[0]["loss"])
+  assert [r["step"] for r in records] == [4] and np.isfinite(records[0]["loss"])
 
 
 def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
