@@ -1,21 +1,33 @@
-"""The workdir's durable state: Orbax checkpoints (model, optimizer and data position) and the
-run's config, which a resume is checked against.
+"""The workdir's durable state: Orbax checkpoints (model, optimizer and data position, and the
+config they were written with, which a resume is checked against).
 
-    <workdir>/config.json            the config of the run
-    <workdir>/checkpoints/<step>/    state (params, opt_state, step) + the data-iterator position
+    <workdir>/config.json                  the config of the run (for people and tools)
+    <workdir>/checkpoints/<step>/          state (params, opt_state, step), the data-iterator
+                                           position and the config
+    <workdir>/damaged_checkpoints/<step>/  checkpoints that could not be restored, moved aside
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
-crash mid-save leaves the previous checkpoint usable.
+crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later (a truncated
+or garbled file) is skipped on resume in favour of the newest intact one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
+import shutil
+import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from jax.experimental import multihost_utils
 
 from aft_jax import files
 from aft_jax.config_check import resume_conflicts
@@ -40,32 +52,79 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, data_iter) -> None:
-  """Saves state + data position atomically.
+def _intact_note(mngr: ocp.CheckpointManager) -> str:
+  """What a failed save leaves behind, as the end of its error message."""
+  previous = mngr.latest_step()
+  if previous is None:
+    return "there is no earlier checkpoint, so a rerun starts from the beginning"
+  return f"the previous checkpoint (step {previous}) is intact"
+
+
+@contextlib.contextmanager
+def _quiet_orbax_threads():
+  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
+
+  A failed write (a full disk) fails in several threads at once, their callbacks keep failing
+  against closed event loops for a moment afterwards, and their coroutines again at exit; each
+  prints a traceback (through logging, the thread or unraisable hook, or to stderr), burying
+  the one error that ``save`` raises to say what happened. On success what was written to
+  stderr is passed on; after a failure it is dropped, the threads are given a moment to wind
+  down, and the hooks and logging stay quiet.
+  """
+  loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
+  levels = [lg.level for lg in loggers]
+  hook, unraisable, stderr = threading.excepthook, sys.unraisablehook, sys.stderr
+  threading.excepthook = sys.unraisablehook = lambda args: None
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  sys.stderr = captured = io.StringIO()
+  try:
+    yield
+  except BaseException:
+    time.sleep(1.0)
+    raise
+  else:
+    threading.excepthook, sys.unraisablehook = hook, unraisable
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+  finally:
+    sys.stderr = stderr
+  stderr.write(captured.getvalue())
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  text = text.split(" See full TensorStore details")[0]
+  text = text if len(text) <= limit else text[: limit - 3] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) -> None:
+  """Saves state + data position + ``config`` (what a resume is checked against) atomically.
+
+  The trainer always passes its config; ``None`` (tools that only move state) saves none.
 
   Never writes non-finite parameters or optimizer state, and turns a failed write (a full
-  disk, say) into an error that says the previous checkpoint is intact.
+  disk, say) into one error that says what is left to resume from.
   """
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
-      f"refusing to checkpoint non-finite parameters at step {step}; the last checkpoint "
-      f"(step {mngr.latest_step()}) is intact"
+      f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
     )
   try:
-    mngr.save(
-      step,
-      args=ocp.args.Composite(
+    with _quiet_orbax_threads():
+      items = dict(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
-      ),
-      force=True,
-    )
-    mngr.wait_until_finished()
+      )
+      if config is not None:
+        items["config"] = ocp.args.JsonSave(config_dict(config))
+      mngr.save(step, args=ocp.args.Composite(**items), force=True)
+      mngr.wait_until_finished()
   except Exception as e:
     raise OSError(
-      f"saving the checkpoint at step {step} failed ({type(e).__name__}: {e}); the previous "
-      f"checkpoint (step {mngr.latest_step()}) is intact: free disk space and rerun the same "
-      "command to resume from it"
-    ) from e
+      f"saving the checkpoint at step {step} failed ({_first_line(e)}); {_intact_note(mngr)}: "
+      "free disk space and rerun the same command to resume"
+    ) from None  # Orbax's internal chain says nothing more to the user
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, *, with_data: bool = True):
@@ -81,23 +140,99 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, *, with_data
   return restored["state"], restored["data"] if with_data else None
 
 
+def config_dict(config) -> dict:
+  """A config (ConfigDict or dict) as plain JSON data."""
+  if isinstance(config, dict):
+    return json.loads(json.dumps(config))
+  return json.loads(config.to_json_best_effort())
+
+
+def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+  """The config the checkpoint at ``step`` was written with (None: written before checkpoints
+  carried one)."""
+  if not os.path.isdir(os.path.join(str(mngr.directory), str(step), "config")):
+    return None
+  return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+
 def config_path(workdir: str) -> str:
   return os.path.join(workdir, "config.json")
 
 
-def check_workdir_config(config, workdir: str, allow_config_change: bool) -> None:
-  """Saves the config, or refuses to resume a run whose config differs in what matters."""
-  path = config_path(workdir)
-  current = json.loads(config.to_json_best_effort())
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    conflicts = resume_conflicts(saved, current)
-    if conflicts and not allow_config_change:
-      raise ValueError(
-        f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}); "
-        "use another --workdir, or pass --allow_config_change to resume it anyway"
-      )
+def check_resume_config(saved: dict | None, config, workdir: str, allow_config_change: bool):
+  """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
+  ``config`` when they differ in what is computed, unless ``allow_config_change``."""
+  where = "the checkpoint"
+  if saved is None and os.path.exists(config_path(workdir)):
+    with open(config_path(workdir)) as f:
+      saved, where = json.load(f), "config.json"
+  if saved is None or allow_config_change:
+    return
+  conflicts = resume_conflicts(saved, config_dict(config))
+  if conflicts:
+    raise ValueError(
+      f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
+      f"compared with {where}); use another --workdir, or pass --allow_config_change to "
+      "resume it anyway"
+    )
+
+
+def write_workdir_config(config, workdir: str) -> None:
+  """config.json: the config the run continues with (written once a restore succeeded)."""
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    files.atomic_write_json(path, current)
+    files.atomic_write_json(config_path(workdir), config_dict(config))
+
+
+def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_config):
+  """(step, state, data state) of the newest checkpoint that restores, or None if there is none.
+
+  ``check_config(saved config or None)`` runs before each restore and raises to refuse it.
+  A checkpoint that fails to restore (a truncated or garbled file, an empty folder) is skipped
+  with one line saying why, and moved to ``damaged_checkpoints/`` once an older one restored,
+  so later saves and rotation never meet it. If none restores, nothing is moved and the error
+  lists why each failed.
+  """
+  failed = []
+  for step in sorted(mngr.all_steps(), reverse=True):
+    if not os.listdir(os.path.join(str(mngr.directory), str(step))):
+      failed.append((step, FileNotFoundError("the folder is empty")))
+      continue
+    try:
+      saved = saved_config(mngr, step)
+    except Exception as e:
+      failed.append((step, e))
+      continue
+    check_config(saved)
+    try:
+      state, data_state = restore(mngr, step, abstract_state)
+    except Exception as e:
+      failed.append((step, e))
+      continue
+    for bad, err in failed:
+      _set_aside(mngr, bad, f"{_first_line(err)}; resuming from step {step}")
+    if failed:
+      mngr.reload()
+    return step, state, data_state
+  if failed:
+    raise RuntimeError(
+      f"no checkpoint in {mngr.directory} can be restored ("
+      + "; ".join(f"step {s}: {_first_line(e)}" for s, e in failed)
+      + "); move them away to start afresh"
+    )
+  return None
+
+
+def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
+  src = os.path.join(str(mngr.directory), str(step))
+  dst_dir = os.path.join(os.path.dirname(str(mngr.directory)), "damaged_checkpoints")
+  dst = os.path.join(dst_dir, str(step))
+  n = 1
+  while os.path.exists(dst):
+    dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
+  if jax.process_index() == 0:
+    print(f"Skipped the damaged checkpoint at step {step} ({why}); moved to {dst}", flush=True)
+    os.makedirs(dst_dir, exist_ok=True)
+    shutil.move(src, dst)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"set aside checkpoint {step}")

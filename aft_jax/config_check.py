@@ -8,9 +8,10 @@ from aft_jax import default_config
 from aft_jax.data import DATASETS
 from aft_jax.model import ModelConfig
 
-# Keys that may differ when resuming a run: they do not change what is computed.
+# Keys that may differ when resuming a run: they do not change what is computed. Everything
+# else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
+# decay from another length, so it is a conflict like a new learning_rate.
 RESUMABLE = (
-  "num_train_steps",
   "log_every_steps",
   "eval_every_steps",
   "checkpoint_every_steps",
@@ -23,7 +24,11 @@ RESUMABLE = (
   "data.data_dir",
   "data.manual_dir",
   "nonfinite",
+  "max_consecutive_skips",
 )
+
+# Keys the learning-rate schedule is built from: their conflicts say so.
+SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
 
 
 def _flatten(d, prefix=""):
@@ -84,6 +89,11 @@ def check_config(config) -> None:
     errors.append(f"config.learning_rate = {c.learning_rate} must be > 0")
   if c.warmup_steps < 0:
     errors.append(f"config.warmup_steps = {c.warmup_steps} must be >= 0")
+  errors += _optimizer_problems(c)
+  if not 0 <= c.seed < 2**31 - 1:
+    errors.append(f"config.seed = {c.seed} must be in [0, 2**31 - 1)")
+  if c.max_consecutive_skips < 0:
+    errors.append(f"config.max_consecutive_skips = {c.max_consecutive_skips} must be >= 0")
   # The model's own settings are checked where they are defined (vocab_size: from the data).
   try:
     errors += [f"config.{e}" for e in ModelConfig(vocab_size=1, **m).problems()]
@@ -103,8 +113,25 @@ def check_config(config) -> None:
     errors.append(f"config.eval_stride = {c.eval_stride} must be in [0, seq_len = {c.seq_len}]")
   if c.sample.length < 0:
     errors.append(f"config.sample.length = {c.sample.length} must be >= 0")
+  if c.sample.temperature < 0:
+    errors.append(f"config.sample.temperature = {c.sample.temperature} must be >= 0 (0: greedy)")
+  if c.sample.top_k < 0:
+    errors.append(f"config.sample.top_k = {c.sample.top_k} must be >= 0 (0: all tokens)")
   if errors:
     raise ValueError("invalid config: " + "; ".join(errors))
+
+
+def _optimizer_problems(c) -> list[str]:
+  errors = []
+  # A negative clip norm flips the gradient's sign: training would ascend the loss.
+  if not c.grad_clip_norm > 0:
+    errors.append(f"config.grad_clip_norm = {c.grad_clip_norm} must be > 0")
+  for name in ("b1", "b2"):
+    if not 0 <= c[name] < 1:
+      errors.append(f"config.{name} = {c[name]} must be in [0, 1)")
+  if c.weight_decay < 0:
+    errors.append(f"config.weight_decay = {c.weight_decay} must be >= 0")
+  return errors
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
@@ -120,5 +147,6 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
     if isinstance(vb, list):
       vb = tuple(vb)
     if va != vb:
-      out.append(f"{key}: {va!r} in the workdir, {vb!r} now")
+      why = " (the learning-rate schedule is built from it)" if key in SCHEDULE else ""
+      out.append(f"{key}: {va!r} in the workdir, {vb!r} now{why}")
   return out

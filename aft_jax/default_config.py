@@ -46,6 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 16  # global, in windows of seq_len tokens
   config.eval_stride = 0  # > 0: sliding-window evaluation with this stride (0: disjoint)
   config.nonfinite = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
+  # 'skip': stop the run when this many updates in a row were skipped (diverged); 0: never
+  config.max_consecutive_skips = 10
 
   config.sample = ml_collections.ConfigDict()  # the sample printed at the end of a run
   config.sample.prompt = ""  # text to continue ('' starts after an end-of-line)

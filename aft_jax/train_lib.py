@@ -3,8 +3,9 @@
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
 exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
-(``aft_jax.checkpointing``), so rerunning the same command resumes exactly; SIGTERM / Ctrl-C save
-a checkpoint and exit (``aft_jax.preemption``).
+and the config (``aft_jax.checkpointing``), so rerunning the same command resumes exactly;
+SIGTERM / Ctrl-C save a checkpoint and exit (``aft_jax.preemption``); one trainer per workdir
+(``aft_jax.workdir_lock``).
 
 ``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
 loop, final evaluation, results, a sample. The step functions are pure module-level functions
@@ -36,6 +37,7 @@ from aft_jax import data as data_lib
 from aft_jax import decode as decode_lib
 from aft_jax import files
 from aft_jax import sharding
+from aft_jax import workdir_lock
 from aft_jax.config_check import check_config
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
@@ -211,7 +213,15 @@ class Trainer:
         s, c = self._eval_step(params, sharding.put_batch(batch, self.mesh))
         total += float(s)
         count += float(c)
-    return {"nll": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+    return {"nll": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
+
+
+def perplexity(nll: float) -> float:
+  """exp(nll); inf where that overflows (a diverged model), so results are still written."""
+  try:
+    return math.exp(nll)
+  except OverflowError:
+    return math.inf
 
 
 def unigram_ppl(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
@@ -233,6 +243,7 @@ class Run:
   corpus: data_lib.Corpus
   model_cfg: ModelConfig
   trainer: Trainer
+  allow_config_change: bool = False  # resume a checkpoint whose config differs
 
   @property
   def is_main(self) -> bool:
@@ -265,14 +276,25 @@ def setup(config, workdir: str, allow_config_change: bool) -> Run:
   model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
   mesh = sharding.make_mesh(config.mesh)
   check_mesh(config, mesh)
-  checkpointing.check_workdir_config(config, workdir, allow_config_change)
-  return Run(config, workdir, corpus, model_cfg, Trainer(config, model_cfg, mesh))
+  return Run(
+    config, workdir, corpus, model_cfg, Trainer(config, model_cfg, mesh), allow_config_change
+  )
 
 
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
-  """The latest checkpoint's state (and data position), or a freshly initialised state."""
-  latest = mngr.latest_step()
-  if latest is None:
+  """The newest intact checkpoint's state (and data position), or a freshly initialised state.
+
+  The checkpoint's own config is what the run's config is checked against; config.json is
+  written only once the restore succeeded.
+  """
+
+  def check(saved):
+    checkpointing.check_resume_config(saved, run.config, run.workdir, run.allow_config_change)
+
+  restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
+  if restored is None:
+    check(None)  # a config.json without checkpoints: a run stopped before its first save
+    checkpointing.write_workdir_config(run.config, run.workdir)
     state = run.trainer.init_state(run.config.seed)
     if run.is_main:
       print(
@@ -282,36 +304,80 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
         flush=True,
       )
     return state
-  state, data_state = checkpointing.restore(mngr, latest, run.trainer.abstract_state)
+  step, state, data_state = restored
   data_iter.set_state(data_state)
+  checkpointing.write_workdir_config(run.config, run.workdir)
   if run.is_main:
-    print(f"Resuming from the checkpoint at step {latest} in {run.workdir}", flush=True)
+    print(f"Resuming from the checkpoint at step {step} in {run.workdir}", flush=True)
   return state
 
 
 class _StepLog:
-  """Collects per-step metrics on the device and writes one record per logged step."""
+  """Collects per-step metrics on the device, reads each step's finite flag one step behind,
+  and writes one record per logged step.
 
-  def __init__(self, run: Run, writer: MetricWriter, bar):
-    self.run, self.writer, self.bar = run, writer, bar
+  Reading the previous step's flag waits for that step only while the next one is already
+  queued: the device never idles, and the host stays at most one step ahead of it, so a signal
+  is acted on within a step and a run of skipped (non-finite) updates is seen as it happens.
+  """
+
+  def __init__(self, run: Run, writer: MetricWriter, bar, mngr, step: int):
+    self.run, self.writer, self.bar, self.mngr = run, writer, bar, mngr
     self.pending, self.t_last = [], time.perf_counter()
+    self.step = step  # the step of the last metrics added
+    self.checked = 0  # how many of ``pending`` have had their finite flag read
+    self.skipped_since = None  # first step of the current run of skipped updates, if any
 
   def add(self, metrics) -> None:
+    """Adds the next step's metrics and reads the previous step's finite flag."""
     self.pending.append(metrics)
+    self.step += 1
+    self._check(len(self.pending) - 1)
 
-  def flush(self, step: int, state: TrainState, mngr) -> None:
-    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to."""
+  def settle(self) -> None:
+    """Reads the finite flags of every step added so far (waits for the last one)."""
+    self._check(len(self.pending))
+
+  def _check(self, upto: int) -> None:
+    """Tracks skipped updates; raises on one with nonfinite='stop', or on too many in a row."""
     config = self.run.config
-    stacked = jax.device_get(self.pending)  # the only host sync of the training loop
+    first = self.step - len(self.pending) + 1  # the step of pending[0]
+    for i in range(self.checked, upto):
+      step = first + i
+      if bool(self.pending[i]["finite"]):
+        self.skipped_since = None
+        continue
+      if config.nonfinite == "stop":
+        raise FloatingPointError(
+          f"non-finite loss or gradient at step {step}; {self.last_good()} (set "
+          "nonfinite='skip' to skip such updates)"
+        )
+      self.skipped_since = self.skipped_since or step
+      skips = step - self.skipped_since + 1
+      if config.max_consecutive_skips and skips >= config.max_consecutive_skips:
+        raise FloatingPointError(
+          f"training diverged: the {skips} updates of steps {self.skipped_since}-{step} were "
+          f"all non-finite and skipped (max_consecutive_skips = "
+          f"{config.max_consecutive_skips}); {self.last_good()}: lower learning_rate (or fix "
+          "the data) and resume from it with --allow_config_change"
+        )
+    self.checked = max(self.checked, upto)
+
+  def last_good(self) -> str:
+    # Checkpoints are never written inside a run of skipped updates (see _checkpoint).
+    latest = self.mngr.latest_step()
+    if latest is None:
+      return "there is no checkpoint yet"
+    return f"the last good checkpoint is step {latest}"
+
+  def flush(self, state: TrainState) -> None:
+    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to."""
+    self.settle()
+    config, step = self.run.config, self.step
+    stacked = jax.device_get(self.pending)  # all ready: settle waited for the last step
     elapsed = time.perf_counter() - self.t_last
     n = len(stacked)
     losses = [float(m["loss"]) for m in stacked if bool(m["finite"])]
-    nonfinite = [i for i, m in enumerate(stacked) if not bool(m["finite"])]
-    if nonfinite and config.nonfinite == "stop":
-      raise FloatingPointError(
-        f"non-finite loss or gradient at step {step - n + nonfinite[0] + 1}; the last "
-        f"checkpoint is step {mngr.latest_step()} (set nonfinite='skip' to skip such updates)"
-      )
     record = {
       "step": step,
       "loss": float(np.mean(losses)) if losses else float("nan"),
@@ -330,7 +396,23 @@ class _StepLog:
         f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
         f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} ms/step"
       )
-    self.pending, self.t_last = [], time.perf_counter()
+    self.pending, self.checked, self.t_last = [], 0, time.perf_counter()
+
+
+def _checkpoint(run: Run, log: _StepLog, mngr, step: int, state, data_iter) -> bool:
+  """Saves the checkpoint at ``step``, unless its update was skipped as non-finite: a run of
+  skipped updates must not rotate out the last good checkpoint. Whether one was saved."""
+  log.settle()
+  if log.skipped_since is not None:
+    if run.is_main:
+      print(
+        f"Not checkpointing step {step}: the updates since step {log.skipped_since} were "
+        f"non-finite and skipped; {log.last_good()}",
+        flush=True,
+      )
+    return False
+  checkpointing.save(mngr, step, state, data_iter, run.config)
+  return True
 
 
 def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
@@ -345,7 +427,7 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     disable=not run.is_main,
     dynamic_ncols=True,
   )
-  log = _StepLog(run, writer, bar)
+  log = _StepLog(run, writer, bar, mngr, step)
   with bar, Preemption() as preemption:
     while step < config.num_train_steps:
       state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
@@ -354,21 +436,23 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
       bar.update(1)
       last = step == config.num_train_steps
       if step % config.log_every_steps == 0 or last:
-        log.flush(step, state, mngr)
+        log.flush(state)
       if step % config.eval_every_steps == 0 and not last:
         ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
         writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
       if step % config.checkpoint_every_steps == 0 or last:
-        checkpointing.save(mngr, step, state, data_iter)
+        _checkpoint(run, log, mngr, step, state, data_iter)
       if preemption.should_stop(step, config.log_every_steps):
-        if mngr.latest_step() != step:
-          checkpointing.save(mngr, step, state, data_iter)
+        if log.pending:
+          log.flush(state)  # the steps since the last log line are not lost
+        saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
         if run.is_main:
-          print(
-            f"\nInterrupted (signal {preemption.signal}): saved the checkpoint at step "
-            f"{step}; run the same command again to resume.",
-            flush=True,
+          what = (
+            f"saved the checkpoint at step {step}; run the same command again to resume."
+            if saved
+            else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
           )
+          print(f"\nInterrupted (signal {preemption.signal}): {what}", flush=True)
         return state, True
   return state, False
 
@@ -448,24 +532,25 @@ def train_and_evaluate(
   ``{"interrupted": True, "step": step}``.
   """
   run = setup(config, workdir, allow_config_change)
-  data_iter = data_lib.train_iterator(
-    run.corpus.splits["train"],
-    seq_len=config.seq_len,
-    global_batch_size=config.batch_size,
-    seed=config.seed,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-  )
-  mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
-  state = restore_or_init(run, mngr, data_iter)
-  writer = MetricWriter(run.workdir, enabled=run.is_main)
-  try:
-    state, interrupted = train_loop(run, state, data_iter, mngr, writer)
-    if interrupted:
-      return {"interrupted": True, "step": int(state.step)}
-    results = final_results(run, state)
-    write_results(run, results, writer)
-  finally:
-    writer.close()
-  sample(run, state.params)
+  with workdir_lock.hold(run.workdir, enabled=run.is_main):
+    data_iter = data_lib.train_iterator(
+      run.corpus.splits["train"],
+      seq_len=config.seq_len,
+      global_batch_size=config.batch_size,
+      seed=config.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+    mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
+    state = restore_or_init(run, mngr, data_iter)
+    writer = MetricWriter(run.workdir, enabled=run.is_main)
+    try:
+      state, interrupted = train_loop(run, state, data_iter, mngr, writer)
+      if interrupted:
+        return {"interrupted": True, "step": int(state.step)}
+      results = final_results(run, state)
+      write_results(run, results, writer)
+    finally:
+      writer.close()
+    sample(run, state.params)
   return results

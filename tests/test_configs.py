@@ -67,6 +67,16 @@ def _quick():
     (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 128"),
     (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
     (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
+    # A negative clip norm flips the gradient: training by gradient ascent.
+    (lambda c: setattr(c, "grad_clip_norm", -1.0), "grad_clip_norm = -1.0 must be > 0"),
+    (lambda c: setattr(c, "b1", 5.0), "b1 = 5.0 must be in \\[0, 1\\)"),
+    (lambda c: setattr(c, "b2", 1.0), "b2 = 1.0 must be in \\[0, 1\\)"),
+    (lambda c: setattr(c, "weight_decay", -0.1), "weight_decay = -0.1 must be >= 0"),
+    (lambda c: setattr(c, "seed", -1), "seed = -1 must be in \\[0, 2\\*\\*31 - 1\\)"),
+    (lambda c: setattr(c.model, "dtype", "float16"), "dtype = 'float16': use 'float32' or"),
+    (lambda c: setattr(c.sample, "top_k", -1), "sample.top_k = -1 must be >= 0"),
+    (lambda c: setattr(c.sample, "temperature", -1.0), "sample.temperature = -1.0 must be >= 0"),
+    (lambda c: setattr(c, "max_consecutive_skips", -1), "max_consecutive_skips = -1 must be"),
   ],
 )
 def test_invalid_values_fail_with_a_message(change, message):
@@ -90,11 +100,20 @@ def test_unknown_keys_and_wrong_types_fail():
 def test_resume_conflicts_ignore_only_harmless_keys():
   a = _quick().to_dict()
   b = _quick()
-  b.num_train_steps = 5000
   b.log_every_steps = 1
+  b.max_consecutive_skips = 0
   assert config_check.resume_conflicts(a, b.to_dict()) == []
   b.model.d_model = 64
   b.seed = 3
   conflicts = config_check.resume_conflicts(a, b.to_dict())
   assert any(c.startswith("model.d_model: 128") for c in conflicts)
   assert any(c.startswith("seed: 0") for c in conflicts)
+
+
+def test_the_schedule_length_is_a_resume_conflict():
+  """A new num_train_steps would restart the cosine decay from another length."""
+  b = _quick()
+  b.num_train_steps = 5000
+  assert config_check.resume_conflicts(_quick().to_dict(), b.to_dict()) == [
+    "num_train_steps: 1000 in the workdir, 5000 now (the learning-rate schedule is built from it)"
+  ]

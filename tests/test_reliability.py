@@ -1,8 +1,11 @@
 """Interruption, faults and bad input never lose work or produce silent garbage."""
 
 import glob
+import json
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, config_flags, tiny_config
-from aft_jax import checkpointing, metrics, train_lib
+from aft_jax import checkpointing, metrics, train_lib, workdir_lock
 
 TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
 
@@ -58,8 +61,9 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   assert "Interrupted (signal 15): saved the checkpoint at step" in out
   step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
   assert step >= 3 and _steps(workdir) == [step]
-  # The same run, now asked to stop two steps later, continues from that step.
-  flags = config_flags(tiny_config(num_train_steps=step + 2))
+  # The same run, now asked to stop two steps later (a new schedule length: allowed
+  # explicitly), continues from that step.
+  flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
   again = subprocess.run(
     TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
   )
@@ -90,7 +94,7 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
   assert complete
   flags = config_flags(
     tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
-  )
+  ) + ["--allow_config_change"]
   again = subprocess.run(
     TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
   )
@@ -102,8 +106,9 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
 POISON = 255  # a byte that never occurs in UTF-8 text
 
 
-def _poison(monkeypatch, at_step):
-  """Batch ``at_step`` gets a poison token whose loss is NaN (so its gradient is NaN too)."""
+def _poison(monkeypatch, at_step, until=None):
+  """Batches ``at_step`` to ``until`` (default: just that one) get a poison token whose loss is
+  NaN (so its gradient is NaN too)."""
   orig_nll = train_lib.weighted_nll
 
   def nll(model, params, batch, **kw):
@@ -115,15 +120,17 @@ def _poison(monkeypatch, at_step):
 
   orig_iter = train_lib.data_lib.train_iterator
   monkeypatch.setattr(
-    train_lib.data_lib, "train_iterator", lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step)
+    train_lib.data_lib,
+    "train_iterator",
+    lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step, until or at_step),
   )
 
 
 class _Poisoned:
-  """Forwards a train iterator, putting a poison token into its ``at``-th batch."""
+  """Forwards a train iterator, putting a poison token into its ``at``-th to ``until``-th batch."""
 
-  def __init__(self, it, at):
-    self.it, self.at, self.n = it, at, 0
+  def __init__(self, it, at, until):
+    self.it, self.at, self.until, self.n = it, at, until, 0
 
   def __iter__(self):
     return self
@@ -131,7 +138,7 @@ class _Poisoned:
   def __next__(self):
     self.n += 1
     batch = next(self.it)
-    if self.n == self.at:
+    if self.at <= self.n <= self.until:
       inputs = np.array(batch["inputs"])
       inputs[:, 0] = POISON
       batch = dict(batch, inputs=inputs)
@@ -176,9 +183,10 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
     def get_state(self):
       return {}
 
-  with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite"):
-    checkpointing.save(mngr, 1, S(), It())
+  with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite") as err:
+    checkpointing.save(mngr, 1, S(), It(), {})
   assert mngr.latest_step() is None
+  assert "there is no earlier checkpoint" in str(err.value)  # not "step None is intact"
 
 
 DISK_FULL = """
@@ -210,8 +218,137 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert out.returncode != 0
   assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
   assert "the previous checkpoint (step 2) is intact" in out.stderr
+  # Our error alone: not Orbax's threads' tracebacks, logs and asyncio shutdown noise.
+  assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
+  assert "ERROR:absl" not in out.stderr and "Event loop is closed" not in out.stderr
+  assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
   assert _steps(workdir) == [2]
   results = train_lib.train_and_evaluate(
     tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
   )
   assert results["steps"] == 6 and _steps(workdir)[-1] == 6
+
+
+def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
+  tmp_path, monkeypatch
+):
+  """Every update from step 4 on is non-finite: the run stops at the 5th in a row, naming the
+  steps and step 2, the last checkpoint before the skips, which rotation never removed."""
+  _poison(monkeypatch, at_step=4, until=10**6)
+  workdir = str(tmp_path / "run")
+  config = tiny_config(
+    num_train_steps=30, checkpoint_every_steps=2, keep_checkpoints=1, max_consecutive_skips=5
+  )
+  with pytest.raises(FloatingPointError, match="steps 4-8 .* the last good checkpoint is step 2"):
+    train_lib.train_and_evaluate(config, workdir)
+  assert _steps(workdir) == [2]
+
+
+def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, monkeypatch):
+  orig = train_lib.eval_step
+  monkeypatch.setattr(
+    train_lib, "eval_step", lambda *a, **kw: (lambda s, c: (s + 1e4 * c, c))(*orig(*a, **kw))
+  )
+  workdir = str(tmp_path / "run")
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  assert results["valid_ppl"] == math.inf and results["valid_loss"] > 1e4
+  assert os.path.exists(os.path.join(workdir, "results.json"))
+
+
+def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  train_lib.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
+  # Extending the run would restart the cosine schedule from another length: a conflict.
+  with pytest.raises(ValueError, match="num_train_steps: 2 in the workdir, 4 now .the learning"):
+    train_lib.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  # Without config.json the checkpoint's own config still refuses another learning rate.
+  os.remove(os.path.join(workdir, "config.json"))
+  with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
+    train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
+  # A change that cannot be restored fails without touching config.json.
+  train_lib.checkpointing.write_workdir_config(tiny_config(), workdir)
+  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
+    train_lib.train_and_evaluate(
+      tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
+    )
+  assert json.load(open(os.path.join(workdir, "config.json")))["model"]["d_model"] == 16
+  assert _steps(workdir) == [2]  # nothing moved aside: no checkpoint is damaged
+
+
+def test_resume_walks_back_from_damaged_checkpoints(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
+  train_lib.train_and_evaluate(config, workdir)
+  ckpts = os.path.join(workdir, "checkpoints")
+  arrays = glob.glob(os.path.join(ckpts, "4", "state", "**", "d", "*"), recursive=True)
+  largest = max(arrays, key=os.path.getsize)
+  with open(largest, "r+b") as f:
+    f.truncate(os.path.getsize(largest) // 2)
+  os.makedirs(os.path.join(ckpts, "6"))  # an empty step folder
+  capsys.readouterr()
+  results = train_lib.train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  skipped = [line for line in out.splitlines() if line.startswith("Skipped the damaged")]
+  assert len(skipped) == 2, out
+  assert skipped[0].startswith(
+    "Skipped the damaged checkpoint at step 6 (FileNotFoundError: the folder is empty; resuming"
+  )
+  assert skipped[1].startswith("Skipped the damaged checkpoint at step 4 (")
+  assert all("resuming from step 2" in line for line in skipped)
+  assert "Resuming from the checkpoint at step 2" in out
+  assert results["steps"] == 4 and _steps(workdir) == [2, 4]
+  assert sorted(os.listdir(os.path.join(workdir, "damaged_checkpoints"))) == ["4", "6"]
+
+
+class _Flag:
+  """A step's finite flag that records when the training loop reads it."""
+
+  def __init__(self, value, step, events):
+    self.value, self.step, self.events = value, step, events
+
+  def __bool__(self):
+    self.events.append(("read", self.step))
+    return bool(self.value)
+
+
+def test_a_signal_is_acted_on_within_a_step_and_flushes_the_metrics(tmp_path, monkeypatch):
+  """The host reads step n-1's finite flag before it dispatches step n+1 (so it never runs
+  more than one step ahead of the device), and the metrics since the last log line are
+  written before exiting on a signal."""
+  orig = train_lib.Trainer.train_step
+  events = []
+
+  def step(self, *args):
+    n = sum(1 for e in events if e[0] == "dispatch") + 1
+    events.append(("dispatch", n))
+    state, metrics = orig(self, *args)
+    if n == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
+
+  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=50, log_every_steps=1000)
+  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 4}
+  for n in (3, 4):
+    assert events.index(("read", n - 2)) < events.index(("dispatch", n)), events
+  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  assert [r["step"] for r in records] == [4] and np.isfinite(records[0]["loss"])
+
+
+def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  lock = workdir_lock.lock_path(workdir)
+  holder = subprocess.Popen(["sleep", "60"])
+  try:
+    with open(lock, "w") as f:
+      json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
+    with pytest.raises(workdir_lock.WorkdirInUse, match=f"another trainer .pid {holder.pid} on"):
+      train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  # Its process is gone: the lock is stale, taken over, and released at the end.
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  assert results["steps"] == 1 and not os.path.exists(lock)

@@ -1,0 +1,107 @@
+"""One trainer per workdir: ``<workdir>/trainer.lock`` names the process that holds it.
+
+Two trainers on one workdir would write every metrics line twice and the same checkpoints. The
+lock file holds the holder's pid and host; a second trainer is refused with both. A lock left
+by a process that is gone (killed, crashed) on this host is taken over; one from another host
+cannot be checked from here, so the error says how to remove it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+LOCK_NAME = "trainer.lock"
+
+
+class WorkdirInUse(RuntimeError):
+  """Another live trainer holds the workdir."""
+
+
+def lock_path(workdir: str) -> str:
+  return os.path.join(workdir, LOCK_NAME)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's process: it exists
+    return True
+  return True
+
+
+def _read(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError):
+    return {}  # unreadable: treated as held by an unknown process
+
+
+def _create(path: str, holder: dict) -> bool:
+  """Creates the lock file with ``holder`` in it, atomically; False if it already exists."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(holder, f)
+  try:
+    os.link(tmp, path)  # fails if path exists, and never leaves a half-written lock
+    return True
+  except FileExistsError:
+    return False
+  finally:
+    os.remove(tmp)
+
+
+def acquire(workdir: str) -> str:
+  """Takes the workdir's lock (taking over a stale one); raises WorkdirInUse if it is held."""
+  os.makedirs(workdir, exist_ok=True)
+  path = lock_path(workdir)
+  host = socket.gethostname()
+  me = {"pid": os.getpid(), "host": host, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+  for _ in range(3):  # a stale lock removed by us (or a racing trainer), then created again
+    if _create(path, me):
+      return path
+    holder = _read(path)
+    if holder is None:
+      continue  # released in between
+    pid = holder.get("pid")
+    if holder.get("host") == host and isinstance(pid, int) and not _alive(pid):
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(path)  # stale: its process is gone
+      continue
+    raise WorkdirInUse(
+      f"workdir {workdir} is in use by another trainer (pid {pid} on {holder.get('host')}, "
+      f"since {holder.get('since')}); wait for it to finish, or delete {path} if that process "
+      "is gone"
+    )
+  raise WorkdirInUse(f"could not take the lock {path}: other trainers keep taking it")
+
+
+def release(path: str) -> None:
+  """Removes the lock if this process still holds it."""
+  holder = _read(path)
+  if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+
+
+@contextlib.contextmanager
+def hold(workdir: str, enabled: bool = True) -> Iterator[None]:
+  """Holds the workdir's lock for the block (``enabled=False``: does nothing, e.g. on the
+  processes other than process 0 of a multi-process run, which share its workdir)."""
+  if not enabled:
+    yield
+    return
+  path = acquire(workdir)
+  try:
+    yield
+  finally:
+    release(path)
