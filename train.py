@@ -1,7 +1,9 @@
 """Trains an AFT language model: python train.py --config configs/quickstart.py --workdir runs/x
 
 Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
-Rerunning the same command resumes from the workdir's last checkpoint.
+Rerunning the same command resumes from the workdir's last checkpoint. JAX's flags are accepted
+(--jax_debug_nans, --jax_platforms=cpu, ...), and -v / --verbosity sets absl's log level
+(default: warnings only).
 """
 
 import jax
@@ -28,7 +30,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  if not FLAGS["verbosity"].present:  # -v / --verbosity wins
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
@@ -47,4 +50,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
   app.run(main)

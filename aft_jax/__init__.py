@@ -9,9 +9,13 @@ Modules:
   model      the decoder-only language model (ModelConfig, TransformerLM)
   adaptive   adaptive input and adaptive softmax
   data, sharding, train_lib, decode   the trainer's pieces (imported on demand)
+  generate, evaluate, export           commands for a trained run (python -m aft_jax.<name>)
+
+load_pretrained(path) -> (model, params, vocab) reads a file written by aft_jax.export.
 """
 
 from aft_jax import adaptive, layers, model, ops
+from aft_jax.export import load_pretrained
 
 __version__ = "0.1.0"
-__all__ = ["adaptive", "layers", "model", "ops"]
+__all__ = ["adaptive", "layers", "load_pretrained", "model", "ops"]

@@ -22,6 +22,7 @@ RESUMABLE = (
   "data.data_dir",
   "data.manual_dir",
   "nonfinite",
+  "profile_steps",
 )
 
 

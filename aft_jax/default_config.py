@@ -18,7 +18,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.dataset = "pydoc"  # 'pydoc' (ships with Python, no download) or 'wikitext103'
   config.data.tokenizer = "byte"  # 'byte' or 'word'
   config.data.variant = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
-  config.data.data_dir = "data"  # prepared datasets live in <data_dir>/prepared
+  # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
+  config.data.data_dir = ""
   config.data.manual_dir = ""  # a folder holding the official zip or its extracted files
 
   config.model = model_config_dict()  # see aft_jax.model.ModelConfig for each key
@@ -42,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 16  # global, in windows of seq_len tokens
   config.eval_stride = 0  # > 0: sliding-window evaluation with this stride (0: disjoint)
   config.nonfinite = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
+  # (start, stop): a jax.profiler trace of steps start+1 .. stop in <workdir>/tensorboard
+  # (TensorBoard's profile tab); () or None: no trace
+  config.profile_steps = ()
 
   config.sample = ml_collections.ConfigDict()  # the sample printed at the end of a run
   config.sample.prompt = ""  # text to continue ('' starts after an end-of-line)
