@@ -54,6 +54,33 @@ def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float
   return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
+_sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "top_p"))
+
+
+# Module-level jitted steps (the model is a hashable static argument), so repeated calls on one
+# model compile once.
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _decode_step(model, params, cache, tok_B):
+  """(new cache, log-probabilities [B, V] of the next token) after feeding ``tok_B``."""
+  logp_B1V, mutated = model.apply(
+    {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
+  )
+  return mutated["cache"], logp_B1V[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_cache(model, batch: int):
+  """The decoding cache of ``batch`` rows before any token (the parameters are dropped)."""
+  tokens_B1 = jnp.zeros((batch, 1), jnp.int32)
+  return model.init(jax.random.key(0), tokens_B1, decode=True)["cache"]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _window_logp(model, params, tokens_BT):
+  """Log-probabilities ``[B, V]`` of the token after the window ``tokens_BT``."""
+  return model.apply({"params": params}, tokens_BT)[:, -1]
+
+
 def generate(
   model,
   params,
@@ -80,20 +107,11 @@ def generate(
   check_sampling(temperature, top_k, top_p)
   b, p = prompt_BP.shape
   max_len = model.cfg.max_len
-  sample = jax.jit(
-    functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+  sample = functools.partial(
+    _sample_jit, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)
   )
-
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def step(cache, tok_B):
-    logp_B1V, mutated = model.apply(
-      {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
-    )
-    return mutated["cache"], logp_B1V[:, 0]
-
-  @jax.jit
-  def window(tokens_BT):
-    return model.apply({"params": params}, tokens_BT)[:, -1]
+  step = functools.partial(_decode_step, model)
+  window = functools.partial(_window_logp, model)
 
   seq_BN = prompt_BP
   stopped_B = np.zeros(b, bool)
@@ -111,16 +129,16 @@ def generate(
 
   if p <= max_len and not done():
     # Incremental decoding while token n still has a position: n < max_len.
-    cache = model.init(jax.random.key(0), prompt_BP[:, :1], decode=True)["cache"]
+    cache = _init_cache(model, b)
     for i in range(p - 1):
-      cache, _ = step(cache, jnp.asarray(prompt_BP[:, i]))
+      cache, _ = step(params, cache, jnp.asarray(prompt_BP[:, i]))
     while not done():
-      cache, logp_BV = step(cache, jnp.asarray(seq_BN[:, -1]))
+      cache, logp_BV = step(params, cache, jnp.asarray(seq_BN[:, -1]))
       append(logp_BV)
       if seq_BN.shape[1] > max_len:
         break  # the next token has no position left: slide from here
   while not done():
-    append(window(jnp.asarray(seq_BN[:, -max_len:])))
+    append(window(params, jnp.asarray(seq_BN[:, -max_len:])))
   return seq_BN[:, p:]
 
 
