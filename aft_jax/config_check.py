@@ -25,6 +25,7 @@ RESUMABLE = (
   "data.manual_dir",
   "nonfinite",
   "max_consecutive_skips",
+  "profile_steps",
 )
 
 # Keys the learning-rate schedule is built from: their conflicts say so.

@@ -48,6 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.nonfinite = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
   # 'skip': stop the run when this many updates in a row were skipped (diverged); 0: never
   config.max_consecutive_skips = 10
+  # (start, stop): a jax.profiler trace of steps start+1 .. stop in <workdir>/tensorboard
+  # (TensorBoard's profile tab); () or None: no trace
+  config.profile_steps = ()
 
   config.sample = ml_collections.ConfigDict()  # the sample printed at the end of a run
   config.sample.prompt = ""  # text to continue ('' starts after an end-of-line)

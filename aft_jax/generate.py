@@ -1,64 +1,112 @@
 """Samples text from a trained run: python -m aft_jax.generate --workdir runs/x --prompt "The "
 
-Loads the run's saved config and its latest (or --step) checkpoint, then decodes incrementally.
+Loads the run's config, vocabulary (both kept in the workdir, so no dataset is needed) and its
+latest (or --step) checkpoint, then decodes incrementally; past the model's max_len the context
+slides (``aft_jax.decode``), so any --length is honoured. Prints the prompt and its
+continuation; with --num_samples > 1 (sampled as one batch) each sample follows a header line.
+
+A prompt is encoded like the corpus: bytes take any text; a word model maps words outside its
+vocabulary to <unk> (and says how many on stderr), or refuses them if it has no <unk>.
 """
 
-import json
-import os
+from __future__ import annotations
 
-import jax
-import ml_collections
-from absl import app, flags, logging
-
-flags.DEFINE_string("workdir", None, "A workdir written by train.py.")
-flags.DEFINE_string("prompt", "", "Text to continue.")
-flags.DEFINE_integer("length", 200, "Tokens to generate (bounded by the model's max_len).")
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
-flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-flags.mark_flag_as_required("workdir")
-FLAGS = flags.FLAGS
+import argparse
+import sys
 
 
-def load_run(workdir: str, step: int | None = None):
-  """(config, corpus, model, params) of the run in ``workdir`` at ``step`` (default latest)."""
-  from aft_jax import checkpointing, sharding, train_lib
-  from aft_jax import data as data_lib
-  from aft_jax.model import ModelConfig
-
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  corpus = data_lib.load_corpus(config.data)
-  model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
-  one = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
-  trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(one, jax.devices()[:1]))
-  mngr = checkpointing.checkpoint_manager(workdir, config.keep_checkpoints)
-  step = mngr.latest_step() if step is None else step
-  if step is None:
-    raise ValueError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
-  state, _ = checkpointing.restore(mngr, step, trainer.abstract_state, with_data=False)
-  return config, corpus, trainer.model, state.params
-
-
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)
-  from aft_jax import decode
-
-  _, corpus, model, params = load_run(FLAGS.workdir, FLAGS.step)
-  text = decode.sample_text(
-    model,
-    params,
-    corpus.vocab,
-    FLAGS.prompt,
-    FLAGS.length,
-    temperature=FLAGS.temperature,
-    top_k=FLAGS.top_k,
-    seed=FLAGS.seed,
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m aft_jax.generate", description=__doc__.split("\n")[0])
+  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
+  p.add_argument("--prompt", default="", help="Text to continue ('': after an end of line).")
+  p.add_argument("--prompt_file", help="Read the prompt from this UTF-8 file instead.")
+  p.add_argument("--length", type=int, default=200, help="Tokens to generate (any number).")
+  p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy.")
+  p.add_argument("--top_k", type=int, default=0, help="The k most likely tokens (0: all).")
+  p.add_argument(
+    "--top_p", type=float, default=1.0, help="Nucleus: the most likely tokens holding this mass."
   )
-  print(FLAGS.prompt + text)
+  p.add_argument("--num_samples", type=int, default=1, help="Samples, generated as one batch.")
+  p.add_argument(
+    "--stop_at_eos",
+    action=argparse.BooleanOptionalAction,
+    default=False,
+    help="End each sample at its first end of line.",
+  )
+  p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
+  return p.parse_args(argv)
+
+
+def read_prompt(prompt: str, prompt_file: str | None) -> str:
+  """--prompt, or the text of --prompt_file (one-line errors for a missing or non-UTF-8 file)."""
+  if prompt_file is None:
+    return prompt
+  if prompt:
+    raise ValueError("give --prompt or --prompt_file, not both")
+  try:
+    with open(prompt_file, encoding="utf-8") as f:
+      return f.read()
+  except OSError as e:
+    raise ValueError(f"--prompt_file {prompt_file}: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--prompt_file {prompt_file} is not UTF-8 text ({e.reason})") from None
+
+
+def check_args(args) -> None:
+  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+
+  if args.length < 1:
+    raise ValueError(f"--length = {args.length} must be >= 1")
+  if args.num_samples < 1:
+    raise ValueError(f"--num_samples = {args.num_samples} must be >= 1")
+  try:
+    decode.check_sampling(args.temperature, args.top_k, args.top_p)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+
+
+def generate_main(args: argparse.Namespace) -> list[str]:
+  """Runs the command: prints and returns the samples (each with the prompt)."""
+  from aft_jax import decode, workdir  # pylint: disable=g-import-not-at-top
+
+  check_args(args)
+  prompt = read_prompt(args.prompt, args.prompt_file)
+  workdir.check_workdir(args.workdir, args.step)  # before anything slow
+  run = workdir.load_run(args.workdir, args.step)
+  _, unknown = decode.encode_prompt(run.vocab, prompt)
+  if unknown:
+    print(
+      f"note: {unknown} word(s) of the prompt are not in the vocabulary: read as <unk>",
+      file=sys.stderr,
+    )
+  texts = decode.sample_texts(
+    run.model,
+    run.params,
+    run.vocab,
+    prompt,
+    args.length,
+    num_samples=args.num_samples,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    stop_at_eos=args.stop_at_eos,
+    seed=args.seed,
+  )
+  samples = [prompt + t for t in texts]
+  for i, s in enumerate(samples):
+    if len(samples) > 1:
+      print(f"--- sample {i + 1} of {len(samples)}")
+    print(s)
+  return samples
+
+
+def main(argv=None) -> None:
+  """Console-script entry point (``aft-generate``); ``argv`` defaults to ``sys.argv[1:]``."""
+  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+
+  workdir.run_command("generate", generate_main, parse_args(argv))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

@@ -33,6 +33,12 @@ class MetricWriter:
         self._tb.add_scalar(key, value, step)
     self._tb.flush()
 
+  def write_text(self, tag: str, text: str, step: int) -> None:
+    """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
+    if self.enabled:
+      self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+      self._tb.flush()
+
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()

@@ -3,7 +3,9 @@
 (in a checkout, the same as python train.py --config configs/quickstart.py --workdir runs/x).
 --config takes a recipe name, NAME or NAME:ARG (aft_jax/recipes.py), or a config file path.
 Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
-Rerunning the same command resumes from the workdir's last checkpoint.
+Rerunning the same command resumes from the workdir's last checkpoint. JAX's flags are accepted
+(--jax_debug_nans, --jax_platforms=cpu, ...), and -v / --verbosity sets absl's log level
+(default: warnings only).
 """
 
 import os
@@ -40,7 +42,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  if not FLAGS["verbosity"].present:  # -v / --verbosity wins
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
@@ -64,6 +67,7 @@ def run():
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+  jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
   app.run(main, argv=argv)
 
 

@@ -38,6 +38,7 @@ from aft_jax import decode as decode_lib
 from aft_jax import files
 from aft_jax import sharding
 from aft_jax import workdir_lock
+from aft_jax import workdir as workdir_lib
 from aft_jax.config_check import check_config
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
@@ -193,12 +194,16 @@ class Trainer:
     with _on_mesh(self.mesh, self.rules):
       return self._train_step(state, sharding.put_batch(batch, self.mesh), rng)
 
-  def evaluate(self, params, tokens: np.ndarray, bos_id: int, desc: str = "eval") -> dict:
-    """Exact NLL over every token of ``tokens``: sum of NLL / number of tokens, no step cap."""
+  def evaluate(
+    self, params, tokens: np.ndarray, bos_id: int, desc: str = "eval", *, stride: int | None = None
+  ) -> dict:
+    """Exact NLL over every token of ``tokens``: sum of NLL / number of tokens, no step cap.
+
+    ``stride``: sliding-window evaluation with this stride (default: ``config.eval_stride``).
+    """
     cfg = self.config
-    kw = dict(
-      seq_len=cfg.seq_len, global_batch_size=cfg.eval_batch_size, stride=cfg.eval_stride or None
-    )
+    stride = cfg.eval_stride if stride is None else stride
+    kw = dict(seq_len=cfg.seq_len, global_batch_size=cfg.eval_batch_size, stride=stride or None)
     n = data_lib.num_eval_batches(len(tokens), **kw)
     batches = data_lib.eval_batches(
       tokens,
@@ -268,14 +273,39 @@ def check_mesh(config, mesh) -> None:
     )
 
 
+def absolute_paths(config) -> ml_collections.ConfigDict:
+  """A copy of ``config`` whose data folders are absolute (``data_dir`` '': the default one),
+  so config.json says where the data is whichever directory a run is started from."""
+  config = config.copy_and_resolve_references()
+  config.data.data_dir = data_lib.resolve_data_dir(config.data.data_dir)
+  if config.data.manual_dir:
+    config.data.manual_dir = os.path.abspath(os.path.expanduser(config.data.manual_dir))
+  return config
+
+
+def check_profile_steps(config) -> None:
+  steps = config.get("profile_steps") or ()
+  if steps and (
+    len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 0 <= steps[0] < steps[1]
+  ):
+    raise ValueError(
+      f"invalid config: config.profile_steps = {tuple(steps)} must be (start, stop) with "
+      "0 <= start < stop, or () for no trace"
+    )
+
+
 def setup(config, workdir: str, allow_config_change: bool) -> Run:
   """Checks the config, loads the data, builds the mesh and the jitted steps."""
   check_config(config)
+  check_profile_steps(config)
+  config = absolute_paths(config)
   workdir = os.path.abspath(workdir)
   corpus = data_lib.load_corpus(config.data)
   model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
   mesh = sharding.make_mesh(config.mesh)
   check_mesh(config, mesh)
+  if jax.process_index() == 0:
+    workdir_lib.save_vocab(workdir, corpus)  # sampling and evaluating then need no dataset
   return Run(
     config, workdir, corpus, model_cfg, Trainer(config, model_cfg, mesh), allow_config_change
   )
@@ -415,6 +445,47 @@ def _checkpoint(run: Run, log: _StepLog, mngr, step: int, state, data_iter) -> b
   return True
 
 
+class _Profiler:
+  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``config.profile_steps``) in the
+  run's TensorBoard folder, written by process 0."""
+
+  def __init__(self, run: Run):
+    self.steps = tuple(run.config.get("profile_steps") or ()) if run.is_main else ()
+    self.logdir = os.path.join(run.workdir, "tensorboard")
+    self.active = False
+
+  def __enter__(self):
+    return self
+
+  def at(self, step: int, state) -> None:
+    """Called with the number of steps done, before the next one."""
+    if not self.steps:
+      return
+    if step == self.steps[0] and not self.active:
+      jax.profiler.start_trace(self.logdir)
+      self.active = True
+    elif step >= self.steps[1] and self.active:
+      jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
+      self._stop()
+
+  def _stop(self):
+    jax.profiler.stop_trace()
+    self.active = False
+    print(f"Wrote a profile of steps {self.steps} to {self.logdir}", flush=True)
+
+  def __exit__(self, *exc):
+    if self.active:  # the run ended (or stopped) inside the traced steps
+      self._stop()
+
+
+def log_validation(run: Run, writer: MetricWriter, bar, step: int, ev: dict) -> None:
+  """A validation result in the metrics and on the console."""
+  writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
+  if run.is_main:
+    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if run.corpus.unit == "byte" else ""
+    bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")
+
+
 def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
   """Trains to ``num_train_steps``: (final state, whether a signal stopped it early)."""
   config, trainer = run.config, run.trainer
@@ -428,8 +499,9 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     dynamic_ncols=True,
   )
   log = _StepLog(run, writer, bar, mngr, step)
-  with bar, Preemption() as preemption:
+  with bar, Preemption() as preemption, _Profiler(run) as profiler:
     while step < config.num_train_steps:
+      profiler.at(step, state)
       state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
       step += 1
       log.add(metrics)
@@ -439,7 +511,7 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
         log.flush(state)
       if step % config.eval_every_steps == 0 and not last:
         ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
-        writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
+        log_validation(run, writer, bar, step, ev)
       if step % config.checkpoint_every_steps == 0 or last:
         _checkpoint(run, log, mngr, step, state, data_iter)
       if preemption.should_stop(step, config.log_every_steps):
@@ -497,8 +569,9 @@ def write_results(run: Run, results: dict, writer: MetricWriter) -> None:
   writer.write({"step": results["steps"], **scalars})
 
 
-def sample(run: Run, params) -> str | None:
-  """The end-of-run sample (``config.sample``), printed by process 0; None if not asked for."""
+def sample(run: Run, params, writer: MetricWriter | None = None) -> str | None:
+  """The end-of-run sample (``config.sample``), printed by process 0 (and logged to
+  TensorBoard with ``writer``); None if not asked for."""
   cfg = run.config.sample
   if cfg.length <= 0:
     return None
@@ -520,6 +593,8 @@ def sample(run: Run, params) -> str | None:
     seed=run.config.seed,
   )
   print(f"Sample:\n{cfg.prompt}{text}", flush=True)
+  if writer is not None:
+    writer.write_text("sample", cfg.prompt + text, run.config.num_train_steps)
   return text
 
 
@@ -544,13 +619,14 @@ def train_and_evaluate(
     mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
     state = restore_or_init(run, mngr, data_iter)
     writer = MetricWriter(run.workdir, enabled=run.is_main)
+    writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
     try:
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:
         return {"interrupted": True, "step": int(state.step)}
       results = final_results(run, state)
       write_results(run, results, writer)
+      sample(run, state.params, writer)
     finally:
       writer.close()
-    sample(run, state.params)
   return results

@@ -1,6 +1,10 @@
 """Quickstart: AFT-local, byte-level, on the Python documentation text (no download), CPU.
 
-Finishes in about 1.5 minutes on 2 CPU cores (valid perplexity ~4.6 on pydoc bytes).
+Finishes in about 1.5 minutes on 2 CPU cores (valid perplexity ~4.5 on pydoc bytes, ~2.15 bits
+per byte). For this budget (about 2M training bytes) short contexts win: 64 bytes of context and
+32 sequences per step learn faster than 128 x 16 (the same bytes per step), and a higher peak rate
+with a longer warmup trains stably; max_len = seq_len, so sampling never reaches positions that
+training did not (past 64 bytes the context slides).
 """
 
 from aft_jax.default_config import get_config as _base
@@ -14,14 +18,14 @@ def get_config():
   config.model.num_layers = 2
   config.model.d_model = 128
   config.model.mlp_dim = 384
-  config.model.max_len = 128
-  config.model.window = 16
+  config.model.max_len = 64
+  config.model.window = 32
   config.model.dropout_rate = 0.0
-  config.seq_len = 128
-  config.batch_size = 16
+  config.seq_len = 64
+  config.batch_size = 32
   config.num_train_steps = 1000
-  config.learning_rate = 3e-3
-  config.warmup_steps = 50
+  config.learning_rate = 5e-3
+  config.warmup_steps = 100
   config.log_every_steps = 50
   config.eval_every_steps = 500
   config.checkpoint_every_steps = 200

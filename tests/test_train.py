@@ -22,6 +22,7 @@ def test_train_py_two_steps_then_generate(tmp_path):
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 8, "sample.prompt": "def "})
   cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir]
+  cmd += ["--jax_debug_nans=false", "--verbosity=0"]  # JAX's and absl's flags are accepted
   out = subprocess.run(
     cmd + config_flags(config), cwd=ROOT, capture_output=True, text=True, timeout=300
   )

@@ -1,0 +1,130 @@
+"""Scores a trained run: python -m aft_jax.evaluate --workdir runs/x [--split test | --text_file F]
+
+Exact perplexity of a checkpoint (the latest, or --step) on a split of the run's corpus or on
+any UTF-8 text file: the sum of the negative log-likelihood over every token divided by the
+number of tokens, computed by the trainer's own evaluation (``Trainer.evaluate``), so a split
+gives the number the run printed at its end. --stride S < seq_len scores each token with at
+least seq_len - S tokens of context (sliding windows); the default is the run's eval_stride.
+
+A text file is tokenised like the corpus, its first token predicted after an end of line. Byte
+models read any text and also report bits per byte; word models map words outside their
+vocabulary to <unk> (the count is reported as ``unk_tokens``; a vocabulary without <unk>
+refuses them). Progress bars go to stderr; the last line on stdout is one JSON object:
+
+    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test", ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m aft_jax.evaluate", description=__doc__.split("\n")[0])
+  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
+  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
+  p.add_argument("--split", help="A split of the run's corpus: train, validation (default), test.")
+  p.add_argument("--text_file", help="Score this UTF-8 text file instead of a split.")
+  p.add_argument("--stride", type=int, help="Sliding-window stride (default: the run's).")
+  return p.parse_args(argv)
+
+
+SPLITS = ("train", "validation", "test")
+
+
+def read_text(path: str) -> str:
+  """The text of a UTF-8 file; one-line ValueErrors for a missing, empty or non-UTF-8 file."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except OSError as e:
+    raise ValueError(f"--text_file {path}: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--text_file {path} is not UTF-8 text ({e.reason})") from None
+  if not text:
+    raise ValueError(f"--text_file {path} is empty: nothing to score")
+  return text
+
+
+def encode_text(vocab, text: str):
+  """(ids, number of words read as <unk>) of ``text`` under the corpus's tokenizer."""
+  from aft_jax.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+
+  ids = vocab.encode(text)
+  unknown = 0
+  if isinstance(vocab, vocab_lib.WordVocab):
+    known = set(vocab.tokens)
+    unknown = sum(t not in known for t in vocab_lib.word_tokens(text))
+  return ids, unknown
+
+
+def evaluate_run(run, *, split: str | None = None, text: str | None = None, stride=None) -> dict:
+  """Scores ``run`` (``aft_jax.workdir.load_run``) on a split or a text: the JSON line's dict."""
+  from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+
+  cfg = run.config
+  if stride is not None and not 0 <= stride <= cfg.seq_len:
+    raise ValueError(f"--stride = {stride} must be in [0, seq_len = {cfg.seq_len}] (0: disjoint)")
+  result = {"step": run.step, "unit": run.vocab.unit}
+  if text is not None:
+    tokens, unknown = encode_text(run.vocab, text)
+    result.update(bytes=len(text.encode("utf-8")))
+    if run.vocab.unit == "word":
+      result.update(unk_tokens=unknown)
+    desc = "text"
+  else:
+    split = split or "validation"
+    if split not in SPLITS:
+      raise ValueError(f"--split {split!r} must be one of {SPLITS}")
+    corpus = data_lib.load_corpus(cfg.data)
+    if corpus.vocab.size != run.vocab.size:
+      raise ValueError(
+        f"the corpus {corpus.name} now has {corpus.vocab.size} tokens, the run "
+        f"{run.vocab.size}: the data changed since training"
+      )
+    tokens = corpus.splits[split]
+    result.update(split=split)
+    desc = split
+  if len(tokens) == 0:
+    raise ValueError("nothing to score: the text has no tokens")
+  ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
+  result.update(nll=ev["nll"], ppl=ev["ppl"], tokens=ev["tokens"])
+  result.update(stride=cfg.eval_stride if stride is None else stride)
+  if run.vocab.unit == "byte":
+    result["bpb"] = ev["nll"] / math.log(2)
+  return result
+
+
+def evaluate_main(args: argparse.Namespace) -> dict:
+  """Runs the command: prints the JSON line and returns its dict."""
+  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+
+  if args.split is not None and args.text_file is not None:
+    raise ValueError("give --split or --text_file, not both")
+  if args.split is not None and args.split not in SPLITS:
+    raise ValueError(f"--split {args.split!r} must be one of {SPLITS}")
+  if args.stride is not None and args.stride < 0:
+    raise ValueError(f"--stride = {args.stride} must be >= 0 (0: disjoint windows)")
+  text = read_text(args.text_file) if args.text_file is not None else None
+  workdir.check_workdir(args.workdir, args.step)  # before anything slow
+  run = workdir.load_run(args.workdir, args.step)
+  result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
+  result["workdir"] = os.path.abspath(args.workdir)
+  if args.text_file is not None:
+    result["text_file"] = os.path.abspath(args.text_file)
+  print(json.dumps(result, sort_keys=True), flush=True)
+  return result
+
+
+def main(argv=None) -> None:
+  """Console-script entry point (``aft-evaluate``); ``argv`` defaults to ``sys.argv[1:]``."""
+  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+
+  workdir.run_command("evaluate", evaluate_main, parse_args(argv))
+
+
+if __name__ == "__main__":
+  main()

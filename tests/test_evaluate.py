@@ -1,0 +1,128 @@
+"""aft_jax.evaluate on tiny trained runs, and what a run shows while it trains (the console's
+validation lines, the profiler trace, the config and sample on TensorBoard)."""
+
+import contextlib
+import io
+import json
+import math
+import os
+
+import pytest
+
+from conftest import tiny_config
+from aft_jax import evaluate, train_lib
+
+TEXT = "The quick brown fox jumps over the lazy dog.\nzzqqxx is not a word of the docs.\n"
+
+
+def _train(path, **overrides):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    results = train_lib.train_and_evaluate(tiny_config(**overrides), path)
+  return results, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("byte") / "run")
+  results, stdout = _train(
+    path,
+    num_train_steps=4,
+    eval_every_steps=2,
+    profile_steps=(1, 3),
+    **{"sample.length": 10, "sample.prompt": "The "},
+  )
+  return path, results, stdout
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("word") / "run")
+  results, _ = _train(path, num_train_steps=2, **{"data.tokenizer": "word"})
+  return path, results
+
+
+def _evaluate(capsys, *flags):
+  evaluate.main(list(flags))
+  lines = capsys.readouterr().out.strip().splitlines()
+  return json.loads(lines[-1])  # the last line on stdout is the JSON result
+
+
+@pytest.mark.parametrize("split, prefix", [("test", "test"), ("validation", "valid")])
+def test_evaluate_on_a_split_equals_the_trainers_final_number(byte_run, capsys, split, prefix):
+  path, results, _ = byte_run
+  out = _evaluate(capsys, "--workdir", path, "--split", split)
+  assert out["nll"] == pytest.approx(results[f"{prefix}_loss"], rel=1e-6)
+  assert out["ppl"] == pytest.approx(results[f"{prefix}_ppl"], rel=1e-6)
+  assert out["tokens"] == results[f"{prefix}_tokens"] and out["step"] == 4
+  assert out["bpb"] == pytest.approx(out["nll"] / math.log(2))
+
+
+def test_evaluate_a_text_file_byte_model_with_a_stride(byte_run, tmp_path, capsys):
+  path = byte_run[0]
+  text_file = tmp_path / "text.txt"
+  text_file.write_text(TEXT, encoding="utf-8")
+  disjoint = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
+  assert disjoint["tokens"] == len(TEXT.encode()) == disjoint["bytes"]
+  assert math.isfinite(disjoint["bpb"]) and "unk_tokens" not in disjoint
+  sliding = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file), "--stride", "8")
+  assert sliding["tokens"] == disjoint["tokens"] and sliding["stride"] == 8
+  assert sliding["nll"] != disjoint["nll"]  # tokens after the first window see more context
+
+
+def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, tmp_path, capsys):
+  path = word_run[0]
+  text_file = tmp_path / "text.txt"
+  text_file.write_text(TEXT, encoding="utf-8")
+  out = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
+  assert out["unit"] == "word" and "bpb" not in out
+  assert out["tokens"] == len(TEXT.split()) + 2  # an <eos> after each line
+  assert out["unk_tokens"] >= 1  # 'zzqqxx' at least; the tiny vocabulary may lack others
+  assert math.isfinite(out["ppl"])
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--split", "dev"], "--split 'dev' must be one of"),
+    (["--text_file", "/no/such/file"], "--text_file /no/such/file: No such file"),
+    (["--stride", "999"], "--stride = 999 must be in [0, seq_len = 32]"),
+  ],
+)
+def test_evaluate_bad_flags_are_one_line_errors(byte_run, flags, message):
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(["--workdir", byte_run[0]] + flags)
+  assert message in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
+  path = byte_run[0]
+  corpus = json.load(open(os.path.join(path, "corpus.json")))
+  assert corpus == {
+    "bos_id": 10,
+    "name": "pydoc-byte",
+    "tokenizer": "byte",
+    "unit": "byte",
+    "vocab_size": 256,
+  }
+  config = json.load(open(os.path.join(path, "config.json")))
+  assert os.path.isabs(config["data"]["data_dir"])
+  words = open(os.path.join(word_run[0], "vocab.txt"), encoding="utf-8").read().splitlines()
+  assert "<eos>" in words and "<unk>" in words
+
+
+def test_training_shows_validation_profile_config_and_sample(byte_run):
+  path, _, stdout = byte_run
+  assert "step 2: validation loss" in stdout and "bpb" in stdout
+  tb = os.path.join(path, "tensorboard")
+  traces = [f for _, _, fs in os.walk(os.path.join(tb, "plugins", "profile")) for f in fs]
+  assert any(f.endswith(".xplane.pb") for f in traces), traces
+  events = b"".join(
+    open(os.path.join(tb, f), "rb").read() for f in os.listdir(tb) if "tfevents" in f
+  )
+  assert b"config" in events and b"sample" in events and b"learning_rate" in events
+
+
+def test_bad_profile_steps_fail_before_compiling(tmp_path):
+  with pytest.raises(ValueError, match=r"profile_steps = \(5, 2\) must be \(start, stop\)"):
+    train_lib.train_and_evaluate(tiny_config(profile_steps=(5, 2)), str(tmp_path / "run"))
