@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_collections
 
 from aft_jax import default_config
+from aft_jax.data import DATASETS
 from aft_jax.model import ModelConfig
 
 # Keys that may differ when resuming a run: they do not change what is computed.
@@ -16,6 +17,7 @@ RESUMABLE = (
   "keep_checkpoints",
   "eval_batch_size",
   "eval_stride",
+  "final_eval_stride",
   "sample",
   "mesh",
   "logical_axis_rules",
@@ -90,14 +92,17 @@ def check_config(config) -> None:
     errors.append(f"config.{e}")
   if c.seq_len > m.max_len:
     errors.append(f"config.seq_len = {c.seq_len} exceeds config.model.max_len = {m.max_len}")
-  if c.data.dataset not in ("pydoc", "wikitext103"):
-    errors.append(f"config.data.dataset = {c.data.dataset!r} is not 'pydoc' or 'wikitext103'")
+  if c.data.dataset not in DATASETS:
+    errors.append(f"config.data.dataset = {c.data.dataset!r} is not one of {DATASETS}")
+  if c.data.dataset == "enwik8" and c.data.tokenizer != "byte":
+    errors.append(f"config.data.tokenizer = {c.data.tokenizer!r}: enwik8 is bytes ('byte')")
   if c.data.tokenizer not in ("byte", "word"):
     errors.append(f"config.data.tokenizer = {c.data.tokenizer!r} is not 'byte' or 'word'")
   if c.nonfinite not in ("skip", "stop"):
     errors.append(f"config.nonfinite = {c.nonfinite!r} is not 'skip' or 'stop'")
-  if c.eval_stride < 0 or c.eval_stride > c.seq_len:
-    errors.append(f"config.eval_stride = {c.eval_stride} must be in [0, seq_len = {c.seq_len}]")
+  for key in ("eval_stride", "final_eval_stride"):
+    if c[key] < 0 or c[key] > c.seq_len:
+      errors.append(f"config.{key} = {c[key]} must be in [0, seq_len = {c.seq_len}]")
   if c.sample.length < 0:
     errors.append(f"config.sample.length = {c.sample.length} must be >= 0")
   if errors:
