@@ -18,6 +18,7 @@ RESUMABLE = (
   "keep_checkpoints",
   "eval_batch_size",
   "eval_stride",
+  "final_eval_stride",
   "sample",
   "mesh",
   "logical_axis_rules",
@@ -106,12 +107,15 @@ def check_config(config) -> None:
     errors.append(f"config.data.dataset = {c.data.dataset!r} is not one of {', '.join(DATASETS)}")
   if c.data.official not in ("auto", "yes", "no"):
     errors.append(f"config.data.official = {c.data.official!r} is not 'auto', 'yes' or 'no'")
+  if c.data.dataset == "enwik8" and c.data.tokenizer != "byte":
+    errors.append(f"config.data.tokenizer = {c.data.tokenizer!r}: enwik8 is bytes ('byte')")
   if c.data.tokenizer not in ("byte", "word"):
     errors.append(f"config.data.tokenizer = {c.data.tokenizer!r} is not 'byte' or 'word'")
   if c.nonfinite not in ("skip", "stop"):
     errors.append(f"config.nonfinite = {c.nonfinite!r} is not 'skip' or 'stop'")
-  if c.eval_stride < 0 or c.eval_stride > c.seq_len:
-    errors.append(f"config.eval_stride = {c.eval_stride} must be in [0, seq_len = {c.seq_len}]")
+  for key in ("eval_stride", "final_eval_stride"):
+    if c[key] < 0 or c[key] > c.seq_len:
+      errors.append(f"config.{key} = {c[key]} must be in [0, seq_len = {c.seq_len}]")
   if c.sample.length < 0:
     errors.append(f"config.sample.length = {c.sample.length} must be >= 0")
   if c.sample.temperature < 0:

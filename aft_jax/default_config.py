@@ -15,7 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   config.data = ml_collections.ConfigDict()
-  config.data.dataset = "pydoc"  # 'pydoc' (ships with Python, no download), 'wikitext103', 'enwik8'
+  config.data.dataset = "pydoc"  # 'pydoc' (ships with Python), 'wikitext103' or 'enwik8'
   config.data.tokenizer = "byte"  # 'byte' or 'word'
   config.data.variant = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
   # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
@@ -44,7 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500  # Orbax checkpoints (also at the end and on SIGTERM)
   config.keep_checkpoints = 2  # how many recent checkpoints to keep
   config.eval_batch_size = 16  # global, in windows of seq_len tokens
-  config.eval_stride = 0  # > 0: sliding-window evaluation with this stride (0: disjoint)
+  config.eval_stride = 0  # validation during training: > 0 sliding windows, 0 disjoint windows
+  # The final valid/test numbers in results.json: 0 disjoint windows of seq_len; S > 0 sliding
+  # windows that score S new tokens each (1: every token with seq_len - 1 tokens of context)
+  config.final_eval_stride = 0
   config.nonfinite = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
   # 'skip': stop the run when this many updates in a row were skipped (diverged); 0: never
   config.max_consecutive_skips = 10

@@ -11,12 +11,15 @@ from aft_jax import config_check
 from aft_jax.model import MIXINGS, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Recipes whose get_config takes the mixing layer as its argument (file.py:mixing).
-PER_MIXING = ("wikitext103.py",)
+# Recipes whose get_config takes the variant as its argument (file.py:arg).
+PER_MIXING = {
+  "wikitext103.py": MIXINGS,
+  "enwik8.py": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS),
+}
 CONFIGS = [
   (os.path.basename(path), arg)
   for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-  for arg in (MIXINGS if os.path.basename(path) in PER_MIXING else (None,))
+  for arg in PER_MIXING.get(os.path.basename(path), (None,))
 ]
 
 
@@ -34,6 +37,9 @@ def test_there_are_configs_for_every_mixing_layer():
     assert ("wikitext103.py", mixing) in CONFIGS
   with pytest.raises(ValueError, match="'linear' is not one of"):
     load("wikitext103.py", "linear")
+  for bad in ("linear", "aft_local,12x256"):
+    with pytest.raises(ValueError, match="configs/enwik8.py:<mixing>"):
+      load("enwik8.py", bad)
 
 
 @pytest.mark.parametrize("name, arg", CONFIGS, ids=[f"{n}:{a}" if a else n for n, a in CONFIGS])
@@ -46,6 +52,11 @@ def test_config_loads_and_validates(name, arg):
   if config.data.dataset == "wikitext103":
     assert (cfg.num_layers, cfg.d_model, config.seq_len) == (16, 128, 256)
     assert cfg.adaptive_cutoffs == (20000, 40000, 200000)
+    assert config.final_eval_stride == 1  # the small setting's sliding-window protocol
+  if config.data.dataset == "enwik8":
+    size = (12, 512) if arg.endswith(",12x512") else (24, 256)
+    assert (cfg.num_layers, cfg.d_model, config.seq_len, config.batch_size) == (*size, 1024, 128)
+    assert (cfg.window, cfg.factor_dim, cfg.mlp_dim) == (32, 256, 4 * cfg.d_model)
 
 
 def _quick():

@@ -1,0 +1,189 @@
+"""The AFT paper's quality comparison at CPU scale: every mixing layer, trained alike.
+
+Trains softmax attention, AFT-full, AFT-local, AFT-simple and AFT-conv1d language models with
+the same size, data (the bundled pydoc corpus, bytes), steps, seed and schedule through the real
+trainer (``train_lib.train_and_evaluate``), and records for each the validation bits per byte
+(exact, over the whole split, disjoint windows), its curve during training, the parameter
+count, training tokens/s and wall time.
+
+    python -m benchmarks.quality --out benchmarks/results       # ~12 min on 2 CPU cores
+    python -m benchmarks.quality --quick --out /tmp/quality     # seconds: tests run this
+
+Writes ``quality.json`` (machine, settings, every record and curve), ``quality.md`` (the table)
+and ``quality.png`` (validation bits per byte against step, one line per mixing layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from aft_jax import metrics, train_lib
+from aft_jax.default_config import get_config
+from aft_jax.model import MIXINGS
+from benchmarks import common
+
+# The paper's order (Table 4: Transformer, AFT-local-32, AFT-simple), then the other two.
+ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d")
+assert sorted(ORDER) == sorted(MIXINGS)
+
+
+def settings(quick: bool) -> dict:
+  """One model size and schedule for every mixing layer (dotted config keys)."""
+  if quick:
+    return {
+      "model.num_layers": 1,
+      "model.d_model": 16,
+      "model.num_heads": 2,
+      "model.mlp_dim": 32,
+      "model.max_len": 16,
+      "model.window": 4,
+      "model.kernel_size": 4,
+      "seq_len": 16,
+      "batch_size": 4,
+      "num_train_steps": 4,
+      "warmup_steps": 1,
+      "log_every_steps": 2,
+      "eval_every_steps": 2,
+      "eval_batch_size": 256,
+    }
+  return {
+    # The quickstart's model (2 layers, d 128, T 128), with the AFT paper's window s = 32 and
+    # an AFT-conv1d kernel covering the same causal offsets; 4 heads for softmax and conv.
+    "model.num_layers": 2,
+    "model.d_model": 128,
+    "model.num_heads": 4,
+    "model.mlp_dim": 384,
+    "model.max_len": 128,
+    "model.window": 32,
+    "model.kernel_size": 32,
+    "seq_len": 128,
+    "batch_size": 16,
+    "num_train_steps": 600,
+    "warmup_steps": 50,
+    "log_every_steps": 50,
+    "eval_every_steps": 100,
+    "eval_batch_size": 64,
+  }
+
+
+def make_config(mixing: str, overrides: dict, seed: int):
+  config = get_config()
+  config.data.dataset, config.data.tokenizer = "pydoc", "byte"
+  config.model.mixing = mixing
+  config.model.dropout_rate = 0.0
+  config.learning_rate = 3e-3
+  config.seed = seed
+  config.sample.length = 0
+  for key, value in overrides.items():
+    node = config
+    *path, leaf = key.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
+  return config
+
+
+def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
+  """Trains one mixing layer in ``workdir``; its record with the validation curve."""
+  config = make_config(mixing, overrides, seed)
+  start = time.perf_counter()
+  results = train_lib.train_and_evaluate(config, workdir)
+  wall = time.perf_counter() - start
+  records = metrics.read_metrics(workdir)
+  # The first logged interval includes compilation: tokens/s is the median of the others.
+  speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
+  ln2 = math.log(2)
+  curve = [(r["step"], r["valid_loss"] / ln2) for r in records if "valid_loss" in r]
+  curve.append((results["steps"], results["valid_bpb"]))
+  return {
+    "mixing": mixing,
+    "valid_bpb": results["valid_bpb"],
+    "test_bpb": results["test_bpb"],
+    "num_params": results["num_params"],
+    "tokens_per_s": float(np.median(speeds)) if speeds else None,
+    "wall_s": wall,
+    "steps": results["steps"],
+    "tokens_seen": results["tokens_seen"],
+    "eval_protocol": results["eval_protocol"],
+    "curve": curve,
+  }
+
+
+def to_markdown(result: dict) -> str:
+  s = result["settings"]
+  base = {r["mixing"]: r for r in result["records"]}["softmax"]["valid_bpb"]
+  lines = [
+    f"**Validation bits per byte on pydoc** ({s['model.num_layers']} layers, d "
+    f"{s['model.d_model']}, T {s['seq_len']}, batch {s['batch_size']}, "
+    f"{s['num_train_steps']} steps, seed {result['seed']}; exact over the whole validation "
+    "split, disjoint windows)",
+    "",
+    "| mixing | valid bpb | vs softmax | test bpb | parameters | train tokens/s | wall time |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in result["records"]:
+    speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+    lines.append(
+      f"| {r['mixing']} | {r['valid_bpb']:.4f} | {r['valid_bpb'] - base:+.4f} | "
+      f"{r['test_bpb']:.4f} | {r['num_params']:,} | {speed} | {common.fmt_time(r['wall_s'])} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  for r in result["records"]:
+    steps, bpb = zip(*r["curve"])
+    ax.plot(steps, bpb, marker="o", markersize=3, label=f"{r['mixing']} ({r['valid_bpb']:.3f})")
+  ax.set_xlabel("training step")
+  ax.set_ylabel("validation bits per byte")
+  ax.set_title("pydoc bytes: validation curves, same model size and schedule")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--quick", action="store_true", help="tiny model and 4 steps (seconds)")
+  p.add_argument("--mixings", nargs="+", default=list(ORDER), choices=ORDER)
+  p.add_argument("--seed", type=int, default=0)
+  a = p.parse_args(argv)
+  start = time.perf_counter()
+  info = common.machine_info()
+  overrides = settings(a.quick)
+  records = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for mixing in a.mixings:
+      print(f"--- {mixing}", flush=True)
+      records.append(run_one(mixing, overrides, a.seed, os.path.join(tmp, mixing)))
+  info["wall_s"] = time.perf_counter() - start
+  result = {
+    "machine": info,
+    "settings": overrides,
+    "seed": a.seed,
+    "quick": a.quick,
+    "records": records,
+  }
+  md = to_markdown(result) if "softmax" in a.mixings else ""
+  common.write_outputs(a.out, "quality", result, md, lambda path: plot(result, path))
+  return result
+
+
+if __name__ == "__main__":
+  main()
