@@ -63,3 +63,26 @@ def _flatten(d, prefix=""):
 @pytest.fixture
 def tiny():
   return tiny_config
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+  """(workdir, results, stdout) of one tiny byte-level run, trained once per test process and
+  shared by the tests of the commands that read a workdir (generate, evaluate, export): 4 steps,
+  a validation at step 2, a profile of steps 2-3 and an end-of-run sample."""
+  import contextlib
+  import io
+
+  from aft_jax import train_lib
+
+  path = str(tmp_path_factory.mktemp("trained") / "run")
+  config = tiny_config(
+    num_train_steps=4,
+    eval_every_steps=2,
+    profile_steps=(1, 3),
+    **{"sample.length": 10, "sample.prompt": "The "},
+  )
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    results = train_lib.train_and_evaluate(config, path)
+  return path, results, out.getvalue()

@@ -75,7 +75,7 @@ def _quick():
       "d_model = 128 is not divisible by model.num_heads = 3",
     ),
     (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
-    (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 128"),
+    (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 64"),
     (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
     (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
     # A negative clip norm flips the gradient: training by gradient ascent.

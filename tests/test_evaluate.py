@@ -23,16 +23,8 @@ def _train(path, **overrides):
 
 
 @pytest.fixture(scope="module")
-def byte_run(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("byte") / "run")
-  results, stdout = _train(
-    path,
-    num_train_steps=4,
-    eval_every_steps=2,
-    profile_steps=(1, 3),
-    **{"sample.length": 10, "sample.prompt": "The "},
-  )
-  return path, results, stdout
+def byte_run(trained_run):
+  return trained_run
 
 
 @pytest.fixture(scope="module")

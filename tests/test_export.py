@@ -7,15 +7,12 @@ import numpy as np
 import pytest
 
 import aft_jax
-from conftest import tiny_config
-from aft_jax import export, train_lib, workdir
+from aft_jax import export, workdir
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("export") / "run")
-  train_lib.train_and_evaluate(tiny_config(num_train_steps=2), path)
-  return path
+def run_dir(trained_run):
+  return trained_run[0]
 
 
 def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(

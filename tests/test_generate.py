@@ -10,18 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_config
-from aft_jax import decode, generate, train_lib, workdir
+from conftest import ROOT
+from aft_jax import decode, generate, workdir
 from aft_jax import data as data_lib
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import vocab as vocab_lib
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("gen") / "run")
-  train_lib.train_and_evaluate(tiny_config(num_train_steps=3), path)
-  return path
+def run_dir(trained_run):
+  return trained_run[0]
 
 
 def _greedy(run, prompt_BP, length):
