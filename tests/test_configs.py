@@ -18,7 +18,7 @@ PER_MIXING = {
 }
 CONFIGS = [
   (os.path.basename(path), arg)
-  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "[!_]*.py")))
   for arg in PER_MIXING.get(os.path.basename(path), (None,))
 ]
 

@@ -60,7 +60,7 @@ def test_top_p_keeps_the_most_likely_tokens_holding_that_mass():
 def test_word_prompt_maps_unknown_words_to_unk_or_refuses_them():
   vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(["the cat sat\n"]), add_unk=True)
   ids, unknown = decode.encode_prompt(vocab, "the dog sat")
-  assert unknown == 1 and ids == [vocab.id_of(w) for w in ("the", "<unk>", "sat")]
+  assert unknown == 1 and ids == list(vocab.encode_tokens(["the", "<unk>", "sat"]))
   strict = vocab_lib.WordVocab.build(vocab_lib.count_words(["the cat sat\n"]))
   with pytest.raises(ValueError, match="'dog' is not in the vocabulary"):
     decode.encode_prompt(strict, "the dog")
