@@ -78,6 +78,12 @@ def _quick():
     (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 128"),
     (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
     (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
+    (lambda c: setattr(c, "final_eval_stride", 129), "final_eval_stride = 129 must be in"),
+    (lambda c: setattr(c.data, "dataset", "enwik9"), "'enwik9' is not one of"),
+    (
+      lambda c: (setattr(c.data, "dataset", "enwik8"), setattr(c.data, "tokenizer", "word")),
+      "enwik8 is bytes",
+    ),
   ],
 )
 def test_invalid_values_fail_with_a_message(change, message):
