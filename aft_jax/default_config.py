@@ -68,3 +68,14 @@ def get_config() -> ml_collections.ConfigDict:
   # logical axis name -> mesh axes (a list of [name, axis] pairs; only settable in a file)
   config.logical_axis_rules = [list(r) for r in sharding.DEFAULT_RULES]
   return config
+
+
+def override(config: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
+  """Sets dotted keys (``{"model.d_model": 16}``) in place, as ``--config.KEY=VALUE`` does."""
+  for key, value in values.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return config

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from aft_jax import metrics, train_lib
-from aft_jax.default_config import get_config
+from aft_jax.default_config import get_config, override
 from aft_jax.model import MIXINGS
 from benchmarks import common
 
@@ -80,12 +80,7 @@ def make_config(mixing: str, overrides: dict, seed: int):
   config.learning_rate = 3e-3
   config.seed = seed
   config.sample.length = 0
-  for key, value in overrides.items():
-    node = config
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
+  override(config, overrides)
   config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
   return config
 
@@ -100,8 +95,11 @@ def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   # The first logged interval includes compilation: tokens/s is the median of the others.
   speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
   ln2 = math.log(2)
+  # Validation records during training, then the final one (write_results logs it too).
   curve = [(r["step"], r["valid_loss"] / ln2) for r in records if "valid_loss" in r]
-  curve.append((results["steps"], results["valid_bpb"]))
+  curve = [c for c in curve if c[0] != results["steps"]] + [
+    (results["steps"], results["valid_bpb"])
+  ]
   return {
     "mixing": mixing,
     "valid_bpb": results["valid_bpb"],

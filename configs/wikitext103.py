@@ -19,7 +19,7 @@ where the script passes no flag); "eval" is its ``src/eval_sliding_window.py``.
   --not_tied). About 40M parameters, mostly the 267,735-word embedding.
 - Optimiser (script): Adam (not AdamW: no weight decay) with PyTorch's default betas
   (0.9, 0.999), learning rate 2.5e-4, linear warmup over 2000 steps, 500,000 steps of 96
-  sequences (about 119 epochs, which the paper rounds to 120); global-norm gradient clipping at
+  sequences (about 119 epochs of the 103M training tokens); global-norm gradient clipping at
   0.25 (train.py's default --clip); cosine decay (train.py's default --scheduler) to eta_min 0.
   Float32 (the script passes no --fp16).
 - Evaluation (eval, with the script's valid/eval commands): a sliding window of 256 tokens with
@@ -28,7 +28,8 @@ where the script passes no flag); "eval" is its ``src/eval_sliding_window.py``.
   ``valid_ppl`` / ``test_ppl`` in results.json (``eval_protocol`` says so). Training-time
   validation uses disjoint windows (``eval_stride = 0``) for speed, as theirs does.
 - Published perplexities (valid / test, Table 2 of the paper, small setting): Transformer
-  33.0 / 34.1, Linear Transformer 37.1 / 38.3, Performer (m = 8) 39.0 / 39.6.
+  33.0 / 34.1, Linear Transformer 37.1 / 38.3, Performer 39.0 / 39.6 (the rows with the "sum"
+  update rule).
 
 Differences that remain (this trainer's, not the script's): our cosine ends at 10% of the peak,
 not 0; our blocks are pre-LayerNorm (the script's baseline passes no --pre_lnorm, so it is

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_config(**overrides):
   """The quickstart recipe shrunk to one small layer; ``overrides`` use dotted keys."""
-  from aft_jax.default_config import get_config
+  from aft_jax.default_config import get_config, override
 
   config = get_config()
   config.data.dataset = "pydoc"
@@ -31,13 +31,7 @@ def tiny_config(**overrides):
   config.num_train_steps, config.warmup_steps, config.learning_rate = 6, 2, 3e-3
   config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 1000
   config.sample.length = 0
-  for key, value in overrides.items():
-    node = config
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return override(config, overrides)
 
 
 def config_flags(config):

@@ -88,6 +88,12 @@ def _quick():
     (lambda c: setattr(c.sample, "top_k", -1), "sample.top_k = -1 must be >= 0"),
     (lambda c: setattr(c.sample, "temperature", -1.0), "sample.temperature = -1.0 must be >= 0"),
     (lambda c: setattr(c, "max_consecutive_skips", -1), "max_consecutive_skips = -1 must be"),
+    (lambda c: setattr(c, "final_eval_stride", 129), "final_eval_stride = 129 must be in"),
+    (lambda c: setattr(c.data, "dataset", "enwik9"), "'enwik9' is not one of"),
+    (
+      lambda c: (setattr(c.data, "dataset", "enwik8"), setattr(c.data, "tokenizer", "word")),
+      "enwik8 is bytes",
+    ),
   ],
 )
 def test_invalid_values_fail_with_a_message(change, message):
