@@ -17,7 +17,6 @@ refuses them). Progress bars go to stderr; the last line on stdout is one JSON o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -115,7 +114,6 @@ def evaluate_main(args: argparse.Namespace) -> dict:
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:
     result["text_file"] = os.path.abspath(args.text_file)
-  print(json.dumps(result, sort_keys=True), flush=True)
   return result
 
 
@@ -123,7 +121,7 @@ def main(argv=None) -> None:
   """Console-script entry point (``aft-evaluate``); ``argv`` defaults to ``sys.argv[1:]``."""
   from aft_jax import workdir  # pylint: disable=g-import-not-at-top
 
-  workdir.run_command("evaluate", evaluate_main, parse_args(argv))
+  workdir.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,6 @@ def export_main(args: argparse.Namespace) -> dict:
   params = jax.device_get(run.params)
   export_params(out, run.model.cfg, params, run.vocab, run.corpus_info)
   result = {"out": out, "step": run.step, "bytes": os.path.getsize(out)}
-  print(json.dumps(result, sort_keys=True), flush=True)
   return result
 
 
@@ -115,7 +114,7 @@ def main(argv=None) -> None:
   """Console-script entry point (``aft-export``); ``argv`` defaults to ``sys.argv[1:]``."""
   from aft_jax import workdir  # pylint: disable=g-import-not-at-top
 
-  workdir.run_command("export", export_main, parse_args(argv))
+  workdir.run_command("export", export_main, parse_args(argv), print_json=True)
 
 
 if __name__ == "__main__":

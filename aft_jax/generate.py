@@ -80,18 +80,9 @@ def generate_main(args: argparse.Namespace) -> list[str]:
       f"note: {unknown} word(s) of the prompt are not in the vocabulary: read as <unk>",
       file=sys.stderr,
     )
+  options = ("num_samples", "temperature", "top_k", "top_p", "stop_at_eos", "seed")
   texts = decode.sample_texts(
-    run.model,
-    run.params,
-    run.vocab,
-    prompt,
-    args.length,
-    num_samples=args.num_samples,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    stop_at_eos=args.stop_at_eos,
-    seed=args.seed,
+    run.model, run.params, run.vocab, prompt, args.length, **{k: getattr(args, k) for k in options}
   )
   samples = [prompt + t for t in texts]
   for i, s in enumerate(samples):

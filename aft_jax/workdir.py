@@ -149,13 +149,16 @@ def load_run(workdir: str, step: int | None = None) -> TrainedRun:
   return TrainedRun(config, step, trainer.model, state.params, vocab, info, trainer)
 
 
-def run_command(name: str, command, args) -> None:
+def run_command(name: str, command, args, *, print_json: bool = False) -> None:
   """Runs ``command(args)`` for ``python -m aft_jax.<name>``: Orbax's INFO logs silenced, and a
-  ValueError (a bad flag, workdir or file) printed as one line on stderr with exit status 1."""
+  ValueError (a bad flag, workdir or file) printed as one line on stderr with exit status 1.
+  ``print_json``: the command's result (a dict) is printed as the last stdout line, as JSON."""
   from absl import logging  # pylint: disable=g-import-not-at-top
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
-    command(args)
+    result = command(args)
   except ValueError as e:
     sys.exit(f"{name}: {e}")  # no traceback: the message says what to fix
+  if print_json:
+    print(json.dumps(result, sort_keys=True), flush=True)

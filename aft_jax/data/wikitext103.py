@@ -79,20 +79,25 @@ class Archive:
 # research (the same bytes are on both mirrors); they match the values recorded
 # by other projects (e.g. the Julia DataDeps and qnarre registrations).
 ARCHIVES: dict[str, Archive] = {
-  "v1": Archive(
-    filename="wikitext-103-v1.zip",
-    folder="wikitext-103",
-    extension="tokens",
-    sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
-    num_bytes=190_229_076,
-  ),
-  "raw_v1": Archive(
-    filename="wikitext-103-raw-v1.zip",
-    folder="wikitext-103-raw",
-    extension="raw",
-    sha256="91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
-    num_bytes=191_984_949,
-  ),
+  variant: Archive(filename=filename, folder=folder, extension=ext, sha256=sha, num_bytes=size)
+  for variant, filename, folder, ext, sha, size in (
+    (
+      "v1",
+      "wikitext-103-v1.zip",
+      "wikitext-103",
+      "tokens",
+      "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+      190_229_076,
+    ),
+    (
+      "raw_v1",
+      "wikitext-103-raw-v1.zip",
+      "wikitext-103-raw",
+      "raw",
+      "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
+      191_984_949,
+    ),
+  )
 }
 
 # Tried in turn; `{filename}` is the archive name. The original S3 bucket is
