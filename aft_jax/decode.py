@@ -170,16 +170,15 @@ def sample_texts(
   length: int,
   *,
   num_samples: int = 1,
-  temperature: float = 0.8,
-  top_k: int = 0,
-  top_p: float = 1.0,
   stop_at_eos: bool = False,
   seed: int = 0,
+  **sampling,
 ) -> list[str]:
   """``num_samples`` texts (sampled as one batch) that continue ``prompt``, without the prompt.
 
   ``stop_at_eos`` ends each text at the first end of line (``<eos>`` for words, a newline for
-  bytes), which it keeps.
+  bytes), which it keeps. ``sampling``: ``temperature`` (default 0.8 here), ``top_k``, ``top_p``
+  as in ``generate``.
   """
   if num_samples < 1:
     raise ValueError(f"num_samples = {num_samples} must be >= 1")
@@ -190,9 +189,7 @@ def sample_texts(
     np.tile(np.asarray([ids]), (num_samples, 1)),
     length,
     rng=jax.random.key(seed),
-    temperature=temperature,
-    top_k=top_k,
-    top_p=top_p,
+    **{"temperature": 0.8, **sampling},
     stop_id=vocab.eos_id if stop_at_eos else None,
   )
   return [_text(vocab, row, vocab.eos_id if stop_at_eos else None) for row in new_BN]
