@@ -169,9 +169,9 @@ def op_table(conv_kernel: int, impl: str = "auto"):
   }
 
 
-def make_inputs(batch, t_len, d, extra_shape, seed=0):
+def make_inputs(batch, t_len, d, extra_shape, seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
-  arr = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype)
   args = [arr(batch, t_len, d) for _ in range(3)]
   if extra_shape is not None:
     args.append(arr(*extra_shape(t_len)) * 0.1)
@@ -204,8 +204,12 @@ def run(
   max_temp_gib,
   min_seconds=1.0,
   log=print,
+  table=None,
+  dtype=jnp.float32,
 ):
-  table = op_table(conv_kernel)
+  """Measure ``names`` (rows of ``table``, default ``op_table(conv_kernel)``) at ``sizes``
+  with ``dtype`` inputs; returns the records."""
+  table = table or op_table(conv_kernel)
   records = []
   for name in names:
     fn, extra, cost_class, _ = table[name]
@@ -225,7 +229,7 @@ def run(
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        args, ct = make_inputs(batch, t_len, d, extra)
+        args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
         f = fn if mode == "fwd" else fwd_bwd(fn)
         call_args = args if mode == "fwd" else args + (ct,)
         # Check memory before running: compile only.
