@@ -255,6 +255,40 @@ def target_checks(op_recs, model_recs):
   return out
 
 
+def _rows(records, keys, n_cells, cells):
+  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (or "skipped: why")."""
+  out = []
+  for r in records:
+    head = " | ".join(str(r[k]) for k in keys)
+    if r.get("status") != "ok":
+      tail = f"skipped: {r.get('reason', '')}" + " |" * (n_cells - 1)
+    else:
+      tail = " | ".join(cells(r))
+    out.append(f"| {head} | {tail} |")
+  return out
+
+
+def _op_cells(r):
+  frac = r.get("fraction_of_peak_hbm")
+  return (
+    common.fmt_time(r["time_s"]),
+    common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r["peak_bytes"]),
+    f"{r['achieved_gbps']:.1f}",
+    "-" if frac is None else f"{100 * frac:.0f}%",
+  )
+
+
+def _model_cells(r):
+  return (
+    common.fmt_time(r["time_s"]),
+    f"{r['tokens_per_s']:.0f}",
+    "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+    common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r["peak_bytes"]),
+  )
+
+
 def markdown(info, op_recs, model_recs, kchecks, tchecks):
   lines = [
     f"# Accelerator check: {info['device_kind']} ({info['platform']})\n",
@@ -265,35 +299,13 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks):
     "| op | mode | T | time | temp memory | peak device memory | GB/s (min bytes) | of peak |",
     "|---|---|---:|---:|---:|---:|---:|---:|",
   ]
-  for r in op_recs:
-    if r.get("status") != "ok":
-      lines.append(
-        f"| {r['op']} | {r['mode']} | {r['T']} | skipped: {r.get('reason', '')} | | | | |"
-      )
-      continue
-    frac = r.get("fraction_of_peak_hbm")
-    lines.append(
-      f"| {r['op']} | {r['mode']} | {r['T']} | {common.fmt_time(r['time_s'])} | "
-      f"{common.fmt_bytes(r['temp_bytes'])} | {common.fmt_bytes(r['peak_bytes'])} | "
-      f"{r['achieved_gbps']:.1f} | {'-' if frac is None else f'{100 * frac:.0f}%'} |"
-    )
+  lines += _rows(op_recs, ("op", "mode", "T"), 5, _op_cells)
   lines += [
     "\n## Train step\n",
     "| model | T | batch | time | tokens/s | MFU | temp memory | peak device memory |",
     "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  for r in model_recs:
-    if r.get("status") != "ok":
-      lines.append(
-        f"| {r['model']} | {r['T']} | {r['batch']} | skipped: {r.get('reason', '')} | | | | |"
-      )
-      continue
-    mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-    lines.append(
-      f"| {r['model']} | {r['T']} | {r['batch']} | {common.fmt_time(r['time_s'])} | "
-      f"{r['tokens_per_s']:.0f} | {mfu} | {common.fmt_bytes(r['temp_bytes'])} | "
-      f"{common.fmt_bytes(r['peak_bytes'])} |"
-    )
+  lines += _rows(model_recs, ("model", "T", "batch"), 5, _model_cells)
   lines += [
     "\n## Kernels against the XLA path\n",
     "| kernel | dtype | logit std | max rel. error | tolerance | holds |",
@@ -331,17 +343,9 @@ def main(argv=None):
   peak_gbps = common.peak_hbm_gbps(dev.device_kind) if platform != "cpu" else None
   peak_tflops = common.peak_tflops(dev.device_kind) if platform != "cpu" else None
   info = common.machine_info()
-  info.update(
-    quick=a.quick,
-    dtype=a.dtype,
-    d=a.d,
-    batch=a.batch,
-    sizes=a.sizes,
-    kernel_impl=kernel_impl,
-    peak_hbm_gbps=peak_gbps,
-    peak_bf16_tflops=peak_tflops,
-    command=" ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:])),
-  )
+  info.update({k: v for k, v in vars(a).items() if k != "out"})
+  info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
+  info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
   rows = op_rows(kernel_impl, platform)
   if a.quick:  # the code paths, not the sweep: one AFT op both ways and the floors
     rows = {n: r for n, r in rows.items() if n.startswith("aft_simple/") or n in BASELINES}

@@ -74,14 +74,8 @@ def measure_step(
   args = (params, tx.init(params), tokens, targets)
   step = make_step(model, tx)
   compiled, compile_s = common.compile_fn(step, args)
-  m = common.measure(
-    step,
-    args,
-    repeats=repeats,
-    max_seconds=max(2.0, 2 * max_step_s),
-    min_seconds=min_seconds,
-    compiled=compiled,
-    compile_s=compile_s,
+  m = common.measure_within(
+    step, args, compiled, compile_s, repeats=repeats, min_seconds=min_seconds, budget_s=max_step_s
   )
   try:
     arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)

@@ -243,14 +243,14 @@ def run(
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        m = common.measure(
+        m = common.measure_within(
           f,
           call_args,
+          compiled,
+          compile_s,
           repeats=repeats,
-          max_seconds=max(2.0, 2 * max_call_s),
           min_seconds=min_seconds,
-          compiled=compiled,
-          compile_s=compile_s,
+          budget_s=max_call_s,
         )
         del compiled
         rec.update(status="ok", **m)

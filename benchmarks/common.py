@@ -191,6 +191,19 @@ def measure(
   }
 
 
+def measure_within(fn, args, compiled, compile_s, *, repeats, min_seconds, budget_s):
+  """``measure`` of an already compiled ``fn``, timing for at most ~2x a call's budget."""
+  return measure(
+    fn,
+    args,
+    repeats=repeats,
+    max_seconds=max(2.0, 2 * budget_s),
+    min_seconds=min_seconds,
+    compiled=compiled,
+    compile_s=compile_s,
+  )
+
+
 def budget_exceeded(
   last, t_len: int, cost_class: str, budget_s: float, what: str, flag: str
 ) -> str | None:
