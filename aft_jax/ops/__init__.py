@@ -202,8 +202,9 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
   if impl != "xla":
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
     flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-    cfg = pallas_simple.config_for(q.shape[-1])
-    a = pallas_simple.causal_mean(flat(k), flat(v), cfg, impl == "pallas_interpret")
+    k3, v3 = flat(k), flat(v)
+    cfg = pallas_simple.config_for(q.shape[-1], k3.shape[0])
+    a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
     a = a.reshape(q.shape)
     return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
   q, k, v = _cast(dt, q, k, v)
