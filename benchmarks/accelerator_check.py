@@ -317,7 +317,7 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks):
       f"{c['tolerance']:g} | {c['holds']} |"
     )
   lines.append("\n## Targets (the GPU targets; on other devices for reference)\n")
-  lines += [bench_ops._check_line(c) for c in tchecks]
+  lines += [bench_ops.check_line(c) for c in tchecks]
   return "\n".join(lines) + "\n"
 
 

@@ -324,7 +324,7 @@ def checks(records):
   return out
 
 
-def _check_line(c):
+def check_line(c):
   value = "-" if c["value"] is None else f"{c['value']:.3g}"
   verdict = "n/a" if c["holds"] is None else ("holds" if c["holds"] else "FAILS")
   return f"- {c['check']}: {value} (target {c['target']}: {verdict})"
@@ -465,7 +465,7 @@ def main(argv=None):
     "checks": checks(records),
   }
   md = markdown(records, sizes, names, info)
-  md += "\n" + "\n".join(_check_line(c) for c in result["checks"]) + "\n"
+  md += "\n" + "\n".join(check_line(c) for c in result["checks"]) + "\n"
   common.write_outputs(a.out, "bench_ops", result, md, lambda path: plot(records, names, path))
 
 
