@@ -43,15 +43,8 @@ BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
 MIN_ARRAYS = {"fwd": 4, "fwd_bwd": 7}
 # The WikiText-103 small recipe's model (configs/wikitext103.py), word-level vocabulary.
-RECIPE = dict(
-  vocab_size=267735,
-  num_layers=16,
-  d_model=128,
-  num_heads=8,
-  mlp_dim=2048,
-  max_len=256,
-  adaptive_cutoffs=(20000, 40000, 200000),
-)
+RECIPE = dict(vocab_size=267735, num_layers=16, d_model=128, num_heads=8, mlp_dim=2048)
+RECIPE.update(max_len=256, adaptive_cutoffs=(20000, 40000, 200000))
 
 
 def _cudnn(q, k, v):
