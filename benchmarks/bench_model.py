@@ -44,6 +44,7 @@ def make_step(model, tx):
 
 
 def config_for(mixing, t_len, a, dtype):
+  """The benchmark's model: ``a.layers`` x ``a.d_model``, MLP 4 d_model, no dropout."""
   return ModelConfig(
     vocab_size=a.vocab,
     max_len=t_len,
@@ -56,6 +57,47 @@ def config_for(mixing, t_len, a, dtype):
     kernel_size=a.kernel_size,
     dropout_rate=0.0,
     dtype=dtype,
+  )
+
+
+def measure_step(
+  cfg: ModelConfig, batch: int, t_len: int, repeats: int, min_seconds: float, max_step_s, peak
+) -> dict:
+  """One jitted AdamW step of ``TransformerLM(cfg)`` on random [batch, t_len] tokens: time,
+  tokens/s, FLOPs, memory and (given the chip's ``peak`` bf16 TFLOP/s) MFU."""
+  model = TransformerLM(cfg)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t_len)), jnp.int32)
+  targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t_len)), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])["params"])
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  args = (params, tx.init(params), tokens, targets)
+  step = make_step(model, tx)
+  compiled, compile_s = common.compile_fn(step, args)
+  m = common.measure_within(
+    step, args, compiled, compile_s, repeats=repeats, min_seconds=min_seconds, budget_s=max_step_s
+  )
+  try:
+    arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
+  except Exception:  # pylint: disable=broad-except
+    arg_bytes = None
+  n_tok = batch * t_len
+  flops = m["flops"]
+  return dict(
+    status="ok",
+    time_s=m["time_s"],
+    time_min_s=m["time_min_s"],
+    repeats=m["repeats"],
+    compile_s=compile_s,
+    tokens_per_s=n_tok / m["time_s"],
+    flops_per_token=None if flops is None else flops / n_tok,
+    flops=flops,
+    xla_flops=m["xla_flops"],
+    temp_bytes=m["temp_bytes"],
+    argument_bytes=arg_bytes,
+    peak_bytes=m["peak_bytes"],
+    params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
+    mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
   )
 
 
@@ -77,55 +119,15 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
         log(f"{mixing:11s} T={t_len:5d} skipped: {stop}")
         continue
       cfg = config_for(mixing, t_len, a, dtype)
-      model = TransformerLM(cfg)
-      rng = np.random.default_rng(0)
-      tokens = jnp.asarray(rng.integers(0, a.vocab, (a.batch, t_len)), jnp.int32)
-      targets = jnp.asarray(rng.integers(0, a.vocab, (a.batch, t_len)), jnp.int32)
-      params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])["params"])
-      tx = optax.adamw(1e-4, weight_decay=0.1)
-      opt_state = tx.init(params)
-      args = (params, opt_state, tokens, targets)
-      step = make_step(model, tx)
-      compiled, compile_s = common.compile_fn(step, args)
-      m = common.measure(
-        step,
-        args,
-        repeats=a.repeats,
-        max_seconds=max(2.0, 2 * max_step_s),
-        min_seconds=a.min_seconds,
-        compiled=compiled,
-        compile_s=compile_s,
-      )
-      try:
-        arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
-      except Exception:  # pylint: disable=broad-except
-        arg_bytes = None
-      n_tok = a.batch * t_len
-      flops = m["flops"]
-      rec.update(
-        status="ok",
-        time_s=m["time_s"],
-        time_min_s=m["time_min_s"],
-        repeats=m["repeats"],
-        compile_s=compile_s,
-        tokens_per_s=n_tok / m["time_s"],
-        flops_per_token=None if flops is None else flops / n_tok,
-        flops=flops,
-        xla_flops=m["xla_flops"],
-        temp_bytes=m["temp_bytes"],
-        argument_bytes=arg_bytes,
-        peak_bytes=m["peak_bytes"],
-        params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
-        mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
-      )
+      rec.update(measure_step(cfg, a.batch, t_len, a.repeats, a.min_seconds, max_step_s, peak))
       records.append(rec)
-      last = (t_len, m["time_s"])
+      last = (t_len, rec["time_s"])
       log(
-        f"{mixing:11s} T={t_len:5d} {common.fmt_time(m['time_s']):>9s} "
-        f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(m['temp_bytes']):>10s} "
-        f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} compile {compile_s:.1f}s"
+        f"{mixing:11s} T={t_len:5d} {common.fmt_time(rec['time_s']):>9s} "
+        f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(rec['temp_bytes']):>10s} "
+        f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} "
+        f"compile {rec['compile_s']:.1f}s"
       )
-      del compiled, params, opt_state, args
   return records
 
 

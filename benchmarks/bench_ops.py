@@ -169,9 +169,9 @@ def op_table(conv_kernel: int, impl: str = "auto"):
   }
 
 
-def make_inputs(batch, t_len, d, extra_shape, seed=0):
+def make_inputs(batch, t_len, d, extra_shape, seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
-  arr = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype)
   args = [arr(batch, t_len, d) for _ in range(3)]
   if extra_shape is not None:
     args.append(arr(*extra_shape(t_len)) * 0.1)
@@ -204,8 +204,12 @@ def run(
   max_temp_gib,
   min_seconds=1.0,
   log=print,
+  table=None,
+  dtype=jnp.float32,
 ):
-  table = op_table(conv_kernel)
+  """Measure ``names`` (rows of ``table``, default ``op_table(conv_kernel)``) at ``sizes``
+  with ``dtype`` inputs; returns the records."""
+  table = table or op_table(conv_kernel)
   records = []
   for name in names:
     fn, extra, cost_class, _ = table[name]
@@ -225,7 +229,7 @@ def run(
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        args, ct = make_inputs(batch, t_len, d, extra)
+        args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
         f = fn if mode == "fwd" else fwd_bwd(fn)
         call_args = args if mode == "fwd" else args + (ct,)
         # Check memory before running: compile only.
@@ -239,14 +243,14 @@ def run(
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        m = common.measure(
+        m = common.measure_within(
           f,
           call_args,
+          compiled,
+          compile_s,
           repeats=repeats,
-          max_seconds=max(2.0, 2 * max_call_s),
           min_seconds=min_seconds,
-          compiled=compiled,
-          compile_s=compile_s,
+          budget_s=max_call_s,
         )
         del compiled
         rec.update(status="ok", **m)
@@ -320,7 +324,7 @@ def checks(records):
   return out
 
 
-def _check_line(c):
+def check_line(c):
   value = "-" if c["value"] is None else f"{c['value']:.3g}"
   verdict = "n/a" if c["holds"] is None else ("holds" if c["holds"] else "FAILS")
   return f"- {c['check']}: {value} (target {c['target']}: {verdict})"
@@ -461,7 +465,7 @@ def main(argv=None):
     "checks": checks(records),
   }
   md = markdown(records, sizes, names, info)
-  md += "\n" + "\n".join(_check_line(c) for c in result["checks"]) + "\n"
+  md += "\n" + "\n".join(check_line(c) for c in result["checks"]) + "\n"
   common.write_outputs(a.out, "bench_ops", result, md, lambda path: plot(records, names, path))
 
 

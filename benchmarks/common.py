@@ -39,14 +39,39 @@ PEAK_BF16_TFLOPS = (
   ("v3", 123.0),
 )
 
+# Peak memory (HBM) bandwidth per chip in GB/s, from the vendors' data sheets; matched the same
+# way. (A100 and H100 come in PCIe/SXM variants: the SXM figure.)
+PEAK_HBM_GBPS = (
+  ("H200", 4800.0),
+  ("H100", 3350.0),
+  ("A100", 2039.0),
+  ("L4", 300.0),
+  ("A10", 600.0),
+  ("V100", 900.0),
+  ("v6", 1640.0),
+  ("v5p", 2765.0),
+  ("v5 lite", 819.0),
+  ("v5e", 819.0),
+  ("v4", 1200.0),
+  ("v3", 900.0),
+)
+
 SKIPPED = "skipped"
 
 
-def peak_tflops(device_kind: str) -> float | None:
-  for name, tflops in PEAK_BF16_TFLOPS:
+def _lookup(table, device_kind: str) -> float | None:
+  for name, value in table:
     if name.lower() in device_kind.lower():
-      return tflops
+      return value
   return None
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  return _lookup(PEAK_BF16_TFLOPS, device_kind)
+
+
+def peak_hbm_gbps(device_kind: str) -> float | None:
+  return _lookup(PEAK_HBM_GBPS, device_kind)
 
 
 def machine_info() -> dict[str, Any]:
@@ -164,6 +189,19 @@ def measure(
     "temp_bytes": stats["temp_bytes"],
     "peak_bytes": peak_device_bytes(),
   }
+
+
+def measure_within(fn, args, compiled, compile_s, *, repeats, min_seconds, budget_s):
+  """``measure`` of an already compiled ``fn``, timing for at most ~2x a call's budget."""
+  return measure(
+    fn,
+    args,
+    repeats=repeats,
+    max_seconds=max(2.0, 2 * budget_s),
+    min_seconds=min_seconds,
+    compiled=compiled,
+    compile_s=compile_s,
+  )
 
 
 def budget_exceeded(

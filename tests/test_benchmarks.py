@@ -5,7 +5,7 @@ import math
 import os
 
 
-from benchmarks import bench_model, bench_ops
+from benchmarks import accelerator_check, bench_model, bench_ops
 
 
 def _finite(x):
@@ -96,3 +96,20 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
+
+
+def test_accelerator_check_quick(tmp_path):
+  accelerator_check.main(["--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "accelerator_check.json").read_text())
+  assert result["machine"]["kernel_impl"] == "pallas_interpret"  # CPU: the kernels interpreted
+  ops = {r["op"] for r in result["records"]}
+  assert {"aft_simple/xla", "aft_simple/pallas", "cumsum"} <= ops
+  for rec in result["records"]:
+    _check_record(rec, bench_ops.FIELDS + ("achieved_gbps",))
+  assert {r["model"] for r in result["model"]} >= {"lm/aft_local", "wikitext103_small/aft_local"}
+  for rec in result["model"]:
+    _check_record(rec, bench_model.FIELDS)
+  assert result["kernel_checks"] and all(c["holds"] for c in result["kernel_checks"])
+  assert len(result["checks"]) == 5
+  for name in ("accelerator_check.md", "accelerator_check.png"):
+    assert os.path.getsize(tmp_path / name) > 0

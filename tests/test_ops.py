@@ -387,7 +387,7 @@ def test_simple_causal_derivatives_exact_at_large_logits(t_len, scale):
   rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
   c = min(causal_mean.CHUNK, t_len)
   chunks = lambda x: causal_mean._chunked(rows(x), c, -1e30)
-  recomputed = causal_mean._forward(chunks(k), chunks(v))[3]
+  recomputed = causal_mean._forward(chunks(k), chunks(v), False)[3]
   assert bool(np.any(recomputed)) == (scale > 1.0 and t_len > 1), recomputed
   got_rev = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
   got_fwd = jax.jvp(lambda k, v: fn(q, k, v), (k, v), (tk, tv))[1]
@@ -431,3 +431,43 @@ def test_causal_mean_small_chunks(t_len):
       expected = ref.aft_simple(q, np.asarray(k), np.asarray(v), True)
       np.testing.assert_allclose(fn(k, v), expected, rtol=1e-10, atol=1e-12)
       check_grads(fn, (k, v), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def _dots(jaxpr):
+  """Every dot_general equation of a jaxpr, sub-jaxprs (scan, cond, remat, ...) included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _dots(sub)
+
+
+@pytest.mark.parametrize("name", ["aft_simple", "aft_local"])
+def test_precision_policy(name):
+  """bf16 inputs: matrix products of bf16 factors accumulated in float32; float32 inputs:
+  float32 products at HIGHEST precision (no TF32/bf16 passes on accelerators)."""
+  fns = {
+    "aft_simple": lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"),
+    "aft_local": lambda q, k, v: ops.aft_local(
+      q, k, v, jnp.zeros((64, 64), q.dtype), window=8, causal=True, impl="xla"
+    ),
+  }
+  x = jnp.ones((2, 64, 16))
+  for dtype in (jnp.bfloat16, jnp.float32):
+    loss = lambda x: jnp.sum(fns[name](x, x, x).astype(jnp.float32))
+    dots = list(_dots(jax.make_jaxpr(jax.grad(loss))(x.astype(dtype)).jaxpr))
+    assert len(dots) >= 2  # forward and tangent products
+    for eqn in dots:
+      in_types = {v.aval.dtype for v in eqn.invars}
+      if dtype == jnp.bfloat16:
+        # The exact-recomputation branch (rare rows) stays float32.
+        if in_types == {jnp.dtype(jnp.bfloat16)}:
+          assert eqn.params["preferred_element_type"] == jnp.float32
+      else:
+        assert in_types == {jnp.dtype(jnp.float32)}
+        assert eqn.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2, eqn
+    if dtype == jnp.bfloat16:
+      assert any({v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.bfloat16)} for e in dots)

@@ -69,7 +69,10 @@ def test_sequence_ops(name, causal, t_len, d, lead, window, scale, dtype, seed):
     v2[..., t0 + 1 :, :] -= 5.0
     w2[:, t0 + 1 :] += scale * 3
     out2 = fn(q, k2, v2, w2)
-    chex.assert_trees_all_close(out2[..., : t0 + 1, :], out[..., : t0 + 1, :], rtol=1e-5, atol=1e-6)
+    # bf16: the products' factors are rounded after a shift shared by a block of keys (later
+    # ones too), so the past may move by bf16 rounding, never more.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    chex.assert_trees_all_close(out2[..., : t0 + 1, :], out[..., : t0 + 1, :], **tol)
 
 
 @SETTINGS

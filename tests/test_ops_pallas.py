@@ -92,7 +92,8 @@ def test_simple_kernel_lowers_for_cuda(cfg, dtype):
     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
   )(x, x)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
-  assert pallas_simple.config_for(3 * cfg.block_d) == cfg
+  assert pallas_simple.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
+  assert pallas_simple.config_for(512, batch=1).block_d == 16  # few rows: more programs
 
 
 def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine, matmul
 
 # Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
 _GROUP_ELEMENTS = 1 << 20
@@ -51,7 +51,8 @@ _MAX_LOG_SCALE = 80.0
 
 class Plan(NamedTuple):
   """Static block layout: T, window s (>= T: all keys), causal, c rows per block, nb blocks,
-  W keys per block, and rows per exact-recomputation group."""
+  W keys per block, rows per exact-recomputation group, and whether the block products take
+  bfloat16 factors (``logsumexp.matmul``)."""
 
   t_len: int
   s: int
@@ -60,6 +61,7 @@ class Plan(NamedTuple):
   nb: int
   width: int
   rows: int
+  low: bool = False
 
   @property
   def groups(self) -> int:
@@ -74,7 +76,9 @@ def _default_block(s: int, t_len: int) -> int:
   return min(128, max(64, 1 << round(math.log2(s))))
 
 
-def make_plan(t_len: int, r: int, window: int, causal: bool, block: int | None = None) -> Plan:
+def make_plan(
+  t_len: int, r: int, window: int, causal: bool, block: int | None = None, low: bool = False
+) -> Plan:
   """The layout for ``T = t_len`` positions, ``R = r`` channels and band half-width ``window``."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
@@ -83,7 +87,7 @@ def make_plan(t_len: int, r: int, window: int, causal: bool, block: int | None =
   rows = 1
   while c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
     rows *= 2
-  return Plan(t_len, s, causal, c, nb, width, rows)
+  return Plan(t_len, s, causal, c, nb, width, rows, low)
 
 
 def _starts(p: Plan):
@@ -208,8 +212,8 @@ def _shifted(bias, kw):
   return jnp.exp(bias - mw[:, None]), jnp.exp(kw - mk), mw, mk
 
 
-def _matmul(pt, x):
-  return jnp.einsum("cw,wx->cx", pt, x, precision=HIGHEST)
+def _matmul(p: Plan, pt, x):
+  return matmul("cw,wx->cx", pt, x, p.low)
 
 
 def _forward(p: Plan, k, v, w) -> _Residuals:
@@ -224,7 +228,7 @@ def _forward(p: Plan, k, v, w) -> _Residuals:
     b_rs, b_ks, pre_b, suf_b = xs
     bias, _, kw, vw = _block(p, k, v, w, b_rs, b_ks)
     pt, e, mw, mk = _shifted(bias, kw)
-    nd = _matmul(pt, jnp.concatenate([e * vw, e], axis=1))
+    nd = _matmul(p, pt, jnp.concatenate([e * vw, e], axis=1))
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
     bad = ~jnp.all(fast[2] >= DEN_OK, axis=1)  # also catches NaN
     bad = jnp.any(bad.reshape(p.groups, p.rows), axis=1)
@@ -270,8 +274,8 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
     a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
     pt, e, mw, mk = _shifted(bias, kw)
     scale = jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE))
-    nd = _matmul(pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1)) + _matmul(
-      pt * dwb, jnp.concatenate([e * vw, e], axis=1)
+    nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1)) + _matmul(
+      p, pt * dwb, jnp.concatenate([e * vw, e], axis=1)
     )
     da = scale * (nd[:, :r] - a_r * nd[:, r:])
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
+from aft_jax.ops.logsumexp import DEN_OK, NEG, matmul
 
 # Measured on CPU (T = 4096, R = 512): 32 positions per chunk is the fastest forward and
 # backward; larger chunks spend more on the triangular product, smaller on loop steps.
@@ -60,13 +60,14 @@ def _chunked(x, c: int, fill=0.0):
   return x.reshape(n, c, x.shape[1])
 
 
-def _tril_matmul(x):
-  """Inclusive prefix sums along axis 0 of x [c, X], as one matrix product."""
+def _tril_matmul(x, low: bool):
+  """Inclusive prefix sums along axis 0 of x [c, X], as one matrix product
+  (``logsumexp.matmul``'s precision policy)."""
   c = x.shape[0]
-  return jnp.einsum("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, precision=HIGHEST)
+  return matmul("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, low)
 
 
-def _forward(kc, vc):
+def _forward(kc, vc, low: bool):
   """a, L [n, c, R] for k, v in chunks [n, c, R]; the chunk maxima m [n, R] and the
   recomputed chunks [n]."""
   r = kc.shape[2]
@@ -87,7 +88,7 @@ def _forward(kc, vc):
     kk, vv = kv
     m = jnp.maximum(m0, jnp.max(kk, axis=0))
     e, s0 = jnp.exp(kk - m), jnp.exp(m0 - m)
-    nd = _tril_matmul(jnp.concatenate([e * vv, e], axis=1))
+    nd = _tril_matmul(jnp.concatenate([e * vv, e], axis=1), low)
     num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
     bad = ~jnp.all(den >= DEN_OK)  # also catches NaN
 
@@ -107,7 +108,7 @@ def _forward(kc, vc):
   return a, lse, m, bad
 
 
-def _tangent(kc, vc, a, lse, m, bad, dk, dv):
+def _tangent(low: bool, kc, vc, a, lse, m, bad, dk, dv):
   """da [n, c, R] for k, v, a, L in chunks, linear in dk, dv [T, R]; the rest is recomputed
   from the primals."""
   c = a.shape[1]
@@ -121,7 +122,7 @@ def _tangent(kc, vc, a, lse, m, bad, dk, dv):
     def fast():  # sums of exp(k - m) x and exp(k - m) y, in the scale of the chunk's max
       e = jnp.exp(ch.k - ch.m)
       s0 = jnp.exp(ch.m_prev - ch.m)
-      nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1))
+      nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1), low)
       g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
       return (g[-1], h[-1]), jnp.exp(ch.m - ch.lse) * (g - ch.a * h)
 
@@ -151,18 +152,19 @@ def _rows(x, t_len):
   return x.reshape(-1, x.shape[-1])[:t_len]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def causal_mean(k, v, chunk: int = CHUNK):
-  """a [T, R] (module docstring) for k, v [T, R]."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):
+  """a [T, R] (module docstring) for k, v [T, R]; ``low``: bfloat16 factors in the chunk
+  products (``logsumexp.matmul``)."""
   c = min(chunk, k.shape[0])
-  return _rows(_forward(_chunked(k, c, NEG), _chunked(v, c))[0], k.shape[0])
+  return _rows(_forward(_chunked(k, c, NEG), _chunked(v, c), low)[0], k.shape[0])
 
 
 @causal_mean.defjvp
-def _causal_mean_jvp(chunk, primals, tangents):
+def _causal_mean_jvp(chunk, low, primals, tangents):
   k, v = primals
   c = min(chunk, k.shape[0])
   kc, vc = _chunked(k, c, NEG), _chunked(v, c)  # shared by both passes: no second copy
-  a, lse, m, bad = _forward(kc, vc)
-  da = jax.checkpoint(_tangent)(kc, vc, a, lse, m, bad, *tangents)
+  a, lse, m, bad = _forward(kc, vc, low)
+  da = jax.checkpoint(functools.partial(_tangent, low))(kc, vc, a, lse, m, bad, *tangents)
   return _rows(a, k.shape[0]), _rows(da, k.shape[0])

@@ -30,6 +30,19 @@ DEN_OK = 1e-25
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def matmul(spec: str, a, b, low: bool):
+  """``jnp.einsum(spec, a, b)`` of the factors of exact sums (exponentials <= 1, values).
+
+  The precision policy: float32 (and float64) inputs multiply at ``HIGHEST`` (no TF32 or bf16
+  passes on accelerators); ``low`` (the op's inputs were bfloat16) multiplies bfloat16 factors
+  with float32 accumulation (``preferred_element_type``), the tensor cores' rate.
+  """
+  if low:
+    bf = jnp.bfloat16
+    return jnp.einsum(spec, a.astype(bf), b.astype(bf), preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
 class Acc(NamedTuple):
   """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
 

@@ -61,12 +61,17 @@ def unsupported(d: int) -> str | None:
   return None
 
 
-def config_for(d: int) -> Config:
-  """The configuration for D = d channels: the widest channel block that divides d."""
-  for cfg in CONFIGS:
-    if d % cfg.block_d == 0:
+def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
+  """The configuration for ``batch`` rows of D = d channels: the widest channel block that
+  divides d and still gives ``min_programs`` programs (each walks T sequentially, so a GPU
+  needs many of them: a few per streaming multiprocessor), else the narrowest that divides d."""
+  fits = [cfg for cfg in CONFIGS if d % cfg.block_d == 0]
+  if not fits:
+    raise ValueError(f"pallas_simple: {unsupported(d)}")
+  for cfg in fits:
+    if batch * (d // cfg.block_d) >= min_programs:
       return cfg
-  raise ValueError(f"pallas_simple: {unsupported(d)}")
+  return fits[-1]
 
 
 def _tri(n: int, lower: bool):

@@ -1,0 +1,401 @@
+"""One command that measures an accelerator: the ops, the model's train step, and the kernels.
+
+    python -m benchmarks.accelerator_check --out benchmarks/results/<device>   # < 8 min, 1 GPU
+    python -m benchmarks.accelerator_check --quick --out /tmp/check           # CPU, tiny (tests)
+
+(a) Ops, bfloat16, causal, d 512, batch 8, T = 1024 ... 16384: forward and forward+backward
+    median time, compiled temp memory and the device's peak memory, for AFT-simple,
+    AFT-local-32/128, AFT-full and AFT-conv1d with ``impl="xla"`` and (where a kernel exists)
+    the Pallas kernel, against ``jax.nn.dot_product_attention`` (XLA, and cuDNN on GPUs), the
+    plain-scan peer and one ``jnp.cumsum`` (the memory-speed floor). Each row's achieved
+    memory bandwidth counts the bytes it must move at least (q, k, v and the output once;
+    with the backward pass also the cotangent and three gradients) and is printed next to the
+    device's peak (``common.PEAK_HBM_GBPS``).
+(b) Model: one AdamW train step of a 12-layer d 768 LM at T = 1024 (bf16, batch 8) per mixing
+    layer (and AFT-simple with ``impl="xla"``), and of the WikiText-103 small recipe's model
+    (16 x 128, MLP 2048, context 256, adaptive input/softmax): tokens/s, MFU, memory.
+(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device.
+
+Rows that would run past ``--max_minutes`` (or past a row's time budget) are written as skipped
+with the reason, so the command always finishes and always writes
+``accelerator_check.{json,md,png}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aft_jax import ops
+from aft_jax.model import MIXINGS, ModelConfig
+from benchmarks import bench_model, bench_ops, common
+
+# Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
+KERNEL_OPS = ("aft_simple",)
+XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
+BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
+# Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
+MIN_ARRAYS = {"fwd": 4, "fwd_bwd": 7}
+# The WikiText-103 small recipe's model (configs/wikitext103.py), word-level vocabulary.
+RECIPE = dict(vocab_size=267735, num_layers=16, d_model=128, num_heads=8, mlp_dim=2048)
+RECIPE.update(max_len=256, adaptive_cutoffs=(20000, 40000, 200000))
+
+
+def _cudnn(q, k, v):
+  b, t, d = q.shape
+  split = lambda x: x.reshape(b, t, bench_ops.HEADS, d // bench_ops.HEADS)
+  out = jax.nn.dot_product_attention(
+    split(q), split(k), split(v), is_causal=True, implementation="cudnn"
+  )
+  return out.reshape(b, t, d)
+
+
+def op_rows(kernel_impl: str | None, platform: str):
+  """name -> bench_ops table row: every op with impl="xla", the kernel rows, the baselines."""
+  xla = bench_ops.op_table(7, "xla")
+  rows = {f"{n}/xla": xla[n] for n in XLA_OPS}
+  if kernel_impl is not None:
+    kern = bench_ops.op_table(7, kernel_impl)
+    rows.update({f"{n}/pallas": kern[n] for n in KERNEL_OPS})
+  rows.update({n: xla[n] for n in BASELINES})
+  if platform == "gpu":
+    rows["softmax_cudnn"] = (_cudnn, None, "quadratic", "causal cuDNN flash attention")
+  return rows
+
+
+def kernel_impl_for(platform: str) -> str | None:
+  """The kernels' impl on this platform: compiled on GPUs, interpreted on CPU (to check the
+  plumbing), none on TPU (no kernel targets it yet)."""
+  return {"gpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
+
+
+def add_bandwidth(records, dtype, peak_gbps):
+  for r in records:
+    if r.get("status") == "ok":
+      n = r["batch"] * r["T"] * r["d"] * jnp.dtype(dtype).itemsize * MIN_ARRAYS[r["mode"]]
+      r["min_bytes"] = float(n)
+      r["achieved_gbps"] = n / r["time_s"] / 1e9
+      r["fraction_of_peak_hbm"] = None if not peak_gbps else r["achieved_gbps"] / peak_gbps
+
+
+def kernel_checks(kernel_impl, quick: bool):
+  """Pallas vs XLA on this device for each kernel: max |difference| of outputs and gradients
+  over their max magnitude, the XLA path computing in float32 from the same (rounded) inputs;
+  logits of std 1 and 40."""
+  out = []
+  if kernel_impl is None:
+    return out
+  t_len, d = (100, 32) if quick else (1000, 512)
+  cases = [(jnp.float32, 1.0), (jnp.float32, 40.0), (jnp.bfloat16, 1.0), (jnp.bfloat16, 40.0)]
+  if quick:
+    cases = cases[1:3]
+  rng = np.random.default_rng(0)
+  for dtype, scale in cases:
+    q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k * scale, v))
+
+    def run(impl, *args):
+      fn = functools.partial(ops.aft_simple, causal=True, impl=impl)
+      loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
+      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))(*args)
+
+    f32 = lambda x: x.astype(jnp.float32)
+    got, want = run(kernel_impl, q, k, v), run("xla", f32(q), f32(k), f32(v))
+    errs = [
+      float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    ]
+    # float32: as the op tests; bfloat16: its outputs and gradients are rounded to 8 bits.
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    out.append(
+      {
+        "kernel": "aft_simple causal",
+        "dtype": jnp.dtype(dtype).name,
+        "logit_std": scale,
+        "max_rel_error": max(errs),
+        "tolerance": tol,
+        "holds": max(errs) <= tol,
+      }
+    )
+  return out
+
+
+def model_rows(a, peak, deadline, log):
+  """(b): train steps per mixing layer at the check's LM size, then the recipe's model."""
+  dtype = jnp.dtype(a.dtype)
+  base = dict(dropout_rate=0.0, dtype=dtype, scan_layers=True)
+  lm = dict(
+    vocab_size=a.vocab,
+    num_layers=a.layers,
+    d_model=a.d_model,
+    num_heads=a.heads,
+    mlp_dim=4 * a.d_model,
+    max_len=a.model_t,
+    window=32,
+    **base,
+  )
+  recipe = dict(RECIPE, **base)
+  if a.quick:
+    recipe.update(vocab_size=300, num_layers=1, adaptive_cutoffs=(50, 100, 200), max_len=32)
+  mixings = ("aft_local", "softmax") if a.quick else MIXINGS
+  cases = [(f"lm/{m}", ModelConfig(mixing=m, **lm), a.batch, a.model_t) for m in mixings]
+  cases.append(
+    ("lm/aft_simple/xla", ModelConfig(mixing="aft_simple", impl="xla", **lm), a.batch, a.model_t)
+  )
+  for m in ("aft_local",) if a.quick else ("aft_local", "softmax"):
+    cfg = ModelConfig(mixing=m, **recipe)
+    cases.append((f"wikitext103_small/{m}", cfg, a.recipe_batch, cfg.max_len))
+  records = []
+  for name, cfg, batch, t_len in cases:
+    rec = {"model": name, "T": t_len, "batch": batch, "layers": cfg.num_layers, "d": cfg.d_model}
+    if time.time() > deadline:
+      rec.update(common.skipped("--max_minutes reached"))
+    else:
+      try:
+        rec.update(
+          bench_model.measure_step(
+            cfg.validate(), batch, t_len, a.repeats, a.min_seconds, a.max_call_s, peak
+          )
+        )
+      except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory: say so
+        rec.update(common.skipped(f"{type(e).__name__}: {str(e)[:200]}"))
+    records.append(rec)
+    log(f"{name:28s} {rec.get('status')} {common.fmt_time(rec.get('time_s'))}")
+  return records
+
+
+def _get(records, key, name, mode=None, t_len=None):
+  for r in records:
+    if r.get(key) == name and r.get("status") == "ok":
+      if (mode is None or r.get("mode") == mode) and (t_len is None or r.get("T") == t_len):
+        return r
+  return None
+
+
+def target_checks(op_recs, model_recs):
+  """The issue's GPU targets, where the rows they need were measured."""
+  out = []
+
+  def check(what, num, den, field, target, holds):
+    value = None if num is None or den is None else num[field] / den[field]
+    out.append(
+      {
+        "check": what,
+        "value": value,
+        "target": target,
+        "holds": None if value is None else holds(value),
+      }
+    )
+
+  cudnn = lambda t: _get(op_recs, "op", "softmax_cudnn", "fwd_bwd", t)
+  check(
+    "softmax_cudnn / aft_simple/pallas fwd+bwd time, T=8192",
+    cudnn(8192),
+    _get(op_recs, "op", "aft_simple/pallas", "fwd_bwd", 8192),
+    "time_s",
+    ">= 3",
+    lambda x: x >= 3,
+  )
+  best_local = _get(op_recs, "op", "aft_local_32/xla", "fwd_bwd", 4096)
+  check(
+    "softmax_cudnn / aft_local_32 fwd+bwd time, T=4096",
+    cudnn(4096),
+    best_local,
+    "time_s",
+    ">= 1.5",
+    lambda x: x >= 1.5,
+  )
+  lm_local, lm_soft = (
+    _get(model_recs, "model", "lm/aft_local"),
+    _get(model_recs, "model", "lm/softmax"),
+  )
+  check(
+    "LM tokens/s aft_local / softmax",
+    lm_local,
+    lm_soft,
+    "tokens_per_s",
+    ">= 1.3",
+    lambda x: x >= 1.3,
+  )
+  check(
+    "LM temp memory aft_local / softmax",
+    lm_local,
+    lm_soft,
+    "temp_bytes",
+    "<= 0.5",
+    lambda x: x <= 0.5,
+  )
+  t_max = max(
+    [r["T"] for r in op_recs if r.get("op") == "cumsum" and r.get("status") == "ok"], default=None
+  )
+  simple = _get(op_recs, "op", "aft_simple/pallas", "fwd", t_max) or _get(
+    op_recs, "op", "aft_simple/xla", "fwd", t_max
+  )
+  check(
+    f"aft_simple fwd / cumsum time, T={t_max}",
+    simple,
+    _get(op_recs, "op", "cumsum", "fwd", t_max),
+    "time_s",
+    "<= 2",
+    lambda x: x <= 2,
+  )
+  return out
+
+
+def _rows(records, keys, n_cells, cells):
+  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (or "skipped: why")."""
+  out = []
+  for r in records:
+    head = " | ".join(str(r[k]) for k in keys)
+    if r.get("status") != "ok":
+      tail = f"skipped: {r.get('reason', '')}" + " |" * (n_cells - 1)
+    else:
+      tail = " | ".join(cells(r))
+    out.append(f"| {head} | {tail} |")
+  return out
+
+
+def _op_cells(r):
+  frac = r.get("fraction_of_peak_hbm")
+  return (
+    common.fmt_time(r["time_s"]),
+    common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r["peak_bytes"]),
+    f"{r['achieved_gbps']:.1f}",
+    "-" if frac is None else f"{100 * frac:.0f}%",
+  )
+
+
+def _model_cells(r):
+  return (
+    common.fmt_time(r["time_s"]),
+    f"{r['tokens_per_s']:.0f}",
+    "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+    common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r["peak_bytes"]),
+  )
+
+
+def markdown(info, op_recs, model_recs, kchecks, tchecks):
+  lines = [
+    f"# Accelerator check: {info['device_kind']} ({info['platform']})\n",
+    f"`{info['command']}`, jax {info['jax_version']}, {info['wall_s']:.0f} s, "
+    f"inputs {info['dtype']}, d {info['d']}, batch {info['batch']}; peak HBM "
+    f"{info['peak_hbm_gbps'] or '-'} GB/s, peak bf16 {info['peak_bf16_tflops'] or '-'} TFLOP/s.\n",
+    "## Ops (causal)\n",
+    "| op | mode | T | time | temp memory | peak device memory | GB/s (min bytes) | of peak |",
+    "|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  lines += _rows(op_recs, ("op", "mode", "T"), 5, _op_cells)
+  lines += [
+    "\n## Train step\n",
+    "| model | T | batch | time | tokens/s | MFU | temp memory | peak device memory |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  lines += _rows(model_recs, ("model", "T", "batch"), 5, _model_cells)
+  lines += [
+    "\n## Kernels against the XLA path\n",
+    "| kernel | dtype | logit std | max rel. error | tolerance | holds |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for c in kchecks:
+    lines.append(
+      f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['max_rel_error']:.2e} | "
+      f"{c['tolerance']:g} | {c['holds']} |"
+    )
+  lines.append("\n## Targets (the GPU targets; on other devices for reference)\n")
+  lines += [bench_ops.check_line(c) for c in tchecks]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  dev = jax.devices()[0]
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default=f"benchmarks/results/{dev.device_kind.replace(' ', '_')}")
+  p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (CPU, ~1 min)")
+  p.add_argument("--max_minutes", type=float, default=7.5, help="rows after this are skipped")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.sizes, a.d, a.batch, a.dtype = [32], 32, 1, "float32"
+    a.layers, a.d_model, a.heads, a.vocab, a.model_t, a.recipe_batch = 1, 32, 4, 128, 32, 2
+    a.repeats, a.min_seconds, a.max_call_s = 2, 0.0, 2.0
+  else:
+    a.sizes, a.d, a.batch, a.dtype = [1024, 4096, 8192, 16384], 512, 8, "bfloat16"
+    a.layers, a.d_model, a.heads, a.vocab, a.model_t, a.recipe_batch = 12, 768, 12, 32768, 1024, 96
+    a.repeats, a.min_seconds, a.max_call_s = 5, 0.2, 1.0
+  t0 = time.time()
+  deadline = t0 + 60 * a.max_minutes
+  platform = dev.platform
+  kernel_impl = kernel_impl_for(platform)
+  peak_gbps = common.peak_hbm_gbps(dev.device_kind) if platform != "cpu" else None
+  peak_tflops = common.peak_tflops(dev.device_kind) if platform != "cpu" else None
+  info = common.machine_info()
+  info.update({k: v for k, v in vars(a).items() if k != "out"})
+  info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
+  info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
+  rows = op_rows(kernel_impl, platform)
+  if a.quick:  # the code paths, not the sweep: one AFT op both ways and the floors
+    rows = {n: r for n, r in rows.items() if n.startswith("aft_simple/") or n in BASELINES}
+  op_recs = []
+  for name in rows:
+    if time.time() > deadline:
+      for mode in bench_ops.MODES:
+        for t_len in a.sizes:
+          op_recs.append(
+            {
+              "op": name,
+              "mode": mode,
+              "T": t_len,
+              "batch": a.batch,
+              "d": a.d,
+              **common.skipped("--max_minutes reached"),
+            }
+          )
+      continue
+    recs = bench_ops.run(
+      a.sizes,
+      batch=a.batch,
+      d=a.d,
+      conv_kernel=7,
+      names=[name],
+      repeats=a.repeats,
+      min_seconds=a.min_seconds,
+      max_call_s=a.max_call_s,
+      max_temp_gib=0.5 * (dev.memory_stats() or {}).get("bytes_limit", 16 << 30) / (1 << 30),
+      table=rows,
+      dtype=jnp.dtype(a.dtype),
+    )
+    add_bandwidth(recs, a.dtype, peak_gbps)
+    for r in recs:
+      if r.get("status") == "ok":
+        print(
+          f"  {name:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
+          f" (device peak {peak_gbps or '-'} GB/s)"
+        )
+    op_recs += recs
+  model_recs = model_rows(a, peak_tflops, deadline, print)
+  kchecks = kernel_checks(kernel_impl, a.quick)
+  tchecks = target_checks(op_recs, model_recs)
+  info["wall_s"] = time.time() - t0
+  result = {
+    "machine": info,
+    "ops": {n: r[3] for n, r in rows.items()},
+    "records": op_recs,
+    "model": model_recs,
+    "kernel_checks": kchecks,
+    "checks": tchecks,
+  }
+  md = markdown(info, op_recs, model_recs, kchecks, tchecks)
+  common.write_outputs(
+    a.out, "accelerator_check", result, md, lambda path: bench_ops.plot(op_recs, list(rows), path)
+  )
+
+
+if __name__ == "__main__":
+  main()
