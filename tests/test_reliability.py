@@ -2,12 +2,14 @@
 
 import glob
 import json
+import logging
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax.numpy as jnp
@@ -255,7 +257,9 @@ def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, mo
   assert os.path.exists(os.path.join(workdir, "results.json"))
 
 
-def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(tmp_path, capsys):
+def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
+  tmp_path, monkeypatch
+):
   workdir = str(tmp_path / "run")
   train_lib.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
   # Extending the run would restart the cosine schedule from another length: a conflict.
@@ -265,8 +269,14 @@ def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
   os.remove(os.path.join(workdir, "config.json"))
   with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
-  # A change that cannot be restored fails without touching config.json.
+  # A change that cannot be restored fails without touching config.json. (The failure leaves
+  # background threads silenced for the rest of the process: undone here for later tests.)
   train_lib.checkpointing.write_workdir_config(tiny_config(), workdir)
+  for name in ("stderr", "unraisablehook"):
+    monkeypatch.setattr(sys, name, getattr(sys, name))
+  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+  for name in ("absl", "asyncio", "concurrent.futures"):
+    monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
   with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
