@@ -321,9 +321,9 @@ class _Flag:
     return bool(self.value)
 
 
-def test_a_signal_is_acted_on_within_a_step_and_flushes_the_metrics(tmp_path, monkeypatch):
-  """The host reads step n-1's finite flag before it dispatches step n+1 (so it never runs
-  more than one step ahead of the device), and the metrics since the last log line are
+def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path, monkeypatch):
+  """The host reads step n's finite flag before it dispatches step n+3 (so it never runs
+  more than two steps ahead of the device), and the metrics since the last log line are
   written before exiting on a signal."""
   orig = train_lib.Trainer.train_step
   events = []
@@ -332,18 +332,18 @@ def test_a_signal_is_acted_on_within_a_step_and_flushes_the_metrics(tmp_path, mo
     n = sum(1 for e in events if e[0] == "dispatch") + 1
     events.append(("dispatch", n))
     state, metrics = orig(self, *args)
-    if n == 4:
+    if n == 5:
       os.kill(os.getpid(), signal.SIGTERM)
     return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
 
   monkeypatch.setattr(train_lib.Trainer, "train_step", step)
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=50, log_every_steps=1000)
-  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 4}
-  for n in (3, 4):
-    assert events.index(("read", n - 2)) < events.index(("dispatch", n)), events
+  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}
+  for n in (4, 5):
+    assert events.index(("read", n - 3)) < events.index(("dispatch", n)), events
   records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
-  assert [r["step"] for r in records] == [4] and np.isfinite(records[0]["loss"])
+  assert [r["step"] for r in records] == [5] and np.isfinite(records[0]["loss"])
 
 
 def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
