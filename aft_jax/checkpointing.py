@@ -189,10 +189,13 @@ def check_resume_config(saved: dict | None, config, workdir: str, allow_config_c
   if saved is None and os.path.exists(config_path(workdir)):
     with open(config_path(workdir)) as f:
       saved, where = json.load(f), "config.json"
-  if saved is None or allow_config_change:
+  if saved is None:
     return
   conflicts = resume_conflicts(saved, config_dict(config))
-  if conflicts:
+  if conflicts and allow_config_change:
+    if jax.process_index() == 0:
+      print(f"Resuming with a changed config (--allow_config_change): {'; '.join(conflicts)}")
+  elif conflicts:
     raise ValueError(
       f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
       f"compared with {where}); use another --workdir, or pass --allow_config_change to "
