@@ -14,7 +14,6 @@ or garbled file) is skipped on resume in favour of the newest intact one.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -60,36 +59,60 @@ def _intact_note(mngr: ocp.CheckpointManager) -> str:
   return f"the previous checkpoint (step {previous}) is intact"
 
 
-@contextlib.contextmanager
-def _quiet_orbax_threads():
-  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
+class _MainThreadOnly:
+  """A stand-in for sys.stderr that drops what other threads write to it."""
 
-  A failed write (a full disk) fails in several threads at once, their callbacks keep failing
-  against closed event loops for a moment afterwards, and their coroutines again at exit; each
-  prints a traceback (through logging, the thread or unraisable hook, or to stderr), burying
-  the one error that ``save`` raises to say what happened. On success what was written to
-  stderr is passed on; after a failure it is dropped, the threads are given a moment to wind
-  down, and the hooks and logging stay quiet.
-  """
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, text):
+    if threading.current_thread() is threading.main_thread():
+      return self.stream.write(text)
+    return len(text)
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
+
+
+def _silence_background_errors():
+  """Stops tracebacks and ERROR logs of background threads from reaching stderr; returns the
+  function that undoes it."""
   loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
   levels = [lg.level for lg in loggers]
-  hook, unraisable, stderr = threading.excepthook, sys.unraisablehook, sys.stderr
+  saved = threading.excepthook, sys.unraisablehook, sys.stderr
   threading.excepthook = sys.unraisablehook = lambda args: None
+  sys.stderr = _MainThreadOnly(sys.stderr)
   for lg in loggers:
     lg.setLevel(logging.CRITICAL)
-  sys.stderr = captured = io.StringIO()
+
+  def undo():
+    threading.excepthook, sys.unraisablehook, sys.stderr = saved
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+
+  return undo
+
+
+@contextlib.contextmanager
+def _quiet_orbax_threads(stay_quiet_on_error: bool):
+  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
+
+  A failed write (a full disk) or read (a damaged checkpoint) fails in several threads at once,
+  their callbacks keep failing against closed event loops for a while afterwards, and their
+  coroutines again at exit; each prints a traceback (through logging, the thread or unraisable
+  hook, or from the thread to stderr), burying the one error that says what happened. With
+  ``stay_quiet_on_error`` (the process is about to stop) they stay quiet after a failure;
+  otherwise they are given a moment to wind down first.
+  """
+  undo = _silence_background_errors()
   try:
     yield
   except BaseException:
-    time.sleep(1.0)
+    if not stay_quiet_on_error:
+      time.sleep(1.0)
+      undo()
     raise
-  else:
-    threading.excepthook, sys.unraisablehook = hook, unraisable
-    for lg, level in zip(loggers, levels):
-      lg.setLevel(level)
-  finally:
-    sys.stderr = stderr
-  stderr.write(captured.getvalue())
+  undo()
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
@@ -112,7 +135,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) 
       f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
     )
   try:
-    with _quiet_orbax_threads():
+    with _quiet_orbax_threads(stay_quiet_on_error=True):
       items = dict(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
       )
@@ -166,10 +189,13 @@ def check_resume_config(saved: dict | None, config, workdir: str, allow_config_c
   if saved is None and os.path.exists(config_path(workdir)):
     with open(config_path(workdir)) as f:
       saved, where = json.load(f), "config.json"
-  if saved is None or allow_config_change:
+  if saved is None:
     return
   conflicts = resume_conflicts(saved, config_dict(config))
-  if conflicts:
+  if conflicts and allow_config_change:
+    if jax.process_index() == 0:
+      print(f"Resuming with a changed config (--allow_config_change): {'; '.join(conflicts)}")
+  elif conflicts:
     raise ValueError(
       f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
       f"compared with {where}); use another --workdir, or pass --allow_config_change to "
@@ -199,13 +225,15 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_con
       failed.append((step, FileNotFoundError("the folder is empty")))
       continue
     try:
-      saved = saved_config(mngr, step)
+      with _quiet_orbax_threads(stay_quiet_on_error=False):
+        saved = saved_config(mngr, step)
     except Exception as e:
       failed.append((step, e))
       continue
     check_config(saved)
     try:
-      state, data_state = restore(mngr, step, abstract_state)
+      with _quiet_orbax_threads(stay_quiet_on_error=False):
+        state, data_state = restore(mngr, step, abstract_state)
     except Exception as e:
       failed.append((step, e))
       continue
@@ -215,10 +243,12 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_con
       mngr.reload()
     return step, state, data_state
   if failed:
+    _silence_background_errors()  # the run stops here: only this error is worth reading
     raise RuntimeError(
       f"no checkpoint in {mngr.directory} can be restored ("
       + "; ".join(f"step {s}: {_first_line(e)}" for s, e in failed)
-      + "); move them away to start afresh"
+      + "); a changed model cannot resume them (use another --workdir), and damaged ones can "
+      "be moved away to start afresh"
     )
   return None
 

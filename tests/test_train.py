@@ -148,7 +148,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
 
 
-def test_allow_config_change_resumes_anyway(tmp_path):
+def test_allow_config_change_resumes_anyway(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
   changed = tiny_config(num_train_steps=2, learning_rate=1e-3)
@@ -156,5 +156,8 @@ def test_allow_config_change_resumes_anyway(tmp_path):
     train_lib.train_and_evaluate(changed, workdir)
   results = train_lib.train_and_evaluate(changed, workdir, allow_config_change=True)
   assert results["steps"] == 2
+  assert "Resuming with a changed config (--allow_config_change): learning_rate: 0.003" in (
+    capsys.readouterr().out
+  )
   saved = json.load(open(os.path.join(workdir, "config.json")))
   assert saved["learning_rate"] == 1e-3  # the workdir records the config it resumed with
