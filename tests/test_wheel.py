@@ -77,6 +77,10 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert not str(tmp_path).startswith(ROOT)
   timings = {}
   jax_version = _oldest("jax")
+  # Every pip below (the notebook's too) skips compiling the installed files to bytecode, much
+  # of an install's time for jax and its dependencies; Python compiles what it imports anyway.
+  monkeypatch.setenv("PIP_NO_COMPILE", "1")
+  monkeypatch.delenv("PYTHONPATH", raising=False)  # nothing from the checkout in the venv
 
   # The wheel, built from the checkout's files, while the venv is made (both wait on pip).
   src, dist = tmp_path / "src", tmp_path / "dist"
@@ -90,7 +94,7 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   _run([sys.executable, "-m", "venv", str(venv)], timings, "venv")
   py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
   runtime = [f"jax=={jax_version}", f"jaxlib=={jax_version}", "ipykernel", "matplotlib"]
-  _run([py, "-m", "pip", "install", "-q", "--no-compile", *runtime], timings, "runtime jax")
+  _run([py, "-m", "pip", "install", "-q", *runtime], timings, "runtime jax")
   log = builder.communicate()[0]
   timings["build wheel (alongside)"] = round(time.perf_counter() - start, 1)
   assert builder.returncode == 0, f"pip wheel failed:\n{log[-3000:]}"
@@ -103,10 +107,6 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   argv = [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
   (kernels / "kernel.json").write_text(json.dumps({"argv": argv, "language": "python"}))
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-  # Every pip below (the notebook's too) skips compiling the installed files to bytecode: a
-  # third of the install time here, and Python compiles what it imports anyway.
-  monkeypatch.setenv("PIP_NO_COMPILE", "1")
-  monkeypatch.delenv("PYTHONPATH", raising=False)
   monkeypatch.setenv("AFT_QUICK", "1")
   monkeypatch.setenv("AFT_JAX_SOURCE", str(wheel))
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
