@@ -151,6 +151,11 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   _run(train + config_flags(tiny_config(num_train_steps=3)), timings, "aft-train", cwd=tmp_path)
   results = json.load(open(workdir / "results.json"))
   assert results["steps"] == 3 and results["valid_ppl"] > 1
+  generate = [str(bin_dir / "aft-generate"), "--workdir", str(workdir), "--prompt", "The "]
+  out = _run(
+    generate + ["--length", "5", "--temperature", "0"], timings, "aft-generate", cwd=tmp_path
+  )
+  assert out.startswith("The ") and len(out.rstrip("\n")) > len("The ")
   prepare = [str(bin_dir / "aft-prepare"), "--dataset", "pydoc", "--quiet"]
   out = _run(prepare, timings, "aft-prepare", cwd=tmp_path)
   assert json.loads(out.strip().splitlines()[-1])["vocab_size"] == 256
