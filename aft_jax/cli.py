@@ -1,27 +1,11 @@
-"""Console scripts for the commands whose modules run as ``python -m aft_jax.<module>``.
+"""The ``aft-prepare`` console script (pyproject.toml's [project.scripts]).
 
-pyproject.toml's [project.scripts] points here. Each function imports its module only when
-called: the modules define absl flags with the same names (--workdir), and a flag may be defined
-only once per process. ``aft-train`` is aft_jax/train.py's own ``run``.
+The other commands' modules have their own entry points: ``aft-train`` is aft_jax/train.py's
+``run``; ``aft-generate``, ``aft-evaluate`` and ``aft-export`` are the ``main`` functions of
+aft_jax/generate.py, evaluate.py and export.py.
 """
 
-import importlib
 import sys
-
-
-def _absl_main(module: str):
-  from absl import app
-
-  app.run(importlib.import_module(module).main)
-
-
-def generate():
-  """``aft-generate``: python -m aft_jax.generate."""
-  _absl_main("aft_jax.generate")
-
-
-# The evaluate and export commands (python -m aft_jax.evaluate / aft_jax.export) follow the same
-# pattern: def evaluate(): _absl_main("aft_jax.evaluate"), and a line in [project.scripts].
 
 
 def prepare():

@@ -56,9 +56,16 @@ def main(argv):
     jax.distributed.initialize()
   from aft_jax import train_lib  # after distributed init: nothing may touch devices before it
 
-  train_lib.train_and_evaluate(
-    FLAGS.config, FLAGS.workdir, allow_config_change=FLAGS.allow_config_change
-  )
+  try:
+    train_lib.train_and_evaluate(
+      FLAGS.config, FLAGS.workdir, allow_config_change=FLAGS.allow_config_change
+    )
+  except (ValueError, OSError, FloatingPointError, RuntimeError) as e:
+    # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
+    # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
+    if FLAGS["verbosity"].present:
+      raise
+    sys.exit(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}")
 
 
 def run():

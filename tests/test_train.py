@@ -161,3 +161,13 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
   )
   saved = json.load(open(os.path.join(workdir, "config.json")))
   assert saved["learning_rate"] == 1e-3  # the workdir records the config it resumed with
+
+
+def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path):
+  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
+  cmd += ["--workdir", str(tmp_path / "run"), "--config.seed=-1"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and "config.seed = -1" in lines[0], out.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "run")  # nothing written before the config is checked
