@@ -15,9 +15,7 @@ utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -205,15 +203,8 @@ def plot(records, mixings, path):
     ts = [r["T"] for r in rs]
     axes[0].plot(ts, [r["time_s"] for r in rs], marker="o", label=mixing)
     axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], marker="o", label=mixing)
-  for ax, ylabel in zip(axes, ("training step time (s)", "XLA temp memory (MiB)")):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  ylabels = ("training step time (s)", "XLA temp memory (MiB)")
+  common.finish_log_log_figure(fig, axes, ylabels, path)
   plt.close(fig)
 
 
@@ -232,13 +223,7 @@ def main(argv=None):
   p.add_argument("--window", type=int, default=32)
   p.add_argument("--kernel_size", type=int, default=7)
   p.add_argument("--dtype", default="float32" if on_cpu else "bfloat16")
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument(
-    "--min_seconds",
-    type=float,
-    default=1.0,
-    help="keep timing a size (up to 50 steps) until the steps have used this long",
-  )
+  common.add_timing_args(p, "steps")
   p.add_argument("--max_step_s", type=float, default=None)
   a = p.parse_args(argv)
   if a.quick:
@@ -252,28 +237,16 @@ def main(argv=None):
     max_step_s = a.max_step_s or (30.0 if on_cpu else 5.0)
   mixings = a.mixings or list(MIXINGS)
   info = common.machine_info()
+  settings = ("layers", "d_model", "heads", "vocab", "batch", "window", "kernel_size", "dtype")
+  info.update({k: getattr(a, k) for k in settings})
   info.update(
-    layers=a.layers,
-    d_model=a.d_model,
-    heads=a.heads,
-    vocab=a.vocab,
-    batch=a.batch,
-    window=a.window,
-    kernel_size=a.kernel_size,
-    dtype=a.dtype,
     sizes=sizes,
     quick=a.quick,
     max_step_s=max_step_s,
     peak_bf16_tflops=common.peak_tflops(jax.devices()[0].device_kind),
     command=" ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:])),
   )
-  t0 = time.time()
-  records = run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s)
-  info["wall_s"] = time.time() - t0
-  try:
-    info["load_average_at_end"] = list(os.getloadavg())
-  except OSError:
-    pass
+  records = common.timed_run(info, lambda: run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s))
   result = {
     "machine": info,
     "mixings": mixings,

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -382,16 +380,8 @@ def plot(records, names, path):
           color=color,
           label=name,
         )
-  for ax, ylabel in zip(axes, ("median time (s)", "XLA temp memory, fwd+bwd (MiB)")):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-  axes[0].legend(fontsize=7)
-  axes[1].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  ylabels = ("median time (s)", "XLA temp memory, fwd+bwd (MiB)")
+  common.finish_log_log_figure(fig, axes, ylabels, path, legend_fontsize=7)
   plt.close(fig)
 
 
@@ -404,13 +394,7 @@ def main(argv=None):
   p.add_argument("--d", type=int, default=512)
   p.add_argument("--conv_kernel", type=int, default=7)
   p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument(
-    "--min_seconds",
-    type=float,
-    default=1.0,
-    help="keep timing a size (up to 50 calls) until the calls have used this long",
-  )
+  common.add_timing_args(p, "calls")
   p.add_argument(
     "--max_call_s",
     type=float,
@@ -441,23 +425,20 @@ def main(argv=None):
     max_temp_gib=a.max_temp_gib,
     command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])),
   )
-  t0 = time.time()
-  records = run(
-    sizes,
-    batch=a.batch,
-    d=a.d,
-    conv_kernel=a.conv_kernel,
-    names=names,
-    repeats=a.repeats,
-    min_seconds=a.min_seconds,
-    max_call_s=max_call_s,
-    max_temp_gib=a.max_temp_gib,
+  records = common.timed_run(
+    info,
+    lambda: run(
+      sizes,
+      batch=a.batch,
+      d=a.d,
+      conv_kernel=a.conv_kernel,
+      names=names,
+      repeats=a.repeats,
+      min_seconds=a.min_seconds,
+      max_call_s=max_call_s,
+      max_temp_gib=a.max_temp_gib,
+    ),
   )
-  info["wall_s"] = time.time() - t0
-  try:
-    info["load_average_at_end"] = list(os.getloadavg())
-  except OSError:
-    pass
   result = {
     "machine": info,
     "ops": {n: table[n][3] for n in names},

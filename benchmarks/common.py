@@ -74,12 +74,26 @@ def peak_hbm_gbps(device_kind: str) -> float | None:
   return _lookup(PEAK_HBM_GBPS, device_kind)
 
 
+def _load_average() -> list[float] | None:
+  try:
+    return list(os.getloadavg())
+  except OSError:
+    return None
+
+
+def timed_run(info: dict, fn: Callable):
+  """``fn()``, with its wall time and the load average at its end recorded in ``info`` (a
+  benchmark's machine description: timings are only comparable at similar load)."""
+  t0 = time.time()
+  out = fn()
+  info["wall_s"] = time.time() - t0
+  info["load_average_at_end"] = _load_average()
+  return out
+
+
 def machine_info() -> dict[str, Any]:
   dev = jax.devices()[0]
-  try:
-    load = list(os.getloadavg())
-  except OSError:
-    load = None
+  load = _load_average()
   return {
     "platform": dev.platform,
     "device_kind": dev.device_kind,
@@ -273,3 +287,27 @@ def write_outputs(out: str, name: str, result: dict, md: str, plot_fn) -> None:
   plot_fn(os.path.join(out, f"{name}.png"))
   print(md)
   print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")
+
+
+def finish_log_log_figure(fig, axes, ylabels, path: str, legend_fontsize: int = 8) -> None:
+  """Log-log axes against T (labels, grid, legend) for each of ``axes``; saves and closes."""
+  for ax, ylabel in zip(axes, ylabels):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_fontsize)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def add_timing_args(parser, unit: str) -> None:
+  """--repeats and --min_seconds: how long each size is timed (``unit``: 'steps' or 'calls')."""
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument(
+    "--min_seconds",
+    type=float,
+    default=1.0,
+    help=f"keep timing a size (up to 50 {unit}) until the {unit} have used this long",
+  )

@@ -160,6 +160,17 @@ def _cast(dt, *xs):
 # --------------------------------------------------------------------------- the ops
 
 
+def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
+  """AFT-full (``window`` None: every key) or AFT-local after checking the arguments."""
+  _check_qkv(fn, q, k, v)
+  t_len = q.shape[-2]
+  _check_w(fn, w, t_len)
+  _resolve_impl(fn, impl, _NO_KERNEL)
+  out_dt, dt = _compute_dtype(q, k, v)
+  q, k, v, w = _cast(dt, q, k, v, w)
+  return _windowed(q, k, v, w, t_len if window is None else window, causal, out_dt)
+
+
 def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
   """AFT-full (paper Eq. 2).
 
@@ -174,13 +185,7 @@ def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
   Returns:
     ``[..., T, D]`` in the dtype of the inputs. O(T^2 D) time, O(T^2 + T D) memory.
   """
-  _check_qkv("aft_full", q, k, v)
-  t_len = q.shape[-2]
-  _check_w("aft_full", w, t_len)
-  _resolve_impl("aft_full", impl, _NO_KERNEL)
-  out_dt, dt = _compute_dtype(q, k, v)
-  q, k, v, w = _cast(dt, q, k, v, w)
-  return _windowed(q, k, v, w, t_len, causal, out_dt)
+  return _banded_op("aft_full", q, k, v, w, None, causal, impl)
 
 
 def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
@@ -232,14 +237,8 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "aut
   Returns:
     ``[..., T, D]``. O(T s D) time; no T x T array is built when s << T.
   """
-  _check_qkv("aft_local", q, k, v)
   check_window("aft_local", window)
-  t_len = q.shape[-2]
-  _check_w("aft_local", w, t_len)
-  _resolve_impl("aft_local", impl, _NO_KERNEL)
-  out_dt, dt = _compute_dtype(q, k, v)
-  q, k, v, w = _cast(dt, q, k, v, w)
-  return _windowed(q, k, v, w, window, causal, out_dt)
+  return _banded_op("aft_local", q, k, v, w, window, causal, impl)
 
 
 def _check_conv(fn, q, k, v, kernel, n_spatial):
