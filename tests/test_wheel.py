@@ -1,10 +1,11 @@
 """The wheel, installed where the checkout is out of reach, works for a pip user.
 
 One fresh virtual environment in a temporary folder plays a notebook runtime (Colab) whose jax is
-the oldest this project supports: the notebook's own install cell installs the wheel built from
-this checkout (AFT_JAX_SOURCE), holding that jax; the notebook then runs in quick mode, and the
-console scripts train and prepare with a recipe named the way the README names it. Needs the
-package registry (or pip's cache) for the venv's packages.
+the oldest this project supports. The notebook's install cell, asked for a newer jax, is refused
+by pip (it holds the runtime's jax); then it installs the wheel built from this checkout
+(AFT_JAX_SOURCE), holding that jax; the notebook runs in quick mode, and the console scripts
+train (a recipe named the way the README names it), sample and prepare. Needs the package
+registry (or pip's cache) for the venv's packages: about 70 s here with a warm cache.
 """
 
 import json
@@ -100,6 +101,20 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert builder.returncode == 0, f"pip wheel failed:\n{log[-3000:]}"
   (wheel,) = dist.glob("aft_jax-*.whl")
 
+  # The install cell holds the runtime's jax: asked for something that needs a newer jax, pip
+  # refuses instead of upgrading it, and the cell says what to do.
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
+  (tmp_path / "install_cell.py").write_text(nb.cells[1].source)
+  env = dict(os.environ, AFT_JAX_SOURCE=f"jax>{jax_version}")
+  start = time.perf_counter()
+  proc = subprocess.run(
+    [py, "install_cell.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+  )
+  timings["install cell, upgrade refused"] = round(time.perf_counter() - start, 1)
+  assert proc.returncode != 0, proc.stdout
+  assert "conflicting dependencies" in proc.stdout, proc.stdout[-3000:]  # pip's, shown by the cell
+  assert f"next to this runtime's jax {jax_version}" in proc.stderr, proc.stderr[-3000:]
+
   # The notebook in that runtime: its install cell installs the wheel (nothing from the checkout
   # is importable: no PYTHONPATH, the kernel starts outside the repository).
   kernels = tmp_path / "jupyter" / "kernels" / "wheel-venv"
@@ -110,7 +125,6 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   monkeypatch.setenv("AFT_QUICK", "1")
   monkeypatch.setenv("AFT_JAX_SOURCE", str(wheel))
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-  nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
   start = time.perf_counter()
   try:
     NotebookClient(
