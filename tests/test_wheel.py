@@ -180,14 +180,14 @@ def test_the_wheel_ships_every_recipe_and_console_script():
   # What setup.py and pyproject.toml declare, against what the checkout has (the wheel test
   # above runs one recipe and two scripts; this covers the rest without building anything).
   scripts = PYPROJECT["project"]["scripts"]
-  assert {"aft-train", "aft-generate", "aft-prepare"} <= set(scripts)
+  assert {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"} <= set(scripts)
   for target in scripts.values():
     module, func = target.split(":")
     assert os.path.exists(os.path.join(ROOT, *module.split("."))) or os.path.exists(
       os.path.join(ROOT, *module.split(".")) + ".py"
     ), target
     source = open(os.path.join(ROOT, *module.split(".")) + ".py").read()
-    assert re.search(rf"^def {func}\(\):", source, flags=re.M), target
+    assert re.search(rf"^def {func}\((argv=None)?\)", source, flags=re.M), target
   assert "quickstart" in recipes.available()
   assert recipes.recipe_dir() == os.path.join(ROOT, "configs")
 
