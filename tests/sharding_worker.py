@@ -1,6 +1,6 @@
 """Runs in its own process with 8 simulated CPU devices (see tests/test_sharding.py).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py OUT.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding_worker OUT.json
 
 Trains the same tiny model for 3 steps on one device and on several (data, fsdp, tensor) meshes,
 checks that parameters are really sharded the way the logical axis rules say, round-trips a
@@ -26,8 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import tiny_config  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
 from aft_jax import data as data_lib  # noqa: E402
 from aft_jax import checkpointing, sharding, train_lib  # noqa: E402
 from aft_jax.model import ModelConfig  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 from jax.test_util import check_grads
 
 from aft_jax.adaptive import AdaptiveInput, AdaptiveSoftmax, chunked_logsumexp
+from tests.helpers import param_count
 
 V, D, CUT = 50, 16, (10, 25)
 
@@ -20,10 +21,6 @@ V, D, CUT = 50, 16, (10, 25)
 def _apply(module, variables, *args, method="__call__"):
   # Jit every apply: eager calls would re-trace and re-compile the lax.scan each time.
   return module.apply(variables, *args, method=method)
-
-
-def _count(tree):
-  return sum(x.size for x in jax.tree.leaves(nn.unbox(tree)))
 
 
 def _setup_softmax(
@@ -203,11 +200,11 @@ def test_tying_shares_params(cutoffs):
   tied, untied = _TinyLM(True, cutoffs), _TinyLM(False, cutoffs)
   vt = jax.jit(partial(tied.init, method="log_probs"))(jax.random.key(0), ids)
   vu = jax.eval_shape(partial(untied.init, method="log_probs"), jax.random.key(0), ids)
-  n_in = _count(vt["params"]["embed"])
+  n_in = param_count(vt["params"]["embed"])
   n_cl = len(cutoffs) * D
   n_dense = D * D + D
-  assert _count(vt) == n_in + n_cl + n_dense
-  assert _count(vu) == 2 * n_in + n_cl + n_dense
+  assert param_count(vt) == n_in + n_cl + n_dense
+  assert param_count(vu) == 2 * n_in + n_cl + n_dense
   assert set(nn.unbox(vt)["params"].get("out", {})) <= {"cluster_logits"}
 
   # Tied == untied with the softmax's tables set to the input's.

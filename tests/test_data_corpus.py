@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-import fake_enwik8 as fe
+from tests import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
 

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-import fake_wikitext as fw
+from tests import fake_wikitext as fw
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import prepare
 from aft_jax.data import store

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-import fake_wikitext as fw
+from tests import fake_wikitext as fw
 from aft_jax.data import wikitext103 as wt
 
 SPLITS = wt.SPLITS

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from aft_jax import evaluate, train_lib
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nzzqqxx is not a word of the docs.\n"

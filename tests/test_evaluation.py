@@ -6,7 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from aft_jax import sharding, train_lib
 from aft_jax.model import ModelConfig
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from aft_jax import decode, generate, workdir
 from aft_jax import data as data_lib
 from aft_jax.data import corpus as corpus_lib

@@ -18,7 +18,8 @@ import pytest
 
 from aft_jax import layers
 from aft_jax import ops
-import numpy_reference as ref
+from tests.helpers import abstract_init
+from tests import numpy_reference as ref
 
 D, T, MAX_LEN, HEADS = 8, 6, 8, 2
 RTOL, ATOL = 2e-4, 2e-5
@@ -69,13 +70,6 @@ def _perturb(params, seed=1):
   return jax.tree_util.tree_map_with_path(f, params)
 
 
-def _abstract(module, shape, dtype=jnp.float32, **kw):
-  """module.init traced, not compiled: boxed ShapeDtypeStructs."""
-  return jax.eval_shape(
-    functools.partial(module.init, **kw), jax.random.key(0), jax.ShapeDtypeStruct(shape, dtype)
-  )
-
-
 def _params(module, shape, seed=0):
   """Random params of the module's structure (every bias, gamma and beta non-zero).
 
@@ -83,7 +77,7 @@ def _params(module, shape, seed=0):
   do that (``_init``).
   """
   rng = np.random.default_rng(seed)
-  struct = nn.unbox(_abstract(module, shape))["params"]
+  struct = nn.unbox(abstract_init(module, shape))["params"]
 
   def f(path, s):
     scale = 1.0 if path[-1].key in ("gamma", "beta") else 0.5
@@ -168,7 +162,7 @@ def test_shapes_and_dtypes_for_leading_batch_dims():
   the [2, ...] case are checked against the reference below.)"""
   for causal, dtype in [(False, jnp.float32), (False, jnp.bfloat16), (True, jnp.bfloat16)]:
     for name, module in _modules(causal, dtype).items():
-      variables = _abstract(module, _input_shape(name), dtype)
+      variables = abstract_init(module, _input_shape(name), dtype)
       dtypes = {p.dtype for p in jax.tree_util.tree_leaves(nn.unbox(variables))}
       assert dtypes == {jnp.dtype(jnp.float32)}, (name, dtypes)
       for lead in [(), (2, 3)]:
@@ -244,7 +238,7 @@ def test_aft_full_bias_init():
   np.testing.assert_array_equal(p["pos_bias"], 0.0)
   assert "pos_u" not in p
   # AFTLocal shares the bias parameters (same shapes; their values are checked above).
-  local = nn.unbox(_abstract(layers.AFTLocal(max_len=MAX_LEN, window=2), (2, T, D)))["params"]
+  local = nn.unbox(abstract_init(layers.AFTLocal(max_len=MAX_LEN, window=2), (2, T, D)))["params"]
   assert local["pos_bias"].shape == (MAX_LEN, MAX_LEN)
 
   big = 64
@@ -346,7 +340,7 @@ EXPECTED_NAMES = {
 
 def test_every_param_has_logical_axis_names():
   for name, module in _modules(causal=False).items():
-    variables = _abstract(module, _input_shape(name))
+    variables = abstract_init(module, _input_shape(name))
     boxed = jax.tree_util.tree_leaves_with_path(
       variables["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)
     )
@@ -373,7 +367,7 @@ def test_every_param_has_logical_axis_names():
 
 def _raises(module, shape, match, **kw):
   with pytest.raises(ValueError, match=match):
-    _abstract(module, shape, **kw)
+    abstract_init(module, shape, **kw)
 
 
 def test_bad_input_raises_value_error():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from aft_jax import model as M
+from tests.helpers import abstract_init, param_count
 
 B, T, V = 2, 10, 17
 BASE = M.ModelConfig(
@@ -42,10 +43,7 @@ def _tokens(seed=0, shape=(B, T)):
 
 
 def _abstract(cfg, tokens_shape=(B, T)):
-  model = M.TransformerLM(cfg)
-  return jax.eval_shape(
-    model.init, jax.random.key(0), jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
-  )
+  return abstract_init(M.TransformerLM(cfg), tokens_shape, jnp.int32)
 
 
 def _params(cfg, seed=0):
@@ -74,10 +72,6 @@ def _stack(params, num_layers):
   return out
 
 
-def _count(tree):
-  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
-
-
 # ---------------------------------------------------------------- parameter counts
 
 
@@ -103,7 +97,7 @@ def test_param_count_shapes_and_axis_names(mixing):
     cfg = _cfg(mixing=mixing, **kw)
     variables = _abstract(cfg)
     params = nn.unbox(variables)["params"]
-    assert M.count_params(params) == _count(params) == _expected_count(cfg), (mixing, kw)
+    assert M.count_params(params) == param_count(params) == _expected_count(cfg), (mixing, kw)
     assert ("unembed" in params) == (not cfg.tie_embeddings)
     # Every parameter carries logical axis names (one per dimension), and a scanned stack
     # carries the extra "layers" axis first.
@@ -258,7 +252,7 @@ def test_remat_does_not_change_loss_or_gradients():
   out = losses_and_grads(params)
   loss, grads = out[False, False]
   assert np.isfinite(loss)
-  assert _count(grads) == M.count_params(params)
+  assert param_count(grads) == M.count_params(params)
   # The gradient reaches the position bias (its used, causal T x T block).
   assert np.abs(grads["block_0"]["mix"]["pos_bias"][:T, :T]).max() > 0
   assert np.abs(grads["block_1"]["mix"]["pos_bias"][T:]).max() == 0  # rows past T are unused

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config
 from aft_jax import metrics
 
 STEPS = 4

@@ -7,7 +7,7 @@ import tomllib
 
 import nbformat
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 PATH = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 NOTEBOOK = nbformat.read(PATH, as_version=4)

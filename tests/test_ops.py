@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 from aft_jax import ops
 from aft_jax.ops import banded, causal_mean
-import numpy_reference as ref
+from tests import numpy_reference as ref
 
 # Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
 # for outputs that happen to be near 0.

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from aft_jax import ops
-import numpy_reference as ref
+from tests import numpy_reference as ref
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 

@@ -18,7 +18,7 @@ from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import pallas_simple
 from benchmarks.bench_ops import scan_simple
-import numpy_reference as ref
+from tests import numpy_reference as ref
 
 RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
 

@@ -5,7 +5,7 @@ import io
 import os
 import re
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
 

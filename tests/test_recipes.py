@@ -11,10 +11,10 @@ import json
 import math
 import os
 
-import fake_enwik8
-import fake_wikitext
+from tests import fake_enwik8
+from tests import fake_wikitext
 from benchmarks import quality
-from conftest import ROOT
+from tests.helpers import ROOT
 from aft_jax import train_lib
 from aft_jax.default_config import override
 from aft_jax.model import MIXINGS

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config
 from aft_jax import checkpointing, metrics, train_lib, workdir_lock
 
 TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
@@ -193,8 +193,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
 
 DISK_FULL = """
 import resource, signal, sys
-sys.path.insert(0, "tests")
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from aft_jax import checkpointing, train_lib
 orig, calls = checkpointing.save, []
 def save(*args):

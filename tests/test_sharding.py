@@ -8,7 +8,7 @@ import sys
 import ml_collections
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from aft_jax import sharding
 
 
@@ -58,7 +58,7 @@ def test_eight_devices_match_one(tmp_path):
   continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
   out = tmp_path / "report.json"
   proc = subprocess.run(
-    [sys.executable, os.path.join("tests", "sharding_worker.py"), str(out)],
+    [sys.executable, "-m", "tests.sharding_worker", str(out)],
     cwd=ROOT,
     capture_output=True,
     text=True,

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config
 from aft_jax import metrics, train_lib
 
 

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-import fake_wikitext
-from conftest import ROOT
+from tests import fake_wikitext
+from tests.helpers import ROOT
 
 
 def test_wikitext_recipe_trains_on_fake_data(tmp_path):

@@ -22,7 +22,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config
 
 from aft_jax import recipes
 

@@ -1,0 +1,64 @@
+"""Helpers shared by the tests: the repository root, a tiny training config, and the
+traced (uncompiled) structure and size of a module's parameters."""
+
+import functools
+import os
+
+# jax is imported inside the helpers: conftest imports this module before it sets the
+# environment (the compilation cache) that jax reads when it is first imported.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**overrides):
+  """The quickstart recipe shrunk to one small layer; ``overrides`` use dotted keys."""
+  from aft_jax.default_config import get_config, override
+
+  config = get_config()
+  config.data.dataset = "pydoc"
+  config.data.tokenizer = "byte"
+  m = config.model
+  m.mixing, m.num_layers, m.d_model, m.num_heads, m.mlp_dim = "aft_local", 1, 16, 2, 32
+  m.max_len, m.window, m.kernel_size, m.dropout_rate = 32, 4, 3, 0.1
+  config.seq_len, config.batch_size, config.eval_batch_size = 32, 4, 512
+  config.num_train_steps, config.warmup_steps, config.learning_rate = 6, 2, 3e-3
+  config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 1000
+  config.sample.length = 0
+  return override(config, overrides)
+
+
+def config_flags(config):
+  """Command-line overrides that turn configs/quickstart.py into ``config``."""
+  out = []
+  for key, value in _flatten(config.to_dict()).items():
+    if isinstance(value, (list, tuple)) or value is None:
+      continue
+    out.append(f"--config.{key}={value}")
+  return out
+
+
+def _flatten(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def abstract_init(module, shape, dtype="float32", **kw):
+  """``module.init`` traced, not compiled (compiling init costs as much as the model): the boxed
+  ShapeDtypeStructs of its variables for an input ``[*shape]`` of ``dtype``."""
+  import jax
+
+  return jax.eval_shape(
+    functools.partial(module.init, **kw), jax.random.key(0), jax.ShapeDtypeStruct(shape, dtype)
+  )
+
+
+def param_count(tree) -> int:
+  """Number of scalars in a (possibly boxed) tree of arrays or ShapeDtypeStructs."""
+  import flax.linen as nn
+  import jax
+
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(nn.unbox(tree)))
