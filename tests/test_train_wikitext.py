@@ -1,4 +1,5 @@
-"""train.py on a WikiText-103 recipe, with fake data in the official format given offline."""
+"""train.py on the WikiText-103 and enwik8 recipes, with fake data in the official formats given
+offline (tests/test_recipes.py trains every variant of both in-process)."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tests import fake_wikitext
+from tests import fake_enwik8, fake_wikitext
 from tests.helpers import ROOT
 
 
@@ -50,3 +51,33 @@ def test_wikitext_recipe_trains_on_fake_data(tmp_path):
     expected = sum(len(line.split()) + 1 for line in text[split].split("\n")[:-1])
     assert results[key] == expected, (split, results[key], expected)
   assert "Sample:\nThe " in out.stdout
+
+
+def test_enwik8_recipe_trains_through_train_py_and_reports_bpc(tmp_path):
+  manual = str(tmp_path / "manual")
+  fake_enwik8.write_zip(manual, fake_enwik8.content(20_000))
+  workdir = str(tmp_path / "run")
+  tiny = {
+    "num_train_steps": 2,
+    "model.num_layers": 1,
+    "model.d_model": 16,
+    "model.num_heads": 2,
+    "model.mlp_dim": 32,
+    "model.max_len": 32,
+    "model.window": 8,
+    "model.factor_dim": 4,
+    "seq_len": 32,
+    "batch_size": 4,
+    "eval_batch_size": 16,
+    "log_every_steps": 1,
+    "sample.length": 0,
+  }
+  cmd = [sys.executable, "train.py", "--config", "configs/enwik8.py:aft_local", "--workdir"]
+  cmd += [workdir, f"--config.data.data_dir={tmp_path / 'data'}"]
+  cmd += [f"--config.data.manual_dir={manual}"] + [f"--config.{k}={v}" for k, v in tiny.items()]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  results = json.load(open(os.path.join(workdir, "results.json")))
+  # The paper's unit: bits per character (= per byte); every byte of the 1,000-byte test split.
+  assert results["test_tokens"] == 20_000 // 20 and np.isfinite(results["test_bpc"])
+  assert results["test_bpc"] == results["test_loss"] / np.log(2)
