@@ -151,8 +151,8 @@ def test_local_kernel_matches_reference(t_len, window, std):
   out, got = jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v, w)
   want_out, want = _local_reference(q, k, v, w, ct, window)
   chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
-  for g, x in zip(got, want):
-    np.testing.assert_allclose(g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max())
+  for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
+    np.testing.assert_allclose(g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6)
 
 
 def test_local_kernel_ragged_long_sequence_forward():
@@ -185,13 +185,13 @@ def test_local_kernel_lowers_for_cuda(cfg, dtype):
   w = jax.ShapeDtypeStruct((100, 100), jnp.float32)
   for window in (1, 40):
     loss = lambda k, v, w: jnp.sum(pallas_local.local_mean(k, v, w, window, cfg, False))
-    for fn in (loss, jax.value_and_grad(loss, argnums=(0, 1, 2))):
+    for kernels, fn in ((1, loss), (2, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
       exported = jax.export.export(
         jax.jit(fn),
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
       )(x, x, w)
-      assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+      assert exported.mlir_module().count("custom_call @__gpu$xla.gpu.triton(") == kernels
   assert pallas_local.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
 
 

@@ -19,9 +19,22 @@ split shift is exact unless a row's largest term underflows, which shows as a de
 below ``DEN_OK``; such a chunk is redone row by row with a per-channel running maximum, so the
 result is exact for logits of any size.
 
-Backward. A custom VJP whose backward pass is the XLA path's derivative (``jax.vjp`` of
-``banded.banded_mean``: it recomputes the forward in XLA and runs its hand-written tangent,
-transposed); only the forward is a kernel for now. Residuals: the inputs k, v, w.
+Backward (a custom VJP whose residuals are a and L, the log-normaliser). With g the cotangent
+of a and p[t, t'] = exp(k[t'] + b[t, t'] - L[t]) (<= 1),
+
+    dv[t'] = sum_t p[t, t'] g[t],   dk[t'] = sum_t p[t, t'] g[t] (v[t'] - a[t]),
+    dw[t, t'] = sum_r p[t, t', r] g[t, r] (v[t', r] - a[t, r])   (on the band; r: every batch
+                                                                 row and channel)
+
+Per chunk, the band's part is the forward's split shift again, p = exp(b - row max)
+exp(k - channel max) exp(row max + channel max - L), as [c, c] products per key block (P^T G
+for dk, dv; G (E V)^T for dw), the last factor < 1 / ``DEN_OK`` wherever the forward's fast
+path was exact (else the chunk is redone row by row with p computed directly). The older keys
+(bias 0) take exp(k[t']) sum_t exp(-L[t]) g[t] over the later chunks: a suffix sum walked from
+the last chunk back, carried with its own maximum of -L (exp(k + max(-L)) <= 1: every such key
+is a term of those L). dk, dv accumulate in float32 across the chunks whose slabs hold a key;
+dw comes out per program (``[B, D / block_d, T, W]``, in slab layout) and is summed and
+scattered back to ``[T, T]`` in XLA.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops import banded, pallas_util
+from aft_jax.ops import pallas_util
 from aft_jax.ops.logsumexp import DEN_OK, NEG
 from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
 
@@ -41,6 +54,9 @@ __all__ = ["CONFIGS", "MAX_WINDOW", "Config", "config_for", "local_mean", "unsup
 # The slab a chunk reads grows with the window (O(T (s + c) D) work, a [T, s + c] bias array):
 # beyond this the band is most of the sequence, which is AFT-full's job.
 MAX_WINDOW = 1024
+# Backward fast path: the scale exp(row max + channel max - L) of the slab's products is
+# < 1 / DEN_OK wherever the forward's fast path was exact; beyond it, row by row.
+_MAX_LOG_SCALE = 57.0
 
 
 def unsupported(d: int, window: int) -> str | None:
@@ -67,37 +83,58 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
   return jnp.where((tk <= t) & (tk >= 0), bias, NEG)
 
 
-def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *, bt: int, t_len: int):
-  """One (batch row, channel block): a [t_pad, bd] for the slab biases [t_pad, W] and k, v
-  [W - bt + t_pad, bd] (front-padded by W - bt keys, so chunk j's slab starts at key row j bt)."""
-  t_pad, width = bias_ref.shape
-  n_chunks, n_keys = t_pad // bt, width // bt
-  bd = k_ref.shape[1]
-  eye = jnp.where(
-    jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    == jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1),
-    1.0,
-    0.0,
-  )
+def _eye(n: int):
+  """[n, n] float32 identity: a [1, n] row x becomes the column sum(eye * x, 1) and back (a
+  transpose from elementwise ops and sums, which Triton has for any shape)."""
+  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
+
+
+def _slab(bias_ref, k_ref, v_ref, bt: int):
+  """Helpers over chunk j's slab: ``keys(j, u)`` (key block u: biases [bt rows, bt keys],
+  keys and values [bt, bd]) and ``maxima(j)`` (the row maxima of the biases [bt, 1] and the
+  channel maxima of the keys [1, bd], over the slab: the split shift of its sums)."""
+  n_keys = bias_ref.shape[1] // bt
 
   def keys(j, u):
-    """Key block u of chunk j's slab: biases [bt rows, bt keys], keys and values [bt, bd]."""
     idx = rows(j + u, bt)
     return bias_ref[rows(j, bt), rows(u, bt)], load(k_ref, idx), load(v_ref, idx)
 
-  def chunk(j, carry):
-    m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
-
-    def maxima(u, mm):
+  def maxima(j):
+    def step(u, mm):
       b, kb, _ = keys(j, u)
       return (
         jnp.maximum(mm[0], jnp.max(b, axis=1, keepdims=True)),
         jnp.maximum(mm[1], jnp.max(kb, axis=0, keepdims=True)),
       )
 
-    mw, mk = jax.lax.fori_loop(
-      0, n_keys, maxima, (jnp.full((bt, 1), NEG, jnp.float32), jnp.full((1, bd), NEG, jnp.float32))
-    )
+    init = (jnp.full((bt, 1), NEG, jnp.float32), jnp.full((1, k_ref.shape[1]), NEG, jnp.float32))
+    return jax.lax.fori_loop(0, n_keys, step, init)
+
+  return n_keys, keys, maxima
+
+
+def _real(j, bt: int, t_len: int):
+  """[bt, 1]: which rows of chunk j are positions < T (not padding)."""
+  return j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) < t_len
+
+
+def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
+  """One (batch row, channel block): a [and L] [t_pad, bd] for the slab biases [t_pad, W] and
+  k, v [W - bt + t_pad, bd] (front-padded by W - bt keys: chunk j's slab starts at key row
+  j bt)."""
+  n_keys, keys, maxima = _slab(bias_ref, k_ref, v_ref, bt)
+  bd = k_ref.shape[1]
+  eye = _eye(bt)
+
+  def store(idx, num, den, m):
+    a_ref[idx, :] = num / den
+    if lse_ref:
+      lse_ref[0][idx, :] = m + jnp.log(den)
+
+  def chunk(j, carry):
+    m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
+    mw, mk = maxima(j)
 
     def sums(u, nd):
       b, kb, vb = keys(j, u)
@@ -106,12 +143,11 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *, bt: int, t_len: int):
 
     zero = jnp.zeros((bt, bd), jnp.float32)
     num, den = jax.lax.fori_loop(0, n_keys, sums, (zero, zero))
-    out = rows(j, bt)
 
     def fast():
       m = jnp.maximum(mw + mk, m0)
       s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
-      a_ref[out, :] = (num * s1 + num0 * s0) / (den * s1 + den0 * s0)
+      store(rows(j, bt), num * s1 + num0 * s0, den * s1 + den0 * s0, m)
 
     def exact():  # row by row, the maximum per (row, channel) carried over the key blocks
       def row(i, _):
@@ -120,28 +156,23 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *, bt: int, t_len: int):
         def block(u, c):
           m1, num1, den1 = c
           _, kb, vb = keys(j, u)
-          b_col = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)  # [bt, 1]
-          logits = b_col + kb
+          logits = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True) + kb
           m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
           e, s1 = jnp.exp(logits - m2), jnp.exp(m1 - m2)
-          return (
-            m2,
-            num1 * s1 + jnp.sum(e * vb, axis=0, keepdims=True),
-            den1 * s1 + jnp.sum(e, axis=0, keepdims=True),
-          )
+          num2 = num1 * s1 + jnp.sum(e * vb, axis=0, keepdims=True)
+          return m2, num2, den1 * s1 + jnp.sum(e, axis=0, keepdims=True)
 
-        _, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
-        a_ref[r, :] = num1 / den1
+        m1, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
+        store(r, num1, den1, m1)
         return 0
 
       jax.lax.fori_loop(0, bt, row, 0)
 
-    real = j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) < t_len  # not padding
-    jax.lax.cond(all_true((den >= DEN_OK) | ~real), fast, exact)
+    jax.lax.cond(all_true((den >= DEN_OK) | ~_real(j, bt, t_len)), fast, exact)
 
     # The slab's first key block is older than every row of the next chunk's band (bias 0).
     kb, vb = load(k_ref, rows(j, bt)), load(v_ref, rows(j, bt))
-    seen = j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) >= width - bt  # not padding
+    seen = _real(j, bt, n_keys * bt - bt) == False  # noqa: E712 (not front padding)
     m = jnp.maximum(m0, jnp.max(kb, axis=0, keepdims=True))
     e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
     return (
@@ -151,59 +182,176 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *, bt: int, t_len: int):
     )
 
   zero = jnp.zeros((1, bd), jnp.float32)
+  jax.lax.fori_loop(0, bias_ref.shape[0] // bt, chunk, (zero + NEG, zero, zero))
+
+
+def _bwd_kernel(
+  bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, dw_ref, *, bt: int, t_len: int
+):
+  """One (batch row, channel block): dk, dv [W - bt + t_pad, bd] (float32, the keys' padded
+  layout) and this block's share of the slab biases' gradient [t_pad, W], from a, L and the
+  cotangent g [t_pad, bd] (module docstring)."""
+  n_keys, keys, maxima = _slab(bias_ref, k_ref, v_ref, bt)
+  n_chunks, bd = bias_ref.shape[0] // bt, k_ref.shape[1]
+  eye = _eye(bt)
+
+  def clear(i, _):
+    dk_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
+    dv_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
+    return 0
+
+  jax.lax.fori_loop(0, k_ref.shape[0] // bt, clear, 0)
+
+  def add(idx, dk, dv):
+    dk_ref[idx, :] = dk_ref[idx, :] + dk
+    dv_ref[idx, :] = dv_ref[idx, :] + dv
+
+  def lse_rows(idx, real):
+    return jnp.where(real, load(lse_ref, idx), -NEG)  # padding: weight exp(-L) = 0
+
+  def chunk(i, carry):
+    j = n_chunks - 1 - i
+    out = rows(j, bt)
+    real = _real(j, bt, t_len)
+    lse, g, a = lse_rows(out, real), load(g_ref, out), load(a_ref, out)
+    mw, mk = maxima(j)
+    log_scale = mw + mk - lse
+
+    def fast():  # p = exp(b - mw) exp(k - mk) exp(mw + mk - L), the last factor < 1 / DEN_OK
+      gs = g * jnp.exp(log_scale)
+      ga = gs * a
+
+      def block(u, _):
+        b, kb, vb = keys(j, u)
+        p, e = jnp.exp(b - mw), jnp.exp(kb - mk)
+        c1, c2 = dot(p, gs, trans_x=True), dot(p, ga, trans_x=True)  # [bt keys, bd]
+        add(rows(j + u, bt), e * (vb * c1 - c2), e * c1)
+        dw_ref[out, rows(u, bt)] = p * (dot(gs, e * vb, trans_y=True) - dot(ga, e, trans_y=True))
+        return 0
+
+      jax.lax.fori_loop(0, n_keys, block, 0)
+
+    def exact():  # row by row: p = exp(b + k - L) <= 1 directly
+      def row(i2, _):
+        r = pl.ds(j * bt + i2, 1)
+        lr = lse_rows(r, j * bt + i2 < t_len)
+        gr, ar = load(g_ref, r), load(a_ref, r)
+
+        def block(u, _):
+          _, kb, vb = keys(j, u)
+          b_col = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
+          pg = jnp.exp(b_col + kb - lr) * gr
+          t = pg * (vb - ar)
+          add(rows(j + u, bt), t, pg)
+          dw_col = jnp.sum(t, axis=1, keepdims=True)
+          dw_ref[r, rows(u, bt)] = jnp.sum(eye * dw_col, axis=0, keepdims=True)
+          return 0
+
+        return jax.lax.fori_loop(0, n_keys, block, 0)
+
+      jax.lax.fori_loop(0, bt, row, 0)
+
+    jax.lax.cond(all_true((log_scale <= _MAX_LOG_SCALE) | ~real), fast, exact)
+
+    # The slab's first key block is older (bias 0) than every row of the later chunks, whose
+    # sums c1 = sum exp(-L - m) g, c2 = the same with g a are carried with m = max(-L):
+    # exp(k + m) <= 1 since such a key is one of the terms of every later L.
+    m, c1, c2 = carry
+    kb, vb = load(k_ref, out), load(v_ref, out)
+    e = jnp.exp(kb + m)
+    add(out, e * (vb * c1 - c2), e * c1)
+    m2 = jnp.maximum(m, jnp.max(-lse, axis=0, keepdims=True))
+    s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
+    return (
+      m2,
+      c1 * s + jnp.sum(e * g, axis=0, keepdims=True),
+      c2 * s + jnp.sum(e * g * a, axis=0, keepdims=True),
+    )
+
+  zero = jnp.zeros((1, bd), jnp.float32)
   jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))
 
 
-def _forward(k, v, w, window: int, cfg: Config, interpret: bool):
-  """a [B, T, D] float32 from the kernel."""
-  b, t_len, d = k.shape
-  bt = cfg.block_t
+def _layout(k, window: int, cfg: Config):
+  """(s, t_pad, W, front): the clamped window, T padded to chunks, the slab width and the
+  keys' front padding."""
+  t_len = k.shape[1]
   s = min(window, t_len)
-  t_pad = t_len + (-t_len % bt)
-  width = _slab_width(s, bt)
-  bias = _slab_bias(w, s, t_pad, bt)
-  # Front padding: the slabs of the first chunks reach before key 0; end padding: ragged T.
-  # Padded keys are NEG (weight exp(NEG - m) = 0), values 0.
-  pad = lambda x, fill: pallas_util.pad_time(x, width - bt, t_pad - t_len, fill)
-  k, v = pad(k, NEG), pad(v, 0.0)
-  kv_spec = pl.BlockSpec((None, k.shape[1], cfg.block_d), lambda i, j: (i, 0, j))
-  a = pallas_util.call(
-    functools.partial(_fwd_kernel, bt=bt, t_len=t_len),
+  width = _slab_width(s, cfg.block_t)
+  return s, t_len + (-t_len % cfg.block_t), width, width - cfg.block_t
+
+
+def _call(kernel, cfg, interpret, t_len, ins, outs):
+  """pallas_call over (batch, D / block_d): the slab biases [t_pad, W] whole, every other ref
+  one [rows, block_d] column; outs: (rows, dtype) per [B, rows, D] output, or (t_pad, W) for a
+  per-program [B, D / block_d, t_pad, W] output."""
+  b, _, d = ins[1].shape
+  col = lambda n: pl.BlockSpec((None, n, cfg.block_d), lambda i, j: (i, 0, j))
+  whole = pl.BlockSpec(ins[0].shape, lambda i, j: (0, 0))
+  per_program = pl.BlockSpec((None, None) + ins[0].shape, lambda i, j: (i, j, 0, 0))
+  out_specs, out_shape = [], []
+  for n, dt in outs:
+    if dt is None:
+      out_specs.append(per_program)
+      out_shape.append(jax.ShapeDtypeStruct((b, d // cfg.block_d) + ins[0].shape, jnp.float32))
+    else:
+      out_specs.append(col(n))
+      out_shape.append(jax.ShapeDtypeStruct((b, n, d), dt))
+  return pallas_util.call(
+    functools.partial(kernel, bt=cfg.block_t, t_len=t_len),
     cfg,
     interpret,
     (b, d // cfg.block_d),
-    [pl.BlockSpec((t_pad, width), lambda i, j: (0, 0)), kv_spec, kv_spec],
-    pl.BlockSpec((None, t_pad, cfg.block_d), lambda i, j: (i, 0, j)),
-    jax.ShapeDtypeStruct((b, t_pad, d), jnp.float32),
-    (bias, k, v),
+    [whole] + [col(x.shape[1]) for x in ins[1:]],
+    out_specs,
+    out_shape,
+    ins,
   )
-  return a[:, :t_len]
 
 
-def _xla_mean(k, v, w, window: int):
-  """The same a [B, T, D] from the XLA path (``banded.banded_mean`` on [T, B D] columns)."""
-  b, t_len, d = k.shape
-  low = k.dtype == jnp.bfloat16
-  plan = banded.make_plan(t_len, b * d, window, True, low=low)
-  cols = lambda x: jnp.swapaxes(x.astype(jnp.float32), 0, 1).reshape(t_len, b * d)
-  a = banded.banded_mean(plan, cols(k), cols(v), w.astype(jnp.float32))
-  return jnp.swapaxes(a.reshape(t_len, b, d), 0, 1)
+def _padded(k, v, window: int, cfg: Config):
+  """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
+  before key 0) and ragged T up to chunks; keys NEG (weight exp(NEG - m) = 0), values 0."""
+  _, t_pad, _, front = _layout(k, window, cfg)
+  t_len = k.shape[1]
+  pad = lambda x, fill: pallas_util.pad_time(x, front, t_pad - t_len, fill)
+  return pad(k, NEG), pad(v, 0.0)
+
+
+def _forward(k, v, w, window: int, cfg: Config, interpret: bool, with_lse: bool):
+  """a [and L] [B, t_pad, D] float32 from the kernel."""
+  s, t_pad, _, _ = _layout(k, window, cfg)
+  ins = (_slab_bias(w, s, t_pad, cfg.block_t), *_padded(k, v, window, cfg))
+  outs = [(t_pad, jnp.float32)] * (2 if with_lse else 1)
+  return _call(_fwd_kernel, cfg, interpret, k.shape[1], ins, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
   w ``[T, T]`` and window s >= 1, causal."""
-  return _forward(k_BTD, v_BTD, w_TT, window, cfg, interpret)
+  return _forward(k_BTD, v_BTD, w_TT, window, cfg, interpret, False)[0][:, : k_BTD.shape[1]]
 
 
 def _local_mean_fwd(k, v, w, window, cfg, interpret):
-  return _forward(k, v, w, window, cfg, interpret), (k, v, w)
+  a, lse = _forward(k, v, w, window, cfg, interpret, True)  # padded: kept as residuals
+  return a[:, : k.shape[1]], (k, v, w, a, lse)
 
 
 def _local_mean_bwd(window, cfg, interpret, res, g):
-  _, vjp = jax.vjp(functools.partial(_xla_mean, window=window), *res)
-  return vjp(g.astype(jnp.float32))
+  k, v, w, a, lse = res
+  t_len = k.shape[1]
+  s, t_pad, _, front = _layout(k, window, cfg)
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, cfg.block_t), w)
+  g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
+  ins = (bias, *_padded(k, v, window, cfg), a, lse, g)
+  n = k.shape[1] + front + t_pad - t_len
+  dk, dv, dbias = _call(
+    _bwd_kernel, cfg, interpret, t_len, ins, [(n, jnp.float32), (n, jnp.float32), (0, None)]
+  )
+  (dw,) = bias_vjp(jnp.sum(dbias, axis=(0, 1)))
+  keys = slice(front, front + t_len)
+  return dk[:, keys].astype(k.dtype), dv[:, keys].astype(v.dtype), dw.astype(w.dtype)
 
 
 local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)

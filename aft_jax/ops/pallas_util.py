@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -75,9 +76,11 @@ def all_true(cond):
   return jnp.min(jnp.min(jnp.where(cond, 1.0, 0.0), axis=1), axis=0) > 0.5
 
 
-def dot(x, y):
-  """float32 matrix product (no TF32 passes: the factors of exact sums)."""
-  return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
+def dot(x, y, trans_x: bool = False, trans_y: bool = False):
+  """float32 matrix product x @ y, of x^T or y^T where asked (no TF32 passes: the factors of
+  exact sums)."""
+  dims = (((0 if trans_x else 1,), (1 if trans_y else 0,)), ((), ()))
+  return jax.lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def rows(j, n):
