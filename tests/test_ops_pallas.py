@@ -141,10 +141,10 @@ def test_local_reference_is_the_loop_reference():
 
 
 @pytest.mark.parametrize("std", [1.0, 40.0])
-@pytest.mark.parametrize("t_len, window", [(1, 3), (7, 20), (128, 32)])
+@pytest.mark.parametrize("t_len, window", [(1, 3), (7, 20), (100, 5), (128, 32)])
 def test_local_kernel_matches_reference(t_len, window, std):
-  """Values and gradients (q, k, v, w), logits of std 1 and 40, T ragged (7) and a window
-  wider than T (20 > 7: every key in the band)."""
+  """Values and gradients (q, k, v, w), logits of std 1 and 40, T ragged (7, 100), a window
+  wider than T (20 > 7: every key in the band), of one key block (5) and of three (32)."""
   q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
   fn = functools.partial(ops.aft_local, window=window, causal=True, impl="pallas_interpret")
   grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))

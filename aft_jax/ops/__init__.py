@@ -36,7 +36,8 @@ and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one 
 channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
 
 Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), ``"pallas"``
-(a Pallas kernel compiled for the accelerator: causal AFT-simple on GPU, ``pallas_simple``),
+(a Pallas kernel compiled for the accelerator, on GPU: causal AFT-simple, ``pallas_simple``,
+and causal AFT-local, ``pallas_local``),
 ``"pallas_interpret"`` (the same kernel run by Pallas' interpreter on any backend: slow, for
 tests) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the channel
 count, XLA otherwise). The choice changes results only by float rounding. Asking for a kernel
