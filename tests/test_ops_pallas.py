@@ -204,6 +204,11 @@ def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():
   )
   assert "pallas_call" in jaxpr
   w = np.zeros((8, 8), np.float32)
+  local = functools.partial(ops.aft_local, window=2, causal=True)
+  assert "pallas_call" not in str(jax.make_jaxpr(local)(q, k, v, w))
+  assert "pallas_call" in str(
+    jax.make_jaxpr(functools.partial(local, impl="pallas_interpret"))(q, k, v, w)
+  )
   cases = [
     (lambda: ops.aft_simple(q, k, v, causal=True, impl="pallas"), "not for the 'cpu' backend"),
     (lambda: ops.aft_simple(q, k, v, impl="pallas_interpret"), "the kernel is for causal=True"),

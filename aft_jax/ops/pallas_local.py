@@ -281,28 +281,25 @@ def _layout(k, window: int, cfg: Config):
   return s, t_len + (-t_len % cfg.block_t), width, width - cfg.block_t
 
 
-def _call(kernel, cfg, interpret, t_len, ins, outs):
-  """pallas_call over (batch, D / block_d): the slab biases [t_pad, W] whole, every other ref
-  one [rows, block_d] column; outs: (rows, dtype) per [B, rows, D] output, or (t_pad, W) for a
-  per-program [B, D / block_d, t_pad, W] output."""
+def _call(kernel, cfg: Config, interpret: bool, t_len: int, ins, outs, bias_grad=False):
+  """pallas_call over (batch, D / block_d). ins: the slab biases [t_pad, W] (whole to every
+  program), then [B, n, D] arrays (one [n, block_d] column each); outs: (n, dtype) per
+  [B, n, D] output, then (``bias_grad``) each program's [t_pad, W] float32 in a
+  [B, D / block_d, t_pad, W] output."""
   b, _, d = ins[1].shape
+  grid = (b, d // cfg.block_d)
   col = lambda n: pl.BlockSpec((None, n, cfg.block_d), lambda i, j: (i, 0, j))
-  whole = pl.BlockSpec(ins[0].shape, lambda i, j: (0, 0))
-  per_program = pl.BlockSpec((None, None) + ins[0].shape, lambda i, j: (i, j, 0, 0))
-  out_specs, out_shape = [], []
-  for n, dt in outs:
-    if dt is None:
-      out_specs.append(per_program)
-      out_shape.append(jax.ShapeDtypeStruct((b, d // cfg.block_d) + ins[0].shape, jnp.float32))
-    else:
-      out_specs.append(col(n))
-      out_shape.append(jax.ShapeDtypeStruct((b, n, d), dt))
+  out_specs = [col(n) for n, _ in outs]
+  out_shape = [jax.ShapeDtypeStruct((b, n, d), dt) for n, dt in outs]
+  if bias_grad:
+    out_specs.append(pl.BlockSpec((None, None) + ins[0].shape, lambda i, j: (i, j, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct(grid + ins[0].shape, jnp.float32))
   return pallas_util.call(
     functools.partial(kernel, bt=cfg.block_t, t_len=t_len),
     cfg,
     interpret,
-    (b, d // cfg.block_d),
-    [whole] + [col(x.shape[1]) for x in ins[1:]],
+    grid,
+    [pl.BlockSpec(ins[0].shape, lambda i, j: (0, 0))] + [col(x.shape[1]) for x in ins[1:]],
     out_specs,
     out_shape,
     ins,
@@ -345,10 +342,8 @@ def _local_mean_bwd(window, cfg, interpret, res, g):
   bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, cfg.block_t), w)
   g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
   ins = (bias, *_padded(k, v, window, cfg), a, lse, g)
-  n = k.shape[1] + front + t_pad - t_len
-  dk, dv, dbias = _call(
-    _bwd_kernel, cfg, interpret, t_len, ins, [(n, jnp.float32), (n, jnp.float32), (0, None)]
-  )
+  outs = [(front + t_pad, jnp.float32)] * 2  # dk, dv in the keys' padded layout
+  dk, dv, dbias = _call(_bwd_kernel, cfg, interpret, t_len, ins, outs, bias_grad=True)
   (dw,) = bias_vjp(jnp.sum(dbias, axis=(0, 1)))
   keys = slice(front, front + t_len)
   return dk[:, keys].astype(k.dtype), dv[:, keys].astype(v.dtype), dw.astype(w.dtype)
