@@ -229,13 +229,14 @@ def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():
       fn()
 
 
-@pytest.mark.parametrize("mixing", ["aft_simple", "aft_local"])
-def test_model_trains_the_same_with_the_kernel(mixing):
-  """A tiny causal LM (AFT-simple, or AFT-local as in the quickstart), 20 Adam steps:
-  impl=pallas_interpret gives the losses of impl=xla within 1e-4."""
-  cfg = ModelConfig(vocab_size=32, max_len=8, num_layers=1, d_model=16, mlp_dim=32, window=4)
+@pytest.mark.parametrize("mixing, t_len", [("aft_simple", 8), ("aft_local", 40)])
+def test_model_trains_the_same_with_the_kernel(mixing, t_len):
+  """A tiny causal LM (AFT-simple, or AFT-local as in the quickstart: here 3 chunks of 16 and
+  keys older than the window), 20 Adam steps: impl=pallas_interpret gives the losses of
+  impl=xla within 1e-4."""
+  cfg = ModelConfig(vocab_size=32, max_len=t_len, num_layers=1, d_model=16, mlp_dim=32, window=4)
   cfg = dataclasses.replace(cfg, mixing=mixing, dropout_rate=0.0)
-  tokens = np.random.default_rng(0).integers(0, 32, size=(20, 4, 9))
+  tokens = np.random.default_rng(0).integers(0, 32, size=(20, 4, t_len + 1))
   tx = optax.adam(3e-3)
 
   def losses(impl):

@@ -14,7 +14,8 @@ and every older key, whose bias is 0 for all its rows: those are carried as one 
 triple (max, num, den) per channel, as in ``pallas_simple``. The slab's sums are matrix
 products, per key block, of exp(b - row max) [c, c] and exp(k - channel max) [v, 1] [c, 2 bd],
 exactly as ``banded`` does in XLA; b is gathered beforehand (in XLA) into a ``[T, S + c]``
-array of the slab's biases (w on the band, 0 for older keys, -inf beyond t or before 0). The
+array of the slab's biases (w on the band, 0 for older keys, NEG = -1e30, i.e. weight 0, for
+keys after t or before 0). The
 split shift is exact unless a row's largest term underflows, which shows as a denominator
 below ``DEN_OK``; such a chunk is redone row by row with a per-channel running maximum, so the
 result is exact for logits of any size.
@@ -33,7 +34,7 @@ path was exact (else the chunk is redone row by row with p computed directly). T
 (bias 0) take exp(k[t']) sum_t exp(-L[t]) g[t] over the later chunks: a suffix sum walked from
 the last chunk back, carried with its own maximum of -L (exp(k + max(-L)) <= 1: every such key
 is a term of those L). dk, dv accumulate in float32 across the chunks whose slabs hold a key;
-dw comes out per program (``[B, D / block_d, T, W]``, in slab layout) and is summed and
+dw comes out per program (``[B, D / block_d, T, S + c]``, in slab layout) and is summed and
 scattered back to ``[T, T]`` in XLA.
 """
 
@@ -172,7 +173,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
 
     # The slab's first key block is older than every row of the next chunk's band (bias 0).
     kb, vb = load(k_ref, rows(j, bt)), load(v_ref, rows(j, bt))
-    seen = _real(j, bt, n_keys * bt - bt) == False  # noqa: E712 (not front padding)
+    seen = ~_real(j, bt, n_keys * bt - bt)  # not the front padding
     m = jnp.maximum(m0, jnp.max(kb, axis=0, keepdims=True))
     e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
     return (
