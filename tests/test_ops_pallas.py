@@ -166,14 +166,23 @@ def test_local_kernel_ragged_long_sequence_forward():
 
 
 def test_local_kernel_bfloat16_inputs():
-  """bf16 in, bf16 out, float32 inside: as close to the float32 result as the XLA path's."""
-  q, k, v, w, _ = _local_inputs(37, 32, 1.0, seed=1)
+  """bf16 in, bf16 out (and bf16 gradients of q, k, v), float32 inside: as close to the XLA
+  path's bf16 results as bf16 rounding."""
+  q, k, v, w, ct = _local_inputs(37, 32, 1.0, seed=1)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   args = (bf(q), bf(k), bf(v), w)
-  out16 = ops.aft_local(*args, window=8, causal=True, impl="pallas_interpret")
-  assert out16.dtype == jnp.bfloat16
-  xla16 = ops.aft_local(*args, window=8, causal=True, impl="xla")
+
+  def run(impl):
+    fn = functools.partial(ops.aft_local, window=8, causal=True, impl=impl)
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
+    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+
+  (out16, grads16), (xla16, xla_grads) = run("pallas_interpret"), run("xla")
+  assert out16.dtype == jnp.bfloat16 and [g.dtype for g in grads16[:3]] == [jnp.bfloat16] * 3
   chex.assert_trees_all_close(out16.astype(jnp.float32), xla16.astype(jnp.float32), atol=2e-2)
+  for got, want in zip(grads16, xla_grads):
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("cfg", pallas_local.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
