@@ -36,7 +36,8 @@ and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one 
 channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
 
 Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), ``"pallas"``
-(a Pallas kernel compiled for the accelerator: causal AFT-simple on GPU, ``pallas_simple``),
+(a Pallas kernel compiled for the accelerator, on GPU: causal AFT-simple, ``pallas_simple``,
+and causal AFT-local, ``pallas_local``),
 ``"pallas_interpret"`` (the same kernel run by Pallas' interpreter on any backend: slow, for
 tests) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the channel
 count, XLA otherwise). The choice changes results only by float rounding. Asking for a kernel
@@ -49,7 +50,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops import banded, causal_mean, conv, pallas_simple
+from aft_jax.ops import banded, causal_mean, conv, pallas_local, pallas_simple
 
 __all__ = [
   "IMPLS",
@@ -160,13 +161,32 @@ def _cast(dt, *xs):
 # --------------------------------------------------------------------------- the ops
 
 
+def _flat(x):
+  """[..., T, D] -> [B, T, D] (the kernels' layout)."""
+  return x.reshape((-1,) + x.shape[-2:])
+
+
 def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
   """AFT-full (``window`` None: every key) or AFT-local after checking the arguments."""
   _check_qkv(fn, q, k, v)
   t_len = q.shape[-2]
   _check_w(fn, w, t_len)
-  _resolve_impl(fn, impl, _NO_KERNEL)
+  if window is None:
+    why = _NO_KERNEL
+  elif not causal:
+    why = "the kernel is for causal=True"
+  else:
+    why = pallas_local.unsupported(q.shape[-1], window)
+  impl = _resolve_impl(fn, impl, why)
   out_dt, dt = _compute_dtype(q, k, v)
+  if impl != "xla":
+    # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
+    k3 = _flat(k)
+    cfg = pallas_local.config_for(q.shape[-1], k3.shape[0])
+    a = pallas_local.local_mean(
+      k3, _flat(v), jnp.asarray(w, dt), window, cfg, impl == "pallas_interpret"
+    )
+    return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a.reshape(q.shape)).astype(out_dt)
   q, k, v, w = _cast(dt, q, k, v, w)
   return _windowed(q, k, v, w, t_len if window is None else window, causal, out_dt)
 
@@ -206,8 +226,7 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
   out_dt, dt = _compute_dtype(q, k, v)
   if impl != "xla":
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
-    flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-    k3, v3 = flat(k), flat(v)
+    k3, v3 = _flat(k), _flat(v)
     cfg = pallas_simple.config_for(q.shape[-1], k3.shape[0])
     a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
     a = a.reshape(q.shape)

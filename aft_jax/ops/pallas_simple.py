@@ -27,51 +27,23 @@ g[t'] + exp(L[t'] - L[t' + 1]) C[t' + 1]).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
+from aft_jax.ops import pallas_util
+from aft_jax.ops.pallas_util import CONFIGS, Config, config_for  # noqa: F401 (the kernel's API)
+from aft_jax.ops.pallas_util import all_true as _all
+from aft_jax.ops.pallas_util import dot as _dot
+from aft_jax.ops.pallas_util import load as _load
+from aft_jax.ops.pallas_util import rows as _rows
+from aft_jax.ops.pallas_util import unsupported_channels as unsupported  # noqa: F401
+from aft_jax.ops.logsumexp import DEN_OK, NEG
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
 _MAX_RISE = 40.0
-
-
-class Config(NamedTuple):
-  """A kernel configuration: positions per chunk, channels per program, Triton warps and
-  pipeline stages. Triton's matrix products need both block sizes >= 16 (powers of two)."""
-
-  block_t: int = 16
-  block_d: int = 64
-  num_warps: int = 4
-  num_stages: int = 1
-
-
-# Every configuration ``config_for`` can choose (the cross-lowering tests export each).
-CONFIGS = tuple(Config(block_d=bd) for bd in (64, 32, 16))
-
-
-def unsupported(d: int) -> str | None:
-  """Why the kernel cannot take D = d channels, or None if it can."""
-  if d % CONFIGS[-1].block_d:
-    return f"the channel dim D = {d} is not a multiple of {CONFIGS[-1].block_d} (the kernel's tile)"
-  return None
-
-
-def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
-  """The configuration for ``batch`` rows of D = d channels: the widest channel block that
-  divides d and still gives ``min_programs`` programs (each walks T sequentially, so a GPU
-  needs many of them: a few per streaming multiprocessor), else the narrowest that divides d."""
-  fits = [cfg for cfg in CONFIGS if d % cfg.block_d == 0]
-  if not fits:
-    raise ValueError(f"pallas_simple: {unsupported(d)}")
-  for cfg in fits:
-    if batch * (d // cfg.block_d) >= min_programs:
-      return cfg
-  return fits[-1]
 
 
 def _tri(n: int, lower: bool):
@@ -79,23 +51,6 @@ def _tri(n: int, lower: bool):
   i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
   return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
-
-
-def _all(cond):
-  """True where every element of the 2-D bool ``cond`` is (Triton has no reduce_and)."""
-  return jnp.min(jnp.min(jnp.where(cond, 1.0, 0.0), axis=1), axis=0) > 0.5
-
-
-def _dot(x, y):
-  return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _rows(j, n):
-  return pl.ds(pl.multiple_of(j * n, n), n)
-
-
-def _load(ref, idx):
-  return ref[idx, :].astype(jnp.float32)
 
 
 def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
@@ -199,26 +154,20 @@ def _call(kernel, cfg: Config, interpret: bool, ins, outs):
   """pallas_call over the grid (batch, D / block_d); every ref is one [T, block_d] column."""
   b, t_len, d = ins[0].shape
   spec = pl.BlockSpec((None, t_len, cfg.block_d), lambda i, j: (i, 0, j))
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as plt
-
-    params["compiler_params"] = plt.CompilerParams(
-      num_warps=cfg.num_warps, num_stages=cfg.num_stages
-    )
-  return pl.pallas_call(
+  return pallas_util.call(
     functools.partial(kernel, bt=cfg.block_t),
-    grid=(b, d // cfg.block_d),
-    in_specs=[spec] * len(ins),
-    out_specs=[spec] * len(outs),
-    out_shape=[jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
-    interpret=interpret,
-    **params,
-  )(*ins)
+    cfg,
+    interpret,
+    (b, d // cfg.block_d),
+    [spec] * len(ins),
+    [spec] * len(outs),
+    [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
+    ins,
+  )
 
 
 def _pad(x, t_pad: int, fill):
-  return jnp.pad(x, ((0, 0), (0, t_pad), (0, 0)), constant_values=fill) if t_pad else x
+  return pallas_util.pad_time(x, 0, t_pad, fill)
 
 
 def _padded(k, v, cfg: Config):

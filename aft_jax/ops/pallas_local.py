@@ -1,0 +1,353 @@
+"""Causal AFT-local's banded softmax-weighted mean as a Pallas kernel (GPU: Triton lowering).
+
+For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32), w ``[T, T]`` and the
+window s:
+
+    a[t] = sum_{t' <= t} exp(k[t'] + b[t, t']) v[t'] / sum_{t' <= t} exp(k[t'] + b[t, t'])
+
+with b[t, t'] = w[t, t'] for t - t' < s and 0 for the older keys (which still count).
+
+Layout. One program per (batch row, block of ``block_d`` channels) walks the queries in chunks
+of ``block_t`` = c rows. Chunk j sees its band, the keys [j c - S, j c + c) with S = s - 1
+rounded up to a multiple of c (a "slab" of S + c keys, read as (S + c) / c key blocks of c),
+and every older key, whose bias is 0 for all its rows: those are carried as one exact running
+triple (max, num, den) per channel, as in ``pallas_simple``. The slab's sums are matrix
+products, per key block, of exp(b - row max) [c, c] and exp(k - channel max) [v, 1] [c, 2 bd],
+exactly as ``banded`` does in XLA; b is gathered beforehand (in XLA) into a ``[T, S + c]``
+array of the slab's biases (w on the band, 0 for older keys, NEG = -1e30, i.e. weight 0, for
+keys after t or before 0). The
+split shift is exact unless a row's largest term underflows, which shows as a denominator
+below ``DEN_OK``; such a chunk is redone row by row with a per-channel running maximum, so the
+result is exact for logits of any size.
+
+Backward (a custom VJP whose residuals are a and L, the log-normaliser). With g the cotangent
+of a and p[t, t'] = exp(k[t'] + b[t, t'] - L[t]) (<= 1),
+
+    dv[t'] = sum_t p[t, t'] g[t],   dk[t'] = sum_t p[t, t'] g[t] (v[t'] - a[t]),
+    dw[t, t'] = sum_r p[t, t', r] g[t, r] (v[t', r] - a[t, r])   (on the band; r: every batch
+                                                                 row and channel)
+
+Per chunk, the band's part is the forward's split shift again, p = exp(b - row max)
+exp(k - channel max) exp(row max + channel max - L), as [c, c] products per key block (P^T G
+for dk, dv; G (E V)^T for dw), the last factor < 1 / ``DEN_OK`` wherever the forward's fast
+path was exact (else the chunk is redone row by row with p computed directly). The older keys
+(bias 0) take exp(k[t']) sum_t exp(-L[t]) g[t] over the later chunks: a suffix sum walked from
+the last chunk back, carried with its own maximum of -L (exp(k + max(-L)) <= 1: every such key
+is a term of those L). dk, dv accumulate in float32 across the chunks whose slabs hold a key;
+dw comes out per program (``[B, D / block_d, T, S + c]``, in slab layout) and is summed and
+scattered back to ``[T, T]`` in XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from aft_jax.ops import pallas_util
+from aft_jax.ops.logsumexp import DEN_OK, NEG
+from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
+
+__all__ = ["CONFIGS", "MAX_WINDOW", "Config", "config_for", "local_mean", "unsupported"]
+
+# The slab a chunk reads grows with the window (O(T (s + c) D) work, a [T, s + c] bias array):
+# beyond this the band is most of the sequence, which is AFT-full's job.
+MAX_WINDOW = 1024
+# Backward fast path: the scale exp(row max + channel max - L) of the slab's products is
+# < 1 / DEN_OK wherever the forward's fast path was exact; beyond it, row by row.
+_MAX_LOG_SCALE = 57.0
+
+
+def unsupported(d: int, window: int) -> str | None:
+  """Why the kernel cannot take D = d channels and this window, or None if it can."""
+  if window > MAX_WINDOW:
+    return f"the window {window} is larger than the kernel's {MAX_WINDOW}"
+  return pallas_util.unsupported_channels(d)
+
+
+def _slab_width(s: int, bt: int) -> int:
+  """Keys a chunk reads: its own bt plus s - 1 earlier ones, rounded up to key blocks of bt."""
+  return bt * (-(-(s - 1) // bt) + 1)
+
+
+def _slab_bias(w, s: int, t_pad: int, bt: int):
+  """[t_pad, W] float32: row t, column u is the bias of key t' = (t // bt) bt - (W - bt) + u
+  for query t: w[t, t'] where 0 <= t - t' < s, 0 for older keys, NEG beyond t or before 0."""
+  t_len = w.shape[0]
+  width = _slab_width(s, bt)
+  t = jnp.arange(t_pad)[:, None]
+  tk = (t // bt) * bt - (width - bt) + jnp.arange(width)[None, :]
+  band = w[jnp.minimum(t, t_len - 1), jnp.clip(tk, 0, t_len - 1)].astype(jnp.float32)
+  bias = jnp.where(t - tk < s, band, 0.0)
+  return jnp.where((tk <= t) & (tk >= 0), bias, NEG)
+
+
+def _eye(n: int):
+  """[n, n] float32 identity: a [1, n] row x becomes the column sum(eye * x, 1) and back (a
+  transpose from elementwise ops and sums, which Triton has for any shape)."""
+  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
+
+
+def _slab(bias_ref, k_ref, v_ref, bt: int):
+  """Helpers over chunk j's slab: ``keys(j, u)`` (key block u: biases [bt rows, bt keys],
+  keys and values [bt, bd]) and ``maxima(j)`` (the row maxima of the biases [bt, 1] and the
+  channel maxima of the keys [1, bd], over the slab: the split shift of its sums)."""
+  n_keys = bias_ref.shape[1] // bt
+
+  def keys(j, u):
+    idx = rows(j + u, bt)
+    return bias_ref[rows(j, bt), rows(u, bt)], load(k_ref, idx), load(v_ref, idx)
+
+  def maxima(j):
+    def step(u, mm):
+      b, kb, _ = keys(j, u)
+      return (
+        jnp.maximum(mm[0], jnp.max(b, axis=1, keepdims=True)),
+        jnp.maximum(mm[1], jnp.max(kb, axis=0, keepdims=True)),
+      )
+
+    init = (jnp.full((bt, 1), NEG, jnp.float32), jnp.full((1, k_ref.shape[1]), NEG, jnp.float32))
+    return jax.lax.fori_loop(0, n_keys, step, init)
+
+  return n_keys, keys, maxima
+
+
+def _real(j, bt: int, t_len: int):
+  """[bt, 1]: which rows of chunk j are positions < T (not padding)."""
+  return j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) < t_len
+
+
+def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
+  """One (batch row, channel block): a [and L] [t_pad, bd] for the slab biases [t_pad, W] and
+  k, v [W - bt + t_pad, bd] (front-padded by W - bt keys: chunk j's slab starts at key row
+  j bt)."""
+  n_keys, keys, maxima = _slab(bias_ref, k_ref, v_ref, bt)
+  bd = k_ref.shape[1]
+  eye = _eye(bt)
+
+  def store(idx, num, den, m):
+    a_ref[idx, :] = num / den
+    if lse_ref:
+      lse_ref[0][idx, :] = m + jnp.log(den)
+
+  def chunk(j, carry):
+    m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
+    mw, mk = maxima(j)
+
+    def sums(u, nd):
+      b, kb, vb = keys(j, u)
+      p, e = jnp.exp(b - mw), jnp.exp(kb - mk)
+      return nd[0] + dot(p, e * vb), nd[1] + dot(p, e)
+
+    zero = jnp.zeros((bt, bd), jnp.float32)
+    num, den = jax.lax.fori_loop(0, n_keys, sums, (zero, zero))
+
+    def fast():
+      m = jnp.maximum(mw + mk, m0)
+      s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
+      store(rows(j, bt), num * s1 + num0 * s0, den * s1 + den0 * s0, m)
+
+    def exact():  # row by row, the maximum per (row, channel) carried over the key blocks
+      def row(i, _):
+        r = pl.ds(j * bt + i, 1)
+
+        def block(u, c):
+          m1, num1, den1 = c
+          _, kb, vb = keys(j, u)
+          logits = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True) + kb
+          m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
+          e, s1 = jnp.exp(logits - m2), jnp.exp(m1 - m2)
+          num2 = num1 * s1 + jnp.sum(e * vb, axis=0, keepdims=True)
+          return m2, num2, den1 * s1 + jnp.sum(e, axis=0, keepdims=True)
+
+        m1, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
+        store(r, num1, den1, m1)
+        return 0
+
+      jax.lax.fori_loop(0, bt, row, 0)
+
+    jax.lax.cond(all_true((den >= DEN_OK) | ~_real(j, bt, t_len)), fast, exact)
+
+    # The slab's first key block is older than every row of the next chunk's band (bias 0).
+    kb, vb = load(k_ref, rows(j, bt)), load(v_ref, rows(j, bt))
+    seen = ~_real(j, bt, n_keys * bt - bt)  # not the front padding
+    m = jnp.maximum(m0, jnp.max(kb, axis=0, keepdims=True))
+    e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
+    return (
+      m,
+      num0 * s0 + jnp.sum(e * vb, axis=0, keepdims=True),
+      den0 * s0 + jnp.sum(e, axis=0, keepdims=True),
+    )
+
+  zero = jnp.zeros((1, bd), jnp.float32)
+  jax.lax.fori_loop(0, bias_ref.shape[0] // bt, chunk, (zero + NEG, zero, zero))
+
+
+def _bwd_kernel(
+  bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, dw_ref, *, bt: int, t_len: int
+):
+  """One (batch row, channel block): dk, dv [W - bt + t_pad, bd] (float32, the keys' padded
+  layout) and this block's share of the slab biases' gradient [t_pad, W], from a, L and the
+  cotangent g [t_pad, bd] (module docstring)."""
+  n_keys, keys, maxima = _slab(bias_ref, k_ref, v_ref, bt)
+  n_chunks, bd = bias_ref.shape[0] // bt, k_ref.shape[1]
+  eye = _eye(bt)
+
+  def clear(i, _):
+    dk_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
+    dv_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
+    return 0
+
+  jax.lax.fori_loop(0, k_ref.shape[0] // bt, clear, 0)
+
+  def add(idx, dk, dv):
+    dk_ref[idx, :] = dk_ref[idx, :] + dk
+    dv_ref[idx, :] = dv_ref[idx, :] + dv
+
+  def lse_rows(idx, real):
+    return jnp.where(real, load(lse_ref, idx), -NEG)  # padding: weight exp(-L) = 0
+
+  def chunk(i, carry):
+    j = n_chunks - 1 - i
+    out = rows(j, bt)
+    real = _real(j, bt, t_len)
+    lse, g, a = lse_rows(out, real), load(g_ref, out), load(a_ref, out)
+    mw, mk = maxima(j)
+    log_scale = mw + mk - lse
+
+    def fast():  # p = exp(b - mw) exp(k - mk) exp(mw + mk - L), the last factor < 1 / DEN_OK
+      gs = g * jnp.exp(log_scale)
+      ga = gs * a
+
+      def block(u, _):
+        b, kb, vb = keys(j, u)
+        p, e = jnp.exp(b - mw), jnp.exp(kb - mk)
+        c1, c2 = dot(p, gs, trans_x=True), dot(p, ga, trans_x=True)  # [bt keys, bd]
+        add(rows(j + u, bt), e * (vb * c1 - c2), e * c1)
+        dw_ref[out, rows(u, bt)] = p * (dot(gs, e * vb, trans_y=True) - dot(ga, e, trans_y=True))
+        return 0
+
+      jax.lax.fori_loop(0, n_keys, block, 0)
+
+    def exact():  # row by row: p = exp(b + k - L) <= 1 directly
+      def row(i2, _):
+        r = pl.ds(j * bt + i2, 1)
+        lr = lse_rows(r, j * bt + i2 < t_len)
+        gr, ar = load(g_ref, r), load(a_ref, r)
+
+        def block(u, _):
+          _, kb, vb = keys(j, u)
+          b_col = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
+          pg = jnp.exp(b_col + kb - lr) * gr
+          t = pg * (vb - ar)
+          add(rows(j + u, bt), t, pg)
+          dw_col = jnp.sum(t, axis=1, keepdims=True)
+          dw_ref[r, rows(u, bt)] = jnp.sum(eye * dw_col, axis=0, keepdims=True)
+          return 0
+
+        return jax.lax.fori_loop(0, n_keys, block, 0)
+
+      jax.lax.fori_loop(0, bt, row, 0)
+
+    jax.lax.cond(all_true((log_scale <= _MAX_LOG_SCALE) | ~real), fast, exact)
+
+    # The slab's first key block is older (bias 0) than every row of the later chunks, whose
+    # sums c1 = sum exp(-L - m) g, c2 = the same with g a are carried with m = max(-L):
+    # exp(k + m) <= 1 since such a key is one of the terms of every later L.
+    m, c1, c2 = carry
+    kb, vb = load(k_ref, out), load(v_ref, out)
+    e = jnp.exp(kb + m)
+    add(out, e * (vb * c1 - c2), e * c1)
+    m2 = jnp.maximum(m, jnp.max(-lse, axis=0, keepdims=True))
+    s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
+    return (
+      m2,
+      c1 * s + jnp.sum(e * g, axis=0, keepdims=True),
+      c2 * s + jnp.sum(e * g * a, axis=0, keepdims=True),
+    )
+
+  zero = jnp.zeros((1, bd), jnp.float32)
+  jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))
+
+
+def _layout(k, window: int, cfg: Config):
+  """(s, t_pad, W, front): the clamped window, T padded to chunks, the slab width and the
+  keys' front padding."""
+  t_len = k.shape[1]
+  s = min(window, t_len)
+  width = _slab_width(s, cfg.block_t)
+  return s, t_len + (-t_len % cfg.block_t), width, width - cfg.block_t
+
+
+def _call(kernel, cfg: Config, interpret: bool, t_len: int, ins, outs, bias_grad=False):
+  """pallas_call over (batch, D / block_d). ins: the slab biases [t_pad, W] (whole to every
+  program), then [B, n, D] arrays (one [n, block_d] column each); outs: (n, dtype) per
+  [B, n, D] output, then (``bias_grad``) each program's [t_pad, W] float32 in a
+  [B, D / block_d, t_pad, W] output."""
+  b, _, d = ins[1].shape
+  grid = (b, d // cfg.block_d)
+  col = lambda n: pl.BlockSpec((None, n, cfg.block_d), lambda i, j: (i, 0, j))
+  out_specs = [col(n) for n, _ in outs]
+  out_shape = [jax.ShapeDtypeStruct((b, n, d), dt) for n, dt in outs]
+  if bias_grad:
+    out_specs.append(pl.BlockSpec((None, None) + ins[0].shape, lambda i, j: (i, j, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct(grid + ins[0].shape, jnp.float32))
+  return pallas_util.call(
+    functools.partial(kernel, bt=cfg.block_t, t_len=t_len),
+    cfg,
+    interpret,
+    grid,
+    [pl.BlockSpec(ins[0].shape, lambda i, j: (0, 0))] + [col(x.shape[1]) for x in ins[1:]],
+    out_specs,
+    out_shape,
+    ins,
+  )
+
+
+def _padded(k, v, window: int, cfg: Config):
+  """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
+  before key 0) and ragged T up to chunks; keys NEG (weight exp(NEG - m) = 0), values 0."""
+  _, t_pad, _, front = _layout(k, window, cfg)
+  t_len = k.shape[1]
+  pad = lambda x, fill: pallas_util.pad_time(x, front, t_pad - t_len, fill)
+  return pad(k, NEG), pad(v, 0.0)
+
+
+def _forward(k, v, w, window: int, cfg: Config, interpret: bool, with_lse: bool):
+  """a [and L] [B, t_pad, D] float32 from the kernel."""
+  s, t_pad, _, _ = _layout(k, window, cfg)
+  ins = (_slab_bias(w, s, t_pad, cfg.block_t), *_padded(k, v, window, cfg))
+  outs = [(t_pad, jnp.float32)] * (2 if with_lse else 1)
+  return _call(_fwd_kernel, cfg, interpret, k.shape[1], ins, outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool):
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
+  w ``[T, T]`` and window s >= 1, causal."""
+  return _forward(k_BTD, v_BTD, w_TT, window, cfg, interpret, False)[0][:, : k_BTD.shape[1]]
+
+
+def _local_mean_fwd(k, v, w, window, cfg, interpret):
+  a, lse = _forward(k, v, w, window, cfg, interpret, True)  # padded: kept as residuals
+  return a[:, : k.shape[1]], (k, v, w, a, lse)
+
+
+def _local_mean_bwd(window, cfg, interpret, res, g):
+  k, v, w, a, lse = res
+  t_len = k.shape[1]
+  s, t_pad, _, front = _layout(k, window, cfg)
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, cfg.block_t), w)
+  g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
+  ins = (bias, *_padded(k, v, window, cfg), a, lse, g)
+  outs = [(front + t_pad, jnp.float32)] * 2  # dk, dv in the keys' padded layout
+  dk, dv, dbias = _call(_bwd_kernel, cfg, interpret, t_len, ins, outs, bias_grad=True)
+  (dw,) = bias_vjp(jnp.sum(dbias, axis=(0, 1)))
+  keys = slice(front, front + t_len)
+  return dk[:, keys].astype(k.dtype), dv[:, keys].astype(v.dtype), dw.astype(w.dtype)
+
+
+local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)
