@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 import time
 
@@ -37,7 +38,7 @@ from aft_jax.model import MIXINGS, ModelConfig
 from benchmarks import bench_model, bench_ops, common
 
 # Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
-KERNEL_OPS = ("aft_simple",)
+KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
 XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
 BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
@@ -93,20 +94,27 @@ def kernel_checks(kernel_impl, quick: bool):
     return out
   t_len, d = (100, 32) if quick else (1000, 512)
   cases = [(jnp.float32, 1.0), (jnp.float32, 40.0), (jnp.bfloat16, 1.0), (jnp.bfloat16, 40.0)]
-  if quick:
-    cases = cases[1:3]
+  kernels = {
+    "aft_simple causal": lambda impl, q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
+    "aft_local_32 causal": lambda impl, q, k, v, w: ops.aft_local(
+      q, k, v, w, window=32, causal=True, impl=impl
+    ),
+  }
+  if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
+    cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
   rng = np.random.default_rng(0)
-  for dtype, scale in cases:
+  for (kernel, op), (dtype, scale) in itertools.product(kernels.items(), cases):
     q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k * scale, v))
+    w = jnp.asarray(rng.normal(size=(t_len, t_len)) * scale, jnp.float32)
 
     def run(impl, *args):
-      fn = functools.partial(ops.aft_simple, causal=True, impl=impl)
+      fn = functools.partial(op, impl)
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
-      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))(*args)
+      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
 
     f32 = lambda x: x.astype(jnp.float32)
-    got, want = run(kernel_impl, q, k, v), run("xla", f32(q), f32(k), f32(v))
+    got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
     errs = [
       float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
       for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
@@ -115,7 +123,7 @@ def kernel_checks(kernel_impl, quick: bool):
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     out.append(
       {
-        "kernel": "aft_simple causal",
+        "kernel": kernel,
         "dtype": jnp.dtype(dtype).name,
         "logit_std": scale,
         "max_rel_error": max(errs),
@@ -202,7 +210,9 @@ def target_checks(op_recs, model_recs):
     ">= 3",
     lambda x: x >= 3,
   )
-  best_local = _get(op_recs, "op", "aft_local_32/xla", "fwd_bwd", 4096)
+  # The faster of the two implementations (the kernel where it was measured).
+  local = [_get(op_recs, "op", f"aft_local_32/{i}", "fwd_bwd", 4096) for i in ("pallas", "xla")]
+  best_local = min((r for r in local if r), key=lambda r: r["time_s"], default=None)
   check(
     "softmax_cudnn / aft_local_32 fwd+bwd time, T=4096",
     cudnn(4096),
