@@ -26,6 +26,14 @@ def tiny_config(**overrides):
   return override(config, overrides)
 
 
+def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
+  """The command line of ``python train.py --config CONFIG --workdir WORKDIR FLAGS...``, run
+  from the repository root (the README's form)."""
+  import sys
+
+  return [sys.executable, "train.py", "--config", config, "--workdir", str(workdir), *flags]
+
+
 def config_flags(config):
   """Command-line overrides that turn configs/quickstart.py into ``config``."""
   out = []

@@ -17,13 +17,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config, train_py
 from aft_jax import metrics
 
 STEPS = 4
@@ -78,16 +77,7 @@ def _start(workdir, config, devices, extra=(), log=None):
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}",
     JAX_PLATFORMS="cpu",
   )
-  cmd = [
-    sys.executable,
-    "train.py",
-    "--config",
-    "configs/quickstart.py",
-    "--workdir",
-    workdir,
-    *config_flags(config),
-    *extra,
-  ]
+  cmd = train_py(workdir, *config_flags(config), *extra)
   proc = subprocess.Popen(
     cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
   )

@@ -16,10 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config, train_py
 from aft_jax import checkpointing, metrics, train_lib, workdir_lock
-
-TRAIN = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
 
 
 def _steps(workdir):
@@ -50,7 +48,7 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   flags = config_flags(tiny_config(num_train_steps=100_000))
   proc = subprocess.Popen(
-    TRAIN + ["--workdir", workdir] + flags,
+    train_py(workdir, *flags),
     cwd=ROOT,
     text=True,
     stdout=subprocess.PIPE,
@@ -67,7 +65,7 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   # explicitly), continues from that step.
   flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
   again = subprocess.run(
-    TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
+    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
   )
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"Resuming from the checkpoint at step {step}" in again.stdout
@@ -80,7 +78,7 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
     tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
   )
   proc = subprocess.Popen(
-    TRAIN + ["--workdir", workdir] + flags,
+    train_py(workdir, *flags),
     cwd=ROOT,
     text=True,
     stdout=subprocess.PIPE,
@@ -98,7 +96,7 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
     tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
   ) + ["--allow_config_change"]
   again = subprocess.run(
-    TRAIN + ["--workdir", workdir] + flags, cwd=ROOT, text=True, capture_output=True, timeout=300
+    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
   )
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, config_flags, tiny_config
+from tests.helpers import ROOT, config_flags, tiny_config, train_py
 from aft_jax import metrics, train_lib
 
 
@@ -21,8 +21,7 @@ def _losses(workdir):
 def test_train_py_two_steps_then_generate(tmp_path):
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 8, "sample.prompt": "def "})
-  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py", "--workdir", workdir]
-  cmd += ["--jax_debug_nans=false", "--verbosity=0"]  # JAX's and absl's flags are accepted
+  cmd = train_py(workdir, "--jax_debug_nans=false", "--verbosity=0")  # JAX's and absl's flags
   out = subprocess.run(
     cmd + config_flags(config), cwd=ROOT, capture_output=True, text=True, timeout=300
   )
@@ -110,16 +109,7 @@ def test_quickstart_recipe_learns(tmp_path):
   """configs/quickstart.py as the README runs it, shortened to 400 of its 1000 steps to fit
   CI's time budget: validation perplexity already far below the unigram baseline."""
   workdir = str(tmp_path / "quick")
-  cmd = [
-    sys.executable,
-    "train.py",
-    "--config",
-    "configs/quickstart.py",
-    "--workdir",
-    workdir,
-    "--config.num_train_steps=400",
-    "--config.sample.length=20",
-  ]
+  cmd = train_py(workdir, "--config.num_train_steps=400", "--config.sample.length=20")
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
@@ -164,8 +154,7 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
 
 
 def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path):
-  cmd = [sys.executable, "train.py", "--config", "configs/quickstart.py"]
-  cmd += ["--workdir", str(tmp_path / "run"), "--config.seed=-1"]
+  cmd = train_py(tmp_path / "run", "--config.seed=-1")
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   lines = [line for line in out.stderr.splitlines() if line.strip()]

@@ -4,24 +4,18 @@ offline (tests/test_recipes.py trains every variant of both in-process)."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 
 from tests import fake_enwik8, fake_wikitext
-from tests.helpers import ROOT
+from tests.helpers import ROOT, train_py
 
 
 def test_wikitext_recipe_trains_on_fake_data(tmp_path):
   manual = str(tmp_path / "manual")
   fake_wikitext.write_extracted(manual, "v1")
   data_dir, workdir = str(tmp_path / "data"), str(tmp_path / "run")
-  cmd = [
-    sys.executable,
-    "train.py",
-    "--config",
-    "configs/wikitext103.py:aft_local",
-    "--workdir",
+  cmd = train_py(
     workdir,
     f"--config.data.data_dir={data_dir}",
     f"--config.data.manual_dir={manual}",
@@ -39,7 +33,8 @@ def test_wikitext_recipe_trains_on_fake_data(tmp_path):
     "--config.model.dtype=float32",
     "--config.sample.length=5",
     "--config.log_every_steps=1",
-  ]
+    config="configs/wikitext103.py:aft_local",
+  )
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
@@ -72,9 +67,13 @@ def test_enwik8_recipe_trains_through_train_py_and_reports_bpc(tmp_path):
     "log_every_steps": 1,
     "sample.length": 0,
   }
-  cmd = [sys.executable, "train.py", "--config", "configs/enwik8.py:aft_local", "--workdir"]
-  cmd += [workdir, f"--config.data.data_dir={tmp_path / 'data'}"]
-  cmd += [f"--config.data.manual_dir={manual}"] + [f"--config.{k}={v}" for k, v in tiny.items()]
+  cmd = train_py(
+    workdir,
+    f"--config.data.data_dir={tmp_path / 'data'}",
+    f"--config.data.manual_dir={manual}",
+    *(f"--config.{k}={v}" for k, v in tiny.items()),
+    config="configs/enwik8.py:aft_local",
+  )
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
