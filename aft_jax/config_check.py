@@ -122,6 +122,14 @@ def check_config(config) -> None:
     errors.append(f"config.sample.temperature = {c.sample.temperature} must be >= 0 (0: greedy)")
   if c.sample.top_k < 0:
     errors.append(f"config.sample.top_k = {c.sample.top_k} must be >= 0 (0: all tokens)")
+  steps = c.get("profile_steps") or ()
+  if steps and (
+    len(steps) != 2 or not all(isinstance(x, int) for x in steps) or not 0 <= steps[0] < steps[1]
+  ):
+    errors.append(
+      f"config.profile_steps = {tuple(steps)} must be (start, stop) with 0 <= start < stop, or "
+      "() for no trace"
+    )
   if errors:
     raise ValueError("invalid config: " + "; ".join(errors))
 

@@ -301,21 +301,9 @@ def absolute_paths(config) -> ml_collections.ConfigDict:
   return config
 
 
-def check_profile_steps(config) -> None:
-  steps = config.get("profile_steps") or ()
-  if steps and (
-    len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 0 <= steps[0] < steps[1]
-  ):
-    raise ValueError(
-      f"invalid config: config.profile_steps = {tuple(steps)} must be (start, stop) with "
-      "0 <= start < stop, or () for no trace"
-    )
-
-
 def setup(config, workdir: str, allow_config_change: bool) -> Run:
   """Checks the config, loads the data, builds the mesh and the jitted steps."""
   check_config(config)
-  check_profile_steps(config)
   config = absolute_paths(config)
   workdir = os.path.abspath(workdir)
   corpus = data_lib.load_corpus(config.data)
