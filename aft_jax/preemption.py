@@ -2,6 +2,14 @@
 
 The step in flight finishes, the loop saves a checkpoint at that step and exits cleanly, so a
 rerun resumes exactly; a second Ctrl-C stops at once.
+
+Several processes must stop at the same step (each saves its shards of one checkpoint). A
+cluster's preemption notice is SIGTERM, which may reach the processes at different steps or
+reach only one of them: there JAX's preemption sync manager (started by
+``jax.distributed.initialize``, ``jax_enable_preemption_service``) owns SIGTERM and, through the
+coordination service, names one step at which every process stops (host-side: no device
+collective, so checking it after every step costs nothing). Ctrl-C (SIGINT) is not part of
+that protocol: processes compare their SIGINT flags at log steps, where logging already syncs.
 """
 
 from __future__ import annotations
@@ -13,15 +21,24 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
+def _sync_manager_owns_sigterm() -> bool:
+  """Whether JAX's preemption sync manager handles SIGTERM in this run (several processes)."""
+  return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+
+
 class Preemption:
   """A context manager that records SIGTERM / SIGINT instead of dying on them."""
 
   def __init__(self):
     self.signal = None
     self._old = {}
+    self._synced = False
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    self._synced = _sync_manager_owns_sigterm()
+    # JAX's notifier installed its own SIGTERM handler; a Python one would replace it.
+    sigs = (signal.SIGINT,) if self._synced else (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
       try:
         self._old[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread
@@ -36,11 +53,15 @@ class Preemption:
   def should_stop(self, step: int, every: int) -> bool:
     """Whether to save and stop after ``step``; all processes agree on the same step.
 
-    One process stops at once. Several processes each see the signal at their own time, so
-    they compare flags every ``every`` steps (where logging already syncs) and stop together.
+    Call it after every step, on every process, with increasing ``step``. One process stops
+    at once. Several: at the preemption sync point (SIGTERM to any of them), or at the next
+    multiple of ``every`` after a SIGINT to any of them.
     """
     if jax.process_count() == 1:
       return self.signal is not None
+    if self._synced and multihost_utils.reached_preemption_sync_point(step):
+      self.signal = "SIGTERM, preemption notice to one or more processes"
+      return True
     if step % every:
       return False
     flags = multihost_utils.process_allgather(np.int32(self.signal is not None))

@@ -408,9 +408,11 @@ class _StepLog:
       return "there is no checkpoint yet"
     return f"the last good checkpoint is step {latest}"
 
-  def flush(self, state: TrainState) -> None:
-    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to."""
-    self.settle()
+  def flush(self, state: TrainState, check: bool = True) -> None:
+    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to
+    (``check``: False when writing what is left after such an error)."""
+    if check:
+      self.settle()
     config, step = self.run.config, self.step
     stacked = jax.device_get(self.pending)  # all ready: settle waited for the last step
     elapsed = time.perf_counter() - self.t_last
@@ -494,6 +496,20 @@ def log_validation(run: Run, writer: MetricWriter, bar, step: int, ev: dict) -> 
     bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")
 
 
+def _save_and_say_stopped(run: Run, log: _StepLog, mngr, step: int, state, data_iter, sig):
+  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, says so."""
+  if log.pending:
+    log.flush(state)  # the steps since the last log line are not lost
+  saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
+  if run.is_main:
+    what = (
+      f"saved the checkpoint at step {step}; run the same command again to resume."
+      if saved
+      else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
+    )
+    print(f"\nInterrupted (signal {sig}): {what}", flush=True)
+
+
 def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
   """Trains to ``num_train_steps``: (final state, whether a signal stopped it early)."""
   config, trainer = run.config, run.trainer
@@ -508,32 +524,28 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
   )
   log = _StepLog(run, writer, bar, mngr, step)
   with bar, Preemption() as preemption, _Profiler(run) as profiler:
-    while step < config.num_train_steps:
-      profiler.at(step, state)
-      state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
-      step += 1
-      log.add(metrics)
-      bar.update(1)
-      last = step == config.num_train_steps
-      if step % config.log_every_steps == 0 or last:
-        log.flush(state)
-      if step % config.eval_every_steps == 0 and not last:
-        ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
-        log_validation(run, writer, bar, step, ev)
-      if step % config.checkpoint_every_steps == 0 or last:
-        _checkpoint(run, log, mngr, step, state, data_iter)
-      if preemption.should_stop(step, config.log_every_steps):
-        if log.pending:
-          log.flush(state)  # the steps since the last log line are not lost
-        saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
-        if run.is_main:
-          what = (
-            f"saved the checkpoint at step {step}; run the same command again to resume."
-            if saved
-            else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
-          )
-          print(f"\nInterrupted (signal {preemption.signal}): {what}", flush=True)
-        return state, True
+    try:
+      while step < config.num_train_steps:
+        profiler.at(step, state)
+        state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
+        step += 1
+        log.add(metrics)
+        bar.update(1)
+        last = step == config.num_train_steps
+        if step % config.log_every_steps == 0 or last:
+          log.flush(state)
+        if step % config.eval_every_steps == 0 and not last:
+          ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
+          log_validation(run, writer, bar, step, ev)
+        if step % config.checkpoint_every_steps == 0 or last:
+          _checkpoint(run, log, mngr, step, state, data_iter)
+        if preemption.should_stop(step, config.log_every_steps):
+          _save_and_say_stopped(run, log, mngr, step, state, data_iter, preemption.signal)
+          return state, True
+    except FloatingPointError:  # divergence: the metrics of the steps since the last log line
+      if log.pending:  # are what shows how it happened
+        log.flush(state, check=False)
+      raise
   return state, False
 
 

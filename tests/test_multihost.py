@@ -212,8 +212,10 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
     time.sleep(0.05)
   procs[1].send_signal(signal.SIGTERM)  # only the second process is told
   _wait_all(procs, logs)
+  # JAX's preemption sync manager names the step (the log-step agreement, used for SIGINT,
+  # would say "signal from another process"); both processes saved it (Orbax finalises a
+  # checkpoint only when every process has written its shards) and exited 0.
   out0 = open(logs[0].name).read()
-  assert "Interrupted (signal from another process)" in out0, _tails(logs)
+  assert "Interrupted (signal SIGTERM, preemption notice" in out0, _tails(logs)
   step = int(out0.split("saved the checkpoint at step ")[1].split(";")[0])
-  assert step % 2 == 0
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(step)]

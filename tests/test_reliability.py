@@ -236,11 +236,19 @@ def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkp
   _poison(monkeypatch, at_step=4, until=10**6)
   workdir = str(tmp_path / "run")
   config = tiny_config(
-    num_train_steps=30, checkpoint_every_steps=2, keep_checkpoints=1, max_consecutive_skips=5
+    num_train_steps=30,
+    checkpoint_every_steps=2,
+    keep_checkpoints=1,
+    max_consecutive_skips=5,
+    log_every_steps=3,
   )
   with pytest.raises(FloatingPointError, match="steps 4-8 .* the last good checkpoint is step 2"):
     train_lib.train_and_evaluate(config, workdir)
   assert _steps(workdir) == [2]
+  # The steps since the last log line (step 6) are written too: they show the divergence.
+  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  assert [r["step"] for r in records][:2] == [3, 6] and records[-1]["step"] >= 8, records
+  assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 5
 
 
 def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, monkeypatch):
@@ -359,3 +367,34 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
   # Its process is gone: the lock is stale, taken over, and released at the end.
   results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
   assert results["steps"] == 1 and not os.path.exists(lock)
+
+
+def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
+  """With several processes JAX's preemption sync manager owns SIGTERM (its handler stays) and
+  names the stop step; a Ctrl-C is exchanged at log steps only (no collective on other steps)."""
+  from aft_jax import preemption
+
+  monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
+  gathered, sync_steps = [], []
+  monkeypatch.setattr(
+    preemption.multihost_utils,
+    "process_allgather",
+    lambda x: gathered.append(int(x)) or np.array([int(x), 0]),
+  )
+  monkeypatch.setattr(
+    preemption.multihost_utils,
+    "reached_preemption_sync_point",
+    lambda step: sync_steps.append(step) or step == 7,
+  )
+  sigterm = signal.getsignal(signal.SIGTERM)
+  with preemption.Preemption() as p:
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+    assert not p.should_stop(1, every=2) and not p.should_stop(2, every=2)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert not p.should_stop(3, every=2)  # not a log step
+    assert p.should_stop(4, every=2) and p.signal == signal.SIGINT
+  assert gathered == [0, 1] and sync_steps == [1, 2, 3, 4]
+  with preemption.Preemption() as p:  # the sync manager's step, between log steps
+    assert not p.should_stop(5, every=2) and p.should_stop(7, every=2)
+    assert p.signal.startswith("SIGTERM, preemption notice")
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
