@@ -7,6 +7,7 @@ import math
 import os
 
 from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
 
 
 class MetricWriter:
@@ -39,10 +40,38 @@ class MetricWriter:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
 
+  def write_hparams(self, config: dict, metric_tags) -> None:
+    """The run's settings (nested ``config``, flattened to "model.mixing" etc.) on
+    TensorBoard's HPARAMS tab, beside its scalars ``metric_tags``. Written into this run's own
+    event file (not a sub-run, as ``SummaryWriter.add_hparams`` does), so that the tab shows
+    each workdir as one row with its own curves."""
+    if not self.enabled:
+      return
+    flat = {k: _hparam_value(v) for k, v in _flatten(config).items() if v is not None}
+    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
+    self._tb.file_writer.add_summary(experiment)
+    self._tb.file_writer.add_summary(session_start)
+    self._tb.flush()
+
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _hparam_value(value):
+  """A number, string or bool as it is; anything else (a tuple of cutoffs) as its text."""
+  return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def read_metrics(workdir: str) -> list[dict]:

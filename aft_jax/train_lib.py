@@ -488,6 +488,10 @@ class _Profiler:
       self._stop()
 
 
+# The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
+HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
+
+
 def log_validation(run: Run, writer: MetricWriter, bar, step: int, ev: dict) -> None:
   """A validation result in the metrics and on the console."""
   writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
@@ -653,6 +657,7 @@ def train_and_evaluate(
     state = restore_or_init(run, mngr, data_iter)
     writer = MetricWriter(run.workdir, enabled=run.is_main)
     writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
+    writer.write_hparams(run.config.to_dict(), HPARAMS_METRICS)
     try:
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:

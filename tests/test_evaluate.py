@@ -1,13 +1,16 @@
 """aft_jax.evaluate on tiny trained runs, and what a run shows while it trains (the console's
-validation lines, the profiler trace, the config and sample on TensorBoard)."""
+validation lines, the profiler trace, the config, settings and sample on TensorBoard)."""
 
 import contextlib
 import io
 import json
 import math
 import os
+import struct
 
 import pytest
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 
 from tests.helpers import tiny_config
 from aft_jax import evaluate, train_lib
@@ -113,6 +116,29 @@ def test_training_shows_validation_profile_config_and_sample(byte_run):
     open(os.path.join(tb, f), "rb").read() for f in os.listdir(tb) if "tfevents" in f
   )
   assert b"config" in events and b"sample" in events and b"learning_rate" in events
+  # The HPARAMS tab: the run's flattened settings, in the run's own event file.
+  (start,) = [
+    HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info
+    for event in _events(tb)
+    for v in event.summary.value
+    if v.tag == "_hparams_/session_start_info"
+  ]
+  config = json.load(open(os.path.join(path, "config.json")))
+  assert start.hparams["model.mixing"].string_value == config["model"]["mixing"]
+  assert start.hparams["learning_rate"].number_value == config["learning_rate"]
+  assert start.hparams["model.d_model"].number_value == config["model"]["d_model"]
+
+
+def _events(logdir):
+  """The Event protos of the TFRecord event files directly in ``logdir`` (length, its CRC,
+  the record, its CRC)."""
+  for name in sorted(f for f in os.listdir(logdir) if "tfevents" in f):
+    data = open(os.path.join(logdir, name), "rb").read()
+    pos = 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos : pos + 8])
+      yield Event.FromString(data[pos + 12 : pos + 12 + n])
+      pos += 12 + n + 4
 
 
 def test_bad_profile_steps_fail_before_compiling(tmp_path):
