@@ -5,7 +5,7 @@ accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axi
 exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
 and the config (``aft_jax.checkpointing``), so rerunning the same command resumes exactly;
 SIGTERM / Ctrl-C save a checkpoint and exit (``aft_jax.preemption``); one trainer per workdir
-(``aft_jax.workdir_lock``).
+(``aft_jax.workdir_lock``); per-step metrics and the non-finite watch (``aft_jax.step_log``).
 
 ``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
 loop, final evaluation, results, a sample. The step functions are pure module-level functions
@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import math
 import os
-import time
 import warnings
 
 import flax.linen as nn
@@ -37,6 +36,7 @@ from aft_jax import data as data_lib
 from aft_jax import decode as decode_lib
 from aft_jax import files
 from aft_jax import sharding
+from aft_jax import step_log
 from aft_jax import workdir_lock
 from aft_jax import workdir as workdir_lib
 from aft_jax.config_check import check_config
@@ -348,98 +348,7 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   return state
 
 
-class _StepLog:
-  """Collects per-step metrics on the device, reads each step's finite flag two steps behind,
-  and writes one record per logged step.
-
-  Reading the flag of the step before last waits for that step only while the two after it
-  are already queued: the device never idles, and the host stays at most two steps ahead of
-  it, so a signal is acted on within two steps and a run of skipped (non-finite) updates is
-  seen as it happens. (One step behind measured slower on CPU, where the host's work and the
-  step share the cores.)
-  """
-
-  def __init__(self, run: Run, writer: MetricWriter, bar, mngr, step: int):
-    self.run, self.writer, self.bar, self.mngr = run, writer, bar, mngr
-    self.pending, self.t_last = [], time.perf_counter()
-    self.step = step  # the step of the last metrics added
-    self.checked = 0  # how many of ``pending`` have had their finite flag read
-    self.skipped_since = None  # first step of the current run of skipped updates, if any
-
-  def add(self, metrics) -> None:
-    """Adds the next step's metrics and reads the finite flag of the step before last."""
-    self.pending.append(metrics)
-    self.step += 1
-    self._check(len(self.pending) - 2)
-
-  def settle(self) -> None:
-    """Reads the finite flags of every step added so far (waits for the last one)."""
-    self._check(len(self.pending))
-
-  def _check(self, upto: int) -> None:
-    """Tracks skipped updates; raises on one with nonfinite='stop', or on too many in a row."""
-    config = self.run.config
-    first = self.step - len(self.pending) + 1  # the step of pending[0]
-    for i in range(self.checked, upto):
-      step = first + i
-      if bool(self.pending[i]["finite"]):
-        self.skipped_since = None
-        continue
-      if config.nonfinite == "stop":
-        raise FloatingPointError(
-          f"non-finite loss or gradient at step {step}; {self.last_good()} (set "
-          "nonfinite='skip' to skip such updates)"
-        )
-      self.skipped_since = self.skipped_since or step
-      skips = step - self.skipped_since + 1
-      if config.max_consecutive_skips and skips >= config.max_consecutive_skips:
-        raise FloatingPointError(
-          f"training diverged: the {skips} updates of steps {self.skipped_since}-{step} were "
-          f"all non-finite and skipped (max_consecutive_skips = "
-          f"{config.max_consecutive_skips}); {self.last_good()}: lower learning_rate (or fix "
-          "the data) and resume from it with --allow_config_change"
-        )
-    self.checked = max(self.checked, upto)
-
-  def last_good(self) -> str:
-    # Checkpoints are never written inside a run of skipped updates (see _checkpoint).
-    latest = self.mngr.latest_step()
-    if latest is None:
-      return "there is no checkpoint yet"
-    return f"the last good checkpoint is step {latest}"
-
-  def flush(self, state: TrainState, check: bool = True) -> None:
-    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to
-    (``check``: False when writing what is left after such an error)."""
-    if check:
-      self.settle()
-    config, step = self.run.config, self.step
-    stacked = jax.device_get(self.pending)  # all ready: settle waited for the last step
-    elapsed = time.perf_counter() - self.t_last
-    n = len(stacked)
-    losses = [float(m["loss"]) for m in stacked if bool(m["finite"])]
-    record = {
-      "step": step,
-      "loss": float(np.mean(losses)) if losses else float("nan"),
-      "learning_rate": float(stacked[-1]["learning_rate"]),
-      "grad_norm": float(np.mean([float(m["grad_norm"]) for m in stacked])),
-      "tokens_per_sec": config.batch_size * config.seq_len * n / elapsed,
-      "step_time": elapsed / n,
-      "skipped_steps": int(state.skipped),
-    }
-    record["perplexity"] = math.exp(min(record["loss"], 50.0))
-    self.writer.write(record)
-    self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-    if self.run.is_main:
-      self.bar.write(
-        f"step {step}: loss {record['loss']:.4f}  ppl {record['perplexity']:.2f}  "
-        f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-        f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} ms/step"
-      )
-    self.pending, self.checked, self.t_last = [], 0, time.perf_counter()
-
-
-def _checkpoint(run: Run, log: _StepLog, mngr, step: int, state, data_iter) -> bool:
+def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
   """Saves the checkpoint at ``step``, unless its update was skipped as non-finite: a run of
   skipped updates must not rotate out the last good checkpoint. Whether one was saved."""
   log.settle()
@@ -455,52 +364,7 @@ def _checkpoint(run: Run, log: _StepLog, mngr, step: int, state, data_iter) -> b
   return True
 
 
-class _Profiler:
-  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``config.profile_steps``) in the
-  run's TensorBoard folder, written by process 0."""
-
-  def __init__(self, run: Run):
-    self.steps = tuple(run.config.get("profile_steps") or ()) if run.is_main else ()
-    self.logdir = os.path.join(run.workdir, "tensorboard")
-    self.active = False
-
-  def __enter__(self):
-    return self
-
-  def at(self, step: int, state) -> None:
-    """Called with the number of steps done, before the next one."""
-    if not self.steps:
-      return
-    if step == self.steps[0] and not self.active:
-      jax.profiler.start_trace(self.logdir)
-      self.active = True
-    elif step >= self.steps[1] and self.active:
-      jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
-      self._stop()
-
-  def _stop(self):
-    jax.profiler.stop_trace()
-    self.active = False
-    print(f"Wrote a profile of steps {self.steps} to {self.logdir}", flush=True)
-
-  def __exit__(self, *exc):
-    if self.active:  # the run ended (or stopped) inside the traced steps
-      self._stop()
-
-
-# The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
-HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
-
-
-def log_validation(run: Run, writer: MetricWriter, bar, step: int, ev: dict) -> None:
-  """A validation result in the metrics and on the console."""
-  writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
-  if run.is_main:
-    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if run.corpus.unit == "byte" else ""
-    bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")
-
-
-def _save_and_say_stopped(run: Run, log: _StepLog, mngr, step: int, state, data_iter, sig):
+def _save_and_say_stopped(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter, sig):
   """After a signal: writes the unlogged metrics and the checkpoint at ``step``, says so."""
   if log.pending:
     log.flush(state)  # the steps since the last log line are not lost
@@ -526,8 +390,8 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     disable=not run.is_main,
     dynamic_ncols=True,
   )
-  log = _StepLog(run, writer, bar, mngr, step)
-  with bar, Preemption() as preemption, _Profiler(run) as profiler:
+  log = step_log.StepLog(run, writer, bar, mngr, step)
+  with bar, Preemption() as preemption, step_log.Profiler(run) as profiler:
     try:
       while step < config.num_train_steps:
         profiler.at(step, state)
@@ -540,7 +404,7 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
           log.flush(state)
         if step % config.eval_every_steps == 0 and not last:
           ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
-          log_validation(run, writer, bar, step, ev)
+          step_log.log_validation(run, writer, bar, step, ev)
         if step % config.checkpoint_every_steps == 0 or last:
           _checkpoint(run, log, mngr, step, state, data_iter)
         if preemption.should_stop(step, config.log_every_steps):
@@ -657,7 +521,7 @@ def train_and_evaluate(
     state = restore_or_init(run, mngr, data_iter)
     writer = MetricWriter(run.workdir, enabled=run.is_main)
     writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
-    writer.write_hparams(run.config.to_dict(), HPARAMS_METRICS)
+    writer.write_hparams(run.config.to_dict(), step_log.HPARAMS_METRICS)
     try:
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:
