@@ -156,18 +156,24 @@ def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch
   with pytest.raises(FileNotFoundError, match="not a complete prepared corpus"):
     corpus_lib.load_prepared(path)
   monkeypatch.setattr(store, "write_tokens", real_write)
-  cfg = ml_collections.ConfigDict(
+  c = corpus_lib.load_corpus(
+    _data_config(tmp_path, "word", "v1")
+  )  # prepares again because the marker is missing
+  assert store.is_complete(path)
+  assert {s: int(c.splits[s].size) for s in SPLITS} == _expected_word_summary("v1")["tokens"]
+
+
+def _data_config(tmp_path, tokenizer: str, variant: str):
+  """config.data for WikiText-103 from the fake files in tmp_path/manual."""
+  return ml_collections.ConfigDict(
     {
       "dataset": "wikitext103",
-      "tokenizer": "word",
-      "variant": "v1",
+      "tokenizer": tokenizer,
+      "variant": variant,
       "data_dir": str(tmp_path / "data"),
       "manual_dir": str(tmp_path / "manual"),
     }
   )
-  c = corpus_lib.load_corpus(cfg)  # prepares again because the marker is missing
-  assert store.is_complete(path)
-  assert {s: int(c.splits[s].size) for s in SPLITS} == _expected_word_summary("v1")["tokens"]
 
 
 def test_partial_npy_is_never_visible(tmp_path):
@@ -185,16 +191,7 @@ def test_partial_npy_is_never_visible(tmp_path):
 
 def test_load_corpus_prepares_when_missing(tmp_path):
   fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  cfg = ml_collections.ConfigDict(
-    {
-      "dataset": "wikitext103",
-      "tokenizer": "byte",
-      "variant": "v1",
-      "data_dir": str(tmp_path / "data"),
-      "manual_dir": str(tmp_path / "manual"),
-    }
-  )
-  c = corpus_lib.load_corpus(cfg)
+  c = corpus_lib.load_corpus(_data_config(tmp_path, "byte", "v1"))
   assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
   assert set(c.splits) == set(SPLITS)
   assert c.vocab.decode(c.splits["validation"]) == fw.split_text("validation", raw=True)

@@ -154,18 +154,24 @@ class Identities(parameterized.TestCase):
       )
 
 
-CAUSAL_OPS = {
-  "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
-  "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=3, causal=True),
-  "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
-  "conv1d": lambda q, k, v, w: ops.aft_conv1d(
-    q.reshape(2, 10, 2, 2),
-    k.reshape(2, 10, 2, 2)[..., 0],
-    v.reshape(2, 10, 2, 2),
-    w[:2, :3],
-    causal=True,
-  ).reshape(2, 10, 4),
-}
+def _causal_ops(t_len: int, d: int, window: int) -> dict:
+  """Each causal op as a function of q, k, v [2, t_len, d] and w [t_len, t_len] (AFT-conv1d:
+  2 heads of d / 2 channels, a 3-tap kernel from w)."""
+
+  def conv1d(q, k, v, w):
+    heads = lambda x: x.reshape(2, t_len, 2, d // 2)
+    out = ops.aft_conv1d(heads(q), heads(k)[..., 0], heads(v), w[:2, :3], causal=True)
+    return out.reshape(2, t_len, d)
+
+  return {
+    "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+    "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=True),
+    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
+    "conv1d": conv1d,
+  }
+
+
+CAUSAL_OPS = _causal_ops(10, 4, window=3)
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_OPS))
@@ -245,18 +251,7 @@ def test_gradients_finite_at_large_logits(name):
 @pytest.mark.parametrize("name", ["full", "local", "simple", "conv1d"])
 def test_bfloat16_close_to_float32(name):
   q, k, v, w = _qkvw(19, (2,), 16, 8, 1.0)
-  fn = {
-    "full": lambda *a: ops.aft_full(*a, causal=True),
-    "local": lambda *a: ops.aft_local(*a, window=4, causal=True),
-    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
-    "conv1d": lambda q, k, v, w: ops.aft_conv1d(
-      q.reshape(2, 16, 2, 4),
-      k.reshape(2, 16, 2, 4)[..., 0],
-      v.reshape(2, 16, 2, 4),
-      w[:2, :3],
-      causal=True,
-    ),
-  }[name]
+  fn = _causal_ops(16, 8, window=4)[name]
   fn = jax.jit(fn)
   out32 = fn(q, k, v, w)
   bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]

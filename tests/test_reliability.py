@@ -39,6 +39,13 @@ def _wait_for(predicate, proc, timeout=240):
     time.sleep(0.05)
 
 
+def _start_train(workdir, flags):
+  """train.py in a subprocess, its output piped."""
+  return subprocess.Popen(
+    train_py(workdir, *flags), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  )
+
+
 def _logged(workdir, n):
   path = os.path.join(workdir, "metrics.jsonl")
   return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= n
@@ -47,13 +54,7 @@ def _logged(workdir, n):
 def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   flags = config_flags(tiny_config(num_train_steps=100_000))
-  proc = subprocess.Popen(
-    train_py(workdir, *flags),
-    cwd=ROOT,
-    text=True,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-  )
+  proc = _start_train(workdir, flags)
   _wait_for(_logged(workdir, 3), proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
@@ -77,13 +78,7 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
   flags = config_flags(
     tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
   )
-  proc = subprocess.Popen(
-    train_py(workdir, *flags),
-    cwd=ROOT,
-    text=True,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-  )
+  proc = _start_train(workdir, flags)
   ckpts = os.path.join(workdir, "checkpoints")
   # Kill it while a checkpoint is being written (its temporary directory exists), after at
   # least one complete checkpoint.
