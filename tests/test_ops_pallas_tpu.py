@@ -16,6 +16,7 @@ import pytest
 
 from aft_jax import ops
 from aft_jax.ops import pallas_simple_tpu as tpu_kernel
+from benchmarks import accelerator_check
 from tests.test_ops_pallas import ATOL, RTOL, _inputs, _reference
 
 D = 128  # one lane tile: the smallest channel count the kernel takes
@@ -43,6 +44,15 @@ def test_tpu_kernel_matches_reference(t_len):
   """Values and gradients, logits of std 1 (batch row 0) and 40 (row 1); T shorter than a
   chunk (1, 7), one chunk (128), and ragged over several (1000)."""
   q, k, v, ct = _inputs(t_len, D, seed=t_len)
+  _assert_matches(_kernel(q, k, v, ct), _reference(q, k, v, ct))
+
+
+def test_tpu_kernel_widest_channel_block():
+  """block_d 512 (four lane tiles per block, as ``config_for`` picks for wide layers), two
+  chunks with a ragged end."""
+  q, k, v, ct = _inputs(150, 512, seed=8)
+  cfg = tpu_kernel.CONFIGS[0]
+  assert cfg.block_d == 512 and tpu_kernel.config_for(512, batch=2) == cfg
   _assert_matches(_kernel(q, k, v, ct), _reference(q, k, v, ct))
 
 
@@ -150,3 +160,12 @@ def test_tpu_kernel_rejects_channels_it_cannot_tile():
     tpu_kernel.causal_mean(x, x, None, True)
   with pytest.raises(ValueError, match="cannot tile D = 384"):
     tpu_kernel.causal_mean(jnp.zeros((1, 8, 384)), jnp.zeros((1, 8, 384)), tpu_kernel.CONFIGS[1])
+
+
+def test_accelerator_check_measures_the_tpu_kernel_of_aft_simple_only():
+  assert accelerator_check.kernel_impl_for("tpu") == "pallas"
+  kernel_rows = lambda platform: [
+    n for n in accelerator_check.op_rows("pallas", platform) if n.endswith("/pallas")
+  ]
+  assert kernel_rows("tpu") == ["aft_simple/pallas"]
+  assert "aft_local_32/pallas" in kernel_rows("gpu")
