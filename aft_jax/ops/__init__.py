@@ -137,7 +137,8 @@ def _resolve_impl(fn: str, impl: str, kernel_ok: str | None, kernel: str = "") -
   backend = jax.default_backend()
   backends = _KERNEL_BACKENDS.get(kernel, ())
   if impl == "auto":
-    return "pallas" if kernel_ok is None and backend in _AUTO_BACKENDS else "xla"
+    auto_ok = backend in _AUTO_BACKENDS and backend in backends
+    return "pallas" if kernel_ok is None and auto_ok else "xla"
   if impl != "xla" and kernel_ok is not None:
     raise ValueError(f"{fn}: impl={impl!r} is not available: {kernel_ok}; use impl='xla'")
   if impl == "pallas" and backend not in backends:
