@@ -39,6 +39,8 @@ from benchmarks import bench_model, bench_ops, common
 
 # Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
 KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
+# On TPUs only causal AFT-simple has one (Mosaic: aft_jax/ops/pallas_simple_tpu.py).
+TPU_KERNEL_OPS = ("aft_simple",)
 XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
 BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
@@ -63,7 +65,8 @@ def op_rows(kernel_impl: str | None, platform: str):
   rows = {f"{n}/xla": xla[n] for n in XLA_OPS}
   if kernel_impl is not None:
     kern = bench_ops.op_table(7, kernel_impl)
-    rows.update({f"{n}/pallas": kern[n] for n in KERNEL_OPS})
+    names = TPU_KERNEL_OPS if platform == "tpu" else KERNEL_OPS
+    rows.update({f"{n}/pallas": kern[n] for n in names})
   rows.update({n: xla[n] for n in BASELINES})
   if platform == "gpu":
     rows["softmax_cudnn"] = (_cudnn, None, "quadratic", "causal cuDNN flash attention")
@@ -71,9 +74,9 @@ def op_rows(kernel_impl: str | None, platform: str):
 
 
 def kernel_impl_for(platform: str) -> str | None:
-  """The kernels' impl on this platform: compiled on GPUs, interpreted on CPU (to check the
-  plumbing), none on TPU (no kernel targets it yet)."""
-  return {"gpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
+  """The kernels' impl on this platform: compiled on GPUs and TPUs (there AFT-simple's only,
+  ``TPU_KERNEL_OPS``: impl="auto" would be XLA), interpreted on CPU (to check the plumbing)."""
+  return {"gpu": "pallas", "tpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
 
 
 def add_bandwidth(records, dtype, peak_gbps):
@@ -100,6 +103,8 @@ def kernel_checks(kernel_impl, quick: bool):
       q, k, v, w, window=32, causal=True, impl=impl
     ),
   }
+  if jax.default_backend() == "tpu":  # no TPU kernel for AFT-local
+    kernels = {n: f for n, f in kernels.items() if n.split()[0] in TPU_KERNEL_OPS}
   if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
     cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
   rng = np.random.default_rng(0)

@@ -36,13 +36,17 @@ and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one 
 channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
 
 Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), ``"pallas"``
-(a Pallas kernel compiled for the accelerator, on GPU: causal AFT-simple, ``pallas_simple``,
-and causal AFT-local, ``pallas_local``),
-``"pallas_interpret"`` (the same kernel run by Pallas' interpreter on any backend: slow, for
-tests) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the channel
-count, XLA otherwise). The choice changes results only by float rounding. Asking for a kernel
-that does not exist (an op without one, ``"pallas"`` on a CPU, a channel count the kernel
-cannot tile) is a ValueError, never a silent switch to XLA.
+(a Pallas kernel compiled for the accelerator: on GPU (Triton) causal AFT-simple,
+``pallas_simple``, and causal AFT-local, ``pallas_local``; on TPU (Mosaic) causal AFT-simple,
+``pallas_simple_tpu``, channels a multiple of 128),
+``"pallas_interpret"`` (the GPU kernel run by Pallas' interpreter on any backend: slow, for
+tests; the TPU kernel's interpreted form is ``pallas_simple_tpu.causal_mean(...,
+interpret=True)``) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the
+channel count, XLA otherwise; on TPU always XLA: the TPU kernel lowers and is tested in
+interpret mode but has never been timed on a TPU, so ``"pallas"`` opts in to it). The choice
+changes results only by float rounding. Asking for a kernel that does not exist (an op without
+one, ``"pallas"`` on a CPU, AFT-local on a TPU, a channel count the kernel cannot tile) is a
+ValueError, never a silent switch to XLA.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops import banded, causal_mean, conv, pallas_local, pallas_simple
+from aft_jax.ops import banded, causal_mean, conv, pallas_local, pallas_simple, pallas_simple_tpu
 
 __all__ = [
   "IMPLS",
@@ -64,8 +68,11 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
-# Backends with compiled Pallas kernels (Triton on GPU); TPU runs the XLA path.
-_KERNEL_BACKENDS = ("gpu",)
+# Backends with compiled Pallas kernels, per op: Triton on GPU; Mosaic on TPU (AFT-simple only).
+_KERNEL_BACKENDS = {"aft_simple": ("gpu", "tpu"), "aft_local": ("gpu",)}
+# Where impl="auto" takes the kernel: GPUs. The TPU kernel has never been timed on a TPU, so
+# there "auto" is XLA and impl="pallas" opts in.
+_AUTO_BACKENDS = ("gpu",)
 
 
 def _to_rows(x):
@@ -122,19 +129,23 @@ def check_impl(fn: str, impl) -> None:
     raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _resolve_impl(fn: str, impl: str, kernel_ok: str | None) -> str:
+def _resolve_impl(fn: str, impl: str, kernel_ok: str | None, kernel: str = "") -> str:
   """ "xla", "pallas" or "pallas_interpret" for ``impl``. ``kernel_ok`` is None where a kernel
-  exists for these arguments, else why not (the error for an explicit Pallas request)."""
+  exists for these arguments, else why not (the error for an explicit Pallas request);
+  ``kernel``: the op's key in ``_KERNEL_BACKENDS``."""
   check_impl(fn, impl)
   backend = jax.default_backend()
+  backends = _KERNEL_BACKENDS.get(kernel, ())
   if impl == "auto":
-    return "pallas" if kernel_ok is None and backend in _KERNEL_BACKENDS else "xla"
+    auto_ok = backend in _AUTO_BACKENDS and backend in backends
+    return "pallas" if kernel_ok is None and auto_ok else "xla"
   if impl != "xla" and kernel_ok is not None:
     raise ValueError(f"{fn}: impl={impl!r} is not available: {kernel_ok}; use impl='xla'")
-  if impl == "pallas" and backend not in _KERNEL_BACKENDS:
+  if impl == "pallas" and backend not in backends:
     raise ValueError(
-      f"{fn}: impl='pallas' compiles kernels for {_KERNEL_BACKENDS}, not for the {backend!r} "
-      "backend; use impl='xla', or 'pallas_interpret' to run the kernel in Pallas' interpreter"
+      f"{fn}: impl='pallas' compiles this op's kernel for {backends}, not for the {backend!r} "
+      "backend; use impl='xla', or 'pallas_interpret' to run the GPU kernel in Pallas' "
+      "interpreter"
     )
   return impl
 
@@ -177,7 +188,7 @@ def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
     why = "the kernel is for causal=True"
   else:
     why = pallas_local.unsupported(q.shape[-1], window)
-  impl = _resolve_impl(fn, impl, why)
+  impl = _resolve_impl(fn, impl, why, "aft_local")
   out_dt, dt = _compute_dtype(q, k, v)
   if impl != "xla":
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
@@ -221,14 +232,20 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
     ``[..., T, D]``. O(T D) time and memory; the causal form is a prefix scan.
   """
   _check_qkv("aft_simple", q, k, v)
-  why = "the kernel is for causal=True" if not causal else pallas_simple.unsupported(q.shape[-1])
-  impl = _resolve_impl("aft_simple", impl, why)
+  # impl="pallas" on a TPU compiles the Mosaic kernel (its own channel tile); else Triton's.
+  tpu = impl == "pallas" and jax.default_backend() == "tpu"
+  kernel = pallas_simple_tpu if tpu else pallas_simple
+  why = "the kernel is for causal=True" if not causal else kernel.unsupported(q.shape[-1])
+  impl = _resolve_impl("aft_simple", impl, why, "aft_simple")
   out_dt, dt = _compute_dtype(q, k, v)
   if impl != "xla":
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
     k3, v3 = _flat(k), _flat(v)
-    cfg = pallas_simple.config_for(q.shape[-1], k3.shape[0])
-    a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
+    if tpu:
+      a = pallas_simple_tpu.causal_mean(k3, v3)
+    else:
+      cfg = pallas_simple.config_for(q.shape[-1], k3.shape[0])
+      a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
     a = a.reshape(q.shape)
     return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
   q, k, v = _cast(dt, q, k, v)

@@ -1,5 +1,6 @@
-"""What the Pallas kernels (``pallas_simple``, ``pallas_local``) share: the block
-configurations, the choice among them, the Triton call, and small in-kernel helpers.
+"""What the Pallas GPU kernels (``pallas_simple``, ``pallas_local``) share: the block
+configurations, the choice among them, the Triton call, and small in-kernel helpers
+(``pad_time`` also serves the TPU kernel, ``pallas_simple_tpu``).
 
 Every kernel runs one program per (batch row, block of ``block_d`` channels) and walks the
 sequence in chunks of ``block_t`` positions, so one configuration type serves them all.

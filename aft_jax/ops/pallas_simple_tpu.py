@@ -1,0 +1,319 @@
+"""Causal AFT-simple's softmax-weighted mean as a Pallas kernel for TPUs (Mosaic lowering).
+
+For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32):
+
+    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
+
+The math is that of the Triton kernel (``pallas_simple``); the layout is not. That kernel
+gives each program a whole ``[T, block_d]`` column and loops over its chunks inside, and
+redoes a bad chunk row by row with dynamic one-row slices. On a TPU the kernel's blocks live
+in VMEM (a few MiB to tens of MiB), block shapes must be multiples of (8, 128) (sublanes,
+lanes), and single-row dynamic slices of a vector may not lower. So here:
+
+Layout. The grid is (B, D / block_d, T / block_t), the last axis sequential ("arbitrary"):
+one step reads one ``[block_t, block_d]`` block of k and v (block_d a multiple of 128 lanes)
+and writes that block of a [and L]; Pallas pipelines the blocks between HBM and VMEM. The
+exact triple (max, num, den) of every earlier position is carried across steps in VMEM
+scratch ``[1, block_d]``, reset when the step index along T is 0. Within a chunk the prefix
+sums are one lower-triangular ``[block_t, block_t]`` matrix product (the MXU, float32:
+precision HIGHEST) of exp(k - m) [v, 1] (m: the running max at the chunk's end). A chunk whose
+denominators fall below ``DEN_OK`` (k rising by ~57 nats inside it: its early rows lost their
+terms to underflow) is redone exactly by a log-step (Hillis-Steele) scan: log2(block_t) steps,
+each combining every row's triple with the one ``2^i`` rows earlier (``pltpu.roll`` along the
+sublanes plus an iota mask), a stable log-sum-exp combine, all rows at once.
+
+Backward (a custom VJP whose residuals are a and L). With g the cotangent of a,
+
+    dv[t'] = exp(k[t'] - L[t']) C1[t'],   dk[t'] = exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t'])
+    C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t],   C2 the same with g[t] a[t]
+
+and since L never decreases every factor is <= 1. The grid walks T from the end (the block
+index map is nT - 1 - i), carrying C1, C2 at the next chunk's first row and that row's L in
+VMEM scratch. Within a chunk the suffix sums are an upper-triangular product in the scale of
+the chunk's first L; a chunk over which L rises by more than ``MAX_RISE`` nats (where
+exp(L - L_first) could overflow and g exp(L_first - L) underflow) is done by the log-step
+suffix scan, whose factors exp(L[t'] - L[t' + 2^i]) are all <= 1.
+
+Status: the kernel lowers for TPUs (``jax.export`` for ``platforms=["tpu"]`` in the tests)
+and runs in interpret mode against a float64 reference, but it has never been run or timed on
+a TPU, so ``impl="auto"`` keeps the XLA path there and ``impl="pallas"`` opts in.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
+from aft_jax.ops.pallas_util import pad_time
+
+# Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
+# g exp(L_start - L) far from underflow; beyond this rise inside a chunk, scan exactly.
+MAX_RISE = 40.0
+# Forward fast path: the smallest denominator it may leave (see ``DEN_OK``). Both thresholds
+# are read when the kernel is traced (the tests move them to force either path).
+MIN_DEN = DEN_OK
+LANES = 128  # a TPU vector register's minor dimension: block_d is a multiple of it
+
+
+class Config(NamedTuple):
+  """Positions per grid step (sublanes; a multiple of 16 for bf16 blocks) and channels per
+  block (lanes, a multiple of 128)."""
+
+  block_t: int = 128
+  block_d: int = 128
+
+
+# Every configuration ``config_for`` can choose (the lowering tests export each). block_t 128
+# fills the MXU's 128 rows with one triangular product per chunk; block_d as wide as the
+# channels allow amortises the per-step overhead over more lanes. Chosen by reasoning, not
+# timed on a TPU.
+CONFIGS = tuple(Config(block_t=128, block_d=bd) for bd in (512, 256, 128))
+
+
+def unsupported(d: int) -> str | None:
+  """Why the kernel cannot tile D = d channels, or None if it can."""
+  if d % LANES:
+    return (
+      f"the channel dim D = {d} is not a multiple of {LANES} (the TPU kernel's lane tile; "
+      "pad the channels or use impl='xla')"
+    )
+  return None
+
+
+def config_for(d: int, batch: int = 1, min_programs: int = 2) -> Config:
+  """The configuration for ``batch`` rows of D = d channels: the widest channel block that
+  divides d and still gives ``min_programs`` parallel (batch, channel block) programs (two
+  TensorCores share the parallel axes on megacore chips), else the narrowest that divides d."""
+  fits = [cfg for cfg in CONFIGS if d % cfg.block_d == 0]
+  if not fits:
+    raise ValueError(f"Pallas TPU kernel: {unsupported(d)}")
+  for cfg in fits:
+    if batch * (d // cfg.block_d) >= min_programs:
+      return cfg
+  return fits[-1]
+
+
+def _tri(n: int, lower: bool):
+  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
+  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
+
+
+def _dot(x, y):
+  """float32 x @ y (no bf16 passes: the factors of exact sums)."""
+  return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _rows(x):
+  """The row index of every element of the 2-D x."""
+  return jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+
+
+def _prefix_triples(k, v):
+  """Per row t of a chunk k, v [n, bd]: the exact triple (m, num, den) of rows <= t.
+
+  Hillis-Steele: after the step with shift s, row t holds rows (t - 2 s, t]; the step
+  combines it with row t - s's triple (a stable log-sum-exp), where t - s >= 0.
+  """
+  n = k.shape[0]
+  row = _rows(k)
+  m, num, den = k, v, jnp.ones_like(k)
+  s = 1
+  while s < n:
+    take = row >= s
+    # roll by s: row t receives row t - s (wrapped rows are masked by ``take``).
+    pm = jnp.where(take, pltpu.roll(m, s, 0), NEG)
+    pn, pd = pltpu.roll(num, s, 0), pltpu.roll(den, s, 0)
+    mine = m >= pm
+    x = jnp.exp(-jnp.abs(m - pm))  # one exp: the larger side is scaled by 1
+    sa = jnp.where(mine, 1.0, x)
+    sb = jnp.where(take, jnp.where(mine, x, 1.0), 0.0)
+    m, num, den = jnp.maximum(m, pm), num * sa + pn * sb, den * sa + pd * sb
+    s *= 2
+  return m, num, den
+
+
+def _suffix_sums(lse, p1, p2):
+  """Per row t' of a chunk: sum_{t >= t' in the chunk} exp(L[t'] - L[t]) p[t] for p1, p2
+  [n, bd], by the suffix form of the scan above (factors <= 1 since L never decreases)."""
+  n = lse.shape[0]
+  row = _rows(lse)
+  s = 1
+  while s < n:
+    # roll by n - s: row t' receives row t' + s; rows past the chunk's end get factor 0 (the
+    # where also drops the overflowing exp of a wrapped, earlier L).
+    f = jnp.where(row < n - s, jnp.exp(lse - pltpu.roll(lse, n - s, 0)), 0.0)
+    p1, p2 = p1 + f * pltpu.roll(p1, n - s, 0), p2 + f * pltpu.roll(p2, n - s, 0)
+    s *= 2
+  return p1, p2
+
+
+def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
+  """One grid step (batch row, channel block, chunk i): a [and L] of the chunk's rows."""
+  lse_ref = rest[0] if with_lse else None
+  m_ref, num_ref, den_ref = rest[-3:]  # the triple of every earlier chunk, [1, bd]
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+    num_ref[...] = jnp.zeros(num_ref.shape, jnp.float32)
+    den_ref[...] = jnp.zeros(den_ref.shape, jnp.float32)
+
+  kc, vc = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
+  m0, num0, den0 = m_ref[...], num_ref[...], den_ref[...]
+  m = jnp.maximum(m0, jnp.max(kc, axis=0, keepdims=True))
+  e, s0 = jnp.exp(kc - m), jnp.exp(m0 - m)
+  ev = e * vc
+  tril = _tri(kc.shape[0], lower=True)
+  num = s0 * num0 + _dot(tril, ev)
+  den = s0 * den0 + _dot(tril, e)
+
+  def fast():
+    return jnp.broadcast_to(m, kc.shape), num, den
+
+  def exact():  # the chunk's own prefix triples, then the carry added to each row
+    mc, numc, denc = _prefix_triples(kc, vc)
+    mt = jnp.maximum(m0, mc)
+    sc, sr = jnp.exp(m0 - mt), jnp.exp(mc - mt)
+    return mt, num0 * sc + numc * sr, den0 * sc + denc * sr
+
+  mt, num, den = jax.lax.cond(jnp.min(den) >= MIN_DEN, fast, exact)
+  a_ref[...] = num / den
+  if with_lse:
+    lse_ref[...] = mt + jnp.log(den)
+  # The carry: m is the maximum of every term so far, so this sum is exact on either path.
+  m_ref[...] = m
+  num_ref[...] = s0 * num0 + jnp.sum(ev, axis=0, keepdims=True)
+  den_ref[...] = s0 * den0 + jnp.sum(e, axis=0, keepdims=True)
+
+
+def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_ref, ln_ref):
+  """One grid step, chunks from the last: dk, dv of the chunk's rows. The scratch holds C1,
+  C2 at the next chunk's first row (in the scale of its L) and that L."""
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    c1_ref[...] = jnp.zeros(c1_ref.shape, jnp.float32)
+    c2_ref[...] = jnp.zeros(c2_ref.shape, jnp.float32)
+    ln_ref[...] = jnp.full(ln_ref.shape, -NEG, jnp.float32)  # exp(L - ln) = 0: nothing after
+
+  lse, g, a = lse_ref[...], g_ref[...], a_ref[...]
+  c1n, c2n, ln = c1_ref[...], c2_ref[...], ln_ref[...]
+  l0 = jnp.min(lse, axis=0, keepdims=True)  # L never decreases: the chunk's first row
+  gs = g * jnp.exp(l0 - lse)
+  ga = gs * a
+  nx = jnp.exp(lse - ln)
+
+  def fast():
+    up = jnp.exp(lse - l0)
+    triu = _tri(lse.shape[0], lower=False)
+    return up * _dot(triu, gs) + nx * c1n, up * _dot(triu, ga) + nx * c2n
+
+  def exact():
+    p1, p2 = _suffix_sums(lse, g, g * a)
+    return p1 + nx * c1n, p2 + nx * c2n
+
+  rise = jnp.max(lse - l0)
+  c1, c2 = jax.lax.cond(rise <= MAX_RISE, fast, exact)
+  p = jnp.exp(k_ref[...].astype(jnp.float32) - lse)
+  dv_ref[...] = (p * c1).astype(dv_ref.dtype)
+  dk_ref[...] = (p * (v_ref[...].astype(jnp.float32) * c1 - c2)).astype(dk_ref.dtype)
+  # C1, C2 at this chunk's first row, in the scale of its L (l0): factors <= 1, exact.
+  back = jnp.exp(l0 - ln)
+  c1_ref[...] = jnp.sum(gs, axis=0, keepdims=True) + back * c1n
+  c2_ref[...] = jnp.sum(ga, axis=0, keepdims=True) + back * c2n
+  ln_ref[...] = l0
+
+
+def _call(kernel, cfg: Config, interpret: bool, reverse: bool, ins, outs):
+  """pallas_call over the grid (batch, D / block_d, T / block_t); every ref is one
+  ``[block_t, block_d]`` block; the T axis walks forward or (``reverse``) from the end."""
+  b, t_len, d = ins[0].shape
+  bt, bd = cfg.block_t, cfg.block_d
+  n_t = t_len // bt
+  if reverse:
+    index = lambda i, j, t: (i, n_t - 1 - t, j)
+  else:
+    index = lambda i, j, t: (i, t, j)
+  spec = pl.BlockSpec((None, bt, bd), index)
+  return pl.pallas_call(
+    kernel,
+    grid=(b, d // bd, n_t),
+    in_specs=[spec] * len(ins),
+    out_specs=[spec] * len(outs),
+    out_shape=[jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
+    scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32) for _ in range(3)],
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    # The TPU interpreter: VMEM scratch starts as NaN, so a missing reset shows in the tests.
+    interpret=pltpu.InterpretParams() if interpret else False,
+  )(*ins)
+
+
+def _check(k, cfg: Config):
+  d = k.shape[-1]
+  if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:
+    raise ValueError(
+      f"Pallas TPU kernel: {cfg} cannot tile D = {d} channels (block_d must be a multiple of "
+      f"{LANES} dividing D, block_t a multiple of 16)"
+    )
+
+
+def _padded(k, v, cfg: Config):
+  """k, v with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0, so they
+  change no sum), values 0."""
+  t_pad = -k.shape[1] % cfg.block_t
+  return pad_time(k, 0, t_pad, NEG), pad_time(v, 0, t_pad, 0.0)
+
+
+def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
+  """a [and L] over the padded length."""
+  kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
+  outs = [jnp.float32] * (2 if with_lse else 1)
+  return _call(kernel, cfg, interpret, False, _padded(k, v, cfg), outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _causal_mean(k, v, cfg: Config, interpret: bool):
+  return _forward(k, v, cfg, interpret, with_lse=False)[0][:, : k.shape[1]]
+
+
+def _causal_mean_fwd(k, v, cfg, interpret):
+  a, lse = _forward(k, v, cfg, interpret, with_lse=True)  # padded: kept as residuals
+  return a[:, : k.shape[1]], (k, v, a, lse)
+
+
+def _causal_mean_bwd(cfg, interpret, res, g):
+  k, v, a, lse = res
+  t_len = k.shape[1]
+  g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - t_len, 0.0)  # padding rows: cotangent 0
+  ins = (*_padded(k, v, cfg), a, lse, g)
+  dk, dv = _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
+  return dk[:, :t_len], dv[:, :t_len]
+
+
+_causal_mean.defvjp(_causal_mean_fwd, _causal_mean_bwd)
+
+
+def causal_mean(k_BTD, v_BTD, cfg: Config | None = None, interpret: bool = False):
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
+  D a multiple of 128), differentiable in k and v.
+
+  ``cfg``: the block configuration (default ``config_for(D, B)``). ``interpret``: run the
+  kernel in Pallas' interpreter (any backend; slow, for tests) instead of compiling it for a
+  TPU.
+  """
+  if k_BTD.ndim != 3 or v_BTD.shape != k_BTD.shape:
+    raise ValueError(f"k and v must be [B, T, D] of one shape; got {k_BTD.shape}, {v_BTD.shape}")
+  why = unsupported(k_BTD.shape[-1])
+  if why:
+    raise ValueError(f"Pallas TPU kernel: {why}")
+  cfg = cfg or config_for(k_BTD.shape[-1], k_BTD.shape[0])
+  _check(k_BTD, cfg)
+  return _causal_mean(k_BTD, v_BTD, cfg, interpret)
