@@ -3,9 +3,11 @@
 One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens.
 Records the median step time after compilation, tokens/s, FLOPs per token (``flops.count``:
 loops counted per trip, which XLA's own count, also recorded, is not), the compiled
-program's temp memory (activations and scratch) plus its argument bytes (parameters, optimizer
-state, batch), the device's peak memory where available, and on accelerators the model FLOPs
-utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
+program's temp memory (activations and scratch), its argument bytes (parameters, optimizer
+state, batch) and its whole footprint (``program_bytes``: arguments + outputs + temp - aliased,
+the step's own peak), the process's peak device memory so far where available, and on
+accelerators the model FLOPs utilisation against the chip's peak bf16 TFLOP/s
+(``common.PEAK_BF16_TFLOPS``).
 
     python -m benchmarks.bench_model --out benchmarks/results          # CPU: 2 layers, d 256
     python -m benchmarks.bench_model --layers 12 --d_model 512         # the GPU size
@@ -26,7 +28,14 @@ from flax import linen as nn
 from aft_jax.model import MIXINGS, ModelConfig, TransformerLM
 from benchmarks import common
 
-FIELDS = ("time_s", "tokens_per_s", "flops_per_token", "temp_bytes", "argument_bytes")
+FIELDS = (
+  "time_s",
+  "tokens_per_s",
+  "flops_per_token",
+  "temp_bytes",
+  "argument_bytes",
+  "program_bytes",
+)
 
 
 def make_step(model, tx):
@@ -93,6 +102,7 @@ def measure_step(
     xla_flops=m["xla_flops"],
     temp_bytes=m["temp_bytes"],
     argument_bytes=arg_bytes,
+    program_bytes=m["program_bytes"],
     peak_bytes=m["peak_bytes"],
     params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
     mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
@@ -157,20 +167,22 @@ def markdown(records, sizes, mixings, info):
   lines = [
     f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
     f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
-    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory | MFU |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory "
+    "| program memory | MFU |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for mixing in mixings:
     for t_len in sizes:
       r = [x for x in records if x["mixing"] == mixing and x["T"] == t_len][0]
       if r["status"] != "ok":
-        lines.append(f"| {mixing} | {t_len} | skipped | | | | | |")
+        lines.append(f"| {mixing} | {t_len} | {r['status']} | | | | | | |")
         continue
       mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
       lines.append(
         f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
         f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
-        f"{common.fmt_bytes(r['argument_bytes'])} | {mfu} |"
+        f"{common.fmt_bytes(r['argument_bytes'])} | {common.fmt_bytes(r.get('program_bytes'))} | "
+        f"{mfu} |"
       )
   for t_len in sizes:
     rat = ratios(records, t_len)
