@@ -451,7 +451,13 @@ def main(argv=None):
       md = (
         f"# Accelerator check\n\nThe summary failed ({common.error(e)['reason']}): see the JSON.\n"
       )
-    common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
+    if plot_fn is not None:
+      common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
+      return
+    try:  # a partial write that fails must not stop the measurements; the next one may work
+      common.write_outputs(a.out, "accelerator_check", result, md)
+    except Exception as e:  # pylint: disable=broad-except
+      log(f"writing the partial results failed: {common.error(e)['reason']}")
 
   def section_error(section, e):
     result["errors"].append({"section": section, **common.error(e)})

@@ -267,8 +267,9 @@ def write_json(path: str, obj: Any):
 
 
 def _json_default(x):
-  if isinstance(x, (np.floating, np.integer)):
-    return x.item()
+  # numpy and jax scalars and arrays (a bool from a comparison, a reduced array) as lists/values.
+  if isinstance(x, (np.generic, np.ndarray, jax.Array)):
+    return np.asarray(x).tolist()
   raise TypeError(type(x))
 
 
