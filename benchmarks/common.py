@@ -166,10 +166,10 @@ def _block(x):
   return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
 
 
-def compile_fn(fn: Callable, args: tuple):
+def compile_fn(fn: Callable, args: tuple, donate_argnums=()):
   """(compiled program, seconds to lower and compile) of ``jax.jit(fn)`` for ``args``."""
   t0 = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
   return compiled, time.perf_counter() - t0
 
 

@@ -151,6 +151,8 @@ def test_accelerator_check_quick(quick_check):
   for name, rec in models.items():
     if name != "lm/softmax":
       _check_record(rec, bench_model.FIELDS)
+      # Parameters and optimizer state donated: the step's new ones are not counted again.
+      assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
   kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
   assert kchecks["float32"]["holds"]
   checks = {c["check"].split(",")[0]: c for c in result["checks"]}

@@ -14,9 +14,9 @@ TRITON = "__gpu$xla.gpu.triton"
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 
-def _export_cuda(fn, *args, targets=(TRITON,)):
+def _export_cuda(fn, *args, targets=(TRITON,), donate_argnums=()):
   return jax.export.export(
-    jax.jit(fn),
+    jax.jit(fn, donate_argnums=donate_argnums),
     platforms=["cuda"],
     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets],
   )(*args)
@@ -52,5 +52,7 @@ def test_lm_train_step_with_kernels_lowers_for_cuda(mixing, monkeypatch):
   step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl="pallas").validate()), tx)
   # aft_jax.ops refuses impl="pallas" off a GPU backend: trace as if on one.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  exported = _export_cuda(step, params, jax.eval_shape(tx.init, params), tokens, tokens)
+  opt_state = jax.eval_shape(tx.init, params)
+  # Parameters and optimizer state donated, as measure_step compiles it.
+  exported = _export_cuda(step, params, opt_state, tokens, tokens, donate_argnums=(0, 1))
   assert exported.mlir_module().count(f"custom_call @{TRITON}(") >= 2  # forward, backward
