@@ -470,7 +470,8 @@ def main(argv=None):
   except Exception as e:  # pylint: disable=broad-except
     section_error("kernel_checks", e)
   for c in result["kernel_checks"]:
-    log(f"kernel check {c['kernel']} {c['dtype']} std {c['logit_std']:g}: holds {c['holds']}")
+    why = f" ({c['reason']})" if c.get("status") == common.ERROR else ""
+    log(f"kernel check {c['kernel']} {c['dtype']} std {c['logit_std']:g}: holds {c['holds']}{why}")
   save()
 
   try:
