@@ -1,24 +1,45 @@
-"""One command that measures an accelerator: the ops, the model's train step, and the kernels.
+"""One command that measures an accelerator: the kernels, the ops and the model's train step.
 
-    python -m benchmarks.accelerator_check --out benchmarks/results/<device>   # < 8 min, 1 GPU
-    python -m benchmarks.accelerator_check --quick --out /tmp/check           # CPU, tiny (tests)
+    python -u -m benchmarks.accelerator_check --out benchmarks/results/<device>  # < 8 min, 1 GPU
+    python -m benchmarks.accelerator_check --quick --out /tmp/check             # CPU, tiny (tests)
 
+In this order:
+
+(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device.
 (a) Ops, bfloat16, causal, d 512, batch 8, T = 1024 ... 16384: forward and forward+backward
-    median time, compiled temp memory and the device's peak memory, for AFT-simple,
-    AFT-local-32/128, AFT-full and AFT-conv1d with ``impl="xla"`` and (where a kernel exists)
-    the Pallas kernel, against ``jax.nn.dot_product_attention`` (XLA, and cuDNN on GPUs), the
-    plain-scan peer and one ``jnp.cumsum`` (the memory-speed floor). Each row's achieved
-    memory bandwidth counts the bytes it must move at least (q, k, v and the output once;
-    with the backward pass also the cotangent and three gradients) and is printed next to the
-    device's peak (``common.PEAK_HBM_GBPS``).
+    median time, compiled temp memory, the compiled program's whole footprint
+    (``program_bytes``: arguments + outputs + temp) and the device's peak memory counter, for
+    AFT-simple, AFT-local-32/128, AFT-full and AFT-conv1d with ``impl="xla"`` and (where a
+    kernel exists) the Pallas kernel, against ``jax.nn.dot_product_attention`` (XLA, and cuDNN
+    on GPUs), the plain-scan peer and one ``jnp.cumsum`` (the memory-speed floor). The rows
+    the targets need run first. Each row's achieved memory bandwidth counts the bytes it must
+    move at least (q, k, v and the output once; with the backward pass also the cotangent and
+    three gradients) and is printed next to the device's peak (``common.PEAK_HBM_GBPS``).
 (b) Model: one AdamW train step of a 12-layer d 768 LM at T = 1024 (bf16, batch 8) per mixing
     layer (and AFT-simple with ``impl="xla"``), and of the WikiText-103 small recipe's model
     (16 x 128, MLP 2048, context 256, adaptive input/softmax): tokens/s, MFU, memory.
-(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device.
 
-Rows that would run past ``--max_minutes`` (or past a row's time budget) are written as skipped
-with the reason, so the command always finishes and always writes
-``accelerator_check.{json,md,png}`` under ``--out``.
+The device's peak memory counter (``memory_stats()['peak_bytes_in_use']``) has no reset: it is
+the process's peak so far, so a row after a bigger one shows the bigger one's peak. The per-row
+figure is ``program_bytes``, and the LM memory target compares it.
+
+Nothing stops the run but a kill. A row that fails (a compile error, out of memory, an
+unsupported cuDNN configuration) is recorded as ``{"status": "error", "reason": ...}`` (an op
+stops growing T after one); a kernel check that fails has ``holds: null`` and the error. Rows
+that would start after ``--max_minutes`` (the op rows: after 60% of it) or past a row's time
+budget are recorded as skipped with the reason. ``accelerator_check.{json,md}`` under ``--out``
+are rewritten (atomically) at the start, after the kernel checks, after each op and after each
+model row, with ``"complete": false`` until the end, when the ``.png`` is added.
+
+On a device lent for a limited time (a command killed at a timeout, only the files under a
+folder coming back): write under that folder and stop starting rows well before the timeout,
+e.g. for a 10-minute limit
+
+    python -u -m benchmarks.accelerator_check --max_minutes 7.5 --out "$OUT/h200"
+
+(start-up takes a minute or so, and a row that starts just before the limit still runs to its
+end). If the command is killed anyway, ``$OUT/h200/accelerator_check.json`` holds every section
+and op finished before the kill; ``-u`` keeps the printed log up to the kill as well.
 """
 
 from __future__ import annotations
@@ -119,28 +140,25 @@ def kernel_checks(kernel_impl, quick: bool):
       return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
 
     f32 = lambda x: x.astype(jnp.float32)
-    got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
-    errs = [
-      float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
-      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
-    ]
     # float32: as the op tests; bfloat16: its outputs and gradients are rounded to 8 bits.
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
-    out.append(
-      {
-        "kernel": kernel,
-        "dtype": jnp.dtype(dtype).name,
-        "logit_std": scale,
-        "max_rel_error": max(errs),
-        "tolerance": tol,
-        "holds": max(errs) <= tol,
-      }
-    )
+    rec = {"kernel": kernel, "dtype": jnp.dtype(dtype).name, "logit_std": scale, "tolerance": tol}
+    try:  # a kernel that fails to compile or run here is a finding; the other cases still run
+      got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
+      errs = [
+        float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+      ]
+      rec.update(status="ok", max_rel_error=max(errs), holds=max(errs) <= tol)
+    except Exception as e:  # pylint: disable=broad-except
+      rec.update(max_rel_error=None, holds=None, **common.error(e))
+    out.append(rec)
   return out
 
 
-def model_rows(a, peak, deadline, log):
-  """(b): train steps per mixing layer at the check's LM size, then the recipe's model."""
+def model_rows(a, peak, deadline, log, on_row=lambda records: None):
+  """(b): train steps per mixing layer at the check's LM size, then the recipe's model;
+  ``on_row(records so far)`` after each row."""
   dtype = jnp.dtype(a.dtype)
   base = dict(dropout_rate=0.0, dtype=dtype, scan_layers=True)
   lm = dict(
@@ -177,9 +195,10 @@ def model_rows(a, peak, deadline, log):
           )
         )
       except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory: say so
-        rec.update(common.skipped(f"{type(e).__name__}: {str(e)[:200]}"))
+        rec.update(common.error(e))
     records.append(rec)
     log(f"{name:28s} {rec.get('status')} {common.fmt_time(rec.get('time_s'))}")
+    on_row(records)
   return records
 
 
@@ -196,13 +215,16 @@ def target_checks(op_recs, model_recs):
   out = []
 
   def check(what, num, den, field, target, holds):
-    value = None if num is None or den is None else num[field] / den[field]
+    # A row that was skipped, failed or not reached yet is not found (_get): not measured.
+    measured = num is not None and den is not None and None not in (num[field], den[field])
+    value = num[field] / den[field] if measured else None
     out.append(
       {
         "check": what,
         "value": value,
         "target": target,
         "holds": None if value is None else holds(value),
+        **({} if value is not None else {"note": "not measured"}),
       }
     )
 
@@ -238,11 +260,13 @@ def target_checks(op_recs, model_recs):
     ">= 1.3",
     lambda x: x >= 1.3,
   )
+  # The whole step's footprint (parameters, optimizer state, batch, activations): the device
+  # peak counter cannot say, as it is a maximum over every row measured before.
   check(
-    "LM temp memory aft_local / softmax",
+    "LM program memory (params + optimizer state + batch + activations) aft_local / softmax",
     lm_local,
     lm_soft,
-    "temp_bytes",
+    "program_bytes",
     "<= 0.5",
     lambda x: x <= 0.5,
   )
@@ -253,7 +277,7 @@ def target_checks(op_recs, model_recs):
     op_recs, "op", "aft_simple/xla", "fwd", t_max
   )
   check(
-    f"aft_simple fwd / cumsum time, T={t_max}",
+    f"aft_simple fwd / cumsum time, T={t_max or 'largest measured'}",
     simple,
     _get(op_recs, "op", "cumsum", "fwd", t_max),
     "time_s",
@@ -264,16 +288,22 @@ def target_checks(op_recs, model_recs):
 
 
 def _rows(records, keys, n_cells, cells):
-  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (or "skipped: why")."""
+  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (or "skipped: why",
+  "error: why")."""
   out = []
   for r in records:
     head = " | ".join(str(r[k]) for k in keys)
     if r.get("status") != "ok":
-      tail = f"skipped: {r.get('reason', '')}" + " |" * (n_cells - 1)
+      tail = f"{r.get('status')}: {_cell_text(r.get('reason', ''))}" + " |" * (n_cells - 1)
     else:
       tail = " | ".join(cells(r))
     out.append(f"| {head} | {tail} |")
   return out
+
+
+def _cell_text(text: str) -> str:
+  # An error message can hold newlines and pipes, which would break the table.
+  return " ".join(str(text).split()).replace("|", "/")
 
 
 def _op_cells(r):
@@ -281,6 +311,7 @@ def _op_cells(r):
   return (
     common.fmt_time(r["time_s"]),
     common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r.get("program_bytes")),
     common.fmt_bytes(r["peak_bytes"]),
     f"{r['achieved_gbps']:.1f}",
     "-" if frac is None else f"{100 * frac:.0f}%",
@@ -293,40 +324,83 @@ def _model_cells(r):
     f"{r['tokens_per_s']:.0f}",
     "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
     common.fmt_bytes(r["temp_bytes"]),
+    common.fmt_bytes(r.get("program_bytes")),
     common.fmt_bytes(r["peak_bytes"]),
   )
 
 
-def markdown(info, op_recs, model_recs, kchecks, tchecks):
+def _kernel_line(c):
+  if c.get("status", "ok") != "ok":
+    return (
+      f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['status']}: "
+      f"{_cell_text(c.get('reason', ''))} | {c['tolerance']:g} | {c['holds']} |"
+    )
+  return (
+    f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['max_rel_error']:.2e} | "
+    f"{c['tolerance']:g} | {c['holds']} |"
+  )
+
+
+def _target_line(c):
+  if c["value"] is None:  # bench_ops.check_line would say "n/a"
+    return f"- {c['check']}: not measured (target {c['target']})"
+  return bench_ops.check_line(c)
+
+
+def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=()):
+  # The device's peak counter never resets: a row's figure is the largest of all rows so far.
+  peak_note = "process peak so far"
   lines = [
     f"# Accelerator check: {info['device_kind']} ({info['platform']})\n",
     f"`{info['command']}`, jax {info['jax_version']}, {info['wall_s']:.0f} s, "
     f"inputs {info['dtype']}, d {info['d']}, batch {info['batch']}; peak HBM "
     f"{info['peak_hbm_gbps'] or '-'} GB/s, peak bf16 {info['peak_bf16_tflops'] or '-'} TFLOP/s.\n",
-    "## Ops (causal)\n",
-    "| op | mode | T | time | temp memory | peak device memory | GB/s (min bytes) | of peak |",
-    "|---|---|---:|---:|---:|---:|---:|---:|",
   ]
-  lines += _rows(op_recs, ("op", "mode", "T"), 5, _op_cells)
+  if not complete:
+    lines.append(
+      "**Partial: the run had not finished when this was written** (still running, or stopped "
+      "at a time limit); the sections below hold the rows measured so far.\n"
+    )
+  for e in errors:
+    lines.append(f"- section {e['section']}: {e['status']}: {_cell_text(e['reason'])}")
   lines += [
-    "\n## Train step\n",
-    "| model | T | batch | time | tokens/s | MFU | temp memory | peak device memory |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  lines += _rows(model_recs, ("model", "T", "batch"), 5, _model_cells)
-  lines += [
-    "\n## Kernels against the XLA path\n",
+    "## Kernels against the XLA path\n",
     "| kernel | dtype | logit std | max rel. error | tolerance | holds |",
     "|---|---|---:|---:|---:|---|",
   ]
-  for c in kchecks:
-    lines.append(
-      f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['max_rel_error']:.2e} | "
-      f"{c['tolerance']:g} | {c['holds']} |"
-    )
+  lines += [_kernel_line(c) for c in kchecks]
+  lines += [
+    "\n## Ops (causal)\n",
+    f"| op | mode | T | time | temp memory | program memory | device memory ({peak_note}) "
+    "| GB/s (min bytes) | of peak |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  lines += _rows(op_recs, ("op", "mode", "T"), 6, _op_cells)
+  lines += [
+    "\n## Train step\n",
+    f"| model | T | batch | time | tokens/s | MFU | temp memory | program memory "
+    f"| device memory ({peak_note}) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  lines += _rows(model_recs, ("model", "T", "batch"), 6, _model_cells)
   lines.append("\n## Targets (the GPU targets; on other devices for reference)\n")
-  lines += [bench_ops.check_line(c) for c in tchecks]
+  lines += [_target_line(c) for c in tchecks]
   return "\n".join(lines) + "\n"
+
+
+# Rows the targets need, measured first so that a time limit cuts the others.
+TARGET_ROWS = ("softmax_cudnn", "aft_simple/pallas", "aft_local_32/pallas", "cumsum")
+# The op rows stop at this share of --max_minutes: the model rows hold two of the targets.
+OPS_SHARE = 0.6
+
+
+def _placeholder_rows(name, a, status):
+  """Records of every mode and size of op ``name`` with ``status`` (skipped or error)."""
+  return [
+    {"op": name, "mode": mode, "T": t_len, "batch": a.batch, "d": a.d, **status}
+    for mode in bench_ops.MODES
+    for t_len in a.sizes
+  ]
 
 
 def main(argv=None):
@@ -334,7 +408,12 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=f"benchmarks/results/{dev.device_kind.replace(' ', '_')}")
   p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (CPU, ~1 min)")
-  p.add_argument("--max_minutes", type=float, default=7.5, help="rows after this are skipped")
+  p.add_argument(
+    "--max_minutes",
+    type=float,
+    default=7.5,
+    help="no row starts after this (the op rows stop at 60%% of it); later rows are skipped",
+  )
   a = p.parse_args(argv)
   if a.quick:
     a.sizes, a.d, a.batch, a.dtype = [32], 32, 1, "float32"
@@ -354,62 +433,109 @@ def main(argv=None):
   info.update({k: v for k, v in vars(a).items() if k != "out"})
   info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
   info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
-  rows = op_rows(kernel_impl, platform)
+  log = functools.partial(print, flush=True)  # a killed run keeps its log up to the kill
+  # Written after every section and every op (complete: false until the end), so a run stopped
+  # at a time limit leaves what it measured.
+  result = {"machine": info, "complete": False, "errors": [], "kernel_checks": [], "ops": {}}
+  result.update(records=[], model=[], checks=[])
+
+  def save(plot_fn=None):
+    info["wall_s"] = time.time() - t0
+    try:
+      result["checks"] = target_checks(result["records"], result["model"])
+      md = markdown(
+        info,
+        result["records"],
+        result["model"],
+        result["kernel_checks"],
+        result["checks"],
+        result["complete"],
+        result["errors"],
+      )
+    except Exception as e:  # pylint: disable=broad-except  # the JSON has the rows anyway
+      md = (
+        f"# Accelerator check\n\nThe summary failed ({common.error(e)['reason']}): see the JSON.\n"
+      )
+    if plot_fn is not None:
+      common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
+      return
+    try:  # a partial write that fails must not stop the measurements; the next one may work
+      common.write_outputs(a.out, "accelerator_check", result, md)
+    except Exception as e:  # pylint: disable=broad-except
+      log(f"writing the partial results failed: {common.error(e)['reason']}")
+
+  def section_error(section, e):
+    result["errors"].append({"section": section, **common.error(e)})
+    log(f"{section}: {result['errors'][-1]['reason']}")
+
+  save()
+  # (c) first: the cheapest section, and whether the kernels are right matters most.
+  try:
+    result["kernel_checks"] = kernel_checks(kernel_impl, a.quick)
+  except Exception as e:  # pylint: disable=broad-except
+    section_error("kernel_checks", e)
+  for c in result["kernel_checks"]:
+    why = f" ({c['reason']})" if c.get("status") == common.ERROR else ""
+    log(f"kernel check {c['kernel']} {c['dtype']} std {c['logit_std']:g}: holds {c['holds']}{why}")
+  save()
+
+  try:
+    rows = op_rows(kernel_impl, platform)
+  except Exception as e:  # pylint: disable=broad-except
+    section_error("op_rows", e)
+    rows = {}
   if a.quick:  # the code paths, not the sweep: one AFT op both ways and the floors
     rows = {n: r for n, r in rows.items() if n.startswith("aft_simple/") or n in BASELINES}
-  op_recs = []
-  for name in rows:
-    if time.time() > deadline:
-      for mode in bench_ops.MODES:
-        for t_len in a.sizes:
-          op_recs.append(
-            {
-              "op": name,
-              "mode": mode,
-              "T": t_len,
-              "batch": a.batch,
-              "d": a.d,
-              **common.skipped("--max_minutes reached"),
-            }
-          )
+  result["ops"] = {n: r[3] for n, r in rows.items()}
+  ops_deadline = t0 + 60 * a.max_minutes * OPS_SHARE
+  max_temp_gib = 0.5 * (dev.memory_stats() or {}).get("bytes_limit", 16 << 30) / (1 << 30)
+  for name in sorted(rows, key=lambda n: n not in TARGET_ROWS):
+    if time.time() > ops_deadline:
+      why = f"--max_minutes reached (op rows: {100 * OPS_SHARE:.0f}% of it)"
+      result["records"] += _placeholder_rows(name, a, common.skipped(why))
       continue
-    recs = bench_ops.run(
-      a.sizes,
-      batch=a.batch,
-      d=a.d,
-      conv_kernel=7,
-      names=[name],
-      repeats=a.repeats,
-      min_seconds=a.min_seconds,
-      max_call_s=a.max_call_s,
-      max_temp_gib=0.5 * (dev.memory_stats() or {}).get("bytes_limit", 16 << 30) / (1 << 30),
-      table=rows,
-      dtype=jnp.dtype(a.dtype),
-    )
+    try:
+      recs = bench_ops.run(
+        a.sizes,
+        batch=a.batch,
+        d=a.d,
+        conv_kernel=7,
+        names=[name],
+        repeats=a.repeats,
+        min_seconds=a.min_seconds,
+        max_call_s=a.max_call_s,
+        max_temp_gib=max_temp_gib,
+        table=rows,
+        dtype=jnp.dtype(a.dtype),
+        log=log,
+      )
+    except Exception as e:  # pylint: disable=broad-except  # bench_ops.run catches per row
+      recs = _placeholder_rows(name, a, common.error(e))
     add_bandwidth(recs, a.dtype, peak_gbps)
     for r in recs:
       if r.get("status") == "ok":
-        print(
+        log(
           f"  {name:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
           f" (device peak {peak_gbps or '-'} GB/s)"
         )
-    op_recs += recs
-  model_recs = model_rows(a, peak_tflops, deadline, print)
-  kchecks = kernel_checks(kernel_impl, a.quick)
-  tchecks = target_checks(op_recs, model_recs)
-  info["wall_s"] = time.time() - t0
-  result = {
-    "machine": info,
-    "ops": {n: r[3] for n, r in rows.items()},
-    "records": op_recs,
-    "model": model_recs,
-    "kernel_checks": kchecks,
-    "checks": tchecks,
-  }
-  md = markdown(info, op_recs, model_recs, kchecks, tchecks)
-  common.write_outputs(
-    a.out, "accelerator_check", result, md, lambda path: bench_ops.plot(op_recs, list(rows), path)
-  )
+    result["records"] += recs
+    save()
+
+  def on_model_row(records):
+    result["model"] = records
+    save()
+
+  try:
+    model_rows(a, peak_tflops, deadline, log, on_model_row)
+  except Exception as e:  # pylint: disable=broad-except
+    section_error("model_rows", e)
+
+  result["complete"] = True
+  plot = lambda path: bench_ops.plot(result["records"], list(rows), path)
+  try:
+    save(plot)
+  except Exception as e:  # pylint: disable=broad-except  # the JSON and markdown are written
+    log(f"the plot failed: {common.error(e)['reason']}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """Benchmark one training step of the language model for each mixing layer.
 
-One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens.
+One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens, with
+the parameters and optimizer state donated and each step's result fed to the next, as in
+training (so the step holds them once; XLA's temp memory can differ from an undonated step's).
 Records the median step time after compilation, tokens/s, FLOPs per token (``flops.count``:
 loops counted per trip, which XLA's own count, also recorded, is not), the compiled
-program's temp memory (activations and scratch) plus its argument bytes (parameters, optimizer
-state, batch), the device's peak memory where available, and on accelerators the model FLOPs
-utilisation against the chip's peak bf16 TFLOP/s (``common.PEAK_BF16_TFLOPS``).
+program's temp memory (activations and scratch), its argument bytes (parameters, optimizer
+state, batch) and its whole footprint (``program_bytes``: arguments + outputs + temp - aliased,
+the step's own peak), the process's peak device memory so far where available, and on
+accelerators the model FLOPs utilisation against the chip's peak bf16 TFLOP/s
+(``common.PEAK_BF16_TFLOPS``).
 
     python -m benchmarks.bench_model --out benchmarks/results          # CPU: 2 layers, d 256
     python -m benchmarks.bench_model --layers 12 --d_model 512         # the GPU size
@@ -26,7 +30,14 @@ from flax import linen as nn
 from aft_jax.model import MIXINGS, ModelConfig, TransformerLM
 from benchmarks import common
 
-FIELDS = ("time_s", "tokens_per_s", "flops_per_token", "temp_bytes", "argument_bytes")
+FIELDS = (
+  "time_s",
+  "tokens_per_s",
+  "flops_per_token",
+  "temp_bytes",
+  "argument_bytes",
+  "program_bytes",
+)
 
 
 def make_step(model, tx):
@@ -39,6 +50,23 @@ def make_step(model, tx):
     return optax.apply_updates(params, updates), opt_state, loss
 
   return step
+
+
+class _Chained:
+  """A step compiled with its parameters and optimizer state donated, called the way
+  ``common.measure`` calls a program (the same arguments every time): each call gets the
+  parameters and optimizer state the previous one returned, as in training."""
+
+  def __init__(self, compiled, args):
+    self._compiled, self._args = compiled, tuple(args)
+
+  def __call__(self, *unused_args):
+    out = self._compiled(*self._args)
+    self._args = (out[0], out[1]) + self._args[2:]
+    return out
+
+  def __getattr__(self, name):  # cost_analysis, memory_analysis
+    return getattr(self._compiled, name)
 
 
 def config_for(mixing, t_len, a, dtype):
@@ -69,11 +97,20 @@ def measure_step(
   targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t_len)), jnp.int32)
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])["params"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
+  n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
   args = (params, tx.init(params), tokens, targets)
   step = make_step(model, tx)
-  compiled, compile_s = common.compile_fn(step, args)
+  # Parameters and optimizer state donated, as the trainer does: the new ones take their
+  # buffers, so program_bytes counts them once (as training holds them).
+  compiled, compile_s = common.compile_fn(step, args, donate_argnums=(0, 1))
   m = common.measure_within(
-    step, args, compiled, compile_s, repeats=repeats, min_seconds=min_seconds, budget_s=max_step_s
+    step,
+    args,
+    _Chained(compiled, args),
+    compile_s,
+    repeats=repeats,
+    min_seconds=min_seconds,
+    budget_s=max_step_s,
   )
   try:
     arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
@@ -93,8 +130,9 @@ def measure_step(
     xla_flops=m["xla_flops"],
     temp_bytes=m["temp_bytes"],
     argument_bytes=arg_bytes,
+    program_bytes=m["program_bytes"],
     peak_bytes=m["peak_bytes"],
-    params=sum(int(x.size) for x in jax.tree_util.tree_leaves(params)),
+    params=n_params,
     mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
   )
 
@@ -157,20 +195,22 @@ def markdown(records, sizes, mixings, info):
   lines = [
     f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
     f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
-    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory | MFU |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory "
+    "| program memory | MFU |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for mixing in mixings:
     for t_len in sizes:
       r = [x for x in records if x["mixing"] == mixing and x["T"] == t_len][0]
       if r["status"] != "ok":
-        lines.append(f"| {mixing} | {t_len} | skipped | | | | | |")
+        lines.append(f"| {mixing} | {t_len} | {r['status']} | | | | | | |")
         continue
       mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
       lines.append(
         f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
         f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
-        f"{common.fmt_bytes(r['argument_bytes'])} | {mfu} |"
+        f"{common.fmt_bytes(r['argument_bytes'])} | {common.fmt_bytes(r.get('program_bytes'))} | "
+        f"{mfu} |"
       )
   for t_len in sizes:
     rat = ratios(records, t_len)

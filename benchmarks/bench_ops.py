@@ -4,8 +4,9 @@ For each op and sequence length T: forward and forward+backward (gradient of
 ``sum(out * cotangent)`` with respect to every input, the bias ``w`` / kernel included), causal,
 ``[B, T, D]`` float32 inputs. Records the median wall time after compilation, the FLOP count
 (``flops.count``: loops counted once per trip; XLA's own count, which counts a loop body
-once, is kept as ``xla_flops``), the compiled program's temp memory and (on accelerators) the
-peak device memory. ``cumsum`` is one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the
+once, is kept as ``xla_flops``), the compiled program's temp memory and its whole footprint
+(``program_bytes``: arguments + outputs + temp) and (on accelerators) the process's peak device
+memory so far. ``cumsum`` is one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the
 floor for causal AFT-simple.
 
     python -m benchmarks.bench_ops --out benchmarks/results           # full sweep
@@ -13,7 +14,9 @@ floor for causal AFT-simple.
 
 Sizes whose estimated time per call (extrapolated from the previous size) exceeds
 ``--max_call_s`` or whose compiled temp memory exceeds ``--max_temp_gib`` are recorded as
-``{"status": "skipped", "reason": ...}``.
+``{"status": "skipped", "reason": ...}``; a size that fails to compile or run (out of memory,
+a kernel that does not compile) as ``{"status": "error", "reason": ...}``, and the larger sizes
+of that op and mode as skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from benchmarks import common
 
 HEADS = 8
 MODES = ("fwd", "fwd_bwd")
-FIELDS = ("time_s", "flops", "xla_flops", "temp_bytes", "compile_s", "repeats")
+FIELDS = ("time_s", "flops", "xla_flops", "temp_bytes", "program_bytes", "compile_s", "repeats")
 
 
 def _softmax_einsum(q, k, v):
@@ -227,30 +230,23 @@ def run(
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
-        f = fn if mode == "fwd" else fwd_bwd(fn)
-        call_args = args if mode == "fwd" else args + (ct,)
-        # Check memory before running: compile only.
-        compiled, compile_s = common.compile_fn(f, call_args)
-        temp = common.compiled_stats(compiled)["temp_bytes"]
-        if temp is not None and temp > max_temp_gib * (1 << 30):
-          stop_reason = (
-            f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
+        try:
+          m = _measure_size(
+            fn, extra, mode, batch, t_len, d, dtype, max_temp_gib, repeats, min_seconds, max_call_s
           )
+        except Exception as e:  # pylint: disable=broad-except  # one row, not the run
+          rec.update(common.error(e))
+          records.append(rec)
+          log(f"{name:15s} {mode:8s} T={t_len:6d} error: {rec['reason']}")
+          # A longer sequence would fail the same way or worse (memory): stop growing T.
+          stop_reason = f"error at T={t_len}"
+          continue
+        if isinstance(m, str):  # over the memory limit
+          stop_reason = m
           rec.update(common.skipped(stop_reason))
           records.append(rec)
           log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
           continue
-        m = common.measure_within(
-          f,
-          call_args,
-          compiled,
-          compile_s,
-          repeats=repeats,
-          min_seconds=min_seconds,
-          budget_s=max_call_s,
-        )
-        del compiled
         rec.update(status="ok", **m)
         records.append(rec)
         last = (t_len, m["time_s"])
@@ -259,8 +255,31 @@ def run(
           f"temp {common.fmt_bytes(m['temp_bytes']):>10s} flops "
           f"{common.fmt_flops(m['flops']):>9s} compile {m['compile_s']:.1f}s"
         )
-        del args, ct
   return records
+
+
+def _measure_size(
+  fn, extra, mode, batch, t_len, d, dtype, max_temp_gib, repeats, min_seconds, max_call_s
+):
+  """``common.measure`` of one op, mode and size, or why it was skipped (a string: its
+  compiled temp memory is over ``max_temp_gib``). Compile and run errors propagate."""
+  args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
+  f = fn if mode == "fwd" else fwd_bwd(fn)
+  call_args = args if mode == "fwd" else args + (ct,)
+  # Check memory before running: compile only.
+  compiled, compile_s = common.compile_fn(f, call_args)
+  temp = common.compiled_stats(compiled)["temp_bytes"]
+  if temp is not None and temp > max_temp_gib * (1 << 30):
+    return f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
+  return common.measure_within(
+    f,
+    call_args,
+    compiled,
+    compile_s,
+    repeats=repeats,
+    min_seconds=min_seconds,
+    budget_s=max_call_s,
+  )
 
 
 def _get(records, op, mode, t_len):
@@ -348,7 +367,7 @@ def markdown(records, sizes, names, info):
           if not r:
             cells.append("")
           elif r[0]["status"] != "ok":
-            cells.append("skipped")
+            cells.append(r[0]["status"])  # "skipped" or "error" (the JSON says why)
           else:
             cells.append(fmt(r[0][field]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -3,8 +3,15 @@
 Every measurement is taken on a jitted function after compilation: the median wall time of
 ``repeats`` calls, each ending in ``block_until_ready``. FLOPs come from XLA's cost analysis of
 the compiled program and temp memory from its memory analysis (the scratch buffers XLA
-allocates besides the arguments and outputs). On accelerators the device's peak memory counter
-(``memory_stats()['peak_bytes_in_use']``) is recorded too; on CPU it is not available.
+allocates besides the arguments and outputs) and program bytes (arguments + outputs + temp -
+aliased: the program's own peak). On accelerators the device's peak memory counter
+(``memory_stats()['peak_bytes_in_use']``) is recorded too; on CPU it is not available. That
+counter is a maximum over the process's life (there is no reset), so a row measured after a
+bigger one reports the bigger one's peak: ``program_bytes`` is the per-row figure.
+
+A row that fails (a compile error, out of memory) is recorded as ``error(exc)`` and the
+benchmark goes on; results are written atomically (``aft_jax.files``), so a run killed part
+way leaves the last complete files.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from aft_jax import files
 from benchmarks import flops
 
 # Peak dense bf16 TFLOP/s per chip, for model FLOPs utilisation. Matched by substring of
@@ -57,6 +65,7 @@ PEAK_HBM_GBPS = (
 )
 
 SKIPPED = "skipped"
+ERROR = "error"
 
 
 def _lookup(table, device_kind: str) -> float | None:
@@ -115,8 +124,10 @@ def _first(x):
 
 
 def compiled_stats(compiled) -> dict[str, float | None]:
-  """XLA's FLOP count (loop bodies counted once) and the temp bytes of a compiled program."""
-  out = {"xla_flops": None, "temp_bytes": None}
+  """XLA's FLOP count (loop bodies counted once), the temp bytes of a compiled program and its
+  program bytes: arguments + outputs + temp - the outputs aliased to (donated) arguments, the
+  most device memory the program holds at once."""
+  out = {"xla_flops": None, "temp_bytes": None, "program_bytes": None}
   try:
     cost = _first(compiled.cost_analysis())
     out["xla_flops"] = float(cost.get("flops", math.nan))
@@ -125,6 +136,12 @@ def compiled_stats(compiled) -> dict[str, float | None]:
   try:
     mem = compiled.memory_analysis()
     out["temp_bytes"] = float(mem.temp_size_in_bytes)
+    out["program_bytes"] = float(
+      mem.argument_size_in_bytes
+      + mem.output_size_in_bytes
+      + mem.temp_size_in_bytes
+      - mem.alias_size_in_bytes
+    )
   except Exception:  # pylint: disable=broad-except
     pass
   return out
@@ -149,10 +166,10 @@ def _block(x):
   return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
 
 
-def compile_fn(fn: Callable, args: tuple):
+def compile_fn(fn: Callable, args: tuple, donate_argnums=()):
   """(compiled program, seconds to lower and compile) of ``jax.jit(fn)`` for ``args``."""
   t0 = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
   return compiled, time.perf_counter() - t0
 
 
@@ -201,6 +218,7 @@ def measure(
     "flops": stats["flops"],
     "xla_flops": stats["xla_flops"],
     "temp_bytes": stats["temp_bytes"],
+    "program_bytes": stats["program_bytes"],
     "peak_bytes": peak_device_bytes(),
   }
 
@@ -239,14 +257,19 @@ def skipped(reason: str) -> dict[str, str]:
   return {"status": SKIPPED, "reason": reason}
 
 
+def error(exc: BaseException) -> dict[str, str]:
+  """A failed row: the exception's type and the start of its message (XLA's can be pages)."""
+  return {"status": ERROR, "reason": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def write_json(path: str, obj: Any):
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=1, default=_json_default)
+  files.atomic_write(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
 def _json_default(x):
-  if isinstance(x, (np.floating, np.integer)):
-    return x.item()
+  # numpy and jax scalars and arrays (a bool from a comparison, a reduced array) as lists/values.
+  if isinstance(x, (np.generic, np.ndarray, jax.Array)):
+    return np.asarray(x).tolist()
   raise TypeError(type(x))
 
 
@@ -278,14 +301,19 @@ def fmt_flops(f):
   return f"{f:.0f}"
 
 
-def write_outputs(out: str, name: str, result: dict, md: str, plot_fn) -> None:
-  """Writes ``out/<name>.json`` (result), ``.md`` (md) and ``.png`` (``plot_fn(path)``)."""
+def write_outputs(out: str, name: str, result: dict, md: str, plot_fn=None) -> None:
+  """Writes ``out/<name>.json`` (result), ``.md`` (md) and, given ``plot_fn``, ``.png``
+  (``plot_fn(path)``), each atomically; prints md. Without ``plot_fn`` (a partial result,
+  written as a run goes) it prints one line instead."""
   os.makedirs(out, exist_ok=True)
   write_json(os.path.join(out, f"{name}.json"), result)
-  with open(os.path.join(out, f"{name}.md"), "w") as f:
-    f.write(md)
-  plot_fn(os.path.join(out, f"{name}.png"))
+  files.atomic_write(os.path.join(out, f"{name}.md"), md)
+  if plot_fn is None:
+    print(f"wrote {out}/{name}.{{json,md}} (so far)", flush=True)
+    return
   print(md)
+  with files.atomic_path(os.path.join(out, f"{name}.png"), suffix=".png") as tmp:
+    plot_fn(tmp)
   print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")
 
 

@@ -4,7 +4,10 @@ import json
 import math
 import os
 
+import jax.numpy as jnp
+import pytest
 
+from aft_jax import ops
 from benchmarks import accelerator_check, bench_model, bench_ops
 
 
@@ -98,18 +101,130 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
-def test_accelerator_check_quick(tmp_path):
-  accelerator_check.main(["--quick", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "accelerator_check.json").read_text())
+def _raise(*args, **kwargs):
+  raise RuntimeError("injected failure")
+
+
+@pytest.fixture(scope="module")
+def quick_check(tmp_path_factory):
+  """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
+  check (its aft_simple call) and the softmax LM's train step."""
+  out = tmp_path_factory.mktemp("accelerator_check")
+  op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
+  measure_step = bench_model.measure_step
+
+  def failing_rows(*args):
+    rows = op_rows(*args)
+    rows["cumsum"] = (_raise,) + rows["cumsum"][1:]
+    return rows
+
+  def failing_bf16(q, *args, **kwargs):
+    return (_raise if q.dtype == jnp.bfloat16 else aft_simple)(q, *args, **kwargs)
+
+  def failing_softmax(cfg, *args):
+    return (_raise if cfg.mixing == "softmax" else measure_step)(cfg, *args)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(accelerator_check, "op_rows", failing_rows)
+    mp.setattr(ops, "aft_simple", failing_bf16)
+    mp.setattr(bench_model, "measure_step", failing_softmax)
+    accelerator_check.main(["--quick", "--out", str(out)])
+  return out, json.loads((out / "accelerator_check.json").read_text())
+
+
+def _is_injected(rec):
+  assert rec["status"] == "error" and rec["reason"] == "RuntimeError: injected failure", rec
+  return True
+
+
+def test_accelerator_check_quick(quick_check):
+  out, result = quick_check
+  assert result["complete"] and not result["errors"]
   assert result["machine"]["kernel_impl"] == "pallas_interpret"  # CPU: the kernels interpreted
-  ops = {r["op"] for r in result["records"]}
-  assert {"aft_simple/xla", "aft_simple/pallas", "cumsum"} <= ops
+  ops_run = {r["op"] for r in result["records"]}
+  assert {"aft_simple/xla", "aft_simple/pallas", "cumsum", "softmax_dpa"} <= ops_run
   for rec in result["records"]:
-    _check_record(rec, bench_ops.FIELDS + ("achieved_gbps",))
-  assert {r["model"] for r in result["model"]} >= {"lm/aft_local", "wikitext103_small/aft_local"}
-  for rec in result["model"]:
-    _check_record(rec, bench_model.FIELDS)
-  assert result["kernel_checks"] and all(c["holds"] for c in result["kernel_checks"])
-  assert len(result["checks"]) == 5
+    if rec["op"] != "cumsum":
+      _check_record(rec, bench_ops.FIELDS + ("achieved_gbps",))
+  models = {r["model"]: r for r in result["model"]}
+  assert set(models) >= {"lm/aft_local", "lm/softmax", "wikitext103_small/aft_local"}
+  for name, rec in models.items():
+    if name != "lm/softmax":
+      _check_record(rec, bench_model.FIELDS)
+      # Parameters and optimizer state donated: the step's new ones are not counted again.
+      assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
+  kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
+  assert kchecks["float32"]["holds"]
+  checks = {c["check"].split(",")[0]: c for c in result["checks"]}
+  assert len(checks) == 5
   for name in ("accelerator_check.md", "accelerator_check.png"):
-    assert os.path.getsize(tmp_path / name) > 0
+    assert os.path.getsize(out / name) > 0
+
+
+def test_accelerator_check_records_failures_and_goes_on(quick_check):
+  out, result = quick_check
+  cumsum = [r for r in result["records"] if r["op"] == "cumsum"]
+  assert cumsum and all(_is_injected(r) for r in cumsum)
+  assert _is_injected({r["model"]: r for r in result["model"]}["lm/softmax"])
+  bf16 = {c["dtype"]: c for c in result["kernel_checks"]}["bfloat16"]
+  assert _is_injected(bf16) and bf16["holds"] is None and bf16["max_rel_error"] is None
+  # The targets that need a failed row say so; the others are evaluated.
+  for c in result["checks"]:
+    needs_failed = "cumsum" in c["check"] or c["check"].startswith("LM")
+    assert (c["value"] is None) == (needs_failed or "softmax_cudnn" in c["check"]), c
+    if c["value"] is None:
+      assert c["holds"] is None and c["note"] == "not measured"
+  md = (out / "accelerator_check.md").read_text()
+  assert "| cumsum | fwd | 32 | error: RuntimeError: injected failure |" in md
+  assert "| lm/softmax | 32 | 1 | error: RuntimeError: injected failure |" in md
+  assert "| aft_simple causal | bfloat16 | 1 | error: RuntimeError: injected failure |" in md
+  assert "LM tokens/s aft_local / softmax: not measured" in md
+  assert "Partial" not in md
+
+
+def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
+  """A run stopped in its last section (here by a KeyboardInterrupt in the model rows, as a
+  kill at a time limit) leaves the kernel checks and op rows it measured, marked incomplete."""
+  kchecks = [{"kernel": "k", "dtype": "float32", "logit_std": 1.0, "tolerance": 1e-4}]
+  kchecks[0].update(status="ok", max_rel_error=0.0, holds=True)
+  monkeypatch.setattr(accelerator_check, "kernel_checks", lambda *args: kchecks)
+  table = bench_ops.op_table(7, "xla")
+  monkeypatch.setattr(accelerator_check, "op_rows", lambda *args: {"cumsum": table["cumsum"]})
+
+  def interrupt(*args):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(bench_model, "measure_step", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    accelerator_check.main(["--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "accelerator_check.json").read_text())
+  assert result["complete"] is False
+  assert result["kernel_checks"] == kchecks
+  assert [(r["op"], r["status"]) for r in result["records"]] == [("cumsum", "ok")]
+  assert result["model"] == []
+  assert "Partial" in (tmp_path / "accelerator_check.md").read_text()
+  assert not (tmp_path / "accelerator_check.png").exists()
+  assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # atomic writes: no leftovers
+
+
+def test_bench_ops_records_a_failing_size_and_stops_growing_t():
+  table = {"fails": (_raise, None, "linear", "raises"), "cumsum": bench_ops.op_table(7)["cumsum"]}
+  kw = dict(batch=1, d=8, conv_kernel=7, repeats=1, min_seconds=0.0, max_call_s=1.0)
+  recs = bench_ops.run(
+    [8, 16], names=["fails", "cumsum"], max_temp_gib=1.0, table=table, log=lambda s: None, **kw
+  )
+  got = {(r["op"], r["mode"], r["T"]): r for r in recs}
+  for mode in bench_ops.MODES:
+    assert _is_injected(got[("fails", mode, 8)])
+    assert got[("fails", mode, 16)] == {
+      "op": "fails",
+      "mode": mode,
+      "T": 16,
+      "batch": 1,
+      "d": 8,
+      "status": "skipped",
+      "reason": "error at T=8",
+    }
+  assert got[("cumsum", "fwd", 16)]["status"] == "ok"  # the next op is measured
+  md = bench_ops.markdown(recs, [8, 16], ["fails", "cumsum"], {"batch": 1, "d": 8})
+  assert "| fails | error | skipped |" in md
