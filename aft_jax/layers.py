@@ -450,11 +450,29 @@ class AFTConv2D(_AFTConvBase):
     return self._out(ops.aft_conv2d(q, k, v, kernel, impl=self.impl), d_model)
 
 
+# MultiHeadAttention's implementations (``jax.nn.dot_product_attention``'s): "auto" is jax's
+# default choice (XLA in jax 0.10), "cudnn" is cuDNN flash attention (NVIDIA GPUs from Ampere
+# on, bfloat16 or float16). Not the default: on older GPUs (a Colab T4) cuDNN's fused kernel
+# does not exist, and an automatic choice there would fail rather than fall back.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def attention_impl_problem(impl, dtype) -> str | None:
+  """Why MultiHeadAttention cannot take ``impl`` with compute ``dtype``, or None."""
+  if impl not in ATTENTION_IMPLS:
+    return f"softmax attention takes impl {' | '.join(map(repr, ATTENTION_IMPLS))}"
+  if impl == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"cuDNN flash attention needs dtype bfloat16 or float16, not {jnp.dtype(dtype).name}"
+  return None
+
+
 class MultiHeadAttention(nn.Module):
   """Softmax multi-head attention (the Transformer baseline) with the AFT layers' interface.
 
-  Input ``[..., T, d_model]``; uses ``jax.nn.dot_product_attention``. ``max_len`` is only
-  needed for decoding (the size of the key/value cache).
+  Input ``[..., T, d_model]``; uses ``jax.nn.dot_product_attention`` with ``impl``: "auto"
+  (jax's choice), "xla" or "cudnn" (cuDNN flash attention: a GPU, bfloat16 or float16; the
+  baseline to compare AFT's speed with on a GPU). Decoding steps always use XLA (one query
+  row). ``max_len`` is only needed for decoding (the size of the key/value cache).
   """
 
   num_heads: int = 8
@@ -462,6 +480,7 @@ class MultiHeadAttention(nn.Module):
   max_len: int = 512
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
@@ -477,9 +496,21 @@ class MultiHeadAttention(nn.Module):
       _check_decode_input(self, x)
       y = self._step(flat(q), flat(k), flat(v))
     else:
-      y = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), is_causal=self.causal)
+      y = jax.nn.dot_product_attention(
+        flat(q), flat(k), flat(v), is_causal=self.causal, implementation=self._implementation()
+      )
     y = y.reshape(lead + (t_len,) + feat)
     return _heads_out(d_model, self.dtype, self.param_dtype)(y)
+
+  def _implementation(self) -> str | None:
+    """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot
+    run (never a silent switch to another implementation)."""
+    problem = attention_impl_problem(self.impl, self.dtype)
+    if problem is None and self.impl == "cudnn" and jax.default_backend() != "gpu":
+      problem = f"cuDNN flash attention needs a GPU, not the {jax.default_backend()!r} backend"
+    if problem:
+      raise ValueError(f"MultiHeadAttention: impl={self.impl!r}: {problem}; use 'auto' or 'xla'")
+    return None if self.impl == "auto" else self.impl
 
   def _step(self, q, k, v):
     b, _, h, dh = q.shape

@@ -52,8 +52,10 @@ class ModelConfig:
   dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
   dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
   param_dtype: Any = "float32"  # parameters (and optimizer state)
-  # AFT ops' implementation: 'auto' (Pallas kernels on GPU where one exists, XLA elsewhere),
-  # 'xla', 'pallas' (an error where no kernel exists) or 'pallas_interpret' (kernels on CPU)
+  # The mixing layer's implementation. AFT: 'auto' (Pallas kernels on GPU where one exists,
+  # XLA elsewhere), 'xla', 'pallas' (an error where no kernel exists) or 'pallas_interpret'
+  # (the kernels on CPU). softmax: 'auto' (jax's choice: XLA), 'xla' or 'cudnn' (cuDNN flash
+  # attention: a GPU and bfloat16)
   impl: str = "auto"
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
@@ -92,8 +94,12 @@ class ModelConfig:
       errors.append(
         f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = {self.max_len}]"
       )
-    if self.impl not in ops.IMPLS:
-      errors.append(f"model.impl = {self.impl!r} is not one of {ops.IMPLS}")
+    if self.mixing == "softmax":
+      problem = layers.attention_impl_problem(self.impl, self.dtype)
+      if problem:
+        errors.append(f"model.impl = {self.impl!r}: {problem}")
+    elif self.impl not in ops.IMPLS:
+      errors.append(f"model.impl = {self.impl!r} is not one of {ops.IMPLS} for {self.mixing}")
     if self.factor_dim < 0:
       errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -133,7 +139,9 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
   if cfg.mixing == "aft_conv1d":
     return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **aft)
   if cfg.mixing == "softmax":
-    return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **common)
+    return layers.MultiHeadAttention(
+      num_heads=cfg.num_heads, max_len=cfg.max_len, impl=cfg.impl, **common
+    )
   raise ValueError(f"model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
 
 

@@ -16,7 +16,9 @@ In this order:
     move at least (q, k, v and the output once; with the backward pass also the cotangent and
     three gradients) and is printed next to the device's peak (``common.PEAK_HBM_GBPS``).
 (b) Model: one AdamW train step of a 12-layer d 768 LM at T = 1024 (bf16, batch 8) per mixing
-    layer (and AFT-simple with ``impl="xla"``), and of the WikiText-103 small recipe's model
+    layer, softmax attention on GPUs as cuDNN flash attention (``model.impl="cudnn"``; also
+    with ``impl="xla"``), AFT-simple also with ``impl="xla"``, and of the WikiText-103 small
+    recipe's model
     (16 x 128, MLP 2048, context 256, adaptive input/softmax): tokens/s, MFU, memory.
 
 The device's peak memory counter (``memory_stats()['peak_bytes_in_use']``) has no reset: it is
@@ -175,16 +177,23 @@ def model_rows(a, peak, deadline, log, on_row=lambda records: None):
   if a.quick:
     recipe.update(vocab_size=300, num_layers=1, adaptive_cutoffs=(50, 100, 200), max_len=32)
   mixings = ("aft_local", "softmax") if a.quick else MIXINGS
-  cases = [(f"lm/{m}", ModelConfig(mixing=m, **lm), a.batch, a.model_t) for m in mixings]
-  cases.append(
-    ("lm/aft_simple/xla", ModelConfig(mixing="aft_simple", impl="xla", **lm), a.batch, a.model_t)
-  )
+  # The softmax baseline on a GPU is cuDNN flash attention (the Transformer a user would
+  # train there); its XLA form is a row of its own.
+  soft = "cudnn" if jax.default_backend() == "gpu" else "auto"
+  impl = lambda m: soft if m == "softmax" else "auto"
+  cases = [
+    (f"lm/{m}", ModelConfig(mixing=m, impl=impl(m), **lm), a.batch, a.model_t) for m in mixings
+  ]
+  extra = [("aft_simple", "xla")] + ([("softmax", "xla")] if soft == "cudnn" else [])
+  for m, i in extra:
+    cases.append((f"lm/{m}/{i}", ModelConfig(mixing=m, impl=i, **lm), a.batch, a.model_t))
   for m in ("aft_local",) if a.quick else ("aft_local", "softmax"):
-    cfg = ModelConfig(mixing=m, **recipe)
+    cfg = ModelConfig(mixing=m, impl=impl(m), **recipe)
     cases.append((f"wikitext103_small/{m}", cfg, a.recipe_batch, cfg.max_len))
   records = []
   for name, cfg, batch, t_len in cases:
     rec = {"model": name, "T": t_len, "batch": batch, "layers": cfg.num_layers, "d": cfg.d_model}
+    rec["impl"] = cfg.impl
     if time.time() > deadline:
       rec.update(common.skipped("--max_minutes reached"))
     else:
@@ -252,8 +261,10 @@ def target_checks(op_recs, model_recs):
     _get(model_recs, "model", "lm/aft_local"),
     _get(model_recs, "model", "lm/softmax"),
   )
+  # softmax's implementation (cudnn on GPUs) named in the targets, which compare with it.
+  soft = f"softmax[{lm_soft['impl']}]" if lm_soft else "softmax"
   check(
-    "LM tokens/s aft_local / softmax",
+    f"LM tokens/s aft_local / {soft}",
     lm_local,
     lm_soft,
     "tokens_per_s",
@@ -263,7 +274,7 @@ def target_checks(op_recs, model_recs):
   # The whole step's footprint (parameters, optimizer state, batch, activations): the device
   # peak counter cannot say, as it is a maximum over every row measured before.
   check(
-    "LM program memory (params + optimizer state + batch + activations) aft_local / softmax",
+    f"LM program memory (params + optimizer state + batch + activations) aft_local / {soft}",
     lm_local,
     lm_soft,
     "program_bytes",

@@ -22,26 +22,37 @@ def _export_cuda(fn, *args, targets=(TRITON,), donate_argnums=()):
   )(*args)
 
 
-def test_cudnn_softmax_row_lowers_for_cuda():
+@pytest.fixture
+def cudnn_h200(monkeypatch):
+  """jax's cuDNN attention asks the installed cuDNN and GPU for their versions while tracing;
+  a CPU-only jaxlib has neither. Answer as an H200 would (compute capability 9.0, cuDNN 9.10),
+  so that the lowering (jax's own checks of shapes, dtypes and layout included) runs here."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  version = lambda c: tuple(int(x) for x in c.split("."))
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: version(c) <= (9, 0))
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: version(c) == (9, 0))
+
+
+def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
   """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512 in its heads), forward and
-  forward+backward. jax asks the installed cuDNN for its version while tracing, so without one
-  (a CPU-only jaxlib) it cannot be lowered at all: skipped there, checked where cuDNN is."""
+  forward+backward."""
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
-  try:
-    fwd = _export_cuda(accelerator_check._cudnn, x, x, x, targets=CUDNN)
-  except RuntimeError as e:
-    if "cuDNN is not detected" in str(e):
-      pytest.skip("jax cannot trace cuDNN attention without cuDNN installed")
-    raise
+  fwd = _export_cuda(accelerator_check._cudnn, x, x, x, targets=CUDNN)
   assert CUDNN[0] in fwd.mlir_module()
   bwd = _export_cuda(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, targets=CUDNN)
   assert CUDNN[1] in bwd.mlir_module()
 
 
-@pytest.mark.parametrize("mixing", ["aft_local", "aft_simple"])
-def test_lm_train_step_with_kernels_lowers_for_cuda(mixing, monkeypatch):
+@pytest.mark.parametrize(
+  "mixing, impl, target",
+  [("aft_local", "pallas", TRITON), ("aft_simple", "pallas", TRITON), ("softmax", "cudnn", None)],
+)
+def test_lm_train_step_lowers_for_cuda(mixing, impl, target, monkeypatch, cudnn_h200):
   """One AdamW step (bench_model.measure_step's, as the check's model rows run it) of a tiny
-  bf16 LM with impl="pallas": the kernels inside the model, forward and backward."""
+  bf16 LM with the GPU implementation of its mixing layer (the Pallas kernels; the softmax
+  baseline's cuDNN flash attention), forward and backward."""
   cfg = dict(vocab_size=64, num_layers=1, d_model=64, num_heads=4, mlp_dim=128, max_len=64)
   cfg.update(window=8, mixing=mixing, dropout_rate=0.0, dtype=jnp.bfloat16, scan_layers=True)
   tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
@@ -49,10 +60,17 @@ def test_lm_train_step_with_kernels_lowers_for_cuda(mixing, monkeypatch):
   init = TransformerLM(ModelConfig(**cfg, impl="xla").validate()).init
   params = nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["params"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
-  step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl="pallas").validate()), tx)
-  # aft_jax.ops refuses impl="pallas" off a GPU backend: trace as if on one.
+  step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
+  # The layers refuse GPU implementations off a GPU backend: trace as if on one.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
-  exported = _export_cuda(step, params, opt_state, tokens, tokens, donate_argnums=(0, 1))
-  assert exported.mlir_module().count(f"custom_call @{TRITON}(") >= 2  # forward, backward
+  targets = (target,) if target else CUDNN
+  exported = _export_cuda(
+    step, params, opt_state, tokens, tokens, targets=targets, donate_argnums=(0, 1)
+  )
+  module = exported.mlir_module()
+  if target:
+    assert module.count(f"custom_call @{TRITON}(") >= 2  # forward, backward
+  else:
+    assert all(t in module for t in CUDNN)

@@ -85,6 +85,15 @@ def _quick():
     (lambda c: setattr(c, "weight_decay", -0.1), "weight_decay = -0.1 must be >= 0"),
     (lambda c: setattr(c, "seed", -1), "seed = -1 must be in \\[0, 2\\*\\*31 - 1\\)"),
     (lambda c: setattr(c.model, "dtype", "float16"), "dtype = 'float16': use 'float32' or"),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "impl", "pallas")),
+      "impl = 'pallas': softmax attention takes impl 'auto' | 'xla' | 'cudnn'",
+    ),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "impl", "cudnn")),
+      "impl = 'cudnn': cuDNN flash attention needs dtype bfloat16 or float16, not float32",
+    ),
+    (lambda c: setattr(c.model, "impl", "cudnn"), "impl = 'cudnn' is not one of .* for aft_"),
     (lambda c: setattr(c.sample, "top_k", -1), "sample.top_k = -1 must be >= 0"),
     (lambda c: setattr(c.sample, "temperature", -1.0), "sample.temperature = -1.0 must be >= 0"),
     (lambda c: setattr(c, "max_consecutive_skips", -1), "max_consecutive_skips = -1 must be"),

@@ -391,3 +391,22 @@ def test_bad_input_raises_value_error():
       _raises(mod, (2, 1, D), r"decode=True needs causal=True", decode=True)
   for name, mod in _modules(causal=True).items():
     _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)
+
+
+def test_attention_impl_is_passed_on_or_refused(monkeypatch):
+  """MultiHeadAttention's impl reaches jax.nn.dot_product_attention ("auto": jax's choice);
+  cuDNN off a GPU, cuDNN in float32 and unknown names are ValueErrors, not a quiet XLA run."""
+  bf16 = dict(num_heads=2, causal=True, dtype=jnp.bfloat16)
+  _raises(layers.MultiHeadAttention(impl="cudnn", **bf16), (1, 4, D), r"cudnn.*not the 'cpu'")
+  _raises(layers.MultiHeadAttention(impl="flash", **bf16), (1, 4, D), r"takes impl 'auto'")
+  _raises(layers.MultiHeadAttention(impl="cudnn", num_heads=2), (1, 4, D), r"bfloat16 or float16")
+  seen = []
+  real = jax.nn.dot_product_attention
+  monkeypatch.setattr(
+    jax.nn,
+    "dot_product_attention",
+    lambda *a, implementation=None, **kw: seen.append(implementation) or real(*a, **kw),
+  )
+  for impl in ("auto", "xla"):
+    abstract_init(layers.MultiHeadAttention(impl=impl, **bf16), (1, 4, D))
+  assert seen == [None, "xla"]
