@@ -1,5 +1,6 @@
-"""The accelerator check's GPU code paths lower for CUDA (``jax.export``, no GPU needed), so a
-lowering error shows here rather than in the check's run on the device."""
+"""The accelerator check's code paths lower for CUDA (and the TPU kernel's for TPU) with
+``jax.export``, no accelerator needed, so a lowering error shows here rather than in the
+check's run on the device."""
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,12 @@ TRITON = "__gpu$xla.gpu.triton"
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 
-def _export_cuda(fn, *args, targets=(TRITON,), donate_argnums=()):
+def _export(fn, *args, platform="cuda", calls=(), donate_argnums=()):
+  """``jax.export`` of ``jax.jit(fn)`` for ``platform``, allowing the custom ``calls``."""
   return jax.export.export(
     jax.jit(fn, donate_argnums=donate_argnums),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets],
+    platforms=[platform],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in calls],
   )(*args)
 
 
@@ -39,21 +41,26 @@ def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
   """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512 in its heads), forward and
   forward+backward."""
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
-  fwd = _export_cuda(accelerator_check._cudnn, x, x, x, targets=CUDNN)
+  fwd = _export(accelerator_check._cudnn, x, x, x, calls=CUDNN)
   assert CUDNN[0] in fwd.mlir_module()
-  bwd = _export_cuda(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, targets=CUDNN)
+  bwd = _export(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, calls=CUDNN)
   assert CUDNN[1] in bwd.mlir_module()
 
 
 @pytest.mark.parametrize(
-  "mixing, impl, target",
-  [("aft_local", "pallas", TRITON), ("aft_simple", "pallas", TRITON), ("softmax", "cudnn", None)],
+  "mixing, impl, platform",
+  [
+    ("aft_local", "pallas", "cuda"),
+    ("aft_simple", "pallas", "cuda"),
+    ("softmax", "cudnn", "cuda"),
+    ("aft_simple", "pallas", "tpu"),
+  ],
 )
-def test_lm_train_step_lowers_for_cuda(mixing, impl, target, monkeypatch, cudnn_h200):
+def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   """One AdamW step (bench_model.measure_step's, as the check's model rows run it) of a tiny
-  bf16 LM with the GPU implementation of its mixing layer (the Pallas kernels; the softmax
-  baseline's cuDNN flash attention), forward and backward."""
-  cfg = dict(vocab_size=64, num_layers=1, d_model=64, num_heads=4, mlp_dim=128, max_len=64)
+  bf16 LM with the accelerator's implementation of its mixing layer (the Pallas kernels; the
+  softmax baseline's cuDNN flash attention), forward and backward."""
+  cfg = dict(vocab_size=64, num_layers=1, d_model=128, num_heads=4, mlp_dim=128, max_len=64)
   cfg.update(window=8, mixing=mixing, dropout_rate=0.0, dtype=jnp.bfloat16, scan_layers=True)
   tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
   # The parameters do not depend on impl: their shapes from the XLA model, on this CPU.
@@ -61,16 +68,17 @@ def test_lm_train_step_lowers_for_cuda(mixing, impl, target, monkeypatch, cudnn_
   params = nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["params"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
   step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
-  # The layers refuse GPU implementations off a GPU backend: trace as if on one.
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  # The layers refuse accelerator implementations off their backend: trace as if on one.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if platform == "cuda" else platform)
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
-  targets = (target,) if target else CUDNN
-  exported = _export_cuda(
-    step, params, opt_state, tokens, tokens, targets=targets, donate_argnums=(0, 1)
+  calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]
+  exported = _export(
+    step, params, opt_state, tokens, tokens, platform=platform, calls=calls, donate_argnums=(0, 1)
   )
   module = exported.mlir_module()
-  if target:
-    assert module.count(f"custom_call @{TRITON}(") >= 2  # forward, backward
+  kernel = {"cudnn": None, "pallas": TRITON if platform == "cuda" else "tpu_custom_call"}[impl]
+  if kernel:
+    assert module.count(f"custom_call @{kernel}(") >= 2  # forward, backward
   else:
     assert all(t in module for t in CUDNN)
