@@ -16,6 +16,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 
+def pytest_collection_modifyitems(config, items):
+  """The slow tests first (stable otherwise): pytest-xdist hands out the first items at the
+  start, so with -n 2 the two workers share the long tests instead of one of them finishing
+  the run alone on a long test collected last (test_wheel.py, test_train.py)."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
   """(workdir, results, stdout) of one tiny byte-level run, trained once per test process and

@@ -24,6 +24,7 @@ def _check_record(rec, fields):
     assert _finite(rec.get(field)), (field, rec)
 
 
+@pytest.mark.slow
 def test_bench_ops_quick(tmp_path):
   bench_ops.main(["--quick", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "bench_ops.json").read_text())
@@ -45,6 +46,7 @@ def test_bench_ops_quick(tmp_path):
     assert os.path.getsize(tmp_path / name) > 0
 
 
+@pytest.mark.slow
 def test_bench_model_quick(tmp_path):
   bench_model.main(["--quick", "--sizes", "32", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "bench_model.json").read_text())
@@ -137,6 +139,7 @@ def _is_injected(rec):
   return True
 
 
+@pytest.mark.slow
 def test_accelerator_check_quick(quick_check):
   out, result = quick_check
   assert result["complete"] and not result["errors"]

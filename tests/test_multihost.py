@@ -113,6 +113,7 @@ def _losses(workdir):
   return [r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   runs = {
     "one_device": ((1, 1, 1), 1),
@@ -188,6 +189,7 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   assert again["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
   config = _config(
     (1, 2, 2), num_train_steps=100_000, log_every_steps=2, checkpoint_every_steps=100_000

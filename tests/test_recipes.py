@@ -11,6 +11,8 @@ import json
 import math
 import os
 
+import pytest
+
 from tests import fake_enwik8
 from tests import fake_wikitext
 from benchmarks import quality
@@ -45,6 +47,7 @@ def recipe(spec: str, **overrides):
   return override(module.get_config(arg), {**TINY, **overrides})
 
 
+@pytest.mark.slow
 def test_every_enwik8_and_wikitext103_variant_trains_and_reports_its_protocol(tmp_path):
   enwik8_dir, wikitext_dir = str(tmp_path / "enwik8"), str(tmp_path / "wikitext")
   fake_enwik8.write_file(enwik8_dir, fake_enwik8.content(ENWIK8_BYTES))

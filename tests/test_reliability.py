@@ -51,6 +51,7 @@ def _logged(workdir, n):
   return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= n
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   flags = config_flags(tiny_config(num_train_steps=100_000))

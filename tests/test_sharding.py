@@ -51,6 +51,7 @@ def test_rules_from_config_round_trips_the_default():
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
 
 
+@pytest.mark.slow
 def test_eight_devices_match_one(tmp_path):
   """tests/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
   (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;

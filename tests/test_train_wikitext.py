@@ -6,11 +6,13 @@ import os
 import subprocess
 
 import numpy as np
+import pytest
 
 from tests import fake_enwik8, fake_wikitext
 from tests.helpers import ROOT, train_py
 
 
+@pytest.mark.slow
 def test_wikitext_recipe_trains_on_fake_data(tmp_path):
   manual = str(tmp_path / "manual")
   fake_wikitext.write_extracted(manual, "v1")

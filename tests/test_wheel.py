@@ -74,6 +74,7 @@ def _source_tree(dest):
       shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
 
 
+@pytest.mark.slow
 def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert not str(tmp_path).startswith(ROOT)
   timings = {}
