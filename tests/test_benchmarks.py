@@ -231,3 +231,23 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   assert got[("cumsum", "fwd", 16)]["status"] == "ok"  # the next op is measured
   md = bench_ops.markdown(recs, [8, 16], ["fails", "cumsum"], {"batch": 1, "d": 8})
   assert "| fails | error | skipped |" in md
+
+
+def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
+  lm = lambda name, t, impl="auto": {
+    "model": name,
+    "status": "ok",
+    "impl": impl,
+    "time_s": t,
+    "tokens_per_s": 1000 / t,
+    "program_bytes": 100 * t,
+  }
+  models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
+  checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
+  speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
+  assert speed["value"] == pytest.approx(2.0) and speed["holds"]
+  memory = checks[
+    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
+    "softmax[cudnn]"
+  ]
+  assert memory["value"] == pytest.approx(0.5) and memory["holds"]
