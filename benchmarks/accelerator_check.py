@@ -17,9 +17,9 @@ In this order:
     three gradients) and is printed next to the device's peak (``common.PEAK_HBM_GBPS``).
 (b) Model: one AdamW train step of a 12-layer d 768 LM at T = 1024 (bf16, batch 8) per mixing
     layer, softmax attention on GPUs as cuDNN flash attention (``model.impl="cudnn"``; also
-    with ``impl="xla"``), AFT-simple also with ``impl="xla"``, and of the WikiText-103 small
-    recipe's model
-    (16 x 128, MLP 2048, context 256, adaptive input/softmax): tokens/s, MFU, memory.
+    with ``impl="xla"``), AFT-simple (and on GPUs AFT-local) also with ``impl="xla"``, and of
+    the WikiText-103 small recipe's model (16 x 128, MLP 2048, context 256, adaptive
+    input/softmax): tokens/s, MFU, memory.
 
 The device's peak memory counter (``memory_stats()['peak_bytes_in_use']``) has no reset: it is
 the process's peak so far, so a row after a bigger one shows the bigger one's peak. The per-row
