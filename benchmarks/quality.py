@@ -6,7 +6,7 @@ trainer (``train_lib.train_and_evaluate``), and records for each the validation 
 (exact, over the whole split, disjoint windows), its curve during training, the parameter
 count, training tokens/s and wall time.
 
-    python -m benchmarks.quality --out benchmarks/results       # ~12 min on 2 CPU cores
+    python -m benchmarks.quality --out benchmarks/results       # ~4 min on 2 idle CPU cores
     python -m benchmarks.quality --quick --out /tmp/quality     # seconds: tests run this
 
 Writes ``quality.json`` (machine, settings, every record and curve), ``quality.md`` (the table)
