@@ -70,3 +70,30 @@ def param_count(tree) -> int:
   import jax
 
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(nn.unbox(tree)))
+
+
+TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
+
+
+def export_for(fn, *args, platform="cuda", calls=(TRITON,), donate_argnums=()):
+  """``jax.export`` of ``jax.jit(fn)`` for ``platform`` ("cuda" or "tpu") on this CPU machine,
+  allowing the custom ``calls``. For Triton kernels the target is an abstract H200: from jax
+  0.11 the Pallas Triton lowering asks the target GPU for its compute capability, which a
+  machine without a GPU can only name that way (older jax ignores it; cuDNN attention refuses
+  an abstract device, so it lowers without one)."""
+  import contextlib
+
+  import jax
+
+  target = contextlib.nullcontext()
+  if platform == "cuda" and TRITON in calls:
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    target = jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=gpu)
+    )
+  with target:
+    return jax.export.export(
+      jax.jit(fn, donate_argnums=donate_argnums),
+      platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c) for c in calls],
+    )(*args)

@@ -10,18 +10,9 @@ from flax import linen as nn
 
 from aft_jax.model import ModelConfig, TransformerLM
 from benchmarks import accelerator_check, bench_model, bench_ops
+from tests.helpers import TRITON, export_for
 
-TRITON = "__gpu$xla.gpu.triton"
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
-
-
-def _export(fn, *args, platform="cuda", calls=(), donate_argnums=()):
-  """``jax.export`` of ``jax.jit(fn)`` for ``platform``, allowing the custom ``calls``."""
-  return jax.export.export(
-    jax.jit(fn, donate_argnums=donate_argnums),
-    platforms=[platform],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in calls],
-  )(*args)
 
 
 @pytest.fixture
@@ -41,9 +32,9 @@ def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
   """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512 in its heads), forward and
   forward+backward."""
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
-  fwd = _export(accelerator_check._cudnn, x, x, x, calls=CUDNN)
+  fwd = export_for(accelerator_check._cudnn, x, x, x, calls=CUDNN)
   assert CUDNN[0] in fwd.mlir_module()
-  bwd = _export(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, calls=CUDNN)
+  bwd = export_for(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, calls=CUDNN)
   assert CUDNN[1] in bwd.mlir_module()
 
 
@@ -73,7 +64,7 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
   calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]
-  exported = _export(
+  exported = export_for(
     step, params, opt_state, tokens, tokens, platform=platform, calls=calls, donate_argnums=(0, 1)
   )
   module = exported.mlir_module()

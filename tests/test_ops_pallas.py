@@ -20,6 +20,7 @@ from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import pallas_local, pallas_simple
 from benchmarks.bench_ops import scan_simple
 from tests import numpy_reference as ref
+from tests.helpers import export_for
 
 RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
 
@@ -87,11 +88,7 @@ def test_simple_kernel_lowers_for_cuda(cfg, dtype):
   ragged."""
   x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 3 * block_d picks cfg
   loss = lambda k, v: jnp.sum(pallas_simple.causal_mean(k, v, cfg, False))
-  exported = jax.export.export(
-    jax.jit(jax.grad(loss, argnums=(0, 1))),
-    platforms=["cuda"],
-    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-  )(x, x)
+  exported = export_for(jax.grad(loss, argnums=(0, 1)), x, x)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
   assert pallas_simple.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
   assert pallas_simple.config_for(512, batch=1).block_d == 16  # few rows: more programs
@@ -206,11 +203,7 @@ def test_local_kernel_lowers_for_cuda(cfg, dtype):
   for window in (1, 40):
     loss = lambda k, v, w: jnp.sum(pallas_local.local_mean(k, v, w, window, cfg, False))
     for kernels, fn in ((1, loss), (2, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
-      exported = jax.export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-      )(x, x, w)
+      exported = export_for(fn, x, x, w)
       assert exported.mlir_module().count("custom_call @__gpu$xla.gpu.triton(") == kernels
   assert pallas_local.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
 
