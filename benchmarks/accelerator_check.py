@@ -42,6 +42,13 @@ e.g. for a 10-minute limit
 (start-up takes a minute or so, and a row that starts just before the limit still runs to its
 end). If the command is killed anyway, ``$OUT/h200/accelerator_check.json`` holds every section
 and op finished before the kill; ``-u`` keeps the printed log up to the kill as well.
+
+What it needs: jax with the accelerator's plugin, flax, optax, numpy, ml_collections (with
+absl-py) and, for the plot, matplotlib; not the data and logging stack (tensorflow-datasets,
+grain, tensorboardX). On a machine with a CUDA jax but no package index, run it from the
+repository root with ``PYTHONPATH=.`` and only ml_collections added (e.g. from a carried
+wheel). Tested on CPU with jax 0.10.2 and, in such a minimal environment, jax 0.11.2, where
+Pallas' Triton backend still works but is marked deprecated.
 """
 
 from __future__ import annotations
