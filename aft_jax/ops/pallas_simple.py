@@ -166,41 +166,22 @@ def _call(kernel, cfg: Config, interpret: bool, ins, outs):
   )
 
 
-def _pad(x, t_pad: int, fill):
-  return pallas_util.pad_time(x, 0, t_pad, fill)
-
-
-def _padded(k, v, cfg: Config):
-  """k, v with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0, so they
-  change no sum), values 0."""
-  t_pad = -k.shape[1] % cfg.block_t
-  return _pad(k, t_pad, NEG), _pad(v, t_pad, 0.0)
-
-
 def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
   """a [and L] over the padded length."""
   outs = [jnp.float32] * (2 if with_lse else 1)
-  return _call(_fwd_kernel, cfg, interpret, _padded(k, v, cfg), outs)
+  return _call(_fwd_kernel, cfg, interpret, pallas_util.padded_to_chunks(k, v, cfg.block_t), outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _backward(k, v, a, lse, g, cfg: Config, interpret: bool):
+  """dk, dv over the padded length."""
+  ins = (*pallas_util.padded_to_chunks(k, v, cfg.block_t), a, lse, g)
+  return _call(_bwd_kernel, cfg, interpret, ins, [k.dtype, v.dtype])
+
+
+_mean = pallas_util.mean_with_vjp(_forward, _backward)
+
+
 def causal_mean(k_BTD, v_BTD, cfg: Config, interpret: bool):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32)."""
-  return _forward(k_BTD, v_BTD, cfg, interpret, with_lse=False)[0][:, : k_BTD.shape[1]]
-
-
-def _causal_mean_fwd(k, v, cfg, interpret):
-  a, lse = _forward(k, v, cfg, interpret, with_lse=True)  # padded: kept as residuals
-  return a[:, : k.shape[1]], (k, v, a, lse)
-
-
-def _causal_mean_bwd(cfg, interpret, res, g):
-  k, v, a, lse = res
-  t_len = k.shape[1]
-  g = _pad(g.astype(jnp.float32), a.shape[1] - t_len, 0.0)  # padding rows: cotangent 0
-  ins = (*_padded(k, v, cfg), a, lse, g)
-  dk, dv = _call(_bwd_kernel, cfg, interpret, ins, [k.dtype, v.dtype])
-  return dk[:, :t_len], dv[:, :t_len]
-
-
-causal_mean.defvjp(_causal_mean_fwd, _causal_mean_bwd)
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
+  differentiable in k and v (the custom VJP of ``pallas_util.mean_with_vjp``)."""
+  return _mean(k_BTD, v_BTD, cfg, interpret)

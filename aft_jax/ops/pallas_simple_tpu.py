@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
-from aft_jax.ops.pallas_util import pad_time
+from aft_jax.ops.pallas_util import mean_with_vjp, padded_to_chunks, widest_config
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, scan exactly.
@@ -87,16 +87,9 @@ def unsupported(d: int) -> str | None:
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 2) -> Config:
-  """The configuration for ``batch`` rows of D = d channels: the widest channel block that
-  divides d and still gives ``min_programs`` parallel (batch, channel block) programs (two
-  TensorCores share the parallel axes on megacore chips), else the narrowest that divides d."""
-  fits = [cfg for cfg in CONFIGS if d % cfg.block_d == 0]
-  if not fits:
-    raise ValueError(f"Pallas TPU kernel: {unsupported(d)}")
-  for cfg in fits:
-    if batch * (d // cfg.block_d) >= min_programs:
-      return cfg
-  return fits[-1]
+  """The configuration for ``batch`` rows of D = d channels (``pallas_util.widest_config``):
+  two programs at least, since two TensorCores share the parallel axes on megacore chips."""
+  return widest_config(CONFIGS, d, batch, min_programs, f"Pallas TPU kernel: {unsupported(d)}")
 
 
 def _tri(n: int, lower: bool):
@@ -267,40 +260,20 @@ def _check(k, cfg: Config):
     )
 
 
-def _padded(k, v, cfg: Config):
-  """k, v with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0, so they
-  change no sum), values 0."""
-  t_pad = -k.shape[1] % cfg.block_t
-  return pad_time(k, 0, t_pad, NEG), pad_time(v, 0, t_pad, 0.0)
-
-
 def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
   """a [and L] over the padded length."""
   kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
   outs = [jnp.float32] * (2 if with_lse else 1)
-  return _call(kernel, cfg, interpret, False, _padded(k, v, cfg), outs)
+  return _call(kernel, cfg, interpret, False, padded_to_chunks(k, v, cfg.block_t), outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _causal_mean(k, v, cfg: Config, interpret: bool):
-  return _forward(k, v, cfg, interpret, with_lse=False)[0][:, : k.shape[1]]
+def _backward(k, v, a, lse, g, cfg: Config, interpret: bool):
+  """dk, dv over the padded length (the grid walks T from the end)."""
+  ins = (*padded_to_chunks(k, v, cfg.block_t), a, lse, g)
+  return _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
 
 
-def _causal_mean_fwd(k, v, cfg, interpret):
-  a, lse = _forward(k, v, cfg, interpret, with_lse=True)  # padded: kept as residuals
-  return a[:, : k.shape[1]], (k, v, a, lse)
-
-
-def _causal_mean_bwd(cfg, interpret, res, g):
-  k, v, a, lse = res
-  t_len = k.shape[1]
-  g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - t_len, 0.0)  # padding rows: cotangent 0
-  ins = (*_padded(k, v, cfg), a, lse, g)
-  dk, dv = _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
-  return dk[:, :t_len], dv[:, :t_len]
-
-
-_causal_mean.defvjp(_causal_mean_fwd, _causal_mean_bwd)
+_causal_mean = mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: Config | None = None, interpret: bool = False):

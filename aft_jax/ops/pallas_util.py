@@ -1,6 +1,8 @@
 """What the Pallas GPU kernels (``pallas_simple``, ``pallas_local``) share: the block
-configurations, the choice among them, the Triton call, and small in-kernel helpers
-(``pad_time`` also serves the TPU kernel, ``pallas_simple_tpu``).
+configurations, the choice among them, the Triton call, and small in-kernel helpers. The two
+AFT-simple kernels (GPU ``pallas_simple``, TPU ``pallas_simple_tpu``) also share the choice of
+the widest channel block (``widest_config``), the padding of T to whole chunks and the custom
+VJP around their forward and backward halves (``mean_with_vjp``).
 
 Every kernel runs one program per (batch row, block of ``block_d`` channels) and walks the
 sequence in chunks of ``block_t`` positions, so one configuration type serves them all.
@@ -8,13 +10,14 @@ sequence in chunks of ``block_t`` positions, so one configuration type serves th
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops.logsumexp import HIGHEST
+from aft_jax.ops.logsumexp import HIGHEST, NEG
 
 
 class Config(NamedTuple):
@@ -38,17 +41,50 @@ def unsupported_channels(d: int) -> str | None:
   return None
 
 
-def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
-  """The configuration for ``batch`` rows of D = d channels: the widest channel block that
-  divides d and still gives ``min_programs`` programs (each walks T sequentially, so a GPU
-  needs many of them: a few per streaming multiprocessor), else the narrowest that divides d."""
-  fits = [cfg for cfg in CONFIGS if d % cfg.block_d == 0]
+def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
+  """Of ``configs`` (widest ``block_d`` first), the widest whose channel block divides d and
+  still gives ``min_programs`` (batch row, channel block) programs, else the narrowest that
+  divides d; a ValueError saying ``why_not`` where none does."""
+  fits = [cfg for cfg in configs if d % cfg.block_d == 0]
   if not fits:
-    raise ValueError(f"Pallas kernel: {unsupported_channels(d)}")
+    raise ValueError(why_not)
   for cfg in fits:
     if batch * (d // cfg.block_d) >= min_programs:
       return cfg
   return fits[-1]
+
+
+def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
+  """The configuration for ``batch`` rows of D = d channels (``widest_config``): each program
+  walks T sequentially, so a GPU needs many of them, a few per streaming multiprocessor."""
+  why = f"Pallas kernel: {unsupported_channels(d)}"
+  return widest_config(CONFIGS, d, batch, min_programs, why)
+
+
+def mean_with_vjp(forward, backward):
+  """The custom-VJP weighted mean of the AFT-simple kernels (GPU and TPU), a [B, T, D] of k, v
+  (and the static cfg, interpret), from the kernels' two halves over T padded up to their
+  chunks: ``forward(k, v, cfg, interpret, with_lse)`` -> a [and L]; ``backward(k, v, a, lse,
+  g, cfg, interpret)`` -> dk, dv, g the cotangent padded with zeros. The residuals are a and L
+  (padded) besides k and v."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+  def mean(k, v, cfg, interpret: bool):
+    return forward(k, v, cfg, interpret, False)[0][:, : k.shape[1]]
+
+  def fwd(k, v, cfg, interpret):
+    a, lse = forward(k, v, cfg, interpret, True)
+    return a[:, : k.shape[1]], (k, v, a, lse)
+
+  def bwd(cfg, interpret, res, g):
+    k, v, a, lse = res
+    t_len = k.shape[1]
+    g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - t_len, 0.0)  # padding: cotangent 0
+    dk, dv = backward(k, v, a, lse, g, cfg, interpret)
+    return dk[:, :t_len], dv[:, :t_len]
+
+  mean.defvjp(fwd, bwd)
+  return mean
 
 
 def call(kernel, cfg: Config, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
@@ -99,3 +135,10 @@ def pad_time(x, before: int, after: int, fill):
   if not (before or after):
     return x
   return jnp.pad(x, ((0, 0), (before, after), (0, 0)), constant_values=fill)
+
+
+def padded_to_chunks(k, v, block_t: int):
+  """k, v [B, T, D] with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0,
+  so they change no sum), values 0."""
+  t_pad = -k.shape[1] % block_t
+  return pad_time(k, 0, t_pad, NEG), pad_time(v, 0, t_pad, 0.0)
