@@ -33,12 +33,13 @@ RESUMABLE = (
 SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
 
 
-def _flatten(d, prefix=""):
+def flatten(d, prefix: str = "") -> dict:
+  """A nested config (dicts or ConfigDicts) as one dict keyed "model.mixing" etc."""
   out = {}
   for k, v in d.items():
     key = f"{prefix}{k}"
     if isinstance(v, (dict, ml_collections.ConfigDict)):
-      out.update(_flatten(v, key + "."))
+      out.update(flatten(v, key + "."))
     else:
       out[key] = v
   return out
@@ -61,8 +62,8 @@ def _type_ok(value, default):
 def check_config(config) -> None:
   """Raises ValueError listing every unknown key, wrong type and impossible combination."""
   errors = []
-  ref = _flatten(default_config.get_config().to_dict())
-  cur = _flatten(config.to_dict() if hasattr(config, "to_dict") else config)
+  ref = flatten(default_config.get_config().to_dict())
+  cur = flatten(config.to_dict() if hasattr(config, "to_dict") else config)
   for key in sorted(set(cur) - set(ref)):
     errors.append(f"unknown config key {key!r}")
   for key in sorted(set(ref) - set(cur)):
@@ -149,7 +150,7 @@ def _optimizer_problems(c) -> list[str]:
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
   """Differences between two configs (as dicts) that make resuming one as the other wrong."""
-  a, b = _flatten(saved), _flatten(current)
+  a, b = flatten(saved), flatten(current)
   out = []
   for key in sorted(set(a) | set(b)):
     if any(key == r or key.startswith(r + ".") for r in RESUMABLE):

@@ -40,14 +40,14 @@ class MetricWriter:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
 
-  def write_hparams(self, config: dict, metric_tags) -> None:
-    """The run's settings (nested ``config``, flattened to "model.mixing" etc.) on
-    TensorBoard's HPARAMS tab, beside its scalars ``metric_tags``. Written into this run's own
-    event file (not a sub-run, as ``SummaryWriter.add_hparams`` does), so that the tab shows
-    each workdir as one row with its own curves."""
+  def write_hparams(self, settings: dict, metric_tags) -> None:
+    """The run's settings (a flat dict: "model.mixing" etc.) on TensorBoard's HPARAMS tab,
+    beside its scalars ``metric_tags``. Written into this run's own event file (not a sub-run,
+    as ``SummaryWriter.add_hparams`` does), so that the tab shows each workdir as one row with
+    its own curves."""
     if not self.enabled:
       return
-    flat = {k: _hparam_value(v) for k, v in _flatten(config).items() if v is not None}
+    flat = {k: _hparam_value(v) for k, v in settings.items() if v is not None}
     experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
     self._tb.file_writer.add_summary(experiment)
     self._tb.file_writer.add_summary(session_start)
@@ -57,16 +57,6 @@ class MetricWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[prefix + key] = value
-  return out
 
 
 def _hparam_value(value):

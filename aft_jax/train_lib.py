@@ -39,7 +39,7 @@ from aft_jax import sharding
 from aft_jax import step_log
 from aft_jax import workdir_lock
 from aft_jax import workdir as workdir_lib
-from aft_jax.config_check import check_config
+from aft_jax.config_check import check_config, flatten
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
 from aft_jax.preemption import Preemption
@@ -521,7 +521,7 @@ def train_and_evaluate(
     state = restore_or_init(run, mngr, data_iter)
     writer = MetricWriter(run.workdir, enabled=run.is_main)
     writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
-    writer.write_hparams(run.config.to_dict(), step_log.HPARAMS_METRICS)
+    writer.write_hparams(flatten(run.config.to_dict()), step_log.HPARAMS_METRICS)
     try:
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:

@@ -36,21 +36,13 @@ def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
 
 def config_flags(config):
   """Command-line overrides that turn configs/quickstart.py into ``config``."""
+  from aft_jax.config_check import flatten
+
   out = []
-  for key, value in _flatten(config.to_dict()).items():
+  for key, value in flatten(config.to_dict()).items():
     if isinstance(value, (list, tuple)) or value is None:
       continue
     out.append(f"--config.{key}={value}")
-  return out
-
-
-def _flatten(d, prefix=""):
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
   return out
 
 
