@@ -112,10 +112,6 @@ def measure_step(
     min_seconds=min_seconds,
     budget_s=max_step_s,
   )
-  try:
-    arg_bytes = float(compiled.memory_analysis().argument_size_in_bytes)
-  except Exception:  # pylint: disable=broad-except
-    arg_bytes = None
   n_tok = batch * t_len
   flops = m["flops"]
   return dict(
@@ -129,7 +125,7 @@ def measure_step(
     flops=flops,
     xla_flops=m["xla_flops"],
     temp_bytes=m["temp_bytes"],
-    argument_bytes=arg_bytes,
+    argument_bytes=m["argument_bytes"],
     program_bytes=m["program_bytes"],
     peak_bytes=m["peak_bytes"],
     params=n_params,

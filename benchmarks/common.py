@@ -124,10 +124,10 @@ def _first(x):
 
 
 def compiled_stats(compiled) -> dict[str, float | None]:
-  """XLA's FLOP count (loop bodies counted once), the temp bytes of a compiled program and its
-  program bytes: arguments + outputs + temp - the outputs aliased to (donated) arguments, the
-  most device memory the program holds at once."""
-  out = {"xla_flops": None, "temp_bytes": None, "program_bytes": None}
+  """XLA's FLOP count (loop bodies counted once), the temp and argument bytes of a compiled
+  program and its program bytes: arguments + outputs + temp - the outputs aliased to
+  (donated) arguments, the most device memory the program holds at once."""
+  out = {"xla_flops": None, "temp_bytes": None, "argument_bytes": None, "program_bytes": None}
   try:
     cost = _first(compiled.cost_analysis())
     out["xla_flops"] = float(cost.get("flops", math.nan))
@@ -136,6 +136,7 @@ def compiled_stats(compiled) -> dict[str, float | None]:
   try:
     mem = compiled.memory_analysis()
     out["temp_bytes"] = float(mem.temp_size_in_bytes)
+    out["argument_bytes"] = float(mem.argument_size_in_bytes)
     out["program_bytes"] = float(
       mem.argument_size_in_bytes
       + mem.output_size_in_bytes
@@ -218,6 +219,7 @@ def measure(
     "flops": stats["flops"],
     "xla_flops": stats["xla_flops"],
     "temp_bytes": stats["temp_bytes"],
+    "argument_bytes": stats["argument_bytes"],
     "program_bytes": stats["program_bytes"],
     "peak_bytes": peak_device_bytes(),
   }
