@@ -154,6 +154,14 @@ def texts(variant: str) -> dict[str, str]:
   return {s: split_text(s, raw=variant == "raw_v1") for s in wikitext103.SPLITS}
 
 
+def _split_files(variant: str, contents, skip) -> dict[str, bytes]:
+  """The bytes of each split file to write: the fake texts, ``contents`` overriding some
+  (bytes as they are), without the splits in ``skip``."""
+  contents = {**texts(variant), **(contents or {})}
+  as_bytes = lambda data: data.encode("utf-8") if isinstance(data, str) else data
+  return {s: as_bytes(contents[s]) for s in wikitext103.SPLITS if s not in skip}
+
+
 def write_zip(
   directory: str,
   variant: str,
@@ -166,16 +174,12 @@ def write_zip(
   `contents` overrides split contents (bytes are written as they are).
   """
   archive = wikitext103.ARCHIVES[variant]
-  contents = {**texts(variant), **(contents or {})}
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, archive.filename)
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(f"{archive.folder}/", b"")
-    for split in wikitext103.SPLITS:
-      if split in skip:
-        continue
-      data = contents[split]
-      zf.writestr(archive.member(split), data.encode("utf-8") if isinstance(data, str) else data)
+    for split, data in _split_files(variant, contents, skip).items():
+      zf.writestr(archive.member(split), data)
   return path
 
 
@@ -188,15 +192,11 @@ def write_extracted(
 ) -> str:
   """Writes `<directory>/<folder>/wiki.<split>.<ext>`; returns the folder."""
   archive = wikitext103.ARCHIVES[variant]
-  contents = {**texts(variant), **(contents or {})}
   folder = os.path.join(directory, archive.folder)
   os.makedirs(folder, exist_ok=True)
-  for split in wikitext103.SPLITS:
-    if split in skip:
-      continue
-    data = contents[split]
+  for split, data in _split_files(variant, contents, skip).items():
     with open(os.path.join(folder, archive.split_file(split)), "wb") as f:
-      f.write(data.encode("utf-8") if isinstance(data, str) else data)
+      f.write(data)
   return folder
 
 
