@@ -89,3 +89,18 @@ def export_for(fn, *args, platform="cuda", calls=(TRITON,), donate_argnums=()):
       platforms=[platform],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c) for c in calls],
     )(*args)
+
+
+def equations(jaxpr, name: str):
+  """Every ``name`` equation of a jaxpr (e.g. "dot_general", "pallas_call"), sub-jaxprs (scan,
+  cond, remat, custom VJPs, ...) included; a pallas_call's own kernel is not searched."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from equations(sub, name)

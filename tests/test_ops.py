@@ -13,6 +13,7 @@ from jax.test_util import check_grads
 from aft_jax import ops
 from aft_jax.ops import banded, causal_mean
 from tests import numpy_reference as ref
+from tests.helpers import equations
 
 # Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
 # for outputs that happen to be near 0.
@@ -428,18 +429,6 @@ def test_causal_mean_small_chunks(t_len):
       check_grads(fn, (k, v), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
-def _dots(jaxpr):
-  """Every dot_general equation of a jaxpr, sub-jaxprs (scan, cond, remat, ...) included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _dots(sub)
-
-
 @pytest.mark.parametrize("name", ["aft_simple", "aft_local"])
 def test_precision_policy(name):
   """bf16 inputs: matrix products of bf16 factors accumulated in float32; float32 inputs:
@@ -453,7 +442,7 @@ def test_precision_policy(name):
   x = jnp.ones((2, 64, 16))
   for dtype in (jnp.bfloat16, jnp.float32):
     loss = lambda x: jnp.sum(fns[name](x, x, x).astype(jnp.float32))
-    dots = list(_dots(jax.make_jaxpr(jax.grad(loss))(x.astype(dtype)).jaxpr))
+    dots = list(equations(jax.make_jaxpr(jax.grad(loss))(x.astype(dtype)).jaxpr, "dot_general"))
     assert len(dots) >= 2  # forward and tangent products
     for eqn in dots:
       in_types = {v.aval.dtype for v in eqn.invars}

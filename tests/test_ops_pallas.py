@@ -20,7 +20,7 @@ from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import pallas_local, pallas_simple
 from benchmarks.bench_ops import scan_simple
 from tests import numpy_reference as ref
-from tests.helpers import export_for
+from tests.helpers import equations, export_for
 
 RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
 
@@ -196,16 +196,36 @@ def test_local_kernel_bfloat16_inputs():
 @pytest.mark.parametrize("cfg", pallas_local.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_local_kernel_lowers_for_cuda(cfg, dtype):
-  """Every configuration ``auto`` can choose lowers to Triton, forward and forward+backward,
-  T ragged, windows of one and several key blocks."""
+  """Every configuration ``auto`` can choose lowers to Triton, forward and forward+backward
+  (the dk, dv kernel and the dw kernel, whose channel block is block_d here), T ragged, windows
+  of one and several key blocks."""
   x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 3 * block_d picks cfg
   w = jax.ShapeDtypeStruct((100, 100), jnp.float32)
+  assert pallas_local.dw_config(3 * cfg.block_d) == cfg
   for window in (1, 40):
     loss = lambda k, v, w: jnp.sum(pallas_local.local_mean(k, v, w, window, cfg, False))
-    for kernels, fn in ((1, loss), (2, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
+    for kernels, fn in ((1, loss), (3, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
       exported = export_for(fn, x, x, w)
       assert exported.mlir_module().count("custom_call @__gpu$xla.gpu.triton(") == kernels
   assert pallas_local.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
+
+
+def test_local_kernel_dw_partials_do_not_grow_with_the_batch():
+  """The backward's partial sums of dw are one [t_pad, W] per channel block of the widest tile
+  (summed over the batch rows inside the dw kernel), not one per (batch row, channel block):
+  at batch 8 and D = 128 the kernels' outputs of that shape are 2 x 112 x 64 floats, while
+  dk and dv grow with the batch."""
+  t_len, d, window = 100, 128, 40  # t_pad 112, W = 16 (ceil(39 / 16) + 1) = 64
+  w = jnp.zeros((t_len, t_len))
+  for batch in (1, 8):
+    k = jnp.zeros((batch, t_len, d))
+    cfg = pallas_local.config_for(d, batch)
+    loss = lambda k, w: jnp.sum(pallas_local.local_mean(k, k, w, window, cfg, True))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(k, w).jaxpr
+    shapes = [v.aval.shape for e in equations(jaxpr, "pallas_call") for v in e.outvars]
+    assert cfg.block_d == 16  # dk, dv: one program per (batch row, 16 channels)
+    assert sorted(s for s in shapes if s[-1] == 64) == [(2, 112, 64)]
+    assert shapes.count((batch, 64 - 16 + 112, d)) == 2  # dk, dv (keys' padded layout)
 
 
 def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():
