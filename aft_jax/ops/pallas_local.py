@@ -392,7 +392,8 @@ def _dw_partials(ins, cfg: Config, interpret: bool, t_len: int):
   """[D / block_d, t_pad, W] float32: per channel block, the slab biases' gradient summed over
   the batch (``_dw_kernel``), for ins = (slab biases [t_pad, W], k, v padded [B, n, D], a, L,
   g [B, t_pad, D])."""
-  bias, b, (t_pad, width), d = ins[0], ins[1].shape[0], ins[0].shape, ins[1].shape[2]
+  bias = ins[0]
+  (t_pad, width), (b, _, d) = bias.shape, ins[1].shape
   bt, bd = cfg.block_t, cfg.block_d
   col = lambda x: pl.BlockSpec((b, x.shape[1], bd), lambda j, c: (0, 0, c))
   return pallas_util.call(
