@@ -104,6 +104,12 @@ def _eye(n: int):
   return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
 
 
+def _bias_column(bias_ref, r, u, bt: int, eye):
+  """The biases of query row r (a one-row slice) against key block u, as a [bt, 1] column (the
+  row transposed with ``eye``, ``_eye(bt)``), to add to that block's keys [bt, bd]."""
+  return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
+
+
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
   """Helpers over chunk j's slab: ``keys(j, u)`` (key block u: biases [bt rows, bt keys],
   keys and values [bt, bd]) and ``maxima(j)`` (the row maxima of the biases [bt, 1] and the
@@ -188,7 +194,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
         def block(u, c):
           m1, num1, den1 = c
           _, kb, vb = keys(j, u)
-          logits = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True) + kb
+          logits = _bias_column(bias_ref, r, u, bt, eye) + kb
           m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
           e, s1 = jnp.exp(logits - m2), jnp.exp(m1 - m2)
           num2 = num1 * s1 + jnp.sum(e * vb, axis=0, keepdims=True)
@@ -263,8 +269,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
 
         def block(u, _):
           _, kb, vb = keys(j, u)
-          b_col = jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
-          pg = jnp.exp(b_col + kb - lr) * gr
+          pg = jnp.exp(_bias_column(bias_ref, r, u, bt, eye) + kb - lr) * gr
           add(rows(j + u, bt), pg * (vb - ar), pg)
           return 0
 
@@ -337,8 +342,7 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
 
         def block(u, _):
           _, kb, vb = keys(j, u)
-          b_col = jnp.sum(eye * bias_ref[rr, rows(u, bt)], axis=1, keepdims=True)
-          t = jnp.exp(b_col + kb - lr) * gr * (vb - ar)
+          t = jnp.exp(_bias_column(bias_ref, rr, u, bt, eye) + kb - lr) * gr * (vb - ar)
           dw_col = jnp.sum(t, axis=1, keepdims=True)
           add((pl.ds(i, 1), rows(u, bt)), jnp.sum(eye * dw_col, axis=0, keepdims=True))
           return 0
