@@ -12,4 +12,6 @@ from setuptools import find_packages, setup
 setup(
   packages=find_packages(include=["aft_jax", "aft_jax.*"]) + ["aft_jax.configs"],
   package_dir={"aft_jax.configs": "configs"},
+  # The GPU descriptions that deviceless compiles (aft_jax.deviceless, --dry_run) target.
+  package_data={"aft_jax": ["gpu_specs/*.txtpb", "gpu_specs/README.md"]},
 )

@@ -506,8 +506,11 @@ class MultiHeadAttention(nn.Module):
     """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot
     run (never a silent switch to another implementation)."""
     problem = attention_impl_problem(self.impl, self.dtype)
-    if problem is None and self.impl == "cudnn" and jax.default_backend() != "gpu":
-      problem = f"cuDNN flash attention needs a GPU, not the {jax.default_backend()!r} backend"
+    device = ops.target.current()
+    if problem is None and self.impl == "cudnn" and device.platform != "gpu":
+      problem = (
+        f"cuDNN flash attention needs a GPU, not the {device.platform!r} platform ({device})"
+      )
     if problem:
       raise ValueError(f"MultiHeadAttention: impl={self.impl!r}: {problem}; use 'auto' or 'xla'")
     return None if self.impl == "auto" else self.impl

@@ -1,5 +1,7 @@
 """Trains an AFT language model: aft-train --config quickstart --workdir runs/x
 
+Does it fit a GPU I do not have? aft-train --config enwik8 --dry_run --target h100 [--num_devices 8]
+
 (in a checkout, the same as python train.py --config configs/quickstart.py --workdir runs/x).
 --config takes a recipe name, NAME or NAME:ARG (aft_jax/recipes.py), or a config file path.
 Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
@@ -36,14 +38,52 @@ flags.DEFINE_bool(
   "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
   "SLURM) when no coordinator address is given.",
 )
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Train nothing: compile the recipe's steps for --num_devices of --target without the "
+  "device and print whether they fit (aft_jax/dry_run.py); exit 0 if they fit, 1 if not.",
+)
+flags.DEFINE_string(
+  "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
+)
+flags.DEFINE_integer("num_devices", 1, "With --dry_run: how many devices of --target.")
+flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
+
+
+def _fail(e: Exception):
+  # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
+  # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
+  if FLAGS["verbosity"].present:
+    raise e
+  sys.exit(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}")
+
+
+def dry_run() -> None:
+  """--dry_run: restarts this command where the target's compiler is (``deviceless.reexec``),
+  then reports; the exit code says whether it fits."""
+  from aft_jax import deviceless, dry_run as dry_run_lib
+
+  try:
+    target = deviceless.get(FLAGS.target)
+    deviceless.reexec(target.kind, FLAGS.num_devices if target.kind == "cpu" else None)
+    report = dry_run_lib.run(FLAGS.config, target.name, FLAGS.num_devices)
+  except (ValueError, OSError, RuntimeError) as e:
+    _fail(e)
+  sys.exit(0 if report["fits"] else 1)
 
 
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:  # -v / --verbosity wins
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  if FLAGS.dry_run:
+    dry_run()
+  if not FLAGS.workdir:
+    sys.exit(
+      f"{os.path.basename(sys.argv[0])}: error: --workdir is required (except with --dry_run)"
+    )
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
@@ -61,11 +101,7 @@ def main(argv):
       FLAGS.config, FLAGS.workdir, allow_config_change=FLAGS.allow_config_change
     )
   except (ValueError, OSError, FloatingPointError, RuntimeError) as e:
-    # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
-    # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
-    if FLAGS["verbosity"].present:
-      raise
-    sys.exit(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}")
+    _fail(e)
 
 
 def run():

@@ -42,6 +42,7 @@ from aft_jax import workdir as workdir_lib
 from aft_jax.config_check import check_config, flatten
 from aft_jax.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
+from aft_jax.ops import target as ops_target
 from aft_jax.preemption import Preemption
 
 
@@ -186,6 +187,33 @@ class Trainer:
       out_shardings=repl,
     )
 
+  def specs(self, batch_size: int, weights: bool = False) -> dict:
+    """ShapeDtypeStructs of a global batch of ``batch_size`` sequences, sharded as the steps
+    take it (training: inputs and targets; evaluation also weights)."""
+    sh = sharding.batch_sharding(self.mesh)
+    tokens = jax.ShapeDtypeStruct((batch_size, self.config.seq_len), jnp.int32, sharding=sh)
+    out = {"inputs": tokens, "targets": tokens}
+    if weights:
+      out["weights"] = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=sh)
+    return out
+
+  def lower_train_step(self):
+    """The train step lowered for the mesh's devices (real ones or a deviceless topology's)."""
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
+    with _on_mesh(self.mesh, self.rules):
+      return self._train_step.lower(self.abstract_state, self.specs(self.config.batch_size), rng)
+
+  def lower_eval_step(self):
+    params = self.abstract_state.params
+    with _on_mesh(self.mesh, self.rules):
+      return self._eval_step.lower(params, self.specs(self.config.eval_batch_size, True))
+
+  def use_compiled_train_step(self, compiled) -> None:
+    """Runs ``compiled`` (``lower_train_step().compile()``) as the train step from now on, so a
+    step compiled before the first batch is not compiled again."""
+    self._train_step = compiled
+
   def init_state(self, seed: int) -> TrainState:
     with _on_mesh(self.mesh, self.rules):
       return self._init(jax.random.key(seed))
@@ -301,6 +329,33 @@ def absolute_paths(config) -> ml_collections.ConfigDict:
   return config
 
 
+TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
+
+
+def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
+  """The Trainer; where ``impl='auto'`` chose Pallas kernels for the mesh's GPUs, its train step
+  is compiled now, before the first batch, and if that fails ``say`` gets one line and the run
+  goes on with ``impl='xla'`` (an explicit ``impl='pallas'`` fails loudly instead: the compile
+  error reaches the user on the first step)."""
+  trainer = Trainer(config, model_cfg, mesh)
+  device = ops_target.of_device(mesh.devices.flat[0])
+  if model_cfg.impl != "auto" or device.platform != "gpu" or ops_target.gpu_kernels_refused(device):
+    return trainer
+  lowered = trainer.lower_train_step()
+  if TRITON not in lowered.as_text():
+    return trainer
+  try:
+    trainer.use_compiled_train_step(lowered.compile())
+  except Exception as e:  # noqa: BLE001 (XLA's compile errors share no type)
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    say(
+      f"impl='auto': the Pallas kernels chosen for {device} did not compile ({reason}); "
+      "continuing with model.impl='xla'"
+    )
+    return Trainer(config, dataclasses.replace(model_cfg, impl="xla"), mesh)
+  return trainer
+
+
 def setup(config, workdir: str, allow_config_change: bool) -> Run:
   """Checks the config, loads the data, builds the mesh and the jitted steps."""
   check_config(config)
@@ -312,9 +367,9 @@ def setup(config, workdir: str, allow_config_change: bool) -> Run:
   check_mesh(config, mesh)
   if jax.process_index() == 0:
     workdir_lib.save_vocab(workdir, corpus)  # sampling and evaluating then need no dataset
-  return Run(
-    config, workdir, corpus, model_cfg, Trainer(config, model_cfg, mesh), allow_config_change
-  )
+  say = print if jax.process_index() == 0 else lambda line: None
+  trainer = build_trainer(config, model_cfg, mesh, say)
+  return Run(config, workdir, corpus, trainer.model.cfg, trainer, allow_config_change)
 
 
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:

@@ -67,22 +67,35 @@ def param_count(tree) -> int:
 TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
 
 
-def export_for(fn, *args, platform="cuda", calls=(TRITON,), donate_argnums=()):
+def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
+  """A context in which ops see an abstract device of ``device_kind`` ("NVIDIA H200", "Tesla
+  T4", "TPU v5 lite"): what ``impl="auto"`` decides from (``aft_jax.ops.target``), and from jax
+  0.11 what the Pallas Triton lowering asks for the compute capability."""
+  import jax
+
+  device = jax.sharding.AbstractDevice(
+    device_kind=device_kind, num_cores=num_cores, platform=platform
+  )
+  return jax.sharding.use_abstract_mesh(
+    jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  )
+
+
+def export_for(fn, *args, platform="cuda", calls=(TRITON,), donate_argnums=(), device=None):
   """``jax.export`` of ``jax.jit(fn)`` for ``platform`` ("cuda" or "tpu") on this CPU machine,
-  allowing the custom ``calls``. For Triton kernels the target is an abstract H200: from jax
-  0.11 the Pallas Triton lowering asks the target GPU for its compute capability, which a
-  machine without a GPU can only name that way (older jax ignores it; cuDNN attention refuses
-  an abstract device, so it lowers without one)."""
+  allowing the custom ``calls``, under an abstract ``device`` (``on_target``; by default for
+  Triton kernels an H200, whose kernels ``impl="auto"`` takes, and for TPU a v5e; cuDNN
+  attention refuses an abstract device, so without Triton calls it lowers without one)."""
   import contextlib
 
   import jax
 
-  target = contextlib.nullcontext()
-  if platform == "cuda" and TRITON in calls:
-    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    target = jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=gpu)
-    )
+  if device is None and platform == "cuda" and TRITON in calls:
+    device = "NVIDIA H200"
+  elif device is None and platform == "tpu":
+    device = "TPU v5 lite"
+  kind = {"cuda": "gpu"}.get(platform, platform)
+  target = contextlib.nullcontext() if device is None else on_target(device, kind)
   with target:
     return jax.export.export(
       jax.jit(fn, donate_argnums=donate_argnums),

@@ -9,6 +9,7 @@ import pytest
 from flax import linen as nn
 
 from aft_jax.model import ModelConfig, TransformerLM
+from aft_jax.ops import target
 from benchmarks import accelerator_check, bench_model, bench_ops
 from tests.helpers import TRITON, export_for
 
@@ -59,8 +60,13 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   params = nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["params"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
   step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
-  # The layers refuse accelerator implementations off their backend: trace as if on one.
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if platform == "cuda" else platform)
+  # The layers refuse accelerator implementations off their target: trace as if on one (cuDNN
+  # attention refuses the abstract device that would say so).
+  device = {
+    "cuda": target.Target("gpu", "NVIDIA H200", (9, 0)),
+    "tpu": target.Target("tpu", "TPU v5 lite"),
+  }
+  monkeypatch.setattr(target, "current", lambda: device[platform])
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
   calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]

@@ -243,7 +243,7 @@ def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():
     jax.make_jaxpr(functools.partial(local, impl="pallas_interpret"))(q, k, v, w)
   )
   cases = [
-    (lambda: ops.aft_simple(q, k, v, causal=True, impl="pallas"), "not for the 'cpu' backend"),
+    (lambda: ops.aft_simple(q, k, v, causal=True, impl="pallas"), "not for the 'cpu' platform"),
     (lambda: ops.aft_simple(q, k, v, impl="pallas_interpret"), "the kernel is for causal=True"),
     (
       lambda: ops.aft_simple(q[..., :12], k[..., :12], v[..., :12], causal=True, impl="pallas"),

@@ -17,7 +17,7 @@ import pytest
 from aft_jax import ops
 from aft_jax.ops import pallas_simple_tpu as tpu_kernel
 from benchmarks import accelerator_check
-from tests.helpers import export_for
+from tests.helpers import export_for, on_target
 from tests.test_ops_pallas import ATOL, RTOL, _inputs, _reference
 
 D = 128  # one lane tile: the smallest channel count the kernel takes
@@ -114,9 +114,14 @@ def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
 
 
 def test_impl_on_a_tpu_backend(monkeypatch):
-  """With the backend reported as TPU: "auto" is XLA, "pallas" runs the TPU kernel (here
-  interpreted, through a spy) and needs D a multiple of 128, AFT-local has no TPU kernel."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  """For a TPU target (an abstract TPU device): "auto" is XLA, "pallas" runs the TPU kernel
+  (here interpreted, through a spy) and needs D a multiple of 128, AFT-local has no TPU
+  kernel."""
+  with on_target("TPU v5 lite", "tpu"):
+    _impl_on_a_tpu(monkeypatch)
+
+
+def _impl_on_a_tpu(monkeypatch):
   q, k, v, _ = _inputs(40, D, seed=6)
   auto = functools.partial(ops.aft_simple, causal=True)
   assert "pallas_call" not in str(jax.make_jaxpr(auto)(q, k, v))
@@ -141,7 +146,7 @@ def test_impl_on_a_tpu_backend(monkeypatch):
     (lambda: ops.aft_simple(q, k, v, impl="pallas"), "the kernel is for causal=True"),
     (
       lambda: ops.aft_local(q, k, v, w, window=2, causal=True, impl="pallas"),
-      r"for \('gpu',\), not for the 'tpu' backend",
+      r"for \('gpu',\), not for the 'tpu' platform \(TPU v5 lite\)",
     ),
     (lambda: ops.aft_full(q, k, v, w, causal=True, impl="pallas"), "no Pallas kernel for this op"),
   ]

@@ -13,6 +13,7 @@ from aft_jax.data.corpus import (
   load_corpus,
   pydoc_corpus,
   resolve_data_dir,
+  vocab_size,
 )
 from aft_jax.data.pipeline import TrainIterator, eval_batches, num_eval_batches, train_iterator
 from aft_jax.data.vocab import ByteVocab, Vocab, WordVocab
@@ -31,4 +32,5 @@ __all__ = [
   "pydoc_corpus",
   "resolve_data_dir",
   "train_iterator",
+  "vocab_size",
 ]

@@ -134,6 +134,30 @@ def load_corpus(
   return load_prepared(store.prepared_dir(data_dir, name))
 
 
+def vocab_size(cfg) -> tuple[int, str]:
+  """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
+  loading it (``--dry_run`` on a machine without the data): a prepared corpus's own summary,
+  else bytes (256), the official WikiText-103 word vocabulary, or pydoc's (built here: it ships
+  with Python)."""
+  dataset, tokenizer = _get(cfg, "dataset", "pydoc"), _get(cfg, "tokenizer", "byte")
+  if dataset == "pydoc":
+    return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"
+  if dataset not in DATASETS:
+    raise ValueError(f"cfg.dataset must be one of {DATASETS}, got {dataset!r}")
+  from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
+
+  if dataset == "enwik8":
+    name = prepare.ENWIK8_NAME
+  else:
+    name = prepare.corpus_name(prepare.resolve_variant(tokenizer, _get(cfg, "variant")), tokenizer)
+  path = store.prepared_dir(resolve_data_dir(_get(cfg, "data_dir", "")), name)
+  if store.is_complete(path):
+    return int(store.read_summary(path)["vocab_size"]), f"the prepared corpus in {path}"
+  if tokenizer == "byte" or dataset == "enwik8":
+    return vocab_lib.ByteVocab().size, "bytes"
+  return prepare.OFFICIAL_VOCAB_SIZE, "the official WikiText-103 vocabulary (not prepared here)"
+
+
 def _on_process_zero(
   fn: Callable[[], object], process_index: int | None, barrier: Callable[[str], None] | None
 ) -> None:

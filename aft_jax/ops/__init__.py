@@ -41,20 +41,34 @@ Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), 
 ``pallas_simple_tpu``, channels a multiple of 128),
 ``"pallas_interpret"`` (the GPU kernel run by Pallas' interpreter on any backend: slow, for
 tests; the TPU kernel's interpreted form is ``pallas_simple_tpu.causal_mean(...,
-interpret=True)``) or ``"auto"`` (Pallas where a kernel exists for the op, the backend and the
-channel count, XLA otherwise; on TPU always XLA: the TPU kernel lowers and is tested in
-interpret mode but has never been timed on a TPU, so ``"pallas"`` opts in to it). The choice
-changes results only by float rounding. Asking for a kernel that does not exist (an op without
-one, ``"pallas"`` on a CPU, AFT-local on a TPU, a channel count the kernel cannot tile) is a
-ValueError, never a silent switch to XLA.
+interpret=True)``) or ``"auto"`` (Pallas where a kernel exists for the op, the device and the
+channel count, XLA otherwise). The device is the one the computation is lowered for
+(``target.current()``: an abstract mesh's device kind, a ``with mesh:`` block's devices, else
+the default backend), not the host: GPU kernels need compute capability 8.0 (XLA refuses Triton
+below it: a T4 takes XLA), and ``"auto"`` wraps them in ``jax.lax.platform_dependent`` so a
+lowering for any other platform takes XLA. On TPU ``"auto"`` is XLA: the TPU kernel lowers and
+is tested in interpret mode but has never been timed on a TPU, so ``"pallas"`` opts in to it.
+The choice changes results only by float rounding. Asking for a kernel that does not exist (an
+op without one, ``"pallas"`` on a CPU, AFT-local on a TPU, a GPU below compute capability 8.0,
+a channel count the kernel cannot tile) is a ValueError, never a silent switch to XLA.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops import banded, causal_mean, conv, pallas_local, pallas_simple, pallas_simple_tpu
+from aft_jax.ops import (
+  banded,
+  causal_mean,
+  conv,
+  pallas_local,
+  pallas_simple,
+  pallas_simple_tpu,
+  target,
+)
 
 __all__ = [
   "IMPLS",
@@ -88,12 +102,22 @@ def _from_rows(x, shape):
   return x.reshape(shape)
 
 
-def _windowed(q, k, v, w, window: int, causal: bool, dtype):
-  """sigma(q) * the banded mean (``banded.banded_mean``) of [..., T, D] inputs."""
+def _banded_mean(k, v, w, window: int, causal: bool, low: bool):
+  """The banded mean (``banded.banded_mean``) of [..., T, D] keys and values."""
   k2, v2 = _to_rows(k), _to_rows(v)
-  plan = banded.make_plan(k2.shape[0], k2.shape[1], window, causal, low=_low(dtype))
-  a = _from_rows(banded.banded_mean(plan, k2, v2, w), q.shape)
-  return (jax.nn.sigmoid(q) * a).astype(dtype)
+  plan = banded.make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
+  return _from_rows(banded.banded_mean(plan, k2, v2, w), k.shape)
+
+
+def _dispatch(impl: str, kernel_fn, xla_fn, *args):
+  """``kernel_fn(*args)`` or ``xla_fn(*args)`` for a resolved ``impl``; "auto_pallas": the
+  kernel where the program is lowered for CUDA, XLA for any other platform (one exported module
+  can hold both)."""
+  if impl == "xla":
+    return xla_fn(*args)
+  if impl == "auto_pallas":
+    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=xla_fn)
+  return kernel_fn(*args)
 
 
 # --------------------------------------------------------------------------- validation
@@ -129,24 +153,47 @@ def check_impl(fn: str, impl) -> None:
     raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+_SAID: set[str] = set()  # the warnings given in this process (each once)
+
+
+def _say_once(message: str) -> None:
+  if message not in _SAID:
+    _SAID.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
 def _resolve_impl(fn: str, impl: str, kernel_ok: str | None, kernel: str = "") -> str:
-  """ "xla", "pallas" or "pallas_interpret" for ``impl``. ``kernel_ok`` is None where a kernel
+  """ "xla", "pallas", "pallas_interpret" or "auto_pallas" (the kernel on CUDA, XLA on any
+  other platform the program is also lowered for: ``jax.lax.platform_dependent``) for ``impl``
+  on the device being lowered for (``target.current()``). ``kernel_ok`` is None where a kernel
   exists for these arguments, else why not (the error for an explicit Pallas request);
   ``kernel``: the op's key in ``_KERNEL_BACKENDS``."""
   check_impl(fn, impl)
-  backend = jax.default_backend()
-  backends = _KERNEL_BACKENDS.get(kernel, ())
-  if impl == "auto":
-    auto_ok = backend in _AUTO_BACKENDS and backend in backends
-    return "pallas" if kernel_ok is None and auto_ok else "xla"
-  if impl != "xla" and kernel_ok is not None:
+  if impl == "xla" or (impl == "auto" and kernel_ok is not None):
+    return "xla"
+  if kernel_ok is not None:
     raise ValueError(f"{fn}: impl={impl!r} is not available: {kernel_ok}; use impl='xla'")
-  if impl == "pallas" and backend not in backends:
+  if impl == "pallas_interpret":
+    return impl
+  device = target.current()
+  backends = _KERNEL_BACKENDS.get(kernel, ())
+  if device.platform not in backends:
+    if impl == "auto":
+      return "xla"
     raise ValueError(
-      f"{fn}: impl='pallas' compiles this op's kernel for {backends}, not for the {backend!r} "
-      "backend; use impl='xla', or 'pallas_interpret' to run the GPU kernel in Pallas' "
-      "interpreter"
+      f"{fn}: impl='pallas' compiles this op's kernel for {backends}, not for the "
+      f"{device.platform!r} platform ({device}); use impl='xla', or 'pallas_interpret' to run "
+      "the GPU kernel in Pallas' interpreter"
     )
+  refused = target.gpu_kernels_refused(device) if device.platform == "gpu" else None
+  if refused is not None:
+    if impl == "pallas":
+      raise ValueError(f"{fn}: impl='pallas' cannot run on {device}: {refused}; use impl='xla'")
+    if target.triton_missing():
+      _say_once(f"aft_jax.ops: impl='auto' takes the XLA path: {refused}")
+    return "xla"
+  if impl == "auto":
+    return "auto_pallas" if device.platform in _AUTO_BACKENDS else "xla"
   return impl
 
 
@@ -190,16 +237,21 @@ def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
     why = pallas_local.unsupported(q.shape[-1], window)
   impl = _resolve_impl(fn, impl, why, "aft_local")
   out_dt, dt = _compute_dtype(q, k, v)
-  if impl != "xla":
+  window = t_len if window is None else window
+
+  def kernel_mean(k, v, w):
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
     k3 = _flat(k)
-    cfg = pallas_local.config_for(q.shape[-1], k3.shape[0])
-    a = pallas_local.local_mean(
-      k3, _flat(v), jnp.asarray(w, dt), window, cfg, impl == "pallas_interpret"
-    )
-    return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a.reshape(q.shape)).astype(out_dt)
-  q, k, v, w = _cast(dt, q, k, v, w)
-  return _windowed(q, k, v, w, t_len if window is None else window, causal, out_dt)
+    cfg = pallas_local.config_for(k.shape[-1], k3.shape[0])
+    a = pallas_local.local_mean(k3, _flat(v), w, window, cfg, impl == "pallas_interpret")
+    return a.reshape(k.shape).astype(dt)
+
+  def xla_mean(k, v, w):
+    k, v = _cast(dt, k, v)
+    return _banded_mean(k, v, w, window, causal, _low(out_dt)).astype(dt)
+
+  a = _dispatch(impl, kernel_mean, xla_mean, k, v, jnp.asarray(w, dt))
+  return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
 
 
 def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
@@ -232,30 +284,35 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
     ``[..., T, D]``. O(T D) time and memory; the causal form is a prefix scan.
   """
   _check_qkv("aft_simple", q, k, v)
-  # impl="pallas" on a TPU compiles the Mosaic kernel (its own channel tile); else Triton's.
-  tpu = impl == "pallas" and jax.default_backend() == "tpu"
+  # impl="pallas" for a TPU compiles the Mosaic kernel (its own channel tile); else Triton's.
+  tpu = impl == "pallas" and target.current().platform == "tpu"
   kernel = pallas_simple_tpu if tpu else pallas_simple
   why = "the kernel is for causal=True" if not causal else kernel.unsupported(q.shape[-1])
   impl = _resolve_impl("aft_simple", impl, why, "aft_simple")
   out_dt, dt = _compute_dtype(q, k, v)
-  if impl != "xla":
+  if not causal:
+    # w = 0: one shift per channel (the max of k over T) is exact, which is what softmax does.
+    q, k, v = _cast(dt, q, k, v)
+    weights = jax.nn.softmax(k, axis=-2)
+    return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
+
+  def kernel_mean(k, v):
     # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
     k3, v3 = _flat(k), _flat(v)
     if tpu:
       a = pallas_simple_tpu.causal_mean(k3, v3)
     else:
-      cfg = pallas_simple.config_for(q.shape[-1], k3.shape[0])
+      cfg = pallas_simple.config_for(k.shape[-1], k3.shape[0])
       a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
-    a = a.reshape(q.shape)
-    return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
-  q, k, v = _cast(dt, q, k, v)
-  if causal:
+    return a.reshape(k.shape).astype(dt)
+
+  def xla_mean(k, v):
+    k, v = _cast(dt, k, v)
     mean = causal_mean.causal_mean(_to_rows(k), _to_rows(v), causal_mean.CHUNK, _low(out_dt))
-    a = _from_rows(mean, q.shape)
-    return (jax.nn.sigmoid(q) * a).astype(out_dt)
-  # w = 0: one shift per channel (the max of k over T) is exact, which is what softmax does.
-  weights = jax.nn.softmax(k, axis=-2)
-  return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
+    return _from_rows(mean, k.shape).astype(dt)
+
+  a = _dispatch(impl, kernel_mean, xla_mean, k, v)
+  return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
 
 
 def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "auto"):

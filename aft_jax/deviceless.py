@@ -1,0 +1,241 @@
+"""Compiling for an accelerator that is not here: named targets, their devices, the plugins.
+
+XLA compiles for a GPU or TPU it cannot see once it has the platform's compiler:
+``jax-cuda12-plugin`` (no CUDA libraries needed) for GPUs, described by a
+``GpuTargetConfigProto`` (``aft_jax/gpu_specs/``), and ``libtpu`` for TPUs, described by a
+topology name. ``jax.experimental.topologies.get_topology_desc`` then gives devices that
+``jax.jit(f).lower(...).compile()`` targets; ``compiled.memory_analysis()`` is XLA's own buffer
+assignment for that device (compiled for the target without a device, not a measurement).
+
+The plugins are kept out of the environment, each in its own folder
+(``plugin_dir(kind)``, filled by ``python -m aft_jax.deviceless install``): installed beside jax
+they would start with every jax program and warn that no GPU or TPU is there. A deviceless
+compile therefore runs in a process started with ``environment(kind)``; ``reexec`` restarts
+the current command that way.
+
+    python -m aft_jax.deviceless install            # both plugins (~180 MB + ~250 MB download)
+    python -m aft_jax.deviceless install cuda       # the GPU one only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+# The environment variable that marks a process started by ``reexec`` / ``environment``.
+CHILD_ENV = "AFT_JAX_DEVICELESS"
+_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A device to compile for. ``kind``: 'cuda', 'tpu' or 'cpu' (which plugin it needs);
+  ``spec``: the GPU description file, or the TPU generation ('v5e'); ``memory_bytes``: a
+  device's memory (GPUs: read from the spec)."""
+
+  name: str
+  kind: str
+  spec: str
+  description: str
+  memory_bytes: int | None = None
+
+
+def _gpu(name: str, description: str) -> Target:
+  path = os.path.join(_SPECS, f"{name}.txtpb")
+  text = open(path).read()
+  memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+  return Target(name, "cuda", path, description, memory)
+
+
+GIB = 1 << 30
+# TPU memory per chip: Google Cloud's published HBM sizes (v5e 16 GiB, v6e Trillium 32 GiB).
+TARGETS = {
+  t.name: t
+  for t in (
+    _gpu("t4", "NVIDIA Tesla T4, 16 GB (sm_75; Colab's free GPU)"),
+    _gpu("a100-40", "NVIDIA A100 40 GB (sm_80)"),
+    _gpu("a100-80", "NVIDIA A100 80 GB (sm_80)"),
+    _gpu("h100", "NVIDIA H100 SXM 80 GB (sm_90)"),
+    _gpu("h200", "NVIDIA H200 141 GB (sm_90)"),
+    Target("v5e", "tpu", "v5e", "TPU v5e chip, 16 GiB HBM", 16 * GIB),
+    Target("v6e", "tpu", "v6e", "TPU v6e (Trillium) chip, 32 GiB HBM", 32 * GIB),
+    Target("cpu", "cpu", "", "this machine's CPU (host memory)"),
+  )
+}
+
+
+def get(name: str) -> Target:
+  """The target called ``name``; a ValueError listing the known names otherwise."""
+  if name not in TARGETS:
+    known = ", ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
+    raise ValueError(f"--target: unknown target {name!r}; the targets are: {known}")
+  return TARGETS[name]
+
+
+# --------------------------------------------------------------------------- the plugins
+
+
+def _jaxlib_version() -> str:
+  return importlib.metadata.version("jaxlib")
+
+
+def plugin_packages(kind: str) -> list[str]:
+  """The pip requirements of ``kind``'s compiler, for the installed jax: the CUDA plugin at
+  exactly jaxlib's version; libtpu at the version jax's own ``tpu`` extra names."""
+  if kind == "cuda":
+    v = _jaxlib_version()
+    return [f"jax-cuda12-plugin=={v}", f"jax-cuda12-pjrt=={v}"]
+  if kind == "tpu":
+    for req in importlib.metadata.requires("jax") or ():
+      name, _, marker = req.partition(";")
+      if name.strip().startswith("libtpu") and "tpu" in marker:
+        return [name.strip().replace(" ", "")]
+    return ["libtpu"]
+  if kind == "ptxas":  # NVIDIA's PTX assembler, for kernel resources (registers, spills)
+    return ["nvidia-cuda-nvcc-cu12"]
+  raise ValueError(f"no plugin for {kind!r}: the kinds are 'cuda', 'tpu' and 'ptxas'")
+
+
+def plugin_dir(kind: str) -> str:
+  """Where ``kind``'s plugin lives: $AFT_JAX_PLUGIN_DIR (default ~/.cache/aft_jax/plugins),
+  then jaxlib's version and the kind, so a new jax gets its own matching copy."""
+  root = os.environ.get("AFT_JAX_PLUGIN_DIR") or os.path.join(
+    os.path.expanduser("~"), ".cache", "aft_jax", "plugins"
+  )
+  return os.path.join(root, f"jaxlib-{_jaxlib_version()}", kind)
+
+
+def installed(kind: str) -> bool:
+  marker = {"cuda": "jax_plugins", "tpu": "libtpu", "ptxas": "nvidia"}[kind]
+  return os.path.isdir(os.path.join(plugin_dir(kind), marker))
+
+
+def install(kind: str, quiet: bool = False) -> str:
+  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there;
+  returns the folder. A RuntimeError with pip's last lines if pip fails."""
+  path = plugin_dir(kind)
+  if installed(kind):
+    return path
+  reqs = plugin_packages(kind)
+  if not quiet:
+    print(f"Installing {' '.join(reqs)} into {path} (for compiling without the device)", flush=True)
+  cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", path, *reqs]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode:
+    tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+    raise RuntimeError(f"pip could not install {' '.join(reqs)} into {path}:\n{tail}")
+  return path
+
+
+def ptxas() -> str:
+  """The path of ``ptxas`` from the ``ptxas`` plugin folder (installed on first use)."""
+  path = os.path.join(install("ptxas", quiet=True), "nvidia", "cuda_nvcc", "bin", "ptxas")
+  os.chmod(path, os.stat(path).st_mode | 0o111)  # pip --target may drop the executable bit
+  return path
+
+
+def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dict:
+  """The environment of a process that compiles for ``kind`` ('cuda', 'tpu' or 'cpu'): its
+  plugin folder first on PYTHONPATH, the switches it needs, and with ``num_cpu_devices`` that
+  many host devices (the 'cpu' target)."""
+  env = dict(os.environ if base is None else base)
+  env[CHILD_ENV] = kind
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the plugin's "no CUDA driver" INFO lines
+  if kind in ("cuda", "tpu"):
+    if not installed(kind):
+      raise RuntimeError(
+        f"compiling for a {kind.upper()} target needs {' '.join(plugin_packages(kind))}: run "
+        f"python -m aft_jax.deviceless install {kind}"
+      )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_dir(kind), env.get("PYTHONPATH")) if p)
+  if kind == "cuda":
+    # Without it the plugin's start-up finds no CUDA libraries and registers nothing.
+    env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  if kind == "tpu":
+    env["TPU_WORKER_HOSTNAMES"] = "localhost"  # else libtpu logs an error looking for peers
+    env.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  if num_cpu_devices:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_cpu_devices}".strip()
+  return env
+
+
+def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
+  """Replaces this process by the same command in ``environment(kind)``, unless it already
+  runs there (then returns). Installs the plugin first if it is missing."""
+  if os.environ.get(CHILD_ENV) == kind:
+    return
+  if kind in ("cuda", "tpu"):
+    install(kind)
+  argv = list(sys.argv if argv is None else argv)
+  sys.stdout.flush()
+  os.execve(sys.executable, [sys.executable, *argv], environment(kind, num_cpu_devices))
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _tpu_layout(n: int) -> tuple[str, int]:
+  """A TPU slice name with at least n chips (a 1x1 layout is refused, so 1 or 2 chips are
+  taken from a 2x2) and n."""
+  side = {1: "2x2", 2: "2x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16"}
+  if n not in side and n != 256:
+    raise ValueError(f"--num_devices: a TPU slice has 1, 2, 4, ... 256 chips, not {n}")
+  return side.get(n, "16x16"), n
+
+
+def devices(target: Target | str, num_devices: int = 1) -> list:
+  """``num_devices`` devices of ``target`` to compile for (the process must run in
+  ``environment(target.kind)``)."""
+  import jax
+  from jax.experimental import topologies
+
+  target = get(target) if isinstance(target, str) else target
+  if num_devices < 1:
+    raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
+  if target.kind == "cpu":
+    found = jax.devices("cpu")
+    if len(found) < num_devices:
+      raise ValueError(
+        f"--num_devices {num_devices}: this process has {len(found)} CPU devices (start it "
+        f"in aft_jax.deviceless.environment('cpu', {num_devices}))"
+      )
+    return found[:num_devices]
+  if os.environ.get(CHILD_ENV) != target.kind:
+    raise RuntimeError(
+      f"compiling for {target.name} needs a process started in "
+      f"aft_jax.deviceless.environment({target.kind!r})"
+    )
+  if target.kind == "cuda":
+    topo = topologies.get_topology_desc(
+      platform="cuda",
+      topology_name="",
+      target_config=open(target.spec).read(),
+      topology=f"1x1x{num_devices}",
+    )
+    return list(topo.devices)
+  layout, n = _tpu_layout(num_devices)
+  topo = topologies.get_topology_desc(topology_name=f"{target.spec}:{layout}", platform="tpu")
+  return list(topo.devices)[:n]
+
+
+def _main(argv) -> int:
+  if (
+    len(argv) < 1
+    or argv[0] != "install"
+    or any(k not in ("cuda", "tpu", "ptxas") for k in argv[1:])
+  ):
+    print(__doc__.strip().splitlines()[-2:][0].strip(), file=sys.stderr)
+    print("usage: python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]", file=sys.stderr)
+    return 2
+  for kind in argv[1:] or ("cuda", "tpu", "ptxas"):
+    print(f"{kind}: {install(kind)}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,203 @@
+"""Does a recipe fit a GPU or TPU I do not have? ``aft-train --config RECIPE --dry_run --target
+NAME [--num_devices N]`` compiles the recipe's train and evaluation steps for N devices of that
+target (``aft_jax.deviceless``), on this machine, and prints per device what XLA's buffer
+assignment needs against the device's memory.
+
+The figures are *compiled for the target without a device*: XLA's memory analysis of the
+program it would run there, not a measurement. A GPU run also needs the CUDA runtime's own
+memory and, by default, jax takes only 75% of a GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so
+a GPU step "fits" when it needs at most that fraction; on a TPU, 95% of its HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+
+from aft_jax import data as data_lib
+from aft_jax import deviceless
+from aft_jax import sharding
+from aft_jax import train_lib
+from aft_jax.config_check import check_config
+from aft_jax.default_config import override
+from aft_jax.model import ModelConfig
+
+GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
+TPU_FRACTION = 0.95  # an allowance for the TPU runtime's own buffers
+
+
+def usable_bytes(target: deviceless.Target) -> int:
+  """The memory one device gives a program (module docstring)."""
+  if target.kind == "cpu":
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if target.kind == "cuda":
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_FRACTION))
+    return int(target.memory_bytes * fraction)
+  return int(target.memory_bytes * TPU_FRACTION)
+
+
+@dataclasses.dataclass
+class StepMemory:
+  """One compiled step's per-device bytes (``compiled.memory_analysis()``)."""
+
+  argument: int  # parameters, optimizer state, the batch
+  output: int
+  alias: int  # outputs written over donated arguments
+  temp: int  # activations, gradients, XLA's scratch
+  code: int
+
+  @classmethod
+  def of(cls, compiled) -> "StepMemory":
+    m = compiled.memory_analysis()
+    return cls(
+      m.argument_size_in_bytes,
+      m.output_size_in_bytes,
+      m.alias_size_in_bytes,
+      m.temp_size_in_bytes,
+      m.generated_code_size_in_bytes,
+    )
+
+  @property
+  def total(self) -> int:
+    return self.argument + self.output - self.alias + self.temp + self.code
+
+
+def _flops(compiled) -> float | None:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = (cost or {}).get("flops")
+  return float(flops) if flops is not None and flops >= 0 else None
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def compile_steps(config, target: deviceless.Target, num_devices: int, say=print) -> dict:
+  """Compiles ``config``'s steps for ``num_devices`` of ``target``: the report's numbers."""
+  check_config(config)
+  devices = deviceless.devices(target, num_devices)
+  vocab, vocab_from = data_lib.vocab_size(config.data)
+  model_cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
+  mesh = sharding.make_mesh(config.mesh, devices)
+  train_lib.check_mesh(config, mesh)
+  trainer = train_lib.build_trainer(config, model_cfg, mesh, say)
+  train = trainer._train_step
+  if not hasattr(train, "memory_analysis"):  # build_trainer compiled it only for GPU kernels
+    train = trainer.lower_train_step().compile()
+  evals = trainer.lower_eval_step().compile()
+  mem, eval_mem = StepMemory.of(train), StepMemory.of(evals)
+  return {
+    "mesh": dict(mesh.shape),
+    "vocab_size": vocab,
+    "vocab_from": vocab_from,
+    "impl": trainer.model.cfg.impl,
+    "train": mem,
+    "eval": eval_mem,
+    "flops_per_step": _flops(train),
+    "triton_kernels": train.as_text().count(train_lib.TRITON),
+  }
+
+
+def _suggestions(config, target, num_devices, res, usable) -> list[str]:
+  """What would fit, each checked by compiling it: the changes that address what fills the
+  device (activations: remat, smaller micro-batches; parameters and optimizer state: fsdp over
+  more devices)."""
+  mem, mesh = res["train"], res["mesh"]
+  state = mem.argument + mem.output - mem.alias
+  per_device = config.batch_size // (mesh["data"] * mesh["fsdp"])
+  tries = []  # (config change, number of devices, the flags that say it)
+  if mem.temp > usable - state:  # activations do not fit beside the state
+    if not config.model.remat:
+      tries.append(({"model.remat": True}, num_devices, "--config.model.remat=True"))
+    factor = 2 ** max(1, math.ceil(math.log2(mem.temp / max(usable - state, 1))))
+    if usable > state and factor <= per_device and config.batch_size % factor == 0:
+      b, k = config.batch_size // factor, config.grad_accum_steps * factor
+      flag = f"--config.batch_size={b} --config.grad_accum_steps={k} (the same global batch)"
+      tries.append(({"batch_size": b, "grad_accum_steps": k}, num_devices, flag))
+  if state > 0.5 * usable:  # parameters and optimizer state: shard them
+    n = 2 * num_devices
+    change = {"mesh.data": 1, "mesh.fsdp": n, "mesh.tensor": 1}
+    tries.append((change, n, f"--num_devices {n} --config.mesh.data=1 --config.mesh.fsdp={n}"))
+  out = []
+  for change, n, flag in tries:
+    try:
+      trial = override(config.copy_and_resolve_references(), change)
+      got = compile_steps(trial, target, n, say=lambda line: None)
+    except (ValueError, RuntimeError) as e:
+      out.append(f"{flag}: not possible ({str(e).splitlines()[0][:160]})")
+      continue
+    need = max(got["train"].total, got["eval"].total)
+    verdict = "fits" if need <= usable else "still does not fit"
+    out.append(f"{flag}: {_gib(need)} per device, {verdict} (compiled)")
+  out.append(f"more devices: --num_devices {2 * num_devices} (the batch split over them)")
+  return out
+
+
+def run(config, target_name: str, num_devices: int = 1, say=print) -> dict:
+  """Prints the report (its last line one JSON object) and returns that object."""
+  target = deviceless.get(target_name)
+  res = compile_steps(config, target, num_devices, say)
+  usable = usable_bytes(target)
+  mem, eval_mem = res["train"], res["eval"]
+  need = max(mem.total, eval_mem.total)
+  fits = need <= usable
+  kind = "host memory" if target.kind == "cpu" else "device memory"
+  capacity = target.memory_bytes or usable
+  say(
+    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, model.impl="
+    f"{res['impl']!r} ({res['triton_kernels']} Triton kernel calls in the train step)"
+  )
+  say(
+    "Per device, compiled for the target without a device (XLA's buffer assignment, not a "
+    "measurement):"
+  )
+  say(f"  parameters, optimizer state and batch  {_gib(mem.argument)}")
+  say(f"  temporaries (activations, gradients)   {_gib(mem.temp)}")
+  say(f"  train step in all                      {_gib(mem.total)}")
+  say(f"  evaluation step in all                 {_gib(eval_mem.total)}")
+  say(f"  {kind}: {_gib(capacity)}, usable {_gib(usable)}")
+  flops = res["flops_per_step"]
+  if flops is not None:
+    say(f"  XLA's FLOPs per step: {flops:.3e} (a custom kernel's own FLOPs are not counted)")
+  else:
+    say("  XLA's FLOPs per step: not reported for this target")
+  if fits:
+    say(
+      f"Fits: {_gib(need)} of {_gib(usable)} ({need / usable:.0%}), margin {_gib(usable - need)}."
+    )
+    suggestions = []
+  else:
+    say(f"Does not fit: {_gib(need)} needed, {_gib(usable)} usable ({need / usable:.1f}x).")
+    suggestions = _suggestions(config, target, num_devices, res, usable)
+    say("What would:")
+    for line in suggestions:
+      say(f"  {line}")
+  report = {
+    "target": target.name,
+    "device": target.description,
+    "num_devices": num_devices,
+    "mesh": res["mesh"],
+    "impl": res["impl"],
+    "fits": fits,
+    "temp_bytes": mem.temp,
+    "argument_bytes": mem.argument,
+    "output_bytes": mem.output,
+    "alias_bytes": mem.alias,
+    "train_step_bytes": mem.total,
+    "eval_step_bytes": eval_mem.total,
+    "device_memory_bytes": capacity,
+    "usable_bytes": usable,
+    "flops_per_step": flops,
+    "triton_kernels": res["triton_kernels"],
+    "vocab_size": res["vocab_size"],
+    "suggestions": suggestions,
+    "jax_version": jax.__version__,
+    "compiled_without_device": target.kind != "cpu",
+  }
+  say(json.dumps(report))
+  return report

@@ -1,0 +1,151 @@
+"""What fits where: every recipe x target, compiled for the target without a device.
+
+    python -m benchmarks.fit_table   # docs/what_fits.md, benchmarks/results/fit_table.json
+
+For each recipe (every mixing layer of configs/enwik8.py at both sizes, of
+configs/wikitext103.py, and the quickstart) and each target of ``aft_jax.deviceless`` (the CPU
+excepted), the train and evaluation steps are compiled for 1 and for 8 devices (the recipe's
+mesh: data parallel) with ``aft_jax.dry_run.compile_steps``: XLA's buffer assignment per device,
+not a measurement on a GPU or TPU. The rows of one platform are compiled in one process started
+in ``deviceless.environment``; each row is appended to the JSON as it is done, so a run that is
+stopped resumes where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from aft_jax import deviceless, files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_JSON = os.path.join(ROOT, "benchmarks", "results", "fit_table.json")
+OUT_MD = os.path.join(ROOT, "docs", "what_fits.md")
+MIXINGS = ("aft_local", "aft_simple", "aft_full", "aft_conv1d", "softmax")
+RECIPES = (
+  ["quickstart"]
+  + [f"enwik8:{m}" for m in MIXINGS]
+  + [f"enwik8:{m},12x512" for m in MIXINGS]
+  + [f"wikitext103:{m}" for m in MIXINGS]
+)
+TARGETS = [t.name for t in deviceless.TARGETS.values() if t.kind != "cpu"]
+DEVICES = (1, 8)
+
+
+def _config(recipe: str):
+  import importlib
+
+  name, _, arg = recipe.partition(":")
+  module = importlib.import_module(f"configs.{name}")
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _load() -> list[dict]:
+  if not os.path.exists(OUT_JSON):
+    return []
+  with open(OUT_JSON) as f:
+    return json.load(f)["rows"]
+
+
+def _row_key(row) -> tuple:
+  return row["recipe"], row["target"], row["num_devices"]
+
+
+def compile_rows(kind: str) -> None:
+  """Compiles every missing row of ``kind``'s targets (in a process of that environment)."""
+  from aft_jax import dry_run
+
+  rows = _load()
+  done = {_row_key(r) for r in rows}
+  for target in (t for t in TARGETS if deviceless.get(t).kind == kind):
+    for recipe in RECIPES:
+      for n in DEVICES:
+        if (recipe, target, n) in done:
+          continue
+        start = time.time()
+        row = {"recipe": recipe, "target": target, "num_devices": n}
+        try:
+          res = dry_run.compile_steps(_config(recipe), deviceless.get(target), n, say=print)
+          need = max(res["train"].total, res["eval"].total)
+          usable = dry_run.usable_bytes(deviceless.get(target))
+          row.update(
+            impl=res["impl"],
+            triton_kernels=res["triton_kernels"],
+            train_bytes=res["train"].total,
+            eval_bytes=res["eval"].total,
+            argument_bytes=res["train"].argument,
+            temp_bytes=res["train"].temp,
+            usable_bytes=usable,
+            fits=need <= usable,
+          )
+        except Exception as e:  # noqa: BLE001 (a row that fails is recorded, the table goes on)
+          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        row["seconds"] = round(time.time() - start, 1)
+        print(json.dumps(row), flush=True)
+        rows = [r for r in _load() if _row_key(r) != _row_key(row)] + [row]
+        files.atomic_write_json(OUT_JSON, {"rows": rows, "jax_version": _jax_version()})
+
+
+def _jax_version() -> str:
+  import importlib.metadata
+
+  return importlib.metadata.version("jax")
+
+
+def _cell(row) -> str:
+  if row is None:
+    return "—"
+  if "error" in row:
+    return "error"
+  gib = row["train_bytes"] / 2**30
+  return f"{gib:.1f} {'✓' if row['fits'] else '✗'}"
+
+
+def render() -> str:
+  rows = {_row_key(r): r for r in _load()}
+  head = [
+    "# What fits where",
+    "",
+    "Per-device memory of each recipe's train step in GiB (the larger of the train and",
+    "evaluation steps decides ✓ fits / ✗ does not), **compiled for the target without a",
+    "device**: XLA's buffer assignment for that GPU or TPU (`aft-train --dry_run`), not a",
+    "measurement on one. A GPU counts as fitting when the step needs at most 75% of its memory",
+    "(jax's default preallocation, `XLA_PYTHON_CLIENT_MEM_FRACTION`); a TPU, 95% of its HBM.",
+    "Each recipe as shipped (float32, its batch, its mesh: data parallel over the devices); `x8`",
+    "splits the batch over 8 devices. Regenerate: `python -m benchmarks.fit_table`.",
+    "",
+  ]
+  cols = [f"{t} x{n}" for t in TARGETS for n in DEVICES]
+  lines = ["| recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+  for recipe in RECIPES:
+    cells = [_cell(rows.get((recipe, t, n))) for t in TARGETS for n in DEVICES]
+    lines.append(f"| `{recipe}` | " + " | ".join(cells) + " |")
+  errors = [r for r in rows.values() if "error" in r]
+  tail = [""]
+  if errors:
+    tail += ["Rows that did not compile:", ""]
+    tail += [
+      f"- `{r['recipe']}` on {r['target']} x{r['num_devices']}: {r['error']}" for r in errors
+    ]
+  return "\n".join(head + lines + tail) + "\n"
+
+
+def main(argv) -> int:
+  if len(argv) == 2 and argv[0] == "--kind":
+    compile_rows(argv[1])
+    return 0
+  for kind in ("cuda", "tpu"):
+    deviceless.install(kind)
+    cmd = [sys.executable, "-m", "benchmarks.fit_table", "--kind", kind]
+    subprocess.run(cmd, cwd=ROOT, env=deviceless.environment(kind), check=False)
+  os.makedirs(os.path.dirname(OUT_MD), exist_ok=True)
+  files.atomic_write(OUT_MD, render())
+  print(f"wrote {OUT_MD}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

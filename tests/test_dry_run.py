@@ -1,0 +1,85 @@
+"""``train.py --dry_run --target NAME``: the recipe's steps compiled for a GPU or TPU that is not
+here, and a report whose last line is one JSON object; exit 0 when it fits, 1 when not."""
+
+import json
+import subprocess
+
+import pytest
+
+from aft_jax import deviceless
+from tests.helpers import ROOT
+
+KEYS = {
+  "target",
+  "num_devices",
+  "fits",
+  "temp_bytes",
+  "argument_bytes",
+  "device_memory_bytes",
+  "triton_kernels",
+}
+
+
+def _dry_run(*flags, config="configs/quickstart.py"):
+  """(exit code, stdout lines, the last line's JSON or None) of train.py --dry_run."""
+  cmd = ["python", "train.py", "--config", config, "--dry_run", *flags]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  lines = done.stdout.strip().splitlines()
+  try:
+    report = json.loads(lines[-1])
+  except (IndexError, json.JSONDecodeError):
+    report = None
+  return done.returncode, lines, report, done.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_fits_an_h100_with_the_kernels():
+  code, lines, report, err = _dry_run("--target", "h100")
+  assert code == 0 and report is not None, err[-2000:]
+  assert KEYS <= set(report)
+  assert report["fits"] and report["target"] == "h100" and report["num_devices"] == 1
+  assert report["triton_kernels"] > 0 and report["impl"] == "auto"
+  assert report["device_memory_bytes"] == deviceless.get("h100").memory_bytes
+  assert 0 < report["temp_bytes"] < report["usable_bytes"]
+  # The human part says what a person needs before renting the GPU.
+  text = "\n".join(lines)
+  assert "compiled for the target without a device" in text and "Fits:" in text
+
+
+@pytest.mark.slow
+def test_a_step_too_large_for_a_t4_exits_1_and_says_what_would_fit():
+  """A 4 x 4096 AFT-simple LM (805M parameters) on one T4: the XLA path (no Triton call on
+  sm_75), parameters and AdamW state alone near the T4's usable memory; the suggestions were
+  compiled too (fsdp over two devices is one)."""
+  size = ("d_model=4096", "mlp_dim=16384", "num_layers=4", "mixing=aft_simple")
+  code, lines, report, err = _dry_run("--target", "t4", *(f"--config.model.{s}" for s in size))
+  assert code == 1 and report is not None, err[-2000:]
+  assert not report["fits"] and report["triton_kernels"] == 0
+  need = report["argument_bytes"] + report["temp_bytes"]
+  assert need > report["usable_bytes"]
+  fsdp = [s for s in report["suggestions"] if "--config.mesh.fsdp=2" in s]
+  assert len(fsdp) == 1 and "(compiled)" in fsdp[0], report["suggestions"]
+  assert "Does not fit" in "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_a_tpu_slice_of_four_chips():
+  code, _, report, err = _dry_run("--target", "v5e", "--num_devices", "4")
+  assert code == 0 and report is not None, err[-2000:]
+  assert report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert report["triton_kernels"] == 0 and report["fits"]
+
+
+def test_unknown_targets_and_a_missing_workdir_are_one_line_errors():
+  with pytest.raises(ValueError, match="the targets are: t4 .*h200.*v5e.*cpu"):
+    deviceless.get("k80")
+  code, _, _, err = _dry_run("--target", "k80")
+  assert code == 1 and "unknown target 'k80'" in err and "a100-40" in err
+  assert len(err.strip().splitlines()) == 1
+  done = subprocess.run(
+    ["python", "train.py", "--config", "configs/quickstart.py"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 1 and "--workdir is required" in done.stderr
