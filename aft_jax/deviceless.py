@@ -146,6 +146,9 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
   env[CHILD_ENV] = kind
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the plugin's "no CUDA driver" INFO lines
   if kind in ("cuda", "tpu"):
+    # jax's persistent cache stores these executables but cannot load them back without the
+    # device (every later run would warn that it cannot read the entry): none for them.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if not installed(kind):
       raise RuntimeError(
         f"compiling for a {kind.upper()} target needs {' '.join(plugin_packages(kind))}: run "
@@ -158,6 +161,9 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
   if kind == "tpu":
     env["TPU_WORKER_HOSTNAMES"] = "localhost"  # else libtpu logs an error looking for peers
     env.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # No TPU is used, only its compiler: several compiling processes may load libtpu at once
+    # (without this, the second one stops at libtpu's single-process lock file).
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   if num_cpu_devices:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_cpu_devices}".strip()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 
@@ -61,9 +62,39 @@ class StepMemory:
       m.generated_code_size_in_bytes,
     )
 
+  refused: str = ""  # the compiler's own out-of-memory refusal (TPU), when it gave one
+
   @property
   def total(self) -> int:
     return self.argument + self.output - self.alias + self.temp + self.code
+
+
+def _shard_bytes(tree) -> int:
+  """Bytes per device of a tree of sharded ShapeDtypeStructs."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * leaf.dtype.itemsize
+  return total
+
+
+_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _compile(lowered, args) -> tuple[object | None, StepMemory]:
+  """(compiled, its memory); XLA's TPU compiler refuses a program larger than the chip
+  (RESOURCE_EXHAUSTED, naming the temporaries it needs): then (None, that figure with the
+  arguments' bytes from ``args``' shardings)."""
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001 (jax's runtime error type is not public)
+    found = _REFUSAL.search(str(e))
+    if not found:
+      raise
+    temp = int(float(found.group(1)) * 1024 ** (1 + "KMGT".index(found.group(2))))
+    line = str(e).strip().splitlines()[0]
+    return None, StepMemory(_shard_bytes(args), 0, 0, temp, 0, refused=line)
+  return compiled, StepMemory.of(compiled)
 
 
 def _flops(compiled) -> float | None:
@@ -86,11 +117,14 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
   mesh = sharding.make_mesh(config.mesh, devices)
   train_lib.check_mesh(config, mesh)
   trainer = train_lib.build_trainer(config, model_cfg, mesh, say)
-  train = trainer._train_step
-  if not hasattr(train, "memory_analysis"):  # build_trainer compiled it only for GPU kernels
-    train = trainer.lower_train_step().compile()
-  evals = trainer.lower_eval_step().compile()
-  mem, eval_mem = StepMemory.of(train), StepMemory.of(evals)
+  state, batch = trainer.abstract_state, trainer.specs(config.batch_size)
+  train = trainer.compiled_train_step
+  if train is not None:  # build_trainer compiled it (GPU kernels chosen)
+    mem = StepMemory.of(train)
+  else:
+    train, mem = _compile(trainer.lower_train_step(), (state, batch))
+  eval_args = (state.params, trainer.specs(config.eval_batch_size, True))
+  _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
   return {
     "mesh": dict(mesh.shape),
     "vocab_size": vocab,
@@ -98,8 +132,8 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
     "impl": trainer.model.cfg.impl,
     "train": mem,
     "eval": eval_mem,
-    "flops_per_step": _flops(train),
-    "triton_kernels": train.as_text().count(train_lib.TRITON),
+    "flops_per_step": None if train is None else _flops(train),
+    "triton_kernels": 0 if train is None else train.as_text().count(train_lib.TRITON),
   }
 
 
@@ -166,6 +200,9 @@ def run(config, target_name: str, num_devices: int = 1, say=print) -> dict:
     say(f"  XLA's FLOPs per step: {flops:.3e} (a custom kernel's own FLOPs are not counted)")
   else:
     say("  XLA's FLOPs per step: not reported for this target")
+  for step in (mem, eval_mem):
+    if step.refused:
+      say(f"  XLA's compiler for {target.name} refused a step: {step.refused}")
   if fits:
     say(
       f"Fits: {_gib(need)} of {_gib(usable)} ({need / usable:.0%}), margin {_gib(usable - need)}."

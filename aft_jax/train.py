@@ -67,7 +67,8 @@ def dry_run() -> None:
 
   try:
     target = deviceless.get(FLAGS.target)
-    deviceless.reexec(target.kind, FLAGS.num_devices if target.kind == "cpu" else None)
+    # The CPU target gets twice the devices asked for: the suggestions compile for more.
+    deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
     report = dry_run_lib.run(FLAGS.config, target.name, FLAGS.num_devices)
   except (ValueError, OSError, RuntimeError) as e:
     _fail(e)

@@ -209,10 +209,12 @@ class Trainer:
     with _on_mesh(self.mesh, self.rules):
       return self._eval_step.lower(params, self.specs(self.config.eval_batch_size, True))
 
+  compiled_train_step = None  # the train step compiled ahead of the first batch, if it was
+
   def use_compiled_train_step(self, compiled) -> None:
     """Runs ``compiled`` (``lower_train_step().compile()``) as the train step from now on, so a
     step compiled before the first batch is not compiled again."""
-    self._train_step = compiled
+    self._train_step = self.compiled_train_step = compiled
 
   def init_state(self, seed: int) -> TrainState:
     with _on_mesh(self.mesh, self.rules):

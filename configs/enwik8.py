@@ -39,6 +39,14 @@ Where each number comes from (Sec. = section of arXiv 2105.14103):
 
 The paper's test bpc (Table 4): 24 x 256: Transformer 1.130, AFT-local-32 1.154, AFT-simple
 1.209; 12 x 512: Transformer 1.137, AFT-local-32 1.180. Needs a GPU/TPU.
+
+How many devices (compiled for the target without a device, docs/what_fits.md; check yours with
+``aft-train --config enwik8:aft_local --dry_run --target h100 --num_devices 8``): in float32 at
+batch 128 x 1024 the train step needs ~125-130 GiB per device on one device (AFT-conv1d and
+softmax ~220 GiB), more than any single GPU gives jax (an H200: 105 GiB at its default 75%).
+The paper used 8 GPUs: 8 devices need ~16-20 GiB each (A100 40 GB and up; AFT-conv1d and
+softmax ~28 GiB). On one 80 GB GPU: ``--config.model.remat=True`` (6.7 GiB for AFT-local on an
+H100) or ``--config.batch_size=32 --config.grad_accum_steps=4`` (the same batch; 32 GiB).
 """
 
 from aft_jax.default_config import get_config as _base

@@ -7,6 +7,13 @@ The argument is the mixing layer: aft_local (default; the AFT paper's AFT-local-
 aft_full, aft_conv1d (8 heads, kernel 31) or softmax (the Transformer baseline). Needs the data
 (python -m aft_jax.data.prepare --dataset wikitext103) and a GPU/TPU.
 
+How many devices (compiled for the target without a device, docs/what_fits.md; check yours with
+``--dry_run --target NAME [--num_devices N]``): the train step needs ~24 GiB on one device
+(AFT-conv1d 31 GiB, softmax 29 GiB): one A100 (40 or 80 GB) fits all but AFT-conv1d on the 40
+GB one; a T4 (16 GB) needs 8 devices (~4 GiB each) or
+``--config.batch_size=24 --config.grad_accum_steps=4`` (6.7 GiB for AFT-local); a TPU v5e
+chip (16 GiB) needs 8 chips.
+
 Where each number comes from. "Script" is the small setting's published training script,
 ``example_scripts/2021_linear_transformers_are_secretly_fwps/small_standard_transformer_baseline.sh``
 of github.com/IDSIA/lmtool-fwp; "train.py" is that project's ``src/train.py`` (its defaults apply

@@ -47,27 +47,19 @@ def test_quickstart_fits_an_h100_with_the_kernels():
 
 
 @pytest.mark.slow
-def test_a_step_too_large_for_a_t4_exits_1_and_says_what_would_fit():
-  """A 4 x 4096 AFT-simple LM (805M parameters) on one T4: the XLA path (no Triton call on
-  sm_75), parameters and AdamW state alone near the T4's usable memory; the suggestions were
-  compiled too (fsdp over two devices is one)."""
-  size = ("d_model=4096", "mlp_dim=16384", "num_layers=4", "mixing=aft_simple")
-  code, lines, report, err = _dry_run("--target", "t4", *(f"--config.model.{s}" for s in size))
+def test_a_step_too_large_exits_1_and_says_what_would_fit():
+  """A 2 x 16384 AFT-simple LM (6.4B parameters) on two devices of this machine's CPU: the
+  parameters and AdamW state alone are several times the host's memory; each suggestion was
+  compiled (fsdp over four devices among them)."""
+  size = ("d_model=16384", "mlp_dim=65536", "mixing=aft_simple")
+  flags = ("--target", "cpu", "--num_devices", "2", *(f"--config.model.{s}" for s in size))
+  code, lines, report, err = _dry_run(*flags)
   assert code == 1 and report is not None, err[-2000:]
-  assert not report["fits"] and report["triton_kernels"] == 0
-  need = report["argument_bytes"] + report["temp_bytes"]
-  assert need > report["usable_bytes"]
-  fsdp = [s for s in report["suggestions"] if "--config.mesh.fsdp=2" in s]
+  assert not report["fits"] and report["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+  assert report["argument_bytes"] > report["usable_bytes"] and report["triton_kernels"] == 0
+  fsdp = [s for s in report["suggestions"] if "--config.mesh.fsdp=4" in s]
   assert len(fsdp) == 1 and "(compiled)" in fsdp[0], report["suggestions"]
   assert "Does not fit" in "\n".join(lines)
-
-
-@pytest.mark.slow
-def test_a_tpu_slice_of_four_chips():
-  code, _, report, err = _dry_run("--target", "v5e", "--num_devices", "4")
-  assert code == 0 and report is not None, err[-2000:]
-  assert report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
-  assert report["triton_kernels"] == 0 and report["fits"]
 
 
 def test_unknown_targets_and_a_missing_workdir_are_one_line_errors():

@@ -142,10 +142,7 @@ def gpu_kernels_refused(target: Target) -> str | None:
     return f"the compute capability of {target.device_kind!r} is not known"
   if cc < TRITON_MIN_CAPABILITY:
     need = ".".join(map(str, TRITON_MIN_CAPABILITY))
-    return (
-      f"{target} is below {need}, and XLA compiles Triton kernels only for compute "
-      f"capability {need} (Ampere) and up"
-    )
+    return f"XLA compiles Triton kernels only for compute capability {need} (Ampere) and up"
   return triton_missing()
 
 

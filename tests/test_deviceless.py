@@ -1,0 +1,393 @@
+"""aft-jax compiles to machine code for GPUs and TPUs that are not here (``aft_jax.deviceless``),
+and ``impl="auto"`` chooses right for each of them:
+
+1. every kernel configuration ``impl="auto"`` can choose (each ``pallas_util.CONFIGS`` entry, for
+   AFT-simple and for AFT-local with two windows), forward and forward+backward, float32 and
+   bfloat16, compiles for a T4 (sm_75) without a Triton call, and for an A100 (sm_80) and an
+   H100 (sm_90) with exactly the Triton calls the ops' jaxprs hold, each with the grid of the
+   configuration ``config_for`` chose; ``impl="pallas"`` for a T4 is a ValueError naming its
+   compute capability 7.5;
+2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.build_trainer`` as
+   ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
+   for an H100 with one kernel set per layer for AFT-local and AFT-simple; the notebook's GPU
+   model (notebooks/quickstart.ipynb, bfloat16) compiles for a T4 without one;
+3. the safety net: on a T4 that ``impl="auto"`` is made to misjudge (the capability rule lowered
+   to 7.0), ``build_trainer`` says in one line that the kernels did not compile and returns a
+   trainer on ``impl='xla'`` whose step compiles, while an explicit ``impl="pallas"`` fails;
+4. the TPU AFT-simple kernel (B 1, T 16384, D 512, bfloat16, ``impl="pallas"``) compiles for a
+   v5e and a v6e, forward and forward+backward, with the Mosaic calls its jaxpr holds and less
+   temp memory than the XLA path; an AFT-simple LM train step with it compiles for a v5e.
+
+Each platform's compiles run in one subprocess (tests/deviceless_worker.py, in
+``deviceless.environment(kind)``, where jax sees the platform's compile plugin); both start once
+per session, side by side, and the tests assert on their JSON. A missing plugin fails the tests
+with the command that installs it: ``python -m aft_jax.deviceless install``.
+"""
+
+import collections
+import fcntl
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aft_jax import deviceless
+from aft_jax.ops import pallas_local, pallas_simple_tpu, pallas_util
+from aft_jax.ops import target as ops_target
+from tests.deviceless_worker import NOTEBOOK_GPUS, TRAIN_STEP_MIXINGS
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+# The CUDA worker needs ~4 CPU-minutes (two threads: ~2 min on 2 free cores), the TPU one
+# ~25 CPU-seconds; a hung compile must not hold CI for its whole job.
+TIMEOUT_S = 900
+GPUS = ("t4", "a100-80", "h100")
+KERNEL_MIXINGS = {"aft_local", "aft_simple"}  # the mixing layers with Pallas GPU kernels
+MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
+_FIXTURE = {"cuda": "cuda_results", "tpu": "tpu_results"}  # the fixture of each worker's JSON
+
+
+# --------------------------------------------------------------------------- the workers
+
+
+def _shared_dir(tmp_path_factory):
+  """A folder that every process of this pytest session sees: pytest-xdist's workers each have
+  their own basetemp, under one parent."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _start(kind: str, folder) -> dict:
+  """The worker for ``kind`` started (its output into ``folder``), or {"error": ...} where
+  its plugin is missing (``deviceless.environment`` names the install)."""
+  try:
+    env = deviceless.environment(kind)
+  except RuntimeError as e:
+    return {"error": f"{e}\n(all of them at once: python -m aft_jax.deviceless install)"}
+  out, err = open(folder / f"{kind}.stdout", "w+"), open(folder / f"{kind}.stderr", "w+")
+  cmd = [sys.executable, "-m", "tests.deviceless_worker", kind]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+  return {"proc": proc, "stdout": out, "stderr": err, "start": time.monotonic()}
+
+
+def _wait(run: dict) -> dict:
+  """The JSON of a started worker (its last line of stdout), or {"error": why there is none}."""
+  if "error" in run:
+    return run
+  proc = run["proc"]
+  try:
+    proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - run["start"])))
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+  run["stdout"].seek(0)
+  run["stderr"].seek(0)
+  lines = run["stdout"].read().strip().splitlines()
+  stderr = run["stderr"].read()
+  run["stdout"].close()
+  run["stderr"].close()
+  try:
+    if proc.returncode == 0 and lines:
+      return json.loads(lines[-1])
+  except json.JSONDecodeError:
+    pass
+  tail = "\n".join(stderr.strip().splitlines()[-30:])
+  return {"error": f"{proc.args} exited with {proc.returncode} (timeout {TIMEOUT_S} s):\n{tail}"}
+
+
+class _Worker:
+  """One platform's worker, run once per pytest session: the first process to need it (of
+  pytest-xdist's, or the only one) runs it under an exclusive lock and leaves its JSON in the
+  shared folder; the others wait on the lock and read that."""
+
+  def __init__(self, kind: str, folder):
+    self.kind, self.folder = kind, folder
+    self.path = folder / f"deviceless_{kind}.json"
+    self.lock = open(folder / f"deviceless_{kind}.lock", "w")
+    self.run = None
+    try:
+      fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return  # another process runs it; results() waits for that
+    if not self.path.exists():
+      self.run = _start(kind, folder)
+
+  def results(self) -> dict:
+    if self.run is None:
+      fcntl.flock(self.lock, fcntl.LOCK_EX)  # (re-entrant where this process holds it)
+      if not self.path.exists():  # its runner died without a word: run it here
+        self.run = _start(self.kind, self.folder)
+    if self.run is not None:
+      tmp = self.path.with_suffix(".tmp")
+      tmp.write_text(json.dumps(_wait(self.run)))
+      tmp.rename(self.path)  # whole, or not there: a waiter never reads half a file
+      self.run = None
+    fcntl.flock(self.lock, fcntl.LOCK_UN)
+    return json.loads(self.path.read_text())
+
+  def close(self, stopping: bool):
+    """At the module's end: a worker this process started whose results no test here asked
+    for is waited for and its JSON left for the session's other processes (pytest-xdist may
+    have sent them the tests that need it), unless the session is stopping (then it is
+    killed); the lock is given up."""
+    if self.run is not None and "proc" in self.run:
+      if stopping:
+        self.run["proc"].kill()
+        self.run["proc"].wait()
+      else:
+        self.results()
+    self.lock.close()
+
+
+@pytest.fixture(scope="module")
+def workers(request, tmp_path_factory):
+  """The worker of every platform that a selected test of this module needs, all started at
+  once (the CUDA and TPU compiles run side by side): {kind: _Worker}."""
+  selected = [item for item in request.session.items if item.module is request.module]
+  folder = _shared_dir(tmp_path_factory)
+  needed = [k for k, f in _FIXTURE.items() if any(f in item.fixturenames for item in selected)]
+  started = {kind: _Worker(kind, folder) for kind in needed}
+  yield started
+  for worker in started.values():
+    worker.close(stopping=bool(request.session.shouldstop or request.session.shouldfail))
+
+
+@pytest.fixture(scope="module")
+def cuda_results(workers):
+  return workers["cuda"].results()
+
+
+@pytest.fixture(scope="module")
+def tpu_results(workers):
+  return workers["tpu"].results()
+
+
+def _item(results: dict, name: str):
+  """The worker's result for ``name``; the test fails with the worker's error where it has
+  one (a missing plugin, a crash, an exception in that item)."""
+  if "error" in results:
+    pytest.fail(results["error"], pytrace=False)
+  item = results[name]
+  if not item["ok"]:
+    pytest.fail(f"the worker's {name!r} raised: {item['error']}", pytrace=False)
+  return item["result"]
+
+
+def _compiled(res: dict, what: str) -> dict:
+  """``res`` (one compile's facts), failing the test where that compile raised."""
+  assert res["ok"], f"{what} did not compile: {res['error']}"
+  return res
+
+
+# --------------------------------------------------------------------------- expectations
+
+
+def _capability(name: str) -> tuple[int, int]:
+  """A GPU target's compute capability, as its description names it ("sm_75")."""
+  major, minor = re.search(r"sm_(\d+)(\d)\b", deviceless.get(name).description).groups()
+  return int(major), int(minor)
+
+
+def _takes_kernels(name: str) -> bool:
+  """Whether impl="auto" takes the Triton kernels for GPU target ``name`` (XLA's rule)."""
+  return _capability(name) >= ops_target.TRITON_MIN_CAPABILITY
+
+
+def _expected_grid(kernel: str, batch: int, t: int, d: int) -> list[int]:
+  """The grid of a GPU kernel of these shapes under the configuration ``config_for`` chooses:
+  (batch rows, channel blocks) for the sequential kernels; (query chunks, channel blocks of
+  ``dw_config``) for AFT-local's bias gradient."""
+  if kernel == "_dw_kernel":
+    cfg = pallas_local.dw_config(d)
+    return [math.ceil(t / cfg.block_t), d // cfg.block_d, 1]
+  return [batch, d // pallas_util.config_for(d, batch).block_d, 1]
+
+
+def _counter(calls) -> collections.Counter:
+  return collections.Counter(tuple(c) for c in calls)
+
+
+def _kernels_per_layer(kernels: dict, op: str) -> int:
+  """The kernels of one forward+backward of ``op`` (the kernel matrix's jaxprs)."""
+  counts = {
+    len(e)
+    for c, e in zip(kernels["cases"], kernels["expected"])
+    if c["op"] == op and c["mode"] == "grad"
+  }
+  assert len(counts) == 1, f"{op}: the forward+backward kernel count varies with shape: {counts}"
+  return counts.pop()
+
+
+# --------------------------------------------------------------------------- 1. GPU kernels
+
+
+def test_kernel_cases_cover_every_configuration(cuda_results):
+  """The cases make ``config_for`` choose each configuration, per op, mode and dtype; the
+  ops' jaxprs use that configuration (the grids), and a forward+backward holds more kernels
+  than the forward."""
+  kernels = _item(cuda_results, "kernels")
+  cases, expected = kernels["cases"], kernels["expected"]
+  for op in ("aft_simple", "aft_local"):
+    for mode in ("fwd", "grad"):
+      for dtype in ("float32", "bfloat16"):
+        mine = [c for c in cases if (c["op"], c["mode"], c["dtype"]) == (op, mode, dtype)]
+        chosen = {pallas_util.config_for(c["d"], c["batch"]) for c in mine}
+        assert chosen == set(pallas_util.CONFIGS), (op, mode, dtype, chosen)
+  windows = {c["window"] for c in cases if c["op"] == "aft_local"}
+  assert len(windows) >= 2 and max(windows) <= pallas_local.MAX_WINDOW, windows
+  forward = {}
+  for case, kern in zip(cases, expected):
+    for name, *grid in kern:
+      assert grid == _expected_grid(name, case["batch"], case["t"], case["d"]), (case, name)
+    key = tuple(case[k] for k in ("op", "d", "batch", "window", "dtype"))
+    if case["mode"] == "fwd":
+      assert len(kern) >= 1, f"{case}: no kernel in the jaxpr of impl='pallas_interpret'"
+      forward[key] = len(kern)
+  for case, kern in zip(cases, expected):
+    if case["mode"] == "grad":
+      key = tuple(case[k] for k in ("op", "d", "batch", "window", "dtype"))
+      assert len(kern) > forward[key], f"{case}: the backward added no kernel"
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_every_kernel_configuration_compiles(cuda_results, name):
+  """One program holding every case compiles for ``name``: with exactly the cases' kernels
+  (names and grids) where impl="auto" takes them, and with no Triton call on a T4."""
+  targets = _item(cuda_results, "targets")
+  cc = targets[name]["compute_capability"]
+  assert cc == "{}.{}".format(*_capability(name)), f"{name}: the topology's device is {cc}"
+  kernels = _item(cuda_results, "kernels")
+  res = kernels["compiled"][name]
+  assert res["ok"], (
+    f"the kernel matrix did not compile for {name}: {res['error']}\nthe cases that fail "
+    f"alone: {json.dumps(res.get('failing_cases'), indent=1)}"
+  )
+  if _takes_kernels(name):
+    want = _counter(call for kern in kernels["expected"] for call in kern)
+    assert sum(want.values()) >= len(kernels["cases"])
+  else:
+    want = collections.Counter()
+  assert _counter(res["calls"]) == want, name
+
+
+def test_pallas_for_a_t4_is_a_value_error_naming_its_capability(cuda_results):
+  """An explicit impl="pallas" for a T4 stops at lowering with a ValueError that says why
+  (its compute capability), never a silent XLA path or an XLA compile error."""
+  assert not _takes_kernels("t4")
+  cc = "{}.{}".format(*_capability("t4"))
+  for op, res in _item(cuda_results, "pallas_on_t4").items():
+    assert res["raised"] == "ValueError", (op, res)
+    assert f"compute capability {cc}" in res["message"] and op in res["message"], res
+
+
+# --------------------------------------------------------------------------- 2. train steps
+
+
+def _check_step(res: dict, name: str, model: dict, batch: int, seq_len: int, kernels: dict):
+  """A compiled train step for ``name``: impl 'auto' kept, nothing said, and per layer one
+  forward+backward kernel set (grids of ``config_for``'s choice) where impl="auto" takes the
+  kernels for this mixing; no Triton call anywhere else."""
+  mixing = model["mixing"]
+  what = f"{mixing} for {name}"
+  res = _compiled(res, what)
+  assert res["impl"] == "auto" and res["said"] == [], (what, res["impl"], res["said"])
+  if _takes_kernels(name) and mixing in KERNEL_MIXINGS:
+    assert len(res["calls"]) == model["num_layers"] * _kernels_per_layer(kernels, mixing), what
+    for kernel, *grid in res["calls"]:
+      assert grid == _expected_grid(kernel, batch, seq_len, model["d_model"]), what
+  else:
+    assert res["calls"] == [], what
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_STEP_MIXINGS))
+def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
+  """configs/quickstart.py with model.impl="auto", built as aft-train builds it, compiles for a
+  T4 with every mixing layer (XLA everywhere) and for an H100 with AFT-local and AFT-simple
+  (their kernels, in every layer, with ``config_for``'s configuration for the recipe's
+  shapes)."""
+  from configs import quickstart
+
+  config = quickstart.get_config()
+  steps = _item(cuda_results, "train_steps")[name]
+  kernels = _item(cuda_results, "kernels")
+  assert sorted(steps) == sorted(TRAIN_STEP_MIXINGS[name])
+  assert set(TRAIN_STEP_MIXINGS["t4"]) == set(MIXINGS)  # every layer compiles somewhere
+  for mixing in TRAIN_STEP_MIXINGS[name]:
+    model = {**config.model.to_dict(), "mixing": mixing}
+    _check_step(steps[mixing], name, model, config.batch_size, config.seq_len, kernels)
+
+
+@pytest.mark.parametrize("name", NOTEBOOK_GPUS)
+def test_notebook_gpu_model_compiles(cuda_results, name):
+  """The model notebooks/quickstart.ipynb trains on a GPU runtime compiles for Colab's free
+  one, a T4, without a Triton call."""
+  nb = _item(cuda_results, "notebook")
+  model = nb["model"]
+  # The notebook's accelerator branch: bfloat16 compute, a model with AFT-local kernels.
+  assert model["dtype"] == "bfloat16" and model["mixing"] in KERNEL_MIXINGS, model
+  kernels = _item(cuda_results, "kernels")
+  _check_step(nb[name], name, model, nb["batch_size"], nb["seq_len"], kernels)
+
+
+# --------------------------------------------------------------------------- 3. safety net
+
+
+def test_safety_net_falls_back_to_xla_and_explicit_pallas_fails(cuda_results):
+  """Should impl="auto" ever choose kernels a GPU refuses (here: a T4 with the capability rule
+  lowered to 7.0), build_trainer says so in one line and trains on impl='xla' (whose step
+  compiles); an explicit impl="pallas" is not rescued: compiling its step raises."""
+  net = _item(cuda_results, "safety_net")
+  auto = _compiled(net["auto"], "the fallback trainer's step")
+  assert len(auto["said"]) == 1 and "\n" not in auto["said"][0], auto["said"]
+  line = auto["said"][0]
+  assert "did not compile" in line and "impl='xla'" in line, line
+  assert auto["impl"] == "xla" and auto["calls"] == [], auto
+  explicit = net["explicit"]
+  assert explicit["ok"], f"impl='pallas' did not even lower: {explicit['error']}"
+  # The lowered step held the kernels (the patch made them look allowed), so the error came
+  # from compiling them for the T4, not from the op refusing impl="pallas".
+  assert explicit["triton"] > 0, explicit
+  assert explicit["raised"] is not None, "impl='pallas' compiled for a T4"
+
+
+# --------------------------------------------------------------------------- 4. TPU
+
+
+@pytest.mark.parametrize("name", ["v5e", "v6e"])
+def test_tpu_kernel_compiles_and_needs_less_memory_than_xla(tpu_results, name):
+  """The Mosaic AFT-simple kernel at a long sequence compiles for ``name``, forward and
+  forward+backward, holding the calls (and grids of ``config_for``) of its jaxpr, and XLA's
+  buffer assignment gives it less temp memory than the XLA path (its reason to exist)."""
+  item = _item(tpu_results, "tpu_kernel")
+  assert item["shape"] == [1, 16384, 512] and item["dtype"] == "bfloat16", item
+  res, (b, t, d) = item[name], item["shape"]
+  cfg = pallas_simple_tpu.config_for(d, b)
+  count = {}
+  for mode in ("fwd", "grad"):
+    kernel = _compiled(res[f"pallas_{mode}"], f"the TPU kernel ({mode}) for {name}")
+    xla = _compiled(res[f"xla_{mode}"], f"the XLA path ({mode}) for {name}")
+    count[mode] = kernel["mosaic"]
+    assert kernel["mosaic"] == len(kernel["jaxpr_kernels"]) >= 1, (name, mode, kernel)
+    for _, *grid in kernel["jaxpr_kernels"]:
+      assert grid == [b, d // cfg.block_d, t // cfg.block_t], (name, mode, grid)
+    assert xla["mosaic"] == 0 and xla["jaxpr_kernels"] == [], (name, mode, xla)
+    assert kernel["temp_bytes"] < xla["temp_bytes"], (name, mode)
+  assert count["grad"] > count["fwd"], count
+
+
+def test_tpu_lm_train_step_compiles_for_v5e(tpu_results):
+  """The quickstart LM with AFT-simple and impl="pallas" compiles its train step for a v5e,
+  one forward+backward kernel set per layer."""
+  res = _item(tpu_results, "train_step")
+  model = res["model"]
+  assert model["mixing"] == "aft_simple" and model["impl"] == "pallas", model
+  assert model["d_model"] % pallas_simple_tpu.LANES == 0, model
+  step = _compiled(res["step"], "the AFT-simple LM train step for v5e")
+  per_layer = len(_item(tpu_results, "tpu_kernel")["v5e"]["pallas_grad"]["jaxpr_kernels"])
+  assert step["impl"] == "pallas" and step["mosaic"] == model["num_layers"] * per_layer, step
