@@ -25,7 +25,11 @@ def test_readme_opens_with_the_quickstart_and_the_test_command():
   assert install_and_train.startswith("python3 -m pip install -e . && python3 train.py")
   assert "--config configs/quickstart.py" in install_and_train
   assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))
-  assert install_and_test.startswith('python3 -m pip install -e ".[test]" && python3 -m pytest')
+  # The deviceless compile tests need the GPU/TPU compilers, which the command installs first.
+  assert install_and_test.startswith(
+    'python3 -m pip install -e ".[test]" && python3 -m aft_jax.deviceless install && '
+    "python3 -m pytest"
+  )
   ci = open(os.path.join(ROOT, ".ci", "run")).read()
   assert install_and_test in ci
 
