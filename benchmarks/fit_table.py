@@ -121,7 +121,8 @@ def render() -> str:
     "(jax's default preallocation, `XLA_PYTHON_CLIENT_MEM_FRACTION`); a TPU, 95% of its HBM.",
     "Each recipe as shipped (float32, its batch, its mesh: data parallel over the devices); `x8`",
     "splits the batch over 8 devices. `>N ✗`: XLA's TPU compiler refused the step, naming N GiB",
-    "of temporaries. Regenerate: `python -m benchmarks.fit_table`.",
+    "of temporaries. `—`: not compiled yet (the run is resumable). Regenerate:",
+    "`python -m benchmarks.fit_table`.",
     "",
   ]
   cols = [f"{t} x{n}" for t in TARGETS for n in DEVICES]
