@@ -2,29 +2,32 @@
 
     Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w[t, t']) V_t' / sum_t' exp(K_t' + w[t, t'])
 
-Modules:
+Packages and modules, lowest first (each imports only those above it):
   ops        the AFT maths as pure functions (aft_full, aft_local, aft_simple, aft_conv1d/2d)
+             and their Pallas kernels
   layers     Flax linen modules: AFTFull, AFTLocal, AFTSimple, AFTConv1D, AFTConv2D and the
              softmax MultiHeadAttention baseline, with incremental decoding
-  model      the decoder-only language model (ModelConfig, TransformerLM)
-  adaptive   adaptive input and adaptive softmax
-  data, sharding, train_lib, decode   the trainer's pieces (imported on demand)
-  generate, evaluate, export           commands for a trained run (python -m aft_jax.<name>)
+  model      the decoder-only language model (ModelConfig, TransformerLM); adaptive: adaptive
+             input and softmax; decode: sampling
+  data, sharding, workdir, deviceless   corpora, device meshes, a run's files, compiling for
+             devices that are not here (imported on demand)
+  trainer    train_and_evaluate, checkpoints, the command line (aft-train)
+  tools      generate, evaluate, export: commands for a trained run
 
-load_pretrained(path) -> (model, params, vocab) reads a file written by aft_jax.export.
+load_pretrained(path) -> (model, params, vocab) reads a file written by aft_jax.tools.export.
 """
 
 from aft_jax import adaptive, layers, model, ops
 
 
 def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``python -m aft_jax.export``.
+  """(model, params, vocab) from a file written by ``python -m aft_jax.tools.export``.
 
   ``model`` is an ``aft_jax.model.TransformerLM``, ``params`` its parameters, ``vocab`` its
   ``aft_jax.data.Vocab``; needs neither Orbax nor the run's workdir nor its dataset.
   """
-  # Imported here, not at the top, so that `python -m aft_jax.export` runs a fresh module.
-  from aft_jax import export  # pylint: disable=g-import-not-at-top
+  # Imported here, not at the top, so that `python -m aft_jax.tools.export` runs a fresh module.
+  from aft_jax.tools import export  # pylint: disable=g-import-not-at-top
 
   return export.load_pretrained(path)
 

@@ -14,6 +14,7 @@ each token past ``max_len`` costs one forward pass of ``max_len`` tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -21,15 +22,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aft_jax.typed_config import TypedConfig
+
+
+def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[str]:
+  """One line per bad sampling argument, named as the argument ("top_k = -1 must be ...")."""
+  errors = []
+  if not temperature >= 0:
+    errors.append(f"temperature = {temperature} must be >= 0 (0: greedy)")
+  if top_k < 0:
+    errors.append(f"top_k = {top_k} must be >= 0 (0: all tokens)")
+  if not 0 < top_p <= 1:
+    errors.append(f"top_p = {top_p} must be in (0, 1] (1: all tokens)")
+  return errors
+
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-  """One-line ValueErrors naming the bad sampling argument."""
-  if not temperature >= 0:
-    raise ValueError(f"temperature = {temperature} must be >= 0 (0: greedy)")
-  if top_k < 0:
-    raise ValueError(f"top_k = {top_k} must be >= 0 (0: all tokens)")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"top_p = {top_p} must be in (0, 1] (1: all tokens)")
+  """A one-line ValueError naming the first bad sampling argument."""
+  errors = sampling_problems(temperature, top_k, top_p)
+  if errors:
+    raise ValueError(errors[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig(TypedConfig):
+  """``config.sample``: the sample a training run prints at its end (``train_lib.sample``)."""
+
+  WHERE = "sample"
+
+  prompt: str = ""  # text to continue ('' starts after an end-of-line)
+  length: int = 200  # tokens to generate (0: no sample)
+  temperature: float = 0.8  # 0: greedy
+  top_k: int = 0  # sample among the k most likely tokens (0: all)
+
+  def _value_problems(self) -> list[str]:
+    errors = [] if self.length >= 0 else [f"{self.key('length')} = {self.length} must be >= 0"]
+    return errors + [
+      f"config.sample.{e}" for e in sampling_problems(self.temperature, self.top_k, 1)
+    ]
 
 
 def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):

@@ -16,8 +16,9 @@ switch its mixing layer by name, and every parameter carries logical axis names 
 Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
 and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
 denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
-AFT-full and softmax attention all past keys and values. Initialise the cache with
-``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input.
+AFT-full and softmax attention all past keys and values. The AFT layers' steps are the pure
+functions of ``aft_jax.ops.step`` (``ops.aft_simple_step``, ...) on that state. Initialise the
+cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax import ops
-from aft_jax.ops import logsumexp as lse
 
 Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
@@ -64,56 +64,39 @@ def _check_decode_input(module, x):
     )
 
 
-def _decode_cache(module, **specs):
-  """The layer's "cache" collection for decoding: one variable per ``name=(shape, dtype, fill)``
-  plus "index", the number of tokens seen so far.
+def _cached_step(module, init, step):
+  """``step(state) -> (y, state)`` on the decoding state kept in the layer's "cache" collection:
+  one variable per leaf of ``init()``, the state before any token (a NamedTuple or dict of
+  arrays), named by its field (m, num, den, keys, values, index).
 
-  Returns ``(cache, index)``: a dict of the variables and the index variable, or ``None`` while
-  the cache is being initialised (``model.init(..., decode=True)``: shapes only, no step).
+  Returns y, or None while the cache is being initialised (``model.init(..., decode=True)``:
+  shapes only, no step).
   """
-  ready = module.has_variable("cache", "index")
-  cache = {
-    name: module.variable("cache", name, jnp.full, shape, fill, dtype)
-    for name, (shape, dtype, fill) in specs.items()
-  }
-  index = module.variable("cache", "index", jnp.zeros, (), jnp.int32)
-  return (cache, index) if ready else None
-
-
-def _ring_window(module, k, v, size: int, axis: int):
-  """Decoding cache of a causal window: the last ``size`` keys/values in a ring buffer along
-  ``axis``, and the bias-free prefix triple (``logsumexp.Acc``) of every older position.
-
-  k: one token's keys ``[..., H]``; v: its values ``[..., H]`` or ``[..., H, C]`` (float32).
-  Returns ``(prefix, keys, values, age, t)`` with ``age[j] = t - position held in slot j``, or
-  None while the cache is being initialised.
-  """
-  ring = lambda x: x.shape[:axis] + (size,) + x.shape[axis:]
-  f32 = jnp.float32
-  setup = _decode_cache(
-    module,
-    keys=(ring(k), f32, 0.0),
-    values=(ring(v), f32, 0.0),
-    m=(k.shape, f32, lse.NEG),
-    num=(v.shape, f32, 0.0),
-    den=(k.shape, f32, 0.0),
-  )
-  if setup is None:
+  paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
+  names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
+  ready = module.has_variable("cache", names[0])
+  leaf = lambda i: jax.tree.leaves(init())[i]
+  cells = [module.variable("cache", name, leaf, i) for i, name in enumerate(names)]
+  if not ready:
     return None
-  c, index = setup
-  t = index.value
-  slot = t % size
-  # The key leaving the window (position t - size) joins the bias-free prefix sum.
-  old_k = jax.lax.dynamic_index_in_dim(c["keys"].value, slot, axis, keepdims=False)
-  old_v = jax.lax.dynamic_index_in_dim(c["values"].value, slot, axis, keepdims=False)
-  prefix = lse.add(lse.Acc(c["m"].value, c["num"].value, c["den"].value), old_k, old_v, t >= size)
-  c["m"].value, c["num"].value, c["den"].value = prefix
-  for name, x in (("keys", k), ("values", v)):
-    c[name].value = jax.lax.dynamic_update_slice_in_dim(
-      c[name].value, jnp.expand_dims(x, axis), slot, axis
-    )
-  index.value = t + 1
-  return prefix, c["keys"].value, c["values"].value, (slot - jnp.arange(size)) % size, t
+  y, state = step(jax.tree.unflatten(tree, [c.value for c in cells]))
+  for cell, x in zip(cells, jax.tree.leaves(state)):
+    cell.value = x
+  return y
+
+
+def _decode_token(module, q, k, v, init, step, token_axis: int = -2):
+  """A decoding step of an AFT layer on one token, q, k, v ``[..., 1, *channels]``:
+  ``step(state, q_t, k_t, v_t) -> (y_t, state)`` (an ``aft_jax.ops`` step) on the state kept in
+  the cache (``_cached_step``), ``init(q_t, k_t, v_t)`` before the first token.
+
+  token_axis: the token's axis in q (in k and v the same axis counted from the front).
+  Returns y ``[..., 1, *channels]``, or q while the cache is being initialised.
+  """
+  axis = token_axis % q.ndim
+  q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
+  y = _cached_step(module, lambda: init(q_t, k_t, v_t), lambda s: step(s, q_t, k_t, v_t))
+  return q if y is None else jnp.expand_dims(y, axis)
 
 
 def _head_features(module, x):
@@ -239,19 +222,9 @@ class AFTFull(_PositionBias):
     )
 
   def _step(self, q, k, v):
-    shape = q.shape[:-2] + (self.max_len, q.shape[-1])
-    setup = _decode_cache(self, keys=(shape, jnp.float32, 0.0), values=(shape, jnp.float32, 0.0))
-    if setup is None:
-      return q
-    (keys, values), index = setup[0].values(), setup[1]
-    t = index.value
-    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k.astype(jnp.float32), t, -2)
-    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v.astype(jnp.float32), t, -2)
-    index.value = t + 1
-    logits = keys.value + self.bias_row(t)[:, None]
-    valid = (jnp.arange(self.max_len) <= t)[:, None]
-    acc = lse.from_terms(logits, values.value, valid, axis=keys.value.ndim - 2)
-    return lse.output(q[..., 0, :].astype(jnp.float32), acc)[..., None, :].astype(q.dtype)
+    init = lambda q_t, *_: ops.aft_full_init(q_t.shape, self.max_len)
+    step = lambda s, *qkv: ops.aft_full_step(s, *qkv, self.bias_row(s.index))
+    return _decode_token(self, q, k, v, init, step)
 
 
 class AFTLocal(_PositionBias):
@@ -288,16 +261,10 @@ class AFTLocal(_PositionBias):
     )
 
   def _step(self, q, k, v):
-    axis = q.ndim - 2
-    f32 = lambda a: a[..., 0, :].astype(jnp.float32)
-    cache = _ring_window(self, f32(k), f32(v), min(self.window, self.max_len), axis)
-    if cache is None:
-      return q
-    prefix, keys, values, age, t = cache
-    pos = t - age
-    bias = self.bias_row(t)[jnp.clip(pos, 0, self.max_len - 1)]
-    band = lse.from_terms(keys + bias[:, None], values, (pos >= 0)[:, None], axis=axis)
-    return lse.output(f32(q), lse.combine(prefix, band))[..., None, :].astype(q.dtype)
+    # T <= max_len: a window past max_len holds every position, as one of max_len does.
+    init = lambda q_t, *_: ops.aft_local_init(q_t.shape, min(self.window, self.max_len))
+    step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
+    return _decode_token(self, q, k, v, init, step)
 
 
 class AFTSimple(_AFTChannels):
@@ -313,19 +280,8 @@ class AFTSimple(_AFTChannels):
     )
 
   def _step(self, q, k, v):
-    shape = q.shape[:-2] + q.shape[-1:]
-    f32 = jnp.float32
-    setup = _decode_cache(
-      self, m=(shape, f32, lse.NEG), num=(shape, f32, 0.0), den=(shape, f32, 0.0)
-    )
-    if setup is None:
-      return q
-    c, index = setup
-    one = lambda a: a[..., 0, :].astype(f32)
-    acc = lse.add(lse.Acc(c["m"].value, c["num"].value, c["den"].value), one(k), one(v))
-    c["m"].value, c["num"].value, c["den"].value = acc
-    index.value = index.value + 1
-    return lse.output(one(q), acc)[..., None, :].astype(q.dtype)
+    init = lambda q_t, *_: ops.aft_simple_init(q_t.shape)
+    return _decode_token(self, q, k, v, init, ops.aft_simple_step)
 
 
 class _ConvKernel(nn.Module):
@@ -411,20 +367,9 @@ class AFTConv1D(_AFTConvBase):
     return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal, impl=self.impl), d_model)
 
   def _step(self, q, k, v, kernel):
-    axis = q.ndim - 3
-    cache = _ring_window(
-      self,
-      k[..., 0, :].astype(jnp.float32),
-      v[..., 0, :, :].astype(jnp.float32),
-      self.kernel_size,
-      axis,
-    )
-    if cache is None:
-      return q
-    prefix, keys, values, age, t = cache  # slot j holds position t - age[j]: kernel entry age[j]
-    band = lse.from_terms(keys + kernel.T[age], values, (t - age >= 0)[:, None], axis=axis)
-    y = lse.output(q[..., 0, :, :].astype(jnp.float32), lse.combine(prefix, band))
-    return y[..., None, :, :].astype(q.dtype)
+    init = lambda _, k_t, v_t: ops.aft_conv1d_init(k_t.shape, v_t.shape, self.kernel_size)
+    step = lambda s, *qkv: ops.aft_conv1d_step(s, *qkv, kernel)
+    return _decode_token(self, q, k, v, init, step, token_axis=-3)
 
 
 class AFTConv2D(_AFTConvBase):
@@ -517,14 +462,18 @@ class MultiHeadAttention(nn.Module):
 
   def _step(self, q, k, v):
     b, _, h, dh = q.shape
-    shape = (b, self.max_len, h, dh)
-    setup = _decode_cache(self, keys=(shape, k.dtype, 0.0), values=(shape, v.dtype, 0.0))
-    if setup is None:
-      return q
-    (keys, values), index = setup[0].values(), setup[1]
-    t = index.value
-    keys.value = jax.lax.dynamic_update_slice_in_dim(keys.value, k, t, 1)
-    values.value = jax.lax.dynamic_update_slice_in_dim(values.value, v, t, 1)
-    index.value = t + 1
-    mask = (jnp.arange(self.max_len) <= t)[None, None, None, :]
-    return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)
+    zeros = lambda x: jnp.zeros((b, self.max_len, h, dh), x.dtype)
+
+    def step(cache):
+      t = cache["index"]
+      keys, values = (
+        jax.lax.dynamic_update_slice_in_dim(cache[n], x, t, 1)
+        for n, x in (("keys", k), ("values", v))
+      )
+      mask = (jnp.arange(self.max_len) <= t)[None, None, None, :]
+      y = jax.nn.dot_product_attention(q, keys, values, mask=mask)
+      return y, {"keys": keys, "values": values, "index": t + 1}
+
+    init = lambda: {"keys": zeros(k), "values": zeros(v), "index": jnp.zeros((), jnp.int32)}
+    y = _cached_step(self, init, step)
+    return q if y is None else y

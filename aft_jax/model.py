@@ -52,10 +52,9 @@ class ModelConfig:
   dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
   dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
   param_dtype: Any = "float32"  # parameters (and optimizer state)
-  # The mixing layer's implementation. AFT: 'auto' (Pallas kernels where one exists on a GPU
-  # of compute capability >= 8.0, XLA elsewhere), 'xla', 'pallas' (an error where no kernel
-  # exists) or 'pallas_interpret' (the kernels on CPU). softmax: 'auto' (jax's choice: XLA),
-  # 'xla' or 'cudnn' (cuDNN flash attention: a GPU and bfloat16)
+  # The mixing layer's implementation. AFT: one of ops.IMPLS, chosen per op and device as the
+  # aft_jax.ops docstring says ("Implementations"). softmax: 'auto' (jax's choice: XLA), 'xla'
+  # or 'cudnn' (cuDNN flash attention: a GPU and bfloat16)
   impl: str = "auto"
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers

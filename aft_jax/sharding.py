@@ -13,6 +13,7 @@ nothing about the model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -21,6 +22,8 @@ from absl import logging
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from aft_jax.typed_config import TypedConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -42,14 +45,40 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(TypedConfig):
+  """``config.mesh``: the device mesh; data x fsdp x tensor = the number of devices."""
+
+  WHERE = "mesh"
+
+  data: int = -1  # data parallelism; -1: all remaining devices
+  fsdp: int = 1  # data parallelism with sharded parameters and optimizer state
+  tensor: int = 1  # tensor parallelism (MLP units, AFT channels, heads, vocabulary)
+
+  def _value_problems(self) -> list[str]:
+    sizes = tuple(getattr(self, a) for a in MESH_AXES)
+    if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+      return [
+        f"mesh: data, fsdp, tensor = {sizes}: each must be a positive int, and at most one of "
+        "them may be -1 (all remaining devices)"
+      ]
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class RulesConfig(TypedConfig):
+  """``config.logical_axis_rules``: logical axis name -> mesh axes, as a list of [name, axes]
+  pairs (only settable in a config file); ``rules_from_config`` reads it."""
+
+  logical_axis_rules: list = dataclasses.field(
+    default_factory=lambda: [list(r) for r in DEFAULT_RULES]
+  )
+
+
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   """(data, fsdp, tensor) from a config with those fields; one of them may be -1 (the rest)."""
-  sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
-  if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(
-      f"mesh: data, fsdp, tensor = {tuple(sizes)}: each must be a positive int, and at most "
-      "one of them may be -1 (all remaining devices)"
-    )
+  cfg = MeshConfig(**{a: int(getattr(mesh_cfg, a)) for a in MESH_AXES}).validate()
+  sizes = [getattr(cfg, a) for a in MESH_AXES]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
@@ -64,6 +93,23 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
       f"not match the {num_devices} available devices"
     )
   return tuple(sizes)
+
+
+def check_batch_split(mesh: Mesh, **batch_sizes: int) -> None:
+  """Each global batch size (``batch_size=16``) must split evenly over the data-parallel
+  devices (mesh data x fsdp), and those over the processes: each process feeds its own rows."""
+  dp = data_parallel_size(mesh)
+  for name, size in batch_sizes.items():
+    if size % dp:
+      raise ValueError(
+        f"{name} = {size} is not divisible by the {dp} data-parallel devices (mesh data x fsdp)"
+      )
+  if dp % jax.process_count():
+    raise ValueError(
+      f"mesh data x fsdp = {dp} is not a multiple of the {jax.process_count()} "
+      "processes: each process feeds its own rows of the batch, so give the "
+      "data or fsdp axis at least one slot per process"
+    )
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:

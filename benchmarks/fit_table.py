@@ -5,7 +5,7 @@
 For each recipe (every mixing layer of configs/enwik8.py at 24 x 256 and the paper's two at
 12 x 512, every one of configs/wikitext103.py, and the quickstart) and each target of
 ``aft_jax.deviceless`` (the CPU excepted), the train and evaluation steps are compiled for 1
-and for 8 devices (the recipe's mesh: data parallel) with ``aft_jax.dry_run.compile_steps``:
+and for 8 devices (the recipe's mesh: data parallel) with ``aft_jax.trainer.dry_run.compile_steps``:
 XLA's buffer assignment per device, not a measurement on a GPU or TPU. The rows of one
 platform are compiled in one process started in ``deviceless.environment``, the two platforms
 side by side; each row is written to the JSON as it is done, so a stopped run resumes.
@@ -58,7 +58,7 @@ def _row_key(row) -> tuple:
 
 def compile_rows(kind: str) -> None:
   """Compiles every missing row of ``kind``'s targets (in a process of that environment)."""
-  from aft_jax import dry_run
+  from aft_jax.trainer import dry_run
 
   rows = _load()
   done = {_row_key(r) for r in rows}

@@ -59,6 +59,7 @@ import tempfile
 import time
 
 from aft_jax import deviceless, files
+from aft_jax.ops import target as ops_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,7 @@ def triton_calls(module) -> list[dict]:
         for child in block.operations:
           if child.operation.name == "stablehlo.custom_call":
             target = ir.StringAttr(child.attributes["call_target_name"]).value
-            if target == "__gpu$xla.gpu.triton":
+            if target == ops_target.TRITON_CALL:
               cfg = ir.DictAttr(child.attributes["mhlo.backend_config"])
               num = lambda key: int(ir.IntegerAttr(cfg[key]).value)
               calls.append(

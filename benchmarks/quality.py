@@ -23,9 +23,10 @@ import time
 
 import numpy as np
 
-from aft_jax import metrics, train_lib
-from aft_jax.default_config import get_config, override
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.default_config import get_config, override
 from aft_jax.model import MIXINGS
+from aft_jax.workdir import Workdir
 from benchmarks import common
 
 # The paper's order (Table 4: Transformer, AFT-local-32, AFT-simple), then the other two.
@@ -91,7 +92,7 @@ def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   start = time.perf_counter()
   results = train_lib.train_and_evaluate(config, workdir)
   wall = time.perf_counter() - start
-  records = metrics.read_metrics(workdir)
+  records = Workdir(workdir).read_metrics()
   # The first logged interval includes compilation: tokens/s is the median of the others.
   speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
   ln2 = math.log(2)

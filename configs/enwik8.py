@@ -49,7 +49,7 @@ softmax ~28 GiB). On one 80 GB GPU: ``--config.model.remat=True`` (6.7 GiB for A
 H100) or ``--config.batch_size=32 --config.grad_accum_steps=4`` (the same batch; 32 GiB).
 """
 
-from aft_jax.default_config import get_config as _base
+from aft_jax.trainer.default_config import get_config as _base
 from aft_jax.model import MIXINGS
 
 # size -> (layers, d_model, heads): Table 4's two settings (heads are the Transformer's).

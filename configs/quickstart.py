@@ -7,7 +7,7 @@ and a higher peak rate with a longer warmup trains stably; max_len = seq_len, so
 reaches positions that training did not (past 64 bytes the context slides).
 """
 
-from aft_jax.default_config import get_config as _base
+from aft_jax.trainer.default_config import get_config as _base
 
 
 def get_config():

@@ -46,7 +46,7 @@ window 32 is the AFT paper's; AFT-conv1d's 8 heads and kernel 31 are our choice 
 WikiText-103 AFT runs exist in this setting).
 """
 
-from aft_jax.default_config import get_config as _base
+from aft_jax.trainer.default_config import get_config as _base
 from aft_jax.model import MIXINGS
 
 

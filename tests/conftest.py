@@ -31,7 +31,7 @@ def trained_run(tmp_path_factory):
   import contextlib
   import io
 
-  from aft_jax import train_lib
+  from aft_jax.trainer import train_lib
 
   path = str(tmp_path_factory.mktemp("trained") / "run")
   config = tiny_config(

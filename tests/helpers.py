@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_config(**overrides):
   """The quickstart recipe shrunk to one small layer; ``overrides`` use dotted keys."""
-  from aft_jax.default_config import get_config, override
+  from aft_jax.trainer.default_config import get_config, override
 
   config = get_config()
   config.data.dataset = "pydoc"
@@ -36,7 +36,7 @@ def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
 
 def config_flags(config):
   """Command-line overrides that turn configs/quickstart.py into ``config``."""
-  from aft_jax.config_check import flatten
+  from aft_jax.typed_config import flatten
 
   out = []
   for key, value in flatten(config.to_dict()).items():
@@ -64,7 +64,14 @@ def param_count(tree) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(nn.unbox(tree)))
 
 
-TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
+def __getattr__(name: str):
+  """``TRITON``: the custom call of a Pallas Triton kernel (``target.TRITON_CALL``), read when
+  first asked for, so that importing this module imports no jax."""
+  if name == "TRITON":
+    from aft_jax.ops import target
+
+    return target.TRITON_CALL
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
@@ -81,16 +88,20 @@ def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
   )
 
 
-def export_for(fn, *args, platform="cuda", calls=(TRITON,), donate_argnums=(), device=None):
+def export_for(fn, *args, platform="cuda", calls=None, donate_argnums=(), device=None):
   """``jax.export`` of ``jax.jit(fn)`` for ``platform`` ("cuda" or "tpu") on this CPU machine,
-  allowing the custom ``calls``, under an abstract ``device`` (``on_target``; by default for
-  Triton kernels an H200, whose kernels ``impl="auto"`` takes, and for TPU a v5e; cuDNN
-  attention refuses an abstract device, so without Triton calls it lowers without one)."""
+  allowing the custom ``calls`` (default: Triton's), under an abstract ``device``
+  (``on_target``; by default for Triton kernels an H200, whose kernels ``impl="auto"`` takes,
+  and for TPU a v5e; cuDNN attention refuses an abstract device, so without Triton calls it
+  lowers without one)."""
   import contextlib
 
   import jax
 
-  if device is None and platform == "cuda" and TRITON in calls:
+  from aft_jax.ops.target import TRITON_CALL
+
+  calls = (TRITON_CALL,) if calls is None else calls
+  if device is None and platform == "cuda" and TRITON_CALL in calls:
     device = "NVIDIA H200"
   elif device is None and platform == "tpu":
     device = "TPU v5 lite"

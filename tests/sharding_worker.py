@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tests.helpers import tiny_config  # noqa: E402
 from aft_jax import data as data_lib  # noqa: E402
-from aft_jax import checkpointing, sharding, train_lib  # noqa: E402
+from aft_jax.trainer import checkpointing, train_lib  # noqa: E402
+from aft_jax import sharding  # noqa: E402
 from aft_jax.model import ModelConfig  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]

@@ -7,7 +7,7 @@ import ml_collections
 import pytest
 import importlib.util
 
-from aft_jax import config_check
+from aft_jax.trainer import checkpointing, config_check
 from aft_jax.model import MIXINGS, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,10 +128,10 @@ def test_resume_conflicts_ignore_only_harmless_keys():
   b = _quick()
   b.log_every_steps = 1
   b.max_consecutive_skips = 0
-  assert config_check.resume_conflicts(a, b.to_dict()) == []
+  assert checkpointing.resume_conflicts(a, b.to_dict()) == []
   b.model.d_model = 64
   b.seed = 3
-  conflicts = config_check.resume_conflicts(a, b.to_dict())
+  conflicts = checkpointing.resume_conflicts(a, b.to_dict())
   assert any(c.startswith("model.d_model: 128") for c in conflicts)
   assert any(c.startswith("seed: 0") for c in conflicts)
 
@@ -140,6 +140,6 @@ def test_the_schedule_length_is_a_resume_conflict():
   """A new num_train_steps would restart the cosine decay from another length."""
   b = _quick()
   b.num_train_steps = 5000
-  assert config_check.resume_conflicts(_quick().to_dict(), b.to_dict()) == [
+  assert checkpointing.resume_conflicts(_quick().to_dict(), b.to_dict()) == [
     "num_train_steps: 1000 in the workdir, 5000 now (the learning-rate schedule is built from it)"
   ]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from aft_jax.data import corpus as corpus_lib
+from aft_jax.data import pydoc as pydoc_lib
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.data.vocab import EOS, UNK, ByteVocab, WordVocab
 
@@ -110,7 +111,7 @@ def test_pydoc_corpus_byte_is_the_text():
   t0 = time.perf_counter()
   c = corpus_lib.pydoc_corpus("byte")
   assert time.perf_counter() - t0 < 1.0
-  text = corpus_lib.pydoc_text()
+  text = pydoc_lib.pydoc_text()
   assert len(text) > 100_000
   assert c.unit == "byte" and c.bos_id == ord("\n") and c.vocab.size == 256
   assert set(c.splits) == {"train", "validation", "test"}
@@ -132,8 +133,8 @@ def test_pydoc_corpus_deterministic_and_word_level():
   for s in a.splits:
     np.testing.assert_array_equal(a.splits[s], b.splits[s])
   assert a.unit == "word" and a.bos_id == a.vocab.eos_id
-  pieces = corpus_lib.split_at_lines(corpus_lib.pydoc_text(), corpus_lib.PYDOC_FRACTIONS)
-  assert "".join(pieces.values()) == corpus_lib.pydoc_text()
+  pieces = pydoc_lib.split_at_lines(pydoc_lib.pydoc_text(), pydoc_lib.PYDOC_FRACTIONS)
+  assert "".join(pieces.values()) == pydoc_lib.pydoc_text()
   # Train has no OOV; held-out words unseen in train map to <unk>.
   unk = a.vocab.unk_id
   assert unk is not None and not (a.splits["train"] == unk).any()

@@ -3,10 +3,10 @@ and ``impl="auto"`` chooses right for each of them:
 
 1. every kernel configuration ``impl="auto"`` can choose (each ``pallas_util.CONFIGS`` entry, for
    AFT-simple and for AFT-local with two windows), forward and forward+backward, float32 and
-   bfloat16, compiles for a T4 (sm_75) without a Triton call, and for an A100 (sm_80) and an
-   H100 (sm_90) with exactly the Triton calls the ops' jaxprs hold, each with the grid of the
-   configuration ``config_for`` chose; ``impl="pallas"`` for a T4 is a ValueError naming its
-   compute capability 7.5;
+   bfloat16, compiles for a T4 (sm_75) without a Triton call, and for an H100 (sm_90) with
+   exactly the Triton calls the ops' jaxprs hold, each with the grid of the configuration
+   ``config_for`` chose (an A100, sm_80, compiles them all in tests/test_kernel_resources.py);
+   ``impl="pallas"`` for a T4 is a ValueError naming its compute capability 7.5;
 2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.build_trainer`` as
    ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
    for an H100 with one kernel set per layer for AFT-local and AFT-simple; the notebook's GPU
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow
 # The CUDA worker needs ~4 CPU-minutes (two threads: ~2 min on 2 free cores), the TPU one
 # ~25 CPU-seconds; a hung compile must not hold CI for its whole job.
 TIMEOUT_S = 900
-GPUS = ("t4", "a100-80", "h100")
+GPUS = ("t4", "h100")  # sm_80: tests/test_kernel_resources.py compiles every kernel for it
 KERNEL_MIXINGS = {"aft_local", "aft_simple"}  # the mixing layers with Pallas GPU kernels
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 _FIXTURE = {"cuda": "cuda_results", "tpu": "tpu_results"}  # the fixture of each worker's JSON

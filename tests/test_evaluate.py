@@ -1,4 +1,4 @@
-"""aft_jax.evaluate on tiny trained runs, and what a run shows while it trains (the console's
+"""aft_jax.tools.evaluate on tiny trained runs, and what a run shows while it trains (the console's
 validation lines, the profiler trace, the config, settings and sample on TensorBoard)."""
 
 import contextlib
@@ -13,7 +13,8 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 
 from tests.helpers import tiny_config
-from aft_jax import evaluate, train_lib
+from aft_jax.tools import evaluate
+from aft_jax.trainer import train_lib
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nzzqqxx is not a word of the docs.\n"
 

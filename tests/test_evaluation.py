@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from tests.helpers import tiny_config
-from aft_jax import sharding, train_lib
+from aft_jax import sharding
+from aft_jax.trainer import evaluation, train_lib
 from aft_jax.model import ModelConfig
 
 
@@ -44,6 +45,6 @@ def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
 
 
 def test_eval_protocol_names_what_was_computed():
-  assert train_lib.eval_protocol(256, 1) == {"name": "sliding_window", "window": 256, "stride": 1}
+  assert evaluation.eval_protocol(256, 1) == {"name": "sliding_window", "window": 256, "stride": 1}
   for stride in (0, 256):
-    assert train_lib.eval_protocol(256, stride)["name"] == "disjoint_windows"
+    assert evaluation.eval_protocol(256, stride)["name"] == "disjoint_windows"

@@ -1,4 +1,4 @@
-"""aft_jax.export and aft_jax.load_pretrained: a trained run as one file, without Orbax."""
+"""aft_jax.tools.export and aft_jax.load_pretrained: a trained run as one file, without Orbax."""
 
 import json
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import aft_jax
-from aft_jax import export, workdir
+from aft_jax.tools import export
+from aft_jax.tools import trained
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(
   export.main(["--workdir", run_dir, "--out", out])
   assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
 
-  run = workdir.load_run(run_dir)
+  run = trained.load_run(run_dir)
   tokens_BT = np.asarray([run.vocab.encode("def main():\n    return 42")], np.int32)
   want = run.model.apply({"params": run.params}, tokens_BT)
 

@@ -1,4 +1,4 @@
-"""Sampling (aft_jax.decode) and its command (aft_jax.generate) on a tiny trained run."""
+"""Sampling (aft_jax.decode) and its command (aft_jax.tools.generate) on a tiny trained run."""
 
 import json
 import os
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT
-from aft_jax import decode, generate, workdir
+from aft_jax import decode
+from aft_jax.tools import generate, trained
 from aft_jax import data as data_lib
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import vocab as vocab_lib
@@ -29,7 +30,7 @@ def _greedy(run, prompt_BP, length):
 
 
 def test_generate_past_max_len_slides_and_keeps_the_non_sliding_prefix(run_dir):
-  run = workdir.load_run(run_dir)
+  run = trained.load_run(run_dir)
   max_len = run.model.cfg.max_len  # 32
   prompt_BP = np.asarray([run.vocab.encode("class Foo:\n")], np.int32)
   p = prompt_BP.shape[1]
@@ -119,7 +120,7 @@ def test_generate_command_on_a_config_only_workdir_creates_nothing(run_dir, tmp_
 def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path):
   missing = str(tmp_path / "nope")
   out = subprocess.run(
-    [sys.executable, "-m", "aft_jax.generate", "--workdir", missing, "--length", "5"],
+    [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", missing, "--length", "5"],
     cwd=ROOT,
     capture_output=True,
     text=True,

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, config_flags, tiny_config, train_py
-from aft_jax import metrics
+from aft_jax.workdir import Workdir
 
 STEPS = 4
 TIMEOUT_S = 300
@@ -110,7 +110,7 @@ def _tails(logs):
 
 
 def _losses(workdir):
-  return [r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r]
+  return [r["loss"] for r in Workdir(workdir).read_metrics() if "loss" in r]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""notebooks/quickstart.ipynb is committed clean, and it, the README and pyproject.toml agree on
-the repository. (tests/test_wheel.py runs the notebook, against the installed wheel.)"""
+"""notebooks/quickstart.ipynb is committed clean, and it, the README, docs/ and pyproject.toml agree
+on the repository. (tests/test_wheel.py runs the notebook, against the installed wheel.)"""
 
+import glob
 import os
 import re
 import tomllib
@@ -12,6 +13,7 @@ from tests.helpers import ROOT
 PATH = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 NOTEBOOK = nbformat.read(PATH, as_version=4)
 README = open(os.path.join(ROOT, "README.md")).read()
+DOCS = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
 PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
 URL = PYPROJECT["project"]["urls"]["Repository"]
 
@@ -32,15 +34,15 @@ def test_the_repository_url_is_the_one_in_pyproject():
     links = re.findall(r"https://colab\.research\.google\.com/github/[^)\s]+", text)
     assert links == [badge], (where, links)
   # Every pip source that names a repository names this one: the install cell's default and
-  # the README's install lines.
-  sources = re.findall(r"git\+(https://[^\s\"']+)", README + install_cell)
+  # the install lines of the README and docs/.
+  sources = re.findall(r"git\+(https://[^\s\"']+)", README + DOCS + install_cell)
   assert f'"aft-jax @ git+{URL}"' in install_cell
   assert sources and set(sources) == {URL}, sources
 
 
 def test_install_lines_for_each_platform_and_the_jax_the_notebook_names():
-  training = README[README.index("## Training") :]
-  first_block = training.split("```")[1]  # the section starts with the install lines
+  install = README[README.index("## Install") :]
+  first_block = install.split("```")[1]  # the section starts with the install lines
   joined = "\n".join(line for line in first_block.splitlines() if "pip install" in line)
   for extra in ("", "[cuda12]", "[tpu]"):
     assert f'"aft-jax{extra} @ git+{URL}"' in joined, extra
@@ -53,9 +55,9 @@ def test_install_lines_for_each_platform_and_the_jax_the_notebook_names():
 
 
 def test_every_recipe_the_notebook_and_readme_name_exists():
-  from aft_jax import recipes
+  from aft_jax.trainer import recipes
 
-  text = README + "".join(c.source for c in NOTEBOOK.cells)
+  text = README + DOCS + "".join(c.source for c in NOTEBOOK.cells)
   names = re.findall(r"aft-train --config ([\w:]+)", text)
   assert "quickstart" in names
   for name in names:

@@ -91,7 +91,7 @@ def test_auto_takes_xla_for_each_platform_without_kernels():
   CPU under an H200 target, the program takes the XLA branch and runs here; under a T4, one
   module for CPU and CUDA runs here too. Value and gradients equal XLA's. (A module for both
   CPU and CUDA *with* the kernels is refused by jax 0.10: pallas_call's CPU lowering rule
-  rejects compiled kernels in every branch; README, "Kernels".)"""
+  rejects compiled kernels in every branch; docs/kernels.md.)"""
   q, k, v, w = _inputs()
   fn = jax.value_and_grad(_loss(OPS["aft_local"]), argnums=(0, 1, 2, 3))
   want = jax.value_and_grad(

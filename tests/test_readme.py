@@ -34,6 +34,13 @@ def test_readme_opens_with_the_quickstart_and_the_test_command():
   assert install_and_test in ci
 
 
+def test_readme_is_a_front_page_that_says_how_to_ask_what_fits():
+  assert len(README.splitlines()) <= 300
+  section = README[README.index("## Does it fit my GPU?") :].split("\n## ")[0]
+  assert "python train.py --config " in section and "--dry_run --target NAME" in section
+  assert "[--num_devices N]" in section and "(docs/what_fits.md)" in section
+
+
 def test_using_the_layers_example_runs():
   (example,) = [b for b in _blocks("python") if "AFTLocal" in b]
   out = io.StringIO()

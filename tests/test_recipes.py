@@ -17,8 +17,8 @@ from tests import fake_enwik8
 from tests import fake_wikitext
 from benchmarks import quality
 from tests.helpers import ROOT
-from aft_jax import train_lib
-from aft_jax.default_config import override
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.default_config import override
 from aft_jax.model import MIXINGS
 
 ENWIK8_BYTES = 20_000  # any size is prepared like the real file: 18,000 / 1,000 / 1,000

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, config_flags, tiny_config, train_py
-from aft_jax import checkpointing, metrics, train_lib, workdir_lock
+from aft_jax.trainer import checkpointing, train_lib, workdir_lock
+from aft_jax.workdir import Workdir
 
 
 def _steps(workdir):
@@ -153,7 +154,7 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
   results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
   assert results["skipped_steps"] == 1
   assert np.isfinite(results["valid_loss"])
-  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
   assert [r["skipped_steps"] for r in records][-1] == 1
   assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
 
@@ -188,7 +189,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
 DISK_FULL = """
 import resource, signal, sys
 from tests.helpers import tiny_config
-from aft_jax import checkpointing, train_lib
+from aft_jax.trainer import checkpointing, train_lib
 orig, calls = checkpointing.save, []
 def save(*args):
   orig(*args)
@@ -242,7 +243,7 @@ def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkp
     train_lib.train_and_evaluate(config, workdir)
   assert _steps(workdir) == [2]
   # The steps since the last log line (step 6) are written too: they show the divergence.
-  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
   assert [r["step"] for r in records][:2] == [3, 6] and records[-1]["step"] >= 8, records
   assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 5
 
@@ -343,7 +344,7 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
   assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}
   for n in (4, 5):
     assert events.index(("read", n - 3)) < events.index(("dispatch", n)), events
-  records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
   assert [r["step"] for r in records] == [5] and np.isfinite(records[0]["loss"])
 
 
@@ -368,7 +369,7 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
   """With several processes JAX's preemption sync manager owns SIGTERM (its handler stays) and
   names the stop step; a Ctrl-C is exchanged at log steps only (no collective on other steps)."""
-  from aft_jax import preemption
+  from aft_jax.trainer import preemption
 
   monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
   gathered, sync_steps = [], []

@@ -45,7 +45,7 @@ def test_bad_mesh_is_refused(cfg, devices, message):
 
 
 def test_rules_from_config_round_trips_the_default():
-  from aft_jax.default_config import get_config
+  from aft_jax.trainer.default_config import get_config
 
   assert sharding.rules_from_config(get_config().logical_axis_rules) == sharding.DEFAULT_RULES
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, config_flags, tiny_config, train_py
-from aft_jax import metrics, train_lib
+from aft_jax.trainer import train_lib
+from aft_jax.workdir import Workdir
 
 
 def _losses(workdir):
-  return {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+  return {r["step"]: r["loss"] for r in Workdir(workdir).read_metrics() if "loss" in r}
 
 
 def test_train_py_two_steps_then_generate(tmp_path):
@@ -45,7 +46,7 @@ def test_train_py_two_steps_then_generate(tmp_path):
     [
       sys.executable,
       "-m",
-      "aft_jax.generate",
+      "aft_jax.tools.generate",
       "--workdir",
       workdir,
       "--prompt",

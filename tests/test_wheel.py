@@ -24,7 +24,7 @@ from nbclient import NotebookClient
 
 from tests.helpers import ROOT, config_flags, tiny_config
 
-from aft_jax import recipes
+from aft_jax.trainer import recipes
 
 PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
 

@@ -6,8 +6,8 @@ Importing this package does not import TFDS (slow to import): the builders
 `load_corpus` imports JAX's multi-host utilities only when it needs a barrier.
 """
 
+from aft_jax.data.config import DATASETS, DataConfig
 from aft_jax.data.corpus import (
-  DATASETS,
   Corpus,
   default_data_dir,
   load_corpus,
@@ -22,6 +22,7 @@ __all__ = [
   "ByteVocab",
   "Corpus",
   "DATASETS",
+  "DataConfig",
   "TrainIterator",
   "Vocab",
   "WordVocab",

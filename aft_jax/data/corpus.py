@@ -3,7 +3,7 @@
 Datasets:
 * 'pydoc': the documentation shipped with CPython (`pydoc_data.topics.topics`,
   values concatenated in sorted-key order, ~420 KB once its ASCII tables, rule
-  lines and grammar productions are dropped: see `pydoc_text`). Needs no
+  lines and grammar productions are dropped: see `aft_jax.data.pydoc`). Needs no
   download and no writes, builds in well under a second. Split at line ends into train (first
   80%), test (next 10%) and validation (last 10%) of the characters. Byte-level
   by default; word-level builds its vocabulary from train plus `<unk>`, and
@@ -21,18 +21,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from aft_jax.data import store
+from aft_jax.data import pydoc, store
+from aft_jax.data.config import DataConfig
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
 
-PYDOC_FRACTIONS = {"train": 0.8, "test": 0.1, "validation": 0.1}  # in text order
-DATASETS = ("pydoc", "wikitext103", "enwik8")
 DATA_DIR_ENV = "AFT_JAX_DATA"
 BARRIER_NAME = "aft_jax.data.prepare"
 
@@ -56,11 +54,6 @@ class Corpus:
   vocab: vocab_lib.Vocab
   splits: Mapping[str, np.ndarray]
   bos_id: int
-
-
-def _get(cfg, field: str, default=None):
-  value = cfg.get(field, default) if isinstance(cfg, Mapping) else getattr(cfg, field, default)
-  return default if value is None else value
 
 
 def default_data_dir() -> str:
@@ -101,34 +94,24 @@ def load_corpus(
   processes write the same files. Process 0 reaches the barrier even when
   preparing fails, so the others stop with an error instead of waiting forever.
   """
-  dataset = _get(cfg, "dataset", "pydoc")
-  if dataset == "pydoc":
-    return pydoc_corpus(_get(cfg, "tokenizer", "byte"))
-  if dataset not in DATASETS:
-    raise ValueError(f"cfg.dataset must be one of {DATASETS}, got {dataset!r}")
+  cfg = DataConfig.of(cfg).validate()
+  if cfg.dataset == "pydoc":
+    return pydoc_corpus(cfg.tokenizer)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  data_dir = resolve_data_dir(_get(cfg, "data_dir", ""))
-  official = _get(cfg, "official", "auto")
-  if official not in prepare.OFFICIAL_CHOICES:
-    raise ValueError(
-      f"cfg.official must be one of {tuple(prepare.OFFICIAL_CHOICES)}, got {official!r}"
-    )
+  data_dir = resolve_data_dir(cfg.data_dir)
   kwargs = {
-    "manual_dir": _get(cfg, "manual_dir") or None,
-    "official": prepare.OFFICIAL_CHOICES[official],
+    "manual_dir": cfg.manual_dir or None,
+    "official": prepare.OFFICIAL_CHOICES[cfg.official],
   }
-  if dataset == "enwik8":
-    if _get(cfg, "tokenizer", "byte") != "byte":
-      raise ValueError("enwik8 is byte-level: cfg.tokenizer must be 'byte'")
+  if cfg.dataset == "enwik8":
     name = prepare.ENWIK8_NAME
     prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731
   else:
-    tokenizer = _get(cfg, "tokenizer", "word")
-    variant = prepare.resolve_variant(tokenizer, _get(cfg, "variant"))
-    name = prepare.corpus_name(variant, tokenizer)
+    variant = prepare.resolve_variant(cfg.tokenizer, cfg.variant)
+    name = prepare.corpus_name(variant, cfg.tokenizer)
     prepare_now = lambda: prepare.prepare_wikitext103(  # noqa: E731
-      data_dir, variant=variant, tokenizer=tokenizer, **kwargs
+      data_dir, variant=variant, tokenizer=cfg.tokenizer, **kwargs
     )
   _on_process_zero(prepare_now, process_index, barrier)
   return load_prepared(store.prepared_dir(data_dir, name))
@@ -139,18 +122,17 @@ def vocab_size(cfg) -> tuple[int, str]:
   loading it (``--dry_run`` on a machine without the data): a prepared corpus's own summary,
   else bytes (256), the official WikiText-103 word vocabulary, or pydoc's (built here: it ships
   with Python)."""
-  dataset, tokenizer = _get(cfg, "dataset", "pydoc"), _get(cfg, "tokenizer", "byte")
+  cfg = DataConfig.of(cfg).validate()
+  dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"
-  if dataset not in DATASETS:
-    raise ValueError(f"cfg.dataset must be one of {DATASETS}, got {dataset!r}")
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
   if dataset == "enwik8":
     name = prepare.ENWIK8_NAME
   else:
-    name = prepare.corpus_name(prepare.resolve_variant(tokenizer, _get(cfg, "variant")), tokenizer)
-  path = store.prepared_dir(resolve_data_dir(_get(cfg, "data_dir", "")), name)
+    name = prepare.corpus_name(prepare.resolve_variant(tokenizer, cfg.variant), tokenizer)
+  path = store.prepared_dir(resolve_data_dir(cfg.data_dir), name)
   if store.is_complete(path):
     return int(store.read_summary(path)["vocab_size"]), f"the prepared corpus in {path}"
   if tokenizer == "byte" or dataset == "enwik8":
@@ -198,59 +180,10 @@ def load_prepared(path: str) -> Corpus:
   )
 
 
-# Lines that are layout, not language: rules and table borders (`-----`, `+===+===+`), table
-# rows and grammar alternatives (`| ...`), and grammar productions (`name ::= ...`).
-_LAYOUT_LINE = re.compile(r"\s*(?:[-=~^*_+| ]{3,}|[|+].*|.*::=.*)\s*")
-
-
-def pydoc_text() -> str:
-  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines.
-
-  About a tenth of the raw text is ASCII tables, heading underlines and grammar rules; a small
-  model spends its capacity (and its samples) on runs of `|`, `+` and `=` otherwise. Prose,
-  code examples and blank lines are kept, so the text still reads as the documentation.
-  """
-  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
-
-  raw = "".join(topics.topics[k] for k in sorted(topics.topics))
-  return "".join(
-    line for line in raw.splitlines(keepends=True) if not _LAYOUT_LINE.fullmatch(line.strip())
-  )
-
-
-def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
-  """Consecutive pieces of `text` of about the given fractions, cut after a '\\n'.
-
-  Cutting at line ends keeps the word protocol identical on each piece and
-  on the whole: the pieces' token streams concatenate to the text's stream.
-  """
-  pieces, start, acc = {}, 0, 0.0
-  names = list(fractions)
-  for i, name in enumerate(names):
-    acc += fractions[name]
-    if i == len(names) - 1:
-      end = len(text)
-    else:
-      nl = text.find("\n", int(round(acc * len(text))))
-      end = len(text) if nl < 0 else nl + 1
-    pieces[name] = text[start:end]
-    start = end
-  return pieces
-
-
 def pydoc_corpus(tokenizer: str = "byte") -> Corpus:
-  """The quick-start corpus (see module docstring); deterministic, no I/O."""
-  pieces = split_at_lines(pydoc_text(), PYDOC_FRACTIONS)
-  if tokenizer == "byte":
-    vocab: vocab_lib.Vocab = vocab_lib.ByteVocab()
-  elif tokenizer == "word":
-    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words([pieces["train"]]), add_unk=True)
-  else:
-    raise ValueError(f"tokenizer must be 'word' or 'byte', got {tokenizer!r}")
-  splits = {name: vocab.encode(pieces[name]) for name in ("train", "validation", "test")}
-  for name, ids in splits.items():
-    if ids.size < 2:
-      raise ValueError(f"pydoc {name} split is empty; this Python ships too little documentation")
+  """The quick-start corpus (see module docstring and ``aft_jax.data.pydoc``); deterministic,
+  no I/O."""
+  vocab, splits = pydoc.pydoc_splits(tokenizer)
   return Corpus(
     name=f"pydoc-{tokenizer}", unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id
   )

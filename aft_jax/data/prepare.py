@@ -39,7 +39,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from aft_jax.data import store
+from aft_jax.data import pydoc, store
+from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, VARIANTS
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,8 @@ OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 OFFICIAL_LINES = {"train": 1_801_350, "validation": 3_760, "test": 4_358}
 
 SPLITS = ("train", "validation", "test")
-DATASETS = ("wikitext103", "enwik8", "pydoc")
-TOKENIZERS = ("word", "byte")
-# --official / cfg.official -> the `official` argument of the prepare functions.
-OFFICIAL_CHOICES = {"auto": None, "yes": True, "no": False}
+# --official / config.data.official -> the `official` argument of the prepare functions.
+OFFICIAL_CHOICES = dict(zip(OFFICIAL, (None, True, False)))
 
 
 class CountMismatchError(ValueError):
@@ -71,7 +70,7 @@ def resolve_variant(tokenizer: str, variant: str | None) -> str:
       log.warning("The byte tokenizer reads raw_v1, not %s.", variant)
     return "raw_v1"
   variant = variant or "v1"
-  if variant not in ("v1", "raw_v1"):
+  if variant not in VARIANTS:
     raise ValueError(f"variant must be 'v1' or 'raw_v1', got {variant!r}")
   return variant
 
@@ -382,10 +381,8 @@ def main(argv=None) -> dict:
   if args.dataset != "pydoc" and not args.data_dir:
     raise SystemExit(f"--data_dir is required for --dataset {args.dataset}")
   if args.dataset == "pydoc":
-    from aft_jax.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-
-    c = corpus_lib.pydoc_corpus(args.tokenizer or "byte")
-    summary = {"vocab_size": c.vocab.size, "tokens": {k: int(v.size) for k, v in c.splits.items()}}
+    vocab, splits = pydoc.pydoc_splits(args.tokenizer or "byte")
+    summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
   elif args.dataset == "enwik8":
     summary = prepare_enwik8(
       args.data_dir,
@@ -413,8 +410,14 @@ def main(argv=None) -> dict:
   return summary
 
 
-if __name__ == "__main__":
+def cli() -> None:
+  """``aft-prepare`` and ``python -m aft_jax.data.prepare``: ``main`` with a bad or missing
+  dataset as one line on stderr and exit status 1 (the message says what to do)."""
   try:
     main()
-  except ValueError as e:  # bad or missing data: the message says what to do
+  except ValueError as e:
     sys.exit(f"error: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+  cli()

@@ -19,7 +19,7 @@ float32 for logits of any size. Precision policy: exponentials, maxima and sums 
 with float32 inputs the matrix products are float32 too (``Precision.HIGHEST``); with bfloat16
 inputs their factors (exponentials <= 1 and values) are bfloat16 with float32 accumulation
 (``preferred_element_type``), the accelerators' tensor-core rate, and the output is bfloat16.
-Measured against float64 (README, "Kernels, implementations and precision"): bfloat16 results
+Measured against float64 (docs/kernels.md, "Precision"): bfloat16 results
 are within about 1e-2 of the largest output or gradient at logits of std 1 and 40, about the
 rounding of bfloat16 outputs. The maxima ``m`` never carry a gradient (they cancel in
 num / den), so the backward pass is linear scans and matrix products, with no max() to
@@ -35,89 +35,83 @@ the backward pass stores little. AFT-conv: ``conv`` (the triples of ``logsumexp`
 and shifted sums, with plain autodiff). Non-causal AFT-simple has w = 0, so one shift per
 channel (the maximum of k over T) is exact: it is ``jax.nn.softmax`` over T.
 
-Implementations. Every op takes ``impl``: ``"xla"`` (the jax.numpy code above), ``"pallas"``
-(a Pallas kernel compiled for the accelerator: on GPU (Triton) causal AFT-simple,
-``pallas_simple``, and causal AFT-local, ``pallas_local``; on TPU (Mosaic) causal AFT-simple,
-``pallas_simple_tpu``, channels a multiple of 128),
+Implementations. Every op takes ``impl``, resolved in one place, ``registry.resolve``, from one
+table, ``registry.TABLE``: per op, XLA (the jax.numpy code above) and its Pallas kernels
+(``impls``), each with one ``supports(args, device)`` that says why it cannot run, if it
+cannot. The values: ``"xla"``; ``"pallas"`` (the op's kernel compiled for the accelerator: on
+GPU (Triton) causal AFT-simple, ``pallas_simple``, and causal AFT-local, ``pallas_local``; on
+TPU (Mosaic) causal AFT-simple, ``pallas_simple_tpu``, channels a multiple of 128);
 ``"pallas_interpret"`` (the GPU kernel run by Pallas' interpreter on any backend: slow, for
 tests; the TPU kernel's interpreted form is ``pallas_simple_tpu.causal_mean(...,
-interpret=True)``) or ``"auto"`` (Pallas where a kernel exists for the op, the device and the
+interpret=True)``); or ``"auto"`` (Pallas where a kernel exists for the op, the device and the
 channel count, XLA otherwise). The device is the one the computation is lowered for
 (``target.current()``: an abstract mesh's device kind, a ``with mesh:`` block's devices, else
 the default backend), not the host: GPU kernels need compute capability 8.0 (XLA refuses Triton
 below it: a T4 takes XLA), and ``"auto"`` wraps them in ``jax.lax.platform_dependent`` so a
-lowering for any other platform takes XLA. On TPU ``"auto"`` is XLA: the TPU kernel lowers and
-is tested in interpret mode but has never been timed on a TPU, so ``"pallas"`` opts in to it.
-The choice changes results only by float rounding. Asking for a kernel that does not exist (an
-op without one, ``"pallas"`` on a CPU, AFT-local on a TPU, a GPU below compute capability 8.0,
-a channel count the kernel cannot tile) is a ValueError, never a silent switch to XLA.
+lowering for any other platform takes XLA (one exported module holds both). On TPU ``"auto"``
+is XLA: the TPU kernel lowers and is tested in interpret mode but has never been timed on a
+TPU, so ``"pallas"`` opts in to it. Where jax has no Pallas Triton backend, ``"auto"`` takes
+XLA with one warning. The choice changes results only by float rounding. Asking for a kernel
+that does not exist (an op without one, ``"pallas"`` on a CPU, AFT-local on a TPU, a GPU below
+compute capability 8.0, a channel count the kernel cannot tile) is a ValueError, never a silent
+switch to XLA.
+
+Decoding. The causal ops are recurrences over t; their one-token steps are pure functions of an
+explicit state (``step``: ``aft_simple_step``, ``aft_full_step``, ``aft_local_step``,
+``aft_conv1d_step`` and their ``*_init`` states), which the decoding layers call.
 """
 
 from __future__ import annotations
 
 import warnings
 
-import jax
-import jax.numpy as jnp
-
-from aft_jax.ops import (
-  banded,
-  causal_mean,
-  conv,
-  pallas_local,
-  pallas_simple,
-  pallas_simple_tpu,
-  target,
+from aft_jax.ops import registry
+from aft_jax.ops import target  # noqa: F401 (ops.target: the device "auto" decides for)
+from aft_jax.ops.registry import IMPLS, OpArgs, check_impl
+from aft_jax.ops.step import (
+  FullState,
+  WindowState,
+  aft_conv1d_init,
+  aft_conv1d_step,
+  aft_full_init,
+  aft_full_step,
+  aft_local_init,
+  aft_local_step,
+  aft_simple_init,
+  aft_simple_step,
 )
 
 __all__ = [
   "IMPLS",
+  "FullState",
+  "WindowState",
   "aft_full",
   "aft_simple",
   "aft_local",
   "aft_conv1d",
   "aft_conv2d",
+  "aft_conv1d_init",
+  "aft_conv1d_step",
+  "aft_full_init",
+  "aft_full_step",
+  "aft_local_init",
+  "aft_local_step",
+  "aft_simple_init",
+  "aft_simple_step",
   "check_impl",
   "check_window",
 ]
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
-# Backends with compiled Pallas kernels, per op: Triton on GPU; Mosaic on TPU (AFT-simple only).
-_KERNEL_BACKENDS = {"aft_simple": ("gpu", "tpu"), "aft_local": ("gpu",)}
-# Where impl="auto" takes the kernel: GPUs. The TPU kernel has never been timed on a TPU, so
-# there "auto" is XLA and impl="pallas" opts in.
-_AUTO_BACKENDS = ("gpu",)
+_SAID: set[str] = set()  # the warnings given in this process (each once)
 
 
-def _to_rows(x):
-  """[..., T, D] -> [T, R] with R = prod(...) * D (free when there is no batch dim)."""
-  t_len, d = x.shape[-2:]
-  x = x.reshape((-1, t_len, d))
-  return jnp.swapaxes(x, 0, 1).reshape(t_len, -1)
-
-
-def _from_rows(x, shape):
-  t_len, d = shape[-2:]
-  x = jnp.swapaxes(x.reshape(t_len, -1, d), 0, 1)
-  return x.reshape(shape)
-
-
-def _banded_mean(k, v, w, window: int, causal: bool, low: bool):
-  """The banded mean (``banded.banded_mean``) of [..., T, D] keys and values."""
-  k2, v2 = _to_rows(k), _to_rows(v)
-  plan = banded.make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
-  return _from_rows(banded.banded_mean(plan, k2, v2, w), k.shape)
-
-
-def _dispatch(impl: str, kernel_fn, xla_fn, *args):
-  """``kernel_fn(*args)`` or ``xla_fn(*args)`` for a resolved ``impl``; "auto_pallas": the
-  kernel where the program is lowered for CUDA, XLA for any other platform (one exported module
-  can hold both)."""
-  if impl == "xla":
-    return xla_fn(*args)
-  if impl == "auto_pallas":
-    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=xla_fn)
-  return kernel_fn(*args)
+def _resolve(fn: str, impl: str, args: OpArgs) -> registry.Choice:
+  """``registry.resolve``, and its warning given once per process."""
+  choice = registry.resolve(fn, impl, args)
+  if choice.warning is not None and choice.warning not in _SAID:
+    _SAID.add(choice.warning)
+    warnings.warn(choice.warning, RuntimeWarning, stacklevel=4)
+  return choice
 
 
 # --------------------------------------------------------------------------- validation
@@ -147,111 +141,15 @@ def check_window(fn: str, window) -> None:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
 
 
-def check_impl(fn: str, impl) -> None:
-  """ValueError (naming ``fn``) unless ``impl`` is one of ``IMPLS``."""
-  if impl not in IMPLS:
-    raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
-
-
-_SAID: set[str] = set()  # the warnings given in this process (each once)
-
-
-def _say_once(message: str) -> None:
-  if message not in _SAID:
-    _SAID.add(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _resolve_impl(fn: str, impl: str, kernel_ok: str | None, kernel: str = "") -> str:
-  """ "xla", "pallas", "pallas_interpret" or "auto_pallas" (the kernel on CUDA, XLA on any
-  other platform the program is also lowered for: ``jax.lax.platform_dependent``) for ``impl``
-  on the device being lowered for (``target.current()``). ``kernel_ok`` is None where a kernel
-  exists for these arguments, else why not (the error for an explicit Pallas request);
-  ``kernel``: the op's key in ``_KERNEL_BACKENDS``."""
-  check_impl(fn, impl)
-  if impl == "xla" or (impl == "auto" and kernel_ok is not None):
-    return "xla"
-  if kernel_ok is not None:
-    raise ValueError(f"{fn}: impl={impl!r} is not available: {kernel_ok}; use impl='xla'")
-  if impl == "pallas_interpret":
-    return impl
-  device = target.current()
-  backends = _KERNEL_BACKENDS.get(kernel, ())
-  if device.platform not in backends:
-    if impl == "auto":
-      return "xla"
-    raise ValueError(
-      f"{fn}: impl='pallas' compiles this op's kernel for {backends}, not for the "
-      f"{device.platform!r} platform ({device}); use impl='xla', or 'pallas_interpret' to run "
-      "the GPU kernel in Pallas' interpreter"
-    )
-  refused = target.gpu_kernels_refused(device) if device.platform == "gpu" else None
-  if refused is not None:
-    if impl == "pallas":
-      raise ValueError(f"{fn}: impl='pallas' cannot run on {device}: {refused}; use impl='xla'")
-    if target.triton_missing():
-      _say_once(f"aft_jax.ops: impl='auto' takes the XLA path: {refused}")
-    return "xla"
-  if impl == "auto":
-    return "auto_pallas" if device.platform in _AUTO_BACKENDS else "xla"
-  return impl
-
-
-_NO_KERNEL = "there is no Pallas kernel for this op"
-
-
-def _compute_dtype(*xs):
-  """(output dtype, compute dtype): bfloat16 and float16 are computed in float32."""
-  dt = jnp.result_type(*xs)
-  return dt, jnp.promote_types(dt, jnp.float32)
-
-
-def _low(out_dtype) -> bool:
-  """The precision policy: bfloat16 inputs take bfloat16 matrix-product factors with float32
-  accumulation; float32 inputs keep float32 products (``logsumexp.matmul``)."""
-  return out_dtype == jnp.bfloat16
-
-
-def _cast(dt, *xs):
-  return tuple(jnp.asarray(x, dt) for x in xs)
-
-
 # --------------------------------------------------------------------------- the ops
-
-
-def _flat(x):
-  """[..., T, D] -> [B, T, D] (the kernels' layout)."""
-  return x.reshape((-1,) + x.shape[-2:])
 
 
 def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
   """AFT-full (``window`` None: every key) or AFT-local after checking the arguments."""
   _check_qkv(fn, q, k, v)
-  t_len = q.shape[-2]
-  _check_w(fn, w, t_len)
-  if window is None:
-    why = _NO_KERNEL
-  elif not causal:
-    why = "the kernel is for causal=True"
-  else:
-    why = pallas_local.unsupported(q.shape[-1], window)
-  impl = _resolve_impl(fn, impl, why, "aft_local")
-  out_dt, dt = _compute_dtype(q, k, v)
-  window = t_len if window is None else window
-
-  def kernel_mean(k, v, w):
-    # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
-    k3 = _flat(k)
-    cfg = pallas_local.config_for(k.shape[-1], k3.shape[0])
-    a = pallas_local.local_mean(k3, _flat(v), w, window, cfg, impl == "pallas_interpret")
-    return a.reshape(k.shape).astype(dt)
-
-  def xla_mean(k, v, w):
-    k, v = _cast(dt, k, v)
-    return _banded_mean(k, v, w, window, causal, _low(out_dt)).astype(dt)
-
-  a = _dispatch(impl, kernel_mean, xla_mean, k, v, jnp.asarray(w, dt))
-  return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
+  _check_w(fn, w, q.shape[-2])
+  args = OpArgs(q, k, v, w, causal=causal, window=window)
+  return _resolve(fn, impl, args)(args)
 
 
 def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
@@ -284,35 +182,8 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
     ``[..., T, D]``. O(T D) time and memory; the causal form is a prefix scan.
   """
   _check_qkv("aft_simple", q, k, v)
-  # impl="pallas" for a TPU compiles the Mosaic kernel (its own channel tile); else Triton's.
-  tpu = impl == "pallas" and target.current().platform == "tpu"
-  kernel = pallas_simple_tpu if tpu else pallas_simple
-  why = "the kernel is for causal=True" if not causal else kernel.unsupported(q.shape[-1])
-  impl = _resolve_impl("aft_simple", impl, why, "aft_simple")
-  out_dt, dt = _compute_dtype(q, k, v)
-  if not causal:
-    # w = 0: one shift per channel (the max of k over T) is exact, which is what softmax does.
-    q, k, v = _cast(dt, q, k, v)
-    weights = jax.nn.softmax(k, axis=-2)
-    return (jax.nn.sigmoid(q) * jnp.sum(weights * v, axis=-2, keepdims=True)).astype(out_dt)
-
-  def kernel_mean(k, v):
-    # The kernel reads k and v in their own dtype (bf16: half the memory traffic).
-    k3, v3 = _flat(k), _flat(v)
-    if tpu:
-      a = pallas_simple_tpu.causal_mean(k3, v3)
-    else:
-      cfg = pallas_simple.config_for(k.shape[-1], k3.shape[0])
-      a = pallas_simple.causal_mean(k3, v3, cfg, impl == "pallas_interpret")
-    return a.reshape(k.shape).astype(dt)
-
-  def xla_mean(k, v):
-    k, v = _cast(dt, k, v)
-    mean = causal_mean.causal_mean(_to_rows(k), _to_rows(v), causal_mean.CHUNK, _low(out_dt))
-    return _from_rows(mean, k.shape).astype(dt)
-
-  a = _dispatch(impl, kernel_mean, xla_mean, k, v)
-  return (jax.nn.sigmoid(jnp.asarray(q, dt)) * a).astype(out_dt)
+  args = OpArgs(q, k, v, causal=causal)
+  return _resolve("aft_simple", impl, args)(args)
 
 
 def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "auto"):
@@ -367,15 +238,14 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False, impl: str = "auto"):
     ``[..., T, H, C]``. O(T s H C): a depth-wise windowed sum plus O(T) prefix scans.
   """
   _check_conv("aft_conv1d", q, k, v, kernel, 1)
-  _resolve_impl("aft_conv1d", impl, _NO_KERNEL)
+  args = OpArgs(q, k, v, kernel, causal=causal)
+  run = _resolve("aft_conv1d", impl, args)
   s = kernel.shape[-1]
   if s < 1 or (not causal and s % 2 == 0):
     raise ValueError(
       f"aft_conv1d: a non-causal kernel size must be odd (centred); got kernel {kernel.shape}"
     )
-  out_dt, dt = _compute_dtype(q, k, v)
-  q, k, v, kernel = _cast(dt, q, k, v, kernel)
-  return conv.conv1d(q, k, v, kernel, causal).astype(out_dt)
+  return run(args)
 
 
 def aft_conv2d(q, k, v, kernel, *, impl: str = "auto"):
@@ -396,10 +266,9 @@ def aft_conv2d(q, k, v, kernel, *, impl: str = "auto"):
     ``[..., Ht, Wd, H, C]``. O(Ht Wd kh kw C) per head.
   """
   _check_conv("aft_conv2d", q, k, v, kernel, 2)
-  _resolve_impl("aft_conv2d", impl, _NO_KERNEL)
+  args = OpArgs(q, k, v, kernel)
+  run = _resolve("aft_conv2d", impl, args)
   kh, kw = kernel.shape[1:]
   if kh % 2 == 0 or kw % 2 == 0:
     raise ValueError(f"aft_conv2d: kernel sizes must be odd; got kernel {kernel.shape}")
-  out_dt, dt = _compute_dtype(q, k, v)
-  q, k, v, kernel = _cast(dt, q, k, v, kernel)
-  return conv.conv2d(q, k, v, kernel).astype(out_dt)
+  return run(args)

@@ -7,7 +7,8 @@ sum exp(logit - m) v, sum exp(logit - m)) and combined like a stable log-sum-exp
 
 The same triple is the state of incremental decoding: the causal sums of the ops are prefix
 sums, so a causal AFT layer is a recurrence whose state is the triple of everything seen so far
-(``add`` one term per token, ``from_terms`` for a window of keys, ``output`` = sigma(q) num/den).
+(``add`` one term per token, ``from_terms`` for a window of keys, ``output`` = sigma(q) num/den;
+the steps of ``step``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ class Acc(NamedTuple):
   m: jax.Array
   num: jax.Array
   den: jax.Array
+
+
+def empty(shape, num_shape=None) -> Acc:
+  """The float32 triple of no terms: m = NEG, num = den = 0; m, den ``shape``, num
+  ``num_shape`` (default ``shape``)."""
+  zeros = lambda s: jnp.zeros(s, jnp.float32)
+  return Acc(
+    jnp.full(shape, NEG, jnp.float32),
+    zeros(shape if num_shape is None else num_shape),
+    zeros(shape),
+  )
 
 
 def bcast(scale, num):

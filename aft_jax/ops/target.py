@@ -25,6 +25,9 @@ import jax
 
 # Pallas' Triton kernels need this compute capability or newer (XLA's rule, module docstring).
 TRITON_MIN_CAPABILITY = (8, 0)
+# The custom call a Pallas Triton kernel lowers to (jaxlib 0.10): how a lowered or compiled
+# program's text shows that it holds the kernels.
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 # Compute capability by a substring of the device kind (NVIDIA's published table), for abstract
 # devices, which name a kind but carry no capability. First match wins: longer names first.

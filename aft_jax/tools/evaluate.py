@@ -1,4 +1,4 @@
-"""Scores a trained run: python -m aft_jax.evaluate --workdir runs/x [--split test | --text_file F]
+"""Scores a trained run: aft-evaluate --workdir runs/x [--split test | --text_file F]
 
 Exact perplexity of a checkpoint (the latest, or --step) on a split of the run's corpus or on
 any UTF-8 text file: the sum of the negative log-likelihood over every token divided by the
@@ -22,7 +22,9 @@ import os
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m aft_jax.evaluate", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m aft_jax.tools.evaluate", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   p.add_argument("--split", help="A split of the run's corpus: train, validation (default), test.")
@@ -61,7 +63,7 @@ def encode_text(vocab, text: str):
 
 
 def evaluate_run(run, *, split: str | None = None, text: str | None = None, stride=None) -> dict:
-  """Scores ``run`` (``aft_jax.workdir.load_run``) on a split or a text: the JSON line's dict."""
+  """Scores ``run`` (``trained.load_run``'s) on a split or a text: the JSON line's dict."""
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
@@ -99,7 +101,8 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
 
 def evaluate_main(args: argparse.Namespace) -> dict:
   """Runs the command: prints the JSON line and returns its dict."""
-  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
+  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   if args.split is not None and args.text_file is not None:
     raise ValueError("give --split or --text_file, not both")
@@ -108,8 +111,8 @@ def evaluate_main(args: argparse.Namespace) -> dict:
   if args.stride is not None and args.stride < 0:
     raise ValueError(f"--stride = {args.stride} must be >= 0 (0: disjoint windows)")
   text = read_text(args.text_file) if args.text_file is not None else None
-  workdir.check_workdir(args.workdir, args.step)  # before anything slow
-  run = workdir.load_run(args.workdir, args.step)
+  Workdir(args.workdir).check(args.step)  # before anything slow
+  run = trained.load_run(args.workdir, args.step)
   result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:
@@ -119,9 +122,9 @@ def evaluate_main(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> None:
   """Console-script entry point (``aft-evaluate``); ``argv`` defaults to ``sys.argv[1:]``."""
-  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
-  workdir.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)
+  tools.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)
 
 
 if __name__ == "__main__":

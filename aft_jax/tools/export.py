@@ -1,4 +1,4 @@
-"""Exports a trained run to one file: python -m aft_jax.export --workdir runs/x --out model.msgpack
+"""Exports a trained run to one file: aft-export --workdir runs/x --out model.msgpack
 
 The file is a msgpack document (``flax.serialization``) holding the parameters and a JSON
 string with the model config and the vocabulary; it loads back with one call and needs neither
@@ -26,7 +26,7 @@ from flax import serialization
 from aft_jax import files
 from aft_jax.data import vocab as vocab_lib
 
-FORMAT = "aft_jax.export"
+FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
 VERSION = 1
 
 
@@ -60,7 +60,7 @@ def _to_numpy(tree):
 
 
 def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``python -m aft_jax.export`` (module doc)."""
+  """(model, params, vocab) from a file written by ``aft-export`` (module doc)."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
@@ -84,7 +84,9 @@ def load_pretrained(path: str):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m aft_jax.export", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m aft_jax.tools.export", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
   p.add_argument("--out", required=True, help="The file to write (e.g. model.msgpack).")
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
@@ -95,15 +97,16 @@ def export_main(args: argparse.Namespace) -> dict:
   """Runs the command: writes the file and prints (and returns) one JSON line about it."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
+  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   out = os.path.abspath(args.out)
   if os.path.isdir(out):
     raise ValueError(f"--out {args.out} is a directory: give a file name")
   if not os.path.isdir(os.path.dirname(out)):
     raise ValueError(f"--out {args.out}: folder {os.path.dirname(out)} does not exist")
-  workdir.check_workdir(args.workdir, args.step)
-  run = workdir.load_run(args.workdir, args.step)
+  Workdir(args.workdir).check(args.step)
+  run = trained.load_run(args.workdir, args.step)
   params = jax.device_get(run.params)
   export_params(out, run.model.cfg, params, run.vocab, run.corpus_info)
   result = {"out": out, "step": run.step, "bytes": os.path.getsize(out)}
@@ -112,9 +115,9 @@ def export_main(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> None:
   """Console-script entry point (``aft-export``); ``argv`` defaults to ``sys.argv[1:]``."""
-  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
-  workdir.run_command("export", export_main, parse_args(argv), print_json=True)
+  tools.run_command("export", export_main, parse_args(argv), print_json=True)
 
 
 if __name__ == "__main__":

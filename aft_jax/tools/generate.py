@@ -1,4 +1,4 @@
-"""Samples text from a trained run: python -m aft_jax.generate --workdir runs/x --prompt "The "
+"""Samples text from a trained run: aft-generate --workdir runs/x --prompt "The "
 
 Loads the run's config, vocabulary (both kept in the workdir, so no dataset is needed) and its
 latest (or --step) checkpoint, then decodes incrementally; past the model's max_len the context
@@ -16,7 +16,9 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m aft_jax.generate", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m aft_jax.tools.generate", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
   p.add_argument("--prompt", default="", help="Text to continue ('': after an end of line).")
   p.add_argument("--prompt_file", help="Read the prompt from this UTF-8 file instead.")
@@ -68,12 +70,14 @@ def check_args(args) -> None:
 
 def generate_main(args: argparse.Namespace) -> list[str]:
   """Runs the command: prints and returns the samples (each with the prompt)."""
-  from aft_jax import decode, workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
+  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   check_args(args)
   prompt = read_prompt(args.prompt, args.prompt_file)
-  workdir.check_workdir(args.workdir, args.step)  # before anything slow
-  run = workdir.load_run(args.workdir, args.step)
+  Workdir(args.workdir).check(args.step)  # before anything slow
+  run = trained.load_run(args.workdir, args.step)
   _, unknown = decode.encode_prompt(run.vocab, prompt)
   if unknown:
     print(
@@ -94,9 +98,9 @@ def generate_main(args: argparse.Namespace) -> list[str]:
 
 def main(argv=None) -> None:
   """Console-script entry point (``aft-generate``); ``argv`` defaults to ``sys.argv[1:]``."""
-  from aft_jax import workdir  # pylint: disable=g-import-not-at-top
+  from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
-  workdir.run_command("generate", generate_main, parse_args(argv))
+  tools.run_command("generate", generate_main, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,6 @@
-"""The workdir's durable state: Orbax checkpoints (model, optimizer and data position, and the
-config they were written with, which a resume is checked against).
-
-    <workdir>/config.json                  the config of the run (for people and tools)
-    <workdir>/checkpoints/<step>/          state (params, opt_state, step), the data-iterator
-                                           position and the config
-    <workdir>/damaged_checkpoints/<step>/  checkpoints that could not be restored, moved aside
+"""The workdir's durable state: Orbax checkpoints of the state (params, opt_state, step), the
+data-iterator position and the config they were written with, which a resume is checked
+against. Where they live in the workdir: ``aft_jax.workdir``.
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
 crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later (a truncated
@@ -14,6 +10,7 @@ or garbled file) is skipped on resume in favour of the newest intact one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -28,13 +25,49 @@ import orbax.checkpoint as ocp
 
 from jax.experimental import multihost_utils
 
-from aft_jax import files
-from aft_jax.config_check import resume_conflicts
+from aft_jax.typed_config import TypedConfig, flatten, positive
+from aft_jax.workdir import Workdir
 
 
-def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(TypedConfig):
+  """Keys at the top of the config tree (``config.checkpoint_every_steps``, ...)."""
+
+  checkpoint_every_steps: int = 500  # Orbax checkpoints (also at the end and on SIGTERM)
+  keep_checkpoints: int = 2  # how many recent checkpoints to keep
+
+  def _value_problems(self) -> list[str]:
+    return positive(self, "checkpoint_every_steps", "keep_checkpoints")
+
+
+# Keys that may differ when resuming a run: they do not change what is computed. Everything
+# else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
+# decay from another length, so it is a conflict like a new learning_rate.
+RESUMABLE = (
+  "log_every_steps",
+  "eval_every_steps",
+  "checkpoint_every_steps",
+  "keep_checkpoints",
+  "eval_batch_size",
+  "eval_stride",
+  "final_eval_stride",
+  "sample",
+  "mesh",
+  "logical_axis_rules",
+  "data.data_dir",
+  "data.manual_dir",
+  "nonfinite",
+  "max_consecutive_skips",
+  "profile_steps",
+)
+
+# Keys the learning-rate schedule is built from: their conflicts say so.
+SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
+
+
+def checkpoint_manager(workdir: str | Workdir, keep: int) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    Workdir.of(workdir).checkpoints_dir,
     options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=False
     ),
@@ -178,17 +211,14 @@ def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
   return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
 
-def config_path(workdir: str) -> str:
-  return os.path.join(workdir, "config.json")
-
-
-def check_resume_config(saved: dict | None, config, workdir: str, allow_config_change: bool):
+def check_resume_config(
+  saved: dict | None, config, workdir: str | Workdir, allow_config_change: bool
+):
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
   ``config`` when they differ in what is computed, unless ``allow_config_change``."""
   where = "the checkpoint"
-  if saved is None and os.path.exists(config_path(workdir)):
-    with open(config_path(workdir)) as f:
-      saved, where = json.load(f), "config.json"
+  if saved is None:
+    saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
     return
   conflicts = resume_conflicts(saved, config_dict(config))
@@ -203,11 +233,10 @@ def check_resume_config(saved: dict | None, config, workdir: str, allow_config_c
     )
 
 
-def write_workdir_config(config, workdir: str) -> None:
+def write_workdir_config(config, workdir: str | Workdir) -> None:
   """config.json: the config the run continues with (written once a restore succeeded)."""
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    files.atomic_write_json(config_path(workdir), config_dict(config))
+    Workdir.of(workdir).write_config(config_dict(config))
 
 
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_config):
@@ -255,7 +284,7 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_con
 
 def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
   src = os.path.join(str(mngr.directory), str(step))
-  dst_dir = os.path.join(os.path.dirname(str(mngr.directory)), "damaged_checkpoints")
+  dst_dir = Workdir(os.path.dirname(str(mngr.directory))).damaged_checkpoints_dir
   dst = os.path.join(dst_dir, str(step))
   n = 1
   while os.path.exists(dst):
@@ -266,3 +295,21 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
     shutil.move(src, dst)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+  """Differences between two configs (as dicts) that make resuming one as the other wrong."""
+  a, b = flatten(saved), flatten(current)
+  out = []
+  for key in sorted(set(a) | set(b)):
+    if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+      continue
+    va, vb = a.get(key), b.get(key)
+    if isinstance(va, list):
+      va = tuple(va)
+    if isinstance(vb, list):
+      vb = tuple(vb)
+    if va != vb:
+      why = " (the learning-rate schedule is built from it)" if key in SCHEDULE else ""
+      out.append(f"{key}: {va!r} in the workdir, {vb!r} now{why}")
+  return out

@@ -22,10 +22,11 @@ import jax
 from aft_jax import data as data_lib
 from aft_jax import deviceless
 from aft_jax import sharding
-from aft_jax import train_lib
-from aft_jax.config_check import check_config
-from aft_jax.default_config import override
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.config_check import check_config
+from aft_jax.trainer.default_config import override
 from aft_jax.model import ModelConfig
+from aft_jax.ops import target as ops_target
 
 GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 0.95  # an allowance for the TPU runtime's own buffers
@@ -115,7 +116,9 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
   vocab, vocab_from = data_lib.vocab_size(config.data)
   model_cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
   mesh = sharding.make_mesh(config.mesh, devices)
-  train_lib.check_mesh(config, mesh)
+  sharding.check_batch_split(
+    mesh, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size
+  )
   trainer = train_lib.build_trainer(config, model_cfg, mesh, say)
   state, batch = trainer.abstract_state, trainer.specs(config.batch_size)
   train = trainer.compiled_train_step
@@ -133,7 +136,7 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
     "train": mem,
     "eval": eval_mem,
     "flops_per_step": None if train is None else _flops(train),
-    "triton_kernels": 0 if train is None else train.as_text().count(train_lib.TRITON),
+    "triton_kernels": 0 if train is None else train.as_text().count(ops_target.TRITON_CALL),
   }
 
 

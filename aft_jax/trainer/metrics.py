@@ -1,13 +1,15 @@
-"""Training metrics to stdout, TensorBoard event files and ``workdir/metrics.jsonl``."""
+"""Training metrics to TensorBoard event files and the workdir's ``metrics.jsonl``
+(``aft_jax.workdir``, which also reads them back)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
+
+from aft_jax.workdir import Workdir
 
 
 class MetricWriter:
@@ -17,11 +19,12 @@ class MetricWriter:
   readers should keep the last record of each step.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str | Workdir, enabled: bool = True):
     self.enabled = enabled
     if enabled:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      wd = Workdir.of(workdir)
+      self._jsonl = open(wd.metrics_file, "a")
+      self._tb = SummaryWriter(wd.tensorboard_dir)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -62,13 +65,3 @@ class MetricWriter:
 def _hparam_value(value):
   """A number, string or bool as it is; anything else (a tuple of cutoffs) as its text."""
   return value if isinstance(value, (bool, int, float, str)) else str(value)
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  """metrics.jsonl, keeping the last record of each (step, kind of record)."""
-  by_key = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      rec = json.loads(line)
-      by_key[(rec["step"], tuple(sorted(rec)))] = rec
-  return sorted(by_key.values(), key=lambda r: r["step"])

@@ -8,7 +8,8 @@ the repository. A config file path (``configs/quickstart.py:ARG``) is accepted e
 
 import os
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# aft_jax/, the package this module is in (aft_jax/trainer/recipes.py).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def recipe_dir() -> str:

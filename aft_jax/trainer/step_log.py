@@ -1,22 +1,47 @@
 """What the training loop shows and records while it runs: ``StepLog`` (per-step metrics,
 the non-finite-update watch, one record per log step), ``Profiler`` (a ``jax.profiler`` trace
-of chosen steps) and validation lines. ``aft_jax.train_lib.train_loop`` drives them.
+of chosen steps) and validation lines. ``aft_jax.trainer.train_lib.train_loop`` drives them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import time
-from typing import TYPE_CHECKING
-
 import jax
 import numpy as np
 
-from aft_jax.metrics import MetricWriter
+from aft_jax.trainer.metrics import MetricWriter
+from aft_jax.typed_config import TypedConfig, positive
 
-if TYPE_CHECKING:  # only for annotations: train_lib imports this module
-  from aft_jax.train_lib import Run, TrainState
+
+@dataclasses.dataclass(frozen=True)
+class StepLogConfig(TypedConfig):
+  """Keys at the top of the config tree (``config.log_every_steps``, ...)."""
+
+  log_every_steps: int = 50  # metrics to the console, metrics.jsonl and TensorBoard
+  nonfinite: str = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
+  # 'skip': stop the run when this many updates in a row were skipped (diverged); 0: never
+  max_consecutive_skips: int = 10
+  # (start, stop): a jax.profiler trace of steps start+1 .. stop in <workdir>/tensorboard
+  # (TensorBoard's profile tab); () or None: no trace
+  profile_steps: tuple = ()
+
+  def _value_problems(self) -> list[str]:
+    errors = positive(self, "log_every_steps")
+    if self.nonfinite not in ("skip", "stop"):
+      errors.append(f"config.nonfinite = {self.nonfinite!r} is not 'skip' or 'stop'")
+    if self.max_consecutive_skips < 0:
+      errors.append(f"config.max_consecutive_skips = {self.max_consecutive_skips} must be >= 0")
+    steps = self.profile_steps or ()
+    if steps and (
+      len(steps) != 2 or not all(isinstance(x, int) for x in steps) or not 0 <= steps[0] < steps[1]
+    ):
+      errors.append(
+        f"config.profile_steps = {tuple(steps)} must be (start, stop) with 0 <= start < stop, "
+        "or () for no trace"
+      )
+    return errors
 
 
 class StepLog:
@@ -30,8 +55,25 @@ class StepLog:
   step share the cores.)
   """
 
-  def __init__(self, run: Run, writer: MetricWriter, bar, mngr, step: int):
-    self.run, self.writer, self.bar, self.mngr = run, writer, bar, mngr
+  def __init__(
+    self,
+    writer: MetricWriter,
+    bar,
+    mngr,
+    step: int,
+    *,
+    nonfinite: str,
+    max_consecutive_skips: int,
+    tokens_per_step: int,
+    is_main: bool,
+  ):
+    """``bar``: the tqdm bar; ``mngr``: the checkpoint manager (for the last good step);
+    ``step``: the steps done; ``nonfinite``, ``max_consecutive_skips``: the config's (skip or
+    stop, and when skipping means divergence); ``tokens_per_step``: batch_size x seq_len;
+    ``is_main``: this process writes the console lines."""
+    self.writer, self.bar, self.mngr = writer, bar, mngr
+    self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
+    self.tokens_per_step, self.is_main = tokens_per_step, is_main
     self.pending, self.t_last = [], time.perf_counter()
     self.step = step  # the step of the last metrics added
     self.checked = 0  # how many of ``pending`` have had their finite flag read
@@ -49,25 +91,24 @@ class StepLog:
 
   def _check(self, upto: int) -> None:
     """Tracks skipped updates; raises on one with nonfinite='stop', or on too many in a row."""
-    config = self.run.config
     first = self.step - len(self.pending) + 1  # the step of pending[0]
     for i in range(self.checked, upto):
       step = first + i
       if bool(self.pending[i]["finite"]):
         self.skipped_since = None
         continue
-      if config.nonfinite == "stop":
+      if self.nonfinite == "stop":
         raise FloatingPointError(
           f"non-finite loss or gradient at step {step}; {self.last_good()} (set "
           "nonfinite='skip' to skip such updates)"
         )
       self.skipped_since = self.skipped_since or step
       skips = step - self.skipped_since + 1
-      if config.max_consecutive_skips and skips >= config.max_consecutive_skips:
+      if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
         raise FloatingPointError(
           f"training diverged: the {skips} updates of steps {self.skipped_since}-{step} were "
           f"all non-finite and skipped (max_consecutive_skips = "
-          f"{config.max_consecutive_skips}); {self.last_good()}: lower learning_rate (or fix "
+          f"{self.max_consecutive_skips}); {self.last_good()}: lower learning_rate (or fix "
           "the data) and resume from it with --allow_config_change"
         )
     self.checked = max(self.checked, upto)
@@ -79,12 +120,13 @@ class StepLog:
       return "there is no checkpoint yet"
     return f"the last good checkpoint is step {latest}"
 
-  def flush(self, state: TrainState, check: bool = True) -> None:
-    """Writes the mean metrics since the last flush; raises on a non-finite step if asked to
-    (``check``: False when writing what is left after such an error)."""
+  def flush(self, state, check: bool = True) -> None:
+    """Writes the mean metrics since the last flush (``state``: the train state, for its count
+    of skipped updates); raises on a non-finite step if asked to (``check``: False when
+    writing what is left after such an error)."""
     if check:
       self.settle()
-    config, step = self.run.config, self.step
+    step = self.step
     stacked = jax.device_get(self.pending)  # all ready: settle waited for the last step
     elapsed = time.perf_counter() - self.t_last
     n = len(stacked)
@@ -94,14 +136,14 @@ class StepLog:
       "loss": float(np.mean(losses)) if losses else float("nan"),
       "learning_rate": float(stacked[-1]["learning_rate"]),
       "grad_norm": float(np.mean([float(m["grad_norm"]) for m in stacked])),
-      "tokens_per_sec": config.batch_size * config.seq_len * n / elapsed,
+      "tokens_per_sec": self.tokens_per_step * n / elapsed,
       "step_time": elapsed / n,
       "skipped_steps": int(state.skipped),
     }
     record["perplexity"] = math.exp(min(record["loss"], 50.0))
     self.writer.write(record)
     self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-    if self.run.is_main:
+    if self.is_main:
       self.bar.write(
         f"step {step}: loss {record['loss']:.4f}  ppl {record['perplexity']:.2f}  "
         f"lr {record['learning_rate']:.2e}  grad_norm {record['grad_norm']:.3f}  "
@@ -111,12 +153,11 @@ class StepLog:
 
 
 class Profiler:
-  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``config.profile_steps``) in the
-  run's TensorBoard folder, written by process 0."""
+  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``steps``: the config's
+  ``profile_steps``; () for none) in ``logdir`` (the run's TensorBoard folder)."""
 
-  def __init__(self, run: Run):
-    self.steps = tuple(run.config.get("profile_steps") or ()) if run.is_main else ()
-    self.logdir = os.path.join(run.workdir, "tensorboard")
+  def __init__(self, steps, logdir: str):
+    self.steps, self.logdir = tuple(steps or ()), logdir
     self.active = False
 
   def __enter__(self):
@@ -147,9 +188,12 @@ class Profiler:
 HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
 
 
-def log_validation(run: Run, writer: MetricWriter, bar, step: int, ev: dict) -> None:
-  """A validation result in the metrics and on the console."""
+def log_validation(
+  writer: MetricWriter, bar, step: int, ev: dict, *, byte_level: bool, is_main: bool
+) -> None:
+  """A validation result (``Trainer.evaluate``'s dict) in the metrics and, on process 0
+  (``is_main``), on the console; bits per byte too where the corpus is bytes."""
   writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
-  if run.is_main:
-    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if run.corpus.unit == "byte" else ""
+  if is_main:
+    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
     bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")

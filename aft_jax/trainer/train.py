@@ -3,7 +3,7 @@
 Does it fit a GPU I do not have? aft-train --config enwik8 --dry_run --target h100 [--num_devices 8]
 
 (in a checkout, the same as python train.py --config configs/quickstart.py --workdir runs/x).
---config takes a recipe name, NAME or NAME:ARG (aft_jax/recipes.py), or a config file path.
+--config takes a recipe name, NAME or NAME:ARG (aft_jax/trainer/recipes.py), or a config file path.
 Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
 Rerunning the same command resumes from the workdir's last checkpoint. JAX's flags are accepted
 (--jax_debug_nans, --jax_platforms=cpu, ...), and -v / --verbosity sets absl's log level
@@ -17,7 +17,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from aft_jax import recipes
+from aft_jax.trainer import recipes
 
 config_flags.DEFINE_config_file(
   "config",
@@ -42,7 +42,7 @@ flags.DEFINE_bool(
   "dry_run",
   False,
   "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-  "device and print whether they fit (aft_jax/dry_run.py); exit 0 if they fit, 1 if not.",
+  "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if not.",
 )
 flags.DEFINE_string(
   "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
@@ -63,7 +63,8 @@ def _fail(e: Exception):
 def dry_run() -> None:
   """--dry_run: restarts this command where the target's compiler is (``deviceless.reexec``),
   then reports; the exit code says whether it fits."""
-  from aft_jax import deviceless, dry_run as dry_run_lib
+  from aft_jax import deviceless
+  from aft_jax.trainer import dry_run as dry_run_lib
 
   try:
     target = deviceless.get(FLAGS.target)
@@ -95,7 +96,9 @@ def main(argv):
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   elif FLAGS.distributed:
     jax.distributed.initialize()
-  from aft_jax import train_lib  # after distributed init: nothing may touch devices before it
+  from aft_jax.trainer import (
+    train_lib,
+  )  # after distributed init: nothing may touch devices before it
 
   try:
     train_lib.train_and_evaluate(

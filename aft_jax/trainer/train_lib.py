@@ -3,9 +3,9 @@
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
 exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
-and the config (``aft_jax.checkpointing``), so rerunning the same command resumes exactly;
-SIGTERM / Ctrl-C save a checkpoint and exit (``aft_jax.preemption``); one trainer per workdir
-(``aft_jax.workdir_lock``); per-step metrics and the non-finite watch (``aft_jax.step_log``).
+and the config (``checkpointing``), so rerunning the same command resumes exactly; SIGTERM /
+Ctrl-C save a checkpoint and exit (``preemption``); one trainer per workdir (``workdir_lock``);
+per-step metrics and the non-finite watch (``step_log``): modules of this package.
 
 ``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
 loop, final evaluation, results, a sample. The step functions are pure module-level functions
@@ -31,19 +31,20 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from aft_jax import checkpointing
+from aft_jax.trainer import checkpointing, optimizer
+from aft_jax.trainer.evaluation import eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
 from aft_jax import decode as decode_lib
-from aft_jax import files
 from aft_jax import sharding
-from aft_jax import step_log
-from aft_jax import workdir_lock
-from aft_jax import workdir as workdir_lib
-from aft_jax.config_check import check_config, flatten
-from aft_jax.metrics import MetricWriter
+from aft_jax.trainer import step_log
+from aft_jax.trainer import workdir_lock
+from aft_jax.trainer.config_check import check_config
+from aft_jax.trainer.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
 from aft_jax.ops import target as ops_target
-from aft_jax.preemption import Preemption
+from aft_jax.typed_config import flatten
+from aft_jax.workdir import Workdir
+from aft_jax.trainer.preemption import Preemption
 
 
 @contextlib.contextmanager
@@ -61,33 +62,6 @@ class TrainState(train_state.TrainState):
   """Parameters, optimizer state and step; ``skipped`` counts updates dropped as non-finite."""
 
   skipped: jax.Array = None
-
-
-def learning_rate_schedule(config):
-  """Linear warmup from 0 over ``warmup_steps`` updates, then cosine decay to 10% of the peak.
-
-  Counted in optimizer updates (``num_train_steps // grad_accum_steps``).
-  """
-  updates = max(1, config.num_train_steps // config.grad_accum_steps)
-  warmup = min(config.warmup_steps, updates - 1)
-  decay = optax.cosine_decay_schedule(config.learning_rate, max(1, updates - warmup), alpha=0.1)
-  if warmup == 0:
-    return decay
-  return optax.join_schedules(
-    [optax.linear_schedule(0.0, config.learning_rate, warmup), decay], [warmup]
-  )
-
-
-def make_optimizer(config):
-  tx = optax.chain(
-    optax.clip_by_global_norm(config.grad_clip_norm),
-    optax.adamw(
-      learning_rate_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay
-    ),
-  )
-  if config.grad_accum_steps > 1:
-    tx = optax.MultiSteps(tx, every_k_schedule=config.grad_accum_steps)
-  return tx
 
 
 def weighted_nll(model, params, batch, *, train, rng=None):
@@ -147,8 +121,8 @@ class Trainer:
     self.config, self.mesh = config, mesh
     self.rules = sharding.rules_from_config(config.get("logical_axis_rules"))
     self.model = TransformerLM(model_cfg)
-    self.tx = make_optimizer(config)
-    self.schedule = learning_rate_schedule(config)
+    self.tx = optimizer.make_optimizer(config)
+    self.schedule = optimizer.learning_rate_schedule(config)
     dummy = jnp.zeros((1, config.seq_len), jnp.int32)
 
     def init(rng):
@@ -262,28 +236,6 @@ class Trainer:
     return {"nll": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
 
 
-def perplexity(nll: float) -> float:
-  """exp(nll); inf where that overflows (a diverged model), so results are still written."""
-  try:
-    return math.exp(nll)
-  except OverflowError:
-    return math.inf
-
-
-def eval_protocol(seq_len: int, stride: int) -> dict:
-  """How an evaluation scored its tokens, as recorded next to the numbers in results.json."""
-  if not stride or stride >= seq_len:
-    return {"name": "disjoint_windows", "window": seq_len, "stride": seq_len}
-  return {"name": "sliding_window", "window": seq_len, "stride": stride}
-
-
-def unigram_ppl(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
-  """Perplexity of the training split's add-one-smoothed unigram distribution on eval_tokens."""
-  counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64)
-  logp = np.log((counts + 1.0) / (counts.sum() + vocab_size))
-  return float(np.exp(-logp[eval_tokens].mean()))
-
-
 # --------------------------------------------------------------------------- the run's parts
 
 
@@ -292,7 +244,7 @@ class Run:
   """What the parts of a run share: its config, workdir, data, model and trainer."""
 
   config: ml_collections.ConfigDict
-  workdir: str
+  workdir: Workdir
   corpus: data_lib.Corpus
   model_cfg: ModelConfig
   trainer: Trainer
@@ -301,24 +253,6 @@ class Run:
   @property
   def is_main(self) -> bool:
     return jax.process_index() == 0  # process 0 alone writes logs, metrics and results
-
-
-def check_mesh(config, mesh) -> None:
-  """The batch must split evenly over the data-parallel devices and over the processes."""
-  dp = sharding.data_parallel_size(mesh)
-  for name in ("batch_size", "eval_batch_size"):
-    if config[name] % dp:
-      raise ValueError(
-        f"{name} = {config[name]} is not divisible by the {dp} data-parallel "
-        f"devices (mesh data x fsdp)"
-      )
-  if dp % jax.process_count():
-    # Each process reads its own rows of every batch, so the batch axes must split across them.
-    raise ValueError(
-      f"mesh data x fsdp = {dp} is not a multiple of the {jax.process_count()} "
-      "processes: each process feeds its own rows of the batch, so give the "
-      "data or fsdp axis at least one slot per process"
-    )
 
 
 def absolute_paths(config) -> ml_collections.ConfigDict:
@@ -331,9 +265,6 @@ def absolute_paths(config) -> ml_collections.ConfigDict:
   return config
 
 
-TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
-
-
 def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
   """The Trainer; where ``impl='auto'`` chose Pallas kernels for the mesh's GPUs, its train step
   is compiled now, before the first batch, and if that fails ``say`` gets one line and the run
@@ -344,7 +275,7 @@ def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
   if model_cfg.impl != "auto" or device.platform != "gpu" or ops_target.gpu_kernels_refused(device):
     return trainer
   lowered = trainer.lower_train_step()
-  if TRITON not in lowered.as_text():
+  if ops_target.TRITON_CALL not in lowered.as_text():
     return trainer
   try:
     trainer.use_compiled_train_step(lowered.compile())
@@ -362,13 +293,15 @@ def setup(config, workdir: str, allow_config_change: bool) -> Run:
   """Checks the config, loads the data, builds the mesh and the jitted steps."""
   check_config(config)
   config = absolute_paths(config)
-  workdir = os.path.abspath(workdir)
+  workdir = Workdir(workdir)
   corpus = data_lib.load_corpus(config.data)
   model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
   mesh = sharding.make_mesh(config.mesh)
-  check_mesh(config, mesh)
+  sharding.check_batch_split(
+    mesh, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size
+  )
   if jax.process_index() == 0:
-    workdir_lib.save_vocab(workdir, corpus)  # sampling and evaluating then need no dataset
+    workdir.save_corpus(corpus)  # sampling and evaluating then need no dataset
   say = print if jax.process_index() == 0 else lambda line: None
   trainer = build_trainer(config, model_cfg, mesh, say)
   return Run(config, workdir, corpus, trainer.model.cfg, trainer, allow_config_change)
@@ -447,8 +380,19 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     disable=not run.is_main,
     dynamic_ncols=True,
   )
-  log = step_log.StepLog(run, writer, bar, mngr, step)
-  with bar, Preemption() as preemption, step_log.Profiler(run) as profiler:
+  log = step_log.StepLog(
+    writer,
+    bar,
+    mngr,
+    step,
+    nonfinite=config.nonfinite,
+    max_consecutive_skips=config.max_consecutive_skips,
+    tokens_per_step=config.batch_size * config.seq_len,
+    is_main=run.is_main,
+  )
+  profile = config.get("profile_steps") if run.is_main else ()  # process 0 writes the trace
+  profiler = step_log.Profiler(profile, run.workdir.tensorboard_dir)
+  with bar, Preemption() as preemption, profiler:
     try:
       while step < config.num_train_steps:
         profiler.at(step, state)
@@ -461,7 +405,8 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
           log.flush(state)
         if step % config.eval_every_steps == 0 and not last:
           ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
-          step_log.log_validation(run, writer, bar, step, ev)
+          byte_level, main = run.corpus.unit == "byte", run.is_main
+          step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=main)
         if step % config.checkpoint_every_steps == 0 or last:
           _checkpoint(run, log, mngr, step, state, data_iter)
         if preemption.should_stop(step, config.log_every_steps):
@@ -513,7 +458,7 @@ def final_results(run: Run, state: TrainState) -> dict:
 def write_results(run: Run, results: dict, writer: MetricWriter) -> None:
   """results.json, its line on the console and its scalars in the metrics."""
   if run.is_main:
-    files.atomic_write_json(os.path.join(run.workdir, "results.json"), results)
+    run.workdir.write_results(results)
     test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
     bits = "".join(f", {k} {results[k]:.4f}" for k in ("valid_bpc", "test_bpc") if k in results)
     print(

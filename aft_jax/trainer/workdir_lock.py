@@ -1,4 +1,4 @@
-"""One trainer per workdir: ``<workdir>/trainer.lock`` names the process that holds it.
+"""One trainer per workdir: its lock file (``Workdir.lock_file``) names the process holding it.
 
 Two trainers on one workdir would write every metrics line twice and the same checkpoints. The
 lock file holds the holder's pid and host; a second trainer is refused with both. A lock left
@@ -15,15 +15,15 @@ import socket
 import time
 from collections.abc import Iterator
 
-LOCK_NAME = "trainer.lock"
+from aft_jax.workdir import Workdir
 
 
 class WorkdirInUse(RuntimeError):
   """Another live trainer holds the workdir."""
 
 
-def lock_path(workdir: str) -> str:
-  return os.path.join(workdir, LOCK_NAME)
+def lock_path(workdir: str | Workdir) -> str:
+  return Workdir.of(workdir).lock_file
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,70 @@
+"""The pydoc corpus' text: the documentation shipped with CPython, split at line ends into
+train, test and validation pieces, and those pieces as token ids (``aft_jax.data.corpus``
+wraps them into its ``Corpus``; the prepare command prints their summary)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from aft_jax.data import vocab as vocab_lib
+
+PYDOC_FRACTIONS = {"train": 0.8, "test": 0.1, "validation": 0.1}  # in text order
+
+# Lines that are layout, not language: rules and table borders (`-----`, `+===+===+`), table
+# rows and grammar alternatives (`| ...`), and grammar productions (`name ::= ...`).
+_LAYOUT_LINE = re.compile(r"\s*(?:[-=~^*_+| ]{3,}|[|+].*|.*::=.*)\s*")
+
+
+def pydoc_text() -> str:
+  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines.
+
+  About a tenth of the raw text is ASCII tables, heading underlines and grammar rules; a small
+  model spends its capacity (and its samples) on runs of `|`, `+` and `=` otherwise. Prose,
+  code examples and blank lines are kept, so the text still reads as the documentation.
+  """
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+
+  raw = "".join(topics.topics[k] for k in sorted(topics.topics))
+  return "".join(
+    line for line in raw.splitlines(keepends=True) if not _LAYOUT_LINE.fullmatch(line.strip())
+  )
+
+
+def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
+  """Consecutive pieces of `text` of about the given fractions, cut after a '\\n'.
+
+  Cutting at line ends keeps the word protocol identical on each piece and
+  on the whole: the pieces' token streams concatenate to the text's stream.
+  """
+  pieces, start, acc = {}, 0, 0.0
+  names = list(fractions)
+  for i, name in enumerate(names):
+    acc += fractions[name]
+    if i == len(names) - 1:
+      end = len(text)
+    else:
+      nl = text.find("\n", int(round(acc * len(text))))
+      end = len(text) if nl < 0 else nl + 1
+    pieces[name] = text[start:end]
+    start = end
+  return pieces
+
+
+def pydoc_splits(tokenizer: str = "byte") -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
+  """(vocabulary, {split: token ids}) of the pydoc text: bytes, or words from train plus
+  ``<unk>``; a ValueError for another tokenizer or an empty split."""
+  pieces = split_at_lines(pydoc_text(), PYDOC_FRACTIONS)
+  if tokenizer == "byte":
+    vocab: vocab_lib.Vocab = vocab_lib.ByteVocab()
+  elif tokenizer == "word":
+    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words([pieces["train"]]), add_unk=True)
+  else:
+    raise ValueError(f"tokenizer must be 'word' or 'byte', got {tokenizer!r}")
+  splits = {name: vocab.encode(pieces[name]) for name in ("train", "validation", "test")}
+  for name, ids in splits.items():
+    if ids.size < 2:
+      raise ValueError(f"pydoc {name} split is empty; this Python ships too little documentation")
+  return vocab, splits

@@ -1,0 +1,21 @@
+"""Commands for a trained run's workdir: ``generate`` (sample), ``evaluate`` (perplexity on a
+split or a text file) and ``export`` (one file, loadable without Orbax); ``python -m
+aft_jax.tools.<name>`` or ``aft-<name>``."""
+
+import json
+import sys
+
+
+def run_command(name: str, command, args, *, print_json: bool = False) -> None:
+  """Runs ``command(args)`` for ``python -m aft_jax.tools.<name>``: Orbax's INFO logs silenced,
+  and a ValueError (a bad flag, workdir or file) printed as one line on stderr, exit status 1.
+  ``print_json``: the command's result (a dict) is printed as the last stdout line, as JSON."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  try:
+    result = command(args)
+  except ValueError as e:
+    sys.exit(f"{name}: {e}")  # no traceback: the message says what to fix
+  if print_json:
+    print(json.dumps(result, sort_keys=True), flush=True)

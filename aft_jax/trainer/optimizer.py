@@ -1,0 +1,73 @@
+"""The optimizer and its learning-rate schedule (``OptimizerConfig``: their config keys).
+
+AdamW with global-norm clipping, linear warmup then cosine decay to 10% of the peak, and
+optionally gradient accumulation (``optax.MultiSteps``): one update every ``grad_accum_steps``
+micro-steps, so the schedule counts updates, ``num_train_steps // grad_accum_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from aft_jax.typed_config import TypedConfig, positive
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(TypedConfig):
+  """Keys at the top of the config tree (``config.learning_rate``, ...)."""
+
+  learning_rate: float = 1e-3  # peak AdamW rate
+  warmup_steps: int = 100  # linear warmup (updates), then cosine decay to 10% of the peak
+  weight_decay: float = 0.01  # AdamW decoupled weight decay
+  b1: float = 0.9  # AdamW first-moment decay
+  b2: float = 0.98  # AdamW second-moment decay
+  grad_clip_norm: float = 1.0  # clip the global gradient norm to this
+  grad_accum_steps: int = 1  # > 1: optax.MultiSteps, one update every k steps
+
+  def _value_problems(self) -> list[str]:
+    errors = positive(self, "grad_accum_steps")
+    if self.learning_rate <= 0:
+      errors.append(f"config.learning_rate = {self.learning_rate} must be > 0")
+    if self.warmup_steps < 0:
+      errors.append(f"config.warmup_steps = {self.warmup_steps} must be >= 0")
+    # A negative clip norm flips the gradient's sign: training would ascend the loss.
+    if not self.grad_clip_norm > 0:
+      errors.append(f"config.grad_clip_norm = {self.grad_clip_norm} must be > 0")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        errors.append(f"config.{name} = {getattr(self, name)} must be in [0, 1)")
+    if self.weight_decay < 0:
+      errors.append(f"config.weight_decay = {self.weight_decay} must be >= 0")
+    return errors
+
+
+def learning_rate_schedule(config):
+  """Linear warmup from 0 over ``warmup_steps`` updates, then cosine decay to 10% of the peak.
+
+  Counted in optimizer updates (``num_train_steps // grad_accum_steps``).
+  """
+  opt = OptimizerConfig.from_config(config)
+  updates = max(1, config.num_train_steps // opt.grad_accum_steps)
+  warmup = min(opt.warmup_steps, updates - 1)
+  decay = optax.cosine_decay_schedule(opt.learning_rate, max(1, updates - warmup), alpha=0.1)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules(
+    [optax.linear_schedule(0.0, opt.learning_rate, warmup), decay], [warmup]
+  )
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """The optimizer of ``config`` (its ``OptimizerConfig`` keys and ``num_train_steps``)."""
+  opt = OptimizerConfig.from_config(config)
+  tx = optax.chain(
+    optax.clip_by_global_norm(opt.grad_clip_norm),
+    optax.adamw(
+      learning_rate_schedule(config), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
+    ),
+  )
+  if opt.grad_accum_steps > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=opt.grad_accum_steps)
+  return tx

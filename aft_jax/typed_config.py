@@ -1,0 +1,100 @@
+"""The components' typed configs: each component defines, documents and checks its own keys
+in a frozen dataclass (``ModelConfig`` in aft_jax/model.py is the first of them), and the
+training config tree is generated from those dataclasses (aft_jax/trainer/default_config.py).
+
+A component's class sets ``WHERE``, the node of the tree that holds its keys ("data" for
+``config.data.*``, "" for keys at the top), gives each field a default (its type: a value of
+another type is refused) and a comment (its meaning), and lists what is wrong with a value in
+``_value_problems``. ``from_config(config)`` reads it from a tree; ``problems()`` is every
+type and value problem, one line each, named as the config key (``config.data.dataset``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import ml_collections
+
+
+def type_ok(value, default) -> bool:
+  """Whether ``value`` may stand where ``default`` does: the same type (an int for a float;
+  never a bool for a number), a list or tuple for a list or tuple; None always."""
+  if default is None or value is None:
+    return True
+  if isinstance(default, bool):
+    return isinstance(value, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if isinstance(default, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return isinstance(value, type(default))
+
+
+def type_problems(values: dict, defaults: dict, prefix: str) -> list[str]:
+  """One line per value of ``values`` whose type is not its default's (keys ``prefix + name``)."""
+  return [
+    f"config.{prefix}{k} = {values[k]!r} should be a {type(defaults[k]).__name__}"
+    for k in defaults
+    if k in values and not type_ok(values[k], defaults[k])
+  ]
+
+
+class TypedConfig:
+  """Base of a component's config (a frozen dataclass whose every field has a default)."""
+
+  WHERE: ClassVar[str] = ""
+
+  @classmethod
+  def defaults(cls) -> dict:
+    """Every key and its default, in the order of the fields."""
+    missing = dataclasses.MISSING
+    return {
+      f.name: f.default if f.default is not missing else f.default_factory()
+      for f in dataclasses.fields(cls)
+    }
+
+  @classmethod
+  def from_config(cls, config):
+    """The component's keys of a config tree (a ConfigDict or a dict)."""
+    node = config[cls.WHERE] if cls.WHERE else config
+    return cls(**{name: node[name] for name in cls.defaults()})
+
+  def key(self, name: str) -> str:
+    """The config key of field ``name``, as errors name it: "config.data.dataset"."""
+    return f"config.{self.WHERE + '.' if self.WHERE else ''}{name}"
+
+  def problems(self) -> list[str]:
+    """One line per invalid setting (types first: the value checks assume the types)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    wrong = type_problems(values, self.defaults(), self.WHERE + "." if self.WHERE else "")
+    return wrong or self._value_problems()
+
+  def _value_problems(self) -> list[str]:
+    return []
+
+  def validate(self):
+    """Raises ValueError naming every invalid setting; returns self otherwise."""
+    errors = self.problems()
+    if errors:
+      raise ValueError("; ".join(errors))
+    return self
+
+
+def positive(cfg: TypedConfig, *names: str) -> list[str]:
+  """The "must be >= 1" line of each of ``names`` below 1."""
+  return [f"{cfg.key(n)} = {getattr(cfg, n)} must be >= 1" for n in names if getattr(cfg, n) < 1]
+
+
+def flatten(d, prefix: str = "") -> dict:
+  """A nested config (dicts or ConfigDicts) as one dict keyed "model.mixing" etc."""
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, (dict, ml_collections.ConfigDict)):
+      out.update(flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out

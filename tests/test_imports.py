@@ -1,0 +1,125 @@
+"""The package's imports run one way: no import cycle in ``aft_jax`` (counting imports inside
+functions and under ``TYPE_CHECKING``: every ``import`` statement in the source), and no lower
+layer imports a higher one (ops <- layers <- model <- trainer <- tools; data and sharding know
+nothing of the model)."""
+
+import ast
+import os
+
+from tests.helpers import ROOT
+
+PACKAGE = os.path.join(ROOT, "aft_jax")
+
+
+def _modules() -> dict[str, str]:
+  """{"aft_jax.trainer.train_lib": its path} for every module of the package."""
+  out = {}
+  for folder, _, names in os.walk(PACKAGE):
+    for name in names:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        module = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+        out[module.removesuffix(".__init__")] = path
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """{module: the package's modules it imports}, from every import statement of its source.
+  ``from aft_jax.x import y`` counts as importing ``aft_jax.x.y`` where that is a module, else
+  ``aft_jax.x``."""
+  modules = _modules()
+
+  def known(name):
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {}
+  for module, path in modules.items():
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    deps = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if isinstance(node, ast.Import):
+        deps |= {known(a.name) for a in node.names if a.name.split(".")[0] == "aft_jax"}
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from the package, level - 1 packages up
+          parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+          base = ".".join(parts + ([base] if base else []))
+        if base.split(".")[0] == "aft_jax":
+          for a in node.names:
+            full = f"{base}.{a.name}"
+            deps.add(full if full in modules else known(base))
+    deps.discard(module)
+    deps.discard("")
+    graph[module] = deps
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's algorithm)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_no_import_cycle():
+  graph = import_graph()
+  assert len(graph) > 30 and "aft_jax.trainer.train_lib" in graph  # the walk found the package
+  assert {"aft_jax.workdir", "aft_jax.trainer.step_log"} <= graph["aft_jax.trainer.train_lib"]
+  assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+  assert cycles(graph) == [["a", "b", "c"]]
+
+
+# Layer -> the packages and modules it must not import (ever, even inside a function).
+FORBIDDEN = {
+  "aft_jax.ops": ("aft_jax.layers", "aft_jax.model", "aft_jax.data", "aft_jax.trainer"),
+  "aft_jax.layers": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.model": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.data": ("aft_jax.ops", "aft_jax.layers", "aft_jax.model", "aft_jax.trainer"),
+  "aft_jax.sharding": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.workdir": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.model"),
+  "aft_jax.trainer": ("aft_jax.tools",),
+}
+
+
+def test_lower_layers_do_not_import_higher_ones():
+  graph = import_graph()
+  wrong = []
+  for module, deps in graph.items():
+    for layer, banned in FORBIDDEN.items():
+      if module == layer or module.startswith(layer + "."):
+        wrong += [
+          f"{module} imports {d}"
+          for d in deps
+          if any(d == b or d.startswith(b + ".") for b in banned)
+        ]
+  assert wrong == []

@@ -1,0 +1,61 @@
+"""aft_jax.workdir.Workdir: every file of a run under one folder, read back as written."""
+
+import os
+
+import pytest
+
+from aft_jax.data import pydoc_corpus
+from aft_jax.workdir import Workdir
+
+
+def test_files_live_under_the_workdir_and_read_back(tmp_path):
+  wd = Workdir(str(tmp_path / "run"))
+  names = [
+    wd.config_file,
+    wd.corpus_file,
+    wd.vocab_file,
+    wd.metrics_file,
+    wd.results_file,
+    wd.lock_file,
+    wd.tensorboard_dir,
+    wd.checkpoints_dir,
+    wd.damaged_checkpoints_dir,
+  ]
+  assert len(set(names)) == len(names) and all(os.path.dirname(n) == wd.path for n in names)
+  assert not os.path.exists(wd.path)  # nothing is created before something is written
+  assert wd.read_config() is None and wd.load_vocab() is None and wd.checkpoint_steps() == []
+  wd.write_config({"seed": 3})
+  wd.write_results({"valid_ppl": 2.5})
+  assert wd.read_config() == {"seed": 3} and wd.read_results() == {"valid_ppl": 2.5}
+  for tokenizer in ("byte", "word"):
+    corpus = pydoc_corpus(tokenizer)
+    wd.save_corpus(corpus)
+    info, vocab = wd.load_vocab()
+    assert info["tokenizer"] == tokenizer and vocab.size == corpus.vocab.size
+  assert Workdir.of(wd) is wd and os.fspath(wd) == str(wd) == wd.path
+
+
+def test_check_names_what_is_missing(tmp_path):
+  wd = Workdir(str(tmp_path))
+  with pytest.raises(ValueError, match="has no config.json"):
+    wd.check()
+  wd.write_config({})
+  with pytest.raises(ValueError, match="has no checkpoint yet"):
+    wd.check()
+  os.makedirs(os.path.join(wd.checkpoints_dir, "4"))
+  os.makedirs(os.path.join(wd.checkpoints_dir, "8.orbax-checkpoint-tmp-1"))  # a save under way
+  assert wd.checkpoint_steps() == [4] and wd.check() == 4
+  with pytest.raises(ValueError, match=r"--step 5: no such checkpoint .*\(steps: \[4\]\)"):
+    wd.check(5)
+  with pytest.raises(ValueError, match="does not exist"):
+    Workdir(str(tmp_path / "nothing")).check()
+
+
+def test_metrics_keep_the_last_record_of_each_step(tmp_path):
+  wd = Workdir(str(tmp_path))
+  with open(wd.metrics_file, "w") as f:
+    f.write('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 1, "loss": 2.5}\n')
+    f.write('{"step": 2, "valid_loss": 2.2}\n')
+  got = wd.read_metrics()
+  assert [r for r in got if "loss" in r] == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+  assert {"step": 2, "valid_loss": 2.2} in got
