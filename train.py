@@ -4,7 +4,12 @@ The command line lives in aft_jax/trainer/train.py, which a pip install runs as 
 this file keeps the checkout's ``python train.py ...`` working. Flags: ``python train.py --help``.
 """
 
-from aft_jax.trainer.train import run
+import sys
+
+try:
+  from aft_jax.trainer.train import run
+except KeyboardInterrupt:  # Ctrl-C while jax and the trainer are imported: nothing was done yet
+  sys.exit("train.py: interrupted (Ctrl-C) while starting; nothing was written")
 
 if __name__ == "__main__":
   run()

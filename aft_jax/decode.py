@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -70,7 +71,9 @@ def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float
   """
   if temperature <= 0:
     return jnp.argmax(logp_BV, axis=-1)
-  logits_BV = logp_BV / temperature
+  # Shifted so that the most likely token's logit is 0 whatever the temperature: a tiny one
+  # (1e-45) sends the others to -inf, which is greedy sampling, instead of every logit to -inf.
+  logits_BV = (logp_BV - jnp.max(logp_BV, axis=-1, keepdims=True)) / temperature
   if top_k and top_k < logits_BV.shape[-1]:
     kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
     logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
@@ -212,6 +215,7 @@ def sample_texts(
   """
   if num_samples < 1:
     raise ValueError(f"num_samples = {num_samples} must be >= 1")
+  check_batch_fits(model, num_samples)
   ids, _ = encode_prompt(vocab, prompt)
   new_BN = generate(
     model,
@@ -223,6 +227,30 @@ def sample_texts(
     stop_id=vocab.eos_id if stop_at_eos else None,
   )
   return [_text(vocab, row, vocab.eos_id if stop_at_eos else None) for row in new_BN]
+
+
+def _memory_bytes() -> int:
+  """The first device's memory (a GPU's or TPU's limit; on a CPU, the machine's RAM)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_batch_fits(model, batch: int) -> None:
+  """A one-line ValueError where ``batch`` sequences decoded at once (``generate``) need more
+  memory than the device has: their decoding caches and per-step log-probabilities, estimated
+  from one sequence's (the cache's shapes, not allocated)."""
+  cache = jax.eval_shape(functools.partial(_init_cache, model, 1))
+  per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+  per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling
+  need, have = batch * per_row, _memory_bytes()
+  if need > have:
+    raise ValueError(
+      f"num_samples = {batch}: the samples are decoded as one batch, which needs about "
+      f"{need / 2**30:,.1f} GiB here, more than the device's {have / 2**30:,.1f} GiB; ask for "
+      "fewer"
+    )
 
 
 def _text(vocab, ids: Sequence[int], stop_id: int | None) -> str:

@@ -35,6 +35,8 @@ def atomic_write(path: str, text: str) -> None:
     f.write(text)
 
 
-def atomic_write_json(path: str, obj, indent: int = 2) -> None:
-  """Writes ``obj`` as JSON (keys sorted) to ``path`` atomically."""
-  atomic_write(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+def atomic_write_json(path: str, obj, indent: int = 2, allow_nan: bool = True) -> None:
+  """Writes ``obj`` as JSON (keys sorted) to ``path`` atomically; ``allow_nan=False``: strict
+  JSON, a ValueError for a NaN or infinite float."""
+  text = json.dumps(obj, indent=indent, sort_keys=True, allow_nan=allow_nan)
+  atomic_write(path, text + "\n")

@@ -6,6 +6,8 @@
     <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
     <workdir>/metrics.jsonl             one JSON record per logged step, validation and result
     <workdir>/results.json              the final numbers (``aft_jax.trainer.train_lib``)
+    <workdir>/final_eval.json           the final evaluation's splits as each is done (a rerun
+                                        after an interruption takes them from here)
     <workdir>/trainer.lock              held by the one trainer writing here
     <workdir>/tensorboard/              TensorBoard event files and profiles
     <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position and config
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from aft_jax import files
@@ -61,6 +64,7 @@ class Workdir:
   vocab_file = property(lambda self: self._file(vocab_lib.VOCAB_FILENAME))
   metrics_file = property(lambda self: self._file("metrics.jsonl"))
   results_file = property(lambda self: self._file("results.json"))
+  final_eval_file = property(lambda self: self._file("final_eval.json"))
   lock_file = property(lambda self: self._file("trainer.lock"))
   tensorboard_dir = property(lambda self: self._file("tensorboard"))
   checkpoints_dir = property(lambda self: self._file("checkpoints"))
@@ -78,10 +82,26 @@ class Workdir:
     return _read_json(self.config_file)
 
   def write_results(self, results: dict) -> None:
-    files.atomic_write_json(self.results_file, results)
+    """results.json, strict JSON: a number that is not finite (a diverged run's NaN loss, an
+    overflowed perplexity) is written as null, and ``not_finite`` names each such key with the
+    value it had ("nan", "inf", "-inf")."""
+    results, not_finite = dict(results), {}
+    for key, value in results.items():
+      if isinstance(value, float) and not math.isfinite(value):
+        results[key], not_finite[key] = None, str(value)
+    if not_finite:
+      results["not_finite"] = not_finite
+    files.atomic_write_json(self.results_file, results, allow_nan=False)
 
   def read_results(self) -> dict | None:
     return _read_json(self.results_file)
+
+  def write_final_eval(self, progress: dict) -> None:
+    """final_eval.json: the step, the protocol and each finished split's result."""
+    files.atomic_write_json(self.final_eval_file, progress)
+
+  def read_final_eval(self) -> dict | None:
+    return _read_json(self.final_eval_file)
 
   # ------------------------------------------------------------------ corpus and vocabulary
 

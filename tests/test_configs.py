@@ -77,6 +77,9 @@ def _quick():
     (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
     (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 64"),
     (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
+    (lambda c: setattr(c, "learning_rate", float("nan")), "learning_rate = nan must be > 0"),
+    (lambda c: setattr(c, "weight_decay", float("nan")), "weight_decay = nan must be >= 0"),
+    (lambda c: setattr(c.sample, "temperature", float("nan")), "temperature = nan must be >="),
     (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
     # A negative clip norm flips the gradient: training by gradient ascent.
     (lambda c: setattr(c, "grad_clip_norm", -1.0), "grad_clip_norm = -1.0 must be > 0"),

@@ -1,10 +1,15 @@
 """aft_jax.tools.export and aft_jax.load_pretrained: a trained run as one file, without Orbax."""
 
+import contextlib
+import errno
+import hashlib
 import json
+import os
 
 import jax
 import numpy as np
 import pytest
+from flax import serialization
 
 import aft_jax
 from aft_jax.tools import export
@@ -52,3 +57,70 @@ def test_load_pretrained_refuses_other_files(tmp_path):
 def test_export_to_a_missing_folder_is_a_one_line_error(run_dir, tmp_path):
   with pytest.raises(SystemExit, match="does not exist"):
     export.main(["--workdir", run_dir, "--out", str(tmp_path / "no" / "m.msgpack")])
+
+
+def _tamper(path, out, edit):
+  """``out``: the export at ``path`` with ``edit(meta, params)`` applied, rewritten as a whole
+  (valid checksum) export, so that only the structure checks can refuse it."""
+  body = export._read(path)
+  meta, params = json.loads(body["meta"]), body["params"]
+  edit(meta, params)
+  payload = serialization.msgpack_serialize({"meta": json.dumps(meta), "params": params})
+  header = {"format": export.FORMAT, "version": export.VERSION}
+  header["sha256"] = hashlib.sha256(payload).hexdigest()
+  with open(out, "wb") as f:
+    f.write(serialization.msgpack_serialize({**header, "payload": payload}))
+  return str(out)
+
+
+def test_a_damaged_or_edited_export_is_refused_in_one_line(run_dir, tmp_path, capsys):
+  path = str(tmp_path / "model.msgpack")
+  export.main(["--workdir", run_dir, "--out", path])
+  data = bytearray(open(path, "rb").read())
+  assert aft_jax.load_pretrained(path)  # whole, it loads
+  middle = len(data) // 2
+  data[middle : middle + 4096] = bytes(4096)[: len(data[middle : middle + 4096])]
+  damaged = tmp_path / "damaged.msgpack"
+  damaged.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match="is damaged: its contents do not match their SHA-256"):
+    aft_jax.load_pretrained(str(damaged))
+
+  def drop_block(meta, params):
+    params.pop(sorted(k for k in params if k.startswith("block"))[-1])
+
+  def wider(meta, params):
+    meta["model"]["d_model"] *= 2
+
+  def unknown_key(meta, params):
+    meta["model"]["colour"] = "blue"
+
+  cases = [
+    (drop_block, "lacks the parameter block"),
+    (wider, "the model config makes it float32"),
+    (unknown_key, "its model config cannot be read"),
+  ]
+  for edit, message in cases:
+    with pytest.raises(ValueError, match=message):
+      aft_jax.load_pretrained(_tamper(path, tmp_path / f"{edit.__name__}.msgpack", edit))
+  no_version = tmp_path / "no_version.msgpack"
+  no_version.write_bytes(serialization.msgpack_serialize({"format": export.FORMAT}))
+  with pytest.raises(ValueError, match="has no format version"):
+    aft_jax.load_pretrained(str(no_version))
+
+
+def test_export_to_a_full_disk_is_a_one_line_error(run_dir, tmp_path, monkeypatch):
+  """The write fails (a full disk; a read-only folder alike): one line naming --out and why,
+  no chained traceback, nothing left behind."""
+  real = export.files.atomic_path
+
+  @contextlib.contextmanager
+  def full_disk(path, suffix=""):
+    with real(path, suffix) as tmp:
+      yield tmp
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(export.files, "atomic_path", full_disk)
+  out = tmp_path / "m.msgpack"
+  with pytest.raises(SystemExit, match=r"--out .*m.msgpack: cannot write it: No space left"):
+    export.main(["--workdir", run_dir, "--out", str(out)])
+  assert os.listdir(tmp_path) == []

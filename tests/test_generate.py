@@ -49,6 +49,23 @@ def test_generate_past_max_len_slides_and_keeps_the_non_sliding_prefix(run_dir):
   np.testing.assert_array_equal(out, _greedy(run, long_prompt[:, -max_len:], 5))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+  """Dividing the log-probabilities by 1e-45 overflowed every logit to -inf (token 0, a NUL
+  byte, whatever the model said); a temperature near 0 is greedy sampling."""
+  logp = np.log(np.asarray([[0.05, 0.1, 0.6, 0.25], [0.7, 0.1, 0.1, 0.1]], np.float32))
+  for i in range(5):
+    got = decode.sample_logits(jax.random.key(i), logp, temperature, top_k=3, top_p=0.9)
+    np.testing.assert_array_equal(got, [2, 0])
+
+
+def test_more_samples_than_memory_holds_is_one_line_before_any_allocation(run_dir):
+  run = trained.load_run(run_dir)
+  with pytest.raises(ValueError, match=r"num_samples = 100000000: .* GiB here, more than the"):
+    decode.sample_texts(run.model, run.params, run.vocab, "The ", 5, num_samples=100_000_000)
+  assert len(decode.sample_texts(run.model, run.params, run.vocab, "The ", 3, num_samples=2)) == 2
+
+
 def test_top_p_keeps_the_most_likely_tokens_holding_that_mass():
   logp = np.log(np.asarray([[0.5, 0.3, 0.15, 0.05]], np.float32))
   seen = {int(decode.sample_logits(jax.random.key(i), logp, 1.0, top_p=0.7)[0]) for i in range(200)}

@@ -395,3 +395,85 @@ def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax
     assert not p.should_stop(5, every=2) and p.should_stop(7, every=2)
     assert p.signal.startswith("SIGTERM, preemption notice")
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, monkeypatch, capsys):
+  """SIGTERM while the test split is scored: one message, no results.json, the lock released
+  and the validation split's result kept; the rerun scores only the test split and writes
+  results.json with the validation number of the first run."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=2, **{"sample.length": 0})
+  original, scored = train_lib.Trainer.evaluate, []
+
+  def evaluate(self, params, tokens, bos_id, desc="eval", **kw):
+    scored.append(desc)
+    if desc == "test" and signal_once:
+      signal_once.pop()
+      os.kill(os.getpid(), signal.SIGTERM)  # recorded by the run's handler, acted on next batch
+    return original(self, params, tokens, bos_id, desc, **kw)
+
+  signal_once = [True]
+  monkeypatch.setattr(train_lib.Trainer, "evaluate", evaluate)
+  out = train_lib.train_and_evaluate(config, workdir)
+  said = capsys.readouterr().out
+  assert out == {"interrupted": True, "step": 2}, out
+  assert f"signal {int(signal.SIGTERM)}) during the final evaluation of the test split" in said
+  wd = Workdir(workdir)
+  assert wd.read_results() is None and not os.path.exists(wd.lock_file)
+  kept = wd.read_final_eval()
+  assert kept["step"] == 2 and set(kept["splits"]) == {"validation"}
+
+  scored.clear()
+  results = train_lib.train_and_evaluate(config, workdir)
+  assert scored == ["test"]  # the validation split was not scored again
+  assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
+  assert wd.read_results()["test_tokens"] == results["test_tokens"] > 0
+
+
+def test_the_tools_read_past_a_damaged_latest_checkpoint(tmp_path, capsys):
+  """The largest file of the latest checkpoint truncated: export (like generate and evaluate,
+  through trained.load_run) says in one line that it skipped that step and uses the one
+  before; asked for the damaged step itself, it stops with one line naming it and the others."""
+  from aft_jax.tools import export
+
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=2, checkpoint_every_steps=1, **{"sample.length": 0})
+  train_lib.train_and_evaluate(config, workdir)
+  wd = Workdir(workdir)
+  assert wd.checkpoint_steps() == [1, 2]
+  paths = [
+    os.path.join(d, f) for d, _, fs in os.walk(os.path.join(wd.checkpoints_dir, "2")) for f in fs
+  ]
+  biggest = max(paths, key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+  capsys.readouterr()
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["step"] == 1
+  notes = [line for line in err.splitlines() if "damaged" in line]
+  assert len(notes) == 1 and "step 2" in notes[0] and "using step 1" in notes[0], err[-2000:]
+
+  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--step", "2"]
+  done = subprocess.run(
+    [*cmd, "--out", str(tmp_path / "again.msgpack")], cwd=ROOT, capture_output=True, text=True
+  )
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+  assert "step 2:" in lines[0] and "the other checkpoints: --step 1" in lines[0], lines[0]
+
+
+def test_ctrl_c_during_setup_is_one_line(tmp_path):
+  """SIGINT while the run sets up (after the warmup note, while it builds and compiles the
+  trainer, before the training loop's handler): one line, exit status 1."""
+  workdir = tmp_path / "run"
+  cmd = train_py(workdir, "--config.num_train_steps=2")  # warmup 100 > 2: a note in setup
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  line = proc.stdout.readline()
+  assert line.startswith("note: warmup_steps"), line
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=300)
+  lines = [x for x in err.splitlines() if x.strip()]
+  assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
+  assert "interrupted (Ctrl-C): stopped without saving" in lines[0]
+  assert not Workdir(str(workdir)).checkpoint_steps()

@@ -156,10 +156,42 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
   assert saved["learning_rate"] == 1e-3  # the workdir records the config it resumed with
 
 
-def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path):
-  cmd = train_py(tmp_path / "run", "--config.seed=-1")
+@pytest.mark.parametrize(
+  "flag,message",
+  [
+    ("--config.seed=-1", "config.seed = -1"),
+    # A mistyped key: ml_collections' error (raised while absl parses the flags), one line.
+    ("--config.learning_rte=1", 'learning_rte; Did you mean "learning_rate"'),
+  ],
+)
+def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, message):
+  cmd = train_py(tmp_path / "run", flag)
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   lines = [line for line in out.stderr.splitlines() if line.strip()]
-  assert len(lines) == 1 and "config.seed = -1" in lines[0], out.stderr[-2000:]
+  assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run")  # nothing written before the config is checked
+
+
+def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path):
+  config = os.path.join(ROOT, "configs", "quickstart.py")
+  out = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", ""],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 1 and "--workdir is required" in out.stderr, out.stderr[-2000:]
+  assert os.listdir(tmp_path) == []  # nothing written into the current directory
+
+
+def test_a_warmup_longer_than_the_run_is_said_not_silently_cut():
+  from aft_jax.trainer import optimizer
+
+  note = optimizer.warmup_note(tiny_config(num_train_steps=10, warmup_steps=100))
+  assert note.startswith("note: warmup_steps = 100 is not shorter than the run's 10 updates")
+  assert "warms up over 9" in note
+  assert optimizer.warmup_note(tiny_config(num_train_steps=10, warmup_steps=3)) is None
+  accum = tiny_config(num_train_steps=10, warmup_steps=5, grad_accum_steps=2)
+  assert "run's 5 updates" in optimizer.warmup_note(accum)

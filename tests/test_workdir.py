@@ -1,5 +1,6 @@
 """aft_jax.workdir.Workdir: every file of a run under one folder, read back as written."""
 
+import json
 import os
 
 import pytest
@@ -59,3 +60,20 @@ def test_metrics_keep_the_last_record_of_each_step(tmp_path):
   got = wd.read_metrics()
   assert [r for r in got if "loss" in r] == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
   assert {"step": 2, "valid_loss": 2.2} in got
+
+
+def test_results_are_strict_json_with_non_finite_numbers_named(tmp_path):
+  wd = Workdir(str(tmp_path))
+  wd.write_results({"valid_loss": float("nan"), "valid_ppl": float("inf"), "steps": 3})
+
+  def refuse(name):
+    raise AssertionError(f"results.json holds {name}, which strict JSON readers refuse")
+
+  with open(wd.results_file) as f:
+    got = json.load(f, parse_constant=refuse)
+  assert got == {
+    "valid_loss": None,
+    "valid_ppl": None,
+    "steps": 3,
+    "not_finite": {"valid_loss": "nan", "valid_ppl": "inf"},
+  }

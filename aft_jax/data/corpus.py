@@ -26,12 +26,16 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import DataConfig
+from aft_jax.data.config import (  # noqa: F401 (DATA_DIR_ENV, default_data_dir: re-exported)
+  DATA_DIR_ENV,
+  DataConfig,
+  default_data_dir,
+  resolve_data_dir,
+)
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
 
-DATA_DIR_ENV = "AFT_JAX_DATA"
 BARRIER_NAME = "aft_jax.data.prepare"
 
 
@@ -54,22 +58,6 @@ class Corpus:
   vocab: vocab_lib.Vocab
   splits: Mapping[str, np.ndarray]
   bos_id: int
-
-
-def default_data_dir() -> str:
-  """The folder for prepared data when `cfg.data_dir` is empty: `$AFT_JAX_DATA`, else
-  `~/.cache/aft_jax`, as an absolute path.
-
-  Absolute and per user, so that runs started from any directory share one prepared copy
-  instead of preparing WikiText-103 (190 MB) again under a relative `data/`.
-  """
-  path = os.environ.get(DATA_DIR_ENV) or os.path.join("~", ".cache", "aft_jax")
-  return os.path.abspath(os.path.expanduser(path))
-
-
-def resolve_data_dir(data_dir: str | None) -> str:
-  """`data_dir` as an absolute path; `default_data_dir()` when it is empty."""
-  return os.path.abspath(os.path.expanduser(data_dir)) if data_dir else default_data_dir()
 
 
 def load_corpus(

@@ -1,11 +1,17 @@
 """Prepare a corpus: download or read, build TFDS, tokenise, cache token ids.
 
-    python -m aft_jax.data.prepare --dataset wikitext103 --data_dir DIR \\
+    python -m aft_jax.data.prepare --dataset wikitext103 [--data_dir DIR] \\
         [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte] [--nodownload]
-    python -m aft_jax.data.prepare --dataset enwik8 --data_dir DIR [--manual_dir DIR] [--nodownload]
+    python -m aft_jax.data.prepare --dataset enwik8 [--data_dir DIR] [--manual_dir DIR] \\
+        [--nodownload]
 
-prints progress on stderr and, as its last stdout line, one JSON object:
+prints progress and the folder it prepared on stderr and, as its last stdout line, one JSON
+object:
     {"vocab_size": V, "tokens": {"train": N, "validation": N, "test": N}}
+
+Without --data_dir it prepares into `aft_jax.data.config.default_data_dir()` ($AFT_JAX_DATA,
+else ~/.cache/aft_jax), where the trainer looks when config.data.data_dir is empty. Two runs on
+one corpus take turns (a lock file beside it): the second waits, then reuses the first's result.
 
 A second run finds `<data_dir>/prepared/<name>/COMPLETE` and only prints the
 summary, unless the source files found now differ from the ones it was prepared
@@ -40,7 +46,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, VARIANTS
+from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, VARIANTS, resolve_data_dir
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,11 @@ def _reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict |
   if not store.is_complete(out):
     return None
   summary = store.read_summary(out)
+  try:
+    store.check_splits(out, summary)
+  except store.DamagedCorpusError as e:
+    log.warning("%s; preparing it again.", e)
+    return None
   current = current_fingerprint()
   if current is None or current == summary.get(store.FINGERPRINT_KEY):
     log.info("Reusing %s", out)
@@ -194,19 +205,23 @@ def prepare_wikitext103(
   out = store.prepared_dir(data_dir, corpus_name(variant, tokenizer))
   from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
-  summary = _reusable(
-    out,
-    _fingerprint_now(functools.partial(wikitext103.locate_source, variant), data_dir, manual_dir),
-  )
-  if summary is not None:
-    return summary
-  _quiet_tfds(progress)
-  builder = wikitext103.build(
-    variant,
-    data_dir=os.path.join(data_dir, "tfds"),
-    manual_dir=manual_dir or None,
-    download=download,
-  )
+  locate = functools.partial(wikitext103.locate_source, variant)
+  with store.lock(out, corpus_name(variant, tokenizer)):
+    summary = _reusable(out, _fingerprint_now(locate, data_dir, manual_dir))
+    if summary is not None:
+      return summary
+    _quiet_tfds(progress)
+    builder = wikitext103.build(
+      variant,
+      data_dir=os.path.join(data_dir, "tfds"),
+      manual_dir=manual_dir or None,
+      download=download,
+    )
+    return _write_wikitext103(builder, out, variant, tokenizer, official, progress)
+
+
+def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> dict:
+  """Tokenises a built WikiText-103 into `out` (under its lock); returns the summary."""
   store.start(out)
   tokens, lines = {}, {}
   if tokenizer == "word":
@@ -287,13 +302,21 @@ def prepare_enwik8(
   out = store.prepared_dir(data_dir, ENWIK8_NAME)
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
-  summary = _reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
-  if summary is not None:
-    return summary
-  _quiet_tfds(progress)
-  builder = enwik8.build(
-    data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
-  )
+  with store.lock(out, ENWIK8_NAME):
+    summary = _reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
+    if summary is not None:
+      return summary
+    _quiet_tfds(progress)
+    builder = enwik8.build(
+      data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
+    )
+    return _write_enwik8(builder, out, official, progress)
+
+
+def _write_enwik8(builder, out, official, progress) -> dict:
+  """Copies a built enwik8's bytes into `out` (under its lock); returns the summary."""
+  from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
+
   store.start(out)
   tokens = {}
   for split in SPLITS:
@@ -338,7 +361,14 @@ def _parse(argv):
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--dataset", choices=DATASETS, default="wikitext103")
-  p.add_argument("--data_dir", default="", help="where TFDS data, downloads and token ids go")
+  p.add_argument(
+    "--data_dir",
+    default="",
+    help=(
+      "where TFDS data, downloads and token ids go; default: $AFT_JAX_DATA, else "
+      "~/.cache/aft_jax, as the trainer (data.data_dir '')"
+    ),
+  )
   p.add_argument("--manual_dir", default="", help="holds the official zip or its extracted files")
   p.add_argument(
     "--variant",
@@ -378,29 +408,35 @@ def main(argv=None) -> dict:
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )
   official = OFFICIAL_CHOICES[args.official]
-  if args.dataset != "pydoc" and not args.data_dir:
-    raise SystemExit(f"--data_dir is required for --dataset {args.dataset}")
+  # The trainer's own resolution, so that `aft-prepare` then `aft-train` meet in one folder.
+  data_dir = resolve_data_dir(args.data_dir)
   if args.dataset == "pydoc":
     vocab, splits = pydoc.pydoc_splits(args.tokenizer or "byte")
     summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
   elif args.dataset == "enwik8":
+    name = ENWIK8_NAME
     summary = prepare_enwik8(
-      args.data_dir,
+      data_dir,
       manual_dir=args.manual_dir or None,
       download=args.download,
       official=official,
       progress=not args.quiet,
     )
   else:
+    tokenizer = args.tokenizer or "word"
+    name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer)
     summary = prepare_wikitext103(
-      args.data_dir,
+      data_dir,
       manual_dir=args.manual_dir or None,
       variant=args.variant,
-      tokenizer=args.tokenizer or "word",
+      tokenizer=tokenizer,
       download=args.download,
       official=official,
       progress=not args.quiet,
     )
+  if args.dataset != "pydoc":  # pydoc is built in memory: nothing is written
+    default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
+    print(f"Prepared {name} in {store.prepared_dir(data_dir, name)}{default}", file=sys.stderr)
   summary = {
     "vocab_size": summary["vocab_size"],
     "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]},
@@ -415,7 +451,7 @@ def cli() -> None:
   dataset as one line on stderr and exit status 1 (the message says what to do)."""
   try:
     main()
-  except ValueError as e:
+  except (ValueError, OSError) as e:  # OSError: e.g. a data_dir that cannot be written or locked
     sys.exit(f"error: {type(e).__name__}: {e}")
 
 

@@ -17,6 +17,7 @@ import abc
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import urllib.request
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow_datasets as tfds
 from etils import epath
+from tensorflow_datasets.core.constants import INCOMPLETE_PREFIX
 
 from aft_jax.data import store
 
@@ -232,9 +234,35 @@ def build(
   """Builds (or reuses) `cls`'s dataset under `data_dir` and returns the builder.
 
   A finished build is reused unless the source files found now have another fingerprint than
-  the ones it was built from; then it is deleted and built again (with a warning).
+  the ones it was built from; then it is deleted and built again (with a warning). One build
+  at a time: the lock `<data_dir>/<name>/<config>/<version>.lock` is held throughout (two
+  corpora read one build: `raw_v1` gives words and bytes), and under it the folders that
+  killed builds of this version left are removed first (`remove_stale_builds`).
   """
   download_dir = os.path.join(data_dir, "downloads")
+  data_path = os.path.join(data_dir, cls.name, config, str(cls.VERSION))
+  with store.lock(data_path, f"the TFDS build {data_path}"):
+    remove_stale_builds(data_path)
+    # Made under the lock: a builder made before it would not see a build finished meanwhile.
+    builder = _build_locked(cls, config, data_dir, manual_dir, download, download_dir)
+  assert os.path.abspath(builder.data_path) == os.path.abspath(data_path), builder.data_path
+  return builder
+
+
+def remove_stale_builds(data_path: str) -> None:
+  """Deletes the temporary folders of killed builds of `data_path` (one builder config and
+  version): TFDS builds into `incomplete.<6 random letters or digits>_<version>/` beside it and
+  renames that at the end (`tfds.core.utils.file_utils.incomplete_dir`), so a killed build
+  leaves it behind (58 MB for enwik8). Only under `data_path`'s lock: then none is live."""
+  parent, version = os.path.split(data_path)
+  stale = re.compile(re.escape(INCOMPLETE_PREFIX) + r"[A-Za-z0-9]+_" + re.escape(version))
+  names = os.listdir(parent) if os.path.isdir(parent) else []
+  for name in sorted(n for n in names if stale.fullmatch(n)):
+    log.warning("Removing %s, left by a build that did not finish.", os.path.join(parent, name))
+    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> SourceBuilder:
   builder = cls(config=config, data_dir=data_dir, download=download)
   if builder.is_prepared():
     recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None

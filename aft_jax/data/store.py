@@ -5,22 +5,30 @@
         vocab.txt                             word vocabularies only
         summary.json                          {"vocab_size", "tokens", "source_fingerprint", ...}
         COMPLETE                              written last
+    <data_dir>/prepared/<name>.lock           held by the process preparing it (`lock`)
 
 Every file is written to a temporary name and renamed into place; `COMPLETE`
 is created only after all of them, and removed before any rewrite, so a
-directory without it is always rebuilt.
+directory without it is always rebuilt. A complete one whose split files do not
+have the size its summary.json implies (truncated by a full disk, a bad copy) is
+`DamagedCorpusError`, and `prepare` builds it again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from aft_jax import files
+
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 # summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
@@ -28,8 +36,40 @@ FINGERPRINT_KEY = "source_fingerprint"
 SUMMARY = "summary.json"
 
 
+class DamagedCorpusError(ValueError):
+  """A split file of a complete prepared corpus is missing, cut short or not what summary.json
+  says."""
+
+
 def prepared_dir(data_dir: str, name: str) -> str:
   return os.path.join(os.path.expanduser(data_dir), "prepared", name)
+
+
+@contextlib.contextmanager
+def lock(path: str, what: str) -> Iterator[None]:
+  """Holds the exclusive lock `<path>.lock` for the block; waits while another process (or
+  thread) holds it.
+
+  An flock belongs to its open file, so the kernel releases it when the holder exits or is
+  killed: a lock is never stale and needs no pid check. The file stays after use: removing it
+  would let a waiter lock the removed file while a newcomer locks a new one.
+  """
+  lock_file = f"{path}.lock"
+  os.makedirs(os.path.dirname(lock_file), exist_ok=True)
+  with open(lock_file, "a") as f:
+    try:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        log.warning(
+          "Another process is preparing %s (it holds %s); waiting for it to finish.",
+          what,
+          lock_file,
+        )
+        fcntl.flock(f, fcntl.LOCK_EX)
+    except OSError as e:  # e.g. a file system without locks: the bare error names no file
+      raise OSError(e.errno, f"cannot lock {lock_file}: {e.strerror}") from e
+    yield  # closing the file releases the lock
 
 
 def is_complete(path: str) -> bool:
@@ -72,14 +112,55 @@ def read_summary(path: str) -> dict:
     return json.load(f)
 
 
-def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
-  """uint32[n] ids of a split, memory-mapped (WikiText-103 train is 400 MB)."""
-  arr = np.load(os.path.join(path, f"{split}.npy"), mmap_mode="r")
-  if arr.dtype != np.uint32 or arr.ndim != 1:
-    raise ValueError(f"{path}/{split}.npy holds {arr.dtype}{list(arr.shape)}, expected uint32[n]")
-  if expected is not None and arr.shape[0] != expected:
-    raise ValueError(
-      f"{path}/{split}.npy has {arr.shape[0]} tokens, summary.json says {expected}; "
+_HEADER_READERS = {
+  (1, 0): np.lib.format.read_array_header_1_0,
+  (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def check_split(path: str, split: str, expected: int | None = None) -> None:
+  """Raises DamagedCorpusError unless `<split>.npy` is a whole uint32[expected] array.
+
+  Reads only the header and the file size, so that `np.load`'s memory map never meets a
+  file shorter than its header says ("mmap length is greater than file size", no file named).
+  """
+  file = os.path.join(path, f"{split}.npy")
+  again = f"delete {path} and prepare again (a rerun of prepare rebuilds it)"
+  try:
+    with open(file, "rb") as f:
+      version = np.lib.format.read_magic(f)
+      if version not in _HEADER_READERS:
+        raise ValueError(f"unknown .npy format version {version}")
+      shape, _, dtype = _HEADER_READERS[version](f)
+      data_start, size = f.tell(), os.fstat(f.fileno()).st_size
+  except FileNotFoundError:
+    raise DamagedCorpusError(f"{file} is missing; {again}") from None
+  except (ValueError, OSError, SyntaxError) as e:  # cut inside the header, or not a .npy file
+    raise DamagedCorpusError(f"{file} has no readable .npy header ({e}); {again}") from e
+  if dtype != np.uint32 or len(shape) != 1:
+    raise DamagedCorpusError(f"{file} holds {dtype}{list(shape)}, expected uint32[n]; {again}")
+  if expected is not None and shape[0] != expected:
+    raise DamagedCorpusError(
+      f"{path}/{split}.npy has {shape[0]} tokens, summary.json says {expected}; "
       f"delete {path} and prepare again"
     )
-  return arr
+  needed = data_start + shape[0] * dtype.itemsize
+  if size != needed:
+    state = "truncated" if size < needed else "longer than prepare wrote it"
+    raise DamagedCorpusError(
+      f"{file} is {size:,} bytes, not the {needed:,} its {shape[0]:,} ids take: it is {state}; "
+      f"{again}"
+    )
+
+
+def check_splits(path: str, summary: dict) -> None:
+  """`check_split` for every split summary.json lists."""
+  for split, n in summary["tokens"].items():
+    check_split(path, split, n)
+
+
+def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
+  """uint32[n] ids of a split, memory-mapped (WikiText-103 train is 400 MB), after
+  `check_split`."""
+  check_split(path, split, expected)
+  return np.load(os.path.join(path, f"{split}.npy"), mmap_mode="r")

@@ -3,8 +3,9 @@
 Exact perplexity of a checkpoint (the latest, or --step) on a split of the run's corpus or on
 any UTF-8 text file: the sum of the negative log-likelihood over every token divided by the
 number of tokens, computed by the trainer's own evaluation (``Trainer.evaluate``), so a split
-gives the number the run printed at its end. --stride S < seq_len scores each token with at
-least seq_len - S tokens of context (sliding windows); the default is the run's eval_stride.
+gives the number the run printed at its end and wrote to results.json: by default it scores with
+the run's final protocol (``final_eval_stride``). --stride S < seq_len scores each token with at
+least seq_len - S tokens of context (sliding windows; 0: disjoint windows).
 
 A text file is tokenised like the corpus, its first token predicted after an end of line. Byte
 models read any text and also report bits per byte; word models map words outside their
@@ -29,7 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   p.add_argument("--split", help="A split of the run's corpus: train, validation (default), test.")
   p.add_argument("--text_file", help="Score this UTF-8 text file instead of a split.")
-  p.add_argument("--stride", type=int, help="Sliding-window stride (default: the run's).")
+  p.add_argument(
+    "--stride",
+    type=int,
+    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json).",
+  )
   return p.parse_args(argv)
 
 
@@ -67,7 +72,9 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
-  if stride is not None and not 0 <= stride <= cfg.seq_len:
+  # results.json's numbers were scored with the final protocol: by default, the same.
+  stride = cfg.final_eval_stride if stride is None else stride
+  if not 0 <= stride <= cfg.seq_len:
     raise ValueError(f"--stride = {stride} must be in [0, seq_len = {cfg.seq_len}] (0: disjoint)")
   result = {"step": run.step, "unit": run.vocab.unit}
   if text is not None:
@@ -93,7 +100,7 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
     raise ValueError("nothing to score: the text has no tokens")
   ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
   result.update(nll=ev["nll"], ppl=ev["ppl"], tokens=ev["tokens"])
-  result.update(stride=cfg.eval_stride if stride is None else stride)
+  result.update(stride=stride)
   if run.vocab.unit == "byte":
     result["bpb"] = ev["nll"] / math.log(2)
   return result

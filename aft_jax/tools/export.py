@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -27,7 +28,9 @@ from aft_jax import files
 from aft_jax.data import vocab as vocab_lib
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
-VERSION = 1
+# 2: the parameters and model config as one payload with its SHA-256 (any changed byte is
+# refused); 1: the same without a checksum (still read).
+VERSION = 2
 
 
 def _model_config_dict(model_cfg) -> dict:
@@ -38,17 +41,22 @@ def _model_config_dict(model_cfg) -> dict:
 
 
 def export_params(path: str, model_cfg, params, vocab, corpus_info: dict) -> None:
-  """Writes ``params`` with the model config and vocabulary to ``path`` (atomically)."""
+  """Writes ``params`` with the model config and vocabulary to ``path`` (atomically): a
+  msgpack map {format, version, sha256, payload}, the payload the msgpack of {meta, params}."""
   meta = {
     "model": _model_config_dict(model_cfg),
     "corpus": corpus_info,
     "vocab": vocab.tokens if isinstance(vocab, vocab_lib.WordVocab) else None,
   }
   params = serialization.to_state_dict(params)
-  host = {"format": FORMAT, "version": VERSION, "meta": json.dumps(meta), "params": params}
-  data = serialization.msgpack_serialize(_to_numpy(host))
-  with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
-    f.write(data)
+  payload = serialization.msgpack_serialize(_to_numpy({"meta": json.dumps(meta), "params": params}))
+  header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(payload).hexdigest()}
+  data = serialization.msgpack_serialize({**header, "payload": payload})
+  try:
+    with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
+      f.write(data)
+  except OSError as e:  # a read-only folder, a full disk: nothing is left behind
+    raise ValueError(f"--out {path}: cannot write it: {e.strerror or e}") from None
 
 
 def _to_numpy(tree):
@@ -59,11 +67,8 @@ def _to_numpy(tree):
   return np.asarray(tree)
 
 
-def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``aft-export`` (module doc)."""
-  from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
-
+def _read(path: str) -> dict:
+  """{meta, params} of an export, its checksum checked (one-line ValueErrors)."""
   try:
     with open(path, "rb") as f:
       tree = serialization.msgpack_restore(f.read())
@@ -73,14 +78,66 @@ def load_pretrained(path: str):
     raise ValueError(f"load_pretrained: {path} is not an aft_jax export ({e})") from None
   if not isinstance(tree, dict) or tree.get("format") != FORMAT:
     raise ValueError(f"load_pretrained: {path} is not an aft_jax export")
-  if tree["version"] > VERSION:
-    raise ValueError(
-      f"load_pretrained: {path} has format version {tree['version']}; update aft_jax"
-    )
-  meta = json.loads(tree["meta"])
-  vocab = vocab_from_info(meta["corpus"], meta["vocab"])
-  model = TransformerLM(ModelConfig(**meta["model"]).validate())
-  return model, tree["params"], vocab
+  version = tree.get("version")
+  if not isinstance(version, int) or version < 1:
+    raise ValueError(f"load_pretrained: {path} has no format version: not a whole export")
+  if version > VERSION:
+    raise ValueError(f"load_pretrained: {path} has format version {version}; update aft_jax")
+  if version == 1:
+    body = tree
+  else:
+    payload = tree.get("payload")
+    if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != tree.get("sha256"):
+      raise ValueError(
+        f"load_pretrained: {path} is damaged: its contents do not match their SHA-256 checksum"
+      )
+    body = serialization.msgpack_restore(payload)
+  if not isinstance(body.get("meta"), str) or not isinstance(body.get("params"), dict):
+    raise ValueError(f"load_pretrained: {path} has no model config or parameters")
+  return body
+
+
+def _check_params(path: str, model, params) -> None:
+  """The parameters must be exactly the tree the model config builds: every path, shape and
+  dtype (an edited file otherwise fails later, inside the model)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  want = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens)["params"])
+  want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+  got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  name = lambda p: "/".join(str(getattr(k, "key", k)) for k in p)  # noqa: E731
+  for p in sorted(set(want) | set(got), key=name):
+    if p not in got:
+      raise ValueError(f"load_pretrained: {path} lacks the parameter {name(p)}")
+    if p not in want:
+      raise ValueError(f"load_pretrained: {path} has a parameter the model has not: {name(p)}")
+    a, b = want[p], np.asarray(got[p])
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ValueError(
+        f"load_pretrained: {path}: parameter {name(p)} is {b.dtype}{list(b.shape)}, the model "
+        f"config makes it {a.dtype}{list(a.shape)}"
+      )
+
+
+def load_pretrained(path: str):
+  """(model, params, vocab) from a file written by ``aft-export`` (module doc). A damaged file
+  (any changed byte), a file of a newer format, a model config this version does not know and
+  parameters that are not the tree that config builds are one-line ValueErrors."""
+  from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
+  from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
+
+  body = _read(path)
+  try:
+    meta = json.loads(body["meta"])
+    vocab = vocab_from_info(meta["corpus"], meta["vocab"])
+    model = TransformerLM(ModelConfig(**meta["model"]).validate())
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"load_pretrained: {path}: its model config cannot be read ({e})") from None
+  _check_params(path, model, body["params"])
+  return model, body["params"], vocab
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -4,6 +4,7 @@ start from."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import ml_collections
@@ -38,6 +39,7 @@ def load_run(workdir: str | Workdir, step: int | None = None) -> TrainedRun:
   The vocabulary comes from the workdir; runs saved before it kept one load the corpus.
   """
   wd = Workdir.of(workdir)
+  explicit = step is not None
   step = wd.check(step)
   config = ml_collections.ConfigDict(wd.read_config())
   saved = wd.load_vocab()
@@ -51,5 +53,19 @@ def load_run(workdir: str | Workdir, step: int | None = None) -> TrainedRun:
   one = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
   trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(one, jax.devices()[:1]))
   mngr = checkpointing.checkpoint_manager(wd, config.keep_checkpoints)
-  state, _ = checkpointing.restore(mngr, step, trainer.abstract_state, with_data=False)
+  # The latest checkpoint, or the newest intact one before it (saying so); an explicit --step
+  # is that checkpoint or a one-line error that names the others.
+  steps = [step] if explicit else sorted(wd.checkpoint_steps(), reverse=True)
+  try:
+    step, state, skipped = checkpointing.restore_readable(mngr, steps, trainer.abstract_state)
+  except ValueError as e:
+    others = [s for s in wd.checkpoint_steps() if s != step] if explicit else []
+    hint = f"; the other checkpoints: --step {', '.join(map(str, others))}" if others else ""
+    raise ValueError(f"--workdir {wd}: {e}{hint}") from None
+  for bad, why in skipped:
+    print(
+      f"note: skipped the damaged checkpoint at step {bad} ({why}); using step {step}, the "
+      "newest one that reads",
+      file=sys.stderr,
+    )
   return TrainedRun(config, step, trainer.model, state.params, vocab, info, trainer)

@@ -282,6 +282,28 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_con
   return None
 
 
+def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state):
+  """(step, state, skipped) of the first of ``steps`` whose state restores, for reading a run
+  (sampling, evaluating, exporting): nothing is moved aside. ``skipped``: [(step, why)] of the
+  ones before it that did not restore. A one-line ValueError naming each step and why, if none
+  does."""
+  failed = []
+  for step in steps:
+    try:
+      with _quiet_orbax_threads(stay_quiet_on_error=False):
+        state, _ = restore(mngr, step, abstract_state, with_data=False)
+    except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, msgpack)
+      failed.append((step, _first_line(e)))
+      continue
+    return step, state, failed
+  _silence_background_errors()  # the command stops here: only this error is worth reading
+  raise ValueError(
+    "the checkpoint cannot be read: "
+    + "; ".join(f"step {s}: {why}" for s, why in failed)
+    + f" (in {mngr.directory})"
+  )
+
+
 def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
   src = os.path.join(str(mngr.directory), str(step))
   dst_dir = Workdir(os.path.dirname(str(mngr.directory))).damaged_checkpoints_dir

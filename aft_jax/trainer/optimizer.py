@@ -8,6 +8,7 @@ micro-steps, so the schedule counts updates, ``num_train_steps // grad_accum_ste
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import optax
 
@@ -19,7 +20,9 @@ class OptimizerConfig(TypedConfig):
   """Keys at the top of the config tree (``config.learning_rate``, ...)."""
 
   learning_rate: float = 1e-3  # peak AdamW rate
-  warmup_steps: int = 100  # linear warmup (updates), then cosine decay to 10% of the peak
+  # linear warmup (updates), then cosine decay to 10% of the peak; a warmup as long as the run
+  # is cut to its updates - 1 (the run says so)
+  warmup_steps: int = 100
   weight_decay: float = 0.01  # AdamW decoupled weight decay
   b1: float = 0.9  # AdamW first-moment decay
   b2: float = 0.98  # AdamW second-moment decay
@@ -28,7 +31,7 @@ class OptimizerConfig(TypedConfig):
 
   def _value_problems(self) -> list[str]:
     errors = positive(self, "grad_accum_steps")
-    if self.learning_rate <= 0:
+    if not 0 < self.learning_rate < math.inf:  # (a NaN is neither)
       errors.append(f"config.learning_rate = {self.learning_rate} must be > 0")
     if self.warmup_steps < 0:
       errors.append(f"config.warmup_steps = {self.warmup_steps} must be >= 0")
@@ -38,9 +41,22 @@ class OptimizerConfig(TypedConfig):
     for name in ("b1", "b2"):
       if not 0 <= getattr(self, name) < 1:
         errors.append(f"config.{name} = {getattr(self, name)} must be in [0, 1)")
-    if self.weight_decay < 0:
+    if not 0 <= self.weight_decay < math.inf:
       errors.append(f"config.weight_decay = {self.weight_decay} must be >= 0")
     return errors
+
+
+def warmup_note(config) -> str | None:
+  """The line that says a warmup longer than the run was cut to fit it (None if it fits): the
+  schedule warms up over at most ``updates - 1`` updates, so that the peak is reached."""
+  opt = OptimizerConfig.from_config(config)
+  updates = max(1, config.num_train_steps // opt.grad_accum_steps)
+  if opt.warmup_steps < updates:
+    return None
+  return (
+    f"note: warmup_steps = {opt.warmup_steps} is not shorter than the run's {updates} updates: "
+    f"the learning rate warms up over {updates - 1} and then decays"
+  )
 
 
 def learning_rate_schedule(config):

@@ -62,12 +62,25 @@ class Preemption:
     if self._synced and multihost_utils.reached_preemption_sync_point(step):
       self.signal = "SIGTERM, preemption notice to one or more processes"
       return True
-    if step % every:
+    return self._any_process(step, every)
+
+  def _any_process(self, i: int, every: int) -> bool:
+    """At every ``every``-th ``i``: whether any process got a signal (one all-gather)."""
+    if i % every:
       return False
     flags = multihost_utils.process_allgather(np.int32(self.signal is not None))
     if np.any(flags) and self.signal is None:
       self.signal = "from another process"
     return bool(np.any(flags))
+
+  def requested(self, i: int, every: int) -> bool:
+    """Whether a signal asks to stop a loop that is not the training loop (the final
+    evaluation), checked before its item ``i``; all processes agree: with several, they compare
+    flags every ``every`` items (a SIGTERM that JAX's sync manager owns is not seen here: the
+    manager names a training step, and this loop has none)."""
+    if jax.process_count() == 1:
+      return self.signal is not None
+    return self._any_process(i, every)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():

@@ -96,9 +96,8 @@ def main(argv):
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   elif FLAGS.distributed:
     jax.distributed.initialize()
-  from aft_jax.trainer import (
-    train_lib,
-  )  # after distributed init: nothing may touch devices before it
+  # Imported after the distributed init: nothing may touch devices before it.
+  from aft_jax.trainer import train_lib
 
   try:
     train_lib.train_and_evaluate(
@@ -115,7 +114,25 @@ def run():
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
   jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
-  app.run(main, argv=argv)
+  try:
+    app.run(main, argv=argv, flags_parser=_parse_flags)
+  except KeyboardInterrupt:  # Ctrl-C before the training loop (setup, compiling), or a second
+    sys.exit(  # one inside it: nothing half-written is left (checkpoints are atomic)
+      f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
+      "workdir's last checkpoint, if any, is intact and the same command resumes from it"
+    )
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a bad ``--config.KEY=VALUE`` (a mistyped key, a value of the
+  wrong type: ml_collections raises while the flags are parsed) as one line, exit status 1."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    # ml_collections' message is a quoted repr: the key, "\\n", then "Did you mean ...".
+    text = str(e).replace("\\n", "\n").replace("\\'", "'")
+    why = "; ".join(p.strip().strip("'\"") for p in text.splitlines() if p.strip().strip("'\""))
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}")
 
 
 if __name__ == "__main__":
