@@ -16,7 +16,10 @@ switch its mixing layer by name, and every parameter carries logical axis names 
 Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
 and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
 denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
-AFT-full and softmax attention all past keys and values. The AFT layers' steps are the pure
+AFT-full and softmax attention all past keys and values. AFTFull and AFTLocal decode at most
+``max_len`` tokens: the index is traced, so a step past it cannot raise; its output is NaN
+(every later one too), never values for a position with no cache slot or bias row. The AFT
+layers' steps are the pure
 functions of ``aft_jax.ops.step`` (``ops.aft_simple_step``, ...) on that state. Initialise the
 cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input.
 """
@@ -83,6 +86,17 @@ def _cached_step(module, init, step):
   for cell, x in zip(cells, jax.tree.leaves(state)):
     cell.value = x
   return y
+
+
+def _within_max_len(module, step):
+  """``step`` whose output is NaN once the cache holds ``max_len`` tokens (the index is traced,
+  so this is visible without checkify: position max_len has no cache slot or bias row)."""
+
+  def run(state, *qkv):
+    y, new = step(state, *qkv)
+    return jnp.where(state.index < module.max_len, y, jnp.nan).astype(y.dtype), new
+
+  return run
 
 
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2):
@@ -161,6 +175,12 @@ class _PositionBias(_AFTChannels):
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
 
   def _bias_params(self):
+    f = self.factor_dim
+    if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
+      raise ValueError(
+        f"{type(self).__name__}: factor_dim must be an int >= 0 (0 or None: a full "
+        f"[max_len, max_len] bias), got {f!r}"
+      )
     if self.factor_dim:
       init = nn.initializers.normal(stddev=1e-2)
       names = ("length", "bias_factor")
@@ -224,7 +244,7 @@ class AFTFull(_PositionBias):
   def _step(self, q, k, v):
     init = lambda q_t, *_: ops.aft_full_init(q_t.shape, self.max_len)
     step = lambda s, *qkv: ops.aft_full_step(s, *qkv, self.bias_row(s.index))
-    return _decode_token(self, q, k, v, init, step)
+    return _decode_token(self, q, k, v, init, _within_max_len(self, step))
 
 
 class AFTLocal(_PositionBias):
@@ -264,7 +284,7 @@ class AFTLocal(_PositionBias):
     # T <= max_len: a window past max_len holds every position, as one of max_len does.
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, min(self.window, self.max_len))
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
-    return _decode_token(self, q, k, v, init, step)
+    return _decode_token(self, q, k, v, init, _within_max_len(self, step))
 
 
 class AFTSimple(_AFTChannels):

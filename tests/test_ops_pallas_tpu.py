@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aft_jax import ops
+from aft_jax.ops import logsumexp as lse
 from aft_jax.ops import pallas_simple_tpu as tpu_kernel
 from benchmarks import accelerator_check
 from tests.helpers import export_for, on_target
@@ -70,11 +71,14 @@ def test_tpu_kernel_exact_paths_are_taken_and_needed(monkeypatch):
   exact scans; forced everywhere, the scans alone are exact at std 1 and 40."""
   q, k, v, ct = _inputs(300, D, seed=4)
   want = _reference(q, k, v, ct)
-  monkeypatch.setattr(tpu_kernel, "MIN_DEN", 0.0)  # forward: fast path only
+  lse_exp_max = lse.EXP_MAX
+  monkeypatch.setattr(tpu_kernel, "MIN_DEN", 0.0)  # forward: fast path only (no term set
+  monkeypatch.setattr(lse, "EXP_MAX", np.inf)  # aside either, however far k rises)
   out, grads = _kernel(q, k, v, ct)
   assert not np.all(np.isclose(out[1], want[0][1], rtol=RTOL, atol=ATOL))
   _assert_matches((out, grads), want, rows=(0,))  # std 1 never needed the scan
   monkeypatch.setattr(tpu_kernel, "MIN_DEN", tpu_kernel.DEN_OK)
+  monkeypatch.setattr(lse, "EXP_MAX", lse_exp_max)
   monkeypatch.setattr(tpu_kernel, "MAX_RISE", np.inf)  # backward: fast path only
   jax.clear_caches()  # the thresholds are read when traced (newer jax caches custom_vjp traces)
   out, grads = _kernel(q, k, v, ct)

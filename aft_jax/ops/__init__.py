@@ -15,10 +15,12 @@ magnitude a single shift per row of ``w`` and per channel of ``k`` is not enough
 So every sum here is an exact log-sum-exp: partial sums are carried as triples
 ``(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a stable
 log-sum-exp, and prefix sums carry the running maximum. Results are finite and accurate in
-float32 for logits of any size. Precision policy: exponentials, maxima and sums are float32;
-with float32 inputs the matrix products are float32 too (``Precision.HIGHEST``); with bfloat16
-inputs their factors (exponentials <= 1 and values) are bfloat16 with float32 accumulation
-(``preferred_element_type``), the accelerators' tensor-core rate, and the output is bfloat16.
+float32 for finite logits k + w of any size (tested to |k + w| ~ 1e35; the empty-sum sentinel
+``logsumexp.NEG`` is the lowest float32, below every finite logit). Precision policy:
+exponentials, maxima and sums are float32; with float32 inputs the matrix products are float32
+too (``Precision.HIGHEST``); with bfloat16 inputs their factors (shifted exponentials and
+values) are bfloat16 with float32 accumulation (``preferred_element_type``), the
+accelerators' tensor-core rate, and the output is bfloat16.
 Measured against float64 (docs/kernels.md, "Precision"): bfloat16 results
 are within about 1e-2 of the largest output or gradient at logits of std 1 and 40, about the
 rounding of bfloat16 outputs. The maxima ``m`` never carry a gradient (they cancel in
@@ -56,6 +58,14 @@ that does not exist (an op without one, ``"pallas"`` on a CPU, AFT-local on a TP
 compute capability 8.0, a channel count the kernel cannot tile) is a ValueError, never a silent
 switch to XLA.
 
+Inputs. q, k, v (and w, the AFT-conv kernel) must be real floating point (an int, bool or
+complex input is a ValueError, not a truncated output); an empty input (T, D or a batch dim
+0) gives the empty output. Causal ops: an output never depends on a later position, not even
+on a NaN or an infinity there. The fast paths shift each block by what its first row sees and
+zero a non-finite or overflowing term before any product (``logsumexp.set_aside``), and only
+the rows that see such a term are recomputed, so earlier outputs are bit-identical whatever
+the later inputs are (XLA and every kernel's forward pass).
+
 Decoding. The causal ops are recurrences over t; their one-token steps are pure functions of an
 explicit state (``step``: ``aft_simple_step``, ``aft_full_step``, ``aft_local_step``,
 ``aft_conv1d_step`` and their ``*_init`` states), which the decoding layers call.
@@ -64,6 +74,8 @@ explicit state (``step``: ``aft_simple_step``, ``aft_full_step``, ``aft_local_st
 from __future__ import annotations
 
 import warnings
+
+import jax.numpy as jnp
 
 from aft_jax.ops import registry
 from aft_jax.ops import target  # noqa: F401 (ops.target: the device "auto" decides for)
@@ -117,7 +129,27 @@ def _resolve(fn: str, impl: str, args: OpArgs) -> registry.Choice:
 # --------------------------------------------------------------------------- validation
 
 
+def _check_float(fn, **arrays):
+  """ValueError unless every array is real floating point (an int, bool or complex input would
+  be computed in float32 and then cast back, truncating the output)."""
+  for name, x in arrays.items():
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(
+        f"{fn}: {name} must be a real floating-point array; got {name} "
+        f"{jnp.result_type(x).name} {jnp.shape(x)}"
+      )
+
+
+def _empty(args: OpArgs):
+  """The result of an op with an empty input (T, D or a batch dim 0): an empty output of q's
+  shape, or None when there is work to do."""
+  if args.q.size and args.k.size:
+    return None
+  return jnp.zeros(args.q.shape, jnp.result_type(args.q, args.k, args.v))
+
+
 def _check_qkv(fn, q, k, v):
+  _check_float(fn, q=q, k=k, v=v)
   if q.ndim < 2:
     raise ValueError(f"{fn}: q must be [..., T, D], got shape {q.shape}")
   if k.shape != q.shape or v.shape != q.shape:
@@ -128,6 +160,7 @@ def _check_qkv(fn, q, k, v):
 
 
 def _check_w(fn, w, t_len):
+  _check_float(fn, w=w)
   if w.shape != (t_len, t_len):
     raise ValueError(
       f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {w.shape} "
@@ -149,7 +182,9 @@ def _banded_op(fn, q, k, v, w, window: int | None, causal: bool, impl: str):
   _check_qkv(fn, q, k, v)
   _check_w(fn, w, q.shape[-2])
   args = OpArgs(q, k, v, w, causal=causal, window=window)
-  return _resolve(fn, impl, args)(args)
+  run = _resolve(fn, impl, args)
+  empty = _empty(args)
+  return run(args) if empty is None else empty
 
 
 def aft_full(q, k, v, w, *, causal: bool = False, impl: str = "auto"):
@@ -183,7 +218,9 @@ def aft_simple(q, k, v, *, causal: bool = False, impl: str = "auto"):
   """
   _check_qkv("aft_simple", q, k, v)
   args = OpArgs(q, k, v, causal=causal)
-  return _resolve("aft_simple", impl, args)(args)
+  run = _resolve("aft_simple", impl, args)
+  empty = _empty(args)
+  return run(args) if empty is None else empty
 
 
 def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "auto"):
@@ -206,6 +243,7 @@ def aft_local(q, k, v, w, *, window: int, causal: bool = False, impl: str = "aut
 
 
 def _check_conv(fn, q, k, v, kernel, n_spatial):
+  _check_float(fn, q=q, k=k, v=v, kernel=kernel)
   nd = n_spatial + 2
   if q.ndim < nd or v.shape != q.shape or k.shape != q.shape[:-1]:
     sp = "Ht, Wd" if n_spatial == 2 else "T"
@@ -245,7 +283,8 @@ def aft_conv1d(q, k, v, kernel, *, causal: bool = False, impl: str = "auto"):
     raise ValueError(
       f"aft_conv1d: a non-causal kernel size must be odd (centred); got kernel {kernel.shape}"
     )
-  return run(args)
+  empty = _empty(args)
+  return run(args) if empty is None else empty
 
 
 def aft_conv2d(q, k, v, kernel, *, impl: str = "auto"):
@@ -271,4 +310,5 @@ def aft_conv2d(q, k, v, kernel, *, impl: str = "auto"):
   kh, kw = kernel.shape[1:]
   if kh % 2 == 0 or kw % 2 == 0:
     raise ValueError(f"aft_conv2d: kernel sizes must be odd; got kernel {kernel.shape}")
-  return run(args)
+  empty = _empty(args)
+  return run(args) if empty is None else empty

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, Acc, combine, matmul
+from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
 
 # Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
 _GROUP_ELEMENTS = 1 << 20
@@ -140,7 +140,7 @@ def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
     scale = jnp.exp(acc.m - m)
     acc = Acc(
       m,
-      acc.num * scale + jnp.sum(e * _slice(v, st, c), axis=0),
+      acc.num * scale + jnp.sum(e * jnp.where(keep, _slice(v, st, c), 0.0), axis=0),
       acc.den * scale + jnp.sum(e, axis=0),
     )
     return acc, acc
@@ -162,7 +162,8 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
     e = jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG))
     dkk = _slice(dk, st, c)
     scale = jnp.exp(mp - mb)  # <= 1: the maximum only grows
-    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * _slice(v, st, c)), axis=0)
+    vv = jnp.where(keep, _slice(v, st, c), 0.0)  # masked before the product (0 * NaN = NaN)
+    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * vv), axis=0)
     h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
     return (g, h), (g, h)
 
@@ -205,11 +206,27 @@ def _block(p: Plan, k, v, w, rs, ks):
   return bias, band, _slice(k, ks, p.width), _slice(v, ks, p.width)
 
 
-def _shifted(bias, kw):
-  """exp(bias - row max) [c, W], exp(k - channel max) [W, R] and the two maxima."""
+def _shifted(p: Plan, bias, kw, vw, rs, ks):
+  """The block's split shift: exp(bias - row max) [c, W], exp(k - channel max) and the values
+  [W, R], the two maxima, and (causal) per (row, channel) [c, R] the largest exp(k - channel
+  max) the row sees, inf where it sees a set-aside key (else None).
+
+  Causal: the channel max is over the keys the block's first row sees, never a later key, so
+  later keys (finite or not) cannot change an earlier row's rounding; a key exceeding it by more
+  than e^60, or not finite, or with a non-finite value is set aside (``logsumexp.set_aside``:
+  zeroed before the products) and the rows that see it are recomputed exactly.
+  """
   mw = jnp.max(bias, axis=1)
-  mk = jnp.max(kw, axis=0)
-  return jnp.exp(bias - mw[:, None]), jnp.exp(kw - mk), mw, mk
+  pt = jnp.exp(bias - mw[:, None])
+  if not p.causal:
+    mk = jnp.max(kw, axis=0)
+    return pt, jnp.exp(kw - mk), vw, mw, mk, None
+  first = (ks + jnp.arange(p.width) <= rs)[:, None]  # the keys the block's first row sees
+  mk = jnp.max(jnp.where(first, kw, NEG), axis=0)
+  ok, e, vw = set_aside(jnp.exp(kw - mk), vw)
+  # Row i sees the keys up to rs + i: a running max of e (inf where set aside), read there.
+  seen = jax.lax.cummax(jnp.where(ok, e, jnp.inf), axis=0)
+  return pt, e, vw, mw, mk, jax.lax.dynamic_slice_in_dim(seen, rs - ks, p.c, 0)
 
 
 def _matmul(p: Plan, pt, x):
@@ -227,17 +244,29 @@ def _forward(p: Plan, k, v, w) -> _Residuals:
   def block(_, xs):
     b_rs, b_ks, pre_b, suf_b = xs
     bias, _, kw, vw = _block(p, k, v, w, b_rs, b_ks)
-    pt, e, mw, mk = _shifted(bias, kw)
-    nd = _matmul(p, pt, jnp.concatenate([e * vw, e], axis=1))
+    pt, e, vs, mw, mk, seen = _shifted(p, bias, kw, vw, b_rs, b_ks)
+    nd = _matmul(p, pt, jnp.concatenate([e * vs, e], axis=1))
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
-    bad = ~jnp.all(fast[2] >= DEN_OK, axis=1)  # also catches NaN
-    bad = jnp.any(bad.reshape(p.groups, p.rows), axis=1)
+    # A product exp(b - mw) exp(k - mk) loses a term when its first factor underflows (< 1e-38),
+    # so den must exceed DEN_OK times the largest second factor the row sees (inf: set aside).
+    redo = ~(fast[2] >= DEN_OK * (1.0 if seen is None else jnp.maximum(seen, 1.0)))
+    bad = jnp.any(redo.reshape(p.groups, p.rows, r), axis=(1, 2))
+    # Causal: the keys after each row, masked before exp and the products.
+    sees = (jnp.arange(p.width)[None, :] + b_ks <= jnp.arange(p.c)[:, None] + b_rs)[..., None]
 
-    def exact(g):
-      logits = _slice(bias, g * p.rows, p.rows)[:, :, None] + kw[None]
+    def exact(g):  # the flagged (row, channel)s of group g; the others keep the fast values
+      rows = lambda x: _slice(x, g * p.rows, p.rows)
+      logits = rows(bias)[:, :, None] + kw[None]
+      vg = vw[None]
+      if p.causal:
+        logits = jnp.where(rows(sees), logits, NEG)
+        vg = jnp.where(rows(sees), vg, 0.0)
       m = jnp.max(logits, axis=1)
       pe = jnp.exp(logits - m[:, None])
-      return m, jnp.einsum("rwx,wx->rx", pe, vw, precision=HIGHEST), jnp.sum(pe, axis=1)
+      if p.causal:
+        pe = jnp.where(rows(sees), pe, 0.0)
+      out = (m, jnp.sum(pe * vg, axis=1), jnp.sum(pe, axis=1))
+      return tuple(jnp.where(rows(redo), x, rows(f)) for x, f in zip(out, fast))
 
     acc = combine(Acc(*_patch(p, bad, fast, exact)), Acc(*(x[None] for x in pre_b)))
     if suf_b is not None:
@@ -272,10 +301,10 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
     dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
     dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
     a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
-    pt, e, mw, mk = _shifted(bias, kw)
+    pt, e, vs, mw, mk, _ = _shifted(p, bias, kw, vw, b_rs, b_ks)
     scale = jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE))
-    nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vw), e * dkw], axis=1)) + _matmul(
-      p, pt * dwb, jnp.concatenate([e * vw, e], axis=1)
+    nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vs), e * dkw], axis=1)) + _matmul(
+      p, pt * dwb, jnp.concatenate([e * vs, e], axis=1)
     )
     da = scale * (nd[:, :r] - a_r * nd[:, r:])
 

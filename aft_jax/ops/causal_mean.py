@@ -6,12 +6,14 @@ For k, v ``[T, R]``:
 
 Forward. Chunks of c positions are visited in order, carrying the exact (max, num, den) of
 everything before. Within chunk j the prefix sums are one lower-triangular [c, c] matrix
-product of exp(k - m_j) [v, 1] (m_j: the max of k up to the chunk's end), added to the
-carry rescaled to m_j: each chunk is read once and stays in cache, so the op runs at about
-the speed of one ``cumsum`` over [T, R]. The shared shift m_j is exact unless a row's own
-running sum lies ~57 nats below it (k jumping by that much within c positions); such a row
-shows a denominator below 1e-25, and its chunk is recomputed sequentially with a running
-maximum.
+product of exp(k - m_j) [v, 1] (m_j: the max of the carry and of k at the chunk's first row,
+what every row of the chunk sees), added to the carry rescaled to m_j: each chunk is read once
+and stays in cache, so the op runs at about the speed of one ``cumsum`` over [T, R]. The shared
+shift m_j is exact unless a row's own running sum lies ~57 nats below it (a denominator below
+1e-25) or a term it sees exceeds e^60 or is not finite (``logsumexp.set_aside``: such terms
+are zeroed before the product); those rows (only those) are recomputed sequentially with a
+running maximum. So a later position never reaches an earlier row, not even a NaN, and the
+earlier rows' values are bit-identical whatever the later inputs are.
 
 Derivative. A custom JVP (forward mode works; reverse mode is its transpose):
 
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops.logsumexp import DEN_OK, NEG, matmul
+from aft_jax.ops.logsumexp import DEN_OK, NEG, matmul, set_aside
 
 # Measured on CPU (T = 4096, R = 512): 32 positions per chunk is the fastest forward and
 # backward; larger chunks spend more on the triangular product, smaller on loop steps.
@@ -86,22 +88,26 @@ def _forward(kc, vc, low: bool):
   def step(carry, kv):
     m0, num0, den0 = carry
     kk, vv = kv
-    m = jnp.maximum(m0, jnp.max(kk, axis=0))
-    e, s0 = jnp.exp(kk - m), jnp.exp(m0 - m)
-    nd = _tril_matmul(jnp.concatenate([e * vv, e], axis=1), low)
+    # The shift is what the chunk's first row sees (the carry and its own key), never a later
+    # key: a later key (finite or not) cannot change an earlier row's rounding.
+    m = jnp.maximum(m0, kk[0])
+    ok, e, vs = set_aside(jnp.exp(kk - m), vv)
+    s0 = jnp.exp(m0 - m)
+    nd = _tril_matmul(jnp.concatenate([e * vs, e], axis=1), low)
     num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
-    bad = ~jnp.all(den >= DEN_OK)  # also catches NaN
+    # The rows (and channels) that see a set-aside term, or whose shift lost their terms.
+    redo = (jax.lax.cummax(jnp.where(ok, 0, 1), axis=0) > 0) | ~(den >= DEN_OK)
 
     def fast():
-      return (m, num[-1], den[-1]), (num / den, m + jnp.log(den))
+      return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
 
-    def exact():
-      (m1, num1, den1), out = sequential(carry, kk, vv)
-      scale = jnp.exp(m1 - m)  # m1 == m up to rounding; the carry is kept in scale m
-      return (m, num1 * scale, den1 * scale), out
+    def exact():  # the flagged rows only: the others keep the fast path's values, bit for bit
+      (m1, num1, den1), (a1, lse1) = sequential(carry, kk, vv)
+      a, lse = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
+      return (m1, num1, den1), (a, lse, m1)  # the carry is in the scale of m1
 
-    carry, (a, lse) = jax.lax.cond(bad, exact, fast)
-    return carry, (a, lse, m, bad)
+    carry, (a, lse, m) = jax.lax.cond(jnp.any(redo), exact, fast)
+    return carry, (a, lse, m, jnp.any(redo))
 
   zero = jnp.zeros((r,), kc.dtype)
   _, (a, lse, m, bad) = jax.lax.scan(step, (zero + NEG, zero, zero), (kc, vc))

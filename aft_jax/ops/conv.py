@@ -25,9 +25,11 @@ _sg = jax.lax.stop_gradient
 
 def _leaf(k, v) -> Acc:
   """One term per position: logit k, value v. den = exp(k - m) at m = k: value 1, d/dk = 1."""
-  m = _sg(k)
-  e = 1.0 + (k - m)
-  return Acc(m, v * bcast(e, v), e)
+  # A key of -inf is no term (m = NEG, den 0): its own shift -inf would give -inf - -inf = NaN.
+  none = k == -jnp.inf
+  m = jnp.where(none, NEG, _sg(k))
+  e = jnp.where(none, 0.0, 1.0 + (k - m))
+  return Acc(m, jnp.where(bcast(none, v), 0.0, v) * bcast(e, v), e)
 
 
 def _shift(x, offset: int, axis: int, fill):

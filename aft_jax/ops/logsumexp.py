@@ -17,10 +17,22 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-# The max of an empty sum. Finite (not -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no
-# inf - inf = NaN can reach a gradient.
-NEG = -1e30
+# The max of an empty sum, and the logit of an excluded term: the lowest float32. Finite (not
+# -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no inf - inf = NaN can reach a gradient;
+# the lowest float32, so that no finite logit is below it (a real logit of -1e30 or -1e35 is still
+# larger than every excluded term: exp(NEG - m) = 0 for every other finite maximum m).
+NEG = float(np.finfo(np.float32).min)
+# The largest finite float32 (``finite``).
+_F32_MAX = float(np.finfo(np.float32).max)
+
+# Causal fast paths shift a block's terms by what its first row sees (never by a later key, so
+# that a later key cannot change an earlier row's rounding): a later term may then exceed its
+# shift. Terms up to e^60 are summed as they are (a block's sum of them stays far below float32
+# overflow); larger, non-finite or with a non-finite value, a term is set aside (``set_aside``)
+# and the rows that see it are recomputed exactly.
+EXP_MAX = 1e26
 
 # Fast paths share one shift across many terms (a sum of products of factors <= 1). A fast
 # denominator below this may have lost its largest terms to underflow, and the rows are
@@ -29,6 +41,20 @@ NEG = -1e30
 DEN_OK = 1e-25
 # Matrix products of exact sums: float32 on GPUs/TPUs too (no TF32/bf16 passes).
 HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def finite(x):
+  """Whether x is finite (NaN and +-inf: False), from a comparison, which every Pallas lowering
+  has."""
+  return jnp.abs(x) <= _F32_MAX
+
+
+def set_aside(e, v):
+  """(ok, e, v) for shifted terms e = exp(k - shift) and their values v, of one shape: ok where
+  e <= ``EXP_MAX`` and v is finite; e and v zeroed elsewhere, *before* any product, so that a
+  set-aside term is an exact 0 in every sum (0 * NaN would be NaN)."""
+  ok = (e <= EXP_MAX) & finite(v)
+  return ok, jnp.where(ok, e, 0.0), jnp.where(ok, v, 0.0)
 
 
 def matmul(spec: str, a, b, low: bool):

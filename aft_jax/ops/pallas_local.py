@@ -14,11 +14,13 @@ and every older key, whose bias is 0 for all its rows: those are carried as one 
 triple (max, num, den) per channel, as in ``pallas_simple``. The slab's sums are matrix
 products, per key block, of exp(b - row max) [c, c] and exp(k - channel max) [v, 1] [c, 2 bd],
 exactly as ``banded`` does in XLA; b is gathered beforehand (in XLA) into a ``[T, S + c]``
-array of the slab's biases (w on the band, 0 for older keys, NEG = -1e30, i.e. weight 0, for
-keys after t or before 0). The
-split shift is exact unless a row's largest term underflows, which shows as a denominator
-below ``DEN_OK``; such a chunk is redone row by row with a per-channel running maximum, so the
-result is exact for logits of any size.
+array of the slab's biases (w on the band, 0 for older keys, NEG, the lowest float32, i.e.
+weight 0, for keys after t or before 0). The channel max is over the keys the chunk's first
+row sees (no later key can change an earlier row's rounding). The split shift is exact unless
+a row's largest term underflows or it sees a key set aside (``logsumexp.set_aside``: above
+e^60 or not finite, zeroed before the products); those rows (only those: the others keep
+their values bit for bit) are redone row by row with a per-channel running maximum, so the
+result is exact for finite logits of any size and a later NaN never reaches an earlier row.
 
 Backward (a custom VJP whose residuals are a and L, the log-normaliser). With g the cotangent
 of a and p[t, t'] = exp(k[t'] + b[t, t'] - L[t]) (<= 1),
@@ -52,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from aft_jax.ops import pallas_util
-from aft_jax.ops.logsumexp import DEN_OK, NEG
+from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
 
 __all__ = [
@@ -125,9 +127,15 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
     kv = (k_ref[idx].astype(jnp.float32), v_ref[idx].astype(jnp.float32))
     return (bias_ref[rows(j, bt), rows(u, bt)], *kv)
 
-  def maxima(j):
+  def maxima(j, first: bool = False):
+    """``first``: the channel maxima over the keys the chunk's first row sees (the forward's
+    shift, which no later key may change), not over the whole slab."""
+
     def step(u, mm):
       b, kb, _ = keys(j, u)
+      if first:  # the last key block holds the chunk's own keys: only its first is seen
+        later = (u == n_keys - 1) & (jax.lax.broadcasted_iota(jnp.int32, kb.shape, 0) > 0)
+        kb = jnp.where(later, NEG, kb)
       return (
         jnp.maximum(mm[0], jnp.max(b, axis=1, keepdims=True)),
         jnp.maximum(mm[1], jnp.max(kb, axis=0, keepdims=True)),
@@ -173,19 +181,30 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
 
   def chunk(j, carry):
     m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
-    mw, mk = maxima(j)
+    mw, mk = maxima(j, first=True)
 
     def sums(u, nd):
-      p, e, vb = shifted(j, u, mw, mk)
-      return nd[0] + dot(p, e * vb), nd[1] + dot(p, e)
+      b, kb, vb = keys(j, u)
+      ok, e, vb = set_aside(jnp.exp(kb - mk), vb)
+      p = jnp.exp(b - mw)
+      # Per row, over the keys it sees (bias not NEG; later keys' is): how many are set aside,
+      # and the sum of their exp(k - mk), a bound on the largest.
+      sees = jnp.where(b > NEG, 1.0, 0.0)
+      aside = dot(sees, jnp.where(ok, 0.0, 1.0))
+      return nd[0] + dot(p, e * vb), nd[1] + dot(p, e), nd[2] + aside, nd[3] + dot(sees, e)
 
     zero = jnp.zeros((bt, bd), jnp.float32)
-    num, den = jax.lax.fori_loop(0, n_keys, sums, (zero, zero))
-
-    def fast():
-      m = jnp.maximum(mw + mk, m0)
-      s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
-      store(rows(j, bt), num * s1 + num0 * s0, den * s1 + den0 * s0, m)
+    num, den, aside, esum = jax.lax.fori_loop(0, n_keys, sums, (zero,) * 4)
+    # Redone: the rows that see a set-aside key or whose shift lost their terms (a product
+    # exp(b - mw) exp(k - mk) loses a term when its first factor underflows, so den must exceed
+    # DEN_OK times the largest second factor). Stored as NaN (a fast value never is: finite
+    # inputs, den > 0), which the exact pass reads as "redo".
+    lost = ~(den >= DEN_OK * jnp.maximum(esum, 1.0))
+    redo = ((aside > 0.5) | lost) & _real(j, bt, t_len)
+    m = jnp.maximum(mw + mk, m0)
+    s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
+    num, den = num * s1 + num0 * s0, den * s1 + den0 * s0
+    store(rows(j, bt), jnp.where(redo, jnp.nan, num), den, m)
 
     def exact():  # row by row, the maximum per (row, channel) carried over the key blocks
       def row(i, _):
@@ -194,19 +213,25 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
         def block(u, c):
           m1, num1, den1 = c
           _, kb, vb = keys(j, u)
-          logits = _bias_column(bias_ref, r, u, bt, eye) + kb
+          bias = _bias_column(bias_ref, r, u, bt, eye)
+          sees = bias > NEG  # later keys masked before exp and the products
+          logits = jnp.where(sees, bias + kb, NEG)
           m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
-          e, s1 = jnp.exp(logits - m2), jnp.exp(m1 - m2)
-          num2 = num1 * s1 + jnp.sum(e * vb, axis=0, keepdims=True)
+          e, s1 = jnp.where(sees, jnp.exp(logits - m2), 0.0), jnp.exp(m1 - m2)
+          num2 = num1 * s1 + jnp.sum(e * jnp.where(sees, vb, 0.0), axis=0, keepdims=True)
           return m2, num2, den1 * s1 + jnp.sum(e, axis=0, keepdims=True)
 
         m1, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
-        store(r, num1, den1, m1)
+        a_fast = a_ref[r, :]
+        again = a_fast != a_fast  # the other rows keep the fast values, bit for bit
+        a_ref[r, :] = jnp.where(again, num1 / den1, a_fast)
+        if lse_ref:
+          lse_ref[0][r, :] = jnp.where(again, m1 + jnp.log(den1), lse_ref[0][r, :])
         return 0
 
       jax.lax.fori_loop(0, bt, row, 0)
 
-    jax.lax.cond(all_true((den >= DEN_OK) | ~_real(j, bt, t_len)), fast, exact)
+    jax.lax.cond(all_true(~redo), lambda: None, exact)
 
     # The slab's first key block is older than every row of the next chunk's band (bias 0).
     kb, vb = load(k_ref, rows(j, bt)), load(v_ref, rows(j, bt))
@@ -414,11 +439,11 @@ def _dw_partials(ins, cfg: Config, interpret: bool, t_len: int):
 
 def _padded(k, v, window: int, cfg: Config):
   """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
-  before key 0) and ragged T up to chunks; keys NEG (weight exp(NEG - m) = 0), values 0."""
+  before key 0) and ragged T up to chunks; keys ``pallas_util.pad_key`` (weight 0), values 0."""
   _, t_pad, _, front = _layout(k, window, cfg)
   t_len = k.shape[1]
   pad = lambda x, fill: pallas_util.pad_time(x, front, t_pad - t_len, fill)
-  return pad(k, NEG), pad(v, 0.0)
+  return pad(k, pallas_util.pad_key(k.dtype)), pad(v, 0.0)
 
 
 def _forward(k, v, w, window: int, cfg: Config, interpret: bool, with_lse: bool):

@@ -39,7 +39,7 @@ from aft_jax.ops.pallas_util import dot as _dot
 from aft_jax.ops.pallas_util import load as _load
 from aft_jax.ops.pallas_util import rows as _rows
 from aft_jax.ops.pallas_util import unsupported_channels as unsupported  # noqa: F401
-from aft_jax.ops.logsumexp import DEN_OK, NEG
+from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
@@ -67,21 +67,26 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
     m0, num0, den0 = carry  # [1, bd] each
     idx = _rows(j, bt)
     kc, vc = _load(k_ref, idx), _load(v_ref, idx)
-    m = jnp.maximum(m0, jnp.max(kc, axis=0, keepdims=True))
-    e, s0 = jnp.exp(kc - m), jnp.exp(m0 - m)
-    num = s0 * num0 + _dot(tril, e * vc)
+    # The shift: what the chunk's first row sees, never a later key (``causal_mean``).
+    m = jnp.maximum(m0, _load(k_ref, pl.ds(j * bt, 1)))
+    ok, e, vs = set_aside(jnp.exp(kc - m), vc)
+    s0 = jnp.exp(m0 - m)
+    num = s0 * num0 + _dot(tril, e * vs)
     den = s0 * den0 + _dot(tril, e)
+    # The rows that see a set-aside term, or whose shift lost their terms: redone below.
+    redo = (_dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= DEN_OK)
+    # Flagged rows are stored as NaN (a fast value never is: its inputs are finite and den > 0
+    # elsewhere), which the exact pass reads back as "redo this one".
+    store(idx, jnp.where(redo, jnp.nan, num / den), m + jnp.log(den))
 
     def fast():
-      store(idx, num / den, m + jnp.log(den))
-      ev = e * vc
       return (
         m,
-        s0 * num0 + jnp.sum(ev, axis=0, keepdims=True),
+        s0 * num0 + jnp.sum(e * vs, axis=0, keepdims=True),
         s0 * den0 + jnp.sum(e, axis=0, keepdims=True),
       )
 
-    def exact():  # row by row with a running maximum
+    def exact():  # row by row with a running maximum, stored where the fast pass flagged
       def row(i, c):
         m1, num1, den1 = c
         r = pl.ds(j * bt + i, 1)
@@ -89,12 +94,16 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
         m2 = jnp.maximum(m1, k1)
         s1, s2 = jnp.exp(m1 - m2), jnp.exp(k1 - m2)
         num2, den2 = num1 * s1 + v1 * s2, den1 * s1 + s2
-        store(r, num2 / den2, m2 + jnp.log(den2))
+        a_fast = a_ref[r, :]
+        again = a_fast != a_fast
+        a_ref[r, :] = jnp.where(again, num2 / den2, a_fast)
+        if lse_ref:
+          lse_ref[0][r, :] = jnp.where(again, m2 + jnp.log(den2), lse_ref[0][r, :])
         return m2, num2, den2
 
       return jax.lax.fori_loop(0, bt, row, carry)
 
-    return jax.lax.cond(_all(den >= DEN_OK), fast, exact)
+    return jax.lax.cond(_all(~redo), fast, exact)
 
   zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
   jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))

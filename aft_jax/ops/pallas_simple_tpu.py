@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG
+from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, set_aside
 from aft_jax.ops.pallas_util import mean_with_vjp, padded_to_chunks, widest_config
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
@@ -123,7 +123,8 @@ def _prefix_triples(k, v):
     take = row >= s
     # roll by s: row t receives row t - s (wrapped rows are masked by ``take``).
     pm = jnp.where(take, pltpu.roll(m, s, 0), NEG)
-    pn, pd = pltpu.roll(num, s, 0), pltpu.roll(den, s, 0)
+    # Masked before the products: a wrapped (later) row may hold a NaN, and 0 * NaN = NaN.
+    pn, pd = (jnp.where(take, pltpu.roll(x, s, 0), 0.0) for x in (num, den))
     mine = m >= pm
     x = jnp.exp(-jnp.abs(m - pm))  # one exp: the larger side is scaled by 1
     sa = jnp.where(mine, 1.0, x)
@@ -161,30 +162,40 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
 
   kc, vc = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
   m0, num0, den0 = m_ref[...], num_ref[...], den_ref[...]
-  m = jnp.maximum(m0, jnp.max(kc, axis=0, keepdims=True))
-  e, s0 = jnp.exp(kc - m), jnp.exp(m0 - m)
-  ev = e * vc
+  # The shift: what the chunk's first row sees, never a later key (``causal_mean``).
+  m = jnp.maximum(m0, kc[0:1])
+  ok, e, vs = set_aside(jnp.exp(kc - m), vc)
+  s0 = jnp.exp(m0 - m)
+  ev = e * vs
   tril = _tri(kc.shape[0], lower=True)
   num = s0 * num0 + _dot(tril, ev)
   den = s0 * den0 + _dot(tril, e)
+  # The rows that see a set-aside term, or whose shift lost their terms: only they are redone.
+  redo = (_dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= MIN_DEN)
+  last = lambda x: x[x.shape[0] - 1 :]
 
   def fast():
-    return jnp.broadcast_to(m, kc.shape), num, den
+    # The carry: every term (none is set aside), in the scale m.
+    carry = (
+      s0 * num0 + jnp.sum(ev, axis=0, keepdims=True),
+      s0 * den0 + jnp.sum(e, axis=0, keepdims=True),
+    )
+    return jnp.broadcast_to(m, kc.shape), num, den, m, *carry
 
   def exact():  # the chunk's own prefix triples, then the carry added to each row
     mc, numc, denc = _prefix_triples(kc, vc)
     mt = jnp.maximum(m0, mc)
     sc, sr = jnp.exp(m0 - mt), jnp.exp(mc - mt)
-    return mt, num0 * sc + numc * sr, den0 * sc + denc * sr
+    numt, dent = num0 * sc + numc * sr, den0 * sc + denc * sr
+    pick = lambda x, f: jnp.where(redo, x, f)  # the other rows keep the fast values, bit for bit
+    mf = jnp.broadcast_to(m, kc.shape)
+    return pick(mt, mf), pick(numt, num), pick(dent, den), last(mt), last(numt), last(dent)
 
-  mt, num, den = jax.lax.cond(jnp.min(den) >= MIN_DEN, fast, exact)
+  mt, num, den, *carry = jax.lax.cond(jnp.max(jnp.where(redo, 1.0, 0.0)) < 0.5, fast, exact)
   a_ref[...] = num / den
   if with_lse:
     lse_ref[...] = mt + jnp.log(den)
-  # The carry: m is the maximum of every term so far, so this sum is exact on either path.
-  m_ref[...] = m
-  num_ref[...] = s0 * num0 + jnp.sum(ev, axis=0, keepdims=True)
-  den_ref[...] = s0 * den0 + jnp.sum(e, axis=0, keepdims=True)
+  m_ref[...], num_ref[...], den_ref[...] = carry
 
 
 def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_ref, ln_ref):

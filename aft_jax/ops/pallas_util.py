@@ -138,7 +138,13 @@ def pad_time(x, before: int, after: int, fill):
 
 
 def padded_to_chunks(k, v, block_t: int):
-  """k, v [B, T, D] with T padded up to a multiple of block_t: keys NEG (exp(NEG - m) = 0,
-  so they change no sum), values 0."""
+  """k, v [B, T, D] with T padded up to a multiple of block_t: keys ``pad_key`` (exp(key - m)
+  = 0, so they change no sum), values 0."""
   t_pad = -k.shape[1] % block_t
-  return pad_time(k, 0, t_pad, NEG), pad_time(v, 0, t_pad, 0.0)
+  return pad_time(k, 0, t_pad, pad_key(k.dtype)), pad_time(v, 0, t_pad, 0.0)
+
+
+def pad_key(dtype) -> float:
+  """The key of a padding position: NEG where the keys' dtype holds it, else that dtype's lowest
+  (in bfloat16, NEG, the lowest float32, would round to -inf, and -inf - -inf = NaN)."""
+  return max(NEG, float(jnp.finfo(dtype).min))
