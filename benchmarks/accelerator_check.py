@@ -5,13 +5,16 @@
 
 In this order:
 
-(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device.
+(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device
+    (on GPUs each form of the kernels).
 (a) Ops, bfloat16, causal, d 512, batch 8, T = 1024 ... 16384: forward and forward+backward
     median time, compiled temp memory, the compiled program's whole footprint
     (``program_bytes``: arguments + outputs + temp) and the device's peak memory counter, for
     AFT-simple, AFT-local-32/128, AFT-full and AFT-conv1d with ``impl="xla"`` and (where a
-    kernel exists) the Pallas kernel, against ``jax.nn.dot_product_attention`` (XLA, and cuDNN
-    on GPUs), the plain-scan peer and one ``jnp.cumsum`` (the memory-speed floor). The rows
+    kernel exists) the Pallas kernel (on GPUs also each of its two forms, sequential and
+    chunk-parallel, ``KERNEL_FORMS``, with the faster one per row in "Kernel forms"), against
+    ``jax.nn.dot_product_attention`` (XLA, and cuDNN on GPUs), the scan peer (a ``lax.scan``
+    carrying (max, num, den)) and one ``jnp.cumsum`` (the memory-speed floor). The rows
     the targets need run first. Each row's achieved memory bandwidth counts the bytes it must
     move at least (q, k, v and the output once; with the backward pass also the cotangent and
     three gradients) and is printed next to the device's peak (``common.PEAK_HBM_GBPS``).
@@ -64,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aft_jax import ops
+from aft_jax.ops import pallas_split
 from aft_jax.model import MIXINGS, ModelConfig
 from benchmarks import bench_model, bench_ops, common
 
@@ -73,6 +77,9 @@ KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
 TPU_KERNEL_OPS = ("aft_simple",)
 XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
 BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
+# The GPU kernels' two forms (aft_jax/ops/pallas_split.py), each timed on its own beside the
+# one impl="pallas" chooses: the rows "<op>/pallas[<form>]", compared in "Kernel forms".
+KERNEL_FORMS = ("sequential", "chunked")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
 MIN_ARRAYS = {"fwd": 4, "fwd_bwd": 7}
 # The WikiText-103 small recipe's model (configs/wikitext103.py), word-level vocabulary.
@@ -89,14 +96,35 @@ def _cudnn(q, k, v):
   return out.reshape(b, t, d)
 
 
+def in_form(fn, form: str):
+  """``fn`` running the GPU kernels' ``form`` (``pallas_split.forced``, read when the ops are
+  traced)."""
+
+  def run(*args):
+    with pallas_split.forced(form):
+      return fn(*args)
+
+  return run
+
+
+def _op_in_form(op, form: str):
+  """A kernel check's ``op(impl, q, k, v, w)`` in the GPU kernels' ``form``."""
+  return lambda impl, *args: in_form(functools.partial(op, impl), form)(*args)
+
+
 def op_rows(kernel_impl: str | None, platform: str):
-  """name -> bench_ops table row: every op with impl="xla", the kernel rows, the baselines."""
+  """name -> bench_ops table row: every op with impl="xla", the kernel rows (on GPUs also each
+  kernel form, ``KERNEL_FORMS``), the baselines."""
   xla = bench_ops.op_table(7, "xla")
   rows = {f"{n}/xla": xla[n] for n in XLA_OPS}
   if kernel_impl is not None:
     kern = bench_ops.op_table(7, kernel_impl)
     names = TPU_KERNEL_OPS if platform == "tpu" else KERNEL_OPS
     rows.update({f"{n}/pallas": kern[n] for n in names})
+    if platform == "gpu":
+      for n, form in itertools.product(names, KERNEL_FORMS):
+        fn, extra, cost, what = kern[n]
+        rows[f"{n}/pallas[{form}]"] = (in_form(fn, form), extra, cost, f"{what}, {form} kernels")
   rows.update({n: xla[n] for n in BASELINES})
   if platform == "gpu":
     rows["softmax_cudnn"] = (_cudnn, None, "quadratic", "causal cuDNN flash attention")
@@ -138,6 +166,10 @@ def kernel_checks(kernel_impl, quick: bool):
     kernels = {n: f for n, f in kernels.items() if n.split()[0] in TPU_KERNEL_OPS}
   if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
     cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
+  if jax.default_backend() == "gpu":  # each form of the GPU kernels (KERNEL_FORMS)
+    kernels = {
+      f"{n} [{form}]": _op_in_form(f, form) for n, f in kernels.items() for form in KERNEL_FORMS
+    }
   rng = np.random.default_rng(0)
   for (kernel, op), (dtype, scale) in itertools.product(kernels.items(), cases):
     q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
@@ -372,6 +404,36 @@ def _target_line(c):
   return bench_ops.check_line(c)
 
 
+def kernel_forms(op_recs) -> list[dict]:
+  """Per kernel op, mode and T where both were measured: the sequential and the chunk-parallel
+  form's times (``KERNEL_FORMS``) and the faster one, which ``pallas_split.plan_for`` should
+  choose there."""
+  out = []
+  for op, mode, t_len in sorted(
+    {(r["op"].split("/")[0], r["mode"], r["T"]) for r in op_recs if "/pallas[" in r["op"]}
+  ):
+    got = {f: _get(op_recs, "op", f"{op}/pallas[{f}]", mode, t_len) for f in KERNEL_FORMS}
+    if all(got.values()):
+      times = {f: r["time_s"] for f, r in got.items()}
+      out.append({"op": op, "mode": mode, "T": t_len, **times, "faster": min(times, key=times.get)})
+  return out
+
+
+def _form_lines(op_recs) -> list[str]:
+  rows = kernel_forms(op_recs)
+  if not rows:
+    return []
+  lines = [
+    "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas_split.py`)\n",
+    "| op | mode | T | sequential | chunked | faster |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for r in rows:
+    times = " | ".join(common.fmt_time(r[f]) for f in KERNEL_FORMS)
+    lines.append(f"| {r['op']} | {r['mode']} | {r['T']} | {times} | {r['faster']} |")
+  return lines
+
+
 def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=()):
   # The device's peak counter never resets: a row's figure is the largest of all rows so far.
   peak_note = "process peak so far"
@@ -401,6 +463,7 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=
     "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   lines += _rows(op_recs, ("op", "mode", "T"), 6, _op_cells)
+  lines += _form_lines(op_recs)
   lines += [
     "\n## Train step\n",
     f"| model | T | batch | time | tokens/s | MFU | temp memory | program memory "

@@ -13,8 +13,11 @@ What. Every block configuration the ops can choose with ``impl="auto"`` / ``"pal
 (``pallas_util.CONFIGS``: AFT-simple's and AFT-local's ``config_for`` and AFT-local's
 ``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser
 that training keeps, backward) and causal AFT-local (the same and the dw kernel), float32 and
-bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200). The ops are called
-through their public API with shapes for which their own choice (``config_for``,
+bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chunk-parallel
+form (``aft_jax/ops/pallas_split.py``: its segment totals, forward and backward kernels with
+the fold of the totals) at the channel block it takes wherever D is a multiple of 64
+(``FORM_CONFIGS``). The ops are called through their public API, in each form
+(``pallas_split.forced``), with shapes for which their own choice (``config_for``,
 ``dw_config``) is each configuration, and each kernel's launch grid is checked against it.
 
 How. For sm_80 and sm_90 this is what runs there: XLA's deviceless compile for the target
@@ -98,6 +101,15 @@ KERNELS = {
     ("_dw_kernel", 1): "dw",
   },
 }
+# The chunk-parallel form's kernels (``pallas_split``): the segment totals of the forward
+# (k, v) and of the backward (L, g, a), told apart by their operands.
+TOTALS = {2: "totals k, v", 3: "totals L, g, a"}
+FORMS = ("sequential", "chunked")
+# The configurations measured per form (indices into ``pallas_util.CONFIGS``): every one in
+# the sequential form; in the chunk-parallel form the block ``plan_for`` takes wherever D is a
+# multiple of 64 (its widest), whose kernels hold the most per thread (the others differ only
+# in the channel block, as in the sequential form, where the three give the same ordering).
+FORM_CONFIGS = {"sequential": (0, 1, 2), "chunked": (0,)}
 BATCH, T_LEN, WINDOW = 256, 256, 128
 # The flags XLA gives ptxas (its log at VLOG 3 shows them), so the counts are its build's.
 PTXAS_FLAGS = ("--warn-on-spills", "-v")
@@ -186,12 +198,21 @@ def channels_for(cfg) -> int:
   raise ValueError(f"no channel count D <= {64 * step} makes the ops choose {cfg}")
 
 
-def program(op: str):
+def label(op: str, call: dict) -> str | None:
+  """A Triton call's kernel (``KERNELS``, ``TOTALS``), or None if this script does not know it."""
+  if call["name"] == "_totals_kernel":
+    return TOTALS.get(call["operands"])
+  return KERNELS[op].get((call["name"], call["results"]))
+
+
+def program(op: str, form: str = "sequential"):
   """A function of the op's arguments returning its forward (the mean only) and its VJP (the
-  forward with L, the backward, for AFT-local also dw), through the public op."""
+  forward with L, the backward, for AFT-local also dw), through the public op, the kernels in
+  ``form`` (T_LEN holds two segments of the chunk-parallel form)."""
   import jax
 
   from aft_jax import ops
+  from aft_jax.ops import pallas_split
 
   if op == "aft_simple":
     f = lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="pallas")
@@ -199,8 +220,9 @@ def program(op: str):
     f = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=WINDOW, causal=True, impl="pallas")
 
   def fwd_and_vjp(*args):
-    out, vjp = jax.vjp(f, *args)
-    return f(*args), vjp(out)
+    with pallas_split.forced(form):
+      out, vjp = jax.vjp(f, *args)
+      return f(*args), vjp(out)
 
   return fwd_and_vjp
 
@@ -313,37 +335,46 @@ def match(calls: list[dict], kernels: list[dict]) -> list[tuple[dict, dict]]:
   """Each custom call with XLA's kernel of the same name and parameters (operands + results:
   the forward and its with-L variant differ by one output); a RuntimeError unless one-to-one."""
   pairs, left = [], list(kernels)
+  like = lambda call, k: (
+    re.sub(r"__\d+$", "", k["entry"]) == call["name"]
+    and k["params"] == call["operands"] + call["results"]
+  )
   for call in calls:
-    same = [
-      k
-      for k in left
-      if re.sub(r"__\d+$", "", k["entry"]) == call["name"]
-      and k["params"] == call["operands"] + call["results"]
-    ]
+    same = [k for k in left if like(call, k)]
+    if not same:  # a repeated call (the same kernel on the same operands) XLA compiled once
+      same = [k for c, k in pairs if like(call, k) and c["ir"] == call["ir"]][:1]
     if len(same) != 1:
       raise RuntimeError(f"{len(same)} kernels in XLA's dump match {call['name']} {call['grid']}")
     pairs.append((call, same[0]))
-    left.remove(same[0])
+    if same[0] in left:
+      left.remove(same[0])
   return pairs
 
 
 # --------------------------------------------------------------------------- the measurement
 
 
-def _row(op, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limits):
+def _row(op, form, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limits):
   """One table row: a kernel's configuration, the compiler's resources and the limits."""
-  label = KERNELS[op].get((call["name"], call["results"]))
-  if label is None:
+  name = label(op, call)
+  if name is None:
     raise RuntimeError(f"{op}: a kernel this script does not know: {call['name']}")
-  # The launch must be the configuration's: D / block_d channel blocks, num_warps warps.
-  if call["grid"][1] != d // cfg.block_d or call["num_warps"] != cfg.num_warps:
-    raise RuntimeError(f"{op} {label}: grid {call['grid']}, not the one of {cfg} at D = {d}")
+  # The launch must be the configuration's: D / block_d channel blocks, num_warps warps, and
+  # (chunk-parallel, but for the dw kernel) the segments as the third axis.
+  segments = form == "chunked" and name != "dw"
+  if (
+    call["grid"][1] != d // cfg.block_d
+    or call["num_warps"] != cfg.num_warps
+    or (call["grid"][2] > 1) != segments
+  ):
+    raise RuntimeError(f"{op} {name}: grid {call['grid']}, not the {form} one of {cfg} at D = {d}")
   if kernel["threads"] != 32 * cfg.num_warps:
-    raise RuntimeError(f"{op} {label}: {kernel['threads']} threads, not {cfg.num_warps} warps")
+    raise RuntimeError(f"{op} {name}: {kernel['threads']} threads, not {cfg.num_warps} warps")
   info = ptxas_info[kernel["entry"]]
   return {
     "op": op,
-    "kernel": label,
+    "form": form,
+    "kernel": name,
     "block_t": cfg.block_t,
     "block_d": cfg.block_d,
     "num_warps": cfg.num_warps,
@@ -364,10 +395,12 @@ def _row(op, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limits):
 
 
 def _order(row: dict) -> tuple:
-  """Rows by op, block (widest first), kernel (as ``KERNELS`` lists them), dtype, arch."""
-  kernels = list(KERNELS[row["op"]].values())
+  """Rows by op, form, block (widest first), kernel (as ``KERNELS`` lists them, then
+  ``TOTALS``), dtype, arch."""
+  kernels = list(KERNELS[row["op"]].values()) + list(TOTALS.values())
   return (
     list(KERNELS).index(row["op"]),
+    FORMS.index(row["form"]),
     -row["block_d"],
     kernels.index(row["kernel"]),
     DTYPES.index(row["dtype"]),
@@ -375,22 +408,22 @@ def _order(row: dict) -> tuple:
   )
 
 
-def cases() -> list[tuple[str, int, str]]:
-  """(op, index in ``pallas_util.CONFIGS``, dtype) of every measurement, the costliest first
-  (AFT-local's kernels, wider blocks), so that dealing them out in turn balances the shards."""
-  from aft_jax.ops import pallas_util
-
-  n = len(pallas_util.CONFIGS)
+def cases() -> list[tuple[str, int, str, str]]:
+  """(op, index in ``pallas_util.CONFIGS``, dtype, form) of every measurement
+  (``FORM_CONFIGS``), the costliest first (AFT-local's kernels, the chunk-parallel form, wider
+  blocks), so that dealing them out in turn balances the shards."""
   return [
-    (op, i, dtype)
+    (op, i, dtype, form)
     for op in sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
-    for i in range(n)
+    for form in reversed(FORMS)
+    for i in FORM_CONFIGS[form]
     for dtype in DTYPES
   ]
 
 
-def measure_cases(selected, route_check: bool = True, say=print) -> dict:
-  """``selected`` cases (``cases``) on every architecture: rows (``_row``) and, with
+def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> dict:
+  """``selected`` cases (``cases``) on the architectures named in ``archs`` (default every one
+  of ``ARCHS``): rows (``_row``) and, with
   ``route_check``, the plugin's figures at ``_PLUGIN_CHECK_ARCH`` (``plugin_check``: how far
   the sm_75 route is from XLA's), ptxas running beside the compiles. Runs in
   ``deviceless.environment("cuda")``."""
@@ -403,32 +436,40 @@ def measure_cases(selected, route_check: bool = True, say=print) -> dict:
   devices.setdefault(_LOWER_ON, deviceless.devices(_LOWER_ON)[0])
   limits = {a.sm: shared_memory_limits(a.target) for a in ARCHS}
   (check,) = [dataclasses.replace(a, xla=False) for a in ARCHS if a.sm == _PLUGIN_CHECK_ARCH]
+  chosen = [a for a in ARCHS if archs is None or a.sm in archs]
   pending = []  # (row arguments, shared-memory limits, future of ptxas' figures)
   pool = concurrent.futures.ThreadPoolExecutor(2)
 
-  def lowered_on(target, op, d, dtype):
+  def lowered_on(target, op, d, dtype, form):
     device = devices[target]
     with jax.set_mesh(jax.sharding.Mesh([device], ("x",))):
-      return jax.jit(program(op)).lower(*arguments(op, d, dtype, device))
+      return jax.jit(program(op, form)).lower(*arguments(op, d, dtype, device))
 
-  for op, i, dtype in selected:
+  for op, i, dtype, form in selected:
     t0 = time.time()
     cfg = pallas_util.CONFIGS[i]
     d = channels_for(cfg)
-    base = lowered_on(_LOWER_ON, op, d, dtype)
+    base = lowered_on(_LOWER_ON, op, d, dtype, form)
     calls = triton_calls(base.compiler_ir("stablehlo"))
-    for arch in (*ARCHS, check) if route_check else ARCHS:
+    for arch in (*chosen, check) if route_check else chosen:
       if arch.xla:
-        lowered = base if arch.target == _LOWER_ON else lowered_on(arch.target, op, d, dtype)
+        lowered = base if arch.target == _LOWER_ON else lowered_on(arch.target, op, d, dtype, form)
         pairs = match(triton_calls(lowered.compiler_ir("stablehlo")), xla_kernels(lowered))
         compiler = "xla"
       else:
         pairs = [(c, plugin_kernel(c, arch)) for c in calls]
         compiler = "triton (jaxlib)" + (", check" if arch is check else "")
+      # The forward program and the VJP's forward may hold the same totals kernel twice.
+      seen = set()
       for call, kernel in pairs:
-        args = (op, call, cfg, d, dtype, arch, compiler, kernel)
+        if (label(op, call), call["results"]) in seen:
+          continue
+        seen.add((label(op, call), call["results"]))
+        args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
         pending.append((args, limits[arch.sm], pool.submit(run_ptxas, kernel["ptx"])))
-    say(f"  {op} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {time.time() - t0:.1f} s")
+    say(
+      f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {time.time() - t0:.1f} s"
+    )
     sys.stdout.flush()
   rows, plugin_check = [], []
   for args, lim, future in pending:
@@ -438,13 +479,14 @@ def measure_cases(selected, route_check: bool = True, say=print) -> dict:
   return {"rows": rows, "plugin_check": plugin_check}
 
 
-def measure(workers: int | None = None, route_check: bool = True, say=print) -> dict:
-  """Every case (``cases``) on every architecture (``measure_cases``), dealt out to
+def measure(workers: int | None = None, route_check: bool = True, say=print, archs=None) -> dict:
+  """Every case (``cases``) on ``archs`` (default every architecture; ``measure_cases``), dealt
+  out to
   ``workers`` processes (default: one per core; much of a compile is single-threaded, so one
   process leaves cores idle)."""
   workers = max(1, min(workers or os.cpu_count() or 1, len(cases())))
   if workers == 1:
-    result = measure_cases(cases(), route_check, say)
+    result = measure_cases(cases(), route_check, say, archs)
   else:
     with tempfile.TemporaryDirectory() as tmp:
       procs = [
@@ -458,6 +500,7 @@ def measure(workers: int | None = None, route_check: bool = True, say=print) -> 
             "--shard",
             f"{i}/{workers}",
             *([] if route_check else ["--no_route_check"]),
+            *(["--archs", *archs] if archs else []),
           ]
         )
         for i in range(workers)
@@ -495,12 +538,13 @@ def headline(rows: list[dict]) -> list[str]:
       worst = max(spilled, key=lambda r: r["spill_stores"] + r["spill_loads"])
       spills = (
         f"{len(spilled)} kernel{'s' * (len(spilled) > 1)} spilling (most: {worst['op']} "
-        f"{worst['kernel']}, block_d {worst['block_d']}, {worst['dtype']}: "
+        f"{worst['form']} {worst['kernel']}, block_d {worst['block_d']}, {worst['dtype']}: "
         f"{worst['spill_stores']} B stored, {worst['spill_loads']} B loaded)"
       )
     out.append(
       f"{arch.sm} ({arch.target}, {rs[0]['compiler']}): at most {top['registers']} registers "
-      f"({top['op']} {top['kernel']}, block_d {top['block_d']}, {top['dtype']}), {spills}, at "
+      f"({top['op']} {top['form']} {top['kernel']}, block_d {top['block_d']}, {top['dtype']}), "
+      f"{spills}, at "
       f"most {_kib(big['shared_bytes'])} shared memory per block (limit "
       f"{_kib(big['shared_limit_default'])} default, {_kib(big['shared_limit_optin'])} opt-in)"
     )
@@ -510,18 +554,18 @@ def headline(rows: list[dict]) -> list[str]:
 def compact_table(rows: list[dict]) -> list[str]:
   """One line per (op, kernel, block_d): registers float32/bfloat16 and shared memory per
   architecture (spills are in the headline and the full table)."""
-  key = lambda r: (r["op"], r["kernel"], r["block_d"])
+  key = lambda r: (r["op"], r["form"], r["kernel"], r["block_d"])
   by = {(key(r), r["arch"], r["dtype"]): r for r in rows}
   archs = [a.sm for a in ARCHS if any(r["arch"] == a.sm for r in rows)]
-  head = ["op", "kernel", "block (t x d)"]
+  head = ["op", "form", "kernel", "block (t x d)"]
   head += [f"{a} regs f32 / bf16" for a in archs] + [f"{a} smem f32 / bf16" for a in archs]
-  lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (2 * len(archs))]
+  lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * (2 * len(archs))]
   seen = []
   for r in rows:
     if key(r) not in seen:
       seen.append(key(r))
   for k in seen:
-    cells = [k[0], k[1], f"{by[(k, archs[0], DTYPES[0])]['block_t']} x {k[2]}"]
+    cells = [*k[:3], f"{by[(k, archs[0], DTYPES[0])]['block_t']} x {k[3]}"]
     for field, fmt in (("registers", str), ("shared_bytes", _kib)):
       for a in archs:
         cells.append(" / ".join(fmt(by[(k, a, dt)][field]) for dt in DTYPES))
@@ -531,14 +575,15 @@ def compact_table(rows: list[dict]) -> list[str]:
 
 def full_table(rows: list[dict]) -> list[str]:
   head = (
-    "| op | kernel | block (t x d, warps, stages) | dtype | arch | compiler | registers | "
+    "| op | form | kernel | block (t x d, warps, stages) | dtype | arch | compiler | registers | "
     "spill stores / loads (B) | shared memory | limit per block (default / opt-in) |"
   )
-  lines = [head, "|---|---|---|---|---|---|---:|---:|---:|---:|"]
+  lines = [head, "|---|---|---|---|---|---|---|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
-      f"| {r['op']} | {r['kernel']} | {r['block_t']} x {r['block_d']}, {r['num_warps']}, "
-      f"{r['num_stages']} | {r['dtype']} | {r['arch']} | {r['compiler']} | {r['registers']} | "
+      f"| {r['op']} | {r['form']} | {r['kernel']} | {r['block_t']} x {r['block_d']}, "
+      f"{r['num_warps']}, {r['num_stages']} | {r['dtype']} | {r['arch']} | {r['compiler']} | "
+      f"{r['registers']} | "
       f"{r['spill_stores']} / {r['spill_loads']} | {_kib(r['shared_bytes'])} | "
       f"{_kib(r['shared_limit_default'])} / {_kib(r['shared_limit_optin'])} |"
     )
@@ -548,12 +593,12 @@ def full_table(rows: list[dict]) -> list[str]:
 def route_gap(result: dict) -> str:
   """How far the plugin's Triton compile (the sm_75 route) is from XLA's at the check arch."""
   xla = {
-    (r["op"], r["kernel"], r["block_d"], r["dtype"]): r["registers"]
+    (r["op"], r["form"], r["kernel"], r["block_d"], r["dtype"]): r["registers"]
     for r in result["rows"]
     if r["arch"] == _PLUGIN_CHECK_ARCH
   }
   diffs = [
-    r["registers"] - xla[(r["op"], r["kernel"], r["block_d"], r["dtype"])]
+    r["registers"] - xla[(r["op"], r["form"], r["kernel"], r["block_d"], r["dtype"])]
     for r in result["plugin_check"]
   ]
   if not diffs:
@@ -610,6 +655,13 @@ def main(argv=None) -> int:
     action="store_true",
     help="skip compiling with jaxlib's Triton for sm_80 too (the comparison with XLA's build)",
   )
+  p.add_argument(
+    "--archs",
+    nargs="+",
+    choices=[a.sm for a in ARCHS],
+    default=None,
+    help="only these architectures (default: all; the committed table has all)",
+  )
   # Internal: one worker's share of the cases (i/n), written to OUT/shard-i.json.
   p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -622,15 +674,16 @@ def main(argv=None) -> int:
     os.execve(sys.executable, cmd, child_environment())
   if args.shard:
     i, n = map(int, args.shard.split("/"))
-    shard = measure_cases(cases()[i::n], not args.no_route_check)
+    shard = measure_cases(cases()[i::n], not args.no_route_check, archs=args.archs)
     files.atomic_write(os.path.join(args.out, f"shard-{i}.json"), json.dumps(shard) + "\n")
     return 0
   import jax
   import jaxlib
 
   t0 = time.time()
-  print("Compiling every kernel configuration for sm_75, sm_80 and sm_90 (no GPU needed)")
-  result = measure(args.workers, not args.no_route_check)
+  archs = args.archs or [a.sm for a in ARCHS]
+  print(f"Compiling every kernel configuration for {', '.join(archs)} (no GPU needed)")
+  result = measure(args.workers, not args.no_route_check, archs=args.archs)
   result["meta"] = {
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,

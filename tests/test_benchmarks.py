@@ -103,6 +103,33 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
+def test_accelerator_check_times_both_kernel_forms():
+  """On a GPU the check has a row per kernel op and form (each traced in that form), and its
+  "Kernel forms" table names the faster form per op, mode and T from the measured rows."""
+  from aft_jax.ops import pallas_split
+
+  rows = accelerator_check.op_rows("pallas", "gpu")
+  forms = accelerator_check.KERNEL_FORMS
+  for op in accelerator_check.KERNEL_OPS:
+    assert {f"{op}/pallas[{f}]" for f in forms} <= set(rows), sorted(rows)
+  assert not any("[" in n for n in accelerator_check.op_rows("pallas_interpret", "cpu"))
+  seg = lambda: pallas_split.plan_for(1, 16384, 512).seg
+  assert accelerator_check.in_form(seg, "sequential")() is None
+  assert accelerator_check.in_form(seg, "chunked")() == seg() is not None  # auto: chunked here
+  rec = lambda form, t, time_s: {
+    "op": f"aft_simple/pallas[{form}]",
+    "mode": "fwd",
+    "T": t,
+    "status": "ok",
+    "time_s": time_s,
+  }
+  recs = [rec("sequential", 1024, 1.0), rec("chunked", 1024, 2.0), rec("chunked", 4096, 1.0)]
+  recs.append(rec("sequential", 4096, 3.0))
+  got = accelerator_check.kernel_forms(recs)
+  assert [(r["T"], r["faster"]) for r in got] == [(1024, "sequential"), (4096, "chunked")]
+  assert "| aft_simple | fwd | 4096 |" in "\n".join(accelerator_check._form_lines(recs))
+
+
 def _raise(*args, **kwargs):
   raise RuntimeError("injected failure")
 

@@ -2,6 +2,8 @@
 ``jax.export``, no accelerator needed, so a lowering error shows here rather than in the
 check's run on the device."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -79,3 +81,24 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
     assert module.count(f"custom_call @{kernel}(") >= 2  # forward, backward
   else:
     assert all(t in module for t in CUDNN)
+
+
+@pytest.mark.parametrize("op", accelerator_check.KERNEL_OPS[::2])
+def test_kernel_form_rows_lower_for_cuda(op):
+  """The check's rows of each GPU kernel form (bf16, B 8, T 1024, d 512, forward+backward)
+  lower for an H200 in that form: sequential grids (batch, channel blocks, 1), chunk-parallel
+  ones with the segments as their third axis (AFT-local's dw kernel aside)."""
+  rows = accelerator_check.op_rows("pallas", "gpu")
+  x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
+  args = (
+    (x, x, x)
+    if rows[f"{op}/pallas"][1] is None
+    else (x, x, x, jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
+  )
+  z = {}
+  for form in accelerator_check.KERNEL_FORMS:
+    fn = bench_ops.fwd_bwd(rows[f"{op}/pallas[{form}]"][0])
+    module = export_for(fn, *args, x).mlir_module()
+    z[form] = sorted({int(g) for g in re.findall(r"grid_z = (\d+)", module)})
+  assert z["sequential"] == [1], z
+  assert max(z["chunked"]) > 1, z

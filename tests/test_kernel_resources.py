@@ -1,7 +1,9 @@
 """The Pallas GPU kernels fit the GPUs they are built for: every block configuration the ops can
 choose, forward and backward (and AFT-local's dw kernel), float32 and bfloat16, compiled for
-sm_75, sm_80 and sm_90 without a GPU (``benchmarks/kernel_resources.py``) stays within each
-architecture's shared memory per block and spills no more than ``SPILL_ALLOWANCE``.
+sm_80 and sm_90 without a GPU (``benchmarks/kernel_resources.py --archs sm_80 sm_90``) stays
+within each architecture's shared memory per block and spills no more than ``SPILL_ALLOWANCE``.
+(sm_75, where XLA refuses Triton and the kernels never run, is in the committed table from the
+full run, not compiled here: a third of the compile time for a route no GPU takes.)
 
 A kernel over the shared-memory limit does not launch, and one that spills runs from local
 memory: both would show only on the GPU, so this compiles for it instead."""
@@ -28,12 +30,20 @@ from tests.helpers import ROOT
 # backward at block_d 64 to 128 registers and spills 12 bytes (3 words, an 8-byte stack
 # frame), on an architecture where the kernels never run (XLA refuses Triton below compute
 # capability 8.0, so a T4 takes the XLA path): recorded, not a regression; 16 B (4 words)
-# leaves room for a word more from another ptxas, not for a real spill.
-SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 24, "sm_90": 24}
+# leaves room for a word more from another ptxas, not for a real spill. The chunk-parallel
+# form (issue 23): on sm_80 ptxas keeps AFT-local's float32 forward kernels at block_d 64 to
+# 128 registers and spills 32 B stored, 40 B loaded (8-10 words; 0 on sm_90, 168 registers in
+# bfloat16), the cost of its segment offsets and the fold of the totals: recorded, 48 B.
+SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 48, "sm_90": 24}
 # The kernels per (op, configuration, dtype, architecture): AFT-simple's forward, forward with
-# the log-normaliser (what training runs) and backward; AFT-local's the same and dw.
+# the log-normaliser (what training runs) and backward; AFT-local's the same and dw; the
+# chunk-parallel form (pallas_split) adds the segment totals of the forward and the backward.
 KERNELS = {"aft_simple": {"fwd", "fwd+lse", "bwd"}, "aft_local": {"fwd", "fwd+lse", "bwd", "dw"}}
-ARCHS = ("sm_75", "sm_80", "sm_90")
+TOTALS = {"totals k, v", "totals L, g, a"}
+# Configurations per form: every one sequential; chunk-parallel, the widest (pallas_split's
+# choice where D is a multiple of 64).
+FORM_CONFIGS = {"sequential": set(pallas_util.CONFIGS), "chunked": {pallas_util.CONFIGS[0]}}
+ARCHS = ("sm_80", "sm_90")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -65,33 +75,41 @@ def test_every_kernel_configuration_fits_every_architecture(tmp_path):
   # XLA_FLAGS and compilation cache; --no_route_check skips its sm_80 comparison of compilers.
   cmd = [sys.executable, "-m", "benchmarks.kernel_resources", "--out", str(tmp_path)]
   done = subprocess.run(
-    [*cmd, "--no_route_check"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    [*cmd, "--no_route_check", "--archs", *ARCHS],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
   )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   with open(tmp_path / "kernel_resources.json") as f:
     rows = json.load(f)["rows"]
 
   # Every kernel of every configuration was found, once: no parsing silently came up empty.
-  n_configs = len(pallas_util.CONFIGS)
-  expected = n_configs * len(DTYPES) * len(ARCHS) * sum(len(k) for k in KERNELS.values())
+  kernels = lambda op, form: KERNELS[op] | (TOTALS if form == "chunked" else set())
+  expected = sum(
+    len(configs) * len(DTYPES) * len(ARCHS) * len(kernels(op, form))
+    for form, configs in FORM_CONFIGS.items()
+    for op in KERNELS
+  )
   assert len(rows) == expected
-  keys = {(r["op"], r["kernel"], r["block_d"], r["dtype"], r["arch"]) for r in rows}
+  keys = {(r["op"], r["form"], r["kernel"], r["block_d"], r["dtype"], r["arch"]) for r in rows}
   assert len(keys) == expected
-  configs = {(c.block_t, c.block_d, c.num_warps, c.num_stages) for c in pallas_util.CONFIGS}
-  for op, kernels in KERNELS.items():
-    for kernel in kernels:
-      got = {
-        (r["block_t"], r["block_d"], r["num_warps"], r["num_stages"])
-        for r in rows
-        if (r["op"], r["kernel"]) == (op, kernel)
-      }
-      assert got == configs, (op, kernel)
+  for form, configs in FORM_CONFIGS.items():
+    for op in KERNELS:
+      for kernel in kernels(op, form):
+        got = {
+          (r["block_t"], r["block_d"], r["num_warps"], r["num_stages"])
+          for r in rows
+          if (r["op"], r["form"], r["kernel"]) == (op, form, kernel)
+        }
+        assert got == {tuple(c) for c in configs}, (op, form, kernel)
   assert {r["arch"] for r in rows} == set(ARCHS)
 
   limits = spec_limits()
   too_big, spilled = [], []
   for r in rows:
-    name = f"{r['op']} {r['kernel']} block_d {r['block_d']} {r['dtype']} {r['arch']}"
+    name = f"{r['op']} {r['form']} {r['kernel']} block_d {r['block_d']} {r['dtype']} {r['arch']}"
     lim = limits[r["arch"]]
     threads = 32 * r["num_warps"]
     if r["shared_bytes"] > lim["shared_memory_per_block_optin"]:

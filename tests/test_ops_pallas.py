@@ -7,6 +7,8 @@ The kernels run in Pallas interpret mode on CPU against a float64 reference, and
 
 import dataclasses
 import functools
+import math
+import re
 
 import chex
 import jax
@@ -17,10 +19,10 @@ import pytest
 
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
-from aft_jax.ops import pallas_local, pallas_simple
+from aft_jax.ops import pallas_local, pallas_simple, pallas_split
 from benchmarks.bench_ops import scan_simple
 from tests import numpy_reference as ref
-from tests.helpers import equations, export_for
+from tests.helpers import TRITON, equations, export_for
 
 RTOL, ATOL = 2e-4, 2e-5  # as the op tests (tests/test_ops.py)
 
@@ -45,7 +47,9 @@ def _reference(q, k, v, ct):
 def _pallas(q, k, v, ct):
   fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
   grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
-  return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
+  # The sequential form (auto would split T = 1000 into segments: tested below).
+  with pallas_split.forced("sequential"):
+    return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
 
 
 def test_scan_reference_is_the_loop_reference():
@@ -56,7 +60,8 @@ def test_scan_reference_is_the_loop_reference():
 
 @pytest.mark.parametrize("t_len", [1, 7, 128, 1000])
 def test_simple_kernel_matches_reference(t_len):
-  """Values and gradients, std 1 and 40, T not a multiple of the chunk (7, 1000)."""
+  """The sequential form: values and gradients, std 1 and 40, T not a multiple of the chunk
+  (7, 1000)."""
   q, k, v, ct = _inputs(t_len, 16, seed=t_len)
   out, grads = _pallas(q, k, v, ct)
   want_out, want_grads = _reference(q, k, v, ct)
@@ -66,6 +71,8 @@ def test_simple_kernel_matches_reference(t_len):
 
 
 def test_simple_kernel_long_sequence_forward():
+  """T = 4096: ``auto`` takes the chunk-parallel form (32 segments of 128: two fold blocks)."""
+  assert pallas_split.plan_for(2, 4096, 16).seg == 128
   q, k, v, _ = _inputs(4096, 16, seed=3)
   out = jax.jit(functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret"))(q, k, v)
   chex.assert_trees_all_close(out, _reference(q, k, v, np.zeros_like(q))[0], rtol=RTOL, atol=ATOL)
@@ -92,6 +99,108 @@ def test_simple_kernel_lowers_for_cuda(cfg, dtype):
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
   assert pallas_simple.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
   assert pallas_simple.config_for(512, batch=1).block_d == 16  # few rows: more programs
+
+
+# Every chunk-parallel configuration, in bf16 and float32 (both at the widest block, which
+# plan_for takes wherever D is a multiple of 64; the loads are what the dtype changes).
+_CHUNKED_CASES = [(0, jnp.bfloat16), (0, jnp.float32), (1, jnp.bfloat16), (2, jnp.float32)]
+
+
+@pytest.mark.parametrize("i, dtype", _CHUNKED_CASES, ids=["64-bf16", "64-f32", "32-bf16", "16-f32"])
+def test_chunk_parallel_kernels_lower_for_cuda(i, dtype):
+  """Every configuration of the chunk-parallel form lowers to Triton, AFT-simple and AFT-local
+  (windows of one and three key blocks), forward and forward+backward, T ragged; the segment
+  kernels' grid has the segments as its third axis."""
+  cfg = pallas_split.CHUNKED_CONFIGS[i]
+  assert pallas_split.plan_for(1, 4096, 3 * cfg.block_d).cfg == cfg  # auto can pick it
+  x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 2 segments of 64
+  w = jax.ShapeDtypeStruct((100, 100), jnp.float32)
+  simple = lambda k, v, w: jnp.sum(pallas_simple.causal_mean(k, v, cfg, False, 64))
+  local = lambda window: (
+    lambda k, v, w: jnp.sum(pallas_local.local_mean(k, v, w, window, cfg, False, 64))
+  )
+  # Kernels: simple 2 (totals, forward) + 4 (totals, forward with L, totals, backward);
+  # local the same + dw.
+  for loss, n_fwd, n_grad in ((simple, 2, 4), (local(1), 2, 5), (local(40), 2, 5)):
+    for n, fn in ((n_fwd, loss), (n_grad, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
+      module = export_for(fn, x, x, w).mlir_module()
+      assert module.count(f"custom_call @{TRITON}(") == n
+      # [B, D / block_d, 2 segments]; dw: [query chunks (T padded to 128), D / block_d, 1].
+      grids = {tuple(map(int, g)) for g in _GRID.findall(module)}
+      assert grids <= {(2, 3, 2), (8, 3, 1)}, grids
+
+
+def _kernel_grads(fn, args, ct):
+  """fn(*args) and the gradients of sum(fn * ct) in every argument, jitted once."""
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
+  grads = jax.grad(loss, argnums=tuple(range(len(args))))
+  return jax.jit(lambda *a: (fn(*a), grads(*a)))(*args)
+
+
+def _assert_close(got, want, rtol):
+  """Outputs and gradients within ``rtol`` of the largest magnitude of each."""
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g = np.asarray(g, np.float32)
+    np.testing.assert_allclose(g, x, rtol=rtol, atol=rtol * np.abs(x).max() + 1e-6)
+
+
+@pytest.mark.parametrize(
+  "t_len, seg, dtype",
+  [(600, 32, jnp.float32), (100, 16, jnp.bfloat16)],
+  ids=["T600-seg32-f32", "T100-seg16-bf16"],
+)
+def test_simple_chunk_parallel_matches_reference(t_len, seg, dtype):
+  """The chunk-parallel form (``seg`` positions per program): values and gradients, std 1 and
+  40 (the two batch rows: segment totals whose maxima differ by far more than float32's
+  range), T ragged, 19 segments (two fold blocks) or 7, bf16 inputs with float32 sums."""
+  q, k, v, ct = _inputs(t_len, 16, seed=t_len)
+  cfg = pallas_simple.CONFIGS[-1]
+  fn = lambda q, k, v: jax.nn.sigmoid(q) * pallas_simple.causal_mean(k, v, cfg, True, seg)
+  args = tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+  # The reference from the rounded inputs: bf16 then only rounds the outputs (8 bits).
+  want = _reference(*(np.asarray(x, np.float32) for x in args), ct)
+  _assert_close(_kernel_grads(fn, args, ct), want, 1e-4 if dtype == jnp.float32 else 2e-2)
+  with pytest.raises(ValueError, match="whole chunks of 16"):
+    pallas_simple.causal_mean(k, v, cfg, True, seg + 8)
+
+
+def test_chunk_parallel_later_segments_never_reach_earlier_ones():
+  """A NaN and an infinity in a later segment's keys and values: every earlier output of the
+  chunk-parallel form is bit-identical (the fold takes only earlier segments' totals)."""
+  q, k, v, _ = _inputs(100, 16, seed=2)
+  w = np.zeros((100, 100), np.float32)
+  cfg = pallas_simple.CONFIGS[-1]
+  bad_k, bad_v = k.copy(), v.copy()
+  bad_k[:, 70, :4], bad_v[:, 75, 4:8], bad_k[:, 80, 8:] = np.inf, np.nan, np.nan
+  fns = (
+    lambda k, v: pallas_simple.causal_mean(k, v, cfg, True, 16),
+    lambda k, v: pallas_local.local_mean(k, v, w, 16, cfg, True, 16),
+  )
+  for fn in fns:
+    fn = jax.jit(fn)
+    good, bad = np.asarray(fn(k, v)), np.asarray(fn(bad_k, bad_v))
+    np.testing.assert_array_equal(bad[:, :64], good[:, :64])  # the segments before row 70
+    np.testing.assert_array_equal(bad[:, :70], good[:, :70])
+
+
+def test_plan_splits_t_where_the_sequential_grid_is_small():
+  """The one choice: at B 1, T 16384 and B 8, T 2048 (D 512) the chunk-parallel form with at
+  least ``MIN_PROGRAMS`` programs; at B 256 the sequential one; T too short for two segments:
+  sequential; ``forced`` selects either form where it can run; AFT-local's segments hold the
+  window's earlier keys."""
+  for b, t_len in ((1, 16384), (8, 2048)):
+    plan = pallas_split.plan_for(b, t_len, 512)
+    assert plan.seg is not None and plan.seg % plan.cfg.block_t == 0
+    assert b * (512 // plan.cfg.block_d) * -(-t_len // plan.seg) >= pallas_split.MIN_PROGRAMS
+    with pallas_split.forced("sequential"):
+      assert pallas_split.plan_for(b, t_len, 512).seg is None
+  assert pallas_split.plan_for(256, 2048, 512).seg is None
+  with pallas_split.forced("chunked"):
+    assert pallas_split.plan_for(256, 2048, 512).seg is not None
+    assert pallas_split.plan_for(1, 128, 512).seg is None  # one segment: nothing to split
+  assert pallas_local.plan_for(1, 16384, 512, window=1024).seg >= 1024
+  with pytest.raises(ValueError, match="form must be one of"):
+    pallas_split.forced("parallel").__enter__()
 
 
 # --------------------------------------------------------------------------- AFT-local
@@ -150,6 +259,24 @@ def test_local_kernel_matches_reference(t_len, window, std):
   chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
   for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
     np.testing.assert_allclose(g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6)
+
+
+@pytest.mark.parametrize(
+  "t_len, window, seg, std", [(200, 20, 32, 40.0), (100, 5, 16, 1.0)], ids=["std40", "std1"]
+)
+def test_local_chunk_parallel_matches_reference(t_len, window, seg, std):
+  """The chunk-parallel form: values and gradients (q, k, v, w), T ragged, segments of 7 and 2
+  chunks whose first chunk reads the window's earlier keys from the segment before (32 and 16
+  of them: ``seg`` is the least allowed), dk and dv overlap-added across segments; a segment
+  shorter than that is refused."""
+  q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
+  cfg = pallas_local.CONFIGS[-1]
+  local = lambda k, v, w, seg: pallas_local.local_mean(k, v, w, window, cfg, True, seg)
+  fn = lambda q, k, v, w: jax.nn.sigmoid(q) * local(k, v, w, seg)
+  got = _kernel_grads(fn, (q, k, v, w), ct)
+  _assert_close(got, _local_reference(q, k, v, w, ct, window), 1e-4)
+  with pytest.raises(ValueError, match="earlier keys"):
+    local(k, v, w, seg // 2)
 
 
 def test_local_kernel_ragged_long_sequence_forward():
@@ -226,6 +353,32 @@ def test_local_kernel_dw_partials_do_not_grow_with_the_batch():
     assert cfg.block_d == 16  # dk, dv: one program per (batch row, 16 channels)
     assert sorted(s for s in shapes if s[-1] == 64) == [(2, 112, 64)]
     assert shapes.count((batch, 64 - 16 + 112, d)) == 2  # dk, dv (keys' padded layout)
+
+
+_GRID = re.compile(r"grid_x = (\d+) : i\d+, grid_y = (\d+) : i\d+, grid_z = (\d+) : i\d+")
+
+
+@pytest.mark.parametrize("batch, t_len", [(1, 16384), (8, 2048)])
+def test_every_kernel_fills_an_h200_at_long_t_and_small_batch(batch, t_len):
+  """Lowered for cuda under an abstract H200 (``impl="auto"`` takes the kernels there): every
+  Triton call of causal AFT-simple and AFT-local-128 at D 512, forward and forward+backward,
+  launches at least 528 programs (4 per SM of a 132-SM GPU), read from the calls' grid_x/y/z."""
+  x = jax.ShapeDtypeStruct((batch, t_len, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
+  cases = {
+    "aft_simple": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (x, x, x)),
+    "aft_local_128": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True),
+      (x, x, x, w),
+    ),
+  }
+  for name, (op, args) in cases.items():
+    grad = jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    for mode, fn in (("fwd", op), ("fwd+bwd", grad)):
+      module = export_for(fn, *args).mlir_module()
+      grids = [math.prod(map(int, g)) for g in _GRID.findall(module)]
+      assert len(grids) == module.count(f"custom_call @{TRITON}(") >= 1 + (mode != "fwd")
+      assert min(grids) >= 528, (name, mode, grids)
 
 
 def test_auto_is_xla_on_cpu_and_pallas_needs_a_kernel():

@@ -24,6 +24,7 @@ from aft_jax.ops import (
   pallas_local,
   pallas_simple,
   pallas_simple_tpu,
+  pallas_split,
   target,
 )
 
@@ -162,8 +163,8 @@ def triton_simple(args: OpArgs, interpret: bool):
   """Causal AFT-simple, ``pallas_simple`` (GPU, Triton)."""
 
   def mean(k, v, _):
-    cfg = pallas_simple.config_for(k.shape[-1], k.shape[0])
-    return pallas_simple.causal_mean(k, v, cfg, interpret)
+    plan = pallas_split.plan_for(*k.shape)  # sequential or chunk-parallel
+    return pallas_simple.causal_mean(k, v, plan.cfg, interpret, plan.seg)
 
   return _kernel(args, mean)
 
@@ -193,8 +194,8 @@ def triton_local(args: OpArgs, interpret: bool):
   """Causal AFT-local, ``pallas_local`` (GPU, Triton)."""
 
   def mean(k, v, w):
-    cfg = pallas_local.config_for(k.shape[-1], k.shape[0])
-    return pallas_local.local_mean(k, v, w, args.window, cfg, interpret)
+    plan = pallas_local.plan_for(*k.shape, args.window)  # sequential or chunk-parallel
+    return pallas_local.local_mean(k, v, w, args.window, plan.cfg, interpret, plan.seg)
 
   return _kernel(args, mean)
 

@@ -37,6 +37,13 @@ path was exact (else the chunk is redone row by row with p computed directly). T
 the last chunk back, carried with its own maximum of -L (exp(k + max(-L)) <= 1: every such key
 is a term of those L). dk, dv accumulate in float32 across the chunks whose slabs hold a key.
 
+Chunk-parallel form (``seg``, ``pallas_split``): the forward and dk, dv kernels per (batch
+row, channel block, segment of ``seg`` >= S positions). A segment's carry of the older keys
+starts from the fold of the key segments' totals before it; the backward's carry of the later
+queries from the fold of the query segments' totals after it; dk, dv are written per segment
+over its keys and the next segment's first S (which its last chunks' slabs reach), and added
+up in XLA.
+
 dw has no sequential part (a chunk's rows need only their own slab), so a second kernel computes
 it with one program per (query chunk, channel block) that loops over the batch rows: its
 partial sums are ``[D / block_d, T, S + c]`` (slab layout, the widest channel block), summed
@@ -53,8 +60,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops import pallas_util
+from aft_jax.ops import pallas_split, pallas_util
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
+from aft_jax.ops.pallas_split import Plan
 from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
   "config_for",
   "dw_config",
   "local_mean",
+  "plan_for",
   "unsupported",
 ]
 
@@ -166,18 +175,35 @@ def _real(j, bt: int, t_len: int):
   return j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) < t_len
 
 
-def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
-  """One (batch row, channel block): a [and L] [t_pad, bd] for the slab biases [t_pad, W] and
-  k, v [W - bt + t_pad, bd] (front-padded by W - bt keys: chunk j's slab starts at key row
-  j bt)."""
+def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
+  """(first chunk, chunks, carry-in, the other refs) of this program: all of T and the empty
+  triple (sequential form), or segment s's ``seg / bt`` chunks and the fold of the segment
+  totals (the first three refs) that ``take(index, s)`` accepts."""
+  if n_seg is None:
+    return 0, bias_ref.shape[0] // bt, None, refs
+  s = pl.program_id(2)
+  return s * (seg // bt), seg // bt, pallas_split.fold(*refs[:3], lambda i: take(i, s)), refs[3:]
+
+
+def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: int):
+  """One (batch row, channel block[, segment]): a [and L] [t_pad, bd] (or the segment's
+  [seg, bd]) for the slab biases [t_pad, W] and k, v [W - bt + t_pad, bd] (front-padded by
+  W - bt keys: chunk j's slab starts at key row j bt); chunk-parallel, the first three refs are
+  the key segments' totals, folded into the carry of the older keys."""
+  j0, n_chunks, carry_in, (a_ref, *lse_ref) = _segment(
+    bias_ref, refs, bt, n_seg, seg, lambda i, s: i < s
+  )
   n_keys, keys, maxima, shifted = _slab(bias_ref, k_ref, v_ref, bt)
   bd = k_ref.shape[1]
   eye = _eye(bt)
 
-  def store(idx, num, den, m):
-    a_ref[idx, :] = num / den
+  def store(idx, num, den, m, real):
+    # Padding rows (after T) are stored as 0: their shift may lose every term (their biases
+    # repeat the last row's, against padding keys of weight 0), and a NaN residual there
+    # would reach the backward's products (0 * NaN).
+    a_ref[idx, :] = jnp.where(real, num / den, 0.0)
     if lse_ref:
-      lse_ref[0][idx, :] = m + jnp.log(den)
+      lse_ref[0][idx, :] = jnp.where(real, m + jnp.log(den), 0.0)
 
   def chunk(j, carry):
     m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
@@ -204,11 +230,11 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
     m = jnp.maximum(mw + mk, m0)
     s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
     num, den = num * s1 + num0 * s0, den * s1 + den0 * s0
-    store(rows(j, bt), jnp.where(redo, jnp.nan, num), den, m)
+    store(rows(j - j0, bt), jnp.where(redo, jnp.nan, num), den, m, _real(j, bt, t_len))
 
     def exact():  # row by row, the maximum per (row, channel) carried over the key blocks
       def row(i, _):
-        r = pl.ds(j * bt + i, 1)
+        r, r_out = pl.ds(j * bt + i, 1), pl.ds((j - j0) * bt + i, 1)
 
         def block(u, c):
           m1, num1, den1 = c
@@ -222,11 +248,11 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
           return m2, num2, den1 * s1 + jnp.sum(e, axis=0, keepdims=True)
 
         m1, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
-        a_fast = a_ref[r, :]
+        a_fast = a_ref[r_out, :]
         again = a_fast != a_fast  # the other rows keep the fast values, bit for bit
-        a_ref[r, :] = jnp.where(again, num1 / den1, a_fast)
+        a_ref[r_out, :] = jnp.where(again, num1 / den1, a_fast)
         if lse_ref:
-          lse_ref[0][r, :] = jnp.where(again, m1 + jnp.log(den1), lse_ref[0][r, :])
+          lse_ref[0][r_out, :] = jnp.where(again, m1 + jnp.log(den1), lse_ref[0][r_out, :])
         return 0
 
       jax.lax.fori_loop(0, bt, row, 0)
@@ -244,15 +270,21 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, a_ref, *lse_ref, bt: int, t_len: int):
       den0 * s0 + jnp.sum(e, axis=0, keepdims=True),
     )
 
-  zero = jnp.zeros((1, bd), jnp.float32)
-  jax.lax.fori_loop(0, bias_ref.shape[0] // bt, chunk, (zero + NEG, zero, zero))
+  carry_in = pallas_split.empty(bd) if carry_in is None else carry_in
+  jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in)
 
 
-def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *, bt, t_len):
-  """One (batch row, channel block): dk, dv [W - bt + t_pad, bd] (float32, the keys' padded
-  layout) from a, L and the cotangent g [t_pad, bd] (module docstring; dw is ``_dw_kernel``'s)."""
+def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len, n_seg, seg):
+  """One (batch row, channel block[, segment]): dk, dv [W - bt + t_pad, bd] (float32, the
+  keys' padded layout; chunk-parallel, the segment's key rows [s seg, (s + 1) seg + W - bt),
+  whose last W - bt the next segment's keys overlap) from a, L and the cotangent g [t_pad, bd]
+  (module docstring; dw is ``_dw_kernel``'s); chunk-parallel, the first three refs are the
+  query segments' totals, folded into the carry of the later queries."""
+  j0, n_chunks, carry_in, (dk_ref, dv_ref) = _segment(
+    bias_ref, refs, bt, n_seg, seg, lambda i, s: (i > s) & (i < n_seg)
+  )
   n_keys, keys, maxima, shifted = _slab(bias_ref, k_ref, v_ref, bt)
-  n_chunks, bd = bias_ref.shape[0] // bt, k_ref.shape[1]
+  bd = k_ref.shape[1]
   eye = _eye(bt)
 
   def clear(i, _):
@@ -260,7 +292,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
     dv_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
     return 0
 
-  jax.lax.fori_loop(0, k_ref.shape[0] // bt, clear, 0)
+  jax.lax.fori_loop(0, dk_ref.shape[0] // bt, clear, 0)
 
   def add(idx, dk, dv):
     dk_ref[idx, :] = dk_ref[idx, :] + dk
@@ -270,8 +302,9 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
     return jnp.where(real, load(lse_ref, idx), -NEG)  # padding: weight exp(-L) = 0
 
   def chunk(i, carry):
-    j = n_chunks - 1 - i
+    j = j0 + n_chunks - 1 - i
     out = rows(j, bt)
+    mine = lambda u: rows(j - j0 + u, bt)  # key block j + u in this program's dk, dv
     real = _real(j, bt, t_len)
     lse, g, a = lse_rows(out, real), load(g_ref, out), load(a_ref, out)
     mw, mk = maxima(j)
@@ -281,7 +314,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
       def block(u, _):
         p, e, vb = shifted(j, u, mw, mk)
         c1, c2 = dot(p, gs, trans_x=True), dot(p, ga, trans_x=True)  # [bt keys, bd]
-        add(rows(j + u, bt), e * (vb * c1 - c2), e * c1)
+        add(mine(u), e * (vb * c1 - c2), e * c1)
         return 0
 
       jax.lax.fori_loop(0, n_keys, block, 0)
@@ -295,7 +328,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
         def block(u, _):
           _, kb, vb = keys(j, u)
           pg = jnp.exp(_bias_column(bias_ref, r, u, bt, eye) + kb - lr) * gr
-          add(rows(j + u, bt), pg * (vb - ar), pg)
+          add(mine(u), pg * (vb - ar), pg)
           return 0
 
         return jax.lax.fori_loop(0, n_keys, block, 0)
@@ -310,7 +343,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
     m, c1, c2 = carry
     kb, vb = load(k_ref, out), load(v_ref, out)
     e = jnp.exp(kb + m)
-    add(out, e * (vb * c1 - c2), e * c1)
+    add(mine(0), e * (vb * c1 - c2), e * c1)
     m2 = jnp.maximum(m, jnp.max(-lse, axis=0, keepdims=True))
     s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
     return (
@@ -319,8 +352,8 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *
       c2 * s + jnp.sum(e * g * a, axis=0, keepdims=True),
     )
 
-  zero = jnp.zeros((1, bd), jnp.float32)
-  jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))
+  carry_in = pallas_split.empty(bd) if carry_in is None else carry_in
+  jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
 def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int, t_len: int):
@@ -382,32 +415,71 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
   jax.lax.fori_loop(0, k_ref.shape[0], batch_row, 0)
 
 
-def _layout(k, window: int, cfg: Config):
-  """(s, t_pad, W, front): the clamped window, T padded to chunks, the slab width and the
-  keys' front padding."""
-  t_len = k.shape[1]
+def _layout(k, window: int, plan: Plan):
+  """(s, t_pad, W, front): the clamped window, T padded to chunks (chunk-parallel: to
+  segments), the slab width and the keys' front padding."""
+  t_len, bt = k.shape[1], plan.cfg.block_t
   s = min(window, t_len)
-  width = _slab_width(s, cfg.block_t)
-  return s, t_len + (-t_len % cfg.block_t), width, width - cfg.block_t
+  width = _slab_width(s, bt)
+  return s, t_len + (-t_len % (plan.seg or bt)), width, width - bt
 
 
-def _call(kernel, cfg: Config, interpret: bool, t_len: int, ins, outs):
-  """pallas_call over (batch, D / block_d). ins: the slab biases [t_pad, W] (whole to every
-  program), then [B, n, D] arrays (one [n, block_d] column each); outs: (n, dtype) per
-  [B, n, D] output."""
-  b, _, d = ins[1].shape
-  grid = (b, d // cfg.block_d)
-  col = lambda n: pl.BlockSpec((None, n, cfg.block_d), lambda i, j: (i, 0, j))
+def front_padding(t_len: int, window: int, block_t: int = CONFIGS[0].block_t) -> int:
+  """W - bt, the keys before its own that a chunk's slab reads: what a segment of the
+  chunk-parallel form must hold at least (``pallas_split.plan_for``'s ``min_seg``)."""
+  return _slab_width(min(window, t_len), block_t) - block_t
+
+
+def plan_for(batch: int, t_len: int, d: int, window: int) -> Plan:
+  """The launch of the forward and dk, dv kernels (``pallas_split.plan_for``)."""
+  return pallas_split.plan_for(batch, t_len, d, min_seg=front_padding(t_len, window))
+
+
+def _call(kernel, plan: Plan, interpret: bool, t_len: int, ins, outs, tots=(), keys_out=False):
+  """pallas_call over (batch, D / block_d[, segments]). ins: the slab biases [t_pad, W] (whole
+  to every program), then [B, n, D] arrays (one [n, block_d] column each); tots: the segment
+  totals (whole columns); outs: the dtypes of [B, t_pad, D] outputs, one [t_pad, block_d]
+  column each (chunk-parallel: the segment's [seg, block_d]), or (``keys_out``) of outputs in
+  the keys' padded layout [B, front + t_pad, D] (chunk-parallel: [B, n_seg, seg + front, D],
+  the segment's keys and the next segment's first ``front``, ``_overlap_add``)."""
+  (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
+  cfg, seg = plan.cfg, plan.seg or t_pad
+  bd, n_seg, front = cfg.block_d, t_pad // seg, width - cfg.block_t
+  col = lambda n: pl.BlockSpec((None, n, bd), lambda i, j, *s: (i, 0, j))
+  if not keys_out:
+    spec = pl.BlockSpec((None, seg, bd), lambda i, j, *s: (i, s[0] if s else 0, j))
+    shape = (b, t_pad, d)
+  elif plan.seg:
+    spec = pl.BlockSpec((None, None, seg + front, bd), lambda i, j, s: (i, s, 0, j))
+    shape = (b, n_seg, seg + front, d)
+  else:
+    spec, shape = col(front + t_pad), (b, front + t_pad, d)
+  kernel = functools.partial(
+    kernel, bt=cfg.block_t, t_len=t_len, n_seg=n_seg if plan.seg else None, seg=seg
+  )
   return pallas_util.call(
-    functools.partial(kernel, bt=cfg.block_t, t_len=t_len),
+    kernel,
     cfg,
     interpret,
-    grid,
-    [pl.BlockSpec(ins[0].shape, lambda i, j: (0, 0))] + [col(x.shape[1]) for x in ins[1:]],
-    [col(n) for n, _ in outs],
-    [jax.ShapeDtypeStruct((b, n, d), dt) for n, dt in outs],
-    ins,
+    pallas_split.grid(b, d, plan, n_seg),
+    [pl.BlockSpec(ins[0].shape, lambda i, j, *s: (0, 0))]
+    + [col(x.shape[1]) for x in (*ins[1:], *tots)],
+    [spec] * len(outs),
+    [jax.ShapeDtypeStruct(shape, dt) for dt in outs],
+    (*ins, *tots),
   )
+
+
+def _overlap_add(x, front: int):
+  """[B, n_seg, seg + front, D] per-segment keys (``_call``'s ``keys_out``) -> the keys'
+  padded layout [B, front + n_seg seg, D]: segment s holds key rows [s seg, (s + 1) seg +
+  front), so its last ``front`` rows add to the first of segment s + 1 (front <= seg)."""
+  b, n_seg, n, d = x.shape
+  seg = n - front
+  main = x[:, :, :seg].reshape(b, n_seg * seg, d)
+  halo = jnp.pad(x[:, :, seg:], ((0, 0), (0, 0), (0, seg - front), (0, 0)))
+  halo = jnp.pad(halo.reshape(b, n_seg * seg, d), ((0, 0), (seg, 0), (0, 0)))
+  return jnp.pad(main, ((0, 0), (0, front), (0, 0))) + halo[:, : n_seg * seg + front]
 
 
 def dw_config(d: int) -> Config:
@@ -437,48 +509,78 @@ def _dw_partials(ins, cfg: Config, interpret: bool, t_len: int):
   )[0]
 
 
-def _padded(k, v, window: int, cfg: Config):
+def _padded(k, v, window: int, plan: Plan):
   """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
-  before key 0) and ragged T up to chunks; keys ``pallas_util.pad_key`` (weight 0), values 0."""
-  _, t_pad, _, front = _layout(k, window, cfg)
+  before key 0) and ragged T up to chunks (segments); keys ``pallas_util.pad_key`` (weight 0),
+  values 0."""
+  _, t_pad, _, front = _layout(k, window, plan)
   t_len = k.shape[1]
   pad = lambda x, fill: pallas_util.pad_time(x, front, t_pad - t_len, fill)
   return pad(k, pallas_util.pad_key(k.dtype)), pad(v, 0.0)
 
 
-def _forward(k, v, w, window: int, cfg: Config, interpret: bool, with_lse: bool):
+def _totals(ins, kind: str, plan: Plan, interpret: bool, t_pad: int, **rows):
+  """The segment totals of the chunk-parallel form (none for the sequential one)."""
+  if not plan.seg:
+    return ()
+  return pallas_split.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows)
+
+
+def _forward(k, v, w, window: int, plan: Plan, interpret: bool, with_lse: bool):
   """a [and L] [B, t_pad, D] float32 from the kernel."""
-  s, t_pad, _, _ = _layout(k, window, cfg)
-  ins = (_slab_bias(w, s, t_pad, cfg.block_t), *_padded(k, v, window, cfg))
-  outs = [(t_pad, jnp.float32)] * (2 if with_lse else 1)
-  return _call(_fwd_kernel, cfg, interpret, k.shape[1], ins, outs)
+  s, t_pad, _, front = _layout(k, window, plan)
+  ins = (_slab_bias(w, s, t_pad, plan.cfg.block_t), *_padded(k, v, window, plan))
+  # Key segment s: the key rows [s seg, (s + 1) seg), the front padding left out.
+  tots = _totals(ins[1:], "keys", plan, interpret, t_pad, skip=front)
+  outs = [jnp.float32] * (2 if with_lse else 1)
+  return _call(_fwd_kernel, plan, interpret, k.shape[1], ins, outs, tots)
+
+
+def _check_plan(k, window: int, plan: Plan):
+  front = _layout(k, window, plan)[3]
+  if plan.seg and (plan.seg % plan.cfg.block_t or plan.seg < front):
+    raise ValueError(
+      f"Pallas kernel: segments of {plan.seg} positions must be whole chunks of "
+      f"{plan.cfg.block_t} and hold the window's {front} earlier keys (window {window})"
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool):
+def _local_mean(k, v, w, window: int, plan: Plan, interpret: bool):
+  return _forward(k, v, w, window, plan, interpret, False)[0][:, : k.shape[1]]
+
+
+def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool, seg=None):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
-  w ``[T, T]`` and window s >= 1, causal."""
-  return _forward(k_BTD, v_BTD, w_TT, window, cfg, interpret, False)[0][:, : k_BTD.shape[1]]
+  w ``[T, T]`` and window s >= 1, causal. ``seg``: the chunk-parallel form's positions per
+  program (whole chunks, at least the window's earlier keys; None: the sequential form;
+  ``plan_for`` chooses)."""
+  plan = Plan(cfg, seg)
+  _check_plan(k_BTD, window, plan)
+  return _local_mean(k_BTD, v_BTD, w_TT, window, plan, interpret)
 
 
-def _local_mean_fwd(k, v, w, window, cfg, interpret):
-  a, lse = _forward(k, v, w, window, cfg, interpret, True)  # padded: kept as residuals
+def _local_mean_fwd(k, v, w, window, plan, interpret):
+  a, lse = _forward(k, v, w, window, plan, interpret, True)  # padded: kept as residuals
   return a[:, : k.shape[1]], (k, v, w, a, lse)
 
 
-def _local_mean_bwd(window, cfg, interpret, res, g):
+def _local_mean_bwd(window, plan, interpret, res, g):
   k, v, w, a, lse = res
   t_len = k.shape[1]
-  s, t_pad, _, front = _layout(k, window, cfg)
-  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, cfg.block_t), w)
+  s, t_pad, _, front = _layout(k, window, plan)
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, plan.cfg.block_t), w)
   g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
-  ins = (bias, *_padded(k, v, window, cfg), a, lse, g)
-  outs = [(front + t_pad, jnp.float32)] * 2  # dk, dv in the keys' padded layout
-  dk, dv = _call(_bwd_kernel, cfg, interpret, t_len, ins, outs)
+  ins = (bias, *_padded(k, v, window, plan), a, lse, g)
+  tots = _totals((lse, g, a), "cotangent", plan, interpret, t_pad, limit=t_len)
+  outs = [jnp.float32] * 2  # dk, dv in the keys' padded layout
+  dk, dv = _call(_bwd_kernel, plan, interpret, t_len, ins, outs, tots, keys_out=True)
+  if plan.seg:
+    dk, dv = _overlap_add(dk, front), _overlap_add(dv, front)
   dbias = _dw_partials(ins, dw_config(k.shape[2]), interpret, t_len)
   (dw,) = bias_vjp(jnp.sum(dbias, axis=0))
   keys = slice(front, front + t_len)
   return dk[:, keys].astype(k.dtype), dv[:, keys].astype(v.dtype), dw.astype(w.dtype)
 
 
-local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)
+_local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)

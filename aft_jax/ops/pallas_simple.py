@@ -13,6 +13,11 @@ and a and L are written once: the op runs at memory speed. A chunk whose denomin
 below ``DEN_OK`` (k rising by ~57 nats inside it) is redone row by row with a running max, so
 the result is exact for logits of any size.
 
+Chunk-parallel form (``seg``, ``pallas_split``): the same kernel per (batch row, channel
+block, segment of ``seg`` positions), its carry-in the fold of the segment totals before it
+(written by ``pallas_split.totals``); the backward's likewise the fold of the later segments'
+sum exp(-L) g [g a] (the C1, C2 below at the next segment's first row, in the scale of its L).
+
 Backward (a custom VJP whose residuals are a and L). With g the cotangent of a,
 
     dv[t'] = exp(k[t'] - L[t']) C1[t'],   dk[t'] = exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t'])
@@ -32,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops import pallas_util
+from aft_jax.ops import pallas_split, pallas_util
+from aft_jax.ops.pallas_split import Plan
 from aft_jax.ops.pallas_util import CONFIGS, Config, config_for  # noqa: F401 (the kernel's API)
 from aft_jax.ops.pallas_util import all_true as _all
 from aft_jax.ops.pallas_util import dot as _dot
@@ -53,10 +59,18 @@ def _tri(n: int, lower: bool):
   return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
 
 
-def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
-  """One (batch row, channel block): a [and L] for k, v refs [T, bd] (T a multiple of bt)."""
+def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
+  """One (batch row, channel block[, segment]): a [and L] for k, v refs [T, bd] (T a multiple
+  of bt), or [seg, bd] (the chunk-parallel form, ``n_seg`` segments: then the first three
+  refs are the segment totals, ``pallas_split.totals``, folded into the carry-in)."""
   n_chunks = k_ref.shape[0] // bt
   tril = _tri(bt, lower=True)
+  carry_in = pallas_split.empty(k_ref.shape[1])
+  if n_seg is not None:  # the segments before this one
+    s = pl.program_id(2)
+    carry_in = pallas_split.fold(*refs[:3], lambda i: i < s)
+    refs = refs[3:]
+  a_ref, *lse_ref = refs
 
   def store(idx, a, lse):
     a_ref[idx, :] = a
@@ -105,14 +119,25 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *lse_ref, bt: int):
 
     return jax.lax.cond(_all(~redo), fast, exact)
 
-  zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
-  jax.lax.fori_loop(0, n_chunks, chunk, (zero + NEG, zero, zero))
+  jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
-def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *, bt: int):
-  """One (batch row, channel block): dk, dv from k, v, a, L and the cotangent g [T, bd]."""
+def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int | None):
+  """One (batch row, channel block[, segment]): dk, dv from k, v, a, L and the cotangent g
+  [T, bd] (or [seg, bd], the totals of the segments after this one folded into the carry, as
+  in the forward)."""
   n_chunks = k_ref.shape[0] // bt
   triu = _tri(bt, lower=False)
+  zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
+  carry_in = (zero, zero, zero - NEG)  # nothing after
+  if n_seg is not None:
+    # The later queries' sum exp(-L - m) g [g a] with m = max(-L), i.e. C1, C2 in the scale
+    # of L = -m (that of their first row).
+    s = pl.program_id(2)
+    m, c1, c2 = pallas_split.fold(*refs[:3], lambda i: (i > s) & (i < n_seg))
+    carry_in = (c1, c2, -m)
+    refs = refs[3:]
+  dk_ref, dv_ref = refs
 
   def store(idx, p, v, c1, c2):
     dv_ref[idx, :] = (p * c1).astype(dv_ref.dtype)
@@ -155,42 +180,66 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, *, bt: int)
     rise = jnp.max(lse, axis=0, keepdims=True) - l0
     return jax.lax.cond(_all(rise <= _MAX_RISE), fast, exact)
 
-  zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
-  jax.lax.fori_loop(0, n_chunks, chunk, (zero, zero, zero - NEG))
+  jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
-def _call(kernel, cfg: Config, interpret: bool, ins, outs):
-  """pallas_call over the grid (batch, D / block_d); every ref is one [T, block_d] column."""
+def _call(kernel, plan: Plan, interpret: bool, ins, outs, tots=()):
+  """pallas_call over the grid (batch, D / block_d[, segments]); every ref of ``ins`` and
+  ``outs`` is one [T, block_d] column or, chunk-parallel, one [seg, block_d] piece of it;
+  ``tots``, the segment totals, whole columns [n_pad, block_d]."""
   b, t_len, d = ins[0].shape
-  spec = pl.BlockSpec((None, t_len, cfg.block_d), lambda i, j: (i, 0, j))
+  bd = plan.cfg.block_d
+  seg = plan.seg or t_len
+  n_seg = t_len // seg
+  spec = pl.BlockSpec((None, seg, bd), lambda i, j, *s: (i, s[0] if s else 0, j))
+  tot = pl.BlockSpec((None, pallas_split.n_pad(n_seg), bd), lambda i, j, *s: (i, 0, j))
   return pallas_util.call(
-    functools.partial(kernel, bt=cfg.block_t),
-    cfg,
+    functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None),
+    plan.cfg,
     interpret,
-    (b, d // cfg.block_d),
-    [spec] * len(ins),
+    pallas_split.grid(b, d, plan, n_seg),
+    [spec] * len(ins) + [tot] * len(tots),
     [spec] * len(outs),
     [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
-    ins,
+    (*ins, *tots),
   )
 
 
-def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
+def _padded(k, v, plan: Plan):
+  """k, v with T padded to whole chunks (sequential) or segments (chunk-parallel)."""
+  return pallas_util.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
+
+
+def _totals(ins, kind: str, plan: Plan, interpret: bool, limit=None):
+  """The segment totals of the chunk-parallel form (none for the sequential one)."""
+  if not plan.seg:
+    return ()
+  n_seg = ins[0].shape[1] // plan.seg
+  return pallas_split.totals(ins, kind, plan, n_seg, interpret, limit=limit)
+
+
+def _forward(k, v, plan: Plan, interpret: bool, with_lse: bool):
   """a [and L] over the padded length."""
   outs = [jnp.float32] * (2 if with_lse else 1)
-  return _call(_fwd_kernel, cfg, interpret, pallas_util.padded_to_chunks(k, v, cfg.block_t), outs)
+  ins = _padded(k, v, plan)
+  return _call(_fwd_kernel, plan, interpret, ins, outs, _totals(ins, "keys", plan, interpret))
 
 
-def _backward(k, v, a, lse, g, cfg: Config, interpret: bool):
+def _backward(k, v, a, lse, g, plan: Plan, interpret: bool):
   """dk, dv over the padded length."""
-  ins = (*pallas_util.padded_to_chunks(k, v, cfg.block_t), a, lse, g)
-  return _call(_bwd_kernel, cfg, interpret, ins, [k.dtype, v.dtype])
+  ins = (*_padded(k, v, plan), a, lse, g)
+  tots = _totals((lse, g, a), "cotangent", plan, interpret, limit=k.shape[1])
+  return _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], tots)
 
 
 _mean = pallas_util.mean_with_vjp(_forward, _backward)
 
 
-def causal_mean(k_BTD, v_BTD, cfg: Config, interpret: bool):
+def causal_mean(k_BTD, v_BTD, cfg: Config, interpret: bool, seg: int | None = None):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
-  differentiable in k and v (the custom VJP of ``pallas_util.mean_with_vjp``)."""
-  return _mean(k_BTD, v_BTD, cfg, interpret)
+  differentiable in k and v (the custom VJP of ``pallas_util.mean_with_vjp``). ``seg``: the
+  chunk-parallel form's positions per program (a multiple of ``cfg.block_t``; None: the
+  sequential form; ``pallas_split.plan_for`` chooses)."""
+  if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
+    raise ValueError(f"Pallas kernel: seg = {seg} must be whole chunks of {cfg.block_t} positions")
+  return _mean(k_BTD, v_BTD, Plan(cfg, seg), interpret)

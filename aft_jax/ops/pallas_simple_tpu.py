@@ -34,6 +34,12 @@ the chunk's first L; a chunk over which L rises by more than ``MAX_RISE`` nats (
 exp(L - L_first) could overflow and g exp(L_first - L) underflow) is done by the log-step
 suffix scan, whose factors exp(L[t'] - L[t' + 2^i]) are all <= 1.
 
+No chunk-parallel form (the GPU kernels' split of T, ``pallas_split``): a TensorCore runs the
+grid's steps one after another whatever their dimension semantics, so cutting T into segments
+adds no parallelism on a TPU; only a megacore chip (v4, v5p) spreads the "parallel" axes over
+its two cores, and ``config_for`` already asks for two programs, which B >= 2 or D >= 256 give.
+The split would cost a second read of k and v for the segment totals and buy nothing here.
+
 Status: the kernel lowers for TPUs (``jax.export`` for ``platforms=["tpu"]`` in the tests)
 and runs in interpret mode against a float64 reference, but it has never been run or timed on
 a TPU, so ``impl="auto"`` keeps the XLA path there and ``impl="pallas"`` opts in.

@@ -4,8 +4,9 @@ AFT-simple kernels (GPU ``pallas_simple``, TPU ``pallas_simple_tpu``) also share
 the widest channel block (``widest_config``), the padding of T to whole chunks and the custom
 VJP around their forward and backward halves (``mean_with_vjp``).
 
-Every kernel runs one program per (batch row, block of ``block_d`` channels) and walks the
-sequence in chunks of ``block_t`` positions, so one configuration type serves them all.
+Every kernel walks its positions in chunks of ``block_t``, one program per (batch row, block
+of ``block_d`` channels[, segment of T]: the chunk-parallel form, ``pallas_split``, which also
+chooses between the forms), so one configuration type serves them all.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
-  """The configuration for ``batch`` rows of D = d channels (``widest_config``): each program
-  walks T sequentially, so a GPU needs many of them, a few per streaming multiprocessor."""
+  """The sequential form's configuration for ``batch`` rows of D = d channels
+  (``widest_config``): each program walks T sequentially, so a GPU needs many of them, a few
+  per streaming multiprocessor (where B * D is too small for that, ``pallas_split.plan_for``
+  splits T instead)."""
   why = f"Pallas kernel: {unsupported_channels(d)}"
   return widest_config(CONFIGS, d, batch, min_programs, why)
 
