@@ -9,6 +9,7 @@ Packages and modules, lowest first (each imports only those above it):
              softmax MultiHeadAttention baseline, with incremental decoding
   model      the decoder-only language model (ModelConfig, TransformerLM); adaptive: adaptive
              input and softmax; decode: sampling
+  nnx_bridge the layers and the model from Flax NNX (flax.nnx.bridge.ToNNX): init, apply, decode
   data, sharding, workdir, deviceless   corpora, device meshes, a run's files, compiling for
              devices that are not here (imported on demand)
   trainer    train_and_evaluate, checkpoints, the command line (aft-train)

@@ -4,6 +4,8 @@
                                         restore succeeded; each checkpoint also holds its own)
     <workdir>/corpus.json               the corpus: name, unit, tokenizer, bos_id, vocabulary size
     <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
+    <workdir>/subword.model             subword runs: the SentencePiece model (its SHA-256 is
+                                        in corpus.json, so a damaged copy is refused)
     <workdir>/metrics.jsonl             one JSON record per logged step, validation and result
     <workdir>/results.json              the final numbers (``aft_jax.trainer.train_lib``)
     <workdir>/final_eval.json           the final evaluation's splits as each is done (a rerun
@@ -13,9 +15,9 @@
     <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position and config
     <workdir>/damaged_checkpoints/<s>/  checkpoints that could not be restored, moved aside
 
-With ``corpus.json`` (and ``vocab.txt``) a workdir is self-contained: sampling, evaluating a
-text file and exporting need neither the dataset nor a data folder, so a copied workdir works on
-another machine. Only evaluating a split of the corpus reads the data again.
+With ``corpus.json`` (and ``vocab.txt`` or ``subword.model``) a workdir is self-contained:
+sampling, evaluating a text file and exporting need neither the dataset nor a data folder, so a
+copied workdir works on another machine. Only evaluating a split of the corpus reads the data again.
 
 This module is the bottom layer of the trainer and the tools: it imports only the package's
 file helpers and vocabularies. What is in a checkpoint is ``aft_jax.trainer.checkpointing``'s;
@@ -24,12 +26,15 @@ loading a trained run back is ``aft_jax.tools.trained``.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import math
 import os
 
 from aft_jax import files
+from aft_jax.data import subword
 from aft_jax.data import vocab as vocab_lib
 
 
@@ -62,6 +67,7 @@ class Workdir:
   config_file = property(lambda self: self._file("config.json"))
   corpus_file = property(lambda self: self._file("corpus.json"))
   vocab_file = property(lambda self: self._file(vocab_lib.VOCAB_FILENAME))
+  subword_file = property(lambda self: self._file(subword.MODEL_FILENAME))
   metrics_file = property(lambda self: self._file("metrics.jsonl"))
   results_file = property(lambda self: self._file("results.json"))
   final_eval_file = property(lambda self: self._file("final_eval.json"))
@@ -106,21 +112,36 @@ class Workdir:
   # ------------------------------------------------------------------ corpus and vocabulary
 
   def save_corpus(self, corpus) -> None:
-    """``corpus.json`` (``corpus_info``) and, for a word vocabulary, ``vocab.txt``."""
+    """``corpus.json`` (``corpus_info``) and the vocabulary's file: ``vocab.txt`` for words,
+    ``subword.model`` for subwords (bytes need none)."""
     os.makedirs(self.path, exist_ok=True)
     if isinstance(corpus.vocab, vocab_lib.WordVocab):
       corpus.vocab.save(self.vocab_file)
+    if isinstance(corpus.vocab, subword.SubwordVocab):
+      corpus.vocab.save(self.subword_file)
     files.atomic_write_json(self.corpus_file, corpus_info(corpus))
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
-    """(corpus.json's dict, vocabulary); None for a run saved without them."""
+    """(corpus.json's dict, vocabulary); None for a run saved without them. A vocabulary file
+    that is missing or damaged is a one-line ValueError naming it."""
     info = _read_json(self.corpus_file)
     if info is None:
       return None
-    tokens = None
-    if info["tokenizer"] == "word":
-      tokens = vocab_lib.WordVocab.load(self.vocab_file).tokens
-    return info, vocab_from_info(info, tokens)
+    file = {"word": self.vocab_file, "subword": self.subword_file}.get(info["tokenizer"])
+    if file is not None and not os.path.isfile(file):
+      raise ValueError(
+        f"--workdir {self.path}: the run's {info['tokenizer']} vocabulary {file} is missing "
+        "(copy it with the workdir)"
+      )
+    try:
+      if info["tokenizer"] == "word":
+        return info, vocab_from_info(info, vocab_lib.WordVocab.load(file).tokens)
+      if info["tokenizer"] == "subword":
+        vocab = subword.SubwordVocab.load(file, info.get("vocab_sha256"))
+        return info, _checked_size(vocab, info)
+      return info, vocab_from_info(info)
+    except ValueError as e:
+      raise ValueError(f"--workdir {self.path}: {e}") from None
 
   # ------------------------------------------------------------------ metrics
 
@@ -171,23 +192,46 @@ def _read_json(path: str) -> dict | None:
 
 def corpus_info(corpus) -> dict:
   """What corpus.json says of a corpus (``aft_jax.data.Corpus``)."""
-  return {
+  info = {
     "name": corpus.name,
     "unit": corpus.unit,
     "tokenizer": corpus.vocab.unit,
     "bos_id": int(corpus.bos_id),
     "vocab_size": int(corpus.vocab.size),
   }
+  if isinstance(corpus.vocab, subword.SubwordVocab):
+    info["vocab_sha256"] = corpus.vocab.sha256
+  return info
 
 
-def vocab_from_info(info: dict, tokens: list[str] | None = None) -> vocab_lib.Vocab:
-  """The vocabulary ``corpus.json``'s dict describes (``tokens``: a word vocabulary's list)."""
+def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
+  """What an export keeps of a vocabulary beside ``corpus_info``: a word vocabulary's tokens,
+  a subword model's bytes (base64), nothing for bytes; ``vocab_from_info`` reads it back."""
+  if isinstance(vocab, vocab_lib.WordVocab):
+    return vocab.tokens
+  if isinstance(vocab, subword.SubwordVocab):
+    return base64.b64encode(vocab.model).decode("ascii")
+  return None
+
+
+def vocab_from_info(info: dict, payload: list[str] | str | None = None) -> vocab_lib.Vocab:
+  """The vocabulary ``corpus.json``'s dict describes (``payload``: ``vocab_payload``'s)."""
   if info["tokenizer"] == "byte":
     vocab = vocab_lib.ByteVocab()
+  elif payload is None:
+    raise ValueError(f"a {info['tokenizer']} vocabulary needs its contents ({info['name']})")
+  elif info["tokenizer"] == "subword":
+    model = base64.b64decode(payload, validate=True)
+    sha256 = info.get("vocab_sha256")
+    if sha256 is not None and hashlib.sha256(model).hexdigest() != sha256:
+      raise ValueError("the subword vocabulary does not match its recorded SHA-256")
+    vocab = subword.SubwordVocab(model)
   else:
-    if tokens is None:
-      raise ValueError(f"a word vocabulary needs its tokens ({info['name']})")
-    vocab = vocab_lib.WordVocab(tokens)
+    vocab = vocab_lib.WordVocab(payload)
+  return _checked_size(vocab, info)
+
+
+def _checked_size(vocab: vocab_lib.Vocab, info: dict) -> vocab_lib.Vocab:
   if vocab.size != info["vocab_size"]:
     raise ValueError(
       f"vocabulary has {vocab.size} entries, corpus.json says {info['vocab_size']}: damaged?"

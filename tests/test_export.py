@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 
@@ -124,3 +125,51 @@ def test_export_to_a_full_disk_is_a_one_line_error(run_dir, tmp_path, monkeypatc
   with pytest.raises(SystemExit, match=r"--out .*m.msgpack: cannot write it: No space left"):
     export.main(["--workdir", run_dir, "--out", str(out)])
   assert os.listdir(tmp_path) == []
+
+
+def test_safetensors_export_loads_and_an_edited_one_is_refused_in_one_line(run_dir, tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  path = str(tmp_path / "model.safetensors")
+  with contextlib.redirect_stdout(io.StringIO()):
+    export.main(["--workdir", run_dir, "--out", path])  # the format from the name
+  run = trained.load_run(run_dir)
+  tokens_BT = np.asarray([run.vocab.encode("def f():")], np.int32)
+  model, params, _ = aft_jax.load_pretrained(path)
+  np.testing.assert_array_equal(
+    np.asarray(model.apply({"params": params}, tokens_BT)),
+    np.asarray(run.model.apply({"params": run.params}, tokens_BT)),
+  )
+  with open(path, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    metadata = json.loads(f.read(n))["__metadata__"]
+  tensors = load_file(path)
+
+  def rewrite(name, edit):
+    """The export with ``edit(tensors)`` applied and a checksum that matches again, so only the
+    name and shape checks can refuse it."""
+    edited = dict(tensors)
+    edit(edited)
+    meta = metadata[export.SAFETENSORS_META]
+    digest = hashlib.sha256(export._payload(meta, export._nested(edited))).hexdigest()
+    out = str(tmp_path / name)
+    save_file(edited, out, metadata={**metadata, "sha256": digest})
+    return out
+
+  some = sorted(tensors)[0]
+  cases = [
+    (lambda t: t.update({some + "_renamed": t.pop(some)}), "lacks the parameter"),
+    (lambda t: t.update({some: np.zeros((3, 3), np.float32)}), "the model config makes it"),
+  ]
+  for i, (edit, message) in enumerate(cases):
+    with pytest.raises(ValueError, match=message) as e:
+      aft_jax.load_pretrained(rewrite(f"edited{i}.safetensors", edit))
+    assert "\n" not in str(e.value)
+  damaged = bytearray(open(path, "rb").read())
+  damaged[-8:] = bytes(b ^ 0xFF for b in damaged[-8:])  # the last parameter's last bytes
+  (tmp_path / "damaged.safetensors").write_bytes(bytes(damaged))
+  with pytest.raises(ValueError, match="is damaged: its contents do not match their SHA-256"):
+    aft_jax.load_pretrained(str(tmp_path / "damaged.safetensors"))
+  save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
+  with pytest.raises(ValueError, match="is a safetensors file but not an aft_jax export"):
+    aft_jax.load_pretrained(str(tmp_path / "other.safetensors"))

@@ -77,3 +77,16 @@ def test_results_are_strict_json_with_non_finite_numbers_named(tmp_path):
     "steps": 3,
     "not_finite": {"valid_loss": "nan", "valid_ppl": "inf"},
   }
+
+
+def test_a_missing_or_damaged_vocabulary_file_is_one_line_naming_it(tmp_path):
+  wd = Workdir(str(tmp_path / "run"))
+  wd.save_corpus(pydoc_corpus("word"))
+  with open(wd.vocab_file, "rb+") as f:
+    f.truncate(os.path.getsize(wd.vocab_file) - 1)  # cut inside the last token
+  with pytest.raises(ValueError, match=r"--workdir .*vocab\.txt is truncated"):
+    wd.load_vocab()
+  os.remove(wd.vocab_file)
+  with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is missing") as e:
+    wd.load_vocab()
+  assert "\n" not in str(e.value)

@@ -1,5 +1,6 @@
-"""Data: WikiText-103 and enwik8 (TFDS builders, prepare CLI), tokenisers, the pydoc corpus,
-input pipelines.
+"""Data: WikiText-103 and enwik8 (TFDS builders, prepare CLI), your own text files (``text``),
+tokenisers (bytes, words, SentencePiece subwords: ``subword``), the pydoc corpus, input
+pipelines.
 
 Importing this package does not import TFDS (slow to import): the builders
 (`aft_jax.data.wikitext103`, `aft_jax.data.enwik8`) import it when data is actually prepared, and

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import os
 from collections.abc import Mapping
 
 from aft_jax.typed_config import TypedConfig
 
-DATASETS = ("pydoc", "wikitext103", "enwik8")
-TOKENIZERS = ("byte", "word")
+DATASETS = ("pydoc", "wikitext103", "enwik8", "text")
+TOKENIZERS = ("byte", "word", "subword")
 OFFICIAL = ("auto", "yes", "no")
 VARIANTS = ("v1", "raw_v1")
 DATA_DIR_ENV = "AFT_JAX_DATA"  # the default data_dir, where set
+# A subword vocabulary holds the 256 bytes (so that any text is encodable), <unk>, <eos> and
+# the pieces learned; SentencePiece keeps ids in int32.
+MIN_SUBWORD, MAX_SUBWORD = 300, 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +25,20 @@ class DataConfig(TypedConfig):
 
   WHERE = "data"
 
-  dataset: str = "pydoc"  # 'pydoc' (ships with Python), 'wikitext103' or 'enwik8'
-  tokenizer: str = "byte"  # 'byte' or 'word'
+  # 'pydoc' (ships with Python), 'wikitext103', 'enwik8' or 'text' (your files: train_files...)
+  dataset: str = "pydoc"
+  # 'byte', 'word' or 'subword' (a SentencePiece vocabulary of vocab_size pieces learned on the
+  # train split; wikitext103 and text)
+  tokenizer: str = "byte"
+  vocab_size: int = 0  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...)
+  # text: comma-separated globs of UTF-8 files, each file one document; without valid_files /
+  # test_files, valid_fraction and test_fraction of train_files' documents are held out
+  train_files: str = ""
+  valid_files: str = ""
+  test_files: str = ""
+  valid_fraction: float = 0.1  # text: share of documents held out for validation (by document)
+  test_fraction: float = 0.1  # text: share of documents held out for the test split
+  encoding: str = "utf-8"  # text: the files' encoding (any name Python's codecs know)
   variant: str = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
   # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
   data_dir: str = ""
@@ -53,12 +69,60 @@ class DataConfig(TypedConfig):
     if self.official not in OFFICIAL:
       errors.append(f"{self.key('official')} = {self.official!r} is not 'auto', 'yes' or 'no'")
     if self.tokenizer not in TOKENIZERS:
-      errors.append(f"{self.key('tokenizer')} = {self.tokenizer!r} is not 'byte' or 'word'")
+      errors.append(
+        f"{self.key('tokenizer')} = {self.tokenizer!r} is not 'byte', 'word' or 'subword'"
+      )
     elif self.dataset == "enwik8" and self.tokenizer != "byte":
       errors.append(f"{self.key('tokenizer')} = {self.tokenizer!r}: enwik8 is bytes ('byte')")
+    elif self.dataset == "pydoc" and self.tokenizer == "subword":
+      errors.append(
+        f"{self.key('tokenizer')} = 'subword': pydoc is bytes or words (train a subword "
+        "vocabulary on files with dataset = 'text')"
+      )
+    elif self.tokenizer == "subword" and not MIN_SUBWORD <= self.vocab_size <= MAX_SUBWORD:
+      errors.append(
+        f"{self.key('vocab_size')} = {self.vocab_size} must be in [{MIN_SUBWORD}, "
+        f"{MAX_SUBWORD:,}] for tokenizer = 'subword' (256 of the pieces are bytes)"
+      )
+    errors += self._text_problems()
     if self.variant not in VARIANTS:
       errors.append(f"{self.key('variant')} = {self.variant!r} is not 'v1' or 'raw_v1'")
     return errors
+
+  def _text_problems(self) -> list[str]:
+    errors = []
+    if self.dataset != "text":
+      return errors
+    if not self.train_files.strip():
+      errors.append(f"{self.key('train_files')} is empty: dataset = 'text' needs files to train on")
+    held_out = 0.0
+    for split in ("valid", "test"):
+      fraction = getattr(self, f"{split}_fraction")
+      if not getattr(self, f"{split}_files").strip():
+        if not 0.0 < fraction < 1.0:
+          errors.append(
+            f"{self.key(split + '_fraction')} = {fraction} must be in (0, 1) when "
+            f"{self.key(split + '_files')} is empty (its documents come from train_files)"
+          )
+        held_out += fraction
+    if held_out >= 1.0:
+      errors.append(
+        f"{self.key('valid_fraction')} + {self.key('test_fraction')} = {held_out} leaves no "
+        "documents to train on"
+      )
+    try:
+      codecs.lookup(self.encoding)
+    except LookupError:
+      errors.append(f"{self.key('encoding')} = {self.encoding!r} is not an encoding Python knows")
+    return errors
+
+
+def absolute_globs(spec: str) -> str:
+  """A comma-separated list of globs with each one absolute (``~`` expanded), so that a config
+  names the same files from any directory."""
+  return ",".join(
+    os.path.abspath(os.path.expanduser(p.strip())) for p in spec.split(",") if p.strip()
+  )
 
 
 def default_data_dir() -> str:

@@ -10,7 +10,9 @@ Datasets:
   held-out words unseen in train become `<unk>` (so its word perplexity is not
   comparable with open-vocabulary numbers). The text depends on the Python
   version, so compare pydoc numbers only within one Python version.
-* 'wikitext103', 'enwik8': prepared by `aft_jax.data.prepare` into
+* 'text': your own files (``aft_jax.data.text``), one document each, prepared once into the
+  same token store.
+* 'wikitext103', 'enwik8', 'text': prepared by `aft_jax.data.prepare` into
   `cfg.data_dir` (default: `default_data_dir()`) on first use and again
   whenever their source files change, then memory-mapped. In a run of several
   processes only process 0 prepares; the others wait for it at a barrier.
@@ -45,12 +47,15 @@ class Corpus:
 
   Attributes:
     name: e.g. 'pydoc-byte', 'wikitext103-v1-word'.
-    unit: 'word' (report perplexity) or 'byte' (report bits per byte).
+    unit: 'word', 'subword' (report perplexity, and bits per byte where `num_bytes` is known)
+      or 'byte' (report bits per byte).
     vocab: `.size`, `.encode(text) -> uint32[n]`, `.decode(ids) -> str`, `.eos_id`.
     splits: 'train', 'validation' and (here always) 'test' -> uint32[n] ids.
     bos_id: id fed as the context of a split's first token so that every
-      token is predicted: `<eos>` for words (a split starts at a line start),
-      ord('\\n') for bytes.
+      token is predicted: `<eos>` for words (a split starts at a line start) and subwords (a
+      document boundary), ord('\\n') for bytes.
+    num_bytes: split -> the UTF-8 bytes its tokens stand for (bits per byte = total NLL /
+      ln 2 / bytes), where known (text corpora and subword WikiText-103).
   """
 
   name: str
@@ -58,6 +63,7 @@ class Corpus:
   vocab: vocab_lib.Vocab
   splits: Mapping[str, np.ndarray]
   bos_id: int
+  num_bytes: Mapping[str, int] | None = None
 
 
 def load_corpus(
@@ -85,9 +91,15 @@ def load_corpus(
   cfg = DataConfig.of(cfg).validate()
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer)
+  data_dir = resolve_data_dir(cfg.data_dir)
+  if cfg.dataset == "text":
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
+    out = store.prepared_dir(data_dir, text.corpus_name(cfg, text.split_files(cfg)))
+    _on_process_zero(lambda: text.prepare_text(data_dir, cfg), process_index, barrier)
+    return load_prepared(out)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  data_dir = resolve_data_dir(cfg.data_dir)
   kwargs = {
     "manual_dir": cfg.manual_dir or None,
     "official": prepare.OFFICIAL_CHOICES[cfg.official],
@@ -97,9 +109,9 @@ def load_corpus(
     prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731
   else:
     variant = prepare.resolve_variant(cfg.tokenizer, cfg.variant)
-    name = prepare.corpus_name(variant, cfg.tokenizer)
+    name = prepare.corpus_name(variant, cfg.tokenizer, cfg.vocab_size)
     prepare_now = lambda: prepare.prepare_wikitext103(  # noqa: E731
-      data_dir, variant=variant, tokenizer=cfg.tokenizer, **kwargs
+      data_dir, variant=variant, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, **kwargs
     )
   _on_process_zero(prepare_now, process_index, barrier)
   return load_prepared(store.prepared_dir(data_dir, name))
@@ -114,10 +126,18 @@ def vocab_size(cfg) -> tuple[int, str]:
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"
+  if tokenizer == "subword":  # a subword vocabulary has exactly the size asked for
+    return cfg.vocab_size, "config.data.vocab_size"
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
   if dataset == "enwik8":
     name = prepare.ENWIK8_NAME
+  elif dataset == "text":
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
+    if tokenizer == "word":  # only the files know: prepare them (local, no download)
+      return load_corpus(cfg).vocab.size, "the text files"
+    name = text.corpus_name(cfg, text.split_files(cfg))
   else:
     name = prepare.corpus_name(prepare.resolve_variant(tokenizer, cfg.variant), tokenizer)
   path = store.prepared_dir(resolve_data_dir(cfg.data_dir), name)
@@ -156,6 +176,14 @@ def load_prepared(path: str) -> Corpus:
   summary = store.read_summary(path)
   if summary["tokenizer"] == "word":
     vocab = vocab_lib.WordVocab.load(os.path.join(path, vocab_lib.VOCAB_FILENAME))
+  elif summary["tokenizer"] == "subword":
+    from aft_jax.data import subword  # pylint: disable=g-import-not-at-top
+
+    model = os.path.join(path, subword.MODEL_FILENAME)
+    try:
+      vocab = subword.SubwordVocab.load(model, summary.get("subword_sha256"))
+    except ValueError as e:
+      raise ValueError(f"{e}; delete {path} and prepare again") from None
   else:
     vocab = vocab_lib.ByteVocab()
   if vocab.size != summary["vocab_size"]:
@@ -164,7 +192,12 @@ def load_prepared(path: str) -> Corpus:
     )
   splits = {s: store.load_tokens(path, s, n) for s, n in summary["tokens"].items()}
   return Corpus(
-    name=summary["name"], unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id
+    name=summary["name"],
+    unit=vocab.unit,
+    vocab=vocab,
+    splits=splits,
+    bos_id=vocab.eos_id,
+    num_bytes=summary.get("bytes"),
   )
 
 

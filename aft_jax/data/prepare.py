@@ -1,9 +1,12 @@
 """Prepare a corpus: download or read, build TFDS, tokenise, cache token ids.
 
     python -m aft_jax.data.prepare --dataset wikitext103 [--data_dir DIR] \\
-        [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte] [--nodownload]
+        [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte|subword] \\
+        [--vocab_size N] [--nodownload]
     python -m aft_jax.data.prepare --dataset enwik8 [--data_dir DIR] [--manual_dir DIR] \\
         [--nodownload]
+    python -m aft_jax.data.prepare --dataset text --train_files GLOBS [--valid_files GLOBS] \\
+        [--test_files GLOBS] [--tokenizer byte|word|subword] [--vocab_size N]
 
 prints progress and the folder it prepared on stderr and, as its last stdout line, one JSON
 object:
@@ -15,7 +18,7 @@ one corpus take turns (a lock file beside it): the second waits, then reuses the
 
 A second run finds `<data_dir>/prepared/<name>/COMPLETE` and only prints the
 summary, unless the source files found now differ from the ones it was prepared
-from (their fingerprint, `sources.fingerprint`, is kept in summary.json): then
+from (their fingerprint, `store.fingerprint`, is kept in summary.json): then
 it prepares again. The byte tokenizer always reads the raw release (`raw_v1`).
 
 `--official` says whether the source must be the published data:
@@ -46,7 +49,14 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, VARIANTS, resolve_data_dir
+from aft_jax.data.config import (
+  DATASETS,
+  OFFICIAL,
+  TOKENIZERS,
+  VARIANTS,
+  DataConfig,
+  resolve_data_dir,
+)
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -81,8 +91,9 @@ def resolve_variant(tokenizer: str, variant: str | None) -> str:
   return variant
 
 
-def corpus_name(variant: str, tokenizer: str) -> str:
-  return f"wikitext103-{variant}-{tokenizer}"
+def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
+  size = str(vocab_size) if tokenizer == "subword" else ""
+  return f"wikitext103-{variant}-{tokenizer}{size}"
 
 
 def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
@@ -104,31 +115,6 @@ def _articles(builder, split: str, progress: bool) -> Iterator[str]:
   """Article texts of a built WikiText-103 split, in file order."""
   for text in _records(builder, split, "text", "articles", progress):
     yield text.decode("utf-8")
-
-
-def _reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict | None:
-  """The summary of a complete `out` prepared from the source found now (or from any source,
-  when none is found now); None when `out` must be prepared (again)."""
-  if not store.is_complete(out):
-    return None
-  summary = store.read_summary(out)
-  try:
-    store.check_splits(out, summary)
-  except store.DamagedCorpusError as e:
-    log.warning("%s; preparing it again.", e)
-    return None
-  current = current_fingerprint()
-  if current is None or current == summary.get(store.FINGERPRINT_KEY):
-    log.info("Reusing %s", out)
-    return summary
-  log.warning(
-    "%s was prepared from other source files than the ones found now (fingerprint %s, now %s); "
-    "preparing it again.",
-    out,
-    summary.get(store.FINGERPRINT_KEY),
-    current,
-  )
-  return None
 
 
 def check_official(
@@ -189,11 +175,15 @@ def prepare_wikitext103(
   manual_dir: str | None = None,
   variant: str | None = None,
   tokenizer: str = "word",
+  vocab_size: int = 0,
   download: bool = True,
   official: bool | None = None,
   progress: bool = True,
 ) -> dict:
   """Builds `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its summary.
+
+  `tokenizer='subword'` learns a SentencePiece vocabulary of `vocab_size` pieces on the train
+  articles (`aft_jax.data.subword`), each article followed by its `<eos>`.
 
   Reuses a complete earlier result. Raises `wikitext103.WikiTextError` for
   bad or missing source data and `CountMismatchError` (see module docstring).
@@ -201,13 +191,16 @@ def prepare_wikitext103(
   variant = resolve_variant(tokenizer, variant)
   if not data_dir:
     raise ValueError("data_dir is required to prepare wikitext103")
+  if tokenizer == "subword":  # the config's rule for the size (aft-prepare --vocab_size)
+    DataConfig(dataset="wikitext103", tokenizer="subword", vocab_size=vocab_size).validate()
   data_dir = os.path.expanduser(data_dir)
-  out = store.prepared_dir(data_dir, corpus_name(variant, tokenizer))
+  name = corpus_name(variant, tokenizer, vocab_size)
+  out = store.prepared_dir(data_dir, name)
   from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   locate = functools.partial(wikitext103.locate_source, variant)
-  with store.lock(out, corpus_name(variant, tokenizer)):
-    summary = _reusable(out, _fingerprint_now(locate, data_dir, manual_dir))
+  with store.lock(out, name):
+    summary = store.reusable(out, _fingerprint_now(locate, data_dir, manual_dir))
     if summary is not None:
       return summary
     _quiet_tfds(progress)
@@ -217,7 +210,48 @@ def prepare_wikitext103(
       manual_dir=manual_dir or None,
       download=download,
     )
+    if tokenizer == "subword":
+      return _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress)
     return _write_wikitext103(builder, out, variant, tokenizer, official, progress)
+
+
+def _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress) -> dict:
+  """`_write_wikitext103` for a subword vocabulary learned on the train articles: each article
+  a document, as in a text corpus (`aft_jax.data.text`), with its bytes for bits per byte."""
+  from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
+
+  store.start(out)
+  vocab = subword.train(
+    _articles(builder, "train", progress),
+    vocab_size,
+    what=f"the WikiText-103 {variant} train split",
+  )
+  recorded = text.save_vocab(vocab, out)
+  tokens, lines, num_bytes = {}, {}, {}
+  for split in SPLITS:
+    articles = list(_articles(builder, split, progress))
+    lines[split] = sum(a.count("\n") for a in articles)
+    chunks, num_bytes[split] = text.encode_documents(vocab, articles)
+    tokens[split] = store.write_tokens(out, split, chunks)
+    del chunks, articles
+  summary = {"vocab_size": vocab.size, "tokens": tokens}
+  real = check_official(summary, lines, variant=variant, tokenizer="subword", official=official)
+  name = corpus_name(variant, "subword", vocab_size)
+  store.finish(
+    out,
+    {
+      **summary,
+      "name": name,
+      "variant": variant,
+      "tokenizer": "subword",
+      "bytes": num_bytes,
+      "lines": lines,
+      "official": real,
+      **recorded,
+      **_fingerprint_of(builder),
+    },
+  )
+  return summary
 
 
 def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> dict:
@@ -303,7 +337,7 @@ def prepare_enwik8(
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   with store.lock(out, ENWIK8_NAME):
-    summary = _reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
+    summary = store.reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
     if summary is not None:
       return summary
     _quiet_tfds(progress)
@@ -397,6 +431,13 @@ def _parse(argv):
       "no = prepare any files in the official layout as a custom corpus"
     ),
   )
+  p.add_argument(
+    "--vocab_size", type=int, default=0, help="--tokenizer subword: the number of pieces"
+  )
+  for split in ("train", "valid", "test"):
+    p.add_argument(
+      f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})"
+    )
   p.add_argument("--quiet", action="store_true", help="no progress bars")
   return p.parse_args(argv)
 
@@ -413,6 +454,13 @@ def main(argv=None) -> dict:
   if args.dataset == "pydoc":
     vocab, splits = pydoc.pydoc_splits(args.tokenizer or "byte")
     summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
+  elif args.dataset == "text":
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
+    names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files")
+    cfg = {"dataset": "text", **{k: getattr(args, k) for k in names if getattr(args, k)}}
+    out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
+    name = os.path.basename(out)
   elif args.dataset == "enwik8":
     name = ENWIK8_NAME
     summary = prepare_enwik8(
@@ -424,12 +472,13 @@ def main(argv=None) -> dict:
     )
   else:
     tokenizer = args.tokenizer or "word"
-    name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer)
+    name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer, args.vocab_size)
     summary = prepare_wikitext103(
       data_dir,
       manual_dir=args.manual_dir or None,
       variant=args.variant,
       tokenizer=tokenizer,
+      vocab_size=args.vocab_size,
       download=args.download,
       official=official,
       progress=not args.quiet,

@@ -81,27 +81,8 @@ def verify_sha256(path: str, *, expected: str | None, name: str, num_bytes: int)
     )
 
 
-_END_BYTES = 1 << 20
-
-
-def fingerprint(paths: Sequence[str]) -> str:
-  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB.
-
-  Reading at most 2 MiB per file (not the whole 100-500 MB) keeps the check cheap enough to run
-  on every start. It sees any change of size (truncation, appended data), a replaced file and
-  any edit within a MiB of either end; a same-size edit deep inside a file is not seen (official
-  archives are checked against their full sha256 whenever a build reads them).
-  """
-  h = hashlib.sha256()
-  for path in paths:
-    size = os.path.getsize(path)
-    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
-    with open(path, "rb") as f:
-      h.update(f.read(_END_BYTES))
-      if size > _END_BYTES:
-        f.seek(max(_END_BYTES, size - _END_BYTES))
-        h.update(f.read())
-  return "size+ends-sha256:" + h.hexdigest()
+# The source fingerprint (name, size, first and last MiB of each file): the store's rule.
+fingerprint = store.fingerprint
 
 
 def download(

@@ -3,6 +3,7 @@
     <data_dir>/prepared/<name>/
         train.npy, validation.npy, test.npy   uint32[n] token ids
         vocab.txt                             word vocabularies only
+        subword.model                         subword vocabularies only (SentencePiece)
         summary.json                          {"vocab_size", "tokens", "source_fingerprint", ...}
         COMPLETE                              written last
     <data_dir>/prepared/<name>.lock           held by the process preparing it (`lock`)
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -164,3 +166,52 @@ def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarra
   `check_split`."""
   check_split(path, split, expected)
   return np.load(os.path.join(path, f"{split}.npy"), mmap_mode="r")
+
+
+_END_BYTES = 1 << 20
+
+
+def fingerprint(paths: Sequence[str]) -> str:
+  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB.
+
+  Reading at most 2 MiB per file (not the whole 100-500 MB) keeps the check cheap enough to run
+  on every start. It sees any change of size (truncation, appended data), a replaced file and
+  any edit within a MiB of either end; a same-size edit deep inside a file is not seen (official
+  archives are checked against their full sha256 whenever a build reads them).
+  """
+  h = hashlib.sha256()
+  for path in paths:
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
+    with open(path, "rb") as f:
+      h.update(f.read(_END_BYTES))
+      if size > _END_BYTES:
+        f.seek(max(_END_BYTES, size - _END_BYTES))
+        h.update(f.read())
+  return "size+ends-sha256:" + h.hexdigest()
+
+
+def reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict | None:
+  """The summary of a complete ``out`` prepared from the source found now (or from any source,
+  when none is found now: ``current_fingerprint()`` is None); None when ``out`` must be prepared
+  (again): incomplete, damaged, or prepared from other files."""
+  if not is_complete(out):
+    return None
+  summary = read_summary(out)
+  try:
+    check_splits(out, summary)
+  except DamagedCorpusError as e:
+    log.warning("%s; preparing it again.", e)
+    return None
+  current = current_fingerprint()
+  if current is None or current == summary.get(FINGERPRINT_KEY):
+    log.info("Reusing %s", out)
+    return summary
+  log.warning(
+    "%s was prepared from other source files than the ones found now (fingerprint %s, now %s); "
+    "preparing it again.",
+    out,
+    summary.get(FINGERPRINT_KEY),
+    current,
+  )
+  return None

@@ -7,8 +7,10 @@ gives the number the run printed at its end and wrote to results.json: by defaul
 the run's final protocol (``final_eval_stride``). --stride S < seq_len scores each token with at
 least seq_len - S tokens of context (sliding windows; 0: disjoint windows).
 
-A text file is tokenised like the corpus, its first token predicted after an end of line. Byte
-models read any text and also report bits per byte; word models map words outside their
+A text file is tokenised like the corpus, its first token predicted after an end of line (a
+document boundary for subwords). Byte and subword models read any text and also report bits per
+byte (the total NLL over ln 2 and the text's UTF-8 bytes, so vocabularies compare); word models
+map words outside their
 vocabulary to <unk> (the count is reported as ``unk_tokens``; a vocabulary without <unk>
 refuses them). Progress bars go to stderr; the last line on stdout is one JSON object:
 
@@ -77,9 +79,11 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
   if not 0 <= stride <= cfg.seq_len:
     raise ValueError(f"--stride = {stride} must be in [0, seq_len = {cfg.seq_len}] (0: disjoint)")
   result = {"step": run.step, "unit": run.vocab.unit}
+  num_bytes = None
   if text is not None:
     tokens, unknown = encode_text(run.vocab, text)
-    result.update(bytes=len(text.encode("utf-8")))
+    num_bytes = len(text.encode("utf-8"))
+    result.update(bytes=num_bytes)
     if run.vocab.unit == "word":
       result.update(unk_tokens=unknown)
     desc = "text"
@@ -94,6 +98,7 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
         f"{run.vocab.size}: the data changed since training"
       )
     tokens = corpus.splits[split]
+    num_bytes = (corpus.num_bytes or {}).get(split)
     result.update(split=split)
     desc = split
   if len(tokens) == 0:
@@ -103,6 +108,10 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
   result.update(stride=stride)
   if run.vocab.unit == "byte":
     result["bpb"] = ev["nll"] / math.log(2)
+  elif run.vocab.unit == "subword" and num_bytes:
+    from aft_jax.trainer.evaluation import bits_per_byte  # pylint: disable=g-import-not-at-top
+
+    result["bpb"] = bits_per_byte(ev["nll"], ev["tokens"], num_bytes)
   return result
 
 

@@ -1,11 +1,14 @@
 """Exports a trained run to one file: aft-export --workdir runs/x --out model.msgpack
 
 The file is a msgpack document (``flax.serialization``) holding the parameters and a JSON
-string with the model config and the vocabulary; it loads back with one call and needs neither
-Orbax nor the workdir nor the dataset:
+string with the model config and the vocabulary, or, with ``--format safetensors`` (the default
+for an ``--out`` ending in ``.safetensors``), a safetensors file: one tensor per parameter,
+named by its path in the parameter tree (``decoder/block_0/mlp/wi/kernel``), the same JSON in
+its metadata (key ``aft_jax``). Either carries a SHA-256 of its contents, and loads back with
+one call that needs neither Orbax nor the workdir nor the dataset:
 
     from aft_jax import load_pretrained
-    model, params, vocab = load_pretrained("model.msgpack")
+    model, params, vocab = load_pretrained("model.msgpack")  # or "model.safetensors"
     logp_BTV = model.apply({"params": params}, vocab.encode("The ")[None])  # [1, T, V]
 
 ``model`` is an ``aft_jax.model.TransformerLM``, ``params`` its parameters (NumPy arrays, exactly
@@ -25,12 +28,13 @@ import numpy as np
 from flax import serialization
 
 from aft_jax import files
-from aft_jax.data import vocab as vocab_lib
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
 # 2: the parameters and model config as one payload with its SHA-256 (any changed byte is
 # refused); 1: the same without a checksum (still read).
 VERSION = 2
+FORMATS = ("msgpack", "safetensors")
+SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON meta
 
 
 def _model_config_dict(model_cfg) -> dict:
@@ -40,18 +44,60 @@ def _model_config_dict(model_cfg) -> dict:
   return d
 
 
-def export_params(path: str, model_cfg, params, vocab, corpus_info: dict) -> None:
-  """Writes ``params`` with the model config and vocabulary to ``path`` (atomically): a
-  msgpack map {format, version, sha256, payload}, the payload the msgpack of {meta, params}."""
-  meta = {
-    "model": _model_config_dict(model_cfg),
-    "corpus": corpus_info,
-    "vocab": vocab.tokens if isinstance(vocab, vocab_lib.WordVocab) else None,
-  }
-  params = serialization.to_state_dict(params)
-  payload = serialization.msgpack_serialize(_to_numpy({"meta": json.dumps(meta), "params": params}))
+def _payload(meta: str, params) -> bytes:
+  """The bytes an export's SHA-256 is taken of: the msgpack of {meta, params}, keys sorted
+  (a safetensors file, which keeps tensors by name, rebuilds exactly these bytes)."""
+  return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
+
+
+def _sorted(tree):
+  return {k: _sorted(tree[k]) for k in sorted(tree)} if isinstance(tree, dict) else tree
+
+
+def _flat(params) -> dict:
+  """{"a/b/c": array} of a nested parameter dict (the safetensors names)."""
+  out = {}
+  for key, value in params.items():
+    if isinstance(value, dict):
+      out.update({f"{key}/{k}": v for k, v in _flat(value).items()})
+    else:
+      out[key] = np.ascontiguousarray(value)
+  return out
+
+
+def _nested(flat: dict) -> dict:
+  tree = {}
+  for name, value in flat.items():
+    *parents, leaf = name.split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return _sorted(tree)
+
+
+def export_params(
+  path: str, model_cfg, params, vocab, corpus_info: dict, fmt: str = "msgpack"
+) -> None:
+  """Writes ``params`` with the model config and vocabulary to ``path`` (atomically). msgpack:
+  a map {format, version, sha256, payload}, the payload the msgpack of {meta, params};
+  safetensors: the parameters by name, {format, version, sha256, aft_jax: meta} as metadata,
+  the SHA-256 of the same payload."""
+  from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
+
+  meta = json.dumps(
+    {"model": _model_config_dict(model_cfg), "corpus": corpus_info, "vocab": vocab_payload(vocab)}
+  )
+  params = _to_numpy(serialization.to_state_dict(params))
+  payload = _payload(meta, params)
   header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(payload).hexdigest()}
-  data = serialization.msgpack_serialize({**header, "payload": payload})
+  if fmt == "safetensors":
+    from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
+
+    header = {k: str(v) for k, v in header.items()}
+    data = save(_flat(params), metadata={**header, SAFETENSORS_META: meta})
+  else:
+    data = serialization.msgpack_serialize({**header, "payload": payload})
   try:
     with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
       f.write(data)
@@ -67,13 +113,48 @@ def _to_numpy(tree):
   return np.asarray(tree)
 
 
+def _is_safetensors(data: bytes) -> bool:
+  """A safetensors file: an 8-byte little-endian header length, then that much JSON."""
+  n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+  return 0 < n <= len(data) - 8 and data[8:9] == b"{"
+
+
+def _read_safetensors(path: str, data: bytes) -> dict:
+  """{meta, params} of a safetensors export, its checksum checked (one-line ValueErrors)."""
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load  # pylint: disable=g-import-not-at-top
+
+  try:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    flat = load(data)
+  except (SafetensorError, ValueError) as e:
+    raise ValueError(f"load_pretrained: {path} is not a readable safetensors file ({e})") from None
+  info = header.get("__metadata__") or {}
+  if info.get("format") != FORMAT or SAFETENSORS_META not in info:
+    raise ValueError(f"load_pretrained: {path} is a safetensors file but not an aft_jax export")
+  if not info.get("version", "").isdigit() or int(info["version"]) > VERSION:
+    raise ValueError(f"load_pretrained: {path} has format version {info.get('version')!r}")
+  params = _nested(flat)
+  digest = hashlib.sha256(_payload(info[SAFETENSORS_META], params)).hexdigest()
+  if digest != info.get("sha256"):
+    raise ValueError(
+      f"load_pretrained: {path} is damaged: its contents do not match their SHA-256 checksum"
+    )
+  return {"meta": info[SAFETENSORS_META], "params": params}
+
+
 def _read(path: str) -> dict:
   """{meta, params} of an export, its checksum checked (one-line ValueErrors)."""
   try:
     with open(path, "rb") as f:
-      tree = serialization.msgpack_restore(f.read())
+      data = f.read()
   except OSError as e:
     raise ValueError(f"load_pretrained: cannot read {path}: {e.strerror}") from None
+  if _is_safetensors(data):
+    return _read_safetensors(path, data)
+  try:
+    tree = serialization.msgpack_restore(data)
   except Exception as e:  # msgpack raises several types for a file that is not msgpack
     raise ValueError(f"load_pretrained: {path} is not an aft_jax export ({e})") from None
   if not isinstance(tree, dict) or tree.get("format") != FORMAT:
@@ -123,7 +204,8 @@ def _check_params(path: str, model, params) -> None:
 
 
 def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``aft-export`` (module doc). A damaged file
+  """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors: told
+  apart by their contents, not their names; module doc). A damaged file
   (any changed byte), a file of a newer format, a model config this version does not know and
   parameters that are not the tree that config builds are one-line ValueErrors."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
@@ -146,6 +228,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
   p.add_argument("--out", required=True, help="The file to write (e.g. model.msgpack).")
+  p.add_argument(
+    "--format",
+    choices=FORMATS,
+    help="msgpack or safetensors (default: safetensors for an --out ending in .safetensors).",
+  )
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   return p.parse_args(argv)
 
@@ -164,9 +251,10 @@ def export_main(args: argparse.Namespace) -> dict:
     raise ValueError(f"--out {args.out}: folder {os.path.dirname(out)} does not exist")
   Workdir(args.workdir).check(args.step)
   run = trained.load_run(args.workdir, args.step)
+  fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "msgpack")
   params = jax.device_get(run.params)
-  export_params(out, run.model.cfg, params, run.vocab, run.corpus_info)
-  result = {"out": out, "step": run.step, "bytes": os.path.getsize(out)}
+  export_params(out, run.model.cfg, params, run.vocab, run.corpus_info, fmt)
+  result = {"out": out, "step": run.step, "bytes": os.path.getsize(out), "format": fmt}
   return result
 
 

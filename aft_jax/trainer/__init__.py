@@ -7,6 +7,7 @@
   checkpointing   Orbax checkpoints that also hold the data position and the config
   workdir_lock    one trainer per workdir; ``preemption``: SIGTERM / Ctrl-C save and stop
   step_log        per-step metrics and the non-finite watch; ``metrics``: where records go
+  wandb_log       optional Weights & Biases logging (``config.wandb.project``)
   dry_run         the steps compiled for a GPU or TPU that is not here (``--dry_run``)
 
 Nothing here is imported by ``aft_jax.ops``, the layers, the model or the data; the tools

@@ -19,6 +19,7 @@ on its field) and checked in its component:
                               aft_jax/trainer/evaluation.py  EvalConfig
     checkpoint_every_steps, keep_checkpoints
                               aft_jax/trainer/checkpointing.py  CheckpointConfig
+    config.wandb.*            aft_jax/trainer/wandb_log.py   WandbConfig (optional W&B)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from aft_jax.trainer.checkpointing import CheckpointConfig
 from aft_jax.trainer.evaluation import EvalConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
 from aft_jax.trainer.step_log import StepLogConfig
+from aft_jax.trainer.wandb_log import WandbConfig
 from aft_jax.typed_config import TypedConfig, positive
 
 
@@ -66,6 +68,7 @@ COMPONENTS = (
   SampleConfig,
   MeshConfig,
   RulesConfig,
+  WandbConfig,
 )
 
 

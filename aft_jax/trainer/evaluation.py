@@ -41,6 +41,13 @@ def perplexity(nll: float) -> float:
     return math.inf
 
 
+def bits_per_byte(nll: float, tokens: int, num_bytes: int) -> float:
+  """Bits per byte of text: the total NLL (``nll`` nats per token x ``tokens``) over ln 2 and
+  the ``num_bytes`` the tokens stand for, so that vocabularies of any size compare (for bytes it
+  is ``nll / ln 2``)."""
+  return nll * tokens / (num_bytes * math.log(2))
+
+
 def eval_protocol(seq_len: int, stride: int) -> dict:
   """How an evaluation scored its tokens, as recorded next to the numbers in results.json."""
   if not stride or stride >= seq_len:

@@ -9,6 +9,7 @@ import math
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
+from aft_jax.trainer import wandb_log
 from aft_jax.workdir import Workdir
 
 
@@ -19,8 +20,9 @@ class MetricWriter:
   readers should keep the last record of each step.
   """
 
-  def __init__(self, workdir: str | Workdir, enabled: bool = True):
-    self.enabled = enabled
+  def __init__(self, workdir: str | Workdir, enabled: bool = True, wandb_run=None):
+    """``wandb_run``: a W&B run (``wandb_log.start``) that gets the same records, or None."""
+    self.enabled, self.wandb_run = enabled, wandb_run if enabled else None
     if enabled:
       wd = Workdir.of(workdir)
       self._jsonl = open(wd.metrics_file, "a")
@@ -36,12 +38,16 @@ class MetricWriter:
       if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
         self._tb.add_scalar(key, value, step)
     self._tb.flush()
+    if self.wandb_run is not None:
+      wandb_log.log(self.wandb_run, record)
 
   def write_text(self, tag: str, text: str, step: int) -> None:
     """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
     if self.enabled:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
+    if self.wandb_run is not None and tag != "config":  # W&B has the config as its own
+      wandb_log.log_text(self.wandb_run, tag, text, step)
 
   def write_hparams(self, settings: dict, metric_tags) -> None:
     """The run's settings (a flat dict: "model.mixing" etc.) on TensorBoard's HPARAMS tab,
@@ -60,6 +66,8 @@ class MetricWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+    if self.wandb_run is not None:
+      self.wandb_run.finish()
 
 
 def _hparam_value(value):

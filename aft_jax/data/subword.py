@@ -1,0 +1,172 @@
+"""Subword vocabularies: a SentencePiece model learned on a corpus's train split.
+
+Why SentencePiece (Kudo and Richardson, 2018) rather than Hugging Face ``tokenizers``: it is
+what Flax's own ``lm1b`` example trains on its train split, so a Flax user meets the same
+tool; its model is one self-describing file (the pieces, their scores and every normaliser
+setting), so a workdir or an export carries the whole tokenizer in a few kilobytes; and its
+trainer takes the sentences from a Python iterator and writes to memory, so no temporary text
+file is written.
+
+The settings make it a lossless tokenizer of any text: no normalisation (``identity``), spaces
+kept as they are (no dummy prefix, no collapsing of runs), whitespace-only pieces allowed (code
+indentation), every byte a piece of its own (``byte_fallback``: a character never seen in
+training is its UTF-8 bytes, never ``<unk>``) and ``'\\n'`` a piece (SentencePiece learns on
+lines), so ``decode(encode(text)) == text``. Ids: 0 ``<unk>`` (never produced), 1 ``<eos>``
+(the boundary between documents), 2 ``'\\n'``, then the 256 bytes and the learned pieces.
+
+Training is deterministic for a seed (SentencePiece's own random generator, one thread), so the
+same train split and ``vocab_size`` give the same model file on every run. It learns from at
+most ``MAX_LINES`` lines of the train split (a sample, drawn with the seed, when there are more)
+and leaves out lines over 64 KiB (minified files); every line is still tokenised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+from aft_jax.data import vocab as vocab_lib
+
+MODEL_FILENAME = "subword.model"
+MAX_LINES = 5_000_000  # lines a vocabulary is learned from (WikiText-103 train: 1.8M)
+EOS = vocab_lib.EOS
+_SIZE_LIMIT = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_SIZE_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+class SubwordVocab(vocab_lib.Vocab):
+  """A SentencePiece model; id = piece id. ``model`` is the serialised model (its file)."""
+
+  unit = "subword"
+
+  def __init__(self, model: bytes, *, where: str = "the subword model"):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+
+    self.model = bytes(model)
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      self._sp.LoadFromSerializedProto(self.model)
+    except (RuntimeError, OSError, TypeError) as e:
+      raise ValueError(f"{where} is not a SentencePiece model ({_first_line(e)})") from None
+    if self._sp.eos_id() < 0 or self._sp.id_to_piece(self._sp.eos_id()) != EOS:
+      raise ValueError(f"{where} has no {EOS!r} piece: not an aft_jax subword vocabulary")
+
+  @property
+  def size(self) -> int:
+    return int(self._sp.get_piece_size())
+
+  @property
+  def eos_id(self) -> int:
+    return int(self._sp.eos_id())
+
+  @property
+  def sha256(self) -> str:
+    return hashlib.sha256(self.model).hexdigest()
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.encode(text), dtype=np.uint32)
+
+  def decode(self, ids) -> str:
+    """The text of ``ids``; ``<eos>`` (a document boundary) as an empty line."""
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if ids and not 0 <= min(ids) <= max(ids) < self.size:
+      raise ValueError(f"subword ids must be in [0, {self.size}), got [{min(ids)}, {max(ids)}]")
+    pieces, run = [], []
+    for i in ids + [self.eos_id]:
+      if i == self.eos_id:
+        pieces.append(self._sp.decode(run))
+        run = []
+      else:
+        run.append(i)
+    return "\n\n".join(pieces)
+
+  def save(self, path: str) -> None:
+    from aft_jax import files  # pylint: disable=g-import-not-at-top
+
+    with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
+      f.write(self.model)
+
+  @classmethod
+  def load(cls, path: str, sha256: str | None = None) -> SubwordVocab:
+    """The model in ``path``; one-line ValueErrors naming it when it is missing, unreadable,
+    not a model, or (given ``sha256``) not the bytes it was saved as."""
+    try:
+      with open(path, "rb") as f:
+        model = f.read()
+    except OSError as e:
+      raise ValueError(f"the subword vocabulary {path} cannot be read: {e.strerror}") from None
+    if sha256 is not None and hashlib.sha256(model).hexdigest() != sha256:
+      raise ValueError(
+        f"the subword vocabulary {path} is damaged: it does not match the SHA-256 recorded "
+        "beside it"
+      )
+    return cls(model, where=f"the subword vocabulary {path}")
+
+  def __repr__(self) -> str:
+    return f"SubwordVocab(size={self.size})"
+
+
+def train(
+  documents: Iterable[str], vocab_size: int, *, seed: int = 0, what: str = "the train split"
+) -> SubwordVocab:
+  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents`` (the train
+  split's texts; each line is one training sentence). A size the text cannot give (too few
+  distinct pieces, or fewer than its characters need) is a one-line ValueError naming
+  ``config.data.vocab_size`` and ``what``."""
+  import io  # pylint: disable=g-import-not-at-top
+
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+
+  spm.set_random_generator_seed(seed)
+  out = io.BytesIO()
+  lines = (line for doc in documents for line in doc.split("\n") if line)
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=lines,
+      model_writer=out,
+      vocab_size=vocab_size,
+      model_type="unigram",
+      character_coverage=1.0,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      add_dummy_prefix=False,
+      allow_whitespace_only_pieces=True,
+      split_digits=True,
+      byte_fallback=True,
+      user_defined_symbols=["\n"],
+      unk_id=0,
+      eos_id=1,
+      bos_id=-1,
+      pad_id=-1,
+      eos_piece=EOS,
+      max_sentence_length=1 << 16,  # longer lines (minified files) are left out of training
+      # At most this many lines, sampled with the seed when there are more (lm1b samples too):
+      # SentencePiece holds its sentences in memory.
+      input_sentence_size=MAX_LINES,
+      shuffle_input_sentence=True,
+      num_threads=1,  # one thread: the same model on every run
+      minloglevel=2,
+    )
+  except RuntimeError as e:
+    text = str(e)
+    m = _SIZE_LIMIT.search(text)
+    if m:
+      raise ValueError(
+        f"config.data.vocab_size = {vocab_size} is more pieces than {what} supports (at most "
+        f"{m.group(2)}): lower it or add text"
+      ) from None
+    m = _SIZE_LOW.search(text)
+    if m:
+      raise ValueError(
+        f"config.data.vocab_size = {vocab_size} is too small for {what}: its characters and "
+        f"the 256 bytes need at least {m.group(2)} pieces"
+      ) from None
+    raise ValueError(f"learning the subword vocabulary on {what}: {_first_line(e)}") from None
+  return SubwordVocab(out.getvalue())
+
+
+def _first_line(e: Exception) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]

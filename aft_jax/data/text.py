@@ -1,0 +1,219 @@
+"""Your own text files as a corpus (``config.data.dataset = 'text'``).
+
+Each file is one document. ``train_files``, ``valid_files`` and ``test_files`` are
+comma-separated globs (``~`` expanded, ``**`` recursive, each glob's matches sorted); a split
+whose globs are empty takes ``valid_fraction`` / ``test_fraction`` of the train files' documents
+instead, chosen by the SHA-256 of each file's path relative to the files' common folder, so
+the split is the same on every machine and does not depend on file order. A document is read
+whole, decoded with ``encoding`` (UTF-8 by default), and followed by the vocabulary's
+``<eos>`` (the boundary; bytes and words have no such token and use an end of line): a split
+is ``doc_1 <eos> doc_2 <eos> ...``, and its first token is predicted after ``<eos>`` too.
+
+Preparing tokenises every split once into the token store the other corpora use
+(``aft_jax.data.store``: ``<data_dir>/prepared/text-<tokenizer>-<key>/``, memory-mapped),
+``key`` naming the files and settings; the source fingerprint of the files' contents is kept in
+its summary, so a changed file prepares again. The vocabulary is learned on the train split
+only: bytes (none to learn), words (``<unk>`` for words unseen in train) or a subword model
+(``aft_jax.data.subword``). The number of bytes of each split (its documents' UTF-8 bytes plus
+one per boundary) is kept too, for bits per byte.
+
+Every bad input is a one-line ``TextError`` (a ValueError) naming the file or the config key:
+a glob that matches nothing, an empty file, a file that is not text in the encoding, too few
+documents to split, a vocabulary size the text cannot give.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+
+from aft_jax.data import store, subword
+from aft_jax.data import vocab as vocab_lib
+from aft_jax.data.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+_KEYS = {"train": "train_files", "validation": "valid_files", "test": "test_files"}
+
+
+class TextError(ValueError):
+  """A text corpus's files or settings cannot give a corpus (one line, naming the file or key)."""
+
+
+def expand(spec: str, key: str) -> list[str]:
+  """The files of a comma-separated list of globs (absolute paths, each glob's sorted, no
+  duplicates); a glob that matches no file is a TextError naming ``key`` and the glob."""
+  out, seen = [], set()
+  for pattern in (p.strip() for p in spec.split(",")):
+    if not pattern:
+      continue
+    matches = sorted(
+      os.path.abspath(p)
+      for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+      if os.path.isfile(p)
+    )
+    if not matches:
+      raise TextError(f"config.data.{key}: {pattern!r} matches no file")
+    for path in matches:
+      if path not in seen:
+        seen.add(path)
+        out.append(path)
+  return out
+
+
+def split_files(cfg: DataConfig) -> dict[str, list[str]]:
+  """{split: its files}: the globs of each split, or held-out documents of the train files."""
+  files = {s: expand(getattr(cfg, _KEYS[s]), _KEYS[s]) for s in SPLITS}
+  if not files["train"]:
+    raise TextError("config.data.train_files is empty: dataset = 'text' needs files to train on")
+  missing = [s for s in ("validation", "test") if not files[s]]
+  if missing:
+    docs = sorted(files["train"], key=_order_key(files["train"]))
+    fraction = {"validation": cfg.valid_fraction, "test": cfg.test_fraction}
+    take = {s: max(1, round(fraction[s] * len(docs))) for s in missing}
+    if len(docs) - sum(take.values()) < 1:
+      raise TextError(
+        f"config.data.train_files matches {len(docs)} file(s): holding out "
+        f"{' and '.join(f'{take[s]} for {s}' for s in missing)} leaves none to train on; give "
+        "more files, or config.data.valid_files / test_files"
+      )
+    for s in missing:
+      files[s], docs = sorted(docs[: take[s]]), docs[take[s] :]
+    files["train"] = sorted(docs)
+  overlap = sorted(set(files["train"]) & (set(files["validation"]) | set(files["test"])))
+  if overlap:
+    raise TextError(
+      f"{overlap[0]} is in config.data.train_files and in a held-out split "
+      f"({len(overlap)} such file(s)): held-out text must not be trained on"
+    )
+  return files
+
+
+def _order_key(paths: list[str]):
+  """Orders documents by the hash of their path below the files' common folder: a split that
+  is the same wherever the folder is."""
+  root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+  return lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest()
+
+
+def read_document(path: str, encoding: str = "utf-8") -> str:
+  """The text of one file; a TextError naming it when it cannot be read, is not text in
+  ``encoding``, has NUL bytes (a binary file) or holds no text."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise TextError(f"{path} cannot be read: {e.strerror}") from None
+  try:
+    text = raw.decode(encoding)
+  except UnicodeDecodeError as e:
+    raise TextError(
+      f"{path} is not {encoding} text (byte {e.start:,}: {e.reason}): set config.data.encoding "
+      "to its encoding, or leave the file out"
+    ) from None
+  if "\0" in text:
+    raise TextError(f"{path} is not text (it holds NUL bytes): leave it out of the globs")
+  if not text.strip():
+    raise TextError(f"{path} is empty (no text): leave it out of the globs")
+  return text
+
+
+def _documents(paths, encoding, desc, progress) -> Iterator[str]:
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  for path in tqdm(paths, desc=desc, unit="file", disable=not progress, file=sys.stderr):
+    yield read_document(path, encoding)
+
+
+def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
+  """The store folder's name: the tokenizer and a key of the file lists and the settings that
+  change the tokens (the files' contents are the fingerprint in its summary)."""
+  settings = {
+    "files": files,
+    "tokenizer": cfg.tokenizer,
+    "vocab_size": cfg.vocab_size if cfg.tokenizer == "subword" else 0,
+    "encoding": cfg.encoding,
+  }
+  key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+  size = str(cfg.vocab_size) if cfg.tokenizer == "subword" else ""
+  return f"text-{cfg.tokenizer}{size}-{key}"
+
+
+def _fingerprint(files: dict[str, list[str]]) -> str:
+  """``store.fingerprint``'s rule (name, size, first and last MiB) over every split's files."""
+  h = hashlib.sha256()
+  for split in SPLITS:
+    h.update(f"{split}\0{store.fingerprint(files[split])}\0".encode())
+  return "text:" + h.hexdigest()
+
+
+def learn_vocab(cfg: DataConfig, documents) -> vocab_lib.Vocab:
+  """The vocabulary of ``cfg.tokenizer`` learned on the train split's ``documents``."""
+  if cfg.tokenizer == "byte":
+    return vocab_lib.ByteVocab()
+  if cfg.tokenizer == "word":
+    return vocab_lib.WordVocab.build(vocab_lib.count_words(documents), add_unk=True)
+  return subword.train(documents, cfg.vocab_size, what="the train split (config.data.train_files)")
+
+
+def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:
+  """Writes a learned vocabulary into the prepared folder ``path``; what summary.json records
+  of it."""
+  if isinstance(vocab, vocab_lib.WordVocab):
+    vocab.save(os.path.join(path, vocab_lib.VOCAB_FILENAME))
+  if isinstance(vocab, subword.SubwordVocab):
+    vocab.save(os.path.join(path, subword.MODEL_FILENAME))
+    return {"subword_sha256": vocab.sha256}
+  return {}
+
+
+def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray], int]:
+  """(token chunks: each document then the boundary ``eos_id``, their UTF-8 bytes plus one per
+  boundary)."""
+  chunks, num_bytes = [], 0
+  boundary = np.asarray([vocab.eos_id], np.uint32)
+  for doc in documents:
+    chunks += [vocab.encode(doc), boundary]
+    num_bytes += len(doc.encode("utf-8")) + 1
+  return chunks, num_bytes
+
+
+def prepare_text(data_dir: str, cfg, *, progress: bool = True) -> tuple[str, dict]:
+  """Prepares the text corpus ``cfg`` names under ``data_dir`` (or reuses it); returns (its
+  folder, its summary)."""
+  cfg = DataConfig.of(cfg).validate()
+  files = split_files(cfg)
+  out = store.prepared_dir(data_dir, corpus_name(cfg, files))
+  with store.lock(out, f"the text corpus {os.path.basename(out)}"):
+    summary = store.reusable(out, lambda: _fingerprint(files))
+    if summary is not None:
+      return out, summary
+    store.start(out)
+    read = lambda s: _documents(files[s], cfg.encoding, f"{s} files", progress)  # noqa: E731
+    vocab = learn_vocab(cfg, read("train"))
+    recorded = save_vocab(vocab, out)
+    tokens, num_bytes = {}, {}
+    for split in SPLITS:
+      chunks, num_bytes[split] = encode_documents(vocab, read(split))
+      tokens[split] = store.write_tokens(out, split, chunks)
+    summary = {
+      "name": os.path.basename(out),
+      "tokenizer": cfg.tokenizer,
+      "vocab_size": vocab.size,
+      "tokens": tokens,
+      "bytes": num_bytes,
+      "documents": {s: len(files[s]) for s in SPLITS},
+      store.FINGERPRINT_KEY: _fingerprint(files),
+      **recorded,
+    }
+    store.finish(out, summary)
+    log.info("Prepared %s: %s", out, tokens)
+  return out, summary

@@ -1,0 +1,65 @@
+"""aft_jax.nnx_bridge: every layer and the model from Flax NNX (``flax.nnx.bridge.ToNNX``): init,
+apply equal to linen's, a jitted NNX call, decoding through the cache collection, and a trained
+(exported) model's parameters put into an NNX module."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from aft_jax import layers, nnx_bridge
+from aft_jax.model import ModelConfig, TransformerLM
+
+T, D = 6, 8
+CALL = nnx.jit(lambda module, x: module(x))  # one compilation per layer, not an op at a time
+STEP = nnx.jit(nnx_bridge.decode_step)
+LAYERS = {
+  "aft_full": lambda: layers.AFTFull(max_len=T, causal=True),
+  "aft_local": lambda: layers.AFTLocal(max_len=T, window=2, causal=True),
+  "aft_simple": lambda: layers.AFTSimple(causal=True),
+  "aft_conv1d": lambda: layers.AFTConv1D(num_heads=2, kernel_size=3, causal=True),
+  "softmax": lambda: layers.MultiHeadAttention(num_heads=2, max_len=T, causal=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
+  x_BTD = jax.random.normal(jax.random.key(0), (2, T, D))
+  layer = LAYERS[name]()
+  m = nnx_bridge.to_nnx(layer, x_BTD)
+  assert isinstance(m, nnx.Module)
+  params = nnx_bridge.linen_params(m)
+  want = layer.apply({"params": params}, x_BTD)
+  chex.assert_trees_all_close(CALL(m, x_BTD), want, atol=1e-6)
+  start = nnx_bridge.start_decoding(m, x_BTD[:, :1])
+  steps = [STEP(m, x_BTD[:, t : t + 1]) for t in range(T)]
+  chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), want, atol=1e-5)
+  nnx.update(m, start)  # a new sequence: its first step is the first step again
+  chex.assert_trees_all_close(STEP(m, x_BTD[:, :1]), steps[0], atol=1e-6)
+
+
+def test_the_image_layer_applies_from_nnx():
+  x = jax.random.normal(jax.random.key(0), (1, 4, 4, D))
+  layer = layers.AFTConv2D(num_heads=2, kernel_size=3)
+  m = nnx_bridge.to_nnx(layer, x)
+  want = jax.jit(layer.apply)({"params": nnx_bridge.linen_params(m)}, x)
+  chex.assert_trees_all_close(CALL(m, x), want, atol=1e-6)
+
+
+def test_the_model_from_nnx_takes_given_parameters_jits_and_decodes():
+  cfg = ModelConfig(
+    vocab_size=20, num_layers=2, d_model=D, num_heads=2, mlp_dim=16, max_len=T, window=2
+  )
+  model = TransformerLM(cfg)
+  tokens_BT = jax.random.randint(jax.random.key(1), (2, T), 0, 20)
+  params = model.init(jax.random.key(7), tokens_BT)["params"]  # e.g. load_pretrained's
+  m = nnx_bridge.to_nnx(model, tokens_BT, params=jax.tree_util.tree_map(np.asarray, params))
+  want_BTV = model.apply({"params": params}, tokens_BT)
+  got_BTV = CALL(m, tokens_BT)
+  chex.assert_trees_all_close(got_BTV, want_BTV, atol=1e-6)
+  assert bool(jnp.all(jnp.isfinite(got_BTV)))
+  nnx_bridge.start_decoding(m, tokens_BT[:, :1])
+  steps = [STEP(m, tokens_BT[:, t : t + 1]) for t in range(T)]
+  chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), want_BTV, atol=1e-5)

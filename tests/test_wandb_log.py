@@ -1,0 +1,70 @@
+"""aft_jax.trainer.wandb_log: the optional W&B logging. Without the extra, setting
+config.wandb.project is one line saying how to install it; with it (a test dependency),
+WANDB_MODE=offline writes a W&B run folder with the run's metrics and sends nothing."""
+
+import contextlib
+import glob
+import importlib.util
+import io
+import json
+import os
+
+import pytest
+
+from aft_jax.trainer import config_check, train_lib, wandb_log
+from tests.helpers import tiny_config
+
+
+def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+  )
+  config = tiny_config(**{"wandb.project": "mine"})
+  with pytest.raises(ValueError, match=r"wandb\.project = 'mine' needs Weights & Biases") as e:
+    config_check.check_config(config)
+  assert wandb_log.INSTALL in str(e.value) and "\n" not in str(e.value)
+  config_check.check_config(tiny_config())  # no project: W&B is never asked for
+
+
+def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
+  config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
+  with contextlib.redirect_stdout(io.StringIO()):
+    results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+  (run_dir,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*"))
+  (record,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))  # everything the run logged
+  with open(record, "rb") as f:
+    data = f.read()
+  # The metrics' names and values, as W&B keeps them (JSON text inside its protobuf records).
+  for key in ("loss", "grad_norm", "tokens_per_sec", "valid_ppl", "test_loss"):
+    assert key.encode() in data, key
+  assert json.dumps(results["valid_ppl"]).encode() in data
+  assert b"aft-jax-test" in data and b"num_train_steps" in data  # the project and the config
+
+
+def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
+  """What the training loop writes reaches the W&B run: every record with its step, and the
+  sample as a table (the config went to ``wandb.init``)."""
+  from aft_jax.trainer.metrics import MetricWriter
+
+  class Run:
+    logged, finished = [], False
+
+    def log(self, values, step):
+      self.logged.append((step, values))
+
+    def finish(self):
+      self.finished = True
+
+  run = Run()
+  writer = MetricWriter(str(tmp_path), wandb_run=run)
+  writer.write({"step": 3, "loss": 2.5, "valid_ppl": 7.0})
+  writer.write_text("config", "{}", 3)
+  writer.write_text("sample", "def f():", 4)
+  writer.close()
+  assert run.logged[0] == (3, {"loss": 2.5, "valid_ppl": 7.0})
+  assert [(step, list(values)) for step, values in run.logged[1:]] == [(4, ["sample"])]
+  assert run.logged[1][1]["sample"].data == [["def f():"]] and run.finished
