@@ -1,7 +1,9 @@
 """Sampling from a trained language model: incremental decoding, then a sliding context.
 
 While the sequence fits the model's ``max_len`` positions, each step feeds one token through the
-model with ``decode=True``; the layers keep the cache that follows from their maths
+model with ``decode=True`` (a prompt is fed in one parallel pass for AFT-simple, AFT-local and
+AFT-conv1d: the chunked prefill of ``model.CHUNKED``; token by token for the others); the layers
+keep the cache that follows from their maths
 (``aft_jax.layers``): AFT-simple an O(d) state, AFT-local and AFT-conv1d that state plus the last
 ``window`` keys and values, AFT-full and softmax attention all past keys/values.
 
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aft_jax.model import CHUNKED
 from aft_jax.typed_config import TypedConfig
 
 
@@ -101,6 +104,15 @@ def _decode_step(model, params, cache, tok_B):
   return mutated["cache"], logp_B1V[:, 0]
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill(model, params, cache, tokens_BT):
+  """The cache after feeding ``tokens_BT`` in one parallel pass (the ``CHUNKED`` mixings)."""
+  _, mutated = model.apply(
+    {"params": params, "cache": cache}, tokens_BT, decode=True, mutable=["cache"]
+  )
+  return mutated["cache"]
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_cache(model, batch: int):
   """The decoding cache of ``batch`` rows before any token (the parameters are dropped)."""
@@ -163,8 +175,11 @@ def generate(
   if p <= max_len and not done():
     # Incremental decoding while token n still has a position: n < max_len.
     cache = _init_cache(model, b)
-    for i in range(p - 1):
-      cache, _ = step(params, cache, jnp.asarray(prompt_BP[:, i]))
+    if model.cfg.mixing in CHUNKED and p > 1:  # the prompt in one parallel pass
+      cache = _prefill(model, params, cache, jnp.asarray(prompt_BP[:, :-1]))
+    else:
+      for i in range(p - 1):
+        cache, _ = step(params, cache, jnp.asarray(prompt_BP[:, i]))
     while not done():
       cache, logp_BV = step(params, cache, jnp.asarray(seq_BN[:, -1]))
       append(logp_BV)

@@ -13,6 +13,11 @@ switch its mixing layer by name, and every parameter carries logical axis names 
     bias_factor  the factor dimension d' of a factorised bias w = u v^T
     kernel    the offsets of an AFT-conv kernel
 
+Packed rows (causal layers only): ``segment_ids`` ``[..., T]`` (documents that do not see each
+other; a new one wherever the id changes) and ``mask`` ``[..., T]`` (False: padding, which no
+token sees; pad outputs are finite and meaningless) make each document's output what the layer
+gives on it alone, the bias positions of each from 0 (``aft_jax.ops.segments``).
+
 Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
 and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
 denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
@@ -21,18 +26,23 @@ AFT-full and softmax attention all past keys and values. AFTFull and AFTLocal de
 (every later one too), never values for a position with no cache slot or bias row. The AFT
 layers' steps are the pure
 functions of ``aft_jax.ops.step`` (``ops.aft_simple_step``, ...) on that state. Initialise the
-cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input.
+cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input. AFT-simple,
+AFT-local and AFT-conv1d also take a chunk ``[..., T, d_model]`` with ``decode=True`` (a
+prompt): one parallel pass of the op after the cached state, which it leaves as T steps would
+(the ops' ``initial_state`` / ``output_final_state``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aft_jax import ops
+from aft_jax import ops, sharding
+from aft_jax.ops import segments as op_segments
 
 Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
@@ -57,14 +67,46 @@ def _check_len(module, t_len):
     )
 
 
-def _check_decode_input(module, x):
+def _check_decode_input(module, x, chunks: bool = False):
+  """``chunks``: the layer also takes a chunk of T > 1 tokens (the recurrent AFT layers)."""
   if not module.causal:
     raise ValueError(f"{type(module).__name__}: decode=True needs causal=True")
-  if x.shape[-2] != 1:
+  if x.shape[-2] != 1 and not chunks:
     raise ValueError(
       f"{type(module).__name__}: decode=True takes one token at a time, x [..., 1, d_model]; "
       f"got x {x.shape}"
     )
+
+
+def _packing(module, x, segment_ids, mask, t_axis: int = -2):
+  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` for packed rows and a
+  padding mask (``ops.segments.from_mask``); ValueError unless causal and ``[..., T]``."""
+  if segment_ids is None and mask is None:
+    return {}
+  name = type(module).__name__
+  if not module.causal:
+    raise ValueError(f"{name}: segment_ids and mask (packed rows, padding) need causal=True")
+  lead = x.shape[: x.ndim + t_axis + 1]
+  for arg, a in (("segment_ids", segment_ids), ("mask", mask)):
+    if a is not None and jnp.shape(a) != lead:
+      raise ValueError(
+        f"{name}: {arg} must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(a)}"
+      )
+  seg, pos = op_segments.from_mask(segment_ids, mask, lead)
+  return {"segment_ids": seg, "positions": pos}
+
+
+# Logical axis names of the activations q, k, v the ops take (T is "activation_length").
+_QKV = ("batch", "activation_length", "heads")
+_HEADS_QV = ("batch", "activation_length", "heads", "kv")
+
+
+def _op(module, fn, args, names):
+  """``fn(*args, axis_name=...)``: with T split over the mesh's ``sequence`` axis
+  (``sharding.in_sequence_shards``) in a causal layer, else on the whole of T."""
+  if not module.causal:
+    return fn(*args, axis_name=None)
+  return sharding.in_sequence_shards(fn, args, names)
 
 
 def _cached_step(module, init, step):
@@ -99,16 +141,21 @@ def _within_max_len(module, step):
   return run
 
 
-def _decode_token(module, q, k, v, init, step, token_axis: int = -2):
+def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
   """A decoding step of an AFT layer on one token, q, k, v ``[..., 1, *channels]``:
   ``step(state, q_t, k_t, v_t) -> (y_t, state)`` (an ``aft_jax.ops`` step) on the state kept in
-  the cache (``_cached_step``), ``init(q_t, k_t, v_t)`` before the first token.
+  the cache (``_cached_step``), ``init(q_t, k_t, v_t)`` before the first token. With T > 1
+  tokens (a prompt chunk), ``chunk(state, q, k, v) -> (y, state)``: the op on all of them in
+  one parallel pass after the cached state (``initial_state``, ``output_final_state``).
 
   token_axis: the token's axis in q (in k and v the same axis counted from the front).
-  Returns y ``[..., 1, *channels]``, or q while the cache is being initialised.
+  Returns y ``[..., T, *channels]``, or q while the cache is being initialised.
   """
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
+  if q.shape[axis] > 1:
+    y = _cached_step(module, lambda: init(q_t, k_t, v_t), lambda s: chunk(s, q, k, v))
+    return q if y is None else y
   y = _cached_step(module, lambda: init(q_t, k_t, v_t), lambda s: step(s, q_t, k_t, v_t))
   return q if y is None else jnp.expand_dims(y, axis)
 
@@ -156,12 +203,14 @@ class _AFTChannels(nn.Module):
   def _out(self, y, d_model):
     return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
 
+  chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
+
   def _mix(self, x, decode, mix):
     """Projects x to q, k, v, mixes them (``mix(q, k, v)``, or a decoding step) and projects
     back to d_model."""
     q, k, v = self._qkv(x)
     if decode:
-      _check_decode_input(self, x)
+      _check_decode_input(self, x, self.chunks)
       y = self._step(q, k, v)
     else:
       y = mix(q, k, v)
@@ -231,13 +280,14 @@ class AFTFull(_PositionBias):
   """
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
     _check_len(self, x.shape[-2])
+    packed = _packing(self, x, segment_ids, mask)
     return self._mix(
       x,
       decode,
       lambda q, k, v: ops.aft_full(
-        q, k, v, self.bias(x.shape[-2]), causal=self.causal, impl=self.impl
+        q, k, v, self.bias(x.shape[-2]), causal=self.causal, impl=self.impl, **packed
       ),
     )
 
@@ -269,22 +319,58 @@ class AFTLocal(_PositionBias):
   window: int = 32
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
     ops.check_window("AFTLocal", self.window)
     _check_len(self, x.shape[-2])
+    packed = _packing(self, x, segment_ids, mask)
+    names = (_QKV, _QKV, _QKV, ("length", "length_k"))
+    if packed:  # packed rows are whole documents: T is not split
+      return self._mix(
+        x,
+        decode,
+        lambda q, k, v: self._local(q, k, v, self.bias(x.shape[-2]), axis_name=None, **packed),
+      )
+    t_len = x.shape[-2]
+    if self.factor_dim and self.causal:
+      # The op takes w as its factors: a long sequence (in sub-pieces) or a device's shard of
+      # T forms only the blocks of w = u v^T it reads, never the [T, T] product.
+      names = names[:3] + (("length", "bias_factor"), ("length_k", "bias_factor"))
+      local = lambda q, k, v, u, w_v, axis_name: self._local(q, k, v, (u, w_v), axis_name=axis_name)
+
+      def mix(q, k, v):  # (not when decoding: the steps read their own bias rows)
+        u, w_v = (jnp.asarray(a[:t_len], jnp.float32) for a in self._bias_params())
+        return _op(self, local, (q, k, v, u, w_v), names)
+
+      return self._mix(x, decode, mix)
     return self._mix(
-      x,
-      decode,
-      lambda q, k, v: ops.aft_local(
-        q, k, v, self.bias(x.shape[-2]), window=self.window, causal=self.causal, impl=self.impl
-      ),
+      x, decode, lambda q, k, v: _op(self, self._local, (q, k, v, self.bias(t_len)), names)
     )
+
+  def _local(self, q, k, v, w, *, axis_name, **packed):
+    """The op; w ``[T, T]`` or (sharded) its factors (u, v)."""
+    local = functools.partial(ops.aft_local, window=self.window, causal=self.causal)
+    if axis_name is not None:
+      packed["axis_name"] = axis_name
+    return local(q, k, v, w, impl=self.impl, **packed)
+
+  chunks = True
 
   def _step(self, q, k, v):
     # T <= max_len: a window past max_len holds every position, as one of max_len does.
-    init = lambda q_t, *_: ops.aft_local_init(q_t.shape, min(self.window, self.max_len))
+    window = min(self.window, self.max_len)
+    init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
-    return _decode_token(self, q, k, v, init, _within_max_len(self, step))
+
+    def chunk(s, q, k, v):
+      w = self.bias(self.max_len)
+      y, new = ops.aft_local(
+        q, k, v, w, window=window, causal=True, impl=self.impl, offset=s.index,
+        initial_state=s, output_final_state=True,
+      )  # fmt: skip
+      # As the steps: positions past max_len have no bias row (a traced index cannot raise).
+      return jnp.where(s.index + q.shape[-2] <= self.max_len, y, jnp.nan).astype(y.dtype), new
+
+    return _decode_token(self, q, k, v, init, _within_max_len(self, step), chunk=chunk)
 
 
 class AFTSimple(_AFTChannels):
@@ -294,14 +380,26 @@ class AFTSimple(_AFTChannels):
   """
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False):
-    return self._mix(
-      x, decode, lambda q, k, v: ops.aft_simple(q, k, v, causal=self.causal, impl=self.impl)
-    )
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    packed = _packing(self, x, segment_ids, mask)
+    packed.pop("positions", None)  # no position bias
+
+    def simple(q, k, v, axis_name):
+      axis = {} if axis_name is None else {"axis_name": axis_name}
+      return ops.aft_simple(q, k, v, causal=self.causal, impl=self.impl, **packed, **axis)
+
+    if packed:  # packed rows are whole documents: T is not split
+      return self._mix(x, decode, lambda q, k, v: simple(q, k, v, None))
+    return self._mix(x, decode, lambda q, k, v: _op(self, simple, (q, k, v), (_QKV,) * 3))
+
+  chunks = True
 
   def _step(self, q, k, v):
     init = lambda q_t, *_: ops.aft_simple_init(q_t.shape)
-    return _decode_token(self, q, k, v, init, ops.aft_simple_step)
+    chunk = lambda s, q, k, v: ops.aft_simple(
+      q, k, v, causal=True, impl=self.impl, initial_state=s, output_final_state=True
+    )
+    return _decode_token(self, q, k, v, init, ops.aft_simple_step, chunk=chunk)
 
 
 class _ConvKernel(nn.Module):
@@ -367,8 +465,10 @@ class AFTConv1D(_AFTConvBase):
   At initialisation (gamma = beta = 0) it equals AFT-simple with one key per head.
   """
 
+  chunks = True  # decode=True also takes a prompt chunk (``_decode_token``)
+
   @nn.compact
-  def __call__(self, x, *, decode: bool = False):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
     d_model = x.shape[-1]
     if (
       not isinstance(self.kernel_size, int)
@@ -382,14 +482,27 @@ class AFTConv1D(_AFTConvBase):
     q, k, v = self._heads_qkv(x)
     kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
     if decode:
-      _check_decode_input(self, x)
+      _check_decode_input(self, x, self.chunks)
       return self._out(self._step(q, k, v, kernel), d_model)
-    return self._out(ops.aft_conv1d(q, k, v, kernel, causal=self.causal, impl=self.impl), d_model)
+    packed = _packing(self, x, segment_ids, mask)
+    packed.pop("positions", None)  # the kernel is by lag
+
+    def conv(q, k, v, kernel, axis_name):
+      axis = {} if axis_name is None else {"axis_name": axis_name}
+      return ops.aft_conv1d(q, k, v, kernel, causal=self.causal, impl=self.impl, **packed, **axis)
+
+    if packed:  # packed rows are whole documents: T is not split
+      return self._out(conv(q, k, v, kernel, None), d_model)
+    names = (_HEADS_QV, _QKV, _HEADS_QV, ("heads", "kernel"))
+    return self._out(_op(self, conv, (q, k, v, kernel), names), d_model)
 
   def _step(self, q, k, v, kernel):
     init = lambda _, k_t, v_t: ops.aft_conv1d_init(k_t.shape, v_t.shape, self.kernel_size)
     step = lambda s, *qkv: ops.aft_conv1d_step(s, *qkv, kernel)
-    return _decode_token(self, q, k, v, init, step, token_axis=-3)
+    chunk = lambda s, q, k, v: ops.aft_conv1d(
+      q, k, v, kernel, causal=True, impl=self.impl, initial_state=s, output_final_state=True
+    )
+    return _decode_token(self, q, k, v, init, step, token_axis=-3, chunk=chunk)
 
 
 class AFTConv2D(_AFTConvBase):

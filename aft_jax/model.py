@@ -27,6 +27,8 @@ from aft_jax import adaptive
 from aft_jax import layers, ops
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
+# The recurrent mixings: decode=True also takes a chunk of tokens (a prompt) in one pass.
+CHUNKED = ("aft_local", "aft_simple", "aft_conv1d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +182,7 @@ class Block(nn.Module):
     h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
     h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(nn.gelu(h)))
     x_BTD = x_BTD + drop(h)
-    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "activation_length", "embed"))
     return (x_BTD, None) if self.cfg.scan_layers else x_BTD
 
 
@@ -269,7 +271,8 @@ class TransformerLM(nn.Module):
     """Per-token NLL ``[B, T]`` (float32) given targets, else log-probabilities ``[B, T, V]``.
 
     ``train`` enables dropout (needs a "dropout" rng); ``decode`` runs one step of incremental
-    decoding on ``tokens [B, 1]`` with a "cache" collection (see ``aft_jax.decode``).
+    decoding on ``tokens [B, 1]`` with a "cache" collection (see ``aft_jax.decode``), or, for
+    the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel pass (a prompt's prefill).
     """
     cfg = self.cfg
     cfg.validate()
@@ -289,14 +292,17 @@ class TransformerLM(nn.Module):
       cfg.param_dtype,
     )
     if decode:
-      if t_len != 1:
-        raise ValueError(f"TransformerLM: decode=True takes tokens [B, 1], got {tokens_BT.shape}")
+      if t_len != 1 and cfg.mixing not in CHUNKED:
+        raise ValueError(
+          f"TransformerLM: decode=True takes tokens [B, 1] (a prompt chunk [B, T] only with "
+          f"model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
+        )
       ready = self.has_variable("cache", "pos")
       pos = self.variable("cache", "pos", jnp.zeros, (), jnp.int32)
       start = pos.value
       if ready:
-        pos.value = start + 1
-      pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, 1, 0)
+        pos.value = start + t_len
+      pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, t_len, 0)
     else:
       pos_TD = pos_embed[:t_len]
     embed, head = self._embeddings()

@@ -1,10 +1,12 @@
 """Device meshes and logical-axis sharding (what pjit became: ``jax.jit`` with shardings).
 
-The mesh has three axes (MaxText's names):
+The mesh has four axes (MaxText's names):
 
-    data    pure data parallelism: the batch is split, parameters are replicated
-    fsdp    data parallelism with parameters and optimizer state sharded too (ZeRO-3 style)
-    tensor  tensor (model) parallelism: MLP hidden units, AFT channels and attention heads split
+    data      pure data parallelism: the batch is split, parameters are replicated
+    fsdp      data parallelism with parameters and optimizer state sharded too (ZeRO-3 style)
+    tensor    tensor (model) parallelism: MLP hidden units, AFT channels and attention heads split
+    sequence  context parallelism: the activations' T split into consecutive shards; the
+              causal AFT layers run their op per shard (``axis_name``, ``in_sequence_shards``)
 
 Modules name their parameters' axes (``embed``, ``mlp``, ``heads``, ...; see
 ``aft_jax.layers``); ``DEFAULT_RULES`` maps those logical names to mesh axes. This module knows
@@ -25,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax.typed_config import TypedConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+SEQUENCE = "sequence"  # the mesh axis that splits T (context parallelism)
 
 # Logical axis name -> mesh axis (or axes, or None = replicated).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -36,6 +39,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
   ("kv", None),
   ("vocab", "tensor"),
   ("length", None),
+  ("activation_length", SEQUENCE),  # T of the activations (not of the parameters: "length")
   ("length_k", None),
   ("bias_factor", None),
   ("kernel", None),
@@ -47,20 +51,24 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(TypedConfig):
-  """``config.mesh``: the device mesh; data x fsdp x tensor = the number of devices."""
+  """``config.mesh``: the device mesh; data x fsdp x tensor x sequence = the number of
+  devices."""
 
   WHERE = "mesh"
 
   data: int = -1  # data parallelism; -1: all remaining devices
   fsdp: int = 1  # data parallelism with sharded parameters and optimizer state
   tensor: int = 1  # tensor parallelism (MLP units, AFT channels, heads, vocabulary)
+  # context parallelism: T split over devices (causal AFT-simple, AFT-local, AFT-conv1d only;
+  # docs/long_sequences.md)
+  sequence: int = 1
 
   def _value_problems(self) -> list[str]:
     sizes = tuple(getattr(self, a) for a in MESH_AXES)
     if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
       return [
-        f"mesh: data, fsdp, tensor = {sizes}: each must be a positive int, and at most one of "
-        "them may be -1 (all remaining devices)"
+        f"mesh: data, fsdp, tensor, sequence = {sizes}: each must be a positive int, and at "
+        "most one of them may be -1 (all remaining devices)"
       ]
     return []
 
@@ -75,21 +83,24 @@ class RulesConfig(TypedConfig):
   )
 
 
-def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) from a config with those fields; one of them may be -1 (the rest)."""
-  cfg = MeshConfig(**{a: int(getattr(mesh_cfg, a)) for a in MESH_AXES}).validate()
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor, sequence) from a config with those fields (a missing one: its
+  default); one of them may be -1 (the rest)."""
+  given = {a: int(getattr(mesh_cfg, a, getattr(MeshConfig, a))) for a in MESH_AXES}
+  cfg = MeshConfig(**given).validate()
   sizes = [getattr(cfg, a) for a in MESH_AXES]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
       raise ValueError(
-        f"mesh: data, fsdp, tensor = {tuple(sizes)}: {num_devices} devices are "
+        f"mesh: data, fsdp, tensor, sequence = {tuple(sizes)}: {num_devices} devices are "
         f"not divisible by {known}"
       )
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ValueError(
-      f"mesh: data x fsdp x tensor = {' x '.join(map(str, sizes))} = {math.prod(sizes)} does "
+      f"mesh: data x fsdp x tensor x sequence = {' x '.join(map(str, sizes))} = "
+      f"{math.prod(sizes)} does "
       f"not match the {num_devices} available devices"
     )
   return tuple(sizes)
@@ -113,7 +124,8 @@ def check_batch_split(mesh: Mesh, **batch_sizes: int) -> None:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of all hosts)."""
+  """A ('data', 'fsdp', 'tensor', 'sequence') mesh over ``devices`` (default: all devices of
+  all hosts)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
   try:
@@ -196,3 +208,50 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
       sh, v, (v.shape[0] * jax.process_count(),) + v.shape[1:]
     )
   return out
+
+
+def axis_sizes(mesh: Mesh) -> dict[str, int]:
+  """The mesh's axis sizes as runs report them: the sequence axis only where it splits T (so
+  a report reads as before context parallelism otherwise)."""
+  return {a: n for a, n in mesh.shape.items() if a != SEQUENCE or n > 1}
+
+
+def with_sequence_mesh(fn, mesh: Mesh):
+  """``fn`` traced with ``mesh`` as the abstract mesh where its ``sequence`` axis splits T, so
+  that the layers' ``in_sequence_shards`` find it (``with mesh:`` does not expose it); ``fn``
+  itself otherwise. For the functions a Trainer jits, with their in and out shardings."""
+  if mesh.shape.get(SEQUENCE, 1) == 1:
+    return fn
+
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return traced
+
+
+def sequence_shards() -> int:
+  """How many shards T is split into: the ``sequence`` axis of the mesh being traced for (the
+  abstract mesh the trainer sets), 1 outside one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get(SEQUENCE, 1)
+
+
+def in_sequence_shards(fn, args, names):
+  """``fn(*args, axis_name=...)`` with T split over the mesh's ``sequence`` axis: inside
+  ``jax.shard_map``, each array of ``args`` laid out by its logical axis names ``names`` (one
+  tuple per array; "activation_length" is T, split over ``sequence``) and the result laid out
+  as the first. Outside such a mesh (or with sequence = 1): ``fn(*args, axis_name=None)``.
+
+  ``check_vma=False``: the ops' inner scans start from constants, which shard_map's
+  varying-axes check would refuse although every device computes its own shard."""
+  if sequence_shards() == 1:
+    return fn(*args, axis_name=None)
+  specs = tuple(nn.logical_to_mesh_axes(n) for n in names)
+  return jax.shard_map(
+    lambda *a: fn(*a, axis_name=SEQUENCE),
+    mesh=jax.sharding.get_abstract_mesh(),
+    in_specs=specs,
+    out_specs=specs[0],
+    check_vma=False,
+  )(*args)

@@ -141,7 +141,7 @@ def main(out_path):
   for shape in MESHES:  # (8, 1, 1) first: the checkpoint check restores onto it
     t = time.perf_counter()
     trainer, state, losses = run(_config(shape), jax.devices(), STEPS)
-    assert dict(trainer.mesh.shape) == dict(zip(sharding.MESH_AXES, shape))
+    assert dict(trainer.mesh.shape) == dict(zip(sharding.MESH_AXES, shape + (1,)))
     _check_sharded(state, shape)
     diff = _max_diff(jax.device_get(state.params), ref_params3)
     np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-5, atol=1e-5)

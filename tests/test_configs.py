@@ -139,6 +139,25 @@ def test_resume_conflicts_ignore_only_harmless_keys():
   assert any(c.startswith("seed: 0") for c in conflicts)
 
 
+def test_a_key_added_since_the_workdir_was_written_compares_as_its_default():
+  """A workdir written before a key existed (say mesh.sequence) ran with what is now its
+  default: resuming it at the default is no conflict, at another value it is."""
+  from aft_jax.trainer import default_config
+
+  defaults = default_config.get_config().to_dict()
+  saved = _quick().to_dict()
+  del saved["seed"]
+  assert checkpointing.resume_conflicts(saved, _quick().to_dict(), defaults) == []
+  changed = _quick()
+  changed.seed = 2
+  assert checkpointing.resume_conflicts(saved, changed.to_dict(), defaults) == [
+    "seed: 0 in the workdir, 2 now"
+  ]
+  assert checkpointing.resume_conflicts(saved, _quick().to_dict()) == [
+    "seed: None in the workdir, 0 now"
+  ]
+
+
 def test_the_schedule_length_is_a_resume_conflict():
   """A new num_train_steps would restart the cosine decay from another length."""
   b = _quick()

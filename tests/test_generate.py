@@ -49,6 +49,20 @@ def test_generate_past_max_len_slides_and_keeps_the_non_sliding_prefix(run_dir):
   np.testing.assert_array_equal(out, _greedy(run, long_prompt[:, -max_len:], 5))
 
 
+def test_prompt_prefill_in_one_pass_gives_the_token_by_token_samples(run_dir, monkeypatch):
+  """The prompt encoded in one parallel pass (the ops' state) samples the tokens that feeding it
+  one token at a time samples, for the same seed (the run's AFT-local: a chunked mixing)."""
+  run = trained.load_run(run_dir)
+  assert run.model.cfg.mixing in decode.CHUNKED
+  prompt_BP = np.asarray([run.vocab.encode("def main(args):\n  ")] * 2, np.int32)
+  sample = lambda: decode.generate(
+    run.model, run.params, prompt_BP, 12, rng=jax.random.key(3), temperature=0.8
+  )
+  chunked = sample()
+  monkeypatch.setattr(decode, "CHUNKED", ())  # token by token, as before the prefill
+  np.testing.assert_array_equal(chunked, sample())
+
+
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
 def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
   """Dividing the log-probabilities by 1e-45 overflowed every logit to -inf (token 0, a NUL

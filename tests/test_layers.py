@@ -390,7 +390,8 @@ def test_bad_input_raises_value_error():
     if name != "aft_conv2d":
       _raises(mod, (2, 1, D), r"decode=True needs causal=True", decode=True)
   for name, mod in _modules(causal=True).items():
-    _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)
+    if not getattr(mod, "chunks", False):  # the recurrent layers take prompt chunks
+      _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)
 
 
 def test_attention_impl_is_passed_on_or_refused(monkeypatch):
@@ -410,3 +411,37 @@ def test_attention_impl_is_passed_on_or_refused(monkeypatch):
   for impl in ("auto", "xla"):
     abstract_init(layers.MultiHeadAttention(impl=impl, **bf16), (1, 4, D))
   assert seen == [None, "xla"]
+
+
+@pytest.mark.parametrize(
+  "module",
+  [
+    layers.AFTLocal(window=2, max_len=8, causal=True, factor_dim=2),
+    layers.AFTSimple(causal=True),
+    layers.AFTConv1D(num_heads=2, kernel_size=2, causal=True),
+  ],
+  ids=["local", "simple", "conv1d"],
+)
+def test_padding_mask_ignores_the_pads(module):
+  """Right padding (row 0) and left padding (row 1): the tokens' outputs are the layer's on the
+  tokens alone (bias positions from 0), whatever the pads hold; pad outputs are finite."""
+  x = np.asarray(_x((2, 7, 4)))
+  mask = np.array([[1] * 5 + [0] * 2, [0] * 2 + [1] * 5], bool)
+  params = {"params": _params(module, (1, 7, 4))}
+
+  @jax.jit
+  def run(params, x):
+    padded = module.apply(params, x, mask=mask)
+    alone = module.apply(params, jnp.stack([x[0, :5], x[1, 2:]]))
+    return padded, alone
+
+  padded, alone = run(params, x)
+  junk = x.copy()
+  junk[~mask] = 1e4  # what the pads hold does not matter
+  padded_junk, _ = run(params, junk)
+  chex.assert_tree_all_finite(padded_junk)
+  tokens = np.stack([padded[0, :5], padded[1, 2:]])
+  np.testing.assert_allclose(tokens, alone, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(padded_junk[mask], padded[mask], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"mask must be \[..., T\] = \(2, 7\)"):
+    module.apply(params, x, mask=mask[:, :3])

@@ -133,9 +133,11 @@ def test_param_count_shapes_and_axis_names(mixing):
 # ---------------------------------------------------------------- forward == decode == scan
 
 
-def _decode_all(model, params, tokens):
-  """Log-probs [B, T, V] from decoding one token at a time (decode=True, a "cache")."""
-  cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
+def _decode_all(model, params, tokens, cache=None):
+  """Log-probs [B, T, V] from decoding one token at a time (decode=True, a "cache"; a fresh one
+  unless given)."""
+  if cache is None:
+    cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
 
   def step(cache, tok_B):
     logp, mut = model.apply(
@@ -145,6 +147,16 @@ def _decode_all(model, params, tokens):
 
   _, logp_TBV = jax.lax.scan(step, cache, tokens.T)
   return jnp.swapaxes(logp_TBV, 0, 1)
+
+
+def _prefill_then_decode(model, params, tokens, n):
+  """Log-probs [B, T, V]: the first n tokens as one chunk (decode=True, the prefill), then
+  one token at a time from the cache the chunk left."""
+  cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
+  logp_chunk, mut = model.apply(
+    {"params": params, "cache": cache}, tokens[:, :n], decode=True, mutable=["cache"]
+  )
+  return jnp.concatenate([logp_chunk, _decode_all(model, params, tokens[:, n:], mut["cache"])], 1)
 
 
 def _with_nll(cfg):
@@ -166,6 +178,8 @@ def _all_paths(cfg, params, tokens, targets):
   )
   if _with_nll(cfg):
     out["nll"] = unrolled.apply({"params": params}, tokens, targets)
+  if cfg.mixing in M.CHUNKED:  # a prompt of 6 in one pass (T = 10 > window: the ring wraps)
+    out["prefill"] = _prefill_then_decode(unrolled, params, tokens, 6)
   return out
 
 
@@ -214,8 +228,10 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
     assert out["nll"].shape == (B, T)
   # The model really mixes positions: log-probs differ along T (not a bag of unigrams).
   assert np.abs(np.diff(fwd, axis=1)).max() > 1e-2
-  for key in ("fwd_scan", "dec", "dec_scan"):
-    chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
+  assert ("prefill" in out) == (cfg.mixing in M.CHUNKED)
+  for key in ("fwd_scan", "dec", "dec_scan", "prefill"):
+    if key in out:
+      chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
 
 
 def test_decode_changes_with_history():
@@ -325,5 +341,6 @@ def test_validate_accepts_good_configs_and_bad_token_shapes_raise():
     jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
   with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
     jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
+  softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time
   with pytest.raises(ValueError, match=r"decode=True takes tokens \[B, 1\]"):
-    jax.eval_shape(functools.partial(model.init, decode=True), jax.random.key(0), _tokens())
+    jax.eval_shape(functools.partial(softmax.init, decode=True), jax.random.key(0), _tokens())

@@ -12,18 +12,22 @@ from tests.helpers import ROOT
 from aft_jax import sharding
 
 
-def _mesh(data, fsdp, tensor):
-  return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
+def _mesh(data, fsdp, tensor, sequence=None):
+  """A config.mesh; without ``sequence`` as an older config (its default, 1)."""
+  axes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  return ml_collections.ConfigDict(axes if sequence is None else {**axes, "sequence": sequence})
 
 
 @pytest.mark.parametrize(
   "cfg, devices, expected",
   [
-    ((-1, 1, 1), 8, (8, 1, 1)),
-    ((2, -1, 2), 8, (2, 2, 2)),
-    ((1, 4, -1), 8, (1, 4, 2)),
-    ((2, 2, 2), 8, (2, 2, 2)),
-    ((-1, 1, 1), 1, (1, 1, 1)),
+    ((-1, 1, 1), 8, (8, 1, 1, 1)),
+    ((2, -1, 2), 8, (2, 2, 2, 1)),
+    ((1, 4, -1), 8, (1, 4, 2, 1)),
+    ((2, 2, 2), 8, (2, 2, 2, 1)),
+    ((-1, 1, 1), 1, (1, 1, 1, 1)),
+    ((-1, 1, 1, 4), 8, (2, 1, 1, 4)),
+    ((1, 2, 1, -1), 8, (1, 2, 1, 4)),
   ],
 )
 def test_mesh_shape(cfg, devices, expected):
@@ -33,7 +37,8 @@ def test_mesh_shape(cfg, devices, expected):
 @pytest.mark.parametrize(
   "cfg, devices, message",
   [
-    ((2, 2, 1), 8, "2 x 2 x 1 = 4 does not match the 8 available devices"),
+    ((2, 2, 1), 8, "2 x 2 x 1 x 1 = 4 does not match the 8 available devices"),
+    ((2, 2, 1, 3), 8, "2 x 2 x 1 x 3 = 12 does not match"),
     ((3, -1, 1), 8, "8 devices are not divisible by 3"),
     ((-1, -1, 1), 8, "at most one of them may be -1"),
     ((0, 1, 1), 8, "each must be a positive int"),
@@ -51,15 +56,10 @@ def test_rules_from_config_round_trips_the_default():
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
 
 
-@pytest.mark.slow
-def test_eight_devices_match_one(tmp_path):
-  """tests/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
-  (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;
-  parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
-  continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
-  out = tmp_path / "report.json"
+def _worker(module, out):
+  """Runs ``python -m tests.MODULE OUT`` (its asserts are the test) and returns its report."""
   proc = subprocess.run(
-    [sys.executable, "-m", "tests.sharding_worker", str(out)],
+    [sys.executable, "-m", f"tests.{module}", str(out)],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -67,7 +67,16 @@ def test_eight_devices_match_one(tmp_path):
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-  report = json.loads(out.read_text())
+  return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_eight_devices_match_one(tmp_path):
+  """tests/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
+  (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;
+  parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
+  continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
+  report = _worker("sharding_worker", tmp_path / "report.json")
   assert sorted(report["meshes"]) == ["(1, 1, 8)", "(1, 4, 2)", "(2, 2, 2)", "(8, 1, 1)"]
   for mesh in report["meshes"].values():
     assert mesh["max_param_diff"] < 1e-5
@@ -75,3 +84,21 @@ def test_eight_devices_match_one(tmp_path):
     report["checkpoint"]["ref_next_loss"], abs=1e-5
   )
   assert "not divisible" in report["batch_error"]
+
+
+@pytest.mark.slow
+def test_sequence_split_equals_one_device(tmp_path):
+  """tests/sequence_worker.py on 4 simulated devices (its asserts are the test). The ops with
+  axis_name under shard_map (aft_simple, aft_local, aft_conv1d) give the unsharded values
+  within 1e-5 and gradients of q, k, v and the bias within 1e-4 of the largest, logits of std 1
+  and 40, windows within one shard and reaching two back. The quickstart recipe with
+  mesh.sequence = 4 gives one device's losses within 1e-4 for AFT-local and AFT-simple (dropout
+  0), its train step exchanging the shards' states (all-gather; AFT-local's last keys by
+  collective-permute); softmax attention with mesh.sequence > 1 is a config error."""
+  report = _worker("sequence_worker", tmp_path / "report.json")
+  assert len(report["ops"]) == 4
+  for diffs in report["ops"].values():
+    assert diffs["y"] < 1e-5 and max(diffs.values()) < 1e-4
+  for mixing in ("aft_local", "aft_simple"):
+    assert report[mixing]["sequence_4"] == pytest.approx(report[mixing]["one_device"], abs=1e-4)
+  assert "mixes every pair of positions" in report["softmax_error"]

@@ -16,39 +16,20 @@ in their "cache" collection), every sum an exact (m, num, den) triple of ``logsu
                  AFT-conv1d's the kernel [H, s], entry j the bias of position t - j.
 
 From the ``*_init`` state, the steps over t = 0 .. T-1 give the op with causal=True. The state
-is float32; Y[t] comes back in the dtype of q, k, v.
+is float32; Y[t] comes back in the dtype of q, k, v. The AFT-simple, AFT-local and AFT-conv1d
+states are the ops' own (``state``): a call with ``output_final_state=True`` hands its state to
+the steps, and a step's state is a call's ``initial_state``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from aft_jax.ops import logsumexp as lse
+from aft_jax.ops.state import FullState, WindowState, window_init
 
 _f32 = lambda x: jnp.asarray(x, jnp.float32)
-
-
-class FullState(NamedTuple):
-  """AFT-full's decoding state: keys, values ``[..., L, D]`` (slot t' holds position t') and
-  ``index``, the number of tokens seen (int32 [])."""
-
-  keys: jax.Array
-  values: jax.Array
-  index: jax.Array
-
-
-class WindowState(NamedTuple):
-  """AFT-local's and AFT-conv1d's decoding state: ``prefix``, the triple of every key older than
-  the window; keys ``[..., s, H]`` and values ``[..., s, H]`` or ``[..., s, H, C]``, a ring
-  buffer of the last s (slot t % s holds position t); ``index``, the tokens seen (int32 [])."""
-
-  prefix: lse.Acc
-  keys: jax.Array
-  values: jax.Array
-  index: jax.Array
 
 
 def _out(q_t, k_t, v_t, acc):
@@ -89,14 +70,6 @@ def aft_full_step(state: FullState, q_t, k_t, v_t, w_t):
   return _out(q_t, k_t, v_t, acc), FullState(keys, values, t + 1)
 
 
-def _window_init(k_shape, v_shape, size: int) -> WindowState:
-  axis = len(k_shape) - 1  # the ring's axis: before the channels (H, or H and C)
-  ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
-  return WindowState(
-    lse.empty(k_shape, v_shape), ring(k_shape), ring(v_shape), jnp.zeros((), jnp.int32)
-  )
-
-
 def _window_step(state: WindowState, q_t, k_t, v_t, bias):
   """The window's step; ``bias(pos, age)`` -> the biases ``[s, 1]`` or ``[s, H]`` of the ring's
   slots, slot j holding position pos[j] = t - age[j] (pos < 0: empty)."""
@@ -120,7 +93,7 @@ def _window_step(state: WindowState, q_t, k_t, v_t, bias):
 def aft_local_init(shape, window: int) -> WindowState:
   """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D]; ``window`` s (with
   T <= L, a window of min(s, L) gives the same result)."""
-  return _window_init(shape, shape, window)
+  return window_init(shape, shape, window)
 
 
 def aft_local_step(state: WindowState, q_t, k_t, v_t, w_t):
@@ -138,7 +111,7 @@ def aft_local_step(state: WindowState, q_t, k_t, v_t, w_t):
 def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> WindowState:
   """The state before any token, for k_t ``[..., H]``, v_t ``[..., H, C]`` and a causal kernel
   of ``kernel_size`` s."""
-  return _window_init(k_shape, v_shape, kernel_size)
+  return window_init(k_shape, v_shape, kernel_size)
 
 
 def aft_conv1d_step(state: WindowState, q_t, k_t, v_t, kernel):

@@ -212,16 +212,21 @@ def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
 
 
 def check_resume_config(
-  saved: dict | None, config, workdir: str | Workdir, allow_config_change: bool
+  saved: dict | None,
+  config,
+  workdir: str | Workdir,
+  allow_config_change: bool,
+  defaults: dict | None = None,
 ):
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
-  ``config`` when they differ in what is computed, unless ``allow_config_change``."""
+  ``config`` when they differ in what is computed, unless ``allow_config_change``; a key that
+  ``saved`` lacks (added to the package since) compares as its value in ``defaults``."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
     return
-  conflicts = resume_conflicts(saved, config_dict(config))
+  conflicts = resume_conflicts(saved, config_dict(config), defaults)
   if conflicts and allow_config_change:
     if jax.process_index() == 0:
       print(f"Resuming with a changed config (--allow_config_change): {'; '.join(conflicts)}")
@@ -319,14 +324,16 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
     multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
 
 
-def resume_conflicts(saved: dict, current: dict) -> list[str]:
-  """Differences between two configs (as dicts) that make resuming one as the other wrong."""
-  a, b = flatten(saved), flatten(current)
+def resume_conflicts(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+  """Differences between two configs (as dicts) that make resuming one as the other wrong. A
+  key that ``saved`` lacks takes its value in ``defaults`` (a config written before the key
+  existed ran with what is now its default), else None."""
+  a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
   out = []
   for key in sorted(set(a) | set(b)):
     if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
       continue
-    va, vb = a.get(key), b.get(key)
+    va, vb = a.get(key, d.get(key)), b.get(key)
     if isinstance(va, list):
       va = tuple(va)
     if isinstance(vb, list):

@@ -53,4 +53,24 @@ def _across_components(c) -> list[str]:
   for key in ("eval_stride", "final_eval_stride"):
     if c[key] > c["seq_len"]:
       errors.append(f"config.{key} = {c[key]} must be in [0, seq_len = {c['seq_len']}]")
+  errors += _sequence_split(c)
   return errors
+
+
+def _sequence_split(c) -> list[str]:
+  """mesh.sequence > 1 splits T over devices: only the causal recurrences allow it, and T
+  must split evenly (docs/long_sequences.md)."""
+  n, model = c["mesh"].get("sequence", 1), c["model"]
+  if n == 1:
+    return []
+  mixing = model["mixing"]
+  if mixing in ("softmax", "aft_full"):
+    return [
+      f"config.mesh.sequence = {n} with model.mixing = {mixing!r}: {mixing} mixes every pair "
+      "of positions, so a device's outputs need every other device's keys, not a small "
+      "state; context parallelism is for aft_simple, aft_local and aft_conv1d (or use "
+      "mesh.sequence = 1)"
+    ]
+  if c["seq_len"] % n:
+    return [f"config.seq_len = {c['seq_len']} is not divisible by mesh.sequence = {n}"]
+  return []

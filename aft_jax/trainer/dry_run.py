@@ -129,7 +129,7 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
   eval_args = (state.params, trainer.specs(config.eval_batch_size, True))
   _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
   return {
-    "mesh": dict(mesh.shape),
+    "mesh": sharding.axis_sizes(mesh),
     "vocab_size": vocab,
     "vocab_from": vocab_from,
     "impl": trainer.model.cfg.impl,

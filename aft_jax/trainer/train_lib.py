@@ -31,13 +31,14 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from aft_jax.trainer import checkpointing, optimizer
-from aft_jax.trainer.evaluation import eval_protocol, perplexity, unigram_ppl
+from aft_jax.trainer import checkpointing, default_config, optimizer
+from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
+from aft_jax.data import config as data_config
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
-from aft_jax.trainer import workdir_lock
+from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.config_check import check_config
 from aft_jax.trainer.metrics import MetricWriter
 from aft_jax.model import ModelConfig, TransformerLM, count_params
@@ -150,13 +151,13 @@ class Trainer:
       skip=config.nonfinite == "skip",
     )
     self._train_step = jax.jit(
-      step,
+      sharding.with_sequence_mesh(step, mesh),
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
     )
     self._eval_step = jax.jit(
-      functools.partial(eval_step, model=self.model),
+      sharding.with_sequence_mesh(functools.partial(eval_step, model=self.model), mesh),
       in_shardings=(self.state_shardings.params, batch_sh),
       out_shardings=repl,
     )
@@ -269,12 +270,15 @@ class Run:
 
 
 def absolute_paths(config) -> ml_collections.ConfigDict:
-  """A copy of ``config`` whose data folders are absolute (``data_dir`` '': the default one),
-  so config.json says where the data is whichever directory a run is started from."""
+  """A copy of ``config`` whose data folders and text globs are absolute (``data_dir`` '': the
+  default one), so config.json says where the data is whichever directory a run is started
+  from."""
   config = config.copy_and_resolve_references()
   config.data.data_dir = data_lib.resolve_data_dir(config.data.data_dir)
   if config.data.manual_dir:
     config.data.manual_dir = os.path.abspath(os.path.expanduser(config.data.manual_dir))
+  for key in ("train_files", "valid_files", "test_files"):  # dataset 'text': its globs
+    config.data[key] = data_config.absolute_globs(config.data[key])
   return config
 
 
@@ -330,8 +334,12 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   written only once the restore succeeded.
   """
 
+  defaults = default_config.get_config().to_dict()
+
   def check(saved):
-    checkpointing.check_resume_config(saved, run.config, run.workdir, run.allow_config_change)
+    checkpointing.check_resume_config(
+      saved, run.config, run.workdir, run.allow_config_change, defaults
+    )
 
   restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
   if restored is None:
@@ -342,7 +350,7 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
       print(
         f"Model: {run.model_cfg.mixing}, {count_params(state.params):,} parameters; corpus "
         f"{run.corpus.name} ({run.corpus.unit}-level, vocab {run.corpus.vocab.size:,}); mesh "
-        f"{dict(run.trainer.mesh.shape)}",
+        f"{sharding.axis_sizes(run.trainer.mesh)}",
         flush=True,
       )
     return state
@@ -493,6 +501,9 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
       if config.data.dataset == "enwik8":
         # The AFT paper's unit: enwik8's "characters" are its bytes.
         results[f"{prefix}_bpc"] = results[f"{prefix}_bpb"]
+    elif corpus.num_bytes:  # subwords (and words) of a text whose bytes are known
+      bytes_ = corpus.num_bytes[split]
+      results[f"{prefix}_bpb"] = bits_per_byte(ev["nll"], ev["tokens"], bytes_)
   results["unigram_valid_ppl"] = unigram_ppl(
     corpus.splits["train"], corpus.splits["validation"], corpus.vocab.size
   )
@@ -565,7 +576,8 @@ def train_and_evaluate(
     )
     mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
     state = restore_or_init(run, mngr, data_iter)
-    writer = MetricWriter(run.workdir, enabled=run.is_main)
+    wandb_run = wandb_log.start(run.config, run.workdir) if run.is_main else None
+    writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
     writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
     writer.write_hparams(flatten(run.config.to_dict()), step_log.HPARAMS_METRICS)
     try:

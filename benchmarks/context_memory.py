@@ -1,0 +1,149 @@
+"""Context parallelism: the compiled per-device memory of one train step with T split over
+``mesh.sequence`` devices (CPU devices, compiled, not run).
+
+    python -m benchmarks.context_memory   # benchmarks/results/context_memory.json, RESULTS.md
+
+A 2 x 128 LM (byte vocabulary, MLP 512, batch 1, dropout 0) with causal AFT-simple and
+AFT-local (window 128, factorised bias d' = 64) at T = 65,536 and 262,144 for mesh.sequence =
+1, 2, 4, 8 (as many CPU devices, ``--xla_force_host_platform_device_count=8``), and at T =
+1,048,576 over 8. Each row is XLA's buffer assignment for one device
+(``compiled.memory_analysis()``: temporaries, and the arguments: parameters, optimizer state
+and the batch), as ``trainer.dry_run`` reports it; written to the JSON as each row is done, and
+the table into benchmarks/RESULTS.md between its markers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_JSON = os.path.join(ROOT, "benchmarks", "results", "context_memory.json")
+RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+DEVICES = 8
+ROWS = [
+  (m, t, n) for m in ("aft_simple", "aft_local") for t in (65536, 262144) for n in (1, 2, 4, 8)
+]
+ROWS += [(m, 1048576, 8) for m in ("aft_simple", "aft_local")]
+START, END = "<!-- context_memory:start -->", "<!-- context_memory:end -->"
+
+
+def _config(mixing: str, t_len: int, n: int):
+  from aft_jax.trainer.default_config import get_config
+
+  c = get_config()
+  c.data.tokenizer = "byte"
+  m = c.model
+  m.mixing, m.num_layers, m.d_model, m.mlp_dim, m.num_heads = mixing, 2, 128, 512, 4
+  m.max_len, m.window, m.factor_dim, m.dropout_rate = t_len, 128, 64, 0.0
+  c.seq_len, c.batch_size, c.eval_batch_size = t_len, 1, 1
+  c.mesh.data, c.mesh.sequence = 1, n
+  return c
+
+
+def row(mixing: str, t_len: int, n: int) -> dict:
+  """One row: the train step of ``mixing`` at T = ``t_len`` compiled for ``n`` CPU devices."""
+  import jax
+
+  from aft_jax import sharding
+  from aft_jax.model import ModelConfig
+  from aft_jax.trainer import train_lib
+  from aft_jax.trainer.config_check import check_config
+  from aft_jax.trainer.dry_run import StepMemory
+
+  config = _config(mixing, t_len, n)
+  check_config(config)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:n])
+  trainer = train_lib.Trainer(config, ModelConfig(vocab_size=256, **config.model), mesh)
+  start = time.perf_counter()
+  mem = StepMemory.of(trainer.lower_train_step().compile())
+  return {
+    "mixing": mixing,
+    "T": t_len,
+    "sequence": n,
+    "temp": mem.temp,
+    "arguments": mem.argument,
+    "compile_s": round(time.perf_counter() - start, 1),
+  }
+
+
+def _gib(b) -> str:
+  return f"{b / 2**30:.2f}" if isinstance(b, int) else "-"
+
+
+def table(rows: list[dict]) -> str:
+  """The markdown table of ``rows`` (per device, GiB; temp's ratio to sequence = 1)."""
+  base = {(r["mixing"], r["T"]): r["temp"] for r in rows if r.get("sequence") == 1 and "temp" in r}
+  out = [
+    "| mixing | T | mesh.sequence | temp / device (GiB) | arguments / device (GiB) | temp vs 1 |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    if "error" in r:
+      out.append(f"| {r['mixing']} | {r['T']:,} | {r['sequence']} | {r['error']} | | |")
+      continue
+    one = base.get((r["mixing"], r["T"]))
+    ratio = f"{r['temp'] / one:.3f}" if one else "-"
+    out.append(
+      f"| {r['mixing']} | {r['T']:,} | {r['sequence']} | {_gib(r['temp'])} | "
+      f"{_gib(r['arguments'])} | {ratio} |"
+    )
+  return "\n".join(out)
+
+
+def write_results(rows: list[dict]) -> None:
+  """The table into RESULTS.md between the markers (appended as a section the first time)."""
+  from aft_jax import files
+
+  text = open(RESULTS).read()
+  block = (
+    f"{START}\n## Context parallelism (`benchmarks.context_memory`): compiled per-device "
+    "memory, CPU devices\n\n"
+    "`python -m benchmarks.context_memory`: one train step (loss + grad + AdamW) of a 2 x 128\n"
+    "LM, batch 1, T split over `mesh.sequence` CPU devices; XLA's buffer assignment per device\n"
+    "(compiled, not measured). AFT-local: window 128, factorised bias w = u v^T (d' = 64), of\n"
+    "which each sub-piece of 2048 positions (and each device's shard) forms only the block it\n"
+    "reads, never the [T, T] product.\n\n"
+    f"{table(rows)}\n{END}"
+  )
+  if START in text:
+    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+  else:
+    text = text.rstrip("\n") + "\n\n" + block + "\n"
+  files.atomic_write(RESULTS, text)
+
+
+def main() -> None:
+  import jax
+
+  if jax.device_count() < DEVICES:
+    sys.exit(f"context_memory: needs {DEVICES} CPU devices; run it as a module (it sets them)")
+  rows = json.load(open(OUT_JSON)) if os.path.exists(OUT_JSON) else []
+  done = {(r["mixing"], r["T"], r["sequence"]) for r in rows}
+  for mixing, t_len, n in ROWS:
+    if (mixing, t_len, n) in done:
+      continue
+    try:
+      r = row(mixing, t_len, n)
+    except Exception as e:  # noqa: BLE001 (a row that does not compile is a row of the table)
+      r = {"mixing": mixing, "T": t_len, "sequence": n, "error": f"error({type(e).__name__})"}
+    print(json.dumps(r), flush=True)
+    rows.append(r)
+    from aft_jax import files
+
+    files.atomic_write_json(OUT_JSON, rows, indent=1)
+  order = {key: i for i, key in enumerate(ROWS)}
+  rows.sort(key=lambda r: order.get((r["mixing"], r["T"], r["sequence"]), len(order)))
+  write_results(rows)
+
+
+if __name__ == "__main__":
+  # The device count is fixed when jax's CPU backend starts: before the first jax import.
+  flag = f"--xla_force_host_platform_device_count={DEVICES}"
+  if flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + flag
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  main()

@@ -1,0 +1,144 @@
+"""The causal ops' state API: a sequence in pieces equals one call, values and gradients."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import ops
+from aft_jax.ops import pieces
+
+T = 8
+CUTS = (3, 1, 4)  # uneven pieces, one of length 1
+WINDOW = 3
+
+
+def _inputs(op, scale, seed=0):
+  """(q, k, v, bias) for ``op`` with logits of std ``scale``; T on axis 1."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  if op == "conv1d":
+    return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, WINDOW, sc=scale)
+  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+
+
+def _call(op, q, k, v, bias, **kw):
+  if op == "simple":
+    return ops.aft_simple(q, k, v, causal=True, **kw)
+  if op == "local":
+    return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **kw)
+  return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)
+
+
+def _chained(op, q, k, v, bias):
+  """The op on CUTS pieces of T, each handed the state of the one before."""
+  ys, state, start = [], None, 0
+  for n in CUTS:
+    piece = lambda x: x[:, start : start + n]
+    kw = {"offset": start} if op == "local" else {}
+    y, state = _call(op, piece(q), piece(k), piece(v), bias, initial_state=state,
+                     output_final_state=True, **kw)  # fmt: skip
+    ys.append(y)
+    start += n
+  return jnp.concatenate(ys, axis=1), state
+
+
+def _values_and_grads(fn, q, k, v, bias):
+  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
+  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
+  loss = lambda *a: jnp.sum(fn(*a) * ct)
+  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+
+
+def _close(got, want, rel):
+  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf)."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    chex.assert_tree_all_finite(g)
+    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_pieces_equal_one_call(op, scale):
+  args = _inputs(op, scale)
+  y1, g1 = _values_and_grads(functools.partial(_call, op), *args)
+  y2, g2 = _values_and_grads(lambda *a: _chained(op, *a)[0], *args)
+  _close(y2, y1, 1e-5)
+  _close(g2, g1, 1e-4)
+
+
+def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
+  """AFT-local with w given as its factors (u, v), w = u v^T. A piece longer than two
+  sub-pieces (``pieces.SUB_PIECE``, here 3 with a window of 3: sub-pieces of 12 positions) runs
+  as sub-pieces with the state carried, each forming only its block of w; so does a whole
+  sequence given the factors; a short first piece forms its block too: the same values and
+  gradients (of u and v too) as one call on the dense w."""
+  monkeypatch.setattr(pieces, "SUB_PIECE", 3)
+  rng = np.random.default_rng(6)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  t_len, n = 40, 3  # a first piece of 3, then 37 = 3 sub-pieces of 12 and 1
+  q, k, v = f(2, t_len, 3), f(2, t_len, 3, sc=40.0), f(2, t_len, 3)
+  bias = (f(t_len, 2, sc=6.0), f(t_len, 2, sc=6.0))  # w = u v^T, given as its factors
+
+  def chained(q, k, v, bias):
+    w = tuple(bias)
+    call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+    y1, state = call(q[:, :n], k[:, :n], v[:, :n], w, output_final_state=True)
+    y2 = call(q[:, n:], k[:, n:], v[:, n:], w, offset=n, initial_state=state)
+    return jnp.concatenate([y1, y2], axis=1)
+
+  dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
+  y1, g1 = _values_and_grads(dense, q, k, v, bias)
+  y2, g2 = _values_and_grads(chained, q, k, v, bias)
+  _close(y2, y1, 1e-5)
+  _close(g2, g1, 1e-4)
+  # One call on the whole sequence given the factors: in sub-pieces too.
+  whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
+  y3, g3 = _values_and_grads(whole, q, k, v, bias)
+  _close(y3, y1, 1e-5)
+  _close(g3, g1, 1e-4)
+
+
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_final_state_is_the_decoding_state(op):
+  """A call's final state continues with the one-token steps as the op does, and a piece after
+  the steps' state gives the op's outputs: the ops and the steps share one state."""
+  n = 5
+
+  @jax.jit
+  def run(q, k, v, bias):
+    if op == "simple":
+      step = ops.aft_simple_step
+    elif op == "local":
+      step = lambda s, *a: ops.aft_local_step(s, *a, bias[s.index])
+    else:
+      step = lambda s, *a: ops.aft_conv1d_step(s, *a, bias)
+    _, state = _call(op, q[:, :n], k[:, :n], v[:, :n], bias, output_final_state=True)
+    y_n, state = step(state, q[:, n], k[:, n], v[:, n])
+    kw = {"offset": n + 1} if op == "local" else {}
+    rest = lambda x: x[:, n + 1 :]
+    y_rest = _call(op, rest(q), rest(k), rest(v), bias, initial_state=state, **kw)
+    return _call(op, q, k, v, bias), y_n, y_rest
+
+  q, k, v, bias = _inputs(op, 5.0, seed=3)
+  whole, y_n, y_rest = run(q, k, v, bias)
+  np.testing.assert_allclose(y_n, whole[:, n], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y_rest, whole[:, n + 1 :], rtol=1e-5, atol=1e-6)
+
+
+def test_state_arguments_are_refused_where_there_is_no_state():
+  q, k, v, w = _inputs("local", 1.0)
+  _, state = ops.aft_simple(q, k, v, causal=True, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_simple: initial_state need causal=True"):
+    ops.aft_simple(q, k, v, initial_state=state)
+  with pytest.raises(ValueError, match=r"aft_local: output_final_state need causal=True"):
+    ops.aft_local(q, k, v, w, window=2, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_full: initial_state and output_final_state"):
+    ops.aft_full(q, k, v, w, causal=True, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_simple: initial_state must be the state"):
+    ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
+  with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
+    ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
