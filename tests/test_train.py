@@ -108,16 +108,16 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_recipe_learns(tmp_path):
-  """configs/quickstart.py as the README runs it, shortened to 300 of its 1000 steps to fit
-  CI's time budget: validation perplexity already far below the unigram baseline (3.4x below
-  it here)."""
+  """configs/quickstart.py as the README runs it, shortened to 200 of its 1000 steps to fit
+  CI's time budget: validation perplexity already far below the unigram baseline (2.5x below
+  it here; 3.4x at 300 steps)."""
   workdir = str(tmp_path / "quick")
-  cmd = train_py(workdir, "--config.num_train_steps=300", "--config.sample.length=20")
+  cmd = train_py(workdir, "--config.num_train_steps=200", "--config.sample.length=20")
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
   assert results["unigram_valid_ppl"] > 20  # bytes of English text
-  assert results["valid_ppl"] < results["unigram_valid_ppl"] / 2.5, results
+  assert results["valid_ppl"] < results["unigram_valid_ppl"] / 2, results
   assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
   assert "Sample:\nThe " in out.stdout
 

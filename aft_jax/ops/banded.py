@@ -127,6 +127,12 @@ def _range_keys(k, lo, hi, c):
   return st, ((idx >= lo) & (idx < hi))[:, None]
 
 
+def _no_keys(ranges) -> bool:
+  """Whether every range [lo, hi) of ``_edge_ranges`` (numpy, static) is empty."""
+  lo, hi = ranges
+  return bool(np.all(np.asarray(lo) >= np.asarray(hi)))
+
+
 def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
   """Running exact sums (bias 0) over the blocks' key ranges: the triple after each block's
   range is added, [nb, R] each (in block order, or from the last block back)."""
@@ -146,6 +152,9 @@ def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
     return acc, acc
 
   zero = jnp.zeros(k.shape[1:], k.dtype)
+  if _no_keys(ranges):  # one block, say: nothing to add (XLA would constant-fold the masks)
+    none = jnp.zeros((p.nb, *k.shape[1:]), k.dtype)
+    return Acc(none + NEG, none, none)
   return jax.lax.scan(step, Acc(zero + NEG, zero, zero), ranges, reverse=reverse)[1]
 
 
@@ -167,6 +176,8 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
     h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
     return (g, h), (g, h)
 
+  if _no_keys(ranges):
+    return jnp.zeros_like(m), jnp.zeros_like(m)
   zero = jnp.zeros(k.shape[1:], k.dtype)
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
