@@ -50,13 +50,13 @@ def test_the_image_layer_applies_from_nnx():
 
 def test_the_model_from_nnx_takes_given_parameters_jits_and_decodes():
   cfg = ModelConfig(
-    vocab_size=20, num_layers=2, d_model=D, num_heads=2, mlp_dim=16, max_len=T, window=2
+    vocab_size=20, num_layers=1, d_model=D, num_heads=2, mlp_dim=16, max_len=T, window=2
   )
   model = TransformerLM(cfg)
   tokens_BT = jax.random.randint(jax.random.key(1), (2, T), 0, 20)
-  params = model.init(jax.random.key(7), tokens_BT)["params"]  # e.g. load_pretrained's
+  params = jax.jit(model.init)(jax.random.key(7), tokens_BT)["params"]  # e.g. load_pretrained's
   m = nnx_bridge.to_nnx(model, tokens_BT, params=jax.tree_util.tree_map(np.asarray, params))
-  want_BTV = model.apply({"params": params}, tokens_BT)
+  want_BTV = jax.jit(model.apply)({"params": params}, tokens_BT)
   got_BTV = CALL(m, tokens_BT)
   chex.assert_trees_all_close(got_BTV, want_BTV, atol=1e-6)
   assert bool(jnp.all(jnp.isfinite(got_BTV)))
