@@ -278,3 +278,12 @@ def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
     "softmax[cudnn]"
   ]
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
+
+
+def test_long_step_runs_two_steps_and_reports_time_and_memory():
+  """benchmarks.long_step at a tiny T: two real steps of context_memory's model, finite."""
+  from benchmarks import long_step
+
+  r = long_step.run("aft_simple", 64)
+  assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
+  assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
