@@ -124,13 +124,18 @@ def add(acc: Acc, logit, value, valid=True) -> Acc:
 
 
 def from_terms(logits, values, valid, axis: int) -> Acc:
-  """The triple of a set of terms laid out along ``axis`` (non-negative; ``valid`` masks them).
+  """The triple of a set of terms laid out along ``axis`` (non-negative; kept out of the
+  result; ``valid``, broadcast against the logits, masks them: a masked value never reaches a
+  product, so a non-finite one is ignored too).
 
-  logits, valid: ``[..., n, ..., D]``; values: the same, possibly with one more trailing axis.
+  logits: ``[..., n, ..., D]``; values: the same, possibly with one more trailing axis. The
+  maximum carries no gradient (``Acc``).
   """
+  valid = jnp.broadcast_to(valid, logits.shape)
   logits = jnp.where(valid, logits, NEG)
-  m = jnp.max(logits, axis=axis)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=axis))
   p = jnp.where(valid, jnp.exp(logits - jnp.expand_dims(m, axis)), 0.0)
+  values = jnp.where(bcast(valid, values), values, 0.0)
   return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
 
 

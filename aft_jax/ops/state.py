@@ -73,14 +73,7 @@ def reduce(k, v, axis: int, valid=None) -> lse.Acc:
   where ``valid`` (broadcast against k). k ``[..., T, ..., H]``; v k's shape or one more axis.
 
   The maximum carries no gradient (it cancels in num / den)."""
-  if valid is None:
-    valid = jnp.ones(k.shape, bool)
-  valid = jnp.broadcast_to(valid, k.shape)
-  k = jnp.where(valid, k, lse.NEG)
-  m = _sg(jnp.max(k, axis=axis))
-  p = jnp.where(valid, jnp.exp(k - jnp.expand_dims(m, axis)), 0.0)
-  num = jnp.sum(lse.bcast(p, v) * jnp.where(lse.bcast(valid, v), v, 0.0), axis=axis)
-  return lse.Acc(m, num, jnp.sum(p, axis=axis))
+  return lse.from_terms(k, v, True if valid is None else valid, axis)
 
 
 def reduce_over(acc: lse.Acc, axis: int, valid) -> lse.Acc:
