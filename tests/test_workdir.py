@@ -86,6 +86,13 @@ def test_a_missing_or_damaged_vocabulary_file_is_one_line_naming_it(tmp_path):
     f.truncate(os.path.getsize(wd.vocab_file) - 1)  # cut inside the last token
   with pytest.raises(ValueError, match=r"--workdir .*vocab\.txt is truncated"):
     wd.load_vocab()
+  wd.save_corpus(pydoc_corpus("word"))
+  tokens = open(wd.vocab_file, encoding="utf-8").read().split("\n")
+  tokens[0], tokens[1] = tokens[1], tokens[0]  # whole and the same size, but not the one saved
+  with open(wd.vocab_file, "w", encoding="utf-8") as f:
+    f.write("\n".join(tokens))
+  with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is damaged: it does not"):
+    wd.load_vocab()
   os.remove(wd.vocab_file)
   with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is missing") as e:
     wd.load_vocab()
