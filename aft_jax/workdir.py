@@ -220,10 +220,18 @@ class Workdir:
 
 
 def _read_json(path: str) -> dict | None:
+  """The JSON object in ``path``; None where there is none; a one-line ValueError naming the
+  file where it is not a JSON object (damaged)."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path, "rb") as f:
+      obj = json.loads(f.read())
+  except ValueError as e:  # not UTF-8, or not JSON
+    raise ValueError(f"{path} is damaged: it is not JSON ({str(e).splitlines()[0]})") from None
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path} is damaged: it holds a {type(obj).__name__}, not a JSON object")
+  return obj
 
 
 def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:

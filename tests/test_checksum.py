@@ -66,5 +66,6 @@ def test_mismatches_name_the_array_and_the_json_item():
   damaged = {"params": {"w": jnp.ones((2, 3)).at[1, 2].set(1.0000001)}, "step": state["step"]}
   assert checksum.mismatches(saved, damaged, items) == ["['params']['w']"]
   assert checksum.mismatches(saved, state, {**items, "data": {"next": 5}}) == ["data"]
+  assert checksum.mismatches(saved, state, {"data": items["data"]}) == ["config"]  # lost
   reshaped = {"params": {"w": jnp.ones((3, 2))}, "step": state["step"]}
   assert checksum.mismatches(saved, reshaped, items) == ["['params']['w']"]

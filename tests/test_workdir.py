@@ -97,3 +97,19 @@ def test_a_missing_or_damaged_vocabulary_file_is_one_line_naming_it(tmp_path):
   with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is missing") as e:
     wd.load_vocab()
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "corpus.json", "results.json"])
+def test_a_damaged_json_file_is_one_line_naming_it(tmp_path, name):
+  wd = Workdir(str(tmp_path))
+  wd.write_config({"seed": 3})
+  wd.save_corpus(pydoc_corpus("byte"))
+  wd.write_results({"valid_ppl": 2.5})
+  read = {"config.json": wd.read_config, "corpus.json": wd.read_corpus}.get(name, wd.read_results)
+  path = os.path.join(wd.path, name)
+  for damage in (b"\x00" * 40, b'{"seed": 3\xff}', b"[1, 2]"):
+    with open(path, "wb") as f:
+      f.write(damage)
+    with pytest.raises(ValueError, match=rf"{path} is damaged: ") as e:
+      read()
+    assert "\n" not in str(e.value)

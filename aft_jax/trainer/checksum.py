@@ -104,5 +104,6 @@ def mismatches(saved: dict, state, items: dict) -> list[str]:
     for p in sorted(set(saved.get("arrays", {})) | set(now["arrays"]))
     if saved.get("arrays", {}).get(p) != now["arrays"].get(p)
   ]
-  saved_json = saved.get("json", {})
-  return bad + [name for name in sorted(items) if saved_json.get(name) != now["json"][name]]
+  saved_json = saved.get("json", {})  # an item missing now (its folder lost) is a mismatch too
+  names = sorted(set(saved_json) | set(items))
+  return bad + [name for name in names if saved_json.get(name) != now["json"].get(name)]
