@@ -2,26 +2,33 @@
 
     <workdir>/config.json               the config the run continues with (written once a
                                         restore succeeded; each checkpoint also holds its own)
-    <workdir>/corpus.json               the corpus: name, unit, tokenizer, bos_id, vocabulary size
+    <workdir>/corpus.json               the corpus record (``aft_jax.data.record``): name, unit,
+                                        tokenizer, bos_id, vocabulary size and SHA-256, tokens
+                                        per split, the text files' digests
     <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
     <workdir>/subword.model             subword runs: the SentencePiece model (its SHA-256 is
-                                        in corpus.json, so a damaged copy is refused)
+                                        in corpus.json and in every checkpoint, so a damaged
+                                        or replaced copy is refused)
     <workdir>/metrics.jsonl             one JSON record per logged step, validation and result
     <workdir>/results.json              the final numbers (``aft_jax.trainer.train_lib``)
     <workdir>/final_eval.json           the final evaluation's splits as each is done (a rerun
                                         after an interruption takes them from here)
     <workdir>/trainer.lock              held by the one trainer writing here
     <workdir>/tensorboard/              TensorBoard event files and profiles
-    <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position and config
+    <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position, config, corpus
+                                        record and their checksums
     <workdir>/damaged_checkpoints/<s>/  checkpoints that could not be restored, moved aside
 
 With ``corpus.json`` (and ``vocab.txt`` or ``subword.model``) a workdir is self-contained:
 sampling, evaluating a text file and exporting need neither the dataset nor a data folder, so a
 copied workdir works on another machine. Only evaluating a split of the corpus reads the data again.
 
+Nothing here is written by a run that is then refused: the trainer checks the config, the data
+and the checkpoint against the workdir first, and writes only once every check has passed.
+
 This module is the bottom layer of the trainer and the tools: it imports only the package's
-file helpers and vocabularies. What is in a checkpoint is ``aft_jax.trainer.checkpointing``'s;
-loading a trained run back is ``aft_jax.tools.trained``.
+file helpers, vocabularies and corpus record (``aft_jax.data.record``). What is in a checkpoint
+is ``aft_jax.trainer.checkpointing``'s; loading a trained run back is ``aft_jax.tools.trained``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import math
 import os
 
 from aft_jax import files
-from aft_jax.data import subword
+from aft_jax.data import record, subword
 from aft_jax.data import vocab as vocab_lib
 
 
@@ -112,19 +119,42 @@ class Workdir:
   # ------------------------------------------------------------------ corpus and vocabulary
 
   def save_corpus(self, corpus) -> None:
-    """``corpus.json`` (``corpus_info``) and the vocabulary's file: ``vocab.txt`` for words,
-    ``subword.model`` for subwords (bytes need none)."""
+    """``corpus.json`` (the corpus record, ``record.of_corpus``) and the vocabulary's file:
+    ``vocab.txt`` for words, ``subword.model`` for subwords (bytes need none)."""
     os.makedirs(self.path, exist_ok=True)
     if isinstance(corpus.vocab, vocab_lib.WordVocab):
       corpus.vocab.save(self.vocab_file)
     if isinstance(corpus.vocab, subword.SubwordVocab):
       corpus.vocab.save(self.subword_file)
-    files.atomic_write_json(self.corpus_file, corpus_info(corpus))
+    files.atomic_write_json(self.corpus_file, record.of_corpus(corpus))
+
+  def check_trained_vocab(self, info: dict, vocab: vocab_lib.Vocab, saved: dict | None, since):
+    """Refuses (``record.DataChanged``, one line) a workdir whose vocabulary (``load_vocab``'s
+    ``info`` and ``vocab``) is not the one ``saved`` (a checkpoint's corpus record) says the
+    model was trained with; ``since`` names the checkpoint."""
+    now = {"tokenizer": info["tokenizer"], "vocab_size": vocab.size}
+    if getattr(vocab, "sha256", None) is not None:
+      now["vocab_sha256"] = vocab.sha256
+    file = {"word": self.vocab_file, "subword": self.subword_file}.get(info["tokenizer"])
+    what = f"{os.path.basename(file)} and corpus.json" if file else "corpus.json"
+    saved = {k: v for k, v in (saved or {}).items() if k in now}
+    record.check_corpus(
+      saved,
+      now,
+      since,
+      hint=f"the workdir's {what} were replaced after training (a refused run of an older "
+      "aft_jax rewrote them): put the originals back, or rerun train.py on the original data "
+      "to write them again",
+    )
+
+  def read_corpus(self) -> dict | None:
+    """corpus.json's dict (the corpus record); None where there is none."""
+    return _read_json(self.corpus_file)
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
     """(corpus.json's dict, vocabulary); None for a run saved without them. A vocabulary file
     that is missing or damaged is a one-line ValueError naming it."""
-    info = _read_json(self.corpus_file)
+    info = self.read_corpus()
     if info is None:
       return None
     file = {"word": self.vocab_file, "subword": self.subword_file}.get(info["tokenizer"])
@@ -135,7 +165,13 @@ class Workdir:
       )
     try:
       if info["tokenizer"] == "word":
-        return info, vocab_from_info(info, vocab_lib.WordVocab.load(file).tokens)
+        vocab = vocab_from_info(info, vocab_lib.WordVocab.load(file).tokens)
+        if info.get("vocab_sha256", vocab.sha256) != vocab.sha256:
+          raise ValueError(
+            f"the word vocabulary {file} is damaged: it does not match the SHA-256 recorded "
+            "beside it"
+          )
+        return info, vocab
       if info["tokenizer"] == "subword":
         vocab = subword.SubwordVocab.load(file, info.get("vocab_sha256"))
         return info, _checked_size(vocab, info)
@@ -184,28 +220,22 @@ class Workdir:
 
 
 def _read_json(path: str) -> dict | None:
+  """The JSON object in ``path``; None where there is none; a one-line ValueError naming the
+  file where it is not a JSON object (damaged)."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def corpus_info(corpus) -> dict:
-  """What corpus.json says of a corpus (``aft_jax.data.Corpus``)."""
-  info = {
-    "name": corpus.name,
-    "unit": corpus.unit,
-    "tokenizer": corpus.vocab.unit,
-    "bos_id": int(corpus.bos_id),
-    "vocab_size": int(corpus.vocab.size),
-  }
-  if isinstance(corpus.vocab, subword.SubwordVocab):
-    info["vocab_sha256"] = corpus.vocab.sha256
-  return info
+  try:
+    with open(path, "rb") as f:
+      obj = json.loads(f.read())
+  except ValueError as e:  # not UTF-8, or not JSON
+    raise ValueError(f"{path} is damaged: it is not JSON ({str(e).splitlines()[0]})") from None
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path} is damaged: it holds a {type(obj).__name__}, not a JSON object")
+  return obj
 
 
 def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
-  """What an export keeps of a vocabulary beside ``corpus_info``: a word vocabulary's tokens,
+  """What an export keeps of a vocabulary beside the corpus record: a word vocabulary's tokens,
   a subword model's bytes (base64), nothing for bytes; ``vocab_from_info`` reads it back."""
   if isinstance(vocab, vocab_lib.WordVocab):
     return vocab.tokens

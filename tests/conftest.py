@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, STDLIB_JSON, trained_run_config
 
 # Many tests (and the train.py subprocesses they start, which inherit the environment) compile
 # the same tiny programs: a persistent compilation cache compiles each of them once per run.
@@ -34,13 +34,19 @@ def trained_run(tmp_path_factory):
   from aft_jax.trainer import train_lib
 
   path = str(tmp_path_factory.mktemp("trained") / "run")
-  config = tiny_config(
-    num_train_steps=4,
-    eval_every_steps=2,
-    profile_steps=(1, 3),
-    **{"sample.length": 10, "sample.prompt": "The "},
-  )
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    results = train_lib.train_and_evaluate(config, path)
+    results = train_lib.train_and_evaluate(trained_run_config(), path)
   return path, results, out.getvalue()
+
+
+@pytest.fixture
+def docs(tmp_path):
+  """A folder of real text: a copy of the standard library's json package (5 files)."""
+  import shutil
+
+  folder = tmp_path / "docs"
+  folder.mkdir()
+  for path in STDLIB_JSON:
+    shutil.copy(path, folder)
+  return folder

@@ -2,11 +2,14 @@
 traced (uncompiled) structure and size of a module's parameters."""
 
 import functools
+import glob
 import os
 
 # jax is imported inside the helpers: conftest imports this module before it sets the
 # environment (the compilation cache) that jax reads when it is first imported.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Real text no one here wrote: the standard library's json package (5 files, ~48 KB).
+STDLIB_JSON = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py")))
 
 
 def tiny_config(**overrides):
@@ -24,6 +27,17 @@ def tiny_config(**overrides):
   config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 1000
   config.sample.length = 0
   return override(config, overrides)
+
+
+def trained_run_config():
+  """The config of the session fixture ``trained_run`` (tests/conftest.py): a rerun with it
+  resumes that run (or is refused for what changed)."""
+  return tiny_config(
+    num_train_steps=4,
+    eval_every_steps=2,
+    profile_steps=(1, 3),
+    **{"sample.length": 10, "sample.prompt": "The "},
+  )
 
 
 def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
@@ -128,3 +142,19 @@ def equations(jaxpr, name: str):
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
           yield from equations(sub, name)
+
+
+def listing(path) -> dict[str, str]:
+  """{path relative to ``path``: the SHA-256 of its bytes, or "folder"} of everything under
+  ``path``: equal before and after a run that was refused, if it changed nothing."""
+  import hashlib
+
+  out = {}
+  for root, dirs, files in os.walk(path):
+    for d in dirs:
+      out[os.path.relpath(os.path.join(root, d), path)] = "folder"
+    for f in files:
+      full = os.path.join(root, f)
+      with open(full, "rb") as fh:
+        out[os.path.relpath(full, path)] = hashlib.sha256(fh.read()).hexdigest()
+  return out

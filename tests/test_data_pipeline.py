@@ -98,8 +98,12 @@ def test_checkpoint_restores_the_following_batches():
   )
   half.set_state(state)
   np.testing.assert_array_equal(next(half)["inputs"], expected[0]["inputs"][2:])
-  with pytest.raises(ValueError, match="seed"):
+  with pytest.raises(ValueError, match=r"is for seed = 7 \(now 8\): the batches that follow"):
     pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=8).set_state(state)
+  # Another length of the train split: the source files changed, said as such.
+  longer = pipeline.train_iterator(_tokens(3100), seq_len=L, global_batch_size=4, seed=7)
+  with pytest.raises(ValueError, match="has 3,100 tokens, step 5 was trained on 3,000: its sou"):
+    longer.check_state(state, "step 5")
 
 
 def test_train_argument_errors():

@@ -11,22 +11,10 @@ import pytest
 from aft_jax.data import load_corpus, store, subword, text
 from aft_jax.data.config import DataConfig
 
-STDLIB_JSON = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py")))
-
 
 def _load(tmp_path, **cfg):
   cfg = {"dataset": "text", "data_dir": str(tmp_path / "data"), **cfg}
   return load_corpus(cfg, process_index=0, barrier=lambda name: None)
-
-
-@pytest.fixture
-def docs(tmp_path):
-  """A folder of real text: a copy of the standard library's json package (5 files)."""
-  folder = tmp_path / "docs"
-  folder.mkdir()
-  for path in STDLIB_JSON:
-    shutil.copy(path, folder)
-  return folder
 
 
 def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):

@@ -109,6 +109,7 @@ def test_evaluate_bad_flags_are_one_line_errors(byte_run, flags, message):
 def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
   path = byte_run[0]
   corpus = json.load(open(os.path.join(path, "corpus.json")))
+  tokens = corpus.pop("tokens")  # the corpus record: what a resume and the tools check
   assert corpus == {
     "bos_id": 10,
     "name": "pydoc-byte",
@@ -116,6 +117,7 @@ def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
     "unit": "byte",
     "vocab_size": 256,
   }
+  assert set(tokens) == {"train", "validation", "test"} and min(tokens.values()) > 0
   config = json.load(open(os.path.join(path, "config.json")))
   assert os.path.isabs(config["data"]["data_dir"])
   words = open(os.path.join(word_run[0], "vocab.txt"), encoding="utf-8").read().splitlines()

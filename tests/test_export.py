@@ -67,10 +67,19 @@ def _tamper(path, out, edit):
   meta, params = json.loads(body["meta"]), body["params"]
   edit(meta, params)
   payload = serialization.msgpack_serialize({"meta": json.dumps(meta), "params": params})
-  header = {"format": export.FORMAT, "version": export.VERSION}
-  header["sha256"] = hashlib.sha256(payload).hexdigest()
+  return _write(out, payload)
+
+
+def _write(out, payload, version=export.VERSION, sha256=None):
+  """An export file of ``payload`` claiming ``version``, its digest made by that version's rule
+  (or ``sha256``)."""
+  sha256 = sha256 or export._digest(version, payload)
   with open(out, "wb") as f:
-    f.write(serialization.msgpack_serialize({**header, "payload": payload}))
+    f.write(
+      serialization.msgpack_serialize(
+        dict(format=export.FORMAT, version=version, sha256=sha256, payload=payload)
+      )
+    )
   return str(out)
 
 
@@ -103,6 +112,21 @@ def test_a_damaged_or_edited_export_is_refused_in_one_line(run_dir, tmp_path, ca
   for edit, message in cases:
     with pytest.raises(ValueError, match=message):
       aft_jax.load_pretrained(_tamper(path, tmp_path / f"{edit.__name__}.msgpack", edit))
+  # The last byte of a msgpack export is its format version: flipped (to 2, or to 7), it is
+  # damage, not another format, since the digest covers the version.
+  for bit in (1, 4):
+    last = bytearray(open(path, "rb").read())
+    last[-1] ^= bit
+    (tmp_path / "last.msgpack").write_bytes(bytes(last))
+    with pytest.raises(ValueError, match="last.msgpack is damaged: its contents do not match"):
+      aft_jax.load_pretrained(str(tmp_path / "last.msgpack"))
+  # A file a newer aft_jax wrote (its digest verifies under the version it claims) says so,
+  # and one of version 2 (the payload's SHA-256 alone) still loads.
+  payload = serialization.msgpack_restore(open(path, "rb").read())["payload"]
+  with pytest.raises(ValueError, match="has format version 7; update aft_jax"):
+    aft_jax.load_pretrained(_write(tmp_path / "newer.msgpack", payload, version=7))
+  old = _write(tmp_path / "v2.msgpack", payload, 2, hashlib.sha256(payload).hexdigest())
+  assert aft_jax.load_pretrained(old)[2].size == aft_jax.load_pretrained(path)[2].size
   no_version = tmp_path / "no_version.msgpack"
   no_version.write_bytes(serialization.msgpack_serialize({"format": export.FORMAT}))
   with pytest.raises(ValueError, match="has no format version"):
@@ -151,7 +175,7 @@ def test_safetensors_export_loads_and_an_edited_one_is_refused_in_one_line(run_d
     edited = dict(tensors)
     edit(edited)
     meta = metadata[export.SAFETENSORS_META]
-    digest = hashlib.sha256(export._payload(meta, export._nested(edited))).hexdigest()
+    digest = export._digest(export.VERSION, export._payload(meta, export._nested(edited)))
     out = str(tmp_path / name)
     save_file(edited, out, metadata={**metadata, "sha256": digest})
     return out

@@ -4,7 +4,16 @@ perplexity and bits per byte; a copy of the workdir moved elsewhere generates, e
 file and exports (msgpack and safetensors) on its own; a damaged vocabulary is refused.
 
 One run (in-process, as train.py runs it) serves every check: they are one test, so that
-pytest-xdist's two workers never train it twice."""
+pytest-xdist's two workers never train it twice.
+
+Then the data a run was trained on changes (a train file changed, deleted or added, another
+``data.vocab_size`` or ``data.tokenizer``): the rerun of train.py and ``aft-evaluate --split``
+are refused in one line naming what changed, before anything is prepared or compiled, and leave
+the workdir and the data folder byte for byte as they were, so ``aft-generate`` and
+``aft-export`` give what they gave before; and a workdir whose vocabulary was replaced after
+training (what a refused run of an older version did) is refused by every tool in one line
+naming the file. A second tiny run (its files in a temporary folder) serves these.
+"""
 
 import contextlib
 import io
@@ -12,15 +21,20 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 import aft_jax
+from aft_jax.data import subword, text as text_lib
+from aft_jax.data.config import DataConfig
 from aft_jax.tools import evaluate, export, generate, trained
 from aft_jax.trainer import train_lib
 from tests import test_recipes
+from tests.helpers import ROOT, STDLIB_JSON, config_flags, listing, train_py
 
 STDLIB = os.path.dirname(os.__file__)
 TRAIN_FILES = os.path.join(STDLIB, "json", "*.py")  # 5 files, ~48 KB: 3 train, 1 valid, 1 test
@@ -119,3 +133,209 @@ def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
   os.remove(model)
   with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is missing"):
     evaluate.main(["--workdir", copy, "--text_file", __file__])
+
+
+# ------------------------------------------------------------------ the data changes after training
+
+
+def _subword_config(docs, data_dir, **overrides):
+  return test_recipes.recipe(
+    "text.py",
+    **{
+      "data.train_files": str(docs / "*.py"),
+      "data.vocab_size": 400,
+      "data.data_dir": str(data_dir),
+      "eval_every_steps": 1000,
+      "checkpoint_every_steps": 1000,
+      **overrides,
+    },
+  )
+
+
+def _generate(workdir) -> str:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    generate.main(["--workdir", workdir, "--prompt", "def ", "--length", "8", "--seed", "3"])
+  return out.getvalue()
+
+
+def _export(workdir, out) -> bytes:
+  with contextlib.redirect_stdout(io.StringIO()):
+    export.main(["--workdir", workdir, "--out", str(out)])
+  with open(out, "rb") as f:
+    return f.read()
+
+
+@pytest.fixture(scope="module")
+def subword_run(tmp_path_factory):
+  """A tiny 400-piece subword run on a copy of the stdlib's json package (3 train files, 1
+  validation, 1 test), with what generate and export gave right after training."""
+  tmp = tmp_path_factory.mktemp("subword_run")
+  docs = tmp / "docs"
+  docs.mkdir()
+  for path in STDLIB_JSON:
+    shutil.copy(path, docs)
+  shutil.copytree(docs, tmp / "original")
+  run = {"tmp": tmp, "docs": docs, "data": tmp / "data", "workdir": str(tmp / "run")}
+  with contextlib.redirect_stdout(io.StringIO()):
+    train_lib.train_and_evaluate(_subword_config(docs, run["data"]), run["workdir"])
+  run["generated"] = _generate(run["workdir"])
+  run["exported"] = _export(run["workdir"], tmp / "model.msgpack")
+  return run
+
+
+def _train_file(run) -> str:
+  cfg = DataConfig.of(_subword_config(run["docs"], run["data"]).data)
+  return text_lib.split_files(cfg)["train"][0]
+
+
+def _change(run):
+  with open(_train_file(run), "a") as f:
+    f.write("# edited after training\n")
+  return {}, r"train file {} changed".format(_train_file(run))
+
+
+def _delete(run):
+  path = _train_file(run)
+  os.remove(path)
+  return {}, f"train file {path} was deleted"
+
+
+def _add(run):
+  path = run["docs"] / "added.py"
+  path.write_text("def added():\n  return 1\n")
+  return {}, f"{path} was added"
+
+
+DATA_CHANGES = {
+  "a train file changed": _change,
+  "a train file deleted": _delete,
+  "a train file added": _add,
+  "data.vocab_size": lambda run: ({"data.vocab_size": 420}, "data.vocab_size: 400 in the workdir"),
+  "data.tokenizer": lambda run: ({"data.tokenizer": "byte"}, "data.tokenizer: 'subword' in the"),
+}
+
+
+@contextlib.contextmanager
+def _changed(run, case):
+  """The run's data changed as ``case`` says for the block: (config overrides, what the
+  refusal names); the files are put back afterwards."""
+  try:
+    yield DATA_CHANGES[case](run)
+  finally:
+    shutil.rmtree(run["docs"])
+    shutil.copytree(run["tmp"] / "original", run["docs"])
+
+
+def _listings(run) -> tuple[dict, dict]:
+  return listing(run["workdir"]), listing(run["data"])
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["", "allow_config_change"])
+@pytest.mark.parametrize("case", DATA_CHANGES)
+def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
+  case, allow, subword_run
+):
+  """Refused before any corpus is prepared or model compiled, with or without
+  --allow_config_change, naming the file or key; the workdir and the data folder unchanged."""
+  before = _listings(subword_run)
+  with _changed(subword_run, case) as (overrides, says):
+    config = _subword_config(subword_run["docs"], subword_run["data"], **overrides)
+    with pytest.raises(ValueError) as e:
+      with contextlib.redirect_stdout(io.StringIO()):
+        train_lib.train_and_evaluate(config, subword_run["workdir"], allow_config_change=allow)
+    line = str(e.value)
+    assert says in line and "\n" not in line, line
+    if case.startswith("a train file"):
+      assert line.startswith("the data changed since the checkpoint at step 2: ")
+    if case.startswith("a train file") and not allow:  # the tools score no rebuilt corpus
+      with pytest.raises(SystemExit) as e:
+        evaluate.main(["--workdir", subword_run["workdir"], "--split", "validation"])
+      line = str(e.value)
+      prefix = f"evaluate: --workdir {subword_run['workdir']}: the data changed since the "
+      assert line.startswith(prefix + "checkpoint at step 2 was written: "), line
+      assert says in line and "--split scores the corpus" in line and "\n" not in line, line
+  assert _listings(subword_run) == before
+
+
+def test_after_the_refused_runs_generate_and_export_give_what_they_gave(subword_run, tmp_path):
+  """Whatever ran before (the refusals above, in any order): the samples and the exported
+  file are the ones of right after training."""
+  assert _generate(subword_run["workdir"]) == subword_run["generated"]
+  assert _export(subword_run["workdir"], tmp_path / "again.msgpack") == subword_run["exported"]
+
+
+def test_as_a_user_runs_them_train_and_evaluate_say_one_line_and_exit_1(subword_run):
+  """The headline case with the commands themselves: a deleted train file."""
+  before = _listings(subword_run)
+  config = _subword_config(subword_run["docs"], subword_run["data"])
+  with _changed(subword_run, "a train file deleted") as (_, says):
+    train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
+    split = [sys.executable, "-m", "aft_jax.tools.evaluate", "--workdir", subword_run["workdir"]]
+    for cmd in (train, split + ["--split", "validation"]):
+      done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+      assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+      assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
+        done.stderr
+      )
+  assert _listings(subword_run) == before
+
+
+@pytest.fixture
+def replaced_vocabulary(subword_run, tmp_path):
+  """A copy of the run whose subword.model and corpus.json were rewritten for a changed train
+  file (another model of the same 400 pieces), as a refused run of an older version left them."""
+  workdir = str(tmp_path / "replaced")
+  shutil.copytree(subword_run["workdir"], workdir)
+  files = text_lib.split_files(DataConfig.of(_subword_config(subword_run["docs"], "x").data))
+  docs = [open(p).read() for p in files["train"]]
+  other = subword.train(docs[:-1] + [docs[-1] + "\n# edited after training\n"], 400)
+  with open(os.path.join(workdir, "corpus.json")) as f:
+    info = json.load(f)
+  assert other.sha256 != info["vocab_sha256"]
+  other.save(os.path.join(workdir, "subword.model"))
+  with open(os.path.join(workdir, "corpus.json"), "w") as f:
+    json.dump(dict(info, vocab_sha256=other.sha256), f)
+  return workdir
+
+
+TOOLS = {
+  "generate": lambda wd, tmp: ["aft_jax.tools.generate", "--workdir", wd, "--length", "4"],
+  "evaluate --text_file": lambda wd, tmp: [
+    "aft_jax.tools.evaluate",
+    "--workdir",
+    wd,
+    "--text_file",
+    __file__,
+  ],
+  "evaluate --split": lambda wd, tmp: ["aft_jax.tools.evaluate", "--workdir", wd],
+  "export": lambda wd, tmp: ["aft_jax.tools.export", "--workdir", wd, "--out", f"{tmp}/m.msgpack"],
+}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
+  tool, replaced_vocabulary, tmp_path
+):
+  """The vocabulary is checked against the checkpoint's record before any array is read: one
+  line naming subword.model, the workdir as it was, nothing exported."""
+  before = listing(replaced_vocabulary)
+  module, *argv = TOOLS[tool](replaced_vocabulary, tmp_path)
+  main = {"aft_jax.tools.generate": generate.main, "aft_jax.tools.export": export.main}.get(
+    module, evaluate.main
+  )
+  with pytest.raises(SystemExit) as e:
+    with contextlib.redirect_stdout(io.StringIO()):
+      main(argv)
+  line = str(e.value)
+  assert (
+    "\n" not in line and "the data changed since the checkpoint at step 2 was written: " in line
+  )
+  assert "the subword vocabulary is another one (SHA-256" in line, line
+  assert "the workdir's subword.model and corpus.json were replaced after training" in line
+  assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
+  if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
+    done = subprocess.run(
+      [sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]

@@ -86,7 +86,30 @@ def test_a_missing_or_damaged_vocabulary_file_is_one_line_naming_it(tmp_path):
     f.truncate(os.path.getsize(wd.vocab_file) - 1)  # cut inside the last token
   with pytest.raises(ValueError, match=r"--workdir .*vocab\.txt is truncated"):
     wd.load_vocab()
+  wd.save_corpus(pydoc_corpus("word"))
+  tokens = open(wd.vocab_file, encoding="utf-8").read().split("\n")
+  tokens[0], tokens[1] = tokens[1], tokens[0]  # whole and the same size, but not the one saved
+  with open(wd.vocab_file, "w", encoding="utf-8") as f:
+    f.write("\n".join(tokens))
+  with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is damaged: it does not"):
+    wd.load_vocab()
   os.remove(wd.vocab_file)
   with pytest.raises(ValueError, match=r"word vocabulary .*vocab\.txt is missing") as e:
     wd.load_vocab()
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "corpus.json", "results.json"])
+def test_a_damaged_json_file_is_one_line_naming_it(tmp_path, name):
+  wd = Workdir(str(tmp_path))
+  wd.write_config({"seed": 3})
+  wd.save_corpus(pydoc_corpus("byte"))
+  wd.write_results({"valid_ppl": 2.5})
+  read = {"config.json": wd.read_config, "corpus.json": wd.read_corpus}.get(name, wd.read_results)
+  path = os.path.join(wd.path, name)
+  for damage in (b"\x00" * 40, b'{"seed": 3\xff}', b"[1, 2]"):
+    with open(path, "wb") as f:
+      f.write(damage)
+    with pytest.raises(ValueError, match=rf"{path} is damaged: ") as e:
+      read()
+    assert "\n" not in str(e.value)

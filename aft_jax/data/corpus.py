@@ -56,6 +56,10 @@ class Corpus:
       document boundary), ord('\\n') for bytes.
     num_bytes: split -> the UTF-8 bytes its tokens stand for (bits per byte = total NLL /
       ln 2 / bytes), where known (text corpora and subword WikiText-103).
+    fingerprint: the prepared corpus's source fingerprint (``store.FINGERPRINT_KEY``), where
+      it has one.
+    sources: text corpora: {split: {file: digest}} (``text.source_files``), so that a run can
+      say which file changed since (``aft_jax.data.record``).
   """
 
   name: str
@@ -64,6 +68,8 @@ class Corpus:
   splits: Mapping[str, np.ndarray]
   bos_id: int
   num_bytes: Mapping[str, int] | None = None
+  fingerprint: str | None = None
+  sources: Mapping[str, Mapping[str, str]] | None = None
 
 
 def load_corpus(
@@ -96,8 +102,9 @@ def load_corpus(
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
     out = store.prepared_dir(data_dir, text.corpus_name(cfg, text.split_files(cfg)))
+    sources = text.source_files(cfg)
     _on_process_zero(lambda: text.prepare_text(data_dir, cfg), process_index, barrier)
-    return load_prepared(out)
+    return dataclasses.replace(load_prepared(out), sources=sources)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
   kwargs = {
@@ -198,6 +205,7 @@ def load_prepared(path: str) -> Corpus:
     splits=splits,
     bos_id=vocab.eos_id,
     num_bytes=summary.get("bytes"),
+    fingerprint=summary.get(store.FINGERPRINT_KEY),
   )
 
 

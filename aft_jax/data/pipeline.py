@@ -87,12 +87,30 @@ class TrainIterator:
   def get_state(self) -> dict:
     return {"version": _STATE_VERSION, **self._fingerprint, "grain": self._it.get_state()}
 
-  def set_state(self, state: dict) -> None:
-    mismatched = {k: (state.get(k), v) for k, v in self._fingerprint.items() if state.get(k) != v}
-    if state.get("version") != _STATE_VERSION or mismatched:
+  def check_state(self, state: dict, since: str = "the checkpoint") -> None:
+    """Raises a one-line ValueError unless ``state`` (``get_state``'s, of ``since``) can be
+    continued by this iterator: the same train split length, seq_len, batch and seed."""
+    if state.get("version") != _STATE_VERSION:
       raise ValueError(
-        f"iterator state does not match this iterator: (saved, current) = {mismatched}"
+        f"the data position in {since} has format version {state.get('version')!r}, this "
+        f"version of aft_jax reads {_STATE_VERSION}: resume it with the aft_jax that wrote it"
       )
+    mismatched = [k for k, v in self._fingerprint.items() if state.get(k) != v]
+    if "num_tokens" in mismatched:
+      raise ValueError(
+        f"the train split has {self._fingerprint['num_tokens']:,} tokens, {since} was trained "
+        f"on {state.get('num_tokens'):,}: its source files changed since; a run resumes only "
+        "on the data it was trained on: restore the files, or use another --workdir"
+      )
+    if mismatched:
+      was = ", ".join(f"{k} = {state.get(k)!r} (now {self._fingerprint[k]!r})" for k in mismatched)
+      raise ValueError(
+        f"the data position in {since} is for {was}: the batches that follow it cannot be "
+        "reproduced; resume with those settings, or use another --workdir"
+      )
+
+  def set_state(self, state: dict) -> None:
+    self.check_state(state)
     self._it = self._new_iterator()
     self._it.set_state(state["grain"])
 

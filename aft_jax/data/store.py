@@ -171,6 +171,17 @@ def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarra
 _END_BYTES = 1 << 20
 
 
+def _hash_file(h, path: str) -> None:
+  """Adds a file's size, first MiB and last MiB to the hash ``h`` (``fingerprint``'s rule)."""
+  size = os.path.getsize(path)
+  h.update(f"{os.path.basename(path)}\0{size}\0".encode())
+  with open(path, "rb") as f:
+    h.update(f.read(_END_BYTES))
+    if size > _END_BYTES:
+      f.seek(max(_END_BYTES, size - _END_BYTES))
+      h.update(f.read())
+
+
 def fingerprint(paths: Sequence[str]) -> str:
   """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB.
 
@@ -181,14 +192,16 @@ def fingerprint(paths: Sequence[str]) -> str:
   """
   h = hashlib.sha256()
   for path in paths:
-    size = os.path.getsize(path)
-    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
-    with open(path, "rb") as f:
-      h.update(f.read(_END_BYTES))
-      if size > _END_BYTES:
-        f.seek(max(_END_BYTES, size - _END_BYTES))
-        h.update(f.read())
+    _hash_file(h, path)
   return "size+ends-sha256:" + h.hexdigest()
+
+
+def file_digest(path: str) -> str:
+  """One file's fingerprint (the same rule), shortened to 16 hex digits: what a run records
+  of each of its text files, to name the one that changed."""
+  h = hashlib.sha256()
+  _hash_file(h, path)
+  return h.hexdigest()[:16]
 
 
 def reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict | None:

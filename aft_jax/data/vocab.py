@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -178,9 +179,17 @@ class WordVocab(Vocab):
         line.append(tok)
     return "".join(lines) + " ".join(line)
 
+  def _file_text(self) -> str:
+    return "".join(t + "\n" for t in self._tokens)
+
+  @property
+  def sha256(self) -> str:
+    """The SHA-256 of the vocabulary's file (what ``save`` writes)."""
+    return hashlib.sha256(self._file_text().encode("utf-8")).hexdigest()
+
   def save(self, path: str) -> None:
     """One token per line, id order, written atomically."""
-    files.atomic_write(path, "".join(t + "\n" for t in self._tokens))
+    files.atomic_write(path, self._file_text())
 
   @classmethod
   def load(cls, path: str) -> "WordVocab":

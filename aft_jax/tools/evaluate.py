@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 SPLITS = ("train", "validation", "test")
+SPLIT_HINT = (
+  "--split scores the corpus the run was trained on: restore its files (--text_file scores "
+  "any file)"
+)
 
 
 def read_text(path: str) -> str:
@@ -91,12 +95,12 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
     split = split or "validation"
     if split not in SPLITS:
       raise ValueError(f"--split {split!r} must be one of {SPLITS}")
+    from aft_jax.data import record  # pylint: disable=g-import-not-at-top
+    from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
+
     corpus = data_lib.load_corpus(cfg.data)
-    if corpus.vocab.size != run.vocab.size:
-      raise ValueError(
-        f"the corpus {corpus.name} now has {corpus.vocab.size} tokens, the run "
-        f"{run.vocab.size}: the data changed since training"
-      )
+    trained_on = run.record or run.corpus_info  # the checkpoint's record, else corpus.json's
+    record.check_corpus(trained_on, record.of_corpus(corpus), trained.since(run.step), SPLIT_HINT)
     tokens = corpus.splits[split]
     num_bytes = (corpus.num_bytes or {}).get(split)
     result.update(split=split)
@@ -127,8 +131,19 @@ def evaluate_main(args: argparse.Namespace) -> dict:
   if args.stride is not None and args.stride < 0:
     raise ValueError(f"--stride = {args.stride} must be >= 0 (0: disjoint windows)")
   text = read_text(args.text_file) if args.text_file is not None else None
-  Workdir(args.workdir).check(args.step)  # before anything slow
-  run = trained.load_run(args.workdir, args.step)
+  wd = Workdir(args.workdir)
+  wd.check(args.step)  # before anything slow
+  check = None
+  if text is None:  # a split: its files must be the ones trained on, checked before any load
+    from aft_jax.data import record  # pylint: disable=g-import-not-at-top
+
+    data_cfg = wd.read_config()["data"]
+
+    def check(step, trained_on):
+      now = record.sources(data_cfg)
+      record.check_sources(trained_on, now, trained.since(step), SPLIT_HINT)
+
+  run = trained.load_run(wd, args.step, check=check)
   result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:

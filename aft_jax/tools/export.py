@@ -30,10 +30,16 @@ from flax import serialization
 from aft_jax import files
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
-# 2: the parameters and model config as one payload with its SHA-256 (any changed byte is
-# refused); 1: the same without a checksum (still read).
-VERSION = 2
+# 3: the parameters and model config as one payload, with the SHA-256 of the format name, the
+# version and the payload (``_digest``), so that any changed byte, the version's too, is refused
+# as damage; 2: the SHA-256 of the payload alone; 1: no checksum (both still read). Every later
+# version keeps version 3's rule, so a reader tells a newer file (whose digest verifies under
+# the version it claims) from a damaged one.
+VERSION = 3
 FORMATS = ("msgpack", "safetensors")
+# What an export keeps of the corpus record (``aft_jax.data.record``): what the ids mean, not
+# where the training files were.
+CORPUS_KEYS = ("name", "unit", "tokenizer", "bos_id", "vocab_size", "vocab_sha256")
 SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON meta
 
 
@@ -48,6 +54,25 @@ def _payload(meta: str, params) -> bytes:
   """The bytes an export's SHA-256 is taken of: the msgpack of {meta, params}, keys sorted
   (a safetensors file, which keeps tensors by name, rebuilds exactly these bytes)."""
   return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
+
+
+def _digest(version: int, payload: bytes) -> str:
+  """The SHA-256 an export of ``version`` carries for its ``payload``: from version 3 on, of the
+  format name and the version too (``VERSION``)."""
+  head = b"" if version == 2 else f"{FORMAT} {version}\n".encode()
+  return hashlib.sha256(head + payload).hexdigest()
+
+
+def _check_digest(path: str, version, payload, sha256) -> None:
+  """Refuses a file whose digest does not verify (damage, whatever its version says), then one
+  of a version this reader does not know (a newer aft_jax wrote it)."""
+  known = isinstance(version, int) and version >= 2
+  if not (known and isinstance(payload, bytes) and _digest(version, payload) == sha256):
+    raise ValueError(
+      f"load_pretrained: {path} is damaged: its contents do not match their SHA-256 checksum"
+    )
+  if version > VERSION:
+    raise ValueError(f"load_pretrained: {path} has format version {version}; update aft_jax")
 
 
 def _sorted(tree):
@@ -85,12 +110,13 @@ def export_params(
   the SHA-256 of the same payload."""
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
+  corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
   meta = json.dumps(
     {"model": _model_config_dict(model_cfg), "corpus": corpus_info, "vocab": vocab_payload(vocab)}
   )
   params = _to_numpy(serialization.to_state_dict(params))
   payload = _payload(meta, params)
-  header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(payload).hexdigest()}
+  header = {"format": FORMAT, "version": VERSION, "sha256": _digest(VERSION, payload)}
   if fmt == "safetensors":
     from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
 
@@ -133,14 +159,9 @@ def _read_safetensors(path: str, data: bytes) -> dict:
   info = header.get("__metadata__") or {}
   if info.get("format") != FORMAT or SAFETENSORS_META not in info:
     raise ValueError(f"load_pretrained: {path} is a safetensors file but not an aft_jax export")
-  if not info.get("version", "").isdigit() or int(info["version"]) > VERSION:
-    raise ValueError(f"load_pretrained: {path} has format version {info.get('version')!r}")
   params = _nested(flat)
-  digest = hashlib.sha256(_payload(info[SAFETENSORS_META], params)).hexdigest()
-  if digest != info.get("sha256"):
-    raise ValueError(
-      f"load_pretrained: {path} is damaged: its contents do not match their SHA-256 checksum"
-    )
+  version = int(info["version"]) if str(info.get("version", "")).isdigit() else None
+  _check_digest(path, version, _payload(info[SAFETENSORS_META], params), info.get("sha256"))
   return {"meta": info[SAFETENSORS_META], "params": params}
 
 
@@ -160,19 +181,13 @@ def _read(path: str) -> dict:
   if not isinstance(tree, dict) or tree.get("format") != FORMAT:
     raise ValueError(f"load_pretrained: {path} is not an aft_jax export")
   version = tree.get("version")
-  if not isinstance(version, int) or version < 1:
+  if version is None and "payload" not in tree:
     raise ValueError(f"load_pretrained: {path} has no format version: not a whole export")
-  if version > VERSION:
-    raise ValueError(f"load_pretrained: {path} has format version {version}; update aft_jax")
-  if version == 1:
+  if version == 1 and "payload" not in tree:  # written before exports carried a checksum
     body = tree
   else:
-    payload = tree.get("payload")
-    if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != tree.get("sha256"):
-      raise ValueError(
-        f"load_pretrained: {path} is damaged: its contents do not match their SHA-256 checksum"
-      )
-    body = serialization.msgpack_restore(payload)
+    _check_digest(path, version, tree.get("payload"), tree.get("sha256"))
+    body = serialization.msgpack_restore(tree["payload"])
   if not isinstance(body.get("meta"), str) or not isinstance(body.get("params"), dict):
     raise ValueError(f"load_pretrained: {path} has no model config or parameters")
   return body

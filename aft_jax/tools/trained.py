@@ -13,7 +13,8 @@ from aft_jax import sharding
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.trainer import checkpointing, train_lib
-from aft_jax.workdir import Workdir, corpus_info
+from aft_jax.data import record
+from aft_jax.workdir import Workdir
 
 
 @dataclasses.dataclass
@@ -27,16 +28,27 @@ class TrainedRun:
   vocab: vocab_lib.Vocab
   corpus_info: dict  # corpus.json's dict
   trainer: train_lib.Trainer  # on one device
+  record: dict | None = None  # the checkpoint's corpus record (None: written before they were)
 
   @property
   def bos_id(self) -> int:
     return self.corpus_info["bos_id"]
 
 
-def load_run(workdir: str | Workdir, step: int | None = None) -> TrainedRun:
+def since(step: int) -> str:
+  """How a refusal names the checkpoint a record came from."""
+  return f"the checkpoint at step {step} was written"
+
+
+def load_run(workdir: str | Workdir, step: int | None = None, *, check=None) -> TrainedRun:
   """The run in ``workdir`` at checkpoint ``step`` (default: the latest), on one device.
 
-  The vocabulary comes from the workdir; runs saved before it kept one load the corpus.
+  The vocabulary comes from the workdir, and must be the one the checkpoint records it was
+  trained with (a one-line ``record.DataChanged`` naming the file otherwise); runs saved before
+  the workdir kept one load the corpus. The checkpoint is verified against its checksums: a
+  damaged latest one is skipped (one note on stderr), a damaged ``step`` is a one-line error.
+  ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
+  to refuse (``aft-evaluate --split`` checks the data files with it).
   """
   wd = Workdir.of(workdir)
   explicit = step is not None
@@ -47,8 +59,15 @@ def load_run(workdir: str | Workdir, step: int | None = None) -> TrainedRun:
     from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top  (TFDS: slow)
 
     corpus = data_lib.load_corpus(config.data)
-    saved = corpus_info(corpus), corpus.vocab
+    saved = record.of_corpus(corpus), corpus.vocab
   info, vocab = saved
+
+  def check_checkpoint(at: int, items: dict):
+    trained_on = items.get("corpus")
+    wd.check_trained_vocab(info, vocab, trained_on, since(at))
+    if check is not None:
+      check(at, trained_on)
+
   model_cfg = ModelConfig(vocab_size=vocab.size, **config.model).validate()
   one = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
   trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(one, jax.devices()[:1]))
@@ -57,15 +76,22 @@ def load_run(workdir: str | Workdir, step: int | None = None) -> TrainedRun:
   # is that checkpoint or a one-line error that names the others.
   steps = [step] if explicit else sorted(wd.checkpoint_steps(), reverse=True)
   try:
-    step, state, skipped = checkpointing.restore_readable(mngr, steps, trainer.abstract_state)
+    restored, skipped = checkpointing.restore_readable(
+      mngr, steps, trainer.abstract_state, check_checkpoint
+    )
+  except record.DataChanged as e:
+    raise record.DataChanged(f"--workdir {wd}: {e}") from None
   except ValueError as e:
     others = [s for s in wd.checkpoint_steps() if s != step] if explicit else []
     hint = f"; the other checkpoints: --step {', '.join(map(str, others))}" if others else ""
     raise ValueError(f"--workdir {wd}: {e}{hint}") from None
   for bad, why in skipped:
     print(
-      f"note: skipped the damaged checkpoint at step {bad} ({why}); using step {step}, the "
-      "newest one that reads",
+      f"note: skipped the damaged checkpoint at step {bad} ({why}); using step "
+      f"{restored.step}, the newest one that reads",
       file=sys.stderr,
     )
-  return TrainedRun(config, step, trainer.model, state.params, vocab, info, trainer)
+  params = restored.state.params
+  return TrainedRun(
+    config, restored.step, trainer.model, params, vocab, info, trainer, restored.items.get("corpus")
+  )

@@ -4,7 +4,8 @@
   train           the command line (``aft-train``, ``python train.py``)
   default_config  every config key, with its meaning; ``config_check`` checks a config
   recipes         the recipes by name (``--config quickstart``)
-  checkpointing   Orbax checkpoints that also hold the data position and the config
+  checkpointing   Orbax checkpoints that also hold the data position, config and corpus record
+  checksum        the per-array checksums every checkpoint carries and every restore verifies
   workdir_lock    one trainer per workdir; ``preemption``: SIGTERM / Ctrl-C save and stop
   step_log        per-step metrics and the non-finite watch; ``metrics``: where records go
   wandb_log       optional Weights & Biases logging (``config.wandb.project``)

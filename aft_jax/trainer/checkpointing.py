@@ -1,16 +1,23 @@
 """The workdir's durable state: Orbax checkpoints of the state (params, opt_state, step), the
-data-iterator position and the config they were written with, which a resume is checked
-against. Where they live in the workdir: ``aft_jax.workdir``.
+data-iterator position, the config and the corpus record (``aft_jax.data.record``) they were
+written with, which a resume and the tools are checked against, and the checksums of all of it
+(``aft_jax.trainer.checksum``). Where they live in the workdir: ``aft_jax.workdir``.
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
 crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later (a truncated
-or garbled file) is skipped on resume in favour of the newest intact one.
+or garbled file, or bytes that still parse but no longer match their checksums) is skipped on
+resume in favour of the newest intact one, and never loaded.
+
+Restoring only reads: the small JSON items first (what a run is checked against before any
+array is read), then the state, verified. Moving damaged checkpoints aside (``set_aside``) is
+left to the caller, for once every check of the run has passed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -18,6 +25,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from jax.experimental import multihost_utils
 
+from aft_jax.trainer import checksum
 from aft_jax.typed_config import TypedConfig, flatten, positive
 from aft_jax.workdir import Workdir
 
@@ -65,13 +74,30 @@ RESUMABLE = (
 SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
 
 
+# Keys whose change no --allow_config_change resumes: they define the vocabulary, so the
+# checkpoint's embedding would be read as other tokens.
+VOCABULARY = ("data.dataset", "data.tokenizer", "data.vocab_size", "data.variant", "data.encoding")
+
+JSON_ITEMS = ("config", "data", "corpus")  # beside the state; each one's SHA-256 in "checksums"
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint's contents do not match the checksums saved with them."""
+
+
 def checkpoint_manager(workdir: str | Workdir, keep: int) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(
-    Workdir.of(workdir).checkpoints_dir,
-    options=ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=False
-    ),
-  )
+  """The workdir's checkpoints; creating it writes nothing (the first save makes the folder).
+
+  Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
+  cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
+  log is kept off stderr."""
+  with _quiet_orbax_threads(stay_quiet_on_error=False):
+    return ocp.CheckpointManager(
+      Workdir.of(workdir).checkpoints_dir,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=False, enable_async_checkpointing=False
+      ),
+    )
 
 
 @jax.jit
@@ -148,6 +174,29 @@ def _quiet_orbax_threads(stay_quiet_on_error: bool):
   undo()
 
 
+def _quietly(read):
+  """(``read()``, None), or (None, its error's first line) if it raised an Exception; with the
+  reading threads' noise kept off stderr (``_quiet_orbax_threads``), also after a failure.
+
+  Only the line is kept, not the exception: its frames hold the coroutines TensorStore left
+  unfinished, which print a page each ("coroutine ... was never awaited", with the whole array
+  spec) whenever they are collected. So they are collected here, before stderr is given back.
+  """
+  undo = _silence_background_errors()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      try:
+        return read(), None
+      except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
+        error = _first_line(e)
+      time.sleep(1.0)  # the threads of the failed read wind down
+      gc.collect()
+      return None, error
+  finally:
+    undo()
+
+
 def _first_line(e: BaseException, limit: int = 200) -> str:
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
   text = text.split(" See full TensorStore details")[0]
@@ -155,10 +204,14 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) -> None:
-  """Saves state + data position + ``config`` (what a resume is checked against) atomically.
+def save(
+  mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
+) -> None:
+  """Saves state + data position + ``config`` and ``corpus`` (the corpus record: what a resume
+  and the tools are checked against) + the checksums of all of them, atomically.
 
-  The trainer always passes its config; ``None`` (tools that only move state) saves none.
+  The trainer always passes its config and corpus record; ``None`` (tools that only move
+  state) saves none.
 
   Never writes non-finite parameters or optimizer state, and turns a failed write (a full
   disk, say) into one error that says what is left to resume from.
@@ -167,14 +220,14 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) 
     raise FloatingPointError(
       f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
     )
+  items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
+  items = {k: config_dict(v) for k, v in items.items() if v is not None}
+  sums = checksum.record(state, items)
   try:
     with _quiet_orbax_threads(stay_quiet_on_error=True):
-      items = dict(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
-      )
-      if config is not None:
-        items["config"] = ocp.args.JsonSave(config_dict(config))
-      mngr.save(step, args=ocp.args.Composite(**items), force=True)
+      args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
+      args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
+      mngr.save(step, args=ocp.args.Composite(**args), force=True)
       mngr.wait_until_finished()
   except Exception as e:
     raise OSError(
@@ -183,17 +236,53 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None) 
     ) from None  # Orbax's internal chain says nothing more to the user
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, *, with_data: bool = True):
-  """(state, data-iterator state or None) of the checkpoint at ``step``.
+def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
+  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums";
+  a checkpoint written by an older version lacks some): small, read before any array."""
+  folder = os.path.join(str(mngr.directory), str(step))
+  names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
+  if not names:
+    return {}
+  args = ocp.args.Composite(**{n: ocp.args.JsonRestore() for n in names})
+  return dict(mngr.restore(step, args=args))
+
+
+def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
+  """(step, ``read_items``) of the newest checkpoint whose JSON items read; None if none does.
+  A damaged one is passed over quietly here: the restore skips it and says so."""
+  for step in sorted(mngr.all_steps(), reverse=True):
+    items, _ = _quietly(lambda s=step: read_items(mngr, s))
+    if items:  # None: unreadable; {}: an empty folder
+      return step, items
+  return None
+
+
+def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
+  """The state of the checkpoint at ``step``, verified against its checksums together with its
+  JSON ``items`` (``read_items``'s); a DamagedCheckpointError naming what does not match.
 
   ``abstract_state`` (ShapeDtypeStructs with shardings) says where each array goes, so a run
-  saved on one mesh restores onto another.
+  saved on one mesh restores onto another. A checkpoint written before checkpoints carried
+  checksums is restored unverified.
   """
-  args = {"state": ocp.args.StandardRestore(abstract_state)}
-  if with_data:
-    args["data"] = ocp.args.JsonRestore()
-  restored = mngr.restore(step, args=ocp.args.Composite(**args))
-  return restored["state"], restored["data"] if with_data else None
+  args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+  state = mngr.restore(step, args=args)["state"]
+  saved = items.get("checksums")
+  if saved is None:
+    return state
+  bad = checksum.mismatches(saved, state, {k: v for k, v in items.items() if k in JSON_ITEMS})
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    raise DamagedCheckpointError(
+      f"its contents do not match the checksums saved with them ({bad[0]}{more})"
+    )
+  return state
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
+  """(state, data-iterator state or None) of the checkpoint at ``step``, verified."""
+  items = read_items(mngr, step)
+  return restore_state(mngr, step, abstract_state, items), items.get("data")
 
 
 def config_dict(config) -> dict:
@@ -201,14 +290,6 @@ def config_dict(config) -> dict:
   if isinstance(config, dict):
     return json.loads(json.dumps(config))
   return json.loads(config.to_json_best_effort())
-
-
-def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict | None:
-  """The config the checkpoint at ``step`` was written with (None: written before checkpoints
-  carried one)."""
-  if not os.path.isdir(os.path.join(str(mngr.directory), str(step), "config")):
-    return None
-  return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
 
 def check_resume_config(
@@ -227,6 +308,13 @@ def check_resume_config(
   if saved is None:
     return
   conflicts = resume_conflicts(saved, config_dict(config), defaults)
+  vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
+  if vocabulary:
+    raise ValueError(
+      f"workdir {workdir} holds a run trained on another vocabulary ({'; '.join(vocabulary)}; "
+      f"compared with {where}): a model cannot resume on another vocabulary, not even with "
+      "--allow_config_change; use another --workdir"
+    )
   if conflicts and allow_config_change:
     if jax.process_index() == 0:
       print(f"Resuming with a changed config (--allow_config_change): {'; '.join(conflicts)}")
@@ -244,63 +332,78 @@ def write_workdir_config(config, workdir: str | Workdir) -> None:
     Workdir.of(workdir).write_config(config_dict(config))
 
 
-def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check_config):
-  """(step, state, data state) of the newest checkpoint that restores, or None if there is none.
+@dataclasses.dataclass
+class Restored:
+  """A checkpoint read back: its step, verified state and JSON items (``read_items``), and the
+  newer checkpoints that could not be read: [(step, why: one line)]."""
 
-  ``check_config(saved config or None)`` runs before each restore and raises to refuse it.
-  A checkpoint that fails to restore (a truncated or garbled file, an empty folder) is skipped
-  with one line saying why, and moved to ``damaged_checkpoints/`` once an older one restored,
-  so later saves and rotation never meet it. If none restores, nothing is moved and the error
-  lists why each failed.
-  """
+  step: int
+  state: object
+  items: dict
+  damaged: list
+
+
+def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | None, list]:
+  """The first of ``steps`` whose items and state restore and verify (``check(step, items)``
+  runs before its state is read, and raises to refuse it), and [(step, why)] of the ones
+  before it that did not."""
   failed = []
-  for step in sorted(mngr.all_steps(), reverse=True):
+  for step in steps:
     if not os.listdir(os.path.join(str(mngr.directory), str(step))):
-      failed.append((step, FileNotFoundError("the folder is empty")))
+      failed.append((step, "FileNotFoundError: the folder is empty"))
       continue
-    try:
-      with _quiet_orbax_threads(stay_quiet_on_error=False):
-        saved = saved_config(mngr, step)
-    except Exception as e:
-      failed.append((step, e))
+    items, why = _quietly(lambda s=step: read_items(mngr, s))
+    if why is None:
+      if check is not None:
+        check(step, items)
+      state, why = _quietly(lambda s=step: restore_state(mngr, s, abstract_state, items))
+    if why is not None:
+      failed.append((step, why))
       continue
-    check_config(saved)
-    try:
-      with _quiet_orbax_threads(stay_quiet_on_error=False):
-        state, data_state = restore(mngr, step, abstract_state)
-    except Exception as e:
-      failed.append((step, e))
-      continue
-    for bad, err in failed:
-      _set_aside(mngr, bad, f"{_first_line(err)}; resuming from step {step}")
-    if failed:
-      mngr.reload()
-    return step, state, data_state
-  if failed:
+    return Restored(step, state, items, failed), failed
+  return None, failed
+
+
+def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
+  """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
+
+  ``check(step, items)`` runs before each restore (the checkpoint's config, corpus record and
+  data position) and raises to refuse it. A checkpoint that fails to restore (a truncated or
+  garbled file, an empty folder, contents that do not match their checksums) is listed in
+  ``Restored.damaged``; ``set_aside`` moves those away once the run has passed every check. If
+  none restores, the error lists why each failed.
+  """
+  steps = sorted(mngr.all_steps(), reverse=True)
+  restored, failed = _newest_readable(mngr, steps, abstract_state, check)
+  if restored is None and failed:
     _silence_background_errors()  # the run stops here: only this error is worth reading
     raise RuntimeError(
       f"no checkpoint in {mngr.directory} can be restored ("
-      + "; ".join(f"step {s}: {_first_line(e)}" for s, e in failed)
+      + "; ".join(f"step {s}: {why}" for s, why in failed)
       + "); a changed model cannot resume them (use another --workdir), and damaged ones can "
       "be moved away to start afresh"
     )
-  return None
+  return restored
 
 
-def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state):
-  """(step, state, skipped) of the first of ``steps`` whose state restores, for reading a run
-  (sampling, evaluating, exporting): nothing is moved aside. ``skipped``: [(step, why)] of the
-  ones before it that did not restore. A one-line ValueError naming each step and why, if none
-  does."""
-  failed = []
-  for step in steps:
-    try:
-      with _quiet_orbax_threads(stay_quiet_on_error=False):
-        state, _ = restore(mngr, step, abstract_state, with_data=False)
-    except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, msgpack)
-      failed.append((step, _first_line(e)))
-      continue
-    return step, state, failed
+def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
+  """Moves the checkpoints newer than ``restored`` that could not be read to
+  ``damaged_checkpoints/`` (saying so in one line each), so later saves and rotation never
+  meet them."""
+  for bad, why in restored.damaged:
+    _set_aside(mngr, bad, f"{why}; resuming from step {restored.step}")
+  if restored.damaged:
+    mngr.reload()
+
+
+def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=None):
+  """(Restored, skipped) of the first of ``steps`` that restores and verifies, for reading a run
+  (sampling, evaluating, exporting): nothing is moved aside. ``check(step, items)`` as in
+  ``restore_newest_intact``. ``skipped``: [(step, why)] of the ones before it that did not
+  restore. A one-line ValueError naming each step and why, if none does."""
+  restored, failed = _newest_readable(mngr, steps, abstract_state, check)
+  if restored is not None:
+    return restored, failed
   _silence_background_errors()  # the command stops here: only this error is worth reading
   raise ValueError(
     "the checkpoint cannot be read: "

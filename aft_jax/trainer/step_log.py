@@ -66,12 +66,15 @@ class StepLog:
     max_consecutive_skips: int,
     tokens_per_step: int,
     is_main: bool,
+    good_steps: set | None = None,
   ):
     """``bar``: the tqdm bar; ``mngr``: the checkpoint manager (for the last good step);
     ``step``: the steps done; ``nonfinite``, ``max_consecutive_skips``: the config's (skip or
     stop, and when skipping means divergence); ``tokens_per_step``: batch_size x seq_len;
-    ``is_main``: this process writes the console lines."""
-    self.writer, self.bar, self.mngr = writer, bar, mngr
+    ``is_main``: this process writes the console lines; ``good_steps``: the checkpoints known
+    good (restored and verified, or saved by this run; the set the run keeps adding to), the
+    only ones a divergence message names (None: any checkpoint)."""
+    self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, good_steps
     self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
     self.tokens_per_step, self.is_main = tokens_per_step, is_main
     self.pending, self.t_last = [], time.perf_counter()
@@ -114,11 +117,12 @@ class StepLog:
     self.checked = max(self.checked, upto)
 
   def last_good(self) -> str:
-    # Checkpoints are never written inside a run of skipped updates (see _checkpoint).
-    latest = self.mngr.latest_step()
-    if latest is None:
+    # Checkpoints are never written inside a run of skipped updates (see _checkpoint), and a
+    # damaged one is never restored: the newest known good one is the last good one.
+    steps = [s for s in self.mngr.all_steps() if self.good_steps is None or s in self.good_steps]
+    if not steps:
       return "there is no checkpoint yet"
-    return f"the last good checkpoint is step {latest}"
+    return f"the last good checkpoint is step {max(steps)}"
 
   def flush(self, state, check: bool = True) -> None:
     """Writes the mean metrics since the last flush (``state``: the train state, for its count

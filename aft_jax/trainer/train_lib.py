@@ -35,6 +35,7 @@ from aft_jax.trainer import checkpointing, default_config, optimizer
 from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
 from aft_jax.data import config as data_config
+from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
@@ -263,6 +264,10 @@ class Run:
   model_cfg: ModelConfig
   trainer: Trainer
   allow_config_change: bool = False  # resume a checkpoint whose config differs
+  record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
+  # Checkpoints known good: the one restored (verified against its checksums) and the ones this
+  # run saved; what a divergence message may name as the last good one.
+  good_steps: set = dataclasses.field(default_factory=set)
 
   @property
   def is_main(self) -> bool:
@@ -306,45 +311,87 @@ def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
   return trainer
 
 
+def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
+  """(what it is, its config and corpus record) of what the workdir's run is checked against
+  before any data is loaded: the newest checkpoint whose items read, else config.json and
+  corpus.json (a run stopped before its first save). Reads only."""
+  newest = checkpointing.newest_items(mngr)
+  if newest is None:
+    since, items = "config.json and corpus.json", {"config": workdir.read_config()}
+  else:
+    since, items = f"the checkpoint at step {newest[0]}", newest[1]
+  # A checkpoint written before checkpoints had a corpus record: the workdir's.
+  return since, {
+    "config": items.get("config"),
+    "corpus": items.get("corpus") or workdir.read_corpus(),
+  }
+
+
+def _check_config(run_config, workdir, allow_config_change, saved) -> None:
+  defaults = default_config.get_config().to_dict()
+  checkpointing.check_resume_config(saved, run_config, workdir, allow_config_change, defaults)
+
+
 def setup(config, workdir: str, allow_config_change: bool) -> Run:
-  """Checks the config, loads the data, builds the mesh and the jitted steps."""
+  """Checks the config, and the config and data against what the workdir's run was trained
+  with, loads the data, builds the mesh and the jitted steps. Writes nothing in the workdir
+  (the corpus is prepared in its data_dir): a run that is refused leaves it as it was.
+
+  The order keeps refusals cheap: the config and the text files (their digests: at most 2 MiB
+  read per file) are compared before any vocabulary is learned or corpus prepared, the loaded
+  corpus (vocabulary, tokens per split) before any model is built.
+  """
   check_config(config)
   config = absolute_paths(config)
   workdir = Workdir(workdir)
+  mngr = checkpointing.checkpoint_manager(workdir, config.keep_checkpoints)
+  since, trained = _trained_on(workdir, mngr)
+  _check_config(config, workdir, allow_config_change, trained["config"])
+  data_record.check_sources(trained["corpus"], data_record.sources(config.data), since)
   corpus = data_lib.load_corpus(config.data)
+  record = data_record.of_corpus(corpus)
+  data_record.check_corpus(trained["corpus"], record, since)
   model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
   mesh = sharding.make_mesh(config.mesh)
   sharding.check_batch_split(
     mesh, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size
   )
-  if jax.process_index() == 0:
-    workdir.save_corpus(corpus)  # sampling and evaluating then need no dataset
   say = print if jax.process_index() == 0 else lambda line: None
   note = optimizer.warmup_note(config)
   if note:
     say(note)
   trainer = build_trainer(config, model_cfg, mesh, say)
-  return Run(config, workdir, corpus, trainer.model.cfg, trainer, allow_config_change)
+  return Run(config, workdir, corpus, trainer.model.cfg, trainer, allow_config_change, record)
+
+
+def _begin_writing(run: Run, mngr, restored) -> None:
+  """Every check has passed: the run's first writes. Damaged checkpoints newer than the one
+  restored are moved aside, then corpus.json and the vocabulary (so that sampling and
+  evaluating need no dataset) and config.json are written."""
+  if restored is not None:
+    checkpointing.set_aside(mngr, restored)
+  if run.is_main:
+    run.workdir.save_corpus(run.corpus)
+  checkpointing.write_workdir_config(run.config, run.workdir)
 
 
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   """The newest intact checkpoint's state (and data position), or a freshly initialised state.
 
-  The checkpoint's own config is what the run's config is checked against; config.json is
-  written only once the restore succeeded.
+  Each checkpoint's own config, corpus record and data position are what the run is checked
+  against before its state is read; the workdir is written only once the restore succeeded
+  and every check passed (``_begin_writing``).
   """
 
-  defaults = default_config.get_config().to_dict()
-
-  def check(saved):
-    checkpointing.check_resume_config(
-      saved, run.config, run.workdir, run.allow_config_change, defaults
-    )
+  def check(step, items):
+    since = f"the checkpoint at step {step}"
+    _check_config(run.config, run.workdir, run.allow_config_change, items.get("config"))
+    data_record.check_corpus(items.get("corpus"), run.record, since)
+    data_iter.check_state(items["data"], since)
 
   restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
-  if restored is None:
-    check(None)  # a config.json without checkpoints: a run stopped before its first save
-    checkpointing.write_workdir_config(run.config, run.workdir)
+  if restored is None:  # config.json and corpus.json, if any, were checked in setup
+    _begin_writing(run, mngr, None)
     state = run.trainer.init_state(run.config.seed)
     if run.is_main:
       print(
@@ -354,12 +401,12 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
         flush=True,
       )
     return state
-  step, state, data_state = restored
-  data_iter.set_state(data_state)
-  checkpointing.write_workdir_config(run.config, run.workdir)
+  data_iter.set_state(restored.items["data"])
+  _begin_writing(run, mngr, restored)
+  run.good_steps.add(restored.step)
   if run.is_main:
-    print(f"Resuming from the checkpoint at step {step} in {run.workdir}", flush=True)
-  return state
+    print(f"Resuming from the checkpoint at step {restored.step} in {run.workdir}", flush=True)
+  return restored.state
 
 
 def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
@@ -374,7 +421,8 @@ def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_it
         flush=True,
       )
     return False
-  checkpointing.save(mngr, step, state, data_iter, run.config)
+  checkpointing.save(mngr, step, state, data_iter, run.config, run.record)
+  run.good_steps.add(step)
   return True
 
 
@@ -413,6 +461,7 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     max_consecutive_skips=config.max_consecutive_skips,
     tokens_per_step=config.batch_size * config.seq_len,
     is_main=run.is_main,
+    good_steps=run.good_steps,
   )
   profile = config.get("profile_steps") if run.is_main else ()  # process 0 writes the trace
   profiler = step_log.Profiler(profile, run.workdir.tensorboard_dir)
@@ -564,8 +613,9 @@ def train_and_evaluate(
   Interrupted by SIGTERM / Ctrl-C, it saves a checkpoint and returns
   ``{"interrupted": True, "step": step}``.
   """
-  run = setup(config, workdir, allow_config_change)
-  with workdir_lock.hold(run.workdir, enabled=run.is_main):
+  # The lock first: no other trainer may change the workdir between the checks and the writes.
+  with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
+    run = setup(config, workdir, allow_config_change)
     data_iter = data_lib.train_iterator(
       run.corpus.splits["train"],
       seq_len=config.seq_len,

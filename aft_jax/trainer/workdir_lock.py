@@ -94,14 +94,19 @@ def release(path: str) -> None:
 
 
 @contextlib.contextmanager
-def hold(workdir: str, enabled: bool = True) -> Iterator[None]:
+def hold(workdir: str | Workdir, enabled: bool = True) -> Iterator[None]:
   """Holds the workdir's lock for the block (``enabled=False``: does nothing, e.g. on the
   processes other than process 0 of a multi-process run, which share its workdir)."""
   if not enabled:
     yield
     return
+  workdir = os.fspath(workdir)
+  created = not os.path.exists(workdir)
   path = acquire(workdir)
   try:
     yield
   finally:
     release(path)
+    if created:  # a run refused before it wrote anything leaves no empty workdir behind
+      with contextlib.suppress(OSError):
+        os.rmdir(workdir)

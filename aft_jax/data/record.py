@@ -1,0 +1,139 @@
+"""What a run records of its corpus, and the one line that says what changed since.
+
+The record is a JSON dict, kept as the workdir's ``corpus.json`` and as the item "corpus" of
+every checkpoint (the checkpoint's copy is the one a resume and the tools trust: it was written
+with the parameters):
+
+    name, unit, tokenizer, bos_id, vocab_size   what the model's ids mean
+    vocab_sha256                                word and subword vocabularies: the SHA-256 of
+                                                their file (vocab.txt, subword.model)
+    tokens                                      {split: number of tokens}
+    source_fingerprint                          the prepared corpus's source fingerprint
+    sources                                     text corpora: {split: {file: digest}}
+                                                (``text.source_files``)
+
+A run checks the data it finds against the record before it prepares or writes anything:
+first the files (``check_sources``: cheap, so a changed, deleted or added file is named before
+any vocabulary is learned), then the loaded corpus (``check_corpus``). Any difference is a
+``DataChanged`` whose one line names what changed. Records written by older versions lack some
+keys; only the keys both records have are compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+_SHOWN = 3  # changes named in one line; the rest are counted
+
+
+class DataChanged(ValueError):
+  """The data or vocabulary differs from what a run recorded (one line naming what changed)."""
+
+
+def of_corpus(corpus) -> dict:
+  """The record of a loaded corpus (``aft_jax.data.Corpus``)."""
+  out = {
+    "name": corpus.name,
+    "unit": corpus.unit,
+    "tokenizer": corpus.vocab.unit,
+    "bos_id": int(corpus.bos_id),
+    "vocab_size": int(corpus.vocab.size),
+    "tokens": {s: int(len(t)) for s, t in corpus.splits.items()},
+  }
+  sha256 = getattr(corpus.vocab, "sha256", None)  # bytes have no vocabulary file
+  if sha256 is not None:
+    out["vocab_sha256"] = sha256
+  if corpus.fingerprint is not None:
+    out["source_fingerprint"] = corpus.fingerprint
+  if corpus.sources is not None:
+    out["sources"] = {s: dict(files) for s, files in corpus.sources.items()}
+  return out
+
+
+def sources(cfg) -> dict | None:
+  """{split: {file: digest}} of a text corpus's files as they are now (None for the other
+  datasets, whose sources their builders check); reads at most 2 MiB per file, writes nothing.
+  A glob that matches nothing is the text corpus's one-line error."""
+  from aft_jax.data.config import DataConfig  # pylint: disable=g-import-not-at-top
+
+  cfg = DataConfig.of(cfg).validate()
+  if cfg.dataset != "text":
+    return None
+  from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
+  return text.source_files(cfg)
+
+
+def _source_changes(saved: Mapping, now: Mapping) -> list[str]:
+  """One phrase per file that changed, was deleted, added or moved to another split."""
+  was = {p: (s, d) for s, files in saved.items() for p, d in files.items()}
+  is_ = {p: (s, d) for s, files in now.items() for p, d in files.items()}
+  found = []
+  for path in sorted(set(was) | set(is_)):
+    a, b = was.get(path), is_.get(path)
+    if a == b:
+      continue
+    if b is None:
+      found.append((0, f"{a[0]} file {path} was deleted (or is no longer matched)"))
+    elif a is None:
+      found.append((1, f"{path} was added (to the {b[0]} split)"))
+    elif a[1] != b[1]:
+      found.append((0, f"{a[0]} file {path} changed"))
+    else:
+      found.append((2, f"{path} moved from the {a[0]} split to the {b[0]} split"))
+  return [phrase for _, phrase in sorted(found, key=lambda f: f[0])]
+
+
+def _corpus_changes(saved: Mapping, now: Mapping) -> list[str]:
+  def both(key):
+    return key in saved and key in now and saved[key] != now[key]
+
+  out = []
+  if both("tokenizer"):
+    out.append(f"the tokenizer is {now['tokenizer']!r}, was {saved['tokenizer']!r}")
+  if both("vocab_size"):
+    out.append(f"the vocabulary has {now['vocab_size']:,} entries, had {saved['vocab_size']:,}")
+  if both("vocab_sha256") and not both("vocab_size"):
+    out.append(
+      f"the {now.get('tokenizer', '')} vocabulary is another one (SHA-256 "
+      f"{now['vocab_sha256'][:12]}..., was {saved['vocab_sha256'][:12]}...)"
+    )
+  if both("sources"):
+    out += _source_changes(saved["sources"], now["sources"])
+  elif both("source_fingerprint"):
+    out.append("the prepared corpus was made from other source files")
+  if both("tokens") and not out:
+    for split in sorted(set(saved["tokens"]) & set(now["tokens"])):
+      a, b = saved["tokens"][split], now["tokens"][split]
+      if a != b:
+        out.append(f"the {split} split has {b:,} tokens, had {a:,}")
+  return out
+
+
+def _refuse(changes: list[str], since: str, hint: str) -> None:
+  if not changes:
+    return
+  shown = "; ".join(changes[:_SHOWN])
+  more = f"; and {len(changes) - _SHOWN} more change(s)" if len(changes) > _SHOWN else ""
+  raise DataChanged(f"the data changed since {since}: {shown}{more}; {hint}")
+
+
+RESUME_HINT = (
+  "a run resumes only on the data it was trained on: restore the files, or use another --workdir"
+)
+
+
+def check_sources(saved: Mapping | None, now: Mapping | None, since: str, hint=RESUME_HINT):
+  """Refuses (``DataChanged``) when the text files ``now`` (``sources``) differ from the
+  ``saved`` record's; ``since`` names the record ("the checkpoint at step 3")."""
+  if saved is None or now is None or "sources" not in saved:
+    return
+  _refuse(_source_changes(saved["sources"], now), since, hint)
+
+
+def check_corpus(saved: Mapping | None, now: Mapping, since: str, hint=RESUME_HINT):
+  """Refuses (``DataChanged``) when the record ``now`` (``of_corpus``) differs from ``saved`` in
+  the vocabulary, the files or the number of tokens of a split."""
+  if saved is None:
+    return
+  _refuse(_corpus_changes(saved, now), since, hint)

@@ -1,0 +1,109 @@
+"""Checksums of a checkpoint's contents: one per array of the state, one per JSON item.
+
+Why per array rather than per file: the checksum is taken of the values themselves, before
+they are written and after they are read back, so it checks exactly what a restore hands to
+the model, whatever Orbax's file layout, compression or the mesh a checkpoint is restored onto
+(a state saved on 8 devices and restored on 1 verifies against the same numbers); and it is
+written as one more item of the same Orbax save (``checkpointing.save``), so it is in place
+exactly when the checkpoint is (a crash mid-save leaves neither).
+
+An array's checksum is two 32-bit sums of hashed words, computed on its devices (``jax.jit``;
+nothing is gathered to the host):
+
+    s = sum_i mix(bits_i ^ mix(i ^ seed))   (mod 2**32), for two seeds
+
+where ``bits_i`` is element i's bit pattern as a uint32 (narrower dtypes zero-extended, wider
+ones split into 32-bit words), i its row-major position and ``mix`` the MurmurHash3 finaliser.
+Integer sums wrap exactly and in any order, so the result does not depend on how the array is
+sharded. ``mix`` is a bijection, so any change within one 32-bit word (a flipped bit, damaged
+bytes inside one float32) changes that word's term, and so both sums, for certain; changes to
+several words cancel with a chance of about 2**-32 per sum (each term is a pseudo-random
+function of the word and its position; a plain weighted sum would let two flipped sign bits
+cancel), 2**-64 for the pair. JSON items (the data position, the config, the corpus
+record) are checked with the SHA-256 of their canonical JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+VERSION = 1
+_SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
+
+
+def _mix(h):
+  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _words(x):
+  """The bits of ``x`` as uint32: one word per element ([..., k] for 8-byte dtypes)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = jnp.dtype(x.dtype).itemsize
+  if size < 4:
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+  return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _sums(x):
+  """uint32[2]: the two sums of ``x``'s hashed words (module doc)."""
+  w = _words(x)
+  position = jnp.zeros(w.shape, jnp.uint32)
+  for d, n in enumerate(w.shape):  # row-major index, built per axis: no reshape of a sharded x
+    position = position * jnp.uint32(n) + lax.broadcasted_iota(jnp.uint32, w.shape, d)
+  return jnp.stack(
+    [jnp.sum(_mix(w ^ _mix(position ^ jnp.uint32(s))), dtype=jnp.uint32) for s in _SEEDS]
+  )
+
+
+_tree_sums = jax.jit(lambda tree: jax.tree_util.tree_map(_sums, tree))
+
+
+def of_arrays(tree) -> dict[str, str]:
+  """{path: "dtype[shape]:sums"} of every array of ``tree`` (path: ``jax.tree_util.keystr``)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  sums = jax.device_get(_tree_sums([x for _, x in leaves]))
+  return {
+    jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
+    for (p, x), s in zip(leaves, sums)
+  }
+
+
+def of_json(obj) -> str:
+  """The SHA-256 of ``obj``'s canonical JSON (keys sorted)."""
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def record(state, items: dict) -> dict:
+  """What a checkpoint keeps of its contents: the arrays of ``state`` and the JSON ``items``."""
+  return {
+    "version": VERSION,
+    "arrays": of_arrays(state),
+    "json": {name: of_json(obj) for name, obj in items.items()},
+  }
+
+
+def mismatches(saved: dict, state, items: dict) -> list[str]:
+  """The arrays (paths) and JSON items of a restored checkpoint that do not match ``saved``
+  (``record``'s dict); [] when all do."""
+  now = record(state, items)
+  bad = [
+    p
+    for p in sorted(set(saved.get("arrays", {})) | set(now["arrays"]))
+    if saved.get("arrays", {}).get(p) != now["arrays"].get(p)
+  ]
+  saved_json = saved.get("json", {})  # an item missing now (its folder lost) is a mismatch too
+  names = sorted(set(saved_json) | set(items))
+  return bad + [name for name in names if saved_json.get(name) != now["json"].get(name)]

@@ -1,0 +1,71 @@
+"""aft_jax.trainer.checksum: the per-array checksums a checkpoint carries, against a NumPy
+reference of the documented sums, and every single flipped bit of an array seen."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax.trainer import checksum
+
+
+def _reference(x: np.ndarray) -> str:
+  """The module doc's two sums, in NumPy (uint64 holding 32-bit values)."""
+  if x.dtype == np.bool_:
+    words = x.astype(np.uint64)
+  else:
+    words = x.view(f"uint{8 * x.dtype.itemsize}").astype(np.uint64)
+  i = np.arange(words.size, dtype=np.uint64).reshape(words.shape)
+  out = [int(np.sum(_mix(words ^ _mix(i ^ np.uint64(s))))) % (1 << 32) for s in checksum._SEEDS]
+  return f"{out[0]:08x}{out[1]:08x}"
+
+
+def _mix(h):
+  """MurmurHash3's 32-bit finaliser on uint64 arrays holding 32-bit values."""
+  h = h ^ (h >> np.uint64(16))
+  h = (h * np.uint64(0x85EBCA6B)) % (1 << 32)
+  h = h ^ (h >> np.uint64(13))
+  h = (h * np.uint64(0xC2B2AE35)) % (1 << 32)
+  return h ^ (h >> np.uint64(16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "uint8", "bool"])
+def test_the_sums_are_the_documented_ones(dtype):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 4, 5)) * 100
+  x = x > 0 if dtype == "bool" else np.asarray(jnp.asarray(x).astype(dtype))
+  got = checksum.of_arrays({"x": jnp.asarray(x)})["['x']"]
+  assert got == f"{jnp.asarray(x).dtype}[3, 4, 5]:{_reference(np.asarray(x))}"
+  scalar = checksum.of_arrays(jnp.asarray(7, jnp.int32))
+  assert scalar == {"": f"int32[]:{_reference(np.asarray(7, np.int32).reshape(()))}"}
+
+
+def test_every_flipped_bit_and_a_run_of_ff_bytes_changes_the_checksum():
+  x = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
+  want = checksum.of_arrays(jnp.asarray(x))[""]
+  bits = x.view(np.uint32).copy()
+  seen = set()
+  for i in range(bits.size):
+    for b in range(32):
+      damaged = bits.copy()
+      damaged.flat[i] ^= np.uint32(1 << b)
+      got = checksum.of_arrays(jnp.asarray(damaged.view(np.float32)))[""]
+      assert got != want, (i, b)
+      seen.add(got)
+  assert len(seen) == bits.size * 32  # no two flips collide either
+  raw = bytearray(x.tobytes())
+  raw[30:38] = b"\xff" * 8  # across three words, as damage lands in a file
+  damaged = np.frombuffer(bytes(raw), np.float32).reshape(x.shape)
+  assert checksum.of_arrays(jnp.asarray(damaged))[""] != want
+
+
+def test_mismatches_name_the_array_and_the_json_item():
+  state = {"params": {"w": jnp.ones((2, 3))}, "step": jnp.asarray(3)}
+  items = {"data": {"next": 4}, "config": {"seed": 0}}
+  saved = checksum.record(state, items)
+  assert checksum.mismatches(saved, state, items) == []
+  damaged = {"params": {"w": jnp.ones((2, 3)).at[1, 2].set(1.0000001)}, "step": state["step"]}
+  assert checksum.mismatches(saved, damaged, items) == ["['params']['w']"]
+  assert checksum.mismatches(saved, state, {**items, "data": {"next": 5}}) == ["data"]
+  assert checksum.mismatches(saved, state, {"data": items["data"]}) == ["config"]  # lost
+  reshaped = {"params": {"w": jnp.ones((3, 2))}, "step": state["step"]}
+  assert checksum.mismatches(saved, reshaped, items) == ["['params']['w']"]
