@@ -202,7 +202,14 @@ def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys)
 
 
 def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
+  from aft_jax.data import corpus as corpus_lib
+
+  cfg = {"dataset": "text", "tokenizer": "word", "train_files": str(docs / "*.py")}
+  # The dry run's size of a word vocabulary: counted on the train files, nothing written.
+  size, where = corpus_lib.vocab_size({**cfg, "data_dir": str(tmp_path / "data")})
+  assert where.startswith("the text files") and not (tmp_path / "data").exists()
   corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
+  assert corpus.vocab.size == size
   train_words = set(corpus.splits["train"].tolist())
   assert corpus.vocab.unk_id not in train_words  # every train word is in the vocabulary
   assert corpus.vocab.unk_id in set(corpus.splits["test"].tolist())  # held-out words are not
@@ -217,3 +224,57 @@ def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
     absolute_globs(" a/*.txt, ~/b/**/*.md ,") == f"{tmp_path}/a/*.txt,{tmp_path}/home/b/**/*.md"
   )
   assert absolute_globs("") == ""
+
+
+def _tree_with_links(root):
+  """14 documents in three folders, plus what must not add any: two symlink loops, a second
+  link to a folder, a link to a file, and a hidden folder."""
+  for i in range(14):
+    folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"doc{i}.md").write_text(f"document {i}\n")
+  (root / "sub" / "loop").symlink_to("..")  # two loops: glob.glob would walk 2^40 paths
+  (root / "sub" / "deeper" / "up").symlink_to("../..")
+  (root / "alias").symlink_to("sub")
+  (root / "link.md").symlink_to("doc0.md")
+  (root / ".hidden").mkdir()
+  (root / ".hidden" / "secret.md").write_text("not a document\n")
+
+
+def test_a_recursive_glob_does_not_follow_folder_links_and_holds_out_real_files(tmp_path):
+  """``**`` walks real folders only and a file reached twice counts once, so 14 files stay 14
+  documents (not hundreds through a loop) and no held-out document is also a train one."""
+  _tree_with_links(tmp_path / "notes")
+  spec = str(tmp_path / "notes" / "**" / "*.md")
+  found = text.expand(spec, "train_files")
+  assert sorted(os.path.basename(p) for p in found) == sorted(f"doc{i}.md" for i in range(14))
+  assert len({os.path.realpath(p) for p in found}) == 14
+  files = text.split_files(DataConfig(dataset="text", train_files=spec))
+  real = {s: {os.path.realpath(p) for p in paths} for s, paths in files.items()}
+  assert {s: len(r) for s, r in real.items()} == {"train": 12, "validation": 1, "test": 1}
+  assert not real["train"] & (real["validation"] | real["test"])
+  assert not real["validation"] & real["test"]
+  # A folder named before "**" may itself be a link; "dir/**" takes every file below.
+  assert len(text.expand(str(tmp_path / "notes" / "alias" / "**"), "train_files")) == 9
+
+
+def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(docs, tmp_path):
+  """The same file as valid and test files, or a train file under a link, is refused."""
+  one = str(docs / "decoder.py")
+  (tmp_path / "link.py").symlink_to(one)
+  cases = [
+    (
+      dict(train_files=str(docs / "*n*.py"), valid_files=one, test_files=one),
+      r"decoder\.py is in config\.data\.valid_files and "
+      r"in config\.data\.test_files \(1 such file\(s\)\): a file scores one held-out split",
+    ),
+    (
+      dict(train_files=str(docs / "*.py"), valid_files=str(tmp_path / "link.py"), test_files=one),
+      r"decoder\.py is in config\.data\.train_files "
+      r"and in config\.data\.valid_files .*must not be trained on",
+    ),
+  ]
+  for held_out, message in cases:
+    with pytest.raises(text.TextError, match=message) as e:
+      text.split_files(DataConfig(dataset="text", **held_out))
+    assert "\n" not in str(e.value)
