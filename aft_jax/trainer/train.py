@@ -82,10 +82,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if FLAGS.dry_run:
     dry_run()
-  if not FLAGS.workdir:
-    sys.exit(
-      f"{os.path.basename(sys.argv[0])}: error: --workdir is required (except with --dry_run)"
-    )
+  if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
+    given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
