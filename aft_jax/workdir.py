@@ -12,6 +12,8 @@
                                         after an interruption takes them from here)
     <workdir>/trainer.lock              held by the one trainer writing here
     <workdir>/tensorboard/              TensorBoard event files and profiles
+    <workdir>/wandb/, wandb_run_id      with config.wandb.project: W&B's files and the id of
+                                        the W&B run a resume continues (``wandb_log``)
     <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position and config
     <workdir>/damaged_checkpoints/<s>/  checkpoints that could not be restored, moved aside
 
