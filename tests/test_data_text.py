@@ -4,6 +4,9 @@ learned on the train split, and every bad input as one line naming the file or t
 import glob
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,3 +281,62 @@ def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(doc
     with pytest.raises(text.TextError, match=message) as e:
       text.split_files(DataConfig(dataset="text", **held_out))
     assert "\n" not in str(e.value)
+
+
+def test_a_line_over_64_kib_is_learned_from_not_left_out():
+  """SentencePiece leaves out sentences (lines) over max_sentence_length (64 KiB): a minified
+  file would add nothing to the vocabulary. Learned from in pieces, its one word is a piece."""
+  long_line = "zqxj " * 20_000  # 100,000 bytes on one line
+  vocab = subword.train([open(p).read() for p in STDLIB_JSON] + [long_line], 400)
+  pieces = {vocab._sp.id_to_piece(i) for i in range(vocab.size)}
+  assert any("zqxj" in p for p in pieces), sorted(pieces)[-40:]
+  assert vocab.decode(vocab.encode(long_line)) == long_line  # still tokenised whole
+  assert list(subword._lines(["a\n\n" + "é" * 40_000])) == [
+    "a",
+    "é" * 16_384,
+    "é" * 16_384,
+    "é" * 7_232,
+  ]
+
+
+SLOW_SENTENCEPIECE = """
+import signal, sys, time
+import sentencepiece as spm
+
+def train(**kwargs):  # SentencePiece's C++ training, which a Ctrl-C cannot stop, made endless
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the caller's thread: deaf to it
+  for _ in kwargs["sentence_iterator"]:  # reads the documents, as SentencePiece does first
+    pass
+  print("training", flush=True)
+  time.sleep(600)
+
+spm.SentencePieceTrainer.train = train
+from aft_jax.data import prepare
+sys.argv[1:] = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "300", "--quiet",
+                "--train_files", sys.argv[1], "--data_dir", sys.argv[2]]
+prepare.cli()
+"""
+
+
+def test_ctrl_c_while_sentencepiece_trains_stops_aft_prepare_in_one_line(docs, tmp_path):
+  """SentencePiece trains in C++ and does not return to Python until it is done, so a Ctrl-C
+  waited for the end of training; it trains in a thread now, and aft-prepare stops at once:
+  one line, exit status 130, nothing marked prepared, no temporary file."""
+  from tests.helpers import with_default_sigint
+
+  data = tmp_path / "data"
+  cmd = [sys.executable, "-c", SLOW_SENTENCEPIECE, str(docs / "*.py"), str(data)]
+  proc = subprocess.Popen(
+    with_default_sigint(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  try:
+    assert proc.stdout.readline() == "training\n", proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130 and len(lines) == 1, err[-2000:]
+  assert lines[0].startswith("aft-prepare: interrupted (Ctrl-C): nothing was marked prepared")
+  written = [f for _, _, fs in os.walk(data) for f in fs]
+  assert store.MARKER not in written and not [f for f in written if ".tmp-" in f], written
