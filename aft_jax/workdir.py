@@ -50,6 +50,8 @@ class Workdir:
   path: str
 
   def __post_init__(self):
+    if not str(self.path).strip():  # '' would be the current directory, ' ' a folder named ' '
+      raise ValueError(f"the workdir {str(self.path)!r} is blank: name a folder")
     object.__setattr__(self, "path", os.path.abspath(os.path.expanduser(self.path)))
 
   @classmethod
