@@ -230,9 +230,10 @@ def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
 # --------------------------------------------------------------------------- devices
 
 
-# The most devices a dry run compiles for: the CPU target makes that many devices in its own
-# process (each has threads and buffers), a GPU target a topology (65,536 made in 1.6 s here),
-# a TPU target a slice of at most 256 chips (``_tpu_layout``).
+# The most devices a dry run compiles for: the CPU target makes that many host devices in its
+# own process (the cost grows with their number: a million hung before any check), a GPU
+# target a topology (65,536 devices made in 1.6 s on a 2-core CPU), a TPU target a slice of at
+# most 256 chips (``_tpu_layout``).
 MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
 
 
