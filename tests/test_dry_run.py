@@ -185,6 +185,7 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
   "flags, env, message",
   [
     (("--num_devices", "1000000"), {}, "--num_devices 1,000,000: a dry run for cpu compiles"),
+    (("--config.learning_rte=1",), {}, "a --config override: learning_rte; Did you mean"),
     (("--target", "t4"), {dry_run.MEM_FRACTION: "5"}, "XLA_PYTHON_CLIENT_MEM_FRACTION = '5'"),
     (("--target", "t4"), {"AFT_JAX_PLUGIN_DIR": "HALF"}, "incomplete (jax-cuda12-plugin is not"),
   ],

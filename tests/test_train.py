@@ -162,6 +162,7 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
     ("--config.seed=-1", "config.seed = -1"),
     # A mistyped key: ml_collections' error (raised while absl parses the flags), one line.
     ("--config.learning_rte=1", 'learning_rte; Did you mean "learning_rate"'),
+    ("--num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),  # absl's
     # W&B's settings: refused before the model is built, not a traceback after, not ignored.
     ("--config.wandb.project=a/b", "config.wandb.project: Invalid project name 'a/b'"),
     ("--config.wandb.entity=me", "config.wandb.entity = 'me' needs config.wandb.project"),

@@ -127,15 +127,35 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing, with a bad ``--config.KEY=VALUE`` (a mistyped key, a value of the
-  wrong type: ml_collections raises while the flags are parsed) as one line, exit status 1."""
+  """absl's flag parsing, with a bad flag or ``--config.KEY=VALUE`` (a mistyped key, a value of
+  the wrong type: ml_collections raises while the flags are parsed) as one line, exit status
+  1; with --dry_run 2, as its other refusals."""
+  refused = 2 if _asks_dry_run(argv) else 1
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
+  except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
+    print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
+    sys.exit(refused)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     # ml_collections' message is a quoted repr: the key, "\\n", then "Did you mean ...".
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
     why = "; ".join(p.strip().strip("'\"") for p in text.splitlines() if p.strip().strip("'\""))
-    sys.exit(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}")
+    print(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}", file=sys.stderr)
+    sys.exit(refused)
+
+
+def _asks_dry_run(argv) -> bool:
+  """Whether the command line (before absl parses it) asks for --dry_run."""
+  asked = False
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name, _, value = arg.lstrip("-").partition("=")
+    if name == "dry_run":
+      asked = value.lower() not in ("false", "0")
+    elif name == "nodry_run":
+      asked = False
+  return asked
 
 
 if __name__ == "__main__":
