@@ -23,6 +23,7 @@ import dataclasses
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -109,17 +110,57 @@ def plugin_dir(kind: str) -> str:
   return os.path.join(root, f"jaxlib-{_jaxlib_version()}", kind)
 
 
+def _name(requirement: str) -> str:
+  """A requirement's distribution name, normalised (PEP 503): "jax-cuda12-plugin==0.10.2" ->
+  "jax-cuda12-plugin"."""
+  return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]).lower()
+
+
+def incomplete(kind: str) -> str | None:
+  """Why ``kind``'s plugin folder holds no whole install (None: it does, or it is absent): a
+  package missing from it, or a file of one missing or of another size than pip's RECORD says
+  (an interrupted install, a cleaned cache). Such a folder loads no compiler, and XLA would
+  only say "topology not implemented"."""
+  path = plugin_dir(kind)
+  if not os.path.isdir(path) or not os.listdir(path):
+    return None
+  found = {_name(d.metadata["Name"]): d for d in importlib.metadata.distributions(path=[path])}
+  for requirement in plugin_packages(kind):
+    dist = found.get(_name(requirement))
+    if dist is None:
+      return f"{_name(requirement)} is not in it"
+    for file in dist.files or ():
+      where = dist.locate_file(file)
+      if file.size is not None and (
+        not os.path.isfile(where) or os.path.getsize(where) != file.size
+      ):
+        return f"{file} is missing or cut short"
+  return None
+
+
 def installed(kind: str) -> bool:
-  marker = {"cuda": "jax_plugins", "tpu": "libtpu", "ptxas": "nvidia"}[kind]
-  return os.path.isdir(os.path.join(plugin_dir(kind), marker))
+  """Whether ``kind``'s plugin folder holds a whole install (``incomplete``)."""
+  path = plugin_dir(kind)
+  return os.path.isdir(path) and bool(os.listdir(path)) and incomplete(kind) is None
+
+
+def reinstall_note(kind: str) -> str:
+  """The one line for a plugin folder that ``incomplete`` finds wanting."""
+  return (
+    f"the {kind} compiler plugin in {plugin_dir(kind)} is incomplete ({incomplete(kind)}): "
+    f"reinstall: python -m aft_jax.deviceless install {kind}"
+  )
 
 
 def install(kind: str, quiet: bool = False) -> str:
-  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there;
-  returns the folder. A RuntimeError with pip's last lines if pip fails."""
+  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there
+  (an incomplete folder is removed first); returns the folder. A RuntimeError with pip's last
+  lines if pip fails."""
   path = plugin_dir(kind)
   if installed(kind):
     return path
+  if incomplete(kind) is not None:
+    shutil.rmtree(path)  # pip --target would keep what is there
   reqs = plugin_packages(kind)
   if not quiet:
     print(f"Installing {' '.join(reqs)} into {path} (for compiling without the device)", flush=True)
@@ -149,6 +190,8 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
     # jax's persistent cache stores these executables but cannot load them back without the
     # device (every later run would warn that it cannot read the entry): none for them.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if incomplete(kind) is not None:
+      raise RuntimeError(reinstall_note(kind))
     if not installed(kind):
       raise RuntimeError(
         f"compiling for a {kind.upper()} target needs {' '.join(plugin_packages(kind))}: run "
@@ -176,6 +219,8 @@ def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
   if os.environ.get(CHILD_ENV) == kind:
     return
   if kind in ("cuda", "tpu"):
+    if incomplete(kind) is not None:  # not repaired unasked: it may be in use, or being made
+      raise RuntimeError(reinstall_note(kind))
     install(kind)
   argv = list(sys.argv if argv is None else argv)
   sys.stdout.flush()
@@ -183,6 +228,28 @@ def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
 
 
 # --------------------------------------------------------------------------- devices
+
+
+# The most devices a dry run compiles for: the CPU target makes that many host devices in its
+# own process (the cost grows with their number: a million hung before any check), a GPU
+# target a topology (65,536 devices made in 1.6 s on a 2-core CPU), a TPU target a slice of at
+# most 256 chips (``_tpu_layout``).
+MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
+
+
+def check_num_devices(target: Target, num_devices: int) -> None:
+  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for; checked
+  before anything starts (a restart with a million host devices would hang first)."""
+  if num_devices < 1:
+    raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
+  limit = MAX_DEVICES[target.kind]
+  if num_devices > limit:
+    raise ValueError(
+      f"--num_devices {num_devices:,}: a dry run for {target.name} compiles for at most "
+      f"{limit:,} devices"
+    )
+  if target.kind == "tpu":
+    _tpu_layout(num_devices)
 
 
 def _tpu_layout(n: int) -> tuple[str, int]:
@@ -201,8 +268,7 @@ def devices(target: Target | str, num_devices: int = 1) -> list:
   from jax.experimental import topologies
 
   target = get(target) if isinstance(target, str) else target
-  if num_devices < 1:
-    raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
+  check_num_devices(target, num_devices)
   if target.kind == "cpu":
     found = jax.devices("cpu")
     if len(found) < num_devices:

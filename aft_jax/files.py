@@ -8,9 +8,35 @@ writes outside Orbax checkpoints: configs, results, vocabularies, prepared token
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
+import shutil
 from collections.abc import Iterator
+
+
+class DiskFullError(OSError):
+  """A file does not fit on its disk (errno ENOSPC); the message says how much it needs where."""
+
+  def __init__(self, path: str, num_bytes: int):
+    super().__init__(
+      errno.ENOSPC, f"no space left on device: needs ~{math.ceil(num_bytes / 1e6):,} MB at {path}"
+    )
+    self.path, self.num_bytes = path, num_bytes
+
+  def __str__(self) -> str:
+    return self.strerror
+
+
+def check_space(path: str, num_bytes: int) -> None:
+  """DiskFullError unless the disk holding ``path`` (a file to write) has ``num_bytes`` free.
+
+  Checked before a large file is written: a memory-mapped file on a full disk dies of SIGBUS
+  (no message, its temporary file left), and a plain write fails only once the disk is full.
+  """
+  if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < num_bytes:
+    raise DiskFullError(path, num_bytes)
 
 
 @contextlib.contextmanager

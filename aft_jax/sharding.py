@@ -106,10 +106,11 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
-def check_batch_split(mesh: Mesh, **batch_sizes: int) -> None:
+def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
   """Each global batch size (``batch_size=16``) must split evenly over the data-parallel
-  devices (mesh data x fsdp), and those over the processes: each process feeds its own rows."""
-  dp = data_parallel_size(mesh)
+  devices (mesh data x fsdp, or their number), and those over the processes: each process
+  feeds its own rows."""
+  dp = mesh if isinstance(mesh, int) else data_parallel_size(mesh)
   for name, size in batch_sizes.items():
     if size % dp:
       raise ValueError(

@@ -15,6 +15,8 @@
                                         after an interruption takes them from here)
     <workdir>/trainer.lock              held by the one trainer writing here
     <workdir>/tensorboard/              TensorBoard event files and profiles
+    <workdir>/wandb/, wandb_run_id      with config.wandb.project: W&B's files and the id of
+                                        the W&B run a resume continues (``wandb_log``)
     <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position, config, corpus
                                         record and their checksums
     <workdir>/damaged_checkpoints/<s>/  checkpoints that could not be restored, moved aside
@@ -55,6 +57,8 @@ class Workdir:
   path: str
 
   def __post_init__(self):
+    if not str(self.path).strip():  # '' would be the current directory, ' ' a folder named ' '
+      raise ValueError(f"the workdir {str(self.path)!r} is blank: name a folder")
     object.__setattr__(self, "path", os.path.abspath(os.path.expanduser(self.path)))
 
   @classmethod

@@ -48,6 +48,26 @@ def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
   return [sys.executable, "train.py", "--config", config, "--workdir", str(workdir), *flags]
 
 
+# Starts the command in its arguments with SIGINT at its default action, then Python's
+# KeyboardInterrupt: a suite started in the background (``nohup pytest ... &``) has SIGINT
+# ignored, an ignored signal stays ignored across exec, and Python keeps it so.
+_DEFAULT_SIGINT = (
+  "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+  "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def with_default_sigint(cmd: list[str]) -> list[str]:
+  """``cmd`` (a program and its arguments) started with Ctrl-C at its default, whatever SIGINT
+  this process inherited: for a test that sends SIGINT to a child (no ``preexec_fn``, which is
+  unsafe in a process with threads, as jax's)."""
+  import shutil
+  import sys
+
+  program = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0])
+  return [sys.executable, "-c", _DEFAULT_SIGINT, program, *cmd[1:]]
+
+
 def config_flags(config):
   """Command-line overrides that turn configs/quickstart.py into ``config``."""
   from aft_jax.typed_config import flatten

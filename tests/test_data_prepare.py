@@ -1,5 +1,6 @@
 """`python -m aft_jax.data.prepare` and `load_corpus` on fake WikiText-103."""
 
+import errno
 import json
 import os
 import shutil
@@ -187,6 +188,63 @@ def test_partial_npy_is_never_visible(tmp_path):
   with pytest.raises(RuntimeError):
     store.write_tokens(path, "train", chunks())
   assert os.listdir(path) == []
+
+
+def test_a_split_is_written_as_numpy_saves_it(tmp_path):
+  path = str(tmp_path / "p")
+  store.start(path)
+  chunks = [np.arange(5, dtype=np.uint32), np.frombuffer(b"ab", np.uint8), np.zeros(0, np.uint32)]
+  assert store.write_tokens(path, "train", chunks) == 7
+  np.save(tmp_path / "want.npy", np.concatenate([c.astype(np.uint32) for c in chunks]))
+  assert open(os.path.join(path, "train.npy"), "rb").read() == (tmp_path / "want.npy").read_bytes()
+
+
+def test_a_full_disk_is_one_error_naming_the_size_and_leaves_no_temporary_file(
+  tmp_path, monkeypatch
+):
+  """Too little space up front, or a disk that fills while the split is written (here the
+  temporary file is /dev/full, where every write fails with ENOSPC): one DiskFullError, and
+  the folder holds nothing (a memory map died of SIGBUS here and left its file)."""
+  from aft_jax import files
+
+  path = str(tmp_path / "p")
+  store.start(path)
+  chunks = [np.arange(1_000_000, dtype=np.uint32)]
+  want = f"no space left on device: needs ~5 MB at {path}/train.npy"
+  usage = shutil.disk_usage(path)
+  monkeypatch.setattr(files.shutil, "disk_usage", lambda p: usage._replace(free=3_000_000))
+  with pytest.raises(files.DiskFullError) as e:
+    store.write_tokens(path, "train", chunks)
+  assert str(e.value) == want and e.value.errno == errno.ENOSPC and os.listdir(path) == []
+  monkeypatch.undo()
+  os.symlink("/dev/full", os.path.join(path, f"train.npy.tmp-{os.getpid()}.npy"))
+  with pytest.raises(files.DiskFullError, match=want):
+    store.write_tokens(path, "train", chunks)
+  assert os.listdir(path) == []
+
+
+DISK_FULL = """
+import shutil, sys
+from aft_jax.data import prepare
+usage = shutil.disk_usage(sys.argv[1])
+shutil.disk_usage = lambda path: usage._replace(free=1000)  # a full disk, without filling one
+data_dir, train_files = sys.argv[1:]
+sys.argv[1:] = ["--dataset", "text", "--train_files", train_files, "--data_dir", data_dir]
+sys.argv.append("--quiet")
+prepare.cli()
+"""
+
+
+def test_aft_prepare_on_a_full_disk_is_one_line(tmp_path):
+  data = tmp_path / "data"
+  data.mkdir()
+  files = os.path.join(os.path.dirname(os.__file__), "json", "*.py")
+  cmd = [sys.executable, "-c", DISK_FULL, str(data), files]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
+  assert lines[0].startswith("error: DiskFullError: no space left on device: needs ~"), lines[0]
+  assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
 
 
 def test_load_corpus_prepares_when_missing(tmp_path):

@@ -4,12 +4,16 @@ learned on the train split, and every bad input as one line naming the file or t
 import glob
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from aft_jax.data import load_corpus, store, subword, text
 from aft_jax.data.config import DataConfig
+from tests.helpers import STDLIB_JSON
 
 
 def _load(tmp_path, **cfg):
@@ -190,7 +194,14 @@ def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys)
 
 
 def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
+  from aft_jax.data import corpus as corpus_lib
+
+  cfg = {"dataset": "text", "tokenizer": "word", "train_files": str(docs / "*.py")}
+  # The dry run's size of a word vocabulary: counted on the train files, nothing written.
+  size, where = corpus_lib.vocab_size({**cfg, "data_dir": str(tmp_path / "data")})
+  assert where.startswith("the text files") and not (tmp_path / "data").exists()
   corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
+  assert corpus.vocab.size == size
   train_words = set(corpus.splits["train"].tolist())
   assert corpus.vocab.unk_id not in train_words  # every train word is in the vocabulary
   assert corpus.vocab.unk_id in set(corpus.splits["test"].tolist())  # held-out words are not
@@ -205,3 +216,116 @@ def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
     absolute_globs(" a/*.txt, ~/b/**/*.md ,") == f"{tmp_path}/a/*.txt,{tmp_path}/home/b/**/*.md"
   )
   assert absolute_globs("") == ""
+
+
+def _tree_with_links(root):
+  """14 documents in three folders, plus what must not add any: two symlink loops, a second
+  link to a folder, a link to a file, and a hidden folder."""
+  for i in range(14):
+    folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"doc{i}.md").write_text(f"document {i}\n")
+  (root / "sub" / "loop").symlink_to("..")  # two loops: glob.glob would walk 2^40 paths
+  (root / "sub" / "deeper" / "up").symlink_to("../..")
+  (root / "alias").symlink_to("sub")
+  (root / "link.md").symlink_to("doc0.md")
+  (root / ".hidden").mkdir()
+  (root / ".hidden" / "secret.md").write_text("not a document\n")
+
+
+def test_a_recursive_glob_does_not_follow_folder_links_and_holds_out_real_files(tmp_path):
+  """``**`` walks real folders only and a file reached twice counts once, so 14 files stay 14
+  documents (not hundreds through a loop) and no held-out document is also a train one."""
+  _tree_with_links(tmp_path / "notes")
+  spec = str(tmp_path / "notes" / "**" / "*.md")
+  found = text.expand(spec, "train_files")
+  assert sorted(os.path.basename(p) for p in found) == sorted(f"doc{i}.md" for i in range(14))
+  assert len({os.path.realpath(p) for p in found}) == 14
+  files = text.split_files(DataConfig(dataset="text", train_files=spec))
+  real = {s: {os.path.realpath(p) for p in paths} for s, paths in files.items()}
+  assert {s: len(r) for s, r in real.items()} == {"train": 12, "validation": 1, "test": 1}
+  assert not real["train"] & (real["validation"] | real["test"])
+  assert not real["validation"] & real["test"]
+  # A folder named before "**" may itself be a link; "dir/**" takes every file below.
+  assert len(text.expand(str(tmp_path / "notes" / "alias" / "**"), "train_files")) == 9
+
+
+def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(docs, tmp_path):
+  """The same file as valid and test files, or a train file under a link, is refused."""
+  one = str(docs / "decoder.py")
+  (tmp_path / "link.py").symlink_to(one)
+  cases = [
+    (
+      dict(train_files=str(docs / "*n*.py"), valid_files=one, test_files=one),
+      r"decoder\.py is in config\.data\.valid_files and "
+      r"in config\.data\.test_files \(1 such file\(s\)\): a file scores one held-out split",
+    ),
+    (
+      dict(train_files=str(docs / "*.py"), valid_files=str(tmp_path / "link.py"), test_files=one),
+      r"decoder\.py is in config\.data\.train_files "
+      r"and in config\.data\.valid_files .*must not be trained on",
+    ),
+  ]
+  for held_out, message in cases:
+    with pytest.raises(text.TextError, match=message) as e:
+      text.split_files(DataConfig(dataset="text", **held_out))
+    assert "\n" not in str(e.value)
+
+
+def test_a_line_over_64_kib_is_learned_from_not_left_out():
+  """SentencePiece leaves out sentences (lines) over max_sentence_length (64 KiB): a minified
+  file would add nothing to the vocabulary. Learned from in pieces, its one word is a piece."""
+  long_line = "zqxj " * 20_000  # 100,000 bytes on one line
+  vocab = subword.train([open(p).read() for p in STDLIB_JSON] + [long_line], 400)
+  pieces = {vocab._sp.id_to_piece(i) for i in range(vocab.size)}
+  assert any("zqxj" in p for p in pieces), sorted(pieces)[-40:]
+  assert vocab.decode(vocab.encode(long_line)) == long_line  # still tokenised whole
+  assert list(subword._lines(["a\n\n" + "é" * 40_000])) == [
+    "a",
+    "é" * 16_384,
+    "é" * 16_384,
+    "é" * 7_232,
+  ]
+
+
+SLOW_SENTENCEPIECE = """
+import signal, sys, time
+import sentencepiece as spm
+
+def train(**kwargs):  # SentencePiece's C++ training, which a Ctrl-C cannot stop, made endless
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the caller's thread: deaf to it
+  for _ in kwargs["sentence_iterator"]:  # reads the documents, as SentencePiece does first
+    pass
+  print("training", flush=True)
+  time.sleep(600)
+
+spm.SentencePieceTrainer.train = train
+from aft_jax.data import prepare
+sys.argv[1:] = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "300", "--quiet",
+                "--train_files", sys.argv[1], "--data_dir", sys.argv[2]]
+prepare.cli()
+"""
+
+
+def test_ctrl_c_while_sentencepiece_trains_stops_aft_prepare_in_one_line(docs, tmp_path):
+  """SentencePiece trains in C++ and does not return to Python until it is done, so a Ctrl-C
+  waited for the end of training; it trains in a thread now, and aft-prepare stops at once:
+  one line, exit status 130, nothing marked prepared, no temporary file."""
+  from tests.helpers import with_default_sigint
+
+  data = tmp_path / "data"
+  cmd = [sys.executable, "-c", SLOW_SENTENCEPIECE, str(docs / "*.py"), str(data)]
+  proc = subprocess.Popen(
+    with_default_sigint(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  try:
+    assert proc.stdout.readline() == "training\n", proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130 and len(lines) == 1, err[-2000:]
+  assert lines[0].startswith("aft-prepare: interrupted (Ctrl-C): nothing was marked prepared")
+  written = [f for _, _, fs in os.walk(data) for f in fs]
+  assert store.MARKER not in written and not [f for f in written if ".tmp-" in f], written

@@ -19,7 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, config_flags, listing, tiny_config, train_py, trained_run_config
+from tests.helpers import (
+  ROOT,
+  config_flags,
+  listing,
+  tiny_config,
+  train_py,
+  trained_run_config,
+  with_default_sigint,
+)
 from aft_jax.tools import evaluate, export, generate
 from aft_jax.trainer import checkpointing, train_lib, workdir_lock
 from aft_jax.workdir import Workdir
@@ -637,7 +645,7 @@ def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax
     "reached_preemption_sync_point",
     lambda step: sync_steps.append(step) or step == 7,
   )
-  sigterm = signal.getsignal(signal.SIGTERM)
+  sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
   with preemption.Preemption() as p:
     assert signal.getsignal(signal.SIGTERM) is sigterm
     assert not p.should_stop(1, every=2) and not p.should_stop(2, every=2)
@@ -648,7 +656,7 @@ def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax
   with preemption.Preemption() as p:  # the sync manager's step, between log steps
     assert not p.should_stop(5, every=2) and p.should_stop(7, every=2)
     assert p.signal.startswith("SIGTERM, preemption notice")
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is sigint  # the handler found (SIG_IGN in background)
 
 
 def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, monkeypatch, capsys):
@@ -714,6 +722,7 @@ def test_ctrl_c_during_setup_is_one_line(tmp_path):
   trainer, before the training loop's handler): one line, exit status 1."""
   workdir = tmp_path / "run"
   cmd = train_py(workdir, "--config.num_train_steps=2")  # warmup 100 > 2: a note in setup
+  cmd = with_default_sigint(cmd)  # as from a terminal, even where this suite ignores SIGINT
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   line = proc.stdout.readline()
   assert line.startswith("note: warmup_steps"), line

@@ -162,6 +162,10 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
     ("--config.seed=-1", "config.seed = -1"),
     # A mistyped key: ml_collections' error (raised while absl parses the flags), one line.
     ("--config.learning_rte=1", 'learning_rte; Did you mean "learning_rate"'),
+    ("--num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),  # absl's
+    # W&B's settings: refused before the model is built, not a traceback after, not ignored.
+    ("--config.wandb.project=a/b", "config.wandb.project: Invalid project name 'a/b'"),
+    ("--config.wandb.entity=me", "config.wandb.entity = 'me' needs config.wandb.project"),
   ],
 )
 def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, message):
@@ -173,17 +177,37 @@ def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, me
   assert not os.path.exists(tmp_path / "run")  # nothing written before the config is checked
 
 
-def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path):
+@pytest.mark.parametrize("workdir, message", [("", "is required"), (" ", "= ' ' is blank")])
+def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, workdir, message):
   config = os.path.join(ROOT, "configs", "quickstart.py")
   out = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", ""],
+    [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir],
     cwd=tmp_path,
     capture_output=True,
     text=True,
     timeout=300,
   )
-  assert out.returncode == 1 and "--workdir is required" in out.stderr, out.stderr[-2000:]
-  assert os.listdir(tmp_path) == []  # nothing written into the current directory
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert f"--workdir {message}" in lines[0]
+  assert os.listdir(tmp_path) == []  # nothing written into the current directory (no " ")
+
+
+@pytest.mark.parametrize("recipe", ["text", "configs/text.py"])
+def test_a_text_recipe_takes_a_glob_with_slashes_as_its_argument(tmp_path, recipe):
+  """The README's ``--config "text:~/notes/**/*.md"`` (and ``configs/text.py:GLOB``), with an
+  override after it: the glob reaches the recipe whole (``~`` is the user's home), so a glob
+  that matches nothing is the data's one line naming it, not a config file that fails to
+  load."""
+  glob_ = "~/notes/**/*.md"
+  cmd = train_py(tmp_path / "run", "--config.num_train_steps=2", config=f"{recipe}:{glob_}")
+  env = {**os.environ, "HOME": str(tmp_path / "home")}
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  want = f"config.data.train_files: '{tmp_path}/home/notes/**/*.md' matches no file"
+  assert want in lines[0], lines[0]
+  assert not (tmp_path / "run").exists()
 
 
 def test_a_warmup_longer_than_the_run_is_said_not_silently_cut():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -113,3 +114,21 @@ def test_a_damaged_json_file_is_one_line_naming_it(tmp_path, name):
     with pytest.raises(ValueError, match=rf"{path} is damaged: ") as e:
       read()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["", " ", "\t "])
+def test_a_blank_workdir_is_refused_by_the_trainer_and_the_tools(path, tmp_path, monkeypatch):
+  """'' would be the current directory, ' ' a folder named ' ': refused before anything is
+  read or written, by the API as by the commands."""
+  from aft_jax.tools import generate
+  from aft_jax.trainer import train_lib
+  from tests.helpers import tiny_config
+
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=re.escape(f"the workdir {path!r} is blank: name a folder")):
+    Workdir(path)
+  with pytest.raises(ValueError, match="is blank"):
+    train_lib.train_and_evaluate(tiny_config(), path)
+  with pytest.raises(SystemExit, match=re.escape(f"generate: the workdir {path!r} is blank")):
+    generate.main(["--workdir", path])
+  assert os.listdir(tmp_path) == []

@@ -137,19 +137,22 @@ def vocab_size(cfg) -> tuple[int, str]:
     return cfg.vocab_size, "config.data.vocab_size"
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
+  text_files = None
   if dataset == "enwik8":
     name = prepare.ENWIK8_NAME
   elif dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-    if tokenizer == "word":  # only the files know: prepare them (local, no download)
-      return load_corpus(cfg).vocab.size, "the text files"
-    name = text.corpus_name(cfg, text.split_files(cfg))
+    text_files = text.split_files(cfg)
+    name = text.corpus_name(cfg, text_files)
   else:
     name = prepare.corpus_name(prepare.resolve_variant(tokenizer, cfg.variant), tokenizer)
   path = store.prepared_dir(resolve_data_dir(cfg.data_dir), name)
   if store.is_complete(path):
     return int(store.read_summary(path)["vocab_size"]), f"the prepared corpus in {path}"
+  if text_files is not None and tokenizer == "word":  # only the files know: counted, not written
+    documents = (text.read_document(p, cfg.encoding) for p in text_files["train"])
+    return text.learn_vocab(cfg, documents).size, "the text files (counted, not prepared)"
   if tokenizer == "byte" or dataset == "enwik8":
     return vocab_lib.ByteVocab().size, "bytes"
   return prepare.OFFICIAL_VOCAB_SIZE, "the official WikiText-103 vocabulary (not prepared here)"

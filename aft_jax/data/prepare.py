@@ -497,11 +497,21 @@ def main(argv=None) -> dict:
 
 def cli() -> None:
   """``aft-prepare`` and ``python -m aft_jax.data.prepare``: ``main`` with a bad or missing
-  dataset as one line on stderr and exit status 1 (the message says what to do)."""
+  dataset as one line on stderr and exit status 1 (the message says what to do), and Ctrl-C
+  as one line and exit status 130 (128 + SIGINT); either way nothing is marked prepared and
+  no temporary file is left."""
   try:
     main()
   except (ValueError, OSError) as e:  # OSError: e.g. a data_dir that cannot be written or locked
     sys.exit(f"error: {type(e).__name__}: {e}")
+  except KeyboardInterrupt:  # not the traceback of wherever it landed (tokenising, SentencePiece)
+    print(
+      "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command "
+      "prepares it again",
+      file=sys.stderr,
+      flush=True,
+    )
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ have the size its summary.json implies (truncated by a full disk, a bad copy) is
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -88,18 +89,29 @@ def start(path: str) -> None:
 
 
 def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
-  """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n."""
+  """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n.
+
+  The disk's free space is checked first, and the file is written chunk by chunk (the split is
+  never held twice) with plain writes, not through a memory map: a full disk is then one
+  `files.DiskFullError` naming the size and the file, and the temporary file is removed (a
+  memory map on a full disk dies of SIGBUS, leaving it).
+  """
   chunks = [np.asarray(c) for c in chunks]
   n = int(sum(c.size for c in chunks))
-  with files.atomic_path(os.path.join(path, f"{split}.npy"), suffix=".npy") as tmp:
-    # Fill a memory-mapped file chunk by chunk: the split is never held twice.
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint32, shape=(n,))
-    pos = 0
-    for c in chunks:
-      out[pos : pos + c.size] = c.reshape(-1)
-      pos += c.size
-    out.flush()
-    del out
+  file = os.path.join(path, f"{split}.npy")
+  header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<u4")), "fortran_order": False}
+  need = 4 * n + 4096  # the ids and the header (at most a few hundred bytes)
+  files.check_space(file, need)
+  with files.atomic_path(file, suffix=".npy") as tmp:
+    try:
+      with open(tmp, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {**header, "shape": (n,)})
+        for c in chunks:
+          f.write(np.ascontiguousarray(c.reshape(-1), dtype="<u4").tobytes())
+    except OSError as e:
+      if e.errno == errno.ENOSPC:  # filled meanwhile (another writer)
+        raise files.DiskFullError(file, need) from None
+      raise
   return n
 
 

@@ -16,8 +16,9 @@ lines), so ``decode(encode(text)) == text``. Ids: 0 ``<unk>`` (never produced), 
 
 Training is deterministic for a seed (SentencePiece's own random generator, one thread), so the
 same train split and ``vocab_size`` give the same model file on every run. It learns from at
-most ``MAX_LINES`` lines of the train split (a sample, drawn with the seed, when there are more)
-and leaves out lines over 64 KiB (minified files); every line is still tokenised.
+most ``MAX_LINES`` lines of the train split (a sample, drawn with the seed, when there are more);
+a line over 64 KiB (a minified file), which SentencePiece would leave out, is learned from as
+pieces of 16,384 characters. Every line is tokenised whole.
 """
 
 from __future__ import annotations
@@ -113,59 +114,120 @@ def train(
   documents: Iterable[str], vocab_size: int, *, seed: int = 0, what: str = "the train split"
 ) -> SubwordVocab:
   """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents`` (the train
-  split's texts; each line is one training sentence). A size the text cannot give (too few
-  distinct pieces, or fewer than its characters need) is a one-line ValueError naming
-  ``config.data.vocab_size`` and ``what``."""
+  split's texts; each line is one training sentence, a line over 64 KiB in pieces: ``_lines``).
+  A size the text cannot give (too few distinct pieces, or fewer than its characters need) is
+  a one-line ValueError naming ``config.data.vocab_size`` and ``what``; an error reading
+  ``documents`` is raised as it is.
+
+  SentencePiece trains in C++ without returning to Python, so a Ctrl-C would wait for the end
+  of training: it trains in a thread (it releases the GIL) while this one waits, and a
+  KeyboardInterrupt here stops the documents' reading at once and leaves the thread to finish
+  on its own, its model unused (nothing is written: the model goes to memory).
+  """
   import io  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
 
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
 
   spm.set_random_generator_seed(seed)
-  out = io.BytesIO()
-  lines = (line for doc in documents for line in doc.split("\n") if line)
+  out, stop, outcome = io.BytesIO(), threading.Event(), {}
+
+  def sentences():
+    try:
+      for line in _lines(documents):
+        if stop.is_set():
+          raise _Abandoned
+        yield line
+    except GeneratorExit:  # SentencePiece stopped reading
+      raise
+    except BaseException as e:  # what reading the documents raised (SentencePiece wraps it)
+      outcome.setdefault("reading", e)
+      raise
+
+  def work():
+    try:
+      spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences(), model_writer=out, vocab_size=vocab_size, **_SETTINGS
+      )
+    except Exception as e:  # noqa: BLE001 (returned to the waiting thread)
+      outcome["training"] = e
+
+  thread = threading.Thread(target=work, name="sentencepiece", daemon=True)
+  thread.start()
   try:
-    spm.SentencePieceTrainer.train(
-      sentence_iterator=lines,
-      model_writer=out,
-      vocab_size=vocab_size,
-      model_type="unigram",
-      character_coverage=1.0,
-      normalization_rule_name="identity",
-      remove_extra_whitespaces=False,
-      add_dummy_prefix=False,
-      allow_whitespace_only_pieces=True,
-      split_digits=True,
-      byte_fallback=True,
-      user_defined_symbols=["\n"],
-      unk_id=0,
-      eos_id=1,
-      bos_id=-1,
-      pad_id=-1,
-      eos_piece=EOS,
-      max_sentence_length=1 << 16,  # longer lines (minified files) are left out of training
-      # At most this many lines, sampled with the seed when there are more (lm1b samples too):
-      # SentencePiece holds its sentences in memory.
-      input_sentence_size=MAX_LINES,
-      shuffle_input_sentence=True,
-      num_threads=1,  # one thread: the same model on every run
-      minloglevel=2,
-    )
-  except RuntimeError as e:
-    text = str(e)
-    m = _SIZE_LIMIT.search(text)
-    if m:
-      raise ValueError(
-        f"config.data.vocab_size = {vocab_size} is more pieces than {what} supports (at most "
-        f"{m.group(2)}): lower it or add text"
-      ) from None
-    m = _SIZE_LOW.search(text)
-    if m:
-      raise ValueError(
-        f"config.data.vocab_size = {vocab_size} is too small for {what}: its characters and "
-        f"the 256 bytes need at least {m.group(2)} pieces"
-      ) from None
-    raise ValueError(f"learning the subword vocabulary on {what}: {_first_line(e)}") from None
+    while thread.is_alive():
+      thread.join(0.1)  # a Ctrl-C is a KeyboardInterrupt here, between the waits
+  except BaseException:
+    stop.set()
+    raise
+  if "reading" in outcome:
+    raise outcome["reading"]
+  if "training" in outcome:
+    raise _size_error(outcome["training"], vocab_size, what) from None
   return SubwordVocab(out.getvalue())
+
+
+class _Abandoned(Exception):
+  """Ends the documents' reading of a training that was interrupted."""
+
+
+# Lines are SentencePiece's sentences; it leaves out those over max_sentence_length bytes, so a
+# longer line is learned from in pieces of _PIECE_CHARS characters (at most 64 KiB in UTF-8).
+_MAX_SENTENCE_BYTES = 1 << 16
+_PIECE_CHARS = _MAX_SENTENCE_BYTES // 4
+
+_SETTINGS = dict(
+  model_type="unigram",
+  character_coverage=1.0,
+  normalization_rule_name="identity",
+  remove_extra_whitespaces=False,
+  add_dummy_prefix=False,
+  allow_whitespace_only_pieces=True,
+  split_digits=True,
+  byte_fallback=True,
+  user_defined_symbols=["\n"],
+  unk_id=0,
+  eos_id=1,
+  bos_id=-1,
+  pad_id=-1,
+  eos_piece=EOS,
+  max_sentence_length=_MAX_SENTENCE_BYTES,
+  # At most this many lines, sampled with the seed when there are more (lm1b samples too):
+  # SentencePiece holds its sentences in memory.
+  input_sentence_size=MAX_LINES,
+  shuffle_input_sentence=True,
+  num_threads=1,  # one thread: the same model on every run
+  minloglevel=2,
+)
+
+
+def _lines(documents: Iterable[str]):
+  """The non-empty lines of ``documents``; one longer than SentencePiece takes (a minified
+  file) as consecutive pieces of ``_PIECE_CHARS`` characters, so that it is learned from."""
+  for doc in documents:
+    for line in doc.split("\n"):
+      if len(line) > _PIECE_CHARS and len(line.encode("utf-8")) > _MAX_SENTENCE_BYTES:
+        yield from (line[i : i + _PIECE_CHARS] for i in range(0, len(line), _PIECE_CHARS))
+      elif line:
+        yield line
+
+
+def _size_error(e: Exception, vocab_size: int, what: str) -> ValueError:
+  """SentencePiece's error as one line: a size the text cannot give names the limit."""
+  text = str(e)
+  m = _SIZE_LIMIT.search(text)
+  if m:
+    return ValueError(
+      f"config.data.vocab_size = {vocab_size} is more pieces than {what} supports (at most "
+      f"{m.group(2)}): lower it or add text"
+    )
+  m = _SIZE_LOW.search(text)
+  if m:
+    return ValueError(
+      f"config.data.vocab_size = {vocab_size} is too small for {what}: its characters and "
+      f"the 256 bytes need at least {m.group(2)} pieces"
+    )
+  return ValueError(f"learning the subword vocabulary on {what}: {_first_line(e)}")
 
 
 def _first_line(e: Exception) -> str:

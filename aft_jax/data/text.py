@@ -49,24 +49,50 @@ class TextError(ValueError):
 
 
 def expand(spec: str, key: str) -> list[str]:
-  """The files of a comma-separated list of globs (absolute paths, each glob's sorted, no
-  duplicates); a glob that matches no file is a TextError naming ``key`` and the glob."""
+  """The files of a comma-separated list of globs (absolute paths, each glob's sorted); a glob
+  that matches no file is a TextError naming ``key`` and the glob.
+
+  ``**`` does not descend into symlinked folders (bash's globstar and pathlib do not either): a
+  symlink loop would repeat every file below it dozens of times (one file per level, up to
+  the kernel's limit), and a second link to a folder would count its files twice. A folder the
+  glob names before ``**`` may be a symlink. A file reached twice (a file symlink, two globs)
+  is kept once, under the first path that reached it: files are told apart by their real path.
+  """
   out, seen = [], set()
   for pattern in (p.strip() for p in spec.split(",")):
     if not pattern:
       continue
     matches = sorted(
-      os.path.abspath(p)
-      for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-      if os.path.isfile(p)
+      os.path.abspath(p) for p in _glob(os.path.expanduser(pattern)) if os.path.isfile(p)
     )
     if not matches:
       raise TextError(f"config.data.{key}: {pattern!r} matches no file")
     for path in matches:
-      if path not in seen:
-        seen.add(path)
+      real = os.path.realpath(path)
+      if real not in seen:
+        seen.add(real)
         out.append(path)
   return out
+
+
+def _glob(pattern: str) -> Iterator[str]:
+  """``glob.glob(pattern, recursive=True)``, but each ``**`` walks real folders only
+  (``os.walk`` without following links; hidden folders skipped, as glob's ``**`` does)."""
+  parts = pattern.split(os.sep)
+  if "**" not in parts:
+    yield from glob.glob(pattern)
+    return
+  i = parts.index("**")
+  rest = parts[i + 1 :]
+  head = os.sep.join(parts[:i]) or (os.sep if i else os.curdir)  # "/**/x" or "**/x"
+  bases = [b for b in glob.glob(head) if os.path.isdir(b)]
+  for base in bases:
+    for folder, subfolders, names in os.walk(base):
+      subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+      if rest:
+        yield from _glob(os.path.join(glob.escape(folder), *rest))
+      else:  # "dir/**": everything below
+        yield from (os.path.join(folder, n) for n in names if not n.startswith("."))
 
 
 def split_files(cfg: DataConfig) -> dict[str, list[str]]:
@@ -88,13 +114,25 @@ def split_files(cfg: DataConfig) -> dict[str, list[str]]:
     for s in missing:
       files[s], docs = sorted(docs[: take[s]]), docs[take[s] :]
     files["train"] = sorted(docs)
-  overlap = sorted(set(files["train"]) & (set(files["validation"]) | set(files["test"])))
-  if overlap:
-    raise TextError(
-      f"{overlap[0]} is in config.data.train_files and in a held-out split "
-      f"({len(overlap)} such file(s)): held-out text must not be trained on"
-    )
+  _refuse_shared(files, "train", ("validation", "test"), "held-out text must not be trained on")
+  _refuse_shared(files, "validation", ("test",), "a file scores one held-out split")
   return files
+
+
+def _refuse_shared(files: dict[str, list[str]], split: str, others, why: str) -> None:
+  """A TextError naming the first file of ``split`` that is also in one of ``others`` (the same
+  real file, whatever path or link reached it)."""
+  real = {os.path.realpath(p) for s in others for p in files[s]}
+  shared = [p for p in files[split] if os.path.realpath(p) in real]
+  if shared:
+    first = os.path.realpath(shared[0])
+    where = " and ".join(
+      f"config.data.{_KEYS[s]}" for s in others if first in map(os.path.realpath, files[s])
+    )
+    raise TextError(
+      f"{shared[0]} is in config.data.{_KEYS[split]} and in {where} "
+      f"({len(shared)} such file(s)): {why}"
+    )
 
 
 def _order_key(paths: list[str]):

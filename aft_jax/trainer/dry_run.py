@@ -7,6 +7,9 @@ The figures are *compiled for the target without a device*: XLA's memory analysi
 program it would run there, not a measurement. A GPU run also needs the CUDA runtime's own
 memory and, by default, jax takes only 75% of a GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so
 a GPU step "fits" when it needs at most that fraction; on a TPU, 95% of its HBM.
+
+Exit statuses of the command: 0 it fits, 1 it does not, 2 refused (``check``: a bad flag,
+config or environment, in one line, before the command restarts itself for the target).
 """
 
 from __future__ import annotations
@@ -30,6 +33,31 @@ from aft_jax.ops import target as ops_target
 
 GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 0.95  # an allowance for the TPU runtime's own buffers
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# Exit statuses of ``aft-train --dry_run``: it fits, it does not, or the question was refused
+# (a bad flag, config or environment, a plugin to reinstall: nothing was compiled), as usage
+# errors are 2 for argparse.
+FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
+# Bytes per token of a step's batch: inputs and targets (int32), and for evaluation the weights.
+_BATCH_BYTES = {"batch_size": 8, "eval_batch_size": 12}
+
+
+def gpu_fraction() -> float:
+  """The share of a GPU's memory jax takes: $XLA_PYTHON_CLIENT_MEM_FRACTION, a number in
+  (0, 1] (one-line ValueError otherwise), or jax's default 0.75."""
+  text = os.environ.get(MEM_FRACTION)
+  if text is None:
+    return GPU_FRACTION
+  try:
+    fraction = float(text)
+  except ValueError:
+    fraction = math.nan
+  if not 0.0 < fraction <= 1.0:  # NaN too
+    raise ValueError(
+      f"{MEM_FRACTION} = {text!r} must be a number in (0, 1]: the share of a GPU's memory "
+      f"jax takes (unset: {GPU_FRACTION})"
+    )
+  return fraction
 
 
 def usable_bytes(target: deviceless.Target) -> int:
@@ -37,9 +65,32 @@ def usable_bytes(target: deviceless.Target) -> int:
   if target.kind == "cpu":
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if target.kind == "cuda":
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_FRACTION))
-    return int(target.memory_bytes * fraction)
+    return int(target.memory_bytes * gpu_fraction())
   return int(target.memory_bytes * TPU_FRACTION)
+
+
+def check(config, target: deviceless.Target, num_devices: int) -> int:
+  """Everything a dry run refuses that needs no compiler, so that it is refused before the run
+  restarts itself for the target: the device count, the memory fraction, the config, the mesh
+  and the batch's split over it, and a batch whose share per device alone exceeds the device
+  (XLA's compilers fail on such steps, or crash). One-line ValueErrors; returns the usable
+  bytes per device."""
+  deviceless.check_num_devices(target, num_devices)
+  usable = usable_bytes(target)
+  check_config(config)
+  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, num_devices)))
+  dp = sizes["data"] * sizes["fsdp"]
+  batches = {name: config[name] for name in _BATCH_BYTES}
+  sharding.check_batch_split(dp, **batches)
+  for name, size in batches.items():
+    share = size // dp * config.seq_len * _BATCH_BYTES[name]
+    if share > usable:
+      raise ValueError(
+        f"--config.{name} = {size:,}: one device's share of the batch alone ({size // dp:,} x "
+        f"{config.seq_len} tokens) takes {_gib(share)}, more than the {_gib(usable)} usable on "
+        f"{target.description}: it cannot fit (nothing compiled)"
+      )
+  return usable
 
 
 @dataclasses.dataclass
@@ -90,8 +141,9 @@ def _compile(lowered, args) -> tuple[object | None, StepMemory]:
     compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001 (jax's runtime error type is not public)
     found = _REFUSAL.search(str(e))
-    if not found:
-      raise
+    if not found:  # XLA's own errors run to dozens of lines: the first says what it was
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+      raise RuntimeError(f"XLA could not compile the step: {first}") from e
     temp = int(float(found.group(1)) * 1024 ** (1 + "KMGT".index(found.group(2))))
     line = str(e).strip().splitlines()[0]
     return None, StepMemory(_shard_bytes(args), 0, 0, temp, 0, refused=line)
@@ -178,8 +230,8 @@ def _suggestions(config, target, num_devices, res, usable) -> list[str]:
 def run(config, target_name: str, num_devices: int = 1, say=print) -> dict:
   """Prints the report (its last line one JSON object) and returns that object."""
   target = deviceless.get(target_name)
+  usable = check(config, target, num_devices)
   res = compile_steps(config, target, num_devices, say)
-  usable = usable_bytes(target)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)
   fits = need <= usable

@@ -34,11 +34,12 @@ def available() -> list[str]:
 def resolve(spec: str) -> str:
   """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``.
 
-  A path to a config file (anything with a path separator or ending in ``.py`` before the
-  argument) is returned unchanged. Raises ValueError naming the recipes for an unknown name.
+  A path to a config file (a path separator or ``.py`` before the first ``:``, where
+  ml_collections splits the file from its argument) is returned unchanged; the argument may hold
+  anything (``text:~/notes/**/*.md``). Raises ValueError naming the recipes for an unknown name.
   """
   name, sep, arg = spec.partition(":")
-  if "/" in spec or os.sep in spec or name.endswith(".py"):
+  if "/" in name or os.sep in name or name.endswith(".py"):
     return spec
   names = available()
   if name not in names:

@@ -42,7 +42,8 @@ flags.DEFINE_bool(
   "dry_run",
   False,
   "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-  "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if not.",
+  "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if "
+  "not, 2 if refused (a bad flag, config or environment: nothing compiled).",
 )
 flags.DEFINE_string(
   "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
@@ -52,28 +53,31 @@ flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
 
-def _fail(e: Exception):
+def _fail(e: Exception, status: int = 1):
   # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
   # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
   if FLAGS["verbosity"].present:
     raise e
-  sys.exit(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}")
+  print(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}", file=sys.stderr)
+  sys.exit(status)
 
 
 def dry_run() -> None:
-  """--dry_run: restarts this command where the target's compiler is (``deviceless.reexec``),
-  then reports; the exit code says whether it fits."""
+  """--dry_run: checks what it can here, restarts this command where the target's compiler is
+  (``deviceless.reexec``), then reports; the exit status says whether it fits (0, 1) or that
+  the question was refused (2: nothing compiled)."""
   from aft_jax import deviceless
   from aft_jax.trainer import dry_run as dry_run_lib
 
   try:
     target = deviceless.get(FLAGS.target)
+    dry_run_lib.check(FLAGS.config, target, FLAGS.num_devices)  # before the restart
     # The CPU target gets twice the devices asked for: the suggestions compile for more.
     deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
     report = dry_run_lib.run(FLAGS.config, target.name, FLAGS.num_devices)
   except (ValueError, OSError, RuntimeError) as e:
-    _fail(e)
-  sys.exit(0 if report["fits"] else 1)
+    _fail(e, dry_run_lib.REFUSED)
+  sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)
 
 
 def main(argv):
@@ -82,10 +86,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if FLAGS.dry_run:
     dry_run()
-  if not FLAGS.workdir:
-    sys.exit(
-      f"{os.path.basename(sys.argv[0])}: error: --workdir is required (except with --dry_run)"
-    )
+  if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
+    given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
@@ -124,15 +127,35 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing, with a bad ``--config.KEY=VALUE`` (a mistyped key, a value of the
-  wrong type: ml_collections raises while the flags are parsed) as one line, exit status 1."""
+  """absl's flag parsing, with a bad flag or ``--config.KEY=VALUE`` (a mistyped key, a value of
+  the wrong type: ml_collections raises while the flags are parsed) as one line, exit status
+  1; with --dry_run 2, as its other refusals."""
+  refused = 2 if _asks_dry_run(argv) else 1
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
+  except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
+    print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
+    sys.exit(refused)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     # ml_collections' message is a quoted repr: the key, "\\n", then "Did you mean ...".
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
     why = "; ".join(p.strip().strip("'\"") for p in text.splitlines() if p.strip().strip("'\""))
-    sys.exit(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}")
+    print(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}", file=sys.stderr)
+    sys.exit(refused)
+
+
+def _asks_dry_run(argv) -> bool:
+  """Whether the command line (before absl parses it) asks for --dry_run."""
+  asked = False
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name, _, value = arg.lstrip("-").partition("=")
+    if name == "dry_run":
+      asked = value.lower() not in ("false", "0")
+    elif name == "nodry_run":
+      asked = False
+  return asked
 
 
 if __name__ == "__main__":

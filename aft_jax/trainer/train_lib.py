@@ -626,7 +626,8 @@ def train_and_evaluate(
     )
     mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
     state = restore_or_init(run, mngr, data_iter)
-    wandb_run = wandb_log.start(run.config, run.workdir) if run.is_main else None
+    resumed = int(state.step) > 0  # a checkpoint was restored: continue its W&B run
+    wandb_run = wandb_log.start(run.config, run.workdir, resumed) if run.is_main else None
     writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
     writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
     writer.write_hparams(flatten(run.config.to_dict()), step_log.HPARAMS_METRICS)

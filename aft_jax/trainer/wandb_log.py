@@ -3,9 +3,16 @@ of metrics.jsonl), its config and its end-of-run sample also go to W&B.
 
 W&B is an optional extra (``pip install "aft-jax[wandb]"``): the package is large and most runs
 do without it. Setting the key without it installed is a one-line config error saying how to
-install it. ``WANDB_MODE=offline`` (W&B's own variable) keeps everything in
-``<workdir>/wandb/`` and sends nothing; ``wandb sync`` uploads it later. The W&B run's id is
-derived from the workdir, so a resumed run continues the same W&B run.
+install it; so are a project name W&B refuses (checked with W&B's own rule, before anything is
+built) and an entity or a run name without a project (W&B would be off). ``WANDB_MODE=offline``
+(W&B's own variable) keeps everything in ``<workdir>/wandb/`` and sends nothing; ``wandb sync``
+uploads it later. That local record is complete once W&B's service has written it: when the
+process exits, or after ``wandb.teardown()`` (``run.finish()``, called when the run ends, only
+asks the service to write it).
+
+The W&B run's id is kept in ``<workdir>/wandb_run_id``: a run that resumes a checkpoint
+continues the same W&B run, a fresh one (no checkpoint to resume, e.g. in a workdir path used
+before) starts a new W&B run with a new id.
 """
 
 from __future__ import annotations
@@ -13,10 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import os
+import secrets
 
+from aft_jax import files
 from aft_jax.typed_config import TypedConfig
 
 INSTALL = 'pip install "aft-jax[wandb]"'
+ID_FILE = "wandb_run_id"  # in the workdir: the W&B run a resumed run continues
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +41,49 @@ class WandbConfig(TypedConfig):
   name: str = ""  # the run's name on W&B ('': the workdir's folder name)
 
   def _value_problems(self) -> list[str]:
-    if self.project and importlib.util.find_spec("wandb") is None:
+    if not self.project:
+      return [
+        f"{self.key(k)} = {getattr(self, k)!r} needs {self.key('project')}: without a "
+        "project W&B is off (set the project, or leave it empty)"
+        for k in ("entity", "name")
+        if getattr(self, k)
+      ]
+    if not self.project.strip():
+      return [f"{self.key('project')} = {self.project!r} is blank: name a W&B project"]
+    if importlib.util.find_spec("wandb") is None:
       return [
         f"config.wandb.project = {self.project!r} needs Weights & Biases, which is not "
         f"installed: {INSTALL}"
       ]
+    import wandb  # pylint: disable=g-import-not-at-top  (optional, slow to import)
+
+    try:
+      wandb.Settings(project=self.project)  # W&B's own rule for the name
+    except Exception as e:  # noqa: BLE001 (W&B's UsageError, or pydantic's ValidationError)
+      return [f"{self.key('project')}: {str(e).strip().splitlines()[0]}"]
     return []
 
 
-def start(config, workdir):
-  """The W&B run of ``config`` in ``workdir`` (a ``wandb`` Run), or None without a project."""
+def run_id(workdir, resumed: bool) -> str:
+  """The W&B run id of the run in ``workdir``: the one kept there when the run ``resumed`` a
+  checkpoint, else a new one (kept for later resumes). A resumed workdir written before ids
+  were kept continues the run its path named then."""
+  path = os.path.join(str(workdir), ID_FILE)
+  if resumed:
+    try:
+      with open(path) as f:
+        return f.read().strip()
+    except FileNotFoundError:
+      return hashlib.sha256(str(workdir).encode()).hexdigest()[:16]
+  new = secrets.token_hex(8)
+  os.makedirs(str(workdir), exist_ok=True)
+  files.atomic_write(path, new + "\n")
+  return new
+
+
+def start(config, workdir, resumed: bool = False):
+  """The W&B run of ``config`` in ``workdir`` (a ``wandb`` Run), or None without a project;
+  ``resumed``: whether the run continues a checkpoint (then it continues its W&B run)."""
   cfg = WandbConfig.from_config(config) if "wandb" in config else WandbConfig()
   if not cfg.project:
     return None
@@ -50,7 +94,7 @@ def start(config, workdir):
     project=cfg.project,
     entity=cfg.entity or None,
     name=cfg.name or path.rstrip("/").rsplit("/", 1)[-1],
-    id=hashlib.sha256(path.encode()).hexdigest()[:16],  # the same run when resumed
+    id=run_id(workdir, resumed),
     resume="allow",
     dir=path,
     config=config.to_dict() if hasattr(config, "to_dict") else dict(config),
