@@ -1,4 +1,5 @@
-"""The causal ops on a piece of a sequence: ``initial_state`` in, ``(Y, final state)`` out.
+"""The state mode: the causal ops on a piece of a sequence, ``initial_state`` in,
+``(Y, final state)`` out (``run``; the arguments checked by ``arguments``).
 
 Each function takes ``run``, the op itself on plain arguments (its resolved implementation,
 causal, no state), and runs it on the piece with the state prepended as keys (``state``'s
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax.ops import logsumexp as lse
+from aft_jax.ops import plain
 from aft_jax.ops import state as st
 
 
@@ -38,6 +40,19 @@ class Factors(NamedTuple):
     """w = u v^T ``[L, L]`` (float32)."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     return f32(self.u) @ f32(self.v).T
+
+
+def run(call):
+  """Y, or (Y, final state) with ``output_final_state``, of a piece (``arguments.Call``, mode
+  "state") of causal AFT-simple, AFT-local or AFT-conv1d."""
+  fn, q, k, v, w, size = call.fn, call.q, call.k, call.v, call.w, call.size
+  state, final = call.initial_state, call.output_final_state
+  if fn == "aft_simple":
+    return simple(plain.causal(fn, call.impl), q, k, v, state, final)
+  if fn == "aft_conv1d":
+    return conv1d(plain.causal(fn, call.impl, kernel=w), q, k, v, w, state, final)
+  run = plain.causal(fn, call.impl, window=size)
+  return local(run, q, k, v, w, size, call.offset, state, final)
 
 
 def _drop(y, n: int, axis: int, dtype):
