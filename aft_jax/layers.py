@@ -363,9 +363,9 @@ class AFTLocal(_PositionBias):
 
     def chunk(s, q, k, v):
       w = self.bias(self.max_len)
-      y, new = ops.aft_local(
-        q, k, v, w, window=window, causal=True, impl=self.impl, offset=s.index,
-        initial_state=s, output_final_state=True,
+      y, new = ops.aft_local(  # at the state's index: its offset into w
+        q, k, v, w, window=window, causal=True, impl=self.impl, initial_state=s,
+        output_final_state=True,
       )  # fmt: skip
       # As the steps: positions past max_len have no bias row (a traced index cannot raise).
       return jnp.where(s.index + q.shape[-2] <= self.max_len, y, jnp.nan).astype(y.dtype), new

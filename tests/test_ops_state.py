@@ -10,6 +10,7 @@ import pytest
 
 from aft_jax import ops
 from aft_jax.ops import pieces
+from tests import numpy_reference as ref
 
 T = 8
 CUTS = (3, 1, 4)  # uneven pieces, one of length 1
@@ -142,3 +143,70 @@ def test_state_arguments_are_refused_where_there_is_no_state():
     ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
   with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
     ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
+
+
+# --------------------------------------------------------------------------- AFT-local's offset
+
+
+def _local_pieces(start, first, **kw):
+  """AFT-local on positions start.. of a sequence of T after the state of positions first..
+  start - 1 (a piece at offset ``first``), with ``kw`` (offset); the float64 reference of the
+  sub-sequence from ``first`` on, at the same positions; and the state."""
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  piece = lambda x: x[:, first:start]
+  at = {"offset": first} if first else {}
+  _, state = ops.aft_local(*(piece(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                           output_final_state=True, **at)  # fmt: skip
+  rest = lambda x: x[:, start:]
+  y = ops.aft_local(*(rest(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                    initial_state=state, **kw)  # fmt: skip
+  sub = lambda x: x[:, first:]
+  want = ref.aft_local(sub(q), sub(k), sub(v), w[first:, first:], WINDOW, causal=True)
+  return y, want[:, start - first :], state
+
+
+@pytest.mark.parametrize("state_from", [0, 2])
+def test_the_offset_comes_from_the_state(state_from):
+  """A piece after a state takes its offset from the state's index (the position of its first
+  query in w), also where the state is that of a piece that started at an offset itself."""
+  y, want, state = _local_pieces(5, state_from)
+  assert int(state.index) == 5
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  y, _, _ = _local_pieces(5, state_from, offset=5)  # the same offset given
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
+  """Known when traced: a ValueError naming both positions; inside jit (the offset traced): the
+  piece's output is NaN, never a bias read at other positions."""
+  with pytest.raises(ValueError, match=r"offset 3 does not match initial_state.index 5"):
+    _local_pieces(5, 0, offset=3)
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  _, state = ops.aft_local(q[:, :5], k[:, :5], v[:, :5], w, window=WINDOW, causal=True,
+                           output_final_state=True)  # fmt: skip
+  run = jax.jit(lambda s, at: ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW,
+                                            causal=True, offset=at, initial_state=s))  # fmt: skip
+  _, want, _ = _local_pieces(5, 0)
+  chex.assert_trees_all_close(run(state, 5), want, rtol=1e-5, atol=1e-6)
+  assert np.all(np.isnan(run(state, 3)))
+  # The state traced, the offset known: the same.
+  assert np.all(np.isnan(jax.jit(lambda s: _local_call_at(q, k, v, w, s, 3))(state)))
+
+
+def _local_call_at(q, k, v, w, state, at):
+  return ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW, causal=True, offset=at,
+                       initial_state=state)  # fmt: skip
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
+  """Without a state the positions before ``offset`` hold no keys; the final state's index is
+  offset + T, so the next piece continues from it (the float64 reference on the sub-sequence)."""
+  q, k, v, w = _inputs("local", 5.0, seed=6)
+  call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+  y1, state = call(q[:, at : at + 2], k[:, at : at + 2], v[:, at : at + 2], w, offset=at,
+                   output_final_state=True)  # fmt: skip
+  assert int(state.index) == at + 2
+  y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
+  want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
+  chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)

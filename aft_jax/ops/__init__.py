@@ -43,7 +43,7 @@ not even on a NaN or an infinity there: earlier outputs are bit-identical whatev
 Modes, each in its own module behind these functions (``arguments.normalise`` picks one):
 a whole sequence (``plain``); a piece of one (``pieces``: ``initial_state=`` /
 ``output_final_state=``, flash-linear-attention's names, on the causal ops but AFT-full, and
-AFT-local's ``offset=``, the piece's position in w); packed
+AFT-local's ``offset=``, the piece's position in w, taken from the state by default); packed
 documents (``segments``: ``segment_ids=``, and ``positions=`` for AFT-local and AFT-full); T
 sharded over a mesh axis inside ``jax.shard_map`` (``sharded``: ``axis_name=``). A non-causal
 op given these is a ValueError. The states (``state``) are those of the one-token decoding
@@ -185,7 +185,7 @@ def aft_local(
   window: int,
   causal: bool = False,
   impl: str = "auto",
-  offset=0,
+  offset=None,
   initial_state=None,
   output_final_state: bool = False,
   segment_ids=None,
@@ -206,12 +206,14 @@ def aft_local(
     causal: sum over ``t' <= t`` only.
     impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
     offset: causal only: the position of ``q[..., 0, :]`` in w (an int, or a traced int
-      scalar), so a piece uses the rows and columns of w of its positions.
+      scalar); default ``initial_state.index`` (0 without a state). Given with a state it must
+      equal that index (a ValueError; where either is traced, the output is NaN instead:
+      ``arguments``). Without a state the positions before it hold no keys.
     initial_state: causal only: the state of the ``offset`` positions before this piece
       (``WindowState``: the triple of the keys older than the last s, those s keys and values,
-      and ``index`` = offset), as a call with ``output_final_state=True`` (or
-      ``aft_local_step``) returns it.
-    output_final_state: also return the state after the piece.
+      and ``index``, the position of the piece's first query), as a call with
+      ``output_final_state=True`` (or ``aft_local_step``) returns it.
+    output_final_state: also return the state after the piece (its index offset + T).
     segment_ids, positions: causal only: packed documents (``segments``): ``[..., T]`` ints,
       the documents' ids and each position's index into w (restarting per document; w then
       ``[L, L]`` with L > every position); not with a state or an offset.

@@ -14,8 +14,14 @@ mode that runs it, each in its own module:
 Bad input is a ValueError naming the op, the argument and the shapes or values: q, k, v, w and
 the kernel real floating point with matching shapes; window an int >= 1; impl one of
 ``registry.IMPLS``; a state, segment or sequence-axis argument only for a causal op that takes
-it, and not two modes at once; ``initial_state`` the structure and shapes of the op's state;
-AFT-local's ``offset`` an int >= 0 (or a traced int scalar) with w ``[L, L]``, L >= offset + T.
+it, and not two modes at once; ``initial_state`` the structure and shapes of the op's state.
+
+``offset`` (AFT-local: the position of the piece's first query in w) defaults to the state's
+``index`` (0 without a state), the position of the next token in w; given with a state it must
+equal that index. What is static is checked here (a Python int, or a concrete array: a state
+handed on outside ``jit``); inside ``jit`` the offset or the index is traced, and what cannot
+be checked becomes ``Call.guard``, a traced bool under which the state mode returns NaN (every
+output of the piece): offset != the state's index.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ class Call(NamedTuple):
   q, k, v: as given; w: the bias ``[T, T]`` / ``[L, L]``, its ``pieces.Factors``, the AFT-conv
   kernel, or None (AFT-simple). size: AFT-local's window, AFT-conv1d's kernel size, AFT-full's
   T (packed rows: every key is in the band), else None. offset: AFT-local's position of q[0]
-  in w (an int or a traced int scalar). causal, impl, initial_state, output_final_state,
-  segment_ids, positions, axis_name: the op's arguments.
+  in w (an int or a traced int scalar; as given, None: from the state). causal, impl,
+  initial_state, output_final_state, segment_ids, positions, axis_name: the op's arguments.
+  guard: None, or a traced bool: False where the piece's offset cannot be right (the state mode
+  then returns NaN).
   """
 
   fn: str
@@ -50,12 +58,13 @@ class Call(NamedTuple):
   causal: bool = False
   impl: str = "auto"
   size: int | None = None
-  offset: Any = 0
+  offset: Any = None
   initial_state: Any = None
   output_final_state: bool = False
   segment_ids: Any = None
   positions: Any = None
   axis_name: Any = None
+  guard: Any = None
 
 
 # --------------------------------------------------------------------------- single checks
@@ -148,6 +157,14 @@ def _zero(offset) -> bool:
   return offset is None or (isinstance(offset, int) and offset == 0)
 
 
+def _static_int(x) -> int | None:
+  """x as an int where it is known at trace time (a Python int or a concrete array), else None."""
+  try:
+    return int(x)
+  except jax.errors.ConcretizationTypeError:  # traced (inside jit, vmap of a traced value, ...)
+    return None
+
+
 def _check_state(fn, initial_state, expected):
   """ValueError unless ``initial_state`` has the structure and shapes of ``expected`` (the
   state of the op's arguments, as ShapeDtypeStructs)."""
@@ -193,15 +210,33 @@ def _check_bias(fn, w, least: int, offset):
     )
 
 
-def _check_offset(fn, offset, w, t_len: int):
-  """``offset`` an int >= 0 (or a traced int scalar) with w ``[L, L]``, L >= offset + T."""
+def _offset(fn, offset, initial_state, w, t_len: int):
+  """(offset, guard) of a piece of AFT-local (module docstring): the offset (an int where it
+  is static, else traced) and None, or the traced bool under which it is right."""
+  index = None if initial_state is None else initial_state.index
+  given = offset is not None
+  if not given:
+    offset = 0 if index is None else index
   if isinstance(offset, bool) or not (
-    isinstance(offset, int) or jnp.issubdtype(jnp.result_type(offset), jnp.integer)
+    isinstance(offset, int)
+    or (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0)
   ):
-    raise ValueError(f"{fn}: offset must be an int >= 0, got {offset!r}")
-  if isinstance(offset, int) and offset < 0:
-    raise ValueError(f"{fn}: offset must be >= 0; got offset {offset}")
-  _check_bias(fn, w, t_len + (offset if isinstance(offset, int) else 0), offset)
+    raise ValueError(f"{fn}: offset must be an int >= 0 (or an int scalar), got {offset!r}")
+  at = _static_int(offset)
+  known = None if index is None else _static_int(index)
+  if at is not None and at < 0:
+    raise ValueError(f"{fn}: offset must be >= 0; got offset {at}")
+  if given and at is not None and known is not None and at != known:
+    raise ValueError(
+      f"{fn}: offset {at} does not match initial_state.index {known}: the state holds the "
+      f"{known} positions before the piece (leave offset out to take it from the state)"
+    )
+  _check_bias(fn, w, t_len + (at or 0), offset if at is None else at)
+  # Traced: an offset that cannot be checked here turns the output into NaN (``Call.guard``).
+  guard = None
+  if given and index is not None and (at is None or known is None):
+    guard = jnp.asarray(offset) == index
+  return (offset if at is None else at), guard
 
 
 # --------------------------------------------------------------------------- the ops
@@ -316,6 +351,6 @@ def _local(call: Call, offset) -> Call:
     shape = q.shape[:-2] + q.shape[-1:]
     expected = jax.eval_shape(lambda: steps.aft_local_init(shape, window))
     _check_state(fn, call.initial_state, expected)
-    _check_offset(fn, offset, w, t_len)
-    call = call._replace(offset=offset)
+    offset, guard = _offset(fn, offset, call.initial_state, w, t_len)
+    call = call._replace(offset=offset, guard=guard)
   return call
