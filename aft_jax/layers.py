@@ -361,14 +361,12 @@ class AFTLocal(_PositionBias):
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
 
-    def chunk(s, q, k, v):
-      w = self.bias(self.max_len)
-      y, new = ops.aft_local(  # at the state's index: its offset into w
-        q, k, v, w, window=window, causal=True, impl=self.impl, initial_state=s,
-        output_final_state=True,
-      )  # fmt: skip
-      # As the steps: positions past max_len have no bias row (a traced index cannot raise).
-      return jnp.where(s.index + q.shape[-2] <= self.max_len, y, jnp.nan).astype(y.dtype), new
+    # The state's index is the chunk's offset into w; as for the steps, positions past max_len
+    # have no bias row: the op gives NaN there (a traced offset cannot raise).
+    chunk = lambda s, q, k, v: ops.aft_local(
+      q, k, v, self.bias(self.max_len), window=window, causal=True, impl=self.impl,
+      initial_state=s, output_final_state=True,
+    )  # fmt: skip
 
     return _decode_token(self, q, k, v, init, _within_max_len(self, step), chunk=chunk)
 

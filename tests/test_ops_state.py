@@ -198,6 +198,22 @@ def _local_call_at(q, k, v, w, state, at):
                        initial_state=state)  # fmt: skip
 
 
+@pytest.mark.parametrize("at", [-1, 0, 4, 5])
+def test_a_traced_offset_outside_w_gives_nan(at):
+  """T = 4 positions at a traced offset into w [8, 8]: offsets 0..4 fit; -1 and 5 do not, and
+  a dynamic slice would clamp them to another block of w: NaN instead."""
+  q, k, v, w = _inputs("local", 5.0, seed=5)
+  first = lambda x: x[:, :4]
+  run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
+                                         causal=True, offset=at))  # fmt: skip
+  y = run(at)
+  if 0 <= at <= 4:
+    want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
+    chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  else:
+    assert np.all(np.isnan(y))
+
+
 @pytest.mark.parametrize("at", [1, 4])
 def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
   """Without a state the positions before ``offset`` hold no keys; the final state's index is

@@ -207,8 +207,9 @@ def aft_local(
     impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
     offset: causal only: the position of ``q[..., 0, :]`` in w (an int, or a traced int
       scalar); default ``initial_state.index`` (0 without a state). Given with a state it must
-      equal that index (a ValueError; where either is traced, the output is NaN instead:
-      ``arguments``). Without a state the positions before it hold no keys.
+      equal that index (a ValueError; where either is traced, the output is NaN instead, as it
+      is for a traced offset with offset + T > L: ``arguments``). Without a state the positions
+      before it hold no keys.
     initial_state: causal only: the state of the ``offset`` positions before this piece
       (``WindowState``: the triple of the keys older than the last s, those s keys and values,
       and ``index``, the position of the piece's first query), as a call with

@@ -21,7 +21,8 @@ it, and not two modes at once; ``initial_state`` the structure and shapes of the
 equal that index. What is static is checked here (a Python int, or a concrete array: a state
 handed on outside ``jit``); inside ``jit`` the offset or the index is traced, and what cannot
 be checked becomes ``Call.guard``, a traced bool under which the state mode returns NaN (every
-output of the piece): offset != the state's index.
+output of the piece) instead of a bias read at a clamped position: offset < 0, offset + T > L,
+or offset != the state's index.
 """
 
 from __future__ import annotations
@@ -232,10 +233,13 @@ def _offset(fn, offset, initial_state, w, t_len: int):
       f"{known} positions before the piece (leave offset out to take it from the state)"
     )
   _check_bias(fn, w, t_len + (at or 0), offset if at is None else at)
-  # Traced: an offset that cannot be checked here turns the output into NaN (``Call.guard``).
+  # Traced: what cannot be checked here turns the piece's output into NaN (``Call.guard``).
   guard = None
+  if at is None:
+    guard = (offset >= 0) & (offset + t_len <= w.shape[0])
   if given and index is not None and (at is None or known is None):
-    guard = jnp.asarray(offset) == index
+    same = jnp.asarray(offset) == index
+    guard = same if guard is None else guard & same
   return (offset if at is None else at), guard
 
 

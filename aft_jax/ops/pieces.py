@@ -12,7 +12,7 @@ AFT-local's
 ``offset`` is the piece's position in w; without a state the positions before it hold no keys,
 and the final state is that of a sequence whose next token is at offset + T (its ``index``). An
 offset that could not be checked at trace time (``arguments.Call.guard``) makes the piece's
-output NaN where it is wrong.
+output NaN where it is wrong, never a bias read at a clamped position.
 """
 
 from __future__ import annotations
