@@ -226,3 +226,27 @@ def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
   y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
   want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
   chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- states themselves
+
+
+def _state_of(op, q, k, v, bias, n):
+  return _call(op, q[:, :n], k[:, :n], v[:, :n], bias, output_final_state=True)[1]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_state_of_ints_or_bools_is_refused(op, dtype):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  bad = jax.tree.map(lambda x: np.zeros(np.shape(x), dtype), state)
+  name = np.dtype(dtype).name
+  with pytest.raises(
+    ValueError, match=rf"initial_state\.\w+(\.m)? must be floating-point .*got {name}"
+  ):
+    _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=bad)
+  if op != "simple":  # the index is a count of positions: an int, not a float or a bool
+    for index in (np.float32(3), np.bool_(True)):
+      with pytest.raises(ValueError, match=r"initial_state\.index must be an int"):
+        _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=state._replace(index=index))

@@ -157,7 +157,7 @@ def aft_simple(
     q, k, v: ``[..., T, D]``.
     impl: "auto", "xla", "pallas" or "pallas_interpret" (module docstring).
     initial_state: causal only: the state of the positions before this piece
-      (``logsumexp.Acc``, m, num, den ``[..., D]``; ``state``), as a call with
+      (``logsumexp.Acc``, m, num, den ``[..., D]`` float; ``state``), as a call with
       ``output_final_state=True`` (or ``aft_simple_step``) returns it.
     output_final_state: also return the state after the piece.
     segment_ids: causal only: ``[..., T]`` ints, packed documents that do not see each other

@@ -14,7 +14,8 @@ mode that runs it, each in its own module:
 Bad input is a ValueError naming the op, the argument and the shapes or values: q, k, v, w and
 the kernel real floating point with matching shapes; window an int >= 1; impl one of
 ``registry.IMPLS``; a state, segment or sequence-axis argument only for a causal op that takes
-it, and not two modes at once; ``initial_state`` the structure and shapes of the op's state.
+it, and not two modes at once; ``initial_state`` the structure, shapes and dtypes of the op's
+state (float leaves, an int ``index``).
 
 ``offset`` (AFT-local: the position of the piece's first query in w) defaults to the state's
 ``index`` (0 without a state), the position of the next token in w; given with a state it must
@@ -22,7 +23,7 @@ equal that index. What is static is checked here (a Python int, or a concrete ar
 handed on outside ``jit``); inside ``jit`` the offset or the index is traced, and what cannot
 be checked becomes ``Call.guard``, a traced bool under which the state mode returns NaN (every
 output of the piece) instead of a bias read at a clamped position: offset < 0, offset + T > L,
-or offset != the state's index.
+or offset != the state's index. So does a ``positions`` entry outside w (``segments``).
 """
 
 from __future__ import annotations
@@ -167,8 +168,9 @@ def _static_int(x) -> int | None:
 
 
 def _check_state(fn, initial_state, expected):
-  """ValueError unless ``initial_state`` has the structure and shapes of ``expected`` (the
-  state of the op's arguments, as ShapeDtypeStructs)."""
+  """ValueError unless ``initial_state`` has the structure, shapes and dtypes of ``expected``
+  (the state of the op's arguments, as ShapeDtypeStructs): floating-point leaves, an integer
+  (not bool) ``index``."""
   if initial_state is None:
     return
   want = jax.tree.map(lambda x: x.shape, expected)
@@ -182,6 +184,16 @@ def _check_state(fn, initial_state, expected):
       f"{fn}: initial_state must be the state of these inputs, {type(expected).__name__} with "
       f"shapes {want}; got {got}"
     )
+  paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+  for (path, spec), leaf in zip(paths, jax.tree.leaves(initial_state)):
+    kind = jnp.floating if jnp.issubdtype(spec.dtype, jnp.floating) else jnp.integer
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, kind):  # (a bool is neither)
+      name = "floating-point" if kind is jnp.floating else "an int"
+      raise ValueError(
+        f"{fn}: initial_state{jax.tree_util.keystr(path)} must be {name} (as the op's state, "
+        f"{spec.dtype.name}); got {dtype.name}"
+      )
 
 
 def _factors(fn, w) -> pieces.Factors:
