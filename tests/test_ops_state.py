@@ -250,3 +250,22 @@ def test_a_state_of_ints_or_bools_is_refused(op, dtype):
     for index in (np.float32(3), np.bool_(True)):
       with pytest.raises(ValueError, match=r"initial_state\.index must be an int"):
         _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=state._replace(index=index))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_piece_of_no_positions_keeps_the_state(op, jit):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  none = lambda x: x[:, 3:3]
+  call = lambda s: _call(op, none(q), none(k), none(v), bias, initial_state=s,
+                         output_final_state=True)  # fmt: skip
+  y, after = (jax.jit(call) if jit else call)(state)
+  assert y.shape == none(q).shape and y.dtype == jnp.float32
+  chex.assert_trees_all_equal(after, state)
+  # Without a state: the state before any position (AFT-local: at its offset).
+  at = {"offset": 3} if op == "local" else {}
+  _, empty = _call(op, none(q), none(k), none(v), bias, output_final_state=True, **at)
+  chex.assert_trees_all_equal_shapes_and_dtypes(empty, state)
+  if op == "local":
+    assert int(empty.index) == 3

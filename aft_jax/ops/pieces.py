@@ -8,7 +8,7 @@ outputs are dropped. So every implementation of the op (XLA or kernel) serves pi
 chained pieces equal one call up to float rounding, values and gradients (through the state
 too: its num and den carry them).
 
-AFT-local's
+A piece of T = 0 positions gives the empty output and the state it was given. AFT-local's
 ``offset`` is the piece's position in w; without a state the positions before it hold no keys,
 and the final state is that of a sequence whose next token is at offset + T (its ``index``). An
 offset that could not be checked at trace time (``arguments.Call.guard``) makes the piece's
@@ -53,6 +53,8 @@ def run(call):
   "state") of causal AFT-simple, AFT-local or AFT-conv1d."""
   fn, q, k, v, w, size = call.fn, call.q, call.k, call.v, call.w, call.size
   state, final = call.initial_state, call.output_final_state
+  if k.shape[k.ndim - 2] == 0:  # no positions: nothing to run, the state as it was
+    return _nothing(call)
   if fn == "aft_simple":
     return simple(plain.causal(fn, call.impl), q, k, v, state, final)
   if fn == "aft_conv1d":
@@ -64,6 +66,23 @@ def run(call):
   y, rest = (out[0], out[1:]) if final else (out, ())
   y = jnp.where(call.guard, y, jnp.nan).astype(y.dtype)  # an offset that cannot be right
   return (y, *rest) if final else y
+
+
+def _nothing(call):
+  """A piece of no positions: the empty output and the state it was given (or the one before
+  any position)."""
+  y = jnp.zeros(call.q.shape, jnp.result_type(call.q, call.k, call.v))
+  if not call.output_final_state:
+    return y
+  state, k, v = call.initial_state, call.k, call.v
+  axis = k.ndim - 2
+  if state is None and call.fn == "aft_simple":
+    state = lse.empty(k.shape[:axis] + k.shape[axis + 1 :])
+  elif state is None:
+    one = lambda x: x.shape[:axis] + x.shape[axis + 1 :]
+    at = 0 if call.offset is None else call.offset  # (AFT-conv1d: None)
+    state = st.window_init(one(k), one(v), call.size, at)
+  return y, jax.tree.map(jnp.asarray, state)
 
 
 def _drop(y, n: int, axis: int, dtype):
