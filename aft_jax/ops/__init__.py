@@ -217,7 +217,7 @@ def aft_local(
     output_final_state: also return the state after the piece (its index offset + T).
     segment_ids, positions: causal only: packed documents (``segments``): ``[..., T]`` ints,
       the documents' ids and each position's index into w (restarting per document; w then
-      ``[L, L]`` with L > every position); not with a state or an offset.
+      ``[L, L]`` with L > every position, else NaN); not with a state or an offset.
     axis_name: causal only: inside ``jax.shard_map`` with T sharded over this mesh axis, each
       device's shard of the op's output on the whole sequence (``sharded``); w is the whole
       sequence's bias; not with a state or segments.

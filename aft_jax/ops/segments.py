@@ -18,7 +18,8 @@ combined into the row's sum), and the bias-0 keys older than that as a segmented
 the same log-sum-exp monoid that resets at each segment's first position (an associative scan),
 read size positions back. O(T size D) time; the backward pass keeps the scan's carries,
 O(T size D) memory for AFT-full (size = T): a path for packed training rows, not long ones.
-A position of ``positions`` outside w gives NaN (a traced index cannot raise).
+A position of ``positions`` outside w (negative, or >= L) gives NaN in every output that reads
+its bias (a traced index cannot raise).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def band_bias(w, positions, t_len: int):
 
   def bias(j):
     key = _shift(pos, j, pos.ndim - 1, 0)
-    return w.at[pos, key].get(mode="fill", fill_value=jnp.nan)[..., None]
+    got = w.at[pos, key].get(mode="fill", fill_value=jnp.nan)
+    # A negative index would count from the end of w (NumPy's rule), not fall outside it.
+    return jnp.where((pos >= 0) & (key >= 0), got, jnp.nan)[..., None]
 
   return bias
 
