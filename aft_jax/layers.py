@@ -59,6 +59,12 @@ def _dense(features, names, dtype, param_dtype, name):
   )
 
 
+def _check_rank(module, x):
+  """ValueError unless x is ``[..., T, d_model]`` (a rank-1 x has no T)."""
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
+
+
 def _check_len(module, t_len):
   if t_len > module.max_len:
     raise ValueError(
@@ -281,6 +287,7 @@ class AFTFull(_PositionBias):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     _check_len(self, x.shape[-2])
     packed = _packing(self, x, segment_ids, mask)
     return self._mix(
@@ -321,6 +328,7 @@ class AFTLocal(_PositionBias):
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
     ops.check_window("AFTLocal", self.window)
+    _check_rank(self, x)
     _check_len(self, x.shape[-2])
     packed = _packing(self, x, segment_ids, mask)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
@@ -379,6 +387,7 @@ class AFTSimple(_AFTChannels):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     packed = _packing(self, x, segment_ids, mask)
     packed.pop("positions", None)  # no position bias
 
@@ -467,6 +476,7 @@ class AFTConv1D(_AFTConvBase):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     d_model = x.shape[-1]
     if (
       not isinstance(self.kernel_size, int)
@@ -560,6 +570,7 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
+    _check_rank(self, x)
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     q, k, v = (

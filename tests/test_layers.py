@@ -389,6 +389,8 @@ def test_bad_input_raises_value_error():
   for name, mod in _modules(causal=False).items():
     if name != "aft_conv2d":
       _raises(mod, (2, 1, D), r"decode=True needs causal=True", decode=True)
+    want = r"x must be \[\.\.\., Ht, Wd, d_model\]" if name == "aft_conv2d" else r"x must be"
+    _raises(mod, (D,), rf"{type(mod).__name__}: {want}.*got x \({D},\)")  # no T
   for name, mod in _modules(causal=True).items():
     if not getattr(mod, "chunks", False):  # the recurrent layers take prompt chunks
       _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)

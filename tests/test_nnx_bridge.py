@@ -2,6 +2,8 @@
 apply equal to linen's, a jitted NNX call, decoding through the cache collection, and a trained
 (exported) model's parameters put into an NNX module."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,11 @@ def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
   params = nnx_bridge.linen_params(m)
   want = layer.apply({"params": params}, x_BTD)
   chex.assert_trees_all_close(CALL(m, x_BTD), want, atol=1e-6)
+  # A rank-1 input: linen's ValueError, word for word (not an IndexError from inside).
+  with pytest.raises(ValueError) as linen_error:
+    layer.apply({"params": params}, x_BTD[0, 0])
+  with pytest.raises(ValueError, match=re.escape(str(linen_error.value))):
+    m(x_BTD[0, 0])
   start = nnx_bridge.start_decoding(m, x_BTD[:, :1])
   steps = [STEP(m, x_BTD[:, t : t + 1]) for t in range(T)]
   chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), want, atol=1e-5)
