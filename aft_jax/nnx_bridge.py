@@ -16,9 +16,10 @@ mesh is set up here: shard them with the project's rules where a mesh is.
 
 Decoding: the bridge carries the ``cache`` collection when it is called with
 ``mutable=["cache"]``: ``start_decoding`` creates the cache (as ``model.init(..., decode=True)``
-does in linen; it returns the empty cache, to start over with) and ``decode_step`` feeds one
-token ``[B, 1]`` at a time, updating the cache in the NNX object; the outputs equal the causal
-full-sequence ones (``tests/test_nnx_bridge.py``).
+does in linen), or empties it to start a new sequence, and returns the empty cache;
+``decode_step`` feeds one token ``[B, 1]`` at a time, updating the cache in the NNX object (a
+ValueError before ``start_decoding``); the outputs equal the causal full-sequence ones
+(``tests/test_nnx_bridge.py``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def linen_params(nnx_module: bridge.ToNNX) -> dict:
 
 
 def start_decoding(nnx_module: bridge.ToNNX, x_B1) -> nnx.State:
-  """Creates the decoding cache for inputs shaped like ``x_B1`` ([B, 1, ...]) and returns it as
-  it is before any token: ``nnx.update(nnx_module, returned)`` starts a new sequence."""
+  """Creates the decoding cache for inputs shaped like ``x_B1`` ([B, 1, ...]), or empties the
+  one there (a new sequence), and returns it as it is before any token: ``nnx.update(nnx_module,
+  returned)`` starts a new sequence too."""
+  # Created only where there is none (linen's cache variables initialise when they do not
+  # exist; an existing cache would take a step instead).
+  nnx.pop(nnx_module, nnx.Cache)
   create = nnx.jit(lambda m, x: m(x, decode=True, mutable=["cache"]))  # no step is taken
   with nnx.use_eager_sharding(False):
     create(nnx_module, x_B1)
@@ -63,5 +68,11 @@ def start_decoding(nnx_module: bridge.ToNNX, x_B1) -> nnx.State:
 
 
 def decode_step(nnx_module: bridge.ToNNX, x_B1):
-  """One decoding step on ``x_B1`` ([B, 1, ...]); the cache in ``nnx_module`` moves on."""
+  """One decoding step on ``x_B1`` ([B, 1, ...]); the cache in ``nnx_module`` moves on. A
+  ValueError before ``start_decoding``: without a cache the call would create one and return
+  its init-time placeholder, not a step's output."""
+  if not jax.tree.leaves(nnx.state(nnx_module, nnx.Cache)):
+    raise ValueError(
+      "decode_step: the module has no decoding cache; call start_decoding(module, x_B1) first"
+    )
   return nnx_module(x_B1, decode=True, mutable=["cache"])

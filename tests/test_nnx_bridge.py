@@ -40,11 +40,18 @@ def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
     layer.apply({"params": params}, x_BTD[0, 0])
   with pytest.raises(ValueError, match=re.escape(str(linen_error.value))):
     m(x_BTD[0, 0])
+  # Decoding before the cache exists would return the init-time placeholder: refused.
+  with pytest.raises(ValueError, match=r"no decoding cache; call start_decoding"):
+    STEP(m, x_BTD[:, :1])
   start = nnx_bridge.start_decoding(m, x_BTD[:, :1])
   steps = [STEP(m, x_BTD[:, t : t + 1]) for t in range(T)]
   chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), want, atol=1e-5)
   nnx.update(m, start)  # a new sequence: its first step is the first step again
   chex.assert_trees_all_close(STEP(m, x_BTD[:, :1]), steps[0], atol=1e-6)
+  # So after a second start_decoding (which empties the cache, not steps it): two steps again.
+  nnx_bridge.start_decoding(m, x_BTD[:, :1])
+  again = [STEP(m, x_BTD[:, t : t + 1]) for t in range(2)]
+  chex.assert_trees_all_close(again, steps[:2], atol=1e-6)
 
 
 def test_the_image_layer_applies_from_nnx():
