@@ -10,7 +10,9 @@ any module: the NNX object runs the same linen code and the same ``aft_jax.ops``
 
 ``to_nnx`` wraps a linen module in ``ToNNX`` and initialises it from example inputs
 (``bridge.lazy_init``); ``params=`` puts given linen parameters in (a trained run's, or
-``load_pretrained``'s). The parameters keep their logical axis names as NNX metadata
+``load_pretrained``'s): the whole tree, as linen's ``apply`` takes it (a missing, extra or
+misshapen parameter is a ValueError naming its path, never left at its random init). The
+parameters keep their logical axis names as NNX metadata
 (``out_sharding``); they are created unsharded (``nnx.use_eager_sharding(False)``), since no
 mesh is set up here: shard them with the project's rules where a mesh is.
 
@@ -24,7 +26,9 @@ ValueError before ``start_decoding``); the outputs equal the causal full-sequenc
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
@@ -44,9 +48,31 @@ def to_nnx(module, *example_args, params=None, seed: int = 0, **example_kwargs) 
     init(nnx_module)
   if params is not None:
     state = nnx.state(nnx_module, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jax.numpy.asarray, params))
+    params = jax.tree_util.tree_map(jnp.asarray, nn.unbox(params))
+    _check_params(nnx.to_pure_dict(state), params)
+    nnx.replace_by_pure_dict(state, params)
     nnx.update(nnx_module, state)
   return nnx_module
+
+
+def _check_params(want: dict, got) -> None:
+  """ValueError unless ``got`` has every parameter of ``want`` (the module's), no other, each of
+  its shape: linen's ``apply`` refuses a partial tree too, and a parameter left out would stay
+  at its random init."""
+  flat = lambda tree: {
+    jax.tree_util.keystr(path, simple=True, separator="/"): jnp.shape(x)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+  want, got = flat(want), flat(got)
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ValueError(
+      f"to_nnx: params must be the module's whole parameter tree; missing {missing or 'none'}, "
+      f"not the module's {extra or 'none'}"
+    )
+  for path in sorted(want):
+    if got[path] != want[path]:
+      raise ValueError(f"to_nnx: params {path} must be {want[path]}; got {got[path]}")
 
 
 def linen_params(nnx_module: bridge.ToNNX) -> dict:

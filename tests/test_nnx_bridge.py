@@ -5,6 +5,8 @@ apply equal to linen's, a jitted NNX call, decoding through the cache collection
 import re
 
 import chex
+import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,29 @@ def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
   nnx_bridge.start_decoding(m, x_BTD[:, :1])
   again = [STEP(m, x_BTD[:, t : t + 1]) for t in range(2)]
   chex.assert_trees_all_close(again, steps[:2], atol=1e-6)
+
+
+def test_given_parameters_are_the_whole_tree_or_refused():
+  """``to_nnx(..., params=)`` takes the module's whole tree, as linen's apply does: a missing,
+  extra or misshapen parameter is a ValueError naming it (not a random init left in place)."""
+  x_BTD = jax.random.normal(jax.random.key(0), (2, T, D))
+  layer = LAYERS["aft_local"]()
+  params = nn.unbox(jax.jit(layer.init)(jax.random.key(3), x_BTD)["params"])
+  partial = {name: p for name, p in params.items() if name != "out"}
+  with pytest.raises(flax.errors.ScopeParamNotFoundError):
+    layer.apply({"params": partial}, x_BTD)
+  with pytest.raises(
+    ValueError, match=r"missing \['out/bias', 'out/kernel'\], not the module's none"
+  ):
+    nnx_bridge.to_nnx(layer, x_BTD, params=partial)
+  extra = {**params, "extra": {"kernel": np.zeros((2, 2), np.float32)}}
+  with pytest.raises(ValueError, match=r"missing none, not the module's \['extra/kernel'\]"):
+    nnx_bridge.to_nnx(layer, x_BTD, params=extra)
+  wrong = {**params, "out": {**params["out"], "kernel": np.zeros((D, 3), np.float32)}}
+  with pytest.raises(ValueError, match=rf"params out/kernel must be \({D}, {D}\); got \({D}, 3\)"):
+    nnx_bridge.to_nnx(layer, x_BTD, params=wrong)
+  m = nnx_bridge.to_nnx(layer, x_BTD, params=params)  # the whole tree: its values
+  chex.assert_trees_all_close(nnx_bridge.linen_params(m), params)
 
 
 def test_the_image_layer_applies_from_nnx():
