@@ -48,14 +48,33 @@ Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
 
 
-def _dense(features, names, dtype, param_dtype, name):
+def _shaped(init, names, shape):
+  """``init`` for a parameter of ``shape`` with logical axis ``names`` (one per axis).
+
+  DenseGeneral asks its initializers for a flat shape ([in, out] for the kernel, [out] for the
+  bias) and reshapes what they return; the names go on the reshaped value, so that under a mesh
+  (``mesh.sequence > 1`` traces in one) the constraint they imply meets the array they describe,
+  not a flat one of another rank. The values are those of ``init`` at the flat shape."""
+
+  def shaped(key, flat_shape, dtype=jnp.float32):
+    return jnp.reshape(init(key, flat_shape, dtype), shape)
+
+  return nn.with_logical_partitioning(shaped, names)
+
+
+def _dense(in_features, features, names, dtype, param_dtype, name, axis=-1):
+  """DenseGeneral from ``in_features`` (the contracted axes' sizes: an int, or a tuple with
+  ``axis``) to ``features`` (an int or a tuple), its kernel's axes named ``names``."""
+  tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  n_in = len(tup(in_features))
   return nn.DenseGeneral(
     features,
+    axis=axis,
     dtype=dtype,
     param_dtype=param_dtype,
     name=name,
-    kernel_init=nn.with_logical_partitioning(_dense_init, names),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
+    kernel_init=_shaped(_dense_init, names, tup(in_features) + tup(features)),
+    bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
   )
 
 
@@ -177,17 +196,10 @@ def _head_features(module, x):
   return (h, d_model // h)
 
 
-def _heads_out(d_model, dtype, param_dtype):
-  """The output projection of per-head values ``[..., H, C] -> [..., d_model]``."""
-  return nn.DenseGeneral(
-    d_model,
-    axis=(-2, -1),
-    dtype=dtype,
-    param_dtype=param_dtype,
-    name="out",
-    kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-  )
+def _heads_out(y, d_model, dtype, param_dtype):
+  """The output projection of per-head values y ``[..., H, C] -> [..., d_model]``."""
+  names = ("heads", "kv", "embed")
+  return _dense(y.shape[-2:], d_model, names, dtype, param_dtype, "out", axis=(-2, -1))(y)
 
 
 class _AFTChannels(nn.Module):
@@ -203,11 +215,12 @@ class _AFTChannels(nn.Module):
     d = self.hidden_dim or x.shape[-1]
     names = ("embed", "heads")
     return tuple(
-      _dense(d, names, self.dtype, self.param_dtype, n)(x) for n in ("query", "key", "value")
+      _dense(x.shape[-1], d, names, self.dtype, self.param_dtype, n)(x)
+      for n in ("query", "key", "value")
     )
 
   def _out(self, y, d_model):
-    return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
+    return _dense(y.shape[-1], d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
 
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
@@ -455,13 +468,14 @@ class _AFTConvBase(nn.Module):
   def _heads_qkv(self, x):
     feat = _head_features(self, x)
     h = feat[0]
-    q = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "query")(x)
-    v = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "value")(x)
-    k = _dense(h, ("embed", "heads"), self.dtype, self.param_dtype, "key")(x)
+    dense = lambda f, names, n: _dense(x.shape[-1], f, names, self.dtype, self.param_dtype, n)
+    q = dense(feat, ("embed", "heads", "kv"), "query")(x)
+    v = dense(feat, ("embed", "heads", "kv"), "value")(x)
+    k = dense(h, ("embed", "heads"), "key")(x)
     return q, k, v
 
   def _out(self, y, d_model):
-    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
+    return _heads_out(y, d_model, self.dtype, self.param_dtype)
 
 
 class AFTConv1D(_AFTConvBase):
@@ -574,7 +588,7 @@ class MultiHeadAttention(nn.Module):
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     q, k, v = (
-      _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
+      _dense(d_model, feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
       for n in ("query", "key", "value")
     )
     lead, t_len = x.shape[:-2], x.shape[-2]
@@ -587,7 +601,7 @@ class MultiHeadAttention(nn.Module):
         flat(q), flat(k), flat(v), is_causal=self.causal, implementation=self._implementation()
       )
     y = y.reshape(lead + (t_len,) + feat)
-    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
+    return _heads_out(y, d_model, self.dtype, self.param_dtype)
 
   def _implementation(self) -> str | None:
     """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot
