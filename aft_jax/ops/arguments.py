@@ -23,7 +23,8 @@ equal that index. What is static is checked here (a Python int, or a concrete ar
 handed on outside ``jit``); inside ``jit`` the offset or the index is traced, and what cannot
 be checked becomes ``Call.guard``, a traced bool under which the state mode returns NaN (every
 output of the piece) instead of a bias read at a clamped position: offset < 0, offset + T > L,
-or offset != the state's index. So does a ``positions`` entry outside w (``segments``).
+or offset != the state's index. A ``positions`` entry outside w gives NaN likewise
+(``segments``).
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ def normalise(fn: str, q, k, v, w=None, *, window=None, **given) -> Call:
   if conv:
     return _conv(call)
   if fn == "aft_local":
-    return _local(call, offset)
+    return _local(call)
   if mode == "packed":
     segments.check(fn, q.shape, segment_ids, positions)
     if fn == "aft_full":
@@ -343,7 +344,7 @@ def _conv(call: Call) -> Call:
   return call._replace(size=s)
 
 
-def _local(call: Call, offset) -> Call:
+def _local(call: Call) -> Call:
   """AFT-local's bias (dense, or kept as its factors where a piece or a shard forms only the
   blocks it reads), its offset and its state."""
   fn, q, w, window, mode = call.fn, call.q, call.w, call.size, call.mode
@@ -367,6 +368,6 @@ def _local(call: Call, offset) -> Call:
     shape = q.shape[:-2] + q.shape[-1:]
     expected = jax.eval_shape(lambda: steps.aft_local_init(shape, window))
     _check_state(fn, call.initial_state, expected)
-    offset, guard = _offset(fn, offset, call.initial_state, w, t_len)
+    offset, guard = _offset(fn, call.offset, call.initial_state, w, t_len)
     call = call._replace(offset=offset, guard=guard)
   return call
