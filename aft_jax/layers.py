@@ -48,15 +48,40 @@ Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
 
 
-def _dense(features, names, dtype, param_dtype, name):
+def _shaped(init, names, shape):
+  """``init`` for a parameter of ``shape`` with logical axis ``names`` (one per axis).
+
+  DenseGeneral asks its initializers for a flat shape ([in, out] for the kernel, [out] for the
+  bias) and reshapes what they return; the names go on the reshaped value, so that under a mesh
+  (``mesh.sequence > 1`` traces in one) the constraint they imply meets the array they describe,
+  not a flat one of another rank. The values are those of ``init`` at the flat shape."""
+
+  def shaped(key, flat_shape, dtype=jnp.float32):
+    return jnp.reshape(init(key, flat_shape, dtype), shape)
+
+  return nn.with_logical_partitioning(shaped, names)
+
+
+def _dense(in_features, features, names, dtype, param_dtype, name, axis=-1):
+  """DenseGeneral from ``in_features`` (the contracted axes' sizes: an int, or a tuple with
+  ``axis``) to ``features`` (an int or a tuple), its kernel's axes named ``names``."""
+  tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  n_in = len(tup(in_features))
   return nn.DenseGeneral(
     features,
+    axis=axis,
     dtype=dtype,
     param_dtype=param_dtype,
     name=name,
-    kernel_init=nn.with_logical_partitioning(_dense_init, names),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
+    kernel_init=_shaped(_dense_init, names, tup(in_features) + tup(features)),
+    bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
   )
+
+
+def _check_rank(module, x):
+  """ValueError unless x is ``[..., T, d_model]`` (a rank-1 x has no T)."""
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
 
 
 def _check_len(module, t_len):
@@ -171,17 +196,10 @@ def _head_features(module, x):
   return (h, d_model // h)
 
 
-def _heads_out(d_model, dtype, param_dtype):
-  """The output projection of per-head values ``[..., H, C] -> [..., d_model]``."""
-  return nn.DenseGeneral(
-    d_model,
-    axis=(-2, -1),
-    dtype=dtype,
-    param_dtype=param_dtype,
-    name="out",
-    kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-  )
+def _heads_out(y, d_model, dtype, param_dtype):
+  """The output projection of per-head values y ``[..., H, C] -> [..., d_model]``."""
+  names = ("heads", "kv", "embed")
+  return _dense(y.shape[-2:], d_model, names, dtype, param_dtype, "out", axis=(-2, -1))(y)
 
 
 class _AFTChannels(nn.Module):
@@ -197,11 +215,12 @@ class _AFTChannels(nn.Module):
     d = self.hidden_dim or x.shape[-1]
     names = ("embed", "heads")
     return tuple(
-      _dense(d, names, self.dtype, self.param_dtype, n)(x) for n in ("query", "key", "value")
+      _dense(x.shape[-1], d, names, self.dtype, self.param_dtype, n)(x)
+      for n in ("query", "key", "value")
     )
 
   def _out(self, y, d_model):
-    return _dense(d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
+    return _dense(y.shape[-1], d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
 
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
@@ -281,6 +300,7 @@ class AFTFull(_PositionBias):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     _check_len(self, x.shape[-2])
     packed = _packing(self, x, segment_ids, mask)
     return self._mix(
@@ -321,6 +341,7 @@ class AFTLocal(_PositionBias):
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
     ops.check_window("AFTLocal", self.window)
+    _check_rank(self, x)
     _check_len(self, x.shape[-2])
     packed = _packing(self, x, segment_ids, mask)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
@@ -361,14 +382,12 @@ class AFTLocal(_PositionBias):
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
 
-    def chunk(s, q, k, v):
-      w = self.bias(self.max_len)
-      y, new = ops.aft_local(
-        q, k, v, w, window=window, causal=True, impl=self.impl, offset=s.index,
-        initial_state=s, output_final_state=True,
-      )  # fmt: skip
-      # As the steps: positions past max_len have no bias row (a traced index cannot raise).
-      return jnp.where(s.index + q.shape[-2] <= self.max_len, y, jnp.nan).astype(y.dtype), new
+    # The state's index is the chunk's offset into w; as for the steps, positions past max_len
+    # have no bias row: the op gives NaN there (a traced offset cannot raise).
+    chunk = lambda s, q, k, v: ops.aft_local(
+      q, k, v, self.bias(self.max_len), window=window, causal=True, impl=self.impl,
+      initial_state=s, output_final_state=True,
+    )  # fmt: skip
 
     return _decode_token(self, q, k, v, init, _within_max_len(self, step), chunk=chunk)
 
@@ -381,6 +400,7 @@ class AFTSimple(_AFTChannels):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     packed = _packing(self, x, segment_ids, mask)
     packed.pop("positions", None)  # no position bias
 
@@ -448,13 +468,14 @@ class _AFTConvBase(nn.Module):
   def _heads_qkv(self, x):
     feat = _head_features(self, x)
     h = feat[0]
-    q = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "query")(x)
-    v = _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, "value")(x)
-    k = _dense(h, ("embed", "heads"), self.dtype, self.param_dtype, "key")(x)
+    dense = lambda f, names, n: _dense(x.shape[-1], f, names, self.dtype, self.param_dtype, n)
+    q = dense(feat, ("embed", "heads", "kv"), "query")(x)
+    v = dense(feat, ("embed", "heads", "kv"), "value")(x)
+    k = dense(h, ("embed", "heads"), "key")(x)
     return q, k, v
 
   def _out(self, y, d_model):
-    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
+    return _heads_out(y, d_model, self.dtype, self.param_dtype)
 
 
 class AFTConv1D(_AFTConvBase):
@@ -469,6 +490,7 @@ class AFTConv1D(_AFTConvBase):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+    _check_rank(self, x)
     d_model = x.shape[-1]
     if (
       not isinstance(self.kernel_size, int)
@@ -562,10 +584,11 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False):
+    _check_rank(self, x)
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     q, k, v = (
-      _dense(feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
+      _dense(d_model, feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
       for n in ("query", "key", "value")
     )
     lead, t_len = x.shape[:-2], x.shape[-2]
@@ -578,7 +601,7 @@ class MultiHeadAttention(nn.Module):
         flat(q), flat(k), flat(v), is_causal=self.causal, implementation=self._implementation()
       )
     y = y.reshape(lead + (t_len,) + feat)
-    return _heads_out(d_model, self.dtype, self.param_dtype)(y)
+    return _heads_out(y, d_model, self.dtype, self.param_dtype)
 
   def _implementation(self) -> str | None:
     """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot

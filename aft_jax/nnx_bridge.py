@@ -10,20 +10,25 @@ any module: the NNX object runs the same linen code and the same ``aft_jax.ops``
 
 ``to_nnx`` wraps a linen module in ``ToNNX`` and initialises it from example inputs
 (``bridge.lazy_init``); ``params=`` puts given linen parameters in (a trained run's, or
-``load_pretrained``'s). The parameters keep their logical axis names as NNX metadata
+``load_pretrained``'s): the whole tree, as linen's ``apply`` takes it (a missing, extra or
+misshapen parameter is a ValueError naming its path, never left at its random init). The
+parameters keep their logical axis names as NNX metadata
 (``out_sharding``); they are created unsharded (``nnx.use_eager_sharding(False)``), since no
 mesh is set up here: shard them with the project's rules where a mesh is.
 
 Decoding: the bridge carries the ``cache`` collection when it is called with
 ``mutable=["cache"]``: ``start_decoding`` creates the cache (as ``model.init(..., decode=True)``
-does in linen; it returns the empty cache, to start over with) and ``decode_step`` feeds one
-token ``[B, 1]`` at a time, updating the cache in the NNX object; the outputs equal the causal
-full-sequence ones (``tests/test_nnx_bridge.py``).
+does in linen), or empties it to start a new sequence, and returns the empty cache;
+``decode_step`` feeds one token ``[B, 1]`` at a time, updating the cache in the NNX object (a
+ValueError before ``start_decoding``); the outputs equal the causal full-sequence ones
+(``tests/test_nnx_bridge.py``).
 """
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
@@ -43,9 +48,31 @@ def to_nnx(module, *example_args, params=None, seed: int = 0, **example_kwargs) 
     init(nnx_module)
   if params is not None:
     state = nnx.state(nnx_module, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jax.numpy.asarray, params))
+    params = jax.tree_util.tree_map(jnp.asarray, nn.unbox(params))
+    _check_params(nnx.to_pure_dict(state), params)
+    nnx.replace_by_pure_dict(state, params)
     nnx.update(nnx_module, state)
   return nnx_module
+
+
+def _check_params(want: dict, got) -> None:
+  """ValueError unless ``got`` has every parameter of ``want`` (the module's), no other, each of
+  its shape: linen's ``apply`` refuses a partial tree too, and a parameter left out would stay
+  at its random init."""
+  flat = lambda tree: {
+    jax.tree_util.keystr(path, simple=True, separator="/"): jnp.shape(x)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+  want, got = flat(want), flat(got)
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ValueError(
+      f"to_nnx: params must be the module's whole parameter tree; missing {missing or 'none'}, "
+      f"not the module's {extra or 'none'}"
+    )
+  for path in sorted(want):
+    if got[path] != want[path]:
+      raise ValueError(f"to_nnx: params {path} must be {want[path]}; got {got[path]}")
 
 
 def linen_params(nnx_module: bridge.ToNNX) -> dict:
@@ -54,8 +81,12 @@ def linen_params(nnx_module: bridge.ToNNX) -> dict:
 
 
 def start_decoding(nnx_module: bridge.ToNNX, x_B1) -> nnx.State:
-  """Creates the decoding cache for inputs shaped like ``x_B1`` ([B, 1, ...]) and returns it as
-  it is before any token: ``nnx.update(nnx_module, returned)`` starts a new sequence."""
+  """Creates the decoding cache for inputs shaped like ``x_B1`` ([B, 1, ...]), or empties the
+  one there (a new sequence), and returns it as it is before any token: ``nnx.update(nnx_module,
+  returned)`` starts a new sequence too."""
+  # Created only where there is none (linen's cache variables initialise when they do not
+  # exist; an existing cache would take a step instead).
+  nnx.pop(nnx_module, nnx.Cache)
   create = nnx.jit(lambda m, x: m(x, decode=True, mutable=["cache"]))  # no step is taken
   with nnx.use_eager_sharding(False):
     create(nnx_module, x_B1)
@@ -63,5 +94,11 @@ def start_decoding(nnx_module: bridge.ToNNX, x_B1) -> nnx.State:
 
 
 def decode_step(nnx_module: bridge.ToNNX, x_B1):
-  """One decoding step on ``x_B1`` ([B, 1, ...]); the cache in ``nnx_module`` moves on."""
+  """One decoding step on ``x_B1`` ([B, 1, ...]); the cache in ``nnx_module`` moves on. A
+  ValueError before ``start_decoding``: without a cache the call would create one and return
+  its init-time placeholder, not a step's output."""
+  if not jax.tree.leaves(nnx.state(nnx_module, nnx.Cache)):
+    raise ValueError(
+      "decode_step: the module has no decoding cache; call start_decoding(module, x_B1) first"
+    )
   return nnx_module(x_B1, decode=True, mutable=["cache"])

@@ -6,9 +6,9 @@ Context parallelism. The ops: aft_simple, aft_local and aft_conv1d with T sharde
 4-device mesh axis (``axis_name=``, inside ``jax.shard_map``) against the unsharded op, values
 and the gradients of every input, logits of std 1 and 40, windows and kernels within one shard
 and reaching two shards back. Training: the quickstart recipe (configs/quickstart.py, dropout
-0) with ``mesh.sequence = 4`` trains AFT-local and AFT-simple to the losses of one device, step
-by step; softmax attention with mesh.sequence > 1 is a config error. Every check is an assert;
-the differences and losses go to OUT.json.
+0) with ``mesh.sequence = 4`` trains AFT-local, AFT-simple and AFT-conv1d to the losses of one
+device, step by step; softmax attention with mesh.sequence > 1 is a config error. Every check
+is an assert; the differences and losses go to OUT.json.
 """
 
 import json
@@ -131,14 +131,14 @@ def main(out_path):
   for op, size, scale in CASES:
     report["ops"][f"{op} size {size} std {scale:g}"] = _check(op, size, scale, mesh)
   corpus = data_lib.load_corpus(_config("aft_local", 1).data)
-  for mixing in ("aft_local", "aft_simple"):
+  for mixing in ("aft_local", "aft_simple", "aft_conv1d"):
     _, one = _losses(_config(mixing, 1), corpus, jax.devices()[:1])
     trainer, split = _losses(_config(mixing, 4), corpus, jax.devices())
     assert dict(trainer.mesh.shape)["sequence"] == 4, trainer.mesh
     # The op really ran per shard: the step exchanges the shards' states.
     hlo = trainer.lower_train_step().as_text()
     assert "all_gather" in hlo, mixing
-    assert ("collective_permute" in hlo) == (mixing == "aft_local"), mixing  # the last keys
+    assert ("collective_permute" in hlo) == (mixing != "aft_simple"), mixing  # the last keys
     np.testing.assert_allclose(split, one, rtol=0, atol=1e-4)
     report[mixing] = {"one_device": one, "sequence_4": split}
   try:

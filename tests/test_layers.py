@@ -362,6 +362,27 @@ def test_every_param_has_logical_axis_names():
     assert {"/".join(p.key for p in path): tuple(s) for path, s in specs} == names
 
 
+def test_every_layer_initialises_under_a_mesh():
+  """Under a mesh (the trainer traces in one where ``mesh.sequence > 1``) every parameter's
+  logical names constrain it as it is created: DenseGeneral creates multi-axis kernels flat
+  ([d_model, H * C]), which three names do not fit, unless they go on the reshaped value. The
+  causal layers also run their op per sequence shard there; the values are those of no mesh."""
+  from aft_jax import sharding
+
+  mesh = jax.sharding.AbstractMesh((1, 1, 1, 4), sharding.MESH_AXES)
+  for causal in (False, True):
+    for name, module in _modules(causal=causal).items():
+      # Softmax attention cannot split T; AFT-conv2d's kernel names one logical axis twice
+      # ("kernel"), which flax refuses under a mesh (an image layer: no model uses it).
+      if name == "aft_conv2d" or causal and name == "mha":
+        continue
+      shape = (2, 4, D)  # one position per shard
+      plain = abstract_init(module, shape)
+      with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        meshed = abstract_init(module, shape)
+      chex.assert_trees_all_equal_shapes_and_dtypes(nn.unbox(meshed), nn.unbox(plain))
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -389,6 +410,8 @@ def test_bad_input_raises_value_error():
   for name, mod in _modules(causal=False).items():
     if name != "aft_conv2d":
       _raises(mod, (2, 1, D), r"decode=True needs causal=True", decode=True)
+    want = r"x must be \[\.\.\., Ht, Wd, d_model\]" if name == "aft_conv2d" else r"x must be"
+    _raises(mod, (D,), rf"{type(mod).__name__}: {want}.*got x \({D},\)")  # no T
   for name, mod in _modules(causal=True).items():
     if not getattr(mod, "chunks", False):  # the recurrent layers take prompt chunks
       _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)

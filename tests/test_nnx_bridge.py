@@ -2,7 +2,11 @@
 apply equal to linen's, a jitted NNX call, decoding through the cache collection, and a trained
 (exported) model's parameters put into an NNX module."""
 
+import re
+
 import chex
+import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +37,46 @@ def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
   params = nnx_bridge.linen_params(m)
   want = layer.apply({"params": params}, x_BTD)
   chex.assert_trees_all_close(CALL(m, x_BTD), want, atol=1e-6)
+  # A rank-1 input: linen's ValueError, word for word (not an IndexError from inside).
+  with pytest.raises(ValueError) as linen_error:
+    layer.apply({"params": params}, x_BTD[0, 0])
+  with pytest.raises(ValueError, match=re.escape(str(linen_error.value))):
+    m(x_BTD[0, 0])
+  # Decoding before the cache exists would return the init-time placeholder: refused.
+  with pytest.raises(ValueError, match=r"no decoding cache; call start_decoding"):
+    STEP(m, x_BTD[:, :1])
   start = nnx_bridge.start_decoding(m, x_BTD[:, :1])
   steps = [STEP(m, x_BTD[:, t : t + 1]) for t in range(T)]
   chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), want, atol=1e-5)
   nnx.update(m, start)  # a new sequence: its first step is the first step again
   chex.assert_trees_all_close(STEP(m, x_BTD[:, :1]), steps[0], atol=1e-6)
+  # So after a second start_decoding (which empties the cache, not steps it): two steps again.
+  nnx_bridge.start_decoding(m, x_BTD[:, :1])
+  again = [STEP(m, x_BTD[:, t : t + 1]) for t in range(2)]
+  chex.assert_trees_all_close(again, steps[:2], atol=1e-6)
+
+
+def test_given_parameters_are_the_whole_tree_or_refused():
+  """``to_nnx(..., params=)`` takes the module's whole tree, as linen's apply does: a missing,
+  extra or misshapen parameter is a ValueError naming it (not a random init left in place)."""
+  x_BTD = jax.random.normal(jax.random.key(0), (2, T, D))
+  layer = LAYERS["aft_local"]()
+  params = nn.unbox(jax.jit(layer.init)(jax.random.key(3), x_BTD)["params"])
+  partial = {name: p for name, p in params.items() if name != "out"}
+  with pytest.raises(flax.errors.ScopeParamNotFoundError):
+    layer.apply({"params": partial}, x_BTD)
+  with pytest.raises(
+    ValueError, match=r"missing \['out/bias', 'out/kernel'\], not the module's none"
+  ):
+    nnx_bridge.to_nnx(layer, x_BTD, params=partial)
+  extra = {**params, "extra": {"kernel": np.zeros((2, 2), np.float32)}}
+  with pytest.raises(ValueError, match=r"missing none, not the module's \['extra/kernel'\]"):
+    nnx_bridge.to_nnx(layer, x_BTD, params=extra)
+  wrong = {**params, "out": {**params["out"], "kernel": np.zeros((D, 3), np.float32)}}
+  with pytest.raises(ValueError, match=rf"params out/kernel must be \({D}, {D}\); got \({D}, 3\)"):
+    nnx_bridge.to_nnx(layer, x_BTD, params=wrong)
+  m = nnx_bridge.to_nnx(layer, x_BTD, params=params)  # the whole tree: its values
+  chex.assert_trees_all_close(nnx_bridge.linen_params(m), params)
 
 
 def test_the_image_layer_applies_from_nnx():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from aft_jax import ops
+from tests import numpy_reference as ref
 
 T, WINDOW = 9, 3
 SPLITS = (5, 4)  # row 0: [doc of 5 | doc of 4]; row 1: [doc of 4 | doc of 5]
@@ -86,3 +87,25 @@ def test_bad_segment_arguments_are_refused():
     ops.aft_local(q, k, v, w, window=2, causal=True, positions=pos.astype(np.float32))
   with pytest.raises(ValueError, match=r"do not take initial_state, output_final_state"):
     ops.aft_local(q, k, v, w, window=2, causal=True, segment_ids=seg, output_final_state=True)
+
+
+@pytest.mark.parametrize("op", ["local", "full"])
+@pytest.mark.parametrize("bad", [-1, T])
+def test_a_position_outside_w_gives_nan(op, bad):
+  """Row 0's second document has a position outside w [T, T] (-1: NumPy's rule would read
+  w's last row instead): every output that reads its bias is NaN; row 1 and row 0's first
+  document are what each document gives alone (the float64 reference)."""
+  seg, pos = _layout()
+  pos = pos.copy()
+  pos[0, SPLITS[0] + 1] = bad  # the second position of row 0's second document
+  q, k, v, w = _inputs(op, 1.0)
+  y = np.asarray(jax.jit(lambda *a: _op(op, *a, seg, pos))(q, k, v, w))
+  reads = SPLITS[0] + 1 + np.arange(WINDOW if op == "local" else T)  # the rows that see it
+  reads = reads[reads < T]
+  assert np.all(np.isnan(y[0, reads]))
+  fine = np.setdiff1d(np.arange(T), reads)
+  assert np.all(np.isfinite(y[0, fine])) and np.all(np.isfinite(y[1]))
+  n = SPLITS[0]
+  bias = ref.local_bias(w, WINDOW) if op == "local" else w
+  want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
+  np.testing.assert_allclose(y[0, :n], want, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ import pytest
 
 from aft_jax import ops
 from aft_jax.ops import pieces
+from tests import numpy_reference as ref
 
 T = 8
 CUTS = (3, 1, 4)  # uneven pieces, one of length 1
@@ -142,3 +143,129 @@ def test_state_arguments_are_refused_where_there_is_no_state():
     ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
   with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
     ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
+
+
+# --------------------------------------------------------------------------- AFT-local's offset
+
+
+def _local_pieces(start, first, **kw):
+  """AFT-local on positions start.. of a sequence of T after the state of positions first..
+  start - 1 (a piece at offset ``first``), with ``kw`` (offset); the float64 reference of the
+  sub-sequence from ``first`` on, at the same positions; and the state."""
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  piece = lambda x: x[:, first:start]
+  at = {"offset": first} if first else {}
+  _, state = ops.aft_local(*(piece(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                           output_final_state=True, **at)  # fmt: skip
+  rest = lambda x: x[:, start:]
+  y = ops.aft_local(*(rest(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                    initial_state=state, **kw)  # fmt: skip
+  sub = lambda x: x[:, first:]
+  want = ref.aft_local(sub(q), sub(k), sub(v), w[first:, first:], WINDOW, causal=True)
+  return y, want[:, start - first :], state
+
+
+@pytest.mark.parametrize("state_from", [0, 2])
+def test_the_offset_comes_from_the_state(state_from):
+  """A piece after a state takes its offset from the state's index (the position of its first
+  query in w), also where the state is that of a piece that started at an offset itself."""
+  y, want, state = _local_pieces(5, state_from)
+  assert int(state.index) == 5
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  y, _, _ = _local_pieces(5, state_from, offset=5)  # the same offset given
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
+  """Known when traced: a ValueError naming both positions; inside jit (the offset traced): the
+  piece's output is NaN, never a bias read at other positions."""
+  with pytest.raises(ValueError, match=r"offset 3 does not match initial_state.index 5"):
+    _local_pieces(5, 0, offset=3)
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  _, state = ops.aft_local(q[:, :5], k[:, :5], v[:, :5], w, window=WINDOW, causal=True,
+                           output_final_state=True)  # fmt: skip
+  run = jax.jit(lambda s, at: ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW,
+                                            causal=True, offset=at, initial_state=s))  # fmt: skip
+  _, want, _ = _local_pieces(5, 0)
+  chex.assert_trees_all_close(run(state, 5), want, rtol=1e-5, atol=1e-6)
+  assert np.all(np.isnan(run(state, 3)))
+  # The state traced, the offset known: the same.
+  assert np.all(np.isnan(jax.jit(lambda s: _local_call_at(q, k, v, w, s, 3))(state)))
+
+
+def _local_call_at(q, k, v, w, state, at):
+  return ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW, causal=True, offset=at,
+                       initial_state=state)  # fmt: skip
+
+
+@pytest.mark.parametrize("at", [-1, 0, 4, 5])
+def test_a_traced_offset_outside_w_gives_nan(at):
+  """T = 4 positions at a traced offset into w [8, 8]: offsets 0..4 fit; -1 and 5 do not, and
+  a dynamic slice would clamp them to another block of w: NaN instead."""
+  q, k, v, w = _inputs("local", 5.0, seed=5)
+  first = lambda x: x[:, :4]
+  run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
+                                         causal=True, offset=at))  # fmt: skip
+  y = run(at)
+  if 0 <= at <= 4:
+    want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
+    chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  else:
+    assert np.all(np.isnan(y))
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
+  """Without a state the positions before ``offset`` hold no keys; the final state's index is
+  offset + T, so the next piece continues from it (the float64 reference on the sub-sequence)."""
+  q, k, v, w = _inputs("local", 5.0, seed=6)
+  call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+  y1, state = call(q[:, at : at + 2], k[:, at : at + 2], v[:, at : at + 2], w, offset=at,
+                   output_final_state=True)  # fmt: skip
+  assert int(state.index) == at + 2
+  y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
+  want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
+  chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- states themselves
+
+
+def _state_of(op, q, k, v, bias, n):
+  return _call(op, q[:, :n], k[:, :n], v[:, :n], bias, output_final_state=True)[1]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_state_of_ints_or_bools_is_refused(op, dtype):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  bad = jax.tree.map(lambda x: np.zeros(np.shape(x), dtype), state)
+  name = np.dtype(dtype).name
+  with pytest.raises(
+    ValueError, match=rf"initial_state\.\w+(\.m)? must be floating-point .*got {name}"
+  ):
+    _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=bad)
+  if op != "simple":  # the index is a count of positions: an int, not a float or a bool
+    for index in (np.float32(3), np.bool_(True)):
+      with pytest.raises(ValueError, match=r"initial_state\.index must be an int"):
+        _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=state._replace(index=index))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_piece_of_no_positions_keeps_the_state(op, jit):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  none = lambda x: x[:, 3:3]
+  call = lambda s: _call(op, none(q), none(k), none(v), bias, initial_state=s,
+                         output_final_state=True)  # fmt: skip
+  y, after = (jax.jit(call) if jit else call)(state)
+  assert y.shape == none(q).shape and y.dtype == jnp.float32
+  chex.assert_trees_all_equal(after, state)
+  # Without a state: the state before any position (AFT-local: at its offset).
+  at = {"offset": 3} if op == "local" else {}
+  _, empty = _call(op, none(q), none(k), none(v), bias, output_final_state=True, **at)
+  chex.assert_trees_all_equal_shapes_and_dtypes(empty, state)
+  if op == "local":
+    assert int(empty.index) == 3

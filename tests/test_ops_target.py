@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aft_jax import ops
-from aft_jax.ops import target
+from aft_jax.ops import plain, target
 from tests.helpers import TRITON, export_for, on_target
 
 T, D = 40, 32
@@ -111,7 +111,7 @@ def test_without_a_triton_backend_auto_warns_once_and_pallas_names_the_jax(monke
 
   monkeypatch.delattr(pallas, "triton", raising=False)
   monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
-  monkeypatch.setattr(ops, "_SAID", set())
+  monkeypatch.setattr(plain, "_SAID", set())  # the warnings given so far
   assert jax.__version__ in target.triton_missing()
   args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs()]
   with warnings.catch_warnings(record=True) as caught:

@@ -1,4 +1,5 @@
-"""The causal ops on a piece of a sequence: ``initial_state`` in, ``(Y, final state)`` out.
+"""The state mode: the causal ops on a piece of a sequence, ``initial_state`` in,
+``(Y, final state)`` out (``run``; the arguments checked by ``arguments``).
 
 Each function takes ``run``, the op itself on plain arguments (its resolved implementation,
 causal, no state), and runs it on the piece with the state prepended as keys (``state``'s
@@ -6,6 +7,12 @@ module docstring: the prefix triple as one key, then the ring's s keys); the pre
 outputs are dropped. So every implementation of the op (XLA or kernel) serves pieces, and
 chained pieces equal one call up to float rounding, values and gradients (through the state
 too: its num and den carry them).
+
+A piece of T = 0 positions gives the empty output and the state it was given. AFT-local's
+``offset`` is the piece's position in w; without a state the positions before it hold no keys,
+and the final state is that of a sequence whose next token is at offset + T (its ``index``). An
+offset that could not be checked at trace time (``arguments.Call.guard``) makes the piece's
+output NaN where it is wrong, never a bias read at a clamped position.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax.ops import logsumexp as lse
+from aft_jax.ops import plain
 from aft_jax.ops import state as st
 
 
@@ -38,6 +46,43 @@ class Factors(NamedTuple):
     """w = u v^T ``[L, L]`` (float32)."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     return f32(self.u) @ f32(self.v).T
+
+
+def run(call):
+  """Y, or (Y, final state) with ``output_final_state``, of a piece (``arguments.Call``, mode
+  "state") of causal AFT-simple, AFT-local or AFT-conv1d."""
+  fn, q, k, v, w, size = call.fn, call.q, call.k, call.v, call.w, call.size
+  state, final = call.initial_state, call.output_final_state
+  if k.shape[k.ndim - 2] == 0:  # no positions: nothing to run, the state as it was
+    return _nothing(call)
+  if fn == "aft_simple":
+    return simple(plain.causal(fn, call.impl), q, k, v, state, final)
+  if fn == "aft_conv1d":
+    return conv1d(plain.causal(fn, call.impl, kernel=w), q, k, v, w, state, final)
+  run = plain.causal(fn, call.impl, window=size)
+  out = local(run, q, k, v, w, size, call.offset, state, final)
+  if call.guard is None:
+    return out
+  y, rest = (out[0], out[1:]) if final else (out, ())
+  y = jnp.where(call.guard, y, jnp.nan).astype(y.dtype)  # an offset that cannot be right
+  return (y, *rest) if final else y
+
+
+def _nothing(call):
+  """A piece of no positions: the empty output and the state it was given (or the one before
+  any position)."""
+  y = jnp.zeros(call.q.shape, jnp.result_type(call.q, call.k, call.v))
+  if not call.output_final_state:
+    return y
+  state, k, v = call.initial_state, call.k, call.v
+  axis = k.ndim - 2
+  if state is None and call.fn == "aft_simple":
+    state = lse.empty(k.shape[:axis] + k.shape[axis + 1 :])
+  elif state is None:
+    one = lambda x: x.shape[:axis] + x.shape[axis + 1 :]
+    at = 0 if call.offset is None else call.offset  # (AFT-conv1d: None)
+    state = st.window_init(one(k), one(v), call.size, at)
+  return y, jax.tree.map(jnp.asarray, state)
 
 
 def _drop(y, n: int, axis: int, dtype):
@@ -83,7 +128,14 @@ def local(run, q, k, v, w, window: int, offset, initial_state, output_final_stat
     y = _drop(run(_zeros_before(q, n, axis), k1, v1, piece_w), n, axis, dt)
   if not output_final_state:
     return y
+  if initial_state is None:  # nothing before the piece: the state of its first position
+    initial_state = _empty_at(q, window, offset)
   return y, st.final_window(initial_state, k, v, window)
+
+
+def _empty_at(q, window: int, offset) -> st.WindowState:
+  lead = q.shape[: q.ndim - 2]
+  return st.window_init(lead + q.shape[-1:], lead + q.shape[-1:], window, offset)
 
 
 # A long piece reads its bias in sub-pieces of this many positions (at least 4 windows), one
@@ -111,13 +163,13 @@ def _local_in_sub_pieces(run, q, k, v, w, window, offset, initial_state, output_
   m = t_len // c
   lead = q.shape[:axis]
   if initial_state is None:
-    initial_state = st.window_init(lead + q.shape[-1:], lead + q.shape[-1:], window)
+    initial_state = _empty_at(q, window, offset)
   split = lambda x: jnp.moveaxis(
     jax.lax.slice_in_dim(x, 0, m * c, axis=axis).reshape(lead + (m, c) + x.shape[-1:]), axis, 0
   )
 
-  # The offset into w is carried beside the state: without an initial state the positions
-  # before ``offset`` hold no keys, which the empty state's own count (0) says.
+  # The offset into w is carried beside the state (whose index is the same position; without
+  # an initial state, the empty state at ``offset``, whose positions hold no keys).
   def step(carry, qkv):
     state, at = carry
     y, state = local(run, *qkv, w, window, at, state, True)

@@ -2,8 +2,30 @@
 
 ``TABLE[op]`` lists the op's implementations (``Impl``), XLA first, then its Pallas kernels
 (the GPU kernel first: it is the one ``"pallas_interpret"`` runs). ``resolve`` turns an op's
-``impl`` argument into a ``Choice`` by the rules of the ``aft_jax.ops`` docstring
-("Implementations"), asking each entry's ``supports``; a new kernel is one more entry.
+``impl`` argument into a ``Choice``, asking each entry's ``supports(args, device)`` (None, or
+why it cannot run); a new kernel is one more entry. The rules:
+
+    "xla"               the jax.numpy code (``banded``, ``causal_mean``, ``conv``).
+    "pallas"            the op's kernel compiled for the accelerator: on GPU (Triton) causal
+                        AFT-simple (``pallas_simple``) and causal AFT-local (``pallas_local``);
+                        on TPU (Mosaic) causal AFT-simple (``pallas_simple_tpu``), channels a
+                        multiple of 128.
+    "pallas_interpret"  the GPU kernel run by Pallas' interpreter on any backend (slow, for
+                        tests; the TPU kernel's interpreted form is
+                        ``pallas_simple_tpu.causal_mean(..., interpret=True)``).
+    "auto"              Pallas where a kernel exists for the op, the device and the channel
+                        count, XLA otherwise.
+
+The device is the one the computation is lowered for (``target.current()``: an abstract mesh's
+device kind, a ``with mesh:`` block's devices, else the default backend), not the host: GPU
+kernels need compute capability 8.0 (XLA refuses Triton below it: a T4 takes XLA), and
+``"auto"`` wraps them in ``jax.lax.platform_dependent`` so a lowering for any other platform
+takes XLA (one exported module holds both). On TPU ``"auto"`` is XLA: the TPU kernel lowers and
+is tested in interpret mode but has never been timed on a TPU, so ``"pallas"`` opts in to it.
+Where jax has no Pallas Triton backend, ``"auto"`` takes XLA with one warning. The choice
+changes results only by float rounding. Asking for a kernel that does not exist (an op without
+one, ``"pallas"`` on a CPU, AFT-local on a TPU, a GPU below compute capability 8.0, a channel
+count the kernel cannot tile) is a ValueError, never a silent switch to XLA.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The causal ops on packed rows: ``segment_ids`` (documents that do not see each other) and
-``positions`` (each document's own rows and columns of the bias).
+"""The packed mode: the causal ops on packed rows, ``segment_ids`` (documents that do not see
+each other) and ``positions`` (each document's own rows and columns of the bias).
 
 A row packs several documents: ``segment_ids`` ``[..., T]`` (ints), a new segment starting
 wherever the id changes (so a padding run after a document is a segment of its own). Position
@@ -18,7 +18,8 @@ combined into the row's sum), and the bias-0 keys older than that as a segmented
 the same log-sum-exp monoid that resets at each segment's first position (an associative scan),
 read size positions back. O(T size D) time; the backward pass keeps the scan's carries,
 O(T size D) memory for AFT-full (size = T): a path for packed training rows, not long ones.
-A position of ``positions`` outside w gives NaN (a traced index cannot raise).
+A position of ``positions`` outside w (negative, or >= L) gives NaN in every output that reads
+its bias (a traced index cannot raise).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def band_bias(w, positions, t_len: int):
 
   def bias(j):
     key = _shift(pos, j, pos.ndim - 1, 0)
-    return w.at[pos, key].get(mode="fill", fill_value=jnp.nan)[..., None]
+    got = w.at[pos, key].get(mode="fill", fill_value=jnp.nan)
+    # A negative index would count from the end of w (NumPy's rule), not fall outside it.
+    return jnp.where((pos >= 0) & (key >= 0), got, jnp.nan)[..., None]
 
   return bias
 
@@ -139,6 +142,18 @@ def gated(q, k, v, segment_ids, size: int, lag_bias):
   seg = jnp.zeros(k.shape[:-1], jnp.int32) if segment_ids is None else segment_ids
   mean = causal_mean(f32(k), f32(v), seg, size, lag_bias)
   return (jax.nn.sigmoid(f32(q)) * mean).astype(dt)
+
+
+def run(call):
+  """Y of causal AFT-full, AFT-local, AFT-simple or AFT-conv1d on packed rows
+  (``arguments.Call``, mode "packed"; ``size``: the window, AFT-full's T, the kernel's s)."""
+  q, k, v, w, seg = call.q, call.k, call.v, call.w, call.segment_ids
+  if call.fn == "aft_simple":
+    return gated(q, k, v, seg, 0, None)
+  if call.fn == "aft_conv1d":
+    kernel_t = jnp.asarray(w, jnp.float32).T  # [s, H]: row j the bias at lag j
+    return gated(q, k, v, seg, call.size, lambda j: kernel_t[j])
+  return gated(q, k, v, seg, call.size, band_bias(w, call.positions, q.shape[-2]))
 
 
 def from_mask(segment_ids, mask, shape):

@@ -58,13 +58,16 @@ class FullState(NamedTuple):
   index: jax.Array
 
 
-def window_init(k_shape, v_shape, size: int) -> WindowState:
+def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
   """The state before any position, for one position's k ``k_shape`` ``[..., H]`` and v
-  ``v_shape`` (``[..., H]`` or ``[..., H, C]``) and a window of ``size``."""
+  ``v_shape`` (``[..., H]`` or ``[..., H, C]``) and a window of ``size``. With ``index`` (an
+  int or a traced int) > 0: the state of ``index`` positions that hold no keys (a piece that
+  starts there with nothing before it): the ring's keys are ``NEG``, terms that weigh nothing."""
   axis = len(k_shape) - 1  # the ring's axis: before the channels (H, or H and C)
   ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
+  keys = ring(k_shape) if isinstance(index, int) and index == 0 else ring(k_shape) + lse.NEG
   return WindowState(
-    lse.empty(k_shape, v_shape), ring(k_shape), ring(v_shape), jnp.zeros((), jnp.int32)
+    lse.empty(k_shape, v_shape), keys, ring(v_shape), jnp.asarray(index, jnp.int32)
   )
 
 
@@ -72,8 +75,9 @@ def reduce(k, v, axis: int, valid=None) -> lse.Acc:
   """The triple of the terms exp(k) v along ``axis`` (non-negative; kept out of the result),
   where ``valid`` (broadcast against k). k ``[..., T, ..., H]``; v k's shape or one more axis.
 
-  The maximum carries no gradient (it cancels in num / den)."""
-  return lse.from_terms(k, v, True if valid is None else valid, axis)
+  The maximum carries no gradient (it cancels in num / den). A key of ``NEG`` is no term (the
+  ring of ``window_init`` at an index > 0), even where it is the only one."""
+  return lse.from_terms(k, v, (k != lse.NEG) & (True if valid is None else valid), axis)
 
 
 def reduce_over(acc: lse.Acc, axis: int, valid) -> lse.Acc:
