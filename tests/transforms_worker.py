@@ -4,11 +4,11 @@
 
 The ops' axis_name forms inside ``jax.shard_map`` with its defaults (check_vma=True):
 
-- XLA: aft_simple, aft_local (w dense, and as factors reaching two shards back) and aft_conv1d
-  with T over 4 devices, under jax.checkpoint of vmap over the batch inside the shard_map, and
-  grad of it, against the unsharded op (values and every input's gradient, 1e-5 of the largest).
+- XLA: aft_simple and aft_local (a window reaching two shards back) with T over 4 devices,
+  under jax.checkpoint of vmap over the batch inside the shard_map, and grad of it, against the
+  unsharded op (values and every input's gradient, 1e-5 of the largest).
 - The compiled kernels (Triton on an abstract 4-device H200 mesh, Mosaic on a TPU v5e one):
-  the op with impl="pallas" and axis_name, forward and grad, lowered for the GPU / TPU with
+  the op with impl="pallas" and axis_name, its grad, lowered for the GPU / TPU with
   ``jax.export`` (nothing runs: no accelerator here), which checks how their outputs vary.
 - impl="pallas_interpret" there: Pallas' interpreter cannot run under check_vma, a one-line
   ValueError.
@@ -66,7 +66,9 @@ def _close(got, want, what):
 
 def _xla(mesh):
   done = []
-  for op, size in (("simple", 0), ("local", 3), ("local_factors", 6), ("conv1d", 6)):
+  # (tests/sequence_worker.py checks every axis_name form, the factors and AFT-conv1d too, with
+  # shard_map's defaults; here the transformations inside the shard_map.)
+  for op, size in (("simple", 0), ("local", 6)):
     run = _op(op, size)
     args = _inputs(op, size)
     # The batch vmapped inside the shard_map (the op sees [T / 4, D] per device), checkpointed.
@@ -85,8 +87,8 @@ def _xla(mesh):
 
 
 def _lowered(device_kind, platform, call, d):
-  """The number of ``call`` custom calls in the forward and grad programs of aft_simple (and on
-  a GPU aft_local) with impl="pallas" and axis_name, lowered for ``platform``."""
+  """How many grad programs (aft_simple, and on a GPU aft_local, with impl="pallas" and
+  axis_name) lowered for ``platform`` with their kernels (``call`` custom calls) in them."""
   device = jax.sharding.AbstractDevice(
     device_kind=device_kind, num_cores=1, platform={"cuda": "gpu"}.get(platform, platform)
   )
@@ -107,15 +109,14 @@ def _lowered(device_kind, platform, call, d):
       out_specs=SEQ,
     )
     g = lambda *a: jax.grad(lambda *b: jnp.sum(f(*b)), argnums=(0, 1, 2, 3))(*a)
-    for fn in (f, g):
-      with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(
-          jax.jit(fn),
-          platforms=[platform],
-          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)],
-        )(*qkv, w)
+    with jax.sharding.use_abstract_mesh(mesh):  # the grad: forward and backward kernels
+      exported = jax.export.export(
+        jax.jit(g),
+        platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)],
+      )(*qkv, w)
       counts.append(exported.mlir_module().count(call))
-  assert all(counts), counts  # every program holds its kernels
+  assert all(n >= 2 for n in counts), counts  # the forward and backward kernels at least
   return len(counts)
 
 
