@@ -70,18 +70,20 @@ def _run_row(root, op, batch, t_len, a) -> dict:
 
 
 def _table(records, trees) -> str:
-  """Markdown: per row, each tree's time and temp memory and their ratios, and the peer's."""
+  """Markdown: per row, each tree's time and temp memory and their ratio, and on the
+  AFT-simple rows the peer's (the same computation; the other rows are other ops)."""
   from benchmarks import common
 
   before, after = trees
   lines = [
-    "| op, batch, T | before | after | after / before | peer | peer / after "
-    "| temp before / after / peer |",
+    "| op, batch, T | before | after | after / before | strong scan | scan / after "
+    "| temp before / after / scan |",
     "|---|---:|---:|---:|---:|---:|---:|",
   ]
   get = lambda rec, f: rec.get(f) if rec.get("status") == "ok" else None
   for r in records:
-    b, t, p = r[before], r[after], r.get(PEER, {})
+    b, t = r[before], r[after]
+    p = r.get(PEER, {}) if r["op"] == "aft_simple" else {}
     ratio = lambda x, y: "-" if x is None or y is None else f"{x / y:.2f}x"
     tb, ta, tp = (get(x, "time_s") for x in (b, t, p))
     mem = " / ".join(common.fmt_bytes(get(x, "temp_bytes")) for x in (b, t, p))
