@@ -242,10 +242,7 @@ def in_sequence_shards(fn, args, names):
   """``fn(*args, axis_name=...)`` with T split over the mesh's ``sequence`` axis: inside
   ``jax.shard_map``, each array of ``args`` laid out by its logical axis names ``names`` (one
   tuple per array; "activation_length" is T, split over ``sequence``) and the result laid out
-  as the first. Outside such a mesh (or with sequence = 1): ``fn(*args, axis_name=None)``.
-
-  ``check_vma=False``: the ops' inner scans start from constants, which shard_map's
-  varying-axes check would refuse although every device computes its own shard."""
+  as the first. Outside such a mesh (or with sequence = 1): ``fn(*args, axis_name=None)``."""
   if sequence_shards() == 1:
     return fn(*args, axis_name=None)
   specs = tuple(nn.logical_to_mesh_axes(n) for n in names)
@@ -254,5 +251,4 @@ def in_sequence_shards(fn, args, names):
     mesh=jax.sharding.get_abstract_mesh(),
     in_specs=specs,
     out_specs=specs[0],
-    check_vma=False,
   )(*args)

@@ -78,7 +78,6 @@ def _check(op, size, scale, mesh):
     mesh=mesh,
     in_specs=(seq, seq, seq, P()),
     out_specs=seq,
-    check_vma=False,  # the ops' inner scans start from constants (module docstring of context)
   )
   plain = lambda *a: _op(op, size, *a)
   run = lambda f: jax.jit(

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from aft_jax import ops
-from benchmarks import accelerator_check, bench_model, bench_ops
+from benchmarks import accelerator_check, before_after, bench_model, bench_ops
 
 
 def _finite(x):
@@ -44,6 +44,20 @@ def test_bench_ops_quick(tmp_path):
   assert len(result["checks"]) == 7
   for name in ("bench_ops.md", "bench_ops.png"):
     assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
+  """This tree against itself: each row's subprocess imported aft_jax from its tree, every
+  row and the peer measured; the table has a row per record."""
+  before_after.main(["--before", before_after.HERE, "--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "before_after.json").read_text())
+  assert result["machine"]["trees"]["before"] == before_after.HERE
+  for rec in result["records"]:
+    for name in ("before", "after", before_after.PEER):
+      _check_record(rec[name], ("time_s", "temp_bytes"))
+    assert rec["before"]["aft_jax"] == os.path.join(before_after.HERE, "aft_jax")
+  table = (tmp_path / "before_after.md").read_text()
+  assert len(table.strip().splitlines()) == 2 + len(result["records"])
 
 
 @pytest.mark.slow

@@ -27,7 +27,10 @@ JVP (forward mode works; reverse mode is its transpose): with p[t, t'] = exp(k[t
 
 (dw on the band only), the same blocked products with the saved a and L, so the only [T, R]
 residuals are a and L, and the scan bodies are rematerialized: no per-block copies of exp(w)
-or exp(k) are kept for the backward pass.
+or exp(k) are kept for the backward pass. Causal, a row whose a or L is not finite (it sees a
+NaN or a key of +inf) has tangent 0 and every factor the tangent multiplies is ``tame``d, so
+reverse mode never turns such a row's zero cotangent into 0 * NaN in an earlier gradient.
+The recomputations are ``branch.cond``s, whose predicate vmap shares across the batch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aft_jax.ops import branch
+from aft_jax.ops import logsumexp
 from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
 
 # Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
@@ -66,6 +71,12 @@ class Plan(NamedTuple):
   @property
   def groups(self) -> int:
     return self.c // self.rows
+
+  def tame(self, x):
+    """A factor of the tangent: causal, ``logsumexp.tame`` (a row after a NaN or an infinity
+    has derivative 0, so that its zero cotangent reaches no earlier input); non-causal, every
+    row sees every position, and a NaN anywhere is NaN everywhere, derivative included."""
+    return logsumexp.tame(x) if self.causal else x
 
 
 def _default_block(s: int, t_len: int) -> int:
@@ -151,9 +162,9 @@ def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
     )
     return acc, acc
 
-  zero = jnp.zeros(k.shape[1:], k.dtype)
+  zero = jnp.zeros_like(k[0])  # of k's type: in shard_map, varying where k does (carries)
   if _no_keys(ranges):  # one block, say: nothing to add (XLA would constant-fold the masks)
-    none = jnp.zeros((p.nb, *k.shape[1:]), k.dtype)
+    none = jnp.zeros_like(k[:1], shape=(p.nb, *k.shape[1:]))
     return Acc(none + NEG, none, none)
   return jax.lax.scan(step, Acc(zero + NEG, zero, zero), ranges, reverse=reverse)[1]
 
@@ -168,9 +179,9 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
   def step(gh, xs):
     lo, hi, mb, mp = xs
     st, keep = _range_keys(k, lo, hi, c)
-    e = jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG))
+    e = p.tame(jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG)))
     dkk = _slice(dk, st, c)
-    scale = jnp.exp(mp - mb)  # <= 1: the maximum only grows
+    scale = p.tame(jnp.exp(mp - mb))  # <= 1: the maximum only grows
     vv = jnp.where(keep, _slice(v, st, c), 0.0)  # masked before the product (0 * NaN = NaN)
     g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * vv), axis=0)
     h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
@@ -178,7 +189,7 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
 
   if _no_keys(ranges):
     return jnp.zeros_like(m), jnp.zeros_like(m)
-  zero = jnp.zeros(k.shape[1:], k.dtype)
+  zero = jnp.zeros_like(k[0])
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
 
@@ -188,14 +199,14 @@ def _patch(p: Plan, bad, fast, exact):
 
   def one(args):
     g, flag, f = args
-    return jax.lax.cond(flag, lambda: exact(g), lambda: f)
+    return branch.cond(flag, lambda: exact(g), lambda: f)
 
   def run():
     split = tuple(x.reshape((p.groups, p.rows) + x.shape[1:]) for x in fast)
     out = jax.lax.map(jax.checkpoint(one), (jnp.arange(p.groups), bad, split))
     return tuple(x.reshape((p.c,) + x.shape[2:]) for x in out)
 
-  return jax.lax.cond(jnp.any(bad), run, lambda: fast)
+  return branch.cond(jnp.any(bad), run, lambda: fast)
 
 
 class _Residuals(NamedTuple):
@@ -311,9 +322,11 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
     bias, band, kw, vw = _block(p, k, v, w, b_rs, b_ks)
     dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
     dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
-    a_r, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
+    a_raw, l_r = _slice(a, b_rs, p.c), _slice(lse, b_rs, p.c)
+    a_r = p.tame(a_raw)
     pt, e, vs, mw, mk, _ = _shifted(p, bias, kw, vw, b_rs, b_ks)
-    scale = jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE))
+    pt = p.tame(pt)
+    scale = p.tame(jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE)))
     nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vs), e * dkw], axis=1)) + _matmul(
       p, pt * dwb, jnp.concatenate([e * vs, e], axis=1)
     )
@@ -321,8 +334,9 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
 
     def exact(g):
       rows = lambda x: _slice(x, g * p.rows, p.rows)
-      pe = jnp.exp(rows(bias)[:, :, None] + kw[None] - rows(l_r)[:, None])  # <= 1
-      t = dvw[None] + (dkw[None] + rows(dwb)[:, :, None]) * (vw[None] - rows(a_r)[:, None])
+      pe = p.tame(jnp.exp(rows(bias)[:, :, None] + kw[None] - rows(l_r)[:, None]))  # <= 1
+      vd = p.tame(vw[None] - rows(a_r)[:, None])
+      t = dvw[None] + (dkw[None] + rows(dwb)[:, :, None]) * vd
       return (jnp.sum(pe * t, axis=1),)
 
     if patched:
@@ -330,8 +344,8 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
     for edge in (pre_b, suf_b):
       if edge is not None:
         m, g, h = edge
-        da = da + jnp.exp(m - l_r) * (g - a_r * h)  # exp(m - L) <= 1
-    return da
+        da = da + p.tame(jnp.exp(m - l_r)) * (g - a_r * h)  # exp(m - L) <= 1
+    return jnp.where(logsumexp.keep(a_raw, l_r), da, 0.0) if p.causal else da
 
   def run(patched: bool):
     body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
@@ -341,7 +355,7 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
   # every block would take that block's tangents as operands, and its transpose (reverse mode)
   # would fill and add zero cotangents of them per block whichever branch runs (measured on
   # CPU: 1/6 of AFT-full's forward+backward at T 1024, d 512).
-  da = jax.lax.cond(jnp.any(res.bad), lambda: run(True), lambda: run(False))
+  da = branch.cond(jnp.any(res.bad), lambda: run(True), lambda: run(False))
   return _unblock(p, da)
 
 

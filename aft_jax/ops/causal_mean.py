@@ -21,6 +21,8 @@ Derivative. A custom JVP (forward mode works; reverse mode is its transpose):
 
 the same chunked products applied to dv + dk v and dk, with the saved a and L: the only
 [T, R] residuals are a and L, and the chunk bodies are rematerialized in the backward pass.
+A row whose a or L is not finite has tangent 0, its factors ``tame``d (``logsumexp.tame``), and
+the exact recomputations are ``branch.cond``s, whose predicate vmap shares across the batch.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops.logsumexp import DEN_OK, NEG, matmul, set_aside
+from aft_jax.ops import branch
+from aft_jax.ops.logsumexp import DEN_OK, NEG, keep, matmul, set_aside, tame
 
 # Measured on CPU (2 cores, fwd+bwd, R = 512 at T = 16384 and R = 4096 at T = 2048): 16
 # positions per chunk is the fastest (~15-20% faster than 32, which is ~20% faster than 64);
@@ -107,10 +110,12 @@ def _forward(kc, vc, low: bool):
       a, lse = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
       return (m1, num1, den1), (a, lse, m1)  # the carry is in the scale of m1
 
-    carry, (a, lse, m) = jax.lax.cond(jnp.any(redo), exact, fast)
+    carry, (a, lse, m) = branch.cond(jnp.any(redo), exact, fast)
     return carry, (a, lse, m, jnp.any(redo))
 
-  zero = jnp.zeros((r,), kc.dtype)
+  # Of k's type: inside shard_map, varying over the mesh axes k varies over, as a scan's carry
+  # must be (its output carry is).
+  zero = jnp.zeros_like(kc[0, 0])
   _, (a, lse, m, bad) = jax.lax.scan(step, (zero + NEG, zero, zero), (kc, vc))
   return a, lse, m, bad
 
@@ -123,34 +128,38 @@ def _tangent(low: bool, kc, vc, a, lse, m, bad, dk, dv):
   m_prev = jnp.concatenate([empty, m[:-1]])
   lse_prev = jnp.concatenate([empty, lse[:-1, -1]])  # L at the previous chunk's end
 
+  # Every factor that carries a row's cotangent to other positions is ``tame``: a row after a
+  # NaN or an infinity (not finite) has derivative 0, and its zero cotangent stays zero.
   def step(gh, ch: _Chunk):
     x, y = ch.dv + ch.dk * ch.v, ch.dk
+    a = tame(ch.a)
 
     def fast():  # sums of exp(k - m) x and exp(k - m) y, in the scale of the chunk's max
       e = jnp.exp(ch.k - ch.m)
-      s0 = jnp.exp(ch.m_prev - ch.m)
+      s0 = tame(jnp.exp(ch.m_prev - ch.m))
       nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1), low)
       g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
-      return (g[-1], h[-1]), jnp.exp(ch.m - ch.lse) * (g - ch.a * h)
+      return (g[-1], h[-1]), tame(jnp.exp(ch.m - ch.lse)) * (g - a * h)
 
     def exact():  # S[t] = sum exp(k - L[t]) x: every factor <= 1
       def add(s, xs1):
         k1, l0, l1, x1, y1 = xs1
-        decay, r = jnp.exp(l0 - l1), jnp.exp(k1 - l1)
+        decay, r = tame(jnp.exp(l0 - l1)), tame(jnp.exp(k1 - l1))
         s = (s[0] * decay + r * x1, s[1] * decay + r * y1)
         return s, s
 
-      scale = jnp.exp(ch.m_prev - ch.lse_prev)
+      scale = tame(jnp.exp(ch.m_prev - ch.lse_prev))
       l_before = jnp.concatenate([ch.lse_prev[None], ch.lse[:-1]])
       (g, h), (sg, sh) = jax.lax.scan(
         add, (gh[0] * scale, gh[1] * scale), (ch.k, l_before, ch.lse, x, y)
       )
-      back = jnp.exp(ch.lse[-1] - ch.m)
-      return (g * back, h * back), sg - ch.a * sh
+      back = tame(jnp.exp(ch.lse[-1] - ch.m))
+      return (g * back, h * back), sg - a * sh
 
-    return jax.lax.cond(ch.bad, exact, fast)
+    carry, da = branch.cond(ch.bad, exact, fast)
+    return carry, jnp.where(keep(ch.a, ch.lse), da, 0.0)
 
-  zero = jnp.zeros(kc.shape[2:], kc.dtype)
+  zero = jnp.zeros_like(kc[0, 0])
   xs = _Chunk(kc, vc, a, lse, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), xs)[1]
 

@@ -18,17 +18,19 @@ import math
 import jax
 import jax.numpy as jnp
 
-from aft_jax.ops.logsumexp import NEG, Acc, bcast, combine, output
+from aft_jax.ops import branch
+from aft_jax.ops.logsumexp import NEG, Acc, bcast, combine, finite, output, tame
 
 _sg = jax.lax.stop_gradient
 
 
 def _leaf(k, v) -> Acc:
-  """One term per position: logit k, value v. den = exp(k - m) at m = k: value 1, d/dk = 1."""
+  """One term per position: logit k, value v. den = exp(k - m) at m = k (held fixed): value 1,
+  and every derivative in k 1 (the exponential's own: Hessians are exact too)."""
   # A key of -inf is no term (m = NEG, den 0): its own shift -inf would give -inf - -inf = NaN.
   none = k == -jnp.inf
   m = jnp.where(none, NEG, _sg(k))
-  e = jnp.where(none, 0.0, 1.0 + (k - m))
+  e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, k - m)))
   return Acc(m, jnp.where(bcast(none, v), 0.0, v) * bcast(e, v), e)
 
 
@@ -83,7 +85,8 @@ def _prefix0(acc: Acc) -> Acc:
   fills = (NEG, 0.0, 0.0)
 
   xs = Acc(*(_to_chunks(x, c, n, f) for x, f in zip(acc, fills)))
-  empty = Acc(*(jnp.full(x.shape[1:], f, x.dtype) for x, f in zip(xs, fills)))
+  # Of the inputs' type: inside shard_map, varying where they do, as a scan's carry must be.
+  empty = Acc(*(jnp.full_like(x[0], f) for x, f in zip(xs, fills)))
 
   def step(carry, x):
     new = combine(carry, Acc(*x))
@@ -172,6 +175,35 @@ def conv1d(q, k, v, kernel, causal: bool):
   q, v: ``[..., T, H, C]``; k: ``[..., T, H]``; kernel: ``[H, s]`` (entry j: t' = t - j when
   causal, t' = t + j - s // 2 otherwise).
   """
+  return _causal_conv1d(q, k, v, kernel) if causal else _conv1d(q, k, v, kernel, False)
+
+
+@jax.custom_jvp
+def _causal_conv1d(q, k, v, kernel):
+  return _conv1d(q, k, v, kernel, True)
+
+
+@_causal_conv1d.defjvp
+def _causal_conv1d_jvp(primals, tangents):
+  """The derivative at the inputs with every non-finite entry replaced by 0, where a row has
+  not yet seen one (a NaN or +inf key, a non-finite value: causal, so there it is the
+  derivative at the inputs themselves) and its output is finite; 0 elsewhere. Plain autodiff
+  of the sums would multiply the later rows' zero cotangents by their NaN factors and reach
+  every earlier input."""
+  q, k, v, kernel = primals
+  axis = k.ndim - 2  # T, in k [..., T, H] and v [..., T, H, C]
+  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``_leaf``)
+  bad = bad_k[..., None] | ~finite(v)
+  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=axis) > 0
+  clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame(kernel))
+  y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True), clean, tangents)
+  # Inputs that are all finite: y_clean is the output; else it is recomputed (rare).
+  anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
+  y = branch.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
+  return y, jnp.where(~seen & finite(y), dy, 0.0)
+
+
+def _conv1d(q, k, v, kernel, causal: bool):
   s = kernel.shape[-1]
   axis = k.ndim - 2  # the T axis of k [..., T, H] (and of v [..., T, H, C])
   leaf = _leaf(k, v)

@@ -16,7 +16,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.interpreters import ad
 
+from aft_jax.ops import logsumexp as lse
 from aft_jax.ops import (
   banded,
   causal_mean,
@@ -66,7 +68,7 @@ def _cast(dt, *xs):
 
 def _gated(args: OpArgs, mean, dt, out_dt):
   """Y = sigma(q) * mean, in the compute dtype ``dt``, returned as ``out_dt``."""
-  return (jax.nn.sigmoid(jnp.asarray(args.q, dt)) * mean.astype(dt)).astype(out_dt)
+  return lse.gate(jnp.asarray(args.q, dt), mean.astype(dt)).astype(out_dt)
 
 
 def _to_rows(x):
@@ -113,6 +115,30 @@ def _triton_on(device) -> str | None:
     return why
   refused = target.gpu_kernels_refused(device)
   return refused and f"on {device}, {refused}"
+
+
+# Why a kernel cannot be differentiated in forward mode: its derivative is a custom VJP.
+NO_FORWARD_MODE = (
+  "forward-mode derivative (jax.jvp, jax.jacfwd, jax.hessian): its Pallas kernel defines "
+  "only reverse mode (a custom_vjp)"
+)
+
+
+def in_forward_mode(args: OpArgs) -> bool:
+  """Whether the kernel's inputs (k, v, w) are being differentiated in forward mode: a
+  ``jax.jvp`` tracer among the tracers they are (under vmap, jit or grad as well), which a
+  custom VJP cannot serve. (Forward mode applied to an already-traced ``jax.jit`` never
+  reaches the op: JAX's own "can't apply forward-mode autodiff (jvp) to a custom_vjp
+  function" says it then.)"""
+
+  def forward(x):
+    while isinstance(x, jax.core.Tracer):
+      if isinstance(x, ad.JVPTracer):
+        return True
+      x = getattr(x, "primal", getattr(x, "val", None))  # grad's, vmap's inner value
+    return False
+
+  return any(forward(x) for x in (args.k, args.v, args.w))
 
 
 def supports_all(args: OpArgs, device) -> None:

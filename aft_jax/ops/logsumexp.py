@@ -49,6 +49,23 @@ def finite(x):
   return jnp.abs(x) <= _F32_MAX
 
 
+def tame(x):
+  """x where it is finite, else 0: a factor of a causal op's derivative.
+
+  A derivative's factors from a row whose output or normaliser is not finite (the row sees a
+  NaN, or a key of +inf) are NaN or infinite. Reverse mode multiplies them by that row's
+  cotangent even where it is zero (the row is not in the loss), and 0 * NaN = NaN would then
+  reach every earlier input through the sums. Zeroed, rows with finite outputs keep their exact
+  derivative and the others have derivative 0 (``keep``)."""
+  return jnp.where(finite(x), x, 0.0)
+
+
+def keep(a, lse):
+  """Where a causal op's row has a derivative: its output a and normaliser L are finite
+  (``tame``; elsewhere the tangent is 0)."""
+  return finite(a) & finite(lse)
+
+
 def set_aside(e, v):
   """(ok, e, v) for shifted terms e = exp(k - shift) and their values v, of one shape: ok where
   e <= ``EXP_MAX`` and v is finite; e and v zeroed elsewhere, *before* any product, so that a
@@ -139,6 +156,20 @@ def from_terms(logits, values, valid, axis: int) -> Acc:
   return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
 
 
+@jax.custom_jvp
+def gate(q, mean):
+  """Y = sigma(q) * mean (broadcast against q). Its derivative's factors are ``tame``: a NaN
+  q at one position (Y NaN there) leaves the derivative of every other position finite."""
+  return jax.nn.sigmoid(q) * mean
+
+
+@gate.defjvp
+def _gate_jvp(primals, tangents):
+  (q, mean), (dq, dmean) = primals, tangents
+  s = jax.nn.sigmoid(q)
+  return s * mean, tame(s * (1.0 - s) * mean) * dq + tame(s) * dmean
+
+
 def output(q, acc: Acc):
-  """sigma(q) * num / den."""
-  return jax.nn.sigmoid(q) * (acc.num / bcast(acc.den, acc.num))
+  """sigma(q) * num / den (``gate``)."""
+  return gate(q, acc.num / bcast(acc.den, acc.num))

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from aft_jax.ops import pallas_split, pallas_util
-from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
+from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame
 from aft_jax.ops.pallas_split import Plan
 from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
 
@@ -562,15 +562,20 @@ def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool, se
 
 def _local_mean_fwd(k, v, w, window, plan, interpret):
   a, lse = _forward(k, v, w, window, plan, interpret, True)  # padded: kept as residuals
-  return a[:, : k.shape[1]], (k, v, w, a, lse)
+  return a[:, : k.shape[1]], (k, v, w, a, pallas_util.tamed_lse(a, lse))
 
 
 def _local_mean_bwd(window, plan, interpret, res, g):
   k, v, w, a, lse = res
   t_len = k.shape[1]
   s, t_pad, _, front = _layout(k, window, plan)
-  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(w, s, t_pad, plan.cfg.block_t), w)
+  # A non-finite bias reaches only its own row (which then has no derivative).
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame(w), s, t_pad, plan.cfg.block_t), w)
   g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
+  a, g = pallas_util.tamed_cotangent(a, lse, g)
+  # A NaN key would make its chunk's shift exp(k - max) NaN for every key beside it (padding
+  # fuses this in): keys and values that are not finite are 0 (their rows have no derivative).
+  k, v = tame(k), tame(v)
   ins = (bias, *_padded(k, v, window, plan), a, lse, g)
   tots = _totals((lse, g, a), "cotangent", plan, interpret, t_pad, limit=t_len)
   outs = [jnp.float32] * 2  # dk, dv in the keys' padded layout

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, set_aside
-from aft_jax.ops.pallas_util import mean_with_vjp, padded_to_chunks, widest_config
+from aft_jax.ops.pallas_util import mean_with_vjp, padded_to_chunks, varying_like, widest_config
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, scan exactly.
@@ -258,7 +258,9 @@ def _call(kernel, cfg: Config, interpret: bool, reverse: bool, ins, outs):
     grid=(b, d // bd, n_t),
     in_specs=[spec] * len(ins),
     out_specs=[spec] * len(outs),
-    out_shape=[jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
+    out_shape=varying_like(
+      [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs], ins, interpret
+    ),
     scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32) for _ in range(3)],
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     # Pallas' generic interpreter: its TPU interpreter (pltpu.InterpretParams, which runs the

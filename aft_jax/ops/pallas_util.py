@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops.logsumexp import HIGHEST, NEG
+from aft_jax.ops.logsumexp import HIGHEST, NEG, keep
 
 
 class Config(NamedTuple):
@@ -77,17 +77,33 @@ def mean_with_vjp(forward, backward):
 
   def fwd(k, v, cfg, interpret):
     a, lse = forward(k, v, cfg, interpret, True)
-    return a[:, : k.shape[1]], (k, v, a, lse)
+    return a[:, : k.shape[1]], (k, v, a, tamed_lse(a, lse))
 
   def bwd(cfg, interpret, res, g):
     k, v, a, lse = res
     t_len = k.shape[1]
     g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - t_len, 0.0)  # padding: cotangent 0
+    a, g = tamed_cotangent(a, lse, g)
     dk, dv = backward(k, v, a, lse, g, cfg, interpret)
     return dk[:, :t_len], dv[:, :t_len]
 
   mean.defvjp(fwd, bwd)
   return mean
+
+
+def tamed_lse(a, lse):
+  """The normaliser L kept as a residual: the largest float32 on the rows that have no
+  derivative (``logsumexp.keep``: after a NaN or an infinity), a weight exp(k - L) of 0 as the
+  kernels' padding rows have, so that the backward kernels' sums over those rows are exact
+  zeros (0 * NaN would reach every earlier input). Replaces L: no more memory."""
+  return jnp.where(keep(a, lse), lse, -NEG)
+
+
+def tamed_cotangent(a, lse, g):
+  """(a, g) for the backward kernels, L from ``tamed_lse``: 0 on the rows without derivative
+  (their output a may be NaN, and g * a enters the sums)."""
+  ok = lse < -NEG
+  return jnp.where(ok, a, 0.0), jnp.where(ok, g, 0.0)
 
 
 def call(kernel, cfg: Config, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
@@ -105,10 +121,28 @@ def call(kernel, cfg: Config, interpret: bool, grid, in_specs, out_specs, out_sh
     grid=grid,
     in_specs=in_specs,
     out_specs=out_specs,
-    out_shape=out_shape,
+    out_shape=varying_like(out_shape, ins, interpret),
     interpret=interpret,
     **params,
   )(*ins)
+
+
+def varying_like(out_shape, ins, interpret: bool):
+  """``out_shape`` (ShapeDtypeStructs) varying over every manual mesh axis one of ``ins``
+  varies over: inside ``jax.shard_map`` (``check_vma=True``, its default) a ``pallas_call`` is
+  told how its outputs vary; elsewhere there are no such axes.
+
+  Pallas' interpreter (jax 0.10.2) cannot run there: its loops over the grid and the kernels'
+  own loops start from buffers that vary over no mesh axis, and the loop's type check refuses
+  them. That is a ValueError here, in one line, instead of a scan error from inside Pallas."""
+  axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in ins))
+  if axes and interpret:
+    raise ValueError(
+      f"Pallas' interpreter cannot run inside jax.shard_map with check_vma=True (inputs vary "
+      f"over mesh axes {sorted(axes)}); use impl='xla' there, or check_vma=False"
+    )
+  mat = jax.sharding.ManualAxisType(varying=axes)
+  return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape]
 
 
 def all_true(cond):

@@ -133,6 +133,8 @@ def resolve(fn: str, impl: str, args: OpArgs) -> Choice:
   xla, *kernels = TABLE[fn]
   if impl == "xla" or (impl == "auto" and not kernels):
     return Choice(xla)
+  if impl == "auto" and impls.in_forward_mode(args):
+    return Choice(xla)  # the kernels have no forward-mode derivative
   if impl == "auto":
     device, warning = target.current(), None
     for k in kernels:
@@ -160,4 +162,6 @@ def resolve(fn: str, impl: str, args: OpArgs) -> Choice:
       f"{device.platform!r} platform ({device}); use impl='xla', or 'pallas_interpret' to run "
       "the GPU kernel in Pallas' interpreter"
     )
+  if impls.in_forward_mode(args):
+    raise ValueError(f"{fn}: impl={impl!r} has no {impls.NO_FORWARD_MODE}; use impl='xla'")
   return Choice(kernel, interpret=device is None)

@@ -1,0 +1,157 @@
+"""What a change to the ops costs: the XLA path's forward+backward time and compiled memory
+in two source trees side by side, with the strong scan peer in the same run.
+
+Every (tree, op, shape) is measured in its own subprocess that imports ``aft_jax`` from that
+tree (and this benchmark code from this one), the trees interleaved row by row so that a drift
+of the machine's load reaches both alike; ``peer_scan_simple`` (``bench_ops``: causal
+AFT-simple as a ``lax.scan`` carrying (max, num, den) ``[D]`` arrays, vmapped over the batch)
+is measured once per shape. Each row: ``common.measure`` of the gradient of
+sum(out * cotangent) w.r.t. every input (float32, causal, ``impl="xla"``), its median time and
+the compiled program's temp bytes (``memory_analysis``: compiled, not measured).
+
+    git worktree add /tmp/before 5cf0850
+    python -m benchmarks.before_after --before /tmp/before --out benchmarks/results/before_after
+    python -m benchmarks.before_after --before . --quick --out /tmp/ba      # seconds, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's root
+
+# (op of bench_ops.op_table, batch, T): causal AFT-simple and AFT-local-32 at both shapes,
+# AFT-full where its [T, T] bias is cheap (at T 16384 w alone is 1 GiB).
+ROWS = (
+  ("aft_simple", 8, 2048),
+  ("aft_simple", 1, 16384),
+  ("aft_local_32", 8, 2048),
+  ("aft_local_32", 1, 16384),
+  ("aft_full", 8, 2048),
+)
+QUICK_ROWS = (("aft_simple", 2, 64),)
+PEER = "peer_scan_simple"
+
+
+def _worker(root: str, op: str, batch: int, t_len: int, d: int, repeats: int, min_seconds: float):
+  """One row, in this process: aft_jax from ``root``, the benchmark code from this tree."""
+  sys.path.insert(0, os.path.abspath(root))
+  import aft_jax  # noqa: F401 (first: from root)
+
+  sys.path.insert(0, HERE)
+  import jax.numpy as jnp
+
+  from benchmarks import bench_ops, common
+
+  fn, extra, _, _ = bench_ops.op_table(7, impl="xla")[op]
+  args, ct = bench_ops.make_inputs(batch, t_len, d, extra, dtype=jnp.float32)
+  m = common.measure(bench_ops.fwd_bwd(fn), args + (ct,), repeats=repeats, min_seconds=min_seconds)
+  return {"aft_jax": os.path.dirname(aft_jax.__file__), **m}
+
+
+def _run_row(root, op, batch, t_len, a) -> dict:
+  """``_worker`` in a subprocess (its record, or the error it ended with)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "row.json")
+    cmd = [sys.executable, "-m", "benchmarks.before_after", "--worker", root, "--json", out]
+    cmd += ["--op", op, "--batch", str(batch), "--t", str(t_len), "--d", str(a.d)]
+    cmd += ["--repeats", str(a.repeats), "--min_seconds", str(a.min_seconds)]
+    env = dict(os.environ, PYTHONPATH=HERE)
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+      return {"status": "error", "reason": proc.stderr.strip().splitlines()[-1:]}
+    with open(out) as f:
+      return {"status": "ok", **json.load(f)}
+
+
+def _table(records, trees) -> str:
+  """Markdown: per row, each tree's time and temp memory and their ratio, and on the
+  AFT-simple rows the peer's (the same computation; the other rows are other ops)."""
+  from benchmarks import common
+
+  before, after = trees
+  lines = [
+    "| op, batch, T | before | after | after / before | strong scan | scan / after "
+    "| temp before / after / scan |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  get = lambda rec, f: rec.get(f) if rec.get("status") == "ok" else None
+  for r in records:
+    b, t = r[before], r[after]
+    p = r.get(PEER, {}) if r["op"] == "aft_simple" else {}
+    ratio = lambda x, y: "-" if x is None or y is None else f"{x / y:.2f}x"
+    tb, ta, tp = (get(x, "time_s") for x in (b, t, p))
+    mem = " / ".join(common.fmt_bytes(get(x, "temp_bytes")) for x in (b, t, p))
+    lines.append(
+      f"| {r['op']}, {r['batch']}, {r['T']} | {common.fmt_time(tb)} | {common.fmt_time(ta)} "
+      f"| {ratio(ta, tb)} | {common.fmt_time(tp)} | {ratio(tp, ta)} | {mem} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--before", help="the other source tree (e.g. a git worktree of a commit)")
+  p.add_argument("--after", default=HERE, help="default: this tree")
+  p.add_argument("--out", default="benchmarks/results/before_after")
+  p.add_argument("--quick", action="store_true", help="one tiny row, for tests")
+  p.add_argument("--d", type=int, default=512)
+  p.add_argument("--worker", help=argparse.SUPPRESS)
+  p.add_argument("--json", help=argparse.SUPPRESS)
+  p.add_argument("--op", help=argparse.SUPPRESS)
+  p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--t", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--min_seconds", type=float, default=1.0)
+  a = p.parse_args(argv)
+  if a.worker:
+    rec = _worker(a.worker, a.op, a.batch, a.t, a.d, a.repeats, a.min_seconds)
+    from benchmarks import common
+
+    common.write_json(a.json, rec)
+    return
+  if not a.before:
+    p.error("--before is required")
+  from aft_jax import files
+  from benchmarks import common
+
+  rows = QUICK_ROWS if a.quick else ROWS
+  if a.quick:
+    a.d, a.repeats, a.min_seconds = 32, 2, 0.0
+  trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
+  info = common.machine_info()
+  info.update(
+    trees=trees,
+    d=a.d,
+    command=" ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:])),
+  )
+
+  def run():
+    records, peers = [], {}
+    for op, batch, t_len in rows:
+      rec = {"op": op, "batch": batch, "T": t_len, "d": a.d}
+      for name, root in trees.items():
+        rec[name] = _run_row(root, op, batch, t_len, a)
+        print(op, batch, t_len, name, common.fmt_time(rec[name].get("time_s")), flush=True)
+      if (batch, t_len) not in peers:
+        peers[batch, t_len] = _run_row(trees["after"], PEER, batch, t_len, a)
+      rec[PEER] = peers[batch, t_len]
+      records.append(rec)
+    return records
+
+  records = common.timed_run(info, run)
+  result = {"machine": info, "records": records}
+  md = _table(records, list(trees))
+  os.makedirs(a.out, exist_ok=True)
+  common.write_json(os.path.join(a.out, "before_after.json"), result)
+  files.atomic_write(os.path.join(a.out, "before_after.md"), md)
+  print(md)
+
+
+if __name__ == "__main__":
+  main()
