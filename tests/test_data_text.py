@@ -270,6 +270,18 @@ def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(doc
     with pytest.raises(text.TextError, match=message) as e:
       text.split_files(DataConfig(dataset="text", **held_out))
     assert "\n" not in str(e.value)
+  # As a user runs it: train.py says that line alone, exit status 1, and writes nothing.
+  from tests.helpers import ROOT, train_py
+
+  held_out = {**cases[0][0], "data_dir": tmp_path / "data"}
+  flags = [f"--config.data.{key}={value}" for key, value in held_out.items()]
+  before = sorted(os.listdir(tmp_path))
+  cmd = train_py(tmp_path / "run", *flags, config="text")
+  env = {**os.environ, "HOME": str(tmp_path / "home")}
+  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+  assert "config.data.valid_files and in config.data.test_files" in done.stderr
+  assert sorted(os.listdir(tmp_path)) == before  # no run, no data folder, no $HOME
 
 
 def test_a_line_over_64_kib_is_learned_from_not_left_out():

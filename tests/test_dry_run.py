@@ -10,7 +10,7 @@ import pytest
 
 from aft_jax import deviceless
 from aft_jax.trainer import dry_run
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, listing, tiny_config
 
 KEYS = {
   "target",
@@ -188,6 +188,12 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
     (("--config.learning_rte=1",), {}, "a --config override: learning_rte; Did you mean"),
     (("--target", "t4"), {dry_run.MEM_FRACTION: "5"}, "XLA_PYTHON_CLIENT_MEM_FRACTION = '5'"),
     (("--target", "t4"), {"AFT_JAX_PLUGIN_DIR": "HALF"}, "incomplete (jax-cuda12-plugin is not"),
+    # XLA's compiler answered a batch of 1e9 with ~50 lines of INTERNAL.
+    (
+      ("--target", "t4", "--config.batch_size=1000000000"),
+      {},
+      "--config.batch_size = 1,000,000,000: one device's share of the batch alone",
+    ),
   ],
 )
 def test_a_refused_dry_run_is_one_line_and_exit_status_2(tmp_path, flags, env, message):
@@ -201,3 +207,24 @@ def test_a_refused_dry_run_is_one_line_and_exit_status_2(tmp_path, flags, env, m
   err_lines = [line for line in err.splitlines() if line.strip()]
   assert code == dry_run.REFUSED and len(err_lines) == 1 and not lines, err[-2000:]
   assert message in err_lines[0], err_lines[0]
+
+
+@pytest.mark.slow
+def test_a_dry_run_of_a_word_level_text_recipe_writes_nothing(docs, tmp_path):
+  """A word vocabulary's size is counted on the train files, not prepared: the dry run of a
+  word-level ``text:GLOB`` recipe used to write the whole prepared corpus. Here nothing is
+  written, neither in data_dir nor in $HOME (a small model: the compile is not the point)."""
+  from aft_jax.data import corpus as corpus_lib
+
+  data = {"data.tokenizer": "word", "data.data_dir": str(tmp_path / "data")}
+  small = {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32}
+  small.update({"model.max_len": 32, "model.window": 4, "seq_len": 32, "eval_batch_size": 32})
+  flags = [f"--config.{k}={v}" for k, v in {**data, **small}.items()]
+  before = listing(tmp_path)
+  env = {"HOME": str(tmp_path / "home")}
+  code, _, report, err = _dry_run(*flags, config=f"text:{docs}/*.py", env=env)
+  assert code == dry_run.FITS and report is not None and report["fits"], err[-2000:]
+  cfg = {"dataset": "text", "train_files": f"{docs}/*.py", "tokenizer": "word"}
+  counted = corpus_lib.vocab_size({**cfg, "data_dir": data["data.data_dir"]})[0]
+  assert report["vocab_size"] == counted > 256
+  assert listing(tmp_path) == before  # no data_dir, no $HOME, nothing beside the files

@@ -431,6 +431,7 @@ def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpo
     )
     assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert f"skipped the damaged checkpoint at step 4 ({says}" in done.stderr, done.stderr
+    assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
     assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
 
   metadata = os.path.join(two_checkpoints, "checkpoints", "4", "_CHECKPOINT_METADATA")
