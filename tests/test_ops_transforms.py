@@ -5,11 +5,12 @@ interpreter, impl="pallas_interpret"; the TPU kernel interpreted, as the registr
 TPU); ``CASES`` says which forms and why. The transformations are composed, so that one
 compile covers many of them:
 
-- reverse mode (every case): per outer example (vmap of grad: per-example gradients), the
-  values and gradient of two layers (lax.scan over their biases) of jax.checkpoint of the op
-  vmapped over an inner batch axis that follows T (grad of vmap, nested vmap, any axis);
-- forward mode (the XLA ops with a hand-written derivative): jacfwd (vmap of jvp) == jacrev,
-  and forward-over-reverse Hessian-vector products along two tangents at once;
+- reverse mode (every form on XLA, every kernel): per outer example (vmap of grad:
+  per-example gradients), the values and gradient of two layers (lax.scan over their biases)
+  of jax.checkpoint of the op vmapped over an inner batch axis that follows T (grad of vmap,
+  nested vmap, any axis);
+- forward mode (the XLA ops with a hand-written derivative, and AFT-conv2d): jacfwd (vmap of
+  jvp) == jacrev, and forward-over-reverse Hessian-vector products along two tangents at once;
 - the kernels refuse forward mode in one line that names impl='xla'.
 
 Each result is compared with the same transformation of a dense jax.numpy softmax (plain
@@ -263,24 +264,19 @@ def _tpu_simple(q, k, v, w):
   )
 
 
-# (form, impl) -> (T, D). Each case compiles its op under the composed transformations (4-10 s
-# of one core each), so the matrix holds the code that has its own derivative or batching
-# rules: every implementation, the XLA ops with a hand-written JVP (banded: causal, and
-# non-causal with its suffix sums; causal AFT-full is the causal banded code without the
-# older keys' sums; causal_mean; causal AFT-conv1d) and a state form. The forms built only
-# from primitives that JAX itself differentiates and batches (non-causal AFT-simple, AFT-conv1d
-# and AFT-conv2d, the packed forms, the state glue) are the same functions of the same
-# primitives under any transformation; their values and gradients are checked against the
-# reference in tests/test_ops.py, tests/test_ops_state.py and tests/test_ops_segments.py, and
-# ``_forms`` has them all (with their dense references) for a check by hand.
-CASES = {
-  (name, "xla"): (16, 8)
-  for name in ("local", "local-causal", "simple-causal", "conv1d-causal", "simple-state")
-}
-CASES.update({(n, "pallas_interpret"): (32, 16) for n in ("simple-causal", "local-causal")})
+# (form, impl) -> (T, D): every form on XLA, and every kernel on its plain and state forms
+# (``pieces`` prepends the state as keys and calls the same kernel; the packed forms run
+# ``segments``' XLA code whatever the impl, the axis_name forms are tests/transforms_worker.py's).
+# Each case compiles its op under the composed transformations (4-30 s of one core each).
+CASES = {(name, "xla"): (16, 8) for name in _forms("xla")}
+KERNEL_FORMS = ("simple-causal", "local-causal", "simple-state", "local-state")
+CASES.update({(n, "pallas_interpret"): (32, 16) for n in KERNEL_FORMS})
 CASES[("simple-causal", "tpu_interpret")] = (32, 128)
-# Forward mode (XLA): the causal ops with a hand-written derivative (a custom JVP).
-FORWARD = ("local-causal", "simple-causal", "conv1d-causal")
+# Forward mode (XLA): the ops with a hand-written derivative (banded: AFT-full and AFT-local,
+# causal or not; causal_mean; causal AFT-conv1d) and AFT-conv2d (plain autodiff under the
+# gate's JVP, which every op has).
+FORWARD = ("full", "full-causal", "local", "local-causal", "simple-causal", "conv1d-causal")
+FORWARD += ("conv2d",)
 
 
 def _inputs(kind, t_len, d, seed=0):
@@ -325,19 +321,31 @@ def _reverse(fn):
   return jax.vmap(grads, (0, 0, 0, None, 0))
 
 
-def _forward(fn, x, tx, ct):
-  """jacfwd and jacrev of one example's output w.r.t. k and w; Hessian-vector products (jvp of
-  grad) along two tangents at once (vmap of them)."""
+def _forward(fn, x, tx, ct, jacrev=True):
+  """jacfwd and (``jacrev``) jacrev of one example's output w.r.t. k and w; Hessian-vector
+  products (jvp of grad) along two tangents at once (vmap of them)."""
   q, k, v, w = x
   x1 = (q[:1], k[:1], v[:1], w)
   loss = lambda *a: jnp.sum(fn(*a) * ct)
   hvp = lambda t: jax.jvp(lambda *a: _grads(loss, *a), x, t)[1]
   two = jax.tree.map(lambda t: jnp.stack([t, -0.5 * t[::-1]]), tx)
-  return {
-    "jacfwd": jax.jacfwd(fn, argnums=(1, 3))(*x1),
-    "jacrev": jax.jacrev(fn, argnums=(1, 3))(*x1),
-    "hvp": jax.vmap(hvp)(two),
-  }
+  out = {"jacfwd": jax.jacfwd(fn, argnums=(1, 3))(*x1), "hvp": jax.vmap(hvp)(two)}
+  out["jacrev"] = (jax.jacrev if jacrev else _jacrev_in_batches)(fn, argnums=(1, 3))(*x1)
+  return out
+
+
+def _jacrev_in_batches(fn, argnums=(1, 3)):
+  """jax.jacrev(fn, argnums=(1, 3)) (w.r.t. k and w) with its vjps vmapped 16 cotangents at a
+  time (lax.map)."""
+  assert argnums == (1, 3)
+
+  def jac(q, k, v, w):
+    y, vjp = jax.vjp(lambda k, w: fn(q, k, v, w), k, w)
+    eye = jnp.eye(y.size, dtype=y.dtype).reshape((y.size,) + y.shape)
+    rows = jax.lax.map(vjp, eye, batch_size=16)
+    return tuple(r.reshape(y.shape + r.shape[1:]) for r in rows)
+
+  return jac
 
 
 def _close(got, want, what, whole_tree=False):
@@ -381,7 +389,14 @@ def test_forward_mode_on_the_xla_path(name):
   the dense reference's."""
   fn, dense, _, kind = _forms("xla")[name]
   x, ct, tx = _inputs(kind, 16, 8)
-  got, want = jax.jit(lambda *a: (_forward(fn, *a), _forward(dense, *a)))(x, tx, ct)
+  # AFT-conv2d's jacrev (vmap of its vjp over 128 cotangents) compiled by XLA:CPU (jax 0.10.2)
+  # reads memory it never wrote (NaN and garbage, different from run to run, in the gradient
+  # w.r.t. k; its prefix scans of triples, ``conv._prefix0``, under vmap of their transpose at a
+  # batch of 32 or more; op by op, or 16 cotangents at a time, it is right): there its vjps
+  # are vmapped 16 at a time.
+  jit_rev = name != "conv2d"
+  run = jax.jit(lambda *a: (_forward(fn, *a, jit_rev), _forward(dense, *a, jit_rev)))
+  got, want = run(x, tx, ct)
   _close(got, want, "forward mode")
   _close(got["jacfwd"], got["jacrev"], "jacfwd == jacrev")
 
