@@ -1,1 +1,1 @@
-"""The test suite (a package, so that tests import their helpers as tests.helpers)."""
+"""The test suite (a package, so that tests import their helpers as tests.support.helpers)."""

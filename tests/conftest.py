@@ -1,11 +1,11 @@
 """Test session setup (a persistent compilation cache) and shared fixtures; helpers that tests
-import are in tests/helpers.py."""
+import are in tests/support/helpers.py."""
 
 import os
 
 import pytest
 
-from tests.helpers import ROOT, STDLIB_JSON, trained_run_config
+from tests.support.helpers import ROOT, STDLIB_JSON, trained_run_config
 
 # Many tests (and the train.py subprocesses they start, which inherit the environment) compile
 # the same tiny programs: a persistent compilation cache compiles each of them once per run.

@@ -12,7 +12,7 @@ import pytest
 from jax.test_util import check_grads
 
 from aft_jax.adaptive import AdaptiveInput, AdaptiveSoftmax, chunked_logsumexp
-from tests.helpers import param_count
+from tests.support.helpers import param_count
 
 V, D, CUT = 50, 16, (10, 25)
 

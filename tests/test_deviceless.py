@@ -6,7 +6,7 @@ and ``impl="auto"`` chooses right for each of them:
    bfloat16, lowers for a T4 (sm_75) without a Triton call (its XLA path compiles in 2.), and
    compiles for an H100 (sm_90) with exactly the Triton calls the ops' jaxprs hold, each with
    the grid of the configuration ``config_for`` chose (sm_80 and sm_90 compile them all, both
-   kernel forms, in tests/test_kernel_resources.py);
+   kernel forms, in tests/ops/test_kernel_resources.py);
    ``impl="pallas"`` for a T4 is a ValueError naming its compute capability 7.5;
 2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.build_trainer`` as
    ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
@@ -19,7 +19,7 @@ and ``impl="auto"`` chooses right for each of them:
    v5e and a v6e, forward and forward+backward, with the Mosaic calls its jaxpr holds and less
    temp memory than the XLA path; an AFT-simple LM train step with it compiles for a v5e.
 
-Each platform's compiles run in one subprocess (tests/deviceless_worker.py, in
+Each platform's compiles run in one subprocess (tests/support/deviceless_worker.py, in
 ``deviceless.environment(kind)``, where jax sees the platform's compile plugin); both start once
 per session, side by side, and the tests assert on their JSON. A missing plugin fails the tests
 with the command that installs it: ``python -m aft_jax.deviceless install``.
@@ -40,15 +40,15 @@ import pytest
 from aft_jax import deviceless
 from aft_jax.ops import pallas_local, pallas_simple_tpu, pallas_util
 from aft_jax.ops import target as ops_target
-from tests.deviceless_worker import LOWER_ONLY, NOTEBOOK_GPUS, TRAIN_STEP_MIXINGS
-from tests.helpers import ROOT
+from tests.support.deviceless_worker import LOWER_ONLY, NOTEBOOK_GPUS, TRAIN_STEP_MIXINGS
+from tests.support.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
 # The CUDA worker needs ~3 CPU-minutes (threads: ~1.5 min on 2 free cores), the TPU one
 # ~25 CPU-seconds; a hung compile must not hold CI for its whole job.
 TIMEOUT_S = 900
-GPUS = ("t4", "h100")  # sm_80: tests/test_kernel_resources.py compiles every kernel for it
+GPUS = ("t4", "h100")  # sm_80: tests/ops/test_kernel_resources.py compiles every kernel for it
 KERNEL_MIXINGS = {"aft_local", "aft_simple"}  # the mixing layers with Pallas GPU kernels
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 _FIXTURE = {"cuda": "cuda_results", "tpu": "tpu_results"}  # the fixture of each worker's JSON
@@ -72,7 +72,7 @@ def _start(kind: str, folder) -> dict:
   except RuntimeError as e:
     return {"error": f"{e}\n(all of them at once: python -m aft_jax.deviceless install)"}
   out, err = open(folder / f"{kind}.stdout", "w+"), open(folder / f"{kind}.stderr", "w+")
-  cmd = [sys.executable, "-m", "tests.deviceless_worker", kind]
+  cmd = [sys.executable, "-m", "tests.support.deviceless_worker", kind]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
   return {"proc": proc, "stdout": out, "stderr": err, "start": time.monotonic()}
 

@@ -6,7 +6,7 @@ nothing of the model)."""
 import ast
 import os
 
-from tests.helpers import ROOT
+from tests.support.helpers import ROOT
 
 PACKAGE = os.path.join(ROOT, "aft_jax")
 

@@ -18,8 +18,8 @@ import pytest
 
 from aft_jax import layers
 from aft_jax import ops
-from tests.helpers import abstract_init
-from tests import numpy_reference as ref
+from tests.support.helpers import abstract_init
+from tests.support import numpy_reference as ref
 
 D, T, MAX_LEN, HEADS = 8, 6, 8, 2
 RTOL, ATOL = 2e-4, 2e-5

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from aft_jax import model as M
-from tests.helpers import abstract_init, param_count
+from tests.support.helpers import abstract_init, param_count
 
 B, T, V = 2, 10, 17
 BASE = M.ModelConfig(

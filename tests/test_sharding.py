@@ -8,7 +8,7 @@ import sys
 import ml_collections
 import pytest
 
-from tests.helpers import ROOT
+from tests.support.helpers import ROOT
 from aft_jax import sharding
 
 
@@ -57,9 +57,9 @@ def test_rules_from_config_round_trips_the_default():
 
 
 def _worker(module, out):
-  """Runs ``python -m tests.MODULE OUT`` (its asserts are the test) and returns its report."""
+  """Runs ``python -m tests.support.MODULE OUT`` (its asserts are the test); its report."""
   proc = subprocess.run(
-    [sys.executable, "-m", f"tests.{module}", str(out)],
+    [sys.executable, "-m", f"tests.support.{module}", str(out)],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -72,7 +72,7 @@ def _worker(module, out):
 
 @pytest.mark.slow
 def test_eight_devices_match_one(tmp_path):
-  """tests/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
+  """tests/support/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
   (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;
   parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
   continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
@@ -88,8 +88,8 @@ def test_eight_devices_match_one(tmp_path):
 
 @pytest.mark.slow
 def test_sequence_split_equals_one_device(tmp_path):
-  """tests/sequence_worker.py on 4 simulated devices (its asserts are the test). The ops with
-  axis_name under shard_map (aft_simple, aft_local, aft_conv1d) give the unsharded values
+  """tests/support/sequence_worker.py on 4 simulated devices (its asserts are the test). The ops
+  with axis_name under shard_map (aft_simple, aft_local, aft_conv1d) give the unsharded values
   within 1e-5 and gradients of q, k, v and the bias within 1e-4 of the largest, logits of std 1
   and 40, windows within one shard and reaching two back. The quickstart recipe with
   mesh.sequence = 4 gives one device's losses within 1e-4 for AFT-local, AFT-simple and

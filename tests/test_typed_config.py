@@ -13,7 +13,7 @@ from aft_jax.sharding import MeshConfig
 from aft_jax.trainer import config_check, default_config
 from aft_jax.trainer.optimizer import OptimizerConfig
 from aft_jax.typed_config import flatten, type_ok
-from tests.helpers import tiny_config
+from tests.support.helpers import tiny_config
 
 
 def test_the_tree_is_the_components_keys_each_once():

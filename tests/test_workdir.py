@@ -122,7 +122,7 @@ def test_a_blank_workdir_is_refused_by_the_trainer_and_the_tools(path, tmp_path,
   read or written, by the API as by the commands."""
   from aft_jax.tools import generate
   from aft_jax.trainer import train_lib
-  from tests.helpers import tiny_config
+  from tests.support.helpers import tiny_config
 
   monkeypatch.chdir(tmp_path)
   with pytest.raises(ValueError, match=re.escape(f"the workdir {path!r} is blank: name a folder")):

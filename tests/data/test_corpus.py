@@ -1,0 +1,124 @@
+"""`load_corpus`: the default data folder and preparation by process 0 behind a barrier."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from tests.support import fake_enwik8 as fe
+from aft_jax.data import corpus as corpus_lib
+from aft_jax.data import enwik8, prepare, sources, store
+
+N = 2_003
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch, tmp_path):
+  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
+
+
+def _cfg(tmp_path, data_dir):
+  return {"dataset": "enwik8", "data_dir": data_dir, "manual_dir": str(tmp_path / "manual")}
+
+
+def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
+  monkeypatch.delenv("AFT_JAX_DATA", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert corpus_lib.default_data_dir() == str(tmp_path / "home" / ".cache" / "aft_jax")
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("AFT_JAX_DATA", "relative/data")
+  assert corpus_lib.default_data_dir() == str(tmp_path / "relative" / "data")
+  assert corpus_lib.resolve_data_dir("") == str(tmp_path / "relative" / "data")
+  assert corpus_lib.resolve_data_dir("mine") == str(tmp_path / "mine")
+
+
+def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
+  c = corpus_lib.load_corpus(_cfg(tmp_path, ""), process_index=0, barrier=lambda name: None)
+  assert store.is_complete(str(tmp_path / "cache" / "prepared" / "enwik8-byte"))
+  assert int(c.splits["test"].size) == N // 20
+
+
+def _two_processes(tmp_path, monkeypatch):
+  """Runs load_corpus as processes 0 and 1 in two threads that share a fake barrier.
+
+  Returns ({index: Corpus or exception}, [(event, index), ...] in order).
+  """
+  events, lock = [], threading.Lock()
+  barrier = threading.Barrier(2, timeout=60)
+  real_prepare, real_load = prepare.prepare_enwik8, corpus_lib.load_prepared
+
+  def record(event):
+    with lock:
+      events.append((event, int(threading.current_thread().name)))
+
+  def prepare_spy(*args, **kwargs):
+    record("prepare")
+    return real_prepare(*args, **kwargs)
+
+  def load_spy(path):
+    record("load:complete" if store.is_complete(path) else "load:incomplete")
+    return real_load(path)
+
+  def fake_barrier(name):
+    assert name == corpus_lib.BARRIER_NAME
+    record("barrier")
+    barrier.wait()
+
+  monkeypatch.setattr(prepare, "prepare_enwik8", prepare_spy)
+  monkeypatch.setattr(corpus_lib, "load_prepared", load_spy)
+  results = {}
+
+  def run(index):
+    try:
+      cfg = _cfg(tmp_path, str(tmp_path / "data"))
+      results[index] = corpus_lib.load_corpus(cfg, process_index=index, barrier=fake_barrier)
+    except Exception as e:  # pylint: disable=broad-except  (checked by the caller)
+      results[index] = e
+
+  # Process 1 starts first: it must wait for process 0 instead of preparing.
+  threads = [threading.Thread(target=run, args=(i,), name=str(i)) for i in (1, 0)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  return results, events
+
+
+def test_only_process_zero_prepares_and_the_others_wait(tmp_path, monkeypatch):
+  data = fe.content(N)
+  fe.write_file(str(tmp_path / "manual"), data)
+  results, events = _two_processes(tmp_path, monkeypatch)
+  assert [e for e in events if e[0] == "prepare"] == [("prepare", 0)]
+  # Process 1 passes the barrier only after process 0 prepared, so it reads complete data.
+  assert events.index(("prepare", 0)) < events.index(("barrier", 0))
+  assert ("load:complete", 1) in events and ("load:incomplete", 1) not in events
+  for index in (0, 1):
+    got = b"".join(results[index].splits[s].astype(np.uint8).tobytes() for s in enwik8.SPLITS)
+    assert got == data
+
+
+def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, monkeypatch):
+  (tmp_path / "manual").mkdir()  # no data: process 0 fails to prepare
+  results, events = _two_processes(tmp_path, monkeypatch)
+  assert isinstance(results[0], sources.MissingDataError)
+  assert isinstance(results[1], FileNotFoundError)  # not a hang, not a second prepare
+  assert "not a complete prepared corpus" in str(results[1])
+  assert [e for e in events if e[0] == "prepare"] == [("prepare", 0)]
+  assert not os.path.exists(os.path.join(str(tmp_path / "data"), "prepared", "enwik8-byte"))
+
+
+@pytest.mark.parametrize(
+  "cfg,message",
+  [
+    ({"dataset": "enwik9"}, "config.data.dataset = 'enwik9' is not one of pydoc, wikitext103"),
+    ({"dataset": "enwik8", "tokenizer": "word"}, "tokenizer = 'word': enwik8 is bytes"),
+    ({"dataset": "enwik8", "official": "maybe"}, "official = 'maybe' is not 'auto', 'yes' or"),
+    ({"dataset": "wikitext103", "variant": "v2"}, "variant = 'v2' is not 'v1' or 'raw_v1'"),
+  ],
+)
+def test_bad_fields_are_one_line_errors(cfg, message):
+  with pytest.raises(ValueError, match=message):
+    corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)

@@ -1,0 +1,89 @@
+"""aft_jax.data.record: what a run records of its corpus, and one line naming what changed
+(a train file changed, deleted, added or moved to another split; another vocabulary; another
+number of tokens)."""
+
+import hashlib
+import os
+import re
+import shutil
+
+import pytest
+
+from aft_jax.data import pydoc_corpus, record, store
+
+from tests.support.helpers import STDLIB_JSON
+
+
+def _cfg(docs):
+  return {"dataset": "text", "train_files": str(docs / "*.py"), "tokenizer": "byte"}
+
+
+def _refusal(saved, docs) -> str:
+  with pytest.raises(record.DataChanged) as e:
+    record.check_sources(saved, record.sources(_cfg(docs)), "the checkpoint at step 3")
+  line = str(e.value)
+  assert "\n" not in line and line.startswith("the data changed since the checkpoint at step 3: ")
+  return line
+
+
+def test_each_changed_deleted_or_added_file_is_named(docs):
+  saved = {"sources": record.sources(_cfg(docs))}
+  record.check_sources(saved, record.sources(_cfg(docs)), "x")  # nothing changed: no refusal
+  train = sorted(saved["sources"]["train"])
+  with open(train[0], "a") as f:
+    f.write("# one more line\n")
+  assert f"train file {train[0]} changed" in _refusal(saved, docs)
+  shutil.copy(STDLIB_JSON[0], train[0])  # back as it was
+  os.remove(train[1])
+  line = _refusal(saved, docs)
+  assert f"train file {train[1]} was deleted" in line
+  shutil.copy(os.path.join(os.path.dirname(STDLIB_JSON[0]), os.path.basename(train[1])), train[1])
+  (docs / "new.py").write_text("x = 1\n")
+  line = _refusal(saved, docs)
+  assert line.split("step 3: ")[1].startswith(f"{docs / 'new.py'} was added (to the ")
+
+
+def test_a_same_size_edit_near_an_end_is_seen_and_many_changes_are_counted(docs):
+  saved = {"sources": record.sources(_cfg(docs))}
+  files = sorted(p for split in saved["sources"].values() for p in split)
+  for path in files:  # every file: the same size, one byte changed at its end
+    data = bytearray(open(path, "rb").read())
+    data[-2] ^= 1
+    open(path, "wb").write(bytes(data))
+  line = _refusal(saved, docs)
+  assert len(re.findall(r" file \S+ changed", line)) == 3
+  assert f"; and {len(files) - 3} more change(s);" in line
+
+
+def test_the_record_of_a_corpus_names_its_vocabulary_and_tokens(tmp_path):
+  words = pydoc_corpus("word")
+  saved = record.of_corpus(words)
+  path = tmp_path / "vocab.txt"
+  words.vocab.save(str(path))
+  assert saved["vocab_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+  assert saved["tokens"] == {s: len(t) for s, t in words.splits.items()}
+  assert "vocab_sha256" not in record.of_corpus(pydoc_corpus("byte"))  # bytes: no file
+  record.check_corpus(saved, record.of_corpus(words), "x")  # the same corpus: no refusal
+  other = dict(saved, vocab_sha256="0" * 64)
+  with pytest.raises(record.DataChanged, match=r"the word vocabulary is another one \(SHA-256"):
+    record.check_corpus(other, saved, "x")
+  with pytest.raises(record.DataChanged, match="the vocabulary has 256 entries, had"):
+    record.check_corpus(saved, record.of_corpus(pydoc_corpus("byte")), "x")
+  fewer = dict(saved, tokens=dict(saved["tokens"], train=saved["tokens"]["train"] - 1))
+  with pytest.raises(record.DataChanged, match=r"the train split has [\d,]+ tokens, had"):
+    record.check_corpus(fewer, saved, "x")
+  # A record written before some keys existed is compared on the keys both have.
+  record.check_corpus({"tokenizer": "word", "vocab_size": words.vocab.size}, saved, "x")
+
+
+def test_a_file_digest_reads_only_the_ends(tmp_path):
+  path = tmp_path / "big.txt"
+  path.write_bytes(b"a" * (3 << 20))
+  before = store.file_digest(str(path))
+  with open(path, "r+b") as f:  # a same-size edit deep inside: not seen (the documented rule)
+    f.seek(3 << 19)
+    f.write(b"b")
+  assert store.file_digest(str(path)) == before
+  with open(path, "ab") as f:
+    f.write(b"c")
+  assert store.file_digest(str(path)) != before

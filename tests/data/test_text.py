@@ -1,0 +1,343 @@
+"""aft_jax.data.text and aft_jax.data.subword: your own files as a corpus, a subword vocabulary
+learned on the train split, and every bad input as one line naming the file or the key."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from aft_jax.data import load_corpus, store, subword, text
+from aft_jax.data.config import DataConfig
+from tests.support.helpers import STDLIB_JSON
+
+
+def _load(tmp_path, **cfg):
+  cfg = {"dataset": "text", "data_dir": str(tmp_path / "data"), **cfg}
+  return load_corpus(cfg, process_index=0, barrier=lambda name: None)
+
+
+def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):
+  corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="byte")
+  files = text.split_files(DataConfig(dataset="text", train_files=str(docs / "*.py")))
+  assert {s: len(f) for s, f in files.items()} == {"train": 3, "validation": 1, "test": 1}
+  for split, paths in files.items():
+    want = b"".join(open(p, "rb").read() + b"\n" for p in paths)  # bytes: the boundary is '\n'
+    np.testing.assert_array_equal(corpus.splits[split], np.frombuffer(want, np.uint8))
+    assert corpus.num_bytes[split] == len(want)
+  # The held-out documents depend on the paths below the common folder, not where it is.
+  moved = tmp_path / "elsewhere" / "deeper"
+  shutil.copytree(docs, moved)
+  again = text.split_files(DataConfig(dataset="text", train_files=str(moved / "*.py")))
+  for split in files:
+    assert [os.path.basename(p) for p in again[split]] == [
+      os.path.basename(p) for p in files[split]
+    ]
+
+
+def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
+  corpus = _load(tmp_path, **cfg)
+  assert corpus.vocab.size == 400 and corpus.unit == "subword"
+  files = text.split_files(DataConfig(dataset="text", **cfg))
+  train_docs = [open(p).read() for p in files["train"]]
+  again = subword.train(train_docs, 400)
+  assert again.sha256 == corpus.vocab.sha256  # the same model bytes from the train split
+  with_held_out = subword.train(train_docs + [open(p).read() for p in files["test"]], 400)
+  assert with_held_out.sha256 != corpus.vocab.sha256  # so held-out text would show
+  eos = corpus.vocab.eos_id
+  for split, paths in files.items():
+    ids = corpus.splits[split]
+    assert int(np.sum(ids == eos)) == len(paths) and ids[-1] == eos  # one boundary per file
+    # each document decodes back to its file exactly
+    assert corpus.vocab.decode(ids[: list(ids).index(eos)]) == open(paths[0]).read()
+
+
+def test_a_changed_file_prepares_again_and_an_unchanged_one_is_reused(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="byte")
+  first = _load(tmp_path, **cfg)
+  out = os.path.dirname(first.splits["train"].filename)
+  stamp = os.path.getmtime(os.path.join(out, store.MARKER))
+  assert _load(tmp_path, **cfg).splits["train"].size == first.splits["train"].size
+  assert os.path.getmtime(os.path.join(out, store.MARKER)) == stamp  # reused
+  files = text.split_files(DataConfig(dataset="text", **cfg))
+  with open(files["train"][0], "a") as f:
+    f.write("# one more line\n")
+  assert _load(tmp_path, **cfg).splits["train"].size == first.splits["train"].size + 16
+
+
+def test_encoding_reads_files_that_are_not_utf8(tmp_path):
+  folder = tmp_path / "latin"
+  folder.mkdir()
+  for i in range(3):
+    (folder / f"{i}.txt").write_bytes(f"caf\xe9 num\xe9ro {i}\n".encode("latin-1"))
+  corpus = _load(
+    tmp_path,
+    train_files=str(folder / "0.txt"),
+    valid_files=str(folder / "1.txt"),
+    test_files=str(folder / "2.txt"),
+    encoding="latin-1",
+  )
+  assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
+
+
+def _bad(tmp_path, docs, name, content):
+  path = docs / name
+  path.write_bytes(content)
+  return path
+
+
+@pytest.mark.parametrize(
+  "name, content, message",
+  [
+    ("empty.txt", b"", r"empty\.txt is empty \(no text\)"),
+    ("blank.txt", b"  \n\n", r"blank\.txt is empty \(no text\)"),
+    ("latin.txt", b"caf\xe9\n", r"latin\.txt is not utf-8 text \(byte 3: .*config\.data\.encoding"),
+    ("binary.txt", b"\x00\x01\x02abc", r"binary\.txt is not text \(it holds NUL bytes\)"),
+  ],
+)
+def test_a_bad_file_is_one_line_naming_it(docs, tmp_path, name, content, message):
+  _bad(tmp_path, docs, name, content)
+  with pytest.raises(text.TextError, match=message) as e:
+    _load(tmp_path, train_files=f"{docs}/*.py,{docs}/{name}")
+  assert "\n" not in str(e.value)
+
+
+def test_globs_and_splits_that_give_nothing_are_one_line_naming_the_key(docs, tmp_path):
+  with pytest.raises(text.TextError, match=r"config\.data\.valid_files: '.*nothing\*' matches no"):
+    _load(tmp_path, train_files=str(docs / "*.py"), valid_files=str(tmp_path / "nothing*"))
+  with pytest.raises(text.TextError, match=r"train_files: '.*missing\.txt' matches no file"):
+    _load(tmp_path, train_files=str(tmp_path / "missing.txt"))
+  with pytest.raises(text.TextError, match="matches 2 file.*leaves none to train on"):
+    _load(tmp_path, train_files=f"{docs}/__init__.py,{docs}/tool.py")
+  with pytest.raises(ValueError, match=r"config\.data\.train_files is empty"):
+    _load(tmp_path, train_files="")
+  with pytest.raises(ValueError, match=r"config\.data\.encoding = 'klingon' is not an encoding"):
+    _load(tmp_path, train_files=str(docs / "*.py"), encoding="klingon")
+
+
+def test_a_vocabulary_size_the_text_cannot_give_is_one_line(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword")
+  with pytest.raises(ValueError, match=r"vocab_size = 50000 is more pieces than the train split"):
+    _load(tmp_path, vocab_size=50_000, **cfg)
+  with pytest.raises(ValueError, match=r"vocab_size = 0 must be in \[300, "):
+    _load(tmp_path, vocab_size=0, **cfg)
+  # Nothing is marked complete after a failed preparation.
+  assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
+
+
+def test_a_damaged_prepared_vocabulary_is_refused(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
+  corpus = _load(tmp_path, **cfg)
+  model = os.path.join(os.path.dirname(corpus.splits["train"].filename), subword.MODEL_FILENAME)
+  with open(model, "r+b") as f:
+    f.seek(100)
+    f.write(b"\xff" * 8)
+  with pytest.raises(ValueError, match=r"subword\.model is damaged: it does not match the SHA"):
+    _load(tmp_path, **cfg)
+  with pytest.raises(ValueError, match="is not a SentencePiece model"):
+    subword.SubwordVocab(b"not a model")
+
+
+def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tmp_path):
+  from tests.support import fake_wikitext
+
+  fake_wikitext.write_extracted(str(tmp_path / "manual"), "raw_v1")
+  cfg = {
+    "dataset": "wikitext103",
+    "variant": "raw_v1",
+    "tokenizer": "subword",
+    "vocab_size": 330,
+    "data_dir": str(tmp_path / "data"),
+    "manual_dir": str(tmp_path / "manual"),
+  }
+  corpus = load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  texts = fake_wikitext.texts("raw_v1")
+  assert corpus.name == "wikitext103-raw_v1-subword330" and corpus.vocab.size == 330
+  for split, ids in corpus.splits.items():
+    # every article back exactly; the bytes for bits per byte: its text plus one per boundary
+    decoded = corpus.vocab.decode(ids[:-1]).replace("\n\n", "")
+    assert decoded == texts[split].replace("\n\n", "")
+    assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
+
+
+def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path):
+  from aft_jax.data import corpus as corpus_lib
+
+  cfg = {"dataset": "text", "train_files": str(docs / "*.py"), "data_dir": str(tmp_path / "d")}
+  met = []
+  with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
+    load_corpus(cfg, process_index=1, barrier=met.append)  # process 1 never prepares
+  assert met == [corpus_lib.BARRIER_NAME]  # but it meets the others at the barrier
+  zero = load_corpus(cfg, process_index=0, barrier=met.append)
+  one = load_corpus(cfg, process_index=1, barrier=met.append)
+  np.testing.assert_array_equal(zero.splits["test"], one.splits["test"])
+
+
+def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys):
+  import json
+
+  from aft_jax.data import corpus as corpus_lib
+  from aft_jax.data import prepare
+
+  cfg = {"dataset": "text", "tokenizer": "subword", "vocab_size": 400}
+  assert corpus_lib.vocab_size({**cfg, "train_files": str(docs / "*.py")})[0] == 400
+  flags = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "400", "--quiet"]
+  flags += ["--train_files", str(docs / "*.py"), "--data_dir", str(tmp_path / "d")]
+  summary = prepare.main(flags)
+  assert json.loads(capsys.readouterr().out.splitlines()[-1]) == summary
+  assert summary["vocab_size"] == 400 and set(summary["tokens"]) == set(text.SPLITS)
+
+
+def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
+  from aft_jax.data import corpus as corpus_lib
+
+  cfg = {"dataset": "text", "tokenizer": "word", "train_files": str(docs / "*.py")}
+  # The dry run's size of a word vocabulary: counted on the train files, nothing written.
+  size, where = corpus_lib.vocab_size({**cfg, "data_dir": str(tmp_path / "data")})
+  assert where.startswith("the text files") and not (tmp_path / "data").exists()
+  corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
+  assert corpus.vocab.size == size
+  train_words = set(corpus.splits["train"].tolist())
+  assert corpus.vocab.unk_id not in train_words  # every train word is in the vocabulary
+  assert corpus.vocab.unk_id in set(corpus.splits["test"].tolist())  # held-out words are not
+
+
+def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
+  from aft_jax.data.config import absolute_globs
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert (
+    absolute_globs(" a/*.txt, ~/b/**/*.md ,") == f"{tmp_path}/a/*.txt,{tmp_path}/home/b/**/*.md"
+  )
+  assert absolute_globs("") == ""
+
+
+def _tree_with_links(root):
+  """14 documents in three folders, plus what must not add any: two symlink loops, a second
+  link to a folder, a link to a file, and a hidden folder."""
+  for i in range(14):
+    folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"doc{i}.md").write_text(f"document {i}\n")
+  (root / "sub" / "loop").symlink_to("..")  # two loops: glob.glob would walk 2^40 paths
+  (root / "sub" / "deeper" / "up").symlink_to("../..")
+  (root / "alias").symlink_to("sub")
+  (root / "link.md").symlink_to("doc0.md")
+  (root / ".hidden").mkdir()
+  (root / ".hidden" / "secret.md").write_text("not a document\n")
+
+
+def test_a_recursive_glob_does_not_follow_folder_links_and_holds_out_real_files(tmp_path):
+  """``**`` walks real folders only and a file reached twice counts once, so 14 files stay 14
+  documents (not hundreds through a loop) and no held-out document is also a train one."""
+  _tree_with_links(tmp_path / "notes")
+  spec = str(tmp_path / "notes" / "**" / "*.md")
+  found = text.expand(spec, "train_files")
+  assert sorted(os.path.basename(p) for p in found) == sorted(f"doc{i}.md" for i in range(14))
+  assert len({os.path.realpath(p) for p in found}) == 14
+  files = text.split_files(DataConfig(dataset="text", train_files=spec))
+  real = {s: {os.path.realpath(p) for p in paths} for s, paths in files.items()}
+  assert {s: len(r) for s, r in real.items()} == {"train": 12, "validation": 1, "test": 1}
+  assert not real["train"] & (real["validation"] | real["test"])
+  assert not real["validation"] & real["test"]
+  # A folder named before "**" may itself be a link; "dir/**" takes every file below.
+  assert len(text.expand(str(tmp_path / "notes" / "alias" / "**"), "train_files")) == 9
+
+
+def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(docs, tmp_path):
+  """The same file as valid and test files, or a train file under a link, is refused."""
+  one = str(docs / "decoder.py")
+  (tmp_path / "link.py").symlink_to(one)
+  cases = [
+    (
+      dict(train_files=str(docs / "*n*.py"), valid_files=one, test_files=one),
+      r"decoder\.py is in config\.data\.valid_files and "
+      r"in config\.data\.test_files \(1 such file\(s\)\): a file scores one held-out split",
+    ),
+    (
+      dict(train_files=str(docs / "*.py"), valid_files=str(tmp_path / "link.py"), test_files=one),
+      r"decoder\.py is in config\.data\.train_files "
+      r"and in config\.data\.valid_files .*must not be trained on",
+    ),
+  ]
+  for held_out, message in cases:
+    with pytest.raises(text.TextError, match=message) as e:
+      text.split_files(DataConfig(dataset="text", **held_out))
+    assert "\n" not in str(e.value)
+  # As a user runs it: train.py says that line alone, exit status 1, and writes nothing.
+  from tests.support.helpers import ROOT, train_py
+
+  held_out = {**cases[0][0], "data_dir": tmp_path / "data"}
+  flags = [f"--config.data.{key}={value}" for key, value in held_out.items()]
+  before = sorted(os.listdir(tmp_path))
+  cmd = train_py(tmp_path / "run", *flags, config="text")
+  env = {**os.environ, "HOME": str(tmp_path / "home")}
+  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+  assert "config.data.valid_files and in config.data.test_files" in done.stderr
+  assert sorted(os.listdir(tmp_path)) == before  # no run, no data folder, no $HOME
+
+
+def test_a_line_over_64_kib_is_learned_from_not_left_out():
+  """SentencePiece leaves out sentences (lines) over max_sentence_length (64 KiB): a minified
+  file would add nothing to the vocabulary. Learned from in pieces, its one word is a piece."""
+  long_line = "zqxj " * 20_000  # 100,000 bytes on one line
+  vocab = subword.train([open(p).read() for p in STDLIB_JSON] + [long_line], 400)
+  pieces = {vocab._sp.id_to_piece(i) for i in range(vocab.size)}
+  assert any("zqxj" in p for p in pieces), sorted(pieces)[-40:]
+  assert vocab.decode(vocab.encode(long_line)) == long_line  # still tokenised whole
+  assert list(subword._lines(["a\n\n" + "é" * 40_000])) == [
+    "a",
+    "é" * 16_384,
+    "é" * 16_384,
+    "é" * 7_232,
+  ]
+
+
+SLOW_SENTENCEPIECE = """
+import signal, sys, time
+import sentencepiece as spm
+
+def train(**kwargs):  # SentencePiece's C++ training, which a Ctrl-C cannot stop, made endless
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the caller's thread: deaf to it
+  for _ in kwargs["sentence_iterator"]:  # reads the documents, as SentencePiece does first
+    pass
+  print("training", flush=True)
+  time.sleep(600)
+
+spm.SentencePieceTrainer.train = train
+from aft_jax.data import prepare
+sys.argv[1:] = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "300", "--quiet",
+                "--train_files", sys.argv[1], "--data_dir", sys.argv[2]]
+prepare.cli()
+"""
+
+
+def test_ctrl_c_while_sentencepiece_trains_stops_aft_prepare_in_one_line(docs, tmp_path):
+  """SentencePiece trains in C++ and does not return to Python until it is done, so a Ctrl-C
+  waited for the end of training; it trains in a thread now, and aft-prepare stops at once:
+  one line, exit status 130, nothing marked prepared, no temporary file."""
+  from tests.support.helpers import with_default_sigint
+
+  data = tmp_path / "data"
+  cmd = [sys.executable, "-c", SLOW_SENTENCEPIECE, str(docs / "*.py"), str(data)]
+  proc = subprocess.Popen(
+    with_default_sigint(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  try:
+    assert proc.stdout.readline() == "training\n", proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130 and len(lines) == 1, err[-2000:]
+  assert lines[0].startswith("aft-prepare: interrupted (Ctrl-C): nothing was marked prepared")
+  written = [f for _, _, fs in os.walk(data) for f in fs]
+  assert store.MARKER not in written and not [f for f in written if ".tmp-" in f], written

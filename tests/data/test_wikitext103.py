@@ -1,0 +1,239 @@
+"""The WikiText-103 TFDS builder, built offline from fake official archives."""
+
+import dataclasses
+import os
+import zipfile
+
+import pytest
+
+from tests.support import fake_wikitext as fw
+from aft_jax.data import wikitext103 as wt
+
+SPLITS = wt.SPLITS
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch, tmp_path):
+  """Any download attempt reads a missing local file instead of the internet."""
+  monkeypatch.setattr(wt, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
+
+
+def _build(tmp_path, variant, manual_dir, **kw):
+  return wt.build(
+    variant,
+    data_dir=str(tmp_path / "tfds"),
+    manual_dir=manual_dir and str(manual_dir),
+    download=kw.pop("download", False),
+    **kw,
+  )
+
+
+def _texts(builder, split):
+  ds = builder.as_data_source(split)
+  return [ds[i]["text"].decode("utf-8") for i in range(len(ds))]
+
+
+def _dataset_dir(tmp_path, variant):
+  return tmp_path / "tfds" / "wikitext103" / variant / "1.0.0"
+
+
+def _assert_nothing_built(tmp_path, variant):
+  assert not _dataset_dir(tmp_path, variant).exists()
+  leftovers = (
+    list((tmp_path / "tfds").rglob("*incomplete*")) if (tmp_path / "tfds").exists() else []
+  )
+  assert not leftovers, leftovers
+
+
+@pytest.mark.parametrize(
+  "line,expected",
+  [
+    (" = Valkyria Chronicles III = \n", True),
+    (" = Naïve art = \n", True),
+    (" = A = \n", True),
+    (" = x = y = \n", True),
+    (" = = Gameplay = = \n", False),
+    (" = = = Construction = = = \n", False),
+    (" = Title =\n", False),
+    ("= Title = \n", False),
+    (" \n", False),
+    (" The score was 2 = 3 . \n", False),
+  ],
+)
+def test_title_lines(line, expected):
+  assert wt.is_title_line(line) is expected
+
+
+def test_split_articles_keeps_every_byte():
+  lines = [" \n", " \n", " = A = \n", " \n", " = = S = = \n", " a \n", " = B = \n", " b \n", " \n"]
+  arts = list(wt.split_articles(iter(lines)))
+  assert arts == [" \n \n = A = \n \n = = S = = \n a \n", " = B = \n b \n \n"]
+  assert list(wt.split_articles(iter([" x \n", " y"]))) == [" x \n y"]  # no title: one article
+
+
+@pytest.mark.parametrize("variant", ["v1", "raw_v1"])
+@pytest.mark.parametrize("form", ["zip", "extracted"])
+def test_build_one_example_per_article(tmp_path, monkeypatch, variant, form):
+  manual = tmp_path / "manual"
+  if form == "zip":
+    fw.trust(monkeypatch, variant, fw.write_zip(str(manual), variant))
+  else:
+    fw.write_extracted(str(manual), variant)
+  builder = _build(tmp_path, variant, manual)
+  assert builder.info.disable_shuffling
+  for split in SPLITS:
+    arts = _texts(builder, split)
+    expected = fw.split_text(split, raw=variant == "raw_v1")
+    assert "".join(arts) == expected  # exact round trip, in order
+    titles = fw.titles(split, raw=variant == "raw_v1")
+    assert len(arts) == len(titles)
+    for i, (art, title) in enumerate(zip(arts, titles)):
+      first_lines = art.split("\n")
+      if i == 0:
+        assert first_lines[0] == " "  # the leading blank line belongs to article 0
+        assert first_lines[1] == f" = {title} = "
+      else:
+        assert first_lines[0] == f" = {title} = "
+    assert ("<unk>" in arts[-1] + arts[0]) == (variant == "v1")
+  assert "東京" in "".join(_texts(builder, "train"))
+  # Sub-sections stay inside their article.
+  assert " = = = Construction = = = " in _texts(builder, "train")[1]
+
+
+def test_rebuild_is_reused(tmp_path, monkeypatch):
+  manual = tmp_path / "manual"
+  fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1"))
+  _build(tmp_path, "v1", manual)
+  os.remove(manual / "wikitext-103-v1.zip")  # the source is no longer needed
+  builder = _build(tmp_path, "v1", manual)
+  assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
+
+
+def _flip_byte_in_member(path, member, needle):
+  with zipfile.ZipFile(path) as zf:
+    assert zf.getinfo(member).compress_type == zipfile.ZIP_STORED
+  data = bytearray(open(path, "rb").read())
+  i = data.index(needle)
+  data[i] ^= 0x01
+  open(path, "wb").write(bytes(data))
+
+
+def _stored_zip(manual, variant):
+  path = fw.write_zip(str(manual), variant)
+  # Rewrite uncompressed so that a flipped byte is a clean CRC error.
+  with zipfile.ZipFile(path) as zf:
+    members = {n: zf.read(n) for n in zf.namelist()}
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+    for n, d in members.items():
+      zf.writestr(n, d)
+  return path
+
+
+BAD_CASES = {
+  "checksum": (wt.ChecksumError, "sha256"),
+  "truncated_zip": (wt.CorruptArchiveError, "not a readable zip"),
+  "bad_crc": (wt.CorruptArchiveError, "cannot be decompressed"),
+  "zip_missing_split": (wt.MissingDataError, "wikitext-103/wiki.valid.tokens"),
+  "dir_missing_split": (wt.MissingDataError, "wiki.test.tokens"),
+  "empty_file": (wt.BadSplitFileError, "wiki.valid.tokens is empty"),
+  "not_utf8": (wt.BadSplitFileError, "line 3 is not valid UTF-8"),
+}
+
+
+def _make_bad(case, manual, monkeypatch):
+  if case == "checksum":
+    fw.write_zip(str(manual), "v1")
+    monkeypatch.setitem(wt.ARCHIVES, "v1", dataclasses.replace(wt.ARCHIVES["v1"], sha256="0" * 64))
+  elif case == "truncated_zip":
+    path = fw.write_zip(str(manual), "v1")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    fw.trust(monkeypatch, "v1", None)
+  elif case == "bad_crc":
+    path = _stored_zip(manual, "v1")
+    _flip_byte_in_member(path, "wikitext-103/wiki.train.tokens", "MacArthur".encode())
+    fw.trust(monkeypatch, "v1", None)
+  elif case == "zip_missing_split":
+    fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1", skip=("validation",)))
+  elif case == "dir_missing_split":
+    fw.write_extracted(str(manual), "v1", skip=("test",))
+  elif case == "empty_file":
+    fw.write_extracted(str(manual), "v1", {"validation": b""})
+  elif case == "not_utf8":
+    bad = " \n = Homarus = \n caf\xe9 \n".encode("latin-1")
+    fw.write_extracted(str(manual), "v1", {"validation": bad})
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_data_raises_and_leaves_nothing_built(tmp_path, monkeypatch, case):
+  manual = tmp_path / "manual"
+  _make_bad(case, manual, monkeypatch)
+  error, message = BAD_CASES[case]
+  with pytest.raises(error, match=message) as info:
+    _build(tmp_path, "v1", manual)
+  assert isinstance(info.value, ValueError)
+  _assert_nothing_built(tmp_path, "v1")
+  # Repair the data: the next run builds a complete, correct dataset.
+  for p in sorted(manual.rglob("*"), reverse=True):
+    p.rmdir() if p.is_dir() else p.unlink()
+  fw.write_extracted(str(manual), "v1")
+  builder = _build(tmp_path, "v1", manual)
+  for split in SPLITS:
+    assert "".join(_texts(builder, split)) == fw.split_text(split, raw=False)
+
+
+def test_missing_everything_names_the_file_and_place(tmp_path):
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  with pytest.raises(wt.MissingDataError) as info:
+    _build(tmp_path, "raw_v1", manual)
+  msg = str(info.value)
+  assert "wikitext-103-raw-v1.zip" in msg and str(manual) in msg
+  assert os.path.join(str(manual), "wikitext-103-raw", "wiki.train.raw") in msg
+  assert "Downloading was disabled" in msg
+  assert "--manual_dir" in msg
+  with pytest.raises(wt.MissingDataError, match="downloads/manual"):  # TFDS's default manual_dir
+    _build(tmp_path, "v1", None)
+  _assert_nothing_built(tmp_path, "raw_v1")
+
+
+def test_download_tries_mirrors_in_turn(tmp_path, monkeypatch):
+  """Mirrors are file:// URLs: a missing one, a corrupt one, then a good one."""
+  good = fw.write_zip(str(tmp_path / "good"), "v1")
+  bad = fw.write_zip(str(tmp_path / "bad"), "v1", {"test": " = X = \n tampered \n"})
+  fw.trust(monkeypatch, "v1", good)
+  monkeypatch.setattr(
+    wt,
+    "MIRRORS",
+    [
+      f"file://{tmp_path}/nowhere/{{filename}}",
+      f"file://{os.path.dirname(bad)}/{{filename}}",
+      f"file://{os.path.dirname(good)}/{{filename}}",
+    ],
+  )
+  builder = wt.build("v1", data_dir=str(tmp_path / "tfds"), manual_dir=None, download=True)
+  assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
+  downloads = tmp_path / "tfds" / "downloads"
+  assert sorted(p.name for p in downloads.iterdir() if p.is_file()) == ["wikitext-103-v1.zip"]
+  assert fw.sha256(str(downloads / "wikitext-103-v1.zip")) == fw.sha256(good)
+  # All mirrors failing: the error lists each attempt.
+  monkeypatch.setattr(wt, "MIRRORS", [f"file://{os.path.dirname(bad)}/{{filename}}"])
+  with pytest.raises(wt.MissingDataError, match="sha256") as info:
+    wt.locate_source("v1", manual_dir=None, download_dir=str(tmp_path / "dl2"))
+  assert "Download attempts" in str(info.value)
+  assert not list((tmp_path / "dl2").iterdir())  # no partial file kept
+
+
+def test_changed_source_is_built_again(tmp_path):
+  """A finished build is not reused once the source files differ from the ones it read."""
+  manual = tmp_path / "manual"
+  fw.write_extracted(str(manual), "v1")
+  _build(tmp_path, "v1", manual)
+  changed = fw.split_text("test", raw=False).replace("illustrator", "painter")
+  folder = fw.write_extracted(str(manual), "v1", {"test": changed})
+  builder = _build(tmp_path, "v1", manual)
+  assert "".join(_texts(builder, "test")) == changed
+  paths = [os.path.join(folder, f"wiki.{s}.tokens") for s in ("train", "valid", "test")]
+  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  assert builder.info.metadata["source_fingerprint"] == sources.fingerprint(paths)

@@ -1,0 +1,246 @@
+"""The README's and docs/*.md's commands, examples, links and file names are the real ones.
+
+Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
+an ``aft-*`` console script) names a script or module that exists, only flags that program
+defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained), a recipe that
+exists, config keys (``--config.KEY=...``) that recipe has and a ``--dry_run`` target that exists.
+Every ```python block in docs/ runs, unless the line before it is ``<!-- not run: REASON -->``.
+Every relative link points at a file (and a heading, for ``#anchor``) that exists, and every
+repository path written in backticks exists."""
+
+import concurrent.futures
+import contextlib
+import functools
+import glob
+import importlib.util
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+
+from tests.support.helpers import ROOT
+
+PAGES = ["README.md"] + sorted(
+  os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
+TEXT = {page: open(os.path.join(ROOT, page)).read() for page in PAGES}
+SCRIPTS = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
+# Programs that are not this project's: only their being installed is checked.
+EXTERNAL = {"pip", "pytest", "ruff"}
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+
+
+def blocks(page, lang):
+  """(line number, text, the line before the fence) of each ```lang block of ``page``."""
+  text = TEXT[page]
+  out = []
+  for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M):
+    before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+    out.append((text.count("\n", 0, m.start()) + 1, m.group(1), before))
+  return out
+
+
+def _tokens(line):
+  """shlex tokens of a shell line, with quoted commands (``--command "cd x && python ..."``)
+  split into their own tokens."""
+  out = []
+  for tok in shlex.split(line, comments=True):
+    out.extend(_tokens(tok) if re.search(r"\s", tok) else [tok])
+  return out
+
+
+def commands():
+  """(where, argv) of every command of this project in the pages' bash blocks; argv[0] is
+  ``("script", path)``, ``("module", name)`` or ``("entry", console script)``."""
+  out = []
+  for page in PAGES:
+    for lineno, block, _ in blocks(page, "bash"):
+      for line in block.replace("\\\n", " ").splitlines():
+        segment = []
+        for tok in _tokens(line) + [";"]:
+          if tok not in SEPARATORS:
+            segment.append(tok)
+            continue
+          heads = [i for i, t in enumerate(segment) if t in SCRIPTS or t in ("python", "python3")]
+          if heads:
+            i = heads[0]
+            if segment[i] in SCRIPTS:
+              prog, rest = ("entry", segment[i]), segment[i + 1 :]
+            elif segment[i + 1] == "-m":
+              prog, rest = ("module", segment[i + 2]), segment[i + 3 :]
+            else:
+              prog, rest = ("script", segment[i + 1]), segment[i + 2 :]
+            out.append((f"{page}:{lineno}: {' '.join(segment)}", prog, rest))
+          segment = []
+  return out
+
+
+@functools.cache
+def program_flags(prog):
+  """The long flags a program defines, from its own help (absl --helpfull, else argparse's
+  --help)."""
+  kind, name = prog
+  if kind == "script":
+    argv = [sys.executable, name]
+  elif kind == "module":
+    argv = [sys.executable, "-m", name]
+  else:
+    module, fn = SCRIPTS[name].split(":")
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
+    argv = [sys.executable, "-c", code]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True)
+  out = run(argv + ["--helpfull"], timeout=300)
+  text = out.stdout + out.stderr
+  if out.returncode == 2:  # argparse: an unknown (or a missing required) argument
+    out = run(argv + ["--help"], timeout=300)
+    text = out.stdout + out.stderr
+  assert "Traceback" not in text, (prog, text[-2000:])
+  flags = set()
+  for negatable, flag in re.findall(r"(?<![\w-])--(\[no\])?([A-Za-z][\w.-]*)", text):
+    flags.add(flag)
+    if negatable:
+      flags.add("no" + flag)
+  return frozenset(flags)
+
+
+def _is_placeholder(value):
+  return bool(re.search(r"[<>$]", value))
+
+
+@functools.cache
+def recipe_config(spec):
+  """The config a ``--config`` value loads (a recipe name or a config file, ``:ARG`` optional)."""
+  from aft_jax.trainer import recipes
+
+  path, _, arg = recipes.resolve(spec).partition(":")
+  path = os.path.join(ROOT, path)
+  assert os.path.isfile(path), spec
+  module_spec = importlib.util.spec_from_file_location("_docs_recipe", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _has_key(config, key):
+  node = config
+  for part in key.split("."):
+    if not hasattr(node, "keys") or part not in node.keys():
+      return False
+    node = node[part]
+  return True
+
+
+def _values(rest, flag):
+  """The values given to --flag in ``rest`` (``--flag X`` or ``--flag=X``)."""
+  out = []
+  for i, tok in enumerate(rest):
+    if tok == f"--{flag}" and i + 1 < len(rest):
+      out.append(rest[i + 1])
+    elif tok.startswith(f"--{flag}="):
+      out.append(tok.split("=", 1)[1])
+  return out
+
+
+def test_the_pages_have_commands_of_every_kind():
+  kinds = {prog[0] for _, prog, _ in commands()}
+  assert kinds == {"script", "module", "entry"}, kinds
+
+
+def test_every_command_names_a_program_that_exists():
+  for where, (kind, name), _ in commands():
+    if kind == "script":
+      assert os.path.isfile(os.path.join(ROOT, name)), where
+    elif kind == "module":
+      assert importlib.util.find_spec(name) is not None, where
+    else:
+      module = SCRIPTS[name].split(":")[0]
+      assert importlib.util.find_spec(module) is not None, where
+
+
+def test_every_flag_is_one_the_program_defines():
+  todo = [(w, p, r) for w, p, r in commands() if not (p[0] == "module" and p[1] in EXTERNAL)]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    list(pool.map(program_flags, {prog for _, prog, _ in todo}))
+  for where, prog, rest in todo:
+    for tok in rest:
+      if not tok.startswith("--") or tok.startswith("--config."):
+        continue
+      flag = tok[2:].split("=", 1)[0]
+      assert flag in program_flags(prog), (where, flag)
+
+
+def test_every_recipe_config_key_and_target_exists():
+  from aft_jax import deviceless
+
+  checked = 0
+  for where, _, rest in commands():
+    for spec in _values(rest, "config"):
+      if _is_placeholder(spec):
+        continue
+      config = recipe_config(spec)
+      checked += 1
+      for tok in rest:
+        if tok.startswith("--config."):
+          key = tok[len("--config.") :].split("=", 1)[0]
+          assert _has_key(config, key), (where, key)
+    for target in _values(rest, "target"):
+      assert target in deviceless.TARGETS, (where, target)
+  assert checked > 10
+
+
+def test_every_python_example_in_the_docs_runs(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  for page in PAGES[1:]:  # the README's example: tests/e2e/test_readme.py
+    for lineno, block, before in blocks(page, "python"):
+      if re.fullmatch(r"<!-- not run: .{10,} -->", before.strip()):
+        continue
+      with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block, f"{page}:{lineno}", "exec"), {})
+
+
+def _slug(heading):
+  """GitHub's anchor for a heading."""
+  text = re.sub(r"[`*_]", "", heading.strip().lower())
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path):
+  text = open(path).read()
+  text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_every_relative_link_points_at_a_file_that_exists():
+  checked = 0
+  for page in PAGES:
+    text = re.sub(r"^```.*?^```", "", TEXT[page], flags=re.S | re.M)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"[a-z]+:", target):
+        continue
+      file, _, anchor = target.partition("#")
+      path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), file))
+      path = path if file else os.path.join(ROOT, page)
+      assert os.path.exists(path), (page, target)
+      if anchor and path.endswith(".md"):
+        assert anchor in _anchors(path), (page, target)
+      checked += 1
+  assert checked > 20
+
+
+def test_every_repository_path_in_backticks_exists():
+  tops = "aft_jax|benchmarks|configs|docs|notebooks|tests|\\.ci"
+  for page in PAGES:
+    for path in re.findall(rf"`((?:{tops})/[^`\s]*)`", TEXT[page]):
+      path = path.split(":")[0]
+      if _is_placeholder(path):
+        continue
+      assert os.path.exists(os.path.join(ROOT, path)), (page, path)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+  for page in PAGES[1:]:
+    assert f"]({page})" in TEXT["README.md"], page

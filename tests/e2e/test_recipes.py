@@ -1,0 +1,99 @@
+"""Every enwik8 recipe variant, and WikiText-103's default (AFT-local) and baseline (softmax),
+train end to end, tiny, on fake data. (configs/wikitext103.py sets nothing per mixing but
+``model.mixing``, and every mixing layer trains in the enwik8 runs: its other three variants
+would repeat them with the same adaptive softmax and protocol.)
+
+All seven runs share one process (and so JAX's start-up and compilation cache) and one copy of
+each fake dataset: the recipe file is loaded as train.py loads it (``file.py:arg``), shrunk to
+one layer of d 16 with T = 16, and handed to ``train_lib.train_and_evaluate``, the function
+train.py runs. What is checked is what a user reads: results.json's numbers and protocol.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from tests.support import fake_enwik8
+from tests.support import fake_wikitext
+from benchmarks import quality
+from tests.support.helpers import ROOT
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.default_config import override
+from aft_jax.model import MIXINGS
+
+WIKITEXT_MIXINGS = ("aft_local", "softmax")  # the recipe's default and its baseline
+ENWIK8_BYTES = 20_000  # any size is prepared like the real file: 18,000 / 1,000 / 1,000
+
+# The tiniest model (the quality benchmark's --quick one: 1 layer, d 16, T 16), 2 steps.
+TINY = {
+  **{k: v for k, v in quality.settings(quick=True).items() if k.startswith(("model.", "seq_len"))},
+  "model.factor_dim": 4,
+  "model.scan_layers": False,  # one layer: nn.scan would only add tracing and compile time
+  "batch_size": 4,
+  "eval_batch_size": 64,
+  "num_train_steps": 2,
+  "warmup_steps": 1,
+  "log_every_steps": 1,
+  "sample.length": 0,
+}
+
+
+def recipe(spec: str, **overrides):
+  """``configs/<file>.py:<arg>`` as train.py's --config reads it, with dotted overrides."""
+  name, _, arg = spec.partition(":")
+  path = os.path.join(ROOT, "configs", name)
+  module_spec = importlib.util.spec_from_file_location(name[:-3], path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return override(module.get_config(arg), {**TINY, **overrides})
+
+
+@pytest.mark.slow
+def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp_path):
+  enwik8_dir, wikitext_dir = str(tmp_path / "enwik8"), str(tmp_path / "wikitext")
+  fake_enwik8.write_file(enwik8_dir, fake_enwik8.content(ENWIK8_BYTES))
+  fake_wikitext.write_extracted(wikitext_dir, "v1")
+  data_dir = str(tmp_path / "data")  # each dataset is prepared once, by its first run
+  text = fake_wikitext.texts("v1")
+  words = {
+    split: sum(len(line.split()) + 1 for line in text[split].split("\n")[:-1])
+    for split in ("validation", "test")
+  }
+  for mixing in MIXINGS:
+    config = recipe(
+      f"enwik8.py:{mixing}", **{"data.data_dir": data_dir, "data.manual_dir": enwik8_dir}
+    )
+    results = train_lib.train_and_evaluate(config, str(tmp_path / f"enwik8_{mixing}"))
+    assert results["steps"] == 2 and results["mixing"] == mixing
+    for split in ("valid", "test"):
+      # bits per character = bits per byte: the NLL in nats over ln 2, every byte counted
+      assert math.isfinite(results[f"{split}_bpc"]), results
+      assert results[f"{split}_bpc"] == results[f"{split}_loss"] / math.log(2)
+      assert results[f"{split}_tokens"] == ENWIK8_BYTES // 20
+    assert results["eval_protocol"] == {"name": "disjoint_windows", "window": 16, "stride": 16}
+    if mixing not in WIKITEXT_MIXINGS:
+      continue
+
+    config = recipe(
+      f"wikitext103.py:{mixing}",
+      **{
+        "data.data_dir": data_dir,
+        "data.manual_dir": wikitext_dir,
+        "model.adaptive_cutoffs": (8, 16),
+      },
+    )
+    workdir = str(tmp_path / f"wt103_{mixing}")
+    results = train_lib.train_and_evaluate(config, workdir)
+    assert results["steps"] == 2 and results["mixing"] == mixing
+    # The final numbers use the small setting's sliding window (stride 1), training-time
+    # validation disjoint windows, and results.json says which is which.
+    assert results["eval_protocol"] == {"name": "sliding_window", "window": 16, "stride": 1}
+    assert results["train_eval_protocol"]["name"] == "disjoint_windows"
+    for split, key in (("validation", "valid"), ("test", "test")):
+      assert math.isfinite(results[f"{key}_ppl"]), results
+      assert results[f"{key}_tokens"] == words[split]  # every token scored exactly once
+    with open(os.path.join(workdir, "results.json")) as f:
+      assert json.load(f)["eval_protocol"]["stride"] == 1

@@ -1,0 +1,341 @@
+"""Train on your own text, end to end: configs/text.py on real text no one here wrote (Python's
+own standard-library sources), a 512-piece subword vocabulary, a tiny model; results.json's
+perplexity and bits per byte; a copy of the workdir moved elsewhere generates, evaluates a text
+file and exports (msgpack and safetensors) on its own; a damaged vocabulary is refused.
+
+One run (in-process, as train.py runs it) serves every check: they are one test, so that
+pytest-xdist's two workers never train it twice.
+
+Then the data a run was trained on changes (a train file changed, deleted or added, another
+``data.vocab_size`` or ``data.tokenizer``): the rerun of train.py and ``aft-evaluate --split``
+are refused in one line naming what changed, before anything is prepared or compiled, and leave
+the workdir and the data folder byte for byte as they were, so ``aft-generate`` and
+``aft-export`` give what they gave before; and a workdir whose vocabulary was replaced after
+training (what a refused run of an older version did) is refused by every tool in one line
+naming the file. A second tiny run (its files in a temporary folder) serves these.
+"""
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import aft_jax
+from aft_jax.data import subword, text as text_lib
+from aft_jax.data.config import DataConfig
+from aft_jax.tools import evaluate, export, generate, trained
+from aft_jax.trainer import train_lib
+from tests.e2e import test_recipes
+from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, train_py
+
+STDLIB = os.path.dirname(os.__file__)
+TRAIN_FILES = os.path.join(STDLIB, "json", "*.py")  # 5 files, ~48 KB: 3 train, 1 valid, 1 test
+
+
+def _train_and_move(tmp):
+  """(workdir copied elsewhere, results) of configs/text.py shrunk to one tiny layer."""
+  config = test_recipes.recipe(
+    "text.py",
+    **{
+      "data.train_files": TRAIN_FILES,
+      "data.vocab_size": 512,
+      "data.data_dir": str(tmp / "data"),
+      "num_train_steps": 3,
+      "eval_every_steps": 1000,
+      "checkpoint_every_steps": 1000,
+    },
+  )
+  with contextlib.redirect_stdout(io.StringIO()):
+    results = train_lib.train_and_evaluate(config, str(tmp / "run"))
+  moved = str(tmp / "elsewhere" / "run")
+  shutil.copytree(str(tmp / "run"), moved)
+  shutil.rmtree(str(tmp / "run"))
+  shutil.rmtree(str(tmp / "data"))  # the copy must need neither the workdir nor the data
+  return moved, results
+
+
+@pytest.mark.slow
+def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(tmp_path, capsys):
+  path, _ = _train_and_move(tmp_path / "text")
+  _results_have_perplexity_and_bits_per_byte(path)
+  _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
+  _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
+  _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+
+
+def _results_have_perplexity_and_bits_per_byte(path):
+  with open(os.path.join(path, "results.json")) as f:
+    saved = json.load(f)
+  assert saved["unit"] == "subword" and saved["steps"] == 3
+  for split in ("valid", "test"):
+    assert math.isfinite(saved[f"{split}_ppl"]) and math.isfinite(saved[f"{split}_bpb"])
+    # bits per byte: the split's total NLL over ln 2 and its bytes; pieces hold > 1 byte each
+    assert saved[f"{split}_bpb"] > saved[f"{split}_loss"] / math.log(2) / 16
+    assert saved[f"{split}_bpb"] < saved[f"{split}_loss"] / math.log(2)
+  with open(os.path.join(path, "corpus.json")) as f:
+    info = json.load(f)
+  assert info["tokenizer"] == "subword" and info["vocab_size"] == 512
+  assert os.path.isfile(os.path.join(path, "subword.model"))
+
+
+def _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys):
+  generate.main(["--workdir", path, "--prompt", "def ", "--length", "12"])
+  assert capsys.readouterr().out.startswith("def ")
+  text = tmp_path / "some.py"  # real text the model never saw
+  text.write_text(open(os.path.join(STDLIB, "logging", "handlers.py")).read()[:3000])
+  evaluate.main(["--workdir", path, "--text_file", str(text)])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["bytes"] == 3000 and out["unit"] == "subword"
+  assert math.isfinite(out["ppl"]) and out["bpb"] == pytest.approx(
+    out["nll"] * out["tokens"] / (3000 * math.log(2))
+  )
+
+
+def _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path):
+  run = trained.load_run(path)
+  ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
+  tokens_BT = np.asarray([ids], np.int32)
+  want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
+  for name in ("model.safetensors", "model.msgpack"):
+    out = str(tmp_path / name)
+    with contextlib.redirect_stdout(io.StringIO()):
+      export.main(["--workdir", path, "--out", out])
+    model, params, vocab = aft_jax.load_pretrained(out)
+    got = np.asarray(model.apply({"params": params}, tokens_BT))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
+  from safetensors.numpy import load_file
+
+  # one tensor per parameter, named by its path in the tree
+  paths = jax.tree_util.tree_flatten_with_path(jax.device_get(run.params))[0]
+  want_names = {"/".join(k.key for k in p) for p, _ in paths}
+  assert set(load_file(str(tmp_path / "model.safetensors"))) == want_names
+
+
+def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
+  copy = str(tmp_path / "damaged_run")
+  shutil.copytree(path, copy, ignore=shutil.ignore_patterns("checkpoints"))
+  os.symlink(os.path.join(path, "checkpoints"), os.path.join(copy, "checkpoints"))
+  model = os.path.join(copy, "subword.model")
+  data = open(model, "rb").read()
+  with open(model, "wb") as f:
+    f.write(data[:-40] + bytes(40))
+  with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is damaged"):
+    generate.main(["--workdir", copy, "--length", "2"])
+  os.remove(model)
+  with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is missing"):
+    evaluate.main(["--workdir", copy, "--text_file", __file__])
+
+
+# ------------------------------------------------------------------ the data changes after training
+
+
+def _subword_config(docs, data_dir, **overrides):
+  return test_recipes.recipe(
+    "text.py",
+    **{
+      "data.train_files": str(docs / "*.py"),
+      "data.vocab_size": 400,
+      "data.data_dir": str(data_dir),
+      "eval_every_steps": 1000,
+      "checkpoint_every_steps": 1000,
+      **overrides,
+    },
+  )
+
+
+def _generate(workdir) -> str:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    generate.main(["--workdir", workdir, "--prompt", "def ", "--length", "8", "--seed", "3"])
+  return out.getvalue()
+
+
+def _export(workdir, out) -> bytes:
+  with contextlib.redirect_stdout(io.StringIO()):
+    export.main(["--workdir", workdir, "--out", str(out)])
+  with open(out, "rb") as f:
+    return f.read()
+
+
+@pytest.fixture(scope="module")
+def subword_run(tmp_path_factory):
+  """A tiny 400-piece subword run on a copy of the stdlib's json package (3 train files, 1
+  validation, 1 test), with what generate and export gave right after training."""
+  tmp = tmp_path_factory.mktemp("subword_run")
+  docs = tmp / "docs"
+  docs.mkdir()
+  for path in STDLIB_JSON:
+    shutil.copy(path, docs)
+  shutil.copytree(docs, tmp / "original")
+  run = {"tmp": tmp, "docs": docs, "data": tmp / "data", "workdir": str(tmp / "run")}
+  with contextlib.redirect_stdout(io.StringIO()):
+    train_lib.train_and_evaluate(_subword_config(docs, run["data"]), run["workdir"])
+  run["generated"] = _generate(run["workdir"])
+  run["exported"] = _export(run["workdir"], tmp / "model.msgpack")
+  return run
+
+
+def _train_file(run) -> str:
+  cfg = DataConfig.of(_subword_config(run["docs"], run["data"]).data)
+  return text_lib.split_files(cfg)["train"][0]
+
+
+def _change(run):
+  with open(_train_file(run), "a") as f:
+    f.write("# edited after training\n")
+  return {}, r"train file {} changed".format(_train_file(run))
+
+
+def _delete(run):
+  path = _train_file(run)
+  os.remove(path)
+  return {}, f"train file {path} was deleted"
+
+
+def _add(run):
+  path = run["docs"] / "added.py"
+  path.write_text("def added():\n  return 1\n")
+  return {}, f"{path} was added"
+
+
+DATA_CHANGES = {
+  "a train file changed": _change,
+  "a train file deleted": _delete,
+  "a train file added": _add,
+  "data.vocab_size": lambda run: ({"data.vocab_size": 420}, "data.vocab_size: 400 in the workdir"),
+  "data.tokenizer": lambda run: ({"data.tokenizer": "byte"}, "data.tokenizer: 'subword' in the"),
+}
+
+
+@contextlib.contextmanager
+def _changed(run, case):
+  """The run's data changed as ``case`` says for the block: (config overrides, what the
+  refusal names); the files are put back afterwards."""
+  try:
+    yield DATA_CHANGES[case](run)
+  finally:
+    shutil.rmtree(run["docs"])
+    shutil.copytree(run["tmp"] / "original", run["docs"])
+
+
+def _listings(run) -> tuple[dict, dict]:
+  return listing(run["workdir"]), listing(run["data"])
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["", "allow_config_change"])
+@pytest.mark.parametrize("case", DATA_CHANGES)
+def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
+  case, allow, subword_run
+):
+  """Refused before any corpus is prepared or model compiled, with or without
+  --allow_config_change, naming the file or key; the workdir and the data folder unchanged."""
+  before = _listings(subword_run)
+  with _changed(subword_run, case) as (overrides, says):
+    config = _subword_config(subword_run["docs"], subword_run["data"], **overrides)
+    with pytest.raises(ValueError) as e:
+      with contextlib.redirect_stdout(io.StringIO()):
+        train_lib.train_and_evaluate(config, subword_run["workdir"], allow_config_change=allow)
+    line = str(e.value)
+    assert says in line and "\n" not in line, line
+    if case.startswith("a train file"):
+      assert line.startswith("the data changed since the checkpoint at step 2: ")
+    if case.startswith("a train file") and not allow:  # the tools score no rebuilt corpus
+      with pytest.raises(SystemExit) as e:
+        evaluate.main(["--workdir", subword_run["workdir"], "--split", "validation"])
+      line = str(e.value)
+      prefix = f"evaluate: --workdir {subword_run['workdir']}: the data changed since the "
+      assert line.startswith(prefix + "checkpoint at step 2 was written: "), line
+      assert says in line and "--split scores the corpus" in line and "\n" not in line, line
+  assert _listings(subword_run) == before
+
+
+def test_after_the_refused_runs_generate_and_export_give_what_they_gave(subword_run, tmp_path):
+  """Whatever ran before (the refusals above, in any order): the samples and the exported
+  file are the ones of right after training."""
+  assert _generate(subword_run["workdir"]) == subword_run["generated"]
+  assert _export(subword_run["workdir"], tmp_path / "again.msgpack") == subword_run["exported"]
+
+
+def test_as_a_user_runs_them_train_and_evaluate_say_one_line_and_exit_1(subword_run):
+  """The headline case with the commands themselves: a deleted train file."""
+  before = _listings(subword_run)
+  config = _subword_config(subword_run["docs"], subword_run["data"])
+  with _changed(subword_run, "a train file deleted") as (_, says):
+    train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
+    split = [sys.executable, "-m", "aft_jax.tools.evaluate", "--workdir", subword_run["workdir"]]
+    for cmd in (train, split + ["--split", "validation"]):
+      done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+      assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+      assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
+        done.stderr
+      )
+  assert _listings(subword_run) == before
+
+
+@pytest.fixture
+def replaced_vocabulary(subword_run, tmp_path):
+  """A copy of the run whose subword.model and corpus.json were rewritten for a changed train
+  file (another model of the same 400 pieces), as a refused run of an older version left them."""
+  workdir = str(tmp_path / "replaced")
+  shutil.copytree(subword_run["workdir"], workdir)
+  files = text_lib.split_files(DataConfig.of(_subword_config(subword_run["docs"], "x").data))
+  docs = [open(p).read() for p in files["train"]]
+  other = subword.train(docs[:-1] + [docs[-1] + "\n# edited after training\n"], 400)
+  with open(os.path.join(workdir, "corpus.json")) as f:
+    info = json.load(f)
+  assert other.sha256 != info["vocab_sha256"]
+  other.save(os.path.join(workdir, "subword.model"))
+  with open(os.path.join(workdir, "corpus.json"), "w") as f:
+    json.dump(dict(info, vocab_sha256=other.sha256), f)
+  return workdir
+
+
+TOOLS = {
+  "generate": lambda wd, tmp: ["aft_jax.tools.generate", "--workdir", wd, "--length", "4"],
+  "evaluate --text_file": lambda wd, tmp: [
+    "aft_jax.tools.evaluate",
+    "--workdir",
+    wd,
+    "--text_file",
+    __file__,
+  ],
+  "evaluate --split": lambda wd, tmp: ["aft_jax.tools.evaluate", "--workdir", wd],
+  "export": lambda wd, tmp: ["aft_jax.tools.export", "--workdir", wd, "--out", f"{tmp}/m.msgpack"],
+}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
+  tool, replaced_vocabulary, tmp_path
+):
+  """The vocabulary is checked against the checkpoint's record before any array is read: one
+  line naming subword.model, the workdir as it was, nothing exported."""
+  before = listing(replaced_vocabulary)
+  module, *argv = TOOLS[tool](replaced_vocabulary, tmp_path)
+  main = {"aft_jax.tools.generate": generate.main, "aft_jax.tools.export": export.main}.get(
+    module, evaluate.main
+  )
+  with pytest.raises(SystemExit) as e:
+    with contextlib.redirect_stdout(io.StringIO()):
+      main(argv)
+  line = str(e.value)
+  assert (
+    "\n" not in line and "the data changed since the checkpoint at step 2 was written: " in line
+  )
+  assert "the subword vocabulary is another one (SHA-256" in line, line
+  assert "the workdir's subword.model and corpus.json were replaced after training" in line
+  assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
+  if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
+    done = subprocess.run(
+      [sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]

@@ -1,0 +1,210 @@
+"""The wheel, installed where the checkout is out of reach, works for a pip user.
+
+One fresh virtual environment in a temporary folder plays a notebook runtime (Colab) whose jax is
+the oldest this project supports. The notebook's install cell, asked for a newer jax, is refused
+by pip (it holds the runtime's jax); then it installs the wheel built from this checkout
+(AFT_JAX_SOURCE), holding that jax; the notebook runs in quick mode, and the console scripts
+train (a recipe named the way the README names it), sample and prepare. Needs the package
+registry (or pip's cache) for the venv's packages: about 70 s here with a warm cache.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from datetime import datetime
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests.support.helpers import ROOT, config_flags, tiny_config
+
+from aft_jax.trainer import recipes
+
+PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
+
+
+def _oldest(package):
+  """The lower bound pyproject.toml claims for ``package`` (``jax>=0.8.0`` -> ``0.8.0``)."""
+  for req in PYPROJECT["project"]["dependencies"]:
+    m = re.fullmatch(rf"{package}>=([\w.]+)(,.*)?", req)
+    if m:
+      return m.group(1)
+  raise AssertionError(f"no lower bound for {package} in pyproject.toml")
+
+
+def _run(cmd, timings, name, **kw):
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+  timings[name] = round(time.perf_counter() - start, 1)
+  assert proc.returncode == 0, f"{name} failed ({cmd}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+  return proc.stdout
+
+
+def _cell_seconds(nb):
+  """Seconds each executed code cell took (nbclient records when each started and ended)."""
+  out = []
+  for cell in nb.cells:
+    t = cell.get("metadata", {}).get("execution", {})
+    if "iopub.execute_input" in t and "shell.execute_reply" in t:
+      start, end = (
+        datetime.fromisoformat(t[k]) for k in ("iopub.execute_input", "shell.execute_reply")
+      )
+      out.append(round((end - start).total_seconds(), 1))
+  return out
+
+
+def _source_tree(dest):
+  """The files a clone has (tracked, plus untracked ones git does not ignore), copied to dest,
+  so the build sees neither caches nor a stale build/ folder of this checkout."""
+  files = subprocess.run(
+    ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    capture_output=True,
+    check=True,
+  ).stdout.split(b"\0")
+  for f in filter(None, (f.decode() for f in files)):
+    if os.path.isfile(os.path.join(ROOT, f)):  # a file deleted but not yet committed is skipped
+      os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
+      shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
+  assert not str(tmp_path).startswith(ROOT)
+  timings = {}
+  jax_version = _oldest("jax")
+  # Every pip below (the notebook's too) skips compiling the installed files to bytecode, much
+  # of an install's time for jax and its dependencies; Python compiles what it imports anyway.
+  monkeypatch.setenv("PIP_NO_COMPILE", "1")
+  monkeypatch.delenv("PYTHONPATH", raising=False)  # nothing from the checkout in the venv
+
+  # The wheel, built from the checkout's files, while the venv is made (both wait on pip).
+  src, dist = tmp_path / "src", tmp_path / "dist"
+  _source_tree(src)
+  build = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-w", str(dist), "-q"]
+  start = time.perf_counter()
+  builder = subprocess.Popen(build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  # The runtime: the oldest supported jax, and what a notebook needs (a kernel, matplotlib).
+  venv = tmp_path / "venv"
+  _run([sys.executable, "-m", "venv", str(venv)], timings, "venv")
+  py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
+  runtime = [f"jax=={jax_version}", f"jaxlib=={jax_version}", "ipykernel", "matplotlib"]
+  _run([py, "-m", "pip", "install", "-q", *runtime], timings, "runtime jax")
+  log = builder.communicate()[0]
+  timings["build wheel (alongside)"] = round(time.perf_counter() - start, 1)
+  assert builder.returncode == 0, f"pip wheel failed:\n{log[-3000:]}"
+  (wheel,) = dist.glob("aft_jax-*.whl")
+
+  # The install cell holds the runtime's jax: asked for something that needs a newer jax, pip
+  # refuses instead of upgrading it, and the cell says what to do.
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
+  (tmp_path / "install_cell.py").write_text(nb.cells[1].source)
+  env = dict(os.environ, AFT_JAX_SOURCE=f"jax>{jax_version}")
+  start = time.perf_counter()
+  proc = subprocess.run(
+    [py, "install_cell.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+  )
+  timings["install cell, upgrade refused"] = round(time.perf_counter() - start, 1)
+  assert proc.returncode != 0, proc.stdout
+  assert "conflicting dependencies" in proc.stdout, proc.stdout[-3000:]  # pip's, shown by the cell
+  assert f"next to this runtime's jax {jax_version}" in proc.stderr, proc.stderr[-3000:]
+
+  # The notebook in that runtime: its install cell installs the wheel (nothing from the checkout
+  # is importable: no PYTHONPATH, the kernel starts outside the repository).
+  kernels = tmp_path / "jupyter" / "kernels" / "wheel-venv"
+  kernels.mkdir(parents=True)
+  argv = [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+  (kernels / "kernel.json").write_text(json.dumps({"argv": argv, "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+  monkeypatch.setenv("AFT_QUICK", "1")
+  monkeypatch.setenv("AFT_JAX_SOURCE", str(wheel))
+  monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+  start = time.perf_counter()
+  try:
+    NotebookClient(
+      nb, timeout=600, kernel_name="wheel-venv", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+  finally:
+    timings["notebook"] = round(time.perf_counter() - start, 1)
+    timings["notebook cells"] = _cell_seconds(nb)
+    print("wheel test seconds:", timings)
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "quick mode" in text
+  kept = {"jax": jax_version, "jaxlib": jax_version}
+  assert f"kept {kept} on cpu" in text, text[:3000]
+  assert "AFTSimple matches the NumPy equation" in text
+  assert "validation perplexity" in text
+  assert text.count("The ") >= 1
+  assert "softmax attention" in text and "T=512" in text  # the timing cell's last length
+  images = [o for o in outputs if "image/png" in o.get("data", {})]
+  assert len(images) >= 3  # the loss curve, the bias heatmap, the timing plot
+
+  # The install held jax, and aft_jax comes from the venv, not the checkout.
+  show = (
+    "import importlib.metadata as m, importlib.util as u; "
+    "print(u.find_spec('aft_jax').origin, m.version('jax'), m.version('jaxlib'))"
+  )
+  # (from the temporary folder: python -c puts the working directory first on sys.path)
+  path, jax_now, jaxlib_now = _run([py, "-c", show], timings, "versions", cwd=tmp_path).split()
+  assert (jax_now, jaxlib_now) == (jax_version, jax_version)
+  assert path.startswith(str(venv)) and "site-packages" in path
+
+  # The console scripts, with the recipe by name.
+  workdir = tmp_path / "run"
+  train = [str(bin_dir / "aft-train"), "--config", "quickstart", "--workdir", str(workdir)]
+  # The recipe shrunk the way the other end-to-end tests shrink it: the test is that the
+  # installed command finds and runs the recipe, not the recipe's 1.5 minutes of training.
+  _run(train + config_flags(tiny_config(num_train_steps=3)), timings, "aft-train", cwd=tmp_path)
+  results = json.load(open(workdir / "results.json"))
+  assert results["steps"] == 3 and results["valid_ppl"] > 1
+  generate = [str(bin_dir / "aft-generate"), "--workdir", str(workdir), "--prompt", "The "]
+  out = _run(
+    generate + ["--length", "5", "--temperature", "0"], timings, "aft-generate", cwd=tmp_path
+  )
+  assert out.startswith("The ") and len(out.rstrip("\n")) > len("The ")
+  prepare = [str(bin_dir / "aft-prepare"), "--dataset", "pydoc", "--quiet"]
+  out = _run(prepare, timings, "aft-prepare", cwd=tmp_path)
+  assert json.loads(out.strip().splitlines()[-1])["vocab_size"] == 256
+  print("wheel test seconds:", timings)
+
+
+def test_the_wheel_ships_every_recipe_and_console_script():
+  # What setup.py and pyproject.toml declare, against what the checkout has (the wheel test
+  # above runs one recipe and two scripts; this covers the rest without building anything).
+  scripts = PYPROJECT["project"]["scripts"]
+  assert {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"} <= set(scripts)
+  for target in scripts.values():
+    module, func = target.split(":")
+    assert os.path.exists(os.path.join(ROOT, *module.split("."))) or os.path.exists(
+      os.path.join(ROOT, *module.split(".")) + ".py"
+    ), target
+    source = open(os.path.join(ROOT, *module.split(".")) + ".py").read()
+    assert re.search(rf"^def {func}\((argv=None)?\)", source, flags=re.M), target
+  assert "quickstart" in recipes.available()
+  assert recipes.recipe_dir() == os.path.join(ROOT, "configs")
+
+
+@pytest.mark.parametrize("spec", ["quickstart", "quickstart:arg"])
+def test_a_recipe_name_resolves_to_the_packaged_file(spec):
+  path, _, arg = recipes.resolve(spec).partition(":")
+  assert path == os.path.join(ROOT, "configs", "quickstart.py") and arg == spec[11:]
+  assert recipes.resolve("configs/quickstart.py:x") == "configs/quickstart.py:x"  # a path stays
+
+
+def test_an_unknown_recipe_names_the_recipes():
+  with pytest.raises(ValueError, match=r"unknown recipe 'nope'; the recipes are: .*quickstart"):
+    recipes.resolve("nope")
+  argv = ["aft-train", "--config=quickstart", "--config.seed=3", "--workdir", "w"]
+  assert recipes.resolve_flag(argv)[1] == "--config=" + os.path.join(
+    ROOT, "configs", "quickstart.py"
+  )
+  assert recipes.resolve_flag(argv)[2:] == argv[2:]

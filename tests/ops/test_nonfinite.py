@@ -1,0 +1,177 @@
+"""The future never reaches the past: a NaN or an infinity at a later position of a causal op
+leaves every earlier output bit-identical (XLA and the kernels' interpreted forms), and logits
+of ~1e30 / 1e35 (around the old -1e30 sentinel) match the float64 reference."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import layers, ops
+from aft_jax.ops import banded, registry
+from tests.support import numpy_reference as ref
+
+T, D, POS = 40, 16, (6, 39)
+BAD = (np.nan, np.inf, -np.inf)
+
+
+def _rand(seed, *shapes, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [np.asarray(rng.normal(size=s) * scale, np.float32) for s in shapes]
+
+
+Q, K, V = _rand(0, (2, T, D), (2, T, D), (2, T, D))
+(W,) = _rand(1, (T, T))
+QC, VC = _rand(2, (2, T, 2, 8), (2, T, 2, 8))
+KC, KER = _rand(3, (2, T, 2), (2, 3))
+
+
+def _tpu_simple(q, k, v, w):
+  """The TPU kernel interpreted, as ``impl="pallas"`` runs it on a TPU (the registry's entry)."""
+  args = registry.OpArgs(q, k, v, causal=True)
+  return registry.Choice(registry.MOSAIC_SIMPLE, interpret=True)(args)
+
+
+# name -> (op(q, k, v, w), inputs, float64 reference, names of the inputs)
+OPS = {
+  "aft_full": (
+    lambda impl: lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl),
+    (Q, K, V, W),
+    lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
+  ),
+  "aft_local": (
+    lambda impl: lambda q, k, v, w: ops.aft_local(q, k, v, w, window=5, causal=True, impl=impl),
+    (Q, K, V, W),
+    lambda q, k, v, w: ref.aft_local(q, k, v, w, 5, True),
+  ),
+  "aft_simple": (
+    lambda impl: lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
+    (Q, K, V, W),
+    lambda q, k, v, w: ref.aft_simple(q, k, v, True),
+  ),
+  "aft_conv1d": (
+    lambda impl: lambda q, k, v, w: ops.aft_conv1d(q, k, v, w, causal=True, impl=impl),
+    (QC, KC, VC, KER),
+    lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True),
+  ),
+}
+CASES = [
+  ("aft_full", "xla"),
+  ("aft_local", "xla"),
+  ("aft_local", "pallas_interpret"),
+  ("aft_simple", "xla"),
+  ("aft_simple", "pallas_interpret"),
+  ("aft_simple", "tpu_interpret"),
+  ("aft_conv1d", "xla"),
+]
+
+
+QT, KT, VT = _rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes
+
+
+def _op(name, impl):
+  make, inputs, reference = OPS[name]
+  if impl == "tpu_interpret":
+    return jax.jit(_tpu_simple), (QT, KT, VT, W), reference
+  return jax.jit(make(impl)), inputs, reference
+
+
+def _with(inputs, arg, pos, value):
+  xs = [x.copy() for x in inputs]
+  if arg == 3:  # w: a later query's row (the kernel of AFT-conv has no positions)
+    xs[3][pos, :] = value
+  else:
+    xs[arg][:, pos, ...] = value
+  return xs
+
+
+@pytest.mark.parametrize("name,impl", CASES)
+def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
+  fn, inputs, reference = _op(name, impl)
+  clean = np.asarray(fn(*inputs))
+  args = (0, 1, 2) + ((3,) if name in ("aft_full", "aft_local") else ())
+  for arg in args:
+    for value in BAD:
+      for pos in POS:
+        xs = _with(inputs, arg, pos, value)
+        out = np.asarray(fn(*xs))
+        np.testing.assert_array_equal(out[:, :pos], clean[:, :pos], err_msg=f"{arg} {value} {pos}")
+        if arg == 1 and np.isinf(value):  # infinite keys: finite wherever float64 is
+          want = reference(*xs)
+          fin = np.isfinite(want)
+          assert np.isfinite(out[fin]).all(), (value, pos)
+          np.testing.assert_allclose(out[fin], want[fin], rtol=2e-4, atol=2e-5)
+
+
+# The XLA banded op in blocks of 8 rows (5 blocks: the running sums of the keys outside the
+# band take part) besides its default layout (one block at T = 40).
+GRAD_CASES = CASES + [("aft_full", "xla-blocks"), ("aft_local", "xla-blocks")]
+
+
+@pytest.mark.parametrize("name,impl", GRAD_CASES)
+def test_gradients_of_earlier_outputs_stay_finite(name, impl, monkeypatch):
+  """Reverse mode: the gradient of the outputs before a later NaN or infinity (in q, k, v, or
+  in w a later row) w.r.t. every input is finite before that position and equals the clean one
+  (to rounding: rows redone exactly are not bit-identical in the tangent); w's (and AFT-conv's
+  kernel's) gradient too. Rows from the bad position on have derivative 0
+  (``logsumexp.tame``)."""
+  if impl == "xla-blocks":
+    monkeypatch.setattr(banded, "_default_block", lambda s, t_len: 8)
+    impl = "xla"
+  fn, inputs, _ = _op(name, impl)
+  pos, bias = 29, name in ("aft_full", "aft_local")
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[:, :pos] ** 2), argnums=(0, 1, 2, 3)))
+  clean = grads(*inputs)
+  for arg in (0, 1, 2) + ((3,) if bias else ()):
+    for value in BAD:
+      got = grads(*_with(inputs, arg, pos + 2, value))
+      for i, (g, c) in enumerate(zip(got, clean)):
+        g, c = np.asarray(g), np.asarray(c)
+        g, c = (
+          (g[:pos], c[:pos]) if i == 3 and bias else (g, c) if i == 3 else (g[:, :pos], c[:, :pos])
+        )
+        assert np.isfinite(g).all(), (arg, value, "qkvw"[i])
+        np.testing.assert_allclose(g, c, 1e-4, 1e-6, err_msg=f"{arg} {value} {'qkvw'[i]}")
+
+
+def _layer_modules():
+  kw = dict(causal=True, impl="xla")
+  return {
+    "full": layers.AFTFull(max_len=T, hidden_dim=D, **kw),
+    "local": layers.AFTLocal(max_len=T, window=5, hidden_dim=D, **kw),
+    "simple": layers.AFTSimple(hidden_dim=D, **kw),
+    "conv1d": layers.AFTConv1D(num_heads=2, kernel_size=3, **kw),
+  }
+
+
+@pytest.mark.parametrize("name", ["full", "local", "simple", "conv1d"])
+def test_causal_layers_keep_the_past(name):
+  module = _layer_modules()[name]
+  (x,) = _rand(4, (2, T, D))
+  variables = module.init(jax.random.key(0), x)
+  # Non-zero biases, so that w and the kernel take part.
+  variables = jax.tree.map(lambda p: p + 0.1, variables)
+  apply = jax.jit(functools.partial(module.apply, variables))
+  clean = np.asarray(apply(x))
+  for value in BAD:
+    for pos in POS:
+      y = x.copy()
+      y[:, pos, 0] = value
+      np.testing.assert_array_equal(np.asarray(apply(y))[:, :pos], clean[:, :pos])
+  assert isinstance(module, nn.Module)
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e35])
+@pytest.mark.parametrize("name,impl", [c for c in CASES if c[1] != "tpu_interpret"])
+def test_logits_around_the_sentinel(name, impl, scale):
+  """Keys and biases of std 1e30 (the old sentinel -1e30's size) and 1e35: the float64
+  reference's values (each output is then sigma(q) v at the largest logit)."""
+  fn, inputs, reference = _op(name, impl)
+  q, k, v, w = inputs
+  k = k * np.float32(scale)
+  w = w * np.float32(scale if name != "aft_conv1d" else 1.0)
+  out = np.asarray(fn(q, k, v, w))
+  np.testing.assert_allclose(out, reference(q, k, v, w), rtol=2e-4, atol=2e-5)

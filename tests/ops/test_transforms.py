@@ -1,0 +1,547 @@
+"""Every op x implementation x JAX transformation (issue 33).
+
+A case is one op form with one implementation (XLA; the Pallas GPU kernels in Pallas'
+interpreter, impl="pallas_interpret"; the TPU kernel interpreted, as the registry runs it on a
+TPU); ``CASES`` says which forms and why. The transformations are composed, so that one
+compile covers many of them:
+
+- reverse mode (every form on XLA, every kernel): per outer example (vmap of grad:
+  per-example gradients), the values and gradient of two layers (lax.scan over their biases)
+  of jax.checkpoint of the op vmapped over an inner batch axis that follows T (grad of vmap,
+  nested vmap, any axis);
+- forward mode (the XLA ops with a hand-written derivative, and AFT-conv2d): jacfwd (vmap of
+  jvp) == jacrev, and forward-over-reverse Hessian-vector products along two tangents at once;
+- the kernels refuse forward mode in one line that names impl='xla'.
+
+Each result is compared with the same transformation of a dense jax.numpy softmax (plain
+autodiff; values 1e-5, derivatives 1e-5 of the largest entry), itself compared with the float64
+NumPy reference. Shapes are tiny (T 16, D 8; the GPU kernels' tile: T 32, D 16; the TPU
+kernel's: D 128) and the XLA ops' chunks and query blocks 4 positions, so that every op runs
+several. The Flax layers' per-example gradients and nn.scan over layers are checked the same
+way; shard_map with its defaults (check_vma=True) runs in one subprocess
+(tests/support/transforms_worker.py).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import layers, ops
+from aft_jax.ops import banded, causal_mean, registry
+from tests.support import numpy_reference as ref
+from tests.support.helpers import on_target
+
+B = 4  # nested vmap: 2 x 2
+WINDOW, KERNEL = 3, 3
+HEADS, CH = 2, 4  # AFT-conv: heads, channels per head
+IMG = (4, 4)  # AFT-conv2d's image
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_blocks():
+  """The XLA ops in chunks and query blocks of 4 positions: several of them at T = 16."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(causal_mean, "CHUNK", 4)
+    mp.setattr(banded, "_default_block", lambda s, t_len: 4)
+    yield
+
+
+# --------------------------------------------------------------------------- the op forms
+#
+# Every form is fn(q, k, v, w) on inputs with any leading dims (w: the bias [T, T] or the
+# AFT-conv kernel, shared), and its dense reference the same function by plain jax.numpy.
+
+
+def _segments(t_len):
+  """Two packed documents (ids) and each one's positions from 0, [T]."""
+  cut = t_len // 3
+  return np.repeat([0, 1], [cut, t_len - cut]), np.r_[np.arange(cut), np.arange(t_len - cut)]
+
+
+def _dense_mean(k, v, bias, mask, conv=False):
+  """sum_t' softmax_t'(k[t'] + bias) v[t'] over the keys ``mask`` admits: k, v [..., T, D]
+  (AFT-conv: k [..., T, H], v [..., T, H, C]); bias, mask broadcast against
+  [T (query), T (key), D or H]."""
+  logits = jnp.where(mask, k[..., None, :, :] + bias, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-2)
+  return jnp.einsum("...tsh,...shc->...thc" if conv else "...tsd,...sd->...td", p, v)
+
+
+def _mask(t_len, causal, packed):
+  t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
+  mask = (tp <= t) if causal else np.ones((t_len, t_len), bool)
+  if packed:
+    seg = _segments(t_len)[0]
+    mask &= seg[:, None] == seg[None, :]
+  return mask
+
+
+def _band_bias(w, window, packed):
+  """w where the lag t - t' (two-sided: |t - t'|) is below ``window``, 0 for the other keys;
+  packed: w at each document's own positions."""
+  t_len = w.shape[0]
+  lag = np.arange(t_len)[:, None] - np.arange(t_len)[None, :]
+  if packed:
+    pos = _segments(t_len)[1]
+    w = w[pos[:, None], pos[None, :]]
+  return jnp.where(np.abs(lag) < window, w, 0.0)
+
+
+def _seq_dense(window, causal, packed=False):
+  """AFT-full (window None), AFT-local or AFT-simple (window 0) by plain jax.numpy."""
+
+  def dense(q, k, v, w):
+    t_len = q.shape[-2]
+    bias = 0.0 if window == 0 else _band_bias(w, window or t_len, packed)[..., None]
+    return jax.nn.sigmoid(q) * _dense_mean(k, v, bias, _mask(t_len, causal, packed)[..., None])
+
+  return dense
+
+
+def _kernel_bias(kernel, t_len, causal):
+  """AFT-conv1d's kernel [H, s] as the bias [T, T, H] of every (query, key)."""
+  t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
+  s = kernel.shape[-1]
+  j = t - tp if causal else tp - t + s // 2
+  inside = (j >= 0) & (j < s)
+  return jnp.where(inside[..., None], kernel.T[np.clip(j, 0, s - 1)], 0.0)
+
+
+def _conv1d_dense(causal, packed=False):
+  def dense(q, k, v, kernel):
+    t_len = k.shape[-2]
+    mask = _mask(t_len, causal, packed)[..., None]
+    return jax.nn.sigmoid(q) * _dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
+
+  return dense
+
+
+def _conv2d_dense(q, k, v, kernel):
+  (ht, wd), (kh, kw) = k.shape[-3:-1], kernel.shape[1:]
+  r, c = np.divmod(np.arange(ht * wd), wd)
+  a = r[None, :] - r[:, None] + kh // 2  # the kernel entry of key (r', c') seen from (r, c)
+  b = c[None, :] - c[:, None] + kw // 2
+  inside = ((a >= 0) & (a < kh) & (b >= 0) & (b < kw))[..., None]
+  bias = jnp.where(
+    inside, jnp.moveaxis(kernel[:, np.clip(a, 0, kh - 1), np.clip(b, 0, kw - 1)], 0, -1), 0.0
+  )
+  flat = lambda x, n: x.reshape(x.shape[: x.ndim - n - 2] + (ht * wd,) + x.shape[x.ndim - n :])
+  mean = _dense_mean(flat(k, 1), flat(v, 2), bias, np.ones((1, 1, 1), bool), conv=True)
+  return jax.nn.sigmoid(q) * mean.reshape(q.shape)
+
+
+def _halves(x, axis):
+  cut = x.shape[axis] // 2
+  return jax.lax.slice_in_dim(x, 0, cut, axis=axis), jax.lax.slice_in_dim(x, cut, None, axis=axis)
+
+
+def _lead(k):
+  """segment_ids' shape [..., T]: k without its channels (k [..., T, D] or [..., T, H])."""
+  return k.shape[:-1]
+
+
+def _forms(impl):
+  """name -> (fn, its dense reference, its NumPy reference or None, input kind)."""
+  full = functools.partial(ops.aft_full, impl=impl)
+  local = functools.partial(ops.aft_local, window=WINDOW, impl=impl)
+  simple = functools.partial(ops.aft_simple, impl=impl)
+  conv1d = functools.partial(ops.aft_conv1d, impl=impl)
+  seg = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[0], _lead(k))
+  pos = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[1], _lead(k))
+
+  def simple_state(q, k, v, w):
+    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
+    y1, state = simple(q1, k1, v1, causal=True, output_final_state=True)
+    return jnp.concatenate([y1, simple(q2, k2, v2, causal=True, initial_state=state)], -2)
+
+  def local_state(q, k, v, w):  # the second piece at offset T / 2 into w
+    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
+    y1, state = local(q1, k1, v1, w, causal=True, output_final_state=True)
+    y2 = local(q2, k2, v2, w, causal=True, offset=q1.shape[-2], initial_state=state)
+    return jnp.concatenate([y1, y2], -2)
+
+  def conv1d_state(q, k, v, w):
+    (q1, q2), (v1, v2) = (_halves(x, x.ndim - 3) for x in (q, v))
+    k1, k2 = _halves(k, k.ndim - 2)
+    y1, state = conv1d(q1, k1, v1, w, causal=True, output_final_state=True)
+    return jnp.concatenate([y1, conv1d(q2, k2, v2, w, causal=True, initial_state=state)], -3)
+
+  causal_ref = {
+    "full": lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
+    "local": lambda q, k, v, w: ref.aft_local(q, k, v, w, WINDOW, True),
+    "simple": lambda q, k, v, w: ref.aft_simple(q, k, v, True),
+    "conv1d": lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True),
+  }
+  return {
+    "full": (full, _seq_dense(None, False), ref.aft_full, "seq"),
+    "full-causal": (
+      functools.partial(full, causal=True),
+      _seq_dense(None, True),
+      causal_ref["full"],
+      "seq",
+    ),
+    "local": (
+      local,
+      _seq_dense(WINDOW, False),
+      lambda q, k, v, w: ref.aft_local(q, k, v, w, WINDOW),
+      "seq",
+    ),
+    "local-causal": (
+      functools.partial(local, causal=True),
+      _seq_dense(WINDOW, True),
+      causal_ref["local"],
+      "seq",
+    ),
+    "simple": (
+      lambda q, k, v, w: simple(q, k, v),
+      _seq_dense(0, False),
+      lambda q, k, v, w: ref.aft_simple(q, k, v),
+      "seq",
+    ),
+    "simple-causal": (
+      lambda q, k, v, w: simple(q, k, v, causal=True),
+      _seq_dense(0, True),
+      causal_ref["simple"],
+      "seq",
+    ),
+    "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
+    "conv1d-causal": (
+      functools.partial(conv1d, causal=True),
+      _conv1d_dense(True),
+      causal_ref["conv1d"],
+      "conv1d",
+    ),
+    "conv2d": (
+      functools.partial(ops.aft_conv2d, impl=impl),
+      _conv2d_dense,
+      ref.aft_conv2d,
+      "conv2d",
+    ),
+    "simple-state": (simple_state, _seq_dense(0, True), causal_ref["simple"], "seq"),
+    "local-state": (local_state, _seq_dense(WINDOW, True), causal_ref["local"], "seq"),
+    "conv1d-state": (conv1d_state, _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
+    "full-packed": (
+      lambda q, k, v, w: full(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k)),
+      _seq_dense(None, True, packed=True),
+      None,
+      "seq",
+    ),
+    "local-packed": (
+      lambda q, k, v, w: local(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k)),
+      _seq_dense(WINDOW, True, packed=True),
+      None,
+      "seq",
+    ),
+    "simple-packed": (
+      lambda q, k, v, w: simple(q, k, v, causal=True, segment_ids=seg(k)),
+      _seq_dense(0, True, packed=True),
+      None,
+      "seq",
+    ),
+    "conv1d-packed": (
+      lambda q, k, v, w: conv1d(q, k, v, w, causal=True, segment_ids=seg(k)),
+      _conv1d_dense(True, packed=True),
+      None,
+      "conv1d",
+    ),
+  }
+
+
+def _tpu_simple(q, k, v, w):
+  """Causal AFT-simple on the TPU kernel interpreted: the registry's entry, as impl="pallas"
+  runs it on a TPU."""
+  return registry.Choice(registry.MOSAIC_SIMPLE, interpret=True)(
+    registry.OpArgs(q, k, v, causal=True)
+  )
+
+
+# (form, impl) -> (T, D): every form on XLA, and every kernel on its plain and state forms
+# (``pieces`` prepends the state as keys and calls the same kernel; the packed forms run
+# ``segments``' XLA code whatever the impl, the axis_name forms are
+# tests/support/transforms_worker.py's).
+# Each case compiles its op under the composed transformations (4-30 s of one core each).
+CASES = {(name, "xla"): (16, 8) for name in _forms("xla")}
+KERNEL_FORMS = ("simple-causal", "local-causal", "simple-state", "local-state")
+CASES.update({(n, "pallas_interpret"): (32, 16) for n in KERNEL_FORMS})
+CASES[("simple-causal", "tpu_interpret")] = (32, 128)
+# Forward mode (XLA): the ops with a hand-written derivative (banded: AFT-full and AFT-local,
+# causal or not; causal_mean; causal AFT-conv1d) and AFT-conv2d (plain autodiff under the
+# gate's JVP, which every op has).
+FORWARD = ("full", "full-causal", "local", "local-causal", "simple-causal", "conv1d-causal")
+FORWARD += ("conv2d",)
+
+
+def _inputs(kind, t_len, d, seed=0):
+  """(q, k, v, w), a cotangent of the output and tangents of the inputs, float32."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  if kind == "seq":
+    shapes = [(B, t_len, d)] * 3 + [(t_len, t_len)]
+  elif kind == "conv1d":
+    shapes = [(B, t_len, HEADS, CH), (B, t_len, HEADS), (B, t_len, HEADS, CH), (HEADS, KERNEL)]
+  else:
+    img = (B, *IMG)
+    shapes = [(*img, HEADS, CH), (*img, HEADS), (*img, HEADS, CH), (HEADS, KERNEL, KERNEL)]
+  x = tuple(f(*s) for s in shapes)
+  return x, f(*shapes[0]), tuple(f(*s) for s in shapes)
+
+
+# --------------------------------------------------------------------------- the transformations
+
+
+def _grads(fn, *args):
+  return jax.grad(fn, argnums=tuple(range(len(args))))(*args)
+
+
+def _nest(x):
+  """[B, ...] -> [2, S, B / 2, ...]: the batch as two vmapped axes, the inner one after the
+  first sequence (or image) axis S."""
+  return jnp.moveaxis(x.reshape((2, B // 2) + x.shape[1:]), 1, 2)
+
+
+def _reverse(fn):
+  """Per outer example (vmap of grad), the values and gradient of two layers (lax.scan over
+  their biases or kernels) of jax.checkpoint of ``fn`` vmapped over the inner batch axis, a
+  later one (grad of vmap): q, k, v, ct ``_nest``-ed, ws [2, ...] (shared)."""
+  inner = jax.checkpoint(jax.vmap(fn, (1, 1, 1, None), 1))
+
+  def loss(q, k, v, ws, ct):
+    y = jax.lax.scan(lambda h, w: (inner(q, k, h, w), None), v, ws)[0]
+    return jnp.sum(y * ct), y
+
+  grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+  return jax.vmap(grads, (0, 0, 0, None, 0))
+
+
+def _forward(fn, x, tx, ct, jacrev=True):
+  """jacfwd and (``jacrev``) jacrev of one example's output w.r.t. k and w; Hessian-vector
+  products (jvp of grad) along two tangents at once (vmap of them)."""
+  q, k, v, w = x
+  x1 = (q[:1], k[:1], v[:1], w)
+  loss = lambda *a: jnp.sum(fn(*a) * ct)
+  hvp = lambda t: jax.jvp(lambda *a: _grads(loss, *a), x, t)[1]
+  two = jax.tree.map(lambda t: jnp.stack([t, -0.5 * t[::-1]]), tx)
+  out = {"jacfwd": jax.jacfwd(fn, argnums=(1, 3))(*x1), "hvp": jax.vmap(hvp)(two)}
+  out["jacrev"] = (jax.jacrev if jacrev else _jacrev_in_batches)(fn, argnums=(1, 3))(*x1)
+  return out
+
+
+def _jacrev_in_batches(fn, argnums=(1, 3)):
+  """jax.jacrev(fn, argnums=(1, 3)) (w.r.t. k and w) with its vjps vmapped 16 cotangents at a
+  time (lax.map)."""
+  assert argnums == (1, 3)
+
+  def jac(q, k, v, w):
+    y, vjp = jax.vjp(lambda k, w: fn(q, k, v, w), k, w)
+    eye = jnp.eye(y.size, dtype=y.dtype).reshape((y.size,) + y.shape)
+    rows = jax.lax.map(vjp, eye, batch_size=16)
+    return tuple(r.reshape(y.shape + r.shape[1:]) for r in rows)
+
+  return jac
+
+
+def _close(got, want, what, whole_tree=False):
+  """Every leaf of ``got`` equals ``want``'s to 1e-5 of its largest entry (``whole_tree``: of
+  the largest entry of all of ``want``, as for a layer's parameter gradients, some of which sum
+  per-example terms that nearly cancel) and relatively."""
+  top = max(float(np.max(np.abs(np.asarray(w)))) for w in jax.tree.leaves(want))
+  for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+    w = np.asarray(w, np.float64)
+    scale = max(top if whole_tree else float(np.max(np.abs(w))), 1e-30)
+    np.testing.assert_allclose(np.asarray(g), w, rtol=TOL, atol=TOL * scale, err_msg=f"{what} {i}")
+
+
+def _case_fn(name, impl):
+  if impl == "tpu_interpret":
+    return (_tpu_simple, *_forms("xla")[name][1:])
+  return _forms(impl)[name]
+
+
+@pytest.mark.parametrize("name,impl", list(CASES), ids=[f"{n}-{i}" for n, i in CASES])
+def test_reverse_mode_under_vmap_checkpoint_and_scan(name, impl):
+  """vmap (nested, over a later axis), grad of vmap, vmap of grad, jax.checkpoint and lax.scan
+  over layers, composed (``_reverse``), against the same of the dense reference; and the dense
+  reference against the float64 one."""
+  fn, dense, numpy_ref, kind = _case_fn(name, impl)
+  x, ct, _ = _inputs(kind, *CASES[name, impl])
+  args = (*map(_nest, x[:3]), jnp.stack([x[3], 0.5 * x[3]]), _nest(ct))
+  run = jax.jit(lambda *a: (_reverse(fn)(*a), _reverse(dense)(*a)))
+  got, want = run(*args)
+  if numpy_ref is not None:
+    _close(dense(*x), numpy_ref(*x), "dense reference")
+  (_, y), grads = got
+  (_, y_want), grads_want = want
+  _close(y, y_want, "values")
+  _close(grads, grads_want, "gradients")
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_mode_on_the_xla_path(name):
+  """jvp (jacfwd's), jacfwd == jacrev, forward-over-reverse Hessian-vector products, against
+  the dense reference's."""
+  fn, dense, _, kind = _forms("xla")[name]
+  x, ct, tx = _inputs(kind, 16, 8)
+  # AFT-conv2d's jacrev (vmap of its vjp over 128 cotangents) compiled by XLA:CPU (jax 0.10.2)
+  # reads memory it never wrote (NaN and garbage, different from run to run, in the gradient
+  # w.r.t. k; its prefix scans of triples, ``conv._prefix0``, under vmap of their transpose at a
+  # batch of 32 or more; op by op, or 16 cotangents at a time, it is right): there its vjps
+  # are vmapped 16 at a time.
+  jit_rev = name != "conv2d"
+  run = jax.jit(lambda *a: (_forward(fn, *a, jit_rev), _forward(dense, *a, jit_rev)))
+  got, want = run(x, tx, ct)
+  _close(got, want, "forward mode")
+  _close(got["jacfwd"], got["jacrev"], "jacfwd == jacrev")
+
+
+def test_kernels_refuse_forward_mode_in_one_line():
+  """A custom VJP has no forward mode: jvp, jacfwd and jvp of grad of an explicit kernel (GPU
+  interpreted; the TPU kernel as impl="pallas" resolves it on a TPU) are a one-line ValueError
+  that names impl='xla'; impl="auto" takes XLA there."""
+  x, _, tx = _inputs("seq", 32, 16)
+  q, k, v, w = x
+  kernels = {
+    "aft_simple": lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas_interpret"),
+    "aft_local": lambda *a: ops.aft_local(*a, window=WINDOW, causal=True, impl="pallas_interpret"),
+  }
+  for name, fn in kernels.items():
+    loss = lambda *a: jnp.sum(fn(*a))
+    for how, transform in (
+      ("jvp", lambda: jax.jvp(fn, x, tx)),
+      ("jacfwd", lambda: jax.jacfwd(fn, argnums=1)(*x)),
+      ("hvp", lambda: jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), x, tx)),
+    ):
+      with pytest.raises(ValueError) as e:
+        jax.eval_shape(transform)
+      assert "\n" not in str(e.value) and "use impl='xla'" in str(e.value), (name, how)
+      assert name in str(e.value) and "forward-mode" in str(e.value), (name, how)
+  x128, _, t128 = _inputs("seq", 32, 128)
+  with on_target("TPU v5 lite", "tpu"), pytest.raises(ValueError, match="use impl='xla'"):
+    jax.eval_shape(
+      lambda: jax.jvp(lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas"), x128, t128)
+    )
+  auto = lambda *a: ops.aft_simple(*a[:3], causal=True, impl="auto")
+  _close(jax.jvp(auto, x, tx)[1], jax.jvp(_forms("xla")["simple-causal"][0], x, tx)[1], "auto")
+
+
+# --------------------------------------------------------------------------- the Flax layers
+
+LAYER_CASES = {
+  "AFTLocal": (
+    lambda: layers.AFTLocal(max_len=16, window=WINDOW, hidden_dim=8, causal=True, impl="xla"),
+    (B, 16, 8),
+  ),
+  "AFTSimple-pallas": (
+    lambda: layers.AFTSimple(hidden_dim=16, causal=True, impl="pallas_interpret"),
+    (B, 32, 16),
+  ),
+}
+
+
+def _params(module, shape):
+  """Unboxed parameters, every one random (so that w and the kernels take part)."""
+  variables = nn.meta.unbox(module.init(jax.random.key(0), jnp.zeros(shape)))
+  leaves, tree = jax.tree.flatten(variables)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return jax.tree.unflatten(
+    tree, [x + 0.3 * jax.random.normal(key, x.shape) for x, key in zip(leaves, keys)]
+  )
+
+
+@pytest.mark.parametrize("name", LAYER_CASES)
+def test_layers_per_example_gradients(name):
+  """vmap over examples of grad of one example's loss (DP-SGD's per-example gradients): each
+  equals grad on that example alone, and their sum grad of vmap of the loss."""
+  make, shape = LAYER_CASES[name]
+  module = make()
+  params = _params(module, shape)
+  rng = np.random.default_rng(2)
+  x, ct = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+  loss = lambda p, x, ct: jnp.sum(module.apply(p, x[None])[0] * ct)
+
+  @jax.jit
+  def run(params, x, ct):
+    each = jax.vmap(jax.grad(loss), (None, 0, 0))(params, x, ct)
+    total = jax.grad(lambda p: jnp.sum(jax.vmap(loss, (None, 0, 0))(p, x, ct)))(params)
+    return each, total, jax.grad(loss)(params, x[0], ct[0])
+
+  each, total, first = run(params, x, ct)
+  _close(jax.tree.map(lambda g: g[0], each), first, "example 0", whole_tree=True)
+  total_each = jax.tree.map(lambda g: jnp.sum(g, axis=0), each)
+  _close(total_each, total, "sum over examples", whole_tree=True)
+
+
+def test_nn_scan_over_layers_equals_a_loop():
+  """nn.scan over two causal AFTSimple blocks (residual) equals the blocks applied one after the
+  other with their slices of the stacked parameters: values and the parameters' gradients."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + layers.AFTSimple(hidden_dim=8, causal=True, impl="xla")(x), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=2,
+        metadata_params={nn.PARTITION_NAME: None},
+      )
+      return scan()(x, None)[0]
+
+  shape = (2, 16, 8)
+  params = _params(Stack(), shape)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=shape), jnp.float32)
+
+  def looped(params, x):
+    for i in range(2):
+      layer = jax.tree.map(lambda a: a[i], params["params"]["ScanBlock_0"])
+      x = Block().apply({"params": layer}, x, None)[0]
+    return x
+
+  scanned = lambda params, x: Stack().apply(params, x)
+  run = jax.jit(
+    lambda p, x: [
+      (f(p, x), jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(p)) for f in (scanned, looped)
+    ]
+  )
+  (y1, g1), (y2, g2) = run(params, x)
+  _close(y1, y2, "values")
+  _close(g1, g2, "gradients", whole_tree=True)
+
+
+# --------------------------------------------------------------------------- shard_map
+
+
+def test_shard_map_with_its_defaults(tmp_path):
+  """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
+  out = tmp_path / "report.json"
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+  )
+  proc = subprocess.run(
+    [sys.executable, "-m", "tests.support.transforms_worker", str(out)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads(out.read_text())
+  assert set(report["xla"]) == {"simple", "local"}, report
+  assert report["interpret"].startswith("Pallas' interpreter cannot run inside jax.shard_map"), (
+    report
+  )
+  assert report["lowered"] == {"triton": 2, "mosaic": 1}, report  # grad programs

@@ -1,0 +1,489 @@
+"""Compiles aft-jax for GPUs and TPUs that are not here and prints one JSON object of what XLA
+made of each program (tests/test_deviceless.py starts it and asserts on that object).
+
+    python -m tests.support.deviceless_worker cuda   # in aft_jax.deviceless.environment("cuda")
+    python -m tests.support.deviceless_worker tpu    # in aft_jax.deviceless.environment("tpu")
+
+Every program is compiled to machine code for the named device (``aft_jax.deviceless``), so one
+XLA cannot build for that device fails here as it would there. The worker records facts: for
+each compiled program its Pallas calls (Triton: kernel name and grid; TPU: Mosaic calls), its
+temp memory, and the messages and exceptions it met; and the expectations that only tracing can
+give (the Pallas calls in each op's jaxpr, traced with the interpreted kernels on the host). It
+asserts nothing, so one broken item leaves the others reported. One process per platform: the
+plugin starts once and the compiles share jax's in-memory caches.
+
+cuda: the kernel matrix (``kernels``: every kernel configuration ``impl="auto"`` can choose for
+AFT-simple and AFT-local, forward and forward+backward, float32 and bfloat16, compiled for an
+H100 and lowered for a T4), ``impl="pallas"`` on a T4 (``pallas_on_t4``), the quickstart train
+step of every mixing layer (``train_steps``: every one for a T4, the two with kernels for an
+H100) and the notebook's GPU model (``notebook``) for a T4, and the trainer's safety net on a
+T4 that ``impl="auto"`` is made to misjudge (``safety_net``).
+tpu: the TPU AFT-simple kernel at B 1, T 16384, D 512 bfloat16 against the XLA path for a v5e
+and a v6e (``tpu_kernel``), and an AFT-simple LM train step with it for a v5e (``train_step``).
+"""
+
+import concurrent.futures
+import functools
+import json
+import os
+import re
+import resource
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from aft_jax import data as data_lib
+from aft_jax import deviceless, ops, sharding
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.default_config import get_config as default_config
+from aft_jax.model import ModelConfig
+from aft_jax.ops import pallas_util
+from aft_jax.ops import target as ops_target
+from configs import quickstart
+from tests.support.helpers import ROOT, TRITON, equations, tiny_config
+
+MOSAIC = 'custom_call_target="tpu_custom_call"'  # a Pallas TPU kernel in compiled HLO
+# A Triton call's line in compiled HLO: its grid, then (after the kernel's IR) its name.
+_TRITON_CALL = re.compile(
+  r"custom_call_target=\"" + re.escape(TRITON) + r"\".*grid_x = (\d+) : i32, grid_y = (\d+) : "
+  r"i32, grid_z = (\d+) : i32.*name = \"(\w+)\", num_stages"
+)
+# sm_75 (XLA refuses Triton) and sm_90. sm_80 (an A100) compiles every kernel configuration,
+# forward and backward, in tests/ops/test_kernel_resources.py (XLA's own pipeline, checked grids).
+GPUS = ("t4", "h100")
+# A T4's matrix is lowered, not compiled: XLA refuses Triton below compute capability 8.0, so
+# there every case is the XLA path (no Triton call in the lowered module is the check), and
+# the T4 train steps below compile that path (a compile of the 32 cases cost ~30 CPU-s).
+LOWER_ONLY = ("t4",)
+T_GPU = 32  # two 16-row chunks: the kernels' carries between chunks are compiled too
+WINDOWS = (5, 24)  # AFT-local: slabs of one and of two key blocks before a chunk's own
+DTYPES = ("float32", "bfloat16")
+TPU_SHAPE = (1, 16384, 512)  # B, T, D: a long sequence, where the TPU kernel's memory tells
+TPU_TARGETS = ("v5e", "v6e")
+# The safety net's model: tiny_config's with AFT-simple, whose 16 channels the kernels tile and
+# whose XLA fallback compiles fastest of the mixings with a kernel.
+SAFETY_NET = {"model.mixing": "aft_simple"}
+# XLA compiles with the GIL released: jobs side by side use the cores (CI's two at least).
+THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+def _error(e: BaseException) -> str:
+  """An exception's type and first lines (XLA's messages run to pages)."""
+  lines = str(e).strip().splitlines() or [""]
+  return f"{type(e).__name__}: " + "\n".join(lines[:6])[:2000]
+
+
+def _attempt(fn) -> dict:
+  """``{"ok": True, **fn()}``, or ``{"ok": False, "error": ...}`` if it raised."""
+  try:
+    return {"ok": True, **fn()}
+  except Exception as e:  # noqa: BLE001 (XLA's errors share no type; each is reported)
+    return {"ok": False, "error": _error(e)}
+
+
+def _raises(fn) -> dict:
+  """What ``fn()`` raised ({"raised": type name, "message": ...}); raised None if nothing."""
+  try:
+    fn()
+  except Exception as e:  # noqa: BLE001
+    return {"raised": type(e).__name__, "message": str(e)}
+  return {"raised": None, "message": ""}
+
+
+def triton_calls(text: str) -> list:
+  """[name, grid_x, grid_y, grid_z] of every Triton call in compiled HLO text, sorted; a call
+  whose line the pattern misses still counts, as ["?", 0, 0, 0]."""
+  calls = []
+  for line in text.splitlines():
+    if TRITON in line:
+      m = _TRITON_CALL.search(line)
+      calls.append([m.group(4), *map(int, m.group(1, 2, 3))] if m else ["?", 0, 0, 0])
+  return sorted(calls)
+
+
+def jaxpr_kernels(fn, *args) -> list:
+  """[kernel name, grid (padded to 3 with 1s)] of every pallas_call in ``fn``'s jaxpr, sorted:
+  what a compile for a device that takes the kernels must hold."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  out = []
+  for eqn in equations(jaxpr, "pallas_call"):
+    name = eqn.params["jaxpr"].debug_info.func_src_info.split()[0]
+    grid = tuple(eqn.params["grid_mapping"].grid)
+    out.append([name, *(grid + (1,) * (3 - len(grid)))])
+  return sorted(out)
+
+
+def _mesh(devices) -> Mesh:
+  """A one-axis mesh over ``devices``: under ``jax.set_mesh`` the ops see its device kind."""
+  return Mesh(np.array(devices), ("x",))
+
+
+def _specs(mesh, shapes, dtype):
+  """Replicated ShapeDtypeStructs on ``mesh`` (what a jit lowered for its devices takes)."""
+  sharding_ = NamedSharding(mesh, P())
+  return [jax.ShapeDtypeStruct(s, dtype, sharding=sharding_) for s in shapes]
+
+
+# --------------------------------------------------------------------------- GPU kernels
+
+
+def shape_for(cfg) -> tuple[int, int]:
+  """The smallest (D, batch) for which ``config_for`` chooses ``cfg`` (a ValueError if none
+  up to D 256, batch 256 does)."""
+  pairs = sorted(
+    ((d, b) for d in range(16, 257, 16) for b in (2**i for i in range(9))),
+    key=lambda p: (p[0] * p[1], p[0]),
+  )
+  for d, b in pairs:
+    if pallas_util.unsupported_channels(d) is None and pallas_util.config_for(d, b) == cfg:
+      return d, b
+  raise ValueError(f"no (D, batch) up to (256, 256) makes config_for choose {cfg}")
+
+
+def kernel_cases() -> list[dict]:
+  """Per mode ("fwd", "grad") and dtype, AFT-simple and AFT-local at the shapes that make
+  ``config_for`` choose each of ``pallas_util.CONFIGS``; AFT-local's window cycles through
+  ``WINDOWS`` (each config once, each window at least once: a compile costs per kernel, not per
+  element)."""
+  cases = []
+  for mode in ("fwd", "grad"):
+    for dtype in DTYPES:
+      for i, cfg in enumerate(pallas_util.CONFIGS):
+        d, b = shape_for(cfg)
+        shape = {"d": d, "batch": b, "t": T_GPU, "dtype": dtype, "mode": mode}
+        cases.append({"op": "aft_simple", "window": None, **shape})
+        cases.append({"op": "aft_local", "window": WINDOWS[i % len(WINDOWS)], **shape})
+  return cases
+
+
+def _case_fn(case, impl: str):
+  """The case's op (causal), or for mode "grad" the gradient of its sum in every input."""
+  if case["op"] == "aft_simple":
+    op = lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl=impl)
+  else:
+    op = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=case["window"], causal=True, impl=impl)
+  if case["mode"] == "fwd":
+    return op
+  n = 3 if case["op"] == "aft_simple" else 4
+  return jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32)), argnums=tuple(range(n)))
+
+
+def _case_args(case, mesh):
+  """The case's q, k, v ``[batch, t, d]`` in its dtype (and AFT-local's float32 w [t, t])."""
+  qkv = _specs(mesh, [(case["batch"], case["t"], case["d"])] * 3, case["dtype"])
+  if case["op"] == "aft_simple":
+    return qkv
+  return qkv + _specs(mesh, [(case["t"], case["t"])], jnp.float32)
+
+
+def _compile_cases(cases, mesh, impl="auto", compile_: bool = True):
+  """One program holding every case: one compile per target (the cases are independent, so
+  XLA compiles each case's kernels as it would alone); ``compile_=False``: only lowered."""
+  fns = [_case_fn(c, impl) for c in cases]
+  args = [_case_args(c, mesh) for c in cases]
+  with jax.set_mesh(mesh):
+    lowered = jax.jit(lambda a: [f(*x) for f, x in zip(fns, a)]).lower(args)
+  return lowered.compile() if compile_ else lowered
+
+
+def gpu_kernels() -> dict:
+  """The kernel matrix: per target, a job compiling one program that holds every case (where
+  that fails, each case again alone, to name the ones that do), and per case the kernels its
+  jaxpr holds (traced on the host with the interpreted kernels, which take the same
+  configurations)."""
+  cases = kernel_cases()
+
+  def compile_all(mesh, compile_):
+    build = lambda cs: _compile_cases(cs, mesh, compile_=compile_)
+    res = _attempt(lambda: {"calls": triton_calls(build(cases).as_text()), "compiled": compile_})
+    if not res["ok"]:
+      alone = [_attempt(lambda: (build([c]), {})[1]) for c in cases]
+      res["failing_cases"] = [{**c, **r} for c, r in zip(cases, alone) if not r["ok"]]
+    return res
+
+  compiled = {
+    name: _submit(functools.partial(compile_all, _mesh(_devices(name)), name not in LOWER_ONLY))
+    for name in GPUS
+  }
+  host = _mesh(jax.devices("cpu")[:1])
+  expected = [jaxpr_kernels(_case_fn(c, "pallas_interpret"), *_case_args(c, host)) for c in cases]
+  return {"cases": cases, "expected": expected, "compiled": compiled}
+
+
+def pallas_on_t4() -> dict:
+  """What lowering each kernel op with impl="pallas" for a T4 raises."""
+  mesh = _mesh(_devices("t4"))
+  out = {}
+  for op in ("aft_simple", "aft_local"):
+    case = {"op": op, "d": 64, "batch": 1, "t": T_GPU, "window": WINDOWS[0]}
+    case.update(dtype="float32", mode="fwd")
+    fn, args = _case_fn(case, "pallas"), _case_args(case, mesh)
+
+    def lower(fn=fn, args=args):
+      with jax.set_mesh(mesh):
+        jax.jit(fn).lower(*args)
+
+    out[op] = _raises(lower)
+  return out
+
+
+# --------------------------------------------------------------------------- GPU train steps
+
+
+def _model_cfg(config) -> ModelConfig:
+  """The ModelConfig a training run builds from ``config`` (vocabulary from the data config,
+  without loading the data)."""
+  vocab, _ = data_lib.vocab_size(config.data)
+  return ModelConfig(vocab_size=vocab, **config.model).validate()
+
+
+def _step_facts(compiled) -> dict:
+  """A compiled program's Triton calls, Mosaic call count and temp bytes."""
+  text = compiled.as_text()
+  return {
+    "calls": triton_calls(text),
+    "mosaic": text.count(MOSAIC),
+    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+  }
+
+
+def build_and_compile(config, devices) -> dict:
+  """The trainer's own path (``train_lib.build_trainer``, as ``aft-train`` and its dry run take
+  it), then the train step compiled for ``devices``: the impl it runs, the lines it said, the
+  compiled step's facts."""
+  said = []
+  mesh = sharding.make_mesh(config.mesh, devices)
+  trainer = train_lib.build_trainer(config, _model_cfg(config), mesh, said.append)
+  step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
+  if step is None:
+    step = trainer.lower_train_step().compile()
+  return {"impl": trainer.model.cfg.impl, "said": said, **_step_facts(step)}
+
+
+def quickstart_config(mixing: str):
+  """configs/quickstart.py with ``mixing`` and model.impl "auto" (every other setting the
+  recipe's)."""
+  config = quickstart.get_config()
+  config.model.mixing = mixing
+  config.model.impl = "auto"
+  return config
+
+
+# The quickstart train steps compiled per GPU: every mixing layer for a T4 (where the default
+# path was refused before), the two with kernels for an H100 (the others are XLA's there too,
+# and each compile is ~10 s of CI time).
+TRAIN_STEP_MIXINGS = {
+  "t4": ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax"),
+  "h100": ("aft_local", "aft_simple"),
+}
+NOTEBOOK_GPUS = ("t4",)  # Colab's free GPU; the H100's kernels are the train steps' above
+
+
+def train_steps() -> dict:
+  """The quickstart train steps of ``TRAIN_STEP_MIXINGS`` (a job each)."""
+  return {
+    name: {
+      mixing: _submit(
+        functools.partial(build_and_compile, quickstart_config(mixing), _devices(name))
+      )
+      for mixing in mixings
+    }
+    for name, mixings in TRAIN_STEP_MIXINGS.items()
+  }
+
+
+def notebook_gpu_config():
+  """(config, builder) of notebooks/quickstart.ipynb's training cell as a GPU runtime runs it
+  (ACCELERATOR true, AFT_QUICK unset): the cell's lines from ``config = get_config()`` to the
+  corpus, run here, so that the test follows the notebook; builder: "build_trainer" or
+  "Trainer", whichever of train_lib's the cell builds its trainer with."""
+  with open(os.path.join(ROOT, "notebooks", "quickstart.ipynb")) as f:
+    cells = json.load(f)["cells"]
+  for cell in cells:
+    src = "".join(cell["source"])
+    if cell["cell_type"] == "code" and "config = get_config()" in src and "corpus = " in src:
+      start = src.index("config = get_config()")
+      namespace = {"get_config": default_config, "ACCELERATOR": True, "QUICK": False}
+      exec(src[start : src.index("corpus = ", start)], namespace)
+      builder = "build_trainer" if "train_lib.build_trainer(" in src else "Trainer"
+      return namespace["config"], builder
+  raise LookupError("notebooks/quickstart.ipynb: no cell sets config = get_config() and a corpus")
+
+
+def notebook() -> dict:
+  """The notebook's GPU model, its trainer built as the notebook builds it, for
+  ``NOTEBOOK_GPUS`` (a job each)."""
+  config, builder = notebook_gpu_config()
+
+  def step(devices):
+    if builder == "build_trainer":
+      return build_and_compile(config, devices)
+    trainer = train_lib.Trainer(
+      config, _model_cfg(config), sharding.make_mesh(config.mesh, devices)
+    )
+    return {"impl": trainer.model.cfg.impl, **_step_facts(trainer.lower_train_step().compile())}
+
+  out = {"model": config.model.to_dict(), "builder": builder}
+  out.update(seq_len=config.seq_len, batch_size=config.batch_size)
+  return {
+    **out,
+    **{name: _submit(functools.partial(step, _devices(name))) for name in NOTEBOOK_GPUS},
+  }
+
+
+def safety_net() -> dict:
+  """A T4 with the capability rule lowered to 7.0, so that ``impl="auto"`` wrongly takes the
+  kernels: what ``build_trainer`` says and returns (``SAFETY_NET``'s model), and what
+  compiling the train step with an explicit impl="pallas" does. The rule is a module global:
+  this runs before every other GPU job, its two jobs side by side under the one patch."""
+  devices = _devices("t4")
+
+  def explicit():
+    config = tiny_config(**{"model.impl": "pallas", **SAFETY_NET})
+    mesh = sharding.make_mesh(config.mesh, devices)
+    lowered = train_lib.Trainer(config, _model_cfg(config), mesh).lower_train_step()
+    return {"triton": lowered.as_text().count(TRITON), **_raises(lowered.compile)}
+
+  saved = ops_target.TRITON_MIN_CAPABILITY
+  ops_target.TRITON_MIN_CAPABILITY = (7, 0)
+  try:
+    config = tiny_config(**{"model.impl": "auto", **SAFETY_NET})
+    jobs = {"auto": _submit(functools.partial(build_and_compile, config, devices))}
+    jobs["explicit"] = _submit(explicit)
+    return _resolve(jobs)
+  finally:
+    ops_target.TRITON_MIN_CAPABILITY = saved
+
+
+# --------------------------------------------------------------------------- TPU
+
+
+def tpu_kernel() -> dict:
+  """Causal AFT-simple at ``TPU_SHAPE`` bfloat16, impl "pallas" (the Mosaic kernel) and "xla",
+  forward and forward+backward, per TPU target: Mosaic calls and temp memory; and the kernels
+  the impl="pallas" jaxpr holds."""
+  out = {"shape": TPU_SHAPE, "dtype": "bfloat16"}
+  for name in TPU_TARGETS:
+    mesh = _mesh(_devices(name))
+    args = _specs(mesh, [TPU_SHAPE] * 3, out["dtype"])
+    out[name] = {}
+    for impl in ("pallas", "xla"):
+      for mode in ("fwd", "grad"):
+        fn = _case_fn({"op": "aft_simple", "mode": mode}, impl)
+
+        def facts(fn=fn, mesh=mesh, args=args):
+          with jax.set_mesh(mesh):
+            kernels = jaxpr_kernels(fn, *args)
+            compiled = jax.jit(fn).lower(*args).compile()
+          return {"jaxpr_kernels": kernels, **_step_facts(compiled)}
+
+        out[name][f"{impl}_{mode}"] = _submit(facts)
+  return out
+
+
+def tpu_train_step() -> dict:
+  """The quickstart recipe with AFT-simple and impl="pallas" (its d_model a multiple of 128,
+  the kernel's lane tile), its train step compiled for a v5e."""
+  config = quickstart_config("aft_simple")
+  config.model.impl = "pallas"
+  return {
+    "model": config.model.to_dict(),
+    "step": _submit(lambda: build_and_compile(config, _devices("v5e"))),
+  }
+
+
+# --------------------------------------------------------------------------- main
+
+
+@functools.cache
+def _devices(name: str) -> list:
+  """One device of target ``name`` (topologies are made once, on the main thread)."""
+  return deviceless.devices(name, 1)
+
+
+_POOL = concurrent.futures.ThreadPoolExecutor(THREADS)
+
+
+def _job(fn) -> dict:
+  """``_attempt(fn)`` with its wall seconds (its CPU cannot be told apart from the others')."""
+  start = time.perf_counter()
+  res = _attempt(fn)
+  res["seconds"] = round(time.perf_counter() - start, 1)
+  return res
+
+
+def _submit(fn) -> concurrent.futures.Future:
+  """``fn`` as a job of the pool: its compiles run beside the other jobs' (the GIL is released
+  while XLA compiles)."""
+  return _POOL.submit(_job, fn)
+
+
+def _resolve(tree):
+  """``tree`` with every Future replaced by its result (waiting for each)."""
+  if isinstance(tree, concurrent.futures.Future):
+    return tree.result()
+  if isinstance(tree, dict):
+    return {k: _resolve(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_resolve(v) for v in tree]
+  return tree
+
+
+def _cpu_seconds() -> float:
+  """CPU seconds of this process's threads and of its finished children (XLA runs ptxas)."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _targets(names) -> dict:
+  """Each target's first device: its kind and (GPUs) compute capability."""
+  out = {}
+  for name in names:
+    d = _devices(name)[0]
+    cc = getattr(d, "compute_capability", None)
+    out[name] = {"device_kind": d.device_kind, "compute_capability": str(cc) if cc else None}
+  return out
+
+
+def main(kind: str) -> dict:
+  """Every item's result. The safety net comes first, alone (it patches a module global that
+  every GPU trace reads); then the jobs of all other items are submitted (the longest first,
+  so that the threads finish together) and collected."""
+  wall, cpu = time.perf_counter(), _cpu_seconds()
+  if kind == "cuda":
+    first = {"safety_net": safety_net}
+    items = {
+      "notebook": notebook,
+      "kernels": gpu_kernels,
+      "train_steps": train_steps,
+      "pallas_on_t4": pallas_on_t4,
+    }
+    names = GPUS
+  elif kind == "tpu":
+    first, items = {}, {"train_step": tpu_train_step, "tpu_kernel": tpu_kernel}
+    names = TPU_TARGETS
+  else:
+    raise SystemExit(f"usage: python -m tests.support.deviceless_worker cuda|tpu (got {kind!r})")
+  out = {"kind": kind, "targets": _attempt(lambda: {"result": _targets(names)})}
+  for name, fn in first.items():
+    out[name] = _attempt(lambda: {"result": fn()})
+  for name, fn in items.items():
+    out[name] = _attempt(lambda: {"result": fn()})
+  out = _resolve(out)
+  out["seconds"] = {
+    "wall": round(time.perf_counter() - wall, 1),
+    "cpu": round(_cpu_seconds() - cpu, 1),
+  }
+  out["triton_min_capability"] = list(ops_target.TRITON_MIN_CAPABILITY)
+  return out
+
+
+if __name__ == "__main__":
+  result = main(sys.argv[1] if len(sys.argv) > 1 else "")
+  print(json.dumps(result, default=str), flush=True)
+  _POOL.shutdown()

@@ -1,0 +1,195 @@
+"""Sampling (aft_jax.decode) and its command (aft_jax.tools.generate) on a tiny trained run."""
+
+import errno
+import json
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests.support.helpers import ROOT, with_default_sigint
+from aft_jax import decode
+from aft_jax.tools import generate, trained
+from aft_jax import data as data_lib
+from aft_jax.data import corpus as corpus_lib
+from aft_jax.data import vocab as vocab_lib
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained_run):
+  return trained_run[0]
+
+
+def _greedy(run, prompt_BP, length):
+  return decode.generate(
+    run.model, run.params, prompt_BP, length, rng=jax.random.key(0), temperature=0
+  )
+
+
+def test_generate_past_max_len_slides_and_keeps_the_non_sliding_prefix(run_dir):
+  run = trained.load_run(run_dir)
+  max_len = run.model.cfg.max_len  # 32
+  prompt_BP = np.asarray([run.vocab.encode("class Foo:\n")], np.int32)
+  p = prompt_BP.shape[1]
+  within = _greedy(run, prompt_BP, max_len - p)
+  longer = _greedy(run, prompt_BP, 3 * max_len)
+  assert longer.shape == (1, 3 * max_len)
+  np.testing.assert_array_equal(longer[:, : max_len - p], within)
+  # A slid step predicts from the last max_len tokens: one forward pass over them.
+  seq = np.concatenate([prompt_BP, longer], axis=1)
+  n = p + max_len + 5
+  logp = run.model.apply({"params": run.params}, seq[:, n - max_len : n])[:, -1]
+  assert int(np.argmax(logp)) == seq[0, n]
+  # A prompt longer than max_len is read through its last max_len tokens.
+  long_prompt = np.tile(prompt_BP, (1, 4))[:, : max_len + 7]
+  out = _greedy(run, long_prompt, 5)
+  np.testing.assert_array_equal(out, _greedy(run, long_prompt[:, -max_len:], 5))
+
+
+def test_prompt_prefill_in_one_pass_gives_the_token_by_token_samples(run_dir, monkeypatch):
+  """The prompt encoded in one parallel pass (the ops' state) samples the tokens that feeding it
+  one token at a time samples, for the same seed (the run's AFT-local: a chunked mixing)."""
+  run = trained.load_run(run_dir)
+  assert run.model.cfg.mixing in decode.CHUNKED
+  prompt_BP = np.asarray([run.vocab.encode("def main(args):\n  ")] * 2, np.int32)
+  sample = lambda: decode.generate(
+    run.model, run.params, prompt_BP, 12, rng=jax.random.key(3), temperature=0.8
+  )
+  chunked = sample()
+  monkeypatch.setattr(decode, "CHUNKED", ())  # token by token, as before the prefill
+  np.testing.assert_array_equal(chunked, sample())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+  """Dividing the log-probabilities by 1e-45 overflowed every logit to -inf (token 0, a NUL
+  byte, whatever the model said); a temperature near 0 is greedy sampling."""
+  logp = np.log(np.asarray([[0.05, 0.1, 0.6, 0.25], [0.7, 0.1, 0.1, 0.1]], np.float32))
+  for i in range(5):
+    got = decode.sample_logits(jax.random.key(i), logp, temperature, top_k=3, top_p=0.9)
+    np.testing.assert_array_equal(got, [2, 0])
+
+
+def test_more_samples_than_memory_holds_is_one_line_before_any_allocation(run_dir):
+  run = trained.load_run(run_dir)
+  with pytest.raises(ValueError, match=r"num_samples = 100000000: .* GiB here, more than the"):
+    decode.sample_texts(run.model, run.params, run.vocab, "The ", 5, num_samples=100_000_000)
+  assert len(decode.sample_texts(run.model, run.params, run.vocab, "The ", 3, num_samples=2)) == 2
+
+
+def test_top_p_keeps_the_most_likely_tokens_holding_that_mass():
+  logp = np.log(np.asarray([[0.5, 0.3, 0.15, 0.05]], np.float32))
+  seen = {int(decode.sample_logits(jax.random.key(i), logp, 1.0, top_p=0.7)[0]) for i in range(200)}
+  assert seen == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+  assert int(decode.sample_logits(jax.random.key(0), logp, 1.0, top_p=1e-6)[0]) == 0
+  with pytest.raises(ValueError, match="top_p = 0"):
+    decode.check_sampling(1.0, 0, 0.0)
+
+
+def test_word_prompt_maps_unknown_words_to_unk_or_refuses_them():
+  vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(["the cat sat\n"]), add_unk=True)
+  ids, unknown = decode.encode_prompt(vocab, "the dog sat")
+  assert unknown == 1 and ids == list(vocab.encode_tokens(["the", "<unk>", "sat"]))
+  strict = vocab_lib.WordVocab.build(vocab_lib.count_words(["the cat sat\n"]))
+  with pytest.raises(ValueError, match="'dog' is not in the vocabulary"):
+    decode.encode_prompt(strict, "the dog")
+
+
+def test_generate_command_samples_a_copied_workdir_without_data(
+  run_dir, tmp_path, monkeypatch, capsys
+):
+  copy = str(tmp_path / "copied")
+  shutil.copytree(run_dir, copy)
+  assert json.load(open(os.path.join(copy, "corpus.json")))["name"] == "pydoc-byte"
+
+  def no_data(*args, **kwargs):
+    raise AssertionError("generate must not load the corpus")
+
+  monkeypatch.setattr(data_lib, "load_corpus", no_data)
+  monkeypatch.setattr(corpus_lib, "load_corpus", no_data)
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "no-such-data"))
+  prompt_file = tmp_path / "prompt.txt"
+  prompt_file.write_text("def main():\n    ")
+  args = ["--workdir", copy, "--prompt_file", str(prompt_file), "--length", "70"]
+  generate.main(args + ["--num_samples", "3", "--top_p", "0.9", "--seed", "1"])
+  out = capsys.readouterr().out
+  samples = out.split("--- sample ")[1:]
+  assert len(samples) == 3 and all("def main():\n    " in s for s in samples)
+  generate.main(["--workdir", copy, "--length", "300", "--stop_at_eos", "--temperature", "0"])
+  text = capsys.readouterr().out
+  assert text.endswith("\n") and text.count("\n") <= 2  # the sample ends at its first newline
+  assert not os.path.exists(str(tmp_path / "no-such-data"))
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--length", "-5"], "--length = -5 must be >= 1"),
+    (["--temperature", "-1"], "--temperature = -1.0 must be >= 0"),
+    (["--top_p", "1.5"], "--top_p = 1.5 must be in (0, 1]"),
+    (["--step", "999"], "--step 999: no such checkpoint"),
+  ],
+)
+def test_generate_command_bad_flags_are_one_line_errors(run_dir, flags, message):
+  with pytest.raises(SystemExit) as e:
+    generate.main(["--workdir", run_dir] + flags)
+  assert message in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_generate_command_on_a_config_only_workdir_creates_nothing(run_dir, tmp_path):
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  shutil.copy(os.path.join(run_dir, "config.json"), bare / "config.json")
+  with pytest.raises(SystemExit, match="has no checkpoint yet"):
+    generate.main(["--workdir", str(bare)])
+  assert sorted(os.listdir(bare)) == ["config.json"]
+
+
+def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path):
+  missing = str(tmp_path / "nope")
+  out = subprocess.run(
+    [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", missing, "--length", "5"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 1
+  assert out.stderr.strip() == f"generate: --workdir {missing} does not exist"
+  assert not os.path.exists(missing)
+
+
+def test_ctrl_c_in_the_generate_command_is_one_line_and_exit_status_130(tmp_path):
+  """SIGINT while the command waits (here on reading a prompt from a FIFO no one writes: a
+  point it is known to be at, unlike the sampling loop): one line, exit 130, not the
+  traceback of wherever it landed (20-25 lines)."""
+  fifo = str(tmp_path / "prompt")
+  os.mkfifo(fifo)
+  cmd = [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", str(tmp_path / "w")]
+  cmd = with_default_sigint([*cmd, "--prompt_file", fifo])
+  proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+  try:
+    # The write end opens once the command has opened the FIFO to read it; it then waits on
+    # reading it until the writer closes.
+    while True:
+      try:
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        break
+      except OSError as e:  # ENXIO: no reader yet
+        assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  os.close(writer)
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130 and lines == [
+    "generate: interrupted (Ctrl-C): stopped; nothing was written"
+  ], err[-2000:]

@@ -1,0 +1,167 @@
+"""Every config file loads and validates; invalid values fail before anything is compiled."""
+
+import glob
+import os
+
+import ml_collections
+import pytest
+import importlib.util
+
+from aft_jax.trainer import checkpointing, config_check
+from aft_jax.model import MIXINGS, ModelConfig
+from tests.support.helpers import ROOT
+
+# Recipes whose get_config takes the variant as its argument (file.py:arg).
+PER_MIXING = {
+  "wikitext103.py": MIXINGS,
+  "enwik8.py": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS),
+}
+CONFIGS = [
+  (os.path.basename(path), arg)
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "[!_]*.py")))
+  for arg in PER_MIXING.get(os.path.basename(path), (None,))
+]
+
+
+def load(name, arg=None):
+  path = os.path.join(ROOT, "configs", name)
+  spec = importlib.util.spec_from_file_location(name[:-3], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config() if arg is None else mod.get_config(arg)
+
+
+def test_there_are_configs_for_every_mixing_layer():
+  assert ("quickstart.py", None) in CONFIGS
+  for mixing in MIXINGS:
+    assert ("wikitext103.py", mixing) in CONFIGS
+  with pytest.raises(ValueError, match="'linear' is not one of"):
+    load("wikitext103.py", "linear")
+  for bad in ("linear", "aft_local,12x256"):
+    with pytest.raises(ValueError, match="configs/enwik8.py:<mixing>"):
+      load("enwik8.py", bad)
+
+
+@pytest.mark.parametrize("name, arg", CONFIGS, ids=[f"{n}:{a}" if a else n for n, a in CONFIGS])
+def test_config_loads_and_validates(name, arg):
+  config = load(name, arg)
+  config_check.check_config(config)
+  vocab = 267_735 if config.data.dataset == "wikitext103" else 256
+  cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
+  assert cfg.mixing == config.model.mixing
+  if config.data.dataset == "wikitext103":
+    assert (cfg.num_layers, cfg.d_model, config.seq_len) == (16, 128, 256)
+    assert cfg.adaptive_cutoffs == (20000, 40000, 200000)
+    assert config.final_eval_stride == 1  # the small setting's sliding-window protocol
+  if config.data.dataset == "enwik8":
+    size = (12, 512) if arg.endswith(",12x512") else (24, 256)
+    assert (cfg.num_layers, cfg.d_model, config.seq_len, config.batch_size) == (*size, 1024, 128)
+    assert (cfg.window, cfg.factor_dim, cfg.mlp_dim) == (32, 256, 4 * cfg.d_model)
+
+
+def _quick():
+  return load("quickstart.py")
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda c: setattr(c.model, "window", 1000),
+      "model.window = 1000 must be in \\[1, model.max_len",
+    ),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "num_heads", 3)),
+      "d_model = 128 is not divisible by model.num_heads = 3",
+    ),
+    (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
+    (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 64"),
+    (lambda c: setattr(c, "batch_size", 0), "batch_size = 0 must be >= 1"),
+    (lambda c: setattr(c, "learning_rate", float("nan")), "learning_rate = nan must be > 0"),
+    (lambda c: setattr(c, "weight_decay", float("nan")), "weight_decay = nan must be >= 0"),
+    (lambda c: setattr(c.sample, "temperature", float("nan")), "temperature = nan must be >="),
+    (lambda c: setattr(c, "nonfinite", "ignore"), "nonfinite = 'ignore'"),
+    # A negative clip norm flips the gradient: training by gradient ascent.
+    (lambda c: setattr(c, "grad_clip_norm", -1.0), "grad_clip_norm = -1.0 must be > 0"),
+    (lambda c: setattr(c, "b1", 5.0), "b1 = 5.0 must be in \\[0, 1\\)"),
+    (lambda c: setattr(c, "b2", 1.0), "b2 = 1.0 must be in \\[0, 1\\)"),
+    (lambda c: setattr(c, "weight_decay", -0.1), "weight_decay = -0.1 must be >= 0"),
+    (lambda c: setattr(c, "seed", -1), "seed = -1 must be in \\[0, 2\\*\\*31 - 1\\)"),
+    (lambda c: setattr(c.model, "dtype", "float16"), "dtype = 'float16': use 'float32' or"),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "impl", "pallas")),
+      "impl = 'pallas': softmax attention takes impl 'auto' | 'xla' | 'cudnn'",
+    ),
+    (
+      lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "impl", "cudnn")),
+      "impl = 'cudnn': cuDNN flash attention needs dtype bfloat16 or float16, not float32",
+    ),
+    (lambda c: setattr(c.model, "impl", "cudnn"), "impl = 'cudnn' is not one of .* for aft_"),
+    (lambda c: setattr(c.sample, "top_k", -1), "sample.top_k = -1 must be >= 0"),
+    (lambda c: setattr(c.sample, "temperature", -1.0), "sample.temperature = -1.0 must be >= 0"),
+    (lambda c: setattr(c, "max_consecutive_skips", -1), "max_consecutive_skips = -1 must be"),
+    (lambda c: setattr(c, "final_eval_stride", 129), "final_eval_stride = 129 must be in"),
+    (lambda c: setattr(c.data, "dataset", "enwik9"), "'enwik9' is not one of"),
+    (
+      lambda c: (setattr(c.data, "dataset", "enwik8"), setattr(c.data, "tokenizer", "word")),
+      "enwik8 is bytes",
+    ),
+  ],
+)
+def test_invalid_values_fail_with_a_message(change, message):
+  config = _quick()
+  change(config)
+  with pytest.raises(ValueError, match=message):
+    config_check.check_config(config)
+
+
+def test_unknown_keys_and_wrong_types_fail():
+  d = _quick().to_dict()  # (a ConfigDict itself refuses a str for an int field)
+  d["learning_rte"] = 0.1
+  d["model"]["num_layers"] = "two"
+  config = ml_collections.ConfigDict(d)
+  with pytest.raises(ValueError) as err:
+    config_check.check_config(config)
+  assert "unknown config key 'learning_rte'" in str(err.value)
+  assert "config.model.num_layers = 'two' should be a int" in str(err.value)
+
+
+def test_resume_conflicts_ignore_only_harmless_keys():
+  a = _quick().to_dict()
+  b = _quick()
+  b.log_every_steps = 1
+  b.max_consecutive_skips = 0
+  assert checkpointing.resume_conflicts(a, b.to_dict()) == []
+  b.model.d_model = 64
+  b.seed = 3
+  conflicts = checkpointing.resume_conflicts(a, b.to_dict())
+  assert any(c.startswith("model.d_model: 128") for c in conflicts)
+  assert any(c.startswith("seed: 0") for c in conflicts)
+
+
+def test_a_key_added_since_the_workdir_was_written_compares_as_its_default():
+  """A workdir written before a key existed (say mesh.sequence) ran with what is now its
+  default: resuming it at the default is no conflict, at another value it is."""
+  from aft_jax.trainer import default_config
+
+  defaults = default_config.get_config().to_dict()
+  saved = _quick().to_dict()
+  del saved["seed"]
+  assert checkpointing.resume_conflicts(saved, _quick().to_dict(), defaults) == []
+  changed = _quick()
+  changed.seed = 2
+  assert checkpointing.resume_conflicts(saved, changed.to_dict(), defaults) == [
+    "seed: 0 in the workdir, 2 now"
+  ]
+  assert checkpointing.resume_conflicts(saved, _quick().to_dict()) == [
+    "seed: None in the workdir, 0 now"
+  ]
+
+
+def test_the_schedule_length_is_a_resume_conflict():
+  """A new num_train_steps would restart the cosine decay from another length."""
+  b = _quick()
+  b.num_train_steps = 5000
+  assert checkpointing.resume_conflicts(_quick().to_dict(), b.to_dict()) == [
+    "num_train_steps: 1000 in the workdir, 5000 now (the learning-rate schedule is built from it)"
+  ]

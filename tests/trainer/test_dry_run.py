@@ -1,0 +1,230 @@
+"""``train.py --dry_run --target NAME``: the recipe's steps compiled for a GPU or TPU that is not
+here, and a report whose last line is one JSON object; exit 0 when it fits, 1 when not, 2 when
+the question is refused (one line, before the run restarts itself for the target)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from aft_jax import deviceless
+from aft_jax.trainer import dry_run
+from tests.support.helpers import ROOT, listing, tiny_config
+
+KEYS = {
+  "target",
+  "num_devices",
+  "fits",
+  "temp_bytes",
+  "argument_bytes",
+  "device_memory_bytes",
+  "triton_kernels",
+}
+
+
+def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
+  """(exit code, stdout lines, the last line's JSON or None) of train.py --dry_run."""
+  cmd = ["python", "train.py", "--config", config, "--dry_run", *flags]
+  env = None if env is None else {**os.environ, **env}
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  lines = done.stdout.strip().splitlines()
+  try:
+    report = json.loads(lines[-1])
+  except (IndexError, json.JSONDecodeError):
+    report = None
+  return done.returncode, lines, report, done.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_fits_an_h100_with_the_kernels():
+  code, lines, report, err = _dry_run("--target", "h100")
+  assert code == 0 and report is not None, err[-2000:]
+  assert KEYS <= set(report)
+  assert report["fits"] and report["target"] == "h100" and report["num_devices"] == 1
+  assert report["triton_kernels"] > 0 and report["impl"] == "auto"
+  assert report["device_memory_bytes"] == deviceless.get("h100").memory_bytes
+  assert 0 < report["temp_bytes"] < report["usable_bytes"]
+  # The human part says what a person needs before renting the GPU.
+  text = "\n".join(lines)
+  assert "compiled for the target without a device" in text and "Fits:" in text
+
+
+@pytest.mark.slow
+def test_a_step_too_large_exits_1_and_says_what_would_fit():
+  """A 2 x 16384 AFT-simple LM (6.4B parameters) on two devices of this machine's CPU: the
+  parameters and AdamW state alone are several times the host's memory; each suggestion was
+  compiled (fsdp over four devices among them)."""
+  size = ("d_model=16384", "mlp_dim=65536", "mixing=aft_simple")
+  flags = ("--target", "cpu", "--num_devices", "2", *(f"--config.model.{s}" for s in size))
+  code, lines, report, err = _dry_run(*flags)
+  assert code == 1 and report is not None, err[-2000:]
+  assert not report["fits"] and report["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+  assert report["argument_bytes"] > report["usable_bytes"] and report["triton_kernels"] == 0
+  fsdp = [s for s in report["suggestions"] if "--config.mesh.fsdp=4" in s]
+  assert len(fsdp) == 1 and "(compiled)" in fsdp[0], report["suggestions"]
+  assert "Does not fit" in "\n".join(lines)
+
+
+def test_unknown_targets_and_a_missing_workdir_are_one_line_errors():
+  with pytest.raises(ValueError, match="the targets are: t4 .*h200.*v5e.*cpu"):
+    deviceless.get("k80")
+  code, _, _, err = _dry_run("--target", "k80")
+  assert code == dry_run.REFUSED and "unknown target 'k80'" in err and "a100-40" in err
+  assert len(err.strip().splitlines()) == 1
+  done = subprocess.run(
+    ["python", "train.py", "--config", "configs/quickstart.py"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 1 and "--workdir is required" in done.stderr
+
+
+def _fake_dist(folder, name, files):
+  """A pip ``--target`` install of ``name`` in ``folder`` whose RECORD lists ``files`` ({path:
+  bytes}); only the dist-info is written: the files are the caller's to make (or not)."""
+  info = folder / f"{name.replace('-', '_')}-1.0.dist-info"
+  info.mkdir(parents=True)
+  (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+  rows = [f"{path},sha256=x,{len(data)}" for path, data in files.items()]
+  (info / "RECORD").write_text("\n".join(rows + [f"{info.name}/RECORD,,"]) + "\n")
+
+
+@pytest.fixture
+def plugin_root(tmp_path, monkeypatch):
+  """A plugin folder of its own ($AFT_JAX_PLUGIN_DIR): the real one is never touched."""
+  monkeypatch.setenv("AFT_JAX_PLUGIN_DIR", str(tmp_path / "plugins"))
+  return tmp_path / "plugins"
+
+
+def test_a_half_installed_plugin_is_named_with_the_reinstall_command(plugin_root, monkeypatch):
+  """pip's RECORD decides: a package of the plugin missing, or one of its files missing or of
+  another size, is incomplete (XLA would only say "topology not implemented for cuda");
+  ``install`` removes such a folder before installing again."""
+  folder = plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda"
+  assert not deviceless.installed("cuda") and deviceless.incomplete("cuda") is None  # absent
+  (folder / "jax_plugins" / "xla_cuda12").mkdir(parents=True)  # what an interrupted pip leaves
+  assert deviceless.incomplete("cuda") == "jax-cuda12-plugin is not in it"
+  plugin, pjrt = {"jax_plugins/xla_cuda12/x.so": b"12345"}, {"jax_plugins/p.so": b"678"}
+  _fake_dist(folder, "jax-cuda12-plugin", plugin)
+  _fake_dist(folder, "jax_cuda12_pjrt", pjrt)
+  assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
+  (folder / "jax_plugins" / "xla_cuda12" / "x.so").write_bytes(b"1234")  # cut short
+  assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
+  (folder / "jax_plugins" / "xla_cuda12" / "x.so").write_bytes(b"12345")
+  (folder / "jax_plugins" / "p.so").write_bytes(b"678")
+  assert deviceless.incomplete("cuda") is None and deviceless.installed("cuda")
+  os.remove(folder / "jax_plugins" / "p.so")
+  with pytest.raises(RuntimeError) as e:
+    deviceless.environment("cuda")
+  assert str(e.value) == (
+    f"the cuda compiler plugin in {folder} is incomplete (jax_plugins/p.so is missing or cut "
+    "short): reinstall: python -m aft_jax.deviceless install cuda"
+  )
+  pip = []
+  monkeypatch.setattr(deviceless.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or _Done())
+  assert deviceless.install("cuda", quiet=True) == str(folder)
+  assert not folder.exists() and pip and pip[0][-2:] == deviceless.plugin_packages("cuda")
+
+
+class _Done:
+  returncode, stdout, stderr = 0, "", ""
+
+
+def test_what_a_dry_run_refuses_is_checked_without_a_compiler(monkeypatch):
+  """``dry_run.check``: every refusal that needs no compiler, each one line naming the flag or
+  the variable (a million host devices, a batch whose share per device alone exceeds the
+  device, a memory fraction that is not a share)."""
+  monkeypatch.delenv(dry_run.MEM_FRACTION, raising=False)
+  cpu, t4, v5e = (deviceless.get(t) for t in ("cpu", "t4", "v5e"))
+  config = tiny_config()
+  assert dry_run.check(config, cpu, 1) == dry_run.usable_bytes(cpu)
+  refusals = [
+    (
+      (config, cpu, 1_000_000),
+      r"--num_devices 1,000,000: a dry run for cpu compiles for at most 512",
+    ),
+    ((config, t4, 10**6), "--num_devices 1,000,000: a dry run for t4 compiles for at most 65,536"),
+    ((config, cpu, 0), "--num_devices must be >= 1, got 0"),
+    ((config, v5e, 3), "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
+    ((config, cpu, 3), "batch_size = 4 is not divisible by the 3 data-parallel devices"),
+    (
+      (tiny_config(batch_size=10**9), t4, 1),
+      r"--config.batch_size = 1,000,000,000: one device's share of the batch alone "
+      r"\(1,000,000,000 x 32 tokens\) takes 238.42 GiB, more than the 11.06 GiB usable on NVIDIA "
+      r"Tesla T4.*it cannot fit \(nothing compiled\)",
+    ),
+  ]
+  for args, message in refusals:
+    with pytest.raises(ValueError, match=message) as e:
+      dry_run.check(*args)
+    assert "\n" not in str(e.value)
+  for value in ("abc", "0", "5", "nan", "-0.5", ""):
+    monkeypatch.setenv(dry_run.MEM_FRACTION, value)
+    with pytest.raises(
+      ValueError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION = .* must be a number in"
+    ):
+      dry_run.check(config, t4, 1)
+    assert dry_run.check(config, cpu, 1)  # a GPU's share: the CPU target does not read it
+  monkeypatch.setenv(dry_run.MEM_FRACTION, "1")
+  assert dry_run.usable_bytes(t4) == t4.memory_bytes
+
+
+def test_an_xla_error_in_a_dry_run_compile_is_one_line():
+  class Lowered:
+    def compile(self):
+      raise RuntimeError("INTERNAL: something in XLA\n" + "  at frame\n" * 50)
+
+  with pytest.raises(RuntimeError) as e:
+    dry_run._compile(Lowered(), ())
+  assert str(e.value) == "XLA could not compile the step: INTERNAL: something in XLA"
+
+
+@pytest.mark.parametrize(
+  "flags, env, message",
+  [
+    (("--num_devices", "1000000"), {}, "--num_devices 1,000,000: a dry run for cpu compiles"),
+    (("--config.learning_rte=1",), {}, "a --config override: learning_rte; Did you mean"),
+    (("--target", "t4"), {dry_run.MEM_FRACTION: "5"}, "XLA_PYTHON_CLIENT_MEM_FRACTION = '5'"),
+    (("--target", "t4"), {"AFT_JAX_PLUGIN_DIR": "HALF"}, "incomplete (jax-cuda12-plugin is not"),
+    # XLA's compiler answered a batch of 1e9 with ~50 lines of INTERNAL.
+    (
+      ("--target", "t4", "--config.batch_size=1000000000"),
+      {},
+      "--config.batch_size = 1,000,000,000: one device's share of the batch alone",
+    ),
+  ],
+)
+def test_a_refused_dry_run_is_one_line_and_exit_status_2(tmp_path, flags, env, message):
+  """Refused before the command restarts itself for the target (a million host devices used to
+  hang there), and with another status than "does not fit"."""
+  if env.get("AFT_JAX_PLUGIN_DIR") == "HALF":  # a half-installed plugin of its own
+    folder = tmp_path / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda" / "jax_plugins"
+    folder.mkdir(parents=True)
+    env = {"AFT_JAX_PLUGIN_DIR": str(tmp_path)}
+  code, lines, _, err = _dry_run(*flags, env=env, timeout=120)
+  err_lines = [line for line in err.splitlines() if line.strip()]
+  assert code == dry_run.REFUSED and len(err_lines) == 1 and not lines, err[-2000:]
+  assert message in err_lines[0], err_lines[0]
+
+
+@pytest.mark.slow
+def test_a_dry_run_of_a_word_level_text_recipe_writes_nothing(docs, tmp_path):
+  """A word vocabulary's size is counted on the train files, not prepared: the dry run of a
+  word-level ``text:GLOB`` recipe used to write the whole prepared corpus. Here nothing is
+  written, neither in data_dir nor in $HOME (a small model: the compile is not the point)."""
+  from aft_jax.data import corpus as corpus_lib
+
+  data = {"data.tokenizer": "word", "data.data_dir": str(tmp_path / "data")}
+  small = {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32}
+  small.update({"model.max_len": 32, "model.window": 4, "seq_len": 32, "eval_batch_size": 32})
+  flags = [f"--config.{k}={v}" for k, v in {**data, **small}.items()]
+  before = listing(tmp_path)
+  env = {"HOME": str(tmp_path / "home")}
+  code, _, report, err = _dry_run(*flags, config=f"text:{docs}/*.py", env=env)
+  assert code == dry_run.FITS and report is not None and report["fits"], err[-2000:]
+  cfg = {"dataset": "text", "train_files": f"{docs}/*.py", "tokenizer": "word"}
+  counted = corpus_lib.vocab_size({**cfg, "data_dir": data["data.data_dir"]})[0]
+  assert report["vocab_size"] == counted > 256
+  assert listing(tmp_path) == before  # no data_dir, no $HOME, nothing beside the files

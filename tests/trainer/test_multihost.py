@@ -1,0 +1,223 @@
+"""train.py on several devices and several processes gives the losses of one device.
+
+Three runs of the same tiny config, each in its own subprocess(es) because the CPU device count
+is fixed by ``XLA_FLAGS`` before jax starts:
+
+  one device                        mesh (1, 1, 1)
+  one process with 4 devices        mesh (2, 1, 2): the issue's acceptance command,
+                                    ``train.py --config configs/quickstart.py --config.mesh.data=2
+                                    --config.mesh.tensor=2 ...``
+  two processes with 2 devices each mesh (1, 2, 2) over 4 devices, coordinated on 127.0.0.1,
+                                    gloo collectives, one shared workdir (Orbax checkpoints from
+                                    both processes, metrics from process 0 only)
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from tests.support.helpers import ROOT, config_flags, tiny_config, train_py
+from aft_jax.workdir import Workdir
+
+STEPS = 4
+TIMEOUT_S = 300
+# Level 0 halves XLA's CPU compile time; all runs use it, so they stay comparable.
+XLA_FAST = "--xla_backend_optimization_level=0"
+
+
+def _config(mesh, **overrides):
+  c = tiny_config(
+    **{
+      "model.mixing": "aft_full",
+      "model.dropout_rate": 0.0,
+      "batch_size": 8,
+      "eval_batch_size": 512,
+      "num_train_steps": STEPS,
+      "checkpoint_every_steps": 2,
+      **overrides,
+    }
+  )
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  return c
+
+
+def _free_port():
+  try:
+    import portpicker
+
+    return portpicker.pick_unused_port()
+  except ImportError:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      return s.getsockname()[1]
+
+
+_STARTED = []  # every process a test starts; the fixture below kills any still running
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+  yield
+  while _STARTED:
+    p = _STARTED.pop()
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+
+
+def _start(workdir, config, devices, extra=(), log=None):
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}",
+    JAX_PLATFORMS="cpu",
+  )
+  cmd = train_py(workdir, *config_flags(config), *extra)
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+  )
+  _STARTED.append(proc)
+  return proc
+
+
+def _wait_all(procs, logs, succeed=True):
+  """Waits for every process; on a timeout kills them all (no hung test) and fails."""
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    for p in procs:
+      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    pytest.fail("a train.py process hung; logs:\n" + _tails(logs))
+  for p in procs:
+    assert (p.returncode == 0) == succeed, _tails(logs)
+
+
+def _tails(logs):
+  out = []
+  for log in logs:
+    with open(log.name) as f:
+      out.append(f"--- {log.name}\n" + f.read()[-3000:])
+  return "\n".join(out)
+
+
+def _losses(workdir):
+  return [r["loss"] for r in Workdir(workdir).read_metrics() if "loss" in r]
+
+
+@pytest.mark.slow
+def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
+  runs = {
+    "one_device": ((1, 1, 1), 1),
+    "one_process": ((2, 1, 2), 4),
+    "two_processes": ((1, 2, 2), 2),
+  }
+  procs, logs = [], []
+
+  def log(name):
+    f = open(tmp_path / f"{name}.log", "w")
+    logs.append(f)
+    return f
+
+  def two_processes(mesh, devices, name="two_processes", suffix=""):
+    # fsdp = 2 spans the processes: each reads its own rows of every batch, and parameters
+    # (and Adam moments) are split between them. sample.length > 0: process 0 then samples
+    # alone, from parameters gathered from both processes.
+    config = _config(mesh, **{"sample.length": 4, "sample.prompt": "def "})
+    port = _free_port()
+    for i in range(2):
+      dist = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
+      procs.append(_start(str(tmp_path / name), config, devices, dist, log(f"{name}{suffix}_{i}")))
+
+  for name, (mesh, devices) in runs.items():
+    if name == "two_processes":
+      two_processes(mesh, devices)
+    else:
+      procs.append(_start(str(tmp_path / name), _config(mesh), devices, log=log(name)))
+  # A mesh whose batch axes do not split across the processes (data x fsdp = 1 < 2 processes)
+  # would have each process's rows land on the other's devices: refused before compiling.
+  two_processes((1, 1, 4), 2, name="bad_mesh")
+  bad_procs, bad_logs, procs, logs = procs[-2:], logs[-2:], procs[:-2], logs[:-2]
+  _wait_all(procs, logs)
+  _wait_all(bad_procs, bad_logs, succeed=False)
+  for f in bad_logs:
+    assert "mesh data x fsdp = 1 is not a multiple of the 2 processes" in open(f.name).read()
+
+  losses = {name: _losses(str(tmp_path / name)) for name in runs}
+  assert len(losses["one_device"]) == STEPS, losses
+  for name in ("one_process", "two_processes"):
+    np.testing.assert_allclose(losses[name], losses["one_device"], rtol=0, atol=1e-4, err_msg=name)
+
+  two = tmp_path / "two_processes"
+  # Only process 0 writes metrics: each step's record appears once (the file is shared).
+  steps = [
+    json.loads(line)["step"] for line in open(two / "metrics.jsonl") if "loss" in json.loads(line)
+  ]
+  assert steps == list(range(1, STEPS + 1)), steps
+  assert len(os.listdir(two / "tensorboard")) == 1
+  out0, out1 = (open(tmp_path / f"two_processes_{i}.log").read() for i in range(2))
+  assert "validation perplexity" in out0 and "Sample:\ndef " in out0
+  assert "validation perplexity" not in out1 and "Sample:" not in out1
+  assert "mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in out0
+  # Both processes took part in the checkpoints (Orbax finalises a step only when all have).
+  assert sorted(os.listdir(two / "checkpoints")) == ["2", "4"]
+  # Evaluation over the whole split, each process reading its rows, agrees too.
+  results = {n: json.load(open(tmp_path / n / "results.json")) for n in runs}
+  for name in ("one_process", "two_processes"):
+    assert results[name]["valid_loss"] == pytest.approx(
+      results["one_device"]["valid_loss"], abs=1e-4
+    )
+    assert results[name]["valid_tokens"] == results["one_device"]["valid_tokens"]
+
+  # Rerunning the finished two-process run: both processes restore the last checkpoint (each its
+  # shards) and evaluate it again, to the same result.
+  before = results["two_processes"]
+  procs, logs = [], []
+  two_processes(*runs["two_processes"], suffix="_again")
+  _wait_all(procs, logs)
+  assert "Resuming from the checkpoint at step 4" in open(logs[0].name).read()
+  again = json.load(open(two / "results.json"))
+  assert again["valid_loss"] == pytest.approx(before["valid_loss"], abs=1e-6)
+  assert again["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
+  config = _config(
+    (1, 2, 2), num_train_steps=100_000, log_every_steps=2, checkpoint_every_steps=100_000
+  )
+  workdir, port = str(tmp_path / "run"), _free_port()
+  logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+  procs = [
+    _start(
+      workdir,
+      config,
+      2,
+      [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      logs[i],
+    )
+    for i in range(2)
+  ]
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + TIMEOUT_S
+  while not (os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2):
+    assert all(p.poll() is None for p in procs), _tails(logs)
+    assert time.monotonic() < deadline, _tails(logs)
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)  # only the second process is told
+  _wait_all(procs, logs)
+  # JAX's preemption sync manager names the step (the log-step agreement, used for SIGINT,
+  # would say "signal from another process"); both processes saved it (Orbax finalises a
+  # checkpoint only when every process has written its shards) and exited 0.
+  out0 = open(logs[0].name).read()
+  assert "Interrupted (signal SIGTERM, preemption notice" in out0, _tails(logs)
+  step = int(out0.split("saved the checkpoint at step ")[1].split(";")[0])
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(step)]

@@ -1,0 +1,735 @@
+"""Interruption, faults and bad input never lose work or produce silent garbage."""
+
+import contextlib
+import glob
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.support.helpers import (
+  ROOT,
+  config_flags,
+  listing,
+  tiny_config,
+  train_py,
+  trained_run_config,
+  with_default_sigint,
+)
+from aft_jax.tools import evaluate, export, generate
+from aft_jax.trainer import checkpointing, train_lib, workdir_lock
+from aft_jax.workdir import Workdir
+
+
+def _steps(workdir):
+  return sorted(
+    int(os.path.basename(p))
+    for p in glob.glob(os.path.join(workdir, "checkpoints", "*"))
+    if os.path.basename(p).isdigit()
+  )
+
+
+def _wait_for(predicate, proc, timeout=240):
+  start = time.time()
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+    if time.time() - start > timeout:
+      proc.kill()
+      raise AssertionError("timed out")
+    time.sleep(0.05)
+
+
+def _start_train(workdir, flags):
+  """train.py in a subprocess, its output piped."""
+  return subprocess.Popen(
+    train_py(workdir, *flags), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  )
+
+
+def _logged(workdir, n):
+  path = os.path.join(workdir, "metrics.jsonl")
+  return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= n
+
+
+@pytest.fixture
+def quiet_after_failure(monkeypatch):
+  """Undoes, after the test, what a run that stopped on unreadable checkpoints leaves behind
+  in its process: background threads' output silenced (meant for a process that then exits)."""
+  for name in ("stderr", "unraisablehook"):
+    monkeypatch.setattr(sys, name, getattr(sys, name))
+  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+  for name in ("absl", "asyncio", "concurrent.futures"):
+    monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+
+
+def _copy(workdir, tmp_path, name="run"):
+  dst = str(tmp_path / name)
+  shutil.copytree(workdir, dst, symlinks=True)
+  return dst
+
+
+def _largest_file(folder):
+  paths = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+  return max(paths, key=os.path.getsize)
+
+
+def _flip_a_bit(data: bytearray) -> None:
+  data[len(data) // 2] ^= 0x10
+
+
+def _eight_bytes_of_ff(data: bytearray) -> None:
+  middle = len(data) // 2
+  data[middle : middle + 8] = b"\xff" * 8
+
+
+DAMAGE = {"a flipped bit": _flip_a_bit, "8 bytes of 0xff": _eight_bytes_of_ff}
+
+
+def _damage(workdir, step, how) -> str:
+  """Damages the middle of the largest file of checkpoint ``step`` (``DAMAGE[how]``): bytes
+  that still parse (a value changes), which only the checksums see."""
+  path = _largest_file(os.path.join(workdir, "checkpoints", str(step)))
+  data = bytearray(open(path, "rb").read())
+  DAMAGE[how](data)
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+  return path
+
+
+def _one_line(e) -> str:
+  """The message of a refusal (an exception, or the SystemExit of a command): exactly one line."""
+  line = str(e.value if hasattr(e, "value") else e)
+  assert line and "\n" not in line, line
+  return line
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = config_flags(tiny_config(num_train_steps=100_000))
+  proc = _start_train(workdir, flags)
+  _wait_for(_logged(workdir, 3), proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert "Interrupted (signal 15): saved the checkpoint at step" in out
+  step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
+  assert step >= 3 and _steps(workdir) == [step]
+  # The same run, now asked to stop two steps later (a new schedule length: allowed
+  # explicitly), continues from that step.
+  flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
+  again = subprocess.run(
+    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
+  )
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {step}" in again.stdout
+  assert step + 2 in _steps(workdir)
+
+
+def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = config_flags(
+    tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
+  )
+  proc = _start_train(workdir, flags)
+  ckpts = os.path.join(workdir, "checkpoints")
+  # Kill it while a checkpoint is being written (its temporary directory exists), after at
+  # least one complete checkpoint.
+  _wait_for(lambda: len(_steps(workdir)) >= 1 and glob.glob(os.path.join(ckpts, "*tmp*")), proc)
+  proc.kill()
+  proc.wait()
+  complete = _steps(workdir)
+  assert complete
+  flags = config_flags(
+    tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
+  ) + ["--allow_config_change"]
+  again = subprocess.run(
+    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
+  )
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout
+  assert complete[-1] + 1 in _steps(workdir)
+
+
+POISON = 255  # a byte that never occurs in UTF-8 text
+
+
+def _poison(monkeypatch, at_step, until=None):
+  """Batches ``at_step`` to ``until`` (default: just that one) get a poison token whose loss is
+  NaN (so its gradient is NaN too)."""
+  orig_nll = train_lib.weighted_nll
+
+  def nll(model, params, batch, **kw):
+    total, count = orig_nll(model, params, batch, **kw)
+    bad = jnp.any(batch["inputs"] == POISON)
+    return jnp.where(bad, jnp.nan, total), count
+
+  monkeypatch.setattr(train_lib, "weighted_nll", nll)
+
+  orig_iter = train_lib.data_lib.train_iterator
+  monkeypatch.setattr(
+    train_lib.data_lib,
+    "train_iterator",
+    lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step, until or at_step),
+  )
+
+
+class _Poisoned:
+  """Forwards a train iterator, putting a poison token into its ``at``-th to ``until``-th batch."""
+
+  def __init__(self, it, at, until):
+    self.it, self.at, self.until, self.n = it, at, until, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.n += 1
+    batch = next(self.it)
+    if self.at <= self.n <= self.until:
+      inputs = np.array(batch["inputs"])
+      inputs[:, 0] = POISON
+      batch = dict(batch, inputs=inputs)
+    return batch
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def check_state(self, state, since):
+    self.it.check_state(state, since)
+
+  def set_state(self, state):
+    self.it.set_state(state)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+  _poison(monkeypatch, at_step=3)
+  workdir = str(tmp_path / "run")
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
+  assert results["skipped_steps"] == 1
+  assert np.isfinite(results["valid_loss"])
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
+  assert [r["skipped_steps"] for r in records][-1] == 1
+  assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
+
+
+def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypatch):
+  _poison(monkeypatch, at_step=3)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
+    train_lib.train_and_evaluate(
+      tiny_config(num_train_steps=5, nonfinite="stop", checkpoint_every_steps=2), workdir
+    )
+  assert _steps(workdir) == [2]  # nothing written after the bad step
+
+
+def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
+  mngr = checkpointing.checkpoint_manager(str(tmp_path), 2)
+  state = {"w": jnp.array([1.0, jnp.nan])}
+
+  class S:  # the two fields save inspects
+    params, opt_state = state, ()
+
+  class It:
+    def get_state(self):
+      return {}
+
+  with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite") as err:
+    checkpointing.save(mngr, 1, S(), It(), {})
+  assert mngr.latest_step() is None
+  assert "there is no earlier checkpoint" in str(err.value)  # not "step None is intact"
+
+
+DISK_FULL = """
+import resource, signal, sys
+from tests.support.helpers import tiny_config
+from aft_jax.trainer import checkpointing, train_lib
+orig, calls = checkpointing.save, []
+def save(*args):
+  orig(*args)
+  calls.append(1)
+  if len(calls) == 1:  # the disk fills up after the first checkpoint: no file grows past
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # 16 KB (the event file's ~6 KB still can,
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # a checkpoint's ~80 KB not)
+checkpointing.save = save
+train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2), sys.argv[1])
+"""
+
+
+def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
+  workdir = str(tmp_path / "run")
+  out = subprocess.run(
+    [sys.executable, "-c", DISK_FULL, workdir],
+    cwd=ROOT,
+    text=True,
+    capture_output=True,
+    timeout=300,
+  )
+  assert out.returncode != 0
+  assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
+  assert "the previous checkpoint (step 2) is intact" in out.stderr
+  # Our error alone: not Orbax's threads' tracebacks, logs and asyncio shutdown noise.
+  assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
+  assert "ERROR:absl" not in out.stderr and "Event loop is closed" not in out.stderr
+  assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
+  assert _steps(workdir) == [2]
+  results = train_lib.train_and_evaluate(
+    tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
+  )
+  assert results["steps"] == 6 and _steps(workdir)[-1] == 6
+
+
+def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
+  tmp_path, monkeypatch
+):
+  """Every update from step 4 on is non-finite: the run stops at the 5th in a row, naming the
+  steps and step 2, the last checkpoint before the skips, which rotation never removed."""
+  _poison(monkeypatch, at_step=4, until=10**6)
+  workdir = str(tmp_path / "run")
+  config = tiny_config(
+    num_train_steps=30,
+    checkpoint_every_steps=2,
+    keep_checkpoints=1,
+    max_consecutive_skips=5,
+    log_every_steps=3,
+  )
+  with pytest.raises(FloatingPointError, match="steps 4-8 .* the last good checkpoint is step 2"):
+    train_lib.train_and_evaluate(config, workdir)
+  assert _steps(workdir) == [2]
+  # The steps since the last log line (step 6) are written too: they show the divergence.
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
+  assert [r["step"] for r in records][:2] == [3, 6] and records[-1]["step"] >= 8, records
+  assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 5
+
+
+def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, monkeypatch):
+  orig = train_lib.eval_step
+  monkeypatch.setattr(
+    train_lib, "eval_step", lambda *a, **kw: (lambda s, c: (s + 1e4 * c, c))(*orig(*a, **kw))
+  )
+  workdir = str(tmp_path / "run")
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  assert results["valid_ppl"] == math.inf and results["valid_loss"] > 1e4
+  assert os.path.exists(os.path.join(workdir, "results.json"))
+
+
+def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
+  tmp_path, quiet_after_failure
+):
+  workdir = str(tmp_path / "run")
+  train_lib.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
+  # Extending the run would restart the cosine schedule from another length: a conflict.
+  with pytest.raises(ValueError, match="num_train_steps: 2 in the workdir, 4 now .the learning"):
+    train_lib.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  # Without config.json the checkpoint's own config still refuses another learning rate.
+  os.remove(os.path.join(workdir, "config.json"))
+  with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
+    train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
+  # A change that cannot be restored fails without touching config.json. (The failure leaves
+  # background threads silenced for the rest of the process: undone by quiet_after_failure.)
+  train_lib.checkpointing.write_workdir_config(tiny_config(), workdir)
+  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
+    train_lib.train_and_evaluate(
+      tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
+    )
+  assert json.load(open(os.path.join(workdir, "config.json")))["model"]["d_model"] == 16
+  assert _steps(workdir) == [2]  # nothing moved aside: no checkpoint is damaged
+
+
+TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+  """A tiny run with checkpoints at steps 2 and 4, trained once for this module's tests (each
+  damages a copy)."""
+  workdir = str(tmp_path_factory.mktemp("two") / "run")
+  with contextlib.redirect_stdout(io.StringIO()):
+    train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), workdir)
+  assert Workdir(workdir).checkpoint_steps() == [2, 4]
+  return workdir
+
+
+def test_resume_walks_back_from_damaged_checkpoints(two_checkpoints, tmp_path, capsys):
+  workdir = _copy(two_checkpoints, tmp_path)
+  ckpts = os.path.join(workdir, "checkpoints")
+  largest = _largest_file(os.path.join(ckpts, "4"))
+  with open(largest, "r+b") as f:
+    f.truncate(os.path.getsize(largest) // 2)
+  os.makedirs(os.path.join(ckpts, "6"))  # an empty step folder
+  capsys.readouterr()
+  results = train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), workdir)
+  out = capsys.readouterr().out
+  skipped = [line for line in out.splitlines() if line.startswith("Skipped the damaged")]
+  assert len(skipped) == 2, out
+  assert skipped[0].startswith(
+    "Skipped the damaged checkpoint at step 6 (FileNotFoundError: the folder is empty; resuming"
+  )
+  assert skipped[1].startswith("Skipped the damaged checkpoint at step 4 (")
+  assert all("resuming from step 2" in line for line in skipped)
+  assert "Resuming from the checkpoint at step 2" in out
+  assert results["steps"] == 4 and _steps(workdir) == [2, 4]
+  assert sorted(os.listdir(os.path.join(workdir, "damaged_checkpoints"))) == ["4", "6"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verified(
+  how, two_checkpoints, tmp_path, capsys, monkeypatch
+):
+  """Bytes of the latest checkpoint that still parse: the tools skip it in one note, and a
+  resume moves it aside, continues from step 2 and, diverging, names step 2 (verified) as the
+  last good checkpoint, not the damaged step 4."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  _damage(workdir, 4, how)
+  capsys.readouterr()
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
+  (note,) = err.strip().splitlines()
+  assert note.startswith(
+    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
+    "match the checksums saved with them ("
+  ) and note.endswith("); using step 2, the newest one that reads"), note
+
+  _poison(monkeypatch, at_step=1, until=10**6)  # every update from step 3 on is non-finite
+  config = tiny_config(**TWO_CHECKPOINTS, max_consecutive_skips=2)
+  with pytest.raises(FloatingPointError, match="steps 3-4 .* the last good checkpoint is step 2:"):
+    train_lib.train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  assert "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents" in out
+  assert "Resuming from the checkpoint at step 2" in out
+  assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
+
+
+def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
+  """As a user runs them: a damaged latest checkpoint is one note, and the export is of step 2;
+  a step folder whose Orbax metadata is garbage (zeroed, as a lost write leaves it) but whose
+  contents verify is used, with nothing on stderr (Orbax would log the file's bytes)."""
+  for how, says in (("truncated", ""), ("8 bytes of 0xff", "DamagedCheckpointError")):
+    workdir = _copy(two_checkpoints, tmp_path, how)
+    if how == "truncated":  # structural damage: reading fails in TensorStore's threads
+      with open(_largest_file(os.path.join(workdir, "checkpoints", "4")), "r+b") as f:
+        f.truncate(1000)
+    else:
+      _damage(workdir, 4, how)
+    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
+    done = subprocess.run(
+      [*cmd, "--out", str(tmp_path / "m.msgpack")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert f"skipped the damaged checkpoint at step 4 ({says}" in done.stderr, done.stderr
+    assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
+    assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
+
+  metadata = os.path.join(two_checkpoints, "checkpoints", "4", "_CHECKPOINT_METADATA")
+  workdir = _copy(two_checkpoints, tmp_path, "zeroed")
+  with open(os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA"), "wb") as f:
+    f.write(bytes(os.path.getsize(metadata)))
+  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
+  done = subprocess.run(
+    [*cmd, "--out", str(tmp_path / "z.msgpack")], cwd=ROOT, capture_output=True, text=True
+  )
+  assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+  assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
+
+
+def _train(workdir, tmp_path):
+  train_lib.train_and_evaluate(trained_run_config(), workdir)
+
+
+def _generate(workdir, tmp_path):
+  generate.main(["--workdir", workdir, "--length", "4"])
+
+
+def _evaluate(workdir, tmp_path):
+  evaluate.main(["--workdir", workdir, "--split", "validation"])
+
+
+def _export(workdir, tmp_path):
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+
+
+COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "export": _export}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_damaged_only_checkpoint_is_refused_in_one_line_and_never_loaded(
+  command, how, trained_run, tmp_path, quiet_after_failure
+):
+  """The shared run's only checkpoint with damaged bytes: every command is refused in one
+  line naming the step and the checksums, and the workdir is left byte for byte as it was."""
+  workdir = _copy(trained_run[0], tmp_path)
+  _damage(workdir, 4, how)
+  before = listing(workdir)
+  with pytest.raises((RuntimeError, SystemExit)) as e:
+    with contextlib.redirect_stdout(io.StringIO()):
+      COMMANDS[command](workdir, tmp_path)
+  line = _one_line(e)
+  assert "step 4: DamagedCheckpointError: its contents do not match the checksums" in line, line
+  assert listing(workdir) == before
+  assert not os.path.exists(tmp_path / "model.msgpack")
+
+
+def _held_lock(workdir):
+  """A live process (``sleep``) holds the workdir's lock: (its pid, what stops it)."""
+  holder = subprocess.Popen(["sleep", "120"])
+  with open(workdir_lock.lock_path(workdir), "w") as f:
+    json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
+  return holder
+
+
+def _other_corpus(workdir):
+  """The checkpoint's corpus record says the train split had one token more (as when Python's
+  own docs, the pydoc corpus, change with its version)."""
+  path = os.path.join(workdir, "checkpoints", "4", "corpus", "metadata")
+  with open(path) as f:
+    saved = json.load(f)
+  saved["tokens"]["train"] += 1
+  with open(path, "w") as f:
+    json.dump(saved, f)
+
+
+REFUSALS = {
+  # name: (config overrides, --allow_config_change, the error, what its line says)
+  "another schedule": ({"num_train_steps": 6}, False, ValueError, "num_train_steps: 4 in the"),
+  "another vocabulary, even allowed": (
+    {"data.tokenizer": "word"},
+    True,
+    ValueError,
+    r"trained on another vocabulary \(data.tokenizer: 'byte' in the workdir, 'word' now",
+  ),
+  "another model, allowed": (
+    {"model.d_model": 32},
+    True,
+    RuntimeError,
+    r"no checkpoint in .* can be restored \(step 4: ",
+  ),
+  "another batch, allowed": (
+    {"batch_size": 8},
+    True,
+    ValueError,
+    r"the data position in the checkpoint at step 4 is for global_batch_size = 4 \(now 8\)",
+  ),
+  "a bad config": ({"learning_rate": -1.0}, False, ValueError, "learning_rate"),
+  "another corpus": (
+    {},
+    False,
+    ValueError,
+    r"the data changed since the checkpoint at step 4: the train split has [\d,]+ tokens, had",
+  ),
+  "a mesh this machine lacks": ({"mesh.data": 2}, False, ValueError, "does not match the 1 av"),
+  "a batch larger than the data, allowed": (
+    {"batch_size": 40_000},
+    True,
+    ValueError,
+    "split too short",
+  ),
+  "a held lock": ({}, False, workdir_lock.WorkdirInUse, "is in use by another trainer"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
+  case, trained_run, tmp_path, quiet_after_failure
+):
+  """Each refusal a run can make, on a copy of the shared run: one line, and every file and
+  folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint folder
+  or lock written, nothing moved aside). Refusals of a damaged checkpoint and of changed data
+  are in the tests above and in tests/e2e/test_text_run.py."""
+  overrides, allow, error, says = REFUSALS[case]
+  workdir = _copy(trained_run[0], tmp_path)
+  holder = _held_lock(workdir) if case == "a held lock" else None
+  if case == "another corpus":
+    _other_corpus(workdir)
+  before = listing(workdir)
+  try:
+    with pytest.raises(error, match=says) as e:
+      with contextlib.redirect_stdout(io.StringIO()):
+        config = trained_run_config()
+        config.update_from_flattened_dict(overrides)
+        train_lib.train_and_evaluate(config, workdir, allow_config_change=allow)
+  finally:
+    if holder is not None:
+      holder.kill()
+      holder.wait()
+  _one_line(e)
+  assert listing(workdir) == before
+  if case == "a bad config":  # nor is a new workdir left behind
+    fresh = str(tmp_path / "fresh")
+    with pytest.raises(ValueError, match="learning_rate"):
+      train_lib.train_and_evaluate(config, fresh)
+    assert not os.path.exists(fresh)
+
+
+class _Flag:
+  """A step's finite flag that records when the training loop reads it."""
+
+  def __init__(self, value, step, events):
+    self.value, self.step, self.events = value, step, events
+
+  def __bool__(self):
+    self.events.append(("read", self.step))
+    return bool(self.value)
+
+
+def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path, monkeypatch):
+  """The host reads step n's finite flag before it dispatches step n+3 (so it never runs
+  more than two steps ahead of the device), and the metrics since the last log line are
+  written before exiting on a signal."""
+  orig = train_lib.Trainer.train_step
+  events = []
+
+  def step(self, *args):
+    n = sum(1 for e in events if e[0] == "dispatch") + 1
+    events.append(("dispatch", n))
+    state, metrics = orig(self, *args)
+    if n == 5:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
+
+  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=50, log_every_steps=1000)
+  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}
+  for n in (4, 5):
+    assert events.index(("read", n - 3)) < events.index(("dispatch", n)), events
+  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
+  assert [r["step"] for r in records] == [5] and np.isfinite(records[0]["loss"])
+
+
+def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  lock = workdir_lock.lock_path(workdir)
+  holder = subprocess.Popen(["sleep", "60"])
+  try:
+    with open(lock, "w") as f:
+      json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
+    with pytest.raises(workdir_lock.WorkdirInUse, match=f"another trainer .pid {holder.pid} on"):
+      train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  # Its process is gone: the lock is stale, taken over, and released at the end.
+  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
+  assert results["steps"] == 1 and not os.path.exists(lock)
+
+
+def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
+  """With several processes JAX's preemption sync manager owns SIGTERM (its handler stays) and
+  names the stop step; a Ctrl-C is exchanged at log steps only (no collective on other steps)."""
+  from aft_jax.trainer import preemption
+
+  monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
+  gathered, sync_steps = [], []
+  monkeypatch.setattr(
+    preemption.multihost_utils,
+    "process_allgather",
+    lambda x: gathered.append(int(x)) or np.array([int(x), 0]),
+  )
+  monkeypatch.setattr(
+    preemption.multihost_utils,
+    "reached_preemption_sync_point",
+    lambda step: sync_steps.append(step) or step == 7,
+  )
+  sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+  with preemption.Preemption() as p:
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+    assert not p.should_stop(1, every=2) and not p.should_stop(2, every=2)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert not p.should_stop(3, every=2)  # not a log step
+    assert p.should_stop(4, every=2) and p.signal == signal.SIGINT
+  assert gathered == [0, 1] and sync_steps == [1, 2, 3, 4]
+  with preemption.Preemption() as p:  # the sync manager's step, between log steps
+    assert not p.should_stop(5, every=2) and p.should_stop(7, every=2)
+    assert p.signal.startswith("SIGTERM, preemption notice")
+  assert signal.getsignal(signal.SIGINT) is sigint  # the handler found (SIG_IGN in background)
+
+
+def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, monkeypatch, capsys):
+  """SIGTERM while the test split is scored: one message, no results.json, the lock released
+  and the validation split's result kept; the rerun scores only the test split and writes
+  results.json with the validation number of the first run."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=2, **{"sample.length": 0})
+  original, scored = train_lib.Trainer.evaluate, []
+
+  def evaluate(self, params, tokens, bos_id, desc="eval", **kw):
+    scored.append(desc)
+    if desc == "test" and signal_once:
+      signal_once.pop()
+      os.kill(os.getpid(), signal.SIGTERM)  # recorded by the run's handler, acted on next batch
+    return original(self, params, tokens, bos_id, desc, **kw)
+
+  signal_once = [True]
+  monkeypatch.setattr(train_lib.Trainer, "evaluate", evaluate)
+  out = train_lib.train_and_evaluate(config, workdir)
+  said = capsys.readouterr().out
+  assert out == {"interrupted": True, "step": 2}, out
+  assert f"signal {int(signal.SIGTERM)}) during the final evaluation of the test split" in said
+  wd = Workdir(workdir)
+  assert wd.read_results() is None and not os.path.exists(wd.lock_file)
+  kept = wd.read_final_eval()
+  assert kept["step"] == 2 and set(kept["splits"]) == {"validation"}
+
+  scored.clear()
+  results = train_lib.train_and_evaluate(config, workdir)
+  assert scored == ["test"]  # the validation split was not scored again
+  assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
+  assert wd.read_results()["test_tokens"] == results["test_tokens"] > 0
+
+
+def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_path, capsys):
+  """The largest file of the latest checkpoint truncated: export (like generate and evaluate,
+  through trained.load_run) says in one line that it skipped that step and uses the one
+  before; asked for the damaged step itself, it stops with one line naming it and the others."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  wd = Workdir(workdir)
+  biggest = _largest_file(os.path.join(wd.checkpoints_dir, "4"))
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+  capsys.readouterr()
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
+  notes = [line for line in err.splitlines() if "damaged" in line]
+  assert len(notes) == 1 and "step 4" in notes[0] and "using step 2" in notes[0], err[-2000:]
+
+  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--step", "4"]
+  done = subprocess.run(
+    [*cmd, "--out", str(tmp_path / "again.msgpack")], cwd=ROOT, capture_output=True, text=True
+  )
+  lines = done.stderr.splitlines()
+  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
+
+
+def test_ctrl_c_during_setup_is_one_line(tmp_path):
+  """SIGINT while the run sets up (after the warmup note, while it builds and compiles the
+  trainer, before the training loop's handler): one line, exit status 1."""
+  workdir = tmp_path / "run"
+  cmd = train_py(workdir, "--config.num_train_steps=2")  # warmup 100 > 2: a note in setup
+  cmd = with_default_sigint(cmd)  # as from a terminal, even where this suite ignores SIGINT
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  line = proc.stdout.readline()
+  assert line.startswith("note: warmup_steps"), line
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=300)
+  lines = [x for x in err.splitlines() if x.strip()]
+  assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
+  assert "interrupted (Ctrl-C): stopped without saving" in lines[0]
+  assert not Workdir(str(workdir)).checkpoint_steps()

@@ -1,0 +1,136 @@
+"""aft_jax.trainer.wandb_log: the optional W&B logging. Without the extra, setting
+config.wandb.project is one line saying how to install it; with it (a test dependency),
+WANDB_MODE=offline writes a W&B run folder with the run's metrics and sends nothing."""
+
+import contextlib
+import glob
+import hashlib
+import importlib.util
+import io
+import json
+import os
+
+import pytest
+
+from aft_jax.trainer import config_check, train_lib, wandb_log
+from tests.support.helpers import tiny_config
+
+
+def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+  )
+  config = tiny_config(**{"wandb.project": "mine"})
+  with pytest.raises(ValueError, match=r"wandb\.project = 'mine' needs Weights & Biases") as e:
+    config_check.check_config(config)
+  assert wandb_log.INSTALL in str(e.value) and "\n" not in str(e.value)
+  config_check.check_config(tiny_config())  # no project: W&B is never asked for
+
+
+@pytest.mark.parametrize(
+  "keys, message",
+  [
+    ({"wandb.entity": "me"}, "config.wandb.entity = 'me' needs config.wandb.project: without a"),
+    ({"wandb.name": "x"}, "config.wandb.name = 'x' needs config.wandb.project"),
+    ({"wandb.project": " "}, "config.wandb.project = ' ' is blank"),
+    ({"wandb.project": "a/b"}, "config.wandb.project: Invalid project name 'a/b': cannot contain"),
+    ({"wandb.project": "x" * 129}, "config.wandb.project: Invalid project name .* exceeded 128"),
+  ],
+)
+def test_wandb_settings_that_would_be_ignored_or_refused_are_one_line(keys, message):
+  """Checked with the config, before anything is built or written (W&B itself would refuse
+  the name in a 30-line traceback after the model is built; an entity alone turned W&B off)."""
+  with pytest.raises(ValueError, match=message) as e:
+    config_check.check_config(tiny_config(**keys))
+  assert "\n" not in str(e.value)
+  config_check.check_config(
+    tiny_config(**{"wandb.project": "aft-jax_test.1", "wandb.entity": "me"})
+  )
+
+
+def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
+  """A fresh run in a workdir path used before (say, deleted and started again) must not
+  continue the old W&B run, as an id derived from the path did; a resume continues it."""
+  workdir = str(tmp_path / "run")
+  first = wandb_log.run_id(workdir, resumed=False)
+  assert wandb_log.run_id(workdir, resumed=True) == first
+  second = wandb_log.run_id(workdir, resumed=False)
+  assert second != first and wandb_log.run_id(workdir, resumed=True) == second
+  # A workdir from before the id was kept resumes the run its path named.
+  old = str(tmp_path / "old")
+  assert wandb_log.run_id(old, resumed=True) == hashlib.sha256(old.encode()).hexdigest()[:16]
+
+
+def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
+  config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
+  with contextlib.redirect_stdout(io.StringIO()):
+    results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+  # run.finish() (at the end of the run) only asks W&B's service to write the record; it is
+  # complete once the service is done, which teardown waits for (as the process's exit does).
+  # Read before, it held only its header on a busy machine.
+  import wandb
+
+  wandb.teardown()
+  (run_id,) = open(tmp_path / "run" / wandb_log.ID_FILE).read().split()
+  (run_dir,) = glob.glob(str(tmp_path / "run" / "wandb" / f"offline-run-*-{run_id}"))
+  (record,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))  # everything the run logged
+  with open(record, "rb") as f:
+    data = f.read()
+  # The metrics' names and values, as W&B keeps them (JSON text inside its protobuf records).
+  for key in ("loss", "grad_norm", "tokens_per_sec", "valid_ppl", "test_loss"):
+    assert key.encode() in data, key
+  assert json.dumps(results["valid_ppl"]).encode() in data
+  assert b"aft-jax-test" in data and b"num_train_steps" in data  # the project and the config
+
+
+def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
+  """What the training loop writes reaches the W&B run: every record with its step, and the
+  sample as a table (the config went to ``wandb.init``)."""
+  from aft_jax.trainer.metrics import MetricWriter
+
+  class Run:
+    logged, finished = [], False
+
+    def log(self, values, step):
+      self.logged.append((step, values))
+
+    def finish(self):
+      self.finished = True
+
+  run = Run()
+  writer = MetricWriter(str(tmp_path), wandb_run=run)
+  writer.write({"step": 3, "loss": 2.5, "valid_ppl": 7.0})
+  writer.write_text("config", "{}", 3)
+  writer.write_text("sample", "def f():", 4)
+  writer.close()
+  assert run.logged[0] == (3, {"loss": 2.5, "valid_ppl": 7.0})
+  assert [(step, list(values)) for step, values in run.logged[1:]] == [(4, ["sample"])]
+  assert run.logged[1][1]["sample"].data == [["def f():"]] and run.finished
+
+
+def test_the_trainer_continues_the_wandb_run_of_the_checkpoint_it_resumes(tmp_path, monkeypatch):
+  """train_and_evaluate tells ``start`` whether it restored a checkpoint: a fresh run takes a
+  new id (not the path's), and the rerun of a finished run continues its W&B run."""
+  import wandb
+
+  ids = []
+
+  class Run:
+    def log(self, values, step):
+      pass
+
+    def finish(self):
+      pass
+
+  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or Run())
+  config = tiny_config(num_train_steps=1, **{"wandb.project": "p"})
+  workdir = str(tmp_path / "run")
+  with contextlib.redirect_stdout(io.StringIO()):
+    for _ in range(2):
+      train_lib.train_and_evaluate(config, workdir)
+  assert ids[0] == ids[1] == open(os.path.join(workdir, wandb_log.ID_FILE)).read().strip()
+  assert ids[0] != hashlib.sha256(workdir.encode()).hexdigest()[:16]
