@@ -5,11 +5,18 @@ import os
 
 import pytest
 
-from tests.support.helpers import ROOT, STDLIB_JSON, trained_run_config
+from tests.support import shared
+from tests.support.helpers import STDLIB_JSON, trained_run_config
 
 # Many tests (and the train.py subprocesses they start, which inherit the environment) compile
 # the same tiny programs: a persistent compilation cache compiles each of them once per run.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax"))
+# It lives outside the checkout (as pip's cache does), so a fresh clone on the same machine
+# starts warm; jax keys each entry by the program, its options and jax's version, and drops the
+# least recently used entries past the size below (a whole suite's programs take ~80 MB).
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/aft_jax/test-compilation-cache")
+)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Test programs are tiny: XLA's backend optimisations cost more compile time than they save.
@@ -25,19 +32,23 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-  """(workdir, results, stdout) of one tiny byte-level run, trained once per test process and
-  shared by the tests of the commands that read a workdir (generate, evaluate, export): 4 steps,
-  a validation at step 2, a profile of steps 2-3 and an end-of-run sample."""
+  """(workdir, results, stdout) of one tiny byte-level run, trained once per pytest session
+  (whichever xdist worker asks first: ``shared.once``) and shared by the tests of the commands
+  that read a workdir (generate, evaluate, export): 4 steps, a validation at step 2, a profile
+  of steps 2-3 and an end-of-run sample."""
   import contextlib
   import io
 
   from aft_jax.trainer import train_lib
 
-  path = str(tmp_path_factory.mktemp("trained") / "run")
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    results = train_lib.train_and_evaluate(trained_run_config(), path)
-  return path, results, out.getvalue()
+  def build(folder):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      results = train_lib.train_and_evaluate(trained_run_config(), str(folder / "run"))
+    return {"results": results, "stdout": out.getvalue()}
+
+  folder, made = shared.once(tmp_path_factory, "trained_run", build)
+  return str(folder / "run"), made["results"], made["stdout"]
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 
 from aft_jax import ops
 from benchmarks import accelerator_check, before_after, bench_model, bench_ops
+from tests.support import shared
 
 
 def _finite(x):
@@ -151,8 +152,7 @@ def _raise(*args, **kwargs):
 @pytest.fixture(scope="module")
 def quick_check(tmp_path_factory):
   """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
-  check (its aft_simple call) and the softmax LM's train step."""
-  out = tmp_path_factory.mktemp("accelerator_check")
+  check (its aft_simple call) and the softmax LM's train step; once per session."""
   op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
   measure_step = bench_model.measure_step
 
@@ -167,12 +167,15 @@ def quick_check(tmp_path_factory):
   def failing_softmax(cfg, *args):
     return (_raise if cfg.mixing == "softmax" else measure_step)(cfg, *args)
 
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(accelerator_check, "op_rows", failing_rows)
-    mp.setattr(ops, "aft_simple", failing_bf16)
-    mp.setattr(bench_model, "measure_step", failing_softmax)
-    accelerator_check.main(["--quick", "--out", str(out)])
-  return out, json.loads((out / "accelerator_check.json").read_text())
+  def build(out):
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(accelerator_check, "op_rows", failing_rows)
+      mp.setattr(ops, "aft_simple", failing_bf16)
+      mp.setattr(bench_model, "measure_step", failing_softmax)
+      accelerator_check.main(["--quick", "--out", str(out)])
+    return json.loads((out / "accelerator_check.json").read_text())
+
+  return shared.once(tmp_path_factory, "accelerator_check", build)
 
 
 def _is_injected(rec):

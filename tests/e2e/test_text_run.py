@@ -36,6 +36,10 @@ from aft_jax.trainer import train_lib
 from tests.e2e import test_recipes
 from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, train_py
 
+# The module's run (``subword_run``) is changed and put back by its tests: one worker runs them
+# all, so the run is trained once and no other process sees it mid-change.
+pytestmark = pytest.mark.xdist_group("subword_run")
+
 STDLIB = os.path.dirname(os.__file__)
 TRAIN_FILES = os.path.join(STDLIB, "json", "*.py")  # 5 files, ~48 KB: 3 train, 1 valid, 1 test
 

@@ -12,6 +12,7 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 
+from tests.support import shared
 from tests.support.helpers import tiny_config
 from aft_jax.tools import evaluate
 from aft_jax.trainer import train_lib
@@ -33,11 +34,11 @@ def byte_run(trained_run):
 
 @pytest.fixture(scope="module")
 def word_run(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("word") / "run")
   # The final protocol (sliding windows) differs from the training-time one (disjoint).
   overrides = {"data.tokenizer": "word", "final_eval_stride": 8}
-  results, _ = _train(path, num_train_steps=2, **overrides)
-  return path, results
+  build = lambda folder: _train(str(folder / "run"), num_train_steps=2, **overrides)[0]
+  folder, results = shared.once(tmp_path_factory, "word_run", build)
+  return str(folder / "run"), results
 
 
 def _evaluate(capsys, *flags):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support import shared
 from tests.support.helpers import (
   ROOT,
   config_flags,
@@ -354,11 +355,14 @@ TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpo
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-  """A tiny run with checkpoints at steps 2 and 4, trained once for this module's tests (each
-  damages a copy)."""
-  workdir = str(tmp_path_factory.mktemp("two") / "run")
-  with contextlib.redirect_stdout(io.StringIO()):
-    train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), workdir)
+  """A tiny run with checkpoints at steps 2 and 4, trained once per session for this module's
+  tests (each damages a copy)."""
+
+  def build(folder):
+    with contextlib.redirect_stdout(io.StringIO()):
+      train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), str(folder / "run"))
+
+  workdir = str(shared.once(tmp_path_factory, "two_checkpoints", build)[0] / "run")
   assert Workdir(workdir).checkpoint_steps() == [2, 4]
   return workdir
 

@@ -1,0 +1,43 @@
+"""Fixtures made once per pytest session, whichever pytest-xdist worker asks first.
+
+A session- or module-scoped fixture is made once per *worker*: with ``-n 2`` an expensive one
+(a trained run) is made twice, each time on one of CI's two cores. ``once(...)`` makes it in a
+folder that every worker of the session sees, under an exclusive lock: the first worker to ask
+builds it, the others wait on the lock and read what it left. Only for what tests treat as
+read-only (they copy a workdir before changing it); a module whose tests change their fixture
+in place keeps it in one worker instead (``pytest.mark.xdist_group``)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+
+
+def session_dir(tmp_path_factory) -> pathlib.Path:
+  """A folder that every process of this pytest session sees: pytest-xdist's workers each have
+  their own basetemp, under one parent."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
+  """(folder, value): ``build(folder)``'s JSON-able value, built once per session in
+  ``folder`` (``<session dir>/<name>``) by the first process that asks, read back by the rest.
+  A build that raised leaves nothing behind, so the next process that asks builds again (and
+  fails the same way, with its own traceback)."""
+  root = session_dir(tmp_path_factory)
+  folder, done = root / name, root / f"{name}.json"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not done.exists():
+      shutil.rmtree(folder, ignore_errors=True)
+      folder.mkdir()
+      value = build(folder)
+      tmp = done.with_suffix(".tmp")
+      tmp.write_text(json.dumps(value))
+      tmp.rename(done)  # whole or not there: a reader never sees half of it
+  return folder, json.loads(done.read_text())
