@@ -237,7 +237,7 @@ def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypa
 
 
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
-  mngr = checkpointing.checkpoint_manager(str(tmp_path), 2)
+  mngr = checkpointing.checkpoint_manager(str(tmp_path), checkpointing.CheckpointConfig())
   state = {"w": jnp.array([1.0, jnp.nan])}
 
   class S:  # the two fields save inspects
