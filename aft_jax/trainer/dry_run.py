@@ -58,7 +58,7 @@ def gpu_fraction() -> float:
   return fraction
 
 
-def usable_bytes(target: deviceless.Target) -> int:
+def usable_bytes(target: deviceless.CompileTarget) -> int:
   """The memory one device gives a program (module docstring)."""
   if target.kind == "cpu":
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -67,7 +67,7 @@ def usable_bytes(target: deviceless.Target) -> int:
   return int(target.memory_bytes * TPU_FRACTION)
 
 
-def check(cfg: RunConfig, target: deviceless.Target, num_devices: int) -> int:
+def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
   """Everything a dry run refuses that needs no compiler, so that it is refused before the run
   restarts itself for the target (the config itself was checked where ``cfg`` was built): the
   device count, the memory fraction, the mesh and the batch's split over it, and a batch whose
@@ -159,7 +159,9 @@ def _gib(n: float) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def compile_steps(cfg: RunConfig, target: deviceless.Target, num_devices: int, say=print) -> dict:
+def compile_steps(
+  cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int, say=print
+) -> dict:
   """Compiles ``cfg``'s steps for ``num_devices`` of ``target``: the report's numbers. The
   trainer is built as training builds it (``train_lib.make_trainer``), with the vocabulary
   size the data would give (``data.vocab_size``: nothing prepared or loaded)."""
