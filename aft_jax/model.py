@@ -300,7 +300,7 @@ class TransformerLM(nn.Module):
       if t_len != 1 and cfg.mixing not in CHUNKED:
         raise ValueError(
           f"TransformerLM: decode=True takes tokens [B, 1] (a prompt chunk [B, T] only with "
-          f"model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
+          f"config.model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
         )
       ready = self.has_variable("cache", "pos")
       pos = self.variable("cache", "pos", jnp.zeros, (), jnp.int32)

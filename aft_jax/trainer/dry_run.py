@@ -236,7 +236,7 @@ def run(cfg: RunConfig, target_name: str, num_devices: int = 1, say=print) -> di
   kind = "host memory" if target.kind == "cpu" else "device memory"
   capacity = target.memory_bytes or usable
   say(
-    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, model.impl="
+    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, config.model.impl="
     f"{res['impl']!r} ({res['triton_kernels']} Triton kernel calls in the train step)"
   )
   say(

@@ -295,7 +295,7 @@ def build_trainer(cfg: RunConfig, mesh, say=print) -> Trainer:
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     say(
       f"impl='auto': the Pallas kernels chosen for {device} did not compile ({reason}); "
-      "continuing with model.impl='xla'"
+      "continuing with config.model.impl='xla'"
     )
     return Trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, impl="xla")), mesh)
   return trainer
