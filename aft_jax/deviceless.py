@@ -33,8 +33,9 @@ _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-  """A device to compile for. ``kind``: 'cuda', 'tpu' or 'cpu' (which plugin it needs);
+class CompileTarget:
+  """A device to compile for without it. ``kind``: 'cuda', 'tpu' or 'cpu', the compiler plugin
+  it needs (named as jax's plugins are; a GPU's jax platform is 'gpu': ``ops.target``);
   ``spec``: the GPU description file, or the TPU generation ('v5e'); ``memory_bytes``: a
   device's memory (GPUs: read from the spec)."""
 
@@ -45,11 +46,11 @@ class Target:
   memory_bytes: int | None = None
 
 
-def _gpu(name: str, description: str) -> Target:
+def _gpu(name: str, description: str) -> CompileTarget:
   path = os.path.join(_SPECS, f"{name}.txtpb")
   text = open(path).read()
   memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
-  return Target(name, "cuda", path, description, memory)
+  return CompileTarget(name, "cuda", path, description, memory)
 
 
 GIB = 1 << 30
@@ -62,14 +63,14 @@ TARGETS = {
     _gpu("a100-80", "NVIDIA A100 80 GB (sm_80)"),
     _gpu("h100", "NVIDIA H100 SXM 80 GB (sm_90)"),
     _gpu("h200", "NVIDIA H200 141 GB (sm_90)"),
-    Target("v5e", "tpu", "v5e", "TPU v5e chip, 16 GiB HBM", 16 * GIB),
-    Target("v6e", "tpu", "v6e", "TPU v6e (Trillium) chip, 32 GiB HBM", 32 * GIB),
-    Target("cpu", "cpu", "", "this machine's CPU (host memory)"),
+    CompileTarget("v5e", "tpu", "v5e", "TPU v5e chip, 16 GiB HBM", 16 * GIB),
+    CompileTarget("v6e", "tpu", "v6e", "TPU v6e (Trillium) chip, 32 GiB HBM", 32 * GIB),
+    CompileTarget("cpu", "cpu", "", "this machine's CPU (host memory)"),
   )
 }
 
 
-def get(name: str) -> Target:
+def get(name: str) -> CompileTarget:
   """The target called ``name``; a ValueError listing the known names otherwise."""
   if name not in TARGETS:
     known = ", ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
@@ -237,7 +238,7 @@ def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
 MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
 
 
-def check_num_devices(target: Target, num_devices: int) -> None:
+def check_num_devices(target: CompileTarget, num_devices: int) -> None:
   """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for; checked
   before anything starts (a restart with a million host devices would hang first)."""
   if num_devices < 1:
@@ -261,7 +262,7 @@ def _tpu_layout(n: int) -> tuple[str, int]:
   return side.get(n, "16x16"), n
 
 
-def devices(target: Target | str, num_devices: int = 1) -> list:
+def devices(target: CompileTarget | str, num_devices: int = 1) -> list:
   """``num_devices`` devices of ``target`` to compile for (the process must run in
   ``environment(target.kind)``)."""
   import jax

@@ -20,11 +20,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from aft_jax import adaptive
 from aft_jax import layers, ops
+from aft_jax.typed_config import TypedConfig
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 # The recurrent mixings: decode=True also takes a chunk of tokens (a prompt) in one pass.
@@ -32,16 +32,19 @@ CHUNKED = ("aft_local", "aft_simple", "aft_conv1d")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(TypedConfig):
   """The language model's hyperparameters: the one place each model setting is defined.
 
-  ``config.model`` in a training config has exactly these fields but ``vocab_size`` (which
-  comes from the data; ``model_config_dict`` builds it from the defaults below), and the model
-  is built from it by name: ``ModelConfig(vocab_size=V, **config.model)``. ``problems()`` lists
-  what is wrong; ``validate()`` raises it.
+  ``config.model`` in a training config has exactly these fields but ``vocab_size``, which
+  comes from the data: the run config reads the rest once and fills it in
+  (``RunConfig.with_vocab``). ``problems()`` lists what is wrong (the run config asks, once per
+  run); the model itself checks nothing but its inputs' shapes.
   """
 
-  vocab_size: int  # from the data
+  WHERE = "model"
+  OUTSIDE_TREE = ("vocab_size",)
+
+  vocab_size: int = 0  # from the data (0: not known yet)
   max_len: int = 256  # longest sequence: size of the position embedding and AFT bias w
   num_layers: int = 2
   d_model: int = 128
@@ -65,65 +68,68 @@ class ModelConfig:
   adaptive_factor: float = 4.0  # cluster i has dimension d_model / factor**i
 
   def __post_init__(self):
-    # Configs come from files, the command line or JSON: dtypes as names, tuples as lists.
+    # Configs come from files, the command line or JSON: dtypes as names, tuples as lists (a
+    # value of another type is left for problems() to name).
     set_ = functools.partial(object.__setattr__, self)
     for name in ("dtype", "param_dtype"):
       try:
         set_(name, jnp.dtype(getattr(self, name)))
       except TypeError:
-        raise ValueError(f"model.{name} = {getattr(self, name)!r} is not a dtype name") from None
-    set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs or ()))
+        raise ValueError(
+          f"{self.key(name)} = {getattr(self, name)!r} is not a dtype name"
+        ) from None
+    if isinstance(self.adaptive_cutoffs, (list, tuple)):
+      set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs))
 
-  def problems(self) -> list[str]:
-    """One line per invalid setting (empty if the config is valid)."""
+  def _typed_values(self) -> dict:
+    values = super()._typed_values()
+    values.update(dtype=self.dtype.name, param_dtype=self.param_dtype.name)  # as in the tree
+    return values
+
+  def _value_problems(self) -> list[str]:
     errors = []
     if self.mixing not in MIXINGS:
-      errors.append(f"model.mixing = {self.mixing!r} is not one of {', '.join(MIXINGS)}")
-    for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        errors.append(f"model.{name} = {value!r} must be a positive int")
+      errors.append(f"{self.key('mixing')} = {self.mixing!r} is not one of {', '.join(MIXINGS)}")
+    if self.vocab_size < 0:
+      errors.append(f"{self.key('vocab_size')} = {self.vocab_size} must be >= 0 (0: from the data)")
+    for name in ("max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
+      if getattr(self, name) < 1:
+        errors.append(f"{self.key(name)} = {getattr(self, name)!r} must be a positive int")
     if errors:
       return errors  # the checks below assume positive ints
     if self.mixing in ("softmax", "aft_conv1d") and self.d_model % self.num_heads:
       errors.append(
-        f"model.d_model = {self.d_model} is not divisible by model.num_heads = {self.num_heads}"
+        f"{self.key('d_model')} = {self.d_model} is not divisible by "
+        f"{self.key('num_heads')} = {self.num_heads}"
       )
     if self.mixing == "aft_local" and not 1 <= self.window <= self.max_len:
-      errors.append(f"model.window = {self.window} must be in [1, model.max_len = {self.max_len}]")
+      errors.append(
+        f"{self.key('window')} = {self.window} must be in [1, {self.key('max_len')} = "
+        f"{self.max_len}]"
+      )
     if self.mixing == "aft_conv1d" and not 1 <= self.kernel_size <= self.max_len:
       errors.append(
-        f"model.kernel_size = {self.kernel_size} must be in [1, model.max_len = {self.max_len}]"
+        f"{self.key('kernel_size')} = {self.kernel_size} must be in [1, {self.key('max_len')} = "
+        f"{self.max_len}]"
       )
     if self.mixing == "softmax":
       problem = layers.attention_impl_problem(self.impl, self.dtype)
       if problem:
-        errors.append(f"model.impl = {self.impl!r}: {problem}")
+        errors.append(f"{self.key('impl')} = {self.impl!r}: {problem}")
     elif self.impl not in ops.IMPLS:
-      errors.append(f"model.impl = {self.impl!r} is not one of {ops.IMPLS} for {self.mixing}")
+      errors.append(
+        f"{self.key('impl')} = {self.impl!r} is not one of {ops.IMPLS} for {self.mixing}"
+      )
     if self.factor_dim < 0:
-      errors.append(f"model.factor_dim = {self.factor_dim} must be >= 0 (0: a full bias)")
+      errors.append(f"{self.key('factor_dim')} = {self.factor_dim} must be >= 0 (0: a full bias)")
     if not 0.0 <= self.dropout_rate < 1.0:
-      errors.append(f"model.dropout_rate = {self.dropout_rate} must be in [0, 1)")
+      errors.append(f"{self.key('dropout_rate')} = {self.dropout_rate} must be in [0, 1)")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in (jnp.float32, jnp.bfloat16):
-        errors.append(f"model.{name} = {getattr(self, name).name!r}: use 'float32' or 'bfloat16'")
+        errors.append(
+          f"{self.key(name)} = {getattr(self, name).name!r}: use 'float32' or 'bfloat16'"
+        )
     return errors
-
-  def validate(self) -> "ModelConfig":
-    """Raises ValueError naming every invalid setting; returns self otherwise."""
-    errors = self.problems()
-    if errors:
-      raise ValueError("; ".join(errors))
-    return self
-
-
-def model_config_dict() -> ml_collections.ConfigDict:
-  """``config.model`` with every ModelConfig field and its default, except ``vocab_size``."""
-  fields = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"}
-  for name in ("dtype", "param_dtype"):
-    fields[name] = jnp.dtype(fields[name]).name
-  return ml_collections.ConfigDict(fields)
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
@@ -143,7 +149,7 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
     return layers.MultiHeadAttention(
       num_heads=cfg.num_heads, max_len=cfg.max_len, impl=cfg.impl, **common
     )
-  raise ValueError(f"model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
+  raise ValueError(f"config.model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
 
 
 def _ln(cfg, name):
@@ -275,7 +281,6 @@ class TransformerLM(nn.Module):
     the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel pass (a prompt's prefill).
     """
     cfg = self.cfg
-    cfg.validate()
     t_len = tokens_BT.shape[-1]
     if t_len > cfg.max_len:
       raise ValueError(
@@ -295,7 +300,7 @@ class TransformerLM(nn.Module):
       if t_len != 1 and cfg.mixing not in CHUNKED:
         raise ValueError(
           f"TransformerLM: decode=True takes tokens [B, 1] (a prompt chunk [B, T] only with "
-          f"model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
+          f"config.model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
         )
       ready = self.has_variable("cache", "pos")
       pos = self.variable("cache", "pos", jnp.zeros, (), jnp.int32)

@@ -83,12 +83,12 @@ class RulesConfig(TypedConfig):
   )
 
 
-def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-  """(data, fsdp, tensor, sequence) from a config with those fields (a missing one: its
-  default); one of them may be -1 (the rest)."""
-  given = {a: int(getattr(mesh_cfg, a, getattr(MeshConfig, a))) for a in MESH_AXES}
-  cfg = MeshConfig(**given).validate()
-  sizes = [getattr(cfg, a) for a in MESH_AXES]
+def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor, sequence) of ``mesh_cfg`` (checked with the run config: its
+  ``problems()``) over ``num_devices``; one of them may be -1 (the rest)."""
+  if not isinstance(mesh_cfg, MeshConfig):
+    raise TypeError(f"mesh_shape takes a MeshConfig, not a {type(mesh_cfg).__name__}")
+  sizes = [getattr(mesh_cfg, a) for a in MESH_AXES]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
@@ -124,7 +124,7 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
     )
 
 
-def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ('data', 'fsdp', 'tensor', 'sequence') mesh over ``devices`` (default: all devices of
   all hosts)."""
   devices = list(jax.devices() if devices is None else devices)
@@ -139,7 +139,7 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
-  """Normalises rules from a config (lists from JSON/ConfigDict) to tuples."""
+  """Normalises rules from a config (lists from JSON) to tuples."""
   if rules is None:
     return DEFAULT_RULES
   out = []

@@ -1,12 +1,16 @@
 """The components' typed configs: each component defines, documents and checks its own keys
-in a frozen dataclass (``ModelConfig`` in aft_jax/model.py is the first of them), and the
-training config tree is generated from those dataclasses (aft_jax/trainer/default_config.py).
+in a frozen dataclass (``ModelConfig`` in aft_jax/model.py, ``DataConfig``, ...), and the
+training config tree (an ml_collections ConfigDict) is generated from those dataclasses
+(aft_jax/trainer/default_config.py). A run reads the tree once, into one ``RunConfig`` of these
+slices (aft_jax/trainer/run_config.py); the components then take their own slice.
 
 A component's class sets ``WHERE``, the node of the tree that holds its keys ("data" for
 ``config.data.*``, "" for keys at the top), gives each field a default (its type: a value of
 another type is refused) and a comment (its meaning), and lists what is wrong with a value in
-``_value_problems``. ``from_config(config)`` reads it from a tree; ``problems()`` is every
-type and value problem, one line each, named as the config key (``config.data.dataset``).
+``_value_problems``. ``OUTSIDE_TREE`` names fields that are no config key (the model's
+``vocab_size``: it comes from the data). ``from_config(config)`` reads it from a tree;
+``problems()`` is every type and value problem, one line each, named as the config key
+(``config.data.dataset``).
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ class TypedConfig:
   """Base of a component's config (a frozen dataclass whose every field has a default)."""
 
   WHERE: ClassVar[str] = ""
+  OUTSIDE_TREE: ClassVar[tuple[str, ...]] = ()  # fields the tree does not hold
 
   @classmethod
   def defaults(cls) -> dict:
-    """Every key and its default, in the order of the fields."""
+    """Every field and its default, in the order of the fields."""
     missing = dataclasses.MISSING
     return {
       f.name: f.default if f.default is not missing else f.default_factory()
@@ -57,10 +62,15 @@ class TypedConfig:
     }
 
   @classmethod
+  def tree_defaults(cls) -> dict:
+    """The component's keys in the config tree and their defaults."""
+    return {k: v for k, v in cls.defaults().items() if k not in cls.OUTSIDE_TREE}
+
+  @classmethod
   def from_config(cls, config):
     """The component's keys of a config tree (a ConfigDict or a dict)."""
     node = config[cls.WHERE] if cls.WHERE else config
-    return cls(**{name: node[name] for name in cls.defaults()})
+    return cls(**{name: node[name] for name in cls.tree_defaults()})
 
   def key(self, name: str) -> str:
     """The config key of field ``name``, as errors name it: "config.data.dataset"."""
@@ -68,9 +78,13 @@ class TypedConfig:
 
   def problems(self) -> list[str]:
     """One line per invalid setting (types first: the value checks assume the types)."""
-    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    values = self._typed_values()
     wrong = type_problems(values, self.defaults(), self.WHERE + "." if self.WHERE else "")
     return wrong or self._value_problems()
+
+  def _typed_values(self) -> dict:
+    """The fields' values as the type check compares them with the defaults."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   def _value_problems(self) -> list[str]:
     return []

@@ -90,7 +90,7 @@ class Workdir:
   # ------------------------------------------------------------------ config and results
 
   def write_config(self, config: dict) -> None:
-    """config.json (a plain dict: ``checkpointing.config_dict`` of the run's config)."""
+    """config.json (a plain dict: the run config's tree, ``RunConfig.tree``)."""
     os.makedirs(self.path, exist_ok=True)
     files.atomic_write_json(self.config_file, config)
 

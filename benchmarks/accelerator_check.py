@@ -67,9 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from aft_jax import ops
-from aft_jax.ops import pallas_split
 from aft_jax.model import MIXINGS, ModelConfig
-from benchmarks import bench_model, bench_ops, common
+from benchmarks import bench_model, bench_ops, common, kernel_form
 
 # Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
 KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
@@ -97,11 +96,11 @@ def _cudnn(q, k, v):
 
 
 def in_form(fn, form: str):
-  """``fn`` running the GPU kernels' ``form`` (``pallas_split.forced``, read when the ops are
+  """``fn`` running the GPU kernels' ``form`` (``kernel_form.forced``, read when the ops are
   traced)."""
 
   def run(*args):
-    with pallas_split.forced(form):
+    with kernel_form.forced(form):
       return fn(*args)
 
   return run

@@ -49,15 +49,13 @@ def row(mixing: str, t_len: int, n: int) -> dict:
   import jax
 
   from aft_jax import sharding
-  from aft_jax.model import ModelConfig
   from aft_jax.trainer import train_lib
-  from aft_jax.trainer.config_check import check_config
   from aft_jax.trainer.dry_run import StepMemory
+  from aft_jax.trainer.run_config import RunConfig
 
-  config = _config(mixing, t_len, n)
-  check_config(config)
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:n])
-  trainer = train_lib.Trainer(config, ModelConfig(vocab_size=256, **config.model), mesh)
+  cfg = RunConfig.from_tree(_config(mixing, t_len, n)).with_vocab(256)
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:n])
+  trainer = train_lib.Trainer(cfg, mesh)
   start = time.perf_counter()
   mem = StepMemory.of(trainer.lower_train_step().compile())
   return {

@@ -59,6 +59,7 @@ def _row_key(row) -> tuple:
 def compile_rows(kind: str) -> None:
   """Compiles every missing row of ``kind``'s targets (in a process of that environment)."""
   from aft_jax.trainer import dry_run
+  from aft_jax.trainer.run_config import RunConfig
 
   rows = _load()
   done = {_row_key(r) for r in rows}
@@ -70,7 +71,9 @@ def compile_rows(kind: str) -> None:
         start = time.time()
         row = {"recipe": recipe, "target": target, "num_devices": n}
         try:
-          res = dry_run.compile_steps(_config(recipe), deviceless.get(target), n, say=print)
+          res = dry_run.compile_steps(
+            RunConfig.from_tree(_config(recipe)), deviceless.get(target), n, say=print
+          )
           need = max(res["train"].total, res["eval"].total)
           usable = dry_run.usable_bytes(deviceless.get(target))
           row.update(

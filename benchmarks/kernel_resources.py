@@ -17,7 +17,7 @@ bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chu
 form (``aft_jax/ops/pallas_split.py``: its segment totals, forward and backward kernels with
 the fold of the totals) at the channel block it takes wherever D is a multiple of 64
 (``FORM_CONFIGS``). The ops are called through their public API, in each form
-(``pallas_split.forced``), with shapes for which their own choice (``config_for``,
+(``benchmarks.kernel_form.forced``), with shapes for which their own choice (``config_for``,
 ``dw_config``) is each configuration, and each kernel's launch grid is checked against it.
 
 How. For sm_80 and sm_90 this is what runs there: XLA's deviceless compile for the target
@@ -212,7 +212,7 @@ def program(op: str, form: str = "sequential"):
   import jax
 
   from aft_jax import ops
-  from aft_jax.ops import pallas_split
+  from benchmarks import kernel_form
 
   if op == "aft_simple":
     f = lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="pallas")
@@ -220,7 +220,7 @@ def program(op: str, form: str = "sequential"):
     f = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=WINDOW, causal=True, impl="pallas")
 
   def fwd_and_vjp(*args):
-    with pallas_split.forced(form):
+    with kernel_form.forced(form):
       out, vjp = jax.vjp(f, *args)
       return f(*args), vjp(out)
 

@@ -22,19 +22,17 @@ def run(mixing: str, seq_len: int, seed: int = 0) -> dict:
   import numpy as np
 
   from aft_jax import sharding
-  from aft_jax.model import ModelConfig
   from aft_jax.trainer import train_lib
-  from aft_jax.trainer.config_check import check_config
+  from aft_jax.trainer.run_config import RunConfig
   from benchmarks.context_memory import _config
 
-  config = _config(mixing, seq_len, 1)
-  check_config(config)
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  trainer = train_lib.Trainer(config, ModelConfig(vocab_size=256, **config.model), mesh)
+  cfg = RunConfig.from_tree(_config(mixing, seq_len, 1)).with_vocab(256)
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  trainer = train_lib.Trainer(cfg, mesh)
   rng = np.random.default_rng(seed)
   batch = {
     name: rng.integers(0, 256, spec.shape).astype(spec.dtype)
-    for name, spec in trainer.specs(config.batch_size).items()
+    for name, spec in trainer.specs(cfg.train.batch_size).items()
   }
   state = trainer.init_state(seed)
   times = []

@@ -5,17 +5,14 @@ import os
 import subprocess
 import sys
 
-import ml_collections
 import pytest
 
 from tests.support.helpers import ROOT
 from aft_jax import sharding
 
 
-def _mesh(data, fsdp, tensor, sequence=None):
-  """A config.mesh; without ``sequence`` as an older config (its default, 1)."""
-  axes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-  return ml_collections.ConfigDict(axes if sequence is None else {**axes, "sequence": sequence})
+def _mesh(data, fsdp, tensor, sequence=1):
+  return sharding.MeshConfig(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence)
 
 
 @pytest.mark.parametrize(
@@ -40,13 +37,23 @@ def test_mesh_shape(cfg, devices, expected):
     ((2, 2, 1), 8, "2 x 2 x 1 x 1 = 4 does not match the 8 available devices"),
     ((2, 2, 1, 3), 8, "2 x 2 x 1 x 3 = 12 does not match"),
     ((3, -1, 1), 8, "8 devices are not divisible by 3"),
-    ((-1, -1, 1), 8, "at most one of them may be -1"),
-    ((0, 1, 1), 8, "each must be a positive int"),
   ],
 )
 def test_bad_mesh_is_refused(cfg, devices, message):
   with pytest.raises(ValueError, match=message):
     sharding.mesh_shape(_mesh(*cfg), devices)
+
+
+@pytest.mark.parametrize(
+  "cfg, message",
+  [((-1, -1, 1), "at most one of them may be -1"), ((0, 1, 1), "each must be a positive int")],
+)
+def test_a_bad_mesh_config_is_a_config_problem(cfg, message):
+  """Checked with the run config (``MeshConfig.problems``), not again by the mesh builder,
+  which takes only a MeshConfig."""
+  assert any(message in p for p in _mesh(*cfg).problems())
+  with pytest.raises(TypeError, match="takes a MeshConfig"):
+    sharding.make_mesh({"data": -1})
 
 
 def test_rules_from_config_round_trips_the_default():

@@ -49,17 +49,16 @@ class DataConfig(TypedConfig):
 
   @classmethod
   def of(cls, cfg) -> DataConfig:
-    """``cfg`` (a ConfigDict, a mapping or an object with these attributes) as a DataConfig.
-    Keys it leaves out take their defaults, but for the tokenizer: WikiText-103's usual one
-    is words. None for a folder or the variant means its default."""
-    get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "to_dict") else None
+    """``cfg`` (a mapping or an object with these attributes) as a DataConfig, unchecked
+    (``problems()`` / ``validate()`` check it). Keys it leaves out, and None for a folder or
+    the variant, take the defaults above: the tokenizer is 'byte' whatever the dataset (a
+    WikiText-103 recipe sets 'word': configs/wikitext103.py)."""
+    get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else None
     values = {}
     for name in cls.defaults():
       value = get(name, None) if get else getattr(cfg, name, None)
       if value is not None:
         values[name] = value
-    if "tokenizer" not in values and values.get("dataset") == "wikitext103":
-      values["tokenizer"] = "word"
     return cls(**values)
 
   def _value_problems(self) -> list[str]:
@@ -115,6 +114,17 @@ class DataConfig(TypedConfig):
     except LookupError:
       errors.append(f"{self.key('encoding')} = {self.encoding!r} is not an encoding Python knows")
     return errors
+
+
+def require(cfg, what: str) -> DataConfig:
+  """``cfg`` if it is a DataConfig (checked once, where the run config is built); a TypeError
+  saying how to make one otherwise."""
+  if not isinstance(cfg, DataConfig):
+    raise TypeError(
+      f"{what} takes a DataConfig (DataConfig.of(mapping) makes one, .validate() checks it), "
+      f"not a {type(cfg).__name__}"
+    )
+  return cfg
 
 
 def absolute_globs(spec: str) -> str:

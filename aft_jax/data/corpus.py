@@ -32,6 +32,7 @@ from aft_jax.data.config import (  # noqa: F401 (DATA_DIR_ENV, default_data_dir:
   DATA_DIR_ENV,
   DataConfig,
   default_data_dir,
+  require,
   resolve_data_dir,
 )
 from aft_jax.data import vocab as vocab_lib
@@ -73,12 +74,13 @@ class Corpus:
 
 
 def load_corpus(
-  cfg,
+  cfg: DataConfig,
   *,
   process_index: int | None = None,
   barrier: Callable[[str], None] | None = None,
 ) -> Corpus:
-  """Corpus named by `cfg` (attributes or a mapping).
+  """Corpus named by `cfg`, a DataConfig (checked where it was made: the run config, or
+  `DataConfig.of(mapping).validate()`).
 
   Fields: dataset ('pydoc' | 'wikitext103' | 'enwik8'), tokenizer ('word' |
   'byte'; enwik8 is bytes), data_dir (empty: `default_data_dir()`), manual_dir
@@ -94,7 +96,7 @@ def load_corpus(
   processes write the same files. Process 0 reaches the barrier even when
   preparing fails, so the others stop with an error instead of waiting forever.
   """
-  cfg = DataConfig.of(cfg).validate()
+  cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer)
   data_dir = resolve_data_dir(cfg.data_dir)
@@ -124,12 +126,12 @@ def load_corpus(
   return load_prepared(store.prepared_dir(data_dir, name))
 
 
-def vocab_size(cfg) -> tuple[int, str]:
+def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
   loading it (``--dry_run`` on a machine without the data): a prepared corpus's own summary,
   else bytes (256), the official WikiText-103 word vocabulary, or pydoc's (built here: it ships
   with Python)."""
-  cfg = DataConfig.of(cfg).validate()
+  cfg = require(cfg, "vocab_size")
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"

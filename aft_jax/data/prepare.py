@@ -458,7 +458,8 @@ def main(argv=None) -> dict:
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
     names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files")
-    cfg = {"dataset": "text", **{k: getattr(args, k) for k in names if getattr(args, k)}}
+    given = {k: getattr(args, k) for k in names if getattr(args, k)}
+    cfg = DataConfig.of({"dataset": "text", **given}).validate()  # the command line's check
     out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
     name = os.path.basename(out)
   elif args.dataset == "enwik8":

@@ -50,13 +50,13 @@ def of_corpus(corpus) -> dict:
   return out
 
 
-def sources(cfg) -> dict | None:
+def sources(cfg) -> dict | None:  # cfg: a DataConfig
   """{split: {file: digest}} of a text corpus's files as they are now (None for the other
   datasets, whose sources their builders check); reads at most 2 MiB per file, writes nothing.
   A glob that matches nothing is the text corpus's one-line error."""
-  from aft_jax.data.config import DataConfig  # pylint: disable=g-import-not-at-top
+  from aft_jax.data.config import require  # pylint: disable=g-import-not-at-top
 
-  cfg = DataConfig.of(cfg).validate()
+  cfg = require(cfg, "sources")
   if cfg.dataset != "text":
     return None
   from aft_jax.data import text  # pylint: disable=g-import-not-at-top

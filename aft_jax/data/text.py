@@ -36,7 +36,7 @@ import numpy as np
 
 from aft_jax.data import store, subword
 from aft_jax.data import vocab as vocab_lib
-from aft_jax.data.config import DataConfig
+from aft_jax.data.config import DataConfig, require
 
 log = logging.getLogger(__name__)
 
@@ -193,11 +193,11 @@ def _fingerprint(files: dict[str, list[str]]) -> str:
   return "text:" + h.hexdigest()
 
 
-def source_files(cfg) -> dict[str, dict[str, str]]:
+def source_files(cfg: DataConfig) -> dict[str, dict[str, str]]:
   """{split: {file: its digest}} (``store.file_digest``: size, first and last MiB) of the files
   ``cfg`` names now: what a run records of its text, so that a later run can say which file
   changed, was deleted or was added. Reads at most 2 MiB per file and writes nothing."""
-  files = split_files(DataConfig.of(cfg).validate())
+  files = split_files(require(cfg, "source_files"))
   return {s: {path: store.file_digest(path) for path in files[s]} for s in SPLITS}
 
 
@@ -232,11 +232,10 @@ def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray
   return chunks, num_bytes
 
 
-def prepare_text(data_dir: str, cfg, *, progress: bool = True) -> tuple[str, dict]:
+def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
   """Prepares the text corpus ``cfg`` names under ``data_dir`` (or reuses it); returns (its
   folder, its summary)."""
-  cfg = DataConfig.of(cfg).validate()
-  files = split_files(cfg)
+  files = split_files(require(cfg, "prepare_text"))
   out = store.prepared_dir(data_dir, corpus_name(cfg, files))
   with store.lock(out, f"the text corpus {os.path.basename(out)}"):
     summary = store.reusable(out, lambda: _fingerprint(files))

@@ -54,7 +54,7 @@ _GROUP_ELEMENTS = 1 << 20
 _MAX_LOG_SCALE = 80.0
 
 
-class Plan(NamedTuple):
+class BandPlan(NamedTuple):
   """Static block layout: T, window s (>= T: all keys), causal, c rows per block, nb blocks,
   W keys per block, rows per exact-recomputation group, and whether the block products take
   bfloat16 factors (``logsumexp.matmul``)."""
@@ -89,7 +89,7 @@ def _default_block(s: int, t_len: int) -> int:
 
 def make_plan(
   t_len: int, r: int, window: int, causal: bool, block: int | None = None, low: bool = False
-) -> Plan:
+) -> BandPlan:
   """The layout for ``T = t_len`` positions, ``R = r`` channels and band half-width ``window``."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
@@ -98,17 +98,17 @@ def make_plan(
   rows = 1
   while c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
     rows *= 2
-  return Plan(t_len, s, causal, c, nb, width, rows, low)
+  return BandPlan(t_len, s, causal, c, nb, width, rows, low)
 
 
-def _starts(p: Plan):
+def _starts(p: BandPlan):
   """Per block: first row rs, first key ks and end of the keys ke = ks + W (numpy, [nb])."""
   rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
   ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
   return rs.astype(np.int32), ks.astype(np.int32), (ks + p.width).astype(np.int32)
 
 
-def _edge_ranges(p: Plan):
+def _edge_ranges(p: BandPlan):
   """Key ranges [lo, hi) added per block to the prefix sums (keys < ks) and, two-sided, to the
   suffix sums (keys >= ke, built from the last block back). Each range has <= c keys."""
   _, ks, ke = _starts(p)
@@ -117,7 +117,7 @@ def _edge_ranges(p: Plan):
   return pre, suf
 
 
-def _bias(p: Plan, w_blk, rs, ks):
+def _bias(p: BandPlan, w_blk, rs, ks):
   """The block's biases [c, W] (NEG where a key is excluded) and its band mask."""
   d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
   band = jnp.abs(d) < p.s
@@ -144,7 +144,7 @@ def _no_keys(ranges) -> bool:
   return bool(np.all(np.asarray(lo) >= np.asarray(hi)))
 
 
-def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
+def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
   """Running exact sums (bias 0) over the blocks' key ranges: the triple after each block's
   range is added, [nb, R] each (in block order, or from the last block back)."""
   c = p.c
@@ -169,7 +169,7 @@ def _edge_sums(p: Plan, k, v, ranges, reverse: bool) -> Acc:
   return jax.lax.scan(step, Acc(zero + NEG, zero, zero), ranges, reverse=reverse)[1]
 
 
-def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
+def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
   """The tangent of ``_edge_sums`` in the scale of its maxima m [nb, R]: per block
   G = sum exp(k - m) (dv + dk v) and H = sum exp(k - m) dk over the keys so far, [nb, R]."""
   c = p.c
@@ -193,7 +193,7 @@ def _edge_tangent(p: Plan, k, v, m, ranges, reverse: bool, dk, dv):
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
 
-def _patch(p: Plan, bad, fast, exact):
+def _patch(p: BandPlan, bad, fast, exact):
   """``fast`` (a tuple of [c, R] arrays) with the row groups flagged in ``bad`` [groups]
   replaced by ``exact(g)`` (a tuple of [rows, R]); nothing is recomputed when none is."""
 
@@ -221,14 +221,14 @@ class _Residuals(NamedTuple):
   suf_m: jax.Array | None
 
 
-def _block(p: Plan, k, v, w, rs, ks):
+def _block(p: BandPlan, k, v, w, rs, ks):
   """Block (rs, ks): its biases [c, W] and band mask (``_bias``) and its keys and values
   [W, R]."""
   bias, band = _bias(p, jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width)), rs, ks)
   return bias, band, _slice(k, ks, p.width), _slice(v, ks, p.width)
 
 
-def _shifted(p: Plan, bias, kw, vw, rs, ks):
+def _shifted(p: BandPlan, bias, kw, vw, rs, ks):
   """The block's split shift: exp(bias - row max) [c, W], exp(k - channel max) and the values
   [W, R], the two maxima, and (causal) per (row, channel) [c, R] the largest exp(k - channel
   max) the row sees, inf where it sees a set-aside key (else None).
@@ -251,11 +251,11 @@ def _shifted(p: Plan, bias, kw, vw, rs, ks):
   return pt, e, vw, mw, mk, jax.lax.dynamic_slice_in_dim(seen, rs - ks, p.c, 0)
 
 
-def _matmul(p: Plan, pt, x):
+def _matmul(p: BandPlan, pt, x):
   return matmul("cw,wx->cx", pt, x, p.low)
 
 
-def _forward(p: Plan, k, v, w) -> _Residuals:
+def _forward(p: BandPlan, k, v, w) -> _Residuals:
   """a, L [T, R] and what the tangent needs besides (``_Residuals``)."""
   r = k.shape[1]
   rs, ks, _ = _starts(p)
@@ -300,7 +300,7 @@ def _forward(p: Plan, k, v, w) -> _Residuals:
   return _Residuals(_unblock(p, a), _unblock(p, lse), bad, pre.m, suf_m)
 
 
-def _unblock(p: Plan, x):
+def _unblock(p: BandPlan, x):
   """[nb, c, ...] -> [T, ...], dropping the rows the last block shares with the one before."""
   if p.nb * p.c == p.t_len:
     return x.reshape((p.t_len,) + x.shape[2:])
@@ -308,7 +308,7 @@ def _unblock(p: Plan, x):
   return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
-def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
+def _tangent(p: BandPlan, k, v, w, res: _Residuals, dk, dv, dw):
   """da [T, R]: linear in (dk, dv, dw); everything else is recomputed from the primals."""
   r = k.shape[1]
   a, lse, pre_m, suf_m = res.a, res.lse, res.pre_m, res.suf_m
@@ -360,7 +360,7 @@ def _tangent(p: Plan, k, v, w, res: _Residuals, dk, dv, dw):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def banded_mean(p: Plan, k, v, w):
+def banded_mean(p: BandPlan, k, v, w):
   """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
   return _forward(p, k, v, w).a
 

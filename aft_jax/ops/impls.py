@@ -2,7 +2,7 @@
 
 Every entry runs ``run(args, interpret) -> Y`` for the op's arguments ``args`` (``OpArgs``) and
 answers ``supports(args, device) -> None | str``: None where it can run them, else why not.
-``device`` is the ``target.Target`` the program is lowered for, or None for "any device, in
+``device`` is the ``target.DeviceFacts`` the program is lowered for, or None for "any device, in
 Pallas' interpreter" (the arguments alone: channel tiles, causality, window).
 
 The kernels read k and v in their own dtype (bfloat16: half the memory traffic) and return the

@@ -62,13 +62,13 @@ from jax.experimental import pallas as pl
 
 from aft_jax.ops import pallas_split, pallas_util
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame
-from aft_jax.ops.pallas_split import Plan
-from aft_jax.ops.pallas_util import CONFIGS, Config, all_true, config_for, dot, load, rows
+from aft_jax.ops.pallas_split import LaunchPlan
+from aft_jax.ops.pallas_util import CONFIGS, TritonConfig, all_true, config_for, dot, load, rows
 
 __all__ = [
   "CONFIGS",
   "MAX_WINDOW",
-  "Config",
+  "TritonConfig",
   "config_for",
   "dw_config",
   "local_mean",
@@ -415,7 +415,7 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
   jax.lax.fori_loop(0, k_ref.shape[0], batch_row, 0)
 
 
-def _layout(k, window: int, plan: Plan):
+def _layout(k, window: int, plan: LaunchPlan):
   """(s, t_pad, W, front): the clamped window, T padded to chunks (chunk-parallel: to
   segments), the slab width and the keys' front padding."""
   t_len, bt = k.shape[1], plan.cfg.block_t
@@ -430,12 +430,14 @@ def front_padding(t_len: int, window: int, block_t: int = CONFIGS[0].block_t) ->
   return _slab_width(min(window, t_len), block_t) - block_t
 
 
-def plan_for(batch: int, t_len: int, d: int, window: int) -> Plan:
+def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
   """The launch of the forward and dk, dv kernels (``pallas_split.plan_for``)."""
   return pallas_split.plan_for(batch, t_len, d, min_seg=front_padding(t_len, window))
 
 
-def _call(kernel, plan: Plan, interpret: bool, t_len: int, ins, outs, tots=(), keys_out=False):
+def _call(
+  kernel, plan: LaunchPlan, interpret: bool, t_len: int, ins, outs, tots=(), keys_out=False
+):
   """pallas_call over (batch, D / block_d[, segments]). ins: the slab biases [t_pad, W] (whole
   to every program), then [B, n, D] arrays (one [n, block_d] column each); tots: the segment
   totals (whole columns); outs: the dtypes of [B, t_pad, D] outputs, one [t_pad, block_d]
@@ -482,14 +484,14 @@ def _overlap_add(x, front: int):
   return jnp.pad(main, ((0, 0), (0, front), (0, 0))) + halo[:, : n_seg * seg + front]
 
 
-def dw_config(d: int) -> Config:
+def dw_config(d: int) -> TritonConfig:
   """The dw kernel's configuration: the widest channel block that divides d (its programs are
   (query chunk, channel block) pairs, plenty for a GPU already; wider blocks mean fewer partial
   sums to add up)."""
   return pallas_util.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
 
 
-def _dw_partials(ins, cfg: Config, interpret: bool, t_len: int):
+def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
   """[D / block_d, t_pad, W] float32: per channel block, the slab biases' gradient summed over
   the batch (``_dw_kernel``), for ins = (slab biases [t_pad, W], k, v padded [B, n, D], a, L,
   g [B, t_pad, D])."""
@@ -509,7 +511,7 @@ def _dw_partials(ins, cfg: Config, interpret: bool, t_len: int):
   )[0]
 
 
-def _padded(k, v, window: int, plan: Plan):
+def _padded(k, v, window: int, plan: LaunchPlan):
   """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
   before key 0) and ragged T up to chunks (segments); keys ``pallas_util.pad_key`` (weight 0),
   values 0."""
@@ -519,14 +521,14 @@ def _padded(k, v, window: int, plan: Plan):
   return pad(k, pallas_util.pad_key(k.dtype)), pad(v, 0.0)
 
 
-def _totals(ins, kind: str, plan: Plan, interpret: bool, t_pad: int, **rows):
+def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, t_pad: int, **rows):
   """The segment totals of the chunk-parallel form (none for the sequential one)."""
   if not plan.seg:
     return ()
   return pallas_split.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows)
 
 
-def _forward(k, v, w, window: int, plan: Plan, interpret: bool, with_lse: bool):
+def _forward(k, v, w, window: int, plan: LaunchPlan, interpret: bool, with_lse: bool):
   """a [and L] [B, t_pad, D] float32 from the kernel."""
   s, t_pad, _, front = _layout(k, window, plan)
   ins = (_slab_bias(w, s, t_pad, plan.cfg.block_t), *_padded(k, v, window, plan))
@@ -536,7 +538,7 @@ def _forward(k, v, w, window: int, plan: Plan, interpret: bool, with_lse: bool):
   return _call(_fwd_kernel, plan, interpret, k.shape[1], ins, outs, tots)
 
 
-def _check_plan(k, window: int, plan: Plan):
+def _check_plan(k, window: int, plan: LaunchPlan):
   front = _layout(k, window, plan)[3]
   if plan.seg and (plan.seg % plan.cfg.block_t or plan.seg < front):
     raise ValueError(
@@ -546,16 +548,16 @@ def _check_plan(k, window: int, plan: Plan):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _local_mean(k, v, w, window: int, plan: Plan, interpret: bool):
+def _local_mean(k, v, w, window: int, plan: LaunchPlan, interpret: bool):
   return _forward(k, v, w, window, plan, interpret, False)[0][:, : k.shape[1]]
 
 
-def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: Config, interpret: bool, seg=None):
+def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: TritonConfig, interpret: bool, seg=None):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
   w ``[T, T]`` and window s >= 1, causal. ``seg``: the chunk-parallel form's positions per
   program (whole chunks, at least the window's earlier keys; None: the sequential form;
   ``plan_for`` chooses)."""
-  plan = Plan(cfg, seg)
+  plan = LaunchPlan(cfg, seg)
   _check_plan(k_BTD, window, plan)
   return _local_mean(k_BTD, v_BTD, w_TT, window, plan, interpret)
 

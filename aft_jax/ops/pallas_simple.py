@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from aft_jax.ops import pallas_split, pallas_util
-from aft_jax.ops.pallas_split import Plan
-from aft_jax.ops.pallas_util import CONFIGS, Config, config_for  # noqa: F401 (the kernel's API)
+from aft_jax.ops.pallas_split import LaunchPlan
+from aft_jax.ops.pallas_util import CONFIGS, TritonConfig, config_for  # noqa: F401 (the kernel's API)
 from aft_jax.ops.pallas_util import all_true as _all
 from aft_jax.ops.pallas_util import dot as _dot
 from aft_jax.ops.pallas_util import load as _load
@@ -183,7 +183,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
-def _call(kernel, plan: Plan, interpret: bool, ins, outs, tots=()):
+def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, tots=()):
   """pallas_call over the grid (batch, D / block_d[, segments]); every ref of ``ins`` and
   ``outs`` is one [T, block_d] column or, chunk-parallel, one [seg, block_d] piece of it;
   ``tots``, the segment totals, whole columns [n_pad, block_d]."""
@@ -205,12 +205,12 @@ def _call(kernel, plan: Plan, interpret: bool, ins, outs, tots=()):
   )
 
 
-def _padded(k, v, plan: Plan):
+def _padded(k, v, plan: LaunchPlan):
   """k, v with T padded to whole chunks (sequential) or segments (chunk-parallel)."""
   return pallas_util.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
 
 
-def _totals(ins, kind: str, plan: Plan, interpret: bool, limit=None):
+def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, limit=None):
   """The segment totals of the chunk-parallel form (none for the sequential one)."""
   if not plan.seg:
     return ()
@@ -218,14 +218,14 @@ def _totals(ins, kind: str, plan: Plan, interpret: bool, limit=None):
   return pallas_split.totals(ins, kind, plan, n_seg, interpret, limit=limit)
 
 
-def _forward(k, v, plan: Plan, interpret: bool, with_lse: bool):
+def _forward(k, v, plan: LaunchPlan, interpret: bool, with_lse: bool):
   """a [and L] over the padded length."""
   outs = [jnp.float32] * (2 if with_lse else 1)
   ins = _padded(k, v, plan)
   return _call(_fwd_kernel, plan, interpret, ins, outs, _totals(ins, "keys", plan, interpret))
 
 
-def _backward(k, v, a, lse, g, plan: Plan, interpret: bool):
+def _backward(k, v, a, lse, g, plan: LaunchPlan, interpret: bool):
   """dk, dv over the padded length."""
   ins = (*_padded(k, v, plan), a, lse, g)
   tots = _totals((lse, g, a), "cotangent", plan, interpret, limit=k.shape[1])
@@ -235,11 +235,11 @@ def _backward(k, v, a, lse, g, plan: Plan, interpret: bool):
 _mean = pallas_util.mean_with_vjp(_forward, _backward)
 
 
-def causal_mean(k_BTD, v_BTD, cfg: Config, interpret: bool, seg: int | None = None):
+def causal_mean(k_BTD, v_BTD, cfg: TritonConfig, interpret: bool, seg: int | None = None):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
   differentiable in k and v (the custom VJP of ``pallas_util.mean_with_vjp``). ``seg``: the
   chunk-parallel form's positions per program (a multiple of ``cfg.block_t``; None: the
   sequential form; ``pallas_split.plan_for`` chooses)."""
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
     raise ValueError(f"Pallas kernel: seg = {seg} must be whole chunks of {cfg.block_t} positions")
-  return _mean(k_BTD, v_BTD, Plan(cfg, seg), interpret)
+  return _mean(k_BTD, v_BTD, LaunchPlan(cfg, seg), interpret)

@@ -67,7 +67,7 @@ MIN_DEN = DEN_OK
 LANES = 128  # a TPU vector register's minor dimension: block_d is a multiple of it
 
 
-class Config(NamedTuple):
+class MosaicConfig(NamedTuple):
   """Positions per grid step (sublanes; a multiple of 16 for bf16 blocks) and channels per
   block (lanes, a multiple of 128)."""
 
@@ -79,7 +79,7 @@ class Config(NamedTuple):
 # fills the MXU's 128 rows with one triangular product per chunk; block_d as wide as the
 # channels allow amortises the per-step overhead over more lanes. Chosen by reasoning, not
 # timed on a TPU.
-CONFIGS = tuple(Config(block_t=128, block_d=bd) for bd in (512, 256, 128))
+CONFIGS = tuple(MosaicConfig(block_t=128, block_d=bd) for bd in (512, 256, 128))
 
 
 def unsupported(d: int) -> str | None:
@@ -92,7 +92,7 @@ def unsupported(d: int) -> str | None:
   return None
 
 
-def config_for(d: int, batch: int = 1, min_programs: int = 2) -> Config:
+def config_for(d: int, batch: int = 1, min_programs: int = 2) -> MosaicConfig:
   """The configuration for ``batch`` rows of D = d channels (``pallas_util.widest_config``):
   two programs at least, since two TensorCores share the parallel axes on megacore chips."""
   return widest_config(CONFIGS, d, batch, min_programs, f"Pallas TPU kernel: {unsupported(d)}")
@@ -242,7 +242,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
   ln_ref[...] = l0
 
 
-def _call(kernel, cfg: Config, interpret: bool, reverse: bool, ins, outs):
+def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
   """pallas_call over the grid (batch, D / block_d, T / block_t); every ref is one
   ``[block_t, block_d]`` block; the T axis walks forward or (``reverse``) from the end."""
   b, t_len, d = ins[0].shape
@@ -270,7 +270,7 @@ def _call(kernel, cfg: Config, interpret: bool, reverse: bool, ins, outs):
   )(*ins)
 
 
-def _check(k, cfg: Config):
+def _check(k, cfg: MosaicConfig):
   d = k.shape[-1]
   if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:
     raise ValueError(
@@ -279,14 +279,14 @@ def _check(k, cfg: Config):
     )
 
 
-def _forward(k, v, cfg: Config, interpret: bool, with_lse: bool):
+def _forward(k, v, cfg: MosaicConfig, interpret: bool, with_lse: bool):
   """a [and L] over the padded length."""
   kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
   outs = [jnp.float32] * (2 if with_lse else 1)
   return _call(kernel, cfg, interpret, False, padded_to_chunks(k, v, cfg.block_t), outs)
 
 
-def _backward(k, v, a, lse, g, cfg: Config, interpret: bool):
+def _backward(k, v, a, lse, g, cfg: MosaicConfig, interpret: bool):
   """dk, dv over the padded length (the grid walks T from the end)."""
   ins = (*padded_to_chunks(k, v, cfg.block_t), a, lse, g)
   return _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
@@ -295,7 +295,7 @@ def _backward(k, v, a, lse, g, cfg: Config, interpret: bool):
 _causal_mean = mean_with_vjp(_forward, _backward)
 
 
-def causal_mean(k_BTD, v_BTD, cfg: Config | None = None, interpret: bool = False):
+def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
   D a multiple of 128), differentiable in k and v.
 

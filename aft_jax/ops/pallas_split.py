@@ -25,7 +25,6 @@ The split is exact (the triple combines associatively); it costs one more read o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -35,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from aft_jax.ops import pallas_util
 from aft_jax.ops.logsumexp import NEG
-from aft_jax.ops.pallas_util import Config, rows
+from aft_jax.ops.pallas_util import TritonConfig, rows
 
 # --------------------------------------------------------------------------- the choice
 #
@@ -58,31 +57,17 @@ CHUNKED_CONFIGS = pallas_util.CONFIGS
 FOLD = 16
 
 FORMS = ("auto", "sequential", "chunked")
-_forced = ["auto"]
 
 
-class Plan(NamedTuple):
+class LaunchPlan(NamedTuple):
   """A kernel launch: the block configuration and ``seg``, the positions per program along T
   (None: the sequential form, one program walks all of T)."""
 
-  cfg: Config
+  cfg: TritonConfig
   seg: int | None = None
 
 
-@contextlib.contextmanager
-def forced(form: str):
-  """Within the block, ``plan_for`` returns ``form`` ("sequential" or "chunked") wherever that
-  form can run (read when the kernels are traced: ``benchmarks.accelerator_check`` times each)."""
-  if form not in FORMS:
-    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-  _forced.append(form)
-  try:
-    yield
-  finally:
-    _forced.pop()
-
-
-def _chunked_plan(batch: int, t_len: int, d: int, min_seg: int) -> Plan | None:
+def _chunked_plan(batch: int, t_len: int, d: int, min_seg: int) -> LaunchPlan | None:
   """The chunk-parallel launch for these shapes, or None where T holds fewer than two
   segments of the shortest allowed length."""
   why = f"Pallas kernel: {pallas_util.unsupported_channels(d)}"
@@ -92,18 +77,20 @@ def _chunked_plan(batch: int, t_len: int, d: int, min_seg: int) -> Plan | None:
     return None
   for seg in fits:
     if batch * (d // cfg.block_d) * -(-t_len // seg) >= MIN_PROGRAMS:
-      return Plan(cfg, seg)
-  return Plan(cfg, fits[-1])
+      return LaunchPlan(cfg, seg)
+  return LaunchPlan(cfg, fits[-1])
 
 
-def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0) -> Plan:
+def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto") -> LaunchPlan:
   """The launch for ``batch`` rows of T = t_len positions and D = d channels (D a multiple of
   16): the sequential form (``config_for``) where its grid has ``MIN_PROGRAMS`` programs, else
   the chunk-parallel form where T holds two segments (``SEGMENTS``, each >= ``min_seg``), else
-  the sequential one. ``forced`` overrides the choice where the other form can run."""
-  seq = Plan(pallas_util.config_for(d, batch))
+  the sequential one. ``form`` "sequential" or "chunked" takes that form wherever it can run
+  (the ops always ask for "auto"; ``benchmarks.kernel_form.forced`` times each)."""
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+  seq = LaunchPlan(pallas_util.config_for(d, batch))
   chunked = _chunked_plan(batch, t_len, d, min_seg)
-  form = _forced[-1]
   if form == "sequential" or chunked is None:
     return seq
   if form == "chunked" or batch * (d // seq.cfg.block_d) < MIN_PROGRAMS:
@@ -111,7 +98,7 @@ def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0) -> Plan:
   return seq
 
 
-def grid(batch: int, d: int, plan: Plan, n_seg: int) -> tuple[int, ...]:
+def grid(batch: int, d: int, plan: LaunchPlan, n_seg: int) -> tuple[int, ...]:
   """(batch rows, channel blocks[, segments]): the chunk-parallel form's third axis."""
   return (batch, d // plan.cfg.block_d) + ((n_seg,) if plan.seg else ())
 
@@ -182,7 +169,9 @@ def n_pad(n_seg: int) -> int:
   return -(-n_seg // FOLD) * FOLD
 
 
-def totals(ins, kind: str, plan: Plan, n_seg: int, interpret: bool, skip: int = 0, limit=None):
+def totals(
+  ins, kind: str, plan: LaunchPlan, n_seg: int, interpret: bool, skip: int = 0, limit=None
+):
   """The segment totals (m, s1, s2), each [B, n_pad, D] float32 (rows >= n_seg unwritten), of
   ins = (k, v) or (L, g, a), [B, n, D] arrays whose rows [s seg, (s + 1) seg) are segment s
   (``_totals_kernel``)."""

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from aft_jax.ops.logsumexp import HIGHEST, NEG, keep
 
 
-class Config(NamedTuple):
+class TritonConfig(NamedTuple):
   """A kernel configuration: positions per chunk, channels per program, Triton warps and
   pipeline stages. Triton's matrix products need both block sizes >= 16 (powers of two)."""
 
@@ -32,7 +32,7 @@ class Config(NamedTuple):
 
 
 # Every configuration ``config_for`` can choose (the cross-lowering tests export each).
-CONFIGS = tuple(Config(block_d=bd) for bd in (64, 32, 16))
+CONFIGS = tuple(TritonConfig(block_d=bd) for bd in (64, 32, 16))
 
 
 def unsupported_channels(d: int) -> str | None:
@@ -55,7 +55,7 @@ def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
   return fits[-1]
 
 
-def config_for(d: int, batch: int = 1, min_programs: int = 256) -> Config:
+def config_for(d: int, batch: int = 1, min_programs: int = 256) -> TritonConfig:
   """The sequential form's configuration for ``batch`` rows of D = d channels
   (``widest_config``): each program walks T sequentially, so a GPU needs many of them, a few
   per streaming multiprocessor (where B * D is too small for that, ``pallas_split.plan_for``
@@ -106,7 +106,7 @@ def tamed_cotangent(a, lse, g):
   return jnp.where(ok, a, 0.0), jnp.where(ok, g, 0.0)
 
 
-def call(kernel, cfg: Config, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
+def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
   """``pl.pallas_call``, with Triton's compiler parameters unless interpreted (without them
   the GPU lowering would be Mosaic GPU, which lacks the kernels' cumsum and dot_general)."""
   params = {}

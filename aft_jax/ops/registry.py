@@ -50,7 +50,7 @@ class Impl(NamedTuple):
 
   run: ``run(args: OpArgs, interpret: bool) -> Y``, the op's output.
   supports: ``supports(args, device) -> None | str``: None where ``run`` can take ``args`` on
-    ``device`` (a ``target.Target``; None: any device, interpreted), else why not (the
+    ``device`` (a ``target.DeviceFacts``; None: any device, interpreted), else why not (the
     ValueError of an explicit request says it verbatim).
   platform: the platform it is compiled for ('gpu', 'tpu'); None for XLA (every platform).
   auto: whether ``impl="auto"`` takes it where it is supported.
@@ -165,3 +165,22 @@ def resolve(fn: str, impl: str, args: OpArgs) -> Choice:
   if impls.in_forward_mode(args):
     raise ValueError(f"{fn}: impl={impl!r} has no {impls.NO_FORWARD_MODE}; use impl='xla'")
   return Choice(kernel, interpret=device is None)
+
+
+def describe_auto(device: target.DeviceFacts | None = None) -> str:
+  """One line: what ``impl="auto"`` runs on ``device`` (default ``target.current()``), read
+  from ``TABLE``: the ops whose kernel for its platform "auto" takes, and why XLA where none."""
+  device = target.current() if device is None else device
+  kernels = [(op, k) for op, (_, *ks) in TABLE.items() for k in ks if k.platform == device.platform]
+  auto = [op for op, k in kernels if k.auto]
+  if not kernels:
+    return f"{device}: XLA (no compiled kernels for the {device.platform!r} platform)"
+  if not auto:
+    opt_in = ", ".join(op for op, _ in kernels)
+    return (
+      f"{device}: XLA (the {device.platform} kernels of causal {opt_in} are opt-in: impl='pallas')"
+    )
+  refused = target.gpu_kernels_refused(device) if device.platform == "gpu" else None
+  if refused:
+    return f"{device}: XLA ({refused})"
+  return f"{device}: the Pallas kernels of causal {', '.join(auto)}; XLA for the other ops"

@@ -53,9 +53,10 @@ CAPABILITIES = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-  """What ``impl="auto"`` decides from: the platform ('cpu', 'gpu', 'tpu'), the device kind,
-  and for GPUs the compute capability (None where it is not known)."""
+class DeviceFacts:
+  """What ``impl="auto"`` decides from about the device a program is lowered for: jax's
+  platform ('cpu', 'gpu', 'tpu'), the device kind, and for GPUs the compute capability (None
+  where it is not known)."""
 
   platform: str
   device_kind: str
@@ -93,13 +94,13 @@ def _platform(name: str) -> str:
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
-def of_device(device) -> Target:
-  """The Target of a concrete device (a real one or a deviceless topology's)."""
+def of_device(device) -> DeviceFacts:
+  """The DeviceFacts of a concrete device (a real one or a deviceless topology's)."""
   platform = _platform(device.platform)
   cc = _capability(device) if platform == "gpu" else None
   if platform == "gpu" and cc is None:
     cc = capability_of_kind(device.device_kind)
-  return Target(platform, device.device_kind, cc)
+  return DeviceFacts(platform, device.device_kind, cc)
 
 
 def _context_mesh_device():
@@ -114,14 +115,14 @@ def _context_mesh_device():
   return None if mesh.empty else mesh.devices.flat[0]
 
 
-def current() -> Target:
+def current() -> DeviceFacts:
   """The device the computation being traced is for (module docstring: the order)."""
   mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)
   if device is not None and not mesh.empty:
     platform = _platform(device.platform)
     cc = capability_of_kind(device.device_kind) if platform == "gpu" else None
-    return Target(platform, device.device_kind, cc)
+    return DeviceFacts(platform, device.device_kind, cc)
   concrete = _context_mesh_device()
   return of_device(concrete if concrete is not None else jax.devices()[0])
 
@@ -138,7 +139,7 @@ def triton_missing() -> str | None:
   return None
 
 
-def gpu_kernels_refused(target: Target) -> str | None:
+def gpu_kernels_refused(target: DeviceFacts) -> str | None:
   """Why Pallas' Triton kernels cannot run on the GPU ``target``, or None if they can."""
   cc = target.compute_capability
   if cc is None:
@@ -147,17 +148,3 @@ def gpu_kernels_refused(target: Target) -> str | None:
     need = ".".join(map(str, TRITON_MIN_CAPABILITY))
     return f"XLA compiles Triton kernels only for compute capability {need} (Ampere) and up"
   return triton_missing()
-
-
-def describe_auto(device: Target | None = None) -> str:
-  """One line: what ``impl="auto"`` runs for causal AFT-simple and AFT-local on ``device``
-  (default ``current()``), and why."""
-  device = current() if device is None else device
-  if device.platform == "gpu":
-    refused = gpu_kernels_refused(device)
-    return f"{device}: " + (
-      f"XLA ({refused})" if refused else "the Pallas Triton kernels (causal AFT-simple, AFT-local)"
-    )
-  if device.platform == "tpu":
-    return f"{device}: XLA (the TPU kernel of causal AFT-simple is opt-in: impl='pallas')"
-  return f"{device}: XLA (no compiled kernels for the {device.platform!r} platform)"

@@ -78,10 +78,11 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
+  seq_len = cfg.train.seq_len
   # results.json's numbers were scored with the final protocol: by default, the same.
-  stride = cfg.final_eval_stride if stride is None else stride
-  if not 0 <= stride <= cfg.seq_len:
-    raise ValueError(f"--stride = {stride} must be in [0, seq_len = {cfg.seq_len}] (0: disjoint)")
+  stride = cfg.eval.final_eval_stride if stride is None else stride
+  if not 0 <= stride <= seq_len:
+    raise ValueError(f"--stride = {stride} must be in [0, seq_len = {seq_len}] (0: disjoint)")
   result = {"step": run.step, "unit": run.vocab.unit}
   num_bytes = None
   if text is not None:
@@ -134,16 +135,15 @@ def evaluate_main(args: argparse.Namespace) -> dict:
   wd = Workdir(args.workdir)
   wd.check(args.step)  # before anything slow
   check = None
+  config = trained.run_config(wd)
   if text is None:  # a split: its files must be the ones trained on, checked before any load
     from aft_jax.data import record  # pylint: disable=g-import-not-at-top
 
-    data_cfg = wd.read_config()["data"]
-
     def check(step, trained_on):
-      now = record.sources(data_cfg)
+      now = record.sources(config.data)
       record.check_sources(trained_on, now, trained.since(step), SPLIT_HINT)
 
-  run = trained.load_run(wd, args.step, check=check)
+  run = trained.load_run(wd, args.step, check=check, config=config)
   result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:

@@ -1,5 +1,6 @@
 """A trained run loaded back from its workdir: what ``generate``, ``evaluate`` and ``export``
-start from."""
+start from. config.json (the run's ConfigDict, saved as JSON) is read here, once, into a
+``RunConfig``."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import dataclasses
 import sys
 
 import jax
-import ml_collections
 
 from aft_jax import sharding
 from aft_jax.data import vocab as vocab_lib
-from aft_jax.model import ModelConfig, TransformerLM
+from aft_jax.model import TransformerLM
 from aft_jax.trainer import checkpointing, train_lib
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.data import record
 from aft_jax.workdir import Workdir
 
@@ -21,7 +22,7 @@ from aft_jax.workdir import Workdir
 class TrainedRun:
   """A run loaded back from its workdir, ready to sample or evaluate."""
 
-  config: ml_collections.ConfigDict
+  config: RunConfig  # the model's vocabulary size filled in
   step: int
   model: TransformerLM
   params: dict
@@ -40,7 +41,15 @@ def since(step: int) -> str:
   return f"the checkpoint at step {step} was written"
 
 
-def load_run(workdir: str | Workdir, step: int | None = None, *, check=None) -> TrainedRun:
+def run_config(workdir: str | Workdir) -> RunConfig:
+  """The run config of the workdir's config.json (checked as a run's: a key added since it was
+  written takes its default)."""
+  return RunConfig.from_saved(Workdir.of(workdir).read_config())
+
+
+def load_run(
+  workdir: str | Workdir, step: int | None = None, *, check=None, config: RunConfig | None = None
+) -> TrainedRun:
   """The run in ``workdir`` at checkpoint ``step`` (default: the latest), on one device.
 
   The vocabulary comes from the workdir, and must be the one the checkpoint records it was
@@ -48,12 +57,13 @@ def load_run(workdir: str | Workdir, step: int | None = None, *, check=None) -> 
   the workdir kept one load the corpus. The checkpoint is verified against its checksums: a
   damaged latest one is skipped (one note on stderr), a damaged ``step`` is a one-line error.
   ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
-  to refuse (``aft-evaluate --split`` checks the data files with it).
+  to refuse (``aft-evaluate --split`` checks the data files with it). ``config``: the
+  workdir's ``run_config``, where the caller read it already.
   """
   wd = Workdir.of(workdir)
   explicit = step is not None
   step = wd.check(step)
-  config = ml_collections.ConfigDict(wd.read_config())
+  config = run_config(wd) if config is None else config
   saved = wd.load_vocab()
   if saved is None:
     from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top  (TFDS: slow)
@@ -68,10 +78,10 @@ def load_run(workdir: str | Workdir, step: int | None = None, *, check=None) -> 
     if check is not None:
       check(at, trained_on)
 
-  model_cfg = ModelConfig(vocab_size=vocab.size, **config.model).validate()
-  one = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
-  trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(one, jax.devices()[:1]))
-  mngr = checkpointing.checkpoint_manager(wd, config.keep_checkpoints)
+  config = config.with_vocab(vocab.size)
+  one = sharding.MeshConfig(data=1, fsdp=1, tensor=1, sequence=1)
+  trainer = train_lib.Trainer(config, sharding.make_mesh(one, jax.devices()[:1]))
+  mngr = checkpointing.checkpoint_manager(wd, config.checkpoint)
   # The latest checkpoint, or the newest intact one before it (saying so); an explicit --step
   # is that checkpoint or a one-line error that names the others.
   steps = [step] if explicit else sorted(wd.checkpoint_steps(), reverse=True)

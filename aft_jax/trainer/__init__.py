@@ -2,7 +2,8 @@
 
   train_lib       the steps, the ``Trainer`` (mesh, jitted steps, shardings) and the run's outline
   train           the command line (``aft-train``, ``python train.py``)
-  default_config  every config key, with its meaning; ``config_check`` checks a config
+  default_config  every config key, with its meaning
+  run_config      the run's config read once from the tree and checked: one typed slice each
   recipes         the recipes by name (``--config quickstart``)
   checkpointing   Orbax checkpoints that also hold the data position, config and corpus record
   checksum        the per-array checksums every checkpoint carries and every restore verifies

@@ -85,8 +85,9 @@ class DamagedCheckpointError(ValueError):
   """A checkpoint's contents do not match the checksums saved with them."""
 
 
-def checkpoint_manager(workdir: str | Workdir, keep: int) -> ocp.CheckpointManager:
-  """The workdir's checkpoints; creating it writes nothing (the first save makes the folder).
+def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
+  """The workdir's checkpoints (``cfg.keep_checkpoints`` of them kept); creating it writes
+  nothing (the first save makes the folder).
 
   Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
   cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
@@ -95,7 +96,7 @@ def checkpoint_manager(workdir: str | Workdir, keep: int) -> ocp.CheckpointManag
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=False, enable_async_checkpointing=False
+        max_to_keep=cfg.keep_checkpoints, create=False, enable_async_checkpointing=False
       ),
     )
 
@@ -207,8 +208,9 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves state + data position + ``config`` and ``corpus`` (the corpus record: what a resume
-  and the tools are checked against) + the checksums of all of them, atomically.
+  """Saves state + data position + ``config`` (``RunConfig.tree``) and ``corpus`` (the corpus
+  record: what a resume and the tools are checked against) + the checksums of all of them,
+  atomically.
 
   The trainer always passes its config and corpus record; ``None`` (tools that only move
   state) saves none.
@@ -221,7 +223,7 @@ def save(
       f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
     )
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
-  items = {k: config_dict(v) for k, v in items.items() if v is not None}
+  items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
   sums = checksum.record(state, items)
   try:
     with _quiet_orbax_threads(stay_quiet_on_error=True):
@@ -285,29 +287,23 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
   return restore_state(mngr, step, abstract_state, items), items.get("data")
 
 
-def config_dict(config) -> dict:
-  """A config (ConfigDict or dict) as plain JSON data."""
-  if isinstance(config, dict):
-    return json.loads(json.dumps(config))
-  return json.loads(config.to_json_best_effort())
-
-
 def check_resume_config(
   saved: dict | None,
-  config,
+  config: dict,
   workdir: str | Workdir,
   allow_config_change: bool,
   defaults: dict | None = None,
 ):
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
-  ``config`` when they differ in what is computed, unless ``allow_config_change``; a key that
-  ``saved`` lacks (added to the package since) compares as its value in ``defaults``."""
+  ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
+  ``allow_config_change``; a key that ``saved`` lacks (added to the package since) compares as
+  its value in ``defaults``."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
     return
-  conflicts = resume_conflicts(saved, config_dict(config), defaults)
+  conflicts = resume_conflicts(saved, config, defaults)
   vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
   if vocabulary:
     raise ValueError(
@@ -326,10 +322,11 @@ def check_resume_config(
     )
 
 
-def write_workdir_config(config, workdir: str | Workdir) -> None:
-  """config.json: the config the run continues with (written once a restore succeeded)."""
+def write_workdir_config(tree: dict, workdir: str | Workdir) -> None:
+  """config.json: the config (``RunConfig.tree``) the run continues with (written once a
+  restore succeeded)."""
   if jax.process_index() == 0:
-    Workdir.of(workdir).write_config(config_dict(config))
+    Workdir.of(workdir).write_config(tree)
 
 
 @dataclasses.dataclass

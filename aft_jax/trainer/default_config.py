@@ -1,9 +1,9 @@
 """The config tree: every key a config may set, generated from the typed config of the
 component that owns it, and the run's own keys (``TrainConfig``).
 
-Recipes in ``configs/`` start from ``get_config()`` and change what they need; the config check
-(``config_check``) refuses any key that is not here. Each key is defined, documented (a comment
-on its field) and checked in its component:
+Recipes in ``configs/`` start from ``get_config()`` and change what they need; a run reads the
+tree once into a ``RunConfig`` (``run_config``), which refuses any key that is not here. Each key
+is defined, documented (a comment on its field) and checked in its component:
 
     config.data.*             aft_jax/data/config.py         DataConfig
     config.model.*            aft_jax/model.py               ModelConfig (but vocab_size)
@@ -30,7 +30,7 @@ import ml_collections
 
 from aft_jax.data.config import DataConfig
 from aft_jax.decode import SampleConfig
-from aft_jax.model import model_config_dict
+from aft_jax.model import ModelConfig
 from aft_jax.sharding import MeshConfig, RulesConfig
 from aft_jax.trainer.checkpointing import CheckpointConfig
 from aft_jax.trainer.evaluation import EvalConfig
@@ -56,10 +56,11 @@ class TrainConfig(TypedConfig):
     return errors
 
 
-# Every component config but the model's, in the order of the tree (ModelConfig needs the
-# vocabulary size, which comes from the data: the config check builds it apart).
+# Every component config, in the order of the tree (the model's vocab_size is no key: it comes
+# from the data).
 COMPONENTS = (
   DataConfig,
+  ModelConfig,
   TrainConfig,
   OptimizerConfig,
   StepLogConfig,
@@ -77,11 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   for component in COMPONENTS:
     if component.WHERE:
-      config[component.WHERE] = ml_collections.ConfigDict(component.defaults())
+      config[component.WHERE] = ml_collections.ConfigDict(component.tree_defaults())
     else:
-      config.update(component.defaults())
-    if component is DataConfig:
-      config.model = model_config_dict()  # see aft_jax.model.ModelConfig for each key
+      config.update(component.tree_defaults())
   return config
 
 

@@ -26,9 +26,7 @@ from aft_jax import data as data_lib
 from aft_jax import deviceless
 from aft_jax import sharding
 from aft_jax.trainer import train_lib
-from aft_jax.trainer.config_check import check_config
-from aft_jax.trainer.default_config import override
-from aft_jax.model import ModelConfig
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.ops import target as ops_target
 
 GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -60,7 +58,7 @@ def gpu_fraction() -> float:
   return fraction
 
 
-def usable_bytes(target: deviceless.Target) -> int:
+def usable_bytes(target: deviceless.CompileTarget) -> int:
   """The memory one device gives a program (module docstring)."""
   if target.kind == "cpu":
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -69,25 +67,25 @@ def usable_bytes(target: deviceless.Target) -> int:
   return int(target.memory_bytes * TPU_FRACTION)
 
 
-def check(config, target: deviceless.Target, num_devices: int) -> int:
+def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
   """Everything a dry run refuses that needs no compiler, so that it is refused before the run
-  restarts itself for the target: the device count, the memory fraction, the config, the mesh
-  and the batch's split over it, and a batch whose share per device alone exceeds the device
-  (XLA's compilers fail on such steps, or crash). One-line ValueErrors; returns the usable
-  bytes per device."""
+  restarts itself for the target (the config itself was checked where ``cfg`` was built): the
+  device count, the memory fraction, the mesh and the batch's split over it, and a batch whose
+  share per device alone exceeds the device (XLA's compilers fail on such steps, or crash).
+  One-line ValueErrors; returns the usable bytes per device."""
   deviceless.check_num_devices(target, num_devices)
   usable = usable_bytes(target)
-  check_config(config)
-  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, num_devices)))
+  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, num_devices)))
   dp = sizes["data"] * sizes["fsdp"]
-  batches = {name: config[name] for name in _BATCH_BYTES}
+  seq_len = cfg.train.seq_len
+  batches = {"batch_size": cfg.train.batch_size, "eval_batch_size": cfg.eval.eval_batch_size}
   sharding.check_batch_split(dp, **batches)
   for name, size in batches.items():
-    share = size // dp * config.seq_len * _BATCH_BYTES[name]
+    share = size // dp * seq_len * _BATCH_BYTES[name]
     if share > usable:
       raise ValueError(
         f"--config.{name} = {size:,}: one device's share of the batch alone ({size // dp:,} x "
-        f"{config.seq_len} tokens) takes {_gib(share)}, more than the {_gib(usable)} usable on "
+        f"{seq_len} tokens) takes {_gib(share)}, more than the {_gib(usable)} usable on "
         f"{target.description}: it cannot fit (nothing compiled)"
       )
   return usable
@@ -161,24 +159,23 @@ def _gib(n: float) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def compile_steps(config, target: deviceless.Target, num_devices: int, say=print) -> dict:
-  """Compiles ``config``'s steps for ``num_devices`` of ``target``: the report's numbers."""
-  check_config(config)
+def compile_steps(
+  cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int, say=print
+) -> dict:
+  """Compiles ``cfg``'s steps for ``num_devices`` of ``target``: the report's numbers. The
+  trainer is built as training builds it (``train_lib.make_trainer``), with the vocabulary
+  size the data would give (``data.vocab_size``: nothing prepared or loaded)."""
   devices = deviceless.devices(target, num_devices)
-  vocab, vocab_from = data_lib.vocab_size(config.data)
-  model_cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
-  mesh = sharding.make_mesh(config.mesh, devices)
-  sharding.check_batch_split(
-    mesh, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size
-  )
-  trainer = train_lib.build_trainer(config, model_cfg, mesh, say)
-  state, batch = trainer.abstract_state, trainer.specs(config.batch_size)
+  vocab, vocab_from = data_lib.vocab_size(cfg.data)
+  trainer = train_lib.make_trainer(cfg, vocab, devices, say)
+  mesh = trainer.mesh
+  state, batch = trainer.abstract_state, trainer.specs(cfg.train.batch_size)
   train = trainer.compiled_train_step
   if train is not None:  # build_trainer compiled it (GPU kernels chosen)
     mem = StepMemory.of(train)
   else:
     train, mem = _compile(trainer.lower_train_step(), (state, batch))
-  eval_args = (state.params, trainer.specs(config.eval_batch_size, True))
+  eval_args = (state.params, trainer.specs(cfg.eval.eval_batch_size, True))
   _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
   return {
     "mesh": sharding.axis_sizes(mesh),
@@ -192,20 +189,21 @@ def compile_steps(config, target: deviceless.Target, num_devices: int, say=print
   }
 
 
-def _suggestions(config, target, num_devices, res, usable) -> list[str]:
+def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
   """What would fit, each checked by compiling it: the changes that address what fills the
   device (activations: remat, smaller micro-batches; parameters and optimizer state: fsdp over
   more devices)."""
   mem, mesh = res["train"], res["mesh"]
   state = mem.argument + mem.output - mem.alias
-  per_device = config.batch_size // (mesh["data"] * mesh["fsdp"])
+  batch_size, accum = cfg.train.batch_size, cfg.optimizer.grad_accum_steps
+  per_device = batch_size // (mesh["data"] * mesh["fsdp"])
   tries = []  # (config change, number of devices, the flags that say it)
   if mem.temp > usable - state:  # activations do not fit beside the state
-    if not config.model.remat:
+    if not cfg.model.remat:
       tries.append(({"model.remat": True}, num_devices, "--config.model.remat=True"))
     factor = 2 ** max(1, math.ceil(math.log2(mem.temp / max(usable - state, 1))))
-    if usable > state and factor <= per_device and config.batch_size % factor == 0:
-      b, k = config.batch_size // factor, config.grad_accum_steps * factor
+    if usable > state and factor <= per_device and batch_size % factor == 0:
+      b, k = batch_size // factor, accum * factor
       flag = f"--config.batch_size={b} --config.grad_accum_steps={k} (the same global batch)"
       tries.append(({"batch_size": b, "grad_accum_steps": k}, num_devices, flag))
   if state > 0.5 * usable:  # parameters and optimizer state: shard them
@@ -215,7 +213,7 @@ def _suggestions(config, target, num_devices, res, usable) -> list[str]:
   out = []
   for change, n, flag in tries:
     try:
-      trial = override(config.copy_and_resolve_references(), change)
+      trial = cfg.with_changes(change)
       got = compile_steps(trial, target, n, say=lambda line: None)
     except (ValueError, RuntimeError) as e:
       out.append(f"{flag}: not possible ({str(e).splitlines()[0][:160]})")
@@ -227,18 +225,18 @@ def _suggestions(config, target, num_devices, res, usable) -> list[str]:
   return out
 
 
-def run(config, target_name: str, num_devices: int = 1, say=print) -> dict:
+def run(cfg: RunConfig, target_name: str, num_devices: int = 1, say=print) -> dict:
   """Prints the report (its last line one JSON object) and returns that object."""
   target = deviceless.get(target_name)
-  usable = check(config, target, num_devices)
-  res = compile_steps(config, target, num_devices, say)
+  usable = check(cfg, target, num_devices)
+  res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)
   fits = need <= usable
   kind = "host memory" if target.kind == "cpu" else "device memory"
   capacity = target.memory_bytes or usable
   say(
-    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, model.impl="
+    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, config.model.impl="
     f"{res['impl']!r} ({res['triton_kernels']} Triton kernel calls in the train step)"
   )
   say(
@@ -265,7 +263,7 @@ def run(config, target_name: str, num_devices: int = 1, say=print) -> dict:
     suggestions = []
   else:
     say(f"Does not fit: {_gib(need)} needed, {_gib(usable)} usable ({need / usable:.1f}x).")
-    suggestions = _suggestions(config, target, num_devices, res, usable)
+    suggestions = _suggestions(cfg, target, num_devices, res, usable)
     say("What would:")
     for line in suggestions:
       say(f"  {line}")

@@ -46,11 +46,14 @@ class OptimizerConfig(TypedConfig):
     return errors
 
 
-def warmup_note(config) -> str | None:
+def _updates(opt: OptimizerConfig, num_train_steps: int) -> int:
+  return max(1, num_train_steps // opt.grad_accum_steps)
+
+
+def warmup_note(opt: OptimizerConfig, num_train_steps: int) -> str | None:
   """The line that says a warmup longer than the run was cut to fit it (None if it fits): the
   schedule warms up over at most ``updates - 1`` updates, so that the peak is reached."""
-  opt = OptimizerConfig.from_config(config)
-  updates = max(1, config.num_train_steps // opt.grad_accum_steps)
+  updates = _updates(opt, num_train_steps)
   if opt.warmup_steps < updates:
     return None
   return (
@@ -59,13 +62,12 @@ def warmup_note(config) -> str | None:
   )
 
 
-def learning_rate_schedule(config):
+def learning_rate_schedule(opt: OptimizerConfig, num_train_steps: int):
   """Linear warmup from 0 over ``warmup_steps`` updates, then cosine decay to 10% of the peak.
 
   Counted in optimizer updates (``num_train_steps // grad_accum_steps``).
   """
-  opt = OptimizerConfig.from_config(config)
-  updates = max(1, config.num_train_steps // opt.grad_accum_steps)
+  updates = _updates(opt, num_train_steps)
   warmup = min(opt.warmup_steps, updates - 1)
   decay = optax.cosine_decay_schedule(opt.learning_rate, max(1, updates - warmup), alpha=0.1)
   if warmup == 0:
@@ -75,13 +77,15 @@ def learning_rate_schedule(config):
   )
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
-  """The optimizer of ``config`` (its ``OptimizerConfig`` keys and ``num_train_steps``)."""
-  opt = OptimizerConfig.from_config(config)
+def make_optimizer(opt: OptimizerConfig, num_train_steps: int) -> optax.GradientTransformation:
+  """The optimizer of ``opt`` for a run of ``num_train_steps`` micro-steps."""
   tx = optax.chain(
     optax.clip_by_global_norm(opt.grad_clip_norm),
     optax.adamw(
-      learning_rate_schedule(config), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
+      learning_rate_schedule(opt, num_train_steps),
+      b1=opt.b1,
+      b2=opt.b2,
+      weight_decay=opt.weight_decay,
     ),
   )
   if opt.grad_accum_steps > 1:

@@ -61,21 +61,20 @@ class StepLog:
     bar,
     mngr,
     step: int,
+    cfg: StepLogConfig,
     *,
-    nonfinite: str,
-    max_consecutive_skips: int,
     tokens_per_step: int,
     is_main: bool,
     good_steps: set | None = None,
   ):
     """``bar``: the tqdm bar; ``mngr``: the checkpoint manager (for the last good step);
-    ``step``: the steps done; ``nonfinite``, ``max_consecutive_skips``: the config's (skip or
-    stop, and when skipping means divergence); ``tokens_per_step``: batch_size x seq_len;
-    ``is_main``: this process writes the console lines; ``good_steps``: the checkpoints known
-    good (restored and verified, or saved by this run; the set the run keeps adding to), the
-    only ones a divergence message names (None: any checkpoint)."""
+    ``step``: the steps done; ``cfg``: the run's (``nonfinite``: skip or stop, and
+    ``max_consecutive_skips``: when skipping means divergence); ``tokens_per_step``:
+    batch_size x seq_len; ``is_main``: this process writes the console lines; ``good_steps``:
+    the checkpoints known good (restored and verified, or saved by this run; the set the run
+    keeps adding to), the only ones a divergence message names (None: any checkpoint)."""
     self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, good_steps
-    self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
+    self.nonfinite, self.max_consecutive_skips = cfg.nonfinite, cfg.max_consecutive_skips
     self.tokens_per_step, self.is_main = tokens_per_step, is_main
     self.pending, self.t_last = [], time.perf_counter()
     self.step = step  # the step of the last metrics added

@@ -68,13 +68,15 @@ def dry_run() -> None:
   the question was refused (2: nothing compiled)."""
   from aft_jax import deviceless
   from aft_jax.trainer import dry_run as dry_run_lib
+  from aft_jax.trainer.run_config import RunConfig
 
   try:
     target = deviceless.get(FLAGS.target)
-    dry_run_lib.check(FLAGS.config, target, FLAGS.num_devices)  # before the restart
+    cfg = RunConfig.from_tree(FLAGS.config)  # the ConfigDict, read once
+    dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
     # The CPU target gets twice the devices asked for: the suggestions compile for more.
     deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
-    report = dry_run_lib.run(FLAGS.config, target.name, FLAGS.num_devices)
+    report = dry_run_lib.run(cfg, target.name, FLAGS.num_devices)
   except (ValueError, OSError, RuntimeError) as e:
     _fail(e, dry_run_lib.REFUSED)
   sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)

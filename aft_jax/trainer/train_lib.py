@@ -1,5 +1,8 @@
 """Training and evaluation: ``train_and_evaluate(config, workdir)`` (the Flax lm1b example's shape).
 
+The config tree is read once, on the first line, into a ``RunConfig`` (``run_config``: every
+component's checked, typed slice); from there each part takes its own slice.
+
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
 exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
@@ -17,32 +20,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
-import os
 import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from aft_jax.trainer import checkpointing, default_config, optimizer
+from aft_jax.trainer import checkpointing, optimizer
 from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
-from aft_jax.data import config as data_config
 from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
-from aft_jax.trainer.config_check import check_config
 from aft_jax.trainer.metrics import MetricWriter
-from aft_jax.model import ModelConfig, TransformerLM, count_params
+from aft_jax.trainer.run_config import RunConfig, default_tree
+from aft_jax.model import TransformerLM, count_params
 from aft_jax.ops import target as ops_target
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
@@ -117,15 +118,17 @@ def eval_step(params, batch, *, model):
 
 
 class Trainer:
-  """Holds the mesh, the jitted steps and their shardings for one model and config."""
+  """Holds the mesh, the jitted steps and their shardings for one run config (its model's
+  vocabulary size filled in: ``RunConfig.with_vocab``)."""
 
-  def __init__(self, config, model_cfg: ModelConfig, mesh):
-    self.config, self.mesh = config, mesh
-    self.rules = sharding.rules_from_config(config.get("logical_axis_rules"))
-    self.model = TransformerLM(model_cfg)
-    self.tx = optimizer.make_optimizer(config)
-    self.schedule = optimizer.learning_rate_schedule(config)
-    dummy = jnp.zeros((1, config.seq_len), jnp.int32)
+  def __init__(self, cfg: RunConfig, mesh):
+    self.config, self.mesh = cfg, mesh
+    self.rules = sharding.rules_from_config(cfg.rules.logical_axis_rules)
+    self.model = TransformerLM(cfg.model)
+    steps = cfg.train.num_train_steps
+    self.tx = optimizer.make_optimizer(cfg.optimizer, steps)
+    self.schedule = optimizer.learning_rate_schedule(cfg.optimizer, steps)
+    dummy = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
 
     def init(rng):
       params = self.model.init(rng, dummy)["params"]
@@ -148,8 +151,8 @@ class Trainer:
       train_step,
       model=self.model,
       schedule=self.schedule,
-      accum=config.grad_accum_steps,
-      skip=config.nonfinite == "skip",
+      accum=cfg.optimizer.grad_accum_steps,
+      skip=cfg.step_log.nonfinite == "skip",
     )
     self._train_step = jax.jit(
       sharding.with_sequence_mesh(step, mesh),
@@ -167,7 +170,7 @@ class Trainer:
     """ShapeDtypeStructs of a global batch of ``batch_size`` sequences, sharded as the steps
     take it (training: inputs and targets; evaluation also weights)."""
     sh = sharding.batch_sharding(self.mesh)
-    tokens = jax.ShapeDtypeStruct((batch_size, self.config.seq_len), jnp.int32, sharding=sh)
+    tokens = jax.ShapeDtypeStruct((batch_size, self.config.train.seq_len), jnp.int32, sharding=sh)
     out = {"inputs": tokens, "targets": tokens}
     if weights:
       out["weights"] = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=sh)
@@ -178,12 +181,13 @@ class Trainer:
     rng = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
     with _on_mesh(self.mesh, self.rules):
-      return self._train_step.lower(self.abstract_state, self.specs(self.config.batch_size), rng)
+      batch = self.specs(self.config.train.batch_size)
+      return self._train_step.lower(self.abstract_state, batch, rng)
 
   def lower_eval_step(self):
     params = self.abstract_state.params
     with _on_mesh(self.mesh, self.rules):
-      return self._eval_step.lower(params, self.specs(self.config.eval_batch_size, True))
+      return self._eval_step.lower(params, self.specs(self.config.eval.eval_batch_size, True))
 
   compiled_train_step = None  # the train step compiled ahead of the first batch, if it was
 
@@ -227,10 +231,10 @@ class Trainer:
     inputs at every position change when the window's first token drops out, so each window
     needs its own forward pass; batching those passes is what keeps S = 1 fast.
     """
-    cfg = self.config
+    ev, seq_len = self.config.eval, self.config.train.seq_len
     if stride is None:
-      stride = cfg.eval_stride
-    kw = dict(seq_len=cfg.seq_len, global_batch_size=cfg.eval_batch_size, stride=stride or None)
+      stride = ev.eval_stride
+    kw = dict(seq_len=seq_len, global_batch_size=ev.eval_batch_size, stride=stride or None)
     n = data_lib.num_eval_batches(len(tokens), **kw)
     batches = data_lib.eval_batches(
       tokens,
@@ -256,12 +260,11 @@ class Trainer:
 
 @dataclasses.dataclass
 class Run:
-  """What the parts of a run share: its config, workdir, data, model and trainer."""
+  """What the parts of a run share: its config, workdir, data and trainer."""
 
-  config: ml_collections.ConfigDict
+  config: RunConfig  # the model's vocabulary size filled in (the trainer's model's config)
   workdir: Workdir
   corpus: data_lib.Corpus
-  model_cfg: ModelConfig
   trainer: Trainer
   allow_config_change: bool = False  # resume a checkpoint whose config differs
   record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
@@ -274,27 +277,14 @@ class Run:
     return jax.process_index() == 0  # process 0 alone writes logs, metrics and results
 
 
-def absolute_paths(config) -> ml_collections.ConfigDict:
-  """A copy of ``config`` whose data folders and text globs are absolute (``data_dir`` '': the
-  default one), so config.json says where the data is whichever directory a run is started
-  from."""
-  config = config.copy_and_resolve_references()
-  config.data.data_dir = data_lib.resolve_data_dir(config.data.data_dir)
-  if config.data.manual_dir:
-    config.data.manual_dir = os.path.abspath(os.path.expanduser(config.data.manual_dir))
-  for key in ("train_files", "valid_files", "test_files"):  # dataset 'text': its globs
-    config.data[key] = data_config.absolute_globs(config.data[key])
-  return config
-
-
-def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
+def build_trainer(cfg: RunConfig, mesh, say=print) -> Trainer:
   """The Trainer; where ``impl='auto'`` chose Pallas kernels for the mesh's GPUs, its train step
   is compiled now, before the first batch, and if that fails ``say`` gets one line and the run
   goes on with ``impl='xla'`` (an explicit ``impl='pallas'`` fails loudly instead: the compile
   error reaches the user on the first step)."""
-  trainer = Trainer(config, model_cfg, mesh)
+  trainer = Trainer(cfg, mesh)
   device = ops_target.of_device(mesh.devices.flat[0])
-  if model_cfg.impl != "auto" or device.platform != "gpu" or ops_target.gpu_kernels_refused(device):
+  if cfg.model.impl != "auto" or device.platform != "gpu" or ops_target.gpu_kernels_refused(device):
     return trainer
   lowered = trainer.lower_train_step()
   if ops_target.TRITON_CALL not in lowered.as_text():
@@ -305,10 +295,25 @@ def build_trainer(config, model_cfg: ModelConfig, mesh, say=print) -> Trainer:
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     say(
       f"impl='auto': the Pallas kernels chosen for {device} did not compile ({reason}); "
-      "continuing with model.impl='xla'"
+      "continuing with config.model.impl='xla'"
     )
-    return Trainer(config, dataclasses.replace(model_cfg, impl="xla"), mesh)
+    return Trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, impl="xla")), mesh)
   return trainer
+
+
+def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
+  """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
+  config, the mesh over ``devices`` (default: all), the batch's split over it, the warmup
+  note (to ``say``) and the trainer (``build_trainer``)."""
+  cfg = cfg.with_vocab(vocab_size)
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  sharding.check_batch_split(
+    mesh, batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size
+  )
+  note = optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps)
+  if note:
+    say(note)
+  return build_trainer(cfg, mesh, say)
 
 
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
@@ -327,41 +332,30 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   }
 
 
-def _check_config(run_config, workdir, allow_config_change, saved) -> None:
-  defaults = default_config.get_config().to_dict()
-  checkpointing.check_resume_config(saved, run_config, workdir, allow_config_change, defaults)
+def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
+  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, default_tree())
 
 
-def setup(config, workdir: str, allow_config_change: bool) -> Run:
-  """Checks the config, and the config and data against what the workdir's run was trained
-  with, loads the data, builds the mesh and the jitted steps. Writes nothing in the workdir
-  (the corpus is prepared in its data_dir): a run that is refused leaves it as it was.
+def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
+  """Checks the config and data against what the workdir's run was trained with, loads the
+  data, builds the mesh and the jitted steps. Writes nothing in the workdir (the corpus is
+  prepared in its data_dir): a run that is refused leaves it as it was.
 
   The order keeps refusals cheap: the config and the text files (their digests: at most 2 MiB
   read per file) are compared before any vocabulary is learned or corpus prepared, the loaded
   corpus (vocabulary, tokens per split) before any model is built.
   """
-  check_config(config)
-  config = absolute_paths(config)
   workdir = Workdir(workdir)
-  mngr = checkpointing.checkpoint_manager(workdir, config.keep_checkpoints)
+  mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   since, trained = _trained_on(workdir, mngr)
-  _check_config(config, workdir, allow_config_change, trained["config"])
-  data_record.check_sources(trained["corpus"], data_record.sources(config.data), since)
-  corpus = data_lib.load_corpus(config.data)
+  _check_config(cfg, workdir, allow_config_change, trained["config"])
+  data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
+  corpus = data_lib.load_corpus(cfg.data)
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
-  model_cfg = ModelConfig(vocab_size=corpus.vocab.size, **config.model).validate()
-  mesh = sharding.make_mesh(config.mesh)
-  sharding.check_batch_split(
-    mesh, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size
-  )
   say = print if jax.process_index() == 0 else lambda line: None
-  note = optimizer.warmup_note(config)
-  if note:
-    say(note)
-  trainer = build_trainer(config, model_cfg, mesh, say)
-  return Run(config, workdir, corpus, trainer.model.cfg, trainer, allow_config_change, record)
+  trainer = make_trainer(cfg, corpus.vocab.size, say=say)
+  return Run(trainer.config, workdir, corpus, trainer, allow_config_change, record)
 
 
 def _begin_writing(run: Run, mngr, restored) -> None:
@@ -372,7 +366,7 @@ def _begin_writing(run: Run, mngr, restored) -> None:
     checkpointing.set_aside(mngr, restored)
   if run.is_main:
     run.workdir.save_corpus(run.corpus)
-  checkpointing.write_workdir_config(run.config, run.workdir)
+  checkpointing.write_workdir_config(run.config.tree, run.workdir)
 
 
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
@@ -392,10 +386,10 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
   if restored is None:  # config.json and corpus.json, if any, were checked in setup
     _begin_writing(run, mngr, None)
-    state = run.trainer.init_state(run.config.seed)
+    state = run.trainer.init_state(run.config.train.seed)
     if run.is_main:
       print(
-        f"Model: {run.model_cfg.mixing}, {count_params(state.params):,} parameters; corpus "
+        f"Model: {run.config.model.mixing}, {count_params(state.params):,} parameters; corpus "
         f"{run.corpus.name} ({run.corpus.unit}-level, vocab {run.corpus.vocab.size:,}); mesh "
         f"{sharding.axis_sizes(run.trainer.mesh)}",
         flush=True,
@@ -421,7 +415,7 @@ def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_it
         flush=True,
       )
     return False
-  checkpointing.save(mngr, step, state, data_iter, run.config, run.record)
+  checkpointing.save(mngr, step, state, data_iter, run.config.tree, run.record)
   run.good_steps.add(step)
   return True
 
@@ -442,11 +436,12 @@ def _save_and_say_stopped(run: Run, log: step_log.StepLog, mngr, step: int, stat
 
 def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
   """Trains to ``num_train_steps``: (final state, whether a signal stopped it early)."""
-  config, trainer = run.config, run.trainer
+  cfg, trainer = run.config, run.trainer
+  train, every = cfg.train, cfg.step_log.log_every_steps
   step = int(state.step)
-  dropout_rng = jax.random.key(config.seed + 1)
+  dropout_rng = jax.random.key(train.seed + 1)
   bar = tqdm(
-    total=config.num_train_steps,
+    total=train.num_train_steps,
     initial=step,
     desc="train",
     disable=not run.is_main,
@@ -457,32 +452,31 @@ def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[Tr
     bar,
     mngr,
     step,
-    nonfinite=config.nonfinite,
-    max_consecutive_skips=config.max_consecutive_skips,
-    tokens_per_step=config.batch_size * config.seq_len,
+    cfg.step_log,
+    tokens_per_step=train.batch_size * train.seq_len,
     is_main=run.is_main,
     good_steps=run.good_steps,
   )
-  profile = config.get("profile_steps") if run.is_main else ()  # process 0 writes the trace
+  profile = cfg.step_log.profile_steps if run.is_main else ()  # process 0 writes the trace
   profiler = step_log.Profiler(profile, run.workdir.tensorboard_dir)
   with bar, Preemption() as preemption, profiler:
     try:
-      while step < config.num_train_steps:
+      while step < train.num_train_steps:
         profiler.at(step, state)
         state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
         step += 1
         log.add(metrics)
         bar.update(1)
-        last = step == config.num_train_steps
-        if step % config.log_every_steps == 0 or last:
+        last = step == train.num_train_steps
+        if step % every == 0 or last:
           log.flush(state)
-        if step % config.eval_every_steps == 0 and not last:
+        if step % cfg.eval.eval_every_steps == 0 and not last:
           ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
           byte_level, main = run.corpus.unit == "byte", run.is_main
           step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=main)
-        if step % config.checkpoint_every_steps == 0 or last:
+        if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
           _checkpoint(run, log, mngr, step, state, data_iter)
-        if preemption.should_stop(step, config.log_every_steps):
+        if preemption.should_stop(step, every):
           _save_and_say_stopped(run, log, mngr, step, state, data_iter, preemption.signal)
           return state, True
     except FloatingPointError:  # divergence: the metrics of the steps since the last log line
@@ -508,21 +502,22 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
   (with stride 1 on WikiText-103 a split takes hours). ``preemption``: a signal it records
   stops the evaluation between batches with ``Interrupted``.
   """
-  config, corpus, trainer = run.config, run.corpus, run.trainer
+  cfg, corpus, trainer = run.config, run.corpus, run.trainer
+  seq_len = cfg.train.seq_len
   step = int(state.step)
   results = {
     "steps": step,
     "num_params": count_params(state.params),
-    "tokens_seen": step * config.batch_size * config.seq_len,
+    "tokens_seen": step * cfg.train.batch_size * seq_len,
     "unit": corpus.unit,
-    "mixing": run.model_cfg.mixing,
+    "mixing": cfg.model.mixing,
     "skipped_steps": int(state.skipped),
   }
   # The final numbers may use a slower protocol than training-time validation (metrics.jsonl's
   # valid_* records); each is named here so that numbers are compared like with like.
-  stride = config.final_eval_stride
-  results["eval_protocol"] = eval_protocol(config.seq_len, stride)
-  results["train_eval_protocol"] = eval_protocol(config.seq_len, config.eval_stride)
+  stride = cfg.eval.final_eval_stride
+  results["eval_protocol"] = eval_protocol(seq_len, stride)
+  results["train_eval_protocol"] = eval_protocol(seq_len, cfg.eval.eval_stride)
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
   saved = run.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
@@ -547,7 +542,7 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
     )
     if corpus.unit == "byte":
       results[f"{prefix}_bpb"] = ev["nll"] / math.log(2)
-      if config.data.dataset == "enwik8":
+      if cfg.data.dataset == "enwik8":
         # The AFT paper's unit: enwik8's "characters" are its bytes.
         results[f"{prefix}_bpc"] = results[f"{prefix}_bpb"]
     elif corpus.num_bytes:  # subwords (and words) of a text whose bytes are known
@@ -597,40 +592,41 @@ def sample(run: Run, params, writer: MetricWriter | None = None) -> str | None:
     cfg.length,
     temperature=cfg.temperature,
     top_k=cfg.top_k,
-    seed=run.config.seed,
+    seed=run.config.train.seed,
   )
   print(f"Sample:\n{cfg.prompt}{text}", flush=True)
   if writer is not None:
-    writer.write_text("sample", cfg.prompt + text, run.config.num_train_steps)
+    writer.write_text("sample", cfg.prompt + text, run.config.train.num_train_steps)
   return text
 
 
-def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, *, allow_config_change: bool = False
-) -> dict:
-  """Trains ``config`` in ``workdir`` (resuming what is there) and returns results.json's dict.
+def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+  """Trains ``config`` (a config tree, a recipe's or config.json's, or a ``RunConfig``) in
+  ``workdir`` (resuming what is there) and returns results.json's dict.
 
   Interrupted by SIGTERM / Ctrl-C, it saves a checkpoint and returns
   ``{"interrupted": True, "step": step}``.
   """
+  cfg = config if isinstance(config, RunConfig) else RunConfig.from_tree(config)
   # The lock first: no other trainer may change the workdir between the checks and the writes.
   with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
-    run = setup(config, workdir, allow_config_change)
+    run = setup(cfg, workdir, allow_config_change)
     data_iter = data_lib.train_iterator(
       run.corpus.splits["train"],
-      seq_len=config.seq_len,
-      global_batch_size=config.batch_size,
-      seed=config.seed,
+      seq_len=cfg.train.seq_len,
+      global_batch_size=cfg.train.batch_size,
+      seed=cfg.train.seed,
       process_index=jax.process_index(),
       process_count=jax.process_count(),
     )
-    mngr = checkpointing.checkpoint_manager(run.workdir, config.keep_checkpoints)
+    mngr = checkpointing.checkpoint_manager(run.workdir, cfg.checkpoint)
     state = restore_or_init(run, mngr, data_iter)
     resumed = int(state.step) > 0  # a checkpoint was restored: continue its W&B run
-    wandb_run = wandb_log.start(run.config, run.workdir, resumed) if run.is_main else None
+    tree = cfg.tree
+    wandb_run = wandb_log.start(cfg.wandb, tree, run.workdir, resumed) if run.is_main else None
     writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
-    writer.write_text("config", run.config.to_json_best_effort(indent=2), int(state.step))
-    writer.write_hparams(flatten(run.config.to_dict()), step_log.HPARAMS_METRICS)
+    writer.write_text("config", json.dumps(tree, indent=2), int(state.step))
+    writer.write_hparams(flatten(tree), step_log.HPARAMS_METRICS)
     try:
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:

@@ -81,10 +81,10 @@ def run_id(workdir, resumed: bool) -> str:
   return new
 
 
-def start(config, workdir, resumed: bool = False):
-  """The W&B run of ``config`` in ``workdir`` (a ``wandb`` Run), or None without a project;
-  ``resumed``: whether the run continues a checkpoint (then it continues its W&B run)."""
-  cfg = WandbConfig.from_config(config) if "wandb" in config else WandbConfig()
+def start(cfg: WandbConfig, tree: dict, workdir, resumed: bool = False):
+  """The W&B run of ``cfg`` in ``workdir`` (a ``wandb`` Run) recording the config ``tree``
+  (``RunConfig.tree``), or None without a project; ``resumed``: whether the run continues a
+  checkpoint (then it continues its W&B run)."""
   if not cfg.project:
     return None
   import wandb  # pylint: disable=g-import-not-at-top  (optional, slow to import)
@@ -97,7 +97,7 @@ def start(config, workdir, resumed: bool = False):
     id=run_id(workdir, resumed),
     resume="allow",
     dir=path,
-    config=config.to_dict() if hasattr(config, "to_dict") else dict(config),
+    config=tree,
   )
 
 

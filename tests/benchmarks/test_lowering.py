@@ -65,8 +65,8 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   # The layers refuse accelerator implementations off their target: trace as if on one (cuDNN
   # attention refuses the abstract device that would say so).
   device = {
-    "cuda": target.Target("gpu", "NVIDIA H200", (9, 0)),
-    "tpu": target.Target("tpu", "TPU v5 lite"),
+    "cuda": target.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
+    "tpu": target.DeviceFacts("tpu", "TPU v5 lite"),
   }
   monkeypatch.setattr(target, "current", lambda: device[platform])
   opt_state = jax.eval_shape(tx.init, params)

@@ -9,6 +9,7 @@ import pytest
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data.config import DataConfig
 
 N = 2_003
 
@@ -19,7 +20,7 @@ def _no_network(monkeypatch, tmp_path):
 
 
 def _cfg(tmp_path, data_dir):
-  return {"dataset": "enwik8", "data_dir": data_dir, "manual_dir": str(tmp_path / "manual")}
+  return DataConfig(dataset="enwik8", data_dir=data_dir, manual_dir=str(tmp_path / "manual"))
 
 
 def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
@@ -120,5 +121,9 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
   ],
 )
 def test_bad_fields_are_one_line_errors(cfg, message):
+  """Checked where the DataConfig is made (the run config; here ``validate()``): the corpus
+  loader takes a DataConfig, and nothing else."""
   with pytest.raises(ValueError, match=message):
+    DataConfig.of(cfg).validate()
+  with pytest.raises(TypeError, match="load_corpus takes a DataConfig"):
     corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)

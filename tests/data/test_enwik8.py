@@ -5,13 +5,13 @@ import logging
 import os
 import zipfile
 
-import ml_collections
 import numpy as np
 import pytest
 
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data.config import DataConfig
 
 SPLITS = enwik8.SPLITS
 N = 5_003  # fake file size: not a multiple of 20, so N // 20 rounds down
@@ -90,9 +90,7 @@ def test_prepare_prints_counts_and_warns_custom(tmp_path, capsys, caplog):
   assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
   assert store.read_summary(_prepared(tmp_path))["official"] is False
   c = corpus_lib.load_corpus(
-    ml_collections.ConfigDict(
-      {"dataset": "enwik8", "data_dir": str(tmp_path / "data"), "manual_dir": ""}
-    ),
+    DataConfig(dataset="enwik8", data_dir=str(tmp_path / "data"), manual_dir=""),
     process_index=0,
     barrier=lambda name: None,
   )

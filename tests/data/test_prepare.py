@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import prepare
 from aft_jax.data import store
 from aft_jax.data import wikitext103
+from aft_jax.data.config import DataConfig
 
 SPLITS = ("train", "validation", "test")
 
@@ -166,14 +166,12 @@ def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch
 
 def _data_config(tmp_path, tokenizer: str, variant: str):
   """config.data for WikiText-103 from the fake files in tmp_path/manual."""
-  return ml_collections.ConfigDict(
-    {
-      "dataset": "wikitext103",
-      "tokenizer": tokenizer,
-      "variant": variant,
-      "data_dir": str(tmp_path / "data"),
-      "manual_dir": str(tmp_path / "manual"),
-    }
+  return DataConfig(
+    dataset="wikitext103",
+    tokenizer=tokenizer,
+    variant=variant,
+    data_dir=str(tmp_path / "data"),
+    manual_dir=str(tmp_path / "manual"),
   )
 
 

@@ -16,6 +16,7 @@ import pytest
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data.config import DataConfig
 
 SPLITS = enwik8.SPLITS
 N = 5_003
@@ -164,7 +165,7 @@ def test_cli_defaults_to_the_trainer_data_dir(tmp_path, monkeypatch, capsys):
   path = _prepared(tmp_path, "cache")
   assert store.is_complete(path) and path in err
   monkeypatch.setattr(enwik8, "build", _no_build)
-  cfg = {"dataset": "enwik8", "data_dir": "", "manual_dir": str(tmp_path / "manual")}
+  cfg = DataConfig(dataset="enwik8", data_dir="", manual_dir=str(tmp_path / "manual"))
   c = corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)
   assert int(c.splits["test"].size) == N // 20
 

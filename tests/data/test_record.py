@@ -10,12 +10,13 @@ import shutil
 import pytest
 
 from aft_jax.data import pydoc_corpus, record, store
+from aft_jax.data.config import DataConfig
 
 from tests.support.helpers import STDLIB_JSON
 
 
 def _cfg(docs):
-  return {"dataset": "text", "train_files": str(docs / "*.py"), "tokenizer": "byte"}
+  return DataConfig(dataset="text", train_files=str(docs / "*.py"), tokenizer="byte")
 
 
 def _refusal(saved, docs) -> str:

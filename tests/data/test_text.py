@@ -1,6 +1,7 @@
 """aft_jax.data.text and aft_jax.data.subword: your own files as a corpus, a subword vocabulary
 learned on the train split, and every bad input as one line naming the file or the key."""
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -17,7 +18,8 @@ from tests.support.helpers import STDLIB_JSON
 
 
 def _load(tmp_path, **cfg):
-  cfg = {"dataset": "text", "data_dir": str(tmp_path / "data"), **cfg}
+  # Checked as the run config checks it (load_corpus itself checks no config).
+  cfg = DataConfig(dataset="text", data_dir=str(tmp_path / "data"), **cfg).validate()
   return load_corpus(cfg, process_index=0, barrier=lambda name: None)
 
 
@@ -147,14 +149,14 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
   from tests.support import fake_wikitext
 
   fake_wikitext.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  cfg = {
-    "dataset": "wikitext103",
-    "variant": "raw_v1",
-    "tokenizer": "subword",
-    "vocab_size": 330,
-    "data_dir": str(tmp_path / "data"),
-    "manual_dir": str(tmp_path / "manual"),
-  }
+  cfg = DataConfig(
+    dataset="wikitext103",
+    variant="raw_v1",
+    tokenizer="subword",
+    vocab_size=330,
+    data_dir=str(tmp_path / "data"),
+    manual_dir=str(tmp_path / "manual"),
+  )
   corpus = load_corpus(cfg, process_index=0, barrier=lambda name: None)
   texts = fake_wikitext.texts("raw_v1")
   assert corpus.name == "wikitext103-raw_v1-subword330" and corpus.vocab.size == 330
@@ -168,7 +170,7 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
 def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path):
   from aft_jax.data import corpus as corpus_lib
 
-  cfg = {"dataset": "text", "train_files": str(docs / "*.py"), "data_dir": str(tmp_path / "d")}
+  cfg = DataConfig(dataset="text", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "d"))
   met = []
   with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
     load_corpus(cfg, process_index=1, barrier=met.append)  # process 1 never prepares
@@ -184,8 +186,8 @@ def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys)
   from aft_jax.data import corpus as corpus_lib
   from aft_jax.data import prepare
 
-  cfg = {"dataset": "text", "tokenizer": "subword", "vocab_size": 400}
-  assert corpus_lib.vocab_size({**cfg, "train_files": str(docs / "*.py")})[0] == 400
+  cfg = DataConfig(dataset="text", tokenizer="subword", vocab_size=400)
+  assert corpus_lib.vocab_size(dataclasses.replace(cfg, train_files=str(docs / "*.py")))[0] == 400
   flags = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "400", "--quiet"]
   flags += ["--train_files", str(docs / "*.py"), "--data_dir", str(tmp_path / "d")]
   summary = prepare.main(flags)
@@ -196,9 +198,14 @@ def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys)
 def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
   from aft_jax.data import corpus as corpus_lib
 
-  cfg = {"dataset": "text", "tokenizer": "word", "train_files": str(docs / "*.py")}
+  cfg = DataConfig(
+    dataset="text",
+    tokenizer="word",
+    train_files=str(docs / "*.py"),
+    data_dir=str(tmp_path / "data"),
+  )
   # The dry run's size of a word vocabulary: counted on the train files, nothing written.
-  size, where = corpus_lib.vocab_size({**cfg, "data_dir": str(tmp_path / "data")})
+  size, where = corpus_lib.vocab_size(cfg)
   assert where.startswith("the text files") and not (tmp_path / "data").exists()
   corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
   assert corpus.vocab.size == size

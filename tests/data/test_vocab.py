@@ -10,6 +10,7 @@ from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import pydoc as pydoc_lib
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.data.vocab import EOS, UNK, ByteVocab, WordVocab
+from aft_jax.data.config import DataConfig
 
 
 def _reference_tokens(text):
@@ -153,7 +154,9 @@ def test_load_corpus_pydoc_from_config_object():
     manual_dir = None
     variant = "v1"
 
-  c = corpus_lib.load_corpus(Cfg())
+  c = corpus_lib.load_corpus(DataConfig.of(Cfg()).validate())
   assert c.name == "pydoc-byte"
   with pytest.raises(ValueError, match="dataset"):
-    corpus_lib.load_corpus({"dataset": "enwik9"})  # unknown: an error before any I/O
+    DataConfig.of({"dataset": "enwik9"}).validate()  # unknown: an error before any I/O
+  with pytest.raises(TypeError, match="takes a DataConfig"):
+    corpus_lib.load_corpus(Cfg())

@@ -20,6 +20,7 @@ import pytest
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import pallas_local, pallas_simple, pallas_split
+from benchmarks import kernel_form
 from benchmarks.bench_ops import scan_simple
 from tests.support import numpy_reference as ref
 from tests.support.helpers import TRITON, equations, export_for
@@ -48,7 +49,7 @@ def _pallas(q, k, v, ct):
   fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
   grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
   # The sequential form (auto would split T = 1000 into segments: tested below).
-  with pallas_split.forced("sequential"):
+  with kernel_form.forced("sequential"):
     return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
 
 
@@ -186,21 +187,21 @@ def test_chunk_parallel_later_segments_never_reach_earlier_ones():
 def test_plan_splits_t_where_the_sequential_grid_is_small():
   """The one choice: at B 1, T 16384 and B 8, T 2048 (D 512) the chunk-parallel form with at
   least ``MIN_PROGRAMS`` programs; at B 256 the sequential one; T too short for two segments:
-  sequential; ``forced`` selects either form where it can run; AFT-local's segments hold the
-  window's earlier keys."""
+  sequential; ``kernel_form.forced`` selects either form where it can run; AFT-local's
+  segments hold the window's earlier keys."""
   for b, t_len in ((1, 16384), (8, 2048)):
     plan = pallas_split.plan_for(b, t_len, 512)
     assert plan.seg is not None and plan.seg % plan.cfg.block_t == 0
     assert b * (512 // plan.cfg.block_d) * -(-t_len // plan.seg) >= pallas_split.MIN_PROGRAMS
-    with pallas_split.forced("sequential"):
+    with kernel_form.forced("sequential"):
       assert pallas_split.plan_for(b, t_len, 512).seg is None
   assert pallas_split.plan_for(256, 2048, 512).seg is None
-  with pallas_split.forced("chunked"):
+  with kernel_form.forced("chunked"):
     assert pallas_split.plan_for(256, 2048, 512).seg is not None
     assert pallas_split.plan_for(1, 128, 512).seg is None  # one segment: nothing to split
   assert pallas_local.plan_for(1, 16384, 512, window=1024).seg >= 1024
   with pytest.raises(ValueError, match="form must be one of"):
-    pallas_split.forced("parallel").__enter__()
+    kernel_form.forced("parallel").__enter__()
 
 
 # --------------------------------------------------------------------------- AFT-local

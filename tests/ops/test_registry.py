@@ -14,12 +14,12 @@ import pytest
 from aft_jax import ops
 from aft_jax.ops import registry
 from aft_jax.ops.registry import OpArgs
-from aft_jax.ops.target import Target
+from aft_jax.ops.target import DeviceFacts
 
-CPU = Target("cpu", "cpu")
-H200 = Target("gpu", "NVIDIA H200", (9, 0))
-T4 = Target("gpu", "Tesla T4", (7, 5))
-TPU = Target("tpu", "TPU v5 lite")
+CPU = DeviceFacts("cpu", "cpu")
+H200 = DeviceFacts("gpu", "NVIDIA H200", (9, 0))
+T4 = DeviceFacts("gpu", "Tesla T4", (7, 5))
+TPU = DeviceFacts("tpu", "TPU v5 lite")
 
 
 def _args(d=128, causal=True, window=None, t_len=8):

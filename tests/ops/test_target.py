@@ -40,9 +40,9 @@ def _loss(op):
 
 
 def test_target_of_abstract_and_default_devices():
-  assert target.current() == target.Target("cpu", jax.devices()[0].device_kind)
+  assert target.current() == target.DeviceFacts("cpu", jax.devices()[0].device_kind)
   with on_target("NVIDIA H200"):
-    assert target.current() == target.Target("gpu", "NVIDIA H200", (9, 0))
+    assert target.current() == target.DeviceFacts("gpu", "NVIDIA H200", (9, 0))
   with on_target("Tesla T4"):
     t4 = target.current()
   assert t4.compute_capability == (7, 5) and "compute capability 7.5" in str(t4)

@@ -41,7 +41,7 @@ from aft_jax import data as data_lib
 from aft_jax import deviceless, ops, sharding
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config as default_config
-from aft_jax.model import ModelConfig
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.ops import pallas_util
 from aft_jax.ops import target as ops_target
 from configs import quickstart
@@ -235,11 +235,11 @@ def pallas_on_t4() -> dict:
 # --------------------------------------------------------------------------- GPU train steps
 
 
-def _model_cfg(config) -> ModelConfig:
-  """The ModelConfig a training run builds from ``config`` (vocabulary from the data config,
+def _run_cfg(config) -> RunConfig:
+  """The RunConfig a training run builds from ``config`` (vocabulary from the data config,
   without loading the data)."""
-  vocab, _ = data_lib.vocab_size(config.data)
-  return ModelConfig(vocab_size=vocab, **config.model).validate()
+  cfg = RunConfig.from_tree(config)
+  return cfg.with_vocab(data_lib.vocab_size(cfg.data)[0])
 
 
 def _step_facts(compiled) -> dict:
@@ -253,12 +253,13 @@ def _step_facts(compiled) -> dict:
 
 
 def build_and_compile(config, devices) -> dict:
-  """The trainer's own path (``train_lib.build_trainer``, as ``aft-train`` and its dry run take
+  """The trainer's own path (``train_lib.make_trainer``, as ``aft-train`` and its dry run take
   it), then the train step compiled for ``devices``: the impl it runs, the lines it said, the
   compiled step's facts."""
   said = []
-  mesh = sharding.make_mesh(config.mesh, devices)
-  trainer = train_lib.build_trainer(config, _model_cfg(config), mesh, said.append)
+  cfg = RunConfig.from_tree(config)
+  vocab, _ = data_lib.vocab_size(cfg.data)
+  trainer = train_lib.make_trainer(cfg, vocab, devices, said.append)
   step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
   if step is None:
     step = trainer.lower_train_step().compile()
@@ -300,19 +301,19 @@ def train_steps() -> dict:
 def notebook_gpu_config():
   """(config, builder) of notebooks/quickstart.ipynb's training cell as a GPU runtime runs it
   (ACCELERATOR true, AFT_QUICK unset): the cell's lines from ``config = get_config()`` to the
-  corpus, run here, so that the test follows the notebook; builder: "build_trainer" or
+  run config, run here, so that the test follows the notebook; builder: "make_trainer" or
   "Trainer", whichever of train_lib's the cell builds its trainer with."""
   with open(os.path.join(ROOT, "notebooks", "quickstart.ipynb")) as f:
     cells = json.load(f)["cells"]
   for cell in cells:
     src = "".join(cell["source"])
-    if cell["cell_type"] == "code" and "config = get_config()" in src and "corpus = " in src:
+    if cell["cell_type"] == "code" and "config = get_config()" in src and "cfg = " in src:
       start = src.index("config = get_config()")
       namespace = {"get_config": default_config, "ACCELERATOR": True, "QUICK": False}
-      exec(src[start : src.index("corpus = ", start)], namespace)
-      builder = "build_trainer" if "train_lib.build_trainer(" in src else "Trainer"
+      exec(src[start : src.index("cfg = ", start)], namespace)
+      builder = "make_trainer" if "train_lib.make_trainer(" in src else "Trainer"
       return namespace["config"], builder
-  raise LookupError("notebooks/quickstart.ipynb: no cell sets config = get_config() and a corpus")
+  raise LookupError("notebooks/quickstart.ipynb: no cell sets config = get_config() and a cfg")
 
 
 def notebook() -> dict:
@@ -321,11 +322,10 @@ def notebook() -> dict:
   config, builder = notebook_gpu_config()
 
   def step(devices):
-    if builder == "build_trainer":
+    if builder == "make_trainer":
       return build_and_compile(config, devices)
-    trainer = train_lib.Trainer(
-      config, _model_cfg(config), sharding.make_mesh(config.mesh, devices)
-    )
+    cfg = _run_cfg(config)
+    trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
     return {"impl": trainer.model.cfg.impl, **_step_facts(trainer.lower_train_step().compile())}
 
   out = {"model": config.model.to_dict(), "builder": builder}
@@ -344,9 +344,9 @@ def safety_net() -> dict:
   devices = _devices("t4")
 
   def explicit():
-    config = tiny_config(**{"model.impl": "pallas", **SAFETY_NET})
-    mesh = sharding.make_mesh(config.mesh, devices)
-    lowered = train_lib.Trainer(config, _model_cfg(config), mesh).lower_train_step()
+    cfg = _run_cfg(tiny_config(**{"model.impl": "pallas", **SAFETY_NET}))
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    lowered = train_lib.Trainer(cfg, mesh).lower_train_step()
     return {"triton": lowered.as_text().count(TRITON), **_raises(lowered.compile)}
 
   saved = ops_target.TRITON_MIN_CAPABILITY

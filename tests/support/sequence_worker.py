@@ -28,9 +28,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from aft_jax import data as data_lib  # noqa: E402
 from aft_jax import ops, sharding  # noqa: E402
-from aft_jax.model import ModelConfig  # noqa: E402
 from aft_jax.trainer import train_lib  # noqa: E402
-from aft_jax.trainer.config_check import check_config  # noqa: E402
+from aft_jax.trainer.run_config import RunConfig  # noqa: E402
 from configs import quickstart  # noqa: E402
 
 STEPS = 3
@@ -108,10 +107,8 @@ def _config(mixing, sequence):
 
 
 def _losses(config, corpus, devices):
-  check_config(config)
-  mesh = sharding.make_mesh(config.mesh, devices)
-  model = ModelConfig(vocab_size=corpus.vocab.size, **config.model)
-  trainer = train_lib.Trainer(config, model, mesh)
+  cfg = RunConfig.from_tree(config).with_vocab(corpus.vocab.size)
+  trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
   state = trainer.init_state(0)
   it = data_lib.train_iterator(
     corpus.splits["train"], seq_len=config.seq_len, global_batch_size=config.batch_size, seed=0
@@ -129,7 +126,7 @@ def main(out_path):
   report = {"ops": {}}
   for op, size, scale in CASES:
     report["ops"][f"{op} size {size} std {scale:g}"] = _check(op, size, scale, mesh)
-  corpus = data_lib.load_corpus(_config("aft_local", 1).data)
+  corpus = data_lib.load_corpus(RunConfig.from_tree(_config("aft_local", 1)).data)
   for mixing in ("aft_local", "aft_simple", "aft_conv1d"):
     _, one = _losses(_config(mixing, 1), corpus, jax.devices()[:1])
     trainer, split = _losses(_config(mixing, 4), corpus, jax.devices())
@@ -141,7 +138,7 @@ def main(out_path):
     np.testing.assert_allclose(split, one, rtol=0, atol=1e-4)
     report[mixing] = {"one_device": one, "sequence_4": split}
   try:
-    check_config(_config("softmax", 4))
+    RunConfig.from_tree(_config("softmax", 4))
   except ValueError as e:
     report["softmax_error"] = str(e)
   assert "mixes every pair of positions" in report.get("softmax_error", ""), report

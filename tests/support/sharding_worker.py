@@ -31,7 +31,7 @@ from tests.support.helpers import tiny_config  # noqa: E402
 from aft_jax import data as data_lib  # noqa: E402
 from aft_jax.trainer import checkpointing, train_lib  # noqa: E402
 from aft_jax import sharding  # noqa: E402
-from aft_jax.model import ModelConfig  # noqa: E402
+from aft_jax.trainer.run_config import RunConfig  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
 STEPS = 3
@@ -79,8 +79,8 @@ def _max_diff(a, b):
 
 
 def _trainer(config, corpus, devices):
-  mesh = sharding.make_mesh(config.mesh, devices)
-  return train_lib.Trainer(config, ModelConfig(vocab_size=corpus.vocab.size, **config.model), mesh)
+  cfg = RunConfig.from_tree(config).with_vocab(corpus.vocab.size)
+  return train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
 
 
 def _check_sharded(state, mesh_shape):
@@ -114,7 +114,7 @@ def main(out_path):
   t0 = time.perf_counter()
   assert jax.device_count() == 8, jax.devices()
   base = _config()
-  corpus = data_lib.load_corpus(base.data)
+  corpus = data_lib.load_corpus(RunConfig.from_tree(base).data)
   it = data_lib.train_iterator(
     corpus.splits["train"], seq_len=base.seq_len, global_batch_size=base.batch_size, seed=0
   )
@@ -156,7 +156,9 @@ def main(out_path):
       trainer811 = trainer
     if shape == (2, 2, 2):
       # A checkpoint written on (2, 2, 2) restores onto (8, 1, 1) and continues identically.
-      mngr = checkpointing.checkpoint_manager(os.path.join(workdir, "ckpt"), 1)
+      mngr = checkpointing.checkpoint_manager(
+        os.path.join(workdir, "ckpt"), checkpointing.CheckpointConfig(keep_checkpoints=1)
+      )
       checkpointing.save(mngr, STEPS, state, it)
       restored, _ = checkpointing.restore(mngr, STEPS, trainer811.abstract_state)
       mngr.close()
@@ -171,7 +173,7 @@ def main(out_path):
       report["checkpoint"] = {"next_loss": next_loss, "ref_next_loss": ref_losses[STEPS]}
 
   # A dimension the mesh cannot split evenly (a word vocabulary, say) is replicated, not an error.
-  mesh = sharding.make_mesh(_config((1, 4, 2)).mesh)
+  mesh = sharding.make_mesh(RunConfig.from_tree(_config((1, 4, 2))).mesh)
   odd = {
     "embed": nn.Partitioned(jax.ShapeDtypeStruct((255, 16), np.float32), ("vocab", "embed")),
     "mlp": nn.Partitioned(jax.ShapeDtypeStruct((16, 32), np.float32), ("embed", "mlp")),

@@ -7,8 +7,9 @@ import ml_collections
 import pytest
 import importlib.util
 
-from aft_jax.trainer import checkpointing, config_check
-from aft_jax.model import MIXINGS, ModelConfig
+from aft_jax.trainer import checkpointing
+from aft_jax.trainer.run_config import RunConfig
+from aft_jax.model import MIXINGS
 from tests.support.helpers import ROOT
 
 # Recipes whose get_config takes the variant as its argument (file.py:arg).
@@ -45,9 +46,8 @@ def test_there_are_configs_for_every_mixing_layer():
 @pytest.mark.parametrize("name, arg", CONFIGS, ids=[f"{n}:{a}" if a else n for n, a in CONFIGS])
 def test_config_loads_and_validates(name, arg):
   config = load(name, arg)
-  config_check.check_config(config)
   vocab = 267_735 if config.data.dataset == "wikitext103" else 256
-  cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
+  cfg = RunConfig.from_tree(config).with_vocab(vocab).model
   assert cfg.mixing == config.model.mixing
   if config.data.dataset == "wikitext103":
     assert (cfg.num_layers, cfg.d_model, config.seq_len) == (16, 128, 256)
@@ -68,11 +68,11 @@ def _quick():
   [
     (
       lambda c: setattr(c.model, "window", 1000),
-      "model.window = 1000 must be in \\[1, model.max_len",
+      "config.model.window = 1000 must be in \\[1, config.model.max_len",
     ),
     (
       lambda c: (setattr(c.model, "mixing", "softmax"), setattr(c.model, "num_heads", 3)),
-      "d_model = 128 is not divisible by model.num_heads = 3",
+      "d_model = 128 is not divisible by config.model.num_heads = 3",
     ),
     (lambda c: setattr(c.model, "mixing", "linear"), "mixing = 'linear' is not one of"),
     (lambda c: setattr(c, "seq_len", 512), "seq_len = 512 exceeds config.model.max_len = 64"),
@@ -112,7 +112,7 @@ def test_invalid_values_fail_with_a_message(change, message):
   config = _quick()
   change(config)
   with pytest.raises(ValueError, match=message):
-    config_check.check_config(config)
+    RunConfig.from_tree(config)
 
 
 def test_unknown_keys_and_wrong_types_fail():
@@ -121,7 +121,7 @@ def test_unknown_keys_and_wrong_types_fail():
   d["model"]["num_layers"] = "two"
   config = ml_collections.ConfigDict(d)
   with pytest.raises(ValueError) as err:
-    config_check.check_config(config)
+    RunConfig.from_tree(config)
   assert "unknown config key 'learning_rte'" in str(err.value)
   assert "config.model.num_layers = 'two' should be a int" in str(err.value)
 

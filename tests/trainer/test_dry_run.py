@@ -10,6 +10,7 @@ import pytest
 
 from aft_jax import deviceless
 from aft_jax.trainer import dry_run
+from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import ROOT, listing, tiny_config
 
 KEYS = {
@@ -138,7 +139,7 @@ def test_what_a_dry_run_refuses_is_checked_without_a_compiler(monkeypatch):
   device, a memory fraction that is not a share)."""
   monkeypatch.delenv(dry_run.MEM_FRACTION, raising=False)
   cpu, t4, v5e = (deviceless.get(t) for t in ("cpu", "t4", "v5e"))
-  config = tiny_config()
+  config = RunConfig.from_tree(tiny_config())  # as the command line builds it, once
   assert dry_run.check(config, cpu, 1) == dry_run.usable_bytes(cpu)
   refusals = [
     (
@@ -150,7 +151,7 @@ def test_what_a_dry_run_refuses_is_checked_without_a_compiler(monkeypatch):
     ((config, v5e, 3), "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
     ((config, cpu, 3), "batch_size = 4 is not divisible by the 3 data-parallel devices"),
     (
-      (tiny_config(batch_size=10**9), t4, 1),
+      (RunConfig.from_tree(tiny_config(batch_size=10**9)), t4, 1),
       r"--config.batch_size = 1,000,000,000: one device's share of the batch alone "
       r"\(1,000,000,000 x 32 tokens\) takes 238.42 GiB, more than the 11.06 GiB usable on NVIDIA "
       r"Tesla T4.*it cannot fit \(nothing compiled\)",

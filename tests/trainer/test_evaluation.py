@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from tests.support.helpers import tiny_config
 from aft_jax import sharding
 from aft_jax.trainer import evaluation, train_lib
-from aft_jax.model import ModelConfig
+from aft_jax.trainer.run_config import RunConfig
 
 
 @pytest.mark.parametrize("mixing", ["aft_local", "softmax"])
@@ -20,8 +20,8 @@ def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
     eval_batch_size=4,  # windows per batch: 37 windows, so the last batch is padded
     **{"model.mixing": mixing, "model.max_len": seq_len, "model.window": 3},
   )
-  model_cfg = ModelConfig(vocab_size=vocab, **config.model).validate()
-  trainer = train_lib.Trainer(config, model_cfg, sharding.make_mesh(config.mesh))
+  cfg = RunConfig.from_tree(config).with_vocab(vocab)
+  trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh))
   params = trainer.init_state(0).params
   tokens = np.random.default_rng(0).integers(0, vocab, n).astype(np.uint32)
   fast = trainer.evaluate(params, tokens, bos, stride=1)

@@ -31,6 +31,7 @@ from tests.support.helpers import (
 )
 from aft_jax.tools import evaluate, export, generate
 from aft_jax.trainer import checkpointing, train_lib, workdir_lock
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
 
@@ -238,7 +239,7 @@ def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypa
 
 
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
-  mngr = checkpointing.checkpoint_manager(str(tmp_path), 2)
+  mngr = checkpointing.checkpoint_manager(str(tmp_path), checkpointing.CheckpointConfig())
   state = {"w": jnp.array([1.0, jnp.nan])}
 
   class S:  # the two fields save inspects
@@ -341,7 +342,7 @@ def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
   # A change that cannot be restored fails without touching config.json. (The failure leaves
   # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  train_lib.checkpointing.write_workdir_config(tiny_config(), workdir)
+  train_lib.checkpointing.write_workdir_config(RunConfig.from_tree(tiny_config()).tree, workdir)
   with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True

@@ -211,11 +211,10 @@ def test_a_text_recipe_takes_a_glob_with_slashes_as_its_argument(tmp_path, recip
 
 
 def test_a_warmup_longer_than_the_run_is_said_not_silently_cut():
-  from aft_jax.trainer import optimizer
+  from aft_jax.trainer.optimizer import OptimizerConfig, warmup_note
 
-  note = optimizer.warmup_note(tiny_config(num_train_steps=10, warmup_steps=100))
+  note = warmup_note(OptimizerConfig(warmup_steps=100), 10)
   assert note.startswith("note: warmup_steps = 100 is not shorter than the run's 10 updates")
   assert "warms up over 9" in note
-  assert optimizer.warmup_note(tiny_config(num_train_steps=10, warmup_steps=3)) is None
-  accum = tiny_config(num_train_steps=10, warmup_steps=5, grad_accum_steps=2)
-  assert "run's 5 updates" in optimizer.warmup_note(accum)
+  assert warmup_note(OptimizerConfig(warmup_steps=3), 10) is None
+  assert "run's 5 updates" in warmup_note(OptimizerConfig(warmup_steps=5, grad_accum_steps=2), 10)

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from aft_jax.trainer import config_check, train_lib, wandb_log
+from aft_jax.trainer import train_lib, wandb_log
+from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import tiny_config
 
 
@@ -23,9 +24,9 @@ def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(mon
   )
   config = tiny_config(**{"wandb.project": "mine"})
   with pytest.raises(ValueError, match=r"wandb\.project = 'mine' needs Weights & Biases") as e:
-    config_check.check_config(config)
+    RunConfig.from_tree(config)
   assert wandb_log.INSTALL in str(e.value) and "\n" not in str(e.value)
-  config_check.check_config(tiny_config())  # no project: W&B is never asked for
+  RunConfig.from_tree(tiny_config())  # no project: W&B is never asked for
 
 
 @pytest.mark.parametrize(
@@ -42,11 +43,9 @@ def test_wandb_settings_that_would_be_ignored_or_refused_are_one_line(keys, mess
   """Checked with the config, before anything is built or written (W&B itself would refuse
   the name in a 30-line traceback after the model is built; an entity alone turned W&B off)."""
   with pytest.raises(ValueError, match=message) as e:
-    config_check.check_config(tiny_config(**keys))
+    RunConfig.from_tree(tiny_config(**keys))
   assert "\n" not in str(e.value)
-  config_check.check_config(
-    tiny_config(**{"wandb.project": "aft-jax_test.1", "wandb.entity": "me"})
-  )
+  RunConfig.from_tree(tiny_config(**{"wandb.project": "aft-jax_test.1", "wandb.entity": "me"}))
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
