@@ -216,6 +216,7 @@ def test_a_dry_run_of_a_word_level_text_recipe_writes_nothing(docs, tmp_path):
   word-level ``text:GLOB`` recipe used to write the whole prepared corpus. Here nothing is
   written, neither in data_dir nor in $HOME (a small model: the compile is not the point)."""
   from aft_jax.data import corpus as corpus_lib
+  from aft_jax.data.config import DataConfig
 
   data = {"data.tokenizer": "word", "data.data_dir": str(tmp_path / "data")}
   small = {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32}
@@ -226,6 +227,6 @@ def test_a_dry_run_of_a_word_level_text_recipe_writes_nothing(docs, tmp_path):
   code, _, report, err = _dry_run(*flags, config=f"text:{docs}/*.py", env=env)
   assert code == dry_run.FITS and report is not None and report["fits"], err[-2000:]
   cfg = {"dataset": "text", "train_files": f"{docs}/*.py", "tokenizer": "word"}
-  counted = corpus_lib.vocab_size({**cfg, "data_dir": data["data.data_dir"]})[0]
+  counted = corpus_lib.vocab_size(DataConfig(**cfg, data_dir=data["data.data_dir"]))[0]
   assert report["vocab_size"] == counted > 256
   assert listing(tmp_path) == before  # no data_dir, no $HOME, nothing beside the files
