@@ -29,7 +29,6 @@ import collections
 import fcntl
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from aft_jax import deviceless
 from aft_jax.ops import pallas_local, pallas_simple_tpu, pallas_util
 from aft_jax.ops import target as ops_target
 from tests.support.deviceless_worker import LOWER_ONLY, NOTEBOOK_GPUS, TRAIN_STEP_MIXINGS
+from tests.support import shared
 from tests.support.helpers import ROOT
 
 pytestmark = pytest.mark.slow
@@ -55,13 +55,6 @@ _FIXTURE = {"cuda": "cuda_results", "tpu": "tpu_results"}  # the fixture of each
 
 
 # --------------------------------------------------------------------------- the workers
-
-
-def _shared_dir(tmp_path_factory):
-  """A folder that every process of this pytest session sees: pytest-xdist's workers each have
-  their own basetemp, under one parent."""
-  base = tmp_path_factory.getbasetemp()
-  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def _start(kind: str, folder) -> dict:
@@ -151,7 +144,7 @@ def workers(request, tmp_path_factory):
   """The worker of every platform that a selected test of this module needs, all started at
   once (the CUDA and TPU compiles run side by side): {kind: _Worker}."""
   selected = [item for item in request.session.items if item.module is request.module]
-  folder = _shared_dir(tmp_path_factory)
+  folder = shared.session_dir(tmp_path_factory)
   needed = [k for k, f in _FIXTURE.items() if any(f in item.fixturenames for item in selected)]
   started = {kind: _Worker(kind, folder) for kind in needed}
   yield started
