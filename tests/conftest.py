@@ -30,25 +30,38 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def _build_trained_run(folder):
+  """The trained run of ``trained_run``, its config followed through the calls that pass it on
+  (tests/support/config_flow.py: the modules it visits, the calls that climb back up)."""
+  import contextlib
+  import io
+
+  from aft_jax.trainer import train_lib
+  from tests.support import config_flow
+
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    results, rooms, climbs = config_flow.follow(
+      train_lib.train_and_evaluate, trained_run_config(), str(folder / "run")
+    )
+  flow = {"rooms": sorted(rooms), "climbs": sorted(climbs)}
+  return {"results": results, "stdout": out.getvalue(), "config_flow": flow}
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
   """(workdir, results, stdout) of one tiny byte-level run, trained once per pytest session
   (whichever xdist worker asks first: ``shared.once``) and shared by the tests of the commands
   that read a workdir (generate, evaluate, export): 4 steps, a validation at step 2, a profile
   of steps 2-3 and an end-of-run sample."""
-  import contextlib
-  import io
-
-  from aft_jax.trainer import train_lib
-
-  def build(folder):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-      results = train_lib.train_and_evaluate(trained_run_config(), str(folder / "run"))
-    return {"results": results, "stdout": out.getvalue()}
-
-  folder, made = shared.once(tmp_path_factory, "trained_run", build)
+  folder, made = shared.once(tmp_path_factory, "trained_run", _build_trained_run)
   return str(folder / "run"), made["results"], made["stdout"]
+
+
+@pytest.fixture(scope="session")
+def trained_run_config_flow(tmp_path_factory):
+  """{"rooms": [module], "climbs": [[caller, callee]]}: where ``trained_run``'s config went."""
+  return shared.once(tmp_path_factory, "trained_run", _build_trained_run)[1]["config_flow"]
 
 
 @pytest.fixture

@@ -2,18 +2,19 @@
 
 Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
 an ``aft-*`` console script) names a script or module that exists, only flags that program
-defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained), a recipe that
+defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained; one process forks
+a child per program, tests/support/help_worker.py), a recipe that
 exists, config keys (``--config.KEY=...``) that recipe has and a ``--dry_run`` target that exists.
 Every ```python block in docs/ runs, unless the line before it is ``<!-- not run: REASON -->``.
 Every relative link points at a file (and a heading, for ``#anchor``) that exists, and every
 repository path written in backticks exists."""
 
-import concurrent.futures
 import contextlib
 import functools
 import glob
 import importlib.util
 import io
+import json
 import os
 import re
 import shlex
@@ -78,27 +79,27 @@ def commands():
   return out
 
 
-@functools.cache
-def program_flags(prog):
-  """The long flags a program defines, from its own help (absl --helpfull, else argparse's
-  --help)."""
-  kind, name = prog
-  if kind == "script":
-    argv = [sys.executable, name]
-  elif kind == "module":
-    argv = [sys.executable, "-m", name]
-  else:
-    module, fn = SCRIPTS[name].split(":")
-    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
-    argv = [sys.executable, "-c", code]
+def help_texts(progs) -> dict:
+  """Each program's help text (absl's --helpfull, else argparse's --help), from one
+  tests/support/help_worker.py process that forks a child per program after importing what they
+  share: cheap, nothing is trained."""
+  specs = [f"{kind}:{name}" for kind, name in sorted(progs)]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True)
-  out = run(argv + ["--helpfull"], timeout=300)
-  text = out.stdout + out.stderr
-  if out.returncode == 2:  # argparse: an unknown (or a missing required) argument
-    out = run(argv + ["--help"], timeout=300)
-    text = out.stdout + out.stderr
-  assert "Traceback" not in text, (prog, text[-2000:])
+  done = subprocess.run(
+    [sys.executable, "-m", "tests.support.help_worker", *specs],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  answers = json.loads(done.stdout.strip().splitlines()[-1])
+  return {prog: answers[spec]["text"] for prog, spec in zip(sorted(progs), specs)}
+
+
+def program_flags(text):
+  """The long flags a program's help text names."""
   flags = set()
   for negatable, flag in re.findall(r"(?<![\w-])--(\[no\])?([A-Za-z][\w.-]*)", text):
     flags.add(flag)
@@ -163,14 +164,16 @@ def test_every_command_names_a_program_that_exists():
 
 def test_every_flag_is_one_the_program_defines():
   todo = [(w, p, r) for w, p, r in commands() if not (p[0] == "module" and p[1] in EXTERNAL)]
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    list(pool.map(program_flags, {prog for _, prog, _ in todo}))
+  texts = help_texts({prog for _, prog, _ in todo})
+  for prog, text in texts.items():
+    assert "Traceback" not in text, (prog, text[-2000:])
+    assert text.strip(), prog  # it printed its help (or its usage), not nothing
   for where, prog, rest in todo:
     for tok in rest:
       if not tok.startswith("--") or tok.startswith("--config."):
         continue
       flag = tok[2:].split("=", 1)[0]
-      assert flag in program_flags(prog), (where, flag)
+      assert flag in program_flags(texts[prog]), (where, flag)
 
 
 def test_every_recipe_config_key_and_target_exists():

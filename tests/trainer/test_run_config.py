@@ -75,6 +75,36 @@ def test_a_run_builds_its_config_once_and_checks_each_component_once(tmp_path, m
   assert sorted(checked) == sorted(c.__name__ for c in SLICES.values()), checked
 
 
+def test_the_config_never_climbs_back_up(trained_run_config_flow):
+  """Followed from ``train_and_evaluate`` through every call that passes the tree, the
+  RunConfig or a slice on (tests/support/config_flow.py, on the session's trained run), the
+  config goes down the layers only: no module calls one above it with it (issue 34 asked for
+  at most 6 such climbs; 19 before). The rooms are the components that take a slice."""
+  rooms, climbs = trained_run_config_flow["rooms"], trained_run_config_flow["climbs"]
+  assert climbs == [], climbs
+  for component in ("model", "sharding", "data.corpus", "trainer.optimizer"):
+    assert f"aft_jax.{component}" in rooms, rooms
+  assert not [r for r in rooms if r.startswith(("aft_jax.ops", "aft_jax.layers"))], rooms
+
+
+def test_a_climb_is_a_call_from_a_lower_layer_with_the_config():
+  from tests.support import config_flow
+
+  cfg = RunConfig.from_tree(tiny_config())
+  assert config_flow.layer("aft_jax.data.corpus") > config_flow.layer("aft_jax.trainer.train_lib")
+  # data.config's module calling train_lib with a slice would be a climb; measured here on a
+  # call made from a function compiled as if it lived in aft_jax/data/corpus.py.
+  namespace = {"target": lambda data_cfg: data_cfg}
+  source = "def caller(cfg):\n  return target(cfg.data)\n"
+  corpus_file = os.path.join(ROOT, "aft_jax", "data", "corpus.py")
+  exec(compile(source, corpus_file, "exec"), namespace)
+  lib_file = os.path.join(ROOT, "aft_jax", "trainer", "train_lib.py")
+  exec(compile("def target(data_cfg):\n  return data_cfg\n", lib_file, "exec"), namespace)
+  _, rooms, climbs = config_flow.follow(namespace["caller"], cfg)
+  assert climbs == {("aft_jax.data.corpus.caller", "aft_jax.trainer.train_lib.target")}
+  assert rooms == {"aft_jax.trainer.train_lib"}
+
+
 def test_the_slices_cannot_change():
   cfg = RunConfig.from_tree(tiny_config())
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -10,60 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support.helpers import ROOT, config_flags, tiny_config, train_py
+from tests.support.helpers import ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.workdir import Workdir
 
 
 def _losses(workdir):
   return {r["step"]: r["loss"] for r in Workdir(workdir).read_metrics() if "loss" in r}
-
-
-def test_train_py_two_steps_then_generate(tmp_path):
-  workdir = str(tmp_path / "run")
-  config = tiny_config(num_train_steps=2, **{"sample.length": 8, "sample.prompt": "def "})
-  cmd = train_py(workdir, "--jax_debug_nans=false", "--verbosity=0")  # JAX's and absl's flags
-  out = subprocess.run(
-    cmd + config_flags(config), cwd=ROOT, capture_output=True, text=True, timeout=300
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "validation perplexity" in out.stdout and "unigram baseline" in out.stdout
-  assert "Sample:\ndef " in out.stdout
-  with open(os.path.join(workdir, "results.json")) as f:
-    results = json.load(f)
-  for key in ("valid_ppl", "test_ppl", "unigram_valid_ppl", "num_params", "tokens_seen", "steps"):
-    assert key in results, key
-  assert results["steps"] == 2 and results["tokens_seen"] == 2 * 4 * 32
-  assert math.isfinite(results["valid_ppl"])
-  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  assert [r["step"] for r in records if "loss" in r][:2] == [1, 2]
-  assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
-  assert os.listdir(os.path.join(workdir, "tensorboard"))
-  saved = json.load(open(os.path.join(workdir, "config.json")))
-  assert saved["model"]["d_model"] == 16
-
-  gen = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "aft_jax.tools.generate",
-      "--workdir",
-      workdir,
-      "--prompt",
-      "class ",
-      "--length",
-      "12",
-      "--temperature",
-      "0",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert gen.returncode == 0, gen.stderr[-3000:]
-  assert gen.stdout.startswith("class ")
-  assert len(gen.stdout.rstrip("\n")) > len("class ")
 
 
 def _interrupt_after(monkeypatch, n):
@@ -107,19 +60,41 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_recipe_learns(tmp_path):
-  """configs/quickstart.py as the README runs it, shortened to 200 of its 1000 steps to fit
-  CI's time budget: validation perplexity already far below the unigram baseline (2.5x below
-  it here; 3.4x at 300 steps)."""
+def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
+  """configs/quickstart.py as the README runs it (with JAX's and absl's own flags passed
+  through), shortened to 120 of its 1000 steps to fit CI's time budget: validation perplexity
+  already well below the unigram baseline (1.6x below it asked; 2.0x measured at step 120 of a
+  200-step run, 2.5x at 200), what a run leaves in its workdir, and aft-generate's sample from
+  it."""
   workdir = str(tmp_path / "quick")
-  cmd = train_py(workdir, "--config.num_train_steps=200", "--config.sample.length=20")
+  steps = 120
+  flags = (f"--config.num_train_steps={steps}", "--config.sample.length=20")
+  cmd = train_py(workdir, *flags, "--jax_debug_nans=false", "--verbosity=0")
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
   assert results["unigram_valid_ppl"] > 20  # bytes of English text
-  assert results["valid_ppl"] < results["unigram_valid_ppl"] / 2, results
+  assert results["valid_ppl"] < results["unigram_valid_ppl"] / 1.6, results
   assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
   assert "Sample:\nThe " in out.stdout
+  for key in ("valid_ppl", "test_ppl", "unigram_valid_ppl", "num_params", "tokens_seen", "steps"):
+    assert key in results, key
+  saved = json.load(open(os.path.join(workdir, "config.json")))
+  assert saved["model"]["d_model"] == 128 and saved["num_train_steps"] == steps
+  assert results["steps"] == steps
+  assert results["tokens_seen"] == steps * saved["batch_size"] * saved["seq_len"]
+  assert math.isfinite(results["valid_ppl"])
+  every = saved["log_every_steps"]  # and the last step, whatever its remainder
+  assert list(_losses(workdir)) == [*range(every, steps, every), steps]
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", str(steps)))
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+
+  generate = [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", workdir]
+  flags = ["--prompt", "class ", "--length", "12", "--temperature", "0"]
+  gen = subprocess.run(generate + flags, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert gen.returncode == 0, gen.stderr[-3000:]
+  assert gen.stdout.startswith("class ")
+  assert len(gen.stdout.rstrip("\n")) > len("class ")
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):

@@ -1,0 +1,112 @@
+"""Follows a run's config through the calls that pass it on (issue 34's measure).
+
+``follow(fn, *args)`` runs ``fn(*args)`` under ``sys.settrace`` and records every call into
+aft_jax whose arguments hold the config: the tree (a ``ConfigDict``), the ``RunConfig`` or one of
+its typed slices (a ``TypedConfig``). Each such call goes from the caller's module to the
+callee's; modules sit in layers, from the run at the top to the ops at the bottom (``LAYERS``).
+A call to a module of a higher layer than its caller's is a climb back up: the lower module
+reaching back into what is above it. A config's own methods (``self`` is the config) are the
+config's, not a climb. What it returns: the rooms (modules the config visited) and the climbs
+(caller function -> callee function, each edge once).
+
+    python -m tests.support.config_flow      # prints the rooms and climbs of a tiny run
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ml_collections import ConfigDict
+
+from aft_jax.trainer.run_config import RunConfig
+from aft_jax.typed_config import TypedConfig
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.join(PACKAGE, "aft_jax") + os.sep
+
+# Layer of each module (by prefix, the longest matching): 0 is the top.
+LAYERS = {
+  "aft_jax.tools": 0,
+  "aft_jax.trainer.train": 0,
+  "aft_jax.trainer.train_lib": 0,
+  "aft_jax.trainer.dry_run": 0,
+  "aft_jax.trainer.run_config": 1,
+  "aft_jax.trainer": 2,
+  "aft_jax.workdir": 2,
+  "aft_jax.data": 3,
+  "aft_jax.model": 3,
+  "aft_jax.sharding": 3,
+  "aft_jax.decode": 3,
+  "aft_jax.layers": 4,
+  "aft_jax.adaptive": 4,
+  "aft_jax.ops": 5,
+  "aft_jax.typed_config": 6,
+  "aft_jax.files": 6,
+}
+
+
+def layer(module: str) -> int:
+  best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+  return LAYERS[best]
+
+
+def _module(code) -> str | None:
+  path = code.co_filename
+  if not path.startswith(PACKAGE):
+    return None
+  rel = os.path.relpath(path, os.path.dirname(PACKAGE.rstrip(os.sep)))[: -len(".py")]
+  return rel.replace(os.sep, ".").removesuffix(".__init__")
+
+
+def _is_config(value) -> bool:
+  return isinstance(value, (ConfigDict, RunConfig, TypedConfig))
+
+
+def follow(fn, *args, **kwargs):
+  """(fn's result, rooms, climbs): rooms, the set of modules a call passed the config into;
+  climbs, the set of (caller module.function, callee module.function) calls upward."""
+  rooms, climbs = set(), set()
+
+  def trace(frame, event, arg):
+    if event != "call":
+      return None
+    code = frame.f_code
+    callee = _module(code)
+    if callee is None or frame.f_back is None:
+      return None
+    caller = _module(frame.f_back.f_code)
+    if caller is None:
+      return None
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    values = [frame.f_locals.get(n) for n in names]
+    if not any(_is_config(v) for v in values):
+      return None
+    if names and names[0] in ("self", "cls") and _is_config(values[0]):
+      return None  # the config's own method
+    rooms.add(callee)
+    if layer(callee) < layer(caller):
+      climbs.add((f"{caller}.{frame.f_back.f_code.co_name}", f"{callee}.{code.co_name}"))
+    return None
+
+  old = sys.gettrace()
+  sys.settrace(trace)
+  try:
+    out = fn(*args, **kwargs)
+  finally:
+    sys.settrace(old)
+  return out, rooms, climbs
+
+
+if __name__ == "__main__":
+  import tempfile
+
+  from aft_jax.trainer import train_lib
+  from tests.support.helpers import tiny_config
+
+  with tempfile.TemporaryDirectory() as tmp:
+    _, rooms, climbs = follow(
+      train_lib.train_and_evaluate, tiny_config(num_train_steps=1), os.path.join(tmp, "run")
+    )
+  print(f"{len(rooms)} rooms:", *sorted(rooms), sep="\n  ")
+  print(f"{len(climbs)} climbs:", *sorted(f"{a} -> {b}" for a, b in climbs), sep="\n  ")
