@@ -54,7 +54,7 @@ def recipe(spec: str, **overrides):
 @pytest.mark.slow
 def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp_path):
   enwik8_dir, wikitext_dir = str(tmp_path / "enwik8"), str(tmp_path / "wikitext")
-  fake_enwik8.write_file(enwik8_dir, fake_enwik8.content(ENWIK8_BYTES))
+  fake_enwik8.write_zip(enwik8_dir, fake_enwik8.content(ENWIK8_BYTES))  # as downloaded
   fake_wikitext.write_extracted(wikitext_dir, "v1")
   data_dir = str(tmp_path / "data")  # each dataset is prepared once, by its first run
   text = fake_wikitext.texts("v1")
