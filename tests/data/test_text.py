@@ -441,3 +441,23 @@ def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(
     _load(tmp_path, train_files=f"{docs}/*.py,{path}", tokenizer="byte")
   assert "\n" not in str(e.value)
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
+
+
+def test_packing_and_text_field_are_checked_with_the_config():
+  (problem,) = DataConfig(dataset="enwik8", packing=True).problems()
+  assert "config.data.packing = True: enwik8 is one stream of tokens" in problem
+  assert not DataConfig(dataset="text", train_files="x", packing=True).problems()
+  (problem,) = DataConfig(dataset="text", train_files="x", text_field="").problems()
+  assert "config.data.text_field is empty" in problem
+
+
+def test_a_corpus_prepared_without_document_ends_is_prepared_again(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="byte")
+  first = _load(tmp_path, **cfg)
+  out = os.path.dirname(first.splits["train"].filename)
+  summary = store.read_summary(out)
+  del summary[text.DOCUMENTS_KEY]  # as an earlier version wrote it
+  store.finish(out, summary)
+  again = _load(tmp_path, **cfg)  # prepares it again: packing needs the ends
+  assert store.read_summary(out)[text.DOCUMENTS_KEY] is True
+  np.testing.assert_array_equal(again.documents["train"], first.documents["train"])
