@@ -69,7 +69,7 @@ class _Windows:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Packed rows: piece j is the stream's pairs [start[j], start[j] + length[j]) at ``offset[j]``
-  in row ``row[j]``; the pieces of row r are first[r]:first[r + 1] (in row order)."""
+  in its row; the pieces of row r are first[r]:first[r + 1] (in row order)."""
 
   start: np.ndarray
   length: np.ndarray
