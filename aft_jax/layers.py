@@ -16,7 +16,9 @@ switch its mixing layer by name, and every parameter carries logical axis names 
 Packed rows (causal layers only): ``segment_ids`` ``[..., T]`` (documents that do not see each
 other; a new one wherever the id changes) and ``mask`` ``[..., T]`` (False: padding, which no
 token sees; pad outputs are finite and meaningless) make each document's output what the layer
-gives on it alone, the bias positions of each from 0 (``aft_jax.ops.segments``).
+gives on it alone, the bias positions of each from 0 (``aft_jax.ops.segments``), or
+``positions`` ``[..., T]`` where given (AFT-full/local: the rows and columns of w, < max_len).
+Softmax attention takes them as a mask: position t attends to t' <= t of its own segment.
 
 Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
 and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
@@ -103,22 +105,25 @@ def _check_decode_input(module, x, chunks: bool = False):
     )
 
 
-def _packing(module, x, segment_ids, mask, t_axis: int = -2):
+def _packing(module, x, segment_ids, mask, positions=None, t_axis: int = -2):
   """{} for a plain row, else the op's ``segment_ids`` and ``positions`` for packed rows and a
-  padding mask (``ops.segments.from_mask``); ValueError unless causal and ``[..., T]``."""
+  padding mask (``ops.segments.from_mask``; ``positions`` given: the bias positions, else each
+  segment's from 0); ValueError unless causal and ``[..., T]``."""
   if segment_ids is None and mask is None:
+    if positions is not None:
+      raise ValueError(f"{type(module).__name__}: positions need segment_ids (packed rows)")
     return {}
   name = type(module).__name__
   if not module.causal:
     raise ValueError(f"{name}: segment_ids and mask (packed rows, padding) need causal=True")
   lead = x.shape[: x.ndim + t_axis + 1]
-  for arg, a in (("segment_ids", segment_ids), ("mask", mask)):
+  for arg, a in (("segment_ids", segment_ids), ("mask", mask), ("positions", positions)):
     if a is not None and jnp.shape(a) != lead:
       raise ValueError(
         f"{name}: {arg} must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(a)}"
       )
   seg, pos = op_segments.from_mask(segment_ids, mask, lead)
-  return {"segment_ids": seg, "positions": pos}
+  return {"segment_ids": seg, "positions": pos if positions is None else positions}
 
 
 # Logical axis names of the activations q, k, v the ops take (T is "activation_length").
@@ -299,15 +304,17 @@ class AFTFull(_PositionBias):
   """
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
     _check_rank(self, x)
     _check_len(self, x.shape[-2])
-    packed = _packing(self, x, segment_ids, mask)
+    packed = _packing(self, x, segment_ids, mask, positions)
+    # Packed rows index w by their positions (any below max_len), a plain row by t < T.
+    t_bias = self.max_len if packed else x.shape[-2]
     return self._mix(
       x,
       decode,
       lambda q, k, v: ops.aft_full(
-        q, k, v, self.bias(x.shape[-2]), causal=self.causal, impl=self.impl, **packed
+        q, k, v, self.bias(t_bias), causal=self.causal, impl=self.impl, **packed
       ),
     )
 
@@ -339,17 +346,17 @@ class AFTLocal(_PositionBias):
   window: int = 32
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
     ops.check_window("AFTLocal", self.window)
     _check_rank(self, x)
     _check_len(self, x.shape[-2])
-    packed = _packing(self, x, segment_ids, mask)
+    packed = _packing(self, x, segment_ids, mask, positions)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
     if packed:  # packed rows are whole documents: T is not split
       return self._mix(
         x,
         decode,
-        lambda q, k, v: self._local(q, k, v, self.bias(x.shape[-2]), axis_name=None, **packed),
+        lambda q, k, v: self._local(q, k, v, self.bias(self.max_len), axis_name=None, **packed),
       )
     t_len = x.shape[-2]
     if self.factor_dim and self.causal:
@@ -399,9 +406,9 @@ class AFTSimple(_AFTChannels):
   """
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
     _check_rank(self, x)
-    packed = _packing(self, x, segment_ids, mask)
+    packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # no position bias
 
     def simple(q, k, v, axis_name):
@@ -489,7 +496,7 @@ class AFTConv1D(_AFTConvBase):
   chunks = True  # decode=True also takes a prompt chunk (``_decode_token``)
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
     _check_rank(self, x)
     d_model = x.shape[-1]
     if (
@@ -506,7 +513,7 @@ class AFTConv1D(_AFTConvBase):
     if decode:
       _check_decode_input(self, x, self.chunks)
       return self._out(self._step(q, k, v, kernel), d_model)
-    packed = _packing(self, x, segment_ids, mask)
+    packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # the kernel is by lag
 
     def conv(q, k, v, kernel, axis_name):
@@ -583,10 +590,12 @@ class MultiHeadAttention(nn.Module):
   impl: str = "auto"
 
   @nn.compact
-  def __call__(self, x, *, decode: bool = False):
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
+    """``positions`` is accepted for the AFT layers' interface and unused (no position bias)."""
     _check_rank(self, x)
     d_model = x.shape[-1]
     feat = _head_features(self, x)
+    packed = _packing(self, x, segment_ids, mask, positions)
     q, k, v = (
       _dense(d_model, feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
       for n in ("query", "key", "value")
@@ -597,8 +606,16 @@ class MultiHeadAttention(nn.Module):
       _check_decode_input(self, x)
       y = self._step(flat(q), flat(k), flat(v))
     else:
+      seg_mask = None
+      if packed:  # [B', 1, T, T]: t' of t's own segment (the causal part is is_causal's)
+        seg_mask = op_segments.same_segment(packed["segment_ids"]).reshape((-1, 1, t_len, t_len))
       y = jax.nn.dot_product_attention(
-        flat(q), flat(k), flat(v), is_causal=self.causal, implementation=self._implementation()
+        flat(q),
+        flat(k),
+        flat(v),
+        mask=seg_mask,
+        is_causal=self.causal,
+        implementation=self._implementation(),
       )
     y = y.reshape(lead + (t_len,) + feat)
     return _heads_out(y, d_model, self.dtype, self.param_dtype)

@@ -9,6 +9,11 @@
 ``__call__(tokens_BT, targets_BT)`` returns the per-token negative log-likelihood ``[B, T]``
 (float32) without building ``[B, T, V]`` logits when the adaptive softmax is used;
 ``__call__(tokens_BT)`` returns log-probabilities ``[B, T, V]`` (for sampling and tests).
+
+Packed rows: ``segment_ids_BT`` (documents that do not see each other, a new one wherever the
+id changes; padding is a segment of its own) and ``positions_BT`` (default: each segment's
+positions from 0) reach every mixing layer and the position embedding, pos_embed[positions], so
+a document's log-probabilities in a packed row are those of the document alone.
 """
 
 from __future__ import annotations
@@ -170,12 +175,13 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, unused_scan_input=None):
-    # nn.scan calls a scanned block as (carry, input) -> (carry, output): the carry is x_BTD
-    # and there is no per-layer input or output, hence the unused argument and the None below.
+  def __call__(self, x_BTD, packed=None):
+    # nn.scan calls a scanned block as (carry, input) -> (carry, output): the carry is x_BTD,
+    # the input ``packed`` (None, or the mixing's segment_ids and positions [B, T]) is the same
+    # for every layer (broadcast), and there is no per-layer output, hence the None below.
     cfg = self.cfg
     drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
-    h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode)
+    h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode, **(packed or {}))
     x_BTD = x_BTD + drop(h)
     dense = lambda f, names, name: nn.Dense(
       f,
@@ -253,7 +259,7 @@ class TransformerLM(nn.Module):
 
     return embed, head
 
-  def _blocks(self, x_BTD, deterministic, decode):
+  def _blocks(self, x_BTD, deterministic, decode, packed):
     cfg = self.cfg
     block = Block
     if cfg.remat:
@@ -263,22 +269,62 @@ class TransformerLM(nn.Module):
         block,
         variable_axes={"params": 0, "cache": 0},
         split_rngs={"params": True, "dropout": True},
+        in_axes=nn.broadcast,
         length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x_BTD, _ = stack(cfg, deterministic, decode, name="blocks")(x_BTD, None)
+      x_BTD, _ = stack(cfg, deterministic, decode, name="blocks")(x_BTD, packed)
       return x_BTD
     for i in range(cfg.num_layers):
-      x_BTD = block(cfg, deterministic, decode, name=f"block_{i}")(x_BTD)
+      x_BTD = block(cfg, deterministic, decode, name=f"block_{i}")(x_BTD, packed)
     return x_BTD
 
+  def _packed(self, tokens_BT, segment_ids_BT, positions_BT, decode):
+    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]`` (positions by
+    default each segment's from 0); a ValueError for a bad shape or dtype, or with decode."""
+    if segment_ids_BT is None and positions_BT is None:
+      return None
+    if decode:
+      raise ValueError(
+        "TransformerLM: segment_ids / positions (packed rows) are for training and scoring, "
+        "not decode=True (a decoded sequence is one document)"
+      )
+    if segment_ids_BT is None:
+      raise ValueError("TransformerLM: positions need segment_ids (the documents of each row)")
+    for name, x in (("segment_ids", segment_ids_BT), ("positions", positions_BT)):
+      if x is not None and (
+        jnp.shape(x) != tokens_BT.shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer)
+      ):
+        raise ValueError(
+          f"TransformerLM: {name} must be int [B, T] = {tokens_BT.shape} like tokens; got "
+          f"{jnp.result_type(x).name} {jnp.shape(x)}"
+        )
+    seg, pos = ops.segments.from_mask(segment_ids_BT, None, tokens_BT.shape)
+    if positions_BT is not None:
+      pos = positions_BT
+    return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}
+
   @nn.compact
-  def __call__(self, tokens_BT, targets_BT=None, *, train: bool = False, decode: bool = False):
+  def __call__(
+    self,
+    tokens_BT,
+    targets_BT=None,
+    *,
+    segment_ids=None,
+    positions=None,
+    train: bool = False,
+    decode: bool = False,
+  ):
     """Per-token NLL ``[B, T]`` (float32) given targets, else log-probabilities ``[B, T, V]``.
 
-    ``train`` enables dropout (needs a "dropout" rng); ``decode`` runs one step of incremental
-    decoding on ``tokens [B, 1]`` with a "cache" collection (see ``aft_jax.decode``), or, for
-    the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel pass (a prompt's prefill).
+    ``segment_ids`` int ``[B, T]``: packed rows, each segment (a run of one id) a document that
+    sees only itself, in every mixing layer; ``positions`` int ``[B, T]``: the position of each
+    token in its document (default: from 0 at each segment's start), the row of the position
+    embedding and of AFT-full/local's bias w (positions >= max_len read no row: NaN, as a traced
+    index cannot raise). ``train`` enables dropout (needs a "dropout" rng); ``decode`` runs one
+    step of incremental decoding on ``tokens [B, 1]`` with a "cache" collection (see
+    ``aft_jax.decode``), or, for the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel
+    pass (a prompt's prefill).
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]
@@ -290,6 +336,7 @@ class TransformerLM(nn.Module):
       raise ValueError(
         f"TransformerLM: targets {targets_BT.shape} must match tokens {tokens_BT.shape}"
       )
+    packed = self._packed(tokens_BT, segment_ids, positions, decode)
     pos_embed = self.param(
       "pos_embed",
       nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
@@ -308,12 +355,17 @@ class TransformerLM(nn.Module):
       if ready:
         pos.value = start + t_len
       pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, t_len, 0)
+    elif packed is not None:
+      pos_BT = packed["positions"]
+      got = jnp.asarray(pos_embed).at[pos_BT].get(mode="fill", fill_value=jnp.nan)
+      # A negative index would count from the end (NumPy's rule), not fall outside the table.
+      pos_TD = jnp.where((pos_BT >= 0)[..., None], got, jnp.nan)
     else:
       pos_TD = pos_embed[:t_len]
     embed, head = self._embeddings()
-    x_BTD = embed(tokens_BT) + jnp.asarray(pos_TD, cfg.dtype)
+    x_BTD = embed(tokens_BT) + jnp.asarray(pos_TD, cfg.dtype)  # pos_TD: [T, D] or [B, T, D]
     x_BTD = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x_BTD)
-    x_BTD = self._blocks(x_BTD, not train, decode)
+    x_BTD = self._blocks(x_BTD, not train, decode, packed)
     h_BTD = _ln(cfg, "ln_final")(x_BTD)
     return head(h_BTD, targets_BT)
 

@@ -37,6 +37,11 @@ def get_config(files: str = ""):
   data.tokenizer = "subword"
   # EDIT: subword pieces; a few MB of text: 2k-8k; hundreds of MB: 16k-32k
   data.vocab_size = 4096
+  # EDIT: True fills training rows with whole documents (each seeing only itself); measured
+  # on this recipe (docs/data.md, "Packing, measured") it gave the same bpb after 20 steps at
+  # 4.1x the step time (AFT-local's packed path), so it is off here: turn it on for many short
+  # documents (JSONL corpora), where stream rows mix documents
+  data.packing = False
 
   m = config.model
   m.mixing = "aft_local"  # EDIT: aft_local, aft_simple, aft_full, aft_conv1d or softmax

@@ -348,3 +348,89 @@ def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
   softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time
   with pytest.raises(ValueError, match=r"decode=True takes tokens \[B, 1\]"):
     jax.eval_shape(functools.partial(softmax.init, decode=True), jax.random.key(0), _tokens())
+
+
+# ---------------------------------------------------------------- packed rows
+
+# Two documents and two pads in a row of T = 10: [a a a a | b b b b | pad pad] (ids 1, 2, then
+# 0 for the pads, as the data pipeline packs them). Equal lengths: run alone, they are one batch.
+PACK_SEG = np.array([1] * 4 + [2] * 4 + [0] * 2)
+# One layer (compiling is the cost; the scanned case has two: a block's output feeds the next).
+PACK_CASES = [
+  _cfg(mixing="aft_full", factor_dim=3, num_layers=1),
+  _cfg(mixing="aft_local", num_layers=1),
+  _cfg(mixing="aft_simple", num_layers=1),
+  _cfg(mixing="aft_conv1d", num_layers=1),
+  _cfg(mixing="softmax", num_layers=1),
+  _cfg(mixing="aft_local", scan_layers=True, remat=True),
+]
+
+
+@pytest.mark.parametrize(
+  "cfg", PACK_CASES, ids=[c.mixing + ("_scan" if c.scan_layers else "") for c in PACK_CASES]
+)
+def test_packed_row_equals_each_document_alone(cfg):
+  """Log-probs of each document in a packed row, and the gradient of the documents' summed NLL,
+  equal those of the documents run alone (whatever the other document and the pads hold)."""
+  params = _params(dataclasses.replace(cfg, scan_layers=False), seed=11)
+  if cfg.scan_layers:
+    params = _stack(params, cfg.num_layers)
+  model = M.TransformerLM(cfg)
+  row, targets = _tokens(12, (1, T)), _tokens(13, (1, T))
+  seg = jnp.asarray(PACK_SEG[None], jnp.int32)
+  weights = jnp.asarray(PACK_SEG[None] > 0, jnp.float32)
+  alone = lambda x: x[0, :8].reshape(2, 4)  # the two documents as a batch of their own
+  # Another first document and other pads: the second document must not change.
+  other = row.at[:, :4].set((row[:, :4] + 1) % V).at[:, 8:].set(0)
+
+  @jax.jit
+  def run(params):
+    apply = lambda p, *a, **kw: model.apply({"params": p}, *a, **kw)
+    packed_loss = lambda p: jnp.sum(apply(p, row, targets, segment_ids=seg) * weights)
+    alone_loss = lambda p: jnp.sum(apply(p, alone(row), alone(targets)))
+    return {
+      "packed": apply(params, row, segment_ids=seg),
+      "alone": apply(params, alone(row)),
+      "plain": apply(params, row),
+      "other": apply(params, other, segment_ids=seg),
+      "g_packed": jax.grad(packed_loss)(params),
+      "g_alone": jax.grad(alone_loss)(params),
+    }
+
+  out = jax.device_get(run(params))
+  chex.assert_tree_all_finite(out)
+  packed = out["packed"][0, :8].reshape(2, 4, V)
+  np.testing.assert_allclose(packed, out["alone"], rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(out["g_packed"], out["g_alone"], rtol=1e-4, atol=1e-5)
+  assert np.abs(jax.tree.leaves(out["g_packed"])[0]).max() > 0
+  # Without segment_ids the second document sees the first: the test can tell them apart.
+  assert np.abs(out["plain"][0, 4:8] - out["alone"][1]).max() > 1e-3
+  np.testing.assert_allclose(out["other"][0, 4:8], out["packed"][0, 4:8], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_positions_given_and_bad_packing_arguments():
+  """Explicit positions equal the default (each segment's from 0) where they agree, and shift
+  the position embedding where they do not; bad shapes, dtypes and decode are refused."""
+  cfg = _cfg(mixing="aft_simple", num_layers=1)
+  params = {"params": _params(cfg, seed=14)}
+  model = M.TransformerLM(cfg)
+  row = _tokens(15, (1, T))
+  seg = jnp.asarray(PACK_SEG[None], jnp.int32)
+  pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]], jnp.int32)
+
+  @jax.jit
+  def run(positions):
+    return model.apply(params, row, segment_ids=seg, positions=positions)
+
+  default = jax.jit(lambda: model.apply(params, row, segment_ids=seg))()
+  np.testing.assert_allclose(run(pos), default, rtol=1e-6, atol=1e-6)
+  assert np.abs(run(pos + 1) - default).max() > 1e-3
+  assert np.isnan(run(pos - 1)[0, 0]).all()  # position -1 reads no row of the embedding
+  with pytest.raises(ValueError, match=r"segment_ids must be int \[B, T\] = \(1, 10\)"):
+    model.apply(params, row, segment_ids=seg[:, :4])
+  with pytest.raises(ValueError, match="segment_ids must be int"):
+    model.apply(params, row, segment_ids=seg.astype(jnp.float32))
+  with pytest.raises(ValueError, match="positions need segment_ids"):
+    model.apply(params, row, positions=pos)
+  with pytest.raises(ValueError, match="not decode=True"):
+    model.apply(params, row[:, :1], segment_ids=seg[:, :1], decode=True, mutable=["cache"])

@@ -39,6 +39,14 @@ class DataConfig(TypedConfig):
   valid_fraction: float = 0.1  # text: share of documents held out for validation (by document)
   test_fraction: float = 0.1  # text: share of documents held out for the test split
   encoding: str = "utf-8"  # text: the files' encoding (any name Python's codecs know)
+  # text: the field (JSONL) or column (Parquet) holding each record's text; files ending in
+  # .jsonl, .jsonl.gz or .parquet hold one document per record, any other file is one document
+  text_field: str = "text"
+  # text: training rows filled with whole documents in order (each document's positions from
+  # 0, one longer than a row cut into row-sized pieces), padding only at a row's end and out of
+  # the loss; False: rows cut from one stream (WikiText-103's and enwik8's protocol: those
+  # and pydoc are one stream, so packing is for dataset 'text'). Evaluation is unchanged.
+  packing: bool = False
   variant: str = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
   # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
   data_dir: str = ""
@@ -91,7 +99,14 @@ class DataConfig(TypedConfig):
   def _text_problems(self) -> list[str]:
     errors = []
     if self.dataset != "text":
+      if self.packing:
+        errors.append(
+          f"{self.key('packing')} = True: {self.dataset} is one stream of tokens (no documents "
+          "to pack); packing is for dataset = 'text'"
+        )
       return errors
+    if not self.text_field:
+      errors.append(f"{self.key('text_field')} is empty: name the records' text field")
     if not self.train_files.strip():
       errors.append(f"{self.key('train_files')} is empty: dataset = 'text' needs files to train on")
     held_out = 0.0

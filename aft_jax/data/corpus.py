@@ -61,6 +61,9 @@ class Corpus:
       it has one.
     sources: text corpora: {split: {file: digest}} (``text.source_files``), so that a run can
       say which file changed since (``aft_jax.data.record``).
+    documents: text corpora: split -> uint32[documents], the token offset just past each
+      document's boundary (what ``config.data.packing`` packs into rows); None for corpora
+      that are one stream (WikiText-103, enwik8, pydoc).
   """
 
   name: str
@@ -71,6 +74,7 @@ class Corpus:
   num_bytes: Mapping[str, int] | None = None
   fingerprint: str | None = None
   sources: Mapping[str, Mapping[str, str]] | None = None
+  documents: Mapping[str, np.ndarray] | None = None
 
 
 def load_corpus(
@@ -153,7 +157,11 @@ def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   if store.is_complete(path):
     return int(store.read_summary(path)["vocab_size"]), f"the prepared corpus in {path}"
   if text_files is not None and tokenizer == "word":  # only the files know: counted, not written
-    documents = (text.read_document(p, cfg.encoding) for p in text_files["train"])
+    documents = (
+      doc
+      for p in text_files["train"]
+      for doc in text.read_documents(p, cfg.encoding, cfg.text_field)
+    )
     return text.learn_vocab(cfg, documents).size, "the text files (counted, not prepared)"
   if tokenizer == "byte" or dataset == "enwik8":
     return vocab_lib.ByteVocab().size, "bytes"
@@ -203,6 +211,11 @@ def load_prepared(path: str) -> Corpus:
       f"{path}: vocabulary has {vocab.size} entries, summary.json says {summary['vocab_size']}"
     )
   splits = {s: store.load_tokens(path, s, n) for s, n in summary["tokens"].items()}
+  documents = None
+  if summary.get("document_ends"):  # (text.DOCUMENTS_KEY: text corpora since they kept them)
+    documents = {
+      s: store.load_tokens(path, f"{s}-documents", n) for s, n in summary["documents"].items()
+    }
   return Corpus(
     name=summary["name"],
     unit=vocab.unit,
@@ -211,6 +224,7 @@ def load_prepared(path: str) -> Corpus:
     bos_id=vocab.eos_id,
     num_bytes=summary.get("bytes"),
     fingerprint=summary.get(store.FINGERPRINT_KEY),
+    documents=documents,
   )
 
 

@@ -8,6 +8,18 @@ windows drop the epoch's remainder, and epochs repeat forever. Process p of P
 receives rows [p*B/P, (p+1)*B/P) of every global batch, so the global batch
 does not depend on P.
 
+Packed training (`train_iterator(..., document_ends=..., bos_id=...)`, ``config.data.packing``):
+rows of whole documents instead. Document i is the stream's tokens [e_{i-1}, e_i) (its text and
+its boundary; e_{-1} = 0), its (input, target) pairs those of the stream, its first input the
+previous document's boundary (`bos_id` for the first). A document longer than a row is cut into
+row-sized pieces, each of them a document of its own (positions from 0: a row's positions index
+the position embedding and AFT's bias w, which hold max_len >= L rows, so continuing a long
+document's positions past L would read rows a model never trains on). Pieces fill rows in order,
+next-fit (a piece that does not fit starts the next row), so padding is only at a row's end.
+The rows are planned once, in corpus order; each epoch visits them in a fresh order as it
+visits windows. A packed batch adds `segment_ids` (1, 2, ... per piece, 0 on padding),
+`positions` (from 0 per piece) and `weights` (1 on targets, 0 on padding) to inputs and targets.
+
 Evaluation (`eval_batches`): every token is a weighted target exactly once;
 the first one gets `bos_id` as its context. Rows are padded with weight 0 so
 that all batches have the same static shape and every process yields the same
@@ -54,6 +66,84 @@ class _Windows:
     return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Packed rows: piece j is the stream's pairs [start[j], start[j] + length[j]) at ``offset[j]``
+  in its row; the pieces of row r are first[r]:first[r + 1] (in row order)."""
+
+  start: np.ndarray
+  length: np.ndarray
+  offset: np.ndarray
+  first: np.ndarray
+
+  @property
+  def num_rows(self) -> int:
+    return self.first.size - 1
+
+  def padding_fraction(self, seq_len: int) -> float:
+    """Share of the rows' positions that are padding."""
+    return 1.0 - float(self.length.sum()) / (self.num_rows * seq_len)
+
+
+def plan_rows(document_ends: np.ndarray, seq_len: int) -> _Plan:
+  """Whole documents (stream ranges ending at ``document_ends``) packed in order, next-fit, into
+  rows of ``seq_len`` pairs; a longer document as row-sized pieces (module docstring)."""
+  ends = np.asarray(document_ends, np.int64)
+  starts = np.concatenate([[0], ends[:-1]])
+  sizes = ends - starts
+  if ends.size == 0 or (sizes <= 0).any():
+    raise ValueError(f"document_ends must be increasing and positive, got {ends[:8]}...")
+  count = -(-sizes // seq_len)  # pieces per document
+  doc = np.repeat(np.arange(ends.size), count)
+  k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)  # piece k of its doc
+  start = starts[doc] + k * seq_len
+  length = np.minimum(seq_len, ends[doc] - start)
+  # Next-fit is sequential (a row's fill depends on every piece before it): one pass.
+  offset = np.empty_like(length)
+  new_row = np.zeros(length.size, bool)
+  fill = seq_len
+  for j, n in enumerate(length.tolist()):
+    if fill + n > seq_len:
+      new_row[j], fill = True, 0
+    offset[j], fill = fill, fill + n
+  first = np.append(np.flatnonzero(new_row), length.size)
+  return _Plan(start, length, offset, first)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackedRows:
+  """Gathers packed rows: ids int[b] -> inputs, targets, segment_ids, positions int32[b, L]
+  and weights float32[b, L] (module docstring)."""
+
+  tokens: np.ndarray
+  plan: _Plan
+  seq_len: int
+  bos_id: int
+  row_slice: slice  # this process's rows of the global batch
+
+  def __call__(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
+    rows = np.asarray(row_ids)[self.row_slice]
+    b, plan, n = rows.size, self.plan, self.seq_len
+    # The pieces of these rows, flattened: which output row, where, and their pairs.
+    lo, hi = plan.first[rows], plan.first[rows + 1]
+    count = hi - lo
+    piece = np.concatenate([np.arange(a, z) for a, z in zip(lo, hi)])
+    out_row = np.repeat(np.arange(b), count)
+    seg = np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count) + 1
+    length = plan.length[piece]
+    step = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+    r, col = np.repeat(out_row, length), np.repeat(plan.offset[piece], length) + step
+    pair = np.repeat(plan.start[piece], length) + step  # stream index of each target
+    out = {k: np.zeros((b, n), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    out["targets"][r, col] = self.tokens[pair]
+    prev = self.tokens[np.maximum(pair - 1, 0)]
+    out["inputs"][r, col] = np.where(pair == 0, self.bos_id, prev)
+    out["segment_ids"][r, col] = np.repeat(seg, length)
+    out["positions"][r, col] = step
+    out["weights"] = (out["segment_ids"] > 0).astype(np.float32)
+    return out
+
+
 class TrainIterator:
   """Infinite iterator of `{'inputs','targets': int32[local_B, seq_len]}`.
 
@@ -63,10 +153,11 @@ class TrainIterator:
   a different process_count.
   """
 
-  def __init__(self, dataset, fingerprint: dict):
-    """`dataset`: a `grain.MapDataset` of batches."""
+  def __init__(self, dataset, fingerprint: dict, packing: dict | None = None):
+    """`dataset`: a `grain.MapDataset` of batches; `packing`: what ``packing`` returns."""
     self._dataset = dataset
     self._fingerprint = fingerprint
+    self._packing = packing
     self._it = self._new_iterator()
 
   def _new_iterator(self):
@@ -87,6 +178,11 @@ class TrainIterator:
   def get_state(self) -> dict:
     return {"version": _STATE_VERSION, **self._fingerprint, "grain": self._it.get_state()}
 
+  @property
+  def packing(self) -> dict | None:
+    """None for stream windows; for packed rows {"rows", "documents", "padding_fraction"}."""
+    return self._packing
+
   def check_state(self, state: dict, since: str = "the checkpoint") -> None:
     """Raises a one-line ValueError unless ``state`` (``get_state``'s, of ``since``) can be
     continued by this iterator: the same train split length, seq_len, batch and seed."""
@@ -95,7 +191,9 @@ class TrainIterator:
         f"the data position in {since} has format version {state.get('version')!r}, this "
         f"version of aft_jax reads {_STATE_VERSION}: resume it with the aft_jax that wrote it"
       )
-    mismatched = [k for k, v in self._fingerprint.items() if state.get(k) != v]
+    # Every key either side: a packed run's position is no stream run's (or the reverse).
+    keys = [k for k in state if k not in ("version", "grain")] + list(self._fingerprint)
+    mismatched = list(dict.fromkeys(k for k in keys if state.get(k) != self._fingerprint.get(k)))
     if "num_tokens" in mismatched:
       raise ValueError(
         f"the train split has {self._fingerprint['num_tokens']:,} tokens, {since} was trained "
@@ -103,7 +201,9 @@ class TrainIterator:
         "on the data it was trained on: restore the files, or use another --workdir"
       )
     if mismatched:
-      was = ", ".join(f"{k} = {state.get(k)!r} (now {self._fingerprint[k]!r})" for k in mismatched)
+      was = ", ".join(
+        f"{k} = {state.get(k)!r} (now {self._fingerprint.get(k)!r})" for k in mismatched
+      )
       raise ValueError(
         f"the data position in {since} is for {was}: the batches that follow it cannot be "
         "reproduced; resume with those settings, or use another --workdir"
@@ -123,6 +223,8 @@ def train_iterator(
   seed: int,
   process_index: int = 0,
   process_count: int = 1,
+  document_ends: np.ndarray | None = None,
+  bos_id: int | None = None,
 ) -> TrainIterator:
   """Shuffled, sharded, infinite, checkpointable training batches (see module doc).
 
@@ -132,9 +234,12 @@ def train_iterator(
     global_batch_size: B, rows per step over all processes.
     seed: shuffle seed in [0, 2**32); epoch e uses seed + e.
     process_index, process_count: this JAX process and the number of them.
+    document_ends: packed rows of whole documents (module doc): int[documents], the stream
+      offset just past each document (``Corpus.documents``); None: windows of the stream.
+    bos_id: packed rows: the first document's first input.
 
   Returns:
-    An iterator of dicts of int32[B // process_count, L].
+    An iterator of dicts of int32[B // process_count, L] (packed: and weights float32).
   """
   local = _check_sharding(global_batch_size, process_index, process_count)
   if seq_len <= 0:
@@ -142,6 +247,10 @@ def train_iterator(
   tokens = np.asarray(tokens)  # a memmap stays memory-mapped
   if tokens.ndim != 1:
     raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+  if document_ends is not None:
+    return _packed_iterator(
+      tokens, seq_len, global_batch_size, seed, process_index, local, document_ends, bos_id
+    )
   num_windows = tokens.shape[0] // (seq_len + 1)
   if num_windows < global_batch_size:
     raise ValueError(
@@ -166,6 +275,56 @@ def train_iterator(
     "num_tokens": int(tokens.shape[0]),
   }
   return TrainIterator(ds, fingerprint)
+
+
+def _packed_iterator(tokens, seq_len, global_batch_size, seed, process_index, local, ends, bos):
+  """``train_iterator`` on packed rows.
+
+  Why not grain's packing (grain.experimental.FirstFitPackIterDataset, BestFit...): they fill
+  rows first- or best-fit, so a document goes into an earlier row with room for it (documents
+  out of order), and as IterDatasets they carry their pack buffers in the iterator's state and
+  cannot be visited in a shuffled order by index. A plan made once (``plan_rows``) keeps the
+  "in order, whole documents" contract and the stream pipeline's shape: the rows are an index
+  set, shuffled per epoch, batched, and the checkpoint is the index (as for windows).
+  """
+  if bos is None:
+    raise ValueError("train_iterator: packed rows (document_ends) need bos_id")
+  ends = np.asarray(ends, np.int64)
+  if ends.ndim != 1 or ends.size == 0 or ends[-1] != tokens.shape[0]:
+    raise ValueError(
+      f"document_ends must be int[documents] ending at len(tokens) = {tokens.shape[0]}; got "
+      f"shape {ends.shape}, last {ends[-1] if ends.size else None}"
+    )
+  plan = plan_rows(ends, seq_len)
+  if plan.num_rows < global_batch_size:
+    raise ValueError(
+      f"split too short: {ends.size} documents pack into {plan.num_rows} rows of "
+      f"seq_len={seq_len}, fewer than global_batch_size={global_batch_size}"
+    )
+  import grain  # pylint: disable=g-import-not-at-top
+
+  rows = slice(process_index * local, (process_index + 1) * local)
+  ds = (
+    grain.MapDataset.range(plan.num_rows)
+    .shuffle(seed=seed)
+    .batch(global_batch_size, drop_remainder=True)
+    .repeat()
+    .map(_PackedRows(tokens, plan, seq_len, int(bos), rows))
+  )
+  fingerprint = {
+    "seed": int(seed),
+    "seq_len": int(seq_len),
+    "global_batch_size": int(global_batch_size),
+    "num_tokens": int(tokens.shape[0]),
+    "packing": True,
+    "num_documents": int(ends.size),
+  }
+  packing = {
+    "rows": plan.num_rows,
+    "documents": int(ends.size),
+    "padding_fraction": plan.padding_fraction(seq_len),
+  }
+  return TrainIterator(ds, fingerprint, packing)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
     python -m aft_jax.data.prepare --dataset enwik8 [--data_dir DIR] [--manual_dir DIR] \\
         [--nodownload]
     python -m aft_jax.data.prepare --dataset text --train_files GLOBS [--valid_files GLOBS] \\
-        [--test_files GLOBS] [--tokenizer byte|word|subword] [--vocab_size N]
+        [--test_files GLOBS] [--tokenizer byte|word|subword] [--vocab_size N] [--text_field F]
 
 prints progress and the folder it prepared on stderr and, as its last stdout line, one JSON
 object:
@@ -438,6 +438,11 @@ def _parse(argv):
     p.add_argument(
       f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})"
     )
+  p.add_argument(
+    "--text_field",
+    default="",
+    help="--dataset text: the JSONL field / Parquet column of each record's text (default text)",
+  )
   p.add_argument("--quiet", action="store_true", help="no progress bars")
   return p.parse_args(argv)
 
@@ -457,7 +462,7 @@ def main(argv=None) -> dict:
   elif args.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-    names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files")
+    names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files", "text_field")
     given = {k: getattr(args, k) for k in names if getattr(args, k)}
     cfg = DataConfig.of({"dataset": "text", **given}).validate()  # the command line's check
     out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)

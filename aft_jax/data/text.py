@@ -1,13 +1,17 @@
 """Your own text files as a corpus (``config.data.dataset = 'text'``).
 
-Each file is one document. ``train_files``, ``valid_files`` and ``test_files`` are
-comma-separated globs (``~`` expanded, ``**`` recursive, each glob's matches sorted); a split
-whose globs are empty takes ``valid_fraction`` / ``test_fraction`` of the train files' documents
-instead, chosen by the SHA-256 of each file's path relative to the files' common folder, so
-the split is the same on every machine and does not depend on file order. A document is read
-whole, decoded with ``encoding`` (UTF-8 by default), and followed by the vocabulary's
-``<eos>`` (the boundary; bytes and words have no such token and use an end of line): a split
-is ``doc_1 <eos> doc_2 <eos> ...``, and its first token is predicted after ``<eos>`` too.
+Each plain file is one document; a JSONL file (``.jsonl``, ``.jsonl.gz``: one JSON object a
+line) holds one document per line and a Parquet file (``.parquet``) one per row, each the
+record's ``text_field`` (``text`` by default), told apart by the file's ending. ``train_files``,
+``valid_files`` and ``test_files`` are comma-separated globs (``~`` expanded, ``**`` recursive,
+each glob's matches sorted); a split whose globs are empty takes ``valid_fraction`` /
+``test_fraction`` of the train files' documents instead, chosen by the SHA-256 of each file's
+path relative to the files' common folder, so the split is the same on every machine and does
+not depend on file order (held out by file: a JSONL or Parquet shard's documents stay together).
+A document is read whole, decoded with ``encoding`` (UTF-8 by default), and followed by the
+vocabulary's ``<eos>`` (the boundary; bytes and words have no such token and use an end of
+line): a split is ``doc_1 <eos> doc_2 <eos> ...``, and its first token is predicted after
+``<eos>`` too.
 
 Preparing tokenises every split once into the token store the other corpora use
 (``aft_jax.data.store``: ``<data_dir>/prepared/text-<tokenizer>-<key>/``, memory-mapped),
@@ -15,21 +19,27 @@ Preparing tokenises every split once into the token store the other corpora use
 its summary, so a changed file prepares again. The vocabulary is learned on the train split
 only: bytes (none to learn), words (``<unk>`` for words unseen in train) or a subword model
 (``aft_jax.data.subword``). The number of bytes of each split (its documents' UTF-8 bytes plus
-one per boundary) is kept too, for bits per byte.
+one per boundary) is kept too, for bits per byte, and where each document ends in the split's
+tokens (``<split>-documents.npy``: the offset after each boundary), for packing whole
+documents into rows (``aft_jax.data.pipeline``).
 
 Every bad input is a one-line ``TextError`` (a ValueError) naming the file or the config key:
 a glob that matches nothing, an empty file, a file that is not text in the encoding, too few
-documents to split, a vocabulary size the text cannot give.
+documents to split, a vocabulary size the text cannot give; in a JSONL file a line that is not
+a JSON object, without the field or with a value that is not a string (naming file and line),
+in a Parquet file a missing or non-string column or a null (naming file and row group).
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import logging
 import os
 import sys
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -164,11 +174,110 @@ def read_document(path: str, encoding: str = "utf-8") -> str:
   return text
 
 
-def _documents(paths, encoding, desc, progress) -> Iterator[str]:
+JSONL = (".jsonl", ".jsonl.gz")
+PARQUET = (".parquet",)
+
+
+def is_records(path: str) -> bool:
+  """Whether ``path`` holds records (JSONL or Parquet, by its ending), not one plain document."""
+  return path.lower().endswith(JSONL + PARQUET)
+
+
+def read_documents(path: str, encoding: str = "utf-8", text_field: str = "text") -> Iterator[str]:
+  """The documents of one file, in order: a plain file is one (``read_document``); a JSONL
+  file one per non-blank line, a Parquet file one per row: each record's ``text_field``."""
+  lower = path.lower()
+  if lower.endswith(JSONL):
+    yield from _jsonl(path, encoding, text_field)
+  elif lower.endswith(PARQUET):
+    yield from _parquet(path, text_field)
+  else:
+    yield read_document(path, encoding)
+
+
+def _one_line(e: BaseException) -> str:
+  return " ".join(str(e).split()) or type(e).__name__
+
+
+def _jsonl(path: str, encoding: str, field: str) -> Iterator[str]:
+  opener = gzip.open if path.lower().endswith(".gz") else open
+  count = 0
+  try:
+    with opener(path, "rb") as f:
+      for number, raw in enumerate(f, 1):
+        if not raw.strip():
+          continue
+        where = f"{path} line {number}"
+        try:
+          record = json.loads(raw.decode(encoding))
+        except UnicodeDecodeError as e:
+          raise TextError(f"{where} is not {encoding} text ({e.reason})") from None
+        except json.JSONDecodeError as e:
+          why = e.msg.removesuffix(" at")  # ("Invalid control character at": a column follows)
+          raise TextError(f"{where} is not JSON ({why}, column {e.colno})") from None
+        if not isinstance(record, dict):
+          raise TextError(f"{where} is a JSON {type(record).__name__}, not an object")
+        if field not in record:
+          has = ", ".join(map(repr, list(record)[:8])) or "none"
+          raise TextError(
+            f"{where} has no field {field!r} (config.data.text_field); its fields: {has}"
+          )
+        value = record[field]
+        if not isinstance(value, str):
+          raise TextError(
+            f"{where}: field {field!r} is a JSON {type(value).__name__}, not a string"
+          )
+        count += 1
+        yield value
+  except (OSError, EOFError, zlib.error) as e:  # gzip: damaged or cut short
+    raise TextError(
+      f"{path} cannot be read ({_one_line(e)}): a damaged or truncated file"
+    ) from None
+  if not count:
+    raise TextError(f"{path} holds no records (no non-blank line): leave it out of the globs")
+
+
+def _parquet(path: str, field: str) -> Iterator[str]:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  try:
+    pf = pq.ParquetFile(path)
+  except (pa.ArrowException, OSError) as e:
+    raise TextError(f"{path} is not a readable Parquet file ({_one_line(e)})") from None
+  schema = pf.schema_arrow
+  if field not in schema.names:
+    has = ", ".join(map(repr, schema.names[:8])) or "none"
+    raise TextError(f"{path} has no column {field!r} (config.data.text_field); its columns: {has}")
+  kind = schema.field(field).type
+  strings = (
+    pa.types.is_string,
+    pa.types.is_large_string,
+    getattr(pa.types, "is_string_view", None),
+  )
+  if not any(test(kind) for test in strings if test):
+    raise TextError(f"{path}: column {field!r} holds {kind}, not strings")
+  count = 0
+  for group in range(pf.num_row_groups):
+    try:
+      column = pf.read_row_group(group, columns=[field]).column(0)
+    except (pa.ArrowException, OSError) as e:
+      raise TextError(f"{path} row group {group} cannot be read ({_one_line(e)})") from None
+    if column.null_count:
+      row = column.is_null().to_pylist().index(True)
+      raise TextError(f"{path} row group {group} row {row}: {field!r} is null, not a string")
+    for value in column.to_pylist():
+      count += 1
+      yield value
+  if not count:
+    raise TextError(f"{path} holds no rows: leave it out of the globs")
+
+
+def _documents(paths, encoding, text_field, desc, progress) -> Iterator[str]:
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   for path in tqdm(paths, desc=desc, unit="file", disable=not progress, file=sys.stderr):
-    yield read_document(path, encoding)
+    yield from read_documents(path, encoding, text_field)
 
 
 def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
@@ -180,6 +289,8 @@ def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
     "vocab_size": cfg.vocab_size if cfg.tokenizer == "subword" else 0,
     "encoding": cfg.encoding,
   }
+  if any(is_records(p) for paths in files.values() for p in paths):
+    settings["text_field"] = cfg.text_field  # (only then: plain files keep their names)
   key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
   size = str(cfg.vocab_size) if cfg.tokenizer == "subword" else ""
   return f"text-{cfg.tokenizer}{size}-{key}"
@@ -232,6 +343,16 @@ def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray
   return chunks, num_bytes
 
 
+# summary.json's mark of a corpus that kept each split's document ends (documents_file).
+DOCUMENTS_KEY = "document_ends"
+
+
+def documents_file(split: str) -> str:
+  """The store name of a split's document ends: uint32[documents], the token offset just past
+  each document's boundary (the last one is the split's length)."""
+  return f"{split}-documents"
+
+
 def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
   """Prepares the text corpus ``cfg`` names under ``data_dir`` (or reuses it); returns (its
   folder, its summary)."""
@@ -239,23 +360,36 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
   out = store.prepared_dir(data_dir, corpus_name(cfg, files))
   with store.lock(out, f"the text corpus {os.path.basename(out)}"):
     summary = store.reusable(out, lambda: _fingerprint(files))
-    if summary is not None:
+    if summary is not None and DOCUMENTS_KEY in summary:
       return out, summary
+    if summary is not None:  # prepared before document ends were kept: packing needs them
+      log.warning("%s has no document ends; preparing it again.", out)
     store.start(out)
-    read = lambda s: _documents(files[s], cfg.encoding, f"{s} files", progress)  # noqa: E731
+    read = lambda s: _documents(  # noqa: E731
+      files[s], cfg.encoding, cfg.text_field, f"{s} files", progress
+    )
     vocab = learn_vocab(cfg, read("train"))
     recorded = save_vocab(vocab, out)
-    tokens, num_bytes = {}, {}
+    tokens, num_bytes, documents = {}, {}, {}
     for split in SPLITS:
       chunks, num_bytes[split] = encode_documents(vocab, read(split))
       tokens[split] = store.write_tokens(out, split, chunks)
+      # chunks alternate document, boundary: a document ends after its boundary.
+      ends = np.cumsum([c.size for c in chunks], dtype=np.int64)[1::2]
+      if ends.size and ends[-1] >= 2**32:  # the store keeps offsets as uint32
+        raise TextError(
+          f"the {split} split has {ends[-1]:,} tokens, more than the 2**32 a prepared text "
+          "corpus can index: split the files into several corpora"
+        )
+      documents[split] = store.write_tokens(out, documents_file(split), [ends])
     summary = {
       "name": os.path.basename(out),
       "tokenizer": cfg.tokenizer,
       "vocab_size": vocab.size,
       "tokens": tokens,
       "bytes": num_bytes,
-      "documents": {s: len(files[s]) for s in SPLITS},
+      "documents": documents,
+      DOCUMENTS_KEY: True,
       store.FINGERPRINT_KEY: _fingerprint(files),
       **recorded,
     }

@@ -156,6 +156,13 @@ def run(call):
   return gated(q, k, v, seg, call.size, band_bias(w, call.positions, q.shape[-2]))
 
 
+def same_segment(segment_ids):
+  """``[..., T, T]`` bool: entry [t, t'] is True where t and t' are in one segment (a segment
+  starts wherever the id changes, as in every packed op): softmax attention's packed mask."""
+  start = _starts(jnp.asarray(segment_ids))
+  return start[..., :, None] == start[..., None, :]
+
+
 def from_mask(segment_ids, mask, shape):
   """(segment ids, positions) ``[..., T]`` for packed rows and a padding mask (True: a token;
   ``shape`` ``[..., T]`` when both are None): a new segment wherever the id or the mask

@@ -67,14 +67,20 @@ class TrainState(train_state.TrainState):
   skipped: jax.Array = None
 
 
+# A packed batch's keys that go to the model: each row's documents and their positions.
+PACKED_KEYS = ("segment_ids", "positions")
+
+
 def weighted_nll(model, params, batch, *, train, rng=None):
-  """(sum of weight * NLL, sum of weights) over a batch {'inputs', 'targets'[, 'weights']}."""
+  """(sum of weight * NLL, sum of weights) over a batch {'inputs', 'targets'[, 'weights']
+  [, 'segment_ids', 'positions']} (packed rows: the padding has weight 0)."""
   nll = model.apply(
     {"params": params},
     batch["inputs"],
     batch["targets"],
     train=train,
     rngs={"dropout": rng} if train else None,
+    **{k: batch[k] for k in PACKED_KEYS if k in batch},
   )
   weights = batch.get("weights")
   if weights is None:
@@ -168,12 +174,16 @@ class Trainer:
 
   def specs(self, batch_size: int, weights: bool = False) -> dict:
     """ShapeDtypeStructs of a global batch of ``batch_size`` sequences, sharded as the steps
-    take it (training: inputs and targets; evaluation also weights)."""
+    take it (training: inputs and targets, and with ``config.data.packing`` also weights,
+    segment_ids and positions; evaluation: inputs, targets and weights)."""
     sh = sharding.batch_sharding(self.mesh)
     tokens = jax.ShapeDtypeStruct((batch_size, self.config.train.seq_len), jnp.int32, sharding=sh)
     out = {"inputs": tokens, "targets": tokens}
-    if weights:
+    packed = self.config.data.packing and not weights
+    if weights or packed:
       out["weights"] = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=sh)
+    if packed:
+      out.update({k: tokens for k in PACKED_KEYS})
     return out
 
   def lower_train_step(self):
@@ -494,6 +504,19 @@ class Interrupted(Exception):
     self.split, self.signal = split, signal
 
 
+# results.json's "train_rows": what the training rows were. Either way the valid_* and test_*
+# numbers are the evaluation protocol's ("eval_protocol"), windows of each split's stream, so a
+# packed run's numbers compare with an unpacked one's.
+TRAIN_ROWS = {
+  "stream": "stream: windows of seq_len cut from the train split's token stream",
+  "packed": (
+    "packed: whole documents in order, each seeing only itself (positions from 0; one longer "
+    "than a row in row-sized pieces), padding at a row's end out of the loss; tokens_seen counts "
+    "the padding too. valid/test: eval_protocol on each split's stream, as for unpacked runs"
+  ),
+}
+
+
 def final_results(run: Run, state: TrainState, preemption: Preemption | None = None) -> dict:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
 
@@ -512,6 +535,7 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
     "unit": corpus.unit,
     "mixing": cfg.model.mixing,
     "skipped_steps": int(state.skipped),
+    "train_rows": TRAIN_ROWS["packed" if cfg.data.packing else "stream"],
   }
   # The final numbers may use a slower protocol than training-time validation (metrics.jsonl's
   # valid_* records); each is named here so that numbers are compared like with like.
@@ -600,6 +624,32 @@ def sample(run: Run, params, writer: MetricWriter | None = None) -> str | None:
   return text
 
 
+def train_data(run: Run) -> data_lib.TrainIterator:
+  """The run's training batches: stream windows, or packed documents (``config.data.packing``:
+  its padding fraction is said once)."""
+  cfg, corpus = run.config, run.corpus
+  packed = {}
+  if cfg.data.packing:
+    packed = dict(document_ends=corpus.documents["train"], bos_id=corpus.bos_id)
+  data_iter = data_lib.train_iterator(
+    corpus.splits["train"],
+    seq_len=cfg.train.seq_len,
+    global_batch_size=cfg.train.batch_size,
+    seed=cfg.train.seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    **packed,
+  )
+  p = getattr(data_iter, "packing", None)  # (any iterator of batches will do: tests wrap it)
+  if p and run.is_main:
+    print(
+      f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "
+      f"{cfg.train.seq_len}, {100 * p['padding_fraction']:.1f}% padding",
+      flush=True,
+    )
+  return data_iter
+
+
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains ``config`` (a config tree, a recipe's or config.json's, or a ``RunConfig``) in
   ``workdir`` (resuming what is there) and returns results.json's dict.
@@ -611,14 +661,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   # The lock first: no other trainer may change the workdir between the checks and the writes.
   with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
     run = setup(cfg, workdir, allow_config_change)
-    data_iter = data_lib.train_iterator(
-      run.corpus.splits["train"],
-      seq_len=cfg.train.seq_len,
-      global_batch_size=cfg.train.batch_size,
-      seed=cfg.train.seed,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-    )
+    data_iter = train_data(run)
     mngr = checkpointing.checkpoint_manager(run.workdir, cfg.checkpoint)
     state = restore_or_init(run, mngr, data_iter)
     resumed = int(state.step) > 0  # a checkpoint was restored: continue its W&B run

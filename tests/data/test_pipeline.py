@@ -230,3 +230,83 @@ def test_train_and_eval_agree_on_the_pydoc_corpus():
     for x in pipeline.eval_batches(val, seq_len=64, global_batch_size=8, bos_id=c.bos_id, stride=32)
   )
   assert total == val.size
+
+
+# ---------------------------------------------------------------- packed rows of documents
+
+
+def _documents(seed=0, n=60):
+  """A stream of n documents of 1..3L tokens (ids distinct), and their ends."""
+  sizes = np.random.default_rng(seed).integers(1, 3 * L, size=n)
+  ends = np.cumsum(sizes)
+  return _tokens(int(ends[-1]), seed), ends
+
+
+def _packed(toks, ends, **kw):
+  kw = {"seq_len": L, "global_batch_size": 4, "seed": 0, **kw}
+  return pipeline.train_iterator(toks, document_ends=ends, bos_id=9999, **kw)
+
+
+def test_packed_rows_hold_whole_documents_in_order_with_padding_at_the_end():
+  """Each segment of a row is a whole document (or one row-sized piece of a longer one) whose
+  pairs are the stream's, its positions from 0; padding only at a row's end, weight 0; one
+  epoch holds every document's pairs exactly once, in corpus order within each row."""
+  toks, ends = _documents()
+  it = _packed(toks, ends)
+  plan = pipeline.plan_rows(ends, L)
+  per_epoch = plan.num_rows // 4
+  batches = _take(it, per_epoch)
+  where = {int(t): i for i, t in enumerate(toks)}
+  starts = set(np.concatenate([[0], ends[:-1]]).tolist())
+  seen = []
+  for b in batches:
+    assert set(b) == {"inputs", "targets", "weights", "segment_ids", "positions"}
+    for row in range(4):
+      seg, pos, w = b["segment_ids"][row], b["positions"][row], b["weights"][row]
+      real = seg > 0
+      assert real[: real.sum()].all()  # the pads (if any) are the row's end
+      np.testing.assert_array_equal(w, real.astype(np.float32))
+      idx = np.array([where[int(t)] for t in b["targets"][row][real]])
+      seen += idx.tolist()
+      ids = seg[real]
+      assert (np.diff(ids) >= 0).all() and (np.diff(idx)[np.diff(ids) == 0] == 1).all()
+      for s in np.unique(ids):
+        piece = idx[ids == s]
+        np.testing.assert_array_equal(pos[real][ids == s], np.arange(piece.size))
+        # A piece is a document or a row-sized cut of one (from its start); it crosses no end.
+        doc_start = max(e for e in starts if e <= piece[0])
+        assert (piece[0] - doc_start) % L == 0
+        assert not any(piece[0] < e < piece[-1] + 1 for e in ends)
+        first = np.where(piece[0] == 0, 9999, toks[max(piece[0] - 1, 0)])
+        assert b["inputs"][row][real][ids == s][0] == first
+        np.testing.assert_array_equal(b["inputs"][row][real][ids == s][1:], toks[piece[:-1]])
+      if real.any():  # documents of a row in corpus order
+        assert (np.diff(idx) > 0).all()
+  # Rows cover every pair once per epoch (but those of the rows the batches dropped).
+  assert len(seen) == len(set(seen))
+  assert len(seen) >= toks.size - (plan.num_rows % 4) * L
+  padding = 1 - len(seen) / (per_epoch * 4 * L)
+  assert it.packing["rows"] == plan.num_rows and 0 < it.packing["padding_fraction"] < 0.5
+  assert padding == pytest.approx(it.packing["padding_fraction"], abs=0.1)
+
+
+def test_packed_checkpoint_restores_the_following_batches_and_refuses_a_stream_state():
+  toks, ends = _documents(1)
+  it = _packed(toks, ends, seed=3)
+  _take(it, 7)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = _take(it, 5)
+  fresh = _packed(toks, ends, seed=3)
+  fresh.set_state(state)
+  for a, b in zip(_take(fresh, 5), expected):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  with pytest.raises(ValueError, match=r"is for packing = True \(now None\)"):
+    pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=3).set_state(state)
+  stream = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=3).get_state()
+  with pytest.raises(ValueError, match=r"is for packing = None \(now True\)"):
+    _packed(toks, ends, seed=3).set_state(stream)
+  with pytest.raises(ValueError, match="document_ends must be int.*ending at len"):
+    _packed(toks, ends[:-1])
+  with pytest.raises(ValueError, match="pack into .* rows of seq_len=8, fewer than global_batch"):
+    _packed(toks[: ends[0]], ends[:1])  # one document: at most 3 rows

@@ -3,6 +3,8 @@ learned on the train split, and every bad input as one line naming the file or t
 
 import dataclasses
 import glob
+import gzip
+import json
 import os
 import shutil
 import signal
@@ -348,3 +350,114 @@ def test_ctrl_c_while_sentencepiece_trains_stops_aft_prepare_in_one_line(docs, t
   assert lines[0].startswith("aft-prepare: interrupted (Ctrl-C): nothing was marked prepared")
   written = [f for _, _, fs in os.walk(data) for f in fs]
   assert store.MARKER not in written and not [f for f in written if ".tmp-" in f], written
+
+
+# ---------------------------------------------------------------- JSONL and Parquet records
+
+
+def _write_jsonl(path, texts, field="text"):
+  opener = gzip.open if str(path).endswith(".gz") else open
+  with opener(path, "wt", encoding="utf-8") as f:
+    for i, t in enumerate(texts):
+      f.write(json.dumps({"id": i, field: t}) + "\n")
+      if i == 0:
+        f.write("\n")  # a blank line is no record
+
+
+def _write_parquet(path, texts, field="text", row_group_size=2):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  pq.write_table(pa.table({field: texts, "n": list(range(len(texts)))}), path, row_group_size)
+
+
+def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(docs, tmp_path):
+  """The same five texts as plain files and as records (a .jsonl.gz and a .parquet shard for
+  train, a .jsonl for validation, a .parquet for test): the same tokens, bytes and document
+  ends, split for split."""
+  paths = sorted(str(p) for p in docs.glob("*.py"))
+  texts = [open(p).read() for p in paths]
+  plain = _load(
+    tmp_path / "plain", train_files=",".join(paths[:3]), valid_files=paths[3],
+    test_files=paths[4], tokenizer="word",
+  )  # fmt: skip
+  rec = tmp_path / "records"
+  rec.mkdir()
+  _write_jsonl(rec / "train-1.jsonl.gz", texts[:2], field="body")
+  _write_parquet(rec / "train-2.parquet", texts[2:3], field="body")
+  _write_jsonl(rec / "valid.jsonl", texts[3:4], field="body")
+  _write_parquet(rec / "test.parquet", texts[4:], field="body")
+  records = _load(
+    tmp_path / "rec", train_files=f"{rec}/train-1.jsonl.gz,{rec}/train-2.parquet",
+    valid_files=f"{rec}/valid.jsonl", test_files=f"{rec}/test.parquet", tokenizer="word",
+    text_field="body",
+  )  # fmt: skip
+  assert records.vocab.size == plain.vocab.size
+  for split in text.SPLITS:
+    np.testing.assert_array_equal(records.splits[split], plain.splits[split])
+    np.testing.assert_array_equal(records.documents[split], plain.documents[split])
+    assert records.num_bytes[split] == plain.num_bytes[split]
+  # A document ends just past each boundary: three train documents, the last at the end.
+  ends = plain.documents["train"]
+  assert len(ends) == 3 and ends[-1] == plain.splits["train"].size
+  assert (plain.splits["train"][ends - 1] == plain.vocab.eos_id).all()
+
+
+@pytest.mark.parametrize(
+  "name, content, message",
+  [
+    (
+      "a.jsonl",
+      '{"text": "ok"}\n{"text": "cut\n',
+      r"a\.jsonl line 2 is not JSON \(Invalid control character, column 14\)",
+    ),
+    (
+      "b.jsonl",
+      '{"text": "ok"}\n\n{"body": "x"}\n',
+      r"b\.jsonl line 3 has no field 'text' .*'body'",
+    ),
+    ("c.jsonl", '{"text": 3}\n', r"c\.jsonl line 1: field 'text' is a JSON int, not a string"),
+    ("d.jsonl", '["text"]\n', r"d\.jsonl line 1 is a JSON list, not an object"),
+    ("e.jsonl", "\n\n", r"e\.jsonl holds no records"),
+    ("f.jsonl.gz", b"\x1f\x8bnot gzip", r"f\.jsonl\.gz cannot be read \(.*damaged or truncated"),
+    ("g.parquet", {"body": ["x"]}, r"g\.parquet has no column 'text' .*'body'"),
+    ("h.parquet", {"text": [1, 2]}, r"h\.parquet: column 'text' holds int64, not strings"),
+    ("i.parquet", {"text": ["a", "b", "c", None]}, r"i\.parquet row group 1 row 1: 'text' is null"),
+    ("j.parquet", b"PAR1 not parquet", r"j\.parquet is not a readable Parquet file"),
+  ],
+)
+def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(
+  docs, tmp_path, name, content, message
+):
+  path = docs / name
+  if isinstance(content, dict):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(content), path, row_group_size=2)
+  else:
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+  with pytest.raises(text.TextError, match=message) as e:
+    _load(tmp_path, train_files=f"{docs}/*.py,{path}", tokenizer="byte")
+  assert "\n" not in str(e.value)
+  assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
+
+
+def test_packing_and_text_field_are_checked_with_the_config():
+  (problem,) = DataConfig(dataset="enwik8", packing=True).problems()
+  assert "config.data.packing = True: enwik8 is one stream of tokens" in problem
+  assert not DataConfig(dataset="text", train_files="x", packing=True).problems()
+  (problem,) = DataConfig(dataset="text", train_files="x", text_field="").problems()
+  assert "config.data.text_field is empty" in problem
+
+
+def test_a_corpus_prepared_without_document_ends_is_prepared_again(docs, tmp_path):
+  cfg = dict(train_files=str(docs / "*.py"), tokenizer="byte")
+  first = _load(tmp_path, **cfg)
+  out = os.path.dirname(first.splits["train"].filename)
+  summary = store.read_summary(out)
+  del summary[text.DOCUMENTS_KEY]  # as an earlier version wrote it
+  store.finish(out, summary)
+  again = _load(tmp_path, **cfg)  # prepares it again: packing needs the ends
+  assert store.read_summary(out)[text.DOCUMENTS_KEY] is True
+  np.testing.assert_array_equal(again.documents["train"], first.documents["train"])
