@@ -203,6 +203,12 @@ def aft_config(mixing: str, recipe: dict, overrides: dict):
     "b2": recipe["beta2"],
     "weight_decay": recipe["weight_decay"],
     "grad_clip_norm": recipe["grad_clip"],
+    # nanoGPT's model and optimizer choices (GPT-2's), where aft-jax has an option: measured
+    # one at a time in benchmarks/RESULTS.md ("aft-jax beside nanoGPT").
+    "model.init": "gpt2",
+    "model.use_bias": False,  # nanoGPT's recipe: bias=False
+    "model.gelu_approximate": False,  # torch's nn.GELU(): exact
+    "weight_decay_on": "matrices",  # nanoGPT decays parameters of rank >= 2 only
   })  # fmt: skip
   return override(config, overrides)
 

@@ -371,7 +371,7 @@ def test_gpt2_init_scales_and_no_biases(mixing):
     assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
   assert seen == {0.02, residual}
   # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
-  glorot = init(_cfg(mixing=mixing, num_layers=3, d_model=64, mlp_dim=128, num_heads=4))
+  glorot = init(dataclasses.replace(cfg, init="glorot"))
   for name in ("pos_bias", "u", "v", "gamma", "beta"):
     for i in range(cfg.num_layers):
       mix, mix_g = params[f"block_{i}"]["mix"], glorot[f"block_{i}"]["mix"]
