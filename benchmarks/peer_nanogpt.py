@@ -23,6 +23,7 @@ random offsets, as nanoGPT's ``get_batch`` does (each with its own random stream
     python -m benchmarks.peer_nanogpt --nanogpt_dir /path/to/nanoGPT \
         --torch_python /path/to/torch-venv/bin/python --out benchmarks/results
     python -m benchmarks.peer_nanogpt --quick --out /tmp/peer     # seconds, aft-jax only
+    python -m benchmarks.peer_nanogpt --merge a.json b.json ...   # one table from runs made apart
 
 Writes ``peer_nanogpt.json`` (machine, settings, every record) and ``peer_nanogpt.md``.
 """
@@ -293,6 +294,30 @@ def parse_sets(items) -> dict:
   return out
 
 
+def merge(paths, out: str, name: str) -> dict:
+  """One table from the records of runs made separately (each ``--mixings`` a subset, and
+  nanoGPT's alone) with the same text, recipe and seed: nanoGPT first, then ``ORDER``."""
+  parts = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      parts.append(json.load(f))
+  same = ("text", "recipe", "timed", "seed", "aft_overrides")
+  for part in parts[1:]:
+    if any(part[k] != parts[0][k] for k in same):
+      raise ValueError(f"runs to merge differ in {[k for k in same if part[k] != parts[0][k]]}")
+  records = [r for part in parts for r in part["records"]]
+  rank = lambda r: -1 if r["model"] == "nanoGPT" else ORDER.index(r["mixing"])
+  result = {k: parts[0][k] for k in same + ("quick",)}
+  result.update(machines=[part["machine"] for part in parts], merged_from=list(paths))
+  result["records"] = sorted(records, key=rank)
+  md = to_markdown(result)
+  os.makedirs(out, exist_ok=True)
+  common.write_json(os.path.join(out, f"{name}.json"), result)
+  files.atomic_write(os.path.join(out, f"{name}.md"), md)
+  print(md, flush=True)
+  return result
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
@@ -307,7 +332,10 @@ def main(argv=None) -> dict:
   p.add_argument("--timed", type=int, nargs=2, default=(100, 300))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default="peer_nanogpt", help="output files' name")
+  p.add_argument("--merge", nargs="+", help="write one table from these runs' JSON files")
   a = p.parse_args(argv)
+  if a.merge:
+    return merge(a.merge, a.out, a.name)
   recipe = dict(QUICK if a.quick else RECIPE)
   if a.steps:
     recipe["max_iters"] = a.steps

@@ -8,6 +8,7 @@ import os
 import pickle
 
 import numpy as np
+import pytest
 
 from benchmarks import peer_nanogpt as peer
 
@@ -75,3 +76,30 @@ def test_quick_run_scores_the_windows_and_writes_the_table(tmp_path):
   md = peer.to_markdown(result)
   assert f"| {r['valid_loss'] - 2.0:+.4f} |" in md and "| 0.50x |" in md and "| +0.0000 | " in md
   assert os.path.getsize(tmp_path / "peer_nanogpt.md") > 0
+
+
+def test_merge_orders_runs_made_apart_and_refuses_different_recipes(tmp_path):
+  def part(name, models, **kw):
+    records = [
+      {"model": m, "mixing": m.split()[-1], "valid_loss": 2.0 + i / 10, "ms_per_step": 50.0 + i,
+       "wall_s": 9.0}
+      for i, m in enumerate(models)
+    ]  # fmt: skip
+    result = {"text": "t", "recipe": peer.RECIPE, "timed": [100, 300], "seed": 0,
+              "aft_overrides": {}, "quick": False, "machine": {"load": kw.get("load")},
+              "records": records, **kw}  # fmt: skip
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+  a = part("a", ["aft-jax aft_conv1d", "aft-jax softmax"])
+  b = part("b", ["nanoGPT"])
+  merged = peer.main(["--merge", a, b, "--out", str(tmp_path), "--name", "m"])
+  assert [r["model"] for r in merged["records"]] == [
+    "nanoGPT", "aft-jax softmax", "aft-jax aft_conv1d"
+  ]  # fmt: skip
+  md = (tmp_path / "m.md").read_text()
+  assert "| aft-jax softmax | 2.1000 | +0.1000 | 51.0 | 1.02x |" in md
+  c = part("c", ["nanoGPT"], seed=1)
+  with pytest.raises(ValueError, match="seed"):
+    peer.merge([a, c], str(tmp_path), "m2")

@@ -1,5 +1,6 @@
 """The optimizer's weight decay: on every parameter, or on the matrices only (issue 36)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ def test_weight_decay_shrinks_the_chosen_parameters(decay_on):
   params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
   tx = make_optimizer(opt, num_train_steps=10)
   zeros = {k: jnp.zeros_like(v) for k, v in params.items()}
-  updates, _ = tx.update(zeros, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
   # Zero gradients: AdamW's step is the decoupled decay alone, -lr * wd * p (lr at step 0 is
   # the peak without warmup).
   for name, p in params.items():
