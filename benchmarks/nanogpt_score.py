@@ -29,7 +29,8 @@ def main(argv=None) -> dict:
   sys.path.insert(0, a.nanogpt_dir)
   from model import GPT, GPTConfig  # pylint: disable=g-import-not-at-top  # nanoGPT's model.py
 
-  ckpt = torch.load(a.ckpt, map_location="cpu")
+  # The checkpoint is the one train.py just wrote (its config dict is not only tensors).
+  ckpt = torch.load(a.ckpt, map_location="cpu", weights_only=False)
   model = GPT(GPTConfig(**ckpt["model_args"]))
   # A torch.compile'd model saves its parameters under this prefix.
   state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
