@@ -64,20 +64,47 @@ def _shaped(init, names, shape):
   return nn.with_logical_partitioning(shaped, names)
 
 
-def _dense(in_features, features, names, dtype, param_dtype, name, axis=-1):
+def _dense(
+  in_features, features, names, dtype, param_dtype, name, axis=-1, *, std=0.0, use_bias=True
+):
   """DenseGeneral from ``in_features`` (the contracted axes' sizes: an int, or a tuple with
-  ``axis``) to ``features`` (an int or a tuple), its kernel's axes named ``names``."""
+  ``axis``) to ``features`` (an int or a tuple), its kernel's axes named ``names``; the kernel
+  Glorot-uniform, or N(0, std) for std > 0."""
   tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
   n_in = len(tup(in_features))
+  init = nn.initializers.normal(std) if std > 0 else _dense_init
   return nn.DenseGeneral(
     features,
     axis=axis,
     dtype=dtype,
     param_dtype=param_dtype,
     name=name,
-    kernel_init=_shaped(_dense_init, names, tup(in_features) + tup(features)),
+    use_bias=use_bias,
+    kernel_init=_shaped(init, names, tup(in_features) + tup(features)),
     bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
   )
+
+
+class _Projected(nn.Module):
+  """How a mixing layer's dense projections start, and whether they have biases.
+
+  The defaults are the layers' own (Glorot-uniform kernels, biases); the language model sets
+  GPT-2's initialisation here (``ModelConfig.init``): every projection N(0, 0.02) and the
+  output projection, which adds to the residual stream, N(0, 0.02 / sqrt(2 num_layers)), so
+  that the stream's variance does not grow with depth. AFT's own parameters (the position
+  biases) keep the AFT paper's initialisation either way.
+  """
+
+  init_std: float = 0.0  # q, k, v kernels: 0 Glorot-uniform, > 0 N(0, init_std)
+  out_init_std: float = 0.0  # the output projection's kernel: 0 as init_std
+  use_bias: bool = True  # biases in the projections
+
+  def _proj(self, in_features, features, names, name, axis=-1):
+    std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
+    return _dense(
+      in_features, features, names, self.dtype, self.param_dtype, name, axis,
+      std=std, use_bias=self.use_bias,
+    )  # fmt: skip
 
 
 def _check_rank(module, x):
@@ -201,13 +228,12 @@ def _head_features(module, x):
   return (h, d_model // h)
 
 
-def _heads_out(y, d_model, dtype, param_dtype):
+def _heads_out(module, y, d_model):
   """The output projection of per-head values y ``[..., H, C] -> [..., d_model]``."""
-  names = ("heads", "kv", "embed")
-  return _dense(y.shape[-2:], d_model, names, dtype, param_dtype, "out", axis=(-2, -1))(y)
+  return module._proj(y.shape[-2:], d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(y)  # pylint: disable=protected-access
 
 
-class _AFTChannels(nn.Module):
+class _AFTChannels(_Projected):
   """Shared parts of AFT-full/local/simple: per-channel q, k, v and the output projection."""
 
   hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
@@ -219,13 +245,10 @@ class _AFTChannels(nn.Module):
   def _qkv(self, x):
     d = self.hidden_dim or x.shape[-1]
     names = ("embed", "heads")
-    return tuple(
-      _dense(x.shape[-1], d, names, self.dtype, self.param_dtype, n)(x)
-      for n in ("query", "key", "value")
-    )
+    return tuple(self._proj(x.shape[-1], d, names, n)(x) for n in ("query", "key", "value"))
 
   def _out(self, y, d_model):
-    return _dense(y.shape[-1], d_model, ("heads", "embed"), self.dtype, self.param_dtype, "out")(y)
+    return self._proj(y.shape[-1], d_model, ("heads", "embed"), "out")(y)
 
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
@@ -464,7 +487,7 @@ class _ConvKernel(nn.Module):
     return w.reshape((self.heads,) + self.shape)
 
 
-class _AFTConvBase(nn.Module):
+class _AFTConvBase(_Projected):
   num_heads: int = 8
   kernel_size: Any = 7
   causal: bool = False
@@ -475,14 +498,14 @@ class _AFTConvBase(nn.Module):
   def _heads_qkv(self, x):
     feat = _head_features(self, x)
     h = feat[0]
-    dense = lambda f, names, n: _dense(x.shape[-1], f, names, self.dtype, self.param_dtype, n)
+    dense = lambda f, names, n: self._proj(x.shape[-1], f, names, n)
     q = dense(feat, ("embed", "heads", "kv"), "query")(x)
     v = dense(feat, ("embed", "heads", "kv"), "value")(x)
     k = dense(h, ("embed", "heads"), "key")(x)
     return q, k, v
 
   def _out(self, y, d_model):
-    return _heads_out(y, d_model, self.dtype, self.param_dtype)
+    return _heads_out(self, y, d_model)
 
 
 class AFTConv1D(_AFTConvBase):
@@ -573,7 +596,7 @@ def attention_impl_problem(impl, dtype) -> str | None:
   return None
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(_Projected):
   """Softmax multi-head attention (the Transformer baseline) with the AFT layers' interface.
 
   Input ``[..., T, d_model]``; uses ``jax.nn.dot_product_attention`` with ``impl``: "auto"
@@ -597,8 +620,7 @@ class MultiHeadAttention(nn.Module):
     feat = _head_features(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     q, k, v = (
-      _dense(d_model, feat, ("embed", "heads", "kv"), self.dtype, self.param_dtype, n)(x)
-      for n in ("query", "key", "value")
+      self._proj(d_model, feat, ("embed", "heads", "kv"), n)(x) for n in ("query", "key", "value")
     )
     lead, t_len = x.shape[:-2], x.shape[-2]
     flat = lambda a: a.reshape((-1,) + a.shape[-3:])
@@ -618,7 +640,7 @@ class MultiHeadAttention(nn.Module):
         implementation=self._implementation(),
       )
     y = y.reshape(lead + (t_len,) + feat)
-    return _heads_out(y, d_model, self.dtype, self.param_dtype)
+    return _heads_out(self, y, d_model)
 
   def _implementation(self) -> str | None:
     """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot

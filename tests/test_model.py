@@ -434,3 +434,65 @@ def test_packed_positions_given_and_bad_packing_arguments():
     model.apply(params, row, positions=pos)
   with pytest.raises(ValueError, match="not decode=True"):
     model.apply(params, row[:, :1], segment_ids=seg[:, :1], decode=True, mutable=["cache"])
+
+
+# ---------------------------------------------------------------- initialisation (issue 36)
+
+
+@pytest.mark.parametrize("mixing", ["softmax", "aft_local", "aft_conv1d"])
+def test_gpt2_init_scales_and_no_biases(mixing):
+  cfg = _cfg(mixing=mixing, num_layers=3, d_model=64, mlp_dim=128, num_heads=4, init="gpt2")
+  init = lambda c: nn.unbox(M.TransformerLM(c).init(jax.random.key(0), _tokens()))["params"]
+  params = init(cfg)
+  residual = 0.02 / np.sqrt(2 * cfg.num_layers)
+  seen = set()
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    keys = [p.key for p in path]
+    if keys[-1] not in ("kernel", "embedding") or keys[-2] == "bias":  # (AFT-conv's own kernel)
+      continue
+    want = residual if keys[-2] in ("out", "mlp_out") else 0.02
+    seen.add(want)
+    # thousands of draws: the sample std is within a few percent of the init's
+    np.testing.assert_allclose(np.std(np.asarray(x)), want, rtol=0.15, err_msg="/".join(keys))
+    assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
+  assert seen == {0.02, residual}
+  # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
+  glorot = init(dataclasses.replace(cfg, init="glorot"))
+  for name in ("pos_bias", "u", "v", "gamma", "beta"):
+    for i in range(cfg.num_layers):
+      mix, mix_g = params[f"block_{i}"]["mix"], glorot[f"block_{i}"]["mix"]
+      if name in mix:
+        np.testing.assert_array_equal(mix[name], mix_g[name])
+  # Without biases: every bias (dense and LayerNorm) is gone, nothing else.
+  no_bias = init(dataclasses.replace(cfg, use_bias=False))
+  biases = [x.size for p, x in jax.tree_util.tree_leaves_with_path(params) if p[-1].key == "bias"]
+  assert biases and not any(
+    p[-1].key == "bias" for p, _ in jax.tree_util.tree_leaves_with_path(no_bias)
+  )
+  assert M.count_params(params) - M.count_params(no_bias) == sum(biases)
+
+
+def test_gpt2_init_ties_the_output_layer_unscaled_and_gelu_form():
+  # With every block's residual projection zero, the output is LN(embed + pos) @ embed^T: the
+  # tied layer under 'gpt2' uses the embedding as it is (no 1/sqrt(d_model)).
+  cfg = _cfg(mixing="softmax", init="gpt2", use_bias=False)
+  model = M.TransformerLM(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), _tokens()))["params"]
+  for i in range(cfg.num_layers):
+    params[f"block_{i}"]["mix"]["out"]["kernel"] *= 0
+    params[f"block_{i}"]["mlp_out"]["kernel"] *= 0
+  tokens = np.asarray(_tokens())
+  emb, pos = np.asarray(params["embed"]["embedding"]), np.asarray(params["pos_embed"])
+  x = emb[tokens] + pos[:T]
+  h = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+  h = h * np.asarray(params["ln_final"]["scale"])
+  logits = h @ emb.T
+  want = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  got = model.apply({"params": params}, _tokens())
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  # The MLP's GELU: exact (erf) or the tanh approximation give different outputs.
+  params = _params(cfg)  # weights large enough for the MLP to matter
+  exact = M.TransformerLM(dataclasses.replace(cfg, gelu_approximate=False))
+  assert not np.allclose(
+    model.apply({"params": params}, _tokens()), exact.apply({"params": params}, _tokens())
+  )

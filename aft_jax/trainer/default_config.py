@@ -11,7 +11,8 @@ is defined, documented (a comment on its field) and checked in its component:
     config.mesh.*             aft_jax/sharding.py            MeshConfig
     config.logical_axis_rules aft_jax/sharding.py            RulesConfig
     seed, num_train_steps, batch_size, seq_len               TrainConfig (below)
-    learning_rate, warmup_steps, weight_decay, b1, b2, grad_clip_norm, grad_accum_steps
+    learning_rate, warmup_steps, weight_decay, weight_decay_on, b1, b2, grad_clip_norm,
+    grad_accum_steps
                               aft_jax/trainer/optimizer.py   OptimizerConfig
     log_every_steps, nonfinite, max_consecutive_skips, profile_steps
                               aft_jax/trainer/step_log.py    StepLogConfig

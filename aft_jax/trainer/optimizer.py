@@ -10,9 +10,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from aft_jax.typed_config import TypedConfig, positive
+
+
+DECAY_ON = ("all", "matrices")  # OptimizerConfig.weight_decay_on
+
+
+def decay_mask(params):
+  """True for the parameters of rank >= 2 (``weight_decay_on='matrices'``)."""
+  return jax.tree_util.tree_map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +34,10 @@ class OptimizerConfig(TypedConfig):
   # is cut to its updates - 1 (the run says so)
   warmup_steps: int = 100
   weight_decay: float = 0.01  # AdamW decoupled weight decay
+  # The parameters weight decay shrinks: 'all', or 'matrices' (those of rank >= 2: dense
+  # kernels, embeddings, AFT's position biases; not biases, LayerNorm scales or per-head
+  # scalars), as GPT-2 and nanoGPT do.
+  weight_decay_on: str = "all"
   b1: float = 0.9  # AdamW first-moment decay
   b2: float = 0.98  # AdamW second-moment decay
   grad_clip_norm: float = 1.0  # clip the global gradient norm to this
@@ -41,6 +55,10 @@ class OptimizerConfig(TypedConfig):
     for name in ("b1", "b2"):
       if not 0 <= getattr(self, name) < 1:
         errors.append(f"config.{name} = {getattr(self, name)} must be in [0, 1)")
+    if self.weight_decay_on not in DECAY_ON:
+      errors.append(
+        f"config.weight_decay_on = {self.weight_decay_on!r} is not one of {', '.join(DECAY_ON)}"
+      )
     if not 0 <= self.weight_decay < math.inf:
       errors.append(f"config.weight_decay = {self.weight_decay} must be >= 0")
     return errors
@@ -86,6 +104,7 @@ def make_optimizer(opt: OptimizerConfig, num_train_steps: int) -> optax.Gradient
       b1=opt.b1,
       b2=opt.b2,
       weight_decay=opt.weight_decay,
+      mask=decay_mask if opt.weight_decay_on == "matrices" else None,
     ),
   )
   if opt.grad_accum_steps > 1:
