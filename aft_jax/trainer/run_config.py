@@ -197,6 +197,13 @@ def _across_components(s: dict) -> list[str]:
   for key in ("eval_stride", "final_eval_stride"):
     if getattr(ev, key) > train.seq_len:
       errors.append(f"config.{key} = {getattr(ev, key)} must be in [0, seq_len = {train.seq_len}]")
+  if s["data"].packing and s["mesh"].sequence > 1:
+    # The layers take a packed row whole (the ops' segment forms have no axis_name): split
+    # over devices along T, a document would not see its start on the earlier shard.
+    errors.append(
+      f"config.data.packing = True with config.mesh.sequence = {s['mesh'].sequence}: packed "
+      "rows are not split along T over devices; use config.mesh.sequence = 1 (or packing off)"
+    )
   return errors + _sequence_split(s["mesh"].sequence, model.mixing, train.seq_len)
 
 

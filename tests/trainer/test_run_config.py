@@ -143,6 +143,9 @@ def test_errors_name_the_config_key_and_span_components():
   with pytest.raises(ValueError) as e:
     RunConfig.from_tree(tiny_config(**{"mesh.sequence": 2, "model.mixing": "softmax"}))
   assert "config.mesh.sequence = 2 with config.model.mixing = 'softmax'" in str(e.value)
+  packed = {"data.dataset": "text", "data.train_files": "x.txt", "data.packing": True}
+  with pytest.raises(ValueError, match="config.data.packing = True with config.mesh.sequence = 2"):
+    RunConfig.from_tree(tiny_config(**packed, **{"mesh.sequence": 2, "mesh.data": 1}))
   with pytest.raises(ValueError, match="config.model.dtype = 'half16' is not a dtype name"):
     RunConfig.from_tree(tiny_config(**{"model.dtype": "half16"}))
   with pytest.raises(TypeError, match="a config is a ConfigDict or a mapping"):
