@@ -69,12 +69,14 @@ class _Windows:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Packed rows: piece j is the stream's pairs [start[j], start[j] + length[j]) at ``offset[j]``
-  in its row; the pieces of row r are first[r]:first[r + 1] (in row order)."""
+  in its row; the pieces of row r are first[r]:first[r + 1] (in row order); num_documents, the
+  documents the pieces were cut from."""
 
   start: np.ndarray
   length: np.ndarray
   offset: np.ndarray
   first: np.ndarray
+  num_documents: int
 
   @property
   def num_rows(self) -> int:
@@ -107,7 +109,7 @@ def plan_rows(document_ends: np.ndarray, seq_len: int) -> _Plan:
       new_row[j], fill = True, 0
     offset[j], fill = fill, fill + n
   first = np.append(np.flatnonzero(new_row), length.size)
-  return _Plan(start, length, offset, first)
+  return _Plan(start, length, offset, first, int(ends.size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,38 +249,43 @@ def train_iterator(
   tokens = np.asarray(tokens)  # a memmap stays memory-mapped
   if tokens.ndim != 1:
     raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-  if document_ends is not None:
-    return _packed_iterator(
-      tokens, seq_len, global_batch_size, seed, process_index, local, document_ends, bos_id
-    )
-  num_windows = tokens.shape[0] // (seq_len + 1)
-  if num_windows < global_batch_size:
-    raise ValueError(
-      f"split too short: len(tokens)={tokens.shape[0]} gives {num_windows} windows of "
-      f"seq_len+1={seq_len + 1}, "
-      f"fewer than global_batch_size={global_batch_size}"
-    )
-  import grain  # pylint: disable=g-import-not-at-top  (imports jax; keep `aft_jax.data` light)
-
   rows = slice(process_index * local, (process_index + 1) * local)
-  ds = (
-    grain.MapDataset.range(num_windows)
-    .shuffle(seed=seed)  # epoch e of the repeat below is shuffled with seed + e
-    .batch(global_batch_size, drop_remainder=True)
-    .repeat()
-    .map(_Windows(tokens, seq_len, rows))
-  )
   fingerprint = {
     "seed": int(seed),
     "seq_len": int(seq_len),
     "global_batch_size": int(global_batch_size),
     "num_tokens": int(tokens.shape[0]),
   }
-  return TrainIterator(ds, fingerprint)
+  packing = None
+  if document_ends is not None:
+    plan = _pack(tokens, seq_len, global_batch_size, document_ends, bos_id)
+    num_items, gather = plan.num_rows, _PackedRows(tokens, plan, seq_len, int(bos_id), rows)
+    documents = int(plan.num_documents)
+    fingerprint.update(packing=True, num_documents=documents)
+    padding = plan.padding_fraction(seq_len)
+    packing = {"rows": plan.num_rows, "documents": documents, "padding_fraction": padding}
+  else:
+    num_items, gather = tokens.shape[0] // (seq_len + 1), _Windows(tokens, seq_len, rows)
+    if num_items < global_batch_size:
+      raise ValueError(
+        f"split too short: len(tokens)={tokens.shape[0]} gives {num_items} windows of "
+        f"seq_len+1={seq_len + 1}, "
+        f"fewer than global_batch_size={global_batch_size}"
+      )
+  import grain  # pylint: disable=g-import-not-at-top  (imports jax; keep `aft_jax.data` light)
+
+  ds = (
+    grain.MapDataset.range(num_items)
+    .shuffle(seed=seed)  # epoch e of the repeat below is shuffled with seed + e
+    .batch(global_batch_size, drop_remainder=True)
+    .repeat()
+    .map(gather)
+  )
+  return TrainIterator(ds, fingerprint, packing)
 
 
-def _packed_iterator(tokens, seq_len, global_batch_size, seed, process_index, local, ends, bos):
-  """``train_iterator`` on packed rows.
+def _pack(tokens, seq_len, global_batch_size, ends, bos) -> _Plan:
+  """The packed rows' plan for ``train_iterator``, its arguments checked.
 
   Why not grain's packing (grain.experimental.FirstFitPackIterDataset, BestFit...): they fill
   rows first- or best-fit, so a document goes into an earlier row with room for it (documents
@@ -301,30 +308,7 @@ def _packed_iterator(tokens, seq_len, global_batch_size, seed, process_index, lo
       f"split too short: {ends.size} documents pack into {plan.num_rows} rows of "
       f"seq_len={seq_len}, fewer than global_batch_size={global_batch_size}"
     )
-  import grain  # pylint: disable=g-import-not-at-top
-
-  rows = slice(process_index * local, (process_index + 1) * local)
-  ds = (
-    grain.MapDataset.range(plan.num_rows)
-    .shuffle(seed=seed)
-    .batch(global_batch_size, drop_remainder=True)
-    .repeat()
-    .map(_PackedRows(tokens, plan, seq_len, int(bos), rows))
-  )
-  fingerprint = {
-    "seed": int(seed),
-    "seq_len": int(seq_len),
-    "global_batch_size": int(global_batch_size),
-    "num_tokens": int(tokens.shape[0]),
-    "packing": True,
-    "num_documents": int(ends.size),
-  }
-  packing = {
-    "rows": plan.num_rows,
-    "documents": int(ends.size),
-    "padding_fraction": plan.padding_fraction(seq_len),
-  }
-  return TrainIterator(ds, fingerprint, packing)
+  return plan
 
 
 @dataclasses.dataclass(frozen=True)
