@@ -2,25 +2,41 @@
 import are in tests/support/helpers.py."""
 
 import os
+import sys
 
 import pytest
 
 from tests.support import shared
-from tests.support.helpers import STDLIB_JSON, trained_run_config
+from tests.support.helpers import FAST_COMPILE, STDLIB_JSON, trained_run_config
 
 # Many tests (and the train.py subprocesses they start, which inherit the environment) compile
 # the same tiny programs: a persistent compilation cache compiles each of them once per run.
 # It lives outside the checkout (as pip's cache does), so a fresh clone on the same machine
-# starts warm; jax keys each entry by the program, its options and jax's version, and drops the
-# least recently used entries past the size below (a whole suite's programs take ~80 MB).
-os.environ.setdefault(
-  "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/aft_jax/test-compilation-cache")
-)
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
+# starts warm; jax keys each entry by the program, its options and jax's version.
+CACHE_DIR = os.path.expanduser("~/.cache/aft_jax/test-compilation-cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
+# No size limit for jax to keep: with one, every write lists the whole folder and reads each
+# entry's access time, under one lock that all the suite's processes share (a run writes
+# ~1,500 entries: quadratic, and the workers wait on each other; at 7,400 entries a write took
+# seconds). The folder is trimmed once per session instead (``shared.trim_cache``).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+CACHE_KEEP_BYTES = 1 << 30  # past this, the least recently written entries go, down to half
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# Test programs are tiny: XLA's backend optimisations cost more compile time than they save.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
+# This machine's environment sets PYTHONDONTWRITEBYTECODE, so every Python process the tests
+# start (train.py, the tools, the workers; ~0.2 s each) would compile aft_jax's and the tests'
+# sources again: the suite and its subprocesses write and reuse bytecode (__pycache__/, which
+# git ignores), as Python does by default.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+
+def pytest_configure(config):
+  """Once per session, in the process that runs it (pytest-xdist's controller, not each worker):
+  the compilation cache trimmed."""
+  if not hasattr(config, "workerinput"):
+    shared.trim_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], CACHE_KEEP_BYTES)
 
 
 def pytest_collection_modifyitems(config, items):

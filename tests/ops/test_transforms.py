@@ -37,7 +37,7 @@ import pytest
 from aft_jax import layers, ops
 from aft_jax.ops import banded, causal_mean, registry
 from tests.support import numpy_reference as ref
-from tests.support.helpers import on_target
+from tests.support.helpers import on_target, xla_flags
 
 B = 4  # nested vmap: 2 x 2
 WINDOW, KERNEL = 3, 3
@@ -527,10 +527,7 @@ def test_nn_scan_over_layers_equals_a_loop():
 def test_shard_map_with_its_defaults(tmp_path):
   """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
   out = tmp_path / "report.json"
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-  )
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4))
   proc = subprocess.run(
     [sys.executable, "-m", "tests.support.transforms_worker", str(out)],
     env=env,

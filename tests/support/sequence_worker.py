@@ -18,7 +18,6 @@ import sys
 # Must precede the first jax import: the device count is fixed when the CPU backend starts.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  " --xla_backend_optimization_level=0"
 )
 
 import jax  # noqa: E402

@@ -16,10 +16,9 @@ import sys
 import time
 
 # Must precede the first jax import: the device count is fixed when the CPU backend starts.
-# Optimisation level 0 halves XLA's compile time on CPU; every mesh here compiles with it.
+# (The fast-compile flags come from the test session's environment: tests/support/helpers.py.)
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  " --xla_backend_optimization_level=0"
 )
 
 import flax.linen as nn  # noqa: E402

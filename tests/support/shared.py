@@ -5,10 +5,13 @@ A session- or module-scoped fixture is made once per *worker*: with ``-n 2`` an 
 folder that every worker of the session sees, under an exclusive lock: the first worker to ask
 builds it, the others wait on the lock and read what it left. Only for what tests treat as
 read-only (they copy a workdir before changing it); a module whose tests change their fixture
-in place keeps it in one worker instead (``pytest.mark.xdist_group``)."""
+in place keeps it in one worker instead (``pytest.mark.xdist_group``).
+
+Also the compilation cache's trimming (``trim_cache``), once per session."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -41,3 +44,21 @@ def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
       tmp.write_text(json.dumps(value))
       tmp.rename(done)  # whole or not there: a reader never sees half of it
   return folder, json.loads(done.read_text())
+
+
+def trim_cache(folder: str, keep: int) -> None:
+  """If the compilation cache ``folder`` holds more than ``keep`` bytes, deletes its least
+  recently written files until it holds at most half of that (tests/conftest.py, once per
+  session: jax's own size limit costs a scan of the folder per write)."""
+  try:
+    files = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder)]
+  except FileNotFoundError:
+    return
+  if sum(size for _, size, _ in files) <= keep:
+    return
+  kept = 0
+  for _, size, path in sorted(files, reverse=True):  # the newest first
+    kept += size
+    if kept > keep // 2:
+      with contextlib.suppress(FileNotFoundError):  # another session trimmed it first
+        os.remove(path)

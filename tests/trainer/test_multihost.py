@@ -22,13 +22,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.support.helpers import ROOT, config_flags, tiny_config, train_py
+from tests.support.helpers import ROOT, config_flags, tiny_config, train_py, xla_flags
 from aft_jax.workdir import Workdir
 
 STEPS = 4
 TIMEOUT_S = 300
-# Level 0 halves XLA's CPU compile time; all runs use it, so they stay comparable.
-XLA_FAST = "--xla_backend_optimization_level=0"
 
 
 def _config(mesh, **overrides):
@@ -74,7 +72,7 @@ def _kill_leftovers():
 def _start(workdir, config, devices, extra=(), log=None):
   env = dict(
     os.environ,
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FAST}",
+    XLA_FLAGS=xla_flags(devices),
     JAX_PLATFORMS="cpu",
   )
   cmd = train_py(workdir, *config_flags(config), *extra)
