@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from aft_jax.ops import branch
-from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, bcast, combine, finite, output, tame
+from aft_jax.ops.logsumexp import (
+  HIGHEST, NEG, Acc, bcast, combine, finite, gate, output, tame,
+)  # fmt: skip
 
 _sg = jax.lax.stop_gradient
 
@@ -239,12 +241,21 @@ def _dense_causal(q, k, v, kernel, finite_values: bool):
   logits = k[..., None, :, :] + jnp.moveaxis(bias, 0, -1)  # [..., T, T', H]
   term = k != -jnp.inf  # a key of -inf is no term (``_leaf``)
   valid = (d >= 0)[:, :, None] & term[..., None, :, :]
-  m = _sg(jnp.max(jnp.where(valid, logits, NEG), axis=-2))  # [..., T, H]
+  # Masked before the exponential too: a later key above a row's maximum (or any key, in a
+  # row with no term, m = NEG) would overflow, and its zero cotangent times inf is NaN.
+  logits = jnp.where(valid, logits, NEG)
+  m = _sg(jnp.max(logits, axis=-2))  # [..., T, H]
   p = jnp.where(valid, jnp.exp(logits - m[..., None, :]), 0.0)
   nonfinite = None if finite_values else ~finite(v)
   values = v if finite_values else jnp.where(nonfinite, 0.0, v)  # (also where k = -inf)
   num = jnp.einsum("...tsh,...shc->...thc", p, values, precision=HIGHEST)
-  y = output(q, Acc(m, num, jnp.sum(p, axis=-2)))
+  # A row with no term (every key -inf: a state's empty rows) is 0 / 0 = NaN, as the scans
+  # give it, but with its cotangent stopped: through the product a NaN cotangent would reach
+  # every value of the sum (0 * NaN), where the scans' masks keep it out.
+  den = jnp.sum(p, axis=-2)
+  empty = (den == 0.0)[..., None]
+  mean = jnp.where(empty, 0.0, num) / jnp.where(empty, 1.0, den[..., None])
+  y = gate(q, jnp.where(empty, jnp.nan, mean))
   if finite_values:
     return y
   bad = nonfinite & term[..., None]
