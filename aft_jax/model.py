@@ -194,6 +194,17 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
   raise ValueError(f"config.model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
 
 
+def gelu_exact(x):
+  """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2, as torch's ``nn.GELU()`` writes it: the
+  same function as ``nn.gelu(x, approximate=False)``, which jax writes with erfc, whose XLA:CPU
+  expansion is several times dearer than erf's rational approximation (at nanoGPT's CPU recipe
+  the forward GELU of the step's four MLPs took 9.5 ms of the two threads' time with erfc, the
+  most expensive element-wise work in the step; erf's: benchmarks/RESULTS.md, "Where the step's
+  time went"). The two differ by float32 rounding, and in the far negative tail (x < -5),
+  where erf's form rounds the product to 0 where erfc's keeps a value below 1e-6."""
+  return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
+
+
 def _ln(cfg, name):
   return nn.LayerNorm(
     dtype=cfg.dtype,
@@ -231,7 +242,7 @@ class Block(nn.Module):
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
     )
     h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
-    h = nn.gelu(h, approximate=cfg.gelu_approximate)
+    h = nn.gelu(h, approximate=True) if cfg.gelu_approximate else gelu_exact(h)
     h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(h))
     x_BTD = x_BTD + drop(h)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "activation_length", "embed"))

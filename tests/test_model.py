@@ -496,3 +496,12 @@ def test_gpt2_init_ties_the_output_layer_unscaled_and_gelu_form():
   assert not np.allclose(
     model.apply({"params": params}, _tokens()), exact.apply({"params": params}, _tokens())
   )
+
+
+def test_exact_gelu_is_jaxs_exact_gelu():
+  # erf's form (torch's, cheaper on XLA:CPU) against jax's erfc form, values and derivatives.
+  x = jnp.linspace(-12.0, 12.0, 20001)
+  exact = functools.partial(nn.gelu, approximate=False)
+  np.testing.assert_allclose(M.gelu_exact(x), exact(x), rtol=0, atol=2e-6)
+  d = lambda f: jax.vmap(jax.grad(f))(x)
+  np.testing.assert_allclose(d(M.gelu_exact), d(exact), rtol=0, atol=1e-6)

@@ -17,9 +17,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from aft_jax.ops import branch
-from aft_jax.ops.logsumexp import NEG, Acc, bcast, combine, finite, output, tame
+from aft_jax.ops.logsumexp import (
+  HIGHEST, NEG, Acc, bcast, combine, finite, gate, output, tame,
+)  # fmt: skip
 
 _sg = jax.lax.stop_gradient
 
@@ -196,16 +199,77 @@ def _causal_conv1d_jvp(primals, tangents):
   bad = bad_k[..., None] | ~finite(v)
   seen = jax.lax.cummax(bad.astype(jnp.int32), axis=axis) > 0
   clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame(kernel))
-  y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True), clean, tangents)
+  y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
   # Inputs that are all finite: y_clean is the output; else it is recomputed (rare).
   anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
   y = branch.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
   return y, jnp.where(~seen & finite(y), dy, 0.0)
 
 
-def _conv1d(q, k, v, kernel, causal: bool):
-  s = kernel.shape[-1]
+# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``):
+# every (t, t') pair of a head at once, one masked [T, T] exponential and a matrix product, in
+# place of the kernel's s shifted copies and the prefix scans. At nanoGPT's CPU recipe (T 64,
+# kernel 32, 4 heads of 32, batch 12) one layer's forward and backward took 2.8 ms against 21.6
+# ms on the 2-core CPU, and the train step 158 -> ~85 ms (benchmarks/RESULTS.md, "aft-jax
+# beside nanoGPT"); its memory, B H T^2 floats a layer, is what bounds it.
+DENSE_MAX_T = 256
+
+
+def _conv1d(q, k, v, kernel, causal: bool, finite_values: bool = False):
+  """``finite_values``: v is known finite (the JVP's tamed inputs): no patch for rows that see
+  a non-finite value."""
   axis = k.ndim - 2  # the T axis of k [..., T, H] (and of v [..., T, H, C])
+  if causal and k.shape[axis] <= DENSE_MAX_T:
+    return _dense_causal(q, k, v, kernel, finite_values)
+  return _scan_conv1d(q, k, v, kernel, causal)
+
+
+def _dense_causal(q, k, v, kernel, finite_values: bool):
+  """Causal AFT-conv1d as one masked [T, T] sum per head: logits k[t'] + w[t - t'] (the
+  kernel's entry where 0 <= t - t' < s, else 0) over t' <= t, shifted by each row's maximum,
+  as ``logsumexp.from_terms`` sums them, with the values' sum a matrix product.
+
+  A product sums every t' of a row, the later ones (and keys of -inf) with weight 0, so
+  non-finite values are zeroed first (0 * NaN would reach earlier rows) and the rows that see
+  one (a term t' <= t with a non-finite value and a key that is not -inf) are recomputed by
+  the exact scans (``_scan_conv1d``, behind ``branch.cond``): every other row is bit for bit
+  what it is with finite values."""
+  t_len, s = k.shape[-2], kernel.shape[-1]
+  t = np.arange(t_len)
+  d = t[:, None] - t[None, :]  # t - t'
+  bias = jnp.where((d < s)[None], kernel[:, np.clip(d, 0, s - 1)], 0.0)  # [H, T, T']
+  logits = k[..., None, :, :] + jnp.moveaxis(bias, 0, -1)  # [..., T, T', H]
+  term = k != -jnp.inf  # a key of -inf is no term (``_leaf``)
+  valid = (d >= 0)[:, :, None] & term[..., None, :, :]
+  # Masked before the exponential too: a later key above a row's maximum (or any key, in a
+  # row with no term, m = NEG) would overflow, and its zero cotangent times inf is NaN.
+  logits = jnp.where(valid, logits, NEG)
+  m = _sg(jnp.max(logits, axis=-2))  # [..., T, H]
+  p = jnp.where(valid, jnp.exp(logits - m[..., None, :]), 0.0)
+  nonfinite = None if finite_values else ~finite(v)
+  values = v if finite_values else jnp.where(nonfinite, 0.0, v)  # (also where k = -inf)
+  num = jnp.einsum("...tsh,...shc->...thc", p, values, precision=HIGHEST)
+  # A row with no term (every key -inf: a state's empty rows) is 0 / 0 = NaN, as the scans
+  # give it, but with its cotangent stopped: through the product a NaN cotangent would reach
+  # every value of the sum (0 * NaN), where the scans' masks keep it out.
+  den = jnp.sum(p, axis=-2)
+  empty = (den == 0.0)[..., None]
+  mean = jnp.where(empty, 0.0, num) / jnp.where(empty, 1.0, den[..., None])
+  y = gate(q, jnp.where(empty, jnp.nan, mean))
+  if finite_values:
+    return y
+  bad = nonfinite & term[..., None]
+  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=bad.ndim - 3) > 0  # [..., T, H, C]
+  return branch.cond(
+    jnp.any(seen),
+    lambda: jnp.where(seen, _scan_conv1d(q, k, v, kernel, True), y),
+    lambda: y,
+  )
+
+
+def _scan_conv1d(q, k, v, kernel, causal: bool):
+  s = kernel.shape[-1]
+  axis = k.ndim - 2
   leaf = _leaf(k, v)
   if causal:
     offsets = [(-j,) for j in range(s)]

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import warnings
 
 import flax.linen as nn
@@ -123,6 +124,26 @@ def eval_step(params, batch, *, model):
   return weighted_nll(model, params, batch, train=False)
 
 
+# XLA:CPU compile options of the train and evaluation steps, on a mesh of CPU devices only.
+# YNNPACK (jaxlib 0.10's CPU library) by default takes over dots and also element-wise and
+# reduction fusions; at nanoGPT's CPU recipe (benchmarks/RESULTS.md, "aft-jax beside nanoGPT")
+# handing it the dots alone made the softmax train step 100 -> 80 ms on the 2-core CPU (XLA's
+# own loop fusions run the element-wise work faster than YNNPACK's at these small shapes). A
+# per-compile option, so that the user's XLA_FLAGS need not name it and no other program in the
+# process is changed; an XLA_FLAGS that names the option itself wins.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+def compiler_options(mesh) -> dict | None:
+  """The steps' compile options for ``mesh``: ``CPU_COMPILER_OPTIONS`` where its devices are
+  CPUs (a GPU, a TPU or a deviceless topology's devices get XLA's defaults), less any option
+  that XLA_FLAGS sets."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in flags} or None
+
+
 class Trainer:
   """Holds the mesh, the jitted steps and their shardings for one run config (its model's
   vocabulary size filled in: ``RunConfig.with_vocab``)."""
@@ -160,16 +181,19 @@ class Trainer:
       accum=cfg.optimizer.grad_accum_steps,
       skip=cfg.step_log.nonfinite == "skip",
     )
+    options = compiler_options(mesh)
     self._train_step = jax.jit(
       sharding.with_sequence_mesh(step, mesh),
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
+      compiler_options=options,
     )
     self._eval_step = jax.jit(
       sharding.with_sequence_mesh(functools.partial(eval_step, model=self.model), mesh),
       in_shardings=(self.state_shardings.params, batch_sh),
       out_shardings=repl,
+      compiler_options=options,
     )
 
   def specs(self, batch_size: int, weights: bool = False) -> dict:

