@@ -24,7 +24,6 @@ way; shard_map with its defaults (check_vma=True) runs in one subprocess
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -37,7 +36,7 @@ import pytest
 from aft_jax import layers, ops
 from aft_jax.ops import banded, causal_mean, registry
 from tests.support import numpy_reference as ref
-from tests.support.helpers import on_target, xla_flags
+from tests.support.helpers import on_target
 
 B = 4  # nested vmap: 2 x 2
 WINDOW, KERNEL = 3, 3
@@ -527,10 +526,9 @@ def test_nn_scan_over_layers_equals_a_loop():
 def test_shard_map_with_its_defaults(tmp_path):
   """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
   out = tmp_path / "report.json"
-  env = dict(os.environ, XLA_FLAGS=xla_flags(4))
+  # (The worker adds its device count to the session's XLA_FLAGS, as the sharding workers do.)
   proc = subprocess.run(
     [sys.executable, "-m", "tests.support.transforms_worker", str(out)],
-    env=env,
     capture_output=True,
     text=True,
     timeout=900,
