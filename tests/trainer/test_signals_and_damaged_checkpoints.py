@@ -100,15 +100,27 @@ def _eight_bytes_of_ff(data: bytearray) -> None:
 DAMAGE = {"a flipped bit": _flip_a_bit, "8 bytes of 0xff": _eight_bytes_of_ff}
 
 
-def _damage(workdir, step, how) -> str:
-  """Damages the middle of the largest file of checkpoint ``step`` (``DAMAGE[how]``): bytes
-  that still parse (a value changes), which only the checksums see."""
-  path = _largest_file(os.path.join(workdir, "checkpoints", str(step)))
-  data = bytearray(open(path, "rb").read())
-  DAMAGE[how](data)
-  with open(path, "wb") as f:
-    f.write(bytes(data))
-  return path
+def _data_files(workdir, step) -> list[str]:
+  """The files of checkpoint ``step`` that hold array data (Orbax's OCDBT data files, 4 KB and
+  more: the small ones are index nodes)."""
+  pattern = os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_*", "d", "*")
+  return sorted(p for p in glob.glob(pattern) if os.path.getsize(p) >= 4096)
+
+
+def _damage(workdir, step, how) -> list[str]:
+  """Damages the middle of every data file of checkpoint ``step`` (``DAMAGE[how]``): bytes
+  that still parse (a value changes), which only the checksums see. Every file, not one: a data
+  file may also hold bytes no restore reads, and which file holds what depends on the save's
+  thread timing (with the machine busy, the largest file was such a one once, and damaging it
+  changed nothing)."""
+  paths = _data_files(workdir, step)
+  assert paths, f"no data files in checkpoint {step} of {workdir}"
+  for path in paths:
+    data = bytearray(open(path, "rb").read())
+    DAMAGE[how](data)
+    with open(path, "wb") as f:
+      f.write(bytes(data))
+  return paths
 
 
 def _one_line(e) -> str:
