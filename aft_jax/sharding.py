@@ -106,16 +106,24 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
+  """What is wrong with splitting each global batch size (``batch_size=16``) over ``dp``
+  data-parallel devices: one line per size they do not divide (touches no device)."""
+  return [
+    f"{name} = {size} is not divisible by the {dp} data-parallel devices (mesh data x fsdp)"
+    for name, size in batch_sizes.items()
+    if size % dp
+  ]
+
+
 def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
   """Each global batch size (``batch_size=16``) must split evenly over the data-parallel
   devices (mesh data x fsdp, or their number), and those over the processes: each process
   feeds its own rows."""
   dp = mesh if isinstance(mesh, int) else data_parallel_size(mesh)
-  for name, size in batch_sizes.items():
-    if size % dp:
-      raise ValueError(
-        f"{name} = {size} is not divisible by the {dp} data-parallel devices (mesh data x fsdp)"
-      )
+  uneven = uneven_batches(dp, **batch_sizes)
+  if uneven:
+    raise ValueError(uneven[0])
   if dp % jax.process_count():
     raise ValueError(
       f"mesh data x fsdp = {dp} is not a multiple of the {jax.process_count()} "

