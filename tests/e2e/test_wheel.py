@@ -5,7 +5,7 @@ the oldest this project supports. The notebook's install cell, asked for a newer
 by pip (it holds the runtime's jax); then it installs the wheel built from this checkout
 (AFT_JAX_SOURCE), holding that jax; the notebook runs in quick mode, and the console script
 trains a recipe named the way the README names it. Needs the package
-registry (or pip's cache) for the venv's packages: about 70 s here with a warm cache.
+registry (or uv's and pip's caches) for the venv's packages.
 """
 
 import json
@@ -87,7 +87,11 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   # The wheel, built from the checkout's files, while the venv is made (both wait on pip).
   src, dist = tmp_path / "src", tmp_path / "dist"
   _source_tree(src)
-  build = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-w", str(dist), "-q"]
+  # uv (a test dependency) builds and installs what the user's pip would, several times faster:
+  # the build backend's isolated environment and the runtime's packages are this test's setup,
+  # not what it tests (the notebook's install cell below is the user's pip, as on Colab).
+  uv = [sys.executable, "-m", "uv"]
+  build = [*uv, "build", "--wheel", "--out-dir", str(dist), "-q", str(src)]
   start = time.perf_counter()
   builder = subprocess.Popen(build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -96,10 +100,10 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   _run([sys.executable, "-m", "venv", str(venv)], timings, "venv")
   py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
   runtime = [f"jax=={jax_version}", f"jaxlib=={jax_version}", "ipykernel", "matplotlib"]
-  _run([py, "-m", "pip", "install", "-q", *runtime], timings, "runtime jax")
+  _run([*uv, "pip", "install", "-q", "--python", py, *runtime], timings, "runtime jax")
   log = builder.communicate()[0]
   timings["build wheel (alongside)"] = round(time.perf_counter() - start, 1)
-  assert builder.returncode == 0, f"pip wheel failed:\n{log[-3000:]}"
+  assert builder.returncode == 0, f"uv build failed:\n{log[-3000:]}"
   (wheel,) = dist.glob("aft_jax-*.whl")
 
   # The install cell holds the runtime's jax: asked for something that needs a newer jax, pip
