@@ -8,7 +8,7 @@ does not split one product over threads: a step keeps one core busy and the rest
 then splits each batch over them, every device runs its share of the step on its own core at
 the same time, and one all-reduce sums the gradients. Measured on the 2-core machine of
 benchmarks/RESULTS.md ("aft-jax beside nanoGPT", "Step time"): the quickstart's step 171 -> 81
-ms, the softmax step at nanoGPT's recipe 62 -> 46 ms, the same losses to the printed digits. On
+ms, the softmax step at nanoGPT's recipe 69.5 -> 44.9 ms, the same losses to the printed digits. On
 2 cores, 4 devices were slower than 2 (two devices' work on one core), hence at most one per
 core; ``MAX_DEVICES`` bounds what was not measured (many-core hosts, where the replicated
 optimizer update and the all-reduce grow with the count).
