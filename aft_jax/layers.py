@@ -160,10 +160,10 @@ _HEADS_QV = ("batch", "activation_length", "heads", "kv")
 
 def _op(module, fn, args, names):
   """``fn(*args, axis_name=...)``: with T split over the mesh's ``sequence`` axis
-  (``sharding.in_sequence_shards``) in a causal layer, else on the whole of T."""
+  (``sharding.in_mesh_shards``) in a causal layer, else on the whole of T."""
   if not module.causal:
     return fn(*args, axis_name=None)
-  return sharding.in_sequence_shards(fn, args, names)
+  return sharding.in_mesh_shards(fn, args, names)
 
 
 def _cached_step(module, init, step):

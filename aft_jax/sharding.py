@@ -6,7 +6,7 @@ The mesh has four axes (MaxText's names):
     fsdp      data parallelism with parameters and optimizer state sharded too (ZeRO-3 style)
     tensor    tensor (model) parallelism: MLP hidden units, AFT channels and attention heads split
     sequence  context parallelism: the activations' T split into consecutive shards; the
-              causal AFT layers run their op per shard (``axis_name``, ``in_sequence_shards``)
+              causal AFT layers run their op per shard (``axis_name``, ``in_mesh_shards``)
 
 Modules name their parameters' axes (``embed``, ``mlp``, ``heads``, ...; see
 ``aft_jax.layers``); ``DEFAULT_RULES`` maps those logical names to mesh axes. This module knows
@@ -225,11 +225,11 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {a: n for a, n in mesh.shape.items() if a != SEQUENCE or n > 1}
 
 
-def with_sequence_mesh(fn, mesh: Mesh):
-  """``fn`` traced with ``mesh`` as the abstract mesh where its ``sequence`` axis splits T, so
-  that the layers' ``in_sequence_shards`` find it (``with mesh:`` does not expose it); ``fn``
-  itself otherwise. For the functions a Trainer jits, with their in and out shardings."""
-  if mesh.shape.get(SEQUENCE, 1) == 1:
+def with_traced_mesh(fn, mesh: Mesh):
+  """``fn`` traced with ``mesh`` as the abstract mesh, so that the layers' causal ops find it
+  (``in_mesh_shards``; ``with mesh:`` does not expose it); ``fn`` itself on one device. For the
+  functions a Trainer jits, with their in and out shardings."""
+  if mesh.devices.size == 1:
     return fn
 
   def traced(*args, **kwargs):
@@ -239,24 +239,51 @@ def with_sequence_mesh(fn, mesh: Mesh):
   return traced
 
 
-def sequence_shards() -> int:
-  """How many shards T is split into: the ``sequence`` axis of the mesh being traced for (the
-  abstract mesh the trainer sets), 1 outside one."""
+def in_mesh_shards(fn, args, names):
+  """``fn(*args, axis_name=...)`` on each device's shard of ``args``, inside ``jax.shard_map``
+  over the mesh being traced for (``with_traced_mesh``): each array of ``args`` laid out by its
+  logical axis names ``names`` (one tuple per array; "activation_length" is T, split over the
+  ``sequence`` axis, whose name ``fn`` then gets), the result laid out as the first.
+
+  Why a shard_map also where T is whole (sequence = 1): the causal ops loop over chunks of T,
+  and XLA's partitioner, left to itself on a data-parallel mesh, reshards inside that loop (the
+  2-device AFT-simple step held all-to-alls and collective-permutes in its ``while``); rows,
+  and channels over ``tensor``, are independent, so each device scans its own. Outside a mesh
+  of several devices, or where a dimension does not split evenly over its mesh axes:
+  ``fn(*args, axis_name=None)`` on the whole arrays."""
   mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else dict(mesh.shape).get(SEQUENCE, 1)
-
-
-def in_sequence_shards(fn, args, names):
-  """``fn(*args, axis_name=...)`` with T split over the mesh's ``sequence`` axis: inside
-  ``jax.shard_map``, each array of ``args`` laid out by its logical axis names ``names`` (one
-  tuple per array; "activation_length" is T, split over ``sequence``) and the result laid out
-  as the first. Outside such a mesh (or with sequence = 1): ``fn(*args, axis_name=None)``."""
-  if sequence_shards() == 1:
+  if mesh.empty or math.prod(dict(mesh.shape).values()) == 1:
     return fn(*args, axis_name=None)
+  sizes = dict(mesh.shape)
   specs = tuple(nn.logical_to_mesh_axes(n) for n in names)
+  seq = sizes.get(SEQUENCE, 1)
+
+  def splits(arg, spec) -> bool:
+    for dim, axes in zip(jax.numpy.shape(arg), spec):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      if dim % math.prod(sizes[a] for a in axes):
+        return False
+    return True
+
+  if seq == 1 and not all(map(splits, args, specs)):
+    return fn(*args, axis_name=None)
+  axis_name = SEQUENCE if seq > 1 else None
+
+  def mentioned(spec) -> set:
+    return {a for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes)}
+
+  # An array replicated over some axes (a layer's bias w) is marked varying there on the way in,
+  # so that its gradient is summed over those devices once, here, not inside the op's loop
+  # where it is read (there, the 2-device AFT-local step summed it on every chunk).
+  invariant = [tuple(a for a in sizes if a not in mentioned(spec)) for spec in specs]
+
+  def per_shard(*a):
+    a = [jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(a, invariant)]
+    return fn(*a, axis_name=axis_name)
+
   return jax.shard_map(
-    lambda *a: fn(*a, axis_name=SEQUENCE),
-    mesh=jax.sharding.get_abstract_mesh(),
+    per_shard,
+    mesh=mesh,
     in_specs=specs,
     out_specs=specs[0],
   )(*args)

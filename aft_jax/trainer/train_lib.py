@@ -183,14 +183,14 @@ class Trainer:
     )
     options = compiler_options(mesh)
     self._train_step = jax.jit(
-      sharding.with_sequence_mesh(step, mesh),
+      sharding.with_traced_mesh(step, mesh),
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
       compiler_options=options,
     )
     self._eval_step = jax.jit(
-      sharding.with_sequence_mesh(functools.partial(eval_step, model=self.model), mesh),
+      sharding.with_traced_mesh(functools.partial(eval_step, model=self.model), mesh),
       in_shardings=(self.state_shardings.params, batch_sh),
       out_shardings=repl,
       compiler_options=options,
