@@ -265,20 +265,23 @@ def in_mesh_shards(fn, args, names):
         return False
     return True
 
-  if seq == 1 and not all(map(splits, args, specs)):
-    return fn(*args, axis_name=None)
-  axis_name = SEQUENCE if seq > 1 else None
-
   def mentioned(spec) -> set:
     return {a for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes)}
 
-  # An array replicated over some axes (a layer's bias w) is marked varying there on the way in,
-  # so that its gradient is summed over those devices once, here, not inside the op's loop
-  # where it is read (there, the 2-device AFT-local step summed it on every chunk).
-  invariant = [tuple(a for a in sizes if a not in mentioned(spec)) for spec in specs]
+  split = {a for a in mentioned(specs[0]) if sizes[a] > 1}  # what the result varies over
+  if seq == 1 and (not split or not all(map(splits, args, specs))):
+    # (no split: the logical axis rules map no name here to a mesh axis, as outside the
+    # trainer's nn.logical_axis_rules)
+    return fn(*args, axis_name=None)
+  axis_name = SEQUENCE if seq > 1 else None
+  # An array replicated over axes the result is split over (a layer's bias w) is marked varying
+  # there on the way in, so that its gradient is summed over those devices once, here, not
+  # inside the op's loop where it is read (there, the 2-device AFT-local step summed it on
+  # every chunk).
+  cast = [tuple(sorted(mentioned(specs[0]) - mentioned(spec))) for spec in specs]
 
   def per_shard(*a):
-    a = [jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(a, invariant)]
+    a = [jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(a, cast)]
     return fn(*a, axis_name=axis_name)
 
   return jax.shard_map(
