@@ -333,11 +333,18 @@ class AFTFull(_PositionBias):
     packed = _packing(self, x, segment_ids, mask, positions)
     # Packed rows index w by their positions (any below max_len), a plain row by t < T.
     t_bias = self.max_len if packed else x.shape[-2]
+    full = lambda q, k, v, w, axis_name: ops.aft_full(
+      q, k, v, w, causal=self.causal, impl=self.impl, **packed
+    )
+    if packed:
+      return self._mix(x, decode, lambda q, k, v: full(q, k, v, self.bias(t_bias), None))
+    # Per device's rows on a multi-device mesh (the op takes no shard of T).
+    names = (_QKV, _QKV, _QKV, ("length", "length_k"))
     return self._mix(
       x,
       decode,
-      lambda q, k, v: ops.aft_full(
-        q, k, v, self.bias(t_bias), causal=self.causal, impl=self.impl, **packed
+      lambda q, k, v: sharding.in_mesh_shards(
+        full, (q, k, v, self.bias(t_bias)), names, splits_t=False
       ),
     )
 

@@ -239,7 +239,7 @@ def with_traced_mesh(fn, mesh: Mesh):
   return traced
 
 
-def in_mesh_shards(fn, args, names):
+def in_mesh_shards(fn, args, names, splits_t: bool = True):
   """``fn(*args, axis_name=...)`` on each device's shard of ``args``, inside ``jax.shard_map``
   over the mesh being traced for (``with_traced_mesh``): each array of ``args`` laid out by its
   logical axis names ``names`` (one tuple per array; "activation_length" is T, split over the
@@ -249,7 +249,8 @@ def in_mesh_shards(fn, args, names):
   and XLA's partitioner, left to itself on a data-parallel mesh, reshards inside that loop (the
   2-device AFT-simple step held all-to-alls and collective-permutes in its ``while``); rows,
   and channels over ``tensor``, are independent, so each device scans its own. Outside a mesh
-  of several devices, or where a dimension does not split evenly over its mesh axes:
+  of several devices, where a dimension does not split evenly over its mesh axes, or where T is
+  split but ``fn`` cannot take a shard of T (``splits_t`` False: AFT-full):
   ``fn(*args, axis_name=None)`` on the whole arrays."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(dict(mesh.shape).values()) == 1:
@@ -269,6 +270,8 @@ def in_mesh_shards(fn, args, names):
     return {a for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes)}
 
   split = {a for a in mentioned(specs[0]) if sizes[a] > 1}  # what the result varies over
+  if seq > 1 and not splits_t:
+    return fn(*args, axis_name=None)
   if seq == 1 and (not split or not all(map(splits, args, specs))):
     # (no split: the logical axis rules map no name here to a mesh axis, as outside the
     # trainer's nn.logical_axis_rules)

@@ -118,7 +118,7 @@ from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import tiny_config
 counts = {}
-for mixing in ("softmax", "aft_simple", "aft_local"):
+for mixing in ("softmax", "aft_simple", "aft_local", "aft_full"):
   cfg = RunConfig.from_tree(tiny_config(**{"model.mixing": mixing, "model.num_heads": 2}))
   text = train_lib.make_trainer(cfg, 256).lower_train_step().compile().as_text()
   counts[mixing] = {op: len(re.findall(f" {op}[.(]", text)) for op in OPS}
@@ -128,10 +128,10 @@ print(json.dumps(counts))
 
 @pytest.mark.slow
 def test_a_data_parallel_step_of_the_causal_ops_holds_only_the_gradient_all_reduce():
-  """On 2 devices (data = 2), the AFT-simple and AFT-local train steps' only collective is the
-  gradient's all-reduce, as softmax's: their ops run per device's rows (in_mesh_shards), where
-  XLA's partitioner had put all-to-alls and collective-permutes inside their chunk loops, and
-  AFT-local's bias gradient is summed once, not on every chunk."""
+  """On 2 devices (data = 2), the AFT-simple, AFT-local and AFT-full train steps' only
+  collective is the gradient's all-reduce, as softmax's: their ops run per device's rows
+  (in_mesh_shards), where XLA's partitioner had put all-to-alls and collective-permutes inside
+  their loops, and AFT-local's bias gradient is summed once, not on every chunk."""
   ops = ("all-reduce", "all-to-all", "collective-permute", "all-gather", "reduce-scatter")
   env = dict(os.environ, XLA_FLAGS=xla_flags(2))
   code = f"OPS = {ops!r}\n" + COLLECTIVES
@@ -140,7 +140,7 @@ def test_a_data_parallel_step_of_the_causal_ops_holds_only_the_gradient_all_redu
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   counts = json.loads(proc.stdout.strip().splitlines()[-1])
-  for mixing in ("aft_simple", "aft_local"):
+  for mixing in ("aft_simple", "aft_local", "aft_full"):
     assert counts[mixing] == counts["softmax"], counts
   assert counts["softmax"]["all-to-all"] == counts["softmax"]["collective-permute"] == 0, counts
   assert counts["softmax"]["all-reduce"] >= 1, counts
