@@ -119,7 +119,8 @@ def current() -> DeviceFacts:
   """The device the computation being traced is for (module docstring: the order)."""
   mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)
-  if device is not None and not mesh.empty:
+  # (jax < 0.9's abstract device has no platform: the concrete mesh's device says it there)
+  if device is not None and not mesh.empty and hasattr(device, "platform"):
     platform = _platform(device.platform)
     cc = capability_of_kind(device.device_kind) if platform == "gpu" else None
     return DeviceFacts(platform, device.device_kind, cc)

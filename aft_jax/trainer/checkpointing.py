@@ -168,12 +168,7 @@ def _quiet_orbax_threads(stay_quiet_on_error: bool):
   try:
     yield
   except BaseException:
-    if stay_quiet_on_error:
-      # The failed write's coroutines, never finished, are collected at exit, where Python
-      # warns about each ("sys:1: RuntimeWarning: coroutine ... was never awaited") after our
-      # error: on a busy machine they were still pending then.
-      warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
-    else:
+    if not stay_quiet_on_error:
       time.sleep(1.0)
       undo()
     raise
@@ -236,11 +231,21 @@ def save(
       args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
       mngr.save(step, args=ocp.args.Composite(**args), force=True)
       mngr.wait_until_finished()
-  except Exception as e:
-    raise OSError(
-      f"saving the checkpoint at step {step} failed ({_first_line(e)}); {_intact_note(mngr)}: "
-      "free disk space and rerun the same command to resume"
-    ) from None  # Orbax's internal chain says nothing more to the user
+  except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
+    error = _first_line(e)
+  else:
+    return
+  # The failed write's coroutines, never finished, live as long as the error's frames; left to
+  # the interpreter's exit, each prints "coroutine ... was never awaited" after our error (on a
+  # busy machine, once the warnings module was gone). Without the error they are collected here.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    time.sleep(1.0)  # the writing threads wind down
+    gc.collect()
+  raise OSError(
+    f"saving the checkpoint at step {step} failed ({error}); {_intact_note(mngr)}: "
+    "free disk space and rerun the same command to resume"
+  )  # (not chained: Orbax's internal chain says nothing more to the user)
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
