@@ -106,6 +106,11 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+def _axis_names(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
   """What is wrong with splitting each global batch size (``batch_size=16``) over ``dp``
   data-parallel devices: one line per size they do not divide (touches no device)."""
@@ -173,8 +178,7 @@ def logical_shardings(abstract_tree, mesh: Mesh, rules):
       return sh
     spec, changed = list(sh.spec), False
     for i, (dim, axes) in enumerate(zip(leaf.shape, spec)):
-      names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
-      if dim % math.prod(mesh.shape[a] for a in names):
+      if dim % math.prod(mesh.shape[a] for a in _axis_names(axes)):
         replicated_dims.append(
           f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} dim {i} over {axes}"
         )
@@ -260,14 +264,13 @@ def in_mesh_shards(fn, args, names, splits_t: bool = True):
   seq = sizes.get(SEQUENCE, 1)
 
   def splits(arg, spec) -> bool:
-    for dim, axes in zip(jax.numpy.shape(arg), spec):
-      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-      if dim % math.prod(sizes[a] for a in axes):
-        return False
-    return True
+    return not any(
+      dim % math.prod(sizes[a] for a in _axis_names(axes))
+      for dim, axes in zip(jax.numpy.shape(arg), spec)
+    )
 
   def mentioned(spec) -> set:
-    return {a for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes)}
+    return {a for axes in spec for a in _axis_names(axes)}
 
   split = {a for a in mentioned(specs[0]) if sizes[a] > 1}  # what the result varies over
   if seq > 1 and not splits_t:

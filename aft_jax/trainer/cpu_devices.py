@@ -49,8 +49,8 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
   devices)."""
   if cfg.mesh != MeshConfig():
     return 1
+  batches = dict(batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size)
   for n in range(min(num_cores, MAX_DEVICES), 1, -1):
-    batches = dict(batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size)
     if not sharding.uneven_batches(n, **batches):
       return n
   return 1
