@@ -12,12 +12,14 @@ give (the Pallas calls in each op's jaxpr, traced with the interpreted kernels o
 asserts nothing, so one broken item leaves the others reported. One process per platform: the
 plugin starts once and the compiles share jax's in-memory caches.
 
-cuda: the kernel matrix (``kernels``: every kernel configuration ``impl="auto"`` can choose for
-AFT-simple and AFT-local, forward and forward+backward, float32 and bfloat16, compiled for an
-H100 and lowered for a T4), ``impl="pallas"`` on a T4 (``pallas_on_t4``), the quickstart train
-step of every mixing layer (``train_steps``: every one but AFT-local for a T4, the two with
-kernels for an H100) and the notebook's GPU model (``notebook``: AFT-local) for a T4, and the
-trainer's safety net on a T4 that ``impl="auto"`` is made to misjudge (``safety_net``).
+cuda: the kernel matrix (``kernels``: the cases of every kernel configuration ``impl="auto"`` can
+choose for AFT-simple and AFT-local, forward and forward+backward, float32 and bfloat16, one of
+each op, mode and dtype compiled for an H100 and lowered for a T4), ``impl="pallas"`` on a T4
+(``pallas_on_t4``), the quickstart train steps (``train_steps``: for a T4 every mixing layer but
+AFT-local and AFT-simple, the two with kernels for an H100), the notebook's GPU model
+(``notebook``: AFT-local) for a T4, and the trainer's safety net on a T4 that ``impl="auto"`` is
+made to misjudge (``safety_net``: the quickstart model with AFT-simple, whose fallback is that
+mixing's T4 step).
 tpu: the TPU AFT-simple kernel at B 1, T 16384, D 512 bfloat16 against the XLA path for a v5e
 and a v6e (``tpu_kernel``), and an AFT-simple LM train step with it for a v5e (``train_step``).
 """
@@ -29,6 +31,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 
 import jax
@@ -45,7 +48,7 @@ from aft_jax.trainer.run_config import RunConfig
 from aft_jax.ops import pallas_util
 from aft_jax.ops import target as ops_target
 from configs import quickstart
-from tests.support.helpers import ROOT, TRITON, equations, tiny_config
+from tests.support.helpers import ROOT, TRITON, equations
 
 MOSAIC = 'custom_call_target="tpu_custom_call"'  # a Pallas TPU kernel in compiled HLO
 # A Triton call's line in compiled HLO: its grid, then (after the kernel's IR) its name.
@@ -54,23 +57,31 @@ _TRITON_CALL = re.compile(
   r"i32, grid_z = (\d+) : i32.*name = \"(\w+)\", num_stages"
 )
 # sm_75 (XLA refuses Triton) and sm_90. sm_80 (an A100) compiles every kernel configuration,
-# forward and backward, in tests/ops/test_kernel_resources.py (XLA's own pipeline, checked grids).
+# forward and backward, in tests/ops/test_kernel_resources.py (XLA's own pipeline, checked grids):
+# here each GPU takes one case per op, mode and dtype (``representatives``), which spreads the
+# configurations over those kinds so that sm_90 still compiles each of them. A compile of all 24
+# cases for an H100 cost ~70 CPU-s of CI time; the kernels' resources do not differ between the
+# shapes of one configuration, and sm_80 is the tighter architecture (less shared memory).
 GPUS = ("t4", "h100")
-# A T4's matrix is lowered, not compiled: XLA refuses Triton below compute capability 8.0, so
-# there every case is the XLA path (no Triton call in the lowered module is the check; one
-# case per op, mode and dtype), and the T4 train steps below compile that path (a compile of
-# the 32 cases cost ~30 CPU-s).
+# A T4's cases are lowered, not compiled: XLA refuses Triton below compute capability 8.0, so
+# there every case is the XLA path (no Triton call in the lowered module is the check), and the
+# T4 train steps below compile that path.
 LOWER_ONLY = ("t4",)
 T_GPU = 32  # two 16-row chunks: the kernels' carries between chunks are compiled too
 WINDOWS = (5, 24)  # AFT-local: slabs of one and of two key blocks before a chunk's own
 DTYPES = ("float32", "bfloat16")
 TPU_SHAPE = (1, 16384, 512)  # B, T, D: a long sequence, where the TPU kernel's memory tells
 TPU_TARGETS = ("v5e", "v6e")
-# The safety net's model: tiny_config's with AFT-simple, whose 16 channels the kernels tile and
-# whose XLA fallback compiles fastest of the mixings with a kernel.
-SAFETY_NET = {"model.mixing": "aft_simple"}
+# The safety net's model: the quickstart recipe's with AFT-simple (a mixing with kernels), so
+# that its XLA fallback step for a T4 is that mixing's quickstart T4 train step
+# (TRAIN_STEP_MIXINGS compiles no other: one CUDA compile less).
+SAFETY_NET = "aft_simple"
 # XLA compiles with the GIL released: jobs side by side use the cores (CI's two at least).
 THREADS = max(2, min(8, os.cpu_count() or 2))
+# Tracing and lowering (Python, under the GIL: nothing lost) one job at a time: two threads
+# lowering at once once failed in MLIR's Python bindings ("'nanobind.nb_static_property' object
+# has no attribute 'context'"). Compiles run side by side outside it.
+_TRACING = threading.RLock()
 
 
 def _error(e: BaseException) -> str:
@@ -167,6 +178,16 @@ def _kind(case) -> tuple:
   return case["op"], case["mode"], case["dtype"]
 
 
+def representatives(cases) -> list[int]:
+  """The indices of the cases each GPU builds: one per op, mode and dtype (a kind), the k-th
+  kind at configuration k mod len(CONFIGS) (``kernel_cases`` makes each kind's cases in the
+  order of ``pallas_util.CONFIGS``), so every kernel and every configuration is in them."""
+  by_kind = {}
+  for i, case in enumerate(cases):
+    by_kind.setdefault(_kind(case), []).append(i)
+  return [idx[k % len(idx)] for k, idx in enumerate(by_kind.values())]
+
+
 def _case_fn(case, impl: str):
   """The case's op (causal), or for mode "grad" the gradient of its sum in every input."""
   if case["op"] == "aft_simple":
@@ -192,22 +213,20 @@ def _compile_cases(cases, mesh, impl="auto", compile_: bool = True):
   XLA compiles each case's kernels as it would alone); ``compile_=False``: only lowered."""
   fns = [_case_fn(c, impl) for c in cases]
   args = [_case_args(c, mesh) for c in cases]
-  with jax.set_mesh(mesh):
+  with _TRACING, jax.set_mesh(mesh):
     lowered = jax.jit(lambda a: [f(*x) for f, x in zip(fns, a)]).lower(args)
   return lowered.compile() if compile_ else lowered
 
 
 def gpu_kernels() -> dict:
-  """The kernel matrix: per target, a job compiling one program that holds every case (where
-  that fails, each case again alone, to name the ones that do), and per case the kernels its
-  jaxpr holds (traced on the host with the interpreted kernels, which take the same
-  configurations)."""
+  """The kernel matrix: per target, a job compiling one program that holds the
+  ``representatives`` of the cases (where that fails, each again alone, to name the ones that
+  do), and per case the kernels its jaxpr holds (traced on the host with the interpreted
+  kernels, which take the same configurations)."""
   cases = kernel_cases()
+  mine = [cases[i] for i in representatives(cases)]
 
   def compile_all(mesh, compile_):
-    # Where impl="auto" takes no kernel (LOWER_ONLY: a T4), the choice rests on the device
-    # alone, not on the shapes: there the first case of each op, mode and dtype is lowered.
-    mine = cases if compile_ else list({_kind(c): c for c in reversed(cases)}.values())
     build = lambda cs: _compile_cases(cs, mesh, compile_=compile_)
     res = _attempt(lambda: {"calls": triton_calls(build(mine).as_text()), "compiled": compile_})
     res["cases"] = len(mine)
@@ -221,7 +240,8 @@ def gpu_kernels() -> dict:
     for name in GPUS
   }
   host = _mesh(jax.devices("cpu")[:1])
-  expected = [jaxpr_kernels(_case_fn(c, "pallas_interpret"), *_case_args(c, host)) for c in cases]
+  with _TRACING:
+    expected = [jaxpr_kernels(_case_fn(c, "pallas_interpret"), *_case_args(c, host)) for c in cases]
   return {"cases": cases, "expected": expected, "compiled": compiled}
 
 
@@ -235,7 +255,7 @@ def pallas_on_t4() -> dict:
     fn, args = _case_fn(case, "pallas"), _case_args(case, mesh)
 
     def lower(fn=fn, args=args):
-      with jax.set_mesh(mesh):
+      with _TRACING, jax.set_mesh(mesh):
         jax.jit(fn).lower(*args)
 
     out[op] = _raises(lower)
@@ -269,10 +289,12 @@ def build_and_compile(config, devices) -> dict:
   said = []
   cfg = RunConfig.from_tree(config)
   vocab, _ = data_lib.vocab_size(cfg.data)
-  trainer = train_lib.make_trainer(cfg, vocab, devices, said.append)
-  step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
+  with _TRACING:  # (build_trainer compiles here where it tries the kernels: the safety net)
+    trainer = train_lib.make_trainer(cfg, vocab, devices, said.append)
+    step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
+    lowered = trainer.lower_train_step() if step is None else None
   if step is None:
-    step = trainer.lower_train_step().compile()
+    step = lowered.compile()
   return {"impl": trainer.model.cfg.impl, "said": said, **_step_facts(step)}
 
 
@@ -287,10 +309,11 @@ def quickstart_config(mixing: str):
 
 # The quickstart train steps compiled per GPU: for a T4 (where the default path was refused
 # before) every mixing layer but AFT-local, whose T4 step is the notebook's below (impl "auto"
-# too, a larger model: the same program but for sizes); the two with kernels for an H100 (the
-# others are XLA's there too, and each compile is ~10 s of CI time).
+# too, a larger model: the same program but for sizes), and AFT-simple, whose T4 step is the
+# safety net's fallback (impl "xla", the program "auto" takes there); the two with kernels for
+# an H100 (the others are XLA's there too, and each compile is ~10 s of CI time).
 TRAIN_STEP_MIXINGS = {
-  "t4": ("aft_full", "aft_simple", "aft_conv1d", "softmax"),
+  "t4": ("aft_full", "aft_conv1d", "softmax"),
   "h100": ("aft_local", "aft_simple"),
 }
 NOTEBOOK_GPUS = ("t4",)  # Colab's free GPU; the H100's kernels are the train steps' above
@@ -336,8 +359,10 @@ def notebook() -> dict:
     if builder == "make_trainer":
       return build_and_compile(config, devices)
     cfg = _run_cfg(config)
-    trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
-    return {"impl": trainer.model.cfg.impl, **_step_facts(trainer.lower_train_step().compile())}
+    with _TRACING:
+      trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
+      lowered = trainer.lower_train_step()
+    return {"impl": trainer.model.cfg.impl, **_step_facts(lowered.compile())}
 
   out = {"model": config.model.to_dict(), "builder": builder}
   out.update(seq_len=config.seq_len, batch_size=config.batch_size)
@@ -349,21 +374,31 @@ def notebook() -> dict:
 
 def safety_net() -> dict:
   """A T4 with the capability rule lowered to 7.0, so that ``impl="auto"`` wrongly takes the
-  kernels: what ``build_trainer`` says and returns (``SAFETY_NET``'s model), and what
-  compiling the train step with an explicit impl="pallas" does. The rule is a module global:
-  this runs before every other GPU job, its two jobs side by side under the one patch."""
+  kernels: what ``build_trainer`` says and returns for the quickstart model with
+  ``SAFETY_NET``'s mixing, its fallback step compiled; and what it returns for an explicit
+  impl="pallas" (lowered: its compile is the one the fallback saw fail). The rule is a module
+  global: this runs before every other GPU job, its two jobs side by side under the one patch."""
   devices = _devices("t4")
 
   def explicit():
-    cfg = _run_cfg(tiny_config(**{"model.impl": "pallas", **SAFETY_NET}))
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    lowered = train_lib.Trainer(cfg, mesh).lower_train_step()
-    return {"triton": lowered.as_text().count(TRITON), **_raises(lowered.compile)}
+    config = quickstart_config(SAFETY_NET)
+    config.model.impl = "pallas"
+    said = []
+    cfg = RunConfig.from_tree(config)
+    with _TRACING:
+      trainer = train_lib.make_trainer(cfg, data_lib.vocab_size(cfg.data)[0], devices, said.append)
+      triton = trainer.lower_train_step().as_text().count(TRITON)
+    return {
+      "impl": trainer.model.cfg.impl,
+      "said": said,
+      "compiled": trainer.compiled_train_step is not None,
+      "triton": triton,
+    }
 
   saved = ops_target.TRITON_MIN_CAPABILITY
   ops_target.TRITON_MIN_CAPABILITY = (7, 0)
   try:
-    config = tiny_config(**{"model.impl": "auto", **SAFETY_NET})
+    config = quickstart_config(SAFETY_NET)
     jobs = {"auto": _submit(functools.partial(build_and_compile, config, devices))}
     jobs["explicit"] = _submit(explicit)
     return _resolve(jobs)
@@ -388,9 +423,10 @@ def tpu_kernel() -> dict:
         fn = _case_fn({"op": "aft_simple", "mode": mode}, impl)
 
         def facts(fn=fn, mesh=mesh, args=args):
-          with jax.set_mesh(mesh):
+          with _TRACING, jax.set_mesh(mesh):
             kernels = jaxpr_kernels(fn, *args)
-            compiled = jax.jit(fn).lower(*args).compile()
+            lowered = jax.jit(fn).lower(*args)
+          compiled = lowered.compile()
           return {"jaxpr_kernels": kernels, **_step_facts(compiled)}
 
         out[name][f"{impl}_{mode}"] = _submit(facts)

@@ -8,13 +8,17 @@ import os
 # jax is imported inside the helpers: conftest imports this module before it sets the
 # environment (the compilation cache) that jax reads when it is first imported.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Real text no one here wrote: the standard library's json package (5 files, ~48 KB).
 # XLA's flags for the tests' programs, which are tiny: XLA's backend optimisations and the CPU
 # backend's MLIR fusion emitters cost more compile time than they save (the older emitters
 # compile the same fusions; measured: the tiny AFT-local, softmax and AFT-conv1d train steps
-# took 10.6 CPU-s to compile with them, 4.0 without). tests/conftest.py sets them for the
-# session, so the processes it starts inherit them.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# took 10.6 CPU-s to compile with them, 4.0 without), and so does splitting each program's LLVM
+# module into parts that compile on several threads (six small op gradients: 2.0-2.2 CPU-s
+# split, 1.4-1.5 in one part). tests/conftest.py sets them for the session, so the processes it
+# starts inherit them.
+FAST_COMPILE = (
+  "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+  "--xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def xla_flags(devices: int) -> str:
@@ -22,6 +26,7 @@ def xla_flags(devices: int) -> str:
   return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 
+# Real text no one here wrote: the standard library's json package (5 files, ~48 KB).
 STDLIB_JSON = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py")))
 
 

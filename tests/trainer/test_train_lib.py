@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support.helpers import ROOT, tiny_config, train_py
+from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.workdir import Workdir
 
@@ -70,7 +70,11 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   steps = 120
   flags = (f"--config.num_train_steps={steps}", "--config.sample.length=20")
   cmd = train_py(workdir, *flags, "--jax_debug_nans=false", "--verbosity=0")
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  # XLA's own optimisations, as a user's run has them: the suite's FAST_COMPILE saves compile
+  # time on tiny programs, but this run's 120 steps took 2.3x as long without them (~64 against
+  # ~36 CPU-s for the whole run here).
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, ""))
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
   assert results["unigram_valid_ppl"] > 20  # bytes of English text
