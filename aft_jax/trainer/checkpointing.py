@@ -189,6 +189,10 @@ def _quietly(read):
       warnings.simplefilter("ignore")
       try:
         return read(), None
+      except DamagedCheckpointError as e:
+        # Raised by the checksums after a read that completed: no reading thread or
+        # unfinished coroutine is left behind.
+        return None, _first_line(e)
       except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
         error = _first_line(e)
       time.sleep(1.0)  # the threads of the failed read wind down
