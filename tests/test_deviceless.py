@@ -11,8 +11,9 @@ and ``impl="auto"`` chooses right for each of them:
    ``impl="pallas"`` for a T4 is a ValueError naming its compute capability 7.5;
 2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.build_trainer`` as
    ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
-   for an H100 with one kernel set per layer for AFT-local and AFT-simple; the notebook's GPU
-   model (notebooks/quickstart.ipynb, bfloat16) compiles for a T4 without one;
+   for an H100 with one kernel set per layer for AFT-simple (AFT-local's: tests/trainer/
+   test_dry_run.py); the notebook's GPU model (notebooks/quickstart.ipynb, bfloat16) compiles
+   for a T4 without one;
 3. the safety net: on a T4 that ``impl="auto"`` is made to misjudge (the capability rule lowered
    to 7.0), ``build_trainer`` says in one line that the kernels did not compile and returns a
    trainer on ``impl='xla'`` whose step compiles (the quickstart's AFT-simple T4 step), while an
@@ -322,10 +323,10 @@ def _check_step(res: dict, name: str, model: dict, batch: int, seq_len: int, ker
 @pytest.mark.parametrize("name", sorted(TRAIN_STEP_MIXINGS))
 def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
   """configs/quickstart.py with model.impl="auto", built as aft-train builds it, compiles for a
-  T4 with every mixing layer but AFT-local (XLA everywhere; AFT-local's is the notebook's
-  model) and for an H100 with AFT-local and AFT-simple
-  (their kernels, in every layer, with ``config_for``'s configuration for the recipe's
-  shapes)."""
+  T4 with every mixing layer but AFT-local and AFT-simple (XLA everywhere; AFT-local's is the
+  notebook's model, AFT-simple's the safety net's fallback) and for an H100 with AFT-simple
+  (its kernels, in every layer, with ``config_for``'s configuration for the recipe's shapes;
+  AFT-local's H100 step is the dry run's in tests/trainer/test_dry_run.py)."""
   from configs import quickstart
 
   config = quickstart.get_config()

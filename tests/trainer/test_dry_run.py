@@ -37,13 +37,40 @@ def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
   return done.returncode, lines, report, done.stderr
 
 
+def _kernels_per_aft_local_layer(config) -> int:
+  """The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes: the
+  op's jaxpr, its kernels interpreted on this host (they take the same configurations)."""
+  import jax
+  import jax.numpy as jnp
+
+  from aft_jax import ops
+  from tests.support.deviceless_worker import jaxpr_kernels
+
+  window = config.model.window
+  op = lambda q, k, v, w: ops.aft_local(
+    q, k, v, w, window=window, causal=True, impl="pallas_interpret"
+  )
+  grad = jax.grad(lambda *a: jnp.sum(op(*a)), argnums=(0, 1, 2, 3))
+  x = jax.ShapeDtypeStruct((config.batch_size, config.seq_len, config.model.d_model), jnp.float32)
+  w = jax.ShapeDtypeStruct((config.seq_len, config.seq_len), jnp.float32)
+  return len(jaxpr_kernels(grad, x, x, x, w))
+
+
 @pytest.mark.slow
 def test_quickstart_fits_an_h100_with_the_kernels():
+  """The quickstart recipe (AFT-local, impl "auto") compiled for an H100 as aft-train builds it:
+  its kernels in every layer (tests/test_deviceless.py compiles AFT-simple's H100 step and the
+  T4 steps)."""
+  from configs import quickstart
+
   code, lines, report, err = _dry_run("--target", "h100")
   assert code == 0 and report is not None, err[-2000:]
   assert KEYS <= set(report)
   assert report["fits"] and report["target"] == "h100" and report["num_devices"] == 1
-  assert report["triton_kernels"] > 0 and report["impl"] == "auto"
+  config = quickstart.get_config()
+  assert config.model.mixing == "aft_local" and report["impl"] == "auto"
+  per_layer = _kernels_per_aft_local_layer(config)
+  assert report["triton_kernels"] == config.model.num_layers * per_layer >= 2, report
   assert report["device_memory_bytes"] == deviceless.get("h100").memory_bytes
   assert 0 < report["temp_bytes"] < report["usable_bytes"]
   # The human part says what a person needs before renting the GPU.
