@@ -153,6 +153,17 @@ def _silence_background_errors():
   return undo
 
 
+def _wind_down() -> None:
+  """After a read or write failed inside Orbax or TensorStore (their noise kept off stderr by
+  the caller): a second for their threads to finish failing, then the coroutines they left
+  unfinished collected, with their "never awaited" warnings ignored. Collected later (with the
+  error's frames, or at the interpreter's exit) each prints a page after our one-line error."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    time.sleep(1.0)
+    gc.collect()
+
+
 @contextlib.contextmanager
 def _quiet_orbax_threads(stay_quiet_on_error: bool):
   """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
@@ -195,9 +206,8 @@ def _quietly(read):
         return None, _first_line(e)
       except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
         error = _first_line(e)
-      time.sleep(1.0)  # the threads of the failed read wind down
-      gc.collect()
-      return None, error
+    _wind_down()  # (without the exception, whose frames hold the reading coroutines)
+    return None, error
   finally:
     undo()
 
@@ -239,13 +249,10 @@ def save(
     error = _first_line(e)
   else:
     return
-  # The failed write's coroutines, never finished, live as long as the error's frames; left to
-  # the interpreter's exit, each prints "coroutine ... was never awaited" after our error (on a
-  # busy machine, once the warnings module was gone). Without the error they are collected here.
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    time.sleep(1.0)  # the writing threads wind down
-    gc.collect()
+  # The failed write's coroutines live as long as the error's frames: outside the except block
+  # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
+  # module was gone, each printed "coroutine ... was never awaited" after our error).
+  _wind_down()
   raise OSError(
     f"saving the checkpoint at step {step} failed ({error}); {_intact_note(mngr)}: "
     "free disk space and rerun the same command to resume"

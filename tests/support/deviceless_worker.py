@@ -209,6 +209,14 @@ def _case_args(case, mesh):
   return qkv + _specs(mesh, [(case["t"], case["t"])], jnp.float32)
 
 
+def interpreted_kernels(case) -> list:
+  """``jaxpr_kernels`` of ``case`` (``_case_fn``'s op or gradient) with the kernels interpreted
+  on this host: the Pallas calls a device that takes the kernels must compile for it (the
+  interpreted kernels take the same configurations)."""
+  host = _mesh(jax.devices("cpu")[:1])
+  return jaxpr_kernels(_case_fn(case, "pallas_interpret"), *_case_args(case, host))
+
+
 def _compile_cases(cases, mesh, impl="auto", compile_: bool = True):
   """One program holding every case: one compile per target (the cases are independent, so
   XLA compiles each case's kernels as it would alone); ``compile_=False``: only lowered."""
@@ -240,9 +248,8 @@ def gpu_kernels() -> dict:
     name: _submit(functools.partial(compile_all, _mesh(_devices(name)), name not in LOWER_ONLY))
     for name in GPUS
   }
-  host = _mesh(jax.devices("cpu")[:1])
   with _TRACING:
-    expected = [jaxpr_kernels(_case_fn(c, "pallas_interpret"), *_case_args(c, host)) for c in cases]
+    expected = [interpreted_kernels(c) for c in cases]
   return {"cases": cases, "expected": expected, "compiled": compiled}
 
 
@@ -283,15 +290,21 @@ def _step_facts(compiled) -> dict:
   }
 
 
-def build_and_compile(config, devices) -> dict:
-  """The trainer's own path (``train_lib.make_trainer``, as ``aft-train`` and its dry run take
-  it), then the train step compiled for ``devices``: the impl it runs, the lines it said, the
-  compiled step's facts."""
+def _made_trainer(config, devices):
+  """(trainer, the lines it said) of the trainer's own path for ``devices``
+  (``train_lib.make_trainer``, as ``aft-train`` and its dry run take it). Called under
+  ``_TRACING``: build_trainer compiles the step where it tries the kernels (the safety net)."""
   said = []
   cfg = RunConfig.from_tree(config)
   vocab, _ = data_lib.vocab_size(cfg.data)
-  with _TRACING:  # (build_trainer compiles here where it tries the kernels: the safety net)
-    trainer = train_lib.make_trainer(cfg, vocab, devices, said.append)
+  return train_lib.make_trainer(cfg, vocab, devices, said.append), said
+
+
+def build_and_compile(config, devices) -> dict:
+  """``_made_trainer``, then the train step compiled for ``devices``: the impl it runs, the
+  lines it said, the compiled step's facts."""
+  with _TRACING:
+    trainer, said = _made_trainer(config, devices)
     step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
     lowered = trainer.lower_train_step() if step is None else None
   if step is None:
@@ -386,10 +399,8 @@ def safety_net() -> dict:
   def explicit():
     config = quickstart_config(SAFETY_NET)
     config.model.impl = "pallas"
-    said = []
-    cfg = RunConfig.from_tree(config)
     with _TRACING:
-      trainer = train_lib.make_trainer(cfg, data_lib.vocab_size(cfg.data)[0], devices, said.append)
+      trainer, said = _made_trainer(config, devices)
       triton = trainer.lower_train_step().as_text().count(TRITON)
     return {
       "impl": trainer.model.cfg.impl,

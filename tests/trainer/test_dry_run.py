@@ -40,20 +40,11 @@ def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
 def _kernels_per_aft_local_layer(config) -> int:
   """The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes: the
   op's jaxpr, its kernels interpreted on this host (they take the same configurations)."""
-  import jax
-  import jax.numpy as jnp
+  from tests.support.deviceless_worker import interpreted_kernels
 
-  from aft_jax import ops
-  from tests.support.deviceless_worker import jaxpr_kernels
-
-  window = config.model.window
-  op = lambda q, k, v, w: ops.aft_local(
-    q, k, v, w, window=window, causal=True, impl="pallas_interpret"
-  )
-  grad = jax.grad(lambda *a: jnp.sum(op(*a)), argnums=(0, 1, 2, 3))
-  x = jax.ShapeDtypeStruct((config.batch_size, config.seq_len, config.model.d_model), jnp.float32)
-  w = jax.ShapeDtypeStruct((config.seq_len, config.seq_len), jnp.float32)
-  return len(jaxpr_kernels(grad, x, x, x, w))
+  case = {"op": "aft_local", "mode": "grad", "window": config.model.window}
+  case.update(batch=config.batch_size, t=config.seq_len, d=config.model.d_model)
+  return len(interpreted_kernels({**case, "dtype": "float32"}))
 
 
 @pytest.mark.slow
