@@ -53,9 +53,12 @@ steps (``step``: ``aft_simple_step``, ``aft_full_step``, ``aft_local_step``,
 
 from __future__ import annotations
 
-from aft_jax.ops import pieces, plain, segments, sharded
-from aft_jax.ops import target  # noqa: F401 (ops.target: the device "auto" decides for)
-from aft_jax.ops.arguments import check_window, normalise
+import functools
+
+import jax
+
+from aft_jax.ops import pieces, plain, segments, sharded, target
+from aft_jax.ops.arguments import Call, check_window, normalise
 from aft_jax.ops.logsumexp import Acc
 from aft_jax.ops.registry import IMPLS, check_impl
 from aft_jax.ops.state import FullState, WindowState
@@ -95,9 +98,31 @@ __all__ = [
 _MODES = {"plain": plain.run, "state": pieces.run, "packed": segments.run, "sharded": sharded.run}
 
 
+# The fields of a Call that choose the program rather than carry data: static under jit.
+_STATIC = ("fn", "mode", "causal", "impl", "size", "output_final_state", "axis_name")
+
+
 def _run(fn: str, *arrays, **kwargs):
-  """Op ``fn`` on its arguments: checked once (``arguments.normalise``), then run by its mode."""
+  """Op ``fn`` on its arguments: checked once (``arguments.normalise``), then run by its mode.
+
+  Called on concrete arrays (eagerly), the mode runs as one jitted program: one compile per
+  shape instead of one per primitive it executes. Inside a trace (jit, grad, vmap, shard_map)
+  it runs as it is, so the implementation is chosen on the caller's tracers (a forward-mode
+  derivative takes XLA: ``registry.resolve``). What ``impl="auto"`` decides from
+  (``target.current()``) is part of the program's key, so no device reuses another's."""
   call = normalise(fn, *arrays, **kwargs)
+  static = {name: getattr(call, name) for name in _STATIC}
+  if call.offset is None or isinstance(call.offset, int):  # a traced offset is data
+    static["offset"] = call.offset
+  data = {name: x for name, x in call._asdict().items() if name not in static}
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
+    return _MODES[call.mode](call)
+  return _program(data, tuple(static.items()), target.current())
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _program(data, static, _target):
+  call = Call(**data, **dict(static))
   return _MODES[call.mode](call)
 
 
