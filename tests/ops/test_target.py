@@ -123,3 +123,27 @@ def test_without_a_triton_backend_auto_warns_once_and_pallas_names_the_jax(monke
   assert len(said) == 1, [str(w.message) for w in caught]
   with on_target("NVIDIA H200"), pytest.raises(ValueError, match=f"jax {jax.__version__} has no"):
     jax.eval_shape(functools.partial(OPS["aft_simple"], impl="pallas"), *args)
+
+
+def test_an_eager_call_is_one_program_per_shape_and_device():
+  """Called on concrete arrays, an op compiles one program (not one per primitive), reused by
+  the next call of that shape; a call made for another device (what impl="auto" reads) is a
+  program of its own, never the cached one."""
+  q, k, v = (np.asarray(x)[:, :7] for x in _inputs()[:3])  # a shape no other test uses
+  compiles = []
+  listener = lambda event, secs, **_: compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    before = ops._program._cache_size()
+    first = ops.aft_simple(q, k, v, causal=True, impl="auto")
+    backend = "/jax/core/compile/backend_compile_duration"
+    assert compiles.count(backend) == 1, compiles
+    compiles.clear()
+    chex.assert_trees_all_equal(ops.aft_simple(q, k, v, causal=True, impl="auto"), first)
+    assert backend not in compiles and ops._program._cache_size() == before + 1
+    with on_target("Tesla T4"):  # the same arrays, lowered for another device: a new key
+      jax.eval_shape(lambda: ops.aft_simple(q, k, v, causal=True, impl="auto"))
+      ops.aft_simple(q, k, v, causal=True, impl="xla")
+    assert ops._program._cache_size() >= before + 2
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
