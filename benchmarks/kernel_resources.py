@@ -287,7 +287,11 @@ def xla_kernels(lowered) -> list[dict]:
   names = {c["name"] for c in triton_calls(lowered.compiler_ir("stablehlo"))}
   with tempfile.TemporaryDirectory() as dump:
     # xla_gpu_cuda_data_dir: XLA's ptxas is the one this script runs again (not one on PATH).
-    lowered.compile(compiler_options={"xla_dump_to": dump, "xla_gpu_cuda_data_dir": nvcc})
+    # xla_gpu_disable_gpuasm_optimizations: XLA's own ptxas run (for the executable, which is
+    # never run here) at -O0, a third of its CPU; the figures are from run_ptxas' -O3 of the
+    # same PTX, which XLA's LLVM made before ptxas.
+    options = {"xla_dump_to": dump, "xla_gpu_cuda_data_dir": nvcc}
+    lowered.compile(compiler_options={**options, "xla_gpu_disable_gpuasm_optimizations": True})
     listing = os.listdir(dump)
     (thunks,) = [f for f in listing if f.endswith("thunk_sequence.txt")]
     launches = {}
@@ -439,6 +443,14 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   chosen = [a for a in ARCHS if archs is None or a.sm in archs]
   pending = []  # (row arguments, shared-memory limits, future of ptxas' figures)
   pool = concurrent.futures.ThreadPoolExecutor(2)
+  # ptxas -v reports every entry of a PTX module: a module that holds several of the kernels
+  # is run once (sm_80 here: 59 runs for 64 kernels).
+  ptxas_runs = {}
+
+  def ptxas_of(ptx):
+    if ptx not in ptxas_runs:
+      ptxas_runs[ptx] = pool.submit(run_ptxas, ptx)
+    return ptxas_runs[ptx]
 
   def lowered_on(target, op, d, dtype, form):
     device = devices[target]
@@ -449,14 +461,23 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
     t0 = time.time()
     cfg = pallas_util.CONFIGS[i]
     d = channels_for(cfg)
-    base = lowered_on(_LOWER_ON, op, d, dtype, form)
-    calls = triton_calls(base.compiler_ir("stablehlo"))
+    lowerings = {}  # target -> the case lowered for it, each lowered once and only if asked
+
+    def lowered_for(target):
+      if target not in lowerings:
+        lowerings[target] = lowered_on(target, op, d, dtype, form)
+      return lowerings[target]
+
+    calls = []
     for arch in (*chosen, check) if route_check else chosen:
       if arch.xla:
-        lowered = base if arch.target == _LOWER_ON else lowered_on(arch.target, op, d, dtype, form)
-        pairs = match(triton_calls(lowered.compiler_ir("stablehlo")), xla_kernels(lowered))
+        lowered = lowered_for(arch.target)
+        calls = triton_calls(lowered.compiler_ir("stablehlo"))
+        pairs = match(calls, xla_kernels(lowered))
         compiler = "xla"
       else:
+        # jaxlib's Triton takes the custom calls' IR as lowered for _LOWER_ON.
+        calls = triton_calls(lowered_for(_LOWER_ON).compiler_ir("stablehlo"))
         pairs = [(c, plugin_kernel(c, arch)) for c in calls]
         compiler = "triton (jaxlib)" + (", check" if arch is check else "")
       # The forward program and the VJP's forward may hold the same totals kernel twice.
@@ -466,7 +487,7 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
           continue
         seen.add((label(op, call), call["results"]))
         args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
-        pending.append((args, limits[arch.sm], pool.submit(run_ptxas, kernel["ptx"])))
+        pending.append((args, limits[arch.sm], ptxas_of(kernel["ptx"])))
     say(
       f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {time.time() - t0:.1f} s"
     )
