@@ -1,0 +1,120 @@
+"""Where the suite's CPU goes, per test and per folder: a pytest plugin and its report.
+
+    python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
+    python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
+
+Per test: its wall seconds, the CPU seconds of the process that ran it (``RUSAGE_SELF``: a
+pytest-xdist worker) and of the subprocesses it started and reaped (``RUSAGE_CHILDREN``), each
+the difference of ``resource.getrusage`` before and after the test's setup, call and teardown.
+So a session fixture's cost lands on the first test that asks for it, and a subprocess started
+by a module fixture on the test during which it is reaped. The suite is CPU-bound on 2 cores
+(both busy ~190% of the time), so these CPU seconds, not a test's wall time under load, are what
+a change saves. The files go to ``$AFT_CPU_PROBE_DIR`` (default: a folder in the temp dir),
+emptied when a session starts.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import pytest
+
+FOLDER = os.environ.get("AFT_CPU_PROBE_DIR") or os.path.join(
+  tempfile.gettempdir(), "aft_jax_cpu_probe"
+)
+_rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' tests
+
+
+def _cpu(who) -> float:
+  usage = resource.getrusage(who)
+  return usage.ru_utime + usage.ru_stime
+
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput"):  # the session's first process: last run's files go
+    os.makedirs(FOLDER, exist_ok=True)
+    for path in glob.glob(os.path.join(FOLDER, "*.json")):
+      os.remove(path)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  wall, own, children = time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+  try:
+    return (yield)
+  finally:
+    _rows.append(
+      [
+        item.nodeid,
+        time.monotonic() - wall,
+        _cpu(resource.RUSAGE_SELF) - own,
+        _cpu(resource.RUSAGE_CHILDREN) - children,
+      ]
+    )
+
+
+def pytest_unconfigure(config):
+  if _rows:
+    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(FOLDER, f"{name}.json"), "w") as f:
+      json.dump(_rows, f)
+
+
+def folder_of(nodeid: str) -> str:
+  """'ops' for tests/ops/test_x.py::..., '(top level)' for tests/test_x.py::..."""
+  parts = nodeid.split("::")[0].split("/")
+  return parts[1] if len(parts) > 2 else "(top level)"
+
+
+def table(rows) -> list[str]:
+  """Markdown rows per folder, most CPU first: tests, wall, CPU in pytest's processes, CPU in
+  the subprocesses their tests started; then the totals."""
+  sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+  for nodeid, wall, own, children in rows:
+    s = sums[folder_of(nodeid)]
+    s[0] += 1
+    s[1] += wall
+    s[2] += own
+    s[3] += children
+  lines = [
+    "| folder | tests | sum of test times | CPU in pytest's processes | CPU in subprocesses |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for name, (n, wall, own, children) in sorted(sums.items(), key=lambda kv: -kv[1][2] - kv[1][3]):
+    lines.append(f"| `{name}` | {n} | {wall:.0f} s | {own:.0f} s | {children:.0f} s |")
+  total = [sum(s[i] for s in sums.values()) for i in range(4)]
+  lines.append(f"| all | {total[0]} | {total[1]:.0f} s | {total[2]:.0f} s | {total[3]:.0f} s |")
+  return lines
+
+
+def read(folder: str = FOLDER) -> list:
+  rows = []
+  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+    with open(path) as f:
+      rows += json.load(f)
+  return rows
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--dir", default=FOLDER, help="the plugin's folder (default: %(default)s)")
+  p.add_argument("--top", type=int, default=0, help="also the N tests that took the most CPU")
+  args = p.parse_args(argv)
+  rows = read(args.dir)
+  if not rows:
+    print(f"no measurements in {args.dir}: run pytest with -p tests.support.cpu_probe first")
+    return 1
+  print("\n".join(table(rows)))
+  for nodeid, wall, own, children in sorted(rows, key=lambda r: -r[2] - r[3])[: args.top]:
+    print(f"{own + children:7.1f} CPU-s ({own:.1f} + {children:.1f} in subprocesses) {nodeid}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
