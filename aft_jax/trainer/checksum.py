@@ -30,6 +30,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 VERSION = 1
@@ -37,12 +38,15 @@ _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
 
 
 def _mix(h):
-  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
+  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit.
+
+  Written in lax on NumPy scalars, as the rest of the checksum: it is traced once per array of
+  the state on a run's first save, and jnp's per-op checks were most of that trace (a tiny
+  model's 67 arrays: 0.49 s with jnp, 0.18 s with lax; the sums are the same bits)."""
+  shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
+  h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
+  h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))
+  return lax.bitwise_xor(h, shr(h, 16))
 
 
 def _words(x):
@@ -50,21 +54,27 @@ def _words(x):
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
+    return lax.convert_element_type(x, np.uint32)
   size = jnp.dtype(x.dtype).itemsize
   if size < 4:
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
-  return lax.bitcast_convert_type(x, jnp.uint32)
+    narrow = lax.bitcast_convert_type(x, np.dtype(f"uint{8 * size}"))
+    return lax.convert_element_type(narrow, np.uint32)
+  return lax.bitcast_convert_type(x, np.uint32)
 
 
 def _sums(x):
   """uint32[2]: the two sums of ``x``'s hashed words (module doc)."""
   w = _words(x)
-  position = jnp.zeros(w.shape, jnp.uint32)
+  position = lax.full(w.shape, np.uint32(0))
   for d, n in enumerate(w.shape):  # row-major index, built per axis: no reshape of a sharded x
-    position = position * jnp.uint32(n) + lax.broadcasted_iota(jnp.uint32, w.shape, d)
+    position = lax.add(lax.mul(position, np.uint32(n)), lax.broadcasted_iota(np.uint32, w.shape, d))
   return jnp.stack(
-    [jnp.sum(_mix(w ^ _mix(position ^ jnp.uint32(s))), dtype=jnp.uint32) for s in _SEEDS]
+    [
+      jnp.sum(
+        _mix(lax.bitwise_xor(w, _mix(lax.bitwise_xor(position, np.uint32(s))))), dtype=jnp.uint32
+      )
+      for s in _SEEDS
+    ]
   )
 
 
