@@ -100,27 +100,55 @@ def _eight_bytes_of_ff(data: bytearray) -> None:
 DAMAGE = {"a flipped bit": _flip_a_bit, "8 bytes of 0xff": _eight_bytes_of_ff}
 
 
-def _data_files(workdir, step) -> list[str]:
-  """The files of checkpoint ``step`` that hold array data (Orbax's OCDBT data files, 4 KB and
-  more: the small ones are index nodes)."""
-  pattern = os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_*", "d", "*")
-  return sorted(p for p in glob.glob(pattern) if os.path.getsize(p) >= 4096)
+def _state_dir(workdir, step) -> str:
+  return os.path.join(workdir, "checkpoints", str(step), "state")
 
 
-def _damage(workdir, step, how) -> list[str]:
-  """Damages the middle of every data file of checkpoint ``step`` (``DAMAGE[how]``): bytes
-  that still parse (a value changes), which only the checksums see. Every file, not one: a data
-  file may also hold bytes no restore reads, and which file holds what depends on the save's
-  thread timing (with the machine busy, the largest file was such a one once, and damaging it
-  changed nothing)."""
-  paths = _data_files(workdir, step)
-  assert paths, f"no data files in checkpoint {step} of {workdir}"
-  for path in paths:
-    data = bytearray(open(path, "rb").read())
-    DAMAGE[how](data)
-    with open(path, "wb") as f:
-      f.write(bytes(data))
-  return paths
+def _read_array(state, name):
+  """The array ``name`` of a checkpoint's state as TensorStore reads it (the zarr array in the
+  OCDBT store), or the exception its read raises."""
+  import tensorstore as ts
+
+  kvstore = {"driver": "ocdbt", "base": f"file://{state}", "path": f"{name}/"}
+  try:
+    return ts.open({"driver": "zarr", "kvstore": kvstore}).result().read().result()
+  except Exception as e:  # noqa: BLE001  (what a damaged store raises varies)
+    return e
+
+
+def _damage(workdir, step, how) -> str:
+  """Damages (``DAMAGE[how]``) the stored bytes of one parameter array of checkpoint ``step`` so
+  that they still parse: the array reads, with another value, which only the checksums see.
+  Its chunk is found by its bytes in Orbax's OCDBT data files; the middle of a file may be an
+  index node or a compressed stretch (whose damage is a read error, not a changed value), and
+  which file holds what depends on the save's thread timing, so each parameter chunk is tried,
+  the largest first, until one reads changed. The parameter's name."""
+  import numpy as np
+  import tensorstore as ts
+
+  state = _state_dir(workdir, step)
+  store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}"}).result()
+  chunks = [k.decode() for k in store.list().result() if k.startswith(b"params.")]
+  chunks = [(store.read(k).result().value, k) for k in chunks if not k.endswith("/.zarray")]
+  files = glob.glob(os.path.join(state, "ocdbt.process_*", "d", "*"))
+  for value, key in sorted(chunks, key=lambda c: -len(c[0])):
+    name = key.rsplit("/", 1)[0]
+    before = _read_array(state, name)
+    for path in files:
+      data = bytearray(open(path, "rb").read())
+      at = data.find(value)
+      if at < 0:
+        continue
+      chunk = data[at : at + len(value)]
+      DAMAGE[how](chunk)
+      with open(path, "wb") as f:
+        f.write(bytes(data[:at] + chunk + data[at + len(value) :]))
+      after = _read_array(state, name)
+      if not isinstance(after, Exception) and not np.array_equal(after, before, equal_nan=True):
+        return name
+      with open(path, "wb") as f:  # a read error or no change: undone, the next chunk tried
+        f.write(bytes(data))
+  raise AssertionError(f"no parameter chunk of {state} could be damaged and still read")
 
 
 def _one_line(e) -> str:
