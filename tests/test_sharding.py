@@ -2,11 +2,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.support import prefork
 from tests.support.helpers import ROOT, xla_flags
 from aft_jax import sharding
 
@@ -65,7 +65,7 @@ def test_rules_from_config_round_trips_the_default():
 
 def _worker(module, out):
   """Runs ``python -m tests.support.MODULE OUT`` (its asserts are the test); its report."""
-  proc = subprocess.run(
+  proc = prefork.run(
     [sys.executable, "-m", f"tests.support.{module}", str(out)],
     cwd=ROOT,
     capture_output=True,
@@ -135,7 +135,7 @@ def test_a_data_parallel_step_of_the_causal_ops_holds_only_the_gradient_all_redu
   ops = ("all-reduce", "all-to-all", "collective-permute", "all-gather", "reduce-scatter")
   env = dict(os.environ, XLA_FLAGS=xla_flags(2))
   code = f"OPS = {ops!r}\n" + COLLECTIVES
-  proc = subprocess.run(
+  proc = prefork.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
   )
   assert proc.returncode == 0, proc.stderr[-3000:]

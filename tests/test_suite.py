@@ -1,8 +1,16 @@
-"""The suite's own machinery (tests/support/shared.py) where it could go wrong unseen."""
+"""The suite's own machinery (tests/support/: shared.py, cpu_probe.py, prefork.py) where it
+could go wrong unseen."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
 
 from tests.support import shared
+from tests.support.helpers import ROOT
 
 
 def test_trim_cache_keeps_the_newest_half_only_past_the_limit(tmp_path):
@@ -32,3 +40,86 @@ def test_cpu_probe_adds_up_each_folders_tests(tmp_path):
     "| `ops` | 2 | 3 s | 2 s | 0 s |",
     "| all | 3 | 7 s | 3 s | 3 s |",
   ]
+
+
+SCRIPT = """
+import json, os, signal, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "home": os.environ.get("HOME"),
+                  "sigint": str(signal.getsignal(signal.SIGINT)), "name": __name__,
+                  "path0": sys.path[0]}))
+print(os.getppid())
+print("to stderr", file=sys.stderr)
+how = sys.argv[1]
+if how == "message":
+  sys.exit("a one-line error")
+if how == "raise":
+  raise ValueError("boom")
+if how == "interrupt":
+  raise KeyboardInterrupt
+sys.exit(int(how))
+"""
+
+
+@pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
+def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
+  """tests/support/prefork.py: a script, a module (-m) or code (-c) that the fork server runs
+  gives what ``subprocess.run`` gives: exit status (a message, an uncaught exception, Ctrl-C's
+  -2), stdout, stderr, argv, working directory, environment, SIGINT's disposition,
+  ``__main__``, sys.path[0]; its parent the server."""
+  from tests.support import prefork
+
+  (tmp_path / "script.py").write_text(SCRIPT)
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "__init__.py").write_text("")
+  (tmp_path / "pkg" / "mod.py").write_text(SCRIPT)
+  env = dict(os.environ, HOME=str(tmp_path / "home"))
+  for cmd, cwd in (
+    ([sys.executable, str(tmp_path / "script.py"), how], ROOT),
+    ([sys.executable, "-m", "pkg.mod", how], tmp_path),
+    ([sys.executable, "-c", SCRIPT, how], tmp_path),
+  ):
+    want = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    got = prefork.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == want.returncode
+    assert got.stdout.splitlines()[0] == want.stdout.splitlines()[0]  # all but the parent
+    assert got.stderr.splitlines()[0] == "to stderr" and got.stderr == want.stderr
+    # forked by the server, not started by this process
+    assert int(got.stdout.splitlines()[1]) == prefork.server_pid() != os.getpid()
+
+
+WAITER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("terminated"), sys.exit(0)))
+print("on stderr", file=sys.stderr, flush=True)
+print("ready", os.getpgid(0) == os.getpid(), flush=True)
+while True:
+  time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("start", ["subprocess", "prefork"])
+def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, start):
+  """``prefork.popen`` (what the signal and multi-process tests start train.py with) as
+  ``subprocess.Popen``: piped stdout and stderr, a new session, poll while it runs, SIGTERM
+  handled by the command, SIGKILL's -9, ``communicate`` and ``wait``; a file as stdout with
+  stderr=STDOUT."""
+  from tests.support import prefork
+
+  (tmp_path / "waiter.py").write_text(WAITER)
+  cmd = [sys.executable, str(tmp_path / "waiter.py")]
+  popen = subprocess.Popen if start == "subprocess" else prefork.popen
+  pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  proc = popen(cmd, cwd=tmp_path, **pipe)
+  assert (start == "prefork") == isinstance(proc, prefork.Forked)
+  assert proc.stdout.readline() == "ready True\n" and proc.poll() is None
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
+  with open(tmp_path / "log", "w") as log:
+    proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
+    while "ready" not in (tmp_path / "log").read_text():
+      assert proc.poll() is None
+      time.sleep(0.01)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+  assert (tmp_path / "log").read_text() == "on stderr\nready False\n"

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support import fake_wikitext as fw
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import prepare
@@ -238,7 +239,7 @@ def test_aft_prepare_on_a_full_disk_is_one_line(tmp_path):
   data.mkdir()
   files = os.path.join(os.path.dirname(os.__file__), "json", "*.py")
   cmd = [sys.executable, "-c", DISK_FULL, str(data), files]
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  done = prefork.run(cmd, capture_output=True, text=True, timeout=120)
   lines = [line for line in done.stderr.splitlines() if line.strip()]
   assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
   assert lines[0].startswith("error: DiskFullError: no space left on device: needs ~"), lines[0]

@@ -16,6 +16,7 @@ import pytest
 
 from aft_jax.data import load_corpus, store, subword, text
 from aft_jax.data.config import DataConfig
+from tests.support import prefork
 from tests.support.helpers import STDLIB_JSON
 
 
@@ -287,7 +288,7 @@ def test_a_file_in_two_splits_is_one_line_naming_it_whatever_path_reaches_it(doc
   before = sorted(os.listdir(tmp_path))
   cmd = train_py(tmp_path / "run", *flags, config="text")
   env = {**os.environ, "HOME": str(tmp_path / "home")}
-  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  done = prefork.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
   assert "config.data.valid_files and in config.data.test_files" in done.stderr
   assert sorted(os.listdir(tmp_path)) == before  # no run, no data folder, no $HOME

@@ -18,10 +18,10 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tomllib
 
+from tests.support import prefork
 from tests.support.helpers import ROOT
 
 PAGES = ["README.md"] + sorted(
@@ -85,7 +85,7 @@ def help_texts(progs) -> dict:
   share: cheap, nothing is trained."""
   specs = [f"{kind}:{name}" for kind, name in sorted(progs)]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = subprocess.run(
+  done = prefork.run(
     [sys.executable, "-m", "tests.support.help_worker", *specs],
     cwd=ROOT,
     env=env,

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -34,6 +33,7 @@ from aft_jax.data.config import DataConfig
 from aft_jax.tools import evaluate, export, generate, trained
 from aft_jax.trainer import train_lib
 from tests.e2e import test_recipes
+from tests.support import prefork
 from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, train_py
 
 # The module's run (``subword_run``) is changed and put back by its tests: one worker runs them
@@ -277,7 +277,7 @@ def test_as_a_user_runs_them_train_and_evaluate_say_one_line_and_exit_1(subword_
     train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
     split = [sys.executable, "-m", "aft_jax.tools.evaluate", "--workdir", subword_run["workdir"]]
     for cmd in (train, split + ["--split", "validation"]):
-      done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+      done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
       assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
       assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
         done.stderr
@@ -339,7 +339,7 @@ def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
   assert "the workdir's subword.model and corpus.json were replaced after training" in line
   assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
   if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
-    done = subprocess.run(
+    done = prefork.run(
       [sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]

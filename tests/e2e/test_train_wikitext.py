@@ -5,11 +5,11 @@ official zip, through ``train_and_evaluate``, the function train.py runs.)"""
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support import fake_wikitext
 from tests.support.helpers import ROOT, train_py
 
@@ -39,7 +39,7 @@ def test_wikitext_recipe_trains_on_fake_data(tmp_path):
     "--config.log_every_steps=1",
     config="configs/wikitext103.py:aft_local",
   )
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
   assert results["steps"] == 2 and np.isfinite(results["valid_ppl"])

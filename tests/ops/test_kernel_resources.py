@@ -18,13 +18,13 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from aft_jax import deviceless
 from aft_jax.ops import pallas_util
+from tests.support import prefork
 from tests.support.helpers import ROOT
 
 # Spill bytes (stores, and loads) allowed per kernel. sm_80 and sm_90, where XLA runs the
@@ -83,7 +83,7 @@ def test_every_kernel_configuration_fits_every_architecture(tmp_path):
   # processes took as long here (the suite's other worker has the second core) and 12 CPU-s
   # more (one more jax and CUDA plugin start-up, and the parent's).
   cmd = [sys.executable, "-m", "benchmarks.kernel_resources", "--out", str(tmp_path)]
-  done = subprocess.run(
+  done = prefork.run(
     [*cmd, "--no_route_check", "--workers", "1", "--archs", *ARCHS],
     cwd=ROOT,
     capture_output=True,

@@ -24,7 +24,6 @@ way; shard_map with its defaults (check_vma=True) runs in one subprocess
 
 import functools
 import json
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -35,6 +34,7 @@ import pytest
 
 from aft_jax import layers, ops
 from aft_jax.ops import banded, causal_mean, registry
+from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.helpers import on_target
 
@@ -527,7 +527,7 @@ def test_shard_map_with_its_defaults(tmp_path):
   """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
   out = tmp_path / "report.json"
   # (The worker adds its device count to the session's XLA_FLAGS, as the sharding workers do.)
-  proc = subprocess.run(
+  proc = prefork.run(
     [sys.executable, "-m", "tests.support.transforms_worker", str(out)],
     capture_output=True,
     text=True,

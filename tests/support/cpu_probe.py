@@ -4,7 +4,8 @@
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
 Per test: its wall seconds, the CPU seconds of the process that ran it (``RUSAGE_SELF``: a
-pytest-xdist worker) and of the subprocesses it started and reaped (``RUSAGE_CHILDREN``), each
+pytest-xdist worker) and of the subprocesses it started and reaped (``RUSAGE_CHILDREN``, plus
+the commands tests/support/prefork.py's server forked for it), each
 the difference of ``resource.getrusage`` before and after the test's setup, call and teardown.
 So a session fixture's cost lands on the first test that asks for it, and a subprocess started
 by a module fixture on the test during which it is reaped. The suite is CPU-bound on 2 cores
@@ -33,6 +34,10 @@ _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' test
 
 def _cpu(who) -> float:
   usage = resource.getrusage(who)
+  if who == resource.RUSAGE_CHILDREN:  # and the commands a fork server ran for this process
+    from tests.support import prefork
+
+    return usage.ru_utime + usage.ru_stime + prefork.reaped_cpu()
   return usage.ru_utime + usage.ru_stime
 
 

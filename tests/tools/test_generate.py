@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support.helpers import ROOT, with_default_sigint
 from aft_jax import decode
 from aft_jax.tools import generate, trained
@@ -153,7 +154,7 @@ def test_generate_command_on_a_config_only_workdir_creates_nothing(run_dir, tmp_
 
 def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path):
   missing = str(tmp_path / "nope")
-  out = subprocess.run(
+  out = prefork.run(
     [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", missing, "--length", "5"],
     cwd=ROOT,
     capture_output=True,

@@ -3,13 +3,13 @@ leaves the count alone. (The quickstart run in test_train_lib.py checks that tra
 it: its mesh line.)"""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from aft_jax.trainer import cpu_devices
 from aft_jax.trainer.run_config import RunConfig
+from tests.support import prefork
 from tests.support.helpers import ROOT, tiny_config
 
 
@@ -57,7 +57,7 @@ def _devices_after_apply(env_flags: str, num_cores: int) -> str:
     "print(n, jax.device_count())\n"
   )
   env = dict(os.environ, XLA_FLAGS=env_flags)
-  proc = subprocess.run(
+  proc = prefork.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
   )
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,12 +5,14 @@ the question is refused (one line, before the run restarts itself for the target
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from aft_jax import deviceless
 from aft_jax.trainer import dry_run
 from aft_jax.trainer.run_config import RunConfig
+from tests.support import prefork
 from tests.support.helpers import ROOT, listing, tiny_config
 
 KEYS = {
@@ -26,9 +28,9 @@ KEYS = {
 
 def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
   """(exit code, stdout lines, the last line's JSON or None) of train.py --dry_run."""
-  cmd = ["python", "train.py", "--config", config, "--dry_run", *flags]
+  cmd = [sys.executable, "train.py", "--config", config, "--dry_run", *flags]
   env = None if env is None else {**os.environ, **env}
-  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
   lines = done.stdout.strip().splitlines()
   try:
     report = json.loads(lines[-1])

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support.helpers import ROOT, config_flags, tiny_config, train_py, xla_flags
 from aft_jax.workdir import Workdir
 
@@ -76,7 +77,7 @@ def _start(workdir, config, devices, extra=(), log=None):
     JAX_PLATFORMS="cpu",
   )
   cmd = train_py(workdir, *config_flags(config), *extra)
-  proc = subprocess.Popen(
+  proc = prefork.popen(
     cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
   )
   _STARTED.append(proc)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support import shared
 from tests.support.helpers import (
   ROOT,
@@ -55,8 +56,8 @@ def _wait_for(predicate, proc, timeout=240):
 
 
 def _start_train(workdir, flags):
-  """train.py in a subprocess, its output piped."""
-  return subprocess.Popen(
+  """train.py as a process of its own (tests/support/prefork.py), its output piped."""
+  return prefork.popen(
     train_py(workdir, *flags), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
   )
 
@@ -173,7 +174,7 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   # The same run, now asked to stop two steps later (a new schedule length: allowed
   # explicitly), continues from that step.
   flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
-  again = subprocess.run(
+  again = prefork.run(
     train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
   )
   assert again.returncode == 0, again.stderr[-3000:]
@@ -198,7 +199,7 @@ def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
   flags = config_flags(
     tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
   ) + ["--allow_config_change"]
-  again = subprocess.run(
+  again = prefork.run(
     train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
   )
   assert again.returncode == 0, again.stderr[-3000:]
@@ -313,7 +314,7 @@ train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_ste
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
   workdir = str(tmp_path / "run")
-  out = subprocess.run(
+  out = prefork.run(
     [sys.executable, "-c", DISK_FULL, workdir],
     cwd=ROOT,
     text=True,
@@ -471,7 +472,7 @@ def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpo
     else:
       _damage(workdir, 4, how)
     cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-    done = subprocess.run(
+    done = prefork.run(
       [*cmd, "--out", str(tmp_path / "m.msgpack")], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
@@ -484,7 +485,7 @@ def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpo
   with open(os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA"), "wb") as f:
     f.write(bytes(os.path.getsize(metadata)))
   cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-  done = subprocess.run(
+  done = prefork.run(
     [*cmd, "--out", str(tmp_path / "z.msgpack")], cwd=ROOT, capture_output=True, text=True
   )
   assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
@@ -755,7 +756,7 @@ def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_pa
   assert len(notes) == 1 and "step 4" in notes[0] and "using step 2" in notes[0], err[-2000:]
 
   cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--step", "4"]
-  done = subprocess.run(
+  done = prefork.run(
     [*cmd, "--out", str(tmp_path / "again.msgpack")], cwd=ROOT, capture_output=True, text=True
   )
   lines = done.stderr.splitlines()

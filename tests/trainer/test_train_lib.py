@@ -4,12 +4,12 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.support import prefork
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.workdir import Workdir
@@ -74,7 +74,7 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   # time on tiny programs, but this run's 120 steps took 2.3x as long without them (~64 against
   # ~36 CPU-s for the whole run here).
   env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, ""))
-  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  out = prefork.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   results = json.load(open(os.path.join(workdir, "results.json")))
   assert results["unigram_valid_ppl"] > 20  # bytes of English text
@@ -102,7 +102,7 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
 
   generate = [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", workdir]
   flags = ["--prompt", "class ", "--length", "12", "--temperature", "0"]
-  gen = subprocess.run(generate + flags, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  gen = prefork.run(generate + flags, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert gen.returncode == 0, gen.stderr[-3000:]
   assert gen.stdout.startswith("class ")
   assert len(gen.stdout.rstrip("\n")) > len("class ")
@@ -156,7 +156,7 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
 )
 def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, message):
   cmd = train_py(tmp_path / "run", flag)
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
@@ -166,7 +166,7 @@ def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, me
 @pytest.mark.parametrize("workdir, message", [("", "is required"), (" ", "= ' ' is blank")])
 def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, workdir, message):
   config = os.path.join(ROOT, "configs", "quickstart.py")
-  out = subprocess.run(
+  out = prefork.run(
     [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir],
     cwd=tmp_path,
     capture_output=True,
@@ -188,7 +188,7 @@ def test_a_text_recipe_takes_a_glob_with_slashes_as_its_argument(tmp_path, recip
   glob_ = "~/notes/**/*.md"
   cmd = train_py(tmp_path / "run", "--config.num_train_steps=2", config=f"{recipe}:{glob_}")
   env = {**os.environ, "HOME": str(tmp_path / "home")}
-  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  out = prefork.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
   want = f"config.data.train_files: '{tmp_path}/home/notes/**/*.md' matches no file"
