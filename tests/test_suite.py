@@ -123,3 +123,17 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
     proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
   assert (tmp_path / "log").read_text() == "on stderr\nready False\n"
+
+
+def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
+  """A variable set in this process after its fork server started (as a library or a test
+  sets one): the next command comes from a new server started with it, still forked."""
+  from tests.support import prefork
+
+  prefork.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
+  first = prefork.server_pid()
+  monkeypatch.setenv("AFT_TESTS_SET_LATER", "x")
+  code = "import os; print(os.getppid(), os.environ['AFT_TESTS_SET_LATER'])"
+  done = prefork.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert first is not None and prefork.server_pid() != first
+  assert done.stdout.split() == [str(prefork.server_pid()), "x"]

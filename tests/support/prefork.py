@@ -12,8 +12,8 @@ that), a new session if asked, the script run as ``__main__`` as ``python SCRIPT
 never starts a jax backend or a thread, so a fork of it is a fresh process that skipped its
 imports: the device count and XLA's flags are read when the child's backend starts.
 
-What a fork cannot give falls back to ``subprocess``: an environment that differs from the
-server's in anything but ``FORKABLE_ENV`` (a changed ``PYTHONPATH`` would hide nothing already
+What a fork cannot give falls back to ``subprocess``: an environment that differs from this
+process's in anything but ``FORKABLE_ENV`` (a changed ``PYTHONPATH`` would hide nothing already
 imported), a program other than this Python, an option other than ``-m`` or ``-c``, a keyword
 these functions do not take. tests/test_suite.py runs the same commands both ways.
 
@@ -83,12 +83,12 @@ def _forkable(cmd, env) -> bool:
     return False
   if cmd[1].startswith("-") and (cmd[1] not in ("-m", "-c") or len(cmd) < 3):
     return False
-  keys = set(env) | set(_server_env())
-  return all(env.get(k) == _server_env().get(k) for k in keys - set(FORKABLE_ENV))
+  return _same_env(env, os.environ)
 
 
-def _server_env() -> dict:
-  return _server[2] if _server is not None else dict(os.environ)
+def _same_env(a, b) -> bool:
+  """Whether environments ``a`` and ``b`` agree on everything but ``FORKABLE_ENV``."""
+  return all(a.get(k) == b.get(k) for k in (set(a) | set(b)) - set(FORKABLE_ENV))
 
 
 def _start_server():
@@ -125,6 +125,12 @@ def _connect() -> socket.socket:
   import and listen)."""
   import time
 
+  global _server
+  if _server is not None and not _same_env(_server[2], os.environ):
+    # This process's environment changed since the server started (a library or a test set a
+    # variable): a new server with it, whose imports see what a subprocess's would. The old
+    # one keeps serving the commands it started until this process exits (``_stop``).
+    _server = None
   if _server is None or _server[0].poll() is not None:
     _start_server()
   proc, path, _ = _server
