@@ -110,19 +110,24 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
   popen = subprocess.Popen if start == "subprocess" else prefork.popen
   pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
   proc = popen(cmd, cwd=tmp_path, **pipe)
-  assert (start == "prefork") == isinstance(proc, prefork.Forked)
-  assert proc.stdout.readline() == "ready True\n" and proc.poll() is None
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=60)
-  assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
-  with open(tmp_path / "log", "w") as log:
-    proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
-    while "ready" not in (tmp_path / "log").read_text():
-      assert proc.poll() is None
-      time.sleep(0.01)
-    proc.kill()
-    assert proc.wait(timeout=60) == -signal.SIGKILL
-  assert (tmp_path / "log").read_text() == "on stderr\nready False\n"
+  try:
+    assert (start == "prefork") == isinstance(proc, prefork.Forked)
+    assert proc.stdout.readline() == "ready True\n" and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
+    with open(tmp_path / "log", "w") as log:
+      proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
+      while "ready" not in (tmp_path / "log").read_text():
+        assert proc.poll() is None
+        time.sleep(0.01)
+      proc.kill()
+      assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert (tmp_path / "log").read_text() == "on stderr\nready False\n"
+  finally:  # a failed assert leaves no waiter running
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
 
 
 def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
