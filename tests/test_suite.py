@@ -118,7 +118,7 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
     assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
     with open(tmp_path / "log", "w") as log:
       proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
-      while "ready" not in (tmp_path / "log").read_text():
+      while not (tmp_path / "log").read_text().endswith("ready False\n"):  # the whole line
         assert proc.poll() is None
         time.sleep(0.01)
       proc.kill()
