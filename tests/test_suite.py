@@ -142,3 +142,20 @@ def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
   done = prefork.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert first is not None and prefork.server_pid() != first
   assert done.stdout.split() == [str(prefork.server_pid()), "x"]
+
+
+def test_a_process_that_exits_leaves_no_server_folder(tmp_path):
+  """Each fork server's socket folder (in the temp dir) is removed when the process that
+  started it exits: a session starts one per pytest process and environment."""
+  code = (
+    "import sys; from tests.support import prefork; "
+    "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1])"
+  )
+  env = dict(os.environ, TMPDIR=str(tmp_path))
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  socket_path = done.stdout.split()[-1]
+  assert socket_path.startswith(str(tmp_path)), socket_path  # the server's folder was there
+  assert os.listdir(tmp_path) == []

@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,18 +107,20 @@ def _start_server():
     stdout=subprocess.DEVNULL,
   )
   _server = (proc, path, env)
-  atexit.register(_stop, proc)
+  atexit.register(_stop, proc, folder)
 
 
-def _stop(proc) -> None:
+def _stop(proc, folder) -> None:
   """At this process's exit: the server told to stop (its stdin closed) and reaped, so that its
-  commands' CPU counts as this process's children's, as theirs would have."""
+  commands' CPU counts as this process's children's, as theirs would have; its socket's folder
+  removed (every server has one: a session starts several)."""
   proc.stdin.close()
   try:
     proc.wait(timeout=30)
   except subprocess.TimeoutExpired:
     proc.kill()
     proc.wait()
+  shutil.rmtree(folder, ignore_errors=True)
 
 
 def _connect() -> socket.socket:
