@@ -35,7 +35,7 @@ def byte_run(trained_run):
 @pytest.fixture(scope="module")
 def word_run(tmp_path_factory):
   # The final protocol (sliding windows) differs from the training-time one (disjoint).
-  overrides = {"data.tokenizer": "word", "final_eval_stride": 8}
+  overrides = {"data.tokenizer": "word", "final_eval_stride": 16}
   build = lambda folder: _train(str(folder / "run"), num_train_steps=2, **overrides)[0]
   folder, results = shared.once(tmp_path_factory, "word_run", build)
   return str(folder / "run"), results
@@ -58,13 +58,13 @@ def test_evaluate_on_a_split_equals_the_trainers_final_number(byte_run, capsys, 
 
 
 def test_evaluate_a_split_uses_the_final_protocol_of_results_json(word_run, capsys):
-  """The run's final numbers came from sliding windows (final_eval_stride 8) while its
+  """The run's final numbers came from sliding windows (final_eval_stride 16) while its
   validation during training used disjoint windows: evaluate reproduces results.json by
   default, and --stride still chooses another protocol."""
   path, results = word_run
-  assert results["eval_protocol"]["stride"] == 8 and results["train_eval_protocol"]["stride"] == 32
+  assert results["eval_protocol"]["stride"] == 16 and results["train_eval_protocol"]["stride"] == 32
   out = _evaluate(capsys, "--workdir", path, "--split", "validation")
-  assert out["stride"] == 8 and out["tokens"] == results["valid_tokens"]
+  assert out["stride"] == 16 and out["tokens"] == results["valid_tokens"]
   assert out["ppl"] == pytest.approx(results["valid_ppl"], rel=1e-6)
   disjoint = _evaluate(capsys, "--workdir", path, "--split", "validation", "--stride", "0")
   assert disjoint["stride"] == 0 and disjoint["nll"] != pytest.approx(out["nll"], rel=1e-6)
