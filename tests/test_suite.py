@@ -1,6 +1,7 @@
 """The suite's own machinery (tests/support/: shared.py, cpu_probe.py, prefork.py) where it
 could go wrong unseen."""
 
+import json
 import os
 import signal
 import subprocess
@@ -40,6 +41,24 @@ def test_cpu_probe_adds_up_each_folders_tests(tmp_path):
     "| `ops` | 2 | 3 s | 2 s | 0 s |",
     "| all | 3 | 7 s | 3 s | 3 s |",
   ]
+
+
+def test_cpu_probe_says_how_much_of_the_cores_time_the_host_stole(tmp_path, capsys):
+  """The report's last line: the host's /proc/stat ticks between the session's start and end
+  as busy, idle (with I/O wait) and stolen shares of the cores' time."""
+  from tests.support import cpu_probe
+
+  # user, nice, system, idle, iowait, irq, softirq, steal: 100 ticks, 70 busy, 10 idle, 20 stolen
+  start, end = [10, 0, 5, 40, 1, 0, 0, 3], [70, 0, 14, 48, 3, 1, 0, 23]
+  assert cpu_probe.host_line(start, end) == (
+    "host over the session: busy 70.0%, idle 10.0%, stolen 20.0% of the cores' time"
+  )
+  (tmp_path / "gw0.json").write_text('[["tests/test_b.py::t2", 4.0, 0.5, 3.0]]')
+  (tmp_path / cpu_probe.HOST_FILE).write_text(json.dumps([start, end]))
+  assert cpu_probe.main(["--dir", str(tmp_path)]) == 0
+  assert capsys.readouterr().out.splitlines()[-1] == cpu_probe.host_line(start, end)
+  now = cpu_probe.host_times()  # this machine's (Linux): eight counters that only grow
+  assert now is None or (len(now) == 8 and all(x >= 0 for x in now))
 
 
 SCRIPT = """

@@ -12,6 +12,12 @@ by a module fixture on the test during which it is reaped. The suite is CPU-boun
 (both busy ~190% of the time), so these CPU seconds, not a test's wall time under load, are what
 a change saves. The files go to ``$AFT_CPU_PROBE_DIR`` (default: a folder in the temp dir),
 emptied when a session starts.
+
+The report's last line is the host over the session (Linux' ``/proc/stat`` at its start and
+end): how much of the cores' time was busy, idle and stolen. Steal is time the virtual
+machine's host ran something else while this one had work: it stretches wall time without
+showing in anyone's CPU seconds (on this project's 2-core machine, 8% of a run's time in one run
+and 34% in another, an hour apart), so two runs' wall times compare only beside their steal.
 """
 
 import argparse
@@ -41,11 +47,41 @@ def _cpu(who) -> float:
   return usage.ru_utime + usage.ru_stime
 
 
+HOST_FILE = "host.stat"  # /proc/stat's cpu line at the session's start and end
+_host_start = None
+
+
+def host_times() -> list[int] | None:
+  """The cores' time so far in clock ticks, from ``/proc/stat``'s first line: [user, nice,
+  system, idle, iowait, irq, softirq, steal] (None where there is no such file)."""
+  try:
+    with open("/proc/stat") as f:
+      fields = f.readline().split()
+  except OSError:
+    return None
+  return [int(x) for x in fields[1:9]] if fields[:1] == ["cpu"] else None
+
+
+def host_line(start: list[int], end: list[int]) -> str:
+  """What the cores did between two ``host_times``, in percent of their time."""
+  d = [b - a for a, b in zip(start, end)]
+  total = sum(d) or 1
+  busy = d[0] + d[1] + d[2] + d[5] + d[6]
+  pct = lambda x: f"{100 * x / total:.1f}%"
+  return (
+    f"host over the session: busy {pct(busy)}, idle {pct(d[3] + d[4])}, "
+    f"stolen {pct(d[7])} of the cores' time"
+  )
+
+
 def pytest_configure(config):
+  global _host_start
   if not hasattr(config, "workerinput"):  # the session's first process: last run's files go
     os.makedirs(FOLDER, exist_ok=True)
-    for path in glob.glob(os.path.join(FOLDER, "*.json")):
-      os.remove(path)
+    for path in glob.glob(os.path.join(FOLDER, "*.json")) + [os.path.join(FOLDER, HOST_FILE)]:
+      if os.path.exists(path):
+        os.remove(path)
+    _host_start = host_times()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -65,6 +101,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_unconfigure(config):
+  end = host_times()
+  if _host_start is not None and end is not None:
+    with open(os.path.join(FOLDER, HOST_FILE), "w") as f:
+      json.dump([_host_start, end], f)
   if _rows:
     name = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(FOLDER, f"{name}.json"), "w") as f:
@@ -118,6 +158,10 @@ def main(argv=None) -> int:
   print("\n".join(table(rows)))
   for nodeid, wall, own, children in sorted(rows, key=lambda r: -r[2] - r[3])[: args.top]:
     print(f"{own + children:7.1f} CPU-s ({own:.1f} + {children:.1f} in subprocesses) {nodeid}")
+  host = os.path.join(args.dir, HOST_FILE)
+  if os.path.exists(host):
+    with open(host) as f:
+      print(host_line(*json.load(f)))
   return 0
 
 
