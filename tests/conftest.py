@@ -39,6 +39,15 @@ def pytest_configure(config):
     shared.trim_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], CACHE_KEEP_BYTES)
 
 
+def pytest_unconfigure(config):
+  """In every pytest process (each xdist worker too): the fork servers it started
+  (tests/support/prefork.py) stopped and reaped while the process still ends normally, so that
+  their commands' CPU reaches the session's accounting and no socket folder is left."""
+  from tests.support import prefork
+
+  prefork.stop_all()
+
+
 def pytest_collection_modifyitems(config, items):
   """The slow tests first (stable otherwise): pytest-xdist hands out the first items at the
   start, so with -n 2 the two workers share the long tests instead of one of them finishing

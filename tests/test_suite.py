@@ -163,12 +163,15 @@ def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
   assert done.stdout.split() == [str(prefork.server_pid()), "x"]
 
 
-def test_a_process_that_exits_leaves_no_server_folder(tmp_path):
+@pytest.mark.parametrize("end", ["exit", "os._exit"])
+def test_a_process_that_exits_leaves_no_server_folder(tmp_path, end):
   """Each fork server's socket folder (in the temp dir) is removed when the process that
-  started it exits: a session starts one per pytest process and environment."""
+  started it ends: by the process at exit (``exit``: it is gone when the process is), or by the
+  server once its client is gone without running its exit handlers (``os._exit``)."""
   code = (
-    "import sys; from tests.support import prefork; "
-    "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1])"
+    "import os, sys; from tests.support import prefork; "
+    "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1], flush=True); "
+    + ("sys.exit(0)" if end == "exit" else "os._exit(0)")
   )
   env = dict(os.environ, TMPDIR=str(tmp_path))
   done = subprocess.run(
@@ -177,4 +180,8 @@ def test_a_process_that_exits_leaves_no_server_folder(tmp_path):
   assert done.returncode == 0, done.stderr[-2000:]
   socket_path = done.stdout.split()[-1]
   assert socket_path.startswith(str(tmp_path)), socket_path  # the server's folder was there
+  if end == "os._exit":  # the server sees its stdin close, then removes the folder and exits
+    deadline = time.monotonic() + 60
+    while os.listdir(tmp_path) and time.monotonic() < deadline:
+      time.sleep(0.1)
   assert os.listdir(tmp_path) == []

@@ -107,20 +107,32 @@ def _start_server():
     stdout=subprocess.DEVNULL,
   )
   _server = (proc, path, env)
-  atexit.register(_stop, proc, folder)
+  _started.append((proc, folder))
 
 
-def _stop(proc, folder) -> None:
-  """At this process's exit: the server told to stop (its stdin closed) and reaped, so that its
-  commands' CPU counts as this process's children's, as theirs would have; its socket's folder
-  removed (every server has one: a session starts several)."""
-  proc.stdin.close()
-  try:
-    proc.wait(timeout=30)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
-  shutil.rmtree(folder, ignore_errors=True)
+_started = []  # (Popen, folder) of every server this process started and has not stopped
+
+
+def stop_all() -> None:
+  """Every server this process started told to stop (its stdin closed) and reaped, so that
+  its commands' CPU counts as this process's children's, as theirs would have, and its socket's
+  folder removed. At exit, and from tests/conftest.py when a pytest process (an xdist worker
+  too) unconfigures, before anything can end it without its exit handlers."""
+  global _server
+  with _lock:
+    _server = None
+    while _started:
+      proc, folder = _started.pop()
+      proc.stdin.close()
+      try:
+        proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+      shutil.rmtree(folder, ignore_errors=True)
+
+
+atexit.register(stop_all)
 
 
 def _connect() -> socket.socket:
@@ -132,7 +144,7 @@ def _connect() -> socket.socket:
   if _server is not None and not _same_env(_server[2], os.environ):
     # This process's environment changed since the server started (a library or a test set a
     # variable): a new server with it, whose imports see what a subprocess's would. The old
-    # one keeps serving the commands it started until this process exits (``_stop``).
+    # one keeps serving the commands it started until this process exits (``stop_all``).
     _server = None
   if _server is None or _server[0].poll() is not None:
     _start_server()
@@ -392,7 +404,11 @@ def serve(path: str) -> None:
     if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
       for pid, _ in children.values():
         os.kill(pid, signal.SIGKILL)
-      return  # the pytest process is gone
+      # The pytest process is gone or stopping it: its folder goes with it (the client removes
+      # it too at exit, but a process that ends without its atexit handlers, by a signal or
+      # os._exit, leaves that to the server).
+      shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+      return
     if listener in ready:
       conn, _ = listener.accept()
       msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
