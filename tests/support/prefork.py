@@ -62,6 +62,7 @@ PRELOAD = (
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _lock = threading.Lock()
 _server = None  # (Popen, socket path, the environment it started with)
+_started = []  # every ``_server`` this process started and has not stopped
 _reaped_cpu = 0.0  # CPU seconds of the commands run here (cpu_probe adds them to their test)
 
 
@@ -107,10 +108,7 @@ def _start_server():
     stdout=subprocess.DEVNULL,
   )
   _server = (proc, path, env)
-  _started.append((proc, folder))
-
-
-_started = []  # (Popen, folder) of every server this process started and has not stopped
+  _started.append(_server)
 
 
 def stop_all() -> None:
@@ -122,14 +120,14 @@ def stop_all() -> None:
   with _lock:
     _server = None
     while _started:
-      proc, folder = _started.pop()
+      proc, path, _ = _started.pop()
       proc.stdin.close()
       try:
         proc.wait(timeout=30)
       except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-      shutil.rmtree(folder, ignore_errors=True)
+      shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 atexit.register(stop_all)
@@ -293,13 +291,13 @@ def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=True, text=True
   for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ARGS...]``, forked from the server; any other
   command or keyword (or an environment the server cannot give) runs as a subprocess."""
   env = dict(os.environ if env is None else env)
+  cmd = list(map(str, cmd))
   with _lock:
     direct = kw or not capture_output or os.environ.get("AFT_TESTS_NO_PREFORK")
-    if direct or not _forkable(list(map(str, cmd)), env):
+    if direct or not _forkable(cmd, env):
       return subprocess.run(
         cmd, cwd=cwd, env=env, timeout=timeout, capture_output=capture_output, text=text, **kw
       )
-  cmd = list(map(str, cmd))
   with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
     # files, not pipes: nothing to read while the command runs
     proc = popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)

@@ -124,7 +124,6 @@ def _damage(workdir, step, how) -> str:
   index node or a compressed stretch (whose damage is a read error, not a changed value), and
   which file holds what depends on the save's thread timing, so each parameter chunk is tried,
   the largest first, until one reads changed. The parameter's name."""
-  import numpy as np
   import tensorstore as ts
 
   state = _state_dir(workdir, step)
