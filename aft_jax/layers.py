@@ -16,7 +16,7 @@ switch its mixing layer by name, and every parameter carries logical axis names 
 Packed rows (causal layers only): ``segment_ids`` ``[..., T]`` (documents that do not see each
 other; a new one wherever the id changes) and ``mask`` ``[..., T]`` (False: padding, which no
 token sees; pad outputs are finite and meaningless) make each document's output what the layer
-gives on it alone, the bias positions of each from 0 (``aft_jax.ops.segments``), or
+gives on it alone, the bias positions of each from 0 (``ops.segment_positions``), or
 ``positions`` ``[..., T]`` where given (AFT-full/local: the rows and columns of w, < max_len).
 Softmax attention takes them as a mask: position t attends to t' <= t of its own segment.
 
@@ -27,7 +27,7 @@ AFT-full and softmax attention all past keys and values. AFTFull and AFTLocal de
 ``max_len`` tokens: the index is traced, so a step past it cannot raise; its output is NaN
 (every later one too), never values for a position with no cache slot or bias row. The AFT
 layers' steps are the pure
-functions of ``aft_jax.ops.step`` (``ops.aft_simple_step``, ...) on that state. Initialise the
+functions of ``aft_jax.ops`` (``ops.aft_simple_step``, ...) on that state. Initialise the
 cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input. AFT-simple,
 AFT-local and AFT-conv1d also take a chunk ``[..., T, d_model]`` with ``decode=True`` (a
 prompt): one parallel pass of the op after the cached state, which it leaves as T steps would
@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax import ops, sharding
-from aft_jax.ops import segments as op_segments
 
 Dtype = Any
 _dense_init = nn.initializers.xavier_uniform()
@@ -134,7 +133,7 @@ def _check_decode_input(module, x, chunks: bool = False):
 
 def _packing(module, x, segment_ids, mask, positions=None, t_axis: int = -2):
   """{} for a plain row, else the op's ``segment_ids`` and ``positions`` for packed rows and a
-  padding mask (``ops.segments.from_mask``; ``positions`` given: the bias positions, else each
+  padding mask (``ops.segment_positions``; ``positions`` given: the bias positions, else each
   segment's from 0); ValueError unless causal and ``[..., T]``."""
   if segment_ids is None and mask is None:
     if positions is not None:
@@ -149,7 +148,7 @@ def _packing(module, x, segment_ids, mask, positions=None, t_axis: int = -2):
       raise ValueError(
         f"{name}: {arg} must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(a)}"
       )
-  seg, pos = op_segments.from_mask(segment_ids, mask, lead)
+  seg, pos = ops.segment_positions(segment_ids, mask, lead)
   return {"segment_ids": seg, "positions": pos if positions is None else positions}
 
 
@@ -637,7 +636,7 @@ class MultiHeadAttention(_Projected):
     else:
       seg_mask = None
       if packed:  # [B', 1, T, T]: t' of t's own segment (the causal part is is_causal's)
-        seg_mask = op_segments.same_segment(packed["segment_ids"]).reshape((-1, 1, t_len, t_len))
+        seg_mask = ops.same_segment(packed["segment_ids"]).reshape((-1, 1, t_len, t_len))
       y = jax.nn.dot_product_attention(
         flat(q),
         flat(k),
@@ -653,7 +652,7 @@ class MultiHeadAttention(_Projected):
     """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot
     run (never a silent switch to another implementation)."""
     problem = attention_impl_problem(self.impl, self.dtype)
-    device = ops.target.current()
+    device = ops.device_facts()
     if problem is None and self.impl == "cudnn" and device.platform != "gpu":
       problem = (
         f"cuDNN flash attention needs a GPU, not the {device.platform!r} platform ({device})"

@@ -349,7 +349,7 @@ class TransformerLM(nn.Module):
           f"TransformerLM: {name} must be int [B, T] = {tokens_BT.shape} like tokens; got "
           f"{jnp.result_type(x).name} {jnp.shape(x)}"
         )
-    seg, pos = ops.segments.from_mask(segment_ids_BT, None, tokens_BT.shape)
+    seg, pos = ops.segment_positions(segment_ids_BT, None, tokens_BT.shape)
     if positions_BT is not None:
       pos = positions_BT
     return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}

@@ -10,11 +10,11 @@ Neither shows on a CPU machine, and a GPU to try every configuration on is rarel
 compiler for the target tells both.
 
 What. Every block configuration the ops can choose with ``impl="auto"`` / ``"pallas"``
-(``pallas_util.CONFIGS``: AFT-simple's and AFT-local's ``config_for`` and AFT-local's
+(``aft_jax/ops/pallas/triton.py``' ``CONFIGS``: AFT-simple's and AFT-local's ``config_for`` and AFT-local's
 ``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser
 that training keeps, backward) and causal AFT-local (the same and the dw kernel), float32 and
 bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chunk-parallel
-form (``aft_jax/ops/pallas_split.py``: its segment totals, forward and backward kernels with
+form (``aft_jax/ops/pallas/triton.py``: its segment totals, forward and backward kernels with
 the fold of the totals) at the channel block it takes wherever D is a multiple of 64
 (``FORM_CONFIGS``). The ops are called through their public API, in each form
 (``benchmarks.kernel_form.forced``), with shapes for which their own choice (``config_for``,
@@ -61,8 +61,7 @@ import sys
 import tempfile
 import time
 
-from aft_jax import deviceless, files
-from aft_jax.ops import target as ops_target
+from aft_jax import deviceless, files, ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +100,11 @@ KERNELS = {
     ("_dw_kernel", 1): "dw",
   },
 }
-# The chunk-parallel form's kernels (``pallas_split``): the segment totals of the forward
+# The chunk-parallel form's kernels (``pallas/triton.py``): the segment totals of the forward
 # (k, v) and of the backward (L, g, a), told apart by their operands.
 TOTALS = {2: "totals k, v", 3: "totals L, g, a"}
 FORMS = ("sequential", "chunked")
-# The configurations measured per form (indices into ``pallas_util.CONFIGS``): every one in
+# The configurations measured per form (indices into ``triton.CONFIGS``): every one in
 # the sequential form; in the chunk-parallel form the block ``plan_for`` takes wherever D is a
 # multiple of 64 (its widest), whose kernels hold the most per thread (the others differ only
 # in the channel block, as in the sequential form, where the three give the same ordering).
@@ -184,14 +183,13 @@ def ptxas_version() -> str:
 def channels_for(cfg) -> int:
   """The smallest channel count D for which both ops (``config_for`` at ``BATCH`` rows) and
   the dw kernel (``dw_config``) choose ``cfg``."""
-  from aft_jax.ops import pallas_local, pallas_simple, pallas_util
+  from aft_jax.ops.pallas import triton, triton_local
 
-  step = pallas_util.CONFIGS[-1].block_d
+  step = triton.CONFIGS[-1].block_d
   for d in range(step, 64 * step + 1, step):
     chosen = (
-      pallas_simple.config_for(d, BATCH),
-      pallas_local.config_for(d, BATCH),
-      pallas_local.dw_config(d),
+      triton.config_for(d, BATCH),
+      triton_local.dw_config(d),
     )
     if all(c == cfg for c in chosen):
       return d
@@ -251,7 +249,7 @@ def triton_calls(module) -> list[dict]:
         for child in block.operations:
           if child.operation.name == "stablehlo.custom_call":
             target = ir.StringAttr(child.attributes["call_target_name"]).value
-            if target == ops_target.TRITON_CALL:
+            if target == ops.KERNEL_CALLS["gpu"]:
               cfg = ir.DictAttr(child.attributes["mhlo.backend_config"])
               num = lambda key: int(ir.IntegerAttr(cfg[key]).value)
               calls.append(
@@ -413,7 +411,7 @@ def _order(row: dict) -> tuple:
 
 
 def cases() -> list[tuple[str, int, str, str]]:
-  """(op, index in ``pallas_util.CONFIGS``, dtype, form) of every measurement
+  """(op, index in ``triton.CONFIGS``, dtype, form) of every measurement
   (``FORM_CONFIGS``), the costliest first (AFT-local's kernels, the chunk-parallel form, wider
   blocks), so that dealing them out in turn balances the shards."""
   return [
@@ -433,7 +431,7 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   ``deviceless.environment("cuda")``."""
   import jax
 
-  from aft_jax.ops import pallas_util
+  from aft_jax.ops.pallas import triton
 
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
   devices = {a.target: deviceless.devices(a.target)[0] for a in ARCHS if a.xla}
@@ -459,7 +457,7 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
 
   for op, i, dtype, form in selected:
     t0 = time.time()
-    cfg = pallas_util.CONFIGS[i]
+    cfg = triton.CONFIGS[i]
     d = channels_for(cfg)
     lowerings = {}  # target -> the case lowered for it, each lowered once and only if asked
 

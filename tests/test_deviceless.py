@@ -1,7 +1,7 @@
 """aft-jax compiles to machine code for GPUs and TPUs that are not here (``aft_jax.deviceless``),
 and ``impl="auto"`` chooses right for each of them:
 
-1. the kernels of every configuration ``impl="auto"`` can choose (each ``pallas_util.CONFIGS``
+1. the kernels of every configuration ``impl="auto"`` can choose (each ``triton.CONFIGS``
    entry, for AFT-simple and for AFT-local with two windows), forward and forward+backward,
    float32 and bfloat16: one case of each op, mode and dtype, the configurations spread over
    them, lowers for a T4 (sm_75) without a Triton call (its XLA path compiles in 2.), and
@@ -14,10 +14,8 @@ and ``impl="auto"`` chooses right for each of them:
    for an H100 with one kernel set per layer for AFT-simple (AFT-local's: tests/trainer/
    test_dry_run.py); the notebook's GPU model (notebooks/quickstart.ipynb, bfloat16) compiles
    for a T4 without one;
-3. the safety net: on a T4 that ``impl="auto"`` is made to misjudge (the capability rule lowered
-   to 7.0), ``build_trainer`` says in one line that the kernels did not compile and returns a
-   trainer on ``impl='xla'`` whose step compiles (the quickstart's AFT-simple T4 step), while an
-   explicit ``impl="pallas"`` is returned as asked, its kernels in its step;
+3. ``impl="auto"`` is decided before anything is compiled: the ops' ``resolve`` takes the
+   kernels for an H100 and XLA for a T4, as the compiled train steps hold them;
 4. the TPU AFT-simple kernel (B 1, T 16384, D 512, bfloat16, ``impl="pallas"``) compiles for a
    v5e and a v6e, forward and forward+backward, with the Mosaic calls its jaxpr holds and less
    temp memory than the XLA path; an AFT-simple LM train step with it compiles for a v5e.
@@ -40,12 +38,11 @@ import time
 import pytest
 
 from aft_jax import deviceless
-from aft_jax.ops import pallas_local, pallas_simple_tpu, pallas_util
-from aft_jax.ops import target as ops_target
+from aft_jax.ops import common
+from aft_jax.ops.pallas import mosaic_simple, triton, triton_local
 from tests.support.deviceless_worker import (
   LOWER_ONLY,
   NOTEBOOK_GPUS,
-  SAFETY_NET,
   TRAIN_STEP_MIXINGS,
   representatives,
 )
@@ -205,7 +202,7 @@ def _capability(name: str) -> tuple[int, int]:
 
 def _takes_kernels(name: str) -> bool:
   """Whether impl="auto" takes the Triton kernels for GPU target ``name`` (XLA's rule)."""
-  return _capability(name) >= ops_target.TRITON_MIN_CAPABILITY
+  return _capability(name) >= common.TRITON_MIN_CAPABILITY
 
 
 def _expected_grid(kernel: str, batch: int, t: int, d: int) -> list[int]:
@@ -213,9 +210,9 @@ def _expected_grid(kernel: str, batch: int, t: int, d: int) -> list[int]:
   (batch rows, channel blocks) for the sequential kernels; (query chunks, channel blocks of
   ``dw_config``) for AFT-local's bias gradient."""
   if kernel == "_dw_kernel":
-    cfg = pallas_local.dw_config(d)
+    cfg = triton_local.dw_config(d)
     return [math.ceil(t / cfg.block_t), d // cfg.block_d, 1]
-  return [batch, d // pallas_util.config_for(d, batch).block_d, 1]
+  return [batch, d // triton.config_for(d, batch).block_d, 1]
 
 
 def _counter(calls) -> collections.Counter:
@@ -246,10 +243,10 @@ def test_kernel_cases_cover_every_configuration(cuda_results):
     for mode in ("fwd", "grad"):
       for dtype in ("float32", "bfloat16"):
         mine = [c for c in cases if (c["op"], c["mode"], c["dtype"]) == (op, mode, dtype)]
-        chosen = {pallas_util.config_for(c["d"], c["batch"]) for c in mine}
-        assert chosen == set(pallas_util.CONFIGS), (op, mode, dtype, chosen)
+        chosen = {triton.config_for(c["d"], c["batch"]) for c in mine}
+        assert chosen == set(triton.CONFIGS), (op, mode, dtype, chosen)
   windows = {c["window"] for c in cases if c["op"] == "aft_local"}
-  assert len(windows) >= 2 and max(windows) <= pallas_local.MAX_WINDOW, windows
+  assert len(windows) >= 2 and max(windows) <= triton_local.MAX_WINDOW, windows
   forward = {}
   for case, kern in zip(cases, expected):
     for name, *grid in kern:
@@ -286,9 +283,9 @@ def test_every_kernel_configuration_compiles(cuda_results, name):
   kinds = {(c["op"], c["mode"], c["dtype"]) for c in kernels["cases"]}
   assert res["cases"] == len(chosen) == len(kinds), res
   configs = {
-    pallas_util.config_for(kernels["cases"][i]["d"], kernels["cases"][i]["batch"]) for i in chosen
+    triton.config_for(kernels["cases"][i]["d"], kernels["cases"][i]["batch"]) for i in chosen
   }
-  assert configs == set(pallas_util.CONFIGS), configs
+  assert configs == set(triton.CONFIGS), configs
   if _takes_kernels(name):
     want = _counter(call for i in chosen for call in kernels["expected"][i])
     assert sum(want.values()) >= len(chosen)
@@ -329,8 +326,8 @@ def _check_step(res: dict, name: str, model: dict, batch: int, seq_len: int, ker
 @pytest.mark.parametrize("name", sorted(TRAIN_STEP_MIXINGS))
 def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
   """configs/quickstart.py with model.impl="auto", built as aft-train builds it, compiles for a
-  T4 with every mixing layer but AFT-local and AFT-simple (XLA everywhere; AFT-local's is the
-  notebook's model, AFT-simple's the safety net's fallback) and for an H100 with AFT-simple
+  T4 with every mixing layer but AFT-local (XLA everywhere; AFT-local's is the notebook's
+  model) and for an H100 with AFT-simple
   (its kernels, in every layer, with ``config_for``'s configuration for the recipe's shapes;
   AFT-local's H100 step is the dry run's in tests/trainer/test_dry_run.py)."""
   from configs import quickstart
@@ -339,10 +336,9 @@ def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
   steps = _item(cuda_results, "train_steps")[name]
   kernels = _item(cuda_results, "kernels")
   assert sorted(steps) == sorted(TRAIN_STEP_MIXINGS[name])
-  # Every layer compiles for a T4 somewhere: AFT-local's step is the notebook's, AFT-simple's
-  # the safety net's fallback.
+  # Every layer compiles for a T4 somewhere: AFT-local's step is the notebook's.
   notebook = _item(cuda_results, "notebook")["model"]["mixing"]
-  assert set(TRAIN_STEP_MIXINGS["t4"]) | {notebook, SAFETY_NET} == set(MIXINGS)
+  assert set(TRAIN_STEP_MIXINGS["t4"]) | {notebook} == set(MIXINGS)
   for mixing in TRAIN_STEP_MIXINGS[name]:
     model = {**config.model.to_dict(), "mixing": mixing}
     _check_step(steps[mixing], name, model, config.batch_size, config.seq_len, kernels)
@@ -360,28 +356,22 @@ def test_notebook_gpu_model_compiles(cuda_results, name):
   _check_step(nb[name], name, model, nb["batch_size"], nb["seq_len"], kernels)
 
 
-# --------------------------------------------------------------------------- 3. safety net
+# --------------------------------------------------------------------------- 3. decided first
 
 
-def test_safety_net_falls_back_to_xla_and_explicit_pallas_is_kept(cuda_results):
-  """Should impl="auto" ever choose kernels a GPU refuses (here: a T4 with the capability rule
-  lowered to 7.0), build_trainer says so in one line and trains on impl='xla', whose step
-  compiles (the quickstart model with AFT-simple: its T4 train step, the program impl="auto"
-  takes there); an explicit impl="pallas" is not rescued: build_trainer returns it as asked,
-  uncompiled, its step holding the kernels whose compile the fallback saw fail."""
-  net = _item(cuda_results, "safety_net")
-  auto = _compiled(net["auto"], "the fallback trainer's step")
-  assert len(auto["said"]) == 1 and "\n" not in auto["said"][0], auto["said"]
-  line = auto["said"][0]
-  assert "did not compile" in line and "impl='xla'" in line, line
-  assert "compute capability 7.5" in line, line  # XLA's refusal, not some other failure
-  assert auto["impl"] == "xla" and auto["calls"] == [], auto
-  explicit = net["explicit"]
-  assert explicit["ok"], f"impl='pallas' did not even lower: {explicit['error']}"
-  assert explicit["impl"] == "pallas" and explicit["said"] == [], explicit
-  assert not explicit["compiled"], explicit
-  # The lowered step holds the kernels (the patch made them look allowed).
-  assert explicit["triton"] > 0, explicit
+def test_auto_is_decided_for_the_device_before_compiling(cuda_results):
+  """The ops' ``resolve``, asked for each GPU's device before anything is traced, takes the
+  Triton kernels exactly where XLA's rule allows them (compute capability 8.0), and the train
+  steps compiled from it hold them exactly there: AFT-simple's kernels for an H100, XLA for a
+  T4 (no compile is tried and undone)."""
+  decided = _item(cuda_results, "decided")
+  steps = _item(cuda_results, "train_steps")
+  assert sorted(decided) == sorted(GPUS), decided
+  for name in GPUS:
+    assert decided[name]["kernel"] == ("gpu" if _takes_kernels(name) else None), decided[name]
+    assert "compute capability {}.{}".format(*_capability(name)) in decided[name]["device"]
+    step = _compiled(steps[name]["aft_simple"], f"aft_simple for {name}")
+    assert bool(step["calls"]) == (decided[name]["kernel"] is not None), (name, step["calls"])
 
 
 # --------------------------------------------------------------------------- 4. TPU
@@ -395,7 +385,7 @@ def test_tpu_kernel_compiles_and_needs_less_memory_than_xla(tpu_results, name):
   item = _item(tpu_results, "tpu_kernel")
   assert item["shape"] == [1, 16384, 512] and item["dtype"] == "bfloat16", item
   res, (b, t, d) = item[name], item["shape"]
-  cfg = pallas_simple_tpu.config_for(d, b)
+  cfg = mosaic_simple.config_for(d, b)
   count = {}
   for mode in ("fwd", "grad"):
     kernel = _compiled(res[f"pallas_{mode}"], f"the TPU kernel ({mode}) for {name}")
@@ -415,7 +405,7 @@ def test_tpu_lm_train_step_compiles_for_v5e(tpu_results):
   res = _item(tpu_results, "train_step")
   model = res["model"]
   assert model["mixing"] == "aft_simple" and model["impl"] == "pallas", model
-  assert model["d_model"] % pallas_simple_tpu.LANES == 0, model
+  assert model["d_model"] % mosaic_simple.LANES == 0, model
   step = _compiled(res["step"], "the AFT-simple LM train step for v5e")
   per_layer = len(_item(tpu_results, "tpu_kernel")["v5e"]["pallas_grad"]["jaxpr_kernels"])
   assert step["impl"] == "pallas" and step["mosaic"] == model["num_layers"] * per_layer, step

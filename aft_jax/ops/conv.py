@@ -1,14 +1,12 @@
-"""AFT-conv (paper Eq. 6) as exact log-sum-exp sums: a kernel's worth of shifted terms plus
-prefix and suffix scans of the bias-0 terms outside the kernel.
+"""AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, every mode and its step) and over an
+image (``aft_conv2d``): heads h, one key per head, a small kernel w^h per head, 0 elsewhere.
 
-The kernel w is 0 outside its few offsets, so for every position the sum splits into (a) the
-kernel's own offsets, one shifted copy of the keys per kernel entry with its bias added, and
-(b) everything else, which has bias 0: running (prefix/suffix) sums of the keys, shifted past
-the kernel. Both parts are carried as (m, num, den) triples (``logsumexp``) and combined, so
-the result is exact for logits of any size; the maxima carry no gradient, so plain autodiff
-gives a backward pass of linear scans.
-
-Layout: k ``[..., *spatial, H]`` (one key per head), v ``[..., *spatial, H, C]``.
+The sums are exact log-sum-exp triples: for every position (a) the kernel's offsets, one shifted
+copy of the keys per kernel entry with its bias added, and (b) every other position, bias 0:
+running prefix (and suffix) sums of the keys shifted past the kernel. The maxima carry no
+gradient, so plain autodiff gives a backward pass of linear scans. Causal 1-D over at most
+``DENSE_MAX_T`` positions is one masked [T, T] sum per head instead. No kernel: ``impl`` is
+checked, XLA runs.
 """
 
 from __future__ import annotations
@@ -19,18 +17,166 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.ops import branch
-from aft_jax.ops.logsumexp import (
-  HIGHEST, NEG, Acc, bcast, combine, finite, gate, output, tame,
-)  # fmt: skip
+from aft_jax.ops import common
+from aft_jax.ops import logsumexp as lse
+from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, bcast, combine, finite, gate, output, tame
 
 _sg = jax.lax.stop_gradient
+# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``): at
+# nanoGPT's CPU recipe (T 64, kernel 32, 4 heads of 32, batch 12) a layer's forward+backward took
+# 2.8 ms against 21.6 ms (benchmarks/RESULTS.md); its memory, B H T^2 floats, bounds it.
+DENSE_MAX_T = 256
+
+
+def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
+  q, k, v = (common.array(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+  kernel = common.array(fn, "kernel", kernel)
+  common.check_float(fn, q=q, k=k, v=v, kernel=kernel)
+  sp = "Ht, Wd" if n_spatial == 2 else "T"
+  if q.ndim < n_spatial + 2 or v.shape != q.shape or k.shape != q.shape[:-1]:
+    raise ValueError(
+      f"{fn}: expected q, v [..., {sp}, H, C] and k [..., {sp}, H]; got q {q.shape}, "
+      f"k {k.shape}, v {v.shape}"
+    )
+  if kernel.ndim != n_spatial + 1 or kernel.shape[0] != q.shape[-2]:
+    raise ValueError(
+      f"{fn}: kernel must be [H, {'kh, kw' if n_spatial == 2 else 's'}] with H = "
+      f"{q.shape[-2]} heads; got kernel {kernel.shape}"
+    )
+  common.resolve(fn, impl, (), causal=causal, channels=q.shape[-1])  # (no kernel: refused)
+  sizes = kernel.shape[1:]
+  if min(sizes) < 1:
+    raise ValueError(f"{fn}: kernel sizes must be >= 1; got kernel {kernel.shape}")
+  if not causal and any(s % 2 == 0 for s in sizes):
+    what = (
+      "a non-causal kernel size must be odd (centred)"
+      if n_spatial == 1
+      else "kernel sizes must be odd"
+    )
+    raise ValueError(f"{fn}: {what}; got kernel {kernel.shape}")
+  return q, k, v, kernel
+
+
+def aft_conv1d(
+  q, k, v, kernel, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
+  segment_ids=None, axis_name=None,
+):  # fmt: skip
+  """AFT-conv over a sequence: per head i a kernel w^i of size s,
+
+      Y[t, i] = sigma(q[t, i]) * sum_t' exp(k[t', i] + w^i[t, t']) v[t', i] / (the same
+      without v)
+
+  with w^i[t, t'] = kernel[i, j] for t' = t + j - s // 2 (non-causal, s odd) or t' = t - j
+  (causal), and 0 for every other t' (which still contributes).
+
+  Args:
+    q, v: ``[..., T, H, C]``; k: ``[..., T, H]`` (one key per head).
+    kernel: ``[H, s]``, s >= 1.
+    causal, impl: as ``aft_simple`` (there is no kernel: "pallas" is refused).
+    initial_state: causal: ``WindowState`` (s keys and values) of the positions before the
+      piece, as ``output_final_state=True`` or ``aft_conv1d_step`` returns it.
+    output_final_state, segment_ids, axis_name: causal: as ``aft_simple``.
+
+  Returns:
+    ``[..., T, H, C]``, or ``(Y, state)`` with ``output_final_state``. O(T s H C).
+
+  Example::
+
+    y = aft_conv1d(q, k, v, kernel, causal=True)  # q, v [B, T, H, C], k [B, T, H], kernel [H, s]
+  """
+  fn = "aft_conv1d"
+  q, k, v, kernel = _check(fn, q, k, v, kernel, 1, causal, impl)
+  mode = common.check_mode(
+    fn, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
+    segment_ids=segment_ids, axis_name=axis_name,
+  )  # fmt: skip
+  common.check_segments(fn, k.shape[:-1], segment_ids=segment_ids)
+  k_t, v_t = k.shape[:-2] + k.shape[-1:], v.shape[:-3] + v.shape[-2:]
+  common.check_state(fn, initial_state, lambda: aft_conv1d_init(k_t, v_t, kernel.shape[-1]))
+  return common.eager(
+    _run, q=q, k=k, v=v, kernel=kernel, state=initial_state, segment_ids=segment_ids,
+    mode=mode, causal=bool(causal), final=output_final_state, axis_name=axis_name,
+  )  # fmt: skip
+
+
+def _run(q, k, v, kernel, state, segment_ids, mode, causal, final, axis_name):
+  s = kernel.shape[-1]
+  if mode == "packed":
+    kernel_t = jnp.asarray(kernel, jnp.float32).T  # [s, H]: row j the bias at lag j
+    return lse.packed(q, k, v, segment_ids, s, lambda j: kernel_t[j])
+  if mode == "whole":
+    return _whole(q, k, v, kernel, causal)
+  if mode == "sharded":
+    state, final = lse.shard_state(k, v, s, axis_name), False
+  axis = k.ndim - 2
+  if k.shape[axis] == 0:
+    one = lambda x: x.shape[:axis] + x.shape[axis + 1 :]
+    return lse.nothing(q, k, v, state, final, lambda: lse.window_init(one(k), one(v), s))
+  # -inf: AFT-conv's leaves take a key of -inf as no term (``_leaf``).
+  y = lse.after_state(lambda *qkv: _whole(*qkv, kernel, True), q, k, v, state, -jnp.inf)
+  return (y, lse.final(state, k, v, s)) if final else y
+
+
+def aft_conv2d(q, k, v, kernel, *, impl="auto"):
+  """AFT-conv over an image, per head i a kh x kw kernel w^i ("SAME"):
+
+      Y[r, c, i] = sigma(q[r, c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i] / (the
+      same without v)
+
+  with w^i = kernel[i, a, b] at (r', c') = (r + a - kh // 2, c + b - kw // 2) and 0 at every
+  other position of the image (which still contributes).
+
+  Args:
+    q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``.
+    kernel: ``[H, kh, kw]``, odd sizes.
+    impl: as ``aft_conv1d``.
+
+  Returns:
+    ``[..., Ht, Wd, H, C]``. O(Ht Wd kh kw C) per head.
+
+  Example::
+
+    y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
+  """
+  q, k, v, kernel = _check("aft_conv2d", q, k, v, kernel, 2, False, impl)
+  return common.eager(_conv2d, q=q, k=k, v=v, kernel=kernel)
+
+
+def _whole(q, k, v, kernel, causal):
+  out_dt, dt = common.dtypes(q, k, v)
+  if q.size == 0 or k.size == 0:
+    return jnp.zeros(q.shape, out_dt)
+  f = lambda x: jnp.asarray(x, dt)
+  y = (
+    _causal_conv1d(f(q), f(k), f(v), f(kernel))
+    if causal
+    else _conv1d(f(q), f(k), f(v), f(kernel), False)
+  )
+  return y.astype(out_dt)
+
+
+def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
+  """The state before any token, for k_t ``[..., H]``, v_t ``[..., H, C]`` and a causal kernel
+  of ``kernel_size`` s."""
+  return lse.window_init(k_shape, v_shape, kernel_size)
+
+
+def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
+  """One token of causal AFT-conv1d: per head i, Y[t, i] = sigma(q[t, i]) * sum_{t' <= t}
+  exp(k[t', i] + b) v[t', i] / (the same without v), b = kernel[i, t - t'] for t - t' < s.
+
+  q_t, v_t: ``[..., H, C]``; k_t: ``[..., H]``; kernel: ``[H, s]``. Returns ``(Y[t], state)``.
+  """
+  kernel = jnp.asarray(kernel, jnp.float32)
+  return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
+
+
+# --------------------------------------------------------------------------- the sums
 
 
 def _leaf(k, v) -> Acc:
-  """One term per position: logit k, value v. den = exp(k - m) at m = k (held fixed): value 1,
-  and every derivative in k 1 (the exponential's own: Hessians are exact too)."""
-  # A key of -inf is no term (m = NEG, den 0): its own shift -inf would give -inf - -inf = NaN.
+  """One term per position: logit k, value v; den = exp(k - m) at m = k held fixed (value 1,
+  derivative in k 1). A key of -inf is no term (m = NEG, den 0)."""
   none = k == -jnp.inf
   m = jnp.where(none, NEG, _sg(k))
   e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, k - m)))
@@ -49,111 +195,67 @@ def _shift(x, offset: int, axis: int, fill):
 
 
 def _acc_shift(acc: Acc, offset: int, axis: int) -> Acc:
-  return Acc(
-    _shift(acc.m, offset, axis, NEG),
-    _shift(acc.num, offset, axis, 0.0),
-    _shift(acc.den, offset, axis, 0.0),
-  )
-
-
-def _chunk(t_len: int) -> int:
-  """Chunk length for the two-level scan: about sqrt(T), so both loops are short."""
-  return max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
-
-
-def _to_chunks(x, c: int, n: int, fill):
-  """[T, ...] -> [c, n, ...]: position j c + i at [i, j]; ``fill`` pads T up to n c."""
-  x = jnp.pad(x, [(0, n * c - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-  return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
-
-
-def _from_chunks(x, t_len: int):
-  """Inverse of ``_to_chunks``."""
-  x = jnp.swapaxes(x, 0, 1)
-  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])[:t_len]
+  return Acc(*(_shift(x, offset, axis, f) for x, f in zip(acc, (NEG, 0.0, 0.0))))
 
 
 def _prefix0(acc: Acc) -> Acc:
-  """Inclusive prefix sums along axis 0, exactly (a carried maximum per position).
-
-  Two short sequential loops instead of one of length T: the sequence is cut into n chunks of
-  length c ~ sqrt(T); a scan over the c positions of every chunk at once gives the
-  within-chunk prefixes, a scan over the n chunk totals gives what precedes each chunk, and
-  one elementwise combine finishes. Cost O(T D), c + n loop steps, no log-depth graph (so it
-  also compiles fast), and m carries no gradient so the backward pass is two linear scans.
-  """
+  """Inclusive prefix sums along axis 0, exactly: chunks of c ~ sqrt(T) positions, a scan over
+  the c positions of every chunk at once, one over the n chunk totals, one combine: c + n loop
+  steps, no log-depth graph, two linear scans backward."""
   t_len = acc.m.shape[0]
-  c = _chunk(t_len)
+  c = max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
   n = -(-t_len // c)
   fills = (NEG, 0.0, 0.0)
 
-  xs = Acc(*(_to_chunks(x, c, n, f) for x, f in zip(acc, fills)))
-  # Of the inputs' type: inside shard_map, varying where they do, as a scan's carry must be.
-  empty = Acc(*(jnp.full_like(x[0], f) for x, f in zip(xs, fills)))
+  def chunks(x, fill):  # [T, ...] -> [c, n, ...]: position j c + i at [i, j]
+    x = jnp.pad(x, [(0, n * c - t_len)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    return jnp.swapaxes(x.reshape((n, c) + x.shape[1:]), 0, 1)
+
+  xs = Acc(*(chunks(x, f) for x, f in zip(acc, fills)))
+  empty = Acc(*(jnp.full_like(x[0], f) for x, f in zip(xs, fills)))  # varying as the inputs
 
   def step(carry, x):
     new = combine(carry, Acc(*x))
     return new, new
 
   totals, local = jax.lax.scan(step, empty, tuple(xs))  # local: [c, n, ...]
-  if n == 1:
-    out = Acc(*local)
-  else:
-
-    def outer(carry, x):
-      return combine(carry, Acc(*x)), carry
-
-    first = Acc(*(x[0] for x in empty))
-    _, before = jax.lax.scan(outer, first, tuple(totals))  # exclusive, [n, ...]
-    out = combine(Acc(*(x[None] for x in before)), Acc(*local))
-
-  return Acc(*(_from_chunks(x, t_len) for x in out))
+  out = Acc(*local)
+  if n > 1:
+    outer = lambda carry, x: (combine(carry, Acc(*x)), carry)
+    _, before = jax.lax.scan(outer, Acc(*(x[0] for x in empty)), tuple(totals))  # exclusive
+    out = combine(Acc(*(x[None] for x in before)), out)
+  unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape((n * c,) + x.shape[2:])[:t_len]
+  return Acc(*(unchunk(x) for x in out))
 
 
 def _acc_scan(acc: Acc, axis: int, reverse: bool = False) -> Acc:
   """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
-
-  def fwd(x):
-    x = jnp.moveaxis(x, axis, 0)
-    return jnp.flip(x, 0) if reverse else x
-
-  def back(x):
-    x = jnp.flip(x, 0) if reverse else x
-    return jnp.moveaxis(x, 0, axis)
-
-  out = _prefix0(Acc(*(fwd(x) for x in acc)))
-  return Acc(*(back(x) for x in out))
+  fwd = lambda x: jnp.flip(jnp.moveaxis(x, axis, 0), 0) if reverse else jnp.moveaxis(x, axis, 0)
+  back = lambda x: jnp.moveaxis(jnp.flip(x, 0) if reverse else x, 0, axis)
+  return Acc(*(back(x) for x in _prefix0(Acc(*(fwd(x) for x in acc)))))
 
 
 def _acc_reduce(acc: Acc, axis: int) -> Acc:
-  """The whole sum along ``axis`` (the axis is kept, with size 1)."""
+  """The whole sum along ``axis`` (kept, size 1)."""
   m = jnp.max(acc.m, axis=axis, keepdims=True)
-  s = jnp.exp(acc.m - m)  # positive axes index num and m alike
-  return Acc(
-    m,
-    jnp.sum(acc.num * bcast(s, acc.num), axis=axis, keepdims=True),
-    jnp.sum(acc.den * s, axis=axis, keepdims=True),
-  )
+  s = jnp.exp(acc.m - m)
+  num = jnp.sum(acc.num * bcast(s, acc.num), axis=axis, keepdims=True)
+  return Acc(m, num, jnp.sum(acc.den * s, axis=axis, keepdims=True))
 
 
-def _outside(leaf: Acc, axis: int, before: int | None, after: int | None) -> Acc | None:
-  """Sum of the terms at t' <= t - before and t' >= t + after (w = 0 there); None if none."""
+def _outside(leaf: Acc, axis: int, before: int | None, after: int | None) -> Acc:
+  """Sum of the terms at t' <= t - before and t' >= t + after (bias 0 there)."""
   parts = []
   if before is not None:
     parts.append(_acc_shift(_acc_scan(leaf, axis), -before, axis))
   if after is not None:
     parts.append(_acc_shift(_acc_scan(leaf, axis, reverse=True), after, axis))
-  if not parts:
-    return None
   return parts[0] if len(parts) == 1 else combine(*parts)
 
 
 def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:
-  """Exact sum over the kernel's positions: logits k[t + o] + kernel[o] for each offset o.
-
-  leaf.m: [..., *spatial, H]; leaf.num: [..., *spatial, H, C]; kernel: [H, n_offsets];
-  offsets: a tuple of per-axis integer offsets for each kernel entry.
-  """
+  """Exact sum over the kernel's positions: logits k[t + o] + kernel[o] for each offset o (a
+  tuple of per-axis offsets per kernel entry); kernel ``[H, n_offsets]``."""
 
   def shifted(acc, offset):
     for off, axis in zip(offset, axes):
@@ -163,22 +265,11 @@ def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:
   shifts = [shifted(leaf, o) for o in offsets]
   logits = [jnp.where(s.den > 0, s.m + kernel[:, j], NEG) for j, s in enumerate(shifts)]
   m = _sg(jnp.max(jnp.stack(logits), axis=0))
-  num = jnp.zeros_like(leaf.num)
-  den = jnp.zeros_like(leaf.den)
+  num, den = jnp.zeros_like(leaf.num), jnp.zeros_like(leaf.den)
   for s, logit in zip(shifts, logits):
-    p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor; 0 outside
-    num = num + p[..., None] * s.num
-    den = den + p * s.den
+    p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor
+    num, den = num + p[..., None] * s.num, den + p * s.den
   return Acc(m, num, den)
-
-
-def conv1d(q, k, v, kernel, causal: bool):
-  """sigma(q) * the AFT-conv mean over T (float32/64 in and out).
-
-  q, v: ``[..., T, H, C]``; k: ``[..., T, H]``; kernel: ``[H, s]`` (entry j: t' = t - j when
-  causal, t' = t + j - s // 2 otherwise).
-  """
-  return _causal_conv1d(q, k, v, kernel) if causal else _conv1d(q, k, v, kernel, False)
 
 
 @jax.custom_jvp
@@ -188,116 +279,84 @@ def _causal_conv1d(q, k, v, kernel):
 
 @_causal_conv1d.defjvp
 def _causal_conv1d_jvp(primals, tangents):
-  """The derivative at the inputs with every non-finite entry replaced by 0, where a row has
-  not yet seen one (a NaN or +inf key, a non-finite value: causal, so there it is the
-  derivative at the inputs themselves) and its output is finite; 0 elsewhere. Plain autodiff
-  of the sums would multiply the later rows' zero cotangents by their NaN factors and reach
-  every earlier input."""
+  """The derivative at the inputs with every non-finite entry replaced by 0, where a row has not
+  yet seen one (causal: there it is the derivative at the inputs) and its output is finite; 0
+  elsewhere (plain autodiff would reach every earlier input with the later rows' 0 * NaN)."""
   q, k, v, kernel = primals
-  axis = k.ndim - 2  # T, in k [..., T, H] and v [..., T, H, C]
-  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``_leaf``)
-  bad = bad_k[..., None] | ~finite(v)
-  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=axis) > 0
+  axis = k.ndim - 2
+  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term
+  seen = jax.lax.cummax((bad_k[..., None] | ~finite(v)).astype(jnp.int32), axis=axis) > 0
   clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame(kernel))
   y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
-  # Inputs that are all finite: y_clean is the output; else it is recomputed (rare).
   anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
-  y = branch.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
+  y = lse.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
   return y, jnp.where(~seen & finite(y), dy, 0.0)
 
 
-# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``):
-# every (t, t') pair of a head at once, one masked [T, T] exponential and a matrix product, in
-# place of the kernel's s shifted copies and the prefix scans. At nanoGPT's CPU recipe (T 64,
-# kernel 32, 4 heads of 32, batch 12) one layer's forward and backward took 2.8 ms against 21.6
-# ms on the 2-core CPU, and the train step 158 -> ~85 ms (benchmarks/RESULTS.md, "aft-jax
-# beside nanoGPT"); its memory, B H T^2 floats a layer, is what bounds it.
-DENSE_MAX_T = 256
-
-
 def _conv1d(q, k, v, kernel, causal: bool, finite_values: bool = False):
-  """``finite_values``: v is known finite (the JVP's tamed inputs): no patch for rows that see
-  a non-finite value."""
-  axis = k.ndim - 2  # the T axis of k [..., T, H] (and of v [..., T, H, C])
-  if causal and k.shape[axis] <= DENSE_MAX_T:
+  """sigma(q) * the mean; ``finite_values``: v is known finite (the JVP's tamed inputs)."""
+  if causal and k.shape[k.ndim - 2] <= DENSE_MAX_T:
     return _dense_causal(q, k, v, kernel, finite_values)
   return _scan_conv1d(q, k, v, kernel, causal)
 
 
 def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """Causal AFT-conv1d as one masked [T, T] sum per head: logits k[t'] + w[t - t'] (the
-  kernel's entry where 0 <= t - t' < s, else 0) over t' <= t, shifted by each row's maximum,
-  as ``logsumexp.from_terms`` sums them, with the values' sum a matrix product.
-
-  A product sums every t' of a row, the later ones (and keys of -inf) with weight 0, so
-  non-finite values are zeroed first (0 * NaN would reach earlier rows) and the rows that see
-  one (a term t' <= t with a non-finite value and a key that is not -inf) are recomputed by
-  the exact scans (``_scan_conv1d``, behind ``branch.cond``): every other row is bit for bit
-  what it is with finite values."""
+  """Causal AFT-conv1d as one masked [T, T] sum per head (logits k[t'] + w[t - t'] over t' <=
+  t, shifted by each row's max, the values' sum a product). Non-finite values are zeroed first
+  and the rows that see one recomputed by the scans (behind ``logsumexp.cond``): every other
+  row is bit for bit what it is with finite values."""
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
   bias = jnp.where((d < s)[None], kernel[:, np.clip(d, 0, s - 1)], 0.0)  # [H, T, T']
   logits = k[..., None, :, :] + jnp.moveaxis(bias, 0, -1)  # [..., T, T', H]
-  term = k != -jnp.inf  # a key of -inf is no term (``_leaf``)
+  term = k != -jnp.inf
   valid = (d >= 0)[:, :, None] & term[..., None, :, :]
-  # Masked before the exponential too: a later key above a row's maximum (or any key, in a
-  # row with no term, m = NEG) would overflow, and its zero cotangent times inf is NaN.
+  # Masked before the exponential: a later key above a row's max would overflow (0 * inf).
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=-2))  # [..., T, H]
   p = jnp.where(valid, jnp.exp(logits - m[..., None, :]), 0.0)
   nonfinite = None if finite_values else ~finite(v)
-  values = v if finite_values else jnp.where(nonfinite, 0.0, v)  # (also where k = -inf)
+  values = v if finite_values else jnp.where(nonfinite, 0.0, v)
   num = jnp.einsum("...tsh,...shc->...thc", p, values, precision=HIGHEST)
-  # A row with no term (every key -inf: a state's empty rows) is 0 / 0 = NaN, as the scans
-  # give it, but with its cotangent stopped: through the product a NaN cotangent would reach
-  # every value of the sum (0 * NaN), where the scans' masks keep it out.
+  # A row with no term (every key -inf: a state's empty rows) is NaN, as the scans give it,
+  # its cotangent stopped (through the product a NaN would reach every value: 0 * NaN).
   den = jnp.sum(p, axis=-2)
   empty = (den == 0.0)[..., None]
   mean = jnp.where(empty, 0.0, num) / jnp.where(empty, 1.0, den[..., None])
   y = gate(q, jnp.where(empty, jnp.nan, mean))
   if finite_values:
     return y
-  bad = nonfinite & term[..., None]
-  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=bad.ndim - 3) > 0  # [..., T, H, C]
-  return branch.cond(
-    jnp.any(seen),
-    lambda: jnp.where(seen, _scan_conv1d(q, k, v, kernel, True), y),
-    lambda: y,
-  )
+  seen = jax.lax.cummax((nonfinite & term[..., None]).astype(jnp.int32), axis=v.ndim - 3) > 0
+  scan = lambda: jnp.where(seen, _scan_conv1d(q, k, v, kernel, True), y)
+  return lse.cond(jnp.any(seen), scan, lambda: y)
 
 
 def _scan_conv1d(q, k, v, kernel, causal: bool):
-  s = kernel.shape[-1]
-  axis = k.ndim - 2
+  s, axis = kernel.shape[-1], k.ndim - 2
   leaf = _leaf(k, v)
   if causal:
-    offsets = [(-j,) for j in range(s)]
-    rest = _outside(leaf, axis, s, None)
-  else:
-    offsets = [(j - s // 2,) for j in range(s)]
-    rest = _outside(leaf, axis, s // 2 + 1, s // 2 + 1)
-  return output(q, combine(_kernel_sum(leaf, kernel, offsets, (axis,)), rest))
+    inside = _kernel_sum(leaf, kernel, [(-j,) for j in range(s)], (axis,))
+    return output(q, combine(inside, _outside(leaf, axis, s, None)))
+  inside = _kernel_sum(leaf, kernel, [(j - s // 2,) for j in range(s)], (axis,))
+  return output(q, combine(inside, _outside(leaf, axis, s // 2 + 1, s // 2 + 1)))
 
 
-def conv2d(q, k, v, kernel):
-  """sigma(q) * the AFT-conv mean over an image ("SAME", float32/64 in and out).
-
-  q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
-  """
+def _conv2d(q, k, v, kernel):
+  """sigma(q) * the AFT-conv mean over an image (float32/64 inside, the inputs' dtype out)."""
+  out_dt, dt = common.dtypes(q, k, v)
+  if q.size == 0 or k.size == 0:
+    return jnp.zeros(q.shape, out_dt)
+  q, k, v, kernel = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
   kh, kw = kernel.shape[1:]
   row, col = k.ndim - 3, k.ndim - 2
   leaf = _leaf(k, v)
   offsets = [(a - kh // 2, b - kw // 2) for a in range(kh) for b in range(kw)]
-  inside = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
-  # Outside the kernel (w = 0): whole rows above and below the kernel's rows, plus, within
-  # its rows, the columns left and right of it. All exact, no subtraction.
-  rows = _acc_reduce(leaf, col)
-  parts = [_outside(rows, row, kh // 2 + 1, kh // 2 + 1)]
+  acc = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
+  # Outside the kernel (w = 0): whole rows above and below its rows, plus, within its rows, the
+  # columns left and right of it. All exact, no subtraction.
+  acc = combine(acc, _outside(_acc_reduce(leaf, col), row, kh // 2 + 1, kh // 2 + 1))
   sides = _outside(leaf, col, kw // 2 + 1, kw // 2 + 1)
   for a in range(-(kh // 2), kh // 2 + 1):
-    parts.append(_acc_shift(sides, a, row))
-  acc = inside
-  for part in parts:
-    acc = combine(acc, part)
-  return output(q, acc)
+    acc = combine(acc, _acc_shift(sides, a, row))
+  return output(q, acc).astype(out_dt)

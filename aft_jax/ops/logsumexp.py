@@ -1,14 +1,19 @@
-"""Exact partial softmax sums, carried as (max, numerator, denominator) triples.
+"""The (max, numerator, denominator) triple every op sums with, its combine, and what the ops'
+modes build from it.
 
-``exp`` overflows float32 above ~88, and a single shift per row of a bias and per channel of
-the keys is not enough when the two maxima sit at different positions (every shifted term
-underflows). So partial sums are carried as triples ``(m, num, den)`` = (max logit,
-sum exp(logit - m) v, sum exp(logit - m)) and combined like a stable log-sum-exp.
+``exp`` overflows float32 above ~88, and one shift per row of a bias and per channel of the
+keys is not enough when their maxima sit at different positions, so partial sums are triples
+``Acc(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a
+stable log-sum-exp. The maxima never carry a gradient (they cancel in num / den).
 
-The same triple is the state of incremental decoding: the causal sums of the ops are prefix
-sums, so a causal AFT layer is a recurrence whose state is the triple of everything seen so far
-(``add`` one term per token, ``from_terms`` for a window of keys, ``output`` = sigma(q) num/den;
-the steps of ``step``).
+Built from it here, for every causal op alike:
+
+- the state of a piece of a sequence (AFT-simple: the ``Acc`` of every key so far; AFT-local and
+  AFT-conv1d: ``WindowState``), which a piece uses as keys written in front of it
+  (``after_state``) and hands on (``final``); the one-token ``window_step``;
+- ``shard_state``: the state before a device's shard of T, from the others' (``axis_name``);
+- ``packed``: sums within the documents of packed rows (``segment_ids``);
+- ``cond``, whose predicate ``vmap`` never batches: the rare exact paths of the XLA sums.
 """
 
 from __future__ import annotations
@@ -19,68 +24,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The max of an empty sum, and the logit of an excluded term: the lowest float32. Finite (not
-# -inf) so that exp(NEG - NEG) = 1 multiplies zeros and no inf - inf = NaN can reach a gradient;
-# the lowest float32, so that no finite logit is below it (a real logit of -1e30 or -1e35 is still
-# larger than every excluded term: exp(NEG - m) = 0 for every other finite maximum m).
+# The max of an empty sum and the logit of an excluded term: the lowest float32, finite (so
+# exp(NEG - NEG) = 1 multiplies zeros, no inf - inf) and below every finite logit.
 NEG = float(np.finfo(np.float32).min)
-# The largest finite float32 (``finite``).
 _F32_MAX = float(np.finfo(np.float32).max)
-
-# Causal fast paths shift a block's terms by what its first row sees (never by a later key, so
-# that a later key cannot change an earlier row's rounding): a later term may then exceed its
-# shift. Terms up to e^60 are summed as they are (a block's sum of them stays far below float32
-# overflow); larger, non-finite or with a non-finite value, a term is set aside (``set_aside``)
-# and the rows that see it are recomputed exactly.
+# Causal fast paths shift a block's terms by what its first row sees (never a later key, so a
+# later key cannot change an earlier row's rounding); a later term above this (or not finite, or
+# with a non-finite value) is set aside and the rows that see it are recomputed exactly.
 EXP_MAX = 1e26
-
-# Fast paths share one shift across many terms (a sum of products of factors <= 1). A fast
-# denominator below this may have lost its largest terms to underflow, and the rows are
-# recomputed exactly; terms below 1e-38 then weigh < 1e-13 of den, far below float32
-# resolution. (Above it the shift is at most ~57 nats from the true maximum.)
+# A fast denominator below this may have lost its largest terms to underflow: recomputed.
 DEN_OK = 1e-25
 # Matrix products of exact sums: float32 on GPUs/TPUs too (no TF32/bf16 passes).
 HIGHEST = jax.lax.Precision.HIGHEST
+_sg = jax.lax.stop_gradient
 
 
 def finite(x):
-  """Whether x is finite (NaN and +-inf: False), from a comparison, which every Pallas lowering
-  has."""
+  """Whether x is finite, from a comparison (which every Pallas lowering has)."""
   return jnp.abs(x) <= _F32_MAX
 
 
 def tame(x):
-  """x where it is finite, else 0: a factor of a causal op's derivative.
-
-  A derivative's factors from a row whose output or normaliser is not finite (the row sees a
-  NaN, or a key of +inf) are NaN or infinite. Reverse mode multiplies them by that row's
-  cotangent even where it is zero (the row is not in the loss), and 0 * NaN = NaN would then
-  reach every earlier input through the sums. Zeroed, rows with finite outputs keep their exact
-  derivative and the others have derivative 0 (``keep``)."""
+  """x where finite, else 0: a factor of a causal op's derivative. A row that sees a NaN or a key
+  of +inf has derivative 0; zeroed factors keep its zero cotangent from becoming 0 * NaN in
+  every earlier gradient."""
   return jnp.where(finite(x), x, 0.0)
 
 
 def keep(a, lse):
-  """Where a causal op's row has a derivative: its output a and normaliser L are finite
-  (``tame``; elsewhere the tangent is 0)."""
+  """Where a causal row has a derivative: its output a and normaliser L are finite."""
   return finite(a) & finite(lse)
 
 
 def set_aside(e, v):
-  """(ok, e, v) for shifted terms e = exp(k - shift) and their values v, of one shape: ok where
-  e <= ``EXP_MAX`` and v is finite; e and v zeroed elsewhere, *before* any product, so that a
-  set-aside term is an exact 0 in every sum (0 * NaN would be NaN)."""
+  """(ok, e, v) for shifted terms e and values v: ok where e <= ``EXP_MAX`` and v is finite; e
+  and v zeroed elsewhere before any product (0 * NaN would be NaN)."""
   ok = (e <= EXP_MAX) & finite(v)
   return ok, jnp.where(ok, e, 0.0), jnp.where(ok, v, 0.0)
 
 
 def matmul(spec: str, a, b, low: bool):
-  """``jnp.einsum(spec, a, b)`` of the factors of exact sums (exponentials <= 1, values).
-
-  The precision policy: float32 (and float64) inputs multiply at ``HIGHEST`` (no TF32 or bf16
-  passes on accelerators); ``low`` (the op's inputs were bfloat16) multiplies bfloat16 factors
-  with float32 accumulation (``preferred_element_type``), the tensor cores' rate.
-  """
+  """``einsum(spec, a, b)`` of the factors of exact sums: float32 at ``HIGHEST``; ``low`` (the
+  inputs were bfloat16): bfloat16 factors, float32 accumulation (the tensor cores' rate)."""
   if low:
     bf = jnp.bfloat16
     return jnp.einsum(spec, a.astype(bf), b.astype(bf), preferred_element_type=jnp.float32)
@@ -88,12 +73,7 @@ def matmul(spec: str, a, b, low: bool):
 
 
 class Acc(NamedTuple):
-  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``.
-
-  ``m`` never carries a gradient: every result is a ratio num / den in which m cancels, so
-  holding m fixed (``stop_gradient``) gives the exact derivative and keeps max() out of the
-  backward pass.
-  """
+  """A partial softmax-weighted sum: m, den ``[..., D]``; num ``[..., D]`` or ``[..., D, C]``."""
 
   m: jax.Array
   num: jax.Array
@@ -101,14 +81,10 @@ class Acc(NamedTuple):
 
 
 def empty(shape, num_shape=None) -> Acc:
-  """The float32 triple of no terms: m = NEG, num = den = 0; m, den ``shape``, num
-  ``num_shape`` (default ``shape``)."""
+  """The float32 triple of no terms (m = NEG, num = den = 0)."""
   zeros = lambda s: jnp.zeros(s, jnp.float32)
-  return Acc(
-    jnp.full(shape, NEG, jnp.float32),
-    zeros(shape if num_shape is None else num_shape),
-    zeros(shape),
-  )
+  num = zeros(shape if num_shape is None else num_shape)
+  return Acc(jnp.full(shape, NEG, jnp.float32), num, zeros(shape))
 
 
 def bcast(scale, num):
@@ -117,9 +93,9 @@ def bcast(scale, num):
 
 
 def combine(a: Acc, b: Acc) -> Acc:
-  """(m, num, den) of the union of two disjoint sets of terms (stable log-sum-exp)."""
+  """The triple of the union of two disjoint sets of terms; one exp (the larger side scaled
+  by 1)."""
   m = jnp.maximum(a.m, b.m)
-  # One exp: the larger side is scaled by 1, the smaller by exp(-|a.m - b.m|).
   x = jnp.exp(-jnp.abs(a.m - b.m))
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
@@ -127,39 +103,46 @@ def combine(a: Acc, b: Acc) -> Acc:
 
 
 def add(acc: Acc, logit, value, valid=True) -> Acc:
-  """``acc`` plus one term exp(logit) * value (skipped where ``valid`` is False).
-
-  logit: ``[..., D]``; value: ``[..., D]`` or ``[..., D, C]``.
-  """
+  """``acc`` plus one term exp(logit) value (where ``valid``); logit ``[..., D]``."""
   valid = jnp.asarray(valid)
-  term = Acc(
-    jnp.where(valid, logit, NEG),
-    jnp.where(bcast(valid, value), value, 0.0),
-    jnp.where(valid, 1.0, 0.0).astype(acc.den.dtype) * jnp.ones_like(logit),
+  one = jnp.where(valid, 1.0, 0.0).astype(acc.den.dtype) * jnp.ones_like(logit)
+  return combine(
+    acc, Acc(jnp.where(valid, logit, NEG), jnp.where(bcast(valid, value), value, 0.0), one)
   )
-  return combine(acc, term)
 
 
 def from_terms(logits, values, valid, axis: int) -> Acc:
-  """The triple of a set of terms laid out along ``axis`` (non-negative; kept out of the
-  result; ``valid``, broadcast against the logits, masks them: a masked value never reaches a
-  product, so a non-finite one is ignored too).
-
-  logits: ``[..., n, ..., D]``; values: the same, possibly with one more trailing axis. The
-  maximum carries no gradient (``Acc``).
-  """
+  """The triple of the terms laid out along ``axis`` (>= 0) where ``valid`` (broadcast against
+  the logits; a masked value never reaches a product)."""
   valid = jnp.broadcast_to(valid, logits.shape)
   logits = jnp.where(valid, logits, NEG)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=axis))
+  m = _sg(jnp.max(logits, axis=axis))
   p = jnp.where(valid, jnp.exp(logits - jnp.expand_dims(m, axis)), 0.0)
   values = jnp.where(bcast(valid, values), values, 0.0)
   return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
 
 
+def reduce(k, v, axis: int, valid=True) -> Acc:
+  """The triple of exp(k) v along ``axis``; a key of ``NEG`` (an empty ring slot) is no term."""
+  return from_terms(k, v, (k != NEG) & valid, axis)
+
+
+def reduce_over(acc: Acc, axis: int, valid) -> Acc:
+  """The union of the triples laid out along ``axis`` where ``valid`` ``[n]``."""
+  shape = [1] * acc.m.ndim
+  shape[axis] = -1
+  keep_ = jnp.reshape(valid, shape)
+  m = jnp.where(keep_, acc.m, NEG)
+  top = _sg(jnp.max(m, axis=axis, keepdims=True))
+  scale = jnp.where(keep_, jnp.exp(m - top), 0.0)
+  num = jnp.sum(acc.num * bcast(scale, acc.num), axis=axis)
+  return Acc(jnp.squeeze(top, axis), num, jnp.sum(acc.den * scale, axis=axis))
+
+
 @jax.custom_jvp
 def gate(q, mean):
-  """Y = sigma(q) * mean (broadcast against q). Its derivative's factors are ``tame``: a NaN
-  q at one position (Y NaN there) leaves the derivative of every other position finite."""
+  """Y = sigma(q) * mean; its derivative's factors ``tame``: a NaN q at one position leaves
+  every other position's derivative finite."""
   return jax.nn.sigmoid(q) * mean
 
 
@@ -171,5 +154,265 @@ def _gate_jvp(primals, tangents):
 
 
 def output(q, acc: Acc):
-  """sigma(q) * num / den (``gate``)."""
+  """sigma(q) * num / den."""
   return gate(q, acc.num / bcast(acc.den, acc.num))
+
+
+# --------------------------------------------------------------------------- the rare exact paths
+
+
+@jax.custom_batching.custom_vmap
+def _shared(flag):
+  return flag
+
+
+@_shared.def_vmap
+def _shared_vmap(axis_size, in_batched, flag):
+  (batched,) = in_batched
+  return (_shared(jnp.any(flag, axis=0)) if batched else flag), False
+
+
+def cond(flag, true_fn, false_fn):
+  """``lax.cond(flag, ...)`` with the flag OR-ed over any ``vmap`` axis: a batched predicate would
+  turn the cond into a select of both branches (the exact path for every block) whose operands
+  are tangents that ``stop_gradient`` cannot transpose (grad of vmap would fail). The exact
+  branches replace only the rows that need them, so the others keep their fast values."""
+  return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
+
+
+# --------------------------------------------------------------------------- states
+
+
+class WindowState(NamedTuple):
+  """AFT-local's and AFT-conv1d's state: ``prefix``, the triple of every key older than the last
+  s positions (bias 0 for every later one); ``keys`` ``[..., s, D]`` (AFT-conv1d ``[..., s,
+  H]``) and ``values`` (``[..., s, D]``, ``[..., s, H, C]``), a ring of the last s (slot p % s
+  holds position p; slots of positions < 0 are empty); ``index``, the positions seen (int32)."""
+
+  prefix: Acc
+  keys: jax.Array
+  values: jax.Array
+  index: jax.Array
+
+
+def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
+  """The state before any position, for one position's k ``[..., H]`` and v (``[..., H]`` or
+  ``[..., H, C]``); at ``index`` > 0, of that many positions holding no keys (ring keys NEG)."""
+  axis = len(k_shape) - 1
+  ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
+  keys = ring(k_shape) if isinstance(index, int) and index == 0 else ring(k_shape) + NEG
+  return WindowState(empty(k_shape, v_shape), keys, ring(v_shape), jnp.asarray(index, jnp.int32))
+
+
+def _f32(x):
+  return jnp.asarray(x, jnp.float32)
+
+
+def _ordered(state: WindowState, axis: int):
+  """The ring's keys and values oldest first, and which of those positions exist."""
+  size = state.keys.shape[axis]
+  order = (state.index + jnp.arange(size)) % size
+  valid = state.index - size + jnp.arange(size) >= 0
+  return jnp.take(state.keys, order, axis), jnp.take(state.values, order, axis), valid
+
+
+def _along(valid, axis: int, ndim: int):
+  return jnp.reshape(valid, (-1,) + (1,) * (ndim - axis - 1))
+
+
+def _as_key(acc: Acc, fill):
+  """A triple as one term: logit m + log den, value num / den (``fill``, 0 where it is empty)."""
+  has = acc.den > 0
+  den = jnp.where(has, acc.den, 1.0)
+  value = jnp.where(bcast(has, acc.num), acc.num / bcast(den, acc.num), 0.0)
+  return jnp.where(has, _f32(acc.m) + jnp.log(den), fill), value
+
+
+def as_keys(state, k, v, fill=NEG):
+  """k, v (T on axis a = k.ndim - 2) with ``state`` written in front as keys: the prefix triple
+  as one key (exactly the weight and mean of its terms; s + 1 positions back, outside every
+  band, so bias 0), then (a ``WindowState``) the ring's s keys in order; positions that do not
+  exist weigh nothing (``fill``: NEG, or -inf for AFT-conv1d). n = 1 (+ s) rows."""
+  axis = k.ndim - 2
+  prefix = state.prefix if isinstance(state, WindowState) else state
+  logit, value = (jnp.expand_dims(x, axis) for x in _as_key(prefix, fill))
+  ks, vs = [logit], [value]
+  if isinstance(state, WindowState):
+    rk, rv, valid = _ordered(state, axis)
+    ks.append(jnp.where(_along(valid, axis, rk.ndim), rk, fill))
+    vs.append(jnp.where(_along(valid, axis, rv.ndim), rv, 0.0))
+  return jnp.concatenate([*ks, _f32(k)], axis), jnp.concatenate([*vs, _f32(v)], axis)
+
+
+def nothing(q, k, v, state, final: bool, init):
+  """A piece of no positions: the empty output [and the state it was given, ``init()`` where
+  none]."""
+  y = jnp.zeros(q.shape, jnp.result_type(q, k, v))
+  return (y, jax.tree.map(jnp.asarray, init() if state is None else state)) if final else y
+
+
+def after_state(run, q, k, v, state, fill=NEG):
+  """``run(q, k, v)`` (a causal op on a whole sequence) on a piece after ``state``: the state as
+  keys in front (``as_keys``), their rows' outputs dropped; the dtype of q, k, v."""
+  dt = jnp.result_type(q, k, v)
+  if state is None:
+    return run(q, k, v).astype(dt)
+  k1, v1 = as_keys(state, k, v, fill)
+  axis, n = k.ndim - 2, k1.shape[k.ndim - 2] - k.shape[k.ndim - 2]
+  zeros = jnp.zeros(q.shape[:axis] + (n,) + q.shape[axis + 1 :], jnp.float32)
+  y = run(jnp.concatenate([zeros, _f32(q)], axis), k1, v1)
+  return jax.lax.slice_in_dim(y, n, y.shape[axis], axis=axis).astype(dt)
+
+
+def final(state, k, v, size: int | None = None):
+  """The state after k, v (T on axis k.ndim - 2) from ``state``: an ``Acc`` (``size`` None; a
+  state None: the empty one) or a ``WindowState`` of ``size``."""
+  axis, t_len = k.ndim - 2, k.shape[k.ndim - 2]
+  if size is None:
+    acc = reduce(_f32(k), _f32(v), axis)
+    return acc if state is None else combine(state, acc)
+  one = lambda x: x.shape[:axis] + x.shape[axis + 1 :]
+  state = window_init(one(k), one(v), size) if state is None else state
+  rk, rv, valid = _ordered(state, axis)
+  keys, values = jnp.concatenate([rk, _f32(k)], axis), jnp.concatenate([rv, _f32(v)], axis)
+  valid = jnp.concatenate([valid, jnp.ones((t_len,), bool)])
+  # The first T leave the window and join the prefix; the last s are the new ring.
+  first = lambda x: jax.lax.slice_in_dim(x, 0, t_len, axis=axis)
+  last = lambda x: jax.lax.slice_in_dim(x, t_len, t_len + size, axis=axis)
+  leaving = reduce(first(keys), first(values), axis, _along(valid[:t_len], axis, keys.ndim))
+  index = state.index + t_len
+  ring = lambda x: jnp.roll(
+    jnp.where(_along(valid[t_len:], axis, x.ndim), last(x), 0.0), index % size, axis
+  )
+  return WindowState(combine(state.prefix, leaving), ring(keys), ring(values), index)
+
+
+def window_step(state: WindowState, q_t, k_t, v_t, bias):
+  """One token of AFT-local or AFT-conv1d: ``(Y[t], state)``; ``bias(pos, age)``: the biases
+  ``[s, 1]`` or ``[s, H]`` of the ring's slots, slot j holding position pos[j] = t - age[j]."""
+  axis = state.keys.ndim - 2
+  size, t = state.keys.shape[axis], state.index
+  slot = t % size
+  # The key leaving the window (position t - s) joins the bias-free prefix.
+  old = lambda ring: jax.lax.dynamic_index_in_dim(ring, slot, axis, keepdims=False)
+  prefix = add(state.prefix, old(state.keys), old(state.values), t >= size)
+  put = lambda ring, x: jax.lax.dynamic_update_slice_in_dim(
+    ring, jnp.expand_dims(_f32(x), axis), slot, axis
+  )
+  keys, values = put(state.keys, k_t), put(state.values, v_t)
+  age = (slot - jnp.arange(size)) % size
+  band = from_terms(keys + bias(t - age, age), values, (t - age >= 0)[:, None], axis=axis)
+  y = output(_f32(q_t), combine(prefix, band)).astype(jnp.result_type(q_t, k_t, v_t))
+  return y, WindowState(prefix, keys, values, t + 1)
+
+
+def shard_state(k, v, size: int | None, axis_name):
+  """Inside ``jax.shard_map`` with T split over ``axis_name`` (n consecutive positions per
+  device): the state of every position before this device's shard (``size`` None: AFT-simple's
+  ``Acc``, one ``all_gather`` of the shards' totals; else the ``WindowState`` of that window:
+  also the last s keys and values by ``ppermute`` from the ceil(s / n) devices before).
+  Gradients flow back through the collectives."""
+  axis, n = k.ndim - 2, k.shape[k.ndim - 2]
+  k, v = _f32(k), _f32(v)
+  i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  j = jnp.arange(devices)
+  if size is None:
+    return reduce_over(jax.lax.all_gather(reduce(k, v, axis), axis_name), 0, j < i)
+  back = -(-size // n)  # the shards the last s keys come from
+  prev = lambda x, b: jax.lax.ppermute(x, axis_name, [(d, d + b) for d in range(devices - b)])
+  span = lambda x: jnp.concatenate([prev(x, b) for b in range(back, 0, -1)], axis)
+  last = lambda x: jax.lax.slice_in_dim(span(x), back * n - size, back * n, axis=axis)
+  # Shard i - back's keys before the ring join the prefix of every earlier shard.
+  head = _along(jnp.arange(n) < back * n - size, axis, k.ndim)
+  parts = (reduce(k, v, axis), reduce(k, v, axis, head))
+  gathered = jax.lax.all_gather(Acc(*(jnp.stack(x) for x in zip(*parts))), axis_name)
+  before = reduce_over(Acc(*(x[:, 0] for x in gathered)), 0, j < i - back)
+  edge = reduce_over(Acc(*(x[:, 1] for x in gathered)), 0, j == i - back)
+  index = (i * n).astype(jnp.int32)
+  roll = lambda x: jnp.roll(x, index % size, axis=axis)  # slot p % s holds position p
+  return WindowState(combine(before, edge), roll(last(k)), roll(last(v)), index)
+
+
+# --------------------------------------------------------------------------- packed rows
+
+
+def _starts(segment_ids):
+  """Per position, the index of its segment's first position (a new segment wherever the id
+  changes), ``[..., T]``."""
+  idx = jnp.arange(segment_ids.shape[-1])
+  prev = jnp.concatenate([segment_ids[..., :1], segment_ids[..., :-1]], axis=-1)
+  first = (idx == 0) | (segment_ids != prev)
+  return jax.lax.cummax(jnp.where(first, idx, 0), axis=segment_ids.ndim - 1)
+
+
+def segment_positions(segment_ids, mask=None, shape=None):
+  """(segment ids, positions) ``[..., T]`` for packed rows and a padding mask (True: a token;
+  ``shape`` ``[..., T]`` when both are None): a new segment wherever the id or the mask changes
+  (a run of pads is a segment no token sees), each segment's positions from 0."""
+  seg = jnp.zeros(shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
+  if mask is not None:
+    seg = seg * 2 + jnp.asarray(mask, jnp.int32)
+  return seg, jnp.arange(seg.shape[-1]) - _starts(seg)
+
+
+def same_segment(segment_ids):
+  """``[..., T, T]`` bool: t and t' in one segment (softmax attention's packed mask)."""
+  start = _starts(jnp.asarray(segment_ids))
+  return start[..., :, None] == start[..., None, :]
+
+
+def shift(x, j, axis: int, fill):
+  """x[..., t - j, ...] along ``axis`` (``fill`` for t < j); j may be traced."""
+  t = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+  return jnp.where(t >= j, jnp.roll(x, j, axis=axis), fill)
+
+
+def _leaf(logit, value, valid) -> Acc:
+  m = _sg(logit)
+  e = jnp.exp(logit - m)  # 1, with the logit's gradient
+  return Acc(
+    jnp.where(valid, m, NEG),
+    jnp.where(bcast(valid, value), value * bcast(e, value), 0.0),
+    jnp.where(valid, e, 0.0),
+  )
+
+
+def packed(q, k, v, segment_ids, size: int, lag_bias):
+  """sigma(q) * sum_{t' <= t, same segment} exp(k[t'] + b) v[t'] / sum exp(k[t'] + b), in the
+  dtype of the inputs (float32 inside). k ``[..., T, H]``, v and q ``[..., T, H]`` or
+  ``[..., T, H, C]``; ``lag_bias(j)``: the bias b of the key at lag j < ``size`` per row
+  (broadcast against k), 0 for older keys.
+
+  The biased lags one at a time (a scan over j), the bias-0 keys older than that a segmented
+  prefix scan (an associative scan that restarts at each segment) read ``size`` back; plain
+  autodiff. O(T size D): a path for packed training rows."""
+  dt = jnp.result_type(q, k, v)
+  k, v = _f32(k), _f32(v)
+  axis, t_len = k.ndim - 2, k.shape[-2]
+  seg = 0 if segment_ids is None else segment_ids
+  start = _starts(jnp.broadcast_to(seg, k.shape[:-1]))[..., None]  # [..., T, 1]
+  t = jnp.arange(t_len)[:, None]
+  size = min(size, t_len)
+
+  def lag(acc, j):
+    logit = shift(k, j, axis, 0.0) + lag_bias(j)
+    return combine(acc, _leaf(logit, shift(v, j, axis, 0.0), t - j >= start)), None
+
+  acc = empty(k.shape, v.shape)
+  if size:
+    acc, _ = jax.lax.scan(lag, acc, jnp.arange(size))
+
+  def op(a, b):  # prefix sums that restart where b starts a segment
+    (fa, acc_a), (fb, acc_b) = a, b
+    both = combine(Acc(*acc_a), Acc(*acc_b))
+    return fa | fb, tuple(jnp.where(bcast(fb, y), y, x) for x, y in zip(both, acc_b))
+
+  flags = jnp.broadcast_to(start == t, k.shape)
+  leaf = _leaf(k, v, jnp.ones(k.shape, bool))
+  run = jax.lax.associative_scan(op, (flags, tuple(leaf)), axis=axis)[1]
+  keep_ = t - size >= start  # the bias-0 keys: the segment's prefix sums, size back
+  old = [
+    jnp.where(bcast(keep_, x), shift(x, size, axis, f), f) for x, f in zip(run, (NEG, 0.0, 0.0))
+  ]
+  acc = combine(acc, Acc(*old))
+  return (jax.nn.sigmoid(_f32(q)) * acc.num / bcast(acc.den, acc.num)).astype(dt)

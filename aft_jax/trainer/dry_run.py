@@ -24,10 +24,10 @@ import jax
 
 from aft_jax import data as data_lib
 from aft_jax import deviceless
+from aft_jax import ops
 from aft_jax import sharding
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
-from aft_jax.ops import target as ops_target
 
 GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 0.95  # an allowance for the TPU runtime's own buffers
@@ -170,11 +170,7 @@ def compile_steps(
   trainer = train_lib.make_trainer(cfg, vocab, devices, say)
   mesh = trainer.mesh
   state, batch = trainer.abstract_state, trainer.specs(cfg.train.batch_size)
-  train = trainer.compiled_train_step
-  if train is not None:  # build_trainer compiled it (GPU kernels chosen)
-    mem = StepMemory.of(train)
-  else:
-    train, mem = _compile(trainer.lower_train_step(), (state, batch))
+  train, mem = _compile(trainer.lower_train_step(), (state, batch))
   eval_args = (state.params, trainer.specs(cfg.eval.eval_batch_size, True))
   _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
   return {
@@ -185,7 +181,7 @@ def compile_steps(
     "train": mem,
     "eval": eval_mem,
     "flops_per_step": None if train is None else _flops(train),
-    "triton_kernels": 0 if train is None else train.as_text().count(ops_target.TRITON_CALL),
+    "triton_kernels": 0 if train is None else train.as_text().count(ops.KERNEL_CALLS["gpu"]),
   }
 
 

@@ -45,7 +45,6 @@ from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.metrics import MetricWriter
 from aft_jax.trainer.run_config import RunConfig, default_tree
 from aft_jax.model import TransformerLM, count_params
-from aft_jax.ops import target as ops_target
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
 from aft_jax.trainer.preemption import Preemption
@@ -223,13 +222,6 @@ class Trainer:
     with _on_mesh(self.mesh, self.rules):
       return self._eval_step.lower(params, self.specs(self.config.eval.eval_batch_size, True))
 
-  compiled_train_step = None  # the train step compiled ahead of the first batch, if it was
-
-  def use_compiled_train_step(self, compiled) -> None:
-    """Runs ``compiled`` (``lower_train_step().compile()``) as the train step from now on, so a
-    step compiled before the first batch is not compiled again."""
-    self._train_step = self.compiled_train_step = compiled
-
   def init_state(self, seed: int) -> TrainState:
     with _on_mesh(self.mesh, self.rules):
       return self._init(jax.random.key(seed))
@@ -311,34 +303,12 @@ class Run:
     return jax.process_index() == 0  # process 0 alone writes logs, metrics and results
 
 
-def build_trainer(cfg: RunConfig, mesh, say=print) -> Trainer:
-  """The Trainer; where ``impl='auto'`` chose Pallas kernels for the mesh's GPUs, its train step
-  is compiled now, before the first batch, and if that fails ``say`` gets one line and the run
-  goes on with ``impl='xla'`` (an explicit ``impl='pallas'`` fails loudly instead: the compile
-  error reaches the user on the first step)."""
-  trainer = Trainer(cfg, mesh)
-  device = ops_target.of_device(mesh.devices.flat[0])
-  if cfg.model.impl != "auto" or device.platform != "gpu" or ops_target.gpu_kernels_refused(device):
-    return trainer
-  lowered = trainer.lower_train_step()
-  if ops_target.TRITON_CALL not in lowered.as_text():
-    return trainer
-  try:
-    trainer.use_compiled_train_step(lowered.compile())
-  except Exception as e:  # noqa: BLE001 (XLA's compile errors share no type)
-    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    say(
-      f"impl='auto': the Pallas kernels chosen for {device} did not compile ({reason}); "
-      "continuing with config.model.impl='xla'"
-    )
-    return Trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, impl="xla")), mesh)
-  return trainer
-
-
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
   config, the mesh over ``devices`` (default: all), the batch's split over it, the warmup
-  note (to ``say``) and the trainer (``build_trainer``)."""
+  note (to ``say``) and the trainer. With ``impl='auto'`` each op takes its Pallas kernel where
+  one runs on the mesh's devices (decided for them while the steps are traced, before anything
+  is compiled: a T4 takes XLA), XLA otherwise."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -347,7 +317,7 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
   note = optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps)
   if note:
     say(note)
-  return build_trainer(cfg, mesh, say)
+  return Trainer(cfg, mesh)
 
 
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:

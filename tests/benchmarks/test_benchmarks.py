@@ -121,14 +121,14 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 def test_accelerator_check_times_both_kernel_forms():
   """On a GPU the check has a row per kernel op and form (each traced in that form), and its
   "Kernel forms" table names the faster form per op, mode and T from the measured rows."""
-  from aft_jax.ops import pallas_split
+  from aft_jax.ops.pallas import triton
 
   rows = accelerator_check.op_rows("pallas", "gpu")
   forms = accelerator_check.KERNEL_FORMS
   for op in accelerator_check.KERNEL_OPS:
     assert {f"{op}/pallas[{f}]" for f in forms} <= set(rows), sorted(rows)
   assert not any("[" in n for n in accelerator_check.op_rows("pallas_interpret", "cpu"))
-  seg = lambda: pallas_split.plan_for(1, 16384, 512).seg
+  seg = lambda: triton.plan_for(1, 16384, 512).seg
   assert accelerator_check.in_form(seg, "sequential")() is None
   assert accelerator_check.in_form(seg, "chunked")() == seg() is not None  # auto: chunked here
   rec = lambda form, t, time_s: {

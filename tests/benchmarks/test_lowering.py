@@ -11,7 +11,8 @@ import pytest
 from flax import linen as nn
 
 from aft_jax.model import ModelConfig, TransformerLM
-from aft_jax.ops import target
+from aft_jax import ops
+from aft_jax.ops import common
 from benchmarks import accelerator_check, bench_model, bench_ops
 from tests.support.helpers import TRITON, export_for
 
@@ -65,10 +66,11 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   # The layers refuse accelerator implementations off their target: trace as if on one (cuDNN
   # attention refuses the abstract device that would say so).
   device = {
-    "cuda": target.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
-    "tpu": target.DeviceFacts("tpu", "TPU v5 lite"),
+    "cuda": ops.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
+    "tpu": ops.DeviceFacts("tpu", "TPU v5 lite"),
   }
-  monkeypatch.setattr(target, "current", lambda: device[platform])
+  for module in (ops, common):  # (the layers' cuDNN check, the ops' choice)
+    monkeypatch.setattr(module, "device_facts", lambda: device[platform])
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
   calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]

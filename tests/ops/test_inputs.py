@@ -1,5 +1,6 @@
-"""Bad inputs are refused up front with a one-line ValueError naming the argument; empty
-inputs give empty outputs; the layers refuse factor_dim < 0 and decode NaN past max_len."""
+"""Bad inputs are refused up front with a one-line ValueError naming the argument (shapes, not
+the data); array-likes (nested lists) are taken as arrays; empty inputs give empty outputs; the
+layers refuse factor_dim < 0 and decode NaN past max_len."""
 
 import jax
 import jax.numpy as jnp
@@ -12,15 +13,18 @@ X = np.zeros((2, 6, 4), np.float32)
 W = np.zeros((6, 6), np.float32)
 
 
-def _calls(q, k, v, w):
-  """Every op on q, k, v [..., T, D] (AFT-conv: D heads of one channel) and w [T, T]."""
-  ker = np.zeros((q.shape[-1], 3), np.float32) if w.dtype.kind == "f" else w[:1, :3]
+def _calls(q, k, v, w, causal=True):
+  """Every op on q, k, v [..., T, D] (AFT-conv: D heads of one channel; q, v as arrays there)
+  and w [T, T]."""
+  w_kind = np.asarray(w).dtype.kind
+  ker = np.zeros((np.shape(q)[-1], 3), np.float32) if w_kind == "f" else np.asarray(w)[:1, :3]
+  heads = lambda x: np.asarray(x)[..., None]
   return {
-    "aft_full": lambda: ops.aft_full(q, k, v, w, causal=True),
-    "aft_local": lambda: ops.aft_local(q, k, v, w, window=2, causal=True),
-    "aft_simple": lambda: ops.aft_simple(q, k, v, causal=True),
+    "aft_full": lambda: ops.aft_full(q, k, v, w, causal=causal),
+    "aft_local": lambda: ops.aft_local(q, k, v, w, window=2, causal=causal),
+    "aft_simple": lambda: ops.aft_simple(q, k, v, causal=causal),
     "aft_simple_nc": lambda: ops.aft_simple(q, k, v),
-    "aft_conv1d": lambda: ops.aft_conv1d(q[..., None], k, v[..., None], ker, causal=True),
+    "aft_conv1d": lambda: ops.aft_conv1d(heads(q), k, heads(v), ker, causal=causal),
   }
 
 
@@ -33,6 +37,65 @@ def test_non_floating_inputs_are_refused(dtype, arg):
   for op, call in _calls(xs["q"], xs["k"], xs["v"], W).items():
     with pytest.raises(ValueError, match=rf"must be a real floating-point array; got {arg} {name}"):
       call()
+
+
+def test_messages():
+  x, w = X, W
+  cases = [
+    (lambda: ops.aft_full(x, x[:, :5], x, w), "aft_full.*same shape.*k \\(2, 5, 4\\)"),
+    (lambda: ops.aft_full(x, x, x, np.zeros((5, 5))), "w must be \\[T, T\\].*\\(5, 5\\)"),
+    (lambda: ops.aft_simple(x[0, 0], x[0, 0], x[0, 0]), "q must be \\[..., T, D\\]"),
+    (lambda: ops.aft_local(x, x, x, w, window=0), "window must be an int >= 1, got 0"),
+    (lambda: ops.aft_local(x, x, x, w, window=2.5), "window"),
+    (
+      lambda: ops.aft_conv1d(x[..., None], x[..., :3], x[..., None], np.zeros((4, 3))),
+      "k \\[..., T, H\\].*k \\(2, 6, 3\\)",
+    ),
+    (lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4))), "odd.*\\(4, 4\\)"),
+    (
+      lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((3, 3))),
+      "H = 4 heads.*\\(3, 3\\)",
+    ),
+    (
+      lambda: ops.aft_conv2d(
+        x[..., None, None], x[..., None], x[..., None, None], np.zeros((1, 3, 2))
+      ),
+      "odd.*\\(1, 3, 2\\)",
+    ),
+    # A causal kernel of width 0 has no size to be odd: it is refused as empty.
+    (
+      lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 0)), causal=True),
+      "aft_conv1d: kernel sizes must be >= 1; got kernel \\(4, 0\\)",
+    ),
+  ]
+  for fn, pattern in cases:
+    with pytest.raises(ValueError, match=pattern) as e:
+      fn()
+    assert "\n" not in str(e.value)
+  # Even kernels are fine when causal: entry j is the bias of t' = t - j.
+  ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4)), causal=True)
+
+
+@pytest.mark.parametrize("causal", ["False", 1, None])
+def test_causal_must_be_a_bool(causal):
+  """A string "False" would be true (the causal op); an int or None is refused alike."""
+  calls = _calls(X, X, X, W, causal=causal)
+  del calls["aft_simple_nc"]  # (causal left out)
+  for op, call in calls.items():
+    with pytest.raises(ValueError, match=rf"causal must be a bool .*got {causal!r}"):
+      call()
+
+
+def test_array_likes_are_arrays_and_bad_ones_one_line():
+  """Nested Python lists as q, k, v: what their arrays give; a list that is not an array
+  (ragged) is one line naming the argument, without its data."""
+  for op, call in _calls(X.tolist(), X.tolist(), X.tolist(), W).items():
+    want = _calls(X, X, X, W)[op]()
+    np.testing.assert_array_equal(call(), want, err_msg=op)
+  ragged = [[[0.0] * 4] * 6, [[0.0] * 3] * 6]
+  with pytest.raises(ValueError, match=r"^aft_simple: k must be an array; got list") as e:
+    ops.aft_simple(X, ragged, X)
+  assert "\n" not in str(e.value) and "0.0, 0.0" not in str(e.value)
 
 
 def test_non_floating_bias_and_kernel_are_refused():

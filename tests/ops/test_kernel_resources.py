@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from aft_jax import deviceless
-from aft_jax.ops import pallas_util
+from aft_jax.ops.pallas import triton
 from tests.support import prefork
 from tests.support.helpers import ROOT
 
@@ -43,12 +43,12 @@ from tests.support.helpers import ROOT
 SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 48, "sm_90": 24}
 # The kernels per (op, configuration, dtype, architecture): AFT-simple's forward, forward with
 # the log-normaliser (what training runs) and backward; AFT-local's the same and dw; the
-# chunk-parallel form (pallas_split) adds the segment totals of the forward and the backward.
+# chunk-parallel form (pallas/triton.py) adds the segment totals of the forward and the backward.
 KERNELS = {"aft_simple": {"fwd", "fwd+lse", "bwd"}, "aft_local": {"fwd", "fwd+lse", "bwd", "dw"}}
 TOTALS = {"totals k, v", "totals L, g, a"}
-# Configurations per form: every one sequential; chunk-parallel, the widest (pallas_split's
+# Configurations per form: every one sequential; chunk-parallel, the widest (triton.plan_for's
 # choice where D is a multiple of 64).
-FORM_CONFIGS = {"sequential": set(pallas_util.CONFIGS), "chunked": {pallas_util.CONFIGS[0]}}
+FORM_CONFIGS = {"sequential": set(triton.CONFIGS), "chunked": {triton.CONFIGS[0]}}
 ARCHS = ("sm_80",)
 DTYPES = ("float32", "bfloat16")
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from aft_jax import layers, ops
-from aft_jax.ops import banded, registry
+from aft_jax.ops import local
 from tests.support import numpy_reference as ref
+from tests.support.op_cases import tpu_simple
 
 T, D, POS = 40, 16, (6, 39)
 BAD = (np.nan, np.inf, -np.inf)
@@ -30,9 +31,8 @@ KC, KER = _rand(3, (2, T, 2), (2, 3))
 
 
 def _tpu_simple(q, k, v, w):
-  """The TPU kernel interpreted, as ``impl="pallas"`` runs it on a TPU (the registry's entry)."""
-  args = registry.OpArgs(q, k, v, causal=True)
-  return registry.Choice(registry.MOSAIC_SIMPLE, interpret=True)(args)
+  """The TPU kernel interpreted, as ``impl="pallas"`` runs it on a TPU."""
+  return tpu_simple(q, k, v)
 
 
 # name -> (op(q, k, v, w), inputs, float64 reference, names of the inputs)
@@ -119,7 +119,7 @@ def test_gradients_of_earlier_outputs_stay_finite(name, impl, monkeypatch):
   kernel's) gradient too. Rows from the bad position on have derivative 0
   (``logsumexp.tame``)."""
   if impl == "xla-blocks":
-    monkeypatch.setattr(banded, "_default_block", lambda s, t_len: 8)
+    monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
     impl = "xla"
   fn, inputs, _ = _op(name, impl)
   pos, bias = 29, name in ("aft_full", "aft_local")

@@ -33,10 +33,11 @@ import numpy as np
 import pytest
 
 from aft_jax import layers, ops
-from aft_jax.ops import banded, causal_mean, registry
+from aft_jax.ops import local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.helpers import on_target
+from tests.support.op_cases import tpu_simple
 
 B = 4  # nested vmap: 2 x 2
 WINDOW, KERNEL = 3, 3
@@ -49,8 +50,8 @@ TOL = 1e-5
 def small_blocks():
   """The XLA ops in chunks and query blocks of 4 positions: several of them at T = 16."""
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(causal_mean, "CHUNK", 4)
-    mp.setattr(banded, "_default_block", lambda s, t_len: 4)
+    mp.setattr(simple, "CHUNK", 4)
+    mp.setattr(local, "_default_block", lambda s, t_len: 4)
     yield
 
 
@@ -256,16 +257,13 @@ def _forms(impl):
 
 
 def _tpu_simple(q, k, v, w):
-  """Causal AFT-simple on the TPU kernel interpreted: the registry's entry, as impl="pallas"
-  runs it on a TPU."""
-  return registry.Choice(registry.MOSAIC_SIMPLE, interpret=True)(
-    registry.OpArgs(q, k, v, causal=True)
-  )
+  """Causal AFT-simple on the TPU kernel interpreted, as impl="pallas" runs it on a TPU."""
+  return tpu_simple(q, k, v)
 
 
 # (form, impl) -> (T, D): every form on XLA, and every kernel on its plain and state forms
-# (``pieces`` prepends the state as keys and calls the same kernel; the packed forms run
-# ``segments``' XLA code whatever the impl, the axis_name forms are
+# (a piece prepends the state as keys and calls the same kernel; the packed forms run
+# ``logsumexp.packed``' XLA code whatever the impl, the axis_name forms are
 # tests/support/transforms_worker.py's).
 # Each case compiles its op under the composed transformations (4-30 s of one core each).
 CASES = {(name, "xla"): (16, 8) for name in _forms("xla")}

@@ -16,10 +16,9 @@ cuda: the kernel matrix (``kernels``: the cases of every kernel configuration ``
 choose for AFT-simple and AFT-local, forward and forward+backward, float32 and bfloat16, one of
 each op, mode and dtype compiled for an H100 and lowered for a T4), ``impl="pallas"`` on a T4
 (``pallas_on_t4``), the quickstart train steps (``train_steps``: for a T4 every mixing layer but
-AFT-local and AFT-simple, AFT-simple for an H100), the notebook's GPU model
-(``notebook``: AFT-local) for a T4, and the trainer's safety net on a T4 that ``impl="auto"`` is
-made to misjudge (``safety_net``: the quickstart model with AFT-simple, whose fallback is that
-mixing's T4 step).
+AFT-local, AFT-simple for an H100), the notebook's GPU model (``notebook``: AFT-local) for a T4,
+and what the ops' ``resolve`` decides for each GPU's device before anything is compiled
+(``decided``).
 tpu: the TPU AFT-simple kernel at B 1, T 16384, D 512 bfloat16 against the XLA path for a v5e
 and a v6e (``tpu_kernel``), and an AFT-simple LM train step with it for a v5e (``train_step``).
 """
@@ -45,8 +44,8 @@ from aft_jax import deviceless, ops, sharding
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config as default_config
 from aft_jax.trainer.run_config import RunConfig
-from aft_jax.ops import pallas_util
-from aft_jax.ops import target as ops_target
+from aft_jax.ops import common, simple
+from aft_jax.ops.pallas import triton
 from configs import quickstart
 from tests.support.helpers import ROOT, TRITON, equations
 
@@ -73,10 +72,6 @@ WINDOWS = (5, 24)  # AFT-local: slabs of one and of two key blocks before a chun
 DTYPES = ("float32", "bfloat16")
 TPU_SHAPE = (1, 16384, 512)  # B, T, D: a long sequence, where the TPU kernel's memory tells
 TPU_TARGETS = ("v5e", "v6e")
-# The safety net's model: the quickstart recipe's with AFT-simple (a mixing with kernels), so
-# that its XLA fallback step for a T4 is that mixing's quickstart T4 train step
-# (TRAIN_STEP_MIXINGS compiles no other: one CUDA compile less).
-SAFETY_NET = "aft_simple"
 # XLA compiles with the GIL released: jobs side by side use the cores (CI's two at least).
 THREADS = max(2, min(8, os.cpu_count() or 2))
 # Tracing and lowering (Python, under the GIL: nothing lost) one job at a time: two threads
@@ -153,20 +148,20 @@ def shape_for(cfg) -> tuple[int, int]:
     key=lambda p: (p[0] * p[1], p[0]),
   )
   for d, b in pairs:
-    if pallas_util.unsupported_channels(d) is None and pallas_util.config_for(d, b) == cfg:
+    if triton.unsupported_channels(d) is None and triton.config_for(d, b) == cfg:
       return d, b
   raise ValueError(f"no (D, batch) up to (256, 256) makes config_for choose {cfg}")
 
 
 def kernel_cases() -> list[dict]:
   """Per mode ("fwd", "grad") and dtype, AFT-simple and AFT-local at the shapes that make
-  ``config_for`` choose each of ``pallas_util.CONFIGS``; AFT-local's window cycles through
+  ``config_for`` choose each of ``triton.CONFIGS``; AFT-local's window cycles through
   ``WINDOWS`` (each config once, each window at least once: a compile costs per kernel, not per
   element)."""
   cases = []
   for mode in ("fwd", "grad"):
     for dtype in DTYPES:
-      for i, cfg in enumerate(pallas_util.CONFIGS):
+      for i, cfg in enumerate(triton.CONFIGS):
         d, b = shape_for(cfg)
         shape = {"d": d, "batch": b, "t": T_GPU, "dtype": dtype, "mode": mode}
         cases.append({"op": "aft_simple", "window": None, **shape})
@@ -182,7 +177,7 @@ def _kind(case) -> tuple:
 def representatives(cases) -> list[int]:
   """The indices of the cases each GPU builds: one per op, mode and dtype (a kind), the k-th
   kind at configuration k mod len(CONFIGS) (``kernel_cases`` makes each kind's cases in the
-  order of ``pallas_util.CONFIGS``), so every kernel and every configuration is in them."""
+  order of ``triton.CONFIGS``), so every kernel and every configuration is in them."""
   by_kind = {}
   for i, case in enumerate(cases):
     by_kind.setdefault(_kind(case), []).append(i)
@@ -293,7 +288,7 @@ def _step_facts(compiled) -> dict:
 def _made_trainer(config, devices):
   """(trainer, the lines it said) of the trainer's own path for ``devices``
   (``train_lib.make_trainer``, as ``aft-train`` and its dry run take it). Called under
-  ``_TRACING``: build_trainer compiles the step where it tries the kernels (the safety net)."""
+  ``_TRACING``."""
   said = []
   cfg = RunConfig.from_tree(config)
   vocab, _ = data_lib.vocab_size(cfg.data)
@@ -305,11 +300,8 @@ def build_and_compile(config, devices) -> dict:
   lines it said, the compiled step's facts."""
   with _TRACING:
     trainer, said = _made_trainer(config, devices)
-    step = trainer.compiled_train_step  # compiled already where build_trainer tried the kernels
-    lowered = trainer.lower_train_step() if step is None else None
-  if step is None:
-    step = lowered.compile()
-  return {"impl": trainer.model.cfg.impl, "said": said, **_step_facts(step)}
+    lowered = trainer.lower_train_step()
+  return {"impl": trainer.model.cfg.impl, "said": said, **_step_facts(lowered.compile())}
 
 
 def quickstart_config(mixing: str):
@@ -323,13 +315,12 @@ def quickstart_config(mixing: str):
 
 # The quickstart train steps compiled per GPU: for a T4 (where the default path was refused
 # before) every mixing layer but AFT-local, whose T4 step is the notebook's below (impl "auto"
-# too, a larger model: the same program but for sizes), and AFT-simple, whose T4 step is the
-# safety net's fallback (impl "xla", the program "auto" takes there); for an H100 AFT-simple,
+# too, a larger model: the same program but for sizes); for an H100 AFT-simple,
 # with its kernels: AFT-local's H100 step, the recipe as it is, is the one ``train.py --dry_run
 # --target h100`` compiles in tests/trainer/test_dry_run.py (the other mixings are XLA's there
 # too, and each compile is ~10 s of CI time).
 TRAIN_STEP_MIXINGS = {
-  "t4": ("aft_full", "aft_conv1d", "softmax"),
+  "t4": ("aft_full", "aft_simple", "aft_conv1d", "softmax"),
   "h100": ("aft_simple",),
 }
 NOTEBOOK_GPUS = ("t4",)  # Colab's free GPU; the H100's kernels are the train steps' above
@@ -388,36 +379,19 @@ def notebook() -> dict:
   }
 
 
-def safety_net() -> dict:
-  """A T4 with the capability rule lowered to 7.0, so that ``impl="auto"`` wrongly takes the
-  kernels: what ``build_trainer`` says and returns for the quickstart model with
-  ``SAFETY_NET``'s mixing, its fallback step compiled; and what it returns for an explicit
-  impl="pallas" (lowered: its compile is the one the fallback saw fail). The rule is a module
-  global: this runs before every other GPU job, its two jobs side by side under the one patch."""
-  devices = _devices("t4")
-
-  def explicit():
-    config = quickstart_config(SAFETY_NET)
-    config.model.impl = "pallas"
-    with _TRACING:
-      trainer, said = _made_trainer(config, devices)
-      triton = trainer.lower_train_step().as_text().count(TRITON)
-    return {
-      "impl": trainer.model.cfg.impl,
-      "said": said,
-      "compiled": trainer.compiled_train_step is not None,
-      "triton": triton,
-    }
-
-  saved = ops_target.TRITON_MIN_CAPABILITY
-  ops_target.TRITON_MIN_CAPABILITY = (7, 0)
-  try:
-    config = quickstart_config(SAFETY_NET)
-    jobs = {"auto": _submit(functools.partial(build_and_compile, config, devices))}
-    jobs["explicit"] = _submit(explicit)
-    return _resolve(jobs)
-  finally:
-    ops_target.TRITON_MIN_CAPABILITY = saved
+def decided() -> dict:
+  """Per GPU target, the kernel (its platform, or None: XLA) that ``impl="auto"`` resolves to
+  for the quickstart's causal AFT-simple on that device, asked of the ops' ``resolve`` before
+  anything is traced or compiled."""
+  channels = quickstart.get_config().model.d_model
+  out = {}
+  for name in GPUS:
+    device = ops.device_facts(_devices(name)[0])
+    kernel = common.resolve(
+      "aft_simple", "auto", simple.KERNELS, causal=True, channels=channels, device=device
+    )
+    out[name] = {"device": str(device), "kernel": kernel and kernel.platform}
+  return out
 
 
 # --------------------------------------------------------------------------- TPU
@@ -512,13 +486,12 @@ def _targets(names) -> dict:
 
 
 def main(kind: str) -> dict:
-  """Every item's result. The safety net comes first, alone (it patches a module global that
-  every GPU trace reads); then the jobs of all other items are submitted (the longest first,
-  so that the threads finish together) and collected."""
+  """Every item's result: the jobs of all items are submitted (the longest first, so that the
+  threads finish together) and collected."""
   wall, cpu = time.perf_counter(), _cpu_seconds()
   if kind == "cuda":
-    first = {"safety_net": safety_net}
     items = {
+      "decided": decided,
       "notebook": notebook,
       "kernels": gpu_kernels,
       "train_steps": train_steps,
@@ -526,13 +499,11 @@ def main(kind: str) -> dict:
     }
     names = GPUS
   elif kind == "tpu":
-    first, items = {}, {"train_step": tpu_train_step, "tpu_kernel": tpu_kernel}
+    items = {"train_step": tpu_train_step, "tpu_kernel": tpu_kernel}
     names = TPU_TARGETS
   else:
     raise SystemExit(f"usage: python -m tests.support.deviceless_worker cuda|tpu (got {kind!r})")
   out = {"kind": kind, "targets": _attempt(lambda: {"result": _targets(names)})}
-  for name, fn in first.items():
-    out[name] = _attempt(lambda: {"result": fn()})
   for name, fn in items.items():
     out[name] = _attempt(lambda: {"result": fn()})
   out = _resolve(out)
@@ -540,7 +511,7 @@ def main(kind: str) -> dict:
     "wall": round(time.perf_counter() - wall, 1),
     "cpu": round(_cpu_seconds() - cpu, 1),
   }
-  out["triton_min_capability"] = list(ops_target.TRITON_MIN_CAPABILITY)
+  out["triton_min_capability"] = list(common.TRITON_MIN_CAPABILITY)
   return out
 
 

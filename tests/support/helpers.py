@@ -117,18 +117,18 @@ def param_count(tree) -> int:
 
 
 def __getattr__(name: str):
-  """``TRITON``: the custom call of a Pallas Triton kernel (``target.TRITON_CALL``), read when
-  first asked for, so that importing this module imports no jax."""
+  """``TRITON``: the custom call of a Pallas Triton kernel (``ops.KERNEL_CALLS["gpu"]``), read
+  when first asked for, so that importing this module imports no jax."""
   if name == "TRITON":
-    from aft_jax.ops import target
+    from aft_jax import ops
 
-    return target.TRITON_CALL
+    return ops.KERNEL_CALLS["gpu"]
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
   """A context in which ops see an abstract device of ``device_kind`` ("NVIDIA H200", "Tesla
-  T4", "TPU v5 lite"): what ``impl="auto"`` decides from (``aft_jax.ops.target``), and from jax
+  T4", "TPU v5 lite"): what ``impl="auto"`` decides from (``ops.device_facts``), and from jax
   0.11 what the Pallas Triton lowering asks for the compute capability."""
   import jax
 
@@ -150,8 +150,9 @@ def export_for(fn, *args, platform="cuda", calls=None, donate_argnums=(), device
 
   import jax
 
-  from aft_jax.ops.target import TRITON_CALL
+  from aft_jax.ops import KERNEL_CALLS
 
+  TRITON_CALL = KERNEL_CALLS["gpu"]
   calls = (TRITON_CALL,) if calls is None else calls
   if device is None and platform == "cuda" and TRITON_CALL in calls:
     device = "NVIDIA H200"

@@ -29,7 +29,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from aft_jax import ops  # noqa: E402
-from aft_jax.ops.target import TRITON_CALL  # noqa: E402
 
 T = 16  # 4 positions per device
 SEQ = P(None, "seq")
@@ -144,8 +143,8 @@ def main(out_path):
   report = {
     "xla": _xla(mesh),
     "lowered": {
-      "triton": _lowered("NVIDIA H200", "cuda", TRITON_CALL, 64),
-      "mosaic": _lowered("TPU v5 lite", "tpu", "tpu_custom_call", 128),
+      "triton": _lowered("NVIDIA H200", "cuda", ops.KERNEL_CALLS["gpu"], 64),
+      "mosaic": _lowered("TPU v5 lite", "tpu", ops.KERNEL_CALLS["tpu"], 128),
     },
     "interpret": _interpret(mesh),
   }

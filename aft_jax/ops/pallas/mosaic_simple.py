@@ -1,48 +1,26 @@
-"""Causal AFT-simple's softmax-weighted mean as a Pallas kernel for TPUs (Mosaic lowering).
+"""Causal AFT-simple's weighted mean as a Pallas kernel for TPUs (Mosaic): the maths of
+``triton_simple``, a TPU's layout. Blocks live in VMEM, their shapes multiples of (8, 128), and
+one-row dynamic slices may not lower, so:
 
-For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32):
+Forward. The grid is (B, D / block_d, T / block_t), the last axis sequential: a step reads a
+``[block_t, block_d]`` block of k, v and writes that block of a [and L], Pallas pipelining the
+blocks; the exact triple of every earlier position is carried in VMEM scratch ``[1, block_d]``.
+A chunk's prefix sums are one lower-triangular product (the MXU, float32) of exp(k - m) [v, 1]
+(m: the max of the carry and the chunk's first key); rows that see a set-aside term or whose
+denominator falls below ``DEN_OK`` are redone by a log-step (Hillis-Steele) scan of triples,
+log2(block_t) steps of ``pltpu.roll`` and a stable combine, all rows at once.
 
-    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
+Backward (a custom VJP, residuals a and L): dv[t'] = exp(k[t'] - L[t']) C1[t'], dk[t'] =
+exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t']), C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t], C2
+the same with g a (every factor <= 1: L never decreases). The grid walks T from the end carrying
+C1, C2 and L of the next chunk's first row; a chunk's suffix sums are an upper-triangular
+product in the scale of its first L, or, where L rises by more than ``MAX_RISE`` nats, the
+log-step suffix scan.
 
-The math is that of the Triton kernel (``pallas_simple``); the layout is not. That kernel
-gives each program a whole ``[T, block_d]`` column and loops over its chunks inside, and
-redoes a bad chunk row by row with dynamic one-row slices. On a TPU the kernel's blocks live
-in VMEM (a few MiB to tens of MiB), block shapes must be multiples of (8, 128) (sublanes,
-lanes), and single-row dynamic slices of a vector may not lower. So here:
-
-Layout. The grid is (B, D / block_d, T / block_t), the last axis sequential ("arbitrary"):
-one step reads one ``[block_t, block_d]`` block of k and v (block_d a multiple of 128 lanes)
-and writes that block of a [and L]; Pallas pipelines the blocks between HBM and VMEM. The
-exact triple (max, num, den) of every earlier position is carried across steps in VMEM
-scratch ``[1, block_d]``, reset when the step index along T is 0. Within a chunk the prefix
-sums are one lower-triangular ``[block_t, block_t]`` matrix product (the MXU, float32:
-precision HIGHEST) of exp(k - m) [v, 1] (m: the running max at the chunk's end). A chunk whose
-denominators fall below ``DEN_OK`` (k rising by ~57 nats inside it: its early rows lost their
-terms to underflow) is redone exactly by a log-step (Hillis-Steele) scan: log2(block_t) steps,
-each combining every row's triple with the one ``2^i`` rows earlier (``pltpu.roll`` along the
-sublanes plus an iota mask), a stable log-sum-exp combine, all rows at once.
-
-Backward (a custom VJP whose residuals are a and L). With g the cotangent of a,
-
-    dv[t'] = exp(k[t'] - L[t']) C1[t'],   dk[t'] = exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t'])
-    C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t],   C2 the same with g[t] a[t]
-
-and since L never decreases every factor is <= 1. The grid walks T from the end (the block
-index map is nT - 1 - i), carrying C1, C2 at the next chunk's first row and that row's L in
-VMEM scratch. Within a chunk the suffix sums are an upper-triangular product in the scale of
-the chunk's first L; a chunk over which L rises by more than ``MAX_RISE`` nats (where
-exp(L - L_first) could overflow and g exp(L_first - L) underflow) is done by the log-step
-suffix scan, whose factors exp(L[t'] - L[t' + 2^i]) are all <= 1.
-
-No chunk-parallel form (the GPU kernels' split of T, ``pallas_split``): a TensorCore runs the
-grid's steps one after another whatever their dimension semantics, so cutting T into segments
-adds no parallelism on a TPU; only a megacore chip (v4, v5p) spreads the "parallel" axes over
-its two cores, and ``config_for`` already asks for two programs, which B >= 2 or D >= 256 give.
-The split would cost a second read of k and v for the segment totals and buy nothing here.
-
-Status: the kernel lowers for TPUs (``jax.export`` for ``platforms=["tpu"]`` in the tests)
-and runs in interpret mode against a float64 reference, but it has never been run or timed on
-a TPU, so ``impl="auto"`` keeps the XLA path there and ``impl="pallas"`` opts in.
+No chunk-parallel form: a TensorCore runs the grid's steps one after another, so segments of T
+add no parallelism (a megacore chip spreads the "parallel" axes: ``config_for`` asks for two
+programs). The kernel lowers for TPUs and runs interpreted against a float64 reference, but has
+never been timed on a TPU: ``impl="auto"`` keeps XLA there, ``impl="pallas"`` opts in.
 """
 
 from __future__ import annotations
@@ -56,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, set_aside
-from aft_jax.ops.pallas_util import mean_with_vjp, padded_to_chunks, varying_like, widest_config
+from aft_jax.ops.pallas.triton import mean_with_vjp, padded_to_chunks, varying_like, widest_config
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, scan exactly.
@@ -82,7 +60,7 @@ class MosaicConfig(NamedTuple):
 CONFIGS = tuple(MosaicConfig(block_t=128, block_d=bd) for bd in (512, 256, 128))
 
 
-def unsupported(d: int) -> str | None:
+def unsupported(d: int, window=None) -> str | None:
   """Why the kernel cannot tile D = d channels, or None if it can."""
   if d % LANES:
     return (
@@ -93,7 +71,7 @@ def unsupported(d: int) -> str | None:
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 2) -> MosaicConfig:
-  """The configuration for ``batch`` rows of D = d channels (``pallas_util.widest_config``):
+  """The configuration for ``batch`` rows of D = d channels (``triton.widest_config``):
   two programs at least, since two TensorCores share the parallel axes on megacore chips."""
   return widest_config(CONFIGS, d, batch, min_programs, f"Pallas TPU kernel: {unsupported(d)}")
 
@@ -311,3 +289,8 @@ def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool =
   cfg = cfg or config_for(k_BTD.shape[-1], k_BTD.shape[0])
   _check(k_BTD, cfg)
   return _causal_mean(k_BTD, v_BTD, cfg, interpret)
+
+
+def mean(k_BTD, v_BTD, w, window, interpret: bool):
+  """The op's entry (``common.Kernel``): the configuration ``config_for`` chooses."""
+  return causal_mean(k_BTD, v_BTD, None, interpret)

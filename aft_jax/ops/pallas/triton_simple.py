@@ -1,32 +1,23 @@
-"""Causal AFT-simple's softmax-weighted mean as Pallas kernels (GPU: Triton lowering).
-
-For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32):
+"""Causal AFT-simple's weighted mean as Pallas kernels (GPU: Triton): for k, v ``[B, T, D]``
+(bfloat16 or float32; float32 inside),
 
     a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
 
-Layout. One program per (batch row, block of ``block_d`` channels); it walks the sequence in
-chunks of ``block_t`` positions, carrying the exact triple (max, num, den) of everything
-before (the way ``causal_mean`` does in XLA). Within a chunk the prefix sums are one
-lower-triangular ``[block_t, block_t]`` matrix product of exp(k - m) [v, 1] at float32
-precision (m: the running max at the chunk's end), so each element of k and v is read once
-and a and L are written once: the op runs at memory speed. A chunk whose denominators fall
-below ``DEN_OK`` (k rising by ~57 nats inside it) is redone row by row with a running max, so
-the result is exact for logits of any size.
+Forward. One program per (batch row, block of ``block_d`` channels) walks T in chunks of
+``block_t``, carrying the exact triple of everything before (as ``aft_jax.ops.simple`` does); a
+chunk's prefix sums are one lower-triangular product of exp(k - m) [v, 1] (m: the max of the
+carry and the chunk's first key), so k and v are read once and a, L written once: memory speed.
+Rows that see a set-aside term or whose denominator falls below ``DEN_OK`` are redone row by
+row with a running max.
 
-Chunk-parallel form (``seg``, ``pallas_split``): the same kernel per (batch row, channel
-block, segment of ``seg`` positions), its carry-in the fold of the segment totals before it
-(written by ``pallas_split.totals``); the backward's likewise the fold of the later segments'
-sum exp(-L) g [g a] (the C1, C2 below at the next segment's first row, in the scale of its L).
+Backward (a custom VJP, residuals a and L): dv[t'] = exp(k[t'] - L[t']) C1[t'], dk[t'] =
+exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t']), C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t], C2
+the same with g a (every factor <= 1: L never decreases). Chunks are visited from the end, a
+chunk's suffix sums an upper-triangular product in the scale of its first L, or row by row where
+L rises by more than ``_MAX_RISE`` nats.
 
-Backward (a custom VJP whose residuals are a and L). With g the cotangent of a,
-
-    dv[t'] = exp(k[t'] - L[t']) C1[t'],   dk[t'] = exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t'])
-    C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t],   C2 the same with g[t] a[t]
-
-and since L never decreases every factor is <= 1. Chunks are visited from the end; within a
-chunk the suffix sums are an upper-triangular product in the scale of the chunk's first L;
-a chunk over which L grows by more than ``_MAX_RISE`` nats is done row by row (C[t'] =
-g[t'] + exp(L[t'] - L[t' + 1]) C[t' + 1]).
+Chunk-parallel form (``seg`` positions per program, ``triton``): the carry-in is the fold of the
+segment totals before it; the backward's, of the later segments' sum exp(-L) g [g a].
 """
 
 from __future__ import annotations
@@ -37,15 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops import pallas_split, pallas_util
-from aft_jax.ops.pallas_split import LaunchPlan
-from aft_jax.ops.pallas_util import CONFIGS, TritonConfig, config_for  # noqa: F401 (the kernel's API)
-from aft_jax.ops.pallas_util import all_true as _all
-from aft_jax.ops.pallas_util import dot as _dot
-from aft_jax.ops.pallas_util import load as _load
-from aft_jax.ops.pallas_util import rows as _rows
-from aft_jax.ops.pallas_util import unsupported_channels as unsupported  # noqa: F401
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
+from aft_jax.ops.pallas import triton
+from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig
+from aft_jax.ops.pallas.triton import all_true as _all
+from aft_jax.ops.pallas.triton import dot as _dot
+from aft_jax.ops.pallas.triton import load as _load
+from aft_jax.ops.pallas.triton import rows as _rows
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
@@ -62,13 +51,13 @@ def _tri(n: int, lower: bool):
 def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
   """One (batch row, channel block[, segment]): a [and L] for k, v refs [T, bd] (T a multiple
   of bt), or [seg, bd] (the chunk-parallel form, ``n_seg`` segments: then the first three
-  refs are the segment totals, ``pallas_split.totals``, folded into the carry-in)."""
+  refs are the segment totals, ``triton.totals``, folded into the carry-in)."""
   n_chunks = k_ref.shape[0] // bt
   tril = _tri(bt, lower=True)
-  carry_in = pallas_split.empty(k_ref.shape[1])
+  carry_in = triton.empty(k_ref.shape[1])
   if n_seg is not None:  # the segments before this one
     s = pl.program_id(2)
-    carry_in = pallas_split.fold(*refs[:3], lambda i: i < s)
+    carry_in = triton.fold(*refs[:3], lambda i: i < s)
     refs = refs[3:]
   a_ref, *lse_ref = refs
 
@@ -81,7 +70,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
     m0, num0, den0 = carry  # [1, bd] each
     idx = _rows(j, bt)
     kc, vc = _load(k_ref, idx), _load(v_ref, idx)
-    # The shift: what the chunk's first row sees, never a later key (``causal_mean``).
+    # The shift: what the chunk's first row sees, never a later key.
     m = jnp.maximum(m0, _load(k_ref, pl.ds(j * bt, 1)))
     ok, e, vs = set_aside(jnp.exp(kc - m), vc)
     s0 = jnp.exp(m0 - m)
@@ -134,7 +123,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
     # The later queries' sum exp(-L - m) g [g a] with m = max(-L), i.e. C1, C2 in the scale
     # of L = -m (that of their first row).
     s = pl.program_id(2)
-    m, c1, c2 = pallas_split.fold(*refs[:3], lambda i: (i > s) & (i < n_seg))
+    m, c1, c2 = triton.fold(*refs[:3], lambda i: (i > s) & (i < n_seg))
     carry_in = (c1, c2, -m)
     refs = refs[3:]
   dk_ref, dv_ref = refs
@@ -192,12 +181,12 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, tots=()):
   seg = plan.seg or t_len
   n_seg = t_len // seg
   spec = pl.BlockSpec((None, seg, bd), lambda i, j, *s: (i, s[0] if s else 0, j))
-  tot = pl.BlockSpec((None, pallas_split.n_pad(n_seg), bd), lambda i, j, *s: (i, 0, j))
-  return pallas_util.call(
+  tot = pl.BlockSpec((None, triton.n_pad(n_seg), bd), lambda i, j, *s: (i, 0, j))
+  return triton.call(
     functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None),
     plan.cfg,
     interpret,
-    pallas_split.grid(b, d, plan, n_seg),
+    triton.grid(b, d, plan, n_seg),
     [spec] * len(ins) + [tot] * len(tots),
     [spec] * len(outs),
     [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
@@ -207,7 +196,7 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, tots=()):
 
 def _padded(k, v, plan: LaunchPlan):
   """k, v with T padded to whole chunks (sequential) or segments (chunk-parallel)."""
-  return pallas_util.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
+  return triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
 
 
 def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, limit=None):
@@ -215,7 +204,7 @@ def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, limit=None):
   if not plan.seg:
     return ()
   n_seg = ins[0].shape[1] // plan.seg
-  return pallas_split.totals(ins, kind, plan, n_seg, interpret, limit=limit)
+  return triton.totals(ins, kind, plan, n_seg, interpret, limit=limit)
 
 
 def _forward(k, v, plan: LaunchPlan, interpret: bool, with_lse: bool):
@@ -232,14 +221,24 @@ def _backward(k, v, a, lse, g, plan: LaunchPlan, interpret: bool):
   return _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], tots)
 
 
-_mean = pallas_util.mean_with_vjp(_forward, _backward)
+_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: TritonConfig, interpret: bool, seg: int | None = None):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
-  differentiable in k and v (the custom VJP of ``pallas_util.mean_with_vjp``). ``seg``: the
+  differentiable in k and v (the custom VJP of ``triton.mean_with_vjp``). ``seg``: the
   chunk-parallel form's positions per program (a multiple of ``cfg.block_t``; None: the
-  sequential form; ``pallas_split.plan_for`` chooses)."""
+  sequential form; ``triton.plan_for`` chooses)."""
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
     raise ValueError(f"Pallas kernel: seg = {seg} must be whole chunks of {cfg.block_t} positions")
   return _mean(k_BTD, v_BTD, LaunchPlan(cfg, seg), interpret)
+
+
+def mean(k_BTD, v_BTD, w, window, interpret: bool):
+  """The op's entry (``common.Kernel``): the launch ``triton.plan_for`` chooses."""
+  plan = triton.plan_for(*k_BTD.shape)
+  return causal_mean(k_BTD, v_BTD, plan.cfg, interpret, plan.seg)
+
+
+def unsupported(channels: int, window=None) -> str | None:
+  return triton.unsupported_channels(channels)

@@ -1,55 +1,34 @@
-"""Causal AFT-local's banded softmax-weighted mean as a Pallas kernel (GPU: Triton lowering).
-
-For k, v ``[B, T, D]`` (bfloat16 or float32; all arithmetic in float32), w ``[T, T]`` and the
-window s:
+"""Causal AFT-local's banded weighted mean as a Pallas kernel (GPU: Triton): for k, v ``[B, T,
+D]`` (bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s,
 
     a[t] = sum_{t' <= t} exp(k[t'] + b[t, t']) v[t'] / sum_{t' <= t} exp(k[t'] + b[t, t'])
 
 with b[t, t'] = w[t, t'] for t - t' < s and 0 for the older keys (which still count).
 
-Layout. One program per (batch row, block of ``block_d`` channels) walks the queries in chunks
-of ``block_t`` = c rows. Chunk j sees its band, the keys [j c - S, j c + c) with S = s - 1
-rounded up to a multiple of c (a "slab" of S + c keys, read as (S + c) / c key blocks of c),
-and every older key, whose bias is 0 for all its rows: those are carried as one exact running
-triple (max, num, den) per channel, as in ``pallas_simple``. The slab's sums are matrix
-products, per key block, of exp(b - row max) [c, c] and exp(k - channel max) [v, 1] [c, 2 bd],
-exactly as ``banded`` does in XLA; b is gathered beforehand (in XLA) into a ``[T, S + c]``
-array of the slab's biases (w on the band, 0 for older keys, NEG, the lowest float32, i.e.
-weight 0, for keys after t or before 0). The channel max is over the keys the chunk's first
-row sees (no later key can change an earlier row's rounding). The split shift is exact unless
-a row's largest term underflows or it sees a key set aside (``logsumexp.set_aside``: above
-e^60 or not finite, zeroed before the products); those rows (only those: the others keep
-their values bit for bit) are redone row by row with a per-channel running maximum, so the
-result is exact for finite logits of any size and a later NaN never reaches an earlier row.
+Forward. One program per (batch row, block of ``block_d`` channels) walks the queries in chunks
+of c = ``block_t`` rows. Chunk j's band is a "slab" of keys [j c - S, j c + c), S = s - 1
+rounded up to c, summed as products per key block of exp(b - row max) [c, c] and exp(k -
+channel max) [v, 1] (as ``aft_jax.ops.local`` does), b gathered beforehand into a ``[T, S + c]``
+array (NEG beyond t or before 0); every older key has bias 0 for the whole chunk: one exact
+running triple per channel. The channel max is over the keys the chunk's first row sees; rows
+whose largest term underflows or that see a key set aside (``logsumexp.set_aside``) are redone
+row by row with a running maximum (the others keep their values bit for bit).
 
-Backward (a custom VJP whose residuals are a and L, the log-normaliser). With g the cotangent
-of a and p[t, t'] = exp(k[t'] + b[t, t'] - L[t]) (<= 1),
+Backward (a custom VJP, residuals a and L): with g the cotangent and p[t, t'] = exp(k[t'] +
+b[t, t'] - L[t]) <= 1, dv[t'] = sum_t p g, dk[t'] = sum_t p g (v[t'] - a[t]), and dw[t, t'] =
+sum_r p g (v - a) on the band (r: batch rows and channels). The band's part is the forward's
+split shift again, as [c, c] products per key block (row by row where the scale exp(row max +
+channel max - L) could exceed 1 / ``DEN_OK``); the older keys take exp(k[t']) sum_t exp(-L[t])
+g[t] over later chunks, a suffix sum carried with its own maximum of -L. dw has no sequential
+part: a second kernel, one program per (query chunk, channel block) looping over the batch,
+writes ``[D / block_d, T, S + c]`` partial sums (one per batch row and narrower block would be
+2.4 GB instead of 75 MB for AFT-local-128 at B 8, T 16384, D 512), scattered to ``[T, T]`` in
+XLA.
 
-    dv[t'] = sum_t p[t, t'] g[t],   dk[t'] = sum_t p[t, t'] g[t] (v[t'] - a[t]),
-    dw[t, t'] = sum_r p[t, t', r] g[t, r] (v[t', r] - a[t, r])   (on the band; r: every batch
-                                                                 row and channel)
-
-Per chunk, the band's part is the forward's split shift again, p = exp(b - row max)
-exp(k - channel max) exp(row max + channel max - L), as [c, c] products per key block (P^T G
-for dk, dv; G (E V)^T for dw), the last factor < 1 / ``DEN_OK`` wherever the forward's fast
-path was exact (else the chunk is redone row by row with p computed directly). The older keys
-(bias 0) take exp(k[t']) sum_t exp(-L[t]) g[t] over the later chunks: a suffix sum walked from
-the last chunk back, carried with its own maximum of -L (exp(k + max(-L)) <= 1: every such key
-is a term of those L). dk, dv accumulate in float32 across the chunks whose slabs hold a key.
-
-Chunk-parallel form (``seg``, ``pallas_split``): the forward and dk, dv kernels per (batch
-row, channel block, segment of ``seg`` >= S positions). A segment's carry of the older keys
-starts from the fold of the key segments' totals before it; the backward's carry of the later
-queries from the fold of the query segments' totals after it; dk, dv are written per segment
-over its keys and the next segment's first S (which its last chunks' slabs reach), and added
-up in XLA.
-
-dw has no sequential part (a chunk's rows need only their own slab), so a second kernel computes
-it with one program per (query chunk, channel block) that loops over the batch rows: its
-partial sums are ``[D / block_d, T, S + c]`` (slab layout, the widest channel block), summed
-over channel blocks and scattered back to ``[T, T]`` in XLA. Written by the sequential kernel
-instead, they would be one copy per (batch row, narrower channel block): for AFT-local-128 at
-B 8, T 16384, D 512, 2.4 GB (more than the activations) instead of 75 MB.
+Chunk-parallel form (``seg`` >= S positions per program, ``triton``): a segment's carry of the
+older keys starts from the fold of the key segments' totals before it, the backward's from the
+query segments' after it; dk, dv are written per segment over its keys and the next segment's
+first S, and added up in XLA.
 """
 
 from __future__ import annotations
@@ -60,21 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops import pallas_split, pallas_util
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame
-from aft_jax.ops.pallas_split import LaunchPlan
-from aft_jax.ops.pallas_util import CONFIGS, TritonConfig, all_true, config_for, dot, load, rows
-
-__all__ = [
-  "CONFIGS",
-  "MAX_WINDOW",
-  "TritonConfig",
-  "config_for",
-  "dw_config",
-  "local_mean",
-  "plan_for",
-  "unsupported",
-]
+from aft_jax.ops.pallas import triton
+from aft_jax.ops.pallas.triton import CONFIGS, LaunchPlan, TritonConfig, all_true, dot, load, rows
 
 # The slab a chunk reads grows with the window (O(T (s + c) D) work, a [T, s + c] bias array):
 # beyond this the band is most of the sequence, which is AFT-full's job.
@@ -88,7 +55,7 @@ def unsupported(d: int, window: int) -> str | None:
   """Why the kernel cannot take D = d channels and this window, or None if it can."""
   if window > MAX_WINDOW:
     return f"the window {window} is larger than the kernel's {MAX_WINDOW}"
-  return pallas_util.unsupported_channels(d)
+  return triton.unsupported_channels(d)
 
 
 def _slab_width(s: int, bt: int) -> int:
@@ -182,7 +149,7 @@ def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
   if n_seg is None:
     return 0, bias_ref.shape[0] // bt, None, refs
   s = pl.program_id(2)
-  return s * (seg // bt), seg // bt, pallas_split.fold(*refs[:3], lambda i: take(i, s)), refs[3:]
+  return s * (seg // bt), seg // bt, triton.fold(*refs[:3], lambda i: take(i, s)), refs[3:]
 
 
 def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: int):
@@ -270,7 +237,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
       den0 * s0 + jnp.sum(e, axis=0, keepdims=True),
     )
 
-  carry_in = pallas_split.empty(bd) if carry_in is None else carry_in
+  carry_in = triton.empty(bd) if carry_in is None else carry_in
   jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in)
 
 
@@ -352,7 +319,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
       c2 * s + jnp.sum(e * g * a, axis=0, keepdims=True),
     )
 
-  carry_in = pallas_split.empty(bd) if carry_in is None else carry_in
+  carry_in = triton.empty(bd) if carry_in is None else carry_in
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
@@ -426,13 +393,13 @@ def _layout(k, window: int, plan: LaunchPlan):
 
 def front_padding(t_len: int, window: int, block_t: int = CONFIGS[0].block_t) -> int:
   """W - bt, the keys before its own that a chunk's slab reads: what a segment of the
-  chunk-parallel form must hold at least (``pallas_split.plan_for``'s ``min_seg``)."""
+  chunk-parallel form must hold at least (``triton.plan_for``'s ``min_seg``)."""
   return _slab_width(min(window, t_len), block_t) - block_t
 
 
 def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
-  """The launch of the forward and dk, dv kernels (``pallas_split.plan_for``)."""
-  return pallas_split.plan_for(batch, t_len, d, min_seg=front_padding(t_len, window))
+  """The launch of the forward and dk, dv kernels (``triton.plan_for``)."""
+  return triton.plan_for(batch, t_len, d, min_seg=front_padding(t_len, window))
 
 
 def _call(
@@ -459,11 +426,11 @@ def _call(
   kernel = functools.partial(
     kernel, bt=cfg.block_t, t_len=t_len, n_seg=n_seg if plan.seg else None, seg=seg
   )
-  return pallas_util.call(
+  return triton.call(
     kernel,
     cfg,
     interpret,
-    pallas_split.grid(b, d, plan, n_seg),
+    triton.grid(b, d, plan, n_seg),
     [pl.BlockSpec(ins[0].shape, lambda i, j, *s: (0, 0))]
     + [col(x.shape[1]) for x in (*ins[1:], *tots)],
     [spec] * len(outs),
@@ -488,7 +455,7 @@ def dw_config(d: int) -> TritonConfig:
   """The dw kernel's configuration: the widest channel block that divides d (its programs are
   (query chunk, channel block) pairs, plenty for a GPU already; wider blocks mean fewer partial
   sums to add up)."""
-  return pallas_util.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
+  return triton.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
 
 
 def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
@@ -499,7 +466,7 @@ def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
   (t_pad, width), (b, _, d) = bias.shape, ins[1].shape
   bt, bd = cfg.block_t, cfg.block_d
   col = lambda x: pl.BlockSpec((b, x.shape[1], bd), lambda j, c: (0, 0, c))
-  return pallas_util.call(
+  return triton.call(
     functools.partial(_dw_kernel, bt=bt, t_len=t_len),
     cfg,
     interpret,
@@ -513,19 +480,19 @@ def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
 
 def _padded(k, v, window: int, plan: LaunchPlan):
   """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
-  before key 0) and ragged T up to chunks (segments); keys ``pallas_util.pad_key`` (weight 0),
+  before key 0) and ragged T up to chunks (segments); keys ``triton.pad_key`` (weight 0),
   values 0."""
   _, t_pad, _, front = _layout(k, window, plan)
   t_len = k.shape[1]
-  pad = lambda x, fill: pallas_util.pad_time(x, front, t_pad - t_len, fill)
-  return pad(k, pallas_util.pad_key(k.dtype)), pad(v, 0.0)
+  pad = lambda x, fill: triton.pad_time(x, front, t_pad - t_len, fill)
+  return pad(k, triton.pad_key(k.dtype)), pad(v, 0.0)
 
 
 def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, t_pad: int, **rows):
   """The segment totals of the chunk-parallel form (none for the sequential one)."""
   if not plan.seg:
     return ()
-  return pallas_split.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows)
+  return triton.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows)
 
 
 def _forward(k, v, w, window: int, plan: LaunchPlan, interpret: bool, with_lse: bool):
@@ -564,7 +531,7 @@ def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: TritonConfig, interpret: bo
 
 def _local_mean_fwd(k, v, w, window, plan, interpret):
   a, lse = _forward(k, v, w, window, plan, interpret, True)  # padded: kept as residuals
-  return a[:, : k.shape[1]], (k, v, w, a, pallas_util.tamed_lse(a, lse))
+  return a[:, : k.shape[1]], (k, v, w, a, triton.tamed_lse(a, lse))
 
 
 def _local_mean_bwd(window, plan, interpret, res, g):
@@ -573,8 +540,8 @@ def _local_mean_bwd(window, plan, interpret, res, g):
   s, t_pad, _, front = _layout(k, window, plan)
   # A non-finite bias reaches only its own row (which then has no derivative).
   bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame(w), s, t_pad, plan.cfg.block_t), w)
-  g = pallas_util.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
-  a, g = pallas_util.tamed_cotangent(a, lse, g)
+  g = triton.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
+  a, g = triton.tamed_cotangent(a, lse, g)
   # A NaN key would make its chunk's shift exp(k - max) NaN for every key beside it (padding
   # fuses this in): keys and values that are not finite are 0 (their rows have no derivative).
   k, v = tame(k), tame(v)
@@ -591,3 +558,9 @@ def _local_mean_bwd(window, plan, interpret, res, g):
 
 
 _local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)
+
+
+def mean(k_BTD, v_BTD, w_TT, window: int, interpret: bool):
+  """The op's entry (``common.Kernel``): the launch ``plan_for`` chooses."""
+  plan = plan_for(*k_BTD.shape, window)
+  return local_mean(k_BTD, v_BTD, w_TT, window, plan.cfg, interpret, plan.seg)

@@ -1,0 +1,94 @@
+"""AFT-full (paper Eq. 2): the op, its packed rows and its one-token step. Its sums are
+AFT-local's banded ones with a band of every key (``local``); it has no kernel, and no state
+but every past key and value (``FullState``, for decoding)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from aft_jax.ops import common, local
+from aft_jax.ops import logsumexp as lse
+
+FN = "aft_full"
+KERNELS = ()  # (none: impl="pallas" is refused)
+
+
+def aft_full(
+  q, k, v, w, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
+  segment_ids=None, positions=None,
+):  # fmt: skip
+  """AFT-full: Y[t] = sigma(q[t]) * sum_t' exp(k[t'] + w[t, t']) v[t'] / sum_t' exp(k[t'] +
+  w[t, t']) (t' <= t when causal).
+
+  Args:
+    q, k, v: ``[..., T, D]``.
+    w: ``[T, T]`` pairwise position bias.
+    causal, impl: as ``aft_simple``.
+    initial_state, output_final_state: refused (a ValueError): AFT-full's past is every key and
+      value (decode with ``aft_full_step``), not a summary.
+    segment_ids, positions: causal: packed documents, ``[..., T]`` ints (as ``aft_local``); w
+      then ``[L, L]`` with L > every position.
+
+  Returns:
+    ``[..., T, D]``. O(T^2 D) time, O(T^2 + T D) memory.
+
+  Example::
+
+    y = aft_full(q, k, v, w, causal=True)  # q, k, v [B, T, D], w [T, T]
+  """
+  if initial_state is not None or output_final_state:
+    raise ValueError(
+      f"{FN}: initial_state and output_final_state are for aft_simple, aft_local and "
+      "aft_conv1d; AFT-full's past is every key and value (decode with aft_full_step)"
+    )
+  q, k, v = common.check_qkv(FN, q, k, v)
+  mode = common.check_mode(FN, causal, impl, segment_ids=segment_ids, positions=positions)
+  if mode == "packed":
+    common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_float(FN, w=w)
+  else:
+    local.check_square(FN, w, q.shape[-2])
+  return common.eager(
+    _run, q=q, k=k, v=v, w=w, segment_ids=segment_ids, positions=positions, causal=bool(causal),
+    impl=impl,
+  )  # fmt: skip
+
+
+def _run(q, k, v, w, segment_ids, positions, causal, impl):
+  t_len = q.shape[-2]
+  if segment_ids is None and positions is None:
+    return local._whole(q, k, v, w, t_len, causal, impl, FN, KERNELS)
+  return lse.packed(q, k, v, segment_ids, t_len, local.band_bias(w, positions, t_len))
+
+
+class FullState(NamedTuple):
+  """AFT-full's decoding state: keys, values ``[..., L, D]`` (slot t' holds position t') and
+  ``index``, the tokens seen (int32)."""
+
+  keys: jax.Array
+  values: jax.Array
+  index: jax.Array
+
+
+def aft_full_init(shape, max_len: int) -> FullState:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len."""
+  cache = jnp.zeros(tuple(shape[:-1]) + (max_len, shape[-1]), jnp.float32)
+  return FullState(cache, cache, jnp.zeros((), jnp.int32))
+
+
+def aft_full_step(state: FullState, q_t, k_t, v_t, w_t):
+  """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t'] + w[t, t']) v[t'] / (the same
+  without v), t = ``state.index``.
+
+  q_t, k_t, v_t: ``[..., D]``; w_t: ``[L]``, row t of the bias. Returns ``(Y[t], state)``.
+  """
+  t, f32 = state.index, lambda x: jnp.asarray(x, jnp.float32)
+  put = lambda cache, x: jax.lax.dynamic_update_slice_in_dim(cache, f32(x)[..., None, :], t, -2)
+  keys, values = put(state.keys, k_t), put(state.values, v_t)
+  valid = (jnp.arange(keys.shape[-2]) <= t)[:, None]
+  acc = lse.from_terms(keys + f32(w_t)[:, None], values, valid, axis=keys.ndim - 2)
+  y = lse.output(f32(q_t), acc).astype(jnp.result_type(q_t, k_t, v_t))
+  return y, FullState(keys, values, t + 1)

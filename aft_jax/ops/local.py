@@ -1,0 +1,641 @@
+"""AFT-local (paper Eq. 4): the op in every mode, its one-token step, and the banded XLA maths it
+shares with AFT-full (``full``: a band of every key).
+
+For a query t and a channel r (k, v, a, L ``[T, R]``, R: batch x channels; w ``[T, T]``):
+
+    a[t, r] = sum_t' exp(k[t', r] + b[t, t']) v[t', r] / sum_t' exp(k[t', r] + b[t, t'])
+
+with b[t, t'] = w[t, t'] on the band |t - t'| < s and 0 on every other key (causal: t' <= t).
+
+Layout. Queries are cut into nb blocks of c rows (the last moved back to end at T, overlapping
+the one before). Block b sees the keys [ks, ks + W): its band and the bias-0 keys between, a
+[c, W] rectangle summed with products of exp(b - row max) and exp(k - channel max) v; keys
+before ks (and, two-sided, from ks + W on) have bias 0 for every row of the block: running
+exact sums per block. The split shift is exact unless a row's largest term underflows (a
+denominator < 1e-25): those row groups are recomputed with a per-(t, r) maximum. Causal, the
+channel max is over the keys the block's first row sees, and a later key above e^60 or not
+finite is set aside (``logsumexp.set_aside``): a later key never reaches an earlier row.
+
+Derivative: a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
+
+    da[t] = sum_t' p[t, t'] (dv[t'] + (dk[t'] + dw[t, t']) (v[t'] - a[t]))
+
+the same blocked products with the saved a and L (the only [T, R] residuals, the scan bodies
+rematerialized); causal, a row whose a or L is not finite has tangent 0 and its factors are
+``tame``d. The kernel: ``pallas.triton_local`` (GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aft_jax.ops import common
+from aft_jax.ops import logsumexp as lse
+from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
+from aft_jax.ops.pallas import triton_local
+
+FN = "aft_local"
+KERNELS = (common.Kernel("gpu", triton_local.mean, triton_local.unsupported),)
+# A long piece reads its bias in sub-pieces of this many positions (at least 4 windows), the
+# state carried between: blocks of [SUB_PIECE + s + 1]^2 keep the bias's memory linear in T.
+SUB_PIECE = 2048
+
+
+class Factors(NamedTuple):
+  """w = u v^T, u and v ``[L, d']``: a piece or a device's shard forms only the block it reads."""
+
+  u: jax.Array
+  v: jax.Array
+
+  @property
+  def shape(self):
+    return (self.u.shape[0], self.v.shape[0])
+
+  def dense(self):
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return f32(self.u) @ f32(self.v).T
+
+
+def aft_local(
+  q, k, v, w, *, window, causal=False, impl="auto", offset=None, initial_state=None,
+  output_final_state=False, segment_ids=None, positions=None, axis_name=None,
+):  # fmt: skip
+  """AFT-local: as AFT-full with w[t, t'] used where |t - t'| < window and 0 elsewhere (those
+  positions still contribute, with bias 0).
+
+  Args:
+    q, k, v: ``[..., T, D]``.
+    w: ``[T, T]``, entries outside the window ignored. In a piece (``offset``,
+      ``initial_state``) ``[L, L]``, L >= offset + T, the whole sequence's bias; or its factors
+      ``(u, v)``, each ``[L, d']``, w = u v^T: a piece or a shard then forms only the block of
+      w it reads (O(T d') memory), and a long sequence goes in sub-pieces.
+    window: s >= 1.
+    causal, impl: as ``aft_simple``.
+    offset: causal: the position of ``q[..., 0, :]`` in w (an int or a traced int scalar);
+      default ``initial_state.index`` (0 without a state; with one it must equal it). Where it
+      cannot be checked (traced) and is wrong, or offset + T > L, the output is NaN.
+    initial_state: causal: ``WindowState`` of the positions before the piece (the triple of the
+      keys older than the last s, those s keys and values, ``index``), as returned by
+      ``output_final_state=True`` or ``aft_local_step``.
+    output_final_state: causal: also return the state after the piece (index offset + T).
+    segment_ids, positions: causal: packed documents, ``[..., T]`` ints: the documents' ids and
+      each position's index into w (restarting per document; L > every position, else NaN).
+    axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
+      device's shard of the output; w is the whole sequence's bias.
+
+  Returns:
+    ``[..., T, D]``, or ``(Y, state)`` with ``output_final_state``. O(T s D); no T x T array
+    when s << T.
+
+  Example::
+
+    y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
+  """
+  q, k, v = common.check_qkv(FN, q, k, v)
+  common.check_window(FN, window)
+  given = dict(initial_state=initial_state, output_final_state=output_final_state, offset=offset)
+  given.update(segment_ids=segment_ids, positions=positions, axis_name=axis_name)
+  mode = common.check_mode(FN, causal, impl, **given)
+  t_len, guard = q.shape[-2], None
+  if isinstance(w, (tuple, list)):
+    w = _factors(w)
+    if mode == "packed" or not causal or (mode == "whole" and not _in_sub_pieces(t_len, window)):
+      w = w.dense()  # these read all of w; a short sequence takes it dense
+  if mode == "sharded":
+    _check_bias(w, t_len * jax.lax.axis_size(axis_name), 0)
+  elif mode == "packed":
+    common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_float(FN, w=w)
+  elif mode == "whole" and not isinstance(w, Factors):
+    check_square(FN, w, t_len)
+  else:
+    common.check_state(
+      FN, initial_state, lambda: aft_local_init(q.shape[:-2] + q.shape[-1:], window)
+    )
+    offset, guard = _offset(offset, initial_state, w, t_len)
+  return common.eager(
+    _run, q=q, k=k, v=v, w=w, offset=offset, guard=guard, state=initial_state,
+    segment_ids=segment_ids, positions=positions, mode=mode, window=window, causal=bool(causal),
+    impl=impl, final=output_final_state, axis_name=axis_name,
+  )  # fmt: skip
+
+
+def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window, causal, impl,
+         final, axis_name):  # fmt: skip
+  if mode == "packed":
+    return lse.packed(q, k, v, segment_ids, window, band_bias(w, positions, q.shape[-2]))
+  if mode == "sharded":
+    state = lse.shard_state(k, v, window, axis_name)
+    return _piece(q, k, v, w, window, impl, state.index, state, False)
+  if mode == "whole" and not isinstance(w, Factors):
+    return _whole(q, k, v, w, window, causal, impl)
+  out = _piece(q, k, v, w, window, impl, 0 if offset is None else offset, state, final)
+  if guard is None:
+    return out
+  y = out[0] if final else out
+  y = jnp.where(guard, y, jnp.nan).astype(y.dtype)  # an offset that cannot be right
+  return (y, out[1]) if final else y
+
+
+def _whole(q, k, v, w, window, causal, impl, fn=FN, kernels=KERNELS):
+  """Y of op ``fn`` on a whole sequence, w ``[T, T]`` (window >= T: AFT-full), by the
+  implementation ``impl`` resolves to among ``kernels``."""
+  out_dt, dt = common.dtypes(q, k, v)
+  if q.size == 0 or k.size == 0:
+    return jnp.zeros(q.shape, out_dt)
+  low = out_dt == jnp.bfloat16
+  forward = common.forward_mode(k, v, w)
+  kernel = common.resolve(
+    fn, impl, kernels, causal=causal, channels=q.shape[-1], window=window, forward=forward
+  )
+
+  def xla(k, v, w):
+    rows = lambda x: jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
+    k2, v2 = rows(k.astype(dt)), rows(v.astype(dt))
+    plan = make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
+    a = banded_mean(plan, k2, v2, w)
+    return jnp.swapaxes(a.reshape(k.shape[-2], -1, k.shape[-1]), 0, 1).reshape(k.shape)
+
+  a = common.mean(kernel, impl, xla, k, v, jnp.asarray(w, dt), window)
+  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
+
+
+def aft_local_init(shape, window: int) -> lse.WindowState:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and a window s."""
+  return lse.window_init(shape, shape, window)
+
+
+def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
+  """One token: as ``aft_full_step`` with w[t, t'] for t - t' < s and 0 for older keys.
+
+  q_t, k_t, v_t: ``[..., D]``; w_t: ``[L]``, row t of the bias (L > t). Returns ``(Y[t],
+  state)``; the state is the op's (``initial_state`` / ``output_final_state``).
+  """
+  w_t = jnp.asarray(w_t, jnp.float32)
+  bias = lambda pos, _: w_t[jnp.clip(pos, 0, w_t.shape[-1] - 1)][:, None]
+  return lse.window_step(state, q_t, k_t, v_t, bias)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def check_square(fn, w, t_len):
+  common.check_float(fn, w=w)
+  if jnp.shape(w) != (t_len, t_len):
+    raise ValueError(
+      f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {jnp.shape(w)} "
+      "(slice the top-left block of a larger bias first)"
+    )
+
+
+def _factors(w) -> Factors:
+  if len(w) != 2:
+    raise ValueError(f"{FN}: w as factors must be a pair (u, v); got {len(w)} arrays")
+  u, v = w
+  common.check_float(FN, u=u, v=v)
+  if jnp.ndim(u) != 2 or jnp.shape(u) != jnp.shape(v):
+    raise ValueError(
+      f"{FN}: the factors (u, v) of w = u v^T must both be [L, d']; got u {jnp.shape(u)}, "
+      f"v {jnp.shape(v)}"
+    )
+  return Factors(u, v)
+
+
+def _check_bias(w, least: int, offset):
+  """w ``[L, L]`` (or its factors) with L >= ``least`` = offset + T."""
+  if not isinstance(w, Factors):
+    common.check_float(FN, w=w)
+  if len(w.shape) != 2 or w.shape[0] != w.shape[1]:
+    raise ValueError(f"{FN}: w must be [L, L]; got offset {offset}, w {w.shape}")
+  if w.shape[0] < least:
+    t_len = least - (offset if isinstance(offset, int) else 0)
+    raise ValueError(
+      f"{FN}: w must be [L, L] with L >= offset + T = {least} (offset {offset}, T {t_len}); "
+      f"got w {w.shape}"
+    )
+
+
+def _static_int(x) -> int | None:
+  try:
+    return int(x)
+  except jax.errors.ConcretizationTypeError:  # traced
+    return None
+
+
+def _offset(offset, state, w, t_len: int):
+  """(offset, guard) of a piece: the offset (an int where static) and None, or a traced bool
+  under which it is right (else the output is NaN): 0 <= offset, offset + T <= L, offset ==
+  the state's index."""
+  index = None if state is None else state.index
+  given = offset is not None
+  offset = offset if given else (0 if index is None else index)
+  if isinstance(offset, bool) or not (
+    isinstance(offset, int)
+    or (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0)
+  ):
+    raise ValueError(f"{FN}: offset must be an int >= 0 (or an int scalar), got {offset!r}")
+  at, known = _static_int(offset), None if index is None else _static_int(index)
+  if at is not None and at < 0:
+    raise ValueError(f"{FN}: offset must be >= 0; got offset {at}")
+  if given and at is not None and known is not None and at != known:
+    raise ValueError(
+      f"{FN}: offset {at} does not match initial_state.index {known}: the state holds the "
+      f"{known} positions before the piece (leave offset out to take it from the state)"
+    )
+  _check_bias(w, t_len + (at or 0), offset if at is None else at)
+  guard = None if at is not None else (offset >= 0) & (offset + t_len <= w.shape[0])
+  if given and index is not None and (at is None or known is None):
+    same = jnp.asarray(offset) == index
+    guard = same if guard is None else guard & same
+  return (offset if at is None else at), guard
+
+
+# --------------------------------------------------------------------------- pieces and packed
+
+
+def _in_sub_pieces(t_len: int, window: int) -> bool:
+  """Whether a piece of T positions not given its whole [T, T] bias goes in sub-pieces."""
+  return t_len > 2 * max(SUB_PIECE, 4 * window)
+
+
+def _piece(q, k, v, w, window, impl, offset, state, final):
+  """Causal AFT-local on positions offset .. offset + T - 1 of w ``[L, L]`` (or ``Factors``)
+  after ``state`` (index = offset; None: positions before offset hold no keys)."""
+  t_len = q.shape[-2]
+  init = lambda: lse.window_init(
+    q.shape[:-2] + q.shape[-1:], q.shape[:-2] + q.shape[-1:], window, offset
+  )
+  if t_len == 0:
+    return lse.nothing(q, k, v, state, final, init)
+  n = 0 if state is None else 1 + window  # prepended positions
+  w = w if isinstance(w, Factors) else jnp.asarray(w, jnp.float32)
+  whole = isinstance(offset, int) and offset == 0 and n == 0 and w.shape[0] == t_len
+  if (not whole or isinstance(w, Factors)) and _in_sub_pieces(t_len, window):
+    return _sub_pieces(q, k, v, w, window, impl, offset, state or init(), final)
+  piece_w = (w.dense() if isinstance(w, Factors) else w) if whole else _block(w, offset, n, t_len)
+  y = lse.after_state(lambda *qkv: _whole(*qkv, piece_w, window, True, impl), q, k, v, state)
+  return (y, lse.final(state or init(), k, v, window)) if final else y
+
+
+def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
+  """``_piece`` on T = m c + r positions as m sub-pieces of c (a ``lax.scan``, the state and
+  the offset carried) and the r left over: the same result as one call."""
+  t_len, axis = q.shape[-2], q.ndim - 2
+  c = max(SUB_PIECE, 4 * window)
+  m, lead = t_len // c, q.shape[:axis]
+  split = lambda x: jnp.moveaxis(
+    jax.lax.slice_in_dim(x, 0, m * c, axis=axis).reshape(lead + (m, c) + x.shape[-1:]), axis, 0
+  )
+
+  def step(carry, qkv):
+    state, at = carry
+    y, state = _piece(*qkv, w, window, impl, at, state, True)
+    return (state, at + c), y
+
+  start = (state, jnp.asarray(offset, jnp.int32))
+  (state, at), ys = jax.lax.scan(step, start, tuple(split(x) for x in (q, k, v)))
+  ys = jnp.moveaxis(ys, 0, axis).reshape(lead + (m * c,) + q.shape[-1:])
+  if m * c < t_len:
+    rest = lambda x: jax.lax.slice_in_dim(x, m * c, t_len, axis=axis)
+    y, state = _piece(rest(q), rest(k), rest(v), w, window, impl, at, state, True)
+    ys = jnp.concatenate([ys, y], axis)
+  return (ys, state) if final else ys
+
+
+def _block(w, offset, n: int, t_len: int):
+  """w's rows and columns of positions offset - n .. offset + T - 1 ``[n + T, n + T]`` (those
+  before position 0 are 0): a slice of w, or of its top-left block padded by n (no copy of w,
+  which can be the whole sequence's)."""
+  size = n + t_len
+  if isinstance(w, Factors):  # that block of u v^T alone
+    pos = jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return f32(w.u)[pos] @ f32(w.v)[pos].T
+  corner = jnp.pad(w[:size, :size], ((n, 0), (n, 0)))
+  early = jax.lax.dynamic_slice(corner, (offset, offset), (size, size))
+  if size > w.shape[0]:  # then offset + T <= L means offset < n
+    return early
+  late = jax.lax.dynamic_slice(w, (offset - n, offset - n), (size, size))
+  if isinstance(offset, int):
+    return late if offset >= n else early
+  return jnp.where(offset >= n, late, early)
+
+
+def band_bias(w, positions, t_len: int):
+  """``logsumexp.packed``'s lag bias for packed rows: w[positions[t], positions[t - j]]
+  ``[..., T, 1]``; NaN where a position is outside w (negative or >= L)."""
+  w = jnp.asarray(w, jnp.float32)
+  pos = jnp.arange(t_len) if positions is None else jnp.asarray(positions)
+
+  def bias(j):
+    key = lse.shift(pos, j, pos.ndim - 1, 0)
+    got = w.at[pos, key].get(mode="fill", fill_value=jnp.nan)
+    # A negative index would count from the end of w (NumPy's rule), not fall outside it.
+    return jnp.where((pos >= 0) & (key >= 0), got, jnp.nan)[..., None]
+
+  return bias
+
+
+# --------------------------------------------------------------------------- the banded sums
+
+# Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
+_GROUP_ELEMENTS = 1 << 20
+# exp(row max + channel max - L) < 1e25 wherever the fast path is used; capped elsewhere (where
+# its product is discarded) so that no inf can meet a zero cotangent.
+_MAX_LOG_SCALE = 80.0
+
+
+class BandPlan(NamedTuple):
+  """The static block layout: T, window s (>= T: all keys), causal, c rows per block, nb
+  blocks, W keys per block, rows per exact-recomputation group, bfloat16 factors (``low``)."""
+
+  t_len: int
+  s: int
+  causal: bool
+  c: int
+  nb: int
+  width: int
+  rows: int
+  low: bool = False
+
+  @property
+  def groups(self) -> int:
+    return self.c // self.rows
+
+  def tame(self, x):
+    """A tangent's factor: causal, ``logsumexp.tame``; non-causal a NaN anywhere is NaN
+    everywhere, derivative included."""
+    return lse.tame(x) if self.causal else x
+
+
+def _default_block(s: int, t_len: int) -> int:
+  # On CPU (T 4096, R 512): a scan step's cost dominates below ~64 rows, the masked corners of
+  # the [c, c + s - 1] rectangle above ~s rows.
+  if s >= t_len:
+    return 256
+  return min(128, max(64, 1 << round(math.log2(s))))
+
+
+def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -> BandPlan:
+  """The layout for T = t_len, R = r channels (an int, or symbolic: ``jax.export`` with a
+  symbolic batch, then groups of one row) and the band half-width ``window``."""
+  s = min(window, t_len)
+  c = min(t_len, block or _default_block(s, t_len))
+  width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
+  rows = 1
+  if isinstance(r, int):  # (the group size bounds memory; a symbolic R: the least)
+    while c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
+      rows *= 2
+  return BandPlan(t_len, s, causal, c, -(-t_len // c), width, rows, low)
+
+
+def _starts(p: BandPlan):
+  """Per block: first row rs, first key ks, end of its keys ke = ks + W (numpy, [nb])."""
+  rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
+  ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
+  return rs.astype(np.int32), ks.astype(np.int32), (ks + p.width).astype(np.int32)
+
+
+def _edge_ranges(p: BandPlan):
+  """Key ranges [lo, hi) added per block to the prefix sums (keys < ks) and, two-sided, the
+  suffix sums (keys >= ke, from the last block back); each <= c keys."""
+  _, ks, ke = _starts(p)
+  pre = (np.concatenate([[0], ks[:-1]]).astype(np.int32), ks)
+  return pre, (ke, np.concatenate([ke[1:], [p.t_len]]).astype(np.int32))
+
+
+def _bias(p: BandPlan, w_blk, rs, ks):
+  """The block's biases [c, W] (NEG where a key is excluded) and its band mask."""
+  d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
+  band = jnp.abs(d) < p.s
+  if p.causal:
+    band &= d <= 0
+    return jnp.where(band, w_blk, jnp.where(d < 0, 0.0, NEG)), band
+  return jnp.where(band, w_blk, 0.0), band
+
+
+def _slice(x, start, size):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, 0)
+
+
+def _range_keys(k, lo, hi, c):
+  """(start, mask [c, 1]) of the c keys from min(lo, T - c): lo <= t' < hi."""
+  st = jnp.clip(lo, 0, k.shape[0] - c)
+  idx = st + jnp.arange(c)
+  return st, ((idx >= lo) & (idx < hi))[:, None]
+
+
+def _no_keys(ranges) -> bool:
+  lo, hi = ranges
+  return bool(np.all(np.asarray(lo) >= np.asarray(hi)))
+
+
+def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
+  """Running exact sums (bias 0) over the blocks' key ranges: [nb, R] each."""
+  c = p.c
+
+  def step(acc, lohi):
+    st, keep = _range_keys(k, *lohi, c)
+    kk = jnp.where(keep, _slice(k, st, c), NEG)
+    m = jnp.maximum(acc.m, jnp.max(kk, axis=0))
+    e = jnp.where(keep, jnp.exp(kk - m), 0.0)
+    scale = jnp.exp(acc.m - m)
+    num = acc.num * scale + jnp.sum(e * jnp.where(keep, _slice(v, st, c), 0.0), axis=0)
+    acc = Acc(m, num, acc.den * scale + jnp.sum(e, axis=0))
+    return acc, acc
+
+  if _no_keys(ranges):  # one block, say: nothing to add (XLA would constant-fold the masks)
+    none = jnp.zeros_like(k[:1], shape=(p.nb, *k.shape[1:]))
+    return Acc(none + NEG, none, none)
+  zero = jnp.zeros_like(k[0])  # k's type: in shard_map, varying where k does
+  return jax.lax.scan(step, Acc(zero + NEG, zero, zero), ranges, reverse=reverse)[1]
+
+
+def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
+  """``_edge_sums``' tangent in the scale of its maxima m [nb, R]: per block G = sum exp(k -
+  m) (dv + dk v), H = sum exp(k - m) dk over the keys so far."""
+  c = p.c
+  empty = jnp.full_like(m[:1], NEG)
+  m_prev = jnp.concatenate([m[1:], empty] if reverse else [empty, m[:-1]])
+
+  def step(gh, xs):
+    lo, hi, mb, mp = xs
+    st, keep = _range_keys(k, lo, hi, c)
+    e = p.tame(jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG)))
+    dkk = _slice(dk, st, c)
+    scale = p.tame(jnp.exp(mp - mb))  # <= 1: the maximum only grows
+    vv = jnp.where(keep, _slice(v, st, c), 0.0)  # masked before the product
+    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * vv), axis=0)
+    h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
+    return (g, h), (g, h)
+
+  if _no_keys(ranges):
+    return jnp.zeros_like(m), jnp.zeros_like(m)
+  zero = jnp.zeros_like(k[0])
+  return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
+
+
+def _patch(p: BandPlan, bad, fast, exact):
+  """``fast`` ([c, R] arrays) with the row groups flagged in ``bad`` [groups] replaced by
+  ``exact(g)`` ([rows, R] arrays); nothing recomputed when none is."""
+
+  def one(args):
+    g, flag, f = args
+    return lse.cond(flag, lambda: exact(g), lambda: f)
+
+  def run():
+    split = tuple(x.reshape((p.groups, p.rows) + x.shape[1:]) for x in fast)
+    out = jax.lax.map(jax.checkpoint(one), (jnp.arange(p.groups), bad, split))
+    return tuple(x.reshape((p.c,) + x.shape[2:]) for x in out)
+
+  return lse.cond(jnp.any(bad), run, lambda: fast)
+
+
+class _Residuals(NamedTuple):
+  """a, L ``[T, R]``; the recomputed row groups ``[nb, groups]``; the maxima of the prefix and
+  (two-sided) suffix edge sums ``[nb, R]``."""
+
+  a: jax.Array
+  lse: jax.Array
+  bad: jax.Array
+  pre_m: jax.Array
+  suf_m: jax.Array | None
+
+
+def _block_data(p: BandPlan, k, v, w, rs, ks):
+  """Block (rs, ks): its biases [c, W], band mask, keys and values [W, R]."""
+  bias, band = _bias(p, jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width)), rs, ks)
+  return bias, band, _slice(k, ks, p.width), _slice(v, ks, p.width)
+
+
+def _shifted(p: BandPlan, bias, kw, vw, rs, ks):
+  """The block's split shift: exp(bias - row max) [c, W], exp(k - channel max) and values
+  [W, R], the two maxima, and (causal) per (row, channel) the largest exp(k - channel max) the
+  row sees, inf where it sees a set-aside key (non-causal: None)."""
+  mw = jnp.max(bias, axis=1)
+  pt = jnp.exp(bias - mw[:, None])
+  if not p.causal:
+    mk = jnp.max(kw, axis=0)
+    return pt, jnp.exp(kw - mk), vw, mw, mk, None
+  first = (ks + jnp.arange(p.width) <= rs)[:, None]  # the keys the block's first row sees
+  mk = jnp.max(jnp.where(first, kw, NEG), axis=0)
+  ok, e, vw = set_aside(jnp.exp(kw - mk), vw)
+  seen = jax.lax.cummax(jnp.where(ok, e, jnp.inf), axis=0)  # row i: keys up to rs + i
+  return pt, e, vw, mw, mk, jax.lax.dynamic_slice_in_dim(seen, rs - ks, p.c, 0)
+
+
+def _matmul(p: BandPlan, pt, x):
+  return matmul("cw,wx->cx", pt, x, p.low)
+
+
+def _forward(p: BandPlan, k, v, w) -> _Residuals:
+  r = k.shape[1]
+  rs, ks, _ = _starts(p)
+  pre_r, suf_r = _edge_ranges(p)
+  pre = _edge_sums(p, k, v, pre_r, False)
+  suf = None if p.causal else _edge_sums(p, k, v, suf_r, True)
+
+  def block(_, xs):
+    b_rs, b_ks, pre_b, suf_b = xs
+    bias, _, kw, vw = _block_data(p, k, v, w, b_rs, b_ks)
+    pt, e, vs, mw, mk, seen = _shifted(p, bias, kw, vw, b_rs, b_ks)
+    nd = _matmul(p, pt, jnp.concatenate([e * vs, e], axis=1))
+    fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
+    # A product loses a term when exp(b - mw) underflows: den must exceed DEN_OK times the
+    # largest second factor the row sees (inf: set aside).
+    redo = ~(fast[2] >= DEN_OK * (1.0 if seen is None else jnp.maximum(seen, 1.0)))
+    bad = jnp.any(redo.reshape(p.groups, p.rows, r), axis=(1, 2))
+    sees = (jnp.arange(p.width)[None, :] + b_ks <= jnp.arange(p.c)[:, None] + b_rs)[..., None]
+
+    def exact(g):  # the flagged (row, channel)s of group g; the others keep the fast values
+      rows = lambda x: _slice(x, g * p.rows, p.rows)
+      logits, vg = rows(bias)[:, :, None] + kw[None], vw[None]
+      if p.causal:  # the keys after each row masked before exp and the products
+        logits, vg = jnp.where(rows(sees), logits, NEG), jnp.where(rows(sees), vg, 0.0)
+      m = jnp.max(logits, axis=1)
+      pe = jnp.exp(logits - m[:, None])
+      pe = jnp.where(rows(sees), pe, 0.0) if p.causal else pe
+      out = (m, jnp.sum(pe * vg, axis=1), jnp.sum(pe, axis=1))
+      return tuple(jnp.where(rows(redo), x, rows(f)) for x, f in zip(out, fast))
+
+    acc = combine(Acc(*_patch(p, bad, fast, exact)), Acc(*(x[None] for x in pre_b)))
+    if suf_b is not None:
+      acc = combine(acc, Acc(*(x[None] for x in suf_b)))
+    return None, (acc.num / acc.den, acc.m + jnp.log(acc.den), bad)
+
+  _, (a, lse_, bad) = jax.lax.scan(block, None, (rs, ks, pre, suf))
+  return _Residuals(_unblock(p, a), _unblock(p, lse_), bad, pre.m, None if suf is None else suf.m)
+
+
+def _unblock(p: BandPlan, x):
+  """[nb, c, ...] -> [T, ...], dropping the rows the last block shares with the one before."""
+  if p.nb * p.c == p.t_len:
+    return x.reshape((p.t_len,) + x.shape[2:])
+  head = x[:-1].reshape(((p.nb - 1) * p.c,) + x.shape[2:])
+  return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
+
+
+def _tangent(p: BandPlan, k, v, w, res: _Residuals, dk, dv, dw):
+  """da [T, R], linear in (dk, dv, dw); the rest recomputed from the primals."""
+  r = k.shape[1]
+  a, lse_ = res.a, res.lse
+  rs, ks, _ = _starts(p)
+  pre_r, suf_r = _edge_ranges(p)
+  pre = (res.pre_m, *_edge_tangent(p, k, v, res.pre_m, pre_r, False, dk, dv))
+  suf = None if p.causal else (res.suf_m, *_edge_tangent(p, k, v, res.suf_m, suf_r, True, dk, dv))
+
+  def block(patched: bool, xs):
+    b_rs, b_ks, bad_b, pre_b, suf_b = xs
+    bias, band, kw, vw = _block_data(p, k, v, w, b_rs, b_ks)
+    dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
+    dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
+    a_raw, l_r = _slice(a, b_rs, p.c), _slice(lse_, b_rs, p.c)
+    a_r = p.tame(a_raw)
+    pt, e, vs, mw, mk, _ = _shifted(p, bias, kw, vw, b_rs, b_ks)
+    pt = p.tame(pt)
+    scale = p.tame(jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE)))
+    nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vs), e * dkw], axis=1))
+    nd = nd + _matmul(p, pt * dwb, jnp.concatenate([e * vs, e], axis=1))
+    da = scale * (nd[:, :r] - a_r * nd[:, r:])
+
+    def exact(g):
+      rows = lambda x: _slice(x, g * p.rows, p.rows)
+      pe = p.tame(jnp.exp(rows(bias)[:, :, None] + kw[None] - rows(l_r)[:, None]))  # <= 1
+      vd = p.tame(vw[None] - rows(a_r)[:, None])
+      return (jnp.sum(pe * (dvw[None] + (dkw[None] + rows(dwb)[:, :, None]) * vd), axis=1),)
+
+    if patched:
+      (da,) = _patch(p, bad_b, (da,), exact)
+    for edge in (pre_b, suf_b):
+      if edge is not None:
+        m, g, h = edge
+        da = da + p.tame(jnp.exp(m - l_r)) * (g - a_r * h)  # exp(m - L) <= 1
+    return jnp.where(lse.keep(a_raw, l_r), da, 0.0) if p.causal else da
+
+  def run(patched: bool):
+    body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
+    return jax.lax.scan(body, None, (rs, ks, res.bad, pre, suf))[1]
+
+  # The recomputed rows are patched in a second version of the scan, chosen once: a cond per
+  # block would take its tangents as operands, whose transpose fills and adds zero cotangents
+  # per block whichever branch runs (1/6 of AFT-full's forward+backward at T 1024, d 512).
+  return _unblock(p, lse.cond(jnp.any(res.bad), lambda: run(True), lambda: run(False)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def banded_mean(p: BandPlan, k, v, w):
+  """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
+  return _forward(p, k, v, w).a
+
+
+@banded_mean.defjvp
+def _banded_mean_jvp(p, primals, tangents):
+  k, v, w = primals
+  res = _forward(p, k, v, w)
+  return res.a, jax.checkpoint(functools.partial(_tangent, p))(k, v, w, res, *tangents)

@@ -1,0 +1,263 @@
+"""AFT-simple (paper Eq. 5), w = 0: the op in every mode, its one-token step, and its XLA maths.
+
+Causal, on XLA, the core is the weighted mean over k, v ``[T, R]`` (R: batch x channels)
+
+    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
+
+in one pass over chunks of c positions carrying the exact triple of everything before: a chunk's
+prefix sums are one lower-triangular [c, c] product of exp(k - m) [v, 1] (m: the max of the carry
+and of the chunk's first key, what every row sees), so each chunk is read once (about a
+``cumsum``'s speed). Rows whose denominator falls below ``DEN_OK``, or that see a term set aside
+(``logsumexp.set_aside``: above e^60 or not finite), are recomputed sequentially with a running
+maximum; a later position never reaches an earlier row, not even a NaN. The derivative is a
+custom JVP, da[t] = sum_{t' <= t} exp(k[t'] - L[t]) (dv[t'] + dk[t'] (v[t'] - a[t])), the same
+chunked products with a and L the only [T, R] residuals. Non-causal, w = 0 makes one shift per
+channel exact: softmax over T. The kernels: ``pallas.triton_simple`` (GPU),
+``pallas.mosaic_simple`` (TPU, opt-in).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from aft_jax.ops import common
+from aft_jax.ops import logsumexp as lse
+from aft_jax.ops.logsumexp import DEN_OK, NEG, keep, matmul, set_aside, tame
+from aft_jax.ops.pallas import mosaic_simple, triton_simple
+
+FN = "aft_simple"
+KERNELS = (
+  common.Kernel("gpu", triton_simple.mean, triton_simple.unsupported),
+  common.Kernel("tpu", mosaic_simple.mean, mosaic_simple.unsupported, auto=False),
+)
+# Positions per chunk: on CPU (fwd+bwd, R 512 at T 16384, R 4096 at T 2048) 16 is ~15-20% faster
+# than 32, which is ~20% faster than 64 (less triangular product against more loop steps).
+CHUNK = 16
+
+
+def aft_simple(
+  q, k, v, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
+  segment_ids=None, axis_name=None,
+):  # fmt: skip
+  """AFT-simple: Y[t] = sigma(q[t]) * sum_t' softmax_t'(k)[t'] v[t']  (t' <= t when causal).
+
+  Args:
+    q, k, v: ``[..., T, D]``.
+    causal: sum over ``t' <= t`` only (a bool).
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (``aft_jax.ops``).
+    initial_state: causal: the state of the positions before this piece (``logsumexp.Acc``:
+      m, num, den ``[..., D]`` float32), as ``output_final_state=True`` or the step returns it.
+    output_final_state: causal: also return the state after the piece.
+    segment_ids: causal: ``[..., T]`` ints, packed documents that do not see each other.
+    axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
+      device's shard of the output on the whole sequence.
+
+  Returns:
+    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)`` with ``output_final_state``. O(T D).
+
+  Example::
+
+    y = aft_simple(q, k, v, causal=True)  # q, k, v [B, T, D]
+    y1, state = aft_simple(q1, k1, v1, causal=True, output_final_state=True)
+    y2 = aft_simple(q2, k2, v2, causal=True, initial_state=state)  # [y1, y2] == y
+  """
+  q, k, v = common.check_qkv(FN, q, k, v)
+  mode = common.check_mode(
+    FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
+    segment_ids=segment_ids, axis_name=axis_name,
+  )  # fmt: skip
+  common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids)
+  common.check_state(FN, initial_state, lambda: aft_simple_init(q.shape[:-2] + q.shape[-1:]))
+  return common.eager(
+    _run, q=q, k=k, v=v, state=initial_state, segment_ids=segment_ids, mode=mode,
+    causal=bool(causal), impl=impl, final=output_final_state, axis_name=axis_name,
+  )  # fmt: skip
+
+
+def _run(q, k, v, state, segment_ids, mode, causal, impl, final, axis_name):
+  if mode == "packed":
+    return lse.packed(q, k, v, segment_ids, 0, None)
+  if mode == "sharded":
+    state, final = lse.shard_state(k, v, None, axis_name), False
+  elif mode == "whole":
+    return _whole(q, k, v, causal, impl)
+  if k.shape[-2] == 0:
+    return lse.nothing(q, k, v, state, final, lambda: aft_simple_init(k.shape[:-2] + k.shape[-1:]))
+  y = lse.after_state(lambda *qkv: _whole(*qkv, True, impl), q, k, v, state)
+  return (y, lse.final(state, k, v)) if final else y
+
+
+def _whole(q, k, v, causal, impl):
+  """Y on a whole sequence by the implementation ``impl`` resolves to."""
+  out_dt, dt = common.dtypes(q, k, v)
+  if q.size == 0 or k.size == 0:
+    return jnp.zeros(q.shape, out_dt)
+  forward = common.forward_mode(k, v)
+  kernel = common.resolve(FN, impl, KERNELS, causal=causal, channels=q.shape[-1], forward=forward)
+
+  def xla(k, v, _):
+    k, v = k.astype(dt), v.astype(dt)
+    if not causal:
+      return jnp.sum(jax.nn.softmax(k, axis=-2) * v, axis=-2, keepdims=True)
+    rows = lambda x: jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
+    a = causal_mean(rows(k), rows(v), CHUNK, out_dt == jnp.bfloat16)
+    return jnp.swapaxes(a.reshape(k.shape[-2], -1, k.shape[-1]), 0, 1).reshape(k.shape)
+
+  a = common.mean(kernel, impl, xla, k, v)
+  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
+
+
+def aft_simple_init(shape) -> lse.Acc:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D]."""
+  return lse.empty(shape)
+
+
+def aft_simple_step(state: lse.Acc, q_t, k_t, v_t):
+  """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t']) v[t'] / sum_{t' <= t} exp(k[t']).
+
+  q_t, k_t, v_t: ``[..., D]``. Returns ``(Y[t] [..., D], state)`` (the state float32, Y the
+  inputs' dtype). The state is the op's: a call's final state continues here, and back.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  state = lse.add(state, f32(k_t), f32(v_t))
+  return lse.output(f32(q_t), state).astype(jnp.result_type(q_t, k_t, v_t)), state
+
+
+# --------------------------------------------------------------------------- the XLA maths
+
+
+class _Chunk(NamedTuple):
+  """One chunk's slice of what the tangent pass reads: k, v, a, L ``[c, R]``; the chunk's max,
+  the previous chunk's max and L at its end ``[R]``; whether the forward recomputed it; dk, dv."""
+
+  k: jax.Array
+  v: jax.Array
+  a: jax.Array
+  lse: jax.Array
+  m: jax.Array
+  m_prev: jax.Array
+  lse_prev: jax.Array
+  bad: jax.Array
+  dk: jax.Array
+  dv: jax.Array
+
+
+def _chunked(x, c: int, fill=0.0):
+  """[T, R] -> [n, c, R], T padded up to n c with ``fill``."""
+  n = -(-x.shape[0] // c)
+  x = jnp.pad(x, ((0, n * c - x.shape[0]), (0, 0)), constant_values=fill)
+  return x.reshape(n, c, x.shape[1])
+
+
+def _tril_matmul(x, low: bool):
+  """Inclusive prefix sums along axis 0 of x [c, X], as one matrix product."""
+  c = x.shape[0]
+  return matmul("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, low)
+
+
+def _forward(kc, vc, low: bool):
+  """a, L [n, c, R] for k, v in chunks [n, c, R]; the chunk maxima [n, R], recomputed chunks [n]."""
+  r = kc.shape[2]
+
+  def sequential(carry, kk, vv):  # exact: a running maximum per position
+    def add(acc, kv):
+      m0, num0, den0 = acc
+      k1, v1 = kv
+      m = jnp.maximum(m0, k1)
+      s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
+      acc = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
+      return acc, (acc[1] / acc[2], m + jnp.log(acc[2]))
+
+    return jax.lax.scan(add, carry, (kk, vv))
+
+  def step(carry, kv):
+    m0, num0, den0 = carry
+    kk, vv = kv
+    m = jnp.maximum(m0, kk[0])  # what the chunk's first row sees, never a later key
+    ok, e, vs = set_aside(jnp.exp(kk - m), vv)
+    s0 = jnp.exp(m0 - m)
+    nd = _tril_matmul(jnp.concatenate([e * vs, e], axis=1), low)
+    num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
+    # The rows (and channels) that see a set-aside term, or whose shift lost their terms.
+    redo = (jax.lax.cummax(jnp.where(ok, 0, 1), axis=0) > 0) | ~(den >= DEN_OK)
+
+    def fast():
+      return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
+
+    def exact():  # the flagged rows only: the others keep the fast values, bit for bit
+      (m1, num1, den1), (a1, lse1) = sequential(carry, kk, vv)
+      a, lse_ = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
+      return (m1, num1, den1), (a, lse_, m1)  # the carry in the scale of m1
+
+    carry, (a, lse_, m) = lse.cond(jnp.any(redo), exact, fast)
+    return carry, (a, lse_, m, jnp.any(redo))
+
+  zero = jnp.zeros_like(kc[0, 0])  # k's type: in shard_map, varying where k does
+  _, (a, lse_, m, bad) = jax.lax.scan(step, (zero + NEG, zero, zero), (kc, vc))
+  return a, lse_, m, bad
+
+
+def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
+  """da [n, c, R], linear in dk, dv [T, R]; the rest recomputed from the primals. Every factor
+  that carries a row's cotangent elsewhere is ``tame``: a row after a NaN has derivative 0."""
+  c = a.shape[1]
+  empty = jnp.full_like(m[:1], NEG)
+  m_prev = jnp.concatenate([empty, m[:-1]])
+  lse_prev = jnp.concatenate([empty, lse_[:-1, -1]])  # L at the previous chunk's end
+
+  def step(gh, ch: _Chunk):
+    x, y = ch.dv + ch.dk * ch.v, ch.dk
+    a = tame(ch.a)
+
+    def fast():  # sums of exp(k - m) x and exp(k - m) y in the scale of the chunk's max
+      e = jnp.exp(ch.k - ch.m)
+      s0 = tame(jnp.exp(ch.m_prev - ch.m))
+      nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1), low)
+      g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
+      return (g[-1], h[-1]), tame(jnp.exp(ch.m - ch.lse)) * (g - a * h)
+
+    def exact():  # S[t] = sum exp(k - L[t]) x: every factor <= 1
+      def add(s, xs1):
+        k1, l0, l1, x1, y1 = xs1
+        decay, r = tame(jnp.exp(l0 - l1)), tame(jnp.exp(k1 - l1))
+        s = (s[0] * decay + r * x1, s[1] * decay + r * y1)
+        return s, s
+
+      scale = tame(jnp.exp(ch.m_prev - ch.lse_prev))
+      l_before = jnp.concatenate([ch.lse_prev[None], ch.lse[:-1]])
+      xs = (ch.k, l_before, ch.lse, x, y)
+      (g, h), (sg, sh) = jax.lax.scan(add, (gh[0] * scale, gh[1] * scale), xs)
+      back = tame(jnp.exp(ch.lse[-1] - ch.m))
+      return (g * back, h * back), sg - a * sh
+
+    carry, da = lse.cond(ch.bad, exact, fast)
+    return carry, jnp.where(keep(ch.a, ch.lse), da, 0.0)
+
+  zero = jnp.zeros_like(kc[0, 0])
+  xs = _Chunk(kc, vc, a, lse_, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
+  return jax.lax.scan(jax.checkpoint(step), (zero, zero), xs)[1]
+
+
+def _rows(x, t_len):
+  return x.reshape(-1, x.shape[-1])[:t_len]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):
+  """a [T, R] (module docstring) for k, v [T, R]; ``low``: bfloat16 factors in the products."""
+  c = min(chunk, k.shape[0])
+  return _rows(_forward(_chunked(k, c, NEG), _chunked(v, c), low)[0], k.shape[0])
+
+
+@causal_mean.defjvp
+def _causal_mean_jvp(chunk, low, primals, tangents):
+  k, v = primals
+  c = min(chunk, k.shape[0])
+  kc, vc = _chunked(k, c, NEG), _chunked(v, c)  # shared by both passes
+  a, lse_, m, bad = _forward(kc, vc, low)
+  da = jax.checkpoint(functools.partial(_tangent, low))(kc, vc, a, lse_, m, bad, *tangents)
+  return _rows(a, k.shape[0]), _rows(da, k.shape[0])

@@ -1,0 +1,72 @@
+"""How many modules of ``aft_jax/ops`` one traced call enters: a reader's path from the public
+op to its maths.
+
+    python -m benchmarks.ops_trace
+
+For each case, a ``sys.setprofile`` hook is active over ``jax.jit(f).lower(...)`` (caches
+cleared first, so everything is traced) and records the distinct files under ``aft_jax/ops``
+whose Python frames are entered. The cases: one XLA call each of causal AFT-simple, causal
+AFT-local and non-causal AFT-full, and ``AFTLocal.apply`` (causal, ``impl="auto"``: the choice
+on this host).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from aft_jax import layers, ops
+
+T, D = 16, 8
+
+
+def modules_entered(fn, *args) -> list[str]:
+  """The files of ``aft_jax/ops`` (relative paths) whose frames ``jax.jit(fn).lower(*args)``
+  enters."""
+  root = os.path.dirname(os.path.abspath(ops.__file__)) + os.sep
+  seen = set()
+
+  def hook(frame, event, _):
+    if event == "call" and frame.f_code.co_filename.startswith(root):
+      seen.add(frame.f_code.co_filename[len(root) :])
+
+  jax.clear_caches()
+  sys.setprofile(hook)
+  try:
+    jax.jit(fn).lower(*args)
+  finally:
+    sys.setprofile(None)
+  return sorted(seen)
+
+
+def cases() -> dict:
+  """name -> (fn, args)."""
+  x = jax.ShapeDtypeStruct((2, T, D), jnp.float32)
+  w = jax.ShapeDtypeStruct((T, T), jnp.float32)
+  layer = layers.AFTLocal(max_len=T, window=4, hidden_dim=D, causal=True)
+  params = layer.init(jax.random.key(0), jnp.zeros((2, T, D)))
+  return {
+    "aft_simple causal": (
+      lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"),
+      (x,) * 3,
+    ),
+    "aft_local causal": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=4, causal=True, impl="xla"),
+      (x, x, x, w),
+    ),
+    "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, impl="xla"), (x, x, x, w)),
+    "AFTLocal.apply": (lambda x: layer.apply(params, x), (x,)),
+  }
+
+
+def main() -> None:
+  for name, (fn, args) in cases().items():
+    files = modules_entered(fn, *args)
+    print(f"{name:18s} {len(files)}  {' '.join(files)}")
+
+
+if __name__ == "__main__":
+  main()

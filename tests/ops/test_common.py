@@ -1,0 +1,275 @@
+"""The implementation chosen (aft_jax/ops/common.py): ``resolve``'s rules and reasons, a kernel
+added to an op is what it runs, ``impl="auto"`` follows the device a computation is lowered
+for, not the host (kernels for an abstract H200, XLA for an abstract T4: XLA refuses Triton
+below compute capability 8.0; a one-line error for impl="pallas" there; both paths in one module
+exported for CPU and CUDA; XLA with one warning where jax has no Pallas Triton backend), and an
+eager call is one program per shape and device."""
+
+import functools
+import sys
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import ops
+from aft_jax.ops import common, full, local, simple
+from aft_jax.ops.common import DeviceFacts
+from tests.support.helpers import TRITON, export_for, on_target
+
+CPU = DeviceFacts("cpu", "cpu")
+H200 = DeviceFacts("gpu", "NVIDIA H200", (9, 0))
+T4 = DeviceFacts("gpu", "Tesla T4", (7, 5))
+TPU = DeviceFacts("tpu", "TPU v5 lite")
+
+# (op, impl, causal, D, window, device) -> the kernel's platform (None: XLA), or the reason's
+# regex of the ValueError. Device None: interpreted (the arguments alone).
+CASES = [
+  ("aft_simple", "pallas", True, 128, None, H200, "gpu"),
+  ("aft_simple", "pallas_interpret", True, 128, None, None, "gpu"),
+  ("aft_simple", "pallas", False, 128, None, H200, "the kernel is for causal=True"),
+  ("aft_simple", "pallas", True, 12, None, H200, "D = 12 is not a multiple of 16"),
+  ("aft_simple", "pallas", True, 128, None, T4, r"Tesla T4 \(compute capability 7.5\), XLA "),
+  ("aft_simple", "pallas", True, 128, None, CPU, r"not for the 'cpu' platform \(cpu\)"),
+  ("aft_simple", "pallas", True, 128, None, TPU, "tpu"),
+  ("aft_simple", "pallas", False, 128, None, TPU, "the kernel is for causal=True"),
+  ("aft_simple", "pallas", True, 16, None, TPU, "D = 16 is not a multiple of 128"),
+  ("aft_simple", "auto", True, 128, None, H200, "gpu"),
+  ("aft_simple", "auto", True, 128, None, TPU, None),  # the TPU kernel is opt-in
+  ("aft_simple", "auto", True, 128, None, T4, None),
+  ("aft_simple", "auto", True, 12, None, H200, None),
+  ("aft_simple", "auto", False, 128, None, H200, None),
+  ("aft_local", "pallas", True, 128, 4, H200, "gpu"),
+  ("aft_local", "pallas", False, 128, 4, H200, "the kernel is for causal=True"),
+  ("aft_local", "pallas_interpret", True, 128, 2000, None, "window 2000 is larger than .* 1024"),
+  ("aft_local", "pallas", True, 24, 4, H200, "D = 24 is not a multiple of 16"),
+  ("aft_local", "pallas", True, 128, 4, T4, "compute capability 7.5"),
+  ("aft_local", "pallas", True, 128, 4, TPU, r"for \('gpu',\), not for the 'tpu' .*v5 lite\)"),
+  ("aft_local", "auto", True, 128, 4, H200, "gpu"),
+  ("aft_local", "auto", True, 128, 4, TPU, None),
+  ("aft_full", "auto", True, 128, None, H200, None),
+  ("aft_full", "pallas", True, 128, None, H200, "there is no Pallas kernel for this op"),
+  ("aft_full", "pallas_interpret", True, 128, None, None, "there is no Pallas kernel"),
+]
+KERNELS = {"aft_simple": simple.KERNELS, "aft_local": local.KERNELS, "aft_full": full.KERNELS}
+
+
+@pytest.mark.parametrize("op, impl, causal, d, window, device, want", CASES)
+def test_resolve(op, impl, causal, d, window, device, want):
+  choose = functools.partial(
+    common.resolve, op, impl, KERNELS[op], causal=causal, channels=d, window=window
+  )
+  if want is None or want in ("gpu", "tpu"):
+    kernel = choose(device=device)
+    assert (kernel and kernel.platform) == want
+  else:
+    with pytest.raises(ValueError, match=want) as e:
+      choose(device=device)
+    assert str(e.value).startswith(f"{op}: ") and "\n" not in str(e.value)
+  for xla in ("xla",) + (("auto",) if device in (CPU, T4) else ()):
+    assert (
+      choose.func(op, xla, KERNELS[op], causal=causal, channels=d, window=window, device=device)
+      is None
+    )
+
+
+def test_the_gpu_kernel_comes_first_and_is_the_only_auto_one():
+  """impl="pallas_interpret" runs the first kernel (the GPU one); "auto" takes GPU kernels."""
+  assert [(k.platform, k.auto) for k in simple.KERNELS] == [("gpu", True), ("tpu", False)]
+  assert [(k.platform, k.auto) for k in local.KERNELS] == [("gpu", True)]
+
+
+def test_forward_mode_takes_xla_or_is_refused():
+  choose = functools.partial(common.resolve, "aft_simple", kernels=simple.KERNELS, causal=True)
+  assert choose(impl="auto", channels=128, forward=True, device=H200) is None
+  with pytest.raises(ValueError, match="no forward-mode derivative .* use impl='xla'"):
+    choose(impl="pallas", channels=128, forward=True, device=H200)
+
+
+# --------------------------------------------------------------------------- a kernel added
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+  """A "kernel" of AFT-full for this host's platform, added to the op for the test: its mean is
+  7 everywhere and it takes even channel counts only. The calls record ``interpret``."""
+  calls = []
+
+  def mean(k, v, w, window, interpret):
+    calls.append(interpret)
+    return jnp.full(k.shape, 7.0, jnp.float32)
+
+  unsupported = lambda d, window: None if d % 2 == 0 else "the fake kernel takes even channels"
+  fake = common.Kernel(jax.devices()[0].platform, mean, unsupported)
+  monkeypatch.setattr(full, "KERNELS", (fake,))
+  return fake, calls
+
+
+def _full_inputs(d):
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 6, d)), jnp.float32) for _ in range(3))
+  return q, k, v, jnp.asarray(rng.normal(size=(6, 6)), jnp.float32)
+
+
+def test_a_kernel_added_to_an_op_is_what_it_runs(fake_kernel):
+  fake, calls = fake_kernel
+  q, k, v, w = _full_inputs(4)
+  seven = jax.nn.sigmoid(q) * 7.0
+  for impl, interpret in (("pallas", False), ("pallas_interpret", True), ("auto", False)):
+    chex.assert_trees_all_close(ops.aft_full(q, k, v, w, causal=True, impl=impl), seven)
+    assert calls[-1] is interpret, impl
+  assert common.resolve("aft_full", "auto", full.KERNELS, causal=True, channels=4) == fake
+  # jit: "auto" holds the kernel and XLA, one branch per platform; this one takes the kernel.
+  jitted = jax.jit(functools.partial(ops.aft_full, causal=True))(q, k, v, w)
+  chex.assert_trees_all_close(jitted, seven)
+  assert not np.allclose(ops.aft_full(q, k, v, w, causal=True, impl="xla"), seven)
+
+
+def test_a_kernel_added_to_an_op_says_why_not(fake_kernel):
+  q, k, v, w = _full_inputs(3)
+  xla = ops.aft_full(q, k, v, w, causal=True, impl="xla")
+  chex.assert_trees_all_close(ops.aft_full(q, k, v, w, causal=True), xla)  # "auto": XLA
+  with pytest.raises(ValueError, match=r"aft_full: impl='pallas' is not available: the fake "):
+    ops.aft_full(q, k, v, w, causal=True, impl="pallas")
+
+
+def test_impl_must_be_one_of_the_four():
+  with pytest.raises(ValueError, match="aft_full: impl must be one of"):
+    common.resolve("aft_full", "triton", (), causal=True, channels=4)
+
+
+# --------------------------------------------------------------------------- the device
+
+T, D = 40, 32
+
+
+def _inputs(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, T, D)), dtype) for _ in range(3))
+  w = jnp.asarray(rng.normal(size=(T, T)), jnp.float32)
+  return q, k, v, w
+
+
+OPS = {
+  "aft_simple": lambda q, k, v, w, impl="auto": ops.aft_simple(q, k, v, causal=True, impl=impl),
+  "aft_local": lambda q, k, v, w, impl="auto": ops.aft_local(
+    q, k, v, w, window=8, causal=True, impl=impl
+  ),
+}
+
+
+def _loss(op):
+  return lambda q, k, v, w: jnp.sum(op(q, k, v, w).astype(jnp.float32) ** 2)
+
+
+def test_device_of_abstract_and_default_devices():
+  assert ops.device_facts() == DeviceFacts("cpu", jax.devices()[0].device_kind)
+  with on_target("NVIDIA H200"):
+    assert ops.device_facts() == H200
+  with on_target("Tesla T4"):
+    t4 = ops.device_facts()
+  assert t4.compute_capability == (7, 5) and "compute capability 7.5" in str(t4)
+  with on_target("TPU v5 lite", "tpu"):
+    assert ops.device_facts().platform == "tpu"
+  with on_target("Some Future GPU"):
+    assert "not known" in common.gpu_kernels_refused(ops.device_facts())
+  # The longest name wins: an A10 is not an A100, an A100 not an A10.
+  assert common.capability_of_kind("NVIDIA A10") == (8, 6)
+  assert common.capability_of_kind("NVIDIA A100-SXM4-40GB") == (8, 0)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_auto_exports_kernels_for_an_h200_and_none_for_a_t4(name):
+  """jax.export for CUDA from this CPU host, forward and forward+backward: the Triton calls are
+  there under an abstract H200 and absent under an abstract T4."""
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(jnp.bfloat16)]
+  for fn in (OPS[name], jax.grad(_loss(OPS[name]), argnums=(0, 1, 2))):
+    h200 = export_for(fn, *args, device="NVIDIA H200").mlir_module()
+    t4 = export_for(fn, *args, device="Tesla T4").mlir_module()
+    assert f"custom_call @{TRITON}(" in h200
+    assert TRITON not in t4 and "stablehlo" in t4
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_pallas_for_a_t4_names_the_capability(name):
+  q, k, v, w = _inputs()
+  with (
+    on_target("Tesla T4"),
+    pytest.raises(ValueError, match=r"Tesla T4 \(compute capability 7.5\)"),
+  ):
+    jax.eval_shape(functools.partial(OPS[name], impl="pallas"), q, k, v, w)
+
+
+def _export(fn, args, platforms, device):
+  with on_target(device):
+    return jax.export.export(
+      jax.jit(fn),
+      platforms=platforms,
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)],
+    )(*args)
+
+
+def test_auto_takes_xla_for_each_platform_without_kernels():
+  """The kernel is chosen per lowering platform (jax.lax.platform_dependent): lowered for the
+  CPU under an H200 target, the program takes the XLA branch and runs here; under a T4, one
+  module for CPU and CUDA runs here too. Value and gradients equal XLA's. (A module for both
+  CPU and CUDA *with* the kernels is refused by jax 0.10: pallas_call's CPU lowering rule
+  rejects compiled kernels in every branch; docs/kernels.md.)"""
+  q, k, v, w = _inputs()
+  fn = jax.value_and_grad(_loss(OPS["aft_local"]), argnums=(0, 1, 2, 3))
+  want = jax.value_and_grad(
+    _loss(functools.partial(OPS["aft_local"], impl="xla")), argnums=(0, 1, 2, 3)
+  )(q, k, v, w)
+  for platforms, device in ((["cpu"], "NVIDIA H200"), (["cpu", "cuda"], "Tesla T4")):
+    exported = _export(fn, (q, k, v, w), platforms, device)
+    assert TRITON not in exported.mlir_module()
+    chex.assert_trees_all_close(exported.call(q, k, v, w), want, rtol=1e-5, atol=1e-5)
+  assert TRITON in _export(fn, (q, k, v, w), ["cuda"], "NVIDIA H200").mlir_module()
+
+
+def test_without_a_triton_backend_auto_warns_once_and_pallas_names_the_jax(monkeypatch):
+  """jax builds without Pallas' Triton backend (deprecated from jax 0.11): simulated by making
+  its module unimportable."""
+  import jax.experimental.pallas as pallas
+
+  monkeypatch.delattr(pallas, "triton", raising=False)
+  monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+  monkeypatch.setattr(common, "_SAID", set())  # the warnings given so far
+  assert jax.__version__ in common.triton_missing()
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs()]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+      module = export_for(OPS["aft_simple"], *args, calls=(), device="NVIDIA H200").mlir_module()
+      assert TRITON not in module
+  said = [str(w.message) for w in caught if "Pallas Triton backend" in str(w.message)]
+  assert len(said) == 1, [str(w.message) for w in caught]
+  assert said[0].startswith("aft_jax.ops: impl='auto' takes the XLA path: on NVIDIA H200"), said
+  with on_target("NVIDIA H200"), pytest.raises(ValueError, match=f"jax {jax.__version__} has no"):
+    jax.eval_shape(functools.partial(OPS["aft_simple"], impl="pallas"), *args)
+
+
+def test_an_eager_call_is_one_program_per_shape_and_device():
+  """Called on concrete arrays, an op compiles one program (not one per primitive), reused by
+  the next call of that shape; a call made for another device (what impl="auto" reads) is a
+  program of its own, never the cached one."""
+  q, k, v = (np.asarray(x)[:, :7] for x in _inputs()[:3])  # a shape no other test uses
+  compiles = []
+  listener = lambda event, secs, **_: compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    before = common._program._cache_size()
+    first = ops.aft_simple(q, k, v, causal=True, impl="auto")
+    backend = "/jax/core/compile/backend_compile_duration"
+    assert compiles.count(backend) == 1, compiles
+    compiles.clear()
+    chex.assert_trees_all_equal(ops.aft_simple(q, k, v, causal=True, impl="auto"), first)
+    assert backend not in compiles and common._program._cache_size() == before + 1
+    with on_target("Tesla T4"):  # the same call for another device: a program of its own
+      chex.assert_trees_all_equal(ops.aft_simple(q, k, v, causal=True, impl="auto"), first)
+    assert common._program._cache_size() == before + 2
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

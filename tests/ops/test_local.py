@@ -1,0 +1,406 @@
+"""AFT-local (aft_jax/ops/local.py) against the float64 references, forward and backward, on
+each implementation: XLA (its banded sums, which AFT-full shares, block by block) and the Triton
+kernel in Pallas' interpreter; and its pieces at an offset into w."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from jax.test_util import check_grads
+
+from aft_jax import ops
+from aft_jax.ops import local
+from aft_jax.ops.pallas import triton, triton_local
+from tests.ops.test_simple import assert_close, check_precision, kernel_grads
+from tests.support import numpy_reference as ref
+from tests.support.helpers import equations
+from tests.support.op_cases import (
+  ATOL, RTOL, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
+)  # fmt: skip
+
+
+class MatchesReference(chex.TestCase, parameterized.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(
+    (False, 1, 1.0),
+    (True, 1, 40.0),
+    (False, 3, 40.0),
+    (True, 3, 1.0),
+    (True, 3, 40.0),
+    (False, 12, 1.0),
+    (True, 12, 40.0),
+  )
+  def test_xla(self, causal, window, scale):
+    q, k, v, w = qkvw(1, (2, 1), 10, 3, scale)
+    fn = self.variant(functools.partial(ops.aft_local, window=window, causal=causal))
+    out = fn(q, k, v, w)
+    chex.assert_tree_all_finite(out)
+    chex.assert_trees_all_close(
+      out, ref.aft_local(q, k, v, w, window, causal), rtol=RTOL, atol=ATOL
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_finite_differences(causal):
+  fn = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2, causal=causal)
+  grads_check(fn, "qkvw")
+  grads_finite_at_large_logits(fn, "qkvw")
+
+
+def _dense_reference(q, k, v, w, causal):
+  """Vectorised float64 version of the loop reference (for sizes the loops are too slow for)."""
+  q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, w))
+  t_len = w.shape[0]
+  logits = k[..., None, :, :] + w[:, :, None]  # [..., t, t', D]
+  if causal:
+    logits = np.where(np.tril(np.ones((t_len, t_len), bool))[:, :, None], logits, -np.inf)
+  p = np.exp(logits - logits.max(axis=-2, keepdims=True))
+  y = (p * v[..., None, :, :]).sum(-2) / p.sum(-2)
+  return y / (1.0 + np.exp(-q))
+
+
+@pytest.mark.parametrize(
+  "causal,window,scale",
+  [
+    (True, 32, 1.0),
+    (True, 100, 40.0),
+    (False, 50, 40.0),
+    (False, 20, 1.0),
+    (True, None, 40.0),
+    (False, None, 1.0),
+  ],
+)
+def test_banded_long_sequence(causal, window, scale):
+  """T well above the block size: several query blocks (the last one overlapping), the running
+  sums outside the window, and at scale 40 the exact recomputation of row groups. Values,
+  reverse-mode and forward-mode derivatives (the custom JVP itself) against dense formulas.
+  ``window=None``: AFT-full."""
+  t_len = 300
+  q, k, v, w = qkvw(20, (2,), t_len, 4, scale)
+  if window is None:
+    fn = jax.jit(functools.partial(ops.aft_full, causal=causal))
+    bias = w
+  else:
+    fn = jax.jit(functools.partial(ops.aft_local, window=window, causal=causal))
+    bias = ref.local_bias(w, window)
+  expected = _dense_reference(q, k, v, bias, causal)
+  chex.assert_trees_all_close(fn(q, k, v, w), expected, rtol=RTOL, atol=ATOL)
+
+  plan = local.make_plan(t_len, 2 * 4, window or t_len, causal)
+  assert plan.nb > 1 and plan.nb * plan.c > t_len, plan  # several blocks, the last overlapping
+  rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
+  recomputed = local._forward(plan, rows(k), rows(v), w).bad
+  assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
+
+  def dense(q, k, v, w):  # exact: a per-(t, d) maximum
+    idx = np.arange(t_len)
+    keep = np.abs(idx[:, None] - idx[None, :]) < (window or t_len)
+    logits = k[..., None, :, :] + jnp.where(keep, w, 0.0)[:, :, None]
+    if causal:
+      logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-2)
+    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
+
+  ct, tk, tv = rand(21, q.shape, q.shape, q.shape)
+  (tw,) = rand(22, w.shape)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
+  chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3, atol=1e-4)
+  jvp = lambda f: jax.jit(lambda *a: jax.jvp(lambda k, v, w: f(q, k, v, w), a[:3], a[3:])[1])
+  want = jvp(dense)(k, v, w, tk, tv, tw)
+  np.testing.assert_allclose(
+    jvp(fn)(k, v, w, tk, tv, tw), want, rtol=1e-3, atol=1e-4 * np.abs(want).max()
+  )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("t_len,window", [(13, 1), (13, 3), (13, 6), (16, 2), (16, 40)])
+def test_banded_small_blocks(causal, t_len, window):
+  """Blocks of 4 rows (the last one overlapping when 4 does not divide T): every layout case of
+  the banded sums (windows narrower and wider than a block, clamped key ranges at both ends,
+  running sums on both sides) against the float64 loop reference, and its derivatives in both
+  modes against finite differences."""
+  plan = local.make_plan(t_len, 3, window, causal, block=4)
+  assert plan.nb == -(-t_len // 4)
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(t_len * 100 + window)
+    k, v = (jnp.asarray(rng.normal(size=(t_len, 3)) * 2) for _ in range(2))
+    w = jnp.asarray(rng.normal(size=(t_len, t_len)))
+    fn = jax.jit(functools.partial(local.banded_mean, plan))
+    # The reference's output is sigma(q) * mean: q = +inf gives the mean itself.
+    q = np.full((t_len, 3), np.inf)
+    expected = ref.aft_local(q, np.asarray(k), np.asarray(v), np.asarray(w), window, causal)
+    np.testing.assert_allclose(fn(k, v, w), expected, rtol=1e-10, atol=1e-12)
+    check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_precision_policy():
+  w = jnp.zeros((64, 64))
+  check_precision(lambda q, k, v: ops.aft_local(q, k, v, w, window=8, causal=True, impl="xla"))
+
+
+# --------------------------------------------------------------------------- the Triton kernel
+
+
+def _local_dense(q, k, v, w, window):
+  """Causal AFT-local written out (one softmax over every key per query row), for float64."""
+  t_len = q.shape[-2]
+  tp = jnp.arange(t_len)
+
+  def row(t):
+    bias = jnp.where(t - tp < window, w[t], 0.0)
+    logits = jnp.where((tp <= t)[:, None], k + bias[:, None], -jnp.inf)  # [B, T, D]
+    return jnp.sum(jax.nn.softmax(logits, axis=-2) * v, axis=-2)
+
+  return jax.nn.sigmoid(q) * jnp.moveaxis(jax.lax.map(row, tp), 0, -2)
+
+
+def _local_reference(q, k, v, w, ct, window, grads=True):
+  """Output [and gradients (q, k, v, w) of sum(out * ct)], in float64."""
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v, w))
+    fn = functools.partial(_local_dense, window=window)
+    out = np.asarray(fn(*args))
+    if not grads:
+      return out
+    g = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(*args)
+    return out, jax.tree.map(np.asarray, g)
+
+
+def _local_inputs(t_len, d, std, seed):
+  """q, k, v, cotangent [2, T, d] and w [T, T] float32; k and w of std ``std``."""
+  q, k, v, ct = kernel_inputs(t_len, d, seed)
+  k = k / np.array([1.0, 40.0], np.float32)[:, None, None] * std
+  w = np.random.default_rng(seed + 1).normal(scale=std, size=(t_len, t_len)).astype(np.float32)
+  return q, k, v, w, ct
+
+
+def test_dense_reference_is_the_loop_reference():
+  q, k, v, w, _ = _local_inputs(9, 3, 3.0, 0)
+  want = ref.aft_local(q, k, v, w, 4, causal=True)
+  np.testing.assert_allclose(_local_reference(q, k, v, w, None, 4, False), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("std", [1.0, 40.0])
+@pytest.mark.parametrize("t_len, window", [(1, 3), (7, 20), (100, 5), (128, 32)])
+def test_triton_kernel(t_len, window, std):
+  """Values and gradients (q, k, v, w), logits of std 1 and 40, T ragged (7, 100), a window
+  wider than T (20 > 7: every key in the band), of one key block (5) and of three (32)."""
+  q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
+  fn = functools.partial(ops.aft_local, window=window, causal=True, impl="pallas_interpret")
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))
+  out, got = jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v, w)
+  want_out, want = _local_reference(q, k, v, w, ct, window)
+  chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
+  for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
+    np.testing.assert_allclose(g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6)
+
+
+@pytest.mark.parametrize(
+  "t_len, window, seg, std", [(200, 20, 32, 40.0), (100, 5, 16, 1.0)], ids=["std40", "std1"]
+)
+def test_triton_kernel_chunk_parallel(t_len, window, seg, std):
+  """The chunk-parallel form: values and gradients (q, k, v, w), T ragged, segments of 7 and 2
+  chunks whose first chunk reads the window's earlier keys from the segment before (32 and 16
+  of them: ``seg`` is the least allowed), dk and dv overlap-added across segments; a segment
+  shorter than that is refused."""
+  q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
+  cfg = triton.CONFIGS[-1]
+  mean = lambda k, v, w, seg: triton_local.local_mean(k, v, w, window, cfg, True, seg)
+  fn = lambda q, k, v, w: jax.nn.sigmoid(q) * mean(k, v, w, seg)
+  assert_close(kernel_grads(fn, (q, k, v, w), ct), _local_reference(q, k, v, w, ct, window), 1e-4)
+  with pytest.raises(ValueError, match="earlier keys"):
+    mean(k, v, w, seg // 2)
+
+
+def test_triton_kernel_ragged_long_sequence_forward():
+  """T = 1000 (not a multiple of the chunk), window 48 (three key blocks), std 1 and 40."""
+  q, k, v, w, _ = _local_inputs(1000, 16, 1.0, seed=5)
+  k = k * np.array([1.0, 40.0], np.float32)[:, None, None]
+  fn = functools.partial(ops.aft_local, window=48, causal=True, impl="pallas_interpret")
+  want = _local_reference(q, k, v, w, None, 48, grads=False)
+  chex.assert_trees_all_close(jax.jit(fn)(q, k, v, w), want, rtol=RTOL, atol=ATOL)
+
+
+def test_triton_kernel_at_t4096_forward_matches_the_xla_path():
+  """T = 4096 (256 chunks), logits of std 40: the kernel agrees with the XLA path, which the
+  tests above check against the float64 reference (a dense float64 reference at this T would
+  need gigabytes)."""
+  q, k, v, w, _ = _local_inputs(4096, 16, 40.0, seed=7)
+  q, k, v = (x[:1] for x in (q, k, v))
+  kernel = functools.partial(ops.aft_local, window=32, causal=True, impl="pallas_interpret")
+  xla = functools.partial(ops.aft_local, window=32, causal=True, impl="xla")
+  chex.assert_trees_all_close(jax.jit(kernel)(q, k, v, w), xla(q, k, v, w), rtol=RTOL, atol=ATOL)
+
+
+def test_triton_kernel_bfloat16_inputs():
+  """bf16 in, bf16 out (and bf16 gradients of q, k, v), float32 inside: as close to the XLA
+  path's bf16 results as bf16 rounding."""
+  q, k, v, w, ct = _local_inputs(37, 32, 1.0, seed=1)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  args = (bf(q), bf(k), bf(v), w)
+
+  def run(impl):
+    fn = functools.partial(ops.aft_local, window=8, causal=True, impl=impl)
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
+    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+
+  (out16, grads16), (xla16, xla_grads) = run("pallas_interpret"), run("xla")
+  assert out16.dtype == jnp.bfloat16 and [g.dtype for g in grads16[:3]] == [jnp.bfloat16] * 3
+  chex.assert_trees_all_close(out16.astype(jnp.float32), xla16.astype(jnp.float32), atol=2e-2)
+  for got, want in zip(grads16, xla_grads):
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2 * np.abs(want).max())
+
+
+def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
+  """The backward's partial sums of dw are one [t_pad, W] per channel block of the widest tile
+  (summed over the batch rows inside the dw kernel), not one per (batch row, channel block):
+  at batch 8 and D = 128 the kernels' outputs of that shape are 2 x 112 x 64 floats, while dk
+  and dv grow with the batch."""
+  t_len, d, window = 100, 128, 40  # t_pad 112, W = 16 (ceil(39 / 16) + 1) = 64
+  w = jnp.zeros((t_len, t_len))
+  for batch in (1, 8):
+    k = jnp.zeros((batch, t_len, d))
+    cfg = triton.config_for(d, batch)
+    loss = lambda k, w: jnp.sum(triton_local.local_mean(k, k, w, window, cfg, True))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(k, w).jaxpr
+    shapes = [v.aval.shape for e in equations(jaxpr, "pallas_call") for v in e.outvars]
+    assert cfg.block_d == 16  # dk, dv: one program per (batch row, 16 channels)
+    assert sorted(s for s in shapes if s[-1] == 64) == [(2, 112, 64)]
+    assert shapes.count((batch, 64 - 16 + 112, d)) == 2  # dk, dv (keys' padded layout)
+
+
+# --------------------------------------------------------------------------- pieces at an offset
+
+T, WINDOW = 8, 3
+
+
+def _inputs(scale, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+
+
+def values_and_grads(fn, q, k, v, bias):
+  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
+  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
+  loss = lambda *a: jnp.sum(fn(*a) * ct)
+  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+
+
+def close(got, want, rel):
+  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf)."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    chex.assert_tree_all_finite(g)
+    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
+
+
+def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
+  """w given as its factors (u, v), w = u v^T. A piece longer than two sub-pieces
+  (``local.SUB_PIECE``, here 3 with a window of 3: sub-pieces of 12 positions) runs as
+  sub-pieces with the state carried, each forming only its block of w; so does a whole
+  sequence given the factors; a short first piece forms its block too: the same values and
+  gradients (of u and v too) as one call on the dense w."""
+  monkeypatch.setattr(local, "SUB_PIECE", 3)
+  rng = np.random.default_rng(6)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  t_len, n = 40, 3  # a first piece of 3, then 37 = 3 sub-pieces of 12 and 1
+  q, k, v = f(2, t_len, 3), f(2, t_len, 3, sc=40.0), f(2, t_len, 3)
+  bias = (f(t_len, 2, sc=6.0), f(t_len, 2, sc=6.0))  # w = u v^T, given as its factors
+
+  def chained(q, k, v, bias):
+    w = tuple(bias)
+    call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+    y1, state = call(q[:, :n], k[:, :n], v[:, :n], w, output_final_state=True)
+    y2 = call(q[:, n:], k[:, n:], v[:, n:], w, offset=n, initial_state=state)
+    return jnp.concatenate([y1, y2], axis=1)
+
+  dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
+  y1, g1 = values_and_grads(dense, q, k, v, bias)
+  y2, g2 = values_and_grads(chained, q, k, v, bias)
+  close(y2, y1, 1e-5)
+  close(g2, g1, 1e-4)
+  # One call on the whole sequence given the factors: in sub-pieces too.
+  whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
+  y3, g3 = values_and_grads(whole, q, k, v, bias)
+  close(y3, y1, 1e-5)
+  close(g3, g1, 1e-4)
+
+
+def _local_pieces(start, first, **kw):
+  """AFT-local on positions start.. of a sequence of T after the state of positions first..
+  start - 1 (a piece at offset ``first``), with ``kw`` (offset); the float64 reference of the
+  sub-sequence from ``first`` on, at the same positions; and the state."""
+  q, k, v, w = _inputs(5.0, seed=4)
+  piece = lambda x: x[:, first:start]
+  at = {"offset": first} if first else {}
+  _, state = ops.aft_local(*(piece(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                           output_final_state=True, **at)  # fmt: skip
+  rest = lambda x: x[:, start:]
+  y = ops.aft_local(*(rest(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                    initial_state=state, **kw)  # fmt: skip
+  sub = lambda x: x[:, first:]
+  want = ref.aft_local(sub(q), sub(k), sub(v), w[first:, first:], WINDOW, causal=True)
+  return y, want[:, start - first :], state
+
+
+@pytest.mark.parametrize("state_from", [0, 2])
+def test_the_offset_comes_from_the_state(state_from):
+  """A piece after a state takes its offset from the state's index (the position of its first
+  query in w), also where the state is that of a piece that started at an offset itself."""
+  y, want, state = _local_pieces(5, state_from)
+  assert int(state.index) == 5
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  y, _, _ = _local_pieces(5, state_from, offset=5)  # the same offset given
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
+  """Known when traced: a ValueError naming both positions; inside jit (the offset traced): the
+  piece's output is NaN, never a bias read at other positions."""
+  with pytest.raises(ValueError, match=r"offset 3 does not match initial_state.index 5"):
+    _local_pieces(5, 0, offset=3)
+  q, k, v, w = _inputs(5.0, seed=4)
+  _, state = ops.aft_local(q[:, :5], k[:, :5], v[:, :5], w, window=WINDOW, causal=True,
+                           output_final_state=True)  # fmt: skip
+  call = lambda s, at: ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW,
+                                     causal=True, offset=at, initial_state=s)  # fmt: skip
+  _, want, _ = _local_pieces(5, 0)
+  chex.assert_trees_all_close(jax.jit(call)(state, 5), want, rtol=1e-5, atol=1e-6)
+  assert np.all(np.isnan(jax.jit(call)(state, 3)))
+  # The state traced, the offset known: the same.
+  assert np.all(np.isnan(jax.jit(lambda s: call(s, 3))(state)))
+
+
+@pytest.mark.parametrize("at", [-1, 0, 4, 5])
+def test_a_traced_offset_outside_w_gives_nan(at):
+  """T = 4 positions at a traced offset into w [8, 8]: offsets 0..4 fit; -1 and 5 do not, and
+  a dynamic slice would clamp them to another block of w: NaN instead."""
+  q, k, v, w = _inputs(5.0, seed=5)
+  first = lambda x: x[:, :4]
+  run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
+                                         causal=True, offset=at))  # fmt: skip
+  y = run(at)
+  if 0 <= at <= 4:
+    want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
+    chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  else:
+    assert np.all(np.isnan(y))
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
+  """Without a state the positions before ``offset`` hold no keys; the final state's index is
+  offset + T, so the next piece continues from it (the float64 reference on the sub-sequence)."""
+  q, k, v, w = _inputs(5.0, seed=6)
+  call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+  y1, state = call(q[:, at : at + 2], k[:, at : at + 2], v[:, at : at + 2], w, offset=at,
+                   output_final_state=True)  # fmt: skip
+  assert int(state.index) == at + 2
+  y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
+  want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
+  chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)

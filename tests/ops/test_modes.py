@@ -1,0 +1,332 @@
+"""The causal ops' modes besides a whole sequence (tests/ops/test_<op>.py), each against one
+call or the float64 reference: a sequence in pieces (``initial_state``, ``output_final_state``)
+equals one call, values and gradients; packed rows (``segment_ids``, ``positions``) give each
+document what the op gives on it alone; the one-token steps from their init state give the
+causal op (the axis_name forms: tests/support/sequence_worker.py). AFT-local's offsets:
+tests/ops/test_local.py."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aft_jax import ops
+from tests.support import numpy_reference as ref
+from tests.support.op_cases import ATOL, RTOL
+
+T = 8
+CUTS = (3, 1, 4)  # uneven pieces, one of length 1
+WINDOW = 3
+
+
+def _inputs(op, scale, seed=0):
+  """(q, k, v, bias) for ``op`` with logits of std ``scale``; T on axis 1."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  if op == "conv1d":
+    return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, WINDOW, sc=scale)
+  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+
+
+def _call(op, q, k, v, bias, **kw):
+  if op == "simple":
+    return ops.aft_simple(q, k, v, causal=True, **kw)
+  if op == "local":
+    return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **kw)
+  return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)
+
+
+def _chained(op, q, k, v, bias):
+  """The op on CUTS pieces of T, each handed the state of the one before."""
+  ys, state, start = [], None, 0
+  for n in CUTS:
+    piece = lambda x: x[:, start : start + n]
+    kw = {"offset": start} if op == "local" else {}
+    y, state = _call(op, piece(q), piece(k), piece(v), bias, initial_state=state,
+                     output_final_state=True, **kw)  # fmt: skip
+    ys.append(y)
+    start += n
+  return jnp.concatenate(ys, axis=1), state
+
+
+def _values_and_grads(fn, q, k, v, bias):
+  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
+  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
+  loss = lambda *a: jnp.sum(fn(*a) * ct)
+  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+
+
+def _close(got, want, rel):
+  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf)."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    chex.assert_tree_all_finite(g)
+    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_pieces_equal_one_call(op, scale):
+  args = _inputs(op, scale)
+  y1, g1 = _values_and_grads(functools.partial(_call, op), *args)
+  y2, g2 = _values_and_grads(lambda *a: _chained(op, *a)[0], *args)
+  _close(y2, y1, 1e-5)
+  _close(g2, g1, 1e-4)
+
+
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_final_state_is_the_decoding_state(op):
+  """A call's final state continues with the one-token steps as the op does, and a piece after
+  the steps' state gives the op's outputs: the ops and the steps share one state."""
+  n = 5
+
+  @jax.jit
+  def run(q, k, v, bias):
+    if op == "simple":
+      step = ops.aft_simple_step
+    elif op == "local":
+      step = lambda s, *a: ops.aft_local_step(s, *a, bias[s.index])
+    else:
+      step = lambda s, *a: ops.aft_conv1d_step(s, *a, bias)
+    _, state = _call(op, q[:, :n], k[:, :n], v[:, :n], bias, output_final_state=True)
+    y_n, state = step(state, q[:, n], k[:, n], v[:, n])
+    kw = {"offset": n + 1} if op == "local" else {}
+    rest = lambda x: x[:, n + 1 :]
+    y_rest = _call(op, rest(q), rest(k), rest(v), bias, initial_state=state, **kw)
+    return _call(op, q, k, v, bias), y_n, y_rest
+
+  q, k, v, bias = _inputs(op, 5.0, seed=3)
+  whole, y_n, y_rest = run(q, k, v, bias)
+  np.testing.assert_allclose(y_n, whole[:, n], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y_rest, whole[:, n + 1 :], rtol=1e-5, atol=1e-6)
+
+
+def test_state_arguments_are_refused_where_there_is_no_state():
+  q, k, v, w = _inputs("local", 1.0)
+  _, state = ops.aft_simple(q, k, v, causal=True, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_simple: initial_state need causal=True"):
+    ops.aft_simple(q, k, v, initial_state=state)
+  with pytest.raises(ValueError, match=r"aft_local: output_final_state need causal=True"):
+    ops.aft_local(q, k, v, w, window=2, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_full: initial_state and output_final_state"):
+    ops.aft_full(q, k, v, w, causal=True, output_final_state=True)
+  with pytest.raises(ValueError, match=r"aft_simple: initial_state must be the state"):
+    ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
+  with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
+    ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
+
+
+# --------------------------------------------------------------------------- states themselves
+
+
+def _state_of(op, q, k, v, bias, n):
+  return _call(op, q[:, :n], k[:, :n], v[:, :n], bias, output_final_state=True)[1]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_state_of_ints_or_bools_is_refused(op, dtype):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  bad = jax.tree.map(lambda x: np.zeros(np.shape(x), dtype), state)
+  name = np.dtype(dtype).name
+  with pytest.raises(
+    ValueError, match=rf"initial_state\.\w+(\.m)? must be floating-point .*got {name}"
+  ):
+    _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=bad)
+  if op != "simple":  # the index is a count of positions: an int, not a float or a bool
+    for index in (np.float32(3), np.bool_(True)):
+      with pytest.raises(ValueError, match=r"initial_state\.index must be an int"):
+        _call(op, q[:, 3:], k[:, 3:], v[:, 3:], bias, initial_state=state._replace(index=index))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
+def test_a_piece_of_no_positions_keeps_the_state(op, jit):
+  q, k, v, bias = _inputs(op, 1.0)
+  state = _state_of(op, q, k, v, bias, 3)
+  none = lambda x: x[:, 3:3]
+  call = lambda s: _call(op, none(q), none(k), none(v), bias, initial_state=s,
+                         output_final_state=True)  # fmt: skip
+  y, after = (jax.jit(call) if jit else call)(state)
+  assert y.shape == none(q).shape and y.dtype == jnp.float32
+  chex.assert_trees_all_equal(after, state)
+  # Without a state: the state before any position (AFT-local: at its offset).
+  at = {"offset": 3} if op == "local" else {}
+  _, empty = _call(op, none(q), none(k), none(v), bias, output_final_state=True, **at)
+  chex.assert_trees_all_equal_shapes_and_dtypes(empty, state)
+  if op == "local":
+    assert int(empty.index) == 3
+
+
+# --------------------------------------------------------------------------- packed rows
+
+TP = 9  # packed rows of two documents each
+SPLITS = (5, 4)  # row 0: [doc of 5 | doc of 4]; row 1: [doc of 4 | doc of 5]
+
+
+def _layout():
+  """segment_ids and positions [2, TP], each document's positions from 0."""
+  seg = np.array([[1] * n + [2] * (TP - n) for n in SPLITS], np.int32)
+  pos = np.array([list(range(n)) + list(range(TP - n)) for n in SPLITS], np.int32)
+  return seg, pos
+
+
+def _packed_inputs(op, scale):
+  rng = np.random.default_rng(1)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  if op == "conv1d":
+    return f(2, TP, 2, 2), f(2, TP, 2, sc=scale), f(2, TP, 2, 2), f(2, WINDOW, sc=scale)
+  return f(2, TP, 3), f(2, TP, 3, sc=scale), f(2, TP, 3), f(TP, TP, sc=scale)
+
+
+def _packed_op(op, q, k, v, bias, seg=None, pos=None):
+  """The op on q, k, v [..., TP, ...]; packed when seg is given; w's top-left block alone."""
+  t_len = q.shape[-3] if op == "conv1d" else q.shape[-2]
+  packed = {} if seg is None else {"segment_ids": seg}
+  if op == "simple":
+    return ops.aft_simple(q, k, v, causal=True, **packed)
+  if op == "conv1d":
+    return ops.aft_conv1d(q, k, v, bias, causal=True, **packed)
+  if seg is not None:
+    packed["positions"] = pos
+  else:
+    bias = bias[:t_len, :t_len]
+  if op == "full":
+    return ops.aft_full(q, k, v, bias, causal=True, **packed)
+  return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **packed)
+
+
+# Logits of std 40 where the bias-0 prefix scan and the band meet at large logits; AFT-full's
+# band is every key.
+@pytest.mark.parametrize(
+  "op, scale", [("simple", 40.0), ("local", 40.0), ("full", 1.0), ("conv1d", 40.0)]
+)
+def test_each_document_as_if_alone(op, scale):
+  seg, pos = _layout()
+  ct = np.random.default_rng(2).normal(size=_packed_inputs(op, 1.0)[0].shape).astype(np.float32)
+
+  def packed(q, k, v, bias):
+    y = _packed_op(op, q, k, v, bias, seg, pos)
+    return jnp.sum(y * ct), y
+
+  def alone(q, k, v, bias):
+    """Each document on its own (the two of length 5 as one batch, the two of 4 as another),
+    put back in place."""
+    docs = lambda x: (jnp.stack([x[0, :5], x[1, 4:]]), jnp.stack([x[0, 5:], x[1, :4]]))
+    (q5, q4), (k5, k4), (v5, v4), (c5, c4) = (docs(x) for x in (q, k, v, ct))
+    y5, y4 = _packed_op(op, q5, k5, v5, bias), _packed_op(op, q4, k4, v4, bias)
+    y = jnp.stack([jnp.concatenate([y5[0], y4[0]]), jnp.concatenate([y4[1], y5[1]])])
+    return jnp.sum(y5 * c5) + jnp.sum(y4 * c4), y
+
+  args = _packed_inputs(op, scale)
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+  (_, y1), g1 = grad(packed)
+  (_, y2), g2 = grad(alone)
+  np.testing.assert_allclose(y1, y2, rtol=0, atol=1e-5 * float(np.max(np.abs(y2))))
+  for a, b in zip(g1, g2):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))) + 1e-30)
+
+
+def test_bad_segment_arguments_are_refused():
+  q, k, v, w = _packed_inputs("local", 1.0)
+  seg, pos = _layout()
+  with pytest.raises(ValueError, match=r"aft_simple: segment_ids need causal=True"):
+    ops.aft_simple(q, k, v, segment_ids=seg)
+  with pytest.raises(ValueError, match=r"segment_ids must be an int array \[..., T\] = \(2, 9\)"):
+    ops.aft_simple(q, k, v, causal=True, segment_ids=seg[:, :4])
+  with pytest.raises(ValueError, match=r"positions must be an int array"):
+    ops.aft_local(q, k, v, w, window=2, causal=True, positions=pos.astype(np.float32))
+  with pytest.raises(ValueError, match=r"do not take initial_state, output_final_state"):
+    ops.aft_local(q, k, v, w, window=2, causal=True, segment_ids=seg, output_final_state=True)
+
+
+@pytest.mark.parametrize("op", ["local", "full"])
+@pytest.mark.parametrize("bad", [-1, TP])
+def test_a_position_outside_w_gives_nan(op, bad):
+  """Row 0's second document has a position outside w [T, T] (-1: NumPy's rule would read
+  w's last row instead): every output that reads its bias is NaN; row 1 and row 0's first
+  document are what each document gives alone (the float64 reference)."""
+  seg, pos = _layout()
+  pos = pos.copy()
+  pos[0, SPLITS[0] + 1] = bad  # the second position of row 0's second document
+  q, k, v, w = _packed_inputs(op, 1.0)
+  y = np.asarray(jax.jit(lambda *a: _packed_op(op, *a, seg, pos))(q, k, v, w))
+  reads = SPLITS[0] + 1 + np.arange(WINDOW if op == "local" else TP)  # the rows that see it
+  reads = reads[reads < TP]
+  assert np.all(np.isnan(y[0, reads]))
+  fine = np.setdiff1d(np.arange(TP), reads)
+  assert np.all(np.isfinite(y[0, fine])) and np.all(np.isfinite(y[1]))
+  n = SPLITS[0]
+  bias = ref.local_bias(w, WINDOW) if op == "local" else w
+  want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
+  np.testing.assert_allclose(y[0, :n], want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the one-token steps
+
+B, TS, D, H, C = 2, 11, 3, 2, 3  # TS past the window and kernel below: the prefix triple is used
+STEP_WINDOW, KERNEL = 4, 3
+
+
+def _randn(seed, shape, scale=1.0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, jnp.float32)
+
+
+def _scan(step, state, *xs):
+  """Y [B, TS, ...] from ``step(state, *x_t) -> (y_t, state)`` over axis 1 of each x."""
+
+  def body(state, x_t):
+    y_t, state = step(state, *x_t)
+    return state, y_t
+
+  _, ys = jax.lax.scan(body, state, [jnp.moveaxis(x, 1, 0) for x in xs])
+  return jnp.moveaxis(ys, 0, 1)
+
+
+def _channels(scale):
+  q, v = _randn(0, (B, TS, D)), _randn(1, (B, TS, D))
+  k, w = _randn(2, (B, TS, D), scale), _randn(3, (TS, TS), scale)
+  return q, k, v, w
+
+
+def _steps(name, scale):
+  """(the steps' output, the op's) for op ``name``."""
+  if name == "aft_conv1d":
+    q, v = _randn(0, (B, TS, H, C)), _randn(1, (B, TS, H, C))
+    k, kernel = _randn(2, (B, TS, H), scale), _randn(3, (H, KERNEL), scale)
+    state = ops.aft_conv1d_init((B, H), (B, H, C), KERNEL)
+    step = lambda s, q_t, k_t, v_t: ops.aft_conv1d_step(s, q_t, k_t, v_t, kernel)
+    return _scan(step, state, q, k, v), ops.aft_conv1d(q, k, v, kernel, causal=True, impl="xla")
+  q, k, v, w = _channels(scale)
+  t_idx = jnp.broadcast_to(jnp.arange(TS), (B, TS))  # each step takes row t of w
+  if name == "aft_simple":
+    got = _scan(ops.aft_simple_step, ops.aft_simple_init((B, D)), q, k, v)
+    return got, ops.aft_simple(q, k, v, causal=True, impl="xla")
+  if name == "aft_full":
+    step = lambda s, q_t, k_t, v_t, t: ops.aft_full_step(s, q_t, k_t, v_t, w[t[0]])
+    got = _scan(step, ops.aft_full_init((B, D), TS), q, k, v, t_idx)
+    return got, ops.aft_full(q, k, v, w, causal=True, impl="xla")
+  step = lambda s, q_t, k_t, v_t, t: ops.aft_local_step(s, q_t, k_t, v_t, w[t[0]])
+  got = _scan(step, ops.aft_local_init((B, D), STEP_WINDOW), q, k, v, t_idx)
+  return got, ops.aft_local(q, k, v, w, window=STEP_WINDOW, causal=True, impl="xla")
+
+
+NAMES = ["aft_simple", "aft_full", "aft_local", "aft_conv1d"]
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+@pytest.mark.parametrize("name", NAMES)
+def test_steps_over_a_sequence_are_the_causal_op(name, scale):
+  got, want = _steps(name, scale)
+  chex.assert_tree_all_finite(got)
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_steps_keep_the_inputs_dtype():
+  q = jnp.zeros((B, D), jnp.bfloat16)
+  y, state = ops.aft_simple_step(ops.aft_simple_init((B, D)), q, q, q)
+  assert y.dtype == jnp.bfloat16 and state.m.dtype == jnp.float32

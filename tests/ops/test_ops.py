@@ -1,0 +1,115 @@
+"""What the ops hold together: the identities between them (AFT-local with a wide window is
+AFT-full, with a zero bias AFT-simple; AFT-conv1d with a zero kernel AFT-simple per head), vmap
+equals a batched call, the causal ones ignore the future, bfloat16 is close to float32."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from aft_jax import ops
+from tests.support.op_cases import qkvw, rand
+
+
+class Identities(parameterized.TestCase):
+  @parameterized.parameters(False, True)
+  def test_local_with_wide_window_is_full(self, causal):
+    q, k, v, w = qkvw(7, (2,), 12, 5, 3.0)
+    for window in (12, 50):
+      chex.assert_trees_all_close(
+        ops.aft_local(q, k, v, w, window=window, causal=causal),
+        ops.aft_full(q, k, v, w, causal=causal),
+        rtol=1e-5,
+        atol=1e-6,
+      )
+
+  @parameterized.parameters(False, True)
+  def test_local_with_zero_bias_is_simple(self, causal):
+    q, k, v, _ = qkvw(8, (2,), 12, 5, 3.0)
+    w = np.zeros((12, 12), np.float32)
+    chex.assert_trees_all_close(
+      ops.aft_local(q, k, v, w, window=3, causal=causal),
+      ops.aft_simple(q, k, v, causal=causal),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+
+  @parameterized.parameters(False, True)
+  def test_conv1d_with_zero_kernel_is_simple_per_head(self, causal):
+    q, v = rand(9, (2, 8, 2, 3), (2, 8, 2, 3))
+    (k,) = rand(10, (2, 8, 2), scale=3.0)
+    out = ops.aft_conv1d(q, k, v, np.zeros((2, 3), np.float32), causal=causal)
+    k_full = np.broadcast_to(k[..., None], q.shape)
+    flat = lambda x: x.reshape(2, 8, 6)
+    chex.assert_trees_all_close(
+      out,
+      ops.aft_simple(flat(q), flat(k_full), flat(v), causal=causal).reshape(q.shape),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+
+  def test_vmap_equals_batched_call(self):
+    q, k, v, w = qkvw(11, (3,), 8, 4, 2.0)
+    qc, vc = rand(12, (3, 8, 2, 2), (3, 8, 2, 2))
+    kc, kern = rand(13, (3, 8, 2), (2, 3))
+    q2, v2 = rand(14, (3, 4, 5, 2, 2), (3, 4, 5, 2, 2))
+    k2, kern2 = rand(15, (3, 4, 5, 2), (2, 3, 3))
+    cases = [
+      (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
+      (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
+      (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
+      (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
+      (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
+    ]
+    for fn, args in cases:
+      chex.assert_trees_all_close(
+        jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args), rtol=1e-6, atol=1e-6
+      )
+
+
+def _causal_ops(t_len: int, d: int, window: int) -> dict:
+  """Each causal op as a function of q, k, v [2, t_len, d] and w [t_len, t_len] (AFT-conv1d:
+  2 heads of d / 2 channels, a 3-tap kernel from w)."""
+
+  def conv1d(q, k, v, w):
+    heads = lambda x: x.reshape(2, t_len, 2, d // 2)
+    out = ops.aft_conv1d(heads(q), heads(k)[..., 0], heads(v), w[:2, :3], causal=True)
+    return out.reshape(2, t_len, d)
+
+  return {
+    "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+    "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=True),
+    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True),
+    "conv1d": conv1d,
+  }
+
+
+CAUSAL_OPS = _causal_ops(10, 4, window=3)
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_OPS))
+def test_causal_ops_ignore_the_future(name):
+  fn = jax.jit(CAUSAL_OPS[name])
+  q, k, v, w = qkvw(16, (2,), 10, 4, 5.0)
+  base = fn(q, k, v, w)
+  t0 = 4
+  q2, k2, v2, w2 = (x.copy() for x in (q, k, v, w))
+  for x in (q2, k2, v2):
+    x[:, t0 + 1 :] += 100.0
+  w2[:, t0 + 1 :] += 100.0
+  out = fn(q2, k2, v2, w2)
+  chex.assert_trees_all_close(out[:, : t0 + 1], base[:, : t0 + 1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out[:, t0 + 1 :], base[:, t0 + 1 :])
+
+
+@pytest.mark.parametrize("name", ["full", "local", "simple", "conv1d"])
+def test_bfloat16_close_to_float32(name):
+  q, k, v, w = qkvw(19, (2,), 16, 8, 1.0)
+  fn = jax.jit(_causal_ops(16, 8, window=4)[name])
+  out32 = fn(q, k, v, w)
+  out16 = fn(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, w)))
+  assert out16.dtype == jnp.bfloat16
+  # bf16 has an 8-bit mantissa: inputs carry ~0.4% rounding; outputs are O(1).
+  chex.assert_trees_all_close(out16.astype(jnp.float32), out32, atol=3e-2, rtol=3e-2)

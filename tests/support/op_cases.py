@@ -1,0 +1,86 @@
+"""Inputs, tolerances and float64 references that the op tests (tests/ops/) share."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.test_util import check_grads
+
+# Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
+# for outputs that happen to be near 0.
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def rand(seed, *shapes, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [np.asarray(rng.normal(size=s) * scale, np.float32) for s in shapes]
+
+
+def qkvw(seed, lead, t_len, d, scale):
+  q, v = rand(seed, lead + (t_len, d), lead + (t_len, d))
+  k, w = rand(seed + 1, lead + (t_len, d), (t_len, t_len), scale=scale)
+  return q, k, v, w
+
+
+def kernel_inputs(t_len, d, seed=0):
+  """q, k, v, cotangent [2, T, d] float32; batch row 0 has logits of std 1, row 1 std 40."""
+  rng = np.random.default_rng(seed)
+  q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
+  k = k * np.array([1.0, 40.0])[:, None, None]
+  return tuple(np.asarray(x, np.float32) for x in (q, k, v, ct))
+
+
+def scan_simple(q, k, v):
+  """Causal AFT-simple as a ``lax.scan`` with a carried maximum (float64 under enable_x64)."""
+  from benchmarks.bench_ops import scan_simple as scan
+
+  return scan(q, k, v)
+
+
+def simple_reference(q, k, v, ct):
+  """Causal AFT-simple's output and gradients (q, k, v) of sum(out * ct), in float64."""
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
+    out = scan_simple(*args)
+    grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(*args)
+    return jax.tree.map(np.asarray, (out, grads))
+
+
+def grads_check(fn, argnames, seed=17):
+  """fn's derivatives (forward and reverse mode, jitted) against finite differences in
+  float64, at [6, 4] inputs (k of std 2)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(seed)
+    vals = {
+      "q": rng.normal(size=(6, 4)),
+      "k": rng.normal(size=(6, 4)) * 2,
+      "v": rng.normal(size=(6, 4)),
+      "w": rng.normal(size=(6, 6)),
+    }
+    args = tuple(jnp.asarray(vals[a], jnp.float64) for a in argnames)
+    check_grads(jax.jit(fn), args, order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+def grads_finite_at_large_logits(fn, argnames, seed=18):
+  """fn's reverse-mode gradients at logits (k, w) of std 40 are finite."""
+  rng = np.random.default_rng(seed)
+  vals = {
+    "q": rng.normal(size=(6, 4)),
+    "k": rng.normal(size=(6, 4)) * 40,
+    "v": rng.normal(size=(6, 4)),
+    "w": rng.normal(size=(6, 6)) * 40,
+  }
+  args = tuple(jnp.asarray(vals[a], jnp.float32) for a in argnames)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=tuple(range(len(args)))))(*args)
+  for g in jax.tree.leaves(grads):
+    assert np.all(np.isfinite(g))
+
+
+def tpu_simple(q, k, v):
+  """Causal AFT-simple on the TPU kernel (``simple.KERNELS``' TPU entry) in Pallas'
+  interpreter, as impl="pallas" runs it on a TPU: sigma(q) * its mean, the inputs' dtype."""
+  from aft_jax.ops import common, simple
+  from aft_jax.ops import logsumexp as lse
+
+  out_dt, dt = common.dtypes(q, k, v)
+  a = common.mean(simple.KERNELS[1], "pallas_interpret", None, k, v)
+  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
