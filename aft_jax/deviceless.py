@@ -35,7 +35,7 @@ _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
   """A device to compile for without it. ``kind``: 'cuda', 'tpu' or 'cpu', the compiler plugin
-  it needs (named as jax's plugins are; a GPU's jax platform is 'gpu': ``ops.target``);
+  it needs (named as jax's plugins are; a GPU's jax platform is 'gpu': ``ops.device_facts``);
   ``spec``: the GPU description file, or the TPU generation ('v5e'); ``memory_bytes``: a
   device's memory (GPUs: read from the spec)."""
 

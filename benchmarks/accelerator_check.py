@@ -72,11 +72,11 @@ from benchmarks import bench_model, bench_ops, common, kernel_form
 
 # Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
 KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
-# On TPUs only causal AFT-simple has one (Mosaic: aft_jax/ops/pallas_simple_tpu.py).
+# On TPUs only causal AFT-simple has one (Mosaic: aft_jax/ops/pallas/mosaic_simple.py).
 TPU_KERNEL_OPS = ("aft_simple",)
 XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
 BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
-# The GPU kernels' two forms (aft_jax/ops/pallas_split.py), each timed on its own beside the
+# The GPU kernels' two forms (aft_jax/ops/pallas/triton.py), each timed on its own beside the
 # one impl="pallas" chooses: the rows "<op>/pallas[<form>]", compared in "Kernel forms".
 KERNEL_FORMS = ("sequential", "chunked")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
@@ -405,7 +405,7 @@ def _target_line(c):
 
 def kernel_forms(op_recs) -> list[dict]:
   """Per kernel op, mode and T where both were measured: the sequential and the chunk-parallel
-  form's times (``KERNEL_FORMS``) and the faster one, which ``pallas_split.plan_for`` should
+  form's times (``KERNEL_FORMS``) and the faster one, which ``triton.plan_for`` should
   choose there."""
   out = []
   for op, mode, t_len in sorted(
@@ -423,7 +423,7 @@ def _form_lines(op_recs) -> list[str]:
   if not rows:
     return []
   lines = [
-    "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas_split.py`)\n",
+    "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas/triton.py`)\n",
     "| op | mode | T | sequential | chunked | faster |",
     "|---|---|---:|---:|---:|---|",
   ]

@@ -10,8 +10,8 @@ Neither shows on a CPU machine, and a GPU to try every configuration on is rarel
 compiler for the target tells both.
 
 What. Every block configuration the ops can choose with ``impl="auto"`` / ``"pallas"``
-(``aft_jax/ops/pallas/triton.py``' ``CONFIGS``: AFT-simple's and AFT-local's ``config_for`` and AFT-local's
-``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser
+(``CONFIGS`` of ``aft_jax/ops/pallas/triton.py``: AFT-simple's and AFT-local's ``config_for`` and
+AFT-local's ``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser
 that training keeps, backward) and causal AFT-local (the same and the dw kernel), float32 and
 bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chunk-parallel
 form (``aft_jax/ops/pallas/triton.py``: its segment totals, forward and backward kernels with

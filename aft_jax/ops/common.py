@@ -1,13 +1,9 @@
-"""What every op shares besides its maths: its arguments checked, its implementation chosen for
-the device the program is lowered for (``resolve``), its kernel or XLA code called, and an eager
-call run as one program.
-
-The device (``device_facts``) is the one the computation is lowered for, not the host's: the
-abstract mesh in context (``jax.set_mesh``, ``use_abstract_mesh``: its device kind), else the
-devices of a ``with mesh:`` block (real, or a deviceless topology's, which know their compute
-capability), else the default backend's first device. XLA refuses Triton custom calls below
-compute capability 8.0, so a T4, V100 or P100 takes the XLA path; an abstract device carries no
-capability, so it is read from ``CAPABILITIES`` by its kind (or a local device of that kind).
+"""What every op shares besides its maths: its arguments checked, its implementation chosen
+(``resolve``) for the device the program is lowered for, its kernel or XLA code called, and an
+eager call run as one program. The device (``device_facts``) is not the host's but the abstract
+mesh's in context (``jax.set_mesh``: a device kind, whose compute capability ``CAPABILITIES``
+gives), else a ``with mesh:`` block's (real, or a deviceless topology's), else the default
+backend's. XLA refuses Triton below compute capability 8.0: a T4, V100 or P100 takes XLA.
 """
 
 from __future__ import annotations
@@ -22,28 +18,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from aft_jax.ops import logsumexp as lse
+
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 TRITON_MIN_CAPABILITY = (8, 0)
-# The custom call a compiled kernel lowers to, per platform: how a lowered or compiled
-# program's text shows that it holds the kernels.
+# The custom call a compiled kernel lowers to, per platform: how a program shows its kernels.
 KERNEL_CALLS = {"gpu": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
-# Compute capability by a substring of the device kind (NVIDIA's table): first match wins.
+# Compute capability by a substring of the device kind (NVIDIA's table): the first match wins.
 CAPABILITIES = (
-  *(("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0))),
-  *(("B200", (10, 0)), ("B100", (10, 0)), ("A100", (8, 0)), ("A800", (8, 0))),
-  *(("A10", (8, 6)), ("A40", (8, 6)), ("L40", (8, 9)), ("L4", (8, 9))),
-  *(("RTX 4090", (8, 9)), ("RTX 3090", (8, 6)), ("V100", (7, 0)), ("T4", (7, 5))),
-  ("P100", (6, 0)),
-)
-
-
-# --------------------------------------------------------------------------- the device
+  ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)), ("B200", (10, 0)),
+  ("B100", (10, 0)), ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)),
+  ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 4090", (8, 9)), ("RTX 3090", (8, 6)), ("V100", (7, 0)),
+  ("T4", (7, 5)), ("P100", (6, 0)),
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
-  """jax's platform ('cpu', 'gpu', 'tpu'), the device kind, and a GPU's compute capability
-  (None where not known)."""
+  """jax's platform ('cpu', 'gpu', 'tpu'), the device kind, a GPU's compute capability."""
 
   platform: str
   device_kind: str
@@ -54,29 +46,24 @@ class DeviceFacts:
     return self.device_kind + (f" (compute capability {cc[0]}.{cc[1]})" if cc else "")
 
 
-def _capability(device) -> tuple[int, int] | None:
-  major, _, minor = str(getattr(device, "compute_capability", None) or "").partition(".")
-  return (int(major), int(minor or 0)) if major else None
-
-
-def capability_of_kind(device_kind: str) -> tuple[int, int] | None:
-  """A GPU kind's compute capability: a local device of that kind's, else ``CAPABILITIES``'."""
+def capability_of_kind(device_kind: str, device=None) -> tuple[int, int] | None:
+  """``device``'s compute capability, a local device of its kind's, or ``CAPABILITIES``'."""
   try:
-    local = [_capability(d) for d in jax.local_devices() if d.device_kind == device_kind]
+    local = [d for d in jax.local_devices() if d.device_kind == device_kind]
   except RuntimeError:  # no backend could start
     local = []
-  if local and local[0]:
-    return local[0]
+  for d in ([device] if device is not None else []) + local[:1]:
+    major, _, minor = str(getattr(d, "compute_capability", None) or "").partition(".")
+    if major:
+      return int(major), int(minor or 0)
   return next((cc for name, cc in CAPABILITIES if name.lower() in device_kind.lower()), None)
 
 
 def device_facts(device=None) -> DeviceFacts:
-  """The facts of ``device`` (a concrete one), by default of the device the computation being
-  traced is for (module docstring)."""
+  """``device``'s facts; by default, of the device the traced computation is for."""
   mesh = jax.sharding.get_abstract_mesh()
-  abstract = getattr(mesh, "abstract_device", None)
-  if device is None and abstract is not None and not mesh.empty:
-    device = abstract
+  if device is None and getattr(mesh, "abstract_device", None) is not None and not mesh.empty:
+    device = mesh.abstract_device
   if device is None:
     try:  # a ``with mesh:`` block's devices (jax keeps them in a private module)
       from jax._src import mesh as mesh_lib
@@ -87,9 +74,7 @@ def device_facts(device=None) -> DeviceFacts:
       pass
   device = jax.devices()[0] if device is None else device
   platform = {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
-  cc = None
-  if platform == "gpu":
-    cc = _capability(device) or capability_of_kind(device.device_kind)
+  cc = capability_of_kind(device.device_kind, device) if platform == "gpu" else None
   return DeviceFacts(platform, device.device_kind, cc)
 
 
@@ -115,15 +100,10 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
   return triton_missing()
 
 
-# --------------------------------------------------------------------------- the implementation
-
-
 class Kernel(NamedTuple):
-  """An op's Pallas kernel: the ``platform`` it compiles for ('gpu': Triton, 'tpu': Mosaic);
-  ``mean(k, v, w, window, interpret)`` -> the op's weighted mean ``[B, T, D]`` float32 of k, v
-  ``[B, T, D]`` (read in their own dtype; w the bias in the compute dtype, or None);
-  ``unsupported(channels, window)``: why it cannot take them, or None; ``auto``: whether
-  ``impl="auto"`` takes it (the TPU kernel has never been timed on a TPU: opt-in)."""
+  """An op's kernel: its ``platform``; ``mean(k, v, w, window, interpret)``, the mean ``[B, T, D]``
+  float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or None; ``auto``:
+  whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is opt-in)."""
 
   platform: str
   mean: Callable
@@ -145,16 +125,11 @@ def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
 
 
 def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, device=None):
-  """The kernel of ``kernels`` (an op's) that ``impl`` runs, or None for XLA:
-
-      "xla"               the op's jax.numpy code;
-      "auto"              the kernel for ``device`` (default ``device_facts()``) where it takes
-                          these arguments and is ``auto``, else XLA (and forward mode: XLA);
-      "pallas"            that kernel, compiled; "pallas_interpret" the first (GPU) one in
-                          Pallas' interpreter on any backend;
-
-  and a ValueError naming why, never a silent switch to XLA, where the kernel asked for cannot
-  run (no kernel, the arguments, the device, ``forward`` mode: a kernel is a custom VJP)."""
+  """The kernel of ``kernels`` (an op's) that ``impl`` runs, or None for XLA: "xla": XLA;
+  "auto": the kernel for ``device`` (default ``device_facts()``) where it takes these arguments
+  and is ``auto``, else XLA (also in ``forward`` mode); "pallas": that kernel compiled;
+  "pallas_interpret": the first (GPU) one interpreted. Where the kernel asked for cannot run (no
+  kernel, the arguments, the device, forward mode), a ValueError naming why, never XLA."""
   check_impl(fn, impl)
   if impl == "xla" or (impl == "auto" and (not kernels or forward)):
     return None
@@ -188,8 +163,7 @@ def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, 
 
 
 def forward_mode(*xs) -> bool:
-  """Whether any of ``xs`` is being differentiated in forward mode (a ``jax.jvp`` tracer among
-  its tracers, under vmap, jit or grad too), which a kernel's custom VJP cannot serve."""
+  """Whether any of ``xs`` carries a ``jax.jvp`` tracer (a kernel's custom VJP cannot serve it)."""
 
   def jvp(x):
     while isinstance(x, jax.core.Tracer):
@@ -201,23 +175,42 @@ def forward_mode(*xs) -> bool:
   return any(jvp(x) for x in xs)
 
 
-def mean(kernel: Kernel | None, impl: str, xla, k, v, w=None, window=None):
-  """The op's weighted mean: ``xla(k, v, w)``, or ``kernel``'s of k, v ``[..., T, D]``
-  flattened to ``[B, T, D]``; for ``impl="auto"`` both, the kernel on its platform
-  (``jax.lax.platform_dependent``: one exported module holds both, a lowering for another
-  platform takes XLA)."""
+def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
+  """Y = sigma(q) * op ``fn``'s mean on a whole sequence, q, k, v ``[..., T, D]``, by what
+  ``impl`` resolves to: ``xla(k, v, w, low)`` (compute dtype; ``low``: bfloat16 inputs), or the
+  kernel on ``[B, T, D]``; "auto": both, in ``jax.lax.platform_dependent`` (one module holds
+  both, another platform takes XLA). The inputs' dtype; empty inputs give the empty output."""
+  out_dt, dt = dtypes(q, k, v)
+  if q.size == 0 or k.size == 0:
+    return jnp.zeros(q.shape, out_dt)
+  forward = forward_mode(k, v, w)
+  kernel = resolve(
+    fn, impl, kernels, causal=causal, channels=q.shape[-1], window=window, forward=forward
+  )
+  w = None if w is None else jnp.asarray(w, dt)
+  by_xla = lambda k, v, w: xla(k.astype(dt), v.astype(dt), w, out_dt == jnp.bfloat16)
+  flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+  pallas = lambda k, v, w: kernel.mean(
+    flat(k), flat(v), w, window, impl == "pallas_interpret"
+  ).reshape(k.shape)
   if kernel is None:
-    return xla(k, v, w)
+    a = by_xla(k, v, w)
+  elif impl != "auto":
+    a = pallas(k, v, w)
+  else:
+    platform = {"gpu": "cuda"}.get(kernel.platform, kernel.platform)
+    a = jax.lax.platform_dependent(k, v, w, default=by_xla, **{platform: pallas})
+  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
 
-  def pallas(k, v, w):
-    flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-    out = kernel.mean(flat(k), flat(v), w, window, impl == "pallas_interpret")
-    return out.reshape(k.shape)
 
-  if impl != "auto":
-    return pallas(k, v, w)
-  platform = {"gpu": "cuda"}.get(kernel.platform, kernel.platform)
-  return jax.lax.platform_dependent(k, v, w, default=xla, **{platform: pallas})
+def rows(x):
+  """[..., T, D] -> [T, R], R = prod(...) D (free when there is no batch dim)."""
+  return jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
+
+
+def unrows(a, shape):
+  """``rows``' inverse, back to ``shape`` [..., T, D]."""
+  return jnp.swapaxes(a.reshape(shape[-2], -1, shape[-1]), 0, 1).reshape(shape)
 
 
 def dtypes(*xs):
@@ -226,24 +219,19 @@ def dtypes(*xs):
   return dt, jnp.promote_types(dt, jnp.float32)
 
 
-# --------------------------------------------------------------------------- the arguments
-
-
 def array(fn, name, x):
-  """x as an array: an array (or tracer) as it is, an array-like (a nested list) converted; a
-  ValueError naming ``name`` where it is not one."""
+  """x as an array (an array-like converted); else a one-line ValueError naming ``name``."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return x
   try:
     return jnp.asarray(x)
   except (TypeError, ValueError) as e:
-    why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    why = (str(e).splitlines() or [type(e).__name__])[0][:120]
     raise ValueError(f"{fn}: {name} must be an array; got {type(x).__name__} ({why})") from None
 
 
 def check_float(fn, **arrays):
-  """ValueError unless every array is real floating point (an int, bool or complex input would be
-  computed in float32 and cast back)."""
+  """ValueError unless every array is real floating point (not computed in float32, cast back)."""
   for name, x in arrays.items():
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
       raise ValueError(
@@ -277,53 +265,42 @@ def check_impl(fn: str, impl) -> None:
     raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _zero(offset) -> bool:
-  return offset is None or (
-    isinstance(offset, int) and not isinstance(offset, bool) and offset == 0
-  )
-
-
 def check_mode(fn, causal, impl, **given) -> str:
-  """The mode of a call: "sharded" (``axis_name``), "packed" (``segment_ids``, ``positions``),
-  "piece" (causal, with ``initial_state``, ``output_final_state`` or a non-zero ``offset``) or
-  "whole"; a ValueError where ``causal`` is not a bool, ``impl`` is not one of ``IMPLS``, those
-  arguments go to a non-causal op, or packed rows or a sharded call get a state or an offset."""
+  """The call's mode, "sharded", "packed", "piece" or "whole", from ``given``; a ValueError
+  where ``causal`` is not a bool, ``impl`` unknown, those go to a non-causal op, or packed rows
+  or a sharded call get a state or an offset."""
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
-  used = [
-    n
-    for n, x in given.items()
-    if x is not None and x is not False and (n != "offset" or not _zero(x))
-  ]
+  zero = lambda x: isinstance(x, int) and not isinstance(x, bool) and x == 0
+  used = [n for n, x in given.items() if x is not None and x is not False and not zero(x)]
   if used and not causal:
     raise ValueError(
       f"{fn}: {', '.join(used)} need causal=True (a non-causal output depends on every "
       "position: there is no state of the past to carry)"
     )
-  piece = {"initial_state", "output_final_state", "offset"}
-  if given.get("axis_name") is not None:
-    if piece & set(used) - {"offset"} or "segment_ids" in used:
+  piece = {"initial_state", "output_final_state", "offset"} & set(used)
+  if "axis_name" in used:
+    if piece - {"offset"} or "segment_ids" in used:
       raise ValueError(
         f"{fn}: axis_name (T sharded over devices) does not take initial_state, "
         "output_final_state or segment_ids: the devices' shards are one whole sequence"
       )
-    if "positions" in used or "offset" in used:
+    if "positions" in used or piece:
       raise ValueError(f"{fn}: axis_name does not take positions or an offset")
     return "sharded"
   if "segment_ids" in used or "positions" in used:
-    if piece & set(used):
+    if piece:
       raise ValueError(
         f"{fn}: segment_ids/positions (packed rows) do not take initial_state, "
         "output_final_state or offset: a packed row is whole documents"
       )
     return "packed"
-  return "piece" if piece & set(used) else "whole"
+  return "piece" if piece else "whole"
 
 
 def check_segments(fn, lead, **ids):
-  """ValueError unless each of ``ids`` (segment_ids, positions) is None or an int ``[..., T]``
-  array of shape ``lead`` (q's without its channels)."""
+  """ValueError unless each of ``ids`` is None or an int array of shape ``lead`` ``[..., T]``."""
   for name, x in ids.items():
     if x is not None and (
       not jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.shape(x) != tuple(lead)
@@ -335,8 +312,8 @@ def check_segments(fn, lead, **ids):
 
 
 def check_state(fn, initial_state, init):
-  """ValueError unless ``initial_state`` (None: nothing to check) has the structure, shapes and
-  dtypes of the state ``init()`` returns: floating-point leaves, an int (not bool) ``index``."""
+  """ValueError unless ``initial_state`` (or None) has the structure, shapes and dtype kinds of
+  the state ``init()`` returns."""
   if initial_state is None:
     return
   expected = jax.eval_shape(init)
@@ -362,22 +339,15 @@ def check_state(fn, initial_state, init):
       )
 
 
-# --------------------------------------------------------------------------- the eager call
-
-
-def _static(x) -> bool:
-  return x is None or isinstance(x, (bool, int, str))
-
-
 def eager(run, **kwargs):
-  """``run(**kwargs)``. Called on concrete arrays (not inside jit, grad, vmap or shard_map), as
-  one jitted program per shape, static argument and device (``device_facts()``, what
-  ``impl="auto"`` reads) instead of one compile per primitive."""
-  data = {n: x for n, x in kwargs.items() if not _static(x)}
+  """``run(**kwargs)``; on concrete arrays, one jitted program per shape, static argument (None,
+  a bool, int or str) and device (what ``impl="auto"`` reads), not a compile per primitive."""
+  static = lambda x: x is None or isinstance(x, (bool, int, str))
+  data = {n: x for n, x in kwargs.items() if not static(x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
     return run(**kwargs)
-  static = tuple((n, x) for n, x in kwargs.items() if _static(x))
-  return _program(run, static, device_facts(), data)
+  fixed = tuple((n, x) for n, x in kwargs.items() if static(x))
+  return _program(run, fixed, device_facts(), data)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -1,12 +1,9 @@
 """AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, every mode and its step) and over an
 image (``aft_conv2d``): heads h, one key per head, a small kernel w^h per head, 0 elsewhere.
-
-The sums are exact log-sum-exp triples: for every position (a) the kernel's offsets, one shifted
-copy of the keys per kernel entry with its bias added, and (b) every other position, bias 0:
-running prefix (and suffix) sums of the keys shifted past the kernel. The maxima carry no
-gradient, so plain autodiff gives a backward pass of linear scans. Causal 1-D over at most
-``DENSE_MAX_T`` positions is one masked [T, T] sum per head instead. No kernel: ``impl`` is
-checked, XLA runs.
+The sums are exact triples: (a) the kernel's offsets, one shifted copy of the keys per kernel
+entry with its bias, and (b) every other position (bias 0): running prefix and suffix sums
+shifted past the kernel; plain autodiff gives linear scans backward. Causal 1-D over at most
+``DENSE_MAX_T`` positions is one masked [T, T] sum per head. No kernel: XLA runs.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import numpy as np
 
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
-from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, bcast, combine, finite, gate, output, tame
+from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
 
 _sg = jax.lax.stop_gradient
 # Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``): at
@@ -44,10 +41,9 @@ def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
       f"{q.shape[-2]} heads; got kernel {kernel.shape}"
     )
   common.resolve(fn, impl, (), causal=causal, channels=q.shape[-1])  # (no kernel: refused)
-  sizes = kernel.shape[1:]
-  if min(sizes) < 1:
+  if min(kernel.shape[1:]) < 1:
     raise ValueError(f"{fn}: kernel sizes must be >= 1; got kernel {kernel.shape}")
-  if not causal and any(s % 2 == 0 for s in sizes):
+  if not causal and any(s % 2 == 0 for s in kernel.shape[1:]):
     what = (
       "a non-causal kernel size must be odd (centred)"
       if n_spatial == 1
@@ -61,26 +57,17 @@ def aft_conv1d(
   q, k, v, kernel, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
   segment_ids=None, axis_name=None,
 ):  # fmt: skip
-  """AFT-conv over a sequence: per head i a kernel w^i of size s,
-
-      Y[t, i] = sigma(q[t, i]) * sum_t' exp(k[t', i] + w^i[t, t']) v[t', i] / (the same
-      without v)
-
-  with w^i[t, t'] = kernel[i, j] for t' = t + j - s // 2 (non-causal, s odd) or t' = t - j
-  (causal), and 0 for every other t' (which still contributes).
+  """AFT-conv over a sequence, per head i a kernel w^i of size s: Y[t, i] = sigma(q[t, i]) *
+  sum_t' exp(k[t', i] + w^i[t, t']) v[t', i] / (the same without v), w^i[t, t'] = kernel[i, j]
+  for t' = t + j - s // 2 (non-causal, s odd) or t' = t - j (causal), 0 for every other t'.
 
   Args:
-    q, v: ``[..., T, H, C]``; k: ``[..., T, H]`` (one key per head).
-    kernel: ``[H, s]``, s >= 1.
+    q, v: ``[..., T, H, C]``; k: ``[..., T, H]`` (one key per head); kernel: ``[H, s]``.
     causal, impl: as ``aft_simple`` (there is no kernel: "pallas" is refused).
-    initial_state: causal: ``WindowState`` (s keys and values) of the positions before the
-      piece, as ``output_final_state=True`` or ``aft_conv1d_step`` returns it.
-    output_final_state, segment_ids, axis_name: causal: as ``aft_simple``.
+    initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
+      state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
-  Returns:
-    ``[..., T, H, C]``, or ``(Y, state)`` with ``output_final_state``. O(T s H C).
-
-  Example::
+  Returns ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C). Example::
 
     y = aft_conv1d(q, k, v, kernel, causal=True)  # q, v [B, T, H, C], k [B, T, H], kernel [H, s]
   """
@@ -112,29 +99,18 @@ def _run(q, k, v, kernel, state, segment_ids, mode, causal, final, axis_name):
   if k.shape[axis] == 0:
     one = lambda x: x.shape[:axis] + x.shape[axis + 1 :]
     return lse.nothing(q, k, v, state, final, lambda: lse.window_init(one(k), one(v), s))
-  # -inf: AFT-conv's leaves take a key of -inf as no term (``_leaf``).
+  # -inf: a key of -inf is no term (``logsumexp.leaf``).
   y = lse.after_state(lambda *qkv: _whole(*qkv, kernel, True), q, k, v, state, -jnp.inf)
   return (y, lse.final(state, k, v, s)) if final else y
 
 
 def aft_conv2d(q, k, v, kernel, *, impl="auto"):
-  """AFT-conv over an image, per head i a kh x kw kernel w^i ("SAME"):
+  """AFT-conv over an image, per head i a kh x kw kernel w^i ("SAME"): Y[r, c, i] = sigma(q[r,
+  c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i] / (the same without v), w^i =
+  kernel[i, a, b] at (r', c') = (r + a - kh // 2, c + b - kw // 2), 0 at every other position.
 
-      Y[r, c, i] = sigma(q[r, c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i] / (the
-      same without v)
-
-  with w^i = kernel[i, a, b] at (r', c') = (r + a - kh // 2, c + b - kw // 2) and 0 at every
-  other position of the image (which still contributes).
-
-  Args:
-    q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``.
-    kernel: ``[H, kh, kw]``, odd sizes.
-    impl: as ``aft_conv1d``.
-
-  Returns:
-    ``[..., Ht, Wd, H, C]``. O(Ht Wd kh kw C) per head.
-
-  Example::
+  Args: q, v ``[..., Ht, Wd, H, C]``; k ``[..., Ht, Wd, H]``; kernel ``[H, kh, kw]``, odd sizes;
+  impl as ``aft_conv1d``. Returns ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C). Example::
 
     y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
   """
@@ -146,13 +122,8 @@ def _whole(q, k, v, kernel, causal):
   out_dt, dt = common.dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
-  f = lambda x: jnp.asarray(x, dt)
-  y = (
-    _causal_conv1d(f(q), f(k), f(v), f(kernel))
-    if causal
-    else _conv1d(f(q), f(k), f(v), f(kernel), False)
-  )
-  return y.astype(out_dt)
+  args = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
+  return (_causal_conv1d(*args) if causal else _conv1d(*args, False)).astype(out_dt)
 
 
 def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
@@ -163,28 +134,13 @@ def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
 
 def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
   """One token of causal AFT-conv1d: per head i, Y[t, i] = sigma(q[t, i]) * sum_{t' <= t}
-  exp(k[t', i] + b) v[t', i] / (the same without v), b = kernel[i, t - t'] for t - t' < s.
-
-  q_t, v_t: ``[..., H, C]``; k_t: ``[..., H]``; kernel: ``[H, s]``. Returns ``(Y[t], state)``.
-  """
+  exp(k[t', i] + b) v[t', i] / (the same without v), b = kernel[i, t - t'] for t - t' < s;
+  q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``. Returns ``(Y[t], state)``."""
   kernel = jnp.asarray(kernel, jnp.float32)
   return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
 
 
-# --------------------------------------------------------------------------- the sums
-
-
-def _leaf(k, v) -> Acc:
-  """One term per position: logit k, value v; den = exp(k - m) at m = k held fixed (value 1,
-  derivative in k 1). A key of -inf is no term (m = NEG, den 0)."""
-  none = k == -jnp.inf
-  m = jnp.where(none, NEG, _sg(k))
-  e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, k - m)))
-  return Acc(m, jnp.where(bcast(none, v), 0.0, v) * bcast(e, v), e)
-
-
-def _shift(x, offset: int, axis: int, fill):
-  """y[..., i, ...] = x[..., i + offset, ...] along ``axis``; ``fill`` where out of range."""
+def _shift(x, offset: int, axis: int, fill):  # y[i] = x[i + offset] along axis, else fill
   n = x.shape[axis]
   if abs(offset) >= n:
     return jnp.full_like(x, fill)
@@ -199,9 +155,8 @@ def _acc_shift(acc: Acc, offset: int, axis: int) -> Acc:
 
 
 def _prefix0(acc: Acc) -> Acc:
-  """Inclusive prefix sums along axis 0, exactly: chunks of c ~ sqrt(T) positions, a scan over
-  the c positions of every chunk at once, one over the n chunk totals, one combine: c + n loop
-  steps, no log-depth graph, two linear scans backward."""
+  """Inclusive prefix sums along axis 0, exactly: a scan over the c ~ sqrt(T) positions of every
+  chunk at once, one over the n chunk totals (c + n steps, no log-depth graph), one combine."""
   t_len = acc.m.shape[0]
   c = max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
   n = -(-t_len // c)
@@ -228,19 +183,15 @@ def _prefix0(acc: Acc) -> Acc:
   return Acc(*(unchunk(x) for x in out))
 
 
-def _acc_scan(acc: Acc, axis: int, reverse: bool = False) -> Acc:
-  """Inclusive prefix (or suffix) sums along ``axis`` with a carried maximum."""
+def _acc_sum(acc: Acc, axis: int) -> Acc:  # the whole sum along axis (kept, size 1)
+  every = jnp.ones(acc.m.shape[axis], bool)
+  return Acc(*(jnp.expand_dims(x, axis) for x in lse.reduce_over(acc, axis, every)))
+
+
+def _acc_scan(acc: Acc, axis: int, reverse: bool = False) -> Acc:  # prefix (suffix) sums
   fwd = lambda x: jnp.flip(jnp.moveaxis(x, axis, 0), 0) if reverse else jnp.moveaxis(x, axis, 0)
   back = lambda x: jnp.moveaxis(jnp.flip(x, 0) if reverse else x, 0, axis)
   return Acc(*(back(x) for x in _prefix0(Acc(*(fwd(x) for x in acc)))))
-
-
-def _acc_reduce(acc: Acc, axis: int) -> Acc:
-  """The whole sum along ``axis`` (kept, size 1)."""
-  m = jnp.max(acc.m, axis=axis, keepdims=True)
-  s = jnp.exp(acc.m - m)
-  num = jnp.sum(acc.num * bcast(s, acc.num), axis=axis, keepdims=True)
-  return Acc(m, num, jnp.sum(acc.den * s, axis=axis, keepdims=True))
 
 
 def _outside(leaf: Acc, axis: int, before: int | None, after: int | None) -> Acc:
@@ -254,8 +205,7 @@ def _outside(leaf: Acc, axis: int, before: int | None, after: int | None) -> Acc
 
 
 def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:
-  """Exact sum over the kernel's positions: logits k[t + o] + kernel[o] for each offset o (a
-  tuple of per-axis offsets per kernel entry); kernel ``[H, n_offsets]``."""
+  """Exact sum over the kernel's offsets o (per-axis tuples): logits k[t + o] + kernel[:, o]."""
 
   def shifted(acc, offset):
     for off, axis in zip(offset, axes):
@@ -279,12 +229,11 @@ def _causal_conv1d(q, k, v, kernel):
 
 @_causal_conv1d.defjvp
 def _causal_conv1d_jvp(primals, tangents):
-  """The derivative at the inputs with every non-finite entry replaced by 0, where a row has not
-  yet seen one (causal: there it is the derivative at the inputs) and its output is finite; 0
-  elsewhere (plain autodiff would reach every earlier input with the later rows' 0 * NaN)."""
+  """The derivative at the inputs with non-finite entries 0, on rows that have not seen one and
+  whose output is finite; 0 elsewhere (autodiff would reach earlier inputs with 0 * NaN)."""
   q, k, v, kernel = primals
   axis = k.ndim - 2
-  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term
+  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
   seen = jax.lax.cummax((bad_k[..., None] | ~finite(v)).astype(jnp.int32), axis=axis) > 0
   clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame(kernel))
   y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
@@ -301,10 +250,8 @@ def _conv1d(q, k, v, kernel, causal: bool, finite_values: bool = False):
 
 
 def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """Causal AFT-conv1d as one masked [T, T] sum per head (logits k[t'] + w[t - t'] over t' <=
-  t, shifted by each row's max, the values' sum a product). Non-finite values are zeroed first
-  and the rows that see one recomputed by the scans (behind ``logsumexp.cond``): every other
-  row is bit for bit what it is with finite values."""
+  """Causal AFT-conv1d as one masked [T, T] sum per head; non-finite values zeroed first and the
+  rows that see one recomputed by the scans (the others bit for bit as with finite values)."""
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
@@ -334,7 +281,7 @@ def _dense_causal(q, k, v, kernel, finite_values: bool):
 
 def _scan_conv1d(q, k, v, kernel, causal: bool):
   s, axis = kernel.shape[-1], k.ndim - 2
-  leaf = _leaf(k, v)
+  leaf = lse.leaf(k, v)
   if causal:
     inside = _kernel_sum(leaf, kernel, [(-j,) for j in range(s)], (axis,))
     return output(q, combine(inside, _outside(leaf, axis, s, None)))
@@ -350,12 +297,12 @@ def _conv2d(q, k, v, kernel):
   q, k, v, kernel = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
   kh, kw = kernel.shape[1:]
   row, col = k.ndim - 3, k.ndim - 2
-  leaf = _leaf(k, v)
+  leaf = lse.leaf(k, v)
   offsets = [(a - kh // 2, b - kw // 2) for a in range(kh) for b in range(kw)]
   acc = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
   # Outside the kernel (w = 0): whole rows above and below its rows, plus, within its rows, the
   # columns left and right of it. All exact, no subtraction.
-  acc = combine(acc, _outside(_acc_reduce(leaf, col), row, kh // 2 + 1, kh // 2 + 1))
+  acc = combine(acc, _outside(_acc_sum(leaf, col), row, kh // 2 + 1, kh // 2 + 1))
   sides = _outside(leaf, col, kw // 2 + 1, kw // 2 + 1)
   for a in range(-(kh // 2), kh // 2 + 1):
     acc = combine(acc, _acc_shift(sides, a, row))

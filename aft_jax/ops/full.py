@@ -1,13 +1,8 @@
-"""AFT-full (paper Eq. 2): the op, its packed rows and its one-token step. Its sums are
-AFT-local's banded ones with a band of every key (``local``); it has no kernel, and no state
-but every past key and value (``FullState``, for decoding)."""
+"""AFT-full (paper Eq. 2): the op, its packed rows and its one-token step: AFT-local's (``local``)
+with a band of every key. It has no kernel, and no summary state: its past is every key and
+value (decoding: a window of max_len)."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
 
 from aft_jax.ops import common, local
 from aft_jax.ops import logsumexp as lse
@@ -24,18 +19,13 @@ def aft_full(
   w[t, t']) (t' <= t when causal).
 
   Args:
-    q, k, v: ``[..., T, D]``.
-    w: ``[T, T]`` pairwise position bias.
+    q, k, v: ``[..., T, D]``; w: ``[T, T]``, the pairwise bias.
     causal, impl: as ``aft_simple``.
-    initial_state, output_final_state: refused (a ValueError): AFT-full's past is every key and
-      value (decode with ``aft_full_step``), not a summary.
-    segment_ids, positions: causal: packed documents, ``[..., T]`` ints (as ``aft_local``); w
-      then ``[L, L]`` with L > every position.
+    initial_state, output_final_state: refused: AFT-full's past is every key and value (decode
+      with ``aft_full_step``).
+    segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
 
-  Returns:
-    ``[..., T, D]``. O(T^2 D) time, O(T^2 + T D) memory.
-
-  Example::
+  Returns ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory. Example::
 
     y = aft_full(q, k, v, w, causal=True)  # q, k, v [B, T, D], w [T, T]
   """
@@ -64,31 +54,14 @@ def _run(q, k, v, w, segment_ids, positions, causal, impl):
   return lse.packed(q, k, v, segment_ids, t_len, local.band_bias(w, positions, t_len))
 
 
-class FullState(NamedTuple):
-  """AFT-full's decoding state: keys, values ``[..., L, D]`` (slot t' holds position t') and
-  ``index``, the tokens seen (int32)."""
-
-  keys: jax.Array
-  values: jax.Array
-  index: jax.Array
+def aft_full_init(shape, max_len: int) -> lse.WindowState:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len:
+  AFT-local's with a window of every key (all past keys and values)."""
+  return local.aft_local_init(shape, max_len)
 
 
-def aft_full_init(shape, max_len: int) -> FullState:
-  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len."""
-  cache = jnp.zeros(tuple(shape[:-1]) + (max_len, shape[-1]), jnp.float32)
-  return FullState(cache, cache, jnp.zeros((), jnp.int32))
-
-
-def aft_full_step(state: FullState, q_t, k_t, v_t, w_t):
+def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t'] + w[t, t']) v[t'] / (the same
-  without v), t = ``state.index``.
-
-  q_t, k_t, v_t: ``[..., D]``; w_t: ``[L]``, row t of the bias. Returns ``(Y[t], state)``.
-  """
-  t, f32 = state.index, lambda x: jnp.asarray(x, jnp.float32)
-  put = lambda cache, x: jax.lax.dynamic_update_slice_in_dim(cache, f32(x)[..., None, :], t, -2)
-  keys, values = put(state.keys, k_t), put(state.values, v_t)
-  valid = (jnp.arange(keys.shape[-2]) <= t)[:, None]
-  acc = lse.from_terms(keys + f32(w_t)[:, None], values, valid, axis=keys.ndim - 2)
-  y = lse.output(f32(q_t), acc).astype(jnp.result_type(q_t, k_t, v_t))
-  return y, FullState(keys, values, t + 1)
+  without v), t = ``state.index``; q_t, k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the
+  bias). Returns ``(Y[t], state)``."""
+  return local.aft_local_step(state, q_t, k_t, v_t, w_t)

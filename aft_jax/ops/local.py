@@ -1,28 +1,22 @@
-"""AFT-local (paper Eq. 4): the op in every mode, its one-token step, and the banded XLA maths it
-shares with AFT-full (``full``: a band of every key).
-
-For a query t and a channel r (k, v, a, L ``[T, R]``, R: batch x channels; w ``[T, T]``):
+"""AFT-local (paper Eq. 4): the op in every mode, its one-token step, and the banded XLA sums it
+shares with AFT-full (``full``: a band of every key). For a query t and a channel r (k, v, a, L
+``[T, R]``, R: batch x channels; w ``[T, T]``):
 
     a[t, r] = sum_t' exp(k[t', r] + b[t, t']) v[t', r] / sum_t' exp(k[t', r] + b[t, t'])
 
 with b[t, t'] = w[t, t'] on the band |t - t'| < s and 0 on every other key (causal: t' <= t).
-
-Layout. Queries are cut into nb blocks of c rows (the last moved back to end at T, overlapping
-the one before). Block b sees the keys [ks, ks + W): its band and the bias-0 keys between, a
-[c, W] rectangle summed with products of exp(b - row max) and exp(k - channel max) v; keys
-before ks (and, two-sided, from ks + W on) have bias 0 for every row of the block: running
-exact sums per block. The split shift is exact unless a row's largest term underflows (a
-denominator < 1e-25): those row groups are recomputed with a per-(t, r) maximum. Causal, the
-channel max is over the keys the block's first row sees, and a later key above e^60 or not
-finite is set aside (``logsumexp.set_aside``): a later key never reaches an earlier row.
-
-Derivative: a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
+Queries go in blocks of c rows (the last moved back to end at T); block b's band and the keys
+between are a [c, W] rectangle summed with products of exp(b - row max) and exp(k - channel
+max) v; the keys outside it have bias 0 for the whole block: running exact sums per block. A row
+whose largest term underflows in the split shift (a denominator < 1e-25) is recomputed with its
+own maximum. Causal, the channel max is over the keys the block's first row sees, and a later key
+above e^60 or not finite is set aside (``logsumexp.set_aside``): it never reaches an earlier row.
+The derivative is a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
 
     da[t] = sum_t' p[t, t'] (dv[t'] + (dk[t'] + dw[t, t']) (v[t'] - a[t]))
 
-the same blocked products with the saved a and L (the only [T, R] residuals, the scan bodies
-rematerialized); causal, a row whose a or L is not finite has tangent 0 and its factors are
-``tame``d. The kernel: ``pallas.triton_local`` (GPU).
+the same blocked products with a and L the only [T, R] residuals; causal, a row whose a or L is
+not finite has tangent 0, its factors ``tame``d. The kernel: ``pallas.triton_local`` (GPU).
 """
 
 from __future__ import annotations
@@ -42,8 +36,8 @@ from aft_jax.ops.pallas import triton_local
 
 FN = "aft_local"
 KERNELS = (common.Kernel("gpu", triton_local.mean, triton_local.unsupported),)
-# A long piece reads its bias in sub-pieces of this many positions (at least 4 windows), the
-# state carried between: blocks of [SUB_PIECE + s + 1]^2 keep the bias's memory linear in T.
+# A long piece not given its whole bias goes in sub-pieces of this many positions (at least 4
+# windows), the state carried between: blocks of [SUB_PIECE + s + 1]^2 keep its memory linear.
 SUB_PIECE = 2048
 
 
@@ -57,43 +51,31 @@ class Factors(NamedTuple):
   def shape(self):
     return (self.u.shape[0], self.v.shape[0])
 
-  def dense(self):
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    return f32(self.u) @ f32(self.v).T
-
 
 def aft_local(
   q, k, v, w, *, window, causal=False, impl="auto", offset=None, initial_state=None,
   output_final_state=False, segment_ids=None, positions=None, axis_name=None,
 ):  # fmt: skip
-  """AFT-local: as AFT-full with w[t, t'] used where |t - t'| < window and 0 elsewhere (those
+  """AFT-local: AFT-full with w[t, t'] used where |t - t'| < window and 0 elsewhere (those
   positions still contribute, with bias 0).
 
   Args:
     q, k, v: ``[..., T, D]``.
-    w: ``[T, T]``, entries outside the window ignored. In a piece (``offset``,
-      ``initial_state``) ``[L, L]``, L >= offset + T, the whole sequence's bias; or its factors
-      ``(u, v)``, each ``[L, d']``, w = u v^T: a piece or a shard then forms only the block of
-      w it reads (O(T d') memory), and a long sequence goes in sub-pieces.
+    w: ``[T, T]`` (entries outside the window ignored); in a piece ``[L, L]``, L >= offset + T,
+      the whole sequence's; or its factors ``(u, v)``, each ``[L, d']``: a piece or a shard then
+      forms only the block it reads, a long sequence goes in sub-pieces.
     window: s >= 1.
     causal, impl: as ``aft_simple``.
-    offset: causal: the position of ``q[..., 0, :]`` in w (an int or a traced int scalar);
-      default ``initial_state.index`` (0 without a state; with one it must equal it). Where it
-      cannot be checked (traced) and is wrong, or offset + T > L, the output is NaN.
-    initial_state: causal: ``WindowState`` of the positions before the piece (the triple of the
-      keys older than the last s, those s keys and values, ``index``), as returned by
-      ``output_final_state=True`` or ``aft_local_step``.
-    output_final_state: causal: also return the state after the piece (index offset + T).
-    segment_ids, positions: causal: packed documents, ``[..., T]`` ints: the documents' ids and
-      each position's index into w (restarting per document; L > every position, else NaN).
-    axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
-      device's shard of the output; w is the whole sequence's bias.
+    offset: causal: the position of q's first row in w (an int or a traced int scalar), default
+      ``initial_state.index`` (0 without a state), which it must equal; a traced offset that is
+      wrong or past L gives NaN.
+    initial_state, output_final_state: causal: as ``aft_simple``, the state a ``WindowState``
+      (the triple of the keys older than the last s, those s keys and values, ``index``).
+    segment_ids, positions: causal: packed documents, ``[..., T]`` ints: their ids and each
+      position's index into w (per document from 0; outside w: NaN).
+    axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
-  Returns:
-    ``[..., T, D]``, or ``(Y, state)`` with ``output_final_state``. O(T s D); no T x T array
-    when s << T.
-
-  Example::
+  Returns ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array. Example::
 
     y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
   """
@@ -106,7 +88,7 @@ def aft_local(
   if isinstance(w, (tuple, list)):
     w = _factors(w)
     if mode == "packed" or not causal or (mode == "whole" and not _in_sub_pieces(t_len, window)):
-      w = w.dense()  # these read all of w; a short sequence takes it dense
+      w = _dense(w)  # these read all of w; a short sequence takes it dense
   if mode == "sharded":
     _check_bias(w, t_len * jax.lax.axis_size(axis_name), 0)
   elif mode == "packed":
@@ -115,9 +97,8 @@ def aft_local(
   elif mode == "whole" and not isinstance(w, Factors):
     check_square(FN, w, t_len)
   else:
-    common.check_state(
-      FN, initial_state, lambda: aft_local_init(q.shape[:-2] + q.shape[-1:], window)
-    )
+    shape = q.shape[:-2] + q.shape[-1:]
+    common.check_state(FN, initial_state, lambda: aft_local_init(shape, window))
     offset, guard = _offset(offset, initial_state, w, t_len)
   return common.eager(
     _run, q=q, k=k, v=v, w=w, offset=offset, guard=guard, state=initial_state,
@@ -138,32 +119,19 @@ def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window,
   out = _piece(q, k, v, w, window, impl, 0 if offset is None else offset, state, final)
   if guard is None:
     return out
-  y = out[0] if final else out
-  y = jnp.where(guard, y, jnp.nan).astype(y.dtype)  # an offset that cannot be right
+  y = jnp.where(guard, out[0] if final else out, jnp.nan).astype(jnp.result_type(q, k, v))
   return (y, out[1]) if final else y
 
 
 def _whole(q, k, v, w, window, causal, impl, fn=FN, kernels=KERNELS):
-  """Y of op ``fn`` on a whole sequence, w ``[T, T]`` (window >= T: AFT-full), by the
-  implementation ``impl`` resolves to among ``kernels``."""
-  out_dt, dt = common.dtypes(q, k, v)
-  if q.size == 0 or k.size == 0:
-    return jnp.zeros(q.shape, out_dt)
-  low = out_dt == jnp.bfloat16
-  forward = common.forward_mode(k, v, w)
-  kernel = common.resolve(
-    fn, impl, kernels, causal=causal, channels=q.shape[-1], window=window, forward=forward
-  )
+  """Y of op ``fn`` on a whole sequence, w ``[T, T]`` (window >= T: AFT-full)."""
 
-  def xla(k, v, w):
-    rows = lambda x: jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
-    k2, v2 = rows(k.astype(dt)), rows(v.astype(dt))
+  def xla(k, v, w, low):
+    k2, v2 = common.rows(k), common.rows(v)
     plan = make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
-    a = banded_mean(plan, k2, v2, w)
-    return jnp.swapaxes(a.reshape(k.shape[-2], -1, k.shape[-1]), 0, 1).reshape(k.shape)
+    return common.unrows(banded_mean(plan, k2, v2, w), k.shape)
 
-  a = common.mean(kernel, impl, xla, k, v, jnp.asarray(w, dt), window)
-  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
+  return common.run(fn, kernels, impl, xla, q, k, v, w, causal=causal, window=window)
 
 
 def aft_local_init(shape, window: int) -> lse.WindowState:
@@ -172,17 +140,12 @@ def aft_local_init(shape, window: int) -> lse.WindowState:
 
 
 def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
-  """One token: as ``aft_full_step`` with w[t, t'] for t - t' < s and 0 for older keys.
-
-  q_t, k_t, v_t: ``[..., D]``; w_t: ``[L]``, row t of the bias (L > t). Returns ``(Y[t],
-  state)``; the state is the op's (``initial_state`` / ``output_final_state``).
-  """
+  """One token: as ``aft_full_step`` with w[t, t'] for t - t' < s and 0 for older keys; q_t,
+  k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the bias, L > t). Returns ``(Y[t], state)``,
+  the op's state (``initial_state``, ``output_final_state``)."""
   w_t = jnp.asarray(w_t, jnp.float32)
   bias = lambda pos, _: w_t[jnp.clip(pos, 0, w_t.shape[-1] - 1)][:, None]
   return lse.window_step(state, q_t, k_t, v_t, bias)
-
-
-# --------------------------------------------------------------------------- arguments
 
 
 def check_square(fn, w, t_len):
@@ -197,14 +160,13 @@ def check_square(fn, w, t_len):
 def _factors(w) -> Factors:
   if len(w) != 2:
     raise ValueError(f"{FN}: w as factors must be a pair (u, v); got {len(w)} arrays")
-  u, v = w
-  common.check_float(FN, u=u, v=v)
-  if jnp.ndim(u) != 2 or jnp.shape(u) != jnp.shape(v):
+  common.check_float(FN, u=w[0], v=w[1])
+  if jnp.ndim(w[0]) != 2 or jnp.shape(w[0]) != jnp.shape(w[1]):
     raise ValueError(
-      f"{FN}: the factors (u, v) of w = u v^T must both be [L, d']; got u {jnp.shape(u)}, "
-      f"v {jnp.shape(v)}"
+      f"{FN}: the factors (u, v) of w = u v^T must both be [L, d']; got u {jnp.shape(w[0])}, "
+      f"v {jnp.shape(w[1])}"
     )
-  return Factors(u, v)
+  return Factors(*w)
 
 
 def _check_bias(w, least: int, offset):
@@ -229,9 +191,8 @@ def _static_int(x) -> int | None:
 
 
 def _offset(offset, state, w, t_len: int):
-  """(offset, guard) of a piece: the offset (an int where static) and None, or a traced bool
-  under which it is right (else the output is NaN): 0 <= offset, offset + T <= L, offset ==
-  the state's index."""
+  """(offset, guard): the offset (an int where static), and None or the traced bool under which
+  0 <= offset, offset + T <= L and offset == the state's index (else the output is NaN)."""
   index = None if state is None else state.index
   given = offset is not None
   offset = offset if given else (0 if index is None else index)
@@ -256,21 +217,21 @@ def _offset(offset, state, w, t_len: int):
   return (offset if at is None else at), guard
 
 
-# --------------------------------------------------------------------------- pieces and packed
-
-
 def _in_sub_pieces(t_len: int, window: int) -> bool:
-  """Whether a piece of T positions not given its whole [T, T] bias goes in sub-pieces."""
   return t_len > 2 * max(SUB_PIECE, 4 * window)
+
+
+def _dense(w: Factors, pos=None):
+  """u v^T (float32): whole, or its rows and columns ``pos``."""
+  u, v = (jnp.asarray(x, jnp.float32) for x in w)
+  return u @ v.T if pos is None else u[pos] @ v[pos].T
 
 
 def _piece(q, k, v, w, window, impl, offset, state, final):
   """Causal AFT-local on positions offset .. offset + T - 1 of w ``[L, L]`` (or ``Factors``)
-  after ``state`` (index = offset; None: positions before offset hold no keys)."""
-  t_len = q.shape[-2]
-  init = lambda: lse.window_init(
-    q.shape[:-2] + q.shape[-1:], q.shape[:-2] + q.shape[-1:], window, offset
-  )
+  after ``state`` (index = offset; None: the positions before offset hold no keys)."""
+  t_len, one = q.shape[-2], q.shape[:-2] + q.shape[-1:]
+  init = lambda: lse.window_init(one, one, window, offset)
   if t_len == 0:
     return lse.nothing(q, k, v, state, final, init)
   n = 0 if state is None else 1 + window  # prepended positions
@@ -278,7 +239,9 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
   whole = isinstance(offset, int) and offset == 0 and n == 0 and w.shape[0] == t_len
   if (not whole or isinstance(w, Factors)) and _in_sub_pieces(t_len, window):
     return _sub_pieces(q, k, v, w, window, impl, offset, state or init(), final)
-  piece_w = (w.dense() if isinstance(w, Factors) else w) if whole else _block(w, offset, n, t_len)
+  piece_w = (
+    (_dense(w) if isinstance(w, Factors) else w) if whole else _block_of(w, offset, n, t_len)
+  )
   y = lse.after_state(lambda *qkv: _whole(*qkv, piece_w, window, True, impl), q, k, v, state)
   return (y, lse.final(state or init(), k, v, window)) if final else y
 
@@ -286,17 +249,15 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
 def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
   """``_piece`` on T = m c + r positions as m sub-pieces of c (a ``lax.scan``, the state and
   the offset carried) and the r left over: the same result as one call."""
-  t_len, axis = q.shape[-2], q.ndim - 2
-  c = max(SUB_PIECE, 4 * window)
+  t_len, axis, c = q.shape[-2], q.ndim - 2, max(SUB_PIECE, 4 * window)
   m, lead = t_len // c, q.shape[:axis]
   split = lambda x: jnp.moveaxis(
     jax.lax.slice_in_dim(x, 0, m * c, axis=axis).reshape(lead + (m, c) + x.shape[-1:]), axis, 0
   )
 
   def step(carry, qkv):
-    state, at = carry
-    y, state = _piece(*qkv, w, window, impl, at, state, True)
-    return (state, at + c), y
+    y, state = _piece(*qkv, w, window, impl, carry[1], carry[0], True)
+    return (state, carry[1] + c), y
 
   start = (state, jnp.asarray(offset, jnp.int32))
   (state, at), ys = jax.lax.scan(step, start, tuple(split(x) for x in (q, k, v)))
@@ -308,17 +269,15 @@ def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
   return (ys, state) if final else ys
 
 
-def _block(w, offset, n: int, t_len: int):
-  """w's rows and columns of positions offset - n .. offset + T - 1 ``[n + T, n + T]`` (those
-  before position 0 are 0): a slice of w, or of its top-left block padded by n (no copy of w,
-  which can be the whole sequence's)."""
+def _block_of(w, offset, n: int, t_len: int):
+  """w's rows and columns of positions offset - n .. offset + T - 1 (before 0: 0): a slice of w or
+  of its top-left block padded by n, never a copy of w (the whole sequence's)."""
   size = n + t_len
   if isinstance(w, Factors):  # that block of u v^T alone
-    pos = jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    return f32(w.u)[pos] @ f32(w.v)[pos].T
-  corner = jnp.pad(w[:size, :size], ((n, 0), (n, 0)))
-  early = jax.lax.dynamic_slice(corner, (offset, offset), (size, size))
+    return _dense(w, jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1))
+  early = jax.lax.dynamic_slice(
+    jnp.pad(w[:size, :size], ((n, 0), (n, 0))), (offset,) * 2, (size,) * 2
+  )
   if size > w.shape[0]:  # then offset + T <= L means offset < n
     return early
   late = jax.lax.dynamic_slice(w, (offset - n, offset - n), (size, size))
@@ -342,9 +301,7 @@ def band_bias(w, positions, t_len: int):
   return bias
 
 
-# --------------------------------------------------------------------------- the banded sums
-
-# Elements of the [rows, W, R] logits tensor of one exact (fallback) row group.
+# Elements of the [rows, W, R] logits of one exact (fallback) row group.
 _GROUP_ELEMENTS = 1 << 20
 # exp(row max + channel max - L) < 1e25 wherever the fast path is used; capped elsewhere (where
 # its product is discarded) so that no inf can meet a zero cotangent.
@@ -352,8 +309,7 @@ _MAX_LOG_SCALE = 80.0
 
 
 class BandPlan(NamedTuple):
-  """The static block layout: T, window s (>= T: all keys), causal, c rows per block, nb
-  blocks, W keys per block, rows per exact-recomputation group, bfloat16 factors (``low``)."""
+  """T, s, causal, rows per block c, blocks nb, keys per block W, rows per exact group."""
 
   t_len: int
   s: int
@@ -364,60 +320,37 @@ class BandPlan(NamedTuple):
   rows: int
   low: bool = False
 
-  @property
-  def groups(self) -> int:
-    return self.c // self.rows
-
   def tame(self, x):
-    """A tangent's factor: causal, ``logsumexp.tame``; non-causal a NaN anywhere is NaN
-    everywhere, derivative included."""
+    """A tangent's factor: causal, ``logsumexp.tame``; non-causal a NaN is NaN everywhere."""
     return lse.tame(x) if self.causal else x
 
 
 def _default_block(s: int, t_len: int) -> int:
   # On CPU (T 4096, R 512): a scan step's cost dominates below ~64 rows, the masked corners of
   # the [c, c + s - 1] rectangle above ~s rows.
-  if s >= t_len:
-    return 256
-  return min(128, max(64, 1 << round(math.log2(s))))
+  return 256 if s >= t_len else min(128, max(64, 1 << round(math.log2(s))))
 
 
 def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -> BandPlan:
-  """The layout for T = t_len, R = r channels (an int, or symbolic: ``jax.export`` with a
-  symbolic batch, then groups of one row) and the band half-width ``window``."""
+  """The layout for T, R channels (symbolic with ``jax.export``'s symbolic batch: one-row
+  groups) and the band half-width ``window``."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
   width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
   rows = 1
-  if isinstance(r, int):  # (the group size bounds memory; a symbolic R: the least)
-    while c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
-      rows *= 2
+  while isinstance(r, int) and c % (2 * rows) == 0 and 2 * rows * width * r <= _GROUP_ELEMENTS:
+    rows *= 2
   return BandPlan(t_len, s, causal, c, -(-t_len // c), width, rows, low)
 
 
-def _starts(p: BandPlan):
-  """Per block: first row rs, first key ks, end of its keys ke = ks + W (numpy, [nb])."""
+def _layout(p: BandPlan):
+  """Per block (numpy): first row rs, first key ks, and the key ranges [lo, hi) of the prefix
+  sums (keys < ks) and, two-sided, the suffix sums (keys >= ks + W, from the last block)."""
+  i32 = lambda x: np.asarray(x, np.int32)
   rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
   ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
-  return rs.astype(np.int32), ks.astype(np.int32), (ks + p.width).astype(np.int32)
-
-
-def _edge_ranges(p: BandPlan):
-  """Key ranges [lo, hi) added per block to the prefix sums (keys < ks) and, two-sided, the
-  suffix sums (keys >= ke, from the last block back); each <= c keys."""
-  _, ks, ke = _starts(p)
-  pre = (np.concatenate([[0], ks[:-1]]).astype(np.int32), ks)
-  return pre, (ke, np.concatenate([ke[1:], [p.t_len]]).astype(np.int32))
-
-
-def _bias(p: BandPlan, w_blk, rs, ks):
-  """The block's biases [c, W] (NEG where a key is excluded) and its band mask."""
-  d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
-  band = jnp.abs(d) < p.s
-  if p.causal:
-    band &= d <= 0
-    return jnp.where(band, w_blk, jnp.where(d < 0, 0.0, NEG)), band
-  return jnp.where(band, w_blk, 0.0), band
+  ke = ks + p.width
+  return i32(rs), i32(ks), (i32([0, *ks[:-1]]), i32(ks)), (i32(ke), i32([*ke[1:], p.t_len]))
 
 
 def _slice(x, start, size):
@@ -431,26 +364,19 @@ def _range_keys(k, lo, hi, c):
   return st, ((idx >= lo) & (idx < hi))[:, None]
 
 
-def _no_keys(ranges) -> bool:
-  lo, hi = ranges
-  return bool(np.all(np.asarray(lo) >= np.asarray(hi)))
-
-
 def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
-  """Running exact sums (bias 0) over the blocks' key ranges: [nb, R] each."""
-  c = p.c
+  """Running exact sums (bias 0) over the blocks' key ranges, [nb, R] each."""
 
   def step(acc, lohi):
-    st, keep = _range_keys(k, *lohi, c)
-    kk = jnp.where(keep, _slice(k, st, c), NEG)
+    st, keep = _range_keys(k, *lohi, p.c)
+    kk = jnp.where(keep, _slice(k, st, p.c), NEG)
     m = jnp.maximum(acc.m, jnp.max(kk, axis=0))
-    e = jnp.where(keep, jnp.exp(kk - m), 0.0)
-    scale = jnp.exp(acc.m - m)
-    num = acc.num * scale + jnp.sum(e * jnp.where(keep, _slice(v, st, c), 0.0), axis=0)
+    e, scale = jnp.where(keep, jnp.exp(kk - m), 0.0), jnp.exp(acc.m - m)
+    num = acc.num * scale + jnp.sum(e * jnp.where(keep, _slice(v, st, p.c), 0.0), axis=0)
     acc = Acc(m, num, acc.den * scale + jnp.sum(e, axis=0))
     return acc, acc
 
-  if _no_keys(ranges):  # one block, say: nothing to add (XLA would constant-fold the masks)
+  if np.all(ranges[0] >= ranges[1]):  # one block, say: nothing to add
     none = jnp.zeros_like(k[:1], shape=(p.nb, *k.shape[1:]))
     return Acc(none + NEG, none, none)
   zero = jnp.zeros_like(k[0])  # k's type: in shard_map, varying where k does
@@ -460,22 +386,20 @@ def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
 def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
   """``_edge_sums``' tangent in the scale of its maxima m [nb, R]: per block G = sum exp(k -
   m) (dv + dk v), H = sum exp(k - m) dk over the keys so far."""
-  c = p.c
   empty = jnp.full_like(m[:1], NEG)
   m_prev = jnp.concatenate([m[1:], empty] if reverse else [empty, m[:-1]])
 
   def step(gh, xs):
     lo, hi, mb, mp = xs
-    st, keep = _range_keys(k, lo, hi, c)
-    e = p.tame(jnp.exp(jnp.where(keep, _slice(k, st, c) - mb, NEG)))
-    dkk = _slice(dk, st, c)
-    scale = p.tame(jnp.exp(mp - mb))  # <= 1: the maximum only grows
-    vv = jnp.where(keep, _slice(v, st, c), 0.0)  # masked before the product
-    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, c) + dkk * vv), axis=0)
+    st, keep = _range_keys(k, lo, hi, p.c)
+    e = p.tame(jnp.exp(jnp.where(keep, _slice(k, st, p.c) - mb, NEG)))
+    dkk, scale = _slice(dk, st, p.c), p.tame(jnp.exp(mp - mb))  # <= 1: the max only grows
+    vv = jnp.where(keep, _slice(v, st, p.c), 0.0)  # masked before the product
+    g = gh[0] * scale + jnp.sum(e * (_slice(dv, st, p.c) + dkk * vv), axis=0)
     h = gh[1] * scale + jnp.sum(e * dkk, axis=0)
     return (g, h), (g, h)
 
-  if _no_keys(ranges):
+  if np.all(ranges[0] >= ranges[1]):
     return jnp.zeros_like(m), jnp.zeros_like(m)
   zero = jnp.zeros_like(k[0])
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
@@ -484,73 +408,55 @@ def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
 def _patch(p: BandPlan, bad, fast, exact):
   """``fast`` ([c, R] arrays) with the row groups flagged in ``bad`` [groups] replaced by
   ``exact(g)`` ([rows, R] arrays); nothing recomputed when none is."""
-
-  def one(args):
-    g, flag, f = args
-    return lse.cond(flag, lambda: exact(g), lambda: f)
+  groups = p.c // p.rows
+  one = lambda args: lse.cond(args[1], lambda: exact(args[0]), lambda: args[2])
 
   def run():
-    split = tuple(x.reshape((p.groups, p.rows) + x.shape[1:]) for x in fast)
-    out = jax.lax.map(jax.checkpoint(one), (jnp.arange(p.groups), bad, split))
+    split = tuple(x.reshape((groups, p.rows) + x.shape[1:]) for x in fast)
+    out = jax.lax.map(jax.checkpoint(one), (jnp.arange(groups), bad, split))
     return tuple(x.reshape((p.c,) + x.shape[2:]) for x in out)
 
   return lse.cond(jnp.any(bad), run, lambda: fast)
 
 
-class _Residuals(NamedTuple):
-  """a, L ``[T, R]``; the recomputed row groups ``[nb, groups]``; the maxima of the prefix and
-  (two-sided) suffix edge sums ``[nb, R]``."""
-
-  a: jax.Array
-  lse: jax.Array
-  bad: jax.Array
-  pre_m: jax.Array
-  suf_m: jax.Array | None
-
-
-def _block_data(p: BandPlan, k, v, w, rs, ks):
-  """Block (rs, ks): its biases [c, W], band mask, keys and values [W, R]."""
-  bias, band = _bias(p, jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width)), rs, ks)
-  return bias, band, _slice(k, ks, p.width), _slice(v, ks, p.width)
-
-
-def _shifted(p: BandPlan, bias, kw, vw, rs, ks):
-  """The block's split shift: exp(bias - row max) [c, W], exp(k - channel max) and values
-  [W, R], the two maxima, and (causal) per (row, channel) the largest exp(k - channel max) the
-  row sees, inf where it sees a set-aside key (non-causal: None)."""
+def _block(p: BandPlan, k, v, w, rs, ks):
+  """Block (rs, ks): its biases [c, W] (NEG: excluded), band, keys, values [W, R], and its split
+  shift: exp(bias - row max), exp(k - channel max), the values (causal: set aside), the maxima,
+  and (causal) per row and channel the largest exp(k - channel max) seen (inf: set aside)."""
+  d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
+  band = (jnp.abs(d) < p.s) & ((d <= 0) if p.causal else True)
+  w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))
+  bias = jnp.where(band, w_blk, jnp.where(d < 0, 0.0, NEG) if p.causal else 0.0)
+  kw, vw = _slice(k, ks, p.width), _slice(v, ks, p.width)
   mw = jnp.max(bias, axis=1)
   pt = jnp.exp(bias - mw[:, None])
   if not p.causal:
     mk = jnp.max(kw, axis=0)
-    return pt, jnp.exp(kw - mk), vw, mw, mk, None
+    return bias, band, kw, vw, pt, jnp.exp(kw - mk), vw, mw, mk, None
   first = (ks + jnp.arange(p.width) <= rs)[:, None]  # the keys the block's first row sees
   mk = jnp.max(jnp.where(first, kw, NEG), axis=0)
-  ok, e, vw = set_aside(jnp.exp(kw - mk), vw)
+  ok, e, vs = set_aside(jnp.exp(kw - mk), vw)
   seen = jax.lax.cummax(jnp.where(ok, e, jnp.inf), axis=0)  # row i: keys up to rs + i
-  return pt, e, vw, mw, mk, jax.lax.dynamic_slice_in_dim(seen, rs - ks, p.c, 0)
+  return bias, band, kw, vw, pt, e, vs, mw, mk, _slice(seen, rs - ks, p.c)
 
 
-def _matmul(p: BandPlan, pt, x):
-  return matmul("cw,wx->cx", pt, x, p.low)
-
-
-def _forward(p: BandPlan, k, v, w) -> _Residuals:
+def _forward(p: BandPlan, k, v, w):
+  """(a, L ``[T, R]``, the recomputed row groups ``[nb, groups]``, the maxima of the prefix
+  and (two-sided) suffix edge sums ``[nb, R]``)."""
   r = k.shape[1]
-  rs, ks, _ = _starts(p)
-  pre_r, suf_r = _edge_ranges(p)
+  rs, ks, pre_r, suf_r = _layout(p)
   pre = _edge_sums(p, k, v, pre_r, False)
   suf = None if p.causal else _edge_sums(p, k, v, suf_r, True)
 
   def block(_, xs):
     b_rs, b_ks, pre_b, suf_b = xs
-    bias, _, kw, vw = _block_data(p, k, v, w, b_rs, b_ks)
-    pt, e, vs, mw, mk, seen = _shifted(p, bias, kw, vw, b_rs, b_ks)
-    nd = _matmul(p, pt, jnp.concatenate([e * vs, e], axis=1))
+    bias, _, kw, vw, pt, e, vs, mw, mk, seen = _block(p, k, v, w, b_rs, b_ks)
+    nd = matmul("cw,wx->cx", pt, jnp.concatenate([e * vs, e], axis=1), p.low)
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
     # A product loses a term when exp(b - mw) underflows: den must exceed DEN_OK times the
     # largest second factor the row sees (inf: set aside).
     redo = ~(fast[2] >= DEN_OK * (1.0 if seen is None else jnp.maximum(seen, 1.0)))
-    bad = jnp.any(redo.reshape(p.groups, p.rows, r), axis=(1, 2))
+    bad = jnp.any(redo.reshape(p.c // p.rows, p.rows, r), axis=(1, 2))
     sees = (jnp.arange(p.width)[None, :] + b_ks <= jnp.arange(p.c)[:, None] + b_rs)[..., None]
 
     def exact(g):  # the flagged (row, channel)s of group g; the others keep the fast values
@@ -570,7 +476,7 @@ def _forward(p: BandPlan, k, v, w) -> _Residuals:
     return None, (acc.num / acc.den, acc.m + jnp.log(acc.den), bad)
 
   _, (a, lse_, bad) = jax.lax.scan(block, None, (rs, ks, pre, suf))
-  return _Residuals(_unblock(p, a), _unblock(p, lse_), bad, pre.m, None if suf is None else suf.m)
+  return _unblock(p, a), _unblock(p, lse_), bad, pre.m, None if suf is None else suf.m
 
 
 def _unblock(p: BandPlan, x):
@@ -581,27 +487,23 @@ def _unblock(p: BandPlan, x):
   return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
-def _tangent(p: BandPlan, k, v, w, res: _Residuals, dk, dv, dw):
+def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
   """da [T, R], linear in (dk, dv, dw); the rest recomputed from the primals."""
-  r = k.shape[1]
-  a, lse_ = res.a, res.lse
-  rs, ks, _ = _starts(p)
-  pre_r, suf_r = _edge_ranges(p)
-  pre = (res.pre_m, *_edge_tangent(p, k, v, res.pre_m, pre_r, False, dk, dv))
-  suf = None if p.causal else (res.suf_m, *_edge_tangent(p, k, v, res.suf_m, suf_r, True, dk, dv))
+  r, (a, lse_, bad, pre_m, suf_m) = k.shape[1], res
+  rs, ks, pre_r, suf_r = _layout(p)
+  pre = (pre_m, *_edge_tangent(p, k, v, pre_m, pre_r, False, dk, dv))
+  suf = None if p.causal else (suf_m, *_edge_tangent(p, k, v, suf_m, suf_r, True, dk, dv))
 
   def block(patched: bool, xs):
     b_rs, b_ks, bad_b, pre_b, suf_b = xs
-    bias, band, kw, vw = _block_data(p, k, v, w, b_rs, b_ks)
+    bias, band, kw, vw, pt, e, vs, mw, mk, _ = _block(p, k, v, w, b_rs, b_ks)
     dwb = jnp.where(band, jax.lax.dynamic_slice(dw, (b_rs, b_ks), (p.c, p.width)), 0.0)
     dkw, dvw = _slice(dk, b_ks, p.width), _slice(dv, b_ks, p.width)
     a_raw, l_r = _slice(a, b_rs, p.c), _slice(lse_, b_rs, p.c)
-    a_r = p.tame(a_raw)
-    pt, e, vs, mw, mk, _ = _shifted(p, bias, kw, vw, b_rs, b_ks)
-    pt = p.tame(pt)
+    a_r, pt = p.tame(a_raw), p.tame(pt)
     scale = p.tame(jnp.exp(jnp.minimum(mw[:, None] + mk - l_r, _MAX_LOG_SCALE)))
-    nd = _matmul(p, pt, jnp.concatenate([e * (dvw + dkw * vs), e * dkw], axis=1))
-    nd = nd + _matmul(p, pt * dwb, jnp.concatenate([e * vs, e], axis=1))
+    nd = matmul("cw,wx->cx", pt, jnp.concatenate([e * (dvw + dkw * vs), e * dkw], axis=1), p.low)
+    nd = nd + matmul("cw,wx->cx", pt * dwb, jnp.concatenate([e * vs, e], axis=1), p.low)
     da = scale * (nd[:, :r] - a_r * nd[:, r:])
 
     def exact(g):
@@ -620,22 +522,22 @@ def _tangent(p: BandPlan, k, v, w, res: _Residuals, dk, dv, dw):
 
   def run(patched: bool):
     body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
-    return jax.lax.scan(body, None, (rs, ks, res.bad, pre, suf))[1]
+    return jax.lax.scan(body, None, (rs, ks, bad, pre, suf))[1]
 
   # The recomputed rows are patched in a second version of the scan, chosen once: a cond per
   # block would take its tangents as operands, whose transpose fills and adds zero cotangents
   # per block whichever branch runs (1/6 of AFT-full's forward+backward at T 1024, d 512).
-  return _unblock(p, lse.cond(jnp.any(res.bad), lambda: run(True), lambda: run(False)))
+  return _unblock(p, lse.cond(jnp.any(bad), lambda: run(True), lambda: run(False)))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def banded_mean(p: BandPlan, k, v, w):
   """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
-  return _forward(p, k, v, w).a
+  return _forward(p, k, v, w)[0]
 
 
 @banded_mean.defjvp
 def _banded_mean_jvp(p, primals, tangents):
   k, v, w = primals
   res = _forward(p, k, v, w)
-  return res.a, jax.checkpoint(functools.partial(_tangent, p))(k, v, w, res, *tangents)
+  return res[0], jax.checkpoint(functools.partial(_tangent, p))(k, v, w, res, *tangents)

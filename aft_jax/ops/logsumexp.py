@@ -1,19 +1,15 @@
 """The (max, numerator, denominator) triple every op sums with, its combine, and what the ops'
 modes build from it.
 
-``exp`` overflows float32 above ~88, and one shift per row of a bias and per channel of the
-keys is not enough when their maxima sit at different positions, so partial sums are triples
+``exp`` overflows float32 above ~88, and one shift per row of a bias and per channel of the keys
+is not enough when their maxima sit at different positions, so partial sums are triples
 ``Acc(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a
-stable log-sum-exp. The maxima never carry a gradient (they cancel in num / den).
-
-Built from it here, for every causal op alike:
-
-- the state of a piece of a sequence (AFT-simple: the ``Acc`` of every key so far; AFT-local and
-  AFT-conv1d: ``WindowState``), which a piece uses as keys written in front of it
-  (``after_state``) and hands on (``final``); the one-token ``window_step``;
-- ``shard_state``: the state before a device's shard of T, from the others' (``axis_name``);
-- ``packed``: sums within the documents of packed rows (``segment_ids``);
-- ``cond``, whose predicate ``vmap`` never batches: the rare exact paths of the XLA sums.
+stable log-sum-exp; the maxima carry no gradient (they cancel in num / den). Built from it, for
+every causal op: the state of a piece (AFT-simple: the ``Acc`` of every key; AFT-local and
+AFT-conv1d: ``WindowState``), which a piece takes as keys in front of it (``after_state``) and
+hands on (``final``), and the one-token ``window_step``; ``shard_state``, the state before a
+device's shard of T (``axis_name``); ``packed``, sums within packed documents; ``cond``, whose
+predicate ``vmap`` never batches (the XLA sums' rare exact paths).
 """
 
 from __future__ import annotations
@@ -27,27 +23,25 @@ import numpy as np
 # The max of an empty sum and the logit of an excluded term: the lowest float32, finite (so
 # exp(NEG - NEG) = 1 multiplies zeros, no inf - inf) and below every finite logit.
 NEG = float(np.finfo(np.float32).min)
-_F32_MAX = float(np.finfo(np.float32).max)
 # Causal fast paths shift a block's terms by what its first row sees (never a later key, so a
 # later key cannot change an earlier row's rounding); a later term above this (or not finite, or
 # with a non-finite value) is set aside and the rows that see it are recomputed exactly.
 EXP_MAX = 1e26
 # A fast denominator below this may have lost its largest terms to underflow: recomputed.
 DEN_OK = 1e-25
-# Matrix products of exact sums: float32 on GPUs/TPUs too (no TF32/bf16 passes).
-HIGHEST = jax.lax.Precision.HIGHEST
+HIGHEST = jax.lax.Precision.HIGHEST  # products of exact sums: no TF32/bf16 passes
 _sg = jax.lax.stop_gradient
+_f32 = lambda x: jnp.asarray(x, jnp.float32)
 
 
 def finite(x):
   """Whether x is finite, from a comparison (which every Pallas lowering has)."""
-  return jnp.abs(x) <= _F32_MAX
+  return jnp.abs(x) <= float(np.finfo(np.float32).max)
 
 
 def tame(x):
-  """x where finite, else 0: a factor of a causal op's derivative. A row that sees a NaN or a key
-  of +inf has derivative 0; zeroed factors keep its zero cotangent from becoming 0 * NaN in
-  every earlier gradient."""
+  """x where finite, else 0: a causal derivative's factor (a row after a NaN has derivative 0,
+  and its zero cotangent must not become 0 * NaN in every earlier gradient)."""
   return jnp.where(finite(x), x, 0.0)
 
 
@@ -83,8 +77,7 @@ class Acc(NamedTuple):
 def empty(shape, num_shape=None) -> Acc:
   """The float32 triple of no terms (m = NEG, num = den = 0)."""
   zeros = lambda s: jnp.zeros(s, jnp.float32)
-  num = zeros(shape if num_shape is None else num_shape)
-  return Acc(jnp.full(shape, NEG, jnp.float32), num, zeros(shape))
+  return Acc(zeros(shape) + NEG, zeros(shape if num_shape is None else num_shape), zeros(shape))
 
 
 def bcast(scale, num):
@@ -93,22 +86,21 @@ def bcast(scale, num):
 
 
 def combine(a: Acc, b: Acc) -> Acc:
-  """The triple of the union of two disjoint sets of terms; one exp (the larger side scaled
-  by 1)."""
-  m = jnp.maximum(a.m, b.m)
+  """The triple of the union of two disjoint sets of terms (the larger side scaled by 1)."""
   x = jnp.exp(-jnp.abs(a.m - b.m))
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
-  return Acc(m, a.num * bcast(sa, a.num) + b.num * bcast(sb, b.num), a.den * sa + b.den * sb)
+  num = a.num * bcast(sa, a.num) + b.num * bcast(sb, b.num)
+  return Acc(jnp.maximum(a.m, b.m), num, a.den * sa + b.den * sb)
 
 
-def add(acc: Acc, logit, value, valid=True) -> Acc:
-  """``acc`` plus one term exp(logit) value (where ``valid``); logit ``[..., D]``."""
-  valid = jnp.asarray(valid)
-  one = jnp.where(valid, 1.0, 0.0).astype(acc.den.dtype) * jnp.ones_like(logit)
-  return combine(
-    acc, Acc(jnp.where(valid, logit, NEG), jnp.where(bcast(valid, value), value, 0.0), one)
-  )
+def leaf(logit, value, valid=True) -> Acc:
+  """One term per position (exp(logit) value) where ``valid`` and the logit is not -inf: m is
+  the logit held fixed, so den = exp(logit - m) = 1 carries the logit's derivative."""
+  none = ~jnp.asarray(valid) | (logit == -jnp.inf)
+  m = jnp.where(none, NEG, _sg(logit))
+  e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, logit - m)))
+  return Acc(m, jnp.where(bcast(none, value), 0.0, value) * bcast(e, value), e)
 
 
 def from_terms(logits, values, valid, axis: int) -> Acc:
@@ -129,12 +121,10 @@ def reduce(k, v, axis: int, valid=True) -> Acc:
 
 def reduce_over(acc: Acc, axis: int, valid) -> Acc:
   """The union of the triples laid out along ``axis`` where ``valid`` ``[n]``."""
-  shape = [1] * acc.m.ndim
-  shape[axis] = -1
-  keep_ = jnp.reshape(valid, shape)
-  m = jnp.where(keep_, acc.m, NEG)
+  valid = jnp.reshape(valid, [-1 if i == axis else 1 for i in range(acc.m.ndim)])
+  m = jnp.where(valid, acc.m, NEG)
   top = _sg(jnp.max(m, axis=axis, keepdims=True))
-  scale = jnp.where(keep_, jnp.exp(m - top), 0.0)
+  scale = jnp.where(valid, jnp.exp(m - top), 0.0)
   num = jnp.sum(acc.num * bcast(scale, acc.num), axis=axis)
   return Acc(jnp.squeeze(top, axis), num, jnp.sum(acc.den * scale, axis=axis))
 
@@ -158,9 +148,6 @@ def output(q, acc: Acc):
   return gate(q, acc.num / bcast(acc.den, acc.num))
 
 
-# --------------------------------------------------------------------------- the rare exact paths
-
-
 @jax.custom_batching.custom_vmap
 def _shared(flag):
   return flag
@@ -168,26 +155,20 @@ def _shared(flag):
 
 @_shared.def_vmap
 def _shared_vmap(axis_size, in_batched, flag):
-  (batched,) = in_batched
-  return (_shared(jnp.any(flag, axis=0)) if batched else flag), False
+  return (_shared(jnp.any(flag, axis=0)) if in_batched[0] else flag), False
 
 
 def cond(flag, true_fn, false_fn):
-  """``lax.cond(flag, ...)`` with the flag OR-ed over any ``vmap`` axis: a batched predicate would
-  turn the cond into a select of both branches (the exact path for every block) whose operands
-  are tangents that ``stop_gradient`` cannot transpose (grad of vmap would fail). The exact
-  branches replace only the rows that need them, so the others keep their fast values."""
+  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis: a batched one would select both
+  branches (the exact path everywhere), whose tangent operands ``stop_gradient`` cannot
+  transpose. The exact branches replace only the rows that need them."""
   return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
 
 
-# --------------------------------------------------------------------------- states
-
-
 class WindowState(NamedTuple):
-  """AFT-local's and AFT-conv1d's state: ``prefix``, the triple of every key older than the last
-  s positions (bias 0 for every later one); ``keys`` ``[..., s, D]`` (AFT-conv1d ``[..., s,
-  H]``) and ``values`` (``[..., s, D]``, ``[..., s, H, C]``), a ring of the last s (slot p % s
-  holds position p; slots of positions < 0 are empty); ``index``, the positions seen (int32)."""
+  """AFT-local's and AFT-conv1d's state: ``prefix``, the triple of the keys older than the last s;
+  ``keys`` ``[..., s, D]`` (``[..., s, H]``), ``values`` (``[..., s, H, C]``): a ring of the
+  last s (slot p % s holds position p); ``index``, the positions seen (int32)."""
 
   prefix: Acc
   keys: jax.Array
@@ -200,12 +181,8 @@ def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
   ``[..., H, C]``); at ``index`` > 0, of that many positions holding no keys (ring keys NEG)."""
   axis = len(k_shape) - 1
   ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
-  keys = ring(k_shape) if isinstance(index, int) and index == 0 else ring(k_shape) + NEG
+  keys = ring(k_shape) + (0.0 if isinstance(index, int) and index == 0 else NEG)
   return WindowState(empty(k_shape, v_shape), keys, ring(v_shape), jnp.asarray(index, jnp.int32))
-
-
-def _f32(x):
-  return jnp.asarray(x, jnp.float32)
 
 
 def _ordered(state: WindowState, axis: int):
@@ -220,45 +197,31 @@ def _along(valid, axis: int, ndim: int):
   return jnp.reshape(valid, (-1,) + (1,) * (ndim - axis - 1))
 
 
-def _as_key(acc: Acc, fill):
-  """A triple as one term: logit m + log den, value num / den (``fill``, 0 where it is empty)."""
-  has = acc.den > 0
-  den = jnp.where(has, acc.den, 1.0)
-  value = jnp.where(bcast(has, acc.num), acc.num / bcast(den, acc.num), 0.0)
-  return jnp.where(has, _f32(acc.m) + jnp.log(den), fill), value
-
-
-def as_keys(state, k, v, fill=NEG):
-  """k, v (T on axis a = k.ndim - 2) with ``state`` written in front as keys: the prefix triple
-  as one key (exactly the weight and mean of its terms; s + 1 positions back, outside every
-  band, so bias 0), then (a ``WindowState``) the ring's s keys in order; positions that do not
-  exist weigh nothing (``fill``: NEG, or -inf for AFT-conv1d). n = 1 (+ s) rows."""
-  axis = k.ndim - 2
-  prefix = state.prefix if isinstance(state, WindowState) else state
-  logit, value = (jnp.expand_dims(x, axis) for x in _as_key(prefix, fill))
-  ks, vs = [logit], [value]
-  if isinstance(state, WindowState):
-    rk, rv, valid = _ordered(state, axis)
-    ks.append(jnp.where(_along(valid, axis, rk.ndim), rk, fill))
-    vs.append(jnp.where(_along(valid, axis, rv.ndim), rv, 0.0))
-  return jnp.concatenate([*ks, _f32(k)], axis), jnp.concatenate([*vs, _f32(v)], axis)
-
-
 def nothing(q, k, v, state, final: bool, init):
-  """A piece of no positions: the empty output [and the state it was given, ``init()`` where
-  none]."""
+  """A piece of no positions: the empty output [and the state it was given, else ``init()``]."""
   y = jnp.zeros(q.shape, jnp.result_type(q, k, v))
   return (y, jax.tree.map(jnp.asarray, init() if state is None else state)) if final else y
 
 
 def after_state(run, q, k, v, state, fill=NEG):
-  """``run(q, k, v)`` (a causal op on a whole sequence) on a piece after ``state``: the state as
-  keys in front (``as_keys``), their rows' outputs dropped; the dtype of q, k, v."""
-  dt = jnp.result_type(q, k, v)
+  """``run(q, k, v)`` (a causal op on a whole sequence) after ``state``, written in front as keys
+  whose outputs are dropped: the prefix triple as one key (logit m + log den, value num / den;
+  s + 1 back: bias 0), then a ring's s keys; absent positions weigh nothing (``fill``)."""
+  dt, axis = jnp.result_type(q, k, v), k.ndim - 2
   if state is None:
     return run(q, k, v).astype(dt)
-  k1, v1 = as_keys(state, k, v, fill)
-  axis, n = k.ndim - 2, k1.shape[k.ndim - 2] - k.shape[k.ndim - 2]
+  prefix = state.prefix if isinstance(state, WindowState) else state
+  has = prefix.den > 0
+  den = jnp.where(has, prefix.den, 1.0)  # no log(0) or 0 / 0, not even in a gradient
+  ks = [jnp.where(has, _f32(prefix.m) + jnp.log(den), fill)]
+  vs = [jnp.where(bcast(has, prefix.num), prefix.num / bcast(den, prefix.num), 0.0)]
+  ks, vs = [jnp.expand_dims(ks[0], axis)], [jnp.expand_dims(vs[0], axis)]
+  if isinstance(state, WindowState):
+    rk, rv, valid = _ordered(state, axis)
+    ks.append(jnp.where(_along(valid, axis, rk.ndim), rk, fill))
+    vs.append(jnp.where(_along(valid, axis, rv.ndim), rv, 0.0))
+  k1, v1 = jnp.concatenate([*ks, _f32(k)], axis), jnp.concatenate([*vs, _f32(v)], axis)
+  n = k1.shape[axis] - k.shape[axis]
   zeros = jnp.zeros(q.shape[:axis] + (n,) + q.shape[axis + 1 :], jnp.float32)
   y = run(jnp.concatenate([zeros, _f32(q)], axis), k1, v1)
   return jax.lax.slice_in_dim(y, n, y.shape[axis], axis=axis).astype(dt)
@@ -281,9 +244,8 @@ def final(state, k, v, size: int | None = None):
   last = lambda x: jax.lax.slice_in_dim(x, t_len, t_len + size, axis=axis)
   leaving = reduce(first(keys), first(values), axis, _along(valid[:t_len], axis, keys.ndim))
   index = state.index + t_len
-  ring = lambda x: jnp.roll(
-    jnp.where(_along(valid[t_len:], axis, x.ndim), last(x), 0.0), index % size, axis
-  )
+  keep_last = lambda x: jnp.where(_along(valid[t_len:], axis, x.ndim), last(x), 0.0)
+  ring = lambda x: jnp.roll(keep_last(x), index % size, axis)
   return WindowState(combine(state.prefix, leaving), ring(keys), ring(values), index)
 
 
@@ -295,9 +257,9 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
   slot = t % size
   # The key leaving the window (position t - s) joins the bias-free prefix.
   old = lambda ring: jax.lax.dynamic_index_in_dim(ring, slot, axis, keepdims=False)
-  prefix = add(state.prefix, old(state.keys), old(state.values), t >= size)
-  put = lambda ring, x: jax.lax.dynamic_update_slice_in_dim(
-    ring, jnp.expand_dims(_f32(x), axis), slot, axis
+  prefix = combine(state.prefix, leaf(old(state.keys), old(state.values), t >= size))
+  put = lambda r, x: jax.lax.dynamic_update_slice_in_dim(
+    r, jnp.expand_dims(_f32(x), axis), slot, axis
   )
   keys, values = put(state.keys, k_t), put(state.values, v_t)
   age = (slot - jnp.arange(size)) % size
@@ -307,11 +269,9 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
 
 
 def shard_state(k, v, size: int | None, axis_name):
-  """Inside ``jax.shard_map`` with T split over ``axis_name`` (n consecutive positions per
-  device): the state of every position before this device's shard (``size`` None: AFT-simple's
-  ``Acc``, one ``all_gather`` of the shards' totals; else the ``WindowState`` of that window:
-  also the last s keys and values by ``ppermute`` from the ceil(s / n) devices before).
-  Gradients flow back through the collectives."""
+  """Inside ``jax.shard_map``, T split over ``axis_name`` (n positions per device): the state of
+  the positions before this device's (``size`` None: an ``Acc``, from an ``all_gather`` of the
+  shards' totals; else a ``WindowState``, the last s keys also by ``ppermute``)."""
   axis, n = k.ndim - 2, k.shape[k.ndim - 2]
   k, v = _f32(k), _f32(v)
   i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
@@ -322,9 +282,14 @@ def shard_state(k, v, size: int | None, axis_name):
   prev = lambda x, b: jax.lax.ppermute(x, axis_name, [(d, d + b) for d in range(devices - b)])
   span = lambda x: jnp.concatenate([prev(x, b) for b in range(back, 0, -1)], axis)
   last = lambda x: jax.lax.slice_in_dim(span(x), back * n - size, back * n, axis=axis)
-  # Shard i - back's keys before the ring join the prefix of every earlier shard.
-  head = _along(jnp.arange(n) < back * n - size, axis, k.ndim)
-  parts = (reduce(k, v, axis), reduce(k, v, axis, head))
+  # Shard i - back's keys before the ring join the prefix of every earlier shard; where there
+  # are none, an empty triple (not a sum of an all-false mask, which XLA would constant-fold).
+  edge_n = back * n - size
+  zero = lambda x: jnp.zeros_like(jax.lax.index_in_dim(x, 0, axis, keepdims=False))  # x's type
+  head = Acc(zero(k) + NEG, zero(v), zero(k))
+  if edge_n:
+    head = reduce(k, v, axis, _along(jnp.arange(n) < edge_n, axis, k.ndim))
+  parts = (reduce(k, v, axis), head)
   gathered = jax.lax.all_gather(Acc(*(jnp.stack(x) for x in zip(*parts))), axis_name)
   before = reduce_over(Acc(*(x[:, 0] for x in gathered)), 0, j < i - back)
   edge = reduce_over(Acc(*(x[:, 1] for x in gathered)), 0, j == i - back)
@@ -333,12 +298,8 @@ def shard_state(k, v, size: int | None, axis_name):
   return WindowState(combine(before, edge), roll(last(k)), roll(last(v)), index)
 
 
-# --------------------------------------------------------------------------- packed rows
-
-
 def _starts(segment_ids):
-  """Per position, the index of its segment's first position (a new segment wherever the id
-  changes), ``[..., T]``."""
+  """Per position, its segment's first position (a new segment wherever the id changes)."""
   idx = jnp.arange(segment_ids.shape[-1])
   prev = jnp.concatenate([segment_ids[..., :1], segment_ids[..., :-1]], axis=-1)
   first = (idx == 0) | (segment_ids != prev)
@@ -346,9 +307,9 @@ def _starts(segment_ids):
 
 
 def segment_positions(segment_ids, mask=None, shape=None):
-  """(segment ids, positions) ``[..., T]`` for packed rows and a padding mask (True: a token;
-  ``shape`` ``[..., T]`` when both are None): a new segment wherever the id or the mask changes
-  (a run of pads is a segment no token sees), each segment's positions from 0."""
+  """(segment ids, positions) ``[..., T]`` of packed rows and a padding mask (True: a token): a
+  segment wherever the id or the mask changes (pads: a segment no token sees), positions from 0
+  per segment. ``shape``: ``[..., T]`` where both are None."""
   seg = jnp.zeros(shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
   if mask is not None:
     seg = seg * 2 + jnp.asarray(mask, jnp.int32)
@@ -367,52 +328,31 @@ def shift(x, j, axis: int, fill):
   return jnp.where(t >= j, jnp.roll(x, j, axis=axis), fill)
 
 
-def _leaf(logit, value, valid) -> Acc:
-  m = _sg(logit)
-  e = jnp.exp(logit - m)  # 1, with the logit's gradient
-  return Acc(
-    jnp.where(valid, m, NEG),
-    jnp.where(bcast(valid, value), value * bcast(e, value), 0.0),
-    jnp.where(valid, e, 0.0),
-  )
-
-
 def packed(q, k, v, segment_ids, size: int, lag_bias):
-  """sigma(q) * sum_{t' <= t, same segment} exp(k[t'] + b) v[t'] / sum exp(k[t'] + b), in the
-  dtype of the inputs (float32 inside). k ``[..., T, H]``, v and q ``[..., T, H]`` or
-  ``[..., T, H, C]``; ``lag_bias(j)``: the bias b of the key at lag j < ``size`` per row
-  (broadcast against k), 0 for older keys.
-
-  The biased lags one at a time (a scan over j), the bias-0 keys older than that a segmented
-  prefix scan (an associative scan that restarts at each segment) read ``size`` back; plain
-  autodiff. O(T size D): a path for packed training rows."""
+  """sigma(q) * sum_{t' <= t, same segment} exp(k[t'] + b) v[t'] / sum exp(k[t'] + b): k ``[...,
+  T, H]``, q, v ``[..., T, H(, C)]``, ``lag_bias(j)`` the bias at lag j < ``size`` (0 beyond): a
+  scan over the lags, a segmented associative prefix scan for older keys. O(T size D)."""
   dt = jnp.result_type(q, k, v)
   k, v = _f32(k), _f32(v)
   axis, t_len = k.ndim - 2, k.shape[-2]
-  seg = 0 if segment_ids is None else segment_ids
-  start = _starts(jnp.broadcast_to(seg, k.shape[:-1]))[..., None]  # [..., T, 1]
-  t = jnp.arange(t_len)[:, None]
+  seg = jnp.broadcast_to(0 if segment_ids is None else segment_ids, k.shape[:-1])
+  start, t = _starts(seg)[..., None], jnp.arange(t_len)[:, None]  # [..., T, 1], [T, 1]
   size = min(size, t_len)
 
   def lag(acc, j):
     logit = shift(k, j, axis, 0.0) + lag_bias(j)
-    return combine(acc, _leaf(logit, shift(v, j, axis, 0.0), t - j >= start)), None
+    return combine(acc, leaf(logit, shift(v, j, axis, 0.0), t - j >= start)), None
 
-  acc = empty(k.shape, v.shape)
-  if size:
-    acc, _ = jax.lax.scan(lag, acc, jnp.arange(size))
+  acc = jax.lax.scan(lag, empty(k.shape, v.shape), jnp.arange(size))[0] if size else None
 
   def op(a, b):  # prefix sums that restart where b starts a segment
-    (fa, acc_a), (fb, acc_b) = a, b
-    both = combine(Acc(*acc_a), Acc(*acc_b))
-    return fa | fb, tuple(jnp.where(bcast(fb, y), y, x) for x, y in zip(both, acc_b))
+    both = combine(Acc(*a[1]), Acc(*b[1]))
+    return a[0] | b[0], tuple(jnp.where(bcast(b[0], y), y, x) for x, y in zip(both, b[1]))
 
   flags = jnp.broadcast_to(start == t, k.shape)
-  leaf = _leaf(k, v, jnp.ones(k.shape, bool))
-  run = jax.lax.associative_scan(op, (flags, tuple(leaf)), axis=axis)[1]
-  keep_ = t - size >= start  # the bias-0 keys: the segment's prefix sums, size back
-  old = [
-    jnp.where(bcast(keep_, x), shift(x, size, axis, f), f) for x, f in zip(run, (NEG, 0.0, 0.0))
-  ]
-  acc = combine(acc, Acc(*old))
+  run = jax.lax.associative_scan(op, (flags, tuple(leaf(k, v))), axis=axis)[1]
+  old = t - size >= start  # the bias-0 keys: the segment's prefix sums, size back
+  fills = (NEG, 0.0, 0.0)
+  old = Acc(*(jnp.where(bcast(old, x), shift(x, size, axis, f), f) for x, f in zip(run, fills)))
+  acc = old if acc is None else combine(acc, old)
   return (jax.nn.sigmoid(_f32(q)) * acc.num / bcast(acc.den, acc.num)).astype(dt)

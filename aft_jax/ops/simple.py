@@ -1,25 +1,18 @@
 """AFT-simple (paper Eq. 5), w = 0: the op in every mode, its one-token step, and its XLA maths.
-
-Causal, on XLA, the core is the weighted mean over k, v ``[T, R]`` (R: batch x channels)
-
-    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
-
-in one pass over chunks of c positions carrying the exact triple of everything before: a chunk's
-prefix sums are one lower-triangular [c, c] product of exp(k - m) [v, 1] (m: the max of the carry
-and of the chunk's first key, what every row sees), so each chunk is read once (about a
-``cumsum``'s speed). Rows whose denominator falls below ``DEN_OK``, or that see a term set aside
-(``logsumexp.set_aside``: above e^60 or not finite), are recomputed sequentially with a running
-maximum; a later position never reaches an earlier row, not even a NaN. The derivative is a
-custom JVP, da[t] = sum_{t' <= t} exp(k[t'] - L[t]) (dv[t'] + dk[t'] (v[t'] - a[t])), the same
-chunked products with a and L the only [T, R] residuals. Non-causal, w = 0 makes one shift per
-channel exact: softmax over T. The kernels: ``pallas.triton_simple`` (GPU),
-``pallas.mosaic_simple`` (TPU, opt-in).
+Causal, the core is a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'], L[t] = log sum_{t' <= t}
+exp(k[t']), over k, v ``[T, R]`` (R: batch x channels), in one pass over chunks carrying the exact
+triple of everything before: a chunk's prefix sums are one lower-triangular product of exp(k - m)
+[v, 1] (m: the max of the carry and the chunk's first key), about a ``cumsum``'s speed. Rows
+whose denominator falls below ``DEN_OK`` or that see a term set aside (``logsumexp.set_aside``)
+are recomputed sequentially with a running maximum. The derivative is a custom JVP, da[t] =
+sum_{t' <= t} exp(k[t'] - L[t]) (dv[t'] + dk[t'] (v[t'] - a[t])), with a and L the only [T, R]
+residuals. Non-causal: one shift per channel is exact (softmax over T). The kernels:
+``pallas.triton_simple`` (GPU), ``pallas.mosaic_simple`` (TPU, opt-in).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,21 +42,17 @@ def aft_simple(
     q, k, v: ``[..., T, D]``.
     causal: sum over ``t' <= t`` only (a bool).
     impl: "auto", "xla", "pallas" or "pallas_interpret" (``aft_jax.ops``).
-    initial_state: causal: the state of the positions before this piece (``logsumexp.Acc``:
-      m, num, den ``[..., D]`` float32), as ``output_final_state=True`` or the step returns it.
+    initial_state: causal: the ``Acc`` (m, num, den ``[..., D]``) of the positions before this
+      piece, as ``output_final_state=True`` or ``aft_simple_step`` returns it.
     output_final_state: causal: also return the state after the piece.
     segment_ids: causal: ``[..., T]`` ints, packed documents that do not see each other.
     axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
       device's shard of the output on the whole sequence.
 
-  Returns:
-    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)`` with ``output_final_state``. O(T D).
+  Returns ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D). Example::
 
-  Example::
-
-    y = aft_simple(q, k, v, causal=True)  # q, k, v [B, T, D]
-    y1, state = aft_simple(q1, k1, v1, causal=True, output_final_state=True)
-    y2 = aft_simple(q2, k2, v2, causal=True, initial_state=state)  # [y1, y2] == y
+    y1, state = aft_simple(q1, k1, v1, causal=True, output_final_state=True)  # [B, T, D]
+    y2 = aft_simple(q2, k2, v2, causal=True, initial_state=state)  # one call's, in two pieces
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   mode = common.check_mode(
@@ -92,23 +81,12 @@ def _run(q, k, v, state, segment_ids, mode, causal, impl, final, axis_name):
 
 
 def _whole(q, k, v, causal, impl):
-  """Y on a whole sequence by the implementation ``impl`` resolves to."""
-  out_dt, dt = common.dtypes(q, k, v)
-  if q.size == 0 or k.size == 0:
-    return jnp.zeros(q.shape, out_dt)
-  forward = common.forward_mode(k, v)
-  kernel = common.resolve(FN, impl, KERNELS, causal=causal, channels=q.shape[-1], forward=forward)
-
-  def xla(k, v, _):
-    k, v = k.astype(dt), v.astype(dt)
-    if not causal:
+  def xla(k, v, _, low):
+    if not causal:  # w = 0: one shift per channel is exact
       return jnp.sum(jax.nn.softmax(k, axis=-2) * v, axis=-2, keepdims=True)
-    rows = lambda x: jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
-    a = causal_mean(rows(k), rows(v), CHUNK, out_dt == jnp.bfloat16)
-    return jnp.swapaxes(a.reshape(k.shape[-2], -1, k.shape[-1]), 0, 1).reshape(k.shape)
+    return common.unrows(causal_mean(common.rows(k), common.rows(v), CHUNK, low), k.shape)
 
-  a = common.mean(kernel, impl, xla, k, v)
-  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
+  return common.run(FN, KERNELS, impl, xla, q, k, v, causal=causal)
 
 
 def aft_simple_init(shape) -> lse.Acc:
@@ -117,44 +95,20 @@ def aft_simple_init(shape) -> lse.Acc:
 
 
 def aft_simple_step(state: lse.Acc, q_t, k_t, v_t):
-  """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t']) v[t'] / sum_{t' <= t} exp(k[t']).
-
-  q_t, k_t, v_t: ``[..., D]``. Returns ``(Y[t] [..., D], state)`` (the state float32, Y the
-  inputs' dtype). The state is the op's: a call's final state continues here, and back.
-  """
+  """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t']) v[t'] / sum_{t' <= t} exp(k[t']);
+  q_t, k_t, v_t ``[..., D]``. Returns ``(Y[t], state)``, the op's state (float32)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  state = lse.add(state, f32(k_t), f32(v_t))
+  state = lse.combine(state, lse.leaf(f32(k_t), f32(v_t)))
   return lse.output(f32(q_t), state).astype(jnp.result_type(q_t, k_t, v_t)), state
 
 
-# --------------------------------------------------------------------------- the XLA maths
-
-
-class _Chunk(NamedTuple):
-  """One chunk's slice of what the tangent pass reads: k, v, a, L ``[c, R]``; the chunk's max,
-  the previous chunk's max and L at its end ``[R]``; whether the forward recomputed it; dk, dv."""
-
-  k: jax.Array
-  v: jax.Array
-  a: jax.Array
-  lse: jax.Array
-  m: jax.Array
-  m_prev: jax.Array
-  lse_prev: jax.Array
-  bad: jax.Array
-  dk: jax.Array
-  dv: jax.Array
-
-
-def _chunked(x, c: int, fill=0.0):
-  """[T, R] -> [n, c, R], T padded up to n c with ``fill``."""
+def _chunked(x, c: int, fill=0.0):  # [T, R] -> [n, c, R], T padded with ``fill``
   n = -(-x.shape[0] // c)
   x = jnp.pad(x, ((0, n * c - x.shape[0]), (0, 0)), constant_values=fill)
   return x.reshape(n, c, x.shape[1])
 
 
-def _tril_matmul(x, low: bool):
-  """Inclusive prefix sums along axis 0 of x [c, X], as one matrix product."""
+def _tril_matmul(x, low: bool):  # inclusive prefix sums along axis 0 of x [c, X]
   c = x.shape[0]
   return matmul("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, low)
 
@@ -209,16 +163,19 @@ def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
   m_prev = jnp.concatenate([empty, m[:-1]])
   lse_prev = jnp.concatenate([empty, lse_[:-1, -1]])  # L at the previous chunk's end
 
-  def step(gh, ch: _Chunk):
-    x, y = ch.dv + ch.dk * ch.v, ch.dk
-    a = tame(ch.a)
+  def step(gh, chunk):
+    # One chunk's k, v, a, L [c, R]; its max, the previous chunk's and L at its end [R];
+    # whether the forward recomputed it; the tangents dk, dv [c, R].
+    k, v, a_raw, lse_c, m, m_prev, lse_prev, bad_c, dk, dv = chunk
+    x, y = dv + dk * v, dk
+    a = tame(a_raw)
 
     def fast():  # sums of exp(k - m) x and exp(k - m) y in the scale of the chunk's max
-      e = jnp.exp(ch.k - ch.m)
-      s0 = tame(jnp.exp(ch.m_prev - ch.m))
+      e = jnp.exp(k - m)
+      s0 = tame(jnp.exp(m_prev - m))
       nd = _tril_matmul(jnp.concatenate([e * x, e * y], axis=1), low)
       g, h = gh[0] * s0 + nd[:, : x.shape[1]], gh[1] * s0 + nd[:, x.shape[1] :]
-      return (g[-1], h[-1]), tame(jnp.exp(ch.m - ch.lse)) * (g - a * h)
+      return (g[-1], h[-1]), tame(jnp.exp(m - lse_c)) * (g - a * h)
 
     def exact():  # S[t] = sum exp(k - L[t]) x: every factor <= 1
       def add(s, xs1):
@@ -227,18 +184,18 @@ def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
         s = (s[0] * decay + r * x1, s[1] * decay + r * y1)
         return s, s
 
-      scale = tame(jnp.exp(ch.m_prev - ch.lse_prev))
-      l_before = jnp.concatenate([ch.lse_prev[None], ch.lse[:-1]])
-      xs = (ch.k, l_before, ch.lse, x, y)
+      scale = tame(jnp.exp(m_prev - lse_prev))
+      l_before = jnp.concatenate([lse_prev[None], lse_c[:-1]])
+      xs = (k, l_before, lse_c, x, y)
       (g, h), (sg, sh) = jax.lax.scan(add, (gh[0] * scale, gh[1] * scale), xs)
-      back = tame(jnp.exp(ch.lse[-1] - ch.m))
+      back = tame(jnp.exp(lse_c[-1] - m))
       return (g * back, h * back), sg - a * sh
 
-    carry, da = lse.cond(ch.bad, exact, fast)
-    return carry, jnp.where(keep(ch.a, ch.lse), da, 0.0)
+    carry, da = lse.cond(bad_c, exact, fast)
+    return carry, jnp.where(keep(a_raw, lse_c), da, 0.0)
 
   zero = jnp.zeros_like(kc[0, 0])
-  xs = _Chunk(kc, vc, a, lse_, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
+  xs = (kc, vc, a, lse_, m, m_prev, lse_prev, bad, _chunked(dk, c), _chunked(dv, c))
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), xs)[1]
 
 

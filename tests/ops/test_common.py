@@ -273,3 +273,14 @@ def test_an_eager_call_is_one_program_per_shape_and_device():
     assert common._program._cache_size() == before + 2
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_a_traced_call_enters_at_most_four_modules():
+  """benchmarks/ops_trace.py: one XLA call of causal AFT-simple, causal AFT-local, AFT-full and
+  AFTLocal.apply, traced, enters at most 4 modules of aft_jax/ops (the op's, AFT-local's banded
+  sums for AFT-full, the triple's, the common one): a reader's path from the op to its maths."""
+  from benchmarks import ops_trace
+
+  for name, (fn, args) in ops_trace.cases().items():
+    files = ops_trace.modules_entered(fn, *args)
+    assert "common.py" in files and len(files) <= 4, (name, files)

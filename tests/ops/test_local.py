@@ -93,7 +93,7 @@ def test_banded_long_sequence(causal, window, scale):
   plan = local.make_plan(t_len, 2 * 4, window or t_len, causal)
   assert plan.nb > 1 and plan.nb * plan.c > t_len, plan  # several blocks, the last overlapping
   rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
-  recomputed = local._forward(plan, rows(k), rows(v), w).bad
+  recomputed = local._forward(plan, rows(k), rows(v), w)[2]
   assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
 
   def dense(q, k, v, w):  # exact: a per-(t, d) maximum
@@ -404,3 +404,18 @@ def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
   y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
   want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
   chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_symbolic_batch_exports():
+  """jax.export with an unconstrained symbolic batch: the banded sums' row groups take one row
+  where the channel count is symbolic; the exported program gives the op's values."""
+  (b,) = jax.export.symbolic_shape("b")
+  x, w = jax.ShapeDtypeStruct((b, 16, 8), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  q, k, v, bias = qkvw(30, (3,), 16, 8, 1.0)
+  for fn in (
+    lambda q, k, v, w: ops.aft_local(q, k, v, w, window=4, causal=True),
+    lambda q, k, v, w: ops.aft_local(q, k, v, w, window=4),
+    lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True),
+  ):
+    exported = jax.export.export(jax.jit(fn))(x, x, x, w)
+    np.testing.assert_array_equal(exported.call(q, k, v, bias), fn(q, k, v, bias))

@@ -79,8 +79,6 @@ def tpu_simple(q, k, v):
   """Causal AFT-simple on the TPU kernel (``simple.KERNELS``' TPU entry) in Pallas'
   interpreter, as impl="pallas" runs it on a TPU: sigma(q) * its mean, the inputs' dtype."""
   from aft_jax.ops import common, simple
-  from aft_jax.ops import logsumexp as lse
 
-  out_dt, dt = common.dtypes(q, k, v)
-  a = common.mean(simple.KERNELS[1], "pallas_interpret", None, k, v)
-  return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
+  tpu = (simple.KERNELS[1],)
+  return common.run("aft_simple", tpu, "pallas_interpret", None, q, k, v, causal=True)

@@ -34,71 +34,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, set_aside
-from aft_jax.ops.pallas.triton import mean_with_vjp, padded_to_chunks, varying_like, widest_config
+from aft_jax.ops.pallas import triton
+from aft_jax.ops.pallas.triton import (
+  colsum,
+  mean_with_vjp,
+  padded_to_chunks,
+  varying_like,
+  widest_config,
+)
 
-# Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
-# g exp(L_start - L) far from underflow; beyond this rise inside a chunk, scan exactly.
-MAX_RISE = 40.0
-# Forward fast path: the smallest denominator it may leave (see ``DEN_OK``). Both thresholds
-# are read when the kernel is traced (the tests move them to force either path).
-MIN_DEN = DEN_OK
+# Backward fast path: beyond this rise of L inside a chunk (exp(L - L_first) near overflow,
+# g exp(L_first - L) near underflow), the exact scan. Forward: the smallest denominator the fast
+# path may leave (``DEN_OK``). Both read when the kernel is traced.
+MAX_RISE, MIN_DEN = 40.0, DEN_OK
 LANES = 128  # a TPU vector register's minor dimension: block_d is a multiple of it
 
 
 class MosaicConfig(NamedTuple):
-  """Positions per grid step (sublanes; a multiple of 16 for bf16 blocks) and channels per
-  block (lanes, a multiple of 128)."""
+  """Positions per grid step (sublanes, a multiple of 16) and channels per block (lanes)."""
 
   block_t: int = 128
   block_d: int = 128
 
 
-# Every configuration ``config_for`` can choose (the lowering tests export each). block_t 128
-# fills the MXU's 128 rows with one triangular product per chunk; block_d as wide as the
-# channels allow amortises the per-step overhead over more lanes. Chosen by reasoning, not
-# timed on a TPU.
+# ``config_for``'s choices: block_t 128 fills the MXU's rows with one triangular product per
+# chunk; block_d as wide as the channels allow. Chosen by reasoning, not timed on a TPU.
 CONFIGS = tuple(MosaicConfig(block_t=128, block_d=bd) for bd in (512, 256, 128))
 
 
 def unsupported(d: int, window=None) -> str | None:
   """Why the kernel cannot tile D = d channels, or None if it can."""
-  if d % LANES:
-    return (
-      f"the channel dim D = {d} is not a multiple of {LANES} (the TPU kernel's lane tile; "
-      "pad the channels or use impl='xla')"
-    )
-  return None
+  why = f"the channel dim D = {d} is not a multiple of {LANES} (the TPU kernel's lane tile; "
+  return why + "pad the channels or use impl='xla')" if d % LANES else None
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 2) -> MosaicConfig:
-  """The configuration for ``batch`` rows of D = d channels (``triton.widest_config``):
-  two programs at least, since two TensorCores share the parallel axes on megacore chips."""
+  """The configuration for ``batch`` rows of D channels: two programs at least (megacore)."""
   return widest_config(CONFIGS, d, batch, min_programs, f"Pallas TPU kernel: {unsupported(d)}")
 
 
-def _tri(n: int, lower: bool):
-  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
-  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
-
-
 def _dot(x, y):
-  """float32 x @ y (no bf16 passes: the factors of exact sums)."""
   return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _rows(x):
-  """The row index of every element of the 2-D x."""
-  return jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)  # every element's row index
 
 
 def _prefix_triples(k, v):
-  """Per row t of a chunk k, v [n, bd]: the exact triple (m, num, den) of rows <= t.
-
-  Hillis-Steele: after the step with shift s, row t holds rows (t - 2 s, t]; the step
-  combines it with row t - s's triple (a stable log-sum-exp), where t - s >= 0.
-  """
+  """Per row t of a chunk k, v [n, bd], the exact triple of rows <= t (Hillis-Steele: step s
+  combines row t's (t - 2 s, t] with row t - s's)."""
   n = k.shape[0]
   row = _rows(k)
   m, num, den = k, v, jnp.ones_like(k)
@@ -119,8 +104,7 @@ def _prefix_triples(k, v):
 
 
 def _suffix_sums(lse, p1, p2):
-  """Per row t' of a chunk: sum_{t >= t' in the chunk} exp(L[t'] - L[t]) p[t] for p1, p2
-  [n, bd], by the suffix form of the scan above (factors <= 1 since L never decreases)."""
+  """Per row t' of a chunk: sum_{t >= t'} exp(L[t'] - L[t]) p[t] for p1, p2 (factors <= 1)."""
   n = lse.shape[0]
   row = _rows(lse)
   s = 1
@@ -151,7 +135,7 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
   ok, e, vs = set_aside(jnp.exp(kc - m), vc)
   s0 = jnp.exp(m0 - m)
   ev = e * vs
-  tril = _tri(kc.shape[0], lower=True)
+  tril = triton.tri(kc.shape[0], lower=True)
   num = s0 * num0 + _dot(tril, ev)
   den = s0 * den0 + _dot(tril, e)
   # The rows that see a set-aside term, or whose shift lost their terms: only they are redone.
@@ -160,10 +144,7 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
 
   def fast():
     # The carry: every term (none is set aside), in the scale m.
-    carry = (
-      s0 * num0 + jnp.sum(ev, axis=0, keepdims=True),
-      s0 * den0 + jnp.sum(e, axis=0, keepdims=True),
-    )
+    carry = (s0 * num0 + colsum(ev), s0 * den0 + colsum(e))
     return jnp.broadcast_to(m, kc.shape), num, den, m, *carry
 
   def exact():  # the chunk's own prefix triples, then the carry added to each row
@@ -183,8 +164,7 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
 
 
 def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_ref, ln_ref):
-  """One grid step, chunks from the last: dk, dv of the chunk's rows. The scratch holds C1,
-  C2 at the next chunk's first row (in the scale of its L) and that L."""
+  """One grid step, chunks from the last: dk, dv; the scratch holds C1, C2, L of the next chunk."""
 
   @pl.when(pl.program_id(2) == 0)
   def _():
@@ -201,7 +181,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
 
   def fast():
     up = jnp.exp(lse - l0)
-    triu = _tri(lse.shape[0], lower=False)
+    triu = triton.tri(lse.shape[0], lower=False)
     return up * _dot(triu, gs) + nx * c1n, up * _dot(triu, ga) + nx * c2n
 
   def exact():
@@ -215,57 +195,35 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
   dk_ref[...] = (p * (v_ref[...].astype(jnp.float32) * c1 - c2)).astype(dk_ref.dtype)
   # C1, C2 at this chunk's first row, in the scale of its L (l0): factors <= 1, exact.
   back = jnp.exp(l0 - ln)
-  c1_ref[...] = jnp.sum(gs, axis=0, keepdims=True) + back * c1n
-  c2_ref[...] = jnp.sum(ga, axis=0, keepdims=True) + back * c2n
+  c1_ref[...] = colsum(gs) + back * c1n
+  c2_ref[...] = colsum(ga) + back * c2n
   ln_ref[...] = l0
 
 
 def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
-  """pallas_call over the grid (batch, D / block_d, T / block_t); every ref is one
-  ``[block_t, block_d]`` block; the T axis walks forward or (``reverse``) from the end."""
-  b, t_len, d = ins[0].shape
-  bt, bd = cfg.block_t, cfg.block_d
+  """pallas_call over (batch, D / block_d, T / block_t) blocks, T forward or ``reverse``; Pallas'
+  generic interpreter (its TPU one, host callbacks, hung after the first run here)."""
+  (b, t_len, d), bt, bd = ins[0].shape, cfg.block_t, cfg.block_d
   n_t = t_len // bt
-  if reverse:
-    index = lambda i, j, t: (i, n_t - 1 - t, j)
-  else:
-    index = lambda i, j, t: (i, t, j)
+  index = (lambda i, j, t: (i, n_t - 1 - t, j)) if reverse else (lambda i, j, t: (i, t, j))
   spec = pl.BlockSpec((None, bt, bd), index)
+  out_shape = [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs]
   return pl.pallas_call(
-    kernel,
-    grid=(b, d // bd, n_t),
-    in_specs=[spec] * len(ins),
-    out_specs=[spec] * len(outs),
-    out_shape=varying_like(
-      [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs], ins, interpret
-    ),
+    kernel, grid=(b, d // bd, n_t), in_specs=[spec] * len(ins), out_specs=[spec] * len(outs),
+    out_shape=varying_like(out_shape, ins, interpret),
     scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32) for _ in range(3)],
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-    # Pallas' generic interpreter: its TPU interpreter (pltpu.InterpretParams, which runs the
-    # kernel through host callbacks) hung on every run after the first in this project's
-    # tests (jax 0.10.2, 2-core CPU, a persistent compilation cache).
     interpret=interpret,
-  )(*ins)
-
-
-def _check(k, cfg: MosaicConfig):
-  d = k.shape[-1]
-  if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:
-    raise ValueError(
-      f"Pallas TPU kernel: {cfg} cannot tile D = {d} channels (block_d must be a multiple of "
-      f"{LANES} dividing D, block_t a multiple of 16)"
-    )
+  )(*ins)  # fmt: skip
 
 
 def _forward(k, v, cfg: MosaicConfig, interpret: bool, with_lse: bool):
-  """a [and L] over the padded length."""
   kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
   outs = [jnp.float32] * (2 if with_lse else 1)
   return _call(kernel, cfg, interpret, False, padded_to_chunks(k, v, cfg.block_t), outs)
 
 
 def _backward(k, v, a, lse, g, cfg: MosaicConfig, interpret: bool):
-  """dk, dv over the padded length (the grid walks T from the end)."""
   ins = (*padded_to_chunks(k, v, cfg.block_t), a, lse, g)
   return _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
 
@@ -275,19 +233,19 @@ _causal_mean = mean_with_vjp(_forward, _backward)
 
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
-  D a multiple of 128), differentiable in k and v.
-
-  ``cfg``: the block configuration (default ``config_for(D, B)``). ``interpret``: run the
-  kernel in Pallas' interpreter (any backend; slow, for tests) instead of compiling it for a
-  TPU.
-  """
+  D a multiple of 128), differentiable in k and v; ``cfg`` default ``config_for(D, B)``;
+  ``interpret``: in Pallas' interpreter (any backend) instead of compiled for a TPU."""
   if k_BTD.ndim != 3 or v_BTD.shape != k_BTD.shape:
     raise ValueError(f"k and v must be [B, T, D] of one shape; got {k_BTD.shape}, {v_BTD.shape}")
-  why = unsupported(k_BTD.shape[-1])
-  if why:
-    raise ValueError(f"Pallas TPU kernel: {why}")
-  cfg = cfg or config_for(k_BTD.shape[-1], k_BTD.shape[0])
-  _check(k_BTD, cfg)
+  d = k_BTD.shape[-1]
+  if unsupported(d):
+    raise ValueError(f"Pallas TPU kernel: {unsupported(d)}")
+  cfg = cfg or config_for(d, k_BTD.shape[0])
+  if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:
+    raise ValueError(
+      f"Pallas TPU kernel: {cfg} cannot tile D = {d} channels (block_d must be a multiple of "
+      f"{LANES} dividing D, block_t a multiple of 16)"
+    )
   return _causal_mean(k_BTD, v_BTD, cfg, interpret)
 
 

@@ -1,17 +1,14 @@
 """What the Pallas GPU kernels (``triton_simple``, ``triton_local``) share: block configurations,
 the launch plan, the Triton call, the chunk-parallel form's segment totals, in-kernel helpers;
-and, with the TPU kernel (``mosaic_simple``), the widest channel block and the custom VJP of a
-weighted mean.
+and with the TPU kernel (``mosaic_simple``) the widest channel block and a mean's custom VJP.
 
-Every kernel walks its positions in chunks of ``block_t``, one program per (batch row, block of
-``block_d`` channels). That is the sequential form: at small B * D few programs (AFT-simple at
-B 1, D 512: 8 to 32) wait on their chunks one after another while a GPU has ~100 SMs to fill.
-The chunk-parallel form (the split of flash-linear-attention's chunk kernels, Mamba2's SSD,
-RecurrentGemma's scan) cuts T into segments of ``seg`` positions, grid (batch row, channel
-block, segment): a totals kernel writes each segment's exact triple (``totals``), and each
-segment's carry-in is the combine of the totals before it (``fold``; the backward: after it),
-``FOLD`` at a time, each scaled by exp(its max - the overall max) <= 1. The split is exact; it
-costs one more read of the inputs. ``plan_for`` chooses the form.
+Sequential form: one program per (batch row, block of ``block_d`` channels) walks all of T in
+chunks of ``block_t``; at small B * D that is few programs (AFT-simple at B 1, D 512: 8 to 32)
+for ~100 SMs. Chunk-parallel form (as flash-linear-attention's chunk kernels, Mamba2's SSD,
+RecurrentGemma's scan): T in segments of ``seg``, grid (batch row, channel block, segment); a
+totals kernel writes each segment's exact triple (``totals``) and a segment's carry-in is the
+combine of the totals before it (``fold``; backward: after it), each scaled by exp(its max - the
+overall max) <= 1. Exact; one more read of the inputs. ``plan_for`` chooses the form.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from aft_jax.ops.logsumexp import HIGHEST, NEG, keep
 
 
 class TritonConfig(NamedTuple):
-  """Positions per chunk, channels per program, Triton warps and stages (Triton's products need
-  both block sizes >= 16, powers of two)."""
+  """Positions per chunk, channels per program, warps, stages (block sizes >= 16, powers of 2)."""
 
   block_t: int = 16
   block_d: int = 64
@@ -38,20 +34,18 @@ class TritonConfig(NamedTuple):
 
 # Every configuration ``config_for`` can choose (the cross-lowering tests export each).
 CONFIGS = tuple(TritonConfig(block_d=bd) for bd in (64, 32, 16))
-# A memory-bound kernel wants >= 4 resident programs per SM of the largest GPU it runs on
-# (H100 / H200: 132 SMs).
+# A memory-bound kernel wants >= 4 resident programs per SM (H100 / H200: 132 SMs).
 MIN_PROGRAMS = 4 * 132
-# Segment lengths, longest first: the longest that still gives MIN_PROGRAMS (fewer totals, a
-# shorter fold). 128 = 8 chunks of 16 is the shortest: at T 16384 its fold (8 steps) is as long
-# as its own chunks. AFT-local's segments also hold the band's front (``min_seg``). Chosen by
-# reasoning, not timed on a GPU (``benchmarks.accelerator_check`` times both forms).
+# Segment lengths: the longest that still gives MIN_PROGRAMS (fewer totals, a shorter fold);
+# 128 = 8 chunks: at T 16384 its fold is as long as its own chunks. Chosen by reasoning, not
+# timed on a GPU (``benchmarks.accelerator_check`` times both forms).
 SEGMENTS = (2048, 1024, 512, 256, 128)
 FOLD = 16  # segment totals folded per step
 FORMS = ("auto", "sequential", "chunked")
 
 
 class LaunchPlan(NamedTuple):
-  """The block configuration and ``seg``, positions per program along T (None: sequential)."""
+  """The block configuration and ``seg``, positions per program (None: sequential)."""
 
   cfg: TritonConfig
   seg: int | None = None
@@ -59,15 +53,15 @@ class LaunchPlan(NamedTuple):
 
 def unsupported_channels(d: int, window=None) -> str | None:
   """Why a kernel cannot tile D = d channels, or None if it can."""
-  if d % CONFIGS[-1].block_d:
-    return f"the channel dim D = {d} is not a multiple of {CONFIGS[-1].block_d} (the kernel's tile)"
-  return None
+  tile = CONFIGS[-1].block_d
+  return (
+    f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)" if d % tile else None
+  )
 
 
 def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
-  """Of ``configs`` (widest first), the widest whose channel block divides d and gives
-  ``min_programs`` (batch row, channel block) programs, else the narrowest that divides d; a
-  ValueError saying ``why_not`` where none does."""
+  """Of ``configs``, the widest whose block divides d and gives ``min_programs`` programs, else
+  the narrowest that divides d; a ValueError saying ``why_not`` where none does."""
   fits = [cfg for cfg in configs if d % cfg.block_d == 0]
   if not fits:
     raise ValueError(why_not)
@@ -75,16 +69,14 @@ def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 256) -> TritonConfig:
-  """The sequential form's configuration for ``batch`` rows of D = d channels: each program
-  walks T, so a GPU needs many of them."""
+  """The sequential form's configuration for ``batch`` rows of D = d channels."""
   return widest_config(CONFIGS, d, batch, min_programs, f"Pallas kernel: {unsupported_channels(d)}")
 
 
 def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto") -> LaunchPlan:
-  """The launch for ``batch`` rows of T = t_len, D = d: sequential where its grid has
-  ``MIN_PROGRAMS`` programs, else chunk-parallel where T holds two segments (``SEGMENTS``, each
-  >= ``min_seg``), else sequential. ``form`` "sequential" or "chunked" takes that form where it
-  can run (the ops ask "auto"; ``benchmarks.kernel_form.forced`` times each)."""
+  """The launch: sequential where its grid has ``MIN_PROGRAMS`` programs, else chunk-parallel
+  where T holds two segments (each >= ``min_seg``); ``form`` forces one where it can run
+  (``benchmarks.kernel_form``)."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   seq = LaunchPlan(config_for(d, batch))
@@ -100,7 +92,6 @@ def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto
 
 
 def grid(batch: int, d: int, plan: LaunchPlan, n_seg: int) -> tuple[int, ...]:
-  """(batch rows, channel blocks[, segments])."""
   return (batch, d // plan.cfg.block_d) + ((n_seg,) if plan.seg else ())
 
 
@@ -109,14 +100,17 @@ def n_pad(n_seg: int) -> int:
   return -(-n_seg // FOLD) * FOLD
 
 
-# --------------------------------------------------------------------------- the calls
+def tri(n: int, lower: bool):
+  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
+  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
 
 
 def mean_with_vjp(forward, backward):
-  """The custom-VJP weighted mean of the AFT-simple kernels, a [B, T, D] of k, v (static cfg,
-  interpret), from the kernels' halves over T padded to their chunks: ``forward(k, v, cfg,
-  interpret, with_lse)`` -> a [and L]; ``backward(k, v, a, lse, g, cfg, interpret)`` -> dk, dv
-  (g padded with zeros). Residuals: a and L (padded) besides k and v."""
+  """The custom-VJP mean a [B, T, D] of k, v (static cfg, interpret) from a kernel's halves over
+  padded T: ``forward(..., with_lse)`` -> a [and L]; ``backward(k, v, a, lse, g, ...)`` -> dk,
+  dv."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
   def mean(k, v, cfg, interpret: bool):
@@ -139,20 +133,17 @@ def mean_with_vjp(forward, backward):
 
 
 def tamed_lse(a, lse):
-  """L as a residual: the largest float32 on rows without derivative (``keep``: after a NaN),
-  a weight exp(k - L) of 0 as padding rows have, so the backward sums there are exact zeros."""
+  """L as a residual: the largest float32 on rows without derivative (a weight exp(k - L) of 0)."""
   return jnp.where(keep(a, lse), lse, -NEG)
 
 
 def tamed_cotangent(a, lse, g):
   """(a, g) for the backward kernels (L from ``tamed_lse``): 0 on rows without derivative."""
-  ok = lse < -NEG
-  return jnp.where(ok, a, 0.0), jnp.where(ok, g, 0.0)
+  return jnp.where(lse < -NEG, a, 0.0), jnp.where(lse < -NEG, g, 0.0)
 
 
 def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
-  """``pl.pallas_call`` with Triton's compiler parameters unless interpreted (without them the
-  GPU lowering is Mosaic GPU, which lacks the kernels' cumsum and dot_general)."""
+  """``pl.pallas_call``, compiled with Triton's parameters (else the lowering is Mosaic GPU)."""
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as plt
@@ -167,10 +158,8 @@ def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, 
 
 
 def varying_like(out_shape, ins, interpret: bool):
-  """``out_shape`` varying over every manual mesh axis one of ``ins`` varies over (inside
-  ``jax.shard_map`` with check_vma=True a ``pallas_call`` is told how its outputs vary). Pallas'
-  interpreter (jax 0.10.2) cannot run there (its loops start from buffers that vary over no
-  axis): a one-line ValueError instead of a scan error from inside Pallas."""
+  """``out_shape`` varying over the manual mesh axes ``ins`` vary over (``jax.shard_map`` with
+  check_vma); a one-line ValueError where interpreted there (jax 0.10.2's interpreter fails)."""
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in ins))
   if axes and interpret:
     raise ValueError(
@@ -181,27 +170,26 @@ def varying_like(out_shape, ins, interpret: bool):
   return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape]
 
 
-# --------------------------------------------------------------------------- in-kernel helpers
-
-
 def all_true(cond):
   """True where every element of the 2-D bool ``cond`` is (Triton has no reduce_and)."""
   return jnp.min(jnp.min(jnp.where(cond, 1.0, 0.0), axis=1), axis=0) > 0.5
 
 
 def dot(x, y, trans_x: bool = False, trans_y: bool = False):
-  """float32 x @ y (x^T, y^T where asked), no TF32 passes: the factors of exact sums."""
+  """float32 x @ y (x^T, y^T where asked), no TF32 passes."""
   dims = (((0 if trans_x else 1,), (1 if trans_y else 0,)), ((), ()))
   return jax.lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
+def colsum(x):
+  return jnp.sum(x, axis=0, keepdims=True)  # [n, bd] -> [1, bd]
+
+
 def rows(j, n):
-  """The j-th block of n rows."""
-  return pl.ds(pl.multiple_of(j * n, n), n)
+  return pl.ds(pl.multiple_of(j * n, n), n)  # the j-th block of n rows
 
 
 def load(ref, idx):
-  """Rows ``idx`` of ``ref`` in float32."""
   return ref[idx, :].astype(jnp.float32)
 
 
@@ -219,33 +207,28 @@ def padded_to_chunks(k, v, block_t: int):
 
 
 def pad_key(dtype) -> float:
-  """A padding key: NEG where the dtype holds it, else its lowest (bfloat16 would round NEG to
-  -inf, and -inf - -inf = NaN)."""
+  """A padding key: NEG, or the dtype's lowest (NEG in bfloat16 would be -inf: -inf - -inf)."""
   return max(NEG, float(jnp.finfo(dtype).min))
 
 
 def empty(bd: int):
-  """The triple of no terms, [1, bd] each."""
-  zero = jnp.zeros((1, bd), jnp.float32)
+  zero = jnp.zeros((1, bd), jnp.float32)  # the triple of no terms
   return zero + NEG, zero, zero
 
 
 def _combine_block(carry, x, y1, y2, ok):
   """``carry`` (m, s1, s2) [1, bd] plus the terms exp(x) y1, exp(x) y2 of the rows where ``ok``
-  ([n, bd] each), every factor <= 1; values masked before the products (a later NaN must not
-  reach an earlier segment)."""
+  (values masked before the products)."""
   m0, a0, b0 = carry
   x = jnp.where(ok, x, NEG)
   m = jnp.maximum(m0, jnp.max(x, axis=0, keepdims=True))
   e, s0 = jnp.where(ok, jnp.exp(x - m), 0.0), jnp.exp(m0 - m)
   y1, y2 = jnp.where(ok, y1, 0.0), jnp.where(ok, y2, 0.0)
-  sum_ = lambda y: jnp.sum(e * y, axis=0, keepdims=True)
-  return m, a0 * s0 + sum_(y1), b0 * s0 + sum_(y2)
+  return m, a0 * s0 + colsum(e * y1), b0 * s0 + colsum(e * y2)
 
 
 def fold(m_ref, s1_ref, s2_ref, take):
-  """The combine of the segment totals [n_pad, bd] whose index ``take(index [FOLD, 1])``
-  accepts, ``FOLD`` at a time: a triple [1, bd] each."""
+  """The combine of the segment totals [n_pad, bd] whose index ``take`` accepts."""
 
   def step(i, carry):
     idx = rows(i, FOLD)
@@ -256,9 +239,8 @@ def fold(m_ref, s1_ref, s2_ref, take):
 
 
 def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
-  """One (batch row, channel block, segment s): the triple of its rows with skip <= row <
-  limit. ``kind`` "keys": refs k, v, terms exp(k) v, exp(k); "cotangent": refs L, g, a, terms
-  exp(-L) g, exp(-L) g a (the backward's sums over later queries)."""
+  """One (batch row, channel block, segment): the triple of its rows in [skip, limit): "keys"
+  exp(k) v, exp(k); "cotangent" exp(-L) g, exp(-L) g a (the backward's later queries)."""
   *ins, m_ref, s1_ref, s2_ref = refs
   s = pl.program_id(2)
 
@@ -278,8 +260,7 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
 
 
 def totals(ins, kind: str, plan: LaunchPlan, n_seg: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2), each [B, n_pad, D] float32, of ins = (k, v) or (L, g, a)
-  [B, n, D], segment s its rows [s seg, (s + 1) seg)."""
+  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D]."""
   b, n, d = ins[0].shape
   cfg = plan.cfg
   col = pl.BlockSpec((None, n, cfg.block_d), lambda i, j, s: (i, 0, j))

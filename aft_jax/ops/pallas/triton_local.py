@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame
 from aft_jax.ops.pallas import triton
-from aft_jax.ops.pallas.triton import CONFIGS, LaunchPlan, TritonConfig, all_true, dot, load, rows
+from aft_jax.ops.pallas.triton import CONFIGS, LaunchPlan, TritonConfig, all_true, colsum, dot, load
+from aft_jax.ops.pallas.triton import rows
 
 # The slab a chunk reads grows with the window (O(T (s + c) D) work, a [T, s + c] bias array):
 # beyond this the band is most of the sequence, which is AFT-full's job.
@@ -64,8 +65,8 @@ def _slab_width(s: int, bt: int) -> int:
 
 
 def _slab_bias(w, s: int, t_pad: int, bt: int):
-  """[t_pad, W] float32: row t, column u is the bias of key t' = (t // bt) bt - (W - bt) + u
-  for query t: w[t, t'] where 0 <= t - t' < s, 0 for older keys, NEG beyond t or before 0."""
+  """[t_pad, W] float32: entry (t, u) is the bias of key t' = (t // bt) bt - (W - bt) + u for
+  query t: w[t, t'] where 0 <= t - t' < s, 0 for older keys, NEG beyond t or before 0."""
   t_len = w.shape[0]
   width = _slab_width(s, bt)
   t = jnp.arange(t_pad)[:, None]
@@ -76,23 +77,20 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
 
 
 def _eye(n: int):
-  """[n, n] float32 identity: a [1, n] row x becomes the column sum(eye * x, 1) and back (a
-  transpose from elementwise ops and sums, which Triton has for any shape)."""
+  """[n, n] identity: a [1, n] row becomes a column (sum(eye * x, 1)), which Triton can do."""
   i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
   return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
 
 
 def _bias_column(bias_ref, r, u, bt: int, eye):
-  """The biases of query row r (a one-row slice) against key block u, as a [bt, 1] column (the
-  row transposed with ``eye``, ``_eye(bt)``), to add to that block's keys [bt, bd]."""
+  """Query row r's biases against key block u as a [bt, 1] column (``_eye``)."""
   return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
 
 
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
-  """Helpers over chunk j's slab: ``keys(j, u)`` (key block u: biases [bt rows, bt keys],
-  keys and values [bt, bd]) and ``maxima(j)`` (the row maxima of the biases [bt, 1] and the
-  channel maxima of the keys [1, bd], over the slab: the split shift of its sums). k and v are
-  [n, bd] refs, or [B, n, bd] ones read at batch row ``batch``."""
+  """Chunk j's slab: ``keys(j, u)`` (key block u: biases [bt, bt], keys, values [bt, bd]),
+  ``maxima(j)`` (the biases' row maxima, the keys' channel maxima: its split shift) and
+  ``shifted``; k, v [n, bd] refs, or [B, n, bd] read at row ``batch``."""
   n_keys = bias_ref.shape[1] // bt
   at = (
     (lambda idx: (idx, slice(None))) if batch is None else (lambda idx: (batch, idx, slice(None)))
@@ -130,8 +128,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
 
 
 def _scaled_cotangent(mw, mk, lse, g, a, real):
-  """The backward's split shift for a chunk's rows (module docstring): (whether it is exact,
-  g exp(mw + mk - L), the same times a), all [bt, bd] but the first. Padding rows pass."""
+  """(exact?, g exp(mw + mk - L), the same times a): the backward's split shift of a chunk."""
   log_scale = mw + mk - lse
   gs = g * jnp.exp(log_scale)
   return all_true((log_scale <= _MAX_LOG_SCALE) | ~real), gs, gs * a
@@ -143,9 +140,8 @@ def _real(j, bt: int, t_len: int):
 
 
 def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
-  """(first chunk, chunks, carry-in, the other refs) of this program: all of T and the empty
-  triple (sequential form), or segment s's ``seg / bt`` chunks and the fold of the segment
-  totals (the first three refs) that ``take(index, s)`` accepts."""
+  """(first chunk, chunks, carry-in, other refs): all of T (sequential), or segment s's chunks
+  and the fold of the totals (the first three refs) ``take(index, s)`` accepts."""
   if n_seg is None:
     return 0, bias_ref.shape[0] // bt, None, refs
   s = pl.program_id(2)
@@ -153,10 +149,8 @@ def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
 
 
 def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: int):
-  """One (batch row, channel block[, segment]): a [and L] [t_pad, bd] (or the segment's
-  [seg, bd]) for the slab biases [t_pad, W] and k, v [W - bt + t_pad, bd] (front-padded by
-  W - bt keys: chunk j's slab starts at key row j bt); chunk-parallel, the first three refs are
-  the key segments' totals, folded into the carry of the older keys."""
+  """One (batch row, channel block[, segment]): a [and L] for the slab biases [t_pad, W] and k, v
+  front-padded by W - bt keys (chunk j's slab starts at key row j bt)."""
   j0, n_chunks, carry_in, (a_ref, *lse_ref) = _segment(
     bias_ref, refs, bt, n_seg, seg, lambda i, s: i < s
   )
@@ -211,8 +205,8 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
           logits = jnp.where(sees, bias + kb, NEG)
           m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
           e, s1 = jnp.where(sees, jnp.exp(logits - m2), 0.0), jnp.exp(m1 - m2)
-          num2 = num1 * s1 + jnp.sum(e * jnp.where(sees, vb, 0.0), axis=0, keepdims=True)
-          return m2, num2, den1 * s1 + jnp.sum(e, axis=0, keepdims=True)
+          num2 = num1 * s1 + colsum(e * jnp.where(sees, vb, 0.0))
+          return m2, num2, den1 * s1 + colsum(e)
 
         m1, num1, den1 = jax.lax.fori_loop(0, n_keys, block, carry)
         a_fast = a_ref[r_out, :]
@@ -231,22 +225,15 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     seen = ~_real(j, bt, n_keys * bt - bt)  # not the front padding
     m = jnp.maximum(m0, jnp.max(kb, axis=0, keepdims=True))
     e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
-    return (
-      m,
-      num0 * s0 + jnp.sum(e * vb, axis=0, keepdims=True),
-      den0 * s0 + jnp.sum(e, axis=0, keepdims=True),
-    )
+    return (m, num0 * s0 + colsum(e * vb), den0 * s0 + colsum(e))
 
   carry_in = triton.empty(bd) if carry_in is None else carry_in
   jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in)
 
 
 def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len, n_seg, seg):
-  """One (batch row, channel block[, segment]): dk, dv [W - bt + t_pad, bd] (float32, the
-  keys' padded layout; chunk-parallel, the segment's key rows [s seg, (s + 1) seg + W - bt),
-  whose last W - bt the next segment's keys overlap) from a, L and the cotangent g [t_pad, bd]
-  (module docstring; dw is ``_dw_kernel``'s); chunk-parallel, the first three refs are the
-  query segments' totals, folded into the carry of the later queries."""
+  """One (batch row, channel block[, segment]): dk, dv in the keys' padded layout (a segment's
+  key rows and the next one's first W - bt) from a, L and the cotangent g."""
   j0, n_chunks, carry_in, (dk_ref, dv_ref) = _segment(
     bias_ref, refs, bt, n_seg, seg, lambda i, s: (i > s) & (i < n_seg)
   )
@@ -313,22 +300,15 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
     add(mine(0), e * (vb * c1 - c2), e * c1)
     m2 = jnp.maximum(m, jnp.max(-lse, axis=0, keepdims=True))
     s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
-    return (
-      m2,
-      c1 * s + jnp.sum(e * g, axis=0, keepdims=True),
-      c2 * s + jnp.sum(e * g * a, axis=0, keepdims=True),
-    )
+    return (m2, c1 * s + colsum(e * g), c2 * s + colsum(e * g * a))
 
   carry_in = triton.empty(bd) if carry_in is None else carry_in
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
 def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int, t_len: int):
-  """One (query chunk j, channel block): dw_ref [bt, W], the chunk's rows of the slab biases'
-  gradient summed over every batch row and this block's channels, dw[t, t'] = sum_r p g (v - a)
-  (module docstring), from the slab biases [t_pad, W], k, v [B, W - bt + t_pad, bd] and a, L,
-  g [B, t_pad, bd]. The same split shift as the backward kernel's, row by row where it is not
-  exact."""
+  """One (query chunk j, channel block): dw_ref [bt, W], the slab biases' gradient of the chunk's
+  rows, sum_r p g (v - a) over every batch row and the block's channels."""
   j = pl.program_id(0)
   n_keys = bias_ref.shape[1] // bt
   out, real = rows(j, bt), _real(j, bt, t_len)
@@ -369,7 +349,7 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
           _, kb, vb = keys(j, u)
           t = jnp.exp(_bias_column(bias_ref, rr, u, bt, eye) + kb - lr) * gr * (vb - ar)
           dw_col = jnp.sum(t, axis=1, keepdims=True)
-          add((pl.ds(i, 1), rows(u, bt)), jnp.sum(eye * dw_col, axis=0, keepdims=True))
+          add((pl.ds(i, 1), rows(u, bt)), colsum(eye * dw_col))
           return 0
 
         return jax.lax.fori_loop(0, n_keys, block, 0)
@@ -383,34 +363,25 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
 
 
 def _layout(k, window: int, plan: LaunchPlan):
-  """(s, t_pad, W, front): the clamped window, T padded to chunks (chunk-parallel: to
-  segments), the slab width and the keys' front padding."""
+  """(s, t_pad, W, front): window, T padded, slab width, the keys' front padding."""
   t_len, bt = k.shape[1], plan.cfg.block_t
   s = min(window, t_len)
   width = _slab_width(s, bt)
   return s, t_len + (-t_len % (plan.seg or bt)), width, width - bt
 
 
-def front_padding(t_len: int, window: int, block_t: int = CONFIGS[0].block_t) -> int:
-  """W - bt, the keys before its own that a chunk's slab reads: what a segment of the
-  chunk-parallel form must hold at least (``triton.plan_for``'s ``min_seg``)."""
-  return _slab_width(min(window, t_len), block_t) - block_t
-
-
 def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
-  """The launch of the forward and dk, dv kernels (``triton.plan_for``)."""
-  return triton.plan_for(batch, t_len, d, min_seg=front_padding(t_len, window))
+  """``triton.plan_for``, a segment holding the W - bt keys a chunk's slab reads before it."""
+  bt = CONFIGS[0].block_t
+  return triton.plan_for(batch, t_len, d, min_seg=_slab_width(min(window, t_len), bt) - bt)
 
 
 def _call(
   kernel, plan: LaunchPlan, interpret: bool, t_len: int, ins, outs, tots=(), keys_out=False
 ):
-  """pallas_call over (batch, D / block_d[, segments]). ins: the slab biases [t_pad, W] (whole
-  to every program), then [B, n, D] arrays (one [n, block_d] column each); tots: the segment
-  totals (whole columns); outs: the dtypes of [B, t_pad, D] outputs, one [t_pad, block_d]
-  column each (chunk-parallel: the segment's [seg, block_d]), or (``keys_out``) of outputs in
-  the keys' padded layout [B, front + t_pad, D] (chunk-parallel: [B, n_seg, seg + front, D],
-  the segment's keys and the next segment's first ``front``, ``_overlap_add``)."""
+  """pallas_call over (batch, D / block_d[, segments]) of ins (the slab biases whole, then
+  [B, n, D] columns) and tots (the segment totals); outputs [B, t_pad, D] or (``keys_out``) in
+  the keys' padded layout (chunk-parallel: per segment, ``_overlap_add``)."""
   (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   cfg, seg = plan.cfg, plan.seg or t_pad
   bd, n_seg, front = cfg.block_d, t_pad // seg, width - cfg.block_t
@@ -426,23 +397,18 @@ def _call(
   kernel = functools.partial(
     kernel, bt=cfg.block_t, t_len=t_len, n_seg=n_seg if plan.seg else None, seg=seg
   )
+  in_specs = [pl.BlockSpec(ins[0].shape, lambda i, j, *s: (0, 0))]
+  in_specs += [col(x.shape[1]) for x in (*ins[1:], *tots)]
+  out_shape = [jax.ShapeDtypeStruct(shape, dt) for dt in outs]
+  grid = triton.grid(b, d, plan, n_seg)
   return triton.call(
-    kernel,
-    cfg,
-    interpret,
-    triton.grid(b, d, plan, n_seg),
-    [pl.BlockSpec(ins[0].shape, lambda i, j, *s: (0, 0))]
-    + [col(x.shape[1]) for x in (*ins[1:], *tots)],
-    [spec] * len(outs),
-    [jax.ShapeDtypeStruct(shape, dt) for dt in outs],
-    (*ins, *tots),
+    kernel, cfg, interpret, grid, in_specs, [spec] * len(outs), out_shape, (*ins, *tots)
   )
 
 
 def _overlap_add(x, front: int):
-  """[B, n_seg, seg + front, D] per-segment keys (``_call``'s ``keys_out``) -> the keys'
-  padded layout [B, front + n_seg seg, D]: segment s holds key rows [s seg, (s + 1) seg +
-  front), so its last ``front`` rows add to the first of segment s + 1 (front <= seg)."""
+  """Per-segment keys [B, n_seg, seg + front, D] -> the keys' padded layout: a segment's last
+  ``front`` rows add to the next one's first."""
   b, n_seg, n, d = x.shape
   seg = n - front
   main = x[:, :, :seg].reshape(b, n_seg * seg, d)
@@ -452,36 +418,26 @@ def _overlap_add(x, front: int):
 
 
 def dw_config(d: int) -> TritonConfig:
-  """The dw kernel's configuration: the widest channel block that divides d (its programs are
-  (query chunk, channel block) pairs, plenty for a GPU already; wider blocks mean fewer partial
-  sums to add up)."""
+  """The dw kernel's configuration: the widest channel block dividing d."""
   return triton.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
 
 
 def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
-  """[D / block_d, t_pad, W] float32: per channel block, the slab biases' gradient summed over
-  the batch (``_dw_kernel``), for ins = (slab biases [t_pad, W], k, v padded [B, n, D], a, L,
-  g [B, t_pad, D])."""
-  bias = ins[0]
-  (t_pad, width), (b, _, d) = bias.shape, ins[1].shape
+  """Per channel block, the slab biases' gradient summed over the batch: [D / block_d, t_pad, W]."""
+  (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   bt, bd = cfg.block_t, cfg.block_d
   col = lambda x: pl.BlockSpec((b, x.shape[1], bd), lambda j, c: (0, 0, c))
-  return triton.call(
-    functools.partial(_dw_kernel, bt=bt, t_len=t_len),
-    cfg,
-    interpret,
-    (t_pad // bt, d // bd),
-    [pl.BlockSpec(bias.shape, lambda j, c: (0, 0))] + [col(x) for x in ins[1:]],
-    [pl.BlockSpec((None, bt, width), lambda j, c: (c, j, 0))],
-    [jax.ShapeDtypeStruct((d // bd, t_pad, width), jnp.float32)],
-    ins,
-  )[0]
+  in_specs = [pl.BlockSpec(ins[0].shape, lambda j, c: (0, 0))] + [col(x) for x in ins[1:]]
+  out_specs = [pl.BlockSpec((None, bt, width), lambda j, c: (c, j, 0))]
+  out = [jax.ShapeDtypeStruct((d // bd, t_pad, width), jnp.float32)]
+  kernel = functools.partial(_dw_kernel, bt=bt, t_len=t_len)
+  return triton.call(kernel, cfg, interpret, (t_pad // bt, d // bd), in_specs, out_specs, out, ins)[
+    0
+  ]
 
 
 def _padded(k, v, window: int, plan: LaunchPlan):
-  """k, v padded to the kernels' layout: W - bt keys in front (the first chunks' slabs reach
-  before key 0) and ragged T up to chunks (segments); keys ``triton.pad_key`` (weight 0),
-  values 0."""
+  """k, v with W - bt keys in front and T padded to chunks (segments); keys of weight 0."""
   _, t_pad, _, front = _layout(k, window, plan)
   t_len = k.shape[1]
   pad = lambda x, fill: triton.pad_time(x, front, t_pad - t_len, fill)
@@ -490,13 +446,11 @@ def _padded(k, v, window: int, plan: LaunchPlan):
 
 def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, t_pad: int, **rows):
   """The segment totals of the chunk-parallel form (none for the sequential one)."""
-  if not plan.seg:
-    return ()
-  return triton.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows)
+  return triton.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows) if plan.seg else ()
 
 
 def _forward(k, v, w, window: int, plan: LaunchPlan, interpret: bool, with_lse: bool):
-  """a [and L] [B, t_pad, D] float32 from the kernel."""
+  """a [and L] [B, t_pad, D] float32."""
   s, t_pad, _, front = _layout(k, window, plan)
   ins = (_slab_bias(w, s, t_pad, plan.cfg.block_t), *_padded(k, v, window, plan))
   # Key segment s: the key rows [s seg, (s + 1) seg), the front padding left out.
@@ -505,28 +459,21 @@ def _forward(k, v, w, window: int, plan: LaunchPlan, interpret: bool, with_lse: 
   return _call(_fwd_kernel, plan, interpret, k.shape[1], ins, outs, tots)
 
 
-def _check_plan(k, window: int, plan: LaunchPlan):
-  front = _layout(k, window, plan)[3]
-  if plan.seg and (plan.seg % plan.cfg.block_t or plan.seg < front):
-    raise ValueError(
-      f"Pallas kernel: segments of {plan.seg} positions must be whole chunks of "
-      f"{plan.cfg.block_t} and hold the window's {front} earlier keys (window {window})"
-    )
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _local_mean(k, v, w, window: int, plan: LaunchPlan, interpret: bool):
   return _forward(k, v, w, window, plan, interpret, False)[0][:, : k.shape[1]]
 
 
 def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: TritonConfig, interpret: bool, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
-  w ``[T, T]`` and window s >= 1, causal. ``seg``: the chunk-parallel form's positions per
-  program (whole chunks, at least the window's earlier keys; None: the sequential form;
-  ``plan_for`` chooses)."""
-  plan = LaunchPlan(cfg, seg)
-  _check_plan(k_BTD, window, plan)
-  return _local_mean(k_BTD, v_BTD, w_TT, window, plan, interpret)
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]``, w ``[T, T]``, causal;
+  ``seg``: chunk-parallel positions per program (whole chunks, >= the window; None: sequential)."""
+  front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]
+  if seg and (seg % cfg.block_t or seg < front):
+    raise ValueError(
+      f"Pallas kernel: segments of {seg} positions must be whole chunks of {cfg.block_t} and "
+      f"hold the window's {front} earlier keys (window {window})"
+    )
+  return _local_mean(k_BTD, v_BTD, w_TT, window, LaunchPlan(cfg, seg), interpret)
 
 
 def _local_mean_fwd(k, v, w, window, plan, interpret):

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
-from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig
+from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig, colsum
 from aft_jax.ops.pallas.triton import all_true as _all
 from aft_jax.ops.pallas.triton import dot as _dot
 from aft_jax.ops.pallas.triton import load as _load
@@ -41,19 +41,11 @@ from aft_jax.ops.pallas.triton import rows as _rows
 _MAX_RISE = 40.0
 
 
-def _tri(n: int, lower: bool):
-  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
-  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
-
-
 def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
-  """One (batch row, channel block[, segment]): a [and L] for k, v refs [T, bd] (T a multiple
-  of bt), or [seg, bd] (the chunk-parallel form, ``n_seg`` segments: then the first three
-  refs are the segment totals, ``triton.totals``, folded into the carry-in)."""
+  """One (batch row, channel block[, segment]): a [and L] of k, v refs [T, bd] ([seg, bd]: then
+  the first three refs are the segment totals, folded into the carry-in)."""
   n_chunks = k_ref.shape[0] // bt
-  tril = _tri(bt, lower=True)
+  tril = triton.tri(bt, lower=True)
   carry_in = triton.empty(k_ref.shape[1])
   if n_seg is not None:  # the segments before this one
     s = pl.program_id(2)
@@ -83,11 +75,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
     store(idx, jnp.where(redo, jnp.nan, num / den), m + jnp.log(den))
 
     def fast():
-      return (
-        m,
-        s0 * num0 + jnp.sum(e * vs, axis=0, keepdims=True),
-        s0 * den0 + jnp.sum(e, axis=0, keepdims=True),
-      )
+      return (m, s0 * num0 + colsum(e * vs), s0 * den0 + colsum(e))
 
     def exact():  # row by row with a running maximum, stored where the fast pass flagged
       def row(i, c):
@@ -112,11 +100,9 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
 
 
 def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int | None):
-  """One (batch row, channel block[, segment]): dk, dv from k, v, a, L and the cotangent g
-  [T, bd] (or [seg, bd], the totals of the segments after this one folded into the carry, as
-  in the forward)."""
+  """One (batch row, channel block[, segment]): dk, dv from k, v, a, L and the cotangent g."""
   n_chunks = k_ref.shape[0] // bt
-  triu = _tri(bt, lower=False)
+  triu = triton.tri(bt, lower=False)
   zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
   carry_in = (zero, zero, zero - NEG)  # nothing after
   if n_seg is not None:
@@ -148,11 +134,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
       c2 = up * _dot(triu, ga) + nx * c2n
       store(idx, jnp.exp(kc - lse), vc, c1, c2)
       back = jnp.exp(l0 - ln)
-      return (
-        jnp.sum(gs, axis=0, keepdims=True) + back * c1n,
-        jnp.sum(ga, axis=0, keepdims=True) + back * c2n,
-        l0,
-      )
+      return (colsum(gs) + back * c1n, colsum(ga) + back * c2n, l0)
 
     def exact():
       def row(i2, c):
@@ -172,63 +154,39 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
-def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, tots=()):
-  """pallas_call over the grid (batch, D / block_d[, segments]); every ref of ``ins`` and
-  ``outs`` is one [T, block_d] column or, chunk-parallel, one [seg, block_d] piece of it;
-  ``tots``, the segment totals, whole columns [n_pad, block_d]."""
-  b, t_len, d = ins[0].shape
-  bd = plan.cfg.block_d
-  seg = plan.seg or t_len
+def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, kind, limit=None):
+  """pallas_call over (batch, D / block_d[, segments]) of [T, block_d] columns ([seg, block_d]
+  pieces), after the segment totals of ``kind``."""
+  (b, t_len, d), seg = ins[0].shape, plan.seg or ins[0].shape[1]
   n_seg = t_len // seg
-  spec = pl.BlockSpec((None, seg, bd), lambda i, j, *s: (i, s[0] if s else 0, j))
-  tot = pl.BlockSpec((None, triton.n_pad(n_seg), bd), lambda i, j, *s: (i, 0, j))
+  tot_ins = ins[:2] if kind == "keys" else (ins[3], ins[4], ins[2])  # (k, v) or (L, g, a)
+  tots = triton.totals(tot_ins, kind, plan, n_seg, interpret, limit=limit) if plan.seg else ()
+  spec = pl.BlockSpec((None, seg, plan.cfg.block_d), lambda i, j, *s: (i, s[0] if s else 0, j))
+  tot = pl.BlockSpec((None, triton.n_pad(n_seg), plan.cfg.block_d), lambda i, j, *s: (i, 0, j))
+  kernel = functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None)
+  out_shape = [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs]
+  in_specs, grid = [spec] * len(ins) + [tot] * len(tots), triton.grid(b, d, plan, n_seg)
   return triton.call(
-    functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None),
-    plan.cfg,
-    interpret,
-    triton.grid(b, d, plan, n_seg),
-    [spec] * len(ins) + [tot] * len(tots),
-    [spec] * len(outs),
-    [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs],
-    (*ins, *tots),
+    kernel, plan.cfg, interpret, grid, in_specs, [spec] * len(outs), out_shape, (*ins, *tots)
   )
 
 
-def _padded(k, v, plan: LaunchPlan):
-  """k, v with T padded to whole chunks (sequential) or segments (chunk-parallel)."""
-  return triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
-
-
-def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, limit=None):
-  """The segment totals of the chunk-parallel form (none for the sequential one)."""
-  if not plan.seg:
-    return ()
-  n_seg = ins[0].shape[1] // plan.seg
-  return triton.totals(ins, kind, plan, n_seg, interpret, limit=limit)
-
-
-def _forward(k, v, plan: LaunchPlan, interpret: bool, with_lse: bool):
-  """a [and L] over the padded length."""
-  outs = [jnp.float32] * (2 if with_lse else 1)
-  ins = _padded(k, v, plan)
-  return _call(_fwd_kernel, plan, interpret, ins, outs, _totals(ins, "keys", plan, interpret))
+def _forward(k, v, plan: LaunchPlan, interpret: bool, with_lse: bool):  # over the padded T
+  ins = triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
+  return _call(_fwd_kernel, plan, interpret, ins, [jnp.float32] * (2 if with_lse else 1), "keys")
 
 
 def _backward(k, v, a, lse, g, plan: LaunchPlan, interpret: bool):
-  """dk, dv over the padded length."""
-  ins = (*_padded(k, v, plan), a, lse, g)
-  tots = _totals((lse, g, a), "cotangent", plan, interpret, limit=k.shape[1])
-  return _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], tots)
+  ins = (*triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t), a, lse, g)
+  return _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], "cotangent", k.shape[1])
 
 
 _mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: TritonConfig, interpret: bool, seg: int | None = None):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32),
-  differentiable in k and v (the custom VJP of ``triton.mean_with_vjp``). ``seg``: the
-  chunk-parallel form's positions per program (a multiple of ``cfg.block_t``; None: the
-  sequential form; ``triton.plan_for`` chooses)."""
+  """a ``[B, T, D]`` float32 (module docstring) of k, v ``[B, T, D]``, differentiable; ``seg``:
+  chunk-parallel positions per program (whole chunks; None: sequential)."""
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
     raise ValueError(f"Pallas kernel: seg = {seg} must be whole chunks of {cfg.block_t} positions")
   return _mean(k_BTD, v_BTD, LaunchPlan(cfg, seg), interpret)
@@ -240,5 +198,4 @@ def mean(k_BTD, v_BTD, w, window, interpret: bool):
   return causal_mean(k_BTD, v_BTD, plan.cfg, interpret, plan.seg)
 
 
-def unsupported(channels: int, window=None) -> str | None:
-  return triton.unsupported_channels(channels)
+unsupported = triton.unsupported_channels
