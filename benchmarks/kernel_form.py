@@ -1,8 +1,9 @@
 """A benchmark and test hook, kept out of the kernels: the GPU kernels' launch form forced.
 
 ``aft_jax.ops.pallas.triton.plan_for`` chooses the sequential or the chunk-parallel form of the
-Pallas GPU kernels (``form="auto"``, as the ops ask); ``forced(form)`` makes every choice inside the block
-``form`` wherever that form can run, so that each can be timed or tested on the same shapes.
+Pallas GPU kernels (``form="auto"``, as the ops ask); ``forced(form)`` makes every choice inside
+the block ``form`` wherever that form can run, so that each can be timed or tested on the same
+shapes.
 It acts where the kernels are traced (inside ``jax.jit``, at the first call).
 """
 

@@ -9,16 +9,16 @@ memory (slow), and one that needs more shared memory than a block may have does 
 Neither shows on a CPU machine, and a GPU to try every configuration on is rarely at hand; the
 compiler for the target tells both.
 
-What. Every block configuration the ops can choose with ``impl="auto"`` / ``"pallas"``
-(``CONFIGS`` of ``aft_jax/ops/pallas/triton.py``: AFT-simple's and AFT-local's ``config_for`` and
-AFT-local's ``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser
-that training keeps, backward) and causal AFT-local (the same and the dw kernel), float32 and
-bfloat16 inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chunk-parallel
-form (``aft_jax/ops/pallas/triton.py``: its segment totals, forward and backward kernels with
-the fold of the totals) at the channel block it takes wherever D is a multiple of 64
-(``FORM_CONFIGS``). The ops are called through their public API, in each form
-(``benchmarks.kernel_form.forced``), with shapes for which their own choice (``config_for``,
-``dw_config``) is each configuration, and each kernel's launch grid is checked against it.
+What. Every block configuration the ops can choose with ``impl="auto"`` / ``"pallas"`` (``CONFIGS``
+of ``aft_jax/ops/pallas/triton.py``: AFT-simple's and AFT-local's ``config_for`` and AFT-local's
+``dw_config``), each kernel of causal AFT-simple (forward, forward with the log-normaliser that
+training keeps, backward) and causal AFT-local (the same and the dw kernel), float32 and bfloat16
+inputs, for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200); and the chunk-parallel form
+(``aft_jax/ops/pallas/triton.py``: its segment totals, forward and backward kernels with the fold of
+the totals) at the channel block it takes wherever D is a multiple of 64 (``FORM_CONFIGS``). The ops
+are called through their public API, in each form (``benchmarks.kernel_form.forced``), with shapes
+for which their own choice (``config_for``, ``dw_config``) is each configuration, and each kernel's
+launch grid is checked against it.
 
 How. For sm_80 and sm_90 this is what runs there: XLA's deviceless compile for the target
 (``aft_jax.deviceless``, the A100 and H100 descriptions in ``aft_jax/gpu_specs``) of the
