@@ -20,12 +20,10 @@ import jax.numpy as jnp
 
 from aft_jax import layers, ops
 
-T, D = 16, 8
 
-
-def modules_entered(fn, *args) -> list[str]:
+def modules_entered(fn, *args, fresh: bool = True) -> list[str]:
   """The files of ``aft_jax/ops`` (relative paths) whose frames ``jax.jit(fn).lower(*args)``
-  enters."""
+  enters; ``fresh``: jax's caches cleared first (a test traces shapes of its own instead)."""
   root = os.path.dirname(os.path.abspath(ops.__file__)) + os.sep
   seen = set()
 
@@ -33,7 +31,8 @@ def modules_entered(fn, *args) -> list[str]:
     if event == "call" and frame.f_code.co_filename.startswith(root):
       seen.add(frame.f_code.co_filename[len(root) :])
 
-  jax.clear_caches()
+  if fresh:
+    jax.clear_caches()
   sys.setprofile(hook)
   try:
     jax.jit(fn).lower(*args)
@@ -42,12 +41,12 @@ def modules_entered(fn, *args) -> list[str]:
   return sorted(seen)
 
 
-def cases() -> dict:
-  """name -> (fn, args)."""
-  x = jax.ShapeDtypeStruct((2, T, D), jnp.float32)
-  w = jax.ShapeDtypeStruct((T, T), jnp.float32)
-  layer = layers.AFTLocal(max_len=T, window=4, hidden_dim=D, causal=True)
-  params = layer.init(jax.random.key(0), jnp.zeros((2, T, D)))
+def cases(t_len: int = 16, d: int = 8) -> dict:
+  """name -> (fn, args), q, k, v ``[2, T, D]``."""
+  x = jax.ShapeDtypeStruct((2, t_len, d), jnp.float32)
+  w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
+  layer = layers.AFTLocal(max_len=t_len, window=4, hidden_dim=d, causal=True)
+  params = jax.eval_shape(layer.init, jax.random.key(0), x)
   return {
     "aft_simple causal": (
       lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"),
@@ -58,7 +57,7 @@ def cases() -> dict:
       (x, x, x, w),
     ),
     "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, impl="xla"), (x, x, x, w)),
-    "AFTLocal.apply": (lambda x: layer.apply(params, x), (x,)),
+    "AFTLocal.apply": (layer.apply, (params, x)),
   }
 
 

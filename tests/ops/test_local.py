@@ -19,7 +19,8 @@ from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
+  ATOL, RTOL, close, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
+  values_and_grads,
 )  # fmt: skip
 
 
@@ -283,20 +284,6 @@ def _inputs(scale, seed=0):
   rng = np.random.default_rng(seed)
   f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
   return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
-
-
-def values_and_grads(fn, q, k, v, bias):
-  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
-  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
-  loss = lambda *a: jnp.sum(fn(*a) * ct)
-  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
-
-
-def close(got, want, rel):
-  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf)."""
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    chex.assert_tree_all_finite(g)
-    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
 
 
 def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 
 from aft_jax import ops
 from tests.support import numpy_reference as ref
-from tests.support.op_cases import ATOL, RTOL
+from tests.support.op_cases import ATOL, RTOL, close, values_and_grads
 
 T = 8
 CUTS = (3, 1, 4)  # uneven pieces, one of length 1
@@ -52,28 +52,14 @@ def _chained(op, q, k, v, bias):
   return jnp.concatenate(ys, axis=1), state
 
 
-def _values_and_grads(fn, q, k, v, bias):
-  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
-  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
-  loss = lambda *a: jnp.sum(fn(*a) * ct)
-  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
-
-
-def _close(got, want, rel):
-  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf)."""
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    chex.assert_tree_all_finite(g)
-    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
-
-
 @pytest.mark.parametrize("scale", [1.0, 40.0])
 @pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
 def test_pieces_equal_one_call(op, scale):
   args = _inputs(op, scale)
-  y1, g1 = _values_and_grads(functools.partial(_call, op), *args)
-  y2, g2 = _values_and_grads(lambda *a: _chained(op, *a)[0], *args)
-  _close(y2, y1, 1e-5)
-  _close(g2, g1, 1e-4)
+  y1, g1 = values_and_grads(functools.partial(_call, op), *args)
+  y2, g2 = values_and_grads(lambda *a: _chained(op, *a)[0], *args)
+  close(y2, y1, 1e-5)
+  close(g2, g1, 1e-4)
 
 
 @pytest.mark.parametrize("op", ["simple", "local", "conv1d"])

@@ -82,3 +82,17 @@ def tpu_simple(q, k, v):
 
   tpu = (simple.KERNELS[1],)
   return common.run("aft_simple", tpu, "pallas_interpret", None, q, k, v, causal=True)
+
+
+def values_and_grads(fn, q, k, v, bias):
+  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
+  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
+  loss = lambda *a: jnp.sum(fn(*a) * ct)
+  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+
+
+def close(got, want, rel):
+  """Within ``rel`` of the largest magnitude of ``want`` (leaf by leaf), every leaf finite."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)

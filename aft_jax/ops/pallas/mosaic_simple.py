@@ -130,7 +130,7 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
 
   kc, vc = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
   m0, num0, den0 = m_ref[...], num_ref[...], den_ref[...]
-  # The shift: what the chunk's first row sees, never a later key (``causal_mean``).
+  # The shift: what the chunk's first row sees, never a later key.
   m = jnp.maximum(m0, kc[0:1])
   ok, e, vs = set_aside(jnp.exp(kc - m), vc)
   s0 = jnp.exp(m0 - m)
