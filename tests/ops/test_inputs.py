@@ -87,11 +87,13 @@ def test_causal_must_be_a_bool(causal):
 
 
 def test_array_likes_are_arrays_and_bad_ones_one_line():
-  """Nested Python lists as q, k, v: what their arrays give; a list that is not an array
-  (ragged) is one line naming the argument, without its data."""
-  for op, call in _calls(X.tolist(), X.tolist(), X.tolist(), W).items():
-    want = _calls(X, X, X, W)[op]()
-    np.testing.assert_array_equal(call(), want, err_msg=op)
+  """Nested Python lists as q, k, v (the sequence ops' and AFT-conv's checks): what their arrays
+  give; a list that is not an array (ragged) is one line naming the argument, not its data."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=X.shape).astype(np.float32)
+  for op in ("aft_simple", "aft_conv1d"):
+    lists, arrays = _calls(x.tolist(), x.tolist(), x.tolist(), W)[op], _calls(x, x, x, W)[op]
+    np.testing.assert_array_equal(lists(), arrays(), err_msg=op)
   ragged = [[[0.0] * 4] * 6, [[0.0] * 3] * 6]
   with pytest.raises(ValueError, match=r"^aft_simple: k must be an array; got list") as e:
     ops.aft_simple(X, ragged, X)
