@@ -15,6 +15,7 @@ import pytest
 
 from aft_jax import ops
 from tests.support import numpy_reference as ref
+from tests.support.helpers import equations
 from tests.support.op_cases import ATOL, RTOL, close, values_and_grads
 
 T = 8
@@ -316,3 +317,25 @@ def test_steps_keep_the_inputs_dtype():
   q = jnp.zeros((B, D), jnp.bfloat16)
   y, state = ops.aft_simple_step(ops.aft_simple_init((B, D)), q, q, q)
   assert y.dtype == jnp.bfloat16 and state.m.dtype == jnp.float32
+
+
+def test_a_window_of_whole_shards_sums_no_empty_mask():
+  """The state before a device's shard of T (``axis_name``): where the window is a whole number
+  of shards, no keys of the farthest shard lie before the ring, and no sum over an all-false
+  mask is built (XLA constant-folds it, for over a second in the quickstart with
+  mesh.sequence): one ``reduce_max`` fewer than for a window that is not."""
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from aft_jax.ops import logsumexp as lse
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  x = jax.ShapeDtypeStruct((2, 4, 3), jnp.float32)  # 4 positions per device
+
+  def reduces(window):
+    state = lambda k, v: lse.shard_state(k, v, window, "seq")
+    specs = dict(in_specs=(P(None, "seq"),) * 2, out_specs=P(), check_vma=False)
+    f = jax.shard_map(state, mesh=mesh, **specs)
+    jaxpr = jax.make_jaxpr(f)(x, x).jaxpr
+    return len(list(equations(jaxpr, "reduce_max")))
+
+  assert reduces(4) == reduces(3) - 1 and reduces(8) == reduces(6) - 1
