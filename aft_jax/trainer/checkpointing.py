@@ -8,9 +8,11 @@ crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later
 or garbled file, or bytes that still parse but no longer match their checksums) is skipped on
 resume in favour of the newest intact one, and never loaded.
 
-Restoring only reads: the small JSON items first (what a run is checked against before any
-array is read), then the state, verified. Moving damaged checkpoints aside (``set_aside``) is
-left to the caller, for once every check of the run has passed.
+Restoring only reads: the small JSON items first, verified against the checksums before a run
+is checked against them (so damage is never read as a setting), then the state, verified. A
+step whose checksums are lost is damaged like any other; only one written before checkpoints
+carried checksums loads unverified (``Restored.unverified``). Moving damaged checkpoints aside
+(``set_aside``) is left to the caller, for once every check of the run has passed.
 """
 
 from __future__ import annotations
@@ -260,19 +262,59 @@ def save(
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums";
-  a checkpoint written by an older version lacks some): small, read before any array."""
+  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums"),
+  verified against its checksums: small, read and verified before any array is read and
+  before anything in them is compared with a run.
+
+  A DamagedCheckpointError names the first item that does not match, or says the checksums
+  are missing where the step's Orbax metadata does not show it was written before checkpoints
+  carried them (``_predates_checksums``). Only such a step lacks "checksums" here (its items
+  are unverified, ``Restored.unverified``); one written before checkpoints carried a corpus
+  record lacks "corpus" too. {} for a folder that holds none of them."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
     return {}
   args = ocp.args.Composite(**{n: ocp.args.JsonRestore() for n in names})
-  return dict(mngr.restore(step, args=args))
+  items = dict(mngr.restore(step, args=args))
+  saved = items.get("checksums")
+  if saved is None:
+    if not _predates_checksums(folder):
+      raise DamagedCheckpointError(
+        "its checksums (the folder checksums/) are missing, and its metadata does not show it "
+        "was written before checkpoints carried them"
+      )
+    return items
+  _raise_mismatches(
+    checksum.json_mismatches(saved, {k: items[k] for k in JSON_ITEMS if k in items})
+  )
+  return items
+
+
+def _predates_checksums(folder: str) -> bool:
+  """Whether the step in ``folder`` was written before checkpoints carried checksums: its Orbax
+  metadata (``_CHECKPOINT_METADATA``) reads and lists no "checksums" item. Metadata that does
+  not read cannot tell that apart from a lost ``checksums/``: False."""
+  try:
+    handlers = ocp.metadata.get_step_metadata(folder).item_handlers
+  except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
+    return False
+  return isinstance(handlers, dict) and "checksums" not in handlers
+
+
+def _raise_mismatches(bad: list[str]) -> None:
+  """A DamagedCheckpointError naming the first of ``bad`` (what does not match its checksum)
+  and how many more, if there are any."""
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    raise DamagedCheckpointError(
+      f"its contents do not match the checksums saved with them ({bad[0]}{more})"
+    )
 
 
 def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
-  """(step, ``read_items``) of the newest checkpoint whose JSON items read; None if none does.
-  A damaged one is passed over quietly here: the restore skips it and says so."""
+  """(step, ``read_items``) of the newest checkpoint whose JSON items read and verify; None if
+  none does. A damaged one is passed over quietly here: the restore skips it and says so."""
   for step in sorted(mngr.all_steps(), reverse=True):
     items, _ = _quietly(lambda s=step: read_items(mngr, s))
     if items:  # None: unreadable; {}: an empty folder
@@ -281,24 +323,17 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state of the checkpoint at ``step``, verified against its checksums together with its
-  JSON ``items`` (``read_items``'s); a DamagedCheckpointError naming what does not match.
+  """The state of the checkpoint at ``step``, verified against the checksums among its
+  ``items`` (``read_items``'s); a DamagedCheckpointError naming the arrays that do not match.
 
   ``abstract_state`` (ShapeDtypeStructs with shardings) says where each array goes, so a run
-  saved on one mesh restores onto another. A checkpoint written before checkpoints carried
-  checksums is restored unverified.
+  saved on one mesh restores onto another. Only a checkpoint written before checkpoints
+  carried checksums (``read_items`` decides) is restored unverified.
   """
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
-  saved = items.get("checksums")
-  if saved is None:
-    return state
-  bad = checksum.mismatches(saved, state, {k: v for k, v in items.items() if k in JSON_ITEMS})
-  if bad:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    raise DamagedCheckpointError(
-      f"its contents do not match the checksums saved with them ({bad[0]}{more})"
-    )
+  if "checksums" in items:
+    _raise_mismatches(checksum.array_mismatches(items["checksums"], state))
   return state
 
 
@@ -360,11 +395,19 @@ class Restored:
   items: dict
   damaged: list
 
+  @property
+  def unverified(self) -> str | None:
+    """Why the checkpoint could not be verified (written before checkpoints carried
+    checksums: ``read_items``), as a clause for a one-line note; None where it was verified."""
+    if "checksums" in self.items:
+      return None
+    return "written before checkpoints carried checksums, so it is loaded unverified"
+
 
 def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | None, list]:
   """The first of ``steps`` whose items and state restore and verify (``check(step, items)``
-  runs before its state is read, and raises to refuse it), and [(step, why)] of the ones
-  before it that did not."""
+  runs once its items verified, before its state is read, and raises to refuse it), and
+  [(step, why)] of the ones before it that did not."""
   failed = []
   for step in steps:
     if not os.listdir(os.path.join(str(mngr.directory), str(step))):
@@ -385,9 +428,10 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
   """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
 
-  ``check(step, items)`` runs before each restore (the checkpoint's config, corpus record and
-  data position) and raises to refuse it. A checkpoint that fails to restore (a truncated or
-  garbled file, an empty folder, contents that do not match their checksums) is listed in
+  ``check(step, items)`` runs before each restore, once the items verified (the checkpoint's
+  config, corpus record and data position: damage is never taken for a setting) and raises to
+  refuse it. A checkpoint that fails to restore (a truncated or garbled file, an empty folder,
+  lost checksums, contents that do not match their checksums) is listed in
   ``Restored.damaged``; ``set_aside`` moves those away once the run has passed every check. If
   none restores, the error lists why each failed.
   """

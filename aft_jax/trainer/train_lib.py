@@ -302,8 +302,9 @@ class Run:
   trainer: Trainer
   allow_config_change: bool = False  # resume a checkpoint whose config differs
   record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
-  # Checkpoints known good: the one restored (verified against its checksums) and the ones this
-  # run saved; what a divergence message may name as the last good one.
+  # Checkpoints known good: the one restored (verified against its checksums, unless written
+  # before checkpoints carried them) and the ones this run saved; what a divergence message may
+  # name as the last good one.
   good_steps: set = dataclasses.field(default_factory=set)
 
   @property
@@ -406,9 +407,9 @@ def _begin_writing(run: Run, mngr, restored) -> None:
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   """The newest intact checkpoint's state (and data position), or a freshly initialised state.
 
-  Each checkpoint's own config, corpus record and data position are what the run is checked
-  against before its state is read; the workdir is written only once the restore succeeded
-  and every check passed (``_begin_writing``).
+  Each checkpoint's own config, corpus record and data position, once they verified against
+  its checksums, are what the run is checked against before its state is read; the workdir is
+  written only once the restore succeeded and every check passed (``_begin_writing``).
   """
 
   def check(step, items):
@@ -433,7 +434,10 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   _begin_writing(run, mngr, restored)
   run.good_steps.add(restored.step)
   if run.is_main:
-    print(f"Resuming from the checkpoint at step {restored.step} in {run.workdir}", flush=True)
+    note = f" ({restored.unverified})" if restored.unverified else ""
+    print(
+      f"Resuming from the checkpoint at step {restored.step} in {run.workdir}{note}", flush=True
+    )
   return restored.state
 
 

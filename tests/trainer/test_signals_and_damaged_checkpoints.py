@@ -31,7 +31,7 @@ from tests.support.helpers import (
   with_default_sigint,
 )
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, train_lib, workdir_lock
+from aft_jax.trainer import checkpointing, checksum, train_lib, workdir_lock
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
@@ -459,6 +459,108 @@ def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verifi
   assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
 
 
+def _lose_checksums(step_dir):
+  shutil.rmtree(os.path.join(step_dir, "checksums"))
+
+
+def _change_data_position(step_dir):
+  """One number of the data position changed, still valid JSON (a setting a run compares)."""
+  path = os.path.join(step_dir, "data", "metadata")
+  saved = json.load(open(path))
+  saved["global_batch_size"] += 1
+  with open(path, "w") as f:
+    json.dump(saved, f)
+
+
+def _as_written_before_checksums(step_dir):
+  """The step as an aft_jax without checksums (or corpus records) wrote it: neither folder,
+  and Orbax's step metadata lists neither item."""
+  for name in ("checksums", "corpus"):
+    shutil.rmtree(os.path.join(step_dir, name))
+  path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  metadata = json.load(open(path))
+  for name in ("checksums", "corpus"):
+    del metadata["item_handlers"][name]
+  with open(path, "w") as f:
+    json.dump(metadata, f)
+
+
+LOST = "DamagedCheckpointError: its checksums (the folder checksums/) are missing, and its"
+UNVERIFIED = "written before checkpoints carried checksums, so it is loaded unverified"
+VERIFIED_OR_REFUSED = {
+  # name: (what is done to step 4, the step loaded, the tools' note, the trainer's line on it)
+  "checksums/ lost": (
+    _lose_checksums,
+    2,
+    f"note: skipped the damaged checkpoint at step 4 ({LOST}",
+    f"Skipped the damaged checkpoint at step 4 ({LOST}",
+  ),
+  "data position changed": (
+    _change_data_position,
+    2,
+    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do "
+    "not match the checksums saved with them (data)); using step 2",
+    "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
+    "match the checksums saved with them (data); resuming from step 2)",
+  ),
+  "written before checksums": (
+    _as_written_before_checksums,
+    4,
+    f"note: the checkpoint at step 4 was {UNVERIFIED}",
+    None,
+  ),
+}
+
+
+@pytest.mark.parametrize("case", VERIFIED_OR_REFUSED)
+def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
+  case, two_checkpoints, tmp_path, capsys, monkeypatch
+):
+  """Lost checksums are damage, unless Orbax's metadata shows the step was written before
+  checkpoints carried them (then it loads with a note that it is unverified); a changed data
+  position is damage, never a setting to resume with, even with --allow_config_change and a
+  longer run. The tools (export, like generate and evaluate) and a resume agree."""
+  damage, step, note, skipped = VERIFIED_OR_REFUSED[case]
+  workdir = _copy(two_checkpoints, tmp_path)
+  damage(os.path.join(workdir, "checkpoints", "4"))
+  capsys.readouterr()
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["step"] == step
+  (line,) = err.strip().splitlines()
+  assert line.startswith(note), line
+
+  # The resume, stopped as soon as its state is restored (the training loop is not the point).
+  monkeypatch.setattr(train_lib, "train_loop", lambda run, state, *rest: (state, True))
+  config = tiny_config(**dict(TWO_CHECKPOINTS, num_train_steps=6))
+  done = train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  out = capsys.readouterr().out
+  assert done == {"interrupted": True, "step": step}, out
+  resumed = f"Resuming from the checkpoint at step {step} in {workdir}"
+  assert resumed + ("\n" if skipped else f" ({UNVERIFIED})\n") in out, out
+  moved = os.path.join(workdir, "damaged_checkpoints")
+  if skipped:
+    assert skipped in out and os.listdir(moved) == ["4"], out
+  else:
+    assert not os.path.exists(moved)
+
+
+def test_lost_checksums_are_damage_where_the_metadata_cannot_say_otherwise(
+  two_checkpoints, tmp_path
+):
+  """Lost checksums and unreadable Orbax metadata (zeroed): nothing shows the step was written
+  before checksums existed, so it is damaged, never loaded unverified."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  step_dir = os.path.join(workdir, "checkpoints", "4")
+  _lose_checksums(step_dir)
+  metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  with open(metadata, "r+b") as f:
+    f.write(bytes(os.path.getsize(metadata)))
+  mngr = checkpointing.checkpoint_manager(workdir, checkpointing.CheckpointConfig())
+  with pytest.raises(checkpointing.DamagedCheckpointError, match=r"checksums \(the folder"):
+    checkpointing.read_items(mngr, 4)
+
+
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
   """As a user runs them: a damaged latest checkpoint is one note, and the export is of step 2;
   a step folder whose Orbax metadata is garbage (zeroed, as a lost write leaves it) but whose
@@ -539,13 +641,16 @@ def _held_lock(workdir):
 
 def _other_corpus(workdir):
   """The checkpoint's corpus record says the train split had one token more (as when Python's
-  own docs, the pydoc corpus, change with its version)."""
-  path = os.path.join(workdir, "checkpoints", "4", "corpus", "metadata")
-  with open(path) as f:
-    saved = json.load(f)
+  own docs, the pydoc corpus, change with its version), its checksum with it: the checkpoint
+  is intact, written on another corpus."""
+  step_dir = os.path.join(workdir, "checkpoints", "4")
+  saved = json.load(open(os.path.join(step_dir, "corpus", "metadata")))
   saved["tokens"]["train"] += 1
-  with open(path, "w") as f:
-    json.dump(saved, f)
+  sums = json.load(open(os.path.join(step_dir, "checksums", "metadata")))
+  sums["json"]["corpus"] = checksum.of_json(saved)
+  for name, obj in (("corpus", saved), ("checksums", sums)):
+    with open(os.path.join(step_dir, name, "metadata"), "w") as f:
+      json.dump(obj, f)
 
 
 REFUSALS = {
