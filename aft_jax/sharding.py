@@ -23,7 +23,7 @@ import flax.linen as nn
 from absl import logging
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax.typed_config import TypedConfig
 
@@ -142,13 +142,9 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
   all hosts)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
-  try:
-    from jax.experimental import mesh_utils
-
-    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-  except Exception:  # e.g. CPU devices without a physical topology
-    grid = np.asarray(devices).reshape(shape)
-  return Mesh(grid, MESH_AXES)
+  # Auto axes: the partitioner places what the logical constraints leave open (GSPMD), as flax's
+  # logical axis rules expect; jax.make_mesh's default would be explicit sharding.
+  return jax.make_mesh(shape, MESH_AXES, (AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
@@ -229,23 +225,9 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {a: n for a, n in mesh.shape.items() if a != SEQUENCE or n > 1}
 
 
-def with_traced_mesh(fn, mesh: Mesh):
-  """``fn`` traced with ``mesh`` as the abstract mesh, so that the layers' causal ops find it
-  (``in_mesh_shards``; ``with mesh:`` does not expose it); ``fn`` itself on one device. For the
-  functions a Trainer jits, with their in and out shardings."""
-  if mesh.devices.size == 1:
-    return fn
-
-  def traced(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return fn(*args, **kwargs)
-
-  return traced
-
-
 def in_mesh_shards(fn, args, names, splits_t: bool = True):
   """``fn(*args, axis_name=...)`` on each device's shard of ``args``, inside ``jax.shard_map``
-  over the mesh being traced for (``with_traced_mesh``): each array of ``args`` laid out by its
+  over the mesh being traced for (``jax.set_mesh``): each array of ``args`` laid out by its
   logical axis names ``names`` (one tuple per array; "activation_length" is T, split over the
   ``sequence`` axis, whose name ``fn`` then gets), the result laid out as the first.
 

@@ -23,7 +23,6 @@ import functools
 import json
 import math
 import os
-import warnings
 
 import flax.linen as nn
 import jax
@@ -53,13 +52,10 @@ from aft_jax.trainer.preemption import Preemption
 
 @contextlib.contextmanager
 def _on_mesh(mesh, rules):
-  """The mesh and logical axis rules that flax's logical constraints resolve against."""
-  with warnings.catch_warnings():
-    # jax 0.10 deprecates `with mesh:` in favour of jax.set_mesh, which also switches to
-    # explicit-sharding semantics that flax's logical partitioning does not use yet.
-    warnings.filterwarnings("ignore", message=".*context manager has been deprecated.*")
-    with mesh, nn.logical_axis_rules(rules):
-      yield
+  """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
+  logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 class TrainState(train_state.TrainState):
@@ -165,8 +161,9 @@ class Trainer:
 
     with _on_mesh(mesh, self.rules):
       abstract = jax.eval_shape(init, jax.random.key(0))
-      self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
-      self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
+    # (outside the mesh: unboxing the abstract tree there would constrain its shape structs)
+    self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
+    self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
     self.abstract_state = jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       nn.unbox(abstract),
@@ -183,14 +180,14 @@ class Trainer:
     )
     options = compiler_options(mesh)
     self._train_step = jax.jit(
-      sharding.with_traced_mesh(step, mesh),
+      step,
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
       compiler_options=options,
     )
     self._eval_step = jax.jit(
-      sharding.with_traced_mesh(functools.partial(eval_step, model=self.model), mesh),
+      functools.partial(eval_step, model=self.model),
       in_shardings=(self.state_shardings.params, batch_sh),
       out_shardings=repl,
       compiler_options=options,
