@@ -98,7 +98,9 @@ def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.Che
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep_checkpoints, create=False, enable_async_checkpointing=False
+        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep_checkpoints),
+        create=False,
+        enable_async_checkpointing=False,
       ),
     )
 
@@ -161,9 +163,16 @@ def _wind_down() -> None:
   unfinished collected, with their "never awaited" warnings ignored. Collected later (with the
   error's frames, or at the interpreter's exit) each prints a page after our one-line error."""
   with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+    _ignore_unawaited_coroutines()
     time.sleep(1.0)
     gc.collect()
+
+
+def _ignore_unawaited_coroutines() -> None:
+  """Ignores (in the current ``warnings.catch_warnings`` context) exactly the RuntimeWarning
+  that a coroutine left unfinished by a failed TensorStore or Orbax operation gives when it is
+  collected; every other warning shows as usual."""
+  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
 
 
 @contextlib.contextmanager
@@ -199,7 +208,7 @@ def _quietly(read):
   undo = _silence_background_errors()
   try:
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
+      _ignore_unawaited_coroutines()
       try:
         return read(), None
       except DamagedCheckpointError as e:
