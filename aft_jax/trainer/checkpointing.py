@@ -3,10 +3,13 @@ data-iterator position, the config and the corpus record (``aft_jax.data.record`
 written with, which a resume and the tools are checked against, and the checksums of all of it
 (``aft_jax.trainer.checksum``). Where they live in the workdir: ``aft_jax.workdir``.
 
-Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
-crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later (a truncated
-or garbled file, or bytes that still parse but no longer match their checksums) is skipped on
-resume in favour of the newest intact one, and never loaded.
+Saves run in the background (Orbax's asynchronous checkpointing): ``save`` returns once Orbax
+holds a host copy of the state, training goes on while the bytes are written, and the next
+``save`` or ``finish_saving`` waits for them (and raises if the write failed). Orbax writes each
+checkpoint into a temporary directory and renames it when complete, so a crash mid-save leaves
+the previous checkpoint usable; a checkpoint damaged later (a truncated or garbled file, or
+bytes that still parse but no longer match their checksums) is skipped on resume in favour of
+the newest intact one, and never loaded.
 
 Restoring only reads: the small JSON items first, verified against the checksums before a run
 is checked against them (so damage is never read as a setting), then the state, verified. A
@@ -88,19 +91,18 @@ class DamagedCheckpointError(ValueError):
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (``cfg.keep_checkpoints`` of them kept); creating it writes
-  nothing (the first save makes the folder).
+  """The workdir's checkpoints (the latest ``cfg.keep_checkpoints`` kept; an older one is
+  deleted only once a newer save has finished); creating it writes nothing (the first save
+  makes the folder). Its saves are asynchronous (``save``); ``close`` it when done.
 
   Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
   cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
   log is kept off stderr."""
-  with _quiet_orbax_threads(stay_quiet_on_error=False):
+  with _quiet_orbax_threads():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep_checkpoints),
-        create=False,
-        enable_async_checkpointing=False,
+        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep_checkpoints), create=False
       ),
     )
 
@@ -116,7 +118,8 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _intact_note(mngr: ocp.CheckpointManager) -> str:
-  """What a failed save leaves behind, as the end of its error message."""
+  """What a failed save leaves behind, as the end of its error message (``mngr``'s steps: those
+  on disk, no save in flight)."""
   previous = mngr.latest_step()
   if previous is None:
     return "there is no earlier checkpoint, so a rerun starts from the beginning"
@@ -176,25 +179,46 @@ def _ignore_unawaited_coroutines() -> None:
 
 
 @contextlib.contextmanager
-def _quiet_orbax_threads(stay_quiet_on_error: bool):
+def _quiet_orbax_threads():
   """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
 
   A failed write (a full disk) or read (a damaged checkpoint) fails in several threads at once,
   their callbacks keep failing against closed event loops for a while afterwards, and their
   coroutines again at exit; each prints a traceback (through logging, the thread or unraisable
-  hook, or from the thread to stderr), burying the one error that says what happened. With
-  ``stay_quiet_on_error`` (the process is about to stop) they stay quiet after a failure;
-  otherwise they are given a moment to wind down first.
+  hook, or from the thread to stderr), burying the one error that says what happened. After a
+  failure they are given a moment to wind down before stderr is theirs again.
   """
   undo = _silence_background_errors()
   try:
     yield
   except BaseException:
-    if not stay_quiet_on_error:
-      time.sleep(1.0)
-      undo()
+    time.sleep(1.0)
+    undo()
     raise
   undo()
+
+
+# While a save is in flight (from ``save`` to ``finish_saving``) its background threads' noise
+# is kept off stderr (``_silence_background_errors``); this holds the function that undoes it.
+_saving_quietly: list = []
+
+
+def _quiet_while_saving() -> None:
+  if not _saving_quietly:
+    _saving_quietly.append(_silence_background_errors())
+
+
+def _loud_again() -> None:
+  while _saving_quietly:
+    _saving_quietly.pop()()
+
+
+def _stay_quiet() -> None:
+  """After a failed write: the process stops with our one error, and the failed threads' noise
+  (which goes on for a while, and again at exit) stays off stderr for good."""
+  if not _saving_quietly:
+    _silence_background_errors()
+  _saving_quietly.clear()
 
 
 def _quietly(read):
@@ -235,14 +259,20 @@ def save(
 ) -> None:
   """Saves state + data position + ``config`` (``RunConfig.tree``) and ``corpus`` (the corpus
   record: what a resume and the tools are checked against) + the checksums of all of them,
-  atomically.
+  atomically, in the background: it first waits for the save before it (``finish_saving``),
+  and returns once Orbax has copied the state's arrays to host memory (the caller may update,
+  or donate, them from then on), while the bytes are written; ``finish_saving`` waits for them.
 
   The trainer always passes its config and corpus record; ``None`` (tools that only move
   state) saves none.
 
-  Never writes non-finite parameters or optimizer state, and turns a failed write (a full
-  disk, say) into one error that says what is left to resume from.
+  Never writes non-finite parameters or optimizer state. A failed write (a full disk, say) is
+  one OSError naming the step and what is left to resume from: raised here where it fails
+  before the write goes to the background, else by the wait that follows (the next ``save``,
+  or ``finish_saving``). From here until that wait, the background threads' own tracebacks
+  and logs are kept off stderr (``_silence_background_errors``).
   """
+  finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
       f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
@@ -250,21 +280,52 @@ def save(
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
   items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
   sums = checksum.record(state, items)
+  _quiet_while_saving()
   try:
-    with _quiet_orbax_threads(stay_quiet_on_error=True):
-      args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
-      args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
-      mngr.save(step, args=ocp.args.Composite(**args), force=True)
-      mngr.wait_until_finished()
+    args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
+    args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
+    mngr.save(step, args=ocp.args.Composite(**args), force=True)
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
     error = _first_line(e)
   else:
     return
+  raise _save_failed(mngr, step, error)
+
+
+def finish_saving(mngr: ocp.CheckpointManager) -> None:
+  """Waits until the save in flight, if any (``save``), is on disk; where its write failed,
+  the OSError ``save`` describes, naming that save's step."""
+  step = mngr.latest_step()  # a save in flight is the manager's latest step
+  try:
+    mngr.wait_until_finished()
+  except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
+    error = _first_line(e)
+  else:
+    _loud_again()
+    return
+  raise _save_failed(mngr, step, error)
+
+
+def close(mngr: ocp.CheckpointManager) -> None:
+  """Waits for the save in flight (``finish_saving``: its failure raised) and closes
+  ``mngr`` (Orbax's background threads and executors end)."""
+  try:
+    finish_saving(mngr)
+  finally:
+    mngr.close()
+
+
+def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
+  """The error of the save at ``step`` that failed with ``error`` (its first line)."""
   # The failed write's coroutines live as long as the error's frames: outside the except block
   # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
   # module was gone, each printed "coroutine ... was never awaited" after our error).
+  _stay_quiet()
   _wind_down()
-  raise OSError(
+  # What is on disk: the failed step is not; a step that Orbax already dropped from its list,
+  # to be deleted once that save finished, still is.
+  mngr.reload()
+  return OSError(
     f"saving the checkpoint at step {step} failed ({error}); {_intact_note(mngr)}: "
     "free disk space and rerun the same command to resume"
   )  # (not chained: Orbax's internal chain says nothing more to the user)

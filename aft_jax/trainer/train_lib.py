@@ -5,10 +5,11 @@ component's checked, typed slice); from there each part takes its own slice.
 
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
-exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
-and the config (``checkpointing``), so rerunning the same command resumes exactly; SIGTERM /
-Ctrl-C save a checkpoint and exit (``preemption``); one trainer per workdir (``workdir_lock``);
-per-step metrics and the non-finite watch (``step_log``): modules of this package.
+exact evaluation over whole splits; Orbax checkpoints, written in the background while training
+goes on, that also hold the data-iterator position and the config (``checkpointing``), so
+rerunning the same command resumes exactly; SIGTERM / Ctrl-C save a checkpoint and exit
+(``preemption``); one trainer per workdir (``workdir_lock``); per-step metrics and the
+non-finite watch (``step_log``): modules of this package.
 
 ``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
 loop, final evaluation, results, a sample. The step functions are pure module-level functions
@@ -439,8 +440,9 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
 
 
 def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
-  """Saves the checkpoint at ``step``, unless its update was skipped as non-finite: a run of
-  skipped updates must not rotate out the last good checkpoint. Whether one was saved."""
+  """Saves the checkpoint at ``step`` (in the background: ``checkpointing.save``), unless its
+  update was skipped as non-finite: a run of skipped updates must not rotate out the last good
+  checkpoint. Whether one was saved."""
   log.settle()
   if log.skipped_since is not None:
     if run.is_main:
@@ -456,10 +458,12 @@ def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_it
 
 
 def _save_and_say_stopped(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter, sig):
-  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, says so."""
+  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, waits until it
+  is on disk, says so."""
   if log.pending:
     log.flush(state)  # the steps since the last log line are not lost
   saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
+  checkpointing.finish_saving(mngr)
   if run.is_main:
     what = (
       f"saved the checkpoint at step {step}; run the same command again to resume."
@@ -695,10 +699,13 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
     writer.write_text("config", json.dumps(tree, indent=2), int(state.step))
     writer.write_hparams(flatten(tree), step_log.HPARAMS_METRICS)
-    try:
+    with contextlib.ExitStack() as cleanup:
+      cleanup.callback(writer.close)
+      cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:
         return {"interrupted": True, "step": int(state.step)}
+      checkpointing.finish_saving(mngr)  # the final checkpoint is on disk before the results
       try:
         with Preemption() as preemption:
           results = final_results(run, state, preemption)
@@ -712,6 +719,4 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         return {"interrupted": True, "step": int(state.step)}
       write_results(run, results, writer)
       sample(run, state.params, writer)
-    finally:
-      writer.close()
   return results

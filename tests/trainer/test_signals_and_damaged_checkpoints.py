@@ -300,18 +300,23 @@ import resource, signal, sys
 from tests.support.helpers import tiny_config
 from aft_jax.trainer import checkpointing, train_lib
 orig, calls = checkpointing.save, []
-def save(*args):
-  orig(*args)
+def save(mngr, *args):
+  orig(mngr, *args)
   calls.append(1)
-  if len(calls) == 1:  # the disk fills up after the first checkpoint: no file grows past
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # 16 KB (the event file's ~6 KB still can,
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # a checkpoint's ~80 KB not)
+  if len(calls) == 1:  # the disk fills up once the first checkpoint is written: no file grows
+    checkpointing.finish_saving(mngr)  # past 16 KB (the event file's ~6 KB still can, a
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # checkpoint's ~80 KB not)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
 checkpointing.save = save
-train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2), sys.argv[1])
+config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1)
+train_lib.train_and_evaluate(config, sys.argv[1])
 """
 
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
+  """The save at step 4 fails in the background; the wait before the next save raises, naming
+  step 4 and step 2 as what is left (one checkpoint kept: step 2 was due to go once step 4 was
+  written, so it is still there)."""
   workdir = str(tmp_path / "run")
   out = prefork.run(
     [sys.executable, "-c", DISK_FULL, workdir],
@@ -329,9 +334,9 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
   assert _steps(workdir) == [2]
   results = train_lib.train_and_evaluate(
-    tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
+    tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1), workdir
   )
-  assert results["steps"] == 6 and _steps(workdir)[-1] == 6
+  assert results["steps"] == 6 and _steps(workdir) == [6]
 
 
 def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(

@@ -1,10 +1,12 @@
 """End-to-end training: train.py in a subprocess, exact resume, evaluation, generation."""
 
+import functools
 import json
 import math
 import os
 import signal
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -34,14 +36,85 @@ def _interrupt_after(monkeypatch, n):
   monkeypatch.setattr(train_lib.Trainer, "train_step", step)
 
 
-def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
-  config = tiny_config(num_train_steps=6)
+class _Drawn:
+  """A train iterator that calls ``on_draw(n)`` before it hands out its n-th batch."""
+
+  def __init__(self, it, on_draw):
+    self.it, self.on_draw, self.n = it, on_draw, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.n += 1
+    self.on_draw(self.n)
+    return next(self.it)
+
+  def __getattr__(self, name):  # get_state, set_state, check_state, packing
+    return getattr(self.it, name)
+
+
+def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
+  """The save at step 2 (the first) is held unfinished (Orbax's post-finalization callback, in
+  its background thread, waits before the step's folder is renamed into place) until the run
+  draws batch ``until_batch``. Returns (the batches from 3 on, drawn after the save returned,
+  that were drawn while its folder was not in place; whether the callback was released rather
+  than timed out): lists filled as the run goes."""
+  import orbax.checkpoint as ocp
+
+  release, released, during = threading.Event(), [], []
+
+  def hold():
+    if not released:
+      released.append(release.wait(timeout=600))  # (only a failing test waits that long)
+
+  def on_draw(n):
+    if n >= 3 and not os.path.isdir(workdir / "checkpoints" / "2"):
+      during.append(n)
+    if n == until_batch:
+      release.set()
+
+  options = functools.partial(
+    ocp.CheckpointManagerOptions, async_options=ocp.AsyncOptions(post_finalization_callback=hold)
+  )
+  monkeypatch.setattr(ocp, "CheckpointManagerOptions", options)
+  batches = train_lib.data_lib.train_iterator
+  monkeypatch.setattr(
+    train_lib.data_lib, "train_iterator", lambda *a, **kw: _Drawn(batches(*a, **kw), on_draw)
+  )
+  return during, released
+
+
+def test_steps_run_while_a_save_is_written_and_resume_is_exact(tmp_path, monkeypatch):
+  """Checkpoints are written in the background: while the save at step 2 is held unfinished,
+  step 3 trains (on the state the save copied, its buffers donated to the step) and step 4's
+  batch is drawn. That checkpoint then verifies against the checksums taken before the save
+  returned (read back as the tools read it). A run stopped by SIGTERM after step 3 says it
+  saved step 3 once that checkpoint is on disk, and resumes to the same losses and results as
+  the run straight through."""
+  config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=3)
+  during, released = _hold_the_save_at_2(monkeypatch, tmp_path / "a", until_batch=4)
   straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
+  assert during == [3, 4] and released == [True]
+  monkeypatch.undo()
+  from aft_jax.tools import trained
+
+  assert trained.load_run(str(tmp_path / "a"), step=2).step == 2  # verified, else an error
 
   resumed_dir = str(tmp_path / "b")
   _interrupt_after(monkeypatch, 3)
+  said = []  # what the run printed, and whether checkpoint 3 was on disk when it did
+  on_disk = lambda: os.path.isdir(os.path.join(resumed_dir, "checkpoints", "3"))  # noqa: E731
+  monkeypatch.setattr(
+    train_lib, "print", lambda *a, **kw: said.append((" ".join(a), on_disk())), False
+  )
   first = train_lib.train_and_evaluate(config, resumed_dir)
   assert first == {"interrupted": True, "step": 3}
+  assert (
+    "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command "
+    "again to resume.",
+    True,
+  ) in said
   monkeypatch.undo()
   resumed = train_lib.train_and_evaluate(config, resumed_dir)
 
