@@ -122,7 +122,7 @@ def _use_every_core() -> None:
 
   try:
     cfg = RunConfig.from_tree(FLAGS.config)
-  except ValueError:
+  except (ValueError, OSError):  # (OSError: a config file that failed to load)
     return
   cpu_devices.apply(cfg)
 
@@ -153,12 +153,31 @@ def _parse_flags(argv):
   except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
     print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
     sys.exit(refused)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    # ml_collections' message is a quoted repr: the key, "\\n", then "Did you mean ...".
+  except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    from aft_jax.trainer import run_config  # pylint: disable=g-import-not-at-top
+
+    # A key no component defines, named whole (ml_collections names the last part only);
+    # else ml_collections' message, a quoted repr: "\\n" between its lines.
+    unknown = run_config.unknown_keys(_override_keys(argv))
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
-    why = "; ".join(p.strip().strip("'\"") for p in text.splitlines() if p.strip().strip("'\""))
+    lines = [p.strip().strip("'\"") for p in text.splitlines()]
+    why = "; ".join(unknown or [p for p in lines if p])
     print(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}", file=sys.stderr)
     sys.exit(refused)
+
+
+def _override_keys(argv) -> list[str]:
+  """The dotted keys of the command line's ``--config.KEY=VALUE`` (``--config.KEY VALUE``,
+  ``--[no]config.KEY``) overrides."""
+  keys = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name = arg.lstrip("-").partition("=")[0]
+    for prefix in ("config.", "noconfig."):
+      if arg.startswith("-") and name.startswith(prefix):
+        keys.append(name[len(prefix) :])
+  return keys
 
 
 def _asks_dry_run(argv) -> bool:
