@@ -11,9 +11,9 @@ Rerunning the same command resumes from the workdir's last checkpoint. JAX's fla
 """
 
 import os
+import re
 import sys
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -84,8 +84,16 @@ def dry_run() -> None:
 
 def main(argv):
   del argv
+  import jax  # (run() imported it first: it says in one line why jax cannot be imported)
+
+  from aft_jax.trainer import cpu_devices
+
   if not FLAGS["verbosity"].present:  # -v / --verbosity wins
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  try:
+    cpu_devices.check_set_count()
+  except ValueError as e:
+    _fail(e, 2 if FLAGS.dry_run else 1)
   if FLAGS.dry_run:
     dry_run()
   if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
@@ -133,6 +141,14 @@ def run():
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+  try:
+    # Here, not at the top: jax reads its JAX_* environment variables when imported and
+    # refuses a value it cannot read (JAX_NUM_CPU_DEVICES=abc) with a ValueError.
+    import jax
+  except ValueError as e:
+    flag = re.search(r"JAX flag (\w+)", str(e))
+    where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
   jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
   try:
     app.run(main, argv=argv, flags_parser=_parse_flags)
@@ -154,7 +170,7 @@ def _parse_flags(argv):
     print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
     sys.exit(refused)
   except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-    from aft_jax.trainer import run_config  # pylint: disable=g-import-not-at-top
+    from aft_jax.trainer import run_config
 
     # A key no component defines, named whole (ml_collections names the last part only);
     # else ml_collections' message, a quoted repr: "\\n" between its lines.
