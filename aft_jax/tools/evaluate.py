@@ -57,8 +57,8 @@ SPLIT_HINT = (
 def read_text(path: str, data) -> str | list[str]:
   """What ``--text_file`` scores: the text of a UTF-8 file, or the documents of a JSONL or
   Parquet file (by its ending), read as the corpus reads records (``text.read_documents``, with
-  ``data``'s, the run's DataConfig's, ``text_field`` and ``encoding``); one-line ValueErrors for
-  a missing, empty or non-UTF-8 file or a bad record (naming its line or row group)."""
+  the ``text_field`` and ``encoding`` of ``data``, the run's DataConfig); one-line ValueErrors
+  for a missing, empty or non-UTF-8 file or a bad record (naming its line or row group)."""
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
 
   records = text_lib.is_records(path)
