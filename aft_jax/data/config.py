@@ -30,7 +30,9 @@ class DataConfig(TypedConfig):
   # 'byte', 'word' or 'subword' (a SentencePiece vocabulary of vocab_size pieces learned on the
   # train split; wikitext103 and text)
   tokenizer: str = "byte"
-  vocab_size: int = 0  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...)
+  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...); bytes and words
+  # have their own sizes, and a run that sets it for them says it is not used
+  vocab_size: int = 0
   # text: comma-separated globs of UTF-8 files, each file one document; without valid_files /
   # test_files, valid_fraction and test_fraction of train_files' documents are held out
   train_files: str = ""
@@ -129,6 +131,20 @@ class DataConfig(TypedConfig):
     except LookupError:
       errors.append(f"{self.key('encoding')} = {self.encoding!r} is not an encoding Python knows")
     return errors
+
+
+def vocab_size_note(cfg: DataConfig) -> str | None:
+  """The line that says ``vocab_size`` is not used (None where it is, or is 0): only a subword
+  vocabulary is made to a size. A note, not an error: a workdir that recorded such a value (a
+  recipe's subword size kept when its tokenizer was changed) still reads and resumes as it
+  ran."""
+  if cfg.tokenizer == "subword" or not cfg.vocab_size or cfg.tokenizer not in TOKENIZERS:
+    return None
+  has = {"byte": "its 256 byte values", "word": "the words of the train split"}[cfg.tokenizer]
+  return (
+    f"note: {cfg.key('vocab_size')} = {cfg.vocab_size} is not used: tokenizer = "
+    f"{cfg.tokenizer!r} has {has} (vocab_size is the size of a 'subword' vocabulary)"
+  )
 
 
 def require(cfg, what: str) -> DataConfig:

@@ -18,6 +18,7 @@ data, and ``with_vocab(n)`` fills it in.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -176,10 +177,25 @@ def _with_defaults(tree: dict, defaults: dict) -> dict:
   return out
 
 
+def unknown_keys(keys) -> list[str]:
+  """One line for each of the dotted ``keys`` (``"model.d_model"``) that no component defines
+  (a key above others, ``"model"``, is known): the whole key and the known keys closest to it
+  (difflib), a mistyped or misplaced key's likely meaning."""
+  known = flatten(default_tree())
+  lines = []
+  for key in keys:
+    if key in known or any(k.startswith(key + ".") for k in known):
+      continue
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    lines.append(f"unknown config key {key!r}{hint}")
+  return lines
+
+
 def _key_problems(tree: dict) -> list[str]:
   """The unknown keys' lines; a missing key raises at once (no component can be built)."""
   ref, cur = flatten(default_tree()), flatten(tree)
-  errors = [f"unknown config key {key!r}" for key in sorted(set(cur) - set(ref))]
+  errors = unknown_keys(sorted(set(cur) - set(ref)))
   missing = [f"missing config key {key!r}" for key in sorted(set(ref) - set(cur))]
   if missing:
     raise ValueError("invalid config: " + "; ".join(errors + missing))

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from aft_jax.trainer import checkpointing, optimizer
 from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
+from aft_jax.data import config as data_config
 from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
@@ -335,16 +336,20 @@ def build_trainer(cfg: RunConfig, mesh, say=print) -> Trainer:
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
-  config, the mesh over ``devices`` (default: all), the batch's split over it, the warmup
-  note (to ``say``) and the trainer (``build_trainer``)."""
+  config, the mesh over ``devices`` (default: all), the batch's split over it, the notes of a
+  warmup cut to the run and of an unused ``data.vocab_size`` (to ``say``) and the trainer
+  (``build_trainer``)."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
     mesh, batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size
   )
-  note = optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps)
-  if note:
-    say(note)
+  for note in (
+    optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps),
+    data_config.vocab_size_note(cfg.data),
+  ):
+    if note:
+      say(note)
   return build_trainer(cfg, mesh, say)
 
 

@@ -7,7 +7,7 @@ import ml_collections
 import pytest
 import importlib.util
 
-from aft_jax.trainer import checkpointing
+from aft_jax.trainer import checkpointing, run_config
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.model import MIXINGS
 from tests.support.helpers import ROOT
@@ -119,11 +119,19 @@ def test_unknown_keys_and_wrong_types_fail():
   d = _quick().to_dict()  # (a ConfigDict itself refuses a str for an int field)
   d["learning_rte"] = 0.1
   d["model"]["num_layers"] = "two"
+  d["model"]["nosuch"] = 1
   config = ml_collections.ConfigDict(d)
   with pytest.raises(ValueError) as err:
     RunConfig.from_tree(config)
-  assert "unknown config key 'learning_rte'" in str(err.value)
+  # The whole key, and the known keys closest to it (none is close to 'nosuch').
+  assert "unknown config key 'learning_rte'; did you mean 'learning_rate'?" in str(err.value)
+  assert "unknown config key 'model.nosuch';" in str(err.value)
   assert "config.model.num_layers = 'two' should be a int" in str(err.value)
+  # A misplaced key: the place it belongs.
+  assert run_config.unknown_keys(["model.learning_rate", "model", "data.packed"]) == [
+    "unknown config key 'model.learning_rate'; did you mean 'learning_rate'?",
+    "unknown config key 'data.packed'; did you mean 'data.packing'?",
+  ]
 
 
 def test_resume_conflicts_ignore_only_harmless_keys():
