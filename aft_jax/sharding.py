@@ -55,6 +55,7 @@ class MeshConfig(TypedConfig):
   devices."""
 
   WHERE = "mesh"
+  ADDED = {"sequence": ("2bacbb7", 1)}  # T was never split before (TypedConfig.as_written)
 
   data: int = -1  # data parallelism; -1: all remaining devices
   fsdp: int = 1  # data parallelism with sharded parameters and optimizer state

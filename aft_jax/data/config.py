@@ -24,6 +24,22 @@ class DataConfig(TypedConfig):
   """The corpus of a run. ``aft_jax.data.load_corpus`` reads it; ``config.data`` is made of it."""
 
   WHERE = "data"
+  # Keys added since the first release and the value a config without them ran with
+  # (``TypedConfig.as_written``): the defaults, each what the code before the key did (the
+  # loaders took official 'auto' before the key; the others belong to dataset 'text', which
+  # came with them, and packing is off for every other dataset).
+  ADDED = {
+    "official": ("3a3ca29", "auto"),
+    "vocab_size": ("e72b922", 0),
+    "train_files": ("e72b922", ""),
+    "valid_files": ("e72b922", ""),
+    "test_files": ("e72b922", ""),
+    "valid_fraction": ("e72b922", 0.1),
+    "test_fraction": ("e72b922", 0.1),
+    "encoding": ("e72b922", "utf-8"),
+    "text_field": ("b7308a7", "text"),
+    "packing": ("b7308a7", False),
+  }
 
   # 'pydoc' (ships with Python), 'wikitext103', 'enwik8' or 'text' (your files: train_files...)
   dataset: str = "pydoc"

@@ -43,7 +43,7 @@ from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.metrics import MetricWriter
-from aft_jax.trainer.run_config import RunConfig, default_tree
+from aft_jax.trainer.run_config import RunConfig, as_written
 from aft_jax.model import TransformerLM, count_params
 from aft_jax.ops import target as ops_target
 from aft_jax.typed_config import flatten
@@ -370,7 +370,7 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
 
 
 def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
-  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, default_tree())
+  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, as_written)
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
