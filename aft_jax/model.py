@@ -63,6 +63,16 @@ class ModelConfig(TypedConfig):
 
   WHERE = "model"
   OUTSIDE_TREE = ("vocab_size",)
+  # Keys added since the first release and the value a config without them ran with
+  # (``TypedConfig.as_written``): before 457a2e0 the ops had their XLA form only; before
+  # bdcc2f1 every model had biases, the tanh GELU and Glorot's initialisation with the tied
+  # output layer scaled by 1/sqrt(d_model), which ``init = 'glorot'`` is.
+  ADDED = {
+    "impl": ("457a2e0", "xla"),
+    "init": ("bdcc2f1", "glorot"),
+    "use_bias": ("bdcc2f1", True),
+    "gelu_approximate": ("bdcc2f1", True),
+  }
 
   vocab_size: int = 0  # from the data (0: not known yet)
   max_len: int = 256  # longest sequence: size of the position embedding and AFT bias w

@@ -55,6 +55,7 @@ class MeshConfig(TypedConfig):
   devices."""
 
   WHERE = "mesh"
+  ADDED = {"sequence": ("2bacbb7", 1)}  # T was never split before (TypedConfig.as_written)
 
   data: int = -1  # data parallelism; -1: all remaining devices
   fsdp: int = 1  # data parallelism with sharded parameters and optimizer state
@@ -139,9 +140,20 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ('data', 'fsdp', 'tensor', 'sequence') mesh over ``devices`` (default: all devices of
-  all hosts)."""
+  all hosts). Too few or too many CPU devices for the mesh: the error says how to make as many
+  as it takes (jax makes the CPU one device unless told)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_shape(mesh_cfg, len(devices))
+  try:
+    shape = mesh_shape(mesh_cfg, len(devices))
+  except ValueError as e:
+    if not devices or any(d.platform != "cpu" for d in devices):
+      raise
+    n = math.prod(s for s in (getattr(mesh_cfg, a) for a in MESH_AXES) if s != -1)
+    raise ValueError(
+      f"{e}; a CPU host makes {n} devices with --jax_num_cpu_devices={n} (or "
+      f"JAX_NUM_CPU_DEVICES={n}; in Python, jax.config.update('jax_num_cpu_devices', {n}) "
+      "before jax's first computation)"
+    ) from None
   # Auto axes: the partitioner places what the logical constraints leave open (GSPMD), as flax's
   # logical axis rules expect; jax.make_mesh's default would be explicit sharding.
   return jax.make_mesh(shape, MESH_AXES, (AxisType.Auto,) * len(MESH_AXES), devices=devices)

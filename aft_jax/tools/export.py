@@ -222,7 +222,9 @@ def load_pretrained(path: str):
   """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors: told
   apart by their contents, not their names; module doc). A damaged file
   (any changed byte), a file of a newer format, a model config this version does not know and
-  parameters that are not the tree that config builds are one-line ValueErrors."""
+  parameters that are not the tree that config builds are one-line ValueErrors. A model key
+  added since the file was written takes the value its version ran with
+  (``ModelConfig.ADDED``)."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
@@ -230,7 +232,7 @@ def load_pretrained(path: str):
   try:
     meta = json.loads(body["meta"])
     vocab = vocab_from_info(meta["corpus"], meta["vocab"])
-    model = TransformerLM(ModelConfig(**meta["model"]).validate())
+    model = TransformerLM(ModelConfig(**ModelConfig.as_written(meta["model"])).validate())
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"load_pretrained: {path}: its model config cannot be read ({e})") from None
   _check_params(path, model, body["params"])

@@ -418,18 +418,21 @@ def check_resume_config(
   config: dict,
   workdir: str | Workdir,
   allow_config_change: bool,
-  defaults: dict | None = None,
+  as_written=None,
 ):
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
   ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
-  ``allow_config_change``; a key that ``saved`` lacks (added to the package since) compares as
-  its value in ``defaults``."""
+  ``allow_config_change``. ``as_written(saved)``: ``saved`` with each key added to the package
+  since it was written at the value it ran with (``run_config.as_written``), what ``config``
+  is compared with; where such a key differs, the refusal names the flag that resumes the run
+  as it was written."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
     return
-  conflicts = resume_conflicts(saved, config, defaults)
+  written = saved if as_written is None else as_written(saved)
+  conflicts = resume_conflicts(written, config)
   vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
   if vocabulary:
     raise ValueError(
@@ -443,9 +446,24 @@ def check_resume_config(
   elif conflicts:
     raise ValueError(
       f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
-      f"compared with {where}); use another --workdir, or pass --allow_config_change to "
-      "resume it anyway"
+      f"compared with {where}){_as_written_hint(saved, written, conflicts)}; use another "
+      "--workdir, or pass --allow_config_change to resume it anyway"
     )
+
+
+def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:
+  """What a refusal adds where conflicting keys were added since ``saved`` was written: the
+  flags that give them the values the run was trained with (``written``'s)."""
+  a, b = flatten(saved), flatten(written)
+  keys = [c.split(":")[0] for c in conflicts]
+  older = [k for k in keys if k in b and k not in a]
+  if not older:
+    return ""
+  flags = " ".join(f"--config.{k}={b[k] if isinstance(b[k], str) else repr(b[k])}" for k in older)
+  return (
+    f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
+    "pass that to resume the run as it was written"
+  )
 
 
 def write_workdir_config(tree: dict, workdir: str | Workdir) -> None:
@@ -559,16 +577,15 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
     multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
 
 
-def resume_conflicts(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
-  """Differences between two configs (as dicts) that make resuming one as the other wrong. A
-  key that ``saved`` lacks takes its value in ``defaults`` (a config written before the key
-  existed ran with what is now its default), else None."""
-  a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+  """Differences between two configs (as dicts) that make resuming one as the other wrong
+  (a key one of them lacks: None)."""
+  a, b = flatten(saved), flatten(current)
   out = []
   for key in sorted(set(a) | set(b)):
     if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
       continue
-    va, vb = a.get(key, d.get(key)), b.get(key)
+    va, vb = a.get(key), b.get(key)
     if isinstance(va, list):
       va = tuple(va)
     if isinstance(vb, list):

@@ -16,9 +16,11 @@ optimizer update and the all-reduce grow with the count).
 Only ``train.py`` (``aft-train``) applies it, before jax starts its backends (the count is fixed
 then), and only where nothing else has set the count: ``--jax_num_cpu_devices`` /
 ``JAX_NUM_CPU_DEVICES``, an ``XLA_FLAGS`` device count, a multi-process run, or a mesh config
-other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices",
-2)`` right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
-devices are the accelerators there, not the CPU's.
+other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices", 2)``
+right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
+devices are the accelerators there, not the CPU's. A count set to no number of devices (0, or
+below -1, jax's unset) is refused in one line by ``aft-train`` and the tools
+(``check_set_count``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
     if not sharding.uneven_batches(n, **batches):
       return n
   return 1
+
+
+def check_set_count() -> None:
+  """A one-line ValueError where the count is set (``--jax_num_cpu_devices``,
+  ``JAX_NUM_CPU_DEVICES``) to no number of devices: 0 (jax's CPU backend then fails to start,
+  blaming a plugin) or below -1 (jax takes it as unset, without a word); -1 is jax's unset.
+  Before jax's backends start (a word that is no number jax refuses itself, when imported)."""
+  n = jax.config.jax_num_cpu_devices
+  if n == 0 or n < -1:
+    raise ValueError(
+      f"jax_num_cpu_devices = {n} (JAX_NUM_CPU_DEVICES, aft-train's --jax_num_cpu_devices) is "
+      "no number of CPU devices: give 1 or more, or leave it unset"
+    )
 
 
 def set_by_user(environ=None) -> bool:

@@ -37,13 +37,14 @@ from tqdm.auto import tqdm
 from aft_jax.trainer import checkpointing, optimizer
 from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
+from aft_jax.data import config as data_config
 from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.metrics import MetricWriter
-from aft_jax.trainer.run_config import RunConfig, default_tree
+from aft_jax.trainer.run_config import RunConfig, as_written
 from aft_jax.model import TransformerLM, count_params
 from aft_jax.ops import target as ops_target
 from aft_jax.typed_config import flatten
@@ -336,16 +337,20 @@ def build_trainer(cfg: RunConfig, mesh, say=print) -> Trainer:
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
-  config, the mesh over ``devices`` (default: all), the batch's split over it, the warmup
-  note (to ``say``) and the trainer (``build_trainer``)."""
+  config, the mesh over ``devices`` (default: all), the batch's split over it, the notes of a
+  warmup cut to the run and of an unused ``data.vocab_size`` (to ``say``) and the trainer
+  (``build_trainer``)."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
     mesh, batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size
   )
-  note = optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps)
-  if note:
-    say(note)
+  for note in (
+    optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps),
+    data_config.vocab_size_note(cfg.data),
+  ):
+    if note:
+      say(note)
   return build_trainer(cfg, mesh, say)
 
 
@@ -366,7 +371,7 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
 
 
 def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
-  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, default_tree())
+  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, as_written)
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:

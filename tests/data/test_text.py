@@ -365,17 +365,18 @@ def _write_jsonl(path, texts, field="text"):
         f.write("\n")  # a blank line is no record
 
 
-def _write_parquet(path, texts, field="text", row_group_size=2):
+def _write_parquet(path, texts, field="text", row_group_size=2, dictionary=False):
   import pyarrow as pa
   import pyarrow.parquet as pq
 
-  pq.write_table(pa.table({field: texts, "n": list(range(len(texts)))}), path, row_group_size)
+  column = pa.array(texts).dictionary_encode() if dictionary else texts
+  pq.write_table(pa.table({field: column, "n": list(range(len(texts)))}), path, row_group_size)
 
 
 def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(docs, tmp_path):
   """The same five texts as plain files and as records (a .jsonl.gz and a .parquet shard for
-  train, a .jsonl for validation, a .parquet for test): the same tokens, bytes and document
-  ends, split for split."""
+  train, a .jsonl for validation, a .parquet for test, its column dictionary-encoded as
+  pandas writes a category): the same tokens, bytes and document ends, split for split."""
   paths = sorted(str(p) for p in docs.glob("*.py"))
   texts = [open(p).read() for p in paths]
   plain = _load(
@@ -387,7 +388,7 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
   _write_jsonl(rec / "train-1.jsonl.gz", texts[:2], field="body")
   _write_parquet(rec / "train-2.parquet", texts[2:3], field="body")
   _write_jsonl(rec / "valid.jsonl", texts[3:4], field="body")
-  _write_parquet(rec / "test.parquet", texts[4:], field="body")
+  _write_parquet(rec / "test.parquet", texts[4:], field="body", dictionary=True)
   records = _load(
     tmp_path / "rec", train_files=f"{rec}/train-1.jsonl.gz,{rec}/train-2.parquet",
     valid_files=f"{rec}/valid.jsonl", test_files=f"{rec}/test.parquet", tokenizer="word",
@@ -417,14 +418,22 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
       '{"text": "ok"}\n\n{"body": "x"}\n',
       r"b\.jsonl line 3 has no field 'text' .*'body'",
     ),
-    ("c.jsonl", '{"text": 3}\n', r"c\.jsonl line 1: field 'text' is a JSON int, not a string"),
-    ("d.jsonl", '["text"]\n', r"d\.jsonl line 1 is a JSON list, not an object"),
+    ("c.jsonl", '{"text": 3}\n', r"c\.jsonl line 1: field 'text' is a JSON number, not a str"),
+    ("d.jsonl", '["text"]\n', r"d\.jsonl line 1 is a JSON array, not an object"),
+    # JSON's words: null, not Python's NoneType.
+    ("c2.jsonl", '{"text": null}\n', r"c2\.jsonl line 1: field 'text' is JSON null, not a"),
+    ("d2.jsonl", '{"text": "a"}\nnull\n', r"d2\.jsonl line 2 is JSON null, not an object"),
+    # What a plain file may not hold, a record may not either; and no lone surrogate (it used
+    # to fail in the encoder, without the file).
+    ("k.jsonl", '{"text": "a\\u0000b"}\n', r"k\.jsonl line 1: field 'text' holds a NUL char"),
+    ("l.jsonl", '{"text": "ab\\ud800"}\n', r"l\.jsonl line 1: field 'text' holds a lone surr"),
     ("e.jsonl", "\n\n", r"e\.jsonl holds no records"),
     ("f.jsonl.gz", b"\x1f\x8bnot gzip", r"f\.jsonl\.gz cannot be read \(.*damaged or truncated"),
     ("g.parquet", {"body": ["x"]}, r"g\.parquet has no column 'text' .*'body'"),
     ("h.parquet", {"text": [1, 2]}, r"h\.parquet: column 'text' holds int64, not strings"),
     ("i.parquet", {"text": ["a", "b", "c", None]}, r"i\.parquet row group 1 row 1: 'text' is null"),
     ("j.parquet", b"PAR1 not parquet", r"j\.parquet is not a readable Parquet file"),
+    ("m.parquet", {"text": ["a", "b", "c\0"]}, r"m\.parquet row group 1 row 0: 'text' holds a NUL"),
   ],
 )
 def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(

@@ -80,15 +80,35 @@ def test_evaluate_a_text_file_byte_model_with_a_stride(byte_run, tmp_path, capsy
   sliding = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file), "--stride", "8")
   assert sliding["tokens"] == disjoint["tokens"] and sliding["stride"] == 8
   assert sliding["nll"] != disjoint["nll"]  # tokens after the first window see more context
+  # The same two lines as two records: their text, each then the boundary (for bytes an end of
+  # line), as the corpus reads them; not the JSON around them.
+  records = _write_records(tmp_path / "text.jsonl")
+  scored = _evaluate(capsys, "--workdir", path, "--text_file", str(records))
+  assert scored["tokens"] == disjoint["tokens"] and scored["bytes"] == disjoint["bytes"]
+  assert scored["nll"] == pytest.approx(disjoint["nll"], rel=1e-6)
 
 
-def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, tmp_path, capsys):
+def _write_records(path):
+  """TEXT's lines as JSONL records (a field before the text, as real corpora have)."""
+  lines = TEXT.splitlines()
+  path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(lines)))
+  return path
+
+
+# A line's end is <eos>; a record's text, as a split's document, is followed by one more.
+@pytest.mark.parametrize("name, eos", [("text.txt", 2), ("text.jsonl", 4)])
+def test_evaluate_a_text_file_word_model_counts_unknown_words(
+  word_run, tmp_path, capsys, name, eos
+):
   path = word_run[0]
-  text_file = tmp_path / "text.txt"
-  text_file.write_text(TEXT, encoding="utf-8")
+  text_file = tmp_path / name
+  if name.endswith(".jsonl"):
+    _write_records(text_file)
+  else:
+    text_file.write_text(TEXT, encoding="utf-8")
   out = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
   assert out["unit"] == "word" and "bpb" not in out
-  assert out["tokens"] == len(TEXT.split()) + 2  # an <eos> after each line
+  assert out["tokens"] == len(TEXT.split()) + eos
   assert out["unk_tokens"] >= 1  # 'zzqqxx' at least; the tiny vocabulary may lack others
   assert math.isfinite(out["ppl"])
 
@@ -98,6 +118,7 @@ def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, tmp_path
   [
     (["--split", "dev"], "--split 'dev' must be one of"),
     (["--text_file", "/no/such/file"], "--text_file /no/such/file: No such file"),
+    (["--text_file", "/no/such/file.jsonl"], "--text_file /no/such/file.jsonl: No such file"),
     (["--stride", "999"], "--stride = 999 must be in [0, seq_len = 32]"),
   ],
 )
