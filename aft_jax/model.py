@@ -99,10 +99,10 @@ class ModelConfig(TypedConfig):
   # mixing layer's output and the MLP's second layer) N(0, 0.02 / sqrt(2 num_layers)), so that
   # the stream's variance does not grow with depth; the tied output layer is the embedding as
   # it is. 'glorot': Glorot-uniform kernels and an N(0, 1) embedding, scaled by 1/sqrt(d_model)
-  # on the way out when tied (Flax's lm1b; this project's default before issue 36). AFT's
-  # position biases keep the AFT paper's initialisation either way. The default: at nanoGPT's
-  # CPU recipe 'gpt2' trains the softmax baseline 0.16 nats lower after 500 steps (2.280
-  # against 2.444; benchmarks/RESULTS.md, "aft-jax beside nanoGPT").
+  # on the way out when tied (Flax's lm1b). AFT's position biases keep the AFT paper's
+  # initialisation either way. The default: at nanoGPT's CPU recipe 'gpt2' trains the softmax
+  # baseline 0.16 nats lower after 500 steps (2.280 against 2.444; docs/training.md, "The
+  # softmax baseline").
   init: str = "gpt2"
   use_bias: bool = True  # biases in the LayerNorms and dense layers (nanoGPT's recipe: none)
   gelu_approximate: bool = True  # the MLP's GELU: the tanh approximation, or exact (erf)
@@ -207,11 +207,10 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
 def gelu_exact(x):
   """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2, as torch's ``nn.GELU()`` writes it: the
   same function as ``nn.gelu(x, approximate=False)``, which jax writes with erfc, whose XLA:CPU
-  expansion is several times dearer than erf's rational approximation (at nanoGPT's CPU recipe
-  the forward GELU of the step's four MLPs took 9.5 ms of the two threads' time with erfc, the
-  most expensive element-wise work in the step; erf's: benchmarks/RESULTS.md, "Where the step's
-  time went"). The two differ by float32 rounding, and in the far negative tail (x < -5),
-  where erf's form rounds the product to 0 where erfc's keeps a value below 1e-6."""
+  expansion is several times dearer than erf's rational approximation (with erfc, the dearest
+  element-wise work in a train step at nanoGPT's CPU recipe). The two differ by float32
+  rounding, and in the far negative tail (x < -5), where erf's form rounds the product to 0
+  where erfc's keeps a value below 1e-6."""
   return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
 
 

@@ -71,19 +71,18 @@ def check_set_count() -> None:
     )
 
 
-def set_by_user(environ=None) -> bool:
+def set_by_user() -> bool:
   """Whether the CPU's device count is set already: jax's flag or environment variable
   (``jax.config.jax_num_cpu_devices`` is -1 otherwise), or a device count in XLA_FLAGS."""
-  environ = os.environ if environ is None else environ
-  return jax.config.jax_num_cpu_devices != -1 or XLA_COUNT_FLAG in environ.get("XLA_FLAGS", "")
+  return jax.config.jax_num_cpu_devices != -1 or XLA_COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
-def apply(cfg: RunConfig, num_cores: int | None = None) -> int | None:
-  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores)`` unless the user set the count
+def apply(cfg: RunConfig) -> int | None:
+  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores())`` unless the user set the count
   (``set_by_user``) or it would be 1; the count set, or None. Before jax's backends start."""
   if set_by_user():
     return None
-  n = count_for(cfg, cores() if num_cores is None else num_cores)
+  n = count_for(cfg, cores())
   if n == 1:
     return None
   jax.config.update("jax_num_cpu_devices", n)

@@ -125,7 +125,7 @@ def eval_step(params, batch, *, model):
 # XLA:CPU compile options of the train and evaluation steps, on a mesh of CPU devices only.
 # YNNPACK (jaxlib 0.10's CPU library) by default takes over dots and also element-wise and
 # reduction fusions; at nanoGPT's CPU recipe (benchmarks/RESULTS.md, "aft-jax beside nanoGPT")
-# handing it the dots alone made the softmax train step 100 -> 80 ms on the 2-core CPU (XLA's
+# handing it the dots alone takes the softmax train step from 100 to 80 ms on 2 cores (XLA's
 # own loop fusions run the element-wise work faster than YNNPACK's at these small shapes). A
 # per-compile option, so that the user's XLA_FLAGS need not name it and no other program in the
 # process is changed; an XLA_FLAGS that names the option itself wins.
@@ -674,7 +674,7 @@ def train_data(run: Run) -> data_lib.TrainIterator:
     process_count=jax.process_count(),
     **packed,
   )
-  p = getattr(data_iter, "packing", None)  # (any iterator of batches will do: tests wrap it)
+  p = data_iter.packing
   if p and run.is_main:
     print(
       f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from aft_jax.data import load_corpus, store, subword, text
+from aft_jax.data import load_corpus, store, subword, text, vocab
 from aft_jax.data.config import DataConfig
 from tests.support import prefork
 from tests.support.helpers import STDLIB_JSON
@@ -23,7 +23,7 @@ from tests.support.helpers import STDLIB_JSON
 def _load(tmp_path, **cfg):
   # Checked as the run config checks it (load_corpus itself checks no config).
   cfg = DataConfig(dataset="text", data_dir=str(tmp_path / "data"), **cfg).validate()
-  return load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  return load_corpus(cfg)
 
 
 def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):
@@ -160,7 +160,7 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     data_dir=str(tmp_path / "data"),
     manual_dir=str(tmp_path / "manual"),
   )
-  corpus = load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  corpus = load_corpus(cfg)
   texts = fake_wikitext.texts("raw_v1")
   assert corpus.name == "wikitext103-raw_v1-subword330" and corpus.vocab.size == 330
   for split, ids in corpus.splits.items():
@@ -170,16 +170,24 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
 
 
-def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path):
+def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path, monkeypatch):
+  import jax
+  from jax.experimental import multihost_utils
+
   from aft_jax.data import corpus as corpus_lib
 
   cfg = DataConfig(dataset="text", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "d"))
-  met = []
+  met, index = [], [1]
+  monkeypatch.setattr(jax, "process_index", lambda: index[0])
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", met.append)
   with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
-    load_corpus(cfg, process_index=1, barrier=met.append)  # process 1 never prepares
+    load_corpus(cfg)  # process 1 never prepares
   assert met == [corpus_lib.BARRIER_NAME]  # but it meets the others at the barrier
-  zero = load_corpus(cfg, process_index=0, barrier=met.append)
-  one = load_corpus(cfg, process_index=1, barrier=met.append)
+  index[0] = 0
+  zero = load_corpus(cfg)
+  index[0] = 1
+  one = load_corpus(cfg)
   np.testing.assert_array_equal(zero.splits["test"], one.splits["test"])
 
 
@@ -213,8 +221,9 @@ def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_p
   corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
   assert corpus.vocab.size == size
   train_words = set(corpus.splits["train"].tolist())
-  assert corpus.vocab.unk_id not in train_words  # every train word is in the vocabulary
-  assert corpus.vocab.unk_id in set(corpus.splits["test"].tolist())  # held-out words are not
+  unk = corpus.vocab.tokens.index(vocab.UNK)
+  assert unk not in train_words  # every train word is in the vocabulary
+  assert unk in set(corpus.splits["test"].tolist())  # held-out words are not
 
 
 def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):

@@ -41,10 +41,12 @@ def test_a_mesh_the_user_laid_out_keeps_one_device(mesh):
   assert cpu_devices.count_for(_cfg(batch_size=16, **mesh), 2) == 1
 
 
-def test_a_count_set_by_xla_flags_or_jax_is_the_users():
-  assert cpu_devices.set_by_user({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+def test_a_count_set_by_xla_flags_or_jax_is_the_users(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  assert cpu_devices.set_by_user()
   # This session sets neither (tests/conftest.py: XLA_FLAGS without a count).
-  assert not cpu_devices.set_by_user({"XLA_FLAGS": "--xla_backend_optimization_level=0"})
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  assert not cpu_devices.set_by_user()
 
 
 def _devices_after_apply(env_flags: str, num_cores: int) -> str:
@@ -52,7 +54,8 @@ def _devices_after_apply(env_flags: str, num_cores: int) -> str:
     "from aft_jax.trainer import cpu_devices\n"
     "from aft_jax.trainer.run_config import RunConfig\n"
     "from tests.support.helpers import tiny_config\n"
-    f"n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)), {num_cores})\n"
+    f"cpu_devices.cores = lambda: {num_cores}\n"
+    "n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)))\n"
     "import jax\n"
     "print(n, jax.device_count())\n"
   )

@@ -234,6 +234,7 @@ class _Poisoned:
 
   def __init__(self, it, at, until):
     self.it, self.at, self.until, self.n = it, at, until, 0
+    self.packing = it.packing
 
   def __iter__(self):
     return self
@@ -837,7 +838,7 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   assert out == {"interrupted": True, "step": 2}, out
   assert f"signal {int(signal.SIGTERM)}) during the final evaluation of the test split" in said
   wd = Workdir(workdir)
-  assert wd.read_results() is None and not os.path.exists(wd.lock_file)
+  assert not os.path.exists(wd.results_file) and not os.path.exists(wd.lock_file)
   kept = wd.read_final_eval()
   assert kept["step"] == 2 and set(kept["splits"]) == {"validation"}
 
@@ -845,7 +846,8 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   results = train_lib.train_and_evaluate(config, workdir)
   assert scored == ["test"]  # the validation split was not scored again
   assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
-  assert wd.read_results()["test_tokens"] == results["test_tokens"] > 0
+  with open(wd.results_file) as f:
+    assert json.load(f)["test_tokens"] == results["test_tokens"] > 0
 
 
 def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_path, capsys):
