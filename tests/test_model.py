@@ -234,6 +234,36 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
       chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _stream_paths(cfg, params, tokens):
+  """A stream's log-probs [B, T, V]: one forward pass, one decoding step per token, and a
+  prefill of 3 x max_len + 1 tokens in one chunk then steps."""
+  model = M.TransformerLM(cfg)
+  return dict(
+    fwd=model.apply({"params": params}, tokens),
+    dec=_decode_all(model, params, tokens),
+    prefill=_prefill_then_decode(model, params, tokens, 3 * cfg.max_len + 1),
+  )
+
+
+@pytest.mark.parametrize("mixing", M.STREAMING)
+def test_a_stream_decodes_far_past_max_len_as_one_forward_pass(mixing):
+  """position_embedding 'none': no length limit. Decoding 8 x max_len tokens one step at a
+  time (a state that does not grow: the scan's carry) gives the log-probabilities of one
+  parallel forward pass over them, within 1e-5 of the largest, and so does a prefill chunk
+  longer than max_len; the model has no position embedding to read past its end."""
+  cfg = _cfg(mixing=mixing, position_embedding="none", max_len=4)
+  assert cfg.problems() == [] and cfg.streams and cfg.length_limit is None
+  params = _params(cfg, seed=2)
+  assert "pos_embed" not in params
+  out = jax.device_get(_stream_paths(cfg, params, _tokens(5, (B, 8 * cfg.max_len))))
+  chex.assert_tree_all_finite(out)
+  scale = np.abs(out["fwd"]).max()
+  for key in ("dec", "prefill"):
+    assert np.abs(out[key] - out["fwd"]).max() <= 1e-5 * scale, key
+  assert np.abs(np.diff(out["fwd"], axis=1)).max() > 1e-2  # it mixes positions
+
+
 def test_decode_changes_with_history():
   """Decoding is not position-blind: the log-probs at step t depend on earlier tokens."""
   cfg = _cfg(mixing="aft_local", factor_dim=3)
@@ -326,6 +356,9 @@ def test_dropout():
     (dict(factor_dim=-1), "config.model.factor_dim"),
     (dict(dropout_rate=1.0), "config.model.dropout_rate"),
     (dict(vocab_size=-1), "config.model.vocab_size"),
+    (dict(position_embedding="rotary"), "config.model.position_embedding = 'rotary' is not"),
+    (dict(mixing="aft_local", position_embedding="none"), "'aft_local': its bias w[t, t']"),
+    (dict(mixing="softmax", position_embedding="none"), "not config.model.mixing = 'softmax'"),
   ],
 )
 def test_problems_name_the_field(kw, field):
@@ -343,6 +376,9 @@ def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
   variables = _abstract(_cfg(mixing="aft_simple"))
   with pytest.raises(ValueError, match=r"tokens \(2, 13\) are longer than max_len = 12"):
     jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
+  stream = M.TransformerLM(_cfg(mixing="aft_simple", position_embedding="none"))
+  long = jax.eval_shape(stream.apply, _abstract(stream.cfg), _tokens(0, (2, 13)))  # no limit
+  assert long.shape == (2, 13, V)
   with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
     jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
   softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time
