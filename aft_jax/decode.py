@@ -99,6 +99,9 @@ def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float
   return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
+# A stream's tokens fetched to the host at a time (``generate``, without a stop_id).
+_BLOCK = 64
+
 _sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "top_p"))
 
 
@@ -168,15 +171,10 @@ def _score_chunk(model, params, cache, inputs_BT, targets_BT):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_cache(model, batch: int):
+def init_cache(model, batch: int):
   """The decoding cache of ``batch`` rows before any token (the parameters are dropped)."""
   tokens_B1 = jnp.zeros((batch, 1), jnp.int32)
   return model.init(jax.random.key(0), tokens_B1, decode=True)["cache"]
-
-
-def init_cache(model, batch: int):
-  """The decoding cache of ``batch`` rows before any token."""
-  return _init_cache(model, batch)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -204,7 +202,7 @@ def _after(model, params, prompt_BP, stream: Stream | None = None):
   is)."""
   b, p = prompt_BP.shape
   if stream is None:
-    return _feed(model, params, _init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
+    return _feed(model, params, init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
   cache = jax.tree.map(jnp.copy, stream.cache)  # the steps donate theirs
   if p == 0:
     return cache, stream.last_B
@@ -280,9 +278,16 @@ def generate(
   if cfg.streams:
     cache, last_B = _after(model, params, prompt_BP, stream)
     last_B = jnp.asarray(last_B)
+    # Without a stop_id no step waits for its token on the host: they come in blocks, while
+    # the next steps run.
+    pending = []
     while not done():
       cache, last_B, rng = step(cache, last_B, rng)
-      append(np.asarray(last_B))
+      pending.append(last_B)
+      if stop_id is not None or len(pending) == _BLOCK or n + len(pending) - p >= length:
+        for tok_B in jax.device_get(pending):
+          append(tok_B)
+        pending = []
     new_BN = seq_BN[:, p:n]
     return (new_BN, Stream(cache, np.asarray(last_B), rng)) if return_stream else new_BN
 
@@ -321,7 +326,7 @@ def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
   inputs = np.zeros(num_chunks * chunk, np.int32)
   targets = np.zeros(num_chunks * chunk, np.int32)
   inputs[0], inputs[1:n], targets[:n] = bos_id, tokens[:-1], tokens
-  cache = _init_cache(model, 1)
+  cache = init_cache(model, 1)
   total = 0.0
   for i in range(num_chunks):
     part = slice(i * chunk, (i + 1) * chunk)
@@ -409,7 +414,7 @@ def check_batch_fits(model, batch: int) -> None:
   """A one-line ValueError where ``batch`` sequences decoded at once (``generate``) need more
   memory than the device has: their decoding caches and per-step log-probabilities, estimated
   from one sequence's (the cache's shapes, not allocated)."""
-  cache = jax.eval_shape(functools.partial(_init_cache, model, 1))
+  cache = jax.eval_shape(functools.partial(init_cache, model, 1))
   per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
   per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling
   need, have = batch * per_row, _memory_bytes()

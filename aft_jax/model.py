@@ -79,7 +79,7 @@ class ModelConfig(TypedConfig):
 
   vocab_size: int = 0  # from the data (0: not known yet)
   # Longest sequence: size of the position embedding, AFT bias w and softmax's decoding cache
-  # (no limit with position_embedding 'none')
+  # (a stream, position_embedding 'none', has no limit: there only the chunk a prompt is fed in)
   max_len: int = 256
   num_layers: int = 2
   d_model: int = 128
