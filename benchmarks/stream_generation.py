@@ -190,7 +190,9 @@ def to_markdown(result: dict) -> str:
   by = {(r["row"], r["length"]): r for r in result["records"]}
   head = " | ".join(f"L = {n:,}" for n in lengths)
   lines = [
-    "**Per-token time** (median over pieces of the last tokens before L)",
+    f"**Per-token time** (the median over pieces of {result['piece']} tokens, {result['window']}"
+    " tokens per length: a stream's continuing the state it kept at L, the others' the last "
+    "tokens before L)",
     "",
     f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
     "|---|" + "---:|" * (len(lengths) + 1),
