@@ -293,17 +293,21 @@ def fmt_flops(f):
   return f"{f:.0f}"
 
 
-def write_outputs(out: str, name: str, result: dict, md: str, plot_fn=None) -> None:
+def write_outputs(
+  out: str, name: str, result: dict, md: str, plot_fn=None, *, partial: bool | None = None
+) -> None:
   """Writes ``out/<name>.json`` (result), ``.md`` (md) and, given ``plot_fn``, ``.png``
-  (``plot_fn(path)``), each atomically; prints md. Without ``plot_fn`` (a partial result,
-  written as a run goes) it prints one line instead."""
+  (``plot_fn(path)``), each atomically; prints md. A ``partial`` result (written as a run goes;
+  by default, one without ``plot_fn``) prints one line instead."""
   os.makedirs(out, exist_ok=True)
   write_json(os.path.join(out, f"{name}.json"), result)
   files.atomic_write(os.path.join(out, f"{name}.md"), md)
-  if plot_fn is None:
+  if plot_fn is None if partial is None else partial:
     print(f"wrote {out}/{name}.{{json,md}} (so far)", flush=True)
     return
   print(md)
+  if plot_fn is None:
+    return
   with files.atomic_path(os.path.join(out, f"{name}.png"), suffix=".png") as tmp:
     plot_fn(tmp)
   print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")

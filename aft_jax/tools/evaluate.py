@@ -7,6 +7,11 @@ gives the number the run printed at its end and wrote to results.json: by defaul
 the run's final protocol (``final_eval_stride``). --stride S < seq_len scores each token with at
 least seq_len - S tokens of context (sliding windows; 0: disjoint windows).
 
+A stream (``model.position_embedding = 'none'``: AFT-simple or AFT-conv1d, no length limit) is
+scored with the whole past by default: the text (or the split) is one sequence, read left to
+right in chunks with the decoding state carried (``decode.score_stream``), each token conditioned
+on everything before it; --stride scores it in windows instead, as the run did at its end.
+
 A text file is tokenised like the corpus, its first token predicted after an end of line (a
 document boundary for subwords); a JSONL or Parquet file (``.jsonl``, ``.jsonl.gz``,
 ``.parquet``) holds records, read as the corpus reads them (``aft_jax.data.text``: the run's
@@ -17,7 +22,8 @@ map words outside their
 vocabulary to <unk> (the count is reported as ``unk_tokens``; a vocabulary without <unk>
 refuses them). Progress bars go to stderr; the last line on stdout is one JSON object:
 
-    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test", ...}
+    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test",
+     "protocol": "disjoint_windows" | "sliding_window" | "whole_past", ...}
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--stride",
     type=int,
-    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json).",
+    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json; a "
+    "stream: the whole past).",
   )
   return p.parse_args(argv)
 
@@ -103,9 +110,12 @@ def evaluate_run(
   """Scores ``run`` (``trained.load_run``'s) on a split, a text or records' documents
   (``read_text``'s): the JSON line's dict."""
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax.trainer import evaluation  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
   seq_len = cfg.train.seq_len
+  whole_past = cfg.model.streams and stride is None
   # results.json's numbers were scored with the final protocol: by default, the same.
   stride = cfg.eval.final_eval_stride if stride is None else stride
   if not 0 <= stride <= seq_len:
@@ -134,15 +144,18 @@ def evaluate_run(
     desc = split
   if len(tokens) == 0:
     raise ValueError("nothing to score: the text has no tokens")
-  ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
-  result.update(nll=ev["nll"], ppl=ev["ppl"], tokens=ev["tokens"])
-  result.update(stride=stride)
+  if whole_past:
+    chunk = min(seq_len * cfg.eval.eval_batch_size, len(tokens))
+    ev = decode.score_stream(run.model, run.params, tokens, run.bos_id, chunk)
+    result.update(protocol="whole_past")
+  else:
+    ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
+    result.update(stride=stride, protocol=evaluation.eval_protocol(seq_len, stride)["name"])
+  result.update(nll=ev["nll"], ppl=evaluation.perplexity(ev["nll"]), tokens=ev["tokens"])
   if run.vocab.unit == "byte":
     result["bpb"] = ev["nll"] / math.log(2)
   elif run.vocab.unit == "subword" and num_bytes:
-    from aft_jax.trainer.evaluation import bits_per_byte  # pylint: disable=g-import-not-at-top
-
-    result["bpb"] = bits_per_byte(ev["nll"], ev["tokens"], num_bytes)
+    result["bpb"] = evaluation.bits_per_byte(ev["nll"], ev["tokens"], num_bytes)
   return result
 
 

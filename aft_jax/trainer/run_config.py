@@ -210,7 +210,7 @@ def _across_components(s: dict) -> list[str]:
   """The rules between components' keys (their own values already checked)."""
   train, model, ev = s["train"], s["model"], s["eval"]
   errors = []
-  if train.seq_len > model.max_len:
+  if model.length_limit is not None and train.seq_len > model.length_limit:
     errors.append(
       f"config.seq_len = {train.seq_len} exceeds config.model.max_len = {model.max_len}"
     )
