@@ -85,6 +85,7 @@ class ModelConfig(TypedConfig):
     "init": ("bdcc2f1", "glorot"),
     "use_bias": ("bdcc2f1", True),
     "gelu_approximate": ("bdcc2f1", True),
+    "position_embedding": ("1c00082", "learned"),
   }
 
   vocab_size: int = 0  # from the data (0: not known yet)
