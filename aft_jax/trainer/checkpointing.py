@@ -228,6 +228,10 @@ def _quietly(read):
   Only the line is kept, not the exception: its frames hold the coroutines TensorStore left
   unfinished, which print a page each ("coroutine ... was never awaited", with the whole array
   spec) whenever they are collected. So they are collected here, before stderr is given back.
+
+  A Ctrl-C is no damage: it is raised as the KeyboardInterrupt it is, also where Orbax wraps it
+  in an Exception of its own, and the reading threads stay quiet: they go on failing against
+  the event loop the interrupt closed until the process ends (``aft_jax.ctrl_c``).
   """
   undo = _silence_background_errors()
   try:
@@ -240,11 +244,26 @@ def _quietly(read):
         # unfinished coroutine is left behind.
         return None, _first_line(e)
       except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
+        if _interrupted(e):
+          raise KeyboardInterrupt from e
         error = _first_line(e)
     _wind_down()  # (without the exception, whose frames hold the reading coroutines)
-    return None, error
+  except KeyboardInterrupt:
+    undo = None
+    raise
   finally:
-    undo()
+    if undo is not None:
+      undo()
+  return None, error
+
+
+def _interrupted(e: BaseException) -> bool:
+  """Whether ``e`` was raised because of a KeyboardInterrupt (one of its causes is one)."""
+  while e is not None:
+    if isinstance(e, KeyboardInterrupt):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

@@ -17,6 +17,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.trainer import recipes
 
 config_flags.DEFINE_config_file(
@@ -150,13 +151,13 @@ def run():
     where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
   jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
-  try:
+  # Ctrl-C before the training loop (setup, compiling), or a second one inside it: nothing
+  # half-written is left (checkpoints are atomic).
+  with stops_on_ctrl_c(
+    f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
+    "workdir's last checkpoint, if any, is intact and the same command resumes from it"
+  ):
     app.run(main, argv=argv, flags_parser=_parse_flags)
-  except KeyboardInterrupt:  # Ctrl-C before the training loop (setup, compiling), or a second
-    sys.exit(  # one inside it: nothing half-written is left (checkpoints are atomic)
-      f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
-      "workdir's last checkpoint, if any, is intact and the same command resumes from it"
-    )
 
 
 def _parse_flags(argv):

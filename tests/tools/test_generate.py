@@ -1,20 +1,16 @@
 """Sampling (aft_jax.decode) and its command (aft_jax.tools.generate) on a tiny trained run."""
 
-import errno
 import json
 import os
-import signal
 import shutil
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.support.helpers import ROOT, with_default_sigint
+from tests.support.helpers import ROOT
 from aft_jax import decode
 from aft_jax.tools import generate, trained
 from aft_jax import data as data_lib
@@ -166,36 +162,6 @@ def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path
   assert out.returncode == 1
   assert out.stderr.strip() == f"generate: --workdir {missing} does not exist"
   assert not os.path.exists(missing)
-
-
-def test_ctrl_c_in_the_generate_command_is_one_line_and_exit_status_130(tmp_path):
-  """SIGINT while the command waits (here on reading a prompt from a FIFO no one writes: a
-  point it is known to be at, unlike the sampling loop): one line, exit 130, not the
-  traceback of wherever it landed (20-25 lines)."""
-  fifo = str(tmp_path / "prompt")
-  os.mkfifo(fifo)
-  cmd = [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", str(tmp_path / "w")]
-  cmd = with_default_sigint([*cmd, "--prompt_file", fifo])
-  proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-  try:
-    # The write end opens once the command has opened the FIFO to read it; it then waits on
-    # reading it until the writer closes.
-    while True:
-      try:
-        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        break
-      except OSError as e:  # ENXIO: no reader yet
-        assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr.read()[-2000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    proc.kill()
-  os.close(writer)
-  lines = [line for line in err.splitlines() if line.strip()]
-  assert proc.returncode == 130 and lines == [
-    "generate: interrupted (Ctrl-C): stopped; nothing was written"
-  ], err[-2000:]
 
 
 # ---------------------------------------------------------------- streams

@@ -28,7 +28,6 @@ from tests.support.helpers import (
   tiny_config,
   train_py,
   trained_run_config,
-  with_default_sigint,
 )
 from aft_jax.tools import evaluate, export, generate
 from aft_jax.trainer import checkpointing, checksum, train_lib, workdir_lock
@@ -873,20 +872,3 @@ def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_pa
   lines = done.stderr.splitlines()
   assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
   assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
-
-
-def test_ctrl_c_during_setup_is_one_line(tmp_path):
-  """SIGINT while the run sets up (after the warmup note, while it builds and compiles the
-  trainer, before the training loop's handler): one line, exit status 1."""
-  workdir = tmp_path / "run"
-  cmd = train_py(workdir, "--config.num_train_steps=2")  # warmup 100 > 2: a note in setup
-  cmd = with_default_sigint(cmd)  # as from a terminal, even where this suite ignores SIGINT
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  line = proc.stdout.readline()
-  assert line.startswith("note: warmup_steps"), line
-  proc.send_signal(signal.SIGINT)
-  out, err = proc.communicate(timeout=300)
-  lines = [x for x in err.splitlines() if x.strip()]
-  assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
-  assert "interrupted (Ctrl-C): stopped without saving" in lines[0]
-  assert not Workdir(str(workdir)).checkpoint_steps()
