@@ -16,9 +16,22 @@ Packages and modules, lowest first (each imports only those above it):
   tools      generate, evaluate, export: commands for a trained run
 
 load_pretrained(path) -> (model, params, vocab) reads a file written by aft_jax.tools.export.
+
+``import aft_jax`` imports no module (and so not jax): ``aft_jax.ops`` and the others load on
+first use, so that a command (``aft-train``, ``aft-evaluate``) can say in one line what is wrong
+with a JAX_* environment variable, which jax reads, and may refuse, when it is imported.
 """
 
-from aft_jax import adaptive, layers, model, ops
+import importlib
+
+_SUBMODULES = ("adaptive", "layers", "model", "ops")
+
+
+def __getattr__(name: str):
+  """``aft_jax.ops`` and the other ``_SUBMODULES``, imported on first use."""
+  if name in _SUBMODULES:
+    return importlib.import_module(f"aft_jax.{name}")
+  raise AttributeError(f"module 'aft_jax' has no attribute {name!r}")
 
 
 def load_pretrained(path: str):

@@ -1,17 +1,25 @@
-"""Sampling from a trained language model: incremental decoding, then a sliding context.
+"""Sampling from a trained language model: a stream, or incremental decoding then a sliding
+context.
 
-While the sequence fits the model's ``max_len`` positions, each step feeds one token through the
-model with ``decode=True`` (a prompt is fed in one parallel pass for AFT-simple, AFT-local and
-AFT-conv1d: the chunked prefill of ``model.CHUNKED``; token by token for the others); the layers
-keep the cache that follows from their maths
-(``aft_jax.layers``): AFT-simple an O(d) state, AFT-local and AFT-conv1d that state plus the last
-``window`` keys and values, AFT-full and softmax attention all past keys/values.
+A stream (``ModelConfig.streams``: ``position_embedding = "none"`` with AFT-simple or
+AFT-conv1d) has no length limit. A prompt is fed in chunks of one parallel pass each (the
+chunked prefill of ``model.CHUNKED``), then each new token is one decoding step on the state the
+layers keep (``aft_jax.layers``: per layer O(d) for AFT-simple, the last ``kernel_size`` keys and
+values for AFT-conv1d) at any position, with no re-encoding: time and memory per token do not
+grow with the text. Where a stream stopped is a ``Stream`` (its cache, its last token and the
+sampling key), which ``generate`` continues exactly and ``aft_jax.stream_file`` writes to a file;
+``score_stream`` scores a text of any length with the whole past.
 
-Past ``max_len`` the positions run out and the context slides: each further token is predicted
-from the last ``max_len`` tokens, re-encoded in one parallel forward pass (the same as
-re-encoding the last ``max_len - 1`` tokens into a fresh cache and feeding the newest). The
-model's position embeddings are absolute, so no cache can be shifted by one position instead;
-each token past ``max_len`` costs one forward pass of ``max_len`` tokens.
+Any other model decodes incrementally while the sequence fits its ``max_len`` positions: each
+step feeds one token through the model with ``decode=True`` (a prompt is fed in one parallel pass
+for AFT-simple, AFT-local and AFT-conv1d; token by token for the others); the layers keep the
+cache that follows from their maths: AFT-simple an O(d) state, AFT-local and AFT-conv1d that
+state plus the last ``window`` keys and values, AFT-full and softmax attention all past
+keys/values. Past ``max_len`` the positions run out and the context slides: each further token
+is predicted from the last ``max_len`` tokens, re-encoded in one parallel forward pass (the same
+as re-encoding the last ``max_len - 1`` tokens into a fresh cache and feeding the newest). The
+position embeddings are absolute, so no cache can be shifted by one position instead; each token
+past ``max_len`` costs one forward pass of ``max_len`` tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,18 +99,56 @@ def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float
   return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
+# A stream's tokens fetched to the host at a time (``generate``, without a stop_id).
+_BLOCK = 64
+
 _sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "top_p"))
 
 
-# Module-level jitted steps (the model is a hashable static argument), so repeated calls on one
-# model compile once.
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode_step(model, params, cache, tok_B):
+@dataclasses.dataclass
+class Stream:
+  """Where a stream (``ModelConfig.streams``) stopped: exactly what continues it.
+
+  ``cache``: the model's decoding cache (its "cache" collection) after every token of the
+  stream but the last; ``last_B``: int32 ``[B]``, each row's last token, not yet fed (the step
+  that feeds it gives the distribution of the next); ``rng``: the key the next token is sampled
+  with. The cache's ``pos`` counts the tokens fed."""
+
+  cache: Any
+  last_B: np.ndarray
+  rng: jax.Array
+
+  @property
+  def position(self) -> int:
+    """The tokens of the stream so far, its last one included."""
+    return int(self.cache["pos"]) + 1
+
+
+def _apply_step(model, params, cache, tok_B):
   """(new cache, log-probabilities [B, V] of the next token) after feeding ``tok_B``."""
   logp_B1V, mutated = model.apply(
     {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
   )
   return mutated["cache"], logp_B1V[:, 0]
+
+
+# Module-level jitted steps (the model is a hashable static argument), so repeated calls on one
+# model compile once.
+_decode_step = jax.jit(_apply_step, static_argnums=(0,), donate_argnums=(2,))
+
+
+@functools.partial(
+  jax.jit,
+  static_argnums=(0,),
+  static_argnames=("temperature", "top_k", "top_p"),
+  donate_argnums=(2,),
+)
+def _step_and_sample(model, params, cache, tok_B, rng, *, temperature, top_k, top_p):
+  """(new cache, the next tokens [B], the next key) after feeding ``tok_B``: one decoding step
+  and one sample, in one program."""
+  cache, logp_BV = _apply_step(model, params, cache, tok_B)
+  rng, sub = jax.random.split(rng)
+  return cache, sample_logits(sub, logp_BV, temperature, top_k, top_p), rng
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -113,8 +160,18 @@ def _prefill(model, params, cache, tokens_BT):
   return mutated["cache"]
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _score_chunk(model, params, cache, inputs_BT, targets_BT):
+  """(the cache after ``inputs_BT``, the NLL ``[B, T]`` of ``targets_BT``): one parallel pass
+  after the cached state."""
+  nll_BT, mutated = model.apply(
+    {"params": params, "cache": cache}, inputs_BT, targets_BT, decode=True, mutable=["cache"]
+  )
+  return mutated["cache"], nll_BT
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_cache(model, batch: int):
+def init_cache(model, batch: int):
   """The decoding cache of ``batch`` rows before any token (the parameters are dropped)."""
   tokens_B1 = jnp.zeros((batch, 1), jnp.int32)
   return model.init(jax.random.key(0), tokens_B1, decode=True)["cache"]
@@ -126,68 +183,156 @@ def _window_logp(model, params, tokens_BT):
   return model.apply({"params": params}, tokens_BT)[:, -1]
 
 
+def _feed(model, params, cache, tokens_BT):
+  """The cache after ``tokens_BT``: chunks of ``max_len`` tokens in one parallel pass each (the
+  ``CHUNKED`` mixings), else one token at a time."""
+  t_len = tokens_BT.shape[1]
+  if model.cfg.mixing in CHUNKED:
+    for i in range(0, t_len, model.cfg.max_len):
+      cache = _prefill(model, params, cache, jnp.asarray(tokens_BT[:, i : i + model.cfg.max_len]))
+  else:
+    for i in range(t_len):
+      cache, _ = _decode_step(model, params, cache, jnp.asarray(tokens_BT[:, i]))
+  return cache
+
+
+def _after(model, params, prompt_BP, stream: Stream | None = None):
+  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP`` (int ``[B, P]``): fed
+  from the start (P >= 1), or after ``stream``'s last token (any P; ``stream`` is left as it
+  is)."""
+  b, p = prompt_BP.shape
+  if stream is None:
+    return _feed(model, params, init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
+  cache = jax.tree.map(jnp.copy, stream.cache)  # the steps donate theirs
+  if p == 0:
+    return cache, stream.last_B
+  feed = np.concatenate([stream.last_B[:, None], prompt_BP[:, :-1]], axis=1)
+  return _feed(model, params, cache, feed), prompt_BP[:, -1]
+
+
 def generate(
   model,
   params,
   prompt_BP,
   length: int,
   *,
-  rng,
+  rng=None,
   temperature: float = 1.0,
   top_k: int = 0,
   top_p: float = 1.0,
   stop_id: int | None = None,
-) -> np.ndarray:
+  stream: Stream | None = None,
+  return_stream: bool = False,
+):
   """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1) by ``length`` tokens: ``[B, length]``.
 
-  Any P and ``length``: past the model's ``max_len`` the context slides (module docstring).
-  ``stop_id``: stop once every row has produced it (the result is then shorter; rows that
-  stopped earlier go on sampling, so cut each row at its first ``stop_id``).
+  Any P and ``length``: a stream decodes one step per token at any position; past any other
+  model's ``max_len`` the context slides (module docstring). ``stop_id``: stop once every row
+  has produced it (the result is then shorter; rows that stopped earlier go on sampling, so cut
+  each row at its first ``stop_id``).
+
+  Streams only: ``stream`` continues a ``Stream`` (``prompt_BP`` may be ``[B, 0]``; it is fed
+  after the stream's last token); ``rng`` defaults to its key. ``return_stream``: returns
+  ``(tokens [B, n], Stream)``, the stream after them, which ``stream=`` continues exactly as
+  one uninterrupted call would have.
   """
   prompt_BP = np.asarray(prompt_BP, np.int32)
-  if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
-    raise ValueError(f"generate: prompt must be [B, P] with P >= 1, got {prompt_BP.shape}")
+  p_min = 0 if stream is not None else 1
+  if prompt_BP.ndim != 2 or prompt_BP.shape[1] < p_min:
+    raise ValueError(f"generate: prompt must be [B, P] with P >= {p_min}, got {prompt_BP.shape}")
   if length < 0:
     raise ValueError(f"generate: length = {length} must be >= 0")
   check_sampling(temperature, top_k, top_p)
+  cfg = model.cfg
+  if (stream is not None or return_stream) and not cfg.streams:
+    raise ValueError(
+      f"generate: a Stream is the state of a stream (config.model.position_embedding = 'none' "
+      f"with mixing aft_simple or aft_conv1d), not of mixing {cfg.mixing!r} with position "
+      f"embedding {cfg.position_embedding!r}"
+    )
   b, p = prompt_BP.shape
-  max_len = model.cfg.max_len
-  sample = functools.partial(
-    _sample_jit, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)
-  )
-  step = functools.partial(_decode_step, model)
-  window = functools.partial(_window_logp, model)
+  if stream is not None and stream.last_B.shape != (b,):
+    raise ValueError(f"generate: the stream has {stream.last_B.shape[0]} rows, the prompt {b}")
+  if rng is None:
+    if stream is None:
+      raise ValueError("generate: rng is needed (a key), unless a stream gives its own")
+    rng = stream.rng
+  how = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+  step = functools.partial(_step_and_sample, model, params, **how)
 
-  seq_BN = prompt_BP
+  seq_BN = np.zeros((b, p + length), np.int32)  # the prompt, then the new tokens
+  seq_BN[:, :p] = prompt_BP
+  n = p  # tokens in seq_BN so far
   stopped_B = np.zeros(b, bool)
 
-  def append(logp_BV):
-    nonlocal rng, seq_BN, stopped_B
-    rng, sub = jax.random.split(rng)
-    tok_B = np.asarray(sample(sub, logp_BV), np.int32)
-    seq_BN = np.concatenate([seq_BN, tok_B[:, None]], axis=1)
+  def append(tok_B):
+    nonlocal n, stopped_B
+    seq_BN[:, n] = tok_B
+    n += 1
     if stop_id is not None:
-      stopped_B = stopped_B | (tok_B == stop_id)
+      stopped_B = stopped_B | (seq_BN[:, n - 1] == stop_id)
 
   def done():
-    return seq_BN.shape[1] - p >= length or (stop_id is not None and stopped_B.all())
+    return n - p >= length or (stop_id is not None and stopped_B.all())
 
+  if cfg.streams:
+    cache, last_B = _after(model, params, prompt_BP, stream)
+    last_B = jnp.asarray(last_B)
+    # Without a stop_id no step waits for its token on the host: they come in blocks, while
+    # the next steps run.
+    pending = []
+    while not done():
+      cache, last_B, rng = step(cache, last_B, rng)
+      pending.append(last_B)
+      if stop_id is not None or len(pending) == _BLOCK or n + len(pending) - p >= length:
+        for tok_B in jax.device_get(pending):
+          append(tok_B)
+        pending = []
+    new_BN = seq_BN[:, p:n]
+    return (new_BN, Stream(cache, np.asarray(last_B), rng)) if return_stream else new_BN
+
+  max_len = cfg.max_len
   if p <= max_len and not done():
     # Incremental decoding while token n still has a position: n < max_len.
-    cache = _init_cache(model, b)
-    if model.cfg.mixing in CHUNKED and p > 1:  # the prompt in one parallel pass
-      cache = _prefill(model, params, cache, jnp.asarray(prompt_BP[:, :-1]))
-    else:
-      for i in range(p - 1):
-        cache, _ = step(params, cache, jnp.asarray(prompt_BP[:, i]))
+    cache, _ = _after(model, params, prompt_BP)
     while not done():
-      cache, logp_BV = step(params, cache, jnp.asarray(seq_BN[:, -1]))
-      append(logp_BV)
-      if seq_BN.shape[1] > max_len:
+      cache, tok_B, rng = step(cache, jnp.asarray(seq_BN[:, n - 1]), rng)
+      append(np.asarray(tok_B))
+      if n > max_len:
         break  # the next token has no position left: slide from here
+  sample = functools.partial(_sample_jit, **how)
   while not done():
-    append(window(params, jnp.asarray(seq_BN[:, -max_len:])))
-  return seq_BN[:, p:]
+    rng, sub = jax.random.split(rng)
+    window_BT = jnp.asarray(seq_BN[:, n - max_len : n])
+    append(np.asarray(sample(sub, _window_logp(model, params, window_BT))))
+  return seq_BN[:, p:n]
+
+
+def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
+  """A text scored left to right with the whole past (a stream, ``ModelConfig.streams``):
+  token i predicted from ``bos_id`` and tokens 0 .. i-1, the inputs fed in chunks of ``chunk``
+  tokens (one parallel pass each, the state carried; the last chunk padded, its padding not
+  scored). Returns {"nll": mean NLL per token, "tokens"}."""
+  if not model.cfg.streams:
+    raise ValueError(
+      f"score_stream: mixing {model.cfg.mixing!r} with position embedding "
+      f"{model.cfg.position_embedding!r} is no stream: it scores in windows of its max_len"
+    )
+  tokens = np.asarray(tokens, np.int32)
+  n = len(tokens)
+  if n == 0:
+    raise ValueError("score_stream: nothing to score: the text has no tokens")
+  num_chunks = -(-n // chunk)
+  inputs = np.zeros(num_chunks * chunk, np.int32)
+  targets = np.zeros(num_chunks * chunk, np.int32)
+  inputs[0], inputs[1:n], targets[:n] = bos_id, tokens[:-1], tokens
+  cache = init_cache(model, 1)
+  total = 0.0
+  for i in range(num_chunks):
+    part = slice(i * chunk, (i + 1) * chunk)
+    cache, nll_BT = _score_chunk(model, params, cache, inputs[None, part], targets[None, part])
+    total += float(np.sum(np.asarray(nll_BT, np.float64)[0, : max(0, n - i * chunk)]))
+  return {"nll": total / n, "tokens": n}
 
 
 def encode_prompt(vocab, prompt: str) -> tuple[list[int], int]:
@@ -219,29 +364,42 @@ def sample_texts(
   *,
   num_samples: int = 1,
   stop_at_eos: bool = False,
-  seed: int = 0,
+  seed: int | None = None,
+  stream: Stream | None = None,
+  return_stream: bool = False,
   **sampling,
-) -> list[str]:
+):
   """``num_samples`` texts (sampled as one batch) that continue ``prompt``, without the prompt.
 
   ``stop_at_eos`` ends each text at the first end of line (``<eos>`` for words, a newline for
   bytes), which it keeps. ``sampling``: ``temperature`` (default 0.8 here), ``top_k``, ``top_p``
-  as in ``generate``.
+  as in ``generate``; ``seed`` (None: 0) the sampling key's.
+
+  Streams only: ``stream`` continues a ``Stream`` of ``num_samples`` rows where it stopped, or
+  after ``prompt`` where one is given, with its own sampling key unless ``seed`` is given;
+  ``return_stream``: returns ``(texts, the Stream after them)``.
   """
   if num_samples < 1:
     raise ValueError(f"num_samples = {num_samples} must be >= 1")
+  if stream is not None and stream.last_B.shape[0] != num_samples:
+    raise ValueError(f"num_samples = {num_samples}: the state holds {stream.last_B.shape[0]}")
   check_batch_fits(model, num_samples)
-  ids, _ = encode_prompt(vocab, prompt)
-  new_BN = generate(
+  ids = encode_prompt(vocab, prompt)[0] if prompt or stream is None else []
+  rng = None if seed is None and stream is not None else jax.random.key(seed or 0)
+  out = generate(
     model,
     params,
-    np.tile(np.asarray([ids]), (num_samples, 1)),
+    np.tile(np.asarray(ids, np.int32)[None], (num_samples, 1)),
     length,
-    rng=jax.random.key(seed),
+    rng=rng,
     **{"temperature": 0.8, **sampling},
     stop_id=vocab.eos_id if stop_at_eos else None,
+    stream=stream,
+    return_stream=return_stream,
   )
-  return [_text(vocab, row, vocab.eos_id if stop_at_eos else None) for row in new_BN]
+  new_BN, after = out if return_stream else (out, None)
+  texts = [_text(vocab, row, vocab.eos_id if stop_at_eos else None) for row in new_BN]
+  return (texts, after) if return_stream else texts
 
 
 def _memory_bytes() -> int:
@@ -256,7 +414,7 @@ def check_batch_fits(model, batch: int) -> None:
   """A one-line ValueError where ``batch`` sequences decoded at once (``generate``) need more
   memory than the device has: their decoding caches and per-step log-probabilities, estimated
   from one sequence's (the cache's shapes, not allocated)."""
-  cache = jax.eval_shape(functools.partial(_init_cache, model, 1))
+  cache = jax.eval_shape(functools.partial(init_cache, model, 1))
   per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
   per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling
   need, have = batch * per_row, _memory_bytes()

@@ -23,15 +23,16 @@ Softmax attention takes them as a mask: position t attends to t' <= t of its own
 Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
 and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
 denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
-AFT-full and softmax attention all past keys and values. AFTFull and AFTLocal decode at most
-``max_len`` tokens: the index is traced, so a step past it cannot raise; its output is NaN
-(every later one too), never values for a position with no cache slot or bias row. The AFT
-layers' steps are the pure
-functions of ``aft_jax.ops`` (``ops.aft_simple_step``, ...) on that state. Initialise the
-cache with ``model.init(..., decode=True)`` on a ``[..., 1, d_model]`` input. AFT-simple,
-AFT-local and AFT-conv1d also take a chunk ``[..., T, d_model]`` with ``decode=True`` (a
-prompt): one parallel pass of the op after the cached state, which it leaves as T steps would
-(the ops' ``initial_state`` / ``output_final_state``).
+AFT-full and softmax attention all past keys and values. AFTSimple and AFTConv1D decode any
+number of tokens (no position bias: their state is the same size at every position).
+AFTFull and AFTLocal decode at most ``max_len`` tokens: the index is traced, so a step past it
+cannot raise; its output is NaN (every later one too), never values for a position with no
+cache slot or bias row. The AFT layers' steps are the pure functions of ``aft_jax.ops``
+(``ops.aft_simple_step``, ...) on that state. Initialise the cache with ``model.init(...,
+decode=True)`` on a ``[..., 1, d_model]`` input. AFT-simple, AFT-local and AFT-conv1d also take
+a chunk ``[..., T, d_model]`` with ``decode=True`` (a prompt): one parallel pass of the op after
+the cached state, which it leaves as T steps would (the ops' ``initial_state`` /
+``output_final_state``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A decoder-only language model whose token-mixing layer is chosen by name.
 
-    x_BTD = embed(tokens_BT) + pos_embed[:T]                   (or adaptive input)
+    x_BTD = embed(tokens_BT) + pos_embed[:T]                   (or adaptive input; no
+                                                                pos_embed: position_embedding
+                                                                'none')
     for each of num_layers blocks (pre-LayerNorm):
         x_BTD += dropout(mix(LN(x_BTD)))                          mix: AFT-* or softmax attention
         x_BTD += dropout(MLP(LN(x_BTD)))                          MLP: Dense -> GELU -> Dense
@@ -14,6 +16,13 @@ Packed rows: ``segment_ids_BT`` (documents that do not see each other, a new one
 id changes; padding is a segment of its own) and ``positions_BT`` (default: each segment's
 positions from 0) reach every mixing layer and the position embedding, pos_embed[positions], so
 a document's log-probabilities in a packed row are those of the document alone.
+
+Streams (``ModelConfig.streams``: ``position_embedding = "none"`` with causal AFT-simple or
+AFT-conv1d): no absolute position anywhere, the order of tokens coming from the causal sums
+(and AFT-conv1d's kernel, which is by lag), so T has no limit: such a model trains at
+``seq_len``, and scores and generates at any length, its decoding state (O(d) per layer for
+AFT-simple, the last ``kernel_size`` keys and values for AFT-conv1d) the same size at every
+position.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from aft_jax import layers, ops
 from aft_jax.typed_config import TypedConfig
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
+POSITION_EMBEDDINGS = ("learned", "none")  # ModelConfig.position_embedding
+# The mixings whose order needs no position embedding, and whose decoding state does not grow:
+# position_embedding 'none' makes them streams, with no length limit.
+STREAMING = ("aft_simple", "aft_conv1d")
 # The recurrent mixings: decode=True also takes a chunk of tokens (a prompt) in one pass.
 CHUNKED = ("aft_local", "aft_simple", "aft_conv1d")
 INITS = ("gpt2", "glorot")  # ModelConfig.init
@@ -63,9 +76,22 @@ class ModelConfig(TypedConfig):
 
   WHERE = "model"
   OUTSIDE_TREE = ("vocab_size",)
+  # Keys added since the first release and the value a config without them ran with
+  # (``TypedConfig.as_written``): before 457a2e0 the ops had their XLA form only; before
+  # bdcc2f1 every model had biases, the tanh GELU and Glorot's initialisation with the tied
+  # output layer scaled by 1/sqrt(d_model), which ``init = 'glorot'`` is.
+  ADDED = {
+    "impl": ("457a2e0", "xla"),
+    "init": ("bdcc2f1", "glorot"),
+    "use_bias": ("bdcc2f1", True),
+    "gelu_approximate": ("bdcc2f1", True),
+    "position_embedding": ("1c00082", "learned"),
+  }
 
   vocab_size: int = 0  # from the data (0: not known yet)
-  max_len: int = 256  # longest sequence: size of the position embedding and AFT bias w
+  # Longest sequence: size of the position embedding, AFT bias w and softmax's decoding cache
+  # (a stream, position_embedding 'none', has no limit: there only the chunk a prompt is fed in)
+  max_len: int = 256
   num_layers: int = 2
   d_model: int = 128
   num_heads: int = 4  # softmax attention and AFT-conv heads (AFT-full/local/simple: per channel)
@@ -89,15 +115,19 @@ class ModelConfig(TypedConfig):
   # mixing layer's output and the MLP's second layer) N(0, 0.02 / sqrt(2 num_layers)), so that
   # the stream's variance does not grow with depth; the tied output layer is the embedding as
   # it is. 'glorot': Glorot-uniform kernels and an N(0, 1) embedding, scaled by 1/sqrt(d_model)
-  # on the way out when tied (Flax's lm1b; this project's default before issue 36). AFT's
-  # position biases keep the AFT paper's initialisation either way. The default: at nanoGPT's
-  # CPU recipe 'gpt2' trains the softmax baseline 0.16 nats lower after 500 steps (2.280
-  # against 2.444; benchmarks/RESULTS.md, "aft-jax beside nanoGPT").
+  # on the way out when tied (Flax's lm1b). AFT's position biases keep the AFT paper's
+  # initialisation either way. The default: at nanoGPT's CPU recipe 'gpt2' trains the softmax
+  # baseline 0.16 nats lower after 500 steps (2.280 against 2.444; docs/training.md, "The
+  # softmax baseline").
   init: str = "gpt2"
   use_bias: bool = True  # biases in the LayerNorms and dense layers (nanoGPT's recipe: none)
   gelu_approximate: bool = True  # the MLP's GELU: the tanh approximation, or exact (erf)
   adaptive_cutoffs: tuple[int, ...] = ()  # adaptive input + softmax cluster cutoffs; (): plain
   adaptive_factor: float = 4.0  # cluster i has dimension d_model / factor**i
+  # 'learned': a learned absolute position embedding [max_len, d_model] added to the tokens';
+  # 'none': none, for the mixings of STREAMING (causal AFT-simple and AFT-conv1d), whose causal
+  # sums give the order: no length limit (a stream, ``streams``)
+  position_embedding: str = "learned"
 
   def __post_init__(self):
     # Configs come from files, the command line or JSON: dtypes as names, tuples as lists (a
@@ -112,6 +142,16 @@ class ModelConfig(TypedConfig):
         ) from None
     if isinstance(self.adaptive_cutoffs, (list, tuple)):
       set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs))
+
+  @property
+  def streams(self) -> bool:
+    """No length limit: no position embedding and a mixing of ``STREAMING`` (module doc)."""
+    return self.position_embedding == "none" and self.mixing in STREAMING
+
+  @property
+  def length_limit(self) -> int | None:
+    """The longest sequence the model takes (``max_len``), or None for a stream."""
+    return None if self.streams else self.max_len
 
   def _typed_values(self) -> dict:
     values = super()._typed_values()
@@ -152,6 +192,7 @@ class ModelConfig(TypedConfig):
       errors.append(
         f"{self.key('impl')} = {self.impl!r} is not one of {ops.IMPLS} for {self.mixing}"
       )
+    errors += self._position_problems()
     if self.init not in INITS:
       errors.append(f"{self.key('init')} = {self.init!r} is not one of {', '.join(INITS)}")
     if self.factor_dim < 0:
@@ -164,6 +205,23 @@ class ModelConfig(TypedConfig):
           f"{self.key(name)} = {getattr(self, name).name!r}: use 'float32' or 'bfloat16'"
         )
     return errors
+
+  def _position_problems(self) -> list[str]:
+    key = self.key("position_embedding")
+    if self.position_embedding not in POSITION_EMBEDDINGS:
+      return [f"{key} = {self.position_embedding!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"]
+    if self.position_embedding == "learned" or self.mixing not in MIXINGS or self.streams:
+      return []
+    why = {
+      "aft_full": "its bias w[t, t'] is by absolute position",
+      "aft_local": "its bias w[t, t'] is by absolute position",
+      "softmax": "its keys and queries carry no order but the causal mask's, and its decoding "
+      "cache grows with the text",
+    }[self.mixing]
+    return [
+      f"{key} = 'none' is for {' and '.join(STREAMING)} (their causal sums give the order), "
+      f"not {self.key('mixing')} = {self.mixing!r}: {why}"
+    ]
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
@@ -197,11 +255,10 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
 def gelu_exact(x):
   """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2, as torch's ``nn.GELU()`` writes it: the
   same function as ``nn.gelu(x, approximate=False)``, which jax writes with erfc, whose XLA:CPU
-  expansion is several times dearer than erf's rational approximation (at nanoGPT's CPU recipe
-  the forward GELU of the step's four MLPs took 9.5 ms of the two threads' time with erfc, the
-  most expensive element-wise work in the step; erf's: benchmarks/RESULTS.md, "Where the step's
-  time went"). The two differ by float32 rounding, and in the far negative tail (x < -5),
-  where erf's form rounds the product to 0 where erfc's keeps a value below 1e-6."""
+  expansion is several times dearer than erf's rational approximation (with erfc, the dearest
+  element-wise work in a train step at nanoGPT's CPU recipe). The two differ by float32
+  rounding, and in the far negative tail (x < -5), where erf's form rounds the product to 0
+  where erfc's keeps a value below 1e-6."""
   return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
 
 
@@ -250,7 +307,8 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-  """Decoder-only LM. ``tokens_BT`` int ``[B, T]``, T <= max_len (decode: T = 1)."""
+  """Decoder-only LM. ``tokens_BT`` int ``[B, T]``, T <= max_len unless the model is a stream
+  (``ModelConfig.streams``: any T); decode: T = 1, or a chunk for the ``CHUNKED`` mixings."""
 
   cfg: ModelConfig
 
@@ -354,6 +412,28 @@ class TransformerLM(nn.Module):
       pos = positions_BT
     return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}
 
+  def _position_embedding(self, t_len: int, start, packed):
+    """The learned position embedding of the tokens: rows start .. start + T - 1 (decoding;
+    ``start`` traced), each token's position's (packed rows), or rows 0 .. T - 1; ``[T, D]`` or
+    ``[B, T, D]`` in the compute dtype."""
+    cfg = self.cfg
+    pos_embed = self.param(
+      "pos_embed",
+      nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+      (cfg.max_len, cfg.d_model),
+      cfg.param_dtype,
+    )
+    if start is not None:
+      pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, t_len, 0)
+    elif packed is not None:
+      pos_BT = packed["positions"]
+      got = jnp.asarray(pos_embed).at[pos_BT].get(mode="fill", fill_value=jnp.nan)
+      # A negative index would count from the end (NumPy's rule), not fall outside the table.
+      pos_TD = jnp.where((pos_BT >= 0)[..., None], got, jnp.nan)
+    else:
+      pos_TD = pos_embed[:t_len]
+    return jnp.asarray(pos_TD, cfg.dtype)
+
   @nn.compact
   def __call__(
     self,
@@ -378,7 +458,7 @@ class TransformerLM(nn.Module):
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]
-    if t_len > cfg.max_len:
+    if cfg.length_limit is not None and t_len > cfg.length_limit:
       raise ValueError(
         f"TransformerLM: tokens {tokens_BT.shape} are longer than max_len = {cfg.max_len}"
       )
@@ -387,33 +467,23 @@ class TransformerLM(nn.Module):
         f"TransformerLM: targets {targets_BT.shape} must match tokens {tokens_BT.shape}"
       )
     packed = self._packed(tokens_BT, segment_ids, positions, decode)
-    pos_embed = self.param(
-      "pos_embed",
-      nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
-      (cfg.max_len, cfg.d_model),
-      cfg.param_dtype,
-    )
+    start = None
     if decode:
       if t_len != 1 and cfg.mixing not in CHUNKED:
         raise ValueError(
           f"TransformerLM: decode=True takes tokens [B, 1] (a prompt chunk [B, T] only with "
           f"config.model.mixing in {CHUNKED}), got {tokens_BT.shape} for {cfg.mixing!r}"
         )
+      # The tokens seen so far (int32): the position of the chunk's first token.
       ready = self.has_variable("cache", "pos")
       pos = self.variable("cache", "pos", jnp.zeros, (), jnp.int32)
       start = pos.value
       if ready:
         pos.value = start + t_len
-      pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, t_len, 0)
-    elif packed is not None:
-      pos_BT = packed["positions"]
-      got = jnp.asarray(pos_embed).at[pos_BT].get(mode="fill", fill_value=jnp.nan)
-      # A negative index would count from the end (NumPy's rule), not fall outside the table.
-      pos_TD = jnp.where((pos_BT >= 0)[..., None], got, jnp.nan)
-    else:
-      pos_TD = pos_embed[:t_len]
     embed, head = self._embeddings()
-    x_BTD = embed(tokens_BT) + jnp.asarray(pos_TD, cfg.dtype)  # pos_TD: [T, D] or [B, T, D]
+    x_BTD = embed(tokens_BT)
+    if cfg.position_embedding == "learned":
+      x_BTD = x_BTD + self._position_embedding(t_len, start, packed)
     x_BTD = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x_BTD)
     x_BTD = self._blocks(x_BTD, not train, decode, packed)
     h_BTD = _ln(cfg, "ln_final")(x_BTD)

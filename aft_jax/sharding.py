@@ -23,7 +23,7 @@ import flax.linen as nn
 from absl import logging
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax.typed_config import TypedConfig
 
@@ -55,6 +55,7 @@ class MeshConfig(TypedConfig):
   devices."""
 
   WHERE = "mesh"
+  ADDED = {"sequence": ("2bacbb7", 1)}  # T was never split before (TypedConfig.as_written)
 
   data: int = -1  # data parallelism; -1: all remaining devices
   fsdp: int = 1  # data parallelism with sharded parameters and optimizer state
@@ -139,16 +140,23 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ('data', 'fsdp', 'tensor', 'sequence') mesh over ``devices`` (default: all devices of
-  all hosts)."""
+  all hosts). Too few or too many CPU devices for the mesh: the error says how to make as many
+  as it takes (jax makes the CPU one device unless told)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_shape(mesh_cfg, len(devices))
   try:
-    from jax.experimental import mesh_utils
-
-    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-  except Exception:  # e.g. CPU devices without a physical topology
-    grid = np.asarray(devices).reshape(shape)
-  return Mesh(grid, MESH_AXES)
+    shape = mesh_shape(mesh_cfg, len(devices))
+  except ValueError as e:
+    if not devices or any(d.platform != "cpu" for d in devices):
+      raise
+    n = math.prod(s for s in (getattr(mesh_cfg, a) for a in MESH_AXES) if s != -1)
+    raise ValueError(
+      f"{e}; a CPU host makes {n} devices with --jax_num_cpu_devices={n} (or "
+      f"JAX_NUM_CPU_DEVICES={n}; in Python, jax.config.update('jax_num_cpu_devices', {n}) "
+      "before jax's first computation)"
+    ) from None
+  # Auto axes: the partitioner places what the logical constraints leave open (GSPMD), as flax's
+  # logical axis rules expect; jax.make_mesh's default would be explicit sharding.
+  return jax.make_mesh(shape, MESH_AXES, (AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
@@ -229,23 +237,9 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {a: n for a, n in mesh.shape.items() if a != SEQUENCE or n > 1}
 
 
-def with_traced_mesh(fn, mesh: Mesh):
-  """``fn`` traced with ``mesh`` as the abstract mesh, so that the layers' causal ops find it
-  (``in_mesh_shards``; ``with mesh:`` does not expose it); ``fn`` itself on one device. For the
-  functions a Trainer jits, with their in and out shardings."""
-  if mesh.devices.size == 1:
-    return fn
-
-  def traced(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return fn(*args, **kwargs)
-
-  return traced
-
-
 def in_mesh_shards(fn, args, names, splits_t: bool = True):
   """``fn(*args, axis_name=...)`` on each device's shard of ``args``, inside ``jax.shard_map``
-  over the mesh being traced for (``with_traced_mesh``): each array of ``args`` laid out by its
+  over the mesh being traced for (``jax.set_mesh``): each array of ``args`` laid out by its
   logical axis names ``names`` (one tuple per array; "activation_length" is T, split over the
   ``sequence`` axis, whose name ``fn`` then gets), the result laid out as the first.
 

@@ -11,12 +11,25 @@ another type is refused) and a comment (its meaning), and lists what is wrong wi
 ``vocab_size``: it comes from the data). ``from_config(config)`` reads it from a tree;
 ``problems()`` is every type and value problem, one line each, named as the config key
 (``config.data.dataset``).
+
+A saved config (a workdir's config.json, a checkpoint's, an export's model config) holds every
+key of the version that wrote it, so a key it lacks was added since; it takes the value that
+version ran with, never today's default (which may differ, as ``model.init``'s does). Each class
+lists every key it gained since the first release (commit 3d08369, the first config tree) in
+``ADDED``, with the change that added it and that old value, and ``as_written`` fills them in.
+The table is complete, old values equal to today's defaults included: the rule is one lookup,
+a test checks the table against the first release's keys, and a key a saved config lacks that
+is in no table was written by every version, so its absence is damage (the config check names
+it). A key added later gets its entry with it. A changed default of an existing key needs none:
+every saved config holds that key's value. So no version number is written: the keys a saved
+config holds say which of them it predates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import ml_collections
 
@@ -51,6 +64,10 @@ class TypedConfig:
 
   WHERE: ClassVar[str] = ""
   OUTSIDE_TREE: ClassVar[tuple[str, ...]] = ()  # fields the tree does not hold
+  # The keys added since the first release: {name: (the change that added it, the value a
+  # config written before it ran with)}; the old value may be a function of the saved keys
+  # (the node ``as_written`` reads) where the old code used another key's value.
+  ADDED: ClassVar[dict[str, tuple[str, Any | Callable[[Mapping], Any]]]] = {}
 
   @classmethod
   def defaults(cls) -> dict:
@@ -71,6 +88,16 @@ class TypedConfig:
     """The component's keys of a config tree (a ConfigDict or a dict)."""
     node = config[cls.WHERE] if cls.WHERE else config
     return cls(**{name: node[name] for name in cls.tree_defaults()})
+
+  @classmethod
+  def as_written(cls, node: Mapping) -> dict:
+    """``node`` (the component's keys in a saved config) with each ``ADDED`` key it lacks at
+    the value the version that wrote it ran with (module doc)."""
+    out = dict(node)
+    for name, (_, old) in cls.ADDED.items():
+      if name not in out:
+        out[name] = old(node) if callable(old) else old
+    return out
 
   def key(self, name: str) -> str:
     """The config key of field ``name``, as errors name it: "config.data.dataset"."""

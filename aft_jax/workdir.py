@@ -110,9 +110,6 @@ class Workdir:
       results["not_finite"] = not_finite
     files.atomic_write_json(self.results_file, results, allow_nan=False)
 
-  def read_results(self) -> dict | None:
-    return _read_json(self.results_file)
-
   def write_final_eval(self, progress: dict) -> None:
     """final_eval.json: the step, the protocol and each finished split's result."""
     files.atomic_write_json(self.final_eval_file, progress)

@@ -264,7 +264,7 @@ def _get(records, key, name, mode=None, t_len=None):
 
 
 def target_checks(op_recs, model_recs):
-  """The issue's GPU targets, where the rows they need were measured."""
+  """The GPU targets (RESULTS.md, "GPU / TPU"), where the rows they need were measured."""
   out = []
 
   def check(what, num, den, field, target, holds):

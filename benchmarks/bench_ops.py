@@ -295,7 +295,7 @@ def _get(records, op, mode, t_len):
 
 
 def checks(records):
-  """The issue's targets, evaluated where the needed sizes were measured."""
+  """The ops' targets (RESULTS.md, "Targets for the ops"), where their sizes were measured."""
   out = []
 
   def ratio(a, b, field):

@@ -83,26 +83,17 @@ def peak_hbm_gbps(device_kind: str) -> float | None:
   return _lookup(PEAK_HBM_GBPS, device_kind)
 
 
-def _load_average() -> list[float] | None:
-  try:
-    return list(os.getloadavg())
-  except OSError:
-    return None
-
-
 def timed_run(info: dict, fn: Callable):
-  """``fn()``, with its wall time and the load average at its end recorded in ``info`` (a
-  benchmark's machine description: timings are only comparable at similar load)."""
+  """``fn()``, with its wall time recorded in ``info`` (a benchmark's machine description)."""
   t0 = time.time()
   out = fn()
   info["wall_s"] = time.time() - t0
-  info["load_average_at_end"] = _load_average()
   return out
 
 
 def machine_info() -> dict[str, Any]:
+  """The machine a result was measured on, and when (the result file's header)."""
   dev = jax.devices()[0]
-  load = _load_average()
   return {
     "platform": dev.platform,
     "device_kind": dev.device_kind,
@@ -111,7 +102,6 @@ def machine_info() -> dict[str, Any]:
     "python": platform.python_version(),
     "cpu_count": os.cpu_count(),
     "machine": platform.machine(),
-    "load_average_at_start": load,
     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
   }
 
@@ -303,17 +293,21 @@ def fmt_flops(f):
   return f"{f:.0f}"
 
 
-def write_outputs(out: str, name: str, result: dict, md: str, plot_fn=None) -> None:
+def write_outputs(
+  out: str, name: str, result: dict, md: str, plot_fn=None, *, partial: bool | None = None
+) -> None:
   """Writes ``out/<name>.json`` (result), ``.md`` (md) and, given ``plot_fn``, ``.png``
-  (``plot_fn(path)``), each atomically; prints md. Without ``plot_fn`` (a partial result,
-  written as a run goes) it prints one line instead."""
+  (``plot_fn(path)``), each atomically; prints md. A ``partial`` result (written as a run goes;
+  by default, one without ``plot_fn``) prints one line instead."""
   os.makedirs(out, exist_ok=True)
   write_json(os.path.join(out, f"{name}.json"), result)
   files.atomic_write(os.path.join(out, f"{name}.md"), md)
-  if plot_fn is None:
+  if plot_fn is None if partial is None else partial:
     print(f"wrote {out}/{name}.{{json,md}} (so far)", flush=True)
     return
   print(md)
+  if plot_fn is None:
+    return
   with files.atomic_path(os.path.join(out, f"{name}.png"), suffix=".png") as tmp:
     plot_fn(tmp)
   print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")

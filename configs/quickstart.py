@@ -1,9 +1,7 @@
 """Quickstart: AFT-local, byte-level, on the Python documentation text (no download), CPU.
 
-Finishes in about 1 minute on 2 CPU cores (measured: 63 s; valid perplexity ~4.5 on pydoc
-bytes, ~2.16 bits per byte; with GPT-2's initialisation, the default since issue 36: valid
-perplexity 4.486, 2.165 bits per byte, 128 s of wall time in all at a load average of 1.6-1.9).
-For this budget (about 2M training bytes) short contexts win: 64
+Finishes in a minute or two on 2 CPU cores, at a valid perplexity of about 4.5 on pydoc bytes
+(2.16-2.17 bits per byte). For this budget (about 2M training bytes) short contexts win: 64
 bytes of context and 32 sequences per step learn faster than 128 x 16 (the same bytes per step),
 and a higher peak rate with a longer warmup trains stably; max_len = seq_len, so sampling never
 reaches positions that training did not (past 64 bytes the context slides).

@@ -35,7 +35,8 @@ def get_config(files: str = ""):
   data.encoding = "utf-8"  # EDIT if your files are not UTF-8 (e.g. "latin-1")
   # EDIT: 'subword' (learned on the train split), 'byte' (256 ids, nothing to learn) or 'word'
   data.tokenizer = "subword"
-  # EDIT: subword pieces; a few MB of text: 2k-8k; hundreds of MB: 16k-32k
+  # EDIT: subword pieces; a few MB of text: 2k-8k; hundreds of MB: 16k-32k (bytes and words
+  # have their own sizes: with them, set 0, or the run notes that it is not used)
   data.vocab_size = 4096
   # EDIT: True fills training rows with whole documents (each seeing only itself); measured
   # on this recipe (docs/data.md, "Packing, measured") it gave the same bpb after 20 steps at

@@ -83,6 +83,29 @@ def trained_run(tmp_path_factory):
   return str(folder / "run"), made["results"], made["stdout"]
 
 
+def _build_stream_run(folder):
+  """A tiny stream (AFT-conv1d, no position embedding), trained 2 steps: its max_len 16 is half
+  its seq_len, which a stream allows (max_len is only its prefill's chunk)."""
+  import contextlib
+  import io
+
+  from aft_jax.trainer import train_lib
+  from tests.support.helpers import tiny_config
+
+  overrides = {"model.mixing": "aft_conv1d", "model.position_embedding": "none"}
+  config = tiny_config(num_train_steps=2, **overrides, **{"model.max_len": 16})
+  with contextlib.redirect_stdout(io.StringIO()):
+    return train_lib.train_and_evaluate(config, str(folder / "run"))
+
+
+@pytest.fixture(scope="session")
+def stream_run(tmp_path_factory):
+  """(workdir, results) of one tiny stream (``_build_stream_run``), trained once per pytest
+  session and shared by the tests of generate, evaluate and export on streams."""
+  folder, results = shared.once(tmp_path_factory, "stream_run", _build_stream_run)
+  return str(folder / "run"), results
+
+
 @pytest.fixture(scope="session")
 def trained_run_config_flow(tmp_path_factory):
   """{"rooms": [module], "climbs": [[caller, callee]]}: where ``trained_run``'s config went."""

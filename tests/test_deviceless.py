@@ -9,7 +9,7 @@ and ``impl="auto"`` chooses right for each of them:
    the grid of the configuration ``config_for`` chose (sm_80, the tighter architecture, compiles
    every case of both kernel forms in tests/ops/test_kernel_resources.py);
    ``impl="pallas"`` for a T4 is a ValueError naming its compute capability 7.5;
-2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.build_trainer`` as
+2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.make_trainer`` as
    ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
    for an H100 with one kernel set per layer for AFT-simple (AFT-local's: tests/trainer/
    test_dry_run.py); the notebook's GPU model (notebooks/quickstart.ipynb, bfloat16) compiles

@@ -159,6 +159,11 @@ def _prefill_then_decode(model, params, tokens, n):
   return jnp.concatenate([logp_chunk, _decode_all(model, params, tokens[:, n:], mut["cache"])], 1)
 
 
+def _stream_tokens(cfg) -> tuple[int, int]:
+  """The tokens' shape [B, T] a decode case runs: T = 8 x max_len for a stream."""
+  return (B, 8 * cfg.max_len) if cfg.streams else (B, T)
+
+
 def _with_nll(cfg):
   """The NLL path depends only on the output head: check it for the plain and adaptive one."""
   return cfg.mixing == "aft_simple"
@@ -184,12 +189,14 @@ def _all_paths(cfg, params, tokens, targets):
 
 
 # T = 10 > window = kernel_size = 3, so the decode ring buffers wrap; aft_local uses a factorised
-# bias and aft_full a full one, so both bias paths of decoding are covered.
+# bias and aft_full a full one, so both bias paths of decoding are covered. AFT-simple and
+# AFT-conv1d are streams (no position embedding, ``_stream_tokens``): T = 8 x max_len, and a
+# prefill chunk longer than max_len.
 DECODE_CASES = [
   _cfg(mixing="aft_full"),
   _cfg(mixing="aft_local", factor_dim=3),
-  _cfg(mixing="aft_simple"),
-  _cfg(mixing="aft_conv1d"),
+  _cfg(mixing="aft_simple", position_embedding="none", max_len=4),
+  _cfg(mixing="aft_conv1d", position_embedding="none", max_len=4),
   _cfg(mixing="softmax"),
   _cfg(
     mixing="aft_simple",
@@ -209,15 +216,14 @@ DECODE_CASES = [
 )
 def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   params = _params(cfg, seed=2)
-  tokens, targets = _tokens(3), _tokens(4)
+  shape = _stream_tokens(cfg)
+  tokens, targets = _tokens(3, shape), _tokens(4, shape)
   out = jax.device_get(_all_paths(cfg, params, tokens, targets))
   fwd = out["fwd"]
-  assert fwd.shape == (B, T, V)
+  assert fwd.shape == shape + (V,)
   chex.assert_tree_all_finite(out)
   # Normalised, and the NLL is minus the target's log-probability.
-  chex.assert_trees_all_close(
-    jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros((B, T)), atol=1e-5
-  )
+  chex.assert_trees_all_close(jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros(shape), atol=1e-5)
   if _with_nll(cfg):
     chex.assert_trees_all_close(
       out["nll"],
@@ -225,13 +231,21 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
       rtol=1e-5,
       atol=1e-5,
     )
-    assert out["nll"].shape == (B, T)
+    assert out["nll"].shape == shape
   # The model really mixes positions: log-probs differ along T (not a bag of unigrams).
   assert np.abs(np.diff(fwd, axis=1)).max() > 1e-2
   assert ("prefill" in out) == (cfg.mixing in M.CHUNKED)
   for key in ("fwd_scan", "dec", "dec_scan", "prefill"):
     if key in out:
       chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
+  if cfg.streams:
+    # No length limit: 8 x max_len tokens decoded one step at a time (a state that does not
+    # grow: the scan's carry), or after a prefill chunk longer than max_len, give the
+    # log-probabilities of one forward pass within 1e-5 of the largest; and there is no
+    # position embedding to read past its end.
+    assert cfg.problems() == [] and cfg.length_limit is None and "pos_embed" not in params
+    for key in ("dec", "dec_scan", "prefill"):
+      assert np.abs(out[key] - fwd).max() <= 1e-5 * np.abs(fwd).max(), key
 
 
 def test_decode_changes_with_history():
@@ -326,6 +340,9 @@ def test_dropout():
     (dict(factor_dim=-1), "config.model.factor_dim"),
     (dict(dropout_rate=1.0), "config.model.dropout_rate"),
     (dict(vocab_size=-1), "config.model.vocab_size"),
+    (dict(position_embedding="rotary"), "config.model.position_embedding = 'rotary' is not"),
+    (dict(mixing="aft_local", position_embedding="none"), "'aft_local': its bias w[t, t']"),
+    (dict(mixing="softmax", position_embedding="none"), "not config.model.mixing = 'softmax'"),
   ],
 )
 def test_problems_name_the_field(kw, field):
@@ -343,6 +360,9 @@ def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
   variables = _abstract(_cfg(mixing="aft_simple"))
   with pytest.raises(ValueError, match=r"tokens \(2, 13\) are longer than max_len = 12"):
     jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
+  stream = M.TransformerLM(_cfg(mixing="aft_simple", position_embedding="none"))
+  long = jax.eval_shape(stream.apply, _abstract(stream.cfg), _tokens(0, (2, 13)))  # no limit
+  assert long.shape == (2, 13, V)
   with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
     jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
   softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time

@@ -44,6 +44,17 @@ def test_bad_mesh_is_refused(cfg, devices, message):
     sharding.mesh_shape(_mesh(*cfg), devices)
 
 
+@pytest.mark.parametrize("cfg, n", [((-1, 2, 1), 2), ((2, 1, 1), 2), ((1, 2, 2), 4)])
+def test_a_mesh_of_more_cpu_devices_than_there_are_says_how_to_make_them(cfg, n):
+  """mesh.fsdp = 2 on one CPU device: jax makes the CPU one device unless told how many."""
+  import jax
+
+  with pytest.raises(ValueError) as e:
+    sharding.make_mesh(_mesh(*cfg), jax.devices("cpu")[:1])
+  assert f"; a CPU host makes {n} devices with --jax_num_cpu_devices={n} (or " in str(e.value)
+  assert str(e.value).startswith("mesh: data")  # the mesh's own line first
+
+
 @pytest.mark.parametrize(
   "cfg, message",
   [((-1, -1, 1), "at most one of them may be -1"), ((0, 1, 1), "each must be a positive int")],

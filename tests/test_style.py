@@ -1,12 +1,23 @@
-"""One formatter and one linter for the whole tree (configured in pyproject.toml)."""
+"""One formatter and one linter for the whole tree (configured in pyproject.toml), and what the
+package, configs and docs say is what holds now: no diary in them, and short result pages."""
 
+import glob
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What belongs in a dated result file under benchmarks/results/, not in code, configs or docs:
+# an issue number, a date, a time of day, a load figure.
+DIARY = re.compile(
+  r"\bissue\s*#?\d+|\(issue\b|\b\d{4}-\d{2}-\d{2}\b|\b\d{1,2}:\d{2}(\s*-\s*\d{1,2}:\d{2})?\s*UTC\b"
+  r"|\bload average|\bload (of |about |at )?\d|\bsteal\b|\bstolen\b|another engineer",
+  re.IGNORECASE,
+)
 
 
 @pytest.mark.parametrize("args", [["format", "--check"], ["check"]], ids=["format", "lint"])
@@ -15,3 +26,33 @@ def test_ruff(args):
     [sys.executable, "-m", "ruff", *args, "."], cwd=ROOT, capture_output=True, text=True
   )
   assert proc.returncode == 0, f"ruff {' '.join(args)} . failed:\n{proc.stdout}{proc.stderr}"
+
+
+def _read(path):
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    return f.read()
+
+
+def test_no_issue_numbers_dates_times_or_load_figures_outside_the_results():
+  paths = [
+    os.path.relpath(p, ROOT)
+    for pattern in ("aft_jax/**/*.py", "aft_jax/**/*.txtpb", "configs/*.py", "docs/*.md",
+                    "benchmarks/*.py")
+    for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+  ] + ["README.md", "train.py", "benchmarks/RESULTS.md"]  # fmt: skip
+  assert len(paths) > 50
+  found = [
+    f"{path}:{i}: {line.strip()}"
+    for path in sorted(paths)
+    for i, line in enumerate(_read(path).splitlines(), 1)
+    if DIARY.search(line)
+  ]
+  assert not found, "\n".join(found)
+  # The pattern finds what it is for.
+  for line in ("since issue 36", "(issue 33)", "on 2026-12-01", "at 13:24 UTC", "load 5-8"):
+    assert DIARY.search(line), line
+
+
+def test_the_result_and_development_pages_stay_short():
+  assert len(_read("benchmarks/RESULTS.md").splitlines()) <= 250
+  assert len(_read("docs/development.md").splitlines()) <= 120

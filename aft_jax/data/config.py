@@ -24,13 +24,31 @@ class DataConfig(TypedConfig):
   """The corpus of a run. ``aft_jax.data.load_corpus`` reads it; ``config.data`` is made of it."""
 
   WHERE = "data"
+  # Keys added since the first release and the value a config without them ran with
+  # (``TypedConfig.as_written``): the defaults, each what the code before the key did (the
+  # loaders took official 'auto' before the key; the others belong to dataset 'text', which
+  # came with them, and packing is off for every other dataset).
+  ADDED = {
+    "official": ("3a3ca29", "auto"),
+    "vocab_size": ("e72b922", 0),
+    "train_files": ("e72b922", ""),
+    "valid_files": ("e72b922", ""),
+    "test_files": ("e72b922", ""),
+    "valid_fraction": ("e72b922", 0.1),
+    "test_fraction": ("e72b922", 0.1),
+    "encoding": ("e72b922", "utf-8"),
+    "text_field": ("b7308a7", "text"),
+    "packing": ("b7308a7", False),
+  }
 
   # 'pydoc' (ships with Python), 'wikitext103', 'enwik8' or 'text' (your files: train_files...)
   dataset: str = "pydoc"
   # 'byte', 'word' or 'subword' (a SentencePiece vocabulary of vocab_size pieces learned on the
   # train split; wikitext103 and text)
   tokenizer: str = "byte"
-  vocab_size: int = 0  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...)
+  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...); bytes and words
+  # have their own sizes, and a run that sets it for them says it is not used
+  vocab_size: int = 0
   # text: comma-separated globs of UTF-8 files, each file one document; without valid_files /
   # test_files, valid_fraction and test_fraction of train_files' documents are held out
   train_files: str = ""
@@ -129,6 +147,20 @@ class DataConfig(TypedConfig):
     except LookupError:
       errors.append(f"{self.key('encoding')} = {self.encoding!r} is not an encoding Python knows")
     return errors
+
+
+def vocab_size_note(cfg: DataConfig) -> str | None:
+  """The line that says ``vocab_size`` is not used (None where it is, or is 0): only a subword
+  vocabulary is made to a size. A note, not an error: a workdir that recorded such a value (a
+  recipe's subword size kept when its tokenizer was changed) still reads and resumes as it
+  ran."""
+  if cfg.tokenizer == "subword" or not cfg.vocab_size or cfg.tokenizer not in TOKENIZERS:
+    return None
+  has = {"byte": "its 256 byte values", "word": "the words of the train split"}[cfg.tokenizer]
+  return (
+    f"note: {cfg.key('vocab_size')} = {cfg.vocab_size} is not used: tokenizer = "
+    f"{cfg.tokenizer!r} has {has} (vocab_size is the size of a 'subword' vocabulary)"
+  )
 
 
 def require(cfg, what: str) -> DataConfig:

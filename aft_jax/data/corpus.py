@@ -77,12 +77,7 @@ class Corpus:
   documents: Mapping[str, np.ndarray] | None = None
 
 
-def load_corpus(
-  cfg: DataConfig,
-  *,
-  process_index: int | None = None,
-  barrier: Callable[[str], None] | None = None,
-) -> Corpus:
+def load_corpus(cfg: DataConfig) -> Corpus:
   """Corpus named by `cfg`, a DataConfig (checked where it was made: the run config, or
   `DataConfig.of(mapping).validate()`).
 
@@ -93,12 +88,12 @@ def load_corpus(
   enwik8 are prepared on first use (downloading unless the data is in
   manual_dir) and again when their source files change.
 
-  Several processes: only process 0 (`process_index`, default
-  `jax.process_index()`) prepares; every process then meets the others at
-  `barrier(name)` (default: `jax.experimental.multihost_utils.sync_global_devices`
-  when `jax.process_count() > 1`, none otherwise) before reading, so no two
-  processes write the same files. Process 0 reaches the barrier even when
-  preparing fails, so the others stop with an error instead of waiting forever.
+  Several processes: only process 0 (`jax.process_index()`) prepares; when
+  `jax.process_count() > 1` every process then meets the others at
+  `jax.experimental.multihost_utils.sync_global_devices(BARRIER_NAME)` before
+  reading, so no two processes write the same files. Process 0 reaches the barrier
+  even when preparing fails, so the others stop with an error instead of waiting
+  forever.
   """
   cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
@@ -109,7 +104,7 @@ def load_corpus(
 
     out = store.prepared_dir(data_dir, text.corpus_name(cfg, text.split_files(cfg)))
     sources = text.source_files(cfg)
-    _on_process_zero(lambda: text.prepare_text(data_dir, cfg), process_index, barrier)
+    _on_process_zero(lambda: text.prepare_text(data_dir, cfg))
     return dataclasses.replace(load_prepared(out), sources=sources)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
@@ -126,7 +121,7 @@ def load_corpus(
     prepare_now = lambda: prepare.prepare_wikitext103(  # noqa: E731
       data_dir, variant=variant, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, **kwargs
     )
-  _on_process_zero(prepare_now, process_index, barrier)
+  _on_process_zero(prepare_now)
   return load_prepared(store.prepared_dir(data_dir, name))
 
 
@@ -168,25 +163,18 @@ def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   return prepare.OFFICIAL_VOCAB_SIZE, "the official WikiText-103 vocabulary (not prepared here)"
 
 
-def _on_process_zero(
-  fn: Callable[[], object], process_index: int | None, barrier: Callable[[str], None] | None
-) -> None:
+def _on_process_zero(fn: Callable[[], object]) -> None:
   """Runs `fn` on process 0 only, then meets the other processes at the barrier."""
-  if process_index is None or barrier is None:
-    import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
+  import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
 
-    if process_index is None:
-      process_index = jax.process_index()
-    if barrier is None and jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-      barrier = multihost_utils.sync_global_devices
   try:
-    if process_index == 0:
+    if jax.process_index() == 0:
       fn()
   finally:
-    if barrier is not None:
-      barrier(BARRIER_NAME)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+      multihost_utils.sync_global_devices(BARRIER_NAME)
 
 
 def load_prepared(path: str) -> Corpus:

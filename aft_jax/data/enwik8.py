@@ -67,11 +67,6 @@ def split_ranges(num_bytes: int) -> dict[str, tuple[int, int]]:
   }
 
 
-def split_sizes(num_bytes: int) -> dict[str, int]:
-  """Bytes per split: {'train': N - 2 (N // 20), 'validation': N // 20, 'test': N // 20}."""
-  return {s: stop - start for s, (start, stop) in split_ranges(num_bytes).items()}
-
-
 class Source:
   """The enwik8 file, inside its zip or unzipped; knows its size without reading it."""
 

@@ -193,9 +193,14 @@ class TrainIterator:
         f"the data position in {since} has format version {state.get('version')!r}, this "
         f"version of aft_jax reads {_STATE_VERSION}: resume it with the aft_jax that wrote it"
       )
-    # Every key either side: a packed run's position is no stream run's (or the reverse).
+    # Every key either side: a packed run's position is no stream run's (or the reverse). A
+    # stream position has no packing keys: it is packing = False, and its documents are none
+    # of the question then.
     keys = [k for k in state if k not in ("version", "grain")] + list(self._fingerprint)
-    mismatched = list(dict.fromkeys(k for k in keys if state.get(k) != self._fingerprint.get(k)))
+    was, now = {"packing": False, **state}, {"packing": False, **self._fingerprint}
+    mismatched = list(dict.fromkeys(k for k in keys + ["packing"] if was.get(k) != now.get(k)))
+    if "packing" in mismatched:
+      mismatched = [k for k in mismatched if k != "num_documents"]
     if "num_tokens" in mismatched:
       raise ValueError(
         f"the train split has {self._fingerprint['num_tokens']:,} tokens, {since} was trained "
@@ -203,11 +208,9 @@ class TrainIterator:
         "on the data it was trained on: restore the files, or use another --workdir"
       )
     if mismatched:
-      was = ", ".join(
-        f"{k} = {state.get(k)!r} (now {self._fingerprint.get(k)!r})" for k in mismatched
-      )
+      differ = ", ".join(f"{k} = {was.get(k)!r} (now {now.get(k)!r})" for k in mismatched)
       raise ValueError(
-        f"the data position in {since} is for {was}: the batches that follow it cannot be "
+        f"the data position in {since} is for {differ}: the batches that follow it cannot be "
         "reproduced; resume with those settings, or use another --workdir"
       )
 

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.data import pydoc, store
 from aft_jax.data.config import (
   DATASETS,
@@ -504,20 +505,16 @@ def main(argv=None) -> dict:
 def cli() -> None:
   """``aft-prepare`` and ``python -m aft_jax.data.prepare``: ``main`` with a bad or missing
   dataset as one line on stderr and exit status 1 (the message says what to do), and Ctrl-C
-  as one line and exit status 130 (128 + SIGINT); either way nothing is marked prepared and
-  no temporary file is left."""
-  try:
-    main()
-  except (ValueError, OSError) as e:  # OSError: e.g. a data_dir that cannot be written or locked
-    sys.exit(f"error: {type(e).__name__}: {e}")
-  except KeyboardInterrupt:  # not the traceback of wherever it landed (tokenising, SentencePiece)
-    print(
-      "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command "
-      "prepares it again",
-      file=sys.stderr,
-      flush=True,
-    )
-    sys.exit(130)
+  as one line and exit status 130 (``aft_jax.ctrl_c``); either way nothing is marked prepared
+  and no temporary file is left."""
+  with stops_on_ctrl_c(
+    "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
+    "it again"
+  ):
+    try:
+      main()
+    except (ValueError, OSError) as e:  # OSError: e.g. a data_dir that cannot be written or locked
+      sys.exit(f"error: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -67,11 +67,8 @@ def sha256_of(path: str) -> str:
   return h.hexdigest()
 
 
-def verify_sha256(path: str, *, expected: str | None, name: str, num_bytes: int) -> None:
-  """Raises ChecksumError unless `path` hashes to `expected` (None: not checked, logged)."""
-  if expected is None:
-    log.warning("No checksum recorded for %s; not verifying %s", name, path)
-    return
+def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> None:
+  """Raises ChecksumError unless `path` hashes to `expected`."""
   got = sha256_of(path)
   if got != expected:
     raise ChecksumError(

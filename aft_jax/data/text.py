@@ -27,7 +27,9 @@ Every bad input is a one-line ``TextError`` (a ValueError) naming the file or th
 a glob that matches nothing, an empty file, a file that is not text in the encoding, too few
 documents to split, a vocabulary size the text cannot give; in a JSONL file a line that is not
 a JSON object, without the field or with a value that is not a string (naming file and line),
-in a Parquet file a missing or non-string column or a null (naming file and row group).
+in a Parquet file a missing or non-string column or a null (naming file and row group); and, in
+a record as in a plain file, a NUL character or (JSON's ``\\ud800``) a lone surrogate. A
+dictionary-encoded Parquet column of strings is read as its strings.
 """
 
 from __future__ import annotations
@@ -199,6 +201,31 @@ def _one_line(e: BaseException) -> str:
   return " ".join(str(e).split()) or type(e).__name__
 
 
+def _json_kind(value) -> str:
+  """What a JSON value is, in JSON's words: "JSON null" (not Python's NoneType), "a JSON
+  array", "a JSON number", ..."""
+  if value is None or isinstance(value, bool):
+    return f"JSON {json.dumps(value)}"
+  kinds = {dict: "a JSON object", list: "a JSON array", str: "a JSON string"}
+  return kinds.get(type(value), "a JSON number")
+
+
+def _check_text(value: str, what: str) -> None:
+  """A record's text is text as a plain file's is: no NUL character (``\\u0000``: a plain file
+  holding one is binary) and no lone surrogate (``\\ud800``: JSON escapes can write one, no
+  encoding can); a TextError naming ``what`` (the file and line or row) otherwise."""
+  if "\0" in value:
+    raise TextError(f"{what} holds a NUL character (\\u0000): not text")
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    code = f"\\u{ord(value[e.start]):04x}"
+    raise TextError(
+      f"{what} holds a lone surrogate ({code} at character {e.start:,}): not text in any "
+      "encoding (a surrogate pair's other half is missing)"
+    ) from None
+
+
 def _jsonl(path: str, encoding: str, field: str) -> Iterator[str]:
   opener = gzip.open if path.lower().endswith(".gz") else open
   count = 0
@@ -216,7 +243,7 @@ def _jsonl(path: str, encoding: str, field: str) -> Iterator[str]:
           why = e.msg.removesuffix(" at")  # ("Invalid control character at": a column follows)
           raise TextError(f"{where} is not JSON ({why}, column {e.colno})") from None
         if not isinstance(record, dict):
-          raise TextError(f"{where} is a JSON {type(record).__name__}, not an object")
+          raise TextError(f"{where} is {_json_kind(record)}, not an object")
         if field not in record:
           has = ", ".join(map(repr, list(record)[:8])) or "none"
           raise TextError(
@@ -224,9 +251,8 @@ def _jsonl(path: str, encoding: str, field: str) -> Iterator[str]:
           )
         value = record[field]
         if not isinstance(value, str):
-          raise TextError(
-            f"{where}: field {field!r} is a JSON {type(value).__name__}, not a string"
-          )
+          raise TextError(f"{where}: field {field!r} is {_json_kind(value)}, not a string")
+        _check_text(value, f"{where}: field {field!r}")
         count += 1
         yield value
   except (OSError, EOFError, zlib.error) as e:  # gzip: damaged or cut short
@@ -250,12 +276,14 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     has = ", ".join(map(repr, schema.names[:8])) or "none"
     raise TextError(f"{path} has no column {field!r} (config.data.text_field); its columns: {has}")
   kind = schema.field(field).type
+  # A dictionary-encoded column of strings (pandas' category) reads as its strings.
+  values = kind.value_type if pa.types.is_dictionary(kind) else kind
   strings = (
     pa.types.is_string,
     pa.types.is_large_string,
     getattr(pa.types, "is_string_view", None),
   )
-  if not any(test(kind) for test in strings if test):
+  if not any(test(values) for test in strings if test):
     raise TextError(f"{path}: column {field!r} holds {kind}, not strings")
   count = 0
   for group in range(pf.num_row_groups):
@@ -266,7 +294,8 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     if column.null_count:
       row = column.is_null().to_pylist().index(True)
       raise TextError(f"{path} row group {group} row {row}: {field!r} is null, not a string")
-    for value in column.to_pylist():
+    for row, value in enumerate(column.to_pylist()):
+      _check_text(value, f"{path} row group {group} row {row}: {field!r}")
       count += 1
       yield value
   if not count:

@@ -146,10 +146,6 @@ class WordVocab(Vocab):
   def eos_id(self) -> int:
     return self._stoi[EOS]
 
-  @property
-  def unk_id(self) -> int | None:
-    return self._unk_id
-
   def encode_tokens(self, tokens: Sequence[str]) -> np.ndarray:
     """uint32[len(tokens)] ids of already-split tokens."""
     if self._unk_id is None:

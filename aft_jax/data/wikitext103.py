@@ -57,15 +57,12 @@ _FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
 
 @dataclasses.dataclass(frozen=True)
 class Archive:
-  """One official archive: where it lives and what it must hash to.
-
-  `sha256=None` skips the checksum (only for tests of the zip handling itself).
-  """
+  """One official archive: where it lives and what it must hash to."""
 
   filename: str  # e.g. 'wikitext-103-v1.zip'
   folder: str  # top folder inside the zip, e.g. 'wikitext-103'
   extension: str  # 'tokens' or 'raw'
-  sha256: str | None
+  sha256: str
   num_bytes: int  # published size, for messages and progress bars
 
   def member(self, split: str) -> str:

@@ -5,31 +5,26 @@ aft_jax.tools.<name>`` or ``aft-<name>``."""
 import json
 import sys
 
-
-# The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it.
-INTERRUPTED = 130
+from aft_jax.ctrl_c import stops_on_ctrl_c
 
 
 def run_command(name: str, command, args, *, print_json: bool = False) -> None:
   """Runs ``command(args)`` for ``python -m aft_jax.tools.<name>``: Orbax's INFO logs silenced,
   and a ValueError (a bad flag, workdir or file) printed as one line on stderr, exit status 1;
-  Ctrl-C is one line too, exit status 130 (these commands write nothing but their ``--out``,
-  atomically). ``print_json``: the command's result (a dict) is printed as the last stdout
-  line, as JSON."""
-  try:
-    from absl import logging  # pylint: disable=g-import-not-at-top
+  Ctrl-C is one line too, exit status 130 (``aft_jax.ctrl_c``; these commands write nothing
+  but their ``--out``, atomically); so is a CPU device count that is no number
+  (``JAX_NUM_CPU_DEVICES``, which jax reads when imported, and ``cpu_devices.check_set_count``).
+  ``print_json``: the command's result (a dict) is printed as the last stdout line, as JSON."""
+  with stops_on_ctrl_c(f"{name}: interrupted (Ctrl-C): stopped; nothing was written"):
+    try:
+      from absl import logging  # pylint: disable=g-import-not-at-top
 
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    result = command(args)
-  except ValueError as e:
-    sys.exit(f"{name}: {e}")  # no traceback: the message says what to fix
-  except KeyboardInterrupt:
-    interrupted(name)
-  if print_json:
-    print(json.dumps(result, sort_keys=True), flush=True)
+      from aft_jax.trainer import cpu_devices  # pylint: disable=g-import-not-at-top
 
-
-def interrupted(name: str, what: str = "stopped; nothing was written") -> None:
-  """Ctrl-C: one line on stderr (not the traceback of wherever it landed), exit status 130."""
-  print(f"{name}: interrupted (Ctrl-C): {what}", file=sys.stderr, flush=True)
-  sys.exit(INTERRUPTED)
+      logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+      cpu_devices.check_set_count()
+      result = command(args)
+    except ValueError as e:
+      sys.exit(f"{name}: {e}")  # no traceback: the message says what to fix
+    if print_json:
+      print(json.dumps(result, sort_keys=True), flush=True)

@@ -7,14 +7,23 @@ gives the number the run printed at its end and wrote to results.json: by defaul
 the run's final protocol (``final_eval_stride``). --stride S < seq_len scores each token with at
 least seq_len - S tokens of context (sliding windows; 0: disjoint windows).
 
+A stream (``model.position_embedding = 'none'``: AFT-simple or AFT-conv1d, no length limit) is
+scored with the whole past by default: the text (or the split) is one sequence, read left to
+right in chunks with the decoding state carried (``decode.score_stream``), each token conditioned
+on everything before it; --stride scores it in windows instead, as the run did at its end.
+
 A text file is tokenised like the corpus, its first token predicted after an end of line (a
-document boundary for subwords). Byte and subword models read any text and also report bits per
+document boundary for subwords); a JSONL or Parquet file (``.jsonl``, ``.jsonl.gz``,
+``.parquet``) holds records, read as the corpus reads them (``aft_jax.data.text``: the run's
+``data.text_field`` and ``data.encoding``), each record's text a document followed by the
+boundary, as in a split. Byte and subword models read any text and also report bits per
 byte (the total NLL over ln 2 and the text's UTF-8 bytes, so vocabularies compare); word models
 map words outside their
 vocabulary to <unk> (the count is reported as ``unk_tokens``; a vocabulary without <unk>
 refuses them). Progress bars go to stderr; the last line on stdout is one JSON object:
 
-    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test", ...}
+    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test",
+     "protocol": "disjoint_windows" | "sliding_window" | "whole_past", ...}
 """
 
 from __future__ import annotations
@@ -31,11 +40,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   p.add_argument("--split", help="A split of the run's corpus: train, validation (default), test.")
-  p.add_argument("--text_file", help="Score this UTF-8 text file instead of a split.")
+  p.add_argument(
+    "--text_file",
+    help="Score this UTF-8 text file instead of a split (.jsonl, .jsonl.gz, .parquet: its "
+    "records' text).",
+  )
   p.add_argument(
     "--stride",
     type=int,
-    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json).",
+    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json; a "
+    "stream: the whole past).",
   )
   return p.parse_args(argv)
 
@@ -47,38 +61,61 @@ SPLIT_HINT = (
 )
 
 
-def read_text(path: str) -> str:
-  """The text of a UTF-8 file; one-line ValueErrors for a missing, empty or non-UTF-8 file."""
+def read_text(path: str, data) -> str | list[str]:
+  """What ``--text_file`` scores: the text of a UTF-8 file, or the documents of a JSONL or
+  Parquet file (by its ending), read as the corpus reads records (``text.read_documents``, with
+  the ``text_field`` and ``encoding`` of ``data``, the run's DataConfig); one-line ValueErrors
+  for a missing, empty or non-UTF-8 file or a bad record (naming its line or row group)."""
+  from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
+
+  records = text_lib.is_records(path)
   try:
     with open(path, encoding="utf-8") as f:
-      text = f.read()
+      text = "" if records else f.read()
   except OSError as e:
     raise ValueError(f"--text_file {path}: {e.strerror}") from None
   except UnicodeDecodeError as e:
     raise ValueError(f"--text_file {path} is not UTF-8 text ({e.reason})") from None
+  if records:
+    return list(text_lib.read_documents(path, data.encoding, data.text_field))
   if not text:
     raise ValueError(f"--text_file {path} is empty: nothing to score")
   return text
 
 
-def encode_text(vocab, text: str):
-  """(ids, number of words read as <unk>) of ``text`` under the corpus's tokenizer."""
+def encode_text(vocab, text: str | list[str]):
+  """(ids, UTF-8 bytes, number of words read as <unk>) of a ``text`` under the corpus's
+  tokenizer, or of records' documents, each followed by the boundary as in a split
+  (``text.encode_documents``: the bytes count one per boundary)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
   from aft_jax.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
 
-  ids = vocab.encode(text)
+  if isinstance(text, str):
+    ids, num_bytes, documents = vocab.encode(text), len(text.encode("utf-8")), [text]
+  else:
+    chunks, num_bytes = text_lib.encode_documents(vocab, text)
+    ids, documents = np.concatenate(chunks), text
   unknown = 0
   if isinstance(vocab, vocab_lib.WordVocab):
     known = set(vocab.tokens)
-    unknown = sum(t not in known for t in vocab_lib.word_tokens(text))
-  return ids, unknown
+    unknown = sum(t not in known for doc in documents for t in vocab_lib.word_tokens(doc))
+  return ids, num_bytes, unknown
 
 
-def evaluate_run(run, *, split: str | None = None, text: str | None = None, stride=None) -> dict:
-  """Scores ``run`` (``trained.load_run``'s) on a split or a text: the JSON line's dict."""
+def evaluate_run(
+  run, *, split: str | None = None, text: str | list[str] | None = None, stride=None
+) -> dict:
+  """Scores ``run`` (``trained.load_run``'s) on a split, a text or records' documents
+  (``read_text``'s): the JSON line's dict."""
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax.trainer import evaluation  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
   seq_len = cfg.train.seq_len
+  whole_past = cfg.model.streams and stride is None
   # results.json's numbers were scored with the final protocol: by default, the same.
   stride = cfg.eval.final_eval_stride if stride is None else stride
   if not 0 <= stride <= seq_len:
@@ -86,8 +123,7 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
   result = {"step": run.step, "unit": run.vocab.unit}
   num_bytes = None
   if text is not None:
-    tokens, unknown = encode_text(run.vocab, text)
-    num_bytes = len(text.encode("utf-8"))
+    tokens, num_bytes, unknown = encode_text(run.vocab, text)
     result.update(bytes=num_bytes)
     if run.vocab.unit == "word":
       result.update(unk_tokens=unknown)
@@ -108,15 +144,18 @@ def evaluate_run(run, *, split: str | None = None, text: str | None = None, stri
     desc = split
   if len(tokens) == 0:
     raise ValueError("nothing to score: the text has no tokens")
-  ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
-  result.update(nll=ev["nll"], ppl=ev["ppl"], tokens=ev["tokens"])
-  result.update(stride=stride)
+  if whole_past:
+    chunk = min(seq_len * cfg.eval.eval_batch_size, len(tokens))
+    ev = decode.score_stream(run.model, run.params, tokens, run.bos_id, chunk)
+    result.update(protocol="whole_past")
+  else:
+    ev = run.trainer.evaluate(run.params, tokens, run.bos_id, desc, stride=stride)
+    result.update(stride=stride, protocol=evaluation.eval_protocol(seq_len, stride)["name"])
+  result.update(nll=ev["nll"], ppl=evaluation.perplexity(ev["nll"]), tokens=ev["tokens"])
   if run.vocab.unit == "byte":
     result["bpb"] = ev["nll"] / math.log(2)
   elif run.vocab.unit == "subword" and num_bytes:
-    from aft_jax.trainer.evaluation import bits_per_byte  # pylint: disable=g-import-not-at-top
-
-    result["bpb"] = bits_per_byte(ev["nll"], ev["tokens"], num_bytes)
+    result["bpb"] = evaluation.bits_per_byte(ev["nll"], ev["tokens"], num_bytes)
   return result
 
 
@@ -131,11 +170,11 @@ def evaluate_main(args: argparse.Namespace) -> dict:
     raise ValueError(f"--split {args.split!r} must be one of {SPLITS}")
   if args.stride is not None and args.stride < 0:
     raise ValueError(f"--stride = {args.stride} must be >= 0 (0: disjoint windows)")
-  text = read_text(args.text_file) if args.text_file is not None else None
   wd = Workdir(args.workdir)
   wd.check(args.step)  # before anything slow
   check = None
   config = trained.run_config(wd)
+  text = read_text(args.text_file, config.data) if args.text_file is not None else None
   if text is None:  # a split: its files must be the ones trained on, checked before any load
     from aft_jax.data import record  # pylint: disable=g-import-not-at-top
 

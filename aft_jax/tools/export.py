@@ -14,6 +14,17 @@ one call that needs neither Orbax nor the workdir nor the dataset:
 ``model`` is an ``aft_jax.model.TransformerLM``, ``params`` its parameters (NumPy arrays, exactly
 the checkpoint's values), ``vocab`` an ``aft_jax.data.Vocab`` (``encode`` / ``decode``). Sample
 with ``aft_jax.decode.sample_text(model, params, vocab, "The ", 200)``.
+
+``--format stablehlo`` (the default for an ``--out`` ending in ``.npz``) writes a serving
+artifact of a stream (``model.position_embedding = 'none'``): one ``.npz`` file holding the
+model's one-token decoding step and its prefill of ``chunk`` tokens (the model's ``max_len``),
+both lowered and serialized with ``jax.export`` (``step``, ``prefill``: bytes, any batch size),
+the parameters beside them (``param.0`` ... as float32, cast to the model's dtype inside), the
+state before any token (``state.0`` ..., one row) and ``meta``, JSON: the model config, the
+vocabulary, the number of params and state arrays, ``chunk``. Both functions map (params, state,
+tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state). A process that
+imports only jax and numpy loads and runs it (docs/training.md, "A serving artifact"); it runs
+on the platform it was exported on.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ FORMAT = "aft_jax.export"  # the name of the file format, written in every file 
 # version keeps version 3's rule, so a reader tells a newer file (whose digest verifies under
 # the version it claims) from a damaged one.
 VERSION = 3
-FORMATS = ("msgpack", "safetensors")
+FORMATS = ("msgpack", "safetensors", "stablehlo")
+STABLEHLO = "aft_jax.stablehlo"  # the format name in a stablehlo artifact's meta
 # What an export keeps of the corpus record (``aft_jax.data.record``): what the ids mean, not
 # where the training files were.
 CORPUS_KEYS = ("name", "unit", "tokenizer", "bos_id", "vocab_size", "vocab_sha256")
@@ -222,7 +234,9 @@ def load_pretrained(path: str):
   """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors: told
   apart by their contents, not their names; module doc). A damaged file
   (any changed byte), a file of a newer format, a model config this version does not know and
-  parameters that are not the tree that config builds are one-line ValueErrors."""
+  parameters that are not the tree that config builds are one-line ValueErrors. A model key
+  added since the file was written takes the value its version ran with
+  (``ModelConfig.ADDED``)."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
@@ -230,11 +244,73 @@ def load_pretrained(path: str):
   try:
     meta = json.loads(body["meta"])
     vocab = vocab_from_info(meta["corpus"], meta["vocab"])
-    model = TransformerLM(ModelConfig(**meta["model"]).validate())
+    model = TransformerLM(ModelConfig(**ModelConfig.as_written(meta["model"])).validate())
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"load_pretrained: {path}: its model config cannot be read ({e})") from None
   _check_params(path, model, body["params"])
   return model, body["params"], vocab
+
+
+def _check_stablehlo(cfg) -> None:
+  """A one-line ValueError unless the model is a stream, which ``--format stablehlo`` needs."""
+  if not cfg.streams:
+    raise ValueError(
+      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
+      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
+      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
+    )
+
+
+def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:
+  """Writes the serving artifact of a stream (module doc) to ``path`` (atomically)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import export as jax_export  # pylint: disable=g-import-not-at-top
+
+  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
+
+  cfg = model.cfg
+  _check_stablehlo(cfg)
+  leaves, params_def = jax.tree.flatten(params)
+  state, state_def = jax.tree.flatten(jax.device_get(decode.init_cache(model, 1)))
+
+  def run(params_f32, state, tokens_BT):
+    p = [jax.numpy.asarray(x, leaf.dtype) for x, leaf in zip(params_f32, leaves)]
+    variables = {"params": jax.tree.unflatten(params_def, p)}
+    variables["cache"] = jax.tree.unflatten(state_def, state)
+    logp_BTV, mutated = model.apply(variables, tokens_BT, decode=True, mutable=["cache"])
+    return logp_BTV[:, -1], jax.tree.leaves(mutated["cache"])
+
+  def serialized(t_len: int) -> np.ndarray:
+    (b,) = jax_export.symbolic_shape("b")  # any batch: each state array but the counts has it
+    rows = lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]) if x.ndim else x.shape, x.dtype)
+    args = (
+      [jax.ShapeDtypeStruct(x.shape, np.float32) for x in leaves],
+      [rows(x) for x in state],
+      jax.ShapeDtypeStruct((b, t_len), np.int32),
+    )
+    return np.frombuffer(jax_export.export(jax.jit(run))(*args).serialize(), np.uint8)
+
+  corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
+  meta = {
+    "format": STABLEHLO,
+    "version": VERSION,
+    "model": _model_config_dict(cfg),
+    "corpus": corpus_info,
+    "vocab": vocab_payload(vocab),
+    "num_params": len(leaves),
+    "num_state": len(state),
+    "chunk": cfg.max_len,
+  }
+  arrays = {"step": serialized(1), "prefill": serialized(cfg.max_len)}
+  arrays.update({f"param.{i}": np.asarray(x, np.float32) for i, x in enumerate(leaves)})
+  arrays.update({f"state.{i}": np.asarray(x) for i, x in enumerate(state)})
+  arrays["meta"] = np.asarray(json.dumps(meta))
+  try:
+    with files.atomic_path(path, suffix=".npz") as tmp:
+      np.savez(tmp, **arrays)
+  except OSError as e:
+    raise ValueError(f"--out {path}: cannot write it: {e.strerror or e}") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,7 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--format",
     choices=FORMATS,
-    help="msgpack or safetensors (default: safetensors for an --out ending in .safetensors).",
+    help="msgpack, safetensors or stablehlo (a stream's serving artifact); default: by the --out "
+    "suffix (.safetensors, .npz), else msgpack.",
   )
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   return p.parse_args(argv)
@@ -265,10 +342,17 @@ def export_main(args: argparse.Namespace) -> dict:
   if not os.path.isdir(os.path.dirname(out)):
     raise ValueError(f"--out {args.out}: folder {os.path.dirname(out)} does not exist")
   Workdir(args.workdir).check(args.step)
-  run = trained.load_run(args.workdir, args.step)
-  fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "msgpack")
+  suffixes = {".safetensors": "safetensors", ".npz": "stablehlo"}
+  fmt = args.format or suffixes.get(os.path.splitext(out)[1], "msgpack")
+  config = trained.run_config(args.workdir)
+  if fmt == "stablehlo":
+    _check_stablehlo(config.model)  # before anything slow
+  run = trained.load_run(args.workdir, args.step, config=config)
   params = jax.device_get(run.params)
-  export_params(out, run.model.cfg, params, run.vocab, run.corpus_info, fmt)
+  if fmt == "stablehlo":
+    export_stablehlo(out, run.model, params, run.vocab, run.corpus_info)
+  else:
+    export_params(out, run.model.cfg, params, run.vocab, run.corpus_info, fmt)
   result = {"out": out, "step": run.step, "bytes": os.path.getsize(out), "format": fmt}
   return result
 

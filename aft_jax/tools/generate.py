@@ -1,9 +1,18 @@
 """Samples text from a trained run: aft-generate --workdir runs/x --prompt "The "
 
 Loads the run's config, vocabulary (both kept in the workdir, so no dataset is needed) and its
-latest (or --step) checkpoint, then decodes incrementally; past the model's max_len the context
-slides (``aft_jax.decode``), so any --length is honoured. Prints the prompt and its
-continuation; with --num_samples > 1 (sampled as one batch) each sample follows a header line.
+latest (or --step) checkpoint, then decodes incrementally (``aft_jax.decode``), so any --length
+is honoured. A stream (a model with ``model.position_embedding = 'none'``: AFT-simple or
+AFT-conv1d) decodes one step per token at any position, in memory that does not grow with the
+text; any other model's context slides past its max_len (one line on stderr says so). Prints the
+prompt and its continuation; with --num_samples > 1 (sampled as one batch) each sample follows a
+header line.
+
+A stream's state is a file: --save_state FILE writes it after the output (``aft_jax.stream_file``:
+the model's fingerprint, the position, the last token and the sampling key); --state FILE goes on
+from it, exactly where it stopped (printing only the new text), or after --prompt where one is
+given, with the saved sampling key unless --seed is given. A state from another model, or a
+damaged file, is refused in one line.
 
 A prompt is encoded like the corpus: bytes take any text; a word model maps words outside its
 vocabulary to <unk> (and says how many on stderr), or refuses them if it has no <unk>.
@@ -12,6 +21,7 @@ vocabulary to <unk> (and says how many on stderr), or refuses them if it has no 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -28,14 +38,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--top_p", type=float, default=1.0, help="Nucleus: the most likely tokens holding this mass."
   )
-  p.add_argument("--num_samples", type=int, default=1, help="Samples, generated as one batch.")
+  p.add_argument(
+    "--num_samples", type=int, help="Samples, generated as one batch (default 1, or --state's)."
+  )
   p.add_argument(
     "--stop_at_eos",
     action=argparse.BooleanOptionalAction,
     default=False,
     help="End each sample at its first end of line.",
   )
-  p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+  p.add_argument(
+    "--seed", type=int, help="Sampling seed (default 0, or --state's sampling key goes on)."
+  )
+  p.add_argument("--state", help="Continue the stream saved in this file (--save_state).")
+  p.add_argument("--save_state", help="Write the stream's state to this file after the output.")
   p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   return p.parse_args(argv)
 
@@ -60,39 +76,90 @@ def check_args(args) -> None:
 
   if args.length < 1:
     raise ValueError(f"--length = {args.length} must be >= 1")
-  if args.num_samples < 1:
+  if args.num_samples is not None and args.num_samples < 1:
     raise ValueError(f"--num_samples = {args.num_samples} must be >= 1")
   try:
     decode.check_sampling(args.temperature, args.top_k, args.top_p)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
+  if args.save_state is not None:
+    out = os.path.abspath(args.save_state)
+    if os.path.isdir(out):
+      raise ValueError(f"--save_state {args.save_state} is a directory: give a file name")
+    if not os.path.isdir(os.path.dirname(out)):
+      raise ValueError(
+        f"--save_state {args.save_state}: folder {os.path.dirname(out)} does not exist"
+      )
+
+
+def _check_stream(args, cfg) -> None:
+  """--state and --save_state need a stream (a one-line ValueError otherwise)."""
+  flags = [f for f in ("--state", "--save_state") if getattr(args, f[2:]) is not None]
+  if flags and not cfg.streams:
+    raise ValueError(
+      f"{' and '.join(flags)}: the model of --workdir {args.workdir} (mixing {cfg.mixing!r}, "
+      f"position embedding {cfg.position_embedding!r}) is no stream: only "
+      "model.position_embedding 'none' with mixing aft_simple or aft_conv1d keeps a state that "
+      "does not grow"
+    )
 
 
 def generate_main(args: argparse.Namespace) -> list[str]:
   """Runs the command: prints and returns the samples (each with the prompt)."""
-  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   check_args(args)
   prompt = read_prompt(args.prompt, args.prompt_file)
-  Workdir(args.workdir).check(args.step)  # before anything slow
-  run = trained.load_run(args.workdir, args.step)
-  _, unknown = decode.encode_prompt(run.vocab, prompt)
+  wd = Workdir(args.workdir)
+  wd.check(args.step)  # before anything slow
+  config = trained.run_config(wd)
+  _check_stream(args, config.model)
+  run = trained.load_run(wd, args.step, config=config)
+  cfg = run.model.cfg
+  stream, model_fingerprint = None, None
+  if args.state is not None or args.save_state is not None:
+    model_fingerprint = stream_file.fingerprint(cfg, run.params)
+  if args.state is not None:
+    stream = stream_file.load(args.state, run.model, model_fingerprint)
+    rows = stream.last_B.shape[0]
+    if args.num_samples not in (None, rows):
+      raise ValueError(f"--num_samples = {args.num_samples}: --state {args.state} holds {rows}")
+  ids, unknown = decode.encode_prompt(run.vocab, prompt)
   if unknown:
     print(
       f"note: {unknown} word(s) of the prompt are not in the vocabulary: read as <unk>",
       file=sys.stderr,
     )
-  options = ("num_samples", "temperature", "top_k", "top_p", "stop_at_eos", "seed")
+  if not cfg.streams and len(ids) + args.length > cfg.max_len:
+    print(
+      f"note: the text passes max_len = {cfg.max_len} tokens: from there each token is "
+      f"predicted from the last {cfg.max_len} only, re-encoded per token (a model with "
+      "position_embedding 'none' streams instead)",
+      file=sys.stderr,
+    )
+  options = ("temperature", "top_k", "top_p", "stop_at_eos", "seed")
   texts = decode.sample_texts(
-    run.model, run.params, run.vocab, prompt, args.length, **{k: getattr(args, k) for k in options}
+    run.model,
+    run.params,
+    run.vocab,
+    prompt,
+    args.length,
+    num_samples=args.num_samples or (1 if stream is None else stream.last_B.shape[0]),
+    stream=stream,
+    return_stream=args.save_state is not None,
+    **{k: getattr(args, k) for k in options},
   )
+  if args.save_state is not None:
+    texts, after = texts
   samples = [prompt + t for t in texts]
   for i, s in enumerate(samples):
     if len(samples) > 1:
       print(f"--- sample {i + 1} of {len(samples)}")
     print(s)
+  if args.save_state is not None:
+    stream_file.save(args.save_state, after, model_fingerprint)
   return samples
 
 

@@ -55,7 +55,9 @@ def load_run(
   The vocabulary comes from the workdir, and must be the one the checkpoint records it was
   trained with (a one-line ``record.DataChanged`` naming the file otherwise); runs saved before
   the workdir kept one load the corpus. The checkpoint is verified against its checksums: a
-  damaged latest one is skipped (one note on stderr), a damaged ``step`` is a one-line error.
+  damaged latest one (lost checksums included) is skipped (one note on stderr), a damaged
+  ``step`` is a one-line error; one written before checkpoints carried checksums loads with a
+  note on stderr that it is unverified.
   ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
   to refuse (``aft-evaluate --split`` checks the data files with it). ``config``: the
   workdir's ``run_config``, where the caller read it already.
@@ -100,6 +102,10 @@ def load_run(
       f"note: skipped the damaged checkpoint at step {bad} ({why}); using step "
       f"{restored.step}, the newest one that reads",
       file=sys.stderr,
+    )
+  if restored.unverified:
+    print(
+      f"note: the checkpoint at step {restored.step} was {restored.unverified}", file=sys.stderr
     )
   params = restored.state.params
   return TrainedRun(

@@ -3,14 +3,19 @@ data-iterator position, the config and the corpus record (``aft_jax.data.record`
 written with, which a resume and the tools are checked against, and the checksums of all of it
 (``aft_jax.trainer.checksum``). Where they live in the workdir: ``aft_jax.workdir``.
 
-Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
-crash mid-save leaves the previous checkpoint usable; a checkpoint damaged later (a truncated
-or garbled file, or bytes that still parse but no longer match their checksums) is skipped on
-resume in favour of the newest intact one, and never loaded.
+Saves run in the background (Orbax's asynchronous checkpointing): ``save`` returns once Orbax
+holds a host copy of the state, training goes on while the bytes are written, and the next
+``save`` or ``finish_saving`` waits for them (and raises if the write failed). Orbax writes each
+checkpoint into a temporary directory and renames it when complete, so a crash mid-save leaves
+the previous checkpoint usable; a checkpoint damaged later (a truncated or garbled file, or
+bytes that still parse but no longer match their checksums) is skipped on resume in favour of
+the newest intact one, and never loaded.
 
-Restoring only reads: the small JSON items first (what a run is checked against before any
-array is read), then the state, verified. Moving damaged checkpoints aside (``set_aside``) is
-left to the caller, for once every check of the run has passed.
+Restoring only reads: the small JSON items first, verified against the checksums before a run
+is checked against them (so damage is never read as a setting), then the state, verified. A
+step whose checksums are lost is damaged like any other; only one written before checkpoints
+carried checksums loads unverified (``Restored.unverified``). Moving damaged checkpoints aside
+(``set_aside``) is left to the caller, for once every check of the run has passed.
 """
 
 from __future__ import annotations
@@ -86,17 +91,18 @@ class DamagedCheckpointError(ValueError):
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (``cfg.keep_checkpoints`` of them kept); creating it writes
-  nothing (the first save makes the folder).
+  """The workdir's checkpoints (the latest ``cfg.keep_checkpoints`` kept; an older one is
+  deleted only once a newer save has finished); creating it writes nothing (the first save
+  makes the folder). Its saves are asynchronous (``save``); ``close`` it when done.
 
   Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
   cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
   log is kept off stderr."""
-  with _quiet_orbax_threads(stay_quiet_on_error=False):
+  with _quiet_orbax_threads():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep_checkpoints, create=False, enable_async_checkpointing=False
+        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep_checkpoints), create=False
       ),
     )
 
@@ -112,7 +118,8 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _intact_note(mngr: ocp.CheckpointManager) -> str:
-  """What a failed save leaves behind, as the end of its error message."""
+  """What a failed save leaves behind, as the end of its error message (``mngr``'s steps: those
+  on disk, no save in flight)."""
   previous = mngr.latest_step()
   if previous is None:
     return "there is no earlier checkpoint, so a rerun starts from the beginning"
@@ -159,31 +166,59 @@ def _wind_down() -> None:
   unfinished collected, with their "never awaited" warnings ignored. Collected later (with the
   error's frames, or at the interpreter's exit) each prints a page after our one-line error."""
   with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+    _ignore_unawaited_coroutines()
     time.sleep(1.0)
     gc.collect()
 
 
+def _ignore_unawaited_coroutines() -> None:
+  """Ignores (in the current ``warnings.catch_warnings`` context) exactly the RuntimeWarning
+  that a coroutine left unfinished by a failed TensorStore or Orbax operation gives when it is
+  collected; every other warning shows as usual."""
+  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+
+
 @contextlib.contextmanager
-def _quiet_orbax_threads(stay_quiet_on_error: bool):
+def _quiet_orbax_threads():
   """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
 
   A failed write (a full disk) or read (a damaged checkpoint) fails in several threads at once,
   their callbacks keep failing against closed event loops for a while afterwards, and their
   coroutines again at exit; each prints a traceback (through logging, the thread or unraisable
-  hook, or from the thread to stderr), burying the one error that says what happened. With
-  ``stay_quiet_on_error`` (the process is about to stop) they stay quiet after a failure;
-  otherwise they are given a moment to wind down first.
+  hook, or from the thread to stderr), burying the one error that says what happened. After a
+  failure they are given a moment to wind down before stderr is theirs again.
   """
   undo = _silence_background_errors()
   try:
     yield
   except BaseException:
-    if not stay_quiet_on_error:
-      time.sleep(1.0)
-      undo()
+    time.sleep(1.0)
+    undo()
     raise
   undo()
+
+
+# While a save is in flight (from ``save`` to ``finish_saving``) its background threads' noise
+# is kept off stderr (``_silence_background_errors``); this holds the function that undoes it.
+_saving_quietly: list = []
+
+
+def _quiet_while_saving() -> None:
+  if not _saving_quietly:
+    _saving_quietly.append(_silence_background_errors())
+
+
+def _loud_again() -> None:
+  while _saving_quietly:
+    _saving_quietly.pop()()
+
+
+def _stay_quiet() -> None:
+  """After a failed write: the process stops with our one error, and the failed threads' noise
+  (which goes on for a while, and again at exit) stays off stderr for good."""
+  if not _saving_quietly:
+    _silence_background_errors()
+  _saving_quietly.clear()
 
 
 def _quietly(read):
@@ -193,11 +228,15 @@ def _quietly(read):
   Only the line is kept, not the exception: its frames hold the coroutines TensorStore left
   unfinished, which print a page each ("coroutine ... was never awaited", with the whole array
   spec) whenever they are collected. So they are collected here, before stderr is given back.
+
+  A Ctrl-C is no damage: it is raised as the KeyboardInterrupt it is, also where Orbax wraps it
+  in an Exception of its own, and the reading threads stay quiet: they go on failing against
+  the event loop the interrupt closed until the process ends (``aft_jax.ctrl_c``).
   """
   undo = _silence_background_errors()
   try:
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
+      _ignore_unawaited_coroutines()
       try:
         return read(), None
       except DamagedCheckpointError as e:
@@ -205,11 +244,26 @@ def _quietly(read):
         # unfinished coroutine is left behind.
         return None, _first_line(e)
       except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
+        if _interrupted(e):
+          raise KeyboardInterrupt from e
         error = _first_line(e)
     _wind_down()  # (without the exception, whose frames hold the reading coroutines)
-    return None, error
+  except KeyboardInterrupt:
+    undo = None
+    raise
   finally:
-    undo()
+    if undo is not None:
+      undo()
+  return None, error
+
+
+def _interrupted(e: BaseException) -> bool:
+  """Whether ``e`` was raised because of a KeyboardInterrupt (one of its causes is one)."""
+  while e is not None:
+    if isinstance(e, KeyboardInterrupt):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
@@ -224,14 +278,20 @@ def save(
 ) -> None:
   """Saves state + data position + ``config`` (``RunConfig.tree``) and ``corpus`` (the corpus
   record: what a resume and the tools are checked against) + the checksums of all of them,
-  atomically.
+  atomically, in the background: it first waits for the save before it (``finish_saving``),
+  and returns once Orbax has copied the state's arrays to host memory (the caller may update,
+  or donate, them from then on), while the bytes are written; ``finish_saving`` waits for them.
 
   The trainer always passes its config and corpus record; ``None`` (tools that only move
   state) saves none.
 
-  Never writes non-finite parameters or optimizer state, and turns a failed write (a full
-  disk, say) into one error that says what is left to resume from.
+  Never writes non-finite parameters or optimizer state. A failed write (a full disk, say) is
+  one OSError naming the step and what is left to resume from: raised here where it fails
+  before the write goes to the background, else by the wait that follows (the next ``save``,
+  or ``finish_saving``). From here until that wait, the background threads' own tracebacks
+  and logs are kept off stderr (``_silence_background_errors``).
   """
+  finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
       f"refusing to checkpoint non-finite parameters at step {step}; {_intact_note(mngr)}"
@@ -239,40 +299,111 @@ def save(
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
   items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
   sums = checksum.record(state, items)
+  _quiet_while_saving()
   try:
-    with _quiet_orbax_threads(stay_quiet_on_error=True):
-      args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
-      args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
-      mngr.save(step, args=ocp.args.Composite(**args), force=True)
-      mngr.wait_until_finished()
+    args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
+    args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
+    mngr.save(step, args=ocp.args.Composite(**args), force=True)
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
     error = _first_line(e)
   else:
     return
+  raise _save_failed(mngr, step, error)
+
+
+def finish_saving(mngr: ocp.CheckpointManager) -> None:
+  """Waits until the save in flight, if any (``save``), is on disk; where its write failed,
+  the OSError ``save`` describes, naming that save's step."""
+  step = mngr.latest_step()  # a save in flight is the manager's latest step
+  try:
+    mngr.wait_until_finished()
+  except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
+    error = _first_line(e)
+  else:
+    _loud_again()
+    return
+  raise _save_failed(mngr, step, error)
+
+
+def close(mngr: ocp.CheckpointManager) -> None:
+  """Waits for the save in flight (``finish_saving``: its failure raised) and closes
+  ``mngr`` (Orbax's background threads and executors end)."""
+  try:
+    finish_saving(mngr)
+  finally:
+    mngr.close()
+
+
+def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
+  """The error of the save at ``step`` that failed with ``error`` (its first line)."""
   # The failed write's coroutines live as long as the error's frames: outside the except block
   # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
   # module was gone, each printed "coroutine ... was never awaited" after our error).
+  _stay_quiet()
   _wind_down()
-  raise OSError(
+  # What is on disk: the failed step is not; a step that Orbax already dropped from its list,
+  # to be deleted once that save finished, still is.
+  mngr.reload()
+  return OSError(
     f"saving the checkpoint at step {step} failed ({error}); {_intact_note(mngr)}: "
     "free disk space and rerun the same command to resume"
   )  # (not chained: Orbax's internal chain says nothing more to the user)
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums";
-  a checkpoint written by an older version lacks some): small, read before any array."""
+  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums"),
+  verified against its checksums: small, read and verified before any array is read and
+  before anything in them is compared with a run.
+
+  A DamagedCheckpointError names the first item that does not match, or says the checksums
+  are missing where the step's Orbax metadata does not show it was written before checkpoints
+  carried them (``_predates_checksums``). Only such a step lacks "checksums" here (its items
+  are unverified, ``Restored.unverified``); one written before checkpoints carried a corpus
+  record lacks "corpus" too. {} for a folder that holds none of them."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
     return {}
   args = ocp.args.Composite(**{n: ocp.args.JsonRestore() for n in names})
-  return dict(mngr.restore(step, args=args))
+  items = dict(mngr.restore(step, args=args))
+  saved = items.get("checksums")
+  if saved is None:
+    if not _predates_checksums(folder):
+      raise DamagedCheckpointError(
+        "its checksums (the folder checksums/) are missing, and its metadata does not show it "
+        "was written before checkpoints carried them"
+      )
+    return items
+  _raise_mismatches(
+    checksum.json_mismatches(saved, {k: items[k] for k in JSON_ITEMS if k in items})
+  )
+  return items
+
+
+def _predates_checksums(folder: str) -> bool:
+  """Whether the step in ``folder`` was written before checkpoints carried checksums: its Orbax
+  metadata (``_CHECKPOINT_METADATA``) reads and lists no "checksums" item. Metadata that does
+  not read cannot tell that apart from a lost ``checksums/``: False."""
+  try:
+    handlers = ocp.metadata.get_step_metadata(folder).item_handlers
+  except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
+    return False
+  return isinstance(handlers, dict) and "checksums" not in handlers
+
+
+def _raise_mismatches(bad: list[str]) -> None:
+  """A DamagedCheckpointError naming the first of ``bad`` (what does not match its checksum)
+  and how many more, if there are any."""
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    raise DamagedCheckpointError(
+      f"its contents do not match the checksums saved with them ({bad[0]}{more})"
+    )
 
 
 def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
-  """(step, ``read_items``) of the newest checkpoint whose JSON items read; None if none does.
-  A damaged one is passed over quietly here: the restore skips it and says so."""
+  """(step, ``read_items``) of the newest checkpoint whose JSON items read and verify; None if
+  none does. A damaged one is passed over quietly here: the restore skips it and says so."""
   for step in sorted(mngr.all_steps(), reverse=True):
     items, _ = _quietly(lambda s=step: read_items(mngr, s))
     if items:  # None: unreadable; {}: an empty folder
@@ -281,24 +412,17 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state of the checkpoint at ``step``, verified against its checksums together with its
-  JSON ``items`` (``read_items``'s); a DamagedCheckpointError naming what does not match.
+  """The state of the checkpoint at ``step``, verified against the checksums among its
+  ``items`` (``read_items``'s); a DamagedCheckpointError naming the arrays that do not match.
 
   ``abstract_state`` (ShapeDtypeStructs with shardings) says where each array goes, so a run
-  saved on one mesh restores onto another. A checkpoint written before checkpoints carried
-  checksums is restored unverified.
+  saved on one mesh restores onto another. Only a checkpoint written before checkpoints
+  carried checksums (``read_items`` decides) is restored unverified.
   """
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
-  saved = items.get("checksums")
-  if saved is None:
-    return state
-  bad = checksum.mismatches(saved, state, {k: v for k, v in items.items() if k in JSON_ITEMS})
-  if bad:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    raise DamagedCheckpointError(
-      f"its contents do not match the checksums saved with them ({bad[0]}{more})"
-    )
+  if "checksums" in items:
+    _raise_mismatches(checksum.array_mismatches(items["checksums"], state))
   return state
 
 
@@ -313,18 +437,21 @@ def check_resume_config(
   config: dict,
   workdir: str | Workdir,
   allow_config_change: bool,
-  defaults: dict | None = None,
+  as_written=None,
 ):
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
   ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
-  ``allow_config_change``; a key that ``saved`` lacks (added to the package since) compares as
-  its value in ``defaults``."""
+  ``allow_config_change``. ``as_written(saved)``: ``saved`` with each key added to the package
+  since it was written at the value it ran with (``run_config.as_written``), what ``config``
+  is compared with; where such a key differs, the refusal names the flag that resumes the run
+  as it was written."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
     return
-  conflicts = resume_conflicts(saved, config, defaults)
+  written = saved if as_written is None else as_written(saved)
+  conflicts = resume_conflicts(written, config)
   vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
   if vocabulary:
     raise ValueError(
@@ -338,9 +465,24 @@ def check_resume_config(
   elif conflicts:
     raise ValueError(
       f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
-      f"compared with {where}); use another --workdir, or pass --allow_config_change to "
-      "resume it anyway"
+      f"compared with {where}){_as_written_hint(saved, written, conflicts)}; use another "
+      "--workdir, or pass --allow_config_change to resume it anyway"
     )
+
+
+def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:
+  """What a refusal adds where conflicting keys were added since ``saved`` was written: the
+  flags that give them the values the run was trained with (``written``'s)."""
+  a, b = flatten(saved), flatten(written)
+  keys = [c.split(":")[0] for c in conflicts]
+  older = [k for k in keys if k in b and k not in a]
+  if not older:
+    return ""
+  flags = " ".join(f"--config.{k}={b[k] if isinstance(b[k], str) else repr(b[k])}" for k in older)
+  return (
+    f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
+    "pass that to resume the run as it was written"
+  )
 
 
 def write_workdir_config(tree: dict, workdir: str | Workdir) -> None:
@@ -360,11 +502,19 @@ class Restored:
   items: dict
   damaged: list
 
+  @property
+  def unverified(self) -> str | None:
+    """Why the checkpoint could not be verified (written before checkpoints carried
+    checksums: ``read_items``), as a clause for a one-line note; None where it was verified."""
+    if "checksums" in self.items:
+      return None
+    return "written before checkpoints carried checksums, so it is loaded unverified"
+
 
 def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | None, list]:
   """The first of ``steps`` whose items and state restore and verify (``check(step, items)``
-  runs before its state is read, and raises to refuse it), and [(step, why)] of the ones
-  before it that did not."""
+  runs once its items verified, before its state is read, and raises to refuse it), and
+  [(step, why)] of the ones before it that did not."""
   failed = []
   for step in steps:
     if not os.listdir(os.path.join(str(mngr.directory), str(step))):
@@ -385,9 +535,10 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
   """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
 
-  ``check(step, items)`` runs before each restore (the checkpoint's config, corpus record and
-  data position) and raises to refuse it. A checkpoint that fails to restore (a truncated or
-  garbled file, an empty folder, contents that do not match their checksums) is listed in
+  ``check(step, items)`` runs before each restore, once the items verified (the checkpoint's
+  config, corpus record and data position: damage is never taken for a setting) and raises to
+  refuse it. A checkpoint that fails to restore (a truncated or garbled file, an empty folder,
+  lost checksums, contents that do not match their checksums) is listed in
   ``Restored.damaged``; ``set_aside`` moves those away once the run has passed every check. If
   none restores, the error lists why each failed.
   """
@@ -445,16 +596,15 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
     multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
 
 
-def resume_conflicts(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
-  """Differences between two configs (as dicts) that make resuming one as the other wrong. A
-  key that ``saved`` lacks takes its value in ``defaults`` (a config written before the key
-  existed ran with what is now its default), else None."""
-  a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+  """Differences between two configs (as dicts) that make resuming one as the other wrong
+  (a key one of them lacks: None)."""
+  a, b = flatten(saved), flatten(current)
   out = []
   for key in sorted(set(a) | set(b)):
     if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
       continue
-    va, vb = a.get(key, d.get(key)), b.get(key)
+    va, vb = a.get(key), b.get(key)
     if isinstance(va, list):
       va = tuple(va)
     if isinstance(vb, list):

@@ -105,15 +105,15 @@ def record(state, items: dict) -> dict:
   }
 
 
-def mismatches(saved: dict, state, items: dict) -> list[str]:
-  """The arrays (paths) and JSON items of a restored checkpoint that do not match ``saved``
-  (``record``'s dict); [] when all do."""
-  now = record(state, items)
-  bad = [
-    p
-    for p in sorted(set(saved.get("arrays", {})) | set(now["arrays"]))
-    if saved.get("arrays", {}).get(p) != now["arrays"].get(p)
-  ]
-  saved_json = saved.get("json", {})  # an item missing now (its folder lost) is a mismatch too
-  names = sorted(set(saved_json) | set(items))
-  return bad + [name for name in names if saved_json.get(name) != now["json"].get(name)]
+def array_mismatches(saved: dict, state) -> list[str]:
+  """The arrays (paths) of a restored ``state`` that do not match ``saved`` (``record``'s dict),
+  sorted; [] when all do."""
+  now, was = of_arrays(state), saved.get("arrays", {})
+  return [p for p in sorted(set(was) | set(now)) if was.get(p) != now.get(p)]
+
+
+def json_mismatches(saved: dict, items: dict) -> list[str]:
+  """The JSON items (names) read back that do not match ``saved`` (``record``'s dict), sorted;
+  an item missing now (its folder lost) is a mismatch too. [] when all match."""
+  now, was = {n: of_json(v) for n, v in items.items()}, saved.get("json", {})
+  return [n for n in sorted(set(was) | set(now)) if was.get(n) != now.get(n)]

@@ -16,9 +16,11 @@ optimizer update and the all-reduce grow with the count).
 Only ``train.py`` (``aft-train``) applies it, before jax starts its backends (the count is fixed
 then), and only where nothing else has set the count: ``--jax_num_cpu_devices`` /
 ``JAX_NUM_CPU_DEVICES``, an ``XLA_FLAGS`` device count, a multi-process run, or a mesh config
-other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices",
-2)`` right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
-devices are the accelerators there, not the CPU's.
+other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices", 2)``
+right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
+devices are the accelerators there, not the CPU's. A count set to no number of devices (0, or
+below -1, jax's unset) is refused in one line by ``aft-train`` and the tools
+(``check_set_count``).
 """
 
 from __future__ import annotations
@@ -56,19 +58,31 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
   return 1
 
 
-def set_by_user(environ=None) -> bool:
+def check_set_count() -> None:
+  """A one-line ValueError where the count is set (``--jax_num_cpu_devices``,
+  ``JAX_NUM_CPU_DEVICES``) to no number of devices: 0 (jax's CPU backend then fails to start,
+  blaming a plugin) or below -1 (jax takes it as unset, without a word); -1 is jax's unset.
+  Before jax's backends start (a word that is no number jax refuses itself, when imported)."""
+  n = jax.config.jax_num_cpu_devices
+  if n == 0 or n < -1:
+    raise ValueError(
+      f"jax_num_cpu_devices = {n} (JAX_NUM_CPU_DEVICES, aft-train's --jax_num_cpu_devices) is "
+      "no number of CPU devices: give 1 or more, or leave it unset"
+    )
+
+
+def set_by_user() -> bool:
   """Whether the CPU's device count is set already: jax's flag or environment variable
   (``jax.config.jax_num_cpu_devices`` is -1 otherwise), or a device count in XLA_FLAGS."""
-  environ = os.environ if environ is None else environ
-  return jax.config.jax_num_cpu_devices != -1 or XLA_COUNT_FLAG in environ.get("XLA_FLAGS", "")
+  return jax.config.jax_num_cpu_devices != -1 or XLA_COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
-def apply(cfg: RunConfig, num_cores: int | None = None) -> int | None:
-  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores)`` unless the user set the count
+def apply(cfg: RunConfig) -> int | None:
+  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores())`` unless the user set the count
   (``set_by_user``) or it would be 1; the count set, or None. Before jax's backends start."""
   if set_by_user():
     return None
-  n = count_for(cfg, cores() if num_cores is None else num_cores)
+  n = count_for(cfg, cores())
   if n == 1:
     return None
   jax.config.update("jax_num_cpu_devices", n)

@@ -48,7 +48,7 @@ class TrainConfig(TypedConfig):
   seed: int = 0  # parameters, dropout and the data order
   num_train_steps: int = 1000  # micro-steps (each one batch); updates = this / grad_accum_steps
   batch_size: int = 16  # global, in sequences, summed over all devices and processes
-  seq_len: int = 128  # tokens per training sequence (<= model.max_len)
+  seq_len: int = 128  # tokens per training sequence (<= model.max_len unless a stream)
 
   def _value_problems(self) -> list[str]:
     errors = positive(self, "num_train_steps", "batch_size", "seq_len")

@@ -17,6 +17,10 @@ from aft_jax.typed_config import TypedConfig, positive
 class EvalConfig(TypedConfig):
   """Keys at the top of the config tree (``config.eval_batch_size``, ...)."""
 
+  # Before final_eval_stride, the final numbers were scored with eval_stride
+  # (TypedConfig.as_written).
+  ADDED = {"final_eval_stride": ("f226f96", lambda saved: saved.get("eval_stride"))}
+
   eval_every_steps: int = 500  # validation perplexity during training
   eval_batch_size: int = 16  # global, in windows of seq_len tokens
   eval_stride: int = 0  # validation during training: > 0 sliding windows, 0 disjoint windows

@@ -29,6 +29,9 @@ def decay_mask(params):
 class OptimizerConfig(TypedConfig):
   """Keys at the top of the config tree (``config.learning_rate``, ...)."""
 
+  # Before the key, weight decay shrank every parameter (TypedConfig.as_written).
+  ADDED = {"weight_decay_on": ("bdcc2f1", "all")}
+
   learning_rate: float = 1e-3  # peak AdamW rate
   # linear warmup (updates), then cosine decay to 10% of the peak; a warmup as long as the run
   # is cut to its updates - 1 (the run says so)

@@ -36,10 +36,18 @@ def resolve(spec: str) -> str:
 
   A path to a config file (a path separator or ``.py`` before the first ``:``, where
   ml_collections splits the file from its argument) is returned unchanged; the argument may hold
-  anything (``text:~/notes/**/*.md``). Raises ValueError naming the recipes for an unknown name.
+  anything (``text:~/notes/**/*.md``). Raises ValueError naming the recipes for an unknown name,
+  and naming the file for a path that is no file (ml_collections would defer its error to the
+  first use of the config, as a traceback).
   """
   name, sep, arg = spec.partition(":")
   if "/" in name or os.sep in name or name.endswith(".py"):
+    if not os.path.isfile(name):
+      where = "" if os.path.isabs(name) else f" (from {os.getcwd()})"
+      raise ValueError(
+        f"no config file {name!r}{where}: give the path of a config file, or a recipe name: "
+        f"{', '.join(available())}"
+      )
     return spec
   names = available()
   if name not in names:

@@ -18,6 +18,7 @@ data, and ``with_vocab(n)`` fills it in.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -103,9 +104,9 @@ class RunConfig:
 
   @classmethod
   def from_saved(cls, tree: Mapping) -> RunConfig:
-    """The run config of a saved tree (config.json): a key it lacks, added to the package since
-    it was written, takes its default."""
-    return cls.from_tree(_with_defaults(plain_tree(tree), default_tree()))
+    """The run config of a saved tree (config.json) as the version that wrote it ran: a key it
+    lacks, added to the package since, takes that version's value (``as_written``)."""
+    return cls.from_tree(as_written(tree))
 
   def with_vocab(self, vocab_size: int) -> RunConfig:
     """This config with the model's vocabulary size, once the data is known."""
@@ -135,7 +136,7 @@ def _default_tree_json() -> str:
 
 
 def default_tree() -> dict:
-  """The default config as plain data (what a key a saved config lacks compares as)."""
+  """The default config as plain data: every key a config has."""
   return json.loads(_default_tree_json())
 
 
@@ -166,20 +167,39 @@ def _frozen(value):
   return value
 
 
-def _with_defaults(tree: dict, defaults: dict) -> dict:
-  out = dict(tree)
-  for key, value in defaults.items():
-    if key not in out:
-      out[key] = value
-    elif isinstance(value, dict) and isinstance(out[key], dict):
-      out[key] = _with_defaults(out[key], value)
-  return out
+def as_written(tree: Mapping) -> dict:
+  """A saved config tree (config.json's, a checkpoint's) as plain data with each key added
+  since it was written at the value the version that wrote it ran with: each component's
+  ``ADDED`` (aft_jax/typed_config.py). Any other key it lacks stays missing (damage, which the
+  config check names)."""
+  tree = plain_tree(tree)
+  for component in SLICES.values():
+    if not component.WHERE:
+      tree = component.as_written(tree)
+    elif isinstance(tree.get(component.WHERE, {}), dict):
+      tree[component.WHERE] = component.as_written(tree.get(component.WHERE, {}))
+  return plain_tree(tree)
+
+
+def unknown_keys(keys) -> list[str]:
+  """One line for each of the dotted ``keys`` (``"model.d_model"``) that no component defines
+  (a key above others, ``"model"``, is known): the whole key and the known keys closest to it
+  (difflib), a mistyped or misplaced key's likely meaning."""
+  known = flatten(default_tree())
+  lines = []
+  for key in keys:
+    if key in known or any(k.startswith(key + ".") for k in known):
+      continue
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    lines.append(f"unknown config key {key!r}{hint}")
+  return lines
 
 
 def _key_problems(tree: dict) -> list[str]:
   """The unknown keys' lines; a missing key raises at once (no component can be built)."""
   ref, cur = flatten(default_tree()), flatten(tree)
-  errors = [f"unknown config key {key!r}" for key in sorted(set(cur) - set(ref))]
+  errors = unknown_keys(sorted(set(cur) - set(ref)))
   missing = [f"missing config key {key!r}" for key in sorted(set(ref) - set(cur))]
   if missing:
     raise ValueError("invalid config: " + "; ".join(errors + missing))
@@ -190,7 +210,7 @@ def _across_components(s: dict) -> list[str]:
   """The rules between components' keys (their own values already checked)."""
   train, model, ev = s["train"], s["model"], s["eval"]
   errors = []
-  if train.seq_len > model.max_len:
+  if model.length_limit is not None and train.seq_len > model.length_limit:
     errors.append(
       f"config.seq_len = {train.seq_len} exceeds config.model.max_len = {model.max_len}"
     )

@@ -19,6 +19,10 @@ from aft_jax.typed_config import TypedConfig, positive
 class StepLogConfig(TypedConfig):
   """Keys at the top of the config tree (``config.log_every_steps``, ...)."""
 
+  # Before these keys, skipped updates never stopped a run and no step was traced
+  # (TypedConfig.as_written).
+  ADDED = {"max_consecutive_skips": ("d656de0", 0), "profile_steps": ("7899ccd", ())}
+
   log_every_steps: int = 50  # metrics to the console, metrics.jsonl and TensorBoard
   nonfinite: str = "skip"  # non-finite loss/gradient: 'skip' the update or 'stop'
   # 'skip': stop the run when this many updates in a row were skipped (diverged); 0: never

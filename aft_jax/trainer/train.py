@@ -11,12 +11,13 @@ Rerunning the same command resumes from the workdir's last checkpoint. JAX's fla
 """
 
 import os
+import re
 import sys
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.trainer import recipes
 
 config_flags.DEFINE_config_file(
@@ -84,8 +85,16 @@ def dry_run() -> None:
 
 def main(argv):
   del argv
+  import jax  # (run() imported it first: it says in one line why jax cannot be imported)
+
+  from aft_jax.trainer import cpu_devices
+
   if not FLAGS["verbosity"].present:  # -v / --verbosity wins
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  try:
+    cpu_devices.check_set_count()
+  except ValueError as e:
+    _fail(e, 2 if FLAGS.dry_run else 1)
   if FLAGS.dry_run:
     dry_run()
   if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
@@ -122,7 +131,7 @@ def _use_every_core() -> None:
 
   try:
     cfg = RunConfig.from_tree(FLAGS.config)
-  except ValueError:
+  except (ValueError, OSError):  # (OSError: a config file that failed to load)
     return
   cpu_devices.apply(cfg)
 
@@ -133,14 +142,22 @@ def run():
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
-  jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
   try:
+    # Here, not at the top: jax reads its JAX_* environment variables when imported and
+    # refuses a value it cannot read (JAX_NUM_CPU_DEVICES=abc) with a ValueError.
+    import jax
+  except ValueError as e:
+    flag = re.search(r"JAX flag (\w+)", str(e))
+    where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
+  jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
+  # Ctrl-C before the training loop (setup, compiling), or a second one inside it: nothing
+  # half-written is left (checkpoints are atomic).
+  with stops_on_ctrl_c(
+    f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
+    "workdir's last checkpoint, if any, is intact and the same command resumes from it"
+  ):
     app.run(main, argv=argv, flags_parser=_parse_flags)
-  except KeyboardInterrupt:  # Ctrl-C before the training loop (setup, compiling), or a second
-    sys.exit(  # one inside it: nothing half-written is left (checkpoints are atomic)
-      f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
-      "workdir's last checkpoint, if any, is intact and the same command resumes from it"
-    )
 
 
 def _parse_flags(argv):
@@ -153,12 +170,31 @@ def _parse_flags(argv):
   except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
     print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
     sys.exit(refused)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    # ml_collections' message is a quoted repr: the key, "\\n", then "Did you mean ...".
+  except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    from aft_jax.trainer import run_config
+
+    # A key no component defines, named whole (ml_collections names the last part only);
+    # else ml_collections' message, a quoted repr: "\\n" between its lines.
+    unknown = run_config.unknown_keys(_override_keys(argv))
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
-    why = "; ".join(p.strip().strip("'\"") for p in text.splitlines() if p.strip().strip("'\""))
+    lines = [p.strip().strip("'\"") for p in text.splitlines()]
+    why = "; ".join(unknown or [p for p in lines if p])
     print(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}", file=sys.stderr)
     sys.exit(refused)
+
+
+def _override_keys(argv) -> list[str]:
+  """The dotted keys of the command line's ``--config.KEY=VALUE`` (``--config.KEY VALUE``,
+  ``--[no]config.KEY``) overrides."""
+  keys = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name = arg.lstrip("-").partition("=")[0]
+    for prefix in ("config.", "noconfig."):
+      if arg.startswith("-") and name.startswith(prefix):
+        keys.append(name[len(prefix) :])
+  return keys
 
 
 def _asks_dry_run(argv) -> bool:

@@ -5,10 +5,11 @@ component's checked, typed slice); from there each part takes its own slice.
 
 One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
 accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
-exact evaluation over whole splits; Orbax checkpoints that also hold the data-iterator position
-and the config (``checkpointing``), so rerunning the same command resumes exactly; SIGTERM /
-Ctrl-C save a checkpoint and exit (``preemption``); one trainer per workdir (``workdir_lock``);
-per-step metrics and the non-finite watch (``step_log``): modules of this package.
+exact evaluation over whole splits; Orbax checkpoints, written in the background while training
+goes on, that also hold the data-iterator position and the config (``checkpointing``), so
+rerunning the same command resumes exactly; SIGTERM / Ctrl-C save a checkpoint and exit
+(``preemption``); one trainer per workdir (``workdir_lock``); per-step metrics and the
+non-finite watch (``step_log``): modules of this package.
 
 ``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
 loop, final evaluation, results, a sample. The step functions are pure module-level functions
@@ -23,7 +24,6 @@ import functools
 import json
 import math
 import os
-import warnings
 
 import flax.linen as nn
 import jax
@@ -37,13 +37,14 @@ from tqdm.auto import tqdm
 from aft_jax.trainer import checkpointing, optimizer
 from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
+from aft_jax.data import config as data_config
 from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.metrics import MetricWriter
-from aft_jax.trainer.run_config import RunConfig, default_tree
+from aft_jax.trainer.run_config import RunConfig, as_written
 from aft_jax.model import TransformerLM, count_params
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
@@ -52,13 +53,10 @@ from aft_jax.trainer.preemption import Preemption
 
 @contextlib.contextmanager
 def _on_mesh(mesh, rules):
-  """The mesh and logical axis rules that flax's logical constraints resolve against."""
-  with warnings.catch_warnings():
-    # jax 0.10 deprecates `with mesh:` in favour of jax.set_mesh, which also switches to
-    # explicit-sharding semantics that flax's logical partitioning does not use yet.
-    warnings.filterwarnings("ignore", message=".*context manager has been deprecated.*")
-    with mesh, nn.logical_axis_rules(rules):
-      yield
+  """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
+  logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 class TrainState(train_state.TrainState):
@@ -126,7 +124,7 @@ def eval_step(params, batch, *, model):
 # XLA:CPU compile options of the train and evaluation steps, on a mesh of CPU devices only.
 # YNNPACK (jaxlib 0.10's CPU library) by default takes over dots and also element-wise and
 # reduction fusions; at nanoGPT's CPU recipe (benchmarks/RESULTS.md, "aft-jax beside nanoGPT")
-# handing it the dots alone made the softmax train step 100 -> 80 ms on the 2-core CPU (XLA's
+# handing it the dots alone takes the softmax train step from 100 to 80 ms on 2 cores (XLA's
 # own loop fusions run the element-wise work faster than YNNPACK's at these small shapes). A
 # per-compile option, so that the user's XLA_FLAGS need not name it and no other program in the
 # process is changed; an XLA_FLAGS that names the option itself wins.
@@ -164,8 +162,9 @@ class Trainer:
 
     with _on_mesh(mesh, self.rules):
       abstract = jax.eval_shape(init, jax.random.key(0))
-      self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
-      self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
+    # (outside the mesh: unboxing the abstract tree there would constrain its shape structs)
+    self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
+    self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
     self.abstract_state = jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       nn.unbox(abstract),
@@ -182,14 +181,14 @@ class Trainer:
     )
     options = compiler_options(mesh)
     self._train_step = jax.jit(
-      sharding.with_traced_mesh(step, mesh),
+      step,
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
       out_shardings=(self.state_shardings, repl),
       compiler_options=options,
     )
     self._eval_step = jax.jit(
-      sharding.with_traced_mesh(functools.partial(eval_step, model=self.model), mesh),
+      functools.partial(eval_step, model=self.model),
       in_shardings=(self.state_shardings.params, batch_sh),
       out_shardings=repl,
       compiler_options=options,
@@ -294,8 +293,9 @@ class Run:
   trainer: Trainer
   allow_config_change: bool = False  # resume a checkpoint whose config differs
   record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
-  # Checkpoints known good: the one restored (verified against its checksums) and the ones this
-  # run saved; what a divergence message may name as the last good one.
+  # Checkpoints known good: the one restored (verified against its checksums, unless written
+  # before checkpoints carried them) and the ones this run saved; what a divergence message may
+  # name as the last good one.
   good_steps: set = dataclasses.field(default_factory=set)
 
   @property
@@ -305,18 +305,22 @@ class Run:
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
-  config, the mesh over ``devices`` (default: all), the batch's split over it, the warmup
-  note (to ``say``) and the trainer. With ``impl='auto'`` each op takes its Pallas kernel where
-  one runs on the mesh's devices (decided for them while the steps are traced, before anything
-  is compiled: a T4 takes XLA), XLA otherwise."""
+  config, the mesh over ``devices`` (default: all), the batch's split over it, the notes of a
+  warmup cut to the run and of an unused ``data.vocab_size`` (to ``say``) and the trainer. With
+  ``impl='auto'`` each op takes its Pallas kernel where one runs on the mesh's devices (decided
+  for them while the steps are traced, before anything is compiled: a T4 takes XLA), XLA
+  otherwise."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
     mesh, batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size
   )
-  note = optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps)
-  if note:
-    say(note)
+  for note in (
+    optimizer.warmup_note(cfg.optimizer, cfg.train.num_train_steps),
+    data_config.vocab_size_note(cfg.data),
+  ):
+    if note:
+      say(note)
   return Trainer(cfg, mesh)
 
 
@@ -337,7 +341,7 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
 
 
 def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
-  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, default_tree())
+  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, as_written)
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
@@ -376,9 +380,9 @@ def _begin_writing(run: Run, mngr, restored) -> None:
 def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   """The newest intact checkpoint's state (and data position), or a freshly initialised state.
 
-  Each checkpoint's own config, corpus record and data position are what the run is checked
-  against before its state is read; the workdir is written only once the restore succeeded
-  and every check passed (``_begin_writing``).
+  Each checkpoint's own config, corpus record and data position, once they verified against
+  its checksums, are what the run is checked against before its state is read; the workdir is
+  written only once the restore succeeded and every check passed (``_begin_writing``).
   """
 
   def check(step, items):
@@ -403,13 +407,17 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
   _begin_writing(run, mngr, restored)
   run.good_steps.add(restored.step)
   if run.is_main:
-    print(f"Resuming from the checkpoint at step {restored.step} in {run.workdir}", flush=True)
+    note = f" ({restored.unverified})" if restored.unverified else ""
+    print(
+      f"Resuming from the checkpoint at step {restored.step} in {run.workdir}{note}", flush=True
+    )
   return restored.state
 
 
 def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
-  """Saves the checkpoint at ``step``, unless its update was skipped as non-finite: a run of
-  skipped updates must not rotate out the last good checkpoint. Whether one was saved."""
+  """Saves the checkpoint at ``step`` (in the background: ``checkpointing.save``), unless its
+  update was skipped as non-finite: a run of skipped updates must not rotate out the last good
+  checkpoint. Whether one was saved."""
   log.settle()
   if log.skipped_since is not None:
     if run.is_main:
@@ -425,10 +433,12 @@ def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_it
 
 
 def _save_and_say_stopped(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter, sig):
-  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, says so."""
+  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, waits until it
+  is on disk, says so."""
   if log.pending:
     log.flush(state)  # the steps since the last log line are not lost
   saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
+  checkpointing.finish_saving(mngr)
   if run.is_main:
     what = (
       f"saved the checkpoint at step {step}; run the same command again to resume."
@@ -634,7 +644,7 @@ def train_data(run: Run) -> data_lib.TrainIterator:
     process_count=jax.process_count(),
     **packed,
   )
-  p = getattr(data_iter, "packing", None)  # (any iterator of batches will do: tests wrap it)
+  p = data_iter.packing
   if p and run.is_main:
     print(
       f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "
@@ -664,10 +674,13 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
     writer.write_text("config", json.dumps(tree, indent=2), int(state.step))
     writer.write_hparams(flatten(tree), step_log.HPARAMS_METRICS)
-    try:
+    with contextlib.ExitStack() as cleanup:
+      cleanup.callback(writer.close)
+      cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
       state, interrupted = train_loop(run, state, data_iter, mngr, writer)
       if interrupted:
         return {"interrupted": True, "step": int(state.step)}
+      checkpointing.finish_saving(mngr)  # the final checkpoint is on disk before the results
       try:
         with Preemption() as preemption:
           results = final_results(run, state, preemption)
@@ -681,6 +694,4 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         return {"interrupted": True, "step": int(state.step)}
       write_results(run, results, writer)
       sample(run, state.params, writer)
-    finally:
-      writer.close()
   return results

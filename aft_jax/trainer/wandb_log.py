@@ -35,6 +35,8 @@ class WandbConfig(TypedConfig):
   """``config.wandb.*``."""
 
   WHERE = "wandb"
+  # Added with W&B itself: a config without them ran without W&B (TypedConfig.as_written).
+  ADDED = {"project": ("e72b922", ""), "entity": ("e72b922", ""), "name": ("e72b922", "")}
 
   project: str = ""  # a W&B project to log to ('': no W&B); needs the 'wandb' extra
   entity: str = ""  # the W&B team or user ('': your default)

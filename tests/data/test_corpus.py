@@ -3,8 +3,10 @@
 import os
 import threading
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
@@ -37,13 +39,14 @@ def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
 def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):
   fe.write_file(str(tmp_path / "manual"), fe.content(N))
   monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
-  c = corpus_lib.load_corpus(_cfg(tmp_path, ""), process_index=0, barrier=lambda name: None)
+  c = corpus_lib.load_corpus(_cfg(tmp_path, ""))
   assert store.is_complete(str(tmp_path / "cache" / "prepared" / "enwik8-byte"))
   assert int(c.splits["test"].size) == N // 20
 
 
 def _two_processes(tmp_path, monkeypatch):
-  """Runs load_corpus as processes 0 and 1 in two threads that share a fake barrier.
+  """Runs load_corpus as processes 0 and 1 in two threads (each thread's name its
+  ``jax.process_index()``, ``jax.process_count()`` 2) that share a fake barrier.
 
   Returns ({index: Corpus or exception}, [(event, index), ...] in order).
   """
@@ -70,12 +73,15 @@ def _two_processes(tmp_path, monkeypatch):
 
   monkeypatch.setattr(prepare, "prepare_enwik8", prepare_spy)
   monkeypatch.setattr(corpus_lib, "load_prepared", load_spy)
+  monkeypatch.setattr(jax, "process_index", lambda: int(threading.current_thread().name))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", fake_barrier)
   results = {}
 
   def run(index):
     try:
       cfg = _cfg(tmp_path, str(tmp_path / "data"))
-      results[index] = corpus_lib.load_corpus(cfg, process_index=index, barrier=fake_barrier)
+      results[index] = corpus_lib.load_corpus(cfg)
     except Exception as e:  # pylint: disable=broad-except  (checked by the caller)
       results[index] = e
 
@@ -126,4 +132,4 @@ def test_bad_fields_are_one_line_errors(cfg, message):
   with pytest.raises(ValueError, match=message):
     DataConfig.of(cfg).validate()
   with pytest.raises(TypeError, match="load_corpus takes a DataConfig"):
-    corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)
+    corpus_lib.load_corpus(cfg)

@@ -47,7 +47,7 @@ def _prepared(tmp_path):
 
 @pytest.mark.parametrize("n", [20, 39, 40, 5_003, 100_000_000])
 def test_standard_split_sizes(n):
-  sizes = enwik8.split_sizes(n)
+  sizes = {s: stop - start for s, (start, stop) in enwik8.split_ranges(n).items()}
   assert sizes["validation"] == sizes["test"] == n // 20
   assert sum(sizes.values()) == n
   ranges = enwik8.split_ranges(n)
@@ -91,8 +91,6 @@ def test_prepare_prints_counts_and_warns_custom(tmp_path, capsys, caplog):
   assert store.read_summary(_prepared(tmp_path))["official"] is False
   c = corpus_lib.load_corpus(
     DataConfig(dataset="enwik8", data_dir=str(tmp_path / "data"), manual_dir=""),
-    process_index=0,
-    barrier=lambda name: None,
   )
   assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256
   assert c.bos_id == ord("\n")

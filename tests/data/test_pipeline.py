@@ -301,11 +301,14 @@ def test_packed_checkpoint_restores_the_following_batches_and_refuses_a_stream_s
   for a, b in zip(_take(fresh, 5), expected):
     for k in a:
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-  with pytest.raises(ValueError, match=r"is for packing = True \(now None\)"):
+  # Said as the setting (a stream position has no packing keys), the documents left out.
+  with pytest.raises(ValueError, match=r"is for packing = True \(now False\): the batches"):
     pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=3).set_state(state)
   stream = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=3).get_state()
-  with pytest.raises(ValueError, match=r"is for packing = None \(now True\)"):
+  with pytest.raises(ValueError, match=r"is for packing = False \(now True\): the batches"):
     _packed(toks, ends, seed=3).set_state(stream)
+  with pytest.raises(ValueError, match=r"is for seed = 3 \(now 4\), packing = False \(now Tr"):
+    _packed(toks, ends, seed=4).set_state(stream)
   with pytest.raises(ValueError, match="document_ends must be int.*ending at len"):
     _packed(toks, ends[:-1])
   with pytest.raises(ValueError, match="pack into .* rows of seq_len=8, fewer than global_batch"):

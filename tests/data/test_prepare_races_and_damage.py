@@ -166,7 +166,7 @@ def test_cli_defaults_to_the_trainer_data_dir(tmp_path, monkeypatch, capsys):
   assert store.is_complete(path) and path in err
   monkeypatch.setattr(enwik8, "build", _no_build)
   cfg = DataConfig(dataset="enwik8", data_dir="", manual_dir=str(tmp_path / "manual"))
-  c = corpus_lib.load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  c = corpus_lib.load_corpus(cfg)
   assert int(c.splits["test"].size) == N // 20
 
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from aft_jax.data import load_corpus, store, subword, text
+from aft_jax.data import load_corpus, store, subword, text, vocab
 from aft_jax.data.config import DataConfig
 from tests.support import prefork
 from tests.support.helpers import STDLIB_JSON
@@ -23,7 +23,7 @@ from tests.support.helpers import STDLIB_JSON
 def _load(tmp_path, **cfg):
   # Checked as the run config checks it (load_corpus itself checks no config).
   cfg = DataConfig(dataset="text", data_dir=str(tmp_path / "data"), **cfg).validate()
-  return load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  return load_corpus(cfg)
 
 
 def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):
@@ -160,7 +160,7 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     data_dir=str(tmp_path / "data"),
     manual_dir=str(tmp_path / "manual"),
   )
-  corpus = load_corpus(cfg, process_index=0, barrier=lambda name: None)
+  corpus = load_corpus(cfg)
   texts = fake_wikitext.texts("raw_v1")
   assert corpus.name == "wikitext103-raw_v1-subword330" and corpus.vocab.size == 330
   for split, ids in corpus.splits.items():
@@ -170,16 +170,24 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
 
 
-def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path):
+def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path, monkeypatch):
+  import jax
+  from jax.experimental import multihost_utils
+
   from aft_jax.data import corpus as corpus_lib
 
   cfg = DataConfig(dataset="text", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "d"))
-  met = []
+  met, index = [], [1]
+  monkeypatch.setattr(jax, "process_index", lambda: index[0])
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", met.append)
   with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
-    load_corpus(cfg, process_index=1, barrier=met.append)  # process 1 never prepares
+    load_corpus(cfg)  # process 1 never prepares
   assert met == [corpus_lib.BARRIER_NAME]  # but it meets the others at the barrier
-  zero = load_corpus(cfg, process_index=0, barrier=met.append)
-  one = load_corpus(cfg, process_index=1, barrier=met.append)
+  index[0] = 0
+  zero = load_corpus(cfg)
+  index[0] = 1
+  one = load_corpus(cfg)
   np.testing.assert_array_equal(zero.splits["test"], one.splits["test"])
 
 
@@ -213,8 +221,9 @@ def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_p
   corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
   assert corpus.vocab.size == size
   train_words = set(corpus.splits["train"].tolist())
-  assert corpus.vocab.unk_id not in train_words  # every train word is in the vocabulary
-  assert corpus.vocab.unk_id in set(corpus.splits["test"].tolist())  # held-out words are not
+  unk = corpus.vocab.tokens.index(vocab.UNK)
+  assert unk not in train_words  # every train word is in the vocabulary
+  assert unk in set(corpus.splits["test"].tolist())  # held-out words are not
 
 
 def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
@@ -365,17 +374,18 @@ def _write_jsonl(path, texts, field="text"):
         f.write("\n")  # a blank line is no record
 
 
-def _write_parquet(path, texts, field="text", row_group_size=2):
+def _write_parquet(path, texts, field="text", row_group_size=2, dictionary=False):
   import pyarrow as pa
   import pyarrow.parquet as pq
 
-  pq.write_table(pa.table({field: texts, "n": list(range(len(texts)))}), path, row_group_size)
+  column = pa.array(texts).dictionary_encode() if dictionary else texts
+  pq.write_table(pa.table({field: column, "n": list(range(len(texts)))}), path, row_group_size)
 
 
 def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(docs, tmp_path):
   """The same five texts as plain files and as records (a .jsonl.gz and a .parquet shard for
-  train, a .jsonl for validation, a .parquet for test): the same tokens, bytes and document
-  ends, split for split."""
+  train, a .jsonl for validation, a .parquet for test, its column dictionary-encoded as
+  pandas writes a category): the same tokens, bytes and document ends, split for split."""
   paths = sorted(str(p) for p in docs.glob("*.py"))
   texts = [open(p).read() for p in paths]
   plain = _load(
@@ -387,7 +397,7 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
   _write_jsonl(rec / "train-1.jsonl.gz", texts[:2], field="body")
   _write_parquet(rec / "train-2.parquet", texts[2:3], field="body")
   _write_jsonl(rec / "valid.jsonl", texts[3:4], field="body")
-  _write_parquet(rec / "test.parquet", texts[4:], field="body")
+  _write_parquet(rec / "test.parquet", texts[4:], field="body", dictionary=True)
   records = _load(
     tmp_path / "rec", train_files=f"{rec}/train-1.jsonl.gz,{rec}/train-2.parquet",
     valid_files=f"{rec}/valid.jsonl", test_files=f"{rec}/test.parquet", tokenizer="word",
@@ -417,14 +427,22 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
       '{"text": "ok"}\n\n{"body": "x"}\n',
       r"b\.jsonl line 3 has no field 'text' .*'body'",
     ),
-    ("c.jsonl", '{"text": 3}\n', r"c\.jsonl line 1: field 'text' is a JSON int, not a string"),
-    ("d.jsonl", '["text"]\n', r"d\.jsonl line 1 is a JSON list, not an object"),
+    ("c.jsonl", '{"text": 3}\n', r"c\.jsonl line 1: field 'text' is a JSON number, not a str"),
+    ("d.jsonl", '["text"]\n', r"d\.jsonl line 1 is a JSON array, not an object"),
+    # JSON's words: null, not Python's NoneType.
+    ("c2.jsonl", '{"text": null}\n', r"c2\.jsonl line 1: field 'text' is JSON null, not a"),
+    ("d2.jsonl", '{"text": "a"}\nnull\n', r"d2\.jsonl line 2 is JSON null, not an object"),
+    # What a plain file may not hold, a record may not either; and no lone surrogate (it used
+    # to fail in the encoder, without the file).
+    ("k.jsonl", '{"text": "a\\u0000b"}\n', r"k\.jsonl line 1: field 'text' holds a NUL char"),
+    ("l.jsonl", '{"text": "ab\\ud800"}\n', r"l\.jsonl line 1: field 'text' holds a lone surr"),
     ("e.jsonl", "\n\n", r"e\.jsonl holds no records"),
     ("f.jsonl.gz", b"\x1f\x8bnot gzip", r"f\.jsonl\.gz cannot be read \(.*damaged or truncated"),
     ("g.parquet", {"body": ["x"]}, r"g\.parquet has no column 'text' .*'body'"),
     ("h.parquet", {"text": [1, 2]}, r"h\.parquet: column 'text' holds int64, not strings"),
     ("i.parquet", {"text": ["a", "b", "c", None]}, r"i\.parquet row group 1 row 1: 'text' is null"),
     ("j.parquet", b"PAR1 not parquet", r"j\.parquet is not a readable Parquet file"),
+    ("m.parquet", {"text": ["a", "b", "c\0"]}, r"m\.parquet row group 1 row 0: 'text' holds a NUL"),
   ],
 )
 def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(

@@ -57,7 +57,7 @@ def test_build_orders_by_frequency_then_string():
 def test_build_adds_eos_and_optional_unk_last():
   v = WordVocab.build(collections.Counter({"x": 2}), add_unk=True)
   assert v.tokens == ["x", EOS, UNK]
-  assert v.unk_id == 2 and v.eos_id == 1
+  assert v.tokens.index(UNK) == 2 and v.eos_id == 1
 
 
 def test_encode_decode_and_oov():
@@ -79,7 +79,7 @@ def test_save_load_roundtrip(tmp_path):
   v.save(path)
   assert open(path, encoding="utf-8").read() == "".join(w + "\n" for w in words)
   w = WordVocab.load(path)
-  assert w.tokens == words and w.size == len(words) and w.eos_id == 1 and w.unk_id == 2
+  assert w.tokens == words and w.size == len(words) and w.eos_id == 1 and w.tokens.index(UNK) == 2
   assert not list(tmp_path.glob("*.tmp*"))
 
 
@@ -137,8 +137,8 @@ def test_pydoc_corpus_deterministic_and_word_level():
   pieces = pydoc_lib.split_at_lines(pydoc_lib.pydoc_text(), pydoc_lib.PYDOC_FRACTIONS)
   assert "".join(pieces.values()) == pydoc_lib.pydoc_text()
   # Train has no OOV; held-out words unseen in train map to <unk>.
-  unk = a.vocab.unk_id
-  assert unk is not None and not (a.splits["train"] == unk).any()
+  unk = a.vocab.tokens.index(UNK)
+  assert not (a.splits["train"] == unk).any()
   train_words = set(vocab_lib.word_tokens(pieces["train"]))
   valid = vocab_lib.word_tokens(pieces["validation"])
   expected_unk = sum(w not in train_words for w in valid)

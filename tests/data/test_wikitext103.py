@@ -148,11 +148,11 @@ def _make_bad(case, manual, monkeypatch):
     path = fw.write_zip(str(manual), "v1")
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
-    fw.trust(monkeypatch, "v1", None)
+    fw.trust(monkeypatch, "v1", path)  # the checksum passes: the zip itself is refused
   elif case == "bad_crc":
     path = _stored_zip(manual, "v1")
     _flip_byte_in_member(path, "wikitext-103/wiki.train.tokens", "MacArthur".encode())
-    fw.trust(monkeypatch, "v1", None)
+    fw.trust(monkeypatch, "v1", path)
   elif case == "zip_missing_split":
     fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1", skip=("validation",)))
   elif case == "dir_missing_split":

@@ -198,15 +198,20 @@ def test_the_wheel_ships_every_recipe_and_console_script():
 
 
 @pytest.mark.parametrize("spec", ["quickstart", "quickstart:arg"])
-def test_a_recipe_name_resolves_to_the_packaged_file(spec):
+def test_a_recipe_name_resolves_to_the_packaged_file(spec, monkeypatch):
   path, _, arg = recipes.resolve(spec).partition(":")
   assert path == os.path.join(ROOT, "configs", "quickstart.py") and arg == spec[11:]
+  monkeypatch.chdir(ROOT)
   assert recipes.resolve("configs/quickstart.py:x") == "configs/quickstart.py:x"  # a path stays
 
 
-def test_an_unknown_recipe_names_the_recipes():
+def test_an_unknown_recipe_names_the_recipes(tmp_path):
   with pytest.raises(ValueError, match=r"unknown recipe 'nope'; the recipes are: .*quickstart"):
     recipes.resolve("nope")
+  # A config file that is not there: named, not left to ml_collections' deferred traceback.
+  missing = str(tmp_path / "nope.py")
+  with pytest.raises(ValueError, match=rf"no config file '{missing}': give the path of a"):
+    recipes.resolve(missing + ":arg")
   argv = ["aft-train", "--config=quickstart", "--config.seed=3", "--workdir", "w"]
   assert recipes.resolve_flag(argv)[1] == "--config=" + os.path.join(
     ROOT, "configs", "quickstart.py"

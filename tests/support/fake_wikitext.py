@@ -205,13 +205,13 @@ def sha256(path: str) -> str:
     return hashlib.sha256(f.read()).hexdigest()
 
 
-def trust(monkeypatch, variant: str, path: str | None) -> None:
-  """Records the checksum of `path` (None: no checksum) as the official one."""
+def trust(monkeypatch, variant: str, path: str) -> None:
+  """Records the checksum of `path` as the official one."""
   import dataclasses  # pylint: disable=g-import-not-at-top
 
   archive = wikitext103.ARCHIVES[variant]
   monkeypatch.setitem(
     wikitext103.ARCHIVES,
     variant,
-    dataclasses.replace(archive, sha256=sha256(path) if path else None),
+    dataclasses.replace(archive, sha256=sha256(path)),
   )

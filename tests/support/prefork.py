@@ -10,7 +10,10 @@ has them (SIGINT as KeyboardInterrupt, unless this process ignores it: a subproc
 that), a new session if asked, the script run as ``__main__`` as ``python SCRIPT``, ``-m`` and
 ``-c`` run it (tracebacks included), its exit status a process's (-N for signal N). The server
 never starts a jax backend or a thread, so a fork of it is a fresh process that skipped its
-imports: the device count and XLA's flags are read when the child's backend starts.
+imports: the device count and XLA's flags are read when the child's backend starts. A child
+ends with its atexit handlers and ``os._exit``, without the rest of the interpreter's shutdown
+(freeing the modules), so what goes wrong only there shows in a subprocess
+(``AFT_TESTS_NO_PREFORK=1``), not here.
 
 What a fork cannot give falls back to ``subprocess``: an environment that differs from this
 process's in anything but ``FORKABLE_ENV`` (a changed ``PYTHONPATH`` would hide nothing already

@@ -8,6 +8,7 @@ import math
 import os
 import struct
 
+import numpy as np
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
@@ -80,15 +81,35 @@ def test_evaluate_a_text_file_byte_model_with_a_stride(byte_run, tmp_path, capsy
   sliding = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file), "--stride", "8")
   assert sliding["tokens"] == disjoint["tokens"] and sliding["stride"] == 8
   assert sliding["nll"] != disjoint["nll"]  # tokens after the first window see more context
+  # The same two lines as two records: their text, each then the boundary (for bytes an end of
+  # line), as the corpus reads them; not the JSON around them.
+  records = _write_records(tmp_path / "text.jsonl")
+  scored = _evaluate(capsys, "--workdir", path, "--text_file", str(records))
+  assert scored["tokens"] == disjoint["tokens"] and scored["bytes"] == disjoint["bytes"]
+  assert scored["nll"] == pytest.approx(disjoint["nll"], rel=1e-6)
 
 
-def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, tmp_path, capsys):
+def _write_records(path):
+  """TEXT's lines as JSONL records (a field before the text, as real corpora have)."""
+  lines = TEXT.splitlines()
+  path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(lines)))
+  return path
+
+
+# A line's end is <eos>; a record's text, as a split's document, is followed by one more.
+@pytest.mark.parametrize("name, eos", [("text.txt", 2), ("text.jsonl", 4)])
+def test_evaluate_a_text_file_word_model_counts_unknown_words(
+  word_run, tmp_path, capsys, name, eos
+):
   path = word_run[0]
-  text_file = tmp_path / "text.txt"
-  text_file.write_text(TEXT, encoding="utf-8")
+  text_file = tmp_path / name
+  if name.endswith(".jsonl"):
+    _write_records(text_file)
+  else:
+    text_file.write_text(TEXT, encoding="utf-8")
   out = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
   assert out["unit"] == "word" and "bpb" not in out
-  assert out["tokens"] == len(TEXT.split()) + 2  # an <eos> after each line
+  assert out["tokens"] == len(TEXT.split()) + eos
   assert out["unk_tokens"] >= 1  # 'zzqqxx' at least; the tiny vocabulary may lack others
   assert math.isfinite(out["ppl"])
 
@@ -98,6 +119,7 @@ def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, tmp_path
   [
     (["--split", "dev"], "--split 'dev' must be one of"),
     (["--text_file", "/no/such/file"], "--text_file /no/such/file: No such file"),
+    (["--text_file", "/no/such/file.jsonl"], "--text_file /no/such/file.jsonl: No such file"),
     (["--stride", "999"], "--stride = 999 must be in [0, seq_len = 32]"),
   ],
 )
@@ -163,3 +185,30 @@ def _events(logdir):
 def test_bad_profile_steps_fail_before_compiling(tmp_path):
   with pytest.raises(ValueError, match=r"profile_steps = \(5, 2\) must be \(start, stop\)"):
     train_lib.train_and_evaluate(tiny_config(profile_steps=(5, 2)), str(tmp_path / "run"))
+
+
+def test_a_stream_is_scored_with_the_whole_past(stream_run, tmp_path, capsys):
+  """A stream's default protocol: the text as one sequence (8 x the stream's max_len, 7 x its
+  seq_len), each token conditioned on everything before it: the mean NLL of one forward pass
+  over all of it, as ``score_stream`` gives it in chunks with the state carried; --stride scores
+  it in the trainer's windows instead."""
+  from aft_jax import decode
+  from aft_jax.tools import trained
+
+  path = stream_run[0]
+  text = (TEXT * 3)[:224]
+  text_file = tmp_path / "text.txt"
+  text_file.write_text(text, encoding="utf-8")
+  out = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
+  assert out["protocol"] == "whole_past" and "stride" not in out
+  assert out["tokens"] == len(text.encode()) == 224
+  run = trained.load_run(path)
+  ids = np.asarray(run.vocab.encode(text), np.int32)
+  inputs = np.concatenate([[run.bos_id], ids[:-1]]).astype(np.int32)
+  nll = np.asarray(run.model.apply({"params": run.params}, inputs[None], ids[None]), np.float64)
+  assert out["nll"] == pytest.approx(nll.mean(), rel=1e-5)
+  chunked = decode.score_stream(run.model, run.params, ids, run.bos_id, 10)  # 23 chunks
+  assert chunked["nll"] == pytest.approx(out["nll"], rel=1e-5) and chunked["tokens"] == 224
+  windows = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file), "--stride", "0")
+  assert windows["protocol"] == "disjoint_windows" and windows["tokens"] == 224
+  assert windows["nll"] != pytest.approx(out["nll"], rel=1e-7)  # a window sees less

@@ -6,13 +6,18 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from flax import serialization
 
+from tests.support.helpers import ROOT
+
 import aft_jax
+from aft_jax import decode
 from aft_jax.tools import export
 from aft_jax.tools import trained
 
@@ -197,3 +202,67 @@ def test_safetensors_export_loads_and_an_edited_one_is_refused_in_one_line(run_d
   save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
   with pytest.raises(ValueError, match="is a safetensors file but not an aft_jax export"):
     aft_jax.load_pretrained(str(tmp_path / "other.safetensors"))
+
+
+# Run first in the loader's process (its PYTHONPATH holds only ``sitecustomize.py``, below):
+# importing flax or aft_jax must fail there.
+_BLOCKER = """
+import importlib.abc
+import sys
+
+
+class _Blocked(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("flax", "aft_jax"):
+      raise ImportError(f"{name} is blocked in this process")
+
+
+sys.meta_path.insert(0, _Blocked())
+"""
+_CHECK = (
+  "import importlib\n"
+  "for name in ('flax', 'aft_jax'):\n"
+  "  try:\n"
+  "    importlib.import_module(name)\n"
+  "  except ImportError:\n"
+  "    continue\n"
+  "  raise SystemExit(name + ' was importable')\n"
+  "exec(open('loader.py').read())\n"
+)
+
+
+def _serving_snippet() -> str:
+  """The Python block of docs/training.md's "A serving artifact" section."""
+  docs = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()
+  section = docs.split("### A serving artifact", 1)[1]
+  return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_a_streams_stablehlo_artifact_generates_the_same_tokens_without_flax_or_aft_jax(
+  stream_run, run_dir, tmp_path, capsys
+):
+  """aft-export --format stablehlo (from the .npz name), loaded and run by the lines of
+  docs/training.md in a process where importing flax or aft_jax fails: the greedy tokens of
+  ``decode.generate``, for a prompt of two prefill chunks (max_len 16) and a step."""
+  out = tmp_path / "stream.npz"
+  export.main(["--workdir", stream_run[0], "--out", str(out)])
+  assert json.loads(capsys.readouterr().out.splitlines()[-1])["format"] == "stablehlo"
+  prompt = b"class Stream:\n  def step(self):\n"[:33]
+  snippet = _serving_snippet()
+  assert 'b"The "' in snippet and 'np.load("stream.npz")' in snippet
+  (tmp_path / "loader.py").write_text(snippet.replace('b"The "', repr(prompt)))
+  (tmp_path / "blocker").mkdir()
+  (tmp_path / "blocker" / "sitecustomize.py").write_text(_BLOCKER)
+  env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocker")}
+  proc = subprocess.run(
+    [sys.executable, "-c", _CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
+    timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  run = trained.load_run(stream_run[0])
+  ids = np.asarray([run.vocab.encode(prompt.decode())], np.int32)
+  want = decode.generate(run.model, run.params, ids, 200, rng=jax.random.key(0), temperature=0)
+  assert proc.stdout == run.vocab.decode(want[0]) + "\n"
+  # Only a stream has a step that goes on at any length: one line, before anything is loaded.
+  with pytest.raises(SystemExit, match="--format stablehlo exports a stream's decoding step"):
+    export.main(["--workdir", run_dir, "--out", str(tmp_path / "local.npz")])

@@ -1,20 +1,16 @@
 """Sampling (aft_jax.decode) and its command (aft_jax.tools.generate) on a tiny trained run."""
 
-import errno
 import json
 import os
-import signal
 import shutil
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.support.helpers import ROOT, with_default_sigint
+from tests.support.helpers import ROOT
 from aft_jax import decode
 from aft_jax.tools import generate, trained
 from aft_jax import data as data_lib
@@ -123,7 +119,9 @@ def test_generate_command_samples_a_copied_workdir_without_data(
   samples = out.split("--- sample ")[1:]
   assert len(samples) == 3 and all("def main():\n    " in s for s in samples)
   generate.main(["--workdir", copy, "--length", "300", "--stop_at_eos", "--temperature", "0"])
-  text = capsys.readouterr().out
+  text, err = capsys.readouterr()
+  # The model has learned positions: past its max_len (32) the context slides, and it says so.
+  assert "note: the text passes max_len = 32 tokens: from there each token" in err
   assert text.endswith("\n") and text.count("\n") <= 2  # the sample ends at its first newline
   assert not os.path.exists(str(tmp_path / "no-such-data"))
 
@@ -166,31 +164,90 @@ def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path
   assert not os.path.exists(missing)
 
 
-def test_ctrl_c_in_the_generate_command_is_one_line_and_exit_status_130(tmp_path):
-  """SIGINT while the command waits (here on reading a prompt from a FIFO no one writes: a
-  point it is known to be at, unlike the sampling loop): one line, exit 130, not the
-  traceback of wherever it landed (20-25 lines)."""
-  fifo = str(tmp_path / "prompt")
-  os.mkfifo(fifo)
-  cmd = [sys.executable, "-m", "aft_jax.tools.generate", "--workdir", str(tmp_path / "w")]
-  cmd = with_default_sigint([*cmd, "--prompt_file", fifo])
-  proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-  try:
-    # The write end opens once the command has opened the FIFO to read it; it then waits on
-    # reading it until the writer closes.
-    while True:
-      try:
-        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        break
-      except OSError as e:  # ENXIO: no reader yet
-        assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr.read()[-2000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    proc.kill()
-  os.close(writer)
-  lines = [line for line in err.splitlines() if line.strip()]
-  assert proc.returncode == 130 and lines == [
-    "generate: interrupted (Ctrl-C): stopped; nothing was written"
-  ], err[-2000:]
+# ---------------------------------------------------------------- streams
+
+
+@pytest.fixture(scope="module")
+def stream(stream_run):
+  return trained.load_run(stream_run[0])
+
+
+def _cli(capsys, *flags):
+  """generate.main(flags): (stdout, stderr)."""
+  generate.main(list(flags))
+  out = capsys.readouterr()
+  return out.out, out.err
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 7)])
+def test_a_saved_stream_continues_exactly_as_one_uninterrupted_run(
+  stream_run, stream, tmp_path, capsys, temperature, seed
+):
+  """--save_state then --state (no prompt): two samples as one batch, greedy and seeded
+  sampling, past max_len (16) and seq_len (32): the tokens of one uninterrupted run, the second
+  command printing only its new text (compared as ids decoded, whatever UTF-8 they split)."""
+  prompt = "def main():\n  "
+  ids = np.tile(np.asarray([stream.vocab.encode(prompt)], np.int32), (2, 1))
+  whole = decode.generate(
+    stream.model, stream.params, ids, 50, rng=jax.random.key(seed), temperature=temperature
+  )
+  state = str(tmp_path / "s.state")
+  sampling = ["--temperature", str(temperature), "--num_samples", "2"]
+  first, _ = _cli(capsys, "--workdir", stream_run[0], "--prompt", prompt, "--length", "30",
+                  "--seed", str(seed), "--save_state", state, *sampling)  # fmt: skip
+  second, err = _cli(capsys, "--workdir", stream_run[0], "--state", state, "--length", "20",
+                     *sampling)  # fmt: skip
+  text = lambda row: stream.vocab.decode(row)  # noqa: E731
+  assert first.split("--- sample ")[1:] == [
+    f"{i + 1} of 2\n{prompt}{text(whole[i, :30])}\n" for i in range(2)
+  ]
+  assert second.split("--- sample ")[1:] == [
+    f"{i + 1} of 2\n{text(whole[i, 30:])}\n" for i in range(2)
+  ]
+  assert "max_len" not in err  # a stream has no length limit to note
+
+
+def test_a_stream_state_from_another_model_or_damaged_is_refused_in_one_line(
+  stream_run, stream, run_dir, tmp_path, capsys
+):
+  from aft_jax import stream_file
+
+  prompt_BP = np.asarray([stream.vocab.encode("x = 1")], np.int32)
+  _, after = decode.generate(
+    stream.model, stream.params, prompt_BP, 3, rng=jax.random.key(0), return_stream=True
+  )
+  assert after.position == prompt_BP.shape[1] + 3
+  good, other = str(tmp_path / "good.state"), str(tmp_path / "other.state")
+  fingerprint = stream_file.fingerprint(stream.model.cfg, stream.params)
+  stream_file.save(good, after, fingerprint)
+  stream_file.save(other, after, "0" * 64)  # as another model would have written it
+  loaded = stream_file.load(good, stream.model, fingerprint)
+  assert loaded.position == after.position
+  data = bytearray(open(good, "rb").read())
+  data[-3] ^= 0x40  # a byte of the last tensor
+  (tmp_path / "damaged.state").write_bytes(bytes(data))
+  (tmp_path / "cut.state").write_bytes(bytes(data[: len(data) // 2]))
+  cases = [
+    (other, "is the state of another model"),
+    (str(tmp_path / "damaged.state"), "is damaged: its contents do not match their SHA-256"),
+    (str(tmp_path / "cut.state"), "is damaged or not a stream state"),
+    (str(tmp_path / "missing.state"), "cannot read it"),
+  ]
+  for path, message in cases:
+    with pytest.raises(ValueError, match=message) as e:
+      stream_file.load(path, stream.model, fingerprint)
+    assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="num_samples = 2: the state holds 1"):
+    decode.sample_texts(
+      stream.model, stream.params, stream.vocab, "", 2, num_samples=2, stream=loaded
+    )
+  # The command: one line, exit status 1; a model with a position embedding keeps no state.
+  with pytest.raises(SystemExit, match="generate: --state .*other.state is the state of another"):
+    generate.main(["--workdir", stream_run[0], "--state", other, "--length", "2"])
+  with pytest.raises(SystemExit, match="is no stream: only model.position_embedding 'none'"):
+    generate.main(["--workdir", run_dir, "--save_state", good, "--length", "2"])
+  # A prompt given with --state is fed first: the output starts with it.
+  out, _ = _cli(
+    capsys, "--workdir", stream_run[0], "--state", good, "--prompt", "yz", "--length", "4"
+  )
+  assert out.startswith("yz") and len(out) >= len("yz") + 1

@@ -62,10 +62,10 @@ def test_mismatches_name_the_array_and_the_json_item():
   state = {"params": {"w": jnp.ones((2, 3))}, "step": jnp.asarray(3)}
   items = {"data": {"next": 4}, "config": {"seed": 0}}
   saved = checksum.record(state, items)
-  assert checksum.mismatches(saved, state, items) == []
+  assert checksum.array_mismatches(saved, state) == checksum.json_mismatches(saved, items) == []
   damaged = {"params": {"w": jnp.ones((2, 3)).at[1, 2].set(1.0000001)}, "step": state["step"]}
-  assert checksum.mismatches(saved, damaged, items) == ["['params']['w']"]
-  assert checksum.mismatches(saved, state, {**items, "data": {"next": 5}}) == ["data"]
-  assert checksum.mismatches(saved, state, {"data": items["data"]}) == ["config"]  # lost
+  assert checksum.array_mismatches(saved, damaged) == ["['params']['w']"]
+  assert checksum.json_mismatches(saved, {**items, "data": {"next": 5}}) == ["data"]
+  assert checksum.json_mismatches(saved, {"data": items["data"]}) == ["config"]  # lost
   reshaped = {"params": {"w": jnp.ones((3, 2))}, "step": state["step"]}
-  assert checksum.mismatches(saved, reshaped, items) == ["['params']['w']"]
+  assert checksum.array_mismatches(saved, reshaped) == ["['params']['w']"]

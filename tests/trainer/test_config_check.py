@@ -7,7 +7,7 @@ import ml_collections
 import pytest
 import importlib.util
 
-from aft_jax.trainer import checkpointing
+from aft_jax.trainer import checkpointing, run_config
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.model import MIXINGS
 from tests.support.helpers import ROOT
@@ -119,11 +119,19 @@ def test_unknown_keys_and_wrong_types_fail():
   d = _quick().to_dict()  # (a ConfigDict itself refuses a str for an int field)
   d["learning_rte"] = 0.1
   d["model"]["num_layers"] = "two"
+  d["model"]["nosuch"] = 1
   config = ml_collections.ConfigDict(d)
   with pytest.raises(ValueError) as err:
     RunConfig.from_tree(config)
-  assert "unknown config key 'learning_rte'" in str(err.value)
+  # The whole key, and the known keys closest to it (none is close to 'nosuch').
+  assert "unknown config key 'learning_rte'; did you mean 'learning_rate'?" in str(err.value)
+  assert "unknown config key 'model.nosuch';" in str(err.value)
   assert "config.model.num_layers = 'two' should be a int" in str(err.value)
+  # A misplaced key: the place it belongs.
+  assert run_config.unknown_keys(["model.learning_rate", "model", "data.packed"]) == [
+    "unknown config key 'model.learning_rate'; did you mean 'learning_rate'?",
+    "unknown config key 'data.packed'; did you mean 'data.packing'?",
+  ]
 
 
 def test_resume_conflicts_ignore_only_harmless_keys():
@@ -139,22 +147,28 @@ def test_resume_conflicts_ignore_only_harmless_keys():
   assert any(c.startswith("seed: 0") for c in conflicts)
 
 
-def test_a_key_added_since_the_workdir_was_written_compares_as_its_default():
-  """A workdir written before a key existed (say mesh.sequence) ran with what is now its
-  default: resuming it at the default is no conflict, at another value it is."""
-  from aft_jax.trainer import default_config
+def test_a_key_added_since_the_workdir_was_written_compares_as_its_old_value(tmp_path):
+  """A workdir written before a key existed ran with the value its version used
+  (run_config.as_written), not today's default: resuming it at the old value is no conflict,
+  at the default the refusal names the flag that resumes it as written."""
+  from aft_jax.trainer.run_config import as_written
 
-  defaults = default_config.get_config().to_dict()
   saved = _quick().to_dict()
-  del saved["seed"]
-  assert checkpointing.resume_conflicts(saved, _quick().to_dict(), defaults) == []
-  changed = _quick()
-  changed.seed = 2
-  assert checkpointing.resume_conflicts(saved, changed.to_dict(), defaults) == [
-    "seed: 0 in the workdir, 2 now"
-  ]
+  del saved["model"]["init"], saved["mesh"]["sequence"]  # written before bdcc2f1 and 2bacbb7
+  as_then = _quick()
+  as_then.model.init = "glorot"
+  check = checkpointing.check_resume_config
+  check(saved, as_then.to_dict(), tmp_path, False, as_written)
+  with pytest.raises(ValueError) as refused:
+    check(saved, _quick().to_dict(), tmp_path, False, as_written)
+  assert str(refused.value).startswith(
+    f"workdir {tmp_path} holds a run with a different config (model.init: 'glorot' in the "
+    "workdir, 'gpt2' now; compared with the checkpoint); it was written before model.init "
+    "existed, by a version that ran as --config.model.init=glorot: pass that to resume the run "
+    "as it was written; use another --workdir"
+  )
   assert checkpointing.resume_conflicts(saved, _quick().to_dict()) == [
-    "seed: None in the workdir, 0 now"
+    "model.init: None in the workdir, 'gpt2' now"
   ]
 
 

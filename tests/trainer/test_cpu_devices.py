@@ -10,7 +10,7 @@ import pytest
 from aft_jax.trainer import cpu_devices
 from aft_jax.trainer.run_config import RunConfig
 from tests.support import prefork
-from tests.support.helpers import ROOT, tiny_config
+from tests.support.helpers import ROOT, tiny_config, train_py
 
 
 def _cfg(**overrides) -> RunConfig:
@@ -41,10 +41,12 @@ def test_a_mesh_the_user_laid_out_keeps_one_device(mesh):
   assert cpu_devices.count_for(_cfg(batch_size=16, **mesh), 2) == 1
 
 
-def test_a_count_set_by_xla_flags_or_jax_is_the_users():
-  assert cpu_devices.set_by_user({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+def test_a_count_set_by_xla_flags_or_jax_is_the_users(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  assert cpu_devices.set_by_user()
   # This session sets neither (tests/conftest.py: XLA_FLAGS without a count).
-  assert not cpu_devices.set_by_user({"XLA_FLAGS": "--xla_backend_optimization_level=0"})
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  assert not cpu_devices.set_by_user()
 
 
 def _devices_after_apply(env_flags: str, num_cores: int) -> str:
@@ -52,7 +54,8 @@ def _devices_after_apply(env_flags: str, num_cores: int) -> str:
     "from aft_jax.trainer import cpu_devices\n"
     "from aft_jax.trainer.run_config import RunConfig\n"
     "from tests.support.helpers import tiny_config\n"
-    f"n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)), {num_cores})\n"
+    f"cpu_devices.cores = lambda: {num_cores}\n"
+    "n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)))\n"
     "import jax\n"
     "print(n, jax.device_count())\n"
   )
@@ -68,3 +71,37 @@ def test_apply_sets_jaxs_count_before_its_backends_start_unless_set():
   # (tiny_config's eval batch, 512, splits over 4 as 12 does: 4 devices of 4 cores.)
   assert _devices_after_apply("", 4) == ["4", "4"]
   assert _devices_after_apply("--xla_force_host_platform_device_count=3", 4) == ["None", "3"]
+
+
+@pytest.mark.parametrize(
+  "flag, env, message",
+  [
+    # jax refuses a word when imported: before the trainer is.
+    (None, "abc", 'Invalid value "abc" for JAX flag jax_num_cpu_devices (set by the environm'),
+    # 0 failed as jax's CPU backend started, blaming a plugin; -5 gave one device unsaid.
+    ("--jax_num_cpu_devices=0", None, "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft-tr"),
+    ("--jax_num_cpu_devices=-5", None, "jax_num_cpu_devices = -5 (JAX_NUM_CPU_DEVICES, aft-t"),
+  ],
+)
+def test_a_device_count_that_is_no_number_of_devices_is_one_line(tmp_path, flag, env, message):
+  cmd = train_py(tmp_path / "run", *([flag] if flag else []))
+  environ = dict(os.environ, **({"JAX_NUM_CPU_DEVICES": env} if env else {}))
+  out = prefork.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert message in lines[0], lines[0]
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(tmp_path):
+  # (jax's count set as JAX_NUM_CPU_DEVICES=0 sets it, in a fork that has not started jax.)
+  code = (
+    "import jax\n"
+    "jax.config.update('jax_num_cpu_devices', 0)\n"
+    "from aft_jax.tools import evaluate\n"
+    f"evaluate.main(['--workdir', {str(tmp_path)!r}])\n"
+  )
+  out = prefork.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert lines[0].startswith("evaluate: jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES"), lines[0]

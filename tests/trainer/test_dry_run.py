@@ -206,7 +206,7 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
   "flags, env, message",
   [
     (("--num_devices", "1000000"), {}, "--num_devices 1,000,000: a dry run for cpu compiles"),
-    (("--config.learning_rte=1",), {}, "a --config override: learning_rte; Did you mean"),
+    (("--config.learning_rte=1",), {}, "override: unknown config key 'learning_rte'; did you"),
     (("--target", "t4"), {dry_run.MEM_FRACTION: "5"}, "XLA_PYTHON_CLIENT_MEM_FRACTION = '5'"),
     (("--target", "t4"), {"AFT_JAX_PLUGIN_DIR": "HALF"}, "incomplete (jax-cuda12-plugin is not"),
     # XLA's compiler answered a batch of 1e9 with ~50 lines of INTERNAL.

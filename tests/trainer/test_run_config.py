@@ -127,15 +127,15 @@ def test_the_vocabulary_size_comes_once_the_data_is_known():
   assert changed.model.remat and changed.model.vocab_size == 256
 
 
-def test_paths_are_absolute_and_a_saved_config_takes_new_keys_defaults(tmp_path, monkeypatch):
+def test_paths_are_absolute_and_a_saved_config_takes_new_keys_old_values(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   cfg = RunConfig.from_tree(tiny_config(**{"data.data_dir": "data"}))
   assert cfg.data.data_dir == cfg.tree["data"]["data_dir"] == str(tmp_path / "data")
   saved = cfg.tree
-  del saved["wandb"], saved["model"]["remat"]  # written before those keys existed
+  del saved["wandb"], saved["model"]["init"]  # written before those keys existed
   again = RunConfig.from_saved(saved)
-  assert again.wandb == SLICES["wandb"]() and again.model.remat is False
-  with pytest.raises(ValueError, match="missing config key 'model.remat'"):
+  assert again.wandb == SLICES["wandb"]() and again.model.init == "glorot"  # as it ran then
+  with pytest.raises(ValueError, match="missing config key 'model.init'"):
     RunConfig.from_tree(saved)
 
 

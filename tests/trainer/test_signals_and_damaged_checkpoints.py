@@ -28,10 +28,9 @@ from tests.support.helpers import (
   tiny_config,
   train_py,
   trained_run_config,
-  with_default_sigint,
 )
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, train_lib, workdir_lock
+from aft_jax.trainer import checkpointing, checksum, train_lib, workdir_lock
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
@@ -234,6 +233,7 @@ class _Poisoned:
 
   def __init__(self, it, at, until):
     self.it, self.at, self.until, self.n = it, at, until, 0
+    self.packing = it.packing
 
   def __iter__(self):
     return self
@@ -300,18 +300,23 @@ import resource, signal, sys
 from tests.support.helpers import tiny_config
 from aft_jax.trainer import checkpointing, train_lib
 orig, calls = checkpointing.save, []
-def save(*args):
-  orig(*args)
+def save(mngr, *args):
+  orig(mngr, *args)
   calls.append(1)
-  if len(calls) == 1:  # the disk fills up after the first checkpoint: no file grows past
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # 16 KB (the event file's ~6 KB still can,
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # a checkpoint's ~80 KB not)
+  if len(calls) == 1:  # the disk fills up once the first checkpoint is written: no file grows
+    checkpointing.finish_saving(mngr)  # past 16 KB (the event file's ~6 KB still can, a
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # checkpoint's ~80 KB not)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
 checkpointing.save = save
-train_lib.train_and_evaluate(tiny_config(num_train_steps=6, checkpoint_every_steps=2), sys.argv[1])
+config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1)
+train_lib.train_and_evaluate(config, sys.argv[1])
 """
 
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
+  """The save at step 4 fails in the background; the wait before the next save raises, naming
+  step 4 and step 2 as what is left (one checkpoint kept: step 2 was due to go once step 4 was
+  written, so it is still there)."""
   workdir = str(tmp_path / "run")
   out = prefork.run(
     [sys.executable, "-c", DISK_FULL, workdir],
@@ -329,9 +334,9 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
   assert _steps(workdir) == [2]
   results = train_lib.train_and_evaluate(
-    tiny_config(num_train_steps=6, checkpoint_every_steps=2), workdir
+    tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1), workdir
   )
-  assert results["steps"] == 6 and _steps(workdir)[-1] == 6
+  assert results["steps"] == 6 and _steps(workdir) == [6]
 
 
 def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
@@ -459,6 +464,108 @@ def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verifi
   assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
 
 
+def _lose_checksums(step_dir):
+  shutil.rmtree(os.path.join(step_dir, "checksums"))
+
+
+def _change_data_position(step_dir):
+  """One number of the data position changed, still valid JSON (a setting a run compares)."""
+  path = os.path.join(step_dir, "data", "metadata")
+  saved = json.load(open(path))
+  saved["global_batch_size"] += 1
+  with open(path, "w") as f:
+    json.dump(saved, f)
+
+
+def _as_written_before_checksums(step_dir):
+  """The step as an aft_jax without checksums (or corpus records) wrote it: neither folder,
+  and Orbax's step metadata lists neither item."""
+  for name in ("checksums", "corpus"):
+    shutil.rmtree(os.path.join(step_dir, name))
+  path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  metadata = json.load(open(path))
+  for name in ("checksums", "corpus"):
+    del metadata["item_handlers"][name]
+  with open(path, "w") as f:
+    json.dump(metadata, f)
+
+
+LOST = "DamagedCheckpointError: its checksums (the folder checksums/) are missing, and its"
+UNVERIFIED = "written before checkpoints carried checksums, so it is loaded unverified"
+VERIFIED_OR_REFUSED = {
+  # name: (what is done to step 4, the step loaded, the tools' note, the trainer's line on it)
+  "checksums/ lost": (
+    _lose_checksums,
+    2,
+    f"note: skipped the damaged checkpoint at step 4 ({LOST}",
+    f"Skipped the damaged checkpoint at step 4 ({LOST}",
+  ),
+  "data position changed": (
+    _change_data_position,
+    2,
+    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do "
+    "not match the checksums saved with them (data)); using step 2",
+    "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
+    "match the checksums saved with them (data); resuming from step 2)",
+  ),
+  "written before checksums": (
+    _as_written_before_checksums,
+    4,
+    f"note: the checkpoint at step 4 was {UNVERIFIED}",
+    None,
+  ),
+}
+
+
+@pytest.mark.parametrize("case", VERIFIED_OR_REFUSED)
+def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
+  case, two_checkpoints, tmp_path, capsys, monkeypatch
+):
+  """Lost checksums are damage, unless Orbax's metadata shows the step was written before
+  checkpoints carried them (then it loads with a note that it is unverified); a changed data
+  position is damage, never a setting to resume with, even with --allow_config_change and a
+  longer run. The tools (export, like generate and evaluate) and a resume agree."""
+  damage, step, note, skipped = VERIFIED_OR_REFUSED[case]
+  workdir = _copy(two_checkpoints, tmp_path)
+  damage(os.path.join(workdir, "checkpoints", "4"))
+  capsys.readouterr()
+  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["step"] == step
+  (line,) = err.strip().splitlines()
+  assert line.startswith(note), line
+
+  # The resume, stopped as soon as its state is restored (the training loop is not the point).
+  monkeypatch.setattr(train_lib, "train_loop", lambda run, state, *rest: (state, True))
+  config = tiny_config(**dict(TWO_CHECKPOINTS, num_train_steps=6))
+  done = train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  out = capsys.readouterr().out
+  assert done == {"interrupted": True, "step": step}, out
+  resumed = f"Resuming from the checkpoint at step {step} in {workdir}"
+  assert resumed + ("\n" if skipped else f" ({UNVERIFIED})\n") in out, out
+  moved = os.path.join(workdir, "damaged_checkpoints")
+  if skipped:
+    assert skipped in out and os.listdir(moved) == ["4"], out
+  else:
+    assert not os.path.exists(moved)
+
+
+def test_lost_checksums_are_damage_where_the_metadata_cannot_say_otherwise(
+  two_checkpoints, tmp_path
+):
+  """Lost checksums and unreadable Orbax metadata (zeroed): nothing shows the step was written
+  before checksums existed, so it is damaged, never loaded unverified."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  step_dir = os.path.join(workdir, "checkpoints", "4")
+  _lose_checksums(step_dir)
+  metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  with open(metadata, "r+b") as f:
+    f.write(bytes(os.path.getsize(metadata)))
+  mngr = checkpointing.checkpoint_manager(workdir, checkpointing.CheckpointConfig())
+  with pytest.raises(checkpointing.DamagedCheckpointError, match=r"checksums \(the folder"):
+    checkpointing.read_items(mngr, 4)
+
+
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
   """As a user runs them: a damaged latest checkpoint is one note, and the export is of step 2;
   a step folder whose Orbax metadata is garbage (zeroed, as a lost write leaves it) but whose
@@ -539,13 +646,16 @@ def _held_lock(workdir):
 
 def _other_corpus(workdir):
   """The checkpoint's corpus record says the train split had one token more (as when Python's
-  own docs, the pydoc corpus, change with its version)."""
-  path = os.path.join(workdir, "checkpoints", "4", "corpus", "metadata")
-  with open(path) as f:
-    saved = json.load(f)
+  own docs, the pydoc corpus, change with its version), its checksum with it: the checkpoint
+  is intact, written on another corpus."""
+  step_dir = os.path.join(workdir, "checkpoints", "4")
+  saved = json.load(open(os.path.join(step_dir, "corpus", "metadata")))
   saved["tokens"]["train"] += 1
-  with open(path, "w") as f:
-    json.dump(saved, f)
+  sums = json.load(open(os.path.join(step_dir, "checksums", "metadata")))
+  sums["json"]["corpus"] = checksum.of_json(saved)
+  for name, obj in (("corpus", saved), ("checksums", sums)):
+    with open(os.path.join(step_dir, name, "metadata"), "w") as f:
+      json.dump(obj, f)
 
 
 REFUSALS = {
@@ -727,7 +837,7 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   assert out == {"interrupted": True, "step": 2}, out
   assert f"signal {int(signal.SIGTERM)}) during the final evaluation of the test split" in said
   wd = Workdir(workdir)
-  assert wd.read_results() is None and not os.path.exists(wd.lock_file)
+  assert not os.path.exists(wd.results_file) and not os.path.exists(wd.lock_file)
   kept = wd.read_final_eval()
   assert kept["step"] == 2 and set(kept["splits"]) == {"validation"}
 
@@ -735,7 +845,8 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   results = train_lib.train_and_evaluate(config, workdir)
   assert scored == ["test"]  # the validation split was not scored again
   assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
-  assert wd.read_results()["test_tokens"] == results["test_tokens"] > 0
+  with open(wd.results_file) as f:
+    assert json.load(f)["test_tokens"] == results["test_tokens"] > 0
 
 
 def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_path, capsys):
@@ -761,20 +872,3 @@ def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_pa
   lines = done.stderr.splitlines()
   assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
   assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
-
-
-def test_ctrl_c_during_setup_is_one_line(tmp_path):
-  """SIGINT while the run sets up (after the warmup note, while it builds and compiles the
-  trainer, before the training loop's handler): one line, exit status 1."""
-  workdir = tmp_path / "run"
-  cmd = train_py(workdir, "--config.num_train_steps=2")  # warmup 100 > 2: a note in setup
-  cmd = with_default_sigint(cmd)  # as from a terminal, even where this suite ignores SIGINT
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  line = proc.stdout.readline()
-  assert line.startswith("note: warmup_steps"), line
-  proc.send_signal(signal.SIGINT)
-  out, err = proc.communicate(timeout=300)
-  lines = [x for x in err.splitlines() if x.strip()]
-  assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
-  assert "interrupted (Ctrl-C): stopped without saving" in lines[0]
-  assert not Workdir(str(workdir)).checkpoint_steps()

@@ -1,17 +1,21 @@
 """End-to-end training: train.py in a subprocess, exact resume, evaluation, generation."""
 
+import functools
 import json
 import math
 import os
 import signal
 import sys
+import threading
 
+import jax
 import numpy as np
 import pytest
 
 from tests.support import prefork
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
 
@@ -34,14 +38,85 @@ def _interrupt_after(monkeypatch, n):
   monkeypatch.setattr(train_lib.Trainer, "train_step", step)
 
 
-def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
-  config = tiny_config(num_train_steps=6)
+class _Drawn:
+  """A train iterator that calls ``on_draw(n)`` before it hands out its n-th batch."""
+
+  def __init__(self, it, on_draw):
+    self.it, self.on_draw, self.n = it, on_draw, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.n += 1
+    self.on_draw(self.n)
+    return next(self.it)
+
+  def __getattr__(self, name):  # get_state, set_state, check_state, packing
+    return getattr(self.it, name)
+
+
+def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
+  """The save at step 2 (the first) is held unfinished (Orbax's post-finalization callback, in
+  its background thread, waits before the step's folder is renamed into place) until the run
+  draws batch ``until_batch``. Returns (the batches from 3 on, drawn after the save returned,
+  that were drawn while its folder was not in place; whether the callback was released rather
+  than timed out): lists filled as the run goes."""
+  import orbax.checkpoint as ocp
+
+  release, released, during = threading.Event(), [], []
+
+  def hold():
+    if not released:
+      released.append(release.wait(timeout=600))  # (only a failing test waits that long)
+
+  def on_draw(n):
+    if n >= 3 and not os.path.isdir(workdir / "checkpoints" / "2"):
+      during.append(n)
+    if n == until_batch:
+      release.set()
+
+  options = functools.partial(
+    ocp.CheckpointManagerOptions, async_options=ocp.AsyncOptions(post_finalization_callback=hold)
+  )
+  monkeypatch.setattr(ocp, "CheckpointManagerOptions", options)
+  batches = train_lib.data_lib.train_iterator
+  monkeypatch.setattr(
+    train_lib.data_lib, "train_iterator", lambda *a, **kw: _Drawn(batches(*a, **kw), on_draw)
+  )
+  return during, released
+
+
+def test_steps_run_while_a_save_is_written_and_resume_is_exact(tmp_path, monkeypatch):
+  """Checkpoints are written in the background: while the save at step 2 is held unfinished,
+  step 3 trains (on the state the save copied, its buffers donated to the step) and step 4's
+  batch is drawn. That checkpoint then verifies against the checksums taken before the save
+  returned (read back as the tools read it). A run stopped by SIGTERM after step 3 says it
+  saved step 3 once that checkpoint is on disk, and resumes to the same losses and results as
+  the run straight through."""
+  config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=3)
+  during, released = _hold_the_save_at_2(monkeypatch, tmp_path / "a", until_batch=4)
   straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
+  assert during == [3, 4] and released == [True]
+  monkeypatch.undo()
+  from aft_jax.tools import trained
+
+  assert trained.load_run(str(tmp_path / "a"), step=2).step == 2  # verified, else an error
 
   resumed_dir = str(tmp_path / "b")
   _interrupt_after(monkeypatch, 3)
+  said = []  # what the run printed, and whether checkpoint 3 was on disk when it did
+  on_disk = lambda: os.path.isdir(os.path.join(resumed_dir, "checkpoints", "3"))  # noqa: E731
+  monkeypatch.setattr(
+    train_lib, "print", lambda *a, **kw: said.append((" ".join(a), on_disk())), False
+  )
   first = train_lib.train_and_evaluate(config, resumed_dir)
   assert first == {"interrupted": True, "step": 3}
+  assert (
+    "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command "
+    "again to resume.",
+    True,
+  ) in said
   monkeypatch.undo()
   resumed = train_lib.train_and_evaluate(config, resumed_dir)
 
@@ -83,7 +158,6 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   assert "Sample:\nThe " in out.stdout
   # train.py made the CPU one device per core (as many as split the batches) and trained on all.
   from aft_jax.trainer import cpu_devices
-  from aft_jax.trainer.run_config import RunConfig
   from configs import quickstart
 
   n = cpu_devices.count_for(RunConfig.from_tree(quickstart.get_config()), cpu_devices.cores())
@@ -146,8 +220,9 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
   "flag,message",
   [
     ("--config.seed=-1", "config.seed = -1"),
-    # A mistyped key: ml_collections' error (raised while absl parses the flags), one line.
-    ("--config.learning_rte=1", 'learning_rte; Did you mean "learning_rate"'),
+    # A mistyped key (ml_collections raises while absl parses the flags): the whole key and
+    # the closest ones.
+    ("--config.model.d_modle=1", "unknown config key 'model.d_modle'; did you mean 'model.d_mo"),
     ("--num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),  # absl's
     # W&B's settings: refused before the model is built, not a traceback after, not ignored.
     ("--config.wandb.project=a/b", "config.wandb.project: Invalid project name 'a/b'"),
@@ -161,6 +236,17 @@ def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, me
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run")  # nothing written before the config is checked
+
+
+def test_a_config_file_that_is_not_there_is_one_line(tmp_path):
+  """Not ml_collections' traceback at the first use of the config (with an override, while
+  the flags are parsed)."""
+  cmd = train_py(tmp_path / "run", "--config.seed=1", config="configs/nosuch.py:x")
+  out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert "error: no config file 'configs/nosuch.py' (from " in lines[0], lines[0]
+  assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.parametrize("workdir, message", [("", "is required"), (" ", "= ' ' is blank")])
@@ -204,6 +290,26 @@ def test_a_warmup_longer_than_the_run_is_said_not_silently_cut():
   assert "warms up over 9" in note
   assert warmup_note(OptimizerConfig(warmup_steps=3), 10) is None
   assert "run's 5 updates" in warmup_note(OptimizerConfig(warmup_steps=5, grad_accum_steps=2), 10)
+
+
+def test_a_vocab_size_that_bytes_and_words_do_not_use_is_said():
+  """Only a subword vocabulary is made to a size; a byte or word run that sets one is told (a
+  note, so that a workdir which recorded such a value still resumes as it ran)."""
+  from aft_jax.data.config import DataConfig, vocab_size_note
+
+  cfg = RunConfig.from_tree(tiny_config(**{"data.vocab_size": 1000, "warmup_steps": 50}))
+  said = []
+  train_lib.make_trainer(cfg, 256, jax.devices()[:1], say=said.append)
+  assert said[0].startswith("note: warmup_steps = 50")  # both notes, where a run says them
+  assert said[1] == (
+    "note: config.data.vocab_size = 1000 is not used: tokenizer = 'byte' has its 256 byte "
+    "values (vocab_size is the size of a 'subword' vocabulary)"
+  )
+  assert "'word' has the words of the train split" in vocab_size_note(
+    DataConfig(tokenizer="word", vocab_size=5)
+  )
+  assert vocab_size_note(DataConfig(tokenizer="byte")) is None
+  assert vocab_size_note(DataConfig(dataset="text", tokenizer="subword", vocab_size=400)) is None
 
 
 def test_packed_run_trains_resumes_exactly_after_sigterm_and_evaluates(docs, tmp_path, monkeypatch):

@@ -1,0 +1,128 @@
+"""One aft-jax run of ``benchmarks.peer_nanogpt``, in a process of its own: trains one mixing
+at nanoGPT's recipe with the trainer's jitted train step on random windows of the train ids,
+scores the validation windows, and writes its record.
+
+    python -m benchmarks.peer_nanogpt_worker SPEC.json RECORD.json
+
+``SPEC.json`` (written by ``peer_nanogpt``): ``mixing``, ``recipe`` (nanoGPT's flag names),
+``overrides`` (dotted aft-jax config keys), ``vocab_size``, ``train`` (a ``.npy`` of uint16 ids),
+``windows`` (a ``.npz`` of ``inputs`` and ``targets`` ``[N, block]``), ``seed``, ``timed``
+(the steps whose times count) and ``cpu_devices`` (jax's CPU devices, set before its backends
+start). ``RECORD.json``: the validation loss (nats per target), the median ms per step (the
+time from one step to the next, the batch and the loss's transfer to the host included, as
+nanoGPT's ``--log_interval=1`` times it), the last training loss, the wall time and the
+devices it ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from aft_jax import files
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.default_config import get_config, override
+from aft_jax.trainer.run_config import RunConfig
+from benchmarks import common
+from benchmarks.peer_nanogpt import median_ms
+
+
+def aft_config(mixing: str, recipe: dict, overrides: dict):
+  """aft-jax's config tree for ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
+  config = get_config()
+  config.data.dataset, config.data.tokenizer = "pydoc", "byte"  # unused: the batches are given
+  block = recipe["block_size"]
+  override(config, {
+    "model.mixing": mixing,
+    "model.num_layers": recipe["n_layer"],
+    "model.num_heads": recipe["n_head"],
+    "model.d_model": recipe["n_embd"],
+    "model.mlp_dim": 4 * recipe["n_embd"],
+    "model.max_len": block,
+    "model.window": block // 2,  # AFT-local: s = 32 at block 64 (the AFT paper's window)
+    "model.kernel_size": block // 2,  # AFT-conv1d: the same causal offsets as AFT-local
+    "model.dropout_rate": recipe["dropout"],
+    "seq_len": block,
+    "batch_size": recipe["batch_size"],
+    "num_train_steps": recipe["max_iters"],
+    "learning_rate": recipe["learning_rate"],
+    "warmup_steps": recipe["warmup_iters"],
+    "b2": recipe["beta2"],
+    "weight_decay": recipe["weight_decay"],
+    "grad_clip_norm": recipe["grad_clip"],
+    # nanoGPT's model and optimizer choices (GPT-2's), where aft-jax has an option: each
+    # measured on its own in docs/training.md ("The softmax baseline").
+    "model.init": "gpt2",
+    "model.use_bias": False,  # nanoGPT's recipe: bias=False
+    "model.gelu_approximate": False,  # torch's nn.GELU(): exact
+    "weight_decay_on": "matrices",  # nanoGPT decays parameters of rank >= 2 only
+  })  # fmt: skip
+  return override(config, overrides)
+
+
+def score(trainer, params, inputs, targets, batch: int = 64) -> float:
+  """Mean NLL over every target of the windows."""
+  total, count = 0.0, 0
+  for i in range(0, len(inputs), batch):
+    b = {"inputs": inputs[i : i + batch], "targets": targets[i : i + batch]}
+    b["weights"] = np.ones(b["targets"].shape, np.float32)
+    if len(b["inputs"]) < batch:  # pad to one compiled shape; padding rows weigh nothing
+      pad = batch - len(b["inputs"])
+      b = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in b.items()}
+    s, c = trainer._eval_step(params, b)  # pylint: disable=protected-access
+    total, count = total + float(s), count + float(c)
+  return total / count
+
+
+def run(spec: dict) -> dict:
+  """Trains ``spec['mixing']`` and scores it; the record."""
+  mixing, recipe, seed = spec["mixing"], spec["recipe"], spec["seed"]
+  train = np.load(spec["train"])
+  windows = np.load(spec["windows"])
+  cfg = RunConfig.from_tree(aft_config(mixing, recipe, spec["overrides"]))
+  trainer = train_lib.make_trainer(cfg, spec["vocab_size"], say=lambda line: None)
+  state = trainer.init_state(seed)
+  rng, dropout_rng = np.random.default_rng(seed), jax.random.key(seed + 1)
+  block, batch = recipe["block_size"], recipe["batch_size"]
+  ms, losses = {}, []
+  start = time.perf_counter()
+  t0 = start
+  for step in range(recipe["max_iters"]):
+    ix = rng.integers(0, len(train) - block, batch)
+    x = np.stack([train[i : i + block] for i in ix]).astype(np.int32)
+    y = np.stack([train[i + 1 : i + 1 + block] for i in ix]).astype(np.int32)
+    state, metrics = trainer.train_step(state, {"inputs": x, "targets": y}, dropout_rng)
+    losses.append(float(metrics["loss"]))  # to the host every step, as nanoGPT's loss.item()
+    t1 = time.perf_counter()
+    ms[step], t0 = 1e3 * (t1 - t0), t1
+  wall = time.perf_counter() - start
+  return {
+    "model": f"aft-jax {mixing}",
+    "mixing": mixing,
+    "valid_loss": score(trainer, state.params, windows["inputs"], windows["targets"]),
+    "valid_tokens": int(windows["targets"].size),
+    "ms_per_step": median_ms(ms, tuple(spec["timed"])),
+    "final_train_loss": losses[-1],
+    "steps": recipe["max_iters"],
+    "wall_s": wall,
+    "machine": common.machine_info(),
+  }
+
+
+def main(argv=None) -> dict:
+  spec_path, out_path = argv or sys.argv[1:]
+  with open(spec_path, encoding="utf-8") as f:
+    spec = json.load(f)
+  if spec["cpu_devices"] != 1:  # before anything starts jax's backends (the count is fixed then)
+    jax.config.update("jax_num_cpu_devices", spec["cpu_devices"])
+  record = run(spec)
+  files.atomic_write_json(out_path, record)
+  return record
+
+
+if __name__ == "__main__":
+  main()

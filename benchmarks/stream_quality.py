@@ -1,0 +1,164 @@
+"""What a position embedding is worth, and what a stream gives past its training length, CPU.
+
+Trains the quickstart recipe (``configs/quickstart.py``: 2 layers, d 128, T = 64 bytes of pydoc,
+1000 steps) with AFT-simple and AFT-conv1d, each with ``model.position_embedding = 'learned'``
+and ``'none'``, and, for reference, softmax attention and AFT-local (the recipe's own) with
+``'learned'``, through the real trainer. For each: the validation perplexity of results.json
+(disjoint windows of 64), and the validation split cut into texts of N = 1x, 4x and 16x the
+training length, each scored from its start with everything before each token in that text (one
+parallel forward pass per text, which for a stream is the whole past: the tests check it against
+its decoding steps), and the perplexity of each text's last 64 tokens (positions the model never
+trained at). A model with learned positions has no row past its max_len (64): only 1x. For the
+streams also the whole split scored as one text (``aft-evaluate``'s protocol, whole past).
+
+    python -m benchmarks.stream_quality --out benchmarks/results     # ~6 quickstart runs
+    python -m benchmarks.stream_quality --quick --out /tmp/sq        # seconds
+
+Writes ``stream_quality.json`` (machine, settings, every record) and ``stream_quality.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from aft_jax import data as data_lib
+from aft_jax.tools import evaluate, trained
+from aft_jax.trainer import recipes, train_lib
+from aft_jax.trainer.default_config import override
+from benchmarks import common, quality
+
+# (mixing, position embedding): the streams beside the same layers with learned positions, then
+# the references.
+ROWS = (
+  ("aft_simple", "learned"),
+  ("aft_simple", "none"),
+  ("aft_conv1d", "learned"),
+  ("aft_conv1d", "none"),
+  ("softmax", "learned"),
+  ("aft_local", "learned"),
+)
+MULTIPLES = (1, 4, 16)  # text lengths, in training lengths
+QUICK = quality.settings(quick=True)  # a tiny model, 4 steps
+
+
+def quickstart():
+  spec = importlib.util.spec_from_file_location("quickstart", recipes.resolve("quickstart"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def make_config(mixing: str, positions: str, quick: bool):
+  config = quickstart()
+  config.model.mixing = mixing
+  config.model.position_embedding = positions
+  config.sample.length = 0
+  override(config, QUICK if quick else {})
+  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
+  return config
+
+
+def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.ndarray:
+  """NLL ``[texts, length]`` of ``tokens`` cut into texts of ``length``, each scored from its
+  start (the corpus's ``bos_id`` before its first token), in one forward pass per text."""
+  n = len(tokens) // length
+  texts = np.asarray(tokens[: n * length], np.int32).reshape(n, length)
+  inputs = np.concatenate([np.full((n, 1), run.bos_id, np.int32), texts[:, :-1]], axis=1)
+  apply = jax.jit(lambda p, x, y: run.model.apply({"params": p}, x, y))
+  out = [np.asarray(apply(run.params, inputs[i : i + batch], texts[i : i + batch])) for i in
+         range(0, n, batch)]  # fmt: skip
+  return np.concatenate(out).astype(np.float64)
+
+
+def run_one(mixing: str, positions: str, quick: bool, workdir: str) -> dict:
+  config = make_config(mixing, positions, quick)
+  start = time.perf_counter()
+  results = train_lib.train_and_evaluate(config, workdir)
+  wall = time.perf_counter() - start
+  run = trained.load_run(workdir)
+  seq_len = run.config.train.seq_len
+  valid = data_lib.load_corpus(run.config.data).splits["validation"]
+  rec = {
+    "mixing": mixing,
+    "position_embedding": positions,
+    "valid_ppl": results["valid_ppl"],
+    "num_params": results["num_params"],
+    "wall_s": wall,
+    "texts": {},
+  }
+  multiples = MULTIPLES if run.model.cfg.streams else (1,)
+  for k in multiples:
+    nll = _nll_of_texts(run, valid, k * seq_len)
+    rec["texts"][str(k)] = {
+      "length": k * seq_len,
+      "texts": nll.shape[0],
+      "ppl": math.exp(nll.mean()),
+      "last_ppl": math.exp(nll[:, -seq_len:].mean()),  # its last seq_len tokens
+    }
+  if run.model.cfg.streams:
+    whole = evaluate.evaluate_run(run, split="validation")
+    rec["whole_split"] = {"ppl": whole["ppl"], "tokens": whole["tokens"]}
+  return rec
+
+
+def to_markdown(result: dict) -> str:
+  seq_len = result["seq_len"]
+  lengths = [f"{k * seq_len}" for k in MULTIPLES]
+  lines = [
+    f"**Validation perplexity on pydoc bytes** (the quickstart recipe{' shrunk' * result['quick']}"
+    f": {result['layers']} layers, d {result['d_model']}, trained at T = {seq_len}; texts of N "
+    "tokens each scored from its start with all of its past)",
+    "",
+    "| mixing | positions | valid ppl (results.json) | "
+    + " | ".join(f"texts of {n}" for n in lengths)
+    + f" | last {seq_len} of {lengths[-1]} | whole split, one text | parameters | train wall |",
+    "|---|---|---:|" + "---:|" * len(lengths) + "---:|---:|---:|---:|",
+  ]
+  fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+  for r in result["records"]:
+    texts = [r["texts"].get(str(k), {}).get("ppl") for k in MULTIPLES]
+    last = r["texts"].get(str(MULTIPLES[-1]), {}).get("last_ppl")
+    whole = r.get("whole_split", {}).get("ppl")
+    lines.append(
+      f"| {r['mixing']} | {r['position_embedding']} | {r['valid_ppl']:.3f} | "
+      + " | ".join(fmt(t) for t in texts)
+      + f" | {fmt(last)} | {fmt(whole)} | {r['num_params']:,} | {common.fmt_time(r['wall_s'])} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--quick", action="store_true", help="a tiny model and 4 steps (seconds)")
+  a = p.parse_args(argv)
+  start = time.perf_counter()
+  info = common.machine_info()
+  records = []
+  result = {"machine": info, "quick": a.quick, "records": records}
+  config = make_config("aft_local", "learned", a.quick)
+  result.update(
+    seq_len=config.seq_len, layers=config.model.num_layers, d_model=config.model.d_model
+  )
+  with tempfile.TemporaryDirectory() as tmp:
+    for mixing, positions in ROWS:
+      print(f"--- {mixing}, position embedding {positions}", flush=True)
+      records.append(
+        run_one(mixing, positions, a.quick, os.path.join(tmp, f"{mixing}_{positions}"))
+      )
+      common.write_outputs(a.out, "stream_quality", result, to_markdown(result))
+  info["wall_s"] = time.perf_counter() - start
+  common.write_outputs(a.out, "stream_quality", result, to_markdown(result), partial=False)
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,170 @@
+"""Ctrl-C in every command (aft_jax/ctrl_c.py): one line on stderr, exit status 130, nothing
+half-written left, never a crash, a traceback or a Ctrl-C that is lost.
+
+Each command is stopped at a known point, not after a guessed time: the command's process (a
+console script's entry point, run by ``COMMAND``) replaces one function by a stand-in that
+prints ``blocked`` on stdout and then waits for a Ctrl-C, and the test sends SIGINT once it has
+read that line.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import prefork
+from tests.support.helpers import ROOT, config_flags, listing, trained_run_config
+
+# python -c COMMAND MODE TARGET SCRIPT ENTRY ARGS...: the console script SCRIPT (its entry point
+# ENTRY, "module:function" as in pyproject.toml) with ARGS and Ctrl-C at Python's default (as
+# from a terminal, whatever this process inherited), stopped by MODE at TARGET ("module.name"):
+# "read" lets the coroutine TARGET (Orbax's read of one array) finish, then blocks inside
+# it, as a Ctrl-C during a checkpoint's read finds it, other reads in flight; "call" blocks
+# before calling TARGET (each only once: later calls go on); "gc" calls TARGET, then has a
+# garbage-collector callback send the process SIGINT (where Python prints a KeyboardInterrupt
+# as "Exception ignored" and drops it).
+COMMAND = r"""
+import gc, importlib, signal, sys, time
+import orbax.checkpoint  # before one of its modules on its own (an import cycle otherwise)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+mode, target, script, entry, *args = sys.argv[1:]
+owner, _, name = target.rpartition(".")
+owner = importlib.import_module(owner)
+real = getattr(owner, name)
+
+blocked = []
+
+def block():
+  if not blocked:  # once: the calls that run meanwhile (other arrays' reads) go on
+    blocked.append(True)
+    print("blocked", flush=True)
+    while True:  # (not signal.pause(): another thread may be the one the kernel signals)
+      time.sleep(0.01)
+
+async def read(*a, **k):
+  out = await real(*a, **k)
+  block()
+  return out
+
+def call(*a, **k):
+  block()
+  return real(*a, **k)
+
+def gc_(*a, **k):
+  out, sent = real(*a, **k), []
+  def callback(phase, info):
+    if not sent:
+      sent.append(True)
+      signal.raise_signal(signal.SIGINT)
+  gc.callbacks.append(callback)
+  gc.collect()
+  return out
+
+setattr(owner, name, {"read": read, "call": call, "gc": gc_}[mode])
+module, _, function = entry.partition(":")
+sys.argv = [script, *args]
+getattr(importlib.import_module(module), function)()
+"""
+
+READ = "orbax.checkpoint._src.serialization.serialization._read_shard"
+NOTHING_WRITTEN = "interrupted (Ctrl-C): stopped; nothing was written"
+
+
+def _interrupt(mode, target, entry, args, while_blocked=lambda: None):
+  """(exit status, stdout lines, stderr lines) of the console script ``entry`` ("script=module:
+  function") with ``args``, stopped by one SIGINT where ``mode`` at ``target`` says
+  (``COMMAND``); ``while_blocked()`` runs just before the SIGINT."""
+  script, _, entry = entry.partition("=")
+  cmd = [sys.executable, "-c", COMMAND, mode, target, script, entry, *map(str, args)]
+  proc = prefork.popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  before = []
+  try:
+    if mode != "gc":  # the command sends its own
+      for line in proc.stdout:
+        if line == "blocked\n":
+          break
+        before.append(line.rstrip("\n"))
+      while_blocked()
+      proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  return proc.returncode, before + out.splitlines(), err.splitlines()
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path):
+  """A copy of the session's trained run (a Ctrl-C must leave it as it was)."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained_run[0], workdir, symlinks=True)
+  return workdir
+
+
+@pytest.mark.parametrize("tool", ["generate", "evaluate", "export"])
+def test_ctrl_c_while_a_tool_reads_the_checkpoint_is_one_line_and_exit_status_130(
+  tool, run_copy, tmp_path
+):
+  """Inside Orbax's read, which wraps what interrupts it in an Exception of its own: not a
+  damaged checkpoint (exit status 1, "cannot be read"), and none of the tracebacks of the
+  reading threads after the line. Three times: the reads still in flight differ each time."""
+  before = listing(run_copy)
+  args = {
+    "generate": ["--length", 2],
+    "evaluate": ["--text_file", os.path.join(ROOT, "README.md")],
+    "export": ["--out", tmp_path / "model.msgpack"],
+  }[tool]
+  for _ in range(3):
+    got = _interrupt(
+      "read", READ, f"aft-{tool}=aft_jax.tools.{tool}:main", ["--workdir", run_copy, *args]
+    )
+    assert got == (130, [], [f"{tool}: {NOTHING_WRITTEN}"]), got
+  assert listing(run_copy) == before and os.listdir(tmp_path) == ["run"]
+
+
+def test_ctrl_c_while_train_py_resumes_is_one_line_and_exit_status_130(run_copy):
+  """Not a damaged checkpoint either: not moved to damaged_checkpoints/ (the run does not go on
+  from an older one), nor a run that cannot resume."""
+  before = listing(run_copy)
+  args = ["--config", "quickstart", "--workdir", run_copy, *config_flags(trained_run_config())]
+  status, _, err = _interrupt("read", READ, "aft-train=aft_jax.trainer.train:run", args)
+  assert status == 130 and err == [
+    "aft-train: interrupted (Ctrl-C): stopped without saving; the workdir's last checkpoint, "
+    "if any, is intact and the same command resumes from it"
+  ], (status, err[-20:])
+  assert listing(run_copy) == before
+
+
+def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tmp_path):
+  """Inside the atomic write of a split: its temporary file removed, nothing marked prepared."""
+  data = tmp_path / "data"
+  args = ["--dataset", "text", "--tokenizer", "byte", "--train_files", docs / "*.py"]
+  files = lambda: [f for _, _, names in os.walk(data) for f in names]  # noqa: E731
+  written = []  # the files there at the SIGINT
+  status, _, err = _interrupt(
+    "call",
+    "numpy.lib.format.write_array_header_1_0",
+    "aft-prepare=aft_jax.data.prepare:cli",
+    [*args, "--data_dir", data, "--quiet"],
+    lambda: written.extend(files()),
+  )
+  assert status == 130 and err == [
+    "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
+    "it again"
+  ], (status, err[-20:])
+  assert [f for f in written if ".tmp-" in f]  # it was stopped inside the write
+  assert not [f for f in files() if ".tmp-" in f or f == "COMPLETE"], files()
+
+
+def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
+  """Raised at the first call after the callback (jax has one, where a Ctrl-C often lands): the
+  command stops, where Python alone would drop it and sample to the end (exit status 0)."""
+  got = _interrupt(
+    "gc",
+    "aft_jax.tools.trained.load_run",
+    "aft-generate=aft_jax.tools.generate:main",
+    ["--workdir", run_copy, "--length", 2],
+  )
+  assert got == (130, [], [f"generate: {NOTHING_WRITTEN}"]), got

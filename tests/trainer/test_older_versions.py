@@ -1,0 +1,141 @@
+"""Files written by older versions read as they were written: a saved config (config.json, a
+checkpoint's, an export's) takes, for each key added since, the value its version ran with
+(``ADDED`` of each typed config), never today's default. The fixtures are real files of older
+trees; tests/fixtures/README.md says how each was made."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import aft_jax
+from aft_jax.data import pydoc_corpus, record
+from aft_jax.tools import evaluate, export
+from aft_jax.trainer import checkpointing, default_config, train_lib
+from aft_jax.trainer.run_config import SLICES, RunConfig, as_written, default_tree
+from aft_jax.typed_config import flatten
+from aft_jax.workdir import Workdir
+from tests.support.helpers import ROOT, tiny_config
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+BEFORE_INIT = os.path.join(FIXTURES, "before_model_init")  # the tree before commit bdcc2f1
+
+
+def _read(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+# Every key some component lists as added since the first release: {dotted key: (component,
+# name)}.
+ADDED = {
+  (c.WHERE + "." if c.WHERE else "") + name: (c, name) for c in SLICES.values() for name in c.ADDED
+}
+
+
+@pytest.fixture
+def old_workdir(tmp_path):
+  """A copy of the workdir the tree before bdcc2f1 trained (no model.init in its config)."""
+  path = str(tmp_path / "workdir")
+  shutil.copytree(os.path.join(BEFORE_INIT, "workdir"), path)
+  return path
+
+
+def test_a_workdir_from_before_model_init_evaluates_and_exports_as_it_was_written(
+  old_workdir, tmp_path, capsys
+):
+  old = _read(os.path.join(BEFORE_INIT, "old_evaluate.json"))  # the old tree's aft-evaluate
+  evaluate.main(["--workdir", old_workdir, "--text_file", os.path.join(BEFORE_INIT, "text.txt")])
+  got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert got["tokens"] == old["tokens"] and got["step"] == old["step"] == 10
+  assert got["nll"] == pytest.approx(old["nll"], rel=1e-6)  # 'gpt2' would read it as 17.7
+
+  out = str(tmp_path / "model.msgpack")
+  export.main(["--workdir", old_workdir, "--out", out])
+  assert json.loads(export._read(out)["meta"])["model"]["init"] == "glorot"  # the real value
+  # The old tree's own export (no init in its model config) loads as that model too.
+  new_model, new_params, _ = aft_jax.load_pretrained(out)
+  old_model, old_params, _ = aft_jax.load_pretrained(os.path.join(BEFORE_INIT, "model.msgpack"))
+  assert old_model.cfg == new_model.cfg and new_model.cfg.init == "glorot"
+  for a, b in zip(flatten(old_params).values(), flatten(new_params).values(), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_workdir_from_before_model_init_resumes_only_as_it_was_written(old_workdir):
+  corpus = _read(os.path.join(old_workdir, "corpus.json"))
+  if record.of_corpus(pydoc_corpus("byte"))["tokens"] != corpus["tokens"]:
+    pytest.skip("this Python's pydoc text is not the one the fixture was trained on")
+  # The old run's settings, today's defaults for the keys it lacks: its command line rerun now.
+  saved = flatten(_read(os.path.join(old_workdir, "config.json")))
+  tree = _with(default_tree(), {**saved, "log_every_steps": 1, "sample.length": 0})
+  with pytest.raises(ValueError) as refused:
+    train_lib.train_and_evaluate(tree, old_workdir)
+  assert "model.init: 'glorot' in the workdir, 'gpt2' now" in str(refused.value)
+  assert "--config.model.init=glorot" in str(refused.value)
+
+  # Resumed as written (two more steps), it continues at its loss, not at 'gpt2''s.
+  longer = _with(tree, {"model.init": "glorot", "num_train_steps": 12})
+  with contextlib.redirect_stdout(io.StringIO()):
+    results = train_lib.train_and_evaluate(longer, old_workdir, allow_config_change=True)
+  loss = {r["step"]: r["loss"] for r in Workdir(old_workdir).read_metrics() if "loss" in r}
+  assert sorted(loss) == [5, 10, 11, 12]
+  assert abs(loss[11] - loss[10]) < 1 and abs(loss[12] - loss[10]) < 1  # 5.39; 'gpt2': ~15
+  before = _read(os.path.join(BEFORE_INIT, "workdir", "results.json"))
+  assert abs(results["valid_loss"] - before["valid_loss"]) < 0.1
+
+
+def _with(tree: dict, values: dict) -> dict:
+  """A copy of ``tree`` with dotted keys set (``{"model.init": "glorot"}``)."""
+  return default_config.override(json.loads(json.dumps(tree)), values)
+
+
+def _without(tree: dict, key: str) -> dict:
+  """A copy of ``tree`` without the dotted ``key``: a config written before it existed."""
+  out = json.loads(json.dumps(tree))
+  *parents, leaf = key.split(".")
+  node = out
+  for name in parents:
+    node = node[name]
+  del node[leaf]
+  return out
+
+
+def test_the_table_lists_every_key_added_since_the_first_release():
+  """The first release's config.json lacks exactly the keys of the table, and reads as a run."""
+  first = _read(os.path.join(FIXTURES, "first_release_config.json"))
+  assert set(ADDED) == set(flatten(default_tree())) - set(flatten(first))
+  cfg = RunConfig.from_saved(first)
+  assert (cfg.model.init, cfg.model.impl, cfg.step_log.max_consecutive_skips) == (
+    "glorot",
+    "xla",
+    0,
+  )
+  assert cfg.eval.final_eval_stride == cfg.eval.eval_stride
+
+
+@pytest.mark.parametrize("key", sorted(ADDED))
+def test_a_saved_config_without_a_key_runs_with_its_old_value(key):
+  """Each key of the table: a saved config that lacks it is the run with the old value set, in
+  every component built from it (the model, the optimizer, the data...); a resume at that value
+  is no conflict."""
+  component, name = ADDED[key]
+  saved = RunConfig.from_tree(tiny_config(eval_stride=8)).tree  # a workdir's config.json
+  without = _without(saved, key)
+  old = component.ADDED[name][1]
+  if callable(old):  # final_eval_stride: eval_stride's value
+    old = old(without[component.WHERE] if component.WHERE else without)
+  explicit = _with(saved, {key: old})
+  got, want = RunConfig.from_saved(without), RunConfig.from_tree(explicit)
+  assert {s: getattr(got, s) for s in SLICES} == {s: getattr(want, s) for s in SLICES}
+  assert got.tree == want.tree
+  assert checkpointing.resume_conflicts(as_written(without), want.tree) == []
+
+
+def test_a_saved_config_without_a_first_release_key_is_refused_as_damaged():
+  saved = _without(RunConfig.from_tree(tiny_config()).tree, "model.remat")
+  with pytest.raises(ValueError, match="missing config key 'model.remat'"):
+    RunConfig.from_saved(saved)
