@@ -160,8 +160,9 @@ class Trainer:
         apply_fn=self.model.apply, params=params, tx=self.tx, skipped=jnp.zeros((), jnp.int32)
       )
 
+    key = jax.eval_shape(lambda: jax.random.key(0))  # (abstract: the mesh may have no device)
     with _on_mesh(mesh, self.rules):
-      abstract = jax.eval_shape(init, jax.random.key(0))
+      abstract = jax.eval_shape(init, key)
     # (outside the mesh: unboxing the abstract tree there would constrain its shape structs)
     self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
     self._init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=self.state_shardings)
