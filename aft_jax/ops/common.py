@@ -59,19 +59,33 @@ def capability_of_kind(device_kind: str, device=None) -> tuple[int, int] | None:
   return next((cc for name, cc in CAPABILITIES if name.lower() in device_kind.lower()), None)
 
 
+def _context_mesh_device():
+  """The first device of the concrete mesh in context (``jax.set_mesh``, or a ``with mesh:``
+  block, which jax keeps in a private module), or None."""
+  for get in (getattr(jax.sharding, "get_mesh", None), _with_mesh):
+    try:
+      mesh = get() if get is not None else None
+    except (ImportError, AttributeError, ValueError):
+      mesh = None
+    if mesh is not None and not mesh.empty and hasattr(mesh, "devices"):
+      return mesh.devices.flat[0]
+  return None
+
+
+def _with_mesh():
+  from jax._src import mesh as mesh_lib
+
+  return mesh_lib.thread_resources.env.physical_mesh
+
+
 def device_facts(device=None) -> DeviceFacts:
   """``device``'s facts; by default, of the device the traced computation is for."""
   mesh = jax.sharding.get_abstract_mesh()
-  if device is None and getattr(mesh, "abstract_device", None) is not None and not mesh.empty:
-    device = mesh.abstract_device
+  abstract = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  if device is None and hasattr(abstract, "platform"):  # (jax 0.10.0's has no platform)
+    device = abstract
   if device is None:
-    try:  # a ``with mesh:`` block's devices (jax keeps them in a private module)
-      from jax._src import mesh as mesh_lib
-
-      physical = mesh_lib.thread_resources.env.physical_mesh
-      device = None if physical.empty else physical.devices.flat[0]
-    except (ImportError, AttributeError):
-      pass
+    device = _context_mesh_device()
   device = jax.devices()[0] if device is None else device
   platform = {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
   cc = capability_of_kind(device.device_kind, device) if platform == "gpu" else None

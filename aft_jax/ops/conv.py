@@ -67,7 +67,10 @@ def aft_conv1d(
     initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
       state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
-  Returns ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C). Example::
+  Returns:
+    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
+
+  Example::
 
     y = aft_conv1d(q, k, v, kernel, causal=True)  # q, v [B, T, H, C], k [B, T, H], kernel [H, s]
   """
@@ -109,8 +112,14 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
   c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i] / (the same without v), w^i =
   kernel[i, a, b] at (r', c') = (r + a - kh // 2, c + b - kw // 2), 0 at every other position.
 
-  Args: q, v ``[..., Ht, Wd, H, C]``; k ``[..., Ht, Wd, H]``; kernel ``[H, kh, kw]``, odd sizes;
-  impl as ``aft_conv1d``. Returns ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C). Example::
+  Args:
+    q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
+    impl: as ``aft_conv1d``.
+
+  Returns:
+    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
+
+  Example::
 
     y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
   """

@@ -25,7 +25,10 @@ def aft_full(
       with ``aft_full_step``).
     segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
 
-  Returns ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory. Example::
+  Returns:
+    ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
+
+  Example::
 
     y = aft_full(q, k, v, w, causal=True)  # q, k, v [B, T, D], w [T, T]
   """

@@ -75,7 +75,10 @@ def aft_local(
       position's index into w (per document from 0; outside w: NaN).
     axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
-  Returns ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array. Example::
+  Returns:
+    ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
+
+  Example::
 
     y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
   """
