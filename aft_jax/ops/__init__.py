@@ -6,34 +6,31 @@ exp(k[t', d] + w[t, t']), the variants differing in the bias w and in which t' a
 (``causal=True``: t' <= t). Every sum is an exact log-sum-exp (finite and accurate in float32
 for finite logits of any size); a causal op never lets a later position, not even a NaN or an
 infinity, reach an earlier output or its gradient. float32 inputs multiply at HIGHEST precision;
-bfloat16 inputs take bfloat16 factors, float32 accumulation, and give bfloat16 outputs
-(docs/kernels.md). Bad input is a one-line ValueError naming the argument, before anything is
-traced; an empty input gives the empty output; an eager call is one program per shape and device.
+bfloat16 inputs take bfloat16 factors, float32 accumulation, and give bfloat16 outputs. Bad
+input is a one-line ValueError naming the argument, before anything is traced; an empty input
+gives the empty output; an eager call is one program per shape and device.
 
-Layout, by op (flash-linear-attention's ``fla/ops/<op>/``): each module owns an op's maths and
-all its modes: a whole sequence; a piece with a state in and out (``initial_state``,
-``output_final_state``, AFT-local's ``offset``); packed documents (``segment_ids``,
-``positions``); T sharded over a mesh axis inside ``jax.shard_map`` (``axis_name``); and the
-one-token decoding step with its init state.
+Layout, by op (flash-linear-attention's ``fla/ops/<op>/``; docs/kernels.md): each module owns an
+op's maths and all its modes: a whole sequence; a piece with a state in and out
+(``initial_state``, ``output_final_state``, AFT-local's ``offset``); packed documents
+(``segment_ids``, ``positions``); T sharded over a mesh axis inside ``jax.shard_map``
+(``axis_name``); and the one-token decoding step with its init state.
 
     simple.py      aft_simple (Eq. 5, w = 0): causal sums in chunks
     local.py       aft_local (Eq. 4): the banded sums, which AFT-full shares
     full.py        aft_full (Eq. 2): AFT-local's sums with a band of every key
     conv.py        aft_conv1d, aft_conv2d (Eq. 6): a kernel per head, exact prefix scans
-    logsumexp.py   the (max, num, den) triple and its combine, and what the modes build from it:
-                   the states (Acc, WindowState) as keys in front of a piece, the state before
-                   a device's shard, sums within packed documents
-    common.py      the arguments checked; the implementation chosen (``resolve``) for the device
-                   the program is lowered for; the kernel or XLA called; the eager program
-    pallas/        the kernels: triton_simple, triton_local (GPU), mosaic_simple (TPU)
+    logsumexp.py   the (max, num, den) triple, its combine, and the states built from it
+    common.py      the checks; the implementation chosen (``resolve``) for the device the
+                   program is lowered for; the kernel or XLA called; the eager program
+    pallas/        the kernels: triton_simple, triton_local (GPU; shared: triton), mosaic_simple
 
-Implementations (``impl``): "xla" (the jax.numpy code); "pallas" (the op's kernel compiled:
-causal AFT-simple and AFT-local on GPUs of compute capability 8.0 and up; causal AFT-simple on
-TPUs, channels a multiple of 128); "pallas_interpret" (the GPU kernel in Pallas' interpreter on
-any backend, for tests); "auto" (a kernel where one exists for the op, the device the program is
-lowered for and the channels, inside ``jax.lax.platform_dependent`` so that one exported module
-holds both; XLA otherwise, and on TPUs, where the kernel is opt-in). The choice changes results
-only by float rounding; a kernel asked for that cannot run is a ValueError.
+``impl``: "xla" (the jax.numpy code); "pallas" (the op's compiled kernel: causal AFT-simple and
+AFT-local on GPUs of compute capability 8.0 and up, causal AFT-simple on TPUs); "pallas_interpret"
+(the GPU kernel in Pallas' interpreter, for tests); "auto" (the kernel where one takes the op,
+the device and the channels, inside ``jax.lax.platform_dependent``; XLA otherwise and on TPUs,
+where the kernel is opt-in). The choice changes results only by float rounding; a kernel asked
+for that cannot run is a ValueError.
 """
 
 from aft_jax.ops.common import IMPLS, KERNEL_CALLS, DeviceFacts, check_window, device_facts

@@ -1,12 +1,10 @@
 """What every op shares besides its maths: its arguments checked, its implementation chosen
 (``resolve``) for the device the program is lowered for, its kernel or XLA code called, and an
 eager call run as one program. The device (``device_facts``) is not the host's but the abstract
-mesh's in context (``jax.set_mesh``: a device kind, whose compute capability ``CAPABILITIES``
-gives), else a ``with mesh:`` block's (real, or a deviceless topology's), else the default
-backend's. XLA refuses Triton below compute capability 8.0: a T4, V100 or P100 takes XLA.
+mesh's in context (``jax.set_mesh``, real or a deviceless topology: a device kind, whose compute
+capability ``CAPABILITIES`` gives), else the default backend's. XLA refuses Triton below compute
+capability 8.0: a T4, V100 or P100 takes XLA.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -59,34 +57,10 @@ def capability_of_kind(device_kind: str, device=None) -> tuple[int, int] | None:
   return next((cc for name, cc in CAPABILITIES if name.lower() in device_kind.lower()), None)
 
 
-def _context_mesh_device():
-  """The first device of the concrete mesh in context (``jax.set_mesh``, or a ``with mesh:``
-  block, which jax keeps in a private module), or None."""
-  for get in (getattr(jax.sharding, "get_mesh", None), _with_mesh):
-    try:
-      mesh = get() if get is not None else None
-    except (ImportError, AttributeError, ValueError):
-      mesh = None
-    if mesh is not None and not mesh.empty and hasattr(mesh, "devices"):
-      return mesh.devices.flat[0]
-  return None
-
-
-def _with_mesh():
-  from jax._src import mesh as mesh_lib
-
-  return mesh_lib.thread_resources.env.physical_mesh
-
-
 def device_facts(device=None) -> DeviceFacts:
   """``device``'s facts; by default, of the device the traced computation is for."""
   mesh = jax.sharding.get_abstract_mesh()
-  abstract = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  if device is None and hasattr(abstract, "platform"):  # (jax 0.10.0's has no platform)
-    device = abstract
-  if device is None:
-    device = _context_mesh_device()
-  device = jax.devices()[0] if device is None else device
+  device = device or (None if mesh.empty else mesh.abstract_device) or jax.devices()[0]
   platform = {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
   cc = capability_of_kind(device.device_kind, device) if platform == "gpu" else None
   return DeviceFacts(platform, device.device_kind, cc)
@@ -115,8 +89,8 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
 
 
 class Kernel(NamedTuple):
-  """An op's kernel: its ``platform``; ``mean(k, v, w, window, interpret)``, the mean ``[B, T, D]``
-  float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or None; ``auto``:
+  """An op's kernel: its ``platform``; ``mean(k, v[, w, window], interpret=)``, the mean ``[B, T,
+  D]`` float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or None; ``auto``:
   whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is opt-in)."""
 
   platform: str
@@ -160,33 +134,20 @@ def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, 
     return None if why else kernel
   why = "there is no Pallas kernel for this op" if kernel is None else None
   why = why or _problem(kernel, causal, channels, window, device if here else None)
+  if not why and not here:
+    why = (
+      f"this op's kernel compiles for {tuple(k.platform for k in kernels)}, not for the "
+      f"{device.platform!r} platform ({device}); 'pallas_interpret' runs the GPU kernel in "
+      "Pallas' interpreter"
+    )
+  if not why and forward:
+    why = (
+      "it has no forward-mode derivative (jax.jvp, jax.jacfwd, jax.hessian): its Pallas kernel "
+      "defines only reverse mode (a custom_vjp)"
+    )
   if why:
     raise ValueError(f"{fn}: impl={impl!r} is not available: {why}; use impl='xla'")
-  if not here:
-    raise ValueError(
-      f"{fn}: impl='pallas' compiles this op's kernel for {tuple(k.platform for k in kernels)}, "
-      f"not for the {device.platform!r} platform ({device}); use impl='xla', or "
-      "'pallas_interpret' to run the GPU kernel in Pallas' interpreter"
-    )
-  if forward:
-    raise ValueError(
-      f"{fn}: impl={impl!r} has no forward-mode derivative (jax.jvp, jax.jacfwd, jax.hessian): "
-      "its Pallas kernel defines only reverse mode (a custom_vjp); use impl='xla'"
-    )
   return kernel
-
-
-def forward_mode(*xs) -> bool:
-  """Whether any of ``xs`` carries a ``jax.jvp`` tracer (a kernel's custom VJP cannot serve it)."""
-
-  def jvp(x):
-    while isinstance(x, jax.core.Tracer):
-      if isinstance(x, ad.JVPTracer):
-        return True
-      x = getattr(x, "primal", getattr(x, "val", None))
-    return False
-
-  return any(jvp(x) for x in xs)
 
 
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
@@ -197,16 +158,25 @@ def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
-  forward = forward_mode(k, v, w)
+
+  def jvp(x):  # whether x carries a jax.jvp tracer (a kernel's custom VJP cannot serve it)
+    while isinstance(x, jax.core.Tracer):
+      if isinstance(x, ad.JVPTracer):
+        return True
+      x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+  forward = any(jvp(x) for x in (k, v, w))
   kernel = resolve(
     fn, impl, kernels, causal=causal, channels=q.shape[-1], window=window, forward=forward
   )
   w = None if w is None else jnp.asarray(w, dt)
   by_xla = lambda k, v, w: xla(k.astype(dt), v.astype(dt), w, out_dt == jnp.bfloat16)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-  pallas = lambda k, v, w: kernel.mean(
-    flat(k), flat(v), w, window, impl == "pallas_interpret"
-  ).reshape(k.shape)
+  bias = lambda w: () if w is None else (w, window)
+  interpret = impl == "pallas_interpret"
+  mean = lambda k, v, w: kernel.mean(flat(k), flat(v), *bias(w), interpret=interpret)
+  pallas = lambda k, v, w: mean(k, v, w).reshape(k.shape)
   if kernel is None:
     a = by_xla(k, v, w)
   elif impl != "auto":
@@ -244,20 +214,24 @@ def array(fn, name, x):
     raise ValueError(f"{fn}: {name} must be an array; got {type(x).__name__} ({why})") from None
 
 
-def check_float(fn, **arrays):
-  """ValueError unless every array is real floating point (not computed in float32, cast back)."""
+def check_arrays(fn, lead=None, **arrays):
+  """ValueError unless each of ``arrays`` is real floating point (not computed in float32 and
+  cast back) or, given ``lead``, None or an int array of shape ``lead`` ``[..., T]``."""
   for name, x in arrays.items():
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      raise ValueError(
-        f"{fn}: {name} must be a real floating-point array; got {name} "
-        f"{jnp.result_type(x).name} {jnp.shape(x)}"
-      )
+    if x is None and lead is not None:
+      continue
+    dt, shape = jnp.result_type(x), jnp.shape(x)
+    if lead is None and not jnp.issubdtype(dt, jnp.floating):
+      raise ValueError(f"{fn}: {name} must be a real floating-point array; got {name} {dt} {shape}")
+    if lead is not None and (not jnp.issubdtype(dt, jnp.integer) or shape != tuple(lead)):
+      what = f"an int array [..., T] = {tuple(lead)}"
+      raise ValueError(f"{fn}: {name} must be {what}; got {name} {dt} {shape}")
 
 
 def check_qkv(fn, q, k, v):
   """q, k, v ``[..., T, D]`` of one shape, real floating point; as arrays."""
   q, k, v = (array(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-  check_float(fn, q=q, k=k, v=v)
+  check_arrays(fn, q=q, k=k, v=v)
   if q.ndim < 2:
     raise ValueError(f"{fn}: q must be [..., T, D], got shape {q.shape}")
   if k.shape != q.shape or v.shape != q.shape:
@@ -293,36 +267,19 @@ def check_mode(fn, causal, impl, **given) -> str:
       f"{fn}: {', '.join(used)} need causal=True (a non-causal output depends on every "
       "position: there is no state of the past to carry)"
     )
-  piece = {"initial_state", "output_final_state", "offset"} & set(used)
-  if "axis_name" in used:
-    if piece - {"offset"} or "segment_ids" in used:
-      raise ValueError(
-        f"{fn}: axis_name (T sharded over devices) does not take initial_state, "
-        "output_final_state or segment_ids: the devices' shards are one whole sequence"
-      )
-    if "positions" in used or piece:
-      raise ValueError(f"{fn}: axis_name does not take positions or an offset")
-    return "sharded"
-  if "segment_ids" in used or "positions" in used:
-    if piece:
-      raise ValueError(
-        f"{fn}: segment_ids/positions (packed rows) do not take initial_state, "
-        "output_final_state or offset: a packed row is whole documents"
-      )
-    return "packed"
-  return "piece" if piece else "whole"
-
-
-def check_segments(fn, lead, **ids):
-  """ValueError unless each of ``ids`` is None or an int array of shape ``lead`` ``[..., T]``."""
-  for name, x in ids.items():
-    if x is not None and (
-      not jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.shape(x) != tuple(lead)
-    ):
-      raise ValueError(
-        f"{fn}: {name} must be an int array [..., T] = {tuple(lead)}; got {name} "
-        f"{jnp.result_type(x).name} {jnp.shape(x)}"
-      )
+  piece = [n for n in ("initial_state", "output_final_state", "offset") if n in used]
+  rows = [n for n in ("segment_ids", "positions") if n in used]
+  if "axis_name" in used and piece + rows:
+    raise ValueError(
+      f"{fn}: axis_name (T sharded over devices) does not take {', '.join(piece + rows)}: the "
+      "devices' shards are one whole sequence"
+    )
+  if rows and piece:
+    raise ValueError(
+      f"{fn}: segment_ids/positions (packed rows) do not take initial_state, "
+      "output_final_state or offset: a packed row is whole documents"
+    )
+  return "sharded" if "axis_name" in used else "packed" if rows else "piece" if piece else "whole"
 
 
 def check_state(fn, initial_state, init):

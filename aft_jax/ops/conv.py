@@ -6,8 +6,6 @@ shifted past the kernel; plain autodiff gives linear scans backward. Causal 1-D 
 ``DENSE_MAX_T`` positions is one masked [T, T] sum per head. No kernel: XLA runs.
 """
 
-from __future__ import annotations
-
 import math
 
 import jax
@@ -28,7 +26,7 @@ DENSE_MAX_T = 256
 def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
   q, k, v = (common.array(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
   kernel = common.array(fn, "kernel", kernel)
-  common.check_float(fn, q=q, k=k, v=v, kernel=kernel)
+  common.check_arrays(fn, q=q, k=k, v=v, kernel=kernel)
   sp = "Ht, Wd" if n_spatial == 2 else "T"
   if q.ndim < n_spatial + 2 or v.shape != q.shape or k.shape != q.shape[:-1]:
     raise ValueError(
@@ -44,12 +42,8 @@ def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
   if min(kernel.shape[1:]) < 1:
     raise ValueError(f"{fn}: kernel sizes must be >= 1; got kernel {kernel.shape}")
   if not causal and any(s % 2 == 0 for s in kernel.shape[1:]):
-    what = (
-      "a non-causal kernel size must be odd (centred)"
-      if n_spatial == 1
-      else "kernel sizes must be odd"
-    )
-    raise ValueError(f"{fn}: {what}; got kernel {kernel.shape}")
+    what = "a non-causal kernel size" if n_spatial == 1 else "kernel sizes"
+    raise ValueError(f"{fn}: {what} must be odd (centred); got kernel {kernel.shape}")
   return q, k, v, kernel
 
 
@@ -80,7 +74,7 @@ def aft_conv1d(
     fn, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
     segment_ids=segment_ids, axis_name=axis_name,
   )  # fmt: skip
-  common.check_segments(fn, k.shape[:-1], segment_ids=segment_ids)
+  common.check_arrays(fn, k.shape[:-1], segment_ids=segment_ids)
   k_t, v_t = k.shape[:-2] + k.shape[-1:], v.shape[:-3] + v.shape[-2:]
   common.check_state(fn, initial_state, lambda: aft_conv1d_init(k_t, v_t, kernel.shape[-1]))
   return common.eager(
@@ -124,15 +118,19 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
     y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
   """
   q, k, v, kernel = _check("aft_conv2d", q, k, v, kernel, 2, False, impl)
-  return common.eager(_conv2d, q=q, k=k, v=v, kernel=kernel)
+  return common.eager(_whole, q=q, k=k, v=v, kernel=kernel, causal=False)
 
 
 def _whole(q, k, v, kernel, causal):
+  """Y over a sequence (kernel [H, s]) or an image (kernel [H, kh, kw]), computed in float32 (or
+  float64), the inputs' dtype out."""
   out_dt, dt = common.dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
-  args = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
-  return (_causal_conv1d(*args) if causal else _conv1d(*args, False)).astype(out_dt)
+  q, k, v, kernel = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
+  if kernel.ndim == 3:
+    return _conv2d(q, k, v, kernel).astype(out_dt)
+  return (_causal_conv1d if causal else _conv1d)(q, k, v, kernel).astype(out_dt)
 
 
 def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
@@ -192,11 +190,6 @@ def _prefix0(acc: Acc) -> Acc:
   return Acc(*(unchunk(x) for x in out))
 
 
-def _acc_sum(acc: Acc, axis: int) -> Acc:  # the whole sum along axis (kept, size 1)
-  every = jnp.ones(acc.m.shape[axis], bool)
-  return Acc(*(jnp.expand_dims(x, axis) for x in lse.reduce_over(acc, axis, every)))
-
-
 def _acc_scan(acc: Acc, axis: int, reverse: bool = False) -> Acc:  # prefix (suffix) sums
   fwd = lambda x: jnp.flip(jnp.moveaxis(x, axis, 0), 0) if reverse else jnp.moveaxis(x, axis, 0)
   back = lambda x: jnp.moveaxis(jnp.flip(x, 0) if reverse else x, 0, axis)
@@ -251,7 +244,7 @@ def _causal_conv1d_jvp(primals, tangents):
   return y, jnp.where(~seen & finite(y), dy, 0.0)
 
 
-def _conv1d(q, k, v, kernel, causal: bool, finite_values: bool = False):
+def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
   """sigma(q) * the mean; ``finite_values``: v is known finite (the JVP's tamed inputs)."""
   if causal and k.shape[k.ndim - 2] <= DENSE_MAX_T:
     return _dense_causal(q, k, v, kernel, finite_values)
@@ -299,11 +292,7 @@ def _scan_conv1d(q, k, v, kernel, causal: bool):
 
 
 def _conv2d(q, k, v, kernel):
-  """sigma(q) * the AFT-conv mean over an image (float32/64 inside, the inputs' dtype out)."""
-  out_dt, dt = common.dtypes(q, k, v)
-  if q.size == 0 or k.size == 0:
-    return jnp.zeros(q.shape, out_dt)
-  q, k, v, kernel = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
+  """sigma(q) * the AFT-conv mean over an image."""
   kh, kw = kernel.shape[1:]
   row, col = k.ndim - 3, k.ndim - 2
   leaf = lse.leaf(k, v)
@@ -311,8 +300,10 @@ def _conv2d(q, k, v, kernel):
   acc = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
   # Outside the kernel (w = 0): whole rows above and below its rows, plus, within its rows, the
   # columns left and right of it. All exact, no subtraction.
-  acc = combine(acc, _outside(_acc_sum(leaf, col), row, kh // 2 + 1, kh // 2 + 1))
+  rows = lse.reduce_over(leaf, col, jnp.ones(leaf.m.shape[col], bool))  # each row's whole sum
+  rows = Acc(*(jnp.expand_dims(x, col) for x in rows))
+  acc = combine(acc, _outside(rows, row, kh // 2 + 1, kh // 2 + 1))
   sides = _outside(leaf, col, kw // 2 + 1, kw // 2 + 1)
   for a in range(-(kh // 2), kh // 2 + 1):
     acc = combine(acc, _acc_shift(sides, a, row))
-  return output(q, acc).astype(out_dt)
+  return output(q, acc)

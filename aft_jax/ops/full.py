@@ -2,8 +2,6 @@
 with a band of every key. It has no kernel, and no summary state: its past is every key and
 value (decoding: a window of max_len)."""
 
-from __future__ import annotations
-
 from aft_jax.ops import common, local
 from aft_jax.ops import logsumexp as lse
 
@@ -40,10 +38,10 @@ def aft_full(
   q, k, v = common.check_qkv(FN, q, k, v)
   mode = common.check_mode(FN, causal, impl, segment_ids=segment_ids, positions=positions)
   if mode == "packed":
-    common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
-    common.check_float(FN, w=w)
+    common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_arrays(FN, w=w)
   else:
-    local.check_square(FN, w, q.shape[-2])
+    local.check_bias(FN, w, q.shape[-2])
   return common.eager(
     _run, q=q, k=k, v=v, w=w, segment_ids=segment_ids, positions=positions, causal=bool(causal),
     impl=impl,

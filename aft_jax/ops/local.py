@@ -19,8 +19,6 @@ the same blocked products with a and L the only [T, R] residuals; causal, a row 
 not finite has tangent 0, its factors ``tame``d. The kernel: ``pallas.triton_local`` (GPU).
 """
 
-from __future__ import annotations
-
 import functools
 import math
 from typing import NamedTuple
@@ -35,7 +33,7 @@ from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
 from aft_jax.ops.pallas import triton_local
 
 FN = "aft_local"
-KERNELS = (common.Kernel("gpu", triton_local.mean, triton_local.unsupported),)
+KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupported),)
 # A long piece not given its whole bias goes in sub-pieces of this many positions (at least 4
 # windows), the state carried between: blocks of [SUB_PIECE + s + 1]^2 keep its memory linear.
 SUB_PIECE = 2048
@@ -93,12 +91,12 @@ def aft_local(
     if mode == "packed" or not causal or (mode == "whole" and not _in_sub_pieces(t_len, window)):
       w = _dense(w)  # these read all of w; a short sequence takes it dense
   if mode == "sharded":
-    _check_bias(w, t_len * jax.lax.axis_size(axis_name), 0)
+    check_bias(FN, w, t_len * jax.lax.axis_size(axis_name), 0)
   elif mode == "packed":
-    common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
-    common.check_float(FN, w=w)
+    common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_arrays(FN, w=w)
   elif mode == "whole" and not isinstance(w, Factors):
-    check_square(FN, w, t_len)
+    check_bias(FN, w, t_len)
   else:
     shape = q.shape[:-2] + q.shape[-1:]
     common.check_state(FN, initial_state, lambda: aft_local_init(shape, window))
@@ -151,46 +149,30 @@ def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   return lse.window_step(state, q_t, k_t, v_t, bias)
 
 
-def check_square(fn, w, t_len):
-  common.check_float(fn, w=w)
-  if jnp.shape(w) != (t_len, t_len):
+def check_bias(fn, w, t_len: int, offset=None):
+  """ValueError unless w is ``[T, T]`` (``offset`` None: a whole sequence) or (or its factors)
+  ``[L, L]`` with L >= offset + T."""
+  if not isinstance(w, Factors):
+    common.check_arrays(fn, w=w)
+  shape, least = tuple(w.shape), t_len + (offset if isinstance(offset, int) else 0)
+  if offset is None and shape != (t_len, t_len):
     raise ValueError(
-      f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {jnp.shape(w)} "
+      f"{fn}: w must be [T, T] = {(t_len, t_len)} for T = {t_len}; got w {shape} "
       "(slice the top-left block of a larger bias first)"
+    )
+  if len(shape) != 2 or shape[0] != shape[1] or shape[0] < least:
+    raise ValueError(
+      f"{fn}: w must be [L, L] with L >= offset + T = {least} (offset {offset}, T {t_len}); "
+      f"got w {shape}"
     )
 
 
 def _factors(w) -> Factors:
-  if len(w) != 2:
-    raise ValueError(f"{FN}: w as factors must be a pair (u, v); got {len(w)} arrays")
-  common.check_float(FN, u=w[0], v=w[1])
-  if jnp.ndim(w[0]) != 2 or jnp.shape(w[0]) != jnp.shape(w[1]):
-    raise ValueError(
-      f"{FN}: the factors (u, v) of w = u v^T must both be [L, d']; got u {jnp.shape(w[0])}, "
-      f"v {jnp.shape(w[1])}"
-    )
+  shapes = [jnp.shape(x) for x in w]
+  if len(w) != 2 or len(shapes[0]) != 2 or shapes[0] != shapes[1]:
+    raise ValueError(f"{FN}: w as factors (u, v) must be two [L, d'] arrays; got shapes {shapes}")
+  common.check_arrays(FN, u=w[0], v=w[1])
   return Factors(*w)
-
-
-def _check_bias(w, least: int, offset):
-  """w ``[L, L]`` (or its factors) with L >= ``least`` = offset + T."""
-  if not isinstance(w, Factors):
-    common.check_float(FN, w=w)
-  if len(w.shape) != 2 or w.shape[0] != w.shape[1]:
-    raise ValueError(f"{FN}: w must be [L, L]; got offset {offset}, w {w.shape}")
-  if w.shape[0] < least:
-    t_len = least - (offset if isinstance(offset, int) else 0)
-    raise ValueError(
-      f"{FN}: w must be [L, L] with L >= offset + T = {least} (offset {offset}, T {t_len}); "
-      f"got w {w.shape}"
-    )
-
-
-def _static_int(x) -> int | None:
-  try:
-    return int(x)
-  except jax.errors.ConcretizationTypeError:  # traced
-    return None
 
 
 def _offset(offset, state, w, t_len: int):
@@ -204,7 +186,8 @@ def _offset(offset, state, w, t_len: int):
     or (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0)
   ):
     raise ValueError(f"{FN}: offset must be an int >= 0 (or an int scalar), got {offset!r}")
-  at, known = _static_int(offset), None if index is None else _static_int(index)
+  static = lambda x: None if x is None or isinstance(x, jax.core.Tracer) else int(x)
+  at, known = static(offset), static(index)
   if at is not None and at < 0:
     raise ValueError(f"{FN}: offset must be >= 0; got offset {at}")
   if given and at is not None and known is not None and at != known:
@@ -212,7 +195,7 @@ def _offset(offset, state, w, t_len: int):
       f"{FN}: offset {at} does not match initial_state.index {known}: the state holds the "
       f"{known} positions before the piece (leave offset out to take it from the state)"
     )
-  _check_bias(w, t_len + (at or 0), offset if at is None else at)
+  check_bias(FN, w, t_len, offset if at is None else at)
   guard = None if at is not None else (offset >= 0) & (offset + t_len <= w.shape[0])
   if given and index is not None and (at is None or known is None):
     same = jnp.asarray(offset) == index
@@ -242,9 +225,7 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
   whole = isinstance(offset, int) and offset == 0 and n == 0 and w.shape[0] == t_len
   if (not whole or isinstance(w, Factors)) and _in_sub_pieces(t_len, window):
     return _sub_pieces(q, k, v, w, window, impl, offset, state or init(), final)
-  piece_w = (
-    (_dense(w) if isinstance(w, Factors) else w) if whole else _block_of(w, offset, n, t_len)
-  )
+  piece_w = w if whole and not isinstance(w, Factors) else _block_of(w, offset, n, t_len)
   y = lse.after_state(lambda *qkv: _whole(*qkv, piece_w, window, True, impl), q, k, v, state)
   return (y, lse.final(state or init(), k, v, window)) if final else y
 

@@ -12,8 +12,6 @@ device's shard of T (``axis_name``); ``packed``, sums within packed documents; `
 predicate ``vmap`` never batches (the XLA sums' rare exact paths).
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import jax

@@ -10,8 +10,6 @@ residuals. Non-causal: one shift per channel is exact (softmax over T). The kern
 ``pallas.triton_simple`` (GPU), ``pallas.mosaic_simple`` (TPU, opt-in).
 """
 
-from __future__ import annotations
-
 import functools
 
 import jax
@@ -24,8 +22,8 @@ from aft_jax.ops.pallas import mosaic_simple, triton_simple
 
 FN = "aft_simple"
 KERNELS = (
-  common.Kernel("gpu", triton_simple.mean, triton_simple.unsupported),
-  common.Kernel("tpu", mosaic_simple.mean, mosaic_simple.unsupported, auto=False),
+  common.Kernel("gpu", triton_simple.causal_mean, triton_simple.unsupported),
+  common.Kernel("tpu", mosaic_simple.causal_mean, mosaic_simple.unsupported, auto=False),
 )
 # Positions per chunk: on CPU (fwd+bwd, R 512 at T 16384, R 4096 at T 2048) 16 is ~15-20% faster
 # than 32, which is ~20% faster than 64 (less triangular product against more loop steps).
@@ -62,7 +60,7 @@ def aft_simple(
     FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
     segment_ids=segment_ids, axis_name=axis_name,
   )  # fmt: skip
-  common.check_segments(FN, q.shape[:-1], segment_ids=segment_ids)
+  common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids)
   common.check_state(FN, initial_state, lambda: aft_simple_init(q.shape[:-2] + q.shape[-1:]))
   return common.eager(
     _run, q=q, k=k, v=v, state=initial_state, segment_ids=segment_ids, mode=mode,

@@ -18,6 +18,7 @@ import pytest
 
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
+from aft_jax.ops import simple
 from aft_jax.ops.pallas import mosaic_simple, triton, triton_local, triton_simple
 from benchmarks import accelerator_check, kernel_form
 from tests.support.helpers import TRITON, export_for, on_target
@@ -239,12 +240,11 @@ def _impl_on_a_tpu(monkeypatch):
   assert "pallas_call" not in str(jax.make_jaxpr(auto)(q, k, v))
   calls = []
 
-  def spy(k, v, cfg, interpret):
+  def spy(k, v, cfg=None, interpret=False):
     calls.append((k.shape, cfg, interpret))
-    return real(k, v, cfg, True)
+    return mosaic_simple.causal_mean(k, v, cfg, True)
 
-  real = mosaic_simple.causal_mean
-  monkeypatch.setattr(mosaic_simple, "causal_mean", spy)
+  monkeypatch.setattr(simple, "KERNELS", (simple.KERNELS[0], simple.KERNELS[1]._replace(mean=spy)))
   got = ops.aft_simple(q[None], k[None], v[None], causal=True, impl="pallas")
   # [1, 2, T, D] flattened to the kernel's [B, T, D]; compiled, in its own configuration.
   assert calls == [((2, 40, D), None, False)]

@@ -1,29 +1,17 @@
-"""Causal AFT-simple's weighted mean as a Pallas kernel for TPUs (Mosaic): the maths of
-``triton_simple``, a TPU's layout. Blocks live in VMEM, their shapes multiples of (8, 128), and
-one-row dynamic slices may not lower, so:
+"""Causal AFT-simple's weighted mean as a Pallas kernel for TPUs (Mosaic): ``triton_simple``'s
+maths (forward and backward) in a TPU's layout. Blocks live in VMEM, their shapes multiples of
+(8, 128), and one-row dynamic slices may not lower, so the grid is (B, D / block_d, T / block_t),
+the last axis sequential (backward: from the end), Pallas pipelining the ``[block_t, block_d]``
+blocks; the carry (forward: the exact triple of every earlier position; backward: C1, C2 and L
+of the next chunk's first row) lives in VMEM scratch ``[1, block_d]``. A chunk's prefix (suffix)
+sums are one triangular product on the MXU; the rows the fast path cannot take are redone by a
+log-step (Hillis-Steele) scan, log2(block_t) steps of ``pltpu.roll``, all rows at once.
 
-Forward. The grid is (B, D / block_d, T / block_t), the last axis sequential: a step reads a
-``[block_t, block_d]`` block of k, v and writes that block of a [and L], Pallas pipelining the
-blocks; the exact triple of every earlier position is carried in VMEM scratch ``[1, block_d]``.
-A chunk's prefix sums are one lower-triangular product (the MXU, float32) of exp(k - m) [v, 1]
-(m: the max of the carry and the chunk's first key); rows that see a set-aside term or whose
-denominator falls below ``DEN_OK`` are redone by a log-step (Hillis-Steele) scan of triples,
-log2(block_t) steps of ``pltpu.roll`` and a stable combine, all rows at once.
-
-Backward (a custom VJP, residuals a and L): dv[t'] = exp(k[t'] - L[t']) C1[t'], dk[t'] =
-exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t']), C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t], C2
-the same with g a (every factor <= 1: L never decreases). The grid walks T from the end carrying
-C1, C2 and L of the next chunk's first row; a chunk's suffix sums are an upper-triangular
-product in the scale of its first L, or, where L rises by more than ``MAX_RISE`` nats, the
-log-step suffix scan.
-
-No chunk-parallel form: a TensorCore runs the grid's steps one after another, so segments of T
-add no parallelism (a megacore chip spreads the "parallel" axes: ``config_for`` asks for two
-programs). The kernel lowers for TPUs and runs interpreted against a float64 reference, but has
-never been timed on a TPU: ``impl="auto"`` keeps XLA there, ``impl="pallas"`` opts in.
+No chunk-parallel form: a TensorCore runs the grid's steps one after another (a megacore chip
+spreads the "parallel" axes: ``config_for`` asks for two programs). The kernel lowers for TPUs
+and runs interpreted against a float64 reference, but has never been timed on a TPU:
+``impl="auto"`` keeps XLA there, ``impl="pallas"`` opts in.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import NamedTuple
@@ -124,9 +112,8 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
 
   @pl.when(pl.program_id(2) == 0)
   def _():
-    m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
-    num_ref[...] = jnp.zeros(num_ref.shape, jnp.float32)
-    den_ref[...] = jnp.zeros(den_ref.shape, jnp.float32)
+    for ref, x in zip((m_ref, num_ref, den_ref), (NEG, 0.0, 0.0)):
+      ref[...] = jnp.full(ref.shape, x, jnp.float32)
 
   kc, vc = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
   m0, num0, den0 = m_ref[...], num_ref[...], den_ref[...]
@@ -167,10 +154,9 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
   """One grid step, chunks from the last: dk, dv; the scratch holds C1, C2, L of the next chunk."""
 
   @pl.when(pl.program_id(2) == 0)
-  def _():
-    c1_ref[...] = jnp.zeros(c1_ref.shape, jnp.float32)
-    c2_ref[...] = jnp.zeros(c2_ref.shape, jnp.float32)
-    ln_ref[...] = jnp.full(ln_ref.shape, -NEG, jnp.float32)  # exp(L - ln) = 0: nothing after
+  def _():  # L after the last chunk -NEG: exp(L - ln) = 0, nothing after
+    for ref, x in zip((c1_ref, c2_ref, ln_ref), (0.0, 0.0, -NEG)):
+      ref[...] = jnp.full(ref.shape, x, jnp.float32)
 
   lse, g, a = lse_ref[...], g_ref[...], a_ref[...]
   c1n, c2n, ln = c1_ref[...], c2_ref[...], ln_ref[...]
@@ -217,15 +203,18 @@ def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
   )(*ins)  # fmt: skip
 
 
-def _forward(k, v, cfg: MosaicConfig, interpret: bool, with_lse: bool):
+def _forward(k, v, _, static, with_lse: bool):
+  cfg, interpret = static
   kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
   outs = [jnp.float32] * (2 if with_lse else 1)
   return _call(kernel, cfg, interpret, False, padded_to_chunks(k, v, cfg.block_t), outs)
 
 
-def _backward(k, v, a, lse, g, cfg: MosaicConfig, interpret: bool):
+def _backward(k, v, w, a, lse, g, static):
+  cfg, interpret = static
   ins = (*padded_to_chunks(k, v, cfg.block_t), a, lse, g)
-  return _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
+  dk, dv = _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
+  return dk[:, : k.shape[1]], dv[:, : k.shape[1]], w
 
 
 _causal_mean = mean_with_vjp(_forward, _backward)
@@ -234,21 +223,13 @@ _causal_mean = mean_with_vjp(_forward, _backward)
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
   """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
   D a multiple of 128), differentiable in k and v; ``cfg`` default ``config_for(D, B)``;
-  ``interpret``: in Pallas' interpreter (any backend) instead of compiled for a TPU."""
-  if k_BTD.ndim != 3 or v_BTD.shape != k_BTD.shape:
-    raise ValueError(f"k and v must be [B, T, D] of one shape; got {k_BTD.shape}, {v_BTD.shape}")
+  ``interpret``: in Pallas' interpreter (any backend) instead of compiled for a TPU. The op's
+  entry (``common.Kernel``)."""
   d = k_BTD.shape[-1]
-  if unsupported(d):
-    raise ValueError(f"Pallas TPU kernel: {unsupported(d)}")
   cfg = cfg or config_for(d, k_BTD.shape[0])
   if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:
     raise ValueError(
       f"Pallas TPU kernel: {cfg} cannot tile D = {d} channels (block_d must be a multiple of "
       f"{LANES} dividing D, block_t a multiple of 16)"
     )
-  return _causal_mean(k_BTD, v_BTD, cfg, interpret)
-
-
-def mean(k_BTD, v_BTD, w, window, interpret: bool):
-  """The op's entry (``common.Kernel``): the configuration ``config_for`` chooses."""
-  return causal_mean(k_BTD, v_BTD, None, interpret)
+  return _causal_mean(k_BTD, v_BTD, None, (cfg, interpret))

@@ -11,8 +11,6 @@ combine of the totals before it (``fold``; backward: after it), each scaled by e
 overall max) <= 1. Exact; one more read of the inputs. ``plan_for`` chooses the form.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import NamedTuple
 
@@ -108,38 +106,27 @@ def tri(n: int, lower: bool):
 
 
 def mean_with_vjp(forward, backward):
-  """The custom-VJP mean a [B, T, D] of k, v (static cfg, interpret) from a kernel's halves over
-  padded T: ``forward(..., with_lse)`` -> a [and L]; ``backward(k, v, a, lse, g, ...)`` -> dk,
-  dv."""
+  """The custom-VJP mean ``mean(k, v, w, static)`` a [B, T, D] of k, v (w: the bias or None;
+  ``static``: hashable) from a kernel's halves over padded T: ``forward(k, v, w, static,
+  with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> the cotangents of k, v, w,
+  given a, L and g padded, 0 on rows without derivative."""
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-  def mean(k, v, cfg, interpret: bool):
-    return forward(k, v, cfg, interpret, False)[0][:, : k.shape[1]]
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+  def mean(k, v, w, static):
+    return forward(k, v, w, static, False)[0][:, : k.shape[1]]
 
-  def fwd(k, v, cfg, interpret):
-    a, lse = forward(k, v, cfg, interpret, True)
-    return a[:, : k.shape[1]], (k, v, a, tamed_lse(a, lse))
+  def fwd(k, v, w, static):
+    a, lse = forward(k, v, w, static, True)
+    return a[:, : k.shape[1]], (k, v, w, a, jnp.where(keep(a, lse), lse, -NEG))
 
-  def bwd(cfg, interpret, res, g):
-    k, v, a, lse = res
-    t_len = k.shape[1]
-    g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - t_len, 0.0)  # padding: cotangent 0
-    a, g = tamed_cotangent(a, lse, g)
-    dk, dv = backward(k, v, a, lse, g, cfg, interpret)
-    return dk[:, :t_len], dv[:, :t_len]
+  def bwd(static, res, g):
+    k, v, w, a, lse = res  # L: the largest float32 on rows without derivative (weight 0)
+    g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - k.shape[1], 0.0)  # padding: 0
+    a, g = jnp.where(lse < -NEG, a, 0.0), jnp.where(lse < -NEG, g, 0.0)
+    return backward(k, v, w, a, lse, g, static)
 
   mean.defvjp(fwd, bwd)
   return mean
-
-
-def tamed_lse(a, lse):
-  """L as a residual: the largest float32 on rows without derivative (a weight exp(k - L) of 0)."""
-  return jnp.where(keep(a, lse), lse, -NEG)
-
-
-def tamed_cotangent(a, lse, g):
-  """(a, g) for the backward kernels (L from ``tamed_lse``): 0 on rows without derivative."""
-  return jnp.where(lse < -NEG, a, 0.0), jnp.where(lse < -NEG, g, 0.0)
 
 
 def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, out_shape, ins):
@@ -259,9 +246,12 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
   )
 
 
-def totals(ins, kind: str, plan: LaunchPlan, n_seg: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D]."""
-  b, n, d = ins[0].shape
+def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0, limit=None):
+  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D] over
+  ``t_pad`` positions: chunk-parallel; none for the sequential form."""
+  if not plan.seg:
+    return ()
+  (b, n, d), n_seg = ins[0].shape, t_pad // plan.seg
   cfg = plan.cfg
   col = pl.BlockSpec((None, n, cfg.block_d), lambda i, j, s: (i, 0, j))
   one = pl.BlockSpec((None, 1, cfg.block_d), lambda i, j, s: (i, s, j))

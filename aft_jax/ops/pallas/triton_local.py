@@ -1,37 +1,28 @@
-"""Causal AFT-local's banded weighted mean as a Pallas kernel (GPU: Triton): for k, v ``[B, T,
-D]`` (bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s,
-
-    a[t] = sum_{t' <= t} exp(k[t'] + b[t, t']) v[t'] / sum_{t' <= t} exp(k[t'] + b[t, t'])
-
-with b[t, t'] = w[t, t'] for t - t' < s and 0 for the older keys (which still count).
+"""Causal AFT-local's banded weighted mean as a Pallas kernel (GPU: Triton), for k, v ``[B, T,
+D]`` (bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s: ``aft_jax.ops.local``'s
+a[t] with b[t, t'] = w[t, t'] for t - t' < s and 0 for the older keys (which still count).
 
 Forward. One program per (batch row, block of ``block_d`` channels) walks the queries in chunks
 of c = ``block_t`` rows. Chunk j's band is a "slab" of keys [j c - S, j c + c), S = s - 1
 rounded up to c, summed as products per key block of exp(b - row max) [c, c] and exp(k -
-channel max) [v, 1] (as ``aft_jax.ops.local`` does), b gathered beforehand into a ``[T, S + c]``
-array (NEG beyond t or before 0); every older key has bias 0 for the whole chunk: one exact
-running triple per channel. The channel max is over the keys the chunk's first row sees; rows
-whose largest term underflows or that see a key set aside (``logsumexp.set_aside``) are redone
-row by row with a running maximum (the others keep their values bit for bit).
+channel max) [v, 1], b gathered beforehand into a ``[T, S + c]`` array (NEG beyond t or before
+0); the older keys have bias 0 for the whole chunk: one exact running triple per channel. The
+shift and the rows redone row by row are as in ``aft_jax.ops.local``.
 
 Backward (a custom VJP, residuals a and L): with g the cotangent and p[t, t'] = exp(k[t'] +
 b[t, t'] - L[t]) <= 1, dv[t'] = sum_t p g, dk[t'] = sum_t p g (v[t'] - a[t]), and dw[t, t'] =
 sum_r p g (v - a) on the band (r: batch rows and channels). The band's part is the forward's
-split shift again, as [c, c] products per key block (row by row where the scale exp(row max +
-channel max - L) could exceed 1 / ``DEN_OK``); the older keys take exp(k[t']) sum_t exp(-L[t])
-g[t] over later chunks, a suffix sum carried with its own maximum of -L. dw has no sequential
-part: a second kernel, one program per (query chunk, channel block) looping over the batch,
-writes ``[D / block_d, T, S + c]`` partial sums (one per batch row and narrower block would be
-2.4 GB instead of 75 MB for AFT-local-128 at B 8, T 16384, D 512), scattered to ``[T, T]`` in
-XLA.
+split shift again (row by row where the scale exp(row max + channel max - L) could exceed
+1 / ``DEN_OK``); the older keys take exp(k[t']) sum_t exp(-L[t]) g[t] over later chunks, a
+suffix sum carried with its own maximum of -L. dw has no sequential part: a second kernel, one
+program per (query chunk, channel block) looping over the batch, writes ``[D / block_d, T, S +
+c]`` partial sums (per batch row and narrower block they would be 2.4 GB, not 75 MB, for
+AFT-local-128 at B 8, T 16384, D 512), scattered to ``[T, T]`` in XLA.
 
-Chunk-parallel form (``seg`` >= S positions per program, ``triton``): a segment's carry of the
-older keys starts from the fold of the key segments' totals before it, the backward's from the
-query segments' after it; dk, dv are written per segment over its keys and the next segment's
-first S, and added up in XLA.
+Chunk-parallel form (``seg`` >= S positions per program, ``triton``): a segment's carry starts
+from the fold of the key segments' totals before it (backward: the query segments' after it);
+dk, dv are written per segment over its keys and the next one's first S, and added in XLA.
 """
-
-from __future__ import annotations
 
 import functools
 
@@ -92,9 +83,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
   ``maxima(j)`` (the biases' row maxima, the keys' channel maxima: its split shift) and
   ``shifted``; k, v [n, bd] refs, or [B, n, bd] read at row ``batch``."""
   n_keys = bias_ref.shape[1] // bt
-  at = (
-    (lambda idx: (idx, slice(None))) if batch is None else (lambda idx: (batch, idx, slice(None)))
-  )
+  at = lambda idx: (idx, slice(None)) if batch is None else (batch, idx, slice(None))
 
   def keys(j, u):
     idx = at(rows(j + u, bt))
@@ -376,9 +365,7 @@ def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
   return triton.plan_for(batch, t_len, d, min_seg=_slab_width(min(window, t_len), bt) - bt)
 
 
-def _call(
-  kernel, plan: LaunchPlan, interpret: bool, t_len: int, ins, outs, tots=(), keys_out=False
-):
+def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), keys_out=False):
   """pallas_call over (batch, D / block_d[, segments]) of ins (the slab biases whole, then
   [B, n, D] columns) and tots (the segment totals); outputs [B, t_pad, D] or (``keys_out``) in
   the keys' padded layout (chunk-parallel: per segment, ``_overlap_add``)."""
@@ -431,9 +418,8 @@ def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
   out_specs = [pl.BlockSpec((None, bt, width), lambda j, c: (c, j, 0))]
   out = [jax.ShapeDtypeStruct((d // bd, t_pad, width), jnp.float32)]
   kernel = functools.partial(_dw_kernel, bt=bt, t_len=t_len)
-  return triton.call(kernel, cfg, interpret, (t_pad // bt, d // bd), in_specs, out_specs, out, ins)[
-    0
-  ]
+  grid = (t_pad // bt, d // bd)
+  return triton.call(kernel, cfg, interpret, grid, in_specs, out_specs, out, ins)[0]
 
 
 def _padded(k, v, window: int, plan: LaunchPlan):
@@ -444,56 +430,28 @@ def _padded(k, v, window: int, plan: LaunchPlan):
   return pad(k, triton.pad_key(k.dtype)), pad(v, 0.0)
 
 
-def _totals(ins, kind: str, plan: LaunchPlan, interpret: bool, t_pad: int, **rows):
-  """The segment totals of the chunk-parallel form (none for the sequential one)."""
-  return triton.totals(ins, kind, plan, t_pad // plan.seg, interpret, **rows) if plan.seg else ()
-
-
-def _forward(k, v, w, window: int, plan: LaunchPlan, interpret: bool, with_lse: bool):
+def _forward(k, v, w, static, with_lse: bool):
   """a [and L] [B, t_pad, D] float32."""
+  window, plan, interpret = static
   s, t_pad, _, front = _layout(k, window, plan)
   ins = (_slab_bias(w, s, t_pad, plan.cfg.block_t), *_padded(k, v, window, plan))
   # Key segment s: the key rows [s seg, (s + 1) seg), the front padding left out.
-  tots = _totals(ins[1:], "keys", plan, interpret, t_pad, skip=front)
+  tots = triton.totals(ins[1:], "keys", plan, t_pad, interpret, skip=front)
   outs = [jnp.float32] * (2 if with_lse else 1)
   return _call(_fwd_kernel, plan, interpret, k.shape[1], ins, outs, tots)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _local_mean(k, v, w, window: int, plan: LaunchPlan, interpret: bool):
-  return _forward(k, v, w, window, plan, interpret, False)[0][:, : k.shape[1]]
-
-
-def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg: TritonConfig, interpret: bool, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]``, w ``[T, T]``, causal;
-  ``seg``: chunk-parallel positions per program (whole chunks, >= the window; None: sequential)."""
-  front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]
-  if seg and (seg % cfg.block_t or seg < front):
-    raise ValueError(
-      f"Pallas kernel: segments of {seg} positions must be whole chunks of {cfg.block_t} and "
-      f"hold the window's {front} earlier keys (window {window})"
-    )
-  return _local_mean(k_BTD, v_BTD, w_TT, window, LaunchPlan(cfg, seg), interpret)
-
-
-def _local_mean_fwd(k, v, w, window, plan, interpret):
-  a, lse = _forward(k, v, w, window, plan, interpret, True)  # padded: kept as residuals
-  return a[:, : k.shape[1]], (k, v, w, a, triton.tamed_lse(a, lse))
-
-
-def _local_mean_bwd(window, plan, interpret, res, g):
-  k, v, w, a, lse = res
+def _backward(k, v, w, a, lse, g, static):
+  window, plan, interpret = static
   t_len = k.shape[1]
   s, t_pad, _, front = _layout(k, window, plan)
   # A non-finite bias reaches only its own row (which then has no derivative).
   bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame(w), s, t_pad, plan.cfg.block_t), w)
-  g = triton.pad_time(g.astype(jnp.float32), 0, t_pad - t_len, 0.0)  # padding: cotangent 0
-  a, g = triton.tamed_cotangent(a, lse, g)
   # A NaN key would make its chunk's shift exp(k - max) NaN for every key beside it (padding
   # fuses this in): keys and values that are not finite are 0 (their rows have no derivative).
   k, v = tame(k), tame(v)
   ins = (bias, *_padded(k, v, window, plan), a, lse, g)
-  tots = _totals((lse, g, a), "cotangent", plan, interpret, t_pad, limit=t_len)
+  tots = triton.totals((lse, g, a), "cotangent", plan, t_pad, interpret, limit=t_len)
   outs = [jnp.float32] * 2  # dk, dv in the keys' padded layout
   dk, dv = _call(_bwd_kernel, plan, interpret, t_len, ins, outs, tots, keys_out=True)
   if plan.seg:
@@ -504,10 +462,20 @@ def _local_mean_bwd(window, plan, interpret, res, g):
   return dk[:, keys].astype(k.dtype), dv[:, keys].astype(v.dtype), dw.astype(w.dtype)
 
 
-_local_mean.defvjp(_local_mean_fwd, _local_mean_bwd)
+_local_mean = triton.mean_with_vjp(_forward, _backward)
 
 
-def mean(k_BTD, v_BTD, w_TT, window: int, interpret: bool):
-  """The op's entry (``common.Kernel``): the launch ``plan_for`` chooses."""
-  plan = plan_for(*k_BTD.shape, window)
-  return local_mean(k_BTD, v_BTD, w_TT, window, plan.cfg, interpret, plan.seg)
+def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg=None, interpret=False, seg=None):
+  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]``, w ``[T, T]``, causal;
+  ``cfg`` and ``seg`` (chunk-parallel positions per program, whole chunks holding the window;
+  None: sequential) default to the launch ``plan_for`` chooses. The op's entry
+  (``common.Kernel``)."""
+  if cfg is None:
+    cfg, seg = plan_for(*k_BTD.shape, window)
+  front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]
+  if seg and (seg % cfg.block_t or seg < front):
+    raise ValueError(
+      f"Pallas kernel: segments of {seg} positions must be whole chunks of {cfg.block_t} and "
+      f"hold the window's {front} earlier keys (window {window})"
+    )
+  return _local_mean(k_BTD, v_BTD, w_TT, (window, LaunchPlan(cfg, seg), interpret))

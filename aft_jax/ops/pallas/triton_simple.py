@@ -1,26 +1,18 @@
-"""Causal AFT-simple's weighted mean as Pallas kernels (GPU: Triton): for k, v ``[B, T, D]``
-(bfloat16 or float32; float32 inside),
-
-    a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'],   L[t] = log sum_{t' <= t} exp(k[t'])
+"""Causal AFT-simple's weighted mean as Pallas kernels (GPU: Triton), for k, v ``[B, T, D]``
+(bfloat16 or float32; float32 inside): ``aft_jax.ops.simple``'s a[t] and L[t].
 
 Forward. One program per (batch row, block of ``block_d`` channels) walks T in chunks of
-``block_t``, carrying the exact triple of everything before (as ``aft_jax.ops.simple`` does); a
-chunk's prefix sums are one lower-triangular product of exp(k - m) [v, 1] (m: the max of the
-carry and the chunk's first key), so k and v are read once and a, L written once: memory speed.
-Rows that see a set-aside term or whose denominator falls below ``DEN_OK`` are redone row by
-row with a running max.
+``block_t`` as ``aft_jax.ops.simple`` does (the carried triple, one lower-triangular product per
+chunk, flagged rows redone row by row), so k and v are read once and a, L written once.
 
 Backward (a custom VJP, residuals a and L): dv[t'] = exp(k[t'] - L[t']) C1[t'], dk[t'] =
 exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t']), C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t], C2
 the same with g a (every factor <= 1: L never decreases). Chunks are visited from the end, a
 chunk's suffix sums an upper-triangular product in the scale of its first L, or row by row where
-L rises by more than ``_MAX_RISE`` nats.
-
-Chunk-parallel form (``seg`` positions per program, ``triton``): the carry-in is the fold of the
-segment totals before it; the backward's, of the later segments' sum exp(-L) g [g a].
+L rises by more than ``_MAX_RISE`` nats. Chunk-parallel form (``seg`` positions per program,
+``triton``): the carry-in is the fold of the segment totals before it (backward: of the later
+segments' sum exp(-L) g [g a]).
 """
-
-from __future__ import annotations
 
 import functools
 
@@ -30,11 +22,7 @@ from jax.experimental import pallas as pl
 
 from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
-from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig, colsum
-from aft_jax.ops.pallas.triton import all_true as _all
-from aft_jax.ops.pallas.triton import dot as _dot
-from aft_jax.ops.pallas.triton import load as _load
-from aft_jax.ops.pallas.triton import rows as _rows
+from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig, all_true, colsum, dot, load, rows
 
 # Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
 # g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
@@ -60,16 +48,16 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
 
   def chunk(j, carry):
     m0, num0, den0 = carry  # [1, bd] each
-    idx = _rows(j, bt)
-    kc, vc = _load(k_ref, idx), _load(v_ref, idx)
+    idx = rows(j, bt)
+    kc, vc = load(k_ref, idx), load(v_ref, idx)
     # The shift: what the chunk's first row sees, never a later key.
-    m = jnp.maximum(m0, _load(k_ref, pl.ds(j * bt, 1)))
+    m = jnp.maximum(m0, load(k_ref, pl.ds(j * bt, 1)))
     ok, e, vs = set_aside(jnp.exp(kc - m), vc)
     s0 = jnp.exp(m0 - m)
-    num = s0 * num0 + _dot(tril, e * vs)
-    den = s0 * den0 + _dot(tril, e)
+    num = s0 * num0 + dot(tril, e * vs)
+    den = s0 * den0 + dot(tril, e)
     # The rows that see a set-aside term, or whose shift lost their terms: redone below.
-    redo = (_dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= DEN_OK)
+    redo = (dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= DEN_OK)
     # Flagged rows are stored as NaN (a fast value never is: its inputs are finite and den > 0
     # elsewhere), which the exact pass reads back as "redo this one".
     store(idx, jnp.where(redo, jnp.nan, num / den), m + jnp.log(den))
@@ -81,7 +69,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
       def row(i, c):
         m1, num1, den1 = c
         r = pl.ds(j * bt + i, 1)
-        k1, v1 = _load(k_ref, r), _load(v_ref, r)
+        k1, v1 = load(k_ref, r), load(v_ref, r)
         m2 = jnp.maximum(m1, k1)
         s1, s2 = jnp.exp(m1 - m2), jnp.exp(k1 - m2)
         num2, den2 = num1 * s1 + v1 * s2, den1 * s1 + s2
@@ -94,7 +82,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
 
       return jax.lax.fori_loop(0, bt, row, carry)
 
-    return jax.lax.cond(_all(~redo), fast, exact)
+    return jax.lax.cond(all_true(~redo), fast, exact)
 
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
@@ -121,17 +109,17 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
   def chunk(i, carry):
     c1n, c2n, ln = carry  # C1, C2 at the next chunk's first row, in the scale of its L
     j = n_chunks - 1 - i
-    idx = _rows(j, bt)
-    lse = _load(lse_ref, idx)
+    idx = rows(j, bt)
+    lse = load(lse_ref, idx)
     l0 = jnp.min(lse, axis=0, keepdims=True)  # L never decreases: the chunk's first row
 
     def fast():
-      kc, vc = _load(k_ref, idx), _load(v_ref, idx)
-      gs = _load(g_ref, idx) * jnp.exp(l0 - lse)
-      ga = gs * _load(a_ref, idx)
+      kc, vc = load(k_ref, idx), load(v_ref, idx)
+      gs = load(g_ref, idx) * jnp.exp(l0 - lse)
+      ga = gs * load(a_ref, idx)
       up, nx = jnp.exp(lse - l0), jnp.exp(lse - ln)
-      c1 = up * _dot(triu, gs) + nx * c1n
-      c2 = up * _dot(triu, ga) + nx * c2n
+      c1 = up * dot(triu, gs) + nx * c1n
+      c2 = up * dot(triu, ga) + nx * c2n
       store(idx, jnp.exp(kc - lse), vc, c1, c2)
       back = jnp.exp(l0 - ln)
       return (colsum(gs) + back * c1n, colsum(ga) + back * c2n, l0)
@@ -140,16 +128,16 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
       def row(i2, c):
         c1, c2, l1 = c
         r = pl.ds(j * bt + bt - 1 - i2, 1)
-        lr, g = _load(lse_ref, r), _load(g_ref, r)
+        lr, g = load(lse_ref, r), load(g_ref, r)
         nx = jnp.exp(lr - l1)
-        c1, c2 = g + nx * c1, g * _load(a_ref, r) + nx * c2
-        store(r, jnp.exp(_load(k_ref, r) - lr), _load(v_ref, r), c1, c2)
+        c1, c2 = g + nx * c1, g * load(a_ref, r) + nx * c2
+        store(r, jnp.exp(load(k_ref, r) - lr), load(v_ref, r), c1, c2)
         return c1, c2, lr
 
       return jax.lax.fori_loop(0, bt, row, carry)
 
     rise = jnp.max(lse, axis=0, keepdims=True) - l0
-    return jax.lax.cond(_all(rise <= _MAX_RISE), fast, exact)
+    return jax.lax.cond(all_true(rise <= _MAX_RISE), fast, exact)
 
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
@@ -160,7 +148,7 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, kind, limit=None
   (b, t_len, d), seg = ins[0].shape, plan.seg or ins[0].shape[1]
   n_seg = t_len // seg
   tot_ins = ins[:2] if kind == "keys" else (ins[3], ins[4], ins[2])  # (k, v) or (L, g, a)
-  tots = triton.totals(tot_ins, kind, plan, n_seg, interpret, limit=limit) if plan.seg else ()
+  tots = triton.totals(tot_ins, kind, plan, t_len, interpret, limit=limit)
   spec = pl.BlockSpec((None, seg, plan.cfg.block_d), lambda i, j, *s: (i, s[0] if s else 0, j))
   tot = pl.BlockSpec((None, triton.n_pad(n_seg), plan.cfg.block_d), lambda i, j, *s: (i, 0, j))
   kernel = functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None)
@@ -171,31 +159,31 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, kind, limit=None
   )
 
 
-def _forward(k, v, plan: LaunchPlan, interpret: bool, with_lse: bool):  # over the padded T
+def _forward(k, v, _, static, with_lse: bool):  # over the padded T
+  plan, interpret = static
   ins = triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t)
   return _call(_fwd_kernel, plan, interpret, ins, [jnp.float32] * (2 if with_lse else 1), "keys")
 
 
-def _backward(k, v, a, lse, g, plan: LaunchPlan, interpret: bool):
+def _backward(k, v, w, a, lse, g, static):
+  plan, interpret = static
   ins = (*triton.padded_to_chunks(k, v, plan.seg or plan.cfg.block_t), a, lse, g)
-  return _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], "cotangent", k.shape[1])
+  dk, dv = _call(_bwd_kernel, plan, interpret, ins, [k.dtype, v.dtype], "cotangent", k.shape[1])
+  return dk[:, : k.shape[1]], dv[:, : k.shape[1]], w
 
 
 _mean = triton.mean_with_vjp(_forward, _backward)
 
 
-def causal_mean(k_BTD, v_BTD, cfg: TritonConfig, interpret: bool, seg: int | None = None):
-  """a ``[B, T, D]`` float32 (module docstring) of k, v ``[B, T, D]``, differentiable; ``seg``:
-  chunk-parallel positions per program (whole chunks; None: sequential)."""
+def causal_mean(k_BTD, v_BTD, cfg: TritonConfig | None = None, interpret=False, seg=None):
+  """a ``[B, T, D]`` float32 (module docstring) of k, v ``[B, T, D]``, differentiable; ``cfg``
+  and ``seg`` (chunk-parallel positions per program, whole chunks; None: sequential) default to
+  the launch ``triton.plan_for`` chooses. The op's entry (``common.Kernel``)."""
+  if cfg is None:
+    cfg, seg = triton.plan_for(*k_BTD.shape)
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
     raise ValueError(f"Pallas kernel: seg = {seg} must be whole chunks of {cfg.block_t} positions")
-  return _mean(k_BTD, v_BTD, LaunchPlan(cfg, seg), interpret)
-
-
-def mean(k_BTD, v_BTD, w, window, interpret: bool):
-  """The op's entry (``common.Kernel``): the launch ``triton.plan_for`` chooses."""
-  plan = triton.plan_for(*k_BTD.shape)
-  return causal_mean(k_BTD, v_BTD, plan.cfg, interpret, plan.seg)
+  return _mean(k_BTD, v_BTD, None, (LaunchPlan(cfg, seg), interpret))
 
 
 unsupported = triton.unsupported_channels
