@@ -6,7 +6,6 @@ capability ``CAPABILITIES`` gives), else the default backend's. XLA refuses Trit
 capability 8.0: a T4, V100 or P100 takes XLA.
 """
 
-import dataclasses
 import functools
 import warnings
 from typing import Callable, NamedTuple
@@ -31,8 +30,7 @@ CAPABILITIES = (
 )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceFacts:
+class DeviceFacts(NamedTuple):
   """jax's platform ('cpu', 'gpu', 'tpu'), the device kind, a GPU's compute capability."""
 
   platform: str

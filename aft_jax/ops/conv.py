@@ -16,7 +16,6 @@ from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
 
-_sg = jax.lax.stop_gradient
 # Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``): at
 # nanoGPT's CPU recipe (T 64, kernel 32, 4 heads of 32, batch 12) a layer's forward+backward took
 # 2.8 ms against 21.6 ms (benchmarks/RESULTS.md); its memory, B H T^2 floats, bounds it.
@@ -147,18 +146,11 @@ def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
   return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
 
 
-def _shift(x, offset: int, axis: int, fill):  # y[i] = x[i + offset] along axis, else fill
-  n = x.shape[axis]
-  if abs(offset) >= n:
-    return jnp.full_like(x, fill)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (max(-offset, 0), max(offset, 0))
-  x = jnp.pad(x, pad, constant_values=fill)
-  return jax.lax.slice_in_dim(x, max(offset, 0), max(offset, 0) + n, axis=axis)
-
-
-def _acc_shift(acc: Acc, offset: int, axis: int) -> Acc:
-  return Acc(*(_shift(x, offset, axis, f) for x, f in zip(acc, (NEG, 0.0, 0.0))))
+def _acc_shift(acc: Acc, offsets, axes) -> Acc:
+  """y[i] = acc[i + offset] along each axis (the empty triple past the ends)."""
+  for offset, axis in zip(offsets, axes):
+    acc = Acc(*(lse.shift(x, -offset, axis, f) for x, f in zip(acc, (NEG, 0.0, 0.0))))
+  return acc
 
 
 def _prefix0(acc: Acc) -> Acc:
@@ -196,27 +188,19 @@ def _acc_scan(acc: Acc, axis: int, reverse: bool = False) -> Acc:  # prefix (suf
   return Acc(*(back(x) for x in _prefix0(Acc(*(fwd(x) for x in acc)))))
 
 
-def _outside(leaf: Acc, axis: int, before: int | None, after: int | None) -> Acc:
-  """Sum of the terms at t' <= t - before and t' >= t + after (bias 0 there)."""
-  parts = []
-  if before is not None:
-    parts.append(_acc_shift(_acc_scan(leaf, axis), -before, axis))
-  if after is not None:
-    parts.append(_acc_shift(_acc_scan(leaf, axis, reverse=True), after, axis))
-  return parts[0] if len(parts) == 1 else combine(*parts)
+def _outside(leaf: Acc, axis: int, before: int, after: int | None = None) -> Acc:
+  """Sum of the terms at t' <= t - before [and t' >= t + after] (bias 0 there)."""
+  acc = _acc_shift(_acc_scan(leaf, axis), (-before,), (axis,))
+  if after is None:
+    return acc
+  return combine(acc, _acc_shift(_acc_scan(leaf, axis, reverse=True), (after,), (axis,)))
 
 
 def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:
   """Exact sum over the kernel's offsets o (per-axis tuples): logits k[t + o] + kernel[:, o]."""
-
-  def shifted(acc, offset):
-    for off, axis in zip(offset, axes):
-      acc = _acc_shift(acc, off, axis)
-    return acc
-
-  shifts = [shifted(leaf, o) for o in offsets]
+  shifts = [_acc_shift(leaf, o, axes) for o in offsets]
   logits = [jnp.where(s.den > 0, s.m + kernel[:, j], NEG) for j, s in enumerate(shifts)]
-  m = _sg(jnp.max(jnp.stack(logits), axis=0))
+  m = jax.lax.stop_gradient(jnp.max(jnp.stack(logits), axis=0))
   num, den = jnp.zeros_like(leaf.num), jnp.zeros_like(leaf.den)
   for s, logit in zip(shifts, logits):
     p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor
@@ -263,7 +247,7 @@ def _dense_causal(q, k, v, kernel, finite_values: bool):
   valid = (d >= 0)[:, :, None] & term[..., None, :, :]
   # Masked before the exponential: a later key above a row's max would overflow (0 * inf).
   logits = jnp.where(valid, logits, NEG)
-  m = _sg(jnp.max(logits, axis=-2))  # [..., T, H]
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-2))  # [..., T, H]
   p = jnp.where(valid, jnp.exp(logits - m[..., None, :]), 0.0)
   nonfinite = None if finite_values else ~finite(v)
   values = v if finite_values else jnp.where(nonfinite, 0.0, v)
@@ -286,7 +270,7 @@ def _scan_conv1d(q, k, v, kernel, causal: bool):
   leaf = lse.leaf(k, v)
   if causal:
     inside = _kernel_sum(leaf, kernel, [(-j,) for j in range(s)], (axis,))
-    return output(q, combine(inside, _outside(leaf, axis, s, None)))
+    return output(q, combine(inside, _outside(leaf, axis, s)))
   inside = _kernel_sum(leaf, kernel, [(j - s // 2,) for j in range(s)], (axis,))
   return output(q, combine(inside, _outside(leaf, axis, s // 2 + 1, s // 2 + 1)))
 
@@ -305,5 +289,5 @@ def _conv2d(q, k, v, kernel):
   acc = combine(acc, _outside(rows, row, kh // 2 + 1, kh // 2 + 1))
   sides = _outside(leaf, col, kw // 2 + 1, kw // 2 + 1)
   for a in range(-(kh // 2), kh // 2 + 1):
-    acc = combine(acc, _acc_shift(sides, a, row))
+    acc = combine(acc, _acc_shift(sides, (a,), (row,)))
   return output(q, acc)

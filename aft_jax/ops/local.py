@@ -5,13 +5,13 @@ shares with AFT-full (``full``: a band of every key). For a query t and a channe
     a[t, r] = sum_t' exp(k[t', r] + b[t, t']) v[t', r] / sum_t' exp(k[t', r] + b[t, t'])
 
 with b[t, t'] = w[t, t'] on the band |t - t'| < s and 0 on every other key (causal: t' <= t).
-Queries go in blocks of c rows (the last moved back to end at T); block b's band and the keys
+Queries go in blocks of c rows (the last moved back to end at T); a block's band and the keys
 between are a [c, W] rectangle summed with products of exp(b - row max) and exp(k - channel
-max) v; the keys outside it have bias 0 for the whole block: running exact sums per block. A row
-whose largest term underflows in the split shift (a denominator < 1e-25) is recomputed with its
-own maximum. Causal, the channel max is over the keys the block's first row sees, and a later key
-above e^60 or not finite is set aside (``logsumexp.set_aside``): it never reaches an earlier row.
-The derivative is a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
+max) v, the keys outside it (bias 0) running exact sums. A row whose largest term underflows in
+this split shift (a denominator < ``DEN_OK``) is recomputed with its own maximum. Causal, the
+channel max is over the keys the block's first row sees, and a later key above ``EXP_MAX`` or
+not finite is set aside (``logsumexp.set_aside``): it never reaches an earlier row. The
+derivative is a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
 
     da[t] = sum_t' p[t, t'] (dv[t'] + (dk[t'] + dw[t, t']) (v[t'] - a[t]))
 

@@ -101,20 +101,16 @@ def leaf(logit, value, valid=True) -> Acc:
   return Acc(m, jnp.where(bcast(none, value), 0.0, value) * bcast(e, value), e)
 
 
-def from_terms(logits, values, valid, axis: int) -> Acc:
-  """The triple of the terms laid out along ``axis`` (>= 0) where ``valid`` (broadcast against
-  the logits; a masked value never reaches a product)."""
-  valid = jnp.broadcast_to(valid, logits.shape)
+def reduce(logits, values, axis: int, valid=True) -> Acc:
+  """The triple of exp(logit) value along ``axis`` (>= 0) where ``valid`` (broadcast against the
+  logits; a masked value never reaches a product); a logit of ``NEG`` (an empty ring slot) is no
+  term."""
+  valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
   p = jnp.where(valid, jnp.exp(logits - jnp.expand_dims(m, axis)), 0.0)
   values = jnp.where(bcast(valid, values), values, 0.0)
   return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
-
-
-def reduce(k, v, axis: int, valid=True) -> Acc:
-  """The triple of exp(k) v along ``axis``; a key of ``NEG`` (an empty ring slot) is no term."""
-  return from_terms(k, v, (k != NEG) & valid, axis)
 
 
 def reduce_over(acc: Acc, axis: int, valid) -> Acc:
@@ -256,12 +252,10 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
   # The key leaving the window (position t - s) joins the bias-free prefix.
   old = lambda ring: jax.lax.dynamic_index_in_dim(ring, slot, axis, keepdims=False)
   prefix = combine(state.prefix, leaf(old(state.keys), old(state.values), t >= size))
-  put = lambda r, x: jax.lax.dynamic_update_slice_in_dim(
-    r, jnp.expand_dims(_f32(x), axis), slot, axis
-  )
+  put = lambda ring, x: jax.lax.dynamic_update_index_in_dim(ring, _f32(x), slot, axis)
   keys, values = put(state.keys, k_t), put(state.values, v_t)
   age = (slot - jnp.arange(size)) % size
-  band = from_terms(keys + bias(t - age, age), values, (t - age >= 0)[:, None], axis=axis)
+  band = reduce(keys + bias(t - age, age), values, axis, (t - age >= 0)[:, None])
   y = output(_f32(q_t), combine(prefix, band)).astype(jnp.result_type(q_t, k_t, v_t))
   return y, WindowState(prefix, keys, values, t + 1)
 
@@ -321,9 +315,9 @@ def same_segment(segment_ids):
 
 
 def shift(x, j, axis: int, fill):
-  """x[..., t - j, ...] along ``axis`` (``fill`` for t < j); j may be traced."""
+  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` where t - j is outside; j may be traced."""
   t = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (x.ndim - axis - 1))
-  return jnp.where(t >= j, jnp.roll(x, j, axis=axis), fill)
+  return jnp.where((t >= j) & (t - j < x.shape[axis]), jnp.roll(x, j, axis=axis), fill)
 
 
 def packed(q, k, v, segment_ids, size: int, lag_bias):

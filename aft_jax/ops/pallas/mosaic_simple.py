@@ -21,15 +21,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from aft_jax.ops.logsumexp import DEN_OK, HIGHEST, NEG, set_aside
+from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
-from aft_jax.ops.pallas.triton import (
-  colsum,
-  mean_with_vjp,
-  padded_to_chunks,
-  varying_like,
-  widest_config,
-)
+from aft_jax.ops.pallas.triton import colsum, dot
 
 # Backward fast path: beyond this rise of L inside a chunk (exp(L - L_first) near overflow,
 # g exp(L_first - L) near underflow), the exact scan. Forward: the smallest denominator the fast
@@ -56,24 +50,16 @@ def unsupported(d: int, window=None) -> str | None:
   return why + "pad the channels or use impl='xla')" if d % LANES else None
 
 
-def config_for(d: int, batch: int = 1, min_programs: int = 2) -> MosaicConfig:
+def config_for(d: int, batch: int = 1) -> MosaicConfig:
   """The configuration for ``batch`` rows of D channels: two programs at least (megacore)."""
-  return widest_config(CONFIGS, d, batch, min_programs, f"Pallas TPU kernel: {unsupported(d)}")
-
-
-def _dot(x, y):
-  return jnp.dot(x, y, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _rows(x):
-  return jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)  # every element's row index
+  return triton.widest_config(CONFIGS, d, batch, 2, f"Pallas TPU kernel: {unsupported(d)}")
 
 
 def _prefix_triples(k, v):
   """Per row t of a chunk k, v [n, bd], the exact triple of rows <= t (Hillis-Steele: step s
   combines row t's (t - 2 s, t] with row t - s's)."""
   n = k.shape[0]
-  row = _rows(k)
+  row = jax.lax.broadcasted_iota(jnp.int32, k.shape, 0)  # each element's row
   m, num, den = k, v, jnp.ones_like(k)
   s = 1
   while s < n:
@@ -94,7 +80,7 @@ def _prefix_triples(k, v):
 def _suffix_sums(lse, p1, p2):
   """Per row t' of a chunk: sum_{t >= t'} exp(L[t'] - L[t]) p[t] for p1, p2 (factors <= 1)."""
   n = lse.shape[0]
-  row = _rows(lse)
+  row = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
   s = 1
   while s < n:
     # roll by n - s: row t' receives row t' + s; rows past the chunk's end get factor 0 (the
@@ -122,11 +108,11 @@ def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
   ok, e, vs = set_aside(jnp.exp(kc - m), vc)
   s0 = jnp.exp(m0 - m)
   ev = e * vs
-  tril = triton.tri(kc.shape[0], lower=True)
-  num = s0 * num0 + _dot(tril, ev)
-  den = s0 * den0 + _dot(tril, e)
+  tril = triton.ones(kc.shape[0], jnp.greater_equal)
+  num = s0 * num0 + dot(tril, ev)
+  den = s0 * den0 + dot(tril, e)
   # The rows that see a set-aside term, or whose shift lost their terms: only they are redone.
-  redo = (_dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= MIN_DEN)
+  redo = (dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= MIN_DEN)
   last = lambda x: x[x.shape[0] - 1 :]
 
   def fast():
@@ -167,8 +153,8 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
 
   def fast():
     up = jnp.exp(lse - l0)
-    triu = triton.tri(lse.shape[0], lower=False)
-    return up * _dot(triu, gs) + nx * c1n, up * _dot(triu, ga) + nx * c2n
+    triu = triton.ones(lse.shape[0], jnp.less_equal)
+    return up * dot(triu, gs) + nx * c1n, up * dot(triu, ga) + nx * c2n
 
   def exact():
     p1, p2 = _suffix_sums(lse, g, g * a)
@@ -196,7 +182,7 @@ def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
   out_shape = [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs]
   return pl.pallas_call(
     kernel, grid=(b, d // bd, n_t), in_specs=[spec] * len(ins), out_specs=[spec] * len(outs),
-    out_shape=varying_like(out_shape, ins, interpret),
+    out_shape=triton.varying_like(out_shape, ins, interpret),
     scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32) for _ in range(3)],
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     interpret=interpret,
@@ -207,17 +193,17 @@ def _forward(k, v, _, static, with_lse: bool):
   cfg, interpret = static
   kernel = functools.partial(_fwd_kernel, with_lse=with_lse)
   outs = [jnp.float32] * (2 if with_lse else 1)
-  return _call(kernel, cfg, interpret, False, padded_to_chunks(k, v, cfg.block_t), outs)
+  return _call(kernel, cfg, interpret, False, triton.padded_to_chunks(k, v, cfg.block_t), outs)
 
 
 def _backward(k, v, w, a, lse, g, static):
   cfg, interpret = static
-  ins = (*padded_to_chunks(k, v, cfg.block_t), a, lse, g)
+  ins = (*triton.padded_to_chunks(k, v, cfg.block_t), a, lse, g)
   dk, dv = _call(_bwd_kernel, cfg, interpret, True, ins, [k.dtype, v.dtype])
   return dk[:, : k.shape[1]], dv[:, : k.shape[1]], w
 
 
-_causal_mean = mean_with_vjp(_forward, _backward)
+_causal_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):

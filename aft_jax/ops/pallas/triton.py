@@ -1,14 +1,13 @@
 """What the Pallas GPU kernels (``triton_simple``, ``triton_local``) share: block configurations,
 the launch plan, the Triton call, the chunk-parallel form's segment totals, in-kernel helpers;
-and with the TPU kernel (``mosaic_simple``) the widest channel block and a mean's custom VJP.
+and with the TPU kernel (``mosaic_simple``) the widest channel block and the mean's custom VJP.
 
 Sequential form: one program per (batch row, block of ``block_d`` channels) walks all of T in
-chunks of ``block_t``; at small B * D that is few programs (AFT-simple at B 1, D 512: 8 to 32)
-for ~100 SMs. Chunk-parallel form (as flash-linear-attention's chunk kernels, Mamba2's SSD,
-RecurrentGemma's scan): T in segments of ``seg``, grid (batch row, channel block, segment); a
-totals kernel writes each segment's exact triple (``totals``) and a segment's carry-in is the
-combine of the totals before it (``fold``; backward: after it), each scaled by exp(its max - the
-overall max) <= 1. Exact; one more read of the inputs. ``plan_for`` chooses the form.
+chunks of ``block_t``: few programs at small B * D (AFT-simple at B 1, D 512: 8 to 32 for ~100
+SMs). Chunk-parallel form (as flash-linear-attention's chunk kernels, Mamba2's SSD): T in
+segments of ``seg``, grid (batch row, channel block, segment); a totals kernel writes each
+segment's exact triple (``totals``), a segment's carry-in is the combine of the totals before it
+(``fold``; backward: after it). Exact; one more read of the inputs. ``plan_for`` chooses.
 """
 
 import functools
@@ -93,16 +92,11 @@ def grid(batch: int, d: int, plan: LaunchPlan, n_seg: int) -> tuple[int, ...]:
   return (batch, d // plan.cfg.block_d) + ((n_seg,) if plan.seg else ())
 
 
-def n_pad(n_seg: int) -> int:
-  """The totals' rows: n_seg rounded up to whole ``FOLD`` blocks (the rest never read)."""
-  return -(-n_seg // FOLD) * FOLD
-
-
-def tri(n: int, lower: bool):
-  """[n, n] float32 ones on and below (lower) or on and above the diagonal."""
-  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return jnp.where(i >= j if lower else i <= j, 1.0, 0.0).astype(jnp.float32)
+def ones(n: int, where):
+  """[n, n] float32: 1 where ``where(row, column)``, else 0 (jnp.greater_equal: the lower
+  triangle, jnp.less_equal: the upper, jnp.equal: the identity)."""
+  i, j = (jax.lax.broadcasted_iota(jnp.int32, (n, n), axis) for axis in (0, 1))
+  return jnp.where(where(i, j), 1.0, 0.0).astype(jnp.float32)
 
 
 def mean_with_vjp(forward, backward):
@@ -247,8 +241,8 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
 
 
 def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D] over
-  ``t_pad`` positions: chunk-parallel; none for the sequential form."""
+  """The segment totals (m, s1, s2) [B, n_pad, D] (n_pad: whole ``FOLD`` blocks) of ins = (k, v)
+  or (L, g, a) [B, n, D] over ``t_pad`` positions: chunk-parallel; none for the sequential form."""
   if not plan.seg:
     return ()
   (b, n, d), n_seg = ins[0].shape, t_pad // plan.seg
@@ -259,7 +253,7 @@ def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0
     _totals_kernel, bt=cfg.block_t, seg=plan.seg, kind=kind, skip=skip,
     limit=n if limit is None else limit,
   )  # fmt: skip
-  out = jax.ShapeDtypeStruct((b, n_pad(n_seg), d), jnp.float32)
+  out = jax.ShapeDtypeStruct((b, -(-n_seg // FOLD) * FOLD, d), jnp.float32)  # whole folds
   return call(
     kernel, cfg, interpret, grid(b, d, plan, n_seg), [col] * len(ins), [one] * 3, [out] * 3, ins
   )

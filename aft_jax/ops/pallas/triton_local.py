@@ -67,14 +67,9 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
   return jnp.where((tk <= t) & (tk >= 0), bias, NEG)
 
 
-def _eye(n: int):
-  """[n, n] identity: a [1, n] row becomes a column (sum(eye * x, 1)), which Triton can do."""
-  i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1), 1.0, 0.0)
-
-
 def _bias_column(bias_ref, r, u, bt: int, eye):
-  """Query row r's biases against key block u as a [bt, 1] column (``_eye``)."""
+  """Query row r's biases against key block u as a [bt, 1] column: sum(eye * row, 1) with the
+  identity ``eye``, which Triton can do."""
   return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
 
 
@@ -145,15 +140,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
   )
   n_keys, keys, maxima, shifted = _slab(bias_ref, k_ref, v_ref, bt)
   bd = k_ref.shape[1]
-  eye = _eye(bt)
-
-  def store(idx, num, den, m, real):
-    # Padding rows (after T) are stored as 0: their shift may lose every term (their biases
-    # repeat the last row's, against padding keys of weight 0), and a NaN residual there
-    # would reach the backward's products (0 * NaN).
-    a_ref[idx, :] = jnp.where(real, num / den, 0.0)
-    if lse_ref:
-      lse_ref[0][idx, :] = jnp.where(real, m + jnp.log(den), 0.0)
+  eye = triton.ones(bt, jnp.equal)
 
   def chunk(j, carry):
     m0, num0, den0 = carry  # [1, bd]: the keys before the slab (bias 0 for every row)
@@ -176,11 +163,17 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     # DEN_OK times the largest second factor). Stored as NaN (a fast value never is: finite
     # inputs, den > 0), which the exact pass reads as "redo".
     lost = ~(den >= DEN_OK * jnp.maximum(esum, 1.0))
-    redo = ((aside > 0.5) | lost) & _real(j, bt, t_len)
+    real, idx = _real(j, bt, t_len), rows(j - j0, bt)
+    redo = ((aside > 0.5) | lost) & real
     m = jnp.maximum(mw + mk, m0)
     s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
     num, den = num * s1 + num0 * s0, den * s1 + den0 * s0
-    store(rows(j - j0, bt), jnp.where(redo, jnp.nan, num), den, m, _real(j, bt, t_len))
+    # Padding rows (after T) are stored as 0: their shift may lose every term (their biases
+    # repeat the last row's, against padding keys of weight 0), and a NaN residual there
+    # would reach the backward's products (0 * NaN).
+    a_ref[idx, :] = jnp.where(real, jnp.where(redo, jnp.nan, num) / den, 0.0)
+    if lse_ref:
+      lse_ref[0][idx, :] = jnp.where(real, m + jnp.log(den), 0.0)
 
     def exact():  # row by row, the maximum per (row, channel) carried over the key blocks
       def row(i, _):
@@ -228,7 +221,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
   )
   n_keys, keys, maxima, shifted = _slab(bias_ref, k_ref, v_ref, bt)
   bd = k_ref.shape[1]
-  eye = _eye(bt)
+  eye = triton.ones(bt, jnp.equal)
 
   def clear(i, _):
     dk_ref[rows(i, bt), :] = jnp.zeros((bt, bd), jnp.float32)
@@ -301,7 +294,7 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
   j = pl.program_id(0)
   n_keys = bias_ref.shape[1] // bt
   out, real = rows(j, bt), _real(j, bt, t_len)
-  eye = _eye(bt)
+  eye = triton.ones(bt, jnp.equal)
 
   def add(idx, x):
     dw_ref[idx] = dw_ref[idx] + x

@@ -33,7 +33,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
   """One (batch row, channel block[, segment]): a [and L] of k, v refs [T, bd] ([seg, bd]: then
   the first three refs are the segment totals, folded into the carry-in)."""
   n_chunks = k_ref.shape[0] // bt
-  tril = triton.tri(bt, lower=True)
+  tril = triton.ones(bt, jnp.greater_equal)
   carry_in = triton.empty(k_ref.shape[1])
   if n_seg is not None:  # the segments before this one
     s = pl.program_id(2)
@@ -90,7 +90,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
 def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int | None):
   """One (batch row, channel block[, segment]): dk, dv from k, v, a, L and the cotangent g."""
   n_chunks = k_ref.shape[0] // bt
-  triu = triton.tri(bt, lower=False)
+  triu = triton.ones(bt, jnp.less_equal)
   zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
   carry_in = (zero, zero, zero - NEG)  # nothing after
   if n_seg is not None:
@@ -150,10 +150,10 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, kind, limit=None
   tot_ins = ins[:2] if kind == "keys" else (ins[3], ins[4], ins[2])  # (k, v) or (L, g, a)
   tots = triton.totals(tot_ins, kind, plan, t_len, interpret, limit=limit)
   spec = pl.BlockSpec((None, seg, plan.cfg.block_d), lambda i, j, *s: (i, s[0] if s else 0, j))
-  tot = pl.BlockSpec((None, triton.n_pad(n_seg), plan.cfg.block_d), lambda i, j, *s: (i, 0, j))
+  tot = lambda x: pl.BlockSpec((None, x.shape[1], plan.cfg.block_d), lambda i, j, *s: (i, 0, j))
   kernel = functools.partial(kernel, bt=plan.cfg.block_t, n_seg=n_seg if plan.seg else None)
   out_shape = [jax.ShapeDtypeStruct((b, t_len, d), dt) for dt in outs]
-  in_specs, grid = [spec] * len(ins) + [tot] * len(tots), triton.grid(b, d, plan, n_seg)
+  in_specs, grid = [spec] * len(ins) + [tot(x) for x in tots], triton.grid(b, d, plan, n_seg)
   return triton.call(
     kernel, plan.cfg, interpret, grid, in_specs, [spec] * len(outs), out_shape, (*ins, *tots)
   )
