@@ -87,9 +87,10 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
 
 
 class Kernel(NamedTuple):
-  """An op's kernel: its ``platform``; ``mean(k, v[, w, window], interpret=)``, the mean ``[B, T,
-  D]`` float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or None; ``auto``:
-  whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is opt-in)."""
+  """An op's kernel: its ``platform``; ``mean(k, v[, w, window], interpret=...)``, the mean
+  ``[B, T, D]`` float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or
+  None; ``auto``: whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is
+  opt-in)."""
 
   platform: str
   mean: Callable
