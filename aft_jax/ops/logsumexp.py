@@ -315,9 +315,15 @@ def same_segment(segment_ids):
 
 
 def shift(x, j, axis: int, fill):
-  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` where t - j is outside; j may be traced."""
-  t = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (x.ndim - axis - 1))
-  return jnp.where((t >= j) & (t - j < x.shape[axis]), jnp.roll(x, j, axis=axis), fill)
+  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` where t - j is outside; j may be traced
+  (a static j pads and slices: fewer ops to compile than a roll and a mask)."""
+  n = x.shape[axis]
+  if isinstance(j, int):
+    x = jnp.pad(x, [(max(j, 0), max(-j, 0)) if i == axis else (0, 0) for i in range(x.ndim)],
+                constant_values=fill)  # fmt: skip
+    return jax.lax.slice_in_dim(x, max(-j, 0), max(-j, 0) + n, axis=axis)
+  t = jnp.arange(n).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+  return jnp.where((t >= j) & (t - j < n), jnp.roll(x, j, axis=axis), fill)
 
 
 def packed(q, k, v, segment_ids, size: int, lag_bias):
