@@ -1,6 +1,7 @@
 """Test session setup (a persistent compilation cache) and shared fixtures; helpers that tests
 import are in tests/support/helpers.py."""
 
+import gc
 import os
 import sys
 
@@ -42,10 +43,17 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   """In every pytest process (each xdist worker too): the fork servers it started
   (tests/support/prefork.py) stopped and reaped while the process still ends normally, so that
-  their commands' CPU reaches the session's accounting and no socket folder is left."""
+  their commands' CPU reaches the session's accounting and no socket folder is left.
+
+  Then the garbage collected once and what is alive frozen: pytest's unraisable-exception
+  check collects five times more, and each full collection walks the session's jax caches
+  (about a second each in a worker); pytest-xdist's execnet sends a worker still busy 5 s
+  after the session's end a SIGINT, which lands in a gc callback as a KeyboardInterrupt."""
   from tests.support import prefork
 
   prefork.stop_all()
+  gc.collect()
+  gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
