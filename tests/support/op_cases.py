@@ -36,12 +36,25 @@ def scan_simple(q, k, v):
   return scan(q, k, v)
 
 
+@jax.jit
+def _simple_out_and_grads(q, k, v, ct):
+  grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  return scan_simple(q, k, v), grads
+
+
+@jax.jit
+def _simple_out(q, k, v):
+  return scan_simple(q, k, v)
+
+
 def simple_reference(q, k, v, ct):
-  """Causal AFT-simple's output and gradients (q, k, v) of sum(out * ct), in float64."""
+  """Causal AFT-simple's output and gradients (q, k, v) of sum(out * ct), in float64 (one
+  program per shape; ``ct`` None: the output alone)."""
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
-    out = scan_simple(*args)
-    grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(*args)
+    if ct is None:
+      return np.asarray(_simple_out(*args)), None
+    out, grads = _simple_out_and_grads(*args, jnp.asarray(ct, jnp.float64))
     return jax.tree.map(np.asarray, (out, grads))
 
 
