@@ -97,11 +97,21 @@ def tpu_simple(q, k, v):
   return common.run("aft_simple", tpu, "pallas_interpret", None, q, k, v, causal=True)
 
 
+def cotangent(shape):
+  """The fixed random cotangent of ``values_and_grads``."""
+  return np.random.default_rng(9).normal(size=shape).astype(np.float32)
+
+
+def output_and_grads(fn):
+  """(q, k, v, bias, ct) -> fn's output and the gradients of <fn, ct> w.r.t. q, k, v and bias
+  (to be jitted, alone or with others in one program)."""
+  loss = lambda q, k, v, bias, ct: jnp.sum(fn(q, k, v, bias) * ct)
+  return lambda *a: (fn(*a[:4]), jax.grad(loss, argnums=(0, 1, 2, 3))(*a))
+
+
 def values_and_grads(fn, q, k, v, bias):
   """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
-  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
-  loss = lambda *a: jnp.sum(fn(*a) * ct)
-  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+  return jax.jit(output_and_grads(fn))(q, k, v, bias, cotangent(q.shape))
 
 
 def close(got, want, rel):
