@@ -387,9 +387,13 @@ def test_reverse_mode_under_vmap_checkpoint_and_scan(name, impl):
   against the float64 one: ``test_dense_references_are_the_float64_ones``)."""
   fn, dense, _, kind = _case_fn(name, impl)
   x, ct, _ = _inputs(kind, *CASES[name, impl])
-  args = (*map(_nest, x[:3]), jnp.stack([x[3], 0.5 * x[3]]), _nest(ct))
-  run = jax.jit(lambda *a: (_reverse(fn)(*a), _reverse(dense)(*a)))
-  got, want = run(*args)
+
+  @jax.jit
+  def run(x, ct):  # (the layout of ``_reverse``'s arguments in the same program)
+    args = (*map(_nest, x[:3]), jnp.stack([x[3], 0.5 * x[3]]), _nest(ct))
+    return _reverse(fn)(*args), _reverse(dense)(*args)
+
+  got, want = run(x, ct)
   (_, y), grads = got
   (_, y_want), grads_want = want
   _close(y, y_want, "values")
@@ -441,7 +445,9 @@ def test_kernels_refuse_forward_mode_in_one_line():
       lambda: jax.jvp(lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas"), x128, t128)
     )
   auto = lambda *a: ops.aft_simple(*a[:3], causal=True, impl="auto")
-  _close(jax.jvp(auto, x, tx)[1], jax.jvp(_forms("xla")["simple-causal"][0], x, tx)[1], "auto")
+  xla = _forms("xla")["simple-causal"][0]
+  got, want = jax.jit(lambda x, tx: (jax.jvp(auto, x, tx)[1], jax.jvp(xla, x, tx)[1]))(x, tx)
+  _close(got, want, "auto")
 
 
 # --------------------------------------------------------------------------- the Flax layers
