@@ -19,8 +19,8 @@ from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, close, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
-  values_and_grads,
+  ATOL, RTOL, close, cotangent, grads_check, grads_finite_at_large_logits, kernel_inputs,
+  output_and_grads, qkvw, rand,
 )  # fmt: skip
 
 
@@ -319,13 +319,12 @@ def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
     return jnp.concatenate([y1, y2], axis=1)
 
   dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
-  y1, g1 = values_and_grads(dense, q, k, v, bias)
-  y2, g2 = values_and_grads(chained, q, k, v, bias)
-  close(y2, y1, 1e-5)
-  close(g2, g1, 1e-4)
   # One call on the whole sequence given the factors: in sub-pieces too.
   whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
-  y3, g3 = values_and_grads(whole, q, k, v, bias)
+  run = jax.jit(lambda *a: [output_and_grads(f)(*a) for f in (dense, chained, whole)])
+  (y1, g1), (y2, g2), (y3, g3) = run(q, k, v, bias, cotangent(q.shape))
+  close(y2, y1, 1e-5)
+  close(g2, g1, 1e-4)
   close(y3, y1, 1e-5)
   close(g3, g1, 1e-4)
 

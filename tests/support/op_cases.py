@@ -98,7 +98,7 @@ def tpu_simple(q, k, v):
 
 
 def cotangent(shape):
-  """The fixed random cotangent of ``values_and_grads``."""
+  """A fixed random cotangent of an output of ``shape`` (for ``output_and_grads``)."""
   return np.random.default_rng(9).normal(size=shape).astype(np.float32)
 
 
@@ -107,11 +107,6 @@ def output_and_grads(fn):
   (to be jitted, alone or with others in one program)."""
   loss = lambda q, k, v, bias, ct: jnp.sum(fn(q, k, v, bias) * ct)
   return lambda *a: (fn(*a[:4]), jax.grad(loss, argnums=(0, 1, 2, 3))(*a))
-
-
-def values_and_grads(fn, q, k, v, bias):
-  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
-  return jax.jit(output_and_grads(fn))(q, k, v, bias, cotangent(q.shape))
 
 
 def close(got, want, rel):
