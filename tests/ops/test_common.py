@@ -220,8 +220,8 @@ def test_auto_takes_xla_for_each_platform_without_kernels():
   rejects compiled kernels in every branch; docs/kernels.md.)"""
   q, k, v, w = _inputs()
   fn = jax.value_and_grad(_loss(OPS["aft_local"]), argnums=(0, 1, 2, 3))
-  want = jax.value_and_grad(
-    _loss(functools.partial(OPS["aft_local"], impl="xla")), argnums=(0, 1, 2, 3)
+  want = jax.jit(
+    jax.value_and_grad(_loss(functools.partial(OPS["aft_local"], impl="xla")), argnums=(0, 1, 2, 3))
   )(q, k, v, w)
   for platforms, device in ((["cpu"], "NVIDIA H200"), (["cpu", "cuda"], "Tesla T4")):
     exported = _export(fn, (q, k, v, w), platforms, device)

@@ -129,8 +129,9 @@ def test_factor_dim_below_zero_is_refused():
 def test_decoding_past_max_len_gives_nan(cls):
   module = cls(max_len=3, causal=True)
   x = jax.random.normal(jax.random.key(1), (1, 1, 8))
-  variables = {"params": module.init(jax.random.key(0), jnp.tile(x, (1, 3, 1)))["params"]}
-  cache = module.init(jax.random.key(0), x, decode=True)["cache"]
+  init = jax.jit(module.init, static_argnames="decode")  # one program each, not per primitive
+  variables = {"params": init(jax.random.key(0), jnp.tile(x, (1, 3, 1)))["params"]}
+  cache = init(jax.random.key(0), x, decode=True)["cache"]
   step = jax.jit(
     lambda c, x: module.apply({**variables, "cache": c}, x, decode=True, mutable="cache")
   )

@@ -19,8 +19,8 @@ from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, close, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
-  values_and_grads,
+  ATOL, RTOL, close, cotangent, grads_check, grads_finite_at_large_logits, kernel_inputs,
+  output_and_grads, qkvw, rand,
 )  # fmt: skip
 
 
@@ -83,18 +83,16 @@ def test_banded_long_sequence(causal, window, scale):
   t_len = 300
   q, k, v, w = qkvw(20, (2,), t_len, 4, scale)
   if window is None:
-    fn = jax.jit(functools.partial(ops.aft_full, causal=causal))
+    fn = functools.partial(ops.aft_full, causal=causal)
     bias = w
   else:
-    fn = jax.jit(functools.partial(ops.aft_local, window=window, causal=causal))
+    fn = functools.partial(ops.aft_local, window=window, causal=causal)
     bias = ref.local_bias(w, window)
-  expected = _dense_reference(q, k, v, bias, causal)
-  chex.assert_trees_all_close(fn(q, k, v, w), expected, rtol=RTOL, atol=ATOL)
 
   plan = local.make_plan(t_len, 2 * 4, window or t_len, causal)
   assert plan.nb > 1 and plan.nb * plan.c > t_len, plan  # several blocks, the last overlapping
   rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
-  recomputed = local._forward(plan, rows(k), rows(v), w)[2]
+  recomputed = jax.jit(lambda k, v, w: local._forward(plan, k, v, w))(rows(k), rows(v), w)[2]
   assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
 
   def dense(q, k, v, w):  # exact: a per-(t, d) maximum
@@ -108,13 +106,18 @@ def test_banded_long_sequence(causal, window, scale):
 
   ct, tk, tv = rand(21, q.shape, q.shape, q.shape)
   (tw,) = rand(22, w.shape)
-  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))
-  chex.assert_trees_all_close(grad(fn)(q, k, v, w), grad(dense)(q, k, v, w), rtol=1e-3, atol=1e-4)
-  jvp = lambda f: jax.jit(lambda *a: jax.jvp(lambda k, v, w: f(q, k, v, w), a[:3], a[3:])[1])
-  want = jvp(dense)(k, v, w, tk, tv, tw)
-  np.testing.assert_allclose(
-    jvp(fn)(k, v, w, tk, tv, tw), want, rtol=1e-3, atol=1e-4 * np.abs(want).max()
-  )
+
+  @jax.jit
+  def run(q, k, v, w, ct, tk, tv, tw):  # the op's values; both modes of the op and of dense
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3))(q, k, v, w)
+    jvp = lambda f: jax.jvp(lambda k, v, w: f(q, k, v, w), (k, v, w), (tk, tv, tw))[1]
+    return fn(q, k, v, w), (grad(fn), grad(dense)), (jvp(fn), jvp(dense))
+
+  out, (grad_fn, grad_dense), (jvp_fn, jvp_dense) = run(q, k, v, w, ct, tk, tv, tw)
+  expected = _dense_reference(q, k, v, bias, causal)
+  chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(grad_fn, grad_dense, rtol=1e-3, atol=1e-4)
+  np.testing.assert_allclose(jvp_fn, jvp_dense, rtol=1e-3, atol=1e-4 * np.abs(jvp_dense).max())
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -159,16 +162,21 @@ def _local_dense(q, k, v, w, window):
   return jax.nn.sigmoid(q) * jnp.moveaxis(jax.lax.map(row, tp), 0, -2)
 
 
+@functools.partial(jax.jit, static_argnames="window")
+def _local_out_and_grads(q, k, v, w, ct, window):
+  fn = functools.partial(_local_dense, window=window)
+  return fn(q, k, v, w), jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(q, k, v, w)
+
+
 def _local_reference(q, k, v, w, ct, window, grads=True):
-  """Output [and gradients (q, k, v, w) of sum(out * ct)], in float64."""
+  """Output [and gradients (q, k, v, w) of sum(out * ct)], in float64 (one program per shape
+  and window)."""
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v, w))
-    fn = functools.partial(_local_dense, window=window)
-    out = np.asarray(fn(*args))
     if not grads:
-      return out
-    g = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(*args)
-    return out, jax.tree.map(np.asarray, g)
+      return np.asarray(jax.jit(_local_dense, static_argnames="window")(*args, window=window))
+    out, g = _local_out_and_grads(*args, jnp.asarray(ct, jnp.float64), window=window)
+    return np.asarray(out), jax.tree.map(np.asarray, g)
 
 
 def _local_inputs(t_len, d, std, seed):
@@ -185,19 +193,23 @@ def test_dense_reference_is_the_loop_reference():
   np.testing.assert_allclose(_local_reference(q, k, v, w, None, 4, False), want, rtol=1e-12)
 
 
-@pytest.mark.parametrize("std", [1.0, 40.0])
 @pytest.mark.parametrize("t_len, window", [(1, 3), (7, 20), (100, 5), (128, 32)])
-def test_triton_kernel(t_len, window, std):
-  """Values and gradients (q, k, v, w), logits of std 1 and 40, T ragged (7, 100), a window
-  wider than T (20 > 7: every key in the band), of one key block (5) and of three (32)."""
-  q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
+def test_triton_kernel(t_len, window):
+  """Values and gradients (q, k, v, w), logits of std 1 and 40 (one compiled program for
+  both), T ragged (7, 100), a window wider than T (20 > 7: every key in the band), of one key
+  block (5) and of three (32)."""
   fn = functools.partial(ops.aft_local, window=window, causal=True, impl="pallas_interpret")
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))
-  out, got = jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v, w)
-  want_out, want = _local_reference(q, k, v, w, ct, window)
-  chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
-  for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
-    np.testing.assert_allclose(g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a[:4]) * a[4]), argnums=(0, 1, 2, 3))
+  run = jax.jit(lambda *a: (fn(*a[:4]), grads(*a)))
+  for std in (1.0, 40.0):
+    q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
+    out, got = run(q, k, v, w, ct)
+    want_out, want = _local_reference(q, k, v, w, ct, window)
+    chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL, custom_message=f"std {std}")
+    for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
+      np.testing.assert_allclose(
+        g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6, err_msg=f"std {std}"
+      )
 
 
 @pytest.mark.parametrize(
@@ -307,13 +319,12 @@ def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
     return jnp.concatenate([y1, y2], axis=1)
 
   dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
-  y1, g1 = values_and_grads(dense, q, k, v, bias)
-  y2, g2 = values_and_grads(chained, q, k, v, bias)
-  close(y2, y1, 1e-5)
-  close(g2, g1, 1e-4)
   # One call on the whole sequence given the factors: in sub-pieces too.
   whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
-  y3, g3 = values_and_grads(whole, q, k, v, bias)
+  run = jax.jit(lambda *a: [output_and_grads(f)(*a) for f in (dense, chained, whole)])
+  (y1, g1), (y2, g2), (y3, g3) = run(q, k, v, bias, cotangent(q.shape))
+  close(y2, y1, 1e-5)
+  close(g2, g1, 1e-4)
   close(y3, y1, 1e-5)
   close(g3, g1, 1e-4)
 
@@ -363,20 +374,21 @@ def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
   assert np.all(np.isnan(jax.jit(lambda s: call(s, 3))(state)))
 
 
-@pytest.mark.parametrize("at", [-1, 0, 4, 5])
-def test_a_traced_offset_outside_w_gives_nan(at):
-  """T = 4 positions at a traced offset into w [8, 8]: offsets 0..4 fit; -1 and 5 do not, and
-  a dynamic slice would clamp them to another block of w: NaN instead."""
+def test_a_traced_offset_outside_w_gives_nan():
+  """T = 4 positions at a traced offset into w [8, 8] (one program for every offset): offsets
+  0..4 fit; -1 and 5 do not, and a dynamic slice would clamp them to another block of w: NaN
+  instead."""
   q, k, v, w = _inputs(5.0, seed=5)
   first = lambda x: x[:, :4]
   run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
                                          causal=True, offset=at))  # fmt: skip
-  y = run(at)
-  if 0 <= at <= 4:
-    want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
-    chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
-  else:
-    assert np.all(np.isnan(y))
+  for at in (-1, 0, 4, 5):
+    y = run(at)
+    if 0 <= at <= 4:
+      want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
+      chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6, custom_message=f"offset {at}")
+    else:
+      assert np.all(np.isnan(y)), at
 
 
 @pytest.mark.parametrize("at", [1, 4])

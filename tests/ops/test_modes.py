@@ -16,7 +16,7 @@ import pytest
 from aft_jax import ops
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
-from tests.support.op_cases import ATOL, RTOL, close, values_and_grads
+from tests.support.op_cases import ATOL, RTOL, close, cotangent, output_and_grads
 
 T = 8
 CUTS = (3, 1, 4)  # uneven pieces, one of length 1
@@ -53,14 +53,16 @@ def _chained(op, q, k, v, bias):
   return jnp.concatenate(ys, axis=1), state
 
 
-@pytest.mark.parametrize("scale", [1.0, 40.0])
 @pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
-def test_pieces_equal_one_call(op, scale):
-  args = _inputs(op, scale)
-  y1, g1 = values_and_grads(functools.partial(_call, op), *args)
-  y2, g2 = values_and_grads(lambda *a: _chained(op, *a)[0], *args)
-  close(y2, y1, 1e-5)
-  close(g2, g1, 1e-4)
+def test_pieces_equal_one_call(op):
+  """Values and gradients, logits of std 1 and 40 (one compiled program for both)."""
+  one, chained = functools.partial(_call, op), lambda *a: _chained(op, *a)[0]
+  run = jax.jit(lambda *a: (output_and_grads(one)(*a), output_and_grads(chained)(*a)))
+  for scale in (1.0, 40.0):
+    args = _inputs(op, scale)
+    (y1, g1), (y2, g2) = run(*args, cotangent(args[0].shape))
+    close(y2, y1, 1e-5)
+    close(g2, g1, 1e-4)
 
 
 @pytest.mark.parametrize("op", ["simple", "local", "conv1d"])
@@ -208,10 +210,10 @@ def test_each_document_as_if_alone(op, scale):
     y = jnp.stack([jnp.concatenate([y5[0], y4[0]]), jnp.concatenate([y4[1], y5[1]])])
     return jnp.sum(y5 * c5) + jnp.sum(y4 * c4), y
 
-  args = _packed_inputs(op, scale)
-  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
-  (_, y1), g1 = grad(packed)
-  (_, y2), g2 = grad(alone)
+  grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+  ((_, y1), g1), ((_, y2), g2) = jax.jit(lambda *a: (grad(packed)(*a), grad(alone)(*a)))(
+    *_packed_inputs(op, scale)
+  )
   np.testing.assert_allclose(y1, y2, rtol=0, atol=1e-5 * float(np.max(np.abs(y2))))
   for a, b in zip(g1, g2):
     assert np.all(np.isfinite(a))
@@ -232,25 +234,26 @@ def test_bad_segment_arguments_are_refused():
 
 
 @pytest.mark.parametrize("op", ["local", "full"])
-@pytest.mark.parametrize("bad", [-1, TP])
-def test_a_position_outside_w_gives_nan(op, bad):
+def test_a_position_outside_w_gives_nan(op):
   """Row 0's second document has a position outside w [T, T] (-1: NumPy's rule would read
-  w's last row instead): every output that reads its bias is NaN; row 1 and row 0's first
-  document are what each document gives alone (the float64 reference)."""
-  seg, pos = _layout()
-  pos = pos.copy()
-  pos[0, SPLITS[0] + 1] = bad  # the second position of row 0's second document
+  w's last row instead; or T), one program for both: every output that reads its bias is NaN;
+  row 1 and row 0's first document are what each document gives alone (the float64
+  reference)."""
   q, k, v, w = _packed_inputs(op, 1.0)
-  y = np.asarray(jax.jit(lambda *a: _packed_op(op, *a, seg, pos))(q, k, v, w))
-  reads = SPLITS[0] + 1 + np.arange(WINDOW if op == "local" else TP)  # the rows that see it
-  reads = reads[reads < TP]
-  assert np.all(np.isnan(y[0, reads]))
-  fine = np.setdiff1d(np.arange(TP), reads)
-  assert np.all(np.isfinite(y[0, fine])) and np.all(np.isfinite(y[1]))
-  n = SPLITS[0]
-  bias = ref.local_bias(w, WINDOW) if op == "local" else w
-  want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
-  np.testing.assert_allclose(y[0, :n], want, rtol=1e-5, atol=1e-6)
+  run = jax.jit(functools.partial(_packed_op, op))
+  for bad in (-1, TP):
+    seg, pos = _layout()
+    pos[0, SPLITS[0] + 1] = bad  # the second position of row 0's second document
+    y = np.asarray(run(q, k, v, w, seg, pos))
+    reads = SPLITS[0] + 1 + np.arange(WINDOW if op == "local" else TP)  # the rows that see it
+    reads = reads[reads < TP]
+    assert np.all(np.isnan(y[0, reads])), bad
+    fine = np.setdiff1d(np.arange(TP), reads)
+    assert np.all(np.isfinite(y[0, fine])) and np.all(np.isfinite(y[1])), bad
+    n = SPLITS[0]
+    bias = ref.local_bias(w, WINDOW) if op == "local" else w
+    want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
+    np.testing.assert_allclose(y[0, :n], want, rtol=1e-5, atol=1e-6, err_msg=f"position {bad}")
 
 
 # --------------------------------------------------------------------------- the one-token steps
@@ -274,21 +277,22 @@ def _scan(step, state, *xs):
   return jnp.moveaxis(ys, 0, 1)
 
 
-def _channels(scale):
-  q, v = _randn(0, (B, TS, D)), _randn(1, (B, TS, D))
-  k, w = _randn(2, (B, TS, D), scale), _randn(3, (TS, TS), scale)
-  return q, k, v, w
-
-
-def _steps(name, scale):
-  """(the steps' output, the op's) for op ``name``."""
+def _step_inputs(name, scale):
+  """The inputs of ``_steps``: q, k, v and w [TS, TS] (AFT-conv1d: its kernel [H, KERNEL]),
+  logits of std ``scale``."""
   if name == "aft_conv1d":
     q, v = _randn(0, (B, TS, H, C)), _randn(1, (B, TS, H, C))
-    k, kernel = _randn(2, (B, TS, H), scale), _randn(3, (H, KERNEL), scale)
+    return q, _randn(2, (B, TS, H), scale), v, _randn(3, (H, KERNEL), scale)
+  q, v = _randn(0, (B, TS, D)), _randn(1, (B, TS, D))
+  return q, _randn(2, (B, TS, D), scale), v, _randn(3, (TS, TS), scale)
+
+
+def _steps(name, q, k, v, w):
+  """(the steps' output, the op's) for op ``name``."""
+  if name == "aft_conv1d":
     state = ops.aft_conv1d_init((B, H), (B, H, C), KERNEL)
-    step = lambda s, q_t, k_t, v_t: ops.aft_conv1d_step(s, q_t, k_t, v_t, kernel)
-    return _scan(step, state, q, k, v), ops.aft_conv1d(q, k, v, kernel, causal=True, impl="xla")
-  q, k, v, w = _channels(scale)
+    step = lambda s, q_t, k_t, v_t: ops.aft_conv1d_step(s, q_t, k_t, v_t, w)
+    return _scan(step, state, q, k, v), ops.aft_conv1d(q, k, v, w, causal=True, impl="xla")
   t_idx = jnp.broadcast_to(jnp.arange(TS), (B, TS))  # each step takes row t of w
   if name == "aft_simple":
     got = _scan(ops.aft_simple_step, ops.aft_simple_init((B, D)), q, k, v)
@@ -305,12 +309,14 @@ def _steps(name, scale):
 NAMES = ["aft_simple", "aft_full", "aft_local", "aft_conv1d"]
 
 
-@pytest.mark.parametrize("scale", [1.0, 40.0])
 @pytest.mark.parametrize("name", NAMES)
-def test_steps_over_a_sequence_are_the_causal_op(name, scale):
-  got, want = _steps(name, scale)
-  chex.assert_tree_all_finite(got)
-  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+def test_steps_over_a_sequence_are_the_causal_op(name):
+  """Logits of std 1 and 40, one compiled program for both."""
+  run = jax.jit(functools.partial(_steps, name))
+  for scale in (1.0, 40.0):
+    got, want = run(*_step_inputs(name, scale))
+    chex.assert_tree_all_finite(got)
+    chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL, custom_message=f"std {scale}")
 
 
 def test_steps_keep_the_inputs_dtype():

@@ -56,18 +56,22 @@ def test_causal_derivatives_exact_at_large_logits(t_len, scale):
     p = jax.nn.softmax(logits, axis=-2)
     return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
 
+  def derivatives(f, q, k, v, ct, tk, tv):  # reverse mode (q, k, v), forward mode (k, v)
+    rev = jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+    return rev, jax.jvp(lambda k, v: f(q, k, v), (k, v), (tk, tv))[1]
+
   with jax.enable_x64(True):
-    q64, k64, v64, ct64, tk64, tv64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct, tk, tv))
-    want_rev = jax.grad(lambda *a: jnp.sum(dense(*a) * ct64), argnums=(0, 1, 2))(q64, k64, v64)
-    want_fwd = jax.jvp(lambda k, v: dense(q64, k, v), (k64, v64), (tk64, tv64))[1]
-    want_rev, want_fwd = jax.tree.map(np.asarray, (want_rev, want_fwd))
+    x64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct, tk, tv))
+    want_rev, want_fwd = jax.tree.map(
+      np.asarray, jax.jit(derivatives, static_argnums=0)(dense, *x64)
+    )
   rows = lambda x: np.swapaxes(x, 0, 1).reshape(t_len, -1)
   c = min(simple.CHUNK, t_len)
-  chunks = lambda x: simple._chunked(rows(x), c, -1e30)
-  recomputed = simple._forward(chunks(k), chunks(v), False)[3]
+  chunks = lambda x: simple._chunked(x, c, -1e30)
+  chunked_forward = jax.jit(lambda k, v: simple._forward(chunks(k), chunks(v), False))
+  recomputed = chunked_forward(rows(k), rows(v))[3]
   assert bool(np.any(recomputed)) == (scale > 1.0 and t_len > 1), recomputed
-  got_rev = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
-  got_fwd = jax.jvp(lambda k, v: fn(q, k, v), (k, v), (tk, tv))[1]
+  got_rev, got_fwd = jax.jit(derivatives, static_argnums=0)(fn, q, k, v, ct, tk, tv)
   for got, want in zip(got_rev + (got_fwd,), want_rev + (want_fwd,)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
@@ -128,7 +132,7 @@ def _pallas(q, k, v, ct):
 
 def test_scan_reference_is_the_loop_reference():
   q, k, v, _ = kernel_inputs(7, 3)
-  out, _ = simple_reference(q, k, v, np.zeros_like(q))
+  out, _ = simple_reference(q, k, v, None)
   np.testing.assert_allclose(out, ref.aft_simple(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
 
 
@@ -149,7 +153,7 @@ def test_triton_kernel_long_sequence_forward():
   assert triton.plan_for(2, 4096, 16).seg == 128
   q, k, v, _ = kernel_inputs(4096, 16, seed=3)
   out = jax.jit(functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret"))(q, k, v)
-  want = simple_reference(q, k, v, np.zeros_like(q))[0]
+  want = simple_reference(q, k, v, None)[0]
   chex.assert_trees_all_close(out, want, rtol=RTOL, atol=ATOL)
 
 
@@ -239,7 +243,7 @@ def test_tpu_kernel_widest_channel_block():
 def test_tpu_kernel_long_sequence_forward():
   q, k, v, _ = kernel_inputs(4096, D, seed=3)
   out = jax.jit(lambda q, k, v: jax.nn.sigmoid(q) * mosaic_simple.causal_mean(k, v, None, True))
-  want = simple_reference(q, k, v, np.zeros_like(q))[0]
+  want = simple_reference(q, k, v, None)[0]
   chex.assert_trees_all_close(out(q, k, v), want, rtol=RTOL, atol=ATOL)
 
 

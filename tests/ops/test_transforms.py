@@ -363,18 +363,37 @@ def _case_fn(name, impl):
   return _forms(impl)[name]
 
 
+def test_dense_references_are_the_float64_ones():
+  """Every case's dense reference (jitted) on its inputs against the float64 NumPy reference
+  (the forms without one, the packed ones, excepted); a state form shares its causal form's
+  references and inputs, so each distinct check runs once."""
+  done = set()
+  for name, impl in CASES:
+    _, _, numpy_ref, kind = _case_fn(name, impl)
+    base = name.replace("-state", "-causal")
+    if numpy_ref is None or (base, CASES[name, impl]) in done:
+      continue
+    done.add((base, CASES[name, impl]))
+    dense = _forms("xla")[base][1]
+    x = _inputs(kind, *CASES[name, impl])[0]
+    _close(jax.jit(dense)(*x), numpy_ref(*x), f"dense reference {name} {impl}")
+  assert len(done) == 12, done
+
+
 @pytest.mark.parametrize("name,impl", list(CASES), ids=[f"{n}-{i}" for n, i in CASES])
 def test_reverse_mode_under_vmap_checkpoint_and_scan(name, impl):
   """vmap (nested, over a later axis), grad of vmap, vmap of grad, jax.checkpoint and lax.scan
-  over layers, composed (``_reverse``), against the same of the dense reference; and the dense
-  reference against the float64 one."""
-  fn, dense, numpy_ref, kind = _case_fn(name, impl)
+  over layers, composed (``_reverse``), against the same of the dense reference (itself
+  against the float64 one: ``test_dense_references_are_the_float64_ones``)."""
+  fn, dense, _, kind = _case_fn(name, impl)
   x, ct, _ = _inputs(kind, *CASES[name, impl])
-  args = (*map(_nest, x[:3]), jnp.stack([x[3], 0.5 * x[3]]), _nest(ct))
-  run = jax.jit(lambda *a: (_reverse(fn)(*a), _reverse(dense)(*a)))
-  got, want = run(*args)
-  if numpy_ref is not None:
-    _close(dense(*x), numpy_ref(*x), "dense reference")
+
+  @jax.jit
+  def run(x, ct):  # (the layout of ``_reverse``'s arguments in the same program)
+    args = (*map(_nest, x[:3]), jnp.stack([x[3], 0.5 * x[3]]), _nest(ct))
+    return _reverse(fn)(*args), _reverse(dense)(*args)
+
+  got, want = run(x, ct)
   (_, y), grads = got
   (_, y_want), grads_want = want
   _close(y, y_want, "values")
@@ -426,7 +445,9 @@ def test_kernels_refuse_forward_mode_in_one_line():
       lambda: jax.jvp(lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas"), x128, t128)
     )
   auto = lambda *a: ops.aft_simple(*a[:3], causal=True, impl="auto")
-  _close(jax.jvp(auto, x, tx)[1], jax.jvp(_forms("xla")["simple-causal"][0], x, tx)[1], "auto")
+  xla = _forms("xla")["simple-causal"][0]
+  got, want = jax.jit(lambda x, tx: (jax.jvp(auto, x, tx)[1], jax.jvp(xla, x, tx)[1]))(x, tx)
+  _close(got, want, "auto")
 
 
 # --------------------------------------------------------------------------- the Flax layers
@@ -444,13 +465,19 @@ LAYER_CASES = {
 
 
 def _params(module, shape):
-  """Unboxed parameters, every one random (so that w and the kernels take part)."""
-  variables = nn.meta.unbox(module.init(jax.random.key(0), jnp.zeros(shape)))
-  leaves, tree = jax.tree.flatten(variables)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(
-    tree, [x + 0.3 * jax.random.normal(key, x.shape) for x, key in zip(leaves, keys)]
-  )
+  """Unboxed parameters, every one random (so that w and the kernels take part): one
+  program."""
+
+  @jax.jit
+  def make():
+    variables = nn.meta.unbox(module.init(jax.random.key(0), jnp.zeros(shape)))
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(
+      tree, [x + 0.3 * jax.random.normal(key, x.shape) for x, key in zip(leaves, keys)]
+    )
+
+  return make()
 
 
 @pytest.mark.parametrize("name", LAYER_CASES)

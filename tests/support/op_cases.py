@@ -36,12 +36,25 @@ def scan_simple(q, k, v):
   return scan(q, k, v)
 
 
+@jax.jit
+def _simple_out_and_grads(q, k, v, ct):
+  grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  return scan_simple(q, k, v), grads
+
+
+@jax.jit
+def _simple_out(q, k, v):
+  return scan_simple(q, k, v)
+
+
 def simple_reference(q, k, v, ct):
-  """Causal AFT-simple's output and gradients (q, k, v) of sum(out * ct), in float64."""
+  """Causal AFT-simple's output and gradients (q, k, v) of sum(out * ct), in float64 (one
+  program per shape; ``ct`` None: the output alone)."""
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
-    out = scan_simple(*args)
-    grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(*args)
+    if ct is None:
+      return np.asarray(_simple_out(*args)), None
+    out, grads = _simple_out_and_grads(*args, jnp.asarray(ct, jnp.float64))
     return jax.tree.map(np.asarray, (out, grads))
 
 
@@ -84,11 +97,16 @@ def tpu_simple(q, k, v):
   return common.run("aft_simple", tpu, "pallas_interpret", None, q, k, v, causal=True)
 
 
-def values_and_grads(fn, q, k, v, bias):
-  """fn's output and the gradients of <fn, ct> (ct fixed, random) w.r.t. every input."""
-  ct = np.random.default_rng(9).normal(size=q.shape).astype(np.float32)
-  loss = lambda *a: jnp.sum(fn(*a) * ct)
-  return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(q, k, v, bias)
+def cotangent(shape):
+  """A fixed random cotangent of an output of ``shape`` (for ``output_and_grads``)."""
+  return np.random.default_rng(9).normal(size=shape).astype(np.float32)
+
+
+def output_and_grads(fn):
+  """(q, k, v, bias, ct) -> fn's output and the gradients of <fn, ct> w.r.t. q, k, v and bias
+  (to be jitted, alone or with others in one program)."""
+  loss = lambda q, k, v, bias, ct: jnp.sum(fn(q, k, v, bias) * ct)
+  return lambda *a: (fn(*a[:4]), jax.grad(loss, argnums=(0, 1, 2, 3))(*a))
 
 
 def close(got, want, rel):
