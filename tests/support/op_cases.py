@@ -36,15 +36,13 @@ def scan_simple(q, k, v):
   return scan(q, k, v)
 
 
+_simple_out = jax.jit(scan_simple)
+
+
 @jax.jit
 def _simple_out_and_grads(q, k, v, ct):
-  grads = jax.grad(lambda *a: jnp.sum(scan_simple(*a) * ct), argnums=(0, 1, 2))(q, k, v)
-  return scan_simple(q, k, v), grads
-
-
-@jax.jit
-def _simple_out(q, k, v):
-  return scan_simple(q, k, v)
+  out, vjp = jax.vjp(scan_simple, q, k, v)
+  return out, vjp(ct)
 
 
 def simple_reference(q, k, v, ct):
@@ -105,8 +103,12 @@ def cotangent(shape):
 def output_and_grads(fn):
   """(q, k, v, bias, ct) -> fn's output and the gradients of <fn, ct> w.r.t. q, k, v and bias
   (to be jitted, alone or with others in one program)."""
-  loss = lambda q, k, v, bias, ct: jnp.sum(fn(q, k, v, bias) * ct)
-  return lambda *a: (fn(*a[:4]), jax.grad(loss, argnums=(0, 1, 2, 3))(*a))
+
+  def run(q, k, v, bias, ct):
+    out, vjp = jax.vjp(fn, q, k, v, bias)
+    return out, vjp(jnp.asarray(ct, out.dtype))
+
+  return run
 
 
 def close(got, want, rel):
