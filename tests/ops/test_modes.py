@@ -241,6 +241,9 @@ def test_a_position_outside_w_gives_nan(op):
   reference)."""
   q, k, v, w = _packed_inputs(op, 1.0)
   run = jax.jit(functools.partial(_packed_op, op))
+  n = SPLITS[0]
+  bias = ref.local_bias(w, WINDOW) if op == "local" else w
+  want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
   for bad in (-1, TP):
     seg, pos = _layout()
     pos[0, SPLITS[0] + 1] = bad  # the second position of row 0's second document
@@ -250,9 +253,6 @@ def test_a_position_outside_w_gives_nan(op):
     assert np.all(np.isnan(y[0, reads])), bad
     fine = np.setdiff1d(np.arange(TP), reads)
     assert np.all(np.isfinite(y[0, fine])) and np.all(np.isfinite(y[1])), bad
-    n = SPLITS[0]
-    bias = ref.local_bias(w, WINDOW) if op == "local" else w
-    want = ref.aft_full(q[0, :n], k[0, :n], v[0, :n], bias[:n, :n], causal=True)
     np.testing.assert_allclose(y[0, :n], want, rtol=1e-5, atol=1e-6, err_msg=f"position {bad}")
 
 
