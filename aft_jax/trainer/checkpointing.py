@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import glob
 import json
 import logging
 import os
@@ -341,6 +342,10 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   # module was gone, each printed "coroutine ... was never awaited" after our error).
   _stay_quiet()
   _wind_down()
+  # Its temporary folder, left by Orbax, would keep the disk full for the rerun.
+  tmp = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
+  for path in glob.glob(os.path.join(glob.escape(str(mngr.directory)), tmp)):
+    shutil.rmtree(path, ignore_errors=True)
   # What is on disk: the failed step is not; a step that Orbax already dropped from its list,
   # to be deleted once that save finished, still is.
   mngr.reload()
