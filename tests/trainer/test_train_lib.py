@@ -228,6 +228,9 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
     # W&B's settings: refused before the model is built, not a traceback after, not ignored.
     ("--config.wandb.project=a/b", "config.wandb.project: Invalid project name 'a/b'"),
     ("--config.wandb.entity=me", "config.wandb.entity = 'me' needs config.wandb.project"),
+    # A recipe's argument its get_config refuses (given again: the last --config is used).
+    ("--config=wikitext103:aft_bogus", "--config: ValueError: configs/wikitext103.py:<mixing>: "),
+    ("--config=configs/wikitext103.py:aft_x", "'aft_x' is not one of ('aft_full', 'aft_local'"),
   ],
 )
 def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, message):
