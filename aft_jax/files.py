@@ -55,10 +55,20 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
       os.remove(tmp)
 
 
+def cannot_write(path: str, e: OSError) -> OSError:
+  """``e``, a failed write of ``path`` (a full disk, a read-only folder), as one line naming
+  ``path`` (a failed write or close names no file)."""
+  return OSError(e.errno, f"cannot write {path}: {e.strerror or e}")
+
+
 def atomic_write(path: str, text: str) -> None:
-  """Writes ``text`` (UTF-8, '\\n' line ends) to ``path`` atomically."""
-  with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
-    f.write(text)
+  """Writes ``text`` (UTF-8, '\\n' line ends) to ``path`` atomically (``cannot_write``'s
+  error where it cannot)."""
+  try:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
+      f.write(text)
+  except OSError as e:
+    raise cannot_write(path, e) from None
 
 
 def atomic_write_json(path: str, obj, indent: int = 2, allow_nan: bool = True) -> None:

@@ -61,7 +61,8 @@ def aft_conv1d(
       state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
   Returns:
-    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
+    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C), where the taps that reach past a
+    whole sequence's T cost nothing.
 
   Example::
 
@@ -110,7 +111,8 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
     impl: as ``aft_conv1d``.
 
   Returns:
-    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
+    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C), where the taps that reach past the image
+    cost nothing.
 
   Example::
 
@@ -127,9 +129,20 @@ def _whole(q, k, v, kernel, causal):
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
   q, k, v, kernel = (jnp.asarray(x, dt) for x in (q, k, v, kernel))
+  kernel = _reachable(kernel, q.shape[-kernel.ndim - 1 : -2], causal)
   if kernel.ndim == 3:
     return _conv2d(q, k, v, kernel).astype(out_dt)
   return (_causal_conv1d if causal else _conv1d)(q, k, v, kernel).astype(out_dt)
+
+
+def _reachable(kernel, sizes, causal):
+  """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd):
+  causal the first T, else the centre +- (size - 1) per axis. The others multiply no key, so
+  the cost is that of a kernel no wider than the input, the output and gradients the same."""
+  if causal:
+    return kernel[:, : sizes[0]]
+  cut = [slice(max(0, s // 2 - n + 1), s // 2 + n) for s, n in zip(kernel.shape[1:], sizes)]
+  return kernel[(slice(None), *cut)]
 
 
 def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import glob
 import json
 import logging
 import os
@@ -341,6 +342,10 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   # module was gone, each printed "coroutine ... was never awaited" after our error).
   _stay_quiet()
   _wind_down()
+  # Its temporary folder, left by Orbax, would keep the disk full for the rerun.
+  tmp = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
+  for path in glob.glob(os.path.join(glob.escape(str(mngr.directory)), tmp)):
+    shutil.rmtree(path, ignore_errors=True)
   # What is on disk: the failed step is not; a step that Orbax already dropped from its list,
   # to be deleted once that save finished, still is.
   mngr.reload()
@@ -438,10 +443,11 @@ def check_resume_config(
   workdir: str | Workdir,
   allow_config_change: bool,
   as_written=None,
-):
+) -> list[str]:
   """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
   ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
-  ``allow_config_change``. ``as_written(saved)``: ``saved`` with each key added to the package
+  ``allow_config_change``; returns the differences allowed (``resume_conflicts``), for the
+  caller to say once. ``as_written(saved)``: ``saved`` with each key added to the package
   since it was written at the value it ran with (``run_config.as_written``), what ``config``
   is compared with; where such a key differs, the refusal names the flag that resumes the run
   as it was written."""
@@ -449,7 +455,7 @@ def check_resume_config(
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
   if saved is None:
-    return
+    return []
   written = saved if as_written is None else as_written(saved)
   conflicts = resume_conflicts(written, config)
   vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
@@ -459,15 +465,13 @@ def check_resume_config(
       f"compared with {where}): a model cannot resume on another vocabulary, not even with "
       "--allow_config_change; use another --workdir"
     )
-  if conflicts and allow_config_change:
-    if jax.process_index() == 0:
-      print(f"Resuming with a changed config (--allow_config_change): {'; '.join(conflicts)}")
-  elif conflicts:
+  if conflicts and not allow_config_change:
     raise ValueError(
       f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
       f"compared with {where}){_as_written_hint(saved, written, conflicts)}; use another "
       "--workdir, or pass --allow_config_change to resume it anyway"
     )
+  return conflicts
 
 
 def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:

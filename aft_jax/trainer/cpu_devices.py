@@ -19,13 +19,14 @@ then), and only where nothing else has set the count: ``--jax_num_cpu_devices`` 
 other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices", 2)``
 right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
 devices are the accelerators there, not the CPU's. A count set to no number of devices (0, or
-below -1, jax's unset) is refused in one line by ``aft-train`` and the tools
-(``check_set_count``).
+below -1, jax's unset; in XLA_FLAGS anything but a positive int) is refused in one line by
+``aft-train`` and the tools (``check_set_count``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 
@@ -62,13 +63,23 @@ def check_set_count() -> None:
   """A one-line ValueError where the count is set (``--jax_num_cpu_devices``,
   ``JAX_NUM_CPU_DEVICES``) to no number of devices: 0 (jax's CPU backend then fails to start,
   blaming a plugin) or below -1 (jax takes it as unset, without a word); -1 is jax's unset.
-  Before jax's backends start (a word that is no number jax refuses itself, when imported)."""
+  Likewise an XLA_FLAGS count that is not a positive int (XLA prints its whole flag list when
+  the backend starts, or blames a plugin). Before jax's backends start (a word that is no
+  number in JAX_NUM_CPU_DEVICES jax refuses itself, when imported)."""
   n = jax.config.jax_num_cpu_devices
   if n == 0 or n < -1:
     raise ValueError(
       f"jax_num_cpu_devices = {n} (JAX_NUM_CPU_DEVICES, aft-train's --jax_num_cpu_devices) is "
       "no number of CPU devices: give 1 or more, or leave it unset"
     )
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    name, _, value = flag.partition("=")
+    if name == f"--{XLA_COUNT_FLAG}" and not (
+      re.fullmatch(r"\+?[0-9]+", value) and 0 < int(value) < 2**31
+    ):
+      raise ValueError(
+        f"XLA_FLAGS has {flag}: no number of CPU devices: give 1 or more, or leave it unset"
+      )
 
 
 def set_by_user() -> bool:

@@ -168,7 +168,10 @@ def _parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
-    print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --helpshort)", file=sys.stderr)
+    why = f"{e} (see --helpshort)"
+    if "Error whilst parsing config file" in why:  # get_config(ARG) raised: its traceback's end
+      why = f"--config: {str(e).strip().splitlines()[-1]}"
+    print(f"{os.path.basename(sys.argv[0])}: error: {why}", file=sys.stderr)
     sys.exit(refused)
   except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
     from aft_jax.trainer import run_config

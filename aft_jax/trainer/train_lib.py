@@ -294,6 +294,8 @@ class Run:
   trainer: Trainer
   allow_config_change: bool = False  # resume a checkpoint whose config differs
   record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
+  # The config changes --allow_config_change let through, against what setup compared with.
+  config_changes: list = dataclasses.field(default_factory=list)
   # Checkpoints known good: the one restored (verified against its checksums, unless written
   # before checkpoints carried them) and the ones this run saved; what a divergence message may
   # name as the last good one.
@@ -341,8 +343,10 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   }
 
 
-def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
-  checkpointing.check_resume_config(saved, cfg.tree, workdir, allow_config_change, as_written)
+def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> list[str]:
+  return checkpointing.check_resume_config(
+    saved, cfg.tree, workdir, allow_config_change, as_written
+  )
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
@@ -357,14 +361,14 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   since, trained = _trained_on(workdir, mngr)
-  _check_config(cfg, workdir, allow_config_change, trained["config"])
+  changes = _check_config(cfg, workdir, allow_config_change, trained["config"])
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
   corpus = data_lib.load_corpus(cfg.data)
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
   say = print if jax.process_index() == 0 else lambda line: None
   trainer = make_trainer(cfg, corpus.vocab.size, say=say)
-  return Run(trainer.config, workdir, corpus, trainer, allow_config_change, record)
+  return Run(trainer.config, workdir, corpus, trainer, allow_config_change, record, changes)
 
 
 def _begin_writing(run: Run, mngr, restored) -> None:
@@ -383,16 +387,23 @@ def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
 
   Each checkpoint's own config, corpus record and data position, once they verified against
   its checksums, are what the run is checked against before its state is read; the workdir is
-  written only once the restore succeeded and every check passed (``_begin_writing``).
+  written only once the restore succeeded and every check passed (``_begin_writing``). The
+  config changes allowed (``--allow_config_change``) against what it resumes are said once.
   """
+  changes = {}
 
   def check(step, items):
     since = f"the checkpoint at step {step}"
-    _check_config(run.config, run.workdir, run.allow_config_change, items.get("config"))
+    changes[step] = _check_config(
+      run.config, run.workdir, run.allow_config_change, items.get("config")
+    )
     data_record.check_corpus(items.get("corpus"), run.record, since)
     data_iter.check_state(items["data"], since)
 
   restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
+  allowed = run.config_changes if restored is None else changes[restored.step]
+  if allowed and run.is_main:
+    print(f"Resuming with a changed config (--allow_config_change): {'; '.join(allowed)}")
   if restored is None:  # config.json and corpus.json, if any, were checked in setup
     _begin_writing(run, mngr, None)
     state = run.trainer.init_state(run.config.train.seed)

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+from aft_jax import files
 from aft_jax.workdir import Workdir
 
 
@@ -49,15 +50,18 @@ def _read(path: str) -> dict | None:
 def _create(path: str, holder: dict) -> bool:
   """Creates the lock file with ``holder`` in it, atomically; False if it already exists."""
   tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(holder, f)
   try:
+    with open(tmp, "w") as f:
+      json.dump(holder, f)
     os.link(tmp, path)  # fails if path exists, and never leaves a half-written lock
     return True
   except FileExistsError:
     return False
+  except OSError as e:  # a full disk, a read-only folder
+    raise files.cannot_write(path, e) from None
   finally:
-    os.remove(tmp)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
 
 
 def acquire(workdir: str) -> str:

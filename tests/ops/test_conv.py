@@ -4,12 +4,22 @@ backward (it has no kernel: XLA only)."""
 import functools
 
 import chex
+import jax
+import numpy as np
 import pytest
 from absl.testing import parameterized
 
 from aft_jax import ops
 from tests.support import numpy_reference as ref
-from tests.support.op_cases import ATOL, RTOL, grads_check, grads_finite_at_large_logits, rand
+from tests.support.op_cases import (
+  ATOL,
+  RTOL,
+  cotangent,
+  grads_check,
+  grads_finite_at_large_logits,
+  output_and_grads,
+  rand,
+)
 
 
 class MatchesReference(chex.TestCase, parameterized.TestCase):
@@ -58,3 +68,26 @@ GRAD_CASES = {
 def test_gradients_match_finite_differences(name):
   grads_check(GRAD_CASES[name], "qkvw")
   grads_finite_at_large_logits(GRAD_CASES[name], "qkvw")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_taps_that_reach_past_the_sequence_cost_nothing(causal):
+  """A kernel of 100,001 taps over T = 5: those that reach no position multiply no key, so the
+  output and gradients are those of the kernel cut to the taps that can (the first T causal,
+  the centre +- (T - 1) otherwise), the others' gradients 0, and the compiled program does the
+  cut kernel's flops."""
+  t_len, heads, ch, wide = 5, 2, 3, 100_001
+  q, v = rand(3, (2, t_len, heads, ch), (2, t_len, heads, ch))
+  k, kernel = rand(4, (2, t_len, heads), (heads, wide))
+  cut = slice(0, t_len) if causal else slice(wide // 2 - t_len + 1, wide // 2 + t_len)
+  run = jax.jit(output_and_grads(functools.partial(ops.aft_conv1d, causal=causal)))
+  ct = cotangent(q.shape)
+  whole, part = (run.lower(q, k, v, w, ct).compile() for w in (kernel, kernel[:, cut]))
+  assert whole.cost_analysis()["flops"] == part.cost_analysis()["flops"]
+  out, grads = whole(q, k, v, kernel, ct)
+  out_cut, grads_cut = part(q, k, v, kernel[:, cut], ct)
+  chex.assert_trees_all_equal((out, grads[:3]), (out_cut, grads_cut[:3]))
+  want = np.zeros_like(kernel)
+  want[:, cut] = grads_cut[3]
+  np.testing.assert_array_equal(grads[3], want)
+  chex.assert_trees_all_close(out, ref.aft_conv1d(q, k, v, kernel, causal), rtol=RTOL, atol=ATOL)

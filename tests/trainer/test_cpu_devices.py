@@ -73,19 +73,25 @@ def test_apply_sets_jaxs_count_before_its_backends_start_unless_set():
   assert _devices_after_apply("--xla_force_host_platform_device_count=3", 4) == ["None", "3"]
 
 
+XLA_ABC = {"XLA_FLAGS": f"--{cpu_devices.XLA_COUNT_FLAG}=abc"}
+
+
 @pytest.mark.parametrize(
   "flag, env, message",
   [
     # jax refuses a word when imported: before the trainer is.
-    (None, "abc", 'Invalid value "abc" for JAX flag jax_num_cpu_devices (set by the environm'),
+    (None, {"JAX_NUM_CPU_DEVICES": "abc"}, 'Invalid value "abc" for JAX flag jax_num_cpu_devices'),
     # 0 failed as jax's CPU backend started, blaming a plugin; -5 gave one device unsaid.
-    ("--jax_num_cpu_devices=0", None, "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft-tr"),
-    ("--jax_num_cpu_devices=-5", None, "jax_num_cpu_devices = -5 (JAX_NUM_CPU_DEVICES, aft-t"),
+    ("--jax_num_cpu_devices=0", {}, "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft-tr"),
+    ("--jax_num_cpu_devices=-5", {}, "jax_num_cpu_devices = -5 (JAX_NUM_CPU_DEVICES, aft-t"),
+    # XLA printed its 94-line flag list as the backend started (0: blamed a plugin).
+    (None, XLA_ABC, "XLA_FLAGS has --xla_force_host_platform_device_count=abc: no number of"),
+    (None, {"XLA_FLAGS": "--xla_force_host_platform_device_count=0"}, "device_count=0: no num"),
   ],
 )
 def test_a_device_count_that_is_no_number_of_devices_is_one_line(tmp_path, flag, env, message):
   cmd = train_py(tmp_path / "run", *([flag] if flag else []))
-  environ = dict(os.environ, **({"JAX_NUM_CPU_DEVICES": env} if env else {}))
+  environ = dict(os.environ, **env)
   out = prefork.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
@@ -93,15 +99,27 @@ def test_a_device_count_that_is_no_number_of_devices_is_one_line(tmp_path, flag,
   assert not (tmp_path / "run").exists()
 
 
-def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(tmp_path):
-  # (jax's count set as JAX_NUM_CPU_DEVICES=0 sets it, in a fork that has not started jax.)
+@pytest.mark.parametrize(
+  "count, env, message",
+  [
+    # (jax's count set as JAX_NUM_CPU_DEVICES=0 sets it, in a fork that has not started jax.)
+    (0, {}, "evaluate: jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES"),
+    (-1, XLA_ABC, "evaluate: XLA_FLAGS has --xla_force_host_platform_device_count=abc: no numb"),
+  ],
+)
+def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(
+  tmp_path, count, env, message
+):
   code = (
     "import jax\n"
-    "jax.config.update('jax_num_cpu_devices', 0)\n"
+    f"jax.config.update('jax_num_cpu_devices', {count})\n"
     "from aft_jax.tools import evaluate\n"
     f"evaluate.main(['--workdir', {str(tmp_path)!r}])\n"
   )
-  out = prefork.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  environ = dict(os.environ, **env)
+  out = prefork.run(
+    [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True
+  )
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
-  assert lines[0].startswith("evaluate: jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES"), lines[0]
+  assert lines[0].startswith(message), lines[0]

@@ -1,6 +1,7 @@
 """Interruption, faults and bad input never lose work or produce silent garbage."""
 
 import contextlib
+import errno
 import glob
 import io
 import json
@@ -332,11 +333,28 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
   assert "ERROR:absl" not in out.stderr and "Event loop is closed" not in out.stderr
   assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
-  assert _steps(workdir) == [2]
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]  # no temporary folder left
   results = train_lib.train_and_evaluate(
     tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1), workdir
   )
   assert results["steps"] == 6 and _steps(workdir) == [6]
+
+
+@pytest.mark.parametrize(
+  "write, name",
+  [
+    (lambda workdir: Workdir(workdir).write_config({}), "config.json"),
+    (workdir_lock.acquire, "trainer.lock"),
+  ],
+)
+def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
+  """A rerun on a disk still full (here the temporary file is /dev/full, where every write
+  fails with ENOSPC; a failed write or close names no file): the error names the file that
+  could not be written, and nothing is left behind."""
+  os.symlink("/dev/full", f"{tmp_path / name}.tmp-{os.getpid()}")
+  with pytest.raises(OSError, match=f"^.* cannot write {tmp_path / name}: No space left") as e:
+    write(str(tmp_path))
+  assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
 
 
 def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
