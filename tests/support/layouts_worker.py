@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from aft_jax import data as data_lib  # noqa: E402
 from aft_jax.trainer import train_lib  # noqa: E402
 from aft_jax.trainer.run_config import RunConfig  # noqa: E402
-from tests.support.helpers import tiny_config  # noqa: E402
+from tests.support.helpers import tiny_config, train_losses  # noqa: E402
 
 STEPS = 3
 # mixing: the (data, fsdp, tensor, sequence) layouts it trains on, on 4 devices (the first 4)
@@ -44,15 +44,7 @@ def _losses(mixing, layout, corpus):
   devices = jax.devices()[: math.prod(layout)]
   trainer = train_lib.make_trainer(RunConfig.from_tree(config), corpus.vocab.size, devices)
   assert tuple(trainer.mesh.shape.values()) == layout, trainer.mesh
-  state = trainer.init_state(0)
-  it = data_lib.train_iterator(
-    corpus.splits["train"], seq_len=config.seq_len, global_batch_size=config.batch_size, seed=0
-  )
-  rng, losses = jax.random.key(1), []
-  for _ in range(STEPS):
-    state, metrics = trainer.train_step(state, next(it), rng)
-    losses.append(float(metrics["loss"]))
-  return losses
+  return train_losses(trainer, corpus.splits["train"], STEPS)
 
 
 def main(out_path):
