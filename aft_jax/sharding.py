@@ -255,7 +255,6 @@ def in_mesh_shards(fn, args, names, splits_t: bool = True):
     return fn(*args, axis_name=None)
   sizes = dict(mesh.shape)
   specs = tuple(nn.logical_to_mesh_axes(n) for n in names)
-  seq = sizes.get(SEQUENCE, 1)
 
   def splits(arg, spec) -> bool:
     return not any(
@@ -267,13 +266,12 @@ def in_mesh_shards(fn, args, names, splits_t: bool = True):
     return {a for axes in spec for a in _axis_names(axes)}
 
   split = {a for a in mentioned(specs[0]) if sizes[a] > 1}  # what the result varies over
-  if seq > 1 and not splits_t:
-    return fn(*args, axis_name=None)
-  if seq == 1 and (not split or not all(map(splits, args, specs))):
+  splits_seq = SEQUENCE in split
+  if not split or not all(map(splits, args, specs)) or (splits_seq and not splits_t):
     # (no split: the logical axis rules map no name here to a mesh axis, as outside the
     # trainer's nn.logical_axis_rules)
     return fn(*args, axis_name=None)
-  axis_name = SEQUENCE if seq > 1 else None
+  axis_name = SEQUENCE if splits_seq else None
   # An array replicated over axes the result is split over (a layer's bias w) is marked varying
   # there on the way in, so that its gradient is summed over those devices once, here, not
   # inside the op's loop where it is read (there, the 2-device AFT-local step summed it on

@@ -362,21 +362,27 @@ def test_every_param_has_logical_axis_names():
     assert {"/".join(p.key for p in path): tuple(s) for path, s in specs} == names
 
 
-def test_every_layer_initialises_under_a_mesh():
+@pytest.mark.parametrize(
+  "mesh_shape, shape",
+  [
+    ((1, 1, 1, 4), (2, 4, D)),  # one position per shard
+    ((2, 1, 1, 2), (1, 4, D)),  # one row, which data = 2 does not split: the op on the whole
+  ],
+)
+def test_every_layer_initialises_under_a_mesh(mesh_shape, shape):
   """Under a mesh (the trainer traces in one where ``mesh.sequence > 1``) every parameter's
   logical names constrain it as it is created: DenseGeneral creates multi-axis kernels flat
   ([d_model, H * C]), which three names do not fit, unless they go on the reshaped value. The
   causal layers also run their op per sequence shard there; the values are those of no mesh."""
   from aft_jax import sharding
 
-  mesh = jax.sharding.AbstractMesh((1, 1, 1, 4), sharding.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh(mesh_shape, sharding.MESH_AXES)
   for causal in (False, True):
     for name, module in _modules(causal=causal).items():
       # Softmax attention cannot split T; AFT-conv2d's kernel names one logical axis twice
       # ("kernel"), which flax refuses under a mesh (an image layer: no model uses it).
       if name == "aft_conv2d" or causal and name == "mha":
         continue
-      shape = (2, 4, D)  # one position per shard
       plain = abstract_init(module, shape)
       with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
         meshed = abstract_init(module, shape)

@@ -123,6 +123,21 @@ def test_sequence_split_equals_one_device(tmp_path):
   assert "mixes every pair of positions" in report["softmax_error"]
 
 
+@pytest.mark.slow
+def test_layouts_that_combine_axes_train_as_one_device(tmp_path):
+  """tests/support/layouts_worker.py (its asserts are the test): on 4 and 8 devices, data x
+  sequence, data x fsdp x sequence, fsdp x sequence, data x tensor x sequence and data x
+  sequence = 4 train AFT-local, AFT-simple and AFT-conv1d, and data x fsdp x tensor softmax
+  attention, to one device's losses within 1e-4, step by step."""
+  report = _worker("layouts_worker", tmp_path / "report.json")
+  assert sorted(report) == ["aft_conv1d", "aft_local", "aft_simple", "softmax"]
+  assert "(2, 1, 1, 2)" in report["aft_simple"] and "(2, 2, 1, 2)" in report["aft_local"]
+  for runs in report.values():
+    one = runs.pop("one_device")
+    for losses in runs.values():
+      assert losses == pytest.approx(one, abs=1e-4)
+
+
 COLLECTIVES = """
 import json, re
 from aft_jax.trainer import train_lib

@@ -47,6 +47,25 @@ def tiny_config(**overrides):
   return override(config, overrides)
 
 
+def train_losses(trainer, train_tokens, steps: int) -> list[float]:
+  """The losses of ``trainer``'s first ``steps`` train steps from its state of seed 0, on the
+  stream batches (seed 0) of ``train_tokens``, dropout key 1."""
+  import jax
+
+  from aft_jax import data as data_lib
+
+  train = trainer.config.train
+  state = trainer.init_state(0)
+  it = data_lib.train_iterator(
+    train_tokens, seq_len=train.seq_len, global_batch_size=train.batch_size, seed=0
+  )
+  rng, losses = jax.random.key(1), []
+  for _ in range(steps):
+    state, metrics = trainer.train_step(state, next(it), rng)
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
 def trained_run_config():
   """The config of the session fixture ``trained_run`` (tests/conftest.py): a rerun with it
   resumes that run (or is refused for what changed)."""

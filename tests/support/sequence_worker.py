@@ -30,6 +30,7 @@ from aft_jax import ops, sharding  # noqa: E402
 from aft_jax.trainer import train_lib  # noqa: E402
 from aft_jax.trainer.run_config import RunConfig  # noqa: E402
 from configs import quickstart  # noqa: E402
+from tests.support.helpers import train_losses  # noqa: E402
 
 STEPS = 3
 
@@ -108,15 +109,7 @@ def _config(mixing, sequence):
 def _losses(config, corpus, devices):
   cfg = RunConfig.from_tree(config).with_vocab(corpus.vocab.size)
   trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
-  state = trainer.init_state(0)
-  it = data_lib.train_iterator(
-    corpus.splits["train"], seq_len=config.seq_len, global_batch_size=config.batch_size, seed=0
-  )
-  rng, losses = jax.random.key(1), []
-  for _ in range(STEPS):
-    state, metrics = trainer.train_step(state, next(it), rng)
-    losses.append(float(metrics["loss"]))
-  return trainer, losses
+  return trainer, train_losses(trainer, corpus.splits["train"], STEPS)
 
 
 def main(out_path):
