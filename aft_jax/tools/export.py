@@ -22,7 +22,8 @@ both lowered and serialized with ``jax.export`` (``step``, ``prefill``: bytes, a
 the parameters beside them (``param.0`` ... as float32, cast to the model's dtype inside), the
 state before any token (``state.0`` ..., one row) and ``meta``, JSON: the model config, the
 vocabulary, the number of params and state arrays, ``chunk``. Both functions map (params, state,
-tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state). A process that
+tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state); an id outside
+[0, V) gives NaN, never another id's log-probabilities. A process that
 imports only jax and numpy loads and runs it (docs/training.md, "A serving artifact"); it runs
 on the platform it was exported on.
 """
