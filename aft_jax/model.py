@@ -144,6 +144,13 @@ class ModelConfig(TypedConfig):
     if isinstance(self.adaptive_cutoffs, (list, tuple)):
       set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs))
 
+  @classmethod
+  def as_written(cls, node) -> dict:
+    out = super().as_written(node)
+    if out.get("adaptive_cutoffs", ()) is None:  # the first release wrote null for ()
+      out["adaptive_cutoffs"] = []
+    return out
+
   @property
   def streams(self) -> bool:
     """No length limit: no position embedding and a mixing of ``STREAMING`` (module doc)."""
