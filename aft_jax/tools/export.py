@@ -337,11 +337,8 @@ def export_main(args: argparse.Namespace) -> dict:
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
+  files.check_file_path("--out", args.out)
   out = os.path.abspath(args.out)
-  if os.path.isdir(out):
-    raise ValueError(f"--out {args.out} is a directory: give a file name")
-  if not os.path.isdir(os.path.dirname(out)):
-    raise ValueError(f"--out {args.out}: folder {os.path.dirname(out)} does not exist")
   Workdir(args.workdir).check(args.step)
   suffixes = {".safetensors": "safetensors", ".npz": "stablehlo"}
   fmt = args.format or suffixes.get(os.path.splitext(out)[1], "msgpack")

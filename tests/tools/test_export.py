@@ -60,9 +60,19 @@ def test_load_pretrained_refuses_other_files(tmp_path):
     aft_jax.load_pretrained(str(tmp_path / "missing.msgpack"))
 
 
-def test_export_to_a_missing_folder_is_a_one_line_error(run_dir, tmp_path):
-  with pytest.raises(SystemExit, match="does not exist"):
-    export.main(["--workdir", run_dir, "--out", str(tmp_path / "no" / "m.msgpack")])
+@pytest.mark.parametrize(
+  "out, message",
+  [
+    ("no/m.msgpack", r"--out .*no/m.msgpack: folder .*no does not exist"),
+    ("", "--out is empty: give a file name"),
+    ("/dev/null", "--out /dev/null is not a regular file"),
+  ],
+)
+def test_export_to_a_path_that_is_no_file_is_a_one_line_error(run_dir, tmp_path, out, message):
+  out = str(tmp_path / out) if out.startswith("no/") else out
+  with pytest.raises(SystemExit, match=f"^export: {message}") as e:
+    export.main(["--workdir", run_dir, "--out", out])
+  assert "\n" not in str(e.value.code)
 
 
 def _tamper(path, out, edit):

@@ -133,6 +133,8 @@ def test_generate_command_samples_a_copied_workdir_without_data(
     (["--temperature", "-1"], "--temperature = -1.0 must be >= 0"),
     (["--top_p", "1.5"], "--top_p = 1.5 must be in (0, 1]"),
     (["--step", "999"], "--step 999: no such checkpoint"),
+    (["--save_state", ""], "--save_state is empty: give a file name"),
+    (["--save_state", "/dev/null"], "--save_state /dev/null is not a regular file"),
   ],
 )
 def test_generate_command_bad_flags_are_one_line_errors(run_dir, flags, message):
