@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.model import CHUNKED
+from aft_jax.model import CHUNKED, check_ids
 from aft_jax.typed_config import TypedConfig
 
 
@@ -224,7 +224,8 @@ def generate(
   stream: Stream | None = None,
   return_stream: bool = False,
 ):
-  """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1) by ``length`` tokens: ``[B, length]``.
+  """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1; an id outside [0, V) is a ValueError)
+  by ``length`` tokens: ``[B, length]``.
 
   Any P and ``length``: a stream decodes one step per token at any position; past any other
   model's ``max_len`` the context slides (module docstring). ``stop_id``: stop once every row
@@ -244,6 +245,7 @@ def generate(
     raise ValueError(f"generate: length = {length} must be >= 0")
   check_sampling(temperature, top_k, top_p)
   cfg = model.cfg
+  check_ids("generate: prompt", prompt_BP, cfg.vocab_size)
   if (stream is not None or return_stream) and not cfg.streams:
     raise ValueError(
       f"generate: a Stream is the state of a stream (config.model.position_embedding = 'none' "
@@ -312,7 +314,7 @@ def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
   """A text scored left to right with the whole past (a stream, ``ModelConfig.streams``):
   token i predicted from ``bos_id`` and tokens 0 .. i-1, the inputs fed in chunks of ``chunk``
   tokens (one parallel pass each, the state carried; the last chunk padded, its padding not
-  scored). Returns {"nll": mean NLL per token, "tokens"}."""
+  scored; ids outside [0, V) are a ValueError). Returns {"nll": mean NLL per token, "tokens"}."""
   if not model.cfg.streams:
     raise ValueError(
       f"score_stream: mixing {model.cfg.mixing!r} with position embedding "
@@ -322,6 +324,8 @@ def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
   n = len(tokens)
   if n == 0:
     raise ValueError("score_stream: nothing to score: the text has no tokens")
+  check_ids("score_stream: tokens", tokens, model.cfg.vocab_size)
+  check_ids("score_stream: bos_id", bos_id, model.cfg.vocab_size)
   num_chunks = -(-n // chunk)
   inputs = np.zeros(num_chunks * chunk, np.int32)
   targets = np.zeros(num_chunks * chunk, np.int32)

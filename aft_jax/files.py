@@ -39,13 +39,30 @@ def check_space(path: str, num_bytes: int) -> None:
     raise DiskFullError(path, num_bytes)
 
 
+def check_file_path(flag: str, path: str) -> None:
+  """A one-line ValueError naming ``flag`` unless ``path`` can be written as a file: not empty,
+  not an existing folder, device or pipe, in a folder that exists. A symlink stands for the file
+  it points to (``atomic_path`` writes that file)."""
+  if not path:
+    raise ValueError(f"{flag} is empty: give a file name")
+  real = os.path.realpath(path)
+  if os.path.isdir(real):
+    raise ValueError(f"{flag} {path} is a directory: give a file name")
+  if os.path.exists(real) and not os.path.isfile(real):
+    raise ValueError(f"{flag} {path} is not a regular file (a device or a pipe): give a file name")
+  if not os.path.isdir(os.path.dirname(real)):
+    raise ValueError(f"{flag} {path}: folder {os.path.dirname(real)} does not exist")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
   """Yields a temporary path beside ``path``; renames it to ``path`` if the block succeeds.
 
   ``suffix`` ends the temporary name (``.npy`` for ``np.lib.format.open_memmap``, which adds
-  it otherwise). On an exception the temporary file is removed and ``path`` is untouched.
+  it otherwise). On an exception the temporary file is removed and ``path`` is untouched. A
+  symlink is written through: the file it points to is replaced, the link stays.
   """
+  path = os.path.realpath(path)
   tmp = f"{path}.tmp-{os.getpid()}{suffix}"
   try:
     yield tmp

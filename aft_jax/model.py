@@ -34,6 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from aft_jax import adaptive
@@ -143,6 +144,13 @@ class ModelConfig(TypedConfig):
     if isinstance(self.adaptive_cutoffs, (list, tuple)):
       set_("adaptive_cutoffs", tuple(self.adaptive_cutoffs))
 
+  @classmethod
+  def as_written(cls, node) -> dict:
+    out = super().as_written(node)
+    if out.get("adaptive_cutoffs", ()) is None:  # the first release wrote null for ()
+      out["adaptive_cutoffs"] = []
+    return out
+
   @property
   def streams(self) -> bool:
     """No length limit: no position embedding and a mixing of ``STREAMING`` (module doc)."""
@@ -222,6 +230,17 @@ class ModelConfig(TypedConfig):
       f"{key} = 'none' is for {' and '.join(STREAMING)} (their causal sums give the order), "
       f"not {self.key('mixing')} = {self.mixing!r}: {why}"
     ]
+
+
+def check_ids(name: str, ids, vocab_size: int) -> None:
+  """A one-line ValueError naming ``name``, the first id outside [0, ``vocab_size``) and the
+  vocabulary size where ``ids`` holds one; traced ids pass (the model gives NaN for them)."""
+  if isinstance(ids, jax.core.Tracer) or not np.size(ids):
+    return
+  ids = np.asarray(ids)
+  if ids.min() < 0 or ids.max() >= vocab_size:
+    bad = ids[(ids < 0) | (ids >= vocab_size)].flat[0]
+    raise ValueError(f"{name}: the id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
@@ -455,6 +474,10 @@ class TransformerLM(nn.Module):
     step of incremental decoding on ``tokens [B, 1]`` with a "cache" collection (see
     ``aft_jax.decode``), or, for the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel
     pass (a prompt's prefill).
+
+    A token or target id outside [0, vocab_size) is a ValueError (``check_ids``) where the ids
+    are concrete; traced (under jit) its NLL, or its position's log-probabilities and those of
+    every position that sees it, are NaN, never another id's.
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]
@@ -466,6 +489,9 @@ class TransformerLM(nn.Module):
       raise ValueError(
         f"TransformerLM: targets {targets_BT.shape} must match tokens {tokens_BT.shape}"
       )
+    for name, ids in (("tokens", tokens_BT), ("targets", targets_BT)):
+      if ids is not None:
+        check_ids(f"TransformerLM: {name}", ids, cfg.vocab_size)
     packed = self._packed(tokens_BT, segment_ids, positions, decode)
     start = None
     if decode:
@@ -481,13 +507,14 @@ class TransformerLM(nn.Module):
       if ready:
         pos.value = start + t_len
     embed, head = self._embeddings()
-    x_BTD = embed(tokens_BT)
+    in_vocab = lambda ids: (ids >= 0) & (ids < cfg.vocab_size)  # else NaN, not a wrapped id
+    x_BTD = jnp.where(in_vocab(tokens_BT)[..., None], embed(tokens_BT), jnp.nan)
     if cfg.position_embedding == "learned":
       x_BTD = x_BTD + self._position_embedding(t_len, start, packed)
     x_BTD = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x_BTD)
     x_BTD = self._blocks(x_BTD, not train, decode, packed)
-    h_BTD = _ln(cfg, "ln_final")(x_BTD)
-    return head(h_BTD, targets_BT)
+    out = head(_ln(cfg, "ln_final")(x_BTD), targets_BT)
+    return out if targets_BT is None else jnp.where(in_vocab(targets_BT), out, jnp.nan)
 
 
 def count_params(params) -> int:

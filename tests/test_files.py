@@ -26,3 +26,40 @@ def test_failed_write_keeps_the_old_file(tmp_path):
       raise RuntimeError("crash mid-write")
   assert open(path).read() == "old\n"
   assert os.listdir(tmp_path) == ["vocab.txt"]
+
+
+@pytest.mark.parametrize(
+  "kind, message",
+  [
+    ("empty", "--out is empty: give a file name"),
+    ("folder", "--out {path} is a directory: give a file name"),
+    ("device", "--out {path} is not a regular file (a device or a pipe): give a file name"),
+    ("pipe", "--out {path} is not a regular file (a device or a pipe): give a file name"),
+    ("link_to_device", "--out {path} is not a regular file (a device or a pipe): give a file name"),
+    ("missing_folder", "--out {path}: folder {tmp}/no does not exist"),
+  ],
+)
+def test_a_path_that_cannot_be_written_as_a_file_is_refused_in_one_line(tmp_path, kind, message):
+  path = {
+    "empty": "",
+    "folder": str(tmp_path),
+    "device": "/dev/null",
+    "pipe": str(tmp_path / "pipe"),
+    "link_to_device": str(tmp_path / "link"),
+    "missing_folder": str(tmp_path / "no" / "m.msgpack"),
+  }[kind]
+  os.mkfifo(tmp_path / "pipe")
+  os.symlink("/dev/null", tmp_path / "link")
+  with pytest.raises(ValueError) as e:
+    files.check_file_path("--out", path)
+  assert str(e.value) == message.format(path=path, tmp=os.path.realpath(tmp_path))
+
+
+def test_a_symlink_is_written_through_to_the_file_it_points_to(tmp_path):
+  target, link = tmp_path / "real.state", tmp_path / "link.state"
+  target.write_text("old")
+  link.symlink_to(target)
+  files.check_file_path("--save_state", str(link))
+  files.atomic_write(str(link), "new")
+  assert link.is_symlink() and target.read_text() == "new"
+  assert sorted(os.listdir(tmp_path)) == ["link.state", "real.state"]

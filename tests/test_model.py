@@ -370,6 +370,46 @@ def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
     jax.eval_shape(functools.partial(softmax.init, decode=True), jax.random.key(0), _tokens())
 
 
+ID_CONFIGS = {
+  "embed": _cfg(mixing="aft_simple", num_layers=1),
+  "adaptive": _cfg(
+    mixing="aft_simple", num_layers=1, adaptive_cutoffs=(6, 11), adaptive_factor=2.0
+  ),
+}
+# (argument, an id outside [0, V)): -1 would wrap to V - 1; -100 is PyTorch's ignore label.
+BAD_IDS = [("tokens", -1), ("tokens", V), ("targets", -100), ("targets", -1), ("targets", V)]
+
+
+@pytest.mark.parametrize("kind", ID_CONFIGS)
+def test_ids_outside_the_vocabulary_are_one_line_errors_or_nan_never_another_ids(kind):
+  """Concrete ids: a ValueError naming the argument, the id and V. Traced (jit): the bad
+  token's position and the positions after it (causal), or the bad target's NLL, are NaN; the
+  rest is what valid ids give."""
+  model = M.TransformerLM(ID_CONFIGS[kind])
+  params = _params(model.cfg)
+  tokens, targets = _tokens(1), _tokens(2)
+  bad = lambda x, i: x.at[0, 3].set(i)
+  args = lambda name, i: (bad(tokens, i),) if name == "tokens" else (tokens, bad(targets, i))
+  for name, i in BAD_IDS:
+    with pytest.raises(ValueError) as e:
+      model.apply({"params": params}, *args(name, i))
+    assert str(e.value) == f"TransformerLM: {name}: the id {i} is outside the vocabulary [0, {V})"
+
+  @jax.jit
+  def run(params):
+    apply = lambda *a: model.apply({"params": params}, *a)
+    return apply(tokens), apply(tokens, targets), [apply(*args(n, i)) for n, i in BAD_IDS]
+
+  logp, nll, got = jax.device_get(run(params))
+  for (name, i), out in zip(BAD_IDS, got):
+    if name == "tokens":
+      np.testing.assert_array_equal(np.isnan(out).all(-1)[0], np.arange(T) >= 3, f"{name} {i}")
+      np.testing.assert_array_equal(out[0, :3], logp[0, :3])
+      np.testing.assert_array_equal(out[1:], logp[1:])
+    else:
+      np.testing.assert_array_equal(out, bad(jnp.asarray(nll), np.nan), f"{name} {i}")
+
+
 # ---------------------------------------------------------------- packed rows
 
 # Two documents and two pads in a row of T = 10: [a a a a | b b b b | pad pad] (ids 1, 2, then

@@ -241,10 +241,12 @@ def check_qkv(fn, q, k, v):
   return q, k, v
 
 
-def check_window(fn: str, window) -> None:
-  """ValueError (naming ``fn``) unless ``window`` is an int >= 1 (a bool is not a window)."""
-  if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+def check_window(fn: str, window) -> int:
+  """``window`` as an int; a ValueError (naming ``fn``) unless it is an int >= 1 (a NumPy
+  integer is one; a bool is no window)."""
+  if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
+  return int(window)
 
 
 def check_impl(fn: str, impl) -> None:

@@ -81,7 +81,7 @@ def aft_local(
     y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
   """
   q, k, v = common.check_qkv(FN, q, k, v)
-  common.check_window(FN, window)
+  window = common.check_window(FN, window)
   given = dict(initial_state=initial_state, output_final_state=output_final_state, offset=offset)
   given.update(segment_ids=segment_ids, positions=positions, axis_name=axis_name)
   mode = common.check_mode(FN, causal, impl, **given)

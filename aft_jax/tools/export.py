@@ -22,7 +22,8 @@ both lowered and serialized with ``jax.export`` (``step``, ``prefill``: bytes, a
 the parameters beside them (``param.0`` ... as float32, cast to the model's dtype inside), the
 state before any token (``state.0`` ..., one row) and ``meta``, JSON: the model config, the
 vocabulary, the number of params and state arrays, ``chunk``. Both functions map (params, state,
-tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state). A process that
+tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state); an id outside
+[0, V) gives NaN, never another id's log-probabilities. A process that
 imports only jax and numpy loads and runs it (docs/training.md, "A serving artifact"); it runs
 on the platform it was exported on.
 """
@@ -336,11 +337,8 @@ def export_main(args: argparse.Namespace) -> dict:
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
+  files.check_file_path("--out", args.out)
   out = os.path.abspath(args.out)
-  if os.path.isdir(out):
-    raise ValueError(f"--out {args.out} is a directory: give a file name")
-  if not os.path.isdir(os.path.dirname(out)):
-    raise ValueError(f"--out {args.out}: folder {os.path.dirname(out)} does not exist")
   Workdir(args.workdir).check(args.step)
   suffixes = {".safetensors": "safetensors", ".npz": "stablehlo"}
   fmt = args.format or suffixes.get(os.path.splitext(out)[1], "msgpack")

@@ -21,7 +21,6 @@ vocabulary to <unk> (and says how many on stderr), or refuses them if it has no 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -72,7 +71,7 @@ def read_prompt(prompt: str, prompt_file: str | None) -> str:
 
 
 def check_args(args) -> None:
-  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  from aft_jax import decode, files  # pylint: disable=g-import-not-at-top
 
   if args.length < 1:
     raise ValueError(f"--length = {args.length} must be >= 1")
@@ -83,13 +82,7 @@ def check_args(args) -> None:
   except ValueError as e:
     raise ValueError(f"--{e}") from None
   if args.save_state is not None:
-    out = os.path.abspath(args.save_state)
-    if os.path.isdir(out):
-      raise ValueError(f"--save_state {args.save_state} is a directory: give a file name")
-    if not os.path.isdir(os.path.dirname(out)):
-      raise ValueError(
-        f"--save_state {args.save_state}: folder {os.path.dirname(out)} does not exist"
-      )
+    files.check_file_path("--save_state", args.save_state)
 
 
 def _check_stream(args, cfg) -> None:

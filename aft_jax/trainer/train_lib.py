@@ -45,7 +45,7 @@ from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.metrics import MetricWriter
 from aft_jax.trainer.run_config import RunConfig, as_written
-from aft_jax.model import TransformerLM, count_params
+from aft_jax.model import TransformerLM, check_ids, count_params
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
 from aft_jax.trainer.preemption import Preemption
@@ -249,7 +249,7 @@ class Trainer:
     time whatever the stride.
 
     ``should_stop(i)``, if given, is asked before batch ``i``; where it says True the
-    evaluation stops and returns None.
+    evaluation stops and returns None. An id outside [0, V) (``bos_id`` too) is a ValueError.
 
     Why not the recurrent form of causal AFT-simple / AFT-conv1d for S = 1: their recurrence
     carries the whole prefix, so it computes unbounded-context scores, a different quantity.
@@ -258,6 +258,8 @@ class Trainer:
     needs its own forward pass; batching those passes is what keeps S = 1 fast.
     """
     ev, seq_len = self.config.eval, self.config.train.seq_len
+    check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
+    check_ids("Trainer.evaluate: bos_id", bos_id, self.config.model.vocab_size)
     if stride is None:
       stride = ev.eval_stride
     kw = dict(seq_len=seq_len, global_batch_size=ev.eval_batch_size, stride=stride or None)

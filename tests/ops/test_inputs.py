@@ -76,6 +76,18 @@ def test_messages():
   ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4)), causal=True)
 
 
+def test_a_numpy_integer_window_is_an_int():
+  """window=np.int64(2) (an int of NumPy's): the op's and the layer's output of window=2."""
+  x = np.random.default_rng(0).normal(size=X.shape).astype(np.float32)
+  w = np.random.default_rng(1).normal(size=W.shape).astype(np.float32)
+  for window in (np.int64(2), np.int32(2)):
+    want = ops.aft_local(x, x, x, w, window=2, causal=True)
+    np.testing.assert_array_equal(ops.aft_local(x, x, x, w, window=window, causal=True), want)
+    layer = lambda s: layers.AFTLocal(max_len=6, window=s, causal=True)
+    params = layer(2).init(jax.random.key(0), x)
+    np.testing.assert_array_equal(layer(window).apply(params, x), layer(2).apply(params, x))
+
+
 @pytest.mark.parametrize("causal", ["False", 1, None])
 def test_causal_must_be_a_bool(causal):
   """A string "False" would be true (the causal op); an int or None is refused alike."""

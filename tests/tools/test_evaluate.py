@@ -129,6 +129,21 @@ def test_evaluate_bad_flags_are_one_line_errors(byte_run, flags, message):
   assert message in str(e.value.code) and "\n" not in str(e.value.code)
 
 
+def test_evaluate_refuses_ids_outside_the_vocabulary_in_one_line(byte_run, tmp_path, monkeypatch):
+  """Ids the model has no row for (here a tokenizer that disagrees with the model): one line,
+  not a NaN perplexity."""
+  text_file = tmp_path / "text.txt"
+  text_file.write_text("abc")
+  encode = lambda vocab, text: (np.asarray([1, vocab.size, 2]), 3, 0)
+  monkeypatch.setattr(evaluate, "encode_text", encode)
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(["--workdir", byte_run[0], "--text_file", str(text_file)])
+  v = json.load(open(os.path.join(byte_run[0], "corpus.json")))["vocab_size"]
+  assert str(e.value.code) == (
+    f"evaluate: Trainer.evaluate: tokens: the id {v} is outside the vocabulary [0, {v})"
+  )
+
+
 def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
   path = byte_run[0]
   corpus = json.load(open(os.path.join(path, "corpus.json")))

@@ -60,9 +60,19 @@ def test_load_pretrained_refuses_other_files(tmp_path):
     aft_jax.load_pretrained(str(tmp_path / "missing.msgpack"))
 
 
-def test_export_to_a_missing_folder_is_a_one_line_error(run_dir, tmp_path):
-  with pytest.raises(SystemExit, match="does not exist"):
-    export.main(["--workdir", run_dir, "--out", str(tmp_path / "no" / "m.msgpack")])
+@pytest.mark.parametrize(
+  "out, message",
+  [
+    ("no/m.msgpack", r"--out .*no/m.msgpack: folder .*no does not exist"),
+    ("", "--out is empty: give a file name"),
+    ("/dev/null", "--out /dev/null is not a regular file"),
+  ],
+)
+def test_export_to_a_path_that_is_no_file_is_a_one_line_error(run_dir, tmp_path, out, message):
+  out = str(tmp_path / out) if out.startswith("no/") else out
+  with pytest.raises(SystemExit, match=f"^export: {message}") as e:
+    export.main(["--workdir", run_dir, "--out", out])
+  assert "\n" not in str(e.value.code)
 
 
 def _tamper(path, out, edit):
@@ -243,7 +253,8 @@ def test_a_streams_stablehlo_artifact_generates_the_same_tokens_without_flax_or_
 ):
   """aft-export --format stablehlo (from the .npz name), loaded and run by the lines of
   docs/training.md in a process where importing flax or aft_jax fails: the greedy tokens of
-  ``decode.generate``, for a prompt of two prefill chunks (max_len 16) and a step."""
+  ``decode.generate``, for a prompt of two prefill chunks (max_len 16) and a step; an id
+  outside the vocabulary gives NaN."""
   out = tmp_path / "stream.npz"
   export.main(["--workdir", stream_run[0], "--out", str(out)])
   assert json.loads(capsys.readouterr().out.splitlines()[-1])["format"] == "stablehlo"
@@ -263,6 +274,14 @@ def test_a_streams_stablehlo_artifact_generates_the_same_tokens_without_flax_or_
   ids = np.asarray([run.vocab.encode(prompt.decode())], np.int32)
   want = decode.generate(run.model, run.params, ids, 200, rng=jax.random.key(0), temperature=0)
   assert proc.stdout == run.vocab.decode(want[0]) + "\n"
+  # An id outside [0, V) gives NaN, never another id's log-probabilities (-1 is not V - 1).
+  z = np.load(out)
+  meta, step = json.loads(str(z["meta"])), jax.export.deserialize(bytearray(z["step"]))
+  params = [z[f"param.{i}"] for i in range(meta["num_params"])]
+  state = [z[f"state.{i}"] for i in range(meta["num_state"])]
+  v = meta["model"]["vocab_size"]
+  logp = {i: step.call(params, state, np.asarray([[i]], np.int32))[0] for i in (-1, v, v - 1)}
+  assert np.isnan(logp[-1]).all() and np.isnan(logp[v]).all() and np.isfinite(logp[v - 1]).all()
   # Only a stream has a step that goes on at any length: one line, before anything is loaded.
   with pytest.raises(SystemExit, match="--format stablehlo exports a stream's decoding step"):
     export.main(["--workdir", run_dir, "--out", str(tmp_path / "local.npz")])

@@ -133,6 +133,8 @@ def test_generate_command_samples_a_copied_workdir_without_data(
     (["--temperature", "-1"], "--temperature = -1.0 must be >= 0"),
     (["--top_p", "1.5"], "--top_p = 1.5 must be in (0, 1]"),
     (["--step", "999"], "--step 999: no such checkpoint"),
+    (["--save_state", ""], "--save_state is empty: give a file name"),
+    (["--save_state", "/dev/null"], "--save_state /dev/null is not a regular file"),
   ],
 )
 def test_generate_command_bad_flags_are_one_line_errors(run_dir, flags, message):
@@ -177,6 +179,30 @@ def _cli(capsys, *flags):
   generate.main(list(flags))
   out = capsys.readouterr()
   return out.out, out.err
+
+
+# (the call on a run, the argument its ValueError names, the bad id; "V": the vocabulary size)
+BAD_IDS = {
+  "prompt_negative": (lambda r, v: _generate(r, [[1, -1]]), "generate: prompt", -1),
+  "prompt_past_v": (lambda r, v: _generate(r, [[v]]), "generate: prompt", "V"),
+  "score_tokens": (lambda r, v: _score(r, [3, -100], 0), "score_stream: tokens", -100),
+  "score_bos": (lambda r, v: _score(r, [3], v), "score_stream: bos_id", "V"),
+  "evaluate_tokens": (lambda r, v: _evaluate(r, [1, v], 0), "Trainer.evaluate: tokens", "V"),
+  "evaluate_bos": (lambda r, v: _evaluate(r, [1], -1), "Trainer.evaluate: bos_id", -1),
+}
+_generate = lambda r, ids: decode.generate(r.model, r.params, ids, 2, rng=jax.random.key(0))
+_score = lambda r, ids, bos: decode.score_stream(r.model, r.params, ids, bos, 4)
+_evaluate = lambda r, ids, bos: r.trainer.evaluate(r.params, np.asarray(ids), bos)
+
+
+@pytest.mark.parametrize("case", BAD_IDS)
+def test_scoring_and_generation_refuse_ids_outside_the_vocabulary_in_one_line(stream, case):
+  call, name, bad = BAD_IDS[case]
+  v = stream.model.cfg.vocab_size
+  bad = v if bad == "V" else bad
+  with pytest.raises(ValueError) as e:
+    call(stream, v)
+  assert str(e.value) == f"{name}: the id {bad} is outside the vocabulary [0, {v})"
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 7)])

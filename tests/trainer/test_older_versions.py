@@ -88,6 +88,25 @@ def test_a_workdir_from_before_model_init_resumes_only_as_it_was_written(old_wor
   assert abs(results["valid_loss"] - before["valid_loss"]) < 0.1
 
 
+def test_the_first_releases_null_adaptive_cutoffs_is_no_cutoffs(old_workdir, tmp_path, capsys):
+  """The first release wrote ``model.adaptive_cutoffs: null`` for a plain embedding: read as
+  (), its own settings given now are no config change, and such a workdir exports."""
+  first = _read(os.path.join(FIXTURES, "first_release_config.json"))
+  assert first["model"]["adaptive_cutoffs"] is None
+  rerun = RunConfig.from_tree(_with(as_written(first), {"model.adaptive_cutoffs": ()}))
+  assert checkpointing.resume_conflicts(as_written(first), rerun.tree) == []
+  assert RunConfig.from_saved(first).model == rerun.model
+
+  config = _read(os.path.join(old_workdir, "config.json"))
+  config["model"]["adaptive_cutoffs"] = None
+  with open(os.path.join(old_workdir, "config.json"), "w") as f:
+    json.dump(config, f)
+  out = str(tmp_path / "model.msgpack")
+  export.main(["--workdir", old_workdir, "--out", out])
+  assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
+  assert aft_jax.load_pretrained(out)[0].cfg.adaptive_cutoffs == ()
+
+
 def _with(tree: dict, values: dict) -> dict:
   """A copy of ``tree`` with dotted keys set (``{"model.init": "glorot"}``)."""
   return default_config.override(json.loads(json.dumps(tree)), values)
