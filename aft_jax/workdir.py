@@ -152,6 +152,15 @@ class Workdir:
     """corpus.json's dict (the corpus record); None where there is none."""
     return _read_json(self.corpus_file)
 
+  def trained_corpus(self, items: dict) -> dict | None:
+    """The corpus record of the run whose checkpoint holds the JSON ``items`` ({}: none saved
+    yet): the checkpoint's own, else corpus.json; for a run trained before workdirs kept one,
+    ``record.unrecorded`` of results.json and the checkpoint's data position. None: no run."""
+    saved = items.get("corpus") or self.read_corpus()
+    if saved is None and (items or os.path.isfile(self.config_file)):
+      saved = record.unrecorded(_read_json(self.results_file), items.get("data"))
+    return saved
+
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
     """(corpus.json's dict, vocabulary); None for a run saved without them. A vocabulary file
     that is missing or damaged is a one-line ValueError naming it."""

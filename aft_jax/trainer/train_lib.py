@@ -331,14 +331,12 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   corpus.json (a run stopped before its first save). Reads only."""
   newest = checkpointing.newest_items(mngr)
   if newest is None:
-    since, items = "config.json and corpus.json", {"config": workdir.read_config()}
-  else:
-    since, items = f"the checkpoint at step {newest[0]}", newest[1]
-  # A checkpoint written before checkpoints had a corpus record: the workdir's.
-  return since, {
-    "config": items.get("config"),
-    "corpus": items.get("corpus") or workdir.read_corpus(),
-  }
+    return "config.json and corpus.json", {
+      "config": workdir.read_config(),
+      "corpus": workdir.trained_corpus({}),
+    }
+  since, items = f"the checkpoint at step {newest[0]}", newest[1]
+  return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
 
 
 def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> None:
@@ -359,7 +357,9 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
   since, trained = _trained_on(workdir, mngr)
   _check_config(cfg, workdir, allow_config_change, trained["config"])
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
-  corpus = data_lib.load_corpus(cfg.data)
+  corpus = data_lib.load_corpus(
+    cfg.data, data_record.built_by(trained["corpus"], cfg.data.dataset)
+  )
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
   say = print if jax.process_index() == 0 else lambda line: None
