@@ -59,8 +59,9 @@ def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
 def pydoc_splits(
   tokenizer: str = "byte", version: int | None = None
 ) -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
-  """(vocabulary, {split: token ids}) of the pydoc text as builder ``version`` made it: bytes,
-  or words from train plus ``<unk>`` (None: today's version); a ValueError for another tokenizer or an empty split."""
+  """(vocabulary, {split: token ids}) of the pydoc text as builder ``version`` (None: today's)
+  made it: bytes, or words from train plus ``<unk>``; a ValueError for another tokenizer or an
+  empty split."""
   pieces = split_at_lines(pydoc_text(version), PYDOC_FRACTIONS)
   if tokenizer == "byte":
     vocab: vocab_lib.Vocab = vocab_lib.ByteVocab()

@@ -54,10 +54,10 @@ def load_run(
 
   The vocabulary comes from the workdir, and must be the one the checkpoint records it was
   trained with (a one-line ``record.DataChanged`` naming the file otherwise); runs saved before
-  the workdir kept one load the corpus, as the builders' first versions made it. The checkpoint is verified against its checksums: a
-  damaged latest one (lost checksums included) is skipped (one note on stderr), a damaged
-  ``step`` is a one-line error; one written before checkpoints carried checksums loads with a
-  note on stderr that it is unverified.
+  the workdir kept one load the corpus, as the builders' first versions made it. The checkpoint
+  is verified against its checksums: a damaged latest one (lost checksums included) is skipped
+  (one note on stderr), a damaged ``step`` is a one-line error; one written before checkpoints
+  carried checksums loads with a note on stderr that it is unverified.
   ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
   to refuse (``aft-evaluate --split`` checks the data files with it). ``config``: the
   workdir's ``run_config``, where the caller read it already.

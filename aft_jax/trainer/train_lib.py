@@ -357,9 +357,8 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
   since, trained = _trained_on(workdir, mngr)
   _check_config(cfg, workdir, allow_config_change, trained["config"])
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
-  corpus = data_lib.load_corpus(
-    cfg.data, data_record.built_by(trained["corpus"], cfg.data.dataset)
-  )
+  built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
+  corpus = data_lib.load_corpus(cfg.data, built_by)
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
   say = print if jax.process_index() == 0 else lambda line: None
