@@ -4,7 +4,8 @@
                                         restore succeeded; each checkpoint also holds its own)
     <workdir>/corpus.json               the corpus record (``aft_jax.data.record``): name, unit,
                                         tokenizer, bos_id, vocabulary size and SHA-256, tokens
-                                        per split, the text files' digests
+                                        per split, the text files' digests, the version of the
+                                        builder that made it
     <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
     <workdir>/subword.model             subword runs: the SentencePiece model (its SHA-256 is
                                         in corpus.json and in every checkpoint, so a damaged

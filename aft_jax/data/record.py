@@ -177,14 +177,18 @@ def check_corpus(saved: Mapping | None, now: Mapping, since: str, hint=RESUME_HI
   the builder's version, the vocabulary, the files or the number of tokens of a split."""
   if saved is None:
     return
-  dataset = now.get("name", "").split("-")[0]  # pydoc-byte, text-word-<key>, enwik8-byte...
-  was, is_ = built_by(saved, dataset) if dataset else None, now.get("builder_version")
+  if "builder_version" in now:  # a loaded corpus's record (a vocabulary's alone has none)
+    _check_builder(saved, now, since)
+  _refuse(_corpus_changes(saved, now), since, hint)
+
+
+def _check_builder(saved: Mapping, now: Mapping, since: str) -> None:
+  dataset = now["name"].split("-")[0]  # pydoc-byte, text-word-<key>, wikitext103-v1-word...
+  was, is_, known = built_by(saved, dataset), now["builder_version"], BUILDERS[dataset]
   if was != is_:
-    known = BUILDERS[dataset]
-    what = f"({known[was - 1]})" if was <= len(known) else "(made by a newer aft_jax)"
+    what = known[was - 1] if was <= len(known) else "made by a newer aft_jax"
     raise DataChanged(
       f"the corpus builder changed since {since}: the {dataset} corpus was built by version "
-      f"{was} {what}, this aft_jax builds version {is_} ({known[is_ - 1]}), from the same "
+      f"{was} ({what}), this aft_jax builds version {is_} ({known[is_ - 1]}), from the same "
       "files; score text with aft-evaluate --text_file, or train again in another --workdir"
     )
-  _refuse(_corpus_changes(saved, now), since, hint)

@@ -328,7 +328,8 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   """(what it is, its config and corpus record) of what the workdir's run is checked against
   before any data is loaded: the newest checkpoint whose items read, else config.json and
-  corpus.json (a run stopped before its first save). Reads only."""
+  corpus.json (a run stopped before its first save); its corpus record is
+  ``Workdir.trained_corpus``'s. Reads only."""
   newest = checkpointing.newest_items(mngr)
   if newest is None:
     return "config.json and corpus.json", {
