@@ -4,7 +4,8 @@
                                         restore succeeded; each checkpoint also holds its own)
     <workdir>/corpus.json               the corpus record (``aft_jax.data.record``): name, unit,
                                         tokenizer, bos_id, vocabulary size and SHA-256, tokens
-                                        per split, the text files' digests
+                                        per split, the text files' digests, the version of the
+                                        builder that made it
     <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
     <workdir>/subword.model             subword runs: the SentencePiece model (its SHA-256 is
                                         in corpus.json and in every checkpoint, so a damaged
@@ -151,6 +152,15 @@ class Workdir:
   def read_corpus(self) -> dict | None:
     """corpus.json's dict (the corpus record); None where there is none."""
     return _read_json(self.corpus_file)
+
+  def trained_corpus(self, items: dict) -> dict | None:
+    """The corpus record of the run whose checkpoint holds the JSON ``items`` ({}: none saved
+    yet): the checkpoint's own, else corpus.json; for a run trained before workdirs kept one,
+    ``record.unrecorded`` of results.json and the checkpoint's data position. None: no run."""
+    saved = items.get("corpus") or self.read_corpus()
+    if saved is None and (items or os.path.isfile(self.config_file)):
+      saved = record.unrecorded(_read_json(self.results_file), items.get("data"))
+    return saved
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
     """(corpus.json's dict, vocabulary); None for a run saved without them. A vocabulary file

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from aft_jax.data import pydoc, store
+from aft_jax.data import pydoc, record, store
 from aft_jax.data.config import (  # noqa: F401 (DATA_DIR_ENV, default_data_dir: re-exported)
   DATA_DIR_ENV,
   DataConfig,
@@ -64,6 +64,7 @@ class Corpus:
     documents: text corpora: split -> uint32[documents], the token offset just past each
       document's boundary (what ``config.data.packing`` packs into rows); None for corpora
       that are one stream (WikiText-103, enwik8, pydoc).
+    builder_version: the version of the dataset's builder that made it (``record.BUILDERS``).
   """
 
   name: str
@@ -75,11 +76,14 @@ class Corpus:
   fingerprint: str | None = None
   sources: Mapping[str, Mapping[str, str]] | None = None
   documents: Mapping[str, np.ndarray] | None = None
+  builder_version: int = 1
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
   """Corpus named by `cfg`, a DataConfig (checked where it was made: the run config, or
-  `DataConfig.of(mapping).validate()`).
+  `DataConfig.of(mapping).validate()`), as version `version` of its builder made it (None:
+  today's). Only pydoc builds its older versions; the others are prepared by today's (a run
+  recorded at another is then refused by ``record.check_corpus``).
 
   Fields: dataset ('pydoc' | 'wikitext103' | 'enwik8'), tokenizer ('word' |
   'byte'; enwik8 is bytes), data_dir (empty: `default_data_dir()`), manual_dir
@@ -97,7 +101,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
   """
   cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
-    return pydoc_corpus(cfg.tokenizer)
+    return pydoc_corpus(cfg.tokenizer, version)
   data_dir = resolve_data_dir(cfg.data_dir)
   if cfg.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
@@ -213,13 +217,22 @@ def load_prepared(path: str) -> Corpus:
     num_bytes=summary.get("bytes"),
     fingerprint=summary.get(store.FINGERPRINT_KEY),
     documents=documents,
+    builder_version=summary.get(store.VERSION_KEY, 1),
   )
 
 
-def pydoc_corpus(tokenizer: str = "byte") -> Corpus:
-  """The quick-start corpus (see module docstring and ``aft_jax.data.pydoc``); deterministic,
+def pydoc_corpus(tokenizer: str = "byte", version: int | None = None) -> Corpus:
+  """The quick-start corpus (see module docstring and ``aft_jax.data.pydoc``) as builder
+  ``version`` made it (None, or a version this aft_jax does not know: today's); deterministic,
   no I/O."""
-  vocab, splits = pydoc.pydoc_splits(tokenizer)
+  if version not in range(1, record.version("pydoc") + 1):
+    version = record.version("pydoc")
+  vocab, splits = pydoc.pydoc_splits(tokenizer, version)
   return Corpus(
-    name=f"pydoc-{tokenizer}", unit=vocab.unit, vocab=vocab, splits=splits, bos_id=vocab.eos_id
+    name=f"pydoc-{tokenizer}",
+    unit=vocab.unit,
+    vocab=vocab,
+    splits=splits,
+    bos_id=vocab.eos_id,
+    builder_version=version,
   )

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
-from aft_jax.data import pydoc, store
+from aft_jax.data import pydoc, record, store
 from aft_jax.data.config import (
   DATASETS,
   OFFICIAL,
@@ -201,7 +201,9 @@ def prepare_wikitext103(
 
   locate = functools.partial(wikitext103.locate_source, variant)
   with store.lock(out, name):
-    summary = store.reusable(out, _fingerprint_now(locate, data_dir, manual_dir))
+    summary = store.reusable(
+      out, _fingerprint_now(locate, data_dir, manual_dir), record.version("wikitext103")
+    )
     if summary is not None:
       return summary
     _quiet_tfds(progress)
@@ -303,8 +305,11 @@ def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[
 
 
 def _fingerprint_of(builder) -> dict:
+  """What summary.json records of a TFDS build: its source's fingerprint and the builder's
+  version."""
   key = store.FINGERPRINT_KEY
-  return {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
+  out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
+  return {**out, store.VERSION_KEY: record.version(builder.name)}
 
 
 def _quiet_tfds(progress: bool) -> None:
@@ -338,7 +343,9 @@ def prepare_enwik8(
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   with store.lock(out, ENWIK8_NAME):
-    summary = store.reusable(out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir))
+    summary = store.reusable(
+      out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir), record.version("enwik8")
+    )
     if summary is not None:
       return summary
     _quiet_tfds(progress)

@@ -18,8 +18,9 @@ PYDOC_FRACTIONS = {"train": 0.8, "test": 0.1, "validation": 0.1}  # in text orde
 _LAYOUT_LINE = re.compile(r"\s*(?:[-=~^*_+| ]{3,}|[|+].*|.*::=.*)\s*")
 
 
-def pydoc_text() -> str:
-  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines.
+def pydoc_text(version: int | None = None) -> str:
+  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines (the
+  builder's version 2, today's; version 1 kept them: ``record.BUILDERS``).
 
   About a tenth of the raw text is ASCII tables, heading underlines and grammar rules; a small
   model spends its capacity (and its samples) on runs of `|`, `+` and `=` otherwise. Prose,
@@ -28,6 +29,8 @@ def pydoc_text() -> str:
   from pydoc_data import topics  # pylint: disable=g-import-not-at-top
 
   raw = "".join(topics.topics[k] for k in sorted(topics.topics))
+  if version == 1:
+    return raw
   return "".join(
     line for line in raw.splitlines(keepends=True) if not _LAYOUT_LINE.fullmatch(line.strip())
   )
@@ -53,10 +56,13 @@ def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
   return pieces
 
 
-def pydoc_splits(tokenizer: str = "byte") -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
-  """(vocabulary, {split: token ids}) of the pydoc text: bytes, or words from train plus
-  ``<unk>``; a ValueError for another tokenizer or an empty split."""
-  pieces = split_at_lines(pydoc_text(), PYDOC_FRACTIONS)
+def pydoc_splits(
+  tokenizer: str = "byte", version: int | None = None
+) -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
+  """(vocabulary, {split: token ids}) of the pydoc text as builder ``version`` (None: today's)
+  made it: bytes, or words from train plus ``<unk>``; a ValueError for another tokenizer or an
+  empty split."""
+  pieces = split_at_lines(pydoc_text(version), PYDOC_FRACTIONS)
   if tokenizer == "byte":
     vocab: vocab_lib.Vocab = vocab_lib.ByteVocab()
   elif tokenizer == "word":

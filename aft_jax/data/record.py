@@ -5,6 +5,8 @@ every checkpoint (the checkpoint's copy is the one a resume and the tools trust:
 with the parameters):
 
     name, unit, tokenizer, bos_id, vocab_size   what the model's ids mean
+    builder_version                             the version of the dataset's builder that made
+                                                the corpus (``BUILDERS``)
     vocab_sha256                                word and subword vocabularies: the SHA-256 of
                                                 their file (vocab.txt, subword.model)
     tokens                                      {split: number of tokens}
@@ -16,7 +18,9 @@ A run checks the data it finds against the record before it prepares or writes a
 first the files (``check_sources``: cheap, so a changed, deleted or added file is named before
 any vocabulary is learned), then the loaded corpus (``check_corpus``). Any difference is a
 ``DataChanged`` whose one line names what changed. Records written by older versions lack some
-keys; only the keys both records have are compared.
+keys; only the keys both records have are compared, except the builder's version, which every
+record has (``built_by``): a corpus is rebuilt as the recorded version built it
+(``aft_jax.data.load_corpus``) where the builder still can, and refused in one line otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +28,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 _SHOWN = 3  # changes named in one line; the rest are counted
+
+
+# What each version of each dataset's builder makes, the last entry being today's: a change to a
+# builder's tokens adds a version (tests/data/test_builder_versions.py records each version's
+# counts). Records written before they named it were made by ``_UNNAMED``'s version; a run
+# without a record (trained before workdirs kept corpus.json) by each builder's first.
+BUILDERS = {
+  "pydoc": ("the whole pydoc text", "the pydoc text without its tables, rules and grammar"),
+  "text": ("documents, each followed by the boundary",),
+  "wikitext103": ("the release's articles",),
+  "enwik8": ("the file's bytes, 90M / 5M / 5M",),
+}
+_UNNAMED = {"pydoc": 2}
+
+
+def version(dataset: str) -> int:
+  """Today's version of the builder of ``dataset``."""
+  return len(BUILDERS[dataset])
+
+
+def built_by(saved: Mapping | None, dataset: str) -> int:
+  """The version of the builder that made the corpus of the record ``saved`` (None: a new run,
+  today's)."""
+  if saved is None:
+    return version(dataset)
+  return saved.get("builder_version", _UNNAMED.get(dataset, 1))
+
+
+def unrecorded(results: Mapping | None, position: Mapping | None) -> dict:
+  """The record of a run trained before runs kept one: the builders' first versions, and the
+  tokens per split that its results.json scored and its data position (``position``) read."""
+  tokens = {"train": position["num_tokens"]} if position else {}
+  for split, prefix in (("validation", "valid"), ("test", "test")):
+    if f"{prefix}_tokens" in (results or {}):
+      tokens[split] = results[f"{prefix}_tokens"]
+  return {"builder_version": 1, "tokens": tokens}
 
 
 class DataChanged(ValueError):
@@ -38,6 +78,7 @@ def of_corpus(corpus) -> dict:
     "tokenizer": corpus.vocab.unit,
     "bos_id": int(corpus.bos_id),
     "vocab_size": int(corpus.vocab.size),
+    "builder_version": corpus.builder_version,
     "tokens": {s: int(len(t)) for s, t in corpus.splits.items()},
   }
   sha256 = getattr(corpus.vocab, "sha256", None)  # bytes have no vocabulary file
@@ -133,7 +174,21 @@ def check_sources(saved: Mapping | None, now: Mapping | None, since: str, hint=R
 
 def check_corpus(saved: Mapping | None, now: Mapping, since: str, hint=RESUME_HINT):
   """Refuses (``DataChanged``) when the record ``now`` (``of_corpus``) differs from ``saved`` in
-  the vocabulary, the files or the number of tokens of a split."""
+  the builder's version, the vocabulary, the files or the number of tokens of a split."""
   if saved is None:
     return
+  if "builder_version" in now:  # a loaded corpus's record (a vocabulary's alone has none)
+    _check_builder(saved, now, since)
   _refuse(_corpus_changes(saved, now), since, hint)
+
+
+def _check_builder(saved: Mapping, now: Mapping, since: str) -> None:
+  dataset = now["name"].split("-")[0]  # pydoc-byte, text-word-<key>, wikitext103-v1-word...
+  was, is_, known = built_by(saved, dataset), now["builder_version"], BUILDERS[dataset]
+  if was != is_:
+    what = known[was - 1] if was <= len(known) else "made by a newer aft_jax"
+    raise DataChanged(
+      f"the corpus builder changed since {since}: the {dataset} corpus was built by version "
+      f"{was} ({what}), this aft_jax builds version {is_} ({known[is_ - 1]}), from the same "
+      "files; score text with aft-evaluate --text_file, or train again in another --workdir"
+    )

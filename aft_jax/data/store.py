@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
 # summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
 FINGERPRINT_KEY = "source_fingerprint"
+# summary.json key of the version of the builder that made it (``record.BUILDERS``; absent: 1).
+VERSION_KEY = "builder_version"
 SUMMARY = "summary.json"
 
 
@@ -216,13 +218,17 @@ def file_digest(path: str) -> str:
   return h.hexdigest()[:16]
 
 
-def reusable(out: str, current_fingerprint: Callable[[], str | None]) -> dict | None:
-  """The summary of a complete ``out`` prepared from the source found now (or from any source,
-  when none is found now: ``current_fingerprint()`` is None); None when ``out`` must be prepared
-  (again): incomplete, damaged, or prepared from other files."""
+def reusable(out: str, current_fingerprint: Callable[[], str | None], version: int) -> dict | None:
+  """The summary of a complete ``out`` prepared by builder ``version`` from the source found now
+  (or from any source, when none is found now: ``current_fingerprint()`` is None); None when
+  ``out`` must be prepared (again): incomplete, damaged, by another version or from other
+  files."""
   if not is_complete(out):
     return None
   summary = read_summary(out)
+  if summary.get(VERSION_KEY, 1) != version:
+    log.warning("%s was prepared by another version of its builder; preparing it again.", out)
+    return None
   try:
     check_splits(out, summary)
   except DamagedCorpusError as e:

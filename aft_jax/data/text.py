@@ -46,7 +46,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from aft_jax.data import store, subword
+from aft_jax.data import record, store, subword
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.data.config import DataConfig, require
 
@@ -388,7 +388,7 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
   files = split_files(require(cfg, "prepare_text"))
   out = store.prepared_dir(data_dir, corpus_name(cfg, files))
   with store.lock(out, f"the text corpus {os.path.basename(out)}"):
-    summary = store.reusable(out, lambda: _fingerprint(files))
+    summary = store.reusable(out, lambda: _fingerprint(files), record.version("text"))
     if summary is not None and DOCUMENTS_KEY in summary:
       return out, summary
     if summary is not None:  # prepared before document ends were kept: packing needs them
@@ -420,6 +420,7 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
       "documents": documents,
       DOCUMENTS_KEY: True,
       store.FINGERPRINT_KEY: _fingerprint(files),
+      store.VERSION_KEY: record.version("text"),
       **recorded,
     }
     store.finish(out, summary)

@@ -135,8 +135,8 @@ def evaluate_run(
     from aft_jax.data import record  # pylint: disable=g-import-not-at-top
     from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
-    corpus = data_lib.load_corpus(cfg.data)
     trained_on = run.record or run.corpus_info  # the checkpoint's record, else corpus.json's
+    corpus = data_lib.load_corpus(cfg.data, record.built_by(trained_on, cfg.data.dataset))
     record.check_corpus(trained_on, record.of_corpus(corpus), trained.since(run.step), SPLIT_HINT)
     tokens = corpus.splits[split]
     num_bytes = (corpus.num_bytes or {}).get(split)

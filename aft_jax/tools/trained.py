@@ -29,7 +29,7 @@ class TrainedRun:
   vocab: vocab_lib.Vocab
   corpus_info: dict  # corpus.json's dict
   trainer: train_lib.Trainer  # on one device
-  record: dict | None = None  # the checkpoint's corpus record (None: written before they were)
+  record: dict | None = None  # the corpus record the checkpoint was trained on (trained_corpus)
 
   @property
   def bos_id(self) -> int:
@@ -54,10 +54,10 @@ def load_run(
 
   The vocabulary comes from the workdir, and must be the one the checkpoint records it was
   trained with (a one-line ``record.DataChanged`` naming the file otherwise); runs saved before
-  the workdir kept one load the corpus. The checkpoint is verified against its checksums: a
-  damaged latest one (lost checksums included) is skipped (one note on stderr), a damaged
-  ``step`` is a one-line error; one written before checkpoints carried checksums loads with a
-  note on stderr that it is unverified.
+  the workdir kept one load the corpus, as the builders' first versions made it. The checkpoint
+  is verified against its checksums: a damaged latest one (lost checksums included) is skipped
+  (one note on stderr), a damaged ``step`` is a one-line error; one written before checkpoints
+  carried checksums loads with a note on stderr that it is unverified.
   ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
   to refuse (``aft-evaluate --split`` checks the data files with it). ``config``: the
   workdir's ``run_config``, where the caller read it already.
@@ -70,7 +70,8 @@ def load_run(
   if saved is None:
     from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top  (TFDS: slow)
 
-    corpus = data_lib.load_corpus(config.data)
+    built_by = record.built_by(wd.trained_corpus({}), config.data.dataset)
+    corpus = data_lib.load_corpus(config.data, built_by)
     saved = record.of_corpus(corpus), corpus.vocab
   info, vocab = saved
 
@@ -108,6 +109,5 @@ def load_run(
       f"note: the checkpoint at step {restored.step} was {restored.unverified}", file=sys.stderr
     )
   params = restored.state.params
-  return TrainedRun(
-    config, restored.step, trainer.model, params, vocab, info, trainer, restored.items.get("corpus")
-  )
+  trained_on = wd.trained_corpus(restored.items)
+  return TrainedRun(config, restored.step, trainer.model, params, vocab, info, trainer, trained_on)

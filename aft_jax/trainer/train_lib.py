@@ -332,17 +332,16 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   """(what it is, its config and corpus record) of what the workdir's run is checked against
   before any data is loaded: the newest checkpoint whose items read, else config.json and
-  corpus.json (a run stopped before its first save). Reads only."""
+  corpus.json (a run stopped before its first save); its corpus record is
+  ``Workdir.trained_corpus``'s. Reads only."""
   newest = checkpointing.newest_items(mngr)
   if newest is None:
-    since, items = "config.json and corpus.json", {"config": workdir.read_config()}
-  else:
-    since, items = f"the checkpoint at step {newest[0]}", newest[1]
-  # A checkpoint written before checkpoints had a corpus record: the workdir's.
-  return since, {
-    "config": items.get("config"),
-    "corpus": items.get("corpus") or workdir.read_corpus(),
-  }
+    return "config.json and corpus.json", {
+      "config": workdir.read_config(),
+      "corpus": workdir.trained_corpus({}),
+    }
+  since, items = f"the checkpoint at step {newest[0]}", newest[1]
+  return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
 
 
 def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> list[str]:
@@ -365,7 +364,8 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
   since, trained = _trained_on(workdir, mngr)
   changes = _check_config(cfg, workdir, allow_config_change, trained["config"])
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
-  corpus = data_lib.load_corpus(cfg.data)
+  built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
+  corpus = data_lib.load_corpus(cfg.data, built_by)
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
   say = print if jax.process_index() == 0 else lambda line: None

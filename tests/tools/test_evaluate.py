@@ -150,6 +150,7 @@ def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
   tokens = corpus.pop("tokens")  # the corpus record: what a resume and the tools check
   assert corpus == {
     "bos_id": 10,
+    "builder_version": 2,
     "name": "pydoc-byte",
     "tokenizer": "byte",
     "unit": "byte",

@@ -1,6 +1,7 @@
 """Files written by older versions read as they were written: a saved config (config.json, a
 checkpoint's, an export's) takes, for each key added since, the value its version ran with
-(``ADDED`` of each typed config), never today's default. The fixtures are real files of older
+(``ADDED`` of each typed config), never today's default, and a corpus is the one the version of
+its builder that made it built (``record.BUILDERS``). The fixtures are real files of older
 trees; tests/fixtures/README.md says how each was made."""
 
 import contextlib
@@ -23,6 +24,7 @@ from tests.support.helpers import ROOT, tiny_config
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 BEFORE_INIT = os.path.join(FIXTURES, "before_model_init")  # the tree before commit bdcc2f1
+BEFORE_RECORD = os.path.join(FIXTURES, "before_corpus_record")  # the tree before 7899ccd
 
 
 def _read(path):
@@ -105,6 +107,63 @@ def test_the_first_releases_null_adaptive_cutoffs_is_no_cutoffs(old_workdir, tmp
   export.main(["--workdir", old_workdir, "--out", out])
   assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
   assert aft_jax.load_pretrained(out)[0].cfg.adaptive_cutoffs == ()
+
+
+@pytest.fixture
+def unrecorded_workdir(tmp_path):
+  """A copy of the workdir the tree before 7899ccd trained: no corpus.json, its pydoc corpus built
+  by the builder's version 1 (the whole text; today's version 2 drops its tables)."""
+  path = str(tmp_path / "workdir")
+  shutil.copytree(os.path.join(BEFORE_RECORD, "workdir"), path)
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+
+  results = _read(os.path.join(path, "results.json"))
+  position = _read(os.path.join(path, "checkpoints", "10", "data", "metadata"))
+  trained = position["num_tokens"] + results["valid_tokens"] + results["test_tokens"]
+  if sum(len(t.encode()) for t in topics.topics.values()) != trained:
+    pytest.skip("this Python's pydoc text is not the one the fixture was trained on")
+  return path
+
+
+def test_a_workdir_from_before_corpus_records_scores_its_own_split(unrecorded_workdir, capsys):
+  old = _read(os.path.join(unrecorded_workdir, "results.json"))
+  evaluate.main(["--workdir", unrecorded_workdir, "--split", "validation"])
+  got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert got["tokens"] == old["valid_tokens"]  # today's pydoc builder: 41,091 tokens, ppl 238
+  assert got["ppl"] == pytest.approx(old["valid_ppl"], rel=1e-5)
+
+  # What it is checked against: the counts results.json scored...
+  results = os.path.join(unrecorded_workdir, "results.json")
+  with open(results, "w") as f:
+    json.dump({**old, "valid_tokens": 41_091}, f)
+  with pytest.raises(SystemExit) as refused:
+    evaluate.main(["--workdir", unrecorded_workdir, "--split", "validation"])
+  line = str(refused.value)
+  assert f"the validation split has {old['valid_tokens']:,} tokens, had 41,091" in line
+  assert "\n" not in line
+  # ... and a version of the builder this aft_jax cannot build: refused in one line.
+  with open(os.path.join(unrecorded_workdir, "corpus.json"), "w") as f:
+    json.dump({**record.of_corpus(pydoc_corpus("byte")), "builder_version": 3}, f)
+  with pytest.raises(SystemExit) as refused:
+    evaluate.main(["--workdir", unrecorded_workdir, "--split", "validation"])
+  line = str(refused.value)
+  assert "\n" not in line and "the corpus builder changed since the checkpoint at step 10" in line
+  assert "built by version 3 (made by a newer aft_jax), this aft_jax builds version 2" in line
+  assert "--text_file" in line
+
+
+def test_a_workdir_from_before_corpus_records_resumes_on_its_own_corpus(unrecorded_workdir):
+  tree = RunConfig.from_saved(_read(os.path.join(unrecorded_workdir, "config.json"))).tree
+  longer = _with(tree, {"num_train_steps": 12, "log_every_steps": 1, "sample.length": 0})
+  with contextlib.redirect_stdout(io.StringIO()):
+    results = train_lib.train_and_evaluate(longer, unrecorded_workdir, allow_config_change=True)
+  before = _read(os.path.join(BEFORE_RECORD, "workdir", "results.json"))
+  for key in ("valid_tokens", "test_tokens"):  # today's builder: 41,091 and 41,116
+    assert results[key] == before[key]
+  corpus = Workdir(unrecorded_workdir).read_corpus()  # written now, naming the old builder
+  assert corpus["builder_version"] == 1 and corpus["tokens"]["validation"] == before["valid_tokens"]
+  loss = {r["step"]: r["loss"] for r in Workdir(unrecorded_workdir).read_metrics() if "loss" in r}
+  assert sorted(loss) == [5, 10, 11, 12] and abs(loss[11] - loss[10]) < 1
 
 
 def _with(tree: dict, values: dict) -> dict:
