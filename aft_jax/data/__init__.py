@@ -1,10 +1,5 @@
-"""Data: WikiText-103 and enwik8 (TFDS builders, prepare CLI), your own text files (``text``),
-tokenisers (bytes, words, SentencePiece subwords: ``subword``), the pydoc corpus, input
-pipelines.
-
-Importing this package does not import TFDS (slow to import): the builders
-(`aft_jax.data.wikitext103`, `aft_jax.data.enwik8`) import it when data is actually prepared, and
-`load_corpus` imports JAX's multi-host utilities only when it needs a barrier.
+"""Data: the corpora (pydoc, WikiText-103, enwik8, your own text), tokenisers and input pipelines
+(docs/data.md). Importing it does not import TFDS or JAX: the builders import them when needed.
 """
 
 from aft_jax.data.config import DATASETS, DataConfig

@@ -125,7 +125,7 @@ class DataConfig(TypedConfig):
       return errors
     if not self.text_field:
       errors.append(f"{self.key('text_field')} is empty: name the records' text field")
-    if not self.train_files.strip():
+    if not self.train_files.replace(",", " ").strip():
       errors.append(f"{self.key('train_files')} is empty: dataset = 'text' needs files to train on")
     held_out = 0.0
     for split in ("valid", "test"):

@@ -1,39 +1,9 @@
-"""Prepare a corpus: download or read, build TFDS, tokenise, cache token ids.
+"""Prepare a corpus (``aft-prepare``): download or read, build TFDS, tokenise, cache token ids.
 
-    python -m aft_jax.data.prepare --dataset wikitext103 [--data_dir DIR] \\
-        [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte|subword] \\
-        [--vocab_size N] [--nodownload]
-    python -m aft_jax.data.prepare --dataset enwik8 [--data_dir DIR] [--manual_dir DIR] \\
-        [--nodownload]
-    python -m aft_jax.data.prepare --dataset text --train_files GLOBS [--valid_files GLOBS] \\
-        [--test_files GLOBS] [--tokenizer byte|word|subword] [--vocab_size N] [--text_field F]
+    aft-prepare --dataset wikitext103|enwik8|text|pydoc [--data_dir DIR] [--manual_dir DIR] ...
 
-prints progress and the folder it prepared on stderr and, as its last stdout line, one JSON
-object:
-    {"vocab_size": V, "tokens": {"train": N, "validation": N, "test": N}}
-
-Without --data_dir it prepares into `aft_jax.data.config.default_data_dir()` ($AFT_JAX_DATA,
-else ~/.cache/aft_jax), where the trainer looks when config.data.data_dir is empty. Two runs on
-one corpus take turns (a lock file beside it): the second waits, then reuses the first's result.
-
-A second run finds `<data_dir>/prepared/<name>/COMPLETE` and only prints the
-summary, unless the source files found now differ from the ones it was prepared
-from (their fingerprint, `store.fingerprint`, is kept in summary.json): then
-it prepares again. The byte tokenizer always reads the raw release (`raw_v1`).
-
-`--official` says whether the source must be the published data:
-* WikiText-103, `auto` (default): files whose line count is the official one
-  for at least one split are taken to be the official release, so every count
-  must then be the published one (267,735 words and 103,227,021 / 217,646 /
-  245,569 tokens for v1 words); otherwise the error says the files look
-  truncated or modified, and that `--official no` prepares them as a custom
-  corpus in the same layout. Files with no official line count at all are a
-  custom corpus (with a warning). `yes` requires the published counts, `no`
-  never checks them.
-* enwik8: `auto` prepares a file of any size (one that is not 100,000,000
-  bytes with a warning that it is a custom byte corpus), `yes` requires
-  100,000,000 bytes, `no` says nothing.
-Any mismatch is a `CountMismatchError` and nothing is marked complete.
+Its last stdout line is one JSON object, {"vocab_size": V, "tokens": {"train": N, ...}}.
+docs/data.md says where the data goes, how a rerun reuses it and what ``--official`` checks.
 """
 
 from __future__ import annotations
@@ -49,12 +19,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
-from aft_jax.data import pydoc, record, store
+from aft_jax.data import pydoc, store
 from aft_jax.data.config import (
   DATASETS,
   OFFICIAL,
   TOKENIZERS,
-  VARIANTS,
   DataConfig,
   resolve_data_dir,
 )
@@ -62,8 +31,7 @@ from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
 
-# Published statistics of wikitext-103-v1 under the word protocol (one <eos>
-# per line): Merity et al. 2016, Table 1.
+# Published statistics of wikitext-103-v1 under the word protocol: Merity et al. 2016, Table 1.
 OFFICIAL_VOCAB_SIZE = 267_735
 OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 # Lines per split file (identical in both releases); how real data is recognised.
@@ -79,17 +47,12 @@ class CountMismatchError(ValueError):
 
 
 def resolve_variant(tokenizer: str, variant: str | None) -> str:
-  """The release a tokenizer reads: bytes always come from the raw text."""
-  if tokenizer not in TOKENIZERS:
-    raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
+  """The release a tokenizer reads (checked by ``DataConfig``): bytes always read the raw text."""
   if tokenizer == "byte":
     if variant not in (None, "", "raw_v1"):
       log.warning("The byte tokenizer reads raw_v1, not %s.", variant)
     return "raw_v1"
-  variant = variant or "v1"
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be 'v1' or 'raw_v1', got {variant!r}")
-  return variant
+  return variant or "v1"
 
 
 def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
@@ -98,7 +61,6 @@ def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
 
 
 def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
-  """Field `key` of a built split's examples, in file order."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   ds = builder.as_data_source(split)
@@ -113,7 +75,6 @@ def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterat
 
 
 def _articles(builder, split: str, progress: bool) -> Iterator[str]:
-  """Article texts of a built WikiText-103 split, in file order."""
   for text in _records(builder, split, "text", "articles", progress):
     yield text.decode("utf-8")
 
@@ -121,13 +82,9 @@ def _articles(builder, split: str, progress: bool) -> Iterator[str]:
 def check_official(
   summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str, official: bool | None
 ) -> bool:
-  """Checks the published counts on real data; returns whether it is real.
-
-  `official=None` recognises real data by its line counts; True insists on it.
-  """
+  """Checks the published counts on real data; returns whether it is real (official None:
+  real when one split has its official line count, which a custom corpus would not hit)."""
   if official is None:
-    # One split with its official line count: these are the official files (a custom corpus in
-    # the same layout would not hit 1,801,350, 3,760 or 4,358 lines), maybe partly damaged.
     is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS)
     if not is_real:
       log.warning(
@@ -181,19 +138,9 @@ def prepare_wikitext103(
   official: bool | None = None,
   progress: bool = True,
 ) -> dict:
-  """Builds `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its summary.
-
-  `tokenizer='subword'` learns a SentencePiece vocabulary of `vocab_size` pieces on the train
-  articles (`aft_jax.data.subword`), each article followed by its `<eos>`.
-
-  Reuses a complete earlier result. Raises `wikitext103.WikiTextError` for
-  bad or missing source data and `CountMismatchError` (see module docstring).
-  """
+  """Builds (or reuses) `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its
+  summary. Raises `sources.DataError` for bad or missing source data, `CountMismatchError`."""
   variant = resolve_variant(tokenizer, variant)
-  if not data_dir:
-    raise ValueError("data_dir is required to prepare wikitext103")
-  if tokenizer == "subword":  # the config's rule for the size (aft-prepare --vocab_size)
-    DataConfig(dataset="wikitext103", tokenizer="subword", vocab_size=vocab_size).validate()
   data_dir = os.path.expanduser(data_dir)
   name = corpus_name(variant, tokenizer, vocab_size)
   out = store.prepared_dir(data_dir, name)
@@ -202,7 +149,7 @@ def prepare_wikitext103(
   locate = functools.partial(wikitext103.locate_source, variant)
   with store.lock(out, name):
     summary = store.reusable(
-      out, _fingerprint_now(locate, data_dir, manual_dir), record.version("wikitext103")
+      out, _fingerprint_now(locate, data_dir, manual_dir), store.version("wikitext103")
     )
     if summary is not None:
       return summary
@@ -219,8 +166,7 @@ def prepare_wikitext103(
 
 
 def _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress) -> dict:
-  """`_write_wikitext103` for a subword vocabulary learned on the train articles: each article
-  a document, as in a text corpus (`aft_jax.data.text`), with its bytes for bits per byte."""
+  """`_write_wikitext103` for subwords: each article a document, as in a text corpus."""
   from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
 
   store.start(out)
@@ -258,13 +204,11 @@ def _write_wikitext103_subword(builder, out, variant, vocab_size, official, prog
 
 
 def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> dict:
-  """Tokenises a built WikiText-103 into `out` (under its lock); returns the summary."""
   store.start(out)
   tokens, lines = {}, {}
   if tokenizer == "word":
     counts = vocab_lib.count_words(_articles(builder, "train", progress))
-    # raw_v1 has real words where v1 has <unk>; held-out words unseen in train
-    # need an id, so its vocabulary gets an explicit <unk>.
+    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
     vocab = vocab_lib.WordVocab.build(counts, add_unk=variant == "raw_v1")
     vocab.save(os.path.join(out, vocab_lib.VOCAB_FILENAME))
     encode = vocab.encode
@@ -297,7 +241,6 @@ def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> 
 
 
 def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[[], str | None]:
-  """A thunk giving the fingerprint of the source `locate` finds now (None: none found)."""
   from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
 
   download_dir = os.path.join(data_dir, "tfds", "downloads")
@@ -305,11 +248,10 @@ def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[
 
 
 def _fingerprint_of(builder) -> dict:
-  """What summary.json records of a TFDS build: its source's fingerprint and the builder's
-  version."""
+  """What summary.json records of a TFDS build."""
   key = store.FINGERPRINT_KEY
   out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
-  return {**out, store.VERSION_KEY: record.version(builder.name)}
+  return {**out, store.VERSION_KEY: store.version(builder.name)}
 
 
 def _quiet_tfds(progress: bool) -> None:
@@ -330,21 +272,15 @@ def prepare_enwik8(
   official: bool | None = None,
   progress: bool = True,
 ) -> dict:
-  """Builds `<data_dir>/prepared/enwik8-byte/` (byte ids, vocabulary 256); returns its summary.
-
-  Reuses a complete earlier result prepared from the same source. Raises
-  `sources.DataError` for bad or missing source data and `CountMismatchError`
-  when `official` is True and the file is not 100,000,000 bytes.
-  """
-  if not data_dir:
-    raise ValueError("data_dir is required to prepare enwik8")
+  """Builds (or reuses) `<data_dir>/prepared/enwik8-byte/`; returns its summary. Raises
+  `sources.DataError` for bad or missing source data, `CountMismatchError`."""
   data_dir = os.path.expanduser(data_dir)
   out = store.prepared_dir(data_dir, ENWIK8_NAME)
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   with store.lock(out, ENWIK8_NAME):
     summary = store.reusable(
-      out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir), record.version("enwik8")
+      out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir), store.version("enwik8")
     )
     if summary is not None:
       return summary
@@ -356,7 +292,6 @@ def prepare_enwik8(
 
 
 def _write_enwik8(builder, out, official, progress) -> dict:
-  """Copies a built enwik8's bytes into `out` (under its lock); returns the summary."""
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
 
   store.start(out)
@@ -464,15 +399,17 @@ def main(argv=None) -> dict:
   official = OFFICIAL_CHOICES[args.official]
   # The trainer's own resolution, so that `aft-prepare` then `aft-train` meet in one folder.
   data_dir = resolve_data_dir(args.data_dir)
+  names = ("vocab_size", "train_files", "valid_files", "test_files", "text_field", "variant")
+  given = {k: getattr(args, k) for k in names if getattr(args, k)}
+  if args.dataset != "enwik8":  # (enwik8 is bytes whatever --tokenizer says)
+    given["tokenizer"] = args.tokenizer or ("word" if args.dataset == "wikitext103" else "byte")
+  cfg = DataConfig.of({"dataset": args.dataset, **given}).validate()  # the command line's check
   if args.dataset == "pydoc":
-    vocab, splits = pydoc.pydoc_splits(args.tokenizer or "byte")
+    vocab, splits = pydoc.pydoc_splits(cfg.tokenizer)
     summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
   elif args.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-    names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files", "text_field")
-    given = {k: getattr(args, k) for k in names if getattr(args, k)}
-    cfg = DataConfig.of({"dataset": "text", **given}).validate()  # the command line's check
     out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
     name = os.path.basename(out)
   elif args.dataset == "enwik8":
@@ -485,7 +422,7 @@ def main(argv=None) -> dict:
       progress=not args.quiet,
     )
   else:
-    tokenizer = args.tokenizer or "word"
+    tokenizer = cfg.tokenizer
     name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer, args.vocab_size)
     summary = prepare_wikitext103(
       data_dir,
@@ -510,10 +447,8 @@ def main(argv=None) -> dict:
 
 
 def cli() -> None:
-  """``aft-prepare`` and ``python -m aft_jax.data.prepare``: ``main`` with a bad or missing
-  dataset as one line on stderr and exit status 1 (the message says what to do), and Ctrl-C
-  as one line and exit status 130 (``aft_jax.ctrl_c``); either way nothing is marked prepared
-  and no temporary file is left."""
+  """``main`` with an error as one line on stderr and exit status 1, Ctrl-C as one line and
+  status 130 (``aft_jax.ctrl_c``)."""
   with stops_on_ctrl_c(
     "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
     "it again"

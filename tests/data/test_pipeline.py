@@ -253,7 +253,7 @@ def test_packed_rows_hold_whole_documents_in_order_with_padding_at_the_end():
   epoch holds every document's pairs exactly once, in corpus order within each row."""
   toks, ends = _documents()
   it = _packed(toks, ends)
-  plan = pipeline.plan_rows(ends, L)
+  plan = pipeline.plan_rows(ends, L, int(ends[-1]))
   per_epoch = plan.num_rows // 4
   batches = _take(it, per_epoch)
   where = {int(t): i for i, t in enumerate(toks)}

@@ -7,6 +7,7 @@ import zipfile
 import pytest
 
 from tests.support import fake_wikitext as fw
+from aft_jax.data import sources
 from aft_jax.data import wikitext103 as wt
 
 SPLITS = wt.SPLITS
@@ -130,9 +131,9 @@ def _stored_zip(manual, variant):
 
 
 BAD_CASES = {
-  "checksum": (wt.ChecksumError, "sha256"),
-  "truncated_zip": (wt.CorruptArchiveError, "not a readable zip"),
-  "bad_crc": (wt.CorruptArchiveError, "cannot be decompressed"),
+  "checksum": (sources.ChecksumError, "sha256"),
+  "truncated_zip": (sources.CorruptArchiveError, "not a readable zip"),
+  "bad_crc": (sources.CorruptArchiveError, "cannot be decompressed"),
   "zip_missing_split": (wt.MissingDataError, "wikitext-103/wiki.valid.tokens"),
   "dir_missing_split": (wt.MissingDataError, "wiki.test.tokens"),
   "empty_file": (wt.BadSplitFileError, "wiki.valid.tokens is empty"),
