@@ -160,82 +160,44 @@ def prepare_wikitext103(
       manual_dir=manual_dir or None,
       download=download,
     )
-    if tokenizer == "subword":
-      return _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress)
-    return _write_wikitext103(builder, out, variant, tokenizer, official, progress)
+    return _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress)
 
 
-def _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress) -> dict:
-  """`_write_wikitext103` for subwords: each article a document, as in a text corpus."""
+def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress) -> dict:
   from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
 
   store.start(out)
-  vocab = subword.train(
-    _articles(builder, "train", progress),
-    vocab_size,
-    what=f"the WikiText-103 {variant} train split",
-  )
+  train = _articles(builder, "train", progress)
+  if tokenizer == "subword":
+    vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
+  elif tokenizer == "word":
+    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
+    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(train), add_unk=variant == "raw_v1")
+  else:
+    vocab = vocab_lib.ByteVocab()
   recorded = text.save_vocab(vocab, out)
   tokens, lines, num_bytes = {}, {}, {}
   for split in SPLITS:
-    articles = list(_articles(builder, split, progress))
-    lines[split] = sum(a.count("\n") for a in articles)
-    chunks, num_bytes[split] = text.encode_documents(vocab, articles)
-    tokens[split] = store.write_tokens(out, split, chunks)
-    del chunks, articles
-  summary = {"vocab_size": vocab.size, "tokens": tokens}
-  real = check_official(summary, lines, variant=variant, tokenizer="subword", official=official)
-  name = corpus_name(variant, "subword", vocab_size)
-  store.finish(
-    out,
-    {
-      **summary,
-      "name": name,
-      "variant": variant,
-      "tokenizer": "subword",
-      "bytes": num_bytes,
-      "lines": lines,
-      "official": real,
-      **recorded,
-      **_fingerprint_of(builder),
-    },
-  )
-  return summary
-
-
-def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> dict:
-  store.start(out)
-  tokens, lines = {}, {}
-  if tokenizer == "word":
-    counts = vocab_lib.count_words(_articles(builder, "train", progress))
-    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
-    vocab = vocab_lib.WordVocab.build(counts, add_unk=variant == "raw_v1")
-    vocab.save(os.path.join(out, vocab_lib.VOCAB_FILENAME))
-    encode = vocab.encode
-  else:
-    vocab = vocab_lib.ByteVocab()
-    encode = lambda text: np.frombuffer(text.encode("utf-8"), np.uint8)  # noqa: E731
-  for split in SPLITS:
-    try:
-      chunks = [encode(text) for text in _articles(builder, split, progress)]
-    except ValueError as e:  # a v1 held-out word missing from train: not the official data
-      raise ValueError(f"{variant} {split} split: {e}; the official v1 has no such words") from e
-    lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
+    if tokenizer == "subword":  # each article a document, as in a text corpus
+      articles = list(_articles(builder, split, progress))
+      lines[split] = sum(a.count("\n") for a in articles)
+      chunks, num_bytes[split] = text.encode_documents(vocab, articles)
+    else:  # bytes as uint8 (ByteVocab.encode's uint32 would hold 4x the memory)
+      encode = vocab.encode if tokenizer == "word" else lambda t: np.frombuffer(t.encode(), "u1")
+      try:
+        chunks = [encode(a) for a in _articles(builder, split, progress)]
+      except ValueError as e:  # a v1 held-out word missing from train: not the official data
+        raise ValueError(f"{variant} {split} split: {e}; the official v1 has no such words") from e
+      lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
     tokens[split] = store.write_tokens(out, split, chunks)
     del chunks
   summary = {"vocab_size": vocab.size, "tokens": tokens}
   real = check_official(summary, lines, variant=variant, tokenizer=tokenizer, official=official)
+  extra = {"bytes": num_bytes} if num_bytes else {}
+  name = corpus_name(variant, tokenizer, vocab_size)
+  info = {"name": name, "variant": variant, "tokenizer": tokenizer, "lines": lines}
   store.finish(
-    out,
-    {
-      **summary,
-      "name": corpus_name(variant, tokenizer),
-      "variant": variant,
-      "tokenizer": tokenizer,
-      "lines": lines,
-      "official": real,
-      **_fingerprint_of(builder),
-    },
+    out, {**summary, **info, **extra, "official": real, **recorded, **_fingerprint_of(builder)}
   )
   return summary
 
@@ -288,47 +250,33 @@ def prepare_enwik8(
     builder = enwik8.build(
       data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
     )
-    return _write_enwik8(builder, out, official, progress)
-
-
-def _write_enwik8(builder, out, official, progress) -> dict:
-  from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
-
-  store.start(out)
-  tokens = {}
-  for split in SPLITS:
-    chunks = (
-      np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
-    )
-    tokens[split] = store.write_tokens(out, split, chunks)
-  total = sum(tokens.values())
-  real = total == enwik8.NUM_BYTES
-  if not real and official:
-    raise CountMismatchError(
-      f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
-      "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
-      "(cfg.official = 'yes') to prepare it as a custom byte corpus."
-    )
-  if not real and official is None:
-    log.warning(
-      "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
-      "same layout (validation and test are N // 20 bytes each: %s).",
-      f"{total:,}",
-      f"{enwik8.NUM_BYTES:,}",
-      tokens,
-    )
-  summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
-  store.finish(
-    out,
-    {
-      **summary,
-      "name": ENWIK8_NAME,
-      "tokenizer": "byte",
-      "official": real and official is not False,
-      **_fingerprint_of(builder),
-    },
-  )
-  return summary
+    store.start(out)
+    tokens = {}
+    for split in SPLITS:
+      chunks = (
+        np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
+      )
+      tokens[split] = store.write_tokens(out, split, chunks)
+    total = sum(tokens.values())
+    real = total == enwik8.NUM_BYTES
+    if not real and official:
+      raise CountMismatchError(
+        f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
+        "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
+        "(cfg.official = 'yes') to prepare it as a custom byte corpus."
+      )
+    if not real and official is None:
+      log.warning(
+        "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
+        "same layout (validation and test are N // 20 bytes each: %s).",
+        f"{total:,}",
+        f"{enwik8.NUM_BYTES:,}",
+        tokens,
+      )
+    summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
+    info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
+    store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
+    return summary
 
 
 def _parse(argv):
@@ -337,56 +285,19 @@ def _parse(argv):
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument("--dataset", choices=DATASETS, default="wikitext103")
-  p.add_argument(
-    "--data_dir",
-    default="",
-    help=(
-      "where TFDS data, downloads and token ids go; default: $AFT_JAX_DATA, else "
-      "~/.cache/aft_jax, as the trainer (data.data_dir '')"
-    ),
-  )
-  p.add_argument("--manual_dir", default="", help="holds the official zip or its extracted files")
-  p.add_argument(
-    "--variant",
-    choices=("v1", "raw_v1"),
-    default=None,
-    help="v1 (tokenised, <unk>) or raw_v1; default v1 for words, raw_v1 for bytes",
-  )
-  p.add_argument(
-    "--tokenizer",
-    choices=TOKENIZERS,
-    default=None,
-    help="default: word for wikitext103, byte for pydoc",
-  )
-  p.add_argument(
-    "--nodownload",
-    dest="download",
-    action="store_false",
-    help="never use the network; fail if the data is not in manual_dir",
-  )
-  p.add_argument(
-    "--official",
-    choices=tuple(OFFICIAL_CHOICES),
-    default="auto",
-    help=(
-      "require the published counts: auto = when the files look official (see above), "
-      "no = prepare any files in the official layout as a custom corpus"
-    ),
-  )
-  p.add_argument(
-    "--vocab_size", type=int, default=0, help="--tokenizer subword: the number of pieces"
-  )
+  add = p.add_argument
+  add("--dataset", choices=DATASETS, default="wikitext103")
+  add("--data_dir", default="", help="default: $AFT_JAX_DATA, else ~/.cache/aft_jax (as aft-train)")
+  add("--manual_dir", default="", help="holds the official zip or its extracted files")
+  add("--variant", choices=("v1", "raw_v1"), help="default v1 for words, raw_v1 for bytes")
+  add("--tokenizer", choices=TOKENIZERS, help="default: word for wikitext103, byte for pydoc")
+  add("--nodownload", dest="download", action="store_false", help="never use the network")
+  add("--official", choices=tuple(OFFICIAL_CHOICES), default="auto", help="docs/data.md")
+  add("--vocab_size", type=int, default=0, help="--tokenizer subword: the number of pieces")
   for split in ("train", "valid", "test"):
-    p.add_argument(
-      f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})"
-    )
-  p.add_argument(
-    "--text_field",
-    default="",
-    help="--dataset text: the JSONL field / Parquet column of each record's text (default text)",
-  )
-  p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add(f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})")
+  add("--text_field", default="", help="--dataset text: the JSONL field / Parquet column")
+  add("--quiet", action="store_true", help="no progress bars")
   return p.parse_args(argv)
 
 
@@ -396,7 +307,6 @@ def main(argv=None) -> dict:
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )
-  official = OFFICIAL_CHOICES[args.official]
   # The trainer's own resolution, so that `aft-prepare` then `aft-train` meet in one folder.
   data_dir = resolve_data_dir(args.data_dir)
   names = ("vocab_size", "train_files", "valid_files", "test_files", "text_field", "variant")
@@ -412,28 +322,17 @@ def main(argv=None) -> dict:
 
     out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
     name = os.path.basename(out)
-  elif args.dataset == "enwik8":
-    name = ENWIK8_NAME
-    summary = prepare_enwik8(
-      data_dir,
-      manual_dir=args.manual_dir or None,
-      download=args.download,
-      official=official,
-      progress=not args.quiet,
-    )
   else:
-    tokenizer = cfg.tokenizer
-    name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer, args.vocab_size)
-    summary = prepare_wikitext103(
-      data_dir,
-      manual_dir=args.manual_dir or None,
-      variant=args.variant,
-      tokenizer=tokenizer,
-      vocab_size=args.vocab_size,
-      download=args.download,
-      official=official,
-      progress=not args.quiet,
-    )
+    kw = dict(manual_dir=args.manual_dir or None, download=args.download, progress=not args.quiet)
+    kw["official"] = OFFICIAL_CHOICES[args.official]
+    if args.dataset == "enwik8":
+      name, summary = ENWIK8_NAME, prepare_enwik8(data_dir, **kw)
+    else:
+      variant, tokenizer = resolve_variant(cfg.tokenizer, args.variant), cfg.tokenizer
+      name = corpus_name(variant, tokenizer, args.vocab_size)
+      summary = prepare_wikitext103(
+        data_dir, variant=variant, tokenizer=tokenizer, vocab_size=args.vocab_size, **kw
+      )
   if args.dataset != "pydoc":  # pydoc is built in memory: nothing is written
     default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
     print(f"Prepared {name} in {store.prepared_dir(data_dir, name)}{default}", file=sys.stderr)

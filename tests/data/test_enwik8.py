@@ -19,15 +19,13 @@ N = 5_003  # fake file size: not a multiple of 20, so N // 20 rounds down
 
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch, tmp_path):
-  """Any download attempt reads a missing local file instead of the internet."""
   monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
   monkeypatch.setattr(enwik8, "CHUNK_BYTES", 1_000)  # several examples per split
 
 
 def _build(tmp_path, manual_dir, download=False):
-  return enwik8.build(
-    data_dir=str(tmp_path / "tfds"), manual_dir=manual_dir and str(manual_dir), download=download
-  )
+  manual_dir = manual_dir and str(manual_dir)
+  return enwik8.build(data_dir=str(tmp_path / "tfds"), manual_dir=manual_dir, download=download)
 
 
 def _split_bytes(builder, split):
@@ -47,13 +45,13 @@ def _prepared(tmp_path):
 
 @pytest.mark.parametrize("n", [20, 39, 40, 5_003, 100_000_000])
 def test_standard_split_sizes(n):
-  sizes = {s: stop - start for s, (start, stop) in enwik8.split_ranges(n).items()}
-  assert sizes["validation"] == sizes["test"] == n // 20
-  assert sum(sizes.values()) == n
   ranges = enwik8.split_ranges(n)
+  sizes = {s: stop - start for s, (start, stop) in ranges.items()}
+  assert sizes["validation"] == sizes["test"] == n // 20 and sum(sizes.values()) == n
   assert ranges["train"][0] == 0 and ranges["test"][1] == n
-  assert ranges["train"][1] == ranges["validation"][0]
-  assert ranges["validation"][1] == ranges["test"][0]
+  assert (
+    ranges["train"][1] == ranges["validation"][0] and ranges["validation"][1] == ranges["test"][0]
+  )
   if n == 100_000_000:  # the real file: computed, not built
     assert sizes == {"train": 90_000_000, "validation": 5_000_000, "test": 5_000_000}
 
@@ -71,12 +69,9 @@ def test_build_keeps_every_byte_in_order(tmp_path, form):
     assert all(0 < len(c) <= 1_000 for c in chunks)
     got[split] = b"".join(chunks)
   assert {s: len(b) for s, b in got.items()} == {"train": 4_503, "validation": 250, "test": 250}
-  assert got["train"] + got["validation"] + got["test"] == data
-  assert got["test"] == data[-250:]
-  fingerprint = builder.info.metadata[sources.FINGERPRINT_KEY]
-  assert fingerprint == sources.fingerprint(
-    [os.path.join(tmp_path / "manual", f"enwik8{'.zip' if form == 'zip' else ''}")]
-  )
+  assert got["train"] + got["validation"] + got["test"] == data and got["test"] == data[-250:]
+  source = os.path.join(tmp_path / "manual", "enwik8.zip" if form == "zip" else "enwik8")
+  assert builder.info.metadata[sources.FINGERPRINT_KEY] == sources.fingerprint([source])
 
 
 def test_prepare_prints_counts_and_warns_custom(tmp_path, capsys, caplog):
@@ -89,11 +84,8 @@ def test_prepare_prints_counts_and_warns_custom(tmp_path, capsys, caplog):
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == expected
   assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
   assert store.read_summary(_prepared(tmp_path))["official"] is False
-  c = corpus_lib.load_corpus(
-    DataConfig(dataset="enwik8", data_dir=str(tmp_path / "data"), manual_dir=""),
-  )
-  assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256
-  assert c.bos_id == ord("\n")
+  c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", data_dir=str(tmp_path / "data")))
+  assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256 and c.bos_id == 10
   assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == data
 
 
@@ -110,46 +102,36 @@ def test_real_size_is_official_and_yes_requires_it(tmp_path, monkeypatch, caplog
   assert store.read_summary(_prepared(tmp_path))["official"] is True
 
 
-def _stored_zip_with_flipped_byte(manual):
-  path = fe.write_zip(str(manual), fe.content(N), stored=True)
+def _damaged_zip(manual, case):
+  path = fe.write_zip(str(manual), fe.content(N), stored=case == "bad_crc")
   raw = bytearray(open(path, "rb").read())
-  raw[raw.index(b"Construction")] ^= 0x01  # a clean CRC error: the member is not compressed
-  open(path, "wb").write(bytes(raw))
-
-
-def _truncated_zip(manual):
-  path = fe.write_zip(str(manual), fe.content(N))
-  raw = open(path, "rb").read()
-  open(path, "wb").write(raw[: len(raw) // 2])
+  if case == "bad_crc":
+    raw[raw.index(b"Construction")] ^= 0x01  # a clean CRC error: the member is not compressed
+  open(path, "wb").write(bytes(raw if case == "bad_crc" else raw[: len(raw) // 2]))
 
 
 BAD_CASES = {
-  "truncated_zip": (
-    _truncated_zip,
-    sources.CorruptArchiveError,
-    "enwik8.zip is not a readable zip",
-  ),
-  "bad_crc": (_stored_zip_with_flipped_byte, sources.CorruptArchiveError, "cannot be decompressed"),
-  "zip_without_enwik8": (
-    lambda m: fe.write_zip(str(m), fe.content(N), member="enwik9"),
-    sources.MissingDataError,
-    "lacks the file enwik8",
-  ),
-  "empty_file": (lambda m: fe.write_file(str(m), b""), sources.BadSplitFileError, "is empty"),
-  "too_short": (
-    lambda m: fe.write_file(str(m), b"<mediawiki>"),
-    sources.BadSplitFileError,
-    "has only 11 bytes",
-  ),
-  "missing": (lambda m: m.mkdir(), sources.MissingDataError, "enwik8 not found"),
+  "truncated_zip": (sources.CorruptArchiveError, "enwik8.zip is not a readable zip"),
+  "bad_crc": (sources.CorruptArchiveError, "cannot be decompressed"),
+  "zip_without_enwik8": (sources.MissingDataError, "lacks the file enwik8"),
+  "empty_file": (sources.BadSplitFileError, "is empty"),
+  "too_short": (sources.BadSplitFileError, "has only 11 bytes"),
+  "missing": (sources.MissingDataError, "enwik8 not found"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_bad_data_is_a_one_line_error_and_nothing_is_complete(tmp_path, case):
-  make, error, message = BAD_CASES[case]
+  error, message = BAD_CASES[case]
   manual = tmp_path / "manual"
-  make(manual)
+  if case in ("truncated_zip", "bad_crc"):
+    _damaged_zip(manual, case)
+  elif case == "zip_without_enwik8":
+    fe.write_zip(str(manual), fe.content(N), member="enwik9")
+  elif case == "missing":
+    manual.mkdir()
+  else:
+    fe.write_file(str(manual), b"" if case == "empty_file" else b"<mediawiki>")
   with pytest.raises(error, match=message) as info:
     _prepare(tmp_path)
   msg = str(info.value)
@@ -168,9 +150,8 @@ def test_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monkeypatch
   with pytest.raises(sources.ChecksumError, match="does not match the official enwik8.zip"):
     _build(tmp_path, tmp_path / "manual")
   monkeypatch.setattr(enwik8, "ZIP_SHA256", sources.sha256_of(path))
-  assert (
-    b"".join(_split_bytes(_build(tmp_path, tmp_path / "manual"), "test")) == fe.content(N)[-250:]
-  )
+  builder = _build(tmp_path, tmp_path / "manual")
+  assert b"".join(_split_bytes(builder, "test")) == fe.content(N)[-250:]
 
 
 def test_download_tries_mirrors_and_checks_the_sha256(tmp_path, monkeypatch):
