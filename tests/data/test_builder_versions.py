@@ -42,8 +42,7 @@ SUBWORD_SIZE = 290
 
 
 def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
-  data = str(tmp_path / "data")
-  manual = str(tmp_path / "manual")
+  data, manual = str(tmp_path / "data"), str(tmp_path / "manual")
   if dataset == "pydoc":
     from pydoc_data import topics
 
@@ -61,15 +60,12 @@ def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
     return DataConfig(dataset="enwik8", tokenizer="byte", data_dir=data, manual_dir=manual)
   variant = "v1" if tokenizer == "word" else "raw_v1"
   fw.write_extracted(manual, variant)
-  return DataConfig(
-    dataset="wikitext103", tokenizer=tokenizer, variant=variant, data_dir=data, manual_dir=manual
-  )
+  return DataConfig("wikitext103", tokenizer, variant=variant, data_dir=data, manual_dir=manual)
 
 
 def test_the_table_has_every_version_of_every_builder():
-  assert {(d, v) for d, _, v in COUNTS} == {
-    (d, v) for d in store.BUILDERS for v in range(1, store.version(d) + 1)
-  }
+  versions = {(d, v) for d in store.BUILDERS for v in range(1, store.version(d) + 1)}
+  assert {(d, v) for d, _, v in COUNTS} == versions
 
 
 @pytest.mark.parametrize("dataset, tokenizer, version", sorted(COUNTS))
@@ -80,8 +76,7 @@ def test_each_version_of_each_builder_makes_its_recorded_tokens(
     pytest.skip("a prepared corpus is built by today's version only (older runs are refused)")
   corpus = load_corpus(_config(dataset, tokenizer, tmp_path, monkeypatch), version)
   got = (corpus.vocab.size, {s: int(t.size) for s, t in corpus.splits.items()})
-  assert corpus.builder_version == version
-  assert got == COUNTS[dataset, tokenizer, version]
+  assert corpus.builder_version == version and got == COUNTS[dataset, tokenizer, version]
 
 
 def test_a_corpus_prepared_by_another_version_of_its_builder_is_prepared_again(
