@@ -63,9 +63,6 @@ class Source:
         f"one byte: put the real {FILENAME} ({NUM_BYTES:,} bytes) there."
       )
 
-  def __repr__(self) -> str:
-    return f"Source({self.name})"
-
   @property
   def name(self) -> str:
     return self.path if self.zip_path is None else f"{self.zip_path}:{FILENAME}"
@@ -114,18 +111,11 @@ class Source:
       ) from e
 
 
-def verify_zip(source: Source) -> None:
-  """Checks the archive's sha256 when it holds a file of the real size (a custom one has none)."""
-  if source.zip_path is not None and source.is_real:
-    sources.verify_sha256(
-      source.zip_path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES
-    )
-
-
-def _verified_download(path: str) -> None:
-  """A download must be the official archive: its sha256, then a readable zip holding enwik8."""
+def _verify(path: str, download: bool = False) -> None:
+  """The official archive's sha256, then (a download) a readable zip holding enwik8."""
   sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
-  Source(zip_path=path)
+  if download:
+    Source(zip_path=path)
 
 
 def locate_source(
@@ -142,13 +132,17 @@ def locate_source(
   for where in candidates:
     if os.path.isfile(next(iter(where.values()))):
       source = Source(**where)
-      if verify:
-        verify_zip(source)
+      if verify and source.zip_path is not None and source.is_real:  # a custom size: no sha256
+        _verify(source.zip_path)
       return source
   errors = []
   if download_dir and download:
     path, errors = sources.download(
-      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=_verified_download
+      ZIP_FILENAME,
+      MIRRORS,
+      download_dir,
+      num_bytes=ZIP_NUM_BYTES,
+      verify=lambda p: _verify(p, download=True),
     )
     if path is not None:
       return Source(zip_path=path)

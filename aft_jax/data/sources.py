@@ -160,10 +160,6 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     self.info.metadata[FINGERPRINT_KEY] = fingerprint(source.paths())
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
-  def current_fingerprint(self, manual_dir: str | None, download_dir: str) -> str | None:
-    """Fingerprint of the source present now (see `current_fingerprint`)."""
-    return current_fingerprint(self.locate, manual_dir, download_dir)
-
 
 def current_fingerprint(
   locate: Callable[..., object], manual_dir: str | None, download_dir: str
@@ -218,7 +214,7 @@ def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> 
   builder = cls(config=config, data_dir=data_dir, download=download)
   if builder.is_prepared():
     recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
-    current = builder.current_fingerprint(manual_dir, download_dir)
+    current = current_fingerprint(builder.locate, manual_dir, download_dir)
     if current is not None and current != recorded:
       log.warning(
         "%s was built from other source files than the ones found now (fingerprint %s, now "

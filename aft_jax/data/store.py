@@ -157,11 +157,6 @@ def check_split(path: str, split: str, expected: int | None = None) -> None:
     )
 
 
-def check_splits(path: str, summary: dict) -> None:
-  for split, n in summary["tokens"].items():
-    check_split(path, split, n)
-
-
 def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
   """uint32[n] ids of a split, memory-mapped, after `check_split`."""
   check_split(path, split, expected)
@@ -207,7 +202,8 @@ def reusable(out: str, current_fingerprint: Callable[[], str | None], version: i
     log.warning("%s was prepared by another version of its builder; preparing it again.", out)
     return None
   try:
-    check_splits(out, summary)
+    for split, n in summary["tokens"].items():
+      check_split(out, split, n)
   except DamagedCorpusError as e:
     log.warning("%s; preparing it again.", e)
     return None

@@ -43,26 +43,13 @@ class Archive:
 
 
 # The sha256 of the archives Salesforce research published (the same bytes on both mirrors).
+_V1_SHA256 = "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"
+_RAW_V1_SHA256 = "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794"
 ARCHIVES: dict[str, Archive] = {
-  variant: Archive(filename=filename, folder=folder, extension=ext, sha256=sha, num_bytes=size)
-  for variant, filename, folder, ext, sha, size in (
-    (
-      "v1",
-      "wikitext-103-v1.zip",
-      "wikitext-103",
-      "tokens",
-      "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
-      190_229_076,
-    ),
-    (
-      "raw_v1",
-      "wikitext-103-raw-v1.zip",
-      "wikitext-103-raw",
-      "raw",
-      "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
-      191_984_949,
-    ),
-  )
+  "v1": Archive("wikitext-103-v1.zip", "wikitext-103", "tokens", _V1_SHA256, 190_229_076),
+  "raw_v1": Archive(
+    "wikitext-103-raw-v1.zip", "wikitext-103-raw", "raw", _RAW_V1_SHA256, 191_984_949
+  ),
 }
 
 # Tried in turn; the original S3 bucket is gone in some regions.
@@ -113,18 +100,12 @@ class Source:
     assert (zip_path is None) != (folder is None)
     self.archive, self.zip_path, self.folder = archive, zip_path, folder
     if zip_path is not None:
-      self._check_zip()
-
-  def __repr__(self) -> str:
-    return f"Source({self.zip_path or self.folder})"
-
-  def _check_zip(self) -> None:
-    names = sources.zip_members(self.zip_path, self.archive.filename)
-    missing = [self.archive.member(s) for s in SPLITS if self.archive.member(s) not in names]
-    if missing:
-      raise MissingDataError(
-        f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}."
-      )
+      names = sources.zip_members(zip_path, archive.filename)
+      missing = [archive.member(s) for s in SPLITS if archive.member(s) not in names]
+      if missing:
+        raise MissingDataError(
+          f"{zip_path} lacks {', '.join(missing)}; it is not {archive.filename}."
+        )
 
   def paths(self) -> list[str]:
     """The files this source reads (for its fingerprint)."""
