@@ -152,27 +152,6 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
 
 
-def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path, monkeypatch):
-  import jax
-  from jax.experimental import multihost_utils
-
-  from aft_jax.data import corpus as corpus_lib
-
-  cfg = DataConfig(dataset="text", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "d"))
-  met, index = [], [1]
-  monkeypatch.setattr(jax, "process_index", lambda: index[0])
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "sync_global_devices", met.append)
-  with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
-    load_corpus(cfg)  # process 1 never prepares
-  assert met == [corpus_lib.BARRIER_NAME]  # but it meets the others at the barrier
-  index[0] = 0
-  zero = load_corpus(cfg)
-  index[0] = 1
-  one = load_corpus(cfg)
-  np.testing.assert_array_equal(zero.splits["test"], one.splits["test"])
-
-
 def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys):
   from aft_jax.data import corpus as corpus_lib
   from aft_jax.data import prepare
