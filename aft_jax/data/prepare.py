@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -141,32 +141,45 @@ def prepare_wikitext103(
   """Builds (or reuses) `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its
   summary. Raises `sources.DataError` for bad or missing source data, `CountMismatchError`."""
   variant = resolve_variant(tokenizer, variant)
-  data_dir = os.path.expanduser(data_dir)
-  name = corpus_name(variant, tokenizer, vocab_size)
-  out = store.prepared_dir(data_dir, name)
   from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   locate = functools.partial(wikitext103.locate_source, variant)
+  build = lambda **kw: wikitext103.build(variant, **kw)  # noqa: E731
+  write = lambda builder, out: _write_wikitext103(  # noqa: E731
+    builder, out, variant, tokenizer, vocab_size, official, progress
+  )
+  name, args = (
+    corpus_name(variant, tokenizer, vocab_size),
+    (data_dir, manual_dir, download, progress),
+  )
+  return _prepare_built(name, "wikitext103", locate, build, write, *args)
+
+
+def _prepare_built(name, dataset, locate, build, write, data_dir, manual_dir, download, progress):
+  """Under the lock of `<data_dir>/prepared/<name>`: its summary where it can be reused, else
+  what `write(builder, out)` returns of the TFDS build `build` makes."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  data_dir = os.path.expanduser(data_dir)
+  out, downloads = store.prepared_dir(data_dir, name), os.path.join(data_dir, "tfds", "downloads")
   with store.lock(out, name):
-    summary = store.reusable(
-      out, _fingerprint_now(locate, data_dir, manual_dir), store.version("wikitext103")
-    )
+    current = lambda: sources.current_fingerprint(locate, manual_dir or None, downloads)  # noqa: E731
+    summary = store.reusable(out, current, store.version(dataset))
     if summary is not None:
       return summary
-    _quiet_tfds(progress)
-    builder = wikitext103.build(
-      variant,
-      data_dir=os.path.join(data_dir, "tfds"),
-      manual_dir=manual_dir or None,
-      download=download,
-    )
-    return _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress)
+    if not progress:
+      tfds.disable_progress_bar()  # TFDS's own bars
+    tfds_dir = os.path.join(data_dir, "tfds")
+    builder = build(data_dir=tfds_dir, manual_dir=manual_dir or None, download=download)
+    store.start(out)
+    return write(builder, out)
 
 
 def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress) -> dict:
   from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
 
-  store.start(out)
   train = _articles(builder, "train", progress)
   if tokenizer == "subword":
     vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
@@ -202,25 +215,11 @@ def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, p
   return summary
 
 
-def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[[], str | None]:
-  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
-
-  download_dir = os.path.join(data_dir, "tfds", "downloads")
-  return lambda: sources.current_fingerprint(locate, manual_dir or None, download_dir)
-
-
 def _fingerprint_of(builder) -> dict:
   """What summary.json records of a TFDS build."""
   key = store.FINGERPRINT_KEY
   out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
   return {**out, store.VERSION_KEY: store.version(builder.name)}
-
-
-def _quiet_tfds(progress: bool) -> None:
-  if not progress:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-    tfds.disable_progress_bar()  # TFDS's own bars; ours are switched off below
 
 
 ENWIK8_NAME = "enwik8-byte"
@@ -236,47 +235,42 @@ def prepare_enwik8(
 ) -> dict:
   """Builds (or reuses) `<data_dir>/prepared/enwik8-byte/`; returns its summary. Raises
   `sources.DataError` for bad or missing source data, `CountMismatchError`."""
-  data_dir = os.path.expanduser(data_dir)
-  out = store.prepared_dir(data_dir, ENWIK8_NAME)
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
-  with store.lock(out, ENWIK8_NAME):
-    summary = store.reusable(
-      out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir), store.version("enwik8")
+  write = lambda builder, out: _write_enwik8(builder, out, official, progress)  # noqa: E731
+  args = (data_dir, manual_dir, download, progress)
+  return _prepare_built(ENWIK8_NAME, "enwik8", enwik8.locate_source, enwik8.build, write, *args)
+
+
+def _write_enwik8(builder, out, official, progress) -> dict:
+  from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
+
+  tokens = {}
+  for split in SPLITS:
+    chunks = (
+      np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
     )
-    if summary is not None:
-      return summary
-    _quiet_tfds(progress)
-    builder = enwik8.build(
-      data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
+    tokens[split] = store.write_tokens(out, split, chunks)
+  total = sum(tokens.values())
+  real = total == enwik8.NUM_BYTES
+  if not real and official:
+    raise CountMismatchError(
+      f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
+      "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
+      "(cfg.official = 'yes') to prepare it as a custom byte corpus."
     )
-    store.start(out)
-    tokens = {}
-    for split in SPLITS:
-      chunks = (
-        np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
-      )
-      tokens[split] = store.write_tokens(out, split, chunks)
-    total = sum(tokens.values())
-    real = total == enwik8.NUM_BYTES
-    if not real and official:
-      raise CountMismatchError(
-        f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
-        "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
-        "(cfg.official = 'yes') to prepare it as a custom byte corpus."
-      )
-    if not real and official is None:
-      log.warning(
-        "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
-        "same layout (validation and test are N // 20 bytes each: %s).",
-        f"{total:,}",
-        f"{enwik8.NUM_BYTES:,}",
-        tokens,
-      )
-    summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
-    info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
-    store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
-    return summary
+  if not real and official is None:
+    log.warning(
+      "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
+      "same layout (validation and test are N // 20 bytes each: %s).",
+      f"{total:,}",
+      f"{enwik8.NUM_BYTES:,}",
+      tokens,
+    )
+  summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
+  info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
+  store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
+  return summary
 
 
 def _parse(argv):
