@@ -180,10 +180,8 @@ class Enwik8(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
-    return locate_source(
-      manual_dir=manual_dir, download_dir=download_dir, download=download, verify=verify
-    )
+  def locate(self, **kwargs) -> Source:
+    return locate_source(**kwargs)
 
   def _generate_examples(self, source: Source, split: str):
     for i, chunk in enumerate(source.chunks(split)):

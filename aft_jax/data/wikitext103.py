@@ -114,27 +114,24 @@ class Source:
     return [os.path.join(self.folder, self.archive.split_file(s)) for s in SPLITS]
 
   @contextlib.contextmanager
-  def open(self, split: str) -> Iterator[io.BufferedIOBase]:
-    """Opens the split file for binary reading."""
+  def _open(self, split: str) -> Iterator[io.BufferedIOBase]:
     if self.zip_path is None:
-      path = os.path.join(self.folder, self.archive.split_file(split))
-      with open(path, "rb") as f:
+      with open(os.path.join(self.folder, self.archive.split_file(split)), "rb") as f:
         yield f
       return
     with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.archive.member(split)) as f:
       yield f
 
-  def name(self, split: str) -> str:
-    if self.zip_path is None:
-      return os.path.join(self.folder, self.archive.split_file(split))
-    return f"{self.zip_path}:{self.archive.member(split)}"
-
   def lines(self, split: str) -> Iterator[str]:
     """The split's lines (with '\\n'), decoded strictly as UTF-8 (DataErrors naming the file)."""
-    name = self.name(split)
+    name = (
+      f"{self.zip_path}:{self.archive.member(split)}"
+      if self.zip_path
+      else os.path.join(self.folder, self.archive.split_file(split))
+    )
     empty = True
     try:
-      with self.open(split) as f:
+      with self._open(split) as f:
         for lineno, raw in enumerate(f, start=1):
           empty = False
           try:
@@ -247,14 +244,8 @@ class Wikitext103(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
-    return locate_source(
-      self.builder_config.name,
-      manual_dir=manual_dir,
-      download_dir=download_dir,
-      download=download,
-      verify=verify,
-    )
+  def locate(self, **kwargs) -> Source:
+    return locate_source(self.builder_config.name, **kwargs)
 
   def _generate_examples(self, source: Source, split: str):
     for i, text in enumerate(split_articles(source.lines(split))):
