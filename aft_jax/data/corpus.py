@@ -12,13 +12,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import (  # noqa: F401 (DATA_DIR_ENV, default_data_dir: re-exported)
-  DATA_DIR_ENV,
-  DataConfig,
-  default_data_dir,
-  require,
-  resolve_data_dir,
-)
+from aft_jax.data.config import DataConfig, require, resolve_data_dir
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -72,10 +66,7 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
     return dataclasses.replace(load_prepared(out), sources=sources)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  kwargs = {
-    "manual_dir": cfg.manual_dir or None,
-    "official": prepare.OFFICIAL_CHOICES[cfg.official],
-  }
+  kwargs = dict(manual_dir=cfg.manual_dir or None, official=prepare.OFFICIAL_CHOICES[cfg.official])
   if cfg.dataset == "enwik8":
     name = prepare.ENWIK8_NAME
     prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731

@@ -11,6 +11,7 @@ from jax.experimental import multihost_utils
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data import config as data_config
 from aft_jax.data.config import DataConfig
 
 N = 2_003
@@ -28,12 +29,12 @@ def _cfg(tmp_path, data_dir):
 def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
   monkeypatch.delenv("AFT_JAX_DATA", raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert corpus_lib.default_data_dir() == str(tmp_path / "home" / ".cache" / "aft_jax")
+  assert data_config.default_data_dir() == str(tmp_path / "home" / ".cache" / "aft_jax")
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("AFT_JAX_DATA", "relative/data")
-  assert corpus_lib.default_data_dir() == str(tmp_path / "relative" / "data")
-  assert corpus_lib.resolve_data_dir("") == str(tmp_path / "relative" / "data")
-  assert corpus_lib.resolve_data_dir("mine") == str(tmp_path / "mine")
+  assert data_config.default_data_dir() == str(tmp_path / "relative" / "data")
+  assert data_config.resolve_data_dir("") == str(tmp_path / "relative" / "data")
+  assert data_config.resolve_data_dir("mine") == str(tmp_path / "mine")
 
 
 def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):

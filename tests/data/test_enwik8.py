@@ -295,7 +295,7 @@ def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_p
 
 def test_cli_defaults_to_the_trainer_data_dir(fake_file, tmp_path, monkeypatch, capsys):
   """`aft-prepare` without --data_dir writes where `aft-train` looks when data_dir is ''."""
-  monkeypatch.setenv(corpus_lib.DATA_DIR_ENV, str(tmp_path / "cache"))
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
   assert _prepare(tmp_path, data_dir=False) == EXPECTED
   out, err = capsys.readouterr()
   assert json.loads(out.strip().splitlines()[-1]) == EXPECTED
