@@ -135,9 +135,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     super().__init__(file_format="array_record", **kwargs)
 
   @abc.abstractmethod
-  def locate(
-    self, *, manual_dir: str | None, download_dir: str | None, download: bool, verify=True
-  ):
+  def locate(self, *, manual_dir, download_dir, download: bool, verify=True):
     """The source of this builder's config; `verify=False` skips full-file checksums."""
 
   def dataset_info(self, **kwargs) -> tfds.core.DatasetInfo:
@@ -166,26 +164,15 @@ def current_fingerprint(
 ) -> str | None:
   """Fingerprint of the source `locate` finds now, without downloading or a full checksum; None
   when there is none (it may be deleted once a dataset is built)."""
+  manual_dir = manual_dir or os.path.join(download_dir, "manual")  # TFDS's default
   try:
-    source = locate(
-      manual_dir=manual_dir or os.path.join(download_dir, "manual"),  # TFDS's default
-      download_dir=download_dir,
-      download=False,
-      verify=False,
-    )
+    source = locate(manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False)
   except MissingDataError:
     return None
   return fingerprint(source.paths())
 
 
-def build(
-  cls: type[SourceBuilder],
-  config: str,
-  *,
-  data_dir: str,
-  manual_dir: str | None = None,
-  download: bool = True,
-) -> SourceBuilder:
+def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
   """Builds (or reuses) `cls`'s dataset under `data_dir`; returns the builder. A build from
   other source files than the ones found now is built again. One build at a time (under the lock
   `<data_dir>/<name>/<config>/<version>.lock`), after removing killed builds' folders."""
@@ -216,20 +203,15 @@ def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> 
     recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
     current = current_fingerprint(builder.locate, manual_dir, download_dir)
     if current is not None and current != recorded:
-      log.warning(
-        "%s was built from other source files than the ones found now (fingerprint %s, now "
-        "%s); building it again.",
-        builder.data_path,
-        recorded,
-        current,
-      )
+      what = f"{builder.data_path} was built from other source files than the ones found now"
+      log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
       shutil.rmtree(os.fspath(builder.data_path))
       builder = cls(config=config, data_dir=data_dir, download=download)
   builder.download_and_prepare(
     download_dir=download_dir,
+    # try_download_gcs: never look for a prebuilt copy on GCS
     download_config=tfds.download.DownloadConfig(
-      manual_dir=manual_dir or None,
-      try_download_gcs=False,  # never look for a prebuilt copy on GCS
+      manual_dir=manual_dir or None, try_download_gcs=False
     ),
   )
   return builder
