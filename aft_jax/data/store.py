@@ -61,11 +61,8 @@ def lock(path: str, what: str) -> Iterator[None]:
       try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
-        log.warning(
-          "Another process is preparing %s (it holds %s); waiting for it to finish.",
-          what,
-          lock_file,
-        )
+        holds = f"Another process is preparing {what} (it holds {lock_file})"
+        log.warning("%s; waiting for it to finish.", holds)
         fcntl.flock(f, fcntl.LOCK_EX)
     except OSError as e:  # e.g. a file system without locks: the bare error names no file
       raise OSError(e.errno, f"cannot lock {lock_file}: {e.strerror}") from e
