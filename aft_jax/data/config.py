@@ -25,9 +25,7 @@ class DataConfig(TypedConfig):
 
   WHERE = "data"
   # Keys added since the first release and the value a config without them ran with
-  # (``TypedConfig.as_written``): the defaults, each what the code before the key did (the
-  # loaders took official 'auto' before the key; the others belong to dataset 'text', which
-  # came with them, and packing is off for every other dataset).
+  # (``TypedConfig.as_written``): each default is what the code did before the key.
   ADDED = {
     "official": ("3a3ca29", "auto"),
     "vocab_size": ("e72b922", 0),
@@ -41,37 +39,25 @@ class DataConfig(TypedConfig):
     "packing": ("b7308a7", False),
   }
 
-  # 'pydoc' (ships with Python), 'wikitext103', 'enwik8' or 'text' (your files: train_files...)
-  dataset: str = "pydoc"
-  # 'byte', 'word' or 'subword' (a SentencePiece vocabulary of vocab_size pieces learned on the
-  # train split; wikitext103 and text)
-  tokenizer: str = "byte"
-  # subword: the number of pieces (at least 300: 256 bytes, <eos>, <unk>...); bytes and words
-  # have their own sizes, and a run that sets it for them says it is not used
-  vocab_size: int = 0
-  # text: comma-separated globs of UTF-8 files, each file one document; without valid_files /
-  # test_files, valid_fraction and test_fraction of train_files' documents are held out
+  # The keys are described in docs/data.md.
+  dataset: str = "pydoc"  # 'pydoc', 'wikitext103', 'enwik8' or 'text' (your files)
+  tokenizer: str = "byte"  # 'byte', 'word' or 'subword' (wikitext103 and text)
+  vocab_size: int = 0  # subword: the number of pieces (at least 300)
+  # text: comma-separated globs; without valid_files / test_files, the fractions below of
+  # train_files' documents are held out
   train_files: str = ""
   valid_files: str = ""
   test_files: str = ""
   valid_fraction: float = 0.1  # text: share of documents held out for validation (by document)
   test_fraction: float = 0.1  # text: share of documents held out for the test split
   encoding: str = "utf-8"  # text: the files' encoding (any name Python's codecs know)
-  # text: the field (JSONL) or column (Parquet) holding each record's text; files ending in
-  # .jsonl, .jsonl.gz or .parquet hold one document per record, any other file is one document
-  text_field: str = "text"
-  # text: training rows filled with whole documents in order (each document's positions from
-  # 0, one longer than a row cut into row-sized pieces), padding only at a row's end and out of
-  # the loss; False: rows cut from one stream (WikiText-103's and enwik8's protocol: those
-  # and pydoc are one stream, so packing is for dataset 'text'). Evaluation is unchanged.
-  packing: bool = False
+  text_field: str = "text"  # text: the JSONL field / Parquet column of each record's text
+  packing: bool = False  # text: training rows of whole documents (False: cut from one stream)
   variant: str = "v1"  # WikiText-103: 'v1' (tokenised, <unk>) or 'raw_v1'
   # prepared datasets live in <data_dir>/prepared; '': $AFT_JAX_DATA, else ~/.cache/aft_jax
   data_dir: str = ""
   manual_dir: str = ""  # a folder holding the official zip or its extracted files
-  # is the source the official release? 'auto': judge by its line counts / size (a file under
-  # an official name with other counts is an error), 'yes': require it, 'no': a custom corpus
-  official: str = "auto"
+  official: str = "auto"  # is the source the official release? auto, yes or no
 
   @classmethod
   def of(cls, cfg) -> DataConfig:
@@ -125,7 +111,7 @@ class DataConfig(TypedConfig):
       return errors
     if not self.text_field:
       errors.append(f"{self.key('text_field')} is empty: name the records' text field")
-    if not self.train_files.strip():
+    if not self.train_files.replace(",", " ").strip():
       errors.append(f"{self.key('train_files')} is empty: dataset = 'text' needs files to train on")
     held_out = 0.0
     for split in ("valid", "test"):

@@ -1,21 +1,5 @@
-"""The corpus API the trainer uses: `load_corpus(cfg) -> Corpus`.
-
-Datasets:
-* 'pydoc': the documentation shipped with CPython (`pydoc_data.topics.topics`,
-  values concatenated in sorted-key order, ~420 KB once its ASCII tables, rule
-  lines and grammar productions are dropped: see `aft_jax.data.pydoc`). Needs no
-  download and no writes, builds in well under a second. Split at line ends into train (first
-  80%), test (next 10%) and validation (last 10%) of the characters. Byte-level
-  by default; word-level builds its vocabulary from train plus `<unk>`, and
-  held-out words unseen in train become `<unk>` (so its word perplexity is not
-  comparable with open-vocabulary numbers). The text depends on the Python
-  version, so compare pydoc numbers only within one Python version.
-* 'text': your own files (``aft_jax.data.text``), one document each, prepared once into the
-  same token store.
-* 'wikitext103', 'enwik8', 'text': prepared by `aft_jax.data.prepare` into
-  `cfg.data_dir` (default: `default_data_dir()`) on first use and again
-  whenever their source files change, then memory-mapped. In a run of several
-  processes only process 0 prepares; the others wait for it at a barrier.
+"""The corpus API the trainer uses: `load_corpus(cfg) -> Corpus`, preparing a dataset on first
+use (process 0 only, the others wait at a barrier), and the in-memory pydoc corpus (docs/data.md).
 """
 
 from __future__ import annotations
@@ -27,14 +11,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from aft_jax.data import pydoc, record, store
-from aft_jax.data.config import (  # noqa: F401 (DATA_DIR_ENV, default_data_dir: re-exported)
-  DATA_DIR_ENV,
-  DataConfig,
-  default_data_dir,
-  require,
-  resolve_data_dir,
-)
+from aft_jax.data import pydoc, store
+from aft_jax.data.config import DataConfig, require, resolve_data_dir
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -47,24 +25,15 @@ class Corpus:
   """A tokenised corpus.
 
   Attributes:
-    name: e.g. 'pydoc-byte', 'wikitext103-v1-word'.
-    unit: 'word', 'subword' (report perplexity, and bits per byte where `num_bytes` is known)
-      or 'byte' (report bits per byte).
-    vocab: `.size`, `.encode(text) -> uint32[n]`, `.decode(ids) -> str`, `.eos_id`.
-    splits: 'train', 'validation' and (here always) 'test' -> uint32[n] ids.
-    bos_id: id fed as the context of a split's first token so that every
-      token is predicted: `<eos>` for words (a split starts at a line start) and subwords (a
-      document boundary), ord('\\n') for bytes.
-    num_bytes: split -> the UTF-8 bytes its tokens stand for (bits per byte = total NLL /
-      ln 2 / bytes), where known (text corpora and subword WikiText-103).
-    fingerprint: the prepared corpus's source fingerprint (``store.FINGERPRINT_KEY``), where
-      it has one.
-    sources: text corpora: {split: {file: digest}} (``text.source_files``), so that a run can
-      say which file changed since (``aft_jax.data.record``).
-    documents: text corpora: split -> uint32[documents], the token offset just past each
-      document's boundary (what ``config.data.packing`` packs into rows); None for corpora
-      that are one stream (WikiText-103, enwik8, pydoc).
-    builder_version: the version of the dataset's builder that made it (``record.BUILDERS``).
+    unit: 'word', 'subword' or 'byte' (what perplexity is per).
+    splits: 'train', 'validation' and 'test' -> uint32[n] ids.
+    bos_id: the context of a split's first token: the vocabulary's `eos_id`.
+    num_bytes: split -> the UTF-8 bytes its tokens stand for (for bits per byte), where known.
+    fingerprint: the prepared corpus's source fingerprint, where it has one.
+    sources: text corpora: {split: {file: digest}} (``text.source_files``).
+    documents: text corpora: split -> uint32[documents], the offset past each document's
+      boundary (what packing packs); None for the corpora that are one stream.
+    builder_version: the version of the dataset's builder that made it (``store.BUILDERS``).
   """
 
   name: str
@@ -83,22 +52,7 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
   """Corpus named by `cfg`, a DataConfig (checked where it was made: the run config, or
   `DataConfig.of(mapping).validate()`), as version `version` of its builder made it (None:
   today's). Only pydoc builds its older versions; the others are prepared by today's (a run
-  recorded at another is then refused by ``record.check_corpus``).
-
-  Fields: dataset ('pydoc' | 'wikitext103' | 'enwik8'), tokenizer ('word' |
-  'byte'; enwik8 is bytes), data_dir (empty: `default_data_dir()`), manual_dir
-  (optional), variant ('v1' | 'raw_v1'; bytes always use raw_v1), official
-  (optional: 'auto' | 'yes' | 'no', as `prepare --official`). WikiText-103 and
-  enwik8 are prepared on first use (downloading unless the data is in
-  manual_dir) and again when their source files change.
-
-  Several processes: only process 0 (`jax.process_index()`) prepares; when
-  `jax.process_count() > 1` every process then meets the others at
-  `jax.experimental.multihost_utils.sync_global_devices(BARRIER_NAME)` before
-  reading, so no two processes write the same files. Process 0 reaches the barrier
-  even when preparing fails, so the others stop with an error instead of waiting
-  forever.
-  """
+  recorded at another is then refused by ``record.check_corpus``)."""
   cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer, version)
@@ -112,10 +66,7 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
     return dataclasses.replace(load_prepared(out), sources=sources)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  kwargs = {
-    "manual_dir": cfg.manual_dir or None,
-    "official": prepare.OFFICIAL_CHOICES[cfg.official],
-  }
+  kwargs = dict(manual_dir=cfg.manual_dir or None, official=prepare.OFFICIAL_CHOICES[cfg.official])
   if cfg.dataset == "enwik8":
     name = prepare.ENWIK8_NAME
     prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731
@@ -131,9 +82,7 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
 
 def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
-  loading it (``--dry_run`` on a machine without the data): a prepared corpus's own summary,
-  else bytes (256), the official WikiText-103 word vocabulary, or pydoc's (built here: it ships
-  with Python)."""
+  loading it (``--dry_run`` on a machine without the data)."""
   cfg = require(cfg, "vocab_size")
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
@@ -168,7 +117,8 @@ def vocab_size(cfg: DataConfig) -> tuple[int, str]:
 
 
 def _on_process_zero(fn: Callable[[], object]) -> None:
-  """Runs `fn` on process 0 only, then meets the other processes at the barrier."""
+  """Runs `fn` on process 0 only, then meets the other processes at the barrier (even when `fn`
+  failed, so that they stop with an error instead of waiting)."""
   import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
 
   try:
@@ -222,11 +172,10 @@ def load_prepared(path: str) -> Corpus:
 
 
 def pydoc_corpus(tokenizer: str = "byte", version: int | None = None) -> Corpus:
-  """The quick-start corpus (see module docstring and ``aft_jax.data.pydoc``) as builder
-  ``version`` made it (None, or a version this aft_jax does not know: today's); deterministic,
-  no I/O."""
-  if version not in range(1, record.version("pydoc") + 1):
-    version = record.version("pydoc")
+  """The quick-start corpus as builder ``version`` made it (None, or a version this aft_jax does
+  not know: today's); no I/O."""
+  if version not in range(1, store.version("pydoc") + 1):
+    version = store.version("pydoc")
   vocab, splits = pydoc.pydoc_splits(tokenizer, version)
   return Corpus(
     name=f"pydoc-{tokenizer}",

@@ -1,36 +1,12 @@
-"""enwik8 (the Hutter Prize file: the first 10^8 bytes of an English Wikipedia XML dump) in TFDS.
-
-The standard split (used by the AFT paper, Transformer-XL and most byte-level language-model
-work): for a file of N bytes, test is the last N // 20 bytes, validation the N // 20 bytes
-before them and train the rest; 90,000,000 / 5,000,000 / 5,000,000 bytes for the real file.
-Each split is stored as consecutive chunks of at most `CHUNK_BYTES` bytes in file order
-(`disable_shuffling`), so concatenating a split's examples gives its bytes exactly.
-
-Where the data comes from, first match wins:
-  1. `manual_dir/enwik8.zip` (the archive, holding the file `enwik8`);
-  2. `manual_dir/enwik8` (the unzipped file);
-  3. `<download_dir>/enwik8.zip` from an earlier download;
-  4. a download from each URL in `MIRRORS`, in turn (checked, then kept).
-If none works, `MissingDataError` says which file to put where.
-
-Real or custom: a file of exactly 100,000,000 bytes is the real enwik8. Inside `enwik8.zip` it
-is checked against the archive's sha256 as recorded by the Hugging Face `datasets` enwik8
-loader (`datasets/enwik8/dataset_infos.json`: 36,445,475 bytes); no public source gives the
-sha256 of the unzipped file, so that one is recognised by its size only (bytes read from a zip
-are also checked by the zip's CRC). A file of any other size is split and prepared the same way
-as a custom byte corpus, with a warning (see `aft_jax.data.prepare`).
-
-Every problem with the data (checksum mismatch, a corrupt or truncated zip, a zip without
-`enwik8`, an empty or too short file) raises a subclass of `sources.DataError` (a `ValueError`)
-naming the file; nothing is marked built after an error.
-"""
+"""enwik8 (the first 10^8 bytes of an English Wikipedia XML dump) as a TFDS dataset of byte
+chunks in the standard split: test the last N // 20 bytes, validation the N // 20 before them.
+docs/data.md, "enwik8", says where the file is looked for and how it is checked."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
-import shutil
 import zipfile
 from collections.abc import Iterator
 
@@ -45,9 +21,7 @@ ZIP_FILENAME = "enwik8.zip"
 NUM_BYTES = 100_000_000
 ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
 ZIP_NUM_BYTES = 36_445_475
-# Tried in turn. The first is Matt Mahoney's own page (Hutter Prize, "Large Text Compression
-# Benchmark"); the second is a copy that public training scripts also fetch. Both are checked
-# against ZIP_SHA256 before use.
+# Tried in turn (Matt Mahoney's page, then a copy public training scripts fetch), then checked.
 MIRRORS: list[str] = [
   "http://mattmahoney.net/dc/enwik8.zip",
   "https://data.deepai.org/enwik8.zip",
@@ -89,9 +63,6 @@ class Source:
         f"one byte: put the real {FILENAME} ({NUM_BYTES:,} bytes) there."
       )
 
-  def __repr__(self) -> str:
-    return f"Source({self.name})"
-
   @property
   def name(self) -> str:
     return self.path if self.zip_path is None else f"{self.zip_path}:{FILENAME}"
@@ -114,11 +85,7 @@ class Source:
       yield f
 
   def chunks(self, split: str) -> Iterator[bytes]:
-    """The split's bytes in chunks of at most CHUNK_BYTES.
-
-    Raises CorruptArchiveError when the zip fails to decompress or its CRC, and
-    BadSplitFileError when the file ends early or grows (it changed while being read).
-    """
+    """The split's bytes in chunks of at most CHUNK_BYTES (DataErrors naming the file)."""
     start, stop = split_ranges(self.size)[split]
     try:
       with self._open() as f:
@@ -144,28 +111,18 @@ class Source:
       ) from e
 
 
-def verify_zip(source: Source) -> None:
-  """Checks the archive's sha256 when it holds a file of the real size (a custom one has none)."""
-  if source.zip_path is not None and source.is_real:
-    sources.verify_sha256(
-      source.zip_path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES
-    )
-
-
-def _verified_download(path: str) -> None:
-  """A download must be the official archive: its sha256, then a readable zip holding enwik8."""
+def _verify(path: str, download: bool = False) -> None:
+  """The official archive's sha256, then (a download) a readable zip holding enwik8."""
   sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
-  Source(zip_path=path)
+  if download:
+    Source(zip_path=path)
 
 
 def locate_source(
   *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
 ) -> Source:
-  """Finds (or downloads) enwik8; see the module docstring.
-
-  `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint).
-  """
-  # In order: manual_dir's zip, manual_dir's unzipped file, an earlier download.
+  """Finds (or downloads) enwik8: manual_dir's zip, manual_dir's file, an earlier download, the
+  mirrors; `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint)."""
   candidates = []
   if manual_dir:
     candidates += [{"zip_path": os.path.join(manual_dir, ZIP_FILENAME)}]
@@ -175,13 +132,17 @@ def locate_source(
   for where in candidates:
     if os.path.isfile(next(iter(where.values()))):
       source = Source(**where)
-      if verify:
-        verify_zip(source)
+      if verify and source.zip_path is not None and source.is_real:  # a custom size: no sha256
+        _verify(source.zip_path)
       return source
   errors = []
   if download_dir and download:
     path, errors = sources.download(
-      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=_verified_download
+      ZIP_FILENAME,
+      MIRRORS,
+      download_dir,
+      num_bytes=ZIP_NUM_BYTES,
+      verify=lambda p: _verify(p, download=True),
     )
     if path is not None:
       return Source(zip_path=path)
@@ -219,10 +180,8 @@ class Enwik8(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
-    return locate_source(
-      manual_dir=manual_dir, download_dir=download_dir, download=download, verify=verify
-    )
+  def locate(self, **kwargs) -> Source:
+    return locate_source(**kwargs)
 
   def _generate_examples(self, source: Source, split: str):
     for i, chunk in enumerate(source.chunks(split)):
@@ -230,13 +189,6 @@ class Enwik8(sources.SourceBuilder):
 
 
 def build(*, data_dir: str, manual_dir: str | None = None, download: bool = True) -> Enwik8:
-  """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
-
-  Read it back with `builder.as_data_source(split)`; each record is `{'bytes': bytes}`.
-  """
+  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
+  `{'bytes': bytes}`."""
   return sources.build(Enwik8, "bytes", data_dir=data_dir, manual_dir=manual_dir, download=download)
-
-
-def remove(data_dir: str) -> None:
-  """Deletes a built dataset (not the downloads), e.g. to rebuild it."""
-  shutil.rmtree(os.path.join(data_dir, "enwik8"), ignore_errors=True)

@@ -1,30 +1,6 @@
-"""Language-model batches from a 1-D token stream.
-
-Training (`train_iterator`): the split is cut into non-overlapping windows of
-`seq_len + 1` tokens, window w = tokens[w*(L+1) : (w+1)*(L+1)], inputs = w[:-1],
-targets = w[1:]. Each epoch visits the windows in a fresh order (grain's
-index shuffle with seed `seed + epoch`), batches of `global_batch_size`
-windows drop the epoch's remainder, and epochs repeat forever. Process p of P
-receives rows [p*B/P, (p+1)*B/P) of every global batch, so the global batch
-does not depend on P.
-
-Packed training (`train_iterator(..., document_ends=..., bos_id=...)`, ``config.data.packing``):
-rows of whole documents instead. Document i is the stream's tokens [e_{i-1}, e_i) (its text and
-its boundary; e_{-1} = 0), its (input, target) pairs those of the stream, its first input the
-previous document's boundary (`bos_id` for the first). A document longer than a row is cut into
-row-sized pieces, each of them a document of its own (positions from 0: a row's positions index
-the position embedding and AFT's bias w, which hold max_len >= L rows, so continuing a long
-document's positions past L would read rows a model never trains on). Pieces fill rows in order,
-next-fit (a piece that does not fit starts the next row), so padding is only at a row's end.
-The rows are planned once, in corpus order; each epoch visits them in a fresh order as it
-visits windows. A packed batch adds `segment_ids` (1, 2, ... per piece, 0 on padding),
-`positions` (from 0 per piece) and `weights` (1 on targets, 0 on padding) to inputs and targets.
-
-Evaluation (`eval_batches`): every token is a weighted target exactly once;
-the first one gets `bos_id` as its context. Rows are padded with weight 0 so
-that all batches have the same static shape and every process yields the same
-number of batches.
-"""
+"""Language-model batches from a 1-D token stream: shuffled training windows or packed rows of
+whole documents (``train_iterator``) and evaluation batches scoring every token once
+(``eval_batches``). docs/data.md, "Batches" and "Packing", describes both."""
 
 from __future__ import annotations
 
@@ -37,7 +13,10 @@ import numpy as np
 _STATE_VERSION = 1
 
 
-def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> int:
+def _check_sharding(seq_len: int, global_batch_size: int, process_index: int, process_count: int):
+  """The rows of the global batch this process takes; one-line ValueErrors for bad arguments."""
+  if seq_len <= 0:
+    raise ValueError(f"seq_len={seq_len} must be positive")
   if global_batch_size <= 0 or process_count <= 0:
     raise ValueError(
       f"global_batch_size={global_batch_size} and process_count={process_count} must be positive"
@@ -48,7 +27,8 @@ def _check_sharding(global_batch_size: int, process_index: int, process_count: i
     )
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
-  return global_batch_size // process_count
+  local = global_batch_size // process_count
+  return slice(process_index * local, (process_index + 1) * local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +48,8 @@ class _Windows:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Packed rows: piece j is the stream's pairs [start[j], start[j] + length[j]) at ``offset[j]``
-  in its row; the pieces of row r are first[r]:first[r + 1] (in row order); num_documents, the
-  documents the pieces were cut from."""
+  """Piece j is the stream's pairs [start[j], start[j] + length[j]) at ``offset[j]`` in its row;
+  row r holds pieces first[r]:first[r + 1]."""
 
   start: np.ndarray
   length: np.ndarray
@@ -83,18 +62,22 @@ class _Plan:
     return self.first.size - 1
 
   def padding_fraction(self, seq_len: int) -> float:
-    """Share of the rows' positions that are padding."""
     return 1.0 - float(self.length.sum()) / (self.num_rows * seq_len)
 
 
-def plan_rows(document_ends: np.ndarray, seq_len: int) -> _Plan:
-  """Whole documents (stream ranges ending at ``document_ends``) packed in order, next-fit, into
-  rows of ``seq_len`` pairs; a longer document as row-sized pieces (module docstring)."""
+def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan:
+  """Whole documents (stream ranges ending at ``document_ends``, the last at ``num_tokens``)
+  packed in order, next-fit, into rows of ``seq_len`` pairs; a longer one as row-sized pieces.
+  Rather than grain's packers, which reorder documents and keep buffers in the iterator's state:
+  the rows are an index set, shuffled per epoch and checkpointed as the windows are."""
   ends = np.asarray(document_ends, np.int64)
-  starts = np.concatenate([[0], ends[:-1]])
+  starts = np.concatenate([[0], ends[:-1]]) if ends.ndim == 1 else ends
   sizes = ends - starts
-  if ends.size == 0 or (sizes <= 0).any():
-    raise ValueError(f"document_ends must be increasing and positive, got {ends[:8]}...")
+  if ends.ndim != 1 or ends.size == 0 or ends[-1] != num_tokens or (sizes <= 0).any():
+    raise ValueError(
+      f"document_ends must be int[documents], increasing, ending at len(tokens) = {num_tokens}; "
+      f"got shape {ends.shape}, {ends.reshape(-1)[:8]}..."
+    )
   count = -(-sizes // seq_len)  # pieces per document
   doc = np.repeat(np.arange(ends.size), count)
   k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)  # piece k of its doc
@@ -115,7 +98,7 @@ def plan_rows(document_ends: np.ndarray, seq_len: int) -> _Plan:
 @dataclasses.dataclass(frozen=True)
 class _PackedRows:
   """Gathers packed rows: ids int[b] -> inputs, targets, segment_ids, positions int32[b, L]
-  and weights float32[b, L] (module docstring)."""
+  and weights float32[b, L]."""
 
   tokens: np.ndarray
   plan: _Plan
@@ -147,16 +130,13 @@ class _PackedRows:
 
 
 class TrainIterator:
-  """Infinite iterator of `{'inputs','targets': int32[local_B, seq_len]}`.
+  """Infinite iterator of `{'inputs','targets': int32[local_B, seq_len]}` (packed: more keys).
 
-  `get_state()` is a JSON-serialisable dict; `set_state(state)` on an iterator
-  built with the same arguments continues with exactly the batches that would
-  have followed. The state counts global batches, so it may be restored with
-  a different process_count.
+  `get_state()` is a JSON dict; `set_state(state)` on an iterator built with the same arguments
+  continues with exactly the batches that would have followed, with any process_count.
   """
 
   def __init__(self, dataset, fingerprint: dict, packing: dict | None = None):
-    """`dataset`: a `grain.MapDataset` of batches; `packing`: what ``packing`` returns."""
     self._dataset = dataset
     self._fingerprint = fingerprint
     self._packing = packing
@@ -165,8 +145,7 @@ class TrainIterator:
   def _new_iterator(self):
     import grain  # pylint: disable=g-import-not-at-top
 
-    # grain's default (16 threads, 500 batches ahead) would keep the CPU busy
-    # far ahead of a training step; a few batches hide the gather latency.
+    # grain's default (16 threads, 500 batches ahead) keeps the CPU busy far ahead of a step.
     return iter(
       self._dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
     )
@@ -193,9 +172,7 @@ class TrainIterator:
         f"the data position in {since} has format version {state.get('version')!r}, this "
         f"version of aft_jax reads {_STATE_VERSION}: resume it with the aft_jax that wrote it"
       )
-    # Every key either side: a packed run's position is no stream run's (or the reverse). A
-    # stream position has no packing keys: it is packing = False, and its documents are none
-    # of the question then.
+    # Every key either side; a stream position has no packing keys (packing = False).
     keys = [k for k in state if k not in ("version", "grain")] + list(self._fingerprint)
     was, now = {"packing": False, **state}, {"packing": False, **self._fingerprint}
     mismatched = list(dict.fromkeys(k for k in keys + ["packing"] if was.get(k) != now.get(k)))
@@ -231,28 +208,22 @@ def train_iterator(
   document_ends: np.ndarray | None = None,
   bos_id: int | None = None,
 ) -> TrainIterator:
-  """Shuffled, sharded, infinite, checkpointable training batches (see module doc).
+  """Shuffled, sharded, infinite, checkpointable training batches (docs/data.md, "Batches").
 
   Args:
     tokens: uint32/int[n] ids of the training split (a memmap is fine).
-    seq_len: L, the model's context length.
-    global_batch_size: B, rows per step over all processes.
     seed: shuffle seed in [0, 2**32); epoch e uses seed + e.
-    process_index, process_count: this JAX process and the number of them.
-    document_ends: packed rows of whole documents (module doc): int[documents], the stream
-      offset just past each document (``Corpus.documents``); None: windows of the stream.
+    document_ends: packed rows of whole documents: int[documents], the stream offset just past
+      each document (``Corpus.documents``); None: windows of the stream.
     bos_id: packed rows: the first document's first input.
 
   Returns:
     An iterator of dicts of int32[B // process_count, L] (packed: and weights float32).
   """
-  local = _check_sharding(global_batch_size, process_index, process_count)
-  if seq_len <= 0:
-    raise ValueError(f"seq_len={seq_len} must be positive")
+  rows = _check_sharding(seq_len, global_batch_size, process_index, process_count)
   tokens = np.asarray(tokens)  # a memmap stays memory-mapped
   if tokens.ndim != 1:
     raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-  rows = slice(process_index * local, (process_index + 1) * local)
   fingerprint = {
     "seed": int(seed),
     "seq_len": int(seq_len),
@@ -261,7 +232,14 @@ def train_iterator(
   }
   packing = None
   if document_ends is not None:
-    plan = _pack(tokens, seq_len, global_batch_size, document_ends, bos_id)
+    if bos_id is None:
+      raise ValueError("train_iterator: packed rows (document_ends) need bos_id")
+    plan = plan_rows(document_ends, seq_len, tokens.shape[0])
+    if plan.num_rows < global_batch_size:
+      raise ValueError(
+        f"split too short: {plan.num_documents} documents pack into {plan.num_rows} rows of "
+        f"seq_len={seq_len}, fewer than global_batch_size={global_batch_size}"
+      )
     num_items, gather = plan.num_rows, _PackedRows(tokens, plan, seq_len, int(bos_id), rows)
     documents = int(plan.num_documents)
     fingerprint.update(packing=True, num_documents=documents)
@@ -287,33 +265,6 @@ def train_iterator(
   return TrainIterator(ds, fingerprint, packing)
 
 
-def _pack(tokens, seq_len, global_batch_size, ends, bos) -> _Plan:
-  """The packed rows' plan for ``train_iterator``, its arguments checked.
-
-  Why not grain's packing (grain.experimental.FirstFitPackIterDataset, BestFit...): they fill
-  rows first- or best-fit, so a document goes into an earlier row with room for it (documents
-  out of order), and as IterDatasets they carry their pack buffers in the iterator's state and
-  cannot be visited in a shuffled order by index. A plan made once (``plan_rows``) keeps the
-  "in order, whole documents" contract and the stream pipeline's shape: the rows are an index
-  set, shuffled per epoch, batched, and the checkpoint is the index (as for windows).
-  """
-  if bos is None:
-    raise ValueError("train_iterator: packed rows (document_ends) need bos_id")
-  ends = np.asarray(ends, np.int64)
-  if ends.ndim != 1 or ends.size == 0 or ends[-1] != tokens.shape[0]:
-    raise ValueError(
-      f"document_ends must be int[documents] ending at len(tokens) = {tokens.shape[0]}; got "
-      f"shape {ends.shape}, last {ends[-1] if ends.size else None}"
-    )
-  plan = plan_rows(ends, seq_len)
-  if plan.num_rows < global_batch_size:
-    raise ValueError(
-      f"split too short: {ends.size} documents pack into {plan.num_rows} rows of "
-      f"seq_len={seq_len}, fewer than global_batch_size={global_batch_size}"
-    )
-  return plan
-
-
 @dataclasses.dataclass(frozen=True)
 class _EvalPlan:
   """Window k predicts tokens [start_k, start_k + L) and counts [lo_k, hi_k)."""
@@ -324,8 +275,6 @@ class _EvalPlan:
 
 
 def _eval_plan(n: int, seq_len: int, stride: int | None) -> _EvalPlan:
-  if seq_len <= 0:
-    raise ValueError(f"seq_len={seq_len} must be positive")
   if n <= 0:
     raise ValueError(f"split too short: len(tokens)={n}, nothing to evaluate")
   if stride is None or stride == seq_len:
@@ -349,6 +298,7 @@ def num_eval_batches(
   num_tokens: int, *, seq_len: int, global_batch_size: int, stride: int | None = None
 ) -> int:
   """Number of batches `eval_batches` yields (the same on every process)."""
+  _check_sharding(seq_len, global_batch_size, 0, 1)
   return math.ceil(_eval_plan(num_tokens, seq_len, stride).start.size / global_batch_size)
 
 
@@ -362,29 +312,24 @@ def eval_batches(
   process_index: int = 0,
   process_count: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-  """Batches covering every token of `tokens` exactly once as a weighted target.
+  """Batches covering every token of `tokens` (int[n]) exactly once as a weighted target.
 
   Args:
-    tokens: int[n] ids of the split.
-    seq_len: L.
-    global_batch_size: B; each process yields B // process_count rows.
     bos_id: context of the first token.
     stride: None for disjoint windows; S < L for sliding windows that count
       only their last S targets (the first window counts all of its targets).
-    process_index, process_count: as in `train_iterator`.
 
   Yields:
     {'inputs', 'targets': int32[local_B, L], 'weights': float32[local_B, L]};
     weights are 1 on counted targets and 0 on context and padding.
   """
-  local = _check_sharding(global_batch_size, process_index, process_count)
+  mine = _check_sharding(seq_len, global_batch_size, process_index, process_count)
   n = int(np.shape(tokens)[0])
   plan = _eval_plan(n, seq_len, stride)
   offsets = np.arange(seq_len, dtype=np.int64)
   num_batches = math.ceil(plan.start.size / global_batch_size)
   for b in range(num_batches):
-    first = b * global_batch_size + process_index * local
-    rows = np.arange(first, first + local)
+    rows = b * global_batch_size + np.arange(mine.start, mine.stop)
     valid_row = rows < plan.start.size  # rows past the last window are all padding
     r = np.minimum(rows, plan.start.size - 1)
     pos = plan.start[r][:, None] + offsets  # target positions, [local, L]

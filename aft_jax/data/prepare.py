@@ -1,39 +1,9 @@
-"""Prepare a corpus: download or read, build TFDS, tokenise, cache token ids.
+"""Prepare a corpus (``aft-prepare``): download or read, build TFDS, tokenise, cache token ids.
 
-    python -m aft_jax.data.prepare --dataset wikitext103 [--data_dir DIR] \\
-        [--manual_dir DIR] [--variant v1|raw_v1] [--tokenizer word|byte|subword] \\
-        [--vocab_size N] [--nodownload]
-    python -m aft_jax.data.prepare --dataset enwik8 [--data_dir DIR] [--manual_dir DIR] \\
-        [--nodownload]
-    python -m aft_jax.data.prepare --dataset text --train_files GLOBS [--valid_files GLOBS] \\
-        [--test_files GLOBS] [--tokenizer byte|word|subword] [--vocab_size N] [--text_field F]
+    aft-prepare --dataset wikitext103|enwik8|text|pydoc [--data_dir DIR] [--manual_dir DIR] ...
 
-prints progress and the folder it prepared on stderr and, as its last stdout line, one JSON
-object:
-    {"vocab_size": V, "tokens": {"train": N, "validation": N, "test": N}}
-
-Without --data_dir it prepares into `aft_jax.data.config.default_data_dir()` ($AFT_JAX_DATA,
-else ~/.cache/aft_jax), where the trainer looks when config.data.data_dir is empty. Two runs on
-one corpus take turns (a lock file beside it): the second waits, then reuses the first's result.
-
-A second run finds `<data_dir>/prepared/<name>/COMPLETE` and only prints the
-summary, unless the source files found now differ from the ones it was prepared
-from (their fingerprint, `store.fingerprint`, is kept in summary.json): then
-it prepares again. The byte tokenizer always reads the raw release (`raw_v1`).
-
-`--official` says whether the source must be the published data:
-* WikiText-103, `auto` (default): files whose line count is the official one
-  for at least one split are taken to be the official release, so every count
-  must then be the published one (267,735 words and 103,227,021 / 217,646 /
-  245,569 tokens for v1 words); otherwise the error says the files look
-  truncated or modified, and that `--official no` prepares them as a custom
-  corpus in the same layout. Files with no official line count at all are a
-  custom corpus (with a warning). `yes` requires the published counts, `no`
-  never checks them.
-* enwik8: `auto` prepares a file of any size (one that is not 100,000,000
-  bytes with a warning that it is a custom byte corpus), `yes` requires
-  100,000,000 bytes, `no` says nothing.
-Any mismatch is a `CountMismatchError` and nothing is marked complete.
+Its last stdout line is one JSON object, {"vocab_size": V, "tokens": {"train": N, ...}}.
+docs/data.md says where the data goes, how a rerun reuses it and what ``--official`` checks.
 """
 
 from __future__ import annotations
@@ -44,17 +14,16 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
-from aft_jax.data import pydoc, record, store
+from aft_jax.data import pydoc, store
 from aft_jax.data.config import (
   DATASETS,
   OFFICIAL,
   TOKENIZERS,
-  VARIANTS,
   DataConfig,
   resolve_data_dir,
 )
@@ -62,8 +31,7 @@ from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
 
-# Published statistics of wikitext-103-v1 under the word protocol (one <eos>
-# per line): Merity et al. 2016, Table 1.
+# Published statistics of wikitext-103-v1 under the word protocol: Merity et al. 2016, Table 1.
 OFFICIAL_VOCAB_SIZE = 267_735
 OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 # Lines per split file (identical in both releases); how real data is recognised.
@@ -79,17 +47,12 @@ class CountMismatchError(ValueError):
 
 
 def resolve_variant(tokenizer: str, variant: str | None) -> str:
-  """The release a tokenizer reads: bytes always come from the raw text."""
-  if tokenizer not in TOKENIZERS:
-    raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
+  """The release a tokenizer reads (checked by ``DataConfig``): bytes always read the raw text."""
   if tokenizer == "byte":
     if variant not in (None, "", "raw_v1"):
       log.warning("The byte tokenizer reads raw_v1, not %s.", variant)
     return "raw_v1"
-  variant = variant or "v1"
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be 'v1' or 'raw_v1', got {variant!r}")
-  return variant
+  return variant or "v1"
 
 
 def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
@@ -98,7 +61,6 @@ def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
 
 
 def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
-  """Field `key` of a built split's examples, in file order."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   ds = builder.as_data_source(split)
@@ -113,7 +75,6 @@ def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterat
 
 
 def _articles(builder, split: str, progress: bool) -> Iterator[str]:
-  """Article texts of a built WikiText-103 split, in file order."""
   for text in _records(builder, split, "text", "articles", progress):
     yield text.decode("utf-8")
 
@@ -121,13 +82,9 @@ def _articles(builder, split: str, progress: bool) -> Iterator[str]:
 def check_official(
   summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str, official: bool | None
 ) -> bool:
-  """Checks the published counts on real data; returns whether it is real.
-
-  `official=None` recognises real data by its line counts; True insists on it.
-  """
+  """Checks the published counts on real data; returns whether it is real (official None:
+  real when one split has its official line count, which a custom corpus would not hit)."""
   if official is None:
-    # One split with its official line count: these are the official files (a custom corpus in
-    # the same layout would not hit 1,801,350, 3,760 or 4,358 lines), maybe partly damaged.
     is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS)
     if not is_real:
       log.warning(
@@ -181,142 +138,88 @@ def prepare_wikitext103(
   official: bool | None = None,
   progress: bool = True,
 ) -> dict:
-  """Builds `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its summary.
-
-  `tokenizer='subword'` learns a SentencePiece vocabulary of `vocab_size` pieces on the train
-  articles (`aft_jax.data.subword`), each article followed by its `<eos>`.
-
-  Reuses a complete earlier result. Raises `wikitext103.WikiTextError` for
-  bad or missing source data and `CountMismatchError` (see module docstring).
-  """
+  """Builds (or reuses) `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its
+  summary. Raises `sources.DataError` for bad or missing source data, `CountMismatchError`."""
   variant = resolve_variant(tokenizer, variant)
-  if not data_dir:
-    raise ValueError("data_dir is required to prepare wikitext103")
-  if tokenizer == "subword":  # the config's rule for the size (aft-prepare --vocab_size)
-    DataConfig(dataset="wikitext103", tokenizer="subword", vocab_size=vocab_size).validate()
-  data_dir = os.path.expanduser(data_dir)
-  name = corpus_name(variant, tokenizer, vocab_size)
-  out = store.prepared_dir(data_dir, name)
   from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
   locate = functools.partial(wikitext103.locate_source, variant)
+  build = lambda **kw: wikitext103.build(variant, **kw)  # noqa: E731
+  write = lambda builder, out: _write_wikitext103(  # noqa: E731
+    builder, out, variant, tokenizer, vocab_size, official, progress
+  )
+  name, args = (
+    corpus_name(variant, tokenizer, vocab_size),
+    (data_dir, manual_dir, download, progress),
+  )
+  return _prepare_built(name, "wikitext103", locate, build, write, *args)
+
+
+def _prepare_built(name, dataset, locate, build, write, data_dir, manual_dir, download, progress):
+  """Under the lock of `<data_dir>/prepared/<name>`: its summary where it can be reused, else
+  what `write(builder, out)` returns of the TFDS build `build` makes."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  data_dir = os.path.expanduser(data_dir)
+  out, downloads = store.prepared_dir(data_dir, name), os.path.join(data_dir, "tfds", "downloads")
   with store.lock(out, name):
-    summary = store.reusable(
-      out, _fingerprint_now(locate, data_dir, manual_dir), record.version("wikitext103")
-    )
+    current = lambda: sources.current_fingerprint(locate, manual_dir or None, downloads)  # noqa: E731
+    summary = store.reusable(out, current, store.version(dataset))
     if summary is not None:
       return summary
-    _quiet_tfds(progress)
-    builder = wikitext103.build(
-      variant,
-      data_dir=os.path.join(data_dir, "tfds"),
-      manual_dir=manual_dir or None,
-      download=download,
-    )
-    if tokenizer == "subword":
-      return _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress)
-    return _write_wikitext103(builder, out, variant, tokenizer, official, progress)
+    if not progress:
+      tfds.disable_progress_bar()  # TFDS's own bars
+    tfds_dir = os.path.join(data_dir, "tfds")
+    builder = build(data_dir=tfds_dir, manual_dir=manual_dir or None, download=download)
+    store.start(out)
+    return write(builder, out)
 
 
-def _write_wikitext103_subword(builder, out, variant, vocab_size, official, progress) -> dict:
-  """`_write_wikitext103` for a subword vocabulary learned on the train articles: each article
-  a document, as in a text corpus (`aft_jax.data.text`), with its bytes for bits per byte."""
+def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress) -> dict:
   from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
 
-  store.start(out)
-  vocab = subword.train(
-    _articles(builder, "train", progress),
-    vocab_size,
-    what=f"the WikiText-103 {variant} train split",
-  )
+  train = _articles(builder, "train", progress)
+  if tokenizer == "subword":
+    vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
+  elif tokenizer == "word":
+    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
+    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(train), add_unk=variant == "raw_v1")
+  else:
+    vocab = vocab_lib.ByteVocab()
   recorded = text.save_vocab(vocab, out)
   tokens, lines, num_bytes = {}, {}, {}
   for split in SPLITS:
-    articles = list(_articles(builder, split, progress))
-    lines[split] = sum(a.count("\n") for a in articles)
-    chunks, num_bytes[split] = text.encode_documents(vocab, articles)
-    tokens[split] = store.write_tokens(out, split, chunks)
-    del chunks, articles
-  summary = {"vocab_size": vocab.size, "tokens": tokens}
-  real = check_official(summary, lines, variant=variant, tokenizer="subword", official=official)
-  name = corpus_name(variant, "subword", vocab_size)
-  store.finish(
-    out,
-    {
-      **summary,
-      "name": name,
-      "variant": variant,
-      "tokenizer": "subword",
-      "bytes": num_bytes,
-      "lines": lines,
-      "official": real,
-      **recorded,
-      **_fingerprint_of(builder),
-    },
-  )
-  return summary
-
-
-def _write_wikitext103(builder, out, variant, tokenizer, official, progress) -> dict:
-  """Tokenises a built WikiText-103 into `out` (under its lock); returns the summary."""
-  store.start(out)
-  tokens, lines = {}, {}
-  if tokenizer == "word":
-    counts = vocab_lib.count_words(_articles(builder, "train", progress))
-    # raw_v1 has real words where v1 has <unk>; held-out words unseen in train
-    # need an id, so its vocabulary gets an explicit <unk>.
-    vocab = vocab_lib.WordVocab.build(counts, add_unk=variant == "raw_v1")
-    vocab.save(os.path.join(out, vocab_lib.VOCAB_FILENAME))
-    encode = vocab.encode
-  else:
-    vocab = vocab_lib.ByteVocab()
-    encode = lambda text: np.frombuffer(text.encode("utf-8"), np.uint8)  # noqa: E731
-  for split in SPLITS:
-    try:
-      chunks = [encode(text) for text in _articles(builder, split, progress)]
-    except ValueError as e:  # a v1 held-out word missing from train: not the official data
-      raise ValueError(f"{variant} {split} split: {e}; the official v1 has no such words") from e
-    lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
+    if tokenizer == "subword":  # each article a document, as in a text corpus
+      articles = list(_articles(builder, split, progress))
+      lines[split] = sum(a.count("\n") for a in articles)
+      chunks, num_bytes[split] = text.encode_documents(vocab, articles)
+    else:  # bytes as uint8 (ByteVocab.encode's uint32 would hold 4x the memory)
+      encode = vocab.encode if tokenizer == "word" else lambda t: np.frombuffer(t.encode(), "u1")
+      try:
+        chunks = [encode(a) for a in _articles(builder, split, progress)]
+      except ValueError as e:  # a v1 held-out word missing from train: not the official data
+        raise ValueError(f"{variant} {split} split: {e}; the official v1 has no such words") from e
+      lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
     tokens[split] = store.write_tokens(out, split, chunks)
     del chunks
   summary = {"vocab_size": vocab.size, "tokens": tokens}
   real = check_official(summary, lines, variant=variant, tokenizer=tokenizer, official=official)
+  extra = {"bytes": num_bytes} if num_bytes else {}
+  name = corpus_name(variant, tokenizer, vocab_size)
+  info = {"name": name, "variant": variant, "tokenizer": tokenizer, "lines": lines}
   store.finish(
-    out,
-    {
-      **summary,
-      "name": corpus_name(variant, tokenizer),
-      "variant": variant,
-      "tokenizer": tokenizer,
-      "lines": lines,
-      "official": real,
-      **_fingerprint_of(builder),
-    },
+    out, {**summary, **info, **extra, "official": real, **recorded, **_fingerprint_of(builder)}
   )
   return summary
 
 
-def _fingerprint_now(locate, data_dir: str, manual_dir: str | None) -> Callable[[], str | None]:
-  """A thunk giving the fingerprint of the source `locate` finds now (None: none found)."""
-  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
-
-  download_dir = os.path.join(data_dir, "tfds", "downloads")
-  return lambda: sources.current_fingerprint(locate, manual_dir or None, download_dir)
-
-
 def _fingerprint_of(builder) -> dict:
-  """What summary.json records of a TFDS build: its source's fingerprint and the builder's
-  version."""
+  """What summary.json records of a TFDS build."""
   key = store.FINGERPRINT_KEY
   out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
-  return {**out, store.VERSION_KEY: record.version(builder.name)}
-
-
-def _quiet_tfds(progress: bool) -> None:
-  if not progress:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-    tfds.disable_progress_bar()  # TFDS's own bars; ours are switched off below
+  return {**out, store.VERSION_KEY: store.version(builder.name)}
 
 
 ENWIK8_NAME = "enwik8-byte"
@@ -330,36 +233,18 @@ def prepare_enwik8(
   official: bool | None = None,
   progress: bool = True,
 ) -> dict:
-  """Builds `<data_dir>/prepared/enwik8-byte/` (byte ids, vocabulary 256); returns its summary.
-
-  Reuses a complete earlier result prepared from the same source. Raises
-  `sources.DataError` for bad or missing source data and `CountMismatchError`
-  when `official` is True and the file is not 100,000,000 bytes.
-  """
-  if not data_dir:
-    raise ValueError("data_dir is required to prepare enwik8")
-  data_dir = os.path.expanduser(data_dir)
-  out = store.prepared_dir(data_dir, ENWIK8_NAME)
+  """Builds (or reuses) `<data_dir>/prepared/enwik8-byte/`; returns its summary. Raises
+  `sources.DataError` for bad or missing source data, `CountMismatchError`."""
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
 
-  with store.lock(out, ENWIK8_NAME):
-    summary = store.reusable(
-      out, _fingerprint_now(enwik8.locate_source, data_dir, manual_dir), record.version("enwik8")
-    )
-    if summary is not None:
-      return summary
-    _quiet_tfds(progress)
-    builder = enwik8.build(
-      data_dir=os.path.join(data_dir, "tfds"), manual_dir=manual_dir or None, download=download
-    )
-    return _write_enwik8(builder, out, official, progress)
+  write = lambda builder, out: _write_enwik8(builder, out, official, progress)  # noqa: E731
+  args = (data_dir, manual_dir, download, progress)
+  return _prepare_built(ENWIK8_NAME, "enwik8", enwik8.locate_source, enwik8.build, write, *args)
 
 
 def _write_enwik8(builder, out, official, progress) -> dict:
-  """Copies a built enwik8's bytes into `out` (under its lock); returns the summary."""
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
 
-  store.start(out)
   tokens = {}
   for split in SPLITS:
     chunks = (
@@ -383,16 +268,8 @@ def _write_enwik8(builder, out, official, progress) -> dict:
       tokens,
     )
   summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
-  store.finish(
-    out,
-    {
-      **summary,
-      "name": ENWIK8_NAME,
-      "tokenizer": "byte",
-      "official": real and official is not False,
-      **_fingerprint_of(builder),
-    },
-  )
+  info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
+  store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
   return summary
 
 
@@ -402,56 +279,19 @@ def _parse(argv):
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument("--dataset", choices=DATASETS, default="wikitext103")
-  p.add_argument(
-    "--data_dir",
-    default="",
-    help=(
-      "where TFDS data, downloads and token ids go; default: $AFT_JAX_DATA, else "
-      "~/.cache/aft_jax, as the trainer (data.data_dir '')"
-    ),
-  )
-  p.add_argument("--manual_dir", default="", help="holds the official zip or its extracted files")
-  p.add_argument(
-    "--variant",
-    choices=("v1", "raw_v1"),
-    default=None,
-    help="v1 (tokenised, <unk>) or raw_v1; default v1 for words, raw_v1 for bytes",
-  )
-  p.add_argument(
-    "--tokenizer",
-    choices=TOKENIZERS,
-    default=None,
-    help="default: word for wikitext103, byte for pydoc",
-  )
-  p.add_argument(
-    "--nodownload",
-    dest="download",
-    action="store_false",
-    help="never use the network; fail if the data is not in manual_dir",
-  )
-  p.add_argument(
-    "--official",
-    choices=tuple(OFFICIAL_CHOICES),
-    default="auto",
-    help=(
-      "require the published counts: auto = when the files look official (see above), "
-      "no = prepare any files in the official layout as a custom corpus"
-    ),
-  )
-  p.add_argument(
-    "--vocab_size", type=int, default=0, help="--tokenizer subword: the number of pieces"
-  )
+  add = p.add_argument
+  add("--dataset", choices=DATASETS, default="wikitext103")
+  add("--data_dir", default="", help="default: $AFT_JAX_DATA, else ~/.cache/aft_jax (as aft-train)")
+  add("--manual_dir", default="", help="holds the official zip or its extracted files")
+  add("--variant", choices=("v1", "raw_v1"), help="default v1 for words, raw_v1 for bytes")
+  add("--tokenizer", choices=TOKENIZERS, help="default: word for wikitext103, byte for pydoc")
+  add("--nodownload", dest="download", action="store_false", help="never use the network")
+  add("--official", choices=tuple(OFFICIAL_CHOICES), default="auto", help="docs/data.md")
+  add("--vocab_size", type=int, default=0, help="--tokenizer subword: the number of pieces")
   for split in ("train", "valid", "test"):
-    p.add_argument(
-      f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})"
-    )
-  p.add_argument(
-    "--text_field",
-    default="",
-    help="--dataset text: the JSONL field / Parquet column of each record's text (default text)",
-  )
-  p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add(f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})")
+  add("--text_field", default="", help="--dataset text: the JSONL field / Parquet column")
+  add("--quiet", action="store_true", help="no progress bars")
   return p.parse_args(argv)
 
 
@@ -461,42 +301,32 @@ def main(argv=None) -> dict:
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )
-  official = OFFICIAL_CHOICES[args.official]
   # The trainer's own resolution, so that `aft-prepare` then `aft-train` meet in one folder.
   data_dir = resolve_data_dir(args.data_dir)
+  names = ("vocab_size", "train_files", "valid_files", "test_files", "text_field", "variant")
+  given = {k: getattr(args, k) for k in names if getattr(args, k)}
+  if args.dataset != "enwik8":  # (enwik8 is bytes whatever --tokenizer says)
+    given["tokenizer"] = args.tokenizer or ("word" if args.dataset == "wikitext103" else "byte")
+  cfg = DataConfig.of({"dataset": args.dataset, **given}).validate()  # the command line's check
   if args.dataset == "pydoc":
-    vocab, splits = pydoc.pydoc_splits(args.tokenizer or "byte")
+    vocab, splits = pydoc.pydoc_splits(cfg.tokenizer)
     summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
   elif args.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-    names = ("tokenizer", "vocab_size", "train_files", "valid_files", "test_files", "text_field")
-    given = {k: getattr(args, k) for k in names if getattr(args, k)}
-    cfg = DataConfig.of({"dataset": "text", **given}).validate()  # the command line's check
     out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
     name = os.path.basename(out)
-  elif args.dataset == "enwik8":
-    name = ENWIK8_NAME
-    summary = prepare_enwik8(
-      data_dir,
-      manual_dir=args.manual_dir or None,
-      download=args.download,
-      official=official,
-      progress=not args.quiet,
-    )
   else:
-    tokenizer = args.tokenizer or "word"
-    name = corpus_name(resolve_variant(tokenizer, args.variant), tokenizer, args.vocab_size)
-    summary = prepare_wikitext103(
-      data_dir,
-      manual_dir=args.manual_dir or None,
-      variant=args.variant,
-      tokenizer=tokenizer,
-      vocab_size=args.vocab_size,
-      download=args.download,
-      official=official,
-      progress=not args.quiet,
-    )
+    kw = dict(manual_dir=args.manual_dir or None, download=args.download, progress=not args.quiet)
+    kw["official"] = OFFICIAL_CHOICES[args.official]
+    if args.dataset == "enwik8":
+      name, summary = ENWIK8_NAME, prepare_enwik8(data_dir, **kw)
+    else:
+      variant, tokenizer = resolve_variant(cfg.tokenizer, args.variant), cfg.tokenizer
+      name = corpus_name(variant, tokenizer, args.vocab_size)
+      summary = prepare_wikitext103(
+        data_dir, variant=variant, tokenizer=tokenizer, vocab_size=args.vocab_size, **kw
+      )
   if args.dataset != "pydoc":  # pydoc is built in memory: nothing is written
     default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
     print(f"Prepared {name} in {store.prepared_dir(data_dir, name)}{default}", file=sys.stderr)
@@ -510,10 +340,8 @@ def main(argv=None) -> dict:
 
 
 def cli() -> None:
-  """``aft-prepare`` and ``python -m aft_jax.data.prepare``: ``main`` with a bad or missing
-  dataset as one line on stderr and exit status 1 (the message says what to do), and Ctrl-C
-  as one line and exit status 130 (``aft_jax.ctrl_c``); either way nothing is marked prepared
-  and no temporary file is left."""
+  """``main`` with an error as one line on stderr and exit status 1, Ctrl-C as one line and
+  status 130 (``aft_jax.ctrl_c``)."""
   with stops_on_ctrl_c(
     "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
     "it again"

@@ -1,6 +1,5 @@
-"""The pydoc corpus' text: the documentation shipped with CPython, split at line ends into
-train, test and validation pieces, and those pieces as token ids (``aft_jax.data.corpus``
-wraps them into its ``Corpus``; the prepare command prints their summary)."""
+"""The pydoc corpus' text (CPython's documentation without its layout lines), split at line ends
+into train, test and validation pieces, and their token ids (docs/data.md, "pydoc")."""
 
 from __future__ import annotations
 
@@ -19,13 +18,8 @@ _LAYOUT_LINE = re.compile(r"\s*(?:[-=~^*_+| ]{3,}|[|+].*|.*::=.*)\s*")
 
 
 def pydoc_text(version: int | None = None) -> str:
-  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines (the
-  builder's version 2, today's; version 1 kept them: ``record.BUILDERS``).
-
-  About a tenth of the raw text is ASCII tables, heading underlines and grammar rules; a small
-  model spends its capacity (and its samples) on runs of `|`, `+` and `=` otherwise. Prose,
-  code examples and blank lines are kept, so the text still reads as the documentation.
-  """
+  """CPython's pydoc topic texts, concatenated in sorted-key order, without layout lines (on
+  which a small model would spend its capacity); version 1 of the builder kept them."""
   from pydoc_data import topics  # pylint: disable=g-import-not-at-top
 
   raw = "".join(topics.topics[k] for k in sorted(topics.topics))
@@ -37,11 +31,8 @@ def pydoc_text(version: int | None = None) -> str:
 
 
 def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
-  """Consecutive pieces of `text` of about the given fractions, cut after a '\\n'.
-
-  Cutting at line ends keeps the word protocol identical on each piece and
-  on the whole: the pieces' token streams concatenate to the text's stream.
-  """
+  """Consecutive pieces of `text` of about the given fractions, cut after a '\\n' (so that the
+  pieces' word streams concatenate to the text's)."""
   pieces, start, acc = {}, 0, 0.0
   names = list(fractions)
   for i, name in enumerate(names):

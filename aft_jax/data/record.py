@@ -1,51 +1,23 @@
-"""What a run records of its corpus, and the one line that says what changed since.
-
-The record is a JSON dict, kept as the workdir's ``corpus.json`` and as the item "corpus" of
-every checkpoint (the checkpoint's copy is the one a resume and the tools trust: it was written
-with the parameters):
-
-    name, unit, tokenizer, bos_id, vocab_size   what the model's ids mean
-    builder_version                             the version of the dataset's builder that made
-                                                the corpus (``BUILDERS``)
-    vocab_sha256                                word and subword vocabularies: the SHA-256 of
-                                                their file (vocab.txt, subword.model)
-    tokens                                      {split: number of tokens}
-    source_fingerprint                          the prepared corpus's source fingerprint
-    sources                                     text corpora: {split: {file: digest}}
-                                                (``text.source_files``)
-
-A run checks the data it finds against the record before it prepares or writes anything:
-first the files (``check_sources``: cheap, so a changed, deleted or added file is named before
-any vocabulary is learned), then the loaded corpus (``check_corpus``). Any difference is a
-``DataChanged`` whose one line names what changed. Records written by older versions lack some
-keys; only the keys both records have are compared, except the builder's version, which every
-record has (``built_by``): a corpus is rebuilt as the recorded version built it
-(``aft_jax.data.load_corpus``) where the builder still can, and refused in one line otherwise.
+"""What a run records of its corpus (``of_corpus``: kept as the workdir's ``corpus.json`` and in
+every checkpoint), and the one line (``DataChanged``) that says what changed since: the files
+(``check_sources``, before anything is prepared), then the loaded corpus (``check_corpus``: the
+builder's version, the vocabulary, the tokens). Older records lack some keys: only the keys both
+records have are compared, except the builder's version (``built_by``). docs/data.md, "A run is
+tied to its files", describes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from aft_jax.data.store import BUILDERS, version
+
 _SHOWN = 3  # changes named in one line; the rest are counted
 
 
-# What each version of each dataset's builder makes, the last entry being today's: a change to a
-# builder's tokens adds a version (tests/data/test_builder_versions.py records each version's
-# counts). Records written before they named it were made by ``_UNNAMED``'s version; a run
-# without a record (trained before workdirs kept corpus.json) by each builder's first.
-BUILDERS = {
-  "pydoc": ("the whole pydoc text", "the pydoc text without its tables, rules and grammar"),
-  "text": ("documents, each followed by the boundary",),
-  "wikitext103": ("the release's articles",),
-  "enwik8": ("the file's bytes, 90M / 5M / 5M",),
-}
+# Records that do not name their builder's version were made by ``_UNNAMED``'s version; a run
+# without a record by each builder's first.
 _UNNAMED = {"pydoc": 2}
-
-
-def version(dataset: str) -> int:
-  """Today's version of the builder of ``dataset``."""
-  return len(BUILDERS[dataset])
 
 
 def built_by(saved: Mapping | None, dataset: str) -> int:
@@ -93,8 +65,7 @@ def of_corpus(corpus) -> dict:
 
 def sources(cfg) -> dict | None:  # cfg: a DataConfig
   """{split: {file: digest}} of a text corpus's files as they are now (None for the other
-  datasets, whose sources their builders check); reads at most 2 MiB per file, writes nothing.
-  A glob that matches nothing is the text corpus's one-line error."""
+  datasets, whose sources their builders check)."""
   from aft_jax.data.config import require  # pylint: disable=g-import-not-at-top
 
   cfg = require(cfg, "sources")

@@ -1,15 +1,6 @@
-"""What the dataset builders share: errors, checksums, source fingerprints, downloads, (re)builds.
-
-A builder (`SourceBuilder`) reads its source files from `manual_dir` (an official archive or its
-extracted files), from an earlier download, or from a fresh download, and records a fingerprint
-of the files it read in its TFDS metadata. `build()` compares that fingerprint with the source
-files present now and builds the dataset again when they differ, so a changed source never
-leaves a stale build in use; without any source (deleted after the build) the build is reused.
-
-Every problem with the source data raises a subclass of `DataError` (a `ValueError`) whose
-one-line message names the file and says what to do. TFDS generates into a temporary directory
-that it renames only on success, so a failed build is never taken for a finished one.
-"""
+"""What the dataset builders share: errors (``DataError``, a ValueError, one line naming the
+file), checksums, downloads, and builds that are made again when their source files change
+(``build``; docs/data.md, "Where the data goes")."""
 
 from __future__ import annotations
 
@@ -91,9 +82,7 @@ def download(
   verify: Callable[[str], None],
 ) -> tuple[str | None, list[str]]:
   """Tries each URL in turn; returns (path of a verified download or None, what went wrong).
-
-  A download is kept under `<download_dir>/<filename>` only after `verify(path)` passes.
-  """
+  A download gets its name `<download_dir>/<filename>` only after `verify(path)` passes."""
   os.makedirs(download_dir, exist_ok=True)
   dest = os.path.join(download_dir, filename)
   errors = []
@@ -132,32 +121,24 @@ def download_attempts(errors: list[str], download: bool) -> str:
 
 
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A builder that reads local source files and records their fingerprint in its metadata.
+  """A builder that reads local source files and records their fingerprint in its metadata;
+  subclasses implement `locate()`, `_generate_examples(source, split)` and `_info()`."""
 
-  Subclasses implement `locate()` (returning an object with `paths()`) and
-  `_generate_examples(source, split)`, and build their `_info()` with `dataset_info()`.
-  """
-
-  # TFDS derives this path through `importlib_resources`, a package it does not
-  # declare (and that is absent here); the subclass's own module is what it wants.
+  # TFDS derives this through `importlib_resources`, which it does not declare.
   @tfds.core.utils.classproperty
   @classmethod
   def code_path(cls) -> epath.Path:
     return epath.Path(sys.modules[cls.__module__].__file__)
 
   def __init__(self, *, download: bool = True, **kwargs):
-    """`download=False` never touches the network (offline use, tests)."""
     self._allow_download = download
     super().__init__(file_format="array_record", **kwargs)
 
   @abc.abstractmethod
-  def locate(
-    self, *, manual_dir: str | None, download_dir: str | None, download: bool, verify=True
-  ):
+  def locate(self, *, manual_dir, download_dir, download: bool, verify=True):
     """The source of this builder's config; `verify=False` skips full-file checksums."""
 
   def dataset_info(self, **kwargs) -> tfds.core.DatasetInfo:
-    """DatasetInfo in file order, with room for the source fingerprint."""
     return tfds.core.DatasetInfo(
       builder=self, metadata=tfds.core.MetadataDict(), disable_shuffling=True, **kwargs
     )
@@ -177,46 +158,24 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     self.info.metadata[FINGERPRINT_KEY] = fingerprint(source.paths())
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
-  def current_fingerprint(self, manual_dir: str | None, download_dir: str) -> str | None:
-    """Fingerprint of the source present now (see `current_fingerprint`)."""
-    return current_fingerprint(self.locate, manual_dir, download_dir)
-
 
 def current_fingerprint(
   locate: Callable[..., object], manual_dir: str | None, download_dir: str
 ) -> str | None:
-  """Fingerprint of the source `locate` finds now, without downloading or a full checksum.
-
-  None when there is no source (it may be deleted once a dataset is built).
-  """
+  """Fingerprint of the source `locate` finds now, without downloading or a full checksum; None
+  when there is none (it may be deleted once a dataset is built)."""
+  manual_dir = manual_dir or os.path.join(download_dir, "manual")  # TFDS's default
   try:
-    source = locate(
-      manual_dir=manual_dir or os.path.join(download_dir, "manual"),  # TFDS's default
-      download_dir=download_dir,
-      download=False,
-      verify=False,
-    )
+    source = locate(manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False)
   except MissingDataError:
     return None
   return fingerprint(source.paths())
 
 
-def build(
-  cls: type[SourceBuilder],
-  config: str,
-  *,
-  data_dir: str,
-  manual_dir: str | None = None,
-  download: bool = True,
-) -> SourceBuilder:
-  """Builds (or reuses) `cls`'s dataset under `data_dir` and returns the builder.
-
-  A finished build is reused unless the source files found now have another fingerprint than
-  the ones it was built from; then it is deleted and built again (with a warning). One build
-  at a time: the lock `<data_dir>/<name>/<config>/<version>.lock` is held throughout (two
-  corpora read one build: `raw_v1` gives words and bytes), and under it the folders that
-  killed builds of this version left are removed first (`remove_stale_builds`).
-  """
+def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
+  """Builds (or reuses) `cls`'s dataset under `data_dir`; returns the builder. A build from
+  other source files than the ones found now is built again. One build at a time (under the lock
+  `<data_dir>/<name>/<config>/<version>.lock`), after removing killed builds' folders."""
   download_dir = os.path.join(data_dir, "downloads")
   data_path = os.path.join(data_dir, cls.name, config, str(cls.VERSION))
   with store.lock(data_path, f"the TFDS build {data_path}"):
@@ -228,10 +187,8 @@ def build(
 
 
 def remove_stale_builds(data_path: str) -> None:
-  """Deletes the temporary folders of killed builds of `data_path` (one builder config and
-  version): TFDS builds into `incomplete.<6 random letters or digits>_<version>/` beside it and
-  renames that at the end (`tfds.core.utils.file_utils.incomplete_dir`), so a killed build
-  leaves it behind (58 MB for enwik8). Only under `data_path`'s lock: then none is live."""
+  """Deletes the `incomplete.<random>_<version>/` folders TFDS's killed builds of `data_path` left
+  beside it (under `data_path`'s lock: then none is live)."""
   parent, version = os.path.split(data_path)
   stale = re.compile(re.escape(INCOMPLETE_PREFIX) + r"[A-Za-z0-9]+_" + re.escape(version))
   names = os.listdir(parent) if os.path.isdir(parent) else []
@@ -244,29 +201,23 @@ def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> 
   builder = cls(config=config, data_dir=data_dir, download=download)
   if builder.is_prepared():
     recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
-    current = builder.current_fingerprint(manual_dir, download_dir)
+    current = current_fingerprint(builder.locate, manual_dir, download_dir)
     if current is not None and current != recorded:
-      log.warning(
-        "%s was built from other source files than the ones found now (fingerprint %s, now "
-        "%s); building it again.",
-        builder.data_path,
-        recorded,
-        current,
-      )
+      what = f"{builder.data_path} was built from other source files than the ones found now"
+      log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
       shutil.rmtree(os.fspath(builder.data_path))
       builder = cls(config=config, data_dir=data_dir, download=download)
   builder.download_and_prepare(
     download_dir=download_dir,
+    # try_download_gcs: never look for a prebuilt copy on GCS
     download_config=tfds.download.DownloadConfig(
-      manual_dir=manual_dir or None,
-      try_download_gcs=False,  # never look for a prebuilt copy on GCS
+      manual_dir=manual_dir or None, try_download_gcs=False
     ),
   )
   return builder
 
 
 def zip_members(path: str, filename: str) -> set[str]:
-  """Member names of the zip at `path`; CorruptArchiveError if it cannot be read."""
   try:
     with zipfile.ZipFile(path) as zf:
       return set(zf.namelist())

@@ -1,19 +1,6 @@
-"""On-disk layout of a prepared corpus, written so that a crash never looks done.
-
-    <data_dir>/prepared/<name>/
-        train.npy, validation.npy, test.npy   uint32[n] token ids
-        vocab.txt                             word vocabularies only
-        subword.model                         subword vocabularies only (SentencePiece)
-        summary.json                          {"vocab_size", "tokens", "source_fingerprint", ...}
-        COMPLETE                              written last
-    <data_dir>/prepared/<name>.lock           held by the process preparing it (`lock`)
-
-Every file is written to a temporary name and renamed into place; `COMPLETE`
-is created only after all of them, and removed before any rewrite, so a
-directory without it is always rebuilt. A complete one whose split files do not
-have the size its summary.json implies (truncated by a full disk, a bad copy) is
-`DamagedCorpusError`, and `prepare` builds it again.
-"""
+"""The token store: `<data_dir>/prepared/<name>/` with `<split>.npy` (uint32 ids), a vocabulary
+file, summary.json and `COMPLETE`, written last so that a crash never looks done; its lock and
+the checks of a complete one (docs/data.md, "Where the data goes")."""
 
 from __future__ import annotations
 
@@ -36,14 +23,26 @@ log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
 # summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
 FINGERPRINT_KEY = "source_fingerprint"
-# summary.json key of the version of the builder that made it (``record.BUILDERS``; absent: 1).
+# summary.json key of the version of the builder that made it (``BUILDERS``; absent: 1).
 VERSION_KEY = "builder_version"
 SUMMARY = "summary.json"
+# What each version of each dataset's builder makes, the last entry being today's: a change to a
+# builder's tokens adds a version (tests/data/test_builder_versions.py).
+BUILDERS = {
+  "pydoc": ("the whole pydoc text", "the pydoc text without its tables, rules and grammar"),
+  "text": ("documents, each followed by the boundary",),
+  "wikitext103": ("the release's articles",),
+  "enwik8": ("the file's bytes, 90M / 5M / 5M",),
+}
+
+
+def version(dataset: str) -> int:
+  """Today's version of the builder of ``dataset``."""
+  return len(BUILDERS[dataset])
 
 
 class DamagedCorpusError(ValueError):
-  """A split file of a complete prepared corpus is missing, cut short or not what summary.json
-  says."""
+  """A split file of a complete prepared corpus is not what summary.json says."""
 
 
 def prepared_dir(data_dir: str, name: str) -> str:
@@ -52,13 +51,9 @@ def prepared_dir(data_dir: str, name: str) -> str:
 
 @contextlib.contextmanager
 def lock(path: str, what: str) -> Iterator[None]:
-  """Holds the exclusive lock `<path>.lock` for the block; waits while another process (or
-  thread) holds it.
-
-  An flock belongs to its open file, so the kernel releases it when the holder exits or is
-  killed: a lock is never stale and needs no pid check. The file stays after use: removing it
-  would let a waiter lock the removed file while a newcomer locks a new one.
-  """
+  """Holds the exclusive flock `<path>.lock` for the block, waiting while another holds it. The
+  kernel releases it when its holder dies; the file stays (removing it would let a waiter lock
+  the removed file while a newcomer locks a new one)."""
   lock_file = f"{path}.lock"
   os.makedirs(os.path.dirname(lock_file), exist_ok=True)
   with open(lock_file, "a") as f:
@@ -66,11 +61,8 @@ def lock(path: str, what: str) -> Iterator[None]:
       try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
-        log.warning(
-          "Another process is preparing %s (it holds %s); waiting for it to finish.",
-          what,
-          lock_file,
-        )
+        holds = f"Another process is preparing {what} (it holds {lock_file})"
+        log.warning("%s; waiting for it to finish.", holds)
         fcntl.flock(f, fcntl.LOCK_EX)
     except OSError as e:  # e.g. a file system without locks: the bare error names no file
       raise OSError(e.errno, f"cannot lock {lock_file}: {e.strerror}") from e
@@ -91,13 +83,9 @@ def start(path: str) -> None:
 
 
 def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
-  """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n.
-
-  The disk's free space is checked first, and the file is written chunk by chunk (the split is
-  never held twice) with plain writes, not through a memory map: a full disk is then one
-  `files.DiskFullError` naming the size and the file, and the temporary file is removed (a
-  memory map on a full disk dies of SIGBUS, leaving it).
-  """
+  """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n. Plain writes after
+  a check of the free space, not a memory map (SIGBUS on a full disk): a full disk is one
+  `files.DiskFullError`, and no temporary file is left."""
   chunks = [np.asarray(c) for c in chunks]
   n = int(sum(c.size for c in chunks))
   file = os.path.join(path, f"{split}.npy")
@@ -135,11 +123,8 @@ _HEADER_READERS = {
 
 
 def check_split(path: str, split: str, expected: int | None = None) -> None:
-  """Raises DamagedCorpusError unless `<split>.npy` is a whole uint32[expected] array.
-
-  Reads only the header and the file size, so that `np.load`'s memory map never meets a
-  file shorter than its header says ("mmap length is greater than file size", no file named).
-  """
+  """Raises DamagedCorpusError unless `<split>.npy` is a whole uint32[expected] array (from its
+  header and size: `np.load`'s memory map of a short file fails naming no file)."""
   file = os.path.join(path, f"{split}.npy")
   again = f"delete {path} and prepare again (a rerun of prepare rebuilds it)"
   try:
@@ -169,15 +154,8 @@ def check_split(path: str, split: str, expected: int | None = None) -> None:
     )
 
 
-def check_splits(path: str, summary: dict) -> None:
-  """`check_split` for every split summary.json lists."""
-  for split, n in summary["tokens"].items():
-    check_split(path, split, n)
-
-
 def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
-  """uint32[n] ids of a split, memory-mapped (WikiText-103 train is 400 MB), after
-  `check_split`."""
+  """uint32[n] ids of a split, memory-mapped, after `check_split`."""
   check_split(path, split, expected)
   return np.load(os.path.join(path, f"{split}.npy"), mmap_mode="r")
 
@@ -186,7 +164,6 @@ _END_BYTES = 1 << 20
 
 
 def _hash_file(h, path: str) -> None:
-  """Adds a file's size, first MiB and last MiB to the hash ``h`` (``fingerprint``'s rule)."""
   size = os.path.getsize(path)
   h.update(f"{os.path.basename(path)}\0{size}\0".encode())
   with open(path, "rb") as f:
@@ -197,13 +174,8 @@ def _hash_file(h, path: str) -> None:
 
 
 def fingerprint(paths: Sequence[str]) -> str:
-  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB.
-
-  Reading at most 2 MiB per file (not the whole 100-500 MB) keeps the check cheap enough to run
-  on every start. It sees any change of size (truncation, appended data), a replaced file and
-  any edit within a MiB of either end; a same-size edit deep inside a file is not seen (official
-  archives are checked against their full sha256 whenever a build reads them).
-  """
+  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB
+  (cheap enough for every start; docs/data.md says what it sees)."""
   h = hashlib.sha256()
   for path in paths:
     _hash_file(h, path)
@@ -211,18 +183,15 @@ def fingerprint(paths: Sequence[str]) -> str:
 
 
 def file_digest(path: str) -> str:
-  """One file's fingerprint (the same rule), shortened to 16 hex digits: what a run records
-  of each of its text files, to name the one that changed."""
+  """One file's fingerprint (the same rule), shortened to 16 hex digits."""
   h = hashlib.sha256()
   _hash_file(h, path)
   return h.hexdigest()[:16]
 
 
 def reusable(out: str, current_fingerprint: Callable[[], str | None], version: int) -> dict | None:
-  """The summary of a complete ``out`` prepared by builder ``version`` from the source found now
-  (or from any source, when none is found now: ``current_fingerprint()`` is None); None when
-  ``out`` must be prepared (again): incomplete, damaged, by another version or from other
-  files."""
+  """The summary of a complete, whole ``out`` prepared by builder ``version`` from the source
+  found now (any, when ``current_fingerprint()`` is None: none is); None: prepare it (again)."""
   if not is_complete(out):
     return None
   summary = read_summary(out)
@@ -230,7 +199,8 @@ def reusable(out: str, current_fingerprint: Callable[[], str | None], version: i
     log.warning("%s was prepared by another version of its builder; preparing it again.", out)
     return None
   try:
-    check_splits(out, summary)
+    for split, n in summary["tokens"].items():
+      check_split(out, split, n)
   except DamagedCorpusError as e:
     log.warning("%s; preparing it again.", e)
     return None

@@ -1,25 +1,5 @@
-"""Subword vocabularies: a SentencePiece model learned on a corpus's train split.
-
-Why SentencePiece (Kudo and Richardson, 2018) rather than Hugging Face ``tokenizers``: it is
-what Flax's own ``lm1b`` example trains on its train split, so a Flax user meets the same
-tool; its model is one self-describing file (the pieces, their scores and every normaliser
-setting), so a workdir or an export carries the whole tokenizer in a few kilobytes; and its
-trainer takes the sentences from a Python iterator and writes to memory, so no temporary text
-file is written.
-
-The settings make it a lossless tokenizer of any text: no normalisation (``identity``), spaces
-kept as they are (no dummy prefix, no collapsing of runs), whitespace-only pieces allowed (code
-indentation), every byte a piece of its own (``byte_fallback``: a character never seen in
-training is its UTF-8 bytes, never ``<unk>``) and ``'\\n'`` a piece (SentencePiece learns on
-lines), so ``decode(encode(text)) == text``. Ids: 0 ``<unk>`` (never produced), 1 ``<eos>``
-(the boundary between documents), 2 ``'\\n'``, then the 256 bytes and the learned pieces.
-
-Training is deterministic for a seed (SentencePiece's own random generator, one thread), so the
-same train split and ``vocab_size`` give the same model file on every run. It learns from at
-most ``MAX_LINES`` lines of the train split (a sample, drawn with the seed, when there are more);
-a line over 64 KiB (a minified file), which SentencePiece would leave out, is learned from as
-pieces of 16,384 characters. Every line is tokenised whole.
-"""
+"""Subword vocabularies: a lossless SentencePiece unigram model learned on a corpus's train split,
+deterministically, and stoppable with Ctrl-C (docs/data.md, "Subword vocabulary")."""
 
 from __future__ import annotations
 
@@ -113,16 +93,12 @@ class SubwordVocab(vocab_lib.Vocab):
 def train(
   documents: Iterable[str], vocab_size: int, *, seed: int = 0, what: str = "the train split"
 ) -> SubwordVocab:
-  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents`` (the train
-  split's texts; each line is one training sentence, a line over 64 KiB in pieces: ``_lines``).
-  A size the text cannot give (too few distinct pieces, or fewer than its characters need) is
-  a one-line ValueError naming ``config.data.vocab_size`` and ``what``; an error reading
-  ``documents`` is raised as it is.
+  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines. A
+  size the text cannot give is a one-line ValueError naming ``config.data.vocab_size`` and
+  ``what``; an error reading ``documents`` is raised as it is.
 
-  SentencePiece trains in C++ without returning to Python, so a Ctrl-C would wait for the end
-  of training: it trains in a thread (it releases the GIL) while this one waits, and a
-  KeyboardInterrupt here stops the documents' reading at once and leaves the thread to finish
-  on its own, its model unused (nothing is written: the model goes to memory).
+  SentencePiece's C++ training does not return to Python until done, so it trains in a thread
+  while this one waits: a Ctrl-C here stops the reading at once and abandons the thread.
   """
   import io  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
@@ -202,8 +178,7 @@ _SETTINGS = dict(
 
 
 def _lines(documents: Iterable[str]):
-  """The non-empty lines of ``documents``; one longer than SentencePiece takes (a minified
-  file) as consecutive pieces of ``_PIECE_CHARS`` characters, so that it is learned from."""
+  """The non-empty lines of ``documents``; one longer than SentencePiece takes as pieces."""
   for doc in documents:
     for line in doc.split("\n"):
       if len(line) > _PIECE_CHARS and len(line.encode("utf-8")) > _MAX_SENTENCE_BYTES:
@@ -213,7 +188,6 @@ def _lines(documents: Iterable[str]):
 
 
 def _size_error(e: Exception, vocab_size: int, what: str) -> ValueError:
-  """SentencePiece's error as one line: a size the text cannot give names the limit."""
   text = str(e)
   m = _SIZE_LIMIT.search(text)
   if m:

@@ -1,36 +1,6 @@
-"""Your own text files as a corpus (``config.data.dataset = 'text'``).
-
-Each plain file is one document; a JSONL file (``.jsonl``, ``.jsonl.gz``: one JSON object a
-line) holds one document per line and a Parquet file (``.parquet``) one per row, each the
-record's ``text_field`` (``text`` by default), told apart by the file's ending. ``train_files``,
-``valid_files`` and ``test_files`` are comma-separated globs (``~`` expanded, ``**`` recursive,
-each glob's matches sorted); a split whose globs are empty takes ``valid_fraction`` /
-``test_fraction`` of the train files' documents instead, chosen by the SHA-256 of each file's
-path relative to the files' common folder, so the split is the same on every machine and does
-not depend on file order (held out by file: a JSONL or Parquet shard's documents stay together).
-A document is read whole, decoded with ``encoding`` (UTF-8 by default), and followed by the
-vocabulary's ``<eos>`` (the boundary; bytes and words have no such token and use an end of
-line): a split is ``doc_1 <eos> doc_2 <eos> ...``, and its first token is predicted after
-``<eos>`` too.
-
-Preparing tokenises every split once into the token store the other corpora use
-(``aft_jax.data.store``: ``<data_dir>/prepared/text-<tokenizer>-<key>/``, memory-mapped),
-``key`` naming the files and settings; the source fingerprint of the files' contents is kept in
-its summary, so a changed file prepares again. The vocabulary is learned on the train split
-only: bytes (none to learn), words (``<unk>`` for words unseen in train) or a subword model
-(``aft_jax.data.subword``). The number of bytes of each split (its documents' UTF-8 bytes plus
-one per boundary) is kept too, for bits per byte, and where each document ends in the split's
-tokens (``<split>-documents.npy``: the offset after each boundary), for packing whole
-documents into rows (``aft_jax.data.pipeline``).
-
-Every bad input is a one-line ``TextError`` (a ValueError) naming the file or the config key:
-a glob that matches nothing, an empty file, a file that is not text in the encoding, too few
-documents to split, a vocabulary size the text cannot give; in a JSONL file a line that is not
-a JSON object, without the field or with a value that is not a string (naming file and line),
-in a Parquet file a missing or non-string column or a null (naming file and row group); and, in
-a record as in a plain file, a NUL character or (JSON's ``\\ud800``) a lone surrogate. A
-dictionary-encoded Parquet column of strings is read as its strings.
-"""
+"""Your own text files as a corpus (``config.data.dataset = 'text'``): the files of each split,
+their documents (plain, JSONL, Parquet), and their preparation into the token store. docs/data.md,
+"Your own text", describes the splits, the formats and every error (a one-line ``TextError``)."""
 
 from __future__ import annotations
 
@@ -46,9 +16,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from aft_jax.data import record, store, subword
+from aft_jax.data import store, subword
 from aft_jax.data import vocab as vocab_lib
-from aft_jax.data.config import DataConfig, require
+from aft_jax.data.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +31,8 @@ class TextError(ValueError):
 
 
 def expand(spec: str, key: str) -> list[str]:
-  """The files of a comma-separated list of globs (absolute paths, each glob's sorted); a glob
-  that matches no file is a TextError naming ``key`` and the glob.
-
-  ``**`` does not descend into symlinked folders (bash's globstar and pathlib do not either): a
-  symlink loop would repeat every file below it dozens of times (one file per level, up to
-  the kernel's limit), and a second link to a folder would count its files twice. A folder the
-  glob names before ``**`` may be a symlink. A file reached twice (a file symlink, two globs)
-  is kept once, under the first path that reached it: files are told apart by their real path.
-  """
+  """The files of a comma-separated list of globs (absolute paths, each glob's sorted), each real
+  file once; a glob that matches no file is a TextError naming ``key`` and the glob."""
   out, seen = [], set()
   for pattern in (p.strip() for p in spec.split(",")):
     if not pattern:
@@ -88,8 +51,8 @@ def expand(spec: str, key: str) -> list[str]:
 
 
 def _glob(pattern: str) -> Iterator[str]:
-  """``glob.glob(pattern, recursive=True)``, but each ``**`` walks real folders only
-  (``os.walk`` without following links; hidden folders skipped, as glob's ``**`` does)."""
+  """``glob.glob(pattern, recursive=True)``, but ``**`` does not follow links to folders (a
+  link loop would repeat every file below it); hidden folders skipped, as glob's ``**`` does."""
   parts = pattern.split(os.sep)
   if "**" not in parts:
     yield from glob.glob(pattern)
@@ -110,8 +73,6 @@ def _glob(pattern: str) -> Iterator[str]:
 def split_files(cfg: DataConfig) -> dict[str, list[str]]:
   """{split: its files}: the globs of each split, or held-out documents of the train files."""
   files = {s: expand(getattr(cfg, _KEYS[s]), _KEYS[s]) for s in SPLITS}
-  if not files["train"]:
-    raise TextError("config.data.train_files is empty: dataset = 'text' needs files to train on")
   missing = [s for s in ("validation", "test") if not files[s]]
   if missing:
     docs = sorted(files["train"], key=_order_key(files["train"]))
@@ -132,8 +93,7 @@ def split_files(cfg: DataConfig) -> dict[str, list[str]]:
 
 
 def _refuse_shared(files: dict[str, list[str]], split: str, others, why: str) -> None:
-  """A TextError naming the first file of ``split`` that is also in one of ``others`` (the same
-  real file, whatever path or link reached it)."""
+  """A TextError naming the first file of ``split`` whose real file is also in ``others``."""
   real = {os.path.realpath(p) for s in others for p in files[s]}
   shared = [p for p in files[split] if os.path.realpath(p) in real]
   if shared:
@@ -148,15 +108,13 @@ def _refuse_shared(files: dict[str, list[str]], split: str, others, why: str) ->
 
 
 def _order_key(paths: list[str]):
-  """Orders documents by the hash of their path below the files' common folder: a split that
-  is the same wherever the folder is."""
+  """Orders documents by the hash of their path below the files' common folder."""
   root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
   return lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest()
 
 
 def read_document(path: str, encoding: str = "utf-8") -> str:
-  """The text of one file; a TextError naming it when it cannot be read, is not text in
-  ``encoding``, has NUL bytes (a binary file) or holds no text."""
+  """The text of one file; a TextError naming it when it is not text in ``encoding``."""
   try:
     with open(path, "rb") as f:
       raw = f.read()
@@ -202,8 +160,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _json_kind(value) -> str:
-  """What a JSON value is, in JSON's words: "JSON null" (not Python's NoneType), "a JSON
-  array", "a JSON number", ..."""
+  """What a JSON value is, in JSON's words: "JSON null", "a JSON array", ..."""
   if value is None or isinstance(value, bool):
     return f"JSON {json.dumps(value)}"
   kinds = {dict: "a JSON object", list: "a JSON array", str: "a JSON string"}
@@ -211,9 +168,8 @@ def _json_kind(value) -> str:
 
 
 def _check_text(value: str, what: str) -> None:
-  """A record's text is text as a plain file's is: no NUL character (``\\u0000``: a plain file
-  holding one is binary) and no lone surrogate (``\\ud800``: JSON escapes can write one, no
-  encoding can); a TextError naming ``what`` (the file and line or row) otherwise."""
+  """A TextError naming ``what`` (file and line or row) for a NUL character or a lone surrogate
+  (``\\ud800``: JSON can escape one, no encoding can write it)."""
   if "\0" in value:
     raise TextError(f"{what} holds a NUL character (\\u0000): not text")
   try:
@@ -311,7 +267,7 @@ def _documents(paths, encoding, text_field, desc, progress) -> Iterator[str]:
 
 def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
   """The store folder's name: the tokenizer and a key of the file lists and the settings that
-  change the tokens (the files' contents are the fingerprint in its summary)."""
+  change the tokens."""
   settings = {
     "files": files,
     "tokenizer": cfg.tokenizer,
@@ -334,10 +290,9 @@ def _fingerprint(files: dict[str, list[str]]) -> str:
 
 
 def source_files(cfg: DataConfig) -> dict[str, dict[str, str]]:
-  """{split: {file: its digest}} (``store.file_digest``: size, first and last MiB) of the files
-  ``cfg`` names now: what a run records of its text, so that a later run can say which file
-  changed, was deleted or was added. Reads at most 2 MiB per file and writes nothing."""
-  files = split_files(require(cfg, "source_files"))
+  """{split: {file: its digest}} (``store.file_digest``) of the files ``cfg`` names now: what a
+  run records of its text. Reads at most 2 MiB per file and writes nothing."""
+  files = split_files(cfg)
   return {s: {path: store.file_digest(path) for path in files[s]} for s in SPLITS}
 
 
@@ -351,8 +306,8 @@ def learn_vocab(cfg: DataConfig, documents) -> vocab_lib.Vocab:
 
 
 def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:
-  """Writes a learned vocabulary into the prepared folder ``path``; what summary.json records
-  of it."""
+  """Writes a learned vocabulary into the prepared folder ``path``; returns what summary.json
+  records of it."""
   if isinstance(vocab, vocab_lib.WordVocab):
     vocab.save(os.path.join(path, vocab_lib.VOCAB_FILENAME))
   if isinstance(vocab, subword.SubwordVocab):
@@ -362,8 +317,7 @@ def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:
 
 
 def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray], int]:
-  """(token chunks: each document then the boundary ``eos_id``, their UTF-8 bytes plus one per
-  boundary)."""
+  """(token chunks: each document then ``eos_id``, their UTF-8 bytes plus one per boundary)."""
   chunks, num_bytes = [], 0
   boundary = np.asarray([vocab.eos_id], np.uint32)
   for doc in documents:
@@ -377,18 +331,18 @@ DOCUMENTS_KEY = "document_ends"
 
 
 def documents_file(split: str) -> str:
-  """The store name of a split's document ends: uint32[documents], the token offset just past
-  each document's boundary (the last one is the split's length)."""
+  """The store name of a split's document ends: uint32[documents], the offset past each
+  document's boundary."""
   return f"{split}-documents"
 
 
 def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
   """Prepares the text corpus ``cfg`` names under ``data_dir`` (or reuses it); returns (its
   folder, its summary)."""
-  files = split_files(require(cfg, "prepare_text"))
+  files = split_files(cfg)
   out = store.prepared_dir(data_dir, corpus_name(cfg, files))
   with store.lock(out, f"the text corpus {os.path.basename(out)}"):
-    summary = store.reusable(out, lambda: _fingerprint(files), record.version("text"))
+    summary = store.reusable(out, lambda: _fingerprint(files), store.version("text"))
     if summary is not None and DOCUMENTS_KEY in summary:
       return out, summary
     if summary is not None:  # prepared before document ends were kept: packing needs them
@@ -420,7 +374,7 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
       "documents": documents,
       DOCUMENTS_KEY: True,
       store.FINGERPRINT_KEY: _fingerprint(files),
-      store.VERSION_KEY: record.version("text"),
+      store.VERSION_KEY: store.version("text"),
       **recorded,
     }
     store.finish(out, summary)

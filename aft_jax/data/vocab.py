@@ -1,17 +1,6 @@
-"""Tokenisers: the standard WikiText word-level protocol and UTF-8 bytes.
-
-Word-level protocol (Merity et al. 2016; the PyTorch `word_language_model`
-example): a text is cut into lines at '\\n'; each line is split with
-`str.split()` and followed by `<eos>`, so an empty line gives a lone `<eos>`.
-A final line without a trailing newline still gets its `<eos>`, and a trailing
-newline does not create an extra empty line. The vocabulary is every token of
-the training split plus `<eos>`, ordered by descending frequency with ties
-broken by the token string, so it is the same on every machine.
-
-Byte-level: the UTF-8 bytes of the text, vocabulary 256; `eos_id` is '\\n'.
-
-All ids are `np.uint32` 1-D arrays.
-"""
+"""Tokenisers: the WikiText word-level protocol (``word_tokens``: ``<eos>`` after each line) and
+UTF-8 bytes (vocabulary 256, ``eos_id`` '\\n'); ids are 1-D ``np.uint32`` arrays (docs/data.md,
+"Tokenisers")."""
 
 from __future__ import annotations
 
@@ -31,8 +20,6 @@ VOCAB_FILENAME = "vocab.txt"
 
 def word_tokens(text: str) -> list[str]:
   """Tokens of `text` under the word protocol (words, `<eos>` after each line)."""
-  # Replacing every '\n' by ' <eos> ' and splitting once is equivalent to the
-  # per-line loop (str.split treats '\n' as whitespace) but ~3x faster.
   tokens = text.replace("\n", f" {EOS} ").split()
   if text and not text.endswith("\n"):
     tokens.append(EOS)  # the unterminated last line still ends with <eos>
@@ -99,11 +86,8 @@ class ByteVocab(Vocab):
 
 
 class WordVocab(Vocab):
-  """Word vocabulary; id = position in `tokens`.
-
-  Out-of-vocabulary words map to `unk` when the vocabulary has one and are an
-  error otherwise (WikiText-103 v1 has no OOV words: its `<unk>` is a word).
-  """
+  """Word vocabulary; id = position in `tokens`. Unknown words are `unk` where the vocabulary
+  has one, an error otherwise (WikiText-103 v1 has none: its `<unk>` is a word)."""
 
   unit = "word"
 
@@ -122,11 +106,8 @@ class WordVocab(Vocab):
 
   @classmethod
   def build(cls, counts: collections.Counter, *, add_unk: bool = False) -> "WordVocab":
-    """Vocabulary from token counts: descending frequency, ties by token string.
-
-    `<eos>` is always included; `add_unk` appends `<unk>` (count 0, so last)
-    when the counts lack it, for corpora whose held-out text has unseen words.
-    """
+    """Vocabulary from token counts: descending frequency, ties by token string; `<eos>` always,
+    and `<unk>` (last) with `add_unk`."""
     counts = collections.Counter(counts)
     counts.setdefault(EOS, 0)
     if add_unk:

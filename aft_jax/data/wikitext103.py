@@ -1,35 +1,6 @@
-"""WikiText-103 (Merity et al., 2016) as a TFDS dataset of whole articles.
-
-Two builder configs (TFDS config names cannot carry the official dashes):
-
-* `v1`     <- `wikitext-103-v1.zip`: tokenised text, rare words are `<unk>`;
-              files `wikitext-103/wiki.{train,valid,test}.tokens`.
-* `raw_v1` <- `wikitext-103-raw-v1.zip`: the same text without `<unk>`;
-              files `wikitext-103-raw/wiki.{train,valid,test}.raw`.
-
-One example per article: a file is cut before every top-level title line
-(` = Title = `; ` = = Section = = ` lines are not article starts), and the
-blank line(s) before the first title belong to the first article. Examples
-are stored in file order (`disable_shuffling`), so concatenating the texts of
-a split reproduces its file byte for byte.
-
-Where the data comes from, first match wins:
-  1. `manual_dir/<archive>.zip` (checked against the recorded sha256);
-  2. the extracted files in `manual_dir` (`manual_dir/wikitext-103/wiki.train.tokens`
-     or `manual_dir/wiki.train.tokens`, etc.);
-  3. `<download_dir>/<archive>.zip` from an earlier download (checked again);
-     (TFDS's default manual_dir, when none is given, is `<download_dir>/manual`)
-  4. a download from each mirror in `MIRRORS`, in turn (checked, then kept).
-If none works, `MissingDataError` says which file to put where.
-
-Every problem with the data (checksum mismatch, corrupt or truncated zip, a
-missing or empty split file, bytes that are not UTF-8) raises a subclass of
-`WikiTextError` (`sources.DataError`, a `ValueError`). TFDS generates into a
-temporary directory that it renames only on success, so a failed build is
-never taken for a finished one and the next run rebuilds it. A build records
-a fingerprint of its source files and is built again when they change
-(`sources.build`).
-"""
+"""WikiText-103 (Merity et al., 2016) as a TFDS dataset of whole articles, in file order, from
+the official zip or its extracted files (docs/data.md, "WikiText-103", says where the files are
+looked for and how a file is cut into articles). Errors are ``sources.DataError``s."""
 
 from __future__ import annotations
 
@@ -39,7 +10,6 @@ import io
 import logging
 import os
 import re
-import shutil
 import zipfile
 from collections.abc import Iterator
 
@@ -72,49 +42,27 @@ class Archive:
     return f"wiki.{_FILE_SPLIT[split]}.{self.extension}"
 
 
-# The checksums are the sha256 of the archives published by Salesforce
-# research (the same bytes are on both mirrors); they match the values recorded
-# by other projects (e.g. the Julia DataDeps and qnarre registrations).
+# The sha256 of the archives Salesforce research published (the same bytes on both mirrors).
+_V1_SHA256 = "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"
+_RAW_V1_SHA256 = "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794"
 ARCHIVES: dict[str, Archive] = {
-  variant: Archive(filename=filename, folder=folder, extension=ext, sha256=sha, num_bytes=size)
-  for variant, filename, folder, ext, sha, size in (
-    (
-      "v1",
-      "wikitext-103-v1.zip",
-      "wikitext-103",
-      "tokens",
-      "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
-      190_229_076,
-    ),
-    (
-      "raw_v1",
-      "wikitext-103-raw-v1.zip",
-      "wikitext-103-raw",
-      "raw",
-      "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794",
-      191_984_949,
-    ),
-  )
+  "v1": Archive("wikitext-103-v1.zip", "wikitext-103", "tokens", _V1_SHA256, 190_229_076),
+  "raw_v1": Archive(
+    "wikitext-103-raw-v1.zip", "wikitext-103-raw", "raw", _RAW_V1_SHA256, 191_984_949
+  ),
 }
 
-# Tried in turn; `{filename}` is the archive name. The original S3 bucket is
-# gone in some regions, so the author's own host comes first.
+# Tried in turn; the original S3 bucket is gone in some regions.
 MIRRORS: list[str] = [
   "https://wikitext.smerity.com/{filename}",
   "https://s3.amazonaws.com/research.metamind.io/wikitext/{filename}",
 ]
 
-# A top-level title: ' = Title = ' with a title that neither starts nor ends
-# with '=' (so ' = = Section = = ' and deeper headings never match).
+# A top-level title ' = Title = ', not ' = = Section = = '.
 _TITLE = re.compile(r" = [^=\n](?:[^\n]*[^=\n])? = \n?")
 
-
-WikiTextError = sources.DataError
-ChecksumError = sources.ChecksumError
-CorruptArchiveError = sources.CorruptArchiveError
 MissingDataError = sources.MissingDataError
 BadSplitFileError = sources.BadSplitFileError
-sha256_of = sources.sha256_of
 
 
 def is_title_line(line: str) -> bool:
@@ -123,12 +71,8 @@ def is_title_line(line: str) -> bool:
 
 
 def split_articles(lines: Iterator[str]) -> Iterator[str]:
-  """Groups lines (with their '\\n') into article texts.
-
-  A new article starts at every title line except the first one seen, so text
-  before the first title is part of the first article and `''.join(output)`
-  equals `''.join(lines)`.
-  """
+  """Groups lines (with their '\\n') into article texts, each from a title line on (text before
+  the first title is part of the first article): `''.join(output) == ''.join(lines)`."""
   buf: list[str] = []
   seen_title = False
   for line in lines:
@@ -156,18 +100,12 @@ class Source:
     assert (zip_path is None) != (folder is None)
     self.archive, self.zip_path, self.folder = archive, zip_path, folder
     if zip_path is not None:
-      self._check_zip()
-
-  def __repr__(self) -> str:
-    return f"Source({self.zip_path or self.folder})"
-
-  def _check_zip(self) -> None:
-    names = sources.zip_members(self.zip_path, self.archive.filename)
-    missing = [self.archive.member(s) for s in SPLITS if self.archive.member(s) not in names]
-    if missing:
-      raise MissingDataError(
-        f"{self.zip_path} lacks {', '.join(missing)}; it is not {self.archive.filename}."
-      )
+      names = sources.zip_members(zip_path, archive.filename)
+      missing = [archive.member(s) for s in SPLITS if archive.member(s) not in names]
+      if missing:
+        raise MissingDataError(
+          f"{zip_path} lacks {', '.join(missing)}; it is not {archive.filename}."
+        )
 
   def paths(self) -> list[str]:
     """The files this source reads (for its fingerprint)."""
@@ -176,31 +114,24 @@ class Source:
     return [os.path.join(self.folder, self.archive.split_file(s)) for s in SPLITS]
 
   @contextlib.contextmanager
-  def open(self, split: str) -> Iterator[io.BufferedIOBase]:
-    """Opens the split file for binary reading."""
+  def _open(self, split: str) -> Iterator[io.BufferedIOBase]:
     if self.zip_path is None:
-      path = os.path.join(self.folder, self.archive.split_file(split))
-      with open(path, "rb") as f:
+      with open(os.path.join(self.folder, self.archive.split_file(split)), "rb") as f:
         yield f
       return
     with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.archive.member(split)) as f:
       yield f
 
-  def name(self, split: str) -> str:
-    if self.zip_path is None:
-      return os.path.join(self.folder, self.archive.split_file(split))
-    return f"{self.zip_path}:{self.archive.member(split)}"
-
   def lines(self, split: str) -> Iterator[str]:
-    """The split's lines (with '\\n'), decoded strictly as UTF-8.
-
-    Raises BadSplitFileError on an empty file or invalid UTF-8, and
-    CorruptArchiveError if the zip member fails to decompress or its CRC.
-    """
-    name = self.name(split)
+    """The split's lines (with '\\n'), decoded strictly as UTF-8 (DataErrors naming the file)."""
+    name = (
+      f"{self.zip_path}:{self.archive.member(split)}"
+      if self.zip_path
+      else os.path.join(self.folder, self.archive.split_file(split))
+    )
     empty = True
     try:
-      with self.open(split) as f:
+      with self._open(split) as f:
         for lineno, raw in enumerate(f, start=1):
           empty = False
           try:
@@ -211,16 +142,15 @@ class Source:
               f"{raw[max(0, e.start - 10) : e.start + 10]!r}); the file is damaged."
             ) from None
     except sources.ZIP_ERRORS as e:
-      raise CorruptArchiveError(f"{name} cannot be decompressed ({e}); the zip is damaged.") from e
+      raise sources.CorruptArchiveError(
+        f"{name} cannot be decompressed ({e}); the zip is damaged."
+      ) from e
     if empty:
       raise BadSplitFileError(f"{name} is empty.")
 
 
 def _find_extracted(archive: Archive, manual_dir: str) -> str | None:
-  """Folder in manual_dir holding the extracted files, or None if none is there.
-
-  Raises MissingDataError when only some of the three files are present.
-  """
+  """Folder in manual_dir holding the three extracted files (None: none; some: an error)."""
   for folder in (os.path.join(manual_dir, archive.folder), manual_dir):
     present = [s for s in SPLITS if os.path.isfile(os.path.join(folder, archive.split_file(s)))]
     if len(present) == len(SPLITS):
@@ -239,10 +169,8 @@ def locate_source(
   download: bool = True,
   verify: bool = True,
 ) -> Source:
-  """Finds (or downloads) the data of `variant`; see the module docstring.
-
-  `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint).
-  """
+  """Finds (or downloads) the data of `variant`; `verify=False` skips the sha256 of a zip found
+  locally (for a quick fingerprint)."""
   archive = ARCHIVES[variant]
   check = verify_archive if verify else lambda path, archive: None
   if manual_dir:
@@ -316,14 +244,8 @@ class Wikitext103(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, *, manual_dir, download_dir, download, verify=True) -> Source:
-    return locate_source(
-      self.builder_config.name,
-      manual_dir=manual_dir,
-      download_dir=download_dir,
-      download=download,
-      verify=verify,
-    )
+  def locate(self, **kwargs) -> Source:
+    return locate_source(self.builder_config.name, **kwargs)
 
   def _generate_examples(self, source: Source, split: str):
     for i, text in enumerate(split_articles(source.lines(split))):
@@ -333,19 +255,8 @@ class Wikitext103(sources.SourceBuilder):
 def build(
   variant: str, *, data_dir: str, manual_dir: str | None = None, download: bool = True
 ) -> Wikitext103:
-  """Builds (or reuses) the TFDS dataset under `data_dir` and returns the builder.
-
-  Read it back with `builder.as_data_source(split)`; each record is
-  `{'text': bytes}` (UTF-8). A build from other source files than the ones
-  found now is built again (`sources.build`).
-  """
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
+  `{'text': bytes}` (UTF-8)."""
   return sources.build(
     Wikitext103, variant, data_dir=data_dir, manual_dir=manual_dir, download=download
   )
-
-
-def remove(data_dir: str, variant: str) -> None:
-  """Deletes a built dataset (not the downloads), e.g. to rebuild it."""
-  shutil.rmtree(os.path.join(data_dir, "wikitext103", variant), ignore_errors=True)

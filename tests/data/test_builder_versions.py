@@ -1,12 +1,12 @@
-"""Each version of each corpus builder (``record.BUILDERS``) makes the tokens it made when it was
+"""Each version of each corpus builder (``store.BUILDERS``) makes the tokens it made when it was
 recorded: every version a builder still builds is built here from the same small files and its
 counts compared with the ones written down for it. A change to a builder's tokens fails here
-until it is a new version (a new entry in ``record.BUILDERS`` and in ``COUNTS``), which runs
+until it is a new version (a new entry in ``store.BUILDERS`` and in ``COUNTS``), which runs
 trained on the old one then read as they were written, or are refused in one line."""
 
 import pytest
 
-from aft_jax.data import load_corpus, record, store
+from aft_jax.data import load_corpus, store
 from aft_jax.data.config import DataConfig
 from tests.support import fake_enwik8 as fe
 from tests.support import fake_wikitext as fw
@@ -42,8 +42,7 @@ SUBWORD_SIZE = 290
 
 
 def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
-  data = str(tmp_path / "data")
-  manual = str(tmp_path / "manual")
+  data, manual = str(tmp_path / "data"), str(tmp_path / "manual")
   if dataset == "pydoc":
     from pydoc_data import topics
 
@@ -61,27 +60,23 @@ def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
     return DataConfig(dataset="enwik8", tokenizer="byte", data_dir=data, manual_dir=manual)
   variant = "v1" if tokenizer == "word" else "raw_v1"
   fw.write_extracted(manual, variant)
-  return DataConfig(
-    dataset="wikitext103", tokenizer=tokenizer, variant=variant, data_dir=data, manual_dir=manual
-  )
+  return DataConfig("wikitext103", tokenizer, variant=variant, data_dir=data, manual_dir=manual)
 
 
 def test_the_table_has_every_version_of_every_builder():
-  assert {(d, v) for d, _, v in COUNTS} == {
-    (d, v) for d in record.BUILDERS for v in range(1, record.version(d) + 1)
-  }
+  versions = {(d, v) for d in store.BUILDERS for v in range(1, store.version(d) + 1)}
+  assert {(d, v) for d, _, v in COUNTS} == versions
 
 
 @pytest.mark.parametrize("dataset, tokenizer, version", sorted(COUNTS))
 def test_each_version_of_each_builder_makes_its_recorded_tokens(
   dataset, tokenizer, version, tmp_path, monkeypatch
 ):
-  if dataset != "pydoc" and version != record.version(dataset):
+  if dataset != "pydoc" and version != store.version(dataset):
     pytest.skip("a prepared corpus is built by today's version only (older runs are refused)")
   corpus = load_corpus(_config(dataset, tokenizer, tmp_path, monkeypatch), version)
   got = (corpus.vocab.size, {s: int(t.size) for s, t in corpus.splits.items()})
-  assert corpus.builder_version == version
-  assert got == COUNTS[dataset, tokenizer, version]
+  assert corpus.builder_version == version and got == COUNTS[dataset, tokenizer, version]
 
 
 def test_a_corpus_prepared_by_another_version_of_its_builder_is_prepared_again(
@@ -90,7 +85,7 @@ def test_a_corpus_prepared_by_another_version_of_its_builder_is_prepared_again(
   cfg = _config("text", "byte", tmp_path, monkeypatch)
   path = store.prepared_dir(cfg.data_dir, load_corpus(cfg).name)
   summary = store.read_summary(path)
-  assert summary[store.VERSION_KEY] == record.version("text")
+  assert summary[store.VERSION_KEY] == store.version("text")
   store.finish(path, {**summary, store.VERSION_KEY: 0})  # as another version's would read
-  assert load_corpus(cfg).builder_version == record.version("text")
-  assert store.read_summary(path)[store.VERSION_KEY] == record.version("text")
+  assert load_corpus(cfg).builder_version == store.version("text")
+  assert store.read_summary(path)[store.VERSION_KEY] == store.version("text")

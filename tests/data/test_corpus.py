@@ -11,6 +11,7 @@ from jax.experimental import multihost_utils
 from tests.support import fake_enwik8 as fe
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data import config as data_config
 from aft_jax.data.config import DataConfig
 
 N = 2_003
@@ -28,12 +29,12 @@ def _cfg(tmp_path, data_dir):
 def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
   monkeypatch.delenv("AFT_JAX_DATA", raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert corpus_lib.default_data_dir() == str(tmp_path / "home" / ".cache" / "aft_jax")
+  assert data_config.default_data_dir() == str(tmp_path / "home" / ".cache" / "aft_jax")
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("AFT_JAX_DATA", "relative/data")
-  assert corpus_lib.default_data_dir() == str(tmp_path / "relative" / "data")
-  assert corpus_lib.resolve_data_dir("") == str(tmp_path / "relative" / "data")
-  assert corpus_lib.resolve_data_dir("mine") == str(tmp_path / "mine")
+  assert data_config.default_data_dir() == str(tmp_path / "relative" / "data")
+  assert data_config.resolve_data_dir("") == str(tmp_path / "relative" / "data")
+  assert data_config.resolve_data_dir("mine") == str(tmp_path / "mine")
 
 
 def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):
@@ -45,11 +46,8 @@ def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):
 
 
 def _two_processes(tmp_path, monkeypatch):
-  """Runs load_corpus as processes 0 and 1 in two threads (each thread's name its
-  ``jax.process_index()``, ``jax.process_count()`` 2) that share a fake barrier.
-
-  Returns ({index: Corpus or exception}, [(event, index), ...] in order).
-  """
+  """load_corpus as processes 0 and 1 in two threads (named by their ``jax.process_index()``)
+  that share a fake barrier: ({index: Corpus or exception}, [(event, index), ...] in order)."""
   events, lock = [], threading.Lock()
   barrier = threading.Barrier(2, timeout=60)
   real_prepare, real_load = prepare.prepare_enwik8, corpus_lib.load_prepared
@@ -80,8 +78,7 @@ def _two_processes(tmp_path, monkeypatch):
 
   def run(index):
     try:
-      cfg = _cfg(tmp_path, str(tmp_path / "data"))
-      results[index] = corpus_lib.load_corpus(cfg)
+      results[index] = corpus_lib.load_corpus(_cfg(tmp_path, str(tmp_path / "data")))
     except Exception as e:  # pylint: disable=broad-except  (checked by the caller)
       results[index] = e
 
@@ -111,8 +108,8 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
   (tmp_path / "manual").mkdir()  # no data: process 0 fails to prepare
   results, events = _two_processes(tmp_path, monkeypatch)
   assert isinstance(results[0], sources.MissingDataError)
-  assert isinstance(results[1], FileNotFoundError)  # not a hang, not a second prepare
-  assert "not a complete prepared corpus" in str(results[1])
+  assert "not a complete prepared corpus" in str(results[1])  # not a hang, not a second prepare
+  assert isinstance(results[1], FileNotFoundError)
   assert [e for e in events if e[0] == "prepare"] == [("prepare", 0)]
   assert not os.path.exists(os.path.join(str(tmp_path / "data"), "prepared", "enwik8-byte"))
 
@@ -127,8 +124,6 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
   ],
 )
 def test_bad_fields_are_one_line_errors(cfg, message):
-  """Checked where the DataConfig is made (the run config; here ``validate()``): the corpus
-  loader takes a DataConfig, and nothing else."""
   with pytest.raises(ValueError, match=message):
     DataConfig.of(cfg).validate()
   with pytest.raises(TypeError, match="load_corpus takes a DataConfig"):

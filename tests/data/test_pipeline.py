@@ -65,14 +65,9 @@ def test_drop_remainder_keeps_batches_full_and_distinct():
 def test_process_shards_concatenate_to_the_global_batch(process_count):
   toks = _tokens(2000)
   full = _take(pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=5), 30)
+  kw = dict(seq_len=L, global_batch_size=8, seed=5, process_count=process_count)
   shards = [
-    _take(
-      pipeline.train_iterator(
-        toks, seq_len=L, global_batch_size=8, seed=5, process_index=p, process_count=process_count
-      ),
-      30,
-    )
-    for p in range(process_count)
+    _take(pipeline.train_iterator(toks, process_index=p, **kw), 30) for p in range(process_count)
   ]
   for step in range(30):
     for key in ("inputs", "targets"):
@@ -106,30 +101,49 @@ def test_checkpoint_restores_the_following_batches():
     longer.check_state(state, "step 5")
 
 
-def test_train_argument_errors():
-  toks = _tokens(100)
-  with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by process_count=4"):
-    pipeline.train_iterator(toks, seq_len=L, global_batch_size=6, seed=0, process_count=4)
-  with pytest.raises(ValueError, match=r"len\(tokens\)=100 .* global_batch_size=16"):
-    pipeline.train_iterator(toks, seq_len=L, global_batch_size=16, seed=0)
-  with pytest.raises(ValueError, match="process_index=2"):
-    pipeline.train_iterator(
-      toks, seq_len=L, global_batch_size=2, seed=0, process_index=2, process_count=2
-    )
+def _collect(tokens, *, stride, global_batch_size=4, **kw):
+  kw = dict(seq_len=L, global_batch_size=global_batch_size, bos_id=999, stride=stride, **kw)
+  return list(pipeline.eval_batches(tokens, **kw))
 
 
-def _collect(tokens, *, stride, global_batch_size=4, process_index=0, process_count=1, bos_id=999):
-  return list(
-    pipeline.eval_batches(
-      tokens,
-      seq_len=L,
-      global_batch_size=global_batch_size,
-      bos_id=bos_id,
-      stride=stride,
-      process_index=process_index,
-      process_count=process_count,
-    )
-  )
+def _train(n, **kw):
+  return pipeline.train_iterator(_tokens(n), **{"seq_len": L, "seed": 0, **kw})
+
+
+@pytest.mark.parametrize(
+  "call, message",
+  [
+    (
+      lambda: _train(100, global_batch_size=6, process_count=4),
+      "global_batch_size=6 is not divisible by process_count=4",
+    ),
+    (lambda: _train(100, global_batch_size=16), r"len\(tokens\)=100 .* global_batch_size=16"),
+    (
+      lambda: _train(100, global_batch_size=2, process_index=2, process_count=2),
+      r"process_index=2 must be in \[0, process_count=2\)",
+    ),
+    (lambda: _train(100, global_batch_size=2, seq_len=0), "seq_len=0 must be positive"),
+    (
+      lambda: _train(100, global_batch_size=0),
+      "global_batch_size=0 and process_count=1 must be positive",
+    ),
+    (lambda: _collect(np.arange(10), stride=9), r"stride=9 must be in \(0, seq_len=8\]"),
+    (lambda: _collect(np.arange(10), stride=0), "stride=0"),
+    (
+      lambda: _collect(np.arange(10), stride=None, global_batch_size=3, process_count=2),
+      "not divisible",
+    ),
+    (lambda: _collect(np.arange(0), stride=None), "too short"),
+    (
+      lambda: pipeline.num_eval_batches(10, seq_len=0, global_batch_size=4),
+      "seq_len=0 must be positive",
+    ),
+  ],
+)
+def test_argument_errors_are_one_line_naming_the_argument(call, message):
+  with pytest.raises(ValueError, match=message) as e:
+    call()
+  assert "\n" not in str(e.value)
 
 
 def _weighted(batches):
@@ -173,38 +187,19 @@ def test_eval_sharded_union_is_the_stream(stride):
   single = _collect(toks, stride=stride)
   per_process = [_collect(toks, stride=stride, process_index=p, process_count=2) for p in range(2)]
   assert len(per_process[0]) == len(per_process[1]) == len(single)
-  merged = [
-    {k: np.concatenate([per_process[0][i][k], per_process[1][i][k]]) for k in single[0]}
-    for i in range(len(single))
-  ]
-  for a, b in zip(merged, single):
-    for k in a:
-      np.testing.assert_array_equal(a[k], b[k])
+  for i, b in enumerate(single):
+    for k in b:
+      np.testing.assert_array_equal(np.concatenate([pp[i][k] for pp in per_process]), b[k])
   assert sum(float(b["weights"].sum()) for pp in per_process for b in pp) == toks.size
   assert per_process[0][0]["inputs"].shape == (2, L)
 
 
 def test_eval_every_process_same_batch_count_with_uneven_rows():
   toks = (np.arange(5 * L) + 1).astype(np.uint32)  # 5 windows, 4 rows per batch: 2 batches
-  counts = [
-    len(_collect(toks, stride=None, global_batch_size=4, process_index=p, process_count=4))
-    for p in range(4)
-  ]
-  assert counts == [2, 2, 2, 2]
-  last = _collect(toks, stride=None, global_batch_size=4, process_index=3, process_count=4)[-1]
+  shards = [_collect(toks, stride=None, process_index=p, process_count=4) for p in range(4)]
+  assert [len(b) for b in shards] == [2, 2, 2, 2]
+  last = shards[3][-1]
   assert last["weights"].sum() == 0 and not last["inputs"].any()  # pure padding row
-
-
-def test_eval_argument_errors():
-  toks = np.arange(10, dtype=np.uint32)
-  with pytest.raises(ValueError, match="stride=9"):
-    _collect(toks, stride=9)
-  with pytest.raises(ValueError, match="stride=0"):
-    _collect(toks, stride=0)
-  with pytest.raises(ValueError, match="not divisible"):
-    _collect(toks, stride=None, global_batch_size=3, process_count=2)
-  with pytest.raises(ValueError, match="too short"):
-    _collect(toks[:0], stride=None)
 
 
 def test_eval_reads_a_memmap(tmp_path):
@@ -220,16 +215,13 @@ def test_eval_reads_a_memmap(tmp_path):
 def test_train_and_eval_agree_on_the_pydoc_corpus():
   from aft_jax.data import corpus as corpus_lib
 
-  c = corpus_lib.pydoc_corpus("byte")
-  it = pipeline.train_iterator(c.splits["train"], seq_len=64, global_batch_size=8, seed=0)
-  b = next(it)
-  assert b["inputs"].max() < c.vocab.size
-  val = c.splits["validation"]
-  total = sum(
-    float(x["weights"].sum())
-    for x in pipeline.eval_batches(val, seq_len=64, global_batch_size=8, bos_id=c.bos_id, stride=32)
+  c, kw = corpus_lib.pydoc_corpus("byte"), dict(seq_len=64, global_batch_size=8)
+  assert (
+    next(pipeline.train_iterator(c.splits["train"], seed=0, **kw))["inputs"].max() < c.vocab.size
   )
-  assert total == val.size
+  val = c.splits["validation"]
+  batches = pipeline.eval_batches(val, bos_id=c.bos_id, stride=32, **kw)
+  assert sum(float(x["weights"].sum()) for x in batches) == val.size
 
 
 # ---------------------------------------------------------------- packed rows of documents
@@ -253,7 +245,7 @@ def test_packed_rows_hold_whole_documents_in_order_with_padding_at_the_end():
   epoch holds every document's pairs exactly once, in corpus order within each row."""
   toks, ends = _documents()
   it = _packed(toks, ends)
-  plan = pipeline.plan_rows(ends, L)
+  plan = pipeline.plan_rows(ends, L, int(ends[-1]))
   per_epoch = plan.num_rows // 4
   batches = _take(it, per_epoch)
   where = {int(t): i for i, t in enumerate(toks)}

@@ -1,6 +1,4 @@
-"""aft_jax.data.record: what a run records of its corpus, and one line naming what changed
-(a train file changed, deleted, added or moved to another split; another vocabulary; another
-number of tokens)."""
+"""aft_jax.data.record: what a run records of its corpus, and one line naming what changed."""
 
 import hashlib
 import os
@@ -9,7 +7,7 @@ import shutil
 
 import pytest
 
-from aft_jax.data import pydoc_corpus, record, store
+from aft_jax.data import pydoc_corpus, record
 from aft_jax.data.config import DataConfig
 
 from tests.support.helpers import STDLIB_JSON
@@ -75,16 +73,3 @@ def test_the_record_of_a_corpus_names_its_vocabulary_and_tokens(tmp_path):
     record.check_corpus(fewer, saved, "x")
   # A record written before some keys existed is compared on the keys both have.
   record.check_corpus({"tokenizer": "word", "vocab_size": words.vocab.size}, saved, "x")
-
-
-def test_a_file_digest_reads_only_the_ends(tmp_path):
-  path = tmp_path / "big.txt"
-  path.write_bytes(b"a" * (3 << 20))
-  before = store.file_digest(str(path))
-  with open(path, "r+b") as f:  # a same-size edit deep inside: not seen (the documented rule)
-    f.seek(3 << 19)
-    f.write(b"b")
-  assert store.file_digest(str(path)) == before
-  with open(path, "ab") as f:
-    f.write(b"c")
-  assert store.file_digest(str(path)) != before

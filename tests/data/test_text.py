@@ -38,10 +38,8 @@ def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):
   moved = tmp_path / "elsewhere" / "deeper"
   shutil.copytree(docs, moved)
   again = text.split_files(DataConfig(dataset="text", train_files=str(moved / "*.py")))
-  for split in files:
-    assert [os.path.basename(p) for p in again[split]] == [
-      os.path.basename(p) for p in files[split]
-    ]
+  names = lambda files: {s: [os.path.basename(p) for p in f] for s, f in files.items()}  # noqa: E731
+  assert names(again) == names(files)
 
 
 def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp_path):
@@ -80,20 +78,11 @@ def test_encoding_reads_files_that_are_not_utf8(tmp_path):
   folder.mkdir()
   for i in range(3):
     (folder / f"{i}.txt").write_bytes(f"caf\xe9 num\xe9ro {i}\n".encode("latin-1"))
-  corpus = _load(
-    tmp_path,
-    train_files=str(folder / "0.txt"),
-    valid_files=str(folder / "1.txt"),
-    test_files=str(folder / "2.txt"),
-    encoding="latin-1",
-  )
+  splits = {
+    f"{s}_files": str(folder / f"{i}.txt") for i, s in enumerate(("train", "valid", "test"))
+  }
+  corpus = _load(tmp_path, encoding="latin-1", **splits)
   assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
-
-
-def _bad(tmp_path, docs, name, content):
-  path = docs / name
-  path.write_bytes(content)
-  return path
 
 
 @pytest.mark.parametrize(
@@ -106,7 +95,7 @@ def _bad(tmp_path, docs, name, content):
   ],
 )
 def test_a_bad_file_is_one_line_naming_it(docs, tmp_path, name, content, message):
-  _bad(tmp_path, docs, name, content)
+  (docs / name).write_bytes(content)
   with pytest.raises(text.TextError, match=message) as e:
     _load(tmp_path, train_files=f"{docs}/*.py,{docs}/{name}")
   assert "\n" not in str(e.value)
@@ -152,15 +141,8 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
   from tests.support import fake_wikitext
 
   fake_wikitext.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  cfg = DataConfig(
-    dataset="wikitext103",
-    variant="raw_v1",
-    tokenizer="subword",
-    vocab_size=330,
-    data_dir=str(tmp_path / "data"),
-    manual_dir=str(tmp_path / "manual"),
-  )
-  corpus = load_corpus(cfg)
+  folders = dict(data_dir=str(tmp_path / "data"), manual_dir=str(tmp_path / "manual"))
+  corpus = load_corpus(DataConfig("wikitext103", "subword", 330, variant="raw_v1", **folders))
   texts = fake_wikitext.texts("raw_v1")
   assert corpus.name == "wikitext103-raw_v1-subword330" and corpus.vocab.size == 330
   for split, ids in corpus.splits.items():
@@ -170,30 +152,7 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
 
 
-def test_process_zero_prepares_and_the_others_read_what_it_wrote(docs, tmp_path, monkeypatch):
-  import jax
-  from jax.experimental import multihost_utils
-
-  from aft_jax.data import corpus as corpus_lib
-
-  cfg = DataConfig(dataset="text", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "d"))
-  met, index = [], [1]
-  monkeypatch.setattr(jax, "process_index", lambda: index[0])
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "sync_global_devices", met.append)
-  with pytest.raises(FileNotFoundError, match="is not a complete prepared corpus"):
-    load_corpus(cfg)  # process 1 never prepares
-  assert met == [corpus_lib.BARRIER_NAME]  # but it meets the others at the barrier
-  index[0] = 0
-  zero = load_corpus(cfg)
-  index[0] = 1
-  one = load_corpus(cfg)
-  np.testing.assert_array_equal(zero.splits["test"], one.splits["test"])
-
-
 def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys):
-  import json
-
   from aft_jax.data import corpus as corpus_lib
   from aft_jax.data import prepare
 
@@ -209,12 +168,7 @@ def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys)
 def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
   from aft_jax.data import corpus as corpus_lib
 
-  cfg = DataConfig(
-    dataset="text",
-    tokenizer="word",
-    train_files=str(docs / "*.py"),
-    data_dir=str(tmp_path / "data"),
-  )
+  cfg = DataConfig("text", "word", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "data"))
   # The dry run's size of a word vocabulary: counted on the train files, nothing written.
   size, where = corpus_lib.vocab_size(cfg)
   assert where.startswith("the text files") and not (tmp_path / "data").exists()
@@ -231,15 +185,13 @@ def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
 
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert (
-    absolute_globs(" a/*.txt, ~/b/**/*.md ,") == f"{tmp_path}/a/*.txt,{tmp_path}/home/b/**/*.md"
-  )
-  assert absolute_globs("") == ""
+  want = f"{tmp_path}/a/*.txt,{tmp_path}/home/b/**/*.md"
+  assert absolute_globs(" a/*.txt, ~/b/**/*.md ,") == want and absolute_globs("") == ""
 
 
 def _tree_with_links(root):
-  """14 documents in three folders, plus what must not add any: two symlink loops, a second
-  link to a folder, a link to a file, and a hidden folder."""
+  """14 documents in three folders, and what must add none: symlink loops, a second link to a
+  folder, a link to a file, a hidden folder."""
   for i in range(14):
     folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper")
     folder.mkdir(parents=True, exist_ok=True)
@@ -253,8 +205,6 @@ def _tree_with_links(root):
 
 
 def test_a_recursive_glob_does_not_follow_folder_links_and_holds_out_real_files(tmp_path):
-  """``**`` walks real folders only and a file reached twice counts once, so 14 files stay 14
-  documents (not hundreds through a loop) and no held-out document is also a train one."""
   _tree_with_links(tmp_path / "notes")
   spec = str(tmp_path / "notes" / "**" / "*.md")
   found = text.expand(spec, "train_files")
@@ -311,12 +261,8 @@ def test_a_line_over_64_kib_is_learned_from_not_left_out():
   pieces = {vocab._sp.id_to_piece(i) for i in range(vocab.size)}
   assert any("zqxj" in p for p in pieces), sorted(pieces)[-40:]
   assert vocab.decode(vocab.encode(long_line)) == long_line  # still tokenised whole
-  assert list(subword._lines(["a\n\n" + "é" * 40_000])) == [
-    "a",
-    "é" * 16_384,
-    "é" * 16_384,
-    "é" * 7_232,
-  ]
+  pieces = ["a", "é" * 16_384, "é" * 16_384, "é" * 7_232]
+  assert list(subword._lines(["a\n\n" + "é" * 40_000])) == pieces
 
 
 SLOW_SENTENCEPIECE = """
@@ -339,16 +285,14 @@ prepare.cli()
 
 
 def test_ctrl_c_while_sentencepiece_trains_stops_aft_prepare_in_one_line(docs, tmp_path):
-  """SentencePiece trains in C++ and does not return to Python until it is done, so a Ctrl-C
-  waited for the end of training; it trains in a thread now, and aft-prepare stops at once:
-  one line, exit status 130, nothing marked prepared, no temporary file."""
+  """SentencePiece's C++ training does not return to Python until done: aft-prepare still stops
+  at once, in one line, exit status 130, nothing marked prepared, no temporary file."""
   from tests.support.helpers import with_default_sigint
 
   data = tmp_path / "data"
   cmd = [sys.executable, "-c", SLOW_SENTENCEPIECE, str(docs / "*.py"), str(data)]
-  proc = subprocess.Popen(
-    with_default_sigint(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  )
+  pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(with_default_sigint(cmd), **pipes)
   try:
     assert proc.stdout.readline() == "training\n", proc.stderr.read()[-2000:]
     proc.send_signal(signal.SIGINT)
@@ -383,9 +327,8 @@ def _write_parquet(path, texts, field="text", row_group_size=2, dictionary=False
 
 
 def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(docs, tmp_path):
-  """The same five texts as plain files and as records (a .jsonl.gz and a .parquet shard for
-  train, a .jsonl for validation, a .parquet for test, its column dictionary-encoded as
-  pandas writes a category): the same tokens, bytes and document ends, split for split."""
+  """The same five texts as plain files and as records (.jsonl.gz, .jsonl, .parquet, one column
+  dictionary-encoded as pandas writes a category): the same tokens, bytes and document ends."""
   paths = sorted(str(p) for p in docs.glob("*.py"))
   texts = [open(p).read() for p in paths]
   plain = _load(
@@ -432,8 +375,7 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
     # JSON's words: null, not Python's NoneType.
     ("c2.jsonl", '{"text": null}\n', r"c2\.jsonl line 1: field 'text' is JSON null, not a"),
     ("d2.jsonl", '{"text": "a"}\nnull\n', r"d2\.jsonl line 2 is JSON null, not an object"),
-    # What a plain file may not hold, a record may not either; and no lone surrogate (it used
-    # to fail in the encoder, without the file).
+    # What a plain file may not hold, a record may not either; and no lone surrogate.
     ("k.jsonl", '{"text": "a\\u0000b"}\n', r"k\.jsonl line 1: field 'text' holds a NUL char"),
     ("l.jsonl", '{"text": "ab\\ud800"}\n', r"l\.jsonl line 1: field 'text' holds a lone surr"),
     ("e.jsonl", "\n\n", r"e\.jsonl holds no records"),

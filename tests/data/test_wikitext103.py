@@ -7,6 +7,7 @@ import zipfile
 import pytest
 
 from tests.support import fake_wikitext as fw
+from aft_jax.data import sources
 from aft_jax.data import wikitext103 as wt
 
 SPLITS = wt.SPLITS
@@ -14,17 +15,15 @@ SPLITS = wt.SPLITS
 
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch, tmp_path):
-  """Any download attempt reads a missing local file instead of the internet."""
   monkeypatch.setattr(wt, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
 
 
-def _build(tmp_path, variant, manual_dir, **kw):
+def _build(tmp_path, variant, manual_dir):
   return wt.build(
     variant,
     data_dir=str(tmp_path / "tfds"),
     manual_dir=manual_dir and str(manual_dir),
-    download=kw.pop("download", False),
-    **kw,
+    download=False,
   )
 
 
@@ -33,35 +32,23 @@ def _texts(builder, split):
   return [ds[i]["text"].decode("utf-8") for i in range(len(ds))]
 
 
-def _dataset_dir(tmp_path, variant):
-  return tmp_path / "tfds" / "wikitext103" / variant / "1.0.0"
-
-
 def _assert_nothing_built(tmp_path, variant):
-  assert not _dataset_dir(tmp_path, variant).exists()
-  leftovers = (
-    list((tmp_path / "tfds").rglob("*incomplete*")) if (tmp_path / "tfds").exists() else []
-  )
-  assert not leftovers, leftovers
+  assert not (tmp_path / "tfds" / "wikitext103" / variant / "1.0.0").exists()
+  assert not list((tmp_path / "tfds").rglob("*incomplete*"))
 
 
-@pytest.mark.parametrize(
-  "line,expected",
-  [
-    (" = Valkyria Chronicles III = \n", True),
-    (" = Naïve art = \n", True),
-    (" = A = \n", True),
-    (" = x = y = \n", True),
-    (" = = Gameplay = = \n", False),
-    (" = = = Construction = = = \n", False),
-    (" = Title =\n", False),
-    ("= Title = \n", False),
-    (" \n", False),
-    (" The score was 2 = 3 . \n", False),
-  ],
-)
-def test_title_lines(line, expected):
-  assert wt.is_title_line(line) is expected
+TITLES = [" = Valkyria Chronicles III = \n", " = Naïve art = \n", " = A = \n", " = x = y = \n"]
+NOT_TITLES = [
+  " = = Gameplay = = \n",
+  " = = = Construction = = = \n",
+  " = Title =\n",
+  "= Title = \n",
+]
+
+
+@pytest.mark.parametrize("line", TITLES + NOT_TITLES + [" \n", " The score was 2 = 3 . \n"])
+def test_title_lines(line):
+  assert wt.is_title_line(line) is (line in TITLES)
 
 
 def test_split_articles_keeps_every_byte():
@@ -87,13 +74,9 @@ def test_build_one_example_per_article(tmp_path, monkeypatch, variant, form):
     assert "".join(arts) == expected  # exact round trip, in order
     titles = fw.titles(split, raw=variant == "raw_v1")
     assert len(arts) == len(titles)
-    for i, (art, title) in enumerate(zip(arts, titles)):
-      first_lines = art.split("\n")
-      if i == 0:
-        assert first_lines[0] == " "  # the leading blank line belongs to article 0
-        assert first_lines[1] == f" = {title} = "
-      else:
-        assert first_lines[0] == f" = {title} = "
+    assert arts[0].split("\n")[:2] == [" ", f" = {titles[0]} = "]  # the leading blank line too
+    for art, title in zip(arts[1:], titles[1:]):
+      assert art.split("\n")[0] == f" = {title} = "
     assert ("<unk>" in arts[-1] + arts[0]) == (variant == "v1")
   assert "東京" in "".join(_texts(builder, "train"))
   # Sub-sections stay inside their article.
@@ -109,30 +92,24 @@ def test_rebuild_is_reused(tmp_path, monkeypatch):
   assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
 
 
-def _flip_byte_in_member(path, member, needle):
-  with zipfile.ZipFile(path) as zf:
-    assert zf.getinfo(member).compress_type == zipfile.ZIP_STORED
-  data = bytearray(open(path, "rb").read())
-  i = data.index(needle)
-  data[i] ^= 0x01
-  open(path, "wb").write(bytes(data))
-
-
-def _stored_zip(manual, variant):
-  path = fw.write_zip(str(manual), variant)
-  # Rewrite uncompressed so that a flipped byte is a clean CRC error.
+def _flip_byte_in_stored_zip(manual, needle):
+  """The fake v1 zip, uncompressed (a flipped byte is a clean CRC error), one byte flipped."""
+  path = fw.write_zip(str(manual), "v1")
   with zipfile.ZipFile(path) as zf:
     members = {n: zf.read(n) for n in zf.namelist()}
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
     for n, d in members.items():
       zf.writestr(n, d)
+  data = bytearray(open(path, "rb").read())
+  data[data.index(needle)] ^= 0x01
+  open(path, "wb").write(bytes(data))
   return path
 
 
 BAD_CASES = {
-  "checksum": (wt.ChecksumError, "sha256"),
-  "truncated_zip": (wt.CorruptArchiveError, "not a readable zip"),
-  "bad_crc": (wt.CorruptArchiveError, "cannot be decompressed"),
+  "checksum": (sources.ChecksumError, "sha256"),
+  "truncated_zip": (sources.CorruptArchiveError, "not a readable zip"),
+  "bad_crc": (sources.CorruptArchiveError, "cannot be decompressed"),
   "zip_missing_split": (wt.MissingDataError, "wikitext-103/wiki.valid.tokens"),
   "dir_missing_split": (wt.MissingDataError, "wiki.test.tokens"),
   "empty_file": (wt.BadSplitFileError, "wiki.valid.tokens is empty"),
@@ -150,9 +127,7 @@ def _make_bad(case, manual, monkeypatch):
     open(path, "wb").write(data[: len(data) // 2])
     fw.trust(monkeypatch, "v1", path)  # the checksum passes: the zip itself is refused
   elif case == "bad_crc":
-    path = _stored_zip(manual, "v1")
-    _flip_byte_in_member(path, "wikitext-103/wiki.train.tokens", "MacArthur".encode())
-    fw.trust(monkeypatch, "v1", path)
+    fw.trust(monkeypatch, "v1", _flip_byte_in_stored_zip(manual, "MacArthur".encode()))
   elif case == "zip_missing_split":
     fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1", skip=("validation",)))
   elif case == "dir_missing_split":
@@ -187,11 +162,9 @@ def test_missing_everything_names_the_file_and_place(tmp_path):
   manual.mkdir()
   with pytest.raises(wt.MissingDataError) as info:
     _build(tmp_path, "raw_v1", manual)
-  msg = str(info.value)
-  assert "wikitext-103-raw-v1.zip" in msg and str(manual) in msg
-  assert os.path.join(str(manual), "wikitext-103-raw", "wiki.train.raw") in msg
-  assert "Downloading was disabled" in msg
-  assert "--manual_dir" in msg
+  msg, train = str(info.value), os.path.join(str(manual), "wikitext-103-raw", "wiki.train.raw")
+  assert "wikitext-103-raw-v1.zip" in msg and str(manual) in msg and train in msg
+  assert "Downloading was disabled" in msg and "--manual_dir" in msg
   with pytest.raises(wt.MissingDataError, match="downloads/manual"):  # TFDS's default manual_dir
     _build(tmp_path, "v1", None)
   _assert_nothing_built(tmp_path, "raw_v1")
@@ -202,20 +175,15 @@ def test_download_tries_mirrors_in_turn(tmp_path, monkeypatch):
   good = fw.write_zip(str(tmp_path / "good"), "v1")
   bad = fw.write_zip(str(tmp_path / "bad"), "v1", {"test": " = X = \n tampered \n"})
   fw.trust(monkeypatch, "v1", good)
-  monkeypatch.setattr(
-    wt,
-    "MIRRORS",
-    [
-      f"file://{tmp_path}/nowhere/{{filename}}",
-      f"file://{os.path.dirname(bad)}/{{filename}}",
-      f"file://{os.path.dirname(good)}/{{filename}}",
-    ],
-  )
+  mirrors = [
+    f"file://{d}/{{filename}}" for d in (tmp_path / "nowhere", *map(os.path.dirname, (bad, good)))
+  ]
+  monkeypatch.setattr(wt, "MIRRORS", mirrors)
   builder = wt.build("v1", data_dir=str(tmp_path / "tfds"), manual_dir=None, download=True)
   assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
   downloads = tmp_path / "tfds" / "downloads"
   assert sorted(p.name for p in downloads.iterdir() if p.is_file()) == ["wikitext-103-v1.zip"]
-  assert fw.sha256(str(downloads / "wikitext-103-v1.zip")) == fw.sha256(good)
+  assert sources.sha256_of(str(downloads / "wikitext-103-v1.zip")) == sources.sha256_of(good)
   # All mirrors failing: the error lists each attempt.
   monkeypatch.setattr(wt, "MIRRORS", [f"file://{os.path.dirname(bad)}/{{filename}}"])
   with pytest.raises(wt.MissingDataError, match="sha256") as info:
@@ -234,6 +202,4 @@ def test_changed_source_is_built_again(tmp_path):
   builder = _build(tmp_path, "v1", manual)
   assert "".join(_texts(builder, "test")) == changed
   paths = [os.path.join(folder, f"wiki.{s}.tokens") for s in ("train", "valid", "test")]
-  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
-
   assert builder.info.metadata["source_fingerprint"] == sources.fingerprint(paths)

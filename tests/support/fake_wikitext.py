@@ -8,94 +8,48 @@ release only, and non-ASCII text.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
 import zipfile
 
-from aft_jax.data import wikitext103
+from aft_jax.data import sources, wikitext103
 
-# (title, [(section title or None, [paragraph, ...]), ...]). '{x}' is a rare
-# word that the tokenised release (v1) writes as <unk>; as in the real v1,
-# held-out words that never occur in train are <unk> there too.
+# Each article: its title, then paragraphs, a "== " line starting a section. '{x}' is a rare word
+# that the tokenised release (v1) writes as <unk>; as in the real v1, held-out words that never
+# occur in train are <unk> there too.
 _ARTICLES = {
   "train": [
-    (
-      "Valkyria Chronicles III",
-      [
-        (
-          None,
-          [
-            "Senjō no {Valkyria} 3 : Unrecorded Chronicles is a tactical role @-@ playing video "
-            "game .",
-            "The game began development in 2010 , carrying over a large portion of the work .",
-          ],
-        ),
-        (
-          "Gameplay",
-          [
-            "As with previous games , the player controls a squad of soldiers .",
-            "Troops are divided into five classes : Scouts , Shocktroopers , Engineers .",
-          ],
-        ),
-        ("Reception", ["It sold 102 @,@ 779 copies in Japan – a {modest} result ."]),
-      ],
-    ),
-    (
-      "Tower Building of the Little Rock Arsenal",
-      [
-        (
-          None,
-          [
-            "The building is located in MacArthur Park in downtown Little Rock , Arkansas .",
-            "Café Zürich and 東京 are not mentioned in the original article .",
-          ],
-        ),
-        ("= Construction =", ["The arsenal was constructed at the request of Governor {Yell} ."]),
-      ],
-    ),
-    (
-      "Cicely Mary Barker",
-      [
-        (
-          None,
-          [
-            "Cicely Mary Barker was an English illustrator best known for a series of fantasy "
-            "books ."
-          ],
-        ),
-      ],
-    ),
+    """Valkyria Chronicles III
+Senjō no {Valkyria} 3 : Unrecorded Chronicles is a tactical role @-@ playing video game .
+The game began development in 2010 , carrying over a large portion of the work .
+== Gameplay
+As with previous games , the player controls a squad of soldiers .
+Troops are divided into five classes : Scouts , Shocktroopers , Engineers .
+== Reception
+It sold 102 @,@ 779 copies in Japan – a {modest} result .""",
+    """Tower Building of the Little Rock Arsenal
+The building is located in MacArthur Park in downtown Little Rock , Arkansas .
+Café Zürich and 東京 are not mentioned in the original article .
+== = Construction =
+The arsenal was constructed at the request of Governor {Yell} .""",
+    """Cicely Mary Barker
+Cicely Mary Barker was an English illustrator best known for a series of fantasy books .""",
   ],
   "validation": [
-    (
-      "Homarus gammarus",
-      [
-        (
-          None,
-          [
-            "Homarus gammarus is a game of the English Park series , and it sold 779 copies .",
-            "The game was known in Japan as Café Little Rock .",
-          ],
-        ),
-        ("Reception", ["It is a {modest} tactical game with five classes ."]),
-      ],
-    ),
-    ("Naïve art", [(None, ["Naïve art is a series of books by Cicely Mary Barker ."])]),
+    """Homarus gammarus
+Homarus gammarus is a game of the English Park series , and it sold 779 copies .
+The game was known in Japan as Café Little Rock .
+== Reception
+It is a {modest} tactical game with five classes .""",
+    """Naïve art
+Naïve art is a series of books by Cicely Mary Barker .""",
   ],
   "test": [
-    (
-      "Robert Boulter",
-      [
-        (
-          None,
-          [
-            "Robert Boulter is an English illustrator and video game player .",
-            "He was known for the 2010 game Tower of Arkansas .",
-          ],
-        ),
-        ("Career", ["In 2010 Boulter began work on a {Herons} series ."]),
-      ],
-    ),
+    """Robert Boulter
+Robert Boulter is an English illustrator and video game player .
+He was known for the 2010 game Tower of Arkansas .
+== Career
+In 2010 Boulter began work on a {Herons} series .""",
   ],
 }
 
@@ -112,13 +66,12 @@ def _fill(text: str, raw: bool) -> str:
 def _text(split: str, raw: bool) -> str:
   """The split file's lines: articles, section headings and paragraphs, as in the release."""
   lines = [" "]
-  for title, sections in _ARTICLES[split]:
+  for article in _ARTICLES[split]:
+    title, *rest = article.split("\n")
     lines += [f" = {title} = ", " "]
-    for section, paragraphs in sections:
-      if section is not None:
-        lines += [f" = = {section} = = ", " "]
-      for p in paragraphs:
-        lines += [f" {_fill(p, raw)} ", " "]
+    for line in rest:
+      heading = line.startswith("== ")
+      lines += [f" = = {line[3:]} = = " if heading else f" {_fill(line, raw)} ", " "]
     lines.append(" ")
   return "\n".join(lines) + "\n"
 
@@ -147,7 +100,7 @@ def split_text(split: str, *, raw: bool) -> str:
 
 def titles(split: str, *, raw: bool = True) -> list[str]:
   """Article titles as they appear in the split file."""
-  return [t if raw else _v1(t, split) for t, _ in _ARTICLES[split]]
+  return [t if raw else _v1(t, split) for t in (a.split("\n")[0] for a in _ARTICLES[split])]
 
 
 def texts(variant: str) -> dict[str, str]:
@@ -155,24 +108,14 @@ def texts(variant: str) -> dict[str, str]:
 
 
 def _split_files(variant: str, contents, skip) -> dict[str, bytes]:
-  """The bytes of each split file to write: the fake texts, ``contents`` overriding some
-  (bytes as they are), without the splits in ``skip``."""
   contents = {**texts(variant), **(contents or {})}
   as_bytes = lambda data: data.encode("utf-8") if isinstance(data, str) else data
   return {s: as_bytes(contents[s]) for s in wikitext103.SPLITS if s not in skip}
 
 
-def write_zip(
-  directory: str,
-  variant: str,
-  contents: dict[str, bytes | str] | None = None,
-  *,
-  skip: tuple[str, ...] = (),
-) -> str:
-  """Writes `<directory>/<official zip name>`; returns its path.
-
-  `contents` overrides split contents (bytes are written as they are).
-  """
+def write_zip(directory: str, variant: str, contents=None, *, skip=()) -> str:
+  """Writes `<directory>/<official zip name>`; returns its path. `contents` overrides split
+  contents (bytes are written as they are), `skip` leaves splits out."""
   archive = wikitext103.ARCHIVES[variant]
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, archive.filename)
@@ -183,14 +126,8 @@ def write_zip(
   return path
 
 
-def write_extracted(
-  directory: str,
-  variant: str,
-  contents: dict[str, bytes | str] | None = None,
-  *,
-  skip: tuple[str, ...] = (),
-) -> str:
-  """Writes `<directory>/<folder>/wiki.<split>.<ext>`; returns the folder."""
+def write_extracted(directory: str, variant: str, contents=None, *, skip=()) -> str:
+  """Writes `<directory>/<folder>/wiki.<split>.<ext>` (as `write_zip`); returns the folder."""
   archive = wikitext103.ARCHIVES[variant]
   folder = os.path.join(directory, archive.folder)
   os.makedirs(folder, exist_ok=True)
@@ -200,18 +137,7 @@ def write_extracted(
   return folder
 
 
-def sha256(path: str) -> str:
-  with open(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
-
-
 def trust(monkeypatch, variant: str, path: str) -> None:
   """Records the checksum of `path` as the official one."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-
-  archive = wikitext103.ARCHIVES[variant]
-  monkeypatch.setitem(
-    wikitext103.ARCHIVES,
-    variant,
-    dataclasses.replace(archive, sha256=sha256(path)),
-  )
+  archive = dataclasses.replace(wikitext103.ARCHIVES[variant], sha256=sources.sha256_of(path))
+  monkeypatch.setitem(wikitext103.ARCHIVES, variant, archive)

@@ -1,7 +1,7 @@
 """Files written by older versions read as they were written: a saved config (config.json, a
 checkpoint's, an export's) takes, for each key added since, the value its version ran with
 (``ADDED`` of each typed config), never today's default, and a corpus is the one the version of
-its builder that made it built (``record.BUILDERS``). The fixtures are real files of older
+its builder that made it built (``store.BUILDERS``). The fixtures are real files of older
 trees; tests/fixtures/README.md says how each was made."""
 
 import contextlib
