@@ -2,7 +2,7 @@
 
 130 is 128 + SIGINT, the status a shell gives a command that SIGINT stopped. Every command
 (aft-train and train.py, aft-generate, aft-evaluate, aft-export, aft-prepare) runs inside
-``stops_on_ctrl_c(line)``:
+``stops_on_ctrl_c(line)``, entered before it imports anything heavier than the standard library:
 
 - A Ctrl-C is Python's KeyboardInterrupt, so the ``finally`` and ``with`` blocks it leaves run
   on its way out (a temporary file removed, a lock released).
@@ -16,12 +16,16 @@
   where they touch what it has freed. Skipping it loses nothing: the commands write their files
   atomically, in blocks that have cleaned up before the KeyboardInterrupt gets here, and stdout
   is flushed here.
-- A Ctrl-C that arrives inside a garbage-collector callback (jax has one) or a ``__del__``,
-  where Python would print its KeyboardInterrupt as "Exception ignored" and drop it, is raised
-  at the first Python call outside that code.
+- A Ctrl-C is held, not raised, where raising it would crash or be lost: while a module is
+  imported (a C extension's initialisation calls Python code, jaxlib's creating its enums for
+  one: a KeyboardInterrupt there becomes a C++ exception, which aborts the process where it
+  crosses a ``noexcept`` function, or an ImportError), and in a garbage-collector callback (jax
+  has one) or a ``__del__`` (where Python prints it as "Exception ignored" and drops it). It is
+  raised as the outermost import returns, into the code that imported, or at the first Python
+  call after the callback.
 - A second Ctrl-C ends the process as above at once, wherever it lands: one while the first is
-  on its way out (stuck flushing to a pipe no one reads, say), or after a first that some
-  library caught.
+  held or on its way out (stuck flushing to a pipe no one reads, say), or after a first that
+  some library caught.
 
 SIGINT that the process ignores (a command started in the background) stays ignored.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import signal
 import sys
@@ -42,15 +47,19 @@ EXIT_STATUS = 128 + signal.SIGINT
 @contextlib.contextmanager
 def stops_on_ctrl_c(line: str):
   """Runs the block as a command: a Ctrl-C in it ends the process with ``line`` on stderr and
-  exit status 130 (the module docstring says how and why). Anything else the block raises,
-  SystemExit included, passes through."""
-  stop = _Stop(line)
-  old = _install(stop.on_sigint)
+  exit status 130 (the module docstring says how and why); inside another such block, its
+  ``line`` is the one printed. Anything else the block raises, SystemExit included, passes
+  through."""
+  running = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+  stop = running if isinstance(running, _Stop) else _Stop(line)
+  old = None if stop is running else _install(stop.on_sigint)
+  outer_line, stop.line = stop.line, line
   try:
     yield
   except KeyboardInterrupt:
     stop.now()
   finally:
+    stop.line = outer_line
     if old is not None:
       signal.signal(signal.SIGINT, old)
 
@@ -72,29 +81,37 @@ class _Stop:
   def __init__(self, line: str):
     self.line = line
     self.raised = False  # a KeyboardInterrupt was raised for a first Ctrl-C
-    self.waiting = False  # a Ctrl-C waits for the code that would drop it to return
+    self.held = False  # a first Ctrl-C waits for the code where it landed to return
 
   def on_sigint(self, signum, frame):
-    if self.raised:
+    if self.raised or self.held:
       self._exit()
-    if _drops_exceptions(frame):
-      # Raised at the next Python call outside that code (a trace function sees each call),
-      # not here, where it would be dropped: sending SIGINT again from here would only run this
-      # handler again at once, inside it.
-      self.waiting = True
+    outer = _outermost_holding(frame)
+    if outer is None:
+      self._raise()
+    # Raised by a trace function once ``outer`` is done (sending SIGINT again from here would
+    # only run this handler again at once, inside it).
+    self.held = True
+    if outer.f_code.co_filename == _IMPORT_SYSTEM:  # as the import returns, into its caller
+      outer.f_trace, outer.f_trace_lines = self._raise_on_return, False
+      sys.settrace(lambda *_: None)  # (a frame's own trace function runs only while one is set)
+    else:  # a callback returns into C code: at the next Python call outside it
       sys.settrace(self._raise_outside)
-      return
-    self._raise()
+
+  def _raise_on_return(self, frame, event, arg):
+    if event == "return":
+      self._raise()
+    return self._raise_on_return
 
   def _raise_outside(self, frame, event, arg):
-    if event == "call" and not _drops_exceptions(frame):
+    if event == "call" and _outermost_holding(frame) is None:
       self._raise()  # in ``frame``, as if its function raised it as it began
     return None  # (no line events: this frame is not traced further)
 
   def _raise(self):
-    if self.waiting:
+    if self.held:
       sys.settrace(None)
-      self.waiting = False
+      self.held = False
     self.raised = True
     raise KeyboardInterrupt
 
@@ -110,13 +127,20 @@ class _Stop:
     os._exit(EXIT_STATUS)
 
 
-def _drops_exceptions(frame) -> bool:
-  """Whether ``frame`` runs inside code whose exceptions Python prints as "Exception ignored"
-  and drops: a garbage-collector callback or a ``__del__`` (``frame`` or a frame it was called
-  from)."""
+def _outermost_holding(frame):
+  """The outermost frame of code that holds a Ctrl-C (the module docstring says why) on the
+  stack from ``frame`` down: an import, a garbage-collector callback or a ``__del__``; None if
+  there is none."""
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  outer = None
   while frame is not None:
-    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-      return True
+    code = frame.f_code
+    if code in callbacks or code.co_name == "__del__" or code.co_filename == _IMPORT_SYSTEM:
+      outer = frame
     frame = frame.f_back
-  return False
+  return outer
+
+
+# The file of the import system's functions (importlib._bootstrap), one of which is the first
+# on the stack of every import, an extension's loading included.
+_IMPORT_SYSTEM = importlib._bootstrap._find_and_load.__code__.co_filename

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -69,6 +70,50 @@ sys.argv = [script, *args]
 getattr(importlib.import_module(module), function)()
 """
 
+# python -c IMPORTS K MODE SCRIPT ENTRY ARGS...: the console script SCRIPT (its entry point
+# ENTRY) with ARGS, one SIGINT sent at the K-th Python call that a C extension's initialisation
+# makes (numpy's and jaxlib's call Python code as they load), counting from the start: "signal"
+# sends it there, "gc" from a garbage-collector callback run there (jaxlib's loading makes
+# tens of thousands of such calls; a process that ends without sending it says so).
+IMPORTS = r"""
+import _imp, atexit, gc, importlib, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+k, mode, script, entry, *args = sys.argv[1:]
+loading, depth, calls = (_imp.create_dynamic, _imp.exec_dynamic), 0, 0
+
+def send():
+  signal.raise_signal(signal.SIGINT)
+
+def from_gc_callback():
+  def callback(phase, info):
+    gc.callbacks.remove(callback)
+    send()
+  gc.callbacks.append(callback)
+  gc.collect()
+
+def profile(frame, event, arg):
+  global depth, calls
+  if event in ("c_call", "c_return", "c_exception") and arg in loading:
+    depth += 1 if event == "c_call" else -1
+  elif event == "call" and depth:
+    calls += 1
+    if calls == int(k):
+      sys.setprofile(None)
+      {"signal": send, "gc": from_gc_callback}[mode]()
+
+def unsent():
+  sys.setprofile(None)
+  if calls < int(k):
+    print(f"no SIGINT sent: only {calls} calls", file=sys.stderr)
+
+atexit.register(unsent)  # (a command stopped by Ctrl-C ends without atexit)
+sys.setprofile(profile)
+module, _, function = entry.partition(":")
+sys.argv = [script, *args]
+getattr(importlib.import_module(module), function)()
+"""
+
+SCRIPTS = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
 READ = "orbax.checkpoint._src.serialization.serialization._read_shard"
 NOTHING_WRITTEN = "interrupted (Ctrl-C): stopped; nothing was written"
 
@@ -146,7 +191,7 @@ def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tm
   status, _, err = _interrupt(
     "call",
     "numpy.lib.format.write_array_header_1_0",
-    "aft-prepare=aft_jax.data.prepare:cli",
+    f"aft-prepare={SCRIPTS['aft-prepare']}",
     [*args, "--data_dir", data, "--quiet"],
     lambda: written.extend(files()),
   )
@@ -168,3 +213,85 @@ def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
     ["--workdir", run_copy, "--length", 2],
   )
   assert got == (130, [], [f"generate: {NOTHING_WRITTEN}"]), got
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_status_130(tmp_path):
+  """Every command, a Ctrl-C at points spread over numpy's and jaxlib's loading (there Python
+  would raise it inside their initialisation: an ImportError, a crash), or in a garbage-collector
+  callback run there (where Python drops it): held until the imports are done, then the
+  command's one line, nothing written. Plain processes (not forked from a server that imported
+  jax), run side by side."""
+  gone = tmp_path / "gone"  # never created
+  stopped = "interrupted (Ctrl-C): stopped"
+  tool = lambda name, *args: (name, ["--workdir", gone, *args], f"{name}: {NOTHING_WRITTEN}")  # noqa: E731
+  train = (
+    "train",
+    ["--config", "quickstart", "--config.num_train_steps=1", "--workdir", gone],
+    f"aft-train: {stopped} without saving; the workdir's last checkpoint, if any, is intact "
+    "and the same command resumes from it",
+  )
+  prepare = (
+    "prepare",
+    ["--dataset", "pydoc", "--data_dir", gone, "--quiet"],
+    "aft-prepare: interrupted (Ctrl-C) while starting; nothing was written",
+  )
+  cases = [  # (command, args, its line), K, mode
+    (tool("generate"), 20000, "signal"),
+    (tool("evaluate", "--split", "test"), 300, "signal"),
+    (tool("export", "--out", gone / "m.msgpack"), 1, "signal"),
+    (tool("export", "--out", gone / "m.msgpack"), 3000, "signal"),
+    (tool("export", "--out", gone / "m.msgpack"), 20000, "gc"),
+    (train, 300, "signal"),
+    (train, 20000, "gc"),
+    (prepare, 1, "signal"),
+  ]
+  procs = []
+  for (name, args, _), k, mode in cases:
+    script = f"aft-{name}"
+    cmd = [sys.executable, "-c", IMPORTS, str(k), mode, script, SCRIPTS[script], *map(str, args)]
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+  got = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=300)
+      got.append((p.returncode, out.decode().splitlines(), err.decode().splitlines()[-3:]))
+  finally:
+    for p in procs:
+      p.kill()
+  want = [(130, [], [line]) for (_, _, line), _, _ in cases]
+  assert got == want and not gone.exists(), [g for g, w in zip(got, want) if g != w]
+
+
+# python -c HELD DIR: a module imported inside two nested command blocks sends itself SIGINT
+# $SIGINTS times, printing a line after each.
+HELD = r"""
+import signal, sys
+from aft_jax.ctrl_c import stops_on_ctrl_c
+signal.signal(signal.SIGINT, signal.default_int_handler)
+with stops_on_ctrl_c("outer"):
+  with stops_on_ctrl_c("inner"):
+    sys.path.insert(0, sys.argv[1])
+    import sends_sigint
+    print("after the import")
+"""
+SENDS_SIGINT = """
+import os, signal
+for _ in range(int(os.environ["SIGINTS"])):
+  signal.raise_signal(signal.SIGINT)
+  print("the import went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sigints", [1, 2])
+def test_a_ctrl_c_during_an_import_is_held_until_it_returns_and_a_second_stops_at_once(
+  sigints, tmp_path
+):
+  """The import goes on to its end and the command stops as it returns, before the next line;
+  a second Ctrl-C meanwhile ends the process at once. The line is the innermost block's."""
+  (tmp_path / "sends_sigint.py").write_text(SENDS_SIGINT)
+  env = {**os.environ, "SIGINTS": str(sigints)}
+  cmd = [sys.executable, "-c", HELD, str(tmp_path)]
+  got = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  want = (130, ["the import went on"], ["inner"])
+  assert (got.returncode, got.stdout.splitlines(), got.stderr.splitlines()) == want, got

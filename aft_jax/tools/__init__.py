@@ -1,8 +1,10 @@
 """Commands for a trained run's workdir: ``generate`` (sample), ``evaluate`` (perplexity on a
 split or a text file) and ``export`` (one file, loadable without Orbax); ``python -m
-aft_jax.tools.<name>`` or ``aft-<name>``."""
+aft_jax.tools.<name>`` or ``aft-<name>``. Also the entry point of ``aft-prepare``.
 
-import json
+These modules import only the standard library until a command runs, so that a Ctrl-C while
+jax and the others are imported is already the command's (``aft_jax.ctrl_c``)."""
+
 import sys
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
@@ -27,4 +29,15 @@ def run_command(name: str, command, args, *, print_json: bool = False) -> None:
     except ValueError as e:
       sys.exit(f"{name}: {e}")  # no traceback: the message says what to fix
     if print_json:
+      import json  # pylint: disable=g-import-not-at-top
+
       print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def prepare() -> None:
+  """The ``aft-prepare`` console script: ``aft_jax.data.prepare.cli``, whose package imports
+  numpy, imported once a Ctrl-C is one line (its own, once ``cli`` runs)."""
+  with stops_on_ctrl_c("aft-prepare: interrupted (Ctrl-C) while starting; nothing was written"):
+    from aft_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+
+    prepare_lib.cli()

@@ -36,9 +36,6 @@ import hashlib
 import json
 import os
 
-import numpy as np
-from flax import serialization
-
 from aft_jax import files
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
@@ -66,6 +63,8 @@ def _model_config_dict(model_cfg) -> dict:
 def _payload(meta: str, params) -> bytes:
   """The bytes an export's SHA-256 is taken of: the msgpack of {meta, params}, keys sorted
   (a safetensors file, which keeps tensors by name, rebuilds exactly these bytes)."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+
   return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
 
 
@@ -94,6 +93,8 @@ def _sorted(tree):
 
 def _flat(params) -> dict:
   """{"a/b/c": array} of a nested parameter dict (the safetensors names)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   out = {}
   for key, value in params.items():
     if isinstance(value, dict):
@@ -121,6 +122,8 @@ def export_params(
   a map {format, version, sha256, payload}, the payload the msgpack of {meta, params};
   safetensors: the parameters by name, {format, version, sha256, aft_jax: meta} as metadata,
   the SHA-256 of the same payload."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
   corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
@@ -145,6 +148,8 @@ def export_params(
 
 
 def _to_numpy(tree):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}
   if isinstance(tree, (str, int, float)):
@@ -180,6 +185,8 @@ def _read_safetensors(path: str, data: bytes) -> dict:
 
 def _read(path: str) -> dict:
   """{meta, params} of an export, its checksum checked (one-line ValueErrors)."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+
   try:
     with open(path, "rb") as f:
       data = f.read()
@@ -212,6 +219,7 @@ def _check_params(path: str, model, params) -> None:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   tokens = jnp.zeros((1, 1), jnp.int32)
   want = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens)["params"])
@@ -266,6 +274,7 @@ def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None
   """Writes the serving artifact of a stream (module doc) to ``path`` (atomically)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from aft_jax import decode  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top

@@ -14,44 +14,51 @@ import os
 import re
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
 from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.trainer import recipes
 
-config_flags.DEFINE_config_file(
-  "config",
-  None,
-  "A recipe name (quickstart, NAME:ARG) or a config file (configs/quickstart.py[:ARG]).",
-  lock_config=True,
-)
-flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and results go.")
-flags.DEFINE_bool(
-  "allow_config_change", False, "Resume a workdir whose saved config differs from --config."
-)
-flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
-flags.DEFINE_bool(
-  "distributed",
-  False,
-  "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
-  "SLURM) when no coordinator address is given.",
-)
-flags.DEFINE_bool(
-  "dry_run",
-  False,
-  "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-  "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if "
-  "not, 2 if refused (a bad flag, config or environment: nothing compiled).",
-)
-flags.DEFINE_string(
-  "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
-)
-flags.DEFINE_integer("num_devices", 1, "With --dry_run: how many devices of --target.")
-flags.mark_flags_as_required(["config"])
-FLAGS = flags.FLAGS
+FLAGS = None  # absl's flags, once ``_define_flags`` has defined the command's
+
+
+def _define_flags() -> None:
+  """The command's flags; absl and ml_collections are imported here, in ``run``'s Ctrl-C
+  handling, not when this module is."""
+  global FLAGS
+  from absl import flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "A recipe name (quickstart, NAME:ARG) or a config file (configs/quickstart.py[:ARG]).",
+    lock_config=True,
+  )
+  flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and results go.")
+  flags.DEFINE_bool(
+    "allow_config_change", False, "Resume a workdir whose saved config differs from --config."
+  )
+  flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+  flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
+    "SLURM) when no coordinator address is given.",
+  )
+  flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Train nothing: compile the recipe's steps for --num_devices of --target without the "
+    "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if "
+    "not, 2 if refused (a bad flag, config or environment: nothing compiled).",
+  )
+  flags.DEFINE_string(
+    "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
+  )
+  flags.DEFINE_integer("num_devices", 1, "With --dry_run: how many devices of --target.")
+  flags.mark_flags_as_required(["config"])
+  FLAGS = flags.FLAGS
 
 
 def _fail(e: Exception, status: int = 1):
@@ -86,6 +93,7 @@ def dry_run() -> None:
 def main(argv):
   del argv
   import jax  # (run() imported it first: it says in one line why jax cannot be imported)
+  from absl import logging
 
   from aft_jax.trainer import cpu_devices
 
@@ -142,21 +150,24 @@ def run():
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
-  try:
-    # Here, not at the top: jax reads its JAX_* environment variables when imported and
-    # refuses a value it cannot read (JAX_NUM_CPU_DEVICES=abc) with a ValueError.
-    import jax
-  except ValueError as e:
-    flag = re.search(r"JAX flag (\w+)", str(e))
-    where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
-    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
-  jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
-  # Ctrl-C before the training loop (setup, compiling), or a second one inside it: nothing
-  # half-written is left (checkpoints are atomic).
+  # Ctrl-C from here on, jax's import included, or a second one inside the training loop:
+  # nothing half-written is left (checkpoints are atomic).
   with stops_on_ctrl_c(
     f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
     "workdir's last checkpoint, if any, is intact and the same command resumes from it"
   ):
+    try:
+      # Here, not at the top: jax reads its JAX_* environment variables when imported and
+      # refuses a value it cannot read (JAX_NUM_CPU_DEVICES=abc) with a ValueError.
+      import jax
+    except ValueError as e:
+      flag = re.search(r"JAX flag (\w+)", str(e))
+      where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
+      sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
+    from absl import app
+
+    _define_flags()
+    jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
     app.run(main, argv=argv, flags_parser=_parse_flags)
 
 
@@ -164,6 +175,8 @@ def _parse_flags(argv):
   """absl's flag parsing, with a bad flag or ``--config.KEY=VALUE`` (a mistyped key, a value of
   the wrong type: ml_collections raises while the flags are parsed) as one line, exit status
   1; with --dry_run 2, as its other refusals."""
+  from absl import flags
+
   refused = 2 if _asks_dry_run(argv) else 1
   try:
     return FLAGS(argv)
