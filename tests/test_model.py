@@ -4,6 +4,7 @@ biases) filled into ``jax.eval_shape(init)``."""
 
 import dataclasses
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -309,21 +310,35 @@ def test_problems_name_the_field(kw, field):  # the run config's check of the mo
   assert any(field in p for p in problems), problems
 
 
-def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
+def test_good_configs_have_no_problems_and_a_stream_takes_any_length():
   for mixing in M.MIXINGS:
     assert _cfg(mixing=mixing).problems() == []
-  model = M.TransformerLM(_cfg(mixing="aft_simple"))
-  variables = _abstract(_cfg(mixing="aft_simple"))
-  with pytest.raises(ValueError, match=r"tokens \(2, 13\) are longer than max_len = 12"):
-    jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
   stream = M.TransformerLM(_cfg(mixing="aft_simple", position_embedding="none"))
   long = jax.eval_shape(stream.apply, _abstract(stream.cfg), _tokens(0, (2, 13)))  # no limit
   assert long.shape == (2, 13, V)
-  with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
-    jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
-  softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time
-  with pytest.raises(ValueError, match=r"decode=True takes tokens \[B, 1\]"):
-    jax.eval_shape(functools.partial(softmax.init, decode=True), jax.random.key(0), _tokens())
+
+
+_SEG = jnp.asarray([[1] * 4 + [2] * 4 + [0] * 2], jnp.int32)
+_SHORT, _FLOAT = _SEG[:, :4], _SEG.astype(jnp.float32)
+BAD_INPUTS = [  # (mixing, tokens, targets, keyword arguments, the message)
+  ("aft_simple", (2, 13), None, {}, r"tokens \(2, 13\) are longer than max_len = 12"),
+  ("aft_simple", (2, 10), (2, 9), {}, r"targets \(2, 9\) must match tokens \(2, 10\)"),
+  ("softmax", (2, 10), None, dict(decode=True), r"decode=True takes tokens \[B, 1\]"),  # no chunks
+  ("aft_simple", (1, 10), None, dict(segment_ids=_SHORT), r"segment_ids .* \[B, T\] = \(1, 10\)"),
+  ("aft_simple", (1, 10), None, dict(segment_ids=_FLOAT), "segment_ids must be int"),
+  ("aft_simple", (1, 10), None, dict(positions=_SEG), "positions need segment_ids"),
+  ("aft_simple", (1, 1), None, dict(segment_ids=_SEG[:, :1], decode=True), "not decode=True"),
+]
+
+
+@pytest.mark.parametrize("mixing, tokens, targets, kw, message", BAD_INPUTS)
+def test_bad_inputs_are_one_line_value_errors(mixing, tokens, targets, kw, message):
+  model = M.TransformerLM(_cfg(mixing=mixing))
+  args = (_tokens(0, tokens),) + (() if targets is None else (_tokens(0, targets),))
+  init = functools.partial(model.init, **kw)
+  with pytest.raises(ValueError) as e:
+    jax.eval_shape(init, jax.random.key(0), *args)
+  assert re.search(message, str(e.value).splitlines()[0]), str(e.value)
 
 
 ID_CONFIGS = {
@@ -421,7 +436,7 @@ def test_packed_row_equals_each_document_alone(cfg):
   np.testing.assert_allclose(out["other"][0, 4:8], out["packed"][0, 4:8], rtol=1e-5, atol=1e-5)
 
 
-def test_packed_positions_given_and_bad_packing_arguments():
+def test_packed_positions_given_shift_the_position_embedding():
   cfg = _cfg(mixing="aft_simple", num_layers=1)
   params = {"params": _params(cfg, seed=14)}
   model = M.TransformerLM(cfg)
@@ -437,14 +452,6 @@ def test_packed_positions_given_and_bad_packing_arguments():
   np.testing.assert_allclose(run(pos), default, rtol=1e-6, atol=1e-6)
   assert np.abs(run(pos + 1) - default).max() > 1e-3
   assert np.isnan(run(pos - 1)[0, 0]).all()  # position -1 reads no row of the embedding
-  with pytest.raises(ValueError, match=r"segment_ids must be int \[B, T\] = \(1, 10\)"):
-    model.apply(params, row, segment_ids=seg[:, :4])
-  with pytest.raises(ValueError, match="segment_ids must be int"):
-    model.apply(params, row, segment_ids=seg.astype(jnp.float32))
-  with pytest.raises(ValueError, match="positions need segment_ids"):
-    model.apply(params, row, positions=pos)
-  with pytest.raises(ValueError, match="not decode=True"):
-    model.apply(params, row[:, :1], segment_ids=seg[:, :1], decode=True, mutable=["cache"])
 
 
 # ---------------------------------------------------------------- initialisation
