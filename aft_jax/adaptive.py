@@ -1,36 +1,12 @@
-"""Adaptive input embeddings and adaptive softmax for large-vocabulary word-level LMs.
+"""Adaptive input (Baevski & Auli, 2019) and adaptive softmax (Grave et al., 2017).
 
-* ``AdaptiveInput``: Baevski & Auli (2019), "Adaptive Input Representations for
-  Neural Language Modeling".
-* ``AdaptiveSoftmax``: Grave et al. (2017), "Efficient softmax approximation for GPUs".
-
-Both split the (frequency-sorted) vocabulary into clusters with ``cutoffs``
-``[c_0, ..., c_{K-1}]``::
-
-    cluster 0 = [0, c_0), cluster 1 = [c_0, c_1), ..., cluster K = [c_{K-1}, V)
-
-Cluster ``i`` has capacity ``d_i = d_model // factor**i`` (``d_0 = d_model``), so rare
-words get small embeddings.  ``cutoffs=[]`` gives one cluster, i.e. a plain embedding /
-plain full softmax.  (WikiText-103: V = 267,735, cutoffs [20000, 40000, 200000].)
-
-Parameters, shapes and logical axis names (``nn.with_logical_partitioning``)::
-
-    AdaptiveInput   embed_0               [c_0, d_model]      ('vocab', 'embed')
-                    embed_i      (i >= 1) [|cluster i|, d_i]  ('vocab', 'embed_small')
-                    proj_i       (i >= 1) [d_i, d_model]      ('embed_small', 'embed')
-    AdaptiveSoftmax cluster_logits        [K, d_model]        ('cluster', 'embed')
-                    head_embed   (untied) [c_0, d_model]      ('vocab', 'embed')
-                    tail_embed_i (untied) [|cluster i|, d_i]  ('vocab', 'embed_small')
-                    tail_proj_i  (untied) [d_i, d_model]      ('embed_small', 'embed')
-
-``embed_small`` is a separate name from ``embed`` because d_i differs per cluster and is
-usually too small to be worth sharding; map it to ``None`` unless you know better.
-Cluster 0 has no projection (its dimension already is d_model).  K = len(cutoffs).
-
-Sharding note: ``nll`` walks each table in ``dynamic_slice`` chunks, so mapping
-``'vocab'`` to a mesh axis makes XLA gather the rows of each chunk; prefer replicating
-(or FSDP-sharding) these tables.
-"""
+Both split the frequency-sorted vocabulary at ``cutoffs`` into clusters [0, c_0), [c_0, c_1),
+..., [c_{K-1}, V); cluster i has dimension d_i = d_model // factor**i (``cutoffs=()``: one
+cluster, a plain embedding and softmax). Parameters and logical axes: ``embed_0`` / ``head_embed``
+[c_0, d_model] ('vocab', 'embed'); ``embed_i`` / ``tail_embed_i`` [|cluster i|, d_i] ('vocab',
+'embed_small'); ``proj_i`` / ``tail_proj_i`` [d_i, d_model] ('embed_small', 'embed');
+``cluster_logits`` [K, d_model] ('cluster', 'embed'). Replicate (or FSDP-shard) the tables: a
+'vocab'-sharded one turns ``nll``'s ``dynamic_slice`` chunks into gathers."""
 
 from __future__ import annotations
 
@@ -45,11 +21,7 @@ __all__ = ["AdaptiveInput", "AdaptiveSoftmax", "chunked_logsumexp"]
 Array = jax.Array
 
 
-# --------------------------------------------------------------------------- helpers
-
-
 def _validate(vocab_size: int, d_model: int, cutoffs: Sequence[int], factor: float) -> None:
-  """Raise ``ValueError`` naming the offending argument (called before any tracing)."""
   if int(vocab_size) != vocab_size or vocab_size < 1:
     raise ValueError(f"vocab_size must be a positive int, got vocab_size={vocab_size!r}")
   if int(d_model) != d_model or d_model < 1:
@@ -87,12 +59,7 @@ def _bounds(vocab_size: int, cutoffs: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _acc_dtype(dtype) -> Any:
-  """Accumulation dtype: at least float32 (bf16 -> f32), float64 stays float64."""
   return jnp.promote_types(dtype, jnp.float32)
-
-
-def _partitioned(init, names):
-  return nn.with_logical_partitioning(init, names)
 
 
 def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
@@ -104,20 +71,8 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
     chunk_size: rows scored per step; peak memory is O(N * chunk_size).
 
   Returns:
-    ``float32[N]`` (``float64[N]`` if ``z`` is float64).
-
-  A ``lax.scan`` over ``ceil(S / C)`` chunks keeps the online (max-subtracted) pair
-  ``(m, s)`` with ``lse = m + log s``::
-
-      m' = max(m, max_r x_r),   s' = s * exp(m - m') + sum_r exp(x_r - m')
-
-  accumulated in at least float32.  Chunks are ``dynamic_slice``s of the unpadded table; the last
-  one is shifted back to end at row S (slices must stay in bounds) and the rows it shares
-  with the previous chunk are masked to -inf so every row is counted exactly once.  ``m``
-  is a ``stop_gradient``: lse does not depend on it, so d lse / d x = softmax(x) exactly,
-  and no gradient flows through ``max``.  The body is ``jax.checkpoint``-ed so the
-  backward pass recomputes each chunk's logits instead of saving all of them (which
-  would be [N, S] again).
+    ``float32[N]`` (``float64[N]`` if ``z`` is float64): an online log-sum-exp over chunks, each
+    recomputed in the backward pass (``jax.checkpoint``), so never ``[N, S]`` at once.
   """
   n, _ = z.shape
   acc = _acc_dtype(z.dtype)
@@ -144,35 +99,21 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
   return m + jnp.log(s)
 
 
-# --------------------------------------------------------------------------- modules
-
-
 def _cluster_params(module, head: str, table: str, proj: str):
-  """(tables, projections) of an adaptive input or softmax, created as ``module``'s params.
-
-  Cluster 0: a ``[c_0, d_model]`` table named ``head`` and no projection; cluster i > 0: a
-  ``[|c_i|, d_i]`` table ``table.format(i)`` and a ``[d_i, d_model]`` projection
-  ``proj.format(i)``. Each is N(0, 1 / its width) so every embedding has about unit norm.
-  """
-  tables, projs = [], []
+  """(tables, projections) of the clusters as ``module``'s params, each N(0, 1 / its width)."""
+  param = lambda name, init, names, shape: module.param(
+    name, nn.with_logical_partitioning(init, names), shape, module.param_dtype
+  )
+  tables, projs = [], [None]
   for i, (lo, hi) in enumerate(_bounds(module.vocab_size, module.cutoffs)):
     d_i = _dim(module.d_model, module.factor, i)
     init = nn.initializers.normal(d_i**-0.5)
-    axes = ("vocab", "embed" if i == 0 else "embed_small")
-    name = head if i == 0 else table.format(i)
-    tables.append(module.param(name, _partitioned(init, axes), (hi - lo, d_i), module.param_dtype))
     if i == 0:
-      projs.append(None)
-    else:
-      init = nn.initializers.normal(module.d_model**-0.5)
-      projs.append(
-        module.param(
-          proj.format(i),
-          _partitioned(init, ("embed_small", "embed")),
-          (d_i, module.d_model),
-          module.param_dtype,
-        )
-      )
+      tables.append(param(head, init, ("vocab", "embed"), (hi - lo, d_i)))
+      continue
+    tables.append(param(table.format(i), init, ("vocab", "embed_small"), (hi - lo, d_i)))
+    init = nn.initializers.normal(module.d_model**-0.5)
+    projs.append(param(proj.format(i), init, ("embed_small", "embed"), (d_i, module.d_model)))
   return tuple(tables), tuple(projs)
 
 
@@ -192,27 +133,13 @@ class _Clusters(nn.Module):
 
 
 class AdaptiveInput(_Clusters):
-  """Adaptive input embedding (Baevski & Auli, 2019).
+  """Adaptive input embedding: e(w) = E_0[w] in cluster 0, else E_i[w - lo_i] @ P_i.
 
-  For a word ``w`` in cluster ``i`` with local index ``j = w - lo_i``::
-
-      e(w) = E_0[w]              (i = 0,  E_0: [c_0, d_model])
-      e(w) = E_i[j] @ P_i        (i >= 1, E_i: [|cluster i|, d_i], P_i: [d_i, d_model])
-
-  with ``d_i = d_model // factor**i``.  ``__call__(ids: int[...]) -> dtype[..., d_model]``.
-  Ids outside ``[0, vocab_size)`` embed to zeros.  No ``sqrt(d_model)`` scaling is
-  applied; that is the caller's choice.
-
-  Init: ``E_0 ~ N(0, 1/d_model)``, ``E_i ~ N(0, 1/d_i)``, ``P_i ~ N(0, 1/d_model)``, so
-  every cluster's output has per-coordinate variance ``1/d_model``.
-
-  For weight tying, ``embedding_tables()`` and ``projections()`` return the raw
-  parameters (see ``AdaptiveSoftmax.tie_to``).
-  """
+  ``ids int[...] -> [..., d_model]``; ids outside ``[0, vocab_size)`` embed to zeros; no
+  sqrt(d_model) scaling."""
 
   def setup(self):
-    # Params live in setup (not compact) so that a tied AdaptiveSoftmax can call
-    # embedding_tables()/projections() before or without this module's __call__.
+    # In setup, so that a tied AdaptiveSoftmax can read them without this module's __call__.
     self._tables, self._projs = _cluster_params(self, "embed_0", "embed_{}", "proj_{}")
 
   def embedding_tables(self) -> tuple[Array, ...]:
@@ -241,35 +168,16 @@ class AdaptiveInput(_Clusters):
 
 
 class AdaptiveSoftmax(_Clusters):
-  """Adaptive softmax (Grave et al., 2017), with streaming normalisers.
-
-  The head scores the ``c_0`` frequent words plus one logit per tail cluster
-  ``k = 1..K``; tail cluster ``k`` projects ``h`` to ``d_k = d_model // factor**k`` and
-  scores its own words::
+  """Adaptive softmax::
 
       head logits   u = [h @ E_0^T ; h @ C^T]                    ([c_0 + K])
       tail k        z_k = h @ P_k^T,  v_k = z_k @ E_k^T           ([|cluster k|])
       log p(w) = u_w - LSE(u)                                    (w in cluster 0)
       log p(w) = u_{c_0+k-1} - LSE(u) + v_k[w - lo_k] - LSE(v_k)  (w in cluster k)
 
-  ``nll(h: [..., d_model], targets: int[...]) -> float32[...]`` returns ``-log p(target)``.
-  It never builds a ``[tokens, cluster_size]`` array: every LSE is streamed over
-  ``chunk_size``-row chunks (``chunked_logsumexp``) and only the target's own logit is
-  gathered (a dot product with its row), so memory is O(tokens * chunk_size), in the
-  backward pass too.  Because shapes are static, each tail normaliser is computed for
-  all positions (not only those whose target is in that cluster); the FLOP saving over a
-  full softmax comes from the small d_k.  Normalisers accumulate in float32 whatever
-  ``dtype`` is (float64 if ``dtype`` is float64); matmuls run in ``dtype`` with
-  float32 results.
-
-  ``log_probs(h) -> float32[..., vocab_size]`` materialises the full normalised
-  distribution (sampling / evaluation on small batches only).
-
-  ``tie_to``: an ``AdaptiveInput`` with the same vocab_size/d_model/cutoffs/factor
-  (defined alongside this module in a parent, e.g. both in ``setup``).  Then E_0, E_k and
-  P_k are that module's ``embed_*``/``proj_*`` params, and this module only owns
-  ``cluster_logits`` (C, ``[K, d_model]``).  Untied init matches ``AdaptiveInput``'s;
-  ``C ~ N(0, 1/d_model)``.  Targets outside ``[0, vocab_size)`` give meaningless values.
+  ``nll`` streams every LSE over ``chunk_size`` rows (``chunked_logsumexp``) and gathers only
+  the target's logit: O(tokens * chunk_size) memory, float32 normalisers. ``tie_to``: an
+  ``AdaptiveInput`` of the same settings whose tables and projections it uses.
   """
 
   tie_to: AdaptiveInput | None = None
@@ -294,11 +202,10 @@ class AdaptiveSoftmax(_Clusters):
   def setup(self):
     n_tail = len(self.cutoffs)
     if n_tail:
+      normal = nn.initializers.normal(self.d_model**-0.5)
+      init = nn.with_logical_partitioning(normal, ("cluster", "embed"))
       self.cluster_logits = self.param(
-        "cluster_logits",
-        _partitioned(nn.initializers.normal(self.d_model**-0.5), ("cluster", "embed")),
-        (n_tail, self.d_model),
-        self.param_dtype,
+        "cluster_logits", init, (n_tail, self.d_model), self.param_dtype
       )
     if self.tie_to is None:
       self._own_tables, self._own_projs = _cluster_params(
@@ -363,10 +270,7 @@ class AdaptiveSoftmax(_Clusters):
     return (-logp).reshape(targets.shape)
 
   def log_probs(self, h: Array) -> Array:
-    """Full ``log p(. | h)``: ``h [..., d_model]`` -> ``float32[..., vocab_size]``.
-
-    Materialises ``[tokens, vocab_size]``; use ``nll`` for training.
-    """
+    """Full ``log p(. | h)``: ``h [..., d_model] -> float32[..., vocab_size]`` (materialised)."""
     tables, projs = self._weights()
     lead = h.shape[:-1]
     x = h.reshape(-1, self.d_model).astype(self.dtype)
@@ -389,5 +293,5 @@ class AdaptiveSoftmax(_Clusters):
     return jnp.concatenate(parts, axis=-1).reshape(*lead, self.vocab_size)
 
   def __call__(self, h: Array, targets: Array) -> Array:
-    """Alias of ``nll`` (so ``init(rng, h, targets)`` creates the params)."""
+    """``nll`` (so that ``init(rng, h, targets)`` creates the params)."""
     return self.nll(h, targets)

@@ -1,25 +1,7 @@
-"""Sampling from a trained language model: a stream, or incremental decoding then a sliding
-context.
-
-A stream (``ModelConfig.streams``: ``position_embedding = "none"`` with AFT-simple or
-AFT-conv1d) has no length limit. A prompt is fed in chunks of one parallel pass each (the
-chunked prefill of ``model.CHUNKED``), then each new token is one decoding step on the state the
-layers keep (``aft_jax.layers``: per layer O(d) for AFT-simple, the last ``kernel_size`` keys and
-values for AFT-conv1d) at any position, with no re-encoding: time and memory per token do not
-grow with the text. Where a stream stopped is a ``Stream`` (its cache, its last token and the
-sampling key), which ``generate`` continues exactly and ``aft_jax.stream_file`` writes to a file;
-``score_stream`` scores a text of any length with the whole past.
-
-Any other model decodes incrementally while the sequence fits its ``max_len`` positions: each
-step feeds one token through the model with ``decode=True`` (a prompt is fed in one parallel pass
-for AFT-simple, AFT-local and AFT-conv1d; token by token for the others); the layers keep the
-cache that follows from their maths: AFT-simple an O(d) state, AFT-local and AFT-conv1d that
-state plus the last ``window`` keys and values, AFT-full and softmax attention all past
-keys/values. Past ``max_len`` the positions run out and the context slides: each further token
-is predicted from the last ``max_len`` tokens, re-encoded in one parallel forward pass (the same
-as re-encoding the last ``max_len - 1`` tokens into a fresh cache and feeding the newest). The
-position embeddings are absolute, so no cache can be shifted by one position instead; each token
-past ``max_len`` costs one forward pass of ``max_len`` tokens.
+"""Sampling from a trained language model: incremental decoding (a prompt fed in parallel chunks
+for ``model.CHUNKED``), then, past ``max_len``, a context sliding one token at a time (absolute
+position embeddings: no cache can shift); a stream (``ModelConfig.streams``) decodes at any
+position, and a ``Stream`` continues it. docs/training.md, "After training" and "Streams".
 """
 
 from __future__ import annotations
@@ -107,12 +89,8 @@ _sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "t
 
 @dataclasses.dataclass
 class Stream:
-  """Where a stream (``ModelConfig.streams``) stopped: exactly what continues it.
-
-  ``cache``: the model's decoding cache (its "cache" collection) after every token of the
-  stream but the last; ``last_B``: int32 ``[B]``, each row's last token, not yet fed (the step
-  that feeds it gives the distribution of the next); ``rng``: the key the next token is sampled
-  with. The cache's ``pos`` counts the tokens fed."""
+  """Where a stream stopped: the decoding cache after all its tokens but the last, ``last_B``
+  (int32 ``[B]``, not yet fed) and the key of the next sample."""
 
   cache: Any
   last_B: np.ndarray
@@ -132,11 +110,7 @@ def _apply_step(model, params, cache, tok_B):
   return mutated["cache"], logp_B1V[:, 0]
 
 
-# Module-level jitted steps (the model is a hashable static argument), so repeated calls on one
-# model compile once.
-_decode_step = jax.jit(_apply_step, static_argnums=(0,), donate_argnums=(2,))
-
-
+# Module-level, the model a static argument: repeated calls on one model compile once.
 @functools.partial(
   jax.jit,
   static_argnums=(0,),
@@ -144,8 +118,7 @@ _decode_step = jax.jit(_apply_step, static_argnums=(0,), donate_argnums=(2,))
   donate_argnums=(2,),
 )
 def _step_and_sample(model, params, cache, tok_B, rng, *, temperature, top_k, top_p):
-  """(new cache, the next tokens [B], the next key) after feeding ``tok_B``: one decoding step
-  and one sample, in one program."""
+  """(new cache, the next tokens [B], the next key) after feeding ``tok_B``, in one program."""
   cache, logp_BV = _apply_step(model, params, cache, tok_B)
   rng, sub = jax.random.split(rng)
   return cache, sample_logits(sub, logp_BV, temperature, top_k, top_p), rng
@@ -153,7 +126,7 @@ def _step_and_sample(model, params, cache, tok_B, rng, *, temperature, top_k, to
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill(model, params, cache, tokens_BT):
-  """The cache after feeding ``tokens_BT`` in one parallel pass (the ``CHUNKED`` mixings)."""
+  """The cache after ``tokens_BT``: one step, or one parallel pass (``CHUNKED``)."""
   _, mutated = model.apply(
     {"params": params, "cache": cache}, tokens_BT, decode=True, mutable=["cache"]
   )
@@ -162,8 +135,7 @@ def _prefill(model, params, cache, tokens_BT):
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _score_chunk(model, params, cache, inputs_BT, targets_BT):
-  """(the cache after ``inputs_BT``, the NLL ``[B, T]`` of ``targets_BT``): one parallel pass
-  after the cached state."""
+  """(the cache after ``inputs_BT``, the NLL ``[B, T]`` of ``targets_BT``)."""
   nll_BT, mutated = model.apply(
     {"params": params, "cache": cache}, inputs_BT, targets_BT, decode=True, mutable=["cache"]
   )
@@ -184,22 +156,16 @@ def _window_logp(model, params, tokens_BT):
 
 
 def _feed(model, params, cache, tokens_BT):
-  """The cache after ``tokens_BT``: chunks of ``max_len`` tokens in one parallel pass each (the
-  ``CHUNKED`` mixings), else one token at a time."""
-  t_len = tokens_BT.shape[1]
-  if model.cfg.mixing in CHUNKED:
-    for i in range(0, t_len, model.cfg.max_len):
-      cache = _prefill(model, params, cache, jnp.asarray(tokens_BT[:, i : i + model.cfg.max_len]))
-  else:
-    for i in range(t_len):
-      cache, _ = _decode_step(model, params, cache, jnp.asarray(tokens_BT[:, i]))
+  """The cache after ``tokens_BT``: chunks of ``max_len`` (``CHUNKED``), else token by token."""
+  size = model.cfg.max_len if model.cfg.mixing in CHUNKED else 1
+  for i in range(0, tokens_BT.shape[1], size):
+    cache = _prefill(model, params, cache, jnp.asarray(tokens_BT[:, i : i + size]))
   return cache
 
 
 def _after(model, params, prompt_BP, stream: Stream | None = None):
-  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP`` (int ``[B, P]``): fed
-  from the start (P >= 1), or after ``stream``'s last token (any P; ``stream`` is left as it
-  is)."""
+  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP``, from the start or
+  after ``stream``'s last token (``stream`` left as it is)."""
   b, p = prompt_BP.shape
   if stream is None:
     return _feed(model, params, init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
@@ -224,18 +190,11 @@ def generate(
   stream: Stream | None = None,
   return_stream: bool = False,
 ):
-  """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1; an id outside [0, V) is a ValueError)
-  by ``length`` tokens: ``[B, length]``.
+  """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1) by ``length`` tokens: ``[B, length]``.
 
-  Any P and ``length``: a stream decodes one step per token at any position; past any other
-  model's ``max_len`` the context slides (module docstring). ``stop_id``: stop once every row
-  has produced it (the result is then shorter; rows that stopped earlier go on sampling, so cut
-  each row at its first ``stop_id``).
-
-  Streams only: ``stream`` continues a ``Stream`` (``prompt_BP`` may be ``[B, 0]``; it is fed
-  after the stream's last token); ``rng`` defaults to its key. ``return_stream``: returns
-  ``(tokens [B, n], Stream)``, the stream after them, which ``stream=`` continues exactly as
-  one uninterrupted call would have.
+  ``stop_id``: stop once every row has produced it (cut each row at its first). Streams only:
+  ``stream`` continues a ``Stream`` (P may be 0; ``rng`` defaults to its key);
+  ``return_stream``: ``(tokens, Stream)``, which ``stream=`` continues exactly.
   """
   prompt_BP = np.asarray(prompt_BP, np.int32)
   p_min = 0 if stream is not None else 1
@@ -311,10 +270,8 @@ def generate(
 
 
 def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
-  """A text scored left to right with the whole past (a stream, ``ModelConfig.streams``):
-  token i predicted from ``bos_id`` and tokens 0 .. i-1, the inputs fed in chunks of ``chunk``
-  tokens (one parallel pass each, the state carried; the last chunk padded, its padding not
-  scored; ids outside [0, V) are a ValueError). Returns {"nll": mean NLL per token, "tokens"}."""
+  """{"nll": mean NLL per token, "tokens"} of a text scored by a stream with the whole past:
+  token i from ``bos_id`` and tokens 0 .. i-1, fed in chunks of ``chunk`` tokens."""
   if not model.cfg.streams:
     raise ValueError(
       f"score_stream: mixing {model.cfg.mixing!r} with position embedding "
@@ -340,11 +297,7 @@ def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
 
 
 def encode_prompt(vocab, prompt: str) -> tuple[list[int], int]:
-  """(ids, number of words mapped to ``<unk>``) of ``prompt``; empty: one end-of-line token.
-
-  Bytes encode any text. A word outside a word vocabulary maps to ``<unk>`` when the
-  vocabulary has one (as the corpus maps held-out words) and is a ValueError otherwise.
-  """
+  """(ids, number of words mapped to ``<unk>``) of ``prompt``; empty: one end-of-line token."""
   from aft_jax.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
 
   if not prompt:
@@ -373,15 +326,11 @@ def sample_texts(
   return_stream: bool = False,
   **sampling,
 ):
-  """``num_samples`` texts (sampled as one batch) that continue ``prompt``, without the prompt.
+  """``num_samples`` texts (one batch) that continue ``prompt``, without it.
 
-  ``stop_at_eos`` ends each text at the first end of line (``<eos>`` for words, a newline for
-  bytes), which it keeps. ``sampling``: ``temperature`` (default 0.8 here), ``top_k``, ``top_p``
-  as in ``generate``; ``seed`` (None: 0) the sampling key's.
-
-  Streams only: ``stream`` continues a ``Stream`` of ``num_samples`` rows where it stopped, or
-  after ``prompt`` where one is given, with its own sampling key unless ``seed`` is given;
-  ``return_stream``: returns ``(texts, the Stream after them)``.
+  ``stop_at_eos``: each ends at its first end of line, kept. ``sampling``: as ``generate``
+  (temperature 0.8 here); ``seed`` (None: 0, or the stream's key); ``stream``,
+  ``return_stream``: as ``generate``.
   """
   if num_samples < 1:
     raise ValueError(f"num_samples = {num_samples} must be >= 1")
@@ -390,38 +339,24 @@ def sample_texts(
   check_batch_fits(model, num_samples)
   ids = encode_prompt(vocab, prompt)[0] if prompt or stream is None else []
   rng = None if seed is None and stream is not None else jax.random.key(seed or 0)
-  out = generate(
-    model,
-    params,
-    np.tile(np.asarray(ids, np.int32)[None], (num_samples, 1)),
-    length,
-    rng=rng,
-    **{"temperature": 0.8, **sampling},
-    stop_id=vocab.eos_id if stop_at_eos else None,
-    stream=stream,
-    return_stream=return_stream,
-  )
+  prompt_BP = np.tile(np.asarray(ids, np.int32)[None], (num_samples, 1))
+  stop_id = vocab.eos_id if stop_at_eos else None
+  how = dict(rng=rng, stop_id=stop_id, stream=stream, return_stream=return_stream)
+  out = generate(model, params, prompt_BP, length, **{"temperature": 0.8, **sampling}, **how)
   new_BN, after = out if return_stream else (out, None)
-  texts = [_text(vocab, row, vocab.eos_id if stop_at_eos else None) for row in new_BN]
+  texts = [_text(vocab, row, stop_id) for row in new_BN]
   return (texts, after) if return_stream else texts
 
 
-def _memory_bytes() -> int:
-  """The first device's memory (a GPU's or TPU's limit; on a CPU, the machine's RAM)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_batch_fits(model, batch: int) -> None:
-  """A one-line ValueError where ``batch`` sequences decoded at once (``generate``) need more
-  memory than the device has: their decoding caches and per-step log-probabilities, estimated
-  from one sequence's (the cache's shapes, not allocated)."""
+  """A one-line ValueError where ``batch`` sequences decoded at once need more memory than the
+  device has (caches and per-step log-probabilities, from one sequence's shapes)."""
   cache = jax.eval_shape(functools.partial(init_cache, model, 1))
   per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
   per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling
-  need, have = batch * per_row, _memory_bytes()
+  stats = jax.devices()[0].memory_stats() or {}  # a GPU's or TPU's limit; a CPU: the RAM
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  need, have = batch * per_row, int(stats.get("bytes_limit", ram))
   if need > have:
     raise ValueError(
       f"num_samples = {batch}: the samples are decoded as one batch, which needs about "

@@ -1,43 +1,11 @@
-"""Flax linen AFT layers: drop-in replacements for multi-head attention.
-
-Every module maps ``x [..., T, d_model] -> [..., T, d_model]``: it projects x to q, k, v, mixes
-them with one of the ops of :mod:`aft_jax.ops` and projects back to d_model. They share one
-interface (``causal``, ``dtype`` for compute, ``param_dtype`` for parameters) so a model can
-switch its mixing layer by name, and every parameter carries logical axis names for sharding:
-
-    embed     the model dimension d_model
-    heads     AFT's channels (every channel is its own "head" in AFT-full/local/simple), or the
-              heads of AFT-conv and softmax attention
-    kv        the channels of one head
-    length    the query position of the T x T bias; length_k its key position
-    bias_factor  the factor dimension d' of a factorised bias w = u v^T
-    kernel    the offsets of an AFT-conv kernel
-
-Packed rows (causal layers only): ``segment_ids`` ``[..., T]`` (documents that do not see each
-other; a new one wherever the id changes) and ``mask`` ``[..., T]`` (False: padding, which no
-token sees; pad outputs are finite and meaningless) make each document's output what the layer
-gives on it alone, the bias positions of each from 0 (``ops.segment_positions``), or
-``positions`` ``[..., T]`` where given (AFT-full/local: the rows and columns of w, < max_len).
-Softmax attention takes them as a mask: position t attends to t' <= t of its own segment.
-
-Incremental decoding (``decode=True``, causal layers only): x is one token ``[..., 1, d_model]``
-and the layer keeps a "cache" collection: AFT-simple an O(d) state (running max, numerator,
-denominator), AFT-local and AFT-conv1d that state plus the last ``window`` keys and values,
-AFT-full and softmax attention all past keys and values. AFTSimple and AFTConv1D decode any
-number of tokens (no position bias: their state is the same size at every position).
-AFTFull and AFTLocal decode at most ``max_len`` tokens: the index is traced, so a step past it
-cannot raise; its output is NaN (every later one too), never values for a position with no
-cache slot or bias row. The AFT layers' steps are the pure functions of ``aft_jax.ops``
-(``ops.aft_simple_step``, ...) on that state. Initialise the cache with ``model.init(...,
-decode=True)`` on a ``[..., 1, d_model]`` input. AFT-simple, AFT-local and AFT-conv1d also take
-a chunk ``[..., T, d_model]`` with ``decode=True`` (a prompt): one parallel pass of the op after
-the cached state, which it leaves as T steps would (the ops' ``initial_state`` /
-``output_final_state``).
+"""Flax linen AFT layers: drop-in replacements for multi-head attention, ``[..., T, d_model] ->
+[..., T, d_model]``, with packed rows (``segment_ids``, ``mask``, ``positions``; causal only) and
+incremental decoding (``decode=True``, a "cache" collection). README.md "Using the layers" and
+docs/long_sequences.md explain them; the maths is the ops' (``aft_jax.ops``).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -47,16 +15,11 @@ import jax.numpy as jnp
 from aft_jax import ops, sharding
 
 Dtype = Any
-_dense_init = nn.initializers.xavier_uniform()
 
 
 def _shaped(init, names, shape):
-  """``init`` for a parameter of ``shape`` with logical axis ``names`` (one per axis).
-
-  DenseGeneral asks its initializers for a flat shape ([in, out] for the kernel, [out] for the
-  bias) and reshapes what they return; the names go on the reshaped value, so that under a mesh
-  (``mesh.sequence > 1`` traces in one) the constraint they imply meets the array they describe,
-  not a flat one of another rank. The values are those of ``init`` at the flat shape."""
+  """``init`` reshaped to ``shape`` before its logical axis ``names`` apply (DenseGeneral asks
+  for a flat shape; under a mesh the names must meet the array of the rank they describe)."""
 
   def shaped(key, flat_shape, dtype=jnp.float32):
     return jnp.reshape(init(key, flat_shape, dtype), shape)
@@ -64,78 +27,49 @@ def _shaped(init, names, shape):
   return nn.with_logical_partitioning(shaped, names)
 
 
-def _dense(
-  in_features, features, names, dtype, param_dtype, name, axis=-1, *, std=0.0, use_bias=True
-):
-  """DenseGeneral from ``in_features`` (the contracted axes' sizes: an int, or a tuple with
-  ``axis``) to ``features`` (an int or a tuple), its kernel's axes named ``names``; the kernel
-  Glorot-uniform, or N(0, std) for std > 0."""
-  tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  n_in = len(tup(in_features))
-  init = nn.initializers.normal(std) if std > 0 else _dense_init
-  return nn.DenseGeneral(
-    features,
-    axis=axis,
-    dtype=dtype,
-    param_dtype=param_dtype,
-    name=name,
-    use_bias=use_bias,
-    kernel_init=_shaped(init, names, tup(in_features) + tup(features)),
-    bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
-  )
+def _param(module, name, init, names, shape):
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, module.param_dtype)
 
 
 class _Projected(nn.Module):
-  """How a mixing layer's dense projections start, and whether they have biases.
-
-  The defaults are the layers' own (Glorot-uniform kernels, biases); the language model sets
-  GPT-2's initialisation here (``ModelConfig.init``): every projection N(0, 0.02) and the
-  output projection, which adds to the residual stream, N(0, 0.02 / sqrt(2 num_layers)), so
-  that the stream's variance does not grow with depth. AFT's own parameters (the position
-  biases) keep the AFT paper's initialisation either way.
-  """
+  """How a mixing layer's dense projections start (the model sets GPT-2's, ``ModelConfig.init``)
+  and whether they have biases."""
 
   init_std: float = 0.0  # q, k, v kernels: 0 Glorot-uniform, > 0 N(0, init_std)
   out_init_std: float = 0.0  # the output projection's kernel: 0 as init_std
   use_bias: bool = True  # biases in the projections
 
   def _proj(self, in_features, features, names, name, axis=-1):
+    """DenseGeneral from ``in_features`` (an int or a tuple), its kernel's axes named ``names``."""
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
-    return _dense(
-      in_features, features, names, self.dtype, self.param_dtype, name, axis,
-      std=std, use_bias=self.use_bias,
+    init = nn.initializers.normal(std) if std > 0 else nn.initializers.xavier_uniform()
+    tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    n_in = len(tup(in_features))
+    return nn.DenseGeneral(
+      features, axis=axis, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
+      use_bias=self.use_bias, kernel_init=_shaped(init, names, tup(in_features) + tup(features)),
+      bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
     )  # fmt: skip
 
 
-def _check_rank(module, x):
-  """ValueError unless x is ``[..., T, d_model]`` (a rank-1 x has no T)."""
+def _check_x(module, x, max_len=None):
+  name = type(module).__name__
   if jnp.ndim(x) < 2:
-    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
-
-
-def _check_len(module, t_len):
-  if t_len > module.max_len:
-    raise ValueError(
-      f"{type(module).__name__}: sequence length T = {t_len} exceeds max_len = "
-      f"{module.max_len} (input shape [..., T, d_model])"
-    )
+    raise ValueError(f"{name}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
+  if max_len is not None and x.shape[-2] > max_len:
+    raise ValueError(f"{name}: sequence length T = {x.shape[-2]} exceeds max_len = {max_len}")
 
 
 def _check_decode_input(module, x, chunks: bool = False):
-  """``chunks``: the layer also takes a chunk of T > 1 tokens (the recurrent AFT layers)."""
+  name = type(module).__name__
   if not module.causal:
-    raise ValueError(f"{type(module).__name__}: decode=True needs causal=True")
+    raise ValueError(f"{name}: decode=True needs causal=True")
   if x.shape[-2] != 1 and not chunks:
-    raise ValueError(
-      f"{type(module).__name__}: decode=True takes one token at a time, x [..., 1, d_model]; "
-      f"got x {x.shape}"
-    )
+    raise ValueError(f"{name}: decode=True takes one token, x [..., 1, d_model]; got x {x.shape}")
 
 
-def _packing(module, x, segment_ids, mask, positions=None, t_axis: int = -2):
-  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` for packed rows and a
-  padding mask (``ops.segment_positions``; ``positions`` given: the bias positions, else each
-  segment's from 0); ValueError unless causal and ``[..., T]``."""
+def _packing(module, x, segment_ids, mask, positions=None):
+  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows."""
   if segment_ids is None and mask is None:
     if positions is not None:
       raise ValueError(f"{type(module).__name__}: positions need segment_ids (packed rows)")
@@ -143,7 +77,7 @@ def _packing(module, x, segment_ids, mask, positions=None, t_axis: int = -2):
   name = type(module).__name__
   if not module.causal:
     raise ValueError(f"{name}: segment_ids and mask (packed rows, padding) need causal=True")
-  lead = x.shape[: x.ndim + t_axis + 1]
+  lead = x.shape[:-1]
   for arg, a in (("segment_ids", segment_ids), ("mask", mask), ("positions", positions)):
     if a is not None and jnp.shape(a) != lead:
       raise ValueError(
@@ -158,22 +92,17 @@ _QKV = ("batch", "activation_length", "heads")
 _HEADS_QV = ("batch", "activation_length", "heads", "kv")
 
 
-def _op(module, fn, args, names):
-  """``fn(*args, axis_name=...)``: with T split over the mesh's ``sequence`` axis
-  (``sharding.in_mesh_shards``) in a causal layer, else on the whole of T."""
-  if not module.causal:
+def _op(module, fn, args, names, packed):
+  """``fn(*args, axis_name=...)``, T split over the mesh's ``sequence`` axis when causal (packed
+  rows are whole documents: not split)."""
+  if packed or not module.causal:
     return fn(*args, axis_name=None)
   return sharding.in_mesh_shards(fn, args, names)
 
 
 def _cached_step(module, init, step):
-  """``step(state) -> (y, state)`` on the decoding state kept in the layer's "cache" collection:
-  one variable per leaf of ``init()``, the state before any token (a NamedTuple or dict of
-  arrays), named by its field (m, num, den, keys, values, index).
-
-  Returns y, or None while the cache is being initialised (``model.init(..., decode=True)``:
-  shapes only, no step).
-  """
+  """``step(state) -> (y, state)`` on the "cache" collection, one variable per leaf of ``init()``;
+  y, or None while the cache is being initialised."""
   paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
   names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
   ready = module.has_variable("cache", names[0])
@@ -188,8 +117,7 @@ def _cached_step(module, init, step):
 
 
 def _within_max_len(module, step):
-  """``step`` whose output is NaN once the cache holds ``max_len`` tokens (the index is traced,
-  so this is visible without checkify: position max_len has no cache slot or bias row)."""
+  """``step`` whose output is NaN once the cache holds ``max_len`` tokens (no slot or bias row)."""
 
   def run(state, *qkv):
     y, new = step(state, *qkv)
@@ -199,15 +127,8 @@ def _within_max_len(module, step):
 
 
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
-  """A decoding step of an AFT layer on one token, q, k, v ``[..., 1, *channels]``:
-  ``step(state, q_t, k_t, v_t) -> (y_t, state)`` (an ``aft_jax.ops`` step) on the state kept in
-  the cache (``_cached_step``), ``init(q_t, k_t, v_t)`` before the first token. With T > 1
-  tokens (a prompt chunk), ``chunk(state, q, k, v) -> (y, state)``: the op on all of them in
-  one parallel pass after the cached state (``initial_state``, ``output_final_state``).
-
-  token_axis: the token's axis in q (in k and v the same axis counted from the front).
-  Returns y ``[..., T, *channels]``, or q while the cache is being initialised.
-  """
+  """An ops step ``step(state, q_t, k_t, v_t)`` on one token, or ``chunk(state, q, k, v)`` on a
+  prompt chunk of T > 1, on the cached state; q while the cache is being initialised."""
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
   if q.shape[axis] > 1:
@@ -218,7 +139,6 @@ def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None)
 
 
 def _head_features(module, x):
-  """(num_heads, d_model // num_heads) for x [..., d_model]; ValueError if it does not divide."""
   d_model, h = x.shape[-1], module.num_heads
   if d_model % h:
     raise ValueError(
@@ -229,7 +149,6 @@ def _head_features(module, x):
 
 
 def _heads_out(module, y, d_model):
-  """The output projection of per-head values y ``[..., H, C] -> [..., d_model]``."""
   return module._proj(y.shape[-2:], d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(y)  # pylint: disable=protected-access
 
 
@@ -253,8 +172,6 @@ class _AFTChannels(_Projected):
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
   def _mix(self, x, decode, mix):
-    """Projects x to q, k, v, mixes them (``mix(q, k, v)``, or a decoding step) and projects
-    back to d_model."""
     q, k, v = self._qkv(x)
     if decode:
       _check_decode_input(self, x, self.chunks)
@@ -277,29 +194,12 @@ class _PositionBias(_AFTChannels):
         f"{type(self).__name__}: factor_dim must be an int >= 0 (0 or None: a full "
         f"[max_len, max_len] bias), got {f!r}"
       )
-    if self.factor_dim:
-      init = nn.initializers.normal(stddev=1e-2)
-      names = ("length", "bias_factor")
-      u = self.param(
-        "pos_u",
-        nn.with_logical_partitioning(init, names),
-        (self.max_len, self.factor_dim),
-        self.param_dtype,
-      )
-      v = self.param(
-        "pos_v",
-        nn.with_logical_partitioning(init, ("length_k", "bias_factor")),
-        (self.max_len, self.factor_dim),
-        self.param_dtype,
-      )
-      return u, v
-    w = self.param(
-      "pos_bias",
-      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("length", "length_k")),
-      (self.max_len, self.max_len),
-      self.param_dtype,
-    )
-    return (w,)
+    if f:
+      init, shape = nn.initializers.normal(stddev=1e-2), (self.max_len, f)
+      u = _param(self, "pos_u", init, ("length", "bias_factor"), shape)
+      return u, _param(self, "pos_v", init, ("length_k", "bias_factor"), shape)
+    zeros = nn.initializers.zeros_init()
+    return (_param(self, "pos_bias", zeros, ("length", "length_k"), (self.max_len,) * 2),)
 
   def bias(self, t_len):
     """The top-left [T, T] block of w (float32)."""
@@ -319,17 +219,13 @@ class _PositionBias(_AFTChannels):
 
 
 class AFTFull(_PositionBias):
-  """AFT-full (paper Eq. 2) with a learned [max_len, max_len] position bias.
+  """AFT-full (paper Eq. 2): Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)).
 
-  Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)), Q, K, V = x Wq, x Wk, x Wv;
-  the sums run over t' <= t when causal. Input ``[..., T, d_model]``, T <= max_len; a shorter
-  sequence uses the top-left T x T block of w.
-  """
+  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block)."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_rank(self, x)
-    _check_len(self, x.shape[-2])
+    _check_x(self, x, self.max_len)
     packed = _packing(self, x, segment_ids, mask, positions)
     # Packed rows index w by their positions (any below max_len), a plain row by t < T.
     t_bias = self.max_len if packed else x.shape[-2]
@@ -340,13 +236,8 @@ class AFTFull(_PositionBias):
       return self._mix(x, decode, lambda q, k, v: full(q, k, v, self.bias(t_bias), None))
     # Per device's rows on a multi-device mesh (the op takes no shard of T).
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
-    return self._mix(
-      x,
-      decode,
-      lambda q, k, v: sharding.in_mesh_shards(
-        full, (q, k, v, self.bias(t_bias)), names, splits_t=False
-      ),
-    )
+    shards = lambda *qkvw: sharding.in_mesh_shards(full, qkvw, names, splits_t=False)
+    return self._mix(x, decode, lambda q, k, v: shards(q, k, v, self.bias(t_bias)))
 
   def _step(self, q, k, v):
     init = lambda q_t, *_: ops.aft_full_init(q_t.shape, self.max_len)
@@ -360,62 +251,43 @@ class AFTLocal(_PositionBias):
       Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'[t, t']) V_t' / sum_t' exp(K_t' + w'[t, t']),
       w'[t, t'] = w[t, t'] if |t - t'| < window else 0;  Q, K, V = x Wq, x Wk, x Wv.
 
-  Every position still sees the whole sequence; the window only limits where the learned bias
-  applies. Input ``[..., T, d_model]`` -> ``[..., T, d_model]``, T <= max_len (a shorter
-  sequence uses the top-left T x T block of w). Time O(T window d), no T x T work per channel.
-
-  Attributes:
-    max_len: the largest T; w is ``[max_len, max_len]`` (initialised to 0) or, with
-      ``factor_dim = d'``, u v^T with u, v ``[max_len, d']`` ~ N(0, 1e-2).
-    window: s >= 1.
-    causal: sum over t' <= t only; enables ``decode=True`` (O(d) state + the last s keys/values).
-    hidden_dim: channels of Q, K, V (default d_model).
-    dtype, param_dtype: compute and parameter dtypes.
+  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block); w is
+  ``[max_len, max_len]`` (init 0) or, with ``factor_dim = d'``, u v^T. O(T window d) time.
   """
 
   window: int = 32
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    ops.check_window("AFTLocal", self.window)
-    _check_rank(self, x)
-    _check_len(self, x.shape[-2])
+    _check_x(self, x, self.max_len)
     packed = _packing(self, x, segment_ids, mask, positions)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
-    if packed:  # packed rows are whole documents: T is not split
-      return self._mix(
-        x,
-        decode,
-        lambda q, k, v: self._local(q, k, v, self.bias(self.max_len), axis_name=None, **packed),
-      )
+    local = lambda q, k, v, w, axis_name: ops.aft_local(
+      q, k, v, w, window=self.window, causal=self.causal, impl=self.impl, axis_name=axis_name,
+      **packed,
+    )  # fmt: skip
     t_len = x.shape[-2]
-    if self.factor_dim and self.causal:
+    if self.factor_dim and self.causal and not packed:
       # The op takes w as its factors: a long sequence (in sub-pieces) or a device's shard of
       # T forms only the blocks of w = u v^T it reads, never the [T, T] product.
       names = names[:3] + (("length", "bias_factor"), ("length_k", "bias_factor"))
-      local = lambda q, k, v, u, w_v, axis_name: self._local(q, k, v, (u, w_v), axis_name=axis_name)
+      factors = lambda q, k, v, u, w_v, axis_name: local(q, k, v, (u, w_v), axis_name)
 
       def mix(q, k, v):  # (not when decoding: the steps read their own bias rows)
         u, w_v = (jnp.asarray(a[:t_len], jnp.float32) for a in self._bias_params())
-        return _op(self, local, (q, k, v, u, w_v), names)
+        return _op(self, factors, (q, k, v, u, w_v), names, packed)
 
       return self._mix(x, decode, mix)
-    return self._mix(
-      x, decode, lambda q, k, v: _op(self, self._local, (q, k, v, self.bias(t_len)), names)
-    )
-
-  def _local(self, q, k, v, w, *, axis_name, **packed):
-    """The op; w ``[T, T]`` or (sharded) its factors (u, v)."""
-    local = functools.partial(ops.aft_local, window=self.window, causal=self.causal)
-    if axis_name is not None:
-      packed["axis_name"] = axis_name
-    return local(q, k, v, w, impl=self.impl, **packed)
+    # Packed rows index w by their positions (any below max_len), a plain row by t < T.
+    w = lambda: self.bias(self.max_len if packed else t_len)
+    return self._mix(x, decode, lambda q, k, v: _op(self, local, (q, k, v, w()), names, packed))
 
   chunks = True
 
   def _step(self, q, k, v):
-    # T <= max_len: a window past max_len holds every position, as one of max_len does.
-    window = min(self.window, self.max_len)
+    # The steps take no window to check: the op's rule, here. A window past max_len holds every
+    # position, as one of max_len does.
+    window = min(ops.check_window("AFTLocal", self.window), self.max_len)
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
 
@@ -437,17 +309,14 @@ class AFTSimple(_AFTChannels):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_rank(self, x)
+    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # no position bias
 
-    def simple(q, k, v, axis_name):
-      axis = {} if axis_name is None else {"axis_name": axis_name}
-      return ops.aft_simple(q, k, v, causal=self.causal, impl=self.impl, **packed, **axis)
-
-    if packed:  # packed rows are whole documents: T is not split
-      return self._mix(x, decode, lambda q, k, v: simple(q, k, v, None))
-    return self._mix(x, decode, lambda q, k, v: _op(self, simple, (q, k, v), (_QKV,) * 3))
+    simple = lambda q, k, v, axis_name: ops.aft_simple(
+      q, k, v, causal=self.causal, impl=self.impl, axis_name=axis_name, **packed
+    )
+    return self._mix(x, decode, lambda *qkv: _op(self, simple, qkv, (_QKV,) * 3, packed))
 
   chunks = True
 
@@ -469,27 +338,11 @@ class _ConvKernel(nn.Module):
   @nn.compact
   def __call__(self):
     names = ("heads",) + ("kernel",) * len(self.shape)
-    raw = self.param(
-      "kernel",
-      nn.with_logical_partitioning(nn.initializers.normal(1.0), names),
-      (self.heads,) + self.shape,
-      self.param_dtype,
-    )
-    gamma = self.param(
-      "gamma",
-      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
-      (self.heads,),
-      self.param_dtype,
-    )
-    beta = self.param(
-      "beta",
-      nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
-      (self.heads,),
-      self.param_dtype,
-    )
+    raw = _param(self, "kernel", nn.initializers.normal(1.0), names, (self.heads,) + self.shape)
+    zeros = nn.initializers.zeros_init()
+    gamma, beta = (_param(self, n, zeros, ("heads",), (self.heads,)) for n in ("gamma", "beta"))
     raw = jnp.asarray(raw, jnp.float32).reshape(self.heads, -1)
-    axes = (1,)
-    norm = (raw - raw.mean(axes, keepdims=True)) / (raw.std(axes, keepdims=True) + 1e-5)
+    norm = (raw - raw.mean(1, keepdims=True)) / (raw.std(1, keepdims=True) + 1e-5)
     w = jnp.asarray(gamma, jnp.float32)[:, None] * norm + jnp.asarray(beta, jnp.float32)[:, None]
     return w.reshape((self.heads,) + self.shape)
 
@@ -503,41 +356,26 @@ class _AFTConvBase(_Projected):
   impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _heads_qkv(self, x):
-    feat = _head_features(self, x)
-    h = feat[0]
-    dense = lambda f, names, n: self._proj(x.shape[-1], f, names, n)
-    q = dense(feat, ("embed", "heads", "kv"), "query")(x)
-    v = dense(feat, ("embed", "heads", "kv"), "value")(x)
-    k = dense(h, ("embed", "heads"), "key")(x)
-    return q, k, v
+    feat = _head_features(self, x)  # (H, C): q and v per channel, k per head
+    dense = lambda f, n: self._proj(x.shape[-1], f, ("embed", "heads", "kv")[: len(f) + 1], n)(x)
+    return dense(feat, "query"), dense(feat[:1], "key"), dense(feat, "value")
 
   def _out(self, y, d_model):
     return _heads_out(self, y, d_model)
 
 
 class AFTConv1D(_AFTConvBase):
-  """AFT-conv over sequences (paper Eq. 6, 1-D): per head a learned kernel of ``kernel_size``.
-
-  Input ``[..., T, d_model]``; heads H = num_heads, each with C = d_model / H channels and one
-  key. Non-causal kernels are centred (odd size); causal kernel entry j is the bias of t' = t - j.
-  At initialisation (gamma = beta = 0) it equals AFT-simple with one key per head.
-  """
+  """AFT-conv over sequences (paper Eq. 6, 1-D): per head (C = d_model / H channels, one key) a
+  learned kernel of ``kernel_size``, centred (odd) or, causal, entry j the bias of t' = t - j."""
 
   chunks = True  # decode=True also takes a prompt chunk (``_decode_token``)
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_rank(self, x)
+    _check_x(self, x)
     d_model = x.shape[-1]
-    if (
-      not isinstance(self.kernel_size, int)
-      or self.kernel_size < 1
-      or (not self.causal and self.kernel_size % 2 == 0)
-    ):
-      raise ValueError(
-        f"AFTConv1D: kernel_size must be a positive int, odd unless causal; got "
-        f"{self.kernel_size!r}"
-      )
+    if not isinstance(self.kernel_size, int) or self.kernel_size < 1:  # (odd: the op's rule)
+      raise ValueError(f"AFTConv1D: kernel_size must be a positive int; got {self.kernel_size!r}")
     q, k, v = self._heads_qkv(x)
     kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
     if decode:
@@ -546,14 +384,11 @@ class AFTConv1D(_AFTConvBase):
     packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # the kernel is by lag
 
-    def conv(q, k, v, kernel, axis_name):
-      axis = {} if axis_name is None else {"axis_name": axis_name}
-      return ops.aft_conv1d(q, k, v, kernel, causal=self.causal, impl=self.impl, **packed, **axis)
-
-    if packed:  # packed rows are whole documents: T is not split
-      return self._out(conv(q, k, v, kernel, None), d_model)
+    conv = lambda q, k, v, kernel, axis_name: ops.aft_conv1d(
+      q, k, v, kernel, causal=self.causal, impl=self.impl, axis_name=axis_name, **packed
+    )
     names = (_HEADS_QV, _QKV, _HEADS_QV, ("heads", "kernel"))
-    return self._out(_op(self, conv, (q, k, v, kernel), names), d_model)
+    return self._out(_op(self, conv, (q, k, v, kernel), names, packed), d_model)
 
   def _step(self, q, k, v, kernel):
     init = lambda _, k_t, v_t: ops.aft_conv1d_init(k_t.shape, v_t.shape, self.kernel_size)
@@ -565,32 +400,25 @@ class AFTConv1D(_AFTConvBase):
 
 
 class AFTConv2D(_AFTConvBase):
-  """AFT-conv over images (paper Eq. 6): per head a learned kh x kw kernel ("SAME").
-
-  Input ``[..., Ht, Wd, d_model]`` -> ``[..., Ht, Wd, d_model]``; ``kernel_size`` an odd int
-  or (kh, kw). Not causal. At initialisation it equals AFT-simple over all Ht * Wd positions.
-  """
+  """AFT-conv over images (paper Eq. 6): per head a learned kh x kw kernel ("SAME"), odd sizes.
+  ``[..., Ht, Wd, d_model] -> [..., Ht, Wd, d_model]``; not causal."""
 
   @nn.compact
   def __call__(self, x):
     d_model = x.shape[-1]
     ks = self.kernel_size
     ks = (ks, ks) if isinstance(ks, int) else tuple(ks)
-    if len(ks) != 2 or any(s < 1 or s % 2 == 0 for s in ks):
-      raise ValueError(f"AFTConv2D: kernel_size must be odd (kh, kw); got {self.kernel_size!r}")
+    if len(ks) != 2 or min(ks) < 1:  # (odd: the op's rule)
+      raise ValueError(f"AFTConv2D: kernel_size must be (kh, kw) >= 1; got {self.kernel_size!r}")
     if self.causal:
       raise ValueError("AFTConv2D: there is no causal 2-D AFT-conv; use causal=False")
-    if x.ndim < 3:
-      raise ValueError(f"AFTConv2D: x must be [..., Ht, Wd, d_model]; got x {x.shape}")
     q, k, v = self._heads_qkv(x)
     kernel = _ConvKernel(self.num_heads, ks, self.param_dtype, name="bias")()
     return self._out(ops.aft_conv2d(q, k, v, kernel, impl=self.impl), d_model)
 
 
-# MultiHeadAttention's implementations (``jax.nn.dot_product_attention``'s): "auto" is jax's
-# default choice (XLA in jax 0.10), "cudnn" is cuDNN flash attention (NVIDIA GPUs from Ampere
-# on, bfloat16 or float16). Not the default: on older GPUs (a Colab T4) cuDNN's fused kernel
-# does not exist, and an automatic choice there would fail rather than fall back.
+# ``jax.nn.dot_product_attention``'s: "auto" jax's choice; "cudnn" flash attention (Ampere on,
+# bfloat16/float16), not the default: on older GPUs an automatic choice would fail.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
@@ -604,13 +432,8 @@ def attention_impl_problem(impl, dtype) -> str | None:
 
 
 class MultiHeadAttention(_Projected):
-  """Softmax multi-head attention (the Transformer baseline) with the AFT layers' interface.
-
-  Input ``[..., T, d_model]``; uses ``jax.nn.dot_product_attention`` with ``impl``: "auto"
-  (jax's choice), "xla" or "cudnn" (cuDNN flash attention: a GPU, bfloat16 or float16; the
-  baseline to compare AFT's speed with on a GPU). Decoding steps always use XLA (one query
-  row). ``max_len`` is only needed for decoding (the size of the key/value cache).
-  """
+  """Softmax multi-head attention (the baseline) with the AFT layers' interface, through
+  ``jax.nn.dot_product_attention`` (``impl``: ATTENTION_IMPLS); ``max_len``: the decoding cache."""
 
   num_heads: int = 8
   causal: bool = False
@@ -621,8 +444,7 @@ class MultiHeadAttention(_Projected):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    """``positions`` is accepted for the AFT layers' interface and unused (no position bias)."""
-    _check_rank(self, x)
+    _check_x(self, x)
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
@@ -638,20 +460,13 @@ class MultiHeadAttention(_Projected):
       seg_mask = None
       if packed:  # [B', 1, T, T]: t' of t's own segment (the causal part is is_causal's)
         seg_mask = ops.same_segment(packed["segment_ids"]).reshape((-1, 1, t_len, t_len))
-      y = jax.nn.dot_product_attention(
-        flat(q),
-        flat(k),
-        flat(v),
-        mask=seg_mask,
-        is_causal=self.causal,
-        implementation=self._implementation(),
-      )
+      how = dict(mask=seg_mask, is_causal=self.causal, implementation=self._implementation())
+      y = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), **how)
     y = y.reshape(lead + (t_len,) + feat)
     return _heads_out(self, y, d_model)
 
   def _implementation(self) -> str | None:
-    """``dot_product_attention``'s implementation for ``impl``; a ValueError where it cannot
-    run (never a silent switch to another implementation)."""
+    """``dot_product_attention``'s implementation; a ValueError where it cannot run."""
     problem = attention_impl_problem(self.impl, self.dtype)
     device = ops.device_facts()
     if problem is None and self.impl == "cudnn" and device.platform != "gpu":

@@ -1,28 +1,6 @@
-"""A decoder-only language model whose token-mixing layer is chosen by name.
-
-    x_BTD = embed(tokens_BT) + pos_embed[:T]                   (or adaptive input; no
-                                                                pos_embed: position_embedding
-                                                                'none')
-    for each of num_layers blocks (pre-LayerNorm):
-        x_BTD += dropout(mix(LN(x_BTD)))                          mix: AFT-* or softmax attention
-        x_BTD += dropout(MLP(LN(x_BTD)))                          MLP: Dense -> GELU -> Dense
-    logits_BTV = LN(x_BTD) @ embed^T                             (tied; or a Dense; or adaptive)
-
-``__call__(tokens_BT, targets_BT)`` returns the per-token negative log-likelihood ``[B, T]``
-(float32) without building ``[B, T, V]`` logits when the adaptive softmax is used;
-``__call__(tokens_BT)`` returns log-probabilities ``[B, T, V]`` (for sampling and tests).
-
-Packed rows: ``segment_ids_BT`` (documents that do not see each other, a new one wherever the
-id changes; padding is a segment of its own) and ``positions_BT`` (default: each segment's
-positions from 0) reach every mixing layer and the position embedding, pos_embed[positions], so
-a document's log-probabilities in a packed row are those of the document alone.
-
-Streams (``ModelConfig.streams``: ``position_embedding = "none"`` with causal AFT-simple or
-AFT-conv1d): no absolute position anywhere, the order of tokens coming from the causal sums
-(and AFT-conv1d's kernel, which is by lag), so T has no limit: such a model trains at
-``seq_len``, and scores and generates at any length, its decoding state (O(d) per layer for
-AFT-simple, the last ``kernel_size`` keys and values for AFT-conv1d) the same size at every
-position.
+"""A decoder-only language model whose token-mixing layer is chosen by name: ``ModelConfig`` and
+``TransformerLM`` (pre-LayerNorm blocks, mix then MLP; tied, plain or adaptive embeddings).
+Packed rows and streams (``ModelConfig.streams``): docs/long_sequences.md, docs/training.md.
 """
 
 from __future__ import annotations
@@ -37,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from aft_jax import adaptive
-from aft_jax import layers, ops
+from aft_jax import adaptive, layers, ops
 from aft_jax.typed_config import TypedConfig
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
@@ -67,20 +44,13 @@ def _kernel_init(cfg: ModelConfig, residual: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(TypedConfig):
-  """The language model's hyperparameters: the one place each model setting is defined.
-
-  ``config.model`` in a training config has exactly these fields but ``vocab_size``, which
-  comes from the data: the run config reads the rest once and fills it in
-  (``RunConfig.with_vocab``). ``problems()`` lists what is wrong (the run config asks, once per
-  run); the model itself checks nothing but its inputs' shapes.
-  """
+  """The model's settings, ``config.model`` (``vocab_size`` comes from the data). ``problems()``
+  is the run config's check of them; the model checks only its inputs."""
 
   WHERE = "model"
   OUTSIDE_TREE = ("vocab_size",)
-  # Keys added since the first release and the value a config without them ran with
-  # (``TypedConfig.as_written``): before 457a2e0 the ops had their XLA form only; before
-  # bdcc2f1 every model had biases, the tanh GELU and Glorot's initialisation with the tied
-  # output layer scaled by 1/sqrt(d_model), which ``init = 'glorot'`` is.
+  # Keys added since the first release: the value a config without them ran with
+  # (``TypedConfig.as_written``).
   ADDED = {
     "impl": ("457a2e0", "xla"),
     "init": ("bdcc2f1", "glorot"),
@@ -104,22 +74,15 @@ class ModelConfig(TypedConfig):
   dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
   dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
   param_dtype: Any = "float32"  # parameters (and optimizer state)
-  # The mixing layer's implementation. AFT: one of ops.IMPLS, chosen per op and device as the
-  # aft_jax.ops docstring says ("Implementations"). softmax: 'auto' (jax's choice: XLA), 'xla'
-  # or 'cudnn' (cuDNN flash attention: a GPU and bfloat16)
+  # The mixing layer's implementation: AFT one of ops.IMPLS; softmax layers.ATTENTION_IMPLS
   impl: str = "auto"
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
   tie_embeddings: bool = True  # the output layer is the transposed input embedding
-  # How the parameters start ("init_std" below). 'gpt2', as GPT-2 and nanoGPT: every dense
-  # kernel and the embeddings N(0, 0.02); the projections that add to the residual stream (each
-  # mixing layer's output and the MLP's second layer) N(0, 0.02 / sqrt(2 num_layers)), so that
-  # the stream's variance does not grow with depth; the tied output layer is the embedding as
-  # it is. 'glorot': Glorot-uniform kernels and an N(0, 1) embedding, scaled by 1/sqrt(d_model)
-  # on the way out when tied (Flax's lm1b). AFT's position biases keep the AFT paper's
-  # initialisation either way. The default: at nanoGPT's CPU recipe 'gpt2' trains the softmax
-  # baseline 0.16 nats lower after 500 steps (2.280 against 2.444; docs/training.md, "The
-  # softmax baseline").
+  # How the parameters start (``init_std``): 'gpt2' N(0, 0.02), the residual projections
+  # N(0, 0.02 / sqrt(2 num_layers)); 'glorot' Glorot-uniform, an N(0, 1) embedding scaled by
+  # 1/sqrt(d_model) when tied (lm1b). AFT's biases keep the paper's. docs/training.md, "The
+  # softmax baseline", says why 'gpt2' is the default.
   init: str = "gpt2"
   use_bias: bool = True  # biases in the LayerNorms and dense layers (nanoGPT's recipe: none)
   gelu_approximate: bool = True  # the MLP's GELU: the tanh approximation, or exact (erf)
@@ -182,16 +145,10 @@ class ModelConfig(TypedConfig):
         f"{self.key('d_model')} = {self.d_model} is not divisible by "
         f"{self.key('num_heads')} = {self.num_heads}"
       )
-    if self.mixing == "aft_local" and not 1 <= self.window <= self.max_len:
-      errors.append(
-        f"{self.key('window')} = {self.window} must be in [1, {self.key('max_len')} = "
-        f"{self.max_len}]"
-      )
-    if self.mixing == "aft_conv1d" and not 1 <= self.kernel_size <= self.max_len:
-      errors.append(
-        f"{self.key('kernel_size')} = {self.kernel_size} must be in [1, {self.key('max_len')} = "
-        f"{self.max_len}]"
-      )
+    for name, mixing in (("window", "aft_local"), ("kernel_size", "aft_conv1d")):
+      if self.mixing == mixing and not 1 <= getattr(self, name) <= self.max_len:
+        limit = f"[1, {self.key('max_len')} = {self.max_len}]"
+        errors.append(f"{self.key(name)} = {getattr(self, name)} must be in {limit}")
     if self.mixing == "softmax":
       problem = layers.attention_impl_problem(self.impl, self.dtype)
       if problem:
@@ -233,8 +190,8 @@ class ModelConfig(TypedConfig):
 
 
 def check_ids(name: str, ids, vocab_size: int) -> None:
-  """A one-line ValueError naming ``name``, the first id outside [0, ``vocab_size``) and the
-  vocabulary size where ``ids`` holds one; traced ids pass (the model gives NaN for them)."""
+  """A one-line ValueError naming ``name`` and the first id outside [0, ``vocab_size``); traced ids
+  pass (the model gives NaN for them)."""
   if isinstance(ids, jax.core.Tracer) or not np.size(ids):
     return
   ids = np.asarray(ids)
@@ -245,39 +202,27 @@ def check_ids(name: str, ids, vocab_size: int) -> None:
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
   """The causal mixing layer named by ``cfg.mixing``."""
-  common = dict(
-    causal=True,
-    dtype=cfg.dtype,
-    param_dtype=cfg.param_dtype,
-    name=name,
-    init_std=init_std(cfg),
-    out_init_std=init_std(cfg, residual=True),
-    use_bias=cfg.use_bias,
-  )
-  factor = cfg.factor_dim or None
-  aft = dict(common, impl=cfg.impl)
+  kw = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name, impl=cfg.impl)
+  kw.update(init_std=init_std(cfg), out_init_std=init_std(cfg, residual=True))
+  kw.update(use_bias=cfg.use_bias)
+  bias = dict(max_len=cfg.max_len, factor_dim=cfg.factor_dim or None)
   if cfg.mixing == "aft_full":
-    return layers.AFTFull(max_len=cfg.max_len, factor_dim=factor, **aft)
+    return layers.AFTFull(**bias, **kw)
   if cfg.mixing == "aft_local":
-    return layers.AFTLocal(max_len=cfg.max_len, factor_dim=factor, window=cfg.window, **aft)
+    return layers.AFTLocal(window=cfg.window, **bias, **kw)
   if cfg.mixing == "aft_simple":
-    return layers.AFTSimple(**aft)
+    return layers.AFTSimple(**kw)
   if cfg.mixing == "aft_conv1d":
-    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **aft)
+    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **kw)
   if cfg.mixing == "softmax":
-    return layers.MultiHeadAttention(
-      num_heads=cfg.num_heads, max_len=cfg.max_len, impl=cfg.impl, **common
-    )
+    return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **kw)
   raise ValueError(f"config.model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
 
 
 def gelu_exact(x):
-  """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2, as torch's ``nn.GELU()`` writes it: the
-  same function as ``nn.gelu(x, approximate=False)``, which jax writes with erfc, whose XLA:CPU
-  expansion is several times dearer than erf's rational approximation (with erfc, the dearest
-  element-wise work in a train step at nanoGPT's CPU recipe). The two differ by float32
-  rounding, and in the far negative tail (x < -5), where erf's form rounds the product to 0
-  where erfc's keeps a value below 1e-6."""
+  """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2 (torch's ``nn.GELU()``): ``nn.gelu(x,
+  approximate=False)`` up to rounding, without erfc, whose XLA:CPU expansion is several times
+  dearer."""
   return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
 
 
@@ -301,9 +246,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, packed=None):
-    # nn.scan calls a scanned block as (carry, input) -> (carry, output): the carry is x_BTD,
-    # the input ``packed`` (None, or the mixing's segment_ids and positions [B, T]) is the same
-    # for every layer (broadcast), and there is no per-layer output, hence the None below.
+    # Under nn.scan: (carry x_BTD, broadcast input ``packed``) -> (carry, no per-layer output).
     cfg = self.cfg
     drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
     h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode, **(packed or {}))
@@ -334,15 +277,10 @@ class TransformerLM(nn.Module):
   def _embeddings(self):
     """(embed(tokens) -> [B, T, D], head(h, targets) -> nll [B, T] or log-probs [B, T, V])."""
     cfg = self.cfg
+    dtypes = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     if cfg.adaptive_cutoffs:
-      kw = dict(
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.d_model,
-        cutoffs=cfg.adaptive_cutoffs,
-        factor=cfg.adaptive_factor,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-      )
+      kw = dict(cutoffs=cfg.adaptive_cutoffs, factor=cfg.adaptive_factor, **dtypes)
+      kw.update(vocab_size=cfg.vocab_size, d_model=cfg.d_model)
       inp = adaptive.AdaptiveInput(**kw, name="adaptive_input")
       tie_to = inp if cfg.tie_embeddings else None
       out = adaptive.AdaptiveSoftmax(**kw, tie_to=tie_to, name="adaptive_softmax")
@@ -351,32 +289,16 @@ class TransformerLM(nn.Module):
         return out.log_probs(h_BTD) if targets_BT is None else out.nll(h_BTD, targets_BT)
 
       return inp, head
-    embed = nn.Embed(
-      cfg.vocab_size,
-      cfg.d_model,
-      dtype=cfg.dtype,
-      param_dtype=cfg.param_dtype,
-      name="embed",
-      embedding_init=nn.with_logical_partitioning(
-        nn.initializers.normal(stddev=init_std(cfg) or 1.0), ("vocab", "embed")
-      ),
-    )
-    # Tied, 'glorot': the N(0, 1) embedding is scaled by 1/sqrt(d_model) on the way out (as in
-    # Flax's lm1b), so initial logits are O(1); 'gpt2': the N(0, 0.02) embedding as it is.
+    normal = nn.initializers.normal(stddev=init_std(cfg) or 1.0)
+    init = nn.with_logical_partitioning(normal, ("vocab", "embed"))
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, **dtypes, name="embed", embedding_init=init)
+    # Tied, 'glorot': the N(0, 1) embedding scaled so that initial logits are O(1).
     scale = 1.0 if cfg.init == "gpt2" else 1.0 / cfg.d_model**0.5
     tied = lambda h_BTD: embed.attend(h_BTD) * jnp.asarray(scale, h_BTD.dtype)
-    unembed = (
-      tied
-      if cfg.tie_embeddings
-      else nn.Dense(
-        cfg.vocab_size,
-        use_bias=False,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        name="unembed",
-        kernel_init=nn.with_logical_partitioning(_kernel_init(cfg), ("embed", "vocab")),
-      )
-    )
+    unembed = tied
+    if not cfg.tie_embeddings:
+      init = nn.with_logical_partitioning(_kernel_init(cfg), ("embed", "vocab"))
+      unembed = nn.Dense(cfg.vocab_size, use_bias=False, **dtypes, name="unembed", kernel_init=init)
 
     def head(h_BTD, targets_BT):
       logits_BTV = unembed(h_BTD).astype(jnp.float32)
@@ -407,8 +329,7 @@ class TransformerLM(nn.Module):
     return x_BTD
 
   def _packed(self, tokens_BT, segment_ids_BT, positions_BT, decode):
-    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]`` (positions by
-    default each segment's from 0); a ValueError for a bad shape or dtype, or with decode."""
+    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]``."""
     if segment_ids_BT is None and positions_BT is None:
       return None
     if decode:
@@ -432,9 +353,8 @@ class TransformerLM(nn.Module):
     return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}
 
   def _position_embedding(self, t_len: int, start, packed):
-    """The learned position embedding of the tokens: rows start .. start + T - 1 (decoding;
-    ``start`` traced), each token's position's (packed rows), or rows 0 .. T - 1; ``[T, D]`` or
-    ``[B, T, D]`` in the compute dtype."""
+    """Rows start .. start + T - 1 (decoding), each token's position's (packed rows), or
+    0 .. T - 1 of the learned position embedding."""
     cfg = self.cfg
     pos_embed = self.param(
       "pos_embed",
@@ -466,18 +386,10 @@ class TransformerLM(nn.Module):
   ):
     """Per-token NLL ``[B, T]`` (float32) given targets, else log-probabilities ``[B, T, V]``.
 
-    ``segment_ids`` int ``[B, T]``: packed rows, each segment (a run of one id) a document that
-    sees only itself, in every mixing layer; ``positions`` int ``[B, T]``: the position of each
-    token in its document (default: from 0 at each segment's start), the row of the position
-    embedding and of AFT-full/local's bias w (positions >= max_len read no row: NaN, as a traced
-    index cannot raise). ``train`` enables dropout (needs a "dropout" rng); ``decode`` runs one
-    step of incremental decoding on ``tokens [B, 1]`` with a "cache" collection (see
-    ``aft_jax.decode``), or, for the ``CHUNKED`` mixings, a chunk ``[B, T]`` in one parallel
-    pass (a prompt's prefill).
-
-    A token or target id outside [0, vocab_size) is a ValueError (``check_ids``) where the ids
-    are concrete; traced (under jit) its NLL, or its position's log-probabilities and those of
-    every position that sees it, are NaN, never another id's.
+    ``segment_ids``, ``positions`` int ``[B, T]``: packed rows (each run of one id a document;
+    positions default to each one's from 0; past max_len: NaN). ``train``: dropout. ``decode``:
+    one step on ``tokens [B, 1]`` with a "cache" collection, or a prompt chunk (``CHUNKED``).
+    An id outside [0, vocab_size): a ValueError where concrete, NaN under jit (never another's).
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]

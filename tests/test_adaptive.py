@@ -1,4 +1,4 @@
-"""Tests for aft_jax.adaptive (adaptive input + adaptive softmax)."""
+"""aft_jax.adaptive: adaptive input and adaptive softmax."""
 
 from functools import partial
 
@@ -17,9 +17,8 @@ from tests.support.helpers import param_count
 V, D, CUT = 50, 16, (10, 25)
 
 
-@partial(jax.jit, static_argnames=("module", "method"))
+@partial(jax.jit, static_argnames=("module", "method"))  # eager calls recompile the scan each time
 def _apply(module, variables, *args, method="__call__"):
-  # Jit every apply: eager calls would re-trace and re-compile the lax.scan each time.
   return module.apply(variables, *args, method=method)
 
 
@@ -125,10 +124,7 @@ def test_compiled_memory_no_full_logits(cutoffs):
   assert bwd < dense_bytes / 4, (bwd, dense_bytes)  # remat: backward doesn't store chunks
 
 
-# ----------------------------------------------------------------------------- input
-
-
-def test_adaptive_input_shapes_and_values():
+def test_adaptive_input_values_and_the_axis_names():
   ai = AdaptiveInput(V, D, CUT)
   ids = jnp.arange(V).reshape(5, 10)
   v = ai.init(jax.random.key(0), ids)
@@ -148,31 +144,19 @@ def test_adaptive_input_shapes_and_values():
   dists = np.linalg.norm(out[:, None] - out[None], axis=-1) + np.eye(V)
   assert dists.min() > 1e-4
   assert ai.apply(v, ids).dtype == jnp.float32
-  bf = AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids)
-  assert bf.dtype == jnp.bfloat16
-
-
-def test_adaptive_input_single_cluster():
-  ai = AdaptiveInput(V, D, [])
-  v = ai.init(jax.random.key(0), jnp.arange(V))
-  assert set(nn.unbox(v)["params"]) == {"embed_0"}
-  np.testing.assert_array_equal(ai.apply(v, jnp.arange(V)), nn.unbox(v)["params"]["embed_0"])
-
-
-def test_logical_axis_names():
-  v = AdaptiveInput(V, D, CUT).init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
+  assert AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids).dtype == jnp.bfloat16
   specs = nn.get_partition_spec(v)["params"]
   assert tuple(specs["embed_0"]) == ("vocab", "embed")
   assert tuple(specs["embed_2"]) == ("vocab", "embed_small")
   assert tuple(specs["proj_1"]) == ("embed_small", "embed")
-  sm, v, _, _ = _setup_softmax()
-  specs = nn.get_partition_spec(v)["params"]
+  one = AdaptiveInput(V, D, [])  # a single cluster: a plain embedding
+  v = one.init(jax.random.key(0), jnp.arange(V))
+  assert set(nn.unbox(v)["params"]) == {"embed_0"}
+  np.testing.assert_array_equal(one.apply(v, jnp.arange(V)), nn.unbox(v)["params"]["embed_0"])
+  specs = nn.get_partition_spec(_setup_softmax()[1])["params"]
   assert tuple(specs["cluster_logits"]) == ("cluster", "embed")
   assert tuple(specs["head_embed"]) == ("vocab", "embed")
   assert tuple(specs["tail_proj_2"]) == ("embed_small", "embed")
-
-
-# ----------------------------------------------------------------------------- tying
 
 
 class _TinyLM(nn.Module):
@@ -209,15 +193,10 @@ def test_tying_shares_params(cutoffs):
 
   # Tied == untied with the softmax's tables set to the input's.
   pt = nn.unbox(vt)["params"]
-  emb = pt["embed"]
-  pu = dict(pt)
-  out = dict(pt.get("out", {}))
-  out["head_embed"] = emb["embed_0"]
+  emb, out = pt["embed"], dict(pt.get("out", {}), head_embed=pt["embed"]["embed_0"])
   for i in range(1, len(cutoffs) + 1):
-    out[f"tail_embed_{i}"] = emb[f"embed_{i}"]
-    out[f"tail_proj_{i}"] = emb[f"proj_{i}"]
-  pu["out"] = out
-  lp = _apply(untied, {"params": pu}, ids, method="log_probs")
+    out[f"tail_embed_{i}"], out[f"tail_proj_{i}"] = emb[f"embed_{i}"], emb[f"proj_{i}"]
+  lp = _apply(untied, {"params": dict(pt, out=out)}, ids, method="log_probs")
   np.testing.assert_allclose(_apply(tied, vt, ids, method="log_probs"), lp, rtol=1e-5, atol=1e-5)
   ref = -jnp.take_along_axis(lp, tgt[..., None], axis=-1).mean()
 
@@ -227,9 +206,6 @@ def test_tying_shares_params(cutoffs):
   np.testing.assert_allclose(loss, ref, rtol=1e-5)
   chex.assert_tree_all_finite(g)
   assert float(jnp.abs(g["embed"]["embed_0"]).sum()) > 0
-
-
-# ----------------------------------------------------------------------------- validation
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,9 @@
-"""aft_jax.layers: shapes, dtypes, the paper's equations (float64 reference), causality,
-logical axis names and input validation.
-
-Sizes are tiny and every module is compiled a handful of times at most: the compiled apply
-functions are cached per (module, input shape) in ``_jit_apply``; params are random values
-filled into ``jax.eval_shape(module.init)`` (compiling ``init`` costs as much as the layer), so
-only the tests of initial values compile ``init``.
-"""
+"""aft_jax.layers: shapes, dtypes, the paper's equations (float64 reference), causality, logical
+axis names, bad input. Random params fill ``jax.eval_shape(module.init)``: only the tests of
+initial values compile ``init``."""
 
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -58,7 +54,6 @@ def _x(shape, seed=0):
 
 
 def _perturb(params, seed=1):
-  """Make every position bias / conv gamma, beta clearly non-zero (they start at 0 or ~1e-2)."""
   rng = np.random.default_rng(seed)
 
   def f(path, p):
@@ -71,11 +66,7 @@ def _perturb(params, seed=1):
 
 
 def _params(module, shape, seed=0):
-  """Random params of the module's structure (every bias, gamma and beta non-zero).
-
-  Compiling ``init`` costs as much as compiling the layer; only the tests of initial values
-  do that (``_init``).
-  """
+  """Random params of the module's structure (every bias, gamma and beta non-zero)."""
   rng = np.random.default_rng(seed)
   struct = nn.unbox(abstract_init(module, shape))["params"]
 
@@ -98,7 +89,6 @@ def _np(a):
 
 
 def _dense_np(x, p, in_axes=1):
-  """DenseGeneral: contract the last ``in_axes`` axes of x with the first of the kernel."""
   k = _np(p["kernel"])
   xs = list(range(x.ndim - in_axes, x.ndim))
   return np.tensordot(_np(x), k, axes=(xs, list(range(in_axes)))) + _np(p["bias"])
@@ -120,7 +110,6 @@ def _bias_np(p, t_len):
 
 
 def _expected(name, module, params, x):
-  """The module's output computed from its own params with the float64 loop reference."""
   if name == "aft_conv2d" or name == "aft_conv1d":
     q, v = _dense_np(x, params["query"]), _dense_np(x, params["value"])
     k = _dense_np(x, params["key"])
@@ -157,9 +146,7 @@ def _mha_np(params, x, causal):
 
 
 def test_shapes_and_dtypes_for_leading_batch_dims():
-  """[..., T, d_model] -> [..., T, d_model] for any leading dims; bfloat16 compute with float32
-  params returns bfloat16 and keeps the params float32. (Traced with eval_shape; the numbers of
-  the [2, ...] case are checked against the reference below.)"""
+  """Any leading dims; bfloat16 compute with float32 params returns bfloat16."""
   for causal, dtype in [(False, jnp.float32), (False, jnp.bfloat16), (True, jnp.bfloat16)]:
     for name, module in _modules(causal, dtype).items():
       variables = abstract_init(module, _input_shape(name), dtype)
@@ -169,21 +156,14 @@ def test_shapes_and_dtypes_for_leading_batch_dims():
         shape = _input_shape(name, lead)
         y = jax.eval_shape(module.apply, variables, jax.ShapeDtypeStruct(shape, dtype))
         assert y.shape == shape and y.dtype == dtype, (name, causal, lead, y)
-
-
-def test_bfloat16_compute_is_close_to_float32():
-  f32 = _modules(causal=True)
-  for name, module in _modules(causal=True, dtype=jnp.bfloat16).items():
-    shape = _input_shape(name)
-    params = _params(module, shape)
-    x = _x(shape)
-    y = _jit_apply(module)({"params": params}, x.astype(jnp.bfloat16))
-    assert y.dtype == jnp.bfloat16, (name, y.dtype)
-    y32 = _jit_apply(f32[name])({"params": params}, x)
-    chex.assert_tree_all_finite(y)
-    chex.assert_trees_all_close(
-      y.astype(jnp.float32), y32, atol=0.15, rtol=0.05, custom_message=name
-    )
+      if causal:  # and close to float32
+        params, x = _params(module, _input_shape(name)), _x(_input_shape(name))
+        y = _jit_apply(module)({"params": params}, x.astype(jnp.bfloat16))
+        assert y.dtype == jnp.bfloat16, (name, y.dtype)
+        y32 = _jit_apply(_modules(causal=True)[name])({"params": params}, x)
+        chex.assert_tree_all_finite(y)
+        y = y.astype(jnp.float32)
+        chex.assert_trees_all_close(y, y32, atol=0.15, rtol=0.05, custom_message=name)
 
 
 # ---------------------------------------------------------------- the paper's equations
@@ -191,24 +171,18 @@ def test_bfloat16_compute_is_close_to_float32():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_numpy_reference(causal):
-  """Each module equals the float64 reference applied to its own q, k, v and bias; T = 6 is
-  shorter than max_len = 8, so the top-left block of w is the one used."""
+  """T = 6 < max_len = 8: the top-left block of w is the one used."""
   for name, module in _modules(causal).items():
-    if name == "mha":
-      continue
     shape = _input_shape(name)
     params = _params(module, shape, seed=3)
     x = _x(shape, seed=4)
     y = _jit_apply(module)({"params": params}, x)
     assert y.shape == x.shape
-    chex.assert_trees_all_close(
-      y, _expected(name, module, params, x), rtol=RTOL, atol=ATOL, custom_message=name
-    )
+    want = _mha_np(params, x, causal) if name == "mha" else _expected(name, module, params, x)
+    chex.assert_trees_all_close(y, want, rtol=RTOL, atol=ATOL, custom_message=name)
 
 
 def test_reference_depends_on_bias_block():
-  """The top-left block (not some other block) of w is used: changing w outside it is a no-op,
-  changing it inside is not."""
   module = layers.AFTFull(max_len=MAX_LEN, causal=False)
   params = _params(module, (2, T, D))
   x = _x((2, T, D))
@@ -218,15 +192,6 @@ def test_reference_depends_on_bias_block():
   chex.assert_trees_all_close(_jit_apply(module)({"params": outside}, x), y)
   inside = dict(params, pos_bias=params["pos_bias"].at[0, 1].add(5.0))
   assert np.abs(_jit_apply(module)({"params": inside}, x) - y).max() > 1e-3
-
-
-def test_mha_causal_equals_einsum_softmax_attention():
-  for causal in (True, False):
-    module = layers.MultiHeadAttention(num_heads=HEADS, max_len=MAX_LEN, causal=causal)
-    params = _params(module, (2, T, D), seed=5)
-    x = _x((2, T, D), seed=6)
-    y = _jit_apply(module)({"params": params}, x)
-    chex.assert_trees_all_close(y, _mha_np(params, x, causal), rtol=RTOL, atol=ATOL)
 
 
 # ---------------------------------------------------------------- initialisation
@@ -255,7 +220,6 @@ def test_aft_full_bias_init():
 
 
 def _simple_one_key_per_head(params, x, causal, spatial):
-  """AFT-simple with the head's key broadcast to its channels (flattened positions)."""
   q = _dense_np(x, params["query"])  # [..., *S, H, C]
   v = _dense_np(x, params["value"])
   k = _dense_np(x, params["key"])[..., None] * np.ones(q.shape[-1])
@@ -370,10 +334,8 @@ def test_every_param_has_logical_axis_names():
   ],
 )
 def test_every_layer_initialises_under_a_mesh(mesh_shape, shape):
-  """Under a mesh (the trainer traces in one where ``mesh.sequence > 1``) every parameter's
-  logical names constrain it as it is created: DenseGeneral creates multi-axis kernels flat
-  ([d_model, H * C]), which three names do not fit, unless they go on the reshaped value. The
-  causal layers also run their op per sequence shard there; the values are those of no mesh."""
+  """Logical names fit the parameters as created (DenseGeneral's flat kernels reshaped first),
+  the causal layers' ops run per sequence shard, and the values are those of no mesh."""
   from aft_jax import sharding
 
   mesh = jax.sharding.AbstractMesh(mesh_shape, sharding.MESH_AXES)
@@ -397,35 +359,44 @@ def _raises(module, shape, match, **kw):
     abstract_init(module, shape, **kw)
 
 
-def test_bad_input_raises_value_error():
-  _raises(layers.AFTFull(max_len=4), (1, 6, D), r"T = 6 exceeds max_len = 4")
-  _raises(layers.AFTLocal(max_len=4, window=2), (1, 5, D), r"max_len = 4")
-  _raises(layers.AFTLocal(max_len=8, window=0), (1, 4, D), r"window")
-  _raises(layers.AFTLocal(max_len=8, window=-1, causal=True), (1, 4, D), r"window")
-  _raises(layers.AFTConv1D(num_heads=2, kernel_size=4), (1, 4, D), r"kernel_size.*4")
-  _raises(layers.AFTConv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"kernel_size")
-  _raises(layers.AFTConv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"kernel_size")
-  _raises(layers.AFTConv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"kernel_size")
-  for mod in (
-    layers.AFTConv1D(num_heads=3),
-    layers.AFTConv2D(num_heads=3, kernel_size=3),
-    layers.MultiHeadAttention(num_heads=3),
-  ):
-    shape = (1, 3, 3, D) if isinstance(mod, layers.AFTConv2D) else (1, 4, D)
-    _raises(mod, shape, rf"d_model = {D}.*num_heads = 3")
+BAD = [  # (module, input shape, the first line of the message, decode): the op's where it has one
+  (layers.AFTFull(max_len=4), (1, 6, D), r"AFTFull: sequence length T = 6 exceeds max_len = 4"),
+  (layers.AFTLocal(max_len=4, window=2), (1, 5, D), r"AFTLocal: .* exceeds max_len = 4"),
+  (layers.AFTLocal(max_len=8, window=0), (1, 4, D), r"aft_local: window must be .* >= 1, got 0"),
+  (layers.AFTLocal(max_len=8, window=-1, causal=True), (1, 4, D), r"aft_local: window .* got -1"),
+  (layers.AFTLocal(window=0, causal=True), (1, 1, D), r"AFTLocal: window .* got 0", True),
+  (layers.AFTConv1D(num_heads=2, kernel_size=4), (1, 4, D), r"aft_conv1d: .*odd .*kernel \(2, 4\)"),
+  (layers.AFTConv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"AFTConv1D: kernel_size"),
+  (layers.AFTConv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"aft_conv2d: .*\(2, 3, 4\)"),
+  (layers.AFTConv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"aft_conv2d: kernel sizes .*odd"),
+  (layers.AFTConv2D(num_heads=2, kernel_size=(3,)), (1, 3, 3, D), r"AFTConv2D: kernel_size"),
+  (layers.AFTConv2D(num_heads=2), (3, D), r"aft_conv2d: expected q, v \[\.\.\., Ht, Wd, H, C\]"),
+  (layers.AFTConv1D(num_heads=3), (1, 4, D), rf"AFTConv1D: d_model = {D}.*num_heads = 3"),
+  (layers.AFTConv2D(num_heads=3, kernel_size=3), (1, 3, 3, D), r"AFTConv2D: d_model = 8.*= 3"),
+  (layers.MultiHeadAttention(num_heads=3), (1, 4, D), r"MultiHeadAttention: d_model = 8.*= 3"),
+]
+
+
+@pytest.mark.parametrize(
+  "module, shape, first_line, decode", [b + (False,) * (4 - len(b)) for b in BAD]
+)
+def test_bad_input_is_a_one_line_value_error(module, shape, first_line, decode):
+  with pytest.raises(ValueError) as e:
+    abstract_init(module, shape, **({"decode": True} if decode else {}))
+  assert re.fullmatch(first_line + ".*", str(e.value).splitlines()[0]), str(e.value)
+
+
+def test_decode_and_rank_are_checked_by_every_layer():
   for name, mod in _modules(causal=False).items():
     if name != "aft_conv2d":
       _raises(mod, (2, 1, D), r"decode=True needs causal=True", decode=True)
-    want = r"x must be \[\.\.\., Ht, Wd, d_model\]" if name == "aft_conv2d" else r"x must be"
-    _raises(mod, (D,), rf"{type(mod).__name__}: {want}.*got x \({D},\)")  # no T
+      _raises(mod, (D,), rf"{type(mod).__name__}: x must be.*got x \({D},\)")  # no T
   for name, mod in _modules(causal=True).items():
     if not getattr(mod, "chunks", False):  # the recurrent layers take prompt chunks
       _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)
 
 
 def test_attention_impl_is_passed_on_or_refused(monkeypatch):
-  """MultiHeadAttention's impl reaches jax.nn.dot_product_attention ("auto": jax's choice);
-  cuDNN off a GPU, cuDNN in float32 and unknown names are ValueErrors, not a quiet XLA run."""
   bf16 = dict(num_heads=2, causal=True, dtype=jnp.bfloat16)
   _raises(layers.MultiHeadAttention(impl="cudnn", **bf16), (1, 4, D), r"cudnn.*not the 'cpu'")
   _raises(layers.MultiHeadAttention(impl="flash", **bf16), (1, 4, D), r"takes impl 'auto'")

@@ -1,14 +1,10 @@
-"""aft_jax.model: parameter counts, normalisation, decode == forward for every mixing layer,
-scan == unrolled, remat, dropout, config validation and the adaptive input/softmax.
-
-Each test compiles one jitted function that does all of its comparisons, so a mixing layer is
-compiled once per test, not once per assertion. Params come from ``jax.eval_shape(init)`` filled
-with random values (compiling ``init`` costs as much as compiling the model), so position
-biases and AFT-conv's gamma/beta are non-zero.
-"""
+"""aft_jax.model: parameter counts, decode == forward == scan, remat, dropout, config problems,
+ids, packed rows and initialisation; one jitted function per test, random params (non-zero
+biases) filled into ``jax.eval_shape(init)``."""
 
 import dataclasses
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -21,17 +17,8 @@ from aft_jax import model as M
 from tests.support.helpers import abstract_init, param_count
 
 B, T, V = 2, 10, 17
-BASE = M.ModelConfig(
-  vocab_size=V,
-  max_len=12,
-  num_layers=2,
-  d_model=8,
-  num_heads=2,
-  mlp_dim=16,
-  window=3,
-  kernel_size=3,
-  dropout_rate=0.0,
-)
+BASE = M.ModelConfig(vocab_size=V, max_len=12, num_layers=2, d_model=8, num_heads=2, mlp_dim=16,
+                     window=3, kernel_size=3, dropout_rate=0.0)  # fmt: skip
 
 
 def _cfg(**kw):
@@ -51,13 +38,10 @@ def _params(cfg, seed=0):
   rng = np.random.default_rng(seed)
 
   def f(path, s):
-    name = path[-1].key
-    if name == "scale":
-      x = 1.0 + 0.1 * rng.normal(size=s.shape)
-    elif name in ("pos_bias", "gamma", "beta"):
-      x = rng.normal(size=s.shape)
-    else:
-      x = 0.4 * rng.normal(size=s.shape)
+    name, x = path[-1].key, rng.normal(size=s.shape)
+    x = (
+      1.0 + 0.1 * x if name == "scale" else x if name in ("pos_bias", "gamma", "beta") else 0.4 * x
+    )
     return jnp.asarray(x, s.dtype)
 
   return jax.tree_util.tree_map_with_path(f, nn.unbox(_abstract(cfg))["params"])
@@ -123,9 +107,8 @@ def test_param_count_shapes_and_axis_names(mixing):
   # bfloat16 compute keeps float32 params and float32 outputs.
   cfg = _cfg(mixing=mixing, dtype=jnp.bfloat16)
   variables = _abstract(cfg)
-  assert {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))} == {
-    jnp.dtype(jnp.float32)
-  }
+  dtypes = {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))}
+  assert dtypes == {jnp.dtype(jnp.float32)}
   nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
   assert nll.dtype == jnp.float32
 
@@ -134,8 +117,7 @@ def test_param_count_shapes_and_axis_names(mixing):
 
 
 def _decode_all(model, params, tokens, cache=None):
-  """Log-probs [B, T, V] from decoding one token at a time (decode=True, a "cache"; a fresh one
-  unless given)."""
+  """Log-probs [B, T, V] from decoding one token at a time (a fresh cache unless given)."""
   if cache is None:
     cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
 
@@ -150,8 +132,7 @@ def _decode_all(model, params, tokens, cache=None):
 
 
 def _prefill_then_decode(model, params, tokens, n):
-  """Log-probs [B, T, V]: the first n tokens as one chunk (decode=True, the prefill), then
-  one token at a time from the cache the chunk left."""
+  """Log-probs [B, T, V]: the first n tokens as one chunk (the prefill), then one at a time."""
   cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
   logp_chunk, mut = model.apply(
     {"params": params, "cache": cache}, tokens[:, :n], decode=True, mutable=["cache"]
@@ -162,11 +143,6 @@ def _prefill_then_decode(model, params, tokens, n):
 def _stream_tokens(cfg) -> tuple[int, int]:
   """The tokens' shape [B, T] a decode case runs: T = 8 x max_len for a stream."""
   return (B, 8 * cfg.max_len) if cfg.streams else (B, T)
-
-
-def _with_nll(cfg):
-  """The NLL path depends only on the output head: check it for the plain and adaptive one."""
-  return cfg.mixing == "aft_simple"
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -181,7 +157,7 @@ def _all_paths(cfg, params, tokens, targets):
     dec=_decode_all(unrolled, params, tokens),
     dec_scan=_decode_all(scanned, stacked, tokens),
   )
-  if _with_nll(cfg):
+  if cfg.mixing == "aft_simple":  # the NLL path depends only on the head: plain and adaptive
     out["nll"] = unrolled.apply({"params": params}, tokens, targets)
   if cfg.mixing in M.CHUNKED:  # a prompt of 6 in one pass (T = 10 > window: the ring wraps)
     out["prefill"] = _prefill_then_decode(unrolled, params, tokens, 6)
@@ -205,7 +181,7 @@ DECODE_CASES = [
     tie_embeddings=False,
     d_model=16,
     max_len=10,
-  ),
+  ),  # fmt: skip
 ]
 
 
@@ -224,13 +200,9 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   chex.assert_tree_all_finite(out)
   # Normalised, and the NLL is minus the target's log-probability.
   chex.assert_trees_all_close(jax.scipy.special.logsumexp(fwd, axis=-1), np.zeros(shape), atol=1e-5)
-  if _with_nll(cfg):
-    chex.assert_trees_all_close(
-      out["nll"],
-      -np.take_along_axis(fwd, np.asarray(targets)[..., None], -1)[..., 0],
-      rtol=1e-5,
-      atol=1e-5,
-    )
+  if "nll" in out:
+    want = -np.take_along_axis(fwd, np.asarray(targets)[..., None], -1)[..., 0]
+    chex.assert_trees_all_close(out["nll"], want, rtol=1e-5, atol=1e-5)
     assert out["nll"].shape == shape
   # The model really mixes positions: log-probs differ along T (not a bag of unigrams).
   assert np.abs(np.diff(fwd, axis=1)).max() > 1e-2
@@ -238,25 +210,14 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   for key in ("fwd_scan", "dec", "dec_scan", "prefill"):
     if key in out:
       chex.assert_trees_all_close(out[key], fwd, rtol=1e-4, atol=1e-4, custom_message=key)
-  if cfg.streams:
-    # No length limit: 8 x max_len tokens decoded one step at a time (a state that does not
-    # grow: the scan's carry), or after a prefill chunk longer than max_len, give the
-    # log-probabilities of one forward pass within 1e-5 of the largest; and there is no
-    # position embedding to read past its end.
+  if cfg.streams:  # no length limit: 8 x max_len tokens, within 1e-5 of the largest
     assert cfg.problems() == [] and cfg.length_limit is None and "pos_embed" not in params
     for key in ("dec", "dec_scan", "prefill"):
       assert np.abs(out[key] - fwd).max() <= 1e-5 * np.abs(fwd).max(), key
-
-
-def test_decode_changes_with_history():
-  """Decoding is not position-blind: the log-probs at step t depend on earlier tokens."""
-  cfg = _cfg(mixing="aft_local", factor_dim=3)
-  params = _params(cfg, seed=2)
-  a = _tokens(3)
-  b = a.at[:, 0].set((a[:, 0] + 1) % V)
-  out_a = _all_paths(cfg, params, a, a)
-  out_b = _all_paths(cfg, params, b, b)
-  assert np.abs(out_a["dec"][:, -1] - out_b["dec"][:, -1]).max() > 1e-4
+  if cfg.mixing == "aft_local":  # decoding is not position-blind: step t sees earlier tokens
+    other = tokens.at[:, 0].set((tokens[:, 0] + 1) % V)
+    dec_other = _all_paths(cfg, params, other, targets)["dec"]
+    assert np.abs(out["dec"][:, -1] - dec_other[:, -1]).max() > 1e-4
 
 
 # ---------------------------------------------------------------- remat
@@ -267,12 +228,10 @@ def test_remat_does_not_change_loss_or_gradients():
   params = _params(cfg, seed=5)
   tokens, targets = _tokens(6), _tokens(7)
 
-  variants = [(False, False), (True, False), (True, True)]  # (remat, scan_layers)
-
   @jax.jit
   def losses_and_grads(params):
     out = {}
-    for remat, scan in variants:
+    for remat, scan in [(False, False), (True, False), (True, True)]:
       model = M.TransformerLM(dataclasses.replace(cfg, remat=remat, scan_layers=scan))
       p = _stack(params, cfg.num_layers) if scan else params
       loss = lambda p: model.apply({"params": p}, tokens, targets).mean()
@@ -345,29 +304,41 @@ def test_dropout():
     (dict(mixing="softmax", position_embedding="none"), "not config.model.mixing = 'softmax'"),
   ],
 )
-def test_problems_name_the_field(kw, field):
-  """The model's settings are checked once, with the run config (``RunConfig.from_tree``):
-  ``problems()`` names each bad one by its config key; the model itself checks no config."""
+def test_problems_name_the_field(kw, field):  # the run config's check of the model's settings
   problems = _cfg(**kw).problems()
   assert problems and all(p.startswith("config.model.") for p in problems), problems
   assert any(field in p for p in problems), problems
 
 
-def test_good_configs_have_no_problems_and_bad_token_shapes_raise():
+def test_good_configs_have_no_problems_and_a_stream_takes_any_length():
   for mixing in M.MIXINGS:
     assert _cfg(mixing=mixing).problems() == []
-  model = M.TransformerLM(_cfg(mixing="aft_simple"))
-  variables = _abstract(_cfg(mixing="aft_simple"))
-  with pytest.raises(ValueError, match=r"tokens \(2, 13\) are longer than max_len = 12"):
-    jax.eval_shape(model.apply, variables, _tokens(0, (2, 13)))
   stream = M.TransformerLM(_cfg(mixing="aft_simple", position_embedding="none"))
   long = jax.eval_shape(stream.apply, _abstract(stream.cfg), _tokens(0, (2, 13)))  # no limit
   assert long.shape == (2, 13, V)
-  with pytest.raises(ValueError, match=r"targets \(2, 9\) must match tokens \(2, 10\)"):
-    jax.eval_shape(model.apply, variables, _tokens(), _tokens(0, (2, 9)))
-  softmax = M.TransformerLM(_cfg(mixing="softmax"))  # no chunks: one token at a time
-  with pytest.raises(ValueError, match=r"decode=True takes tokens \[B, 1\]"):
-    jax.eval_shape(functools.partial(softmax.init, decode=True), jax.random.key(0), _tokens())
+
+
+_SEG = jnp.asarray([[1] * 4 + [2] * 4 + [0] * 2], jnp.int32)
+_SHORT, _FLOAT = _SEG[:, :4], _SEG.astype(jnp.float32)
+BAD_INPUTS = [  # (mixing, tokens, targets, keyword arguments, the message)
+  ("aft_simple", (2, 13), None, {}, r"tokens \(2, 13\) are longer than max_len = 12"),
+  ("aft_simple", (2, 10), (2, 9), {}, r"targets \(2, 9\) must match tokens \(2, 10\)"),
+  ("softmax", (2, 10), None, dict(decode=True), r"decode=True takes tokens \[B, 1\]"),  # no chunks
+  ("aft_simple", (1, 10), None, dict(segment_ids=_SHORT), r"segment_ids .* \[B, T\] = \(1, 10\)"),
+  ("aft_simple", (1, 10), None, dict(segment_ids=_FLOAT), "segment_ids must be int"),
+  ("aft_simple", (1, 10), None, dict(positions=_SEG), "positions need segment_ids"),
+  ("aft_simple", (1, 1), None, dict(segment_ids=_SEG[:, :1], decode=True), "not decode=True"),
+]
+
+
+@pytest.mark.parametrize("mixing, tokens, targets, kw, message", BAD_INPUTS)
+def test_bad_inputs_are_one_line_value_errors(mixing, tokens, targets, kw, message):
+  model = M.TransformerLM(_cfg(mixing=mixing))
+  args = (_tokens(0, tokens),) + (() if targets is None else (_tokens(0, targets),))
+  init = functools.partial(model.init, **kw)
+  with pytest.raises(ValueError) as e:
+    jax.eval_shape(init, jax.random.key(0), *args)
+  assert re.search(message, str(e.value).splitlines()[0]), str(e.value)
 
 
 ID_CONFIGS = {
@@ -382,9 +353,8 @@ BAD_IDS = [("tokens", -1), ("tokens", V), ("targets", -100), ("targets", -1), ("
 
 @pytest.mark.parametrize("kind", ID_CONFIGS)
 def test_ids_outside_the_vocabulary_are_one_line_errors_or_nan_never_another_ids(kind):
-  """Concrete ids: a ValueError naming the argument, the id and V. Traced (jit): the bad
-  token's position and the positions after it (causal), or the bad target's NLL, are NaN; the
-  rest is what valid ids give."""
+  """Concrete: a ValueError naming the argument, the id and V. Under jit: NaN from the bad token
+  on (causal), or the bad target's NLL; the rest as valid ids give."""
   model = M.TransformerLM(ID_CONFIGS[kind])
   params = _params(model.cfg)
   tokens, targets = _tokens(1), _tokens(2)
@@ -430,8 +400,6 @@ PACK_CASES = [
   "cfg", PACK_CASES, ids=[c.mixing + ("_scan" if c.scan_layers else "") for c in PACK_CASES]
 )
 def test_packed_row_equals_each_document_alone(cfg):
-  """Log-probs of each document in a packed row, and the gradient of the documents' summed NLL,
-  equal those of the documents run alone (whatever the other document and the pads hold)."""
   params = _params(dataclasses.replace(cfg, scan_layers=False), seed=11)
   if cfg.scan_layers:
     params = _stack(params, cfg.num_layers)
@@ -468,9 +436,7 @@ def test_packed_row_equals_each_document_alone(cfg):
   np.testing.assert_allclose(out["other"][0, 4:8], out["packed"][0, 4:8], rtol=1e-5, atol=1e-5)
 
 
-def test_packed_positions_given_and_bad_packing_arguments():
-  """Explicit positions equal the default (each segment's from 0) where they agree, and shift
-  the position embedding where they do not; bad shapes, dtypes and decode are refused."""
+def test_packed_positions_given_shift_the_position_embedding():
   cfg = _cfg(mixing="aft_simple", num_layers=1)
   params = {"params": _params(cfg, seed=14)}
   model = M.TransformerLM(cfg)
@@ -486,17 +452,9 @@ def test_packed_positions_given_and_bad_packing_arguments():
   np.testing.assert_allclose(run(pos), default, rtol=1e-6, atol=1e-6)
   assert np.abs(run(pos + 1) - default).max() > 1e-3
   assert np.isnan(run(pos - 1)[0, 0]).all()  # position -1 reads no row of the embedding
-  with pytest.raises(ValueError, match=r"segment_ids must be int \[B, T\] = \(1, 10\)"):
-    model.apply(params, row, segment_ids=seg[:, :4])
-  with pytest.raises(ValueError, match="segment_ids must be int"):
-    model.apply(params, row, segment_ids=seg.astype(jnp.float32))
-  with pytest.raises(ValueError, match="positions need segment_ids"):
-    model.apply(params, row, positions=pos)
-  with pytest.raises(ValueError, match="not decode=True"):
-    model.apply(params, row[:, :1], segment_ids=seg[:, :1], decode=True, mutable=["cache"])
 
 
-# ---------------------------------------------------------------- initialisation (issue 36)
+# ---------------------------------------------------------------- initialisation
 
 
 @pytest.mark.parametrize("mixing", ["softmax", "aft_local", "aft_conv1d"])

@@ -1,6 +1,4 @@
-"""aft_jax.nnx_bridge: every layer and the model from Flax NNX (``flax.nnx.bridge.ToNNX``): init,
-apply equal to linen's, a jitted NNX call, decoding through the cache collection, and a trained
-(exported) model's parameters put into an NNX module."""
+"""aft_jax.nnx_bridge: every layer and the model from Flax NNX: apply, jit, decode, given params."""
 
 import re
 
@@ -57,8 +55,6 @@ def test_each_causal_layer_inits_applies_and_decodes_from_nnx(name):
 
 
 def test_given_parameters_are_the_whole_tree_or_refused():
-  """``to_nnx(..., params=)`` takes the module's whole tree, as linen's apply does: a missing,
-  extra or misshapen parameter is a ValueError naming it (not a random init left in place)."""
   x_BTD = jax.random.normal(jax.random.key(0), (2, T, D))
   layer = LAYERS["aft_local"]()
   params = nn.unbox(jax.jit(layer.init)(jax.random.key(3), x_BTD)["params"])

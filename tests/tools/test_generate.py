@@ -50,8 +50,7 @@ def test_generate_past_max_len_slides_and_keeps_the_non_sliding_prefix(run_dir):
 
 
 def test_prompt_prefill_in_one_pass_gives_the_token_by_token_samples(run_dir, monkeypatch):
-  """The prompt encoded in one parallel pass (the ops' state) samples the tokens that feeding it
-  one token at a time samples, for the same seed (the run's AFT-local: a chunked mixing)."""
+  """A prompt fed in one parallel pass samples what feeding it token by token samples."""
   run = trained.load_run(run_dir)
   assert run.model.cfg.mixing in decode.CHUNKED
   prompt_BP = np.asarray([run.vocab.encode("def main(args):\n  ")] * 2, np.int32)
@@ -65,8 +64,7 @@ def test_prompt_prefill_in_one_pass_gives_the_token_by_token_samples(run_dir, mo
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
 def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
-  """Dividing the log-probabilities by 1e-45 overflowed every logit to -inf (token 0, a NUL
-  byte, whatever the model said); a temperature near 0 is greedy sampling."""
+  """A temperature near 0 is greedy sampling (not every logit overflowed to -inf: token 0)."""
   logp = np.log(np.asarray([[0.05, 0.1, 0.6, 0.25], [0.7, 0.1, 0.1, 0.1]], np.float32))
   for i in range(5):
     got = decode.sample_logits(jax.random.key(i), logp, temperature, top_k=3, top_p=0.9)
@@ -209,9 +207,8 @@ def test_scoring_and_generation_refuse_ids_outside_the_vocabulary_in_one_line(st
 def test_a_saved_stream_continues_exactly_as_one_uninterrupted_run(
   stream_run, stream, tmp_path, capsys, temperature, seed
 ):
-  """--save_state then --state (no prompt): two samples as one batch, greedy and seeded
-  sampling, past max_len (16) and seq_len (32): the tokens of one uninterrupted run, the second
-  command printing only its new text (compared as ids decoded, whatever UTF-8 they split)."""
+  """--save_state then --state: two samples, past max_len (16) and seq_len (32), the tokens of
+  one run; the second command prints only its new text (ids decoded, whatever UTF-8 they split)."""
   prompt = "def main():\n  "
   ids = np.tile(np.asarray([stream.vocab.encode(prompt)], np.int32), (2, 1))
   whole = decode.generate(
