@@ -1,9 +1,6 @@
-"""What every op shares besides its maths: its arguments checked, its implementation chosen
-(``resolve``) for the device the program is lowered for, its kernel or XLA code called, and an
-eager call run as one program. The device (``device_facts``) is not the host's but the abstract
-mesh's in context (``jax.set_mesh``, real or a deviceless topology: a device kind, whose compute
-capability ``CAPABILITIES`` gives), else the default backend's. XLA refuses Triton below compute
-capability 8.0: a T4, V100 or P100 takes XLA.
+"""What every op shares besides its maths: its argument checks, its implementation chosen
+(``resolve``) for the device the program is lowered for (``device_facts``), its kernel or XLA code
+called (``run``), and an eager call run as one program (docs/kernels.md, "impl").
 """
 
 import functools
@@ -311,14 +308,15 @@ def check_state(fn, initial_state, init):
       )
 
 
-def eager(run, **kwargs):
+def eager(run, traced=(), **kwargs):
   """``run(**kwargs)``; on concrete arrays, one jitted program per shape, static argument (None,
-  a bool, int or str) and device (what ``impl="auto"`` reads), not a compile per primitive."""
-  static = lambda x: x is None or isinstance(x, (bool, int, str))
-  data = {n: x for n, x in kwargs.items() if not static(x)}
+  a bool, int or str, except the ints named in ``traced``) and device (what ``impl="auto"``
+  reads), not a compile per primitive."""
+  static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
+  data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
     return run(**kwargs)
-  fixed = tuple((n, x) for n, x in kwargs.items() if static(x))
+  fixed = tuple((n, x) for n, x in kwargs.items() if static(n, x))
   return _program(run, fixed, device_facts(), data)
 
 

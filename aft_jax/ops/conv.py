@@ -1,9 +1,6 @@
 """AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, every mode and its step) and over an
-image (``aft_conv2d``): heads h, one key per head, a small kernel w^h per head, 0 elsewhere.
-The sums are exact triples: (a) the kernel's offsets, one shifted copy of the keys per kernel
-entry with its bias, and (b) every other position (bias 0): running prefix and suffix sums
-shifted past the kernel; plain autodiff gives linear scans backward. Causal 1-D over at most
-``DENSE_MAX_T`` positions is one masked [T, T] sum per head. No kernel: XLA runs.
+image (``aft_conv2d``): a small kernel per head, exact triples (docs/kernels.md, "How each module
+computes"). No Pallas kernel: XLA runs.
 """
 
 import math
@@ -16,9 +13,8 @@ from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
 
-# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``): at
-# nanoGPT's CPU recipe (T 64, kernel 32, 4 heads of 32, batch 12) a layer's forward+backward took
-# 2.8 ms against 21.6 ms (benchmarks/RESULTS.md); its memory, B H T^2 floats, bounds it.
+# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``),
+# faster than the scans at short T; its memory, B H T^2 floats, bounds it.
 DENSE_MAX_T = 256
 
 

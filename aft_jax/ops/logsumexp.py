@@ -1,15 +1,6 @@
 """The (max, numerator, denominator) triple every op sums with, its combine, and what the ops'
-modes build from it.
-
-``exp`` overflows float32 above ~88, and one shift per row of a bias and per channel of the keys
-is not enough when their maxima sit at different positions, so partial sums are triples
-``Acc(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a
-stable log-sum-exp; the maxima carry no gradient (they cancel in num / den). Built from it, for
-every causal op: the state of a piece (AFT-simple: the ``Acc`` of every key; AFT-local and
-AFT-conv1d: ``WindowState``), which a piece takes as keys in front of it (``after_state``) and
-hands on (``final``), and the one-token ``window_step``; ``shard_state``, the state before a
-device's shard of T (``axis_name``); ``packed``, sums within packed documents; ``cond``, whose
-predicate ``vmap`` never batches (the XLA sums' rare exact paths).
+modes build from it: states, the state before a device's shard, packed sums (docs/kernels.md,
+"How each module computes").
 """
 
 from typing import NamedTuple

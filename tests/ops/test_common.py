@@ -275,6 +275,23 @@ def test_an_eager_call_is_one_program_per_shape_and_device():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def test_pieces_called_eagerly_are_one_program():
+  """AFT-local on 5 pieces, each after the state of the one before (docs/long_sequences.md):
+  the offset, the state's index, is traced, so one program serves every piece."""
+  q, k, v = (np.asarray(x)[:1, :20, :3] for x in _inputs()[:3])  # a shape no other test uses
+  w = np.asarray(jax.random.normal(jax.random.key(1), (20, 20)))
+  state, ys = ops.aft_local_init((1, 3), 3), []
+  before = common._program._cache_size()
+  for at in range(0, 20, 4):
+    piece = (x[:, at : at + 4] for x in (q, k, v))
+    kw = dict(window=3, causal=True, initial_state=state, output_final_state=True)
+    y, state = ops.aft_local(*piece, w, **kw)
+    ys.append(y)
+  assert common._program._cache_size() == before + 1
+  whole = ops.aft_local(q, k, v, w, window=3, causal=True)
+  np.testing.assert_allclose(np.concatenate(ys, 1), whole, rtol=1e-5, atol=1e-6)
+
+
 def test_a_traced_call_enters_at_most_four_modules():
   """benchmarks/ops_trace.py: one XLA call of causal AFT-simple, causal AFT-local, AFT-full and
   AFTLocal.apply, traced, enters at most 4 modules of aft_jax/ops (the op's, AFT-local's banded
