@@ -13,26 +13,8 @@ from aft_jax.ops.logsumexp import Acc, WindowState, same_segment, segment_positi
 from aft_jax.ops.simple import aft_simple, aft_simple_init, aft_simple_step
 
 __all__ = [
-  "IMPLS",
-  "KERNEL_CALLS",
-  "Acc",
-  "DeviceFacts",
-  "WindowState",
-  "aft_conv1d",
-  "aft_conv1d_init",
-  "aft_conv1d_step",
-  "aft_conv2d",
-  "aft_full",
-  "aft_full_init",
-  "aft_full_step",
-  "aft_local",
-  "aft_local_init",
-  "aft_local_step",
-  "aft_simple",
-  "aft_simple_init",
-  "aft_simple_step",
-  "check_window",
-  "device_facts",
-  "same_segment",
-  "segment_positions",
-]
+  "IMPLS", "KERNEL_CALLS", "Acc", "DeviceFacts", "WindowState", "aft_conv1d", "aft_conv1d_init",
+  "aft_conv1d_step", "aft_conv2d", "aft_full", "aft_full_init", "aft_full_step", "aft_local",
+  "aft_local_init", "aft_local_step", "aft_simple", "aft_simple_init", "aft_simple_step",
+  "check_window", "device_facts", "same_segment", "segment_positions",
+]  # fmt: skip

@@ -84,10 +84,8 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
 
 
 class Kernel(NamedTuple):
-  """An op's kernel: its ``platform``; ``mean(k, v[, w, window], interpret=...)``, the mean
-  ``[B, T, D]`` float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or
-  None; ``auto``: whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is
-  opt-in)."""
+  """An op's kernel: ``mean(k, v[, w, window], interpret=...)`` ``[B, T, D]`` float32;
+  ``unsupported(channels, window)``: why not, or None; ``auto``: whether impl="auto" takes it."""
 
   platform: str
   mean: Callable
@@ -109,11 +107,8 @@ def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
 
 
 def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, device=None):
-  """The kernel of ``kernels`` (an op's) that ``impl`` runs, or None for XLA: "xla": XLA;
-  "auto": the kernel for ``device`` (default ``device_facts()``) where it takes these arguments
-  and is ``auto``, else XLA (also in ``forward`` mode); "pallas": that kernel compiled;
-  "pallas_interpret": the first (GPU) one interpreted. Where the kernel asked for cannot run (no
-  kernel, the arguments, the device, forward mode), a ValueError naming why, never XLA."""
+  """The kernel of ``kernels`` that ``impl`` runs on ``device`` (default ``device_facts()``), or
+  None for XLA; a ValueError naming why where the kernel asked for cannot run, never XLA."""
   check_impl(fn, impl)
   if impl == "xla" or (impl == "auto" and (not kernels or forward)):
     return None
@@ -147,10 +142,8 @@ def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, 
 
 
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
-  """Y = sigma(q) * op ``fn``'s mean on a whole sequence, q, k, v ``[..., T, D]``, by what
-  ``impl`` resolves to: ``xla(k, v, w, low)`` (compute dtype; ``low``: bfloat16 inputs), or the
-  kernel on ``[B, T, D]``; "auto": both, in ``jax.lax.platform_dependent`` (one module holds
-  both, another platform takes XLA). The inputs' dtype; empty inputs give the empty output."""
+  """Y = sigma(q) * op ``fn``'s mean on a whole sequence by ``xla(k, v, w, low)`` or the kernel
+  ``impl`` resolves to ("auto": both, in ``jax.lax.platform_dependent``); the inputs' dtype."""
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -253,8 +246,7 @@ def check_impl(fn: str, impl) -> None:
 
 def check_mode(fn, causal, impl, **given) -> str:
   """The call's mode, "sharded", "packed", "piece" or "whole", from ``given``; a ValueError
-  where ``causal`` is not a bool, ``impl`` unknown, those go to a non-causal op, or packed rows
-  or a sharded call get a state or an offset."""
+  where they do not go together."""
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
@@ -309,9 +301,8 @@ def check_state(fn, initial_state, init):
 
 
 def eager(run, traced=(), **kwargs):
-  """``run(**kwargs)``; on concrete arrays, one jitted program per shape, static argument (None,
-  a bool, int or str, except the ints named in ``traced``) and device (what ``impl="auto"``
-  reads), not a compile per primitive."""
+  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device and static
+  argument (None, a bool, int or str; not the ints named in ``traced``)."""
   static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
   data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):

@@ -56,13 +56,7 @@ def aft_conv1d(
     initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
       state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
-  Returns:
-    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C), where the taps that reach past a
-    whole sequence's T cost nothing.
-
-  Example::
-
-    y = aft_conv1d(q, k, v, kernel, causal=True)  # q, v [B, T, H, C], k [B, T, H], kernel [H, s]
+  Returns ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
   """
   fn = "aft_conv1d"
   q, k, v, kernel = _check(fn, q, k, v, kernel, 1, causal, impl)
@@ -106,13 +100,7 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
     q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
     impl: as ``aft_conv1d``.
 
-  Returns:
-    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C), where the taps that reach past the image
-    cost nothing.
-
-  Example::
-
-    y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
+  Returns ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
   """
   q, k, v, kernel = _check("aft_conv2d", q, k, v, kernel, 2, False, impl)
   return common.eager(_whole, q=q, k=k, v=v, kernel=kernel, causal=False)
@@ -133,8 +121,7 @@ def _whole(q, k, v, kernel, causal):
 
 def _reachable(kernel, sizes, causal):
   """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd):
-  causal the first T, else the centre +- (size - 1) per axis. The others multiply no key, so
-  the cost is that of a kernel no wider than the input, the output and gradients the same."""
+  the others multiply no key."""
   if causal:
     return kernel[:, : sizes[0]]
   cut = [slice(max(0, s // 2 - n + 1), s // 2 + n) for s, n in zip(kernel.shape[1:], sizes)]

@@ -57,12 +57,7 @@ def aft_local(
       position's index into w (per document from 0; outside w: NaN).
     axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
-  Returns:
-    ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
-
-  Example::
-
-    y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
+  Returns ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   window = common.check_window(FN, window)
@@ -126,8 +121,7 @@ def aft_local_init(shape, window: int) -> lse.WindowState:
 
 def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   """One token: as ``aft_full_step`` with w[t, t'] for t - t' < s and 0 for older keys; q_t,
-  k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the bias, L > t). Returns ``(Y[t], state)``,
-  the op's state (``initial_state``, ``output_final_state``)."""
+  k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the bias, L > t). Returns ``(Y[t], state)``."""
   w_t = jnp.asarray(w_t, jnp.float32)
   bias = lambda pos, _: w_t[jnp.clip(pos, 0, w_t.shape[-1] - 1)][:, None]
   return lse.window_step(state, q_t, k_t, v_t, bias)

@@ -94,8 +94,7 @@ def leaf(logit, value, valid=True) -> Acc:
 
 def reduce(logits, values, axis: int, valid=True) -> Acc:
   """The triple of exp(logit) value along ``axis`` (>= 0) where ``valid`` (broadcast against the
-  logits; a masked value never reaches a product); a logit of ``NEG`` (an empty ring slot) is no
-  term."""
+  logits); a logit of ``NEG`` (an empty ring slot) is no term."""
   valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
@@ -144,9 +143,8 @@ def _shared_vmap(axis_size, in_batched, flag):
 
 
 def cond(flag, true_fn, false_fn):
-  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis: a batched one would select both
-  branches (the exact path everywhere), whose tangent operands ``stop_gradient`` cannot
-  transpose. The exact branches replace only the rows that need them."""
+  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis (a batched one would select both
+  branches, whose tangent operands ``stop_gradient`` cannot transpose)."""
   return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
 
 
@@ -190,8 +188,7 @@ def nothing(q, k, v, state, final: bool, init):
 
 def after_state(run, q, k, v, state, fill=NEG):
   """``run(q, k, v)`` (a causal op on a whole sequence) after ``state``, written in front as keys
-  whose outputs are dropped: the prefix triple as one key (logit m + log den, value num / den;
-  s + 1 back: bias 0), then a ring's s keys; absent positions weigh nothing (``fill``)."""
+  whose outputs are dropped: the prefix triple as one key, then a ring's s keys."""
   dt, axis = jnp.result_type(q, k, v), k.ndim - 2
   if state is None:
     return run(q, k, v).astype(dt)
@@ -252,9 +249,8 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
 
 
 def shard_state(k, v, size: int | None, axis_name):
-  """Inside ``jax.shard_map``, T split over ``axis_name`` (n positions per device): the state of
-  the positions before this device's (``size`` None: an ``Acc``, from an ``all_gather`` of the
-  shards' totals; else a ``WindowState``, the last s keys also by ``ppermute``)."""
+  """Inside ``jax.shard_map``, T split over ``axis_name``: the state of the positions before this
+  device's (``size`` None: an ``Acc``; else a ``WindowState``, the last s keys by ``ppermute``)."""
   axis, n = k.ndim - 2, k.shape[k.ndim - 2]
   k, v = _f32(k), _f32(v)
   i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)

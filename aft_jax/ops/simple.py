@@ -40,13 +40,7 @@ def aft_simple(
     axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
       device's shard of the output on the whole sequence.
 
-  Returns:
-    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
-
-  Example::
-
-    y1, state = aft_simple(q1, k1, v1, causal=True, output_final_state=True)  # [B, T, D]
-    y2 = aft_simple(q2, k2, v2, causal=True, initial_state=state)  # one call's, in two pieces
+  Returns ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   mode = common.check_mode(

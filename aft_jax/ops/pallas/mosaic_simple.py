@@ -197,10 +197,8 @@ _causal_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
-  D a multiple of 128), differentiable in k and v; ``cfg`` default ``config_for(D, B)``;
-  ``interpret``: in Pallas' interpreter (any backend) instead of compiled for a TPU. The op's
-  entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]`` (D a multiple of 128), differentiable;
+  ``cfg`` default ``config_for(D, B)``. The op's entry (``common.Kernel``)."""
   d = k_BTD.shape[-1]
   cfg = cfg or config_for(d, k_BTD.shape[0])
   if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:

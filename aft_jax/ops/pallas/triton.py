@@ -93,10 +93,8 @@ def ones(n: int, where):
 
 
 def mean_with_vjp(forward, backward):
-  """The custom-VJP mean ``mean(k, v, w, static)`` a [B, T, D] of k, v (w: the bias or None;
-  ``static``: hashable) from a kernel's halves over padded T: ``forward(k, v, w, static,
-  with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> the cotangents of k, v, w,
-  given a, L and g padded, 0 on rows without derivative."""
+  """The custom-VJP ``mean(k, v, w, static)`` from a kernel's halves over padded T: ``forward(k,
+  v, w, static, with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):

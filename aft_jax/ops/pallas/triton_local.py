@@ -438,10 +438,8 @@ _local_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg=None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]``, w ``[T, T]``, causal;
-  ``cfg`` and ``seg`` (chunk-parallel positions per program, whole chunks holding the window;
-  None: sequential) default to the launch ``plan_for`` chooses. The op's entry
-  (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]``, w ``[T, T]``, causal; ``cfg`` and ``seg``
+  default to ``plan_for``'s launch. The op's entry (``common.Kernel``)."""
   if cfg is None:
     cfg, seg = plan_for(*k_BTD.shape, window)
   front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]

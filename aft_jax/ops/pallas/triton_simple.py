@@ -165,9 +165,8 @@ _mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: TritonConfig | None = None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) of k, v ``[B, T, D]``, differentiable; ``cfg``
-  and ``seg`` (chunk-parallel positions per program, whole chunks; None: sequential) default to
-  the launch ``triton.plan_for`` chooses. The op's entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 of k, v ``[B, T, D]``, differentiable; ``cfg`` and ``seg`` default
+  to ``triton.plan_for``'s launch. The op's entry (``common.Kernel``)."""
   if cfg is None:
     cfg, seg = triton.plan_for(*k_BTD.shape)
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
