@@ -1,8 +1,6 @@
-"""Property tests of the ops (hypothesis): random shapes, dtypes, windows and magnitudes.
-
-Each example checks, with one compiled function: outputs are finite, agree with the float64
-reference (float32 inputs), and, for causal ops, ignore the future.
-"""
+"""Property tests of the ops (hypothesis): random shapes, dtypes, windows and magnitudes; each
+example, in one compiled function: outputs finite, the float64 reference's (float32 inputs),
+and, causal, the future ignored."""
 
 import functools
 

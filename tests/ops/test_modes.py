@@ -92,21 +92,6 @@ def test_final_state_is_the_decoding_state(op):
   np.testing.assert_allclose(y_rest, whole[:, n + 1 :], rtol=1e-5, atol=1e-6)
 
 
-def test_state_arguments_are_refused_where_there_is_no_state():
-  q, k, v, w = _inputs("local", 1.0)
-  _, state = ops.aft_simple(q, k, v, causal=True, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_simple: initial_state need causal=True"):
-    ops.aft_simple(q, k, v, initial_state=state)
-  with pytest.raises(ValueError, match=r"aft_local: output_final_state need causal=True"):
-    ops.aft_local(q, k, v, w, window=2, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_full: initial_state and output_final_state"):
-    ops.aft_full(q, k, v, w, causal=True, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_simple: initial_state must be the state"):
-    ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
-  with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
-
-
 # --------------------------------------------------------------------------- states themselves
 
 
@@ -218,19 +203,6 @@ def test_each_document_as_if_alone(op, scale):
   for a, b in zip(g1, g2):
     assert np.all(np.isfinite(a))
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))) + 1e-30)
-
-
-def test_bad_segment_arguments_are_refused():
-  q, k, v, w = _packed_inputs("local", 1.0)
-  seg, pos = _layout()
-  with pytest.raises(ValueError, match=r"aft_simple: segment_ids need causal=True"):
-    ops.aft_simple(q, k, v, segment_ids=seg)
-  with pytest.raises(ValueError, match=r"segment_ids must be an int array \[..., T\] = \(2, 9\)"):
-    ops.aft_simple(q, k, v, causal=True, segment_ids=seg[:, :4])
-  with pytest.raises(ValueError, match=r"positions must be an int array"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, positions=pos.astype(np.float32))
-  with pytest.raises(ValueError, match=r"do not take initial_state, output_final_state"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, segment_ids=seg, output_final_state=True)
 
 
 @pytest.mark.parametrize("op", ["local", "full"])

@@ -1,6 +1,5 @@
-"""AFT-simple (aft_jax/ops/simple.py) against the float64 references, forward and backward, on
-each implementation: XLA (its chunked causal sums too), the Triton kernel in Pallas'
-interpreter (impl="pallas_interpret") and the TPU kernel interpreted."""
+"""AFT-simple (aft_jax/ops/simple.py) against float64 references: the chunked causal sums, the
+Triton kernel in Pallas' interpreter and the TPU kernel interpreted."""
 
 import functools
 
@@ -9,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 from jax.test_util import check_grads
 
 from aft_jax import ops
@@ -19,26 +17,7 @@ from aft_jax.ops.pallas import mosaic_simple, triton, triton_simple
 from benchmarks import kernel_form
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
-from tests.support.op_cases import (
-  ATOL, RTOL, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
-  simple_reference,
-)  # fmt: skip
-
-
-class MatchesReference(chex.TestCase, parameterized.TestCase):
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.product(causal=[False, True], scale=[1.0, 40.0])
-  def test_xla(self, causal, scale):
-    q, k, v, _ = qkvw(2, (3,), 11, 4, scale)
-    fn = self.variant(functools.partial(ops.aft_simple, causal=causal))
-    chex.assert_trees_all_close(fn(q, k, v), ref.aft_simple(q, k, v, causal), rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradients_match_finite_differences(causal):
-  fn = lambda q, k, v: ops.aft_simple(q, k, v, causal=causal)
-  grads_check(fn, "qkv")
-  grads_finite_at_large_logits(fn, "qkv")
+from tests.support.op_cases import ATOL, RTOL, kernel_inputs, qkvw, rand, simple_reference
 
 
 @pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])
