@@ -40,6 +40,7 @@ def test_non_floating_inputs_are_refused(dtype, arg):
       call()
 
 
+X16, W8 = np.zeros((2, 8, 16), np.float32), np.zeros((8, 8), np.float32)
 SEG = np.array([[1] * 3 + [2] * 3] * 2, np.int32)  # [2, T]: two documents a row
 STATE = ops.aft_simple_init((2, 4))
 CQ, CK, CV = X[..., None], X, X[..., None]  # AFT-conv: 4 heads of 1 channel
@@ -78,6 +79,15 @@ ERRORS = [
   (L, (X, X, X, W), dict(LOCAL, segment_ids=SEG, output_final_state=True),
    "do not take initial_state, output_final_state"),
   (common.resolve, ("aft_full", "triton", ()), dict(CAUSAL, channels=4), "aft_full: impl must be"),
+  (F, (X, X, X, W), dict(impl="triton"), "impl must be one of"),
+  # kernels asked for that cannot run (on this CPU host)
+  (S, (X16,) * 3, dict(CAUSAL, impl="pallas"), "not for the 'cpu' platform"),
+  (S, (X16,) * 3, dict(impl="pallas_interpret"), "the kernel is for causal=True"),
+  (S, (X16[..., :12],) * 3, dict(CAUSAL, impl="pallas"), "D = 12 is not a multiple of 16"),
+  (F, (X16, X16, X16, W8), dict(CAUSAL, impl="pallas"), "no Pallas kernel for this op"),
+  (L, (X16, X16, X16, W8), dict(window=2, impl="pallas"), "the kernel is for causal=True"),
+  (L, (X16, X16, X16, W8), dict(window=2000, causal=True, impl="pallas_interpret"),
+   "the window 2000 is larger than the kernel's 1024"),
 ]  # fmt: skip
 
 
