@@ -9,8 +9,15 @@ import jax
 import pytest
 
 from aft_jax import ops
-from tests.support import numpy_reference as ref
-from tests.support.op_cases import ATOL, RTOL, grads_check, grads_finite_at_large_logits, qkvw, rand
+from tests.support.op_cases import (
+  ATOL,
+  RTOL,
+  grads_check,
+  grads_finite_at_large_logits,
+  qkvw,
+  rand,
+  reference,
+)
 
 
 def _conv(seed, lead, spatial, kernel, scale, heads=2, ch=3):
@@ -36,12 +43,6 @@ VALUES = [
 ]  # fmt: skip
 
 
-def _reference(name, args, kw):
-  window = (kw["window"],) if "window" in kw else ()
-  causal = () if name == "aft_conv2d" else (kw["causal"],)
-  return getattr(ref, name)(*args, *window, *causal)
-
-
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize(
   "name, kw, args", VALUES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(VALUES)]
@@ -50,7 +51,7 @@ def test_values(name, kw, args, jit):
   fn = functools.partial(getattr(ops, name), **kw)
   out = (jax.jit(fn) if jit else fn)(*args)
   chex.assert_tree_all_finite(out)
-  chex.assert_trees_all_close(out, _reference(name, args, kw), rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(out, reference(name, args, kw), rtol=RTOL, atol=ATOL)
 
 
 # name -> (fn of [6, 4] q, k, v and [6, 6] w, the arguments it is differentiated in)

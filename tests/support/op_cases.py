@@ -29,6 +29,16 @@ def kernel_inputs(t_len, d, seed=0):
   return tuple(np.asarray(x, np.float32) for x in (q, k, v, ct))
 
 
+def reference(name, args, kw):
+  """The float64 loop reference (numpy_reference) of op ``name`` on ``args`` with the op's
+  keyword arguments ``kw`` (window, causal)."""
+  from tests.support import numpy_reference as ref
+
+  window = (kw["window"],) if "window" in kw else ()
+  causal = () if name == "aft_conv2d" else (kw.get("causal", False),)
+  return getattr(ref, name)(*args, *window, *causal)
+
+
 def scan_simple(q, k, v):
   """Causal AFT-simple as a ``lax.scan`` with a carried maximum (float64 under enable_x64)."""
   from benchmarks.bench_ops import scan_simple as scan
