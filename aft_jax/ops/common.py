@@ -232,8 +232,7 @@ def check_qkv(fn, q, k, v):
 
 
 def check_window(fn: str, window) -> int:
-  """``window`` as an int; a ValueError (naming ``fn``) unless it is an int >= 1 (a NumPy
-  integer is one; a bool is no window)."""
+  """``window`` as an int; a ValueError unless it is an int >= 1 (a NumPy int is; a bool not)."""
   if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
   return int(window)
@@ -245,8 +244,7 @@ def check_impl(fn: str, impl) -> None:
 
 
 def check_mode(fn, causal, impl, **given) -> str:
-  """The call's mode, "sharded", "packed", "piece" or "whole", from ``given``; a ValueError
-  where they do not go together."""
+  """The call's mode ("sharded", "packed", "piece", "whole"); a ValueError where ``given`` clash."""
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
@@ -273,8 +271,7 @@ def check_mode(fn, causal, impl, **given) -> str:
 
 
 def check_state(fn, initial_state, init):
-  """ValueError unless ``initial_state`` (or None) has the structure, shapes and dtype kinds of
-  the state ``init()`` returns."""
+  """ValueError unless ``initial_state`` (or None) is shaped and typed as ``init()``'s state."""
   if initial_state is None:
     return
   expected = jax.eval_shape(init)

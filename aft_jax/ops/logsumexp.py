@@ -40,8 +40,7 @@ def keep(a, lse):
 
 
 def set_aside(e, v):
-  """(ok, e, v) for shifted terms e and values v: ok where e <= ``EXP_MAX`` and v is finite; e
-  and v zeroed elsewhere before any product (0 * NaN would be NaN)."""
+  """(ok, e, v): ok where e <= ``EXP_MAX`` and v is finite, e and v zeroed elsewhere."""
   ok = (e <= EXP_MAX) & finite(v)
   return ok, jnp.where(ok, e, 0.0), jnp.where(ok, v, 0.0)
 
@@ -75,7 +74,7 @@ def bcast(scale, num):
 
 
 def combine(a: Acc, b: Acc) -> Acc:
-  """The triple of the union of two disjoint sets of terms (the larger side scaled by 1)."""
+  """The triple of the union of two disjoint sets of terms."""
   x = jnp.exp(-jnp.abs(a.m - b.m))
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
