@@ -17,7 +17,7 @@ from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, close, cotangent, kernel_inputs, output_and_grads, qkvw, rand,
+  ATOL, RTOL, close, cotangent, dense_op, kernel_inputs, output_and_grads, qkvw, rand,
 )  # fmt: skip
 
 
@@ -64,15 +64,7 @@ def test_banded_long_sequence(causal, window, scale):
   recomputed = jax.jit(lambda k, v, w: local._forward(plan, k, v, w))(rows(k), rows(v), w)[2]
   assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
 
-  def dense(q, k, v, w):  # exact: a per-(t, d) maximum
-    idx = np.arange(t_len)
-    keep = np.abs(idx[:, None] - idx[None, :]) < (window or t_len)
-    logits = k[..., None, :, :] + jnp.where(keep, w, 0.0)[:, :, None]
-    if causal:
-      logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-2)
-    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
-
+  dense = dense_op(window, causal)  # exact: a per-(t, d) maximum
   ct, tk, tv = rand(21, q.shape, q.shape, q.shape)
   (tw,) = rand(22, w.shape)
 

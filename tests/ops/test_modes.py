@@ -33,11 +33,11 @@ def _inputs(op, scale, seed=0):
 
 
 def _call(op, q, k, v, bias, **kw):
+  """The causal op; AFT-simple without the bias, AFT-local with a window of ``WINDOW``."""
   if op == "simple":
     return ops.aft_simple(q, k, v, causal=True, **kw)
-  if op == "local":
-    return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **kw)
-  return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)
+  window = {"window": WINDOW} if op == "local" else {}
+  return getattr(ops, f"aft_{op}")(q, k, v, bias, causal=True, **window, **kw)
 
 
 def _chained(op, q, k, v, bias):
@@ -158,19 +158,11 @@ def _packed_inputs(op, scale):
 
 def _packed_op(op, q, k, v, bias, seg=None, pos=None):
   """The op on q, k, v [..., TP, ...]; packed when seg is given; w's top-left block alone."""
-  t_len = q.shape[-3] if op == "conv1d" else q.shape[-2]
-  packed = {} if seg is None else {"segment_ids": seg}
-  if op == "simple":
-    return ops.aft_simple(q, k, v, causal=True, **packed)
-  if op == "conv1d":
-    return ops.aft_conv1d(q, k, v, bias, causal=True, **packed)
-  if seg is not None:
-    packed["positions"] = pos
-  else:
-    bias = bias[:t_len, :t_len]
-  if op == "full":
-    return ops.aft_full(q, k, v, bias, causal=True, **packed)
-  return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **packed)
+  if seg is None:
+    t_len = q.shape[-3] if op == "conv1d" else q.shape[-2]
+    return _call(op, q, k, v, bias if op == "conv1d" else bias[:t_len, :t_len])
+  packed = {} if op in ("simple", "conv1d") else {"positions": pos}
+  return _call(op, q, k, v, bias, segment_ids=seg, **packed)
 
 
 # Logits of std 40 where the bias-0 prefix scan and the band meet at large logits; AFT-full's

@@ -17,7 +17,9 @@ from aft_jax.ops.pallas import mosaic_simple, triton, triton_simple
 from benchmarks import kernel_form
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
-from tests.support.op_cases import ATOL, RTOL, kernel_inputs, qkvw, rand, simple_reference
+from tests.support.op_cases import (
+  ATOL, RTOL, dense_op, kernel_inputs, qkvw, rand, simple_reference,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])
@@ -29,11 +31,7 @@ def test_causal_derivatives_exact_at_large_logits(t_len, scale):
   ct, tk, tv = rand(23, q.shape, q.shape, q.shape)
   fn = jax.jit(functools.partial(ops.aft_simple, causal=True))
 
-  def dense(q, k, v):
-    idx = np.arange(t_len)
-    logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], k[..., None, :, :], -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-2)
-    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
+  dense = lambda q, k, v: dense_op(0, True)(q, k, v, None)
 
   def derivatives(f, q, k, v, ct, tk, tv):  # reverse mode (q, k, v), forward mode (k, v)
     rev = jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, k, v)

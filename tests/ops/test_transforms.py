@@ -21,7 +21,7 @@ from aft_jax.ops import local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.helpers import on_target
-from tests.support.op_cases import tpu_simple
+from tests.support.op_cases import dense_mean, dense_op, key_mask, segments, tpu_simple
 
 B = 4  # nested vmap: 2 x 2
 WINDOW, KERNEL = 3, 3
@@ -45,52 +45,6 @@ def small_blocks():
 # AFT-conv kernel, shared), and its dense reference the same function by plain jax.numpy.
 
 
-def _segments(t_len):
-  """Two packed documents (ids) and each one's positions from 0, [T]."""
-  cut = t_len // 3
-  return np.repeat([0, 1], [cut, t_len - cut]), np.r_[np.arange(cut), np.arange(t_len - cut)]
-
-
-def _dense_mean(k, v, bias, mask, conv=False):
-  """sum_t' softmax_t'(k[t'] + bias) v[t'] over the keys ``mask`` admits: k, v [..., T, D]
-  (AFT-conv: k [..., T, H], v [..., T, H, C]); bias, mask broadcast against
-  [T (query), T (key), D or H]."""
-  logits = jnp.where(mask, k[..., None, :, :] + bias, -jnp.inf)
-  p = jax.nn.softmax(logits, axis=-2)
-  return jnp.einsum("...tsh,...shc->...thc" if conv else "...tsd,...sd->...td", p, v)
-
-
-def _mask(t_len, causal, packed):
-  t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
-  mask = (tp <= t) if causal else np.ones((t_len, t_len), bool)
-  if packed:
-    seg = _segments(t_len)[0]
-    mask &= seg[:, None] == seg[None, :]
-  return mask
-
-
-def _band_bias(w, window, packed):
-  """w where the lag t - t' (two-sided: |t - t'|) is below ``window``, 0 for the other keys;
-  packed: w at each document's own positions."""
-  t_len = w.shape[0]
-  lag = np.arange(t_len)[:, None] - np.arange(t_len)[None, :]
-  if packed:
-    pos = _segments(t_len)[1]
-    w = w[pos[:, None], pos[None, :]]
-  return jnp.where(np.abs(lag) < window, w, 0.0)
-
-
-def _seq_dense(window, causal, packed=False):
-  """AFT-full (window None), AFT-local or AFT-simple (window 0) by plain jax.numpy."""
-
-  def dense(q, k, v, w):
-    t_len = q.shape[-2]
-    bias = 0.0 if window == 0 else _band_bias(w, window or t_len, packed)[..., None]
-    return jax.nn.sigmoid(q) * _dense_mean(k, v, bias, _mask(t_len, causal, packed)[..., None])
-
-  return dense
-
-
 def _kernel_bias(kernel, t_len, causal):
   """AFT-conv1d's kernel [H, s] as the bias [T, T, H] of every (query, key)."""
   t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
@@ -103,8 +57,8 @@ def _kernel_bias(kernel, t_len, causal):
 def _conv1d_dense(causal, packed=False):
   def dense(q, k, v, kernel):
     t_len = k.shape[-2]
-    mask = _mask(t_len, causal, packed)[..., None]
-    return jax.nn.sigmoid(q) * _dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
+    mask = key_mask(t_len, causal, packed)[..., None]
+    return jax.nn.sigmoid(q) * dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
 
   return dense
 
@@ -119,7 +73,7 @@ def _conv2d_dense(q, k, v, kernel):
     inside, jnp.moveaxis(kernel[:, np.clip(a, 0, kh - 1), np.clip(b, 0, kw - 1)], 0, -1), 0.0
   )
   flat = lambda x, n: x.reshape(x.shape[: x.ndim - n - 2] + (ht * wd,) + x.shape[x.ndim - n :])
-  mean = _dense_mean(flat(k, 1), flat(v, 2), bias, np.ones((1, 1, 1), bool), conv=True)
+  mean = dense_mean(flat(k, 1), flat(v, 2), bias, np.ones((1, 1, 1), bool), conv=True)
   return jax.nn.sigmoid(q) * mean.reshape(q.shape)
 
 
@@ -133,8 +87,8 @@ def _forms(impl):
   P = functools.partial
   full, simple = P(ops.aft_full, impl=impl), P(ops.aft_simple, impl=impl)
   local, conv1d = P(ops.aft_local, window=WINDOW, impl=impl), P(ops.aft_conv1d, impl=impl)
-  seg = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[0], k.shape[:-1])
-  pos = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[1], k.shape[:-1])
+  seg = lambda k: jnp.broadcast_to(segments(k.shape[-2])[0], k.shape[:-1])
+  pos = lambda k: jnp.broadcast_to(segments(k.shape[-2])[1], k.shape[:-1])
 
   def simple_state(q, k, v, w):
     (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
@@ -164,23 +118,23 @@ def _forms(impl):
   )
   simple_ = lambda **kw: lambda q, k, v, w: simple(q, k, v, **kw)
   return {
-    "full": (full, _seq_dense(None, False), ref.aft_full, "seq"),
-    "full-causal": (P(full, causal=True), _seq_dense(None, True), causal_ref["full"], "seq"),
-    "local": (local, _seq_dense(WINDOW, False), lambda *a: ref.aft_local(*a, WINDOW), "seq"),
-    "local-causal": (P(local, causal=True), _seq_dense(WINDOW, True), causal_ref["local"], "seq"),
-    "simple": (simple_(), _seq_dense(0, False), lambda q, k, v, w: ref.aft_simple(q, k, v), "seq"),
-    "simple-causal": (simple_(causal=True), _seq_dense(0, True), causal_ref["simple"], "seq"),
+    "full": (full, dense_op(None, False), ref.aft_full, "seq"),
+    "full-causal": (P(full, causal=True), dense_op(None, True), causal_ref["full"], "seq"),
+    "local": (local, dense_op(WINDOW, False), lambda *a: ref.aft_local(*a, WINDOW), "seq"),
+    "local-causal": (P(local, causal=True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
+    "simple": (simple_(), dense_op(0, False), lambda q, k, v, w: ref.aft_simple(q, k, v), "seq"),
+    "simple-causal": (simple_(causal=True), dense_op(0, True), causal_ref["simple"], "seq"),
     "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
     "conv1d-causal": (P(conv1d, causal=True), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
     "conv2d": (P(ops.aft_conv2d, impl=impl), _conv2d_dense, ref.aft_conv2d, "conv2d"),
-    "simple-state": (simple_state, _seq_dense(0, True), causal_ref["simple"], "seq"),
-    "local-state": (local_state, _seq_dense(WINDOW, True), causal_ref["local"], "seq"),
+    "simple-state": (simple_state, dense_op(0, True), causal_ref["simple"], "seq"),
+    "local-state": (local_state, dense_op(WINDOW, True), causal_ref["local"], "seq"),
     "conv1d-state": (conv1d_state, _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
-    "full-packed": (seq_packed(full), _seq_dense(None, True, packed=True), None, "seq"),
-    "local-packed": (seq_packed(local), _seq_dense(WINDOW, True, packed=True), None, "seq"),
+    "full-packed": (seq_packed(full), dense_op(None, True, packed=True), None, "seq"),
+    "local-packed": (seq_packed(local), dense_op(WINDOW, True, packed=True), None, "seq"),
     "simple-packed": (
       lambda q, k, v, w: simple(q, k, v, causal=True, segment_ids=seg(k)),
-      _seq_dense(0, True, packed=True), None, "seq",
+      dense_op(0, True, packed=True), None, "seq",
     ),
     "conv1d-packed": (
       lambda q, k, v, w: conv1d(q, k, v, w, causal=True, segment_ids=seg(k)),
