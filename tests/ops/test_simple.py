@@ -99,14 +99,6 @@ def check_precision(fn):
 # --------------------------------------------------------------------------- the Triton kernel
 
 
-def _pallas(q, k, v, ct):
-  fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
-  # The sequential form (auto would split T = 1000 into segments: tested below).
-  with kernel_form.forced("sequential"):
-    return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
-
-
 def test_scan_reference_is_the_loop_reference():
   q, k, v, _ = kernel_inputs(7, 3)
   out, _ = simple_reference(q, k, v, None)
@@ -115,14 +107,12 @@ def test_scan_reference_is_the_loop_reference():
 
 @pytest.mark.parametrize("t_len", [1, 7, 128, 1000])
 def test_triton_kernel(t_len):
-  """The sequential form: values and gradients, std 1 and 40, T not a multiple of the chunk
-  (7, 1000)."""
+  """The sequential form (auto would split T = 1000 into segments: tested below): values and
+  gradients, std 1 and 40, T not a multiple of the chunk (7, 1000)."""
   q, k, v, ct = kernel_inputs(t_len, 16, seed=t_len)
-  out, grads = _pallas(q, k, v, ct)
-  want_out, want_grads = simple_reference(q, k, v, ct)
-  chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
+  with kernel_form.forced("sequential"):
+    _assert_matches(kernel_grads(fn, (q, k, v), ct), simple_reference(q, k, v, ct))
 
 
 def test_triton_kernel_long_sequence_forward():
@@ -184,11 +174,9 @@ D = 128  # one lane tile: the smallest channel count the TPU kernel takes
 
 
 def _tpu(q, k, v, ct):
-  """sigma(q) * the interpreted TPU kernel's mean, and the gradients (q, k, v) of
-  sum(out * ct), in one jit."""
+  """sigma(q) * the interpreted TPU kernel's mean, and the gradients (q, k, v) of sum(out * ct)."""
   fn = lambda q, k, v: jax.nn.sigmoid(q) * mosaic_simple.causal_mean(k, v, None, True)
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
-  return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
+  return kernel_grads(fn, (q, k, v), ct)
 
 
 def _assert_matches(got, want, rows=(0, 1)):
