@@ -1,9 +1,6 @@
-"""What every op shares besides its maths: its arguments checked, its implementation chosen
-(``resolve``) for the device the program is lowered for, its kernel or XLA code called, and an
-eager call run as one program. The device (``device_facts``) is not the host's but the abstract
-mesh's in context (``jax.set_mesh``, real or a deviceless topology: a device kind, whose compute
-capability ``CAPABILITIES`` gives), else the default backend's. XLA refuses Triton below compute
-capability 8.0: a T4, V100 or P100 takes XLA.
+"""What every op shares besides its maths: its argument checks, its implementation chosen
+(``resolve``) for the device the program is lowered for (``device_facts``), its kernel or XLA code
+called (``run``), and an eager call run as one program (docs/kernels.md, "impl").
 """
 
 import functools
@@ -87,10 +84,8 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
 
 
 class Kernel(NamedTuple):
-  """An op's kernel: its ``platform``; ``mean(k, v[, w, window], interpret=...)``, the mean
-  ``[B, T, D]`` float32 of k, v ``[B, T, D]``; ``unsupported(channels, window)``: why not, or
-  None; ``auto``: whether ``impl="auto"`` takes it (the TPU kernel, never timed on a TPU, is
-  opt-in)."""
+  """An op's kernel: ``mean(k, v[, w, window], interpret=...)`` ``[B, T, D]`` float32;
+  ``unsupported(channels, window)``: why not, or None; ``auto``: whether impl="auto" takes it."""
 
   platform: str
   mean: Callable
@@ -112,11 +107,8 @@ def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
 
 
 def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, device=None):
-  """The kernel of ``kernels`` (an op's) that ``impl`` runs, or None for XLA: "xla": XLA;
-  "auto": the kernel for ``device`` (default ``device_facts()``) where it takes these arguments
-  and is ``auto``, else XLA (also in ``forward`` mode); "pallas": that kernel compiled;
-  "pallas_interpret": the first (GPU) one interpreted. Where the kernel asked for cannot run (no
-  kernel, the arguments, the device, forward mode), a ValueError naming why, never XLA."""
+  """The kernel of ``kernels`` that ``impl`` runs on ``device`` (default ``device_facts()``), or
+  None for XLA; a ValueError naming why where the kernel asked for cannot run, never XLA."""
   check_impl(fn, impl)
   if impl == "xla" or (impl == "auto" and (not kernels or forward)):
     return None
@@ -150,10 +142,8 @@ def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, 
 
 
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
-  """Y = sigma(q) * op ``fn``'s mean on a whole sequence, q, k, v ``[..., T, D]``, by what
-  ``impl`` resolves to: ``xla(k, v, w, low)`` (compute dtype; ``low``: bfloat16 inputs), or the
-  kernel on ``[B, T, D]``; "auto": both, in ``jax.lax.platform_dependent`` (one module holds
-  both, another platform takes XLA). The inputs' dtype; empty inputs give the empty output."""
+  """Y = sigma(q) * op ``fn``'s mean on a whole sequence by ``xla(k, v, w, low)`` or the kernel
+  ``impl`` resolves to ("auto": both, in ``jax.lax.platform_dependent``); the inputs' dtype."""
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -242,8 +232,7 @@ def check_qkv(fn, q, k, v):
 
 
 def check_window(fn: str, window) -> int:
-  """``window`` as an int; a ValueError (naming ``fn``) unless it is an int >= 1 (a NumPy
-  integer is one; a bool is no window)."""
+  """``window`` as an int; a ValueError unless it is an int >= 1 (a NumPy int is; a bool not)."""
   if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
     raise ValueError(f"{fn}: window must be an int >= 1, got {window!r}")
   return int(window)
@@ -255,9 +244,7 @@ def check_impl(fn: str, impl) -> None:
 
 
 def check_mode(fn, causal, impl, **given) -> str:
-  """The call's mode, "sharded", "packed", "piece" or "whole", from ``given``; a ValueError
-  where ``causal`` is not a bool, ``impl`` unknown, those go to a non-causal op, or packed rows
-  or a sharded call get a state or an offset."""
+  """The call's mode ("sharded", "packed", "piece", "whole"); a ValueError where ``given`` clash."""
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
@@ -284,8 +271,7 @@ def check_mode(fn, causal, impl, **given) -> str:
 
 
 def check_state(fn, initial_state, init):
-  """ValueError unless ``initial_state`` (or None) has the structure, shapes and dtype kinds of
-  the state ``init()`` returns."""
+  """ValueError unless ``initial_state`` (or None) is shaped and typed as ``init()``'s state."""
   if initial_state is None:
     return
   expected = jax.eval_shape(init)
@@ -311,14 +297,14 @@ def check_state(fn, initial_state, init):
       )
 
 
-def eager(run, **kwargs):
-  """``run(**kwargs)``; on concrete arrays, one jitted program per shape, static argument (None,
-  a bool, int or str) and device (what ``impl="auto"`` reads), not a compile per primitive."""
-  static = lambda x: x is None or isinstance(x, (bool, int, str))
-  data = {n: x for n, x in kwargs.items() if not static(x)}
+def eager(run, traced=(), **kwargs):
+  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device and static
+  argument (None, a bool, int or str; not the ints named in ``traced``)."""
+  static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
+  data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
     return run(**kwargs)
-  fixed = tuple((n, x) for n, x in kwargs.items() if static(x))
+  fixed = tuple((n, x) for n, x in kwargs.items() if static(n, x))
   return _program(run, fixed, device_facts(), data)
 
 

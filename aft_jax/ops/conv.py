@@ -1,9 +1,6 @@
 """AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, every mode and its step) and over an
-image (``aft_conv2d``): heads h, one key per head, a small kernel w^h per head, 0 elsewhere.
-The sums are exact triples: (a) the kernel's offsets, one shifted copy of the keys per kernel
-entry with its bias, and (b) every other position (bias 0): running prefix and suffix sums
-shifted past the kernel; plain autodiff gives linear scans backward. Causal 1-D over at most
-``DENSE_MAX_T`` positions is one masked [T, T] sum per head. No kernel: XLA runs.
+image (``aft_conv2d``): a small kernel per head, exact triples (docs/kernels.md, "How each module
+computes"). No Pallas kernel: XLA runs.
 """
 
 import math
@@ -16,9 +13,8 @@ from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
 
-# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``): at
-# nanoGPT's CPU recipe (T 64, kernel 32, 4 heads of 32, batch 12) a layer's forward+backward took
-# 2.8 ms against 21.6 ms (benchmarks/RESULTS.md); its memory, B H T^2 floats, bounds it.
+# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``),
+# faster than the scans at short T; its memory, B H T^2 floats, bounds it.
 DENSE_MAX_T = 256
 
 
@@ -60,13 +56,7 @@ def aft_conv1d(
     initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
       state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
-  Returns:
-    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C), where the taps that reach past a
-    whole sequence's T cost nothing.
-
-  Example::
-
-    y = aft_conv1d(q, k, v, kernel, causal=True)  # q, v [B, T, H, C], k [B, T, H], kernel [H, s]
+  Returns ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
   """
   fn = "aft_conv1d"
   q, k, v, kernel = _check(fn, q, k, v, kernel, 1, causal, impl)
@@ -110,13 +100,7 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
     q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
     impl: as ``aft_conv1d``.
 
-  Returns:
-    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C), where the taps that reach past the image
-    cost nothing.
-
-  Example::
-
-    y = aft_conv2d(q, k, v, kernel)  # q, v [B, 8, 8, H, C], k [B, 8, 8, H], kernel [H, 3, 3]
+  Returns ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
   """
   q, k, v, kernel = _check("aft_conv2d", q, k, v, kernel, 2, False, impl)
   return common.eager(_whole, q=q, k=k, v=v, kernel=kernel, causal=False)
@@ -137,8 +121,7 @@ def _whole(q, k, v, kernel, causal):
 
 def _reachable(kernel, sizes, causal):
   """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd):
-  causal the first T, else the centre +- (size - 1) per axis. The others multiply no key, so
-  the cost is that of a kernel no wider than the input, the output and gradients the same."""
+  the others multiply no key."""
   if causal:
     return kernel[:, : sizes[0]]
   cut = [slice(max(0, s // 2 - n + 1), s // 2 + n) for s, n in zip(kernel.shape[1:], sizes)]

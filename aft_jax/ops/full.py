@@ -23,12 +23,7 @@ def aft_full(
       with ``aft_full_step``).
     segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
 
-  Returns:
-    ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
-
-  Example::
-
-    y = aft_full(q, k, v, w, causal=True)  # q, k, v [B, T, D], w [T, T]
+  Returns ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
   """
   if initial_state is not None or output_final_state:
     raise ValueError(
@@ -56,8 +51,7 @@ def _run(q, k, v, w, segment_ids, positions, causal, impl):
 
 
 def aft_full_init(shape, max_len: int) -> lse.WindowState:
-  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len:
-  AFT-local's with a window of every key (all past keys and values)."""
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len."""
   return local.aft_local_init(shape, max_len)
 
 

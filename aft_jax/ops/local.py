@@ -1,22 +1,6 @@
 """AFT-local (paper Eq. 4): the op in every mode, its one-token step, and the banded XLA sums it
-shares with AFT-full (``full``: a band of every key). For a query t and a channel r (k, v, a, L
-``[T, R]``, R: batch x channels; w ``[T, T]``):
-
-    a[t, r] = sum_t' exp(k[t', r] + b[t, t']) v[t', r] / sum_t' exp(k[t', r] + b[t, t'])
-
-with b[t, t'] = w[t, t'] on the band |t - t'| < s and 0 on every other key (causal: t' <= t).
-Queries go in blocks of c rows (the last moved back to end at T); a block's band and the keys
-between are a [c, W] rectangle summed with products of exp(b - row max) and exp(k - channel
-max) v, the keys outside it (bias 0) running exact sums. A row whose largest term underflows in
-this split shift (a denominator < ``DEN_OK``) is recomputed with its own maximum. Causal, the
-channel max is over the keys the block's first row sees, and a later key above ``EXP_MAX`` or
-not finite is set aside (``logsumexp.set_aside``): it never reaches an earlier row. The
-derivative is a custom JVP, with p[t, t'] = exp(k[t'] + b[t, t'] - L[t]),
-
-    da[t] = sum_t' p[t, t'] (dv[t'] + (dk[t'] + dw[t, t']) (v[t'] - a[t]))
-
-the same blocked products with a and L the only [T, R] residuals; causal, a row whose a or L is
-not finite has tangent 0, its factors ``tame``d. The kernel: ``pallas.triton_local`` (GPU).
+shares with AFT-full (docs/kernels.md, "How each module computes"). The kernel:
+``pallas.triton_local`` (GPU).
 """
 
 import functools
@@ -73,12 +57,7 @@ def aft_local(
       position's index into w (per document from 0; outside w: NaN).
     axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
-  Returns:
-    ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
-
-  Example::
-
-    y = aft_local(q, k, v, w, window=32, causal=True)  # q, k, v [B, T, D], w [T, T]
+  Returns ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   window = common.check_window(FN, window)
@@ -101,8 +80,8 @@ def aft_local(
     shape = q.shape[:-2] + q.shape[-1:]
     common.check_state(FN, initial_state, lambda: aft_local_init(shape, window))
     offset, guard = _offset(offset, initial_state, w, t_len)
-  return common.eager(
-    _run, q=q, k=k, v=v, w=w, offset=offset, guard=guard, state=initial_state,
+  return common.eager(  # a piece's offset traced: one program for every piece
+    _run, ("offset",), q=q, k=k, v=v, w=w, offset=offset, guard=guard, state=initial_state,
     segment_ids=segment_ids, positions=positions, mode=mode, window=window, causal=bool(causal),
     impl=impl, final=output_final_state, axis_name=axis_name,
   )  # fmt: skip
@@ -142,8 +121,7 @@ def aft_local_init(shape, window: int) -> lse.WindowState:
 
 def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   """One token: as ``aft_full_step`` with w[t, t'] for t - t' < s and 0 for older keys; q_t,
-  k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the bias, L > t). Returns ``(Y[t], state)``,
-  the op's state (``initial_state``, ``output_final_state``)."""
+  k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the bias, L > t). Returns ``(Y[t], state)``."""
   w_t = jnp.asarray(w_t, jnp.float32)
   bias = lambda pos, _: w_t[jnp.clip(pos, 0, w_t.shape[-1] - 1)][:, None]
   return lse.window_step(state, q_t, k_t, v_t, bias)
@@ -510,7 +488,7 @@ def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
 
   # The recomputed rows are patched in a second version of the scan, chosen once: a cond per
   # block would take its tangents as operands, whose transpose fills and adds zero cotangents
-  # per block whichever branch runs (1/6 of AFT-full's forward+backward at T 1024, d 512).
+  # per block whichever branch runs.
   return _unblock(p, lse.cond(jnp.any(bad), lambda: run(True), lambda: run(False)))
 
 

@@ -1,15 +1,6 @@
 """The (max, numerator, denominator) triple every op sums with, its combine, and what the ops'
-modes build from it.
-
-``exp`` overflows float32 above ~88, and one shift per row of a bias and per channel of the keys
-is not enough when their maxima sit at different positions, so partial sums are triples
-``Acc(m, num, den)`` = (max logit, sum exp(logit - m) v, sum exp(logit - m)), combined like a
-stable log-sum-exp; the maxima carry no gradient (they cancel in num / den). Built from it, for
-every causal op: the state of a piece (AFT-simple: the ``Acc`` of every key; AFT-local and
-AFT-conv1d: ``WindowState``), which a piece takes as keys in front of it (``after_state``) and
-hands on (``final``), and the one-token ``window_step``; ``shard_state``, the state before a
-device's shard of T (``axis_name``); ``packed``, sums within packed documents; ``cond``, whose
-predicate ``vmap`` never batches (the XLA sums' rare exact paths).
+modes build from it: states, the state before a device's shard, packed sums (docs/kernels.md,
+"How each module computes").
 """
 
 from typing import NamedTuple
@@ -49,8 +40,7 @@ def keep(a, lse):
 
 
 def set_aside(e, v):
-  """(ok, e, v) for shifted terms e and values v: ok where e <= ``EXP_MAX`` and v is finite; e
-  and v zeroed elsewhere before any product (0 * NaN would be NaN)."""
+  """(ok, e, v): ok where e <= ``EXP_MAX`` and v is finite, e and v zeroed elsewhere."""
   ok = (e <= EXP_MAX) & finite(v)
   return ok, jnp.where(ok, e, 0.0), jnp.where(ok, v, 0.0)
 
@@ -84,7 +74,7 @@ def bcast(scale, num):
 
 
 def combine(a: Acc, b: Acc) -> Acc:
-  """The triple of the union of two disjoint sets of terms (the larger side scaled by 1)."""
+  """The triple of the union of two disjoint sets of terms."""
   x = jnp.exp(-jnp.abs(a.m - b.m))
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
@@ -103,8 +93,7 @@ def leaf(logit, value, valid=True) -> Acc:
 
 def reduce(logits, values, axis: int, valid=True) -> Acc:
   """The triple of exp(logit) value along ``axis`` (>= 0) where ``valid`` (broadcast against the
-  logits; a masked value never reaches a product); a logit of ``NEG`` (an empty ring slot) is no
-  term."""
+  logits); a logit of ``NEG`` (an empty ring slot) is no term."""
   valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
@@ -153,9 +142,8 @@ def _shared_vmap(axis_size, in_batched, flag):
 
 
 def cond(flag, true_fn, false_fn):
-  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis: a batched one would select both
-  branches (the exact path everywhere), whose tangent operands ``stop_gradient`` cannot
-  transpose. The exact branches replace only the rows that need them."""
+  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis (a batched one would select both
+  branches, whose tangent operands ``stop_gradient`` cannot transpose)."""
   return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
 
 
@@ -199,8 +187,7 @@ def nothing(q, k, v, state, final: bool, init):
 
 def after_state(run, q, k, v, state, fill=NEG):
   """``run(q, k, v)`` (a causal op on a whole sequence) after ``state``, written in front as keys
-  whose outputs are dropped: the prefix triple as one key (logit m + log den, value num / den;
-  s + 1 back: bias 0), then a ring's s keys; absent positions weigh nothing (``fill``)."""
+  whose outputs are dropped: the prefix triple as one key, then a ring's s keys."""
   dt, axis = jnp.result_type(q, k, v), k.ndim - 2
   if state is None:
     return run(q, k, v).astype(dt)
@@ -261,9 +248,8 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
 
 
 def shard_state(k, v, size: int | None, axis_name):
-  """Inside ``jax.shard_map``, T split over ``axis_name`` (n positions per device): the state of
-  the positions before this device's (``size`` None: an ``Acc``, from an ``all_gather`` of the
-  shards' totals; else a ``WindowState``, the last s keys also by ``ppermute``)."""
+  """Inside ``jax.shard_map``, T split over ``axis_name``: the state of the positions before this
+  device's (``size`` None: an ``Acc``; else a ``WindowState``, the last s keys by ``ppermute``)."""
   axis, n = k.ndim - 2, k.shape[k.ndim - 2]
   k, v = _f32(k), _f32(v)
   i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)

@@ -1,13 +1,6 @@
-"""AFT-simple (paper Eq. 5), w = 0: the op in every mode, its one-token step, and its XLA maths.
-Causal, the core is a[t] = sum_{t' <= t} exp(k[t'] - L[t]) v[t'], L[t] = log sum_{t' <= t}
-exp(k[t']), over k, v ``[T, R]`` (R: batch x channels), in one pass over chunks carrying the exact
-triple of everything before: a chunk's prefix sums are one lower-triangular product of exp(k - m)
-[v, 1] (m: the max of the carry and the chunk's first key), about a ``cumsum``'s speed. Rows
-whose denominator falls below ``DEN_OK`` or that see a term set aside (``logsumexp.set_aside``)
-are recomputed sequentially with a running maximum. The derivative is a custom JVP, da[t] =
-sum_{t' <= t} exp(k[t'] - L[t]) (dv[t'] + dk[t'] (v[t'] - a[t])), with a and L the only [T, R]
-residuals. Non-causal: one shift per channel is exact (softmax over T). The kernels:
-``pallas.triton_simple`` (GPU), ``pallas.mosaic_simple`` (TPU, opt-in).
+"""AFT-simple (paper Eq. 5), w = 0: the op in every mode, its one-token step, and its XLA maths
+(docs/kernels.md, "How each module computes"). The kernels: ``pallas.triton_simple`` (GPU),
+``pallas.mosaic_simple`` (TPU, opt-in).
 """
 
 import functools
@@ -47,13 +40,7 @@ def aft_simple(
     axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
       device's shard of the output on the whole sequence.
 
-  Returns:
-    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
-
-  Example::
-
-    y1, state = aft_simple(q1, k1, v1, causal=True, output_final_state=True)  # [B, T, D]
-    y2 = aft_simple(q2, k2, v2, causal=True, initial_state=state)  # one call's, in two pieces
+  Returns ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   mode = common.check_mode(

@@ -1,9 +1,7 @@
 """The implementation chosen (aft_jax/ops/common.py): ``resolve``'s rules and reasons, a kernel
-added to an op is what it runs, ``impl="auto"`` follows the device a computation is lowered
-for, not the host (kernels for an abstract H200, XLA for an abstract T4: XLA refuses Triton
-below compute capability 8.0; a one-line error for impl="pallas" there; both paths in one module
-exported for CPU and CUDA; XLA with one warning where jax has no Pallas Triton backend), and an
-eager call is one program per shape and device."""
+added to an op is what it runs, ``impl="auto"`` follows the device a computation is lowered for
+(kernels for an abstract H200, XLA for a T4), and an eager call is one program per shape and
+device, however many pieces."""
 
 import functools
 import sys
@@ -134,11 +132,6 @@ def test_a_kernel_added_to_an_op_says_why_not(fake_kernel):
   chex.assert_trees_all_close(ops.aft_full(q, k, v, w, causal=True), xla)  # "auto": XLA
   with pytest.raises(ValueError, match=r"aft_full: impl='pallas' is not available: the fake "):
     ops.aft_full(q, k, v, w, causal=True, impl="pallas")
-
-
-def test_impl_must_be_one_of_the_four():
-  with pytest.raises(ValueError, match="aft_full: impl must be one of"):
-    common.resolve("aft_full", "triton", (), causal=True, channels=4)
 
 
 # --------------------------------------------------------------------------- the device
@@ -273,6 +266,23 @@ def test_an_eager_call_is_one_program_per_shape_and_device():
     assert common._program._cache_size() == before + 2
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_pieces_called_eagerly_are_one_program():
+  """AFT-local on 5 pieces, each after the state of the one before (docs/long_sequences.md):
+  the offset, the state's index, is traced, so one program serves every piece."""
+  q, k, v = (np.asarray(x)[:1, :20, :3] for x in _inputs()[:3])  # a shape no other test uses
+  w = np.asarray(jax.random.normal(jax.random.key(1), (20, 20)))
+  state, ys = ops.aft_local_init((1, 3), 3), []
+  before = common._program._cache_size()
+  for at in range(0, 20, 4):
+    piece = (x[:, at : at + 4] for x in (q, k, v))
+    kw = dict(window=3, causal=True, initial_state=state, output_final_state=True)
+    y, state = ops.aft_local(*piece, w, **kw)
+    ys.append(y)
+  assert common._program._cache_size() == before + 1
+  whole = ops.aft_local(q, k, v, w, window=3, causal=True)
+  np.testing.assert_allclose(np.concatenate(ys, 1), whole, rtol=1e-5, atol=1e-6)
 
 
 def test_a_traced_call_enters_at_most_four_modules():

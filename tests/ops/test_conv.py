@@ -1,5 +1,5 @@
-"""AFT-conv (aft_jax/ops/conv.py), 1-D and 2-D, against the float64 loop reference, forward and
-backward (it has no kernel: XLA only)."""
+"""AFT-conv (aft_jax/ops/conv.py): the kernel's taps that reach past the input cost nothing (its
+values and derivatives: tests/ops/test_reference.py)."""
 
 import functools
 
@@ -7,67 +7,10 @@ import chex
 import jax
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
 from aft_jax import ops
 from tests.support import numpy_reference as ref
-from tests.support.op_cases import (
-  ATOL,
-  RTOL,
-  cotangent,
-  grads_check,
-  grads_finite_at_large_logits,
-  output_and_grads,
-  rand,
-)
-
-
-class MatchesReference(chex.TestCase, parameterized.TestCase):
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(
-    (False, 1, 1.0), (False, 3, 40.0), (False, 5, 1.0), (True, 2, 1.0), (True, 3, 40.0)
-  )
-  def test_conv1d(self, causal, size, scale):
-    t_len, heads, ch = 9, 2, 3
-    q, v = rand(3, (2, t_len, heads, ch), (2, t_len, heads, ch))
-    k, kernel = rand(4, (2, t_len, heads), (heads, size), scale=scale)
-    fn = self.variant(functools.partial(ops.aft_conv1d, causal=causal))
-    chex.assert_trees_all_close(
-      fn(q, k, v, kernel), ref.aft_conv1d(q, k, v, kernel, causal), rtol=RTOL, atol=ATOL
-    )
-
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(((1, 1), 1.0), ((3, 3), 40.0), ((3, 5), 1.0))
-  def test_conv2d(self, ksize, scale):
-    ht, wd, heads, ch = 5, 6, 2, 2
-    q, v = rand(5, (1, ht, wd, heads, ch), (1, ht, wd, heads, ch))
-    k, kernel = rand(6, (1, ht, wd, heads), (heads,) + ksize, scale=scale)
-    fn = self.variant(ops.aft_conv2d)
-    chex.assert_trees_all_close(
-      fn(q, k, v, kernel), ref.aft_conv2d(q, k, v, kernel), rtol=RTOL, atol=ATOL
-    )
-
-
-GRAD_CASES = {
-  "conv1d": lambda q, k, v, w: ops.aft_conv1d(
-    q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :3]
-  ),
-  "conv1d_causal": lambda q, k, v, w: ops.aft_conv1d(
-    q.reshape(6, 2, 2), k[:, :2], v.reshape(6, 2, 2), w[:2, :2], causal=True
-  ),
-  "conv2d": lambda q, k, v, w: ops.aft_conv2d(
-    q.reshape(2, 3, 2, 2),
-    k[:, :2].reshape(2, 3, 2),
-    v.reshape(2, 3, 2, 2),
-    w[:2, :3].reshape(2, 1, 3),
-  ),  # fmt: skip
-}
-
-
-@pytest.mark.parametrize("name", sorted(GRAD_CASES))
-def test_gradients_match_finite_differences(name):
-  grads_check(GRAD_CASES[name], "qkvw")
-  grads_finite_at_large_logits(GRAD_CASES[name], "qkvw")
+from tests.support.op_cases import ATOL, RTOL, cotangent, output_and_grads, rand
 
 
 @pytest.mark.parametrize("causal", [False, True])

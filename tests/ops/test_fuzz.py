@@ -1,8 +1,6 @@
-"""Property tests of the ops (hypothesis): random shapes, dtypes, windows and magnitudes.
-
-Each example checks, with one compiled function: outputs are finite, agree with the float64
-reference (float32 inputs), and, for causal ops, ignore the future.
-"""
+"""Property tests of the ops (hypothesis): random shapes, dtypes, windows and magnitudes; each
+example, in one compiled function: outputs finite, the float64 reference's (float32 inputs),
+and, causal, the future ignored."""
 
 import functools
 
@@ -14,31 +12,21 @@ from hypothesis import given, settings, strategies as st
 
 from aft_jax import ops
 from tests.support import numpy_reference as ref
+from tests.support.op_cases import reference
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(name, causal, window, dtype):
-  fns = {
-    "full": lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=causal),
-    "local": lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=causal),
-    "simple": lambda q, k, v, w: ops.aft_simple(q, k, v, causal=causal),
-  }
-  return jax.jit(lambda q, k, v, w: fns[name](*(x.astype(dtype) for x in (q, k, v, w))))
-
-
-def _reference(name, q, k, v, w, causal, window):
-  if name == "full":
-    return ref.aft_full(q, k, v, w, causal)
-  if name == "local":
-    return ref.aft_local(q, k, v, w, window, causal)
-  return ref.aft_simple(q, k, v, causal)
+def _jitted(name, kw, dtype):
+  op = functools.partial(getattr(ops, name), **dict(kw))
+  n_args = 3 if name == "aft_simple" else 4
+  return jax.jit(lambda q, k, v, w: op(*(x.astype(dtype) for x in (q, k, v, w)[:n_args])))
 
 
 @SETTINGS
 @given(
-  name=st.sampled_from(["full", "local", "simple"]),
+  name=st.sampled_from(["aft_full", "aft_local", "aft_simple"]),
   causal=st.booleans(),
   t_len=st.integers(1, 8),
   d=st.sampled_from([1, 3]),
@@ -54,14 +42,14 @@ def test_sequence_ops(name, causal, t_len, d, lead, window, scale, dtype, seed):
   q, v = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
   k = (rng.normal(size=shape) * scale).astype(np.float32)
   w = (rng.normal(size=(t_len, t_len)) * scale).astype(np.float32)
-  fn = _jitted(name, causal, window, dtype)
+  kw = dict(causal=causal, **({"window": window} if name == "aft_local" else {}))
+  fn = _jitted(name, tuple(kw.items()), dtype)
   out = fn(q, k, v, w)
   assert out.dtype == jnp.dtype(dtype)
   chex.assert_tree_all_finite(out)
   if dtype == "float32":
-    chex.assert_trees_all_close(
-      out, _reference(name, q, k, v, w, causal, window), rtol=2e-4, atol=2e-5
-    )
+    want = reference(name, (q, k, v, w)[: 3 if name == "aft_simple" else 4], kw)
+    chex.assert_trees_all_close(out, want, rtol=2e-4, atol=2e-5)
   if causal and t_len > 1:
     t0 = int(rng.integers(0, t_len - 1))
     k2, v2, w2 = k.copy(), v.copy(), w.copy()

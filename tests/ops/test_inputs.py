@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from aft_jax import layers, ops
+from aft_jax.ops import common
 
 X = np.zeros((2, 6, 4), np.float32)
 W = np.zeros((6, 6), np.float32)
@@ -39,41 +40,67 @@ def test_non_floating_inputs_are_refused(dtype, arg):
       call()
 
 
-def test_messages():
-  x, w = X, W
-  cases = [
-    (lambda: ops.aft_full(x, x[:, :5], x, w), "aft_full.*same shape.*k \\(2, 5, 4\\)"),
-    (lambda: ops.aft_full(x, x, x, np.zeros((5, 5))), "w must be \\[T, T\\].*\\(5, 5\\)"),
-    (lambda: ops.aft_simple(x[0, 0], x[0, 0], x[0, 0]), "q must be \\[..., T, D\\]"),
-    (lambda: ops.aft_local(x, x, x, w, window=0), "window must be an int >= 1, got 0"),
-    (lambda: ops.aft_local(x, x, x, w, window=2.5), "window"),
-    (
-      lambda: ops.aft_conv1d(x[..., None], x[..., :3], x[..., None], np.zeros((4, 3))),
-      "k \\[..., T, H\\].*k \\(2, 6, 3\\)",
-    ),
-    (lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4))), "odd.*\\(4, 4\\)"),
-    (
-      lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((3, 3))),
-      "H = 4 heads.*\\(3, 3\\)",
-    ),
-    (
-      lambda: ops.aft_conv2d(
-        x[..., None, None], x[..., None], x[..., None, None], np.zeros((1, 3, 2))
-      ),
-      "odd.*\\(1, 3, 2\\)",
-    ),
-    # A causal kernel of width 0 has no size to be odd: it is refused as empty.
-    (
-      lambda: ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 0)), causal=True),
-      "aft_conv1d: kernel sizes must be >= 1; got kernel \\(4, 0\\)",
-    ),
-  ]
-  for fn, pattern in cases:
-    with pytest.raises(ValueError, match=pattern) as e:
-      fn()
-    assert "\n" not in str(e.value)
-  # Even kernels are fine when causal: entry j is the bias of t' = t - j.
-  ops.aft_conv1d(x[..., None], x, x[..., None], np.zeros((4, 4)), causal=True)
+X16, W8 = np.zeros((2, 8, 16), np.float32), np.zeros((8, 8), np.float32)
+SEG = np.array([[1] * 3 + [2] * 3] * 2, np.int32)  # [2, T]: two documents a row
+STATE = ops.aft_simple_init((2, 4))
+CQ, CK, CV = X[..., None], X, X[..., None]  # AFT-conv: 4 heads of 1 channel
+F, S, L, C1 = ops.aft_full, ops.aft_simple, ops.aft_local, ops.aft_conv1d
+ker = lambda *s, dt=np.float32: np.zeros(s, dt)
+CAUSAL, LOCAL = dict(causal=True), dict(window=2, causal=True)
+
+# (op, args, kwargs, the message's regex): every op's checks of its own arguments.
+ERRORS = [
+  (F, (X, X[:, :5], X, W), {}, r"aft_full.*same shape.*k \(2, 5, 4\)"),
+  (F, (X, X, X, ker(5, 5)), {}, r"w must be \[T, T\].*\(5, 5\)"),
+  (F, (X, X, X, ker(6, 6, dt=np.int32)), {}, r"aft_full: w must be a real floating.*int32"),
+  (S, (X[0, 0],) * 3, {}, r"q must be \[..., T, D\]"),
+  (L, (X, X, X, W), dict(window=0), "window must be an int >= 1, got 0"),
+  (L, (X, X, X, W), dict(window=2.5), "window must be an int >= 1, got 2.5"),
+  (C1, (CQ, X[..., :3], CV, ker(4, 3)), {}, r"k \[..., T, H\].*k \(2, 6, 3\)"),
+  (C1, (CQ, CK, CV, ker(4, 4)), {}, r"odd.*\(4, 4\)"),
+  (C1, (CQ, CK, CV, ker(3, 3)), {}, r"H = 4 heads.*\(3, 3\)"),
+  # A causal kernel of width 0 has no size to be odd: it is refused as empty.
+  (C1, (CQ, CK, CV, ker(4, 0)), CAUSAL,
+   r"aft_conv1d: kernel sizes must be >= 1; got kernel \(4, 0\)"),
+  (C1, (CQ, CK, CV, ker(4, 3, dt=np.int32)), CAUSAL, "aft_conv1d: kernel must be a real floating"),
+  (ops.aft_conv2d, (X[..., None, None], X[..., None], X[..., None, None], ker(1, 3, 2)), {},
+   r"odd.*\(1, 3, 2\)"),
+  # states: for the causal ops that have one, of these inputs
+  (S, (X, X, X), dict(initial_state=STATE), "aft_simple: initial_state need causal=True"),
+  (L, (X, X, X, W), dict(window=2, output_final_state=True), "aft_local: output_final_state need"),
+  (F, (X, X, X, W), dict(CAUSAL, output_final_state=True), "aft_full: initial_state and output_"),
+  (S, (X[:1],) * 3, dict(CAUSAL, initial_state=STATE), "aft_simple: initial_state must be the st"),
+  (L, (X, X, X, W), dict(LOCAL, offset=4), r"L >= offset \+ T = 10 \(offset 4, T 6\)"),
+  # packed rows
+  (S, (X, X, X), dict(segment_ids=SEG), "aft_simple: segment_ids need causal=True"),
+  (S, (X, X, X), dict(CAUSAL, segment_ids=SEG[:, :4]),
+   r"segment_ids must be an int array \[..., T\] = \(2, 6\)"),
+  (L, (X, X, X, W), dict(LOCAL, positions=SEG.astype(np.float32)), "positions must be an int arr"),
+  (L, (X, X, X, W), dict(LOCAL, segment_ids=SEG, output_final_state=True),
+   "do not take initial_state, output_final_state"),
+  (common.resolve, ("aft_full", "triton", ()), dict(CAUSAL, channels=4), "aft_full: impl must be"),
+  (F, (X, X, X, W), dict(impl="triton"), "impl must be one of"),
+  # kernels asked for that cannot run (on this CPU host)
+  (S, (X16,) * 3, dict(CAUSAL, impl="pallas"), "not for the 'cpu' platform"),
+  (S, (X16,) * 3, dict(impl="pallas_interpret"), "the kernel is for causal=True"),
+  (S, (X16[..., :12],) * 3, dict(CAUSAL, impl="pallas"), "D = 12 is not a multiple of 16"),
+  (F, (X16, X16, X16, W8), dict(CAUSAL, impl="pallas"), "no Pallas kernel for this op"),
+  (L, (X16, X16, X16, W8), dict(window=2, impl="pallas"), "the kernel is for causal=True"),
+  (L, (X16, X16, X16, W8), dict(window=2000, causal=True, impl="pallas_interpret"),
+   "the window 2000 is larger than the kernel's 1024"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn, args, kwargs, message", ERRORS, ids=[e[-1][:32] for e in ERRORS])
+def test_bad_arguments_are_one_line(fn, args, kwargs, message):
+  with pytest.raises(ValueError, match=message) as e:
+    fn(*args, **kwargs)
+  assert "\n" not in str(e.value)
+
+
+def test_even_causal_conv_kernels_are_fine():
+  """Entry j is the bias of t' = t - j: no centre needed."""
+  assert C1(CQ, CK, CV, ker(4, 4), causal=True).shape == CQ.shape
 
 
 def test_a_numpy_integer_window_is_an_int():
@@ -110,13 +137,6 @@ def test_array_likes_are_arrays_and_bad_ones_one_line():
   with pytest.raises(ValueError, match=r"^aft_simple: k must be an array; got list") as e:
     ops.aft_simple(X, ragged, X)
   assert "\n" not in str(e.value) and "0.0, 0.0" not in str(e.value)
-
-
-def test_non_floating_bias_and_kernel_are_refused():
-  with pytest.raises(ValueError, match=r"aft_full: w must be a real floating-point.*int32"):
-    ops.aft_full(X, X, X, W.astype(np.int32))
-  with pytest.raises(ValueError, match=r"aft_conv1d: kernel must be a real floating-point"):
-    ops.aft_conv1d(X[..., None], X, X[..., None], np.zeros((4, 3), np.int32), causal=True)
 
 
 @pytest.mark.parametrize("shape", [(2, 0, 4), (2, 6, 0), (0, 6, 4)])

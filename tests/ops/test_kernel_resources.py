@@ -1,18 +1,8 @@
 """The Pallas GPU kernels fit the GPUs they are built for: every block configuration the ops can
-choose, forward and backward (and AFT-local's dw kernel), float32 and bfloat16, compiled for
-sm_80 without a GPU (``benchmarks/kernel_resources.py --archs sm_80``) stays within its shared
-memory per block and registers, and spills no more than ``SPILL_ALLOWANCE``. sm_80 is the
-tightest architecture that runs the kernels: sm_90 (H100, H200) has more shared memory per block
-(227 KiB against 163 KiB), the kernels take the same shared memory there (the committed table),
-and the same 64 K registers per block (ptxas gives some kernels up to 6 more registers per
-thread on sm_90, within the 255 that 8 warps can always have). sm_90's spills (at most 16 B in
-the committed table) and sm_75's, where XLA refuses Triton and the kernels never run, are in
-the committed table from the full run (``benchmarks/kernel_resources.py``), and
-tests/test_deviceless.py compiles every kernel configuration for an H100 through XLA. sm_80
-here costs ~90 CPU-s of CI time (16 programs compiled by XLA, 59 ptxas runs).
-
-A kernel over the shared-memory limit does not launch, and one that spills runs from local
-memory: both would show only on the GPU, so this compiles for it instead."""
+choose, forward and backward, float32 and bfloat16, compiled for sm_80 without a GPU
+(``benchmarks/kernel_resources.py --archs sm_80``), stays within its shared memory per block
+and registers and spills no more than ``SPILL_ALLOWANCE`` (sm_80 is the tightest architecture
+that runs them; the other architectures: the committed table, docs/kernels.md)."""
 
 import glob
 import json

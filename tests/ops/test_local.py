@@ -1,6 +1,6 @@
-"""AFT-local (aft_jax/ops/local.py) against the float64 references, forward and backward, on
-each implementation: XLA (its banded sums, which AFT-full shares, block by block) and the Triton
-kernel in Pallas' interpreter; and its pieces at an offset into w."""
+"""AFT-local (aft_jax/ops/local.py) against float64 references: the banded sums (which AFT-full
+shares) block by block, and the Triton kernel in Pallas' interpreter (its pieces at an offset:
+tests/ops/test_modes.py)."""
 
 import functools
 
@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 from jax.test_util import check_grads
 
 from aft_jax import ops
@@ -19,37 +18,8 @@ from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, close, cotangent, grads_check, grads_finite_at_large_logits, kernel_inputs,
-  output_and_grads, qkvw, rand,
+  ATOL, RTOL, dense_op, kernel_inputs, qkvw, rand,
 )  # fmt: skip
-
-
-class MatchesReference(chex.TestCase, parameterized.TestCase):
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(
-    (False, 1, 1.0),
-    (True, 1, 40.0),
-    (False, 3, 40.0),
-    (True, 3, 1.0),
-    (True, 3, 40.0),
-    (False, 12, 1.0),
-    (True, 12, 40.0),
-  )
-  def test_xla(self, causal, window, scale):
-    q, k, v, w = qkvw(1, (2, 1), 10, 3, scale)
-    fn = self.variant(functools.partial(ops.aft_local, window=window, causal=causal))
-    out = fn(q, k, v, w)
-    chex.assert_tree_all_finite(out)
-    chex.assert_trees_all_close(
-      out, ref.aft_local(q, k, v, w, window, causal), rtol=RTOL, atol=ATOL
-    )
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradients_match_finite_differences(causal):
-  fn = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=2, causal=causal)
-  grads_check(fn, "qkvw")
-  grads_finite_at_large_logits(fn, "qkvw")
 
 
 def _dense_reference(q, k, v, w, causal):
@@ -95,15 +65,7 @@ def test_banded_long_sequence(causal, window, scale):
   recomputed = jax.jit(lambda k, v, w: local._forward(plan, k, v, w))(rows(k), rows(v), w)[2]
   assert bool(np.any(recomputed)) == (scale > 1.0), recomputed.sum()
 
-  def dense(q, k, v, w):  # exact: a per-(t, d) maximum
-    idx = np.arange(t_len)
-    keep = np.abs(idx[:, None] - idx[None, :]) < (window or t_len)
-    logits = k[..., None, :, :] + jnp.where(keep, w, 0.0)[:, :, None]
-    if causal:
-      logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-2)
-    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
-
+  dense = dense_op(window, causal)  # exact: a per-(t, d) maximum
   ct, tk, tv = rand(21, q.shape, q.shape, q.shape)
   (tw,) = rand(22, w.shape)
 
@@ -285,124 +247,6 @@ def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
     assert cfg.block_d == 16  # dk, dv: one program per (batch row, 16 channels)
     assert sorted(s for s in shapes if s[-1] == 64) == [(2, 112, 64)]
     assert shapes.count((batch, 64 - 16 + 112, d)) == 2  # dk, dv (keys' padded layout)
-
-
-# --------------------------------------------------------------------------- pieces at an offset
-
-T, WINDOW = 8, 3
-
-
-def _inputs(scale, seed=0):
-  rng = np.random.default_rng(seed)
-  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
-  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
-
-
-def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
-  """w given as its factors (u, v), w = u v^T. A piece longer than two sub-pieces
-  (``local.SUB_PIECE``, here 3 with a window of 3: sub-pieces of 12 positions) runs as
-  sub-pieces with the state carried, each forming only its block of w; so does a whole
-  sequence given the factors; a short first piece forms its block too: the same values and
-  gradients (of u and v too) as one call on the dense w."""
-  monkeypatch.setattr(local, "SUB_PIECE", 3)
-  rng = np.random.default_rng(6)
-  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
-  t_len, n = 40, 3  # a first piece of 3, then 37 = 3 sub-pieces of 12 and 1
-  q, k, v = f(2, t_len, 3), f(2, t_len, 3, sc=40.0), f(2, t_len, 3)
-  bias = (f(t_len, 2, sc=6.0), f(t_len, 2, sc=6.0))  # w = u v^T, given as its factors
-
-  def chained(q, k, v, bias):
-    w = tuple(bias)
-    call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
-    y1, state = call(q[:, :n], k[:, :n], v[:, :n], w, output_final_state=True)
-    y2 = call(q[:, n:], k[:, n:], v[:, n:], w, offset=n, initial_state=state)
-    return jnp.concatenate([y1, y2], axis=1)
-
-  dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
-  # One call on the whole sequence given the factors: in sub-pieces too.
-  whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
-  run = jax.jit(lambda *a: [output_and_grads(f)(*a) for f in (dense, chained, whole)])
-  (y1, g1), (y2, g2), (y3, g3) = run(q, k, v, bias, cotangent(q.shape))
-  close(y2, y1, 1e-5)
-  close(g2, g1, 1e-4)
-  close(y3, y1, 1e-5)
-  close(g3, g1, 1e-4)
-
-
-def _local_pieces(start, first, **kw):
-  """AFT-local on positions start.. of a sequence of T after the state of positions first..
-  start - 1 (a piece at offset ``first``), with ``kw`` (offset); the float64 reference of the
-  sub-sequence from ``first`` on, at the same positions; and the state."""
-  q, k, v, w = _inputs(5.0, seed=4)
-  piece = lambda x: x[:, first:start]
-  at = {"offset": first} if first else {}
-  _, state = ops.aft_local(*(piece(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
-                           output_final_state=True, **at)  # fmt: skip
-  rest = lambda x: x[:, start:]
-  y = ops.aft_local(*(rest(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
-                    initial_state=state, **kw)  # fmt: skip
-  sub = lambda x: x[:, first:]
-  want = ref.aft_local(sub(q), sub(k), sub(v), w[first:, first:], WINDOW, causal=True)
-  return y, want[:, start - first :], state
-
-
-@pytest.mark.parametrize("state_from", [0, 2])
-def test_the_offset_comes_from_the_state(state_from):
-  """A piece after a state takes its offset from the state's index (the position of its first
-  query in w), also where the state is that of a piece that started at an offset itself."""
-  y, want, state = _local_pieces(5, state_from)
-  assert int(state.index) == 5
-  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
-  y, _, _ = _local_pieces(5, state_from, offset=5)  # the same offset given
-  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
-
-
-def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
-  """Known when traced: a ValueError naming both positions; inside jit (the offset traced): the
-  piece's output is NaN, never a bias read at other positions."""
-  with pytest.raises(ValueError, match=r"offset 3 does not match initial_state.index 5"):
-    _local_pieces(5, 0, offset=3)
-  q, k, v, w = _inputs(5.0, seed=4)
-  _, state = ops.aft_local(q[:, :5], k[:, :5], v[:, :5], w, window=WINDOW, causal=True,
-                           output_final_state=True)  # fmt: skip
-  call = lambda s, at: ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW,
-                                     causal=True, offset=at, initial_state=s)  # fmt: skip
-  _, want, _ = _local_pieces(5, 0)
-  chex.assert_trees_all_close(jax.jit(call)(state, 5), want, rtol=1e-5, atol=1e-6)
-  assert np.all(np.isnan(jax.jit(call)(state, 3)))
-  # The state traced, the offset known: the same.
-  assert np.all(np.isnan(jax.jit(lambda s: call(s, 3))(state)))
-
-
-def test_a_traced_offset_outside_w_gives_nan():
-  """T = 4 positions at a traced offset into w [8, 8] (one program for every offset): offsets
-  0..4 fit; -1 and 5 do not, and a dynamic slice would clamp them to another block of w: NaN
-  instead."""
-  q, k, v, w = _inputs(5.0, seed=5)
-  first = lambda x: x[:, :4]
-  run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
-                                         causal=True, offset=at))  # fmt: skip
-  for at in (-1, 0, 4, 5):
-    y = run(at)
-    if 0 <= at <= 4:
-      want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
-      chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6, custom_message=f"offset {at}")
-    else:
-      assert np.all(np.isnan(y)), at
-
-
-@pytest.mark.parametrize("at", [1, 4])
-def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
-  """Without a state the positions before ``offset`` hold no keys; the final state's index is
-  offset + T, so the next piece continues from it (the float64 reference on the sub-sequence)."""
-  q, k, v, w = _inputs(5.0, seed=6)
-  call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
-  y1, state = call(q[:, at : at + 2], k[:, at : at + 2], v[:, at : at + 2], w, offset=at,
-                   output_final_state=True)  # fmt: skip
-  assert int(state.index) == at + 2
-  y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
-  want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
-  chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_symbolic_batch_exports():

@@ -13,13 +13,15 @@ D = 64
 LENGTHS = (1024, 4096, 16384)
 
 
-def _temp_bytes(fn, t_len, with_w=False):
-  """Scratch memory of forward + backward (gradients of q, k, v) at sequence length T."""
-  x = jax.ShapeDtypeStruct((1, t_len, D), jnp.float32)
-  args = (x, x, x) + ((jax.ShapeDtypeStruct((t_len, t_len), jnp.float32),) if with_w else ())
-  loss = lambda *a: jnp.sum(fn(*a))
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+def _temp_bytes(fn, *args, n=3):
+  """Scratch memory of forward + backward (the gradients of the first ``n`` inputs)."""
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=tuple(range(n))))
+  return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def _args(t_len, with_w=False, d=D):
+  x = jax.ShapeDtypeStruct((1, t_len, d), jnp.float32)
+  return (x, x, x) + ((jax.ShapeDtypeStruct((t_len, t_len), jnp.float32),) if with_w else ())
 
 
 def _softmax(q, k, v):
@@ -37,7 +39,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_causal_aft_memory_grows_linearly(name):
   fn, with_w = CASES[name]
-  sizes = [_temp_bytes(fn, t, with_w) for t in LENGTHS]
+  sizes = [_temp_bytes(fn, *_args(t, with_w)) for t in LENGTHS]
   for small, big in zip(sizes, sizes[1:]):
     assert big <= 5 * small, (name, sizes)  # 4x longer: at most ~5x the memory
   # and far below a single T x T float32 array at the longest length
@@ -45,7 +47,7 @@ def test_causal_aft_memory_grows_linearly(name):
 
 
 def test_softmax_attention_memory_grows_quadratically():
-  sizes = [_temp_bytes(_softmax, t) for t in LENGTHS]
+  sizes = [_temp_bytes(_softmax, *_args(t)) for t in LENGTHS]
   for small, big in zip(sizes, sizes[1:]):
     assert big >= 8 * small, sizes  # 4x longer: towards 16x the memory (T x T scores)
   assert sizes[-1] >= 100 * sizes[0], sizes  # 16x longer: ~256x
@@ -57,18 +59,11 @@ def test_causal_aft_uses_a_twentieth_of_softmax_memory_at_4096():
   most 0.05x the scratch of causal softmax attention (einsum form, 8 heads)."""
   from benchmarks.bench_ops import _softmax_einsum
 
-  t_len, d = 4096, 512
-  x = jax.ShapeDtypeStruct((1, t_len, d), jnp.float32)
-  w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
-
-  def temp(fn, *args):
-    loss = lambda *a: jnp.sum(fn(*a))
-    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
-    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-  softmax = temp(_softmax_einsum, x, x, x)
-  simple = temp(functools.partial(ops.aft_simple, causal=True), x, x, x)
-  local = temp(functools.partial(ops.aft_local, window=128, causal=True), x, x, x, w)
+  t_len = 4096
+  x = _args(t_len, True, d=512)
+  softmax = _temp_bytes(_softmax_einsum, *x[:3])
+  simple = _temp_bytes(functools.partial(ops.aft_simple, causal=True), *x[:3])
+  local = _temp_bytes(functools.partial(ops.aft_local, window=128, causal=True), *x, n=4)
   assert softmax > t_len * t_len * 4 * 8 / 2, softmax  # the 8 heads' scores: the baseline is real
   assert simple <= 0.05 * softmax, (simple, softmax)
   assert local <= 0.05 * softmax, (local, softmax)

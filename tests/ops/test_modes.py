@@ -2,8 +2,8 @@
 call or the float64 reference: a sequence in pieces (``initial_state``, ``output_final_state``)
 equals one call, values and gradients; packed rows (``segment_ids``, ``positions``) give each
 document what the op gives on it alone; the one-token steps from their init state give the
-causal op (the axis_name forms: tests/support/sequence_worker.py). AFT-local's offsets:
-tests/ops/test_local.py."""
+causal op (the axis_name forms: tests/support/sequence_worker.py); AFT-local's pieces at an
+offset into w (or its factors), in sub-pieces."""
 
 import functools
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from aft_jax import ops
+from aft_jax.ops import local
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import ATOL, RTOL, close, cotangent, output_and_grads
@@ -33,11 +34,11 @@ def _inputs(op, scale, seed=0):
 
 
 def _call(op, q, k, v, bias, **kw):
+  """The causal op; AFT-simple without the bias, AFT-local with a window of ``WINDOW``."""
   if op == "simple":
     return ops.aft_simple(q, k, v, causal=True, **kw)
-  if op == "local":
-    return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **kw)
-  return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)
+  window = {"window": WINDOW} if op == "local" else {}
+  return getattr(ops, f"aft_{op}")(q, k, v, bias, causal=True, **window, **kw)
 
 
 def _chained(op, q, k, v, bias):
@@ -92,19 +93,114 @@ def test_final_state_is_the_decoding_state(op):
   np.testing.assert_allclose(y_rest, whole[:, n + 1 :], rtol=1e-5, atol=1e-6)
 
 
-def test_state_arguments_are_refused_where_there_is_no_state():
-  q, k, v, w = _inputs("local", 1.0)
-  _, state = ops.aft_simple(q, k, v, causal=True, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_simple: initial_state need causal=True"):
-    ops.aft_simple(q, k, v, initial_state=state)
-  with pytest.raises(ValueError, match=r"aft_local: output_final_state need causal=True"):
-    ops.aft_local(q, k, v, w, window=2, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_full: initial_state and output_final_state"):
-    ops.aft_full(q, k, v, w, causal=True, output_final_state=True)
-  with pytest.raises(ValueError, match=r"aft_simple: initial_state must be the state"):
-    ops.aft_simple(q[:1], k[:1], v[:1], causal=True, initial_state=state)
-  with pytest.raises(ValueError, match=r"L >= offset \+ T = 12 \(offset 4, T 8\)"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, offset=4)
+# ----------------------------------------------------------------- AFT-local's pieces at an offset
+
+
+def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
+  """w given as its factors (u, v), w = u v^T. A piece longer than two sub-pieces
+  (``local.SUB_PIECE``, here 3 with a window of 3: sub-pieces of 12 positions) runs as
+  sub-pieces with the state carried, each forming only its block of w; so does a whole
+  sequence given the factors; a short first piece forms its block too: the same values and
+  gradients (of u and v too) as one call on the dense w."""
+  monkeypatch.setattr(local, "SUB_PIECE", 3)
+  rng = np.random.default_rng(6)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  t_len, n = 40, 3  # a first piece of 3, then 37 = 3 sub-pieces of 12 and 1
+  q, k, v = f(2, t_len, 3), f(2, t_len, 3, sc=40.0), f(2, t_len, 3)
+  bias = (f(t_len, 2, sc=6.0), f(t_len, 2, sc=6.0))  # w = u v^T, given as its factors
+
+  def chained(q, k, v, bias):
+    w = tuple(bias)
+    call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+    y1, state = call(q[:, :n], k[:, :n], v[:, :n], w, output_final_state=True)
+    y2 = call(q[:, n:], k[:, n:], v[:, n:], w, offset=n, initial_state=state)
+    return jnp.concatenate([y1, y2], axis=1)
+
+  dense = lambda q, k, v, b: ops.aft_local(q, k, v, b[0] @ b[1].T, window=WINDOW, causal=True)
+  # One call on the whole sequence given the factors: in sub-pieces too.
+  whole = lambda q, k, v, b: ops.aft_local(q, k, v, tuple(b), window=WINDOW, causal=True)
+  run = jax.jit(lambda *a: [output_and_grads(f)(*a) for f in (dense, chained, whole)])
+  (y1, g1), (y2, g2), (y3, g3) = run(q, k, v, bias, cotangent(q.shape))
+  close(y2, y1, 1e-5)
+  close(g2, g1, 1e-4)
+  close(y3, y1, 1e-5)
+  close(g3, g1, 1e-4)
+
+
+def _local_pieces(start, first, **kw):
+  """AFT-local on positions start.. of a sequence of T after the state of positions first..
+  start - 1 (a piece at offset ``first``), with ``kw`` (offset); the float64 reference of the
+  sub-sequence from ``first`` on, at the same positions; and the state."""
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  piece = lambda x: x[:, first:start]
+  at = {"offset": first} if first else {}
+  _, state = ops.aft_local(*(piece(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                           output_final_state=True, **at)  # fmt: skip
+  rest = lambda x: x[:, start:]
+  y = ops.aft_local(*(rest(x) for x in (q, k, v)), w, window=WINDOW, causal=True,
+                    initial_state=state, **kw)  # fmt: skip
+  sub = lambda x: x[:, first:]
+  want = ref.aft_local(sub(q), sub(k), sub(v), w[first:, first:], WINDOW, causal=True)
+  return y, want[:, start - first :], state
+
+
+@pytest.mark.parametrize("state_from", [0, 2])
+def test_the_offset_comes_from_the_state(state_from):
+  """A piece after a state takes its offset from the state's index (the position of its first
+  query in w), also where the state is that of a piece that started at an offset itself."""
+  y, want, state = _local_pieces(5, state_from)
+  assert int(state.index) == 5
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+  y, _, _ = _local_pieces(5, state_from, offset=5)  # the same offset given
+  chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_offset_that_contradicts_the_state_is_refused_or_nan():
+  """Known when traced: a ValueError naming both positions; inside jit (the offset traced): the
+  piece's output is NaN, never a bias read at other positions."""
+  with pytest.raises(ValueError, match=r"offset 3 does not match initial_state.index 5"):
+    _local_pieces(5, 0, offset=3)
+  q, k, v, w = _inputs("local", 5.0, seed=4)
+  _, state = ops.aft_local(q[:, :5], k[:, :5], v[:, :5], w, window=WINDOW, causal=True,
+                           output_final_state=True)  # fmt: skip
+  call = lambda s, at: ops.aft_local(q[:, 5:], k[:, 5:], v[:, 5:], w, window=WINDOW,
+                                     causal=True, offset=at, initial_state=s)  # fmt: skip
+  _, want, _ = _local_pieces(5, 0)
+  chex.assert_trees_all_close(jax.jit(call)(state, 5), want, rtol=1e-5, atol=1e-6)
+  assert np.all(np.isnan(jax.jit(call)(state, 3)))
+  # The state traced, the offset known: the same.
+  assert np.all(np.isnan(jax.jit(lambda s: call(s, 3))(state)))
+
+
+def test_a_traced_offset_outside_w_gives_nan():
+  """T = 4 positions at a traced offset into w [8, 8] (one program for every offset): offsets
+  0..4 fit; -1 and 5 do not, and a dynamic slice would clamp them to another block of w: NaN
+  instead."""
+  q, k, v, w = _inputs("local", 5.0, seed=5)
+  first = lambda x: x[:, :4]
+  run = jax.jit(lambda at: ops.aft_local(first(q), first(k), first(v), w, window=WINDOW,
+                                         causal=True, offset=at))  # fmt: skip
+  for at in (-1, 0, 4, 5):
+    y = run(at)
+    if 0 <= at <= 4:
+      want = ref.aft_local(first(q), first(k), first(v), w[at:, at:][:4, :4], WINDOW, causal=True)
+      chex.assert_trees_all_close(y, want, rtol=1e-5, atol=1e-6, custom_message=f"offset {at}")
+    else:
+      assert np.all(np.isnan(y)), at
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_piece_without_state_at_an_offset_hands_on_its_position(at):
+  """Without a state the positions before ``offset`` hold no keys; the final state's index is
+  offset + T, so the next piece continues from it (the float64 reference on the sub-sequence)."""
+  q, k, v, w = _inputs("local", 5.0, seed=6)
+  call = functools.partial(ops.aft_local, window=WINDOW, causal=True)
+  y1, state = call(q[:, at : at + 2], k[:, at : at + 2], v[:, at : at + 2], w, offset=at,
+                   output_final_state=True)  # fmt: skip
+  assert int(state.index) == at + 2
+  y2 = call(q[:, at + 2 :], k[:, at + 2 :], v[:, at + 2 :], w, initial_state=state)
+  want = ref.aft_local(q[:, at:], k[:, at:], v[:, at:], w[at:, at:], WINDOW, causal=True)
+  chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), want, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- states themselves
@@ -173,19 +269,11 @@ def _packed_inputs(op, scale):
 
 def _packed_op(op, q, k, v, bias, seg=None, pos=None):
   """The op on q, k, v [..., TP, ...]; packed when seg is given; w's top-left block alone."""
-  t_len = q.shape[-3] if op == "conv1d" else q.shape[-2]
-  packed = {} if seg is None else {"segment_ids": seg}
-  if op == "simple":
-    return ops.aft_simple(q, k, v, causal=True, **packed)
-  if op == "conv1d":
-    return ops.aft_conv1d(q, k, v, bias, causal=True, **packed)
-  if seg is not None:
-    packed["positions"] = pos
-  else:
-    bias = bias[:t_len, :t_len]
-  if op == "full":
-    return ops.aft_full(q, k, v, bias, causal=True, **packed)
-  return ops.aft_local(q, k, v, bias, window=WINDOW, causal=True, **packed)
+  if seg is None:
+    t_len = q.shape[-3] if op == "conv1d" else q.shape[-2]
+    return _call(op, q, k, v, bias if op == "conv1d" else bias[:t_len, :t_len])
+  packed = {} if op in ("simple", "conv1d") else {"positions": pos}
+  return _call(op, q, k, v, bias, segment_ids=seg, **packed)
 
 
 # Logits of std 40 where the bias-0 prefix scan and the band meet at large logits; AFT-full's
@@ -218,19 +306,6 @@ def test_each_document_as_if_alone(op, scale):
   for a, b in zip(g1, g2):
     assert np.all(np.isfinite(a))
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))) + 1e-30)
-
-
-def test_bad_segment_arguments_are_refused():
-  q, k, v, w = _packed_inputs("local", 1.0)
-  seg, pos = _layout()
-  with pytest.raises(ValueError, match=r"aft_simple: segment_ids need causal=True"):
-    ops.aft_simple(q, k, v, segment_ids=seg)
-  with pytest.raises(ValueError, match=r"segment_ids must be an int array \[..., T\] = \(2, 9\)"):
-    ops.aft_simple(q, k, v, causal=True, segment_ids=seg[:, :4])
-  with pytest.raises(ValueError, match=r"positions must be an int array"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, positions=pos.astype(np.float32))
-  with pytest.raises(ValueError, match=r"do not take initial_state, output_final_state"):
-    ops.aft_local(q, k, v, w, window=2, causal=True, segment_ids=seg, output_final_state=True)
 
 
 @pytest.mark.parametrize("op", ["local", "full"])

@@ -13,63 +13,36 @@ import pytest
 from aft_jax import layers, ops
 from aft_jax.ops import local
 from tests.support import numpy_reference as ref
-from tests.support.op_cases import tpu_simple
+from tests.support.op_cases import rand, tpu_simple
 
 T, D, POS = 40, 16, (6, 39)
 BAD = (np.nan, np.inf, -np.inf)
 
 
-def _rand(seed, *shapes, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return [np.asarray(rng.normal(size=s) * scale, np.float32) for s in shapes]
-
-
-Q, K, V = _rand(0, (2, T, D), (2, T, D), (2, T, D))
-(W,) = _rand(1, (T, T))
-QC, VC = _rand(2, (2, T, 2, 8), (2, T, 2, 8))
-KC, KER = _rand(3, (2, T, 2), (2, 3))
-
-
-def _tpu_simple(q, k, v, w):
-  """The TPU kernel interpreted, as ``impl="pallas"`` runs it on a TPU."""
-  return tpu_simple(q, k, v)
+Q, K, V = rand(0, (2, T, D), (2, T, D), (2, T, D))
+(W,) = rand(1, (T, T))
+QC, VC = rand(2, (2, T, 2, 8), (2, T, 2, 8))
+KC, KER = rand(3, (2, T, 2), (2, 3))
 
 
 # name -> (op(q, k, v, w), inputs, float64 reference, names of the inputs)
 OPS = {
-  "aft_full": (
-    lambda impl: lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl),
-    (Q, K, V, W),
-    lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
-  ),
-  "aft_local": (
-    lambda impl: lambda q, k, v, w: ops.aft_local(q, k, v, w, window=5, causal=True, impl=impl),
-    (Q, K, V, W),
-    lambda q, k, v, w: ref.aft_local(q, k, v, w, 5, True),
-  ),
-  "aft_simple": (
-    lambda impl: lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
-    (Q, K, V, W),
-    lambda q, k, v, w: ref.aft_simple(q, k, v, True),
-  ),
-  "aft_conv1d": (
-    lambda impl: lambda q, k, v, w: ops.aft_conv1d(q, k, v, w, causal=True, impl=impl),
-    (QC, KC, VC, KER),
-    lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True),
-  ),
-}
-CASES = [
-  ("aft_full", "xla"),
-  ("aft_local", "xla"),
-  ("aft_local", "pallas_interpret"),
-  ("aft_simple", "xla"),
-  ("aft_simple", "pallas_interpret"),
-  ("aft_simple", "tpu_interpret"),
-  ("aft_conv1d", "xla"),
-]
+  "aft_full": (lambda impl: lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl),
+               (Q, K, V, W), lambda q, k, v, w: ref.aft_full(q, k, v, w, True)),
+  "aft_local": (lambda impl: lambda q, k, v, w: ops.aft_local(q, k, v, w, window=5, causal=True,
+                                                               impl=impl),
+                (Q, K, V, W), lambda q, k, v, w: ref.aft_local(q, k, v, w, 5, True)),
+  "aft_simple": (lambda impl: lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
+                 (Q, K, V, W), lambda q, k, v, w: ref.aft_simple(q, k, v, True)),
+  "aft_conv1d": (lambda impl: lambda q, k, v, w: ops.aft_conv1d(q, k, v, w, causal=True, impl=impl),
+                 (QC, KC, VC, KER), lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True)),
+}  # fmt: skip
+CASES = [("aft_full", "xla"), ("aft_local", "xla"), ("aft_local", "pallas_interpret"),
+         ("aft_simple", "xla"), ("aft_simple", "pallas_interpret"),
+         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla")]  # fmt: skip
 
 
-QT, KT, VT = _rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes
+QT, KT, VT = rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +51,7 @@ def _op(name, impl):
   float64 reference."""
   make, inputs, reference = OPS[name]
   if impl == "tpu_interpret":
-    return jax.jit(_tpu_simple), (QT, KT, VT, W), reference
+    return jax.jit(lambda q, k, v, w: tpu_simple(q, k, v)), (QT, KT, VT, W), reference
   return jax.jit(make(impl)), inputs, reference
 
 
@@ -154,7 +127,7 @@ def _layer_modules():
 @pytest.mark.parametrize("name", ["full", "local", "simple", "conv1d"])
 def test_causal_layers_keep_the_past(name):
   module = _layer_modules()[name]
-  (x,) = _rand(4, (2, T, D))
+  (x,) = rand(4, (2, T, D))
   variables = jax.jit(module.init)(jax.random.key(0), x)
   # Non-zero biases, so that w and the kernel take part.
   variables = jax.tree.map(lambda p: p + 0.1, variables)

@@ -2,71 +2,56 @@
 AFT-full, with a zero bias AFT-simple; AFT-conv1d with a zero kernel AFT-simple per head), vmap
 equals a batched call, the causal ones ignore the future, bfloat16 is close to float32."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
 from aft_jax import ops
 from tests.support.op_cases import qkvw, rand
 
 
-class Identities(parameterized.TestCase):
-  @parameterized.parameters(False, True)
-  def test_local_with_wide_window_is_full(self, causal):
-    q, k, v, w = qkvw(7, (2,), 12, 5, 3.0)
-    for window in (12, 50):
-      chex.assert_trees_all_close(
-        ops.aft_local(q, k, v, w, window=window, causal=causal),
-        ops.aft_full(q, k, v, w, causal=causal),
-        rtol=1e-5,
-        atol=1e-6,
-      )
+same = functools.partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6)
 
-  @parameterized.parameters(False, True)
-  def test_local_with_zero_bias_is_simple(self, causal):
-    q, k, v, _ = qkvw(8, (2,), 12, 5, 3.0)
-    w = np.zeros((12, 12), np.float32)
-    chex.assert_trees_all_close(
-      ops.aft_local(q, k, v, w, window=3, causal=causal),
-      ops.aft_simple(q, k, v, causal=causal),
-      rtol=1e-5,
-      atol=1e-6,
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_identities(causal):
+  """AFT-local with a wide window is AFT-full, with a zero bias AFT-simple; AFT-conv1d with a
+  zero kernel is AFT-simple per head."""
+  q, k, v, w = qkvw(7, (2,), 12, 5, 3.0)
+  for window in (12, 50):
+    same(
+      ops.aft_local(q, k, v, w, window=window, causal=causal),
+      ops.aft_full(q, k, v, w, causal=causal),
     )
+  q, k, v, _ = qkvw(8, (2,), 12, 5, 3.0)
+  w = np.zeros((12, 12), np.float32)
+  same(ops.aft_local(q, k, v, w, window=3, causal=causal), ops.aft_simple(q, k, v, causal=causal))
+  q, v = rand(9, (2, 8, 2, 3), (2, 8, 2, 3))
+  (k,) = rand(10, (2, 8, 2), scale=3.0)
+  out = ops.aft_conv1d(q, k, v, np.zeros((2, 3), np.float32), causal=causal)
+  flat = lambda x: np.broadcast_to(x, q.shape).reshape(2, 8, 6)
+  same(out, ops.aft_simple(flat(q), flat(k[..., None]), flat(v), causal=causal).reshape(q.shape))
 
-  @parameterized.parameters(False, True)
-  def test_conv1d_with_zero_kernel_is_simple_per_head(self, causal):
-    q, v = rand(9, (2, 8, 2, 3), (2, 8, 2, 3))
-    (k,) = rand(10, (2, 8, 2), scale=3.0)
-    out = ops.aft_conv1d(q, k, v, np.zeros((2, 3), np.float32), causal=causal)
-    k_full = np.broadcast_to(k[..., None], q.shape)
-    flat = lambda x: x.reshape(2, 8, 6)
-    chex.assert_trees_all_close(
-      out,
-      ops.aft_simple(flat(q), flat(k_full), flat(v), causal=causal).reshape(q.shape),
-      rtol=1e-5,
-      atol=1e-6,
-    )
 
-  def test_vmap_equals_batched_call(self):
-    q, k, v, w = qkvw(11, (3,), 8, 4, 2.0)
-    qc, vc = rand(12, (3, 8, 2, 2), (3, 8, 2, 2))
-    kc, kern = rand(13, (3, 8, 2), (2, 3))
-    q2, v2 = rand(14, (3, 4, 5, 2, 2), (3, 4, 5, 2, 2))
-    k2, kern2 = rand(15, (3, 4, 5, 2), (2, 3, 3))
-    cases = [
-      (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
-      (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
-      (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
-      (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
-      (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
-    ]
-    for fn, args in cases:
-      chex.assert_trees_all_close(
-        jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args), rtol=1e-6, atol=1e-6
-      )
+def test_vmap_equals_batched_call():
+  q, k, v, w = qkvw(11, (3,), 8, 4, 2.0)
+  qc, vc = rand(12, (3, 8, 2, 2), (3, 8, 2, 2))
+  kc, kern = rand(13, (3, 8, 2), (2, 3))
+  q2, v2 = rand(14, (3, 4, 5, 2, 2), (3, 4, 5, 2, 2))
+  k2, kern2 = rand(15, (3, 4, 5, 2), (2, 3, 3))
+  cases = [
+    (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
+    (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
+    (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
+    (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
+    (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
+  ]
+  for fn, args in cases:
+    chex.assert_trees_all_close(jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args), atol=1e-6)
 
 
 def _causal_ops(t_len: int, d: int, window: int) -> dict:

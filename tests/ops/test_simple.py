@@ -1,6 +1,5 @@
-"""AFT-simple (aft_jax/ops/simple.py) against the float64 references, forward and backward, on
-each implementation: XLA (its chunked causal sums too), the Triton kernel in Pallas'
-interpreter (impl="pallas_interpret") and the TPU kernel interpreted."""
+"""AFT-simple (aft_jax/ops/simple.py) against float64 references: the chunked causal sums, the
+Triton kernel in Pallas' interpreter and the TPU kernel interpreted."""
 
 import functools
 
@@ -9,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 from jax.test_util import check_grads
 
 from aft_jax import ops
@@ -20,25 +18,8 @@ from benchmarks import kernel_form
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, grads_check, grads_finite_at_large_logits, kernel_inputs, qkvw, rand,
-  simple_reference,
+  ATOL, RTOL, dense_op, kernel_inputs, qkvw, rand, simple_reference,
 )  # fmt: skip
-
-
-class MatchesReference(chex.TestCase, parameterized.TestCase):
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.product(causal=[False, True], scale=[1.0, 40.0])
-  def test_xla(self, causal, scale):
-    q, k, v, _ = qkvw(2, (3,), 11, 4, scale)
-    fn = self.variant(functools.partial(ops.aft_simple, causal=causal))
-    chex.assert_trees_all_close(fn(q, k, v), ref.aft_simple(q, k, v, causal), rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradients_match_finite_differences(causal):
-  fn = lambda q, k, v: ops.aft_simple(q, k, v, causal=causal)
-  grads_check(fn, "qkv")
-  grads_finite_at_large_logits(fn, "qkv")
 
 
 @pytest.mark.parametrize("t_len,scale", [(1, 40.0), (37, 40.0), (300, 40.0), (256, 1.0)])
@@ -50,11 +31,7 @@ def test_causal_derivatives_exact_at_large_logits(t_len, scale):
   ct, tk, tv = rand(23, q.shape, q.shape, q.shape)
   fn = jax.jit(functools.partial(ops.aft_simple, causal=True))
 
-  def dense(q, k, v):
-    idx = np.arange(t_len)
-    logits = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], k[..., None, :, :], -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-2)
-    return jax.nn.sigmoid(q) * jnp.sum(p * v[..., None, :, :], axis=-2)
+  dense = lambda q, k, v: dense_op(0, True)(q, k, v, None)
 
   def derivatives(f, q, k, v, ct, tk, tv):  # reverse mode (q, k, v), forward mode (k, v)
     rev = jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, k, v)
@@ -122,14 +99,6 @@ def check_precision(fn):
 # --------------------------------------------------------------------------- the Triton kernel
 
 
-def _pallas(q, k, v, ct):
-  fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
-  # The sequential form (auto would split T = 1000 into segments: tested below).
-  with kernel_form.forced("sequential"):
-    return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
-
-
 def test_scan_reference_is_the_loop_reference():
   q, k, v, _ = kernel_inputs(7, 3)
   out, _ = simple_reference(q, k, v, None)
@@ -138,14 +107,12 @@ def test_scan_reference_is_the_loop_reference():
 
 @pytest.mark.parametrize("t_len", [1, 7, 128, 1000])
 def test_triton_kernel(t_len):
-  """The sequential form: values and gradients, std 1 and 40, T not a multiple of the chunk
-  (7, 1000)."""
+  """The sequential form (auto would split T = 1000 into segments: tested below): values and
+  gradients, std 1 and 40, T not a multiple of the chunk (7, 1000)."""
   q, k, v, ct = kernel_inputs(t_len, 16, seed=t_len)
-  out, grads = _pallas(q, k, v, ct)
-  want_out, want_grads = simple_reference(q, k, v, ct)
-  chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  fn = functools.partial(ops.aft_simple, causal=True, impl="pallas_interpret")
+  with kernel_form.forced("sequential"):
+    _assert_matches(kernel_grads(fn, (q, k, v), ct), simple_reference(q, k, v, ct))
 
 
 def test_triton_kernel_long_sequence_forward():
@@ -207,11 +174,9 @@ D = 128  # one lane tile: the smallest channel count the TPU kernel takes
 
 
 def _tpu(q, k, v, ct):
-  """sigma(q) * the interpreted TPU kernel's mean, and the gradients (q, k, v) of
-  sum(out * ct), in one jit."""
+  """sigma(q) * the interpreted TPU kernel's mean, and the gradients (q, k, v) of sum(out * ct)."""
   fn = lambda q, k, v: jax.nn.sigmoid(q) * mosaic_simple.causal_mean(k, v, None, True)
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2))
-  return jax.jit(lambda *a: (fn(*a), grads(*a)))(q, k, v)
+  return kernel_grads(fn, (q, k, v), ct)
 
 
 def _assert_matches(got, want, rows=(0, 1)):

@@ -1,25 +1,9 @@
-"""Every op x implementation x JAX transformation (issue 33).
-
-A case is one op form with one implementation (XLA; the Pallas GPU kernels in Pallas'
-interpreter, impl="pallas_interpret"; the TPU kernel interpreted, as the registry runs it on a
-TPU); ``CASES`` says which forms and why. The transformations are composed, so that one
-compile covers many of them:
-
-- reverse mode (every form on XLA, every kernel): per outer example (vmap of grad:
-  per-example gradients), the values and gradient of two layers (lax.scan over their biases)
-  of jax.checkpoint of the op vmapped over an inner batch axis that follows T (grad of vmap,
-  nested vmap, any axis);
-- forward mode (the XLA ops with a hand-written derivative, and AFT-conv2d): jacfwd (vmap of
-  jvp) == jacrev, and forward-over-reverse Hessian-vector products along two tangents at once;
-- the kernels refuse forward mode in one line that names impl='xla'.
-
-Each result is compared with the same transformation of a dense jax.numpy softmax (plain
-autodiff; values 1e-5, derivatives 1e-5 of the largest entry), itself compared with the float64
-NumPy reference. Shapes are tiny (T 16, D 8; the GPU kernels' tile: T 32, D 16; the TPU
-kernel's: D 128) and the XLA ops' chunks and query blocks 4 positions, so that every op runs
-several. The Flax layers' per-example gradients and nn.scan over layers are checked the same
-way; shard_map with its defaults (check_vma=True) runs in one subprocess
-(tests/support/transforms_worker.py).
+"""Every op x implementation x JAX transformation, composed so that one compile covers many:
+reverse mode (vmap of grad, grad of vmap, nested vmap over a later axis, jax.checkpoint, lax.scan
+over layers) for every form on XLA and every kernel interpreted; forward mode (jacfwd == jacrev,
+Hessian-vector products) on XLA; the kernels' one-line refusal of forward mode. Each against the
+same transformation of a dense jax.numpy reference, itself against the float64 NumPy one. The Flax
+layers likewise; shard_map with its defaults in tests/support/transforms_worker.py.
 """
 
 import functools
@@ -37,7 +21,7 @@ from aft_jax.ops import local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.helpers import on_target
-from tests.support.op_cases import tpu_simple
+from tests.support.op_cases import dense_mean, dense_op, key_mask, segments, tpu_simple
 
 B = 4  # nested vmap: 2 x 2
 WINDOW, KERNEL = 3, 3
@@ -61,52 +45,6 @@ def small_blocks():
 # AFT-conv kernel, shared), and its dense reference the same function by plain jax.numpy.
 
 
-def _segments(t_len):
-  """Two packed documents (ids) and each one's positions from 0, [T]."""
-  cut = t_len // 3
-  return np.repeat([0, 1], [cut, t_len - cut]), np.r_[np.arange(cut), np.arange(t_len - cut)]
-
-
-def _dense_mean(k, v, bias, mask, conv=False):
-  """sum_t' softmax_t'(k[t'] + bias) v[t'] over the keys ``mask`` admits: k, v [..., T, D]
-  (AFT-conv: k [..., T, H], v [..., T, H, C]); bias, mask broadcast against
-  [T (query), T (key), D or H]."""
-  logits = jnp.where(mask, k[..., None, :, :] + bias, -jnp.inf)
-  p = jax.nn.softmax(logits, axis=-2)
-  return jnp.einsum("...tsh,...shc->...thc" if conv else "...tsd,...sd->...td", p, v)
-
-
-def _mask(t_len, causal, packed):
-  t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
-  mask = (tp <= t) if causal else np.ones((t_len, t_len), bool)
-  if packed:
-    seg = _segments(t_len)[0]
-    mask &= seg[:, None] == seg[None, :]
-  return mask
-
-
-def _band_bias(w, window, packed):
-  """w where the lag t - t' (two-sided: |t - t'|) is below ``window``, 0 for the other keys;
-  packed: w at each document's own positions."""
-  t_len = w.shape[0]
-  lag = np.arange(t_len)[:, None] - np.arange(t_len)[None, :]
-  if packed:
-    pos = _segments(t_len)[1]
-    w = w[pos[:, None], pos[None, :]]
-  return jnp.where(np.abs(lag) < window, w, 0.0)
-
-
-def _seq_dense(window, causal, packed=False):
-  """AFT-full (window None), AFT-local or AFT-simple (window 0) by plain jax.numpy."""
-
-  def dense(q, k, v, w):
-    t_len = q.shape[-2]
-    bias = 0.0 if window == 0 else _band_bias(w, window or t_len, packed)[..., None]
-    return jax.nn.sigmoid(q) * _dense_mean(k, v, bias, _mask(t_len, causal, packed)[..., None])
-
-  return dense
-
-
 def _kernel_bias(kernel, t_len, causal):
   """AFT-conv1d's kernel [H, s] as the bias [T, T, H] of every (query, key)."""
   t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
@@ -119,8 +57,8 @@ def _kernel_bias(kernel, t_len, causal):
 def _conv1d_dense(causal, packed=False):
   def dense(q, k, v, kernel):
     t_len = k.shape[-2]
-    mask = _mask(t_len, causal, packed)[..., None]
-    return jax.nn.sigmoid(q) * _dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
+    mask = key_mask(t_len, causal, packed)[..., None]
+    return jax.nn.sigmoid(q) * dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
 
   return dense
 
@@ -135,7 +73,7 @@ def _conv2d_dense(q, k, v, kernel):
     inside, jnp.moveaxis(kernel[:, np.clip(a, 0, kh - 1), np.clip(b, 0, kw - 1)], 0, -1), 0.0
   )
   flat = lambda x, n: x.reshape(x.shape[: x.ndim - n - 2] + (ht * wd,) + x.shape[x.ndim - n :])
-  mean = _dense_mean(flat(k, 1), flat(v, 2), bias, np.ones((1, 1, 1), bool), conv=True)
+  mean = dense_mean(flat(k, 1), flat(v, 2), bias, np.ones((1, 1, 1), bool), conv=True)
   return jax.nn.sigmoid(q) * mean.reshape(q.shape)
 
 
@@ -144,19 +82,13 @@ def _halves(x, axis):
   return jax.lax.slice_in_dim(x, 0, cut, axis=axis), jax.lax.slice_in_dim(x, cut, None, axis=axis)
 
 
-def _lead(k):
-  """segment_ids' shape [..., T]: k without its channels (k [..., T, D] or [..., T, H])."""
-  return k.shape[:-1]
-
-
 def _forms(impl):
   """name -> (fn, its dense reference, its NumPy reference or None, input kind)."""
-  full = functools.partial(ops.aft_full, impl=impl)
-  local = functools.partial(ops.aft_local, window=WINDOW, impl=impl)
-  simple = functools.partial(ops.aft_simple, impl=impl)
-  conv1d = functools.partial(ops.aft_conv1d, impl=impl)
-  seg = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[0], _lead(k))
-  pos = lambda k: jnp.broadcast_to(_segments(k.shape[-2])[1], _lead(k))
+  P = functools.partial
+  full, simple = P(ops.aft_full, impl=impl), P(ops.aft_simple, impl=impl)
+  local, conv1d = P(ops.aft_local, window=WINDOW, impl=impl), P(ops.aft_conv1d, impl=impl)
+  seg = lambda k: jnp.broadcast_to(segments(k.shape[-2])[0], k.shape[:-1])
+  pos = lambda k: jnp.broadcast_to(segments(k.shape[-2])[1], k.shape[:-1])
 
   def simple_state(q, k, v, w):
     (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
@@ -181,84 +113,34 @@ def _forms(impl):
     "simple": lambda q, k, v, w: ref.aft_simple(q, k, v, True),
     "conv1d": lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True),
   }
+  seq_packed = lambda f: (
+    lambda q, k, v, w: f(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k))
+  )
+  simple_ = lambda **kw: lambda q, k, v, w: simple(q, k, v, **kw)
   return {
-    "full": (full, _seq_dense(None, False), ref.aft_full, "seq"),
-    "full-causal": (
-      functools.partial(full, causal=True),
-      _seq_dense(None, True),
-      causal_ref["full"],
-      "seq",
-    ),
-    "local": (
-      local,
-      _seq_dense(WINDOW, False),
-      lambda q, k, v, w: ref.aft_local(q, k, v, w, WINDOW),
-      "seq",
-    ),
-    "local-causal": (
-      functools.partial(local, causal=True),
-      _seq_dense(WINDOW, True),
-      causal_ref["local"],
-      "seq",
-    ),
-    "simple": (
-      lambda q, k, v, w: simple(q, k, v),
-      _seq_dense(0, False),
-      lambda q, k, v, w: ref.aft_simple(q, k, v),
-      "seq",
-    ),
-    "simple-causal": (
-      lambda q, k, v, w: simple(q, k, v, causal=True),
-      _seq_dense(0, True),
-      causal_ref["simple"],
-      "seq",
-    ),
+    "full": (full, dense_op(None, False), ref.aft_full, "seq"),
+    "full-causal": (P(full, causal=True), dense_op(None, True), causal_ref["full"], "seq"),
+    "local": (local, dense_op(WINDOW, False), lambda *a: ref.aft_local(*a, WINDOW), "seq"),
+    "local-causal": (P(local, causal=True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
+    "simple": (simple_(), dense_op(0, False), lambda q, k, v, w: ref.aft_simple(q, k, v), "seq"),
+    "simple-causal": (simple_(causal=True), dense_op(0, True), causal_ref["simple"], "seq"),
     "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
-    "conv1d-causal": (
-      functools.partial(conv1d, causal=True),
-      _conv1d_dense(True),
-      causal_ref["conv1d"],
-      "conv1d",
-    ),
-    "conv2d": (
-      functools.partial(ops.aft_conv2d, impl=impl),
-      _conv2d_dense,
-      ref.aft_conv2d,
-      "conv2d",
-    ),
-    "simple-state": (simple_state, _seq_dense(0, True), causal_ref["simple"], "seq"),
-    "local-state": (local_state, _seq_dense(WINDOW, True), causal_ref["local"], "seq"),
+    "conv1d-causal": (P(conv1d, causal=True), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
+    "conv2d": (P(ops.aft_conv2d, impl=impl), _conv2d_dense, ref.aft_conv2d, "conv2d"),
+    "simple-state": (simple_state, dense_op(0, True), causal_ref["simple"], "seq"),
+    "local-state": (local_state, dense_op(WINDOW, True), causal_ref["local"], "seq"),
     "conv1d-state": (conv1d_state, _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
-    "full-packed": (
-      lambda q, k, v, w: full(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k)),
-      _seq_dense(None, True, packed=True),
-      None,
-      "seq",
-    ),
-    "local-packed": (
-      lambda q, k, v, w: local(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k)),
-      _seq_dense(WINDOW, True, packed=True),
-      None,
-      "seq",
-    ),
+    "full-packed": (seq_packed(full), dense_op(None, True, packed=True), None, "seq"),
+    "local-packed": (seq_packed(local), dense_op(WINDOW, True, packed=True), None, "seq"),
     "simple-packed": (
       lambda q, k, v, w: simple(q, k, v, causal=True, segment_ids=seg(k)),
-      _seq_dense(0, True, packed=True),
-      None,
-      "seq",
+      dense_op(0, True, packed=True), None, "seq",
     ),
     "conv1d-packed": (
       lambda q, k, v, w: conv1d(q, k, v, w, causal=True, segment_ids=seg(k)),
-      _conv1d_dense(True, packed=True),
-      None,
-      "conv1d",
+      _conv1d_dense(True, packed=True), None, "conv1d",
     ),
-  }
-
-
-def _tpu_simple(q, k, v, w):
-  """Causal AFT-simple on the TPU kernel interpreted, as impl="pallas" runs it on a TPU."""
-  return tpu_simple(q, k, v)
+  }  # fmt: skip
 
 
 # (form, impl) -> (T, D): every form on XLA, and every kernel on its plain and state forms
@@ -359,7 +241,7 @@ def _close(got, want, what, whole_tree=False):
 
 def _case_fn(name, impl):
   if impl == "tpu_interpret":
-    return (_tpu_simple, *_forms("xla")[name][1:])
+    return (lambda *a: tpu_simple(*a[:3]), *_forms("xla")[name][1:])
   return _forms(impl)[name]
 
 

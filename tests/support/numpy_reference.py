@@ -1,12 +1,6 @@
-"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever.
-
-Every function returns Y with
-
-    Y[t, d] = sigmoid(q[t, d]) * sum_t' exp(k[t', d] + w[t, t']) v[t', d]
-                                / sum_t' exp(k[t', d] + w[t, t'])
-
-over the allowed t' (all of them, or t' <= t when causal). Only the max of the logits is
-subtracted before exp, so that float64 does not overflow for large test logits.
+"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever:
+Y[t, d] = sigmoid(q[t, d]) * sum_t' exp(k[t', d] + w[t, t']) v[t', d] / sum_t' exp(k[t', d] +
+w[t, t']) over the allowed t' (causal: t' <= t), only the logits' max subtracted before exp.
 """
 
 import numpy as np

@@ -29,6 +29,16 @@ def kernel_inputs(t_len, d, seed=0):
   return tuple(np.asarray(x, np.float32) for x in (q, k, v, ct))
 
 
+def reference(name, args, kw):
+  """The float64 loop reference (numpy_reference) of op ``name`` on ``args`` with the op's
+  keyword arguments ``kw`` (window, causal)."""
+  from tests.support import numpy_reference as ref
+
+  window = (kw["window"],) if "window" in kw else ()
+  causal = () if name == "aft_conv2d" else (kw.get("causal", False),)
+  return getattr(ref, name)(*args, *window, *causal)
+
+
 def scan_simple(q, k, v):
   """Causal AFT-simple as a ``lax.scan`` with a carried maximum (float64 under enable_x64)."""
   from benchmarks.bench_ops import scan_simple as scan
@@ -116,3 +126,52 @@ def close(got, want, rel):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=0, atol=rel * float(np.max(np.abs(w))) + 1e-30)
+
+
+# ---------------------------------------------------------------- dense jax.numpy references
+
+
+def segments(t_len):
+  """Two packed documents (ids) and each one's positions from 0, [T]."""
+  cut = t_len // 3
+  return np.repeat([0, 1], [cut, t_len - cut]), np.r_[np.arange(cut), np.arange(t_len - cut)]
+
+
+def dense_mean(k, v, bias, mask, conv=False):
+  """sum_t' softmax_t'(k[t'] + bias) v[t'] over the keys ``mask`` admits: k, v [..., T, D]
+  (AFT-conv: k [..., T, H], v [..., T, H, C]); bias, mask broadcast against
+  [T (query), T (key), D or H]."""
+  logits = jnp.where(mask, k[..., None, :, :] + bias, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-2)
+  return jnp.einsum("...tsh,...shc->...thc" if conv else "...tsd,...sd->...td", p, v)
+
+
+def key_mask(t_len, causal, packed):
+  t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
+  mask = (tp <= t) if causal else np.ones((t_len, t_len), bool)
+  if packed:
+    seg = segments(t_len)[0]
+    mask &= seg[:, None] == seg[None, :]
+  return mask
+
+
+def _band_bias(w, window, packed):
+  """w where the lag t - t' (two-sided: |t - t'|) is below ``window``, 0 for the other keys;
+  packed: w at each document's own positions."""
+  t_len = w.shape[0]
+  lag = np.arange(t_len)[:, None] - np.arange(t_len)[None, :]
+  if packed:
+    pos = segments(t_len)[1]
+    w = w[pos[:, None], pos[None, :]]
+  return jnp.where(np.abs(lag) < window, w, 0.0)
+
+
+def dense_op(window, causal, packed=False):
+  """AFT-full (window None), AFT-local or AFT-simple (window 0) by plain jax.numpy."""
+
+  def dense(q, k, v, w):
+    t_len = q.shape[-2]
+    bias = 0.0 if window == 0 else _band_bias(w, window or t_len, packed)[..., None]
+    return jax.nn.sigmoid(q) * dense_mean(k, v, bias, key_mask(t_len, causal, packed)[..., None])
+
+  return dense

@@ -1,17 +1,8 @@
-"""Runs in its own process with 4 simulated CPU devices (tests/ops/test_transforms.py).
-
-    python -m tests.support.transforms_worker OUT.json
-
-The ops' axis_name forms inside ``jax.shard_map`` with its defaults (check_vma=True):
-
-- XLA: aft_simple and aft_local (a window reaching two shards back) with T over 4 devices,
-  under jax.checkpoint of vmap over the batch inside the shard_map, and grad of it, against the
-  unsharded op (values and every input's gradient, 1e-5 of the largest).
-- The compiled kernels (Triton on an abstract 4-device H200 mesh, Mosaic on a TPU v5e one):
-  the op with impl="pallas" and axis_name, its grad, lowered for the GPU / TPU with
-  ``jax.export`` (nothing runs: no accelerator here), which checks how their outputs vary.
-- impl="pallas_interpret" there: Pallas' interpreter cannot run under check_vma, a one-line
-  ValueError.
+"""Runs in its own process with 4 simulated CPU devices (tests/ops/test_transforms.py):
+``python -m tests.support.transforms_worker OUT.json``. The ops' axis_name forms inside
+``jax.shard_map`` with its defaults (check_vma=True): XLA (values and gradients against the
+unsharded op), the compiled kernels lowered for an abstract H200 and TPU v5e mesh, and
+impl="pallas_interpret" refused in one line.
 """
 
 import json

@@ -1,16 +1,6 @@
 """Causal AFT-simple's weighted mean as a Pallas kernel for TPUs (Mosaic): ``triton_simple``'s
-maths (forward and backward) in a TPU's layout. Blocks live in VMEM, their shapes multiples of
-(8, 128), and one-row dynamic slices may not lower, so the grid is (B, D / block_d, T / block_t),
-the last axis sequential (backward: from the end), Pallas pipelining the ``[block_t, block_d]``
-blocks; the carry (forward: the exact triple of every earlier position; backward: C1, C2 and L
-of the next chunk's first row) lives in VMEM scratch ``[1, block_d]``. A chunk's prefix (suffix)
-sums are one triangular product on the MXU; the rows the fast path cannot take are redone by a
-log-step (Hillis-Steele) scan, log2(block_t) steps of ``pltpu.roll``, all rows at once.
-
-No chunk-parallel form: a TensorCore runs the grid's steps one after another (a megacore chip
-spreads the "parallel" axes: ``config_for`` asks for two programs). The kernel lowers for TPUs
-and runs interpreted against a float64 reference, but has never been timed on a TPU:
-``impl="auto"`` keeps XLA there, ``impl="pallas"`` opts in.
+maths in a TPU's layout; never timed on a TPU, so opt-in (docs/kernels.md, "How each module
+computes").
 """
 
 import functools
@@ -207,10 +197,8 @@ _causal_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]`` (bfloat16 or float32;
-  D a multiple of 128), differentiable in k and v; ``cfg`` default ``config_for(D, B)``;
-  ``interpret``: in Pallas' interpreter (any backend) instead of compiled for a TPU. The op's
-  entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]`` (D a multiple of 128), differentiable;
+  ``cfg`` default ``config_for(D, B)``. The op's entry (``common.Kernel``)."""
   d = k_BTD.shape[-1]
   cfg = cfg or config_for(d, k_BTD.shape[0])
   if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:

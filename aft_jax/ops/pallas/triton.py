@@ -1,13 +1,6 @@
 """What the Pallas GPU kernels (``triton_simple``, ``triton_local``) share: block configurations,
-the launch plan, the Triton call, the chunk-parallel form's segment totals, in-kernel helpers;
-and with the TPU kernel (``mosaic_simple``) the widest channel block and the mean's custom VJP.
-
-Sequential form: one program per (batch row, block of ``block_d`` channels) walks all of T in
-chunks of ``block_t``: few programs at small B * D (AFT-simple at B 1, D 512: 8 to 32 for ~100
-SMs). Chunk-parallel form (as flash-linear-attention's chunk kernels, Mamba2's SSD): T in
-segments of ``seg``, grid (batch row, channel block, segment); a totals kernel writes each
-segment's exact triple (``totals``), a segment's carry-in is the combine of the totals before it
-(``fold``; backward: after it). Exact; one more read of the inputs. ``plan_for`` chooses.
+the launch plan and its two forms (``plan_for``), the Triton call, the segment totals, in-kernel
+helpers; and with ``mosaic_simple`` the mean's custom VJP (docs/kernels.md, "The kernels").
 """
 
 import functools
@@ -100,10 +93,8 @@ def ones(n: int, where):
 
 
 def mean_with_vjp(forward, backward):
-  """The custom-VJP mean ``mean(k, v, w, static)`` a [B, T, D] of k, v (w: the bias or None;
-  ``static``: hashable) from a kernel's halves over padded T: ``forward(k, v, w, static,
-  with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> the cotangents of k, v, w,
-  given a, L and g padded, 0 on rows without derivative."""
+  """The custom-VJP ``mean(k, v, w, static)`` from a kernel's halves over padded T: ``forward(k,
+  v, w, static, with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):

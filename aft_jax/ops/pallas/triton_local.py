@@ -1,27 +1,6 @@
-"""Causal AFT-local's banded weighted mean as a Pallas kernel (GPU: Triton), for k, v ``[B, T,
-D]`` (bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s: ``aft_jax.ops.local``'s
-a[t] with b[t, t'] = w[t, t'] for t - t' < s and 0 for the older keys (which still count).
-
-Forward. One program per (batch row, block of ``block_d`` channels) walks the queries in chunks
-of c = ``block_t`` rows. Chunk j's band is a "slab" of keys [j c - S, j c + c), S = s - 1
-rounded up to c, summed as products per key block of exp(b - row max) [c, c] and exp(k -
-channel max) [v, 1], b gathered beforehand into a ``[T, S + c]`` array (NEG beyond t or before
-0); the older keys have bias 0 for the whole chunk: one exact running triple per channel. The
-shift and the rows redone row by row are as in ``aft_jax.ops.local``.
-
-Backward (a custom VJP, residuals a and L): with g the cotangent and p[t, t'] = exp(k[t'] +
-b[t, t'] - L[t]) <= 1, dv[t'] = sum_t p g, dk[t'] = sum_t p g (v[t'] - a[t]), and dw[t, t'] =
-sum_r p g (v - a) on the band (r: batch rows and channels). The band's part is the forward's
-split shift again (row by row where the scale exp(row max + channel max - L) could exceed
-1 / ``DEN_OK``); the older keys take exp(k[t']) sum_t exp(-L[t]) g[t] over later chunks, a
-suffix sum carried with its own maximum of -L. dw has no sequential part: a second kernel, one
-program per (query chunk, channel block) looping over the batch, writes ``[D / block_d, T, S +
-c]`` partial sums (per batch row and narrower block they would be 2.4 GB, not 75 MB, for
-AFT-local-128 at B 8, T 16384, D 512), scattered to ``[T, T]`` in XLA.
-
-Chunk-parallel form (``seg`` >= S positions per program, ``triton``): a segment's carry starts
-from the fold of the key segments' totals before it (backward: the query segments' after it);
-dk, dv are written per segment over its keys and the next one's first S, and added in XLA.
+"""Causal AFT-local's banded weighted mean as Pallas kernels (GPU: Triton), for k, v ``[B, T, D]``
+(bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s, forward and a custom VJP
+with dw (docs/kernels.md, "How each module computes").
 """
 
 import functools
@@ -459,10 +438,8 @@ _local_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg=None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) for k, v ``[B, T, D]``, w ``[T, T]``, causal;
-  ``cfg`` and ``seg`` (chunk-parallel positions per program, whole chunks holding the window;
-  None: sequential) default to the launch ``plan_for`` chooses. The op's entry
-  (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]``, w ``[T, T]``, causal; ``cfg`` and ``seg``
+  default to ``plan_for``'s launch. The op's entry (``common.Kernel``)."""
   if cfg is None:
     cfg, seg = plan_for(*k_BTD.shape, window)
   front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]

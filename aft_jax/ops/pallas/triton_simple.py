@@ -1,17 +1,6 @@
-"""Causal AFT-simple's weighted mean as Pallas kernels (GPU: Triton), for k, v ``[B, T, D]``
-(bfloat16 or float32; float32 inside): ``aft_jax.ops.simple``'s a[t] and L[t].
-
-Forward. One program per (batch row, block of ``block_d`` channels) walks T in chunks of
-``block_t`` as ``aft_jax.ops.simple`` does (the carried triple, one lower-triangular product per
-chunk, flagged rows redone row by row), so k and v are read once and a, L written once.
-
-Backward (a custom VJP, residuals a and L): dv[t'] = exp(k[t'] - L[t']) C1[t'], dk[t'] =
-exp(k[t'] - L[t']) (v[t'] C1[t'] - C2[t']), C1[t'] = sum_{t >= t'} exp(L[t'] - L[t]) g[t], C2
-the same with g a (every factor <= 1: L never decreases). Chunks are visited from the end, a
-chunk's suffix sums an upper-triangular product in the scale of its first L, or row by row where
-L rises by more than ``_MAX_RISE`` nats. Chunk-parallel form (``seg`` positions per program,
-``triton``): the carry-in is the fold of the segment totals before it (backward: of the later
-segments' sum exp(-L) g [g a]).
+"""Causal AFT-simple's weighted mean a[t], L[t] as Pallas kernels (GPU: Triton), for k, v
+``[B, T, D]`` (bfloat16 or float32; float32 inside), forward and a custom VJP (docs/kernels.md,
+"How each module computes").
 """
 
 import functools
@@ -176,9 +165,8 @@ _mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: TritonConfig | None = None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 (module docstring) of k, v ``[B, T, D]``, differentiable; ``cfg``
-  and ``seg`` (chunk-parallel positions per program, whole chunks; None: sequential) default to
-  the launch ``triton.plan_for`` chooses. The op's entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 of k, v ``[B, T, D]``, differentiable; ``cfg`` and ``seg`` default
+  to ``triton.plan_for``'s launch. The op's entry (``common.Kernel``)."""
   if cfg is None:
     cfg, seg = triton.plan_for(*k_BTD.shape)
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
