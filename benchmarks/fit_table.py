@@ -1,14 +1,8 @@
-"""What fits where: every recipe x target, compiled for the target without a device.
+"""What fits where: every recipe's train and evaluation steps compiled for each deviceless
+target (1 and 8 devices), XLA's buffer assignment per device (docs/what_fits.md, which this
+writes). One process per platform; each row is written as it is done, so a run resumes.
 
     python -m benchmarks.fit_table   # docs/what_fits.md, benchmarks/results/fit_table.json
-
-For each recipe (every mixing layer of configs/enwik8.py at 24 x 256 and the paper's two at
-12 x 512, every one of configs/wikitext103.py, and the quickstart) and each target of
-``aft_jax.deviceless`` (the CPU excepted), the train and evaluation steps are compiled for 1
-and for 8 devices (the recipe's mesh: data parallel) with ``aft_jax.trainer.dry_run.compile_steps``:
-XLA's buffer assignment per device, not a measurement on a GPU or TPU. The rows of one
-platform are compiled in one process started in ``deviceless.environment``, the two platforms
-side by side; each row is written to the JSON as it is done, so a stopped run resumes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Scores a nanoGPT checkpoint on fixed validation windows: run by ``benchmarks.peer_nanogpt``
-with the PyTorch environment's Python (it imports neither jax nor aft_jax).
+"""The mean NLL of a nanoGPT checkpoint on ``peer_nanogpt``'s validation windows (``inputs``,
+``targets`` ``[N, T]`` in an .npz), one JSON line; run with the PyTorch environment's Python
+(no jax, no aft_jax).
 
     python nanogpt_score.py --nanogpt_dir DIR --ckpt out/ckpt.pt --windows windows.npz
-
-``windows.npz`` holds ``inputs`` and ``targets`` (int, ``[N, T]``); prints one JSON line with
-the mean negative log-likelihood (nats per target) over every target of every window, the same
-quantity ``peer_nanogpt`` computes for the aft-jax models on the same file.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ def main(argv=None) -> dict:
   sys.path.insert(0, a.nanogpt_dir)
   from model import GPT, GPTConfig  # pylint: disable=g-import-not-at-top  # nanoGPT's model.py
 
-  # The checkpoint is the one train.py just wrote (its config dict is not only tensors).
   ckpt = torch.load(a.ckpt, map_location="cpu", weights_only=False)
   model = GPT(GPTConfig(**ckpt["model_args"]))
   # A torch.compile'd model saves its parameters under this prefix.

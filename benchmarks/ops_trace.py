@@ -1,13 +1,7 @@
-"""How many modules of ``aft_jax/ops`` one traced call enters: a reader's path from the public
-op to its maths.
+"""How many modules of ``aft_jax/ops`` one traced call enters (docs/kernels.md): causal
+AFT-simple, causal AFT-local, AFT-full (XLA) and ``AFTLocal.apply`` (impl "auto").
 
     python -m benchmarks.ops_trace
-
-For each case, a ``sys.setprofile`` hook is active over ``jax.jit(f).lower(...)`` (caches
-cleared first, so everything is traced) and records the distinct files under ``aft_jax/ops``
-whose Python frames are entered. The cases: one XLA call each of causal AFT-simple, causal
-AFT-local and non-causal AFT-full, and ``AFTLocal.apply`` (causal, ``impl="auto"``: the choice
-on this host).
 """
 
 from __future__ import annotations
@@ -22,8 +16,8 @@ from aft_jax import layers, ops
 
 
 def modules_entered(fn, *args, fresh: bool = True) -> list[str]:
-  """The files of ``aft_jax/ops`` (relative paths) whose frames ``jax.jit(fn).lower(*args)``
-  enters; ``fresh``: jax's caches cleared first (a test traces shapes of its own instead)."""
+  """The files of ``aft_jax/ops`` whose frames ``jax.jit(fn).lower(*args)`` enters (a profile
+  hook); ``fresh``: jax's caches cleared first."""
   root = os.path.dirname(os.path.abspath(ops.__file__)) + os.sep
   seen = set()
 
@@ -42,7 +36,6 @@ def modules_entered(fn, *args, fresh: bool = True) -> list[str]:
 
 
 def cases(t_len: int = 16, d: int = 8) -> dict:
-  """name -> (fn, args), q, k, v ``[2, T, D]``."""
   x = jax.ShapeDtypeStruct((2, t_len, d), jnp.float32)
   w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
   layer = layers.AFTLocal(max_len=t_len, window=4, hidden_dim=d, causal=True)

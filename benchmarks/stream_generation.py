@@ -1,45 +1,18 @@
-"""Generation at 1k to 64k tokens: a stream against sliding re-encoding and a KV cache, CPU.
-
-Per-token time and peak memory of ``aft_jax.decode.generate`` (what ``aft-generate`` runs: one
-decoding step and one sample per token, the token back on the host) for the quickstart's model
-size (2 layers, d 128, MLP 384, bytes; parameters at their initialisation: time and memory do
-not depend on their values), batch 1, temperature 0.8, at text lengths L:
-
-- **stream, AFT-simple / AFT-conv1d** (``position_embedding = 'none'``): one process generates
-  the real 64k tokens from a one-token prompt, in pieces that continue the ``Stream``; on
-  reaching each L (1k, 4k, 16k, 64k) it reads its resident-set high-water mark
-  (``resource.getrusage``: memory that grew anywhere on the way shows there) and keeps the
-  stream there. Then it times pieces of ``piece`` tokens continuing each kept stream, in rounds
-  over the lengths (a change in the machine's load reaches every length alike), ``window``
-  tokens per length: the median piece per token.
-- **sliding re-encoding, AFT-local, max_len 256** (learned positions; the quickstart's mixing):
-  past max_len each token is one forward pass over the last 256 tokens, whatever L is. A prompt
-  of L - window tokens (random ids: their values do not change the work) starts the sliding
-  phase at once; the window's tokens are timed.
-- **softmax attention with a KV cache as long as the text** (learned positions, max_len = L):
-  the cache of L positions, its index set to L - window (each step attends over all L slots
-  under a mask, so the filled part's contents do not change the work), then the window's real
-  steps (``model.apply(decode=True)`` and the sample, as ``generate`` does them).
-
-Each row runs in a fresh process (``--row``), so each high-water mark is its own; the JSON keeps
-the decoding state's bytes too (the arrays carried from one token to the next).
+"""Generation at 1k to 64k tokens, CPU: per-token time and peak memory of a stream (AFT-simple,
+AFT-conv1d without positions) against sliding re-encoding (AFT-local, max_len 256) and a
+softmax KV cache as long as the text, each row in a fresh process (docs/benchmarks.md;
+RESULTS.md, "Streams").
 
     python -m benchmarks.stream_generation --out benchmarks/results     # ~10 processes
     python -m benchmarks.stream_generation --quick --out /tmp/sg        # seconds
-
-Writes ``stream_generation.json`` (machine, settings, every record) and ``stream_generation.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import jax
@@ -91,7 +64,8 @@ def _median_per_token(times: list[float], piece: int) -> float:
 
 
 def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> list[dict]:
-  """The real stream to max(lengths); a record at each length (module doc)."""
+  """The real stream to max(lengths), kept at each length (its resident-set high-water mark
+  read there), then timed in rounds over the lengths (load drift reaches all alike)."""
   model, params = _setup(model_config(row, 0, quick))
   gen = functools.partial(decode.generate, model, params, temperature=TEMPERATURE)
   empty = np.zeros((1, 0), np.int32)
@@ -104,8 +78,6 @@ def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> l
       dict(row=row, length=length, peak_rss=_peak_rss(), state_bytes=_nbytes(stream.cache))
     )
     print(json.dumps(records[-1]), flush=True)
-  # The time per token at each length: pieces continuing the stream from there, taken in
-  # rounds over the lengths, so that a change in the machine's load reaches every length alike.
   times = {n: [] for n in lengths}
   for _ in range(window // piece):
     for n in lengths:
@@ -231,9 +203,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="a tiny model and short texts (seconds)")
+  p = common.parser(__doc__, "a tiny model and short texts (seconds)")
   p.add_argument("--row", choices=tuple(LABELS), help="one row, in this process (the driver's)")
   p.add_argument("--lengths", type=int, nargs="+")
   p.add_argument("--window", type=int, help="tokens timed before each L (default 512; quick 32)")
@@ -244,34 +214,24 @@ def main(argv=None) -> dict:
   a.piece = a.piece or (8 if a.quick else 64)
   if a.row is not None:
     records = _row(a)
-    print("RECORDS " + json.dumps(records), flush=True)
+    common.emit(records)
     return {"records": records}
   start = time.perf_counter()
   info = common.machine_info()
-  result = {
-    "machine": info,
-    "quick": a.quick,
-    "lengths": list(a.lengths),
-    "window": a.window,
-    "piece": a.piece,
-    "temperature": TEMPERATURE,
-    "records": [],
-  }
+  result = dict(machine=info, quick=a.quick, lengths=list(a.lengths), window=a.window)
+  result.update(piece=a.piece, temperature=TEMPERATURE, records=[])
   jobs = [(row, a.lengths) for row in STREAMS]
   jobs += [(row, [n]) for row in ("sliding", "softmax") for n in a.lengths]
   for row, lengths in jobs:
-    cmd = [sys.executable, "-m", "benchmarks.stream_generation", "--row", row]
-    cmd += ["--lengths", *map(str, lengths), "--window", str(a.window), "--piece", str(a.piece)]
-    cmd += ["--quick"] * a.quick
-    print("---", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORDS ")]
-    if proc.returncode or not lines:
-      rec = [{"row": row, "length": n, common.ERROR: proc.stderr[-2000:]} for n in lengths]
-      result["records"] += rec
-      print(proc.stderr[-2000:], flush=True)
+    args = ["--row", row, "--lengths", *lengths, "--window", a.window, "--piece", a.piece]
+    args += ["--quick"] * a.quick
+    print("--- benchmarks.stream_generation", *args, flush=True)
+    got = common.child("benchmarks.stream_generation", args)
+    if isinstance(got, dict):  # the child failed
+      result["records"] += [{"row": row, "length": n, common.ERROR: got["reason"]} for n in lengths]
+      print(got["reason"], flush=True)
     else:
-      result["records"] += json.loads(lines[-1][len("RECORDS ") :])
+      result["records"] += got
     common.write_outputs(a.out, "stream_generation", result, to_markdown(result))
   info["wall_s"] = time.perf_counter() - start
   common.write_outputs(a.out, "stream_generation", result, to_markdown(result), partial=False)

@@ -1,25 +1,13 @@
-"""What a position embedding is worth, and what a stream gives past its training length, CPU.
-
-Trains the quickstart recipe (``configs/quickstart.py``: 2 layers, d 128, T = 64 bytes of pydoc,
-1000 steps) with AFT-simple and AFT-conv1d, each with ``model.position_embedding = 'learned'``
-and ``'none'``, and, for reference, softmax attention and AFT-local (the recipe's own) with
-``'learned'``, through the real trainer. For each: the validation perplexity of results.json
-(disjoint windows of 64), and the validation split cut into texts of N = 1x, 4x and 16x the
-training length, each scored from its start with everything before each token in that text (one
-parallel forward pass per text, which for a stream is the whole past: the tests check it against
-its decoding steps), and the perplexity of each text's last 64 tokens (positions the model never
-trained at). A model with learned positions has no row past its max_len (64): only 1x. For the
-streams also the whole split scored as one text (``aft-evaluate``'s protocol, whole past).
+"""What a position embedding is worth, and what a stream gives past its training length, CPU:
+the quickstart recipe with and without positions, scored on texts of 1x, 4x and 16x the training
+length from their start (docs/training.md, "Streams"; RESULTS.md, "Streams").
 
     python -m benchmarks.stream_quality --out benchmarks/results     # ~6 quickstart runs
     python -m benchmarks.stream_quality --quick --out /tmp/sq        # seconds
-
-Writes ``stream_quality.json`` (machine, settings, every record) and ``stream_quality.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import os
@@ -37,14 +25,8 @@ from benchmarks import common, quality
 
 # (mixing, position embedding): the streams beside the same layers with learned positions, then
 # the references.
-ROWS = (
-  ("aft_simple", "learned"),
-  ("aft_simple", "none"),
-  ("aft_conv1d", "learned"),
-  ("aft_conv1d", "none"),
-  ("softmax", "learned"),
-  ("aft_local", "learned"),
-)
+ROWS = [(m, p) for m in ("aft_simple", "aft_conv1d") for p in ("learned", "none")]
+ROWS += [("softmax", "learned"), ("aft_local", "learned")]
 MULTIPLES = (1, 4, 16)  # text lengths, in training lengths
 QUICK = quality.settings(quick=True)  # a tiny model, 4 steps
 
@@ -136,9 +118,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="a tiny model and 4 steps (seconds)")
+  p = common.parser(__doc__, "a tiny model and 4 steps (seconds)")
   a = p.parse_args(argv)
   start = time.perf_counter()
   info = common.machine_info()

@@ -4,11 +4,12 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from aft_jax import ops
-from benchmarks import accelerator_check, before_after, bench_model, bench_ops
+from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common
 from tests.support import shared
 
 
@@ -82,24 +83,21 @@ def test_bench_model_quick(tmp_path):
 
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
-  import jax
-  import jax.numpy as jnp
-  from benchmarks import flops
-
+  count = common.count_flops
   a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
   b = jax.ShapeDtypeStruct((16, 4), jnp.float32)
   matmul = 2 * 8 * 16 * 4
-  assert flops.count(jnp.matmul, a, b) == matmul
+  assert count(jnp.matmul, a, b) == matmul
 
   def loop(a, b):
     return jax.lax.scan(lambda c, _: (c + a @ b, None), jnp.zeros((8, 4)), None, length=10)[0]
 
-  assert flops.count(loop, a, b) == 10 * (matmul + 8 * 4)  # XLA would count one trip
+  assert count(loop, a, b) == 10 * (matmul + 8 * 4)  # XLA would count one trip
 
   def branch(p, a, b):  # the first (false) branch is counted
     return jax.lax.cond(p, lambda: jnp.exp(a) @ b, lambda: a @ b)
 
-  assert flops.count(branch, True, a, b) == matmul
+  assert count(branch, True, a, b) == matmul
 
   # The gradient of a loop over slices of w accumulates each slice's cotangent in place: a
   # trip costs the slice (8 x 16), not the accumulator (64 x 64).
@@ -108,14 +106,14 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
     return jax.lax.scan(body, 0.0, jnp.arange(8))[0]
 
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-  assert flops.count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
+  assert count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
 
   # A loop-free program: the same count as XLA's cost analysis (within 5%).
   x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
   fwd = bench_ops._softmax_einsum
   cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
+  assert abs(count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
 def test_accelerator_check_times_both_kernel_forms():
@@ -297,10 +295,10 @@ def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
-def test_long_step_runs_two_steps_and_reports_time_and_memory():
-  """benchmarks.long_step at a tiny T: two real steps of context_memory's model, finite."""
-  from benchmarks import long_step
+def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
+  """context_memory --step at a tiny T: two real steps of its model, finite."""
+  from benchmarks import context_memory
 
-  r = long_step.run("aft_simple", 64)
+  r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
