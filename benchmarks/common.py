@@ -164,6 +164,16 @@ def measure(
   }
 
 
+def wall_times(fn: Callable, n: int) -> list[float]:
+  """The wall seconds of each of ``n`` calls ``fn(i)``."""
+  out = []
+  for i in range(n):
+    start = time.perf_counter()
+    fn(i)
+    out.append(time.perf_counter() - start)
+  return out
+
+
 def budget_exceeded(
   last, t_len: int, cost_class: str, budget_s: float, what: str, flag: str
 ) -> str | None:

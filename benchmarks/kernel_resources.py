@@ -78,10 +78,7 @@ def shared_memory_limits(target: str) -> dict[str, int]:
   """A GPU description's per-block shared memory: the default and the opt-in maximum (bytes)."""
   text = open(deviceless.get(target).spec).read()
   get = lambda field: int(re.search(rf"\b{field}:\s*(\d+)", text).group(1))
-  return {
-    "default": get("shared_memory_per_block"),
-    "optin": get("shared_memory_per_block_optin"),
-  }
+  return {"default": get("shared_memory_per_block"), "optin": get("shared_memory_per_block_optin")}
 
 
 # --------------------------------------------------------------------------- ptxas
@@ -97,13 +94,10 @@ def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
     num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, chunk)) else 0
     if not re.search(r"Used \d+ registers", chunk):
       raise ValueError(f"ptxas printed no register count for {name}:\n{chunk}")
-    out[name] = {
-      "registers": num(r"Used (\d+) registers"),
-      "spill_stores": num(r"(\d+) bytes spill stores"),
-      "spill_loads": num(r"(\d+) bytes spill loads"),
-      "stack_frame": num(r"(\d+) bytes stack frame"),
-      "shared_static": num(r"(\d+) bytes smem"),
-    }
+    fields = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
+                  spill_loads=r"(\d+) bytes spill loads", stack_frame=r"(\d+) bytes stack frame",
+                  shared_static=r"(\d+) bytes smem")  # fmt: skip
+    out[name] = {k: num(pattern) for k, pattern in fields.items()}
   return out
 
 
@@ -116,12 +110,9 @@ def run_ptxas(ptx: str) -> dict[str, dict[str, int]]:
   """``parse_ptxas`` of ptxas (pip's, as XLA's) on ``ptx`` for its own target."""
   with tempfile.TemporaryDirectory() as tmp:
     src = os.path.join(tmp, "kernel.ptx")
-    with open(src, "w") as f:
-      f.write(ptx)
-    cmd = [deviceless.ptxas(), src, "-o", os.path.join(tmp, "kernel.cubin")]
-    done = subprocess.run(
-      [*cmd, f"-arch={ptx_target(ptx)}", *PTXAS_FLAGS], capture_output=True, text=True
-    )
+    files.atomic_write(src, ptx)
+    cmd = [deviceless.ptxas(), src, "-o", os.path.join(tmp, "kernel.cubin"), *PTXAS_FLAGS]
+    done = subprocess.run([*cmd, f"-arch={ptx_target(ptx)}"], capture_output=True, text=True)
   if done.returncode:
     raise RuntimeError(f"ptxas failed ({done.returncode}):\n{done.stderr or done.stdout}")
   return parse_ptxas(done.stdout + done.stderr)
@@ -143,11 +134,7 @@ def channels_for(cfg) -> int:
 
   step = triton.CONFIGS[-1].block_d
   for d in range(step, 64 * step + 1, step):
-    chosen = (
-      triton.config_for(d, BATCH),
-      triton_local.dw_config(d),
-    )
-    if all(c == cfg for c in chosen):
+    if triton.config_for(d, BATCH) == cfg == triton_local.dw_config(d):
       return d
   raise ValueError(f"no channel count D <= {64 * step} makes the ops choose {cfg}")
 
@@ -206,17 +193,10 @@ def triton_calls(module) -> list[dict]:
             if target == ops.KERNEL_CALLS["gpu"]:
               cfg = ir.DictAttr(child.attributes["mhlo.backend_config"])
               num = lambda key: int(ir.IntegerAttr(cfg[key]).value)
-              calls.append(
-                {
-                  "name": ir.StringAttr(cfg["name"]).value,
-                  "operands": len(child.operands),
-                  "results": len(child.results),
-                  "grid": [num("grid_x"), num("grid_y"), num("grid_z")],
-                  "num_warps": num("num_warps"),
-                  "num_stages": num("num_stages"),
-                  "ir": ir.StringAttr(cfg["ir"]).value_bytes,
-                }
-              )
+              call = dict(name=ir.StringAttr(cfg["name"]).value, operands=len(child.operands))
+              call.update(results=len(child.results), grid=[num(f"grid_{a}") for a in "xyz"])
+              call.update(num_warps=num("num_warps"), num_stages=num("num_stages"))
+              calls.append(dict(call, ir=ir.StringAttr(cfg["ir"]).value_bytes))
           walk(child.operation)
 
   walk(module.operation)
@@ -245,11 +225,8 @@ def xla_kernels(lowered) -> list[dict]:
     (thunks,) = [f for f in listing if f.endswith("thunk_sequence.txt")]
     launches = {}
     for m in _THUNK.finditer(open(os.path.join(dump, thunks)).read()):
-      launches[m.group(1)] = {
-        "grid": [int(m.group(i)) for i in (2, 3, 4)],
-        "threads": int(m.group(5)) * int(m.group(6)) * int(m.group(7)),
-        "shared_dynamic": int(m.group(8)),
-      }
+      g = [int(x) for x in m.groups()[1:]]
+      launches[m.group(1)] = {"grid": g[:3], "threads": g[3] * g[4] * g[5], "shared_dynamic": g[6]}
     kernels = []
     for name in sorted(f for f in listing if f.endswith(".ptx")):
       ptx = open(os.path.join(dump, name)).read()
@@ -267,21 +244,11 @@ def plugin_kernel(call: dict, arch: Arch) -> dict:
 
   if not triton.has_compilation_handler("CUDA"):
     raise RuntimeError("no Triton compiler for CUDA: the jax-cuda12 plugin did not register one")
-  done = triton.compile(
-    "CUDA",
-    call["ir"],
-    arch.capability,
-    num_warps=call["num_warps"],
-    num_ctas=1,
-    num_stages=call["num_stages"],
-  )
-  return {
-    "entry": call["name"],
-    "grid": call["grid"],
-    "threads": 32 * call["num_warps"],
-    "shared_dynamic": int(done.smem_bytes),
-    "ptx": done.asm,
-  }
+  warps, stages = call["num_warps"], call["num_stages"]
+  done = triton.compile("CUDA", call["ir"], arch.capability, num_warps=warps, num_ctas=1,
+                        num_stages=stages)  # fmt: skip
+  return dict(entry=call["name"], grid=call["grid"], threads=32 * warps, ptx=done.asm,
+              shared_dynamic=int(done.smem_bytes))  # fmt: skip
 
 
 def match(calls: list[dict], kernels: list[dict]) -> list[tuple[dict, dict]]:
@@ -312,34 +279,20 @@ def _row(op, form, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limi
   name = label(op, call)
   if name is None:
     raise RuntimeError(f"{op}: a kernel this script does not know: {call['name']}")
-  segments = form == "chunked" and name != "dw"
-  if (
-    call["grid"][1] != d // cfg.block_d
-    or call["num_warps"] != cfg.num_warps
-    or (call["grid"][2] > 1) != segments
-  ):
+  segments = form == "chunked" and name != "dw"  # chunk-parallel: the segments on axis 2
+  grid = call["grid"]
+  if grid[1] != d // cfg.block_d or call["num_warps"] != cfg.num_warps or (grid[2] > 1) != segments:
     raise RuntimeError(f"{op} {name}: grid {call['grid']}, not the {form} one of {cfg} at D = {d}")
   if kernel["threads"] != 32 * cfg.num_warps:
     raise RuntimeError(f"{op} {name}: {kernel['threads']} threads, not {cfg.num_warps} warps")
   info = ptxas_info[kernel["entry"]]
-  return {
-    "op": op,
-    "form": form,
-    "kernel": name,
-    **{k: getattr(cfg, k) for k in ("block_t", "block_d", "num_warps", "num_stages")},
-    "channels": d,
-    "dtype": dtype,
-    "arch": arch.sm,
-    "gpu": arch.target,
-    "compiler": compiler,
-    "ptx_target": ptx_target(kernel["ptx"]),
-    **info,
-    "shared_dynamic": kernel["shared_dynamic"],
-    "shared_bytes": kernel["shared_dynamic"] + info["shared_static"],
-    "shared_limit_default": limits["default"],
-    "shared_limit_optin": limits["optin"],
-    "grid": call["grid"],
-  }
+  row = dict(op=op, form=form, kernel=name)
+  row.update({k: getattr(cfg, k) for k in ("block_t", "block_d", "num_warps", "num_stages")})
+  row.update(channels=d, dtype=dtype, arch=arch.sm, gpu=arch.target, compiler=compiler)
+  row.update(ptx_target=ptx_target(kernel["ptx"]), **info, shared_dynamic=kernel["shared_dynamic"])
+  row.update(shared_bytes=kernel["shared_dynamic"] + info["shared_static"])
+  row.update(shared_limit_default=limits["default"], shared_limit_optin=limits["optin"])
+  return dict(row, grid=grid)
 
 
 def _order(row: dict) -> tuple:

@@ -31,12 +31,9 @@ TEMPERATURE = 0.8
 
 
 def model_config(row: str, length: int, quick: bool) -> ModelConfig:
-  size = (
-    dict(num_layers=1, d_model=16, mlp_dim=32, num_heads=2)
-    if quick
-    else dict(num_layers=2, d_model=128, mlp_dim=384, num_heads=4)
-  )
-  common_kw = dict(vocab_size=256, dropout_rate=0.0, **size)
+  size = (1, 16, 32, 2) if quick else (2, 128, 384, 4)
+  common_kw = dict(zip(("num_layers", "d_model", "mlp_dim", "num_heads"), size))
+  common_kw.update(vocab_size=256, dropout_rate=0.0)
   if row in STREAMS:
     return ModelConfig(mixing=row, position_embedding="none", max_len=64, **common_kw)
   if row == "sliding":
@@ -59,10 +56,6 @@ def _peak_rss() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _median_per_token(times: list[float], piece: int) -> float:
-  return statistics.median(times) / piece
-
-
 def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> list[dict]:
   """The real stream to max(lengths), kept at each length (its resident-set high-water mark
   read there), then timed in rounds over the lengths (load drift reaches all alike)."""
@@ -74,18 +67,15 @@ def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> l
   for length in lengths:
     _, stream = gen(empty, length - stream.position, stream=stream, return_stream=True)
     at[length] = stream  # generate leaves a stream it continues as it is
-    records.append(
-      dict(row=row, length=length, peak_rss=_peak_rss(), state_bytes=_nbytes(stream.cache))
-    )
-    print(json.dumps(records[-1]), flush=True)
+    rec = dict(row=row, length=length, peak_rss=_peak_rss(), state_bytes=_nbytes(stream.cache))
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
   times = {n: [] for n in lengths}
   for _ in range(window // piece):
     for n in lengths:
-      start = time.perf_counter()
-      gen(empty, piece, stream=at[n])
-      times[n].append(time.perf_counter() - start)
+      times[n] += common.wall_times(lambda _: gen(empty, piece, stream=at[n]), 1)
   for rec in records:
-    rec["per_token_s"] = _median_per_token(times[rec["length"]], piece)
+    rec["per_token_s"] = statistics.median(times[rec["length"]]) / piece
   return records
 
 
@@ -94,18 +84,10 @@ def measure_sliding(length: int, window: int, piece: int, quick: bool) -> dict:
   prompt = np.random.default_rng(0).integers(0, 256, (1, length - window), dtype=np.int32)
   gen = functools.partial(decode.generate, model, params, temperature=TEMPERATURE)
   gen(prompt[:, -model.cfg.max_len - 1 :], 2, rng=jax.random.key(0))  # compiles
-  times = []
-  for i in range(window // piece):
-    start = time.perf_counter()
-    gen(prompt, piece, rng=jax.random.key(i))
-    times.append(time.perf_counter() - start)
-  return dict(
-    row="sliding",
-    length=length,
-    per_token_s=_median_per_token(times, piece),
-    peak_rss=_peak_rss(),
-    state_bytes=None,
-  )
+  times = common.wall_times(lambda i: gen(prompt, piece, rng=jax.random.key(i)), window // piece)
+  per_token = statistics.median(times) / piece
+  return dict(row="sliding", length=length, per_token_s=per_token, peak_rss=_peak_rss(),
+              state_bytes=None)  # fmt: skip
 
 
 def measure_kv_cache(length: int, window: int, piece: int, quick: bool) -> dict:
@@ -123,22 +105,18 @@ def measure_kv_cache(length: int, window: int, piece: int, quick: bool) -> dict:
     rng, sub = jax.random.split(rng)
     return mutated["cache"], decode.sample_logits(sub, logp_B1V[:, 0], TEMPERATURE), rng
 
-  tok, rng = jnp.zeros((1,), jnp.int32), jax.random.key(0)
-  times = []
-  for _ in range(window // piece):
-    start = time.perf_counter()
+  carry = [cache, jnp.zeros((1,), jnp.int32), jax.random.key(0)]
+
+  def one_piece(_):
     for _ in range(piece):
-      cache, tok, rng = step(params, cache, tok, rng)
-      tok = jnp.asarray(np.asarray(tok))  # on the host, as generate has it
-    times.append(time.perf_counter() - start)
+      carry[:] = step(params, *carry)
+      carry[1] = jnp.asarray(np.asarray(carry[1]))  # on the host, as generate has it
+
+  times = common.wall_times(one_piece, window // piece)
   times = times[1:] or times  # the first piece compiled the step
-  return dict(
-    row="softmax",
-    length=length,
-    per_token_s=_median_per_token(times, piece),
-    peak_rss=_peak_rss(),
-    state_bytes=_nbytes(cache),
-  )
+  per_token = statistics.median(times) / piece
+  return dict(row="softmax", length=length, per_token_s=per_token, peak_rss=_peak_rss(),
+              state_bytes=_nbytes(carry[0]))  # fmt: skip
 
 
 def _row(args) -> list[dict]:
@@ -161,44 +139,33 @@ def to_markdown(result: dict) -> str:
   lengths = result["lengths"]
   by = {(r["row"], r["length"]): r for r in result["records"]}
   head = " | ".join(f"L = {n:,}" for n in lengths)
-  lines = [
+  lines = []
+
+  def table(title, key, text):
+    lines.extend([title, "", f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
+                  "|---|" + "---:|" * (len(lengths) + 1)])  # fmt: skip
+    for row in LABELS:
+      cells = [by[row, n] if by.get((row, n), {}).get(key) else None for n in lengths]
+      first, last = cells[0], cells[-1]
+      ratio = f"{last[key] / first[key]:.2f}x" if first and last else "-"
+      cells = ["-" if c is None else text(c) for c in cells]
+      lines.append(f"| {LABELS[row]} | " + " | ".join(cells) + f" | {ratio} |")
+
+  table(
     f"**Per-token time** (the median over pieces of {result['piece']} tokens, {result['window']}"
     " tokens per length: a stream's continuing the state it kept at L, the others' the last "
     "tokens before L)",
-    "",
-    f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
-    "|---|" + "---:|" * (len(lengths) + 1),
-  ]
-
-  def table(key, fmt):
-    for row in LABELS:
-      cells = [by.get((row, n), {}).get(key) for n in lengths]
-      first, last = cells[0], cells[-1]
-      ratio = f"{last / first:.2f}x" if first and last else "-"
-      lines.append(f"| {LABELS[row]} | " + " | ".join(fmt(c) for c in cells) + f" | {ratio} |")
-
-  table("per_token_s", common.fmt_time)
-  lines += [
-    "",
+    "per_token_s",
+    lambda c: common.fmt_time(c["per_token_s"]),
+  )
+  lines.append("")
+  state = lambda c: f" ({common.fmt_bytes(c['state_bytes'])})" if c.get("state_bytes") else ""
+  table(
     "**Peak memory** (the process's resident-set high-water mark; in brackets the decoding "
     "state carried from token to token)",
-    "",
-    f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
-    "|---|" + "---:|" * (len(lengths) + 1),
-  ]
-  for row in LABELS:
-    cells = [by.get((row, n)) for n in lengths]
-    cells = [c if c and "peak_rss" in c else None for c in cells]
-    text = [
-      "-"
-      if c is None
-      else common.fmt_bytes(c["peak_rss"])
-      + (f" ({common.fmt_bytes(c['state_bytes'])})" if c.get("state_bytes") else "")
-      for c in cells
-    ]
-    first, last = cells[0], cells[-1]
-    ratio = f"{last['peak_rss'] / first['peak_rss']:.2f}x" if first and last else "-"
-    lines.append(f"| {LABELS[row]} | " + " | ".join(text) + f" | {ratio} |")
+    "peak_rss",
+    lambda c: common.fmt_bytes(c["peak_rss"]) + state(c),
+  )
   return "\n".join(lines) + "\n"
 
 
