@@ -341,12 +341,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   out = f"benchmarks/results/{dev.device_kind.replace(' ', '_')}"
   p = common.parser(__doc__, "tiny sizes, for tests (CPU, ~1 min)", out)
-  p.add_argument(
-    "--max_minutes",
-    type=float,
-    default=7.5,
-    help="no row starts after this (the op rows stop at 60%% of it); later rows are skipped",
-  )
+  help = "no row starts after this (the op rows: 60%% of it); later rows are skipped"
+  p.add_argument("--max_minutes", type=float, default=7.5, help=help)
   a = p.parse_args(argv)
   if a.quick:
     a.sizes, a.d, a.batch, a.dtype = [32], 128 if dev.platform == "tpu" else 32, 1, "float32"

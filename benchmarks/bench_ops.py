@@ -257,12 +257,8 @@ def main(argv=None):
   p.add_argument("--conv_kernel", type=int, default=7)
   p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
   common.add_timing_args(p, "calls")
-  p.add_argument(
-    "--max_call_s",
-    type=float,
-    default=None,
-    help="skip a size when its extrapolated time per call exceeds this",
-  )
+  help = "skip a size when its extrapolated time per call exceeds this"
+  p.add_argument("--max_call_s", type=float, default=None, help=help)
   p.add_argument("--max_temp_gib", type=float, default=8.0)
   a = p.parse_args(argv)
   on_cpu = jax.devices()[0].platform == "cpu"

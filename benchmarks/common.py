@@ -285,12 +285,8 @@ def parser(doc: str, quick: str | None = None, out="benchmarks/results"):
 def add_timing_args(parser, unit: str) -> None:
   """--repeats and --min_seconds: how long each size is timed (``unit``: 'steps' or 'calls')."""
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument(
-    "--min_seconds",
-    type=float,
-    default=1.0,
-    help=f"keep timing a size (up to 50 {unit}) until the {unit} have used this long",
-  )
+  help = f"keep timing a size (up to 50 {unit}) until the {unit} have used this long"
+  parser.add_argument("--min_seconds", type=float, default=1.0, help=help)
 
 
 def write_outputs(

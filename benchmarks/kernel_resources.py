@@ -511,11 +511,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
   p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
-  p.add_argument(
-    "--no_route_check",
-    action="store_true",
-    help="skip compiling with jaxlib's Triton for sm_80 too (the comparison with XLA's build)",
-  )
+  help = "skip compiling with jaxlib's Triton for sm_80 too (the comparison with XLA's build)"
+  p.add_argument("--no_route_check", action="store_true", help=help)
   archs = [a.sm for a in ARCHS]
   p.add_argument("--archs", nargs="+", choices=archs, help="only these (default: all)")
   p.add_argument("--shard", help=argparse.SUPPRESS)  # a worker's share i/n: OUT/shard-i.json

