@@ -64,16 +64,10 @@ def timed_run(info: dict, fn: Callable):
 
 def machine_info() -> dict[str, Any]:
   dev = jax.devices()[0]
-  return {
-    "platform": dev.platform,
-    "device_kind": dev.device_kind,
-    "device_count": jax.device_count(),
-    "jax_version": jax.__version__,
-    "python": platform.python_version(),
-    "cpu_count": os.cpu_count(),
-    "machine": platform.machine(),
-    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-  }
+  info = dict(platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count())
+  info.update(jax_version=jax.__version__, python=platform.python_version())
+  info.update(cpu_count=os.cpu_count(), machine=platform.machine())
+  return dict(info, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def compiled_stats(compiled) -> dict[str, float | None]:
@@ -90,12 +84,8 @@ def compiled_stats(compiled) -> dict[str, float | None]:
     mem = compiled.memory_analysis()
     out["temp_bytes"] = float(mem.temp_size_in_bytes)
     out["argument_bytes"] = float(mem.argument_size_in_bytes)
-    out["program_bytes"] = float(
-      mem.argument_size_in_bytes
-      + mem.output_size_in_bytes
-      + mem.temp_size_in_bytes
-      - mem.alias_size_in_bytes
-    )
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    out["program_bytes"] = float(total - mem.alias_size_in_bytes)
   except Exception:  # pylint: disable=broad-except
     pass
   return out
@@ -122,18 +112,9 @@ def compile_fn(fn: Callable, args: tuple, donate_argnums=()):
 
 
 def measure(
-  fn: Callable,
-  args: tuple,
-  *,
-  repeats: int = 5,
-  min_repeats: int = 2,
-  max_seconds: float = 10.0,
-  min_seconds: float = 1.0,
-  max_repeats: int = 50,
-  compiled=None,
-  compile_s=None,
-  budget_s: float | None = None,
-) -> dict[str, Any]:
+  fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2, max_seconds: float = 10.0,
+  min_seconds: float = 1.0, max_repeats: int = 50, compiled=None, compile_s=None, budget_s=None,
+) -> dict[str, Any]:  # fmt: skip
   """Compiles ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given) and times it: the
   median of ``repeats`` calls or more (up to ``max_repeats``) until they used ``min_seconds``,
   fewer (``min_repeats``) past ``max_seconds`` (given ``budget_s``, a call's budget: 2x it);

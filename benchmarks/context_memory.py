@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -130,26 +129,13 @@ def table(rows: list[dict]) -> str:
 
 
 def write_results(rows: list[dict]) -> None:
-  """The table into RESULTS.md between the markers (appended as a section the first time)."""
+  """The table into RESULTS.md between the markers, after the section's prose."""
   from aft_jax import files
 
-  text = open(RESULTS).read()
-  block = (
-    f"{START}\n## Context parallelism (`benchmarks.context_memory`): compiled per-device "
-    "memory, CPU devices\n\n"
-    "`python -m benchmarks.context_memory`: one train step (loss + grad + AdamW) of a 2 x 128\n"
-    "LM, batch 1, T split over `mesh.sequence` CPU devices; XLA's buffer assignment per device\n"
-    "(compiled, not measured): temp memory per device in GiB at each `mesh.sequence` (its ratio\n"
-    "to one device in brackets) and the arguments per device. AFT-local: window 128, factorised\n"
-    "bias w = u v^T (d' = 64), of which each sub-piece of 2048 positions (and each device's\n"
-    "shard) forms only the block it reads, never the [T, T] product.\n\n"
-    f"{table(rows)}\n{END}"
-  )
-  if START in text:
-    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-  else:
-    text = text.rstrip("\n") + "\n\n" + block + "\n"
-  files.atomic_write(RESULTS, text)
+  head, rest = open(RESULTS).read().split(START)
+  prose, tail = rest.split(END)
+  prose = prose.split("\n| mixing |")[0]
+  files.atomic_write(RESULTS, f"{head}{START}{prose}\n{table(rows)}\n{END}{tail}")
 
 
 def main(argv=None) -> None:

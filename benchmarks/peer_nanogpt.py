@@ -276,10 +276,8 @@ def parse_sets(items) -> dict:
 
 def machine(a) -> dict:
   """Where and when the runs ran (the workers add jax's devices)."""
-  info = dict(
-    python=platform.python_version(), cpu_count=os.cpu_count(), machine=platform.machine()
-  )
-  info["time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+  info = dict(python=platform.python_version(), cpu_count=os.cpu_count())
+  info.update(machine=platform.machine(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
   if a.nanogpt_dir:
     code = "import torch; print(torch.__version__)"
     info["torch"] = subprocess.run(
