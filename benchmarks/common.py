@@ -155,6 +155,16 @@ def wall_times(fn: Callable, n: int) -> list[float]:
   return out
 
 
+def train(config, workdir: str):
+  """(results, wall seconds) of ``train_and_evaluate(config)``: no sample, one save at the end."""
+  from aft_jax.trainer import train_lib
+
+  config.sample.length = 0
+  config.checkpoint_every_steps = config.num_train_steps
+  start = time.perf_counter()
+  return train_lib.train_and_evaluate(config, workdir), time.perf_counter() - start
+
+
 def budget_exceeded(
   last, t_len: int, cost_class: str, budget_s: float, what: str, flag: str
 ) -> str | None:

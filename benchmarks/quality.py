@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 
-from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config, override
 from aft_jax.model import MIXINGS
 from aft_jax.workdir import Workdir
@@ -47,18 +46,12 @@ def make_config(mixing: str, overrides: dict, seed: int):
   config.model.dropout_rate = 0.0
   config.learning_rate = 3e-3
   config.seed = seed
-  config.sample.length = 0
-  override(config, overrides)
-  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
-  return config
+  return override(config, overrides)
 
 
 def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   """Trains one mixing layer in ``workdir``; its record with the validation curve."""
-  config = make_config(mixing, overrides, seed)
-  start = time.perf_counter()
-  results = train_lib.train_and_evaluate(config, workdir)
-  wall = time.perf_counter() - start
+  results, wall = common.train(make_config(mixing, overrides, seed), workdir)
   records = Workdir(workdir).read_metrics()
   # The first logged interval includes compilation: tokens/s is the median of the others.
   speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
@@ -68,18 +61,10 @@ def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   curve = [c for c in curve if c[0] != results["steps"]] + [
     (results["steps"], results["valid_bpb"])
   ]
-  return {
-    "mixing": mixing,
-    "valid_bpb": results["valid_bpb"],
-    "test_bpb": results["test_bpb"],
-    "num_params": results["num_params"],
-    "tokens_per_s": float(np.median(speeds)) if speeds else None,
-    "wall_s": wall,
-    "steps": results["steps"],
-    "tokens_seen": results["tokens_seen"],
-    "eval_protocol": results["eval_protocol"],
-    "curve": curve,
-  }
+  rec = {"mixing": mixing, **{k: results[k] for k in ("valid_bpb", "test_bpb", "num_params")}}
+  rec.update(tokens_per_s=float(np.median(speeds)) if speeds else None, wall_s=wall)
+  rec.update({k: results[k] for k in ("steps", "tokens_seen", "eval_protocol")})
+  return dict(rec, curve=curve)
 
 
 def to_markdown(result: dict) -> str:
@@ -104,17 +89,16 @@ def to_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   for r in result["records"]:
     steps, bpb = zip(*r["curve"])
     ax.plot(steps, bpb, marker="o", markersize=3, label=f"{r['mixing']} ({r['valid_bpb']:.3f})")
-  ax.set_xlabel("training step")
-  ax.set_ylabel("validation bits per byte")
+  ax.set(xlabel="training step", ylabel="validation bits per byte")
   ax.set_title("pydoc bytes: validation curves, same model size and schedule")
   ax.grid(alpha=0.3)
   ax.legend()

@@ -19,7 +19,7 @@ import numpy as np
 
 from aft_jax import data as data_lib
 from aft_jax.tools import evaluate, trained
-from aft_jax.trainer import recipes, train_lib
+from aft_jax.trainer import recipes
 from aft_jax.trainer.default_config import override
 from benchmarks import common, quality
 
@@ -42,10 +42,7 @@ def make_config(mixing: str, positions: str, quick: bool):
   config = quickstart()
   config.model.mixing = mixing
   config.model.position_embedding = positions
-  config.sample.length = 0
-  override(config, QUICK if quick else {})
-  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
-  return config
+  return override(config, QUICK if quick else {})
 
 
 def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.ndarray:
@@ -61,30 +58,18 @@ def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.nd
 
 
 def run_one(mixing: str, positions: str, quick: bool, workdir: str) -> dict:
-  config = make_config(mixing, positions, quick)
-  start = time.perf_counter()
-  results = train_lib.train_and_evaluate(config, workdir)
-  wall = time.perf_counter() - start
+  results, wall = common.train(make_config(mixing, positions, quick), workdir)
   run = trained.load_run(workdir)
   seq_len = run.config.train.seq_len
   valid = data_lib.load_corpus(run.config.data).splits["validation"]
-  rec = {
-    "mixing": mixing,
-    "position_embedding": positions,
-    "valid_ppl": results["valid_ppl"],
-    "num_params": results["num_params"],
-    "wall_s": wall,
-    "texts": {},
-  }
+  rec = dict(mixing=mixing, position_embedding=positions, valid_ppl=results["valid_ppl"])
+  rec.update(num_params=results["num_params"], wall_s=wall, texts={})
   multiples = MULTIPLES if run.model.cfg.streams else (1,)
   for k in multiples:
     nll = _nll_of_texts(run, valid, k * seq_len)
-    rec["texts"][str(k)] = {
-      "length": k * seq_len,
-      "texts": nll.shape[0],
-      "ppl": math.exp(nll.mean()),
-      "last_ppl": math.exp(nll[:, -seq_len:].mean()),  # its last seq_len tokens
-    }
+    last = math.exp(nll[:, -seq_len:].mean())  # its last seq_len tokens
+    rec["texts"][str(k)] = dict(length=k * seq_len, texts=nll.shape[0], ppl=math.exp(nll.mean()))
+    rec["texts"][str(k)]["last_ppl"] = last
   if run.model.cfg.streams:
     whole = evaluate.evaluate_run(run, split="validation")
     rec["whole_split"] = {"ppl": whole["ppl"], "tokens": whole["tokens"]}
@@ -125,15 +110,13 @@ def main(argv=None) -> dict:
   records = []
   result = {"machine": info, "quick": a.quick, "records": records}
   config = make_config("aft_local", "learned", a.quick)
-  result.update(
-    seq_len=config.seq_len, layers=config.model.num_layers, d_model=config.model.d_model
-  )
+  model = config.model
+  result.update(seq_len=config.seq_len, layers=model.num_layers, d_model=model.d_model)
   with tempfile.TemporaryDirectory() as tmp:
     for mixing, positions in ROWS:
       print(f"--- {mixing}, position embedding {positions}", flush=True)
-      records.append(
-        run_one(mixing, positions, a.quick, os.path.join(tmp, f"{mixing}_{positions}"))
-      )
+      workdir = os.path.join(tmp, f"{mixing}_{positions}")
+      records.append(run_one(mixing, positions, a.quick, workdir))
       common.write_outputs(a.out, "stream_quality", result, to_markdown(result))
   info["wall_s"] = time.perf_counter() - start
   common.write_outputs(a.out, "stream_quality", result, to_markdown(result), partial=False)
