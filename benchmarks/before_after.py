@@ -17,13 +17,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree'
 
 # (op of bench_ops.op_table, batch, T): causal AFT-simple and AFT-local-32 at both shapes,
 # AFT-full where its [T, T] bias is cheap (at T 16384 w alone is 1 GiB).
-ROWS = (
-  ("aft_simple", 8, 2048),
-  ("aft_simple", 1, 16384),
-  ("aft_local_32", 8, 2048),
-  ("aft_local_32", 1, 16384),
-  ("aft_full", 8, 2048),
-)
+ROWS = [(op, b, t) for op in ("aft_simple", "aft_local_32") for b, t in ((8, 2048), (1, 16384))]
+ROWS += [("aft_full", 8, 2048)]
 QUICK_ROWS = (("aft_simple", 2, 64),)
 PEER = "peer_scan_simple"
 
@@ -109,11 +104,8 @@ def main(argv=None):
     a.d, a.repeats, a.min_seconds = 32, 2, 0.0
   trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
   info = common.machine_info()
-  info.update(
-    trees=trees,
-    d=a.d,
-    command=" ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:])),
-  )
+  info.update(trees=trees, d=a.d)
+  info["command"] = " ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:]))
 
   def run():
     records, peers = [], {}

@@ -54,14 +54,8 @@ def row(mixing: str, t_len: int, n: int) -> dict:
   trainer = train_lib.Trainer(cfg, mesh)
   start = time.perf_counter()
   mem = StepMemory.of(trainer.lower_train_step().compile())
-  return {
-    "mixing": mixing,
-    "T": t_len,
-    "sequence": n,
-    "temp": mem.temp,
-    "arguments": mem.argument,
-    "compile_s": round(time.perf_counter() - start, 1),
-  }
+  out = dict(mixing=mixing, T=t_len, sequence=n, temp=mem.temp, arguments=mem.argument)
+  return dict(out, compile_s=round(time.perf_counter() - start, 1))
 
 
 def step(mixing: str, seq_len: int, seed: int = 0) -> dict:
@@ -85,15 +79,10 @@ def step(mixing: str, seq_len: int, seed: int = 0) -> dict:
     state, metrics = trainer.train_step(state, batch, jax.random.key(i))
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
-  return {
-    "mixing": mixing,
-    "T": seq_len,
-    "first_step_s": round(times[0], 1),  # compile + run
-    "step_s": round(times[1], 2),
-    "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-    "loss": float(metrics["loss"]),
-    "finite": bool(metrics["finite"]),
-  }
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  out = dict(mixing=mixing, T=seq_len, first_step_s=round(times[0], 1), step_s=round(times[1], 2))
+  out.update(peak_rss_gib=round(rss, 1), loss=float(metrics["loss"]))
+  return dict(out, finite=bool(metrics["finite"]))
 
 
 def _gib(b) -> str:

@@ -81,9 +81,6 @@ def shared_memory_limits(target: str) -> dict[str, int]:
   return {"default": get("shared_memory_per_block"), "optin": get("shared_memory_per_block_optin")}
 
 
-# --------------------------------------------------------------------------- ptxas
-
-
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
   """Per entry of ``ptxas -v`` output: registers, spill stores and loads, stack frame and
   static shared memory (bytes); --warn-on-spills' warnings (repeats) are dropped."""
@@ -122,9 +119,6 @@ def ptxas_version() -> str:
   done = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
   m = re.search(r"release [\d.]+, V([\d.]+)", done.stdout)
   return f"ptxas {m.group(1) if m else done.stdout.strip().splitlines()[-1]}"
-
-
-# --------------------------------------------------------------------------- the programs
 
 
 def channels_for(cfg) -> int:
@@ -203,8 +197,6 @@ def triton_calls(module) -> list[dict]:
   return calls
 
 
-# --------------------------------------------------------------------------- the compilers
-
 _THUNK = re.compile(
   r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
 )
@@ -269,9 +261,6 @@ def match(calls: list[dict], kernels: list[dict]) -> list[tuple[dict, dict]]:
     if same[0] in left:
       left.remove(same[0])
   return pairs
-
-
-# --------------------------------------------------------------------------- the measurement
 
 
 def _row(op, form, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limits):
@@ -402,9 +391,6 @@ def measure(workers: int | None = None, route_check: bool = True, say=print, arc
   return {key: sorted(rows, key=_order) for key, rows in result.items()}
 
 
-# --------------------------------------------------------------------------- the report
-
-
 def _kib(b: int) -> str:
   return f"{b / 1024:g} KiB"
 
@@ -502,9 +488,6 @@ def markdown(result: dict) -> str:
     "",
   ]
   return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the command
 
 
 def main(argv=None) -> int:
