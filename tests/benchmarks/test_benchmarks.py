@@ -17,6 +17,16 @@ def _finite(x):
   return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _quick_result(tmp_path, name):
+  """A quick run's JSON, its machine described, its .md and .png written."""
+  result = json.loads((tmp_path / f"{name}.json").read_text())
+  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
+    assert result["machine"][key] not in (None, ""), key
+  for suffix in ("md", "png"):
+    assert os.path.getsize(tmp_path / f"{name}.{suffix}") > 0
+  return result
+
+
 def _check_record(rec, fields):
   if rec.get("status") == "skipped":
     assert rec.get("reason"), rec
@@ -29,11 +39,8 @@ def _check_record(rec, fields):
 @pytest.mark.slow
 def test_bench_ops_quick(tmp_path):
   bench_ops.main(["--quick", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "bench_ops.json").read_text())
-  info = result["machine"]
-  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
-    assert info[key] not in (None, ""), key
-  sizes = info["sizes"]
+  result = _quick_result(tmp_path, "bench_ops")
+  sizes = result["machine"]["sizes"]
   names = list(bench_ops.op_table(7))
   assert sorted(result["ops"]) == sorted(names)
   got = {(r["op"], r["mode"], r["T"]): r for r in result["records"]}
@@ -44,8 +51,6 @@ def test_bench_ops_quick(tmp_path):
       for t_len in sizes:
         _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
   assert len(result["checks"]) == 7
-  for name in ("bench_ops.md", "bench_ops.png"):
-    assert os.path.getsize(tmp_path / name) > 0
 
 
 def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
@@ -65,10 +70,8 @@ def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
 @pytest.mark.slow
 def test_bench_model_quick(tmp_path):
   bench_model.main(["--quick", "--sizes", "32", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "bench_model.json").read_text())
+  result = _quick_result(tmp_path, "bench_model")
   info = result["machine"]
-  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
-    assert info[key] not in (None, ""), key
   got = {(r["mixing"], r["T"]): r for r in result["records"]}
   assert set(result["mixings"]) == set(bench_model.MIXINGS)
   for mixing in bench_model.MIXINGS:
@@ -78,8 +81,6 @@ def test_bench_model_quick(tmp_path):
   assert set(ratios) == set(bench_model.MIXINGS)
   for x in ratios.values():
     assert all(_finite(v) for v in x.values()), x
-  for name in ("bench_model.md", "bench_model.png"):
-    assert os.path.getsize(tmp_path / name) > 0
 
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
@@ -129,13 +130,8 @@ def test_accelerator_check_times_both_kernel_forms():
   seg = lambda: triton.plan_for(1, 16384, 512).seg
   assert accelerator_check.in_form(seg, "sequential")() is None
   assert accelerator_check.in_form(seg, "chunked")() == seg() is not None  # auto: chunked here
-  rec = lambda form, t, time_s: {
-    "op": f"aft_simple/pallas[{form}]",
-    "mode": "fwd",
-    "T": t,
-    "status": "ok",
-    "time_s": time_s,
-  }
+  rec = lambda form, t, time_s: dict(op=f"aft_simple/pallas[{form}]", mode="fwd", T=t,
+                                     status="ok", time_s=time_s)  # fmt: skip
   recs = [rec("sequential", 1024, 1.0), rec("chunked", 1024, 2.0), rec("chunked", 4096, 1.0)]
   recs.append(rec("sequential", 4096, 3.0))
   got = accelerator_check.kernel_forms(recs)
@@ -261,29 +257,16 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   got = {(r["op"], r["mode"], r["T"]): r for r in recs}
   for mode in bench_ops.MODES:
     assert _is_injected(got[("fails", mode, 8)])
-    assert got[("fails", mode, 16)] == {
-      "op": "fails",
-      "mode": mode,
-      "T": 16,
-      "batch": 1,
-      "d": 8,
-      "status": "skipped",
-      "reason": "error at T=8",
-    }
+    want = dict(op="fails", mode=mode, T=16, batch=1, d=8, status="skipped", reason="error at T=8")
+    assert got[("fails", mode, 16)] == want
   assert got[("cumsum", "fwd", 16)]["status"] == "ok"  # the next op is measured
   md = bench_ops.markdown(recs, [8, 16], ["fails", "cumsum"], {"batch": 1, "d": 8})
   assert "| fails | error | skipped |" in md
 
 
 def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
-  lm = lambda name, t, impl="auto": {
-    "model": name,
-    "status": "ok",
-    "impl": impl,
-    "time_s": t,
-    "tokens_per_s": 1000 / t,
-    "program_bytes": 100 * t,
-  }
+  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
+                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
   models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
   checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
   speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
