@@ -93,27 +93,12 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
   peak = common.peak_tflops(dev.device_kind) if dev.platform != "cpu" else None
   records = []
   for mixing in mixings:
-    last, stop = None, None
-    for t_len in sizes:
-      rec = {"mixing": mixing, "T": t_len, "batch": a.batch}
-      cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"
-      if stop is None:  # cost: of the attention part
-        stop = common.budget_exceeded(last, t_len, cost, max_step_s, "step", "--max_step_s")
-      if stop is not None:
-        rec.update(common.skipped(stop))
-        records.append(rec)
-        log(f"{mixing:11s} T={t_len:5d} skipped: {stop}")
-        continue
-      cfg = config_for(mixing, t_len, a, dtype)
-      rec.update(measure_step(cfg, a.batch, t_len, a.repeats, a.min_seconds, max_step_s, peak))
-      records.append(rec)
-      last = (t_len, rec["time_s"])
-      log(
-        f"{mixing:11s} T={t_len:5d} {common.fmt_time(rec['time_s']):>9s} "
-        f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(rec['temp_bytes']):>10s} "
-        f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} "
-        f"compile {rec['compile_s']:.1f}s"
-      )
+    cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"  # the attention's
+    step = lambda t: measure_step(
+      config_for(mixing, t, a, dtype), a.batch, t, a.repeats, a.min_seconds, max_step_s, peak
+    )
+    base = {"mixing": mixing, "batch": a.batch}
+    records += common.sweep(sizes, base, cost, max_step_s, "step", step, log)
   return records
 
 

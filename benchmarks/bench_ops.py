@@ -143,42 +143,19 @@ def run(
   for name in names:
     fn, extra, cost_class, _ = table[name]
     for mode in MODES[: 1 if name == "cumsum" else 2]:
-      last, stop = None, None  # (T, seconds) of the last measured size; why the rest stop
-      for t_len in sizes:
-        rec = {"op": name, "mode": mode, "T": t_len, "batch": batch, "d": d}
-        records.append(rec)
-        where = f"{name:15s} {mode:8s} T={t_len:6d}"
-        stop = stop or common.budget_exceeded(
-          last, t_len, cost_class, max_call_s, "call", "--max_call_s"
-        )
-        if stop is not None:
-          rec.update(common.skipped(stop))
-          log(f"{where} skipped: {stop}")
-          continue
-        try:
-          args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
-          f, args = (fn, args) if mode == "fwd" else (fwd_bwd(fn), args + (ct,))
-          compiled, compile_s = common.compile_fn(f, args)  # the memory checked before a run
-          temp = common.compiled_stats(compiled)["temp_bytes"]
-          if temp is not None and temp > max_temp_gib * (1 << 30):
-            stop = f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
-            rec.update(common.skipped(stop))
-            log(f"{where} skipped: {stop}")
-            continue
-          kw = dict(compiled=compiled, compile_s=compile_s, budget_s=max_call_s)
-          m = common.measure(f, args, repeats=repeats, min_seconds=min_seconds, **kw)
-        except Exception as e:  # pylint: disable=broad-except  # one row, not the run
-          rec.update(common.error(e))
-          log(f"{where} error: {rec['reason']}")
-          stop = f"error at T={t_len}"  # a longer T would fail the same way or worse
-          continue
-        rec.update(status="ok", **m)
-        last = (t_len, m["time_s"])
-        ms = common.fmt_time(m["time_s"]), common.fmt_bytes(m["temp_bytes"])
-        flops = common.fmt_flops(m["flops"])
-        log(
-          f"{where} {ms[0]:>10s} temp {ms[1]:>10s} flops {flops:>9s} compile {m['compile_s']:.1f}s"
-        )
+
+      def measure_one(t_len):
+        args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
+        f, args = (fn, args) if mode == "fwd" else (fwd_bwd(fn), args + (ct,))
+        compiled, compile_s = common.compile_fn(f, args)  # the memory checked before a run
+        temp = common.compiled_stats(compiled)["temp_bytes"]
+        if temp is not None and temp > max_temp_gib * (1 << 30):
+          return f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
+        kw = dict(compiled=compiled, compile_s=compile_s, budget_s=max_call_s)
+        return common.measure(f, args, repeats=repeats, min_seconds=min_seconds, **kw)
+
+      base = {"op": name, "mode": mode, "batch": batch, "d": d}
+      records += common.sweep(sizes, base, cost_class, max_call_s, "call", measure_one, log)
   return records
 
 

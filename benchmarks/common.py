@@ -181,6 +181,36 @@ def budget_exceeded(
   )
 
 
+def sweep(sizes, base: dict, cost_class: str, budget_s, what: str, measure_one, log=print):
+  """A record ``dict(base, T=t)`` per size: ``measure_one(t)`` (a dict with ``time_s``, or why
+  the larger sizes are skipped), or skipped once the last time extrapolated is over ``budget_s``
+  (``--max_{what}_s``), or an error, after which the larger sizes are skipped."""
+  records, last, stop = [], None, None
+  for t_len in sizes:
+    rec = dict(base, T=t_len)
+    records.append(rec)
+    where = " ".join(str(base[k]) for k in ("op", "mode", "mixing") if k in base)
+    stop = stop or budget_exceeded(last, t_len, cost_class, budget_s, what, f"--max_{what}_s")
+    if stop is None:
+      try:
+        m = measure_one(t_len)
+      except Exception as e:  # pylint: disable=broad-except  # one row, not the run
+        rec.update(error(e))
+        log(f"{where} T={t_len:6d} error: {rec['reason']}")
+        stop = f"error at T={t_len}"  # a longer T would fail the same way or worse
+        continue
+      if not isinstance(m, str):
+        rec.update({"status": "ok", **m})
+        last = (t_len, m["time_s"])
+        took, temp, flops = fmt_time(m["time_s"]), fmt_bytes(m["temp_bytes"]), fmt_flops(m["flops"])
+        log(f"{where} T={t_len:6d} {took} temp {temp} flops {flops} compile {m['compile_s']:.1f}s")
+        continue
+      stop = m
+    rec.update(skipped(stop))
+    log(f"{where} T={t_len:6d} skipped: {stop}")
+  return records
+
+
 def skipped(reason: str) -> dict[str, str]:
   return {"status": SKIPPED, "reason": reason}
 
