@@ -42,16 +42,12 @@ SKIPPED = "skipped"
 ERROR = "error"
 
 
-def _peak(device_kind: str, column: int) -> float | None:
-  return next((p[column] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
-
-
 def peak_tflops(device_kind: str) -> float | None:
-  return _peak(device_kind, 1)
+  return next((p[1] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
 
 
 def peak_hbm_gbps(device_kind: str) -> float | None:
-  return _peak(device_kind, 2)
+  return next((p[2] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
 
 
 def timed_run(info: dict, fn: Callable):

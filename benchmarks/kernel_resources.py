@@ -405,20 +405,19 @@ def headline(rows: list[dict]) -> list[str]:
     top = max(rs, key=lambda r: r["registers"])
     big = max(rs, key=lambda r: r["shared_bytes"])
     spilled = [r for r in rs if r["spill_stores"] or r["spill_loads"]]
+    which = lambda r: f"{r['op']} {r['form']} {r['kernel']}, block_d {r['block_d']}, {r['dtype']}"
     spills = "no spills"
     if spilled:
       worst = max(spilled, key=lambda r: r["spill_stores"] + r["spill_loads"])
       spills = (
-        f"{len(spilled)} kernel{'s' * (len(spilled) > 1)} spilling (most: {worst['op']} "
-        f"{worst['form']} {worst['kernel']}, block_d {worst['block_d']}, {worst['dtype']}: "
+        f"{len(spilled)} kernel{'s' * (len(spilled) > 1)} spilling (most: {which(worst)}: "
         f"{worst['spill_stores']} B stored, {worst['spill_loads']} B loaded)"
       )
     out.append(
       f"{arch.sm} ({arch.target}, {rs[0]['compiler']}): at most {top['registers']} registers "
-      f"({top['op']} {top['form']} {top['kernel']}, block_d {top['block_d']}, {top['dtype']}), "
-      f"{spills}, at "
-      f"most {_kib(big['shared_bytes'])} shared memory per block (limit "
-      f"{_kib(big['shared_limit_default'])} default, {_kib(big['shared_limit_optin'])} opt-in)"
+      f"({which(top)}), {spills}, at most {_kib(big['shared_bytes'])} shared memory per block "
+      f"(limit {_kib(big['shared_limit_default'])} default, "
+      f"{_kib(big['shared_limit_optin'])} opt-in)"
     )
   return out
 

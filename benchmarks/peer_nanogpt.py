@@ -97,11 +97,8 @@ def write_nanogpt_data(data_dir: str, chars, train: np.ndarray, val: np.ndarray)
   os.makedirs(data_dir, exist_ok=True)
   train.astype(np.uint16).tofile(os.path.join(data_dir, "train.bin"))
   val.astype(np.uint16).tofile(os.path.join(data_dir, "val.bin"))
-  meta = {
-    "vocab_size": len(chars),
-    "itos": dict(enumerate(chars)),
-    "stoi": {c: i for i, c in enumerate(chars)},
-  }
+  meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars))}
+  meta["stoi"] = {c: i for i, c in enumerate(chars)}
   with open(os.path.join(data_dir, "meta.pkl"), "wb") as f:
     pickle.dump(meta, f)
 
@@ -110,21 +107,13 @@ def nanogpt_command(python: str, nanogpt_dir: str, recipe: dict, dataset: str, o
   """train.py's command line for ``recipe``: one evaluation and checkpoint after the last
   update, every iteration's time logged."""
   flags = dict(recipe, lr_decay_iters=recipe["max_iters"], eval_interval=recipe["max_iters"])
-  flags.update(
-    device="cpu",
-    compile=False,
-    log_interval=1,
-    eval_iters=20,
-    bias=False,
-    always_save_checkpoint=True,
-    dataset=dataset,
-    out_dir=out_dir,
-    wandb_log=False,
-  )
+  flags.update(device="cpu", compile=False, log_interval=1, eval_iters=20, bias=False)
+  flags.update(always_save_checkpoint=True, dataset=dataset, out_dir=out_dir, wandb_log=False)
+  config = os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py")
   return [
     python,
     os.path.join(nanogpt_dir, "train.py"),
-    os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"),
+    config,
     *(f"--{k}={v}" for k, v in flags.items()),
   ]
 
