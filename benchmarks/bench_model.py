@@ -110,12 +110,9 @@ def ratios(records, t_len):
     if r["T"] != t_len or r.get("status") != "ok" or base is None:
       continue
     mem = lambda x: x["temp_bytes"] + (x["argument_bytes"] or 0)
-    out[r["mixing"]] = {
-      "flops": r["flops_per_token"] / base["flops_per_token"],
-      "temp_memory": r["temp_bytes"] / base["temp_bytes"],
-      "total_memory": mem(r) / mem(base),
-      "step_time": r["time_s"] / base["time_s"],
-    }
+    ratio = lambda key: r[key] / base[key]
+    out[r["mixing"]] = {"flops": ratio("flops_per_token"), "temp_memory": ratio("temp_bytes")}
+    out[r["mixing"]].update(total_memory=mem(r) / mem(base), step_time=ratio("time_s"))
   return out
 
 
@@ -134,12 +131,10 @@ def markdown(records, sizes, mixings, info):
         lines.append(f"| {mixing} | {t_len} | {r['status']} | | | | | | |")
         continue
       mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-      lines.append(
-        f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
-        f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
-        f"{common.fmt_bytes(r['argument_bytes'])} | {common.fmt_bytes(r.get('program_bytes'))} | "
-        f"{mfu} |"
-      )
+      by = (r.get(k) for k in ("temp_bytes", "argument_bytes", "program_bytes"))
+      cells = (common.fmt_time(r["time_s"]), f"{r['tokens_per_s']:.0f}",
+               common.fmt_flops(r["flops_per_token"]), *map(common.fmt_bytes, by), mfu)  # fmt: skip
+      lines.append(f"| {mixing} | {t_len} | " + " | ".join(cells) + " |")
   for t_len in sizes:
     rat = ratios(records, t_len)
     if not rat:
@@ -150,10 +145,7 @@ def markdown(records, sizes, mixings, info):
       "|---|---:|---:|---:|---:|",
     ]
     for mixing, x in rat.items():
-      lines.append(
-        f"| {mixing} | {x['flops']:.2f}x | {x['temp_memory']:.2f}x | "
-        f"{x['total_memory']:.2f}x | {x['step_time']:.2f}x |"
-      )
+      lines.append(f"| {mixing} | " + " | ".join(f"{v:.2f}x" for v in x.values()) + " |")
   return "\n".join(lines) + "\n"
 
 

@@ -322,21 +322,15 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   # ptxas -v reports every entry of a PTX module: each module is run once.
   ptxas_of = functools.cache(lambda ptx: pool.submit(run_ptxas, ptx))
 
-  def lowered_on(target, op, d, dtype, form):
-    device = devices[target]
-    with jax.set_mesh(jax.sharding.Mesh([device], ("x",))):
-      return jax.jit(program(op, form)).lower(*arguments(op, d, dtype, device))
-
   for op, i, dtype, form in selected:
     t0 = time.time()
     cfg = triton.CONFIGS[i]
     d = channels_for(cfg)
-    lowerings = {}  # target -> the case lowered for it, each lowered once and only if asked
 
+    @functools.cache  # each target's lowering once, and only if asked
     def lowered_for(target):
-      if target not in lowerings:
-        lowerings[target] = lowered_on(target, op, d, dtype, form)
-      return lowerings[target]
+      with jax.set_mesh(jax.sharding.Mesh([devices[target]], ("x",))):
+        return jax.jit(program(op, form)).lower(*arguments(op, d, dtype, devices[target]))
 
     calls = []
     for arch in (*chosen, check) if route_check else chosen:
@@ -351,16 +345,14 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
         pairs = [(c, plugin_kernel(c, arch)) for c in calls]
         compiler = "triton (jaxlib)" + (", check" if arch is check else "")
       # The forward program and the VJP's forward may hold the same totals kernel twice.
-      seen = set()
+      unique = {}
       for call, kernel in pairs:
-        if (label(op, call), call["results"]) in seen:
-          continue
-        seen.add((label(op, call), call["results"]))
+        unique.setdefault((label(op, call), call["results"]), (call, kernel))
+      for call, kernel in unique.values():
         args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
         pending.append((args, limits[arch.sm], ptxas_of(kernel["ptx"])))
-    say(
-      f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {time.time() - t0:.1f} s"
-    )
+    took = time.time() - t0
+    say(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s")
     sys.stdout.flush()
   rows, plugin_check = [], []
   for args, lim, future in pending:
@@ -383,11 +375,8 @@ def measure(workers: int | None = None, route_check: bool = True, say=print, arc
       procs = [subprocess.Popen([*cmd, f"{i}/{workers}"]) for i in range(workers)]
       if any(p.wait() for p in procs):
         raise RuntimeError("a measurement worker failed (its error is printed above)")
-      result = {"rows": [], "plugin_check": []}
-      for i in range(workers):
-        shard = json.load(open(os.path.join(tmp, f"shard-{i}.json")))
-        for key in result:
-          result[key] += shard[key]
+      shards = [json.load(open(os.path.join(tmp, f"shard-{i}.json"))) for i in range(workers)]
+      result = {key: sum((shard[key] for shard in shards), []) for key in ("rows", "plugin_check")}
   return {key: sorted(rows, key=_order) for key, rows in result.items()}
 
 
