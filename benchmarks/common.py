@@ -226,8 +226,8 @@ def find(records, **match) -> dict | None:
 
 def check(what: str, value, target: str, holds: Callable) -> dict:
   """A target's record; ``value`` None (a row not measured) holds None."""
-  return {"check": what, "value": value, "target": target, "holds": None if value is None else
-          holds(value)}  # fmt: skip
+  holds = None if value is None else holds(value)
+  return {"check": what, "value": value, "target": target, "holds": holds}
 
 
 def check_line(c) -> str:
