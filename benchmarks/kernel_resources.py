@@ -11,8 +11,8 @@ nothing).
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import os
@@ -25,16 +25,10 @@ import time
 from aft_jax import deviceless, files, ops
 
 
-@dataclasses.dataclass(frozen=True)
-class Arch:
-  """ptxas' name, the ``deviceless`` GPU that gives the limits, Triton's capability, and
-  whether XLA compiles Triton for it (from sm_80 up; below, jaxlib's Triton compiler does:
-  the Triton IR of each custom call compiled for that capability, then the same ptxas)."""
-
-  sm: str
-  target: str
-  capability: str
-  xla: bool
+# An architecture: ptxas' name, the deviceless GPU that gives the limits, Triton's capability,
+# and whether XLA compiles Triton for it (from sm_80 up; below, jaxlib's Triton compiler does:
+# the Triton IR of each custom call compiled for that capability, then the same ptxas).
+Arch = collections.namedtuple("Arch", "sm target capability xla")
 
 
 ARCHS = (
@@ -48,19 +42,8 @@ _LOWER_ON = "h100"
 DTYPES = ("float32", "bfloat16")
 # Each op's kernels by (kernel function, outputs): forward, forward keeping the log-normaliser
 # L (the VJP's), backward, AFT-local's dw.
-KERNELS = {
-  "aft_simple": {
-    ("_fwd_kernel", 1): "fwd",
-    ("_fwd_kernel", 2): "fwd+lse",
-    ("_bwd_kernel", 2): "bwd",
-  },
-  "aft_local": {
-    ("_fwd_kernel", 1): "fwd",
-    ("_fwd_kernel", 2): "fwd+lse",
-    ("_bwd_kernel", 2): "bwd",
-    ("_dw_kernel", 1): "dw",
-  },
-}
+_SIMPLE = {("_fwd_kernel", 1): "fwd", ("_fwd_kernel", 2): "fwd+lse", ("_bwd_kernel", 2): "bwd"}
+KERNELS = {"aft_simple": _SIMPLE, "aft_local": {**_SIMPLE, ("_dw_kernel", 1): "dw"}}
 # The chunk-parallel form's segment totals of the forward and the backward, by operand count.
 TOTALS = {2: "totals k, v", 3: "totals L, g, a"}
 FORMS = ("sequential", "chunked")
@@ -315,7 +298,7 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   devices = {a.target: deviceless.devices(a.target)[0] for a in ARCHS if a.xla}
   devices.setdefault(_LOWER_ON, deviceless.devices(_LOWER_ON)[0])
   limits = {a.sm: shared_memory_limits(a.target) for a in ARCHS}
-  (check,) = [dataclasses.replace(a, xla=False) for a in ARCHS if a.sm == _PLUGIN_CHECK_ARCH]
+  (check,) = [a._replace(xla=False) for a in ARCHS if a.sm == _PLUGIN_CHECK_ARCH]
   chosen = [a for a in ARCHS if archs is None or a.sm in archs]
   pending = []  # (row arguments, shared-memory limits, future of ptxas' figures)
   pool = concurrent.futures.ThreadPoolExecutor(2)
