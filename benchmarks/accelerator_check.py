@@ -1,62 +1,15 @@
-"""One command that measures an accelerator: the kernels, the ops and the model's train step.
+"""One command that measures an accelerator: the kernels against XLA, the ops (each kernel form
+on GPUs) against cuDNN attention, and LM train steps (docs/benchmarks.md; RESULTS.md, "GPU /
+TPU": its targets). Rewrites its json and md after each section and row ("complete": false
+until the end), so a run stopped at a time limit leaves what it measured.
 
     python -u -m benchmarks.accelerator_check --out benchmarks/results/<device>  # < 8 min, 1 GPU
+    python -u -m benchmarks.accelerator_check --max_minutes 7.5 --out "$OUT/h200"  # a lent device
     python -m benchmarks.accelerator_check --quick --out /tmp/check             # CPU, tiny (tests)
-
-In this order:
-
-(c) Kernels: every Pallas kernel's output and gradients against the XLA path on the device
-    (on GPUs each form of the kernels).
-(a) Ops, bfloat16, causal, d 512, batch 8, T = 1024 ... 16384: forward and forward+backward
-    median time, compiled temp memory, the compiled program's whole footprint
-    (``program_bytes``: arguments + outputs + temp) and the device's peak memory counter, for
-    AFT-simple, AFT-local-32/128, AFT-full and AFT-conv1d with ``impl="xla"`` and (where a
-    kernel exists) the Pallas kernel (on GPUs also each of its two forms, sequential and
-    chunk-parallel, ``KERNEL_FORMS``, with the faster one per row in "Kernel forms"), against
-    ``jax.nn.dot_product_attention`` (XLA, and cuDNN on GPUs), the scan peer (a ``lax.scan``
-    carrying (max, num, den)) and one ``jnp.cumsum`` (the memory-speed floor). The rows
-    the targets need run first. Each row's achieved memory bandwidth counts the bytes it must
-    move at least (q, k, v and the output once; with the backward pass also the cotangent and
-    three gradients) and is printed next to the device's peak (``common.PEAK_HBM_GBPS``).
-(b) Model: one AdamW train step of a 12-layer d 768 LM at T = 1024 (bf16, batch 8) per mixing
-    layer, softmax attention on GPUs as cuDNN flash attention (``model.impl="cudnn"``; also
-    with ``impl="xla"``), AFT-simple (and on GPUs AFT-local) also with ``impl="xla"``, and of
-    the WikiText-103 small recipe's model (16 x 128, MLP 2048, context 256, adaptive
-    input/softmax): tokens/s, MFU, memory.
-
-The device's peak memory counter (``memory_stats()['peak_bytes_in_use']``) has no reset: it is
-the process's peak so far, so a row after a bigger one shows the bigger one's peak. The per-row
-figure is ``program_bytes``, and the LM memory target compares it.
-
-Nothing stops the run but a kill. A row that fails (a compile error, out of memory, an
-unsupported cuDNN configuration) is recorded as ``{"status": "error", "reason": ...}`` (an op
-stops growing T after one); a kernel check that fails has ``holds: null`` and the error. Rows
-that would start after ``--max_minutes`` (the op rows: after 60% of it) or past a row's time
-budget are recorded as skipped with the reason. ``accelerator_check.{json,md}`` under ``--out``
-are rewritten (atomically) at the start, after the kernel checks, after each op and after each
-model row, with ``"complete": false`` until the end, when the ``.png`` is added.
-
-On a device lent for a limited time (a command killed at a timeout, only the files under a
-folder coming back): write under that folder and stop starting rows well before the timeout,
-e.g. for a 10-minute limit
-
-    python -u -m benchmarks.accelerator_check --max_minutes 7.5 --out "$OUT/h200"
-
-(start-up takes a minute or so, and a row that starts just before the limit still runs to its
-end). If the command is killed anyway, ``$OUT/h200/accelerator_check.json`` holds every section
-and op finished before the kill; ``-u`` keeps the printed log up to the kill as well.
-
-What it needs: jax with the accelerator's plugin, flax, optax, numpy, ml_collections (with
-absl-py) and, for the plot, matplotlib; not the data and logging stack (tensorflow-datasets,
-grain, tensorboardX). On a machine with a CUDA jax but no package index, run it from the
-repository root with ``PYTHONPATH=.`` and only ml_collections added (e.g. from a carried
-wheel). Tested on CPU with jax 0.10.2 and, in such a minimal environment, jax 0.11.2, where
-Pallas' Triton backend still works but is marked deprecated.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import sys
@@ -96,19 +49,13 @@ def _cudnn(q, k, v):
 
 
 def in_form(fn, form: str):
-  """``fn`` running the GPU kernels' ``form`` (``kernel_form.forced``, read when the ops are
-  traced)."""
+  """``fn`` running the GPU kernels' ``form`` (``kernel_form.forced``, read at tracing)."""
 
   def run(*args):
     with kernel_form.forced(form):
       return fn(*args)
 
   return run
-
-
-def _op_in_form(op, form: str):
-  """A kernel check's ``op(impl, q, k, v, w)`` in the GPU kernels' ``form``."""
-  return lambda impl, *args: in_form(functools.partial(op, impl), form)(*args)
 
 
 def op_rows(kernel_impl: str | None, platform: str):
@@ -131,8 +78,7 @@ def op_rows(kernel_impl: str | None, platform: str):
 
 
 def kernel_impl_for(platform: str) -> str | None:
-  """The kernels' impl on this platform: compiled on GPUs and TPUs (there AFT-simple's only,
-  ``TPU_KERNEL_OPS``: impl="auto" would be XLA), interpreted on CPU (to check the plumbing)."""
+  """Compiled kernels on GPUs and TPUs (there AFT-simple's only), interpreted on CPU."""
   return {"gpu": "pallas", "tpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
 
 
@@ -146,14 +92,12 @@ def add_bandwidth(records, dtype, peak_gbps):
 
 
 def kernel_checks(kernel_impl, quick: bool):
-  """Pallas vs XLA on this device for each kernel: max |difference| of outputs and gradients
-  over their max magnitude, the XLA path computing in float32 from the same (rounded) inputs;
-  logits of std 1 and 40."""
-  out = []
+  """Pallas vs XLA for each kernel: max |difference| of outputs and gradients over their max
+  magnitude, XLA computing in float32 from the same (rounded) inputs; logits of std 1 and 40."""
   if kernel_impl is None:
-    return out
-  # The TPU kernel tiles 128 channels: the smallest width it takes.
-  t_len, d = (100, 128 if jax.default_backend() == "tpu" else 32) if quick else (1000, 512)
+    return []
+  tpu = jax.default_backend() == "tpu"
+  t_len, d = (100, 128 if tpu else 32) if quick else (1000, 512)  # the TPU kernel tiles 128
   cases = [(jnp.float32, 1.0), (jnp.float32, 40.0), (jnp.bfloat16, 1.0), (jnp.bfloat16, 40.0)]
   kernels = {
     "aft_simple causal": lambda impl, q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
@@ -161,30 +105,29 @@ def kernel_checks(kernel_impl, quick: bool):
       q, k, v, w, window=32, causal=True, impl=impl
     ),
   }
-  if jax.default_backend() == "tpu":  # no TPU kernel for AFT-local
+  if tpu:
     kernels = {n: f for n, f in kernels.items() if n.split()[0] in TPU_KERNEL_OPS}
   if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
     cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
-  if jax.default_backend() == "gpu":  # each form of the GPU kernels (KERNEL_FORMS)
-    kernels = {
-      f"{n} [{form}]": _op_in_form(f, form) for n, f in kernels.items() for form in KERNEL_FORMS
-    }
   rng = np.random.default_rng(0)
-  for (kernel, op), (dtype, scale) in itertools.product(kernels.items(), cases):
+  f32 = lambda x: x.astype(jnp.float32)
+  out = []
+  forms = KERNEL_FORMS if jax.default_backend() == "gpu" else (None,)  # each GPU kernel form
+  for (name, op), form, (dtype, scale) in itertools.product(kernels.items(), forms, cases):
+    kernel = name if form is None else f"{name} [{form}]"
     q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k * scale, v))
     w = jnp.asarray(rng.normal(size=(t_len, t_len)) * scale, jnp.float32)
 
     def run(impl, *args):
       fn = functools.partial(op, impl)
+      fn = fn if form is None else in_form(fn, form)
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
       return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
 
-    f32 = lambda x: x.astype(jnp.float32)
-    # float32: as the op tests; bfloat16: its outputs and gradients are rounded to 8 bits.
-    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2  # bfloat16: results rounded to 8 bits
     rec = {"kernel": kernel, "dtype": jnp.dtype(dtype).name, "logit_std": scale, "tolerance": tol}
-    try:  # a kernel that fails to compile or run here is a finding; the other cases still run
+    try:  # a kernel that fails here is a finding; the other cases still run
       got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
       errs = [
         float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
@@ -198,37 +141,24 @@ def kernel_checks(kernel_impl, quick: bool):
 
 
 def model_rows(a, peak, deadline, log, on_row=lambda records: None):
-  """(b): train steps per mixing layer at the check's LM size, then the recipe's model;
+  """Train steps per mixing layer at the check's LM size, then the recipe's model;
   ``on_row(records so far)`` after each row."""
-  dtype = jnp.dtype(a.dtype)
-  base = dict(dropout_rate=0.0, dtype=dtype, scan_layers=True)
-  lm = dict(
-    vocab_size=a.vocab,
-    num_layers=a.layers,
-    d_model=a.d_model,
-    num_heads=a.heads,
-    mlp_dim=4 * a.d_model,
-    max_len=a.model_t,
-    window=32,
-    **base,
-  )
+  base = dict(dropout_rate=0.0, dtype=jnp.dtype(a.dtype), scan_layers=True)
+  lm = dict(vocab_size=a.vocab, num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
+            mlp_dim=4 * a.d_model, max_len=a.model_t, window=32, **base)  # fmt: skip
   recipe = dict(RECIPE, **base)
   if a.quick:
     recipe.update(vocab_size=300, num_layers=1, adaptive_cutoffs=(50, 100, 200), max_len=32)
   # The two rows the LM targets compare first, so that a time limit cuts the others.
   mixings = ("aft_local", "softmax")
   mixings += () if a.quick else tuple(m for m in MIXINGS if m not in mixings)
-  # The softmax baseline on a GPU is cuDNN flash attention (the Transformer a user would
-  # train there); its XLA form is a row of its own.
+  # Softmax on a GPU is cuDNN flash attention (what a user would train there).
   soft = "cudnn" if jax.default_backend() == "gpu" else "auto"
   impl = lambda m: soft if m == "softmax" else "auto"
-  cases = [
-    (f"lm/{m}", ModelConfig(mixing=m, impl=impl(m), **lm), a.batch, a.model_t) for m in mixings
-  ]
+  cases = [(f"lm/{m}", ModelConfig(mixing=m, impl=impl(m), **lm), a.batch, a.model_t) for m in
+           mixings]  # fmt: skip
   # The XLA forms of the kernels' layers too (the LM target takes the faster AFT-local-32).
-  extra = [("aft_simple", "xla")]
-  if soft == "cudnn":
-    extra += [("aft_local", "xla"), ("softmax", "xla")]
+  extra = [("aft_simple", "xla")] + ([("aft_local", "xla"), ("softmax", "xla")] * (soft == "cudnn"))
   for m, i in extra:
     cases.append((f"lm/{m}/{i}", ModelConfig(mixing=m, impl=i, **lm), a.batch, a.model_t))
   for m in ("aft_local",) if a.quick else ("aft_local", "softmax"):
@@ -242,11 +172,8 @@ def model_rows(a, peak, deadline, log, on_row=lambda records: None):
       rec.update(common.skipped("--max_minutes reached"))
     else:
       try:
-        rec.update(
-          bench_model.measure_step(
-            cfg.validate(), batch, t_len, a.repeats, a.min_seconds, a.max_call_s, peak
-          )
-        )
+        args = (a.repeats, a.min_seconds, a.max_call_s, peak)
+        rec.update(bench_model.measure_step(cfg.validate(), batch, t_len, *args))
       except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory: say so
         rec.update(common.error(e))
     records.append(rec)
@@ -255,163 +182,99 @@ def model_rows(a, peak, deadline, log, on_row=lambda records: None):
   return records
 
 
-def _get(records, key, name, mode=None, t_len=None):
-  for r in records:
-    if r.get(key) == name and r.get("status") == "ok":
-      if (mode is None or r.get("mode") == mode) and (t_len is None or r.get("T") == t_len):
-        return r
-  return None
-
-
 def target_checks(op_recs, model_recs):
   """The GPU targets (RESULTS.md, "GPU / TPU"), where the rows they need were measured."""
   out = []
 
   def check(what, num, den, field, target, holds):
-    # A row that was skipped, failed or not reached yet is not found (_get): not measured.
-    measured = num is not None and den is not None and None not in (num[field], den[field])
-    value = num[field] / den[field] if measured else None
-    out.append(
-      {
-        "check": what,
-        "value": value,
-        "target": target,
-        "holds": None if value is None else holds(value),
-        **({} if value is not None else {"note": "not measured"}),
-      }
+    value = (
+      num[field] / den[field] if num and den and None not in (num[field], den[field]) else None
     )
+    out.append(common.check(what, value, target, holds))
+    if value is None:
+      out[-1]["note"] = "not measured"
 
-  cudnn = lambda t: _get(op_recs, "op", "softmax_cudnn", "fwd_bwd", t)
-  check(
-    "softmax_cudnn / aft_simple/pallas fwd+bwd time, T=8192",
-    cudnn(8192),
-    _get(op_recs, "op", "aft_simple/pallas", "fwd_bwd", 8192),
-    "time_s",
-    ">= 3",
-    lambda x: x >= 3,
-  )
-  # The faster of the two implementations (the kernel where it was measured).
-  local = [_get(op_recs, "op", f"aft_local_32/{i}", "fwd_bwd", 4096) for i in ("pallas", "xla")]
-  best_local = min((r for r in local if r), key=lambda r: r["time_s"], default=None)
-  check(
-    "softmax_cudnn / aft_local_32 fwd+bwd time, T=4096",
-    cudnn(4096),
-    best_local,
-    "time_s",
-    ">= 1.5",
-    lambda x: x >= 1.5,
-  )
-  # The faster implementation of the AFT-local-32 LM (its kernel where it was measured).
-  lm_locals = [_get(model_recs, "model", n) for n in ("lm/aft_local", "lm/aft_local/xla")]
-  lm_local = min((r for r in lm_locals if r), key=lambda r: r["time_s"], default=None)
-  lm_soft = _get(model_recs, "model", "lm/softmax")
-  # softmax's implementation (cudnn on GPUs) named in the targets, which compare with it.
-  soft = f"softmax[{lm_soft['impl']}]" if lm_soft else "softmax"
+  op = lambda name, mode, t: common.find(op_recs, op=name, mode=mode, T=t)
+  fastest = lambda rs: min((r for r in rs if r), key=lambda r: r["time_s"], default=None)
+  cudnn = lambda t: op("softmax_cudnn", "fwd_bwd", t)
+  check("softmax_cudnn / aft_simple/pallas fwd+bwd time, T=8192", cudnn(8192),
+        op("aft_simple/pallas", "fwd_bwd", 8192), "time_s", ">= 3", lambda x: x >= 3)  # fmt: skip
+  local = fastest(op(f"aft_local_32/{i}", "fwd_bwd", 4096) for i in ("pallas", "xla"))
+  check("softmax_cudnn / aft_local_32 fwd+bwd time, T=4096", cudnn(4096), local, "time_s",
+        ">= 1.5", lambda x: x >= 1.5)  # fmt: skip
+  lm_local = fastest(common.find(model_recs, model=n) for n in ("lm/aft_local", "lm/aft_local/xla"))
+  lm_soft = common.find(model_recs, model="lm/softmax")
+  soft = f"softmax[{lm_soft['impl']}]" if lm_soft else "softmax"  # cudnn on GPUs
   local = "aft_local[xla]" if lm_local and lm_local["model"].endswith("/xla") else "aft_local"
-  check(
-    f"LM tokens/s {local} / {soft}",
-    lm_local,
-    lm_soft,
-    "tokens_per_s",
-    ">= 1.3",
-    lambda x: x >= 1.3,
-  )
-  # The whole step's footprint (parameters, optimizer state, batch, activations): the device
-  # peak counter cannot say, as it is a maximum over every row measured before.
-  check(
-    f"LM program memory (params + optimizer state + batch + activations) {local} / {soft}",
-    lm_local,
-    lm_soft,
-    "program_bytes",
-    "<= 0.5",
-    lambda x: x <= 0.5,
-  )
-  t_max = max(
-    [r["T"] for r in op_recs if r.get("op") == "cumsum" and r.get("status") == "ok"], default=None
-  )
-  simple = _get(op_recs, "op", "aft_simple/pallas", "fwd", t_max) or _get(
-    op_recs, "op", "aft_simple/xla", "fwd", t_max
-  )
-  check(
-    f"aft_simple fwd / cumsum time, T={t_max or 'largest measured'}",
-    simple,
-    _get(op_recs, "op", "cumsum", "fwd", t_max),
-    "time_s",
-    "<= 2",
-    lambda x: x <= 2,
-  )
+  check(f"LM tokens/s {local} / {soft}", lm_local, lm_soft, "tokens_per_s", ">= 1.3",
+        lambda x: x >= 1.3)  # fmt: skip
+  # The step's whole footprint: the device's peak counter is a maximum over earlier rows too.
+  check(f"LM program memory (params + optimizer state + batch + activations) {local} / {soft}",
+        lm_local, lm_soft, "program_bytes", "<= 0.5", lambda x: x <= 0.5)  # fmt: skip
+  ok_cumsum = [r["T"] for r in op_recs if r.get("op") == "cumsum" and r.get("status") == "ok"]
+  t_max = max(ok_cumsum, default=None)
+  simple = op("aft_simple/pallas", "fwd", t_max) or op("aft_simple/xla", "fwd", t_max)
+  check(f"aft_simple fwd / cumsum time, T={t_max or 'largest measured'}", simple,
+        op("cumsum", "fwd", t_max), "time_s", "<= 2", lambda x: x <= 2)  # fmt: skip
   return out
 
 
-def _rows(records, keys, n_cells, cells):
-  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (or "skipped: why",
-  "error: why")."""
+def _cell_text(text: str) -> str:
+  return " ".join(str(text).split()).replace("|", "/")  # no newline or pipe inside a table
+
+
+def _rows(records, keys, cells):
+  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (6 cells) or "skipped:
+  why", "error: why"."""
   out = []
   for r in records:
     head = " | ".join(str(r[k]) for k in keys)
-    if r.get("status") != "ok":
-      tail = f"{r.get('status')}: {_cell_text(r.get('reason', ''))}" + " |" * (n_cells - 1)
-    else:
+    tail = f"{r.get('status')}: {_cell_text(r.get('reason', ''))}" + " |" * 5
+    if r.get("status") == "ok":
       tail = " | ".join(cells(r))
     out.append(f"| {head} | {tail} |")
   return out
 
 
-def _cell_text(text: str) -> str:
-  # An error message can hold newlines and pipes, which would break the table.
-  return " ".join(str(text).split()).replace("|", "/")
-
-
 def _op_cells(r):
   frac = r.get("fraction_of_peak_hbm")
   return (
-    common.fmt_time(r["time_s"]),
-    common.fmt_bytes(r["temp_bytes"]),
-    common.fmt_bytes(r.get("program_bytes")),
-    common.fmt_bytes(r["peak_bytes"]),
+    *(common.fmt_bytes(r.get(k)) if k != "time_s" else common.fmt_time(r[k]) for k in
+      ("time_s", "temp_bytes", "program_bytes", "peak_bytes")),
     f"{r['achieved_gbps']:.1f}",
     "-" if frac is None else f"{100 * frac:.0f}%",
-  )
+  )  # fmt: skip
 
 
 def _model_cells(r):
-  return (
-    common.fmt_time(r["time_s"]),
-    f"{r['tokens_per_s']:.0f}",
-    "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
-    common.fmt_bytes(r["temp_bytes"]),
-    common.fmt_bytes(r.get("program_bytes")),
-    common.fmt_bytes(r["peak_bytes"]),
-  )
+  mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+  by = (r.get(k) for k in ("temp_bytes", "program_bytes", "peak_bytes"))
+  return (common.fmt_time(r["time_s"]), f"{r['tokens_per_s']:.0f}", mfu, *map(common.fmt_bytes, by))
 
 
 def _kernel_line(c):
-  if c.get("status", "ok") != "ok":
-    return (
-      f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['status']}: "
-      f"{_cell_text(c.get('reason', ''))} | {c['tolerance']:g} | {c['holds']} |"
-    )
-  return (
-    f"| {c['kernel']} | {c['dtype']} | {c['logit_std']:g} | {c['max_rel_error']:.2e} | "
-    f"{c['tolerance']:g} | {c['holds']} |"
-  )
+  err = f"{c['status']}: {_cell_text(c.get('reason', ''))}"
+  value = err if c.get("status", "ok") != "ok" else f"{c['max_rel_error']:.2e}"
+  cells = (c["kernel"], c["dtype"], f"{c['logit_std']:g}", value, f"{c['tolerance']:g}", c["holds"])
+  return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def _target_line(c):
-  if c["value"] is None:  # bench_ops.check_line would say "n/a"
+  if c["value"] is None:
     return f"- {c['check']}: not measured (target {c['target']})"
-  return bench_ops.check_line(c)
+  return common.check_line(c)
 
 
 def kernel_forms(op_recs) -> list[dict]:
-  """Per kernel op, mode and T where both were measured: the sequential and the chunk-parallel
-  form's times (``KERNEL_FORMS``) and the faster one, which ``triton.plan_for`` should
-  choose there."""
+  """Per kernel op, mode and T where both forms were measured: their times and the faster
+  one (what ``triton.plan_for`` should choose there)."""
   out = []
   for op, mode, t_len in sorted(
     {(r["op"].split("/")[0], r["mode"], r["T"]) for r in op_recs if "/pallas[" in r["op"]}
   ):
-    got = {f: _get(op_recs, "op", f"{op}/pallas[{f}]", mode, t_len) for f in KERNEL_FORMS}
+    got = {
+      f: common.find(op_recs, op=f"{op}/pallas[{f}]", mode=mode, T=t_len) for f in KERNEL_FORMS
+    }
     if all(got.values()):
       times = {f: r["time_s"] for f, r in got.items()}
       out.append({"op": op, "mode": mode, "T": t_len, **times, "faster": min(times, key=times.get)})
@@ -434,8 +297,7 @@ def _form_lines(op_recs) -> list[str]:
 
 
 def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=()):
-  # The device's peak counter never resets: a row's figure is the largest of all rows so far.
-  peak_note = "process peak so far"
+  peak_note = "process peak so far"  # the device's counter never resets
   lines = [
     f"# Accelerator check: {info['device_kind']} ({info['platform']})\n",
     f"`{info['command']}`, jax {info['jax_version']}, {info['wall_s']:.0f} s, "
@@ -447,60 +309,40 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=
       "**Partial: the run had not finished when this was written** (still running, or stopped "
       "at a time limit); the sections below hold the rows measured so far.\n"
     )
-  for e in errors:
-    lines.append(f"- section {e['section']}: {e['status']}: {_cell_text(e['reason'])}")
+  lines += [f"- section {e['section']}: {e['status']}: {_cell_text(e['reason'])}" for e in errors]
   lines += [
     "## Kernels against the XLA path\n",
     "| kernel | dtype | logit std | max rel. error | tolerance | holds |",
     "|---|---|---:|---:|---:|---|",
-  ]
-  lines += [_kernel_line(c) for c in kchecks]
-  lines += [
+    *map(_kernel_line, kchecks),
     "\n## Ops (causal)\n",
     f"| op | mode | T | time | temp memory | program memory | device memory ({peak_note}) "
     "| GB/s (min bytes) | of peak |",
     "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  lines += _rows(op_recs, ("op", "mode", "T"), 6, _op_cells)
-  lines += _form_lines(op_recs)
-  lines += [
+    *_rows(op_recs, ("op", "mode", "T"), _op_cells),
+    *_form_lines(op_recs),
     "\n## Train step\n",
     f"| model | T | batch | time | tokens/s | MFU | temp memory | program memory "
     f"| device memory ({peak_note}) |",
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    *_rows(model_recs, ("model", "T", "batch"), _model_cells),
+    "\n## Targets (the GPU targets; on other devices for reference)\n",
+    *map(_target_line, tchecks),
   ]
-  lines += _rows(model_recs, ("model", "T", "batch"), 6, _model_cells)
-  lines.append("\n## Targets (the GPU targets; on other devices for reference)\n")
-  lines += [_target_line(c) for c in tchecks]
   return "\n".join(lines) + "\n"
 
 
 # Rows the targets need, measured first so that a time limit cuts the others.
 TARGET_ROWS = ("softmax_cudnn", "aft_simple/pallas", "aft_local_32/pallas", "cumsum")
-# The op rows stop at this share of --max_minutes: the model rows hold two of the targets.
-OPS_SHARE = 0.6
-
-
-def _placeholder_rows(name, a, status):
-  """Records of every mode and size of op ``name`` with ``status`` (skipped or error)."""
-  return [
-    {"op": name, "mode": mode, "T": t_len, "batch": a.batch, "d": a.d, **status}
-    for mode in bench_ops.MODES
-    for t_len in a.sizes
-  ]
+OPS_SHARE = 0.6  # the op rows stop at this share of --max_minutes: the model rows hold targets
 
 
 def main(argv=None):
   dev = jax.devices()[0]
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default=f"benchmarks/results/{dev.device_kind.replace(' ', '_')}")
-  p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (CPU, ~1 min)")
-  p.add_argument(
-    "--max_minutes",
-    type=float,
-    default=7.5,
-    help="no row starts after this (the op rows stop at 60%% of it); later rows are skipped",
-  )
+  out = f"benchmarks/results/{dev.device_kind.replace(' ', '_')}"
+  p = common.parser(__doc__, "tiny sizes, for tests (CPU, ~1 min)", out)
+  help = "no row starts after this (the op rows: 60%% of it); later rows are skipped"
+  p.add_argument("--max_minutes", type=float, default=7.5, help=help)
   a = p.parse_args(argv)
   if a.quick:
     a.sizes, a.d, a.batch, a.dtype = [32], 128 if dev.platform == "tpu" else 32, 1, "float32"
@@ -521,8 +363,6 @@ def main(argv=None):
   info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
   info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
   log = functools.partial(print, flush=True)  # a killed run keeps its log up to the kill
-  # Written after every section and every op (complete: false until the end), so a run stopped
-  # at a time limit leaves what it measured.
   result = {"machine": info, "complete": False, "errors": [], "kernel_checks": [], "ops": {}}
   result.update(records=[], model=[], checks=[])
 
@@ -530,74 +370,58 @@ def main(argv=None):
     info["wall_s"] = time.time() - t0
     try:
       result["checks"] = target_checks(result["records"], result["model"])
-      md = markdown(
-        info,
-        result["records"],
-        result["model"],
-        result["kernel_checks"],
-        result["checks"],
-        result["complete"],
-        result["errors"],
-      )
+      parts = ("records", "model", "kernel_checks", "checks", "complete", "errors")
+      md = markdown(info, *(result[k] for k in parts))
     except Exception as e:  # pylint: disable=broad-except  # the JSON has the rows anyway
       md = (
         f"# Accelerator check\n\nThe summary failed ({common.error(e)['reason']}): see the JSON.\n"
       )
-    if plot_fn is not None:
-      common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
-      return
     try:  # a partial write that fails must not stop the measurements; the next one may work
-      common.write_outputs(a.out, "accelerator_check", result, md)
+      common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
     except Exception as e:  # pylint: disable=broad-except
+      if plot_fn is not None:
+        raise
       log(f"writing the partial results failed: {common.error(e)['reason']}")
 
-  def section_error(section, e):
-    result["errors"].append({"section": section, **common.error(e)})
-    log(f"{section}: {result['errors'][-1]['reason']}")
+  def section(name, fn, default):
+    try:
+      return fn()
+    except Exception as e:  # pylint: disable=broad-except
+      result["errors"].append({"section": name, **common.error(e)})
+      log(f"{name}: {result['errors'][-1]['reason']}")
+      return default
 
   save()
-  # (c) first: the cheapest section, and whether the kernels are right matters most.
-  try:
-    result["kernel_checks"] = kernel_checks(kernel_impl, a.quick)
-  except Exception as e:  # pylint: disable=broad-except
-    section_error("kernel_checks", e)
+  # The kernel checks first: the cheapest section, and whether the kernels are right matters most.
+  result["kernel_checks"] = section(
+    "kernel_checks", lambda: kernel_checks(kernel_impl, a.quick), []
+  )
   for c in result["kernel_checks"]:
     why = f" ({c['reason']})" if c.get("status") == common.ERROR else ""
     log(f"kernel check {c['kernel']} {c['dtype']} std {c['logit_std']:g}: holds {c['holds']}{why}")
   save()
 
-  try:
-    rows = op_rows(kernel_impl, platform)
-  except Exception as e:  # pylint: disable=broad-except
-    section_error("op_rows", e)
-    rows = {}
+  rows = section("op_rows", lambda: op_rows(kernel_impl, platform), {})
   if a.quick:  # the code paths, not the sweep: one AFT op both ways and the floors
     rows = {n: r for n, r in rows.items() if n.startswith("aft_simple/") or n in BASELINES}
   result["ops"] = {n: r[3] for n, r in rows.items()}
   ops_deadline = t0 + 60 * a.max_minutes * OPS_SHARE
   max_temp_gib = 0.5 * (dev.memory_stats() or {}).get("bytes_limit", 16 << 30) / (1 << 30)
+  kw = dict(batch=a.batch, d=a.d, conv_kernel=7, repeats=a.repeats, min_seconds=a.min_seconds)
+  kw.update(max_call_s=a.max_call_s, max_temp_gib=max_temp_gib, table=rows, log=log)
+  placeholders = lambda name, status: [
+    {"op": name, "mode": mode, "T": t, "batch": a.batch, "d": a.d, **status}
+    for mode in bench_ops.MODES for t in a.sizes
+  ]  # fmt: skip
   for name in sorted(rows, key=lambda n: n not in TARGET_ROWS):
     if time.time() > ops_deadline:
       why = f"--max_minutes reached (op rows: {100 * OPS_SHARE:.0f}% of it)"
-      result["records"] += _placeholder_rows(name, a, common.skipped(why))
+      result["records"] += placeholders(name, common.skipped(why))
       continue
     try:
-      recs = bench_ops.run(
-        a.sizes,
-        batch=a.batch,
-        d=a.d,
-        conv_kernel=7,
-        names=[name],
-        repeats=a.repeats,
-        min_seconds=a.min_seconds,
-        max_call_s=a.max_call_s,
-        max_temp_gib=max_temp_gib,
-        table=rows,
-        dtype=jnp.dtype(a.dtype),
-        log=log,
-      )
+      recs = bench_ops.run(a.sizes, names=[name], dtype=jnp.dtype(a.dtype), **kw)
     except Exception as e:  # pylint: disable=broad-except  # bench_ops.run catches per row
-      recs = _placeholder_rows(name, a, common.error(e))
+      recs = placeholders(name, common.error(e))
     add_bandwidth(recs, a.dtype, peak_gbps)
     for r in recs:
       if r.get("status") == "ok":
@@ -612,11 +436,7 @@ def main(argv=None):
     result["model"] = records
     save()
 
-  try:
-    model_rows(a, peak_tflops, deadline, log, on_model_row)
-  except Exception as e:  # pylint: disable=broad-except
-    section_error("model_rows", e)
-
+  section("model_rows", lambda: model_rows(a, peak_tflops, deadline, log, on_model_row), None)
   result["complete"] = True
   plot = lambda path: bench_ops.plot(result["records"], list(rows), path)
   try:

@@ -1,13 +1,6 @@
-"""What a change to the ops costs: the XLA path's forward+backward time and compiled memory
-in two source trees side by side, with the strong scan peer in the same run.
-
-Every (tree, op, shape) is measured in its own subprocess that imports ``aft_jax`` from that
-tree (and this benchmark code from this one), the trees interleaved row by row so that a drift
-of the machine's load reaches both alike; ``peer_scan_simple`` (``bench_ops``: causal
-AFT-simple as a ``lax.scan`` carrying (max, num, den) ``[D]`` arrays, vmapped over the batch)
-is measured once per shape. Each row: ``common.measure`` of the gradient of
-sum(out * cotangent) w.r.t. every input (float32, causal, ``impl="xla"``), its median time and
-the compiled program's temp bytes (``memory_analysis``: compiled, not measured).
+"""What a change to the ops costs: forward+backward time and compiled memory of the XLA path in
+two source trees, each row in a subprocess importing ``aft_jax`` from its tree, the trees
+interleaved row by row, with the scan peer in the same run (docs/benchmarks.md).
 
     git worktree add /tmp/before 5cf0850
     python -m benchmarks.before_after --before /tmp/before --out benchmarks/results/before_after
@@ -17,23 +10,15 @@ the compiled program's temp bytes (``memory_analysis``: compiled, not measured).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's root
 
 # (op of bench_ops.op_table, batch, T): causal AFT-simple and AFT-local-32 at both shapes,
 # AFT-full where its [T, T] bias is cheap (at T 16384 w alone is 1 GiB).
-ROWS = (
-  ("aft_simple", 8, 2048),
-  ("aft_simple", 1, 16384),
-  ("aft_local_32", 8, 2048),
-  ("aft_local_32", 1, 16384),
-  ("aft_full", 8, 2048),
-)
+ROWS = [(op, b, t) for op in ("aft_simple", "aft_local_32") for b, t in ((8, 2048), (1, 16384))]
+ROWS += [("aft_full", 8, 2048)]
 QUICK_ROWS = (("aft_simple", 2, 64),)
 PEER = "peer_scan_simple"
 
@@ -56,17 +41,13 @@ def _worker(root: str, op: str, batch: int, t_len: int, d: int, repeats: int, mi
 
 def _run_row(root, op, batch, t_len, a) -> dict:
   """``_worker`` in a subprocess (its record, or the error it ended with)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "row.json")
-    cmd = [sys.executable, "-m", "benchmarks.before_after", "--worker", root, "--json", out]
-    cmd += ["--op", op, "--batch", str(batch), "--t", str(t_len), "--d", str(a.d)]
-    cmd += ["--repeats", str(a.repeats), "--min_seconds", str(a.min_seconds)]
-    env = dict(os.environ, PYTHONPATH=HERE)
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-      return {"status": "error", "reason": proc.stderr.strip().splitlines()[-1:]}
-    with open(out) as f:
-      return {"status": "ok", **json.load(f)}
+  from benchmarks import common
+
+  args = ["--worker", root, "--op", op, "--batch", batch, "--t", t_len, "--d", a.d]
+  args += ["--repeats", a.repeats, "--min_seconds", a.min_seconds]
+  env = dict(os.environ, PYTHONPATH=HERE)
+  rec = common.child("benchmarks.before_after", args, cwd=HERE, env=env)
+  return rec if rec.get("status") == common.ERROR else {"status": "ok", **rec}
 
 
 def _table(records, trees) -> str:
@@ -95,14 +76,14 @@ def _table(records, trees) -> str:
 
 
 def main(argv=None):
+  # Nothing from aft_jax or benchmarks.common before a worker has put its tree first.
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--before", help="the other source tree (e.g. a git worktree of a commit)")
-  p.add_argument("--after", default=HERE, help="default: this tree")
   p.add_argument("--out", default="benchmarks/results/before_after")
   p.add_argument("--quick", action="store_true", help="one tiny row, for tests")
+  p.add_argument("--before", help="the other source tree (e.g. a git worktree of a commit)")
+  p.add_argument("--after", default=HERE, help="default: this tree")
   p.add_argument("--d", type=int, default=512)
   p.add_argument("--worker", help=argparse.SUPPRESS)
-  p.add_argument("--json", help=argparse.SUPPRESS)
   p.add_argument("--op", help=argparse.SUPPRESS)
   p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
   p.add_argument("--t", type=int, help=argparse.SUPPRESS)
@@ -113,11 +94,9 @@ def main(argv=None):
     rec = _worker(a.worker, a.op, a.batch, a.t, a.d, a.repeats, a.min_seconds)
     from benchmarks import common
 
-    common.write_json(a.json, rec)
-    return
+    return common.emit(rec)
   if not a.before:
     p.error("--before is required")
-  from aft_jax import files
   from benchmarks import common
 
   rows = QUICK_ROWS if a.quick else ROWS
@@ -125,11 +104,8 @@ def main(argv=None):
     a.d, a.repeats, a.min_seconds = 32, 2, 0.0
   trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
   info = common.machine_info()
-  info.update(
-    trees=trees,
-    d=a.d,
-    command=" ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:])),
-  )
+  info.update(trees=trees, d=a.d)
+  info["command"] = " ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:]))
 
   def run():
     records, peers = [], {}
@@ -147,10 +123,7 @@ def main(argv=None):
   records = common.timed_run(info, run)
   result = {"machine": info, "records": records}
   md = _table(records, list(trees))
-  os.makedirs(a.out, exist_ok=True)
-  common.write_json(os.path.join(a.out, "before_after.json"), result)
-  files.atomic_write(os.path.join(a.out, "before_after.md"), md)
-  print(md)
+  common.write_outputs(a.out, "before_after", result, md, partial=False)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,6 @@
-"""Benchmark one training step of the language model for each mixing layer.
-
-One step = loss (mean per-token NLL) + gradient + AdamW update, jitted, on random tokens, with
-the parameters and optimizer state donated and each step's result fed to the next, as in
-training (so the step holds them once; XLA's temp memory can differ from an undonated step's).
-Records the median step time after compilation, tokens/s, FLOPs per token (``flops.count``:
-loops counted per trip, which XLA's own count, also recorded, is not), the compiled
-program's temp memory (activations and scratch), its argument bytes (parameters, optimizer
-state, batch) and its whole footprint (``program_bytes``: arguments + outputs + temp - aliased,
-the step's own peak), the process's peak device memory so far where available, and on
-accelerators the model FLOPs utilisation against the chip's peak bf16 TFLOP/s
-(``common.PEAK_BF16_TFLOPS``).
+"""One training step (loss, gradient, AdamW; parameters and optimizer state donated, as in
+training) of the language model per mixing layer: time, tokens/s, FLOPs, compiled memory and,
+on accelerators, MFU (docs/benchmarks.md; RESULTS.md, "Train step").
 
     python -m benchmarks.bench_model --out benchmarks/results          # CPU: 2 layers, d 256
     python -m benchmarks.bench_model --layers 12 --d_model 512         # the GPU size
@@ -18,7 +9,6 @@ accelerators the model FLOPs utilisation against the chip's peak bf16 TFLOP/s
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -30,14 +20,8 @@ from flax import linen as nn
 from aft_jax.model import MIXINGS, ModelConfig, TransformerLM
 from benchmarks import common
 
-FIELDS = (
-  "time_s",
-  "tokens_per_s",
-  "flops_per_token",
-  "temp_bytes",
-  "argument_bytes",
-  "program_bytes",
-)
+FIELDS = ("time_s", "tokens_per_s", "flops_per_token", "temp_bytes", "argument_bytes")
+FIELDS += ("program_bytes",)
 
 
 def make_step(model, tx):
@@ -53,9 +37,8 @@ def make_step(model, tx):
 
 
 class _Chained:
-  """A step compiled with its parameters and optimizer state donated, called the way
-  ``common.measure`` calls a program (the same arguments every time): each call gets the
-  parameters and optimizer state the previous one returned, as in training."""
+  """The donating compiled step, called as ``common.measure`` calls a program: each call gets
+  the parameters and optimizer state the previous one returned, as in training."""
 
   def __init__(self, compiled, args):
     self._compiled, self._args = compiled, tuple(args)
@@ -71,19 +54,9 @@ class _Chained:
 
 def config_for(mixing, t_len, a, dtype):
   """The benchmark's model: ``a.layers`` x ``a.d_model``, MLP 4 d_model, no dropout."""
-  return ModelConfig(
-    vocab_size=a.vocab,
-    max_len=t_len,
-    num_layers=a.layers,
-    d_model=a.d_model,
-    num_heads=a.heads,
-    mlp_dim=4 * a.d_model,
-    mixing=mixing,
-    window=a.window,
-    kernel_size=a.kernel_size,
-    dropout_rate=0.0,
-    dtype=dtype,
-  )
+  return ModelConfig(vocab_size=a.vocab, max_len=t_len, num_layers=a.layers, d_model=a.d_model,
+                     num_heads=a.heads, mlp_dim=4 * a.d_model, mixing=mixing, window=a.window,
+                     kernel_size=a.kernel_size, dropout_rate=0.0, dtype=dtype)  # fmt: skip
 
 
 def measure_step(
@@ -100,34 +73,16 @@ def measure_step(
   n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
   args = (params, tx.init(params), tokens, targets)
   step = make_step(model, tx)
-  # Parameters and optimizer state donated, as the trainer does: the new ones take their
-  # buffers, so program_bytes counts them once (as training holds them).
+  # Parameters and optimizer state donated, as the trainer does: program_bytes counts them once.
   compiled, compile_s = common.compile_fn(step, args, donate_argnums=(0, 1))
-  m = common.measure_within(
-    step,
-    args,
-    _Chained(compiled, args),
-    compile_s,
-    repeats=repeats,
-    min_seconds=min_seconds,
-    budget_s=max_step_s,
-  )
-  n_tok = batch * t_len
-  flops = m["flops"]
+  kw = dict(compiled=_Chained(compiled, args), compile_s=compile_s, budget_s=max_step_s)
+  m = common.measure(step, args, repeats=repeats, min_seconds=min_seconds, **kw)
+  n_tok, flops = batch * t_len, m["flops"]
   return dict(
     status="ok",
-    time_s=m["time_s"],
-    time_min_s=m["time_min_s"],
-    repeats=m["repeats"],
-    compile_s=compile_s,
+    **m,
     tokens_per_s=n_tok / m["time_s"],
     flops_per_token=None if flops is None else flops / n_tok,
-    flops=flops,
-    xla_flops=m["xla_flops"],
-    temp_bytes=m["temp_bytes"],
-    argument_bytes=m["argument_bytes"],
-    program_bytes=m["program_bytes"],
-    peak_bytes=m["peak_bytes"],
     params=n_params,
     mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
   )
@@ -138,52 +93,26 @@ def run(a, sizes, mixings, dtype, max_step_s, log=print):
   peak = common.peak_tflops(dev.device_kind) if dev.platform != "cpu" else None
   records = []
   for mixing in mixings:
-    last = None
-    stop = None
-    for t_len in sizes:
-      rec = {"mixing": mixing, "T": t_len, "batch": a.batch}
-      cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"
-      if stop is None:  # cost: of the attention part
-        stop = common.budget_exceeded(last, t_len, cost, max_step_s, "step", "--max_step_s")
-      if stop is not None:
-        rec.update(common.skipped(stop))
-        records.append(rec)
-        log(f"{mixing:11s} T={t_len:5d} skipped: {stop}")
-        continue
-      cfg = config_for(mixing, t_len, a, dtype)
-      rec.update(measure_step(cfg, a.batch, t_len, a.repeats, a.min_seconds, max_step_s, peak))
-      records.append(rec)
-      last = (t_len, rec["time_s"])
-      log(
-        f"{mixing:11s} T={t_len:5d} {common.fmt_time(rec['time_s']):>9s} "
-        f"{rec['tokens_per_s']:9.0f} tok/s temp {common.fmt_bytes(rec['temp_bytes']):>10s} "
-        f"flops/tok {common.fmt_flops(rec['flops_per_token']):>9s} "
-        f"compile {rec['compile_s']:.1f}s"
-      )
+    cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"  # the attention's
+    step = lambda t: measure_step(
+      config_for(mixing, t, a, dtype), a.batch, t, a.repeats, a.min_seconds, max_step_s, peak
+    )
+    base = {"mixing": mixing, "batch": a.batch}
+    records += common.sweep(sizes, base, cost, max_step_s, "step", step, log)
   return records
-
-
-def _get(records, mixing, t_len):
-  for r in records:
-    if r["mixing"] == mixing and r["T"] == t_len and r.get("status") == "ok":
-      return r
-  return None
 
 
 def ratios(records, t_len):
   """Each mixing layer's FLOPs, memory and step time as ratios to the softmax Transformer."""
-  base = _get(records, "softmax", t_len)
+  base = common.find(records, mixing="softmax", T=t_len)
   out = {}
   for r in records:
     if r["T"] != t_len or r.get("status") != "ok" or base is None:
       continue
     mem = lambda x: x["temp_bytes"] + (x["argument_bytes"] or 0)
-    out[r["mixing"]] = {
-      "flops": r["flops_per_token"] / base["flops_per_token"],
-      "temp_memory": r["temp_bytes"] / base["temp_bytes"],
-      "total_memory": mem(r) / mem(base),
-      "step_time": r["time_s"] / base["time_s"],
-    }
+    ratio = lambda key: r[key] / base[key]
+    out[r["mixing"]] = {"flops": ratio("flops_per_token"), "temp_memory": ratio("temp_bytes")}
+    out[r["mixing"]].update(total_memory=mem(r) / mem(base), step_time=ratio("time_s"))
   return out
 
 
@@ -202,12 +131,10 @@ def markdown(records, sizes, mixings, info):
         lines.append(f"| {mixing} | {t_len} | {r['status']} | | | | | | |")
         continue
       mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-      lines.append(
-        f"| {mixing} | {t_len} | {common.fmt_time(r['time_s'])} | {r['tokens_per_s']:.0f} | "
-        f"{common.fmt_flops(r['flops_per_token'])} | {common.fmt_bytes(r['temp_bytes'])} | "
-        f"{common.fmt_bytes(r['argument_bytes'])} | {common.fmt_bytes(r.get('program_bytes'))} | "
-        f"{mfu} |"
-      )
+      by = (r.get(k) for k in ("temp_bytes", "argument_bytes", "program_bytes"))
+      cells = (common.fmt_time(r["time_s"]), f"{r['tokens_per_s']:.0f}",
+               common.fmt_flops(r["flops_per_token"]), *map(common.fmt_bytes, by), mfu)  # fmt: skip
+      lines.append(f"| {mixing} | {t_len} | " + " | ".join(cells) + " |")
   for t_len in sizes:
     rat = ratios(records, t_len)
     if not rat:
@@ -218,37 +145,26 @@ def markdown(records, sizes, mixings, info):
       "|---|---:|---:|---:|---:|",
     ]
     for mixing, x in rat.items():
-      lines.append(
-        f"| {mixing} | {x['flops']:.2f}x | {x['temp_memory']:.2f}x | "
-        f"{x['total_memory']:.2f}x | {x['step_time']:.2f}x |"
-      )
+      lines.append(f"| {mixing} | " + " | ".join(f"{v:.2f}x" for v in x.values()) + " |")
   return "\n".join(lines) + "\n"
 
 
 def plot(records, mixings, path):
-  import matplotlib
+  def draw(plt, axes):
+    for mixing in mixings:
+      rs = [r for r in records if r["mixing"] == mixing and r["status"] == "ok"]
+      if rs:
+        ts = [r["T"] for r in rs]
+        axes[0].plot(ts, [r["time_s"] for r in rs], marker="o", label=mixing)
+        axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], marker="o", label=mixing)
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-  for mixing in mixings:
-    rs = [r for r in records if r["mixing"] == mixing and r["status"] == "ok"]
-    if not rs:
-      continue
-    ts = [r["T"] for r in rs]
-    axes[0].plot(ts, [r["time_s"] for r in rs], marker="o", label=mixing)
-    axes[1].plot(ts, [max(r["temp_bytes"], 1) / 2**20 for r in rs], marker="o", label=mixing)
   ylabels = ("training step time (s)", "XLA temp memory (MiB)")
-  common.finish_log_log_figure(fig, axes, ylabels, path)
-  plt.close(fig)
+  common.log_log_figure(2, (11, 4.2), ylabels, path, draw)
 
 
 def main(argv=None):
   on_cpu = jax.devices()[0].platform == "cpu"
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="tiny model, for tests (< 1 min on CPU)")
+  p = common.parser(__doc__, "tiny model, for tests (< 1 min on CPU)")
   p.add_argument("--sizes", type=int, nargs="+", default=None)
   p.add_argument("--mixings", nargs="+", default=None, choices=MIXINGS)
   p.add_argument("--layers", type=int, default=2 if on_cpu else 12)
@@ -275,13 +191,9 @@ def main(argv=None):
   info = common.machine_info()
   settings = ("layers", "d_model", "heads", "vocab", "batch", "window", "kernel_size", "dtype")
   info.update({k: getattr(a, k) for k in settings})
-  info.update(
-    sizes=sizes,
-    quick=a.quick,
-    max_step_s=max_step_s,
-    peak_bf16_tflops=common.peak_tflops(jax.devices()[0].device_kind),
-    command=" ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:])),
-  )
+  info.update(sizes=sizes, quick=a.quick, max_step_s=max_step_s)
+  info["peak_bf16_tflops"] = common.peak_tflops(jax.devices()[0].device_kind)
+  info["command"] = " ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:]))
   records = common.timed_run(info, lambda: run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s))
   result = {
     "machine": info,

@@ -1,27 +1,12 @@
-"""Benchmark the mixing ops: AFT-full/local/simple/conv1d against softmax attention.
+"""The mixing ops against softmax attention: time, FLOPs and compiled memory per T, forward and
+forward+backward (docs/benchmarks.md; the tables in benchmarks/RESULTS.md, "Ops").
 
-For each op and sequence length T: forward and forward+backward (gradient of
-``sum(out * cotangent)`` with respect to every input, the bias ``w`` / kernel included), causal,
-``[B, T, D]`` float32 inputs. Records the median wall time after compilation, the FLOP count
-(``flops.count``: loops counted once per trip; XLA's own count, which counts a loop body
-once, is kept as ``xla_flops``), the compiled program's temp memory and its whole footprint
-(``program_bytes``: arguments + outputs + temp) and (on accelerators) the process's peak device
-memory so far. ``cumsum`` is one ``jnp.cumsum`` over the same ``[B, T, D]`` tensor: the
-floor for causal AFT-simple.
-
-    python -m benchmarks.bench_ops --out benchmarks/results           # full sweep
-    python -m benchmarks.bench_ops --quick --out /tmp/bench           # < 1 minute on CPU
-
-Sizes whose estimated time per call (extrapolated from the previous size) exceeds
-``--max_call_s`` or whose compiled temp memory exceeds ``--max_temp_gib`` are recorded as
-``{"status": "skipped", "reason": ...}``; a size that fails to compile or run (out of memory,
-a kernel that does not compile) as ``{"status": "error", "reason": ...}``, and the larger sizes
-of that op and mode as skipped.
+    python -m benchmarks.bench_ops --out benchmarks/results   # full sweep
+    python -m benchmarks.bench_ops --quick --out /tmp/bench   # < 1 minute on CPU
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
@@ -102,77 +87,33 @@ def scan_simple(q, k, v):
 
 
 def op_table(conv_kernel: int, impl: str = "auto"):
-  """name -> (fn(q, k, v, extra), extra-shape(T) or None, cost class, description).
-
-  ``impl`` is passed to the AFT ops; ``peer_*`` rows are other projects' formulations."""
+  """name -> (fn(q, k, v[, extra]), extra-shape(T) or None, cost class, description); ``impl``
+  for the AFT ops; ``peer_*`` rows are other projects' formulations."""
+  tt = lambda t: (t, t)
+  local = lambda s: lambda q, k, v, w: ops.aft_local(q, k, v, w, window=s, causal=True, impl=impl)
+  dense = lambda s: lambda q, k, v, w: _dense_aft(q, k, v, w, s or q.shape[-2])
   return {
-    "aft_full": (
-      lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl),
-      lambda t: (t, t),
-      "quadratic",
-      "causal AFT-full, w [T, T]",
-    ),
-    "aft_local_32": (
-      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=32, causal=True, impl=impl),
-      lambda t: (t, t),
-      "linear",
-      "causal AFT-local, s = 32",
-    ),
-    "aft_local_128": (
-      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=128, causal=True, impl=impl),
-      lambda t: (t, t),
-      "linear",
-      "causal AFT-local, s = 128",
-    ),
-    "aft_simple": (
-      lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl=impl),
-      None,
-      "linear",
-      "causal AFT-simple",
-    ),
-    "aft_conv1d": (
-      functools.partial(_conv1d, impl=impl),
-      lambda t: (HEADS, conv_kernel),
-      "linear",
-      f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}",
-    ),
-    "peer_scan_simple": (
-      scan_simple,
-      None,
-      "linear",
-      "peer: causal AFT-simple as a lax.scan carrying (max, num, den), vmapped over B",
-    ),
-    "peer_dense_local_32": (
-      lambda q, k, v, w: _dense_aft(q, k, v, w, 32),
-      lambda t: (t, t),
-      "quadratic",
-      "peer: causal AFT-local, s = 32, dense T x T exp(w) products",
-    ),
-    "peer_dense_full": (
-      lambda q, k, v, w: _dense_aft(q, k, v, w, q.shape[-2]),
-      lambda t: (t, t),
-      "quadratic",
-      "peer: causal AFT-full, dense T x T exp(w) products",
-    ),
-    "softmax_einsum": (
-      lambda q, k, v: _softmax_einsum(q, k, v),
-      None,
-      "quadratic",
-      f"causal softmax attention, einsum, {HEADS} heads",
-    ),
-    "softmax_dpa": (
-      lambda q, k, v: _softmax_dpa(q, k, v),
-      None,
-      "quadratic",
-      f"causal jax.nn.dot_product_attention, {HEADS} heads",
-    ),
-    "cumsum": (
-      lambda q, k, v: jnp.cumsum(k, axis=-2),
-      None,
-      "linear",
-      "floor: one jnp.cumsum over [B, T, D]",
-    ),
-  }
+    "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, causal=True, impl=impl), tt,
+                 "quadratic", "causal AFT-full, w [T, T]"),
+    "aft_local_32": (local(32), tt, "linear", "causal AFT-local, s = 32"),
+    "aft_local_128": (local(128), tt, "linear", "causal AFT-local, s = 128"),
+    "aft_simple": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl=impl), None,
+                   "linear", "causal AFT-simple"),
+    "aft_conv1d": (functools.partial(_conv1d, impl=impl), lambda t: (HEADS, conv_kernel),
+                   "linear", f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}"),
+    "peer_scan_simple": (scan_simple, None, "linear", "peer: causal AFT-simple as a lax.scan "
+                         "carrying (max, num, den), vmapped over B"),
+    "peer_dense_local_32": (dense(32), tt, "quadratic",
+                            "peer: causal AFT-local, s = 32, dense T x T exp(w) products"),
+    "peer_dense_full": (dense(None), tt, "quadratic",
+                        "peer: causal AFT-full, dense T x T exp(w) products"),
+    "softmax_einsum": (_softmax_einsum, None, "quadratic",
+                       f"causal softmax attention, einsum, {HEADS} heads"),
+    "softmax_dpa": (_softmax_dpa, None, "quadratic",
+                    f"causal jax.nn.dot_product_attention, {HEADS} heads"),
+    "cumsum": (lambda q, k, v: jnp.cumsum(k, axis=-2), None, "linear",
+               "floor: one jnp.cumsum over [B, T, D]"),
+  }  # fmt: skip
 
 
 def make_inputs(batch, t_len, d, extra_shape, seed=0, dtype=jnp.float32):
@@ -181,179 +122,72 @@ def make_inputs(batch, t_len, d, extra_shape, seed=0, dtype=jnp.float32):
   args = [arr(batch, t_len, d) for _ in range(3)]
   if extra_shape is not None:
     args.append(arr(*extra_shape(t_len)) * 0.1)
-  cotangent = arr(batch, t_len, d)
-  return tuple(args), cotangent
+  return tuple(args), arr(batch, t_len, d)
 
 
 def fwd_bwd(fn):
-  """All input gradients of sum(fn(*args) * cotangent)."""
-
-  def loss(*args_and_ct):
-    *args, ct = args_and_ct
-    return jnp.sum(fn(*args) * ct)
-
-  def grads(*args_and_ct):
-    return jax.grad(loss, argnums=tuple(range(len(args_and_ct) - 1)))(*args_and_ct)
-
-  return grads
+  """All input gradients of sum(fn(*args) * cotangent), as a function of (*args, cotangent)."""
+  loss = lambda *a: jnp.sum(fn(*a[:-1]) * a[-1])
+  return lambda *a: jax.grad(loss, argnums=tuple(range(len(a) - 1)))(*a)
 
 
 def run(
-  sizes,
-  *,
-  batch,
-  d,
-  conv_kernel,
-  names,
-  repeats,
-  max_call_s,
-  max_temp_gib,
-  min_seconds=1.0,
-  log=print,
-  table=None,
-  dtype=jnp.float32,
-):
-  """Measure ``names`` (rows of ``table``, default ``op_table(conv_kernel)``) at ``sizes``
-  with ``dtype`` inputs; returns the records."""
+  sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib, min_seconds=1.0,
+  log=print, table=None, dtype=jnp.float32,
+):  # fmt: skip
+  """Measures ``names`` (rows of ``table``, default ``op_table(conv_kernel)``) at ``sizes``
+  with ``dtype`` inputs; the records. A size over ``max_call_s`` (extrapolated) or
+  ``max_temp_gib`` is skipped; one that fails is an error and the larger ones are skipped."""
   table = table or op_table(conv_kernel)
   records = []
   for name in names:
     fn, extra, cost_class, _ = table[name]
-    for mode in MODES:
-      if name == "cumsum" and mode == "fwd_bwd":
-        continue
-      last = None  # (T, seconds) of the last measured size
-      stop_reason = None
-      for t_len in sizes:
-        rec = {"op": name, "mode": mode, "T": t_len, "batch": batch, "d": d}
-        if stop_reason is None:
-          stop_reason = common.budget_exceeded(
-            last, t_len, cost_class, max_call_s, "call", "--max_call_s"
-          )
-        if stop_reason is not None:
-          rec.update(common.skipped(stop_reason))
-          records.append(rec)
-          log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
-          continue
-        try:
-          m = _measure_size(
-            fn, extra, mode, batch, t_len, d, dtype, max_temp_gib, repeats, min_seconds, max_call_s
-          )
-        except Exception as e:  # pylint: disable=broad-except  # one row, not the run
-          rec.update(common.error(e))
-          records.append(rec)
-          log(f"{name:15s} {mode:8s} T={t_len:6d} error: {rec['reason']}")
-          # A longer sequence would fail the same way or worse (memory): stop growing T.
-          stop_reason = f"error at T={t_len}"
-          continue
-        if isinstance(m, str):  # over the memory limit
-          stop_reason = m
-          rec.update(common.skipped(stop_reason))
-          records.append(rec)
-          log(f"{name:15s} {mode:8s} T={t_len:6d} skipped: {stop_reason}")
-          continue
-        rec.update(status="ok", **m)
-        records.append(rec)
-        last = (t_len, m["time_s"])
-        log(
-          f"{name:15s} {mode:8s} T={t_len:6d} {common.fmt_time(m['time_s']):>10s} "
-          f"temp {common.fmt_bytes(m['temp_bytes']):>10s} flops "
-          f"{common.fmt_flops(m['flops']):>9s} compile {m['compile_s']:.1f}s"
-        )
+    for mode in MODES[: 1 if name == "cumsum" else 2]:
+
+      def measure_one(t_len):
+        args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
+        f, args = (fn, args) if mode == "fwd" else (fwd_bwd(fn), args + (ct,))
+        compiled, compile_s = common.compile_fn(f, args)  # the memory checked before a run
+        temp = common.compiled_stats(compiled)["temp_bytes"]
+        if temp is not None and temp > max_temp_gib * (1 << 30):
+          return f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
+        kw = dict(compiled=compiled, compile_s=compile_s, budget_s=max_call_s)
+        return common.measure(f, args, repeats=repeats, min_seconds=min_seconds, **kw)
+
+      base = {"op": name, "mode": mode, "batch": batch, "d": d}
+      records += common.sweep(sizes, base, cost_class, max_call_s, "call", measure_one, log)
   return records
-
-
-def _measure_size(
-  fn, extra, mode, batch, t_len, d, dtype, max_temp_gib, repeats, min_seconds, max_call_s
-):
-  """``common.measure`` of one op, mode and size, or why it was skipped (a string: its
-  compiled temp memory is over ``max_temp_gib``). Compile and run errors propagate."""
-  args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
-  f = fn if mode == "fwd" else fwd_bwd(fn)
-  call_args = args if mode == "fwd" else args + (ct,)
-  # Check memory before running: compile only.
-  compiled, compile_s = common.compile_fn(f, call_args)
-  temp = common.compiled_stats(compiled)["temp_bytes"]
-  if temp is not None and temp > max_temp_gib * (1 << 30):
-    return f"compiled temp memory {common.fmt_bytes(temp)} > --max_temp_gib {max_temp_gib}"
-  return common.measure_within(
-    f,
-    call_args,
-    compiled,
-    compile_s,
-    repeats=repeats,
-    min_seconds=min_seconds,
-    budget_s=max_call_s,
-  )
-
-
-def _get(records, op, mode, t_len):
-  for r in records:
-    if r["op"] == op and r["mode"] == mode and r["T"] == t_len and r.get("status") == "ok":
-      return r
-  return None
 
 
 def checks(records):
   """The ops' targets (RESULTS.md, "Targets for the ops"), where their sizes were measured."""
-  out = []
+  get = lambda op, mode, t: common.find(records, op=op, mode=mode, T=t)
 
   def ratio(a, b, field):
-    if a is None or b is None or not a.get(field) or not b.get(field):
-      return None
-    return a[field] / b[field]
+    return a[field] / b[field] if a and b and a.get(field) and b.get(field) else None
 
-  ref4 = _get(records, "softmax_einsum", "fwd_bwd", 4096)
+  out = []
+  ref4 = get("softmax_einsum", "fwd_bwd", 4096)
   for op, max_time in (("aft_simple", 0.02), ("aft_local_128", 0.05)):
-    r4 = _get(records, op, "fwd_bwd", 4096)
-    r1 = _get(records, op, "fwd_bwd", 1024)
-    tr, mr, gr = ratio(r4, ref4, "time_s"), ratio(r4, ref4, "temp_bytes"), ratio(r4, r1, "time_s")
-    out.append(
-      {
-        "check": f"{op} fwd+bwd time / softmax_einsum at T=4096",
-        "value": tr,
-        "target": f"<= {max_time}",
-        "holds": None if tr is None else tr <= max_time,
-      }
-    )
-    out.append(
-      {
-        "check": f"{op} fwd+bwd temp memory / softmax_einsum at T=4096",
-        "value": mr,
-        "target": "<= 0.05",
-        "holds": None if mr is None else mr <= 0.05,
-      }
-    )
-    out.append(
-      {
-        "check": f"{op} fwd+bwd time growth T=1024 -> 4096",
-        "value": gr,
-        "target": "<= ~5",
-        "holds": None if gr is None else gr <= 5.0,
-      }
-    )
-  fr = ratio(
-    _get(records, "aft_simple", "fwd", 4096), _get(records, "cumsum", "fwd", 4096), "time_s"
-  )
+    r4, r1 = get(op, "fwd_bwd", 4096), get(op, "fwd_bwd", 1024)
+    out += [
+      common.check(f"{op} fwd+bwd time / softmax_einsum at T=4096", ratio(r4, ref4, "time_s"),
+                   f"<= {max_time}", lambda x: x <= max_time),
+      common.check(f"{op} fwd+bwd temp memory / softmax_einsum at T=4096",
+                   ratio(r4, ref4, "temp_bytes"), "<= 0.05", lambda x: x <= 0.05),
+      common.check(f"{op} fwd+bwd time growth T=1024 -> 4096", ratio(r4, r1, "time_s"),
+                   "<= ~5", lambda x: x <= 5.0),
+    ]  # fmt: skip
+  fr = ratio(get("aft_simple", "fwd", 4096), get("cumsum", "fwd", 4096), "time_s")
   out.append(
-    {
-      "check": "aft_simple fwd time / cumsum floor at T=4096",
-      "value": fr,
-      "target": "<= 2",
-      "holds": None if fr is None else fr <= 2.0,
-    }
+    common.check("aft_simple fwd time / cumsum floor at T=4096", fr, "<= 2", lambda x: x <= 2.0)
   )
   return out
 
 
-def check_line(c):
-  value = "-" if c["value"] is None else f"{c['value']:.3g}"
-  verdict = "n/a" if c["holds"] is None else ("holds" if c["holds"] else "FAILS")
-  return f"- {c['check']}: {value} (target {c['target']}: {verdict})"
-
-
 def markdown(records, sizes, names, info):
   lines = []
+  by = {(r["op"], r["mode"], r["T"]): r for r in records}
   for mode, title in (("fwd_bwd", "forward+backward"), ("fwd", "forward")):
     for field, label, fmt in (
       ("time_s", "median time", common.fmt_time),
@@ -366,65 +200,42 @@ def markdown(records, sizes, names, info):
       for name in names:
         if name == "cumsum" and mode == "fwd_bwd":
           continue
-        cells = []
-        for t_len in sizes:
-          r = [x for x in records if x["op"] == name and x["mode"] == mode and x["T"] == t_len]
-          if not r:
-            cells.append("")
-          elif r[0]["status"] != "ok":
-            cells.append(r[0]["status"])  # "skipped" or "error" (the JSON says why)
-          else:
-            cells.append(fmt(r[0][field]))
+        cells = [by.get((name, mode, t), {}) for t in sizes]
+        # "skipped" or "error" (the JSON says why)
+        cells = [fmt(r[field]) if r.get("status") == "ok" else r.get("status", "") for r in cells]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
 def plot(records, names, path):
-  import matplotlib
+  def draw(plt, axes):
+    for i, name in enumerate(names):
+      color = plt.get_cmap("tab10")(i % 10)
+      for mode, style in (("fwd_bwd", "-"), ("fwd", ":")):
+        rs = [r for r in records if r["op"] == name and r["mode"] == mode and r["status"] == "ok"]
+        if not rs:
+          continue
+        ts = [r["T"] for r in rs]
+        label = f"{name} ({'fwd+bwd' if mode == 'fwd_bwd' else 'fwd'})"
+        axes[0].plot(ts, [r["time_s"] for r in rs], style, marker="o", color=color, label=label)
+        if mode == "fwd_bwd":
+          mib = [max(r["temp_bytes"], 1) / 2**20 for r in rs]
+          axes[1].plot(ts, mib, style, marker="o", color=color, label=name)
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-  for i, name in enumerate(names):
-    color = plt.get_cmap("tab10")(i % 10)
-    for mode, style in (("fwd_bwd", "-"), ("fwd", ":")):
-      rs = [r for r in records if r["op"] == name and r["mode"] == mode and r["status"] == "ok"]
-      if not rs:
-        continue
-      ts = [r["T"] for r in rs]
-      label = f"{name} ({'fwd+bwd' if mode == 'fwd_bwd' else 'fwd'})"
-      axes[0].plot(ts, [r["time_s"] for r in rs], style, marker="o", color=color, label=label)
-      if mode == "fwd_bwd":
-        axes[1].plot(
-          ts,
-          [max(r["temp_bytes"], 1) / 2**20 for r in rs],
-          style,
-          marker="o",
-          color=color,
-          label=name,
-        )
   ylabels = ("median time (s)", "XLA temp memory, fwd+bwd (MiB)")
-  common.finish_log_log_figure(fig, axes, ylabels, path, legend_fontsize=7)
-  plt.close(fig)
+  common.log_log_figure(2, (12, 4.5), ylabels, path, draw, legend_fontsize=7)
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="tiny sizes, for tests (< 1 min on CPU)")
+  p = common.parser(__doc__, "tiny sizes, for tests (< 1 min on CPU)")
   p.add_argument("--sizes", type=int, nargs="+", default=None)
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--d", type=int, default=512)
   p.add_argument("--conv_kernel", type=int, default=7)
   p.add_argument("--ops", nargs="+", default=None, help="subset of ops (default: all)")
   common.add_timing_args(p, "calls")
-  p.add_argument(
-    "--max_call_s",
-    type=float,
-    default=None,
-    help="skip a size when its extrapolated time per call exceeds this",
-  )
+  help = "skip a size when its extrapolated time per call exceeds this"
+  p.add_argument("--max_call_s", type=float, default=None, help=help)
   p.add_argument("--max_temp_gib", type=float, default=8.0)
   a = p.parse_args(argv)
   on_cpu = jax.devices()[0].platform == "cpu"
@@ -438,31 +249,12 @@ def main(argv=None):
   table = op_table(a.conv_kernel)
   names = a.ops or list(table)
   info = common.machine_info()
-  info.update(
-    batch=a.batch,
-    d=a.d,
-    heads=HEADS,
-    conv_kernel=a.conv_kernel,
-    sizes=sizes,
-    quick=a.quick,
-    max_call_s=max_call_s,
-    max_temp_gib=a.max_temp_gib,
-    command=" ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:])),
-  )
-  records = common.timed_run(
-    info,
-    lambda: run(
-      sizes,
-      batch=a.batch,
-      d=a.d,
-      conv_kernel=a.conv_kernel,
-      names=names,
-      repeats=a.repeats,
-      min_seconds=a.min_seconds,
-      max_call_s=max_call_s,
-      max_temp_gib=a.max_temp_gib,
-    ),
-  )
+  info.update(batch=a.batch, d=a.d, heads=HEADS, conv_kernel=a.conv_kernel, sizes=sizes)
+  info.update(quick=a.quick, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
+  info["command"] = " ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:]))
+  kw = dict(batch=a.batch, d=a.d, conv_kernel=a.conv_kernel, names=names, repeats=a.repeats)
+  kw.update(min_seconds=a.min_seconds, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
+  records = common.timed_run(info, lambda: run(sizes, **kw))
   result = {
     "machine": info,
     "ops": {n: table[n][3] for n in names},
@@ -470,7 +262,7 @@ def main(argv=None):
     "checks": checks(records),
   }
   md = markdown(records, sizes, names, info)
-  md += "\n" + "\n".join(check_line(c) for c in result["checks"]) + "\n"
+  md += "\n" + "\n".join(common.check_line(c) for c in result["checks"]) + "\n"
   common.write_outputs(a.out, "bench_ops", result, md, lambda path: plot(records, names, path))
 
 

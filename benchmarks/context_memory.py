@@ -1,22 +1,18 @@
-"""Context parallelism: the compiled per-device memory of one train step with T split over
-``mesh.sequence`` devices (CPU devices, compiled, not run).
+"""Context parallelism: the compiled per-device memory of one train step of a 2 x 128 LM with T
+split over ``mesh.sequence`` CPU devices (compiled, not run), the table written into
+RESULTS.md ("Context parallelism") and each row to the JSON as it is done (a run resumes);
+``--step``: one real step of that model on one device, its time and peak memory.
 
     python -m benchmarks.context_memory   # benchmarks/results/context_memory.json, RESULTS.md
-
-A 2 x 128 LM (byte vocabulary, MLP 512, batch 1, dropout 0) with causal AFT-simple and
-AFT-local (window 128, factorised bias d' = 64) at T = 65,536 and 262,144 for mesh.sequence =
-1, 2, 4, 8 (as many CPU devices, ``--xla_force_host_platform_device_count=8``), and at T =
-1,048,576 over 8. Each row is XLA's buffer assignment for one device
-(``compiled.memory_analysis()``: temporaries, and the arguments: parameters, optimizer state
-and the batch), as ``trainer.dry_run`` reports it; written to the JSON as each row is done, and
-the table into benchmarks/RESULTS.md between its markers.
+    python -m benchmarks.context_memory --step --mixing aft_simple --seq_len 524288  # one JSON line
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import re
+import resource
 import sys
 import time
 
@@ -58,14 +54,35 @@ def row(mixing: str, t_len: int, n: int) -> dict:
   trainer = train_lib.Trainer(cfg, mesh)
   start = time.perf_counter()
   mem = StepMemory.of(trainer.lower_train_step().compile())
-  return {
-    "mixing": mixing,
-    "T": t_len,
-    "sequence": n,
-    "temp": mem.temp,
-    "arguments": mem.argument,
-    "compile_s": round(time.perf_counter() - start, 1),
-  }
+  out = dict(mixing=mixing, T=t_len, sequence=n, temp=mem.temp, arguments=mem.argument)
+  return dict(out, compile_s=round(time.perf_counter() - start, 1))
+
+
+def step(mixing: str, seq_len: int, seed: int = 0) -> dict:
+  """Two real train steps at T = ``seq_len`` on one device, batch 1, random bytes (the first
+  compiles): the second's time, the process' peak resident memory, the loss."""
+  import jax
+  import numpy as np
+
+  from aft_jax import sharding
+  from aft_jax.trainer import train_lib
+  from aft_jax.trainer.run_config import RunConfig
+
+  cfg = RunConfig.from_tree(_config(mixing, seq_len, 1)).with_vocab(256)
+  trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  rng = np.random.default_rng(seed)
+  specs = trainer.specs(cfg.train.batch_size).items()
+  batch = {name: rng.integers(0, 256, spec.shape).astype(spec.dtype) for name, spec in specs}
+  state, times = trainer.init_state(seed), []
+  for i in range(2):
+    start = time.perf_counter()
+    state, metrics = trainer.train_step(state, batch, jax.random.key(i))
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  out = dict(mixing=mixing, T=seq_len, first_step_s=round(times[0], 1), step_s=round(times[1], 2))
+  out.update(peak_rss_gib=round(rss, 1), loss=float(metrics["loss"]))
+  return dict(out, finite=bool(metrics["finite"]))
 
 
 def _gib(b) -> str:
@@ -101,29 +118,24 @@ def table(rows: list[dict]) -> str:
 
 
 def write_results(rows: list[dict]) -> None:
-  """The table into RESULTS.md between the markers (appended as a section the first time)."""
+  """The table into RESULTS.md between the markers, after the section's prose."""
   from aft_jax import files
 
-  text = open(RESULTS).read()
-  block = (
-    f"{START}\n## Context parallelism (`benchmarks.context_memory`): compiled per-device "
-    "memory, CPU devices\n\n"
-    "`python -m benchmarks.context_memory`: one train step (loss + grad + AdamW) of a 2 x 128\n"
-    "LM, batch 1, T split over `mesh.sequence` CPU devices; XLA's buffer assignment per device\n"
-    "(compiled, not measured): temp memory per device in GiB at each `mesh.sequence` (its ratio\n"
-    "to one device in brackets) and the arguments per device. AFT-local: window 128, factorised\n"
-    "bias w = u v^T (d' = 64), of which each sub-piece of 2048 positions (and each device's\n"
-    "shard) forms only the block it reads, never the [T, T] product.\n\n"
-    f"{table(rows)}\n{END}"
-  )
-  if START in text:
-    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-  else:
-    text = text.rstrip("\n") + "\n\n" + block + "\n"
-  files.atomic_write(RESULTS, text)
+  head, rest = open(RESULTS).read().split(START)
+  prose, tail = rest.split(END)
+  prose = prose.split("\n| mixing |")[0]
+  files.atomic_write(RESULTS, f"{head}{START}{prose}\n{table(rows)}\n{END}{tail}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--step", action="store_true", help="one real step on one device instead")
+  p.add_argument("--mixing", default="aft_simple", choices=("aft_simple", "aft_local"))
+  p.add_argument("--seq_len", type=int, default=262144)
+  a = p.parse_args(argv)
+  if a.step:
+    print(json.dumps(step(a.mixing, a.seq_len)), flush=True)
+    return
   import jax
 
   if jax.device_count() < DEVICES:
@@ -150,7 +162,7 @@ def main() -> None:
 if __name__ == "__main__":
   # The device count is fixed when jax's CPU backend starts: before the first jax import.
   flag = f"--xla_force_host_platform_device_count={DEVICES}"
-  if flag not in os.environ.get("XLA_FLAGS", ""):
+  if flag not in os.environ.get("XLA_FLAGS", "") and "--step" not in sys.argv:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + flag
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   main()

@@ -1,18 +1,14 @@
-"""What fits where: every recipe x target, compiled for the target without a device.
+"""What fits where: every recipe's train and evaluation steps compiled for each deviceless
+target (1 and 8 devices), XLA's buffer assignment per device (docs/what_fits.md, which this
+writes). One process per platform; each row is written as it is done, so a run resumes.
 
     python -m benchmarks.fit_table   # docs/what_fits.md, benchmarks/results/fit_table.json
-
-For each recipe (every mixing layer of configs/enwik8.py at 24 x 256 and the paper's two at
-12 x 512, every one of configs/wikitext103.py, and the quickstart) and each target of
-``aft_jax.deviceless`` (the CPU excepted), the train and evaluation steps are compiled for 1
-and for 8 devices (the recipe's mesh: data parallel) with ``aft_jax.trainer.dry_run.compile_steps``:
-XLA's buffer assignment per device, not a measurement on a GPU or TPU. The rows of one
-platform are compiled in one process started in ``deviceless.environment``, the two platforms
-side by side; each row is written to the JSON as it is done, so a stopped run resumes.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import os
 import re
@@ -38,18 +34,13 @@ DEVICES = (1, 8)
 
 
 def _config(recipe: str):
-  import importlib
-
   name, _, arg = recipe.partition(":")
   module = importlib.import_module(f"configs.{name}")
   return module.get_config(arg) if arg else module.get_config()
 
 
 def _load() -> list[dict]:
-  if not os.path.exists(OUT_JSON):
-    return []
-  with open(OUT_JSON) as f:
-    return json.load(f)["rows"]
+  return json.load(open(OUT_JSON))["rows"] if os.path.exists(OUT_JSON) else []
 
 
 def _row_key(row) -> tuple:
@@ -61,8 +52,7 @@ def compile_rows(kind: str) -> None:
   from aft_jax.trainer import dry_run
   from aft_jax.trainer.run_config import RunConfig
 
-  rows = _load()
-  done = {_row_key(r) for r in rows}
+  done = {_row_key(r) for r in _load()}
   for target in (t for t in TARGETS if deviceless.get(t).kind == kind):
     for recipe in RECIPES:
       for n in DEVICES:
@@ -71,33 +61,20 @@ def compile_rows(kind: str) -> None:
         start = time.time()
         row = {"recipe": recipe, "target": target, "num_devices": n}
         try:
-          res = dry_run.compile_steps(
-            RunConfig.from_tree(_config(recipe)), deviceless.get(target), n, say=print
-          )
-          need = max(res["train"].total, res["eval"].total)
-          usable = dry_run.usable_bytes(deviceless.get(target))
-          row.update(
-            impl=res["impl"],
-            triton_kernels=res["triton_kernels"],
-            train_bytes=res["train"].total,
-            eval_bytes=res["eval"].total,
-            argument_bytes=res["train"].argument,
-            temp_bytes=res["train"].temp,
-            usable_bytes=usable,
-            fits=need <= usable,
-          )
+          cfg, device = RunConfig.from_tree(_config(recipe)), deviceless.get(target)
+          res = dry_run.compile_steps(cfg, device, n, say=print)
+          train, usable = res["train"], dry_run.usable_bytes(device)
+          row.update(impl=res["impl"], triton_kernels=res["triton_kernels"])
+          row.update(train_bytes=train.total, eval_bytes=res["eval"].total)
+          row.update(argument_bytes=train.argument, temp_bytes=train.temp, usable_bytes=usable)
+          row["fits"] = max(train.total, res["eval"].total) <= usable
         except Exception as e:  # noqa: BLE001 (a row that fails is recorded, the table goes on)
           row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         row["seconds"] = round(time.time() - start, 1)
         print(json.dumps(row), flush=True)
         rows = [r for r in _load() if _row_key(r) != _row_key(row)] + [row]
-        files.atomic_write_json(OUT_JSON, {"rows": rows, "jax_version": _jax_version()})
-
-
-def _jax_version() -> str:
-  import importlib.metadata
-
-  return importlib.metadata.version("jax")
+        jax_version = importlib.metadata.version("jax")
+        files.atomic_write_json(OUT_JSON, {"rows": rows, "jax_version": jax_version})
 
 
 def _cell(row) -> str:
@@ -114,20 +91,7 @@ def _cell(row) -> str:
 
 def render() -> str:
   rows = {_row_key(r): r for r in _load()}
-  head = [
-    "# What fits where",
-    "",
-    "Per-device memory of each recipe's train step in GiB (the larger of the train and",
-    "evaluation steps decides ✓ fits / ✗ does not), **compiled for the target without a",
-    "device**: XLA's buffer assignment for that GPU or TPU (`aft-train --dry_run`), not a",
-    "measurement on one. A GPU counts as fitting when the step needs at most 75% of its memory",
-    "(jax's default preallocation, `XLA_PYTHON_CLIENT_MEM_FRACTION`); a TPU, 95% of its HBM.",
-    "Each recipe as shipped (float32, its batch, its mesh: data parallel over the devices); `x8`",
-    "splits the batch over 8 devices. `>N ✗`: XLA's TPU compiler refused the step, naming N GiB",
-    "of temporaries. `—`: not compiled yet (the run is resumable). Regenerate:",
-    "`python -m benchmarks.fit_table`.",
-    "",
-  ]
+  head = open(OUT_MD).read().split("| recipe |")[0]  # the page's prose stays as written
   cols = [f"{t} x{n}" for t in TARGETS for n in DEVICES]
   lines = ["| recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
   for recipe in RECIPES:
@@ -140,7 +104,7 @@ def render() -> str:
     tail += [
       f"- `{r['recipe']}` on {r['target']} x{r['num_devices']}: {r['error']}" for r in errors
     ]
-  return "\n".join(head + lines + tail) + "\n"
+  return head + "\n".join(lines + tail) + "\n"
 
 
 def main(argv) -> int:

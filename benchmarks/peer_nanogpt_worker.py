@@ -1,17 +1,8 @@
-"""One aft-jax run of ``benchmarks.peer_nanogpt``, in a process of its own: trains one mixing
-at nanoGPT's recipe with the trainer's jitted train step on random windows of the train ids,
-scores the validation windows, and writes its record.
+"""One aft-jax run of ``benchmarks.peer_nanogpt`` in a process of its own: trains a mixing at
+nanoGPT's recipe with the trainer's jitted step, timed as nanoGPT times its steps, and scores
+the validation windows. SPEC.json is written by ``peer_nanogpt`` (``run_aft``).
 
     python -m benchmarks.peer_nanogpt_worker SPEC.json RECORD.json
-
-``SPEC.json`` (written by ``peer_nanogpt``): ``mixing``, ``recipe`` (nanoGPT's flag names),
-``overrides`` (dotted aft-jax config keys), ``vocab_size``, ``train`` (a ``.npy`` of uint16 ids),
-``windows`` (a ``.npz`` of ``inputs`` and ``targets`` ``[N, block]``), ``seed``, ``timed``
-(the steps whose times count) and ``cpu_devices`` (jax's CPU devices, set before its backends
-start). ``RECORD.json``: the validation loss (nats per target), the median ms per step (the
-time from one step to the next, the batch and the loss's transfer to the host included, as
-nanoGPT's ``--log_interval=1`` times it), the last training loss, the wall time and the
-devices it ran on.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from benchmarks.peer_nanogpt import median_ms
 
 
 def aft_config(mixing: str, recipe: dict, overrides: dict):
-  """aft-jax's config tree for ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
+  """aft-jax's config for nanoGPT's ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
   config = get_config()
   config.data.dataset, config.data.tokenizer = "pydoc", "byte"  # unused: the batches are given
   block = recipe["block_size"]
@@ -54,8 +45,7 @@ def aft_config(mixing: str, recipe: dict, overrides: dict):
     "b2": recipe["beta2"],
     "weight_decay": recipe["weight_decay"],
     "grad_clip_norm": recipe["grad_clip"],
-    # nanoGPT's model and optimizer choices (GPT-2's), where aft-jax has an option: each
-    # measured on its own in docs/training.md ("The softmax baseline").
+    # nanoGPT's (GPT-2's) choices where aft-jax has an option (docs/training.md).
     "model.init": "gpt2",
     "model.use_bias": False,  # nanoGPT's recipe: bias=False
     "model.gelu_approximate": False,  # torch's nn.GELU(): exact
@@ -65,7 +55,6 @@ def aft_config(mixing: str, recipe: dict, overrides: dict):
 
 
 def score(trainer, params, inputs, targets, batch: int = 64) -> float:
-  """Mean NLL over every target of the windows."""
   total, count = 0.0, 0
   for i in range(0, len(inputs), batch):
     b = {"inputs": inputs[i : i + batch], "targets": targets[i : i + batch]}
@@ -79,7 +68,6 @@ def score(trainer, params, inputs, targets, batch: int = 64) -> float:
 
 
 def run(spec: dict) -> dict:
-  """Trains ``spec['mixing']`` and scores it; the record."""
   mixing, recipe, seed = spec["mixing"], spec["recipe"], spec["seed"]
   train = np.load(spec["train"])
   windows = np.load(spec["windows"])

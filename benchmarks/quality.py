@@ -1,21 +1,13 @@
-"""The AFT paper's quality comparison at CPU scale: every mixing layer, trained alike.
-
-Trains softmax attention, AFT-full, AFT-local, AFT-simple and AFT-conv1d language models with
-the same size, data (the bundled pydoc corpus, bytes), steps, seed and schedule through the real
-trainer (``train_lib.train_and_evaluate``), and records for each the validation bits per byte
-(exact, over the whole split, disjoint windows), its curve during training, the parameter
-count, training tokens/s and wall time.
+"""The AFT paper's quality comparison at CPU scale: every mixing layer trained alike through the
+real trainer on pydoc bytes, with validation bits per byte, curves, parameters and speed
+(docs/benchmarks.md; RESULTS.md, "Model quality").
 
     python -m benchmarks.quality --out benchmarks/results       # ~4 min on 2 idle CPU cores
     python -m benchmarks.quality --quick --out /tmp/quality     # seconds: tests run this
-
-Writes ``quality.json`` (machine, settings, every record and curve), ``quality.md`` (the table)
-and ``quality.png`` (validation bits per byte against step, one line per mixing layer).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import tempfile
@@ -23,7 +15,6 @@ import time
 
 import numpy as np
 
-from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config, override
 from aft_jax.model import MIXINGS
 from aft_jax.workdir import Workdir
@@ -35,42 +26,17 @@ assert sorted(ORDER) == sorted(MIXINGS)
 
 
 def settings(quick: bool) -> dict:
-  """One model size and schedule for every mixing layer (dotted config keys)."""
+  """One model size and schedule for every mixing layer (dotted config keys): the quickstart's
+  model (2 x 128, T 128) with the AFT paper's window s = 32 and a conv kernel as wide."""
   if quick:
-    return {
-      "model.num_layers": 1,
-      "model.d_model": 16,
-      "model.num_heads": 2,
-      "model.mlp_dim": 32,
-      "model.max_len": 16,
-      "model.window": 4,
-      "model.kernel_size": 4,
-      "seq_len": 16,
-      "batch_size": 4,
-      "num_train_steps": 4,
-      "warmup_steps": 1,
-      "log_every_steps": 2,
-      "eval_every_steps": 2,
-      "eval_batch_size": 256,
-    }
-  return {
-    # The quickstart's model (2 layers, d 128, T 128), with the AFT paper's window s = 32 and
-    # an AFT-conv1d kernel covering the same causal offsets; 4 heads for softmax and conv.
-    "model.num_layers": 2,
-    "model.d_model": 128,
-    "model.num_heads": 4,
-    "model.mlp_dim": 384,
-    "model.max_len": 128,
-    "model.window": 32,
-    "model.kernel_size": 32,
-    "seq_len": 128,
-    "batch_size": 16,
-    "num_train_steps": 600,
-    "warmup_steps": 50,
-    "log_every_steps": 50,
-    "eval_every_steps": 100,
-    "eval_batch_size": 64,
-  }
+    return {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32,
+            "model.max_len": 16, "model.window": 4, "model.kernel_size": 4, "seq_len": 16,
+            "batch_size": 4, "num_train_steps": 4, "warmup_steps": 1, "log_every_steps": 2,
+            "eval_every_steps": 2, "eval_batch_size": 256}  # fmt: skip
+  return {"model.num_layers": 2, "model.d_model": 128, "model.num_heads": 4, "model.mlp_dim": 384,
+          "model.max_len": 128, "model.window": 32, "model.kernel_size": 32, "seq_len": 128,
+          "batch_size": 16, "num_train_steps": 600, "warmup_steps": 50, "log_every_steps": 50,
+          "eval_every_steps": 100, "eval_batch_size": 64}  # fmt: skip
 
 
 def make_config(mixing: str, overrides: dict, seed: int):
@@ -80,18 +46,12 @@ def make_config(mixing: str, overrides: dict, seed: int):
   config.model.dropout_rate = 0.0
   config.learning_rate = 3e-3
   config.seed = seed
-  config.sample.length = 0
-  override(config, overrides)
-  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
-  return config
+  return override(config, overrides)
 
 
 def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   """Trains one mixing layer in ``workdir``; its record with the validation curve."""
-  config = make_config(mixing, overrides, seed)
-  start = time.perf_counter()
-  results = train_lib.train_and_evaluate(config, workdir)
-  wall = time.perf_counter() - start
+  results, wall = common.train(make_config(mixing, overrides, seed), workdir)
   records = Workdir(workdir).read_metrics()
   # The first logged interval includes compilation: tokens/s is the median of the others.
   speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
@@ -101,18 +61,10 @@ def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   curve = [c for c in curve if c[0] != results["steps"]] + [
     (results["steps"], results["valid_bpb"])
   ]
-  return {
-    "mixing": mixing,
-    "valid_bpb": results["valid_bpb"],
-    "test_bpb": results["test_bpb"],
-    "num_params": results["num_params"],
-    "tokens_per_s": float(np.median(speeds)) if speeds else None,
-    "wall_s": wall,
-    "steps": results["steps"],
-    "tokens_seen": results["tokens_seen"],
-    "eval_protocol": results["eval_protocol"],
-    "curve": curve,
-  }
+  rec = {"mixing": mixing, **{k: results[k] for k in ("valid_bpb", "test_bpb", "num_params")}}
+  rec.update(tokens_per_s=float(np.median(speeds)) if speeds else None, wall_s=wall)
+  rec.update({k: results[k] for k in ("steps", "tokens_seen", "eval_protocol")})
+  return dict(rec, curve=curve)
 
 
 def to_markdown(result: dict) -> str:
@@ -137,17 +89,16 @@ def to_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   for r in result["records"]:
     steps, bpb = zip(*r["curve"])
     ax.plot(steps, bpb, marker="o", markersize=3, label=f"{r['mixing']} ({r['valid_bpb']:.3f})")
-  ax.set_xlabel("training step")
-  ax.set_ylabel("validation bits per byte")
+  ax.set(xlabel="training step", ylabel="validation bits per byte")
   ax.set_title("pydoc bytes: validation curves, same model size and schedule")
   ax.grid(alpha=0.3)
   ax.legend()
@@ -157,9 +108,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="tiny model and 4 steps (seconds)")
+  p = common.parser(__doc__, "tiny model and 4 steps (seconds)")
   p.add_argument("--mixings", nargs="+", default=list(ORDER), choices=ORDER)
   p.add_argument("--seed", type=int, default=0)
   a = p.parse_args(argv)
@@ -172,13 +121,7 @@ def main(argv=None) -> dict:
       print(f"--- {mixing}", flush=True)
       records.append(run_one(mixing, overrides, a.seed, os.path.join(tmp, mixing)))
   info["wall_s"] = time.perf_counter() - start
-  result = {
-    "machine": info,
-    "settings": overrides,
-    "seed": a.seed,
-    "quick": a.quick,
-    "records": records,
-  }
+  result = dict(machine=info, settings=overrides, seed=a.seed, quick=a.quick, records=records)
   md = to_markdown(result) if "softmax" in a.mixings else ""
   common.write_outputs(a.out, "quality", result, md, lambda path: plot(result, path))
   return result

@@ -1,45 +1,18 @@
-"""Generation at 1k to 64k tokens: a stream against sliding re-encoding and a KV cache, CPU.
-
-Per-token time and peak memory of ``aft_jax.decode.generate`` (what ``aft-generate`` runs: one
-decoding step and one sample per token, the token back on the host) for the quickstart's model
-size (2 layers, d 128, MLP 384, bytes; parameters at their initialisation: time and memory do
-not depend on their values), batch 1, temperature 0.8, at text lengths L:
-
-- **stream, AFT-simple / AFT-conv1d** (``position_embedding = 'none'``): one process generates
-  the real 64k tokens from a one-token prompt, in pieces that continue the ``Stream``; on
-  reaching each L (1k, 4k, 16k, 64k) it reads its resident-set high-water mark
-  (``resource.getrusage``: memory that grew anywhere on the way shows there) and keeps the
-  stream there. Then it times pieces of ``piece`` tokens continuing each kept stream, in rounds
-  over the lengths (a change in the machine's load reaches every length alike), ``window``
-  tokens per length: the median piece per token.
-- **sliding re-encoding, AFT-local, max_len 256** (learned positions; the quickstart's mixing):
-  past max_len each token is one forward pass over the last 256 tokens, whatever L is. A prompt
-  of L - window tokens (random ids: their values do not change the work) starts the sliding
-  phase at once; the window's tokens are timed.
-- **softmax attention with a KV cache as long as the text** (learned positions, max_len = L):
-  the cache of L positions, its index set to L - window (each step attends over all L slots
-  under a mask, so the filled part's contents do not change the work), then the window's real
-  steps (``model.apply(decode=True)`` and the sample, as ``generate`` does them).
-
-Each row runs in a fresh process (``--row``), so each high-water mark is its own; the JSON keeps
-the decoding state's bytes too (the arrays carried from one token to the next).
+"""Generation at 1k to 64k tokens, CPU: per-token time and peak memory of a stream (AFT-simple,
+AFT-conv1d without positions) against sliding re-encoding (AFT-local, max_len 256) and a
+softmax KV cache as long as the text, each row in a fresh process (docs/benchmarks.md;
+RESULTS.md, "Streams").
 
     python -m benchmarks.stream_generation --out benchmarks/results     # ~10 processes
     python -m benchmarks.stream_generation --quick --out /tmp/sg        # seconds
-
-Writes ``stream_generation.json`` (machine, settings, every record) and ``stream_generation.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import jax
@@ -58,12 +31,9 @@ TEMPERATURE = 0.8
 
 
 def model_config(row: str, length: int, quick: bool) -> ModelConfig:
-  size = (
-    dict(num_layers=1, d_model=16, mlp_dim=32, num_heads=2)
-    if quick
-    else dict(num_layers=2, d_model=128, mlp_dim=384, num_heads=4)
-  )
-  common_kw = dict(vocab_size=256, dropout_rate=0.0, **size)
+  size = (1, 16, 32, 2) if quick else (2, 128, 384, 4)
+  common_kw = dict(zip(("num_layers", "d_model", "mlp_dim", "num_heads"), size))
+  common_kw.update(vocab_size=256, dropout_rate=0.0)
   if row in STREAMS:
     return ModelConfig(mixing=row, position_embedding="none", max_len=64, **common_kw)
   if row == "sliding":
@@ -86,12 +56,9 @@ def _peak_rss() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _median_per_token(times: list[float], piece: int) -> float:
-  return statistics.median(times) / piece
-
-
 def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> list[dict]:
-  """The real stream to max(lengths); a record at each length (module doc)."""
+  """The real stream to max(lengths), kept at each length (its resident-set high-water mark
+  read there), then timed in rounds over the lengths (load drift reaches all alike)."""
   model, params = _setup(model_config(row, 0, quick))
   gen = functools.partial(decode.generate, model, params, temperature=TEMPERATURE)
   empty = np.zeros((1, 0), np.int32)
@@ -100,20 +67,15 @@ def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> l
   for length in lengths:
     _, stream = gen(empty, length - stream.position, stream=stream, return_stream=True)
     at[length] = stream  # generate leaves a stream it continues as it is
-    records.append(
-      dict(row=row, length=length, peak_rss=_peak_rss(), state_bytes=_nbytes(stream.cache))
-    )
-    print(json.dumps(records[-1]), flush=True)
-  # The time per token at each length: pieces continuing the stream from there, taken in
-  # rounds over the lengths, so that a change in the machine's load reaches every length alike.
+    rec = dict(row=row, length=length, peak_rss=_peak_rss(), state_bytes=_nbytes(stream.cache))
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
   times = {n: [] for n in lengths}
   for _ in range(window // piece):
     for n in lengths:
-      start = time.perf_counter()
-      gen(empty, piece, stream=at[n])
-      times[n].append(time.perf_counter() - start)
+      times[n] += common.wall_times(lambda _: gen(empty, piece, stream=at[n]), 1)
   for rec in records:
-    rec["per_token_s"] = _median_per_token(times[rec["length"]], piece)
+    rec["per_token_s"] = statistics.median(times[rec["length"]]) / piece
   return records
 
 
@@ -122,18 +84,10 @@ def measure_sliding(length: int, window: int, piece: int, quick: bool) -> dict:
   prompt = np.random.default_rng(0).integers(0, 256, (1, length - window), dtype=np.int32)
   gen = functools.partial(decode.generate, model, params, temperature=TEMPERATURE)
   gen(prompt[:, -model.cfg.max_len - 1 :], 2, rng=jax.random.key(0))  # compiles
-  times = []
-  for i in range(window // piece):
-    start = time.perf_counter()
-    gen(prompt, piece, rng=jax.random.key(i))
-    times.append(time.perf_counter() - start)
-  return dict(
-    row="sliding",
-    length=length,
-    per_token_s=_median_per_token(times, piece),
-    peak_rss=_peak_rss(),
-    state_bytes=None,
-  )
+  times = common.wall_times(lambda i: gen(prompt, piece, rng=jax.random.key(i)), window // piece)
+  per_token = statistics.median(times) / piece
+  return dict(row="sliding", length=length, per_token_s=per_token, peak_rss=_peak_rss(),
+              state_bytes=None)  # fmt: skip
 
 
 def measure_kv_cache(length: int, window: int, piece: int, quick: bool) -> dict:
@@ -151,22 +105,18 @@ def measure_kv_cache(length: int, window: int, piece: int, quick: bool) -> dict:
     rng, sub = jax.random.split(rng)
     return mutated["cache"], decode.sample_logits(sub, logp_B1V[:, 0], TEMPERATURE), rng
 
-  tok, rng = jnp.zeros((1,), jnp.int32), jax.random.key(0)
-  times = []
-  for _ in range(window // piece):
-    start = time.perf_counter()
+  carry = [cache, jnp.zeros((1,), jnp.int32), jax.random.key(0)]
+
+  def one_piece(_):
     for _ in range(piece):
-      cache, tok, rng = step(params, cache, tok, rng)
-      tok = jnp.asarray(np.asarray(tok))  # on the host, as generate has it
-    times.append(time.perf_counter() - start)
+      carry[:] = step(params, *carry)
+      carry[1] = jnp.asarray(np.asarray(carry[1]))  # on the host, as generate has it
+
+  times = common.wall_times(one_piece, window // piece)
   times = times[1:] or times  # the first piece compiled the step
-  return dict(
-    row="softmax",
-    length=length,
-    per_token_s=_median_per_token(times, piece),
-    peak_rss=_peak_rss(),
-    state_bytes=_nbytes(cache),
-  )
+  per_token = statistics.median(times) / piece
+  return dict(row="softmax", length=length, per_token_s=per_token, peak_rss=_peak_rss(),
+              state_bytes=_nbytes(carry[0]))  # fmt: skip
 
 
 def _row(args) -> list[dict]:
@@ -189,51 +139,38 @@ def to_markdown(result: dict) -> str:
   lengths = result["lengths"]
   by = {(r["row"], r["length"]): r for r in result["records"]}
   head = " | ".join(f"L = {n:,}" for n in lengths)
-  lines = [
+  lines = []
+
+  def table(title, key, text):
+    lines.extend([title, "", f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
+                  "|---|" + "---:|" * (len(lengths) + 1)])  # fmt: skip
+    for row in LABELS:
+      cells = [by[row, n] if by.get((row, n), {}).get(key) else None for n in lengths]
+      first, last = cells[0], cells[-1]
+      ratio = f"{last[key] / first[key]:.2f}x" if first and last else "-"
+      cells = ["-" if c is None else text(c) for c in cells]
+      lines.append(f"| {LABELS[row]} | " + " | ".join(cells) + f" | {ratio} |")
+
+  table(
     f"**Per-token time** (the median over pieces of {result['piece']} tokens, {result['window']}"
     " tokens per length: a stream's continuing the state it kept at L, the others' the last "
     "tokens before L)",
-    "",
-    f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
-    "|---|" + "---:|" * (len(lengths) + 1),
-  ]
-
-  def table(key, fmt):
-    for row in LABELS:
-      cells = [by.get((row, n), {}).get(key) for n in lengths]
-      first, last = cells[0], cells[-1]
-      ratio = f"{last / first:.2f}x" if first and last else "-"
-      lines.append(f"| {LABELS[row]} | " + " | ".join(fmt(c) for c in cells) + f" | {ratio} |")
-
-  table("per_token_s", common.fmt_time)
-  lines += [
-    "",
+    "per_token_s",
+    lambda c: common.fmt_time(c["per_token_s"]),
+  )
+  lines.append("")
+  state = lambda c: f" ({common.fmt_bytes(c['state_bytes'])})" if c.get("state_bytes") else ""
+  table(
     "**Peak memory** (the process's resident-set high-water mark; in brackets the decoding "
     "state carried from token to token)",
-    "",
-    f"| generation | {head} | L = {lengths[-1]:,} / L = {lengths[0]:,} |",
-    "|---|" + "---:|" * (len(lengths) + 1),
-  ]
-  for row in LABELS:
-    cells = [by.get((row, n)) for n in lengths]
-    cells = [c if c and "peak_rss" in c else None for c in cells]
-    text = [
-      "-"
-      if c is None
-      else common.fmt_bytes(c["peak_rss"])
-      + (f" ({common.fmt_bytes(c['state_bytes'])})" if c.get("state_bytes") else "")
-      for c in cells
-    ]
-    first, last = cells[0], cells[-1]
-    ratio = f"{last['peak_rss'] / first['peak_rss']:.2f}x" if first and last else "-"
-    lines.append(f"| {LABELS[row]} | " + " | ".join(text) + f" | {ratio} |")
+    "peak_rss",
+    lambda c: common.fmt_bytes(c["peak_rss"]) + state(c),
+  )
   return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="a tiny model and short texts (seconds)")
+  p = common.parser(__doc__, "a tiny model and short texts (seconds)")
   p.add_argument("--row", choices=tuple(LABELS), help="one row, in this process (the driver's)")
   p.add_argument("--lengths", type=int, nargs="+")
   p.add_argument("--window", type=int, help="tokens timed before each L (default 512; quick 32)")
@@ -244,34 +181,24 @@ def main(argv=None) -> dict:
   a.piece = a.piece or (8 if a.quick else 64)
   if a.row is not None:
     records = _row(a)
-    print("RECORDS " + json.dumps(records), flush=True)
+    common.emit(records)
     return {"records": records}
   start = time.perf_counter()
   info = common.machine_info()
-  result = {
-    "machine": info,
-    "quick": a.quick,
-    "lengths": list(a.lengths),
-    "window": a.window,
-    "piece": a.piece,
-    "temperature": TEMPERATURE,
-    "records": [],
-  }
+  result = dict(machine=info, quick=a.quick, lengths=list(a.lengths), window=a.window)
+  result.update(piece=a.piece, temperature=TEMPERATURE, records=[])
   jobs = [(row, a.lengths) for row in STREAMS]
   jobs += [(row, [n]) for row in ("sliding", "softmax") for n in a.lengths]
   for row, lengths in jobs:
-    cmd = [sys.executable, "-m", "benchmarks.stream_generation", "--row", row]
-    cmd += ["--lengths", *map(str, lengths), "--window", str(a.window), "--piece", str(a.piece)]
-    cmd += ["--quick"] * a.quick
-    print("---", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORDS ")]
-    if proc.returncode or not lines:
-      rec = [{"row": row, "length": n, common.ERROR: proc.stderr[-2000:]} for n in lengths]
-      result["records"] += rec
-      print(proc.stderr[-2000:], flush=True)
+    args = ["--row", row, "--lengths", *lengths, "--window", a.window, "--piece", a.piece]
+    args += ["--quick"] * a.quick
+    print("--- benchmarks.stream_generation", *args, flush=True)
+    got = common.child("benchmarks.stream_generation", args)
+    if isinstance(got, dict):  # the child failed
+      result["records"] += [{"row": row, "length": n, common.ERROR: got["reason"]} for n in lengths]
+      print(got["reason"], flush=True)
     else:
-      result["records"] += json.loads(lines[-1][len("RECORDS ") :])
+      result["records"] += got
     common.write_outputs(a.out, "stream_generation", result, to_markdown(result))
   info["wall_s"] = time.perf_counter() - start
   common.write_outputs(a.out, "stream_generation", result, to_markdown(result), partial=False)

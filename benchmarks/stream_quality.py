@@ -1,25 +1,13 @@
-"""What a position embedding is worth, and what a stream gives past its training length, CPU.
-
-Trains the quickstart recipe (``configs/quickstart.py``: 2 layers, d 128, T = 64 bytes of pydoc,
-1000 steps) with AFT-simple and AFT-conv1d, each with ``model.position_embedding = 'learned'``
-and ``'none'``, and, for reference, softmax attention and AFT-local (the recipe's own) with
-``'learned'``, through the real trainer. For each: the validation perplexity of results.json
-(disjoint windows of 64), and the validation split cut into texts of N = 1x, 4x and 16x the
-training length, each scored from its start with everything before each token in that text (one
-parallel forward pass per text, which for a stream is the whole past: the tests check it against
-its decoding steps), and the perplexity of each text's last 64 tokens (positions the model never
-trained at). A model with learned positions has no row past its max_len (64): only 1x. For the
-streams also the whole split scored as one text (``aft-evaluate``'s protocol, whole past).
+"""What a position embedding is worth, and what a stream gives past its training length, CPU:
+the quickstart recipe with and without positions, scored on texts of 1x, 4x and 16x the training
+length from their start (docs/training.md, "Streams"; RESULTS.md, "Streams").
 
     python -m benchmarks.stream_quality --out benchmarks/results     # ~6 quickstart runs
     python -m benchmarks.stream_quality --quick --out /tmp/sq        # seconds
-
-Writes ``stream_quality.json`` (machine, settings, every record) and ``stream_quality.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import os
@@ -31,20 +19,14 @@ import numpy as np
 
 from aft_jax import data as data_lib
 from aft_jax.tools import evaluate, trained
-from aft_jax.trainer import recipes, train_lib
+from aft_jax.trainer import recipes
 from aft_jax.trainer.default_config import override
 from benchmarks import common, quality
 
 # (mixing, position embedding): the streams beside the same layers with learned positions, then
 # the references.
-ROWS = (
-  ("aft_simple", "learned"),
-  ("aft_simple", "none"),
-  ("aft_conv1d", "learned"),
-  ("aft_conv1d", "none"),
-  ("softmax", "learned"),
-  ("aft_local", "learned"),
-)
+ROWS = [(m, p) for m in ("aft_simple", "aft_conv1d") for p in ("learned", "none")]
+ROWS += [("softmax", "learned"), ("aft_local", "learned")]
 MULTIPLES = (1, 4, 16)  # text lengths, in training lengths
 QUICK = quality.settings(quick=True)  # a tiny model, 4 steps
 
@@ -60,10 +42,7 @@ def make_config(mixing: str, positions: str, quick: bool):
   config = quickstart()
   config.model.mixing = mixing
   config.model.position_embedding = positions
-  config.sample.length = 0
-  override(config, QUICK if quick else {})
-  config.checkpoint_every_steps = config.num_train_steps  # one save, at the end
-  return config
+  return override(config, QUICK if quick else {})
 
 
 def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.ndarray:
@@ -79,30 +58,18 @@ def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.nd
 
 
 def run_one(mixing: str, positions: str, quick: bool, workdir: str) -> dict:
-  config = make_config(mixing, positions, quick)
-  start = time.perf_counter()
-  results = train_lib.train_and_evaluate(config, workdir)
-  wall = time.perf_counter() - start
+  results, wall = common.train(make_config(mixing, positions, quick), workdir)
   run = trained.load_run(workdir)
   seq_len = run.config.train.seq_len
   valid = data_lib.load_corpus(run.config.data).splits["validation"]
-  rec = {
-    "mixing": mixing,
-    "position_embedding": positions,
-    "valid_ppl": results["valid_ppl"],
-    "num_params": results["num_params"],
-    "wall_s": wall,
-    "texts": {},
-  }
+  rec = dict(mixing=mixing, position_embedding=positions, valid_ppl=results["valid_ppl"])
+  rec.update(num_params=results["num_params"], wall_s=wall, texts={})
   multiples = MULTIPLES if run.model.cfg.streams else (1,)
   for k in multiples:
     nll = _nll_of_texts(run, valid, k * seq_len)
-    rec["texts"][str(k)] = {
-      "length": k * seq_len,
-      "texts": nll.shape[0],
-      "ppl": math.exp(nll.mean()),
-      "last_ppl": math.exp(nll[:, -seq_len:].mean()),  # its last seq_len tokens
-    }
+    last = math.exp(nll[:, -seq_len:].mean())  # its last seq_len tokens
+    rec["texts"][str(k)] = dict(length=k * seq_len, texts=nll.shape[0], ppl=math.exp(nll.mean()))
+    rec["texts"][str(k)]["last_ppl"] = last
   if run.model.cfg.streams:
     whole = evaluate.evaluate_run(run, split="validation")
     rec["whole_split"] = {"ppl": whole["ppl"], "tokens": whole["tokens"]}
@@ -136,24 +103,20 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--quick", action="store_true", help="a tiny model and 4 steps (seconds)")
+  p = common.parser(__doc__, "a tiny model and 4 steps (seconds)")
   a = p.parse_args(argv)
   start = time.perf_counter()
   info = common.machine_info()
   records = []
   result = {"machine": info, "quick": a.quick, "records": records}
   config = make_config("aft_local", "learned", a.quick)
-  result.update(
-    seq_len=config.seq_len, layers=config.model.num_layers, d_model=config.model.d_model
-  )
+  model = config.model
+  result.update(seq_len=config.seq_len, layers=model.num_layers, d_model=model.d_model)
   with tempfile.TemporaryDirectory() as tmp:
     for mixing, positions in ROWS:
       print(f"--- {mixing}, position embedding {positions}", flush=True)
-      records.append(
-        run_one(mixing, positions, a.quick, os.path.join(tmp, f"{mixing}_{positions}"))
-      )
+      workdir = os.path.join(tmp, f"{mixing}_{positions}")
+      records.append(run_one(mixing, positions, a.quick, workdir))
       common.write_outputs(a.out, "stream_quality", result, to_markdown(result))
   info["wall_s"] = time.perf_counter() - start
   common.write_outputs(a.out, "stream_quality", result, to_markdown(result), partial=False)

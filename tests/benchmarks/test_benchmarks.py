@@ -4,16 +4,27 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from aft_jax import ops
-from benchmarks import accelerator_check, before_after, bench_model, bench_ops
+from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common
 from tests.support import shared
 
 
 def _finite(x):
   return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _quick_result(tmp_path, name):
+  """A quick run's JSON, its machine described, its .md and .png written."""
+  result = json.loads((tmp_path / f"{name}.json").read_text())
+  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
+    assert result["machine"][key] not in (None, ""), key
+  for suffix in ("md", "png"):
+    assert os.path.getsize(tmp_path / f"{name}.{suffix}") > 0
+  return result
 
 
 def _check_record(rec, fields):
@@ -28,11 +39,8 @@ def _check_record(rec, fields):
 @pytest.mark.slow
 def test_bench_ops_quick(tmp_path):
   bench_ops.main(["--quick", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "bench_ops.json").read_text())
-  info = result["machine"]
-  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
-    assert info[key] not in (None, ""), key
-  sizes = info["sizes"]
+  result = _quick_result(tmp_path, "bench_ops")
+  sizes = result["machine"]["sizes"]
   names = list(bench_ops.op_table(7))
   assert sorted(result["ops"]) == sorted(names)
   got = {(r["op"], r["mode"], r["T"]): r for r in result["records"]}
@@ -43,8 +51,6 @@ def test_bench_ops_quick(tmp_path):
       for t_len in sizes:
         _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
   assert len(result["checks"]) == 7
-  for name in ("bench_ops.md", "bench_ops.png"):
-    assert os.path.getsize(tmp_path / name) > 0
 
 
 def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
@@ -64,10 +70,8 @@ def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
 @pytest.mark.slow
 def test_bench_model_quick(tmp_path):
   bench_model.main(["--quick", "--sizes", "32", "--out", str(tmp_path)])
-  result = json.loads((tmp_path / "bench_model.json").read_text())
+  result = _quick_result(tmp_path, "bench_model")
   info = result["machine"]
-  for key in ("device_kind", "jax_version", "cpu_count", "platform"):
-    assert info[key] not in (None, ""), key
   got = {(r["mixing"], r["T"]): r for r in result["records"]}
   assert set(result["mixings"]) == set(bench_model.MIXINGS)
   for mixing in bench_model.MIXINGS:
@@ -77,29 +81,24 @@ def test_bench_model_quick(tmp_path):
   assert set(ratios) == set(bench_model.MIXINGS)
   for x in ratios.values():
     assert all(_finite(v) for v in x.values()), x
-  for name in ("bench_model.md", "bench_model.png"):
-    assert os.path.getsize(tmp_path / name) > 0
 
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
-  import jax
-  import jax.numpy as jnp
-  from benchmarks import flops
-
+  count = common.count_flops
   a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
   b = jax.ShapeDtypeStruct((16, 4), jnp.float32)
   matmul = 2 * 8 * 16 * 4
-  assert flops.count(jnp.matmul, a, b) == matmul
+  assert count(jnp.matmul, a, b) == matmul
 
   def loop(a, b):
     return jax.lax.scan(lambda c, _: (c + a @ b, None), jnp.zeros((8, 4)), None, length=10)[0]
 
-  assert flops.count(loop, a, b) == 10 * (matmul + 8 * 4)  # XLA would count one trip
+  assert count(loop, a, b) == 10 * (matmul + 8 * 4)  # XLA would count one trip
 
   def branch(p, a, b):  # the first (false) branch is counted
     return jax.lax.cond(p, lambda: jnp.exp(a) @ b, lambda: a @ b)
 
-  assert flops.count(branch, True, a, b) == matmul
+  assert count(branch, True, a, b) == matmul
 
   # The gradient of a loop over slices of w accumulates each slice's cotangent in place: a
   # trip costs the slice (8 x 16), not the accumulator (64 x 64).
@@ -108,14 +107,14 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
     return jax.lax.scan(body, 0.0, jnp.arange(8))[0]
 
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-  assert flops.count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
+  assert count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
 
   # A loop-free program: the same count as XLA's cost analysis (within 5%).
   x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
   fwd = bench_ops._softmax_einsum
   cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  assert abs(flops.count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
+  assert abs(count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
 def test_accelerator_check_times_both_kernel_forms():
@@ -131,13 +130,8 @@ def test_accelerator_check_times_both_kernel_forms():
   seg = lambda: triton.plan_for(1, 16384, 512).seg
   assert accelerator_check.in_form(seg, "sequential")() is None
   assert accelerator_check.in_form(seg, "chunked")() == seg() is not None  # auto: chunked here
-  rec = lambda form, t, time_s: {
-    "op": f"aft_simple/pallas[{form}]",
-    "mode": "fwd",
-    "T": t,
-    "status": "ok",
-    "time_s": time_s,
-  }
+  rec = lambda form, t, time_s: dict(op=f"aft_simple/pallas[{form}]", mode="fwd", T=t,
+                                     status="ok", time_s=time_s)  # fmt: skip
   recs = [rec("sequential", 1024, 1.0), rec("chunked", 1024, 2.0), rec("chunked", 4096, 1.0)]
   recs.append(rec("sequential", 4096, 3.0))
   got = accelerator_check.kernel_forms(recs)
@@ -263,29 +257,16 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   got = {(r["op"], r["mode"], r["T"]): r for r in recs}
   for mode in bench_ops.MODES:
     assert _is_injected(got[("fails", mode, 8)])
-    assert got[("fails", mode, 16)] == {
-      "op": "fails",
-      "mode": mode,
-      "T": 16,
-      "batch": 1,
-      "d": 8,
-      "status": "skipped",
-      "reason": "error at T=8",
-    }
+    want = dict(op="fails", mode=mode, T=16, batch=1, d=8, status="skipped", reason="error at T=8")
+    assert got[("fails", mode, 16)] == want
   assert got[("cumsum", "fwd", 16)]["status"] == "ok"  # the next op is measured
   md = bench_ops.markdown(recs, [8, 16], ["fails", "cumsum"], {"batch": 1, "d": 8})
   assert "| fails | error | skipped |" in md
 
 
 def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
-  lm = lambda name, t, impl="auto": {
-    "model": name,
-    "status": "ok",
-    "impl": impl,
-    "time_s": t,
-    "tokens_per_s": 1000 / t,
-    "program_bytes": 100 * t,
-  }
+  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
+                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
   models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
   checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
   speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
@@ -297,10 +278,10 @@ def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
-def test_long_step_runs_two_steps_and_reports_time_and_memory():
-  """benchmarks.long_step at a tiny T: two real steps of context_memory's model, finite."""
-  from benchmarks import long_step
+def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
+  """context_memory --step at a tiny T: two real steps of its model, finite."""
+  from benchmarks import context_memory
 
-  r = long_step.run("aft_simple", 64)
+  r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0

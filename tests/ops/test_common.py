@@ -286,12 +286,39 @@ def test_pieces_called_eagerly_are_one_program():
 
 
 def test_a_traced_call_enters_at_most_four_modules():
-  """benchmarks/ops_trace.py: one XLA call of causal AFT-simple, causal AFT-local, AFT-full and
-  AFTLocal.apply, traced, enters at most 4 modules of aft_jax/ops (the op's, AFT-local's banded
-  sums for AFT-full, the triple's, the common one): a reader's path from the op to its maths."""
-  from benchmarks import ops_trace
+  """One XLA call of causal AFT-simple, causal AFT-local, AFT-full and AFTLocal.apply (impl
+  "auto"), traced under a profile hook, enters at most 4 modules of aft_jax/ops (the op's,
+  AFT-local's banded sums for AFT-full, the triple's, the common one): a reader's path from the
+  op to its maths."""
+  import os
 
+  from aft_jax import layers
+
+  root = os.path.dirname(os.path.abspath(ops.__file__)) + os.sep
   # Shapes no other test traces (jax's caches, not cleared here, hold nothing of them).
-  for name, (fn, args) in ops_trace.cases(13, 5).items():
-    files = ops_trace.modules_entered(fn, *args, fresh=False)
-    assert "common.py" in files and len(files) <= 4, (name, files)
+  x = jax.ShapeDtypeStruct((2, 13, 5), jnp.float32)
+  w = jax.ShapeDtypeStruct((13, 13), jnp.float32)
+  layer = layers.AFTLocal(max_len=13, window=4, hidden_dim=5, causal=True)
+  cases = {
+    "aft_simple causal": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"), 3),
+    "aft_local causal": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=4, causal=True, impl="xla"),
+      4,
+    ),
+    "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, impl="xla"), 4),
+  }
+  cases = {n: (fn, (x, x, x, w)[:n_args]) for n, (fn, n_args) in cases.items()}
+  cases["AFTLocal.apply"] = (layer.apply, (jax.eval_shape(layer.init, jax.random.key(0), x), x))
+  for name, (fn, args) in cases.items():
+    seen = set()
+
+    def hook(frame, event, _):
+      if event == "call" and frame.f_code.co_filename.startswith(root):
+        seen.add(frame.f_code.co_filename[len(root) :])
+
+    sys.setprofile(hook)
+    try:
+      jax.jit(fn).lower(*args)
+    finally:
+      sys.setprofile(None)
+    assert "common.py" in seen and len(seen) <= 4, (name, sorted(seen))

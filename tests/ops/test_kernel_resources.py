@@ -17,19 +17,10 @@ from aft_jax.ops.pallas import triton
 from tests.support import prefork
 from tests.support.helpers import ROOT
 
-# Spill bytes (stores, and loads) allowed per kernel. sm_80 and sm_90, where XLA runs the
-# kernels: none spilled until the forward kernels learned to set aside non-finite and huge
-# terms and to recompute only the rows that see one (issue 26); since then ptxas spills 4-20 B
-# (1-5 words) in the forward kernels of AFT-simple at block_d 64 in bfloat16 and AFT-local at
-# block_d 16 and 32, measured here with pip's ptxas 12.x: a possible slowdown that only a GPU
-# can size, recorded so that anything larger fails. sm_75: ptxas keeps AFT-local's bfloat16
-# backward at block_d 64 to 128 registers and spills 12 bytes (3 words, an 8-byte stack
-# frame), on an architecture where the kernels never run (XLA refuses Triton below compute
-# capability 8.0, so a T4 takes the XLA path): recorded, not a regression; 16 B (4 words)
-# leaves room for a word more from another ptxas, not for a real spill. The chunk-parallel
-# form (issue 23): on sm_80 ptxas keeps AFT-local's float32 forward kernels at block_d 64 to
-# 128 registers and spills 32 B stored, 40 B loaded (8-10 words; 0 on sm_90, 168 registers in
-# bfloat16), the cost of its segment offsets and the fold of the totals: recorded, 48 B.
+# Spill bytes (stores, and loads) allowed per kernel: the spills of the committed table
+# (benchmarks/results/kernel_resources.md: the forward kernels' few words on sm_80 / sm_90, the
+# chunk-parallel form's segment offsets on sm_80, AFT-local's bfloat16 backward on sm_75, where
+# the kernels never run) with a word or two of room for another ptxas, so anything larger fails.
 SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 48, "sm_90": 24}
 # The kernels per (op, configuration, dtype, architecture): AFT-simple's forward, forward with
 # the log-normaliser (what training runs) and backward; AFT-local's the same and dw; the
@@ -67,11 +58,8 @@ def test_every_kernel_configuration_fits_every_architecture(tmp_path):
     f"compiling for a GPU without one needs aft_jax.deviceless' {need} packages: run python -m "
     "aft_jax.deviceless install (or: python -m aft_jax.deviceless install cuda ptxas)"
   )
-  # The script restarts itself in deviceless.environment("cuda"), without this process'
-  # XLA_FLAGS and compilation cache; --no_route_check skips its sm_80 comparison of compilers.
-  # --workers 1: one process compiles every case, ptxas beside it on a second thread; two
-  # processes took as long here (the suite's other worker has the second core) and 12 CPU-s
-  # more (one more jax and CUDA plugin start-up, and the parent's).
+  # --no_route_check skips the sm_80 comparison of compilers; --workers 1: one process compiles
+  # every case, ptxas beside it on a second thread (the suite's other worker has the other core).
   cmd = [sys.executable, "-m", "benchmarks.kernel_resources", "--out", str(tmp_path)]
   done = prefork.run(
     [*cmd, "--no_route_check", "--workers", "1", "--archs", *ARCHS],
