@@ -107,7 +107,7 @@ def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
 def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
   """Each global batch size must split evenly over the data-parallel devices (mesh data x fsdp,
   or their number), and those over the processes."""
-  dp = mesh if isinstance(mesh, int) else data_parallel_size(mesh)
+  dp = mesh if isinstance(mesh, int) else mesh.shape["data"] * mesh.shape["fsdp"]
   uneven = uneven_batches(dp, **batch_sizes)
   if uneven:
     raise ValueError(uneven[0])
@@ -180,10 +180,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
-
-
-def data_parallel_size(mesh: Mesh) -> int:
-  return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:

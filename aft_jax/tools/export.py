@@ -21,7 +21,6 @@ FORMAT = "aft_jax.export"  # the name of the file format, written in every file 
 # reader tells a newer file (whose digest verifies) from a damaged one.
 VERSION = 3
 FORMATS = ("msgpack", "safetensors", "stablehlo")
-STABLEHLO = "aft_jax.stablehlo"  # the format name in a stablehlo artifact's meta
 # What an export keeps of the corpus record: what the ids mean, not where the files were.
 CORPUS_KEYS = ("name", "unit", "tokenizer", "bos_id", "vocab_size", "vocab_sha256")
 SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON meta
@@ -211,15 +210,6 @@ def load_pretrained(path: str):
   return model, body["params"], vocab
 
 
-def _check_stablehlo(cfg) -> None:
-  if not cfg.streams:
-    raise ValueError(
-      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
-      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
-      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
-    )
-
-
 def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:
   """Writes a stream's serving artifact to ``path`` (atomically; ``export_main`` checks that
   ``model`` is a stream). One .npz: ``step`` and ``prefill`` (``jax.export``, any batch size),
@@ -253,7 +243,7 @@ def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None
 
   corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
   meta = {
-    "format": STABLEHLO,
+    "format": "aft_jax.stablehlo",
     "version": VERSION,
     "model": _model_config_dict(cfg),
     "corpus": corpus_info,
@@ -299,8 +289,13 @@ def export_main(args: argparse.Namespace) -> dict:
   suffixes = {".safetensors": "safetensors", ".npz": "stablehlo"}
   fmt = args.format or suffixes.get(os.path.splitext(out)[1], "msgpack")
   config = trained.run_config(args.workdir, args.step)
-  if fmt == "stablehlo":
-    _check_stablehlo(config.model)  # before anything slow
+  cfg = config.model
+  if fmt == "stablehlo" and not cfg.streams:  # before anything slow
+    raise ValueError(
+      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
+      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
+      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
+    )
   run = trained.load_run(args.workdir, args.step, config=config)
   params = jax.device_get(run.params)
   if fmt == "stablehlo":

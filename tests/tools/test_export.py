@@ -27,12 +27,16 @@ def run_dir(trained_run):
   return trained_run[0]
 
 
+@pytest.mark.parametrize(
+  "name, fmt", [("model.msgpack", "msgpack"), ("m.safetensors", "safetensors")]
+)
 def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(
-  run_dir, tmp_path, capsys, monkeypatch
+  run_dir, tmp_path, capsys, monkeypatch, name, fmt
 ):
-  out = str(tmp_path / "model.msgpack")
-  export.main(["--workdir", run_dir, "--out", out])
-  assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
+  out = str(tmp_path / name)
+  export.main(["--workdir", run_dir, "--out", out])  # the format from the name
+  result = json.loads(capsys.readouterr().out.splitlines()[-1])
+  assert result["out"] == out and result["format"] == fmt
 
   run = trained.load_run(run_dir)
   tokens_BT = np.asarray([run.vocab.encode("def main():\n    return 42")], np.int32)
@@ -159,19 +163,12 @@ def test_export_to_a_full_disk_is_a_one_line_error(run_dir, tmp_path, monkeypatc
   assert os.listdir(tmp_path) == []
 
 
-def test_safetensors_export_loads_and_an_edited_one_is_refused_in_one_line(run_dir, tmp_path):
+def test_an_edited_safetensors_export_is_refused_in_one_line(run_dir, tmp_path):
   from safetensors.numpy import load_file, save_file
 
   path = str(tmp_path / "model.safetensors")
   with contextlib.redirect_stdout(io.StringIO()):
-    export.main(["--workdir", run_dir, "--out", path])  # the format from the name
-  run = trained.load_run(run_dir)
-  tokens_BT = np.asarray([run.vocab.encode("def f():")], np.int32)
-  model, params, _ = aft_jax.load_pretrained(path)
-  np.testing.assert_array_equal(
-    np.asarray(model.apply({"params": params}, tokens_BT)),
-    np.asarray(run.model.apply({"params": run.params}, tokens_BT)),
-  )
+    export.main(["--workdir", run_dir, "--out", path])
   with open(path, "rb") as f:
     n = int.from_bytes(f.read(8), "little")
     metadata = json.loads(f.read(n))["__metadata__"]
