@@ -133,14 +133,12 @@ def evaluate_run(
 def evaluate_main(args: argparse.Namespace) -> dict:
   """The JSON line's dict (``run_command`` prints it)."""
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   if args.split is not None and args.text_file is not None:
     raise ValueError("give --split or --text_file, not both")
   if args.split is not None and args.split not in SPLITS:
     raise ValueError(f"--split {args.split!r} must be one of {SPLITS}")
-  wd = Workdir(args.workdir)
-  config = trained.run_config(wd, args.step)  # before anything slow
+  config = trained.run_config(args.workdir, args.step)  # before anything slow
   seq_len = config.train.seq_len
   if args.stride is not None and not 0 <= args.stride <= seq_len:
     raise ValueError(f"--stride = {args.stride} must be in [0, seq_len = {seq_len}] (0: disjoint)")
@@ -153,7 +151,7 @@ def evaluate_main(args: argparse.Namespace) -> dict:
       now = record.sources(config.data)
       record.check_sources(trained_on, now, trained.since(step), SPLIT_HINT)
 
-  run = trained.load_run(wd, args.step, check=check, config=config)
+  run = trained.load_run(args.workdir, args.step, check=check, config=config)
   result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:

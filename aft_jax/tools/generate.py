@@ -85,14 +85,12 @@ def generate_main(args: argparse.Namespace) -> list[str]:
   """Prints and returns the samples (each with the prompt)."""
   from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   check_args(args)
   prompt = read_prompt(args.prompt, args.prompt_file)
-  wd = Workdir(args.workdir)
-  config = trained.run_config(wd, args.step)  # before anything slow
+  config = trained.run_config(args.workdir, args.step)  # before anything slow
   _check_stream(args, config.model)
-  run = trained.load_run(wd, args.step, config=config)
+  run = trained.load_run(args.workdir, args.step, config=config)
   cfg = run.model.cfg
   stream, model_fingerprint = None, None
   if args.state is not None or args.save_state is not None:
