@@ -1,34 +1,14 @@
-"""Ctrl-C (SIGINT) in a command: one line on stderr and exit status 130, never a crash.
-
-130 is 128 + SIGINT, the status a shell gives a command that SIGINT stopped. Every command
-(aft-train and train.py, aft-generate, aft-evaluate, aft-export, aft-prepare) runs inside
-``stops_on_ctrl_c(line)``, entered before it imports anything heavier than the standard library:
-
-- A Ctrl-C is Python's KeyboardInterrupt, so the ``finally`` and ``with`` blocks it leaves run
-  on its way out (a temporary file removed, a lock released).
-- When it reaches ``stops_on_ctrl_c``, stdout is flushed, ``line`` printed on stderr and the
-  process ends with ``os._exit(130)``, without the interpreter's shutdown. A Ctrl-C leaves work
-  running in other threads: TensorStore's reads of a checkpoint, whose callbacks go on into the
-  event loop Orbax has closed, XLA's computations dispatched asynchronously, SentencePiece's
-  training (``aft_jax.data.subword``), which cannot be stopped. The shutdown (the atexit
-  handlers, jax's clearing its backends among them, then every module freed) would run against
-  them: their calls into the interpreter print tracebacks after the line, or crash it (SIGSEGV)
-  where they touch what it has freed. Skipping it loses nothing: the commands write their files
-  atomically, in blocks that have cleaned up before the KeyboardInterrupt gets here, and stdout
-  is flushed here.
-- A Ctrl-C is held, not raised, where raising it would crash or be lost: while a module is
-  imported (a C extension's initialisation calls Python code, jaxlib's creating its enums for
-  one: a KeyboardInterrupt there becomes a C++ exception, which aborts the process where it
-  crosses a ``noexcept`` function, or an ImportError), and in a garbage-collector callback (jax
-  has one) or a ``__del__`` (where Python prints it as "Exception ignored" and drops it). It is
-  raised as the outermost import returns, into the code that imported, or at the first Python
-  call after the callback.
-- A second Ctrl-C ends the process as above at once, wherever it lands: one while the first is
-  held or on its way out (stuck flushing to a pipe no one reads, say), or after a first that
-  some library caught.
-
-SIGINT that the process ignores (a command started in the background) stays ignored.
-"""
+"""Ctrl-C (SIGINT) in a command: one line on stderr and exit status 130, never a crash
+(docs/training.md, "Reliability"). Every command runs inside ``stops_on_ctrl_c(line)``, entered
+before its heavy imports. The KeyboardInterrupt unwinds the ``finally`` blocks (temporary files,
+locks), then the process ends with ``os._exit(130)``: the interpreter's shutdown would run
+against threads a Ctrl-C leaves working (TensorStore's reads, XLA's dispatched computations,
+SentencePiece's training) and print tracebacks or crash. A Ctrl-C is held where raising it would
+crash or be lost: during an import (in a C extension's initialisation it becomes a C++
+exception that aborts) and in a garbage-collector callback or ``__del__`` (printed and dropped);
+it is raised as the outermost import returns, or at the first Python call after the callback.
+A second Ctrl-C exits at once. SIGINT that the process ignores (a background command) stays
+ignored."""
 
 from __future__ import annotations
 
@@ -46,10 +26,8 @@ EXIT_STATUS = 128 + signal.SIGINT
 
 @contextlib.contextmanager
 def stops_on_ctrl_c(line: str):
-  """Runs the block as a command: a Ctrl-C in it ends the process with ``line`` on stderr and
-  exit status 130 (the module docstring says how and why); inside another such block, its
-  ``line`` is the one printed. Anything else the block raises, SystemExit included, passes
-  through."""
+  """Runs the block as a command: a Ctrl-C ends the process with ``line`` on stderr and exit
+  status 130 (the innermost block's ``line``); anything else raised passes through."""
   running = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
   stop = running if isinstance(running, _Stop) else _Stop(line)
   old = None if stop is running else _install(stop.on_sigint)
@@ -65,9 +43,8 @@ def stops_on_ctrl_c(line: str):
 
 
 def _install(handler):
-  """``handler`` for SIGINT where Python's own is in place (in the main thread: a handler can
-  be set only there): the one it replaced, or None if it left SIGINT as it was (ignored, or
-  someone else's handler)."""
+  """``handler`` for SIGINT where Python's own is in place (main thread only): the one it
+  replaced, or None if it left SIGINT as it was (ignored, or someone else's)."""
   if threading.current_thread() is not threading.main_thread():
     return None
   if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
@@ -128,9 +105,8 @@ class _Stop:
 
 
 def _outermost_holding(frame):
-  """The outermost frame of code that holds a Ctrl-C (the module docstring says why) on the
-  stack from ``frame`` down: an import, a garbage-collector callback or a ``__del__``; None if
-  there is none."""
+  """The outermost frame from ``frame`` down of code that holds a Ctrl-C (an import, a gc
+  callback or a ``__del__``); None if there is none."""
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   outer = None
   while frame is not None:

@@ -1,21 +1,8 @@
-"""Compiling for an accelerator that is not here: named targets, their devices, the plugins.
-
-XLA compiles for a GPU or TPU it cannot see once it has the platform's compiler:
-``jax-cuda12-plugin`` (no CUDA libraries needed) for GPUs, described by a
-``GpuTargetConfigProto`` (``aft_jax/gpu_specs/``), and ``libtpu`` for TPUs, described by a
-topology name. ``jax.experimental.topologies.get_topology_desc`` then gives devices that
-``jax.jit(f).lower(...).compile()`` targets; ``compiled.memory_analysis()`` is XLA's own buffer
-assignment for that device (compiled for the target without a device, not a measurement).
-
-The plugins are kept out of the environment, each in its own folder
-(``plugin_dir(kind)``, filled by ``python -m aft_jax.deviceless install``): installed beside jax
-they would start with every jax program and warn that no GPU or TPU is there. A deviceless
-compile therefore runs in a process started with ``environment(kind)``; ``reexec`` restarts
-the current command that way.
-
-    python -m aft_jax.deviceless install            # both plugins (~180 MB + ~250 MB download)
-    python -m aft_jax.deviceless install cuda       # the GPU one only
-"""
+"""Compiling for an accelerator that is not here (docs/scaling.md, "Does it fit my GPU?";
+docs/development.md): named targets, their devices (``jax.experimental.topologies``) and the
+compiler plugins, each kept in its own folder (``plugin_dir``) and seen only by a process
+started in ``environment(kind)`` (beside jax, they would start with every jax program and warn
+that no GPU or TPU is there): python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]"""
 
 from __future__ import annotations
 
@@ -34,10 +21,8 @@ _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-  """A device to compile for without it. ``kind``: 'cuda', 'tpu' or 'cpu', the compiler plugin
-  it needs (named as jax's plugins are; a GPU's jax platform is 'gpu': ``ops.device_facts``);
-  ``spec``: the GPU description file, or the TPU generation ('v5e'); ``memory_bytes``: a
-  device's memory (GPUs: read from the spec)."""
+  """A device to compile for without it. ``kind``: the compiler plugin it needs ('cuda', 'tpu'
+  or 'cpu'); ``spec``: the GPU description file (``GpuTargetConfigProto``) or TPU generation."""
 
   name: str
   kind: str
@@ -71,14 +56,10 @@ TARGETS = {
 
 
 def get(name: str) -> CompileTarget:
-  """The target called ``name``; a ValueError listing the known names otherwise."""
   if name not in TARGETS:
     known = ", ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
     raise ValueError(f"--target: unknown target {name!r}; the targets are: {known}")
   return TARGETS[name]
-
-
-# --------------------------------------------------------------------------- the plugins
 
 
 def _jaxlib_version() -> str:
@@ -86,8 +67,8 @@ def _jaxlib_version() -> str:
 
 
 def plugin_packages(kind: str) -> list[str]:
-  """The pip requirements of ``kind``'s compiler, for the installed jax: the CUDA plugin at
-  exactly jaxlib's version; libtpu at the version jax's own ``tpu`` extra names."""
+  """The pip requirements of ``kind``'s compiler: the CUDA plugin at exactly jaxlib's version,
+  libtpu at the version jax's ``tpu`` extra names."""
   if kind == "cuda":
     v = _jaxlib_version()
     return [f"jax-cuda12-plugin=={v}", f"jax-cuda12-pjrt=={v}"]
@@ -103,8 +84,7 @@ def plugin_packages(kind: str) -> list[str]:
 
 
 def plugin_dir(kind: str) -> str:
-  """Where ``kind``'s plugin lives: $AFT_JAX_PLUGIN_DIR (default ~/.cache/aft_jax/plugins),
-  then jaxlib's version and the kind, so a new jax gets its own matching copy."""
+  """$AFT_JAX_PLUGIN_DIR (default ~/.cache/aft_jax/plugins)/jaxlib-<version>/<kind>."""
   root = os.environ.get("AFT_JAX_PLUGIN_DIR") or os.path.join(
     os.path.expanduser("~"), ".cache", "aft_jax", "plugins"
   )
@@ -112,16 +92,14 @@ def plugin_dir(kind: str) -> str:
 
 
 def _name(requirement: str) -> str:
-  """A requirement's distribution name, normalised (PEP 503): "jax-cuda12-plugin==0.10.2" ->
-  "jax-cuda12-plugin"."""
+  """A requirement's distribution name, normalised (PEP 503)."""
   return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]).lower()
 
 
 def incomplete(kind: str) -> str | None:
   """Why ``kind``'s plugin folder holds no whole install (None: it does, or it is absent): a
-  package missing from it, or a file of one missing or of another size than pip's RECORD says
-  (an interrupted install, a cleaned cache). Such a folder loads no compiler, and XLA would
-  only say "topology not implemented"."""
+  package or file missing, or a file of another size than pip's RECORD says (XLA would only
+  say "topology not implemented")."""
   path = plugin_dir(kind)
   if not os.path.isdir(path) or not os.listdir(path):
     return None
@@ -140,13 +118,11 @@ def incomplete(kind: str) -> str | None:
 
 
 def installed(kind: str) -> bool:
-  """Whether ``kind``'s plugin folder holds a whole install (``incomplete``)."""
   path = plugin_dir(kind)
   return os.path.isdir(path) and bool(os.listdir(path)) and incomplete(kind) is None
 
 
 def reinstall_note(kind: str) -> str:
-  """The one line for a plugin folder that ``incomplete`` finds wanting."""
   return (
     f"the {kind} compiler plugin in {plugin_dir(kind)} is incomplete ({incomplete(kind)}): "
     f"reinstall: python -m aft_jax.deviceless install {kind}"
@@ -154,9 +130,8 @@ def reinstall_note(kind: str) -> str:
 
 
 def install(kind: str, quiet: bool = False) -> str:
-  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there
-  (an incomplete folder is removed first); returns the folder. A RuntimeError with pip's last
-  lines if pip fails."""
+  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there;
+  returns the folder. A RuntimeError with pip's last lines if pip fails."""
   path = plugin_dir(kind)
   if installed(kind):
     return path
@@ -174,16 +149,14 @@ def install(kind: str, quiet: bool = False) -> str:
 
 
 def ptxas() -> str:
-  """The path of ``ptxas`` from the ``ptxas`` plugin folder (installed on first use)."""
   path = os.path.join(install("ptxas", quiet=True), "nvidia", "cuda_nvcc", "bin", "ptxas")
   os.chmod(path, os.stat(path).st_mode | 0o111)  # pip --target may drop the executable bit
   return path
 
 
 def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dict:
-  """The environment of a process that compiles for ``kind`` ('cuda', 'tpu' or 'cpu'): its
-  plugin folder first on PYTHONPATH, the switches it needs, and with ``num_cpu_devices`` that
-  many host devices (the 'cpu' target)."""
+  """The environment of a process that compiles for ``kind``: its plugin folder on PYTHONPATH,
+  the switches it needs, and ``num_cpu_devices`` host devices (the 'cpu' target)."""
   env = dict(os.environ if base is None else base)
   env[CHILD_ENV] = kind
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the plugin's "no CUDA driver" INFO lines
@@ -215,32 +188,25 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
 
 
 def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
-  """Replaces this process by the same command in ``environment(kind)``, unless it already
-  runs there (then returns). Installs the plugin first if it is missing."""
+  """Restarts this command in ``environment(kind)`` (the plugin installed first if missing),
+  unless it already runs there."""
   if os.environ.get(CHILD_ENV) == kind:
     return
-  if kind in ("cuda", "tpu"):
-    if incomplete(kind) is not None:  # not repaired unasked: it may be in use, or being made
-      raise RuntimeError(reinstall_note(kind))
-    install(kind)
+  if kind in ("cuda", "tpu") and incomplete(kind) is None:
+    install(kind)  # (an incomplete folder is not repaired unasked: ``environment`` refuses it)
   argv = list(sys.argv if argv is None else argv)
   sys.stdout.flush()
   os.execve(sys.executable, [sys.executable, *argv], environment(kind, num_cpu_devices))
 
 
-# --------------------------------------------------------------------------- devices
-
-
-# The most devices a dry run compiles for: the CPU target makes that many host devices in its
-# own process (the cost grows with their number: a million hung before any check), a GPU
-# target a topology (65,536 devices made in 1.6 s on a 2-core CPU), a TPU target a slice of at
-# most 256 chips (``_tpu_layout``).
+# The most devices a dry run compiles for: host devices cost with their number (a million hung
+# before any check); a TPU slice has at most 256 chips (``_tpu_layout``).
 MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
 
 
 def check_num_devices(target: CompileTarget, num_devices: int) -> None:
-  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for; checked
-  before anything starts (a restart with a million host devices would hang first)."""
+  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for (checked
+  before the restart into ``environment``)."""
   if num_devices < 1:
     raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
   limit = MAX_DEVICES[target.kind]
@@ -254,8 +220,7 @@ def check_num_devices(target: CompileTarget, num_devices: int) -> None:
 
 
 def _tpu_layout(n: int) -> tuple[str, int]:
-  """A TPU slice name with at least n chips (a 1x1 layout is refused, so 1 or 2 chips are
-  taken from a 2x2) and n."""
+  """A TPU slice name with at least n chips (1 or 2 from a 2x2: a 1x1 is refused) and n."""
   side = {1: "2x2", 2: "2x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16"}
   if n not in side and n != 256:
     raise ValueError(f"--num_devices: a TPU slice has 1, 2, 4, ... 256 chips, not {n}")
@@ -263,13 +228,12 @@ def _tpu_layout(n: int) -> tuple[str, int]:
 
 
 def devices(target: CompileTarget | str, num_devices: int = 1) -> list:
-  """``num_devices`` devices of ``target`` to compile for (the process must run in
-  ``environment(target.kind)``)."""
+  """``num_devices`` devices of ``target`` (``check_num_devices``'s) to compile for, in a
+  process started in ``environment(target.kind)``."""
   import jax
   from jax.experimental import topologies
 
   target = get(target) if isinstance(target, str) else target
-  check_num_devices(target, num_devices)
   if target.kind == "cpu":
     found = jax.devices("cpu")
     if len(found) < num_devices:
@@ -302,7 +266,6 @@ def _main(argv) -> int:
     or argv[0] != "install"
     or any(k not in ("cuda", "tpu", "ptxas") for k in argv[1:])
   ):
-    print(__doc__.strip().splitlines()[-2:][0].strip(), file=sys.stderr)
     print("usage: python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]", file=sys.stderr)
     return 2
   for kind in argv[1:] or ("cuda", "tpu", "ptxas"):

@@ -1,9 +1,5 @@
-"""Files that are either whole or absent: written under a temporary name, then renamed.
-
-``os.replace`` is atomic on POSIX file systems, so a reader (or a rerun after a crash) sees the
-old file or the complete new one, never a half-written one. Used for every file the project
-writes outside Orbax checkpoints: configs, results, vocabularies, prepared token arrays.
-"""
+"""Files that are either whole or absent (written under a temporary name, then renamed: a
+reader or a rerun after a crash never sees half a file); disk-space and file-path checks."""
 
 from __future__ import annotations
 
@@ -30,19 +26,15 @@ class DiskFullError(OSError):
 
 
 def check_space(path: str, num_bytes: int) -> None:
-  """DiskFullError unless the disk holding ``path`` (a file to write) has ``num_bytes`` free.
-
-  Checked before a large file is written: a memory-mapped file on a full disk dies of SIGBUS
-  (no message, its temporary file left), and a plain write fails only once the disk is full.
-  """
+  """DiskFullError unless the disk holding ``path`` has ``num_bytes`` free (before a large
+  file is written: a memory-mapped file on a full disk dies of SIGBUS, without a message)."""
   if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < num_bytes:
     raise DiskFullError(path, num_bytes)
 
 
 def check_file_path(flag: str, path: str) -> None:
-  """A one-line ValueError naming ``flag`` unless ``path`` can be written as a file: not empty,
-  not an existing folder, device or pipe, in a folder that exists. A symlink stands for the file
-  it points to (``atomic_path`` writes that file)."""
+  """A one-line ValueError naming ``flag`` unless ``path`` (or the file a symlink points to) can
+  be written as a file: not empty, no folder, device or pipe, in a folder that exists."""
   if not path:
     raise ValueError(f"{flag} is empty: give a file name")
   real = os.path.realpath(path)
@@ -56,12 +48,8 @@ def check_file_path(flag: str, path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
-  """Yields a temporary path beside ``path``; renames it to ``path`` if the block succeeds.
-
-  ``suffix`` ends the temporary name (``.npy`` for ``np.lib.format.open_memmap``, which adds
-  it otherwise). On an exception the temporary file is removed and ``path`` is untouched. A
-  symlink is written through: the file it points to is replaced, the link stays.
-  """
+  """Yields a temporary path beside ``path`` (ending in ``suffix``), renamed to ``path`` if the
+  block succeeds, removed otherwise. A symlink is written through: the link stays."""
   path = os.path.realpath(path)
   tmp = f"{path}.tmp-{os.getpid()}{suffix}"
   try:
@@ -73,14 +61,12 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
 
 
 def cannot_write(path: str, e: OSError) -> OSError:
-  """``e``, a failed write of ``path`` (a full disk, a read-only folder), as one line naming
-  ``path`` (a failed write or close names no file)."""
+  """``e``, a failed write of ``path``, as one line naming ``path``."""
   return OSError(e.errno, f"cannot write {path}: {e.strerror or e}")
 
 
 def atomic_write(path: str, text: str) -> None:
-  """Writes ``text`` (UTF-8, '\\n' line ends) to ``path`` atomically (``cannot_write``'s
-  error where it cannot)."""
+  """Writes ``text`` (UTF-8, '\\n' line ends) to ``path`` atomically."""
   try:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
       f.write(text)
@@ -89,7 +75,6 @@ def atomic_write(path: str, text: str) -> None:
 
 
 def atomic_write_json(path: str, obj, indent: int = 2, allow_nan: bool = True) -> None:
-  """Writes ``obj`` as JSON (keys sorted) to ``path`` atomically; ``allow_nan=False``: strict
-  JSON, a ValueError for a NaN or infinite float."""
+  """Writes ``obj`` as JSON (keys sorted) to ``path`` atomically."""
   text = json.dumps(obj, indent=indent, sort_keys=True, allow_nan=allow_nan)
   atomic_write(path, text + "\n")

@@ -1,17 +1,6 @@
-"""Device meshes and logical-axis sharding (what pjit became: ``jax.jit`` with shardings).
-
-The mesh has four axes (MaxText's names):
-
-    data      pure data parallelism: the batch is split, parameters are replicated
-    fsdp      data parallelism with parameters and optimizer state sharded too (ZeRO-3 style)
-    tensor    tensor (model) parallelism: MLP hidden units, AFT channels and attention heads split
-    sequence  context parallelism: the activations' T split into consecutive shards; the
-              causal AFT layers run their op per shard (``axis_name``, ``in_mesh_shards``)
-
-Modules name their parameters' axes (``embed``, ``mlp``, ``heads``, ...; see
-``aft_jax.layers``); ``DEFAULT_RULES`` maps those logical names to mesh axes. This module knows
-nothing about the model.
-"""
+"""Device meshes (axes data, fsdp, tensor, sequence) and logical-axis sharding: modules name
+their parameters' axes, ``DEFAULT_RULES`` maps the names to mesh axes (docs/scaling.md, "The
+mesh"; the sequence axis: docs/long_sequences.md, "Context parallelism")."""
 
 from __future__ import annotations
 
@@ -51,8 +40,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(TypedConfig):
-  """``config.mesh``: the device mesh; data x fsdp x tensor x sequence = the number of
-  devices."""
+  """``config.mesh``: data x fsdp x tensor x sequence = the number of devices."""
 
   WHERE = "mesh"
   ADDED = {"sequence": ("2bacbb7", 1)}  # T was never split before (TypedConfig.as_written)
@@ -76,8 +64,7 @@ class MeshConfig(TypedConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RulesConfig(TypedConfig):
-  """``config.logical_axis_rules``: logical axis name -> mesh axes, as a list of [name, axes]
-  pairs (only settable in a config file); ``rules_from_config`` reads it."""
+  """``config.logical_axis_rules``: [logical name, mesh axes] pairs (config files only)."""
 
   logical_axis_rules: list = dataclasses.field(
     default_factory=lambda: [list(r) for r in DEFAULT_RULES]
@@ -85,10 +72,7 @@ class RulesConfig(TypedConfig):
 
 
 def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
-  """(data, fsdp, tensor, sequence) of ``mesh_cfg`` (checked with the run config: its
-  ``problems()``) over ``num_devices``; one of them may be -1 (the rest)."""
-  if not isinstance(mesh_cfg, MeshConfig):
-    raise TypeError(f"mesh_shape takes a MeshConfig, not a {type(mesh_cfg).__name__}")
+  """(data, fsdp, tensor, sequence) of ``mesh_cfg`` over ``num_devices`` (-1: the rest)."""
   sizes = [getattr(mesh_cfg, a) for a in MESH_AXES]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
@@ -108,13 +92,11 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
 
 
 def _axis_names(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
-  """What is wrong with splitting each global batch size (``batch_size=16``) over ``dp``
-  data-parallel devices: one line per size they do not divide (touches no device)."""
+  """One line per global batch size (``batch_size=16``) that ``dp`` devices do not divide."""
   return [
     f"{name} = {size} is not divisible by the {dp} data-parallel devices (mesh data x fsdp)"
     for name, size in batch_sizes.items()
@@ -123,10 +105,9 @@ def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
 
 
 def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
-  """Each global batch size (``batch_size=16``) must split evenly over the data-parallel
-  devices (mesh data x fsdp, or their number), and those over the processes: each process
-  feeds its own rows."""
-  dp = mesh if isinstance(mesh, int) else data_parallel_size(mesh)
+  """Each global batch size must split evenly over the data-parallel devices (mesh data x fsdp,
+  or their number), and those over the processes."""
+  dp = mesh if isinstance(mesh, int) else mesh.shape["data"] * mesh.shape["fsdp"]
   uneven = uneven_batches(dp, **batch_sizes)
   if uneven:
     raise ValueError(uneven[0])
@@ -139,9 +120,8 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor', 'sequence') mesh over ``devices`` (default: all devices of
-  all hosts). Too few or too many CPU devices for the mesh: the error says how to make as many
-  as it takes (jax makes the CPU one device unless told)."""
+  """The mesh over ``devices`` (default: every host's); on CPUs, a device count that does not
+  fit says how to make as many as it takes."""
   devices = list(jax.devices() if devices is None else devices)
   try:
     shape = mesh_shape(mesh_cfg, len(devices))
@@ -160,23 +140,15 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
 
 
 def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
-  """Normalises rules from a config (lists from JSON) to tuples."""
+  """Rules from a config (lists from JSON) as tuples."""
   if rules is None:
     return DEFAULT_RULES
-  out = []
-  for name, axes in rules:
-    if isinstance(axes, list):
-      axes = tuple(axes)
-    out.append((name, axes))
-  return tuple(out)
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
 
 
 def logical_shardings(abstract_tree, mesh: Mesh, rules):
-  """NamedShardings for a tree whose leaves may be ``nn.Partitioned`` (logical names) boxes.
-
-  A dimension whose size the mesh axes it maps to do not divide (a word vocabulary of 267,735
-  over tensor = 2, say) is replicated instead, with a warning: jit cannot split it evenly.
-  """
+  """NamedShardings of a tree of ``nn.Partitioned`` boxes; a dimension its mesh axes do not
+  divide (a vocabulary of 267,735 over tensor = 2) is replicated instead, with a warning."""
   specs = nn.get_partition_spec(abstract_tree)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
   replicated_dims = []
@@ -203,7 +175,6 @@ def logical_shardings(abstract_tree, mesh: Mesh, rules):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches ``[B, T]`` are split over the data-parallel axes."""
   return NamedSharding(mesh, P(("data", "fsdp")))
 
 
@@ -211,16 +182,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-  return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def put_batch(batch: dict, mesh: Mesh) -> dict:
-  """Assembles each process's local rows into global arrays sharded over the batch axes.
-
-  Every process passes the same number of rows; the global batch has process_count times as
-  many (stating it makes a mesh whose batch shards do not split across processes an error).
-  """
+  """Each process's local rows (as many in each) as global arrays over the batch axes."""
   sh = batch_sharding(mesh)
   out = {}
   for k, v in batch.items():
@@ -232,24 +195,19 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
 
 
 def axis_sizes(mesh: Mesh) -> dict[str, int]:
-  """The mesh's axis sizes as runs report them: the sequence axis only where it splits T (so
-  a report reads as before context parallelism otherwise)."""
+  """The mesh's axis sizes as runs report them: the sequence axis only where it splits T."""
   return {a: n for a, n in mesh.shape.items() if a != SEQUENCE or n > 1}
 
 
 def in_mesh_shards(fn, args, names, splits_t: bool = True):
-  """``fn(*args, axis_name=...)`` on each device's shard of ``args``, inside ``jax.shard_map``
-  over the mesh being traced for (``jax.set_mesh``): each array of ``args`` laid out by its
-  logical axis names ``names`` (one tuple per array; "activation_length" is T, split over the
-  ``sequence`` axis, whose name ``fn`` then gets), the result laid out as the first.
-
-  Why a shard_map also where T is whole (sequence = 1): the causal ops loop over chunks of T,
-  and XLA's partitioner, left to itself on a data-parallel mesh, reshards inside that loop (the
-  2-device AFT-simple step held all-to-alls and collective-permutes in its ``while``); rows,
-  and channels over ``tensor``, are independent, so each device scans its own. Outside a mesh
-  of several devices, where a dimension does not split evenly over its mesh axes, or where T is
-  split but ``fn`` cannot take a shard of T (``splits_t`` False: AFT-full):
-  ``fn(*args, axis_name=None)`` on the whole arrays."""
+  """``fn(*args, axis_name=...)`` on each device's shard of ``args`` (laid out by their logical
+  axis names ``names``; T split over ``sequence`` gives ``fn`` that axis name), inside
+  ``jax.shard_map`` over the mesh being traced for; the result laid out as the first. On the
+  whole arrays (``axis_name=None``) outside a mesh of several devices, where a dimension does
+  not split evenly, or where T is split and ``splits_t`` is False (AFT-full)."""
+  # A shard_map also where T is whole: left to itself, XLA's partitioner reshards inside the
+  # causal ops' loop over chunks of T (all-to-alls in the ``while``); rows and channels are
+  # independent, so each device scans its own.
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(dict(mesh.shape).values()) == 1:
     return fn(*args, axis_name=None)

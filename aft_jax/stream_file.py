@@ -1,15 +1,7 @@
-"""A stream's state as a file: ``aft-generate --save_state FILE`` writes it, ``--state FILE``
-continues from it.
-
-The file is safetensors: one tensor per leaf of the ``decode.Stream`` -- ``cache/<path>`` (the
-model's decoding cache: each layer's state and ``pos``, the tokens fed), ``last`` (int32 ``[B]``,
-each row's last token, not yet fed) and ``rng`` (the sampling key's data) -- and as metadata
-``format`` (``FORMAT``), ``version``, ``model`` (the model's ``fingerprint``), ``position`` (the
-tokens of the stream so far), ``rng_impl`` (the key's PRNG) and ``sha256``, the SHA-256 of all
-the rest (``_digest``). A file whose digest does not verify is damage, refused in one line, and
-so is a state written by another model (another fingerprint): a state is continued only by the
-model that wrote it.
-"""
+"""A stream's state as a file (``aft-generate --save_state`` / ``--state``; docs/training.md,
+"Streams: no length limit"): safetensors, one tensor per leaf of the ``decode.Stream``
+(``cache/<path>``, ``last``, ``rng``), and as metadata the format, version, the model's
+``fingerprint``, the position, the key's PRNG and a SHA-256 of all the rest (``_digest``)."""
 
 from __future__ import annotations
 
@@ -32,9 +24,8 @@ _SEP = "/"
 
 
 def fingerprint(model_cfg, params) -> str:
-  """The model as a SHA-256 (hex): its config (every field, as JSON) and every parameter (its
-  path, dtype, shape and bytes, in path order). Two models with one fingerprint compute the
-  same function."""
+  """The model as a SHA-256 (hex) of its config and every parameter (path, dtype, shape, bytes):
+  two models with one fingerprint compute the same function."""
   h = hashlib.sha256()
   cfg = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
   h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -50,7 +41,6 @@ def _hash_array(h, name: str, a: np.ndarray) -> None:
 
 
 def _digest(meta: dict, tensors: dict) -> str:
-  """The SHA-256 a file carries: of its format name, its other metadata and every tensor."""
   h = hashlib.sha256(f"{FORMAT}\n".encode())
   h.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
   for name in sorted(tensors):
@@ -86,9 +76,8 @@ def save(path: str, stream: Stream, model_fingerprint: str) -> None:
 
 
 def load(path: str, model, model_fingerprint: str) -> Stream:
-  """The ``Stream`` in ``path`` for ``model`` (whose fingerprint is ``model_fingerprint``); a
-  one-line ValueError for a file that cannot be read, is damaged, is not a stream state or was
-  written by another model."""
+  """The ``Stream`` in ``path`` for ``model``; a one-line ValueError for a file that cannot be
+  read, is damaged, is no stream state or was written by another model."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load as st_load  # pylint: disable=g-import-not-at-top
 

@@ -1,38 +1,6 @@
-"""A run's workdir: the one description of its files, and the value that reads and writes them.
-
-    <workdir>/config.json               the config the run continues with (written once a
-                                        restore succeeded; each checkpoint also holds its own)
-    <workdir>/corpus.json               the corpus record (``aft_jax.data.record``): name, unit,
-                                        tokenizer, bos_id, vocabulary size and SHA-256, tokens
-                                        per split, the text files' digests, the version of the
-                                        builder that made it
-    <workdir>/vocab.txt                 word-level runs: the vocabulary, one token per line
-    <workdir>/subword.model             subword runs: the SentencePiece model (its SHA-256 is
-                                        in corpus.json and in every checkpoint, so a damaged
-                                        or replaced copy is refused)
-    <workdir>/metrics.jsonl             one JSON record per logged step, validation and result
-    <workdir>/results.json              the final numbers (``aft_jax.trainer.train_lib``)
-    <workdir>/final_eval.json           the final evaluation's splits as each is done (a rerun
-                                        after an interruption takes them from here)
-    <workdir>/trainer.lock              held by the one trainer writing here
-    <workdir>/tensorboard/              TensorBoard event files and profiles
-    <workdir>/wandb/, wandb_run_id      with config.wandb.project: W&B's files and the id of
-                                        the W&B run a resume continues (``wandb_log``)
-    <workdir>/checkpoints/<step>/       Orbax checkpoints: state, data position, config, corpus
-                                        record and their checksums
-    <workdir>/damaged_checkpoints/<s>/  checkpoints that could not be restored, moved aside
-
-With ``corpus.json`` (and ``vocab.txt`` or ``subword.model``) a workdir is self-contained:
-sampling, evaluating a text file and exporting need neither the dataset nor a data folder, so a
-copied workdir works on another machine. Only evaluating a split of the corpus reads the data again.
-
-Nothing here is written by a run that is then refused: the trainer checks the config, the data
-and the checkpoint against the workdir first, and writes only once every check has passed.
-
-This module is the bottom layer of the trainer and the tools: it imports only the package's
-file helpers, vocabularies and corpus record (``aft_jax.data.record``). What is in a checkpoint
-is ``aft_jax.trainer.checkpointing``'s; loading a trained run back is ``aft_jax.tools.trained``.
-"""
+"""A run's workdir: the one description of its files (docs/training.md, "What lands in the
+workdir"), and the value that reads and writes them. The bottom layer of the trainer and the
+tools: it imports only the file helpers, vocabularies and the corpus record."""
 
 from __future__ import annotations
 
@@ -50,10 +18,7 @@ from aft_jax.data import vocab as vocab_lib
 
 @dataclasses.dataclass(frozen=True)
 class Workdir:
-  """The workdir at ``path`` (made absolute): every file's path, and reading and writing each.
-
-  Nothing is created until something is written.
-  """
+  """The workdir at ``path`` (made absolute); nothing is created until something is written."""
 
   path: str
 
@@ -64,7 +29,6 @@ class Workdir:
 
   @classmethod
   def of(cls, workdir: str | Workdir) -> Workdir:
-    """``workdir`` as a Workdir (a path, or one already)."""
     return workdir if isinstance(workdir, Workdir) else cls(workdir)
 
   def __str__(self) -> str:
@@ -88,21 +52,16 @@ class Workdir:
   checkpoints_dir = property(lambda self: self._file("checkpoints"))
   damaged_checkpoints_dir = property(lambda self: self._file("damaged_checkpoints"))
 
-  # ------------------------------------------------------------------ config and results
-
   def write_config(self, config: dict) -> None:
-    """config.json (a plain dict: the run config's tree, ``RunConfig.tree``)."""
     os.makedirs(self.path, exist_ok=True)
     files.atomic_write_json(self.config_file, config)
 
   def read_config(self) -> dict | None:
-    """config.json's dict; None where there is none."""
     return _read_json(self.config_file)
 
   def write_results(self, results: dict) -> None:
-    """results.json, strict JSON: a number that is not finite (a diverged run's NaN loss, an
-    overflowed perplexity) is written as null, and ``not_finite`` names each such key with the
-    value it had ("nan", "inf", "-inf")."""
+    """results.json, strict JSON: a NaN or infinite number is null, and ``not_finite`` names
+    each such key with its value ("nan", "inf", "-inf")."""
     results, not_finite = dict(results), {}
     for key, value in results.items():
       if isinstance(value, float) and not math.isfinite(value):
@@ -112,17 +71,13 @@ class Workdir:
     files.atomic_write_json(self.results_file, results, allow_nan=False)
 
   def write_final_eval(self, progress: dict) -> None:
-    """final_eval.json: the step, the protocol and each finished split's result."""
     files.atomic_write_json(self.final_eval_file, progress)
 
   def read_final_eval(self) -> dict | None:
     return _read_json(self.final_eval_file)
 
-  # ------------------------------------------------------------------ corpus and vocabulary
-
   def save_corpus(self, corpus) -> None:
-    """``corpus.json`` (the corpus record, ``record.of_corpus``) and the vocabulary's file:
-    ``vocab.txt`` for words, ``subword.model`` for subwords (bytes need none)."""
+    """corpus.json (``record.of_corpus``) and the vocabulary's file (bytes need none)."""
     os.makedirs(self.path, exist_ok=True)
     if isinstance(corpus.vocab, vocab_lib.WordVocab):
       corpus.vocab.save(self.vocab_file)
@@ -131,9 +86,8 @@ class Workdir:
     files.atomic_write_json(self.corpus_file, record.of_corpus(corpus))
 
   def check_trained_vocab(self, info: dict, vocab: vocab_lib.Vocab, saved: dict | None, since):
-    """Refuses (``record.DataChanged``, one line) a workdir whose vocabulary (``load_vocab``'s
-    ``info`` and ``vocab``) is not the one ``saved`` (a checkpoint's corpus record) says the
-    model was trained with; ``since`` names the checkpoint."""
+    """Refuses (``record.DataChanged``) a vocabulary (``load_vocab``'s) other than the one
+    ``saved``, a checkpoint's corpus record, says the model was trained with."""
     now = {"tokenizer": info["tokenizer"], "vocab_size": vocab.size}
     if getattr(vocab, "sha256", None) is not None:
       now["vocab_sha256"] = vocab.sha256
@@ -150,21 +104,19 @@ class Workdir:
     )
 
   def read_corpus(self) -> dict | None:
-    """corpus.json's dict (the corpus record); None where there is none."""
     return _read_json(self.corpus_file)
 
   def trained_corpus(self, items: dict) -> dict | None:
-    """The corpus record of the run whose checkpoint holds the JSON ``items`` ({}: none saved
-    yet): the checkpoint's own, else corpus.json; for a run trained before workdirs kept one,
-    ``record.unrecorded`` of results.json and the checkpoint's data position. None: no run."""
+    """The corpus record of the run whose checkpoint holds the JSON ``items`` ({}: none yet):
+    the checkpoint's, else corpus.json; for a run trained before workdirs kept one,
+    ``record.unrecorded`` of results.json and the data position. None: no run."""
     saved = items.get("corpus") or self.read_corpus()
     if saved is None and (items or os.path.isfile(self.config_file)):
       saved = record.unrecorded(_read_json(self.results_file), items.get("data"))
     return saved
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
-    """(corpus.json's dict, vocabulary); None for a run saved without them. A vocabulary file
-    that is missing or damaged is a one-line ValueError naming it."""
+    """(corpus.json's dict, vocabulary); None for a run saved without them."""
     info = self.read_corpus()
     if info is None:
       return None
@@ -190,11 +142,9 @@ class Workdir:
     except ValueError as e:
       raise ValueError(f"--workdir {self.path}: {e}") from None
 
-  # ------------------------------------------------------------------ metrics
-
   def read_metrics(self) -> list[dict]:
-    """metrics.jsonl, keeping the last record of each (step, kind of record): after a resume,
-    the steps between the last checkpoint and the interruption were logged again."""
+    """metrics.jsonl, the last record of each (step, kind of record): a resume logs again the
+    steps between the last checkpoint and the interruption."""
     by_key = {}
     with open(self.metrics_file) as f:
       for line in f:
@@ -202,18 +152,15 @@ class Workdir:
         by_key[(rec["step"], tuple(sorted(rec)))] = rec
     return sorted(by_key.values(), key=lambda r: r["step"])
 
-  # ------------------------------------------------------------------ checkpoints
-
   def checkpoint_steps(self) -> list[int]:
-    """Steps of the complete checkpoints (Orbax names them by step; a save in progress has a
-    temporary name)."""
+    """Steps of the complete checkpoints (a save in progress has a temporary name)."""
     if not os.path.isdir(self.checkpoints_dir):
       return []
     return sorted(int(d) for d in os.listdir(self.checkpoints_dir) if d.isdigit())
 
   def check(self, step: int | None = None) -> int:
-    """The checkpoint step to load (default: the latest); a one-line ValueError (naming the
-    ``--workdir`` / ``--step`` flag) if there is none. Reads only: nothing is created."""
+    """The checkpoint step to load (default: the latest); a one-line ValueError naming
+    ``--workdir`` or ``--step`` if there is none."""
     if not os.path.isdir(self.path):
       raise ValueError(f"--workdir {self.path} does not exist")
     if not os.path.exists(self.config_file):
@@ -231,8 +178,7 @@ class Workdir:
 
 
 def _read_json(path: str) -> dict | None:
-  """The JSON object in ``path``; None where there is none; a one-line ValueError naming the
-  file where it is not a JSON object (damaged)."""
+  """The JSON object in ``path``; None where there is none."""
   if not os.path.exists(path):
     return None
   try:
@@ -246,8 +192,8 @@ def _read_json(path: str) -> dict | None:
 
 
 def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
-  """What an export keeps of a vocabulary beside the corpus record: a word vocabulary's tokens,
-  a subword model's bytes (base64), nothing for bytes; ``vocab_from_info`` reads it back."""
+  """What an export keeps of a vocabulary: its tokens, a subword model's bytes (base64) or
+  nothing for bytes; ``vocab_from_info`` reads it back."""
   if isinstance(vocab, vocab_lib.WordVocab):
     return vocab.tokens
   if isinstance(vocab, subword.SubwordVocab):

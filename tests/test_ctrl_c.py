@@ -1,11 +1,7 @@
 """Ctrl-C in every command (aft_jax/ctrl_c.py): one line on stderr, exit status 130, nothing
-half-written left, never a crash, a traceback or a Ctrl-C that is lost.
-
-Each command is stopped at a known point, not after a guessed time: the command's process (a
-console script's entry point, run by ``COMMAND``) replaces one function by a stand-in that
-prints ``blocked`` on stdout and then waits for a Ctrl-C, and the test sends SIGINT once it has
-read that line.
-"""
+half-written left, never a crash, a traceback or a lost Ctrl-C. Each command is stopped at a
+known point: a stand-in for one function prints ``blocked`` and waits, and the test sends SIGINT
+once it has read that line."""
 
 import os
 import shutil
@@ -19,14 +15,11 @@ import pytest
 from tests.support import prefork
 from tests.support.helpers import ROOT, config_flags, listing, trained_run_config
 
-# python -c COMMAND MODE TARGET SCRIPT ENTRY ARGS...: the console script SCRIPT (its entry point
-# ENTRY, "module:function" as in pyproject.toml) with ARGS and Ctrl-C at Python's default (as
-# from a terminal, whatever this process inherited), stopped by MODE at TARGET ("module.name"):
-# "read" lets the coroutine TARGET (Orbax's read of one array) finish, then blocks inside
-# it, as a Ctrl-C during a checkpoint's read finds it, other reads in flight; "call" blocks
-# before calling TARGET (each only once: later calls go on); "gc" calls TARGET, then has a
-# garbage-collector callback send the process SIGINT (where Python prints a KeyboardInterrupt
-# as "Exception ignored" and drops it).
+# python -c COMMAND MODE TARGET SCRIPT ENTRY ARGS...: the console script SCRIPT (entry point
+# ENTRY) with ARGS and Ctrl-C at Python's default, stopped by MODE at TARGET ("module.name"):
+# "read" blocks once the coroutine TARGET (Orbax's read of one array) is done, other reads in
+# flight; "call" blocks before the first call of TARGET; "gc" calls TARGET, then has a
+# garbage-collector callback send the process SIGINT.
 COMMAND = r"""
 import gc, importlib, signal, sys, time
 import orbax.checkpoint  # before one of its modules on its own (an import cycle otherwise)
@@ -70,11 +63,9 @@ sys.argv = [script, *args]
 getattr(importlib.import_module(module), function)()
 """
 
-# python -c IMPORTS K MODE SCRIPT ENTRY ARGS...: the console script SCRIPT (its entry point
-# ENTRY) with ARGS, one SIGINT sent at the K-th Python call that a C extension's initialisation
-# makes (numpy's and jaxlib's call Python code as they load), counting from the start: "signal"
-# sends it there, "gc" from a garbage-collector callback run there (jaxlib's loading makes
-# tens of thousands of such calls; a process that ends without sending it says so).
+# python -c IMPORTS K MODE SCRIPT ENTRY ARGS...: the console script with one SIGINT at the K-th
+# Python call a C extension's initialisation makes (numpy's, jaxlib's), sent there ("signal")
+# or from a garbage-collector callback run there ("gc"); a process that never sends it says so.
 IMPORTS = r"""
 import _imp, atexit, gc, importlib, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -120,8 +111,7 @@ NOTHING_WRITTEN = "interrupted (Ctrl-C): stopped; nothing was written"
 
 def _interrupt(mode, target, entry, args, while_blocked=lambda: None):
   """(exit status, stdout lines, stderr lines) of the console script ``entry`` ("script=module:
-  function") with ``args``, stopped by one SIGINT where ``mode`` at ``target`` says
-  (``COMMAND``); ``while_blocked()`` runs just before the SIGINT."""
+  function") stopped as ``COMMAND`` says; ``while_blocked()`` runs just before the SIGINT."""
   script, _, entry = entry.partition("=")
   cmd = [sys.executable, "-c", COMMAND, mode, target, script, entry, *map(str, args)]
   proc = prefork.popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -152,9 +142,8 @@ def run_copy(trained_run, tmp_path):
 def test_ctrl_c_while_a_tool_reads_the_checkpoint_is_one_line_and_exit_status_130(
   tool, run_copy, tmp_path
 ):
-  """Inside Orbax's read, which wraps what interrupts it in an Exception of its own: not a
-  damaged checkpoint (exit status 1, "cannot be read"), and none of the tracebacks of the
-  reading threads after the line. Three times: the reads still in flight differ each time."""
+  """Inside Orbax's read (which wraps an interruption in its own Exception): not a damaged
+  checkpoint, no reading thread's traceback. Three times: the reads in flight differ."""
   before = listing(run_copy)
   args = {
     "generate": ["--length", 2],
@@ -170,8 +159,7 @@ def test_ctrl_c_while_a_tool_reads_the_checkpoint_is_one_line_and_exit_status_13
 
 
 def test_ctrl_c_while_train_py_resumes_is_one_line_and_exit_status_130(run_copy):
-  """Not a damaged checkpoint either: not moved to damaged_checkpoints/ (the run does not go on
-  from an older one), nor a run that cannot resume."""
+  """Not a damaged checkpoint either (nothing moved aside), nor a run that cannot resume."""
   before = listing(run_copy)
   args = ["--config", "quickstart", "--workdir", run_copy, *config_flags(trained_run_config())]
   status, _, err = _interrupt("read", READ, "aft-train=aft_jax.trainer.train:run", args)
@@ -204,8 +192,7 @@ def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tm
 
 
 def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
-  """Raised at the first call after the callback (jax has one, where a Ctrl-C often lands): the
-  command stops, where Python alone would drop it and sample to the end (exit status 0)."""
+  """Raised at the first call after the callback, where Python alone would drop it."""
   got = _interrupt(
     "gc",
     "aft_jax.tools.trained.load_run",
@@ -217,11 +204,9 @@ def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
 
 @pytest.mark.slow
 def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_status_130(tmp_path):
-  """Every command, a Ctrl-C at points spread over numpy's and jaxlib's loading (there Python
-  would raise it inside their initialisation: an ImportError, a crash), or in a garbage-collector
-  callback run there (where Python drops it): held until the imports are done, then the
-  command's one line, nothing written. Plain processes (not forked from a server that imported
-  jax), run side by side."""
+  """Every command, a Ctrl-C at points spread over numpy's and jaxlib's loading, or in a gc
+  callback run there: held until the imports are done, then the command's one line, nothing
+  written. Plain processes (not forked from a server that imported jax), side by side."""
   gone = tmp_path / "gone"  # never created
   stopped = "interrupted (Ctrl-C): stopped"
   tool = lambda name, *args: (name, ["--workdir", gone, *args], f"{name}: {NOTHING_WRITTEN}")  # noqa: E731
@@ -287,8 +272,8 @@ for _ in range(int(os.environ["SIGINTS"])):
 def test_a_ctrl_c_during_an_import_is_held_until_it_returns_and_a_second_stops_at_once(
   sigints, tmp_path
 ):
-  """The import goes on to its end and the command stops as it returns, before the next line;
-  a second Ctrl-C meanwhile ends the process at once. The line is the innermost block's."""
+  """The import goes on to its end, the command stops as it returns; a second Ctrl-C meanwhile
+  ends the process at once. The line is the innermost block's."""
   (tmp_path / "sends_sigint.py").write_text(SENDS_SIGINT)
   env = {**os.environ, "SIGINTS": str(sigints)}
   cmd = [sys.executable, "-c", HELD, str(tmp_path)]

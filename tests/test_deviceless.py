@@ -1,30 +1,9 @@
-"""aft-jax compiles to machine code for GPUs and TPUs that are not here (``aft_jax.deviceless``),
-and ``impl="auto"`` chooses right for each of them:
-
-1. the kernels of every configuration ``impl="auto"`` can choose (each ``triton.CONFIGS``
-   entry, for AFT-simple and for AFT-local with two windows), forward and forward+backward,
-   float32 and bfloat16: one case of each op, mode and dtype, the configurations spread over
-   them, lowers for a T4 (sm_75) without a Triton call (its XLA path compiles in 2.), and
-   compiles for an H100 (sm_90) with exactly the Triton calls the ops' jaxprs hold, each with
-   the grid of the configuration ``config_for`` chose (sm_80, the tighter architecture, compiles
-   every case of both kernel forms in tests/ops/test_kernel_resources.py);
-   ``impl="pallas"`` for a T4 is a ValueError naming its compute capability 7.5;
-2. the quickstart train step (``model.impl="auto"``, built by ``train_lib.make_trainer`` as
-   ``aft-train`` builds it) compiles for a T4 with no Triton call for every mixing layer, and
-   for an H100 with one kernel set per layer for AFT-simple (AFT-local's: tests/trainer/
-   test_dry_run.py); the notebook's GPU model (notebooks/quickstart.ipynb, bfloat16) compiles
-   for a T4 without one;
-3. ``impl="auto"`` is decided before anything is compiled: the ops' ``resolve`` takes the
-   kernels for an H100 and XLA for a T4, as the compiled train steps hold them;
-4. the TPU AFT-simple kernel (B 1, T 16384, D 512, bfloat16, ``impl="pallas"``) compiles for a
-   v5e and a v6e, forward and forward+backward, with the Mosaic calls its jaxpr holds and less
-   temp memory than the XLA path; an AFT-simple LM train step with it compiles for a v5e.
-
-Each platform's compiles run in one subprocess (tests/support/deviceless_worker.py, in
-``deviceless.environment(kind)``, where jax sees the platform's compile plugin); both start once
-per session, side by side, and the tests assert on their JSON. A missing plugin fails the tests
-with the command that installs it: ``python -m aft_jax.deviceless install``.
-"""
+"""Compiling for GPUs and TPUs that are not here (``aft_jax.deviceless``), and ``impl="auto"``
+choosing right for each: every kernel configuration, the quickstart train steps and the
+notebook's GPU model for a T4 and an H100, ``resolve``'s choice before compiling, the TPU kernel
+for a v5e and a v6e. Each platform's compiles run once per session in a subprocess
+(tests/support/deviceless_worker.py, in ``deviceless.environment(kind)``), both side by side;
+the tests assert on their JSON. A missing plugin fails them with its install command."""
 
 import collections
 import fcntl
@@ -60,12 +39,8 @@ MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 _FIXTURE = {"cuda": "cuda_results", "tpu": "tpu_results"}  # the fixture of each worker's JSON
 
 
-# --------------------------------------------------------------------------- the workers
-
-
 def _start(kind: str, folder) -> dict:
-  """The worker for ``kind`` started (its output into ``folder``), or {"error": ...} where
-  its plugin is missing (``deviceless.environment`` names the install)."""
+  """The worker for ``kind`` started, or {"error": ...} where its plugin is missing."""
   try:
     env = deviceless.environment(kind)
   except RuntimeError as e:
@@ -83,7 +58,6 @@ def _start(kind: str, folder) -> dict:
 
 
 def _wait(run: dict) -> dict:
-  """The JSON of a started worker (its last line of stdout), or {"error": why there is none}."""
   if "error" in run:
     return run
   proc = run["proc"]
@@ -108,9 +82,8 @@ def _wait(run: dict) -> dict:
 
 
 class _Worker:
-  """One platform's worker, run once per pytest session: the first process to need it (of
-  pytest-xdist's, or the only one) runs it under an exclusive lock and leaves its JSON in the
-  shared folder; the others wait on the lock and read that."""
+  """One platform's worker, run once per session: the first process to need it runs it under
+  an exclusive lock and leaves its JSON in the shared folder; the others wait and read that."""
 
   def __init__(self, kind: str, folder):
     self.kind, self.folder = kind, folder
@@ -138,10 +111,8 @@ class _Worker:
     return json.loads(self.path.read_text())
 
   def close(self, stopping: bool):
-    """At the module's end: a worker this process started whose results no test here asked
-    for is waited for and its JSON left for the session's other processes (pytest-xdist may
-    have sent them the tests that need it), unless the session is stopping (then it is
-    killed); the lock is given up."""
+    """At the module's end: a worker whose results no test here asked for is waited for (other
+    xdist processes may need them), or killed if the session is stopping."""
     if self.run is not None and "proc" in self.run:
       if stopping:
         self.run["proc"].kill()
@@ -153,8 +124,7 @@ class _Worker:
 
 @pytest.fixture(scope="module")
 def workers(request, tmp_path_factory):
-  """The worker of every platform that a selected test of this module needs, all started at
-  once (the CUDA and TPU compiles run side by side): {kind: _Worker}."""
+  """{kind: _Worker} of every platform a selected test needs, all started at once."""
   selected = [item for item in request.session.items if item.module is request.module]
   folder = shared.session_dir(tmp_path_factory)
   needed = [k for k, f in _FIXTURE.items() if any(f in item.fixturenames for item in selected)]
@@ -175,8 +145,7 @@ def tpu_results(workers):
 
 
 def _item(results: dict, name: str):
-  """The worker's result for ``name``; the test fails with the worker's error where it has
-  one (a missing plugin, a crash, an exception in that item)."""
+  """The worker's result for ``name``; the test fails with the worker's error where it has one."""
   if "error" in results:
     pytest.fail(results["error"], pytrace=False)
   item = results[name]
@@ -186,29 +155,22 @@ def _item(results: dict, name: str):
 
 
 def _compiled(res: dict, what: str) -> dict:
-  """``res`` (one compile's facts), failing the test where that compile raised."""
   assert res["ok"], f"{what} did not compile: {res['error']}"
   return res
 
 
-# --------------------------------------------------------------------------- expectations
-
-
 def _capability(name: str) -> tuple[int, int]:
-  """A GPU target's compute capability, as its description names it ("sm_75")."""
   major, minor = re.search(r"sm_(\d+)(\d)\b", deviceless.get(name).description).groups()
   return int(major), int(minor)
 
 
 def _takes_kernels(name: str) -> bool:
-  """Whether impl="auto" takes the Triton kernels for GPU target ``name`` (XLA's rule)."""
   return _capability(name) >= common.TRITON_MIN_CAPABILITY
 
 
 def _expected_grid(kernel: str, batch: int, t: int, d: int) -> list[int]:
-  """The grid of a GPU kernel of these shapes under the configuration ``config_for`` chooses:
-  (batch rows, channel blocks) for the sequential kernels; (query chunks, channel blocks of
-  ``dw_config``) for AFT-local's bias gradient."""
+  """A kernel's grid under ``config_for``'s configuration (AFT-local's bias gradient: query
+  chunks x ``dw_config``'s channel blocks)."""
   if kernel == "_dw_kernel":
     cfg = triton_local.dw_config(d)
     return [math.ceil(t / cfg.block_t), d // cfg.block_d, 1]
@@ -220,7 +182,6 @@ def _counter(calls) -> collections.Counter:
 
 
 def _kernels_per_layer(kernels: dict, op: str) -> int:
-  """The kernels of one forward+backward of ``op`` (the kernel matrix's jaxprs)."""
   counts = {
     len(e)
     for c, e in zip(kernels["cases"], kernels["expected"])
@@ -230,13 +191,9 @@ def _kernels_per_layer(kernels: dict, op: str) -> int:
   return counts.pop()
 
 
-# --------------------------------------------------------------------------- 1. GPU kernels
-
-
 def test_kernel_cases_cover_every_configuration(cuda_results):
-  """The cases make ``config_for`` choose each configuration, per op, mode and dtype; the
-  ops' jaxprs use that configuration (the grids), and a forward+backward holds more kernels
-  than the forward."""
+  """Per op, mode and dtype the cases take every configuration, with its grids; a
+  forward+backward holds more kernels than the forward."""
   kernels = _item(cuda_results, "kernels")
   cases, expected = kernels["cases"], kernels["expected"]
   for op in ("aft_simple", "aft_local"):
@@ -263,12 +220,9 @@ def test_kernel_cases_cover_every_configuration(cuda_results):
 
 @pytest.mark.parametrize("name", GPUS)
 def test_every_kernel_configuration_compiles(cuda_results, name):
-  """One program holding one case of each op, mode and dtype (``representatives``, which take
-  every configuration between them) compiles for ``name`` with exactly the cases' kernels
-  (names and grids) where impl="auto" takes them; on a T4 it is lowered (``LOWER_ONLY``: its XLA
-  path is what the T4 train steps compile; the choice there rests on the device, not the
-  shapes) and holds no Triton call. sm_80 compiles every case's kernels, per configuration, in
-  tests/ops/test_kernel_resources.py."""
+  """One program of one case per op, mode and dtype (``representatives``: every configuration)
+  compiles for ``name`` with exactly the cases' kernels where impl="auto" takes them; for a T4
+  it is lowered (``LOWER_ONLY``) and holds no Triton call."""
   targets = _item(cuda_results, "targets")
   cc = targets[name]["compute_capability"]
   assert cc == "{}.{}".format(*_capability(name)), f"{name}: the topology's device is {cc}"
@@ -295,8 +249,7 @@ def test_every_kernel_configuration_compiles(cuda_results, name):
 
 
 def test_pallas_for_a_t4_is_a_value_error_naming_its_capability(cuda_results):
-  """An explicit impl="pallas" for a T4 stops at lowering with a ValueError that says why
-  (its compute capability), never a silent XLA path or an XLA compile error."""
+  """An explicit impl="pallas" for a T4 is a ValueError naming its compute capability."""
   assert not _takes_kernels("t4")
   cc = "{}.{}".format(*_capability("t4"))
   for op, res in _item(cuda_results, "pallas_on_t4").items():
@@ -304,13 +257,9 @@ def test_pallas_for_a_t4_is_a_value_error_naming_its_capability(cuda_results):
     assert f"compute capability {cc}" in res["message"] and op in res["message"], res
 
 
-# --------------------------------------------------------------------------- 2. train steps
-
-
 def _check_step(res: dict, name: str, model: dict, batch: int, seq_len: int, kernels: dict):
-  """A compiled train step for ``name``: impl 'auto' kept, nothing said, and per layer one
-  forward+backward kernel set (grids of ``config_for``'s choice) where impl="auto" takes the
-  kernels for this mixing; no Triton call anywhere else."""
+  """impl 'auto' kept, nothing said, one forward+backward kernel set per layer where impl="auto"
+  takes the kernels, no Triton call elsewhere."""
   mixing = model["mixing"]
   what = f"{mixing} for {name}"
   res = _compiled(res, what)
@@ -326,10 +275,8 @@ def _check_step(res: dict, name: str, model: dict, batch: int, seq_len: int, ker
 @pytest.mark.parametrize("name", sorted(TRAIN_STEP_MIXINGS))
 def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
   """configs/quickstart.py with model.impl="auto", built as aft-train builds it, compiles for a
-  T4 with every mixing layer but AFT-local (XLA everywhere; AFT-local's is the notebook's
-  model) and for an H100 with AFT-simple
-  (its kernels, in every layer, with ``config_for``'s configuration for the recipe's shapes;
-  AFT-local's H100 step is the dry run's in tests/trainer/test_dry_run.py)."""
+  T4 with every mixing but AFT-local (the notebook's) and for an H100 with AFT-simple's kernels
+  (AFT-local's: tests/trainer/test_dry_run.py)."""
   from configs import quickstart
 
   config = quickstart.get_config()
@@ -346,8 +293,7 @@ def test_quickstart_train_step_of_every_mixing_compiles(cuda_results, name):
 
 @pytest.mark.parametrize("name", NOTEBOOK_GPUS)
 def test_notebook_gpu_model_compiles(cuda_results, name):
-  """The model notebooks/quickstart.ipynb trains on a GPU runtime compiles for Colab's free
-  one, a T4, without a Triton call."""
+  """notebooks/quickstart.ipynb's GPU model compiles for a T4 without a Triton call."""
   nb = _item(cuda_results, "notebook")
   model = nb["model"]
   # The notebook's accelerator branch: bfloat16 compute, a model with AFT-local kernels.
@@ -356,14 +302,9 @@ def test_notebook_gpu_model_compiles(cuda_results, name):
   _check_step(nb[name], name, model, nb["batch_size"], nb["seq_len"], kernels)
 
 
-# --------------------------------------------------------------------------- 3. decided first
-
-
 def test_auto_is_decided_for_the_device_before_compiling(cuda_results):
-  """The ops' ``resolve``, asked for each GPU's device before anything is traced, takes the
-  Triton kernels exactly where XLA's rule allows them (compute capability 8.0), and the train
-  steps compiled from it hold them exactly there: AFT-simple's kernels for an H100, XLA for a
-  T4 (no compile is tried and undone)."""
+  """The ops' ``resolve``, asked before anything is traced, takes the Triton kernels exactly
+  where XLA's rule allows them (an H100, not a T4), as the compiled train steps hold them."""
   decided = _item(cuda_results, "decided")
   steps = _item(cuda_results, "train_steps")
   assert sorted(decided) == sorted(GPUS), decided
@@ -374,14 +315,10 @@ def test_auto_is_decided_for_the_device_before_compiling(cuda_results):
     assert bool(step["calls"]) == (decided[name]["kernel"] is not None), (name, step["calls"])
 
 
-# --------------------------------------------------------------------------- 4. TPU
-
-
 @pytest.mark.parametrize("name", ["v5e", "v6e"])
 def test_tpu_kernel_compiles_and_needs_less_memory_than_xla(tpu_results, name):
-  """The Mosaic AFT-simple kernel at a long sequence compiles for ``name``, forward and
-  forward+backward, holding the calls (and grids of ``config_for``) of its jaxpr, and XLA's
-  buffer assignment gives it less temp memory than the XLA path (its reason to exist)."""
+  """The Mosaic AFT-simple kernel at a long T compiles for ``name`` (forward, and backward) with
+  its jaxpr's calls and grids, and less temp memory than the XLA path."""
   item = _item(tpu_results, "tpu_kernel")
   assert item["shape"] == [1, 16384, 512] and item["dtype"] == "bfloat16", item
   res, (b, t, d) = item[name], item["shape"]
@@ -400,8 +337,7 @@ def test_tpu_kernel_compiles_and_needs_less_memory_than_xla(tpu_results, name):
 
 
 def test_tpu_lm_train_step_compiles_for_v5e(tpu_results):
-  """The quickstart LM with AFT-simple and impl="pallas" compiles its train step for a v5e,
-  one forward+backward kernel set per layer."""
+  """The quickstart LM with AFT-simple, impl="pallas": one kernel set per layer, for a v5e."""
   res = _item(tpu_results, "train_step")
   model = res["model"]
   assert model["mixing"] == "aft_simple" and model["impl"] == "pallas", model

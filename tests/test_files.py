@@ -28,26 +28,22 @@ def test_failed_write_keeps_the_old_file(tmp_path):
   assert os.listdir(tmp_path) == ["vocab.txt"]
 
 
+NO_FILE = "is not a regular file (a device or a pipe): give a file name"
+
+
 @pytest.mark.parametrize(
-  "kind, message",
+  "path, message",
   [
-    ("empty", "--out is empty: give a file name"),
-    ("folder", "--out {path} is a directory: give a file name"),
-    ("device", "--out {path} is not a regular file (a device or a pipe): give a file name"),
-    ("pipe", "--out {path} is not a regular file (a device or a pipe): give a file name"),
-    ("link_to_device", "--out {path} is not a regular file (a device or a pipe): give a file name"),
-    ("missing_folder", "--out {path}: folder {tmp}/no does not exist"),
+    ("", "--out is empty: give a file name"),
+    ("{tmp}", "--out {path} is a directory: give a file name"),
+    ("/dev/null", "--out {path} " + NO_FILE),
+    ("{tmp}/pipe", "--out {path} " + NO_FILE),
+    ("{tmp}/link", "--out {path} " + NO_FILE),  # a link to a device
+    ("{tmp}/no/m.msgpack", "--out {path}: folder {tmp}/no does not exist"),
   ],
 )
-def test_a_path_that_cannot_be_written_as_a_file_is_refused_in_one_line(tmp_path, kind, message):
-  path = {
-    "empty": "",
-    "folder": str(tmp_path),
-    "device": "/dev/null",
-    "pipe": str(tmp_path / "pipe"),
-    "link_to_device": str(tmp_path / "link"),
-    "missing_folder": str(tmp_path / "no" / "m.msgpack"),
-  }[kind]
+def test_a_path_that_cannot_be_written_as_a_file_is_refused_in_one_line(tmp_path, path, message):
+  path = path.format(tmp=tmp_path)
   os.mkfifo(tmp_path / "pipe")
   os.symlink("/dev/null", tmp_path / "link")
   with pytest.raises(ValueError) as e:

@@ -14,6 +14,7 @@ from aft_jax.sharding import MeshConfig
 from aft_jax.trainer import default_config
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
+from aft_jax.trainer.step_log import StepLogConfig
 from aft_jax.typed_config import flatten, type_ok
 from tests.support.helpers import tiny_config
 
@@ -43,6 +44,7 @@ def test_the_tree_is_the_components_keys_each_once():
     (OptimizerConfig, {"learning_rate": True}, "config.learning_rate = True should be a float"),
     (ModelConfig, {"window": 0}, "config.model.window = 0 must be in [1, config.model.max_len"),
     (ModelConfig, {"dtype": "float16"}, "config.model.dtype = 'float16': use 'float32' or"),
+    (StepLogConfig, {"profile_steps": (5, 2)}, "config.profile_steps = (5, 2) must be (start, "),
   ],
 )
 def test_each_component_checks_its_keys(component, change, message):

@@ -12,17 +12,9 @@ from aft_jax.workdir import Workdir
 
 def test_files_live_under_the_workdir_and_read_back(tmp_path):
   wd = Workdir(str(tmp_path / "run"))
-  names = [
-    wd.config_file,
-    wd.corpus_file,
-    wd.vocab_file,
-    wd.metrics_file,
-    wd.results_file,
-    wd.lock_file,
-    wd.tensorboard_dir,
-    wd.checkpoints_dir,
-    wd.damaged_checkpoints_dir,
-  ]
+  files = "config corpus vocab subword metrics results final_eval lock".split()
+  dirs = "tensorboard checkpoints damaged_checkpoints".split()
+  names = [getattr(wd, f"{n}_file") for n in files] + [getattr(wd, f"{n}_dir") for n in dirs]
   assert len(set(names)) == len(names) and all(os.path.dirname(n) == wd.path for n in names)
   assert not os.path.exists(wd.path)  # nothing is created before something is written
   assert wd.read_config() is None and wd.load_vocab() is None and wd.checkpoint_steps() == []

@@ -1,29 +1,8 @@
 """Scores a trained run: aft-evaluate --workdir runs/x [--split test | --text_file F]
 
-Exact perplexity of a checkpoint (the latest, or --step) on a split of the run's corpus or on
-any UTF-8 text file: the sum of the negative log-likelihood over every token divided by the
-number of tokens, computed by the trainer's own evaluation (``Trainer.evaluate``), so a split
-gives the number the run printed at its end and wrote to results.json: by default it scores with
-the run's final protocol (``final_eval_stride``). --stride S < seq_len scores each token with at
-least seq_len - S tokens of context (sliding windows; 0: disjoint windows).
-
-A stream (``model.position_embedding = 'none'``: AFT-simple or AFT-conv1d, no length limit) is
-scored with the whole past by default: the text (or the split) is one sequence, read left to
-right in chunks with the decoding state carried (``decode.score_stream``), each token conditioned
-on everything before it; --stride scores it in windows instead, as the run did at its end.
-
-A text file is tokenised like the corpus, its first token predicted after an end of line (a
-document boundary for subwords); a JSONL or Parquet file (``.jsonl``, ``.jsonl.gz``,
-``.parquet``) holds records, read as the corpus reads them (``aft_jax.data.text``: the run's
-``data.text_field`` and ``data.encoding``), each record's text a document followed by the
-boundary, as in a split. Byte and subword models read any text and also report bits per
-byte (the total NLL over ln 2 and the text's UTF-8 bytes, so vocabularies compare); word models
-map words outside their
-vocabulary to <unk> (the count is reported as ``unk_tokens``; a vocabulary without <unk>
-refuses them). Progress bars go to stderr; the last line on stdout is one JSON object:
-
-    {"nll": ..., "ppl": ..., "bpb": ..., "tokens": ..., "step": ..., "split": "test",
-     "protocol": "disjoint_windows" | "sliding_window" | "whole_past", ...}
+Exact perplexity of a checkpoint by the trainer's own evaluation, or with the whole past for a
+stream (docs/training.md, "After training" and "Streams: no length limit"); the last stdout line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -62,10 +41,8 @@ SPLIT_HINT = (
 
 
 def read_text(path: str, data) -> str | list[str]:
-  """What ``--text_file`` scores: the text of a UTF-8 file, or the documents of a JSONL or
-  Parquet file (by its ending), read as the corpus reads records (``text.read_documents``, with
-  the ``text_field`` and ``encoding`` of ``data``, the run's DataConfig); one-line ValueErrors
-  for a missing, empty or non-UTF-8 file or a bad record (naming its line or row group)."""
+  """What ``--text_file`` scores: a UTF-8 file's text, or a JSONL or Parquet file's documents
+  read as the corpus reads records (with ``data``, the run's DataConfig)."""
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
 
   records = text_lib.is_records(path)
@@ -84,11 +61,9 @@ def read_text(path: str, data) -> str | list[str]:
 
 
 def encode_text(vocab, text: str | list[str]):
-  """(ids, UTF-8 bytes, number of words read as <unk>) of a ``text`` under the corpus's
-  tokenizer, or of records' documents, each followed by the boundary as in a split
-  (``text.encode_documents``: the bytes count one per boundary)."""
+  """(ids, UTF-8 bytes, number of words read as <unk>) of a text, or of records' documents each
+  followed by the boundary as in a split."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
   from aft_jax.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
 
@@ -107,8 +82,8 @@ def encode_text(vocab, text: str | list[str]):
 def evaluate_run(
   run, *, split: str | None = None, text: str | list[str] | None = None, stride=None
 ) -> dict:
-  """Scores ``run`` (``trained.load_run``'s) on a split, a text or records' documents
-  (``read_text``'s): the JSON line's dict."""
+  """The JSON line's dict of ``run`` (``trained.load_run``'s) scored on a split (default
+  validation) or a ``read_text``; ``stride``: default the run's ``final_eval_stride``."""
   from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   from aft_jax import decode  # pylint: disable=g-import-not-at-top
   from aft_jax.trainer import evaluation  # pylint: disable=g-import-not-at-top
@@ -118,8 +93,6 @@ def evaluate_run(
   whole_past = cfg.model.streams and stride is None
   # results.json's numbers were scored with the final protocol: by default, the same.
   stride = cfg.eval.final_eval_stride if stride is None else stride
-  if not 0 <= stride <= seq_len:
-    raise ValueError(f"--stride = {stride} must be in [0, seq_len = {seq_len}] (0: disjoint)")
   result = {"step": run.step, "unit": run.vocab.unit}
   num_bytes = None
   if text is not None:
@@ -130,8 +103,6 @@ def evaluate_run(
     desc = "text"
   else:
     split = split or "validation"
-    if split not in SPLITS:
-      raise ValueError(f"--split {split!r} must be one of {SPLITS}")
     from aft_jax.data import record  # pylint: disable=g-import-not-at-top
     from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
@@ -160,20 +131,18 @@ def evaluate_run(
 
 
 def evaluate_main(args: argparse.Namespace) -> dict:
-  """Runs the command: prints the JSON line and returns its dict."""
+  """The JSON line's dict (``run_command`` prints it)."""
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   if args.split is not None and args.text_file is not None:
     raise ValueError("give --split or --text_file, not both")
   if args.split is not None and args.split not in SPLITS:
     raise ValueError(f"--split {args.split!r} must be one of {SPLITS}")
-  if args.stride is not None and args.stride < 0:
-    raise ValueError(f"--stride = {args.stride} must be >= 0 (0: disjoint windows)")
-  wd = Workdir(args.workdir)
-  wd.check(args.step)  # before anything slow
+  config = trained.run_config(args.workdir, args.step)  # before anything slow
+  seq_len = config.train.seq_len
+  if args.stride is not None and not 0 <= args.stride <= seq_len:
+    raise ValueError(f"--stride = {args.stride} must be in [0, seq_len = {seq_len}] (0: disjoint)")
   check = None
-  config = trained.run_config(wd)
   text = read_text(args.text_file, config.data) if args.text_file is not None else None
   if text is None:  # a split: its files must be the ones trained on, checked before any load
     from aft_jax.data import record  # pylint: disable=g-import-not-at-top
@@ -182,7 +151,7 @@ def evaluate_main(args: argparse.Namespace) -> dict:
       now = record.sources(config.data)
       record.check_sources(trained_on, now, trained.since(step), SPLIT_HINT)
 
-  run = trained.load_run(wd, args.step, check=check, config=config)
+  run = trained.load_run(args.workdir, args.step, check=check, config=config)
   result = evaluate_run(run, split=args.split, text=text, stride=args.stride)
   result["workdir"] = os.path.abspath(args.workdir)
   if args.text_file is not None:
@@ -191,7 +160,7 @@ def evaluate_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-  """Console-script entry point (``aft-evaluate``); ``argv`` defaults to ``sys.argv[1:]``."""
+  """The ``aft-evaluate`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)

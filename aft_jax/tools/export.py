@@ -1,31 +1,8 @@
 """Exports a trained run to one file: aft-export --workdir runs/x --out model.msgpack
 
-The file is a msgpack document (``flax.serialization``) holding the parameters and a JSON
-string with the model config and the vocabulary, or, with ``--format safetensors`` (the default
-for an ``--out`` ending in ``.safetensors``), a safetensors file: one tensor per parameter,
-named by its path in the parameter tree (``decoder/block_0/mlp/wi/kernel``), the same JSON in
-its metadata (key ``aft_jax``). Either carries a SHA-256 of its contents, and loads back with
-one call that needs neither Orbax nor the workdir nor the dataset:
-
-    from aft_jax import load_pretrained
-    model, params, vocab = load_pretrained("model.msgpack")  # or "model.safetensors"
-    logp_BTV = model.apply({"params": params}, vocab.encode("The ")[None])  # [1, T, V]
-
-``model`` is an ``aft_jax.model.TransformerLM``, ``params`` its parameters (NumPy arrays, exactly
-the checkpoint's values), ``vocab`` an ``aft_jax.data.Vocab`` (``encode`` / ``decode``). Sample
-with ``aft_jax.decode.sample_text(model, params, vocab, "The ", 200)``.
-
-``--format stablehlo`` (the default for an ``--out`` ending in ``.npz``) writes a serving
-artifact of a stream (``model.position_embedding = 'none'``): one ``.npz`` file holding the
-model's one-token decoding step and its prefill of ``chunk`` tokens (the model's ``max_len``),
-both lowered and serialized with ``jax.export`` (``step``, ``prefill``: bytes, any batch size),
-the parameters beside them (``param.0`` ... as float32, cast to the model's dtype inside), the
-state before any token (``state.0`` ..., one row) and ``meta``, JSON: the model config, the
-vocabulary, the number of params and state arrays, ``chunk``. Both functions map (params, state,
-tokens ``[B, T]``) to (log-probabilities ``[B, V]`` of the next token, state); an id outside
-[0, V) gives NaN, never another id's log-probabilities. A process that
-imports only jax and numpy loads and runs it (docs/training.md, "A serving artifact"); it runs
-on the platform it was exported on.
+msgpack or safetensors (``load_pretrained`` reads either back, needing neither Orbax nor the
+workdir), or a stream's serving artifact (``--format stablehlo``): docs/training.md, "After
+training" and "A serving artifact".
 """
 
 from __future__ import annotations
@@ -39,16 +16,12 @@ import os
 from aft_jax import files
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
-# 3: the parameters and model config as one payload, with the SHA-256 of the format name, the
-# version and the payload (``_digest``), so that any changed byte, the version's too, is refused
-# as damage; 2: the SHA-256 of the payload alone; 1: no checksum (both still read). Every later
-# version keeps version 3's rule, so a reader tells a newer file (whose digest verifies under
-# the version it claims) from a damaged one.
+# 3: the SHA-256 of the format name, the version and the payload (any changed byte is damage);
+# 2: of the payload alone; 1: no checksum (both still read). Later versions keep 3's rule, so a
+# reader tells a newer file (whose digest verifies) from a damaged one.
 VERSION = 3
 FORMATS = ("msgpack", "safetensors", "stablehlo")
-STABLEHLO = "aft_jax.stablehlo"  # the format name in a stablehlo artifact's meta
-# What an export keeps of the corpus record (``aft_jax.data.record``): what the ids mean, not
-# where the training files were.
+# What an export keeps of the corpus record: what the ids mean, not where the files were.
 CORPUS_KEYS = ("name", "unit", "tokenizer", "bos_id", "vocab_size", "vocab_sha256")
 SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON meta
 
@@ -61,23 +34,19 @@ def _model_config_dict(model_cfg) -> dict:
 
 
 def _payload(meta: str, params) -> bytes:
-  """The bytes an export's SHA-256 is taken of: the msgpack of {meta, params}, keys sorted
-  (a safetensors file, which keeps tensors by name, rebuilds exactly these bytes)."""
+  """The bytes an export's SHA-256 is taken of (a safetensors file rebuilds exactly these)."""
   from flax import serialization  # pylint: disable=g-import-not-at-top
 
   return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
 
 
 def _digest(version: int, payload: bytes) -> str:
-  """The SHA-256 an export of ``version`` carries for its ``payload``: from version 3 on, of the
-  format name and the version too (``VERSION``)."""
   head = b"" if version == 2 else f"{FORMAT} {version}\n".encode()
   return hashlib.sha256(head + payload).hexdigest()
 
 
 def _check_digest(path: str, version, payload, sha256) -> None:
-  """Refuses a file whose digest does not verify (damage, whatever its version says), then one
-  of a version this reader does not know (a newer aft_jax wrote it)."""
+  """Refuses damage (whatever the version says), then a version newer than this reader's."""
   known = isinstance(version, int) and version >= 2
   if not (known and isinstance(payload, bytes) and _digest(version, payload) == sha256):
     raise ValueError(
@@ -94,36 +63,19 @@ def _sorted(tree):
 def _flat(params) -> dict:
   """{"a/b/c": array} of a nested parameter dict (the safetensors names)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
 
-  out = {}
-  for key, value in params.items():
-    if isinstance(value, dict):
-      out.update({f"{key}/{k}": v for k, v in _flat(value).items()})
-    else:
-      out[key] = np.ascontiguousarray(value)
-  return out
-
-
-def _nested(flat: dict) -> dict:
-  tree = {}
-  for name, value in flat.items():
-    *parents, leaf = name.split("/")
-    node = tree
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return _sorted(tree)
+  flat = traverse_util.flatten_dict(params, sep="/")
+  return {k: np.ascontiguousarray(v) for k, v in flat.items()}
 
 
 def export_params(
   path: str, model_cfg, params, vocab, corpus_info: dict, fmt: str = "msgpack"
 ) -> None:
-  """Writes ``params`` with the model config and vocabulary to ``path`` (atomically). msgpack:
-  a map {format, version, sha256, payload}, the payload the msgpack of {meta, params};
-  safetensors: the parameters by name, {format, version, sha256, aft_jax: meta} as metadata,
-  the SHA-256 of the same payload."""
+  """Writes ``params``, the model config and the vocabulary to ``path`` (atomically). msgpack:
+  {format, version, sha256, payload: msgpack of {meta, params}}; safetensors: the parameters by
+  name, {format, version, sha256, aft_jax: meta} as metadata."""
   from flax import serialization  # pylint: disable=g-import-not-at-top
-
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
   corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
@@ -158,13 +110,12 @@ def _to_numpy(tree):
 
 
 def _is_safetensors(data: bytes) -> bool:
-  """A safetensors file: an 8-byte little-endian header length, then that much JSON."""
+  # A safetensors file: an 8-byte little-endian header length, then that much JSON.
   n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
   return 0 < n <= len(data) - 8 and data[8:9] == b"{"
 
 
 def _read_safetensors(path: str, data: bytes) -> dict:
-  """{meta, params} of a safetensors export, its checksum checked (one-line ValueErrors)."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load  # pylint: disable=g-import-not-at-top
 
@@ -177,7 +128,9 @@ def _read_safetensors(path: str, data: bytes) -> dict:
   info = header.get("__metadata__") or {}
   if info.get("format") != FORMAT or SAFETENSORS_META not in info:
     raise ValueError(f"load_pretrained: {path} is a safetensors file but not an aft_jax export")
-  params = _nested(flat)
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
+
+  params = _sorted(traverse_util.unflatten_dict(flat, sep="/"))
   version = int(info["version"]) if str(info.get("version", "")).isdigit() else None
   _check_digest(path, version, _payload(info[SAFETENSORS_META], params), info.get("sha256"))
   return {"meta": info[SAFETENSORS_META], "params": params}
@@ -214,8 +167,7 @@ def _read(path: str) -> dict:
 
 
 def _check_params(path: str, model, params) -> None:
-  """The parameters must be exactly the tree the model config builds: every path, shape and
-  dtype (an edited file otherwise fails later, inside the model)."""
+  """The parameters must be exactly the tree (paths, shapes, dtypes) the model config builds."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -240,12 +192,10 @@ def _check_params(path: str, model, params) -> None:
 
 
 def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors: told
-  apart by their contents, not their names; module doc). A damaged file
-  (any changed byte), a file of a newer format, a model config this version does not know and
-  parameters that are not the tree that config builds are one-line ValueErrors. A model key
-  added since the file was written takes the value its version ran with
-  (``ModelConfig.ADDED``)."""
+  """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors, told
+  apart by their contents). A damaged file, a newer format, an unknown model config or
+  parameters that are not the tree the config builds are one-line ValueErrors; a model key
+  added since the file was written takes the value its version ran with."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
@@ -260,27 +210,17 @@ def load_pretrained(path: str):
   return model, body["params"], vocab
 
 
-def _check_stablehlo(cfg) -> None:
-  """A one-line ValueError unless the model is a stream, which ``--format stablehlo`` needs."""
-  if not cfg.streams:
-    raise ValueError(
-      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
-      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
-      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
-    )
-
-
 def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:
-  """Writes the serving artifact of a stream (module doc) to ``path`` (atomically)."""
+  """Writes a stream's serving artifact to ``path`` (atomically; ``export_main`` checks that
+  ``model`` is a stream). One .npz: ``step`` and ``prefill`` (``jax.export``, any batch size),
+  ``param.<i>`` (float32), ``state.<i>`` (before any token, one row) and ``meta`` (JSON)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-
   from aft_jax import decode  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
   cfg = model.cfg
-  _check_stablehlo(cfg)
   leaves, params_def = jax.tree.flatten(params)
   state, state_def = jax.tree.flatten(jax.device_get(decode.init_cache(model, 1)))
 
@@ -303,7 +243,7 @@ def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None
 
   corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
   meta = {
-    "format": STABLEHLO,
+    "format": "aft_jax.stablehlo",
     "version": VERSION,
     "model": _model_config_dict(cfg),
     "corpus": corpus_info,
@@ -340,32 +280,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def export_main(args: argparse.Namespace) -> dict:
-  """Runs the command: writes the file and prints (and returns) one JSON line about it."""
+  """Writes the file; returns the JSON line about it (``run_command`` prints it)."""
   import jax  # pylint: disable=g-import-not-at-top
-
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   files.check_file_path("--out", args.out)
   out = os.path.abspath(args.out)
-  Workdir(args.workdir).check(args.step)
   suffixes = {".safetensors": "safetensors", ".npz": "stablehlo"}
   fmt = args.format or suffixes.get(os.path.splitext(out)[1], "msgpack")
-  config = trained.run_config(args.workdir)
-  if fmt == "stablehlo":
-    _check_stablehlo(config.model)  # before anything slow
+  config = trained.run_config(args.workdir, args.step)
+  cfg = config.model
+  if fmt == "stablehlo" and not cfg.streams:  # before anything slow
+    raise ValueError(
+      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
+      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
+      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
+    )
   run = trained.load_run(args.workdir, args.step, config=config)
   params = jax.device_get(run.params)
   if fmt == "stablehlo":
     export_stablehlo(out, run.model, params, run.vocab, run.corpus_info)
   else:
     export_params(out, run.model.cfg, params, run.vocab, run.corpus_info, fmt)
-  result = {"out": out, "step": run.step, "bytes": os.path.getsize(out), "format": fmt}
-  return result
+  return {"out": out, "step": run.step, "bytes": os.path.getsize(out), "format": fmt}
 
 
 def main(argv=None) -> None:
-  """Console-script entry point (``aft-export``); ``argv`` defaults to ``sys.argv[1:]``."""
+  """The ``aft-export`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("export", export_main, parse_args(argv), print_json=True)

@@ -1,21 +1,6 @@
 """Samples text from a trained run: aft-generate --workdir runs/x --prompt "The "
 
-Loads the run's config, vocabulary (both kept in the workdir, so no dataset is needed) and its
-latest (or --step) checkpoint, then decodes incrementally (``aft_jax.decode``), so any --length
-is honoured. A stream (a model with ``model.position_embedding = 'none'``: AFT-simple or
-AFT-conv1d) decodes one step per token at any position, in memory that does not grow with the
-text; any other model's context slides past its max_len (one line on stderr says so). Prints the
-prompt and its continuation; with --num_samples > 1 (sampled as one batch) each sample follows a
-header line.
-
-A stream's state is a file: --save_state FILE writes it after the output (``aft_jax.stream_file``:
-the model's fingerprint, the position, the last token and the sampling key); --state FILE goes on
-from it, exactly where it stopped (printing only the new text), or after --prompt where one is
-given, with the saved sampling key unless --seed is given. A state from another model, or a
-damaged file, is refused in one line.
-
-A prompt is encoded like the corpus: bytes take any text; a word model maps words outside its
-vocabulary to <unk> (and says how many on stderr), or refuses them if it has no <unk>.
+docs/training.md, "After training" and "Streams: no length limit" (--state, --save_state).
 """
 
 from __future__ import annotations
@@ -56,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompt(prompt: str, prompt_file: str | None) -> str:
-  """--prompt, or the text of --prompt_file (one-line errors for a missing or non-UTF-8 file)."""
+  """--prompt, or the text of --prompt_file."""
   if prompt_file is None:
     return prompt
   if prompt:
@@ -86,7 +71,6 @@ def check_args(args) -> None:
 
 
 def _check_stream(args, cfg) -> None:
-  """--state and --save_state need a stream (a one-line ValueError otherwise)."""
   flags = [f for f in ("--state", "--save_state") if getattr(args, f[2:]) is not None]
   if flags and not cfg.streams:
     raise ValueError(
@@ -98,18 +82,15 @@ def _check_stream(args, cfg) -> None:
 
 
 def generate_main(args: argparse.Namespace) -> list[str]:
-  """Runs the command: prints and returns the samples (each with the prompt)."""
+  """Prints and returns the samples (each with the prompt)."""
   from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import Workdir  # pylint: disable=g-import-not-at-top
 
   check_args(args)
   prompt = read_prompt(args.prompt, args.prompt_file)
-  wd = Workdir(args.workdir)
-  wd.check(args.step)  # before anything slow
-  config = trained.run_config(wd)
+  config = trained.run_config(args.workdir, args.step)  # before anything slow
   _check_stream(args, config.model)
-  run = trained.load_run(wd, args.step, config=config)
+  run = trained.load_run(args.workdir, args.step, config=config)
   cfg = run.model.cfg
   stream, model_fingerprint = None, None
   if args.state is not None or args.save_state is not None:
@@ -157,7 +138,7 @@ def generate_main(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv=None) -> None:
-  """Console-script entry point (``aft-generate``); ``argv`` defaults to ``sys.argv[1:]``."""
+  """The ``aft-generate`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("generate", generate_main, parse_args(argv))

@@ -1,6 +1,5 @@
 """A trained run loaded back from its workdir: what ``generate``, ``evaluate`` and ``export``
-start from. config.json (the run's ConfigDict, saved as JSON) is read here, once, into a
-``RunConfig``."""
+start from (docs/training.md, "After training")."""
 
 from __future__ import annotations
 
@@ -41,31 +40,24 @@ def since(step: int) -> str:
   return f"the checkpoint at step {step} was written"
 
 
-def run_config(workdir: str | Workdir) -> RunConfig:
-  """The run config of the workdir's config.json (checked as a run's: a key added since it was
-  written takes its default)."""
-  return RunConfig.from_saved(Workdir.of(workdir).read_config())
+def run_config(workdir: str | Workdir, step: int | None = None) -> RunConfig:
+  """The run config of the workdir's config.json, once ``--workdir`` and ``--step`` are checked
+  (``Workdir.check``: one line where there is no such checkpoint)."""
+  wd = Workdir.of(workdir)
+  wd.check(step)
+  return RunConfig.from_saved(wd.read_config())
 
 
 def load_run(
   workdir: str | Workdir, step: int | None = None, *, check=None, config: RunConfig | None = None
 ) -> TrainedRun:
-  """The run in ``workdir`` at checkpoint ``step`` (default: the latest), on one device.
-
-  The vocabulary comes from the workdir, and must be the one the checkpoint records it was
-  trained with (a one-line ``record.DataChanged`` naming the file otherwise); runs saved before
-  the workdir kept one load the corpus, as the builders' first versions made it. The checkpoint
-  is verified against its checksums: a damaged latest one (lost checksums included) is skipped
-  (one note on stderr), a damaged ``step`` is a one-line error; one written before checkpoints
-  carried checksums loads with a note on stderr that it is unverified.
-  ``check(step, corpus record or None)``, if given, runs before any array is read, and raises
-  to refuse (``aft-evaluate --split`` checks the data files with it). ``config``: the
-  workdir's ``run_config``, where the caller read it already.
-  """
+  """The run in ``workdir`` at checkpoint ``step`` (default: the latest intact one), on one
+  device, its vocabulary the one the checkpoint was trained with (docs/training.md,
+  "Reliability"). ``check(step, corpus record or None)`` runs before any array is read and
+  raises to refuse; ``config``: ``run_config(workdir, step)``, where the caller read it."""
   wd = Workdir.of(workdir)
   explicit = step is not None
-  step = wd.check(step)
-  config = run_config(wd) if config is None else config
+  config = run_config(wd, step) if config is None else config
   saved = wd.load_vocab()
   if saved is None:
     from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top  (TFDS: slow)

@@ -59,9 +59,8 @@ def test_evaluate_on_a_split_equals_the_trainers_final_number(byte_run, capsys, 
 
 
 def test_evaluate_a_split_uses_the_final_protocol_of_results_json(word_run, capsys):
-  """The run's final numbers came from sliding windows (final_eval_stride 16) while its
-  validation during training used disjoint windows: evaluate reproduces results.json by
-  default, and --stride still chooses another protocol."""
+  """results.json's final numbers (sliding windows, final_eval_stride 16; disjoint during
+  training) by default; --stride chooses another protocol."""
   path, results = word_run
   assert results["eval_protocol"]["stride"] == 16 and results["train_eval_protocol"]["stride"] == 32
   out = _evaluate(capsys, "--workdir", path, "--split", "validation")
@@ -130,8 +129,7 @@ def test_evaluate_bad_flags_are_one_line_errors(byte_run, flags, message):
 
 
 def test_evaluate_refuses_ids_outside_the_vocabulary_in_one_line(byte_run, tmp_path, monkeypatch):
-  """Ids the model has no row for (here a tokenizer that disagrees with the model): one line,
-  not a NaN perplexity."""
+  """Ids the model has no row for (a tokenizer that disagrees with it): one line, not a NaN."""
   text_file = tmp_path / "text.txt"
   text_file.write_text("abc")
   encode = lambda vocab, text: (np.asarray([1, vocab.size, 2]), 3, 0)
@@ -187,8 +185,7 @@ def test_training_shows_validation_profile_config_and_sample(byte_run):
 
 
 def _events(logdir):
-  """The Event protos of the TFRecord event files directly in ``logdir`` (length, its CRC,
-  the record, its CRC)."""
+  """The Event protos of the TFRecord event files in ``logdir`` (length, CRC, record, CRC)."""
   for name in sorted(f for f in os.listdir(logdir) if "tfevents" in f):
     data = open(os.path.join(logdir, name), "rb").read()
     pos = 0
@@ -198,16 +195,9 @@ def _events(logdir):
       pos += 12 + n + 4
 
 
-def test_bad_profile_steps_fail_before_compiling(tmp_path):
-  with pytest.raises(ValueError, match=r"profile_steps = \(5, 2\) must be \(start, stop\)"):
-    train_lib.train_and_evaluate(tiny_config(profile_steps=(5, 2)), str(tmp_path / "run"))
-
-
 def test_a_stream_is_scored_with_the_whole_past(stream_run, tmp_path, capsys):
-  """A stream's default protocol: the text as one sequence (8 x the stream's max_len, 7 x its
-  seq_len), each token conditioned on everything before it: the mean NLL of one forward pass
-  over all of it, as ``score_stream`` gives it in chunks with the state carried; --stride scores
-  it in the trainer's windows instead."""
+  """A stream's default: the text (8 x max_len) as one sequence, one forward pass's mean NLL, as
+  ``score_stream`` gives it in chunks with the state carried; --stride: the trainer's windows."""
   from aft_jax import decode
   from aft_jax.tools import trained
 
