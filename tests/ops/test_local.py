@@ -13,7 +13,6 @@ from jax.test_util import check_grads
 from aft_jax import ops
 from aft_jax.ops import local
 from aft_jax.ops.pallas import triton, triton_local
-from tests.ops.test_simple import check_precision
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
@@ -100,11 +99,6 @@ def test_banded_small_blocks(causal, t_len, window):
     expected = ref.aft_local(q, np.asarray(k), np.asarray(v), np.asarray(w), window, causal)
     np.testing.assert_allclose(fn(k, v, w), expected, rtol=1e-10, atol=1e-12)
     check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
-
-
-def test_precision_policy():
-  w = jnp.zeros((64, 64))
-  check_precision(lambda q, k, v: ops.aft_local(q, k, v, w, window=8, causal=True, impl="xla"))
 
 
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():

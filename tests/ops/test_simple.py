@@ -66,14 +66,13 @@ def test_causal_mean_small_chunks(t_len):
       check_grads(fn, (k, v), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
-def test_precision_policy():
-  """bf16 inputs: matrix products of bf16 factors accumulated in float32; float32 inputs: float32
-  products at HIGHEST precision (no TF32/bf16 passes on accelerators)."""
-  check_precision(lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"))
-
-
-def check_precision(fn):
-  """``fn(q, k, v)``'s products, forward and tangent, follow the precision policy."""
+@pytest.mark.parametrize("window", [0, 8])
+def test_precision_policy(window):
+  """AFT-simple's and (window 8) AFT-local's products, forward and tangent: bf16 inputs, bf16
+  factors accumulated in float32; float32 inputs, float32 at HIGHEST (no TF32/bf16 passes)."""
+  w = jnp.zeros((64, 64))
+  local = lambda q, k, v: ops.aft_local(q, k, v, w, window=window, causal=True, impl="xla")
+  fn = local if window else lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla")
   x = jnp.ones((2, 64, 16))
   for dtype in (jnp.bfloat16, jnp.float32):
     loss = lambda x: jnp.sum(fn(x, x, x).astype(jnp.float32))
