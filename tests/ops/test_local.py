@@ -1,6 +1,5 @@
 """AFT-local (aft_jax/ops/local.py) against float64 references: the banded sums (which AFT-full
-shares) block by block, and the Triton kernel in Pallas' interpreter (its pieces at an offset:
-tests/ops/test_modes.py)."""
+shares) block by block (pieces: tests/ops/test_modes.py; the kernel: tests/ops/test_pallas.py)."""
 
 import functools
 
@@ -14,11 +13,10 @@ from jax.test_util import check_grads
 from aft_jax import ops
 from aft_jax.ops import local
 from aft_jax.ops.pallas import triton, triton_local
-from tests.ops.test_simple import assert_close, check_precision, kernel_grads
 from tests.support import numpy_reference as ref
 from tests.support.helpers import equations
 from tests.support.op_cases import (
-  ATOL, RTOL, dense_op, kernel_inputs, qkvw, rand,
+  ATOL, RTOL, dense_op, qkvw, rand,
 )  # fmt: skip
 
 
@@ -101,134 +99,6 @@ def test_banded_small_blocks(causal, t_len, window):
     expected = ref.aft_local(q, np.asarray(k), np.asarray(v), np.asarray(w), window, causal)
     np.testing.assert_allclose(fn(k, v, w), expected, rtol=1e-10, atol=1e-12)
     check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
-
-
-def test_precision_policy():
-  w = jnp.zeros((64, 64))
-  check_precision(lambda q, k, v: ops.aft_local(q, k, v, w, window=8, causal=True, impl="xla"))
-
-
-# --------------------------------------------------------------------------- the Triton kernel
-
-
-def _local_dense(q, k, v, w, window):
-  """Causal AFT-local written out (one softmax over every key per query row), for float64."""
-  t_len = q.shape[-2]
-  tp = jnp.arange(t_len)
-
-  def row(t):
-    bias = jnp.where(t - tp < window, w[t], 0.0)
-    logits = jnp.where((tp <= t)[:, None], k + bias[:, None], -jnp.inf)  # [B, T, D]
-    return jnp.sum(jax.nn.softmax(logits, axis=-2) * v, axis=-2)
-
-  return jax.nn.sigmoid(q) * jnp.moveaxis(jax.lax.map(row, tp), 0, -2)
-
-
-@functools.partial(jax.jit, static_argnames="window")
-def _local_out_and_grads(q, k, v, w, ct, window):
-  fn = functools.partial(_local_dense, window=window)
-  return fn(q, k, v, w), jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(q, k, v, w)
-
-
-def _local_reference(q, k, v, w, ct, window, grads=True):
-  """Output [and gradients (q, k, v, w) of sum(out * ct)], in float64 (one program per shape
-  and window)."""
-  with jax.enable_x64(True):
-    args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v, w))
-    if not grads:
-      return np.asarray(jax.jit(_local_dense, static_argnames="window")(*args, window=window))
-    out, g = _local_out_and_grads(*args, jnp.asarray(ct, jnp.float64), window=window)
-    return np.asarray(out), jax.tree.map(np.asarray, g)
-
-
-def _local_inputs(t_len, d, std, seed):
-  """q, k, v, cotangent [2, T, d] and w [T, T] float32; k and w of std ``std``."""
-  q, k, v, ct = kernel_inputs(t_len, d, seed)
-  k = k / np.array([1.0, 40.0], np.float32)[:, None, None] * std
-  w = np.random.default_rng(seed + 1).normal(scale=std, size=(t_len, t_len)).astype(np.float32)
-  return q, k, v, w, ct
-
-
-def test_dense_reference_is_the_loop_reference():
-  q, k, v, w, _ = _local_inputs(9, 3, 3.0, 0)
-  want = ref.aft_local(q, k, v, w, 4, causal=True)
-  np.testing.assert_allclose(_local_reference(q, k, v, w, None, 4, False), want, rtol=1e-12)
-
-
-@pytest.mark.parametrize("t_len, window", [(1, 3), (7, 20), (100, 5), (128, 32)])
-def test_triton_kernel(t_len, window):
-  """Values and gradients (q, k, v, w), logits of std 1 and 40 (one compiled program for
-  both), T ragged (7, 100), a window wider than T (20 > 7: every key in the band), of one key
-  block (5) and of three (32)."""
-  fn = functools.partial(ops.aft_local, window=window, causal=True, impl="pallas_interpret")
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a[:4]) * a[4]), argnums=(0, 1, 2, 3))
-  run = jax.jit(lambda *a: (fn(*a[:4]), grads(*a)))
-  for std in (1.0, 40.0):
-    q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
-    out, got = run(q, k, v, w, ct)
-    want_out, want = _local_reference(q, k, v, w, ct, window)
-    chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL, custom_message=f"std {std}")
-    for g, x in zip(got, want):  # (T = 1: dw is 0, up to float32 rounding)
-      np.testing.assert_allclose(
-        g, x, rtol=1e-4, atol=1e-4 * np.abs(x).max() + 1e-6, err_msg=f"std {std}"
-      )
-
-
-@pytest.mark.parametrize(
-  "t_len, window, seg, std", [(200, 20, 32, 40.0), (100, 5, 16, 1.0)], ids=["std40", "std1"]
-)
-def test_triton_kernel_chunk_parallel(t_len, window, seg, std):
-  """The chunk-parallel form: values and gradients (q, k, v, w), T ragged, segments of 7 and 2
-  chunks whose first chunk reads the window's earlier keys from the segment before (32 and 16
-  of them: ``seg`` is the least allowed), dk and dv overlap-added across segments; a segment
-  shorter than that is refused."""
-  q, k, v, w, ct = _local_inputs(t_len, 16, std, seed=t_len)
-  cfg = triton.CONFIGS[-1]
-  mean = lambda k, v, w, seg: triton_local.local_mean(k, v, w, window, cfg, True, seg)
-  fn = lambda q, k, v, w: jax.nn.sigmoid(q) * mean(k, v, w, seg)
-  assert_close(kernel_grads(fn, (q, k, v, w), ct), _local_reference(q, k, v, w, ct, window), 1e-4)
-  with pytest.raises(ValueError, match="earlier keys"):
-    mean(k, v, w, seg // 2)
-
-
-def test_triton_kernel_ragged_long_sequence_forward():
-  """T = 1000 (not a multiple of the chunk), window 48 (three key blocks), std 1 and 40."""
-  q, k, v, w, _ = _local_inputs(1000, 16, 1.0, seed=5)
-  k = k * np.array([1.0, 40.0], np.float32)[:, None, None]
-  fn = functools.partial(ops.aft_local, window=48, causal=True, impl="pallas_interpret")
-  want = _local_reference(q, k, v, w, None, 48, grads=False)
-  chex.assert_trees_all_close(jax.jit(fn)(q, k, v, w), want, rtol=RTOL, atol=ATOL)
-
-
-def test_triton_kernel_at_t4096_forward_matches_the_xla_path():
-  """T = 4096 (256 chunks), logits of std 40: the kernel agrees with the XLA path, which the
-  tests above check against the float64 reference (a dense float64 reference at this T would
-  need gigabytes)."""
-  q, k, v, w, _ = _local_inputs(4096, 16, 40.0, seed=7)
-  q, k, v = (x[:1] for x in (q, k, v))
-  kernel = functools.partial(ops.aft_local, window=32, causal=True, impl="pallas_interpret")
-  xla = functools.partial(ops.aft_local, window=32, causal=True, impl="xla")
-  chex.assert_trees_all_close(jax.jit(kernel)(q, k, v, w), xla(q, k, v, w), rtol=RTOL, atol=ATOL)
-
-
-def test_triton_kernel_bfloat16_inputs():
-  """bf16 in, bf16 out (and bf16 gradients of q, k, v), float32 inside: as close to the XLA
-  path's bf16 results as bf16 rounding."""
-  q, k, v, w, ct = _local_inputs(37, 32, 1.0, seed=1)
-  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-  args = (bf(q), bf(k), bf(v), w)
-
-  def run(impl):
-    fn = functools.partial(ops.aft_local, window=8, causal=True, impl=impl)
-    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
-    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
-
-  (out16, grads16), (xla16, xla_grads) = run("pallas_interpret"), run("xla")
-  assert out16.dtype == jnp.bfloat16 and [g.dtype for g in grads16[:3]] == [jnp.bfloat16] * 3
-  chex.assert_trees_all_close(out16.astype(jnp.float32), xla16.astype(jnp.float32), atol=2e-2)
-  for got, want in zip(grads16, xla_grads):
-    want = np.asarray(want, np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2 * np.abs(want).max())
 
 
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():

@@ -22,7 +22,9 @@ from aft_jax.ops import simple
 from aft_jax.ops.pallas import mosaic_simple, triton, triton_local, triton_simple
 from benchmarks import accelerator_check, kernel_form
 from tests.support.helpers import TRITON, export_for, on_target
-from tests.support.op_cases import ATOL, RTOL, kernel_inputs
+from aft_jax.ops import logsumexp as lse
+from tests.support import numpy_reference as ref
+from tests.support.op_cases import ATOL, RTOL, kernel_inputs, simple_reference
 
 _GRID = re.compile(r"grid_x = (\d+) : i\d+, grid_y = (\d+) : i\d+, grid_z = (\d+) : i\d+")
 # Every chunk-parallel configuration, in bf16 and float32 (both at the widest block, which
@@ -92,6 +94,14 @@ def test_plan_splits_t_where_the_sequential_grid_is_small():
   assert triton_local.plan_for(1, 16384, 512, window=1024).seg >= 1024
   with pytest.raises(ValueError, match="form must be one of"):
     kernel_form.forced("parallel").__enter__()
+  assert triton.plan_for(2, 4096, 16).seg == 128  # (the T = 4096 kernel case below)
+  k, cfg = jnp.zeros((2, 100, 16)), triton.CONFIGS[-1]
+  for seg in (24, 40):
+    with pytest.raises(ValueError, match="whole chunks of 16"):
+      triton_simple.causal_mean(k, k, cfg, True, seg)
+  for window, seg in ((20, 16), (5, 8)):  # a segment shorter than the window's earlier keys
+    with pytest.raises(ValueError, match="earlier keys"):
+      triton_local.local_mean(k, k, jnp.zeros((100, 100)), window, cfg, True, seg)
 
 
 @pytest.mark.parametrize("cfg", triton.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
@@ -190,6 +200,7 @@ def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
     assert exported.mlir_module().count("custom_call @tpu_custom_call(") == kernels
   assert mosaic_simple.config_for(3 * cfg.block_d, batch=1) == cfg
   assert mosaic_simple.config_for(512, batch=1).block_d == 256  # two programs for two cores
+  assert mosaic_simple.config_for(512, batch=2) == mosaic_simple.CONFIGS[0]  # block_d 512
 
 
 def test_impl_on_a_tpu_backend(monkeypatch):
@@ -258,3 +269,167 @@ def test_accelerator_check_measures_the_tpu_kernel_of_aft_simple_only():
   ]
   assert kernel_rows("tpu") == ["aft_simple/pallas"]
   assert "aft_local_32/pallas" in kernel_rows("gpu")
+
+
+# ------------------------------------------------ every kernel against the float64 references
+
+
+def _local_dense(q, k, v, w, window):
+  """Causal AFT-local written out (one softmax over every key per query row), for float64."""
+  tp = jnp.arange(q.shape[-2])
+
+  def row(t):
+    bias = jnp.where(t - tp < window, w[t], 0.0)
+    logits = jnp.where((tp <= t)[:, None], k + bias[:, None], -jnp.inf)  # [B, T, D]
+    return jnp.sum(jax.nn.softmax(logits, axis=-2) * v, axis=-2)
+
+  return jax.nn.sigmoid(q) * jnp.moveaxis(jax.lax.map(row, tp), 0, -2)
+
+
+def _reference(window, q, k, v, w, ct):
+  """Causal AFT-simple (window 0) or AFT-local: output [and gradients of sum(out * ct)] in
+  float64 (one program per shape and window)."""
+  if not window:
+    return simple_reference(q, k, v, ct)
+  fn = functools.partial(_local_dense, window=window)
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v, w))
+    if ct is None:
+      return np.asarray(jax.jit(fn)(*args)), None
+    return jax.tree.map(np.asarray, _out_and_grads(fn)(*args, jnp.asarray(ct, jnp.float64)))
+
+
+def _out_and_grads(fn):
+  """(q, k, v, w, ct) -> fn's output and the gradients (q, k, v, w) of sum(out * ct), jitted."""
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a[:4]).astype(jnp.float32) * a[4]), argnums=(0, 1, 2, 3))
+  return jax.jit(lambda *a: (fn(*a[:4]), grads(*a)))
+
+
+def _kernel(op, window, seg, impl="pallas_interpret"):
+  """(q, k, v, w) -> Y: "tpu" the TPU kernel, else the op (``seg`` None) or its GPU kernel with
+  ``seg`` positions per program, interpreted."""
+  cfg = triton.CONFIGS[-1]
+  if op == "tpu":
+    mean = lambda k, v, w: mosaic_simple.causal_mean(k, v, None, True)
+  elif seg is None and window:
+    return lambda q, k, v, w: ops.aft_local(q, k, v, w, window=window, causal=True, impl=impl)
+  elif seg is None:
+    return lambda q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl)
+  elif window:
+    mean = lambda k, v, w: triton_local.local_mean(k, v, w, window, cfg, True, seg)
+  else:
+    mean = lambda k, v, w: triton_simple.causal_mean(k, v, cfg, True, seg)
+  return lambda q, k, v, w: jax.nn.sigmoid(q) * mean(k, v, w)
+
+
+def _case(op, t_len, d=16, window=0, seg=None, dtype="f32", stds=(None,), grads=True, want="f64",
+          rows=2, seed=None, form="sequential"):  # fmt: skip
+  name = f"{op}-T{t_len}-d{d}-s{window}-seg{seg}-{dtype}-{want}{'-grads' if grads else ''}"
+  return pytest.param(
+    op, t_len, d, window, seg, dtype, stds, grads, want, rows, seed, form, id=name
+  )
+
+
+# Batch row 0 of k has std 1, row 1 std 40; ``stds``: both rows and w of each std in turn. T
+# ragged, shorter than a chunk, several chunks or segments; local windows wider than T and of
+# one and three key blocks; ``seg``: chunk-parallel segments of 7, 2 or 19 (two fold blocks),
+# a local segment's first chunk reading the window's earlier keys from the one before; "xla":
+# where a float64 reference would need gigabytes, or bf16 against XLA's bf16.
+KERNEL_CASES = [
+  *(_case("simple", t) for t in (1, 7, 128, 1000)),
+  _case("simple", 4096, grads=False, seed=3, form="auto"),  # 32 segments of 128
+  _case("simple", 37, d=32, dtype="bf16", grads=False, want="xla", seed=0),
+  _case("simple", 600, seg=32),
+  _case("simple", 100, seg=16, dtype="bf16"),
+  *(_case("tpu", t, d=128) for t in (1, 7, 128, 1000)),
+  _case("tpu", 150, d=512, seed=8),  # block_d 512: four lane tiles
+  _case("tpu", 4096, d=128, grads=False, seed=3),
+  _case("tpu", 200, d=128, dtype="bf16", seed=5),
+  *(_case("local", t, window=s, stds=(1, 40)) for t, s in ((1, 3), (7, 20), (100, 5), (128, 32))),
+  _case("local", 200, window=20, seg=32, stds=(40.0,)),
+  _case("local", 100, window=5, seg=16, stds=(1.0,)),
+  _case("local", 1000, window=48, grads=False, seed=5),
+  _case("local", 4096, window=32, stds=(40.0,), grads=False, want="xla", rows=1, seed=7),
+  _case("local", 37, d=32, window=8, dtype="bf16", stds=(1.0,), want="xla", seed=1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("op, t_len, d, window, seg, dtype, stds, grads, want, rows, seed, form",
+                         KERNEL_CASES)  # fmt: skip
+def test_kernel_against_reference(op, t_len, d, window, seg, dtype, stds, grads, want, rows, seed,
+                                  form):  # fmt: skip
+  """Output (f32: RTOL, ATOL; bf16: 2e-2) and gradients (1e-4, bf16 2e-2, of the largest) of
+  the interpreted kernel against the float64 reference on the (bf16-rounded) inputs, or against
+  the XLA path; bf16 in, bf16 out through the op and bf16 gradients."""
+  bf16, tol = dtype == "bf16", 2e-2 if dtype == "bf16" else 1e-4
+  jitted = lambda fn: _out_and_grads(fn) if grads else jax.jit(lambda *a: (fn(*a[:4]), None))
+  run = jitted(_kernel(op, window, seg))
+  for std in stds:
+    q, k, v, ct = kernel_inputs(t_len, d, seed=t_len if seed is None else seed)
+    w = np.random.default_rng((t_len if seed is None else seed) + 1).normal(size=(t_len, t_len))
+    w = (w * (std or 1.0)).astype(np.float32)
+    if std:
+      k = k / np.array([1.0, 40.0], np.float32)[:, None, None] * std
+    q, k, v, ct = (x[:rows] for x in (q, k, v, ct))
+    args = tuple(jnp.asarray(x, jnp.bfloat16 if bf16 else jnp.float32) for x in (q, k, v)) + (w,)
+    with kernel_form.forced(form):
+      out, got = run(*args, ct)
+    if want == "xla":
+      want_out, want_grads = jitted(_kernel(op, window, None, "xla"))(*args, ct)
+    else:
+      want_out, want_grads = _reference(
+        window, *(np.float32(x) for x in args), ct if grads else None
+      )
+    if bf16:
+      assert out.dtype == (jnp.bfloat16 if seg is None and op != "tpu" else jnp.float32)
+      chex.assert_trees_all_close(np.float32(out), np.float32(want_out), atol=2e-2)
+    else:
+      chex.assert_trees_all_close(out, want_out, rtol=RTOL, atol=ATOL, custom_message=f"std {std}")
+    for g, x in zip(got or (), want_grads or ()):  # (T = 1: dw is 0, up to float32 rounding)
+      g, x = np.float32(g), np.float32(x)
+      atol = tol * np.abs(x).max() + 1e-6
+      np.testing.assert_allclose(g, x, rtol=0 if bf16 else tol, atol=atol, err_msg=f"std {std}")
+    if bf16 and grads:
+      assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
+
+
+def test_references_are_the_loop_references():
+  q, k, v, _ = kernel_inputs(9, 3)
+  w = np.random.default_rng(1).normal(scale=3.0, size=(9, 9)).astype(np.float32)
+  want = ref.aft_simple(q, k, v, causal=True)
+  np.testing.assert_allclose(_reference(0, q, k, v, w, None)[0], want, rtol=1e-12, atol=1e-12)
+  want = ref.aft_local(q, k * 3.0, v, w, 4, causal=True)
+  np.testing.assert_allclose(_reference(4, q, k * 3.0, v, w, None)[0], want, rtol=1e-12)
+
+
+def test_tpu_kernel_exact_paths_are_taken_and_needed(monkeypatch):
+  """At std 40 the fast paths alone are wrong (the chunk's early denominators underflow; L
+  rises past what one shift can hold), so the kernel cases above pass only through the exact
+  scans; forced everywhere, the scans alone are exact at std 1 and 40."""
+  q, k, v, ct = kernel_inputs(300, 128, seed=4)
+  w = np.zeros((300, 300), np.float32)
+  want = simple_reference(q, k, v, ct)
+  tpu = lambda: _out_and_grads(_kernel("tpu", 0, None))(q, k, v, w, ct)
+
+  def matches(got, rows=(0, 1)):
+    chex.assert_trees_all_close(got[0][rows,], want[0][rows,], rtol=RTOL, atol=ATOL)
+    for g, x in zip(got[1], want[1]):
+      np.testing.assert_allclose(g[rows,], x[rows,], rtol=1e-4, atol=1e-4 * np.abs(x[rows,]).max())
+
+  exp_max = lse.EXP_MAX
+  monkeypatch.setattr(mosaic_simple, "MIN_DEN", 0.0)  # forward: fast path only (no term set
+  monkeypatch.setattr(lse, "EXP_MAX", np.inf)  # aside either, however far k rises)
+  out, grads = tpu()
+  assert not np.all(np.isclose(out[1], want[0][1], rtol=RTOL, atol=ATOL))
+  matches((out, grads), rows=(0,))  # std 1 never needed the scan
+  monkeypatch.setattr(mosaic_simple, "MIN_DEN", mosaic_simple.DEN_OK)
+  monkeypatch.setattr(lse, "EXP_MAX", exp_max)
+  monkeypatch.setattr(mosaic_simple, "MAX_RISE", np.inf)  # backward: fast path only
+  jax.clear_caches()  # the thresholds are read when traced (newer jax caches custom_vjp traces)
+  out, grads = tpu()
+  chex.assert_trees_all_close(out, want[0], rtol=RTOL, atol=ATOL)
+  assert not np.all(np.isclose(grads[1][1], want[1][1][1], rtol=1e-4, atol=1e-4))
+  monkeypatch.setattr(mosaic_simple, "MIN_DEN", np.inf)  # both: the exact scans only
+  monkeypatch.setattr(mosaic_simple, "MAX_RISE", -1.0)
+  jax.clear_caches()
+  matches(tpu())
