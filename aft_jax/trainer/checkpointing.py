@@ -1,26 +1,12 @@
-"""The workdir's durable state: Orbax checkpoints of the state (params, opt_state, step), the
-data-iterator position, the config and the corpus record (``aft_jax.data.record``) they were
-written with, which a resume and the tools are checked against, and the checksums of all of it
-(``aft_jax.trainer.checksum``). Where they live in the workdir: ``aft_jax.workdir``.
-
-Saves run in the background (Orbax's asynchronous checkpointing): ``save`` returns once Orbax
-holds a host copy of the state, training goes on while the bytes are written, and the next
-``save`` or ``finish_saving`` waits for them (and raises if the write failed). Orbax writes each
-checkpoint into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoint usable; a checkpoint damaged later (a truncated or garbled file, or
-bytes that still parse but no longer match their checksums) is skipped on resume in favour of
-the newest intact one, and never loaded.
-
-Restoring only reads: the small JSON items first, verified against the checksums before a run
-is checked against them (so damage is never read as a setting), then the state, verified. A
-step whose checksums are lost is damaged like any other; only one written before checkpoints
-carried checksums loads unverified (``Restored.unverified``). Moving damaged checkpoints aside
-(``set_aside``) is left to the caller, for once every check of the run has passed.
+"""The workdir's checkpoints (Orbax, saved in the background): the state, the data position, the
+config and corpus record, and the checksums of all of it (``checksum``). A restore reads and
+verifies the JSON items before a run is compared with them, then the state; a damaged checkpoint
+is skipped for the newest intact one and set aside once the run passed every check. Docs:
+docs/training.md, "Reliability".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import glob
@@ -99,7 +85,7 @@ def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.Che
   Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
   cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
   log is kept off stderr."""
-  with _quiet_orbax_threads():
+  with Quiet():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
@@ -142,136 +128,75 @@ class _MainThreadOnly:
     return getattr(self.stream, name)
 
 
-def _silence_background_errors():
-  """Stops tracebacks and ERROR logs of background threads from reaching stderr; returns the
-  function that undoes it."""
-  loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
-  levels = [lg.level for lg in loggers]
-  saved = threading.excepthook, sys.unraisablehook, sys.stderr
-  threading.excepthook = sys.unraisablehook = lambda args: None
-  sys.stderr = _MainThreadOnly(sys.stderr)
-  for lg in loggers:
-    lg.setLevel(logging.CRITICAL)
+class Quiet:
+  """The one guard for Orbax's and TensorStore's noise on stderr. A failed write (a full disk) or
+  read (a damaged checkpoint) fails in several of their threads at once, which print tracebacks
+  (through logging, the thread or unraisable hook, or straight to stderr) for a while
+  afterwards and again at exit, and leave coroutines that warn "never awaited" when collected:
+  pages that would bury our one-line error. ``on()`` keeps them off stderr until ``off()`` (for
+  good where nothing calls it); as a context manager, for the block, unless a Ctrl-C ends it:
+  the failing threads then go on until the process ends (``aft_jax.ctrl_c``)."""
 
-  def undo():
-    threading.excepthook, sys.unraisablehook, sys.stderr = saved
-    for lg, level in zip(loggers, levels):
+  def on(self) -> Quiet:
+    self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
+    self.saved = threading.excepthook, sys.unraisablehook, sys.stderr
+    self.warnings = warnings.catch_warnings()
+    self.warnings.__enter__()
+    self.levels = [lg.level for lg in self.loggers]
+    threading.excepthook = sys.unraisablehook = lambda args: None
+    sys.stderr = _MainThreadOnly(sys.stderr)
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+    for lg in self.loggers:
+      lg.setLevel(logging.CRITICAL)
+    return self
+
+  def off(self) -> None:
+    threading.excepthook, sys.unraisablehook, sys.stderr = self.saved
+    self.warnings.__exit__(None, None, None)
+    for lg, level in zip(self.loggers, self.levels):
       lg.setLevel(level)
 
-  return undo
+  def __enter__(self) -> Quiet:
+    return self.on()
 
+  def __exit__(self, kind, *_):
+    if kind is not KeyboardInterrupt:
+      self.off()
 
-def _wind_down() -> None:
-  """After a read or write failed inside Orbax or TensorStore (their noise kept off stderr by
-  the caller): a second for their threads to finish failing, then the coroutines they left
-  unfinished collected, with their "never awaited" warnings ignored. Collected later (with the
-  error's frames, or at the interpreter's exit) each prints a page after our one-line error."""
-  with warnings.catch_warnings():
-    _ignore_unawaited_coroutines()
+  @staticmethod
+  def wind_down() -> None:
+    """After a failure (its exception dropped: its frames hold the unfinished coroutines): a
+    second for the failing threads to finish, then what they left collected, still quiet."""
     time.sleep(1.0)
     gc.collect()
 
 
-def _ignore_unawaited_coroutines() -> None:
-  """Ignores (in the current ``warnings.catch_warnings`` context) exactly the RuntimeWarning
-  that a coroutine left unfinished by a failed TensorStore or Orbax operation gives when it is
-  collected; every other warning shows as usual."""
-  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-
-
-@contextlib.contextmanager
-def _quiet_orbax_threads():
-  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
-
-  A failed write (a full disk) or read (a damaged checkpoint) fails in several threads at once,
-  their callbacks keep failing against closed event loops for a while afterwards, and their
-  coroutines again at exit; each prints a traceback (through logging, the thread or unraisable
-  hook, or from the thread to stderr), burying the one error that says what happened. After a
-  failure they are given a moment to wind down before stderr is theirs again.
-  """
-  undo = _silence_background_errors()
-  try:
-    yield
-  except BaseException:
-    time.sleep(1.0)
-    undo()
-    raise
-  undo()
-
-
-# While a save is in flight (from ``save`` to ``finish_saving``) its background threads' noise
-# is kept off stderr (``_silence_background_errors``); this holds the function that undoes it.
-_saving_quietly: list = []
-
-
-def _quiet_while_saving() -> None:
-  if not _saving_quietly:
-    _saving_quietly.append(_silence_background_errors())
-
-
-def _loud_again() -> None:
-  while _saving_quietly:
-    _saving_quietly.pop()()
-
-
-def _stay_quiet() -> None:
-  """After a failed write: the process stops with our one error, and the failed threads' noise
-  (which goes on for a while, and again at exit) stays off stderr for good."""
-  if not _saving_quietly:
-    _silence_background_errors()
-  _saving_quietly.clear()
-
-
-def _quietly(read):
-  """(``read()``, None), or (None, its error's first line) if it raised an Exception; with the
-  reading threads' noise kept off stderr (``_quiet_orbax_threads``), also after a failure.
-
-  Only the line is kept, not the exception: its frames hold the coroutines TensorStore left
-  unfinished, which print a page each ("coroutine ... was never awaited", with the whole array
-  spec) whenever they are collected. So they are collected here, before stderr is given back.
-
-  A Ctrl-C is no damage: it is raised as the KeyboardInterrupt it is, also where Orbax wraps it
-  in an Exception of its own, and the reading threads stay quiet: they go on failing against
-  the event loop the interrupt closed until the process ends (``aft_jax.ctrl_c``).
-  """
-  undo = _silence_background_errors()
-  try:
-    with warnings.catch_warnings():
-      _ignore_unawaited_coroutines()
-      try:
-        return read(), None
-      except DamagedCheckpointError as e:
-        # Raised by the checksums after a read that completed: no reading thread or
-        # unfinished coroutine is left behind.
-        return None, _first_line(e)
-      except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
-        if _interrupted(e):
-          raise KeyboardInterrupt from e
-        error = _first_line(e)
-    _wind_down()  # (without the exception, whose frames hold the reading coroutines)
-  except KeyboardInterrupt:
-    undo = None
-    raise
-  finally:
-    if undo is not None:
-      undo()
-  return None, error
-
-
-def _interrupted(e: BaseException) -> bool:
-  """Whether ``e`` was raised because of a KeyboardInterrupt (one of its causes is one)."""
-  while e is not None:
-    if isinstance(e, KeyboardInterrupt):
-      return True
-    e = e.__cause__ or e.__context__
-  return False
-
-
-def _first_line(e: BaseException, limit: int = 200) -> str:
+def one_line(e: BaseException, limit: int = 200) -> str:
+  """``e`` as the one line our errors quote: its type and its message's first line."""
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
   text = text.split(" See full TensorStore details")[0]
   text = text if len(text) <= limit else text[: limit - 3] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _quietly(read):
+  """(``read()``, None), or (None, its error's ``one_line``) if it raised an Exception, quiet
+  (``Quiet``) also after the failure. A Ctrl-C is no damage: raised as the KeyboardInterrupt it
+  is, also where Orbax wraps it in an Exception of its own."""
+  with Quiet():
+    try:
+      return read(), None
+    except DamagedCheckpointError as e:  # raised after a read that completed: nothing to wind down
+      return None, one_line(e)
+    except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
+      cause = e
+      while cause is not None and not isinstance(cause, KeyboardInterrupt):
+        cause = cause.__cause__ or cause.__context__
+      if cause is not None:
+        raise KeyboardInterrupt from e
+      error = one_line(e)
+    Quiet.wind_down()
+  return None, error
 
 
 def save(
@@ -289,8 +214,7 @@ def save(
   Never writes non-finite parameters or optimizer state. A failed write (a full disk, say) is
   one OSError naming the step and what is left to resume from: raised here where it fails
   before the write goes to the background, else by the wait that follows (the next ``save``,
-  or ``finish_saving``). From here until that wait, the background threads' own tracebacks
-  and logs are kept off stderr (``_silence_background_errors``).
+  or ``finish_saving``). Until that wait, the writing threads are kept ``Quiet``.
   """
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
@@ -300,13 +224,14 @@ def save(
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
   items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
   sums = checksum.record(state, items)
-  _quiet_while_saving()
+  if getattr(mngr, "quiet_while_saving", None) is None:
+    mngr.quiet_while_saving = Quiet().on()  # off once ``finish_saving`` saw the write succeed
   try:
     args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
     args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
     mngr.save(step, args=ocp.args.Composite(**args), force=True)
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
-    error = _first_line(e)
+    error = one_line(e)
   else:
     return
   raise _save_failed(mngr, step, error)
@@ -319,9 +244,12 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
   try:
     mngr.wait_until_finished()
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
-    error = _first_line(e)
+    error = one_line(e)
   else:
-    _loud_again()
+    quiet = getattr(mngr, "quiet_while_saving", None)
+    if quiet is not None:
+      quiet.off()
+      mngr.quiet_while_saving = None
     return
   raise _save_failed(mngr, step, error)
 
@@ -340,8 +268,10 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   # The failed write's coroutines live as long as the error's frames: outside the except block
   # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
   # module was gone, each printed "coroutine ... was never awaited" after our error).
-  _stay_quiet()
-  _wind_down()
+  if getattr(mngr, "quiet_while_saving", None) is None:
+    Quiet().on()  # for good: the failed threads go on failing, and again at exit
+  mngr.quiet_while_saving = None  # (stays on: the process stops with this one error)
+  Quiet.wind_down()
   # Its temporary folder, left by Orbax, would keep the disk full for the rerun.
   tmp = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
   for path in glob.glob(os.path.join(glob.escape(str(mngr.directory)), tmp)):
@@ -549,7 +479,7 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) ->
   steps = sorted(mngr.all_steps(), reverse=True)
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is None and failed:
-    _silence_background_errors()  # the run stops here: only this error is worth reading
+    Quiet().on()  # for good: the run stops here: only this error is worth reading
     raise RuntimeError(
       f"no checkpoint in {mngr.directory} can be restored ("
       + "; ".join(f"step {s}: {why}" for s, why in failed)
@@ -577,7 +507,7 @@ def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=N
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is not None:
     return restored, failed
-  _silence_background_errors()  # the command stops here: only this error is worth reading
+  Quiet().on()  # for good: the command stops here: only this error is worth reading
   raise ValueError(
     "the checkpoint cannot be read: "
     + "; ".join(f"step {s}: {why}" for s, why in failed)

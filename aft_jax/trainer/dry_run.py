@@ -1,15 +1,7 @@
-"""Does a recipe fit a GPU or TPU I do not have? ``aft-train --config RECIPE --dry_run --target
-NAME [--num_devices N]`` compiles the recipe's train and evaluation steps for N devices of that
-target (``aft_jax.deviceless``), on this machine, and prints per device what XLA's buffer
-assignment needs against the device's memory.
-
-The figures are *compiled for the target without a device*: XLA's memory analysis of the
-program it would run there, not a measurement. A GPU run also needs the CUDA runtime's own
-memory and, by default, jax takes only 75% of a GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so
-a GPU step "fits" when it needs at most that fraction; on a TPU, 95% of its HBM.
-
-Exit statuses of the command: 0 it fits, 1 it does not, 2 refused (``check``: a bad flag,
-config or environment, in one line, before the command restarts itself for the target).
+"""``aft-train --dry_run --target NAME [--num_devices N]``: compiles the recipe's train and
+evaluation steps for N devices of a GPU or TPU that is not here (``aft_jax.deviceless``) and
+prints per device what XLA's buffer assignment needs against its memory (docs/scaling.md,
+docs/what_fits.md). Exit statuses: 0 fits, 1 does not, 2 refused (``check``, in one line).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The optimizer and its learning-rate schedule (``OptimizerConfig``: their config keys).
-
-AdamW with global-norm clipping, linear warmup then cosine decay to 10% of the peak, and
-optionally gradient accumulation (``optax.MultiSteps``): one update every ``grad_accum_steps``
-micro-steps, so the schedule counts updates, ``num_train_steps // grad_accum_steps``.
+"""AdamW with global-norm clipping, linear warmup then cosine decay to 10% of the peak, and
+optional gradient accumulation (``optax.MultiSteps``: the schedule counts updates).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Preemption: SIGTERM / Ctrl-C become a flag that the training loop checks after each step.
-
-The step in flight finishes, the loop saves a checkpoint at that step and exits cleanly, so a
-rerun resumes exactly; a second Ctrl-C stops at once.
-
-Several processes must stop at the same step (each saves its shards of one checkpoint). A
-cluster's preemption notice is SIGTERM, which may reach the processes at different steps or
-reach only one of them: there JAX's preemption sync manager (started by
-``jax.distributed.initialize``, ``jax_enable_preemption_service``) owns SIGTERM and, through the
-coordination service, names one step at which every process stops (host-side: no device
-collective, so checking it after every step costs nothing). Ctrl-C (SIGINT) is not part of
-that protocol: processes compare their SIGINT flags at log steps, where logging already syncs.
+"""SIGTERM / Ctrl-C as a flag the training loop checks after each step: the step in flight
+finishes, a checkpoint is saved, the run exits; a second Ctrl-C stops at once. Several processes
+stop at one step: JAX's preemption sync manager owns SIGTERM there (one step named through the
+coordination service, no device collective), and SIGINT flags are compared at log steps.
 """
 
 from __future__ import annotations

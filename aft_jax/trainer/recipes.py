@@ -1,9 +1,6 @@
-"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``.
-
-A recipe is a config file ``NAME.py`` whose ``get_config(arg)`` builds the run's config. In a
-checkout the recipes are the top-level ``configs/`` folder; an installed wheel carries the same
-files as the package ``aft_jax.configs`` (see setup.py), so a pip user names a recipe without having
-the repository. A config file path (``configs/quickstart.py:ARG``) is accepted everywhere a name is.
+"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``:
+``configs/NAME.py`` in a checkout, the package ``aft_jax.configs`` in a wheel; a config file path
+is accepted wherever a name is.
 """
 
 import os

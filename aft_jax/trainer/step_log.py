@@ -1,6 +1,6 @@
 """What the training loop shows and records while it runs: ``StepLog`` (per-step metrics,
 the non-finite-update watch, one record per log step), ``Profiler`` (a ``jax.profiler`` trace
-of chosen steps) and validation lines. ``aft_jax.trainer.train_lib.train_loop`` drives them.
+of chosen steps) and validation lines. ``train_lib.train_and_evaluate`` drives them.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import pytest
 
 from tests.support import prefork
 from tests.support import shared
+from tests.trainer import wrap_train_step
 from tests.support.helpers import (
   ROOT,
   config_flags,
@@ -763,18 +764,17 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
   """The host reads step n's finite flag before it dispatches step n+3 (so it never runs
   more than two steps ahead of the device), and the metrics since the last log line are
   written before exiting on a signal."""
-  orig = train_lib.Trainer.train_step
   events = []
 
-  def step(self, *args):
+  def step(orig, *args):
     n = sum(1 for e in events if e[0] == "dispatch") + 1
     events.append(("dispatch", n))
-    state, metrics = orig(self, *args)
+    state, metrics = orig(*args)
     if n == 5:
       os.kill(os.getpid(), signal.SIGTERM)
     return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
 
-  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  wrap_train_step(monkeypatch, step)
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=50, log_every_steps=1000)
   assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}

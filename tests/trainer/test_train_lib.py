@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
+from tests.trainer import wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
@@ -25,17 +26,16 @@ def _losses(workdir):
 
 def _interrupt_after(monkeypatch, n):
   """Sends this process SIGTERM right after the n-th train step, as a preemption would."""
-  orig = train_lib.Trainer.train_step
   calls = {"n": 0}
 
-  def step(self, *args):
-    out = orig(self, *args)
+  def step(orig, *args):
+    out = orig(*args)
     calls["n"] += 1
     if calls["n"] == n:
       os.kill(os.getpid(), signal.SIGTERM)
     return out
 
-  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  wrap_train_step(monkeypatch, step)
 
 
 class _Drawn:
