@@ -7,6 +7,7 @@ docs/training.md, "Reliability".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -78,13 +79,9 @@ class DamagedCheckpointError(ValueError):
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (the latest ``cfg.keep_checkpoints`` kept; an older one is
-  deleted only once a newer save has finished); creating it writes nothing (the first save
-  makes the folder). Its saves are asynchronous (``save``); ``close`` it when done.
-
-  Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
-  cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
-  log is kept off stderr."""
+  """The workdir's checkpoints (the latest ``keep_checkpoints`` kept; saves asynchronous, see
+  ``save``); creating it writes nothing. Orbax logs an ERROR for a step whose metadata does not
+  parse: the restore's to judge, so kept ``Quiet``."""
   with Quiet():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
@@ -129,30 +126,23 @@ class _MainThreadOnly:
 
 
 class Quiet:
-  """The one guard for Orbax's and TensorStore's noise on stderr. A failed write (a full disk) or
-  read (a damaged checkpoint) fails in several of their threads at once, which print tracebacks
-  (through logging, the thread or unraisable hook, or straight to stderr) for a while
-  afterwards and again at exit, and leave coroutines that warn "never awaited" when collected:
-  pages that would bury our one-line error. ``on()`` keeps them off stderr until ``off()`` (for
-  good where nothing calls it); as a context manager, for the block, unless a Ctrl-C ends it:
-  the failing threads then go on until the process ends (``aft_jax.ctrl_c``)."""
+  """The one guard for Orbax's and TensorStore's noise on stderr: a failed write or read fails in
+  several of their threads, which print tracebacks for a while (and at exit) and leave
+  "never awaited" coroutines, burying our one-line error. ``on()`` keeps it off stderr until
+  ``off()``; as a context manager, for the block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
 
   def on(self) -> Quiet:
     self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
     self.saved = threading.excepthook, sys.unraisablehook, sys.stderr
-    self.warnings = warnings.catch_warnings()
-    self.warnings.__enter__()
     self.levels = [lg.level for lg in self.loggers]
     threading.excepthook = sys.unraisablehook = lambda args: None
     sys.stderr = _MainThreadOnly(sys.stderr)
-    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
     for lg in self.loggers:
       lg.setLevel(logging.CRITICAL)
     return self
 
   def off(self) -> None:
     threading.excepthook, sys.unraisablehook, sys.stderr = self.saved
-    self.warnings.__exit__(None, None, None)
     for lg, level in zip(self.loggers, self.levels):
       lg.setLevel(level)
 
@@ -164,11 +154,21 @@ class Quiet:
       self.off()
 
   @staticmethod
+  @contextlib.contextmanager
+  def unawaited_ignored():
+    """Ignores what the unfinished coroutines of a failed read or write say when collected
+    ("coroutine ... was never awaited"), and nothing else."""
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+      yield
+
+  @staticmethod
   def wind_down() -> None:
     """After a failure (its exception dropped: its frames hold the unfinished coroutines): a
-    second for the failing threads to finish, then what they left collected, still quiet."""
-    time.sleep(1.0)
-    gc.collect()
+    second for the failing threads to finish, then what they left collected."""
+    with Quiet.unawaited_ignored():
+      time.sleep(1.0)
+      gc.collect()
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
@@ -183,7 +183,7 @@ def _quietly(read):
   """(``read()``, None), or (None, its error's ``one_line``) if it raised an Exception, quiet
   (``Quiet``) also after the failure. A Ctrl-C is no damage: raised as the KeyboardInterrupt it
   is, also where Orbax wraps it in an Exception of its own."""
-  with Quiet():
+  with Quiet(), Quiet.unawaited_ignored():
     try:
       return read(), None
     except DamagedCheckpointError as e:  # raised after a read that completed: nothing to wind down
@@ -202,20 +202,12 @@ def _quietly(read):
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves state + data position + ``config`` (``RunConfig.tree``) and ``corpus`` (the corpus
-  record: what a resume and the tools are checked against) + the checksums of all of them,
-  atomically, in the background: it first waits for the save before it (``finish_saving``),
-  and returns once Orbax has copied the state's arrays to host memory (the caller may update,
-  or donate, them from then on), while the bytes are written; ``finish_saving`` waits for them.
-
-  The trainer always passes its config and corpus record; ``None`` (tools that only move
-  state) saves none.
-
-  Never writes non-finite parameters or optimizer state. A failed write (a full disk, say) is
-  one OSError naming the step and what is left to resume from: raised here where it fails
-  before the write goes to the background, else by the wait that follows (the next ``save``,
-  or ``finish_saving``). Until that wait, the writing threads are kept ``Quiet``.
-  """
+  """Saves the state, data position, ``config`` (``RunConfig.tree``) and ``corpus`` record (None:
+  not saved) and their checksums, atomically, in the background: waits for the save before it,
+  returns once Orbax holds a host copy of the state. Refuses non-finite parameters. A failed
+  write (a full disk) is one OSError naming the step and what is left to resume from: raised
+  here, or by the next wait (``save`` or ``finish_saving``); the writing threads stay ``Quiet``
+  until then."""
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
@@ -286,15 +278,11 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums"),
-  verified against its checksums: small, read and verified before any array is read and
-  before anything in them is compared with a run.
-
-  A DamagedCheckpointError names the first item that does not match, or says the checksums
-  are missing where the step's Orbax metadata does not show it was written before checkpoints
-  carried them (``_predates_checksums``). Only such a step lacks "checksums" here (its items
-  are unverified, ``Restored.unverified``); one written before checkpoints carried a corpus
-  record lacks "corpus" too. {} for a folder that holds none of them."""
+  """The JSON items of the checkpoint at ``step`` ("config", "data", "corpus", "checksums"),
+  verified against its checksums before anything in them is compared with a run; a
+  DamagedCheckpointError names the first that does not match, or says the checksums are lost.
+  Only a step written before checkpoints carried them lacks "checksums" (``_predates_checksums``:
+  loaded unverified). {} for a folder that holds none."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -347,13 +335,9 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state of the checkpoint at ``step``, verified against the checksums among its
-  ``items`` (``read_items``'s); a DamagedCheckpointError naming the arrays that do not match.
-
-  ``abstract_state`` (ShapeDtypeStructs with shardings) says where each array goes, so a run
-  saved on one mesh restores onto another. Only a checkpoint written before checkpoints
-  carried checksums (``read_items`` decides) is restored unverified.
-  """
+  """The state of the checkpoint at ``step`` placed as ``abstract_state`` (its shardings: a run
+  saved on one mesh restores onto another), verified against the checksums among ``items``; a
+  DamagedCheckpointError names the arrays that do not match."""
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
   if "checksums" in items:
@@ -374,13 +358,10 @@ def check_resume_config(
   allow_config_change: bool,
   as_written=None,
 ) -> list[str]:
-  """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
-  ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
-  ``allow_config_change``; returns the differences allowed (``resume_conflicts``), for the
-  caller to say once. ``as_written(saved)``: ``saved`` with each key added to the package
-  since it was written at the value it ran with (``run_config.as_written``), what ``config``
-  is compared with; where such a key differs, the refusal names the flag that resumes the run
-  as it was written."""
+  """Refuses to continue ``saved`` (the checkpoint's config, else config.json) as ``config`` where
+  they differ in what is computed, unless ``allow_config_change``; returns the differences
+  allowed. ``as_written(saved)``: ``saved`` with keys added since at the values it ran with; a
+  refusal names the flags that resume such a run as written."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
@@ -417,13 +398,6 @@ def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:
     f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
     "pass that to resume the run as it was written"
   )
-
-
-def write_workdir_config(tree: dict, workdir: str | Workdir) -> None:
-  """config.json: the config (``RunConfig.tree``) the run continues with (written once a
-  restore succeeded)."""
-  if jax.process_index() == 0:
-    Workdir.of(workdir).write_config(tree)
 
 
 @dataclasses.dataclass
@@ -468,14 +442,9 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
 
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
   """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
-
-  ``check(step, items)`` runs before each restore, once the items verified (the checkpoint's
-  config, corpus record and data position: damage is never taken for a setting) and raises to
-  refuse it. A checkpoint that fails to restore (a truncated or garbled file, an empty folder,
-  lost checksums, contents that do not match their checksums) is listed in
-  ``Restored.damaged``; ``set_aside`` moves those away once the run has passed every check. If
-  none restores, the error lists why each failed.
-  """
+  ``check(step, items)`` runs once a checkpoint's items verified, before its state is read, and
+  raises to refuse it. Those that fail to restore are listed in ``Restored.damaged`` (for
+  ``set_aside``); if none restores, one error lists why each failed."""
   steps = sorted(mngr.all_steps(), reverse=True)
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is None and failed:

@@ -213,10 +213,9 @@ def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
   return out
 
 
-def run(cfg: RunConfig, target_name: str, num_devices: int = 1, say=print) -> dict:
-  """Prints the report (its last line one JSON object) and returns that object."""
-  target = deviceless.get(target_name)
-  usable = check(cfg, target, num_devices)
+def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dict:
+  """Prints the report (its last line one JSON object) and returns that object; ``usable``:
+  ``check``'s."""
   res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)

@@ -43,12 +43,9 @@ class Preemption:
     self.signal = signum
 
   def should_stop(self, step: int, every: int) -> bool:
-    """Whether to save and stop after ``step``; all processes agree on the same step.
-
-    Call it after every step, on every process, with increasing ``step``. One process stops
-    at once. Several: at the preemption sync point (SIGTERM to any of them), or at the next
-    multiple of ``every`` after a SIGINT to any of them.
-    """
+    """Whether to save and stop after ``step`` (asked after every step, on every process): at
+    once with one process; with several, at the preemption sync point (SIGTERM) or at the next
+    multiple of ``every`` after a SIGINT to any of them."""
     if jax.process_count() == 1:
       return self.signal is not None
     if self._synced and multihost_utils.reached_preemption_sync_point(step):
@@ -66,10 +63,8 @@ class Preemption:
     return bool(np.any(flags))
 
   def requested(self, i: int, every: int) -> bool:
-    """Whether a signal asks to stop a loop that is not the training loop (the final
-    evaluation), checked before its item ``i``; all processes agree: with several, they compare
-    flags every ``every`` items (a SIGTERM that JAX's sync manager owns is not seen here: the
-    manager names a training step, and this loop has none)."""
+    """Whether a signal asks to stop another loop (the final evaluation) before its item ``i``;
+    several processes compare flags every ``every`` items."""
     if jax.process_count() == 1:
       return self.signal is not None
     return self._any_process(i, every)

@@ -29,14 +29,9 @@ def available() -> list[str]:
 
 
 def resolve(spec: str) -> str:
-  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``.
-
-  A path to a config file (a path separator or ``.py`` before the first ``:``, where
-  ml_collections splits the file from its argument) is returned unchanged; the argument may hold
-  anything (``text:~/notes/**/*.md``). Raises ValueError naming the recipes for an unknown name,
-  and naming the file for a path that is no file (ml_collections would defer its error to the
-  first use of the config, as a traceback).
-  """
+  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``;
+  a config file path (a separator or ``.py`` before the first ``:``) is returned unchanged.
+  ValueError naming the recipes for an unknown name, the file for a path that is no file."""
   name, sep, arg = spec.partition(":")
   if "/" in name or os.sep in name or name.endswith(".py"):
     if not os.path.isfile(name):

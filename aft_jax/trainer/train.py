@@ -81,10 +81,10 @@ def dry_run() -> None:
   try:
     target = deviceless.get(FLAGS.target)
     cfg = RunConfig.from_tree(FLAGS.config)  # the ConfigDict, read once
-    dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
+    usable = dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
     # The CPU target gets twice the devices asked for: the suggestions compile for more.
     deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
-    report = dry_run_lib.run(cfg, target.name, FLAGS.num_devices)
+    report = dry_run_lib.run(cfg, target, FLAGS.num_devices, usable)
   except (ValueError, OSError, RuntimeError) as e:
     _fail(e, dry_run_lib.REFUSED)
   sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)

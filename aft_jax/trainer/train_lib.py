@@ -30,20 +30,12 @@ from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
-from aft_jax.trainer.metrics import MetricWriter
+from aft_jax.trainer.step_log import MetricWriter
 from aft_jax.trainer.run_config import RunConfig, as_written
 from aft_jax.model import TransformerLM, check_ids, count_params
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
 from aft_jax.trainer.preemption import Preemption
-
-
-@contextlib.contextmanager
-def _on_mesh(mesh, rules):
-  """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
-  logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
 
 
 class TrainState(train_state.TrainState):
@@ -162,7 +154,7 @@ class Trainer:
       )
 
     key = jax.eval_shape(lambda: jax.random.key(0))  # (abstract: the mesh may have no device)
-    with _on_mesh(mesh, self.rules):
+    with self.on_mesh():
       abstract = jax.eval_shape(init, key)
     # (outside the mesh: unboxing the abstract tree there would constrain its shape structs)
     self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
@@ -214,17 +206,21 @@ class Trainer:
     """The train step lowered for the mesh's devices (real ones or a deviceless topology's)."""
     rng = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       batch = self.specs(self.config.train.batch_size)
       return self.step.lower(self.abstract_state, batch, rng)
 
   def lower_eval_step(self):
     params = self.abstract_state.params
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       return self._eval_step.lower(params, self.specs(self.config.eval.eval_batch_size, True))
 
+  @contextlib.contextmanager
   def on_mesh(self):
-    return _on_mesh(self.mesh, self.rules)
+    """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
+    logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
 
   def init_state(self, seed: int) -> TrainState:
     with self.on_mesh():
@@ -246,22 +242,11 @@ class Trainer:
     should_stop=None,
   ) -> dict | None:
     """Exact NLL over every token of ``tokens``: sum of NLL / number of tokens, no step cap.
-
     ``stride`` (default ``config.eval_stride``): 0 scores disjoint windows of ``seq_len``; S > 0
-    slides the window S tokens at a time and scores only its S new tokens, so each token is
-    scored once with at least ``seq_len - S`` tokens of context (S = 1: the sliding-window
-    protocol of the WikiText-103 small setting). Windows are batched ``eval_batch_size`` at a
-    time whatever the stride.
-
-    ``should_stop(i)``, if given, is asked before batch ``i``; where it says True the
-    evaluation stops and returns None. An id outside [0, V) (``bos_id`` too) is a ValueError.
-
-    Why not the recurrent form of causal AFT-simple / AFT-conv1d for S = 1: their recurrence
-    carries the whole prefix, so it computes unbounded-context scores, a different quantity.
-    A window of seq_len tokens cannot be slid recurrently either: from the second layer on, the
-    inputs at every position change when the window's first token drops out, so each window
-    needs its own forward pass; batching those passes is what keeps S = 1 fast.
-    """
+    slides the window S tokens at a time and scores its S new tokens (each scored once with at
+    least ``seq_len - S`` tokens of context; docs/training.md, "Evaluation"), batched
+    ``eval_batch_size`` windows at a time. ``should_stop(i)`` is asked before batch ``i``: True
+    stops it, returning None."""
     ev, seq_len = self.config.eval, self.config.train.seq_len
     check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
     check_ids("Trainer.evaluate: bos_id", bos_id, self.config.model.vocab_size)
@@ -277,7 +262,7 @@ class Trainer:
       **kw,
     )
     total, count = 0.0, 0.0
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       bar = tqdm(batches, total=n, desc=desc, leave=False, disable=jax.process_index() != 0)
       for i, batch in enumerate(bar):
         if should_stop is not None and should_stop(i):
@@ -289,12 +274,10 @@ class Trainer:
 
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run) -> Trainer:
-  """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
-  config, the mesh over ``devices`` (default: all), the batch's split over it, the notes of a
-  warmup cut to the run and of an unused ``data.vocab_size`` (to ``say``) and the trainer. With
-  ``impl='auto'`` each op takes its Pallas kernel where one runs on the mesh's devices (decided
-  for them while the steps are traced, before anything is compiled: a T4 takes XLA), XLA
-  otherwise. ``run``: the rest of ``Trainer``'s arguments."""
+  """The trainer that training and ``--dry_run`` build alike once the vocabulary size is known:
+  the mesh over ``devices`` (default: all), the batch's split checked, the notes of a warmup cut
+  to the run and of an unused ``data.vocab_size`` said (``say``); ``run``: the rest of
+  ``Trainer``'s arguments."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -310,10 +293,8 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run
 
 
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
-  """(what it is, its config and corpus record) of what the workdir's run is checked against
-  before any data is loaded: the newest checkpoint whose items read, else config.json and
-  corpus.json (a run stopped before its first save); its corpus record is
-  ``Workdir.trained_corpus``'s. Reads only."""
+  """(what it is, {"config", "corpus"}) of what the workdir's run is checked against before
+  any data is loaded: the newest checkpoint whose items read, else config.json and corpus.json."""
   newest = checkpointing.newest_items(mngr)
   if newest is None:
     return "config.json and corpus.json", {
@@ -324,23 +305,17 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
 
 
-def _check_config(tree: dict, workdir, allow_config_change, saved) -> list[str]:
-  return checkpointing.check_resume_config(saved, tree, workdir, allow_config_change, as_written)
-
-
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
-  """Checks the config and data against what the workdir's run was trained with, loads the
-  data, builds the mesh and the jitted steps. Writes nothing in the workdir (the corpus is
-  prepared in its data_dir): a run that is refused leaves it as it was.
-
-  The order keeps refusals cheap: the config and the text files (their digests: at most 2 MiB
-  read per file) are compared before any vocabulary is learned or corpus prepared, the loaded
-  corpus (vocabulary, tokens per split) before any model is built.
-  """
+  """The run's trainer, its config and data checked against what the workdir's run was trained
+  with; the corpus loaded (prepared in its data_dir). Writes nothing in the workdir. The cheap
+  checks first: the config and the text files' digests before any corpus is prepared, the
+  loaded corpus before any model is built."""
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   since, trained = _trained_on(workdir, mngr)
-  changes = _check_config(cfg.tree, workdir, allow_config_change, trained["config"])
+  changes = checkpointing.check_resume_config(
+    trained["config"], cfg.tree, workdir, allow_config_change, as_written
+  )
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
   built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
   corpus = data_lib.load_corpus(cfg.data, built_by)
@@ -367,23 +342,19 @@ def _begin_writing(trainer: Trainer, mngr, restored) -> None:
     checkpointing.set_aside(mngr, restored)
   if trainer.is_main:
     trainer.workdir.save_corpus(trainer.corpus)
-  checkpointing.write_workdir_config(trainer.tree, trainer.workdir)
+    trainer.workdir.write_config(trainer.tree)
 
 
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
-  """The newest intact checkpoint's state (and data position), or a freshly initialised state.
-
-  Each checkpoint's own config, corpus record and data position, once they verified against
-  its checksums, are what the run is checked against before its state is read; the workdir is
-  written only once the restore succeeded and every check passed (``_begin_writing``). The
-  config changes allowed (``--allow_config_change``) against what it resumes are said once.
-  """
+  """The newest intact checkpoint's state (and data position), or a fresh one. Each
+  checkpoint's config, corpus record and data position, once verified, are checked before its
+  state is read; the workdir is written only after (``_begin_writing``)."""
   changes = {}
 
   def check(step, items):
     since = f"the checkpoint at step {step}"
-    changes[step] = _check_config(
-      trainer.tree, trainer.workdir, trainer.allow_config_change, items.get("config")
+    changes[step] = checkpointing.check_resume_config(
+      items.get("config"), trainer.tree, trainer.workdir, trainer.allow_config_change, as_written
     )
     data_record.check_corpus(items.get("corpus"), trainer.record, since)
     data_iter.check_state(items["data"], since)
@@ -476,12 +447,8 @@ def final_results(
   trainer: Trainer, state: TrainState, preemption: Preemption | None = None
 ) -> dict:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
-
-  Each split's result is kept in the workdir as it is done (``Workdir.final_eval_file``), and a
-  rerun of the same step and protocol takes it from there instead of scoring the split again
-  (with stride 1 on WikiText-103 a split takes hours). ``preemption``: a signal it records
-  stops the evaluation between batches with ``Interrupted``.
-  """
+  Each split's result is kept in the workdir when done, and a rerun of the same step and protocol
+  takes it from there; a signal ``preemption`` records stops it with ``Interrupted``."""
   cfg, corpus, trainer = trainer.config, trainer.corpus, trainer
   seq_len = cfg.train.seq_len
   step = int(state.step)
@@ -659,8 +626,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         try:
           while step < train.num_train_steps:
             profiler.at(step, state)
-            batch = sharding.put_batch(next(data_iter), trainer.mesh)
             with trainer.on_mesh():
+              batch = sharding.put_batch(next(data_iter), trainer.mesh)
               state, metrics = trainer.step(state, batch, dropout_rng)
             step += 1
             log.add(metrics)

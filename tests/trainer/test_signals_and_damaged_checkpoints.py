@@ -406,7 +406,7 @@ def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
   # A change that cannot be restored fails without touching config.json. (The failure leaves
   # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  train_lib.checkpointing.write_workdir_config(RunConfig.from_tree(tiny_config()).tree, workdir)
+  Workdir(workdir).write_config(RunConfig.from_tree(tiny_config()).tree)
   with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
