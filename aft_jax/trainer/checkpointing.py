@@ -202,12 +202,10 @@ def _quietly(read):
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves the state, data position, ``config`` (``RunConfig.tree``) and ``corpus`` record (None:
-  not saved) and their checksums, atomically, in the background: waits for the save before it,
-  returns once Orbax holds a host copy of the state. Refuses non-finite parameters. A failed
-  write (a full disk) is one OSError naming the step and what is left to resume from: raised
-  here, or by the next wait (``save`` or ``finish_saving``); the writing threads stay ``Quiet``
-  until then."""
+  """Saves the state, data position, ``config``, ``corpus`` record (None: not saved) and their
+  checksums atomically in the background: returns once Orbax holds a host copy of the state.
+  Refuses non-finite parameters. A failed write is one OSError naming the step and what is left,
+  raised here or by the next wait (``save``, ``finish_saving``), the writers ``Quiet`` till then."""
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
@@ -279,10 +277,8 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
   """The JSON items of the checkpoint at ``step`` ("config", "data", "corpus", "checksums"),
-  verified against its checksums before anything in them is compared with a run; a
-  DamagedCheckpointError names the first that does not match, or says the checksums are lost.
-  Only a step written before checkpoints carried them lacks "checksums" (``_predates_checksums``:
-  loaded unverified). {} for a folder that holds none."""
+  verified (a DamagedCheckpointError names the first that does not match, or lost checksums);
+  without "checksums" only where it predates them (``_predates_checksums``). {}: none there."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -304,9 +300,8 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def _predates_checksums(folder: str) -> bool:
-  """Whether the step in ``folder`` was written before checkpoints carried checksums: its Orbax
-  metadata (``_CHECKPOINT_METADATA``) reads and lists no "checksums" item. Metadata that does
-  not read cannot tell that apart from a lost ``checksums/``: False."""
+  """Whether the step in ``folder`` predates checksums: its Orbax metadata reads and lists no
+  "checksums" item (metadata that does not read cannot tell: False)."""
   try:
     handlers = ocp.metadata.get_step_metadata(folder).item_handlers
   except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
@@ -469,10 +464,8 @@ def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
 
 
 def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=None):
-  """(Restored, skipped) of the first of ``steps`` that restores and verifies, for reading a run
-  (sampling, evaluating, exporting): nothing is moved aside. ``check(step, items)`` as in
-  ``restore_newest_intact``. ``skipped``: [(step, why)] of the ones before it that did not
-  restore. A one-line ValueError naming each step and why, if none does."""
+  """(Restored, [(step, why)] skipped before it) of the first of ``steps`` that restores and
+  verifies, for reading a run: nothing moved aside; a one-line ValueError if none does."""
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is not None:
     return restored, failed

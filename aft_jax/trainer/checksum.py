@@ -24,11 +24,8 @@ _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
 
 
 def _mix(h):
-  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit.
-
-  Written in lax on NumPy scalars, as the rest of the checksum: it is traced once per array of
-  the state on a run's first save, and jnp's per-op checks were most of that trace (a tiny
-  model's 67 arrays: 0.49 s with jnp, 0.18 s with lax; the sums are the same bits)."""
+  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit. In lax on NumPy
+  scalars, as the rest of the checksum: jnp's per-op checks made most of its trace time."""
   shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))

@@ -44,12 +44,9 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
 
 
 def check_set_count() -> None:
-  """A one-line ValueError where the count is set (``--jax_num_cpu_devices``,
-  ``JAX_NUM_CPU_DEVICES``) to no number of devices: 0 (jax's CPU backend then fails to start,
-  blaming a plugin) or below -1 (jax takes it as unset, without a word); -1 is jax's unset.
-  Likewise an XLA_FLAGS count that is not a positive int (XLA prints its whole flag list when
-  the backend starts, or blames a plugin). Before jax's backends start (a word that is no
-  number in JAX_NUM_CPU_DEVICES jax refuses itself, when imported)."""
+  """A one-line ValueError, before jax's backends start, where the CPU device count is set (jax's
+  flag or variable, or XLA_FLAGS) to no number of devices: 0 or below -1 (jax's unset) would
+  fail later blaming a plugin, or be taken as unset without a word."""
   n = jax.config.jax_num_cpu_devices
   if n == 0 or n < -1:
     raise ValueError(

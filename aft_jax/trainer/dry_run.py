@@ -60,11 +60,9 @@ def usable_bytes(target: deviceless.CompileTarget) -> int:
 
 
 def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
-  """Everything a dry run refuses that needs no compiler, so that it is refused before the run
-  restarts itself for the target (the config itself was checked where ``cfg`` was built): the
-  device count, the memory fraction, the mesh and the batch's split over it, and a batch whose
-  share per device alone exceeds the device (XLA's compilers fail on such steps, or crash).
-  One-line ValueErrors; returns the usable bytes per device."""
+  """What a dry run refuses before it restarts itself for the target: the device count, the
+  memory fraction, the mesh and batch split, a batch whose share per device alone exceeds the
+  device. One-line ValueErrors; returns the usable bytes per device."""
   deviceless.check_num_devices(target, num_devices)
   usable = usable_bytes(target)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, num_devices)))

@@ -51,11 +51,8 @@ def resolve(spec: str) -> str:
 
 
 def resolve_flag(argv: list[str], flag: str = "config") -> list[str]:
-  """``argv`` with the value of ``--flag`` (``--flag X`` or ``--flag=X``) passed through resolve().
-
-  Done before absl parses the command line, so that the config flag (ml_collections, which loads
-  a file path) and its ``--config.KEY=VALUE`` overrides work unchanged with recipe names.
-  """
+  """``argv`` with the value of ``--flag`` (``--flag X``, ``--flag=X``) passed through resolve(),
+  before absl parses it, so that ml_collections' config flag takes recipe names."""
   out = list(argv)
   names = (f"-{flag}", f"--{flag}")
   for i, a in enumerate(out):

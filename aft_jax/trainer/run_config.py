@@ -158,10 +158,8 @@ def _frozen(value):
 
 
 def as_written(tree: Mapping) -> dict:
-  """A saved config tree (config.json's, a checkpoint's) as plain data with each key added
-  since it was written at the value the version that wrote it ran with: each component's
-  ``ADDED`` (aft_jax/typed_config.py). Any other key it lacks stays missing (damage, which the
-  config check names)."""
+  """A saved config tree as plain data, each key added since it was written at the value the
+  version that wrote it ran with (the components' ``ADDED``); any other missing key stays so."""
   tree = plain_tree(tree)
   for component in SLICES.values():
     if not component.WHERE:

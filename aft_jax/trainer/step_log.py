@@ -53,10 +53,8 @@ class MetricWriter:
       wandb_log.log_text(self.wandb_run, tag, text, step)
 
   def write_hparams(self, settings: dict, metric_tags) -> None:
-    """The run's settings (a flat dict: "model.mixing" etc.) on TensorBoard's HPARAMS tab,
-    beside its scalars ``metric_tags``. Written into this run's own event file (not a sub-run,
-    as ``SummaryWriter.add_hparams`` does), so that the tab shows each workdir as one row with
-    its own curves."""
+    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``metric_tags``, in
+    this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
     if not self.enabled:
       return
     flat = {k: _hparam_value(v) for k, v in settings.items() if v is not None}

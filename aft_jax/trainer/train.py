@@ -71,9 +71,8 @@ def _fail(e: Exception, status: int = 1):
 
 
 def dry_run() -> None:
-  """--dry_run: checks what it can here, restarts this command where the target's compiler is
-  (``deviceless.reexec``), then reports; the exit status says whether it fits (0, 1) or that
-  the question was refused (2: nothing compiled)."""
+  """--dry_run: checks what it can, restarts this command where the target's compiler is
+  (``deviceless.reexec``), reports; exit status 0 fits, 1 does not, 2 refused."""
   from aft_jax import deviceless
   from aft_jax.trainer import dry_run as dry_run_lib
   from aft_jax.trainer.run_config import RunConfig
@@ -172,9 +171,8 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing, with a bad flag or ``--config.KEY=VALUE`` (a mistyped key, a value of
-  the wrong type: ml_collections raises while the flags are parsed) as one line, exit status
-  1; with --dry_run 2, as its other refusals."""
+  """absl's flag parsing; a bad flag or ``--config.KEY=VALUE`` (ml_collections raises while the
+  flags are parsed) is one line, exit status 1 (2 with --dry_run)."""
   from absl import flags
 
   refused = 2 if _asks_dry_run(argv) else 1

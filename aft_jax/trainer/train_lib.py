@@ -274,10 +274,8 @@ class Trainer:
 
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run) -> Trainer:
-  """The trainer that training and ``--dry_run`` build alike once the vocabulary size is known:
-  the mesh over ``devices`` (default: all), the batch's split checked, the notes of a warmup cut
-  to the run and of an unused ``data.vocab_size`` said (``say``); ``run``: the rest of
-  ``Trainer``'s arguments."""
+  """The trainer that training and ``--dry_run`` build alike, once the vocabulary size is known:
+  the mesh over ``devices`` (default: all), the batch split checked, its notes said (``say``)."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -306,10 +304,8 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
-  """The run's trainer, its config and data checked against what the workdir's run was trained
-  with; the corpus loaded (prepared in its data_dir). Writes nothing in the workdir. The cheap
-  checks first: the config and the text files' digests before any corpus is prepared, the
-  loaded corpus before any model is built."""
+  """The run's trainer, its config and data checked (the cheap checks first) against what the
+  workdir's run was trained with, the corpus loaded. Writes nothing in the workdir."""
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   since, trained = _trained_on(workdir, mngr)
@@ -335,9 +331,8 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
 
 
 def _begin_writing(trainer: Trainer, mngr, restored) -> None:
-  """Every check has passed: the run's first writes. Damaged checkpoints newer than the one
-  restored are moved aside, then corpus.json and the vocabulary (so that sampling and
-  evaluating need no dataset) and config.json are written."""
+  """Every check has passed: the damaged checkpoints moved aside, then corpus.json, the
+  vocabulary and config.json written (sampling and evaluating need no dataset)."""
   if restored is not None:
     checkpointing.set_aside(mngr, restored)
   if trainer.is_main:

@@ -536,6 +536,10 @@ VERIFIED_OR_REFUSED = {
 }
 
 
+class _Restored(Exception):
+  """Raised with the restored step, to stop a run right after its restore."""
+
+
 @pytest.mark.parametrize("case", VERIFIED_OR_REFUSED)
 def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   case, two_checkpoints, tmp_path, capsys, monkeypatch
@@ -555,11 +559,17 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   assert line.startswith(note), line
 
   # The resume, stopped as soon as its state is restored (the training loop is not the point).
-  monkeypatch.setattr(train_lib, "train_loop", lambda run, state, *rest: (state, True))
+  restore = train_lib.restore_or_init
+
+  def restore_then_stop(*args):
+    raise _Restored(int(restore(*args).step))
+
+  monkeypatch.setattr(train_lib, "restore_or_init", restore_then_stop)
   config = tiny_config(**dict(TWO_CHECKPOINTS, num_train_steps=6))
-  done = train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  with pytest.raises(_Restored) as done:
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
   out = capsys.readouterr().out
-  assert done == {"interrupted": True, "step": step}, out
+  assert done.value.args == (step,), out
   resumed = f"Resuming from the checkpoint at step {step} in {workdir}"
   assert resumed + ("\n" if skipped else f" ({UNVERIFIED})\n") in out, out
   moved = os.path.join(workdir, "damaged_checkpoints")
