@@ -131,10 +131,8 @@ def default_tree() -> dict:
 
 
 def absolute_paths(tree: dict) -> dict:
-  """A copy of ``tree`` whose data folders and text globs are absolute (``data_dir`` '': the
-  default one), so config.json says where the data is whichever directory a run is started
-  from."""
-  tree = json.loads(json.dumps(tree))
+  """``tree`` (changed in place) with its data folders and text globs absolute (``data_dir`` '':
+  the default one): config.json says where the data is, from whatever directory a run starts."""
   data = tree["data"]
   data["data_dir"] = resolve_data_dir(data["data_dir"])
   if data["manual_dir"]:
