@@ -119,12 +119,9 @@ def _read_array(state, name):
 
 
 def _damage(workdir, step, how) -> str:
-  """Damages (``DAMAGE[how]``) the stored bytes of one parameter array of checkpoint ``step`` so
-  that they still parse: the array reads, with another value, which only the checksums see.
-  Its chunk is found by its bytes in Orbax's OCDBT data files; the middle of a file may be an
-  index node or a compressed stretch (whose damage is a read error, not a changed value), and
-  which file holds what depends on the save's thread timing, so each parameter chunk is tried,
-  the largest first, until one reads changed. The parameter's name."""
+  """Damages (``DAMAGE[how]``) one parameter chunk of checkpoint ``step`` in Orbax's OCDBT files
+  so that it still reads, changed (only the checksums see it): each chunk tried, the largest
+  first (a file's layout depends on thread timing). The parameter's name."""
   import tensorstore as ts
 
   state = _state_dir(workdir, step)

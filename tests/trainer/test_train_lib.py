@@ -57,11 +57,9 @@ class _Drawn:
 
 
 def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
-  """The save at step 2 (the first) is held unfinished (Orbax's post-finalization callback, in
-  its background thread, waits before the step's folder is renamed into place) until the run
-  draws batch ``until_batch``. Returns (the batches from 3 on, drawn after the save returned,
-  that were drawn while its folder was not in place; whether the callback was released rather
-  than timed out): lists filled as the run goes."""
+  """Holds the save at step 2 unfinished (Orbax's post-finalization callback waits) until the
+  run draws batch ``until_batch``. Returns (the batches from 3 on drawn while its folder was not
+  in place; whether the callback was released rather than timed out), filled as the run goes."""
   import orbax.checkpoint as ocp
 
   release, released, during = threading.Event(), [], []
