@@ -1,21 +1,8 @@
-"""The workdir's durable state: Orbax checkpoints of the state (params, opt_state, step), the
-data-iterator position, the config and the corpus record (``aft_jax.data.record``) they were
-written with, which a resume and the tools are checked against, and the checksums of all of it
-(``aft_jax.trainer.checksum``). Where they live in the workdir: ``aft_jax.workdir``.
-
-Saves run in the background (Orbax's asynchronous checkpointing): ``save`` returns once Orbax
-holds a host copy of the state, training goes on while the bytes are written, and the next
-``save`` or ``finish_saving`` waits for them (and raises if the write failed). Orbax writes each
-checkpoint into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoint usable; a checkpoint damaged later (a truncated or garbled file, or
-bytes that still parse but no longer match their checksums) is skipped on resume in favour of
-the newest intact one, and never loaded.
-
-Restoring only reads: the small JSON items first, verified against the checksums before a run
-is checked against them (so damage is never read as a setting), then the state, verified. A
-step whose checksums are lost is damaged like any other; only one written before checkpoints
-carried checksums loads unverified (``Restored.unverified``). Moving damaged checkpoints aside
-(``set_aside``) is left to the caller, for once every check of the run has passed.
+"""The workdir's checkpoints (Orbax, saved in the background): the state, the data position, the
+config and corpus record, and the checksums of all of it (``checksum``). A restore reads and
+verifies the JSON items before a run is compared with them, then the state; a damaged checkpoint
+is skipped for the newest intact one and set aside once the run passed every check. Docs:
+docs/training.md, "Reliability".
 """
 
 from __future__ import annotations
@@ -92,14 +79,10 @@ class DamagedCheckpointError(ValueError):
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (the latest ``cfg.keep_checkpoints`` kept; an older one is
-  deleted only once a newer save has finished); creating it writes nothing (the first save
-  makes the folder). Its saves are asynchronous (``save``); ``close`` it when done.
-
-  Orbax reads each step's metadata here and logs an ERROR, with the file's bytes, for one it
-  cannot parse; that is the restore's to judge (it skips a damaged step with one line), so the
-  log is kept off stderr."""
-  with _quiet_orbax_threads():
+  """The workdir's checkpoints (the latest ``keep_checkpoints`` kept; saves asynchronous, see
+  ``save``); creating it writes nothing. Orbax logs an ERROR for a step whose metadata does not
+  parse: the restore's to judge, so kept ``Quiet``."""
+  with Quiet():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
@@ -142,156 +125,87 @@ class _MainThreadOnly:
     return getattr(self.stream, name)
 
 
-def _silence_background_errors():
-  """Stops tracebacks and ERROR logs of background threads from reaching stderr; returns the
-  function that undoes it."""
-  loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
-  levels = [lg.level for lg in loggers]
-  saved = threading.excepthook, sys.unraisablehook, sys.stderr
-  threading.excepthook = sys.unraisablehook = lambda args: None
-  sys.stderr = _MainThreadOnly(sys.stderr)
-  for lg in loggers:
-    lg.setLevel(logging.CRITICAL)
+class Quiet:
+  """The one guard for Orbax's and TensorStore's noise on stderr: a failed write or read fails in
+  several of their threads, which print tracebacks for a while (and at exit) and leave
+  "never awaited" coroutines, burying our one-line error. ``on()`` keeps it off stderr until
+  ``off()``; as a context manager, for the block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
 
-  def undo():
-    threading.excepthook, sys.unraisablehook, sys.stderr = saved
-    for lg, level in zip(loggers, levels):
+  def on(self) -> Quiet:
+    self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
+    self.saved = threading.excepthook, sys.unraisablehook, sys.stderr
+    self.levels = [lg.level for lg in self.loggers]
+    threading.excepthook = sys.unraisablehook = lambda args: None
+    sys.stderr = _MainThreadOnly(sys.stderr)
+    for lg in self.loggers:
+      lg.setLevel(logging.CRITICAL)
+    return self
+
+  def off(self) -> None:
+    threading.excepthook, sys.unraisablehook, sys.stderr = self.saved
+    for lg, level in zip(self.loggers, self.levels):
       lg.setLevel(level)
 
-  return undo
+  def __enter__(self) -> Quiet:
+    return self.on()
 
+  def __exit__(self, kind, *_):
+    if kind is not KeyboardInterrupt:
+      self.off()
 
-def _wind_down() -> None:
-  """After a read or write failed inside Orbax or TensorStore (their noise kept off stderr by
-  the caller): a second for their threads to finish failing, then the coroutines they left
-  unfinished collected, with their "never awaited" warnings ignored. Collected later (with the
-  error's frames, or at the interpreter's exit) each prints a page after our one-line error."""
-  with warnings.catch_warnings():
-    _ignore_unawaited_coroutines()
-    time.sleep(1.0)
-    gc.collect()
-
-
-def _ignore_unawaited_coroutines() -> None:
-  """Ignores (in the current ``warnings.catch_warnings`` context) exactly the RuntimeWarning
-  that a coroutine left unfinished by a failed TensorStore or Orbax operation gives when it is
-  collected; every other warning shows as usual."""
-  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-
-
-@contextlib.contextmanager
-def _quiet_orbax_threads():
-  """Keeps Orbax's and TensorStore's background threads from printing their own tracebacks.
-
-  A failed write (a full disk) or read (a damaged checkpoint) fails in several threads at once,
-  their callbacks keep failing against closed event loops for a while afterwards, and their
-  coroutines again at exit; each prints a traceback (through logging, the thread or unraisable
-  hook, or from the thread to stderr), burying the one error that says what happened. After a
-  failure they are given a moment to wind down before stderr is theirs again.
-  """
-  undo = _silence_background_errors()
-  try:
-    yield
-  except BaseException:
-    time.sleep(1.0)
-    undo()
-    raise
-  undo()
-
-
-# While a save is in flight (from ``save`` to ``finish_saving``) its background threads' noise
-# is kept off stderr (``_silence_background_errors``); this holds the function that undoes it.
-_saving_quietly: list = []
-
-
-def _quiet_while_saving() -> None:
-  if not _saving_quietly:
-    _saving_quietly.append(_silence_background_errors())
-
-
-def _loud_again() -> None:
-  while _saving_quietly:
-    _saving_quietly.pop()()
-
-
-def _stay_quiet() -> None:
-  """After a failed write: the process stops with our one error, and the failed threads' noise
-  (which goes on for a while, and again at exit) stays off stderr for good."""
-  if not _saving_quietly:
-    _silence_background_errors()
-  _saving_quietly.clear()
-
-
-def _quietly(read):
-  """(``read()``, None), or (None, its error's first line) if it raised an Exception; with the
-  reading threads' noise kept off stderr (``_quiet_orbax_threads``), also after a failure.
-
-  Only the line is kept, not the exception: its frames hold the coroutines TensorStore left
-  unfinished, which print a page each ("coroutine ... was never awaited", with the whole array
-  spec) whenever they are collected. So they are collected here, before stderr is given back.
-
-  A Ctrl-C is no damage: it is raised as the KeyboardInterrupt it is, also where Orbax wraps it
-  in an Exception of its own, and the reading threads stay quiet: they go on failing against
-  the event loop the interrupt closed until the process ends (``aft_jax.ctrl_c``).
-  """
-  undo = _silence_background_errors()
-  try:
+  @staticmethod
+  @contextlib.contextmanager
+  def unawaited_ignored():
+    """Ignores what the unfinished coroutines of a failed read or write say when collected
+    ("coroutine ... was never awaited"), and nothing else."""
     with warnings.catch_warnings():
-      _ignore_unawaited_coroutines()
-      try:
-        return read(), None
-      except DamagedCheckpointError as e:
-        # Raised by the checksums after a read that completed: no reading thread or
-        # unfinished coroutine is left behind.
-        return None, _first_line(e)
-      except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
-        if _interrupted(e):
-          raise KeyboardInterrupt from e
-        error = _first_line(e)
-    _wind_down()  # (without the exception, whose frames hold the reading coroutines)
-  except KeyboardInterrupt:
-    undo = None
-    raise
-  finally:
-    if undo is not None:
-      undo()
-  return None, error
+      warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+      yield
+
+  @staticmethod
+  def wind_down() -> None:
+    """After a failure (its exception dropped: its frames hold the unfinished coroutines): a
+    second for the failing threads to finish, then what they left collected."""
+    with Quiet.unawaited_ignored():
+      time.sleep(1.0)
+      gc.collect()
 
 
-def _interrupted(e: BaseException) -> bool:
-  """Whether ``e`` was raised because of a KeyboardInterrupt (one of its causes is one)."""
-  while e is not None:
-    if isinstance(e, KeyboardInterrupt):
-      return True
-    e = e.__cause__ or e.__context__
-  return False
-
-
-def _first_line(e: BaseException, limit: int = 200) -> str:
+def one_line(e: BaseException, limit: int = 200) -> str:
+  """``e`` as the one line our errors quote: its type and its message's first line."""
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
   text = text.split(" See full TensorStore details")[0]
   text = text if len(text) <= limit else text[: limit - 3] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _quietly(read):
+  """(``read()``, None), or (None, its error's ``one_line``) if it raised an Exception, quiet
+  (``Quiet``) also after the failure. A Ctrl-C is no damage: raised as the KeyboardInterrupt it
+  is, also where Orbax wraps it in an Exception of its own."""
+  with Quiet(), Quiet.unawaited_ignored():
+    try:
+      return read(), None
+    except DamagedCheckpointError as e:  # raised after a read that completed: nothing to wind down
+      return None, one_line(e)
+    except Exception as e:  # noqa: BLE001 (a damaged file fails in Orbax, TensorStore, json)
+      cause = e
+      while cause is not None and not isinstance(cause, KeyboardInterrupt):
+        cause = cause.__cause__ or cause.__context__
+      if cause is not None:
+        raise KeyboardInterrupt from e
+      error = one_line(e)
+    Quiet.wind_down()
+  return None, error
+
+
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves state + data position + ``config`` (``RunConfig.tree``) and ``corpus`` (the corpus
-  record: what a resume and the tools are checked against) + the checksums of all of them,
-  atomically, in the background: it first waits for the save before it (``finish_saving``),
-  and returns once Orbax has copied the state's arrays to host memory (the caller may update,
-  or donate, them from then on), while the bytes are written; ``finish_saving`` waits for them.
-
-  The trainer always passes its config and corpus record; ``None`` (tools that only move
-  state) saves none.
-
-  Never writes non-finite parameters or optimizer state. A failed write (a full disk, say) is
-  one OSError naming the step and what is left to resume from: raised here where it fails
-  before the write goes to the background, else by the wait that follows (the next ``save``,
-  or ``finish_saving``). From here until that wait, the background threads' own tracebacks
-  and logs are kept off stderr (``_silence_background_errors``).
-  """
+  """Saves the state, data position, ``config``, ``corpus`` record (None: not saved) and their
+  checksums atomically in the background: returns once Orbax holds a host copy of the state.
+  Refuses non-finite parameters. A failed write is one OSError naming the step and what is left,
+  raised here or by the next wait (``save``, ``finish_saving``), the writers ``Quiet`` till then."""
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
@@ -300,13 +214,14 @@ def save(
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
   items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
   sums = checksum.record(state, items)
-  _quiet_while_saving()
+  if getattr(mngr, "quiet_while_saving", None) is None:
+    mngr.quiet_while_saving = Quiet().on()  # off once ``finish_saving`` saw the write succeed
   try:
     args = {k: ocp.args.JsonSave(v) for k, v in items.items()}
     args.update(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(sums))
     mngr.save(step, args=ocp.args.Composite(**args), force=True)
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
-    error = _first_line(e)
+    error = one_line(e)
   else:
     return
   raise _save_failed(mngr, step, error)
@@ -319,9 +234,12 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
   try:
     mngr.wait_until_finished()
   except Exception as e:  # noqa: BLE001 (a full disk fails in Orbax, TensorStore or the OS)
-    error = _first_line(e)
+    error = one_line(e)
   else:
-    _loud_again()
+    quiet = getattr(mngr, "quiet_while_saving", None)
+    if quiet is not None:
+      quiet.off()
+      mngr.quiet_while_saving = None
     return
   raise _save_failed(mngr, step, error)
 
@@ -340,8 +258,10 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   # The failed write's coroutines live as long as the error's frames: outside the except block
   # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
   # module was gone, each printed "coroutine ... was never awaited" after our error).
-  _stay_quiet()
-  _wind_down()
+  if getattr(mngr, "quiet_while_saving", None) is None:
+    Quiet().on()  # for good: the failed threads go on failing, and again at exit
+  mngr.quiet_while_saving = None  # (stays on: the process stops with this one error)
+  Quiet.wind_down()
   # Its temporary folder, left by Orbax, would keep the disk full for the rerun.
   tmp = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
   for path in glob.glob(os.path.join(glob.escape(str(mngr.directory)), tmp)):
@@ -356,15 +276,9 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON items the checkpoint at ``step`` has ("config", "data", "corpus", "checksums"),
-  verified against its checksums: small, read and verified before any array is read and
-  before anything in them is compared with a run.
-
-  A DamagedCheckpointError names the first item that does not match, or says the checksums
-  are missing where the step's Orbax metadata does not show it was written before checkpoints
-  carried them (``_predates_checksums``). Only such a step lacks "checksums" here (its items
-  are unverified, ``Restored.unverified``); one written before checkpoints carried a corpus
-  record lacks "corpus" too. {} for a folder that holds none of them."""
+  """The JSON items of the checkpoint at ``step`` ("config", "data", "corpus", "checksums"),
+  verified (a DamagedCheckpointError names the first that does not match, or lost checksums);
+  without "checksums" only where it predates them (``_predates_checksums``). {}: none there."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -386,9 +300,8 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def _predates_checksums(folder: str) -> bool:
-  """Whether the step in ``folder`` was written before checkpoints carried checksums: its Orbax
-  metadata (``_CHECKPOINT_METADATA``) reads and lists no "checksums" item. Metadata that does
-  not read cannot tell that apart from a lost ``checksums/``: False."""
+  """Whether the step in ``folder`` predates checksums: its Orbax metadata reads and lists no
+  "checksums" item (metadata that does not read cannot tell: False)."""
   try:
     handlers = ocp.metadata.get_step_metadata(folder).item_handlers
   except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
@@ -417,13 +330,9 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state of the checkpoint at ``step``, verified against the checksums among its
-  ``items`` (``read_items``'s); a DamagedCheckpointError naming the arrays that do not match.
-
-  ``abstract_state`` (ShapeDtypeStructs with shardings) says where each array goes, so a run
-  saved on one mesh restores onto another. Only a checkpoint written before checkpoints
-  carried checksums (``read_items`` decides) is restored unverified.
-  """
+  """The state of the checkpoint at ``step`` placed as ``abstract_state`` (its shardings: a run
+  saved on one mesh restores onto another), verified against the checksums among ``items``; a
+  DamagedCheckpointError names the arrays that do not match."""
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
   if "checksums" in items:
@@ -444,13 +353,10 @@ def check_resume_config(
   allow_config_change: bool,
   as_written=None,
 ) -> list[str]:
-  """Refuses to continue ``saved`` (the config of the checkpoint, else of the workdir) as
-  ``config`` (``RunConfig.tree``) when they differ in what is computed, unless
-  ``allow_config_change``; returns the differences allowed (``resume_conflicts``), for the
-  caller to say once. ``as_written(saved)``: ``saved`` with each key added to the package
-  since it was written at the value it ran with (``run_config.as_written``), what ``config``
-  is compared with; where such a key differs, the refusal names the flag that resumes the run
-  as it was written."""
+  """Refuses to continue ``saved`` (the checkpoint's config, else config.json) as ``config`` where
+  they differ in what is computed, unless ``allow_config_change``; returns the differences
+  allowed. ``as_written(saved)``: ``saved`` with keys added since at the values it ran with; a
+  refusal names the flags that resume such a run as written."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"
@@ -487,13 +393,6 @@ def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:
     f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
     "pass that to resume the run as it was written"
   )
-
-
-def write_workdir_config(tree: dict, workdir: str | Workdir) -> None:
-  """config.json: the config (``RunConfig.tree``) the run continues with (written once a
-  restore succeeded)."""
-  if jax.process_index() == 0:
-    Workdir.of(workdir).write_config(tree)
 
 
 @dataclasses.dataclass
@@ -538,18 +437,13 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
 
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
   """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
-
-  ``check(step, items)`` runs before each restore, once the items verified (the checkpoint's
-  config, corpus record and data position: damage is never taken for a setting) and raises to
-  refuse it. A checkpoint that fails to restore (a truncated or garbled file, an empty folder,
-  lost checksums, contents that do not match their checksums) is listed in
-  ``Restored.damaged``; ``set_aside`` moves those away once the run has passed every check. If
-  none restores, the error lists why each failed.
-  """
+  ``check(step, items)`` runs once a checkpoint's items verified, before its state is read, and
+  raises to refuse it. Those that fail to restore are listed in ``Restored.damaged`` (for
+  ``set_aside``); if none restores, one error lists why each failed."""
   steps = sorted(mngr.all_steps(), reverse=True)
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is None and failed:
-    _silence_background_errors()  # the run stops here: only this error is worth reading
+    Quiet().on()  # for good: the run stops here: only this error is worth reading
     raise RuntimeError(
       f"no checkpoint in {mngr.directory} can be restored ("
       + "; ".join(f"step {s}: {why}" for s, why in failed)
@@ -570,14 +464,12 @@ def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
 
 
 def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=None):
-  """(Restored, skipped) of the first of ``steps`` that restores and verifies, for reading a run
-  (sampling, evaluating, exporting): nothing is moved aside. ``check(step, items)`` as in
-  ``restore_newest_intact``. ``skipped``: [(step, why)] of the ones before it that did not
-  restore. A one-line ValueError naming each step and why, if none does."""
+  """(Restored, [(step, why)] skipped before it) of the first of ``steps`` that restores and
+  verifies, for reading a run: nothing moved aside; a one-line ValueError if none does."""
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is not None:
     return restored, failed
-  _silence_background_errors()  # the command stops here: only this error is worth reading
+  Quiet().on()  # for good: the command stops here: only this error is worth reading
   raise ValueError(
     "the checkpoint cannot be read: "
     + "; ".join(f"step {s}: {why}" for s, why in failed)

@@ -1,26 +1,12 @@
-"""Checksums of a checkpoint's contents: one per array of the state, one per JSON item.
-
-Why per array rather than per file: the checksum is taken of the values themselves, before
-they are written and after they are read back, so it checks exactly what a restore hands to
-the model, whatever Orbax's file layout, compression or the mesh a checkpoint is restored onto
-(a state saved on 8 devices and restored on 1 verifies against the same numbers); and it is
-written as one more item of the same Orbax save (``checkpointing.save``), so it is in place
-exactly when the checkpoint is (a crash mid-save leaves neither).
-
-An array's checksum is two 32-bit sums of hashed words, computed on its devices (``jax.jit``;
-nothing is gathered to the host):
+"""Checksums of a checkpoint's contents, one per array of the state and one per JSON item (why
+per array: docs/training.md, "Checkpoint integrity"). An array's is two 32-bit sums, computed
+on its devices, whatever its sharding:
 
     s = sum_i mix(bits_i ^ mix(i ^ seed))   (mod 2**32), for two seeds
 
-where ``bits_i`` is element i's bit pattern as a uint32 (narrower dtypes zero-extended, wider
-ones split into 32-bit words), i its row-major position and ``mix`` the MurmurHash3 finaliser.
-Integer sums wrap exactly and in any order, so the result does not depend on how the array is
-sharded. ``mix`` is a bijection, so any change within one 32-bit word (a flipped bit, damaged
-bytes inside one float32) changes that word's term, and so both sums, for certain; changes to
-several words cancel with a chance of about 2**-32 per sum (each term is a pseudo-random
-function of the word and its position; a plain weighted sum would let two flipped sign bits
-cancel), 2**-64 for the pair. JSON items (the data position, the config, the corpus
-record) are checked with the SHA-256 of their canonical JSON.
+``bits_i``: element i's bit pattern as uint32 words, i its row-major position, ``mix`` the
+MurmurHash3 finaliser (a bijection: a change within one word changes both sums for certain;
+changes to several cancel with a chance of about 2**-64). JSON items: SHA-256 of canonical JSON.
 """
 
 from __future__ import annotations
@@ -38,11 +24,8 @@ _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
 
 
 def _mix(h):
-  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit.
-
-  Written in lax on NumPy scalars, as the rest of the checksum: it is traced once per array of
-  the state on a run's first save, and jnp's per-op checks were most of that trace (a tiny
-  model's 67 arrays: 0.49 s with jnp, 0.18 s with lax; the sums are the same bits)."""
+  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit. In lax on NumPy
+  scalars, as the rest of the checksum: jnp's per-op checks made most of its trace time."""
   shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))

@@ -1,26 +1,10 @@
 """How many devices a training run makes of a CPU host: one per core (up to ``MAX_DEVICES``),
-as many as split every batch evenly.
-
-Why: XLA:CPU runs a compiled step's operations mostly one after another, and at the sizes a
-CPU trains (a few thousand tokens a step, d_model 128) its matrix-product library (YNNPACK)
-does not split one product over threads: a step keeps one core busy and the rest wait. jax's
-``jax_num_cpu_devices`` makes the CPU several devices; the trainer's default mesh (data = -1)
-then splits each batch over them, every device runs its share of the step on its own core at
-the same time, and one all-reduce sums the gradients. Measured on the 2-core machine of
-benchmarks/RESULTS.md ("aft-jax beside nanoGPT", "Step time"): the quickstart's step 171 -> 81
-ms, the softmax step at nanoGPT's recipe 69.5 -> 44.9 ms, the same losses to the printed digits. On
-2 cores, 4 devices were slower than 2 (two devices' work on one core), hence at most one per
-core; ``MAX_DEVICES`` bounds what was not measured (many-core hosts, where the replicated
-optimizer update and the all-reduce grow with the count).
-
-Only ``train.py`` (``aft-train``) applies it, before jax starts its backends (the count is fixed
-then), and only where nothing else has set the count: ``--jax_num_cpu_devices`` /
-``JAX_NUM_CPU_DEVICES``, an ``XLA_FLAGS`` device count, a multi-process run, or a mesh config
-other than the default. In a notebook or script, ``jax.config.update("jax_num_cpu_devices", 2)``
-right after ``import jax`` does the same. A GPU or TPU host is unaffected: the trainer's
-devices are the accelerators there, not the CPU's. A count set to no number of devices (0, or
-below -1, jax's unset; in XLA_FLAGS anything but a positive int) is refused in one line by
-``aft-train`` and the tools (``check_set_count``).
+as many as split every batch evenly, so the default mesh runs each device's share of a step on
+its own core (why, and the step times: docs/training.md, "On a CPU: one device per core";
+benchmarks/results/peer_nanogpt_timing.md). Only ``aft-train`` applies it, before jax starts its
+backends, and only where nothing else set the count (a flag, JAX_NUM_CPU_DEVICES, XLA_FLAGS, a
+multi-process run, a mesh config); a count that is no number of devices is refused in one line
+(``check_set_count``).
 """
 
 from __future__ import annotations
@@ -60,12 +44,9 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
 
 
 def check_set_count() -> None:
-  """A one-line ValueError where the count is set (``--jax_num_cpu_devices``,
-  ``JAX_NUM_CPU_DEVICES``) to no number of devices: 0 (jax's CPU backend then fails to start,
-  blaming a plugin) or below -1 (jax takes it as unset, without a word); -1 is jax's unset.
-  Likewise an XLA_FLAGS count that is not a positive int (XLA prints its whole flag list when
-  the backend starts, or blames a plugin). Before jax's backends start (a word that is no
-  number in JAX_NUM_CPU_DEVICES jax refuses itself, when imported)."""
+  """A one-line ValueError, before jax's backends start, where the CPU device count is set (jax's
+  flag or variable, or XLA_FLAGS) to no number of devices: 0 or below -1 (jax's unset) would
+  fail later blaming a plugin, or be taken as unset without a word."""
   n = jax.config.jax_num_cpu_devices
   if n == 0 or n < -1:
     raise ValueError(

@@ -1,26 +1,7 @@
 """The config tree: every key a config may set, generated from the typed config of the
-component that owns it, and the run's own keys (``TrainConfig``).
-
-Recipes in ``configs/`` start from ``get_config()`` and change what they need; a run reads the
-tree once into a ``RunConfig`` (``run_config``), which refuses any key that is not here. Each key
-is defined, documented (a comment on its field) and checked in its component:
-
-    config.data.*             aft_jax/data/config.py         DataConfig
-    config.model.*            aft_jax/model.py               ModelConfig (but vocab_size)
-    config.sample.*           aft_jax/decode.py              SampleConfig
-    config.mesh.*             aft_jax/sharding.py            MeshConfig
-    config.logical_axis_rules aft_jax/sharding.py            RulesConfig
-    seed, num_train_steps, batch_size, seq_len               TrainConfig (below)
-    learning_rate, warmup_steps, weight_decay, weight_decay_on, b1, b2, grad_clip_norm,
-    grad_accum_steps
-                              aft_jax/trainer/optimizer.py   OptimizerConfig
-    log_every_steps, nonfinite, max_consecutive_skips, profile_steps
-                              aft_jax/trainer/step_log.py    StepLogConfig
-    eval_every_steps, eval_batch_size, eval_stride, final_eval_stride
-                              aft_jax/trainer/evaluation.py  EvalConfig
-    checkpoint_every_steps, keep_checkpoints
-                              aft_jax/trainer/checkpointing.py  CheckpointConfig
-    config.wandb.*            aft_jax/trainer/wandb_log.py   WandbConfig (optional W&B)
+component that owns it (where each key is defined, documented and checked), and the run's own
+keys (``TrainConfig``). Recipes in ``configs/`` start from ``get_config()``; a run reads the tree
+once into a ``RunConfig`` (``run_config``). The keys: docs/training.md, "Config keys".
 """
 
 from __future__ import annotations

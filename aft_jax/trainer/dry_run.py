@@ -1,15 +1,7 @@
-"""Does a recipe fit a GPU or TPU I do not have? ``aft-train --config RECIPE --dry_run --target
-NAME [--num_devices N]`` compiles the recipe's train and evaluation steps for N devices of that
-target (``aft_jax.deviceless``), on this machine, and prints per device what XLA's buffer
-assignment needs against the device's memory.
-
-The figures are *compiled for the target without a device*: XLA's memory analysis of the
-program it would run there, not a measurement. A GPU run also needs the CUDA runtime's own
-memory and, by default, jax takes only 75% of a GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``), so
-a GPU step "fits" when it needs at most that fraction; on a TPU, 95% of its HBM.
-
-Exit statuses of the command: 0 it fits, 1 it does not, 2 refused (``check``: a bad flag,
-config or environment, in one line, before the command restarts itself for the target).
+"""``aft-train --dry_run --target NAME [--num_devices N]``: compiles the recipe's train and
+evaluation steps for N devices of a GPU or TPU that is not here (``aft_jax.deviceless``) and
+prints per device what XLA's buffer assignment needs against its memory (docs/scaling.md,
+docs/what_fits.md). Exit statuses: 0 fits, 1 does not, 2 refused (``check``, in one line).
 """
 
 from __future__ import annotations
@@ -68,11 +60,9 @@ def usable_bytes(target: deviceless.CompileTarget) -> int:
 
 
 def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
-  """Everything a dry run refuses that needs no compiler, so that it is refused before the run
-  restarts itself for the target (the config itself was checked where ``cfg`` was built): the
-  device count, the memory fraction, the mesh and the batch's split over it, and a batch whose
-  share per device alone exceeds the device (XLA's compilers fail on such steps, or crash).
-  One-line ValueErrors; returns the usable bytes per device."""
+  """What a dry run refuses before it restarts itself for the target: the device count, the
+  memory fraction, the mesh and batch split, a batch whose share per device alone exceeds the
+  device. One-line ValueErrors; returns the usable bytes per device."""
   deviceless.check_num_devices(target, num_devices)
   usable = usable_bytes(target)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, num_devices)))
@@ -221,10 +211,9 @@ def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
   return out
 
 
-def run(cfg: RunConfig, target_name: str, num_devices: int = 1, say=print) -> dict:
-  """Prints the report (its last line one JSON object) and returns that object."""
-  target = deviceless.get(target_name)
-  usable = check(cfg, target, num_devices)
+def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dict:
+  """Prints the report (its last line one JSON object) and returns that object; ``usable``:
+  ``check``'s."""
   res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)

@@ -1,8 +1,5 @@
-"""The optimizer and its learning-rate schedule (``OptimizerConfig``: their config keys).
-
-AdamW with global-norm clipping, linear warmup then cosine decay to 10% of the peak, and
-optionally gradient accumulation (``optax.MultiSteps``): one update every ``grad_accum_steps``
-micro-steps, so the schedule counts updates, ``num_train_steps // grad_accum_steps``.
+"""AdamW with global-norm clipping, linear warmup then cosine decay to 10% of the peak, and
+optional gradient accumulation (``optax.MultiSteps``: the schedule counts updates).
 """
 
 from __future__ import annotations
@@ -84,10 +81,8 @@ def warmup_note(opt: OptimizerConfig, num_train_steps: int) -> str | None:
 
 
 def learning_rate_schedule(opt: OptimizerConfig, num_train_steps: int):
-  """Linear warmup from 0 over ``warmup_steps`` updates, then cosine decay to 10% of the peak.
-
-  Counted in optimizer updates (``num_train_steps // grad_accum_steps``).
-  """
+  """Linear warmup from 0 over ``warmup_steps``, then cosine decay to 10% of the peak, counted
+  in updates (``num_train_steps // grad_accum_steps``)."""
   updates = _updates(opt, num_train_steps)
   warmup = min(opt.warmup_steps, updates - 1)
   decay = optax.cosine_decay_schedule(opt.learning_rate, max(1, updates - warmup), alpha=0.1)

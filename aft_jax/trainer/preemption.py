@@ -1,15 +1,7 @@
-"""Preemption: SIGTERM / Ctrl-C become a flag that the training loop checks after each step.
-
-The step in flight finishes, the loop saves a checkpoint at that step and exits cleanly, so a
-rerun resumes exactly; a second Ctrl-C stops at once.
-
-Several processes must stop at the same step (each saves its shards of one checkpoint). A
-cluster's preemption notice is SIGTERM, which may reach the processes at different steps or
-reach only one of them: there JAX's preemption sync manager (started by
-``jax.distributed.initialize``, ``jax_enable_preemption_service``) owns SIGTERM and, through the
-coordination service, names one step at which every process stops (host-side: no device
-collective, so checking it after every step costs nothing). Ctrl-C (SIGINT) is not part of
-that protocol: processes compare their SIGINT flags at log steps, where logging already syncs.
+"""SIGTERM / Ctrl-C as a flag the training loop checks after each step: the step in flight
+finishes, a checkpoint is saved, the run exits; a second Ctrl-C stops at once. Several processes
+stop at one step: JAX's preemption sync manager owns SIGTERM there (one step named through the
+coordination service, no device collective), and SIGINT flags are compared at log steps.
 """
 
 from __future__ import annotations
@@ -51,12 +43,9 @@ class Preemption:
     self.signal = signum
 
   def should_stop(self, step: int, every: int) -> bool:
-    """Whether to save and stop after ``step``; all processes agree on the same step.
-
-    Call it after every step, on every process, with increasing ``step``. One process stops
-    at once. Several: at the preemption sync point (SIGTERM to any of them), or at the next
-    multiple of ``every`` after a SIGINT to any of them.
-    """
+    """Whether to save and stop after ``step`` (asked after every step, on every process): at
+    once with one process; with several, at the preemption sync point (SIGTERM) or at the next
+    multiple of ``every`` after a SIGINT to any of them."""
     if jax.process_count() == 1:
       return self.signal is not None
     if self._synced and multihost_utils.reached_preemption_sync_point(step):
@@ -74,10 +63,8 @@ class Preemption:
     return bool(np.any(flags))
 
   def requested(self, i: int, every: int) -> bool:
-    """Whether a signal asks to stop a loop that is not the training loop (the final
-    evaluation), checked before its item ``i``; all processes agree: with several, they compare
-    flags every ``every`` items (a SIGTERM that JAX's sync manager owns is not seen here: the
-    manager names a training step, and this loop has none)."""
+    """Whether a signal asks to stop another loop (the final evaluation) before its item ``i``;
+    several processes compare flags every ``every`` items."""
     if jax.process_count() == 1:
       return self.signal is not None
     return self._any_process(i, every)

@@ -1,9 +1,6 @@
-"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``.
-
-A recipe is a config file ``NAME.py`` whose ``get_config(arg)`` builds the run's config. In a
-checkout the recipes are the top-level ``configs/`` folder; an installed wheel carries the same
-files as the package ``aft_jax.configs`` (see setup.py), so a pip user names a recipe without having
-the repository. A config file path (``configs/quickstart.py:ARG``) is accepted everywhere a name is.
+"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``:
+``configs/NAME.py`` in a checkout, the package ``aft_jax.configs`` in a wheel; a config file path
+is accepted wherever a name is.
 """
 
 import os
@@ -32,14 +29,9 @@ def available() -> list[str]:
 
 
 def resolve(spec: str) -> str:
-  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``.
-
-  A path to a config file (a path separator or ``.py`` before the first ``:``, where
-  ml_collections splits the file from its argument) is returned unchanged; the argument may hold
-  anything (``text:~/notes/**/*.md``). Raises ValueError naming the recipes for an unknown name,
-  and naming the file for a path that is no file (ml_collections would defer its error to the
-  first use of the config, as a traceback).
-  """
+  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``;
+  a config file path (a separator or ``.py`` before the first ``:``) is returned unchanged.
+  ValueError naming the recipes for an unknown name, the file for a path that is no file."""
   name, sep, arg = spec.partition(":")
   if "/" in name or os.sep in name or name.endswith(".py"):
     if not os.path.isfile(name):
@@ -59,11 +51,8 @@ def resolve(spec: str) -> str:
 
 
 def resolve_flag(argv: list[str], flag: str = "config") -> list[str]:
-  """``argv`` with the value of ``--flag`` (``--flag X`` or ``--flag=X``) passed through resolve().
-
-  Done before absl parses the command line, so that the config flag (ml_collections, which loads
-  a file path) and its ``--config.KEY=VALUE`` overrides work unchanged with recipe names.
-  """
+  """``argv`` with the value of ``--flag`` (``--flag X``, ``--flag=X``) passed through resolve(),
+  before absl parses it, so that ml_collections' config flag takes recipe names."""
   out = list(argv)
   names = (f"-{flag}", f"--{flag}")
   for i, a in enumerate(out):

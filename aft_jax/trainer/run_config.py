@@ -1,18 +1,8 @@
-"""One run's config: the config tree (an ml_collections ConfigDict from a recipe and the command
-line, or config.json's dict) read once, at the boundary, into a frozen ``RunConfig``.
-
-``RunConfig.from_tree(tree)`` is the whole check before anything is loaded or compiled, one
-line per problem: unknown and missing keys (the tree is generated from the components,
-``default_config``), each component's own ``problems()`` (its types from its defaults, its
-values by its rules), then the rules that tie two components together (``_across_components``).
-It makes the data paths absolute, so config.json says where the data is whichever directory a
-run is started from. After it, each component takes its own typed slice (``run_cfg.optimizer``,
-``run_cfg.mesh``, ...) and nothing reads the tree again; the plain tree stays for what records
-the config (config.json, checkpoints, W&B, TensorBoard).
-
-Where it is built: ``train_lib.train_and_evaluate``, ``aft-train --dry_run`` and the tools'
-load of a workdir (``tools.trained``). The model's ``vocab_size`` is no key: it comes from the
-data, and ``with_vocab(n)`` fills it in.
+"""One run's config: the config tree (a ConfigDict from a recipe and the command line, or
+config.json's dict) read once into a frozen ``RunConfig``, the one check of a run's settings
+before anything is loaded, compiled or written (one line per problem), with each component's
+typed slice (``run_cfg.optimizer``, ...) and the plain tree for what records the config. The
+model's ``vocab_size`` comes from the data (``with_vocab``).
 """
 
 from __future__ import annotations
@@ -141,10 +131,8 @@ def default_tree() -> dict:
 
 
 def absolute_paths(tree: dict) -> dict:
-  """A copy of ``tree`` whose data folders and text globs are absolute (``data_dir`` '': the
-  default one), so config.json says where the data is whichever directory a run is started
-  from."""
-  tree = json.loads(json.dumps(tree))
+  """``tree`` (changed in place) with its data folders and text globs absolute (``data_dir`` '':
+  the default one): config.json says where the data is, from whatever directory a run starts."""
   data = tree["data"]
   data["data_dir"] = resolve_data_dir(data["data_dir"])
   if data["manual_dir"]:
@@ -168,10 +156,8 @@ def _frozen(value):
 
 
 def as_written(tree: Mapping) -> dict:
-  """A saved config tree (config.json's, a checkpoint's) as plain data with each key added
-  since it was written at the value the version that wrote it ran with: each component's
-  ``ADDED`` (aft_jax/typed_config.py). Any other key it lacks stays missing (damage, which the
-  config check names)."""
+  """A saved config tree as plain data, each key added since it was written at the value the
+  version that wrote it ran with (the components' ``ADDED``); any other missing key stays so."""
   tree = plain_tree(tree)
   for component in SLICES.values():
     if not component.WHERE:

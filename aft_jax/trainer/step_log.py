@@ -1,18 +1,79 @@
-"""What the training loop shows and records while it runs: ``StepLog`` (per-step metrics,
-the non-finite-update watch, one record per log step), ``Profiler`` (a ``jax.profiler`` trace
-of chosen steps) and validation lines. ``aft_jax.trainer.train_lib.train_loop`` drives them.
-"""
+"""What the training loop records while it runs: ``MetricWriter`` (metrics.jsonl, TensorBoard,
+W&B), ``StepLog`` (per-step metrics and the non-finite watch), ``Profiler`` (a ``jax.profiler``
+trace of chosen steps) and validation lines."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
+
 import jax
 import numpy as np
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
 
-from aft_jax.trainer.metrics import MetricWriter
+from aft_jax.trainer import wandb_log
+from aft_jax.workdir import Workdir
 from aft_jax.typed_config import TypedConfig, positive
+
+
+class MetricWriter:
+  """Writes one JSON object per logged step (with at least ``step``) and TensorBoard scalars;
+  after a resume, steps since the last checkpoint are logged again (the last record counts)."""
+
+  def __init__(self, workdir: str | Workdir, enabled: bool = True, wandb_run=None):
+    """``wandb_run``: a W&B run (``wandb_log.start``) that gets the same records, or None."""
+    self.enabled, self.wandb_run = enabled, wandb_run if enabled else None
+    if enabled:
+      wd = Workdir.of(workdir)
+      self._jsonl = open(wd.metrics_file, "a")
+      self._tb = SummaryWriter(wd.tensorboard_dir)
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+    self._jsonl.flush()
+    step = record["step"]
+    for key, value in record.items():
+      if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+        self._tb.add_scalar(key, value, step)
+    self._tb.flush()
+    if self.wandb_run is not None:
+      wandb_log.log(self.wandb_run, record)
+
+  def write_text(self, tag: str, text: str, step: int) -> None:
+    """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
+    if self.enabled:
+      self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+      self._tb.flush()
+    if self.wandb_run is not None and tag != "config":  # W&B has the config as its own
+      wandb_log.log_text(self.wandb_run, tag, text, step)
+
+  def write_hparams(self, settings: dict, metric_tags) -> None:
+    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``metric_tags``, in
+    this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
+    if not self.enabled:
+      return
+    flat = {k: _hparam_value(v) for k, v in settings.items() if v is not None}
+    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
+    self._tb.file_writer.add_summary(experiment)
+    self._tb.file_writer.add_summary(session_start)
+    self._tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
+    if self.wandb_run is not None:
+      self.wandb_run.finish()
+
+
+def _hparam_value(value):
+  """A number, string or bool as it is; anything else (a tuple of cutoffs) as its text."""
+  return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +110,9 @@ class StepLogConfig(TypedConfig):
 
 
 class StepLog:
-  """Collects per-step metrics on the device, reads each step's finite flag two steps behind,
-  and writes one record per logged step.
-
-  Reading the flag of the step before last waits for that step only while the two after it
-  are already queued: the device never idles, and the host stays at most two steps ahead of
-  it, so a signal is acted on within two steps and a run of skipped (non-finite) updates is
-  seen as it happens. (One step behind measured slower on CPU, where the host's work and the
-  step share the cores.)
-  """
+  """Collects per-step metrics on the device, reads each step's finite flag two steps behind
+  (the device never idles, and the host stays at most two steps ahead: a signal or a run of
+  skipped updates is acted on within two steps) and writes one record per logged step."""
 
   def __init__(
     self,
@@ -71,12 +126,8 @@ class StepLog:
     is_main: bool,
     good_steps: set | None = None,
   ):
-    """``bar``: the tqdm bar; ``mngr``: the checkpoint manager (for the last good step);
-    ``step``: the steps done; ``cfg``: the run's (``nonfinite``: skip or stop, and
-    ``max_consecutive_skips``: when skipping means divergence); ``tokens_per_step``:
-    batch_size x seq_len; ``is_main``: this process writes the console lines; ``good_steps``:
-    the checkpoints known good (restored and verified, or saved by this run; the set the run
-    keeps adding to), the only ones a divergence message names (None: any checkpoint)."""
+    """``mngr``: the checkpoint manager (the last good step); ``good_steps``: the checkpoints
+    known good, the only ones a divergence message names (None: any)."""
     self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, good_steps
     self.nonfinite, self.max_consecutive_skips = cfg.nonfinite, cfg.max_consecutive_skips
     self.tokens_per_step, self.is_main = tokens_per_step, is_main

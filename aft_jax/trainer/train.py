@@ -71,9 +71,8 @@ def _fail(e: Exception, status: int = 1):
 
 
 def dry_run() -> None:
-  """--dry_run: checks what it can here, restarts this command where the target's compiler is
-  (``deviceless.reexec``), then reports; the exit status says whether it fits (0, 1) or that
-  the question was refused (2: nothing compiled)."""
+  """--dry_run: checks what it can, restarts this command where the target's compiler is
+  (``deviceless.reexec``), reports; exit status 0 fits, 1 does not, 2 refused."""
   from aft_jax import deviceless
   from aft_jax.trainer import dry_run as dry_run_lib
   from aft_jax.trainer.run_config import RunConfig
@@ -81,10 +80,10 @@ def dry_run() -> None:
   try:
     target = deviceless.get(FLAGS.target)
     cfg = RunConfig.from_tree(FLAGS.config)  # the ConfigDict, read once
-    dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
+    usable = dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
     # The CPU target gets twice the devices asked for: the suggestions compile for more.
     deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
-    report = dry_run_lib.run(cfg, target.name, FLAGS.num_devices)
+    report = dry_run_lib.run(cfg, target, FLAGS.num_devices, usable)
   except (ValueError, OSError, RuntimeError) as e:
     _fail(e, dry_run_lib.REFUSED)
   sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)
@@ -172,9 +171,8 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing, with a bad flag or ``--config.KEY=VALUE`` (a mistyped key, a value of
-  the wrong type: ml_collections raises while the flags are parsed) as one line, exit status
-  1; with --dry_run 2, as its other refusals."""
+  """absl's flag parsing; a bad flag or ``--config.KEY=VALUE`` (ml_collections raises while the
+  flags are parsed) is one line, exit status 1 (2 with --dry_run)."""
   from absl import flags
 
   refused = 2 if _asks_dry_run(argv) else 1

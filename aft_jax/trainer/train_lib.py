@@ -1,25 +1,12 @@
-"""Training and evaluation: ``train_and_evaluate(config, workdir)`` (the Flax lm1b example's shape).
-
-The config tree is read once, on the first line, into a ``RunConfig`` (``run_config``: every
-component's checked, typed slice); from there each part takes its own slice.
-
-One jitted train step (AdamW, warmup + cosine decay, global-norm clipping, optional gradient
-accumulation with ``optax.MultiSteps``) on a device mesh, sharded by logical axis rules;
-exact evaluation over whole splits; Orbax checkpoints, written in the background while training
-goes on, that also hold the data-iterator position and the config (``checkpointing``), so
-rerunning the same command resumes exactly; SIGTERM / Ctrl-C save a checkpoint and exit
-(``preemption``); one trainer per workdir (``workdir_lock``); per-step metrics and the
-non-finite watch (``step_log``): modules of this package.
-
-``train_and_evaluate`` reads as the outline of a run: set up, restore or init, the training
-loop, final evaluation, results, a sample. The step functions are pure module-level functions
-that ``Trainer`` binds with ``functools.partial`` and jits with the mesh's shardings.
+"""Training and evaluation: ``train_and_evaluate(config, workdir)``, an outline read top to
+bottom (setup, restore or init, the training loop, final evaluation), as Flax's lm1b example;
+the jitted train step is the pure ``train_step`` bound by ``Trainer``. The run's settings are
+checked once, by ``RunConfig.from_tree`` (docs/training.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math
@@ -43,20 +30,12 @@ from aft_jax import decode as decode_lib
 from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
-from aft_jax.trainer.metrics import MetricWriter
+from aft_jax.trainer.step_log import MetricWriter
 from aft_jax.trainer.run_config import RunConfig, as_written
 from aft_jax.model import TransformerLM, check_ids, count_params
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
 from aft_jax.trainer.preemption import Preemption
-
-
-@contextlib.contextmanager
-def _on_mesh(mesh, rules):
-  """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
-  logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
 
 
 class TrainState(train_state.TrainState):
@@ -121,13 +100,10 @@ def eval_step(params, batch, *, model):
   return weighted_nll(model, params, batch, train=False)
 
 
-# XLA:CPU compile options of the train and evaluation steps, on a mesh of CPU devices only.
-# YNNPACK (jaxlib 0.10's CPU library) by default takes over dots and also element-wise and
-# reduction fusions; at nanoGPT's CPU recipe (benchmarks/RESULTS.md, "aft-jax beside nanoGPT")
-# handing it the dots alone takes the softmax train step from 100 to 80 ms on 2 cores (XLA's
-# own loop fusions run the element-wise work faster than YNNPACK's at these small shapes). A
-# per-compile option, so that the user's XLA_FLAGS need not name it and no other program in the
-# process is changed; an XLA_FLAGS that names the option itself wins.
+# XLA:CPU compile options of the steps, on a mesh of CPU devices only: YNNPACK takes the dots
+# alone, XLA's own fusions the element-wise work (faster at these small shapes: the nanoGPT
+# recipe's step time, benchmarks/results/peer_nanogpt_timing.md). Per compile, so no other program
+# changes; an XLA_FLAGS that names the option wins.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
@@ -142,11 +118,28 @@ def compiler_options(mesh) -> dict | None:
 
 
 class Trainer:
-  """Holds the mesh, the jitted steps and their shardings for one run config (its model's
-  vocabulary size filled in: ``RunConfig.with_vocab``)."""
+  """One run: its config (the model's vocabulary size filled in: ``RunConfig.with_vocab``), the
+  mesh, the jitted steps and their shardings; in ``train_and_evaluate`` also its workdir, corpus
+  and corpus record (saved with every checkpoint), and the checkpoints known good (the one
+  restored and those saved: what a divergence message may name)."""
 
-  def __init__(self, cfg: RunConfig, mesh):
+  def __init__(
+    self,
+    cfg: RunConfig,
+    mesh,
+    *,
+    workdir: Workdir | None = None,
+    corpus: data_lib.Corpus | None = None,
+    record: dict | None = None,
+    allow_config_change: bool = False,
+    config_changes: list = (),  # those allowed against config.json, said if nothing restores
+  ):
     self.config, self.mesh = cfg, mesh
+    self.workdir, self.corpus, self.record = workdir, corpus, record
+    self.allow_config_change, self.config_changes = allow_config_change, list(config_changes)
+    self.good_steps = set()
+    self.tree = cfg.tree  # the config as plain data: what config.json and checkpoints record
+    self.is_main = jax.process_index() == 0  # process 0 alone writes logs, metrics and results
     self.rules = sharding.rules_from_config(cfg.rules.logical_axis_rules)
     self.model = TransformerLM(cfg.model)
     steps = cfg.train.num_train_steps
@@ -161,7 +154,7 @@ class Trainer:
       )
 
     key = jax.eval_shape(lambda: jax.random.key(0))  # (abstract: the mesh may have no device)
-    with _on_mesh(mesh, self.rules):
+    with self.on_mesh():
       abstract = jax.eval_shape(init, key)
     # (outside the mesh: unboxing the abstract tree there would constrain its shape structs)
     self.state_shardings = sharding.logical_shardings(abstract, mesh, self.rules)
@@ -181,7 +174,7 @@ class Trainer:
       skip=cfg.step_log.nonfinite == "skip",
     )
     options = compiler_options(mesh)
-    self._train_step = jax.jit(
+    self.step = jax.jit(  # the train step: (state, global batch, rng) -> (state, metrics)
       step,
       donate_argnums=(0,),
       in_shardings=(self.state_shardings, batch_sh, repl),
@@ -213,22 +206,30 @@ class Trainer:
     """The train step lowered for the mesh's devices (real ones or a deviceless topology's)."""
     rng = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       batch = self.specs(self.config.train.batch_size)
-      return self._train_step.lower(self.abstract_state, batch, rng)
+      return self.step.lower(self.abstract_state, batch, rng)
 
   def lower_eval_step(self):
     params = self.abstract_state.params
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       return self._eval_step.lower(params, self.specs(self.config.eval.eval_batch_size, True))
 
+  @contextlib.contextmanager
+  def on_mesh(self):
+    """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
+    logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
+
   def init_state(self, seed: int) -> TrainState:
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       return self._init(jax.random.key(seed))
 
   def train_step(self, state, batch, rng):
-    with _on_mesh(self.mesh, self.rules):
-      return self._train_step(state, sharding.put_batch(batch, self.mesh), rng)
+    """``step`` on a host batch (notebooks, benchmarks)."""
+    with self.on_mesh():
+      return self.step(state, sharding.put_batch(batch, self.mesh), rng)
 
   def evaluate(
     self,
@@ -241,22 +242,11 @@ class Trainer:
     should_stop=None,
   ) -> dict | None:
     """Exact NLL over every token of ``tokens``: sum of NLL / number of tokens, no step cap.
-
     ``stride`` (default ``config.eval_stride``): 0 scores disjoint windows of ``seq_len``; S > 0
-    slides the window S tokens at a time and scores only its S new tokens, so each token is
-    scored once with at least ``seq_len - S`` tokens of context (S = 1: the sliding-window
-    protocol of the WikiText-103 small setting). Windows are batched ``eval_batch_size`` at a
-    time whatever the stride.
-
-    ``should_stop(i)``, if given, is asked before batch ``i``; where it says True the
-    evaluation stops and returns None. An id outside [0, V) (``bos_id`` too) is a ValueError.
-
-    Why not the recurrent form of causal AFT-simple / AFT-conv1d for S = 1: their recurrence
-    carries the whole prefix, so it computes unbounded-context scores, a different quantity.
-    A window of seq_len tokens cannot be slid recurrently either: from the second layer on, the
-    inputs at every position change when the window's first token drops out, so each window
-    needs its own forward pass; batching those passes is what keeps S = 1 fast.
-    """
+    slides the window S tokens at a time and scores its S new tokens (each scored once with at
+    least ``seq_len - S`` tokens of context; docs/training.md, "Evaluation"), batched
+    ``eval_batch_size`` windows at a time. ``should_stop(i)`` is asked before batch ``i``: True
+    stops it, returning None."""
     ev, seq_len = self.config.eval, self.config.train.seq_len
     check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
     check_ids("Trainer.evaluate: bos_id", bos_id, self.config.model.vocab_size)
@@ -272,7 +262,7 @@ class Trainer:
       **kw,
     )
     total, count = 0.0, 0.0
-    with _on_mesh(self.mesh, self.rules):
+    with self.on_mesh():
       bar = tqdm(batches, total=n, desc=desc, leave=False, disable=jax.process_index() != 0)
       for i, batch in enumerate(bar):
         if should_stop is not None and should_stop(i):
@@ -283,38 +273,9 @@ class Trainer:
     return {"nll": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
 
 
-# --------------------------------------------------------------------------- the run's parts
-
-
-@dataclasses.dataclass
-class Run:
-  """What the parts of a run share: its config, workdir, data and trainer."""
-
-  config: RunConfig  # the model's vocabulary size filled in (the trainer's model's config)
-  workdir: Workdir
-  corpus: data_lib.Corpus
-  trainer: Trainer
-  allow_config_change: bool = False  # resume a checkpoint whose config differs
-  record: dict | None = None  # the corpus record saved with every checkpoint (data.record)
-  # The config changes --allow_config_change let through, against what setup compared with.
-  config_changes: list = dataclasses.field(default_factory=list)
-  # Checkpoints known good: the one restored (verified against its checksums, unless written
-  # before checkpoints carried them) and the ones this run saved; what a divergence message may
-  # name as the last good one.
-  good_steps: set = dataclasses.field(default_factory=set)
-
-  @property
-  def is_main(self) -> bool:
-    return jax.process_index() == 0  # process 0 alone writes logs, metrics and results
-
-
-def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
-  """What training and ``--dry_run`` build alike once the vocabulary size is known: the model
-  config, the mesh over ``devices`` (default: all), the batch's split over it, the notes of a
-  warmup cut to the run and of an unused ``data.vocab_size`` (to ``say``) and the trainer. With
-  ``impl='auto'`` each op takes its Pallas kernel where one runs on the mesh's devices (decided
-  for them while the steps are traced, before anything is compiled: a T4 takes XLA), XLA
-  otherwise."""
+def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run) -> Trainer:
+  """The trainer that training and ``--dry_run`` build alike, once the vocabulary size is known:
+  the mesh over ``devices`` (default: all), the batch split checked, its notes said (``say``)."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -326,14 +287,12 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
   ):
     if note:
       say(note)
-  return Trainer(cfg, mesh)
+  return Trainer(cfg, mesh, **run)
 
 
 def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
-  """(what it is, its config and corpus record) of what the workdir's run is checked against
-  before any data is loaded: the newest checkpoint whose items read, else config.json and
-  corpus.json (a run stopped before its first save); its corpus record is
-  ``Workdir.trained_corpus``'s. Reads only."""
+  """(what it is, {"config", "corpus"}) of what the workdir's run is checked against before
+  any data is loaded: the newest checkpoint whose items read, else config.json and corpus.json."""
   newest = checkpointing.newest_items(mngr)
   if newest is None:
     return "config.json and corpus.json", {
@@ -344,174 +303,118 @@ def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
   return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
 
 
-def _check_config(cfg: RunConfig, workdir, allow_config_change, saved) -> list[str]:
-  return checkpointing.check_resume_config(
-    saved, cfg.tree, workdir, allow_config_change, as_written
-  )
-
-
-def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Run:
-  """Checks the config and data against what the workdir's run was trained with, loads the
-  data, builds the mesh and the jitted steps. Writes nothing in the workdir (the corpus is
-  prepared in its data_dir): a run that is refused leaves it as it was.
-
-  The order keeps refusals cheap: the config and the text files (their digests: at most 2 MiB
-  read per file) are compared before any vocabulary is learned or corpus prepared, the loaded
-  corpus (vocabulary, tokens per split) before any model is built.
-  """
+def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
+  """The run's trainer, its config and data checked (the cheap checks first) against what the
+  workdir's run was trained with, the corpus loaded. Writes nothing in the workdir."""
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   since, trained = _trained_on(workdir, mngr)
-  changes = _check_config(cfg, workdir, allow_config_change, trained["config"])
+  changes = checkpointing.check_resume_config(
+    trained["config"], cfg.tree, workdir, allow_config_change, as_written
+  )
   data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
   built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
   corpus = data_lib.load_corpus(cfg.data, built_by)
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained["corpus"], record, since)
   say = print if jax.process_index() == 0 else lambda line: None
-  trainer = make_trainer(cfg, corpus.vocab.size, say=say)
-  return Run(trainer.config, workdir, corpus, trainer, allow_config_change, record, changes)
+  return make_trainer(
+    cfg,
+    corpus.vocab.size,
+    say=say,
+    workdir=workdir,
+    corpus=corpus,
+    record=record,
+    allow_config_change=allow_config_change,
+    config_changes=changes,
+  )
 
 
-def _begin_writing(run: Run, mngr, restored) -> None:
-  """Every check has passed: the run's first writes. Damaged checkpoints newer than the one
-  restored are moved aside, then corpus.json and the vocabulary (so that sampling and
-  evaluating need no dataset) and config.json are written."""
+def _begin_writing(trainer: Trainer, mngr, restored) -> None:
+  """Every check has passed: the damaged checkpoints moved aside, then corpus.json, the
+  vocabulary and config.json written (sampling and evaluating need no dataset)."""
   if restored is not None:
     checkpointing.set_aside(mngr, restored)
-  if run.is_main:
-    run.workdir.save_corpus(run.corpus)
-  checkpointing.write_workdir_config(run.config.tree, run.workdir)
+  if trainer.is_main:
+    trainer.workdir.save_corpus(trainer.corpus)
+    trainer.workdir.write_config(trainer.tree)
 
 
-def restore_or_init(run: Run, mngr, data_iter) -> TrainState:
-  """The newest intact checkpoint's state (and data position), or a freshly initialised state.
-
-  Each checkpoint's own config, corpus record and data position, once they verified against
-  its checksums, are what the run is checked against before its state is read; the workdir is
-  written only once the restore succeeded and every check passed (``_begin_writing``). The
-  config changes allowed (``--allow_config_change``) against what it resumes are said once.
-  """
+def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
+  """The newest intact checkpoint's state (and data position), or a fresh one. Each
+  checkpoint's config, corpus record and data position, once verified, are checked before its
+  state is read; the workdir is written only after (``_begin_writing``)."""
   changes = {}
 
   def check(step, items):
     since = f"the checkpoint at step {step}"
-    changes[step] = _check_config(
-      run.config, run.workdir, run.allow_config_change, items.get("config")
+    changes[step] = checkpointing.check_resume_config(
+      items.get("config"), trainer.tree, trainer.workdir, trainer.allow_config_change, as_written
     )
-    data_record.check_corpus(items.get("corpus"), run.record, since)
+    data_record.check_corpus(items.get("corpus"), trainer.record, since)
     data_iter.check_state(items["data"], since)
 
-  restored = checkpointing.restore_newest_intact(mngr, run.trainer.abstract_state, check)
-  allowed = run.config_changes if restored is None else changes[restored.step]
-  if allowed and run.is_main:
+  restored = checkpointing.restore_newest_intact(mngr, trainer.abstract_state, check)
+  allowed = trainer.config_changes if restored is None else changes[restored.step]
+  if allowed and trainer.is_main:
     print(f"Resuming with a changed config (--allow_config_change): {'; '.join(allowed)}")
   if restored is None:  # config.json and corpus.json, if any, were checked in setup
-    _begin_writing(run, mngr, None)
-    state = run.trainer.init_state(run.config.train.seed)
-    if run.is_main:
+    _begin_writing(trainer, mngr, None)
+    state = trainer.init_state(trainer.config.train.seed)
+    if trainer.is_main:
+      corpus = trainer.corpus
       print(
-        f"Model: {run.config.model.mixing}, {count_params(state.params):,} parameters; corpus "
-        f"{run.corpus.name} ({run.corpus.unit}-level, vocab {run.corpus.vocab.size:,}); mesh "
-        f"{sharding.axis_sizes(run.trainer.mesh)}",
+        f"Model: {trainer.config.model.mixing}, {count_params(state.params):,} parameters; corpus "
+        f"{corpus.name} ({corpus.unit}-level, vocab {corpus.vocab.size:,}); mesh "
+        f"{sharding.axis_sizes(trainer.mesh)}",
         flush=True,
       )
     return state
   data_iter.set_state(restored.items["data"])
-  _begin_writing(run, mngr, restored)
-  run.good_steps.add(restored.step)
-  if run.is_main:
+  _begin_writing(trainer, mngr, restored)
+  trainer.good_steps.add(restored.step)
+  if trainer.is_main:
     note = f" ({restored.unverified})" if restored.unverified else ""
     print(
-      f"Resuming from the checkpoint at step {restored.step} in {run.workdir}{note}", flush=True
+      f"Resuming from the checkpoint at step {restored.step} in {trainer.workdir}{note}", flush=True
     )
   return restored.state
 
 
-def _checkpoint(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
+def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
   """Saves the checkpoint at ``step`` (in the background: ``checkpointing.save``), unless its
   update was skipped as non-finite: a run of skipped updates must not rotate out the last good
   checkpoint. Whether one was saved."""
   log.settle()
   if log.skipped_since is not None:
-    if run.is_main:
+    if trainer.is_main:
       print(
         f"Not checkpointing step {step}: the updates since step {log.skipped_since} were "
         f"non-finite and skipped; {log.last_good()}",
         flush=True,
       )
     return False
-  checkpointing.save(mngr, step, state, data_iter, run.config.tree, run.record)
-  run.good_steps.add(step)
+  checkpointing.save(mngr, step, state, data_iter, trainer.tree, trainer.record)
+  trainer.good_steps.add(step)
   return True
 
 
-def _save_and_say_stopped(run: Run, log: step_log.StepLog, mngr, step: int, state, data_iter, sig):
+def _save_and_say_stopped(
+  trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter, sig
+):
   """After a signal: writes the unlogged metrics and the checkpoint at ``step``, waits until it
   is on disk, says so."""
   if log.pending:
     log.flush(state)  # the steps since the last log line are not lost
-  saved = mngr.latest_step() == step or _checkpoint(run, log, mngr, step, state, data_iter)
+  saved = mngr.latest_step() == step or _checkpoint(trainer, log, mngr, step, state, data_iter)
   checkpointing.finish_saving(mngr)
-  if run.is_main:
+  if trainer.is_main:
     what = (
       f"saved the checkpoint at step {step}; run the same command again to resume."
       if saved
       else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
     )
     print(f"\nInterrupted (signal {sig}): {what}", flush=True)
-
-
-def train_loop(run: Run, state: TrainState, data_iter, mngr, writer) -> tuple[TrainState, bool]:
-  """Trains to ``num_train_steps``: (final state, whether a signal stopped it early)."""
-  cfg, trainer = run.config, run.trainer
-  train, every = cfg.train, cfg.step_log.log_every_steps
-  step = int(state.step)
-  dropout_rng = jax.random.key(train.seed + 1)
-  bar = tqdm(
-    total=train.num_train_steps,
-    initial=step,
-    desc="train",
-    disable=not run.is_main,
-    dynamic_ncols=True,
-  )
-  log = step_log.StepLog(
-    writer,
-    bar,
-    mngr,
-    step,
-    cfg.step_log,
-    tokens_per_step=train.batch_size * train.seq_len,
-    is_main=run.is_main,
-    good_steps=run.good_steps,
-  )
-  profile = cfg.step_log.profile_steps if run.is_main else ()  # process 0 writes the trace
-  profiler = step_log.Profiler(profile, run.workdir.tensorboard_dir)
-  with bar, Preemption() as preemption, profiler:
-    try:
-      while step < train.num_train_steps:
-        profiler.at(step, state)
-        state, metrics = trainer.train_step(state, next(data_iter), dropout_rng)
-        step += 1
-        log.add(metrics)
-        bar.update(1)
-        last = step == train.num_train_steps
-        if step % every == 0 or last:
-          log.flush(state)
-        if step % cfg.eval.eval_every_steps == 0 and not last:
-          ev = trainer.evaluate(state.params, run.corpus.splits["validation"], run.corpus.bos_id)
-          byte_level, main = run.corpus.unit == "byte", run.is_main
-          step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=main)
-        if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
-          _checkpoint(run, log, mngr, step, state, data_iter)
-        if preemption.should_stop(step, every):
-          _save_and_say_stopped(run, log, mngr, step, state, data_iter, preemption.signal)
-          return state, True
-    except FloatingPointError:  # divergence: the metrics of the steps since the last log line
-      if log.pending:  # are what shows how it happened
-        log.flush(state, check=False)
-      raise
-  return state, False
 
 
 class Interrupted(Exception):
@@ -535,15 +438,13 @@ TRAIN_ROWS = {
 }
 
 
-def final_results(run: Run, state: TrainState, preemption: Preemption | None = None) -> dict:
+def final_results(
+  trainer: Trainer, state: TrainState, preemption: Preemption | None = None
+) -> dict:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
-
-  Each split's result is kept in the workdir as it is done (``Workdir.final_eval_file``), and a
-  rerun of the same step and protocol takes it from there instead of scoring the split again
-  (with stride 1 on WikiText-103 a split takes hours). ``preemption``: a signal it records
-  stops the evaluation between batches with ``Interrupted``.
-  """
-  cfg, corpus, trainer = run.config, run.corpus, run.trainer
+  Each split's result is kept in the workdir when done, and a rerun of the same step and protocol
+  takes it from there; a signal ``preemption`` records stops it with ``Interrupted``."""
+  cfg, corpus, trainer = trainer.config, trainer.corpus, trainer
   seq_len = cfg.train.seq_len
   step = int(state.step)
   results = {
@@ -561,7 +462,7 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
   results["eval_protocol"] = eval_protocol(seq_len, stride)
   results["train_eval_protocol"] = eval_protocol(seq_len, cfg.eval.eval_stride)
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
-  saved = run.workdir.read_final_eval() or {}
+  saved = trainer.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
   stop = None
   if preemption is not None:
@@ -577,8 +478,8 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
       if ev is None:
         raise Interrupted(split, preemption.signal)
       done[split] = ev
-      if run.is_main:
-        run.workdir.write_final_eval({**key, "splits": done})
+      if trainer.is_main:
+        trainer.workdir.write_final_eval({**key, "splits": done})
     results.update(
       {f"{prefix}_loss": ev["nll"], f"{prefix}_ppl": ev["ppl"], f"{prefix}_tokens": ev["tokens"]}
     )
@@ -596,10 +497,10 @@ def final_results(run: Run, state: TrainState, preemption: Preemption | None = N
   return results
 
 
-def write_results(run: Run, results: dict, writer: MetricWriter) -> None:
+def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None:
   """results.json, its line on the console and its scalars in the metrics."""
-  if run.is_main:
-    run.workdir.write_results(results)
+  if trainer.is_main:
+    trainer.workdir.write_results(results)
     test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
     bits = "".join(f", {k} {results[k]:.4f}" for k in ("valid_bpc", "test_bpc") if k in results)
     print(
@@ -613,10 +514,10 @@ def write_results(run: Run, results: dict, writer: MetricWriter) -> None:
   writer.write({"step": results["steps"], **scalars})
 
 
-def sample(run: Run, params, writer: MetricWriter | None = None) -> str | None:
+def sample(trainer: Trainer, params, writer: MetricWriter | None = None) -> str | None:
   """The end-of-run sample (``config.sample``), printed by process 0 (and logged to
   TensorBoard with ``writer``); None if not asked for."""
-  cfg = run.config.sample
+  cfg = trainer.config.sample
   if cfg.length <= 0:
     return None
   if jax.process_count() > 1:
@@ -624,28 +525,28 @@ def sample(run: Run, params, writer: MetricWriter | None = None) -> str | None:
     # take part in the gather.
     gathered = multihost_utils.process_allgather(params, tiled=True)
     params = jax.tree_util.tree_map(jnp.asarray, gathered)
-  if not run.is_main:
+  if not trainer.is_main:
     return None
   text = decode_lib.sample_text(
-    run.trainer.model,
+    trainer.model,
     params,
-    run.corpus.vocab,
+    trainer.corpus.vocab,
     cfg.prompt,
     cfg.length,
     temperature=cfg.temperature,
     top_k=cfg.top_k,
-    seed=run.config.train.seed,
+    seed=trainer.config.train.seed,
   )
   print(f"Sample:\n{cfg.prompt}{text}", flush=True)
   if writer is not None:
-    writer.write_text("sample", cfg.prompt + text, run.config.train.num_train_steps)
+    writer.write_text("sample", cfg.prompt + text, trainer.config.train.num_train_steps)
   return text
 
 
-def train_data(run: Run) -> data_lib.TrainIterator:
+def train_data(trainer: Trainer) -> data_lib.TrainIterator:
   """The run's training batches: stream windows, or packed documents (``config.data.packing``:
   its padding fraction is said once)."""
-  cfg, corpus = run.config, run.corpus
+  cfg, corpus = trainer.config, trainer.corpus
   packed = {}
   if cfg.data.packing:
     packed = dict(document_ends=corpus.documents["train"], bos_id=corpus.bos_id)
@@ -659,7 +560,7 @@ def train_data(run: Run) -> data_lib.TrainIterator:
     **packed,
   )
   p = data_iter.packing
-  if p and run.is_main:
+  if p and trainer.is_main:
     print(
       f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "
       f"{cfg.train.seq_len}, {100 * p['padding_fraction']:.1f}% padding",
@@ -670,42 +571,93 @@ def train_data(run: Run) -> data_lib.TrainIterator:
 
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains ``config`` (a config tree, a recipe's or config.json's, or a ``RunConfig``) in
-  ``workdir`` (resuming what is there) and returns results.json's dict.
-
-  Interrupted by SIGTERM / Ctrl-C, it saves a checkpoint and returns
-  ``{"interrupted": True, "step": step}``.
-  """
+  ``workdir`` (resuming what is there) and returns results.json's dict; interrupted by SIGTERM
+  / Ctrl-C, it saves a checkpoint and returns ``{"interrupted": True, "step": step}``."""
   cfg = config if isinstance(config, RunConfig) else RunConfig.from_tree(config)
   # The lock first: no other trainer may change the workdir between the checks and the writes.
   with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
-    run = setup(cfg, workdir, allow_config_change)
-    data_iter = train_data(run)
-    mngr = checkpointing.checkpoint_manager(run.workdir, cfg.checkpoint)
-    state = restore_or_init(run, mngr, data_iter)
-    resumed = int(state.step) > 0  # a checkpoint was restored: continue its W&B run
-    tree = cfg.tree
-    wandb_run = wandb_log.start(cfg.wandb, tree, run.workdir, resumed) if run.is_main else None
-    writer = MetricWriter(run.workdir, enabled=run.is_main, wandb_run=wandb_run)
-    writer.write_text("config", json.dumps(tree, indent=2), int(state.step))
-    writer.write_hparams(flatten(tree), step_log.HPARAMS_METRICS)
+    # Setup: every check passes before anything is written.
+    trainer = setup(cfg, workdir, allow_config_change)
+    cfg, is_main = trainer.config, trainer.is_main
+    train, every = cfg.train, cfg.step_log.log_every_steps
+    data_iter = train_data(trainer)
+    mngr = checkpointing.checkpoint_manager(trainer.workdir, cfg.checkpoint)
+
+    # Restore or init.
+    state = restore_or_init(trainer, mngr, data_iter)
+    step = int(state.step)
+    wandb_run = (
+      wandb_log.start(cfg.wandb, trainer.tree, trainer.workdir, step > 0) if is_main else None
+    )
+    writer = MetricWriter(trainer.workdir, enabled=is_main, wandb_run=wandb_run)
+    writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
+    writer.write_hparams(flatten(trainer.tree), step_log.HPARAMS_METRICS)
     with contextlib.ExitStack() as cleanup:
       cleanup.callback(writer.close)
       cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
-      state, interrupted = train_loop(run, state, data_iter, mngr, writer)
-      if interrupted:
-        return {"interrupted": True, "step": int(state.step)}
-      checkpointing.finish_saving(mngr)  # the final checkpoint is on disk before the results
+
+      # The training loop, to num_train_steps.
+      dropout_rng = jax.random.key(train.seed + 1)
+      bar = tqdm(
+        total=train.num_train_steps,
+        initial=step,
+        desc="train",
+        disable=not is_main,
+        dynamic_ncols=True,
+      )
+      log = step_log.StepLog(
+        writer,
+        bar,
+        mngr,
+        step,
+        cfg.step_log,
+        tokens_per_step=train.batch_size * train.seq_len,
+        is_main=is_main,
+        good_steps=trainer.good_steps,
+      )
+      profile = cfg.step_log.profile_steps if is_main else ()  # process 0 writes the trace
+      profiler = step_log.Profiler(profile, trainer.workdir.tensorboard_dir)
+      with bar, Preemption() as preemption, profiler:
+        try:
+          while step < train.num_train_steps:
+            profiler.at(step, state)
+            with trainer.on_mesh():
+              batch = sharding.put_batch(next(data_iter), trainer.mesh)
+              state, metrics = trainer.step(state, batch, dropout_rng)
+            step += 1
+            log.add(metrics)
+            bar.update(1)
+            last = step == train.num_train_steps
+            if step % every == 0 or last:
+              log.flush(state)
+            if step % cfg.eval.eval_every_steps == 0 and not last:
+              corpus = trainer.corpus
+              ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)
+              byte_level = corpus.unit == "byte"
+              step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=is_main)
+            if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
+              _checkpoint(trainer, log, mngr, step, state, data_iter)
+            if preemption.should_stop(step, every):
+              _save_and_say_stopped(trainer, log, mngr, step, state, data_iter, preemption.signal)
+              return {"interrupted": True, "step": step}
+        except FloatingPointError:  # divergence: the metrics of the steps since the last log
+          if log.pending:  # line are what shows how it happened
+            log.flush(state, check=False)
+          raise
+
+      # Final evaluation, once the final checkpoint is on disk.
+      checkpointing.finish_saving(mngr)
       try:
         with Preemption() as preemption:
-          results = final_results(run, state, preemption)
+          results = final_results(trainer, state, preemption)
       except Interrupted as e:
-        if run.is_main:
+        if is_main:
           print(
             f"\nInterrupted (signal {e.signal}) during the final evaluation of the {e.split} "
             "split; the splits already scored are kept: run the same command again to finish.",
             flush=True,
           )
-        return {"interrupted": True, "step": int(state.step)}
-      write_results(run, results, writer)
-      sample(run, state.params, writer)
+        return {"interrupted": True, "step": step}
+      write_results(trainer, results, writer)
+      sample(trainer, state.params, writer)
   return results

@@ -1,18 +1,6 @@
-"""Weights & Biases, optional: with ``config.wandb.project`` set, the run's metrics (every record
-of metrics.jsonl), its config and its end-of-run sample also go to W&B.
-
-W&B is an optional extra (``pip install "aft-jax[wandb]"``): the package is large and most runs
-do without it. Setting the key without it installed is a one-line config error saying how to
-install it; so are a project name W&B refuses (checked with W&B's own rule, before anything is
-built) and an entity or a run name without a project (W&B would be off). ``WANDB_MODE=offline``
-(W&B's own variable) keeps everything in ``<workdir>/wandb/`` and sends nothing; ``wandb sync``
-uploads it later. That local record is complete once W&B's service has written it: when the
-process exits, or after ``wandb.teardown()`` (``run.finish()``, called when the run ends, only
-asks the service to write it).
-
-The W&B run's id is kept in ``<workdir>/wandb_run_id``: a run that resumes a checkpoint
-continues the same W&B run, a fresh one (no checkpoint to resume, e.g. in a workdir path used
-before) starts a new W&B run with a new id.
+"""Weights & Biases, optional (``config.wandb.project``; ``pip install "aft-jax[wandb]"``): the
+metrics, config and sample of a run; a resumed run continues its W&B run (the id in
+``<workdir>/wandb_run_id``). Docs: docs/training.md, "Weights & Biases".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""One trainer per workdir: its lock file (``Workdir.lock_file``) names the process holding it.
-
-Two trainers on one workdir would write every metrics line twice and the same checkpoints. The
-lock file holds the holder's pid and host; a second trainer is refused with both. A lock left
-by a process that is gone (killed, crashed) on this host is taken over; one from another host
-cannot be checked from here, so the error says how to remove it.
+"""One trainer per workdir: its lock file (``Workdir.lock_file``) holds the holder's pid and host;
+a second trainer is refused naming them, and a lock left by a process gone from this host is
+taken over.
 """
 
 from __future__ import annotations

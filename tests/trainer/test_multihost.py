@@ -1,16 +1,6 @@
-"""train.py on several devices and several processes gives the losses of one device.
-
-Three runs of the same tiny config, each in its own subprocess(es) because the CPU device count
-is fixed by ``XLA_FLAGS`` before jax starts:
-
-  one device                        mesh (1, 1, 1)
-  one process with 4 devices        mesh (2, 1, 2): the issue's acceptance command,
-                                    ``train.py --config configs/quickstart.py --config.mesh.data=2
-                                    --config.mesh.tensor=2 ...``
-  two processes with 2 devices each mesh (1, 2, 2) over 4 devices, coordinated on 127.0.0.1,
-                                    gloo collectives, one shared workdir (Orbax checkpoints from
-                                    both processes, metrics from process 0 only)
-"""
+"""train.py on several devices and processes gives the losses of one device: one device (1, 1,
+1); one process with 4 devices (2, 1, 2); two processes of 2 devices (1, 2, 2), coordinated on
+127.0.0.1 with gloo, one shared workdir. Subprocesses: XLA_FLAGS fixes the device count."""
 
 import json
 import os

@@ -22,6 +22,7 @@ import pytest
 
 from tests.support import prefork
 from tests.support import shared
+from tests.trainer import wrap_train_step
 from tests.support.helpers import (
   ROOT,
   config_flags,
@@ -118,12 +119,9 @@ def _read_array(state, name):
 
 
 def _damage(workdir, step, how) -> str:
-  """Damages (``DAMAGE[how]``) the stored bytes of one parameter array of checkpoint ``step`` so
-  that they still parse: the array reads, with another value, which only the checksums see.
-  Its chunk is found by its bytes in Orbax's OCDBT data files; the middle of a file may be an
-  index node or a compressed stretch (whose damage is a read error, not a changed value), and
-  which file holds what depends on the save's thread timing, so each parameter chunk is tried,
-  the largest first, until one reads changed. The parameter's name."""
+  """Damages (``DAMAGE[how]``) one parameter chunk of checkpoint ``step`` in Orbax's OCDBT files
+  so that it still reads, changed (only the checksums see it): each chunk tried, the largest
+  first (a file's layout depends on thread timing). The parameter's name."""
   import tensorstore as ts
 
   state = _state_dir(workdir, step)
@@ -405,7 +403,7 @@ def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
   # A change that cannot be restored fails without touching config.json. (The failure leaves
   # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  train_lib.checkpointing.write_workdir_config(RunConfig.from_tree(tiny_config()).tree, workdir)
+  Workdir(workdir).write_config(RunConfig.from_tree(tiny_config()).tree)
   with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
@@ -535,6 +533,10 @@ VERIFIED_OR_REFUSED = {
 }
 
 
+class _Restored(Exception):
+  """Raised with the restored step, to stop a run right after its restore."""
+
+
 @pytest.mark.parametrize("case", VERIFIED_OR_REFUSED)
 def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   case, two_checkpoints, tmp_path, capsys, monkeypatch
@@ -554,11 +556,17 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   assert line.startswith(note), line
 
   # The resume, stopped as soon as its state is restored (the training loop is not the point).
-  monkeypatch.setattr(train_lib, "train_loop", lambda run, state, *rest: (state, True))
+  restore = train_lib.restore_or_init
+
+  def restore_then_stop(*args):
+    raise _Restored(int(restore(*args).step))
+
+  monkeypatch.setattr(train_lib, "restore_or_init", restore_then_stop)
   config = tiny_config(**dict(TWO_CHECKPOINTS, num_train_steps=6))
-  done = train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  with pytest.raises(_Restored) as done:
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
   out = capsys.readouterr().out
-  assert done == {"interrupted": True, "step": step}, out
+  assert done.value.args == (step,), out
   resumed = f"Resuming from the checkpoint at step {step} in {workdir}"
   assert resumed + ("\n" if skipped else f" ({UNVERIFIED})\n") in out, out
   moved = os.path.join(workdir, "damaged_checkpoints")
@@ -763,18 +771,17 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
   """The host reads step n's finite flag before it dispatches step n+3 (so it never runs
   more than two steps ahead of the device), and the metrics since the last log line are
   written before exiting on a signal."""
-  orig = train_lib.Trainer.train_step
   events = []
 
-  def step(self, *args):
+  def step(orig, *args):
     n = sum(1 for e in events if e[0] == "dispatch") + 1
     events.append(("dispatch", n))
-    state, metrics = orig(self, *args)
+    state, metrics = orig(*args)
     if n == 5:
       os.kill(os.getpid(), signal.SIGTERM)
     return state, dict(metrics, finite=_Flag(metrics["finite"], n, events))
 
-  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  wrap_train_step(monkeypatch, step)
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=50, log_every_steps=1000)
   assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}

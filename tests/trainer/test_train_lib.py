@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
+from tests.trainer import wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
@@ -25,17 +26,16 @@ def _losses(workdir):
 
 def _interrupt_after(monkeypatch, n):
   """Sends this process SIGTERM right after the n-th train step, as a preemption would."""
-  orig = train_lib.Trainer.train_step
   calls = {"n": 0}
 
-  def step(self, *args):
-    out = orig(self, *args)
+  def step(orig, *args):
+    out = orig(*args)
     calls["n"] += 1
     if calls["n"] == n:
       os.kill(os.getpid(), signal.SIGTERM)
     return out
 
-  monkeypatch.setattr(train_lib.Trainer, "train_step", step)
+  wrap_train_step(monkeypatch, step)
 
 
 class _Drawn:
@@ -57,11 +57,9 @@ class _Drawn:
 
 
 def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
-  """The save at step 2 (the first) is held unfinished (Orbax's post-finalization callback, in
-  its background thread, waits before the step's folder is renamed into place) until the run
-  draws batch ``until_batch``. Returns (the batches from 3 on, drawn after the save returned,
-  that were drawn while its folder was not in place; whether the callback was released rather
-  than timed out): lists filled as the run goes."""
+  """Holds the save at step 2 unfinished (Orbax's post-finalization callback waits) until the
+  run draws batch ``until_batch``. Returns (the batches from 3 on drawn while its folder was not
+  in place; whether the callback was released rather than timed out), filled as the run goes."""
   import orbax.checkpoint as ocp
 
   release, released, during = threading.Event(), [], []
@@ -231,26 +229,20 @@ def test_allow_config_change_resumes_anyway(tmp_path, capsys):
     # A recipe's argument its get_config refuses (given again: the last --config is used).
     ("--config=wikitext103:aft_bogus", "--config: ValueError: configs/wikitext103.py:<mixing>: "),
     ("--config=configs/wikitext103.py:aft_x", "'aft_x' is not one of ('aft_full', 'aft_local'"),
+    # Not ml_collections' traceback at the first use of the config (with an override).
+    (
+      "--config=configs/nosuch.py:x --config.seed=1",
+      "error: no config file 'configs/nosuch.py' (from ",
+    ),
   ],
 )
 def test_a_bad_config_is_one_line_on_stderr_and_exit_status_1(tmp_path, flag, message):
-  cmd = train_py(tmp_path / "run", flag)
+  cmd = train_py(tmp_path / "run", *flag.split())
   out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run")  # nothing written before the config is checked
-
-
-def test_a_config_file_that_is_not_there_is_one_line(tmp_path):
-  """Not ml_collections' traceback at the first use of the config (with an override, while
-  the flags are parsed)."""
-  cmd = train_py(tmp_path / "run", "--config.seed=1", config="configs/nosuch.py:x")
-  out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-  lines = [line for line in out.stderr.splitlines() if line.strip()]
-  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
-  assert "error: no config file 'configs/nosuch.py' (from " in lines[0], lines[0]
-  assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.parametrize("workdir, message", [("", "is required"), (" ", "= ' ' is blank")])

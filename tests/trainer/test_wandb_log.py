@@ -89,7 +89,7 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run(tmp_path, monkey
 def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
   """What the training loop writes reaches the W&B run: every record with its step, and the
   sample as a table (the config went to ``wandb.init``)."""
-  from aft_jax.trainer.metrics import MetricWriter
+  from aft_jax.trainer.step_log import MetricWriter
 
   class Run:
     logged, finished = [], False
