@@ -289,6 +289,14 @@ def fmt_flops(f):
               "{:.0f}")  # fmt: skip
 
 
+def table(head, rows, align: str) -> list[str]:
+  """A markdown table's lines: ``head``, then ``rows`` (cells of any type); ``align`` a letter
+  per column, l(eft) or r(ight)."""
+  line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"
+  rule = "|" + "".join("---:|" if x == "r" else "---|" for x in align)
+  return [line(head), rule, *map(line, rows)]
+
+
 def parser(doc: str, quick: str | None = None, out="benchmarks/results"):
   """A benchmark's argument parser: its docstring's first line, --out and (given its help)
   --quick."""
