@@ -39,23 +39,7 @@ RECIPE = dict(vocab_size=267735, num_layers=16, d_model=128, num_heads=8, mlp_di
 RECIPE.update(max_len=256, adaptive_cutoffs=(20000, 40000, 200000))
 
 
-def _cudnn(q, k, v):
-  b, t, d = q.shape
-  split = lambda x: x.reshape(b, t, bench_ops.HEADS, d // bench_ops.HEADS)
-  out = jax.nn.dot_product_attention(
-    split(q), split(k), split(v), is_causal=True, implementation="cudnn"
-  )
-  return out.reshape(b, t, d)
-
-
-def in_form(fn, form: str):
-  """``fn`` running the GPU kernels' ``form`` (``kernel_form.forced``, read at tracing)."""
-
-  def run(*args):
-    with kernel_form.forced(form):
-      return fn(*args)
-
-  return run
+_cudnn = functools.partial(bench_ops._softmax_dpa, implementation="cudnn")
 
 
 def op_rows(kernel_impl: str | None, platform: str):
@@ -70,7 +54,8 @@ def op_rows(kernel_impl: str | None, platform: str):
     if platform == "gpu":
       for n, form in itertools.product(names, KERNEL_FORMS):
         fn, extra, cost, what = kern[n]
-        rows[f"{n}/pallas[{form}]"] = (in_form(fn, form), extra, cost, f"{what}, {form} kernels")
+        fn = kernel_form.forced(form)(fn)  # each call traced in that form
+        rows[f"{n}/pallas[{form}]"] = (fn, extra, cost, f"{what}, {form} kernels")
   rows.update({n: xla[n] for n in BASELINES})
   if platform == "gpu":
     rows["softmax_cudnn"] = (_cudnn, None, "quadratic", "causal cuDNN flash attention")
@@ -121,7 +106,7 @@ def kernel_checks(kernel_impl, quick: bool, log=print):
 
     def run(impl, *args):
       fn = functools.partial(op, impl)
-      fn = fn if form is None else in_form(fn, form)
+      fn = fn if form is None else kernel_form.forced(form)(fn)
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
       return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
 

@@ -132,10 +132,10 @@ def lower(op: str, form: str, d: int, dtype: str, device):
   else:
     f = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=WINDOW, causal=True, impl="pallas")
 
+  @kernel_form.forced(form)
   def fwd_and_vjp(*args):
-    with kernel_form.forced(form):
-      out, vjp = jax.vjp(f, *args)
-      return f(*args), vjp(out)
+    out, vjp = jax.vjp(f, *args)
+    return f(*args), vjp(out)
 
   sharding = jax.sharding.SingleDeviceSharding(device)
   x = jax.ShapeDtypeStruct((BATCH, T_LEN, d), dtype, sharding=sharding)
