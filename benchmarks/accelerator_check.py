@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax import ops
 from aft_jax.model import MIXINGS, ModelConfig
 from benchmarks import bench_model, bench_ops, common, kernel_form
 
@@ -77,43 +76,39 @@ def add_bandwidth(records, dtype, peak_gbps):
 
 
 def kernel_checks(kernel_impl, quick: bool, log=print):
-  """Pallas vs XLA for each kernel: max |difference| of outputs and gradients over their max
-  magnitude, XLA computing in float32 from the same (rounded) inputs; logits of std 1 and 40."""
+  """Pallas vs XLA for each kernel (bench_ops' causal rows): max |difference| of outputs and
+  gradients over their max magnitude, XLA computing in float32 from the same (rounded) inputs;
+  logits of std 1 and 40."""
   if kernel_impl is None:
     return []
-  tpu = jax.default_backend() == "tpu"
-  t_len, d = (100, 128 if tpu else 32) if quick else (1000, 512)  # the TPU kernel tiles 128
+  backend = jax.default_backend()
+  t_len, d = (100, 128 if backend == "tpu" else 32) if quick else (1000, 512)  # TPU: tiles 128
   cases = [(jnp.float32, 1.0), (jnp.float32, 40.0), (jnp.bfloat16, 1.0), (jnp.bfloat16, 40.0)]
-  kernels = {
-    "aft_simple causal": lambda impl, q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
-    "aft_local_32 causal": lambda impl, q, k, v, w: ops.aft_local(
-      q, k, v, w, window=32, causal=True, impl=impl
-    ),
-  }
-  if tpu:
-    kernels = {n: f for n, f in kernels.items() if n.split()[0] in TPU_KERNEL_OPS}
+  names = TPU_KERNEL_OPS if backend == "tpu" else ("aft_simple", "aft_local_32")
   if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
-    cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
+    cases, names = cases[1:3], ("aft_simple",)
+  tables = {impl: bench_ops.op_table(7, impl) for impl in (kernel_impl, "xla")}
   rng = np.random.default_rng(0)
   f32 = lambda x: x.astype(jnp.float32)
   out = []
-  forms = KERNEL_FORMS if jax.default_backend() == "gpu" else (None,)  # each GPU kernel form
-  for (name, op), form, (dtype, scale) in itertools.product(kernels.items(), forms, cases):
-    kernel = name if form is None else f"{name} [{form}]"
+  forms = KERNEL_FORMS if backend == "gpu" else (None,)  # each GPU kernel form
+  for name, form, (dtype, scale) in itertools.product(names, forms, cases):
+    kernel = f"{name} causal" + ("" if form is None else f" [{form}]")
     q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k * scale, v))
     w = jnp.asarray(rng.normal(size=(t_len, t_len)) * scale, jnp.float32)
+    extra = (w,) if tables["xla"][name][1] else ()  # AFT-local's w
 
     def run(impl, *args):
-      fn = functools.partial(op, impl)
+      fn = tables[impl][name][0]
       fn = fn if form is None else kernel_form.forced(form)(fn)
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
-      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(len(a))))(*a)))(*args)
 
     tol = 1e-4 if dtype == jnp.float32 else 2e-2  # bfloat16: results rounded to 8 bits
     rec = {"kernel": kernel, "dtype": jnp.dtype(dtype).name, "logit_std": scale, "tolerance": tol}
     try:  # a kernel that fails here is a finding; the other cases still run
-      got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
+      got, want = run(kernel_impl, q, k, v, *extra), run("xla", f32(q), f32(k), f32(v), *extra)
       errs = [
         float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
