@@ -388,7 +388,7 @@ def markdown(result: dict) -> str:
   # How far jaxlib's Triton compile (the sm_75 route) is from XLA's at the check arch.
   check_key = lambda r: (*key(r), r["dtype"])
   xla = {check_key(r): r["registers"] for r in rows if r["arch"] == _PLUGIN_CHECK_ARCH}
-  gap = [r["registers"] - xla[check_key(r)] for r in result["plugin_check"]]
+  gap = [r["registers"] - xla[check_key(r)] for r in result["plugin_check"] if check_key(r) in xla]
   notes = headline(rows)
   if gap:
     notes.append(
