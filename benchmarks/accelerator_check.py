@@ -66,13 +66,15 @@ def kernel_impl_for(platform: str) -> str | None:
   return {"gpu": "pallas", "tpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
 
 
-def add_bandwidth(records, dtype, peak_gbps):
+def add_bandwidth(records, dtype, peak_gbps, log=print):
   for r in records:
     if r.get("status") == "ok":
       n = r["batch"] * r["T"] * r["d"] * jnp.dtype(dtype).itemsize * MIN_ARRAYS[r["mode"]]
       r["min_bytes"] = float(n)
       r["achieved_gbps"] = n / r["time_s"] / 1e9
       r["fraction_of_peak_hbm"] = None if not peak_gbps else r["achieved_gbps"] / peak_gbps
+      log(f"  {r['op']:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
+          f" (device peak {peak_gbps or '-'} GB/s)")  # fmt: skip
 
 
 def kernel_checks(kernel_impl, quick: bool, log=print):
@@ -325,7 +327,7 @@ def main(argv=None):
   platform = dev.platform
   kernel_impl = kernel_impl_for(platform)
   chip = dev.device_kind if platform != "cpu" else ""  # no peaks for a CPU
-  peak_gbps, peak_tflops = common.peak_hbm_gbps(chip), common.peak_tflops(chip)
+  peak_tflops, peak_gbps = common.peaks(chip)
   info = common.machine_info()
   info.update({k: v for k, v in vars(a).items() if k != "out"})
   info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
@@ -385,13 +387,7 @@ def main(argv=None):
       recs = bench_ops.run(a.sizes, names=[name], dtype=jnp.dtype(a.dtype), **kw)
     except Exception as e:  # pylint: disable=broad-except  # bench_ops.run catches per row
       recs = placeholders(name, common.error(e))
-    add_bandwidth(recs, a.dtype, peak_gbps)
-    for r in recs:
-      if r.get("status") == "ok":
-        log(
-          f"  {name:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
-          f" (device peak {peak_gbps or '-'} GB/s)"
-        )
+    add_bandwidth(recs, a.dtype, peak_gbps, log)
     result["records"] += recs
     save()
 

@@ -42,12 +42,9 @@ SKIPPED = "skipped"
 ERROR = "error"
 
 
-def peak_tflops(device_kind: str) -> float | None:
-  return next((p[1] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
-
-
-def peak_hbm_gbps(device_kind: str) -> float | None:
-  return next((p[2] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
+def peaks(device_kind: str) -> tuple[float | None, float | None]:
+  """(peak bf16 TFLOP/s, peak HBM GB/s) of a chip (``PEAKS``), or (None, None)."""
+  return next((p[1:] for p in PEAKS if p[0].lower() in device_kind.lower()), (None, None))
 
 
 def timed_run(info: dict, fn: Callable):
