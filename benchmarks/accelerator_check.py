@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax import ops
 from aft_jax.model import MIXINGS, ModelConfig
 from benchmarks import bench_model, bench_ops, common, kernel_form
 
@@ -39,23 +38,7 @@ RECIPE = dict(vocab_size=267735, num_layers=16, d_model=128, num_heads=8, mlp_di
 RECIPE.update(max_len=256, adaptive_cutoffs=(20000, 40000, 200000))
 
 
-def _cudnn(q, k, v):
-  b, t, d = q.shape
-  split = lambda x: x.reshape(b, t, bench_ops.HEADS, d // bench_ops.HEADS)
-  out = jax.nn.dot_product_attention(
-    split(q), split(k), split(v), is_causal=True, implementation="cudnn"
-  )
-  return out.reshape(b, t, d)
-
-
-def in_form(fn, form: str):
-  """``fn`` running the GPU kernels' ``form`` (``kernel_form.forced``, read at tracing)."""
-
-  def run(*args):
-    with kernel_form.forced(form):
-      return fn(*args)
-
-  return run
+_cudnn = functools.partial(bench_ops._softmax_dpa, implementation="cudnn")
 
 
 def op_rows(kernel_impl: str | None, platform: str):
@@ -70,7 +53,8 @@ def op_rows(kernel_impl: str | None, platform: str):
     if platform == "gpu":
       for n, form in itertools.product(names, KERNEL_FORMS):
         fn, extra, cost, what = kern[n]
-        rows[f"{n}/pallas[{form}]"] = (in_form(fn, form), extra, cost, f"{what}, {form} kernels")
+        fn = kernel_form.forced(form)(fn)  # each call traced in that form
+        rows[f"{n}/pallas[{form}]"] = (fn, extra, cost, f"{what}, {form} kernels")
   rows.update({n: xla[n] for n in BASELINES})
   if platform == "gpu":
     rows["softmax_cudnn"] = (_cudnn, None, "quadratic", "causal cuDNN flash attention")
@@ -82,53 +66,51 @@ def kernel_impl_for(platform: str) -> str | None:
   return {"gpu": "pallas", "tpu": "pallas", "cpu": "pallas_interpret"}.get(platform)
 
 
-def add_bandwidth(records, dtype, peak_gbps):
+def add_bandwidth(records, dtype, peak_gbps, log=print):
   for r in records:
     if r.get("status") == "ok":
       n = r["batch"] * r["T"] * r["d"] * jnp.dtype(dtype).itemsize * MIN_ARRAYS[r["mode"]]
       r["min_bytes"] = float(n)
       r["achieved_gbps"] = n / r["time_s"] / 1e9
       r["fraction_of_peak_hbm"] = None if not peak_gbps else r["achieved_gbps"] / peak_gbps
+      log(f"  {r['op']:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
+          f" (device peak {peak_gbps or '-'} GB/s)")  # fmt: skip
 
 
-def kernel_checks(kernel_impl, quick: bool):
-  """Pallas vs XLA for each kernel: max |difference| of outputs and gradients over their max
-  magnitude, XLA computing in float32 from the same (rounded) inputs; logits of std 1 and 40."""
+def kernel_checks(kernel_impl, quick: bool, log=print):
+  """Pallas vs XLA for each kernel (bench_ops' causal rows): max |difference| of outputs and
+  gradients over their max magnitude, XLA computing in float32 from the same (rounded) inputs;
+  logits of std 1 and 40."""
   if kernel_impl is None:
     return []
-  tpu = jax.default_backend() == "tpu"
-  t_len, d = (100, 128 if tpu else 32) if quick else (1000, 512)  # the TPU kernel tiles 128
+  backend = jax.default_backend()
+  t_len, d = (100, 128 if backend == "tpu" else 32) if quick else (1000, 512)  # TPU: tiles 128
   cases = [(jnp.float32, 1.0), (jnp.float32, 40.0), (jnp.bfloat16, 1.0), (jnp.bfloat16, 40.0)]
-  kernels = {
-    "aft_simple causal": lambda impl, q, k, v, w: ops.aft_simple(q, k, v, causal=True, impl=impl),
-    "aft_local_32 causal": lambda impl, q, k, v, w: ops.aft_local(
-      q, k, v, w, window=32, causal=True, impl=impl
-    ),
-  }
-  if tpu:
-    kernels = {n: f for n, f in kernels.items() if n.split()[0] in TPU_KERNEL_OPS}
+  names = TPU_KERNEL_OPS if backend == "tpu" else ("aft_simple", "aft_local_32")
   if quick:  # the code path, not the sweep (the tests check every kernel in interpret mode)
-    cases, kernels = cases[1:3], {"aft_simple causal": kernels["aft_simple causal"]}
+    cases, names = cases[1:3], ("aft_simple",)
+  tables = {impl: bench_ops.op_table(7, impl) for impl in (kernel_impl, "xla")}
   rng = np.random.default_rng(0)
   f32 = lambda x: x.astype(jnp.float32)
   out = []
-  forms = KERNEL_FORMS if jax.default_backend() == "gpu" else (None,)  # each GPU kernel form
-  for (name, op), form, (dtype, scale) in itertools.product(kernels.items(), forms, cases):
-    kernel = name if form is None else f"{name} [{form}]"
+  forms = KERNEL_FORMS if backend == "gpu" else (None,)  # each GPU kernel form
+  for name, form, (dtype, scale) in itertools.product(names, forms, cases):
+    kernel = f"{name} causal" + ("" if form is None else f" [{form}]")
     q, k, v, ct = (rng.normal(size=(2, t_len, d)) for _ in range(4))
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k * scale, v))
     w = jnp.asarray(rng.normal(size=(t_len, t_len)) * scale, jnp.float32)
+    extra = (w,) if tables["xla"][name][1] else ()  # AFT-local's w
 
     def run(impl, *args):
-      fn = functools.partial(op, impl)
-      fn = fn if form is None else in_form(fn, form)
+      fn = tables[impl][name][0]
+      fn = fn if form is None else kernel_form.forced(form)(fn)
       loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
-      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+      return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(len(a))))(*a)))(*args)
 
     tol = 1e-4 if dtype == jnp.float32 else 2e-2  # bfloat16: results rounded to 8 bits
     rec = {"kernel": kernel, "dtype": jnp.dtype(dtype).name, "logit_std": scale, "tolerance": tol}
     try:  # a kernel that fails here is a finding; the other cases still run
-      got, want = run(kernel_impl, q, k, v, w), run("xla", f32(q), f32(k), f32(v), w)
+      got, want = run(kernel_impl, q, k, v, *extra), run("xla", f32(q), f32(k), f32(v), *extra)
       errs = [
         float(jnp.max(jnp.abs(f32(g) - w))) / max(float(jnp.max(jnp.abs(w))), 1e-30)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
@@ -137,6 +119,8 @@ def kernel_checks(kernel_impl, quick: bool):
     except Exception as e:  # pylint: disable=broad-except
       rec.update(max_rel_error=None, holds=None, **common.error(e))
     out.append(rec)
+    why = f" ({rec['reason']})" if rec["status"] == common.ERROR else ""
+    log(f"kernel check {kernel} {rec['dtype']} std {scale:g}: holds {rec['holds']}{why}")
   return out
 
 
@@ -219,50 +203,32 @@ def target_checks(op_recs, model_recs):
   return out
 
 
-def _cell_text(text: str) -> str:
-  return " ".join(str(text).split()).replace("|", "/")  # no newline or pipe inside a table
+def _why(r) -> str:
+  """A row's status and reason, as one table cell."""
+  return f"{r.get('status')}: " + " ".join(str(r.get("reason", "")).split()).replace("|", "/")
 
 
 def _rows(records, keys, cells):
-  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (6 cells) or "skipped:
-  why", "error: why"."""
-  out = []
+  """Markdown rows: the ``keys`` of each record, then ``cells(record)`` (6 cells) or why not."""
   for r in records:
-    head = " | ".join(str(r[k]) for k in keys)
-    tail = f"{r.get('status')}: {_cell_text(r.get('reason', ''))}" + " |" * 5
-    if r.get("status") == "ok":
-      tail = " | ".join(cells(r))
-    out.append(f"| {head} | {tail} |")
-  return out
+    tail = " | ".join(cells(r)) if r.get("status") == "ok" else _why(r) + " |" * 5
+    yield f"| {' | '.join(str(r[k]) for k in keys)} | {tail} |"
 
 
 def _op_cells(r):
   frac = r.get("fraction_of_peak_hbm")
   return (
-    *(common.fmt_bytes(r.get(k)) if k != "time_s" else common.fmt_time(r[k]) for k in
-      ("time_s", "temp_bytes", "program_bytes", "peak_bytes")),
+    common.fmt_time(r["time_s"]),
+    *(common.fmt_bytes(r.get(k)) for k in ("temp_bytes", "program_bytes", "peak_bytes")),
     f"{r['achieved_gbps']:.1f}",
     "-" if frac is None else f"{100 * frac:.0f}%",
-  )  # fmt: skip
+  )
 
 
 def _model_cells(r):
   mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
   by = (r.get(k) for k in ("temp_bytes", "program_bytes", "peak_bytes"))
   return (common.fmt_time(r["time_s"]), f"{r['tokens_per_s']:.0f}", mfu, *map(common.fmt_bytes, by))
-
-
-def _kernel_line(c):
-  err = f"{c['status']}: {_cell_text(c.get('reason', ''))}"
-  value = err if c.get("status", "ok") != "ok" else f"{c['max_rel_error']:.2e}"
-  cells = (c["kernel"], c["dtype"], f"{c['logit_std']:g}", value, f"{c['tolerance']:g}", c["holds"])
-  return "| " + " | ".join(map(str, cells)) + " |"
-
-
-def _target_line(c):
-  if c["value"] is None:
-    return f"- {c['check']}: not measured (target {c['target']})"
-  return common.check_line(c)
 
 
 def kernel_forms(op_recs) -> list[dict]:
@@ -282,22 +248,25 @@ def kernel_forms(op_recs) -> list[dict]:
 
 
 def _form_lines(op_recs) -> list[str]:
-  rows = kernel_forms(op_recs)
+  rows = [
+    (r["op"], r["mode"], r["T"], *(common.fmt_time(r[f]) for f in KERNEL_FORMS), r["faster"])
+    for r in kernel_forms(op_recs)
+  ]
   if not rows:
     return []
-  lines = [
-    "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas/triton.py`)\n",
-    "| op | mode | T | sequential | chunked | faster |",
-    "|---|---|---:|---:|---:|---|",
-  ]
-  for r in rows:
-    times = " | ".join(common.fmt_time(r[f]) for f in KERNEL_FORMS)
-    lines.append(f"| {r['op']} | {r['mode']} | {r['T']} | {times} | {r['faster']} |")
-  return lines
+  head = ("op", "mode", "T", *KERNEL_FORMS, "faster")
+  title = "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas/triton.py`)\n"
+  return [title, *common.table(head, rows, "llrrrl")]
 
 
 def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=()):
-  peak_note = "process peak so far"  # the device's counter never resets
+  peak = "device memory (process peak so far)"  # the device's counter never resets
+  kernel_rows = [
+    (c["kernel"], c["dtype"], f"{c['logit_std']:g}",
+     f"{c['max_rel_error']:.2e}" if c.get("status", "ok") == "ok" else _why(c),
+     f"{c['tolerance']:g}", c["holds"])
+    for c in kchecks
+  ]  # fmt: skip
   lines = [
     f"# Accelerator check: {info['device_kind']} ({info['platform']})\n",
     f"`{info['command']}`, jax {info['jax_version']}, {info['wall_s']:.0f} s, "
@@ -309,32 +278,38 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=
       "**Partial: the run had not finished when this was written** (still running, or stopped "
       "at a time limit); the sections below hold the rows measured so far.\n"
     )
-  lines += [f"- section {e['section']}: {e['status']}: {_cell_text(e['reason'])}" for e in errors]
+  lines += [f"- section {e['section']}: {_why(e)}" for e in errors]
   lines += [
     "## Kernels against the XLA path\n",
-    "| kernel | dtype | logit std | max rel. error | tolerance | holds |",
-    "|---|---|---:|---:|---:|---|",
-    *map(_kernel_line, kchecks),
+    *common.table(("kernel", "dtype", "logit std", "max rel. error", "tolerance", "holds"),
+                  kernel_rows, "llrrrl"),  # fmt: skip
     "\n## Ops (causal)\n",
-    f"| op | mode | T | time | temp memory | program memory | device memory ({peak_note}) "
-    "| GB/s (min bytes) | of peak |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    *common.table(("op", "mode", "T", "time", "temp memory", "program memory", peak,
+                   "GB/s (min bytes)", "of peak"), (), "llrrrrrrr"),  # fmt: skip
     *_rows(op_recs, ("op", "mode", "T"), _op_cells),
     *_form_lines(op_recs),
     "\n## Train step\n",
-    f"| model | T | batch | time | tokens/s | MFU | temp memory | program memory "
-    f"| device memory ({peak_note}) |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    *common.table(("model", "T", "batch", "time", "tokens/s", "MFU", "temp memory",
+                   "program memory", peak), (), "lrrrrrrrr"),  # fmt: skip
     *_rows(model_recs, ("model", "T", "batch"), _model_cells),
     "\n## Targets (the GPU targets; on other devices for reference)\n",
-    *map(_target_line, tchecks),
-  ]
+    *(common.check_line(c) if c["value"] is not None else
+      f"- {c['check']}: not measured (target {c['target']})" for c in tchecks),
+  ]  # fmt: skip
   return "\n".join(lines) + "\n"
 
 
 # Rows the targets need, measured first so that a time limit cuts the others.
 TARGET_ROWS = ("softmax_cudnn", "aft_simple/pallas", "aft_local_32/pallas", "cumsum")
 OPS_SHARE = 0.6  # the op rows stop at this share of --max_minutes: the model rows hold targets
+
+
+# The sizes: ops (T, d, batch, dtype), the LM and the recipe's batch, timing.
+QUICK = dict(sizes=[32], d=32, batch=1, dtype="float32", layers=1, d_model=32, heads=4, vocab=128,
+             model_t=32, recipe_batch=2, repeats=2, min_seconds=0.0, max_call_s=2.0)  # fmt: skip
+FULL = dict(sizes=[1024, 4096, 8192, 16384], d=512, batch=8, dtype="bfloat16", layers=12,
+            d_model=768, heads=12, vocab=32768, model_t=1024, recipe_batch=96, repeats=5,
+            min_seconds=0.2, max_call_s=1.0)  # fmt: skip
 
 
 def main(argv=None):
@@ -344,27 +319,22 @@ def main(argv=None):
   help = "no row starts after this (the op rows: 60%% of it); later rows are skipped"
   p.add_argument("--max_minutes", type=float, default=7.5, help=help)
   a = p.parse_args(argv)
-  if a.quick:
-    a.sizes, a.d, a.batch, a.dtype = [32], 128 if dev.platform == "tpu" else 32, 1, "float32"
-    a.layers, a.d_model, a.heads, a.vocab, a.model_t, a.recipe_batch = 1, 32, 4, 128, 32, 2
-    a.repeats, a.min_seconds, a.max_call_s = 2, 0.0, 2.0
-  else:
-    a.sizes, a.d, a.batch, a.dtype = [1024, 4096, 8192, 16384], 512, 8, "bfloat16"
-    a.layers, a.d_model, a.heads, a.vocab, a.model_t, a.recipe_batch = 12, 768, 12, 32768, 1024, 96
-    a.repeats, a.min_seconds, a.max_call_s = 5, 0.2, 1.0
+  vars(a).update(QUICK if a.quick else FULL)
+  if a.quick and dev.platform == "tpu":
+    a.d = 128  # the TPU kernel tiles 128
   t0 = time.time()
   deadline = t0 + 60 * a.max_minutes
   platform = dev.platform
   kernel_impl = kernel_impl_for(platform)
-  peak_gbps = common.peak_hbm_gbps(dev.device_kind) if platform != "cpu" else None
-  peak_tflops = common.peak_tflops(dev.device_kind) if platform != "cpu" else None
+  chip = dev.device_kind if platform != "cpu" else ""  # no peaks for a CPU
+  peak_tflops, peak_gbps = common.peaks(chip)
   info = common.machine_info()
   info.update({k: v for k, v in vars(a).items() if k != "out"})
   info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
   info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
   log = functools.partial(print, flush=True)  # a killed run keeps its log up to the kill
-  result = {"machine": info, "complete": False, "errors": [], "kernel_checks": [], "ops": {}}
-  result.update(records=[], model=[], checks=[])
+  result = dict(machine=info, complete=False, errors=[], kernel_checks=[], ops={}, records=[],
+                model=[], checks=[])  # fmt: skip
 
   def save(plot_fn=None):
     info["wall_s"] = time.time() - t0
@@ -373,9 +343,8 @@ def main(argv=None):
       parts = ("records", "model", "kernel_checks", "checks", "complete", "errors")
       md = markdown(info, *(result[k] for k in parts))
     except Exception as e:  # pylint: disable=broad-except  # the JSON has the rows anyway
-      md = (
-        f"# Accelerator check\n\nThe summary failed ({common.error(e)['reason']}): see the JSON.\n"
-      )
+      why = common.error(e)["reason"]
+      md = f"# Accelerator check\n\nThe summary failed ({why}): see the JSON.\n"
     try:  # a partial write that fails must not stop the measurements; the next one may work
       common.write_outputs(a.out, "accelerator_check", result, md, plot_fn)
     except Exception as e:  # pylint: disable=broad-except
@@ -393,12 +362,8 @@ def main(argv=None):
 
   save()
   # The kernel checks first: the cheapest section, and whether the kernels are right matters most.
-  result["kernel_checks"] = section(
-    "kernel_checks", lambda: kernel_checks(kernel_impl, a.quick), []
-  )
-  for c in result["kernel_checks"]:
-    why = f" ({c['reason']})" if c.get("status") == common.ERROR else ""
-    log(f"kernel check {c['kernel']} {c['dtype']} std {c['logit_std']:g}: holds {c['holds']}{why}")
+  checks = lambda: kernel_checks(kernel_impl, a.quick, log)
+  result["kernel_checks"] = section("kernel_checks", checks, [])
   save()
 
   rows = section("op_rows", lambda: op_rows(kernel_impl, platform), {})
@@ -422,13 +387,7 @@ def main(argv=None):
       recs = bench_ops.run(a.sizes, names=[name], dtype=jnp.dtype(a.dtype), **kw)
     except Exception as e:  # pylint: disable=broad-except  # bench_ops.run catches per row
       recs = placeholders(name, common.error(e))
-    add_bandwidth(recs, a.dtype, peak_gbps)
-    for r in recs:
-      if r.get("status") == "ok":
-        log(
-          f"  {name:20s} {r['mode']:8s} T={r['T']:6d} achieved {r['achieved_gbps']:8.1f} GB/s"
-          f" (device peak {peak_gbps or '-'} GB/s)"
-        )
+    add_bandwidth(recs, a.dtype, peak_gbps, log)
     result["records"] += recs
     save()
 

@@ -90,7 +90,7 @@ def measure_step(
 
 def run(a, sizes, mixings, dtype, max_step_s, log=print):
   dev = jax.devices()[0]
-  peak = common.peak_tflops(dev.device_kind) if dev.platform != "cpu" else None
+  peak = common.peaks(dev.device_kind)[0] if dev.platform != "cpu" else None
   records = []
   for mixing in mixings:
     cost = "quadratic" if mixing in ("softmax", "aft_full") else "linear"  # the attention's
@@ -192,7 +192,7 @@ def main(argv=None):
   settings = ("layers", "d_model", "heads", "vocab", "batch", "window", "kernel_size", "dtype")
   info.update({k: getattr(a, k) for k in settings})
   info.update(sizes=sizes, quick=a.quick, max_step_s=max_step_s)
-  info["peak_bf16_tflops"] = common.peak_tflops(jax.devices()[0].device_kind)
+  info["peak_bf16_tflops"] = common.peaks(jax.devices()[0].device_kind)[0]
   info["command"] = " ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:]))
   records = common.timed_run(info, lambda: run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s))
   result = {

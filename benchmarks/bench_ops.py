@@ -35,10 +35,12 @@ def _softmax_einsum(q, k, v):
   return jnp.einsum("bhts,bshc->bthc", probs, v).reshape(b, t, d)
 
 
-def _softmax_dpa(q, k, v):
+def _softmax_dpa(q, k, v, implementation=None):
   b, t, d = q.shape
   split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
-  out = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True)
+  out = jax.nn.dot_product_attention(
+    split(q), split(k), split(v), is_causal=True, implementation=implementation
+  )
   return out.reshape(b, t, d)
 
 

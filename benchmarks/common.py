@@ -42,12 +42,9 @@ SKIPPED = "skipped"
 ERROR = "error"
 
 
-def peak_tflops(device_kind: str) -> float | None:
-  return next((p[1] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
-
-
-def peak_hbm_gbps(device_kind: str) -> float | None:
-  return next((p[2] for p in PEAKS if p[0].lower() in device_kind.lower()), None)
+def peaks(device_kind: str) -> tuple[float | None, float | None]:
+  """(peak bf16 TFLOP/s, peak HBM GB/s) of a chip (``PEAKS``), or (None, None)."""
+  return next((p[1:] for p in PEAKS if p[0].lower() in device_kind.lower()), (None, None))
 
 
 def timed_run(info: dict, fn: Callable):
@@ -287,6 +284,14 @@ def fmt_bytes(b):
 def fmt_flops(f):
   return _fmt(f, (("T", 1e12, ".2f"), ("G", 1e9, ".2f"), ("M", 1e6, ".2f"), ("k", 1e3, ".2f")),
               "{:.0f}")  # fmt: skip
+
+
+def table(head, rows, align: str) -> list[str]:
+  """A markdown table's lines: ``head``, then ``rows`` (cells of any type); ``align`` a letter
+  per column, l(eft) or r(ight)."""
+  line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"
+  rule = "|" + "".join("---:|" if x == "r" else "---|" for x in align)
+  return [line(head), rule, *map(line, rows)]
 
 
 def parser(doc: str, quick: str | None = None, out="benchmarks/results"):

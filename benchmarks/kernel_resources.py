@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import functools
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -23,14 +24,12 @@ import tempfile
 import time
 
 from aft_jax import deviceless, files, ops
-
+from benchmarks import common
 
 # An architecture: ptxas' name, the deviceless GPU that gives the limits, Triton's capability,
 # and whether XLA compiles Triton for it (from sm_80 up; below, jaxlib's Triton compiler does:
 # the Triton IR of each custom call compiled for that capability, then the same ptxas).
 Arch = collections.namedtuple("Arch", "sm target capability xla")
-
-
 ARCHS = (
   Arch("sm_75", "t4", "7.5", xla=False),
   Arch("sm_80", "a100-80", "8.0", xla=True),
@@ -39,6 +38,7 @@ ARCHS = (
 # The lowering whose Triton IR the non-XLA archs compile (the IR reads the capability only
 # for float8 casts).
 _LOWER_ON = "h100"
+_PLUGIN_CHECK_ARCH = "sm_80"  # where jaxlib's Triton compile is also run, beside XLA's
 DTYPES = ("float32", "bfloat16")
 # Each op's kernels by (kernel function, outputs): forward, forward keeping the log-normaliser
 # L (the VJP's), backward, AFT-local's dw.
@@ -54,7 +54,13 @@ FORM_CONFIGS = {"sequential": (0, 1, 2), "chunked": (0,)}
 # config_for take the widest block that divides D.
 BATCH, T_LEN, WINDOW = 256, 256, 128
 PTXAS_FLAGS = ("--warn-on-spills", "-v")  # XLA's own (its log at VLOG 3)
-_PLUGIN_CHECK_ARCH = "sm_80"  # where jaxlib's Triton compile is also run, beside XLA's
+_PTXAS_FIELDS = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
+                     spill_loads=r"(\d+) bytes spill loads", stack_frame=r"(\d+) bytes stack frame",
+                     shared_static=r"(\d+) bytes smem")  # fmt: skip
+_THUNK = re.compile(
+  r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
+)
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)")
 
 
 def shared_memory_limits(target: str) -> dict[str, int]:
@@ -65,19 +71,16 @@ def shared_memory_limits(target: str) -> dict[str, int]:
 
 
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
-  """Per entry of ``ptxas -v`` output: registers, spill stores and loads, stack frame and
-  static shared memory (bytes); --warn-on-spills' warnings (repeats) are dropped."""
+  """Per entry of ``ptxas -v`` output: ``_PTXAS_FIELDS`` (bytes, registers); --warn-on-spills'
+  warnings (repeats) are dropped."""
   out = {}
   text = "\n".join(line for line in text.splitlines() if not line.startswith("ptxas warning"))
   for chunk in text.split("Compiling entry function '")[1:]:
     name = chunk.split("'", 1)[0]
-    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, chunk)) else 0
     if not re.search(r"Used \d+ registers", chunk):
       raise ValueError(f"ptxas printed no register count for {name}:\n{chunk}")
-    fields = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
-                  spill_loads=r"(\d+) bytes spill loads", stack_frame=r"(\d+) bytes stack frame",
-                  shared_static=r"(\d+) bytes smem")  # fmt: skip
-    out[name] = {k: num(pattern) for k, pattern in fields.items()}
+    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, chunk)) else 0
+    out[name] = {k: num(pattern) for k, pattern in _PTXAS_FIELDS.items()}
   return out
 
 
@@ -96,12 +99,6 @@ def run_ptxas(ptx: str) -> dict[str, dict[str, int]]:
   if done.returncode:
     raise RuntimeError(f"ptxas failed ({done.returncode}):\n{done.stderr or done.stdout}")
   return parse_ptxas(done.stdout + done.stderr)
-
-
-def ptxas_version() -> str:
-  done = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
-  m = re.search(r"release [\d.]+, V([\d.]+)", done.stdout)
-  return f"ptxas {m.group(1) if m else done.stdout.strip().splitlines()[-1]}"
 
 
 def channels_for(cfg) -> int:
@@ -123,11 +120,11 @@ def label(op: str, call: dict) -> str | None:
   return KERNELS[op].get((call["name"], call["results"]))
 
 
-def program(op: str, form: str = "sequential"):
-  """The op's forward and VJP through the public op, its kernels in ``form``."""
+def lower(op: str, form: str, d: int, dtype: str, device):
+  """The op's forward and VJP through the public op, its kernels in ``form``, lowered for
+  ``device`` at ``BATCH`` x ``T_LEN`` x ``d`` (AFT-local's w float32)."""
   import jax
 
-  from aft_jax import ops
   from benchmarks import kernel_form
 
   if op == "aft_simple":
@@ -135,27 +132,20 @@ def program(op: str, form: str = "sequential"):
   else:
     f = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=WINDOW, causal=True, impl="pallas")
 
+  @kernel_form.forced(form)
   def fwd_and_vjp(*args):
-    with kernel_form.forced(form):
-      out, vjp = jax.vjp(f, *args)
-      return f(*args), vjp(out)
-
-  return fwd_and_vjp
-
-
-def arguments(op: str, d: int, dtype: str, device):
-  """The op's q, k, v (and AFT-local's float32 w) on ``device``."""
-  import jax
+    out, vjp = jax.vjp(f, *args)
+    return f(*args), vjp(out)
 
   sharding = jax.sharding.SingleDeviceSharding(device)
   x = jax.ShapeDtypeStruct((BATCH, T_LEN, d), dtype, sharding=sharding)
-  if op == "aft_simple":
-    return (x, x, x)
-  return (x, x, x, jax.ShapeDtypeStruct((T_LEN, T_LEN), "float32", sharding=sharding))
+  w = jax.ShapeDtypeStruct((T_LEN, T_LEN), "float32", sharding=sharding)
+  with jax.set_mesh(jax.sharding.Mesh([device], ("x",))):
+    return jax.jit(fwd_and_vjp).lower(x, x, x, *[w] * (op != "aft_simple"))
 
 
-def triton_calls(module) -> list[dict]:
-  """Every Triton custom call of a StableHLO module: name, operand and result counts, grid,
+def triton_calls(lowered) -> list[dict]:
+  """Every Triton custom call of a lowering's StableHLO: name, operand and result counts, grid,
   warps, stages and Triton IR."""
   from jax._src.lib.mlir import ir
 
@@ -176,39 +166,32 @@ def triton_calls(module) -> list[dict]:
               calls.append(dict(call, ir=ir.StringAttr(cfg["ir"]).value_bytes))
           walk(child.operation)
 
-  walk(module.operation)
+  walk(lowered.compiler_ir("stablehlo").operation)
   return calls
-
-
-_THUNK = re.compile(
-  r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
-)
-_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)")
 
 
 def xla_kernels(lowered) -> list[dict]:
   """XLA's deviceless compile of ``lowered``, from its dump: per Triton kernel (an entry named
   as a custom call, ``__N`` where names repeat) its parameter count, launch and PTX."""
   nvcc = os.path.dirname(os.path.dirname(deviceless.ptxas()))
-  names = {c["name"] for c in triton_calls(lowered.compiler_ir("stablehlo"))}
+  names = {c["name"] for c in triton_calls(lowered)}
   with tempfile.TemporaryDirectory() as dump:
     # XLA uses the ptxas run_ptxas runs; its own ptxas run (for an executable never run) at
     # -O0 to save CPU: the figures are run_ptxas' -O3 of the same PTX.
     options = {"xla_dump_to": dump, "xla_gpu_cuda_data_dir": nvcc}
     lowered.compile(compiler_options={**options, "xla_gpu_disable_gpuasm_optimizations": True})
-    listing = os.listdir(dump)
-    (thunks,) = [f for f in listing if f.endswith("thunk_sequence.txt")]
+    read = lambda name: open(os.path.join(dump, name)).read()
+    (thunks,) = [f for f in os.listdir(dump) if f.endswith("thunk_sequence.txt")]
     launches = {}
-    for m in _THUNK.finditer(open(os.path.join(dump, thunks)).read()):
+    for m in _THUNK.finditer(read(thunks)):
       g = [int(x) for x in m.groups()[1:]]
       launches[m.group(1)] = {"grid": g[:3], "threads": g[3] * g[4] * g[5], "shared_dynamic": g[6]}
     kernels = []
-    for name in sorted(f for f in listing if f.endswith(".ptx")):
-      ptx = open(os.path.join(dump, name)).read()
+    for name in sorted(f for f in os.listdir(dump) if f.endswith(".ptx")):
+      ptx = read(name)
       for m in _ENTRY.finditer(ptx):
-        entry = m.group(1)
-        if re.sub(r"__\d+$", "", entry) in names:
-          params = m.group(2).count(".param")
+        if re.sub(r"__\d+$", "", m.group(1)) in names:
+          entry, params = m.group(1), m.group(2).count(".param")
           kernels.append({"entry": entry, "params": params, **launches[entry], "ptx": ptx})
   return kernels
 
@@ -277,7 +260,7 @@ def _order(row: dict) -> tuple:
 
 def cases() -> list[tuple[str, int, str, str]]:
   """(op, index in ``triton.CONFIGS``, dtype, form) of every measurement, the costliest first
-  (dealt out in turn, they balance the shards)."""
+  (dealt out in turn, they balance the workers)."""
   return [
     (op, i, dtype, form)
     for op in sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
@@ -287,9 +270,9 @@ def cases() -> list[tuple[str, int, str, str]]:
   ]
 
 
-def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> dict:
-  """Rows of ``selected`` cases on ``archs`` (default all) and, with ``route_check``, jaxlib's
-  Triton figures at ``_PLUGIN_CHECK_ARCH`` (``plugin_check``); ptxas runs beside the compiles."""
+def measure_cases(selected, route_check: bool, archs) -> dict:
+  """Rows of ``selected`` cases on ``archs`` and, with ``route_check``, jaxlib's Triton figures
+  at ``_PLUGIN_CHECK_ARCH`` (``plugin_check``); ptxas runs beside the compiles."""
   import jax
 
   from aft_jax.ops.pallas import triton
@@ -297,34 +280,23 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
   devices = {a.target: deviceless.devices(a.target)[0] for a in ARCHS if a.xla}
   devices.setdefault(_LOWER_ON, deviceless.devices(_LOWER_ON)[0])
-  limits = {a.sm: shared_memory_limits(a.target) for a in ARCHS}
   (check,) = [a._replace(xla=False) for a in ARCHS if a.sm == _PLUGIN_CHECK_ARCH]
-  chosen = [a for a in ARCHS if archs is None or a.sm in archs]
+  chosen = [a for a in ARCHS if a.sm in archs] + [check] * route_check
   pending = []  # (row arguments, shared-memory limits, future of ptxas' figures)
   pool = concurrent.futures.ThreadPoolExecutor(2)
   # ptxas -v reports every entry of a PTX module: each module is run once.
   ptxas_of = functools.cache(lambda ptx: pool.submit(run_ptxas, ptx))
-
   for op, i, dtype, form in selected:
     t0 = time.time()
     cfg = triton.CONFIGS[i]
     d = channels_for(cfg)
-
-    @functools.cache  # each target's lowering once, and only if asked
-    def lowered_for(target):
-      with jax.set_mesh(jax.sharding.Mesh([devices[target]], ("x",))):
-        return jax.jit(program(op, form)).lower(*arguments(op, d, dtype, devices[target]))
-
-    calls = []
-    for arch in (*chosen, check) if route_check else chosen:
+    lowered_for = functools.cache(lambda target: lower(op, form, d, dtype, devices[target]))
+    for arch in chosen:
       if arch.xla:
-        lowered = lowered_for(arch.target)
-        calls = triton_calls(lowered.compiler_ir("stablehlo"))
-        pairs = match(calls, xla_kernels(lowered))
-        compiler = "xla"
-      else:
-        # jaxlib's Triton takes the custom calls' IR as lowered for _LOWER_ON.
-        calls = triton_calls(lowered_for(_LOWER_ON).compiler_ir("stablehlo"))
+        calls = triton_calls(lowered_for(arch.target))
+        pairs, compiler = match(calls, xla_kernels(lowered_for(arch.target))), "xla"
+      else:  # jaxlib's Triton takes the custom calls' IR as lowered for _LOWER_ON
+        calls = triton_calls(lowered_for(_LOWER_ON))
         pairs = [(c, plugin_kernel(c, arch)) for c in calls]
         compiler = "triton (jaxlib)" + (", check" if arch is check else "")
       # The forward program and the VJP's forward may hold the same totals kernel twice.
@@ -333,9 +305,9 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
         unique.setdefault((label(op, call), call["results"]), (call, kernel))
       for call, kernel in unique.values():
         args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
-        pending.append((args, limits[arch.sm], ptxas_of(kernel["ptx"])))
+        pending.append((args, shared_memory_limits(arch.target), ptxas_of(kernel["ptx"])))
     took = time.time() - t0
-    say(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s")
+    print(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s")
     sys.stdout.flush()
   rows, plugin_check = [], []
   for args, lim, future in pending:
@@ -345,22 +317,17 @@ def measure_cases(selected, route_check: bool = True, say=print, archs=None) -> 
   return {"rows": rows, "plugin_check": plugin_check}
 
 
-def measure(workers: int | None = None, route_check: bool = True, say=print, archs=None) -> dict:
-  """Every case on ``archs``, dealt out to ``workers`` processes (default one per core: much
-  of a compile is single-threaded)."""
-  workers = max(1, min(workers or os.cpu_count() or 1, len(cases())))
-  if workers == 1:
-    result = measure_cases(cases(), route_check, say, archs)
+def measure(workers: int, route_check: bool, archs) -> dict:
+  """Every case on ``archs``, dealt out to ``workers`` processes."""
+  n = max(1, min(workers, len(cases())))
+  if n == 1:
+    shards = [measure_cases(cases(), route_check, archs)]
   else:
-    with tempfile.TemporaryDirectory() as tmp:
-      flags = ["--no_route_check"] * (not route_check) + (["--archs", *archs] if archs else [])
-      cmd = [sys.executable, "-m", "benchmarks.kernel_resources", "--out", tmp, *flags, "--shard"]
-      procs = [subprocess.Popen([*cmd, f"{i}/{workers}"]) for i in range(workers)]
-      if any(p.wait() for p in procs):
-        raise RuntimeError("a measurement worker failed (its error is printed above)")
-      shards = [json.load(open(os.path.join(tmp, f"shard-{i}.json"))) for i in range(workers)]
-      result = {key: sum((shard[key] for shard in shards), []) for key in ("rows", "plugin_check")}
-  return {key: sorted(rows, key=_order) for key, rows in result.items()}
+    spawn = multiprocessing.get_context("spawn")  # each worker its own jax
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=spawn) as pool:
+      jobs = [pool.submit(measure_cases, cases()[i::n], route_check, archs) for i in range(n)]
+      shards = [job.result() for job in jobs]
+  return {k: sorted(sum((s[k] for s in shards), []), key=_order) for k in ("rows", "plugin_check")}
 
 
 def _kib(b: int) -> str:
@@ -370,6 +337,7 @@ def _kib(b: int) -> str:
 def headline(rows: list[dict]) -> list[str]:
   """Per architecture: the most registers, the spills and the most shared memory."""
   out = []
+  which = lambda r: f"{r['op']} {r['form']} {r['kernel']}, block_d {r['block_d']}, {r['dtype']}"
   for arch in ARCHS:
     rs = [r for r in rows if r["arch"] == arch.sm]
     if not rs:
@@ -377,7 +345,6 @@ def headline(rows: list[dict]) -> list[str]:
     top = max(rs, key=lambda r: r["registers"])
     big = max(rs, key=lambda r: r["shared_bytes"])
     spilled = [r for r in rs if r["spill_stores"] or r["spill_loads"]]
-    which = lambda r: f"{r['op']} {r['form']} {r['kernel']}, block_d {r['block_d']}, {r['dtype']}"
     spills = "no spills"
     if spilled:
       worst = max(spilled, key=lambda r: r["spill_stores"] + r["spill_loads"])
@@ -394,53 +361,40 @@ def headline(rows: list[dict]) -> list[str]:
   return out
 
 
-def compact_table(rows: list[dict]) -> list[str]:
-  """Per (op, form, kernel, block_d): registers and shared memory, float32 / bfloat16."""
+def markdown(result: dict) -> str:
+  meta, rows = result["meta"], result["rows"]
   key = lambda r: (r["op"], r["form"], r["kernel"], r["block_d"])
+  # Per (op, form, kernel, block_d): registers and shared memory, float32 / bfloat16.
   by = {(key(r), r["arch"], r["dtype"]): r for r in rows}
   archs = [a.sm for a in ARCHS if any(r["arch"] == a.sm for r in rows)]
   head = ["op", "form", "kernel", "block (t x d)"]
   head += [f"{a} regs f32 / bf16" for a in archs] + [f"{a} smem f32 / bf16" for a in archs]
-  lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * (2 * len(archs))]
+  compact = [head]
   for k in dict.fromkeys(map(key, rows)):
     cells = [*k[:3], f"{by[(k, archs[0], DTYPES[0])]['block_t']} x {k[3]}"]
     for field, fmt in (("registers", str), ("shared_bytes", _kib)):
-      for a in archs:
-        cells.append(" / ".join(fmt(by[(k, a, dt)][field]) for dt in DTYPES))
-    lines.append("| " + " | ".join(cells) + " |")
-  return lines
-
-
-def full_table(rows: list[dict]) -> list[str]:
-  head = (
-    "| op | form | kernel | block (t x d, warps, stages) | dtype | arch | compiler | registers | "
-    "spill stores / loads (B) | shared memory | limit per block (default / opt-in) |"
-  )
-  return [head, "|---|---|---|---|---|---|---|---:|---:|---:|---:|"] + [
-    f"| {r['op']} | {r['form']} | {r['kernel']} | {r['block_t']} x {r['block_d']}, "
-    f"{r['num_warps']}, {r['num_stages']} | {r['dtype']} | {r['arch']} | {r['compiler']} | "
-    f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {_kib(r['shared_bytes'])} | "
-    f"{_kib(r['shared_limit_default'])} / {_kib(r['shared_limit_optin'])} |"
+      cells += [" / ".join(fmt(by[(k, a, dt)][field]) for dt in DTYPES) for a in archs]
+    compact.append(cells)
+  full = [
+    (r["op"], r["form"], r["kernel"], f"{r['block_t']} x {r['block_d']}, {r['num_warps']}, "
+     f"{r['num_stages']}", r["dtype"], r["arch"], r["compiler"], r["registers"],
+     f"{r['spill_stores']} / {r['spill_loads']}", _kib(r["shared_bytes"]),
+     f"{_kib(r['shared_limit_default'])} / {_kib(r['shared_limit_optin'])}")
     for r in rows
-  ]
-
-
-def route_gap(result: dict) -> str:
-  """How far jaxlib's Triton compile (the sm_75 route) is from XLA's at the check arch."""
-  key = lambda r: (r["op"], r["form"], r["kernel"], r["block_d"], r["dtype"])
-  xla = {key(r): r["registers"] for r in result["rows"] if r["arch"] == _PLUGIN_CHECK_ARCH}
-  diffs = [r["registers"] - xla[key(r)] for r in result["plugin_check"]]
-  if not diffs:
-    return ""
-  return (
-    f"jaxlib's Triton compile (the sm_75 route) against XLA's at {_PLUGIN_CHECK_ARCH}: "
-    f"{min(diffs):+d} to {max(diffs):+d} registers per kernel."
-  )
-
-
-def markdown(result: dict) -> str:
-  meta = result["meta"]
-  rows = result["rows"]
+  ]  # fmt: skip
+  full_head = ("op", "form", "kernel", "block (t x d, warps, stages)", "dtype", "arch", "compiler",
+               "registers", "spill stores / loads (B)", "shared memory",
+               "limit per block (default / opt-in)")  # fmt: skip
+  # How far jaxlib's Triton compile (the sm_75 route) is from XLA's at the check arch.
+  check_key = lambda r: (*key(r), r["dtype"])
+  xla = {check_key(r): r["registers"] for r in rows if r["arch"] == _PLUGIN_CHECK_ARCH}
+  gap = [r["registers"] - xla[check_key(r)] for r in result["plugin_check"] if check_key(r) in xla]
+  notes = headline(rows)
+  if gap:
+    notes.append(
+      f"jaxlib's Triton compile (the sm_75 route) against XLA's at {_PLUGIN_CHECK_ARCH}: "
+      f"{min(gap):+d} to {max(gap):+d} registers per kernel."
+    )
   lines = [
     "# Kernel resources per architecture (compiled without a device)",
     "",
@@ -451,11 +405,11 @@ def markdown(result: dict) -> str:
     f"take if it did not). Shapes: batch {BATCH}, T {T_LEN}, AFT-local window {WINDOW}.",
     "Regenerate: `python -m benchmarks.kernel_resources` (benchmarks/kernel_resources.py).",
     "",
-    *[f"- {line}" for line in headline(rows) + [route_gap(result)] if line],
+    *[f"- {line}" for line in notes],
     "",
-    *compact_table(rows),
+    *common.table(compact[0], compact[1:], "l" * 4 + "r" * 2 * len(archs)),
     "",
-    *full_table(rows),
+    *common.table(full_head, full, "l" * 7 + "r" * 4),
     "",
   ]
   return "\n".join(lines)
@@ -464,44 +418,39 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
+  help = "processes (default: one per core; much of a compile is single-threaded)"
+  p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help=help)
   help = "skip compiling with jaxlib's Triton for sm_80 too (the comparison with XLA's build)"
   p.add_argument("--no_route_check", action="store_true", help=help)
   archs = [a.sm for a in ARCHS]
-  p.add_argument("--archs", nargs="+", choices=archs, help="only these (default: all)")
-  p.add_argument("--shard", help=argparse.SUPPRESS)  # a worker's share i/n: OUT/shard-i.json
+  p.add_argument("--archs", nargs="+", choices=archs, default=archs, help="only these")
   args = p.parse_args(argv)
   if os.environ.get(deviceless.CHILD_ENV) != "cuda":
     for kind in ("cuda", "ptxas"):
       deviceless.install(kind)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cmd = [sys.executable, "-m", "benchmarks.kernel_resources", *argv]
+    cmd = [sys.executable, "-m", "benchmarks.kernel_resources"]
+    cmd += sys.argv[1:] if argv is None else list(argv)
     sys.stdout.flush()
     caches = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(caches)}
     os.execve(sys.executable, cmd, deviceless.environment("cuda", base=base))
-  if args.shard:
-    i, n = map(int, args.shard.split("/"))
-    shard = measure_cases(cases()[i::n], not args.no_route_check, archs=args.archs)
-    files.atomic_write(os.path.join(args.out, f"shard-{i}.json"), json.dumps(shard) + "\n")
-    return 0
   import jax
   import jaxlib
 
   t0 = time.time()
-  print(
-    f"Compiling every kernel configuration for {', '.join(args.archs or archs)} (no GPU needed)"
-  )
-  result = measure(args.workers, not args.no_route_check, archs=args.archs)
-  result["meta"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, ptxas=ptxas_version())
+  print(f"Compiling every kernel configuration for {', '.join(args.archs)} (no GPU needed)")
+  result = measure(args.workers, not args.no_route_check, args.archs)
+  done = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
+  m = re.search(r"release [\d.]+, V([\d.]+)", done.stdout)
+  ptxas = f"ptxas {m.group(1) if m else done.stdout.strip().splitlines()[-1]}"
+  result["meta"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, ptxas=ptxas)
   result["meta"].update(batch=BATCH, t_len=T_LEN, window=WINDOW, wall_s=round(time.time() - t0, 1))
-  md = markdown(result)
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "kernel_resources.json")
-  files.atomic_write(path, json.dumps(result, indent=1) + "\n")
-  files.atomic_write(os.path.join(args.out, "kernel_resources.md"), md)
+  path = os.path.join(args.out, "kernel_resources")
+  files.atomic_write(f"{path}.json", json.dumps(result, indent=1) + "\n")
+  files.atomic_write(f"{path}.md", markdown(result))
   print("\n".join(headline(result["rows"])))
-  print(f"wrote {args.out}/kernel_resources.{{json,md}} in {time.time() - t0:.0f} s")
+  print(f"wrote {path}.{{json,md}} in {time.time() - t0:.0f} s")
   return 0
 
 

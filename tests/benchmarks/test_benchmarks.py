@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from aft_jax import ops
-from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common
+from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common, kernel_form
 from tests.support import shared
 
 
@@ -128,8 +128,8 @@ def test_accelerator_check_times_both_kernel_forms():
     assert {f"{op}/pallas[{f}]" for f in forms} <= set(rows), sorted(rows)
   assert not any("[" in n for n in accelerator_check.op_rows("pallas_interpret", "cpu"))
   seg = lambda: triton.plan_for(1, 16384, 512).seg
-  assert accelerator_check.in_form(seg, "sequential")() is None
-  assert accelerator_check.in_form(seg, "chunked")() == seg() is not None  # auto: chunked here
+  assert kernel_form.forced("sequential")(seg)() is None
+  assert kernel_form.forced("chunked")(seg)() == seg() is not None  # auto: chunked here
   rec = lambda form, t, time_s: dict(op=f"aft_simple/pallas[{form}]", mode="fwd", T=t,
                                      status="ok", time_s=time_s)  # fmt: skip
   recs = [rec("sequential", 1024, 1.0), rec("chunked", 1024, 2.0), rec("chunked", 4096, 1.0)]
