@@ -2,8 +2,7 @@
 
 Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
 an ``aft-*`` console script) names a script or module that exists, only flags that program
-defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained; one process forks
-a child per program, tests/support/help_worker.py), a recipe that
+defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained), a recipe that
 exists, config keys (``--config.KEY=...``) that recipe has and a ``--dry_run`` target that exists.
 Every ```python block in docs/ runs, unless the line before it is ``<!-- not run: REASON -->``.
 Every relative link points at a file (and a heading, for ``#anchor``) that exists, and every
@@ -14,7 +13,6 @@ import functools
 import glob
 import importlib.util
 import io
-import json
 import os
 import re
 import shlex
@@ -79,23 +77,29 @@ def commands():
   return out
 
 
-def help_texts(progs) -> dict:
-  """Each program's help text (absl's --helpfull, else argparse's --help), from one
-  tests/support/help_worker.py process that forks a child per program after importing what they
-  share: cheap, nothing is trained."""
-  specs = [f"{kind}:{name}" for kind, name in sorted(progs)]
+def _help(kind, name, flag):
+  """(exit status, stdout and stderr) of the program run with ``flag``, forked by prefork."""
+  if kind == "entry":  # the console script's function, as its launcher calls it
+    module, fn = SCRIPTS[name].split(":")
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
+    argv = ["-c", code]
+  else:
+    argv = ["-m", name] if kind == "module" else [name]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = prefork.run(
-    [sys.executable, "-m", "tests.support.help_worker", *specs],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  answers = json.loads(done.stdout.strip().splitlines()[-1])
-  return {prog: answers[spec]["text"] for prog, spec in zip(sorted(progs), specs)}
+  done = prefork.run([sys.executable, *argv, flag], cwd=ROOT, env=env, timeout=600)
+  return done.returncode, done.stdout + done.stderr
+
+
+def help_texts(progs) -> dict:
+  """Each program's help text (absl's --helpfull, else argparse's --help: status 2), each
+  forked from tests/support/prefork.py's server: cheap, nothing is trained."""
+  texts = {}
+  for kind, name in sorted(progs):
+    code, text = _help(kind, name, "--helpfull")
+    if code == 2:  # argparse: an unknown argument
+      code, text = _help(kind, name, "--help")
+    texts[(kind, name)] = text
+  return texts
 
 
 def program_flags(text):
