@@ -74,10 +74,11 @@ def test_rules_from_config_round_trips_the_default():
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
 
 
-def _worker(module, out):
-  """Runs ``python -m tests.support.MODULE OUT`` (its asserts are the test); its report."""
+def _worker(check, out):
+  """Runs ``python -m tests.support.mesh_worker CHECK OUT`` (its asserts are the test); its
+  report."""
   proc = prefork.run(
-    [sys.executable, "-m", f"tests.support.{module}", str(out)],
+    [sys.executable, "-m", "tests.support.mesh_worker", check, str(out)],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -90,11 +91,11 @@ def _worker(module, out):
 
 @pytest.mark.slow
 def test_eight_devices_match_one(tmp_path):
-  """tests/support/sharding_worker.py on 8 simulated devices (its asserts are the test): meshes
+  """tests/support/mesh_worker.py sharding on 8 simulated devices (its asserts are the test): meshes
   (8,1,1), (2,2,2), (1,4,2), (1,1,8) give one device's losses and parameters after 3 steps;
   parameters are sharded as DEFAULT_RULES say; a (2,2,2) checkpoint restores onto (8,1,1) and
   continues with the same loss; a batch size not divisible by data x fsdp is refused early."""
-  report = _worker("sharding_worker", tmp_path / "report.json")
+  report = _worker("sharding", tmp_path / "report.json")
   assert sorted(report["meshes"]) == ["(1, 1, 8)", "(1, 4, 2)", "(2, 2, 2)", "(8, 1, 1)"]
   for mesh in report["meshes"].values():
     assert mesh["max_param_diff"] < 1e-5
@@ -106,15 +107,15 @@ def test_eight_devices_match_one(tmp_path):
 
 @pytest.mark.slow
 def test_sequence_split_equals_one_device(tmp_path):
-  """tests/support/sequence_worker.py on 4 simulated devices (its asserts are the test). The ops
-  with axis_name under shard_map (aft_simple, aft_local, aft_conv1d) give the unsharded values
-  within 1e-5 and gradients of q, k, v and the bias within 1e-4 of the largest, logits of std 1
-  and 40, windows within one shard and reaching two back. The quickstart recipe with
+  """tests/support/mesh_worker.py sequence on 4 simulated devices (its asserts are the test). The
+  ops with axis_name under shard_map (aft_simple, aft_local, aft_conv1d) give the unsharded
+  values within 1e-5 and gradients of q, k, v and the bias within 1e-4 of the largest, logits of
+  std 1 and 40, windows within one shard and reaching two back. The quickstart recipe with
   mesh.sequence = 4 gives one device's losses within 1e-4 for AFT-local, AFT-simple and
-  AFT-conv1d (dropout 0), its train step exchanging the shards' states (all-gather; the last
-  keys of AFT-local and AFT-conv1d by collective-permute); softmax attention with
-  mesh.sequence > 1 is a config error."""
-  report = _worker("sequence_worker", tmp_path / "report.json")
+  AFT-conv1d (dropout 0), its train step exchanging the shards' states (all-gather; the last keys of
+  AFT-local and AFT-conv1d by collective-permute); softmax attention with mesh.sequence > 1 is a
+  config error."""
+  report = _worker("sequence", tmp_path / "report.json")
   assert len(report["ops"]) == 4
   for diffs in report["ops"].values():
     assert diffs["y"] < 1e-5 and max(diffs.values()) < 1e-4
@@ -125,11 +126,11 @@ def test_sequence_split_equals_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_layouts_that_combine_axes_train_as_one_device(tmp_path):
-  """tests/support/layouts_worker.py (its asserts are the test): on 4 and 8 devices, data x
+  """tests/support/mesh_worker.py layouts (its asserts are the test): on 4 and 8 devices, data x
   sequence, data x fsdp x sequence, fsdp x sequence, data x tensor x sequence and data x
   sequence = 4 train AFT-local, AFT-simple and AFT-conv1d, and data x fsdp x tensor softmax
   attention, to one device's losses within 1e-4, step by step."""
-  report = _worker("layouts_worker", tmp_path / "report.json")
+  report = _worker("layouts", tmp_path / "report.json")
   assert sorted(report) == ["aft_conv1d", "aft_local", "aft_simple", "softmax"]
   assert "(2, 1, 1, 2)" in report["aft_simple"] and "(2, 2, 1, 2)" in report["aft_local"]
   for runs in report.values():
