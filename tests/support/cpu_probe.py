@@ -3,21 +3,13 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test: its wall seconds, the CPU seconds of the process that ran it (``RUSAGE_SELF``: a
-pytest-xdist worker) and of the subprocesses it started and reaped (``RUSAGE_CHILDREN``, plus
-the commands tests/support/prefork.py's server forked for it), each
-the difference of ``resource.getrusage`` before and after the test's setup, call and teardown.
-So a session fixture's cost lands on the first test that asks for it, and a subprocess started
-by a module fixture on the test during which it is reaped. The suite is CPU-bound on 2 cores
-(both busy ~190% of the time), so these CPU seconds, not a test's wall time under load, are what
-a change saves. The files go to ``$AFT_CPU_PROBE_DIR`` (default: a folder in the temp dir),
-emptied when a session starts.
-
-The report's last line is the host over the session (Linux' ``/proc/stat`` at its start and
-end): how much of the cores' time was busy, idle and stolen. Steal is time the virtual
-machine's host ran something else while this one had work: it stretches wall time without
-showing in anyone's CPU seconds (on this project's 2-core machine, 8% of a run's time in one run
-and 34% in another, an hour apart), so two runs' wall times compare only beside their steal.
+Per test (setup, call and teardown): wall seconds, CPU seconds of the process that ran it and
+of the subprocesses it reaped (with the commands tests/support/prefork.py forked for it). A
+session fixture's cost lands on the first test that asks for it. The suite is CPU-bound, so CPU
+seconds, not wall time under load, are what a change saves. Files go to ``$AFT_CPU_PROBE_DIR``
+(default: in the temp dir), emptied when a session starts. The report's last line: the host's
+busy, idle and stolen shares of the cores' time over the session (``/proc/stat``); wall times
+compare only beside their steal.
 """
 
 import argparse

@@ -33,7 +33,7 @@ from aft_jax import ops, sharding  # noqa: E402
 from aft_jax.trainer import checkpointing, train_lib  # noqa: E402
 from aft_jax.trainer.run_config import RunConfig  # noqa: E402
 from configs import quickstart  # noqa: E402
-from tests.support.helpers import tiny_config, train_losses  # noqa: E402
+from tests.support.helpers import tiny_config  # noqa: E402
 
 STEPS = 3
 
@@ -41,6 +41,21 @@ STEPS = 3
 def _trainer(config, corpus, devices):
   cfg = RunConfig.from_tree(config).with_vocab(corpus.vocab.size)
   return train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
+
+
+def train_losses(trainer, train_tokens, steps: int) -> list[float]:
+  """The losses of ``trainer``'s first ``steps`` steps from seed 0 (stream batches of seed 0,
+  dropout key 1)."""
+  train = trainer.config.train
+  state = trainer.init_state(0)
+  it = data_lib.train_iterator(
+    train_tokens, seq_len=train.seq_len, global_batch_size=train.batch_size, seed=0
+  )
+  rng, losses = jax.random.key(1), []
+  for _ in range(steps):
+    state, metrics = trainer.train_step(state, next(it), rng)
+    losses.append(float(metrics["loss"]))
+  return losses
 
 
 def _corpus(config):
