@@ -16,10 +16,8 @@ import functools
 import json
 import os
 import re
-import resource
 import sys
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -392,16 +390,8 @@ def _devices(name: str) -> list:
 _POOL = concurrent.futures.ThreadPoolExecutor(THREADS)
 
 
-def _job(fn) -> dict:
-  """``_attempt(fn)`` with its wall seconds."""
-  start = time.perf_counter()
-  res = _attempt(fn)
-  res["seconds"] = round(time.perf_counter() - start, 1)
-  return res
-
-
 def _submit(fn) -> concurrent.futures.Future:
-  return _POOL.submit(_job, fn)
+  return _POOL.submit(_attempt, fn)
 
 
 def _resolve(tree):
@@ -413,12 +403,6 @@ def _resolve(tree):
   if isinstance(tree, (list, tuple)):
     return [_resolve(v) for v in tree]
   return tree
-
-
-def _cpu_seconds() -> float:
-  """CPU seconds of this process's threads and of its finished children (XLA runs ptxas)."""
-  children = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _targets(names) -> dict:
@@ -433,7 +417,6 @@ def _targets(names) -> dict:
 
 def main(kind: str) -> dict:
   """Every item's result: all jobs submitted (the longest first), then collected."""
-  wall, cpu = time.perf_counter(), _cpu_seconds()
   if kind == "cuda":
     items = {
       "decided": decided,
@@ -451,13 +434,7 @@ def main(kind: str) -> dict:
   out = {"kind": kind, "targets": _attempt(lambda: {"result": _targets(names)})}
   for name, fn in items.items():
     out[name] = _attempt(lambda: {"result": fn()})
-  out = _resolve(out)
-  out["seconds"] = {
-    "wall": round(time.perf_counter() - wall, 1),
-    "cpu": round(_cpu_seconds() - cpu, 1),
-  }
-  out["triton_min_capability"] = list(common.TRITON_MIN_CAPABILITY)
-  return out
+  return _resolve(out)
 
 
 if __name__ == "__main__":

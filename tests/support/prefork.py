@@ -267,21 +267,14 @@ def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=True, text=True
       return subprocess.run(
         cmd, cwd=cwd, env=env, timeout=timeout, capture_output=capture_output, text=text, **kw
       )
-  with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-    proc = popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
-    try:
-      proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait()
-      raise
-    outputs = []
-    for f in (out, err):
-      f.seek(0)
-      data = f.read()
-      # universal newlines, as subprocess.run(text=True) reads
-      outputs.append(data.decode().replace("\r\n", "\n").replace("\r", "\n") if text else data)
-  return subprocess.CompletedProcess(cmd, proc.returncode, *outputs)
+  proc = popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+  try:
+    out, err = proc.communicate(timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    raise
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _become(request, fds, inherited):
