@@ -1,18 +1,7 @@
-"""Train on your own text, end to end: configs/text.py on real text no one here wrote (Python's
-own standard-library sources), a 512-piece subword vocabulary, a tiny model; results.json's
-perplexity and bits per byte; a copy of the workdir moved elsewhere generates, evaluates a text
-file and exports (msgpack and safetensors) on its own; a damaged vocabulary is refused.
-
-One run (in-process, as train.py runs it) serves every check: they are one test, so that
-pytest-xdist's two workers never train it twice.
-
-Then the data a run was trained on changes (a train file changed, deleted or added, another
-``data.vocab_size`` or ``data.tokenizer``): the rerun of train.py and ``aft-evaluate --split``
-are refused in one line naming what changed, before anything is prepared or compiled, and leave
-the workdir and the data folder byte for byte as they were, so ``aft-generate`` and
-``aft-export`` give what they gave before; and a workdir whose vocabulary was replaced after
-training (what a refused run of an older version did) is refused by every tool in one line
-naming the file. A second tiny run (its files in a temporary folder) serves these.
+"""Train on your own text, end to end: configs/text.py on the standard library's sources with a
+subword vocabulary (one run, one test); a copy of its workdir moved elsewhere reports, generates,
+evaluates and exports on its own. Then, on a second run, the data changes after training: the
+rerun and the tools refuse in one line and change nothing.
 """
 
 import contextlib

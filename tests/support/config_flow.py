@@ -5,8 +5,6 @@ aft_jax with a config among its arguments (a ``ConfigDict``, the ``RunConfig`` o
 the rooms (modules the config visited) and the climbs (calls from a module to one of a higher
 layer, ``LAYERS``: the run at the top, the ops at the bottom). A config's own methods are not
 climbs.
-
-    python -m tests.support.config_flow      # prints the rooms and climbs of a tiny run
 """
 
 from __future__ import annotations
@@ -92,17 +90,3 @@ def follow(fn, *args, **kwargs):
   finally:
     sys.settrace(old)
   return out, rooms, climbs
-
-
-if __name__ == "__main__":
-  import tempfile
-
-  from aft_jax.trainer import train_lib
-  from tests.support.helpers import tiny_config
-
-  with tempfile.TemporaryDirectory() as tmp:
-    _, rooms, climbs = follow(
-      train_lib.train_and_evaluate, tiny_config(num_train_steps=1), os.path.join(tmp, "run")
-    )
-  print(f"{len(rooms)} rooms:", *sorted(rooms), sep="\n  ")
-  print(f"{len(climbs)} climbs:", *sorted(f"{a} -> {b}" for a, b in climbs), sep="\n  ")
