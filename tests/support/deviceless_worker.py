@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from aft_jax import data as data_lib
-from aft_jax import deviceless, ops, sharding
+from aft_jax import deviceless, ops
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config as default_config
 from aft_jax.trainer.run_config import RunConfig
@@ -234,12 +234,6 @@ def pallas_on_t4() -> dict:
   return out
 
 
-def _run_cfg(config) -> RunConfig:
-  """``config``'s RunConfig with the vocabulary of its data config (no data loaded)."""
-  cfg = RunConfig.from_tree(config)
-  return cfg.with_vocab(data_lib.vocab_size(cfg.data)[0])
-
-
 def _step_facts(compiled) -> dict:
   """A compiled program's Triton calls, Mosaic call count and temp bytes."""
   text = compiled.as_text()
@@ -297,41 +291,31 @@ def train_steps() -> dict:
 
 
 def notebook_gpu_config():
-  """(config, builder) of notebooks/quickstart.ipynb's training cell on a GPU runtime: its
-  lines from ``config = get_config()`` to the run config, run here; builder: "make_trainer" or
-  "Trainer", whichever the cell builds its trainer with."""
+  """The config of notebooks/quickstart.ipynb's training cell on a GPU runtime: its lines from
+  ``config = get_config()`` to the run config, run here (the cell builds its trainer with
+  ``train_lib.make_trainer``, as ``build_and_compile`` does)."""
   with open(os.path.join(ROOT, "notebooks", "quickstart.ipynb")) as f:
     cells = json.load(f)["cells"]
   for cell in cells:
     src = "".join(cell["source"])
     if cell["cell_type"] == "code" and "config = get_config()" in src and "cfg = " in src:
+      if "train_lib.make_trainer(" not in src:
+        raise LookupError("notebooks/quickstart.ipynb: its trainer is not make_trainer's")
       start = src.index("config = get_config()")
       namespace = {"get_config": default_config, "ACCELERATOR": True, "QUICK": False}
       exec(src[start : src.index("cfg = ", start)], namespace)
-      builder = "make_trainer" if "train_lib.make_trainer(" in src else "Trainer"
-      return namespace["config"], builder
+      return namespace["config"]
   raise LookupError("notebooks/quickstart.ipynb: no cell sets config = get_config() and a cfg")
 
 
 def notebook() -> dict:
-  """The notebook's GPU model, built as the notebook builds it, for ``NOTEBOOK_GPUS``."""
-  config, builder = notebook_gpu_config()
-
-  def step(devices):
-    if builder == "make_trainer":
-      return build_and_compile(config, devices)
-    cfg = _run_cfg(config)
-    with _TRACING:
-      trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
-      lowered = trainer.lower_train_step()
-    return {"impl": trainer.model.cfg.impl, **_step_facts(lowered.compile())}
-
-  out = {"model": config.model.to_dict(), "builder": builder}
-  out.update(seq_len=config.seq_len, batch_size=config.batch_size)
-  return {
-    **out,
-    **{name: _submit(functools.partial(step, _devices(name))) for name in NOTEBOOK_GPUS},
-  }
+  """The notebook's GPU model compiled for ``NOTEBOOK_GPUS``."""
+  config = notebook_gpu_config()
+  out = {"model": config.model.to_dict(), "seq_len": config.seq_len}
+  out["batch_size"] = config.batch_size
+  for name in NOTEBOOK_GPUS:
+    out[name] = _submit(functools.partial(build_and_compile, config, _devices(name)))
+  return out
 
 
 def decided() -> dict:
