@@ -292,17 +292,12 @@ def replaced_vocabulary(subword_run, tmp_path):
   return workdir
 
 
+# tool: (its main, its arguments after --workdir WORKDIR)
 TOOLS = {
-  "generate": lambda wd, tmp: ["aft_jax.tools.generate", "--workdir", wd, "--length", "4"],
-  "evaluate --text_file": lambda wd, tmp: [
-    "aft_jax.tools.evaluate",
-    "--workdir",
-    wd,
-    "--text_file",
-    __file__,
-  ],
-  "evaluate --split": lambda wd, tmp: ["aft_jax.tools.evaluate", "--workdir", wd],
-  "export": lambda wd, tmp: ["aft_jax.tools.export", "--workdir", wd, "--out", f"{tmp}/m.msgpack"],
+  "generate": (generate, ["--length", "4"]),
+  "evaluate --text_file": (evaluate, ["--text_file", __file__]),
+  "evaluate --split": (evaluate, []),
+  "export": (export, ["--out", "{tmp}/m.msgpack"]),
 }
 
 
@@ -313,13 +308,11 @@ def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
   """The vocabulary is checked against the checkpoint's record before any array is read: one
   line naming subword.model, the workdir as it was, nothing exported."""
   before = listing(replaced_vocabulary)
-  module, *argv = TOOLS[tool](replaced_vocabulary, tmp_path)
-  main = {"aft_jax.tools.generate": generate.main, "aft_jax.tools.export": export.main}.get(
-    module, evaluate.main
-  )
+  module, flags = TOOLS[tool]
+  argv = ["--workdir", replaced_vocabulary, *(f.format(tmp=tmp_path) for f in flags)]
   with pytest.raises(SystemExit) as e:
     with contextlib.redirect_stdout(io.StringIO()):
-      main(argv)
+      module.main(argv)
   line = str(e.value)
   assert (
     "\n" not in line and "the data changed since the checkpoint at step 2 was written: " in line
@@ -329,6 +322,6 @@ def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
   assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
   if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
     done = prefork.run(
-      [sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True
+      [sys.executable, "-m", module.__name__, *argv], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]
