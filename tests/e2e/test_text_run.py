@@ -1,7 +1,7 @@
 """Train on your own text, end to end: configs/text.py on the standard library's sources with a
-subword vocabulary (one run, one test); a copy of its workdir moved elsewhere reports, generates,
-evaluates and exports on its own. Then, on a second run, the data changes after training: the
-rerun and the tools refuse in one line and change nothing.
+subword vocabulary (one run for the module); a copy of its workdir moved elsewhere reports,
+generates, evaluates and exports on its own. Then the data changes after training: the rerun
+and the tools refuse in one line and change nothing.
 """
 
 import contextlib
@@ -30,44 +30,32 @@ from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, trai
 pytestmark = pytest.mark.xdist_group("subword_run")
 
 STDLIB = os.path.dirname(os.__file__)
-TRAIN_FILES = os.path.join(STDLIB, "json", "*.py")  # 5 files, ~48 KB: 3 train, 1 valid, 1 test
-
-
-def _train_and_move(tmp):
-  """(workdir copied elsewhere, results) of configs/text.py shrunk to one tiny layer."""
-  config = test_recipes.recipe(
-    "text.py",
-    **{
-      "data.train_files": TRAIN_FILES,
-      "data.vocab_size": 512,
-      "data.data_dir": str(tmp / "data"),
-      "num_train_steps": 3,
-      "eval_every_steps": 1000,
-      "checkpoint_every_steps": 1000,
-    },
-  )
-  with contextlib.redirect_stdout(io.StringIO()):
-    results = train_lib.train_and_evaluate(config, str(tmp / "run"))
-  moved = str(tmp / "elsewhere" / "run")
-  shutil.copytree(str(tmp / "run"), moved)
-  shutil.rmtree(str(tmp / "run"))
-  shutil.rmtree(str(tmp / "data"))  # the copy must need neither the workdir nor the data
-  return moved, results
 
 
 @pytest.mark.slow
-def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(tmp_path, capsys):
-  path, _ = _train_and_move(tmp_path / "text")
-  _results_have_perplexity_and_bits_per_byte(path)
-  _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
-  _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
-  _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
+  subword_run, tmp_path, capsys
+):
+  path = str(tmp_path / "elsewhere" / "run")
+  shutil.copytree(subword_run["workdir"], path)
+  hidden = tmp_path / "hidden"
+  hidden.mkdir()
+  for name in ("run", "data"):  # the copy needs neither the workdir nor the data
+    os.rename(subword_run["tmp"] / name, hidden / name)
+  try:
+    _results_have_perplexity_and_bits_per_byte(path)
+    _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
+    _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
+    _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+  finally:
+    for name in ("run", "data"):
+      os.rename(hidden / name, subword_run["tmp"] / name)
 
 
 def _results_have_perplexity_and_bits_per_byte(path):
   with open(os.path.join(path, "results.json")) as f:
     saved = json.load(f)
-  assert saved["unit"] == "subword" and saved["steps"] == 3
+  assert saved["unit"] == "subword" and saved["steps"] == 2
   for split in ("valid", "test"):
     assert math.isfinite(saved[f"{split}_ppl"]) and math.isfinite(saved[f"{split}_bpb"])
     # bits per byte: the split's total NLL over ln 2 and its bytes; pieces hold > 1 byte each
@@ -75,7 +63,7 @@ def _results_have_perplexity_and_bits_per_byte(path):
     assert saved[f"{split}_bpb"] < saved[f"{split}_loss"] / math.log(2)
   with open(os.path.join(path, "corpus.json")) as f:
     info = json.load(f)
-  assert info["tokenizer"] == "subword" and info["vocab_size"] == 512
+  assert info["tokenizer"] == "subword" and info["vocab_size"] == 400
   assert os.path.isfile(os.path.join(path, "subword.model"))
 
 
