@@ -30,13 +30,12 @@ FOLDER = os.environ.get("AFT_CPU_PROBE_DIR") or os.path.join(
 _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' tests
 
 
-def _cpu(who) -> float:
-  usage = resource.getrusage(who)
-  if who == resource.RUSAGE_CHILDREN:  # and the commands a fork server ran for this process
-    from tests.support import prefork
+def _cpu() -> tuple[float, float]:
+  """CPU seconds of this process and of its children (with the commands forked for it)."""
+  from tests.support import prefork
 
-    return usage.ru_utime + usage.ru_stime + prefork.reaped_cpu()
-  return usage.ru_utime + usage.ru_stime
+  own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + prefork.reaped_cpu()
 
 
 HOST_FILE = "host.stat"  # /proc/stat's cpu line at the session's start and end
@@ -78,18 +77,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  wall, own, children = time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+  wall, (own, children) = time.monotonic(), _cpu()
   try:
     return (yield)
   finally:
-    _rows.append(
-      [
-        item.nodeid,
-        time.monotonic() - wall,
-        _cpu(resource.RUSAGE_SELF) - own,
-        _cpu(resource.RUSAGE_CHILDREN) - children,
-      ]
-    )
+    own_end, children_end = _cpu()
+    _rows.append([item.nodeid, time.monotonic() - wall, own_end - own, children_end - children])
 
 
 def pytest_unconfigure(config):
@@ -113,12 +106,9 @@ def table(rows) -> list[str]:
   """Markdown rows per folder, most CPU first: tests, wall, CPU in pytest's processes, CPU in
   the subprocesses their tests started; then the totals."""
   sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-  for nodeid, wall, own, children in rows:
+  for nodeid, *times in rows:
     s = sums[folder_of(nodeid)]
-    s[0] += 1
-    s[1] += wall
-    s[2] += own
-    s[3] += children
+    s[:] = [s[0] + 1] + [a + b for a, b in zip(s[1:], times)]
   lines = [
     "| folder | tests | sum of test times | CPU in pytest's processes | CPU in subprocesses |",
     "|---|---:|---:|---:|---:|",
