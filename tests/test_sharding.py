@@ -71,10 +71,11 @@ def test_rules_from_config_round_trips_the_default():
   assert sharding.rules_from_config(None) == sharding.DEFAULT_RULES
 
 
-def _worker(module, out):
-  """Runs ``python -m tests.support.MODULE OUT`` (its asserts are the test); its report."""
+def _worker(check, out):
+  """Runs ``python -m tests.support.mesh_worker CHECK OUT`` (its asserts are the test); its
+  report."""
   proc = prefork.run(
-    [sys.executable, "-m", f"tests.support.{module}", str(out)],
+    [sys.executable, "-m", "tests.support.mesh_worker", check, str(out)],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -87,9 +88,9 @@ def _worker(module, out):
 
 @pytest.mark.slow
 def test_eight_devices_match_one(tmp_path):
-  """tests/support/sharding_worker.py on 8 devices: four meshes give one device's losses and
+  """tests/support/mesh_worker.py sharding on 8 devices: four meshes give one device's losses and
   parameters, sharded as DEFAULT_RULES say; a (2,2,2) checkpoint continues on (8,1,1)."""
-  report = _worker("sharding_worker", tmp_path / "report.json")
+  report = _worker("sharding", tmp_path / "report.json")
   assert sorted(report["meshes"]) == ["(1, 1, 8)", "(1, 4, 2)", "(2, 2, 2)", "(8, 1, 1)"]
   for mesh in report["meshes"].values():
     assert mesh["max_param_diff"] < 1e-5
@@ -101,10 +102,10 @@ def test_eight_devices_match_one(tmp_path):
 
 @pytest.mark.slow
 def test_sequence_split_equals_one_device(tmp_path):
-  """tests/support/sequence_worker.py on 4 devices: the ops under shard_map with axis_name give
+  """tests/support/mesh_worker.py sequence on 4 devices: the ops under shard_map with axis_name give
   the unsharded values and gradients; mesh.sequence = 4 trains as one device; softmax
   attention with mesh.sequence > 1 is a config error."""
-  report = _worker("sequence_worker", tmp_path / "report.json")
+  report = _worker("sequence", tmp_path / "report.json")
   assert len(report["ops"]) == 4
   for diffs in report["ops"].values():
     assert diffs["y"] < 1e-5 and max(diffs.values()) < 1e-4
@@ -115,9 +116,9 @@ def test_sequence_split_equals_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_layouts_that_combine_axes_train_as_one_device(tmp_path):
-  """tests/support/layouts_worker.py: meshes combining sequence with the other axes (softmax:
+  """tests/support/mesh_worker.py layouts: meshes combining sequence with the other axes (softmax:
   data x fsdp x tensor) train to one device's losses within 1e-4, step by step."""
-  report = _worker("layouts_worker", tmp_path / "report.json")
+  report = _worker("layouts", tmp_path / "report.json")
   assert sorted(report) == ["aft_conv1d", "aft_local", "aft_simple", "softmax"]
   assert "(2, 1, 1, 2)" in report["aft_simple"] and "(2, 2, 1, 2)" in report["aft_local"]
   for runs in report.values():

@@ -2,24 +2,26 @@
 
 Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
 an ``aft-*`` console script) names a script or module that exists, only flags that program
-defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained; one process forks
-a child per program, tests/support/help_worker.py), a recipe that
+defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained), a recipe that
 exists, config keys (``--config.KEY=...``) that recipe has and a ``--dry_run`` target that exists.
 Every ```python block in docs/ runs, unless the line before it is ``<!-- not run: REASON -->``.
 Every relative link points at a file (and a heading, for ``#anchor``) that exists, and every
-repository path written in backticks exists."""
+repository path written in backticks exists. The README opens with the quickstart and the test
+command, and its example runs; notebooks/quickstart.ipynb is committed clean and agrees with the
+README, docs/ and pyproject.toml on the repository (tests/e2e/test_wheel.py runs it)."""
 
 import contextlib
 import functools
 import glob
 import importlib.util
 import io
-import json
 import os
 import re
 import shlex
 import sys
 import tomllib
+
+import nbformat
 
 from tests.support import prefork
 from tests.support.helpers import ROOT
@@ -28,7 +30,11 @@ PAGES = ["README.md"] + sorted(
   os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
 )
 TEXT = {page: open(os.path.join(ROOT, page)).read() for page in PAGES}
-SCRIPTS = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
+README, DOCS = TEXT["README.md"], "".join(TEXT[page] for page in PAGES[1:])
+PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
+SCRIPTS = PYPROJECT["project"]["scripts"]
+URL = PYPROJECT["project"]["urls"]["Repository"]
+NOTEBOOK = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
 # Programs that are not this project's: only their being installed is checked.
 EXTERNAL = {"pip", "pytest", "ruff"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
@@ -79,23 +85,29 @@ def commands():
   return out
 
 
-def help_texts(progs) -> dict:
-  """Each program's help text (absl's --helpfull, else argparse's --help), from one
-  tests/support/help_worker.py process that forks a child per program after importing what they
-  share: cheap, nothing is trained."""
-  specs = [f"{kind}:{name}" for kind, name in sorted(progs)]
+def _help(kind, name, flag):
+  """(exit status, stdout and stderr) of the program run with ``flag``, forked by prefork."""
+  if kind == "entry":  # the console script's function, as its launcher calls it
+    module, fn = SCRIPTS[name].split(":")
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
+    argv = ["-c", code]
+  else:
+    argv = ["-m", name] if kind == "module" else [name]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = prefork.run(
-    [sys.executable, "-m", "tests.support.help_worker", *specs],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  answers = json.loads(done.stdout.strip().splitlines()[-1])
-  return {prog: answers[spec]["text"] for prog, spec in zip(sorted(progs), specs)}
+  done = prefork.run([sys.executable, *argv, flag], cwd=ROOT, env=env, timeout=600)
+  return done.returncode, done.stdout + done.stderr
+
+
+def help_texts(progs) -> dict:
+  """Each program's help text (absl's --helpfull, else argparse's --help: status 2), each
+  forked from tests/support/prefork.py's server: cheap, nothing is trained."""
+  texts = {}
+  for kind, name in sorted(progs):
+    code, text = _help(kind, name, "--helpfull")
+    if code == 2:  # argparse: an unknown argument
+      code, text = _help(kind, name, "--help")
+    texts[(kind, name)] = text
+  return texts
 
 
 def program_flags(text):
@@ -197,7 +209,7 @@ def test_every_recipe_config_key_and_target_exists():
 
 def test_every_python_example_in_the_docs_runs(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  for page in PAGES[1:]:  # the README's example: tests/e2e/test_readme.py
+  for page in PAGES[1:]:  # the README's example: test_using_the_layers_example_runs
     for lineno, block, before in blocks(page, "python"):
       if re.fullmatch(r"<!-- not run: .{10,} -->", before.strip()):
         continue
@@ -247,3 +259,103 @@ def test_every_repository_path_in_backticks_exists():
 def test_every_docs_page_is_linked_from_the_readme():
   for page in PAGES[1:]:
     assert f"]({page})" in TEXT["README.md"], page
+
+
+# ------------------------------------------------------------------ the README and the notebook
+
+
+def _commands(block):
+  return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_readme_opens_with_the_quickstart_and_the_test_command():
+  first, second = [block for _, block, _ in blocks("README.md", "bash")[:2]]
+  (install_and_train,) = _commands(first)
+  (install_and_test,) = _commands(second)
+  assert install_and_train.startswith("python3 -m pip install -e . && python3 train.py")
+  assert "--config configs/quickstart.py" in install_and_train
+  assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))
+  # The deviceless compile tests need the GPU/TPU compilers, which the command installs first.
+  assert install_and_test.startswith(
+    'python3 -m pip install -e ".[test]" && python3 -m aft_jax.deviceless install && '
+    "python3 -m pytest"
+  )
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  assert install_and_test in ci
+
+
+def test_readme_is_a_front_page_that_says_how_to_ask_what_fits():
+  assert len(README.splitlines()) <= 300
+  section = README[README.index("## Does it fit my GPU?") :].split("\n## ")[0]
+  assert "python train.py --config " in section and "--dry_run --target NAME" in section
+  assert "[--num_devices N]" in section and "(docs/what_fits.md)" in section
+
+
+def test_using_the_layers_example_runs():
+  (example,) = [b for _, b, _ in blocks("README.md", "python") if "AFTLocal" in b]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(example, "README.md", "exec"), {})
+  assert out.getvalue().strip() == "(4, 100, 64)"
+
+
+def test_readme_says_the_blog_formula_is_not_aft():
+  assert "`sigma(Q) * (K^T V)`; that is not\nAFT" in README or "that is not AFT" in README
+
+
+def test_help_on_the_layers_reads_well():
+  import pydoc
+
+  import aft_jax
+
+  text = pydoc.render_doc(aft_jax.layers.AFTLocal, renderer=pydoc.plaintext)
+  assert "AFT-local (paper Eq. 4)" in text and "window" in text
+  for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d"):
+    doc = getattr(aft_jax.ops, name).__doc__
+    assert "Args:" in doc and "Returns:" in doc and "[..., " in doc, name
+
+
+def test_committed_notebook_has_no_outputs():
+  for cell in NOTEBOOK.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs and cell.execution_count is None
+
+
+def test_the_repository_url_is_the_one_in_pyproject():
+  owner_repo = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+)", URL).group(1)
+  badge = (
+    f"https://colab.research.google.com/github/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
+  )
+  install_cell = NOTEBOOK.cells[1].source
+  for where, text in [("README", README), ("notebook", NOTEBOOK.cells[0].source)]:
+    links = re.findall(r"https://colab\.research\.google\.com/github/[^)\s]+", text)
+    assert links == [badge], (where, links)
+  # Every pip source that names a repository names this one: the install cell's default and
+  # the install lines of the README and docs/.
+  sources = re.findall(r"git\+(https://[^\s\"']+)", README + DOCS + install_cell)
+  assert f'"aft-jax @ git+{URL}"' in install_cell
+  assert sources and set(sources) == {URL}, sources
+
+
+def test_install_lines_for_each_platform_and_the_jax_the_notebook_names():
+  install = README[README.index("## Install") :]
+  first_block = install.split("```")[1]  # the section starts with the install lines
+  joined = "\n".join(line for line in first_block.splitlines() if "pip install" in line)
+  for extra in ("", "[cuda12]", "[tpu]"):
+    assert f'"aft-jax{extra} @ git+{URL}"' in joined, extra
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  assert extras["cuda12"] == ["jax[cuda12]"] and extras["tpu"] == ["jax[tpu]"]
+  # The install cell's message says which jax aft-jax needs: pyproject.toml's lower bound.
+  (jax_req,) = [r for r in PYPROJECT["project"]["dependencies"] if re.match(r"jax\b", r)]
+  floor = jax_req.split(">=")[1]
+  assert f"needs jax >= {floor}" in NOTEBOOK.cells[1].source
+
+
+def test_every_recipe_the_notebook_and_readme_name_exists():
+  from aft_jax.trainer import recipes
+
+  text = README + DOCS + "".join(c.source for c in NOTEBOOK.cells)
+  names = re.findall(r"aft-train --config ([\w:]+)", text)
+  assert "quickstart" in names
+  for name in names:
+    assert os.path.exists(recipes.resolve(name).split(":")[0]), name

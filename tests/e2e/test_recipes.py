@@ -7,6 +7,8 @@ All seven runs share one process (and so JAX's start-up and compilation cache) a
 each fake dataset: the recipe file is loaded as train.py loads it (``file.py:arg``), shrunk to
 one layer of d 16 with T = 16, and handed to ``train_lib.train_and_evaluate``, the function
 train.py runs. What is checked is what a user reads: results.json's numbers and protocol.
+One more runs train.py itself: the WikiText-103 recipe with an argument, data flags and the
+adaptive softmax.
 """
 
 import importlib.util
@@ -16,10 +18,9 @@ import os
 
 import pytest
 
-from tests.support import fake_enwik8
-from tests.support import fake_wikitext
+from tests.support import fake_enwik8, fake_wikitext, prefork
 from benchmarks import quality
-from tests.support.helpers import ROOT
+from tests.support.helpers import ROOT, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import override
 from aft_jax.model import MIXINGS
@@ -41,6 +42,11 @@ TINY = {
 }
 
 
+def _words(split):
+  """The tokens of a fake WikiText-103 split (v1): its words and one <eos> per line."""
+  return sum(len(line.split()) + 1 for line in fake_wikitext.texts("v1")[split].split("\n")[:-1])
+
+
 def recipe(spec: str, **overrides):
   """``configs/<file>.py:<arg>`` as train.py's --config reads it, with dotted overrides."""
   name, _, arg = spec.partition(":")
@@ -57,11 +63,6 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
   fake_enwik8.write_zip(enwik8_dir, fake_enwik8.content(ENWIK8_BYTES))  # as downloaded
   fake_wikitext.write_extracted(wikitext_dir, "v1")
   data_dir = str(tmp_path / "data")  # each dataset is prepared once, by its first run
-  text = fake_wikitext.texts("v1")
-  words = {
-    split: sum(len(line.split()) + 1 for line in text[split].split("\n")[:-1])
-    for split in ("validation", "test")
-  }
   for mixing in MIXINGS:
     config = recipe(
       f"enwik8.py:{mixing}", **{"data.data_dir": data_dir, "data.manual_dir": enwik8_dir}
@@ -94,6 +95,39 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
     assert results["train_eval_protocol"]["name"] == "disjoint_windows"
     for split, key in (("validation", "valid"), ("test", "test")):
       assert math.isfinite(results[f"{key}_ppl"]), results
-      assert results[f"{key}_tokens"] == words[split]  # every token scored exactly once
+      assert results[f"{key}_tokens"] == _words(split)  # every token scored exactly once
     with open(os.path.join(workdir, "results.json")) as f:
       assert json.load(f)["eval_protocol"]["stride"] == 1
+
+
+@pytest.mark.slow
+def test_wikitext_recipe_trains_with_train_py_on_fake_data(tmp_path):
+  manual, data_dir, workdir = (str(tmp_path / name) for name in ("manual", "data", "run"))
+  fake_wikitext.write_extracted(manual, "v1")
+  flags = {
+    "data.data_dir": data_dir,
+    "data.manual_dir": manual,
+    "num_train_steps": 2,
+    "model.num_layers": 1,
+    "model.d_model": 16,
+    "model.num_heads": 2,
+    "model.mlp_dim": 32,
+    "seq_len": 32,
+    "model.max_len": 32,
+    "model.window": 8,
+    "batch_size": 4,
+    "eval_batch_size": 8,
+    "model.adaptive_cutoffs": "(8,16)",
+    "model.dtype": "float32",
+    "sample.length": 5,
+    "log_every_steps": 1,
+  }
+  flags = [f"--config.{key}={value}" for key, value in flags.items()]
+  cmd = train_py(workdir, *flags, config="configs/wikitext103.py:aft_local")
+  out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  results = json.load(open(os.path.join(workdir, "results.json")))
+  assert results["steps"] == 2 and math.isfinite(results["valid_ppl"])
+  for split, key in (("validation", "valid_tokens"), ("test", "test_tokens")):
+    assert results[key] == _words(split), (split, results[key])
+  assert "Sample:\nThe " in out.stdout

@@ -1,18 +1,7 @@
-"""Train on your own text, end to end: configs/text.py on real text no one here wrote (Python's
-own standard-library sources), a 512-piece subword vocabulary, a tiny model; results.json's
-perplexity and bits per byte; a copy of the workdir moved elsewhere generates, evaluates a text
-file and exports (msgpack and safetensors) on its own; a damaged vocabulary is refused.
-
-One run (in-process, as train.py runs it) serves every check: they are one test, so that
-pytest-xdist's two workers never train it twice.
-
-Then the data a run was trained on changes (a train file changed, deleted or added, another
-``data.vocab_size`` or ``data.tokenizer``): the rerun of train.py and ``aft-evaluate --split``
-are refused in one line naming what changed, before anything is prepared or compiled, and leave
-the workdir and the data folder byte for byte as they were, so ``aft-generate`` and
-``aft-export`` give what they gave before; and a workdir whose vocabulary was replaced after
-training (what a refused run of an older version did) is refused by every tool in one line
-naming the file. A second tiny run (its files in a temporary folder) serves these.
+"""Train on your own text, end to end: configs/text.py on the standard library's sources with a
+subword vocabulary (one run for the module); a copy of its workdir moved elsewhere reports,
+generates, evaluates and exports on its own. Then the data changes after training: the rerun
+and the tools refuse in one line and change nothing.
 """
 
 import contextlib
@@ -41,44 +30,32 @@ from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, trai
 pytestmark = pytest.mark.xdist_group("subword_run")
 
 STDLIB = os.path.dirname(os.__file__)
-TRAIN_FILES = os.path.join(STDLIB, "json", "*.py")  # 5 files, ~48 KB: 3 train, 1 valid, 1 test
-
-
-def _train_and_move(tmp):
-  """(workdir copied elsewhere, results) of configs/text.py shrunk to one tiny layer."""
-  config = test_recipes.recipe(
-    "text.py",
-    **{
-      "data.train_files": TRAIN_FILES,
-      "data.vocab_size": 512,
-      "data.data_dir": str(tmp / "data"),
-      "num_train_steps": 3,
-      "eval_every_steps": 1000,
-      "checkpoint_every_steps": 1000,
-    },
-  )
-  with contextlib.redirect_stdout(io.StringIO()):
-    results = train_lib.train_and_evaluate(config, str(tmp / "run"))
-  moved = str(tmp / "elsewhere" / "run")
-  shutil.copytree(str(tmp / "run"), moved)
-  shutil.rmtree(str(tmp / "run"))
-  shutil.rmtree(str(tmp / "data"))  # the copy must need neither the workdir nor the data
-  return moved, results
 
 
 @pytest.mark.slow
-def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(tmp_path, capsys):
-  path, _ = _train_and_move(tmp_path / "text")
-  _results_have_perplexity_and_bits_per_byte(path)
-  _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
-  _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
-  _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
+  subword_run, tmp_path, capsys
+):
+  path = str(tmp_path / "elsewhere" / "run")
+  shutil.copytree(subword_run["workdir"], path)
+  hidden = tmp_path / "hidden"
+  hidden.mkdir()
+  for name in ("run", "data"):  # the copy needs neither the workdir nor the data
+    os.rename(subword_run["tmp"] / name, hidden / name)
+  try:
+    _results_have_perplexity_and_bits_per_byte(path)
+    _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
+    _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
+    _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+  finally:
+    for name in ("run", "data"):
+      os.rename(hidden / name, subword_run["tmp"] / name)
 
 
 def _results_have_perplexity_and_bits_per_byte(path):
   with open(os.path.join(path, "results.json")) as f:
     saved = json.load(f)
-  assert saved["unit"] == "subword" and saved["steps"] == 3
+  assert saved["unit"] == "subword" and saved["steps"] == 2
   for split in ("valid", "test"):
     assert math.isfinite(saved[f"{split}_ppl"]) and math.isfinite(saved[f"{split}_bpb"])
     # bits per byte: the split's total NLL over ln 2 and its bytes; pieces hold > 1 byte each
@@ -86,7 +63,7 @@ def _results_have_perplexity_and_bits_per_byte(path):
     assert saved[f"{split}_bpb"] < saved[f"{split}_loss"] / math.log(2)
   with open(os.path.join(path, "corpus.json")) as f:
     info = json.load(f)
-  assert info["tokenizer"] == "subword" and info["vocab_size"] == 512
+  assert info["tokenizer"] == "subword" and info["vocab_size"] == 400
   assert os.path.isfile(os.path.join(path, "subword.model"))
 
 
@@ -303,17 +280,12 @@ def replaced_vocabulary(subword_run, tmp_path):
   return workdir
 
 
+# tool: (its main, its arguments after --workdir WORKDIR)
 TOOLS = {
-  "generate": lambda wd, tmp: ["aft_jax.tools.generate", "--workdir", wd, "--length", "4"],
-  "evaluate --text_file": lambda wd, tmp: [
-    "aft_jax.tools.evaluate",
-    "--workdir",
-    wd,
-    "--text_file",
-    __file__,
-  ],
-  "evaluate --split": lambda wd, tmp: ["aft_jax.tools.evaluate", "--workdir", wd],
-  "export": lambda wd, tmp: ["aft_jax.tools.export", "--workdir", wd, "--out", f"{tmp}/m.msgpack"],
+  "generate": (generate, ["--length", "4"]),
+  "evaluate --text_file": (evaluate, ["--text_file", __file__]),
+  "evaluate --split": (evaluate, []),
+  "export": (export, ["--out", "{tmp}/m.msgpack"]),
 }
 
 
@@ -324,13 +296,11 @@ def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
   """The vocabulary is checked against the checkpoint's record before any array is read: one
   line naming subword.model, the workdir as it was, nothing exported."""
   before = listing(replaced_vocabulary)
-  module, *argv = TOOLS[tool](replaced_vocabulary, tmp_path)
-  main = {"aft_jax.tools.generate": generate.main, "aft_jax.tools.export": export.main}.get(
-    module, evaluate.main
-  )
+  module, flags = TOOLS[tool]
+  argv = ["--workdir", replaced_vocabulary, *(f.format(tmp=tmp_path) for f in flags)]
   with pytest.raises(SystemExit) as e:
     with contextlib.redirect_stdout(io.StringIO()):
-      main(argv)
+      module.main(argv)
   line = str(e.value)
   assert (
     "\n" not in line and "the data changed since the checkpoint at step 2 was written: " in line
@@ -340,6 +310,6 @@ def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
   assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
   if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
     done = prefork.run(
-      [sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True
+      [sys.executable, "-m", module.__name__, *argv], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]

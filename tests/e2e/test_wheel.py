@@ -14,9 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
-from datetime import datetime
 
 import nbformat
 import pytest
@@ -38,25 +36,10 @@ def _oldest(package):
   raise AssertionError(f"no lower bound for {package} in pyproject.toml")
 
 
-def _run(cmd, timings, name, **kw):
-  start = time.perf_counter()
+def _run(cmd, name, **kw):
   proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-  timings[name] = round(time.perf_counter() - start, 1)
   assert proc.returncode == 0, f"{name} failed ({cmd}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
   return proc.stdout
-
-
-def _cell_seconds(nb):
-  """Seconds each executed code cell took (nbclient records when each started and ended)."""
-  out = []
-  for cell in nb.cells:
-    t = cell.get("metadata", {}).get("execution", {})
-    if "iopub.execute_input" in t and "shell.execute_reply" in t:
-      start, end = (
-        datetime.fromisoformat(t[k]) for k in ("iopub.execute_input", "shell.execute_reply")
-      )
-      out.append(round((end - start).total_seconds(), 1))
-  return out
 
 
 def _source_tree(dest):
@@ -77,37 +60,30 @@ def _source_tree(dest):
 @pytest.mark.slow
 def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert not str(tmp_path).startswith(ROOT)
-  timings = {}
   jax_version = _oldest("jax")
-  # Every pip below (the notebook's too) skips compiling the installed files to bytecode, much
-  # of an install's time for jax and its dependencies; Python compiles what it imports anyway.
+  # No pip below (the notebook's too) compiles the installed files to bytecode (much of an
+  # install's time); Python compiles what it imports anyway.
   monkeypatch.setenv("PIP_NO_COMPILE", "1")
   monkeypatch.delenv("PYTHONPATH", raising=False)  # nothing from the checkout in the venv
 
   # The wheel, built from the checkout's files, while the venv is made (both wait on pip).
   src, dist = tmp_path / "src", tmp_path / "dist"
   _source_tree(src)
-  # uv (a test dependency) builds and installs what the user's pip would, several times faster:
-  # the build backend's isolated environment and the runtime's packages are this test's setup,
-  # not what it tests (the notebook's install cell below is the user's pip, as on Colab).
+  # uv builds and installs the setup faster than pip; the notebook's install cell below is the
+  # user's pip, as on Colab.
   uv = [sys.executable, "-m", "uv"]
   build = [*uv, "build", "--wheel", "--out-dir", str(dist), "-q", str(src)]
-  start = time.perf_counter()
   builder = subprocess.Popen(build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
   # The runtime: the oldest supported jax, what a notebook needs (a kernel, matplotlib) and the
-  # JAX libraries a Colab runtime comes with (flax, optax, chex, orbax-checkpoint,
-  # tensorflow-datasets): the install cell adds the rest with pip (it took ~30 s of this test's
-  # time to install them all).
+  # JAX libraries a Colab runtime comes with; the install cell adds the rest with pip.
   venv = tmp_path / "venv"
-  # (uv's venv with pip seeded from its cache: ~5 s less than python -m venv's ensurepip)
-  _run([*uv, "venv", "-q", "--seed", "--python", sys.executable, str(venv)], timings, "venv")
+  _run([*uv, "venv", "-q", "--seed", "--python", sys.executable, str(venv)], "venv")
   py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
   runtime = [f"jax=={jax_version}", f"jaxlib=={jax_version}", "ipykernel", "matplotlib"]
   runtime += ["flax", "optax", "chex", "orbax-checkpoint", "tensorflow-datasets"]
-  _run([*uv, "pip", "install", "-q", "--python", py, *runtime], timings, "runtime jax")
+  _run([*uv, "pip", "install", "-q", "--python", py, *runtime], "runtime jax")
   log = builder.communicate()[0]
-  timings["build wheel (alongside)"] = round(time.perf_counter() - start, 1)
   assert builder.returncode == 0, f"uv build failed:\n{log[-3000:]}"
   (wheel,) = dist.glob("aft_jax-*.whl")
 
@@ -116,11 +92,9 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
   (tmp_path / "install_cell.py").write_text(nb.cells[1].source)
   env = dict(os.environ, AFT_JAX_SOURCE=f"jax>{jax_version}")
-  start = time.perf_counter()
   proc = subprocess.run(
     [py, "install_cell.py"], cwd=tmp_path, env=env, capture_output=True, text=True
   )
-  timings["install cell, upgrade refused"] = round(time.perf_counter() - start, 1)
   assert proc.returncode != 0, proc.stdout
   assert "conflicting dependencies" in proc.stdout, proc.stdout[-3000:]  # pip's, shown by the cell
   assert f"next to this runtime's jax {jax_version}" in proc.stderr, proc.stderr[-3000:]
@@ -135,15 +109,9 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   monkeypatch.setenv("AFT_QUICK", "1")
   monkeypatch.setenv("AFT_JAX_SOURCE", str(wheel))
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-  start = time.perf_counter()
-  try:
-    NotebookClient(
-      nb, timeout=600, kernel_name="wheel-venv", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-  finally:
-    timings["notebook"] = round(time.perf_counter() - start, 1)
-    timings["notebook cells"] = _cell_seconds(nb)
-    print("wheel test seconds:", timings)
+  NotebookClient(
+    nb, timeout=600, kernel_name="wheel-venv", resources={"metadata": {"path": str(tmp_path)}}
+  ).execute()
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
@@ -163,27 +131,21 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
     "print(u.find_spec('aft_jax').origin, m.version('jax'), m.version('jaxlib'))"
   )
   # (from the temporary folder: python -c puts the working directory first on sys.path)
-  path, jax_now, jaxlib_now = _run([py, "-c", show], timings, "versions", cwd=tmp_path).split()
+  path, jax_now, jaxlib_now = _run([py, "-c", show], "versions", cwd=tmp_path).split()
   assert (jax_now, jaxlib_now) == (jax_version, jax_version)
   assert path.startswith(str(venv)) and "site-packages" in path
 
-  # A console script, with the recipe by name: the recipes ship in the wheel and the entry point
-  # finds them. (The other scripts are the same kind of entry point, declared beside it:
-  # test_the_wheel_ships_every_recipe_and_console_script below checks each; the notebook above
-  # samples with the installed package.)
+  # A console script, with the recipe by name (shrunk): the recipes ship in the wheel and the
+  # entry point finds them (the other scripts: the test below).
   workdir = tmp_path / "run"
   train = [str(bin_dir / "aft-train"), "--config", "quickstart", "--workdir", str(workdir)]
-  # The recipe shrunk the way the other end-to-end tests shrink it: the test is that the
-  # installed command finds and runs the recipe, not the recipe's 1.5 minutes of training.
-  _run(train + config_flags(tiny_config(num_train_steps=3)), timings, "aft-train", cwd=tmp_path)
+  _run(train + config_flags(tiny_config(num_train_steps=3)), "aft-train", cwd=tmp_path)
   results = json.load(open(workdir / "results.json"))
   assert results["steps"] == 3 and results["valid_ppl"] > 1
-  print("wheel test seconds:", timings)
 
 
 def test_the_wheel_ships_every_recipe_and_console_script():
-  # What setup.py and pyproject.toml declare, against what the checkout has (the wheel test
-  # above runs one recipe and two scripts; this covers the rest without building anything).
+  # What setup.py and pyproject.toml declare, against what the checkout has.
   scripts = PYPROJECT["project"]["scripts"]
   assert {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"} <= set(scripts)
   for target in scripts.values():

@@ -2,7 +2,7 @@
 call or the float64 reference: a sequence in pieces (``initial_state``, ``output_final_state``)
 equals one call, values and gradients; packed rows (``segment_ids``, ``positions``) give each
 document what the op gives on it alone; the one-token steps from their init state give the
-causal op (the axis_name forms: tests/support/sequence_worker.py); AFT-local's pieces at an
+causal op (the axis_name forms: tests/support/mesh_worker.py); AFT-local's pieces at an
 offset into w (or its factors), in sub-pieces."""
 
 import functools

@@ -1,15 +1,10 @@
-"""Follows a run's config through the calls that pass it on (issue 34's measure).
+"""Follows a run's config through the calls that pass it on.
 
 ``follow(fn, *args)`` runs ``fn(*args)`` under ``sys.settrace`` and records every call into
-aft_jax whose arguments hold the config: the tree (a ``ConfigDict``), the ``RunConfig`` or one of
-its typed slices (a ``TypedConfig``). Each such call goes from the caller's module to the
-callee's; modules sit in layers, from the run at the top to the ops at the bottom (``LAYERS``).
-A call to a module of a higher layer than its caller's is a climb back up: the lower module
-reaching back into what is above it. A config's own methods (``self`` is the config) are the
-config's, not a climb. What it returns: the rooms (modules the config visited) and the climbs
-(caller function -> callee function, each edge once).
-
-    python -m tests.support.config_flow      # prints the rooms and climbs of a tiny run
+aft_jax with a config among its arguments (a ``ConfigDict``, the ``RunConfig`` or a typed slice):
+the rooms (modules the config visited) and the climbs (calls from a module to one of a higher
+layer, ``LAYERS``: the run at the top, the ops at the bottom). A config's own methods are not
+climbs.
 """
 
 from __future__ import annotations
@@ -64,8 +59,7 @@ def _is_config(value) -> bool:
 
 
 def follow(fn, *args, **kwargs):
-  """(fn's result, rooms, climbs): rooms, the set of modules a call passed the config into;
-  climbs, the set of (caller module.function, callee module.function) calls upward."""
+  """(fn's result, rooms, climbs): sets of modules and of (caller, callee) module.function."""
   rooms, climbs = set(), set()
 
   def trace(frame, event, arg):
@@ -96,17 +90,3 @@ def follow(fn, *args, **kwargs):
   finally:
     sys.settrace(old)
   return out, rooms, climbs
-
-
-if __name__ == "__main__":
-  import tempfile
-
-  from aft_jax.trainer import train_lib
-  from tests.support.helpers import tiny_config
-
-  with tempfile.TemporaryDirectory() as tmp:
-    _, rooms, climbs = follow(
-      train_lib.train_and_evaluate, tiny_config(num_train_steps=1), os.path.join(tmp, "run")
-    )
-  print(f"{len(rooms)} rooms:", *sorted(rooms), sep="\n  ")
-  print(f"{len(climbs)} climbs:", *sorted(f"{a} -> {b}" for a, b in climbs), sep="\n  ")

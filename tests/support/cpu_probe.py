@@ -3,21 +3,13 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test: its wall seconds, the CPU seconds of the process that ran it (``RUSAGE_SELF``: a
-pytest-xdist worker) and of the subprocesses it started and reaped (``RUSAGE_CHILDREN``, plus
-the commands tests/support/prefork.py's server forked for it), each
-the difference of ``resource.getrusage`` before and after the test's setup, call and teardown.
-So a session fixture's cost lands on the first test that asks for it, and a subprocess started
-by a module fixture on the test during which it is reaped. The suite is CPU-bound on 2 cores
-(both busy ~190% of the time), so these CPU seconds, not a test's wall time under load, are what
-a change saves. The files go to ``$AFT_CPU_PROBE_DIR`` (default: a folder in the temp dir),
-emptied when a session starts.
-
-The report's last line is the host over the session (Linux' ``/proc/stat`` at its start and
-end): how much of the cores' time was busy, idle and stolen. Steal is time the virtual
-machine's host ran something else while this one had work: it stretches wall time without
-showing in anyone's CPU seconds (on this project's 2-core machine, 8% of a run's time in one run
-and 34% in another, an hour apart), so two runs' wall times compare only beside their steal.
+Per test (setup, call and teardown): wall seconds, CPU seconds of the process that ran it and
+of the subprocesses it reaped (with the commands tests/support/prefork.py forked for it). A
+session fixture's cost lands on the first test that asks for it. The suite is CPU-bound, so CPU
+seconds, not wall time under load, are what a change saves. Files go to ``$AFT_CPU_PROBE_DIR``
+(default: in the temp dir), emptied when a session starts. The report's last line: the host's
+busy, idle and stolen shares of the cores' time over the session (``/proc/stat``); wall times
+compare only beside their steal.
 """
 
 import argparse
@@ -38,13 +30,12 @@ FOLDER = os.environ.get("AFT_CPU_PROBE_DIR") or os.path.join(
 _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' tests
 
 
-def _cpu(who) -> float:
-  usage = resource.getrusage(who)
-  if who == resource.RUSAGE_CHILDREN:  # and the commands a fork server ran for this process
-    from tests.support import prefork
+def _cpu() -> tuple[float, float]:
+  """CPU seconds of this process and of its children (with the commands forked for it)."""
+  from tests.support import prefork
 
-    return usage.ru_utime + usage.ru_stime + prefork.reaped_cpu()
-  return usage.ru_utime + usage.ru_stime
+  own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + prefork.reaped_cpu()
 
 
 HOST_FILE = "host.stat"  # /proc/stat's cpu line at the session's start and end
@@ -86,18 +77,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  wall, own, children = time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+  wall, (own, children) = time.monotonic(), _cpu()
   try:
     return (yield)
   finally:
-    _rows.append(
-      [
-        item.nodeid,
-        time.monotonic() - wall,
-        _cpu(resource.RUSAGE_SELF) - own,
-        _cpu(resource.RUSAGE_CHILDREN) - children,
-      ]
-    )
+    own_end, children_end = _cpu()
+    _rows.append([item.nodeid, time.monotonic() - wall, own_end - own, children_end - children])
 
 
 def pytest_unconfigure(config):
@@ -121,12 +106,9 @@ def table(rows) -> list[str]:
   """Markdown rows per folder, most CPU first: tests, wall, CPU in pytest's processes, CPU in
   the subprocesses their tests started; then the totals."""
   sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-  for nodeid, wall, own, children in rows:
+  for nodeid, *times in rows:
     s = sums[folder_of(nodeid)]
-    s[0] += 1
-    s[1] += wall
-    s[2] += own
-    s[3] += children
+    s[:] = [s[0] + 1] + [a + b for a, b in zip(s[1:], times)]
   lines = [
     "| folder | tests | sum of test times | CPU in pytest's processes | CPU in subprocesses |",
     "|---|---:|---:|---:|---:|",

@@ -1,26 +1,14 @@
-"""Compiles aft-jax for GPUs and TPUs that are not here and prints one JSON object of what XLA
-made of each program (tests/test_deviceless.py starts it and asserts on that object).
+"""Compiles aft-jax for GPUs and TPUs that are not here (``aft_jax.deviceless``) and prints one
+JSON object of what XLA made of each program; tests/test_deviceless.py asserts on it.
 
-    python -m tests.support.deviceless_worker cuda   # in aft_jax.deviceless.environment("cuda")
-    python -m tests.support.deviceless_worker tpu    # in aft_jax.deviceless.environment("tpu")
+    python -m tests.support.deviceless_worker cuda|tpu   # in deviceless.environment(KIND)
 
-Every program is compiled to machine code for the named device (``aft_jax.deviceless``), so one
-XLA cannot build for that device fails here as it would there. The worker records facts: for
-each compiled program its Pallas calls (Triton: kernel name and grid; TPU: Mosaic calls), its
-temp memory, and the messages and exceptions it met; and the expectations that only tracing can
-give (the Pallas calls in each op's jaxpr, traced with the interpreted kernels on the host). It
-asserts nothing, so one broken item leaves the others reported. One process per platform: the
-plugin starts once and the compiles share jax's in-memory caches.
-
-cuda: the kernel matrix (``kernels``: the cases of every kernel configuration ``impl="auto"`` can
-choose for AFT-simple and AFT-local, forward and forward+backward, float32 and bfloat16, one of
-each op, mode and dtype compiled for an H100 and lowered for a T4), ``impl="pallas"`` on a T4
-(``pallas_on_t4``), the quickstart train steps (``train_steps``: for a T4 every mixing layer but
-AFT-local, AFT-simple for an H100), the notebook's GPU model (``notebook``: AFT-local) for a T4,
-and what the ops' ``resolve`` decides for each GPU's device before anything is compiled
-(``decided``).
-tpu: the TPU AFT-simple kernel at B 1, T 16384, D 512 bfloat16 against the XLA path for a v5e
-and a v6e (``tpu_kernel``), and an AFT-simple LM train step with it for a v5e (``train_step``).
+It records facts and asserts nothing, so one broken item leaves the others reported: per
+program its Pallas calls (Triton: name and grid; TPU: Mosaic calls), temp memory and errors, and
+the Pallas calls each op's jaxpr holds (traced with the interpreted kernels). cuda: the kernel
+matrix (``kernels``), ``impl="pallas"`` on a T4, the quickstart train steps, the notebook's GPU
+model and what ``resolve`` decides per GPU; tpu: the AFT-simple kernel against the XLA path and
+a train step with it.
 """
 
 import concurrent.futures
@@ -28,10 +16,8 @@ import functools
 import json
 import os
 import re
-import resource
 import sys
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from aft_jax import data as data_lib
-from aft_jax import deviceless, ops, sharding
+from aft_jax import deviceless, ops
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.default_config import get_config as default_config
 from aft_jax.trainer.run_config import RunConfig
@@ -55,28 +41,22 @@ _TRITON_CALL = re.compile(
   r"custom_call_target=\"" + re.escape(TRITON) + r"\".*grid_x = (\d+) : i32, grid_y = (\d+) : "
   r"i32, grid_z = (\d+) : i32.*name = \"(\w+)\", num_stages"
 )
-# sm_75 (XLA refuses Triton) and sm_90. sm_80 (an A100) compiles every kernel configuration,
-# forward and backward, in tests/ops/test_kernel_resources.py (XLA's own pipeline, checked grids):
-# here each GPU takes one case per op, mode and dtype (``representatives``), which spreads the
-# configurations over those kinds so that sm_90 still compiles each of them. The compile of all 24
-# cases for an H100 held one thread for 80 s in the suite, the 8 take 12 s alone; the kernels'
-# resources do not differ between the shapes of one configuration, and sm_80 is the tighter
-# architecture (less shared memory).
+# sm_75 (XLA refuses Triton) and sm_90; sm_80 compiles every case in
+# tests/ops/test_kernel_resources.py. Here each GPU takes one case per op, mode and dtype
+# (``representatives``), the configurations spread over them.
 GPUS = ("t4", "h100")
-# A T4's cases are lowered, not compiled: XLA refuses Triton below compute capability 8.0, so
-# there every case is the XLA path (no Triton call in the lowered module is the check), and the
-# T4 train steps below compile that path.
+# A T4's cases are lowered only (the XLA path: no Triton call is the check); its train steps
+# below compile that path.
 LOWER_ONLY = ("t4",)
 T_GPU = 32  # two 16-row chunks: the kernels' carries between chunks are compiled too
 WINDOWS = (5, 24)  # AFT-local: slabs of one and of two key blocks before a chunk's own
 DTYPES = ("float32", "bfloat16")
 TPU_SHAPE = (1, 16384, 512)  # B, T, D: a long sequence, where the TPU kernel's memory tells
 TPU_TARGETS = ("v5e", "v6e")
-# XLA compiles with the GIL released: jobs side by side use the cores (CI's two at least).
+# XLA compiles with the GIL released: jobs side by side use the cores.
 THREADS = max(2, min(8, os.cpu_count() or 2))
-# Tracing and lowering (Python, under the GIL: nothing lost) one job at a time: two threads
-# lowering at once once failed in MLIR's Python bindings ("'nanobind.nb_static_property' object
-# has no attribute 'context'"). Compiles run side by side outside it.
+# Tracing and lowering one job at a time: MLIR's Python bindings failed with two threads at once
+# ("'nanobind.nb_static_property' object has no attribute 'context'").
 _TRACING = threading.RLock()
 
 
@@ -104,8 +84,8 @@ def _raises(fn) -> dict:
 
 
 def triton_calls(text: str) -> list:
-  """[name, grid_x, grid_y, grid_z] of every Triton call in compiled HLO text, sorted; a call
-  whose line the pattern misses still counts, as ["?", 0, 0, 0]."""
+  """[name, grid_x, grid_y, grid_z] of every Triton call in compiled HLO text, sorted (["?", 0,
+  0, 0] where the pattern misses)."""
   calls = []
   for line in text.splitlines():
     if TRITON in line:
@@ -115,8 +95,7 @@ def triton_calls(text: str) -> list:
 
 
 def jaxpr_kernels(fn, *args) -> list:
-  """[kernel name, grid (padded to 3 with 1s)] of every pallas_call in ``fn``'s jaxpr, sorted:
-  what a compile for a device that takes the kernels must hold."""
+  """[kernel name, grid (padded to 3 with 1s)] of every pallas_call in ``fn``'s jaxpr, sorted."""
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   out = []
   for eqn in equations(jaxpr, "pallas_call"):
@@ -127,17 +106,14 @@ def jaxpr_kernels(fn, *args) -> list:
 
 
 def _mesh(devices) -> Mesh:
-  """A one-axis mesh over ``devices``: under ``jax.set_mesh`` the ops see its device kind."""
+  """A one-axis mesh: under ``jax.set_mesh`` the ops see its device kind."""
   return Mesh(np.array(devices), ("x",))
 
 
 def _specs(mesh, shapes, dtype):
-  """Replicated ShapeDtypeStructs on ``mesh`` (what a jit lowered for its devices takes)."""
+  """Replicated ShapeDtypeStructs on ``mesh``."""
   sharding_ = NamedSharding(mesh, P())
   return [jax.ShapeDtypeStruct(s, dtype, sharding=sharding_) for s in shapes]
-
-
-# --------------------------------------------------------------------------- GPU kernels
 
 
 def shape_for(cfg) -> tuple[int, int]:
@@ -154,10 +130,8 @@ def shape_for(cfg) -> tuple[int, int]:
 
 
 def kernel_cases() -> list[dict]:
-  """Per mode ("fwd", "grad") and dtype, AFT-simple and AFT-local at the shapes that make
-  ``config_for`` choose each of ``triton.CONFIGS``; AFT-local's window cycles through
-  ``WINDOWS`` (each config once, each window at least once: a compile costs per kernel, not per
-  element)."""
+  """Per mode and dtype, AFT-simple and AFT-local at the shapes that make ``config_for`` choose
+  each of ``triton.CONFIGS``; AFT-local's window cycles through ``WINDOWS``."""
   cases = []
   for mode in ("fwd", "grad"):
     for dtype in DTYPES:
@@ -170,14 +144,12 @@ def kernel_cases() -> list[dict]:
 
 
 def _kind(case) -> tuple:
-  """What a case is, apart from its shapes: (op, mode, dtype)."""
   return case["op"], case["mode"], case["dtype"]
 
 
 def representatives(cases) -> list[int]:
-  """The indices of the cases each GPU builds: one per op, mode and dtype (a kind), the k-th
-  kind at configuration k mod len(CONFIGS) (``kernel_cases`` makes each kind's cases in the
-  order of ``triton.CONFIGS``), so every kernel and every configuration is in them."""
+  """The indices of the cases each GPU builds: the k-th (op, mode, dtype) at configuration
+  k mod len(CONFIGS), so every kernel and every configuration is in them."""
   by_kind = {}
   for i, case in enumerate(cases):
     by_kind.setdefault(_kind(case), []).append(i)
@@ -205,16 +177,15 @@ def _case_args(case, mesh):
 
 
 def interpreted_kernels(case) -> list:
-  """``jaxpr_kernels`` of ``case`` (``_case_fn``'s op or gradient) with the kernels interpreted
-  on this host: the Pallas calls a device that takes the kernels must compile for it (the
-  interpreted kernels take the same configurations)."""
+  """``jaxpr_kernels`` of ``case`` with the kernels interpreted on this host (they take the
+  same configurations)."""
   host = _mesh(jax.devices("cpu")[:1])
   return jaxpr_kernels(_case_fn(case, "pallas_interpret"), *_case_args(case, host))
 
 
 def _compile_cases(cases, mesh, impl="auto", compile_: bool = True):
-  """One program holding every case: one compile per target (the cases are independent, so
-  XLA compiles each case's kernels as it would alone); ``compile_=False``: only lowered."""
+  """One program holding every case (each compiles as it would alone), lowered and compiled
+  (or with ``compile_=False`` only lowered)."""
   fns = [_case_fn(c, impl) for c in cases]
   args = [_case_args(c, mesh) for c in cases]
   with _TRACING, jax.set_mesh(mesh):
@@ -223,10 +194,8 @@ def _compile_cases(cases, mesh, impl="auto", compile_: bool = True):
 
 
 def gpu_kernels() -> dict:
-  """The kernel matrix: per target, a job compiling one program that holds the
-  ``representatives`` of the cases (where that fails, each again alone, to name the ones that
-  do), and per case the kernels its jaxpr holds (traced on the host with the interpreted
-  kernels, which take the same configurations)."""
+  """The kernel matrix: per target, a job compiling the ``representatives`` in one program
+  (where that fails, each alone, to name the failing ones); per case its jaxpr's kernels."""
   cases = kernel_cases()
   mine = [cases[i] for i in representatives(cases)]
 
@@ -249,7 +218,7 @@ def gpu_kernels() -> dict:
 
 
 def pallas_on_t4() -> dict:
-  """What lowering each kernel op with impl="pallas" for a T4 raises."""
+  """What lowering each kernel op with impl "pallas" for a T4 raises."""
   mesh = _mesh(_devices("t4"))
   out = {}
   for op in ("aft_simple", "aft_local"):
@@ -265,16 +234,6 @@ def pallas_on_t4() -> dict:
   return out
 
 
-# --------------------------------------------------------------------------- GPU train steps
-
-
-def _run_cfg(config) -> RunConfig:
-  """The RunConfig a training run builds from ``config`` (vocabulary from the data config,
-  without loading the data)."""
-  cfg = RunConfig.from_tree(config)
-  return cfg.with_vocab(data_lib.vocab_size(cfg.data)[0])
-
-
 def _step_facts(compiled) -> dict:
   """A compiled program's Triton calls, Mosaic call count and temp bytes."""
   text = compiled.as_text()
@@ -286,9 +245,8 @@ def _step_facts(compiled) -> dict:
 
 
 def _made_trainer(config, devices):
-  """(trainer, the lines it said) of the trainer's own path for ``devices``
-  (``train_lib.make_trainer``, as ``aft-train`` and its dry run take it). Called under
-  ``_TRACING``."""
+  """(trainer, the lines it said) of ``train_lib.make_trainer`` for ``devices`` (as
+  ``aft-train`` builds it); under ``_TRACING``."""
   said = []
   cfg = RunConfig.from_tree(config)
   vocab, _ = data_lib.vocab_size(cfg.data)
@@ -296,8 +254,7 @@ def _made_trainer(config, devices):
 
 
 def build_and_compile(config, devices) -> dict:
-  """``_made_trainer``, then the train step compiled for ``devices``: the impl it runs, the
-  lines it said, the compiled step's facts."""
+  """The train step compiled for ``devices``: its impl, the lines said, the compiled facts."""
   with _TRACING:
     trainer, said = _made_trainer(config, devices)
     lowered = trainer.lower_train_step()
@@ -305,20 +262,15 @@ def build_and_compile(config, devices) -> dict:
 
 
 def quickstart_config(mixing: str):
-  """configs/quickstart.py with ``mixing`` and model.impl "auto" (every other setting the
-  recipe's)."""
+  """configs/quickstart.py with ``mixing`` and model.impl "auto"."""
   config = quickstart.get_config()
   config.model.mixing = mixing
   config.model.impl = "auto"
   return config
 
 
-# The quickstart train steps compiled per GPU: for a T4 (where the default path was refused
-# before) every mixing layer but AFT-local, whose T4 step is the notebook's below (impl "auto"
-# too, a larger model: the same program but for sizes); for an H100 AFT-simple,
-# with its kernels: AFT-local's H100 step, the recipe as it is, is the one ``train.py --dry_run
-# --target h100`` compiles in tests/trainer/test_dry_run.py (the other mixings are XLA's there
-# too, and each compile is ~10 s of CI time).
+# The quickstart train steps compiled per GPU. AFT-local's T4 step is the notebook's below, its
+# H100 step the one ``train.py --dry_run --target h100`` compiles in tests/trainer/test_dry_run.py.
 TRAIN_STEP_MIXINGS = {
   "t4": ("aft_full", "aft_simple", "aft_conv1d", "softmax"),
   "h100": ("aft_simple",),
@@ -327,7 +279,6 @@ NOTEBOOK_GPUS = ("t4",)  # Colab's free GPU; the H100's kernels are the train st
 
 
 def train_steps() -> dict:
-  """The quickstart train steps of ``TRAIN_STEP_MIXINGS`` (a job each)."""
   return {
     name: {
       mixing: _submit(
@@ -340,49 +291,36 @@ def train_steps() -> dict:
 
 
 def notebook_gpu_config():
-  """(config, builder) of notebooks/quickstart.ipynb's training cell as a GPU runtime runs it
-  (ACCELERATOR true, AFT_QUICK unset): the cell's lines from ``config = get_config()`` to the
-  run config, run here, so that the test follows the notebook; builder: "make_trainer" or
-  "Trainer", whichever of train_lib's the cell builds its trainer with."""
+  """The config of notebooks/quickstart.ipynb's training cell on a GPU runtime: its lines from
+  ``config = get_config()`` to the run config, run here (the cell builds its trainer with
+  ``train_lib.make_trainer``, as ``build_and_compile`` does)."""
   with open(os.path.join(ROOT, "notebooks", "quickstart.ipynb")) as f:
     cells = json.load(f)["cells"]
   for cell in cells:
     src = "".join(cell["source"])
     if cell["cell_type"] == "code" and "config = get_config()" in src and "cfg = " in src:
+      if "train_lib.make_trainer(" not in src:
+        raise LookupError("notebooks/quickstart.ipynb: its trainer is not make_trainer's")
       start = src.index("config = get_config()")
       namespace = {"get_config": default_config, "ACCELERATOR": True, "QUICK": False}
       exec(src[start : src.index("cfg = ", start)], namespace)
-      builder = "make_trainer" if "train_lib.make_trainer(" in src else "Trainer"
-      return namespace["config"], builder
+      return namespace["config"]
   raise LookupError("notebooks/quickstart.ipynb: no cell sets config = get_config() and a cfg")
 
 
 def notebook() -> dict:
-  """The notebook's GPU model, its trainer built as the notebook builds it, for
-  ``NOTEBOOK_GPUS`` (a job each)."""
-  config, builder = notebook_gpu_config()
-
-  def step(devices):
-    if builder == "make_trainer":
-      return build_and_compile(config, devices)
-    cfg = _run_cfg(config)
-    with _TRACING:
-      trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
-      lowered = trainer.lower_train_step()
-    return {"impl": trainer.model.cfg.impl, **_step_facts(lowered.compile())}
-
-  out = {"model": config.model.to_dict(), "builder": builder}
-  out.update(seq_len=config.seq_len, batch_size=config.batch_size)
-  return {
-    **out,
-    **{name: _submit(functools.partial(step, _devices(name))) for name in NOTEBOOK_GPUS},
-  }
+  """The notebook's GPU model compiled for ``NOTEBOOK_GPUS``."""
+  config = notebook_gpu_config()
+  out = {"model": config.model.to_dict(), "seq_len": config.seq_len}
+  out["batch_size"] = config.batch_size
+  for name in NOTEBOOK_GPUS:
+    out[name] = _submit(functools.partial(build_and_compile, config, _devices(name)))
+  return out
 
 
 def decided() -> dict:
-  """Per GPU target, the kernel (its platform, or None: XLA) that ``impl="auto"`` resolves to
-  for the quickstart's causal AFT-simple on that device, asked of the ops' ``resolve`` before
-  anything is traced or compiled."""
+  """Per GPU target, the kernel platform (None: XLA) that ``resolve`` picks with impl "auto"
+  for the quickstart's causal AFT-simple, before anything is traced."""
   channels = quickstart.get_config().model.d_model
   out = {}
   for name in GPUS:
@@ -394,13 +332,9 @@ def decided() -> dict:
   return out
 
 
-# --------------------------------------------------------------------------- TPU
-
-
 def tpu_kernel() -> dict:
-  """Causal AFT-simple at ``TPU_SHAPE`` bfloat16, impl "pallas" (the Mosaic kernel) and "xla",
-  forward and forward+backward, per TPU target: Mosaic calls and temp memory; and the kernels
-  the impl="pallas" jaxpr holds."""
+  """Causal AFT-simple at ``TPU_SHAPE`` bfloat16, impl "pallas" and "xla", forward and
+  backward, per TPU target: the jaxpr's kernels, Mosaic calls and temp memory."""
   out = {"shape": TPU_SHAPE, "dtype": "bfloat16"}
   for name in TPU_TARGETS:
     mesh = _mesh(_devices(name))
@@ -422,8 +356,7 @@ def tpu_kernel() -> dict:
 
 
 def tpu_train_step() -> dict:
-  """The quickstart recipe with AFT-simple and impl="pallas" (its d_model a multiple of 128,
-  the kernel's lane tile), its train step compiled for a v5e."""
+  """The quickstart recipe with AFT-simple and impl "pallas", its train step for a v5e."""
   config = quickstart_config("aft_simple")
   config.model.impl = "pallas"
   return {
@@ -432,34 +365,21 @@ def tpu_train_step() -> dict:
   }
 
 
-# --------------------------------------------------------------------------- main
-
-
 @functools.cache
 def _devices(name: str) -> list:
-  """One device of target ``name`` (topologies are made once, on the main thread)."""
+  """One device of target ``name`` (made once, on the main thread)."""
   return deviceless.devices(name, 1)
 
 
 _POOL = concurrent.futures.ThreadPoolExecutor(THREADS)
 
 
-def _job(fn) -> dict:
-  """``_attempt(fn)`` with its wall seconds (its CPU cannot be told apart from the others')."""
-  start = time.perf_counter()
-  res = _attempt(fn)
-  res["seconds"] = round(time.perf_counter() - start, 1)
-  return res
-
-
 def _submit(fn) -> concurrent.futures.Future:
-  """``fn`` as a job of the pool: its compiles run beside the other jobs' (the GIL is released
-  while XLA compiles)."""
-  return _POOL.submit(_job, fn)
+  return _POOL.submit(_attempt, fn)
 
 
 def _resolve(tree):
-  """``tree`` with every Future replaced by its result (waiting for each)."""
+  """``tree`` with every Future replaced by its result."""
   if isinstance(tree, concurrent.futures.Future):
     return tree.result()
   if isinstance(tree, dict):
@@ -467,12 +387,6 @@ def _resolve(tree):
   if isinstance(tree, (list, tuple)):
     return [_resolve(v) for v in tree]
   return tree
-
-
-def _cpu_seconds() -> float:
-  """CPU seconds of this process's threads and of its finished children (XLA runs ptxas)."""
-  children = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _targets(names) -> dict:
@@ -486,9 +400,7 @@ def _targets(names) -> dict:
 
 
 def main(kind: str) -> dict:
-  """Every item's result: the jobs of all items are submitted (the longest first, so that the
-  threads finish together) and collected."""
-  wall, cpu = time.perf_counter(), _cpu_seconds()
+  """Every item's result: all jobs submitted (the longest first), then collected."""
   if kind == "cuda":
     items = {
       "decided": decided,
@@ -506,13 +418,7 @@ def main(kind: str) -> dict:
   out = {"kind": kind, "targets": _attempt(lambda: {"result": _targets(names)})}
   for name, fn in items.items():
     out[name] = _attempt(lambda: {"result": fn()})
-  out = _resolve(out)
-  out["seconds"] = {
-    "wall": round(time.perf_counter() - wall, 1),
-    "cpu": round(_cpu_seconds() - cpu, 1),
-  }
-  out["triton_min_capability"] = list(common.TRITON_MIN_CAPABILITY)
-  return out
+  return _resolve(out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: the repository root, a tiny training config, and the
-traced (uncompiled) structure and size of a module's parameters."""
+"""Helpers shared by the tests: the repository root, XLA's flags, a tiny training config and its
+command line, abstract targets and jaxpr searches for the ops."""
 
 import functools
 import glob
@@ -8,13 +8,9 @@ import os
 # jax is imported inside the helpers: conftest imports this module before it sets the
 # environment (the compilation cache) that jax reads when it is first imported.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# XLA's flags for the tests' programs, which are tiny: XLA's backend optimisations and the CPU
-# backend's MLIR fusion emitters cost more compile time than they save (the older emitters
-# compile the same fusions; measured: the tiny AFT-local, softmax and AFT-conv1d train steps
-# took 10.6 CPU-s to compile with them, 4.0 without), and so does splitting each program's LLVM
-# module into parts that compile on several threads (six small op gradients: 2.0-2.2 CPU-s
-# split, 1.4-1.5 in one part). tests/conftest.py sets them for the session, so the processes it
-# starts inherit them.
+# XLA's flags for the tests' tiny programs (tests/conftest.py sets them for the session and the
+# processes it starts): backend optimisations, the CPU fusion emitters (the older ones compile
+# the same fusions) and a program split over threads cost more compile time than they save.
 FAST_COMPILE = (
   "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
   "--xla_cpu_parallel_codegen_split_count=1"
@@ -47,28 +43,8 @@ def tiny_config(**overrides):
   return override(config, overrides)
 
 
-def train_losses(trainer, train_tokens, steps: int) -> list[float]:
-  """The losses of ``trainer``'s first ``steps`` train steps from its state of seed 0, on the
-  stream batches (seed 0) of ``train_tokens``, dropout key 1."""
-  import jax
-
-  from aft_jax import data as data_lib
-
-  train = trainer.config.train
-  state = trainer.init_state(0)
-  it = data_lib.train_iterator(
-    train_tokens, seq_len=train.seq_len, global_batch_size=train.batch_size, seed=0
-  )
-  rng, losses = jax.random.key(1), []
-  for _ in range(steps):
-    state, metrics = trainer.train_step(state, next(it), rng)
-    losses.append(float(metrics["loss"]))
-  return losses
-
-
 def trained_run_config():
-  """The config of the session fixture ``trained_run`` (tests/conftest.py): a rerun with it
-  resumes that run (or is refused for what changed)."""
+  """The config of the session fixture ``trained_run`` (tests/conftest.py)."""
   return tiny_config(
     num_train_steps=4,
     eval_every_steps=2,
@@ -78,16 +54,14 @@ def trained_run_config():
 
 
 def train_py(workdir, *flags, config="configs/quickstart.py") -> list[str]:
-  """The command line of ``python train.py --config CONFIG --workdir WORKDIR FLAGS...``, run
-  from the repository root (the README's form)."""
+  """``python train.py --config CONFIG --workdir WORKDIR FLAGS...`` (run from the root)."""
   import sys
 
   return [sys.executable, "train.py", "--config", config, "--workdir", str(workdir), *flags]
 
 
-# Starts the command in its arguments with SIGINT at its default action, then Python's
-# KeyboardInterrupt: a suite started in the background (``nohup pytest ... &``) has SIGINT
-# ignored, an ignored signal stays ignored across exec, and Python keeps it so.
+# Starts the command in its arguments with SIGINT at its default action: a suite started in the
+# background has SIGINT ignored, and an ignored signal stays ignored across exec.
 _DEFAULT_SIGINT = (
   "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
   "os.execv(sys.argv[1], sys.argv[1:])"
@@ -95,9 +69,8 @@ _DEFAULT_SIGINT = (
 
 
 def with_default_sigint(cmd: list[str]) -> list[str]:
-  """``cmd`` (a program and its arguments) started with Ctrl-C at its default, whatever SIGINT
-  this process inherited: for a test that sends SIGINT to a child (no ``preexec_fn``, which is
-  unsafe in a process with threads, as jax's)."""
+  """``cmd`` started with Ctrl-C at its default, whatever SIGINT this process inherited (no
+  ``preexec_fn``: unsafe in a process with threads, as jax's)."""
   import shutil
   import sys
 
@@ -118,8 +91,8 @@ def config_flags(config):
 
 
 def abstract_init(module, shape, dtype="float32", **kw):
-  """``module.init`` traced, not compiled (compiling init costs as much as the model): the boxed
-  ShapeDtypeStructs of its variables for an input ``[*shape]`` of ``dtype``."""
+  """The boxed ShapeDtypeStructs of ``module.init``'s variables for an input ``[*shape]`` of
+  ``dtype``, traced, not compiled."""
   import jax
 
   return jax.eval_shape(
@@ -136,8 +109,8 @@ def param_count(tree) -> int:
 
 
 def __getattr__(name: str):
-  """``TRITON``: the custom call of a Pallas Triton kernel (``ops.KERNEL_CALLS["gpu"]``), read
-  when first asked for, so that importing this module imports no jax."""
+  """``TRITON``: ``ops.KERNEL_CALLS["gpu"]``, read when asked for (importing this module imports
+  no jax)."""
   if name == "TRITON":
     from aft_jax import ops
 
@@ -147,8 +120,7 @@ def __getattr__(name: str):
 
 def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
   """A context in which ops see an abstract device of ``device_kind`` ("NVIDIA H200", "Tesla
-  T4", "TPU v5 lite"): what ``impl="auto"`` decides from (``ops.device_facts``), and from jax
-  0.11 what the Pallas Triton lowering asks for the compute capability."""
+  T4", "TPU v5 lite"): what ``impl="auto"`` and the Triton lowering decide from."""
   import jax
 
   device = jax.sharding.AbstractDevice(
@@ -160,11 +132,9 @@ def on_target(device_kind: str, platform: str = "gpu", num_cores: int = 1):
 
 
 def export_for(fn, *args, platform="cuda", calls=None, donate_argnums=(), device=None):
-  """``jax.export`` of ``jax.jit(fn)`` for ``platform`` ("cuda" or "tpu") on this CPU machine,
-  allowing the custom ``calls`` (default: Triton's), under an abstract ``device``
-  (``on_target``; by default for Triton kernels an H200, whose kernels ``impl="auto"`` takes,
-  and for TPU a v5e; cuDNN attention refuses an abstract device, so without Triton calls it
-  lowers without one)."""
+  """``jax.export`` of ``jax.jit(fn)`` for ``platform`` ("cuda" or "tpu"), allowing the custom
+  ``calls`` (default: Triton's), under an abstract ``device`` (default: an H200 for Triton
+  calls, a v5e for TPU, none otherwise: cuDNN attention refuses an abstract device)."""
   import contextlib
 
   import jax
@@ -203,8 +173,7 @@ def equations(jaxpr, name: str):
 
 
 def listing(path) -> dict[str, str]:
-  """{path relative to ``path``: the SHA-256 of its bytes, or "folder"} of everything under
-  ``path``: equal before and after a run that was refused, if it changed nothing."""
+  """{path relative to ``path``: the SHA-256 of its bytes, or "folder"} of everything under it."""
   import hashlib
 
   out = {}

@@ -1,28 +1,14 @@
-"""The tests' Python commands (``python train.py ...``, ``python -m aft_jax.tools.X ...``,
-``python -c CODE``) without paying jax's and the trainer's imports each time: a fork server.
+"""The tests' Python commands (``python SCRIPT | -m MODULE | -c CODE ...``) forked from a server
+that imported jax and the trainer once (~2.5 CPU-s per command saved).
 
-Each train.py or tool command the suite runs spent ~2.5 CPU-s importing jax, flax, optax, orbax
-and the trainer before doing anything (nearly all of a refused run's cost). ``run`` and ``popen``
-send the command to a server (one per pytest process, started on first use) that imported those
-once; the server forks, and the child becomes the command: its argv, working directory,
-environment, stdin (/dev/null), stdout and stderr, signal dispositions as a new Python process
-has them (SIGINT as KeyboardInterrupt, unless this process ignores it: a subprocess would inherit
-that), a new session if asked, the script run as ``__main__`` as ``python SCRIPT``, ``-m`` and
-``-c`` run it (tracebacks included), its exit status a process's (-N for signal N). The server
-never starts a jax backend or a thread, so a fork of it is a fresh process that skipped its
-imports: the device count and XLA's flags are read when the child's backend starts. A child
-ends with its atexit handlers and ``os._exit``, without the rest of the interpreter's shutdown
-(freeing the modules), so what goes wrong only there shows in a subprocess
-(``AFT_TESTS_NO_PREFORK=1``), not here.
-
-What a fork cannot give falls back to ``subprocess``: an environment that differs from this
-process's in anything but ``FORKABLE_ENV`` (a changed ``PYTHONPATH`` would hide nothing already
-imported), a program other than this Python, an option other than ``-m`` or ``-c``, a keyword
-these functions do not take. tests/test_suite.py runs the same commands both ways.
-
-    python -m tests.support.prefork SOCKET   # the server (started by ``run`` / ``popen``)
-
-``AFT_TESTS_NO_PREFORK=1`` runs every command as a subprocess (to compare the two).
+``run`` and ``popen`` stand in for ``subprocess.run`` and ``subprocess.Popen``. The server
+starts no jax backend and no thread, so the forked child is a fresh process that skipped its
+imports: argv, cwd, environment, stdio, signal dispositions (SIGINT ignored where this process
+ignores it), a new session if asked, exit status (-N for signal N) as a subprocess's. A child
+ends with its atexit handlers and ``os._exit``: what goes wrong only in the interpreter's
+shutdown shows with ``AFT_TESTS_NO_PREFORK=1`` (every command a subprocess). A command the
+server cannot give (another program or option, another environment but ``FORKABLE_ENV``, an
+unknown keyword) runs as a subprocess. tests/test_suite.py compares the two.
 """
 
 from __future__ import annotations
@@ -42,14 +28,11 @@ import threading
 import traceback
 import types
 
-# Environment variables a child may set differently from the server: read when the command's
-# backend starts (XLA_FLAGS), only by the command itself (HOME, the data folder), or read by jax
-# at import and set again in the child (JAX_PLATFORMS, ``_JAX_CONFIG``); pytest names the
-# current test in PYTEST_CURRENT_TEST.
+# Variables a child may have other than the server's: read after the imports, or (``_JAX_CONFIG``)
+# set again in the child.
 FORKABLE_ENV = ("XLA_FLAGS", "HOME", "AFT_JAX_DATA", "JAX_PLATFORMS", "PYTEST_CURRENT_TEST")
 _JAX_CONFIG = {"JAX_PLATFORMS": "jax_platforms"}
-# What the server imports once (no module that defines absl flags or that a command runs as
-# __main__: runpy would warn that it is imported already).
+# Imported once by the server: no module that defines absl flags or that a command runs.
 PRELOAD = (
   "aft_jax.trainer.train_lib",
   "aft_jax.trainer.dry_run",
@@ -66,21 +49,15 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal
 _lock = threading.Lock()
 _server = None  # (Popen, socket path, the environment it started with)
 _started = []  # every ``_server`` this process started and has not stopped
-_reaped_cpu = 0.0  # CPU seconds of the commands run here (cpu_probe adds them to their test)
+_reaped_cpu = 0.0  # CPU seconds of the commands forked for this process (for cpu_probe.py)
 
 
 def server_pid() -> int | None:
-  """The pid of this process's fork server (None before its first command)."""
   return None if _server is None else _server[0].pid
 
 
 def reaped_cpu() -> float:
-  """CPU seconds (user + system) of every command ``run`` forked in this process so far: they
-  are the server's children, not this process's (tests/support/cpu_probe.py)."""
   return _reaped_cpu
-
-
-# --------------------------------------------------------------------------- the client
 
 
 def _forkable(cmd, env) -> bool:
@@ -102,7 +79,7 @@ def _start_server():
   path = os.path.join(folder, "socket")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ)
-  # stdin a pipe that only this process holds: the server exits when this process does.
+  # stdin a pipe that only this process holds: the server exits when it closes.
   proc = subprocess.Popen(
     [sys.executable, "-m", "tests.support.prefork", path],
     cwd=root,
@@ -115,10 +92,8 @@ def _start_server():
 
 
 def stop_all() -> None:
-  """Every server this process started told to stop (its stdin closed) and reaped, so that
-  its commands' CPU counts as this process's children's, as theirs would have, and its socket's
-  folder removed. At exit, and from tests/conftest.py when a pytest process (an xdist worker
-  too) unconfigures, before anything can end it without its exit handlers."""
+  """Every server this process started stopped, reaped (its commands' CPU counts as this
+  process's children's) and its folder removed: at exit and from tests/conftest.py."""
   global _server
   with _lock:
     _server = None
@@ -137,15 +112,13 @@ atexit.register(stop_all)
 
 
 def _connect() -> socket.socket:
-  """A connection to the server, started if it is not running (it takes a few seconds to
-  import and listen)."""
+  """A connection to the server, started if it is not running."""
   import time
 
   global _server
   if _server is not None and not _same_env(_server[2], os.environ):
-    # This process's environment changed since the server started (a library or a test set a
-    # variable): a new server with it, whose imports see what a subprocess's would. The old
-    # one keeps serving the commands it started until this process exits (``stop_all``).
+    # The environment changed since the server started: a new server, whose imports see it
+    # (the old one serves its commands until ``stop_all``).
     _server = None
   if _server is None or _server[0].poll() is not None:
     _start_server()
@@ -176,11 +149,11 @@ def _recv_line(sock, buf: bytearray, timeout):
 
 
 def _start(cmd, cwd, env, fds, new_session=False):
-  """(connection, pid): ``cmd`` forked by the server, its stdin, stdout and stderr ``fds``."""
+  """(connection, buffer, pid): ``cmd`` forked with stdin, stdout and stderr ``fds``."""
   sock = _connect()
   request = {"argv": cmd, "cwd": os.path.abspath(cwd or os.getcwd()), "env": env}
   request["new_session"] = new_session
-  # the signals a subprocess would inherit ignored (exec keeps them so)
+  # ignored as a subprocess would inherit them
   request["ignored"] = [int(s) for s in _SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
   socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], fds)
   buf = bytearray()
@@ -188,9 +161,8 @@ def _start(cmd, cwd, env, fds, new_session=False):
 
 
 class Forked:
-  """What ``popen`` returns for a forked command: ``subprocess.Popen``'s ``args``, ``pid``,
-  ``returncode``, ``stdout``, ``stderr``, ``poll``, ``wait``, ``communicate``, ``send_signal``,
-  ``terminate`` and ``kill``. The server reaps the command and sends its status."""
+  """A forked command as a ``subprocess.Popen`` (the parts the tests use); the server reaps it
+  and sends its status."""
 
   def __init__(self, args, sock, buf, pid, stdout, stderr):
     self.args, self.pid, self.stdout, self.stderr = args, pid, stdout, stderr
@@ -220,7 +192,6 @@ class Forked:
     return self.returncode
 
   def communicate(self, timeout=None):
-    """(stdout, stderr) read to their ends (None where not a pipe), then the exit awaited."""
     out = {}
     readers = [
       threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
@@ -248,11 +219,8 @@ class Forked:
 
 
 def popen(cmd, *, cwd=None, env=None, stdout=None, stderr=None, text=False, **kw):
-  """``subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
-  start_new_session=...)`` for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ARGS...]``,
-  forked from the server (a ``Forked``); stdout and stderr None, ``subprocess.PIPE``, a file
-  or (stderr) ``subprocess.STDOUT``. Any other command or keyword, or an environment the server
-  cannot give, starts a subprocess."""
+  """``subprocess.Popen``, forked (a ``Forked``) where it can be; stdout and stderr None,
+  ``subprocess.PIPE``, a file or (stderr) ``subprocess.STDOUT``."""
   env = dict(os.environ if env is None else env)
   new_session = kw.pop("start_new_session", False)
   cmd = list(map(str, cmd))
@@ -290,9 +258,7 @@ def popen(cmd, *, cwd=None, env=None, stdout=None, stderr=None, text=False, **kw
 
 
 def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=True, text=True, **kw):
-  """``subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True)``
-  for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ARGS...]``, forked from the server; any other
-  command or keyword (or an environment the server cannot give) runs as a subprocess."""
+  """``subprocess.run`` (capturing its output), forked where it can be."""
   env = dict(os.environ if env is None else env)
   cmd = list(map(str, cmd))
   with _lock:
@@ -301,30 +267,19 @@ def run(cmd, *, cwd=None, env=None, timeout=None, capture_output=True, text=True
       return subprocess.run(
         cmd, cwd=cwd, env=env, timeout=timeout, capture_output=capture_output, text=text, **kw
       )
-  with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-    # files, not pipes: nothing to read while the command runs
-    proc = popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
-    try:
-      proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait()
-      raise
-    outputs = []
-    for f in (out, err):
-      f.seek(0)
-      data = f.read()
-      # text: decoded with universal newlines, as subprocess.run(text=True) reads a pipe
-      outputs.append(data.decode().replace("\r\n", "\n").replace("\r", "\n") if text else data)
-  return subprocess.CompletedProcess(cmd, proc.returncode, *outputs)
-
-
-# --------------------------------------------------------------------------- the server
+  proc = popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+  try:
+    out, err = proc.communicate(timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    raise
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _become(request, fds, inherited):
-  """In the forked child: become the command, then exit with its status (never returns);
-  ``inherited``: the server's sockets and descriptors, closed."""
+  """In the forked child: the server's ``inherited`` descriptors closed, the command run, its
+  status the exit's (never returns)."""
   code = 1
   try:
     for f in inherited:
@@ -341,7 +296,7 @@ def _become(request, fds, inherited):
 
     for key, name in _JAX_CONFIG.items():
       jax.config.update(name, os.environ.get(key))
-    for sig in _SIGNALS:  # as a new Python process starts: SIGINT its KeyboardInterrupt
+    for sig in _SIGNALS:  # as a new Python process has them
       default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
       signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else default)
     argv = request["argv"][1:]
@@ -405,9 +360,7 @@ def serve(path: str) -> None:
     if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
       for pid, _ in children.values():
         os.kill(pid, signal.SIGKILL)
-      # The pytest process is gone or stopping it: its folder goes with it (the client removes
-      # it too at exit, but a process that ends without its atexit handlers, by a signal or
-      # os._exit, leaves that to the server).
+      # The client is gone (maybe without its atexit handlers): its folder goes too.
       shutil.rmtree(os.path.dirname(path), ignore_errors=True)
       return
     if listener in ready:

@@ -1,13 +1,7 @@
-"""Fixtures made once per pytest session, whichever pytest-xdist worker asks first.
-
-A session- or module-scoped fixture is made once per *worker*: with ``-n 2`` an expensive one
-(a trained run) is made twice, each time on one of CI's two cores. ``once(...)`` makes it in a
-folder that every worker of the session sees, under an exclusive lock: the first worker to ask
-builds it, the others wait on the lock and read what it left. Only for what tests treat as
-read-only (they copy a workdir before changing it); a module whose tests change their fixture
-in place keeps it in one worker instead (``pytest.mark.xdist_group``).
-
-Also the compilation cache's trimming (``trim_cache``), once per session."""
+"""Fixtures made once per pytest session, by whichever pytest-xdist worker asks first (a
+session fixture is otherwise made once per worker), and the compilation cache's trimming.
+``once`` is for what tests treat as read-only; a module whose tests change their fixture keeps
+it in one worker instead (``pytest.mark.xdist_group``)."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ from collections.abc import Callable
 
 
 def session_dir(tmp_path_factory) -> pathlib.Path:
-  """A folder that every process of this pytest session sees: pytest-xdist's workers each have
-  their own basetemp, under one parent."""
+  """A folder that every process of this pytest session sees."""
   base = tmp_path_factory.getbasetemp()
   return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
@@ -47,9 +40,7 @@ def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
 
 
 def trim_cache(folder: str, keep: int) -> None:
-  """If the compilation cache ``folder`` holds more than ``keep`` bytes, deletes its least
-  recently written files until it holds at most half of that (tests/conftest.py, once per
-  session: jax's own size limit costs a scan of the folder per write)."""
+  """Past ``keep`` bytes, the least recently written files of ``folder`` deleted down to half."""
   try:
     files = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder)]
   except FileNotFoundError:

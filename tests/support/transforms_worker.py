@@ -56,7 +56,7 @@ def _close(got, want, what):
 
 def _xla(mesh):
   done = []
-  # (tests/support/sequence_worker.py checks every axis_name form, the factors and AFT-conv1d
+  # (tests/support/mesh_worker.py sequence checks every axis_name form, the factors and AFT-conv1d
   # too, with
   # shard_map's defaults; here the transformations inside the shard_map.)
   for op, size in (("simple", 0), ("local", 6)):

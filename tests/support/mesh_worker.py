@@ -1,0 +1,378 @@
+"""Mesh checks on 8 simulated CPU devices, in a process of their own (tests/test_sharding.py):
+the device count is fixed when jax's CPU backend starts. Every check is an assert; what was
+measured (losses, differences, errors) goes to OUT.json for the test to report.
+
+    python -m tests.support.mesh_worker sharding|sequence|layouts OUT.json
+
+sharding: the tiny model trained 3 steps on (data, fsdp, tensor) meshes matches one device,
+parameters split as the logical axis rules say, a checkpoint restored onto another mesh, the
+batch-size divisibility error. sequence: the ops with T sharded over 4 devices (``axis_name``
+under ``jax.shard_map``) against the unsharded op, and the quickstart recipe with
+``mesh.sequence = 4`` against one device. layouts: T split together with the batch and the
+channels, on 4 and 8 devices, against one device.
+"""
+
+import json
+import math
+import os
+import sys
+
+# The fast-compile flags come from the test session's environment (tests/support/helpers.py).
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+from aft_jax import data as data_lib  # noqa: E402
+from aft_jax import ops, sharding  # noqa: E402
+from aft_jax.trainer import checkpointing, train_lib  # noqa: E402
+from aft_jax.trainer.run_config import RunConfig  # noqa: E402
+from configs import quickstart  # noqa: E402
+from tests.support.helpers import tiny_config  # noqa: E402
+
+STEPS = 3
+
+
+def _trainer(config, corpus, devices):
+  cfg = RunConfig.from_tree(config).with_vocab(corpus.vocab.size)
+  return train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, devices))
+
+
+def train_losses(trainer, train_tokens, steps: int) -> list[float]:
+  """The losses of ``trainer``'s first ``steps`` steps from seed 0 (stream batches of seed 0,
+  dropout key 1)."""
+  train = trainer.config.train
+  state = trainer.init_state(0)
+  it = data_lib.train_iterator(
+    train_tokens, seq_len=train.seq_len, global_batch_size=train.batch_size, seed=0
+  )
+  rng, losses = jax.random.key(1), []
+  for _ in range(steps):
+    state, metrics = trainer.train_step(state, next(it), rng)
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
+def _corpus(config):
+  return data_lib.load_corpus(RunConfig.from_tree(config).data)
+
+
+# ------------------------------------------------------------------ sharding
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
+
+
+def _sharding_config(mesh=(1, 1, 1), **overrides):
+  # d_model 16, mlp 32, vocab 256 (bytes), 16 AFT channels: all divisible by every mesh axis.
+  # aft_full: its train step compiles in about half the time of aft_local's / aft_simple's.
+  c = tiny_config(
+    **{
+      "model.mixing": "aft_full",
+      "model.dropout_rate": 0.0,
+      "batch_size": 8,
+      "eval_batch_size": 8,
+      **overrides,
+    }
+  )
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  return c
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# AFT's key bias cancels between numerator and denominator (exp(K + b) / sum exp(K + b)), so its
+# gradient is 0 up to rounding, and Adam turns that rounding noise into updates of size ~lr whose
+# sign depends on the summation order: it cannot match across meshes, and is not compared.
+NOISE_ONLY = ("['mix']['key']['bias']",)
+
+
+def _max_diff(a, b):
+  a, b = _flat(a), _flat(b)
+  assert a.keys() == b.keys()
+
+  def diff(k):
+    d = np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64))
+    if k.endswith("['pos_bias']"):
+      # Causal position 0 averages a single term, so w[0, 0] cancels exactly like the key
+      # bias: its gradient is rounding noise that Adam scales up to +-lr per step.
+      d[0, 0] = 0.0
+    return float(np.max(d))
+
+  return max(diff(k) for k in a if not k.endswith(NOISE_ONLY))
+
+
+def _check_sharded(state, mesh_shape):
+  """Parameters (and Adam moments) are split as DEFAULT_RULES say, not silently replicated."""
+  data, fsdp, tensor = mesh_shape
+  p = state.params
+  mu = state.opt_state[1][0].mu  # chain(clip, adamw): adamw's ScaleByAdamState
+  expected = {
+    # name: (array, logical names -> mesh spec, global shape)
+    "mlp_in": (p["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
+    "mlp_in (adam mu)": (mu["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
+    "mlp_out": (p["block_0"]["mlp_out"]["kernel"], P("tensor", "fsdp"), (32, 16)),
+    "query": (p["block_0"]["mix"]["query"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "key": (p["block_0"]["mix"]["key"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "value": (p["block_0"]["mix"]["value"]["kernel"], P("fsdp", "tensor"), (16, 16)),
+    "out": (p["block_0"]["mix"]["out"]["kernel"], P("tensor", "fsdp"), (16, 16)),
+    "embed": (p["embed"]["embedding"], P("tensor", "fsdp"), (256, 16)),
+    "pos_bias": (p["block_0"]["mix"]["pos_bias"], P(None, None), (32, 32)),
+  }
+  split = {"fsdp": fsdp, "tensor": tensor, None: 1}
+  for name, (arr, spec, shape) in expected.items():
+    assert arr.shape == shape, (name, arr.shape)
+    assert arr.sharding.spec == spec, (name, mesh_shape, arr.sharding.spec)
+    local = tuple(s // split[a] for s, a in zip(shape, spec))
+    shapes = {sh.data.shape for sh in arr.addressable_shards}
+    assert shapes == {local}, (name, mesh_shape, shapes, local)
+    assert len(arr.addressable_shards) == 8
+
+
+def check_sharding(workdir):
+  """Meshes against one device, a checkpoint across meshes, the batch-size error."""
+  base = _sharding_config()
+  corpus = _corpus(base)
+  it = data_lib.train_iterator(
+    corpus.splits["train"], seq_len=base.seq_len, global_batch_size=base.batch_size, seed=0
+  )
+  batches = [next(it) for _ in range(STEPS + 1)]
+  rng = jax.random.key(1)
+  report = {"meshes": {}}
+
+  def run(config, devices, steps):
+    trainer = _trainer(config, corpus, devices)
+    state = trainer.init_state(0)
+    losses = []
+    for batch in batches[:steps]:
+      state, metrics = trainer.train_step(state, batch, rng)
+      losses.append(float(metrics["loss"]))
+    return trainer, state, losses
+
+  trainer1, s1, ref_losses = run(base, jax.devices()[:1], STEPS)
+  assert len(s1.params["block_0"]["mlp_in"]["kernel"].addressable_shards) == 1
+  ref_params3 = jax.device_get(s1.params)  # after STEPS steps on one device
+  _, m = trainer1.train_step(s1, batches[STEPS], rng)
+  ref_losses.append(float(m["loss"]))
+  report["one_device"] = {"losses": ref_losses}
+
+  for shape in MESHES:  # (8, 1, 1) first: the checkpoint check restores onto it
+    trainer, state, losses = run(_sharding_config(shape), jax.devices(), STEPS)
+    assert dict(trainer.mesh.shape) == dict(zip(sharding.MESH_AXES, shape + (1,)))
+    _check_sharded(state, shape)
+    diff = _max_diff(jax.device_get(state.params), ref_params3)
+    np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-5, atol=1e-5)
+    assert diff < 1e-5, (shape, diff)
+    report["meshes"][str(shape)] = {"losses": losses, "max_param_diff": diff}
+    if shape == (8, 1, 1):
+      trainer811 = trainer
+    if shape == (2, 2, 2):
+      # A checkpoint written on (2, 2, 2) restores onto (8, 1, 1) and continues identically.
+      mngr = checkpointing.checkpoint_manager(
+        os.path.join(workdir, "ckpt"), checkpointing.CheckpointConfig(keep_checkpoints=1)
+      )
+      checkpointing.save(mngr, STEPS, state, it)
+      restored, _ = checkpointing.restore(mngr, STEPS, trainer811.abstract_state)
+      mngr.close()
+      assert int(restored.step) == STEPS
+      _check_sharded(restored, (8, 1, 1))
+      assert restored.params["block_0"]["mlp_in"]["kernel"].sharding.mesh.shape["data"] == 8
+      restore_diff = _max_diff(jax.device_get(restored.params), jax.device_get(state.params))
+      assert restore_diff == 0.0, restore_diff
+      _, m = trainer811.train_step(restored, batches[STEPS], rng)
+      next_loss = float(m["loss"])
+      np.testing.assert_allclose(next_loss, ref_losses[STEPS], rtol=1e-5, atol=1e-5)
+      report["checkpoint"] = {"next_loss": next_loss, "ref_next_loss": ref_losses[STEPS]}
+
+  # A dimension the mesh cannot split evenly (a word vocabulary, say) is replicated, not an error.
+  mesh = sharding.make_mesh(RunConfig.from_tree(_sharding_config((1, 4, 2))).mesh)
+  odd = {
+    "embed": nn.Partitioned(jax.ShapeDtypeStruct((255, 16), np.float32), ("vocab", "embed")),
+    "mlp": nn.Partitioned(jax.ShapeDtypeStruct((16, 32), np.float32), ("embed", "mlp")),
+  }
+  sh = sharding.logical_shardings(odd, mesh, sharding.DEFAULT_RULES)
+  assert sh["embed"].spec == P(None, "fsdp") and sh["mlp"].spec == P("fsdp", "tensor"), sh
+
+  # batch_size not divisible by data x fsdp: a clear error before anything is built or compiled.
+  built = []
+  orig = train_lib.Trainer.__init__
+
+  def spy(self, *a, **k):
+    built.append(1)
+    orig(self, *a, **k)
+
+  train_lib.Trainer.__init__ = spy
+  for shape, name, bad in [
+    ((8, 1, 1), "batch_size", 12),
+    ((2, 2, 2), "batch_size", 6),
+    ((2, 2, 2), "eval_batch_size", 2),
+  ]:
+    try:
+      train_lib.train_and_evaluate(
+        _sharding_config(shape, **{name: bad}), os.path.join(workdir, f"bad_{name}")
+      )
+    except ValueError as e:
+      msg = str(e)
+      assert f"{name} = {bad} is not divisible by the 4" in msg or (
+        f"{name} = {bad} is not divisible by the 8" in msg
+      ), msg
+      assert "data x fsdp" in msg, msg
+    else:
+      raise AssertionError(f"{name}={bad} on mesh {shape} was accepted")
+  assert not built
+  report["batch_error"] = msg
+  return report
+
+
+# ------------------------------------------------------------------ sequence
+
+T = 16  # 4 positions per device
+# (op, window or kernel size, logit std): a window within one shard (3) and one reaching two
+# shards back (6).
+CASES = [
+  ("simple", 0, 40.0),
+  ("local", 3, 40.0),
+  ("local_factors", 6, 1.0),  # w as its factors (u, v): each device forms its block only
+  ("conv1d", 6, 40.0),
+]
+
+
+def _inputs(op, size, scale):
+  rng = np.random.default_rng(0)
+  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
+  if op == "conv1d":
+    return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, size, sc=scale)
+  if op == "local_factors":  # u, v [T, 2]: w = u v^T of std ~ scale
+    return (
+      f(2, T, 3),
+      f(2, T, 3, sc=scale),
+      f(2, T, 3),
+      (f(T, 2, sc=scale**0.5), f(T, 2, sc=scale**0.5)),
+    )
+  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+
+
+def _op(op, size, q, k, v, bias, **kw):
+  if op == "simple":
+    return ops.aft_simple(q, k, v, causal=True, **kw)
+  if op.startswith("local"):
+    return ops.aft_local(q, k, v, bias, window=size, causal=True, **kw)
+  return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)
+
+
+def _check_op(op, size, scale, mesh):
+  args = _inputs(op, size, scale)
+  ct = np.random.default_rng(1).normal(size=args[0].shape).astype(np.float32)
+  seq = P(None, "seq")
+  sharded = jax.shard_map(
+    lambda q, k, v, b: _op(op, size, q, k, v, b, axis_name="seq"),
+    mesh=mesh,
+    in_specs=(seq, seq, seq, P()),
+    out_specs=seq,
+  )
+  plain = lambda *a: _op(op, size, *a)
+  run = lambda f: jax.jit(
+    lambda *a: (f(*a), jax.grad(lambda *b: jnp.sum(f(*b) * ct), argnums=(0, 1, 2, 3))(*a))
+  )(*args)
+  (y1, g1), (y2, g2) = run(sharded), run(plain)
+  diffs = {}
+  for name, a, b, rel in [("y", y1, y2, 1e-5)] + [
+    (f"d{n}", x, y, 1e-4) for n, x, y in zip("qkvw", g1, g2)
+  ]:
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.all(np.isfinite(a)), (op, scale, name)
+    diffs[name] = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    assert diffs[name] < rel, (op, scale, name, diffs[name])
+  return diffs
+
+
+def _sequence_config(mixing, sequence):
+  c = quickstart.get_config()
+  c.model.mixing = mixing
+  c.model.num_layers = 1  # one block shows the split; the rest is the same again
+  # AFT-local's bias as factors u v^T: each device forms only its block of w (the full bias's
+  # sharded path is the ops' check above).
+  c.model.factor_dim = 8 if mixing == "aft_local" else 0
+  c.batch_size = 4
+  c.mesh.data, c.mesh.sequence = (1, sequence) if sequence > 1 else (-1, 1)
+  return c
+
+
+def check_sequence(workdir):
+  """The ops and the quickstart recipe with T split over 4 devices against one device."""
+  devices = jax.devices()[:4]
+  mesh = Mesh(np.array(devices), ("seq",))
+  report = {"ops": {}}
+  for op, size, scale in CASES:
+    report["ops"][f"{op} size {size} std {scale:g}"] = _check_op(op, size, scale, mesh)
+  corpus = _corpus(_sequence_config("aft_local", 1))
+  for mixing in ("aft_local", "aft_simple", "aft_conv1d"):
+    one_trainer = _trainer(_sequence_config(mixing, 1), corpus, devices[:1])
+    one = train_losses(one_trainer, corpus.splits["train"], STEPS)
+    trainer = _trainer(_sequence_config(mixing, 4), corpus, devices)
+    split = train_losses(trainer, corpus.splits["train"], STEPS)
+    assert dict(trainer.mesh.shape)["sequence"] == 4, trainer.mesh
+    # The op really ran per shard: the step exchanges the shards' states.
+    hlo = trainer.lower_train_step().as_text()
+    assert "all_gather" in hlo, mixing
+    assert ("collective_permute" in hlo) == (mixing != "aft_simple"), mixing  # the last keys
+    np.testing.assert_allclose(split, one, rtol=0, atol=1e-4)
+    report[mixing] = {"one_device": one, "sequence_4": split}
+  try:
+    RunConfig.from_tree(_sequence_config("softmax", 4))
+  except ValueError as e:
+    report["softmax_error"] = str(e)
+  assert "mixes every pair of positions" in report.get("softmax_error", ""), report
+  return report
+
+
+# ------------------------------------------------------------------ layouts
+
+# mixing: the (data, fsdp, tensor, sequence) layouts it trains on, on 4 devices (the first 4)
+# and on 8. Those that take a shard of T: T split together with the batch and the channels;
+# softmax attention: data x fsdp x tensor (AFT-full's: ``check_sharding``).
+LAYOUTS = {
+  "aft_local": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 1, 4)],
+  "aft_simple": [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2)],
+  "aft_conv1d": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2)],
+  "softmax": [(2, 2, 2, 1)],
+}
+
+
+def _layout_losses(mixing, layout, corpus):
+  config = tiny_config(**{"model.mixing": mixing, "model.dropout_rate": 0.0, "warmup_steps": 0})
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.sequence = layout
+  devices = jax.devices()[: math.prod(layout)]
+  trainer = train_lib.make_trainer(RunConfig.from_tree(config), corpus.vocab.size, devices)
+  assert tuple(trainer.mesh.shape.values()) == layout, trainer.mesh
+  return train_losses(trainer, corpus.splits["train"], STEPS)
+
+
+def check_layouts(workdir):
+  """Each mixing layer trained on ``LAYOUTS`` (dropout 0, no warmup) against one device."""
+  corpus = _corpus(tiny_config())
+  report = {}
+  for mixing, layouts in LAYOUTS.items():
+    one = _layout_losses(mixing, (1, 1, 1, 1), corpus)
+    report[mixing] = {"one_device": one}
+    for layout in layouts:
+      losses = _layout_losses(mixing, layout, corpus)
+      np.testing.assert_allclose(losses, one, rtol=0, atol=1e-4, err_msg=f"{mixing} {layout}")
+      report[mixing][str(layout)] = losses
+  return report
+
+
+CHECKS = {"sharding": check_sharding, "sequence": check_sequence, "layouts": check_layouts}
+
+if __name__ == "__main__":
+  name, out_path = sys.argv[1:]
+  assert jax.device_count() == 8, jax.devices()
+  report = CHECKS[name](os.path.dirname(os.path.abspath(out_path)))
+  with open(out_path, "w") as f:
+    json.dump(report, f, indent=1)
