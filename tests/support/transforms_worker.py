@@ -56,9 +56,8 @@ def _close(got, want, what):
 
 def _xla(mesh):
   done = []
-  # (tests/support/mesh_worker.py sequence checks every axis_name form, the factors and AFT-conv1d
-  # too, with
-  # shard_map's defaults; here the transformations inside the shard_map.)
+  # (tests/support/mesh_worker.py sequence checks every axis_name form, the factors and
+  # AFT-conv1d too, with shard_map's defaults; here the transformations inside the shard_map.)
   for op, size in (("simple", 0), ("local", 6)):
     run = _op(op, size)
     args = _inputs(op, size)
