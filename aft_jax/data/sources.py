@@ -5,6 +5,7 @@ file), checksums, downloads, and builds that are made again when their source fi
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import logging
 import os
@@ -25,7 +26,6 @@ from aft_jax.data import store
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
-FINGERPRINT_KEY = store.FINGERPRINT_KEY
 # Errors zipfile raises on a truncated or damaged archive.
 ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
 
@@ -69,10 +69,6 @@ def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> Non
     )
 
 
-# The source fingerprint (name, size, first and last MiB of each file): the store's rule.
-fingerprint = store.fingerprint
-
-
 def download(
   filename: str,
   urls: Sequence[str],
@@ -113,11 +109,11 @@ def _fetch(url: str, path: str, expected_bytes: int) -> None:
         bar.update(len(chunk))
 
 
-def download_attempts(errors: list[str], download: bool) -> str:
-  """The tail of a MissingDataError message: what the downloads tried, or that none was made."""
+def missing(message: str, errors: list[str], download: bool) -> MissingDataError:
+  """`message` and what the downloads tried, or that none was made."""
   if errors:
-    return "\nDownload attempts:\n  " + "\n  ".join(errors)
-  return "" if download else "\nDownloading was disabled."
+    return MissingDataError(message + "\nDownload attempts:\n  " + "\n  ".join(errors))
+  return MissingDataError(message + ("" if download else "\nDownloading was disabled."))
 
 
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -155,7 +151,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       download_dir=os.fspath(dl_manager.download_dir),
       download=self._allow_download,
     )
-    self.info.metadata[FINGERPRINT_KEY] = fingerprint(source.paths())
+    self.info.metadata[store.FINGERPRINT_KEY] = store.fingerprint(source.paths())
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
 
@@ -169,7 +165,7 @@ def current_fingerprint(
     source = locate(manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False)
   except MissingDataError:
     return None
-  return fingerprint(source.paths())
+  return store.fingerprint(source.paths())
 
 
 def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
@@ -200,7 +196,7 @@ def remove_stale_builds(data_path: str) -> None:
 def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> SourceBuilder:
   builder = cls(config=config, data_dir=data_dir, download=download)
   if builder.is_prepared():
-    recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
+    recorded = builder.info.metadata.get(store.FINGERPRINT_KEY) if builder.info.metadata else None
     current = current_fingerprint(builder.locate, manual_dir, download_dir)
     if current is not None and current != recorded:
       what = f"{builder.data_path} was built from other source files than the ones found now"
@@ -226,3 +222,48 @@ def zip_members(path: str, filename: str) -> set[str]:
       f"{path} is not a readable zip file ({e}); it is probably truncated: "
       f"delete it and fetch {filename} again."
     ) from e
+
+
+class Source:
+  """A dataset's files: members `<prefix><file>` of the zip `zip_path`, or `<folder>/<file>`."""
+
+  def __init__(self, zip_name: str, files, *, zip_path=None, folder=None, prefix=""):
+    assert (zip_path is None) != (folder is None)
+    self.zip_name, self.files, self.zip_path, self.folder = zip_name, files, zip_path, folder
+    self.prefix = prefix
+    if zip_path is not None:
+      names = zip_members(zip_path, zip_name)
+      lacks = [prefix + f for f in files if prefix + f not in names]
+      if lacks:
+        raise MissingDataError(f"{zip_path} lacks {', '.join(lacks)}; it is not {zip_name}.")
+
+  def name(self, file: str) -> str:
+    if self.zip_path is None:
+      return os.path.join(self.folder, file)
+    return f"{self.zip_path}:{self.prefix}{file}"
+
+  def paths(self) -> list[str]:
+    """The files this source reads (for its fingerprint)."""
+    return [self.zip_path] if self.zip_path else [self.name(f) for f in self.files]
+
+  def size(self, file: str) -> int:
+    if self.zip_path is None:
+      return os.path.getsize(self.name(file))
+    with zipfile.ZipFile(self.zip_path) as zf:
+      return zf.getinfo(self.prefix + file).file_size
+
+  @contextlib.contextmanager
+  def open(self, file: str):
+    """The file, binary; a damaged zip is a CorruptArchiveError naming it."""
+    try:
+      if self.zip_path is None:
+        with open(self.name(file), "rb") as f:
+          yield f
+      else:
+        with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.prefix + file) as f:
+          yield f
+    except ZIP_ERRORS as e:
+      raise CorruptArchiveError(
+        f"{self.name(file)} cannot be decompressed ({e}); the zip is damaged: delete it and "
+        f"fetch {self.zip_name} again."
+      ) from e

@@ -21,7 +21,7 @@ from aft_jax import files
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
-# summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
+# summary.json key (and TFDS metadata key) of the source files' fingerprint (``fingerprint``).
 FINGERPRINT_KEY = "source_fingerprint"
 # summary.json key of the version of the builder that made it (``BUILDERS``; absent: 1).
 VERSION_KEY = "builder_version"

@@ -122,7 +122,7 @@ def write_zip(directory: str, variant: str, contents=None, *, skip=()) -> str:
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(f"{archive.folder}/", b"")
     for split, data in _split_files(variant, contents, skip).items():
-      zf.writestr(archive.member(split), data)
+      zf.writestr(f"{archive.folder}/{archive.split_file(split)}", data)
   return path
 
 
