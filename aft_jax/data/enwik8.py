@@ -152,9 +152,3 @@ class Enwik8(sources.SourceBuilder):
   def _generate_examples(self, source: sources.Source, split: str):
     for i, chunk in enumerate(chunks(source, split)):
       yield i, {"bytes": chunk}
-
-
-def build(*, data_dir: str, manual_dir: str | None = None, download: bool = True) -> Enwik8:
-  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
-  `{'bytes': bytes}`."""
-  return sources.build(Enwik8, "bytes", data_dir=data_dir, manual_dir=manual_dir, download=download)

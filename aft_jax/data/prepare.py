@@ -157,12 +157,10 @@ def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=Tr
   from aft_jax.data import enwik8, sources, wikitext103  # pylint: disable=g-import-not-at-top
 
   if cfg.dataset == "enwik8":
-    build, locate, write = enwik8.build, enwik8.locate_source, _write_enwik8
+    cls, config, locate, write = enwik8.Enwik8, "bytes", enwik8.locate_source, _write_enwik8
   else:
-    variant = resolve_variant(cfg.tokenizer, cfg.variant)
-    build = lambda **kw: wikitext103.build(variant, **kw)  # noqa: E731
-    locate = functools.partial(wikitext103.locate_source, variant)
-    write = _write_wikitext103
+    cls, config = wikitext103.Wikitext103, resolve_variant(cfg.tokenizer, cfg.variant)
+    locate, write = functools.partial(wikitext103.locate_source, config), _write_wikitext103
   out, manual_dir = prepared_path(data_dir, cfg), cfg.manual_dir or None
   downloads = os.path.join(data_dir, "tfds", "downloads")
   with store.lock(out, os.path.basename(out)):
@@ -173,9 +171,16 @@ def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=Tr
     if not progress:
       tfds.disable_progress_bar()  # TFDS's own bars
     tfds_dir = os.path.join(data_dir, "tfds")
-    builder = build(data_dir=tfds_dir, manual_dir=manual_dir, download=download)
+    builder = sources.build(
+      cls, config, data_dir=tfds_dir, manual_dir=manual_dir, download=download
+    )
     store.start(out)
-    return out, write(builder, out, cfg, progress)
+    summary = write(builder, out, cfg, progress)
+    key = store.FINGERPRINT_KEY
+    recorded = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
+    summary.update(recorded, **{store.VERSION_KEY: store.version(cfg.dataset)})
+    store.finish(out, summary)
+    return out, summary
 
 
 def _write_wikitext103(builder, out, cfg, progress) -> dict:
@@ -183,7 +188,6 @@ def _write_wikitext103(builder, out, cfg, progress) -> dict:
 
   tokenizer, vocab_size = cfg.tokenizer, cfg.vocab_size
   variant = resolve_variant(tokenizer, cfg.variant)
-
   train = _articles(builder, "train", progress)
   if tokenizer == "subword":
     vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
@@ -214,17 +218,7 @@ def _write_wikitext103(builder, out, cfg, progress) -> dict:
   extra = {"bytes": num_bytes} if num_bytes else {}
   name = corpus_name(variant, tokenizer, vocab_size)
   info = {"name": name, "variant": variant, "tokenizer": tokenizer, "lines": lines}
-  store.finish(
-    out, {**summary, **info, **extra, "official": real, **recorded, **_fingerprint_of(builder)}
-  )
-  return summary
-
-
-def _fingerprint_of(builder) -> dict:
-  """What summary.json records of a TFDS build."""
-  key = store.FINGERPRINT_KEY
-  out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
-  return {**out, store.VERSION_KEY: store.version(builder.name)}
+  return {**summary, **info, **extra, "official": real, **recorded}
 
 
 def _write_enwik8(builder, out, cfg, progress) -> dict:
@@ -253,10 +247,14 @@ def _write_enwik8(builder, out, cfg, progress) -> dict:
       f"{enwik8.NUM_BYTES:,}",
       tokens,
     )
-  summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
-  info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
-  store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
-  return summary
+  official = real and official is not False
+  return {
+    "vocab_size": 256,
+    "tokens": tokens,
+    "name": ENWIK8_NAME,
+    "tokenizer": "byte",
+    "official": official,
+  }
 
 
 def _parse(argv):

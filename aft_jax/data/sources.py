@@ -213,17 +213,6 @@ def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> 
   return builder
 
 
-def zip_members(path: str, filename: str) -> set[str]:
-  try:
-    with zipfile.ZipFile(path) as zf:
-      return set(zf.namelist())
-  except (*ZIP_ERRORS, OSError) as e:
-    raise CorruptArchiveError(
-      f"{path} is not a readable zip file ({e}); it is probably truncated: "
-      f"delete it and fetch {filename} again."
-    ) from e
-
-
 class Source:
   """A dataset's files: members `<prefix><file>` of the zip `zip_path`, or `<folder>/<file>`."""
 
@@ -232,7 +221,14 @@ class Source:
     self.zip_name, self.files, self.zip_path, self.folder = zip_name, files, zip_path, folder
     self.prefix = prefix
     if zip_path is not None:
-      names = zip_members(zip_path, zip_name)
+      try:
+        with zipfile.ZipFile(zip_path) as zf:
+          names = set(zf.namelist())
+      except (*ZIP_ERRORS, OSError) as e:
+        raise CorruptArchiveError(
+          f"{zip_path} is not a readable zip file ({e}); it is probably truncated: "
+          f"delete it and fetch {zip_name} again."
+        ) from e
       lacks = [prefix + f for f in files if prefix + f not in names]
       if lacks:
         raise MissingDataError(f"{zip_path} lacks {', '.join(lacks)}; it is not {zip_name}.")

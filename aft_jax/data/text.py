@@ -326,14 +326,9 @@ def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray
   return chunks, num_bytes
 
 
-# summary.json's mark of a corpus that kept each split's document ends (documents_file).
+# summary.json's mark of a corpus that kept each split's document ends, `<split>-documents.npy`:
+# uint32[documents], the offset past each document's boundary.
 DOCUMENTS_KEY = "document_ends"
-
-
-def documents_file(split: str) -> str:
-  """The store name of a split's document ends: uint32[documents], the offset past each
-  document's boundary."""
-  return f"{split}-documents"
 
 
 def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
@@ -364,7 +359,7 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
           f"the {split} split has {ends[-1]:,} tokens, more than the 2**32 a prepared text "
           "corpus can index: split the files into several corpora"
         )
-      documents[split] = store.write_tokens(out, documents_file(split), [ends])
+      documents[split] = store.write_tokens(out, f"{split}-documents", [ends])
     summary = {
       "name": os.path.basename(out),
       "tokenizer": cfg.tokenizer,

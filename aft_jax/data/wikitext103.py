@@ -149,19 +149,16 @@ def locate_source(
   )
 
 
-@dataclasses.dataclass
-class Wikitext103Config(tfds.core.BuilderConfig):
-  """Selects the tokenised (`v1`) or raw (`raw_v1`) release."""
-
-
 class Wikitext103(sources.SourceBuilder):
   """WikiText-103, one example per article, in file order."""
 
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "One example per article; texts concatenate to the official files."}
   BUILDER_CONFIGS = [
-    Wikitext103Config(name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."),
-    Wikitext103Config(
+    tfds.core.BuilderConfig(
+      name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."
+    ),
+    tfds.core.BuilderConfig(
       name="raw_v1", description="wikitext-103-raw-v1: the same text without <unk>."
     ),
   ]
@@ -189,13 +186,3 @@ class Wikitext103(sources.SourceBuilder):
   def _generate_examples(self, source: sources.Source, split: str):
     for i, text in enumerate(split_articles(lines(source, split))):
       yield i, {"text": text}
-
-
-def build(
-  variant: str, *, data_dir: str, manual_dir: str | None = None, download: bool = True
-) -> Wikitext103:
-  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
-  `{'text': bytes}` (UTF-8)."""
-  return sources.build(
-    Wikitext103, variant, data_dir=data_dir, manual_dir=manual_dir, download=download
-  )

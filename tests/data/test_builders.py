@@ -9,7 +9,7 @@ import pytest
 
 from tests.support import fake_enwik8 as fe
 from tests.support import fake_wikitext as fw
-from aft_jax.data import enwik8, sources, store
+from aft_jax.data import enwik8, prepare, sources, store
 from aft_jax.data import wikitext103 as wt
 
 SPLITS = sources.SPLITS
@@ -24,10 +24,10 @@ def _no_network(monkeypatch, tmp_path):
 
 
 def _build(tmp_path, variant, manual_dir, download=False):
-  kw = dict(data_dir=str(tmp_path / "tfds"), manual_dir=manual_dir and str(manual_dir))
+  kw = dict(data_dir=str(tmp_path / "data" / "tfds"), manual_dir=manual_dir and str(manual_dir))
   if variant == "enwik8":
-    return enwik8.build(**kw, download=download)
-  return wt.build(variant, **kw, download=download)
+    return sources.build(enwik8.Enwik8, "bytes", **kw, download=download)
+  return sources.build(wt.Wikitext103, variant, **kw, download=download)
 
 
 def _records(builder, split):
@@ -196,19 +196,22 @@ DAMAGED = {
 
 
 @pytest.mark.parametrize("variant, case", sorted(DAMAGED))
-def test_damaged_source_is_one_error_and_nothing_is_built(tmp_path, monkeypatch, variant, case):
+def test_damaged_source_is_one_error_and_nothing_is_prepared(tmp_path, monkeypatch, variant, case):
   manual = tmp_path / "manual"
   (_enwik8_case if variant == "enwik8" else _wikitext_case)(case, manual, monkeypatch)
   error, message = DAMAGED[variant, case]
+  dataset = ["enwik8"] if variant == "enwik8" else ["wikitext103", "--variant", variant]
+  flags = ["--manual_dir", str(manual), "--data_dir", str(tmp_path / "data"), "--nodownload"]
   with pytest.raises(error, match=message) as info:
-    _build(tmp_path, variant, manual)
+    prepare.main(["--dataset", *dataset, *flags, "--quiet"])
   msg = str(info.value)
   assert isinstance(info.value, ValueError) and str(manual) in msg
   assert "\n" not in msg or case == "missing"  # the missing case lists what it tried
   config = "bytes" if variant == "enwik8" else variant
   name = "enwik8" if variant == "enwik8" else "wikitext103"
-  assert not (tmp_path / "tfds" / name / config / "1.0.0").exists()
-  assert not list((tmp_path / "tfds").rglob("*incomplete*"))
+  assert not (tmp_path / "data" / "tfds" / name / config / "1.0.0").exists()
+  assert not list((tmp_path / "data" / "tfds").rglob("*incomplete*"))
+  assert not list((tmp_path / "data").rglob(store.MARKER))  # nothing prepared
   if case == "missing":
     assert "enwik8.zip" in msg and os.path.join(str(manual), "enwik8") in msg
     assert "Downloading was disabled" in msg and "--manual_dir" in msg
@@ -235,7 +238,7 @@ def test_wikitext_missing_everything_names_the_file_and_place(tmp_path):
   assert "Downloading was disabled" in msg and "--manual_dir" in msg
   with pytest.raises(sources.MissingDataError, match="downloads/manual"):  # TFDS's default
     _build(tmp_path, "v1", None)
-  assert not (tmp_path / "tfds" / "wikitext103" / "raw_v1" / "1.0.0").exists()
+  assert not (tmp_path / "data" / "tfds" / "wikitext103" / "raw_v1" / "1.0.0").exists()
 
 
 @pytest.mark.parametrize("variant", ["v1", "enwik8"])
@@ -256,7 +259,7 @@ def test_download_tries_mirrors_in_turn_and_checks_the_sha256(tmp_path, monkeypa
   builder = _build(tmp_path, variant, None, download=True)
   want = fe.content(N)[-250:] if variant == "enwik8" else fw.split_text("test", raw=False).encode()
   assert b"".join(_records(builder, "test")) == want
-  downloads = tmp_path / "tfds" / "downloads"
+  downloads = tmp_path / "data" / "tfds" / "downloads"
   assert [p.name for p in downloads.iterdir() if p.is_file()] == [os.path.basename(good)]
   assert sources.sha256_of(str(downloads / os.path.basename(good))) == sources.sha256_of(good)
   if variant == "v1":  # all mirrors failing: the error lists each attempt

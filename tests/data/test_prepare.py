@@ -100,25 +100,17 @@ def test_word_ids_follow_the_protocol(tmp_path, capsys, variant):
     assert "<unk>" in [c.vocab.tokens[i] for i in c.splits["test"]]  # 'Herons' is not in train
 
 
-def test_byte_tokenizer_uses_raw_text(tmp_path):
+def test_byte_tokenizer_reads_the_raw_text_and_load_corpus_prepares_it(tmp_path):
   fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  summary = _run(tmp_path, "--tokenizer", "byte")
+  c = corpus_lib.load_corpus(_data_config(tmp_path, "byte", "v1"))  # not prepared yet
+  assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
+  assert c.bos_id == ord("\n")
   raw = {s: fw.split_text(s, raw=True).encode("utf-8") for s in SPLITS}
-  assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
-  c = corpus_lib.load_prepared(_path(tmp_path, "wikitext103-raw_v1-byte"))
-  assert c.unit == "byte" and c.bos_id == ord("\n")
   for s in SPLITS:
     assert c.splits[s].astype(np.uint8).tobytes() == raw[s]
   assert not os.path.exists(os.path.join(_path(tmp_path, "wikitext103-raw_v1-byte"), "vocab.txt"))
-
-
-def test_rerun_reuses_without_source_or_tfds(tmp_path, monkeypatch, capsys):
-  fw.write_extracted(str(tmp_path / "manual"), "v1")
-  first, path = _run(tmp_path), _path(tmp_path)
-  mtimes = {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)}
-  monkeypatch.setattr(wikitext103, "build", None)  # never built again
-  assert _run(tmp_path) == first
-  assert {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)} == mtimes
+  summary = _run(tmp_path, "--tokenizer", "byte")  # the same folder: reused
+  assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
 
 
 def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch):
@@ -148,22 +140,17 @@ def _data_config(tmp_path, tokenizer: str, variant: str):
   return DataConfig(dataset="wikitext103", tokenizer=tokenizer, variant=variant, **folders)
 
 
-def test_partial_npy_is_never_visible(tmp_path):
+def test_a_split_is_written_as_numpy_saves_it_and_a_partial_one_is_never_visible(tmp_path):
   path = str(tmp_path / "p")
   store.start(path)
 
-  def chunks():
+  def crashing():
     yield np.arange(5, dtype=np.uint32)
     raise RuntimeError("crash while encoding")
 
   with pytest.raises(RuntimeError):
-    store.write_tokens(path, "train", chunks())
+    store.write_tokens(path, "train", crashing())
   assert os.listdir(path) == []
-
-
-def test_a_split_is_written_as_numpy_saves_it(tmp_path):
-  path = str(tmp_path / "p")
-  store.start(path)
   chunks = [np.arange(5, dtype=np.uint32), np.frombuffer(b"ab", np.uint8), np.zeros(0, np.uint32)]
   assert store.write_tokens(path, "train", chunks) == 7
   np.save(tmp_path / "want.npy", np.concatenate([c.astype(np.uint32) for c in chunks]))
@@ -217,14 +204,6 @@ def test_aft_prepare_on_a_full_disk_is_one_line(tmp_path):
   assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
 
 
-def test_load_corpus_prepares_when_missing(tmp_path):
-  fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  c = corpus_lib.load_corpus(_data_config(tmp_path, "byte", "v1"))
-  assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
-  assert set(c.splits) == set(SPLITS)
-  assert c.vocab.decode(c.splits["validation"]) == fw.split_text("validation", raw=True)
-
-
 def _patch_official(monkeypatch, summary, lines):
   monkeypatch.setattr(prepare, "OFFICIAL_VOCAB_SIZE", summary["vocab_size"])
   monkeypatch.setattr(prepare, "OFFICIAL_TOKENS", dict(summary["tokens"]))
@@ -257,13 +236,6 @@ def test_official_counts_are_checked_where_the_files_look_official(tmp_path, mon
   assert not store.is_complete(_path(tmp_path))
 
 
-def test_bad_source_data_propagates(tmp_path):
-  fw.write_extracted(str(tmp_path / "manual"), "v1", {"test": b""})
-  with pytest.raises(sources.BadSplitFileError, match="empty"):
-    _run(tmp_path)
-  assert not os.path.exists(_path(tmp_path))
-
-
 def test_pydoc_cli(capsys):
   summary = prepare.main(["--dataset", "pydoc"])
   c = corpus_lib.pydoc_corpus("byte")
@@ -272,10 +244,16 @@ def test_pydoc_cli(capsys):
 
 
 @pytest.mark.parametrize("keep_prepared", [True, False])
-def test_changed_source_is_prepared_again(tmp_path, keep_prepared):
-  """Neither prepared/ nor the TFDS build under tfds/ is reused once the source changed."""
+def test_a_rerun_reuses_but_not_once_the_source_changed(tmp_path, monkeypatch, keep_prepared):
+  """A rerun rebuilds nothing; neither prepared/ nor the TFDS build under tfds/ is reused once
+  the source changed."""
   fw.write_extracted(str(tmp_path / "manual"), "v1")
   first, path = _run(tmp_path), _path(tmp_path)
+  mtimes = {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)}
+  with monkeypatch.context() as m:
+    m.setattr(sources, "build", None)  # never built again
+    assert _run(tmp_path) == first
+  assert {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)} == mtimes
   if not keep_prepared:
     shutil.rmtree(path)
   extra = " = Added = \n \n a new line of test text . \n"
@@ -341,16 +319,22 @@ def _enwik8_path(tmp_path, data="data"):
   return store.prepared_dir(str(tmp_path / data), prepare.ENWIK8_NAME)
 
 
-def test_prepare_prints_counts_and_warns_custom(tmp_path, capsys, caplog):
+def test_enwik8_prints_counts_warns_custom_and_defaults_to_the_trainer_data_dir(
+  tmp_path, monkeypatch, capsys, caplog
+):
+  """`aft-prepare` without --data_dir writes where `aft-train` looks when data_dir is ''."""
   data = fe.content(N)
   fe.write_zip(str(tmp_path / "manual"), data)
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
   with caplog.at_level(logging.WARNING):
-    summary = _prepare_enwik8(tmp_path)
-  assert summary == EXPECTED
-  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == EXPECTED
+    assert _prepare_enwik8(tmp_path, data_dir=False) == EXPECTED
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1]) == EXPECTED
   assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
-  assert store.read_summary(_enwik8_path(tmp_path))["official"] is False
-  c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", data_dir=str(tmp_path / "data")))
+  path = _enwik8_path(tmp_path, "cache")
+  assert store.is_complete(path) and path in err and not store.read_summary(path)["official"]
+  monkeypatch.setattr(sources, "build", None)  # reused: never built again
+  c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", manual_dir=str(tmp_path / "manual")))
   assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256 and c.bos_id == 10
   assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == data
 
@@ -476,20 +460,6 @@ def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_p
     assert _prepare_enwik8(tmp_path) == EXPECTED
   assert "validation.npy" in caplog.text and "preparing it again" in caplog.text
   _assert_bytes_right(path)
-
-
-def test_cli_defaults_to_the_trainer_data_dir(fake_file, tmp_path, monkeypatch, capsys):
-  """`aft-prepare` without --data_dir writes where `aft-train` looks when data_dir is ''."""
-  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
-  assert _prepare_enwik8(tmp_path, data_dir=False) == EXPECTED
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1]) == EXPECTED
-  path = _enwik8_path(tmp_path, "cache")
-  assert store.is_complete(path) and path in err
-  monkeypatch.setattr(enwik8, "build", None)  # reused: never built again
-  cfg = DataConfig(dataset="enwik8", data_dir="", manual_dir=str(tmp_path / "manual"))
-  c = corpus_lib.load_corpus(cfg)
-  assert int(c.splits["test"].size) == N // 20
 
 
 @pytest.mark.parametrize("when", ["before_the_first_build", "beside_a_finished_build"])

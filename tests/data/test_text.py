@@ -85,22 +85,6 @@ def test_encoding_reads_files_that_are_not_utf8(tmp_path):
   assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
 
 
-@pytest.mark.parametrize(
-  "name, content, message",
-  [
-    ("empty.txt", b"", r"empty\.txt is empty \(no text\)"),
-    ("blank.txt", b"  \n\n", r"blank\.txt is empty \(no text\)"),
-    ("latin.txt", b"caf\xe9\n", r"latin\.txt is not utf-8 text \(byte 3: .*config\.data\.encoding"),
-    ("binary.txt", b"\x00\x01\x02abc", r"binary\.txt is not text \(it holds NUL bytes\)"),
-  ],
-)
-def test_a_bad_file_is_one_line_naming_it(docs, tmp_path, name, content, message):
-  (docs / name).write_bytes(content)
-  with pytest.raises(text.TextError, match=message) as e:
-    _load(tmp_path, train_files=f"{docs}/*.py,{docs}/{name}")
-  assert "\n" not in str(e.value)
-
-
 def test_globs_and_splits_that_give_nothing_are_one_line_naming_the_key(docs, tmp_path):
   with pytest.raises(text.TextError, match=r"config\.data\.valid_files: '.*nothing\*' matches no"):
     _load(tmp_path, train_files=str(docs / "*.py"), valid_files=str(tmp_path / "nothing*"))
@@ -360,6 +344,10 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
 @pytest.mark.parametrize(
   "name, content, message",
   [
+    ("empty.txt", b"", r"empty\.txt is empty \(no text\)"),
+    ("blank.txt", b"  \n\n", r"blank\.txt is empty \(no text\)"),
+    ("latin.txt", b"caf\xe9\n", r"latin\.txt is not utf-8 text \(byte 3: .*config\.data\.encoding"),
+    ("binary.txt", b"\x00\x01\x02abc", r"binary\.txt is not text \(it holds NUL bytes\)"),
     (
       "a.jsonl",
       '{"text": "ok"}\n{"text": "cut\n',
@@ -387,7 +375,7 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
     ("m.parquet", {"text": ["a", "b", "c\0"]}, r"m\.parquet row group 1 row 0: 'text' holds a NUL"),
   ],
 )
-def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(
+def test_a_bad_file_or_record_is_one_line_naming_file_and_line_or_row_group(
   docs, tmp_path, name, content, message
 ):
   path = docs / name
