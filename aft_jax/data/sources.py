@@ -1,6 +1,6 @@
-"""What the dataset builders share: errors (``DataError``, a ValueError, one line naming the
-file), checksums, downloads, and builds that are made again when their source files change
-(``build``; docs/data.md, "Where the data goes")."""
+"""What the dataset builders share: a ``Source`` (zip members or extracted files), errors
+(``DataError``, a ValueError, one line naming the file), checksums, downloads, and builds that are
+made again when their source files change (``build``; docs/data.md, "Where the data goes")."""
 
 from __future__ import annotations
 
@@ -51,11 +51,8 @@ class BadSplitFileError(DataError):
 
 
 def sha256_of(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> None:
@@ -171,45 +168,35 @@ def current_fingerprint(
 def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
   """Builds (or reuses) `cls`'s dataset under `data_dir`; returns the builder. A build from
   other source files than the ones found now is built again. One build at a time (under the lock
-  `<data_dir>/<name>/<config>/<version>.lock`), after removing killed builds' folders."""
+  `<data_dir>/<name>/<config>/<version>.lock`), after removing the `incomplete.<random>_<version>/`
+  folders of killed builds (under the lock none is live)."""
   download_dir = os.path.join(data_dir, "downloads")
   data_path = os.path.join(data_dir, cls.name, config, str(cls.VERSION))
-  with store.lock(data_path, f"the TFDS build {data_path}"):
-    remove_stale_builds(data_path)
-    # Made under the lock: a builder made before it would not see a build finished meanwhile.
-    builder = _build_locked(cls, config, data_dir, manual_dir, download, download_dir)
-  assert os.path.abspath(builder.data_path) == os.path.abspath(data_path), builder.data_path
-  return builder
-
-
-def remove_stale_builds(data_path: str) -> None:
-  """Deletes the `incomplete.<random>_<version>/` folders TFDS's killed builds of `data_path` left
-  beside it (under `data_path`'s lock: then none is live)."""
   parent, version = os.path.split(data_path)
   stale = re.compile(re.escape(INCOMPLETE_PREFIX) + r"[A-Za-z0-9]+_" + re.escape(version))
-  names = os.listdir(parent) if os.path.isdir(parent) else []
-  for name in sorted(n for n in names if stale.fullmatch(n)):
-    log.warning("Removing %s, left by a build that did not finish.", os.path.join(parent, name))
-    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> SourceBuilder:
-  builder = cls(config=config, data_dir=data_dir, download=download)
-  if builder.is_prepared():
-    recorded = builder.info.metadata.get(store.FINGERPRINT_KEY) if builder.info.metadata else None
-    current = current_fingerprint(builder.locate, manual_dir, download_dir)
-    if current is not None and current != recorded:
-      what = f"{builder.data_path} was built from other source files than the ones found now"
-      log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
-      shutil.rmtree(os.fspath(builder.data_path))
-      builder = cls(config=config, data_dir=data_dir, download=download)
-  builder.download_and_prepare(
-    download_dir=download_dir,
-    # try_download_gcs: never look for a prebuilt copy on GCS
-    download_config=tfds.download.DownloadConfig(
-      manual_dir=manual_dir or None, try_download_gcs=False
-    ),
-  )
+  with store.lock(data_path, f"the TFDS build {data_path}"):
+    for name in sorted(filter(stale.fullmatch, os.listdir(parent))):
+      log.warning("Removing %s, left by a build that did not finish.", os.path.join(parent, name))
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    # Made under the lock: a builder made before it would not see a build finished meanwhile.
+    builder = cls(config=config, data_dir=data_dir, download=download)
+    if builder.is_prepared():
+      metadata = builder.info.metadata or {}
+      recorded = metadata.get(store.FINGERPRINT_KEY)
+      current = current_fingerprint(builder.locate, manual_dir, download_dir)
+      if current is not None and current != recorded:
+        what = f"{data_path} was built from other source files than the ones found now"
+        log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
+        shutil.rmtree(data_path)
+        builder = cls(config=config, data_dir=data_dir, download=download)
+    builder.download_and_prepare(
+      download_dir=download_dir,
+      # try_download_gcs: never look for a prebuilt copy on GCS
+      download_config=tfds.download.DownloadConfig(
+        manual_dir=manual_dir or None, try_download_gcs=False
+      ),
+    )
+  assert os.path.abspath(builder.data_path) == os.path.abspath(data_path), builder.data_path
   return builder
 
 

@@ -436,8 +436,8 @@ def test_a_lock_held_elsewhere_is_waited_for(fake_file, tmp_path):
   assert os.listdir(tmp_path / "prepared") == ["x.lock"]  # never a folder of its own
 
 
-# Where the cut falls: inside the ids, inside the .npy header, nothing left, or no file.
-CUTS = {"ids": lambda n: n - 100, "header": lambda n: 50, "empty": lambda n: 0, "missing": None}
+# Where the cut falls (inside the ids, the .npy header, nothing left, no file), or a zero id more.
+CUTS = {"ids": -100, "header": 50, "empty": 0, "missing": None, "longer": 4}  # size, or change
 
 
 @pytest.mark.parametrize("cut", sorted(CUTS))
@@ -448,7 +448,8 @@ def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_p
   if cut == "missing":
     os.remove(split)
   else:
-    os.truncate(split, CUTS[cut](os.path.getsize(split)))
+    size = CUTS[cut] if cut in ("header", "empty") else os.path.getsize(split) + CUTS[cut]
+    os.truncate(split, size)
   with pytest.raises(store.DamagedCorpusError) as info:
     corpus_lib.load_prepared(path)
   msg = str(info.value)
