@@ -20,14 +20,7 @@ import numpy as np
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import (
-  DATASETS,
-  OFFICIAL,
-  TOKENIZERS,
-  DataConfig,
-  resolve_data_dir,
-)
-from aft_jax.data import vocab as vocab_lib
+from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, DataConfig, resolve_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +30,7 @@ OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 # Lines per split file (identical in both releases); how real data is recognised.
 OFFICIAL_LINES = {"train": 1_801_350, "validation": 3_760, "test": 4_358}
 
-SPLITS = ("train", "validation", "test")
+SPLITS = store.SPLITS
 # --official / config.data.official -> the `official` argument of the prepare functions.
 OFFICIAL_CHOICES = dict(zip(OFFICIAL, (None, True, False)))
 ENWIK8_NAME = "enwik8-byte"
@@ -184,18 +177,13 @@ def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=Tr
 
 
 def _write_wikitext103(builder, out, cfg, progress) -> dict:
-  from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
+  from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
   tokenizer, vocab_size = cfg.tokenizer, cfg.vocab_size
   variant = resolve_variant(tokenizer, cfg.variant)
-  train = _articles(builder, "train", progress)
-  if tokenizer == "subword":
-    vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
-  elif tokenizer == "word":
-    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
-    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(train), add_unk=variant == "raw_v1")
-  else:
-    vocab = vocab_lib.ByteVocab()
+  train, what = _articles(builder, "train", progress), f"the WikiText-103 {variant} train split"
+  # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
+  vocab = text.learn_vocab(cfg, train, what, add_unk=variant == "raw_v1")
   recorded = text.save_vocab(vocab, out)
   tokens, lines, num_bytes = {}, {}, {}
   for split in SPLITS:

@@ -25,7 +25,7 @@ from aft_jax.data import store
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
+SPLITS = store.SPLITS
 # Errors zipfile raises on a truncated or damaged archive.
 ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
 

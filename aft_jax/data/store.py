@@ -20,6 +20,7 @@ from aft_jax import files
 
 log = logging.getLogger(__name__)
 
+SPLITS = ("train", "validation", "test")
 MARKER = "COMPLETE"
 # summary.json key (and TFDS metadata key) of the source files' fingerprint (``fingerprint``).
 FINGERPRINT_KEY = "source_fingerprint"

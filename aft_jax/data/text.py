@@ -22,7 +22,7 @@ from aft_jax.data.config import DataConfig
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
+SPLITS = store.SPLITS
 _KEYS = {"train": "train_files", "validation": "valid_files", "test": "test_files"}
 
 
@@ -296,13 +296,14 @@ def source_files(cfg: DataConfig) -> dict[str, dict[str, str]]:
   return {s: {path: store.file_digest(path) for path in files[s]} for s in SPLITS}
 
 
-def learn_vocab(cfg: DataConfig, documents) -> vocab_lib.Vocab:
-  """The vocabulary of ``cfg.tokenizer`` learned on the train split's ``documents``."""
+def learn_vocab(cfg: DataConfig, documents, what: str = "", add_unk=True) -> vocab_lib.Vocab:
+  """The vocabulary of ``cfg.tokenizer`` learned on ``documents``, the train split (``what``)."""
   if cfg.tokenizer == "byte":
     return vocab_lib.ByteVocab()
   if cfg.tokenizer == "word":
-    return vocab_lib.WordVocab.build(vocab_lib.count_words(documents), add_unk=True)
-  return subword.train(documents, cfg.vocab_size, what="the train split (config.data.train_files)")
+    return vocab_lib.WordVocab.build(vocab_lib.count_words(documents), add_unk=add_unk)
+  what = what or "the train split (config.data.train_files)"
+  return subword.train(documents, cfg.vocab_size, what=what)
 
 
 def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:

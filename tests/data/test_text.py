@@ -85,26 +85,29 @@ def test_encoding_reads_files_that_are_not_utf8(tmp_path):
   assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
 
 
-def test_globs_and_splits_that_give_nothing_are_one_line_naming_the_key(docs, tmp_path):
-  with pytest.raises(text.TextError, match=r"config\.data\.valid_files: '.*nothing\*' matches no"):
-    _load(tmp_path, train_files=str(docs / "*.py"), valid_files=str(tmp_path / "nothing*"))
-  with pytest.raises(text.TextError, match=r"train_files: '.*missing\.txt' matches no file"):
-    _load(tmp_path, train_files=str(tmp_path / "missing.txt"))
-  with pytest.raises(text.TextError, match="matches 2 file.*leaves none to train on"):
-    _load(tmp_path, train_files=f"{docs}/__init__.py,{docs}/tool.py")
-  with pytest.raises(ValueError, match=r"config\.data\.train_files is empty"):
-    _load(tmp_path, train_files="")
-  with pytest.raises(ValueError, match=r"config\.data\.encoding = 'klingon' is not an encoding"):
-    _load(tmp_path, train_files=str(docs / "*.py"), encoding="klingon")
+# The settings of a text corpus that give none: (config.data, given docs/ of five .py files).
+SETTINGS = [
+  ({"valid_files": "{tmp}/nothing*"}, r"config\.data\.valid_files: '.*nothing\*' matches no"),
+  ({"train_files": "{tmp}/missing.txt"}, r"train_files: '.*missing\.txt' matches no file"),
+  ({"train_files": "{docs}/__init__.py,{docs}/tool.py"}, "matches 2 file.*leaves none to train on"),
+  ({"train_files": ""}, r"config\.data\.train_files is empty"),
+  ({"encoding": "klingon"}, r"config\.data\.encoding = 'klingon' is not an encoding"),
+  ({"tokenizer": "subword", "vocab_size": 50_000}, "vocab_size = 50000 is more pieces than the t"),
+  ({"tokenizer": "subword", "vocab_size": 0}, r"vocab_size = 0 must be in \[300, "),
+]
 
 
-def test_a_vocabulary_size_the_text_cannot_give_is_one_line(docs, tmp_path):
-  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword")
-  with pytest.raises(ValueError, match=r"vocab_size = 50000 is more pieces than the train split"):
-    _load(tmp_path, vocab_size=50_000, **cfg)
-  with pytest.raises(ValueError, match=r"vocab_size = 0 must be in \[300, "):
-    _load(tmp_path, vocab_size=0, **cfg)
-  # Nothing is marked complete after a failed preparation.
+@pytest.mark.parametrize("settings, message", SETTINGS)
+def test_settings_that_give_no_corpus_are_one_line_naming_the_key(
+  docs, tmp_path, settings, message
+):
+  cfg = {"train_files": str(docs / "*.py")}
+  cfg.update(
+    {k: v.format(tmp=tmp_path, docs=docs) if isinstance(v, str) else v for k, v in settings.items()}
+  )
+  with pytest.raises(ValueError, match=message) as e:
+    _load(tmp_path, **cfg)
+  assert "\n" not in str(e.value)
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
 
 
