@@ -56,28 +56,17 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
   cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer, version)
+  from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
+
   data_dir = resolve_data_dir(cfg.data_dir)
+  out = prepare.prepared_path(data_dir, cfg)
+  sources = None
   if cfg.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-    out = store.prepared_dir(data_dir, text.corpus_name(cfg, text.split_files(cfg)))
-    sources = text.source_files(cfg)
-    _on_process_zero(lambda: text.prepare_text(data_dir, cfg))
-    return dataclasses.replace(load_prepared(out), sources=sources)
-  from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
-
-  kwargs = dict(manual_dir=cfg.manual_dir or None, official=prepare.OFFICIAL_CHOICES[cfg.official])
-  if cfg.dataset == "enwik8":
-    name = prepare.ENWIK8_NAME
-    prepare_now = lambda: prepare.prepare_enwik8(data_dir, **kwargs)  # noqa: E731
-  else:
-    variant = prepare.resolve_variant(cfg.tokenizer, cfg.variant)
-    name = prepare.corpus_name(variant, cfg.tokenizer, cfg.vocab_size)
-    prepare_now = lambda: prepare.prepare_wikitext103(  # noqa: E731
-      data_dir, variant=variant, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, **kwargs
-    )
-  _on_process_zero(prepare_now)
-  return load_prepared(store.prepared_dir(data_dir, name))
+    sources = text.source_files(cfg)  # (read before prepare reads the files)
+  _on_process_zero(lambda: prepare.prepare_corpus(data_dir, cfg))
+  return dataclasses.replace(load_prepared(out), sources=sources)
 
 
 def vocab_size(cfg: DataConfig) -> tuple[int, str]:
@@ -91,23 +80,15 @@ def vocab_size(cfg: DataConfig) -> tuple[int, str]:
     return cfg.vocab_size, "config.data.vocab_size"
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
 
-  text_files = None
-  if dataset == "enwik8":
-    name = prepare.ENWIK8_NAME
-  elif dataset == "text":
-    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
-
-    text_files = text.split_files(cfg)
-    name = text.corpus_name(cfg, text_files)
-  else:
-    name = prepare.corpus_name(prepare.resolve_variant(tokenizer, cfg.variant), tokenizer)
-  path = store.prepared_dir(resolve_data_dir(cfg.data_dir), name)
+  path = prepare.prepared_path(resolve_data_dir(cfg.data_dir), cfg)
   if store.is_complete(path):
     return int(store.read_summary(path)["vocab_size"]), f"the prepared corpus in {path}"
-  if text_files is not None and tokenizer == "word":  # only the files know: counted, not written
+  if dataset == "text" and tokenizer == "word":  # only the files know: counted, not written
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
     documents = (
       doc
-      for p in text_files["train"]
+      for p in text.split_files(cfg)["train"]
       for doc in text.read_documents(p, cfg.encoding, cfg.text_field)
     )
     return text.learn_vocab(cfg, documents).size, "the text files (counted, not prepared)"

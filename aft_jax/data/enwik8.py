@@ -4,10 +4,7 @@ docs/data.md, "enwik8", says where the file is looked for and how it is checked.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import zipfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,117 +38,86 @@ def split_ranges(num_bytes: int) -> dict[str, tuple[int, int]]:
   }
 
 
-class Source:
-  """The enwik8 file, inside its zip or unzipped; knows its size without reading it."""
+def open_source(*, zip_path: str | None = None, path: str | None = None) -> sources.Source:
+  """The enwik8 file in its zip or unzipped; a BadSplitFileError when it is too short to split."""
+  if zip_path is None:
+    folder, name = os.path.split(path)
+    source = sources.Source(ZIP_FILENAME, [name], folder=folder)
+  else:
+    source = sources.Source(ZIP_FILENAME, [FILENAME], zip_path=zip_path)
+  size = source.size(source.files[0])
+  if size < HELD_OUT_FRACTION:
+    what = "is empty" if size == 0 else f"has only {size} bytes"
+    raise sources.BadSplitFileError(
+      f"{source.name(source.files[0])} {what}; it needs at least {HELD_OUT_FRACTION} bytes to "
+      f"give every split one byte: put the real {FILENAME} ({NUM_BYTES:,} bytes) there."
+    )
+  return source
 
-  def __init__(self, *, zip_path: str | None = None, path: str | None = None):
-    assert (zip_path is None) != (path is None)
-    self.zip_path, self.path = zip_path, path
-    if zip_path is not None:
-      if FILENAME not in sources.zip_members(zip_path, ZIP_FILENAME):
-        raise sources.MissingDataError(
-          f"{zip_path} lacks the file {FILENAME}; it is not {ZIP_FILENAME}."
+
+def chunks(source: sources.Source, split: str) -> Iterator[bytes]:
+  """The split's bytes in chunks of at most CHUNK_BYTES (DataErrors naming the file)."""
+  file = source.files[0]
+  name, size = source.name(file), source.size(file)
+  start, stop = split_ranges(size)[split]
+  with source.open(file) as f:
+    f.seek(start)  # a zip member seeks forward by decompressing (and CRC-checking) bytes
+    pos = start
+    while pos < stop:
+      chunk = f.read(min(CHUNK_BYTES, stop - pos))
+      if not chunk:
+        raise sources.BadSplitFileError(
+          f"{name} ended at byte {pos:,} instead of {size:,}; it changed while being read: "
+          "prepare again."
         )
-      with zipfile.ZipFile(zip_path) as zf:
-        self.size = zf.getinfo(FILENAME).file_size
-    else:
-      self.size = os.path.getsize(path)
-    if self.size < HELD_OUT_FRACTION:
-      what = "is empty" if self.size == 0 else f"has only {self.size} bytes"
+      pos += len(chunk)
+      yield chunk
+    if stop == size and f.read(1):  # reading to the end also checks a zip's CRC
       raise sources.BadSplitFileError(
-        f"{self.name} {what}; it needs at least {HELD_OUT_FRACTION} bytes to give every split "
-        f"one byte: put the real {FILENAME} ({NUM_BYTES:,} bytes) there."
+        f"{name} is longer than {size:,} bytes; it changed while being read."
       )
-
-  @property
-  def name(self) -> str:
-    return self.path if self.zip_path is None else f"{self.zip_path}:{FILENAME}"
-
-  @property
-  def is_real(self) -> bool:
-    return self.size == NUM_BYTES
-
-  def paths(self) -> list[str]:
-    """The files this source reads (for its fingerprint)."""
-    return [self.zip_path or self.path]
-
-  @contextlib.contextmanager
-  def _open(self) -> Iterator[io.BufferedIOBase]:
-    if self.zip_path is None:
-      with open(self.path, "rb") as f:
-        yield f
-      return
-    with zipfile.ZipFile(self.zip_path) as zf, zf.open(FILENAME) as f:
-      yield f
-
-  def chunks(self, split: str) -> Iterator[bytes]:
-    """The split's bytes in chunks of at most CHUNK_BYTES (DataErrors naming the file)."""
-    start, stop = split_ranges(self.size)[split]
-    try:
-      with self._open() as f:
-        f.seek(start)  # a zip member seeks forward by decompressing (and CRC-checking) bytes
-        pos = start
-        while pos < stop:
-          chunk = f.read(min(CHUNK_BYTES, stop - pos))
-          if not chunk:
-            raise sources.BadSplitFileError(
-              f"{self.name} ended at byte {pos:,} instead of {self.size:,}; it changed while "
-              "being read: prepare again."
-            )
-          pos += len(chunk)
-          yield chunk
-        if stop == self.size and f.read(1):  # reading to the end also checks a zip's CRC
-          raise sources.BadSplitFileError(
-            f"{self.name} is longer than {self.size:,} bytes; it changed while being read."
-          )
-    except sources.ZIP_ERRORS as e:
-      raise sources.CorruptArchiveError(
-        f"{self.name} cannot be decompressed ({e}); the zip is damaged: delete it and fetch "
-        f"{ZIP_FILENAME} again."
-      ) from e
 
 
 def _verify(path: str, download: bool = False) -> None:
   """The official archive's sha256, then (a download) a readable zip holding enwik8."""
   sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
   if download:
-    Source(zip_path=path)
+    open_source(zip_path=path)
 
 
 def locate_source(
   *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
-) -> Source:
+) -> sources.Source:
   """Finds (or downloads) enwik8: manual_dir's zip, manual_dir's file, an earlier download, the
   mirrors; `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint)."""
   candidates = []
   if manual_dir:
-    candidates += [{"zip_path": os.path.join(manual_dir, ZIP_FILENAME)}]
-    candidates += [{"path": os.path.join(manual_dir, FILENAME)}]
+    candidates += [("zip_path", os.path.join(manual_dir, ZIP_FILENAME))]
+    candidates += [("path", os.path.join(manual_dir, FILENAME))]
   if download_dir:
-    candidates += [{"zip_path": os.path.join(download_dir, ZIP_FILENAME)}]
-  for where in candidates:
-    if os.path.isfile(next(iter(where.values()))):
-      source = Source(**where)
-      if verify and source.zip_path is not None and source.is_real:  # a custom size: no sha256
-        _verify(source.zip_path)
+    candidates += [("zip_path", os.path.join(download_dir, ZIP_FILENAME))]
+  for kind, path in candidates:
+    if os.path.isfile(path):
+      source = open_source(**{kind: path})
+      # A custom size has no sha256 to check.
+      if verify and kind == "zip_path" and source.size(FILENAME) == NUM_BYTES:
+        _verify(path)
       return source
   errors = []
   if download_dir and download:
+    verify_download = lambda p: _verify(p, download=True)  # noqa: E731
     path, errors = sources.download(
-      ZIP_FILENAME,
-      MIRRORS,
-      download_dir,
-      num_bytes=ZIP_NUM_BYTES,
-      verify=lambda p: _verify(p, download=True),
+      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=verify_download
     )
     if path is not None:
-      return Source(zip_path=path)
+      return open_source(zip_path=path)
   where = manual_dir or "<manual_dir>"
-  raise sources.MissingDataError(
+  raise sources.missing(
     f"enwik8 not found. Put {ZIP_FILENAME} (sha256 {ZIP_SHA256}, {ZIP_NUM_BYTES:,} bytes, from "
     f"{MIRRORS[0]}) or the unzipped {os.path.join(where, FILENAME)} ({NUM_BYTES:,} bytes) into "
-    f"{where} (manual_dir is set with --manual_dir or cfg.manual_dir)."
-    + sources.download_attempts(errors, download)
+    f"{where} (manual_dir is set with --manual_dir or cfg.manual_dir).",
+    errors,
+    download,
   )
 
 
@@ -180,15 +146,9 @@ class Enwik8(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, **kwargs) -> Source:
+  def locate(self, **kwargs) -> sources.Source:
     return locate_source(**kwargs)
 
-  def _generate_examples(self, source: Source, split: str):
-    for i, chunk in enumerate(source.chunks(split)):
+  def _generate_examples(self, source: sources.Source, split: str):
+    for i, chunk in enumerate(chunks(source, split)):
       yield i, {"bytes": chunk}
-
-
-def build(*, data_dir: str, manual_dir: str | None = None, download: bool = True) -> Enwik8:
-  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
-  `{'bytes': bytes}`."""
-  return sources.build(Enwik8, "bytes", data_dir=data_dir, manual_dir=manual_dir, download=download)

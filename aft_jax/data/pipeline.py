@@ -137,9 +137,9 @@ class TrainIterator:
   """
 
   def __init__(self, dataset, fingerprint: dict, packing: dict | None = None):
-    self._dataset = dataset
-    self._fingerprint = fingerprint
-    self._packing = packing
+    self._dataset, self._fingerprint = dataset, fingerprint
+    # None for stream windows; for packed rows {"rows", "documents", "padding_fraction"}.
+    self.packing = packing
     self._it = self._new_iterator()
 
   def _new_iterator(self):
@@ -158,11 +158,6 @@ class TrainIterator:
 
   def get_state(self) -> dict:
     return {"version": _STATE_VERSION, **self._fingerprint, "grain": self._it.get_state()}
-
-  @property
-  def packing(self) -> dict | None:
-    """None for stream windows; for packed rows {"rows", "documents", "padding_fraction"}."""
-    return self._packing
 
   def check_state(self, state: dict, since: str = "the checkpoint") -> None:
     """Raises a one-line ValueError unless ``state`` (``get_state``'s, of ``since``) can be
@@ -265,22 +260,14 @@ def train_iterator(
   return TrainIterator(ds, fingerprint, packing)
 
 
-@dataclasses.dataclass(frozen=True)
-class _EvalPlan:
-  """Window k predicts tokens [start_k, start_k + L) and counts [lo_k, hi_k)."""
-
-  start: np.ndarray
-  lo: np.ndarray
-  hi: np.ndarray
-
-
-def _eval_plan(n: int, seq_len: int, stride: int | None) -> _EvalPlan:
+def _eval_plan(n: int, seq_len: int, stride: int | None):
+  """(start, lo, hi): window k predicts tokens [start_k, start_k + L) and counts [lo_k, hi_k)."""
   if n <= 0:
     raise ValueError(f"split too short: len(tokens)={n}, nothing to evaluate")
   if stride is None or stride == seq_len:
     # Disjoint windows; the last one is padded.
     start = np.arange(0, n, seq_len, dtype=np.int64)
-    return _EvalPlan(start, start, np.minimum(start + seq_len, n))
+    return start, start, np.minimum(start + seq_len, n)
   if not 0 < stride < seq_len:
     raise ValueError(f"stride={stride} must be in (0, seq_len={seq_len}] or None")
   # Sliding windows: the first counts its L targets, each later one the next
@@ -291,7 +278,7 @@ def _eval_plan(n: int, seq_len: int, stride: int | None) -> _EvalPlan:
   lo = np.concatenate([[0], seq_len + (k - 1) * stride])
   hi = np.minimum(np.concatenate([[seq_len], seq_len + k * stride]), n)
   start = np.maximum(hi - seq_len, 0)
-  return _EvalPlan(start, lo, hi)
+  return start, lo, hi
 
 
 def num_eval_batches(
@@ -299,7 +286,7 @@ def num_eval_batches(
 ) -> int:
   """Number of batches `eval_batches` yields (the same on every process)."""
   _check_sharding(seq_len, global_batch_size, 0, 1)
-  return math.ceil(_eval_plan(num_tokens, seq_len, stride).start.size / global_batch_size)
+  return math.ceil(_eval_plan(num_tokens, seq_len, stride)[0].size / global_batch_size)
 
 
 def eval_batches(
@@ -325,18 +312,17 @@ def eval_batches(
   """
   mine = _check_sharding(seq_len, global_batch_size, process_index, process_count)
   n = int(np.shape(tokens)[0])
-  plan = _eval_plan(n, seq_len, stride)
+  start, lo, hi = _eval_plan(n, seq_len, stride)
   offsets = np.arange(seq_len, dtype=np.int64)
-  num_batches = math.ceil(plan.start.size / global_batch_size)
-  for b in range(num_batches):
+  for b in range(math.ceil(start.size / global_batch_size)):
     rows = b * global_batch_size + np.arange(mine.start, mine.stop)
-    valid_row = rows < plan.start.size  # rows past the last window are all padding
-    r = np.minimum(rows, plan.start.size - 1)
-    pos = plan.start[r][:, None] + offsets  # target positions, [local, L]
+    valid_row = rows < start.size  # rows past the last window are all padding
+    r = np.minimum(rows, start.size - 1)
+    pos = start[r][:, None] + offsets  # target positions, [local, L]
     real = valid_row[:, None]
     targets = np.where(real & (pos < n), tokens[np.minimum(pos, n - 1)], 0).astype(np.int32)
     # The context of target t is token t-1, or bos_id for t = 0.
     prev = np.where(pos <= n, tokens[np.clip(pos - 1, 0, n - 1)], 0)
     inputs = np.where(real, np.where(pos == 0, bos_id, prev), 0).astype(np.int32)
-    weights = (pos >= plan.lo[r][:, None]) & (pos < plan.hi[r][:, None]) & real
+    weights = (pos >= lo[r][:, None]) & (pos < hi[r][:, None]) & real
     yield {"inputs": inputs, "targets": targets, "weights": weights.astype(np.float32)}

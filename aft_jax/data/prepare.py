@@ -20,14 +20,7 @@ import numpy as np
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import (
-  DATASETS,
-  OFFICIAL,
-  TOKENIZERS,
-  DataConfig,
-  resolve_data_dir,
-)
-from aft_jax.data import vocab as vocab_lib
+from aft_jax.data.config import DATASETS, OFFICIAL, TOKENIZERS, DataConfig, resolve_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +30,10 @@ OFFICIAL_TOKENS = {"train": 103_227_021, "validation": 217_646, "test": 245_569}
 # Lines per split file (identical in both releases); how real data is recognised.
 OFFICIAL_LINES = {"train": 1_801_350, "validation": 3_760, "test": 4_358}
 
-SPLITS = ("train", "validation", "test")
+SPLITS = store.SPLITS
 # --official / config.data.official -> the `official` argument of the prepare functions.
 OFFICIAL_CHOICES = dict(zip(OFFICIAL, (None, True, False)))
+ENWIK8_NAME = "enwik8-byte"
 
 
 class CountMismatchError(ValueError):
@@ -127,67 +121,69 @@ def check_official(
   return True
 
 
-def prepare_wikitext103(
-  data_dir: str,
-  *,
-  manual_dir: str | None = None,
-  variant: str | None = None,
-  tokenizer: str = "word",
-  vocab_size: int = 0,
-  download: bool = True,
-  official: bool | None = None,
-  progress: bool = True,
-) -> dict:
-  """Builds (or reuses) `<data_dir>/prepared/wikitext103-<variant>-<tokenizer>/`; returns its
-  summary. Raises `sources.DataError` for bad or missing source data, `CountMismatchError`."""
-  variant = resolve_variant(tokenizer, variant)
-  from aft_jax.data import wikitext103  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
+def prepared_path(data_dir: str, cfg: DataConfig) -> str:
+  """The store folder of the corpus ``cfg`` names (not pydoc, which is built in memory)."""
+  if cfg.dataset == "text":
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-  locate = functools.partial(wikitext103.locate_source, variant)
-  build = lambda **kw: wikitext103.build(variant, **kw)  # noqa: E731
-  write = lambda builder, out: _write_wikitext103(  # noqa: E731
-    builder, out, variant, tokenizer, vocab_size, official, progress
-  )
-  name, args = (
-    corpus_name(variant, tokenizer, vocab_size),
-    (data_dir, manual_dir, download, progress),
-  )
-  return _prepare_built(name, "wikitext103", locate, build, write, *args)
+    name = text.corpus_name(cfg, text.split_files(cfg))
+  elif cfg.dataset == "enwik8":
+    name = ENWIK8_NAME
+  else:
+    variant = resolve_variant(cfg.tokenizer, cfg.variant)
+    name = corpus_name(variant, cfg.tokenizer, cfg.vocab_size)
+  return store.prepared_dir(data_dir, name)
 
 
-def _prepare_built(name, dataset, locate, build, write, data_dir, manual_dir, download, progress):
-  """Under the lock of `<data_dir>/prepared/<name>`: its summary where it can be reused, else
-  what `write(builder, out)` returns of the TFDS build `build` makes."""
+def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=True):
+  """Prepares (or reuses, under its lock) the corpus ``cfg`` names under ``data_dir``; returns
+  (its folder, its summary). Raises ``sources.DataError`` for bad or missing source data,
+  ``CountMismatchError`` for real data without the published counts, ``text.TextError``."""
+  data_dir = os.path.expanduser(data_dir)
+  if cfg.dataset == "text":
+    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
+
+    return text.prepare_text(data_dir, cfg, progress=progress)
+  # (TFDS is slow to import)
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  from aft_jax.data import sources  # pylint: disable=g-import-not-at-top
+  from aft_jax.data import enwik8, sources, wikitext103  # pylint: disable=g-import-not-at-top
 
-  data_dir = os.path.expanduser(data_dir)
-  out, downloads = store.prepared_dir(data_dir, name), os.path.join(data_dir, "tfds", "downloads")
-  with store.lock(out, name):
-    current = lambda: sources.current_fingerprint(locate, manual_dir or None, downloads)  # noqa: E731
-    summary = store.reusable(out, current, store.version(dataset))
+  if cfg.dataset == "enwik8":
+    cls, config, locate, write = enwik8.Enwik8, "bytes", enwik8.locate_source, _write_enwik8
+  else:
+    cls, config = wikitext103.Wikitext103, resolve_variant(cfg.tokenizer, cfg.variant)
+    locate, write = functools.partial(wikitext103.locate_source, config), _write_wikitext103
+  out, manual_dir = prepared_path(data_dir, cfg), cfg.manual_dir or None
+  downloads = os.path.join(data_dir, "tfds", "downloads")
+  with store.lock(out, os.path.basename(out)):
+    current = lambda: sources.current_fingerprint(locate, manual_dir, downloads)  # noqa: E731
+    summary = store.reusable(out, current, store.version(cfg.dataset))
     if summary is not None:
-      return summary
+      return out, summary
     if not progress:
       tfds.disable_progress_bar()  # TFDS's own bars
     tfds_dir = os.path.join(data_dir, "tfds")
-    builder = build(data_dir=tfds_dir, manual_dir=manual_dir or None, download=download)
+    builder = sources.build(
+      cls, config, data_dir=tfds_dir, manual_dir=manual_dir, download=download
+    )
     store.start(out)
-    return write(builder, out)
+    summary = write(builder, out, cfg, progress)
+    key = store.FINGERPRINT_KEY
+    recorded = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
+    summary.update(recorded, **{store.VERSION_KEY: store.version(cfg.dataset)})
+    store.finish(out, summary)
+    return out, summary
 
 
-def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, progress) -> dict:
-  from aft_jax.data import subword, text  # pylint: disable=g-import-not-at-top
+def _write_wikitext103(builder, out, cfg, progress) -> dict:
+  from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-  train = _articles(builder, "train", progress)
-  if tokenizer == "subword":
-    vocab = subword.train(train, vocab_size, what=f"the WikiText-103 {variant} train split")
-  elif tokenizer == "word":
-    # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
-    vocab = vocab_lib.WordVocab.build(vocab_lib.count_words(train), add_unk=variant == "raw_v1")
-  else:
-    vocab = vocab_lib.ByteVocab()
+  tokenizer, vocab_size = cfg.tokenizer, cfg.vocab_size
+  variant = resolve_variant(tokenizer, cfg.variant)
+  train, what = _articles(builder, "train", progress), f"the WikiText-103 {variant} train split"
+  # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
+  vocab = text.learn_vocab(cfg, train, what, add_unk=variant == "raw_v1")
   recorded = text.save_vocab(vocab, out)
   tokens, lines, num_bytes = {}, {}, {}
   for split in SPLITS:
@@ -205,46 +201,18 @@ def _write_wikitext103(builder, out, variant, tokenizer, vocab_size, official, p
     tokens[split] = store.write_tokens(out, split, chunks)
     del chunks
   summary = {"vocab_size": vocab.size, "tokens": tokens}
+  official = OFFICIAL_CHOICES[cfg.official]
   real = check_official(summary, lines, variant=variant, tokenizer=tokenizer, official=official)
   extra = {"bytes": num_bytes} if num_bytes else {}
   name = corpus_name(variant, tokenizer, vocab_size)
   info = {"name": name, "variant": variant, "tokenizer": tokenizer, "lines": lines}
-  store.finish(
-    out, {**summary, **info, **extra, "official": real, **recorded, **_fingerprint_of(builder)}
-  )
-  return summary
+  return {**summary, **info, **extra, "official": real, **recorded}
 
 
-def _fingerprint_of(builder) -> dict:
-  """What summary.json records of a TFDS build."""
-  key = store.FINGERPRINT_KEY
-  out = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
-  return {**out, store.VERSION_KEY: store.version(builder.name)}
-
-
-ENWIK8_NAME = "enwik8-byte"
-
-
-def prepare_enwik8(
-  data_dir: str,
-  *,
-  manual_dir: str | None = None,
-  download: bool = True,
-  official: bool | None = None,
-  progress: bool = True,
-) -> dict:
-  """Builds (or reuses) `<data_dir>/prepared/enwik8-byte/`; returns its summary. Raises
-  `sources.DataError` for bad or missing source data, `CountMismatchError`."""
-  from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top  (TFDS is slow to import)
-
-  write = lambda builder, out: _write_enwik8(builder, out, official, progress)  # noqa: E731
-  args = (data_dir, manual_dir, download, progress)
-  return _prepare_built(ENWIK8_NAME, "enwik8", enwik8.locate_source, enwik8.build, write, *args)
-
-
-def _write_enwik8(builder, out, official, progress) -> dict:
+def _write_enwik8(builder, out, cfg, progress) -> dict:
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
 
+  official = OFFICIAL_CHOICES[cfg.official]
   tokens = {}
   for split in SPLITS:
     chunks = (
@@ -267,10 +235,14 @@ def _write_enwik8(builder, out, official, progress) -> dict:
       f"{enwik8.NUM_BYTES:,}",
       tokens,
     )
-  summary = {"vocab_size": vocab_lib.ByteVocab().size, "tokens": tokens}
-  info = {"name": ENWIK8_NAME, "tokenizer": "byte", "official": real and official is not False}
-  store.finish(out, {**summary, **info, **_fingerprint_of(builder)})
-  return summary
+  official = real and official is not False
+  return {
+    "vocab_size": 256,
+    "tokens": tokens,
+    "name": ENWIK8_NAME,
+    "tokenizer": "byte",
+    "official": official,
+  }
 
 
 def _parse(argv):
@@ -303,33 +275,21 @@ def main(argv=None) -> dict:
   )
   # The trainer's own resolution, so that `aft-prepare` then `aft-train` meet in one folder.
   data_dir = resolve_data_dir(args.data_dir)
-  names = ("vocab_size", "train_files", "valid_files", "test_files", "text_field", "variant")
+  names = ("vocab_size", "train_files", "valid_files", "test_files", "text_field", "manual_dir")
   given = {k: getattr(args, k) for k in names if getattr(args, k)}
   if args.dataset != "enwik8":  # (enwik8 is bytes whatever --tokenizer says)
     given["tokenizer"] = args.tokenizer or ("word" if args.dataset == "wikitext103" else "byte")
-  cfg = DataConfig.of({"dataset": args.dataset, **given}).validate()  # the command line's check
+  if args.dataset == "wikitext103":
+    given["variant"] = resolve_variant(given["tokenizer"], args.variant)
+  config = {"dataset": args.dataset, "official": args.official, **given}
+  cfg = DataConfig.of(config).validate()  # the command line's check
   if args.dataset == "pydoc":
     vocab, splits = pydoc.pydoc_splits(cfg.tokenizer)
     summary = {"vocab_size": vocab.size, "tokens": {k: int(v.size) for k, v in splits.items()}}
-  elif args.dataset == "text":
-    from aft_jax.data import text  # pylint: disable=g-import-not-at-top
-
-    out, summary = text.prepare_text(data_dir, cfg, progress=not args.quiet)
-    name = os.path.basename(out)
-  else:
-    kw = dict(manual_dir=args.manual_dir or None, download=args.download, progress=not args.quiet)
-    kw["official"] = OFFICIAL_CHOICES[args.official]
-    if args.dataset == "enwik8":
-      name, summary = ENWIK8_NAME, prepare_enwik8(data_dir, **kw)
-    else:
-      variant, tokenizer = resolve_variant(cfg.tokenizer, args.variant), cfg.tokenizer
-      name = corpus_name(variant, tokenizer, args.vocab_size)
-      summary = prepare_wikitext103(
-        data_dir, variant=variant, tokenizer=tokenizer, vocab_size=args.vocab_size, **kw
-      )
-  if args.dataset != "pydoc":  # pydoc is built in memory: nothing is written
+  else:  # (pydoc is built in memory: nothing is written)
+    out, summary = prepare_corpus(data_dir, cfg, download=args.download, progress=not args.quiet)
     default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
-    print(f"Prepared {name} in {store.prepared_dir(data_dir, name)}{default}", file=sys.stderr)
+    print(f"Prepared {os.path.basename(out)} in {out}{default}", file=sys.stderr)
   summary = {
     "vocab_size": summary["vocab_size"],
     "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]},

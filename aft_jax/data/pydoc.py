@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from aft_jax.data import store
 from aft_jax.data import vocab as vocab_lib
 
 PYDOC_FRACTIONS = {"train": 0.8, "test": 0.1, "validation": 0.1}  # in text order
@@ -60,7 +61,7 @@ def pydoc_splits(
     vocab = vocab_lib.WordVocab.build(vocab_lib.count_words([pieces["train"]]), add_unk=True)
   else:
     raise ValueError(f"tokenizer must be 'word' or 'byte', got {tokenizer!r}")
-  splits = {name: vocab.encode(pieces[name]) for name in ("train", "validation", "test")}
+  splits = {name: vocab.encode(pieces[name]) for name in store.SPLITS}
   for name, ids in splits.items():
     if ids.size < 2:
       raise ValueError(f"pydoc {name} split is empty; this Python ships too little documentation")

@@ -1,10 +1,11 @@
-"""What the dataset builders share: errors (``DataError``, a ValueError, one line naming the
-file), checksums, downloads, and builds that are made again when their source files change
-(``build``; docs/data.md, "Where the data goes")."""
+"""What the dataset builders share: a ``Source`` (zip members or extracted files), errors
+(``DataError``, a ValueError, one line naming the file), checksums, downloads, and builds that are
+made again when their source files change (``build``; docs/data.md, "Where the data goes")."""
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import logging
 import os
@@ -24,8 +25,7 @@ from aft_jax.data import store
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
-FINGERPRINT_KEY = store.FINGERPRINT_KEY
+SPLITS = store.SPLITS
 # Errors zipfile raises on a truncated or damaged archive.
 ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
 
@@ -51,11 +51,8 @@ class BadSplitFileError(DataError):
 
 
 def sha256_of(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> None:
@@ -67,10 +64,6 @@ def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> Non
       f"{name} (sha256 {expected}, {num_bytes:,} bytes). The file is truncated, damaged or a "
       "different archive: delete it and download it again."
     )
-
-
-# The source fingerprint (name, size, first and last MiB of each file): the store's rule.
-fingerprint = store.fingerprint
 
 
 def download(
@@ -113,11 +106,11 @@ def _fetch(url: str, path: str, expected_bytes: int) -> None:
         bar.update(len(chunk))
 
 
-def download_attempts(errors: list[str], download: bool) -> str:
-  """The tail of a MissingDataError message: what the downloads tried, or that none was made."""
+def missing(message: str, errors: list[str], download: bool) -> MissingDataError:
+  """`message` and what the downloads tried, or that none was made."""
   if errors:
-    return "\nDownload attempts:\n  " + "\n  ".join(errors)
-  return "" if download else "\nDownloading was disabled."
+    return MissingDataError(message + "\nDownload attempts:\n  " + "\n  ".join(errors))
+  return MissingDataError(message + ("" if download else "\nDownloading was disabled."))
 
 
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -155,7 +148,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       download_dir=os.fspath(dl_manager.download_dir),
       download=self._allow_download,
     )
-    self.info.metadata[FINGERPRINT_KEY] = fingerprint(source.paths())
+    self.info.metadata[store.FINGERPRINT_KEY] = store.fingerprint(source.paths())
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
 
@@ -169,60 +162,91 @@ def current_fingerprint(
     source = locate(manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False)
   except MissingDataError:
     return None
-  return fingerprint(source.paths())
+  return store.fingerprint(source.paths())
 
 
 def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
   """Builds (or reuses) `cls`'s dataset under `data_dir`; returns the builder. A build from
   other source files than the ones found now is built again. One build at a time (under the lock
-  `<data_dir>/<name>/<config>/<version>.lock`), after removing killed builds' folders."""
+  `<data_dir>/<name>/<config>/<version>.lock`), after removing the `incomplete.<random>_<version>/`
+  folders of killed builds (under the lock none is live)."""
   download_dir = os.path.join(data_dir, "downloads")
   data_path = os.path.join(data_dir, cls.name, config, str(cls.VERSION))
+  parent, version = os.path.split(data_path)
+  stale = re.compile(re.escape(INCOMPLETE_PREFIX) + r"[A-Za-z0-9]+_" + re.escape(version))
   with store.lock(data_path, f"the TFDS build {data_path}"):
-    remove_stale_builds(data_path)
+    for name in sorted(filter(stale.fullmatch, os.listdir(parent))):
+      log.warning("Removing %s, left by a build that did not finish.", os.path.join(parent, name))
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     # Made under the lock: a builder made before it would not see a build finished meanwhile.
-    builder = _build_locked(cls, config, data_dir, manual_dir, download, download_dir)
+    builder = cls(config=config, data_dir=data_dir, download=download)
+    if builder.is_prepared():
+      metadata = builder.info.metadata or {}
+      recorded = metadata.get(store.FINGERPRINT_KEY)
+      current = current_fingerprint(builder.locate, manual_dir, download_dir)
+      if current is not None and current != recorded:
+        what = f"{data_path} was built from other source files than the ones found now"
+        log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
+        shutil.rmtree(data_path)
+        builder = cls(config=config, data_dir=data_dir, download=download)
+    builder.download_and_prepare(
+      download_dir=download_dir,
+      # try_download_gcs: never look for a prebuilt copy on GCS
+      download_config=tfds.download.DownloadConfig(
+        manual_dir=manual_dir or None, try_download_gcs=False
+      ),
+    )
   assert os.path.abspath(builder.data_path) == os.path.abspath(data_path), builder.data_path
   return builder
 
 
-def remove_stale_builds(data_path: str) -> None:
-  """Deletes the `incomplete.<random>_<version>/` folders TFDS's killed builds of `data_path` left
-  beside it (under `data_path`'s lock: then none is live)."""
-  parent, version = os.path.split(data_path)
-  stale = re.compile(re.escape(INCOMPLETE_PREFIX) + r"[A-Za-z0-9]+_" + re.escape(version))
-  names = os.listdir(parent) if os.path.isdir(parent) else []
-  for name in sorted(n for n in names if stale.fullmatch(n)):
-    log.warning("Removing %s, left by a build that did not finish.", os.path.join(parent, name))
-    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+class Source:
+  """A dataset's files: members `<prefix><file>` of the zip `zip_path`, or `<folder>/<file>`."""
 
+  def __init__(self, zip_name: str, files, *, zip_path=None, folder=None, prefix=""):
+    assert (zip_path is None) != (folder is None)
+    self.zip_name, self.files, self.zip_path, self.folder = zip_name, files, zip_path, folder
+    self.prefix = prefix
+    if zip_path is not None:
+      try:
+        with zipfile.ZipFile(zip_path) as zf:
+          names = set(zf.namelist())
+      except (*ZIP_ERRORS, OSError) as e:
+        raise CorruptArchiveError(
+          f"{zip_path} is not a readable zip file ({e}); it is probably truncated: "
+          f"delete it and fetch {zip_name} again."
+        ) from e
+      lacks = [prefix + f for f in files if prefix + f not in names]
+      if lacks:
+        raise MissingDataError(f"{zip_path} lacks {', '.join(lacks)}; it is not {zip_name}.")
 
-def _build_locked(cls, config, data_dir, manual_dir, download, download_dir) -> SourceBuilder:
-  builder = cls(config=config, data_dir=data_dir, download=download)
-  if builder.is_prepared():
-    recorded = builder.info.metadata.get(FINGERPRINT_KEY) if builder.info.metadata else None
-    current = current_fingerprint(builder.locate, manual_dir, download_dir)
-    if current is not None and current != recorded:
-      what = f"{builder.data_path} was built from other source files than the ones found now"
-      log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
-      shutil.rmtree(os.fspath(builder.data_path))
-      builder = cls(config=config, data_dir=data_dir, download=download)
-  builder.download_and_prepare(
-    download_dir=download_dir,
-    # try_download_gcs: never look for a prebuilt copy on GCS
-    download_config=tfds.download.DownloadConfig(
-      manual_dir=manual_dir or None, try_download_gcs=False
-    ),
-  )
-  return builder
+  def name(self, file: str) -> str:
+    if self.zip_path is None:
+      return os.path.join(self.folder, file)
+    return f"{self.zip_path}:{self.prefix}{file}"
 
+  def paths(self) -> list[str]:
+    """The files this source reads (for its fingerprint)."""
+    return [self.zip_path] if self.zip_path else [self.name(f) for f in self.files]
 
-def zip_members(path: str, filename: str) -> set[str]:
-  try:
-    with zipfile.ZipFile(path) as zf:
-      return set(zf.namelist())
-  except (*ZIP_ERRORS, OSError) as e:
-    raise CorruptArchiveError(
-      f"{path} is not a readable zip file ({e}); it is probably truncated: "
-      f"delete it and fetch {filename} again."
-    ) from e
+  def size(self, file: str) -> int:
+    if self.zip_path is None:
+      return os.path.getsize(self.name(file))
+    with zipfile.ZipFile(self.zip_path) as zf:
+      return zf.getinfo(self.prefix + file).file_size
+
+  @contextlib.contextmanager
+  def open(self, file: str):
+    """The file, binary; a damaged zip is a CorruptArchiveError naming it."""
+    try:
+      if self.zip_path is None:
+        with open(self.name(file), "rb") as f:
+          yield f
+      else:
+        with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.prefix + file) as f:
+          yield f
+    except ZIP_ERRORS as e:
+      raise CorruptArchiveError(
+        f"{self.name(file)} cannot be decompressed ({e}); the zip is damaged: delete it and "
+        f"fetch {self.zip_name} again."
+      ) from e

@@ -20,8 +20,9 @@ from aft_jax import files
 
 log = logging.getLogger(__name__)
 
+SPLITS = ("train", "validation", "test")
 MARKER = "COMPLETE"
-# summary.json key (and TFDS metadata key) of the source files' fingerprint (sources.fingerprint).
+# summary.json key (and TFDS metadata key) of the source files' fingerprint (``fingerprint``).
 FINGERPRINT_KEY = "source_fingerprint"
 # summary.json key of the version of the builder that made it (``BUILDERS``; absent: 1).
 VERSION_KEY = "builder_version"
@@ -116,48 +117,26 @@ def read_summary(path: str) -> dict:
     return json.load(f)
 
 
-_HEADER_READERS = {
-  (1, 0): np.lib.format.read_array_header_1_0,
-  (2, 0): np.lib.format.read_array_header_2_0,
-}
-
-
-def check_split(path: str, split: str, expected: int | None = None) -> None:
-  """Raises DamagedCorpusError unless `<split>.npy` is a whole uint32[expected] array (from its
-  header and size: `np.load`'s memory map of a short file fails naming no file)."""
+def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
+  """uint32[n] ids of a split, memory-mapped; a DamagedCorpusError naming the file unless it is a
+  whole uint32[expected] array (a memory map of a cut file fails naming none)."""
   file = os.path.join(path, f"{split}.npy")
   again = f"delete {path} and prepare again (a rerun of prepare rebuilds it)"
   try:
-    with open(file, "rb") as f:
-      version = np.lib.format.read_magic(f)
-      if version not in _HEADER_READERS:
-        raise ValueError(f"unknown .npy format version {version}")
-      shape, _, dtype = _HEADER_READERS[version](f)
-      data_start, size = f.tell(), os.fstat(f.fileno()).st_size
+    ids = np.load(file, mmap_mode="r")
   except FileNotFoundError:
     raise DamagedCorpusError(f"{file} is missing; {again}") from None
-  except (ValueError, OSError, SyntaxError) as e:  # cut inside the header, or not a .npy file
-    raise DamagedCorpusError(f"{file} has no readable .npy header ({e}); {again}") from e
-  if dtype != np.uint32 or len(shape) != 1:
-    raise DamagedCorpusError(f"{file} holds {dtype}{list(shape)}, expected uint32[n]; {again}")
-  if expected is not None and shape[0] != expected:
+  except (ValueError, OSError, EOFError, SyntaxError) as e:  # cut in the header or the ids
+    raise DamagedCorpusError(f"{file} is truncated or not a .npy file ({e}); {again}") from None
+  if ids.dtype != np.uint32 or ids.ndim != 1:
+    raise DamagedCorpusError(f"{file} holds {ids.dtype}{list(ids.shape)}, not uint32[n]; {again}")
+  if expected is not None and ids.shape[0] != expected:
     raise DamagedCorpusError(
-      f"{path}/{split}.npy has {shape[0]} tokens, summary.json says {expected}; "
-      f"delete {path} and prepare again"
+      f"{file} has {ids.shape[0]} tokens, summary.json says {expected}; {again}"
     )
-  needed = data_start + shape[0] * dtype.itemsize
-  if size != needed:
-    state = "truncated" if size < needed else "longer than prepare wrote it"
-    raise DamagedCorpusError(
-      f"{file} is {size:,} bytes, not the {needed:,} its {shape[0]:,} ids take: it is {state}; "
-      f"{again}"
-    )
-
-
-def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
-  """uint32[n] ids of a split, memory-mapped, after `check_split`."""
-  check_split(path, split, expected)
-  return np.load(os.path.join(path, f"{split}.npy"), mmap_mode="r")
+  if ids.offset + ids.nbytes != os.path.getsize(file):
+    raise DamagedCorpusError(f"{file} is longer than prepare wrote it; {again}")
+  return ids
 
 
 _END_BYTES = 1 << 20
@@ -200,7 +179,7 @@ def reusable(out: str, current_fingerprint: Callable[[], str | None], version: i
     return None
   try:
     for split, n in summary["tokens"].items():
-      check_split(out, split, n)
+      load_tokens(out, split, n)
   except DamagedCorpusError as e:
     log.warning("%s; preparing it again.", e)
     return None

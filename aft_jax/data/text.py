@@ -22,7 +22,7 @@ from aft_jax.data.config import DataConfig
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
+SPLITS = store.SPLITS
 _KEYS = {"train": "train_files", "validation": "valid_files", "test": "test_files"}
 
 
@@ -296,13 +296,14 @@ def source_files(cfg: DataConfig) -> dict[str, dict[str, str]]:
   return {s: {path: store.file_digest(path) for path in files[s]} for s in SPLITS}
 
 
-def learn_vocab(cfg: DataConfig, documents) -> vocab_lib.Vocab:
-  """The vocabulary of ``cfg.tokenizer`` learned on the train split's ``documents``."""
+def learn_vocab(cfg: DataConfig, documents, what: str = "", add_unk=True) -> vocab_lib.Vocab:
+  """The vocabulary of ``cfg.tokenizer`` learned on ``documents``, the train split (``what``)."""
   if cfg.tokenizer == "byte":
     return vocab_lib.ByteVocab()
   if cfg.tokenizer == "word":
-    return vocab_lib.WordVocab.build(vocab_lib.count_words(documents), add_unk=True)
-  return subword.train(documents, cfg.vocab_size, what="the train split (config.data.train_files)")
+    return vocab_lib.WordVocab.build(vocab_lib.count_words(documents), add_unk=add_unk)
+  what = what or "the train split (config.data.train_files)"
+  return subword.train(documents, cfg.vocab_size, what=what)
 
 
 def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:
@@ -326,14 +327,9 @@ def encode_documents(vocab: vocab_lib.Vocab, documents) -> tuple[list[np.ndarray
   return chunks, num_bytes
 
 
-# summary.json's mark of a corpus that kept each split's document ends (documents_file).
+# summary.json's mark of a corpus that kept each split's document ends, `<split>-documents.npy`:
+# uint32[documents], the offset past each document's boundary.
 DOCUMENTS_KEY = "document_ends"
-
-
-def documents_file(split: str) -> str:
-  """The store name of a split's document ends: uint32[documents], the offset past each
-  document's boundary."""
-  return f"{split}-documents"
 
 
 def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
@@ -364,7 +360,7 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
           f"the {split} split has {ends[-1]:,} tokens, more than the 2**32 a prepared text "
           "corpus can index: split the files into several corpora"
         )
-      documents[split] = store.write_tokens(out, documents_file(split), [ends])
+      documents[split] = store.write_tokens(out, f"{split}-documents", [ends])
     summary = {
       "name": os.path.basename(out),
       "tokenizer": cfg.tokenizer,

@@ -4,20 +4,14 @@ looked for and how a file is cut into articles). Errors are ``sources.DataError`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import logging
 import os
 import re
-import zipfile
 from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
 
 from aft_jax.data import sources
-
-log = logging.getLogger(__name__)
 
 VARIANTS = ("v1", "raw_v1")
 SPLITS = sources.SPLITS
@@ -34,9 +28,6 @@ class Archive:
   extension: str  # 'tokens' or 'raw'
   sha256: str
   num_bytes: int  # published size, for messages and progress bars
-
-  def member(self, split: str) -> str:
-    return f"{self.folder}/{self.split_file(split)}"
 
   def split_file(self, split: str) -> str:
     return f"wiki.{_FILE_SPLIT[split]}.{self.extension}"
@@ -61,9 +52,6 @@ MIRRORS: list[str] = [
 # A top-level title ' = Title = ', not ' = = Section = = '.
 _TITLE = re.compile(r" = [^=\n](?:[^\n]*[^=\n])? = \n?")
 
-MissingDataError = sources.MissingDataError
-BadSplitFileError = sources.BadSplitFileError
-
 
 def is_title_line(line: str) -> bool:
   """True for a top-level article title line ` = Title = ` (newline optional)."""
@@ -87,78 +75,27 @@ def split_articles(lines: Iterator[str]) -> Iterator[str]:
 
 
 def verify_archive(path: str, archive: Archive) -> None:
-  """Raises ChecksumError unless `path` hashes to `archive.sha256`."""
   sources.verify_sha256(
     path, expected=archive.sha256, name=archive.filename, num_bytes=archive.num_bytes
   )
 
 
-class Source:
-  """Where the three split files of one variant are read from."""
-
-  def __init__(self, archive: Archive, *, zip_path: str | None = None, folder: str | None = None):
-    assert (zip_path is None) != (folder is None)
-    self.archive, self.zip_path, self.folder = archive, zip_path, folder
-    if zip_path is not None:
-      names = sources.zip_members(zip_path, archive.filename)
-      missing = [archive.member(s) for s in SPLITS if archive.member(s) not in names]
-      if missing:
-        raise MissingDataError(
-          f"{zip_path} lacks {', '.join(missing)}; it is not {archive.filename}."
-        )
-
-  def paths(self) -> list[str]:
-    """The files this source reads (for its fingerprint)."""
-    if self.zip_path is not None:
-      return [self.zip_path]
-    return [os.path.join(self.folder, self.archive.split_file(s)) for s in SPLITS]
-
-  @contextlib.contextmanager
-  def _open(self, split: str) -> Iterator[io.BufferedIOBase]:
-    if self.zip_path is None:
-      with open(os.path.join(self.folder, self.archive.split_file(split)), "rb") as f:
-        yield f
-      return
-    with zipfile.ZipFile(self.zip_path) as zf, zf.open(self.archive.member(split)) as f:
-      yield f
-
-  def lines(self, split: str) -> Iterator[str]:
-    """The split's lines (with '\\n'), decoded strictly as UTF-8 (DataErrors naming the file)."""
-    name = (
-      f"{self.zip_path}:{self.archive.member(split)}"
-      if self.zip_path
-      else os.path.join(self.folder, self.archive.split_file(split))
-    )
-    empty = True
-    try:
-      with self._open(split) as f:
-        for lineno, raw in enumerate(f, start=1):
-          empty = False
-          try:
-            yield raw.decode("utf-8")
-          except UnicodeDecodeError as e:
-            raise BadSplitFileError(
-              f"{name} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
-              f"{raw[max(0, e.start - 10) : e.start + 10]!r}); the file is damaged."
-            ) from None
-    except sources.ZIP_ERRORS as e:
-      raise sources.CorruptArchiveError(
-        f"{name} cannot be decompressed ({e}); the zip is damaged."
-      ) from e
-    if empty:
-      raise BadSplitFileError(f"{name} is empty.")
-
-
-def _find_extracted(archive: Archive, manual_dir: str) -> str | None:
-  """Folder in manual_dir holding the three extracted files (None: none; some: an error)."""
-  for folder in (os.path.join(manual_dir, archive.folder), manual_dir):
-    present = [s for s in SPLITS if os.path.isfile(os.path.join(folder, archive.split_file(s)))]
-    if len(present) == len(SPLITS):
-      return folder
-    if present:
-      missing = [os.path.join(folder, archive.split_file(s)) for s in SPLITS if s not in present]
-      raise MissingDataError(f"WikiText-103 split file(s) missing: {', '.join(missing)}.")
-  return None
+def lines(source: sources.Source, split: str) -> Iterator[str]:
+  """The split's lines (with '\\n'), decoded strictly as UTF-8 (DataErrors naming the file)."""
+  file = source.files[SPLITS.index(split)]
+  empty = True
+  with source.open(file) as f:
+    for lineno, raw in enumerate(f, start=1):
+      empty = False
+      try:
+        yield raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise sources.BadSplitFileError(
+          f"{source.name(file)} line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} "
+          f"of the line: {raw[max(0, e.start - 10) : e.start + 10]!r}); the file is damaged."
+        ) from None
+  if empty:
+    raise sources.BadSplitFileError(f"{source.name(file)} is empty.")
 
 
 def locate_source(
@@ -168,51 +105,48 @@ def locate_source(
   download_dir: str | None,
   download: bool = True,
   verify: bool = True,
-) -> Source:
-  """Finds (or downloads) the data of `variant`; `verify=False` skips the sha256 of a zip found
-  locally (for a quick fingerprint)."""
+) -> sources.Source:
+  """Finds (or downloads) the data of `variant`: manual_dir's zip or extracted files, an earlier
+  download, the mirrors; `verify=False` skips the sha256 of a zip found locally."""
   archive = ARCHIVES[variant]
-  check = verify_archive if verify else lambda path, archive: None
-  if manual_dir:
-    zip_path = os.path.join(manual_dir, archive.filename)
+  files = [archive.split_file(s) for s in SPLITS]
+  source = lambda **where: sources.Source(  # noqa: E731
+    archive.filename, files, prefix=f"{archive.folder}/", **where
+  )
+  zips = [os.path.join(d, archive.filename) for d in (manual_dir, download_dir) if d]
+  for i, zip_path in enumerate(zips):
     if os.path.isfile(zip_path):
-      check(zip_path, archive)
-      return Source(archive, zip_path=zip_path)
-    folder = _find_extracted(archive, manual_dir)
-    if folder is not None:
-      return Source(archive, folder=folder)
+      if verify:
+        verify_archive(zip_path, archive)
+      return source(zip_path=zip_path)
+    if i == 0 and manual_dir:  # then the extracted files in manual_dir
+      for folder in (os.path.join(manual_dir, archive.folder), manual_dir):
+        present = [f for f in files if os.path.isfile(os.path.join(folder, f))]
+        if len(present) == len(files):
+          return source(folder=folder)
+        if present:
+          absent = [os.path.join(folder, f) for f in files if f not in present]
+          raise sources.MissingDataError(
+            f"WikiText-103 split file(s) missing: {', '.join(absent)}."
+          )
   errors = []
-  if download_dir:
-    cached = os.path.join(download_dir, archive.filename)
-    if os.path.isfile(cached):
-      check(cached, archive)
-      return Source(archive, zip_path=cached)
-    if download:
-      urls = [template.format(filename=archive.filename) for template in MIRRORS]
-      path, errors = sources.download(
-        archive.filename,
-        urls,
-        download_dir,
-        num_bytes=archive.num_bytes,
-        verify=lambda p: verify_archive(p, archive),
-      )
-      if path is not None:
-        return Source(archive, zip_path=path)
+  if download_dir and download:
+    urls = [template.format(filename=archive.filename) for template in MIRRORS]
+    verify_download = lambda p: verify_archive(p, archive)  # noqa: E731
+    path, errors = sources.download(
+      archive.filename, urls, download_dir, num_bytes=archive.num_bytes, verify=verify_download
+    )
+    if path is not None:
+      return source(zip_path=path)
   where = manual_dir or "<manual_dir>"
-  raise MissingDataError(
+  raise sources.missing(
     f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
     f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
-    f"{where}, or extract it there so that "
-    f"{os.path.join(where, archive.folder, archive.split_file('train'))}, "
-    f"{archive.split_file('validation')} and {archive.split_file('test')} exist "
-    f"(manual_dir is set with --manual_dir or cfg.manual_dir)."
-    + sources.download_attempts(errors, download)
+    f"{where}, or extract it there so that {os.path.join(where, archive.folder, files[0])}, "
+    f"{files[1]} and {files[2]} exist (manual_dir is set with --manual_dir or cfg.manual_dir).",
+    errors,
+    download,
   )
-
-
-@dataclasses.dataclass
-class Wikitext103Config(tfds.core.BuilderConfig):
-  """Selects the tokenised (`v1`) or raw (`raw_v1`) release."""
 
 
 class Wikitext103(sources.SourceBuilder):
@@ -221,8 +155,10 @@ class Wikitext103(sources.SourceBuilder):
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "One example per article; texts concatenate to the official files."}
   BUILDER_CONFIGS = [
-    Wikitext103Config(name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."),
-    Wikitext103Config(
+    tfds.core.BuilderConfig(
+      name="v1", description="wikitext-103-v1: tokenised, rare words are <unk>."
+    ),
+    tfds.core.BuilderConfig(
       name="raw_v1", description="wikitext-103-raw-v1: the same text without <unk>."
     ),
   ]
@@ -244,19 +180,9 @@ class Wikitext103(sources.SourceBuilder):
       ),
     )
 
-  def locate(self, **kwargs) -> Source:
+  def locate(self, **kwargs) -> sources.Source:
     return locate_source(self.builder_config.name, **kwargs)
 
-  def _generate_examples(self, source: Source, split: str):
-    for i, text in enumerate(split_articles(source.lines(split))):
+  def _generate_examples(self, source: sources.Source, split: str):
+    for i, text in enumerate(split_articles(lines(source, split))):
       yield i, {"text": text}
-
-
-def build(
-  variant: str, *, data_dir: str, manual_dir: str | None = None, download: bool = True
-) -> Wikitext103:
-  """Builds (or reuses: `sources.build`) the dataset under `data_dir`; its records are
-  `{'text': bytes}` (UTF-8)."""
-  return sources.build(
-    Wikitext103, variant, data_dir=data_dir, manual_dir=manual_dir, download=download
-  )

@@ -50,7 +50,7 @@ def _two_processes(tmp_path, monkeypatch):
   that share a fake barrier: ({index: Corpus or exception}, [(event, index), ...] in order)."""
   events, lock = [], threading.Lock()
   barrier = threading.Barrier(2, timeout=60)
-  real_prepare, real_load = prepare.prepare_enwik8, corpus_lib.load_prepared
+  real_prepare, real_load = prepare.prepare_corpus, corpus_lib.load_prepared
 
   def record(event):
     with lock:
@@ -69,7 +69,7 @@ def _two_processes(tmp_path, monkeypatch):
     record("barrier")
     barrier.wait()
 
-  monkeypatch.setattr(prepare, "prepare_enwik8", prepare_spy)
+  monkeypatch.setattr(prepare, "prepare_corpus", prepare_spy)
   monkeypatch.setattr(corpus_lib, "load_prepared", load_spy)
   monkeypatch.setattr(jax, "process_index", lambda: int(threading.current_thread().name))
   monkeypatch.setattr(jax, "process_count", lambda: 2)

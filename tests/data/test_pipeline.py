@@ -110,39 +110,31 @@ def _train(n, **kw):
   return pipeline.train_iterator(_tokens(n), **{"seq_len": L, "seed": 0, **kw})
 
 
-@pytest.mark.parametrize(
-  "call, message",
-  [
-    (
-      lambda: _train(100, global_batch_size=6, process_count=4),
-      "global_batch_size=6 is not divisible by process_count=4",
-    ),
-    (lambda: _train(100, global_batch_size=16), r"len\(tokens\)=100 .* global_batch_size=16"),
-    (
-      lambda: _train(100, global_batch_size=2, process_index=2, process_count=2),
-      r"process_index=2 must be in \[0, process_count=2\)",
-    ),
-    (lambda: _train(100, global_batch_size=2, seq_len=0), "seq_len=0 must be positive"),
-    (
-      lambda: _train(100, global_batch_size=0),
-      "global_batch_size=0 and process_count=1 must be positive",
-    ),
-    (lambda: _collect(np.arange(10), stride=9), r"stride=9 must be in \(0, seq_len=8\]"),
-    (lambda: _collect(np.arange(10), stride=0), "stride=0"),
-    (
-      lambda: _collect(np.arange(10), stride=None, global_batch_size=3, process_count=2),
-      "not divisible",
-    ),
-    (lambda: _collect(np.arange(0), stride=None), "too short"),
-    (
-      lambda: pipeline.num_eval_batches(10, seq_len=0, global_batch_size=4),
-      "seq_len=0 must be positive",
-    ),
-  ],
-)
-def test_argument_errors_are_one_line_naming_the_argument(call, message):
+# (function, its arguments, the error): train_iterator on 100 tokens, eval_batches on 10.
+ARGUMENT_ERRORS = [
+  ("train", dict(global_batch_size=6, process_count=4), "global_batch_size=6 is not divisible"),
+  ("train", dict(global_batch_size=16), r"len\(tokens\)=100 .* global_batch_size=16"),
+  ("train", dict(process_index=2, process_count=2), r"process_index=2 must be in \[0, process_co"),
+  ("train", dict(seq_len=0), "seq_len=0 must be positive"),
+  ("train", dict(global_batch_size=0), "global_batch_size=0 and process_count=1 must be positive"),
+  ("eval", dict(stride=9), r"stride=9 must be in \(0, seq_len=8\]"),
+  ("eval", dict(stride=0), "stride=0"),
+  ("eval", dict(global_batch_size=3, process_count=2), "not divisible"),
+  ("eval", dict(tokens=np.arange(0)), "too short"),
+  ("count", dict(seq_len=0), "seq_len=0 must be positive"),
+]
+
+
+@pytest.mark.parametrize("call, kw, message", ARGUMENT_ERRORS)
+def test_argument_errors_are_one_line_naming_the_argument(call, kw, message):
+  kw = dict(kw)
   with pytest.raises(ValueError, match=message) as e:
-    call()
+    if call == "train":
+      _train(100, **{"global_batch_size": 2, **kw})
+    elif call == "eval":
+      _collect(kw.pop("tokens", np.arange(10)), **{"stride": None, **kw})
+    else:
+      pipeline.num_eval_batches(10, global_batch_size=4, **kw)
   assert "\n" not in str(e.value)
 
 

@@ -3,20 +3,23 @@
 import collections
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from tests.support import prefork
+from tests.support import fake_enwik8 as fe
 from tests.support import fake_wikitext as fw
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import prepare
 from aft_jax.data import sources, store
-from aft_jax.data import wikitext103
+from aft_jax.data import enwik8, wikitext103
 from aft_jax.data.config import DataConfig
 
 SPLITS = ("train", "validation", "test")
@@ -25,6 +28,7 @@ SPLITS = ("train", "validation", "test")
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch, tmp_path):
   monkeypatch.setattr(wikitext103, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
+  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
 
 
 def _protocol_tokens(text):
@@ -96,25 +100,17 @@ def test_word_ids_follow_the_protocol(tmp_path, capsys, variant):
     assert "<unk>" in [c.vocab.tokens[i] for i in c.splits["test"]]  # 'Herons' is not in train
 
 
-def test_byte_tokenizer_uses_raw_text(tmp_path):
+def test_byte_tokenizer_reads_the_raw_text_and_load_corpus_prepares_it(tmp_path):
   fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  summary = _run(tmp_path, "--tokenizer", "byte")
+  c = corpus_lib.load_corpus(_data_config(tmp_path, "byte", "v1"))  # not prepared yet
+  assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
+  assert c.bos_id == ord("\n")
   raw = {s: fw.split_text(s, raw=True).encode("utf-8") for s in SPLITS}
-  assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
-  c = corpus_lib.load_prepared(_path(tmp_path, "wikitext103-raw_v1-byte"))
-  assert c.unit == "byte" and c.bos_id == ord("\n")
   for s in SPLITS:
     assert c.splits[s].astype(np.uint8).tobytes() == raw[s]
   assert not os.path.exists(os.path.join(_path(tmp_path, "wikitext103-raw_v1-byte"), "vocab.txt"))
-
-
-def test_rerun_reuses_without_source_or_tfds(tmp_path, monkeypatch, capsys):
-  fw.write_extracted(str(tmp_path / "manual"), "v1")
-  first, path = _run(tmp_path), _path(tmp_path)
-  mtimes = {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)}
-  monkeypatch.setattr(wikitext103, "build", None)  # never built again
-  assert _run(tmp_path) == first
-  assert {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)} == mtimes
+  summary = _run(tmp_path, "--tokenizer", "byte")  # the same folder: reused
+  assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
 
 
 def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch):
@@ -144,22 +140,17 @@ def _data_config(tmp_path, tokenizer: str, variant: str):
   return DataConfig(dataset="wikitext103", tokenizer=tokenizer, variant=variant, **folders)
 
 
-def test_partial_npy_is_never_visible(tmp_path):
+def test_a_split_is_written_as_numpy_saves_it_and_a_partial_one_is_never_visible(tmp_path):
   path = str(tmp_path / "p")
   store.start(path)
 
-  def chunks():
+  def crashing():
     yield np.arange(5, dtype=np.uint32)
     raise RuntimeError("crash while encoding")
 
   with pytest.raises(RuntimeError):
-    store.write_tokens(path, "train", chunks())
+    store.write_tokens(path, "train", crashing())
   assert os.listdir(path) == []
-
-
-def test_a_split_is_written_as_numpy_saves_it(tmp_path):
-  path = str(tmp_path / "p")
-  store.start(path)
   chunks = [np.arange(5, dtype=np.uint32), np.frombuffer(b"ab", np.uint8), np.zeros(0, np.uint32)]
   assert store.write_tokens(path, "train", chunks) == 7
   np.save(tmp_path / "want.npy", np.concatenate([c.astype(np.uint32) for c in chunks]))
@@ -213,14 +204,6 @@ def test_aft_prepare_on_a_full_disk_is_one_line(tmp_path):
   assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
 
 
-def test_load_corpus_prepares_when_missing(tmp_path):
-  fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
-  c = corpus_lib.load_corpus(_data_config(tmp_path, "byte", "v1"))
-  assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
-  assert set(c.splits) == set(SPLITS)
-  assert c.vocab.decode(c.splits["validation"]) == fw.split_text("validation", raw=True)
-
-
 def _patch_official(monkeypatch, summary, lines):
   monkeypatch.setattr(prepare, "OFFICIAL_VOCAB_SIZE", summary["vocab_size"])
   monkeypatch.setattr(prepare, "OFFICIAL_TOKENS", dict(summary["tokens"]))
@@ -253,13 +236,6 @@ def test_official_counts_are_checked_where_the_files_look_official(tmp_path, mon
   assert not store.is_complete(_path(tmp_path))
 
 
-def test_bad_source_data_propagates(tmp_path):
-  fw.write_extracted(str(tmp_path / "manual"), "v1", {"test": b""})
-  with pytest.raises(sources.BadSplitFileError, match="empty"):
-    _run(tmp_path)
-  assert not os.path.exists(_path(tmp_path))
-
-
 def test_pydoc_cli(capsys):
   summary = prepare.main(["--dataset", "pydoc"])
   c = corpus_lib.pydoc_corpus("byte")
@@ -268,10 +244,16 @@ def test_pydoc_cli(capsys):
 
 
 @pytest.mark.parametrize("keep_prepared", [True, False])
-def test_changed_source_is_prepared_again(tmp_path, keep_prepared):
-  """Neither prepared/ nor the TFDS build under tfds/ is reused once the source changed."""
+def test_a_rerun_reuses_but_not_once_the_source_changed(tmp_path, monkeypatch, keep_prepared):
+  """A rerun rebuilds nothing; neither prepared/ nor the TFDS build under tfds/ is reused once
+  the source changed."""
   fw.write_extracted(str(tmp_path / "manual"), "v1")
   first, path = _run(tmp_path), _path(tmp_path)
+  mtimes = {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)}
+  with monkeypatch.context() as m:
+    m.setattr(sources, "build", None)  # never built again
+    assert _run(tmp_path) == first
+  assert {p: os.path.getmtime(os.path.join(path, p)) for p in os.listdir(path)} == mtimes
   if not keep_prepared:
     shutil.rmtree(path)
   extra = " = Added = \n \n a new line of test text . \n"
@@ -314,3 +296,187 @@ def test_the_command_line_is_checked_as_a_config_is(tmp_path, flags, message):
   with pytest.raises(ValueError, match=message) as e:
     prepare.main(["--dataset", *flags, "--data_dir", str(tmp_path)])
   assert "\n" not in str(e.value) and not os.listdir(tmp_path)
+
+
+# enwik8 (offline, on a fake file): counts, the official size, two runs at once (the lock), a
+# damaged prepared split, no `--data_dir` (the trainer's default folder), killed TFDS builds.
+N = 5_003
+EXPECTED = {"vocab_size": 256, "tokens": {"train": 4_503, "validation": 250, "test": 250}}
+
+
+@pytest.fixture
+def fake_file(tmp_path):
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
+
+
+def _prepare_enwik8(tmp_path, *extra, data_dir=True):
+  flags = ["--manual_dir", str(tmp_path / "manual"), "--nodownload", "--quiet"]
+  flags += ["--data_dir", str(tmp_path / "data")] if data_dir else []
+  return prepare.main(["--dataset", "enwik8", *flags, *extra])
+
+
+def _enwik8_path(tmp_path, data="data"):
+  return store.prepared_dir(str(tmp_path / data), prepare.ENWIK8_NAME)
+
+
+def test_enwik8_prints_counts_warns_custom_and_defaults_to_the_trainer_data_dir(
+  tmp_path, monkeypatch, capsys, caplog
+):
+  """`aft-prepare` without --data_dir writes where `aft-train` looks when data_dir is ''."""
+  data = fe.content(N)
+  fe.write_zip(str(tmp_path / "manual"), data)
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
+  with caplog.at_level(logging.WARNING):
+    assert _prepare_enwik8(tmp_path, data_dir=False) == EXPECTED
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1]) == EXPECTED
+  assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
+  path = _enwik8_path(tmp_path, "cache")
+  assert store.is_complete(path) and path in err and not store.read_summary(path)["official"]
+  monkeypatch.setattr(sources, "build", None)  # reused: never built again
+  c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", manual_dir=str(tmp_path / "manual")))
+  assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256 and c.bos_id == 10
+  assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == data
+
+
+def test_real_size_is_official_and_yes_requires_it(tmp_path, monkeypatch, caplog):
+  data = fe.content(N)
+  fe.write_file(str(tmp_path / "manual"), data)
+  with pytest.raises(prepare.CountMismatchError, match="5,003 bytes, not the 100,000,000"):
+    _prepare_enwik8(tmp_path, "--official", "yes")
+  assert not store.is_complete(_enwik8_path(tmp_path))
+  monkeypatch.setattr(enwik8, "NUM_BYTES", N)  # the fake file "is" the real one
+  with caplog.at_level(logging.WARNING):
+    assert _prepare_enwik8(tmp_path, "--official", "yes")["tokens"]["test"] == 250
+  assert "custom" not in caplog.text
+  assert store.read_summary(_enwik8_path(tmp_path))["official"] is True
+
+
+def test_enwik8_changed_source_is_prepared_again(tmp_path):
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
+  assert _prepare_enwik8(tmp_path)["tokens"]["test"] == 250
+  fe.write_file(str(tmp_path / "manual"), fe.content(2 * N))  # a new file, same place
+  assert _prepare_enwik8(tmp_path)["tokens"]["test"] == 2 * N // 20
+  os.remove(tmp_path / "manual" / "enwik8")  # no source: the prepared data is reused
+  assert _prepare_enwik8(tmp_path)["tokens"]["test"] == 2 * N // 20
+
+
+def _assert_bytes_right(path):
+  c = corpus_lib.load_prepared(path)
+  assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == fe.content(N)
+
+
+def test_two_prepares_at_once_build_once_and_agree(fake_file, tmp_path, monkeypatch):
+  """The second run waits for the first one's lock, then reuses what it prepared."""
+  real_build = sources.build
+  builds, first_in, second_waits = [], threading.Event(), threading.Event()
+
+  def slow_build(*args, **kwargs):
+    builds.append(threading.current_thread().name)
+    if len(builds) == 1:
+      first_in.set()
+      # Hold on until the other run is blocked on the lock (or, without one, builds as well).
+      assert second_waits.wait(timeout=60)
+    else:
+      second_waits.set()
+    return real_build(*args, **kwargs)
+
+  class Waiting(logging.Handler):
+    def emit(self, record):
+      if "waiting" in record.getMessage():
+        second_waits.set()
+
+  handler = Waiting()
+  logging.getLogger("aft_jax.data").addHandler(handler)
+  monkeypatch.setattr(sources, "build", slow_build)
+  results = {}
+
+  def run(name):
+    try:
+      manual = str(tmp_path / "manual")
+      cfg = DataConfig(dataset="enwik8", manual_dir=manual)
+      _, results[name] = prepare.prepare_corpus(
+        str(tmp_path / "data"), cfg, download=False, progress=False
+      )
+    except Exception as e:  # pylint: disable=broad-except  (checked below)
+      results[name] = e
+
+  try:
+    first = threading.Thread(target=run, args=("first",), name="first")
+    first.start()
+    assert first_in.wait(timeout=60)
+    second = threading.Thread(target=run, args=("second",), name="second")
+    second.start()
+    for t in (first, second):
+      t.join(timeout=120)
+  finally:
+    logging.getLogger("aft_jax.data").removeHandler(handler)
+  assert not any(isinstance(r, Exception) for r in results.values()), results
+  # A reuse returns all of summary.json; main() prints these two fields.
+  assert [{k: r[k] for k in EXPECTED} for r in results.values()] == [EXPECTED, EXPECTED]
+  assert builds == ["first"] and len(results) == 2
+  _assert_bytes_right(_enwik8_path(tmp_path))
+
+
+def test_a_lock_held_elsewhere_is_waited_for(fake_file, tmp_path):
+  """The lock is a file lock: one taken through another open file blocks, and is released."""
+  path = str(tmp_path / "prepared" / "x")
+  with store.lock(path, "x"):
+    done = threading.Event()
+
+    def other():
+      with store.lock(path, "x"):
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert not done.wait(timeout=0.5)
+  t.join(timeout=10)
+  assert done.is_set()
+  assert os.listdir(tmp_path / "prepared") == ["x.lock"]  # never a folder of its own
+
+
+# Where the cut falls (inside the ids, the .npy header, nothing left, no file), or a zero id more.
+CUTS = {"ids": -100, "header": 50, "empty": 0, "missing": None, "longer": 4}  # size, or change
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_path, caplog, cut):
+  assert _prepare_enwik8(tmp_path) == EXPECTED
+  path = _enwik8_path(tmp_path)
+  split = os.path.join(path, "validation.npy")
+  if cut == "missing":
+    os.remove(split)
+  else:
+    size = CUTS[cut] if cut in ("header", "empty") else os.path.getsize(split) + CUTS[cut]
+    os.truncate(split, size)
+  with pytest.raises(store.DamagedCorpusError) as info:
+    corpus_lib.load_prepared(path)
+  msg = str(info.value)
+  assert isinstance(info.value, ValueError) and "\n" not in msg
+  assert split in msg and f"delete {path}" in msg and "prepare" in msg
+  assert ("is missing" in msg) == (cut == "missing")
+  # A rerun does not trust it: it prepares the corpus again.
+  with caplog.at_level(logging.WARNING):
+    assert _prepare_enwik8(tmp_path) == EXPECTED
+  assert "validation.npy" in caplog.text and "preparing it again" in caplog.text
+  _assert_bytes_right(path)
+
+
+@pytest.mark.parametrize("when", ["before_the_first_build", "beside_a_finished_build"])
+def test_stale_incomplete_builds_are_removed(fake_file, tmp_path, when):
+  """A build killed mid-way leaves TFDS's temporary folder; the next build removes it."""
+  config_dir = tmp_path / "data" / "tfds" / "enwik8" / "bytes"
+  if when == "beside_a_finished_build":
+    _prepare_enwik8(tmp_path)
+    shutil.rmtree(_enwik8_path(tmp_path))  # so that prepare calls the builder again
+  # TFDS's name (tensorflow_datasets.core.utils.file_utils._get_incomplete_dir).
+  stale = config_dir / "incomplete.Q7ZK2B_1.0.0"
+  other_version = config_dir / "incomplete.Q7ZK2B_0.9.0"
+  for d in (stale, other_version):
+    d.mkdir(parents=True)
+    (d / "enwik8-train.array_record-00000-of-00001").write_bytes(b"x" * 1_000)
+  assert _prepare_enwik8(tmp_path) == EXPECTED
+  assert not stale.exists() and other_version.exists()  # another version's: left alone
+  assert sorted(p.name for p in config_dir.iterdir()) == ["1.0.0", "1.0.0.lock", other_version.name]
+  _assert_bytes_right(_enwik8_path(tmp_path))

@@ -85,42 +85,29 @@ def test_encoding_reads_files_that_are_not_utf8(tmp_path):
   assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
 
 
-@pytest.mark.parametrize(
-  "name, content, message",
-  [
-    ("empty.txt", b"", r"empty\.txt is empty \(no text\)"),
-    ("blank.txt", b"  \n\n", r"blank\.txt is empty \(no text\)"),
-    ("latin.txt", b"caf\xe9\n", r"latin\.txt is not utf-8 text \(byte 3: .*config\.data\.encoding"),
-    ("binary.txt", b"\x00\x01\x02abc", r"binary\.txt is not text \(it holds NUL bytes\)"),
-  ],
-)
-def test_a_bad_file_is_one_line_naming_it(docs, tmp_path, name, content, message):
-  (docs / name).write_bytes(content)
-  with pytest.raises(text.TextError, match=message) as e:
-    _load(tmp_path, train_files=f"{docs}/*.py,{docs}/{name}")
+# The settings of a text corpus that give none: (config.data, given docs/ of five .py files).
+SETTINGS = [
+  ({"valid_files": "{tmp}/nothing*"}, r"config\.data\.valid_files: '.*nothing\*' matches no"),
+  ({"train_files": "{tmp}/missing.txt"}, r"train_files: '.*missing\.txt' matches no file"),
+  ({"train_files": "{docs}/__init__.py,{docs}/tool.py"}, "matches 2 file.*leaves none to train on"),
+  ({"train_files": ""}, r"config\.data\.train_files is empty"),
+  ({"encoding": "klingon"}, r"config\.data\.encoding = 'klingon' is not an encoding"),
+  ({"tokenizer": "subword", "vocab_size": 50_000}, "vocab_size = 50000 is more pieces than the t"),
+  ({"tokenizer": "subword", "vocab_size": 0}, r"vocab_size = 0 must be in \[300, "),
+]
+
+
+@pytest.mark.parametrize("settings, message", SETTINGS)
+def test_settings_that_give_no_corpus_are_one_line_naming_the_key(
+  docs, tmp_path, settings, message
+):
+  cfg = {"train_files": str(docs / "*.py")}
+  cfg.update(
+    {k: v.format(tmp=tmp_path, docs=docs) if isinstance(v, str) else v for k, v in settings.items()}
+  )
+  with pytest.raises(ValueError, match=message) as e:
+    _load(tmp_path, **cfg)
   assert "\n" not in str(e.value)
-
-
-def test_globs_and_splits_that_give_nothing_are_one_line_naming_the_key(docs, tmp_path):
-  with pytest.raises(text.TextError, match=r"config\.data\.valid_files: '.*nothing\*' matches no"):
-    _load(tmp_path, train_files=str(docs / "*.py"), valid_files=str(tmp_path / "nothing*"))
-  with pytest.raises(text.TextError, match=r"train_files: '.*missing\.txt' matches no file"):
-    _load(tmp_path, train_files=str(tmp_path / "missing.txt"))
-  with pytest.raises(text.TextError, match="matches 2 file.*leaves none to train on"):
-    _load(tmp_path, train_files=f"{docs}/__init__.py,{docs}/tool.py")
-  with pytest.raises(ValueError, match=r"config\.data\.train_files is empty"):
-    _load(tmp_path, train_files="")
-  with pytest.raises(ValueError, match=r"config\.data\.encoding = 'klingon' is not an encoding"):
-    _load(tmp_path, train_files=str(docs / "*.py"), encoding="klingon")
-
-
-def test_a_vocabulary_size_the_text_cannot_give_is_one_line(docs, tmp_path):
-  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword")
-  with pytest.raises(ValueError, match=r"vocab_size = 50000 is more pieces than the train split"):
-    _load(tmp_path, vocab_size=50_000, **cfg)
-  with pytest.raises(ValueError, match=r"vocab_size = 0 must be in \[300, "):
-    _load(tmp_path, vocab_size=0, **cfg)
-  # Nothing is marked complete after a failed preparation.
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
 
 
@@ -360,6 +347,10 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
 @pytest.mark.parametrize(
   "name, content, message",
   [
+    ("empty.txt", b"", r"empty\.txt is empty \(no text\)"),
+    ("blank.txt", b"  \n\n", r"blank\.txt is empty \(no text\)"),
+    ("latin.txt", b"caf\xe9\n", r"latin\.txt is not utf-8 text \(byte 3: .*config\.data\.encoding"),
+    ("binary.txt", b"\x00\x01\x02abc", r"binary\.txt is not text \(it holds NUL bytes\)"),
     (
       "a.jsonl",
       '{"text": "ok"}\n{"text": "cut\n',
@@ -387,7 +378,7 @@ def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(do
     ("m.parquet", {"text": ["a", "b", "c\0"]}, r"m\.parquet row group 1 row 0: 'text' holds a NUL"),
   ],
 )
-def test_a_bad_record_is_one_line_naming_file_and_line_or_row_group(
+def test_a_bad_file_or_record_is_one_line_naming_file_and_line_or_row_group(
   docs, tmp_path, name, content, message
 ):
   path = docs / name

@@ -55,12 +55,8 @@ In 2010 Boulter began work on a {Herons} series .""",
 
 
 def _fill(text: str, raw: bool) -> str:
-  out = []
-  for word in text.split(" "):
-    if word.startswith("{") and word.endswith("}"):
-      word = word[1:-1] if raw else "<unk>"
-    out.append(word)
-  return " ".join(out)
+  words = text.split(" ")
+  return " ".join((w[1:-1] if raw else "<unk>") if w.startswith("{") else w for w in words)
 
 
 def _text(split: str, raw: bool) -> str:
@@ -76,13 +72,9 @@ def _text(split: str, raw: bool) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _train_words() -> set[str]:
-  return set(_text("train", raw=True).split())
-
-
 def _v1(text: str, split: str) -> str:
   """As in the real v1: marked words and held-out words unseen in train are <unk>."""
-  known = _train_words() if split != "train" else None
+  known = set(_text("train", raw=True).split()) if split != "train" else None
   out = []
   for word in text.split(" "):
     core = word.rstrip("\n")
@@ -122,7 +114,7 @@ def write_zip(directory: str, variant: str, contents=None, *, skip=()) -> str:
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(f"{archive.folder}/", b"")
     for split, data in _split_files(variant, contents, skip).items():
-      zf.writestr(archive.member(split), data)
+      zf.writestr(f"{archive.folder}/{archive.split_file(split)}", data)
   return path
 
 

@@ -1,0 +1,314 @@
+"""The WikiText-103 and enwik8 TFDS builders, built offline from fake official files: every byte
+in order, checksums, mirrors, rebuilds on changed sources and one table of damaged sources."""
+
+import dataclasses
+import os
+import zipfile
+
+import pytest
+
+from tests.support import fake_enwik8 as fe
+from tests.support import fake_wikitext as fw
+from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data import wikitext103 as wt
+
+SPLITS = sources.SPLITS
+N = 5_003  # fake enwik8 size: not a multiple of 20, so N // 20 rounds down
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch, tmp_path):
+  monkeypatch.setattr(wt, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
+  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
+  monkeypatch.setattr(enwik8, "CHUNK_BYTES", 1_000)  # several examples per split
+
+
+def _build(tmp_path, variant, manual_dir, download=False):
+  kw = dict(data_dir=str(tmp_path / "data" / "tfds"), manual_dir=manual_dir and str(manual_dir))
+  if variant == "enwik8":
+    return sources.build(enwik8.Enwik8, "bytes", **kw, download=download)
+  return sources.build(wt.Wikitext103, variant, **kw, download=download)
+
+
+def _records(builder, split):
+  ds = builder.as_data_source(split)
+  return [ds[i].get("text", ds[i].get("bytes")) for i in range(len(ds))]
+
+
+def _texts(builder, split):
+  return [t.decode("utf-8") for t in _records(builder, split)]
+
+
+TITLES = [" = Valkyria Chronicles III = \n", " = Naïve art = \n", " = A = \n", " = x = y = \n"]
+NOT_TITLES = [
+  " = = Gameplay = = \n",
+  " = = = Construction = = = \n",
+  " = Title =\n",
+  "= Title = \n",
+]
+
+
+@pytest.mark.parametrize("line", TITLES + NOT_TITLES + [" \n", " The score was 2 = 3 . \n"])
+def test_title_lines(line):
+  assert wt.is_title_line(line) is (line in TITLES)
+
+
+def test_split_articles_keeps_every_byte():
+  lines = [" \n", " \n", " = A = \n", " \n", " = = S = = \n", " a \n", " = B = \n", " b \n", " \n"]
+  arts = list(wt.split_articles(iter(lines)))
+  assert arts == [" \n \n = A = \n \n = = S = = \n a \n", " = B = \n b \n \n"]
+  assert list(wt.split_articles(iter([" x \n", " y"]))) == [" x \n y"]  # no title: one article
+
+
+@pytest.mark.parametrize("variant", ["v1", "raw_v1"])
+@pytest.mark.parametrize("form", ["zip", "extracted"])
+def test_wikitext_build_one_example_per_article(tmp_path, monkeypatch, variant, form):
+  manual = tmp_path / "manual"
+  if form == "zip":
+    fw.trust(monkeypatch, variant, fw.write_zip(str(manual), variant))
+  else:
+    fw.write_extracted(str(manual), variant)
+  builder = _build(tmp_path, variant, manual)
+  assert builder.info.disable_shuffling
+  for split in SPLITS:
+    arts = _texts(builder, split)
+    assert "".join(arts) == fw.split_text(split, raw=variant == "raw_v1")  # in order
+    titles = fw.titles(split, raw=variant == "raw_v1")
+    assert len(arts) == len(titles)
+    assert arts[0].split("\n")[:2] == [" ", f" = {titles[0]} = "]  # the leading blank line too
+    for art, title in zip(arts[1:], titles[1:]):
+      assert art.split("\n")[0] == f" = {title} = "
+    assert ("<unk>" in arts[-1] + arts[0]) == (variant == "v1")
+  assert "東京" in "".join(_texts(builder, "train"))
+  assert " = = = Construction = = = " in _texts(builder, "train")[1]  # sections stay inside
+
+
+@pytest.mark.parametrize("n", [20, 39, 40, 5_003, 100_000_000])
+def test_enwik8_standard_split_sizes(n):
+  ranges = enwik8.split_ranges(n)
+  sizes = {s: stop - start for s, (start, stop) in ranges.items()}
+  assert sizes["validation"] == sizes["test"] == n // 20 and sum(sizes.values()) == n
+  assert ranges["train"][0] == 0 and ranges["test"][1] == n
+  assert ranges["train"][1] == ranges["validation"][0]
+  assert ranges["validation"][1] == ranges["test"][0]
+  if n == 100_000_000:  # the real file: computed, not built
+    assert sizes == {"train": 90_000_000, "validation": 5_000_000, "test": 5_000_000}
+
+
+@pytest.mark.parametrize("form", ["zip", "file"])
+def test_enwik8_build_keeps_every_byte_in_order(tmp_path, form):
+  data = fe.content(N)
+  (fe.write_zip if form == "zip" else fe.write_file)(str(tmp_path / "manual"), data)
+  builder = _build(tmp_path, "enwik8", tmp_path / "manual")
+  assert builder.info.disable_shuffling
+  got = {}
+  for split in SPLITS:
+    chunks = _records(builder, split)
+    assert all(0 < len(c) <= 1_000 for c in chunks)
+    got[split] = b"".join(chunks)
+  assert {s: len(b) for s, b in got.items()} == {"train": 4_503, "validation": 250, "test": 250}
+  assert got["train"] + got["validation"] + got["test"] == data and got["test"] == data[-250:]
+  source = os.path.join(tmp_path / "manual", "enwik8.zip" if form == "zip" else "enwik8")
+  assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint([source])
+
+
+def test_enwik8_zip_member_is_read_through_its_crc(tmp_path):
+  """Reading the test split reaches the end of the member, where zipfile checks the CRC."""
+  path = fe.write_zip(str(tmp_path / "manual"), fe.content(N))
+  with zipfile.ZipFile(path) as zf:
+    assert zf.getinfo("enwik8").file_size == N
+  source = enwik8.open_source(zip_path=path)
+  assert source.size("enwik8") == N
+  assert b"".join(enwik8.chunks(source, "test")) == fe.content(N)[-250:]
+
+
+def test_enwik8_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monkeypatch):
+  path = fe.write_zip(str(tmp_path / "manual"), fe.content(N))
+  monkeypatch.setattr(enwik8, "NUM_BYTES", N)
+  with pytest.raises(sources.ChecksumError, match="does not match the official enwik8.zip"):
+    _build(tmp_path, "enwik8", tmp_path / "manual")
+  monkeypatch.setattr(enwik8, "ZIP_SHA256", sources.sha256_of(path))
+  builder = _build(tmp_path, "enwik8", tmp_path / "manual")
+  assert b"".join(_records(builder, "test")) == fe.content(N)[-250:]
+
+
+def _damage_zip(path, case):
+  """Cuts the zip in half, or rewrites it uncompressed with one byte of the text flipped (a clean
+  CRC error)."""
+  data = open(path, "rb").read()
+  if case == "bad_crc":
+    with zipfile.ZipFile(path) as zf:
+      members = {n: zf.read(n) for n in zf.namelist()}
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+      for n, d in members.items():
+        zf.writestr(n, d)
+    data = bytearray(open(path, "rb").read())
+    data[data.index(b"MacArthur" if b"MacArthur" in data else b"Construction")] ^= 0x01
+  open(path, "wb").write(bytes(data if case == "bad_crc" else data[: len(data) // 2]))
+  return path
+
+
+def _wikitext_case(case, manual, monkeypatch):
+  if case == "checksum":
+    fw.write_zip(str(manual), "v1")
+    monkeypatch.setitem(wt.ARCHIVES, "v1", dataclasses.replace(wt.ARCHIVES["v1"], sha256="0" * 64))
+  elif case in ("truncated_zip", "bad_crc"):  # the checksum passes: the zip itself is refused
+    fw.trust(monkeypatch, "v1", _damage_zip(fw.write_zip(str(manual), "v1"), case))
+  elif case == "zip_missing_split":
+    fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1", skip=("validation",)))
+  elif case == "dir_missing_split":
+    fw.write_extracted(str(manual), "v1", skip=("test",))
+  elif case == "empty_file":
+    fw.write_extracted(str(manual), "v1", {"validation": b""})
+  elif case == "not_utf8":
+    fw.write_extracted(
+      str(manual), "v1", {"validation": " \n = H = \n caf\xe9 \n".encode("latin-1")}
+    )
+
+
+def _enwik8_case(case, manual, monkeypatch):
+  if case in ("truncated_zip", "bad_crc"):
+    _damage_zip(fe.write_zip(str(manual), fe.content(N)), case)
+  elif case == "zip_without_enwik8":
+    fe.write_zip(str(manual), fe.content(N), member="enwik9")
+  elif case == "missing":
+    manual.mkdir()
+  else:
+    fe.write_file(str(manual), b"" if case == "empty_file" else b"<mediawiki>")
+
+
+# (builder, case) -> (error, message): every way a source file can be damaged.
+DAMAGED = {
+  ("v1", "checksum"): (sources.ChecksumError, "sha256"),
+  ("v1", "truncated_zip"): (sources.CorruptArchiveError, "not a readable zip"),
+  ("v1", "bad_crc"): (sources.CorruptArchiveError, "cannot be decompressed"),
+  ("v1", "zip_missing_split"): (sources.MissingDataError, "wikitext-103/wiki.valid.tokens"),
+  ("v1", "dir_missing_split"): (sources.MissingDataError, "wiki.test.tokens"),
+  ("v1", "empty_file"): (sources.BadSplitFileError, "wiki.valid.tokens is empty"),
+  ("v1", "not_utf8"): (sources.BadSplitFileError, "line 3 is not valid UTF-8"),
+  ("enwik8", "truncated_zip"): (sources.CorruptArchiveError, "enwik8.zip is not a readable zip"),
+  ("enwik8", "bad_crc"): (sources.CorruptArchiveError, "cannot be decompressed"),
+  ("enwik8", "zip_without_enwik8"): (sources.MissingDataError, "lacks enwik8"),
+  ("enwik8", "empty_file"): (sources.BadSplitFileError, "is empty"),
+  ("enwik8", "too_short"): (sources.BadSplitFileError, "has only 11 bytes"),
+  ("enwik8", "missing"): (sources.MissingDataError, "enwik8 not found"),
+}
+
+
+@pytest.mark.parametrize("variant, case", sorted(DAMAGED))
+def test_damaged_source_is_one_error_and_nothing_is_prepared(tmp_path, monkeypatch, variant, case):
+  manual = tmp_path / "manual"
+  (_enwik8_case if variant == "enwik8" else _wikitext_case)(case, manual, monkeypatch)
+  error, message = DAMAGED[variant, case]
+  dataset = ["enwik8"] if variant == "enwik8" else ["wikitext103", "--variant", variant]
+  flags = ["--manual_dir", str(manual), "--data_dir", str(tmp_path / "data"), "--nodownload"]
+  with pytest.raises(error, match=message) as info:
+    prepare.main(["--dataset", *dataset, *flags, "--quiet"])
+  msg = str(info.value)
+  assert isinstance(info.value, ValueError) and str(manual) in msg
+  assert "\n" not in msg or case == "missing"  # the missing case lists what it tried
+  config = "bytes" if variant == "enwik8" else variant
+  name = "enwik8" if variant == "enwik8" else "wikitext103"
+  assert not (tmp_path / "data" / "tfds" / name / config / "1.0.0").exists()
+  assert not list((tmp_path / "data" / "tfds").rglob("*incomplete*"))
+  assert not list((tmp_path / "data").rglob(store.MARKER))  # nothing prepared
+  if case == "missing":
+    assert "enwik8.zip" in msg and os.path.join(str(manual), "enwik8") in msg
+    assert "Downloading was disabled" in msg and "--manual_dir" in msg
+  # Repaired, the next run builds a complete, correct dataset.
+  for p in sorted(manual.rglob("*"), reverse=True):
+    p.rmdir() if p.is_dir() else p.unlink()
+  if variant == "enwik8":
+    fe.write_file(str(manual), fe.content(N))
+    assert b"".join(_records(_build(tmp_path, variant, manual), "test")) == fe.content(N)[-250:]
+  else:
+    fw.write_extracted(str(manual), "v1")
+    builder = _build(tmp_path, "v1", manual)
+    for split in SPLITS:
+      assert "".join(_texts(builder, split)) == fw.split_text(split, raw=False)
+
+
+def test_wikitext_missing_everything_names_the_file_and_place(tmp_path):
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  with pytest.raises(sources.MissingDataError) as info:
+    _build(tmp_path, "raw_v1", manual)
+  msg, train = str(info.value), os.path.join(str(manual), "wikitext-103-raw", "wiki.train.raw")
+  assert "wikitext-103-raw-v1.zip" in msg and str(manual) in msg and train in msg
+  assert "Downloading was disabled" in msg and "--manual_dir" in msg
+  with pytest.raises(sources.MissingDataError, match="downloads/manual"):  # TFDS's default
+    _build(tmp_path, "v1", None)
+  assert not (tmp_path / "data" / "tfds" / "wikitext103" / "raw_v1" / "1.0.0").exists()
+
+
+@pytest.mark.parametrize("variant", ["v1", "enwik8"])
+def test_download_tries_mirrors_in_turn_and_checks_the_sha256(tmp_path, monkeypatch, variant):
+  """Mirrors are file:// URLs: a missing one, a corrupt one, then a good one."""
+  if variant == "enwik8":
+    good = fe.write_zip(str(tmp_path / "good"), fe.content(N))
+    bad = fe.write_zip(str(tmp_path / "bad"), fe.content(N - 1))
+    monkeypatch.setattr(enwik8, "ZIP_SHA256", sources.sha256_of(good))
+    urls = [f"file://{p}" for p in (tmp_path / "nowhere.zip", bad, good)]
+    monkeypatch.setattr(enwik8, "MIRRORS", urls)
+  else:
+    good = fw.write_zip(str(tmp_path / "good"), "v1")
+    bad = fw.write_zip(str(tmp_path / "bad"), "v1", {"test": " = X = \n tampered \n"})
+    fw.trust(monkeypatch, "v1", good)
+    folders = (tmp_path / "nowhere", *map(os.path.dirname, (bad, good)))
+    monkeypatch.setattr(wt, "MIRRORS", [f"file://{d}/{{filename}}" for d in folders])
+  builder = _build(tmp_path, variant, None, download=True)
+  want = fe.content(N)[-250:] if variant == "enwik8" else fw.split_text("test", raw=False).encode()
+  assert b"".join(_records(builder, "test")) == want
+  downloads = tmp_path / "data" / "tfds" / "downloads"
+  assert [p.name for p in downloads.iterdir() if p.is_file()] == [os.path.basename(good)]
+  assert sources.sha256_of(str(downloads / os.path.basename(good))) == sources.sha256_of(good)
+  if variant == "v1":  # all mirrors failing: the error lists each attempt
+    monkeypatch.setattr(wt, "MIRRORS", [f"file://{os.path.dirname(bad)}/{{filename}}"])
+    with pytest.raises(sources.MissingDataError, match="sha256") as info:
+      wt.locate_source("v1", manual_dir=None, download_dir=str(tmp_path / "dl2"))
+    assert "Download attempts" in str(info.value)
+    assert not list((tmp_path / "dl2").iterdir())  # no partial file kept
+
+
+def test_wikitext_build_is_reused_then_built_again_when_the_source_changes(tmp_path, monkeypatch):
+  manual = tmp_path / "manual"
+  fw.trust(monkeypatch, "v1", fw.write_zip(str(manual), "v1"))
+  _build(tmp_path, "v1", manual)
+  os.remove(manual / "wikitext-103-v1.zip")  # the source is no longer needed
+  builder = _build(tmp_path, "v1", manual)
+  assert "".join(_texts(builder, "test")) == fw.split_text("test", raw=False)
+  changed = fw.split_text("test", raw=False).replace("illustrator", "painter")
+  folder = fw.write_extracted(str(manual), "v1", {"test": changed})
+  builder = _build(tmp_path, "v1", manual)
+  assert "".join(_texts(builder, "test")) == changed
+  paths = [os.path.join(folder, f"wiki.{s}.tokens") for s in ("train", "valid", "test")]
+  assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint(paths)
+
+
+MIB = 1 << 20
+
+
+def test_fingerprint_and_file_digest_see_size_ends_and_name_not_a_deep_same_size_edit(tmp_path):
+  """The fast source fingerprint that decides whether prepared data is stale, and the digest a run
+  records of each text file: the same rule (name, size, first and last MiB)."""
+  data = bytes(range(256)) * (3 * MIB // 256)  # 3 MiB: a middle MiB the fingerprint skips
+  path = str(tmp_path / "enwik8")
+  open(path, "wb").write(data)
+  base, digest = store.fingerprint([path]), store.file_digest(path)
+  assert base.startswith("size+ends-sha256:") and store.fingerprint([path]) == base
+  assert len(digest) == 16
+  changed = {
+    "truncated": data[:-1],
+    "appended": data + b"x",
+    "first MiB edited": b"X" + data[1:],
+    "last MiB edited": data[:-1] + b"X",
+  }
+  for what, other in changed.items():
+    open(path, "wb").write(other)
+    assert store.fingerprint([path]) != base and store.file_digest(path) != digest, what
+  open(path, "wb").write(data[: 3 * MIB // 2] + b"X" + data[3 * MIB // 2 + 1 :])
+  # The documented limit: same size, deep inside.
+  assert store.fingerprint([path]) == base and store.file_digest(path) == digest
+  # The file's name is part of it: the same bytes under another name are another source.
+  os.rename(path, tmp_path / "other")
+  assert store.fingerprint([str(tmp_path / "other")]) != base
