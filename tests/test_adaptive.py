@@ -22,14 +22,11 @@ def _apply(module, variables, *args, method="__call__"):
   return module.apply(variables, *args, method=method)
 
 
-def _setup_softmax(
-  cutoffs=CUT, chunk_size=8192, dtype=jnp.float32, param_dtype=jnp.float32, scale=1.0, n=V, seed=0
-):
-  sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype)
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  h = scale * jax.random.normal(k1, (n, D), param_dtype)
-  # Every word id appears once when n == V (covers all cluster boundaries).
-  t = jax.random.permutation(k2, V)[:n] if n <= V else jax.random.randint(k2, (n,), 0, V)
+def _setup_softmax(cutoffs=CUT, chunk_size=8192, scale=1.0, n=V):
+  sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size)
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  h = scale * jax.random.normal(k1, (n, D))
+  t = jax.random.permutation(k2, V)[:n]  # n = V: every word id once (every cluster boundary)
   # Init through log_probs: creates the same params without compiling nll's scans.
   variables = sm.init(k3, h, method="log_probs")
   return sm, variables, h, t

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aft_jax import layers
-from tests.support.helpers import abstract_init
+from tests.support.helpers import abstract_init, random_params
 from tests.support import numpy_reference as ref
 
 D, T, MAX_LEN, HEADS = 8, 6, 8, 2
@@ -50,18 +50,6 @@ def _jit_apply(module):
 
 def _x(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
-
-
-def _params(module, shape, seed=0):
-  """Random params of the module's structure (every bias, gamma and beta non-zero)."""
-  rng = np.random.default_rng(seed)
-  struct = nn.unbox(abstract_init(module, shape))["params"]
-
-  def f(path, s):
-    scale = 1.0 if path[-1].key in ("gamma", "beta") else 0.5
-    return jnp.asarray(rng.normal(size=s.shape) * scale, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(f, struct)
 
 
 def _init(module, shape, seed=0):
@@ -129,7 +117,7 @@ def test_shapes_and_dtypes_for_leading_batch_dims():
         y = jax.eval_shape(module.apply, variables, jax.ShapeDtypeStruct(shape, dtype))
         assert y.shape == shape and y.dtype == dtype, (name, causal, lead, y)
       if causal:  # and close to float32
-        params, x = _params(module, _input_shape(name)), _x(_input_shape(name))
+        params, x = random_params(module, _input_shape(name)), _x(_input_shape(name))
         y = _jit_apply(module)({"params": params}, x.astype(jnp.bfloat16))
         assert y.dtype == jnp.bfloat16, (name, y.dtype)
         y32 = _jit_apply(_modules(causal=True)[name])({"params": params}, x)
@@ -148,7 +136,7 @@ def test_matches_numpy_reference(causal):
   fails here."""
   for name, module in _modules(causal).items():
     shape = _input_shape(name)
-    params = _params(module, shape, seed=3)
+    params = random_params(module, shape, seed=3)
     x = _x(shape, seed=4)
     y = _jit_apply(module)({"params": params}, x)
     assert y.shape == x.shape
@@ -345,7 +333,7 @@ def test_padding_mask_ignores_the_pads(module):
   tokens alone (bias positions from 0), whatever the pads hold; pad outputs are finite."""
   x = np.asarray(_x((2, 7, 4)))
   mask = np.array([[1] * 5 + [0] * 2, [0] * 2 + [1] * 5], bool)
-  params = {"params": _params(module, (1, 7, 4))}
+  params = {"params": random_params(module, (1, 7, 4))}
 
   @jax.jit
   def run(params, x):

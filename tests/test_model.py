@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aft_jax import model as M
-from tests.support.helpers import abstract_init, param_count
+from tests.support.helpers import abstract_init, param_count, random_params
 
 B, T, V = 2, 10, 17
 BASE = M.ModelConfig(vocab_size=V, max_len=12, num_layers=2, d_model=8, num_heads=2, mlp_dim=16,
@@ -35,17 +35,7 @@ def _abstract(cfg, tokens_shape=(B, T)):
 
 
 def _params(cfg, seed=0):
-  """Random params with the model's structure; LayerNorm scales near 1."""
-  rng = np.random.default_rng(seed)
-
-  def f(path, s):
-    name, x = path[-1].key, rng.normal(size=s.shape)
-    x = (
-      1.0 + 0.1 * x if name == "scale" else x if name in ("pos_bias", "gamma", "beta") else 0.4 * x
-    )
-    return jnp.asarray(x, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(f, nn.unbox(_abstract(cfg))["params"])
+  return random_params(M.TransformerLM(cfg), (B, T), jnp.int32, seed, scale=0.4)
 
 
 def _stack(params, num_layers):
