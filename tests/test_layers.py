@@ -102,9 +102,6 @@ def _expected(name, module, params, x):
   return _dense_np(y, params["out"], in_axes=y.ndim - x.ndim + 1)
 
 
-# ---------------------------------------------------------------- shapes and dtypes
-
-
 def test_shapes_and_dtypes_for_leading_batch_dims():
   """Any leading dims; bfloat16 compute with float32 params returns bfloat16."""
   for causal, dtype in [(False, jnp.float32), (False, jnp.bfloat16), (True, jnp.bfloat16)]:
@@ -124,9 +121,6 @@ def test_shapes_and_dtypes_for_leading_batch_dims():
         chex.assert_tree_all_finite(y)
         y = y.astype(jnp.float32)
         chex.assert_trees_all_close(y, y32, atol=0.15, rtol=0.05, custom_message=name)
-
-
-# ---------------------------------------------------------------- the paper's equations
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -196,8 +190,6 @@ def test_aft_conv_equals_aft_simple_at_init():
     gain = dict(params, bias=dict(bias, gamma=bias["gamma"] + 0.7, beta=bias["beta"] - 1.0))
     assert np.abs(_jit_apply(module)({"params": gain}, x) - simple).max() > 1e-2, module
 
-
-# ---------------------------------------------------------------- logical axis names
 
 # fmt: off
 EXPECTED_NAMES = {

@@ -47,9 +47,6 @@ def _stack(params, num_layers):
   return out
 
 
-# ---------------------------------------------------------------- parameter counts
-
-
 def _expected_count(cfg):
   d, v, m, h = cfg.d_model, cfg.vocab_size, cfg.mlp_dim, cfg.num_heads
   dense = d * d + d
@@ -192,9 +189,6 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
     assert np.abs(out["dec"][:, -1] - dec_other[:, -1]).max() > 1e-4
 
 
-# ---------------------------------------------------------------- remat
-
-
 def test_remat_does_not_change_loss_or_gradients():
   cfg = _cfg(mixing="aft_full")
   params = _params(cfg, seed=5)
@@ -224,9 +218,6 @@ def test_remat_does_not_change_loss_or_gradients():
   loss_s, grads_s = out[True, True]
   chex.assert_trees_all_close(loss_s, loss, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(grads_s, _stack(grads, cfg.num_layers), rtol=1e-5, atol=1e-6)
-
-
-# ---------------------------------------------------------------- dropout
 
 
 def test_dropout():
@@ -420,26 +411,22 @@ def test_packed_positions_given_shift_the_position_embedding():
 def test_gpt2_init_scales_and_no_biases(mixing):
   cfg = _cfg(mixing=mixing, num_layers=3, d_model=64, mlp_dim=128, num_heads=4, init="gpt2")
   init = lambda c: nn.unbox(M.TransformerLM(c).init(jax.random.key(0), _tokens()))["params"]
-  params = init(cfg)
+  params, glorot = init(cfg), init(dataclasses.replace(cfg, init="glorot"))
   residual = 0.02 / np.sqrt(2 * cfg.num_layers)
   seen = set()
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     keys = [p.key for p in path]
-    if keys[-1] not in ("kernel", "embedding") or keys[-2] == "bias":  # (AFT-conv's own kernel)
-      continue
-    want = residual if keys[-2] in ("out", "mlp_out") else 0.02
-    seen.add(want)
-    # thousands of draws: the sample std is within a few percent of the init's
-    np.testing.assert_allclose(np.std(np.asarray(x)), want, rtol=0.15, err_msg="/".join(keys))
-    assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
-  assert seen == {0.02, residual}
-  # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
-  glorot = init(dataclasses.replace(cfg, init="glorot"))
-  for name in ("pos_bias", "u", "v", "gamma", "beta"):
-    for i in range(cfg.num_layers):
-      mix, mix_g = params[f"block_{i}"]["mix"], glorot[f"block_{i}"]["mix"]
-      if name in mix:
-        np.testing.assert_array_equal(mix[name], mix_g[name])
+    if keys[-1] in ("pos_bias", "pos_u", "pos_v") or "bias" in keys[:-1]:  # AFT-conv's kernel
+      # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
+      seen.add("aft")
+      np.testing.assert_array_equal(x, functools.reduce(lambda t, k: t[k], keys, glorot))
+    elif keys[-1] in ("kernel", "embedding"):
+      want = residual if keys[-2] in ("out", "mlp_out") else 0.02
+      seen.add(want)
+      # thousands of draws: the sample std is within a few percent of the init's
+      np.testing.assert_allclose(np.std(np.asarray(x)), want, rtol=0.15, err_msg="/".join(keys))
+      assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
+  assert seen == {0.02, residual} | ({"aft"} if mixing != "softmax" else set())
   # Without biases: every bias (dense and LayerNorm) is gone, nothing else.
   no_bias = init(dataclasses.replace(cfg, use_bias=False))
   biases = [x.size for p, x in jax.tree_util.tree_leaves_with_path(params) if p[-1].key == "bias"]
