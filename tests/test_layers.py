@@ -180,15 +180,12 @@ def test_aft_conv_equals_aft_simple_at_init():
     np.testing.assert_array_equal(bias["beta"], 0.0)
     assert bias["gamma"].shape == (HEADS,) and np.asarray(bias["kernel"]).std() > 0.1
     x = _x(_input_shape(name), seed=8)
-    q, v = _dense_np(x, params["query"]), _dense_np(x, params["value"])
-    k = _dense_np(x, params["key"])[..., None] * np.ones(q.shape[-1])
-    flat = lambda a: a.reshape((2, -1, HEADS * a.shape[-1]))  # [B, positions, H * C]
-    simple = ref.aft_simple(flat(q), flat(k), flat(v), module.causal).reshape(q.shape)
-    simple = _dense_np(simple, params["out"], in_axes=2)
     y = _jit_apply(module)({"params": params}, x)
-    chex.assert_trees_all_close(y, simple, rtol=RTOL, atol=ATOL, custom_message=name)
+    # The reference with a zero kernel (w = 0) is AFT-simple's, one key per head.
+    want = _expected(name, module, params, x)
+    chex.assert_trees_all_close(y, want, rtol=RTOL, atol=ATOL, custom_message=name)
     gain = dict(params, bias=dict(bias, gamma=bias["gamma"] + 0.7, beta=bias["beta"] - 1.0))
-    assert np.abs(_jit_apply(module)({"params": gain}, x) - simple).max() > 1e-2, module
+    assert np.abs(_jit_apply(module)({"params": gain}, x) - y).max() > 1e-2, module
 
 
 # fmt: off
