@@ -22,30 +22,20 @@ def _apply(module, variables, *args, method="__call__"):
   return module.apply(variables, *args, method=method)
 
 
-def _setup_softmax(
-  cutoffs=CUT, chunk_size=8192, dtype=jnp.float32, param_dtype=jnp.float32, scale=1.0, n=V, seed=0
-):
-  sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size, dtype=dtype, param_dtype=param_dtype)
-  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  h = scale * jax.random.normal(k1, (n, D), param_dtype)
-  # Every word id appears once when n == V (covers all cluster boundaries).
-  t = jax.random.permutation(k2, V)[:n] if n <= V else jax.random.randint(k2, (n,), 0, V)
+def _setup_softmax(cutoffs=CUT, chunk_size=8192, scale=1.0, n=V):
+  sm = AdaptiveSoftmax(V, D, cutoffs, chunk_size=chunk_size)
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  h = scale * jax.random.normal(k1, (n, D))
+  t = jax.random.permutation(k2, V)[:n]  # n = V: every word id once (every cluster boundary)
   # Init through log_probs: creates the same params without compiling nll's scans.
   variables = sm.init(k3, h, method="log_probs")
   return sm, variables, h, t
 
 
-@pytest.mark.parametrize("cutoffs", [CUT, (), (10,)])
-def test_log_probs_normalised(cutoffs):
-  sm, v, h, _ = _setup_softmax(cutoffs, scale=2.0)
-  lp = _apply(sm, v, h.reshape(5, 10, D), method="log_probs")
-  chex.assert_shape(lp, (5, 10, V))
-  np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, atol=1e-5)
-
-
-@pytest.mark.parametrize("cutoffs", [CUT, ()])
-@pytest.mark.parametrize("chunk_size", [1, 7, 8192])
-def test_nll_matches_log_probs(cutoffs, chunk_size):
+@pytest.mark.parametrize(
+  "cutoffs, chunk_size", [(CUT, 1), (CUT, 7), (CUT, 8192), ((), 1), ((), 8192), ((10,), 7)]
+)
+def test_nll_is_minus_the_normalised_log_probs(cutoffs, chunk_size):
   sm, v, h, t = _setup_softmax(cutoffs, chunk_size=chunk_size)
   # Batch [2, V]: row 0 at unit scale, row 1 at |h| ~ 1e3 (logits ~ 1e3-1e4, no overflow).
   scale = jnp.array([1.0, 1e3])[:, None, None]
@@ -54,6 +44,8 @@ def test_nll_matches_log_probs(cutoffs, chunk_size):
   chex.assert_shape(nll, (2, V))
   chex.assert_tree_all_finite(nll)
   lp = _apply(sm, v, hb, method="log_probs")
+  chex.assert_shape(lp, (2, V, V))
+  np.testing.assert_allclose(np.exp(lp[0]).sum(-1), 1.0, atol=1e-5)
   ref = -jnp.take_along_axis(lp, tb[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(nll[0], ref[0], rtol=1e-5, atol=2e-5)
   np.testing.assert_allclose(nll[1], ref[1], rtol=1e-5, atol=2e-2)  # relative to ~1e3 logits
@@ -85,6 +77,8 @@ def test_grads_finite():
     # every table gets gradient (no param silently unused)
     for name, leaf in nn.unbox(g[0])["params"].items():
       assert float(jnp.abs(leaf).sum()) > 0, name
+  with pytest.raises(ValueError, match="targets"):
+    sm.apply(v, h, t[:-1])
 
 
 def test_check_grads_float64():
@@ -208,30 +202,27 @@ def test_tying_shares_params(cutoffs):
   assert float(jnp.abs(g["embed"]["embed_0"]).sum()) > 0
 
 
+BAD_ARGS = [
+  (dict(cutoffs=[25, 10]), "strictly increasing"),
+  (dict(cutoffs=[10, 10]), "strictly increasing"),
+  (dict(cutoffs=[10, 50]), "vocab_size"),
+  (dict(cutoffs=[0, 10]), "cutoffs"),
+  (dict(cutoffs=[2, 4, 6]), "d_model"),  # 16 // 4**3 = 0
+  (dict(cutoffs=[10], factor=0.5), "factor"),
+  (dict(cutoffs=[10], d_model=0), "d_model"),
+]
+BAD_SOFTMAX_ARGS = [
+  (dict(cutoffs=CUT, chunk_size=0), "chunk_size"),
+  (dict(cutoffs=CUT, tie_to=AdaptiveInput(V, D, (10,))), "tie_to"),
+]
+
+
 @pytest.mark.parametrize(
-  "kwargs, match",
-  [
-    (dict(cutoffs=[25, 10]), "strictly increasing"),
-    (dict(cutoffs=[10, 10]), "strictly increasing"),
-    (dict(cutoffs=[10, 50]), "vocab_size"),
-    (dict(cutoffs=[0, 10]), "cutoffs"),
-    (dict(cutoffs=[2, 4, 6]), "d_model"),  # 16 // 4**3 = 0
-    (dict(cutoffs=[10], factor=0.5), "factor"),
-    (dict(cutoffs=[10], d_model=0), "d_model"),
-  ],
+  "cls, kwargs, match",
+  [(c, *b) for c in (AdaptiveInput, AdaptiveSoftmax) for b in BAD_ARGS]
+  + [(AdaptiveSoftmax, *b) for b in BAD_SOFTMAX_ARGS],
 )
-@pytest.mark.parametrize("cls", [AdaptiveInput, AdaptiveSoftmax])
 def test_bad_arguments_raise(cls, kwargs, match):
   args = dict(vocab_size=V, d_model=D) | kwargs
   with pytest.raises(ValueError, match=match):
     cls(**args)
-
-
-def test_bad_softmax_arguments_raise():
-  with pytest.raises(ValueError, match="chunk_size"):
-    AdaptiveSoftmax(V, D, CUT, chunk_size=0)
-  with pytest.raises(ValueError, match="tie_to"):
-    AdaptiveSoftmax(V, D, CUT, tie_to=AdaptiveInput(V, D, (10,)))
-  sm, v, h, t = _setup_softmax(n=8)
-  with pytest.raises(ValueError, match="targets"):
-    sm.apply(v, h, t[:-1])

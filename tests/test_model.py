@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from aft_jax import model as M
-from tests.support.helpers import abstract_init, param_count
+from tests.support.helpers import abstract_init, param_count, random_params
 
 B, T, V = 2, 10, 17
 BASE = M.ModelConfig(vocab_size=V, max_len=12, num_layers=2, d_model=8, num_heads=2, mlp_dim=16,
                      window=3, kernel_size=3, dropout_rate=0.0)  # fmt: skip
+ADAPTIVE = dict(adaptive_cutoffs=(6, 11), adaptive_factor=2.0)
 
 
 def _cfg(**kw):
@@ -34,17 +35,7 @@ def _abstract(cfg, tokens_shape=(B, T)):
 
 
 def _params(cfg, seed=0):
-  """Random params with the model's structure; LayerNorm scales near 1."""
-  rng = np.random.default_rng(seed)
-
-  def f(path, s):
-    name, x = path[-1].key, rng.normal(size=s.shape)
-    x = (
-      1.0 + 0.1 * x if name == "scale" else x if name in ("pos_bias", "gamma", "beta") else 0.4 * x
-    )
-    return jnp.asarray(x, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(f, nn.unbox(_abstract(cfg))["params"])
+  return random_params(M.TransformerLM(cfg), (B, T), jnp.int32, seed, scale=0.4)
 
 
 def _stack(params, num_layers):
@@ -54,9 +45,6 @@ def _stack(params, num_layers):
     lambda *xs: jnp.stack(xs), *[params[f"block_{i}"] for i in range(num_layers)]
   )
   return out
-
-
-# ---------------------------------------------------------------- parameter counts
 
 
 def _expected_count(cfg):
@@ -76,8 +64,9 @@ def _expected_count(cfg):
 
 
 @pytest.mark.parametrize("mixing", M.MIXINGS)
-def test_param_count_shapes_and_axis_names(mixing):
-  for kw in [dict(), dict(tie_embeddings=False), dict(factor_dim=3), dict(scan_layers=True)]:
+def test_param_count_shapes_dtypes_and_axis_names(mixing):
+  assert _cfg(mixing=mixing).problems() == []
+  for kw in [{}, dict(tie_embeddings=False), dict(factor_dim=3), dict(scan_layers=True)]:
     cfg = _cfg(mixing=mixing, **kw)
     variables = _abstract(cfg)
     params = nn.unbox(variables)["params"]
@@ -96,30 +85,31 @@ def test_param_count_shapes_and_axis_names(mixing):
         assert leaf.names[0] == "layers", (key, leaf.names)
       else:
         assert "layers" not in leaf.names, (key, leaf.names)
-  cfg = _cfg(mixing=mixing)
-  variables = _abstract(cfg)
-  out = jax.eval_shape(
-    M.TransformerLM(cfg).apply, variables, jax.ShapeDtypeStruct((B, T), jnp.int32)
-  )
-  assert out.shape == (B, T, V) and out.dtype == jnp.float32
-  nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
-  assert nll.shape == (B, T) and nll.dtype == jnp.float32
-  # bfloat16 compute keeps float32 params and float32 outputs.
-  cfg = _cfg(mixing=mixing, dtype=jnp.bfloat16)
-  variables = _abstract(cfg)
-  dtypes = {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))}
-  assert dtypes == {jnp.dtype(jnp.float32)}
-  nll = jax.eval_shape(M.TransformerLM(cfg).apply, variables, _tokens(), _tokens(1))
-  assert nll.dtype == jnp.float32
+  # float32 params and outputs, bfloat16 compute too.
+  for dtype in (jnp.float32, jnp.bfloat16):
+    model = M.TransformerLM(_cfg(mixing=mixing, dtype=dtype))
+    variables = _abstract(model.cfg)
+    dtypes = {x.dtype for x in jax.tree_util.tree_leaves(nn.unbox(variables))}
+    assert dtypes == {jnp.dtype(jnp.float32)}
+    out = jax.eval_shape(model.apply, variables, jax.ShapeDtypeStruct((B, T), jnp.int32))
+    nll = jax.eval_shape(model.apply, variables, _tokens(), _tokens(1))
+    assert out.shape == (B, T, V) and nll.shape == (B, T), (out, nll)
+    assert out.dtype == nll.dtype == jnp.float32, (dtype, out, nll)
 
 
 # ---------------------------------------------------------------- forward == decode == scan
 
 
-def _decode_all(model, params, tokens, cache=None):
-  """Log-probs [B, T, V] from decoding one token at a time (a fresh cache unless given)."""
-  if cache is None:
-    cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
+def _decode_all(model, params, tokens, prefill=0):
+  """Log-probs [B, T, V] from decoding: the first ``prefill`` tokens in one chunk, then one token
+  at a time."""
+  cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
+  chunk = []
+  if prefill:
+    logp, mut = model.apply(
+      {"params": params, "cache": cache}, tokens[:, :prefill], decode=True, mutable=["cache"]
+    )
+    cache, chunk = mut["cache"], [logp]
 
   def step(cache, tok_B):
     logp, mut = model.apply(
@@ -127,22 +117,8 @@ def _decode_all(model, params, tokens, cache=None):
     )
     return mut["cache"], logp[:, 0]
 
-  _, logp_TBV = jax.lax.scan(step, cache, tokens.T)
-  return jnp.swapaxes(logp_TBV, 0, 1)
-
-
-def _prefill_then_decode(model, params, tokens, n):
-  """Log-probs [B, T, V]: the first n tokens as one chunk (the prefill), then one at a time."""
-  cache = model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"]
-  logp_chunk, mut = model.apply(
-    {"params": params, "cache": cache}, tokens[:, :n], decode=True, mutable=["cache"]
-  )
-  return jnp.concatenate([logp_chunk, _decode_all(model, params, tokens[:, n:], mut["cache"])], 1)
-
-
-def _stream_tokens(cfg) -> tuple[int, int]:
-  """The tokens' shape [B, T] a decode case runs: T = 8 x max_len for a stream."""
-  return (B, 8 * cfg.max_len) if cfg.streams else (B, T)
+  _, logp_TBV = jax.lax.scan(step, cache, tokens[:, prefill:].T)
+  return jnp.concatenate(chunk + [jnp.swapaxes(logp_TBV, 0, 1)], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -160,13 +136,13 @@ def _all_paths(cfg, params, tokens, targets):
   if cfg.mixing == "aft_simple":  # the NLL path depends only on the head: plain and adaptive
     out["nll"] = unrolled.apply({"params": params}, tokens, targets)
   if cfg.mixing in M.CHUNKED:  # a prompt of 6 in one pass (T = 10 > window: the ring wraps)
-    out["prefill"] = _prefill_then_decode(unrolled, params, tokens, 6)
+    out["prefill"] = _decode_all(unrolled, params, tokens, prefill=6)
   return out
 
 
 # T = 10 > window = kernel_size = 3, so the decode ring buffers wrap; aft_local uses a factorised
 # bias and aft_full a full one, so both bias paths of decoding are covered. AFT-simple and
-# AFT-conv1d are streams (no position embedding, ``_stream_tokens``): T = 8 x max_len, and a
+# AFT-conv1d are streams (no position embedding): T = 8 x max_len, and a
 # prefill chunk longer than max_len.
 DECODE_CASES = [
   _cfg(mixing="aft_full"),
@@ -174,14 +150,7 @@ DECODE_CASES = [
   _cfg(mixing="aft_simple", position_embedding="none", max_len=4),
   _cfg(mixing="aft_conv1d", position_embedding="none", max_len=4),
   _cfg(mixing="softmax"),
-  _cfg(
-    mixing="aft_simple",
-    adaptive_cutoffs=(6, 11),
-    adaptive_factor=2.0,
-    tie_embeddings=False,
-    d_model=16,
-    max_len=10,
-  ),  # fmt: skip
+  _cfg(mixing="aft_simple", tie_embeddings=False, d_model=16, max_len=10, **ADAPTIVE),
 ]
 
 
@@ -192,7 +161,7 @@ DECODE_CASES = [
 )
 def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
   params = _params(cfg, seed=2)
-  shape = _stream_tokens(cfg)
+  shape = (B, 8 * cfg.max_len) if cfg.streams else (B, T)
   tokens, targets = _tokens(3, shape), _tokens(4, shape)
   out = jax.device_get(_all_paths(cfg, params, tokens, targets))
   fwd = out["fwd"]
@@ -218,9 +187,6 @@ def test_decode_equals_forward_and_scan_equals_unrolled(cfg):
     other = tokens.at[:, 0].set((tokens[:, 0] + 1) % V)
     dec_other = _all_paths(cfg, params, other, targets)["dec"]
     assert np.abs(out["dec"][:, -1] - dec_other[:, -1]).max() > 1e-4
-
-
-# ---------------------------------------------------------------- remat
 
 
 def test_remat_does_not_change_loss_or_gradients():
@@ -252,9 +218,6 @@ def test_remat_does_not_change_loss_or_gradients():
   loss_s, grads_s = out[True, True]
   chex.assert_trees_all_close(loss_s, loss, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(grads_s, _stack(grads, cfg.num_layers), rtol=1e-5, atol=1e-6)
-
-
-# ---------------------------------------------------------------- dropout
 
 
 def test_dropout():
@@ -289,10 +252,7 @@ def test_dropout():
     (dict(mixing="aft_mystery"), "config.model.mixing"),
     (dict(mixing="aft_local", window=13), "config.model.window"),
     (dict(mixing="aft_local", window=0), "config.model.window"),
-    (
-      dict(mixing="softmax", num_heads=3),
-      "config.model.d_model = 8 is not divisible by config.model.num_heads",
-    ),
+    (dict(mixing="softmax", num_heads=3), "d_model = 8 is not divisible by config.model.num_heads"),
     (dict(mixing="aft_conv1d", num_heads=3), "config.model.num_heads = 3"),
     (dict(mixing="aft_conv1d", kernel_size=13), "config.model.kernel_size"),
     (dict(num_layers=0), "config.model.num_layers"),
@@ -308,14 +268,6 @@ def test_problems_name_the_field(kw, field):  # the run config's check of the mo
   problems = _cfg(**kw).problems()
   assert problems and all(p.startswith("config.model.") for p in problems), problems
   assert any(field in p for p in problems), problems
-
-
-def test_good_configs_have_no_problems_and_a_stream_takes_any_length():
-  for mixing in M.MIXINGS:
-    assert _cfg(mixing=mixing).problems() == []
-  stream = M.TransformerLM(_cfg(mixing="aft_simple", position_embedding="none"))
-  long = jax.eval_shape(stream.apply, _abstract(stream.cfg), _tokens(0, (2, 13)))  # no limit
-  assert long.shape == (2, 13, V)
 
 
 _SEG = jnp.asarray([[1] * 4 + [2] * 4 + [0] * 2], jnp.int32)
@@ -343,9 +295,7 @@ def test_bad_inputs_are_one_line_value_errors(mixing, tokens, targets, kw, messa
 
 ID_CONFIGS = {
   "embed": _cfg(mixing="aft_simple", num_layers=1),
-  "adaptive": _cfg(
-    mixing="aft_simple", num_layers=1, adaptive_cutoffs=(6, 11), adaptive_factor=2.0
-  ),
+  "adaptive": _cfg(mixing="aft_simple", num_layers=1, **ADAPTIVE),
 }
 # (argument, an id outside [0, V)): -1 would wrap to V - 1; -100 is PyTorch's ignore label.
 BAD_IDS = [("tokens", -1), ("tokens", V), ("targets", -100), ("targets", -1), ("targets", V)]
@@ -461,26 +411,22 @@ def test_packed_positions_given_shift_the_position_embedding():
 def test_gpt2_init_scales_and_no_biases(mixing):
   cfg = _cfg(mixing=mixing, num_layers=3, d_model=64, mlp_dim=128, num_heads=4, init="gpt2")
   init = lambda c: nn.unbox(M.TransformerLM(c).init(jax.random.key(0), _tokens()))["params"]
-  params = init(cfg)
+  params, glorot = init(cfg), init(dataclasses.replace(cfg, init="glorot"))
   residual = 0.02 / np.sqrt(2 * cfg.num_layers)
   seen = set()
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     keys = [p.key for p in path]
-    if keys[-1] not in ("kernel", "embedding") or keys[-2] == "bias":  # (AFT-conv's own kernel)
-      continue
-    want = residual if keys[-2] in ("out", "mlp_out") else 0.02
-    seen.add(want)
-    # thousands of draws: the sample std is within a few percent of the init's
-    np.testing.assert_allclose(np.std(np.asarray(x)), want, rtol=0.15, err_msg="/".join(keys))
-    assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
-  assert seen == {0.02, residual}
-  # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
-  glorot = init(dataclasses.replace(cfg, init="glorot"))
-  for name in ("pos_bias", "u", "v", "gamma", "beta"):
-    for i in range(cfg.num_layers):
-      mix, mix_g = params[f"block_{i}"]["mix"], glorot[f"block_{i}"]["mix"]
-      if name in mix:
-        np.testing.assert_array_equal(mix[name], mix_g[name])
+    if keys[-1] in ("pos_bias", "pos_u", "pos_v") or "bias" in keys[:-1]:  # AFT-conv's kernel
+      # AFT's own parameters (position biases, conv kernels, their gains) start as under 'glorot'.
+      seen.add("aft")
+      np.testing.assert_array_equal(x, functools.reduce(lambda t, k: t[k], keys, glorot))
+    elif keys[-1] in ("kernel", "embedding"):
+      want = residual if keys[-2] in ("out", "mlp_out") else 0.02
+      seen.add(want)
+      # thousands of draws: the sample std is within a few percent of the init's
+      np.testing.assert_allclose(np.std(np.asarray(x)), want, rtol=0.15, err_msg="/".join(keys))
+      assert abs(np.mean(np.asarray(x))) < 0.2 * want, keys
+  assert seen == {0.02, residual} | ({"aft"} if mixing != "softmax" else set())
   # Without biases: every bias (dense and LayerNorm) is gone, nothing else.
   no_bias = init(dataclasses.replace(cfg, use_bias=False))
   biases = [x.size for p, x in jax.tree_util.tree_leaves_with_path(params) if p[-1].key == "bias"]

@@ -100,6 +100,32 @@ def abstract_init(module, shape, dtype="float32", **kw):
   )
 
 
+def random_params(module, shape, dtype="float32", seed=0, scale=0.5):
+  """Random params of ``module``'s structure (``abstract_init``, not compiled), every bias
+  non-zero: normal draws times ``scale``; AFT's position bias and kernel gains times 1,
+  LayerNorm scales 1 + 0.1 x."""
+  import flax.linen as nn
+  import jax
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    name, x = path[-1].key, rng.normal(size=s.shape)
+    x = (
+      1.0 + 0.1 * x
+      if name == "scale"
+      else x
+      if name in ("pos_bias", "gamma", "beta")
+      else scale * x
+    )
+    return jax.numpy.asarray(x, s.dtype)
+
+  return jax.tree_util.tree_map_with_path(
+    draw, nn.unbox(abstract_init(module, shape, dtype))["params"]
+  )
+
+
 def param_count(tree) -> int:
   """Number of scalars in a (possibly boxed) tree of arrays or ShapeDtypeStructs."""
   import flax.linen as nn

@@ -62,13 +62,20 @@ def test_prompt_prefill_in_one_pass_gives_the_token_by_token_samples(run_dir, mo
   np.testing.assert_array_equal(chunked, sample())
 
 
-@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
-def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
-  """A temperature near 0 is greedy sampling (not every logit overflowed to -inf: token 0)."""
+def test_a_tiny_temperature_is_greedy_and_top_p_keeps_the_likeliest_tokens_of_that_mass():
+  """A temperature near 0 samples the most likely token (not token 0: every logit overflowed to
+  -inf); top_p samples among the most likely tokens that hold that mass."""
   logp = np.log(np.asarray([[0.05, 0.1, 0.6, 0.25], [0.7, 0.1, 0.1, 0.1]], np.float32))
-  for i in range(5):
-    got = decode.sample_logits(jax.random.key(i), logp, temperature, top_k=3, top_p=0.9)
-    np.testing.assert_array_equal(got, [2, 0])
+  for temperature in (1e-45, 1e-30, 1e-6):
+    for i in range(5):
+      got = decode.sample_logits(jax.random.key(i), logp, temperature, top_k=3, top_p=0.9)
+      np.testing.assert_array_equal(got, [2, 0], f"temperature {temperature}")
+  logp = np.log(np.asarray([[0.5, 0.3, 0.15, 0.05]], np.float32))
+  seen = {int(decode.sample_logits(jax.random.key(i), logp, 1.0, top_p=0.7)[0]) for i in range(200)}
+  assert seen == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+  assert int(decode.sample_logits(jax.random.key(0), logp, 1.0, top_p=1e-6)[0]) == 0
+  with pytest.raises(ValueError, match="top_p = 0"):
+    decode.check_sampling(1.0, 0, 0.0)
 
 
 def test_more_samples_than_memory_holds_is_one_line_before_any_allocation(run_dir):
@@ -76,15 +83,6 @@ def test_more_samples_than_memory_holds_is_one_line_before_any_allocation(run_di
   with pytest.raises(ValueError, match=r"num_samples = 100000000: .* GiB here, more than the"):
     decode.sample_texts(run.model, run.params, run.vocab, "The ", 5, num_samples=100_000_000)
   assert len(decode.sample_texts(run.model, run.params, run.vocab, "The ", 3, num_samples=2)) == 2
-
-
-def test_top_p_keeps_the_most_likely_tokens_holding_that_mass():
-  logp = np.log(np.asarray([[0.5, 0.3, 0.15, 0.05]], np.float32))
-  seen = {int(decode.sample_logits(jax.random.key(i), logp, 1.0, top_p=0.7)[0]) for i in range(200)}
-  assert seen == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
-  assert int(decode.sample_logits(jax.random.key(0), logp, 1.0, top_p=1e-6)[0]) == 0
-  with pytest.raises(ValueError, match="top_p = 0"):
-    decode.check_sampling(1.0, 0, 0.0)
 
 
 def test_word_prompt_maps_unknown_words_to_unk_or_refuses_them():
@@ -190,7 +188,6 @@ BAD_IDS = {
   "prompt_past_v": (lambda r, v: _generate(r, [[v]]), "generate: prompt", "V"),
   "score_tokens": (lambda r, v: _score(r, [3, -100], 0), "score_stream: tokens", -100),
   "score_bos": (lambda r, v: _score(r, [3], v), "score_stream: bos_id", "V"),
-  "evaluate_tokens": (lambda r, v: _evaluate(r, [1, v], 0), "Trainer.evaluate: tokens", "V"),
   "evaluate_bos": (lambda r, v: _evaluate(r, [1], -1), "Trainer.evaluate: bos_id", -1),
 }
 _generate = lambda r, ids: decode.generate(r.model, r.params, ids, 2, rng=jax.random.key(0))
