@@ -56,7 +56,8 @@ def aft_conv1d(
     initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
       state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
 
-  Returns ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
+  Returns:
+    ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
   """
   fn = "aft_conv1d"
   q, k, v, kernel = _check(fn, q, k, v, kernel, 1, causal, impl)
@@ -100,7 +101,8 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
     q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
     impl: as ``aft_conv1d``.
 
-  Returns ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
+  Returns:
+    ``[..., Ht, Wd, H, C]``; O(Ht Wd kh kw C).
   """
   q, k, v, kernel = _check("aft_conv2d", q, k, v, kernel, 2, False, impl)
   return common.eager(_whole, q=q, k=k, v=v, kernel=kernel, causal=False)

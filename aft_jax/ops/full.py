@@ -23,7 +23,8 @@ def aft_full(
       with ``aft_full_step``).
     segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
 
-  Returns ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
+  Returns:
+    ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
   """
   if initial_state is not None or output_final_state:
     raise ValueError(

@@ -57,7 +57,8 @@ def aft_local(
       position's index into w (per document from 0; outside w: NaN).
     axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
-  Returns ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
+  Returns:
+    ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   window = common.check_window(FN, window)

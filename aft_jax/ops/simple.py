@@ -40,7 +40,8 @@ def aft_simple(
     axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
       device's shard of the output on the whole sequence.
 
-  Returns ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
+  Returns:
+    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   mode = common.check_mode(

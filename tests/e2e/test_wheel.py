@@ -150,10 +150,10 @@ def test_the_wheel_ships_every_recipe_and_console_script():
   assert {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"} <= set(scripts)
   for target in scripts.values():
     module, func = target.split(":")
-    assert os.path.exists(os.path.join(ROOT, *module.split("."))) or os.path.exists(
-      os.path.join(ROOT, *module.split(".")) + ".py"
-    ), target
-    source = open(os.path.join(ROOT, *module.split(".")) + ".py").read()
+    path = os.path.join(ROOT, *module.split("."))  # a module, or a package's __init__
+    path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+    assert os.path.exists(path), target
+    source = open(path).read()
     assert re.search(rf"^def {func}\((argv=None)?\)", source, flags=re.M), target
   assert "quickstart" in recipes.available()
   assert recipes.recipe_dir() == os.path.join(ROOT, "configs")
