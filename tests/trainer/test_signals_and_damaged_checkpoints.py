@@ -455,27 +455,16 @@ def test_resume_walks_back_from_damaged_checkpoints(two_checkpoints, tmp_path, c
 def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verified(
   how, two_checkpoints, tmp_path, capsys, monkeypatch
 ):
-  """Bytes of the latest checkpoint that still parse: the tools skip it in one note, and a
-  resume moves it aside, continues from step 2 and, diverging, names step 2 (verified) as the
-  last good checkpoint, not the damaged step 4."""
+  """Bytes of the latest checkpoint that still parse: a resume moves it aside, continues from
+  step 2 and, diverging, names step 2 (verified) as the last good checkpoint, not step 4."""
   workdir = _copy(two_checkpoints, tmp_path)
   _damage(workdir, 4, how)
-  capsys.readouterr()
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
-  (note,) = err.strip().splitlines()
-  assert note.startswith(
-    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
-    "match the checksums saved with them ("
-  ) and note.endswith("); using step 2, the newest one that reads"), note
-
   _poison(monkeypatch, at_step=1, until=10**6)  # every update from step 3 on is non-finite
   config = tiny_config(**TWO_CHECKPOINTS, max_consecutive_skips=2)
   with pytest.raises(FloatingPointError, match="steps 3-4 .* the last good checkpoint is step 2:"):
     train_lib.train_and_evaluate(config, workdir)
   out = capsys.readouterr().out
-  assert "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents" in out
+  assert f"Skipped the damaged checkpoint at step 4 ({MISMATCH}" in out
   assert "Resuming from the checkpoint at step 2" in out
   assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
 
@@ -506,6 +495,7 @@ def _as_written_before_checksums(step_dir):
     json.dump(metadata, f)
 
 
+MISMATCH = "DamagedCheckpointError: its contents do not match the checksums saved with them ("
 LOST = "DamagedCheckpointError: its checksums (the folder checksums/) are missing, and its"
 UNVERIFIED = "written before checkpoints carried checksums, so it is loaded unverified"
 VERIFIED_OR_REFUSED = {
@@ -519,10 +509,8 @@ VERIFIED_OR_REFUSED = {
   "data position changed": (
     _change_data_position,
     2,
-    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do "
-    "not match the checksums saved with them (data)); using step 2",
-    "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
-    "match the checksums saved with them (data); resuming from step 2)",
+    f"note: skipped the damaged checkpoint at step 4 ({MISMATCH}data)); using step 2",
+    f"Skipped the damaged checkpoint at step 4 ({MISMATCH}data); resuming from step 2)",
   ),
   "written before checksums": (
     _as_written_before_checksums,
@@ -593,33 +581,41 @@ def test_lost_checksums_are_damage_where_the_metadata_cannot_say_otherwise(
 
 
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
-  """As a user runs them: a damaged latest checkpoint is one note, and the export is of step 2;
-  a step folder whose Orbax metadata is garbage (zeroed, as a lost write leaves it) but whose
-  contents verify is used, with nothing on stderr (Orbax would log the file's bytes)."""
-  for how, says in (("truncated", ""), ("8 bytes of 0xff", "DamagedCheckpointError")):
+  """As a user runs them (export, like generate and evaluate, through trained.load_run): a
+  damaged latest checkpoint is one note, and the export is of step 2; asked for the damaged
+  step itself, one line naming it and the others; a step folder whose Orbax metadata is garbage
+  (zeroed, as a lost write leaves it) but whose contents verify is used, with nothing on stderr
+  (Orbax would log the file's bytes)."""
+
+  def export(workdir, *flags):
+    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, *flags]
+    out = str(tmp_path / f"{len(os.listdir(tmp_path))}.msgpack")
+    return prefork.run([*cmd, "--out", out], cwd=ROOT, capture_output=True, text=True)
+
+  for how in ("truncated", *DAMAGE):
     workdir = _copy(two_checkpoints, tmp_path, how)
     if how == "truncated":  # structural damage: reading fails in TensorStore's threads
       with open(_largest_file(os.path.join(workdir, "checkpoints", "4")), "r+b") as f:
         f.truncate(1000)
     else:
       _damage(workdir, 4, how)
-    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-    done = prefork.run(
-      [*cmd, "--out", str(tmp_path / "m.msgpack")], cwd=ROOT, capture_output=True, text=True
-    )
+    done = export(workdir)
     assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
-    assert f"skipped the damaged checkpoint at step 4 ({says}" in done.stderr, done.stderr
+    says = "" if how == "truncated" else MISMATCH
+    assert done.stderr.startswith(f"note: skipped the damaged checkpoint at step 4 ({says}")
+    assert done.stderr.endswith("); using step 2, the newest one that reads\n"), done.stderr
     assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
     assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
+  done = export(workdir, "--step", "4")
+  lines = done.stderr.splitlines()
+  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
 
-  metadata = os.path.join(two_checkpoints, "checkpoints", "4", "_CHECKPOINT_METADATA")
   workdir = _copy(two_checkpoints, tmp_path, "zeroed")
-  with open(os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA"), "wb") as f:
+  metadata = os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA")
+  with open(metadata, "r+b") as f:
     f.write(bytes(os.path.getsize(metadata)))
-  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-  done = prefork.run(
-    [*cmd, "--out", str(tmp_path / "z.msgpack")], cwd=ROOT, capture_output=True, text=True
-  )
+  done = export(workdir)
   assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
   assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
 
@@ -872,28 +868,3 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
   with open(wd.results_file) as f:
     assert json.load(f)["test_tokens"] == results["test_tokens"] > 0
-
-
-def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_path, capsys):
-  """The largest file of the latest checkpoint truncated: export (like generate and evaluate,
-  through trained.load_run) says in one line that it skipped that step and uses the one
-  before; asked for the damaged step itself, it stops with one line naming it and the others."""
-  workdir = _copy(two_checkpoints, tmp_path)
-  wd = Workdir(workdir)
-  biggest = _largest_file(os.path.join(wd.checkpoints_dir, "4"))
-  with open(biggest, "r+b") as f:
-    f.truncate(os.path.getsize(biggest) // 2)
-  capsys.readouterr()
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
-  notes = [line for line in err.splitlines() if "damaged" in line]
-  assert len(notes) == 1 and "step 4" in notes[0] and "using step 2" in notes[0], err[-2000:]
-
-  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--step", "4"]
-  done = prefork.run(
-    [*cmd, "--out", str(tmp_path / "again.msgpack")], cwd=ROOT, capture_output=True, text=True
-  )
-  lines = done.stderr.splitlines()
-  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
-  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
