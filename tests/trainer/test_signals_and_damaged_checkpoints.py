@@ -389,27 +389,43 @@ def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, mo
   assert os.path.exists(os.path.join(workdir, "results.json"))
 
 
-def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
-  tmp_path, quiet_after_failure
+def test_a_changed_config_is_refused_unless_allowed_and_config_json_written_only_after(
+  tmp_path, capsys, quiet_after_failure
 ):
   workdir = str(tmp_path / "run")
-  train_lib.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
-  # Extending the run would restart the cosine schedule from another length: a conflict.
-  with pytest.raises(ValueError, match="num_train_steps: 2 in the workdir, 4 now .the learning"):
-    train_lib.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  one_step = tiny_config(num_train_steps=1)
+  train_lib.train_and_evaluate(one_step, workdir)
+  refused = {
+    # Extending the run would restart the cosine schedule from another length: a conflict.
+    "num_train_steps: 1 in the workdir, 2 now .the learning": {"num_train_steps": 2},
+    "model.d_model: 16 in the workdir, 32 now": {"model.d_model": 32},
+    "learning_rate: 0.003 in the workdir, 0.001 now": {"learning_rate": 1e-3},
+  }
+  for says, overrides in refused.items():
+    with pytest.raises(ValueError, match=says):
+      train_lib.train_and_evaluate(tiny_config(**{"num_train_steps": 1, **overrides}), workdir)
   # Without config.json the checkpoint's own config still refuses another learning rate.
   os.remove(os.path.join(workdir, "config.json"))
   with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
   # A change that cannot be restored fails without touching config.json. (The failure leaves
   # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  Workdir(workdir).write_config(RunConfig.from_tree(tiny_config()).tree)
-  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
+  Workdir(workdir).write_config(RunConfig.from_tree(one_step).tree)
+  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 1: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
     )
   assert json.load(open(os.path.join(workdir, "config.json")))["model"]["d_model"] == 16
-  assert _steps(workdir) == [2]  # nothing moved aside: no checkpoint is damaged
+  assert _steps(workdir) == [1]  # nothing moved aside: no checkpoint is damaged
+  # --allow_config_change resumes, says so once (not per comparison: setup's and the
+  # restore's), and the workdir records the config it resumed with.
+  capsys.readouterr()
+  changed = tiny_config(num_train_steps=2, learning_rate=1e-3)
+  assert train_lib.train_and_evaluate(changed, workdir, allow_config_change=True)["steps"] == 2
+  said = capsys.readouterr().out
+  assert said.count("Resuming with a changed config") == 1
+  assert "Resuming with a changed config (--allow_config_change): learning_rate: 0.003" in said
+  assert json.load(open(os.path.join(workdir, "config.json")))["learning_rate"] == 1e-3
 
 
 TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
