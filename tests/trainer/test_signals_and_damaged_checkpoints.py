@@ -22,7 +22,7 @@ import pytest
 
 from tests.support import prefork
 from tests.support import shared
-from tests.trainer import wrap_train_step
+from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import (
   ROOT,
   config_flags,
@@ -219,41 +219,14 @@ def _poison(monkeypatch, at_step, until=None):
 
   monkeypatch.setattr(train_lib, "weighted_nll", nll)
 
-  orig_iter = train_lib.data_lib.train_iterator
-  monkeypatch.setattr(
-    train_lib.data_lib,
-    "train_iterator",
-    lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step, until or at_step),
-  )
+  def poisoned(n, batch):
+    if not at_step <= n <= (until or at_step):
+      return batch
+    inputs = np.array(batch["inputs"])
+    inputs[:, 0] = POISON
+    return dict(batch, inputs=inputs)
 
-
-class _Poisoned:
-  """Forwards a train iterator, putting a poison token into its ``at``-th to ``until``-th batch."""
-
-  def __init__(self, it, at, until):
-    self.it, self.at, self.until, self.n = it, at, until, 0
-    self.packing = it.packing
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    self.n += 1
-    batch = next(self.it)
-    if self.at <= self.n <= self.until:
-      inputs = np.array(batch["inputs"])
-      inputs[:, 0] = POISON
-      batch = dict(batch, inputs=inputs)
-    return batch
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def check_state(self, state, since):
-    self.it.check_state(state, since)
-
-  def set_state(self, state):
-    self.it.set_state(state)
+  change_batches(monkeypatch, poisoned)
 
 
 def test_nonfinite_step_is_skipped_and_counted_and_a_stale_lock_taken_over(tmp_path, monkeypatch):

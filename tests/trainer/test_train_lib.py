@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.trainer import wrap_train_step
+from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
@@ -41,24 +41,6 @@ def _interrupt_after(monkeypatch, n):
   wrap_train_step(monkeypatch, step)
 
 
-class _Drawn:
-  """A train iterator that calls ``on_draw(n)`` before it hands out its n-th batch."""
-
-  def __init__(self, it, on_draw):
-    self.it, self.on_draw, self.n = it, on_draw, 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    self.n += 1
-    self.on_draw(self.n)
-    return next(self.it)
-
-  def __getattr__(self, name):  # get_state, set_state, check_state, packing
-    return getattr(self.it, name)
-
-
 def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
   """Holds the save at step 2 unfinished (Orbax's post-finalization callback waits) until the
   run draws batch ``until_batch``. Returns (the batches from 3 on drawn while its folder was not
@@ -71,20 +53,18 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
     if not released:
       released.append(release.wait(timeout=600))  # (only a failing test waits that long)
 
-  def on_draw(n):
+  def on_draw(n, batch):
     if n >= 3 and not os.path.isdir(workdir / "checkpoints" / "2"):
       during.append(n)
     if n == until_batch:
       release.set()
+    return batch
 
   options = functools.partial(
     ocp.CheckpointManagerOptions, async_options=ocp.AsyncOptions(post_finalization_callback=hold)
   )
   monkeypatch.setattr(ocp, "CheckpointManagerOptions", options)
-  batches = train_lib.data_lib.train_iterator
-  monkeypatch.setattr(
-    train_lib.data_lib, "train_iterator", lambda *a, **kw: _Drawn(batches(*a, **kw), on_draw)
-  )
+  change_batches(monkeypatch, on_draw)
   return during, released
 
 
