@@ -185,9 +185,6 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # the closest ones.
     ("--workdir run --config.model.d_modle=1", "unknown config key 'model.d_modle'; did you m"),
     ("--workdir run --num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),
-    # W&B's settings: refused before the model is built, not a traceback after, not ignored.
-    ("--workdir run --config.wandb.project=a/b", "config.wandb.project: Invalid project name"),
-    ("--workdir run --config.wandb.entity=me", "config.wandb.entity = 'me' needs config.wandb"),
     # A recipe's argument its get_config refuses (given again: the last --config is used).
     ("--workdir run --config=wikitext103:aft_bogus", "--config: ValueError: configs/wikitext1"),
     ("--workdir run --config={root}/configs/wikitext103.py:aft_x", "'aft_x' is not one of ('a"),
