@@ -157,10 +157,14 @@ def _one_line(e) -> str:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
+def test_sigterm_saves_the_step_and_exits_0_and_sigkill_in_a_save_leaves_a_usable_one(
+  tmp_path, capsys
+):
+  """SIGTERM: the current step saved (no periodic checkpoint is due), exit 0. The run resumed
+  from it, saving every step (a changed config, allowed explicitly), SIGKILLed while a
+  checkpoint is written (its temporary folder exists): the last complete one resumes."""
   workdir = str(tmp_path / "run")
-  flags = config_flags(tiny_config(num_train_steps=100_000))
-  proc = _start_train(workdir, flags)
+  proc = _start_train(workdir, config_flags(tiny_config(num_train_steps=100_000)))
   _wait_for(_logged(workdir, 3), proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
@@ -168,40 +172,21 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   assert "Interrupted (signal 15): saved the checkpoint at step" in out
   step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
   assert step >= 3 and _steps(workdir) == [step]
-  # The same run, now asked to stop two steps later (a new schedule length: allowed
-  # explicitly), continues from that step.
-  flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
-  again = prefork.run(
-    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
-  )
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"Resuming from the checkpoint at step {step}" in again.stdout
-  assert step + 2 in _steps(workdir)
 
-
-def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
-  workdir = str(tmp_path / "run")
-  flags = config_flags(
-    tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
-  )
-  proc = _start_train(workdir, flags)
-  ckpts = os.path.join(workdir, "checkpoints")
-  # Kill it while a checkpoint is being written (its temporary directory exists), after at
-  # least one complete checkpoint.
-  _wait_for(lambda: len(_steps(workdir)) >= 1 and glob.glob(os.path.join(ckpts, "*tmp*")), proc)
+  every_step = dict(checkpoint_every_steps=1, log_every_steps=1000)
+  flags = config_flags(tiny_config(num_train_steps=100_000, **every_step))
+  proc = _start_train(workdir, [*flags, "--allow_config_change"])
+  saving = os.path.join(workdir, "checkpoints", "*tmp*")
+  _wait_for(lambda: _steps(workdir)[-1] > step and glob.glob(saving), proc)
   proc.kill()
-  proc.wait()
-  complete = _steps(workdir)
-  assert complete
-  flags = config_flags(
-    tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
-  ) + ["--allow_config_change"]
-  again = prefork.run(
-    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
-  )
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout
-  assert complete[-1] + 1 in _steps(workdir)
+  out, _ = proc.communicate(timeout=120)
+  assert f"Resuming from the checkpoint at step {step}" in out
+  complete = _steps(workdir)[-1]
+  config = tiny_config(num_train_steps=complete + 1, **every_step)
+  capsys.readouterr()
+  train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  assert f"Resuming from the checkpoint at step {complete}" in capsys.readouterr().out
+  assert complete + 1 in _steps(workdir)
 
 
 POISON = 255  # a byte that never occurs in UTF-8 text
