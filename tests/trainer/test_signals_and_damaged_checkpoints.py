@@ -598,23 +598,16 @@ def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpo
   assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
 
 
-def _train(workdir, tmp_path):
-  train_lib.train_and_evaluate(trained_run_config(), workdir)
-
-
-def _generate(workdir, tmp_path):
-  generate.main(["--workdir", workdir, "--length", "4"])
-
-
-def _evaluate(workdir, tmp_path):
-  evaluate.main(["--workdir", workdir, "--split", "validation"])
-
-
-def _export(workdir, tmp_path):
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-
-
-COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "export": _export}
+COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export goes)
+  "train": lambda workdir, tmp_path: train_lib.train_and_evaluate(trained_run_config(), workdir),
+  "generate": lambda workdir, tmp_path: generate.main(["--workdir", workdir, "--length", "4"]),
+  "evaluate": lambda workdir, tmp_path: evaluate.main(
+    ["--workdir", workdir, "--split", "validation"]
+  ),
+  "export": lambda workdir, tmp_path: export.main(
+    ["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")]
+  ),
+}
 
 
 @pytest.mark.parametrize("how", DAMAGE)
