@@ -68,14 +68,28 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
   return during, released
 
 
-def test_steps_run_while_a_save_is_written_and_resume_is_exact(tmp_path, monkeypatch):
-  """Checkpoints are written in the background: while the save at step 2 is held unfinished,
-  step 3 trains (on the state the save copied, its buffers donated to the step) and step 4's
-  batch is drawn. That checkpoint then verifies against the checksums taken before the save
-  returned (read back as the tools read it). A run stopped by SIGTERM after step 3 says it
-  saved step 3 once that checkpoint is on disk, and resumes to the same losses and results as
-  the run straight through."""
-  config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=3)
+def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
+  docs, tmp_path, monkeypatch
+):
+  """data.packing on a text corpus (the json package's files, bytes). Checkpoints are written in
+  the background: while the save at step 2 is held unfinished, step 3 trains (on the state the
+  save copied, its buffers donated to the step) and step 4's batch is drawn. That checkpoint
+  then verifies against the checksums taken before the save returned (read back as the tools
+  read it). A run stopped by SIGTERM after step 3 says it saved step 3 once that checkpoint is
+  on disk, and resumes to the same losses and results as the run straight through. The results
+  say what the training rows were; evaluation is the unpacked run's (the same splits)."""
+  text = {
+    "data.dataset": "text",
+    "data.train_files": str(docs / "*.py"),
+    "data.data_dir": str(tmp_path / "data"),
+  }
+  config = tiny_config(
+    num_train_steps=6,
+    checkpoint_every_steps=2,
+    keep_checkpoints=3,
+    **text,
+    **{"data.packing": True},
+  )
   during, released = _hold_the_save_at_2(monkeypatch, tmp_path / "a", until_batch=4)
   straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
   assert during == [3, 4] and released == [True]
@@ -106,6 +120,10 @@ def test_steps_run_while_a_save_is_written_and_resume_is_exact(tmp_path, monkeyp
   np.testing.assert_allclose([b[s] for s in range(1, 7)], [a[s] for s in range(1, 7)], rtol=1e-5)
   assert resumed["valid_loss"] == pytest.approx(straight["valid_loss"], rel=1e-5)
   assert resumed["steps"] == straight["steps"] == 6
+  assert math.isfinite(straight["valid_bpb"]) and straight["train_rows"].startswith("packed")
+  stream = train_lib.train_and_evaluate(tiny_config(num_train_steps=1, **text), str(tmp_path / "c"))
+  assert stream["valid_tokens"] == straight["valid_tokens"]
+  assert stream["train_rows"].startswith("stream")
 
 
 @pytest.mark.slow
@@ -241,32 +259,6 @@ def test_a_vocab_size_that_bytes_and_words_do_not_use_is_said():
   )
   assert vocab_size_note(DataConfig(tokenizer="byte")) is None
   assert vocab_size_note(DataConfig(dataset="text", tokenizer="subword", vocab_size=400)) is None
-
-
-def test_packed_run_trains_resumes_exactly_after_sigterm_and_evaluates(docs, tmp_path, monkeypatch):
-  """data.packing on a text corpus (the json package's files, bytes): a SIGTERM after step 3
-  resumes to the same losses and results as a run straight through, and the results say what
-  the training rows were; evaluation is the unpacked run's (the same splits, scored alike)."""
-  text = {
-    "data.dataset": "text",
-    "data.train_files": str(docs / "*.py"),
-    "data.data_dir": str(tmp_path / "data"),
-  }
-  config = tiny_config(num_train_steps=5, **text, **{"data.packing": True})
-  straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
-  resumed_dir = str(tmp_path / "b")
-  _interrupt_after(monkeypatch, 3)
-  assert train_lib.train_and_evaluate(config, resumed_dir) == {"interrupted": True, "step": 3}
-  monkeypatch.undo()
-  resumed = train_lib.train_and_evaluate(config, resumed_dir)
-  a, b = _losses(str(tmp_path / "a")), _losses(resumed_dir)
-  assert sorted(b) == [1, 2, 3, 4, 5]
-  np.testing.assert_allclose([b[s] for s in range(1, 6)], [a[s] for s in range(1, 6)], rtol=1e-5)
-  assert resumed["valid_loss"] == pytest.approx(straight["valid_loss"], rel=1e-5)
-  assert math.isfinite(straight["valid_bpb"]) and straight["train_rows"].startswith("packed")
-  stream = train_lib.train_and_evaluate(tiny_config(num_train_steps=1, **text), str(tmp_path / "c"))
-  assert stream["valid_tokens"] == straight["valid_tokens"]
-  assert stream["train_rows"].startswith("stream")
 
 
 def test_cpu_compile_options_only_on_cpu_meshes_and_not_over_xla_flags(monkeypatch):
