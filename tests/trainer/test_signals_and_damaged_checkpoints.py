@@ -596,8 +596,17 @@ def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpo
   assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
 
 
+def _train(overrides, allow=False):
+  def run(workdir, tmp_path):
+    config = trained_run_config()
+    config.update_from_flattened_dict(overrides)
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=allow)
+
+  return run
+
+
 COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export goes)
-  "train": lambda workdir, tmp_path: train_lib.train_and_evaluate(trained_run_config(), workdir),
+  "train": _train({}),
   "generate": lambda workdir, tmp_path: generate.main(["--workdir", workdir, "--length", "4"]),
   "evaluate": lambda workdir, tmp_path: evaluate.main(
     ["--workdir", workdir, "--split", "validation"]
@@ -606,25 +615,6 @@ COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export 
     ["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")]
   ),
 }
-
-
-@pytest.mark.parametrize("how", DAMAGE)
-@pytest.mark.parametrize("command", COMMANDS)
-def test_a_damaged_only_checkpoint_is_refused_in_one_line_and_never_loaded(
-  command, how, trained_run, tmp_path, quiet_after_failure
-):
-  """The shared run's only checkpoint with damaged bytes: every command is refused in one
-  line naming the step and the checksums, and the workdir is left byte for byte as it was."""
-  workdir = _copy(trained_run[0], tmp_path)
-  _damage(workdir, 4, how)
-  before = listing(workdir)
-  with pytest.raises((RuntimeError, SystemExit)) as e:
-    with contextlib.redirect_stdout(io.StringIO()):
-      COMMANDS[command](workdir, tmp_path)
-  line = _one_line(e)
-  assert "step 4: DamagedCheckpointError: its contents do not match the checksums" in line, line
-  assert listing(workdir) == before
-  assert not os.path.exists(tmp_path / "model.msgpack")
 
 
 def _held_lock(workdir):
@@ -650,41 +640,46 @@ def _other_corpus(workdir):
 
 
 REFUSALS = {
-  # name: (config overrides, --allow_config_change, the error, what its line says)
-  "another schedule": ({"num_train_steps": 6}, False, ValueError, "num_train_steps: 4 in the"),
+  # name: (the command, the error, what its line says)
+  "another schedule": (_train({"num_train_steps": 6}), ValueError, "num_train_steps: 4 in the"),
   "another vocabulary, even allowed": (
-    {"data.tokenizer": "word"},
-    True,
+    _train({"data.tokenizer": "word"}, allow=True),
     ValueError,
     r"trained on another vocabulary \(data.tokenizer: 'byte' in the workdir, 'word' now",
   ),
   "another model, allowed": (
-    {"model.d_model": 32},
-    True,
+    _train({"model.d_model": 32}, allow=True),
     RuntimeError,
     r"no checkpoint in .* can be restored \(step 4: ",
   ),
   "another batch, allowed": (
-    {"batch_size": 8},
-    True,
+    _train({"batch_size": 8}, allow=True),
     ValueError,
     r"the data position in the checkpoint at step 4 is for global_batch_size = 4 \(now 8\)",
   ),
-  "a bad config": ({"learning_rate": -1.0}, False, ValueError, "learning_rate"),
+  "a bad config": (_train({"learning_rate": -1.0}), ValueError, "learning_rate"),
   "another corpus": (
-    {},
-    False,
+    COMMANDS["train"],
     ValueError,
     r"the data changed since the checkpoint at step 4: the train split has [\d,]+ tokens, had",
   ),
-  "a mesh this machine lacks": ({"mesh.data": 2}, False, ValueError, "does not match the 1 av"),
+  "a mesh this machine lacks": (_train({"mesh.data": 2}), ValueError, "does not match the 1 av"),
   "a batch larger than the data, allowed": (
-    {"batch_size": 40_000},
-    True,
+    _train({"batch_size": 40_000}, allow=True),
     ValueError,
     "split too short",
   ),
-  "a held lock": ({}, False, workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  "a held lock": (COMMANDS["train"], workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  # The only checkpoint damaged: every command refuses it, naming the step and the checksums.
+  **{
+    f"{command}, {how}": (
+      COMMANDS[command],
+      (RuntimeError, SystemExit),
+      "step 4: DamagedCheckpointError: its contents do not match the checksums",
+    )
+    for command in COMMANDS
+    for how in DAMAGE
+  },
 }
 
 
@@ -692,35 +687,35 @@ REFUSALS = {
 def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
   case, trained_run, tmp_path, quiet_after_failure
 ):
-  """Each refusal a run can make, on a copy of the shared run: one line, and every file and
-  folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint folder
-  or lock written, nothing moved aside). Refusals of a damaged checkpoint and of changed data
-  are in the tests above and in tests/e2e/test_text_run.py."""
-  overrides, allow, error, says = REFUSALS[case]
+  """Each refusal a command can make, on a copy of the shared run: one line, and every file
+  and folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint
+  folder or lock written, nothing moved aside, no export). Refusals of a damaged checkpoint
+  with another to fall back on and of changed data are in the tests above and in
+  tests/e2e/test_text_run.py."""
+  command, error, says = REFUSALS[case]
   workdir = _copy(trained_run[0], tmp_path)
   holder = _held_lock(workdir) if case == "a held lock" else None
   if case == "another corpus":
     _other_corpus(workdir)
+  if case.split(", ")[-1] in DAMAGE:
+    _damage(workdir, 4, case.split(", ")[-1])
   before = listing(workdir)
   try:
     with pytest.raises(error, match=says) as e:
       with contextlib.redirect_stdout(io.StringIO()):
-        config = trained_run_config()
-        config.update_from_flattened_dict(overrides)
-        train_lib.train_and_evaluate(config, workdir, allow_config_change=allow)
+        command(workdir, tmp_path)
   finally:
     if holder is not None:
       holder.kill()
       holder.wait()
   line = _one_line(e)
-  assert listing(workdir) == before
+  assert listing(workdir) == before and not os.path.exists(tmp_path / "model.msgpack")
   if holder is not None:
     assert f"another trainer (pid {holder.pid} on" in line, line
   if case == "a bad config":  # nor is a new workdir left behind
-    fresh = str(tmp_path / "fresh")
-    with pytest.raises(ValueError, match="learning_rate"):
-      train_lib.train_and_evaluate(config, fresh)
-    assert not os.path.exists(fresh)
+    with pytest.raises(error, match=says):
+      command(str(tmp_path / "fresh"), tmp_path)
+    assert not os.path.exists(tmp_path / "fresh")
 
 
 class _Flag:
