@@ -21,6 +21,7 @@ from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+COUNT = "--xla_force_host_platform_device_count"
 
 
 def _losses(workdir):
@@ -216,14 +217,26 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # after it: the glob reaches the recipe whole (~ is $HOME), not a config file that fails.
     ("--config text:~/n/**/*.md --workdir run --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
     ("--config {root}/configs/text.py:~/n/**/*.md --workdir run", "files: '{tmp}/n/**/*.md' ma"),
+    # A CPU device count that is no number of devices. jax refuses a word when imported: before
+    # the trainer is; 0 failed as jax's CPU backend started, blaming a plugin; -5 gave one device
+    # unsaid; XLA printed its 94-line flag list as the backend started (0: blamed a plugin).
+    ("JAX_NUM_CPU_DEVICES=abc --workdir run", 'Invalid value "abc" for JAX flag jax_num_cpu_de'),
+    ("--workdir run --jax_num_cpu_devices=0", "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft"),
+    ("--workdir run --jax_num_cpu_devices=-5", "jax_num_cpu_devices = -5 (JAX_NUM_CPU_DEVICES, a"),
+    (f"XLA_FLAGS={COUNT}=abc --workdir run", f"XLA_FLAGS has {COUNT}=abc: no number of"),
+    (f"XLA_FLAGS={COUNT}=0 --workdir run", "device_count=0: no num"),
   ],
 )
 def test_a_bad_command_line_is_one_line_on_stderr_and_exit_status_1(tmp_path, flags, message):
   """Nothing written: no workdir, nothing in the current directory."""
   flags = shlex.split(flags.format(root=ROOT))
+  env = {**os.environ, "HOME": str(tmp_path)}
+  while (
+    flags and "=" in flags[0] and not flags[0].startswith("--")
+  ):  # NAME=VALUE: the environment's
+    env.update([flags.pop(0).split("=", 1)])
   config = [] if flags[:1] == ["--config"] else ["--config", QUICKSTART]
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), *config, *flags]
-  env = {**os.environ, "HOME": str(tmp_path)}
   out = prefork.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
