@@ -147,25 +147,25 @@ def test_what_a_dry_run_refuses_is_checked_without_a_compiler(monkeypatch):
   cpu, t4, v5e = (deviceless.get(t) for t in ("cpu", "t4", "v5e"))
   config = RunConfig.from_tree(tiny_config())  # as the command line builds it, once
   assert dry_run.check(config, cpu, 1) == dry_run.usable_bytes(cpu)
-  refusals = [
+  big_batch = RunConfig.from_tree(tiny_config(batch_size=10**9))
+  refusals = [  # (config, target, --num_devices, the message)
+    (config, cpu, 10**6, "--num_devices 1,000,000: a dry run for cpu compiles for at most 512"),
+    (config, t4, 10**6, "--num_devices 1,000,000: a dry run for t4 compiles for at most 65,536"),
+    (config, cpu, 0, "--num_devices must be >= 1, got 0"),
+    (config, v5e, 3, "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
+    (config, cpu, 3, "batch_size = 4 is not divisible by the 3 data-parallel devices"),
     (
-      (config, cpu, 1_000_000),
-      r"--num_devices 1,000,000: a dry run for cpu compiles for at most 512",
-    ),
-    ((config, t4, 10**6), "--num_devices 1,000,000: a dry run for t4 compiles for at most 65,536"),
-    ((config, cpu, 0), "--num_devices must be >= 1, got 0"),
-    ((config, v5e, 3), "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
-    ((config, cpu, 3), "batch_size = 4 is not divisible by the 3 data-parallel devices"),
-    (
-      (RunConfig.from_tree(tiny_config(batch_size=10**9)), t4, 1),
+      big_batch,
+      t4,
+      1,
       r"--config.batch_size = 1,000,000,000: one device's share of the batch alone "
       r"\(1,000,000,000 x 32 tokens\) takes 238.42 GiB, more than the 11.06 GiB usable on NVIDIA "
       r"Tesla T4.*it cannot fit \(nothing compiled\)",
     ),
   ]
-  for args, message in refusals:
+  for config_, target, devices, message in refusals:
     with pytest.raises(ValueError, match=message) as e:
-      dry_run.check(*args)
+      dry_run.check(config_, target, devices)
     assert "\n" not in str(e.value)
   for value in ("abc", "0", "5", "nan", "-0.5", ""):
     monkeypatch.setenv(dry_run.MEM_FRACTION, value)

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import prefork
-from tests.support import shared
+from tests.support import prefork, shared
 from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import (
   ROOT,
@@ -289,13 +288,8 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   step 4 and step 2 as what is left (one checkpoint kept: step 2 was due to go once step 4 was
   written, so it is still there)."""
   workdir = str(tmp_path / "run")
-  out = prefork.run(
-    [sys.executable, "-c", DISK_FULL, workdir],
-    cwd=ROOT,
-    text=True,
-    capture_output=True,
-    timeout=300,
-  )
+  cmd = [sys.executable, "-c", DISK_FULL, workdir]
+  out = prefork.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
   assert out.returncode != 0
   assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
   assert "the previous checkpoint (step 2) is intact" in out.stderr
