@@ -12,3 +12,28 @@ def wrap_train_step(monkeypatch, wrapper):
     self.step = lambda *a: wrapper(step, *a)
 
   monkeypatch.setattr(train_lib.Trainer, "__init__", patched)
+
+
+class Batches:
+  """Forwards a train iterator, handing out ``change(n, batch)`` for its n-th batch."""
+
+  def __init__(self, it, change):
+    self.it, self.change, self.n = it, change, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.n += 1
+    return self.change(self.n, next(self.it))
+
+  def __getattr__(self, name):  # get_state, set_state, check_state, packing
+    return getattr(self.it, name)
+
+
+def change_batches(monkeypatch, change):
+  """Has the run's train iterator hand out ``change(n, batch)`` for its n-th batch."""
+  batches = train_lib.data_lib.train_iterator
+  monkeypatch.setattr(
+    train_lib.data_lib, "train_iterator", lambda *a, **kw: Batches(batches(*a, **kw), change)
+  )

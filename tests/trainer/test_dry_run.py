@@ -4,7 +4,6 @@ the question is refused (one line, before the run restarts itself for the target
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -87,21 +86,6 @@ def test_a_step_too_large_exits_1_and_says_what_would_fit():
   assert "Does not fit" in "\n".join(lines)
 
 
-def test_unknown_targets_and_a_missing_workdir_are_one_line_errors():
-  with pytest.raises(ValueError, match="the targets are: t4 .*h200.*v5e.*cpu"):
-    deviceless.get("k80")
-  code, _, _, err = _dry_run("--target", "k80")
-  assert code == dry_run.REFUSED and "unknown target 'k80'" in err and "a100-40" in err
-  assert len(err.strip().splitlines()) == 1
-  done = subprocess.run(
-    ["python", "train.py", "--config", "configs/quickstart.py"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-  )
-  assert done.returncode == 1 and "--workdir is required" in done.stderr
-
-
 def _fake_dist(folder, name, files):
   """A pip ``--target`` install of ``name`` in ``folder`` whose RECORD lists ``files`` ({path:
   bytes}); only the dist-info is written: the files are the caller's to make (or not)."""
@@ -158,28 +142,30 @@ def test_what_a_dry_run_refuses_is_checked_without_a_compiler(monkeypatch):
   the variable (a million host devices, a batch whose share per device alone exceeds the
   device, a memory fraction that is not a share)."""
   monkeypatch.delenv(dry_run.MEM_FRACTION, raising=False)
+  with pytest.raises(ValueError, match="the targets are: t4 .*a100-40.*h200.*v5e.*cpu"):
+    deviceless.get("k80")
   cpu, t4, v5e = (deviceless.get(t) for t in ("cpu", "t4", "v5e"))
   config = RunConfig.from_tree(tiny_config())  # as the command line builds it, once
   assert dry_run.check(config, cpu, 1) == dry_run.usable_bytes(cpu)
-  refusals = [
+  big_batch = RunConfig.from_tree(tiny_config(batch_size=10**9))
+  refusals = [  # (config, target, --num_devices, the message)
+    (config, cpu, 10**6, "--num_devices 1,000,000: a dry run for cpu compiles for at most 512"),
+    (config, t4, 10**6, "--num_devices 1,000,000: a dry run for t4 compiles for at most 65,536"),
+    (config, cpu, 0, "--num_devices must be >= 1, got 0"),
+    (config, v5e, 3, "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
+    (config, cpu, 3, "batch_size = 4 is not divisible by the 3 data-parallel devices"),
     (
-      (config, cpu, 1_000_000),
-      r"--num_devices 1,000,000: a dry run for cpu compiles for at most 512",
-    ),
-    ((config, t4, 10**6), "--num_devices 1,000,000: a dry run for t4 compiles for at most 65,536"),
-    ((config, cpu, 0), "--num_devices must be >= 1, got 0"),
-    ((config, v5e, 3), "a TPU slice has 1, 2, 4, ... 256 chips, not 3"),
-    ((config, cpu, 3), "batch_size = 4 is not divisible by the 3 data-parallel devices"),
-    (
-      (RunConfig.from_tree(tiny_config(batch_size=10**9)), t4, 1),
+      big_batch,
+      t4,
+      1,
       r"--config.batch_size = 1,000,000,000: one device's share of the batch alone "
       r"\(1,000,000,000 x 32 tokens\) takes 238.42 GiB, more than the 11.06 GiB usable on NVIDIA "
       r"Tesla T4.*it cannot fit \(nothing compiled\)",
     ),
   ]
-  for args, message in refusals:
+  for config_, target, devices, message in refusals:
     with pytest.raises(ValueError, match=message) as e:
-      dry_run.check(*args)
+      dry_run.check(config_, target, devices)
     assert "\n" not in str(e.value)
   for value in ("abc", "0", "5", "nan", "-0.5", ""):
     monkeypatch.setenv(dry_run.MEM_FRACTION, value)
@@ -205,6 +191,7 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
 @pytest.mark.parametrize(
   "flags, env, message",
   [
+    (("--target", "k80"), {}, "unknown target 'k80'; the targets are: t4 (NVIDIA Tesla T4, 16 GB"),
     (("--num_devices", "1000000"), {}, "--num_devices 1,000,000: a dry run for cpu compiles"),
     (("--config.learning_rte=1",), {}, "override: unknown config key 'learning_rte'; did you"),
     (("--target", "t4"), {dry_run.MEM_FRACTION: "5"}, "XLA_PYTHON_CLIENT_MEM_FRACTION = '5'"),

@@ -60,21 +60,30 @@ def _kill_leftovers():
       p.wait()
 
 
-def _start(workdir, config, devices, extra=(), log=None):
-  env = dict(
-    os.environ,
-    XLA_FLAGS=xla_flags(devices),
-    JAX_PLATFORMS="cpu",
-  )
+def _start(workdir, config, devices, log, *extra):
+  """train.py on ``devices`` CPU devices, its output in the file ``log`` (``proc.log``)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
   cmd = train_py(workdir, *config_flags(config), *extra)
-  proc = prefork.popen(
-    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-  )
+  with open(log, "w") as out:
+    proc = prefork.popen(
+      cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+  proc.log = log
   _STARTED.append(proc)
   return proc
 
 
-def _wait_all(procs, logs, succeed=True):
+def _two(workdir, config, devices, name):
+  """Two processes of one run, coordinated on 127.0.0.1; their logs NAME_0.log, NAME_1.log."""
+  port = _free_port()
+  dist = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+  log = os.path.join(os.path.dirname(workdir), name)
+  return [
+    _start(workdir, config, devices, f"{log}_{i}.log", *dist, f"--process_id={i}") for i in range(2)
+  ]
+
+
+def _wait_all(procs, succeed=True):
   """Waits for every process; on a timeout kills them all (no hung test) and fails."""
   deadline = time.monotonic() + TIMEOUT_S
   try:
@@ -85,17 +94,13 @@ def _wait_all(procs, logs, succeed=True):
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    pytest.fail("a train.py process hung; logs:\n" + _tails(logs))
+    pytest.fail("a train.py process hung; logs:\n" + _tails(procs))
   for p in procs:
-    assert (p.returncode == 0) == succeed, _tails(logs)
+    assert (p.returncode == 0) == succeed, _tails(procs)
 
 
-def _tails(logs):
-  out = []
-  for log in logs:
-    with open(log.name) as f:
-      out.append(f"--- {log.name}\n" + f.read()[-3000:])
-  return "\n".join(out)
+def _tails(procs):
+  return "\n".join(f"--- {p.log}\n" + open(p.log).read()[-3000:] for p in procs)
 
 
 def _losses(workdir):
@@ -109,43 +114,30 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
     "one_process": ((2, 1, 2), 4),
     "two_processes": ((1, 2, 2), 2),
   }
-  procs, logs = [], []
-
-  def log(name):
-    f = open(tmp_path / f"{name}.log", "w")
-    logs.append(f)
-    return f
-
-  def two_processes(mesh, devices, name="two_processes", suffix=""):
-    # fsdp = 2 spans the processes: each reads its own rows of every batch, and parameters
-    # (and Adam moments) are split between them. sample.length > 0: process 0 then samples
-    # alone, from parameters gathered from both processes.
-    config = _config(mesh, **{"sample.length": 4, "sample.prompt": "def "})
-    port = _free_port()
-    for i in range(2):
-      dist = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
-      procs.append(_start(str(tmp_path / name), config, devices, dist, log(f"{name}{suffix}_{i}")))
-
-  for name, (mesh, devices) in runs.items():
-    if name == "two_processes":
-      two_processes(mesh, devices)
-    else:
-      procs.append(_start(str(tmp_path / name), _config(mesh), devices, log=log(name)))
+  procs = [
+    _start(str(tmp_path / name), _config(mesh), devices, tmp_path / f"{name}.log")
+    for name, (mesh, devices) in runs.items()
+    if name != "two_processes"
+  ]
+  # fsdp = 2 spans the processes: each reads its own rows of every batch, and parameters (and
+  # Adam moments) are split between them. sample.length > 0: process 0 then samples alone,
+  # from parameters gathered from both processes.
+  sampled = {"sample.length": 4, "sample.prompt": "def "}
+  two = tmp_path / "two_processes"
+  procs += _two(str(two), _config((1, 2, 2), **sampled), 2, "two_processes")
   # A mesh whose batch axes do not split across the processes (data x fsdp = 1 < 2 processes)
   # would have each process's rows land on the other's devices: refused before compiling.
-  two_processes((1, 1, 4), 2, name="bad_mesh")
-  bad_procs, bad_logs, procs, logs = procs[-2:], logs[-2:], procs[:-2], logs[:-2]
-  _wait_all(procs, logs)
-  _wait_all(bad_procs, bad_logs, succeed=False)
-  for f in bad_logs:
-    assert "mesh data x fsdp = 1 is not a multiple of the 2 processes" in open(f.name).read()
+  bad = _two(str(tmp_path / "bad_mesh"), _config((1, 1, 4), **sampled), 2, "bad_mesh")
+  _wait_all(procs)
+  _wait_all(bad, succeed=False)
+  for p in bad:
+    assert "mesh data x fsdp = 1 is not a multiple of the 2 processes" in open(p.log).read()
 
   losses = {name: _losses(str(tmp_path / name)) for name in runs}
   assert len(losses["one_device"]) == STEPS, losses
   for name in ("one_process", "two_processes"):
     np.testing.assert_allclose(losses[name], losses["one_device"], rtol=0, atol=1e-4, err_msg=name)
 
-  two = tmp_path / "two_processes"
   # Only process 0 writes metrics: each step's record appears once (the file is shared).
   steps = [
     json.loads(line)["step"] for line in open(two / "metrics.jsonl") if "loss" in json.loads(line)
@@ -169,10 +161,9 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   # Rerunning the finished two-process run: both processes restore the last checkpoint (each its
   # shards) and evaluate it again, to the same result.
   before = results["two_processes"]
-  procs, logs = [], []
-  two_processes(*runs["two_processes"], suffix="_again")
-  _wait_all(procs, logs)
-  assert "Resuming from the checkpoint at step 4" in open(logs[0].name).read()
+  again = _two(str(two), _config((1, 2, 2), **sampled), 2, "two_processes_again")
+  _wait_all(again)
+  assert "Resuming from the checkpoint at step 4" in open(again[0].log).read()
   again = json.load(open(two / "results.json"))
   assert again["valid_loss"] == pytest.approx(before["valid_loss"], abs=1e-6)
   assert again["steps"] == STEPS
@@ -183,30 +174,20 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
   config = _config(
     (1, 2, 2), num_train_steps=100_000, log_every_steps=2, checkpoint_every_steps=100_000
   )
-  workdir, port = str(tmp_path / "run"), _free_port()
-  logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
-  procs = [
-    _start(
-      workdir,
-      config,
-      2,
-      [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-      logs[i],
-    )
-    for i in range(2)
-  ]
+  workdir = str(tmp_path / "run")
+  procs = _two(workdir, config, 2, "p")
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + TIMEOUT_S
   while not (os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2):
-    assert all(p.poll() is None for p in procs), _tails(logs)
-    assert time.monotonic() < deadline, _tails(logs)
+    assert all(p.poll() is None for p in procs), _tails(procs)
+    assert time.monotonic() < deadline, _tails(procs)
     time.sleep(0.05)
   procs[1].send_signal(signal.SIGTERM)  # only the second process is told
-  _wait_all(procs, logs)
+  _wait_all(procs)
   # JAX's preemption sync manager names the step (the log-step agreement, used for SIGINT,
   # would say "signal from another process"); both processes saved it (Orbax finalises a
   # checkpoint only when every process has written its shards) and exited 0.
-  out0 = open(logs[0].name).read()
-  assert "Interrupted (signal SIGTERM, preemption notice" in out0, _tails(logs)
+  out0 = open(procs[0].log).read()
+  assert "Interrupted (signal SIGTERM, preemption notice" in out0, _tails(procs)
   step = int(out0.split("saved the checkpoint at step ")[1].split(";")[0])
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(step)]

@@ -50,6 +50,12 @@ def old_workdir(tmp_path):
 def test_a_workdir_from_before_model_init_evaluates_and_exports_as_it_was_written(
   old_workdir, tmp_path, capsys
 ):
+  """Its config as the first release wrote it (``model.adaptive_cutoffs: null`` for a plain
+  embedding, read as ())."""
+  config = _read(os.path.join(old_workdir, "config.json"))
+  config["model"]["adaptive_cutoffs"] = None
+  with open(os.path.join(old_workdir, "config.json"), "w") as f:
+    json.dump(config, f)
   old = _read(os.path.join(BEFORE_INIT, "old_evaluate.json"))  # the old tree's aft-evaluate
   evaluate.main(["--workdir", old_workdir, "--text_file", os.path.join(BEFORE_INIT, "text.txt")])
   got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -58,11 +64,13 @@ def test_a_workdir_from_before_model_init_evaluates_and_exports_as_it_was_writte
 
   out = str(tmp_path / "model.msgpack")
   export.main(["--workdir", old_workdir, "--out", out])
+  assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
   assert json.loads(export._read(out)["meta"])["model"]["init"] == "glorot"  # the real value
   # The old tree's own export (no init in its model config) loads as that model too.
   new_model, new_params, _ = aft_jax.load_pretrained(out)
   old_model, old_params, _ = aft_jax.load_pretrained(os.path.join(BEFORE_INIT, "model.msgpack"))
   assert old_model.cfg == new_model.cfg and new_model.cfg.init == "glorot"
+  assert new_model.cfg.adaptive_cutoffs == ()
   for a, b in zip(flatten(old_params).values(), flatten(new_params).values(), strict=True):
     np.testing.assert_array_equal(a, b)
 
@@ -88,25 +96,6 @@ def test_a_workdir_from_before_model_init_resumes_only_as_it_was_written(old_wor
   assert abs(loss[11] - loss[10]) < 1 and abs(loss[12] - loss[10]) < 1  # 5.39; 'gpt2': ~15
   before = _read(os.path.join(BEFORE_INIT, "workdir", "results.json"))
   assert abs(results["valid_loss"] - before["valid_loss"]) < 0.1
-
-
-def test_the_first_releases_null_adaptive_cutoffs_is_no_cutoffs(old_workdir, tmp_path, capsys):
-  """The first release wrote ``model.adaptive_cutoffs: null`` for a plain embedding: read as
-  (), its own settings given now are no config change, and such a workdir exports."""
-  first = _read(os.path.join(FIXTURES, "first_release_config.json"))
-  assert first["model"]["adaptive_cutoffs"] is None
-  rerun = RunConfig.from_tree(_with(as_written(first), {"model.adaptive_cutoffs": ()}))
-  assert checkpointing.resume_conflicts(as_written(first), rerun.tree) == []
-  assert RunConfig.from_saved(first).model == rerun.model
-
-  config = _read(os.path.join(old_workdir, "config.json"))
-  config["model"]["adaptive_cutoffs"] = None
-  with open(os.path.join(old_workdir, "config.json"), "w") as f:
-    json.dump(config, f)
-  out = str(tmp_path / "model.msgpack")
-  export.main(["--workdir", old_workdir, "--out", out])
-  assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == out
-  assert aft_jax.load_pretrained(out)[0].cfg.adaptive_cutoffs == ()
 
 
 @pytest.fixture
@@ -183,7 +172,8 @@ def _without(tree: dict, key: str) -> dict:
 
 
 def test_the_table_lists_every_key_added_since_the_first_release():
-  """The first release's config.json lacks exactly the keys of the table, and reads as a run."""
+  """The first release's config.json lacks exactly the keys of the table, and reads as the run
+  it was."""
   first = _read(os.path.join(FIXTURES, "first_release_config.json"))
   assert set(ADDED) == set(flatten(default_tree())) - set(flatten(first))
   cfg = RunConfig.from_saved(first)
@@ -193,6 +183,11 @@ def test_the_table_lists_every_key_added_since_the_first_release():
     0,
   )
   assert cfg.eval.final_eval_stride == cfg.eval.eval_stride
+  # Its model.adaptive_cutoffs: null (a plain embedding) is (): given now, no config change.
+  assert first["model"]["adaptive_cutoffs"] is None
+  rerun = RunConfig.from_tree(_with(as_written(first), {"model.adaptive_cutoffs": ()}))
+  assert checkpointing.resume_conflicts(as_written(first), rerun.tree) == []
+  assert cfg.model == rerun.model
 
 
 @pytest.mark.parametrize("key", sorted(ADDED))

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import prefork
-from tests.support import shared
-from tests.trainer import wrap_train_step
+from tests.support import prefork, shared
+from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import (
   ROOT,
   config_flags,
@@ -157,10 +156,14 @@ def _one_line(e) -> str:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
+def test_sigterm_saves_the_step_and_exits_0_and_sigkill_in_a_save_leaves_a_usable_one(
+  tmp_path, capsys
+):
+  """SIGTERM: the current step saved (no periodic checkpoint is due), exit 0. The run resumed
+  from it, saving every step (a changed config, allowed explicitly), SIGKILLed while a
+  checkpoint is written (its temporary folder exists): the last complete one resumes."""
   workdir = str(tmp_path / "run")
-  flags = config_flags(tiny_config(num_train_steps=100_000))
-  proc = _start_train(workdir, flags)
+  proc = _start_train(workdir, config_flags(tiny_config(num_train_steps=100_000)))
   _wait_for(_logged(workdir, 3), proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
@@ -168,40 +171,21 @@ def test_sigterm_saves_the_current_step_and_exits_0_then_resumes(tmp_path):
   assert "Interrupted (signal 15): saved the checkpoint at step" in out
   step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
   assert step >= 3 and _steps(workdir) == [step]
-  # The same run, now asked to stop two steps later (a new schedule length: allowed
-  # explicitly), continues from that step.
-  flags = config_flags(tiny_config(num_train_steps=step + 2)) + ["--allow_config_change"]
-  again = prefork.run(
-    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
-  )
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"Resuming from the checkpoint at step {step}" in again.stdout
-  assert step + 2 in _steps(workdir)
 
-
-def test_sigkill_during_checkpointing_leaves_a_usable_checkpoint(tmp_path):
-  workdir = str(tmp_path / "run")
-  flags = config_flags(
-    tiny_config(num_train_steps=100_000, checkpoint_every_steps=1, log_every_steps=1000)
-  )
-  proc = _start_train(workdir, flags)
-  ckpts = os.path.join(workdir, "checkpoints")
-  # Kill it while a checkpoint is being written (its temporary directory exists), after at
-  # least one complete checkpoint.
-  _wait_for(lambda: len(_steps(workdir)) >= 1 and glob.glob(os.path.join(ckpts, "*tmp*")), proc)
+  every_step = dict(checkpoint_every_steps=1, log_every_steps=1000)
+  flags = config_flags(tiny_config(num_train_steps=100_000, **every_step))
+  proc = _start_train(workdir, [*flags, "--allow_config_change"])
+  saving = os.path.join(workdir, "checkpoints", "*tmp*")
+  _wait_for(lambda: _steps(workdir)[-1] > step and glob.glob(saving), proc)
   proc.kill()
-  proc.wait()
-  complete = _steps(workdir)
-  assert complete
-  flags = config_flags(
-    tiny_config(num_train_steps=complete[-1] + 1, checkpoint_every_steps=1, log_every_steps=1000)
-  ) + ["--allow_config_change"]
-  again = prefork.run(
-    train_py(workdir, *flags), cwd=ROOT, text=True, capture_output=True, timeout=300
-  )
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"Resuming from the checkpoint at step {complete[-1]}" in again.stdout
-  assert complete[-1] + 1 in _steps(workdir)
+  out, _ = proc.communicate(timeout=120)
+  assert f"Resuming from the checkpoint at step {step}" in out
+  complete = _steps(workdir)[-1]
+  config = tiny_config(num_train_steps=complete + 1, **every_step)
+  capsys.readouterr()
+  train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
+  assert f"Resuming from the checkpoint at step {complete}" in capsys.readouterr().out
+  assert complete + 1 in _steps(workdir)
 
 
 POISON = 255  # a byte that never occurs in UTF-8 text
@@ -219,49 +203,36 @@ def _poison(monkeypatch, at_step, until=None):
 
   monkeypatch.setattr(train_lib, "weighted_nll", nll)
 
-  orig_iter = train_lib.data_lib.train_iterator
-  monkeypatch.setattr(
-    train_lib.data_lib,
-    "train_iterator",
-    lambda *a, **kw: _Poisoned(orig_iter(*a, **kw), at_step, until or at_step),
-  )
+  def poisoned(n, batch):
+    if not at_step <= n <= (until or at_step):
+      return batch
+    inputs = np.array(batch["inputs"])
+    inputs[:, 0] = POISON
+    return dict(batch, inputs=inputs)
+
+  change_batches(monkeypatch, poisoned)
 
 
-class _Poisoned:
-  """Forwards a train iterator, putting a poison token into its ``at``-th to ``until``-th batch."""
-
-  def __init__(self, it, at, until):
-    self.it, self.at, self.until, self.n = it, at, until, 0
-    self.packing = it.packing
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    self.n += 1
-    batch = next(self.it)
-    if self.at <= self.n <= self.until:
-      inputs = np.array(batch["inputs"])
-      inputs[:, 0] = POISON
-      batch = dict(batch, inputs=inputs)
-    return batch
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def check_state(self, state, since):
-    self.it.check_state(state, since)
-
-  def set_state(self, state):
-    self.it.set_state(state)
-
-
-def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_ppl_written(
+  tmp_path, monkeypatch
+):
+  """A perplexity that overflows (every eval loss raised by 1e4) is inf, and results are
+  written."""
   _poison(monkeypatch, at_step=3)
+  orig = train_lib.eval_step
+  monkeypatch.setattr(
+    train_lib, "eval_step", lambda *a, **kw: (lambda s, c: (s + 1e4 * c, c))(*orig(*a, **kw))
+  )
   workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  holder = _held_lock(workdir)
+  holder.kill()
+  holder.wait()  # its process gone: the lock is stale, taken over, and released at the end
   results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
+  assert not os.path.exists(workdir_lock.lock_path(workdir))
   assert results["skipped_steps"] == 1
-  assert np.isfinite(results["valid_loss"])
+  assert results["valid_ppl"] == math.inf and 1e4 < results["valid_loss"] < math.inf
+  assert os.path.exists(os.path.join(workdir, "results.json"))
   records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
   assert [r["skipped_steps"] for r in records][-1] == 1
   assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
@@ -317,13 +288,8 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   step 4 and step 2 as what is left (one checkpoint kept: step 2 was due to go once step 4 was
   written, so it is still there)."""
   workdir = str(tmp_path / "run")
-  out = prefork.run(
-    [sys.executable, "-c", DISK_FULL, workdir],
-    cwd=ROOT,
-    text=True,
-    capture_output=True,
-    timeout=300,
-  )
+  cmd = [sys.executable, "-c", DISK_FULL, workdir]
+  out = prefork.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
   assert out.returncode != 0
   assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
   assert "the previous checkpoint (step 2) is intact" in out.stderr
@@ -378,38 +344,43 @@ def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkp
   assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 5
 
 
-def test_a_perplexity_that_overflows_is_inf_and_results_are_written(tmp_path, monkeypatch):
-  orig = train_lib.eval_step
-  monkeypatch.setattr(
-    train_lib, "eval_step", lambda *a, **kw: (lambda s, c: (s + 1e4 * c, c))(*orig(*a, **kw))
-  )
-  workdir = str(tmp_path / "run")
-  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
-  assert results["valid_ppl"] == math.inf and results["valid_loss"] > 1e4
-  assert os.path.exists(os.path.join(workdir, "results.json"))
-
-
-def test_resume_checks_the_checkpoints_config_and_writes_config_json_only_after(
-  tmp_path, quiet_after_failure
+def test_a_changed_config_is_refused_unless_allowed_and_config_json_written_only_after(
+  tmp_path, capsys, quiet_after_failure
 ):
   workdir = str(tmp_path / "run")
-  train_lib.train_and_evaluate(tiny_config(num_train_steps=2), workdir)
-  # Extending the run would restart the cosine schedule from another length: a conflict.
-  with pytest.raises(ValueError, match="num_train_steps: 2 in the workdir, 4 now .the learning"):
-    train_lib.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  one_step = tiny_config(num_train_steps=1)
+  train_lib.train_and_evaluate(one_step, workdir)
+  refused = {
+    # Extending the run would restart the cosine schedule from another length: a conflict.
+    "num_train_steps: 1 in the workdir, 2 now .the learning": {"num_train_steps": 2},
+    "model.d_model: 16 in the workdir, 32 now": {"model.d_model": 32},
+    "learning_rate: 0.003 in the workdir, 0.001 now": {"learning_rate": 1e-3},
+  }
+  for says, overrides in refused.items():
+    with pytest.raises(ValueError, match=says):
+      train_lib.train_and_evaluate(tiny_config(**{"num_train_steps": 1, **overrides}), workdir)
   # Without config.json the checkpoint's own config still refuses another learning rate.
   os.remove(os.path.join(workdir, "config.json"))
   with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
     train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
   # A change that cannot be restored fails without touching config.json. (The failure leaves
   # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  Workdir(workdir).write_config(RunConfig.from_tree(tiny_config()).tree)
-  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 2: "):
+  Workdir(workdir).write_config(RunConfig.from_tree(one_step).tree)
+  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 1: "):
     train_lib.train_and_evaluate(
       tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
     )
   assert json.load(open(os.path.join(workdir, "config.json")))["model"]["d_model"] == 16
-  assert _steps(workdir) == [2]  # nothing moved aside: no checkpoint is damaged
+  assert _steps(workdir) == [1]  # nothing moved aside: no checkpoint is damaged
+  # --allow_config_change resumes, says so once (not per comparison: setup's and the
+  # restore's), and the workdir records the config it resumed with.
+  capsys.readouterr()
+  changed = tiny_config(num_train_steps=2, learning_rate=1e-3)
+  assert train_lib.train_and_evaluate(changed, workdir, allow_config_change=True)["steps"] == 2
+  said = capsys.readouterr().out
+  assert said.count("Resuming with a changed config") == 1
+  assert "Resuming with a changed config (--allow_config_change): learning_rate: 0.003" in said
+  assert json.load(open(os.path.join(workdir, "config.json")))["learning_rate"] == 1e-3
 
 
 TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
@@ -455,33 +426,31 @@ def test_resume_walks_back_from_damaged_checkpoints(two_checkpoints, tmp_path, c
 def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verified(
   how, two_checkpoints, tmp_path, capsys, monkeypatch
 ):
-  """Bytes of the latest checkpoint that still parse: the tools skip it in one note, and a
-  resume moves it aside, continues from step 2 and, diverging, names step 2 (verified) as the
-  last good checkpoint, not the damaged step 4."""
+  """Bytes of the latest checkpoint that still parse: a resume moves it aside, continues from
+  step 2 and, diverging, names step 2 (verified) as the last good checkpoint, not step 4."""
   workdir = _copy(two_checkpoints, tmp_path)
   _damage(workdir, 4, how)
-  capsys.readouterr()
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
-  (note,) = err.strip().splitlines()
-  assert note.startswith(
-    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
-    "match the checksums saved with them ("
-  ) and note.endswith("); using step 2, the newest one that reads"), note
-
   _poison(monkeypatch, at_step=1, until=10**6)  # every update from step 3 on is non-finite
   config = tiny_config(**TWO_CHECKPOINTS, max_consecutive_skips=2)
   with pytest.raises(FloatingPointError, match="steps 3-4 .* the last good checkpoint is step 2:"):
     train_lib.train_and_evaluate(config, workdir)
   out = capsys.readouterr().out
-  assert "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents" in out
+  assert f"Skipped the damaged checkpoint at step 4 ({MISMATCH}" in out
   assert "Resuming from the checkpoint at step 2" in out
   assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
 
 
 def _lose_checksums(step_dir):
   shutil.rmtree(os.path.join(step_dir, "checksums"))
+
+
+def _lose_checksums_and_metadata(step_dir):
+  """Lost checksums and unreadable Orbax metadata (zeroed): nothing shows the step was written
+  before checksums existed."""
+  _lose_checksums(step_dir)
+  metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+  with open(metadata, "r+b") as f:
+    f.write(bytes(os.path.getsize(metadata)))
 
 
 def _change_data_position(step_dir):
@@ -506,6 +475,7 @@ def _as_written_before_checksums(step_dir):
     json.dump(metadata, f)
 
 
+MISMATCH = "DamagedCheckpointError: its contents do not match the checksums saved with them ("
 LOST = "DamagedCheckpointError: its checksums (the folder checksums/) are missing, and its"
 UNVERIFIED = "written before checkpoints carried checksums, so it is loaded unverified"
 VERIFIED_OR_REFUSED = {
@@ -516,13 +486,17 @@ VERIFIED_OR_REFUSED = {
     f"note: skipped the damaged checkpoint at step 4 ({LOST}",
     f"Skipped the damaged checkpoint at step 4 ({LOST}",
   ),
+  "checksums/ and metadata lost": (
+    _lose_checksums_and_metadata,
+    2,
+    f"note: skipped the damaged checkpoint at step 4 ({LOST}",
+    f"Skipped the damaged checkpoint at step 4 ({LOST}",
+  ),
   "data position changed": (
     _change_data_position,
     2,
-    "note: skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do "
-    "not match the checksums saved with them (data)); using step 2",
-    "Skipped the damaged checkpoint at step 4 (DamagedCheckpointError: its contents do not "
-    "match the checksums saved with them (data); resuming from step 2)",
+    f"note: skipped the damaged checkpoint at step 4 ({MISMATCH}data)); using step 2",
+    f"Skipped the damaged checkpoint at step 4 ({MISMATCH}data); resuming from step 2)",
   ),
   "written before checksums": (
     _as_written_before_checksums,
@@ -576,90 +550,65 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
     assert not os.path.exists(moved)
 
 
-def test_lost_checksums_are_damage_where_the_metadata_cannot_say_otherwise(
-  two_checkpoints, tmp_path
-):
-  """Lost checksums and unreadable Orbax metadata (zeroed): nothing shows the step was written
-  before checksums existed, so it is damaged, never loaded unverified."""
-  workdir = _copy(two_checkpoints, tmp_path)
-  step_dir = os.path.join(workdir, "checkpoints", "4")
-  _lose_checksums(step_dir)
-  metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
-  with open(metadata, "r+b") as f:
-    f.write(bytes(os.path.getsize(metadata)))
-  mngr = checkpointing.checkpoint_manager(workdir, checkpointing.CheckpointConfig())
-  with pytest.raises(checkpointing.DamagedCheckpointError, match=r"checksums \(the folder"):
-    checkpointing.read_items(mngr, 4)
-
-
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
-  """As a user runs them: a damaged latest checkpoint is one note, and the export is of step 2;
-  a step folder whose Orbax metadata is garbage (zeroed, as a lost write leaves it) but whose
-  contents verify is used, with nothing on stderr (Orbax would log the file's bytes)."""
-  for how, says in (("truncated", ""), ("8 bytes of 0xff", "DamagedCheckpointError")):
+  """As a user runs them (export, like generate and evaluate, through trained.load_run): a
+  damaged latest checkpoint is one note, and the export is of step 2; asked for the damaged
+  step itself, one line naming it and the others; a step folder whose Orbax metadata is garbage
+  (zeroed, as a lost write leaves it) but whose contents verify is used, with nothing on stderr
+  (Orbax would log the file's bytes)."""
+
+  def export(workdir, *flags):
+    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, *flags]
+    out = str(tmp_path / f"{len(os.listdir(tmp_path))}.msgpack")
+    return prefork.run([*cmd, "--out", out], cwd=ROOT, capture_output=True, text=True)
+
+  for how in ("truncated", *DAMAGE):
     workdir = _copy(two_checkpoints, tmp_path, how)
     if how == "truncated":  # structural damage: reading fails in TensorStore's threads
       with open(_largest_file(os.path.join(workdir, "checkpoints", "4")), "r+b") as f:
         f.truncate(1000)
     else:
       _damage(workdir, 4, how)
-    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-    done = prefork.run(
-      [*cmd, "--out", str(tmp_path / "m.msgpack")], cwd=ROOT, capture_output=True, text=True
-    )
+    done = export(workdir)
     assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
-    assert f"skipped the damaged checkpoint at step 4 ({says}" in done.stderr, done.stderr
+    says = "" if how == "truncated" else MISMATCH
+    assert done.stderr.startswith(f"note: skipped the damaged checkpoint at step 4 ({says}")
+    assert done.stderr.endswith("); using step 2, the newest one that reads\n"), done.stderr
     assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
     assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
+  done = export(workdir, "--step", "4")
+  lines = done.stderr.splitlines()
+  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
 
-  metadata = os.path.join(two_checkpoints, "checkpoints", "4", "_CHECKPOINT_METADATA")
   workdir = _copy(two_checkpoints, tmp_path, "zeroed")
-  with open(os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA"), "wb") as f:
+  metadata = os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA")
+  with open(metadata, "r+b") as f:
     f.write(bytes(os.path.getsize(metadata)))
-  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir]
-  done = prefork.run(
-    [*cmd, "--out", str(tmp_path / "z.msgpack")], cwd=ROOT, capture_output=True, text=True
-  )
+  done = export(workdir)
   assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
   assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
 
 
-def _train(workdir, tmp_path):
-  train_lib.train_and_evaluate(trained_run_config(), workdir)
+def _train(overrides, allow=False):
+  def run(workdir, tmp_path):
+    config = trained_run_config()
+    config.update_from_flattened_dict(overrides)
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=allow)
+
+  return run
 
 
-def _generate(workdir, tmp_path):
-  generate.main(["--workdir", workdir, "--length", "4"])
-
-
-def _evaluate(workdir, tmp_path):
-  evaluate.main(["--workdir", workdir, "--split", "validation"])
-
-
-def _export(workdir, tmp_path):
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-
-
-COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "export": _export}
-
-
-@pytest.mark.parametrize("how", DAMAGE)
-@pytest.mark.parametrize("command", COMMANDS)
-def test_a_damaged_only_checkpoint_is_refused_in_one_line_and_never_loaded(
-  command, how, trained_run, tmp_path, quiet_after_failure
-):
-  """The shared run's only checkpoint with damaged bytes: every command is refused in one
-  line naming the step and the checksums, and the workdir is left byte for byte as it was."""
-  workdir = _copy(trained_run[0], tmp_path)
-  _damage(workdir, 4, how)
-  before = listing(workdir)
-  with pytest.raises((RuntimeError, SystemExit)) as e:
-    with contextlib.redirect_stdout(io.StringIO()):
-      COMMANDS[command](workdir, tmp_path)
-  line = _one_line(e)
-  assert "step 4: DamagedCheckpointError: its contents do not match the checksums" in line, line
-  assert listing(workdir) == before
-  assert not os.path.exists(tmp_path / "model.msgpack")
+COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export goes)
+  "train": _train({}),
+  "generate": lambda workdir, tmp_path: generate.main(["--workdir", workdir, "--length", "4"]),
+  "evaluate": lambda workdir, tmp_path: evaluate.main(
+    ["--workdir", workdir, "--split", "validation"]
+  ),
+  "export": lambda workdir, tmp_path: export.main(
+    ["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")]
+  ),
+}
 
 
 def _held_lock(workdir):
@@ -685,41 +634,46 @@ def _other_corpus(workdir):
 
 
 REFUSALS = {
-  # name: (config overrides, --allow_config_change, the error, what its line says)
-  "another schedule": ({"num_train_steps": 6}, False, ValueError, "num_train_steps: 4 in the"),
+  # name: (the command, the error, what its line says)
+  "another schedule": (_train({"num_train_steps": 6}), ValueError, "num_train_steps: 4 in the"),
   "another vocabulary, even allowed": (
-    {"data.tokenizer": "word"},
-    True,
+    _train({"data.tokenizer": "word"}, allow=True),
     ValueError,
     r"trained on another vocabulary \(data.tokenizer: 'byte' in the workdir, 'word' now",
   ),
   "another model, allowed": (
-    {"model.d_model": 32},
-    True,
+    _train({"model.d_model": 32}, allow=True),
     RuntimeError,
     r"no checkpoint in .* can be restored \(step 4: ",
   ),
   "another batch, allowed": (
-    {"batch_size": 8},
-    True,
+    _train({"batch_size": 8}, allow=True),
     ValueError,
     r"the data position in the checkpoint at step 4 is for global_batch_size = 4 \(now 8\)",
   ),
-  "a bad config": ({"learning_rate": -1.0}, False, ValueError, "learning_rate"),
+  "a bad config": (_train({"learning_rate": -1.0}), ValueError, "learning_rate"),
   "another corpus": (
-    {},
-    False,
+    COMMANDS["train"],
     ValueError,
     r"the data changed since the checkpoint at step 4: the train split has [\d,]+ tokens, had",
   ),
-  "a mesh this machine lacks": ({"mesh.data": 2}, False, ValueError, "does not match the 1 av"),
+  "a mesh this machine lacks": (_train({"mesh.data": 2}), ValueError, "does not match the 1 av"),
   "a batch larger than the data, allowed": (
-    {"batch_size": 40_000},
-    True,
+    _train({"batch_size": 40_000}, allow=True),
     ValueError,
     "split too short",
   ),
-  "a held lock": ({}, False, workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  "a held lock": (COMMANDS["train"], workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  # The only checkpoint damaged: every command refuses it, naming the step and the checksums.
+  **{
+    f"{command}, {how}": (
+      COMMANDS[command],
+      (RuntimeError, SystemExit),
+      "step 4: DamagedCheckpointError: its contents do not match the checksums",
+    )
+    for command in COMMANDS
+    for how in DAMAGE
+  },
 }
 
 
@@ -727,33 +681,35 @@ REFUSALS = {
 def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
   case, trained_run, tmp_path, quiet_after_failure
 ):
-  """Each refusal a run can make, on a copy of the shared run: one line, and every file and
-  folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint folder
-  or lock written, nothing moved aside). Refusals of a damaged checkpoint and of changed data
-  are in the tests above and in tests/e2e/test_text_run.py."""
-  overrides, allow, error, says = REFUSALS[case]
+  """Each refusal a command can make, on a copy of the shared run: one line, and every file
+  and folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint
+  folder or lock written, nothing moved aside, no export). Refusals of a damaged checkpoint
+  with another to fall back on and of changed data are in the tests above and in
+  tests/e2e/test_text_run.py."""
+  command, error, says = REFUSALS[case]
   workdir = _copy(trained_run[0], tmp_path)
   holder = _held_lock(workdir) if case == "a held lock" else None
   if case == "another corpus":
     _other_corpus(workdir)
+  if case.split(", ")[-1] in DAMAGE:
+    _damage(workdir, 4, case.split(", ")[-1])
   before = listing(workdir)
   try:
     with pytest.raises(error, match=says) as e:
       with contextlib.redirect_stdout(io.StringIO()):
-        config = trained_run_config()
-        config.update_from_flattened_dict(overrides)
-        train_lib.train_and_evaluate(config, workdir, allow_config_change=allow)
+        command(workdir, tmp_path)
   finally:
     if holder is not None:
       holder.kill()
       holder.wait()
-  _one_line(e)
-  assert listing(workdir) == before
+  line = _one_line(e)
+  assert listing(workdir) == before and not os.path.exists(tmp_path / "model.msgpack")
+  if holder is not None:
+    assert f"another trainer (pid {holder.pid} on" in line, line
   if case == "a bad config":  # nor is a new workdir left behind
-    fresh = str(tmp_path / "fresh")
-    with pytest.raises(ValueError, match="learning_rate"):
-      train_lib.train_and_evaluate(config, fresh)
-    assert not os.path.exists(fresh)
+    with pytest.raises(error, match=says):
+      command(str(tmp_path / "fresh"), tmp_path)
+    assert not os.path.exists(tmp_path / "fresh")
 
 
 class _Flag:
@@ -789,24 +745,6 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
     assert events.index(("read", n - 3)) < events.index(("dispatch", n)), events
   records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
   assert [r["step"] for r in records] == [5] and np.isfinite(records[0]["loss"])
-
-
-def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
-  workdir = str(tmp_path / "run")
-  os.makedirs(workdir)
-  lock = workdir_lock.lock_path(workdir)
-  holder = subprocess.Popen(["sleep", "60"])
-  try:
-    with open(lock, "w") as f:
-      json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
-    with pytest.raises(workdir_lock.WorkdirInUse, match=f"another trainer .pid {holder.pid} on"):
-      train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
-  finally:
-    holder.kill()
-    holder.wait()
-  # Its process is gone: the lock is stale, taken over, and released at the end.
-  results = train_lib.train_and_evaluate(tiny_config(num_train_steps=1), workdir)
-  assert results["steps"] == 1 and not os.path.exists(lock)
 
 
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
@@ -872,28 +810,3 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
   with open(wd.results_file) as f:
     assert json.load(f)["test_tokens"] == results["test_tokens"] > 0
-
-
-def test_the_tools_read_past_a_damaged_latest_checkpoint(two_checkpoints, tmp_path, capsys):
-  """The largest file of the latest checkpoint truncated: export (like generate and evaluate,
-  through trained.load_run) says in one line that it skipped that step and uses the one
-  before; asked for the damaged step itself, it stops with one line naming it and the others."""
-  workdir = _copy(two_checkpoints, tmp_path)
-  wd = Workdir(workdir)
-  biggest = _largest_file(os.path.join(wd.checkpoints_dir, "4"))
-  with open(biggest, "r+b") as f:
-    f.truncate(os.path.getsize(biggest) // 2)
-  capsys.readouterr()
-  export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1])["step"] == 2
-  notes = [line for line in err.splitlines() if "damaged" in line]
-  assert len(notes) == 1 and "step 4" in notes[0] and "using step 2" in notes[0], err[-2000:]
-
-  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--step", "4"]
-  done = prefork.run(
-    [*cmd, "--out", str(tmp_path / "again.msgpack")], cwd=ROOT, capture_output=True, text=True
-  )
-  lines = done.stderr.splitlines()
-  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
-  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]

@@ -61,7 +61,9 @@ def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
   assert wandb_log.run_id(old, resumed=True) == hashlib.sha256(old.encode()).hexdigest()[:16]
 
 
-def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run(tmp_path, monkeypatch):
+def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_continues_it(
+  tmp_path, monkeypatch
+):
   monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
   monkeypatch.setenv("WANDB_SILENT", "true")
   monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
@@ -84,6 +86,21 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run(tmp_path, monkey
     assert key.encode() in data, key
   assert json.dumps(results["valid_ppl"]).encode() in data
   assert b"aft-jax-test" in data and b"num_train_steps" in data  # the project and the config
+  # The id is new (not the path's), and the rerun of the finished run continues its W&B run.
+  assert run_id != hashlib.sha256(str(tmp_path / "run").encode()).hexdigest()[:16]
+  ids = []
+
+  class Run:
+    def log(self, values, step):
+      pass
+
+    def finish(self):
+      pass
+
+  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or Run())
+  with contextlib.redirect_stdout(io.StringIO()):
+    train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+  assert ids == [run_id]
 
 
 def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
@@ -109,27 +126,3 @@ def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice
   assert run.logged[0] == (3, {"loss": 2.5, "valid_ppl": 7.0})
   assert [(step, list(values)) for step, values in run.logged[1:]] == [(4, ["sample"])]
   assert run.logged[1][1]["sample"].data == [["def f():"]] and run.finished
-
-
-def test_the_trainer_continues_the_wandb_run_of_the_checkpoint_it_resumes(tmp_path, monkeypatch):
-  """train_and_evaluate tells ``start`` whether it restored a checkpoint: a fresh run takes a
-  new id (not the path's), and the rerun of a finished run continues its W&B run."""
-  import wandb
-
-  ids = []
-
-  class Run:
-    def log(self, values, step):
-      pass
-
-    def finish(self):
-      pass
-
-  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or Run())
-  config = tiny_config(num_train_steps=1, **{"wandb.project": "p"})
-  workdir = str(tmp_path / "run")
-  with contextlib.redirect_stdout(io.StringIO()):
-    for _ in range(2):
-      train_lib.train_and_evaluate(config, workdir)
-  assert ids[0] == ids[1] == open(os.path.join(workdir, wandb_log.ID_FILE)).read().strip()
-  assert ids[0] != hashlib.sha256(workdir.encode()).hexdigest()[:16]
