@@ -20,28 +20,12 @@ from aft_jax.model import ModelConfig
 from aft_jax.sharding import MeshConfig, RulesConfig
 from aft_jax.trainer import default_config
 from aft_jax.trainer.checkpointing import CheckpointConfig
-from aft_jax.trainer.default_config import TrainConfig
+from aft_jax.trainer.default_config import SLICES, TrainConfig
 from aft_jax.trainer.evaluation import EvalConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
 from aft_jax.trainer.step_log import StepLogConfig
 from aft_jax.trainer.wandb_log import WandbConfig
 from aft_jax.typed_config import flatten, type_problems
-
-# RunConfig's slices: the field and the component config it holds.
-SLICES = {
-  "data": DataConfig,
-  "model": ModelConfig,
-  "train": TrainConfig,
-  "optimizer": OptimizerConfig,
-  "step_log": StepLogConfig,
-  "eval": EvalConfig,
-  "checkpoint": CheckpointConfig,
-  "sample": SampleConfig,
-  "mesh": MeshConfig,
-  "rules": RulesConfig,
-  "wandb": WandbConfig,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
