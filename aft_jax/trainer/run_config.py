@@ -27,6 +27,7 @@ from aft_jax.trainer.step_log import StepLogConfig
 from aft_jax.trainer.wandb_log import WandbConfig
 from aft_jax.typed_config import flatten, type_problems
 
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """Every component's typed slice of one run's config, checked, and the tree they came from."""

@@ -57,7 +57,12 @@ class MetricWriter:
     this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
     if not self.enabled:
       return
-    flat = {k: _hparam_value(v) for k, v in settings.items() if v is not None}
+    # A number, string or bool as it is; anything else (a tuple of cutoffs) as its text.
+    flat = {
+      k: v if isinstance(v, (bool, int, float, str)) else str(v)
+      for k, v in settings.items()
+      if v is not None
+    }
     experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
     self._tb.file_writer.add_summary(experiment)
     self._tb.file_writer.add_summary(session_start)
@@ -69,11 +74,6 @@ class MetricWriter:
       self._tb.close()
     if self.wandb_run is not None:
       self.wandb_run.finish()
-
-
-def _hparam_value(value):
-  """A number, string or bool as it is; anything else (a tuple of cutoffs) as its text."""
-  return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +209,14 @@ class StepLog:
       )
     self.pending, self.checked, self.t_last = [], 0, time.perf_counter()
 
+  def validation(self, ev: dict, *, byte_level: bool) -> None:
+    """A validation result (``Trainer.evaluate``'s dict) at this step in the metrics and, on
+    process 0, on the console; bits per byte too where the corpus is bytes."""
+    self.writer.write({"step": self.step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
+    if self.is_main:
+      bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
+      self.bar.write(f"step {self.step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")
+
 
 class Profiler:
   """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``steps``: the config's
@@ -244,14 +252,3 @@ class Profiler:
 
 # The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
 HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
-
-
-def log_validation(
-  writer: MetricWriter, bar, step: int, ev: dict, *, byte_level: bool, is_main: bool
-) -> None:
-  """A validation result (``Trainer.evaluate``'s dict) in the metrics and, on process 0
-  (``is_main``), on the console; bits per byte too where the corpus is bytes."""
-  writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
-  if is_main:
-    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
-    bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")

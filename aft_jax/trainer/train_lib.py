@@ -633,8 +633,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
             if step % cfg.eval.eval_every_steps == 0 and not last:
               corpus = trainer.corpus
               ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)
-              byte_level = corpus.unit == "byte"
-              step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=is_main)
+              log.validation(ev, byte_level=corpus.unit == "byte")
             if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
               _checkpoint(trainer, log, mngr, step, state, data_iter)
             if preemption.should_stop(step, every):
