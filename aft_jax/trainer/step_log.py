@@ -14,7 +14,6 @@ import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
-from aft_jax.trainer import wandb_log
 from aft_jax.workdir import Workdir
 from aft_jax.typed_config import TypedConfig, positive
 
@@ -42,7 +41,8 @@ class MetricWriter:
         self._tb.add_scalar(key, value, step)
     self._tb.flush()
     if self.wandb_run is not None:
-      wandb_log.log(self.wandb_run, record)
+      scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+      self.wandb_run.log(scalars, step=int(step))
 
   def write_text(self, tag: str, text: str, step: int) -> None:
     """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
@@ -50,7 +50,9 @@ class MetricWriter:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
     if self.wandb_run is not None and tag != "config":  # W&B has the config as its own
-      wandb_log.log_text(self.wandb_run, tag, text, step)
+      import wandb  # pylint: disable=g-import-not-at-top  (only with a W&B run)
+
+      self.wandb_run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
 
   def write_hparams(self, settings: dict, metric_tags) -> None:
     """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``metric_tags``, in

@@ -290,33 +290,26 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run
   return Trainer(cfg, mesh, **run)
 
 
-def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
-  """(what it is, {"config", "corpus"}) of what the workdir's run is checked against before
-  any data is loaded: the newest checkpoint whose items read, else config.json and corpus.json."""
-  newest = checkpointing.newest_items(mngr)
-  if newest is None:
-    return "config.json and corpus.json", {
-      "config": workdir.read_config(),
-      "corpus": workdir.trained_corpus({}),
-    }
-  since, items = f"the checkpoint at step {newest[0]}", newest[1]
-  return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
-
-
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
   """The run's trainer, its config and data checked (the cheap checks first) against what the
   workdir's run was trained with, the corpus loaded. Writes nothing in the workdir."""
   workdir = Workdir(workdir)
+  # Checked before any data is loaded against the newest checkpoint whose items read, else
+  # config.json and corpus.json.
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
-  since, trained = _trained_on(workdir, mngr)
+  newest = checkpointing.newest_items(mngr)
+  if newest is None:
+    since, saved, items = "config.json and corpus.json", workdir.read_config(), {}
+  else:
+    since, saved, items = f"the checkpoint at step {newest[0]}", newest[1].get("config"), newest[1]
+  trained = workdir.trained_corpus(items)
   changes = checkpointing.check_resume_config(
-    trained["config"], cfg.tree, workdir, allow_config_change, as_written
+    saved, cfg.tree, workdir, allow_config_change, as_written
   )
-  data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
-  built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
-  corpus = data_lib.load_corpus(cfg.data, built_by)
+  data_record.check_sources(trained, data_record.sources(cfg.data), since)
+  corpus = data_lib.load_corpus(cfg.data, data_record.built_by(trained, cfg.data.dataset))
   record = data_record.of_corpus(corpus)
-  data_record.check_corpus(trained["corpus"], record, since)
+  data_record.check_corpus(trained, record, since)
   say = print if jax.process_index() == 0 else lambda line: None
   return make_trainer(
     cfg,
