@@ -123,20 +123,11 @@ class Trainer:
   and corpus record (saved with every checkpoint), and the checkpoints known good (the one
   restored and those saved: what a divergence message may name)."""
 
-  def __init__(
-    self,
-    cfg: RunConfig,
-    mesh,
-    *,
-    workdir: Workdir | None = None,
-    corpus: data_lib.Corpus | None = None,
-    record: dict | None = None,
-    allow_config_change: bool = False,
-    config_changes: list = (),  # those allowed against config.json, said if nothing restores
-  ):
+  def __init__(self, cfg: RunConfig, mesh):
     self.config, self.mesh = cfg, mesh
-    self.workdir, self.corpus, self.record = workdir, corpus, record
-    self.allow_config_change, self.config_changes = allow_config_change, list(config_changes)
+    self.workdir, self.corpus, self.record = None, None, None  # set by ``setup``
+    # (with the config changes allowed against config.json, said if nothing restores)
+    self.allow_config_change, self.config_changes = False, []
     self.good_steps = set()
     self.tree = cfg.tree  # the config as plain data: what config.json and checkpoints record
     self.is_main = jax.process_index() == 0  # process 0 alone writes logs, metrics and results
@@ -273,7 +264,7 @@ class Trainer:
     return {"nll": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
 
 
-def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run) -> Trainer:
+def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """The trainer that training and ``--dry_run`` build alike, once the vocabulary size is known:
   the mesh over ``devices`` (default: all), the batch split checked, its notes said (``say``)."""
   cfg = cfg.with_vocab(vocab_size)
@@ -287,7 +278,7 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run
   ):
     if note:
       say(note)
-  return Trainer(cfg, mesh, **run)
+  return Trainer(cfg, mesh)
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
@@ -311,16 +302,10 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
   record = data_record.of_corpus(corpus)
   data_record.check_corpus(trained, record, since)
   say = print if jax.process_index() == 0 else lambda line: None
-  return make_trainer(
-    cfg,
-    corpus.vocab.size,
-    say=say,
-    workdir=workdir,
-    corpus=corpus,
-    record=record,
-    allow_config_change=allow_config_change,
-    config_changes=changes,
-  )
+  trainer = make_trainer(cfg, corpus.vocab.size, say=say)
+  trainer.workdir, trainer.corpus, trainer.record = workdir, corpus, record
+  trainer.allow_config_change, trainer.config_changes = allow_config_change, changes
+  return trainer
 
 
 def _begin_writing(trainer: Trainer, mngr, restored) -> None:
