@@ -116,23 +116,13 @@ class StepLog:
   (the device never idles, and the host stays at most two steps ahead: a signal or a run of
   skipped updates is acted on within two steps) and writes one record per logged step."""
 
-  def __init__(
-    self,
-    writer: MetricWriter,
-    bar,
-    mngr,
-    step: int,
-    cfg: StepLogConfig,
-    *,
-    tokens_per_step: int,
-    is_main: bool,
-    good_steps: set | None = None,
-  ):
-    """``mngr``: the checkpoint manager (the last good step); ``good_steps``: the checkpoints
-    known good, the only ones a divergence message names (None: any)."""
-    self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, good_steps
+  def __init__(self, trainer, writer: MetricWriter, bar, mngr, step: int):
+    """``trainer``: the run (its config, and its ``good_steps``: the checkpoints known good, the
+    only ones a divergence message names); ``mngr``: its checkpoint manager."""
+    cfg, train = trainer.config.step_log, trainer.config.train
+    self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, trainer.good_steps
     self.nonfinite, self.max_consecutive_skips = cfg.nonfinite, cfg.max_consecutive_skips
-    self.tokens_per_step, self.is_main = tokens_per_step, is_main
+    self.tokens_per_step, self.is_main = train.batch_size * train.seq_len, trainer.is_main
     self.pending, self.t_last = [], time.perf_counter()
     self.step = step  # the step of the last metrics added
     self.checked = 0  # how many of ``pending`` have had their finite flag read
@@ -175,7 +165,7 @@ class StepLog:
   def last_good(self) -> str:
     # Checkpoints are never written inside a run of skipped updates (see _checkpoint), and a
     # damaged one is never restored: the newest known good one is the last good one.
-    steps = [s for s in self.mngr.all_steps() if self.good_steps is None or s in self.good_steps]
+    steps = [s for s in self.mngr.all_steps() if s in self.good_steps]
     if not steps:
       return "there is no checkpoint yet"
     return f"the last good checkpoint is step {max(steps)}"

@@ -583,16 +583,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         disable=not is_main,
         dynamic_ncols=True,
       )
-      log = step_log.StepLog(
-        writer,
-        bar,
-        mngr,
-        step,
-        cfg.step_log,
-        tokens_per_step=train.batch_size * train.seq_len,
-        is_main=is_main,
-        good_steps=trainer.good_steps,
-      )
+      log = step_log.StepLog(trainer, writer, bar, mngr, step)
       profile = cfg.step_log.profile_steps if is_main else ()  # process 0 writes the trace
       profiler = step_log.Profiler(profile, trainer.workdir.tensorboard_dir)
       with bar, Preemption() as preemption, profiler:
