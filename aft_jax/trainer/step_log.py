@@ -54,9 +54,9 @@ class MetricWriter:
 
       self.wandb_run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
 
-  def write_hparams(self, settings: dict, metric_tags) -> None:
-    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``metric_tags``, in
-    this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
+  def write_hparams(self, settings: dict) -> None:
+    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``HPARAMS_METRICS``,
+    in this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
     if not self.enabled:
       return
     # A number, string or bool as it is; anything else (a tuple of cutoffs) as its text.
@@ -65,7 +65,7 @@ class MetricWriter:
       for k, v in settings.items()
       if v is not None
     }
-    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
+    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(HPARAMS_METRICS))
     self._tb.file_writer.add_summary(experiment)
     self._tb.file_writer.add_summary(session_start)
     self._tb.flush()

@@ -395,14 +395,6 @@ def _save_and_say_stopped(
     print(f"\nInterrupted (signal {sig}): {what}", flush=True)
 
 
-class Interrupted(Exception):
-  """A signal stopped the final evaluation (``final_results``) before ``split`` was done."""
-
-  def __init__(self, split: str, signal):
-    super().__init__(split, signal)
-    self.split, self.signal = split, signal
-
-
 # results.json's "train_rows": what the training rows were. Either way the valid_* and test_*
 # numbers are the evaluation protocol's ("eval_protocol"), windows of each split's stream, so a
 # packed run's numbers compare with an unpacked one's.
@@ -416,13 +408,11 @@ TRAIN_ROWS = {
 }
 
 
-def final_results(
-  trainer: Trainer, state: TrainState, preemption: Preemption | None = None
-) -> dict:
+def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -> dict | None:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
   Each split's result is kept in the workdir when done, and a rerun of the same step and protocol
-  takes it from there; a signal ``preemption`` records stops it with ``Interrupted``."""
-  cfg, corpus, trainer = trainer.config, trainer.corpus, trainer
+  takes it from there; a signal ``preemption`` records stops it, saying so: None."""
+  cfg, corpus = trainer.config, trainer.corpus
   seq_len = cfg.train.seq_len
   step = int(state.step)
   results = {
@@ -442,9 +432,7 @@ def final_results(
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
   saved = trainer.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
-  stop = None
-  if preemption is not None:
-    stop = lambda i: preemption.requested(i, every=64)  # noqa: E731
+  stop = lambda i: preemption.requested(i, every=64)  # noqa: E731
   for split, prefix in (("validation", "valid"), ("test", "test")):
     if split not in corpus.splits:
       continue
@@ -454,7 +442,14 @@ def final_results(
         state.params, corpus.splits[split], corpus.bos_id, prefix, stride=stride, should_stop=stop
       )
       if ev is None:
-        raise Interrupted(split, preemption.signal)
+        if trainer.is_main:
+          print(
+            f"\nInterrupted (signal {preemption.signal}) during the final evaluation of the "
+            f"{split} split; the splits already scored are kept: run the same command again to "
+            "finish.",
+            flush=True,
+          )
+        return None
       done[split] = ev
       if trainer.is_main:
         trainer.workdir.write_final_eval({**key, "splits": done})
@@ -569,7 +564,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     )
     writer = MetricWriter(trainer.workdir, enabled=is_main, wandb_run=wandb_run)
     writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
-    writer.write_hparams(flatten(trainer.tree), step_log.HPARAMS_METRICS)
+    writer.write_hparams(flatten(trainer.tree))
     with contextlib.ExitStack() as cleanup:
       cleanup.callback(writer.close)
       cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
@@ -615,16 +610,9 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
 
       # Final evaluation, once the final checkpoint is on disk.
       checkpointing.finish_saving(mngr)
-      try:
-        with Preemption() as preemption:
-          results = final_results(trainer, state, preemption)
-      except Interrupted as e:
-        if is_main:
-          print(
-            f"\nInterrupted (signal {e.signal}) during the final evaluation of the {e.split} "
-            "split; the splits already scored are kept: run the same command again to finish.",
-            flush=True,
-          )
+      with Preemption() as preemption:
+        results = final_results(trainer, state, preemption)
+      if results is None:  # a signal stopped it
         return {"interrupted": True, "step": step}
       write_results(trainer, results, writer)
       sample(trainer, state.params, writer)
