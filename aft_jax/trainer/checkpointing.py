@@ -244,15 +244,6 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
   raise _save_failed(mngr, step, error)
 
 
-def close(mngr: ocp.CheckpointManager) -> None:
-  """Waits for the save in flight (``finish_saving``: its failure raised) and closes
-  ``mngr`` (Orbax's background threads and executors end)."""
-  try:
-    finish_saving(mngr)
-  finally:
-    mngr.close()
-
-
 def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   """The error of the save at ``step`` that failed with ``error`` (its first line)."""
   # The failed write's coroutines live as long as the error's frames: outside the except block

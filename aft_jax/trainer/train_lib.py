@@ -566,8 +566,11 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
     writer.write_hparams(flatten(trainer.tree))
     with contextlib.ExitStack() as cleanup:
+      # Run last to first: the save in flight finished (its failure raised), Orbax's threads
+      # ended, the metrics closed.
       cleanup.callback(writer.close)
-      cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
+      cleanup.callback(mngr.close)
+      cleanup.callback(checkpointing.finish_saving, mngr)
 
       # The training loop, to num_train_steps.
       dropout_rng = jax.random.key(train.seed + 1)
