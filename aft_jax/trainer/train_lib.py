@@ -487,9 +487,9 @@ def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None
   writer.write({"step": results["steps"], **scalars})
 
 
-def sample(trainer: Trainer, params, writer: MetricWriter | None = None) -> str | None:
-  """The end-of-run sample (``config.sample``), printed by process 0 (and logged to
-  TensorBoard with ``writer``); None if not asked for."""
+def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
+  """The end-of-run sample (``config.sample``), printed by process 0 and logged to TensorBoard
+  (``writer``); None if not asked for."""
   cfg = trainer.config.sample
   if cfg.length <= 0:
     return None
@@ -511,8 +511,7 @@ def sample(trainer: Trainer, params, writer: MetricWriter | None = None) -> str 
     seed=trainer.config.train.seed,
   )
   print(f"Sample:\n{cfg.prompt}{text}", flush=True)
-  if writer is not None:
-    writer.write_text("sample", cfg.prompt + text, trainer.config.train.num_train_steps)
+  writer.write_text("sample", cfg.prompt + text, trainer.config.train.num_train_steps)
   return text
 
 
