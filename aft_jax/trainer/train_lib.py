@@ -308,20 +308,10 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
   return trainer
 
 
-def _begin_writing(trainer: Trainer, mngr, restored) -> None:
-  """Every check has passed: the damaged checkpoints moved aside, then corpus.json, the
-  vocabulary and config.json written (sampling and evaluating need no dataset)."""
-  if restored is not None:
-    checkpointing.set_aside(mngr, restored)
-  if trainer.is_main:
-    trainer.workdir.save_corpus(trainer.corpus)
-    trainer.workdir.write_config(trainer.tree)
-
-
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
   """The newest intact checkpoint's state (and data position), or a fresh one. Each
   checkpoint's config, corpus record and data position, once verified, are checked before its
-  state is read; the workdir is written only after (``_begin_writing``)."""
+  state is read; the workdir is written only after."""
   changes = {}
 
   def check(step, items):
@@ -336,8 +326,15 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
   allowed = trainer.config_changes if restored is None else changes[restored.step]
   if allowed and trainer.is_main:
     print(f"Resuming with a changed config (--allow_config_change): {'; '.join(allowed)}")
-  if restored is None:  # config.json and corpus.json, if any, were checked in setup
-    _begin_writing(trainer, mngr, None)
+  # Every check has passed (config.json and corpus.json, if nothing restored, in setup): the
+  # damaged checkpoints moved aside, then corpus.json, the vocabulary and config.json written
+  # (sampling and evaluating need no dataset).
+  if restored is not None:
+    checkpointing.set_aside(mngr, restored)
+  if trainer.is_main:
+    trainer.workdir.save_corpus(trainer.corpus)
+    trainer.workdir.write_config(trainer.tree)
+  if restored is None:
     state = trainer.init_state(trainer.config.train.seed)
     if trainer.is_main:
       corpus = trainer.corpus
@@ -349,7 +346,6 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
       )
     return state
   data_iter.set_state(restored.items["data"])
-  _begin_writing(trainer, mngr, restored)
   trainer.good_steps.add(restored.step)
   if trainer.is_main:
     note = f" ({restored.unverified})" if restored.unverified else ""
