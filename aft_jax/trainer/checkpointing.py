@@ -244,15 +244,6 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
   raise _save_failed(mngr, step, error)
 
 
-def close(mngr: ocp.CheckpointManager) -> None:
-  """Waits for the save in flight (``finish_saving``: its failure raised) and closes
-  ``mngr`` (Orbax's background threads and executors end)."""
-  try:
-    finish_saving(mngr)
-  finally:
-    mngr.close()
-
-
 def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   """The error of the save at ``step`` that failed with ``error`` (its first line)."""
   # The failed write's coroutines live as long as the error's frames: outside the except block
@@ -278,7 +269,7 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
   """The JSON items of the checkpoint at ``step`` ("config", "data", "corpus", "checksums"),
   verified (a DamagedCheckpointError names the first that does not match, or lost checksums);
-  without "checksums" only where it predates them (``_predates_checksums``). {}: none there."""
+  without "checksums" only where it predates them. {}: none there."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -287,7 +278,13 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
   items = dict(mngr.restore(step, args=args))
   saved = items.get("checksums")
   if saved is None:
-    if not _predates_checksums(folder):
+    # Whether the step predates checksums: its Orbax metadata reads and lists no "checksums"
+    # item (metadata that does not read cannot tell).
+    try:
+      handlers = ocp.metadata.get_step_metadata(folder).item_handlers
+    except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
+      handlers = None
+    if not (isinstance(handlers, dict) and "checksums" not in handlers):
       raise DamagedCheckpointError(
         "its checksums (the folder checksums/) are missing, and its metadata does not show it "
         "was written before checkpoints carried them"
@@ -297,16 +294,6 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
     checksum.json_mismatches(saved, {k: items[k] for k in JSON_ITEMS if k in items})
   )
   return items
-
-
-def _predates_checksums(folder: str) -> bool:
-  """Whether the step in ``folder`` predates checksums: its Orbax metadata reads and lists no
-  "checksums" item (metadata that does not read cannot tell: False)."""
-  try:
-    handlers = ocp.metadata.get_step_metadata(folder).item_handlers
-  except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
-    return False
-  return isinstance(handlers, dict) and "checksums" not in handlers
 
 
 def _raise_mismatches(bad: list[str]) -> None:

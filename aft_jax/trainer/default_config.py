@@ -38,21 +38,22 @@ class TrainConfig(TypedConfig):
     return errors
 
 
-# Every component config, in the order of the tree (the model's vocab_size is no key: it comes
-# from the data).
-COMPONENTS = (
-  DataConfig,
-  ModelConfig,
-  TrainConfig,
-  OptimizerConfig,
-  StepLogConfig,
-  EvalConfig,
-  CheckpointConfig,
-  SampleConfig,
-  MeshConfig,
-  RulesConfig,
-  WandbConfig,
-)
+# Every component config, in the order of the tree, by its slice of ``RunConfig`` (the model's
+# vocab_size is no key: it comes from the data).
+SLICES = {
+  "data": DataConfig,
+  "model": ModelConfig,
+  "train": TrainConfig,
+  "optimizer": OptimizerConfig,
+  "step_log": StepLogConfig,
+  "eval": EvalConfig,
+  "checkpoint": CheckpointConfig,
+  "sample": SampleConfig,
+  "mesh": MeshConfig,
+  "rules": RulesConfig,
+  "wandb": WandbConfig,
+}
+COMPONENTS = tuple(SLICES.values())
 
 
 def get_config() -> ml_collections.ConfigDict:

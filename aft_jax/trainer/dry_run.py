@@ -32,12 +32,14 @@ FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 _BATCH_BYTES = {"batch_size": 8, "eval_batch_size": 12}
 
 
-def gpu_fraction() -> float:
-  """The share of a GPU's memory jax takes: $XLA_PYTHON_CLIENT_MEM_FRACTION, a number in
-  (0, 1] (one-line ValueError otherwise), or jax's default 0.75."""
-  text = os.environ.get(MEM_FRACTION)
-  if text is None:
-    return GPU_FRACTION
+def usable_bytes(target: deviceless.CompileTarget) -> int:
+  """The memory one device gives a program: on a GPU the share jax takes,
+  $XLA_PYTHON_CLIENT_MEM_FRACTION (a number in (0, 1], one-line ValueError otherwise)."""
+  if target.kind == "cpu":
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if target.kind != "cuda":
+    return int(target.memory_bytes * TPU_FRACTION)
+  text = os.environ.get(MEM_FRACTION, str(GPU_FRACTION))
   try:
     fraction = float(text)
   except ValueError:
@@ -47,16 +49,7 @@ def gpu_fraction() -> float:
       f"{MEM_FRACTION} = {text!r} must be a number in (0, 1]: the share of a GPU's memory "
       f"jax takes (unset: {GPU_FRACTION})"
     )
-  return fraction
-
-
-def usable_bytes(target: deviceless.CompileTarget) -> int:
-  """The memory one device gives a program (module docstring)."""
-  if target.kind == "cpu":
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  if target.kind == "cuda":
-    return int(target.memory_bytes * gpu_fraction())
-  return int(target.memory_bytes * TPU_FRACTION)
+  return int(target.memory_bytes * fraction)
 
 
 def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
@@ -138,13 +131,6 @@ def _compile(lowered, args) -> tuple[object | None, StepMemory]:
   return compiled, StepMemory.of(compiled)
 
 
-def _flops(compiled) -> float | None:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  flops = (cost or {}).get("flops")
-  return float(flops) if flops is not None and flops >= 0 else None
-
-
 def _gib(n: float) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -163,6 +149,9 @@ def compile_steps(
   train, mem = _compile(trainer.lower_train_step(), (state, batch))
   eval_args = (state.params, trainer.specs(cfg.eval.eval_batch_size, True))
   _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
+  cost = None if train is None else train.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = (cost or {}).get("flops")
   return {
     "mesh": sharding.axis_sizes(mesh),
     "vocab_size": vocab,
@@ -170,7 +159,7 @@ def compile_steps(
     "impl": trainer.model.cfg.impl,
     "train": mem,
     "eval": eval_mem,
-    "flops_per_step": None if train is None else _flops(train),
+    "flops_per_step": float(flops) if flops is not None and flops >= 0 else None,
     "triton_kernels": 0 if train is None else train.as_text().count(ops.KERNEL_CALLS["gpu"]),
   }
 

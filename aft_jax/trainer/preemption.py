@@ -13,11 +13,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def _sync_manager_owns_sigterm() -> bool:
-  """Whether JAX's preemption sync manager handles SIGTERM in this run (several processes)."""
-  return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
-
-
 class Preemption:
   """A context manager that records SIGTERM / SIGINT instead of dying on them."""
 
@@ -27,7 +22,8 @@ class Preemption:
     self._synced = False
 
   def __enter__(self):
-    self._synced = _sync_manager_owns_sigterm()
+    # Whether JAX's preemption sync manager handles SIGTERM in this run (several processes).
+    self._synced = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
     # JAX's notifier installed its own SIGTERM handler; a Python one would replace it.
     sigs = (signal.SIGINT,) if self._synced else (signal.SIGTERM, signal.SIGINT)
     for sig in sigs:

@@ -20,27 +20,12 @@ from aft_jax.model import ModelConfig
 from aft_jax.sharding import MeshConfig, RulesConfig
 from aft_jax.trainer import default_config
 from aft_jax.trainer.checkpointing import CheckpointConfig
-from aft_jax.trainer.default_config import TrainConfig
+from aft_jax.trainer.default_config import SLICES, TrainConfig
 from aft_jax.trainer.evaluation import EvalConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
 from aft_jax.trainer.step_log import StepLogConfig
 from aft_jax.trainer.wandb_log import WandbConfig
 from aft_jax.typed_config import flatten, type_problems
-
-# RunConfig's slices: the field and the component config it holds.
-SLICES = {
-  "data": DataConfig,
-  "model": ModelConfig,
-  "train": TrainConfig,
-  "optimizer": OptimizerConfig,
-  "step_log": StepLogConfig,
-  "eval": EvalConfig,
-  "checkpoint": CheckpointConfig,
-  "sample": SampleConfig,
-  "mesh": MeshConfig,
-  "rules": RulesConfig,
-  "wandb": WandbConfig,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +59,8 @@ class RunConfig:
     slices, frozen = {}, _frozen(plain)
     for name, component in SLICES.items():
       node = frozen[component.WHERE] if component.WHERE else frozen
-      wrong = type_problems(node, component.tree_defaults(), _prefix(component))
+      prefix = component.WHERE + "." if component.WHERE else ""
+      wrong = type_problems(node, component.tree_defaults(), prefix)
       if wrong:  # before the dataclass is built: ModelConfig converts some values
         errors += wrong
         continue
@@ -142,10 +128,6 @@ def absolute_paths(tree: dict) -> dict:
   return tree
 
 
-def _prefix(component) -> str:
-  return component.WHERE + "." if component.WHERE else ""
-
-
 def _frozen(value):
   """JSON data with its lists as tuples: a slice's values cannot be changed in place."""
   if isinstance(value, dict):
@@ -210,21 +192,18 @@ def _across_components(s: dict) -> list[str]:
       f"config.data.packing = True with config.mesh.sequence = {s['mesh'].sequence}: packed "
       "rows are not split along T over devices; use config.mesh.sequence = 1 (or packing off)"
     )
-  return errors + _sequence_split(s["mesh"].sequence, model.mixing, train.seq_len)
-
-
-def _sequence_split(n: int, mixing: str, seq_len: int) -> list[str]:
-  """mesh.sequence > 1 splits T over devices: only the causal recurrences allow it, and T
-  must split evenly (docs/long_sequences.md)."""
-  if n == 1:
-    return []
-  if mixing in ("softmax", "aft_full"):
-    return [
+  # mesh.sequence > 1 splits T over devices: only the causal recurrences allow it, and T must
+  # split evenly (docs/long_sequences.md).
+  n, mixing = s["mesh"].sequence, model.mixing
+  if n > 1 and mixing in ("softmax", "aft_full"):
+    errors.append(
       f"config.mesh.sequence = {n} with config.model.mixing = {mixing!r}: {mixing} mixes every "
       "pair of positions, so a device's outputs need every other device's keys, not a small "
       "state; context parallelism is for aft_simple, aft_local and aft_conv1d (or use "
       "config.mesh.sequence = 1)"
-    ]
-  if seq_len % n:
-    return [f"config.seq_len = {seq_len} is not divisible by config.mesh.sequence = {n}"]
-  return []
+    )
+  elif n > 1 and train.seq_len % n:
+    errors.append(
+      f"config.seq_len = {train.seq_len} is not divisible by config.mesh.sequence = {n}"
+    )
+  return errors

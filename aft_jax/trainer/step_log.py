@@ -14,7 +14,6 @@ import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
-from aft_jax.trainer import wandb_log
 from aft_jax.workdir import Workdir
 from aft_jax.typed_config import TypedConfig, positive
 
@@ -42,7 +41,8 @@ class MetricWriter:
         self._tb.add_scalar(key, value, step)
     self._tb.flush()
     if self.wandb_run is not None:
-      wandb_log.log(self.wandb_run, record)
+      scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+      self.wandb_run.log(scalars, step=int(step))
 
   def write_text(self, tag: str, text: str, step: int) -> None:
     """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
@@ -50,15 +50,22 @@ class MetricWriter:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
     if self.wandb_run is not None and tag != "config":  # W&B has the config as its own
-      wandb_log.log_text(self.wandb_run, tag, text, step)
+      import wandb  # pylint: disable=g-import-not-at-top  (only with a W&B run)
 
-  def write_hparams(self, settings: dict, metric_tags) -> None:
-    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``metric_tags``, in
-    this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
+      self.wandb_run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
+
+  def write_hparams(self, settings: dict) -> None:
+    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``HPARAMS_METRICS``,
+    in this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
     if not self.enabled:
       return
-    flat = {k: _hparam_value(v) for k, v in settings.items() if v is not None}
-    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(metric_tags))
+    # A number, string or bool as it is; anything else (a tuple of cutoffs) as its text.
+    flat = {
+      k: v if isinstance(v, (bool, int, float, str)) else str(v)
+      for k, v in settings.items()
+      if v is not None
+    }
+    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(HPARAMS_METRICS))
     self._tb.file_writer.add_summary(experiment)
     self._tb.file_writer.add_summary(session_start)
     self._tb.flush()
@@ -69,11 +76,6 @@ class MetricWriter:
       self._tb.close()
     if self.wandb_run is not None:
       self.wandb_run.finish()
-
-
-def _hparam_value(value):
-  """A number, string or bool as it is; anything else (a tuple of cutoffs) as its text."""
-  return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,23 +116,13 @@ class StepLog:
   (the device never idles, and the host stays at most two steps ahead: a signal or a run of
   skipped updates is acted on within two steps) and writes one record per logged step."""
 
-  def __init__(
-    self,
-    writer: MetricWriter,
-    bar,
-    mngr,
-    step: int,
-    cfg: StepLogConfig,
-    *,
-    tokens_per_step: int,
-    is_main: bool,
-    good_steps: set | None = None,
-  ):
-    """``mngr``: the checkpoint manager (the last good step); ``good_steps``: the checkpoints
-    known good, the only ones a divergence message names (None: any)."""
-    self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, good_steps
+  def __init__(self, trainer, writer: MetricWriter, bar, mngr, step: int):
+    """``trainer``: the run (its config, and its ``good_steps``: the checkpoints known good, the
+    only ones a divergence message names); ``mngr``: its checkpoint manager."""
+    cfg, train = trainer.config.step_log, trainer.config.train
+    self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, trainer.good_steps
     self.nonfinite, self.max_consecutive_skips = cfg.nonfinite, cfg.max_consecutive_skips
-    self.tokens_per_step, self.is_main = tokens_per_step, is_main
+    self.tokens_per_step, self.is_main = train.batch_size * train.seq_len, trainer.is_main
     self.pending, self.t_last = [], time.perf_counter()
     self.step = step  # the step of the last metrics added
     self.checked = 0  # how many of ``pending`` have had their finite flag read
@@ -173,7 +165,7 @@ class StepLog:
   def last_good(self) -> str:
     # Checkpoints are never written inside a run of skipped updates (see _checkpoint), and a
     # damaged one is never restored: the newest known good one is the last good one.
-    steps = [s for s in self.mngr.all_steps() if self.good_steps is None or s in self.good_steps]
+    steps = [s for s in self.mngr.all_steps() if s in self.good_steps]
     if not steps:
       return "there is no checkpoint yet"
     return f"the last good checkpoint is step {max(steps)}"
@@ -208,6 +200,14 @@ class StepLog:
         f"{record['tokens_per_sec']:.0f} tokens/s  {record['step_time'] * 1e3:.1f} ms/step"
       )
     self.pending, self.checked, self.t_last = [], 0, time.perf_counter()
+
+  def validation(self, ev: dict, *, byte_level: bool) -> None:
+    """A validation result (``Trainer.evaluate``'s dict) at this step in the metrics and, on
+    process 0, on the console; bits per byte too where the corpus is bytes."""
+    self.writer.write({"step": self.step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
+    if self.is_main:
+      bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
+      self.bar.write(f"step {self.step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")
 
 
 class Profiler:
@@ -244,14 +244,3 @@ class Profiler:
 
 # The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
 HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
-
-
-def log_validation(
-  writer: MetricWriter, bar, step: int, ev: dict, *, byte_level: bool, is_main: bool
-) -> None:
-  """A validation result (``Trainer.evaluate``'s dict) in the metrics and, on process 0
-  (``is_main``), on the console; bits per byte too where the corpus is bytes."""
-  writer.write({"step": step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
-  if is_main:
-    bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
-    bar.write(f"step {step}: validation loss {ev['nll']:.4f}  ppl {ev['ppl']:.2f}{bpb}")

@@ -95,6 +95,7 @@ def main(argv):
   from absl import logging
 
   from aft_jax.trainer import cpu_devices
+  from aft_jax.trainer.run_config import RunConfig
 
   if not FLAGS["verbosity"].present:  # -v / --verbosity wins
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
@@ -108,10 +109,15 @@ def main(argv):
     given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
   if not (FLAGS.coordinator_address or FLAGS.distributed):
-    _use_every_core()
-  if (FLAGS.coordinator_address or FLAGS.distributed) and (
-    jax.config.jax_cpu_collectives_implementation in (None, "none")
-  ):
+    # One CPU device per core (``cpu_devices``: why, and when it stays as set); a config the run
+    # will refuse (or a config file that failed to load) is left for train_and_evaluate to name.
+    try:
+      cfg = RunConfig.from_tree(FLAGS.config)
+    except (ValueError, OSError):
+      cfg = None
+    if cfg is not None:
+      cpu_devices.apply(cfg)
+  elif jax.config.jax_cpu_collectives_implementation in (None, "none"):
     # CPU processes need a cross-process collectives library: gloo is the default in recent
     # jax; older versions default to none and fail at the first cross-process computation.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -128,19 +134,6 @@ def main(argv):
     )
   except (ValueError, OSError, FloatingPointError, RuntimeError) as e:
     _fail(e)
-
-
-def _use_every_core() -> None:
-  """One CPU device per core for a CPU run (``cpu_devices``: why, and when it stays as set).
-  A config the run will refuse is left for train_and_evaluate to name."""
-  from aft_jax.trainer import cpu_devices
-  from aft_jax.trainer.run_config import RunConfig
-
-  try:
-    cfg = RunConfig.from_tree(FLAGS.config)
-  except (ValueError, OSError):  # (OSError: a config file that failed to load)
-    return
-  cpu_devices.apply(cfg)
 
 
 def run():
@@ -175,7 +168,8 @@ def _parse_flags(argv):
   flags are parsed) is one line, exit status 1 (2 with --dry_run)."""
   from absl import flags
 
-  refused = 2 if _asks_dry_run(argv) else 1
+  keys, dry_run = _command_line(argv)
+  refused = 2 if dry_run else 1
   try:
     return FLAGS(argv)
   except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
@@ -189,7 +183,7 @@ def _parse_flags(argv):
 
     # A key no component defines, named whole (ml_collections names the last part only);
     # else ml_collections' message, a quoted repr: "\\n" between its lines.
-    unknown = run_config.unknown_keys(_override_keys(argv))
+    unknown = run_config.unknown_keys(keys)
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
     lines = [p.strip().strip("'\"") for p in text.splitlines()]
     why = "; ".join(unknown or [p for p in lines if p])
@@ -197,32 +191,22 @@ def _parse_flags(argv):
     sys.exit(refused)
 
 
-def _override_keys(argv) -> list[str]:
-  """The dotted keys of the command line's ``--config.KEY=VALUE`` (``--config.KEY VALUE``,
-  ``--[no]config.KEY``) overrides."""
-  keys = []
-  for arg in argv[1:]:
-    if arg == "--":
-      break
-    name = arg.lstrip("-").partition("=")[0]
-    for prefix in ("config.", "noconfig."):
-      if arg.startswith("-") and name.startswith(prefix):
-        keys.append(name[len(prefix) :])
-  return keys
-
-
-def _asks_dry_run(argv) -> bool:
-  """Whether the command line (before absl parses it) asks for --dry_run."""
-  asked = False
+def _command_line(argv) -> tuple[list[str], bool]:
+  """Before absl parses ``argv``: the dotted keys of its ``--config.KEY=VALUE`` (``--config.KEY
+  VALUE``, ``--[no]config.KEY``) overrides, and whether it asks for --dry_run."""
+  keys, dry_run = [], False
   for arg in argv[1:]:
     if arg == "--":
       break
     name, _, value = arg.lstrip("-").partition("=")
     if name == "dry_run":
-      asked = value.lower() not in ("false", "0")
+      dry_run = value.lower() not in ("false", "0")
     elif name == "nodry_run":
-      asked = False
-  return asked
+      dry_run = False
+    for prefix in ("config.", "noconfig."):
+      if arg.startswith("-") and name.startswith(prefix):
+        keys.append(name[len(prefix) :])
+  return keys, dry_run
 
 
 if __name__ == "__main__":

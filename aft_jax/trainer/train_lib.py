@@ -123,20 +123,11 @@ class Trainer:
   and corpus record (saved with every checkpoint), and the checkpoints known good (the one
   restored and those saved: what a divergence message may name)."""
 
-  def __init__(
-    self,
-    cfg: RunConfig,
-    mesh,
-    *,
-    workdir: Workdir | None = None,
-    corpus: data_lib.Corpus | None = None,
-    record: dict | None = None,
-    allow_config_change: bool = False,
-    config_changes: list = (),  # those allowed against config.json, said if nothing restores
-  ):
+  def __init__(self, cfg: RunConfig, mesh):
     self.config, self.mesh = cfg, mesh
-    self.workdir, self.corpus, self.record = workdir, corpus, record
-    self.allow_config_change, self.config_changes = allow_config_change, list(config_changes)
+    self.workdir, self.corpus, self.record = None, None, None  # set by ``setup``
+    # (with the config changes allowed against config.json, said if nothing restores)
+    self.allow_config_change, self.config_changes = False, []
     self.good_steps = set()
     self.tree = cfg.tree  # the config as plain data: what config.json and checkpoints record
     self.is_main = jax.process_index() == 0  # process 0 alone writes logs, metrics and results
@@ -273,7 +264,7 @@ class Trainer:
     return {"nll": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
 
 
-def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run) -> Trainer:
+def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
   """The trainer that training and ``--dry_run`` build alike, once the vocabulary size is known:
   the mesh over ``devices`` (default: all), the batch split checked, its notes said (``say``)."""
   cfg = cfg.with_vocab(vocab_size)
@@ -287,63 +278,40 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print, **run
   ):
     if note:
       say(note)
-  return Trainer(cfg, mesh, **run)
-
-
-def _trained_on(workdir: Workdir, mngr) -> tuple[str, dict]:
-  """(what it is, {"config", "corpus"}) of what the workdir's run is checked against before
-  any data is loaded: the newest checkpoint whose items read, else config.json and corpus.json."""
-  newest = checkpointing.newest_items(mngr)
-  if newest is None:
-    return "config.json and corpus.json", {
-      "config": workdir.read_config(),
-      "corpus": workdir.trained_corpus({}),
-    }
-  since, items = f"the checkpoint at step {newest[0]}", newest[1]
-  return since, {"config": items.get("config"), "corpus": workdir.trained_corpus(items)}
+  return Trainer(cfg, mesh)
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
   """The run's trainer, its config and data checked (the cheap checks first) against what the
   workdir's run was trained with, the corpus loaded. Writes nothing in the workdir."""
   workdir = Workdir(workdir)
+  # Checked before any data is loaded against the newest checkpoint whose items read, else
+  # config.json and corpus.json.
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
-  since, trained = _trained_on(workdir, mngr)
+  newest = checkpointing.newest_items(mngr)
+  if newest is None:
+    since, saved, items = "config.json and corpus.json", workdir.read_config(), {}
+  else:
+    since, saved, items = f"the checkpoint at step {newest[0]}", newest[1].get("config"), newest[1]
+  trained = workdir.trained_corpus(items)
   changes = checkpointing.check_resume_config(
-    trained["config"], cfg.tree, workdir, allow_config_change, as_written
+    saved, cfg.tree, workdir, allow_config_change, as_written
   )
-  data_record.check_sources(trained["corpus"], data_record.sources(cfg.data), since)
-  built_by = data_record.built_by(trained["corpus"], cfg.data.dataset)
-  corpus = data_lib.load_corpus(cfg.data, built_by)
+  data_record.check_sources(trained, data_record.sources(cfg.data), since)
+  corpus = data_lib.load_corpus(cfg.data, data_record.built_by(trained, cfg.data.dataset))
   record = data_record.of_corpus(corpus)
-  data_record.check_corpus(trained["corpus"], record, since)
+  data_record.check_corpus(trained, record, since)
   say = print if jax.process_index() == 0 else lambda line: None
-  return make_trainer(
-    cfg,
-    corpus.vocab.size,
-    say=say,
-    workdir=workdir,
-    corpus=corpus,
-    record=record,
-    allow_config_change=allow_config_change,
-    config_changes=changes,
-  )
-
-
-def _begin_writing(trainer: Trainer, mngr, restored) -> None:
-  """Every check has passed: the damaged checkpoints moved aside, then corpus.json, the
-  vocabulary and config.json written (sampling and evaluating need no dataset)."""
-  if restored is not None:
-    checkpointing.set_aside(mngr, restored)
-  if trainer.is_main:
-    trainer.workdir.save_corpus(trainer.corpus)
-    trainer.workdir.write_config(trainer.tree)
+  trainer = make_trainer(cfg, corpus.vocab.size, say=say)
+  trainer.workdir, trainer.corpus, trainer.record = workdir, corpus, record
+  trainer.allow_config_change, trainer.config_changes = allow_config_change, changes
+  return trainer
 
 
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
   """The newest intact checkpoint's state (and data position), or a fresh one. Each
   checkpoint's config, corpus record and data position, once verified, are checked before its
-  state is read; the workdir is written only after (``_begin_writing``)."""
+  state is read; the workdir is written only after."""
   changes = {}
 
   def check(step, items):
@@ -358,8 +326,15 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
   allowed = trainer.config_changes if restored is None else changes[restored.step]
   if allowed and trainer.is_main:
     print(f"Resuming with a changed config (--allow_config_change): {'; '.join(allowed)}")
-  if restored is None:  # config.json and corpus.json, if any, were checked in setup
-    _begin_writing(trainer, mngr, None)
+  # Every check has passed (config.json and corpus.json, if nothing restored, in setup): the
+  # damaged checkpoints moved aside, then corpus.json, the vocabulary and config.json written
+  # (sampling and evaluating need no dataset).
+  if restored is not None:
+    checkpointing.set_aside(mngr, restored)
+  if trainer.is_main:
+    trainer.workdir.save_corpus(trainer.corpus)
+    trainer.workdir.write_config(trainer.tree)
+  if restored is None:
     state = trainer.init_state(trainer.config.train.seed)
     if trainer.is_main:
       corpus = trainer.corpus
@@ -371,7 +346,6 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
       )
     return state
   data_iter.set_state(restored.items["data"])
-  _begin_writing(trainer, mngr, restored)
   trainer.good_steps.add(restored.step)
   if trainer.is_main:
     note = f" ({restored.unverified})" if restored.unverified else ""
@@ -417,14 +391,6 @@ def _save_and_say_stopped(
     print(f"\nInterrupted (signal {sig}): {what}", flush=True)
 
 
-class Interrupted(Exception):
-  """A signal stopped the final evaluation (``final_results``) before ``split`` was done."""
-
-  def __init__(self, split: str, signal):
-    super().__init__(split, signal)
-    self.split, self.signal = split, signal
-
-
 # results.json's "train_rows": what the training rows were. Either way the valid_* and test_*
 # numbers are the evaluation protocol's ("eval_protocol"), windows of each split's stream, so a
 # packed run's numbers compare with an unpacked one's.
@@ -438,13 +404,11 @@ TRAIN_ROWS = {
 }
 
 
-def final_results(
-  trainer: Trainer, state: TrainState, preemption: Preemption | None = None
-) -> dict:
+def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -> dict | None:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
   Each split's result is kept in the workdir when done, and a rerun of the same step and protocol
-  takes it from there; a signal ``preemption`` records stops it with ``Interrupted``."""
-  cfg, corpus, trainer = trainer.config, trainer.corpus, trainer
+  takes it from there; a signal ``preemption`` records stops it, saying so: None."""
+  cfg, corpus = trainer.config, trainer.corpus
   seq_len = cfg.train.seq_len
   step = int(state.step)
   results = {
@@ -464,9 +428,7 @@ def final_results(
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
   saved = trainer.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
-  stop = None
-  if preemption is not None:
-    stop = lambda i: preemption.requested(i, every=64)  # noqa: E731
+  stop = lambda i: preemption.requested(i, every=64)  # noqa: E731
   for split, prefix in (("validation", "valid"), ("test", "test")):
     if split not in corpus.splits:
       continue
@@ -476,7 +438,14 @@ def final_results(
         state.params, corpus.splits[split], corpus.bos_id, prefix, stride=stride, should_stop=stop
       )
       if ev is None:
-        raise Interrupted(split, preemption.signal)
+        if trainer.is_main:
+          print(
+            f"\nInterrupted (signal {preemption.signal}) during the final evaluation of the "
+            f"{split} split; the splits already scored are kept: run the same command again to "
+            "finish.",
+            flush=True,
+          )
+        return None
       done[split] = ev
       if trainer.is_main:
         trainer.workdir.write_final_eval({**key, "splits": done})
@@ -514,9 +483,9 @@ def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None
   writer.write({"step": results["steps"], **scalars})
 
 
-def sample(trainer: Trainer, params, writer: MetricWriter | None = None) -> str | None:
-  """The end-of-run sample (``config.sample``), printed by process 0 (and logged to
-  TensorBoard with ``writer``); None if not asked for."""
+def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
+  """The end-of-run sample (``config.sample``), printed by process 0 and logged to TensorBoard
+  (``writer``); None if not asked for."""
   cfg = trainer.config.sample
   if cfg.length <= 0:
     return None
@@ -538,8 +507,7 @@ def sample(trainer: Trainer, params, writer: MetricWriter | None = None) -> str 
     seed=trainer.config.train.seed,
   )
   print(f"Sample:\n{cfg.prompt}{text}", flush=True)
-  if writer is not None:
-    writer.write_text("sample", cfg.prompt + text, trainer.config.train.num_train_steps)
+  writer.write_text("sample", cfg.prompt + text, trainer.config.train.num_train_steps)
   return text
 
 
@@ -591,10 +559,13 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     )
     writer = MetricWriter(trainer.workdir, enabled=is_main, wandb_run=wandb_run)
     writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
-    writer.write_hparams(flatten(trainer.tree), step_log.HPARAMS_METRICS)
+    writer.write_hparams(flatten(trainer.tree))
     with contextlib.ExitStack() as cleanup:
+      # Run last to first: the save in flight finished (its failure raised), Orbax's threads
+      # ended, the metrics closed.
       cleanup.callback(writer.close)
-      cleanup.callback(checkpointing.close, mngr)  # (first) the save in flight, if any, finished
+      cleanup.callback(mngr.close)
+      cleanup.callback(checkpointing.finish_saving, mngr)
 
       # The training loop, to num_train_steps.
       dropout_rng = jax.random.key(train.seed + 1)
@@ -605,16 +576,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         disable=not is_main,
         dynamic_ncols=True,
       )
-      log = step_log.StepLog(
-        writer,
-        bar,
-        mngr,
-        step,
-        cfg.step_log,
-        tokens_per_step=train.batch_size * train.seq_len,
-        is_main=is_main,
-        good_steps=trainer.good_steps,
-      )
+      log = step_log.StepLog(trainer, writer, bar, mngr, step)
       profile = cfg.step_log.profile_steps if is_main else ()  # process 0 writes the trace
       profiler = step_log.Profiler(profile, trainer.workdir.tensorboard_dir)
       with bar, Preemption() as preemption, profiler:
@@ -633,8 +595,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
             if step % cfg.eval.eval_every_steps == 0 and not last:
               corpus = trainer.corpus
               ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)
-              byte_level = corpus.unit == "byte"
-              step_log.log_validation(writer, bar, step, ev, byte_level=byte_level, is_main=is_main)
+              log.validation(ev, byte_level=corpus.unit == "byte")
             if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
               _checkpoint(trainer, log, mngr, step, state, data_iter)
             if preemption.should_stop(step, every):
@@ -647,16 +608,9 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
 
       # Final evaluation, once the final checkpoint is on disk.
       checkpointing.finish_saving(mngr)
-      try:
-        with Preemption() as preemption:
-          results = final_results(trainer, state, preemption)
-      except Interrupted as e:
-        if is_main:
-          print(
-            f"\nInterrupted (signal {e.signal}) during the final evaluation of the {e.split} "
-            "split; the splits already scored are kept: run the same command again to finish.",
-            flush=True,
-          )
+      with Preemption() as preemption:
+        results = final_results(trainer, state, preemption)
+      if results is None:  # a signal stopped it
         return {"interrupted": True, "step": step}
       write_results(trainer, results, writer)
       sample(trainer, state.params, writer)

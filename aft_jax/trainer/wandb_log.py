@@ -89,16 +89,3 @@ def start(cfg: WandbConfig, tree: dict, workdir, resumed: bool = False):
     dir=path,
     config=tree,
   )
-
-
-def log(run, record: dict) -> None:
-  """One metrics record (with its ``step``) as W&B scalars."""
-  values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-  run.log(values, step=int(record["step"]))
-
-
-def log_text(run, tag: str, text: str, step: int) -> None:
-  """A text (the sample) as a one-cell W&B table."""
-  import wandb  # pylint: disable=g-import-not-at-top
-
-  run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
