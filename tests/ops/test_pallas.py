@@ -185,9 +185,8 @@ def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
 
 
 def test_impl_on_a_tpu_backend(monkeypatch):
-  """For a TPU target (an abstract TPU device): "auto" is XLA, "pallas" runs the TPU kernel
-  (here interpreted, through a spy) and needs D a multiple of 128, AFT-local has no TPU
-  kernel."""
+  """For a TPU target: "auto" is XLA, "pallas" runs the TPU kernel (a spy interprets it), which
+  refuses D not a multiple of 128 (or of its block); AFT-local has no TPU kernel."""
   with on_target("TPU v5 lite", "tpu"):
     _impl_on_a_tpu(monkeypatch)
 
@@ -220,6 +219,11 @@ def _impl_on_a_tpu(monkeypatch):
       r"for \('gpu',\), not for the 'tpu' platform \(TPU v5 lite\)",
     ),
     (lambda: ops.aft_full(q, k, v, w, causal=True, impl="pallas"), "no Pallas kernel for this op"),
+    (lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 96)),) * 2), "D = 96 is not a multiple"),
+    (
+      lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 384)),) * 2, mosaic_simple.CONFIGS[1]),
+      "cannot tile D = 384",
+    ),
   ]
   for fn, msg in cases:
     with pytest.raises(ValueError, match=msg):
@@ -231,16 +235,6 @@ def _impl_on_a_tpu(monkeypatch):
     )
   )
   assert len(calls) == 1
-
-
-def test_tpu_kernel_rejects_channels_it_cannot_tile():
-  x = jnp.zeros((1, 8, 96))
-  with pytest.raises(ValueError, match="D = 96 is not a multiple of 128"):
-    mosaic_simple.causal_mean(x, x, None, True)
-  with pytest.raises(ValueError, match="cannot tile D = 384"):
-    mosaic_simple.causal_mean(
-      jnp.zeros((1, 8, 384)), jnp.zeros((1, 8, 384)), mosaic_simple.CONFIGS[1]
-    )
 
 
 def test_accelerator_check_measures_the_tpu_kernel_of_aft_simple_only():

@@ -88,22 +88,15 @@ def _forms(impl):
   seg = lambda k: jnp.broadcast_to(segments(k.shape[-2])[0], k.shape[:-1])
   pos = lambda k: jnp.broadcast_to(segments(k.shape[-2])[1], k.shape[:-1])
 
-  def simple_state(q, k, v, w):
-    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
-    y1, state = simple(q1, k1, v1, causal=True, output_final_state=True)
-    return jnp.concatenate([y1, simple(q2, k2, v2, causal=True, initial_state=state)], -2)
+  def two_pieces(op, offset=False):  # the second piece after the first's state (at its offset)
+    def fn(q, k, v, w):
+      t = k.ndim - 2  # T's axis in q, k and v
+      (q1, q2), (k1, k2), (v1, v2) = (_halves(x, t) for x in (q, k, v))
+      y1, state = op(q1, k1, v1, w, causal=True, output_final_state=True)
+      at = {"offset": k1.shape[t]} if offset else {}
+      return jnp.concatenate([y1, op(q2, k2, v2, w, causal=True, initial_state=state, **at)], t)
 
-  def local_state(q, k, v, w):  # the second piece at offset T / 2 into w
-    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
-    y1, state = local(q1, k1, v1, w, causal=True, output_final_state=True)
-    y2 = local(q2, k2, v2, w, causal=True, offset=q1.shape[-2], initial_state=state)
-    return jnp.concatenate([y1, y2], -2)
-
-  def conv1d_state(q, k, v, w):
-    (q1, q2), (v1, v2) = (_halves(x, x.ndim - 3) for x in (q, v))
-    k1, k2 = _halves(k, k.ndim - 2)
-    y1, state = conv1d(q1, k1, v1, w, causal=True, output_final_state=True)
-    return jnp.concatenate([y1, conv1d(q2, k2, v2, w, causal=True, initial_state=state)], -3)
+    return fn
 
   causal_ref = {
     "full": lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
@@ -125,9 +118,12 @@ def _forms(impl):
     "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
     "conv1d-causal": (P(conv1d, causal=True), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
     "conv2d": (P(ops.aft_conv2d, impl=impl), _conv2d_dense, ref.aft_conv2d, "conv2d"),
-    "simple-state": (simple_state, dense_op(0, True), causal_ref["simple"], "seq"),
-    "local-state": (local_state, dense_op(WINDOW, True), causal_ref["local"], "seq"),
-    "conv1d-state": (conv1d_state, _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
+    "simple-state": (
+      two_pieces(lambda q, k, v, w, **kw: simple(q, k, v, **kw)), dense_op(0, True),
+      causal_ref["simple"], "seq",
+    ),
+    "local-state": (two_pieces(local, True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
+    "conv1d-state": (two_pieces(conv1d), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
     "full-packed": (seq_packed(full), dense_op(None, True, packed=True), None, "seq"),
     "local-packed": (seq_packed(local), dense_op(WINDOW, True, packed=True), None, "seq"),
     "simple-packed": (
