@@ -1,9 +1,5 @@
-"""The AFT operations (Zhai et al., 2021, arXiv 2105.14103) as pure functions of arrays q, k, v
-``[..., T, D]``: Y[t, d] = sigma(q[t, d]) * sum_t' exp(k[t', d] + w[t, t']) v[t', d] / sum_t'
-exp(k[t', d] + w[t, t']), the ops differing in the bias w (``causal=True``: t' <= t). Modules,
-``impl``, how each computes and precision: docs/kernels.md; states, packed rows and T over
-devices: docs/long_sequences.md.
-"""
+"""The AFT operations (Zhai et al., 2021, arXiv 2105.14103) as pure functions of q, k, v
+``[..., T, D]``, differing in the bias w (docs/kernels.md; their modes: docs/long_sequences.md)."""
 
 from aft_jax.ops.common import IMPLS, KERNEL_CALLS, DeviceFacts, check_window, device_facts
 from aft_jax.ops.conv import aft_conv1d, aft_conv1d_init, aft_conv1d_step, aft_conv2d

@@ -1,7 +1,6 @@
-"""What every op shares besides its maths: its argument checks, its implementation chosen
-(``resolve``) for the device the program is lowered for (``device_facts``), its kernel or XLA code
-called (``run``), and an eager call run as one program (docs/kernels.md, "impl").
-"""
+"""What every op shares besides its maths: argument checks, the implementation chosen for the
+device a program is lowered for, the kernel or XLA call, eager calls as one program
+(docs/kernels.md, "impl")."""
 
 import functools
 import warnings
@@ -141,21 +140,21 @@ def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, 
   return kernel
 
 
+def _has_jvp(x) -> bool:  # whether x carries a jax.jvp tracer (a kernel's custom VJP has none)
+  while isinstance(x, jax.core.Tracer):
+    if isinstance(x, ad.JVPTracer):
+      return True
+    x = getattr(x, "primal", getattr(x, "val", None))
+  return False
+
+
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
   """Y = sigma(q) * op ``fn``'s mean on a whole sequence by ``xla(k, v, w, low)`` or the kernel
   ``impl`` resolves to ("auto": both, in ``jax.lax.platform_dependent``); the inputs' dtype."""
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
-
-  def jvp(x):  # whether x carries a jax.jvp tracer (a kernel's custom VJP cannot serve it)
-    while isinstance(x, jax.core.Tracer):
-      if isinstance(x, ad.JVPTracer):
-        return True
-      x = getattr(x, "primal", getattr(x, "val", None))
-    return False
-
-  forward = any(jvp(x) for x in (k, v, w))
+  forward = any(_has_jvp(x) for x in (k, v, w))
   kernel = resolve(
     fn, impl, kernels, causal=causal, channels=q.shape[-1], window=window, forward=forward
   )
@@ -204,8 +203,8 @@ def array(fn, name, x):
 
 
 def check_arrays(fn, lead=None, **arrays):
-  """ValueError unless each of ``arrays`` is real floating point (not computed in float32 and
-  cast back) or, given ``lead``, None or an int array of shape ``lead`` ``[..., T]``."""
+  """ValueError unless each of ``arrays`` is real floating point or, given ``lead``, None or an
+  int array of shape ``lead`` ``[..., T]``."""
   for name, x in arrays.items():
     if x is None and lead is not None:
       continue

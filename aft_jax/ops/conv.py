@@ -1,7 +1,5 @@
-"""AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, every mode and its step) and over an
-image (``aft_conv2d``): a small kernel per head, exact triples (docs/kernels.md, "How each module
-computes"). No Pallas kernel: XLA runs.
-"""
+"""AFT-conv (paper Eq. 6) over a sequence (``aft_conv1d``, its modes and step) and an image
+(``aft_conv2d``), XLA only (docs/kernels.md, "How each module computes")."""
 
 import math
 
@@ -13,9 +11,7 @@ from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
 
-# Causal AFT-conv1d over at most this many positions is summed densely (``_dense_causal``),
-# faster than the scans at short T; its memory, B H T^2 floats, bounds it.
-DENSE_MAX_T = 256
+DENSE_MAX_T = 256  # causal T summed densely (faster than the scans; B H T^2 floats of memory)
 
 
 def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
@@ -109,8 +105,7 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
 
 
 def _whole(q, k, v, kernel, causal):
-  """Y over a sequence (kernel [H, s]) or an image (kernel [H, kh, kw]), computed in float32 (or
-  float64), the inputs' dtype out."""
+  """Y over a sequence (kernel [H, s]) or an image (kernel [H, kh, kw]), the inputs' dtype."""
   out_dt, dt = common.dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -122,8 +117,7 @@ def _whole(q, k, v, kernel, causal):
 
 
 def _reachable(kernel, sizes, causal):
-  """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd):
-  the others multiply no key."""
+  """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd)."""
   if causal:
     return kernel[:, : sizes[0]]
   cut = [slice(max(0, s // 2 - n + 1), s // 2 + n) for s, n in zip(kernel.shape[1:], sizes)]
@@ -152,8 +146,7 @@ def _acc_shift(acc: Acc, offsets, axes) -> Acc:
 
 
 def _prefix0(acc: Acc) -> Acc:
-  """Inclusive prefix sums along axis 0, exactly: a scan over the c ~ sqrt(T) positions of every
-  chunk at once, one over the n chunk totals (c + n steps, no log-depth graph), one combine."""
+  """Exact inclusive prefix sums along axis 0: scans over sqrt(T) chunks, then their totals."""
   t_len = acc.m.shape[0]
   c = max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
   n = -(-t_len // c)
@@ -213,8 +206,8 @@ def _causal_conv1d(q, k, v, kernel):
 
 @_causal_conv1d.defjvp
 def _causal_conv1d_jvp(primals, tangents):
-  """The derivative at the inputs with non-finite entries 0, on rows that have not seen one and
-  whose output is finite; 0 elsewhere (autodiff would reach earlier inputs with 0 * NaN)."""
+  """The derivative at the inputs with non-finite entries 0, on rows that saw none; 0 elsewhere
+  (autodiff would reach earlier inputs with 0 * NaN)."""
   q, k, v, kernel = primals
   axis = k.ndim - 2
   bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
@@ -234,8 +227,8 @@ def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
 
 
 def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """Causal AFT-conv1d as one masked [T, T] sum per head; non-finite values zeroed first and the
-  rows that see one recomputed by the scans (the others bit for bit as with finite values)."""
+  """Causal AFT-conv1d as one masked [T, T] sum per head; rows that see a non-finite value
+  recomputed by the scans."""
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
@@ -280,8 +273,7 @@ def _conv2d(q, k, v, kernel):
   leaf = lse.leaf(k, v)
   offsets = [(a - kh // 2, b - kw // 2) for a in range(kh) for b in range(kw)]
   acc = _kernel_sum(leaf, kernel.reshape(kernel.shape[0], -1), offsets, (row, col))
-  # Outside the kernel (w = 0): whole rows above and below its rows, plus, within its rows, the
-  # columns left and right of it. All exact, no subtraction.
+  # Outside the kernel (w = 0): whole rows above and below, then its rows' columns either side.
   rows = lse.reduce_over(leaf, col, jnp.ones(leaf.m.shape[col], bool))  # each row's whole sum
   rows = Acc(*(jnp.expand_dims(x, col) for x in rows))
   acc = combine(acc, _outside(rows, row, kh // 2 + 1, kh // 2 + 1))

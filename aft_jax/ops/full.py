@@ -1,6 +1,5 @@
-"""AFT-full (paper Eq. 2): the op, its packed rows and its one-token step: AFT-local's (``local``)
-with a band of every key. It has no kernel, and no summary state: its past is every key and
-value (decoding: a window of max_len)."""
+"""AFT-full (paper Eq. 2): AFT-local's sums (``local``) with a band of every key; no kernel, no
+summary state (decoding: a window of max_len)."""
 
 from aft_jax.ops import common, local
 from aft_jax.ops import logsumexp as lse

@@ -1,7 +1,5 @@
-"""AFT-local (paper Eq. 4): the op in every mode, its one-token step, and the banded XLA sums it
-shares with AFT-full (docs/kernels.md, "How each module computes"). The kernel:
-``pallas.triton_local`` (GPU).
-"""
+"""AFT-local (paper Eq. 4): the op, its step, and the banded XLA sums AFT-full shares; kernel in
+``pallas.triton_local`` (docs/kernels.md, "How each module computes")."""
 
 import functools
 import math
@@ -18,8 +16,8 @@ from aft_jax.ops.pallas import triton_local
 
 FN = "aft_local"
 KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupported),)
-# A long piece not given its whole bias goes in sub-pieces of this many positions (at least 4
-# windows), the state carried between: blocks of [SUB_PIECE + s + 1]^2 keep its memory linear.
+# A long piece without its whole bias goes in sub-pieces of this many positions (>= 4 windows):
+# blocks of [SUB_PIECE + s + 1]^2 keep its memory linear.
 SUB_PIECE = 2048
 
 
@@ -67,7 +65,11 @@ def aft_local(
   mode = common.check_mode(FN, causal, impl, **given)
   t_len, guard = q.shape[-2], None
   if isinstance(w, (tuple, list)):
-    w = _factors(w)
+    shapes = [jnp.shape(x) for x in w]
+    if len(w) != 2 or len(shapes[0]) != 2 or shapes[0] != shapes[1]:
+      raise ValueError(f"{FN}: w as factors (u, v) must be two [L, d'] arrays; got shapes {shapes}")
+    common.check_arrays(FN, u=w[0], v=w[1])
+    w = Factors(*w)
     if mode == "packed" or not causal or (mode == "whole" and not _in_sub_pieces(t_len, window)):
       w = _dense(w)  # these read all of w; a short sequence takes it dense
   if mode == "sharded":
@@ -146,17 +148,8 @@ def check_bias(fn, w, t_len: int, offset=None):
     )
 
 
-def _factors(w) -> Factors:
-  shapes = [jnp.shape(x) for x in w]
-  if len(w) != 2 or len(shapes[0]) != 2 or shapes[0] != shapes[1]:
-    raise ValueError(f"{FN}: w as factors (u, v) must be two [L, d'] arrays; got shapes {shapes}")
-  common.check_arrays(FN, u=w[0], v=w[1])
-  return Factors(*w)
-
-
 def _offset(offset, state, w, t_len: int):
-  """(offset, guard): the offset (an int where static), and None or the traced bool under which
-  0 <= offset, offset + T <= L and offset == the state's index (else the output is NaN)."""
+  """(offset, an int where static; None or the traced bool that it fits w and the state)."""
   index = None if state is None else state.index
   given = offset is not None
   offset = offset if given else (0 if index is None else index)
@@ -193,8 +186,7 @@ def _dense(w: Factors, pos=None):
 
 
 def _piece(q, k, v, w, window, impl, offset, state, final):
-  """Causal AFT-local on positions offset .. offset + T - 1 of w ``[L, L]`` (or ``Factors``)
-  after ``state`` (index = offset; None: the positions before offset hold no keys)."""
+  """Causal AFT-local at positions offset.. of w ``[L, L]`` (or ``Factors``) after ``state``."""
   t_len, one = q.shape[-2], q.shape[:-2] + q.shape[-1:]
   init = lambda: lse.window_init(one, one, window, offset)
   if t_len == 0:
@@ -210,8 +202,7 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
 
 
 def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
-  """``_piece`` on T = m c + r positions as m sub-pieces of c (a ``lax.scan``, the state and
-  the offset carried) and the r left over: the same result as one call."""
+  """``_piece`` as a scan over sub-pieces of c positions (state and offset carried), the rest."""
   t_len, axis, c = q.shape[-2], q.ndim - 2, max(SUB_PIECE, 4 * window)
   m, lead = t_len // c, q.shape[:axis]
   split = lambda x: jnp.moveaxis(
@@ -233,8 +224,7 @@ def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
 
 
 def _block_of(w, offset, n: int, t_len: int):
-  """w's rows and columns of positions offset - n .. offset + T - 1 (before 0: 0): a slice of w or
-  of its top-left block padded by n, never a copy of w (the whole sequence's)."""
+  """w's rows and columns offset - n .. offset + T - 1 (before 0: 0), never a copy of w."""
   size = n + t_len
   if isinstance(w, Factors):  # that block of u v^T alone
     return _dense(w, jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1))
@@ -250,8 +240,7 @@ def _block_of(w, offset, n: int, t_len: int):
 
 
 def band_bias(w, positions, t_len: int):
-  """``logsumexp.packed``'s lag bias for packed rows: w[positions[t], positions[t - j]]
-  ``[..., T, 1]``; NaN where a position is outside w (negative or >= L)."""
+  """The lag bias w[positions[t], positions[t - j]] ``[..., T, 1]``; NaN outside w."""
   w = jnp.asarray(w, jnp.float32)
   pos = jnp.arange(t_len) if positions is None else jnp.asarray(positions)
 
@@ -295,8 +284,7 @@ def _default_block(s: int, t_len: int) -> int:
 
 
 def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -> BandPlan:
-  """The layout for T, R channels (symbolic with ``jax.export``'s symbolic batch: one-row
-  groups) and the band half-width ``window``."""
+  """The layout for T, R channels (symbolic: one-row groups) and the band half-width."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
   width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
@@ -307,8 +295,7 @@ def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -
 
 
 def _layout(p: BandPlan):
-  """Per block (numpy): first row rs, first key ks, and the key ranges [lo, hi) of the prefix
-  sums (keys < ks) and, two-sided, the suffix sums (keys >= ks + W, from the last block)."""
+  """Per block: first row rs, first key ks, the key ranges [lo, hi) of prefix and suffix sums."""
   i32 = lambda x: np.asarray(x, np.int32)
   rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
   ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
@@ -347,8 +334,7 @@ def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
 
 
 def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
-  """``_edge_sums``' tangent in the scale of its maxima m [nb, R]: per block G = sum exp(k -
-  m) (dv + dk v), H = sum exp(k - m) dk over the keys so far."""
+  """``_edge_sums``' tangent: G = sum exp(k - m) (dv + dk v), H = sum exp(k - m) dk."""
   empty = jnp.full_like(m[:1], NEG)
   m_prev = jnp.concatenate([m[1:], empty] if reverse else [empty, m[:-1]])
 
@@ -369,8 +355,7 @@ def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
 
 
 def _patch(p: BandPlan, bad, fast, exact):
-  """``fast`` ([c, R] arrays) with the row groups flagged in ``bad`` [groups] replaced by
-  ``exact(g)`` ([rows, R] arrays); nothing recomputed when none is."""
+  """``fast`` [c, R] with the row groups flagged in ``bad`` replaced by ``exact(g)``."""
   groups = p.c // p.rows
   one = lambda args: lse.cond(args[1], lambda: exact(args[0]), lambda: args[2])
 
@@ -383,9 +368,8 @@ def _patch(p: BandPlan, bad, fast, exact):
 
 
 def _block(p: BandPlan, k, v, w, rs, ks):
-  """Block (rs, ks): its biases [c, W] (NEG: excluded), band, keys, values [W, R], and its split
-  shift: exp(bias - row max), exp(k - channel max), the values (causal: set aside), the maxima,
-  and (causal) per row and channel the largest exp(k - channel max) seen (inf: set aside)."""
+  """Block (rs, ks): biases [c, W], band, keys, values [W, R], and its split shift's factors,
+  maxima and (causal) the largest exp(k - channel max) each row sees (inf: set aside)."""
   d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
   band = (jnp.abs(d) < p.s) & ((d <= 0) if p.causal else True)
   w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))
@@ -404,8 +388,7 @@ def _block(p: BandPlan, k, v, w, rs, ks):
 
 
 def _forward(p: BandPlan, k, v, w):
-  """(a, L ``[T, R]``, the recomputed row groups ``[nb, groups]``, the maxima of the prefix
-  and (two-sided) suffix edge sums ``[nb, R]``)."""
+  """(a, L ``[T, R]``, recomputed row groups ``[nb, groups]``, the edge sums' maxima)."""
   r = k.shape[1]
   rs, ks, pre_r, suf_r = _layout(p)
   pre = _edge_sums(p, k, v, pre_r, False)

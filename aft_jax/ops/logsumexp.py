@@ -1,7 +1,5 @@
-"""The (max, numerator, denominator) triple every op sums with, its combine, and what the ops'
-modes build from it: states, the state before a device's shard, packed sums (docs/kernels.md,
-"How each module computes").
-"""
+"""The (max, numerator, denominator) triple every op sums with, and the ops' modes built on it:
+states, a device's shard, packed rows (docs/kernels.md, "How each module computes")."""
 
 from typing import NamedTuple
 
@@ -12,9 +10,8 @@ import numpy as np
 # The max of an empty sum and the logit of an excluded term: the lowest float32, finite (so
 # exp(NEG - NEG) = 1 multiplies zeros, no inf - inf) and below every finite logit.
 NEG = float(np.finfo(np.float32).min)
-# Causal fast paths shift a block's terms by what its first row sees (never a later key, so a
-# later key cannot change an earlier row's rounding); a later term above this (or not finite, or
-# with a non-finite value) is set aside and the rows that see it are recomputed exactly.
+# Causal fast paths shift a block by what its first row sees (a later key cannot change an earlier
+# row); a later term above this or not finite is set aside, the rows seeing it recomputed.
 EXP_MAX = 1e26
 # A fast denominator below this may have lost its largest terms to underflow: recomputed.
 DEN_OK = 1e-25
@@ -29,8 +26,7 @@ def finite(x):
 
 
 def tame(x):
-  """x where finite, else 0: a causal derivative's factor (a row after a NaN has derivative 0,
-  and its zero cotangent must not become 0 * NaN in every earlier gradient)."""
+  """x where finite, else 0: a causal derivative's factor (no 0 * NaN in earlier gradients)."""
   return jnp.where(finite(x), x, 0.0)
 
 
@@ -46,8 +42,7 @@ def set_aside(e, v):
 
 
 def matmul(spec: str, a, b, low: bool):
-  """``einsum(spec, a, b)`` of the factors of exact sums: float32 at ``HIGHEST``; ``low`` (the
-  inputs were bfloat16): bfloat16 factors, float32 accumulation (the tensor cores' rate)."""
+  """``einsum`` at ``HIGHEST``; ``low`` (bfloat16 inputs): bfloat16 factors, float32 sums."""
   if low:
     bf = jnp.bfloat16
     return jnp.einsum(spec, a.astype(bf), b.astype(bf), preferred_element_type=jnp.float32)
@@ -83,8 +78,7 @@ def combine(a: Acc, b: Acc) -> Acc:
 
 
 def leaf(logit, value, valid=True) -> Acc:
-  """One term per position (exp(logit) value) where ``valid`` and the logit is not -inf: m is
-  the logit held fixed, so den = exp(logit - m) = 1 carries the logit's derivative."""
+  """One term per position where ``valid`` and not -inf; den = exp(logit - sg(logit)) = 1."""
   none = ~jnp.asarray(valid) | (logit == -jnp.inf)
   m = jnp.where(none, NEG, _sg(logit))
   e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, logit - m)))
@@ -92,8 +86,7 @@ def leaf(logit, value, valid=True) -> Acc:
 
 
 def reduce(logits, values, axis: int, valid=True) -> Acc:
-  """The triple of exp(logit) value along ``axis`` (>= 0) where ``valid`` (broadcast against the
-  logits); a logit of ``NEG`` (an empty ring slot) is no term."""
+  """The triple along ``axis`` (>= 0) where ``valid``; a logit of ``NEG`` is no term."""
   valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
@@ -114,8 +107,7 @@ def reduce_over(acc: Acc, axis: int, valid) -> Acc:
 
 @jax.custom_jvp
 def gate(q, mean):
-  """Y = sigma(q) * mean; its derivative's factors ``tame``: a NaN q at one position leaves
-  every other position's derivative finite."""
+  """Y = sigma(q) * mean; its derivative's factors ``tame``."""
   return jax.nn.sigmoid(q) * mean
 
 
@@ -142,15 +134,13 @@ def _shared_vmap(axis_size, in_batched, flag):
 
 
 def cond(flag, true_fn, false_fn):
-  """``lax.cond`` with the flag OR-ed over any ``vmap`` axis (a batched one would select both
-  branches, whose tangent operands ``stop_gradient`` cannot transpose)."""
+  """``lax.cond``, the flag OR-ed over any ``vmap`` axis (not ``select`` of both branches)."""
   return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
 
 
 class WindowState(NamedTuple):
-  """AFT-local's and AFT-conv1d's state: ``prefix``, the triple of the keys older than the last s;
-  ``keys`` ``[..., s, D]`` (``[..., s, H]``), ``values`` (``[..., s, H, C]``): a ring of the
-  last s (slot p % s holds position p); ``index``, the positions seen (int32)."""
+  """AFT-local's and AFT-conv1d's state: ``prefix``, the triple of keys older than the last s;
+  ``keys``, ``values``: a ring of the last s (slot p % s: position p); ``index``: positions seen."""
 
   prefix: Acc
   keys: jax.Array
@@ -159,8 +149,7 @@ class WindowState(NamedTuple):
 
 
 def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
-  """The state before any position, for one position's k ``[..., H]`` and v (``[..., H]`` or
-  ``[..., H, C]``); at ``index`` > 0, of that many positions holding no keys (ring keys NEG)."""
+  """The state before any position (at ``index`` > 0: that many positions without keys)."""
   axis = len(k_shape) - 1
   ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
   keys = ring(k_shape) + (0.0 if isinstance(index, int) and index == 0 else NEG)
@@ -186,8 +175,7 @@ def nothing(q, k, v, state, final: bool, init):
 
 
 def after_state(run, q, k, v, state, fill=NEG):
-  """``run(q, k, v)`` (a causal op on a whole sequence) after ``state``, written in front as keys
-  whose outputs are dropped: the prefix triple as one key, then a ring's s keys."""
+  """``run(q, k, v)`` after ``state``, written in front as keys (the prefix, the ring)."""
   dt, axis = jnp.result_type(q, k, v), k.ndim - 2
   if state is None:
     return run(q, k, v).astype(dt)
@@ -209,8 +197,7 @@ def after_state(run, q, k, v, state, fill=NEG):
 
 
 def final(state, k, v, size: int | None = None):
-  """The state after k, v (T on axis k.ndim - 2) from ``state``: an ``Acc`` (``size`` None; a
-  state None: the empty one) or a ``WindowState`` of ``size``."""
+  """The state after k, v from ``state``: an ``Acc`` (``size`` None) or a ``WindowState``."""
   axis, t_len = k.ndim - 2, k.shape[k.ndim - 2]
   if size is None:
     acc = reduce(_f32(k), _f32(v), axis)
@@ -231,8 +218,7 @@ def final(state, k, v, size: int | None = None):
 
 
 def window_step(state: WindowState, q_t, k_t, v_t, bias):
-  """One token of AFT-local or AFT-conv1d: ``(Y[t], state)``; ``bias(pos, age)``: the biases
-  ``[s, 1]`` or ``[s, H]`` of the ring's slots, slot j holding position pos[j] = t - age[j]."""
+  """One token of AFT-local or AFT-conv1d; ``bias(pos, age)``: the ring slots' biases."""
   axis = state.keys.ndim - 2
   size, t = state.keys.shape[axis], state.index
   slot = t % size
@@ -248,8 +234,7 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
 
 
 def shard_state(k, v, size: int | None, axis_name):
-  """Inside ``jax.shard_map``, T split over ``axis_name``: the state of the positions before this
-  device's (``size`` None: an ``Acc``; else a ``WindowState``, the last s keys by ``ppermute``)."""
+  """In ``jax.shard_map``, T over ``axis_name``: the state of the positions before this shard."""
   axis, n = k.ndim - 2, k.shape[k.ndim - 2]
   k, v = _f32(k), _f32(v)
   i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
@@ -301,8 +286,7 @@ def same_segment(segment_ids):
 
 
 def shift(x, j, axis: int, fill):
-  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` where t - j is outside; j may be traced
-  (a static j pads and slices: fewer ops to compile than a roll and a mask)."""
+  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` outside; j may be traced."""
   n = x.shape[axis]
   if isinstance(j, int):
     x = jnp.pad(x, [(max(j, 0), max(-j, 0)) if i == axis else (0, 0) for i in range(x.ndim)],
@@ -313,9 +297,8 @@ def shift(x, j, axis: int, fill):
 
 
 def packed(q, k, v, segment_ids, size: int, lag_bias):
-  """sigma(q) * sum_{t' <= t, same segment} exp(k[t'] + b) v[t'] / sum exp(k[t'] + b): k ``[...,
-  T, H]``, q, v ``[..., T, H(, C)]``, ``lag_bias(j)`` the bias at lag j < ``size`` (0 beyond): a
-  scan over the lags, a segmented associative prefix scan for older keys. O(T size D)."""
+  """Causal, per segment: a scan over the lags j < ``size`` (bias ``lag_bias(j)``), a segmented
+  prefix scan for older keys (bias 0). O(T size D)."""
   dt = jnp.result_type(q, k, v)
   k, v = _f32(k), _f32(v)
   axis, t_len = k.ndim - 2, k.shape[-2]

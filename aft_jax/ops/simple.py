@@ -1,7 +1,5 @@
-"""AFT-simple (paper Eq. 5), w = 0: the op in every mode, its one-token step, and its XLA maths
-(docs/kernels.md, "How each module computes"). The kernels: ``pallas.triton_simple`` (GPU),
-``pallas.mosaic_simple`` (TPU, opt-in).
-"""
+"""AFT-simple (paper Eq. 5, w = 0): the op, its step and its XLA maths; kernels in ``pallas``
+(docs/kernels.md, "How each module computes")."""
 
 import functools
 
@@ -18,9 +16,7 @@ KERNELS = (
   common.Kernel("gpu", triton_simple.causal_mean, triton_simple.unsupported),
   common.Kernel("tpu", mosaic_simple.causal_mean, mosaic_simple.unsupported, auto=False),
 )
-# Positions per chunk: on CPU 16 is faster than 32 and 64 (less triangular product against more
-# loop steps; forward and backward, R 512 at T 16384 and R 4096 at T 2048).
-CHUNK = 16
+CHUNK = 16  # positions per chunk: on CPU faster than 32 and 64, forward and backward
 
 
 def aft_simple(
@@ -103,7 +99,7 @@ def _tril_matmul(x, low: bool):  # inclusive prefix sums along axis 0 of x [c, X
 
 
 def _forward(kc, vc, low: bool):
-  """a, L [n, c, R] for k, v in chunks [n, c, R]; the chunk maxima [n, R], recomputed chunks [n]."""
+  """a, L [n, c, R] of k, v chunks [n, c, R]; the chunk maxima [n, R], recomputed chunks [n]."""
   r = kc.shape[2]
 
   def sequential(carry, kk, vv):  # exact: a running maximum per position
@@ -145,16 +141,13 @@ def _forward(kc, vc, low: bool):
 
 
 def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
-  """da [n, c, R], linear in dk, dv [T, R]; the rest recomputed from the primals. Every factor
-  that carries a row's cotangent elsewhere is ``tame``: a row after a NaN has derivative 0."""
+  """da [n, c, R], linear in dk, dv [T, R]; factors ``tame`` (a row after a NaN: 0)."""
   c = a.shape[1]
   empty = jnp.full_like(m[:1], NEG)
   m_prev = jnp.concatenate([empty, m[:-1]])
   lse_prev = jnp.concatenate([empty, lse_[:-1, -1]])  # L at the previous chunk's end
 
   def step(gh, chunk):
-    # One chunk's k, v, a, L [c, R]; its max, the previous chunk's and L at its end [R];
-    # whether the forward recomputed it; the tangents dk, dv [c, R].
     k, v, a_raw, lse_c, m, m_prev, lse_prev, bad_c, dk, dv = chunk
     x, y = dv + dk * v, dk
     a = tame(a_raw)

@@ -1,7 +1,5 @@
-"""The implementation chosen (aft_jax/ops/common.py): ``resolve``'s rules and reasons, a kernel
-added to an op is what it runs, ``impl="auto"`` follows the device a computation is lowered for
-(kernels for an abstract H200, XLA for a T4), and an eager call is one program per shape and
-device, however many pieces."""
+"""aft_jax/ops/common.py: ``resolve``'s rules and reasons, a kernel added to an op is what it runs,
+``impl="auto"`` follows the device a program is lowered for, an eager call is one program."""
 
 import functools
 import sys
@@ -177,23 +175,15 @@ def test_device_of_abstract_and_default_devices():
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_auto_exports_kernels_for_an_h200_and_none_for_a_t4(name):
   """jax.export for CUDA from this CPU host, forward and forward+backward: the Triton calls are
-  there under an abstract H200 and absent under an abstract T4."""
+  there under an abstract H200 and absent under an abstract T4, where impl="pallas" is refused."""
   args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(jnp.bfloat16)]
   for fn in (OPS[name], jax.grad(_loss(OPS[name]), argnums=(0, 1, 2))):
     h200 = export_for(fn, *args, device="NVIDIA H200").mlir_module()
     t4 = export_for(fn, *args, device="Tesla T4").mlir_module()
     assert f"custom_call @{TRITON}(" in h200
     assert TRITON not in t4 and "stablehlo" in t4
-
-
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_pallas_for_a_t4_names_the_capability(name):
-  q, k, v, w = _inputs()
-  with (
-    on_target("Tesla T4"),
-    pytest.raises(ValueError, match=r"Tesla T4 \(compute capability 7.5\)"),
-  ):
-    jax.eval_shape(functools.partial(OPS[name], impl="pallas"), q, k, v, w)
+  with on_target("Tesla T4"), pytest.raises(ValueError, match=r"T4 \(compute capability 7.5\)"):
+    jax.eval_shape(functools.partial(OPS[name], impl="pallas"), *args)
 
 
 def _export(fn, args, platforms, device):
@@ -206,11 +196,9 @@ def _export(fn, args, platforms, device):
 
 
 def test_auto_takes_xla_for_each_platform_without_kernels():
-  """The kernel is chosen per lowering platform (jax.lax.platform_dependent): lowered for the
-  CPU under an H200 target, the program takes the XLA branch and runs here; under a T4, one
-  module for CPU and CUDA runs here too. Value and gradients equal XLA's. (A module for both
-  CPU and CUDA *with* the kernels is refused by jax 0.10: pallas_call's CPU lowering rule
-  rejects compiled kernels in every branch; docs/kernels.md.)"""
+  """The kernel is chosen per lowering platform: lowered for the CPU under an H200 target, or
+  for CPU and CUDA under a T4, the program runs here with XLA's value and gradients (with the
+  kernels, a module for both is refused by jax 0.10: docs/kernels.md)."""
   q, k, v, w = _inputs()
   fn = jax.value_and_grad(_loss(OPS["aft_local"]), argnums=(0, 1, 2, 3))
   want = jax.jit(
@@ -286,10 +274,8 @@ def test_pieces_called_eagerly_are_one_program():
 
 
 def test_a_traced_call_enters_at_most_four_modules():
-  """One XLA call of causal AFT-simple, causal AFT-local, AFT-full and AFTLocal.apply (impl
-  "auto"), traced under a profile hook, enters at most 4 modules of aft_jax/ops (the op's,
-  AFT-local's banded sums for AFT-full, the triple's, the common one): a reader's path from the
-  op to its maths."""
+  """Traced, one XLA call of an op or AFTLocal.apply enters at most 4 modules of aft_jax/ops (the
+  op's, AFT-local's for AFT-full, the triple's, common.py): a reader's path to the maths."""
   import os
 
   from aft_jax import layers

@@ -15,10 +15,8 @@ from tests.support.op_cases import ATOL, RTOL, cotangent, output_and_grads, rand
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_taps_that_reach_past_the_sequence_cost_nothing(causal):
-  """A kernel of 100,001 taps over T = 5: those that reach no position multiply no key, so the
-  output and gradients are those of the kernel cut to the taps that can (the first T causal,
-  the centre +- (T - 1) otherwise), the others' gradients 0, and the compiled program does the
-  cut kernel's flops."""
+  """A kernel of 100,001 taps over T = 5: the output, gradients (0 for the taps reaching no
+  position) and flops of the kernel cut to the taps that can."""
   t_len, heads, ch, wide = 5, 2, 3, 100_001
   q, v = rand(3, (2, t_len, heads, ch), (2, t_len, heads, ch))
   k, kernel = rand(4, (2, t_len, heads), (heads, wide))

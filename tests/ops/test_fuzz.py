@@ -1,6 +1,5 @@
-"""Property tests of the ops (hypothesis): random shapes, dtypes, windows and magnitudes; each
-example, in one compiled function: outputs finite, the float64 reference's (float32 inputs),
-and, causal, the future ignored."""
+"""Property tests (hypothesis) of random shapes, dtypes, windows and magnitudes: outputs finite,
+the float64 reference's (float32), and, causal, the future ignored."""
 
 import functools
 

@@ -1,6 +1,5 @@
-"""Bad inputs are refused up front with a one-line ValueError naming the argument (shapes, not
-the data); array-likes (nested lists) are taken as arrays; empty inputs give empty outputs; the
-layers refuse factor_dim < 0 and decode NaN past max_len."""
+"""Bad inputs are a one-line ValueError naming the argument; array-likes are arrays; empty
+inputs give empty outputs; the layers refuse factor_dim < 0 and decode NaN past max_len."""
 
 import jax
 import jax.numpy as jnp

@@ -1,8 +1,6 @@
-"""The Pallas GPU kernels fit the GPUs they are built for: every block configuration the ops can
-choose, forward and backward, float32 and bfloat16, compiled for sm_80 without a GPU
-(``benchmarks/kernel_resources.py --archs sm_80``), stays within its shared memory per block
-and registers and spills no more than ``SPILL_ALLOWANCE`` (sm_80 is the tightest architecture
-that runs them; the other architectures: the committed table, docs/kernels.md)."""
+"""Every kernel configuration, forward and backward, f32 and bf16, compiled for sm_80 (the
+tightest architecture; ``benchmarks/kernel_resources.py``) fits its shared memory and registers
+and spills at most ``SPILL_ALLOWANCE`` (the other architectures: docs/kernels.md)."""
 
 import glob
 import json

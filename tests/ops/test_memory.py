@@ -1,5 +1,4 @@
-"""Memory scaling read from the compiled program (exact, no timing): AFT-simple and AFT-local
-grow linearly in T, softmax attention quadratically."""
+"""Compiled scratch memory: causal AFT grows linearly in T, softmax attention quadratically."""
 
 import functools
 

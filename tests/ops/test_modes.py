@@ -1,9 +1,5 @@
-"""The causal ops' modes besides a whole sequence (tests/ops/test_<op>.py), each against one
-call or the float64 reference: a sequence in pieces (``initial_state``, ``output_final_state``)
-equals one call, values and gradients; packed rows (``segment_ids``, ``positions``) give each
-document what the op gives on it alone; the one-token steps from their init state give the
-causal op (the axis_name forms: tests/support/mesh_worker.py); AFT-local's pieces at an
-offset into w (or its factors), in sub-pieces."""
+"""The causal ops' modes against one call or the float64 reference: pieces, AFT-local's offsets
+and sub-pieces, packed rows, the one-token steps (axis_name: tests/support/mesh_worker.py)."""
 
 import functools
 
@@ -24,13 +20,13 @@ CUTS = (3, 1, 4)  # uneven pieces, one of length 1
 WINDOW = 3
 
 
-def _inputs(op, scale, seed=0):
-  """(q, k, v, bias) for ``op`` with logits of std ``scale``; T on axis 1."""
+def _inputs(op, scale, seed=0, t_len=T):
+  """(q, k, v, bias) for ``op`` ("conv1d": 2 heads of 2 channels) with logits of std ``scale``."""
   rng = np.random.default_rng(seed)
   f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
-  if op == "conv1d":
-    return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, WINDOW, sc=scale)
-  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+  if op.endswith("conv1d"):
+    return f(2, t_len, 2, 2), f(2, t_len, 2, sc=scale), f(2, t_len, 2, 2), f(2, WINDOW, sc=scale)
+  return f(2, t_len, 3), f(2, t_len, 3, sc=scale), f(2, t_len, 3), f(t_len, t_len, sc=scale)
 
 
 def _call(op, q, k, v, bias, **kw):
@@ -97,11 +93,9 @@ def test_final_state_is_the_decoding_state(op):
 
 
 def test_a_long_piece_in_sub_pieces_equals_one_call(monkeypatch):
-  """w given as its factors (u, v), w = u v^T. A piece longer than two sub-pieces
-  (``local.SUB_PIECE``, here 3 with a window of 3: sub-pieces of 12 positions) runs as
-  sub-pieces with the state carried, each forming only its block of w; so does a whole
-  sequence given the factors; a short first piece forms its block too: the same values and
-  gradients (of u and v too) as one call on the dense w."""
+  """w as its factors (u, v): a short first piece, then a long one in sub-pieces (here of 12
+  positions), and a whole sequence in sub-pieces, each forming only its blocks of u v^T: the
+  values and gradients (of u and v too) of one call on the dense w."""
   monkeypatch.setattr(local, "SUB_PIECE", 3)
   rng = np.random.default_rng(6)
   f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
@@ -259,14 +253,6 @@ def _layout():
   return seg, pos
 
 
-def _packed_inputs(op, scale):
-  rng = np.random.default_rng(1)
-  f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
-  if op == "conv1d":
-    return f(2, TP, 2, 2), f(2, TP, 2, sc=scale), f(2, TP, 2, 2), f(2, WINDOW, sc=scale)
-  return f(2, TP, 3), f(2, TP, 3, sc=scale), f(2, TP, 3), f(TP, TP, sc=scale)
-
-
 def _packed_op(op, q, k, v, bias, seg=None, pos=None):
   """The op on q, k, v [..., TP, ...]; packed when seg is given; w's top-left block alone."""
   if seg is None:
@@ -283,7 +269,7 @@ def _packed_op(op, q, k, v, bias, seg=None, pos=None):
 )
 def test_each_document_as_if_alone(op, scale):
   seg, pos = _layout()
-  ct = np.random.default_rng(2).normal(size=_packed_inputs(op, 1.0)[0].shape).astype(np.float32)
+  ct = np.random.default_rng(2).normal(size=_inputs(op, 1.0, 1, TP)[0].shape).astype(np.float32)
 
   def packed(q, k, v, bias):
     y = _packed_op(op, q, k, v, bias, seg, pos)
@@ -300,7 +286,7 @@ def test_each_document_as_if_alone(op, scale):
 
   grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
   ((_, y1), g1), ((_, y2), g2) = jax.jit(lambda *a: (grad(packed)(*a), grad(alone)(*a)))(
-    *_packed_inputs(op, scale)
+    *_inputs(op, scale, 1, TP)
   )
   np.testing.assert_allclose(y1, y2, rtol=0, atol=1e-5 * float(np.max(np.abs(y2))))
   for a, b in zip(g1, g2):
@@ -310,11 +296,9 @@ def test_each_document_as_if_alone(op, scale):
 
 @pytest.mark.parametrize("op", ["local", "full"])
 def test_a_position_outside_w_gives_nan(op):
-  """Row 0's second document has a position outside w [T, T] (-1: NumPy's rule would read
-  w's last row instead; or T), one program for both: every output that reads its bias is NaN;
-  row 1 and row 0's first document are what each document gives alone (the float64
-  reference)."""
-  q, k, v, w = _packed_inputs(op, 1.0)
+  """A position outside w (-1, which NumPy would read as the last row, or T): every output that
+  reads its bias is NaN; the other documents are what each gives alone (float64 reference)."""
+  q, k, v, w = _inputs(op, 1.0, 1, TP)
   run = jax.jit(functools.partial(_packed_op, op))
   n = SPLITS[0]
   bias = ref.local_bias(w, WINDOW) if op == "local" else w
@@ -333,12 +317,7 @@ def test_a_position_outside_w_gives_nan(op):
 
 # --------------------------------------------------------------------------- the one-token steps
 
-B, TS, D, H, C = 2, 11, 3, 2, 3  # TS past the window and kernel below: the prefix triple is used
-STEP_WINDOW, KERNEL = 4, 3
-
-
-def _randn(seed, shape, scale=1.0):
-  return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, jnp.float32)
+TS, STEP_WINDOW = 11, 4  # TS past the window and kernel: the prefix triple is used
 
 
 def _scan(step, state, *xs):
@@ -352,32 +331,23 @@ def _scan(step, state, *xs):
   return jnp.moveaxis(ys, 0, 1)
 
 
-def _step_inputs(name, scale):
-  """The inputs of ``_steps``: q, k, v and w [TS, TS] (AFT-conv1d: its kernel [H, KERNEL]),
-  logits of std ``scale``."""
-  if name == "aft_conv1d":
-    q, v = _randn(0, (B, TS, H, C)), _randn(1, (B, TS, H, C))
-    return q, _randn(2, (B, TS, H), scale), v, _randn(3, (H, KERNEL), scale)
-  q, v = _randn(0, (B, TS, D)), _randn(1, (B, TS, D))
-  return q, _randn(2, (B, TS, D), scale), v, _randn(3, (TS, TS), scale)
-
-
 def _steps(name, q, k, v, w):
   """(the steps' output, the op's) for op ``name``."""
+  one = lambda x: x.shape[:1] + x.shape[2:]  # one position's shape
   if name == "aft_conv1d":
-    state = ops.aft_conv1d_init((B, H), (B, H, C), KERNEL)
+    state = ops.aft_conv1d_init(one(k), one(v), WINDOW)
     step = lambda s, q_t, k_t, v_t: ops.aft_conv1d_step(s, q_t, k_t, v_t, w)
     return _scan(step, state, q, k, v), ops.aft_conv1d(q, k, v, w, causal=True, impl="xla")
-  t_idx = jnp.broadcast_to(jnp.arange(TS), (B, TS))  # each step takes row t of w
+  t_idx = jnp.broadcast_to(jnp.arange(TS), q.shape[:2])  # each step takes row t of w
   if name == "aft_simple":
-    got = _scan(ops.aft_simple_step, ops.aft_simple_init((B, D)), q, k, v)
+    got = _scan(ops.aft_simple_step, ops.aft_simple_init(one(q)), q, k, v)
     return got, ops.aft_simple(q, k, v, causal=True, impl="xla")
   if name == "aft_full":
     step = lambda s, q_t, k_t, v_t, t: ops.aft_full_step(s, q_t, k_t, v_t, w[t[0]])
-    got = _scan(step, ops.aft_full_init((B, D), TS), q, k, v, t_idx)
+    got = _scan(step, ops.aft_full_init(one(q), TS), q, k, v, t_idx)
     return got, ops.aft_full(q, k, v, w, causal=True, impl="xla")
   step = lambda s, q_t, k_t, v_t, t: ops.aft_local_step(s, q_t, k_t, v_t, w[t[0]])
-  got = _scan(step, ops.aft_local_init((B, D), STEP_WINDOW), q, k, v, t_idx)
+  got = _scan(step, ops.aft_local_init(one(q), STEP_WINDOW), q, k, v, t_idx)
   return got, ops.aft_local(q, k, v, w, window=STEP_WINDOW, causal=True, impl="xla")
 
 
@@ -389,22 +359,20 @@ def test_steps_over_a_sequence_are_the_causal_op(name):
   """Logits of std 1 and 40, one compiled program for both."""
   run = jax.jit(functools.partial(_steps, name))
   for scale in (1.0, 40.0):
-    got, want = run(*_step_inputs(name, scale))
+    got, want = run(*map(jnp.asarray, _inputs(name, scale, 0, TS)))
     chex.assert_tree_all_finite(got)
     chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL, custom_message=f"std {scale}")
 
 
 def test_steps_keep_the_inputs_dtype():
-  q = jnp.zeros((B, D), jnp.bfloat16)
-  y, state = ops.aft_simple_step(ops.aft_simple_init((B, D)), q, q, q)
+  q = jnp.zeros((2, 3), jnp.bfloat16)
+  y, state = ops.aft_simple_step(ops.aft_simple_init((2, 3)), q, q, q)
   assert y.dtype == jnp.bfloat16 and state.m.dtype == jnp.float32
 
 
 def test_a_window_of_whole_shards_sums_no_empty_mask():
-  """The state before a device's shard of T (``axis_name``): where the window is a whole number
-  of shards, no keys of the farthest shard lie before the ring, and no sum over an all-false
-  mask is built (XLA constant-folds it, for over a second in the quickstart with
-  mesh.sequence): one ``reduce_max`` fewer than for a window that is not."""
+  """A window of whole shards builds no sum over an all-false mask in the state before a
+  device's shard (XLA would constant-fold it, slowly): one ``reduce_max`` fewer."""
   from jax.sharding import Mesh, PartitionSpec as P
 
   from aft_jax.ops import logsumexp as lse

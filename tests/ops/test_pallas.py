@@ -1,8 +1,6 @@
-"""The Pallas kernels (aft_jax/ops/pallas/) as the accelerators take them, and how ``impl``
-reaches them: every configuration lowers (not runs) for GPUs (Triton) and TPUs (Mosaic) with
-``jax.export``, so a kernel that would fail to compile there fails here; the launch plan; the
-interpreted kernels train a model as XLA does. Their values against the float64 references:
-tests/ops/test_simple.py and tests/ops/test_local.py."""
+"""The Pallas kernels: every configuration lowers for GPUs (Triton) and TPUs (Mosaic) with
+``jax.export``; the launch plan; ``impl``; interpreted, their values against float64 references
+and a model trained as with XLA."""
 
 import dataclasses
 import functools
@@ -27,34 +25,37 @@ from tests.support import numpy_reference as ref
 from tests.support.op_cases import ATOL, RTOL, kernel_inputs, simple_reference
 
 _GRID = re.compile(r"grid_x = (\d+) : i\d+, grid_y = (\d+) : i\d+, grid_z = (\d+) : i\d+")
-# Every chunk-parallel configuration, in bf16 and float32 (both at the widest block, which
-# plan_for takes wherever D is a multiple of 64; the loads are what the dtype changes).
-_CHUNKED_CASES = [(0, jnp.bfloat16), (0, jnp.float32), (1, jnp.bfloat16), (2, jnp.float32)]
+# The configurations lowered chunk-parallel too, in bf16 and float32 (both at the widest block,
+# which plan_for takes wherever D is a multiple of 64; the loads are what the dtype changes).
+_CHUNKED = {(0, jnp.bfloat16), (0, jnp.float32), (1, jnp.bfloat16), (2, jnp.float32)}
 D = 128  # one lane tile: the smallest channel count the TPU kernel takes
 
 
-@pytest.mark.parametrize("i, dtype", _CHUNKED_CASES, ids=["64-bf16", "64-f32", "32-bf16", "16-f32"])
-def test_chunk_parallel_kernels_lower_for_cuda(i, dtype):
-  """Every configuration of the chunk-parallel form lowers to Triton, AFT-simple and AFT-local
-  (windows of one and three key blocks), forward and forward+backward, T ragged; the segment
-  kernels' grid has the segments as its third axis."""
+@pytest.mark.parametrize("i", range(3), ids=lambda i: f"block_d{triton.CONFIGS[i].block_d}")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_kernels_lower_for_cuda(i, dtype):
+  """Every configuration ``auto`` can choose lowers to Triton, sequential and (``_CHUNKED``) in
+  segments of 64, forward and forward+backward, T ragged: AFT-simple's kernels and AFT-local's
+  (dk, dv and dw, whose channel block is block_d here) with windows of one and three key blocks;
+  the segment kernels' grid has the segments as its third axis."""
   cfg = triton.CONFIGS[i]
-  assert triton.plan_for(1, 4096, 3 * cfg.block_d).cfg == cfg  # auto can pick it
+  assert triton.plan_for(1, 4096, 3 * cfg.block_d).cfg == cfg  # auto can pick it, chunked
+  assert triton.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # and sequential
+  assert triton_local.dw_config(3 * cfg.block_d) == cfg
   x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 2 segments of 64
   w = jax.ShapeDtypeStruct((100, 100), jnp.float32)
-  simple = lambda k, v, w: jnp.sum(triton_simple.causal_mean(k, v, cfg, False, 64))
-  local = lambda window: (
-    lambda k, v, w: jnp.sum(triton_local.local_mean(k, v, w, window, cfg, False, 64))
-  )
-  # Kernels: simple 2 (totals, forward) + 4 (totals, forward with L, totals, backward);
-  # local the same + dw.
-  for loss, n_fwd, n_grad in ((simple, 2, 4), (local(1), 2, 5), (local(40), 2, 5)):
-    for n, fn in ((n_fwd, loss), (n_grad, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
-      module = export_for(fn, x, x, w).mlir_module()
-      assert module.count(f"custom_call @{TRITON}(") == n
-      # [B, D / block_d, 2 segments]; dw: [query chunks (T padded to 128), D / block_d, 1].
-      grids = {tuple(map(int, g)) for g in _GRID.findall(module)}
-      assert grids <= {(2, 3, 2), (8, 3, 1)}, grids
+  for seg in (None, 64) if (i, dtype) in _CHUNKED else (None,):
+    simple = lambda k, v, w: jnp.sum(triton_simple.causal_mean(k, v, cfg, False, seg))
+    local = lambda s: lambda k, v, w: jnp.sum(triton_local.local_mean(k, v, w, s, cfg, False, seg))
+    # Kernels (forward, forward+backward): simple 1, 2; local 1, 3 (dw); segments add totals.
+    for loss, n_grad in ((simple, 2), (local(1), 3), (local(40), 3)):
+      counts = (2, n_grad + 2) if seg else (1, n_grad)
+      for n, fn in zip(counts, (loss, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
+        module = export_for(fn, x, x, w).mlir_module()
+        assert module.count(f"custom_call @{TRITON}(") == n
+        # [B, D / block_d, 2 segments]; dw: [query chunks (T padded to 128), D / block_d, 1].
+        grids = {tuple(map(int, g)) for g in _GRID.findall(module)}
+        assert not seg or grids <= {(2, 3, 2), (8, 3, 1)}, grids
 
 
 def test_chunk_parallel_later_segments_never_reach_earlier_ones():
@@ -95,6 +96,7 @@ def test_plan_splits_t_where_the_sequential_grid_is_small():
   with pytest.raises(ValueError, match="form must be one of"):
     kernel_form.forced("parallel").__enter__()
   assert triton.plan_for(2, 4096, 16).seg == 128  # (the T = 4096 kernel case below)
+  assert triton.config_for(512, batch=1).block_d == 16  # few rows: more programs
   k, cfg = jnp.zeros((2, 100, 16)), triton.CONFIGS[-1]
   for seg in (24, 40):
     with pytest.raises(ValueError, match="whole chunks of 16"):
@@ -102,27 +104,6 @@ def test_plan_splits_t_where_the_sequential_grid_is_small():
   for window, seg in ((20, 16), (5, 8)):  # a segment shorter than the window's earlier keys
     with pytest.raises(ValueError, match="earlier keys"):
       triton_local.local_mean(k, k, jnp.zeros((100, 100)), window, cfg, True, seg)
-
-
-@pytest.mark.parametrize("cfg", triton.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_kernels_lower_for_cuda(cfg, dtype):
-  """Every configuration ``auto`` can choose lowers to Triton, forward and forward+backward, T
-  ragged: AFT-simple's kernels, AFT-local's (the dk, dv kernel and the dw kernel, whose channel
-  block is block_d here) with windows of one and several key blocks."""
-  x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 3 * block_d picks cfg
-  w = jax.ShapeDtypeStruct((100, 100), jnp.float32)
-  assert triton_local.dw_config(3 * cfg.block_d) == cfg
-  simple = lambda k, v, w: jnp.sum(triton_simple.causal_mean(k, v, cfg, False))
-  local = lambda window: (
-    lambda k, v, w: jnp.sum(triton_local.local_mean(k, v, w, window, cfg, False))
-  )
-  for loss, n_grad in ((simple, 2), (local(1), 3), (local(40), 3)):
-    for kernels, fn in ((1, loss), (n_grad, jax.value_and_grad(loss, argnums=(0, 1, 2)))):
-      exported = export_for(fn, x, x, w)
-      assert exported.mlir_module().count(f"custom_call @{TRITON}(") == kernels
-  assert triton.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # auto can pick it
-  assert triton.config_for(512, batch=1).block_d == 16  # few rows: more programs
 
 
 @pytest.mark.parametrize("batch, t_len", [(1, 16384), (8, 2048)])
@@ -204,9 +185,8 @@ def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
 
 
 def test_impl_on_a_tpu_backend(monkeypatch):
-  """For a TPU target (an abstract TPU device): "auto" is XLA, "pallas" runs the TPU kernel
-  (here interpreted, through a spy) and needs D a multiple of 128, AFT-local has no TPU
-  kernel."""
+  """For a TPU target: "auto" is XLA, "pallas" runs the TPU kernel (a spy interprets it), which
+  refuses D not a multiple of 128 (or of its block); AFT-local has no TPU kernel."""
   with on_target("TPU v5 lite", "tpu"):
     _impl_on_a_tpu(monkeypatch)
 
@@ -239,6 +219,11 @@ def _impl_on_a_tpu(monkeypatch):
       r"for \('gpu',\), not for the 'tpu' platform \(TPU v5 lite\)",
     ),
     (lambda: ops.aft_full(q, k, v, w, causal=True, impl="pallas"), "no Pallas kernel for this op"),
+    (lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 96)),) * 2), "D = 96 is not a multiple"),
+    (
+      lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 384)),) * 2, mosaic_simple.CONFIGS[1]),
+      "cannot tile D = 384",
+    ),
   ]
   for fn, msg in cases:
     with pytest.raises(ValueError, match=msg):
@@ -250,16 +235,6 @@ def _impl_on_a_tpu(monkeypatch):
     )
   )
   assert len(calls) == 1
-
-
-def test_tpu_kernel_rejects_channels_it_cannot_tile():
-  x = jnp.zeros((1, 8, 96))
-  with pytest.raises(ValueError, match="D = 96 is not a multiple of 128"):
-    mosaic_simple.causal_mean(x, x, None, True)
-  with pytest.raises(ValueError, match="cannot tile D = 384"):
-    mosaic_simple.causal_mean(
-      jnp.zeros((1, 8, 384)), jnp.zeros((1, 8, 384)), mosaic_simple.CONFIGS[1]
-    )
 
 
 def test_accelerator_check_measures_the_tpu_kernel_of_aft_simple_only():

@@ -1,13 +1,9 @@
-"""Every op x implementation x JAX transformation, composed so that one compile covers many:
-reverse mode (vmap of grad, grad of vmap, nested vmap over a later axis, jax.checkpoint, lax.scan
-over layers) for every form on XLA and every kernel interpreted; forward mode (jacfwd == jacrev,
-Hessian-vector products) on XLA; the kernels' one-line refusal of forward mode. Each against the
-same transformation of a dense jax.numpy reference, itself against the float64 NumPy one. The Flax
-layers likewise; shard_map with its defaults in tests/support/transforms_worker.py.
-"""
+"""Every op x implementation x JAX transformation, composed so that one compile covers many,
+against the same transformation of a dense jax.numpy reference (itself against the float64 one):
+reverse mode for every form, forward mode on XLA, the kernels' refusal of it; the Flax layers'
+per-example gradients; shard_map (nn.scan over layers: tests/test_model.py)."""
 
 import functools
-import json
 import sys
 
 import flax.linen as nn
@@ -15,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax import layers, ops
 from aft_jax.ops import local, simple
@@ -28,6 +25,7 @@ WINDOW, KERNEL = 3, 3
 HEADS, CH = 2, 4  # AFT-conv: heads, channels per head
 IMG = (4, 4)  # AFT-conv2d's image
 TOL = 1e-5
+SEQ = P(None, "seq")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -90,22 +88,15 @@ def _forms(impl):
   seg = lambda k: jnp.broadcast_to(segments(k.shape[-2])[0], k.shape[:-1])
   pos = lambda k: jnp.broadcast_to(segments(k.shape[-2])[1], k.shape[:-1])
 
-  def simple_state(q, k, v, w):
-    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
-    y1, state = simple(q1, k1, v1, causal=True, output_final_state=True)
-    return jnp.concatenate([y1, simple(q2, k2, v2, causal=True, initial_state=state)], -2)
+  def two_pieces(op, offset=False):  # the second piece after the first's state (at its offset)
+    def fn(q, k, v, w):
+      t = k.ndim - 2  # T's axis in q, k and v
+      (q1, q2), (k1, k2), (v1, v2) = (_halves(x, t) for x in (q, k, v))
+      y1, state = op(q1, k1, v1, w, causal=True, output_final_state=True)
+      at = {"offset": k1.shape[t]} if offset else {}
+      return jnp.concatenate([y1, op(q2, k2, v2, w, causal=True, initial_state=state, **at)], t)
 
-  def local_state(q, k, v, w):  # the second piece at offset T / 2 into w
-    (q1, q2), (k1, k2), (v1, v2) = (_halves(x, x.ndim - 2) for x in (q, k, v))
-    y1, state = local(q1, k1, v1, w, causal=True, output_final_state=True)
-    y2 = local(q2, k2, v2, w, causal=True, offset=q1.shape[-2], initial_state=state)
-    return jnp.concatenate([y1, y2], -2)
-
-  def conv1d_state(q, k, v, w):
-    (q1, q2), (v1, v2) = (_halves(x, x.ndim - 3) for x in (q, v))
-    k1, k2 = _halves(k, k.ndim - 2)
-    y1, state = conv1d(q1, k1, v1, w, causal=True, output_final_state=True)
-    return jnp.concatenate([y1, conv1d(q2, k2, v2, w, causal=True, initial_state=state)], -3)
+    return fn
 
   causal_ref = {
     "full": lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
@@ -127,9 +118,12 @@ def _forms(impl):
     "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
     "conv1d-causal": (P(conv1d, causal=True), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
     "conv2d": (P(ops.aft_conv2d, impl=impl), _conv2d_dense, ref.aft_conv2d, "conv2d"),
-    "simple-state": (simple_state, dense_op(0, True), causal_ref["simple"], "seq"),
-    "local-state": (local_state, dense_op(WINDOW, True), causal_ref["local"], "seq"),
-    "conv1d-state": (conv1d_state, _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
+    "simple-state": (
+      two_pieces(lambda q, k, v, w, **kw: simple(q, k, v, **kw)), dense_op(0, True),
+      causal_ref["simple"], "seq",
+    ),
+    "local-state": (two_pieces(local, True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
+    "conv1d-state": (two_pieces(conv1d), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
     "full-packed": (seq_packed(full), dense_op(None, True, packed=True), None, "seq"),
     "local-packed": (seq_packed(local), dense_op(WINDOW, True, packed=True), None, "seq"),
     "simple-packed": (
@@ -385,65 +379,52 @@ def test_layers_per_example_gradients(name):
   _close(total_each, total, "sum over examples", whole_tree=True)
 
 
-def test_nn_scan_over_layers_equals_a_loop():
-  """nn.scan over two causal AFTSimple blocks (residual) equals the blocks applied one after the
-  other with their slices of the stacked parameters: values and the parameters' gradients."""
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      return x + layers.AFTSimple(hidden_dim=8, causal=True, impl="xla")(x), None
-
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      scan = nn.scan(
-        Block,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=2,
-        metadata_params={nn.PARTITION_NAME: None},
-      )
-      return scan()(x, None)[0]
-
-  shape = (2, 16, 8)
-  params = _params(Stack(), shape)
-  x = jnp.asarray(np.random.default_rng(3).normal(size=shape), jnp.float32)
-
-  def looped(params, x):
-    for i in range(2):
-      layer = jax.tree.map(lambda a: a[i], params["params"]["ScanBlock_0"])
-      x = Block().apply({"params": layer}, x, None)[0]
-    return x
-
-  scanned = lambda params, x: Stack().apply(params, x)
-  run = jax.jit(
-    lambda p, x: [
-      (f(p, x), jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(p)) for f in (scanned, looped)
-    ]
-  )
-  (y1, g1), (y2, g2) = run(params, x)
-  _close(y1, y2, "values")
-  _close(g1, g2, "gradients", whole_tree=True)
-
-
 # --------------------------------------------------------------------------- shard_map
 
 
-def test_shard_map_with_its_defaults(tmp_path):
+def test_shard_map_with_its_defaults():
   """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
-  out = tmp_path / "report.json"
   # (The worker adds its device count to the session's XLA_FLAGS, as the sharding workers do.)
-  proc = prefork.run(
-    [sys.executable, "-m", "tests.support.transforms_worker", str(out)],
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
+  cmd = [sys.executable, "-m", "tests.support.transforms_worker"]
+  proc = prefork.run(cmd, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads(out.read_text())
-  assert set(report["xla"]) == {"simple", "local"}, report
-  assert report["interpret"].startswith("Pallas' interpreter cannot run inside jax.shard_map"), (
-    report
+  assert proc.stdout.split() == ["checked", "simple", "local"], proc.stdout
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_inside_shard_map(platform):
+  """The grad of impl="pallas" with axis_name (aft_simple; on a GPU aft_local too) lowered for
+  an abstract 4-device H200 or TPU v5e mesh: its forward and backward kernels are there."""
+  kind, call, d = {"cuda": ("NVIDIA H200", "gpu", 64), "tpu": ("TPU v5 lite", "tpu", 128)}[platform]
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform=call)
+  mesh = jax.sharding.AbstractMesh((4,), ("seq",), abstract_device=device)
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(
+    shape, jnp.float32, sharding=NamedSharding(mesh, spec)
   )
-  assert report["lowered"] == {"triton": 2, "mosaic": 1}, report  # grad programs
+  args = [sds((2, 256, d), SEQ)] * 3 + [sds((256, 256), P())]
+  names = ["aft_simple"] + (["aft_local"] if platform == "cuda" else [])
+  for name in names:
+    window = {"window": 4} if name == "aft_local" else {}
+    run = lambda q, k, v, w: getattr(ops, name)(
+      q, k, v, *([w] if window else []), causal=True, impl="pallas", axis_name="seq", **window
+    )
+    f = jax.shard_map(run, mesh=mesh, in_specs=(SEQ, SEQ, SEQ, P()), out_specs=SEQ)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2, 3))
+    with jax.sharding.use_abstract_mesh(mesh):
+      exported = jax.export.export(
+        jax.jit(grad),
+        platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ops.KERNEL_CALLS[call])],
+      )(*args)
+    assert exported.mlir_module().count(ops.KERNEL_CALLS[call]) >= 2, name
+
+
+def test_interpreted_kernels_are_refused_inside_shard_map_in_one_line():
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  run = lambda q, k, v: ops.aft_simple(
+    q, k, v, causal=True, impl="pallas_interpret", axis_name="seq"
+  )
+  f = jax.shard_map(run, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+  with pytest.raises(ValueError, match="^Pallas' interpreter cannot run inside jax.shard_map") as e:
+    jax.jit(f).lower(*(jnp.ones((2, 64, 16)),) * 3)
+  assert "\n" not in str(e.value)

@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.test_util import check_grads
 
 # Output values are weighted averages of v ~ N(0, 1): 2e-4 relative, with a small absolute floor
 # for outputs that happen to be near 0.
@@ -64,36 +63,6 @@ def simple_reference(q, k, v, ct):
       return np.asarray(_simple_out(*args)), None
     out, grads = _simple_out_and_grads(*args, jnp.asarray(ct, jnp.float64))
     return jax.tree.map(np.asarray, (out, grads))
-
-
-def grads_check(fn, argnames, seed=17):
-  """fn's derivatives (forward and reverse mode, jitted) against finite differences in
-  float64, at [6, 4] inputs (k of std 2)."""
-  with jax.enable_x64(True):
-    rng = np.random.default_rng(seed)
-    vals = {
-      "q": rng.normal(size=(6, 4)),
-      "k": rng.normal(size=(6, 4)) * 2,
-      "v": rng.normal(size=(6, 4)),
-      "w": rng.normal(size=(6, 6)),
-    }
-    args = tuple(jnp.asarray(vals[a], jnp.float64) for a in argnames)
-    check_grads(jax.jit(fn), args, order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
-
-
-def grads_finite_at_large_logits(fn, argnames, seed=18):
-  """fn's reverse-mode gradients at logits (k, w) of std 40 are finite."""
-  rng = np.random.default_rng(seed)
-  vals = {
-    "q": rng.normal(size=(6, 4)),
-    "k": rng.normal(size=(6, 4)) * 40,
-    "v": rng.normal(size=(6, 4)),
-    "w": rng.normal(size=(6, 6)) * 40,
-  }
-  args = tuple(jnp.asarray(vals[a], jnp.float32) for a in argnames)
-  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=tuple(range(len(args)))))(*args)
-  for g in jax.tree.leaves(grads):
-    assert np.all(np.isfinite(g))
 
 
 def tpu_simple(q, k, v):

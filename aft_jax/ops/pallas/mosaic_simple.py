@@ -1,7 +1,5 @@
-"""Causal AFT-simple's weighted mean as a Pallas kernel for TPUs (Mosaic): ``triton_simple``'s
-maths in a TPU's layout; never timed on a TPU, so opt-in (docs/kernels.md, "How each module
-computes").
-"""
+"""Causal AFT-simple's mean as a Pallas TPU (Mosaic) kernel: ``triton_simple``'s maths, opt-in
+(never timed on a TPU; docs/kernels.md, "How each module computes")."""
 
 import functools
 from typing import NamedTuple
@@ -15,9 +13,8 @@ from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
 from aft_jax.ops.pallas.triton import colsum, dot
 
-# Backward fast path: beyond this rise of L inside a chunk (exp(L - L_first) near overflow,
-# g exp(L_first - L) near underflow), the exact scan. Forward: the smallest denominator the fast
-# path may leave (``DEN_OK``). Both read when the kernel is traced.
+# Backward: beyond this rise of L in a chunk, the exact scan; forward: the smallest fast
+# denominator. Both read when the kernel is traced.
 MAX_RISE, MIN_DEN = 40.0, DEN_OK
 LANES = 128  # a TPU vector register's minor dimension: block_d is a multiple of it
 
@@ -29,8 +26,7 @@ class MosaicConfig(NamedTuple):
   block_d: int = 128
 
 
-# ``config_for``'s choices: block_t 128 fills the MXU's rows with one triangular product per
-# chunk; block_d as wide as the channels allow. Chosen by reasoning, not timed on a TPU.
+# block_t 128 fills the MXU's rows; block_d as wide as the channels allow (not timed).
 CONFIGS = tuple(MosaicConfig(block_t=128, block_d=bd) for bd in (512, 256, 128))
 
 
@@ -46,8 +42,7 @@ def config_for(d: int, batch: int = 1) -> MosaicConfig:
 
 
 def _prefix_triples(k, v):
-  """Per row t of a chunk k, v [n, bd], the exact triple of rows <= t (Hillis-Steele: step s
-  combines row t's (t - 2 s, t] with row t - s's)."""
+  """Per row t of a chunk k, v [n, bd], the exact triple of rows <= t (Hillis-Steele)."""
   n = k.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, k.shape, 0)  # each element's row
   m, num, den = k, v, jnp.ones_like(k)
@@ -163,8 +158,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
 
 
 def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
-  """pallas_call over (batch, D / block_d, T / block_t) blocks, T forward or ``reverse``; Pallas'
-  generic interpreter (its TPU one, host callbacks, hung after the first run here)."""
+  """pallas_call over (batch, D / block_d, T / block_t) blocks, T forward or ``reverse``."""
   (b, t_len, d), bt, bd = ins[0].shape, cfg.block_t, cfg.block_d
   n_t = t_len // bt
   index = (lambda i, j, t: (i, n_t - 1 - t, j)) if reverse else (lambda i, j, t: (i, t, j))
@@ -197,8 +191,7 @@ _causal_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: MosaicConfig | None = None, interpret: bool = False):
-  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]`` (D a multiple of 128), differentiable;
-  ``cfg`` default ``config_for(D, B)``. The op's entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v (D a multiple of 128); ``cfg`` default ``config_for``'s."""
   d = k_BTD.shape[-1]
   cfg = cfg or config_for(d, k_BTD.shape[0])
   if d % cfg.block_d or cfg.block_d % LANES or cfg.block_t % 16:

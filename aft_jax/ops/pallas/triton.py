@@ -1,7 +1,5 @@
-"""What the Pallas GPU kernels (``triton_simple``, ``triton_local``) share: block configurations,
-the launch plan and its two forms (``plan_for``), the Triton call, the segment totals, in-kernel
-helpers; and with ``mosaic_simple`` the mean's custom VJP (docs/kernels.md, "The kernels").
-"""
+"""What the Pallas kernels share: configurations, the launch plan (``plan_for``), the Triton
+call, segment totals, in-kernel helpers, the custom VJP (docs/kernels.md, "The kernels")."""
 
 import functools
 from typing import NamedTuple
@@ -26,9 +24,8 @@ class TritonConfig(NamedTuple):
 CONFIGS = tuple(TritonConfig(block_d=bd) for bd in (64, 32, 16))
 # A memory-bound kernel wants >= 4 resident programs per SM (H100 / H200: 132 SMs).
 MIN_PROGRAMS = 4 * 132
-# Segment lengths: the longest that still gives MIN_PROGRAMS (fewer totals, a shorter fold);
-# 128 = 8 chunks: at T 16384 its fold is as long as its own chunks. Chosen by reasoning, not
-# timed on a GPU (``benchmarks.accelerator_check`` times both forms).
+# Segment lengths, the longest that gives MIN_PROGRAMS first (chosen by reasoning; both forms
+# are timed by ``benchmarks.accelerator_check``).
 SEGMENTS = (2048, 1024, 512, 256, 128)
 FOLD = 16  # segment totals folded per step
 FORMS = ("auto", "sequential", "chunked")
@@ -50,8 +47,7 @@ def unsupported_channels(d: int, window=None) -> str | None:
 
 
 def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
-  """Of ``configs``, the widest whose block divides d and gives ``min_programs`` programs, else
-  the narrowest that divides d; a ValueError saying ``why_not`` where none does."""
+  """The widest config dividing d with ``min_programs`` programs, else the narrowest dividing d."""
   fits = [cfg for cfg in configs if d % cfg.block_d == 0]
   if not fits:
     raise ValueError(why_not)
@@ -64,9 +60,8 @@ def config_for(d: int, batch: int = 1, min_programs: int = 256) -> TritonConfig:
 
 
 def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto") -> LaunchPlan:
-  """The launch: sequential where its grid has ``MIN_PROGRAMS`` programs, else chunk-parallel
-  where T holds two segments (each >= ``min_seg``); ``form`` forces one where it can run
-  (``benchmarks.kernel_form``)."""
+  """Sequential where its grid has ``MIN_PROGRAMS`` programs, else chunk-parallel where T holds
+  two segments (each >= ``min_seg``); ``form`` forces one where it can run."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   seq = LaunchPlan(config_for(d, batch))
@@ -86,15 +81,14 @@ def grid(batch: int, d: int, plan: LaunchPlan, n_seg: int) -> tuple[int, ...]:
 
 
 def ones(n: int, where):
-  """[n, n] float32: 1 where ``where(row, column)``, else 0 (jnp.greater_equal: the lower
-  triangle, jnp.less_equal: the upper, jnp.equal: the identity)."""
+  """[n, n] float32: 1 where ``where(row, column)`` (e.g. jnp.greater_equal: lower triangle)."""
   i, j = (jax.lax.broadcasted_iota(jnp.int32, (n, n), axis) for axis in (0, 1))
   return jnp.where(where(i, j), 1.0, 0.0).astype(jnp.float32)
 
 
 def mean_with_vjp(forward, backward):
-  """The custom-VJP ``mean(k, v, w, static)`` from a kernel's halves over padded T: ``forward(k,
-  v, w, static, with_lse)`` -> a [and L]; ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw."""
+  """``mean(k, v, w, static)`` with a custom VJP from ``forward(..., with_lse)`` -> a [and L] and
+  ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw (both over padded T)."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):
@@ -130,8 +124,7 @@ def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, 
 
 
 def varying_like(out_shape, ins, interpret: bool):
-  """``out_shape`` varying over the manual mesh axes ``ins`` vary over (``jax.shard_map`` with
-  check_vma); a one-line ValueError where interpreted there (jax 0.10.2's interpreter fails)."""
+  """``out_shape`` varying over ``ins``' manual mesh axes; refused interpreted (jax 0.10.2)."""
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in ins))
   if axes and interpret:
     raise ValueError(
@@ -189,8 +182,7 @@ def empty(bd: int):
 
 
 def _combine_block(carry, x, y1, y2, ok):
-  """``carry`` (m, s1, s2) [1, bd] plus the terms exp(x) y1, exp(x) y2 of the rows where ``ok``
-  (values masked before the products)."""
+  """``carry`` (m, s1, s2) [1, bd] plus exp(x) y1, exp(x) y2 of the rows where ``ok``."""
   m0, a0, b0 = carry
   x = jnp.where(ok, x, NEG)
   m = jnp.maximum(m0, jnp.max(x, axis=0, keepdims=True))
@@ -211,8 +203,8 @@ def fold(m_ref, s1_ref, s2_ref, take):
 
 
 def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
-  """One (batch row, channel block, segment): the triple of its rows in [skip, limit): "keys"
-  exp(k) v, exp(k); "cotangent" exp(-L) g, exp(-L) g a (the backward's later queries)."""
+  """One segment's triple of rows in [skip, limit): "keys" exp(k) (v, 1); "cotangent" exp(-L)
+  (g, g a)."""
   *ins, m_ref, s1_ref, s2_ref = refs
   s = pl.program_id(2)
 
@@ -232,8 +224,8 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
 
 
 def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2) [B, n_pad, D] (n_pad: whole ``FOLD`` blocks) of ins = (k, v)
-  or (L, g, a) [B, n, D] over ``t_pad`` positions: chunk-parallel; none for the sequential form."""
+  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D]; none
+  for the sequential form."""
   if not plan.seg:
     return ()
   (b, n, d), n_seg = ins[0].shape, t_pad // plan.seg

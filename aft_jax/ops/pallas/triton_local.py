@@ -1,7 +1,5 @@
-"""Causal AFT-local's banded weighted mean as Pallas kernels (GPU: Triton), for k, v ``[B, T, D]``
-(bfloat16 or float32; float32 inside), w ``[T, T]`` and the window s, forward and a custom VJP
-with dw (docs/kernels.md, "How each module computes").
-"""
+"""Causal AFT-local's banded mean as Pallas Triton kernels for k, v ``[B, T, D]``, w ``[T, T]``,
+forward and custom VJP with dw (docs/kernels.md, "How each module computes")."""
 
 import functools
 
@@ -14,8 +12,7 @@ from aft_jax.ops.pallas import triton
 from aft_jax.ops.pallas.triton import CONFIGS, LaunchPlan, TritonConfig, all_true, colsum, dot, load
 from aft_jax.ops.pallas.triton import rows
 
-# The slab a chunk reads grows with the window (O(T (s + c) D) work, a [T, s + c] bias array):
-# beyond this the band is most of the sequence, which is AFT-full's job.
+# A chunk's slab grows with the window (O(T (s + c) D)); beyond this, AFT-full's job.
 MAX_WINDOW = 1024
 # Backward fast path: the scale exp(row max + channel max - L) of the slab's products is
 # < 1 / DEN_OK wherever the forward's fast path was exact; beyond it, row by row.
@@ -35,8 +32,7 @@ def _slab_width(s: int, bt: int) -> int:
 
 
 def _slab_bias(w, s: int, t_pad: int, bt: int):
-  """[t_pad, W] float32: entry (t, u) is the bias of key t' = (t // bt) bt - (W - bt) + u for
-  query t: w[t, t'] where 0 <= t - t' < s, 0 for older keys, NEG beyond t or before 0."""
+  """[t_pad, W]: (t, u) the bias of key (t // bt) bt - (W - bt) + u (older: 0, later: NEG)."""
   t_len = w.shape[0]
   width = _slab_width(s, bt)
   t = jnp.arange(t_pad)[:, None]
@@ -47,15 +43,13 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
 
 
 def _bias_column(bias_ref, r, u, bt: int, eye):
-  """Query row r's biases against key block u as a [bt, 1] column: sum(eye * row, 1) with the
-  identity ``eye``, which Triton can do."""
+  """Row r's biases against key block u as a [bt, 1] column (a product with ``eye``)."""
   return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
 
 
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
-  """Chunk j's slab: ``keys(j, u)`` (key block u: biases [bt, bt], keys, values [bt, bd]),
-  ``maxima(j)`` (the biases' row maxima, the keys' channel maxima: its split shift) and
-  ``shifted``; k, v [n, bd] refs, or [B, n, bd] read at row ``batch``."""
+  """Chunk j's slab: ``keys(j, u)`` (block u's biases, keys, values), ``maxima(j)`` (its split
+  shift) and ``shifted``; k, v refs [n, bd], or [B, n, bd] read at row ``batch``."""
   n_keys = bias_ref.shape[1] // bt
   at = lambda idx: (idx, slice(None)) if batch is None else (batch, idx, slice(None))
 
@@ -65,8 +59,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
     return (bias_ref[rows(j, bt), rows(u, bt)], *kv)
 
   def maxima(j, first: bool = False):
-    """``first``: the channel maxima over the keys the chunk's first row sees (the forward's
-    shift, which no later key may change), not over the whole slab."""
+    """``first``: the keys' maxima over those the chunk's first row sees (the forward's)."""
 
     def step(u, mm):
       b, kb, _ = keys(j, u)
@@ -82,8 +75,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
     return jax.lax.fori_loop(0, n_keys, step, init)
 
   def shifted(j, u, mw, mk):
-    """Key block u under the split shift (mw, mk) = maxima(j): exp(b - mw) [bt, bt],
-    exp(k - mk) and v [bt, bd]."""
+    """Key block u under the split shift: exp(b - mw), exp(k - mk), v."""
     b, kb, vb = keys(j, u)
     return jnp.exp(b - mw), jnp.exp(kb - mk), vb
 
@@ -103,8 +95,7 @@ def _real(j, bt: int, t_len: int):
 
 
 def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
-  """(first chunk, chunks, carry-in, other refs): all of T (sequential), or segment s's chunks
-  and the fold of the totals (the first three refs) ``take(index, s)`` accepts."""
+  """(first chunk, chunks, carry-in, other refs) of all of T or of segment s (folding refs[:3])."""
   if n_seg is None:
     return 0, bias_ref.shape[0] // bt, None, refs
   s = pl.program_id(2)
@@ -112,8 +103,7 @@ def _segment(bias_ref, refs, bt: int, n_seg: int | None, seg: int, take):
 
 
 def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: int):
-  """One (batch row, channel block[, segment]): a [and L] for the slab biases [t_pad, W] and k, v
-  front-padded by W - bt keys (chunk j's slab starts at key row j bt)."""
+  """One (batch row, channel block[, segment]): a [and L]; k, v front-padded by W - bt keys."""
   j0, n_chunks, carry_in, (a_ref, *lse_ref) = _segment(
     bias_ref, refs, bt, n_seg, seg, lambda i, s: i < s
   )
@@ -338,9 +328,8 @@ def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
 
 
 def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), keys_out=False):
-  """pallas_call over (batch, D / block_d[, segments]) of ins (the slab biases whole, then
-  [B, n, D] columns) and tots (the segment totals); outputs [B, t_pad, D] or (``keys_out``) in
-  the keys' padded layout (chunk-parallel: per segment, ``_overlap_add``)."""
+  """pallas_call over (batch, D / block_d[, segments]) of ins (biases, then columns) and the
+  totals; outputs [B, t_pad, D] or (``keys_out``) in the keys' layout (``_overlap_add``)."""
   (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   cfg, seg = plan.cfg, plan.seg or t_pad
   bd, n_seg, front = cfg.block_d, t_pad // seg, width - cfg.block_t
@@ -366,8 +355,7 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), 
 
 
 def _overlap_add(x, front: int):
-  """Per-segment keys [B, n_seg, seg + front, D] -> the keys' padded layout: a segment's last
-  ``front`` rows add to the next one's first."""
+  """Per-segment keys [B, n_seg, seg + front, D] -> the keys' layout (halos added)."""
   b, n_seg, n, d = x.shape
   seg = n - front
   main = x[:, :, :seg].reshape(b, n_seg * seg, d)
@@ -438,8 +426,7 @@ _local_mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def local_mean(k_BTD, v_BTD, w_TT, window: int, cfg=None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 for k, v ``[B, T, D]``, w ``[T, T]``, causal; ``cfg`` and ``seg``
-  default to ``plan_for``'s launch. The op's entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 for k, v, w ``[T, T]``; default launch ``plan_for``'s."""
   if cfg is None:
     cfg, seg = plan_for(*k_BTD.shape, window)
   front = _layout(k_BTD, window, LaunchPlan(cfg, seg))[3]

@@ -1,7 +1,5 @@
-"""Causal AFT-simple's weighted mean a[t], L[t] as Pallas kernels (GPU: Triton), for k, v
-``[B, T, D]`` (bfloat16 or float32; float32 inside), forward and a custom VJP (docs/kernels.md,
-"How each module computes").
-"""
+"""Causal AFT-simple's mean as Pallas Triton kernels for k, v ``[B, T, D]``, forward and custom
+VJP (docs/kernels.md, "How each module computes")."""
 
 import functools
 
@@ -13,14 +11,12 @@ from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
 from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig, all_true, colsum, dot, load, rows
 
-# Backward fast path: exp(L - L_chunk_start) must stay far from float32 overflow and
-# g exp(L_start - L) far from underflow; beyond this rise inside a chunk, go row by row.
+# Backward: beyond this rise of L in a chunk (exp(L - L_start) near overflow), row by row.
 _MAX_RISE = 40.0
 
 
 def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
-  """One (batch row, channel block[, segment]): a [and L] of k, v refs [T, bd] ([seg, bd]: then
-  the first three refs are the segment totals, folded into the carry-in)."""
+  """One (batch row, channel block[, segment]): a [and L]; chunk-parallel, refs[:3] the totals."""
   n_chunks = k_ref.shape[0] // bt
   tril = triton.ones(bt, jnp.greater_equal)
   carry_in = triton.empty(k_ref.shape[1])
@@ -132,8 +128,7 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int 
 
 
 def _call(kernel, plan: LaunchPlan, interpret: bool, ins, outs, kind, limit=None):
-  """pallas_call over (batch, D / block_d[, segments]) of [T, block_d] columns ([seg, block_d]
-  pieces), after the segment totals of ``kind``."""
+  """pallas_call over (batch, D / block_d[, segments]) after the segment totals of ``kind``."""
   (b, t_len, d), seg = ins[0].shape, plan.seg or ins[0].shape[1]
   n_seg = t_len // seg
   tot_ins = ins[:2] if kind == "keys" else (ins[3], ins[4], ins[2])  # (k, v) or (L, g, a)
@@ -165,8 +160,7 @@ _mean = triton.mean_with_vjp(_forward, _backward)
 
 
 def causal_mean(k_BTD, v_BTD, cfg: TritonConfig | None = None, interpret=False, seg=None):
-  """a ``[B, T, D]`` float32 of k, v ``[B, T, D]``, differentiable; ``cfg`` and ``seg`` default
-  to ``triton.plan_for``'s launch. The op's entry (``common.Kernel``)."""
+  """a ``[B, T, D]`` float32 of k, v, differentiable; default launch ``triton.plan_for``'s."""
   if cfg is None:
     cfg, seg = triton.plan_for(*k_BTD.shape)
   if seg is not None and (seg < cfg.block_t or seg % cfg.block_t):
