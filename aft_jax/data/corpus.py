@@ -81,7 +81,6 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
 def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
   loading it (``--dry_run`` on a machine without the data)."""
-  cfg = require(cfg, "vocab_size")
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"

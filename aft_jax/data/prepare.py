@@ -236,7 +236,8 @@ def _write_enwik8(builder, out, cfg, progress) -> dict:
   }
 
 
-def _parse(argv):
+def main(argv=None) -> dict:
+  """Runs the CLI; returns the summary it printed."""
   p = argparse.ArgumentParser(
     prog="python -m aft_jax.data.prepare",
     description=__doc__,
@@ -255,12 +256,7 @@ def _parse(argv):
     add(f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})")
   add("--text_field", default="", help="--dataset text: the JSONL field / Parquet column")
   add("--quiet", action="store_true", help="no progress bars")
-  return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-  """Runs the CLI; returns the summary it printed."""
-  args = _parse(argv)
+  args = p.parse_args(argv)
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )

@@ -226,12 +226,8 @@ def _parquet(path: str, field: str) -> Iterator[str]:
   kind = schema.field(field).type
   # A dictionary-encoded column of strings (pandas' category) reads as its strings.
   values = kind.value_type if pa.types.is_dictionary(kind) else kind
-  strings = (
-    pa.types.is_string,
-    pa.types.is_large_string,
-    getattr(pa.types, "is_string_view", None),
-  )
-  if not any(test(values) for test in strings if test):
+  strings = ("is_string", "is_large_string", "is_string_view")  # (string_view: newer pyarrow)
+  if not any(getattr(pa.types, test, lambda _: False)(values) for test in strings):
     raise TextError(f"{path}: column {field!r} holds {kind}, not strings")
   count = 0
   for group in range(pf.num_row_groups):

@@ -68,6 +68,15 @@ def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp
     assert int(np.sum(ids == eos)) == len(paths) and ids[-1] == eos  # one boundary per file
     # each document decodes back to its file exactly
     assert corpus.vocab.decode(ids[: list(ids).index(eos)]) == open(paths[0]).read()
+  # A damaged prepared vocabulary is refused.
+  model = os.path.join(os.path.dirname(corpus.splits["train"].filename), subword.MODEL_FILENAME)
+  with open(model, "r+b") as f:
+    f.seek(100)
+    f.write(b"\xff" * 8)
+  with pytest.raises(ValueError, match=r"subword\.model is damaged: it does not match the SHA"):
+    _load(tmp_path, **cfg)
+  with pytest.raises(ValueError, match="is not a SentencePiece model"):
+    subword.SubwordVocab(b"not a model")
 
 
 def test_an_unchanged_corpus_is_reused_one_without_document_ends_or_changed_prepared_again(
@@ -128,19 +137,6 @@ def test_settings_that_give_no_corpus_are_one_line_naming_the_key(
     _load(tmp_path, **cfg)
   assert "\n" not in str(e.value)
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
-
-
-def test_a_damaged_prepared_vocabulary_is_refused(docs, tmp_path):
-  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
-  corpus = _load(tmp_path, **cfg)
-  model = os.path.join(os.path.dirname(corpus.splits["train"].filename), subword.MODEL_FILENAME)
-  with open(model, "r+b") as f:
-    f.seek(100)
-    f.write(b"\xff" * 8)
-  with pytest.raises(ValueError, match=r"subword\.model is damaged: it does not match the SHA"):
-    _load(tmp_path, **cfg)
-  with pytest.raises(ValueError, match="is not a SentencePiece model"):
-    subword.SubwordVocab(b"not a model")
 
 
 def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tmp_path):
