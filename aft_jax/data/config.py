@@ -13,7 +13,6 @@ DATASETS = ("pydoc", "wikitext103", "enwik8", "text")
 TOKENIZERS = ("byte", "word", "subword")
 OFFICIAL = ("auto", "yes", "no")
 VARIANTS = ("v1", "raw_v1")
-DATA_DIR_ENV = "AFT_JAX_DATA"  # the default data_dir, where set
 # A subword vocabulary holds the 256 bytes (so that any text is encodable), <unk>, <eos> and
 # the pieces learned; SentencePiece keeps ids in int32.
 MIN_SUBWORD, MAX_SUBWORD = 300, 1_000_000
@@ -62,9 +61,7 @@ class DataConfig(TypedConfig):
   @classmethod
   def of(cls, cfg) -> DataConfig:
     """``cfg`` (a mapping or an object with these attributes) as a DataConfig, unchecked
-    (``problems()`` / ``validate()`` check it). Keys it leaves out, and None for a folder or
-    the variant, take the defaults above: the tokenizer is 'byte' whatever the dataset (a
-    WikiText-103 recipe sets 'word': configs/wikitext103.py)."""
+    (``validate()`` checks it); keys it leaves out, or sets to None, take the defaults above."""
     get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else None
     values = {}
     for name in cls.defaults():
@@ -95,13 +92,8 @@ class DataConfig(TypedConfig):
         f"{self.key('vocab_size')} = {self.vocab_size} must be in [{MIN_SUBWORD}, "
         f"{MAX_SUBWORD:,}] for tokenizer = 'subword' (256 of the pieces are bytes)"
       )
-    errors += self._text_problems()
     if self.variant not in VARIANTS:
       errors.append(f"{self.key('variant')} = {self.variant!r} is not 'v1' or 'raw_v1'")
-    return errors
-
-  def _text_problems(self) -> list[str]:
-    errors = []
     if self.dataset != "text":
       if self.packing:
         errors.append(
@@ -136,10 +128,8 @@ class DataConfig(TypedConfig):
 
 
 def vocab_size_note(cfg: DataConfig) -> str | None:
-  """The line that says ``vocab_size`` is not used (None where it is, or is 0): only a subword
-  vocabulary is made to a size. A note, not an error: a workdir that recorded such a value (a
-  recipe's subword size kept when its tokenizer was changed) still reads and resumes as it
-  ran."""
+  """The line that says ``vocab_size`` is not used (None where it is, or is 0). A note, not an
+  error: a workdir that recorded such a value still reads and resumes as it ran."""
   if cfg.tokenizer == "subword" or not cfg.vocab_size or cfg.tokenizer not in TOKENIZERS:
     return None
   has = {"byte": "its 256 byte values", "word": "the words of the train split"}[cfg.tokenizer]
@@ -170,12 +160,8 @@ def absolute_globs(spec: str) -> str:
 
 def default_data_dir() -> str:
   """The folder for prepared data when `cfg.data_dir` is empty: `$AFT_JAX_DATA`, else
-  `~/.cache/aft_jax`, as an absolute path.
-
-  Absolute and per user, so that runs started from any directory share one prepared copy
-  instead of preparing WikiText-103 (190 MB) again under a relative `data/`.
-  """
-  path = os.environ.get(DATA_DIR_ENV) or os.path.join("~", ".cache", "aft_jax")
+  `~/.cache/aft_jax`, as an absolute path (docs/data.md, "Where the data goes")."""
+  path = os.environ.get("AFT_JAX_DATA") or os.path.join("~", ".cache", "aft_jax")
   return os.path.abspath(os.path.expanduser(path))
 
 

@@ -1,13 +1,12 @@
 """The corpus API the trainer uses: `load_corpus(cfg) -> Corpus`, preparing a dataset on first
-use (process 0 only, the others wait at a barrier), and the in-memory pydoc corpus (docs/data.md).
-"""
+use, and the in-memory pydoc corpus (docs/data.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -49,10 +48,9 @@ class Corpus:
 
 
 def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
-  """Corpus named by `cfg`, a DataConfig (checked where it was made: the run config, or
-  `DataConfig.of(mapping).validate()`), as version `version` of its builder made it (None:
-  today's). Only pydoc builds its older versions; the others are prepared by today's (a run
-  recorded at another is then refused by ``record.check_corpus``)."""
+  """Corpus named by `cfg` (a DataConfig, checked where it was made) as version `version` of its
+  builder made it (None: today's). Only pydoc builds its older versions; the others are prepared
+  by today's (a run recorded at another is then refused by ``record.check_corpus``)."""
   cfg = require(cfg, "load_corpus")
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer, version)
@@ -65,14 +63,24 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
     sources = text.source_files(cfg)  # (read before prepare reads the files)
-  _on_process_zero(lambda: prepare.prepare_corpus(data_dir, cfg))
+  import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
+
+  # Process 0 prepares; the others wait at the barrier, which it reaches even when it failed (so
+  # that they stop with an error instead of waiting).
+  try:
+    if jax.process_index() == 0:
+      prepare.prepare_corpus(data_dir, cfg)
+  finally:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+      multihost_utils.sync_global_devices(BARRIER_NAME)
   return dataclasses.replace(load_prepared(out), sources=sources)
 
 
 def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
   loading it (``--dry_run`` on a machine without the data)."""
-  cfg = require(cfg, "vocab_size")
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"
@@ -95,21 +103,6 @@ def vocab_size(cfg: DataConfig) -> tuple[int, str]:
   if tokenizer == "byte" or dataset == "enwik8":
     return vocab_lib.ByteVocab().size, "bytes"
   return prepare.OFFICIAL_VOCAB_SIZE, "the official WikiText-103 vocabulary (not prepared here)"
-
-
-def _on_process_zero(fn: Callable[[], object]) -> None:
-  """Runs `fn` on process 0 only, then meets the other processes at the barrier (even when `fn`
-  failed, so that they stop with an error instead of waiting)."""
-  import jax  # pylint: disable=g-import-not-at-top  (keeps `import aft_jax.data` light)
-
-  try:
-    if jax.process_index() == 0:
-      fn()
-  finally:
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-      multihost_utils.sync_global_devices(BARRIER_NAME)
 
 
 def load_prepared(path: str) -> Corpus:

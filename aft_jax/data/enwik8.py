@@ -1,6 +1,5 @@
-"""enwik8 (the first 10^8 bytes of an English Wikipedia XML dump) as a TFDS dataset of byte
-chunks in the standard split: test the last N // 20 bytes, validation the N // 20 before them.
-docs/data.md, "enwik8", says where the file is looked for and how it is checked."""
+"""enwik8 (the first 10^8 bytes of an English Wikipedia dump) as a TFDS dataset of byte chunks
+in the standard 90/5/5 split (docs/data.md, "enwik8")."""
 
 from __future__ import annotations
 
@@ -14,10 +13,10 @@ from aft_jax.data import sources
 
 SPLITS = sources.SPLITS
 FILENAME = "enwik8"
-ZIP_FILENAME = "enwik8.zip"
 NUM_BYTES = 100_000_000
-ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
-ZIP_NUM_BYTES = 36_445_475
+ZIP = sources.Archive(
+  "enwik8.zip", "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc", 36_445_475
+)
 # Tried in turn (Matt Mahoney's page, then a copy public training scripts fetch), then checked.
 MIRRORS: list[str] = [
   "http://mattmahoney.net/dc/enwik8.zip",
@@ -42,9 +41,9 @@ def open_source(*, zip_path: str | None = None, path: str | None = None) -> sour
   """The enwik8 file in its zip or unzipped; a BadSplitFileError when it is too short to split."""
   if zip_path is None:
     folder, name = os.path.split(path)
-    source = sources.Source(ZIP_FILENAME, [name], folder=folder)
+    source = sources.Source(ZIP.filename, [name], folder=folder)
   else:
-    source = sources.Source(ZIP_FILENAME, [FILENAME], zip_path=zip_path)
+    source = sources.Source(ZIP.filename, [FILENAME], zip_path=zip_path)
   size = source.size(source.files[0])
   if size < HELD_OUT_FRACTION:
     what = "is empty" if size == 0 else f"has only {size} bytes"
@@ -78,46 +77,36 @@ def chunks(source: sources.Source, split: str) -> Iterator[bytes]:
       )
 
 
-def _verify(path: str, download: bool = False) -> None:
-  """The official archive's sha256, then (a download) a readable zip holding enwik8."""
-  sources.verify_sha256(path, expected=ZIP_SHA256, name=ZIP_FILENAME, num_bytes=ZIP_NUM_BYTES)
-  if download:
-    open_source(zip_path=path)
-
-
 def locate_source(
   *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
 ) -> sources.Source:
   """Finds (or downloads) enwik8: manual_dir's zip, manual_dir's file, an earlier download, the
   mirrors; `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint)."""
-  candidates = []
-  if manual_dir:
-    candidates += [("zip_path", os.path.join(manual_dir, ZIP_FILENAME))]
-    candidates += [("path", os.path.join(manual_dir, FILENAME))]
-  if download_dir:
-    candidates += [("zip_path", os.path.join(download_dir, ZIP_FILENAME))]
-  for kind, path in candidates:
-    if os.path.isfile(path):
-      source = open_source(**{kind: path})
-      # A custom size has no sha256 to check.
-      if verify and kind == "zip_path" and source.size(FILENAME) == NUM_BYTES:
-        _verify(path)
-      return source
-  errors = []
-  if download_dir and download:
-    verify_download = lambda p: _verify(p, download=True)  # noqa: E731
-    path, errors = sources.download(
-      ZIP_FILENAME, MIRRORS, download_dir, num_bytes=ZIP_NUM_BYTES, verify=verify_download
-    )
-    if path is not None:
-      return open_source(zip_path=path)
+
+  def found():
+    for kind, folder, name in (
+      ("zip_path", manual_dir, ZIP.filename),
+      ("path", manual_dir, FILENAME),
+      ("zip_path", download_dir, ZIP.filename),
+    ):
+      if folder and os.path.isfile(path := os.path.join(folder, name)):
+        source = open_source(**{kind: path})
+        # A custom size has no sha256 to check.
+        if verify and kind == "zip_path" and source.size(FILENAME) == NUM_BYTES:
+          ZIP.verify(path)
+        yield source
+
   where = manual_dir or "<manual_dir>"
-  raise sources.missing(
-    f"enwik8 not found. Put {ZIP_FILENAME} (sha256 {ZIP_SHA256}, {ZIP_NUM_BYTES:,} bytes, from "
+  return sources.locate(
+    found(),
+    f"enwik8 not found. Put {ZIP.filename} (sha256 {ZIP.sha256}, {ZIP.num_bytes:,} bytes, from "
     f"{MIRRORS[0]}) or the unzipped {os.path.join(where, FILENAME)} ({NUM_BYTES:,} bytes) into "
-    f"{where} (manual_dir is set with --manual_dir or cfg.manual_dir).",
-    errors,
-    download,
+    f"{where}",
+    ZIP,
+    MIRRORS,
+    lambda p: open_source(zip_path=p),
+    download_dir=download_dir,
+    download=download,
   )
 
 
@@ -129,26 +118,19 @@ class Enwik8(sources.SourceBuilder):
   BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="bytes", description="The raw bytes.")]
   DEFAULT_CONFIG_NAME = "bytes"
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
-    f"Put {ZIP_FILENAME} (or the unzipped {FILENAME}) into manual_dir. Mirrors: "
+    f"Put {ZIP.filename} (or the unzipped {FILENAME}) into manual_dir. Mirrors: "
     + ", ".join(MIRRORS)
   )
+  FEATURES = {"bytes": tfds.features.Tensor(shape=(), dtype=np.object_)}
+  HOMEPAGE = "http://mattmahoney.net/dc/textdata.html"
+  CITATION = (
+    "@misc{hutter2006prize, title={The Human Knowledge Compression Prize}, "
+    "author={Hutter, Marcus}, year={2006}, url={http://prize.hutter1.net}}"
+  )
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return self.dataset_info(
-      description=__doc__,
-      features=tfds.features.FeaturesDict(
-        {"bytes": tfds.features.Tensor(shape=(), dtype=np.object_)}
-      ),
-      homepage="http://mattmahoney.net/dc/textdata.html",
-      citation=(
-        "@misc{hutter2006prize, title={The Human Knowledge Compression Prize}, "
-        "author={Hutter, Marcus}, year={2006}, url={http://prize.hutter1.net}}"
-      ),
-    )
+  @classmethod
+  def locate(cls, config: str, **where) -> sources.Source:
+    return locate_source(**where)
 
-  def locate(self, **kwargs) -> sources.Source:
-    return locate_source(**kwargs)
-
-  def _generate_examples(self, source: sources.Source, split: str):
-    for i, chunk in enumerate(chunks(source, split)):
-      yield i, {"bytes": chunk}
+  def examples(self, source: sources.Source, split: str) -> Iterator[bytes]:
+    return chunks(source, split)

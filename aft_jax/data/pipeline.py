@@ -1,10 +1,10 @@
-"""Language-model batches from a 1-D token stream: shuffled training windows or packed rows of
-whole documents (``train_iterator``) and evaluation batches scoring every token once
-(``eval_batches``). docs/data.md, "Batches" and "Packing", describes both."""
+"""Language-model batches from a 1-D token stream: training windows or packed rows of whole
+documents (``train_iterator``), evaluation batches (``eval_batches``); docs/data.md, "Batches"."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
@@ -14,7 +14,7 @@ _STATE_VERSION = 1
 
 
 def _check_sharding(seq_len: int, global_batch_size: int, process_index: int, process_count: int):
-  """The rows of the global batch this process takes; one-line ValueErrors for bad arguments."""
+  """The rows of the global batch this process takes."""
   if seq_len <= 0:
     raise ValueError(f"seq_len={seq_len} must be positive")
   if global_batch_size <= 0 or process_count <= 0:
@@ -31,19 +31,12 @@ def _check_sharding(seq_len: int, global_batch_size: int, process_index: int, pr
   return slice(process_index * local, (process_index + 1) * local)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Windows:
-  """Gathers rows of windows: ids int[b] -> {'inputs','targets': int32[b, L]}."""
-
-  tokens: np.ndarray
-  seq_len: int
-  row_slice: slice  # this process's rows of the global batch
-
-  def __call__(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
-    ids = np.asarray(window_ids)[self.row_slice]
-    pos = ids[:, None].astype(np.int64) * (self.seq_len + 1) + np.arange(self.seq_len + 1)
-    w = np.asarray(self.tokens[pos], dtype=np.int32)  # [b, L+1]; reads only these rows of a memmap
-    return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+def _windows(tokens, seq_len: int, rows: slice, window_ids) -> dict[str, np.ndarray]:
+  """This process's ``rows`` of the windows ``window_ids``: inputs and targets int32[b, L]."""
+  ids = np.asarray(window_ids)[rows]
+  pos = ids[:, None].astype(np.int64) * (seq_len + 1) + np.arange(seq_len + 1)
+  w = np.asarray(tokens[pos], dtype=np.int32)  # [b, L+1]; reads only these rows of a memmap
+  return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +53,6 @@ class _Plan:
   @property
   def num_rows(self) -> int:
     return self.first.size - 1
-
-  def padding_fraction(self, seq_len: int) -> float:
-    return 1.0 - float(self.length.sum()) / (self.num_rows * seq_len)
 
 
 def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan:
@@ -95,38 +85,28 @@ def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan
   return _Plan(start, length, offset, first, int(ends.size))
 
 
-@dataclasses.dataclass(frozen=True)
-class _PackedRows:
-  """Gathers packed rows: ids int[b] -> inputs, targets, segment_ids, positions int32[b, L]
-  and weights float32[b, L]."""
-
-  tokens: np.ndarray
-  plan: _Plan
-  seq_len: int
-  bos_id: int
-  row_slice: slice  # this process's rows of the global batch
-
-  def __call__(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
-    rows = np.asarray(row_ids)[self.row_slice]
-    b, plan, n = rows.size, self.plan, self.seq_len
-    # The pieces of these rows, flattened: which output row, where, and their pairs.
-    lo, hi = plan.first[rows], plan.first[rows + 1]
-    count = hi - lo
-    piece = np.concatenate([np.arange(a, z) for a, z in zip(lo, hi)])
-    out_row = np.repeat(np.arange(b), count)
-    seg = np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count) + 1
-    length = plan.length[piece]
-    step = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
-    r, col = np.repeat(out_row, length), np.repeat(plan.offset[piece], length) + step
-    pair = np.repeat(plan.start[piece], length) + step  # stream index of each target
-    out = {k: np.zeros((b, n), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
-    out["targets"][r, col] = self.tokens[pair]
-    prev = self.tokens[np.maximum(pair - 1, 0)]
-    out["inputs"][r, col] = np.where(pair == 0, self.bos_id, prev)
-    out["segment_ids"][r, col] = np.repeat(seg, length)
-    out["positions"][r, col] = step
-    out["weights"] = (out["segment_ids"] > 0).astype(np.float32)
-    return out
+def _packed_rows(tokens, plan: _Plan, n: int, bos_id: int, mine: slice, row_ids) -> dict:
+  """This process's rows ``mine`` of the packed rows ``row_ids``: inputs, targets, segment_ids,
+  positions int32[b, n] and weights float32[b, n]."""
+  rows = np.asarray(row_ids)[mine]
+  # The pieces of these rows, flattened: which output row, where, and their pairs.
+  lo, hi = plan.first[rows], plan.first[rows + 1]
+  count = hi - lo
+  piece = np.concatenate([np.arange(a, z) for a, z in zip(lo, hi)])
+  out_row = np.repeat(np.arange(rows.size), count)
+  seg = np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count) + 1
+  length = plan.length[piece]
+  step = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+  r, col = np.repeat(out_row, length), np.repeat(plan.offset[piece], length) + step
+  pair = np.repeat(plan.start[piece], length) + step  # stream index of each target
+  keys = ("inputs", "targets", "segment_ids", "positions")
+  out = {k: np.zeros((rows.size, n), np.int32) for k in keys}
+  out["targets"][r, col] = tokens[pair]
+  out["inputs"][r, col] = np.where(pair == 0, bos_id, tokens[np.maximum(pair - 1, 0)])
+  out["segment_ids"][r, col] = np.repeat(seg, length)
+  out["positions"][r, col] = step
+  out["weights"] = (out["segment_ids"] > 0).astype(np.float32)
+  return out
 
 
 class TrainIterator:
@@ -235,13 +215,14 @@ def train_iterator(
         f"split too short: {plan.num_documents} documents pack into {plan.num_rows} rows of "
         f"seq_len={seq_len}, fewer than global_batch_size={global_batch_size}"
       )
-    num_items, gather = plan.num_rows, _PackedRows(tokens, plan, seq_len, int(bos_id), rows)
-    documents = int(plan.num_documents)
-    fingerprint.update(packing=True, num_documents=documents)
-    padding = plan.padding_fraction(seq_len)
-    packing = {"rows": plan.num_rows, "documents": documents, "padding_fraction": padding}
+    num_items = plan.num_rows
+    gather = functools.partial(_packed_rows, tokens, plan, seq_len, int(bos_id), rows)
+    fingerprint.update(packing=True, num_documents=plan.num_documents)
+    padding = 1.0 - float(plan.length.sum()) / (plan.num_rows * seq_len)
+    packing = {"rows": plan.num_rows, "documents": plan.num_documents, "padding_fraction": padding}
   else:
-    num_items, gather = tokens.shape[0] // (seq_len + 1), _Windows(tokens, seq_len, rows)
+    num_items = tokens.shape[0] // (seq_len + 1)
+    gather = functools.partial(_windows, tokens, seq_len, rows)
     if num_items < global_batch_size:
       raise ValueError(
         f"split too short: len(tokens)={tokens.shape[0]} gives {num_items} windows of "

@@ -1,7 +1,4 @@
 """Prepare a corpus (``aft-prepare``): download or read, build TFDS, tokenise, cache token ids.
-
-    aft-prepare --dataset wikitext103|enwik8|text|pydoc [--data_dir DIR] [--manual_dir DIR] ...
-
 Its last stdout line is one JSON object, {"vocab_size": V, "tokens": {"train": N, ...}}.
 docs/data.md says where the data goes, how a rerun reuses it and what ``--official`` checks.
 """
@@ -9,7 +6,6 @@ docs/data.md says where the data goes, how a rerun reuses it and what ``--offici
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -68,27 +64,19 @@ def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterat
       bar.update(min(step, len(ds) - start))
 
 
-def _articles(builder, split: str, progress: bool) -> Iterator[str]:
-  for text in _records(builder, split, "text", "articles", progress):
-    yield text.decode("utf-8")
-
-
 def check_official(
   summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str, official: bool | None
 ) -> bool:
   """Checks the published counts on real data; returns whether it is real (official None:
   real when one split has its official line count, which a custom corpus would not hit)."""
-  if official is None:
-    is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS)
-    if not is_real:
+  is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS) if official is None else official
+  if not is_real:
+    if official is None:
       log.warning(
         "WikiText-103 (%s): no split has its official line count %s; prepared as a custom corpus.",
         variant,
         OFFICIAL_LINES,
       )
-  else:
-    is_real = official
-  if not is_real:
     return False
   problems = [
     f"{s}: {lines[s]:,} lines, expected {OFFICIAL_LINES[s]:,}"
@@ -150,14 +138,14 @@ def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=Tr
   from aft_jax.data import enwik8, sources, wikitext103  # pylint: disable=g-import-not-at-top
 
   if cfg.dataset == "enwik8":
-    cls, config, locate, write = enwik8.Enwik8, "bytes", enwik8.locate_source, _write_enwik8
+    cls, config, write = enwik8.Enwik8, "bytes", _write_enwik8
   else:
     cls, config = wikitext103.Wikitext103, resolve_variant(cfg.tokenizer, cfg.variant)
-    locate, write = functools.partial(wikitext103.locate_source, config), _write_wikitext103
+    write = _write_wikitext103
   out, manual_dir = prepared_path(data_dir, cfg), cfg.manual_dir or None
   downloads = os.path.join(data_dir, "tfds", "downloads")
   with store.lock(out, os.path.basename(out)):
-    current = lambda: sources.current_fingerprint(locate, manual_dir, downloads)  # noqa: E731
+    current = lambda: sources.current_fingerprint(cls, config, manual_dir, downloads)  # noqa: E731
     summary = store.reusable(out, current, store.version(cfg.dataset))
     if summary is not None:
       return out, summary
@@ -181,20 +169,23 @@ def _write_wikitext103(builder, out, cfg, progress) -> dict:
 
   tokenizer, vocab_size = cfg.tokenizer, cfg.vocab_size
   variant = resolve_variant(tokenizer, cfg.variant)
-  train, what = _articles(builder, "train", progress), f"the WikiText-103 {variant} train split"
+  articles = lambda split: (  # noqa: E731
+    a.decode("utf-8") for a in _records(builder, split, "text", "articles", progress)
+  )
+  what = f"the WikiText-103 {variant} train split"
   # raw_v1 has real words where v1 has <unk>: held-out words unseen in train need one.
-  vocab = text.learn_vocab(cfg, train, what, add_unk=variant == "raw_v1")
+  vocab = text.learn_vocab(cfg, articles("train"), what, add_unk=variant == "raw_v1")
   recorded = text.save_vocab(vocab, out)
   tokens, lines, num_bytes = {}, {}, {}
   for split in SPLITS:
     if tokenizer == "subword":  # each article a document, as in a text corpus
-      articles = list(_articles(builder, split, progress))
-      lines[split] = sum(a.count("\n") for a in articles)
-      chunks, num_bytes[split] = text.encode_documents(vocab, articles)
+      docs = list(articles(split))
+      lines[split] = sum(a.count("\n") for a in docs)
+      chunks, num_bytes[split] = text.encode_documents(vocab, docs)
     else:  # bytes as uint8 (ByteVocab.encode's uint32 would hold 4x the memory)
       encode = vocab.encode if tokenizer == "word" else lambda t: np.frombuffer(t.encode(), "u1")
       try:
-        chunks = [encode(a) for a in _articles(builder, split, progress)]
+        chunks = [encode(a) for a in articles(split)]
       except ValueError as e:  # a v1 held-out word missing from train: not the official data
         raise ValueError(f"{variant} {split} split: {e}; the official v1 has no such words") from e
       lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
@@ -245,7 +236,8 @@ def _write_enwik8(builder, out, cfg, progress) -> dict:
   }
 
 
-def _parse(argv):
+def main(argv=None) -> dict:
+  """Runs the CLI; returns the summary it printed."""
   p = argparse.ArgumentParser(
     prog="python -m aft_jax.data.prepare",
     description=__doc__,
@@ -264,12 +256,7 @@ def _parse(argv):
     add(f"--{split}_files", default="", help=f"--dataset text: comma-separated globs ({split})")
   add("--text_field", default="", help="--dataset text: the JSONL field / Parquet column")
   add("--quiet", action="store_true", help="no progress bars")
-  return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-  """Runs the CLI; returns the summary it printed."""
-  args = _parse(argv)
+  args = p.parse_args(argv)
   logging.basicConfig(
     level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
   )

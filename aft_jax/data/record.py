@@ -1,10 +1,6 @@
-"""What a run records of its corpus (``of_corpus``: kept as the workdir's ``corpus.json`` and in
-every checkpoint), and the one line (``DataChanged``) that says what changed since: the files
-(``check_sources``, before anything is prepared), then the loaded corpus (``check_corpus``: the
-builder's version, the vocabulary, the tokens). Older records lack some keys: only the keys both
-records have are compared, except the builder's version (``built_by``). docs/data.md, "A run is
-tied to its files", describes it.
-"""
+"""What a run records of its corpus (``of_corpus``: the workdir's ``corpus.json`` and every
+checkpoint's), and the one line (``DataChanged``) that says what changed since: the files
+(``check_sources``), then the loaded corpus (``check_corpus``); docs/data.md, "Your own text"."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ from collections.abc import Mapping
 from aft_jax.data.store import BUILDERS, version
 
 _SHOWN = 3  # changes named in one line; the rest are counted
-
-
 # Records that do not name their builder's version were made by ``_UNNAMED``'s version; a run
 # without a record by each builder's first.
 _UNNAMED = {"pydoc": 2}
@@ -66,9 +60,6 @@ def of_corpus(corpus) -> dict:
 def sources(cfg) -> dict | None:  # cfg: a DataConfig
   """{split: {file: digest}} of a text corpus's files as they are now (None for the other
   datasets, whose sources their builders check)."""
-  from aft_jax.data.config import require  # pylint: disable=g-import-not-at-top
-
-  cfg = require(cfg, "sources")
   if cfg.dataset != "text":
     return None
   from aft_jax.data import text  # pylint: disable=g-import-not-at-top
@@ -97,6 +88,8 @@ def _source_changes(saved: Mapping, now: Mapping) -> list[str]:
 
 
 def _corpus_changes(saved: Mapping, now: Mapping) -> list[str]:
+  """What differs, on the keys both records have (older records lack some)."""
+
   def both(key):
     return key in saved and key in now and saved[key] != now[key]
 

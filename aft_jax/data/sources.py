@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -15,7 +16,7 @@ import sys
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -55,44 +56,64 @@ def sha256_of(path: str) -> str:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def verify_sha256(path: str, *, expected: str, name: str, num_bytes: int) -> None:
-  """Raises ChecksumError unless `path` hashes to `expected`."""
-  got = sha256_of(path)
-  if got != expected:
-    raise ChecksumError(
-      f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
-      f"{name} (sha256 {expected}, {num_bytes:,} bytes). The file is truncated, damaged or a "
-      "different archive: delete it and download it again."
-    )
+@dataclasses.dataclass(frozen=True)
+class Archive:
+  """An official zip: its name, what it must hash to and its published size."""
+
+  filename: str
+  sha256: str
+  num_bytes: int  # for messages and progress bars
+
+  def verify(self, path: str) -> None:
+    """Raises ChecksumError unless `path` hashes to the official sha256."""
+    got = sha256_of(path)
+    if got != self.sha256:
+      raise ChecksumError(
+        f"{path}: sha256 {got} ({os.path.getsize(path):,} bytes) does not match the official "
+        f"{self.filename} (sha256 {self.sha256}, {self.num_bytes:,} bytes). The file is "
+        "truncated, damaged or a different archive: delete it and download it again."
+      )
 
 
-def download(
-  filename: str,
+def locate(
+  found: Iterator[Source],
+  message: str,
+  archive: Archive,
   urls: Sequence[str],
-  download_dir: str,
+  open_zip: Callable[[str], Source],
   *,
-  num_bytes: int,
-  verify: Callable[[str], None],
-) -> tuple[str | None, list[str]]:
-  """Tries each URL in turn; returns (path of a verified download or None, what went wrong).
-  A download gets its name `<download_dir>/<filename>` only after `verify(path)` passes."""
-  os.makedirs(download_dir, exist_ok=True)
-  dest = os.path.join(download_dir, filename)
+  download_dir: str | None,
+  download: bool,
+) -> Source:
+  """The first source ``found`` yields (the local copies, in order); else the first of ``urls``
+  downloaded to ``<download_dir>/<archive>`` whose sha256 and zip (``open_zip``) check; else a
+  MissingDataError: ``message``, then what the downloads tried."""
+  for source in found:
+    return source
   errors = []
-  for url in urls:
+  for url in urls if download_dir and download else ():
+    os.makedirs(download_dir, exist_ok=True)
+    dest = os.path.join(download_dir, archive.filename)
     tmp = f"{dest}.part-{os.getpid()}"
     try:
-      _fetch(url, tmp, num_bytes)
-      verify(tmp)
+      _fetch(url, tmp, archive.num_bytes)
+      archive.verify(tmp)
+      open_zip(tmp)
       os.replace(tmp, dest)  # only a verified archive ever gets the real name
-      return dest, errors
     except (OSError, ValueError) as e:  # URLError is an OSError
       errors.append(f"{url}: {e}")
       log.warning("Download of %s failed: %s", url, e)
+    else:
+      return open_zip(dest)
     finally:
       if os.path.exists(tmp):
         os.remove(tmp)
-  return None, errors
+  message += " (manual_dir is set with --manual_dir or cfg.manual_dir)."
+  if errors:
+    message += "\nDownload attempts:\n  " + "\n  ".join(errors)
+  elif not download:
+    message += "\nDownloading was disabled."
+  raise MissingDataError(message)
 
 
 def _fetch(url: str, path: str, expected_bytes: int) -> None:
@@ -106,16 +127,10 @@ def _fetch(url: str, path: str, expected_bytes: int) -> None:
         bar.update(len(chunk))
 
 
-def missing(message: str, errors: list[str], download: bool) -> MissingDataError:
-  """`message` and what the downloads tried, or that none was made."""
-  if errors:
-    return MissingDataError(message + "\nDownload attempts:\n  " + "\n  ".join(errors))
-  return MissingDataError(message + ("" if download else "\nDownloading was disabled."))
-
-
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A builder that reads local source files and records their fingerprint in its metadata;
-  subclasses implement `locate()`, `_generate_examples(source, split)` and `_info()`."""
+  """A builder of local source files that records their fingerprint in its metadata; a subclass
+  sets FEATURES (one feature), HOMEPAGE and CITATION, and implements `locate` and `examples`
+  (the split's values of the feature, in order)."""
 
   # TFDS derives this through `importlib_resources`, which it does not declare.
   @tfds.core.utils.classproperty
@@ -127,13 +142,20 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     self._allow_download = download
     super().__init__(file_format="array_record", **kwargs)
 
+  @classmethod
   @abc.abstractmethod
-  def locate(self, *, manual_dir, download_dir, download: bool, verify=True):
-    """The source of this builder's config; `verify=False` skips full-file checksums."""
+  def locate(cls, config: str, *, manual_dir, download_dir, download: bool, verify=True) -> Source:
+    """The source of `config`; `verify=False` skips full-file checksums."""
 
-  def dataset_info(self, **kwargs) -> tfds.core.DatasetInfo:
+  def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-      builder=self, metadata=tfds.core.MetadataDict(), disable_shuffling=True, **kwargs
+      builder=self,
+      description=self.__doc__,
+      features=tfds.features.FeaturesDict(self.FEATURES),
+      homepage=self.HOMEPAGE,
+      citation=self.CITATION,
+      metadata=tfds.core.MetadataDict(),
+      disable_shuffling=True,
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
@@ -144,6 +166,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       given = getattr(dl_manager, "_manual_dir", None)
       manual_dir = os.fspath(given) if given else None
     source = self.locate(
+      self.builder_config.name,
       manual_dir=manual_dir,
       download_dir=os.fspath(dl_manager.download_dir),
       download=self._allow_download,
@@ -151,15 +174,20 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     self.info.metadata[store.FINGERPRINT_KEY] = store.fingerprint(source.paths())
     return {split: self._generate_examples(source, split) for split in SPLITS}
 
+  def _generate_examples(self, source: Source, split: str):
+    (feature,) = self.FEATURES
+    for i, value in enumerate(self.examples(source, split)):
+      yield i, {feature: value}
 
-def current_fingerprint(
-  locate: Callable[..., object], manual_dir: str | None, download_dir: str
-) -> str | None:
-  """Fingerprint of the source `locate` finds now, without downloading or a full checksum; None
-  when there is none (it may be deleted once a dataset is built)."""
+
+def current_fingerprint(cls, config: str, manual_dir: str | None, download_dir: str) -> str | None:
+  """Fingerprint of the source `cls.locate` finds now, without downloading or a full checksum;
+  None when there is none (it may be deleted once a dataset is built)."""
   manual_dir = manual_dir or os.path.join(download_dir, "manual")  # TFDS's default
   try:
-    source = locate(manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False)
+    source = cls.locate(
+      config, manual_dir=manual_dir, download_dir=download_dir, download=False, verify=False
+    )
   except MissingDataError:
     return None
   return store.fingerprint(source.paths())
@@ -183,7 +211,7 @@ def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=No
     if builder.is_prepared():
       metadata = builder.info.metadata or {}
       recorded = metadata.get(store.FINGERPRINT_KEY)
-      current = current_fingerprint(builder.locate, manual_dir, download_dir)
+      current = current_fingerprint(cls, config, manual_dir, download_dir)
       if current is not None and current != recorded:
         what = f"{data_path} was built from other source files than the ones found now"
         log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)

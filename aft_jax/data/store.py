@@ -1,6 +1,5 @@
-"""The token store: `<data_dir>/prepared/<name>/` with `<split>.npy` (uint32 ids), a vocabulary
-file, summary.json and `COMPLETE`, written last so that a crash never looks done; its lock and
-the checks of a complete one (docs/data.md, "Where the data goes")."""
+"""The token store, `<data_dir>/prepared/<name>/`: its files, its lock and the checks of a
+complete one (docs/data.md, "Where the data goes")."""
 
 from __future__ import annotations
 
@@ -140,16 +139,7 @@ def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarra
 
 
 _END_BYTES = 1 << 20
-
-
-def _hash_file(h, path: str) -> None:
-  size = os.path.getsize(path)
-  h.update(f"{os.path.basename(path)}\0{size}\0".encode())
-  with open(path, "rb") as f:
-    h.update(f.read(_END_BYTES))
-    if size > _END_BYTES:
-      f.seek(max(_END_BYTES, size - _END_BYTES))
-      h.update(f.read())
+_FINGERPRINT = "size+ends-sha256:"
 
 
 def fingerprint(paths: Sequence[str]) -> str:
@@ -157,15 +147,19 @@ def fingerprint(paths: Sequence[str]) -> str:
   (cheap enough for every start; docs/data.md says what it sees)."""
   h = hashlib.sha256()
   for path in paths:
-    _hash_file(h, path)
-  return "size+ends-sha256:" + h.hexdigest()
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
+    with open(path, "rb") as f:
+      h.update(f.read(_END_BYTES))
+      if size > _END_BYTES:
+        f.seek(max(_END_BYTES, size - _END_BYTES))
+        h.update(f.read())
+  return _FINGERPRINT + h.hexdigest()
 
 
 def file_digest(path: str) -> str:
   """One file's fingerprint (the same rule), shortened to 16 hex digits."""
-  h = hashlib.sha256()
-  _hash_file(h, path)
-  return h.hexdigest()[:16]
+  return fingerprint([path]).removeprefix(_FINGERPRINT)[:16]
 
 
 def reusable(out: str, current_fingerprint: Callable[[], str | None], version: int) -> dict | None:

@@ -93,13 +93,9 @@ class SubwordVocab(vocab_lib.Vocab):
 def train(
   documents: Iterable[str], vocab_size: int, *, seed: int = 0, what: str = "the train split"
 ) -> SubwordVocab:
-  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines. A
-  size the text cannot give is a one-line ValueError naming ``config.data.vocab_size`` and
-  ``what``; an error reading ``documents`` is raised as it is.
-
-  SentencePiece's C++ training does not return to Python until done, so it trains in a thread
-  while this one waits: a Ctrl-C here stops the reading at once and abandons the thread.
-  """
+  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines; a
+  size the text cannot give is a one-line ValueError naming ``what``. It trains in a thread (its
+  C++ training does not return to Python until done): a Ctrl-C here abandons it at once."""
   import io  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
 

@@ -1,6 +1,5 @@
-"""Your own text files as a corpus (``config.data.dataset = 'text'``): the files of each split,
-their documents (plain, JSONL, Parquet), and their preparation into the token store. docs/data.md,
-"Your own text", describes the splits, the formats and every error (a one-line ``TextError``)."""
+"""Your own text files as a corpus (``config.data.dataset = 'text'``): each split's files, their
+documents (plain, JSONL, Parquet) and their preparation (docs/data.md, "Your own text")."""
 
 from __future__ import annotations
 
@@ -75,7 +74,12 @@ def split_files(cfg: DataConfig) -> dict[str, list[str]]:
   files = {s: expand(getattr(cfg, _KEYS[s]), _KEYS[s]) for s in SPLITS}
   missing = [s for s in ("validation", "test") if not files[s]]
   if missing:
-    docs = sorted(files["train"], key=_order_key(files["train"]))
+    # Held out by the hash of each path below the files' common folder: the same on any machine.
+    paths = files["train"]
+    root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    docs = sorted(
+      paths, key=lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest()
+    )
     fraction = {"validation": cfg.valid_fraction, "test": cfg.test_fraction}
     take = {s: max(1, round(fraction[s] * len(docs))) for s in missing}
     if len(docs) - sum(take.values()) < 1:
@@ -107,33 +111,6 @@ def _refuse_shared(files: dict[str, list[str]], split: str, others, why: str) ->
     )
 
 
-def _order_key(paths: list[str]):
-  """Orders documents by the hash of their path below the files' common folder."""
-  root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
-  return lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest()
-
-
-def read_document(path: str, encoding: str = "utf-8") -> str:
-  """The text of one file; a TextError naming it when it is not text in ``encoding``."""
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise TextError(f"{path} cannot be read: {e.strerror}") from None
-  try:
-    text = raw.decode(encoding)
-  except UnicodeDecodeError as e:
-    raise TextError(
-      f"{path} is not {encoding} text (byte {e.start:,}: {e.reason}): set config.data.encoding "
-      "to its encoding, or leave the file out"
-    ) from None
-  if "\0" in text:
-    raise TextError(f"{path} is not text (it holds NUL bytes): leave it out of the globs")
-  if not text.strip():
-    raise TextError(f"{path} is empty (no text): leave it out of the globs")
-  return text
-
-
 JSONL = (".jsonl", ".jsonl.gz")
 PARQUET = (".parquet",)
 
@@ -144,15 +121,30 @@ def is_records(path: str) -> bool:
 
 
 def read_documents(path: str, encoding: str = "utf-8", text_field: str = "text") -> Iterator[str]:
-  """The documents of one file, in order: a plain file is one (``read_document``); a JSONL
-  file one per non-blank line, a Parquet file one per row: each record's ``text_field``."""
+  """The documents of one file, in order: a plain file is one; a JSONL file one per non-blank
+  line, a Parquet file one per row: each record's ``text_field``."""
   lower = path.lower()
   if lower.endswith(JSONL):
     yield from _jsonl(path, encoding, text_field)
-  elif lower.endswith(PARQUET):
+    return
+  if lower.endswith(PARQUET):
     yield from _parquet(path, text_field)
-  else:
-    yield read_document(path, encoding)
+    return
+  try:
+    with open(path, "rb") as f:
+      text = f.read().decode(encoding)
+  except OSError as e:
+    raise TextError(f"{path} cannot be read: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    raise TextError(
+      f"{path} is not {encoding} text (byte {e.start:,}: {e.reason}): set config.data.encoding "
+      "to its encoding, or leave the file out"
+    ) from None
+  if "\0" in text:
+    raise TextError(f"{path} is not text (it holds NUL bytes): leave it out of the globs")
+  if not text.strip():
+    raise TextError(f"{path} is empty (no text): leave it out of the globs")
+  yield text
 
 
 def _one_line(e: BaseException) -> str:
@@ -234,12 +226,8 @@ def _parquet(path: str, field: str) -> Iterator[str]:
   kind = schema.field(field).type
   # A dictionary-encoded column of strings (pandas' category) reads as its strings.
   values = kind.value_type if pa.types.is_dictionary(kind) else kind
-  strings = (
-    pa.types.is_string,
-    pa.types.is_large_string,
-    getattr(pa.types, "is_string_view", None),
-  )
-  if not any(test(values) for test in strings if test):
+  strings = ("is_string", "is_large_string", "is_string_view")  # (string_view: newer pyarrow)
+  if not any(getattr(pa.types, test, lambda _: False)(values) for test in strings):
     raise TextError(f"{path}: column {field!r} holds {kind}, not strings")
   count = 0
   for group in range(pf.num_row_groups):
@@ -256,13 +244,6 @@ def _parquet(path: str, field: str) -> Iterator[str]:
       yield value
   if not count:
     raise TextError(f"{path} holds no rows: leave it out of the globs")
-
-
-def _documents(paths, encoding, text_field, desc, progress) -> Iterator[str]:
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-  for path in tqdm(paths, desc=desc, unit="file", disable=not progress, file=sys.stderr):
-    yield from read_documents(path, encoding, text_field)
 
 
 def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
@@ -344,9 +325,12 @@ def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tu
     if summary is not None:  # prepared before document ends were kept: packing needs them
       log.warning("%s has no document ends; preparing it again.", out)
     store.start(out)
-    read = lambda s: _documents(  # noqa: E731
-      files[s], cfg.encoding, cfg.text_field, f"{s} files", progress
-    )
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+    def read(split):
+      bar = tqdm(files[split], f"{split} files", unit="file", disable=not progress, file=sys.stderr)
+      return (doc for path in bar for doc in read_documents(path, cfg.encoding, cfg.text_field))
+
     vocab = learn_vocab(cfg, read("train"))
     recorded = save_vocab(vocab, out)
     tokens, num_bytes, documents = {}, {}, {}

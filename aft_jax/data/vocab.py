@@ -1,6 +1,5 @@
-"""Tokenisers: the WikiText word-level protocol (``word_tokens``: ``<eos>`` after each line) and
-UTF-8 bytes (vocabulary 256, ``eos_id`` '\\n'); ids are 1-D ``np.uint32`` arrays (docs/data.md,
-"Tokenisers")."""
+"""Tokenisers: words (``<eos>`` after each line) and UTF-8 bytes; ids are 1-D ``np.uint32``
+arrays (docs/data.md, "Tokenisers")."""
 
 from __future__ import annotations
 
@@ -35,19 +34,13 @@ def count_words(texts: Iterable[str]) -> collections.Counter:
 
 
 class Vocab(abc.ABC):
-  """Maps text to 1-D uint32 ids and back."""
+  """Maps text to 1-D uint32 ids and back: ``size`` ids (the model's output dimension), the id
+  ``eos_id`` ending a line or document; ``unit`` ('byte', 'word' or 'subword') is what
+  perplexity is per."""
 
-  unit: str  # 'word' or 'byte': perplexity vs bits-per-byte reporting
-
-  @property
-  @abc.abstractmethod
-  def size(self) -> int:
-    """Number of ids (the model's output dimension)."""
-
-  @property
-  @abc.abstractmethod
-  def eos_id(self) -> int:
-    """Id that ends a line."""
+  unit: str
+  size: int
+  eos_id: int
 
   @abc.abstractmethod
   def encode(self, text: str) -> np.ndarray:
@@ -61,15 +54,7 @@ class Vocab(abc.ABC):
 class ByteVocab(Vocab):
   """UTF-8 bytes; id = byte value."""
 
-  unit = "byte"
-
-  @property
-  def size(self) -> int:
-    return 256
-
-  @property
-  def eos_id(self) -> int:
-    return ord("\n")
+  unit, size, eos_id = "byte", 256, ord("\n")
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
@@ -156,17 +141,14 @@ class WordVocab(Vocab):
         line.append(tok)
     return "".join(lines) + " ".join(line)
 
-  def _file_text(self) -> str:
-    return "".join(t + "\n" for t in self._tokens)
-
   @property
   def sha256(self) -> str:
     """The SHA-256 of the vocabulary's file (what ``save`` writes)."""
-    return hashlib.sha256(self._file_text().encode("utf-8")).hexdigest()
+    return hashlib.sha256("".join(t + "\n" for t in self._tokens).encode("utf-8")).hexdigest()
 
   def save(self, path: str) -> None:
     """One token per line, id order, written atomically."""
-    files.atomic_write(path, self._file_text())
+    files.atomic_write(path, "".join(t + "\n" for t in self._tokens))
 
   @classmethod
   def load(cls, path: str) -> "WordVocab":

@@ -1,6 +1,5 @@
-"""WikiText-103 (Merity et al., 2016) as a TFDS dataset of whole articles, in file order, from
-the official zip or its extracted files (docs/data.md, "WikiText-103", says where the files are
-looked for and how a file is cut into articles). Errors are ``sources.DataError``s."""
+"""WikiText-103 (Merity et al., 2016) as a TFDS dataset of whole articles, in file order
+(docs/data.md, "WikiText-103")."""
 
 from __future__ import annotations
 
@@ -13,21 +12,17 @@ import tensorflow_datasets as tfds
 
 from aft_jax.data import sources
 
-VARIANTS = ("v1", "raw_v1")
 SPLITS = sources.SPLITS
 # Split name in this library -> the word used in the official file names.
 _FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Archive:
-  """One official archive: where it lives and what it must hash to."""
+class Archive(sources.Archive):
+  """An official archive and where its split files are in it."""
 
-  filename: str  # e.g. 'wikitext-103-v1.zip'
   folder: str  # top folder inside the zip, e.g. 'wikitext-103'
   extension: str  # 'tokens' or 'raw'
-  sha256: str
-  num_bytes: int  # published size, for messages and progress bars
 
   def split_file(self, split: str) -> str:
     return f"wiki.{_FILE_SPLIT[split]}.{self.extension}"
@@ -37,9 +32,9 @@ class Archive:
 _V1_SHA256 = "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"
 _RAW_V1_SHA256 = "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794"
 ARCHIVES: dict[str, Archive] = {
-  "v1": Archive("wikitext-103-v1.zip", "wikitext-103", "tokens", _V1_SHA256, 190_229_076),
+  "v1": Archive("wikitext-103-v1.zip", _V1_SHA256, 190_229_076, "wikitext-103", "tokens"),
   "raw_v1": Archive(
-    "wikitext-103-raw-v1.zip", "wikitext-103-raw", "raw", _RAW_V1_SHA256, 191_984_949
+    "wikitext-103-raw-v1.zip", _RAW_V1_SHA256, 191_984_949, "wikitext-103-raw", "raw"
   ),
 }
 
@@ -72,12 +67,6 @@ def split_articles(lines: Iterator[str]) -> Iterator[str]:
     buf.append(line)
   if buf:
     yield "".join(buf)
-
-
-def verify_archive(path: str, archive: Archive) -> None:
-  sources.verify_sha256(
-    path, expected=archive.sha256, name=archive.filename, num_bytes=archive.num_bytes
-  )
 
 
 def lines(source: sources.Source, split: str) -> Iterator[str]:
@@ -113,39 +102,36 @@ def locate_source(
   source = lambda **where: sources.Source(  # noqa: E731
     archive.filename, files, prefix=f"{archive.folder}/", **where
   )
-  zips = [os.path.join(d, archive.filename) for d in (manual_dir, download_dir) if d]
-  for i, zip_path in enumerate(zips):
-    if os.path.isfile(zip_path):
-      if verify:
-        verify_archive(zip_path, archive)
-      return source(zip_path=zip_path)
-    if i == 0 and manual_dir:  # then the extracted files in manual_dir
-      for folder in (os.path.join(manual_dir, archive.folder), manual_dir):
-        present = [f for f in files if os.path.isfile(os.path.join(folder, f))]
-        if len(present) == len(files):
-          return source(folder=folder)
-        if present:
-          absent = [os.path.join(folder, f) for f in files if f not in present]
-          raise sources.MissingDataError(
-            f"WikiText-103 split file(s) missing: {', '.join(absent)}."
-          )
-  errors = []
-  if download_dir and download:
-    urls = [template.format(filename=archive.filename) for template in MIRRORS]
-    verify_download = lambda p: verify_archive(p, archive)  # noqa: E731
-    path, errors = sources.download(
-      archive.filename, urls, download_dir, num_bytes=archive.num_bytes, verify=verify_download
-    )
-    if path is not None:
-      return source(zip_path=path)
+
+  def found():
+    for i, folder in enumerate(d for d in (manual_dir, download_dir) if d):
+      if os.path.isfile(zip_path := os.path.join(folder, archive.filename)):
+        if verify:
+          archive.verify(zip_path)
+        yield source(zip_path=zip_path)
+      if i == 0 and manual_dir:  # then the extracted files in manual_dir
+        for extracted in (os.path.join(manual_dir, archive.folder), manual_dir):
+          present = [f for f in files if os.path.isfile(os.path.join(extracted, f))]
+          if len(present) == len(files):
+            yield source(folder=extracted)
+          if present:
+            absent = [os.path.join(extracted, f) for f in files if f not in present]
+            raise sources.MissingDataError(
+              f"WikiText-103 split file(s) missing: {', '.join(absent)}."
+            )
+
   where = manual_dir or "<manual_dir>"
-  raise sources.missing(
+  return sources.locate(
+    found(),
     f"WikiText-103 ({variant}) not found. Put {archive.filename} (sha256 {archive.sha256}, "
     f"{archive.num_bytes:,} bytes, from {MIRRORS[0].format(filename=archive.filename)}) into "
     f"{where}, or extract it there so that {os.path.join(where, archive.folder, files[0])}, "
-    f"{files[1]} and {files[2]} exist (manual_dir is set with --manual_dir or cfg.manual_dir).",
-    errors,
-    download,
+    f"{files[1]} and {files[2]} exist",
+    archive,
+    [template.format(filename=archive.filename) for template in MIRRORS],
+    lambda p: source(zip_path=p),
+    download_dir=download_dir,
+    download=download,
   )
 
 
@@ -167,22 +153,17 @@ class Wikitext103(sources.SourceBuilder):
     "Put wikitext-103-v1.zip / wikitext-103-raw-v1.zip (or their extracted folders "
     "wikitext-103/ / wikitext-103-raw/) into manual_dir. Mirrors: " + ", ".join(MIRRORS)
   )
+  FEATURES = {"text": tfds.features.Text()}
+  HOMEPAGE = "https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/"
+  CITATION = (
+    "@inproceedings{merity2017pointer, title={Pointer Sentinel Mixture Models}, "
+    "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
+    "booktitle={ICLR}, year={2017}}"
+  )
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return self.dataset_info(
-      description=__doc__,
-      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
-      homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
-      citation=(
-        "@inproceedings{merity2017pointer, title={Pointer Sentinel Mixture Models}, "
-        "author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard}, "
-        "booktitle={ICLR}, year={2017}}"
-      ),
-    )
+  @classmethod
+  def locate(cls, config: str, **where) -> sources.Source:
+    return locate_source(config, **where)
 
-  def locate(self, **kwargs) -> sources.Source:
-    return locate_source(self.builder_config.name, **kwargs)
-
-  def _generate_examples(self, source: sources.Source, split: str):
-    for i, text in enumerate(split_articles(lines(source, split))):
-      yield i, {"text": text}
+  def examples(self, source: sources.Source, split: str) -> Iterator[str]:
+    return split_articles(lines(source, split))

@@ -7,27 +7,26 @@ import zipfile
 
 import pytest
 
-from tests.support import fake_enwik8 as fe
-from tests.support import fake_wikitext as fw
 from aft_jax.data import enwik8, prepare, sources, store
 from aft_jax.data import wikitext103 as wt
+from tests.support import fake_enwik8 as fe
+from tests.support import fake_wikitext as fw
 
+pytestmark = pytest.mark.usefixtures("offline")
 SPLITS = sources.SPLITS
 N = 5_003  # fake enwik8 size: not a multiple of 20, so N // 20 rounds down
 
 
 @pytest.fixture(autouse=True)
-def _no_network(monkeypatch, tmp_path):
-  monkeypatch.setattr(wt, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
-  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
+def _small_chunks(monkeypatch):
   monkeypatch.setattr(enwik8, "CHUNK_BYTES", 1_000)  # several examples per split
 
 
 def _build(tmp_path, variant, manual_dir, download=False):
-  kw = dict(data_dir=str(tmp_path / "data" / "tfds"), manual_dir=manual_dir and str(manual_dir))
-  if variant == "enwik8":
-    return sources.build(enwik8.Enwik8, "bytes", **kw, download=download)
-  return sources.build(wt.Wikitext103, variant, **kw, download=download)
+  cls, config = (enwik8.Enwik8, "bytes") if variant == "enwik8" else (wt.Wikitext103, variant)
+  manual_dir = manual_dir and str(manual_dir)
+  data_dir = str(tmp_path / "data" / "tfds")
+  return sources.build(cls, config, data_dir=data_dir, manual_dir=manual_dir, download=download)
 
 
 def _records(builder, split):
@@ -76,8 +75,7 @@ def test_wikitext_build_one_example_per_article(tmp_path, monkeypatch, variant, 
     titles = fw.titles(split, raw=variant == "raw_v1")
     assert len(arts) == len(titles)
     assert arts[0].split("\n")[:2] == [" ", f" = {titles[0]} = "]  # the leading blank line too
-    for art, title in zip(arts[1:], titles[1:]):
-      assert art.split("\n")[0] == f" = {title} = "
+    assert [art.split("\n")[0] for art in arts[1:]] == [f" = {t} = " for t in titles[1:]]
     assert ("<unk>" in arts[-1] + arts[0]) == (variant == "v1")
   assert "東京" in "".join(_texts(builder, "train"))
   assert " = = = Construction = = = " in _texts(builder, "train")[1]  # sections stay inside
@@ -97,8 +95,10 @@ def test_enwik8_standard_split_sizes(n):
 
 @pytest.mark.parametrize("form", ["zip", "file"])
 def test_enwik8_build_keeps_every_byte_in_order(tmp_path, form):
+  """From the zip, reading the test split reaches the end of the member: its CRC is checked."""
   data = fe.content(N)
-  (fe.write_zip if form == "zip" else fe.write_file)(str(tmp_path / "manual"), data)
+  path = (fe.write_zip if form == "zip" else fe.write_file)(str(tmp_path / "manual"), data)
+  assert enwik8.open_source(**{"zip_path" if form == "zip" else "path": path}).size("enwik8") == N
   builder = _build(tmp_path, "enwik8", tmp_path / "manual")
   assert builder.info.disable_shuffling
   got = {}
@@ -108,18 +108,7 @@ def test_enwik8_build_keeps_every_byte_in_order(tmp_path, form):
     got[split] = b"".join(chunks)
   assert {s: len(b) for s, b in got.items()} == {"train": 4_503, "validation": 250, "test": 250}
   assert got["train"] + got["validation"] + got["test"] == data and got["test"] == data[-250:]
-  source = os.path.join(tmp_path / "manual", "enwik8.zip" if form == "zip" else "enwik8")
-  assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint([source])
-
-
-def test_enwik8_zip_member_is_read_through_its_crc(tmp_path):
-  """Reading the test split reaches the end of the member, where zipfile checks the CRC."""
-  path = fe.write_zip(str(tmp_path / "manual"), fe.content(N))
-  with zipfile.ZipFile(path) as zf:
-    assert zf.getinfo("enwik8").file_size == N
-  source = enwik8.open_source(zip_path=path)
-  assert source.size("enwik8") == N
-  assert b"".join(enwik8.chunks(source, "test")) == fe.content(N)[-250:]
+  assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint([path])
 
 
 def test_enwik8_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monkeypatch):
@@ -127,7 +116,9 @@ def test_enwik8_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monk
   monkeypatch.setattr(enwik8, "NUM_BYTES", N)
   with pytest.raises(sources.ChecksumError, match="does not match the official enwik8.zip"):
     _build(tmp_path, "enwik8", tmp_path / "manual")
-  monkeypatch.setattr(enwik8, "ZIP_SHA256", sources.sha256_of(path))
+  monkeypatch.setattr(
+    enwik8, "ZIP", dataclasses.replace(enwik8.ZIP, sha256=sources.sha256_of(path))
+  )
   builder = _build(tmp_path, "enwik8", tmp_path / "manual")
   assert b"".join(_records(builder, "test")) == fe.content(N)[-250:]
 
@@ -135,16 +126,18 @@ def test_enwik8_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monk
 def _damage_zip(path, case):
   """Cuts the zip in half, or rewrites it uncompressed with one byte of the text flipped (a clean
   CRC error)."""
-  data = open(path, "rb").read()
-  if case == "bad_crc":
-    with zipfile.ZipFile(path) as zf:
-      members = {n: zf.read(n) for n in zf.namelist()}
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
-      for n, d in members.items():
-        zf.writestr(n, d)
-    data = bytearray(open(path, "rb").read())
-    data[data.index(b"MacArthur" if b"MacArthur" in data else b"Construction")] ^= 0x01
-  open(path, "wb").write(bytes(data if case == "bad_crc" else data[: len(data) // 2]))
+  if case == "truncated_zip":
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    return path
+  with zipfile.ZipFile(path) as zf:
+    members = {n: zf.read(n) for n in zf.namelist()}
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+    for n, d in members.items():
+      zf.writestr(n, d)
+  data = bytearray(open(path, "rb").read())
+  data[data.index(b"MacArthur" if b"MacArthur" in data else b"Construction")] ^= 0x01
+  open(path, "wb").write(bytes(data))
   return path
 
 
@@ -164,6 +157,8 @@ def _wikitext_case(case, manual, monkeypatch):
     fw.write_extracted(
       str(manual), "v1", {"validation": " \n = H = \n caf\xe9 \n".encode("latin-1")}
     )
+  else:  # missing
+    manual.mkdir()
 
 
 def _enwik8_case(case, manual, monkeypatch):
@@ -186,12 +181,18 @@ DAMAGED = {
   ("v1", "dir_missing_split"): (sources.MissingDataError, "wiki.test.tokens"),
   ("v1", "empty_file"): (sources.BadSplitFileError, "wiki.valid.tokens is empty"),
   ("v1", "not_utf8"): (sources.BadSplitFileError, "line 3 is not valid UTF-8"),
+  ("raw_v1", "missing"): (sources.MissingDataError, "WikiText-103 .raw_v1. not found"),
   ("enwik8", "truncated_zip"): (sources.CorruptArchiveError, "enwik8.zip is not a readable zip"),
   ("enwik8", "bad_crc"): (sources.CorruptArchiveError, "cannot be decompressed"),
   ("enwik8", "zip_without_enwik8"): (sources.MissingDataError, "lacks enwik8"),
   ("enwik8", "empty_file"): (sources.BadSplitFileError, "is empty"),
   ("enwik8", "too_short"): (sources.BadSplitFileError, "has only 11 bytes"),
   ("enwik8", "missing"): (sources.MissingDataError, "enwik8 not found"),
+}
+# What a missing source's message names: the archive, and the file that would do.
+WHERE = {
+  "enwik8": ("enwik8.zip", "enwik8"),
+  "raw_v1": ("wikitext-103-raw-v1.zip", "wikitext-103-raw/wiki.train.raw"),
 }
 
 
@@ -207,13 +208,13 @@ def test_damaged_source_is_one_error_and_nothing_is_prepared(tmp_path, monkeypat
   msg = str(info.value)
   assert isinstance(info.value, ValueError) and str(manual) in msg
   assert "\n" not in msg or case == "missing"  # the missing case lists what it tried
-  config = "bytes" if variant == "enwik8" else variant
-  name = "enwik8" if variant == "enwik8" else "wikitext103"
+  config, name = ("bytes", "enwik8") if variant == "enwik8" else (variant, "wikitext103")
   assert not (tmp_path / "data" / "tfds" / name / config / "1.0.0").exists()
   assert not list((tmp_path / "data" / "tfds").rglob("*incomplete*"))
   assert not list((tmp_path / "data").rglob(store.MARKER))  # nothing prepared
   if case == "missing":
-    assert "enwik8.zip" in msg and os.path.join(str(manual), "enwik8") in msg
+    archive, file = WHERE[variant]
+    assert archive in msg and os.path.join(str(manual), file) in msg
     assert "Downloading was disabled" in msg and "--manual_dir" in msg
   # Repaired, the next run builds a complete, correct dataset.
   for p in sorted(manual.rglob("*"), reverse=True):
@@ -222,23 +223,16 @@ def test_damaged_source_is_one_error_and_nothing_is_prepared(tmp_path, monkeypat
     fe.write_file(str(manual), fe.content(N))
     assert b"".join(_records(_build(tmp_path, variant, manual), "test")) == fe.content(N)[-250:]
   else:
-    fw.write_extracted(str(manual), "v1")
-    builder = _build(tmp_path, "v1", manual)
+    fw.write_extracted(str(manual), variant)
+    builder = _build(tmp_path, variant, manual)
     for split in SPLITS:
-      assert "".join(_texts(builder, split)) == fw.split_text(split, raw=False)
+      assert "".join(_texts(builder, split)) == fw.split_text(split, raw=variant == "raw_v1")
 
 
-def test_wikitext_missing_everything_names_the_file_and_place(tmp_path):
-  manual = tmp_path / "manual"
-  manual.mkdir()
-  with pytest.raises(sources.MissingDataError) as info:
-    _build(tmp_path, "raw_v1", manual)
-  msg, train = str(info.value), os.path.join(str(manual), "wikitext-103-raw", "wiki.train.raw")
-  assert "wikitext-103-raw-v1.zip" in msg and str(manual) in msg and train in msg
-  assert "Downloading was disabled" in msg and "--manual_dir" in msg
+def test_without_manual_dir_tfds_default_is_looked_in(tmp_path):
   with pytest.raises(sources.MissingDataError, match="downloads/manual"):  # TFDS's default
     _build(tmp_path, "v1", None)
-  assert not (tmp_path / "data" / "tfds" / "wikitext103" / "raw_v1" / "1.0.0").exists()
+  assert not (tmp_path / "data" / "tfds" / "wikitext103" / "v1" / "1.0.0").exists()
 
 
 @pytest.mark.parametrize("variant", ["v1", "enwik8"])
@@ -247,7 +241,9 @@ def test_download_tries_mirrors_in_turn_and_checks_the_sha256(tmp_path, monkeypa
   if variant == "enwik8":
     good = fe.write_zip(str(tmp_path / "good"), fe.content(N))
     bad = fe.write_zip(str(tmp_path / "bad"), fe.content(N - 1))
-    monkeypatch.setattr(enwik8, "ZIP_SHA256", sources.sha256_of(good))
+    monkeypatch.setattr(
+      enwik8, "ZIP", dataclasses.replace(enwik8.ZIP, sha256=sources.sha256_of(good))
+    )
     urls = [f"file://{p}" for p in (tmp_path / "nowhere.zip", bad, good)]
     monkeypatch.setattr(enwik8, "MIRRORS", urls)
   else:
@@ -285,28 +281,21 @@ def test_wikitext_build_is_reused_then_built_again_when_the_source_changes(tmp_p
   assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint(paths)
 
 
-MIB = 1 << 20
-
-
 def test_fingerprint_and_file_digest_see_size_ends_and_name_not_a_deep_same_size_edit(tmp_path):
   """The fast source fingerprint that decides whether prepared data is stale, and the digest a run
   records of each text file: the same rule (name, size, first and last MiB)."""
-  data = bytes(range(256)) * (3 * MIB // 256)  # 3 MiB: a middle MiB the fingerprint skips
+  mib = 1 << 20
+  data = bytes(range(256)) * (3 * mib // 256)  # 3 MiB: a middle MiB the fingerprint skips
   path = str(tmp_path / "enwik8")
   open(path, "wb").write(data)
   base, digest = store.fingerprint([path]), store.file_digest(path)
   assert base.startswith("size+ends-sha256:") and store.fingerprint([path]) == base
   assert len(digest) == 16
-  changed = {
-    "truncated": data[:-1],
-    "appended": data + b"x",
-    "first MiB edited": b"X" + data[1:],
-    "last MiB edited": data[:-1] + b"X",
-  }
-  for what, other in changed.items():
+  truncated, appended, first, last = data[:-1], data + b"x", b"X" + data[1:], data[:-1] + b"X"
+  for other in (truncated, appended, first, last):
     open(path, "wb").write(other)
-    assert store.fingerprint([path]) != base and store.file_digest(path) != digest, what
-  open(path, "wb").write(data[: 3 * MIB // 2] + b"X" + data[3 * MIB // 2 + 1 :])
+    assert store.fingerprint([path]) != base and store.file_digest(path) != digest
+  open(path, "wb").write(data[: 3 * mib // 2] + b"X" + data[3 * mib // 2 + 1 :])
   # The documented limit: same size, deep inside.
   assert store.fingerprint([path]) == base and store.file_digest(path) == digest
   # The file's name is part of it: the same bytes under another name are another source.

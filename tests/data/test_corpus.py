@@ -1,4 +1,5 @@
-"""`load_corpus`: the default data folder and preparation by process 0 behind a barrier."""
+"""`load_corpus`: its config, the default data folder and preparation by process 0 behind a
+barrier."""
 
 import os
 import threading
@@ -17,11 +18,6 @@ from aft_jax.data.config import DataConfig
 N = 2_003
 
 
-@pytest.fixture(autouse=True)
-def _no_network(monkeypatch, tmp_path):
-  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
-
-
 def _cfg(tmp_path, data_dir):
   return DataConfig(dataset="enwik8", data_dir=data_dir, manual_dir=str(tmp_path / "manual"))
 
@@ -35,14 +31,6 @@ def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
   assert data_config.default_data_dir() == str(tmp_path / "relative" / "data")
   assert data_config.resolve_data_dir("") == str(tmp_path / "relative" / "data")
   assert data_config.resolve_data_dir("mine") == str(tmp_path / "mine")
-
-
-def test_empty_data_dir_prepares_into_the_default(tmp_path, monkeypatch):
-  fe.write_file(str(tmp_path / "manual"), fe.content(N))
-  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
-  c = corpus_lib.load_corpus(_cfg(tmp_path, ""))
-  assert store.is_complete(str(tmp_path / "cache" / "prepared" / "enwik8-byte"))
-  assert int(c.splits["test"].size) == N // 20
 
 
 def _two_processes(tmp_path, monkeypatch):
@@ -91,6 +79,7 @@ def _two_processes(tmp_path, monkeypatch):
   return results, events
 
 
+@pytest.mark.usefixtures("offline")
 def test_only_process_zero_prepares_and_the_others_wait(tmp_path, monkeypatch):
   data = fe.content(N)
   fe.write_file(str(tmp_path / "manual"), data)
@@ -104,6 +93,7 @@ def test_only_process_zero_prepares_and_the_others_wait(tmp_path, monkeypatch):
     assert got == data
 
 
+@pytest.mark.usefixtures("offline")
 def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, monkeypatch):
   (tmp_path / "manual").mkdir()  # no data: process 0 fails to prepare
   results, events = _two_processes(tmp_path, monkeypatch)
@@ -121,10 +111,20 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
     ({"dataset": "enwik8", "tokenizer": "word"}, "tokenizer = 'word': enwik8 is bytes"),
     ({"dataset": "enwik8", "official": "maybe"}, "official = 'maybe' is not 'auto', 'yes' or"),
     ({"dataset": "wikitext103", "variant": "v2"}, "variant = 'v2' is not 'v1' or 'raw_v1'"),
+    ({"dataset": "enwik8", "packing": True}, "packing = True: enwik8 is one stream of tokens"),
   ],
 )
-def test_bad_fields_are_one_line_errors(cfg, message):
-  with pytest.raises(ValueError, match=message):
+def test_bad_fields_are_one_line_errors_before_any_io(cfg, message):
+  with pytest.raises(ValueError, match=message) as e:
     DataConfig.of(cfg).validate()
+  assert "\n" not in str(e.value)
   with pytest.raises(TypeError, match="load_corpus takes a DataConfig"):
     corpus_lib.load_corpus(cfg)
+
+
+def test_load_corpus_pydoc_from_a_config_object():
+  class Cfg:
+    dataset, tokenizer, data_dir, manual_dir, variant = "pydoc", "byte", "", None, "v1"
+
+  assert corpus_lib.load_corpus(DataConfig.of(Cfg()).validate()).name == "pydoc-byte"
+  assert not DataConfig(dataset="text", train_files="x", packing=True).problems()

@@ -27,38 +27,31 @@ def _window_ids(batch, tokens):
   return [s // (L + 1) for s in starts]
 
 
-def test_train_batches_are_windows_of_the_stream():
-  toks = _tokens(1000)
-  it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=0)
-  for b in _take(it, 5):
-    assert set(b) == {"inputs", "targets"}
-    assert b["inputs"].shape == b["targets"].shape == (4, L)
-    assert b["inputs"].dtype == b["targets"].dtype == np.int32
-    for row_in, row_tg, w in zip(b["inputs"], b["targets"], _window_ids(b, toks)):
-      window = toks[w * (L + 1) : (w + 1) * (L + 1)]
-      np.testing.assert_array_equal(row_in, window[:-1])
-      np.testing.assert_array_equal(row_tg, window[1:])
-
-
-def test_epochs_cover_windows_once_in_a_new_order():
+def test_train_batches_are_windows_of_the_stream_each_once_an_epoch_in_a_new_order():
   toks = _tokens(9 * 40 + 5)  # 40 windows, 5 left-over tokens
   it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=3)
-  epochs = [[w for b in _take(it, 5) for w in _window_ids(b, toks)] for _ in range(3)]
-  for e in epochs:
-    assert sorted(e) == list(range(40))  # 40 % 8 == 0: every window exactly once
+  epochs = []
+  for _ in range(3):
+    epochs.append([])
+    for b in _take(it, 5):
+      assert set(b) == {"inputs", "targets"}
+      assert b["inputs"].shape == b["targets"].shape == (8, L)
+      assert b["inputs"].dtype == b["targets"].dtype == np.int32
+      epochs[-1] += _window_ids(b, toks)
+      for row_in, row_tg, w in zip(b["inputs"], b["targets"], _window_ids(b, toks)):
+        window = toks[w * (L + 1) : (w + 1) * (L + 1)]
+        np.testing.assert_array_equal(row_in, window[:-1])
+        np.testing.assert_array_equal(row_tg, window[1:])
+    assert sorted(epochs[-1]) == list(range(40))  # 40 % 8 == 0: every window exactly once
   assert epochs[0] != epochs[1] != epochs[2]
   again = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=3)
   assert [w for b in _take(again, 5) for w in _window_ids(b, toks)] == epochs[0]
   other = pipeline.train_iterator(toks, seq_len=L, global_batch_size=8, seed=4)
   assert [w for b in _take(other, 5) for w in _window_ids(b, toks)] != epochs[0]
-
-
-def test_drop_remainder_keeps_batches_full_and_distinct():
-  toks = _tokens(9 * 10)  # 10 windows, batches of 4: two batches per epoch
+  toks = _tokens(9 * 10)  # 10 windows, batches of 4: the remainder is dropped, batches full
   it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=4, seed=1)
   for _ in range(3):
-    ids = [w for b in _take(it, 2) for w in _window_ids(b, toks)]
-    assert len(set(ids)) == 8
+    assert len({w for b in _take(it, 2) for w in _window_ids(b, toks)}) == 8
 
 
 @pytest.mark.parametrize("process_count", [2, 4])
@@ -186,20 +179,15 @@ def test_eval_sharded_union_is_the_stream(stride):
   assert per_process[0][0]["inputs"].shape == (2, L)
 
 
-def test_eval_every_process_same_batch_count_with_uneven_rows():
+def test_eval_every_process_same_batch_count_with_uneven_rows_and_a_memmap_is_read(tmp_path):
   toks = (np.arange(5 * L) + 1).astype(np.uint32)  # 5 windows, 4 rows per batch: 2 batches
   shards = [_collect(toks, stride=None, process_index=p, process_count=4) for p in range(4)]
   assert [len(b) for b in shards] == [2, 2, 2, 2]
   last = shards[3][-1]
   assert last["weights"].sum() == 0 and not last["inputs"].any()  # pure padding row
-
-
-def test_eval_reads_a_memmap(tmp_path):
-  path = tmp_path / "t.npy"
-  np.save(path, (np.arange(77) + 3).astype(np.uint32))
-  toks = np.load(path, mmap_mode="r")
-  got = [t for t, _, _ in _weighted(_collect(toks, stride=5))]
-  assert got == (np.arange(77) + 3).tolist()
+  np.save(tmp_path / "t.npy", (np.arange(77) + 3).astype(np.uint32))
+  toks = np.load(tmp_path / "t.npy", mmap_mode="r")
+  assert [t for t, _, _ in _weighted(_collect(toks, stride=5))] == (np.arange(77) + 3).tolist()
   it = pipeline.train_iterator(toks, seq_len=L, global_batch_size=2, seed=0)
   assert next(it)["inputs"].shape == (2, L)
 

@@ -1,34 +1,28 @@
-"""`python -m aft_jax.data.prepare` and `load_corpus` on fake WikiText-103."""
+"""`aft-prepare` (``prepare.main`` / ``cli``) and `load_corpus` on fake WikiText-103 and enwik8:
+counts, reuse, the official checks, the store's files, its lock and damaged or killed runs."""
 
 import collections
 import errno
+import io
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
 
-from tests.support import prefork
+from aft_jax import files
+from aft_jax.data import corpus as corpus_lib
+from aft_jax.data import enwik8, prepare, sources, store
+from aft_jax.data.config import DataConfig
 from tests.support import fake_enwik8 as fe
 from tests.support import fake_wikitext as fw
-from aft_jax.data import corpus as corpus_lib
-from aft_jax.data import prepare
-from aft_jax.data import sources, store
-from aft_jax.data import enwik8, wikitext103
-from aft_jax.data.config import DataConfig
 
+pytestmark = pytest.mark.usefixtures("offline")
 SPLITS = ("train", "validation", "test")
-
-
-@pytest.fixture(autouse=True)
-def _no_network(monkeypatch, tmp_path):
-  monkeypatch.setattr(wikitext103, "MIRRORS", [f"file://{tmp_path}/no-mirror/{{filename}}"])
-  monkeypatch.setattr(enwik8, "MIRRORS", [f"file://{tmp_path}/no-mirror/enwik8.zip"])
 
 
 def _protocol_tokens(text):
@@ -40,43 +34,35 @@ def _protocol_tokens(text):
 def _expected_word_summary(variant):
   texts = fw.texts(variant)
   vocab = set(_protocol_tokens(texts["train"])) | {"<eos>"}
-  if variant == "raw_v1":
-    vocab.add("<unk>")
+  vocab |= {"<unk>"} if variant == "raw_v1" else set()
   return {"vocab_size": len(vocab), "tokens": {s: len(_protocol_tokens(texts[s])) for s in SPLITS}}
 
 
-def _args(tmp_path, *extra):
+def _run(tmp_path, *extra, quiet=True):
+  """main() in-process on WikiText-103 in tmp_path/manual; returns the summary it printed."""
   folders = ["--data_dir", str(tmp_path / "data"), "--manual_dir", str(tmp_path / "manual")]
-  return ["--dataset", "wikitext103", *folders, "--nodownload", "--quiet", *extra]
-
-
-def _run(tmp_path, *extra):
-  """main() in-process; returns the summary it printed."""
-  return prepare.main(_args(tmp_path, *extra))
+  quiet = ["--quiet"] if quiet else []
+  return prepare.main(["--dataset", "wikitext103", *folders, "--nodownload", *quiet, *extra])
 
 
 def _path(tmp_path, name="wikitext103-v1-word"):
   return store.prepared_dir(str(tmp_path / "data"), name)
 
 
-def test_cli_prints_counts_as_last_line_and_reuses(tmp_path):
-  fw.write_extracted(str(tmp_path / "manual"), "v1")
-  cmd = [sys.executable, "-m", "aft_jax.data.prepare", *_args(tmp_path)[:-1]]  # progress bars
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-  run = lambda: subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # noqa: E731
-  first, second = run(), run()
-  assert first.returncode == 0 and "articles" in first.stderr, first.stderr  # tqdm progress
-  assert json.loads(first.stdout.splitlines()[-1]) == _expected_word_summary("v1")
-  assert second.returncode == 0 and "Reusing" in second.stderr, second.stderr
-  assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
+def _data_config(tmp_path, tokenizer: str, variant: str):
+  folders = dict(data_dir=str(tmp_path / "data"), manual_dir=str(tmp_path / "manual"))
+  return DataConfig(dataset="wikitext103", tokenizer=tokenizer, variant=variant, **folders)
 
 
 @pytest.mark.parametrize("variant", ["v1", "raw_v1"])
-def test_word_ids_follow_the_protocol(tmp_path, capsys, variant):
+def test_word_ids_follow_the_protocol_and_a_rerun_reuses(tmp_path, capsys, caplog, variant):
   fw.write_extracted(str(tmp_path / "manual"), variant)
-  summary = _run(tmp_path, "--variant", variant)
-  assert summary == _expected_word_summary(variant)
-  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+  summary = _run(tmp_path, "--variant", variant, quiet=False)
+  out, err = capsys.readouterr()
+  assert summary == _expected_word_summary(variant) and "articles" in err  # tqdm's bars
+  assert json.loads(out.strip().splitlines()[-1]) == summary  # the last line
+  with caplog.at_level(logging.INFO):
+    assert _run(tmp_path, "--variant", variant) == summary and "Reusing" in caplog.text
   path = _path(tmp_path, f"wikitext103-{variant}-word")
   c = corpus_lib.load_prepared(path)
   assert c.unit == "word" and c.vocab.size == summary["vocab_size"] and c.bos_id == c.vocab.eos_id
@@ -86,16 +72,13 @@ def test_word_ids_follow_the_protocol(tmp_path, capsys, variant):
   counts = collections.Counter(_protocol_tokens(fw.texts(variant)["train"]))
   ranked = [t for t in c.vocab.tokens if t in counts]
   assert ranked == sorted(counts, key=lambda t: (-counts[t], t))
+  known = set(c.vocab.tokens)
   for s in SPLITS:
-    ids = c.splits[s]
+    ids, ref = c.splits[s], _protocol_tokens(fw.texts(variant)[s])
     assert ids.dtype == np.uint32 and ids.ndim == 1
-    words = [c.vocab.tokens[i] for i in ids]
-    ref = _protocol_tokens(fw.texts(variant)[s])
-    if variant == "v1":
-      assert words == ref
-    else:  # raw: held-out words unseen in train become <unk>
-      train_vocab = set(c.vocab.tokens)
-      assert words == [w if w in train_vocab else "<unk>" for w in ref]
+    if variant == "raw_v1":  # held-out words unseen in train become <unk>
+      ref = [w if w in known else "<unk>" for w in ref]
+    assert [c.vocab.tokens[i] for i in ids] == ref
   if variant == "raw_v1":
     assert "<unk>" in [c.vocab.tokens[i] for i in c.splits["test"]]  # 'Herons' is not in train
 
@@ -106,8 +89,7 @@ def test_byte_tokenizer_reads_the_raw_text_and_load_corpus_prepares_it(tmp_path)
   assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.vocab.size == 256
   assert c.bos_id == ord("\n")
   raw = {s: fw.split_text(s, raw=True).encode("utf-8") for s in SPLITS}
-  for s in SPLITS:
-    assert c.splits[s].astype(np.uint8).tobytes() == raw[s]
+  assert {s: c.splits[s].astype(np.uint8).tobytes() for s in SPLITS} == raw
   assert not os.path.exists(os.path.join(_path(tmp_path, "wikitext103-raw_v1-byte"), "vocab.txt"))
   summary = _run(tmp_path, "--tokenizer", "byte")  # the same folder: reused
   assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
@@ -135,11 +117,6 @@ def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch
   assert {s: int(c.splits[s].size) for s in SPLITS} == _expected_word_summary("v1")["tokens"]
 
 
-def _data_config(tmp_path, tokenizer: str, variant: str):
-  folders = dict(data_dir=str(tmp_path / "data"), manual_dir=str(tmp_path / "manual"))
-  return DataConfig(dataset="wikitext103", tokenizer=tokenizer, variant=variant, **folders)
-
-
 def test_a_split_is_written_as_numpy_saves_it_and_a_partial_one_is_never_visible(tmp_path):
   path = str(tmp_path / "p")
   store.start(path)
@@ -157,83 +134,87 @@ def test_a_split_is_written_as_numpy_saves_it_and_a_partial_one_is_never_visible
   assert open(os.path.join(path, "train.npy"), "rb").read() == (tmp_path / "want.npy").read_bytes()
 
 
-def test_a_full_disk_is_one_error_naming_the_size_and_leaves_no_temporary_file(
-  tmp_path, monkeypatch
-):
-  """Too little space up front, or a disk that fills meanwhile (the temporary file is /dev/full,
-  where every write fails with ENOSPC): one DiskFullError, and the folder holds nothing."""
-  from aft_jax import files
+class _FullDisk(io.FileIO):
+  """A file on a disk that filled meanwhile: every write fails with ENOSPC."""
 
+  def write(self, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_is_one_error_naming_the_size_and_leaves_no_temporary_file(
+  tmp_path, monkeypatch, capsys
+):
+  """Too little space up front, or a disk that fills meanwhile: one DiskFullError, and the
+  folder holds nothing; `aft-prepare` says it in one line, exit status 1."""
   path = str(tmp_path / "p")
   store.start(path)
   chunks = [np.arange(1_000_000, dtype=np.uint32)]
   want = f"no space left on device: needs ~5 MB at {path}/train.npy"
   usage = shutil.disk_usage(path)
-  monkeypatch.setattr(files.shutil, "disk_usage", lambda p: usage._replace(free=3_000_000))
-  with pytest.raises(files.DiskFullError) as e:
-    store.write_tokens(path, "train", chunks)
-  assert str(e.value) == want and e.value.errno == errno.ENOSPC and os.listdir(path) == []
-  monkeypatch.undo()
-  os.symlink("/dev/full", os.path.join(path, f"train.npy.tmp-{os.getpid()}.npy"))
+  with monkeypatch.context() as m:
+    m.setattr(files.shutil, "disk_usage", lambda p: usage._replace(free=3_000_000))
+    with pytest.raises(files.DiskFullError) as e:
+      store.write_tokens(path, "train", chunks)
+    assert str(e.value) == want and e.value.errno == errno.ENOSPC and os.listdir(path) == []
+    m.setattr(files.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    data, json_files = tmp_path / "data", os.path.join(os.path.dirname(json.__file__), "*.py")
+    argv = ["--dataset", "text", "--train_files", json_files, "--data_dir", str(data), "--quiet"]
+    m.setattr(sys, "argv", ["aft-prepare", *argv])
+    with pytest.raises(SystemExit) as exit_:
+      prepare.cli()
+  message = str(exit_.value.code)  # sys.exit(str): printed on stderr, exit status 1
+  assert message.startswith("error: DiskFullError: no space left on device: needs ~"), message
+  assert "\n" not in message and not capsys.readouterr().err.strip()
+  assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
+  monkeypatch.setattr(store, "open", _FullDisk, raising=False)
   with pytest.raises(files.DiskFullError, match=want):
     store.write_tokens(path, "train", chunks)
   assert os.listdir(path) == []
 
 
-DISK_FULL = """
-import shutil, sys
-from aft_jax.data import prepare
-usage = shutil.disk_usage(sys.argv[1])
-shutil.disk_usage = lambda path: usage._replace(free=1000)  # a full disk, without filling one
-data_dir, train_files = sys.argv[1:]
-sys.argv[1:] = ["--dataset", "text", "--train_files", train_files, "--data_dir", data_dir]
-sys.argv.append("--quiet")
-prepare.cli()
-"""
-
-
-def test_aft_prepare_on_a_full_disk_is_one_line(tmp_path):
-  data = tmp_path / "data"
-  data.mkdir()
-  files = os.path.join(os.path.dirname(os.__file__), "json", "*.py")
-  cmd = [sys.executable, "-c", DISK_FULL, str(data), files]
-  done = prefork.run(cmd, capture_output=True, text=True, timeout=120)
-  lines = [line for line in done.stderr.splitlines() if line.strip()]
-  assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
-  assert lines[0].startswith("error: DiskFullError: no space left on device: needs ~"), lines[0]
-  assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
-
-
-def _patch_official(monkeypatch, summary, lines):
+def _patch_official(monkeypatch, summary):
+  """Makes the fake data "the official release": its counts the published ones."""
   monkeypatch.setattr(prepare, "OFFICIAL_VOCAB_SIZE", summary["vocab_size"])
   monkeypatch.setattr(prepare, "OFFICIAL_TOKENS", dict(summary["tokens"]))
-  monkeypatch.setattr(prepare, "OFFICIAL_LINES", dict(lines))
-
-
-def _fake_lines():
-  return {s: fw.texts("v1")[s].count("\n") for s in SPLITS}
+  lines = {s: fw.texts("v1")[s].count("\n") for s in SPLITS}
+  monkeypatch.setattr(prepare, "OFFICIAL_LINES", lines)
 
 
 def test_official_counts_are_checked_where_the_files_look_official(tmp_path, monkeypatch):
   assert prepare.OFFICIAL_VOCAB_SIZE == 267_735
   assert prepare.OFFICIAL_TOKENS == {"train": 103_227_021, "validation": 217_646, "test": 245_569}
   fw.write_extracted(str(tmp_path / "manual"), "v1")
-  expected = _expected_word_summary("v1")
+  expected, path = _expected_word_summary("v1"), _path(tmp_path)
   with pytest.raises(prepare.CountMismatchError, match="expected 1,801,350"):
     _run(tmp_path, "--official", "yes")
   assert _run(tmp_path) == expected  # unflagged, the small fake data is not the real data
-  assert store.read_summary(_path(tmp_path))["official"] is False
+  assert store.read_summary(path)["official"] is False
   # The fake data "is" the official release: line counts identify it, counts agree.
-  _patch_official(monkeypatch, expected, _fake_lines())
-  shutil.rmtree(_path(tmp_path))
-  assert _run(tmp_path) == expected
-  assert store.read_summary(_path(tmp_path))["official"] is True
-  wrong = {"vocab_size": expected["vocab_size"], "tokens": {**expected["tokens"], "test": 245_569}}
-  _patch_official(monkeypatch, wrong, _fake_lines())
-  shutil.rmtree(_path(tmp_path))
+  _patch_official(monkeypatch, expected)
+  shutil.rmtree(path)
+  assert _run(tmp_path) == expected and store.read_summary(path)["official"] is True
+  _patch_official(monkeypatch, {**expected, "tokens": {**expected["tokens"], "test": 245_569}})
+  shutil.rmtree(path)
   with pytest.raises(prepare.CountMismatchError, match="test: .* tokens, expected 245,569"):
     _run(tmp_path)
+  assert not store.is_complete(path)
+
+
+def test_half_truncated_official_file_is_an_error_under_auto(tmp_path, monkeypatch):
+  """A truncated wiki.train.tokens beside intact valid/test files is not a custom corpus."""
+  fw.write_extracted(str(tmp_path / "manual"), "v1")
+  _patch_official(monkeypatch, _expected_word_summary("v1"))  # fake == official
+  train = tmp_path / "manual" / "wikitext-103" / "wiki.train.tokens"
+  text = train.read_bytes()
+  train.write_bytes(text[: text.index(b"\n", len(text) // 2) + 1])  # cut at a line end
+  with pytest.raises(prepare.CountMismatchError, match="look truncated or modified") as info:
+    _run(tmp_path)
+  assert "--official no" in str(info.value) and "train: " in str(info.value)
   assert not store.is_complete(_path(tmp_path))
+  # Asked for explicitly, the same files are a custom corpus in the official layout.
+  full = _expected_word_summary("v1")["tokens"]["train"]
+  assert 0 < _run(tmp_path, "--official", "no")["tokens"]["train"] < full
+  assert store.read_summary(_path(tmp_path))["official"] is False
 
 
 def test_pydoc_cli(capsys):
@@ -263,31 +244,10 @@ def test_a_rerun_reuses_but_not_once_the_source_changed(tmp_path, monkeypatch, k
   assert store.read_summary(path)["source_fingerprint"].startswith("size+ends-sha256:")
 
 
-def test_half_truncated_official_file_is_an_error_under_auto(tmp_path, monkeypatch):
-  """A truncated wiki.train.tokens beside intact valid/test files is not a custom corpus."""
-  fw.write_extracted(str(tmp_path / "manual"), "v1")
-  _patch_official(monkeypatch, _expected_word_summary("v1"), _fake_lines())  # fake == official
-  train = tmp_path / "manual" / "wikitext-103" / "wiki.train.tokens"
-  text = train.read_bytes()
-  train.write_bytes(text[: text.index(b"\n", len(text) // 2) + 1])  # cut at a line end
-  with pytest.raises(prepare.CountMismatchError, match="look truncated or modified") as info:
-    _run(tmp_path)
-  assert "--official no" in str(info.value) and "train: " in str(info.value)
-  path = _path(tmp_path)
-  assert not store.is_complete(path)
-  # Asked for explicitly, the same files are a custom corpus in the official layout.
-  full = _expected_word_summary("v1")["tokens"]["train"]
-  assert 0 < _run(tmp_path, "--official", "no")["tokens"]["train"] < full
-  assert store.read_summary(path)["official"] is False
-
-
 @pytest.mark.parametrize(
   "flags, message",
   [
-    (
-      ["wikitext103", "--tokenizer", "subword", "--vocab_size", "10"],
-      r"vocab_size = 10 must be in",
-    ),
+    (["wikitext103", "--tokenizer", "subword", "--vocab_size", "10"], "vocab_size = 10 must be"),
     (["pydoc", "--tokenizer", "subword"], r"tokenizer = 'subword': pydoc is bytes or words"),
     (["text", "--train_files", " , "], r"config\.data\.train_files is empty"),
   ],
@@ -298,15 +258,9 @@ def test_the_command_line_is_checked_as_a_config_is(tmp_path, flags, message):
   assert "\n" not in str(e.value) and not os.listdir(tmp_path)
 
 
-# enwik8 (offline, on a fake file): counts, the official size, two runs at once (the lock), a
-# damaged prepared split, no `--data_dir` (the trainer's default folder), killed TFDS builds.
+# enwik8, on a fake file of N bytes (not a multiple of 20: N // 20 rounds down).
 N = 5_003
 EXPECTED = {"vocab_size": 256, "tokens": {"train": 4_503, "validation": 250, "test": 250}}
-
-
-@pytest.fixture
-def fake_file(tmp_path):
-  fe.write_file(str(tmp_path / "manual"), fe.content(N))
 
 
 def _prepare_enwik8(tmp_path, *extra, data_dir=True):
@@ -319,29 +273,32 @@ def _enwik8_path(tmp_path, data="data"):
   return store.prepared_dir(str(tmp_path / data), prepare.ENWIK8_NAME)
 
 
-def test_enwik8_prints_counts_warns_custom_and_defaults_to_the_trainer_data_dir(
-  tmp_path, monkeypatch, capsys, caplog
-):
-  """`aft-prepare` without --data_dir writes where `aft-train` looks when data_dir is ''."""
-  data = fe.content(N)
-  fe.write_zip(str(tmp_path / "manual"), data)
-  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
-  with caplog.at_level(logging.WARNING):
-    assert _prepare_enwik8(tmp_path, data_dir=False) == EXPECTED
-  out, err = capsys.readouterr()
-  assert json.loads(out.strip().splitlines()[-1]) == EXPECTED
-  assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
-  path = _enwik8_path(tmp_path, "cache")
-  assert store.is_complete(path) and path in err and not store.read_summary(path)["official"]
-  monkeypatch.setattr(sources, "build", None)  # reused: never built again
-  c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", manual_dir=str(tmp_path / "manual")))
-  assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256 and c.bos_id == 10
+def _assert_bytes_right(path, data=fe.content(N)):
+  c = corpus_lib.load_prepared(path)
   assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == data
 
 
+def test_enwik8_load_corpus_and_aft_prepare_default_to_one_data_dir_and_warn_custom(
+  tmp_path, monkeypatch, capsys, caplog
+):
+  """`load_corpus` with data_dir '' prepares where `aft-prepare` without --data_dir looks."""
+  fe.write_zip(str(tmp_path / "manual"), fe.content(N))
+  monkeypatch.setenv("AFT_JAX_DATA", str(tmp_path / "cache"))
+  with caplog.at_level(logging.WARNING):
+    c = corpus_lib.load_corpus(DataConfig(dataset="enwik8", manual_dir=str(tmp_path / "manual")))
+  assert c.name == "enwik8-byte" and c.unit == "byte" and c.vocab.size == 256 and c.bos_id == 10
+  assert "custom byte corpus" in caplog.text and "5,003 bytes" in caplog.text
+  path = _enwik8_path(tmp_path, "cache")
+  assert store.is_complete(path) and not store.read_summary(path)["official"]
+  _assert_bytes_right(path)
+  monkeypatch.setattr(sources, "build", None)  # reused: never built again
+  assert _prepare_enwik8(tmp_path, data_dir=False) == EXPECTED
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1]) == EXPECTED and path in err
+
+
 def test_real_size_is_official_and_yes_requires_it(tmp_path, monkeypatch, caplog):
-  data = fe.content(N)
-  fe.write_file(str(tmp_path / "manual"), data)
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
   with pytest.raises(prepare.CountMismatchError, match="5,003 bytes, not the 100,000,000"):
     _prepare_enwik8(tmp_path, "--official", "yes")
   assert not store.is_complete(_enwik8_path(tmp_path))
@@ -361,13 +318,9 @@ def test_enwik8_changed_source_is_prepared_again(tmp_path):
   assert _prepare_enwik8(tmp_path)["tokens"]["test"] == 2 * N // 20
 
 
-def _assert_bytes_right(path):
-  c = corpus_lib.load_prepared(path)
-  assert b"".join(c.splits[s].astype(np.uint8).tobytes() for s in SPLITS) == fe.content(N)
-
-
-def test_two_prepares_at_once_build_once_and_agree(fake_file, tmp_path, monkeypatch):
+def test_two_prepares_at_once_build_once_and_agree(tmp_path, monkeypatch):
   """The second run waits for the first one's lock, then reuses what it prepared."""
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
   real_build = sources.build
   builds, first_in, second_waits = [], threading.Event(), threading.Event()
 
@@ -389,15 +342,12 @@ def test_two_prepares_at_once_build_once_and_agree(fake_file, tmp_path, monkeypa
   handler = Waiting()
   logging.getLogger("aft_jax.data").addHandler(handler)
   monkeypatch.setattr(sources, "build", slow_build)
-  results = {}
+  results, cfg = {}, DataConfig(dataset="enwik8", manual_dir=str(tmp_path / "manual"))
 
   def run(name):
     try:
-      manual = str(tmp_path / "manual")
-      cfg = DataConfig(dataset="enwik8", manual_dir=manual)
-      _, results[name] = prepare.prepare_corpus(
-        str(tmp_path / "data"), cfg, download=False, progress=False
-      )
+      data = str(tmp_path / "data")
+      results[name] = prepare.prepare_corpus(data, cfg, download=False, progress=False)[1]
     except Exception as e:  # pylint: disable=broad-except  (checked below)
       results[name] = e
 
@@ -418,16 +368,15 @@ def test_two_prepares_at_once_build_once_and_agree(fake_file, tmp_path, monkeypa
   _assert_bytes_right(_enwik8_path(tmp_path))
 
 
-def test_a_lock_held_elsewhere_is_waited_for(fake_file, tmp_path):
+def test_a_lock_held_elsewhere_is_waited_for(tmp_path):
   """The lock is a file lock: one taken through another open file blocks, and is released."""
-  path = str(tmp_path / "prepared" / "x")
+  path, done = str(tmp_path / "prepared" / "x"), threading.Event()
+
+  def other():
+    with store.lock(path, "x"):
+      done.set()
+
   with store.lock(path, "x"):
-    done = threading.Event()
-
-    def other():
-      with store.lock(path, "x"):
-        done.set()
-
     t = threading.Thread(target=other)
     t.start()
     assert not done.wait(timeout=0.5)
@@ -441,15 +390,17 @@ CUTS = {"ids": -100, "header": 50, "empty": 0, "missing": None, "longer": 4}  # 
 
 
 @pytest.mark.parametrize("cut", sorted(CUTS))
-def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_path, caplog, cut):
+def test_truncated_split_names_the_file_and_prepare_rebuilds_it(tmp_path, caplog, cut):
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
   assert _prepare_enwik8(tmp_path) == EXPECTED
   path = _enwik8_path(tmp_path)
   split = os.path.join(path, "validation.npy")
   if cut == "missing":
     os.remove(split)
   else:
-    size = CUTS[cut] if cut in ("header", "empty") else os.path.getsize(split) + CUTS[cut]
-    os.truncate(split, size)
+    os.truncate(
+      split, CUTS[cut] if cut in ("header", "empty") else os.path.getsize(split) + CUTS[cut]
+    )
   with pytest.raises(store.DamagedCorpusError) as info:
     corpus_lib.load_prepared(path)
   msg = str(info.value)
@@ -464,8 +415,9 @@ def test_truncated_split_names_the_file_and_prepare_rebuilds_it(fake_file, tmp_p
 
 
 @pytest.mark.parametrize("when", ["before_the_first_build", "beside_a_finished_build"])
-def test_stale_incomplete_builds_are_removed(fake_file, tmp_path, when):
+def test_stale_incomplete_builds_are_removed(tmp_path, when):
   """A build killed mid-way leaves TFDS's temporary folder; the next build removes it."""
+  fe.write_file(str(tmp_path / "manual"), fe.content(N))
   config_dir = tmp_path / "data" / "tfds" / "enwik8" / "bytes"
   if when == "beside_a_finished_build":
     _prepare_enwik8(tmp_path)

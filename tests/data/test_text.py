@@ -1,7 +1,6 @@
 """aft_jax.data.text and aft_jax.data.subword: your own files as a corpus, a subword vocabulary
 learned on the train split, and every bad input as one line naming the file or the key."""
 
-import dataclasses
 import glob
 import gzip
 import json
@@ -42,10 +41,21 @@ def test_documents_are_split_by_file_with_a_boundary_after_each(docs, tmp_path):
   assert names(again) == names(files)
 
 
-def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp_path):
+def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp_path, capsys):
+  """Prepared by `aft-prepare` (its last line the summary), then loaded as it prepared it."""
+  from aft_jax.data import corpus as corpus_lib
+  from aft_jax.data import prepare
+
   cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
+  assert corpus_lib.vocab_size(DataConfig("text", **cfg))[0] == 400  # the dry run's
+  flags = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "400", "--quiet"]
+  summary = prepare.main(
+    [*flags, "--train_files", str(docs / "*.py"), "--data_dir", str(tmp_path / "data")]
+  )
+  assert json.loads(capsys.readouterr().out.splitlines()[-1]) == summary
   corpus = _load(tmp_path, **cfg)
-  assert corpus.vocab.size == 400 and corpus.unit == "subword"
+  assert corpus.vocab.size == summary["vocab_size"] == 400 and corpus.unit == "subword"
+  assert {s: int(t.size) for s, t in corpus.splits.items()} == summary["tokens"]
   files = text.split_files(DataConfig(dataset="text", **cfg))
   train_docs = [open(p).read() for p in files["train"]]
   again = subword.train(train_docs, 400)
@@ -58,15 +68,32 @@ def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp
     assert int(np.sum(ids == eos)) == len(paths) and ids[-1] == eos  # one boundary per file
     # each document decodes back to its file exactly
     assert corpus.vocab.decode(ids[: list(ids).index(eos)]) == open(paths[0]).read()
+  # A damaged prepared vocabulary is refused.
+  model = os.path.join(os.path.dirname(corpus.splits["train"].filename), subword.MODEL_FILENAME)
+  with open(model, "r+b") as f:
+    f.seek(100)
+    f.write(b"\xff" * 8)
+  with pytest.raises(ValueError, match=r"subword\.model is damaged: it does not match the SHA"):
+    _load(tmp_path, **cfg)
+  with pytest.raises(ValueError, match="is not a SentencePiece model"):
+    subword.SubwordVocab(b"not a model")
 
 
-def test_a_changed_file_prepares_again_and_an_unchanged_one_is_reused(docs, tmp_path):
+def test_an_unchanged_corpus_is_reused_one_without_document_ends_or_changed_prepared_again(
+  docs, tmp_path
+):
   cfg = dict(train_files=str(docs / "*.py"), tokenizer="byte")
   first = _load(tmp_path, **cfg)
   out = os.path.dirname(first.splits["train"].filename)
   stamp = os.path.getmtime(os.path.join(out, store.MARKER))
   assert _load(tmp_path, **cfg).splits["train"].size == first.splits["train"].size
   assert os.path.getmtime(os.path.join(out, store.MARKER)) == stamp  # reused
+  summary = store.read_summary(out)
+  del summary[text.DOCUMENTS_KEY]  # as an earlier version wrote it
+  store.finish(out, summary)
+  again = _load(tmp_path, **cfg)  # prepares it again: packing needs the ends
+  assert store.read_summary(out)[text.DOCUMENTS_KEY] is True
+  np.testing.assert_array_equal(again.documents["train"], first.documents["train"])
   files = text.split_files(DataConfig(dataset="text", **cfg))
   with open(files["train"][0], "a") as f:
     f.write("# one more line\n")
@@ -92,6 +119,7 @@ SETTINGS = [
   ({"train_files": "{docs}/__init__.py,{docs}/tool.py"}, "matches 2 file.*leaves none to train on"),
   ({"train_files": ""}, r"config\.data\.train_files is empty"),
   ({"encoding": "klingon"}, r"config\.data\.encoding = 'klingon' is not an encoding"),
+  ({"text_field": ""}, r"config\.data\.text_field is empty"),
   ({"tokenizer": "subword", "vocab_size": 50_000}, "vocab_size = 50000 is more pieces than the t"),
   ({"tokenizer": "subword", "vocab_size": 0}, r"vocab_size = 0 must be in \[300, "),
 ]
@@ -111,19 +139,6 @@ def test_settings_that_give_no_corpus_are_one_line_naming_the_key(
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
 
 
-def test_a_damaged_prepared_vocabulary_is_refused(docs, tmp_path):
-  cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
-  corpus = _load(tmp_path, **cfg)
-  model = os.path.join(os.path.dirname(corpus.splits["train"].filename), subword.MODEL_FILENAME)
-  with open(model, "r+b") as f:
-    f.seek(100)
-    f.write(b"\xff" * 8)
-  with pytest.raises(ValueError, match=r"subword\.model is damaged: it does not match the SHA"):
-    _load(tmp_path, **cfg)
-  with pytest.raises(ValueError, match="is not a SentencePiece model"):
-    subword.SubwordVocab(b"not a model")
-
-
 def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tmp_path):
   from tests.support import fake_wikitext
 
@@ -137,19 +152,6 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     decoded = corpus.vocab.decode(ids[:-1]).replace("\n\n", "")
     assert decoded == texts[split].replace("\n\n", "")
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
-
-
-def test_dry_run_vocabulary_size_and_the_prepare_command(docs, tmp_path, capsys):
-  from aft_jax.data import corpus as corpus_lib
-  from aft_jax.data import prepare
-
-  cfg = DataConfig(dataset="text", tokenizer="subword", vocab_size=400)
-  assert corpus_lib.vocab_size(dataclasses.replace(cfg, train_files=str(docs / "*.py")))[0] == 400
-  flags = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "400", "--quiet"]
-  flags += ["--train_files", str(docs / "*.py"), "--data_dir", str(tmp_path / "d")]
-  summary = prepare.main(flags)
-  assert json.loads(capsys.readouterr().out.splitlines()[-1]) == summary
-  assert summary["vocab_size"] == 400 and set(summary["tokens"]) == set(text.SPLITS)
 
 
 def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
@@ -393,23 +395,3 @@ def test_a_bad_file_or_record_is_one_line_naming_file_and_line_or_row_group(
     _load(tmp_path, train_files=f"{docs}/*.py,{path}", tokenizer="byte")
   assert "\n" not in str(e.value)
   assert not glob.glob(str(tmp_path / "data" / "prepared" / "*" / store.MARKER))
-
-
-def test_packing_and_text_field_are_checked_with_the_config():
-  (problem,) = DataConfig(dataset="enwik8", packing=True).problems()
-  assert "config.data.packing = True: enwik8 is one stream of tokens" in problem
-  assert not DataConfig(dataset="text", train_files="x", packing=True).problems()
-  (problem,) = DataConfig(dataset="text", train_files="x", text_field="").problems()
-  assert "config.data.text_field is empty" in problem
-
-
-def test_a_corpus_prepared_without_document_ends_is_prepared_again(docs, tmp_path):
-  cfg = dict(train_files=str(docs / "*.py"), tokenizer="byte")
-  first = _load(tmp_path, **cfg)
-  out = os.path.dirname(first.splits["train"].filename)
-  summary = store.read_summary(out)
-  del summary[text.DOCUMENTS_KEY]  # as an earlier version wrote it
-  store.finish(out, summary)
-  again = _load(tmp_path, **cfg)  # prepares it again: packing needs the ends
-  assert store.read_summary(out)[text.DOCUMENTS_KEY] is True
-  np.testing.assert_array_equal(again.documents["train"], first.documents["train"])

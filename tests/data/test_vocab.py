@@ -9,7 +9,6 @@ from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import pydoc as pydoc_lib
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.data.vocab import EOS, UNK, ByteVocab, WordVocab
-from aft_jax.data.config import DataConfig
 
 
 TEXTS = ["", "\n", "a b\n", "a b", " a  b \n\n c\n", " \n = T = \n \n x <unk> y \n"]
@@ -112,15 +111,3 @@ def test_pydoc_corpus_deterministic_and_word_level():
   expected_unk = sum(w not in train_words for w in valid)
   assert expected_unk > 0 and int((a.splits["validation"] == unk).sum()) == expected_unk
   assert a.splits["validation"].size == len(valid)
-
-
-def test_load_corpus_pydoc_from_config_object():
-  class Cfg:
-    dataset, tokenizer, data_dir, manual_dir, variant = "pydoc", "byte", "", None, "v1"
-
-  c = corpus_lib.load_corpus(DataConfig.of(Cfg()).validate())
-  assert c.name == "pydoc-byte"
-  with pytest.raises(ValueError, match="dataset"):
-    DataConfig.of({"dataset": "enwik9"}).validate()  # unknown: an error before any I/O
-  with pytest.raises(TypeError, match="takes a DataConfig"):
-    corpus_lib.load_corpus(Cfg())

@@ -1,8 +1,5 @@
-"""Small enwik8 look-alikes: `enwik8.zip` holding `enwik8`, or the unzipped file.
-
-The bytes imitate the real file (a MediaWiki XML dump: tags, wiki markup, UTF-8 text with
-multi-byte characters); any size can be asked for.
-"""
+"""Small enwik8 look-alikes of any size, `enwik8.zip` holding `enwik8` or the unzipped file: a
+MediaWiki XML dump's tags, wiki markup and UTF-8 text with multi-byte characters."""
 
 from __future__ import annotations
 
@@ -21,16 +18,14 @@ def content(num_bytes: int) -> bytes:
   """`num_bytes` bytes of a fake dump (may end inside a multi-byte character, as a cut does)."""
   header = b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/">\n'
   page = _PAGE.encode("utf-8")
-  data = header + page * (num_bytes // len(page) + 1)
-  return data[:num_bytes]
+  return (header + page * (num_bytes // len(page) + 1))[:num_bytes]
 
 
-def write_zip(directory: str, data: bytes, *, member: str = "enwik8", stored: bool = False) -> str:
+def write_zip(directory: str, data: bytes, *, member: str = "enwik8") -> str:
   """Writes `<directory>/enwik8.zip` holding `data` as `member`; returns its path."""
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, "enwik8.zip")
-  compression = zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED
-  with zipfile.ZipFile(path, "w", compression=compression) as zf:
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(member, data)
   return path
 

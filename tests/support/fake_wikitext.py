@@ -1,10 +1,6 @@
-"""Small WikiText-103 look-alikes in the official file and archive layout.
-
-The texts follow the real format: a leading ' \\n', top-level titles
-' = Title = ', sections ' = = Sub = = ', blank lines made of one space,
-paragraph lines with a leading and a trailing space, `<unk>` in the tokenised
-release only, and non-ASCII text.
-"""
+"""Small WikiText-103 look-alikes in the official file and archive layout, in the real format:
+a leading ' \\n', titles ' = Title = ', sections ' = = Sub = = ', blank lines of one space,
+paragraph lines with a leading and a trailing space, `<unk>` in v1 only, and non-ASCII text."""
 
 from __future__ import annotations
 
@@ -99,32 +95,34 @@ def texts(variant: str) -> dict[str, str]:
   return {s: split_text(s, raw=variant == "raw_v1") for s in wikitext103.SPLITS}
 
 
-def _split_files(variant: str, contents, skip) -> dict[str, bytes]:
+def _files(variant: str, contents, skip):
+  """(file name, bytes) of each split not in `skip`; `contents` overrides split contents."""
+  archive = wikitext103.ARCHIVES[variant]
   contents = {**texts(variant), **(contents or {})}
-  as_bytes = lambda data: data.encode("utf-8") if isinstance(data, str) else data
-  return {s: as_bytes(contents[s]) for s in wikitext103.SPLITS if s not in skip}
+  for split in wikitext103.SPLITS:
+    if split not in skip:
+      data = contents[split]
+      yield archive.split_file(split), data.encode("utf-8") if isinstance(data, str) else data
 
 
 def write_zip(directory: str, variant: str, contents=None, *, skip=()) -> str:
-  """Writes `<directory>/<official zip name>`; returns its path. `contents` overrides split
-  contents (bytes are written as they are), `skip` leaves splits out."""
+  """Writes `<directory>/<official zip name>` (as `_files`); returns its path."""
   archive = wikitext103.ARCHIVES[variant]
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, archive.filename)
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(f"{archive.folder}/", b"")
-    for split, data in _split_files(variant, contents, skip).items():
-      zf.writestr(f"{archive.folder}/{archive.split_file(split)}", data)
+    for name, data in _files(variant, contents, skip):
+      zf.writestr(f"{archive.folder}/{name}", data)
   return path
 
 
 def write_extracted(directory: str, variant: str, contents=None, *, skip=()) -> str:
-  """Writes `<directory>/<folder>/wiki.<split>.<ext>` (as `write_zip`); returns the folder."""
-  archive = wikitext103.ARCHIVES[variant]
-  folder = os.path.join(directory, archive.folder)
+  """Writes `<directory>/<folder>/wiki.<split>.<ext>` (as `_files`); returns the folder."""
+  folder = os.path.join(directory, wikitext103.ARCHIVES[variant].folder)
   os.makedirs(folder, exist_ok=True)
-  for split, data in _split_files(variant, contents, skip).items():
-    with open(os.path.join(folder, archive.split_file(split)), "wb") as f:
+  for name, data in _files(variant, contents, skip):
+    with open(os.path.join(folder, name), "wb") as f:
       f.write(data)
   return folder
 
