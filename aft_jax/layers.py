@@ -1,8 +1,6 @@
-"""Flax linen AFT layers: drop-in replacements for multi-head attention, ``[..., T, d_model] ->
-[..., T, d_model]``, with packed rows (``segment_ids``, ``mask``, ``positions``; causal only) and
-incremental decoding (``decode=True``, a "cache" collection). README.md "Using the layers" and
-docs/long_sequences.md explain them; the maths is the ops' (``aft_jax.ops``).
-"""
+"""Flax linen AFT layers, drop-in for multi-head attention ``[..., T, d_model]``: packed rows,
+decoding (a "cache" collection). README.md "Using the layers", docs/long_sequences.md; the maths
+and the argument checks are the ops' (``aft_jax.ops``)."""
 
 from __future__ import annotations
 
@@ -13,13 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax import ops, sharding
+from aft_jax.ops import common
 
 Dtype = Any
 
 
 def _shaped(init, names, shape):
   """``init`` reshaped to ``shape`` before its logical axis ``names`` apply (DenseGeneral asks
-  for a flat shape; under a mesh the names must meet the array of the rank they describe)."""
+  for a flat shape; under a mesh the names must meet the array's rank)."""
 
   def shaped(key, flat_shape, dtype=jnp.float32):
     return jnp.reshape(init(key, flat_shape, dtype), shape)
@@ -32,15 +31,13 @@ def _param(module, name, init, names, shape):
 
 
 class _Projected(nn.Module):
-  """How a mixing layer's dense projections start (the model sets GPT-2's, ``ModelConfig.init``)
-  and whether they have biases."""
+  """A mixing layer's dense projections: their init (the model sets ``ModelConfig.init``'s)."""
 
   init_std: float = 0.0  # q, k, v kernels: 0 Glorot-uniform, > 0 N(0, init_std)
   out_init_std: float = 0.0  # the output projection's kernel: 0 as init_std
   use_bias: bool = True  # biases in the projections
 
   def _proj(self, in_features, features, names, name, axis=-1):
-    """DenseGeneral from ``in_features`` (an int or a tuple), its kernel's axes named ``names``."""
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
     init = nn.initializers.normal(std) if std > 0 else nn.initializers.xavier_uniform()
     tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -52,12 +49,9 @@ class _Projected(nn.Module):
     )  # fmt: skip
 
 
-def _check_x(module, x, max_len=None):
-  name = type(module).__name__
+def _check_x(module, x):
   if jnp.ndim(x) < 2:
-    raise ValueError(f"{name}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
-  if max_len is not None and x.shape[-2] > max_len:
-    raise ValueError(f"{name}: sequence length T = {x.shape[-2]} exceeds max_len = {max_len}")
+    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
 
 
 def _check_decode_input(module, x, chunks: bool = False):
@@ -69,20 +63,17 @@ def _check_decode_input(module, x, chunks: bool = False):
 
 
 def _packing(module, x, segment_ids, mask, positions=None):
-  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows."""
+  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows (the op
+  checks them and causal); the mask, which no op takes, checked here."""
+  name, lead = type(module).__name__, x.shape[:-1]
   if segment_ids is None and mask is None:
-    if positions is not None:
-      raise ValueError(f"{type(module).__name__}: positions need segment_ids (packed rows)")
+    if positions is not None:  # (else dropped: a plain row)
+      raise ValueError(f"{name}: positions need segment_ids (packed rows)")
     return {}
-  name = type(module).__name__
-  if not module.causal:
-    raise ValueError(f"{name}: segment_ids and mask (packed rows, padding) need causal=True")
-  lead = x.shape[:-1]
-  for arg, a in (("segment_ids", segment_ids), ("mask", mask), ("positions", positions)):
-    if a is not None and jnp.shape(a) != lead:
-      raise ValueError(
-        f"{name}: {arg} must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(a)}"
-      )
+  if mask is not None and jnp.shape(mask) != lead:
+    raise ValueError(
+      f"{name}: mask must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(mask)}"
+    )
   seg, pos = ops.segment_positions(segment_ids, mask, lead)
   return {"segment_ids": seg, "positions": pos if positions is None else positions}
 
@@ -101,7 +92,7 @@ def _op(module, fn, args, names, packed):
 
 
 def _cached_step(module, init, step):
-  """``step(state) -> (y, state)`` on the "cache" collection, one variable per leaf of ``init()``;
+  """``step(state) -> (y, state)`` on the "cache" collection (a variable per leaf of ``init()``):
   y, or None while the cache is being initialised."""
   paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
   names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
@@ -127,8 +118,8 @@ def _within_max_len(module, step):
 
 
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
-  """An ops step ``step(state, q_t, k_t, v_t)`` on one token, or ``chunk(state, q, k, v)`` on a
-  prompt chunk of T > 1, on the cached state; q while the cache is being initialised."""
+  """``step(state, q_t, k_t, v_t)`` on one token or ``chunk(state, q, k, v)`` on T > 1 on the
+  cached state; q while the cache is being initialised."""
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
   if q.shape[axis] > 1:
@@ -188,7 +179,7 @@ class _PositionBias(_AFTChannels):
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
 
   def _bias_params(self):
-    f = self.factor_dim
+    f = self.factor_dim  # the layer's own setting (no op takes it): checked here
     if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
       raise ValueError(
         f"{type(self).__name__}: factor_dim must be an int >= 0 (0 or None: a full "
@@ -225,7 +216,7 @@ class AFTFull(_PositionBias):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x, self.max_len)
+    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     # Packed rows index w by their positions (any below max_len), a plain row by t < T.
     t_bias = self.max_len if packed else x.shape[-2]
@@ -259,7 +250,7 @@ class AFTLocal(_PositionBias):
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x, self.max_len)
+    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
     local = lambda q, k, v, w, axis_name: ops.aft_local(
@@ -285,8 +276,8 @@ class AFTLocal(_PositionBias):
   chunks = True
 
   def _step(self, q, k, v):
-    # The steps take no window to check: the op's rule, here. A window past max_len holds every
-    # position, as one of max_len does.
+    # The one-token steps take the window unchecked: the op's check, here (the chunks' op checks
+    # it again). A window past max_len holds every position, as one of max_len does.
     window = min(ops.check_window("AFTLocal", self.window), self.max_len)
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
@@ -448,6 +439,8 @@ class MultiHeadAttention(_Projected):
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
+    if packed:  # (no op takes them here: checked as the AFT ops check theirs)
+      common.check_arrays("MultiHeadAttention", x.shape[:-1], segment_ids=packed["segment_ids"])
     q, k, v = (
       self._proj(d_model, feat, ("embed", "heads", "kv"), n)(x) for n in ("query", "key", "value")
     )

@@ -201,22 +201,19 @@ def check_ids(name: str, ids, vocab_size: int) -> None:
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
-  """The causal mixing layer named by ``cfg.mixing``."""
+  """The causal mixing layer named by ``cfg.mixing`` (one of MIXINGS: ``cfg.problems()``)."""
   kw = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name, impl=cfg.impl)
   kw.update(init_std=init_std(cfg), out_init_std=init_std(cfg, residual=True))
   kw.update(use_bias=cfg.use_bias)
   bias = dict(max_len=cfg.max_len, factor_dim=cfg.factor_dim or None)
-  if cfg.mixing == "aft_full":
-    return layers.AFTFull(**bias, **kw)
-  if cfg.mixing == "aft_local":
-    return layers.AFTLocal(window=cfg.window, **bias, **kw)
-  if cfg.mixing == "aft_simple":
-    return layers.AFTSimple(**kw)
-  if cfg.mixing == "aft_conv1d":
-    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **kw)
-  if cfg.mixing == "softmax":
-    return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **kw)
-  raise ValueError(f"config.model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
+  layer, own = {
+    "aft_full": (layers.AFTFull, bias),
+    "aft_local": (layers.AFTLocal, dict(window=cfg.window, **bias)),
+    "aft_simple": (layers.AFTSimple, {}),
+    "aft_conv1d": (layers.AFTConv1D, dict(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size)),
+    "softmax": (layers.MultiHeadAttention, dict(num_heads=cfg.num_heads, max_len=cfg.max_len)),
+  }[cfg.mixing]
+  return layer(**own, **kw)
 
 
 def gelu_exact(x):
@@ -329,7 +326,8 @@ class TransformerLM(nn.Module):
     return x_BTD
 
   def _packed(self, tokens_BT, segment_ids_BT, positions_BT, decode):
-    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]``."""
+    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]`` (positions alone:
+    the mixing layer's error). Checked here: the position embedding reads them before any op."""
     if segment_ids_BT is None and positions_BT is None:
       return None
     if decode:
@@ -337,8 +335,6 @@ class TransformerLM(nn.Module):
         "TransformerLM: segment_ids / positions (packed rows) are for training and scoring, "
         "not decode=True (a decoded sequence is one document)"
       )
-    if segment_ids_BT is None:
-      raise ValueError("TransformerLM: positions need segment_ids (the documents of each row)")
     for name, x in (("segment_ids", segment_ids_BT), ("positions", positions_BT)):
       if x is not None and (
         jnp.shape(x) != tokens_BT.shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer)
@@ -348,9 +344,9 @@ class TransformerLM(nn.Module):
           f"{jnp.result_type(x).name} {jnp.shape(x)}"
         )
     seg, pos = ops.segment_positions(segment_ids_BT, None, tokens_BT.shape)
-    if positions_BT is not None:
-      pos = positions_BT
-    return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}
+    seg = None if segment_ids_BT is None else jnp.asarray(seg, jnp.int32)
+    pos = pos if positions_BT is None else positions_BT
+    return {"segment_ids": seg, "positions": jnp.asarray(pos, jnp.int32)}
 
   def _position_embedding(self, t_len: int, start, packed):
     """Rows start .. start + T - 1 (decoding), each token's position's (packed rows), or
