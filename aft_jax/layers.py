@@ -31,11 +31,16 @@ def _param(module, name, init, names, shape):
 
 
 class _Projected(nn.Module):
-  """A mixing layer's dense projections: their init (the model sets ``ModelConfig.init``'s)."""
+  """A mixing layer's settings and dense projections (the model sets ``ModelConfig.init``'s)."""
 
   init_std: float = 0.0  # q, k, v kernels: 0 Glorot-uniform, > 0 N(0, init_std)
   out_init_std: float = 0.0  # the output projection's kernel: 0 as init_std
   use_bias: bool = True  # biases in the projections
+  causal: bool = False
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...; softmax: ATTENTION_IMPLS)
+  impl: str = "auto"
 
   def _proj(self, in_features, features, names, name, axis=-1):
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
@@ -144,13 +149,9 @@ def _heads_out(module, y, d_model):
 
 
 class _AFTChannels(_Projected):
-  """Shared parts of AFT-full/local/simple: per-channel q, k, v and the output projection."""
+  """AFT-full/local/simple's per-channel q, k, v and output projection."""
 
   hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
-  causal: bool = False
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _qkv(self, x):
     d = self.hidden_dim or x.shape[-1]
@@ -173,7 +174,8 @@ class _AFTChannels(_Projected):
 
 
 class _PositionBias(_AFTChannels):
-  """A learned T x T position bias w: full (init 0) or factorised u v^T (init N(0, 1e-2))."""
+  """A learned position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2)); a
+  sequence of T < max_len uses its top-left T x T block."""
 
   max_len: int = 512
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
@@ -192,16 +194,14 @@ class _PositionBias(_AFTChannels):
     zeros = nn.initializers.zeros_init()
     return (_param(self, "pos_bias", zeros, ("length", "length_k"), (self.max_len,) * 2),)
 
-  def bias(self, t_len):
-    """The top-left [T, T] block of w (float32)."""
+  def bias(self, t_len):  # the top-left [T, T] block of w (float32)
     p = self._bias_params()
     if self.factor_dim:
       u, v = p
       return jnp.asarray(u[:t_len], jnp.float32) @ jnp.asarray(v[:t_len], jnp.float32).T
     return jnp.asarray(p[0][:t_len, :t_len], jnp.float32)
 
-  def bias_row(self, t):
-    """Row t of w, all max_len keys: [max_len] (float32)."""
+  def bias_row(self, t):  # row t of w: [max_len] (float32)
     p = self._bias_params()
     if self.factor_dim:
       u, v = (jnp.asarray(a, jnp.float32) for a in p)
@@ -212,7 +212,7 @@ class _PositionBias(_AFTChannels):
 class AFTFull(_PositionBias):
   """AFT-full (paper Eq. 2): Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)).
 
-  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block)."""
+  Input ``[..., T, d_model]``, T <= max_len."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
@@ -237,14 +237,8 @@ class AFTFull(_PositionBias):
 
 
 class AFTLocal(_PositionBias):
-  """AFT-local (paper Eq. 4): w is learned where |t - t'| < window and 0 (not -inf) elsewhere.
-
-      Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'[t, t']) V_t' / sum_t' exp(K_t' + w'[t, t']),
-      w'[t, t'] = w[t, t'] if |t - t'| < window else 0;  Q, K, V = x Wq, x Wk, x Wv.
-
-  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block); w is
-  ``[max_len, max_len]`` (init 0) or, with ``factor_dim = d'``, u v^T. O(T window d) time.
-  """
+  """AFT-local (paper Eq. 4): AFT-full with w'[t, t'] = w[t, t'] where |t - t'| < window, else 0
+  (not -inf). Input ``[..., T, d_model]``, T <= max_len; O(T window d) time."""
 
   window: int = 32
 
@@ -293,10 +287,8 @@ class AFTLocal(_PositionBias):
 
 
 class AFTSimple(_AFTChannels):
-  """AFT-simple (paper Eq. 5): w = 0. Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'.
-
-  Input ``[..., T, d_model]``, any T. O(T d) time and memory; decoding keeps an O(d) state.
-  """
+  """AFT-simple (paper Eq. 5): w = 0, Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'. Input
+  ``[..., T, d_model]``, any T; O(T d) time and memory, decoding an O(d) state."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
@@ -341,10 +333,6 @@ class _ConvKernel(nn.Module):
 class _AFTConvBase(_Projected):
   num_heads: int = 8
   kernel_size: Any = 7
-  causal: bool = False
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _heads_qkv(self, x):
     feat = _head_features(self, x)  # (H, C): q and v per channel, k per head
@@ -427,11 +415,7 @@ class MultiHeadAttention(_Projected):
   ``jax.nn.dot_product_attention`` (``impl``: ATTENTION_IMPLS); ``max_len``: the decoding cache."""
 
   num_heads: int = 8
-  causal: bool = False
   max_len: int = 512
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):

@@ -63,7 +63,7 @@ def _sharding_config(mesh=(1, 1, 1), **overrides):
   # d_model 16, mlp 32, vocab 256 (bytes), 16 AFT channels: all divisible by every mesh axis.
   # aft_full: its train step compiles in about half the time of aft_local's / aft_simple's.
   keys = {"model.mixing": "aft_full", "model.dropout_rate": 0.0, "batch_size": 8}
-  c = tiny_config(**keys, **{"eval_batch_size": 8, **overrides})
+  c = tiny_config(**{**keys, "eval_batch_size": 8, **overrides})
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   return c
 
