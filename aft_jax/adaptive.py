@@ -1,12 +1,7 @@
-"""Adaptive input (Baevski & Auli, 2019) and adaptive softmax (Grave et al., 2017).
-
-Both split the frequency-sorted vocabulary at ``cutoffs`` into clusters [0, c_0), [c_0, c_1),
-..., [c_{K-1}, V); cluster i has dimension d_i = d_model // factor**i (``cutoffs=()``: one
-cluster, a plain embedding and softmax). Parameters and logical axes: ``embed_0`` / ``head_embed``
-[c_0, d_model] ('vocab', 'embed'); ``embed_i`` / ``tail_embed_i`` [|cluster i|, d_i] ('vocab',
-'embed_small'); ``proj_i`` / ``tail_proj_i`` [d_i, d_model] ('embed_small', 'embed');
-``cluster_logits`` [K, d_model] ('cluster', 'embed'). Replicate (or FSDP-shard) the tables: a
-'vocab'-sharded one turns ``nll``'s ``dynamic_slice`` chunks into gathers."""
+"""Adaptive input (Baevski & Auli, 2019) and adaptive softmax (Grave et al., 2017): the
+frequency-sorted vocabulary split at ``cutoffs`` into clusters [0, c_0), ..., [c_{K-1}, V), cluster
+i of dimension d_model // factor**i. Replicate (or FSDP-shard) the tables: a 'vocab'-sharded one
+turns ``nll``'s ``dynamic_slice`` chunks into gathers."""
 
 from __future__ import annotations
 
@@ -53,7 +48,6 @@ def _dim(d_model: int, factor: float, i: int) -> int:
 
 
 def _bounds(vocab_size: int, cutoffs: Sequence[int]) -> list[tuple[int, int]]:
-  """Half-open ``[lo, hi)`` word-id range of every cluster."""
   edges = [0, *[int(c) for c in cutoffs], int(vocab_size)]
   return list(zip(edges[:-1], edges[1:]))
 
@@ -71,8 +65,7 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
     chunk_size: rows scored per step; peak memory is O(N * chunk_size).
 
   Returns:
-    ``float32[N]`` (``float64[N]`` if ``z`` is float64): an online log-sum-exp over chunks, each
-    recomputed in the backward pass (``jax.checkpoint``), so never ``[N, S]`` at once.
+    ``float32[N]`` (``float64`` for float64 ``z``), chunks recomputed in the backward pass.
   """
   n, _ = z.shape
   acc = _acc_dtype(z.dtype)
@@ -100,7 +93,9 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
 
 
 def _cluster_params(module, head: str, table: str, proj: str):
-  """(tables, projections) of the clusters as ``module``'s params, each N(0, 1 / its width)."""
+  """(tables, projections) of the clusters, each N(0, 1 / its width): head [c_0, d_model]
+  ('vocab', 'embed'), table i [|cluster i|, d_i] ('vocab', 'embed_small'), projection i [d_i,
+  d_model] ('embed_small', 'embed')."""
   param = lambda name, init, names, shape: module.param(
     name, nn.with_logical_partitioning(init, names), shape, module.param_dtype
   )
@@ -118,8 +113,6 @@ def _cluster_params(module, head: str, table: str, proj: str):
 
 
 class _Clusters(nn.Module):
-  """The settings an adaptive input and an adaptive softmax share, checked before tracing."""
-
   vocab_size: int
   d_model: int
   cutoffs: Sequence[int]
@@ -133,10 +126,8 @@ class _Clusters(nn.Module):
 
 
 class AdaptiveInput(_Clusters):
-  """Adaptive input embedding: e(w) = E_0[w] in cluster 0, else E_i[w - lo_i] @ P_i.
-
-  ``ids int[...] -> [..., d_model]``; ids outside ``[0, vocab_size)`` embed to zeros; no
-  sqrt(d_model) scaling."""
+  """Adaptive input embedding: e(w) = E_0[w] in cluster 0, else E_i[w - lo_i] @ P_i; ``ids
+  int[...] -> [..., d_model]``, ids outside ``[0, vocab_size)`` zeros, no sqrt(d_model) scale."""
 
   def setup(self):
     # In setup, so that a tied AdaptiveSoftmax can read them without this module's __call__.
@@ -157,8 +148,7 @@ class AdaptiveInput(_Clusters):
       _bounds(self.vocab_size, self.cutoffs), self._tables, self._projs
     ):
       in_cluster = (ids >= lo) & (ids < hi)
-      # Static shapes: every cluster gathers for every position (clipped index) and
-      # the mask selects; the wasted work is only d_i-sized per position.
+      # Static shapes: every cluster gathers every position (clipped), the mask selects.
       rows = jnp.take(table, jnp.clip(ids - lo, 0, hi - lo - 1), axis=0).astype(self.dtype)
       rows = jnp.where(in_cluster[..., None], rows, jnp.zeros((), self.dtype))
       if proj is not None:
@@ -175,9 +165,9 @@ class AdaptiveSoftmax(_Clusters):
       log p(w) = u_w - LSE(u)                                    (w in cluster 0)
       log p(w) = u_{c_0+k-1} - LSE(u) + v_k[w - lo_k] - LSE(v_k)  (w in cluster k)
 
-  ``nll`` streams every LSE over ``chunk_size`` rows (``chunked_logsumexp``) and gathers only
-  the target's logit: O(tokens * chunk_size) memory, float32 normalisers. ``tie_to``: an
-  ``AdaptiveInput`` of the same settings whose tables and projections it uses.
+  ``nll``: every LSE over ``chunk_size`` rows at a time, O(tokens * chunk_size) memory.
+  ``tie_to``: an ``AdaptiveInput`` of the same settings whose tables and projections it uses;
+  ``cluster_logits`` C [K, d_model] ('cluster', 'embed').
   """
 
   tie_to: AdaptiveInput | None = None
@@ -217,8 +207,7 @@ class AdaptiveSoftmax(_Clusters):
       return self.tie_to.embedding_tables(), self.tie_to.projections()
     return self._own_tables, self._own_projs
 
-  def _head_cluster_logits(self, h: Array) -> Array:
-    """``h @ C^T`` as float32 ``[N, K]`` (K = number of tail clusters)."""
+  def _head_cluster_logits(self, h: Array) -> Array:  # h @ C^T, float32 [N, K]
     return jnp.einsum(
       "nd,kd->nk",
       h,
@@ -239,8 +228,7 @@ class AdaptiveSoftmax(_Clusters):
     x = h.reshape(-1, self.d_model).astype(self.dtype)
     t = targets.reshape(-1)
 
-    def target_logit(z, table, local):
-      # Gather only the target's row: a [N, d] gather, never [N, S] logits.
+    def target_logit(z, table, local):  # the target's row only, never [N, S] logits
       rows = jnp.take(table, local, axis=0).astype(self.dtype)
       return jnp.einsum("nd,nd->n", z, rows, preferred_element_type=_acc_dtype(self.dtype))
 

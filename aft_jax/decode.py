@@ -1,8 +1,5 @@
-"""Sampling from a trained language model: incremental decoding (a prompt fed in parallel chunks
-for ``model.CHUNKED``), then, past ``max_len``, a context sliding one token at a time (absolute
-position embeddings: no cache can shift); a stream (``ModelConfig.streams``) decodes at any
-position, and a ``Stream`` continues it. docs/training.md, "After training" and "Streams".
-"""
+"""Sampling from a trained language model: incremental decoding, past ``max_len`` a sliding
+context; a stream decodes at any position. docs/training.md, "After training" and "Streams"."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from aft_jax.typed_config import TypedConfig
 
 
 def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[str]:
-  """One line per bad sampling argument, named as the argument ("top_k = -1 must be ...")."""
+  """One line per bad sampling argument ("top_k = -1 must be ...")."""
   errors = []
   if not temperature >= 0:
     errors.append(f"temperature = {temperature} must be >= 0 (0: greedy)")
@@ -33,7 +30,6 @@ def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[str]
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-  """A one-line ValueError naming the first bad sampling argument."""
   errors = sampling_problems(temperature, top_k, top_p)
   if errors:
     raise ValueError(errors[0])
@@ -58,15 +54,13 @@ class SampleConfig(TypedConfig):
 
 
 def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):
-  """Samples token ids ``[B]`` from log-probabilities ``[B, V]`` (greedy if temperature == 0).
-
-  ``top_k`` > 0 keeps the k most likely tokens; ``top_p`` < 1 keeps the fewest most likely
-  tokens whose probabilities (after temperature and top-k) sum to at least ``top_p``.
-  """
+  """Token ids ``[B]`` from log-probabilities ``[B, V]`` (greedy at temperature 0); ``top_k`` > 0
+  keeps the k most likely, ``top_p`` < 1 the fewest most likely whose probabilities (after
+  temperature and top-k) sum to at least ``top_p``."""
   if temperature <= 0:
     return jnp.argmax(logp_BV, axis=-1)
-  # Shifted so that the most likely token's logit is 0 whatever the temperature: a tiny one
-  # (1e-45) sends the others to -inf, which is greedy sampling, instead of every logit to -inf.
+  # The most likely token's logit 0: a tiny temperature (1e-45) sends the others to -inf (greedy),
+  # not every logit.
   logits_BV = (logp_BV - jnp.max(logp_BV, axis=-1, keepdims=True)) / temperature
   if top_k and top_k < logits_BV.shape[-1]:
     kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
@@ -89,8 +83,8 @@ _sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "t
 
 @dataclasses.dataclass
 class Stream:
-  """Where a stream stopped: the decoding cache after all its tokens but the last, ``last_B``
-  (int32 ``[B]``, not yet fed) and the key of the next sample."""
+  """Where a stream stopped: the cache after all its tokens but ``last_B`` (int32 ``[B]``, not
+  yet fed), and the next sample's key."""
 
   cache: Any
   last_B: np.ndarray
@@ -102,14 +96,6 @@ class Stream:
     return int(self.cache["pos"]) + 1
 
 
-def _apply_step(model, params, cache, tok_B):
-  """(new cache, log-probabilities [B, V] of the next token) after feeding ``tok_B``."""
-  logp_B1V, mutated = model.apply(
-    {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
-  )
-  return mutated["cache"], logp_B1V[:, 0]
-
-
 # Module-level, the model a static argument: repeated calls on one model compile once.
 @functools.partial(
   jax.jit,
@@ -119,9 +105,11 @@ def _apply_step(model, params, cache, tok_B):
 )
 def _step_and_sample(model, params, cache, tok_B, rng, *, temperature, top_k, top_p):
   """(new cache, the next tokens [B], the next key) after feeding ``tok_B``, in one program."""
-  cache, logp_BV = _apply_step(model, params, cache, tok_B)
+  logp_B1V, mutated = model.apply(
+    {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
+  )
   rng, sub = jax.random.split(rng)
-  return cache, sample_logits(sub, logp_BV, temperature, top_k, top_p), rng
+  return mutated["cache"], sample_logits(sub, logp_B1V[:, 0], temperature, top_k, top_p), rng
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -164,8 +152,8 @@ def _feed(model, params, cache, tokens_BT):
 
 
 def _after(model, params, prompt_BP, stream: Stream | None = None):
-  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP``, from the start or
-  after ``stream``'s last token (``stream`` left as it is)."""
+  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP``, from the start or after
+  ``stream`` (left as it is)."""
   b, p = prompt_BP.shape
   if stream is None:
     return _feed(model, params, init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
@@ -239,8 +227,7 @@ def generate(
   if cfg.streams:
     cache, last_B = _after(model, params, prompt_BP, stream)
     last_B = jnp.asarray(last_B)
-    # Without a stop_id no step waits for its token on the host: they come in blocks, while
-    # the next steps run.
+    # Without a stop_id no step waits for its token: they come to the host in blocks.
     pending = []
     while not done():
       cache, last_B, rng = step(cache, last_B, rng)
@@ -349,8 +336,8 @@ def sample_texts(
 
 
 def check_batch_fits(model, batch: int) -> None:
-  """A one-line ValueError where ``batch`` sequences decoded at once need more memory than the
-  device has (caches and per-step log-probabilities, from one sequence's shapes)."""
+  """A ValueError where ``batch`` sequences decoded at once need more memory than the device
+  has (caches and per-step log-probabilities)."""
   cache = jax.eval_shape(functools.partial(init_cache, model, 1))
   per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
   per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling

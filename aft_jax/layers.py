@@ -1,8 +1,6 @@
-"""Flax linen AFT layers: drop-in replacements for multi-head attention, ``[..., T, d_model] ->
-[..., T, d_model]``, with packed rows (``segment_ids``, ``mask``, ``positions``; causal only) and
-incremental decoding (``decode=True``, a "cache" collection). README.md "Using the layers" and
-docs/long_sequences.md explain them; the maths is the ops' (``aft_jax.ops``).
-"""
+"""Flax linen AFT layers, drop-in for multi-head attention ``[..., T, d_model]``: packed rows,
+decoding (a "cache" collection). README.md "Using the layers", docs/long_sequences.md; the maths
+and the argument checks are the ops' (``aft_jax.ops``)."""
 
 from __future__ import annotations
 
@@ -13,13 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from aft_jax import ops, sharding
+from aft_jax.ops import common
 
 Dtype = Any
 
 
 def _shaped(init, names, shape):
   """``init`` reshaped to ``shape`` before its logical axis ``names`` apply (DenseGeneral asks
-  for a flat shape; under a mesh the names must meet the array of the rank they describe)."""
+  for a flat shape; under a mesh the names must meet the array's rank)."""
 
   def shaped(key, flat_shape, dtype=jnp.float32):
     return jnp.reshape(init(key, flat_shape, dtype), shape)
@@ -32,15 +31,18 @@ def _param(module, name, init, names, shape):
 
 
 class _Projected(nn.Module):
-  """How a mixing layer's dense projections start (the model sets GPT-2's, ``ModelConfig.init``)
-  and whether they have biases."""
+  """A mixing layer's settings and dense projections (the model sets ``ModelConfig.init``'s)."""
 
   init_std: float = 0.0  # q, k, v kernels: 0 Glorot-uniform, > 0 N(0, init_std)
   out_init_std: float = 0.0  # the output projection's kernel: 0 as init_std
   use_bias: bool = True  # biases in the projections
+  causal: bool = False
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...; softmax: ATTENTION_IMPLS)
+  impl: str = "auto"
 
   def _proj(self, in_features, features, names, name, axis=-1):
-    """DenseGeneral from ``in_features`` (an int or a tuple), its kernel's axes named ``names``."""
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
     init = nn.initializers.normal(std) if std > 0 else nn.initializers.xavier_uniform()
     tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -52,12 +54,9 @@ class _Projected(nn.Module):
     )  # fmt: skip
 
 
-def _check_x(module, x, max_len=None):
-  name = type(module).__name__
+def _check_x(module, x):
   if jnp.ndim(x) < 2:
-    raise ValueError(f"{name}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
-  if max_len is not None and x.shape[-2] > max_len:
-    raise ValueError(f"{name}: sequence length T = {x.shape[-2]} exceeds max_len = {max_len}")
+    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
 
 
 def _check_decode_input(module, x, chunks: bool = False):
@@ -69,20 +68,17 @@ def _check_decode_input(module, x, chunks: bool = False):
 
 
 def _packing(module, x, segment_ids, mask, positions=None):
-  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows."""
+  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows (the op
+  checks them and causal); the mask, which no op takes, checked here."""
+  name, lead = type(module).__name__, x.shape[:-1]
   if segment_ids is None and mask is None:
-    if positions is not None:
-      raise ValueError(f"{type(module).__name__}: positions need segment_ids (packed rows)")
+    if positions is not None:  # (else dropped: a plain row)
+      raise ValueError(f"{name}: positions need segment_ids (packed rows)")
     return {}
-  name = type(module).__name__
-  if not module.causal:
-    raise ValueError(f"{name}: segment_ids and mask (packed rows, padding) need causal=True")
-  lead = x.shape[:-1]
-  for arg, a in (("segment_ids", segment_ids), ("mask", mask), ("positions", positions)):
-    if a is not None and jnp.shape(a) != lead:
-      raise ValueError(
-        f"{name}: {arg} must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(a)}"
-      )
+  if mask is not None and jnp.shape(mask) != lead:
+    raise ValueError(
+      f"{name}: mask must be [..., T] = {lead} for x {x.shape}; got {jnp.shape(mask)}"
+    )
   seg, pos = ops.segment_positions(segment_ids, mask, lead)
   return {"segment_ids": seg, "positions": pos if positions is None else positions}
 
@@ -101,7 +97,7 @@ def _op(module, fn, args, names, packed):
 
 
 def _cached_step(module, init, step):
-  """``step(state) -> (y, state)`` on the "cache" collection, one variable per leaf of ``init()``;
+  """``step(state) -> (y, state)`` on the "cache" collection (a variable per leaf of ``init()``):
   y, or None while the cache is being initialised."""
   paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
   names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
@@ -127,8 +123,8 @@ def _within_max_len(module, step):
 
 
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
-  """An ops step ``step(state, q_t, k_t, v_t)`` on one token, or ``chunk(state, q, k, v)`` on a
-  prompt chunk of T > 1, on the cached state; q while the cache is being initialised."""
+  """``step(state, q_t, k_t, v_t)`` on one token or ``chunk(state, q, k, v)`` on T > 1 on the
+  cached state; q while the cache is being initialised."""
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
   if q.shape[axis] > 1:
@@ -153,13 +149,9 @@ def _heads_out(module, y, d_model):
 
 
 class _AFTChannels(_Projected):
-  """Shared parts of AFT-full/local/simple: per-channel q, k, v and the output projection."""
+  """AFT-full/local/simple's per-channel q, k, v and output projection."""
 
   hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
-  causal: bool = False
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _qkv(self, x):
     d = self.hidden_dim or x.shape[-1]
@@ -182,13 +174,14 @@ class _AFTChannels(_Projected):
 
 
 class _PositionBias(_AFTChannels):
-  """A learned T x T position bias w: full (init 0) or factorised u v^T (init N(0, 1e-2))."""
+  """A learned position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2)); a
+  sequence of T < max_len uses its top-left T x T block."""
 
   max_len: int = 512
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
 
   def _bias_params(self):
-    f = self.factor_dim
+    f = self.factor_dim  # the layer's own setting (no op takes it): checked here
     if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
       raise ValueError(
         f"{type(self).__name__}: factor_dim must be an int >= 0 (0 or None: a full "
@@ -201,16 +194,14 @@ class _PositionBias(_AFTChannels):
     zeros = nn.initializers.zeros_init()
     return (_param(self, "pos_bias", zeros, ("length", "length_k"), (self.max_len,) * 2),)
 
-  def bias(self, t_len):
-    """The top-left [T, T] block of w (float32)."""
+  def bias(self, t_len):  # the top-left [T, T] block of w (float32)
     p = self._bias_params()
     if self.factor_dim:
       u, v = p
       return jnp.asarray(u[:t_len], jnp.float32) @ jnp.asarray(v[:t_len], jnp.float32).T
     return jnp.asarray(p[0][:t_len, :t_len], jnp.float32)
 
-  def bias_row(self, t):
-    """Row t of w, all max_len keys: [max_len] (float32)."""
+  def bias_row(self, t):  # row t of w: [max_len] (float32)
     p = self._bias_params()
     if self.factor_dim:
       u, v = (jnp.asarray(a, jnp.float32) for a in p)
@@ -221,11 +212,11 @@ class _PositionBias(_AFTChannels):
 class AFTFull(_PositionBias):
   """AFT-full (paper Eq. 2): Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)).
 
-  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block)."""
+  Input ``[..., T, d_model]``, T <= max_len."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x, self.max_len)
+    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     # Packed rows index w by their positions (any below max_len), a plain row by t < T.
     t_bias = self.max_len if packed else x.shape[-2]
@@ -246,20 +237,14 @@ class AFTFull(_PositionBias):
 
 
 class AFTLocal(_PositionBias):
-  """AFT-local (paper Eq. 4): w is learned where |t - t'| < window and 0 (not -inf) elsewhere.
-
-      Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'[t, t']) V_t' / sum_t' exp(K_t' + w'[t, t']),
-      w'[t, t'] = w[t, t'] if |t - t'| < window else 0;  Q, K, V = x Wq, x Wk, x Wv.
-
-  Input ``[..., T, d_model]``, T <= max_len (a shorter one uses w's top-left T x T block); w is
-  ``[max_len, max_len]`` (init 0) or, with ``factor_dim = d'``, u v^T. O(T window d) time.
-  """
+  """AFT-local (paper Eq. 4): AFT-full with w'[t, t'] = w[t, t'] where |t - t'| < window, else 0
+  (not -inf). Input ``[..., T, d_model]``, T <= max_len; O(T window d) time."""
 
   window: int = 32
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x, self.max_len)
+    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
     local = lambda q, k, v, w, axis_name: ops.aft_local(
@@ -285,8 +270,8 @@ class AFTLocal(_PositionBias):
   chunks = True
 
   def _step(self, q, k, v):
-    # The steps take no window to check: the op's rule, here. A window past max_len holds every
-    # position, as one of max_len does.
+    # The one-token steps take the window unchecked: the op's check, here (the chunks' op checks
+    # it again). A window past max_len holds every position, as one of max_len does.
     window = min(ops.check_window("AFTLocal", self.window), self.max_len)
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
     step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
@@ -302,10 +287,8 @@ class AFTLocal(_PositionBias):
 
 
 class AFTSimple(_AFTChannels):
-  """AFT-simple (paper Eq. 5): w = 0. Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'.
-
-  Input ``[..., T, d_model]``, any T. O(T d) time and memory; decoding keeps an O(d) state.
-  """
+  """AFT-simple (paper Eq. 5): w = 0, Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'. Input
+  ``[..., T, d_model]``, any T; O(T d) time and memory, decoding an O(d) state."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
@@ -350,10 +333,6 @@ class _ConvKernel(nn.Module):
 class _AFTConvBase(_Projected):
   num_heads: int = 8
   kernel_size: Any = 7
-  causal: bool = False
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...)
 
   def _heads_qkv(self, x):
     feat = _head_features(self, x)  # (H, C): q and v per channel, k per head
@@ -436,11 +415,7 @@ class MultiHeadAttention(_Projected):
   ``jax.nn.dot_product_attention`` (``impl``: ATTENTION_IMPLS); ``max_len``: the decoding cache."""
 
   num_heads: int = 8
-  causal: bool = False
   max_len: int = 512
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  impl: str = "auto"
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
@@ -448,6 +423,8 @@ class MultiHeadAttention(_Projected):
     d_model = x.shape[-1]
     feat = _head_features(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
+    if packed:  # (no op takes them here: checked as the AFT ops check theirs)
+      common.check_arrays("MultiHeadAttention", x.shape[:-1], segment_ids=packed["segment_ids"])
     q, k, v = (
       self._proj(d_model, feat, ("embed", "heads", "kv"), n)(x) for n in ("query", "key", "value")
     )

@@ -1,7 +1,5 @@
-"""A decoder-only language model whose token-mixing layer is chosen by name: ``ModelConfig`` and
-``TransformerLM`` (pre-LayerNorm blocks, mix then MLP; tied, plain or adaptive embeddings).
-Packed rows and streams (``ModelConfig.streams``): docs/long_sequences.md, docs/training.md.
-"""
+"""A decoder-only language model, its mixing layer chosen by name (``ModelConfig``,
+``TransformerLM``). Packed rows and streams: docs/long_sequences.md, docs/training.md."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from aft_jax.typed_config import TypedConfig
 
 MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
 POSITION_EMBEDDINGS = ("learned", "none")  # ModelConfig.position_embedding
-# The mixings whose order needs no position embedding, and whose decoding state does not grow:
-# position_embedding 'none' makes them streams, with no length limit.
+# No position embedding needed, a decoding state that does not grow: with 'none', streams.
 STREAMING = ("aft_simple", "aft_conv1d")
 # The recurrent mixings: decode=True also takes a chunk of tokens (a prompt) in one pass.
 CHUNKED = ("aft_local", "aft_simple", "aft_conv1d")
@@ -30,8 +27,8 @@ GPT2_STD = 0.02  # GPT-2's (and nanoGPT's) standard deviation of every weight at
 
 
 def init_std(cfg: ModelConfig, residual: bool = False) -> float:
-  """The standard deviation of a dense kernel at init under ``cfg.init`` (0.0: Glorot-uniform).
-  ``residual``: a projection whose output adds to the residual stream."""
+  """A dense kernel's init std under ``cfg.init`` (0.0: Glorot-uniform); ``residual``: a
+  projection into the residual stream."""
   if cfg.init != "gpt2":
     return 0.0
   return GPT2_STD / (2 * cfg.num_layers) ** 0.5 if residual else GPT2_STD
@@ -44,13 +41,10 @@ def _kernel_init(cfg: ModelConfig, residual: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(TypedConfig):
-  """The model's settings, ``config.model`` (``vocab_size`` comes from the data). ``problems()``
-  is the run config's check of them; the model checks only its inputs."""
+  """``config.model`` (``vocab_size`` from the data); ``problems()``: the run config's check."""
 
   WHERE = "model"
   OUTSIDE_TREE = ("vocab_size",)
-  # Keys added since the first release: the value a config without them ran with
-  # (``TypedConfig.as_written``).
   ADDED = {
     "impl": ("457a2e0", "xla"),
     "init": ("bdcc2f1", "glorot"),
@@ -60,8 +54,8 @@ class ModelConfig(TypedConfig):
   }
 
   vocab_size: int = 0  # from the data (0: not known yet)
-  # Longest sequence: size of the position embedding, AFT bias w and softmax's decoding cache
-  # (a stream, position_embedding 'none', has no limit: there only the chunk a prompt is fed in)
+  # Longest sequence: the position embedding, AFT bias w, softmax's decoding cache (a stream:
+  # no limit, only the chunk a prompt is fed in)
   max_len: int = 256
   num_layers: int = 2
   d_model: int = 128
@@ -79,23 +73,19 @@ class ModelConfig(TypedConfig):
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
   tie_embeddings: bool = True  # the output layer is the transposed input embedding
-  # How the parameters start (``init_std``): 'gpt2' N(0, 0.02), the residual projections
-  # N(0, 0.02 / sqrt(2 num_layers)); 'glorot' Glorot-uniform, an N(0, 1) embedding scaled by
-  # 1/sqrt(d_model) when tied (lm1b). AFT's biases keep the paper's. docs/training.md, "The
-  # softmax baseline", says why 'gpt2' is the default.
+  # How the parameters start (``init_std``; AFT's biases keep the paper's): 'gpt2' or 'glorot'
+  # (docs/training.md, "The softmax baseline")
   init: str = "gpt2"
   use_bias: bool = True  # biases in the LayerNorms and dense layers (nanoGPT's recipe: none)
   gelu_approximate: bool = True  # the MLP's GELU: the tanh approximation, or exact (erf)
   adaptive_cutoffs: tuple[int, ...] = ()  # adaptive input + softmax cluster cutoffs; (): plain
   adaptive_factor: float = 4.0  # cluster i has dimension d_model / factor**i
-  # 'learned': a learned absolute position embedding [max_len, d_model] added to the tokens';
-  # 'none': none, for the mixings of STREAMING (causal AFT-simple and AFT-conv1d), whose causal
-  # sums give the order: no length limit (a stream, ``streams``)
+  # 'learned' [max_len, d_model], or 'none' for the mixings of STREAMING, whose causal sums give
+  # the order: no length limit (``streams``)
   position_embedding: str = "learned"
 
   def __post_init__(self):
-    # Configs come from files, the command line or JSON: dtypes as names, tuples as lists (a
-    # value of another type is left for problems() to name).
+    # Dtypes as names, tuples as lists (from files or JSON); another type is problems()' to name.
     set_ = functools.partial(object.__setattr__, self)
     for name in ("dtype", "param_dtype"):
       try:
@@ -116,7 +106,7 @@ class ModelConfig(TypedConfig):
 
   @property
   def streams(self) -> bool:
-    """No length limit: no position embedding and a mixing of ``STREAMING`` (module doc)."""
+    """No length limit: no position embedding and a mixing of ``STREAMING``."""
     return self.position_embedding == "none" and self.mixing in STREAMING
 
   @property
@@ -177,12 +167,10 @@ class ModelConfig(TypedConfig):
       return [f"{key} = {self.position_embedding!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"]
     if self.position_embedding == "learned" or self.mixing not in MIXINGS or self.streams:
       return []
-    why = {
-      "aft_full": "its bias w[t, t'] is by absolute position",
-      "aft_local": "its bias w[t, t'] is by absolute position",
-      "softmax": "its keys and queries carry no order but the causal mask's, and its decoding "
-      "cache grows with the text",
-    }[self.mixing]
+    why = "its bias w[t, t'] is by absolute position"
+    if self.mixing == "softmax":
+      why = "its keys and queries carry no order but the causal mask's, and its decoding cache "
+      why += "grows with the text"
     return [
       f"{key} = 'none' is for {' and '.join(STREAMING)} (their causal sums give the order), "
       f"not {self.key('mixing')} = {self.mixing!r}: {why}"
@@ -190,8 +178,8 @@ class ModelConfig(TypedConfig):
 
 
 def check_ids(name: str, ids, vocab_size: int) -> None:
-  """A one-line ValueError naming ``name`` and the first id outside [0, ``vocab_size``); traced ids
-  pass (the model gives NaN for them)."""
+  """A ValueError naming ``name`` and the first id outside [0, ``vocab_size``); traced ids pass
+  (the model gives NaN for them)."""
   if isinstance(ids, jax.core.Tracer) or not np.size(ids):
     return
   ids = np.asarray(ids)
@@ -201,28 +189,24 @@ def check_ids(name: str, ids, vocab_size: int) -> None:
 
 
 def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
-  """The causal mixing layer named by ``cfg.mixing``."""
+  """The causal mixing layer named by ``cfg.mixing`` (one of MIXINGS: ``cfg.problems()``)."""
   kw = dict(causal=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name, impl=cfg.impl)
   kw.update(init_std=init_std(cfg), out_init_std=init_std(cfg, residual=True))
   kw.update(use_bias=cfg.use_bias)
   bias = dict(max_len=cfg.max_len, factor_dim=cfg.factor_dim or None)
-  if cfg.mixing == "aft_full":
-    return layers.AFTFull(**bias, **kw)
-  if cfg.mixing == "aft_local":
-    return layers.AFTLocal(window=cfg.window, **bias, **kw)
-  if cfg.mixing == "aft_simple":
-    return layers.AFTSimple(**kw)
-  if cfg.mixing == "aft_conv1d":
-    return layers.AFTConv1D(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size, **kw)
-  if cfg.mixing == "softmax":
-    return layers.MultiHeadAttention(num_heads=cfg.num_heads, max_len=cfg.max_len, **kw)
-  raise ValueError(f"config.model.mixing = {cfg.mixing!r} is not one of {MIXINGS}")
+  layer, own = {
+    "aft_full": (layers.AFTFull, bias),
+    "aft_local": (layers.AFTLocal, dict(window=cfg.window, **bias)),
+    "aft_simple": (layers.AFTSimple, {}),
+    "aft_conv1d": (layers.AFTConv1D, dict(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size)),
+    "softmax": (layers.MultiHeadAttention, dict(num_heads=cfg.num_heads, max_len=cfg.max_len)),
+  }[cfg.mixing]
+  return layer(**own, **kw)
 
 
 def gelu_exact(x):
-  """GELU with erf, x * (1 + erf(x / sqrt 2)) / 2 (torch's ``nn.GELU()``): ``nn.gelu(x,
-  approximate=False)`` up to rounding, without erfc, whose XLA:CPU expansion is several times
-  dearer."""
+  """GELU with erf (torch's ``nn.GELU()``): ``nn.gelu(x, approximate=False)`` up to rounding,
+  without its erfc, dearer on XLA:CPU."""
   return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
 
 
@@ -245,8 +229,7 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, packed=None):
-    # Under nn.scan: (carry x_BTD, broadcast input ``packed``) -> (carry, no per-layer output).
+  def __call__(self, x_BTD, packed=None):  # under nn.scan: (carry, broadcast) -> (carry, None)
     cfg = self.cfg
     drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
     h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode, **(packed or {}))
@@ -274,8 +257,7 @@ class TransformerLM(nn.Module):
 
   cfg: ModelConfig
 
-  def _embeddings(self):
-    """(embed(tokens) -> [B, T, D], head(h, targets) -> nll [B, T] or log-probs [B, T, V])."""
+  def _embeddings(self):  # (embed(tokens), head(h, targets) -> nll or log-probs)
     cfg = self.cfg
     dtypes = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     if cfg.adaptive_cutoffs:
@@ -329,7 +311,8 @@ class TransformerLM(nn.Module):
     return x_BTD
 
   def _packed(self, tokens_BT, segment_ids_BT, positions_BT, decode):
-    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]``."""
+    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]`` (positions alone:
+    the mixing layer's error). Checked here: the position embedding reads them before any op."""
     if segment_ids_BT is None and positions_BT is None:
       return None
     if decode:
@@ -337,8 +320,6 @@ class TransformerLM(nn.Module):
         "TransformerLM: segment_ids / positions (packed rows) are for training and scoring, "
         "not decode=True (a decoded sequence is one document)"
       )
-    if segment_ids_BT is None:
-      raise ValueError("TransformerLM: positions need segment_ids (the documents of each row)")
     for name, x in (("segment_ids", segment_ids_BT), ("positions", positions_BT)):
       if x is not None and (
         jnp.shape(x) != tokens_BT.shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer)
@@ -348,13 +329,12 @@ class TransformerLM(nn.Module):
           f"{jnp.result_type(x).name} {jnp.shape(x)}"
         )
     seg, pos = ops.segment_positions(segment_ids_BT, None, tokens_BT.shape)
-    if positions_BT is not None:
-      pos = positions_BT
-    return {"segment_ids": jnp.asarray(seg, jnp.int32), "positions": jnp.asarray(pos, jnp.int32)}
+    seg = None if segment_ids_BT is None else jnp.asarray(seg, jnp.int32)
+    pos = pos if positions_BT is None else positions_BT
+    return {"segment_ids": seg, "positions": jnp.asarray(pos, jnp.int32)}
 
   def _position_embedding(self, t_len: int, start, packed):
-    """Rows start .. start + T - 1 (decoding), each token's position's (packed rows), or
-    0 .. T - 1 of the learned position embedding."""
+    """Rows start .. start + T - 1 (decoding), the positions' (packed rows), or 0 .. T - 1."""
     cfg = self.cfg
     pos_embed = self.param(
       "pos_embed",
@@ -393,6 +373,7 @@ class TransformerLM(nn.Module):
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]
+    # The model's own tables (the position embedding, softmax's cache) would clamp past max_len.
     if cfg.length_limit is not None and t_len > cfg.length_limit:
       raise ValueError(
         f"TransformerLM: tokens {tokens_BT.shape} are longer than max_len = {cfg.max_len}"

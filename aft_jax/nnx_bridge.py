@@ -1,7 +1,5 @@
-"""The layers and the model from Flax NNX through ``flax.nnx.bridge.ToNNX`` (the same linen code
-and ops, no copy): ``to_nnx``, ``linen_params``, and decoding with ``start_decoding`` /
-``decode_step`` (the bridge carries the "cache" collection). docs/training.md, "From Flax NNX".
-"""
+"""The layers and the model from Flax NNX through ``flax.nnx.bridge.ToNNX`` (the same linen
+code): docs/training.md, "From Flax NNX"."""
 
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ def to_nnx(module, *example_args, params=None, seed: int = 0, **example_kwargs) 
 
 
 def _check_params(want: dict, got) -> None:
-  """ValueError unless ``got`` has exactly the parameters of ``want``, each of its shape (one left
-  out would stay at its random init)."""
+  """ValueError unless ``got`` has exactly ``want``'s parameters and shapes (one left out would
+  stay at its random init)."""
   flat = lambda tree: {
     jax.tree_util.keystr(path, simple=True, separator="/"): jnp.shape(x)
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -1,6 +1,5 @@
-"""Device meshes (axes data, fsdp, tensor, sequence) and logical-axis sharding: modules name
-their parameters' axes, ``DEFAULT_RULES`` maps the names to mesh axes (docs/scaling.md, "The
-mesh"; the sequence axis: docs/long_sequences.md, "Context parallelism")."""
+"""Device meshes (data, fsdp, tensor, sequence) and logical-axis sharding (``DEFAULT_RULES``):
+docs/scaling.md, "The mesh"; docs/long_sequences.md, "Context parallelism"."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
   if math.prod(sizes) != num_devices:
     raise ValueError(
       f"mesh: data x fsdp x tensor x sequence = {' x '.join(map(str, sizes))} = "
-      f"{math.prod(sizes)} does "
-      f"not match the {num_devices} available devices"
+      f"{math.prod(sizes)} does not match the {num_devices} available devices"
     )
   return tuple(sizes)
 
@@ -105,8 +103,8 @@ def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
 
 
 def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
-  """Each global batch size must split evenly over the data-parallel devices (mesh data x fsdp,
-  or their number), and those over the processes."""
+  """Each global batch size splits over the data-parallel devices (mesh data x fsdp, or their
+  number), and those over the processes."""
   dp = mesh if isinstance(mesh, int) else mesh.shape["data"] * mesh.shape["fsdp"]
   uneven = uneven_batches(dp, **batch_sizes)
   if uneven:
@@ -120,8 +118,8 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh over ``devices`` (default: every host's); on CPUs, a device count that does not
-  fit says how to make as many as it takes."""
+  """The mesh over ``devices`` (default: every host's); on CPUs, a count that does not fit says
+  how to make enough."""
   devices = list(jax.devices() if devices is None else devices)
   try:
     shape = mesh_shape(mesh_cfg, len(devices))
@@ -134,13 +132,11 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
       f"JAX_NUM_CPU_DEVICES={n}; in Python, jax.config.update('jax_num_cpu_devices', {n}) "
       "before jax's first computation)"
     ) from None
-  # Auto axes: the partitioner places what the logical constraints leave open (GSPMD), as flax's
-  # logical axis rules expect; jax.make_mesh's default would be explicit sharding.
+  # Auto axes (GSPMD), as flax's logical axis rules expect (jax.make_mesh's default: explicit).
   return jax.make_mesh(shape, MESH_AXES, (AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
-  """Rules from a config (lists from JSON) as tuples."""
+def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:  # (lists from JSON) as tuples
   if rules is None:
     return DEFAULT_RULES
   return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
@@ -200,14 +196,11 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
 
 
 def in_mesh_shards(fn, args, names, splits_t: bool = True):
-  """``fn(*args, axis_name=...)`` on each device's shard of ``args`` (laid out by their logical
-  axis names ``names``; T split over ``sequence`` gives ``fn`` that axis name), inside
-  ``jax.shard_map`` over the mesh being traced for; the result laid out as the first. On the
-  whole arrays (``axis_name=None``) outside a mesh of several devices, where a dimension does
-  not split evenly, or where T is split and ``splits_t`` is False (AFT-full)."""
-  # A shard_map also where T is whole: left to itself, XLA's partitioner reshards inside the
-  # causal ops' loop over chunks of T (all-to-alls in the ``while``); rows and channels are
-  # independent, so each device scans its own.
+  """``fn(*args, axis_name=...)`` per device's shard of ``args`` (logical axis names ``names``; T
+  split over ``sequence``: that axis name) in ``jax.shard_map``, the result laid out as the first;
+  on the whole arrays outside a multi-device mesh, where a dimension does not split evenly, or
+  where T is split and not ``splits_t`` (AFT-full)."""
+  # Also where T is whole: XLA's partitioner would reshard inside the causal ops' loop over T.
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(dict(mesh.shape).values()) == 1:
     return fn(*args, axis_name=None)
@@ -226,23 +219,14 @@ def in_mesh_shards(fn, args, names, splits_t: bool = True):
   split = {a for a in mentioned(specs[0]) if sizes[a] > 1}  # what the result varies over
   splits_seq = SEQUENCE in split
   if not split or not all(map(splits, args, specs)) or (splits_seq and not splits_t):
-    # (no split: the logical axis rules map no name here to a mesh axis, as outside the
-    # trainer's nn.logical_axis_rules)
-    return fn(*args, axis_name=None)
+    return fn(*args, axis_name=None)  # (no split: no logical axis rules map these names)
   axis_name = SEQUENCE if splits_seq else None
-  # An array replicated over axes the result is split over (a layer's bias w) is marked varying
-  # there on the way in, so that its gradient is summed over those devices once, here, not
-  # inside the op's loop where it is read (there, the 2-device AFT-local step summed it on
-  # every chunk).
+  # An array replicated over axes the result is split over (a bias w) is marked varying on the
+  # way in: its gradient summed over those devices once, here, not in the op's loop per chunk.
   cast = [tuple(sorted(mentioned(specs[0]) - mentioned(spec))) for spec in specs]
 
   def per_shard(*a):
     a = [jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(a, cast)]
     return fn(*a, axis_name=axis_name)
 
-  return jax.shard_map(
-    per_shard,
-    mesh=mesh,
-    in_specs=specs,
-    out_specs=specs[0],
-  )(*args)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=specs[0])(*args)

@@ -1,7 +1,5 @@
-"""The components' typed configs: each component defines, documents and checks its own keys in
-a frozen ``TypedConfig`` dataclass, from which the config tree is generated; a saved config
-lacking a key added since reads it as the version that wrote it ran (``ADDED``). docs/training.md,
-"Config keys" and "Reliability"."""
+"""``TypedConfig``: each component's keys, defined, documented and checked in one frozen
+dataclass, the config tree generated from them. docs/training.md, "Config keys", "Reliability"."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ import ml_collections
 
 
 def type_ok(value, default) -> bool:
-  """Whether ``value`` may stand where ``default`` does: the same type (an int for a float,
-  never a bool for a number; a list or tuple for either); None always."""
+  """Whether ``value`` may stand for ``default``: its type (an int for a float, not a bool for a
+  number, a list or tuple for either); None always."""
   if default is None or value is None:
     return True
   if isinstance(default, bool):
@@ -38,14 +36,13 @@ def type_problems(values: dict, defaults: dict, prefix: str) -> list[str]:
 
 
 class TypedConfig:
-  """Base of a component's config: a frozen dataclass, every field with a default (its type)
-  and a comment (its meaning). ``WHERE``: the tree node of its keys ("" for the top)."""
+  """A component's config: a frozen dataclass, each field with a default (its type) and a comment
+  (its meaning). ``WHERE``: the tree node of its keys ("" for the top)."""
 
   WHERE: ClassVar[str] = ""
   OUTSIDE_TREE: ClassVar[tuple[str, ...]] = ()  # fields the tree does not hold
-  # Every key added since the first release (3d08369), old values equal to today's defaults
-  # included: {name: (the change that added it, the value a config written before it ran
-  # with, or a function of the saved node)}.
+  # Every key added since the first release (3d08369): {name: (the change that added it, the
+  # value a config written before it ran with, or a function of the saved node)}.
   ADDED: ClassVar[dict[str, tuple[str, Any | Callable[[Mapping], Any]]]] = {}
 
   @classmethod
@@ -61,8 +58,7 @@ class TypedConfig:
     return {k: v for k, v in cls.defaults().items() if k not in cls.OUTSIDE_TREE}
 
   @classmethod
-  def from_config(cls, config):
-    """The component's keys of a config tree (a ConfigDict or a dict)."""
+  def from_config(cls, config):  # of a config tree (a ConfigDict or a dict)
     node = config[cls.WHERE] if cls.WHERE else config
     return cls(**{name: node[name] for name in cls.tree_defaults()})
 
@@ -75,8 +71,7 @@ class TypedConfig:
         out[name] = old(node) if callable(old) else old
     return out
 
-  def key(self, name: str) -> str:
-    """The config key of field ``name``, as errors name it: "config.data.dataset"."""
+  def key(self, name: str) -> str:  # as errors name field ``name``: "config.data.dataset"
     return f"config.{self.WHERE + '.' if self.WHERE else ''}{name}"
 
   def problems(self) -> list[str]:

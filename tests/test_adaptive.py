@@ -50,6 +50,11 @@ def test_nll_is_minus_the_normalised_log_probs(cutoffs, chunk_size):
   np.testing.assert_allclose(nll[0], ref[0], rtol=1e-5, atol=2e-5)
   np.testing.assert_allclose(nll[1], ref[1], rtol=1e-5, atol=2e-2)  # relative to ~1e3 logits
   assert float(jnp.max(nll[1])) > 100.0  # the large case really has big logits
+  if not cutoffs:  # one cluster: optax's full softmax over the module's own table
+    w = nn.unbox(v)["params"]["head_embed"]
+    assert set(nn.unbox(v)["params"]) == {"head_embed"}
+    want = optax.softmax_cross_entropy_with_integer_labels(hb @ w.T, tb)
+    np.testing.assert_allclose(nll[0], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_logsumexp_matches_dense():
@@ -58,14 +63,6 @@ def test_chunked_logsumexp_matches_dense():
   ref = jax.nn.logsumexp(z @ table.T, axis=-1)
   for c in (1, 7, 100):  # 1 row, non-dividing (last chunk overlaps), > table
     np.testing.assert_allclose(chunked_logsumexp(z, table, c), ref, rtol=1e-6, atol=1e-4)
-
-
-def test_single_cluster_equals_optax_full_softmax():
-  sm, v, h, t = _setup_softmax((), chunk_size=7)
-  w = nn.unbox(v)["params"]["head_embed"]  # [V, D]: the module's own table
-  ref = optax.softmax_cross_entropy_with_integer_labels(h @ w.T, t)
-  np.testing.assert_allclose(_apply(sm, v, h, t), ref, rtol=1e-5, atol=1e-5)
-  assert set(nn.unbox(v)["params"]) == {"head_embed"}
 
 
 def test_grads_finite():
@@ -139,18 +136,18 @@ def test_adaptive_input_values_and_the_axis_names():
   assert dists.min() > 1e-4
   assert ai.apply(v, ids).dtype == jnp.float32
   assert AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids).dtype == jnp.bfloat16
-  specs = nn.get_partition_spec(v)["params"]
-  assert tuple(specs["embed_0"]) == ("vocab", "embed")
-  assert tuple(specs["embed_2"]) == ("vocab", "embed_small")
-  assert tuple(specs["proj_1"]) == ("embed_small", "embed")
   one = AdaptiveInput(V, D, [])  # a single cluster: a plain embedding
-  v = one.init(jax.random.key(0), jnp.arange(V))
-  assert set(nn.unbox(v)["params"]) == {"embed_0"}
-  np.testing.assert_array_equal(one.apply(v, jnp.arange(V)), nn.unbox(v)["params"]["embed_0"])
-  specs = nn.get_partition_spec(_setup_softmax()[1])["params"]
-  assert tuple(specs["cluster_logits"]) == ("cluster", "embed")
-  assert tuple(specs["head_embed"]) == ("vocab", "embed")
-  assert tuple(specs["tail_proj_2"]) == ("embed_small", "embed")
+  v1 = one.init(jax.random.key(0), jnp.arange(V))
+  assert set(nn.unbox(v1)["params"]) == {"embed_0"}
+  np.testing.assert_array_equal(one.apply(v1, jnp.arange(V)), nn.unbox(v1)["params"]["embed_0"])
+  specs = {
+    **nn.get_partition_spec(v)["params"],
+    **nn.get_partition_spec(_setup_softmax()[1])["params"],
+  }
+  big, small = ("vocab", "embed"), ("embed_small", "embed")
+  want = dict(embed_0=big, embed_2=("vocab", "embed_small"), proj_1=small, head_embed=big)
+  want.update(cluster_logits=("cluster", "embed"), tail_proj_2=small)
+  assert {k: tuple(specs[k]) for k in want} == want
 
 
 class _TinyLM(nn.Module):
@@ -217,10 +214,9 @@ BAD_SOFTMAX_ARGS = [
 ]
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # (the checks both share: _Clusters)
   "cls, kwargs, match",
-  [(c, *b) for c in (AdaptiveInput, AdaptiveSoftmax) for b in BAD_ARGS]
-  + [(AdaptiveSoftmax, *b) for b in BAD_SOFTMAX_ARGS],
+  [(AdaptiveInput, *b) for b in BAD_ARGS] + [(AdaptiveSoftmax, *b) for b in BAD_SOFTMAX_ARGS],
 )
 def test_bad_arguments_raise(cls, kwargs, match):
   args = dict(vocab_size=V, d_model=D) | kwargs

@@ -248,36 +248,44 @@ def test_logical_axis_names_of_every_param_and_under_a_mesh(mesh_shape, batch):
 
 # ---------------------------------------------------------------- bad input
 
+SEG = np.zeros((1, 4), np.int32)
+Full, Local, Conv1D, Conv2D = layers.AFTFull, layers.AFTLocal, layers.AFTConv1D, layers.AFTConv2D
+MHA, Simple = layers.MultiHeadAttention, layers.AFTSimple
+BAD = [  # (module, input shape, the first line of the message, keywords): the op's where it has one
+  (Full(max_len=4), (1, 6, D), r"aft_full: w must be \[T, T\] = \(6, 6\) .*got w \(4, 4\)"),
+  (Local(max_len=4, window=2), (1, 5, D), r"aft_local: w must be \[T, T\] = \(5, 5\)"),
+  (Local(max_len=4, window=2, factor_dim=2, causal=True), (1, 5, D), r"aft_local: w must be \["),
+  (Local(max_len=8, window=0), (1, 4, D), r"aft_local: window must be .* >= 1, got 0"),
+  (Local(max_len=8, window=-1, causal=True), (1, 4, D), r"aft_local: window .* got -1"),
+  (Local(window=0, causal=True), (1, 1, D), r"AFTLocal: window .* got 0", dict(decode=True)),
+  (Conv1D(num_heads=2, kernel_size=4), (1, 4, D), r"aft_conv1d: .*odd .*kernel \(2, 4\)"),
+  (Conv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"AFTConv1D: kernel_size"),
+  (Conv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"aft_conv2d: .*\(2, 3, 4\)"),
+  (Conv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"aft_conv2d: kernel sizes .*odd"),
+  (Conv2D(num_heads=2, kernel_size=(3,)), (1, 3, 3, D), r"AFTConv2D: kernel_size"),
+  (Conv2D(num_heads=2), (3, D), r"aft_conv2d: expected q, v \[\.\.\., Ht, Wd, H, C\]"),
+  (Conv1D(num_heads=3), (1, 4, D), rf"AFTConv1D: d_model = {D}.*num_heads = 3"),
+  (Conv2D(num_heads=3, kernel_size=3), (1, 3, 3, D), r"AFTConv2D: d_model = 8.*= 3"),
+  (MHA(num_heads=3), (1, 4, D), r"MultiHeadAttention: d_model = 8.*= 3"),
+  # Packed rows: the op checks segment_ids, positions and causal (the mask: the padding test).
+  (Local(window=2, causal=True), (1, 4, D),
+   r"aft_local: segment_ids must be an int array \[\.\.\., T\] = \(1, 4\); got .* \(1, 3\)",
+   dict(segment_ids=SEG[:, :3])),
+  (Full(max_len=8, causal=True), (1, 4, D), r"aft_full: positions must be an int array .*float32",
+   dict(segment_ids=SEG, positions=SEG * 1.0)),
+  (MHA(num_heads=2, causal=True), (1, 4, D),
+   r"MultiHeadAttention: segment_ids must be an int .*\(1, 3\)", dict(segment_ids=SEG[:, :3])),
+  (Simple(), (1, 4, D), r"aft_simple: segment_ids need causal=True", dict(segment_ids=SEG)),
+  (Conv1D(num_heads=2), (1, 4, D), r"aft_conv1d: segment_ids need causal=True", dict(mask=SEG > 0)),
+  (Local(window=2, causal=True), (1, 4, D), r"AFTLocal: positions need segment_ids",
+   dict(positions=SEG)),
+]  # fmt: skip
 
-def _raises(module, shape, match, **kw):
-  with pytest.raises(ValueError, match=match):
-    abstract_init(module, shape, **kw)
 
-
-BAD = [  # (module, input shape, the first line of the message, decode): the op's where it has one
-  (layers.AFTFull(max_len=4), (1, 6, D), r"AFTFull: sequence length T = 6 exceeds max_len = 4"),
-  (layers.AFTLocal(max_len=4, window=2), (1, 5, D), r"AFTLocal: .* exceeds max_len = 4"),
-  (layers.AFTLocal(max_len=8, window=0), (1, 4, D), r"aft_local: window must be .* >= 1, got 0"),
-  (layers.AFTLocal(max_len=8, window=-1, causal=True), (1, 4, D), r"aft_local: window .* got -1"),
-  (layers.AFTLocal(window=0, causal=True), (1, 1, D), r"AFTLocal: window .* got 0", True),
-  (layers.AFTConv1D(num_heads=2, kernel_size=4), (1, 4, D), r"aft_conv1d: .*odd .*kernel \(2, 4\)"),
-  (layers.AFTConv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"AFTConv1D: kernel_size"),
-  (layers.AFTConv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"aft_conv2d: .*\(2, 3, 4\)"),
-  (layers.AFTConv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"aft_conv2d: kernel sizes .*odd"),
-  (layers.AFTConv2D(num_heads=2, kernel_size=(3,)), (1, 3, 3, D), r"AFTConv2D: kernel_size"),
-  (layers.AFTConv2D(num_heads=2), (3, D), r"aft_conv2d: expected q, v \[\.\.\., Ht, Wd, H, C\]"),
-  (layers.AFTConv1D(num_heads=3), (1, 4, D), rf"AFTConv1D: d_model = {D}.*num_heads = 3"),
-  (layers.AFTConv2D(num_heads=3, kernel_size=3), (1, 3, 3, D), r"AFTConv2D: d_model = 8.*= 3"),
-  (layers.MultiHeadAttention(num_heads=3), (1, 4, D), r"MultiHeadAttention: d_model = 8.*= 3"),
-]
-
-
-@pytest.mark.parametrize(
-  "module, shape, first_line, decode", [b + (False,) * (4 - len(b)) for b in BAD]
-)
-def test_bad_input_is_a_one_line_value_error(module, shape, first_line, decode):
+@pytest.mark.parametrize("module, shape, first_line, kw", [b + ({},) * (4 - len(b)) for b in BAD])
+def test_bad_input_is_a_one_line_value_error(module, shape, first_line, kw):
   with pytest.raises(ValueError) as e:
-    abstract_init(module, shape, **({"decode": True} if decode else {}))
+    abstract_init(module, shape, **kw)
   assert re.fullmatch(first_line + ".*", str(e.value).splitlines()[0]), str(e.value)
 
 
@@ -289,6 +297,11 @@ def test_decode_and_rank_are_checked_by_every_layer():
   for name, mod in _modules(causal=True).items():
     if not getattr(mod, "chunks", False):  # the recurrent layers take prompt chunks
       _raises(mod, (2, 3, D), r"decode=True takes one token.*\(2, 3, 8\)", decode=True)
+
+
+def _raises(module, shape, match, **kw):
+  with pytest.raises(ValueError, match=match):
+    abstract_init(module, shape, **kw)
 
 
 def test_attention_impl_is_passed_on_or_refused(monkeypatch):
