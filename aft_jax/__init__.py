@@ -1,10 +1,6 @@
-"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax.
-
-Packages, lowest first: ops (the maths), layers, model / adaptive / decode, nnx_bridge, data,
-sharding, trainer, tools (README.md, "Documentation"). ``load_pretrained(path)`` -> (model,
-params, vocab). ``import aft_jax`` imports no module (not jax): a command can then say in one line
-what is wrong with a JAX_* environment variable before jax reads it.
-"""
+"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax
+(README.md, "Documentation"). ``import aft_jax`` imports no module (not jax): a command can say
+in one line what is wrong with a JAX_* environment variable before jax reads it."""
 
 import importlib
 
@@ -18,8 +14,7 @@ def __getattr__(name: str):
 
 
 def load_pretrained(path: str):
-  """(TransformerLM, params, Vocab) from a file written by ``python -m aft_jax.tools.export``
-  (no Orbax, workdir or dataset needed)."""
+  """(TransformerLM, params, Vocab) from a file written by ``aft-export`` (no Orbax needed)."""
   # Imported here, not at the top, so that `python -m aft_jax.tools.export` runs a fresh module.
   from aft_jax.tools import export  # pylint: disable=g-import-not-at-top
 

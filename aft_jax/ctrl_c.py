@@ -1,14 +1,7 @@
-"""Ctrl-C (SIGINT) in a command: one line on stderr and exit status 130, never a crash
-(docs/training.md, "Reliability"). Every command runs inside ``stops_on_ctrl_c(line)``, entered
-before its heavy imports. The KeyboardInterrupt unwinds the ``finally`` blocks (temporary files,
-locks), then the process ends with ``os._exit(130)``: the interpreter's shutdown would run
-against threads a Ctrl-C leaves working (TensorStore's reads, XLA's dispatched computations,
-SentencePiece's training) and print tracebacks or crash. A Ctrl-C is held where raising it would
-crash or be lost: during an import (in a C extension's initialisation it becomes a C++
-exception that aborts) and in a garbage-collector callback or ``__del__`` (printed and dropped);
-it is raised as the outermost import returns, or at the first Python call after the callback.
-A second Ctrl-C exits at once. SIGINT that the process ignores (a background command) stays
-ignored."""
+"""Ctrl-C in a command: one line on stderr and exit status 130, never a crash (docs/training.md,
+"Reliability"). ``os._exit`` after the ``finally`` blocks: the interpreter's shutdown would run
+against the threads a Ctrl-C leaves working. A Ctrl-C in an import (a C extension's init would
+abort) or a gc callback (Python drops it) is held until it returns; a second exits at once."""
 
 from __future__ import annotations
 
@@ -26,11 +19,15 @@ EXIT_STATUS = 128 + signal.SIGINT
 
 @contextlib.contextmanager
 def stops_on_ctrl_c(line: str):
-  """Runs the block as a command: a Ctrl-C ends the process with ``line`` on stderr and exit
-  status 130 (the innermost block's ``line``); anything else raised passes through."""
+  """A Ctrl-C in the block ends the process: the innermost block's ``line``, exit status 130."""
   running = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
   stop = running if isinstance(running, _Stop) else _Stop(line)
-  old = None if stop is running else _install(stop.on_sigint)
+  old = None
+  # Where Python's own handler is in place (main thread): a SIGINT that is ignored (a
+  # background command) or someone else's stays so.
+  main = threading.current_thread() is threading.main_thread()
+  if stop is not running and main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    old = signal.signal(signal.SIGINT, stop.on_sigint)
   outer_line, stop.line = stop.line, line
   try:
     yield
@@ -42,19 +39,7 @@ def stops_on_ctrl_c(line: str):
       signal.signal(signal.SIGINT, old)
 
 
-def _install(handler):
-  """``handler`` for SIGINT where Python's own is in place (main thread only): the one it
-  replaced, or None if it left SIGINT as it was (ignored, or someone else's)."""
-  if threading.current_thread() is not threading.main_thread():
-    return None
-  if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-    return None
-  return signal.signal(signal.SIGINT, handler)
-
-
 class _Stop:
-  """How a command stopped by Ctrl-C ends: ``on_sigint`` handles SIGINT, ``now`` exits."""
-
   def __init__(self, line: str):
     self.line = line
     self.raised = False  # a KeyboardInterrupt was raised for a first Ctrl-C
@@ -105,8 +90,7 @@ class _Stop:
 
 
 def _outermost_holding(frame):
-  """The outermost frame from ``frame`` down of code that holds a Ctrl-C (an import, a gc
-  callback or a ``__del__``); None if there is none."""
+  """The outermost frame of an import, gc callback or ``__del__`` from ``frame`` down, or None."""
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   outer = None
   while frame is not None:

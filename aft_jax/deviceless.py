@@ -1,8 +1,6 @@
-"""Compiling for an accelerator that is not here (docs/scaling.md, "Does it fit my GPU?";
-docs/development.md): named targets, their devices (``jax.experimental.topologies``) and the
-compiler plugins, each kept in its own folder (``plugin_dir``) and seen only by a process
-started in ``environment(kind)`` (beside jax, they would start with every jax program and warn
-that no GPU or TPU is there): python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]"""
+"""Compiling for an accelerator that is not here (docs/scaling.md, "Does it fit my GPU?"): named
+targets, their devices and the compiler plugins, each in its own folder, seen only by a process
+started in ``environment(kind)``: python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]"""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-  """A device to compile for without it. ``kind``: the compiler plugin it needs ('cuda', 'tpu'
-  or 'cpu'); ``spec``: the GPU description file (``GpuTargetConfigProto``) or TPU generation."""
+  """``kind``: the plugin it needs; ``spec``: the GPU description file or TPU generation."""
 
   name: str
   kind: str
@@ -62,13 +59,12 @@ def get(name: str) -> CompileTarget:
   return TARGETS[name]
 
 
-def _jaxlib_version() -> str:
+def _jaxlib_version() -> str:  # (a function: tests fake it)
   return importlib.metadata.version("jaxlib")
 
 
 def plugin_packages(kind: str) -> list[str]:
-  """The pip requirements of ``kind``'s compiler: the CUDA plugin at exactly jaxlib's version,
-  libtpu at the version jax's ``tpu`` extra names."""
+  """pip requirements: the CUDA plugin at jaxlib's version, libtpu at jax's ``tpu`` extra's."""
   if kind == "cuda":
     v = _jaxlib_version()
     return [f"jax-cuda12-plugin=={v}", f"jax-cuda12-pjrt=={v}"]
@@ -91,15 +87,13 @@ def plugin_dir(kind: str) -> str:
   return os.path.join(root, f"jaxlib-{_jaxlib_version()}", kind)
 
 
-def _name(requirement: str) -> str:
-  """A requirement's distribution name, normalised (PEP 503)."""
+def _name(requirement: str) -> str:  # a requirement's distribution name, normalised (PEP 503)
   return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]).lower()
 
 
 def incomplete(kind: str) -> str | None:
-  """Why ``kind``'s plugin folder holds no whole install (None: it does, or it is absent): a
-  package or file missing, or a file of another size than pip's RECORD says (XLA would only
-  say "topology not implemented")."""
+  """Why ``kind``'s plugin folder is no whole install, by pip's RECORD (None: whole or absent);
+  XLA would only say "topology not implemented"."""
   path = plugin_dir(kind)
   if not os.path.isdir(path) or not os.listdir(path):
     return None
@@ -122,16 +116,9 @@ def installed(kind: str) -> bool:
   return os.path.isdir(path) and bool(os.listdir(path)) and incomplete(kind) is None
 
 
-def reinstall_note(kind: str) -> str:
-  return (
-    f"the {kind} compiler plugin in {plugin_dir(kind)} is incomplete ({incomplete(kind)}): "
-    f"reinstall: python -m aft_jax.deviceless install {kind}"
-  )
-
-
 def install(kind: str, quiet: bool = False) -> str:
-  """pip-installs ``kind``'s packages (no dependencies) into ``plugin_dir(kind)`` unless there;
-  returns the folder. A RuntimeError with pip's last lines if pip fails."""
+  """``plugin_dir(kind)``, pip-installed (no dependencies) unless there; pip's last lines as a
+  RuntimeError if it fails."""
   path = plugin_dir(kind)
   if installed(kind):
     return path
@@ -155,8 +142,8 @@ def ptxas() -> str:
 
 
 def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dict:
-  """The environment of a process that compiles for ``kind``: its plugin folder on PYTHONPATH,
-  the switches it needs, and ``num_cpu_devices`` host devices (the 'cpu' target)."""
+  """A compiling process's environment: the plugin on PYTHONPATH, its switches, and
+  ``num_cpu_devices`` host devices (the 'cpu' target)."""
   env = dict(os.environ if base is None else base)
   env[CHILD_ENV] = kind
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the plugin's "no CUDA driver" INFO lines
@@ -165,7 +152,10 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
     # device (every later run would warn that it cannot read the entry): none for them.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if incomplete(kind) is not None:
-      raise RuntimeError(reinstall_note(kind))
+      raise RuntimeError(
+        f"the {kind} compiler plugin in {plugin_dir(kind)} is incomplete ({incomplete(kind)}): "
+        f"reinstall: python -m aft_jax.deviceless install {kind}"
+      )
     if not installed(kind):
       raise RuntimeError(
         f"compiling for a {kind.upper()} target needs {' '.join(plugin_packages(kind))}: run "
@@ -188,8 +178,7 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
 
 
 def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
-  """Restarts this command in ``environment(kind)`` (the plugin installed first if missing),
-  unless it already runs there."""
+  """Restarts this command in ``environment(kind)`` (installing a missing plugin) unless there."""
   if os.environ.get(CHILD_ENV) == kind:
     return
   if kind in ("cuda", "tpu") and incomplete(kind) is None:
@@ -205,8 +194,7 @@ MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
 
 
 def check_num_devices(target: CompileTarget, num_devices: int) -> None:
-  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for (checked
-  before the restart into ``environment``)."""
+  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for."""
   if num_devices < 1:
     raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
   limit = MAX_DEVICES[target.kind]
@@ -228,8 +216,7 @@ def _tpu_layout(n: int) -> tuple[str, int]:
 
 
 def devices(target: CompileTarget | str, num_devices: int = 1) -> list:
-  """``num_devices`` devices of ``target`` (``check_num_devices``'s) to compile for, in a
-  process started in ``environment(target.kind)``."""
+  """``num_devices`` devices of ``target`` to compile for (in ``environment(target.kind)``)."""
   import jax
   from jax.experimental import topologies
 
@@ -261,11 +248,7 @@ def devices(target: CompileTarget | str, num_devices: int = 1) -> list:
 
 
 def _main(argv) -> int:
-  if (
-    len(argv) < 1
-    or argv[0] != "install"
-    or any(k not in ("cuda", "tpu", "ptxas") for k in argv[1:])
-  ):
+  if argv[:1] != ["install"] or any(k not in ("cuda", "tpu", "ptxas") for k in argv[1:]):
     print("usage: python -m aft_jax.deviceless install [cuda] [tpu] [ptxas]", file=sys.stderr)
     return 2
   for kind in argv[1:] or ("cuda", "tpu", "ptxas"):

@@ -1,5 +1,4 @@
-"""Files that are either whole or absent (written under a temporary name, then renamed: a
-reader or a rerun after a crash never sees half a file); disk-space and file-path checks."""
+"""Files whole or absent (written under a temporary name, then renamed); disk and path checks."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from collections.abc import Iterator
 
 
 class DiskFullError(OSError):
-  """A file does not fit on its disk (errno ENOSPC); the message says how much it needs where."""
-
   def __init__(self, path: str, num_bytes: int):
     super().__init__(
       errno.ENOSPC, f"no space left on device: needs ~{math.ceil(num_bytes / 1e6):,} MB at {path}"
@@ -26,15 +23,15 @@ class DiskFullError(OSError):
 
 
 def check_space(path: str, num_bytes: int) -> None:
-  """DiskFullError unless the disk holding ``path`` has ``num_bytes`` free (before a large
-  file is written: a memory-mapped file on a full disk dies of SIGBUS, without a message)."""
+  """DiskFullError unless ``path``'s disk has ``num_bytes`` free (a memory-mapped file on a full
+  disk dies of SIGBUS, without a message)."""
   if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < num_bytes:
     raise DiskFullError(path, num_bytes)
 
 
 def check_file_path(flag: str, path: str) -> None:
-  """A one-line ValueError naming ``flag`` unless ``path`` (or the file a symlink points to) can
-  be written as a file: not empty, no folder, device or pipe, in a folder that exists."""
+  """A one-line ValueError naming ``flag`` unless ``path`` (or a symlink's target) can be
+  written as a file."""
   if not path:
     raise ValueError(f"{flag} is empty: give a file name")
   real = os.path.realpath(path)
@@ -48,8 +45,8 @@ def check_file_path(flag: str, path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
-  """Yields a temporary path beside ``path`` (ending in ``suffix``), renamed to ``path`` if the
-  block succeeds, removed otherwise. A symlink is written through: the link stays."""
+  """A temporary path beside ``path``, renamed to it if the block succeeds, removed otherwise (a
+  symlink is written through)."""
   path = os.path.realpath(path)
   tmp = f"{path}.tmp-{os.getpid()}{suffix}"
   try:
@@ -60,13 +57,21 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
       os.remove(tmp)
 
 
+@contextlib.contextmanager
+def output_path(flag: str, path: str, suffix: str = "") -> Iterator[str]:
+  """``atomic_path`` for a command's output: a failed write (a full disk) is one line."""
+  try:
+    with atomic_path(path, suffix) as tmp:
+      yield tmp
+  except OSError as e:
+    raise ValueError(f"{flag} {path}: cannot write it: {e.strerror or e}") from None
+
+
 def cannot_write(path: str, e: OSError) -> OSError:
-  """``e``, a failed write of ``path``, as one line naming ``path``."""
   return OSError(e.errno, f"cannot write {path}: {e.strerror or e}")
 
 
 def atomic_write(path: str, text: str) -> None:
-  """Writes ``text`` (UTF-8, '\\n' line ends) to ``path`` atomically."""
   try:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
       f.write(text)
@@ -75,6 +80,5 @@ def atomic_write(path: str, text: str) -> None:
 
 
 def atomic_write_json(path: str, obj, indent: int = 2, allow_nan: bool = True) -> None:
-  """Writes ``obj`` as JSON (keys sorted) to ``path`` atomically."""
   text = json.dumps(obj, indent=indent, sort_keys=True, allow_nan=allow_nan)
   atomic_write(path, text + "\n")

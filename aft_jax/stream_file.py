@@ -1,7 +1,6 @@
 """A stream's state as a file (``aft-generate --save_state`` / ``--state``; docs/training.md,
-"Streams: no length limit"): safetensors, one tensor per leaf of the ``decode.Stream``
-(``cache/<path>``, ``last``, ``rng``), and as metadata the format, version, the model's
-``fingerprint``, the position, the key's PRNG and a SHA-256 of all the rest (``_digest``)."""
+"Streams: no length limit"): safetensors, a tensor per leaf, and as metadata the format,
+version, model ``fingerprint``, position, PRNG and a SHA-256 of all the rest."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ _SEP = "/"
 
 
 def fingerprint(model_cfg, params) -> str:
-  """The model as a SHA-256 (hex) of its config and every parameter (path, dtype, shape, bytes):
-  two models with one fingerprint compute the same function."""
+  """A SHA-256 of the model's config and every parameter (path, dtype, shape, bytes)."""
   h = hashlib.sha256()
   cfg = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
   h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -49,7 +47,6 @@ def _digest(meta: dict, tensors: dict) -> str:
 
 
 def save(path: str, stream: Stream, model_fingerprint: str) -> None:
-  """Writes ``stream`` (atomically) as the state of the model of ``model_fingerprint``."""
   from safetensors.numpy import save as st_save  # pylint: disable=g-import-not-at-top
 
   cache = jax.device_get(stream.cache)
@@ -68,16 +65,12 @@ def save(path: str, stream: Stream, model_fingerprint: str) -> None:
   }
   meta["sha256"] = _digest(meta, tensors)
   data = st_save(tensors, metadata=meta)
-  try:
-    with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
-      f.write(data)
-  except OSError as e:  # a read-only folder, a full disk: nothing is left behind
-    raise ValueError(f"--save_state {path}: cannot write it: {e.strerror or e}") from None
+  with files.output_path("--save_state", path) as tmp, open(tmp, "wb") as f:
+    f.write(data)
 
 
 def load(path: str, model, model_fingerprint: str) -> Stream:
-  """The ``Stream`` in ``path`` for ``model``; a one-line ValueError for a file that cannot be
-  read, is damaged, is no stream state or was written by another model."""
+  """The ``Stream`` in ``path`` for ``model``, or a one-line ValueError."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load as st_load  # pylint: disable=g-import-not-at-top
 

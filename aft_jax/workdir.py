@@ -1,6 +1,5 @@
-"""A run's workdir: the one description of its files (docs/training.md, "What lands in the
-workdir"), and the value that reads and writes them. The bottom layer of the trainer and the
-tools: it imports only the file helpers, vocabularies and the corpus record."""
+"""A run's workdir: the names of its files and their reading and writing (docs/training.md, "What
+lands in the workdir"). It imports only the file helpers, vocabularies and the corpus record."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class Workdir:
     return _read_json(self.config_file)
 
   def write_results(self, results: dict) -> None:
-    """results.json, strict JSON: a NaN or infinite number is null, and ``not_finite`` names
-    each such key with its value ("nan", "inf", "-inf")."""
+    """Strict JSON: a NaN or infinite number is null, its key and value in ``not_finite``."""
     results, not_finite = dict(results), {}
     for key, value in results.items():
       if isinstance(value, float) and not math.isfinite(value):
@@ -77,7 +75,6 @@ class Workdir:
     return _read_json(self.final_eval_file)
 
   def save_corpus(self, corpus) -> None:
-    """corpus.json (``record.of_corpus``) and the vocabulary's file (bytes need none)."""
     os.makedirs(self.path, exist_ok=True)
     if isinstance(corpus.vocab, vocab_lib.WordVocab):
       corpus.vocab.save(self.vocab_file)
@@ -86,8 +83,7 @@ class Workdir:
     files.atomic_write_json(self.corpus_file, record.of_corpus(corpus))
 
   def check_trained_vocab(self, info: dict, vocab: vocab_lib.Vocab, saved: dict | None, since):
-    """Refuses (``record.DataChanged``) a vocabulary (``load_vocab``'s) other than the one
-    ``saved``, a checkpoint's corpus record, says the model was trained with."""
+    """``record.DataChanged`` unless ``vocab`` is the one a checkpoint's record ``saved`` names."""
     now = {"tokenizer": info["tokenizer"], "vocab_size": vocab.size}
     if getattr(vocab, "sha256", None) is not None:
       now["vocab_sha256"] = vocab.sha256
@@ -107,16 +103,15 @@ class Workdir:
     return _read_json(self.corpus_file)
 
   def trained_corpus(self, items: dict) -> dict | None:
-    """The corpus record of the run whose checkpoint holds the JSON ``items`` ({}: none yet):
-    the checkpoint's, else corpus.json; for a run trained before workdirs kept one,
-    ``record.unrecorded`` of results.json and the data position. None: no run."""
+    """The corpus record of the checkpoint's JSON ``items`` ({}: none), else corpus.json's, else
+    (an older run) ``record.unrecorded``'s; None: no run."""
     saved = items.get("corpus") or self.read_corpus()
     if saved is None and (items or os.path.isfile(self.config_file)):
       saved = record.unrecorded(_read_json(self.results_file), items.get("data"))
     return saved
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
-    """(corpus.json's dict, vocabulary); None for a run saved without them."""
+    """(corpus.json's dict, vocabulary); None without them."""
     info = self.read_corpus()
     if info is None:
       return None
@@ -143,8 +138,7 @@ class Workdir:
       raise ValueError(f"--workdir {self.path}: {e}") from None
 
   def read_metrics(self) -> list[dict]:
-    """metrics.jsonl, the last record of each (step, kind of record): a resume logs again the
-    steps between the last checkpoint and the interruption."""
+    """The last record of each (step, kind): a resume logs again the steps since its checkpoint."""
     by_key = {}
     with open(self.metrics_file) as f:
       for line in f:
@@ -153,14 +147,12 @@ class Workdir:
     return sorted(by_key.values(), key=lambda r: r["step"])
 
   def checkpoint_steps(self) -> list[int]:
-    """Steps of the complete checkpoints (a save in progress has a temporary name)."""
     if not os.path.isdir(self.checkpoints_dir):
       return []
     return sorted(int(d) for d in os.listdir(self.checkpoints_dir) if d.isdigit())
 
   def check(self, step: int | None = None) -> int:
-    """The checkpoint step to load (default: the latest); a one-line ValueError naming
-    ``--workdir`` or ``--step`` if there is none."""
+    """The checkpoint step to load (default: the latest), or a one-line ValueError."""
     if not os.path.isdir(self.path):
       raise ValueError(f"--workdir {self.path} does not exist")
     if not os.path.exists(self.config_file):
@@ -178,7 +170,6 @@ class Workdir:
 
 
 def _read_json(path: str) -> dict | None:
-  """The JSON object in ``path``; None where there is none."""
   if not os.path.exists(path):
     return None
   try:
@@ -192,8 +183,7 @@ def _read_json(path: str) -> dict | None:
 
 
 def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
-  """What an export keeps of a vocabulary: its tokens, a subword model's bytes (base64) or
-  nothing for bytes; ``vocab_from_info`` reads it back."""
+  """An export's vocabulary: tokens, a subword model in base64, or None (bytes)."""
   if isinstance(vocab, vocab_lib.WordVocab):
     return vocab.tokens
   if isinstance(vocab, subword.SubwordVocab):
@@ -202,7 +192,6 @@ def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
 
 
 def vocab_from_info(info: dict, payload: list[str] | str | None = None) -> vocab_lib.Vocab:
-  """The vocabulary ``corpus.json``'s dict describes (``payload``: ``vocab_payload``'s)."""
   if info["tokenizer"] == "byte":
     vocab = vocab_lib.ByteVocab()
   elif payload is None:

@@ -15,21 +15,28 @@ import pytest
 from tests.support import prefork
 from tests.support.helpers import ROOT, config_flags, listing, trained_run_config
 
-# python -c COMMAND MODE TARGET SCRIPT ENTRY ARGS...: the console script SCRIPT (entry point
-# ENTRY) with ARGS and Ctrl-C at Python's default, stopped by MODE at TARGET ("module.name"):
-# "read" blocks once the coroutine TARGET (Orbax's read of one array) is done, other reads in
-# flight; "call" blocks before the first call of TARGET; "gc" calls TARGET, then has a
-# garbage-collector callback send the process SIGINT.
+# python -c COMMAND MODE WHERE SCRIPT ENTRY ARGS...: the console script SCRIPT (entry point
+# ENTRY) with ARGS, SIGINT at Python's default, stopped by MODE at WHERE. "read": blocks once
+# the coroutine WHERE ("module.name", Orbax's read of one array) is done, other reads in flight;
+# "call": blocks before the first call of WHERE; "gc": calls WHERE, then has a garbage-collector
+# callback send SIGINT. "import-signal" and "import-gc": one SIGINT at the WHERE-th Python call
+# a C extension's initialisation makes (numpy's, jaxlib's), sent there or from a gc callback run
+# there; a process that never sends it says so.
 COMMAND = r"""
-import gc, importlib, signal, sys, time
-import orbax.checkpoint  # before one of its modules on its own (an import cycle otherwise)
+import _imp, atexit, gc, importlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-mode, target, script, entry, *args = sys.argv[1:]
-owner, _, name = target.rpartition(".")
-owner = importlib.import_module(owner)
-real = getattr(owner, name)
+mode, where, script, entry, *args = sys.argv[1:]
+blocked, sent, depth, calls = [], [], 0, 0
+loading = (_imp.create_dynamic, _imp.exec_dynamic)
 
-blocked = []
+def send():
+  if not sent:
+    sent.append(True)
+    signal.raise_signal(signal.SIGINT)
+
+def from_gc_callback():
+  gc.callbacks.append(lambda phase, info: send())
+  gc.collect()
 
 def block():
   if not blocked:  # once: the calls that run meanwhile (other arrays' reads) go on
@@ -38,67 +45,45 @@ def block():
     while True:  # (not signal.pause(): another thread may be the one the kernel signals)
       time.sleep(0.01)
 
-async def read(*a, **k):
-  out = await real(*a, **k)
-  block()
-  return out
-
-def call(*a, **k):
-  block()
-  return real(*a, **k)
-
-def gc_(*a, **k):
-  out, sent = real(*a, **k), []
-  def callback(phase, info):
-    if not sent:
-      sent.append(True)
-      signal.raise_signal(signal.SIGINT)
-  gc.callbacks.append(callback)
-  gc.collect()
-  return out
-
-setattr(owner, name, {"read": read, "call": call, "gc": gc_}[mode])
-module, _, function = entry.partition(":")
-sys.argv = [script, *args]
-getattr(importlib.import_module(module), function)()
-"""
-
-# python -c IMPORTS K MODE SCRIPT ENTRY ARGS...: the console script with one SIGINT at the K-th
-# Python call a C extension's initialisation makes (numpy's, jaxlib's), sent there ("signal")
-# or from a garbage-collector callback run there ("gc"); a process that never sends it says so.
-IMPORTS = r"""
-import _imp, atexit, gc, importlib, signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)
-k, mode, script, entry, *args = sys.argv[1:]
-loading, depth, calls = (_imp.create_dynamic, _imp.exec_dynamic), 0, 0
-
-def send():
-  signal.raise_signal(signal.SIGINT)
-
-def from_gc_callback():
-  def callback(phase, info):
-    gc.callbacks.remove(callback)
-    send()
-  gc.callbacks.append(callback)
-  gc.collect()
-
 def profile(frame, event, arg):
   global depth, calls
   if event in ("c_call", "c_return", "c_exception") and arg in loading:
     depth += 1 if event == "c_call" else -1
   elif event == "call" and depth:
     calls += 1
-    if calls == int(k):
+    if calls == int(where):
       sys.setprofile(None)
-      {"signal": send, "gc": from_gc_callback}[mode]()
+      {"import-signal": send, "import-gc": from_gc_callback}[mode]()
 
 def unsent():
   sys.setprofile(None)
-  if calls < int(k):
+  if not sent:
     print(f"no SIGINT sent: only {calls} calls", file=sys.stderr)
 
-atexit.register(unsent)  # (a command stopped by Ctrl-C ends without atexit)
-sys.setprofile(profile)
+if mode.startswith("import"):
+  atexit.register(unsent)  # (a command stopped by Ctrl-C ends without atexit)
+  sys.setprofile(profile)
+else:
+  import orbax.checkpoint  # before one of its modules on its own (an import cycle otherwise)
+  owner, _, name = where.rpartition(".")
+  owner = importlib.import_module(owner)
+  real = getattr(owner, name)
+
+  async def read(*a, **k):
+    out = await real(*a, **k)
+    block()
+    return out
+
+  def call(*a, **k):
+    block()
+    return real(*a, **k)
+
+  def gc_(*a, **k):
+    out = real(*a, **k)
+    from_gc_callback()
+    return out
+
+  setattr(owner, name, {"read": read, "call": call, "gc": gc_}[mode])
 module, _, function = entry.partition(":")
 sys.argv = [script, *args]
 getattr(importlib.import_module(module), function)()
@@ -107,17 +92,25 @@ getattr(importlib.import_module(module), function)()
 SCRIPTS = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
 READ = "orbax.checkpoint._src.serialization.serialization._read_shard"
 NOTHING_WRITTEN = "interrupted (Ctrl-C): stopped; nothing was written"
+RESUMES = (
+  "aft-train: interrupted (Ctrl-C): stopped without saving; the workdir's last checkpoint, if "
+  "any, is intact and the same command resumes from it"
+)
 
 
-def _interrupt(mode, target, entry, args, while_blocked=lambda: None):
-  """(exit status, stdout lines, stderr lines) of the console script ``entry`` ("script=module:
-  function") stopped as ``COMMAND`` says; ``while_blocked()`` runs just before the SIGINT."""
-  script, _, entry = entry.partition("=")
-  cmd = [sys.executable, "-c", COMMAND, mode, target, script, entry, *map(str, args)]
+def _command(mode, where, script, args) -> list[str]:
+  """``COMMAND`` running the console script ``script`` (pyproject.toml's) with ``args``."""
+  return [sys.executable, "-c", COMMAND, mode, str(where), script, SCRIPTS[script], *map(str, args)]
+
+
+def _interrupt(mode, where, script, args, while_blocked=lambda: None):
+  """(exit status, stdout lines, stderr lines) of ``_command``, sent SIGINT once it is blocked
+  (mode "gc" sends its own); ``while_blocked()`` runs just before."""
+  cmd = _command(mode, where, script, args)
   proc = prefork.popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   before = []
   try:
-    if mode != "gc":  # the command sends its own
+    if mode != "gc":
       for line in proc.stdout:
         if line == "blocked\n":
           break
@@ -138,36 +131,25 @@ def run_copy(trained_run, tmp_path):
   return workdir
 
 
-@pytest.mark.parametrize("tool", ["generate", "evaluate", "export"])
-def test_ctrl_c_while_a_tool_reads_the_checkpoint_is_one_line_and_exit_status_130(
+@pytest.mark.parametrize("tool", ["generate", "evaluate", "export", "train"])
+def test_ctrl_c_while_a_command_reads_the_checkpoint_is_one_line_and_exit_status_130(
   tool, run_copy, tmp_path
 ):
   """Inside Orbax's read (which wraps an interruption in its own Exception): not a damaged
-  checkpoint, no reading thread's traceback. Three times: the reads in flight differ."""
+  checkpoint (nothing moved aside), no reading thread's traceback, a run that still resumes.
+  A tool three times: the reads in flight differ."""
   before = listing(run_copy)
   args = {
     "generate": ["--length", 2],
     "evaluate": ["--text_file", os.path.join(ROOT, "README.md")],
     "export": ["--out", tmp_path / "model.msgpack"],
+    "train": ["--config", "quickstart", *config_flags(trained_run_config())],
   }[tool]
-  for _ in range(3):
-    got = _interrupt(
-      "read", READ, f"aft-{tool}=aft_jax.tools.{tool}:main", ["--workdir", run_copy, *args]
-    )
-    assert got == (130, [], [f"{tool}: {NOTHING_WRITTEN}"]), got
+  for _ in range(1 if tool == "train" else 3):
+    status, out, err = _interrupt("read", READ, f"aft-{tool}", ["--workdir", run_copy, *args])
+    line = RESUMES if tool == "train" else f"{tool}: {NOTHING_WRITTEN}"
+    assert (status, err) == (130, [line]) and (tool == "train" or out == []), (status, err[-20:])
   assert listing(run_copy) == before and os.listdir(tmp_path) == ["run"]
-
-
-def test_ctrl_c_while_train_py_resumes_is_one_line_and_exit_status_130(run_copy):
-  """Not a damaged checkpoint either (nothing moved aside), nor a run that cannot resume."""
-  before = listing(run_copy)
-  args = ["--config", "quickstart", "--workdir", run_copy, *config_flags(trained_run_config())]
-  status, _, err = _interrupt("read", READ, "aft-train=aft_jax.trainer.train:run", args)
-  assert status == 130 and err == [
-    "aft-train: interrupted (Ctrl-C): stopped without saving; the workdir's last checkpoint, "
-    "if any, is intact and the same command resumes from it"
-  ], (status, err[-20:])
-  assert listing(run_copy) == before
 
 
 def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tmp_path):
@@ -179,7 +161,7 @@ def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tm
   status, _, err = _interrupt(
     "call",
     "numpy.lib.format.write_array_header_1_0",
-    f"aft-prepare={SCRIPTS['aft-prepare']}",
+    "aft-prepare",
     [*args, "--data_dir", data, "--quiet"],
     lambda: written.extend(files()),
   )
@@ -193,12 +175,8 @@ def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tm
 
 def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
   """Raised at the first call after the callback, where Python alone would drop it."""
-  got = _interrupt(
-    "gc",
-    "aft_jax.tools.trained.load_run",
-    "aft-generate=aft_jax.tools.generate:main",
-    ["--workdir", run_copy, "--length", 2],
-  )
+  args = ["--workdir", run_copy, "--length", 2]
+  got = _interrupt("gc", "aft_jax.tools.trained.load_run", "aft-generate", args)
   assert got == (130, [], [f"generate: {NOTHING_WRITTEN}"]), got
 
 
@@ -208,34 +186,33 @@ def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_status_130(tmp_path
   callback run there: held until the imports are done, then the command's one line, nothing
   written. Plain processes (not forked from a server that imported jax), side by side."""
   gone = tmp_path / "gone"  # never created
-  stopped = "interrupted (Ctrl-C): stopped"
-  tool = lambda name, *args: (name, ["--workdir", gone, *args], f"{name}: {NOTHING_WRITTEN}")  # noqa: E731
-  train = (
-    "train",
-    ["--config", "quickstart", "--config.num_train_steps=1", "--workdir", gone],
-    f"aft-train: {stopped} without saving; the workdir's last checkpoint, if any, is intact "
-    "and the same command resumes from it",
-  )
-  prepare = (
-    "prepare",
-    ["--dataset", "pydoc", "--data_dir", gone, "--quiet"],
-    "aft-prepare: interrupted (Ctrl-C) while starting; nothing was written",
-  )
-  cases = [  # (command, args, its line), K, mode
+  tool = lambda name, *args: (
+    f"aft-{name}",
+    ["--workdir", gone, *args],
+    f"{name}: {NOTHING_WRITTEN}",
+  )  # noqa: E731
+  train = ("aft-train", ["--config", "quickstart", "--config.num_train_steps=1", "--workdir", gone])
+  prepare = ("aft-prepare", ["--dataset", "pydoc", "--data_dir", gone, "--quiet"])
+  starting = "aft-prepare: interrupted (Ctrl-C) while starting; nothing was written"
+  cases = [  # (script, args, its line), K, mode
     (tool("generate"), 20000, "signal"),
     (tool("evaluate", "--split", "test"), 300, "signal"),
     (tool("export", "--out", gone / "m.msgpack"), 1, "signal"),
     (tool("export", "--out", gone / "m.msgpack"), 3000, "signal"),
     (tool("export", "--out", gone / "m.msgpack"), 20000, "gc"),
-    (train, 300, "signal"),
-    (train, 20000, "gc"),
-    (prepare, 1, "signal"),
+    ((*train, RESUMES), 300, "signal"),
+    ((*train, RESUMES), 20000, "gc"),
+    ((*prepare, starting), 1, "signal"),
   ]
-  procs = []
-  for (name, args, _), k, mode in cases:
-    script = f"aft-{name}"
-    cmd = [sys.executable, "-c", IMPORTS, str(k), mode, script, SCRIPTS[script], *map(str, args)]
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+  procs = [
+    subprocess.Popen(
+      _command(f"import-{mode}", k, script, args),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+    )  # fmt: skip
+    for (script, args, _), k, mode in cases
+  ]
   got = []
   try:
     for p in procs:

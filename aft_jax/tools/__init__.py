@@ -1,6 +1,5 @@
-"""The commands for a trained run's workdir (``aft-generate``, ``aft-evaluate``, ``aft-export``;
-docs/training.md, "After training") and ``aft-prepare``'s entry point. They import only the
-standard library until a command runs, so a Ctrl-C during the imports is one line too."""
+"""The commands for a trained run's workdir (docs/training.md, "After training") and aft-prepare's
+entry point; standard library only until a command runs (a Ctrl-C in the imports is one line)."""
 
 import sys
 
@@ -8,8 +7,8 @@ from aft_jax.ctrl_c import stops_on_ctrl_c
 
 
 def run_command(name: str, command, args, *, print_json: bool = False) -> None:
-  """Runs ``command(args)`` as a command: a ValueError is one line on stderr (exit status 1),
-  Ctrl-C one line (exit status 130); ``print_json``: the result printed as JSON, last."""
+  """``command(args)``: a ValueError one line (exit status 1), Ctrl-C one line (130);
+  ``print_json``: the result printed as JSON, last."""
   with stops_on_ctrl_c(f"{name}: interrupted (Ctrl-C): stopped; nothing was written"):
     try:
       from absl import logging  # pylint: disable=g-import-not-at-top
@@ -27,7 +26,6 @@ def run_command(name: str, command, args, *, print_json: bool = False) -> None:
 
 
 def prepare() -> None:
-  """The ``aft-prepare`` console script (``aft_jax.data.prepare.cli``)."""
   with stops_on_ctrl_c("aft-prepare: interrupted (Ctrl-C) while starting; nothing was written"):
     from aft_jax.data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
 

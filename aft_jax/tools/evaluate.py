@@ -1,8 +1,7 @@
 """Scores a trained run: aft-evaluate --workdir runs/x [--split test | --text_file F]
 
-Exact perplexity of a checkpoint by the trainer's own evaluation, or with the whole past for a
-stream (docs/training.md, "After training" and "Streams: no length limit"); the last stdout line
-is one JSON object.
+By the trainer's evaluation, or a stream's whole past; the last stdout line is one JSON object
+(docs/training.md, "After training" and "Streams: no length limit").
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ SPLIT_HINT = (
 
 
 def read_text(path: str, data) -> str | list[str]:
-  """What ``--text_file`` scores: a UTF-8 file's text, or a JSONL or Parquet file's documents
-  read as the corpus reads records (with ``data``, the run's DataConfig)."""
+  """A UTF-8 file's text, or a JSONL or Parquet file's documents as the corpus (``data``) reads
+  them."""
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
 
   records = text_lib.is_records(path)
@@ -61,8 +60,7 @@ def read_text(path: str, data) -> str | list[str]:
 
 
 def encode_text(vocab, text: str | list[str]):
-  """(ids, UTF-8 bytes, number of words read as <unk>) of a text, or of records' documents each
-  followed by the boundary as in a split."""
+  """(ids, UTF-8 bytes, words read as <unk>) of a text or documents (each then the boundary)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
   from aft_jax.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
@@ -82,10 +80,10 @@ def encode_text(vocab, text: str | list[str]):
 def evaluate_run(
   run, *, split: str | None = None, text: str | list[str] | None = None, stride=None
 ) -> dict:
-  """The JSON line's dict of ``run`` (``trained.load_run``'s) scored on a split (default
-  validation) or a ``read_text``; ``stride``: default the run's ``final_eval_stride``."""
-  from aft_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-  from aft_jax import decode  # pylint: disable=g-import-not-at-top
+  """The JSON line's dict of ``run`` scored on a split (default validation) or a ``read_text``."""
+  from aft_jax import data as data_lib, decode  # pylint: disable=g-import-not-at-top
+  from aft_jax.data import record  # pylint: disable=g-import-not-at-top
+  from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
   from aft_jax.trainer import evaluation  # pylint: disable=g-import-not-at-top
 
   cfg = run.config
@@ -103,9 +101,6 @@ def evaluate_run(
     desc = "text"
   else:
     split = split or "validation"
-    from aft_jax.data import record  # pylint: disable=g-import-not-at-top
-    from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
-
     trained_on = run.record or run.corpus_info  # the checkpoint's record, else corpus.json's
     corpus = data_lib.load_corpus(cfg.data, record.built_by(trained_on, cfg.data.dataset))
     record.check_corpus(trained_on, record.of_corpus(corpus), trained.since(run.step), SPLIT_HINT)
@@ -131,7 +126,7 @@ def evaluate_run(
 
 
 def evaluate_main(args: argparse.Namespace) -> dict:
-  """The JSON line's dict (``run_command`` prints it)."""
+  from aft_jax.data import record  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
   if args.split is not None and args.text_file is not None:
@@ -145,7 +140,6 @@ def evaluate_main(args: argparse.Namespace) -> dict:
   check = None
   text = read_text(args.text_file, config.data) if args.text_file is not None else None
   if text is None:  # a split: its files must be the ones trained on, checked before any load
-    from aft_jax.data import record  # pylint: disable=g-import-not-at-top
 
     def check(step, trained_on):
       now = record.sources(config.data)
@@ -160,7 +154,6 @@ def evaluate_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-  """The ``aft-evaluate`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)

@@ -1,8 +1,7 @@
 """Exports a trained run to one file: aft-export --workdir runs/x --out model.msgpack
 
-msgpack or safetensors (``load_pretrained`` reads either back, needing neither Orbax nor the
-workdir), or a stream's serving artifact (``--format stablehlo``): docs/training.md, "After
-training" and "A serving artifact".
+msgpack or safetensors (``load_pretrained`` reads either back), or a stream's serving artifact
+(``--format stablehlo``): docs/training.md, "After training" and "A serving artifact".
 """
 
 from __future__ import annotations
@@ -26,15 +25,8 @@ CORPUS_KEYS = ("name", "unit", "tokenizer", "bos_id", "vocab_size", "vocab_sha25
 SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON meta
 
 
-def _model_config_dict(model_cfg) -> dict:
-  d = dataclasses.asdict(model_cfg)
-  d["dtype"], d["param_dtype"] = str(d["dtype"]), str(d["param_dtype"])
-  d["adaptive_cutoffs"] = list(d["adaptive_cutoffs"])
-  return d
-
-
 def _payload(meta: str, params) -> bytes:
-  """The bytes an export's SHA-256 is taken of (a safetensors file rebuilds exactly these)."""
+  """What an export's SHA-256 is taken of (a safetensors file rebuilds exactly these bytes)."""
   from flax import serialization  # pylint: disable=g-import-not-at-top
 
   return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
@@ -46,7 +38,7 @@ def _digest(version: int, payload: bytes) -> str:
 
 
 def _check_digest(path: str, version, payload, sha256) -> None:
-  """Refuses damage (whatever the version says), then a version newer than this reader's."""
+  # Damage first (whatever the version says), then a version newer than this reader's.
   known = isinstance(version, int) and version >= 2
   if not (known and isinstance(payload, bytes) and _digest(version, payload) == sha256):
     raise ValueError(
@@ -60,28 +52,16 @@ def _sorted(tree):
   return {k: _sorted(tree[k]) for k in sorted(tree)} if isinstance(tree, dict) else tree
 
 
-def _flat(params) -> dict:
-  """{"a/b/c": array} of a nested parameter dict (the safetensors names)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-
-  flat = traverse_util.flatten_dict(params, sep="/")
-  return {k: np.ascontiguousarray(v) for k, v in flat.items()}
-
-
 def export_params(
   path: str, model_cfg, params, vocab, corpus_info: dict, fmt: str = "msgpack"
 ) -> None:
   """Writes ``params``, the model config and the vocabulary to ``path`` (atomically). msgpack:
   {format, version, sha256, payload: msgpack of {meta, params}}; safetensors: the parameters by
-  name, {format, version, sha256, aft_jax: meta} as metadata."""
-  from flax import serialization  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
+  name ("a/b/c"), {format, version, sha256, aft_jax: meta} as metadata."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import serialization, traverse_util  # pylint: disable=g-import-not-at-top
 
-  corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
-  meta = json.dumps(
-    {"model": _model_config_dict(model_cfg), "corpus": corpus_info, "vocab": vocab_payload(vocab)}
-  )
+  meta = json.dumps(_meta(model_cfg, vocab, corpus_info))
   params = _to_numpy(serialization.to_state_dict(params))
   payload = _payload(meta, params)
   header = {"format": FORMAT, "version": VERSION, "sha256": _digest(VERSION, payload)}
@@ -89,14 +69,24 @@ def export_params(
     from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
 
     header = {k: str(v) for k, v in header.items()}
-    data = save(_flat(params), metadata={**header, SAFETENSORS_META: meta})
+    flat = traverse_util.flatten_dict(params, sep="/")
+    flat = {k: np.ascontiguousarray(v) for k, v in flat.items()}
+    data = save(flat, metadata={**header, SAFETENSORS_META: meta})
   else:
     data = serialization.msgpack_serialize({**header, "payload": payload})
-  try:
-    with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
-      f.write(data)
-  except OSError as e:  # a read-only folder, a full disk: nothing is left behind
-    raise ValueError(f"--out {path}: cannot write it: {e.strerror or e}") from None
+  with files.output_path("--out", path) as tmp, open(tmp, "wb") as f:
+    f.write(data)
+
+
+def _meta(model_cfg, vocab, corpus_info: dict) -> dict:
+  """The model config, what the ids mean (``CORPUS_KEYS``) and the vocabulary's contents."""
+  from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
+
+  model = dataclasses.asdict(model_cfg)
+  model["dtype"], model["param_dtype"] = str(model["dtype"]), str(model["param_dtype"])
+  model["adaptive_cutoffs"] = list(model["adaptive_cutoffs"])
+  corpus = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
+  return {"model": model, "corpus": corpus, "vocab": vocab_payload(vocab)}
 
 
 def _to_numpy(tree):
@@ -107,12 +97,6 @@ def _to_numpy(tree):
   if isinstance(tree, (str, int, float)):
     return tree
   return np.asarray(tree)
-
-
-def _is_safetensors(data: bytes) -> bool:
-  # A safetensors file: an 8-byte little-endian header length, then that much JSON.
-  n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-  return 0 < n <= len(data) - 8 and data[8:9] == b"{"
 
 
 def _read_safetensors(path: str, data: bytes) -> dict:
@@ -137,7 +121,6 @@ def _read_safetensors(path: str, data: bytes) -> dict:
 
 
 def _read(path: str) -> dict:
-  """{meta, params} of an export, its checksum checked (one-line ValueErrors)."""
   from flax import serialization  # pylint: disable=g-import-not-at-top
 
   try:
@@ -145,7 +128,8 @@ def _read(path: str) -> dict:
       data = f.read()
   except OSError as e:
     raise ValueError(f"load_pretrained: cannot read {path}: {e.strerror}") from None
-  if _is_safetensors(data):
+  n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+  if 0 < n <= len(data) - 8 and data[8:9] == b"{":  # safetensors: a header's length, then JSON
     return _read_safetensors(path, data)
   try:
     tree = serialization.msgpack_restore(data)
@@ -167,7 +151,7 @@ def _read(path: str) -> dict:
 
 
 def _check_params(path: str, model, params) -> None:
-  """The parameters must be exactly the tree (paths, shapes, dtypes) the model config builds."""
+  """A one-line ValueError unless ``params`` is the tree (paths, shapes, dtypes) of ``model``."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -192,10 +176,8 @@ def _check_params(path: str, model, params) -> None:
 
 
 def load_pretrained(path: str):
-  """(model, params, vocab) from a file written by ``aft-export`` (msgpack or safetensors, told
-  apart by their contents). A damaged file, a newer format, an unknown model config or
-  parameters that are not the tree the config builds are one-line ValueErrors; a model key
-  added since the file was written takes the value its version ran with."""
+  """(model, params, vocab) from an ``aft-export`` file (msgpack or safetensors, told apart by
+  their contents), or a one-line ValueError; a model key added since takes its old value."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
@@ -211,14 +193,13 @@ def load_pretrained(path: str):
 
 
 def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:
-  """Writes a stream's serving artifact to ``path`` (atomically; ``export_main`` checks that
-  ``model`` is a stream). One .npz: ``step`` and ``prefill`` (``jax.export``, any batch size),
-  ``param.<i>`` (float32), ``state.<i>`` (before any token, one row) and ``meta`` (JSON)."""
+  """A stream's serving artifact at ``path`` (atomically), one .npz: ``step`` and ``prefill``
+  (``jax.export``, any batch size), ``param.<i>`` (float32), ``state.<i>`` (before any token, one
+  row) and ``meta`` (JSON)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from aft_jax import decode  # pylint: disable=g-import-not-at-top
-  from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
   cfg = model.cfg
   leaves, params_def = jax.tree.flatten(params)
@@ -241,26 +222,14 @@ def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None
     )
     return np.frombuffer(jax_export.export(jax.jit(run))(*args).serialize(), np.uint8)
 
-  corpus_info = {k: corpus_info[k] for k in CORPUS_KEYS if k in corpus_info}
-  meta = {
-    "format": "aft_jax.stablehlo",
-    "version": VERSION,
-    "model": _model_config_dict(cfg),
-    "corpus": corpus_info,
-    "vocab": vocab_payload(vocab),
-    "num_params": len(leaves),
-    "num_state": len(state),
-    "chunk": cfg.max_len,
-  }
+  meta = {"format": "aft_jax.stablehlo", "version": VERSION, **_meta(cfg, vocab, corpus_info)}
+  meta.update(num_params=len(leaves), num_state=len(state), chunk=cfg.max_len)
   arrays = {"step": serialized(1), "prefill": serialized(cfg.max_len)}
   arrays.update({f"param.{i}": np.asarray(x, np.float32) for i, x in enumerate(leaves)})
   arrays.update({f"state.{i}": np.asarray(x) for i, x in enumerate(state)})
   arrays["meta"] = np.asarray(json.dumps(meta))
-  try:
-    with files.atomic_path(path, suffix=".npz") as tmp:
-      np.savez(tmp, **arrays)
-  except OSError as e:
-    raise ValueError(f"--out {path}: cannot write it: {e.strerror or e}") from None
+  with files.output_path("--out", path, suffix=".npz") as tmp:
+    np.savez(tmp, **arrays)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -280,7 +249,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def export_main(args: argparse.Namespace) -> dict:
-  """Writes the file; returns the JSON line about it (``run_command`` prints it)."""
   import jax  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
@@ -306,7 +274,6 @@ def export_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-  """The ``aft-export`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("export", export_main, parse_args(argv), print_json=True)

@@ -41,7 +41,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompt(prompt: str, prompt_file: str | None) -> str:
-  """--prompt, or the text of --prompt_file."""
   if prompt_file is None:
     return prompt
   if prompt:
@@ -82,7 +81,7 @@ def _check_stream(args, cfg) -> None:
 
 
 def generate_main(args: argparse.Namespace) -> list[str]:
-  """Prints and returns the samples (each with the prompt)."""
+  """Prints and returns the samples, each with the prompt."""
   from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
@@ -138,7 +137,6 @@ def generate_main(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv=None) -> None:
-  """The ``aft-generate`` console script."""
   from aft_jax import tools  # pylint: disable=g-import-not-at-top
 
   tools.run_command("generate", generate_main, parse_args(argv))

@@ -1,5 +1,4 @@
-"""A trained run loaded back from its workdir: what ``generate``, ``evaluate`` and ``export``
-start from (docs/training.md, "After training")."""
+"""A trained run loaded back from its workdir, for generate, evaluate and export."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from aft_jax.workdir import Workdir
 
 @dataclasses.dataclass
 class TrainedRun:
-  """A run loaded back from its workdir, ready to sample or evaluate."""
-
   config: RunConfig  # the model's vocabulary size filled in
   step: int
   model: TransformerLM
@@ -36,13 +33,11 @@ class TrainedRun:
 
 
 def since(step: int) -> str:
-  """How a refusal names the checkpoint a record came from."""
   return f"the checkpoint at step {step} was written"
 
 
 def run_config(workdir: str | Workdir, step: int | None = None) -> RunConfig:
-  """The run config of the workdir's config.json, once ``--workdir`` and ``--step`` are checked
-  (``Workdir.check``: one line where there is no such checkpoint)."""
+  """The workdir's run config, once ``--workdir`` and ``--step`` are checked (one line)."""
   wd = Workdir.of(workdir)
   wd.check(step)
   return RunConfig.from_saved(wd.read_config())
@@ -51,10 +46,9 @@ def run_config(workdir: str | Workdir, step: int | None = None) -> RunConfig:
 def load_run(
   workdir: str | Workdir, step: int | None = None, *, check=None, config: RunConfig | None = None
 ) -> TrainedRun:
-  """The run in ``workdir`` at checkpoint ``step`` (default: the latest intact one), on one
-  device, its vocabulary the one the checkpoint was trained with (docs/training.md,
-  "Reliability"). ``check(step, corpus record or None)`` runs before any array is read and
-  raises to refuse; ``config``: ``run_config(workdir, step)``, where the caller read it."""
+  """The run at checkpoint ``step`` (default: the latest intact one) on one device, its
+  vocabulary the one it was trained with. ``check(step, corpus record or None)`` runs before any
+  array is read, and raises to refuse; ``config``: ``run_config``'s, where the caller read it."""
   wd = Workdir.of(workdir)
   explicit = step is not None
   config = run_config(wd, step) if config is None else config

@@ -113,21 +113,6 @@ def test_evaluate_a_text_file_word_model_counts_unknown_words(
   assert math.isfinite(out["ppl"])
 
 
-@pytest.mark.parametrize(
-  "flags, message",
-  [
-    (["--split", "dev"], "--split 'dev' must be one of"),
-    (["--text_file", "/no/such/file"], "--text_file /no/such/file: No such file"),
-    (["--text_file", "/no/such/file.jsonl"], "--text_file /no/such/file.jsonl: No such file"),
-    (["--stride", "999"], "--stride = 999 must be in [0, seq_len = 32]"),
-  ],
-)
-def test_evaluate_bad_flags_are_one_line_errors(byte_run, flags, message):
-  with pytest.raises(SystemExit) as e:
-    evaluate.main(["--workdir", byte_run[0]] + flags)
-  assert message in str(e.value.code) and "\n" not in str(e.value.code)
-
-
 def test_evaluate_refuses_ids_outside_the_vocabulary_in_one_line(byte_run, tmp_path, monkeypatch):
   """Ids the model has no row for (a tokenizer that disagrees with it): one line, not a NaN."""
   text_file = tmp_path / "text.txt"

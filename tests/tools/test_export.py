@@ -27,17 +27,25 @@ def run_dir(trained_run):
   return trained_run[0]
 
 
-@pytest.mark.parametrize(
-  "name, fmt", [("model.msgpack", "msgpack"), ("m.safetensors", "safetensors")]
-)
-def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(
-  run_dir, tmp_path, capsys, monkeypatch, name, fmt
-):
-  out = str(tmp_path / name)
-  export.main(["--workdir", run_dir, "--out", out])  # the format from the name
-  result = json.loads(capsys.readouterr().out.splitlines()[-1])
-  assert result["out"] == out and result["format"] == fmt
+@pytest.fixture(scope="module")
+def exports(run_dir, tmp_path_factory):
+  """(folder, {format: the command's JSON line}): the run exported to each file format."""
+  folder, lines = tmp_path_factory.mktemp("exports"), {}
+  for name in ("model.msgpack", "model.safetensors"):  # the format from the name
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+      export.main(["--workdir", run_dir, "--out", str(folder / name)])
+    line = json.loads(out.getvalue().splitlines()[-1])
+    lines[line["format"]] = line
+  return folder, lines
 
+
+@pytest.mark.parametrize("fmt", ["msgpack", "safetensors"])
+def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(
+  run_dir, exports, monkeypatch, fmt
+):
+  folder, lines = exports
+  out = str(folder / f"model.{fmt}")
+  assert lines[fmt]["out"] == out and lines[fmt]["bytes"] == os.path.getsize(out)
   run = trained.load_run(run_dir)
   tokens_BT = np.asarray([run.vocab.encode("def main():\n    return 42")], np.int32)
   want = run.model.apply({"params": run.params}, tokens_BT)
@@ -55,98 +63,123 @@ def test_export_then_load_pretrained_reproduces_the_checkpoint_exactly(
   assert vocab.decode(vocab.encode("héllo")) == "héllo"
 
 
-@pytest.mark.parametrize(
-  "out, message",
-  [
-    ("no/m.msgpack", r"--out .*no/m.msgpack: folder .*no does not exist"),
-    ("", "--out is empty: give a file name"),
-    ("pipe", r"--out .*pipe is not a regular file"),
-  ],
-)
-def test_export_to_a_path_that_is_no_file_is_a_one_line_error(run_dir, tmp_path, out, message):
-  # A pipe, not a device such as /dev/null: should the check go, the export (as root) would
-  # replace it, and a device replaced breaks the machine.
-  os.mkfifo(tmp_path / "pipe")
-  out = str(tmp_path / out) if out else out
-  with pytest.raises(SystemExit, match=f"^export: {message}") as e:
-    export.main(["--workdir", run_dir, "--out", out])
-  assert "\n" not in str(e.value.code)
-
-
-def _tamper(path, out, edit):
-  """The export at ``path`` edited by ``edit(meta, params)``, its checksum valid again."""
-  body = export._read(path)
-  meta, params = json.loads(body["meta"]), body["params"]
-  edit(meta, params)
-  payload = serialization.msgpack_serialize({"meta": json.dumps(meta), "params": params})
-  return _write(out, payload)
-
-
-def _write(out, payload, version=export.VERSION, sha256=None):
-  """An export of ``payload`` claiming ``version``, its digest by that version's rule."""
+def _wrapped(payload, version=export.VERSION, sha256=None) -> bytes:
+  """A msgpack export of ``payload`` claiming ``version``, its digest by that version's rule."""
   sha256 = sha256 or export._digest(version, payload)
-  with open(out, "wb") as f:
-    f.write(
-      serialization.msgpack_serialize(
-        dict(format=export.FORMAT, version=version, sha256=sha256, payload=payload)
-      )
-    )
-  return str(out)
+  header = dict(format=export.FORMAT, version=version, sha256=sha256)
+  return serialization.msgpack_serialize({**header, "payload": payload})
 
 
-def test_a_damaged_or_edited_export_is_refused_in_one_line(run_dir, tmp_path, capsys):
-  path = str(tmp_path / "model.msgpack")
-  export.main(["--workdir", run_dir, "--out", path])
-  data = bytearray(open(path, "rb").read())
-  assert aft_jax.load_pretrained(path)  # whole, it loads
-  middle = len(data) // 2
-  data[middle : middle + 4096] = bytes(4096)[: len(data[middle : middle + 4096])]
-  damaged = tmp_path / "damaged.msgpack"
-  damaged.write_bytes(bytes(data))
-  with pytest.raises(ValueError, match="is damaged: its contents do not match their SHA-256"):
-    aft_jax.load_pretrained(str(damaged))
+def _payload(folder) -> bytes:
+  return serialization.msgpack_restore((folder / "model.msgpack").read_bytes())["payload"]
 
-  def drop_block(meta, params):
-    params.pop(sorted(k for k in params if k.startswith("block"))[-1])
 
-  def wider(meta, params):
-    meta["model"]["d_model"] *= 2
+def _edited(edit):
+  """The msgpack export edited by ``edit(meta, params)``, its checksum valid again."""
 
-  def unknown_key(meta, params):
-    meta["model"]["colour"] = "blue"
+  def make(folder):
+    body = export._read(str(folder / "model.msgpack"))
+    meta, params = json.loads(body["meta"]), body["params"]
+    edit(meta, params)
+    return _wrapped(serialization.msgpack_serialize({"meta": json.dumps(meta), "params": params}))
 
-  cases = [
-    (drop_block, "lacks the parameter block"),
-    (wider, "the model config makes it float32"),
-    (unknown_key, "its model config cannot be read"),
-  ]
-  for edit, message in cases:
-    with pytest.raises(ValueError, match=message):
-      aft_jax.load_pretrained(_tamper(path, tmp_path / f"{edit.__name__}.msgpack", edit))
-  # The last byte of a msgpack export is its format version: flipped (to 2, or to 7), it is
-  # damage, not another format, since the digest covers the version.
-  for bit in (1, 4):
-    last = bytearray(open(path, "rb").read())
-    last[-1] ^= bit
-    (tmp_path / "last.msgpack").write_bytes(bytes(last))
-    with pytest.raises(ValueError, match="last.msgpack is damaged: its contents do not match"):
-      aft_jax.load_pretrained(str(tmp_path / "last.msgpack"))
-  # A file a newer aft_jax wrote (its digest verifies under the version it claims) says so,
-  # and one of version 2 (the payload's SHA-256 alone) still loads.
-  payload = serialization.msgpack_restore(open(path, "rb").read())["payload"]
-  with pytest.raises(ValueError, match="has format version 7; update aft_jax"):
-    aft_jax.load_pretrained(_write(tmp_path / "newer.msgpack", payload, version=7))
-  old = _write(tmp_path / "v2.msgpack", payload, 2, hashlib.sha256(payload).hexdigest())
-  assert aft_jax.load_pretrained(old)[2].size == aft_jax.load_pretrained(path)[2].size
-  no_version = tmp_path / "no_version.msgpack"
-  no_version.write_bytes(serialization.msgpack_serialize({"format": export.FORMAT}))
-  with pytest.raises(ValueError, match="has no format version"):
-    aft_jax.load_pretrained(str(no_version))
-  (tmp_path / "not.msgpack").write_bytes(b"\x00not msgpack at all")
-  with pytest.raises(ValueError, match="is not an aft_jax export"):
-    aft_jax.load_pretrained(str(tmp_path / "not.msgpack"))
-  with pytest.raises(ValueError, match="cannot read"):
-    aft_jax.load_pretrained(str(tmp_path / "missing.msgpack"))
+  return make
+
+
+def _edited_safetensors(edit):
+  """The safetensors export edited by ``edit(tensors)``, its checksum valid again."""
+
+  def make(folder):
+    from safetensors.numpy import load, save
+
+    data = (folder / "model.safetensors").read_bytes()
+    metadata = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    tensors = load(data)
+    edit(tensors)
+    params = traverse_util.unflatten_dict(tensors, sep="/")
+    digest = export._digest(export.VERSION, export._payload(metadata["aft_jax"], params))
+    return save(tensors, metadata={**metadata, "sha256": digest})
+
+  return make
+
+
+def _flipped(name, xor, part):
+  """The export ``name``, its bytes ``part(length)`` (a slice) xor ``xor``."""
+
+  def make(folder):
+    data = bytearray((folder / name).read_bytes())
+    where = part(len(data))
+    data[where] = bytes(b ^ xor for b in data[where])
+    return bytes(data)
+
+  return make
+
+
+def _other_safetensors(folder):
+  from safetensors.numpy import save
+
+  return save({"w": np.zeros(2, np.float32)})
+
+
+def _version_2(folder):  # its digest the payload's SHA-256 alone
+  return _wrapped(_payload(folder), 2, hashlib.sha256(_payload(folder)).hexdigest())
+
+
+MIDDLE = lambda n: slice(n // 2, n // 2 + 4096)  # noqa: E731
+LAST = lambda n: slice(n - 1, n)  # a msgpack export's format version  # noqa: E731
+LAST_8 = lambda n: slice(n - 8, n)  # a safetensors export's last parameter's last bytes  # noqa: E731
+SUM = "is damaged: its contents do not match their SHA-256"
+# (how the file is made from the exports' folder, the message; None: it loads). A flipped version
+# (to 2, or to 7) is damage, not another format: the digest covers the version.
+DAMAGED = {
+  "middle": (_flipped("model.msgpack", 0xFF, MIDDLE), SUM),
+  "version_to_2": (_flipped("model.msgpack", 1, LAST), SUM),
+  "version_to_7": (_flipped("model.msgpack", 4, LAST), SUM),
+  "no_block": (
+    _edited(lambda m, p: p.pop(max(k for k in p if k.startswith("block")))),
+    "lacks the parameter block",
+  ),
+  "wider": (
+    _edited(lambda m, p: m["model"].update(d_model=2 * m["model"]["d_model"])),
+    "the model config makes it float32",
+  ),
+  "unknown_key": (
+    _edited(lambda m, p: m["model"].update(colour="blue")),
+    "its model config cannot be read",
+  ),
+  "newer": (lambda f: _wrapped(_payload(f), version=7), "has format version 7; update aft_jax"),
+  "version_2": (_version_2, None),
+  "no_version": (
+    lambda f: serialization.msgpack_serialize({"format": export.FORMAT}),
+    "has no format version",
+  ),
+  "not_msgpack": (lambda f: b"\x00not msgpack at all", "is not an aft_jax export"),
+  "missing": (None, "cannot read"),
+  "renamed_tensor": (
+    _edited_safetensors(lambda t: t.update({min(t) + "_x": t.pop(min(t))})),
+    "lacks the parameter",
+  ),
+  "reshaped_tensor": (
+    _edited_safetensors(lambda t: t.update({min(t): np.zeros((3, 3), np.float32)})),
+    "the model config makes it",
+  ),
+  "safetensors_damaged": (_flipped("model.safetensors", 0xFF, LAST_8), SUM),
+  "other_safetensors": (_other_safetensors, "is a safetensors file but not an aft_jax export"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_or_edited_export_is_refused_in_one_line(exports, tmp_path, case):
+  make, message = DAMAGED[case]
+  path = tmp_path / "model"
+  if make is not None:
+    path.write_bytes(make(exports[0]))
+  if message is None:  # an older version's file still loads
+    assert aft_jax.load_pretrained(str(path))[2].size == 256
+    return
+  with pytest.raises(ValueError) as e:
+    aft_jax.load_pretrained(str(path))
+  assert f"{path}" in str(e.value) and message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_export_to_a_full_disk_is_a_one_line_error(run_dir, tmp_path, monkeypatch):
@@ -164,47 +197,6 @@ def test_export_to_a_full_disk_is_a_one_line_error(run_dir, tmp_path, monkeypatc
   with pytest.raises(SystemExit, match=r"--out .*m.msgpack: cannot write it: No space left"):
     export.main(["--workdir", run_dir, "--out", str(out)])
   assert os.listdir(tmp_path) == []
-
-
-def test_an_edited_safetensors_export_is_refused_in_one_line(run_dir, tmp_path):
-  from safetensors.numpy import load_file, save_file
-
-  path = str(tmp_path / "model.safetensors")
-  with contextlib.redirect_stdout(io.StringIO()):
-    export.main(["--workdir", run_dir, "--out", path])
-  with open(path, "rb") as f:
-    n = int.from_bytes(f.read(8), "little")
-    metadata = json.loads(f.read(n))["__metadata__"]
-  tensors = load_file(path)
-
-  def rewrite(name, edit):
-    """The export edited by ``edit(tensors)``, its checksum valid again."""
-    edited = dict(tensors)
-    edit(edited)
-    meta = metadata[export.SAFETENSORS_META]
-    params = traverse_util.unflatten_dict(edited, sep="/")
-    digest = export._digest(export.VERSION, export._payload(meta, params))
-    out = str(tmp_path / name)
-    save_file(edited, out, metadata={**metadata, "sha256": digest})
-    return out
-
-  some = sorted(tensors)[0]
-  cases = [
-    (lambda t: t.update({some + "_renamed": t.pop(some)}), "lacks the parameter"),
-    (lambda t: t.update({some: np.zeros((3, 3), np.float32)}), "the model config makes it"),
-  ]
-  for i, (edit, message) in enumerate(cases):
-    with pytest.raises(ValueError, match=message) as e:
-      aft_jax.load_pretrained(rewrite(f"edited{i}.safetensors", edit))
-    assert "\n" not in str(e.value)
-  damaged = bytearray(open(path, "rb").read())
-  damaged[-8:] = bytes(b ^ 0xFF for b in damaged[-8:])  # the last parameter's last bytes
-  (tmp_path / "damaged.safetensors").write_bytes(bytes(damaged))
-  with pytest.raises(ValueError, match="is damaged: its contents do not match their SHA-256"):
-    aft_jax.load_pretrained(str(tmp_path / "damaged.safetensors"))
-  save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
-  with pytest.raises(ValueError, match="is a safetensors file but not an aft_jax export"):
-    aft_jax.load_pretrained(str(tmp_path / "other.safetensors"))
 
 
 # Run first in the loader's process (its PYTHONPATH holds only ``sitecustomize.py``, below):
@@ -241,7 +233,7 @@ def _serving_snippet() -> str:
 
 
 def test_a_streams_stablehlo_artifact_generates_the_same_tokens_without_flax_or_aft_jax(
-  stream_run, run_dir, tmp_path, capsys
+  stream_run, tmp_path, capsys
 ):
   """aft-export to a .npz, run by docs/training.md's lines where flax and aft_jax cannot be
   imported: ``decode.generate``'s greedy tokens after a prompt of two prefill chunks and a
@@ -273,6 +265,3 @@ def test_a_streams_stablehlo_artifact_generates_the_same_tokens_without_flax_or_
   v = meta["model"]["vocab_size"]
   logp = {i: step.call(params, state, np.asarray([[i]], np.int32))[0] for i in (-1, v, v - 1)}
   assert np.isnan(logp[-1]).all() and np.isnan(logp[v]).all() and np.isfinite(logp[v - 1]).all()
-  # Only a stream has a step that goes on at any length: one line, before anything is loaded.
-  with pytest.raises(SystemExit, match="--format stablehlo exports a stream's decoding step"):
-    export.main(["--workdir", run_dir, "--out", str(tmp_path / "local.npz")])

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.support.helpers import ROOT
+from tests.support.helpers import ROOT, listing
 from aft_jax import decode
-from aft_jax.tools import generate, trained
+from aft_jax.tools import evaluate, export, generate, trained
 from aft_jax import data as data_lib
 from aft_jax.data import corpus as corpus_lib
 from aft_jax.data import vocab as vocab_lib
@@ -122,35 +122,43 @@ def test_generate_command_samples_a_copied_workdir_without_data(
   assert not os.path.exists(str(tmp_path / "no-such-data"))
 
 
-@pytest.mark.parametrize(
-  "flags, message",
-  [
-    (["--length", "-5"], "--length = -5 must be >= 1"),
-    (["--temperature", "-1"], "--temperature = -1.0 must be >= 0"),
-    (["--top_p", "1.5"], "--top_p = 1.5 must be in (0, 1]"),
-    (["--step", "999"], "--step 999: no such checkpoint"),
-    (["--save_state", ""], "--save_state is empty: give a file name"),
-    (["--save_state", "PIPE"], "--save_state PIPE is not a regular file"),
-  ],
-)
-def test_generate_command_bad_flags_are_one_line_errors(run_dir, tmp_path, flags, message):
-  # A pipe, not a device such as /dev/null: should the check go, the command (as root) would
-  # replace the path it writes, and a device replaced breaks the machine.
-  pipe = str(tmp_path / "pipe")
-  os.mkfifo(pipe)
-  flags, message = [f.replace("PIPE", pipe) for f in flags], message.replace("PIPE", pipe)
+# Each tool's refusals: (tool, flags after --workdir RUN, the message). "{tmp}": a folder with
+# a pipe (not a device such as /dev/null: should a check go, the command, as root, would replace
+# the path, and a device replaced breaks the machine) and "bare", a workdir with a config only.
+REFUSED = [
+  ("generate", ["--length", "-5"], "--length = -5 must be >= 1"),
+  ("generate", ["--temperature", "-1"], "--temperature = -1.0 must be >= 0"),
+  ("generate", ["--top_p", "1.5"], "--top_p = 1.5 must be in (0, 1]"),
+  ("generate", ["--step", "999"], "--step 999: no such checkpoint"),
+  ("generate", ["--save_state", ""], "--save_state is empty: give a file name"),
+  ("generate", ["--save_state", "{tmp}/pipe"], "--save_state {tmp}/pipe is not a regular file"),
+  ("generate", ["--save_state", "{tmp}/s"], "is no stream: only model.position_embedding 'none'"),
+  ("generate", ["--workdir", "{tmp}/bare"], "--workdir {tmp}/bare has no checkpoint yet"),
+  ("evaluate", ["--split", "dev"], "--split 'dev' must be one of"),
+  ("evaluate", ["--text_file", "/no/such/file"], "--text_file /no/such/file: No such file"),
+  ("evaluate", ["--text_file", "/no/such/f.jsonl"], "--text_file /no/such/f.jsonl: No such file"),
+  ("evaluate", ["--stride", "999"], "--stride = 999 must be in [0, seq_len = 32]"),
+  ("export", ["--out", "{tmp}/no/m.msgpack"], "--out {tmp}/no/m.msgpack: folder {tmp}/no does not"),
+  ("export", ["--out", ""], "--out is empty: give a file name"),
+  ("export", ["--out", "{tmp}/pipe"], "--out {tmp}/pipe is not a regular file"),
+  ("export", ["--out", "{tmp}/m.npz"], "--format stablehlo exports a stream's decoding step"),
+]
+
+
+@pytest.mark.parametrize("tool, flags, message", REFUSED)
+def test_a_refused_command_is_one_line_and_changes_no_file(run_dir, tmp_path, tool, flags, message):
+  tmp = os.path.realpath(tmp_path)
+  os.mkfifo(tmp_path / "pipe")
+  (tmp_path / "bare").mkdir()
+  shutil.copy(os.path.join(run_dir, "config.json"), tmp_path / "bare" / "config.json")
+  files = lambda: (listing(run_dir), listing(tmp_path / "bare"), sorted(os.listdir(tmp_path)))  # noqa: E731
+  before = files()
+  main = {"generate": generate.main, "evaluate": evaluate.main, "export": export.main}[tool]
   with pytest.raises(SystemExit) as e:
-    generate.main(["--workdir", run_dir] + flags)
-  assert message in str(e.value.code) and "\n" not in str(e.value.code)
-
-
-def test_generate_command_on_a_config_only_workdir_creates_nothing(run_dir, tmp_path):
-  bare = tmp_path / "bare"
-  bare.mkdir()
-  shutil.copy(os.path.join(run_dir, "config.json"), bare / "config.json")
-  with pytest.raises(SystemExit, match="has no checkpoint yet"):
-    generate.main(["--workdir", str(bare)])
-  assert sorted(os.listdir(bare)) == ["config.json"]
+    main(["--workdir", run_dir, *(f.format(tmp=tmp) for f in flags)])
+  line = str(e.value.code)
+  assert line.startswith(f"{tool}: ") and message.format(tmp=tmp) in line and "\n" not in line
+  assert files() == before
 
 
 def test_generate_command_missing_workdir_is_one_line_without_traceback(tmp_path):
@@ -266,11 +274,9 @@ def test_a_stream_state_from_another_model_or_damaged_is_refused_in_one_line(
     decode.sample_texts(
       stream.model, stream.params, stream.vocab, "", 2, num_samples=2, stream=loaded
     )
-  # The command: one line, exit status 1; a model with a position embedding keeps no state.
+  # The command: one line, exit status 1.
   with pytest.raises(SystemExit, match="generate: --state .*other.state is the state of another"):
     generate.main(["--workdir", stream_run[0], "--state", other, "--length", "2"])
-  with pytest.raises(SystemExit, match="is no stream: only model.position_embedding 'none'"):
-    generate.main(["--workdir", run_dir, "--save_state", good, "--length", "2"])
   # A prompt given with --state is fed first: the output starts with it.
   out, _ = _cli(
     capsys, "--workdir", stream_run[0], "--state", good, "--prompt", "yz", "--length", "4"
