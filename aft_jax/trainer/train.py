@@ -36,15 +36,13 @@ def _define_flags() -> None:
   flags.DEFINE_bool(
     "distributed",
     False,
-    "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
-    "SLURM) when no coordinator address is given.",
+    "Call jax.distributed.initialize() with the platform's settings (TPU pods, SLURM).",
   )
   flags.DEFINE_bool(
     "dry_run",
     False,
     "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-    "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if "
-    "not, 2 if refused (a bad flag, config or environment: nothing compiled).",
+    "device and say whether they fit; exit 0 if they fit, 1 if not, 2 if refused.",
   )
   flags.DEFINE_string(
     "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
@@ -55,8 +53,7 @@ def _define_flags() -> None:
 
 
 def _fail(e: Exception, status: int = 1):
-  # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
-  # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
+  # The project's errors say in one line what to fix; a traceback (-v 1) would bury it.
   if FLAGS["verbosity"].present:
     raise e
   print(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}", file=sys.stderr)
