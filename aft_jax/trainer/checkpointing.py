@@ -1,13 +1,10 @@
 """The workdir's checkpoints (Orbax, saved in the background): the state, the data position, the
-config and corpus record, and the checksums of all of it (``checksum``). A restore reads and
-verifies the JSON items before a run is compared with them, then the state; a damaged checkpoint
-is skipped for the newest intact one and set aside once the run passed every check. Docs:
-docs/training.md, "Reliability".
+config and corpus record, and their checksums (``checksum``); a damaged checkpoint is skipped for
+the newest intact one and set aside. Docs: docs/training.md, "Reliability".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import glob
@@ -27,7 +24,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from aft_jax.trainer import checksum
-from aft_jax.typed_config import TypedConfig, flatten, positive
+from aft_jax.typed_config import TypedConfig, positive
 from aft_jax.workdir import Workdir
 
 
@@ -42,35 +39,6 @@ class CheckpointConfig(TypedConfig):
     return positive(self, "checkpoint_every_steps", "keep_checkpoints")
 
 
-# Keys that may differ when resuming a run: they do not change what is computed. Everything
-# else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
-# decay from another length, so it is a conflict like a new learning_rate.
-RESUMABLE = (
-  "log_every_steps",
-  "eval_every_steps",
-  "checkpoint_every_steps",
-  "keep_checkpoints",
-  "eval_batch_size",
-  "eval_stride",
-  "final_eval_stride",
-  "sample",
-  "mesh",
-  "logical_axis_rules",
-  "data.data_dir",
-  "data.manual_dir",
-  "nonfinite",
-  "max_consecutive_skips",
-  "profile_steps",
-)
-
-# Keys the learning-rate schedule is built from: their conflicts say so.
-SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
-
-
-# Keys whose change no --allow_config_change resumes: they define the vocabulary, so the
-# checkpoint's embedding would be read as other tokens.
-VOCABULARY = ("data.dataset", "data.tokenizer", "data.vocab_size", "data.variant", "data.encoding")
-
 JSON_ITEMS = ("config", "data", "corpus")  # beside the state; each one's SHA-256 in "checksums"
 
 
@@ -79,9 +47,8 @@ class DamagedCheckpointError(ValueError):
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (the latest ``keep_checkpoints`` kept; saves asynchronous, see
-  ``save``); creating it writes nothing. Orbax logs an ERROR for a step whose metadata does not
-  parse: the restore's to judge, so kept ``Quiet``."""
+  """The workdir's checkpoints (the latest ``keep_checkpoints`` kept); creating it writes
+  nothing. ``Quiet``: Orbax logs an ERROR for a step whose metadata does not parse."""
   with Quiet():
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
@@ -102,8 +69,7 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _intact_note(mngr: ocp.CheckpointManager) -> str:
-  """What a failed save leaves behind, as the end of its error message (``mngr``'s steps: those
-  on disk, no save in flight)."""
+  """What a failed save leaves behind, as the end of its error message."""
   previous = mngr.latest_step()
   if previous is None:
     return "there is no earlier checkpoint, so a rerun starts from the beginning"
@@ -127,15 +93,18 @@ class _MainThreadOnly:
 
 class Quiet:
   """The one guard for Orbax's and TensorStore's noise on stderr: a failed write or read fails in
-  several of their threads, which print tracebacks for a while (and at exit) and leave
-  "never awaited" coroutines, burying our one-line error. ``on()`` keeps it off stderr until
-  ``off()``; as a context manager, for the block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
+  several of their threads, which print tracebacks for a while (and at exit) and leave "never
+  awaited" coroutines, burying our one-line error. ``on()`` keeps it off stderr until ``off()``;
+  as a context manager, for the block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
 
   def on(self) -> Quiet:
     self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
     self.saved = threading.excepthook, sys.unraisablehook, sys.stderr
     self.levels = [lg.level for lg in self.loggers]
     threading.excepthook = sys.unraisablehook = lambda args: None
+    self.warnings = warnings.catch_warnings()
+    self.warnings.__enter__()
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
     sys.stderr = _MainThreadOnly(sys.stderr)
     for lg in self.loggers:
       lg.setLevel(logging.CRITICAL)
@@ -143,6 +112,7 @@ class Quiet:
 
   def off(self) -> None:
     threading.excepthook, sys.unraisablehook, sys.stderr = self.saved
+    self.warnings.__exit__(None, None, None)
     for lg, level in zip(self.loggers, self.levels):
       lg.setLevel(level)
 
@@ -154,21 +124,11 @@ class Quiet:
       self.off()
 
   @staticmethod
-  @contextlib.contextmanager
-  def unawaited_ignored():
-    """Ignores what the unfinished coroutines of a failed read or write say when collected
-    ("coroutine ... was never awaited"), and nothing else."""
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-      yield
-
-  @staticmethod
   def wind_down() -> None:
-    """After a failure (its exception dropped: its frames hold the unfinished coroutines): a
-    second for the failing threads to finish, then what they left collected."""
-    with Quiet.unawaited_ignored():
-      time.sleep(1.0)
-      gc.collect()
+    """After a failure (its exception dropped: its frames hold the unfinished coroutines), while
+    quiet: a second for the failing threads to finish, then what they left collected."""
+    time.sleep(1.0)
+    gc.collect()
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
@@ -180,10 +140,9 @@ def one_line(e: BaseException, limit: int = 200) -> str:
 
 
 def _quietly(read):
-  """(``read()``, None), or (None, its error's ``one_line``) if it raised an Exception, quiet
-  (``Quiet``) also after the failure. A Ctrl-C is no damage: raised as the KeyboardInterrupt it
-  is, also where Orbax wraps it in an Exception of its own."""
-  with Quiet(), Quiet.unawaited_ignored():
+  """(``read()``, None), or (None, its error's ``one_line``), quiet also after the failure. A
+  Ctrl-C is no damage: raised as the KeyboardInterrupt it is, also where Orbax wraps it."""
+  with Quiet():
     try:
       return read(), None
     except DamagedCheckpointError as e:  # raised after a read that completed: nothing to wind down
@@ -224,12 +183,12 @@ def save(
     error = one_line(e)
   else:
     return
-  raise _save_failed(mngr, step, error)
+  raise _save_failed(mngr, step, error)  # outside the except block: see _save_failed
 
 
 def finish_saving(mngr: ocp.CheckpointManager) -> None:
-  """Waits until the save in flight, if any (``save``), is on disk; where its write failed,
-  the OSError ``save`` describes, naming that save's step."""
+  """Waits until the save in flight, if any, is on disk; where its write failed, the OSError
+  ``save`` describes, naming that save's step."""
   step = mngr.latest_step()  # a save in flight is the manager's latest step
   try:
     mngr.wait_until_finished()
@@ -297,8 +256,6 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def _raise_mismatches(bad: list[str]) -> None:
-  """A DamagedCheckpointError naming the first of ``bad`` (what does not match its checksum)
-  and how many more, if there are any."""
   if bad:
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
     raise DamagedCheckpointError(
@@ -308,7 +265,7 @@ def _raise_mismatches(bad: list[str]) -> None:
 
 def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
   """(step, ``read_items``) of the newest checkpoint whose JSON items read and verify; None if
-  none does. A damaged one is passed over quietly here: the restore skips it and says so."""
+  none does (a damaged one passed over quietly: the restore skips it and says so)."""
   for step in sorted(mngr.all_steps(), reverse=True):
     items, _ = _quietly(lambda s=step: read_items(mngr, s))
     if items:  # None: unreadable; {}: an empty folder
@@ -316,70 +273,14 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
   return None
 
 
-def restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state of the checkpoint at ``step`` placed as ``abstract_state`` (its shardings: a run
-  saved on one mesh restores onto another), verified against the checksums among ``items``; a
-  DamagedCheckpointError names the arrays that do not match."""
+def _restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
+  """The state at ``step`` placed as ``abstract_state`` (its shardings: a run saved on one mesh
+  restores onto another), verified against the checksums among ``items``."""
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
   if "checksums" in items:
     _raise_mismatches(checksum.array_mismatches(items["checksums"], state))
   return state
-
-
-def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
-  """(state, data-iterator state or None) of the checkpoint at ``step``, verified."""
-  items = read_items(mngr, step)
-  return restore_state(mngr, step, abstract_state, items), items.get("data")
-
-
-def check_resume_config(
-  saved: dict | None,
-  config: dict,
-  workdir: str | Workdir,
-  allow_config_change: bool,
-  as_written=None,
-) -> list[str]:
-  """Refuses to continue ``saved`` (the checkpoint's config, else config.json) as ``config`` where
-  they differ in what is computed, unless ``allow_config_change``; returns the differences
-  allowed. ``as_written(saved)``: ``saved`` with keys added since at the values it ran with; a
-  refusal names the flags that resume such a run as written."""
-  where = "the checkpoint"
-  if saved is None:
-    saved, where = Workdir.of(workdir).read_config(), "config.json"
-  if saved is None:
-    return []
-  written = saved if as_written is None else as_written(saved)
-  conflicts = resume_conflicts(written, config)
-  vocabulary = [c for c in conflicts if c.split(":")[0] in VOCABULARY]
-  if vocabulary:
-    raise ValueError(
-      f"workdir {workdir} holds a run trained on another vocabulary ({'; '.join(vocabulary)}; "
-      f"compared with {where}): a model cannot resume on another vocabulary, not even with "
-      "--allow_config_change; use another --workdir"
-    )
-  if conflicts and not allow_config_change:
-    raise ValueError(
-      f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; "
-      f"compared with {where}){_as_written_hint(saved, written, conflicts)}; use another "
-      "--workdir, or pass --allow_config_change to resume it anyway"
-    )
-  return conflicts
-
-
-def _as_written_hint(saved: dict, written: dict, conflicts: list[str]) -> str:
-  """What a refusal adds where conflicting keys were added since ``saved`` was written: the
-  flags that give them the values the run was trained with (``written``'s)."""
-  a, b = flatten(saved), flatten(written)
-  keys = [c.split(":")[0] for c in conflicts]
-  older = [k for k in keys if k in b and k not in a]
-  if not older:
-    return ""
-  flags = " ".join(f"--config.{k}={b[k] if isinstance(b[k], str) else repr(b[k])}" for k in older)
-  return (
-    f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
-    "pass that to resume the run as it was written"
-  )
 
 
 @dataclasses.dataclass
@@ -394,8 +295,8 @@ class Restored:
 
   @property
   def unverified(self) -> str | None:
-    """Why the checkpoint could not be verified (written before checkpoints carried
-    checksums: ``read_items``), as a clause for a one-line note; None where it was verified."""
+    """Why it could not be verified (written before checkpoints carried checksums), as a clause
+    for a note; None where it was verified."""
     if "checksums" in self.items:
       return None
     return "written before checkpoints carried checksums, so it is loaded unverified"
@@ -414,7 +315,7 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
     if why is None:
       if check is not None:
         check(step, items)
-      state, why = _quietly(lambda s=step: restore_state(mngr, s, abstract_state, items))
+      state, why = _quietly(lambda s=step: _restore_state(mngr, s, abstract_state, items))
     if why is not None:
       failed.append((step, why))
       continue
@@ -422,32 +323,24 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
   return None, failed
 
 
+def _failures(failed: list) -> str:
+  return "; ".join(f"step {s}: {why}" for s, why in failed)
+
+
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
-  """The newest checkpoint that restores and verifies, or None if there is none. Reads only.
-  ``check(step, items)`` runs once a checkpoint's items verified, before its state is read, and
-  raises to refuse it. Those that fail to restore are listed in ``Restored.damaged`` (for
-  ``set_aside``); if none restores, one error lists why each failed."""
-  steps = sorted(mngr.all_steps(), reverse=True)
-  restored, failed = _newest_readable(mngr, steps, abstract_state, check)
+  """The newest checkpoint that restores and verifies (``_newest_readable``), or None if there
+  is none; reads only. If none restores, one error lists why each failed."""
+  restored, failed = _newest_readable(
+    mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, check
+  )
   if restored is None and failed:
     Quiet().on()  # for good: the run stops here: only this error is worth reading
     raise RuntimeError(
-      f"no checkpoint in {mngr.directory} can be restored ("
-      + "; ".join(f"step {s}: {why}" for s, why in failed)
-      + "); a changed model cannot resume them (use another --workdir), and damaged ones can "
-      "be moved away to start afresh"
+      f"no checkpoint in {mngr.directory} can be restored ({_failures(failed)}); a changed model "
+      "cannot resume them (use another --workdir), and damaged ones can be moved away to start "
+      "afresh"
     )
   return restored
-
-
-def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
-  """Moves the checkpoints newer than ``restored`` that could not be read to
-  ``damaged_checkpoints/`` (saying so in one line each), so later saves and rotation never
-  meet them."""
-  for bad, why in restored.damaged:
-    _set_aside(mngr, bad, f"{why}; resuming from step {restored.step}")
-  if restored.damaged:
-    mngr.reload()
 
 
 def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=None):
@@ -457,42 +350,26 @@ def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=N
   if restored is not None:
     return restored, failed
   Quiet().on()  # for good: the command stops here: only this error is worth reading
-  raise ValueError(
-    "the checkpoint cannot be read: "
-    + "; ".join(f"step {s}: {why}" for s, why in failed)
-    + f" (in {mngr.directory})"
-  )
+  raise ValueError(f"the checkpoint cannot be read: {_failures(failed)} (in {mngr.directory})")
 
 
-def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
-  src = os.path.join(str(mngr.directory), str(step))
+def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
+  """Moves the checkpoints newer than ``restored`` that could not be read to
+  ``damaged_checkpoints/`` (one line each), so later saves and rotation never meet them."""
   dst_dir = Workdir(os.path.dirname(str(mngr.directory))).damaged_checkpoints_dir
-  dst = os.path.join(dst_dir, str(step))
-  n = 1
-  while os.path.exists(dst):
-    dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
-  if jax.process_index() == 0:
-    print(f"Skipped the damaged checkpoint at step {step} ({why}); moved to {dst}", flush=True)
-    os.makedirs(dst_dir, exist_ok=True)
-    shutil.move(src, dst)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
-
-
-def resume_conflicts(saved: dict, current: dict) -> list[str]:
-  """Differences between two configs (as dicts) that make resuming one as the other wrong
-  (a key one of them lacks: None)."""
-  a, b = flatten(saved), flatten(current)
-  out = []
-  for key in sorted(set(a) | set(b)):
-    if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
-      continue
-    va, vb = a.get(key), b.get(key)
-    if isinstance(va, list):
-      va = tuple(va)
-    if isinstance(vb, list):
-      vb = tuple(vb)
-    if va != vb:
-      why = " (the learning-rate schedule is built from it)" if key in SCHEDULE else ""
-      out.append(f"{key}: {va!r} in the workdir, {vb!r} now{why}")
-  return out
+  for step, why in restored.damaged:
+    dst, n = os.path.join(dst_dir, str(step)), 1
+    while os.path.exists(dst):
+      dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
+    if jax.process_index() == 0:
+      print(
+        f"Skipped the damaged checkpoint at step {step} ({why}; resuming from step "
+        f"{restored.step}); moved to {dst}",
+        flush=True,
+      )
+      os.makedirs(dst_dir, exist_ok=True)
+      shutil.move(os.path.join(str(mngr.directory), str(step)), dst)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+  if restored.damaged:
+    mngr.reload()

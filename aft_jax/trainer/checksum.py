@@ -24,8 +24,8 @@ _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
 
 
 def _mix(h):
-  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit. In lax on NumPy
-  scalars, as the rest of the checksum: jnp's per-op checks made most of its trace time."""
+  """MurmurHash3's 32-bit finaliser. In lax on NumPy scalars: jnp's checks made most of the
+  trace time."""
   shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))
@@ -46,7 +46,6 @@ def _words(x):
 
 
 def _sums(x):
-  """uint32[2]: the two sums of ``x``'s hashed words (module doc)."""
   w = _words(x)
   position = lax.full(w.shape, np.uint32(0))
   for d, n in enumerate(w.shape):  # row-major index, built per axis: no reshape of a sharded x
@@ -75,7 +74,6 @@ def of_arrays(tree) -> dict[str, str]:
 
 
 def of_json(obj) -> str:
-  """The SHA-256 of ``obj``'s canonical JSON (keys sorted)."""
   return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
@@ -89,14 +87,12 @@ def record(state, items: dict) -> dict:
 
 
 def array_mismatches(saved: dict, state) -> list[str]:
-  """The arrays (paths) of a restored ``state`` that do not match ``saved`` (``record``'s dict),
-  sorted; [] when all do."""
+  """The arrays (paths) of ``state`` that do not match ``saved`` (``record``'s dict), sorted."""
   now, was = of_arrays(state), saved.get("arrays", {})
   return [p for p in sorted(set(was) | set(now)) if was.get(p) != now.get(p)]
 
 
 def json_mismatches(saved: dict, items: dict) -> list[str]:
-  """The JSON items (names) read back that do not match ``saved`` (``record``'s dict), sorted;
-  an item missing now (its folder lost) is a mismatch too. [] when all match."""
+  """The JSON items (names) that do not match ``saved``, a lost one too, sorted."""
   now, was = {n: of_json(v) for n, v in items.items()}, saved.get("json", {})
   return [n for n in sorted(set(was) | set(now)) if was.get(n) != now.get(n)]

@@ -1,10 +1,5 @@
-"""How many devices a training run makes of a CPU host: one per core (up to ``MAX_DEVICES``),
-as many as split every batch evenly, so the default mesh runs each device's share of a step on
-its own core (why, and the step times: docs/training.md, "On a CPU: one device per core";
-benchmarks/results/peer_nanogpt_timing.md). Only ``aft-train`` applies it, before jax starts its
-backends, and only where nothing else set the count (a flag, JAX_NUM_CPU_DEVICES, XLA_FLAGS, a
-multi-process run, a mesh config); a count that is no number of devices is refused in one line
-(``check_set_count``).
+"""How many devices ``aft-train`` makes of a CPU host where nothing else set the count: one per
+core, as many as split every batch evenly (docs/training.md, "On a CPU: one device per core").
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ def cores() -> int:
 
 
 def count_for(cfg: RunConfig, num_cores: int) -> int:
-  """The most devices, at most ``num_cores`` and ``MAX_DEVICES``, that split ``cfg``'s batch
-  and evaluation batch evenly; 1 where ``cfg.mesh`` is not the default (the user laid out the
-  devices)."""
+  """The most devices, at most ``num_cores`` and ``MAX_DEVICES``, that split ``cfg``'s batches
+  evenly; 1 where the user laid out the mesh."""
   if cfg.mesh != MeshConfig():
     return 1
   batches = dict(batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size)
@@ -44,9 +38,8 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
 
 
 def check_set_count() -> None:
-  """A one-line ValueError, before jax's backends start, where the CPU device count is set (jax's
-  flag or variable, or XLA_FLAGS) to no number of devices: 0 or below -1 (jax's unset) would
-  fail later blaming a plugin, or be taken as unset without a word."""
+  """A one-line ValueError where the CPU device count is set to no number of devices (0 or below
+  -1 would fail later blaming a plugin, or be taken as unset without a word)."""
   n = jax.config.jax_num_cpu_devices
   if n == 0 or n < -1:
     raise ValueError(
@@ -64,14 +57,13 @@ def check_set_count() -> None:
 
 
 def set_by_user() -> bool:
-  """Whether the CPU's device count is set already: jax's flag or environment variable
-  (``jax.config.jax_num_cpu_devices`` is -1 otherwise), or a device count in XLA_FLAGS."""
+  """Whether jax's flag or variable, or XLA_FLAGS, set the CPU's device count already."""
   return jax.config.jax_num_cpu_devices != -1 or XLA_COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
 def apply(cfg: RunConfig) -> int | None:
-  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores())`` unless the user set the count
-  (``set_by_user``) or it would be 1; the count set, or None. Before jax's backends start."""
+  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores())`` before jax's backends start,
+  unless the user set it or it would be 1; the count set, or None."""
   if set_by_user():
     return None
   n = count_for(cfg, cores())

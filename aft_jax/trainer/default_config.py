@@ -1,7 +1,5 @@
-"""The config tree: every key a config may set, generated from the typed config of the
-component that owns it (where each key is defined, documented and checked), and the run's own
-keys (``TrainConfig``). Recipes in ``configs/`` start from ``get_config()``; a run reads the tree
-once into a ``RunConfig`` (``run_config``). The keys: docs/training.md, "Config keys".
+"""The config tree, generated from the typed config of each component that owns keys, and the
+run's own keys (``TrainConfig``); recipes start from ``get_config()`` (docs/training.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""``aft-train --dry_run --target NAME [--num_devices N]``: compiles the recipe's train and
-evaluation steps for N devices of a GPU or TPU that is not here (``aft_jax.deviceless``) and
-prints per device what XLA's buffer assignment needs against its memory (docs/scaling.md,
-docs/what_fits.md). Exit statuses: 0 fits, 1 does not, 2 refused (``check``, in one line).
+"""``aft-train --dry_run --target NAME [--num_devices N]``: the recipe's steps compiled for N
+devices of a GPU or TPU that is not here, and whether they fit (docs/what_fits.md).
 """
 
 from __future__ import annotations
@@ -24,17 +22,14 @@ from aft_jax.trainer.run_config import RunConfig
 GPU_FRACTION = 0.75  # jax's default preallocation on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 0.95  # an allowance for the TPU runtime's own buffers
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-# Exit statuses of ``aft-train --dry_run``: it fits, it does not, or the question was refused
-# (a bad flag, config or environment, a plugin to reinstall: nothing was compiled), as usage
-# errors are 2 for argparse.
+# Exit statuses: it fits, it does not, or refused (nothing compiled; 2 as argparse's usage errors).
 FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 # Bytes per token of a step's batch: inputs and targets (int32), and for evaluation the weights.
 _BATCH_BYTES = {"batch_size": 8, "eval_batch_size": 12}
 
 
 def usable_bytes(target: deviceless.CompileTarget) -> int:
-  """The memory one device gives a program: on a GPU the share jax takes,
-  $XLA_PYTHON_CLIENT_MEM_FRACTION (a number in (0, 1], one-line ValueError otherwise)."""
+  """The memory one device gives a program: on a GPU the share jax takes (MEM_FRACTION)."""
   if target.kind == "cpu":
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if target.kind != "cuda":
@@ -53,9 +48,8 @@ def usable_bytes(target: deviceless.CompileTarget) -> int:
 
 
 def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
-  """What a dry run refuses before it restarts itself for the target: the device count, the
-  memory fraction, the mesh and batch split, a batch whose share per device alone exceeds the
-  device. One-line ValueErrors; returns the usable bytes per device."""
+  """What a dry run refuses (one-line ValueErrors) before it restarts itself for the target;
+  returns the usable bytes per device."""
   deviceless.check_num_devices(target, num_devices)
   usable = usable_bytes(target)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, num_devices)))
@@ -85,15 +79,10 @@ class StepMemory:
   code: int
 
   @classmethod
-  def of(cls, compiled) -> "StepMemory":
+  def of(cls, compiled) -> StepMemory:
     m = compiled.memory_analysis()
-    return cls(
-      m.argument_size_in_bytes,
-      m.output_size_in_bytes,
-      m.alias_size_in_bytes,
-      m.temp_size_in_bytes,
-      m.generated_code_size_in_bytes,
-    )
+    sizes = ("argument", "output", "alias", "temp", "generated_code")
+    return cls(*(getattr(m, f"{k}_size_in_bytes") for k in sizes))
 
   refused: str = ""  # the compiler's own out-of-memory refusal (TPU), when it gave one
 
@@ -103,7 +92,6 @@ class StepMemory:
 
 
 def _shard_bytes(tree) -> int:
-  """Bytes per device of a tree of sharded ShapeDtypeStructs."""
   total = 0
   for leaf in jax.tree_util.tree_leaves(tree):
     shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
@@ -115,9 +103,8 @@ _REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)([KMGT])\)"
 
 
 def _compile(lowered, args) -> tuple[object | None, StepMemory]:
-  """(compiled, its memory); XLA's TPU compiler refuses a program larger than the chip
-  (RESOURCE_EXHAUSTED, naming the temporaries it needs): then (None, that figure with the
-  arguments' bytes from ``args``' shardings)."""
+  """(compiled, its memory), or where XLA's TPU compiler refuses a program larger than the chip
+  (None, the temporaries it names and ``args``' bytes)."""
   try:
     compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001 (jax's runtime error type is not public)
@@ -138,9 +125,8 @@ def _gib(n: float) -> str:
 def compile_steps(
   cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int, say=print
 ) -> dict:
-  """Compiles ``cfg``'s steps for ``num_devices`` of ``target``: the report's numbers. The
-  trainer is built as training builds it (``train_lib.make_trainer``), with the vocabulary
-  size the data would give (``data.vocab_size``: nothing prepared or loaded)."""
+  """Compiles ``cfg``'s steps for ``num_devices`` of ``target`` as training builds them, with
+  the vocabulary size the data would give (nothing prepared or loaded): the report's numbers."""
   devices = deviceless.devices(target, num_devices)
   vocab, vocab_from = data_lib.vocab_size(cfg.data)
   trainer = train_lib.make_trainer(cfg, vocab, devices, say)
@@ -165,9 +151,8 @@ def compile_steps(
 
 
 def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
-  """What would fit, each checked by compiling it: the changes that address what fills the
-  device (activations: remat, smaller micro-batches; parameters and optimizer state: fsdp over
-  more devices)."""
+  """What would fit, each compiled: remat or smaller micro-batches for activations, fsdp over
+  more devices for parameters and optimizer state."""
   mem, mesh = res["train"], res["mesh"]
   state = mem.argument + mem.output - mem.alias
   batch_size, accum = cfg.train.batch_size, cfg.optimizer.grad_accum_steps
@@ -201,67 +186,63 @@ def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
 
 
 def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dict:
-  """Prints the report (its last line one JSON object) and returns that object; ``usable``:
-  ``check``'s."""
+  """Prints the report, its lines read from its JSON object (the last line), and returns that
+  object; ``usable``: ``check``'s."""
   res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)
-  fits = need <= usable
-  kind = "host memory" if target.kind == "cpu" else "device memory"
-  capacity = target.memory_bytes or usable
-  say(
-    f"Dry run: {target.description} x {num_devices}, mesh {res['mesh']}, config.model.impl="
-    f"{res['impl']!r} ({res['triton_kernels']} Triton kernel calls in the train step)"
-  )
-  say(
-    "Per device, compiled for the target without a device (XLA's buffer assignment, not a "
-    "measurement):"
-  )
-  say(f"  parameters, optimizer state and batch  {_gib(mem.argument)}")
-  say(f"  temporaries (activations, gradients)   {_gib(mem.temp)}")
-  say(f"  train step in all                      {_gib(mem.total)}")
-  say(f"  evaluation step in all                 {_gib(eval_mem.total)}")
-  say(f"  {kind}: {_gib(capacity)}, usable {_gib(usable)}")
-  flops = res["flops_per_step"]
-  if flops is not None:
-    say(f"  XLA's FLOPs per step: {flops:.3e} (a custom kernel's own FLOPs are not counted)")
-  else:
-    say("  XLA's FLOPs per step: not reported for this target")
-  for step in (mem, eval_mem):
-    if step.refused:
-      say(f"  XLA's compiler for {target.name} refused a step: {step.refused}")
-  if fits:
-    say(
-      f"Fits: {_gib(need)} of {_gib(usable)} ({need / usable:.0%}), margin {_gib(usable - need)}."
-    )
-    suggestions = []
-  else:
-    say(f"Does not fit: {_gib(need)} needed, {_gib(usable)} usable ({need / usable:.1f}x).")
-    suggestions = _suggestions(cfg, target, num_devices, res, usable)
-    say("What would:")
-    for line in suggestions:
-      say(f"  {line}")
-  report = {
+  r = {
     "target": target.name,
     "device": target.description,
     "num_devices": num_devices,
     "mesh": res["mesh"],
     "impl": res["impl"],
-    "fits": fits,
+    "fits": need <= usable,
     "temp_bytes": mem.temp,
     "argument_bytes": mem.argument,
     "output_bytes": mem.output,
     "alias_bytes": mem.alias,
     "train_step_bytes": mem.total,
     "eval_step_bytes": eval_mem.total,
-    "device_memory_bytes": capacity,
+    "device_memory_bytes": target.memory_bytes or usable,
     "usable_bytes": usable,
-    "flops_per_step": flops,
+    "flops_per_step": res["flops_per_step"],
     "triton_kernels": res["triton_kernels"],
     "vocab_size": res["vocab_size"],
-    "suggestions": suggestions,
+    "suggestions": [] if need <= usable else _suggestions(cfg, target, num_devices, res, usable),
     "jax_version": jax.__version__,
     "compiled_without_device": target.kind != "cpu",
   }
-  say(json.dumps(report))
-  return report
+  flops = r["flops_per_step"]
+  if flops is not None:
+    flops = f"{flops:.3e} (a custom kernel's own FLOPs are not counted)"
+  lines = [
+    f"Dry run: {r['device']} x {num_devices}, mesh {r['mesh']}, config.model.impl={r['impl']!r} "
+    f"({r['triton_kernels']} Triton kernel calls in the train step)",
+    "Per device, compiled for the target without a device (XLA's buffer assignment, not a "
+    "measurement):",
+    f"  parameters, optimizer state and batch  {_gib(r['argument_bytes'])}",
+    f"  temporaries (activations, gradients)   {_gib(r['temp_bytes'])}",
+    f"  train step in all                      {_gib(r['train_step_bytes'])}",
+    f"  evaluation step in all                 {_gib(r['eval_step_bytes'])}",
+    f"  {'device' if r['compiled_without_device'] else 'host'} memory: "
+    f"{_gib(r['device_memory_bytes'])}, usable {_gib(usable)}",
+    f"  XLA's FLOPs per step: {flops or 'not reported for this target'}",
+    *(
+      f"  XLA's compiler for {r['target']} refused a step: {m.refused}"
+      for m in (mem, eval_mem)
+      if m.refused
+    ),
+  ]
+  if r["fits"]:
+    lines.append(
+      f"Fits: {_gib(need)} of {_gib(usable)} ({need / usable:.0%}), margin {_gib(usable - need)}."
+    )
+  else:
+    lines.append(
+      f"Does not fit: {_gib(need)} needed, {_gib(usable)} usable ({need / usable:.1f}x)."
+    )
+    lines += ["What would:", *(f"  {line}" for line in r["suggestions"])]
+  for line in [*lines, json.dumps(r)]:
+    say(line)
+  return r

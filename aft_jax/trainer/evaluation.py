@@ -1,6 +1,5 @@
-"""Evaluation's config keys (``EvalConfig``) and how its numbers are computed and named:
-perplexity, the protocol recorded beside them, and the unigram baseline. The evaluation itself
-is ``Trainer.evaluate`` (aft_jax/trainer/train_lib.py): exact NLL over every token of a split.
+"""Evaluation's config keys and how its numbers are named: perplexity, the protocol, the
+unigram baseline. The evaluation itself is ``Trainer.evaluate`` (train_lib.py).
 """
 
 from __future__ import annotations
@@ -46,9 +45,7 @@ def perplexity(nll: float) -> float:
 
 
 def bits_per_byte(nll: float, tokens: int, num_bytes: int) -> float:
-  """Bits per byte of text: the total NLL (``nll`` nats per token x ``tokens``) over ln 2 and
-  the ``num_bytes`` the tokens stand for, so that vocabularies of any size compare (for bytes it
-  is ``nll / ln 2``)."""
+  """Bits per byte of the text the ``tokens`` stand for: vocabularies of any size compare."""
   return nll * tokens / (num_bytes * math.log(2))
 
 

@@ -17,11 +17,6 @@ from aft_jax.typed_config import TypedConfig, positive
 DECAY_ON = ("all", "matrices")  # OptimizerConfig.weight_decay_on
 
 
-def decay_mask(params):
-  """True for the parameters of rank >= 2 (``weight_decay_on='matrices'``)."""
-  return jax.tree_util.tree_map(lambda p: jnp.ndim(p) >= 2, params)
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(TypedConfig):
   """Keys at the top of the config tree (``config.learning_rate``, ...)."""
@@ -69,8 +64,7 @@ def _updates(opt: OptimizerConfig, num_train_steps: int) -> int:
 
 
 def warmup_note(opt: OptimizerConfig, num_train_steps: int) -> str | None:
-  """The line that says a warmup longer than the run was cut to fit it (None if it fits): the
-  schedule warms up over at most ``updates - 1`` updates, so that the peak is reached."""
+  """The note that a warmup as long as the run was cut to ``updates - 1``; None if it fits."""
   updates = _updates(opt, num_train_steps)
   if opt.warmup_steps < updates:
     return None
@@ -81,8 +75,7 @@ def warmup_note(opt: OptimizerConfig, num_train_steps: int) -> str | None:
 
 
 def learning_rate_schedule(opt: OptimizerConfig, num_train_steps: int):
-  """Linear warmup from 0 over ``warmup_steps``, then cosine decay to 10% of the peak, counted
-  in updates (``num_train_steps // grad_accum_steps``)."""
+  """Linear warmup, then cosine decay to 10% of the peak, counted in updates."""
   updates = _updates(opt, num_train_steps)
   warmup = min(opt.warmup_steps, updates - 1)
   decay = optax.cosine_decay_schedule(opt.learning_rate, max(1, updates - warmup), alpha=0.1)
@@ -95,6 +88,7 @@ def learning_rate_schedule(opt: OptimizerConfig, num_train_steps: int):
 
 def make_optimizer(opt: OptimizerConfig, num_train_steps: int) -> optax.GradientTransformation:
   """The optimizer of ``opt`` for a run of ``num_train_steps`` micro-steps."""
+  matrices = lambda params: jax.tree_util.tree_map(lambda p: jnp.ndim(p) >= 2, params)  # noqa: E731
   tx = optax.chain(
     optax.clip_by_global_norm(opt.grad_clip_norm),
     optax.adamw(
@@ -102,7 +96,7 @@ def make_optimizer(opt: OptimizerConfig, num_train_steps: int) -> optax.Gradient
       b1=opt.b1,
       b2=opt.b2,
       weight_decay=opt.weight_decay,
-      mask=decay_mask if opt.weight_decay_on == "matrices" else None,
+      mask=matrices if opt.weight_decay_on == "matrices" else None,
     ),
   )
   if opt.grad_accum_steps > 1:

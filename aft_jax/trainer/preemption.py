@@ -1,7 +1,6 @@
-"""SIGTERM / Ctrl-C as a flag the training loop checks after each step: the step in flight
-finishes, a checkpoint is saved, the run exits; a second Ctrl-C stops at once. Several processes
-stop at one step: JAX's preemption sync manager owns SIGTERM there (one step named through the
-coordination service, no device collective), and SIGINT flags are compared at log steps.
+"""SIGTERM / Ctrl-C as a flag the training loop checks after each step (a second Ctrl-C stops at
+once). With several processes JAX's preemption sync manager owns SIGTERM, and SIGINT flags are
+compared at log steps.
 """
 
 from __future__ import annotations
@@ -38,32 +37,21 @@ class Preemption:
       raise KeyboardInterrupt  # a second Ctrl-C stops at once
     self.signal = signum
 
-  def should_stop(self, step: int, every: int) -> bool:
-    """Whether to save and stop after ``step`` (asked after every step, on every process): at
-    once with one process; with several, at the preemption sync point (SIGTERM) or at the next
-    multiple of ``every`` after a SIGINT to any of them."""
+  def should_stop(self, i: int, every: int, synced: bool = True) -> bool:
+    """Whether to stop after step (or before item) ``i``: with several processes, at the
+    preemption sync point (``synced``: the training loop's steps) or at the next multiple of
+    ``every`` after a signal to any of them."""
     if jax.process_count() == 1:
       return self.signal is not None
-    if self._synced and multihost_utils.reached_preemption_sync_point(step):
+    if synced and self._synced and multihost_utils.reached_preemption_sync_point(i):
       self.signal = "SIGTERM, preemption notice to one or more processes"
       return True
-    return self._any_process(step, every)
-
-  def _any_process(self, i: int, every: int) -> bool:
-    """At every ``every``-th ``i``: whether any process got a signal (one all-gather)."""
     if i % every:
       return False
     flags = multihost_utils.process_allgather(np.int32(self.signal is not None))
     if np.any(flags) and self.signal is None:
       self.signal = "from another process"
     return bool(np.any(flags))
-
-  def requested(self, i: int, every: int) -> bool:
-    """Whether a signal asks to stop another loop (the final evaluation) before its item ``i``;
-    several processes compare flags every ``every`` items."""
-    if jax.process_count() == 1:
-      return self.signal is not None
-    return self._any_process(i, every)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():

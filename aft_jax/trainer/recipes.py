@@ -30,8 +30,7 @@ def available() -> list[str]:
 
 def resolve(spec: str) -> str:
   """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``;
-  a config file path (a separator or ``.py`` before the first ``:``) is returned unchanged.
-  ValueError naming the recipes for an unknown name, the file for a path that is no file."""
+  a config file path is returned unchanged. A one-line ValueError for neither."""
   name, sep, arg = spec.partition(":")
   if "/" in name or os.sep in name or name.endswith(".py"):
     if not os.path.isfile(name):
@@ -51,8 +50,7 @@ def resolve(spec: str) -> str:
 
 
 def resolve_flag(argv: list[str], flag: str = "config") -> list[str]:
-  """``argv`` with the value of ``--flag`` (``--flag X``, ``--flag=X``) passed through resolve(),
-  before absl parses it, so that ml_collections' config flag takes recipe names."""
+  """``argv`` with ``--flag``'s value passed through resolve(), before absl parses it."""
   out = list(argv)
   names = (f"-{flag}", f"--{flag}")
   for i, a in enumerate(out):

@@ -1,8 +1,6 @@
-"""One run's config: the config tree (a ConfigDict from a recipe and the command line, or
-config.json's dict) read once into a frozen ``RunConfig``, the one check of a run's settings
-before anything is loaded, compiled or written (one line per problem), with each component's
-typed slice (``run_cfg.optimizer``, ...) and the plain tree for what records the config. The
-model's ``vocab_size`` comes from the data (``with_vocab``).
+"""One run's config: the config tree read once into a frozen ``RunConfig`` of typed slices, the
+one check of a run's settings before anything is written, and of a resumed run's against the
+workdir's (``check_resume``).
 """
 
 from __future__ import annotations
@@ -26,11 +24,12 @@ from aft_jax.trainer.optimizer import OptimizerConfig
 from aft_jax.trainer.step_log import StepLogConfig
 from aft_jax.trainer.wandb_log import WandbConfig
 from aft_jax.typed_config import flatten, type_problems
+from aft_jax.workdir import Workdir
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """Every component's typed slice of one run's config, checked, and the tree they came from."""
+  """Every component's typed slice of one run's config, checked, and their tree."""
 
   data: DataConfig
   model: ModelConfig  # vocab_size 0 until ``with_vocab``
@@ -47,7 +46,7 @@ class RunConfig:
 
   @property
   def tree(self) -> dict:
-    """The config as plain JSON data (a new dict each time: the run's config cannot change)."""
+    """The config as plain JSON data (a new dict each time)."""
     return json.loads(self.tree_json)
 
   @classmethod
@@ -55,7 +54,11 @@ class RunConfig:
     """The run config of ``tree`` (a ConfigDict or a mapping); ValueError "invalid config: "
     listing every unknown or missing key, wrong type and impossible combination."""
     plain = plain_tree(tree)
-    errors = _key_problems(plain)
+    ref, cur = flatten(default_tree()), flatten(plain)
+    errors = unknown_keys(sorted(set(cur) - set(ref)))
+    missing = [f"missing config key {key!r}" for key in sorted(set(ref) - set(cur))]
+    if missing:  # no component can be built
+      raise ValueError("invalid config: " + "; ".join(errors + missing))
     slices, frozen = {}, _frozen(plain)
     for name, component in SLICES.items():
       node = frozen[component.WHERE] if component.WHERE else frozen
@@ -80,25 +83,22 @@ class RunConfig:
 
   @classmethod
   def from_saved(cls, tree: Mapping) -> RunConfig:
-    """The run config of a saved tree (config.json) as the version that wrote it ran: a key it
-    lacks, added to the package since, takes that version's value (``as_written``)."""
+    """The run config of a saved tree (config.json) as the version that wrote it ran."""
     return cls.from_tree(as_written(tree))
 
   def with_vocab(self, vocab_size: int) -> RunConfig:
-    """This config with the model's vocabulary size, once the data is known."""
     if vocab_size < 1:
       raise ValueError(f"the corpus has {vocab_size} tokens in its vocabulary: nothing to model")
     return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size))
 
   def with_changes(self, values: dict) -> RunConfig:
-    """Another run config: this tree with dotted keys changed (``{"model.remat": True}``),
-    checked as a new one (the vocabulary size kept)."""
+    """This tree with dotted keys changed (``{"model.remat": True}``), checked anew."""
     changed = RunConfig.from_tree(default_config.override(self.tree, values))
     return changed.with_vocab(self.model.vocab_size) if self.model.vocab_size else changed
 
 
 def plain_tree(tree) -> dict:
-  """A config tree (a ConfigDict or a mapping) as plain JSON data: what config.json holds."""
+  """A ConfigDict or a mapping as plain JSON data."""
   if hasattr(tree, "to_json_best_effort"):
     return json.loads(tree.to_json_best_effort())
   if not isinstance(tree, Mapping):
@@ -112,13 +112,11 @@ def _default_tree_json() -> str:
 
 
 def default_tree() -> dict:
-  """The default config as plain data: every key a config has."""
   return json.loads(_default_tree_json())
 
 
 def absolute_paths(tree: dict) -> dict:
-  """``tree`` (changed in place) with its data folders and text globs absolute (``data_dir`` '':
-  the default one): config.json says where the data is, from whatever directory a run starts."""
+  """``tree`` (changed in place) with its data folders and text globs absolute."""
   data = tree["data"]
   data["data_dir"] = resolve_data_dir(data["data_dir"])
   if data["manual_dir"]:
@@ -129,7 +127,6 @@ def absolute_paths(tree: dict) -> dict:
 
 
 def _frozen(value):
-  """JSON data with its lists as tuples: a slice's values cannot be changed in place."""
   if isinstance(value, dict):
     return {k: _frozen(v) for k, v in value.items()}
   if isinstance(value, list):
@@ -138,8 +135,7 @@ def _frozen(value):
 
 
 def as_written(tree: Mapping) -> dict:
-  """A saved config tree as plain data, each key added since it was written at the value the
-  version that wrote it ran with (the components' ``ADDED``); any other missing key stays so."""
+  """A saved config tree, each key added since at the value its version ran with (``ADDED``)."""
   tree = plain_tree(tree)
   for component in SLICES.values():
     if not component.WHERE:
@@ -150,9 +146,7 @@ def as_written(tree: Mapping) -> dict:
 
 
 def unknown_keys(keys) -> list[str]:
-  """One line for each of the dotted ``keys`` (``"model.d_model"``) that no component defines
-  (a key above others, ``"model"``, is known): the whole key and the known keys closest to it
-  (difflib), a mistyped or misplaced key's likely meaning."""
+  """One line for each dotted key that no component defines, with the known keys closest to it."""
   known = flatten(default_tree())
   lines = []
   for key in keys:
@@ -164,18 +158,7 @@ def unknown_keys(keys) -> list[str]:
   return lines
 
 
-def _key_problems(tree: dict) -> list[str]:
-  """The unknown keys' lines; a missing key raises at once (no component can be built)."""
-  ref, cur = flatten(default_tree()), flatten(tree)
-  errors = unknown_keys(sorted(set(cur) - set(ref)))
-  missing = [f"missing config key {key!r}" for key in sorted(set(ref) - set(cur))]
-  if missing:
-    raise ValueError("invalid config: " + "; ".join(errors + missing))
-  return errors
-
-
 def _across_components(s: dict) -> list[str]:
-  """The rules between components' keys (their own values already checked)."""
   train, model, ev = s["train"], s["model"], s["eval"]
   errors = []
   if model.length_limit is not None and train.seq_len > model.length_limit:
@@ -192,8 +175,7 @@ def _across_components(s: dict) -> list[str]:
       f"config.data.packing = True with config.mesh.sequence = {s['mesh'].sequence}: packed "
       "rows are not split along T over devices; use config.mesh.sequence = 1 (or packing off)"
     )
-  # mesh.sequence > 1 splits T over devices: only the causal recurrences allow it, and T must
-  # split evenly (docs/long_sequences.md).
+  # mesh.sequence > 1 splits T over devices: causal recurrences only (docs/long_sequences.md).
   n, mixing = s["mesh"].sequence, model.mixing
   if n > 1 and mixing in ("softmax", "aft_full"):
     errors.append(
@@ -207,3 +189,84 @@ def _across_components(s: dict) -> list[str]:
       f"config.seq_len = {train.seq_len} is not divisible by config.mesh.sequence = {n}"
     )
   return errors
+
+
+# Keys that may differ when resuming a run: they do not change what is computed. Everything
+# else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
+# decay from another length, so it is a conflict like a new learning_rate.
+RESUMABLE = (
+  "log_every_steps",
+  "eval_every_steps",
+  "checkpoint_every_steps",
+  "keep_checkpoints",
+  "eval_batch_size",
+  "eval_stride",
+  "final_eval_stride",
+  "sample",
+  "mesh",
+  "logical_axis_rules",
+  "data.data_dir",
+  "data.manual_dir",
+  "nonfinite",
+  "max_consecutive_skips",
+  "profile_steps",
+)
+SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
+# Their change no --allow_config_change resumes: the checkpoint's embedding would be read as
+# other tokens.
+VOCABULARY = ("data.dataset", "data.tokenizer", "data.vocab_size", "data.variant", "data.encoding")
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+  """Differences between two config trees that make resuming one as the other wrong (a key one
+  of them lacks: None)."""
+  a, b = flatten(saved), flatten(current)
+  out = []
+  for key in sorted(set(a) | set(b)):
+    if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+      continue
+    va, vb = (tuple(v) if isinstance(v, list) else v for v in (a.get(key), b.get(key)))
+    if va != vb:
+      why = " (the learning-rate schedule is built from it)" if key in SCHEDULE else ""
+      out.append(f"{key}: {va!r} in the workdir, {vb!r} now{why}")
+  return out
+
+
+def check_resume(
+  saved: dict | None, current: dict, workdir: str | Workdir, allow_config_change: bool
+) -> list[str]:
+  """Refuses to continue ``saved`` (a checkpoint's config tree; None: config.json's) as
+  ``current`` where they differ in what is computed, unless ``allow_config_change``; returns the
+  differences allowed. ``saved`` is read ``as_written``: a refusal names the flags that resume a
+  run written before some keys existed as it was written."""
+  where = "the checkpoint"
+  if saved is None:
+    saved, where = Workdir.of(workdir).read_config(), "config.json"
+  if saved is None:
+    return []
+  written = as_written(saved)
+  conflicts = resume_conflicts(written, current)
+  keys = [c.split(":")[0] for c in conflicts]
+  if any(k in VOCABULARY for k in keys):
+    vocabulary = "; ".join(c for c, k in zip(conflicts, keys) if k in VOCABULARY)
+    raise ValueError(
+      f"workdir {workdir} holds a run trained on another vocabulary ({vocabulary}; compared with "
+      f"{where}): a model cannot resume on another vocabulary, not even with "
+      "--allow_config_change; use another --workdir"
+    )
+  if not conflicts or allow_config_change:
+    return conflicts
+  a, b = flatten(saved), flatten(written)
+  older = [k for k in keys if k in b and k not in a]  # added since: the values it ran with
+  hint = ""
+  if older:
+    flags = " ".join(f"--config.{k}={b[k] if isinstance(b[k], str) else repr(b[k])}" for k in older)
+    hint = (
+      f"; it was written before {', '.join(older)} existed, by a version that ran as {flags}: "
+      "pass that to resume the run as it was written"
+    )
+  raise ValueError(
+    f"workdir {workdir} holds a run with a different config ({'; '.join(conflicts)}; compared "
+    f"with {where}){hint}; use another --workdir, or pass --allow_config_change to resume it "
+    "anyway"
+  )

@@ -1,6 +1,5 @@
-"""What the training loop records while it runs: ``MetricWriter`` (metrics.jsonl, TensorBoard,
-W&B), ``StepLog`` (per-step metrics and the non-finite watch), ``Profiler`` (a ``jax.profiler``
-trace of chosen steps) and validation lines."""
+"""What the training loop records: ``MetricWriter`` (metrics.jsonl, TensorBoard, W&B),
+``StepLog`` (per-step metrics, the non-finite watch) and ``Profiler`` (a trace of chosen steps)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ class MetricWriter:
   after a resume, steps since the last checkpoint are logged again (the last record counts)."""
 
   def __init__(self, workdir: str | Workdir, enabled: bool = True, wandb_run=None):
-    """``wandb_run``: a W&B run (``wandb_log.start``) that gets the same records, or None."""
     self.enabled, self.wandb_run = enabled, wandb_run if enabled else None
     if enabled:
       wd = Workdir.of(workdir)
@@ -45,7 +43,7 @@ class MetricWriter:
       self.wandb_run.log(scalars, step=int(step))
 
   def write_text(self, tag: str, text: str, step: int) -> None:
-    """A text (the config, a sample) on TensorBoard's text tab; shown as written (code block)."""
+    """A text (the config, a sample) on TensorBoard's text tab, as a code block."""
     if self.enabled:
       self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
       self._tb.flush()
@@ -55,8 +53,8 @@ class MetricWriter:
       self.wandb_run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
 
   def write_hparams(self, settings: dict) -> None:
-    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab beside ``HPARAMS_METRICS``,
-    in this run's own event file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
+    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab, in this run's own event
+    file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
     if not self.enabled:
       return
     # A number, string or bool as it is; anything else (a tuple of cutoffs) as its text.
@@ -112,13 +110,10 @@ class StepLogConfig(TypedConfig):
 
 
 class StepLog:
-  """Collects per-step metrics on the device, reads each step's finite flag two steps behind
-  (the device never idles, and the host stays at most two steps ahead: a signal or a run of
-  skipped updates is acted on within two steps) and writes one record per logged step."""
+  """Collects per-step metrics on the device and reads each step's finite flag two steps behind
+  (the device never idles; a signal or a run of skipped updates is acted on within two steps)."""
 
   def __init__(self, trainer, writer: MetricWriter, bar, mngr, step: int):
-    """``trainer``: the run (its config, and its ``good_steps``: the checkpoints known good, the
-    only ones a divergence message names); ``mngr``: its checkpoint manager."""
     cfg, train = trainer.config.step_log, trainer.config.train
     self.writer, self.bar, self.mngr, self.good_steps = writer, bar, mngr, trainer.good_steps
     self.nonfinite, self.max_consecutive_skips = cfg.nonfinite, cfg.max_consecutive_skips
@@ -129,17 +124,15 @@ class StepLog:
     self.skipped_since = None  # first step of the current run of skipped updates, if any
 
   def add(self, metrics) -> None:
-    """Adds the next step's metrics and reads the finite flag of the step before last."""
     self.pending.append(metrics)
     self.step += 1
     self._check(len(self.pending) - 2)
 
   def settle(self) -> None:
-    """Reads the finite flags of every step added so far (waits for the last one)."""
+    """Reads the finite flags of every step added so far."""
     self._check(len(self.pending))
 
   def _check(self, upto: int) -> None:
-    """Tracks skipped updates; raises on one with nonfinite='stop', or on too many in a row."""
     first = self.step - len(self.pending) + 1  # the step of pending[0]
     for i in range(self.checked, upto):
       step = first + i
@@ -163,17 +156,15 @@ class StepLog:
     self.checked = max(self.checked, upto)
 
   def last_good(self) -> str:
-    # Checkpoints are never written inside a run of skipped updates (see _checkpoint), and a
-    # damaged one is never restored: the newest known good one is the last good one.
+    # No checkpoint is written inside a run of skipped updates: the newest known good is it.
     steps = [s for s in self.mngr.all_steps() if s in self.good_steps]
     if not steps:
       return "there is no checkpoint yet"
     return f"the last good checkpoint is step {max(steps)}"
 
   def flush(self, state, check: bool = True) -> None:
-    """Writes the mean metrics since the last flush (``state``: the train state, for its count
-    of skipped updates); raises on a non-finite step if asked to (``check``: False when
-    writing what is left after such an error)."""
+    """Writes the mean metrics since the last flush; with ``check``, raises on a non-finite
+    step first."""
     if check:
       self.settle()
     step = self.step
@@ -202,8 +193,7 @@ class StepLog:
     self.pending, self.checked, self.t_last = [], 0, time.perf_counter()
 
   def validation(self, ev: dict, *, byte_level: bool) -> None:
-    """A validation result (``Trainer.evaluate``'s dict) at this step in the metrics and, on
-    process 0, on the console; bits per byte too where the corpus is bytes."""
+    """``Trainer.evaluate``'s result at this step, in the metrics and on the console."""
     self.writer.write({"step": self.step, "valid_loss": ev["nll"], "valid_ppl": ev["ppl"]})
     if self.is_main:
       bpb = f"  bpb {ev['nll'] / math.log(2):.3f}" if byte_level else ""
@@ -211,8 +201,7 @@ class StepLog:
 
 
 class Profiler:
-  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``steps``: the config's
-  ``profile_steps``; () for none) in ``logdir`` (the run's TensorBoard folder)."""
+  """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``profile_steps``) in ``logdir``."""
 
   def __init__(self, steps, logdir: str):
     self.steps, self.logdir = tuple(steps or ()), logdir
@@ -222,7 +211,6 @@ class Profiler:
     return self
 
   def at(self, step: int, state) -> None:
-    """Called with the number of steps done, before the next one."""
     if not self.steps:
       return
     if step == self.steps[0] and not self.active:

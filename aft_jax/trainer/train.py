@@ -1,13 +1,7 @@
-"""Trains an AFT language model: aft-train --config quickstart --workdir runs/x
-
-Does it fit a GPU I do not have? aft-train --config enwik8 --dry_run --target h100 [--num_devices 8]
-
-(in a checkout, the same as python train.py --config configs/quickstart.py --workdir runs/x).
---config takes a recipe name, NAME or NAME:ARG (aft_jax/trainer/recipes.py), or a config file path.
-Any config value can be overridden: --config.num_train_steps=10 --config.model.mixing=aft_simple.
-Rerunning the same command resumes from the workdir's last checkpoint. JAX's flags are accepted
-(--jax_debug_nans, --jax_platforms=cpu, ...), and -v / --verbosity sets absl's log level
-(default: warnings only).
+"""Trains an AFT language model: aft-train --config quickstart --workdir runs/x (in a checkout,
+python train.py ...); does it fit a GPU I do not have? aft-train --config enwik8 --dry_run
+--target h100. --config takes a recipe name (NAME[:ARG]) or a config file; any value can be
+overridden (--config.num_train_steps=10); rerunning resumes. JAX's flags and -v are accepted.
 """
 
 import os
@@ -21,8 +15,7 @@ FLAGS = None  # absl's flags, once ``_define_flags`` has defined the command's
 
 
 def _define_flags() -> None:
-  """The command's flags; absl and ml_collections are imported here, in ``run``'s Ctrl-C
-  handling, not when this module is."""
+  """The command's flags (absl and ml_collections imported here: inside ``run``'s Ctrl-C guard)."""
   global FLAGS
   from absl import flags
   from ml_collections import config_flags
@@ -43,15 +36,13 @@ def _define_flags() -> None:
   flags.DEFINE_bool(
     "distributed",
     False,
-    "Call jax.distributed.initialize() with the platform's settings (TPU pods, "
-    "SLURM) when no coordinator address is given.",
+    "Call jax.distributed.initialize() with the platform's settings (TPU pods, SLURM).",
   )
   flags.DEFINE_bool(
     "dry_run",
     False,
     "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-    "device and print whether they fit (aft_jax/trainer/dry_run.py); exit 0 if they fit, 1 if "
-    "not, 2 if refused (a bad flag, config or environment: nothing compiled).",
+    "device and say whether they fit; exit 0 if they fit, 1 if not, 2 if refused.",
   )
   flags.DEFINE_string(
     "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
@@ -62,8 +53,7 @@ def _define_flags() -> None:
 
 
 def _fail(e: Exception, status: int = 1):
-  # The project's errors say in one line what to fix (a bad config, a workdir in use, a full
-  # disk, a diverged run); a traceback would bury that line. -v 1 shows the traceback.
+  # The project's errors say in one line what to fix; a traceback (-v 1) would bury it.
   if FLAGS["verbosity"].present:
     raise e
   print(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -71,8 +61,7 @@ def _fail(e: Exception, status: int = 1):
 
 
 def dry_run() -> None:
-  """--dry_run: checks what it can, restarts this command where the target's compiler is
-  (``deviceless.reexec``), reports; exit status 0 fits, 1 does not, 2 refused."""
+  """--dry_run: checks what it can, restarts where the target's compiler is, reports."""
   from aft_jax import deviceless
   from aft_jax.trainer import dry_run as dry_run_lib
   from aft_jax.trainer.run_config import RunConfig
@@ -109,8 +98,8 @@ def main(argv):
     given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
   if not (FLAGS.coordinator_address or FLAGS.distributed):
-    # One CPU device per core (``cpu_devices``: why, and when it stays as set); a config the run
-    # will refuse (or a config file that failed to load) is left for train_and_evaluate to name.
+    # One CPU device per core (``cpu_devices``); a config the run will refuse is left for
+    # train_and_evaluate to name.
     try:
       cfg = RunConfig.from_tree(FLAGS.config)
     except (ValueError, OSError):
@@ -118,8 +107,7 @@ def main(argv):
     if cfg is not None:
       cpu_devices.apply(cfg)
   elif jax.config.jax_cpu_collectives_implementation in (None, "none"):
-    # CPU processes need a cross-process collectives library: gloo is the default in recent
-    # jax; older versions default to none and fail at the first cross-process computation.
+    # CPU processes need a collectives library: older jax defaults to none.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
@@ -142,8 +130,7 @@ def run():
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
-  # Ctrl-C from here on, jax's import included, or a second one inside the training loop:
-  # nothing half-written is left (checkpoints are atomic).
+  # Ctrl-C from here on (jax's import included): nothing half-written is left.
   with stops_on_ctrl_c(
     f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
     "workdir's last checkpoint, if any, is intact and the same command resumes from it"
@@ -164,8 +151,8 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing; a bad flag or ``--config.KEY=VALUE`` (ml_collections raises while the
-  flags are parsed) is one line, exit status 1 (2 with --dry_run)."""
+  """absl's flag parsing; a bad flag or ``--config.KEY=VALUE`` is one line, exit status 1 (2 with
+  --dry_run)."""
   from absl import flags
 
   keys, dry_run = _command_line(argv)
@@ -192,8 +179,7 @@ def _parse_flags(argv):
 
 
 def _command_line(argv) -> tuple[list[str], bool]:
-  """Before absl parses ``argv``: the dotted keys of its ``--config.KEY=VALUE`` (``--config.KEY
-  VALUE``, ``--[no]config.KEY``) overrides, and whether it asks for --dry_run."""
+  """Before absl parses ``argv``: its ``--config.KEY`` overrides' keys, and whether --dry_run."""
   keys, dry_run = [], False
   for arg in argv[1:]:
     if arg == "--":

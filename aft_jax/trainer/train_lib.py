@@ -1,7 +1,6 @@
 """Training and evaluation: ``train_and_evaluate(config, workdir)``, an outline read top to
-bottom (setup, restore or init, the training loop, final evaluation), as Flax's lm1b example;
-the jitted train step is the pure ``train_step`` bound by ``Trainer``. The run's settings are
-checked once, by ``RunConfig.from_tree`` (docs/training.md).
+bottom (setup, restore or init, the training loop, final evaluation); the jitted train step is
+the pure ``train_step`` bound by ``Trainer`` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from aft_jax import sharding
 from aft_jax.trainer import step_log
 from aft_jax.trainer import wandb_log, workdir_lock
 from aft_jax.trainer.step_log import MetricWriter
-from aft_jax.trainer.run_config import RunConfig, as_written
+from aft_jax.trainer import run_config
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.model import TransformerLM, check_ids, count_params
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
@@ -100,17 +100,13 @@ def eval_step(params, batch, *, model):
   return weighted_nll(model, params, batch, train=False)
 
 
-# XLA:CPU compile options of the steps, on a mesh of CPU devices only: YNNPACK takes the dots
-# alone, XLA's own fusions the element-wise work (faster at these small shapes: the nanoGPT
-# recipe's step time, benchmarks/results/peer_nanogpt_timing.md). Per compile, so no other program
-# changes; an XLA_FLAGS that names the option wins.
+# The steps' XLA:CPU compile options: YNNPACK takes the dots alone, XLA's own fusions the
+# element-wise work (faster at these small shapes: benchmarks/results/peer_nanogpt_timing.md).
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
 def compiler_options(mesh) -> dict | None:
-  """The steps' compile options for ``mesh``: ``CPU_COMPILER_OPTIONS`` where its devices are
-  CPUs (a GPU, a TPU or a deviceless topology's devices get XLA's defaults), less any option
-  that XLA_FLAGS sets."""
+  """``CPU_COMPILER_OPTIONS`` where ``mesh``'s devices are CPUs, less any that XLA_FLAGS sets."""
   if mesh.devices.flat[0].platform != "cpu":
     return None
   flags = os.environ.get("XLA_FLAGS", "")
@@ -118,15 +114,13 @@ def compiler_options(mesh) -> dict | None:
 
 
 class Trainer:
-  """One run: its config (the model's vocabulary size filled in: ``RunConfig.with_vocab``), the
-  mesh, the jitted steps and their shardings; in ``train_and_evaluate`` also its workdir, corpus
-  and corpus record (saved with every checkpoint), and the checkpoints known good (the one
-  restored and those saved: what a divergence message may name)."""
+  """One run's state: its config (vocabulary size filled in), mesh, jitted steps and shardings;
+  in ``train_and_evaluate`` also its workdir, corpus and corpus record, and the checkpoints known
+  good (restored or saved: what a divergence message may name)."""
 
   def __init__(self, cfg: RunConfig, mesh):
     self.config, self.mesh = cfg, mesh
-    self.workdir, self.corpus, self.record = None, None, None  # set by ``setup``
-    # (with the config changes allowed against config.json, said if nothing restores)
+    self.workdir, self.corpus, self.record = None, None, None  # set by ``setup``, as are:
     self.allow_config_change, self.config_changes = False, []
     self.good_steps = set()
     self.tree = cfg.tree  # the config as plain data: what config.json and checkpoints record
@@ -180,9 +174,8 @@ class Trainer:
     )
 
   def specs(self, batch_size: int, weights: bool = False) -> dict:
-    """ShapeDtypeStructs of a global batch of ``batch_size`` sequences, sharded as the steps
-    take it (training: inputs and targets, and with ``config.data.packing`` also weights,
-    segment_ids and positions; evaluation: inputs, targets and weights)."""
+    """ShapeDtypeStructs of a global batch, sharded as the train step (or with ``weights``, the
+    evaluation step) takes it."""
     sh = sharding.batch_sharding(self.mesh)
     tokens = jax.ShapeDtypeStruct((batch_size, self.config.train.seq_len), jnp.int32, sharding=sh)
     out = {"inputs": tokens, "targets": tokens}
@@ -194,7 +187,6 @@ class Trainer:
     return out
 
   def lower_train_step(self):
-    """The train step lowered for the mesh's devices (real ones or a deviceless topology's)."""
     rng = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
     with self.on_mesh():
@@ -208,8 +200,7 @@ class Trainer:
 
   @contextlib.contextmanager
   def on_mesh(self):
-    """The mesh (``jax.set_mesh``: concrete and abstract) and the logical axis rules that flax's
-    logical constraints and the layers' ``sharding.in_mesh_shards`` resolve against."""
+    """The mesh and the logical axis rules that the layers' constraints resolve against."""
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield
 
@@ -232,12 +223,10 @@ class Trainer:
     stride: int | None = None,
     should_stop=None,
   ) -> dict | None:
-    """Exact NLL over every token of ``tokens``: sum of NLL / number of tokens, no step cap.
-    ``stride`` (default ``config.eval_stride``): 0 scores disjoint windows of ``seq_len``; S > 0
-    slides the window S tokens at a time and scores its S new tokens (each scored once with at
-    least ``seq_len - S`` tokens of context; docs/training.md, "Evaluation"), batched
-    ``eval_batch_size`` windows at a time. ``should_stop(i)`` is asked before batch ``i``: True
-    stops it, returning None."""
+    """Exact NLL over every token of ``tokens``. ``stride`` (default ``config.eval_stride``): 0
+    scores disjoint windows of ``seq_len``; S > 0 slides the window S tokens at a time and scores
+    its S new tokens (docs/training.md, "Evaluation"). ``should_stop(i)``, asked before batch
+    ``i``: True stops it, returning None."""
     ev, seq_len = self.config.eval, self.config.train.seq_len
     check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
     check_ids("Trainer.evaluate: bos_id", bos_id, self.config.model.vocab_size)
@@ -265,8 +254,8 @@ class Trainer:
 
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
-  """The trainer that training and ``--dry_run`` build alike, once the vocabulary size is known:
-  the mesh over ``devices`` (default: all), the batch split checked, its notes said (``say``)."""
+  """The trainer that training and ``--dry_run`` build alike: the mesh over ``devices`` (default:
+  all), the batch split checked, its notes said."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -282,11 +271,9 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
-  """The run's trainer, its config and data checked (the cheap checks first) against what the
-  workdir's run was trained with, the corpus loaded. Writes nothing in the workdir."""
+  """The run's trainer, its config and data checked against the newest checkpoint whose items
+  read (else config.json and corpus.json), the cheap checks first. Writes nothing."""
   workdir = Workdir(workdir)
-  # Checked before any data is loaded against the newest checkpoint whose items read, else
-  # config.json and corpus.json.
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   newest = checkpointing.newest_items(mngr)
   if newest is None:
@@ -294,9 +281,7 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
   else:
     since, saved, items = f"the checkpoint at step {newest[0]}", newest[1].get("config"), newest[1]
   trained = workdir.trained_corpus(items)
-  changes = checkpointing.check_resume_config(
-    saved, cfg.tree, workdir, allow_config_change, as_written
-  )
+  changes = run_config.check_resume(saved, cfg.tree, workdir, allow_config_change)
   data_record.check_sources(trained, data_record.sources(cfg.data), since)
   corpus = data_lib.load_corpus(cfg.data, data_record.built_by(trained, cfg.data.dataset))
   record = data_record.of_corpus(corpus)
@@ -309,15 +294,14 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
 
 
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
-  """The newest intact checkpoint's state (and data position), or a fresh one. Each
-  checkpoint's config, corpus record and data position, once verified, are checked before its
-  state is read; the workdir is written only after."""
+  """The newest intact checkpoint's state (and data position; its config, corpus record and data
+  position checked before its state is read), or a fresh one; the workdir written only after."""
   changes = {}
 
   def check(step, items):
     since = f"the checkpoint at step {step}"
-    changes[step] = checkpointing.check_resume_config(
-      items.get("config"), trainer.tree, trainer.workdir, trainer.allow_config_change, as_written
+    changes[step] = run_config.check_resume(
+      items.get("config"), trainer.tree, trainer.workdir, trainer.allow_config_change
     )
     data_record.check_corpus(items.get("corpus"), trainer.record, since)
     data_iter.check_state(items["data"], since)
@@ -356,9 +340,8 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
 
 
 def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
-  """Saves the checkpoint at ``step`` (in the background: ``checkpointing.save``), unless its
-  update was skipped as non-finite: a run of skipped updates must not rotate out the last good
-  checkpoint. Whether one was saved."""
+  """Saves the checkpoint at ``step`` unless its update was skipped as non-finite (a run of
+  skipped updates must not rotate out the last good checkpoint); whether it did."""
   log.settle()
   if log.skipped_since is not None:
     if trainer.is_main:
@@ -376,8 +359,7 @@ def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state,
 def _save_and_say_stopped(
   trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter, sig
 ):
-  """After a signal: writes the unlogged metrics and the checkpoint at ``step``, waits until it
-  is on disk, says so."""
+  """After a signal: the unlogged metrics and the checkpoint at ``step`` written, then said."""
   if log.pending:
     log.flush(state)  # the steps since the last log line are not lost
   saved = mngr.latest_step() == step or _checkpoint(trainer, log, mngr, step, state, data_iter)
@@ -391,9 +373,8 @@ def _save_and_say_stopped(
     print(f"\nInterrupted (signal {sig}): {what}", flush=True)
 
 
-# results.json's "train_rows": what the training rows were. Either way the valid_* and test_*
-# numbers are the evaluation protocol's ("eval_protocol"), windows of each split's stream, so a
-# packed run's numbers compare with an unpacked one's.
+# results.json's "train_rows". Either way valid_* and test_* are "eval_protocol"'s, on windows
+# of each split's stream: a packed run's numbers compare with an unpacked one's.
 TRAIN_ROWS = {
   "stream": "stream: windows of seq_len cut from the train split's token stream",
   "packed": (
@@ -406,8 +387,8 @@ TRAIN_ROWS = {
 
 def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -> dict | None:
   """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
-  Each split's result is kept in the workdir when done, and a rerun of the same step and protocol
-  takes it from there; a signal ``preemption`` records stops it, saying so: None."""
+  Each split's result is kept in the workdir, for a rerun of the same step and protocol; a
+  signal stops it, saying so: None."""
   cfg, corpus = trainer.config, trainer.corpus
   seq_len = cfg.train.seq_len
   step = int(state.step)
@@ -420,15 +401,14 @@ def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -
     "skipped_steps": int(state.skipped),
     "train_rows": TRAIN_ROWS["packed" if cfg.data.packing else "stream"],
   }
-  # The final numbers may use a slower protocol than training-time validation (metrics.jsonl's
-  # valid_* records); each is named here so that numbers are compared like with like.
+  # Final and training-time validation may use different protocols: both named.
   stride = cfg.eval.final_eval_stride
   results["eval_protocol"] = eval_protocol(seq_len, stride)
   results["train_eval_protocol"] = eval_protocol(seq_len, cfg.eval.eval_stride)
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
   saved = trainer.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
-  stop = lambda i: preemption.requested(i, every=64)  # noqa: E731
+  stop = lambda i: preemption.should_stop(i, 64, synced=False)  # noqa: E731
   for split, prefix in (("validation", "valid"), ("test", "test")):
     if split not in corpus.splits:
       continue
@@ -467,7 +447,6 @@ def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -
 
 
 def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None:
-  """results.json, its line on the console and its scalars in the metrics."""
   if trainer.is_main:
     trainer.workdir.write_results(results)
     test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
@@ -484,14 +463,12 @@ def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None
 
 
 def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
-  """The end-of-run sample (``config.sample``), printed by process 0 and logged to TensorBoard
-  (``writer``); None if not asked for."""
+  """The end-of-run sample (``config.sample``), printed and logged by process 0; None if none."""
   cfg = trainer.config.sample
   if cfg.length <= 0:
     return None
   if jax.process_count() > 1:
-    # Process 0 samples alone, so it needs every parameter on its own devices; all processes
-    # take part in the gather.
+    # Process 0 samples alone, on every parameter: all processes take part in the gather.
     gathered = multihost_utils.process_allgather(params, tiled=True)
     params = jax.tree_util.tree_map(jnp.asarray, gathered)
   if not trainer.is_main:
@@ -512,8 +489,7 @@ def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
 
 
 def train_data(trainer: Trainer) -> data_lib.TrainIterator:
-  """The run's training batches: stream windows, or packed documents (``config.data.packing``:
-  its padding fraction is said once)."""
+  """The run's training batches: stream windows, or packed documents (their padding said)."""
   cfg, corpus = trainer.config, trainer.corpus
   packed = {}
   if cfg.data.packing:
@@ -538,9 +514,9 @@ def train_data(trainer: Trainer) -> data_lib.TrainIterator:
 
 
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
-  """Trains ``config`` (a config tree, a recipe's or config.json's, or a ``RunConfig``) in
-  ``workdir`` (resuming what is there) and returns results.json's dict; interrupted by SIGTERM
-  / Ctrl-C, it saves a checkpoint and returns ``{"interrupted": True, "step": step}``."""
+  """Trains ``config`` (a config tree or a ``RunConfig``) in ``workdir``, resuming what is there;
+  results.json's dict, or after SIGTERM / Ctrl-C (a checkpoint saved) ``{"interrupted": True,
+  "step": step}``."""
   cfg = config if isinstance(config, RunConfig) else RunConfig.from_tree(config)
   # The lock first: no other trainer may change the workdir between the checks and the writes.
   with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
@@ -561,8 +537,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
     writer.write_hparams(flatten(trainer.tree))
     with contextlib.ExitStack() as cleanup:
-      # Run last to first: the save in flight finished (its failure raised), Orbax's threads
-      # ended, the metrics closed.
+      # Last to first: the save in flight finished (its failure raised), Orbax closed, metrics.
       cleanup.callback(writer.close)
       cleanup.callback(mngr.close)
       cleanup.callback(checkpointing.finish_saving, mngr)
@@ -601,8 +576,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
             if preemption.should_stop(step, every):
               _save_and_say_stopped(trainer, log, mngr, step, state, data_iter, preemption.signal)
               return {"interrupted": True, "step": step}
-        except FloatingPointError:  # divergence: the metrics of the steps since the last log
-          if log.pending:  # line are what shows how it happened
+        except FloatingPointError:  # divergence: the unlogged steps' metrics show how
+          if log.pending:
             log.flush(state, check=False)
           raise
 

@@ -55,9 +55,8 @@ class WandbConfig(TypedConfig):
 
 
 def run_id(workdir, resumed: bool) -> str:
-  """The W&B run id of the run in ``workdir``: the one kept there when the run ``resumed`` a
-  checkpoint, else a new one (kept for later resumes). A resumed workdir written before ids
-  were kept continues the run its path named then."""
+  """The W&B run id kept in ``workdir`` where the run ``resumed`` (from before ids were kept:
+  its path's), else a new one, kept."""
   path = os.path.join(str(workdir), ID_FILE)
   if resumed:
     try:
@@ -72,9 +71,8 @@ def run_id(workdir, resumed: bool) -> str:
 
 
 def start(cfg: WandbConfig, tree: dict, workdir, resumed: bool = False):
-  """The W&B run of ``cfg`` in ``workdir`` (a ``wandb`` Run) recording the config ``tree``
-  (``RunConfig.tree``), or None without a project; ``resumed``: whether the run continues a
-  checkpoint (then it continues its W&B run)."""
+  """The W&B run of ``cfg`` recording the config ``tree`` (a resumed run continues its own), or
+  None without a project."""
   if not cfg.project:
     return None
   import wandb  # pylint: disable=g-import-not-at-top  (optional, slow to import)

@@ -1,6 +1,5 @@
-"""One trainer per workdir: its lock file (``Workdir.lock_file``) holds the holder's pid and host;
-a second trainer is refused naming them, and a lock left by a process gone from this host is
-taken over.
+"""One trainer per workdir: its lock file holds the holder's pid and host; a second trainer is
+refused naming them, a lock left by a process gone from this host taken over.
 """
 
 from __future__ import annotations
@@ -18,10 +17,6 @@ from aft_jax.workdir import Workdir
 
 class WorkdirInUse(RuntimeError):
   """Another live trainer holds the workdir."""
-
-
-def lock_path(workdir: str | Workdir) -> str:
-  return Workdir.of(workdir).lock_file
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +40,6 @@ def _read(path: str) -> dict | None:
 
 
 def _create(path: str, holder: dict) -> bool:
-  """Creates the lock file with ``holder`` in it, atomically; False if it already exists."""
   tmp = f"{path}.tmp-{os.getpid()}"
   try:
     with open(tmp, "w") as f:
@@ -64,7 +58,7 @@ def _create(path: str, holder: dict) -> bool:
 def acquire(workdir: str) -> str:
   """Takes the workdir's lock (taking over a stale one); raises WorkdirInUse if it is held."""
   os.makedirs(workdir, exist_ok=True)
-  path = lock_path(workdir)
+  path = Workdir.of(workdir).lock_file
   host = socket.gethostname()
   me = {"pid": os.getpid(), "host": host, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
   for _ in range(3):  # a stale lock removed by us (or a racing trainer), then created again
@@ -86,18 +80,9 @@ def acquire(workdir: str) -> str:
   raise WorkdirInUse(f"could not take the lock {path}: other trainers keep taking it")
 
 
-def release(path: str) -> None:
-  """Removes the lock if this process still holds it."""
-  holder = _read(path)
-  if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(path)
-
-
 @contextlib.contextmanager
 def hold(workdir: str | Workdir, enabled: bool = True) -> Iterator[None]:
-  """Holds the workdir's lock for the block (``enabled=False``: does nothing, e.g. on the
-  processes other than process 0 of a multi-process run, which share its workdir)."""
+  """Holds the workdir's lock for the block (``enabled=False``: processes other than 0)."""
   if not enabled:
     yield
     return
@@ -107,7 +92,10 @@ def hold(workdir: str | Workdir, enabled: bool = True) -> Iterator[None]:
   try:
     yield
   finally:
-    release(path)
+    holder = _read(path)  # released if this process still holds it
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
     if created:  # a run refused before it wrote anything leaves no empty workdir behind
       with contextlib.suppress(OSError):
         os.rmdir(workdir)

@@ -1,10 +1,6 @@
-"""Follows a run's config through the calls that pass it on.
-
-``follow(fn, *args)`` runs ``fn(*args)`` under ``sys.settrace`` and records every call into
-aft_jax with a config among its arguments (a ``ConfigDict``, the ``RunConfig`` or a typed slice):
-the rooms (modules the config visited) and the climbs (calls from a module to one of a higher
-layer, ``LAYERS``: the run at the top, the ops at the bottom). A config's own methods are not
-climbs.
+"""Follows a run's config (a ConfigDict, the RunConfig or a slice) through the calls into aft_jax
+that pass it on: the rooms (modules it visited) and the climbs (calls from a module to one of a
+higher layer, ``LAYERS``; a config's own methods are not climbs).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 import aft_jax
 from aft_jax.data import pydoc_corpus, record
 from aft_jax.tools import evaluate, export
-from aft_jax.trainer import checkpointing, default_config, train_lib
+from aft_jax.trainer import default_config, run_config, train_lib
 from aft_jax.trainer.run_config import SLICES, RunConfig, as_written, default_tree
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
@@ -186,7 +186,7 @@ def test_the_table_lists_every_key_added_since_the_first_release():
   # Its model.adaptive_cutoffs: null (a plain embedding) is (): given now, no config change.
   assert first["model"]["adaptive_cutoffs"] is None
   rerun = RunConfig.from_tree(_with(as_written(first), {"model.adaptive_cutoffs": ()}))
-  assert checkpointing.resume_conflicts(as_written(first), rerun.tree) == []
+  assert run_config.resume_conflicts(as_written(first), rerun.tree) == []
   assert cfg.model == rerun.model
 
 
@@ -205,7 +205,7 @@ def test_a_saved_config_without_a_key_runs_with_its_old_value(key):
   got, want = RunConfig.from_saved(without), RunConfig.from_tree(explicit)
   assert {s: getattr(got, s) for s in SLICES} == {s: getattr(want, s) for s in SLICES}
   assert got.tree == want.tree
-  assert checkpointing.resume_conflicts(as_written(without), want.tree) == []
+  assert run_config.resume_conflicts(as_written(without), want.tree) == []
 
 
 def test_a_saved_config_without_a_first_release_key_is_refused_as_damaged():

@@ -69,8 +69,7 @@ def _logged(workdir, n):
 
 @pytest.fixture
 def quiet_after_failure(monkeypatch):
-  """Undoes, after the test, what a run that stopped on unreadable checkpoints leaves behind
-  in its process: background threads' output silenced (meant for a process that then exits)."""
+  """Undoes the silence a run that stopped on unreadable checkpoints leaves in its process."""
   for name in ("stderr", "unraisablehook"):
     monkeypatch.setattr(sys, name, getattr(sys, name))
   monkeypatch.setattr(threading, "excepthook", threading.excepthook)
@@ -118,9 +117,8 @@ def _read_array(state, name):
 
 
 def _damage(workdir, step, how) -> str:
-  """Damages (``DAMAGE[how]``) one parameter chunk of checkpoint ``step`` in Orbax's OCDBT files
-  so that it still reads, changed (only the checksums see it): each chunk tried, the largest
-  first (a file's layout depends on thread timing). The parameter's name."""
+  """Damages (``DAMAGE[how]``) one parameter chunk of checkpoint ``step`` so that it still reads,
+  changed (only the checksums see it), the largest chunk first; the parameter's name."""
   import tensorstore as ts
 
   state = _state_dir(workdir, step)
@@ -149,7 +147,6 @@ def _damage(workdir, step, how) -> str:
 
 
 def _one_line(e) -> str:
-  """The message of a refusal (an exception, or the SystemExit of a command): exactly one line."""
   line = str(e.value if hasattr(e, "value") else e)
   assert line and "\n" not in line, line
   return line
@@ -159,9 +156,8 @@ def _one_line(e) -> str:
 def test_sigterm_saves_the_step_and_exits_0_and_sigkill_in_a_save_leaves_a_usable_one(
   tmp_path, capsys
 ):
-  """SIGTERM: the current step saved (no periodic checkpoint is due), exit 0. The run resumed
-  from it, saving every step (a changed config, allowed explicitly), SIGKILLed while a
-  checkpoint is written (its temporary folder exists): the last complete one resumes."""
+  """SIGTERM: the current step saved, exit 0. Resumed, saving every step, and SIGKILLed while a
+  checkpoint is written: the last complete one resumes."""
   workdir = str(tmp_path / "run")
   proc = _start_train(workdir, config_flags(tiny_config(num_train_steps=100_000)))
   _wait_for(_logged(workdir, 3), proc)
@@ -192,8 +188,7 @@ POISON = 255  # a byte that never occurs in UTF-8 text
 
 
 def _poison(monkeypatch, at_step, until=None):
-  """Batches ``at_step`` to ``until`` (default: just that one) get a poison token whose loss is
-  NaN (so its gradient is NaN too)."""
+  """Batches ``at_step`` to ``until`` get a poison token whose loss (and gradient) is NaN."""
   orig_nll = train_lib.weighted_nll
 
   def nll(model, params, batch, **kw):
@@ -216,8 +211,6 @@ def _poison(monkeypatch, at_step, until=None):
 def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_ppl_written(
   tmp_path, monkeypatch
 ):
-  """A perplexity that overflows (every eval loss raised by 1e4) is inf, and results are
-  written."""
   _poison(monkeypatch, at_step=3)
   orig = train_lib.eval_step
   monkeypatch.setattr(
@@ -229,7 +222,7 @@ def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_
   holder.kill()
   holder.wait()  # its process gone: the lock is stale, taken over, and released at the end
   results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
-  assert not os.path.exists(workdir_lock.lock_path(workdir))
+  assert not os.path.exists(Workdir(workdir).lock_file)
   assert results["skipped_steps"] == 1
   assert results["valid_ppl"] == math.inf and 1e4 < results["valid_loss"] < math.inf
   assert os.path.exists(os.path.join(workdir, "results.json"))
@@ -284,9 +277,8 @@ train_lib.train_and_evaluate(config, sys.argv[1])
 
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
-  """The save at step 4 fails in the background; the wait before the next save raises, naming
-  step 4 and step 2 as what is left (one checkpoint kept: step 2 was due to go once step 4 was
-  written, so it is still there)."""
+  """The save at step 4 fails in the background; the next wait raises, naming step 4 and step 2
+  (due to go once step 4 was written, so still there)."""
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, "-c", DISK_FULL, workdir]
   out = prefork.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
@@ -312,9 +304,8 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   ],
 )
 def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
-  """A rerun on a disk still full (here the temporary file is /dev/full, where every write
-  fails with ENOSPC; a failed write or close names no file): the error names the file that
-  could not be written, and nothing is left behind."""
+  """A disk still full (the temporary file is /dev/full: ENOSPC names no file): the error names
+  the file, and nothing is left behind."""
   os.symlink("/dev/full", f"{tmp_path / name}.tmp-{os.getpid()}")
   with pytest.raises(OSError, match=f"^.* cannot write {tmp_path / name}: No space left") as e:
     write(str(tmp_path))
@@ -324,8 +315,8 @@ def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
 def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
   tmp_path, monkeypatch
 ):
-  """Every update from step 4 on is non-finite: the run stops at the 5th in a row, naming the
-  steps and step 2, the last checkpoint before the skips, which rotation never removed."""
+  """Every update from step 4 on is non-finite: the run stops at the 5th in a row, naming step 2,
+  which rotation never removed."""
   _poison(monkeypatch, at_step=4, until=10**6)
   workdir = str(tmp_path / "run")
   config = tiny_config(
@@ -388,8 +379,7 @@ TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpo
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-  """A tiny run with checkpoints at steps 2 and 4, trained once per session for this module's
-  tests (each damages a copy)."""
+  """A tiny run with checkpoints at steps 2 and 4, trained once (tests damage copies)."""
 
   def build(folder):
     with contextlib.redirect_stdout(io.StringIO()):
@@ -426,8 +416,7 @@ def test_resume_walks_back_from_damaged_checkpoints(two_checkpoints, tmp_path, c
 def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verified(
   how, two_checkpoints, tmp_path, capsys, monkeypatch
 ):
-  """Bytes of the latest checkpoint that still parse: a resume moves it aside, continues from
-  step 2 and, diverging, names step 2 (verified) as the last good checkpoint, not step 4."""
+  """Damaged bytes that still parse: the resume moves step 4 aside and, diverging, names step 2."""
   workdir = _copy(two_checkpoints, tmp_path)
   _damage(workdir, 4, how)
   _poison(monkeypatch, at_step=1, until=10**6)  # every update from step 3 on is non-finite
@@ -445,8 +434,6 @@ def _lose_checksums(step_dir):
 
 
 def _lose_checksums_and_metadata(step_dir):
-  """Lost checksums and unreadable Orbax metadata (zeroed): nothing shows the step was written
-  before checksums existed."""
   _lose_checksums(step_dir)
   metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
   with open(metadata, "r+b") as f:
@@ -454,7 +441,6 @@ def _lose_checksums_and_metadata(step_dir):
 
 
 def _change_data_position(step_dir):
-  """One number of the data position changed, still valid JSON (a setting a run compares)."""
   path = os.path.join(step_dir, "data", "metadata")
   saved = json.load(open(path))
   saved["global_batch_size"] += 1
@@ -463,8 +449,6 @@ def _change_data_position(step_dir):
 
 
 def _as_written_before_checksums(step_dir):
-  """The step as an aft_jax without checksums (or corpus records) wrote it: neither folder,
-  and Orbax's step metadata lists neither item."""
   for name in ("checksums", "corpus"):
     shutil.rmtree(os.path.join(step_dir, name))
   path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
@@ -515,10 +499,8 @@ class _Restored(Exception):
 def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   case, two_checkpoints, tmp_path, capsys, monkeypatch
 ):
-  """Lost checksums are damage, unless Orbax's metadata shows the step was written before
-  checkpoints carried them (then it loads with a note that it is unverified); a changed data
-  position is damage, never a setting to resume with, even with --allow_config_change and a
-  longer run. The tools (export, like generate and evaluate) and a resume agree."""
+  """Lost checksums are damage unless Orbax's metadata shows the step predates them (loaded with
+  a note); a changed data position is damage, even allowed. The tools and a resume agree."""
   damage, step, note, skipped = VERIFIED_OR_REFUSED[case]
   workdir = _copy(two_checkpoints, tmp_path)
   damage(os.path.join(workdir, "checkpoints", "4"))
@@ -551,11 +533,9 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
 
 
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
-  """As a user runs them (export, like generate and evaluate, through trained.load_run): a
-  damaged latest checkpoint is one note, and the export is of step 2; asked for the damaged
-  step itself, one line naming it and the others; a step folder whose Orbax metadata is garbage
-  (zeroed, as a lost write leaves it) but whose contents verify is used, with nothing on stderr
-  (Orbax would log the file's bytes)."""
+  """export (as generate and evaluate, through trained.load_run): a damaged latest checkpoint is
+  one note; asked for it, one line naming the others; zeroed Orbax metadata with verified
+  contents is used, silently."""
 
   def export(workdir, *flags):
     cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, *flags]
@@ -614,15 +594,13 @@ COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export 
 def _held_lock(workdir):
   """A live process (``sleep``) holds the workdir's lock: (its pid, what stops it)."""
   holder = subprocess.Popen(["sleep", "120"])
-  with open(workdir_lock.lock_path(workdir), "w") as f:
+  with open(Workdir(workdir).lock_file, "w") as f:
     json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
   return holder
 
 
 def _other_corpus(workdir):
-  """The checkpoint's corpus record says the train split had one token more (as when Python's
-  own docs, the pydoc corpus, change with its version), its checksum with it: the checkpoint
-  is intact, written on another corpus."""
+  """An intact checkpoint written on another corpus: one more train token, checksum updated."""
   step_dir = os.path.join(workdir, "checkpoints", "4")
   saved = json.load(open(os.path.join(step_dir, "corpus", "metadata")))
   saved["tokens"]["train"] += 1
@@ -681,11 +659,8 @@ REFUSALS = {
 def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
   case, trained_run, tmp_path, quiet_after_failure
 ):
-  """Each refusal a command can make, on a copy of the shared run: one line, and every file
-  and folder of the workdir as it was (no corpus.json, vocabulary, config.json, checkpoint
-  folder or lock written, nothing moved aside, no export). Refusals of a damaged checkpoint
-  with another to fall back on and of changed data are in the tests above and in
-  tests/e2e/test_text_run.py."""
+  """Each refusal a command can make, on a copy of the shared run: one line, and every file and
+  folder of the workdir as it was (nothing written, moved aside or exported)."""
   command, error, says = REFUSALS[case]
   workdir = _copy(trained_run[0], tmp_path)
   holder = _held_lock(workdir) if case == "a held lock" else None
@@ -724,8 +699,7 @@ class _Flag:
 
 
 def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path, monkeypatch):
-  """The host reads step n's finite flag before it dispatches step n+3 (so it never runs
-  more than two steps ahead of the device), and the metrics since the last log line are
+  """Step n's finite flag is read before step n+3 is dispatched, and the unlogged metrics are
   written before exiting on a signal."""
   events = []
 
@@ -748,8 +722,8 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
 
 
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
-  """With several processes JAX's preemption sync manager owns SIGTERM (its handler stays) and
-  names the stop step; a Ctrl-C is exchanged at log steps only (no collective on other steps)."""
+  """With several processes JAX's preemption sync manager owns SIGTERM and names the stop step;
+  a Ctrl-C is exchanged at log steps only."""
   from aft_jax.trainer import preemption
 
   monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
@@ -779,9 +753,8 @@ def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax
 
 
 def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, monkeypatch, capsys):
-  """SIGTERM while the test split is scored: one message, no results.json, the lock released
-  and the validation split's result kept; the rerun scores only the test split and writes
-  results.json with the validation number of the first run."""
+  """SIGTERM while the test split is scored: one message, no results.json, the lock released,
+  validation kept; the rerun scores only the test split."""
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 0})
   original, scored = train_lib.Trainer.evaluate, []
