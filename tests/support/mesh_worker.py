@@ -162,7 +162,8 @@ def check_sharding(workdir):
         os.path.join(workdir, "ckpt"), checkpointing.CheckpointConfig(keep_checkpoints=1)
       )
       checkpointing.save(mngr, STEPS, state, it)
-      restored, _ = checkpointing.restore(mngr, STEPS, trainer811.abstract_state)
+      mngr.wait_until_finished()
+      restored = checkpointing.restore_readable(mngr, [STEPS], trainer811.abstract_state)[0].state
       mngr.close()
       assert int(restored.step) == STEPS
       _check_sharded(restored, (8, 1, 1))
