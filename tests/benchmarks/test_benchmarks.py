@@ -1,4 +1,5 @@
-"""The benchmarks' quick modes run and write complete results (no timing assertions)."""
+"""The benchmarks' quick modes run and write complete results (no timing assertions); their
+parts on made-up rows."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import pytest
 
 from aft_jax import ops
 from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common, kernel_form
-from tests.support import shared
+from benchmarks import quality
 
 
 def _finite(x):
@@ -143,10 +144,15 @@ def _raise(*args, **kwargs):
   raise RuntimeError("injected failure")
 
 
-@pytest.fixture(scope="module")
-def quick_check(tmp_path_factory):
+def _is_injected(rec):
+  assert rec["status"] == "error" and rec["reason"] == "RuntimeError: injected failure", rec
+  return True
+
+
+@pytest.mark.slow
+def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypatch):
   """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
-  check (its aft_simple call) and the softmax LM's train step; once per session."""
+  check (its aft_simple call) and the softmax LM's train step; the rest measured."""
   op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
   measure_step = bench_model.measure_step
 
@@ -161,66 +167,45 @@ def quick_check(tmp_path_factory):
   def failing_softmax(cfg, *args):
     return (_raise if cfg.mixing == "softmax" else measure_step)(cfg, *args)
 
-  def build(out):
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(accelerator_check, "op_rows", failing_rows)
-      mp.setattr(ops, "aft_simple", failing_bf16)
-      mp.setattr(bench_model, "measure_step", failing_softmax)
-      accelerator_check.main(["--quick", "--out", str(out)])
-    return json.loads((out / "accelerator_check.json").read_text())
-
-  return shared.once(tmp_path_factory, "accelerator_check", build)
-
-
-def _is_injected(rec):
-  assert rec["status"] == "error" and rec["reason"] == "RuntimeError: injected failure", rec
-  return True
-
-
-@pytest.mark.slow
-def test_accelerator_check_quick(quick_check):
-  out, result = quick_check
+  monkeypatch.setattr(accelerator_check, "op_rows", failing_rows)
+  monkeypatch.setattr(ops, "aft_simple", failing_bf16)
+  monkeypatch.setattr(bench_model, "measure_step", failing_softmax)
+  accelerator_check.main(["--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "accelerator_check.json").read_text())
   assert result["complete"] and not result["errors"]
   assert result["machine"]["kernel_impl"] == "pallas_interpret"  # CPU: the kernels interpreted
   ops_run = {r["op"] for r in result["records"]}
   assert {"aft_simple/xla", "aft_simple/pallas", "cumsum", "softmax_dpa"} <= ops_run
   for rec in result["records"]:
-    if rec["op"] != "cumsum":
+    if rec["op"] == "cumsum":
+      _is_injected(rec)
+    else:
       _check_record(rec, bench_ops.FIELDS + ("achieved_gbps",))
   models = {r["model"]: r for r in result["model"]}
   assert set(models) >= {"lm/aft_local", "lm/softmax", "wikitext103_small/aft_local"}
   for name, rec in models.items():
-    if name != "lm/softmax":
-      _check_record(rec, bench_model.FIELDS)
-      # Parameters and optimizer state donated: the step's new ones are not counted again.
-      assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
+    if name == "lm/softmax":
+      _is_injected(rec)
+      continue
+    _check_record(rec, bench_model.FIELDS)
+    # Parameters and optimizer state donated: the step's new ones are not counted again.
+    assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
   kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
-  assert kchecks["float32"]["holds"]
-  checks = {c["check"].split(",")[0]: c for c in result["checks"]}
-  assert len(checks) == 5
-  for name in ("accelerator_check.md", "accelerator_check.png"):
-    assert os.path.getsize(out / name) > 0
-
-
-def test_accelerator_check_records_failures_and_goes_on(quick_check):
-  out, result = quick_check
-  cumsum = [r for r in result["records"] if r["op"] == "cumsum"]
-  assert cumsum and all(_is_injected(r) for r in cumsum)
-  assert _is_injected({r["model"]: r for r in result["model"]}["lm/softmax"])
-  bf16 = {c["dtype"]: c for c in result["kernel_checks"]}["bfloat16"]
-  assert _is_injected(bf16) and bf16["holds"] is None and bf16["max_rel_error"] is None
+  assert kchecks["float32"]["holds"] and _is_injected(kchecks["bfloat16"])
+  assert kchecks["bfloat16"]["holds"] is None and kchecks["bfloat16"]["max_rel_error"] is None
+  assert len({c["check"].split(",")[0] for c in result["checks"]}) == 5
   # The targets that need a failed row say so; the others are evaluated.
   for c in result["checks"]:
     needs_failed = "cumsum" in c["check"] or c["check"].startswith("LM")
     assert (c["value"] is None) == (needs_failed or "softmax_cudnn" in c["check"]), c
     if c["value"] is None:
       assert c["holds"] is None and c["note"] == "not measured"
-  md = (out / "accelerator_check.md").read_text()
+  md = (tmp_path / "accelerator_check.md").read_text()
   assert "| cumsum | fwd | 32 | error: RuntimeError: injected failure |" in md
   assert "| lm/softmax | 32 | 1 | error: RuntimeError: injected failure |" in md
   assert "| aft_simple causal | bfloat16 | 1 | error: RuntimeError: injected failure |" in md
-  assert "LM tokens/s aft_local / softmax: not measured" in md
-  assert "Partial" not in md
+  assert "LM tokens/s aft_local / softmax: not measured" in md and "Partial" not in md
+  assert os.path.getsize(tmp_path / "accelerator_check.png") > 0
 
 
 def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
@@ -285,3 +270,20 @@ def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
   r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
+
+
+def test_quality_quick_writes_the_table_and_curves(tmp_path):
+  # Two of the five layers: every mixing layer already trains in tests/e2e/test_recipes.py, and
+  # each one here costs a train-step compilation (seconds on 2 cores).
+  mixings = ["softmax", "aft_simple"]
+  quality.main(["--quick", "--out", str(tmp_path), "--mixings", *mixings])
+  result = json.loads((tmp_path / "quality.json").read_text())
+  assert [r["mixing"] for r in result["records"]] == mixings
+  for r in result["records"]:
+    for key in ("valid_bpb", "test_bpb", "tokens_per_s", "wall_s"):
+      assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
+    assert r["num_params"] > 0 and r["steps"] == result["settings"]["num_train_steps"]
+    assert r["curve"][-1] == [r["steps"], r["valid_bpb"]]  # the curve ends at the final number
+  md = (tmp_path / "quality.md").read_text()
+  assert all(f"| {m} |" in md for m in mixings) and "| +0.0000 |" in md  # softmax: the base
+  assert os.path.getsize(tmp_path / "quality.png") > 0
