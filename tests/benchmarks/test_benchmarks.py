@@ -1,6 +1,7 @@
 """The benchmarks' quick modes run and write complete results (no timing assertions); their
 parts on made-up rows."""
 
+import itertools
 import json
 import math
 import os
@@ -45,12 +46,9 @@ def test_bench_ops_quick(tmp_path):
   names = list(bench_ops.op_table(7))
   assert sorted(result["ops"]) == sorted(names)
   got = {(r["op"], r["mode"], r["T"]): r for r in result["records"]}
-  for name in names:
-    for mode in bench_ops.MODES:
-      if name == "cumsum" and mode == "fwd_bwd":
-        continue
-      for t_len in sizes:
-        _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
+  for name, mode, t_len in itertools.product(names, bench_ops.MODES, sizes):
+    if (name, mode) != ("cumsum", "fwd_bwd"):
+      _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
   assert len(result["checks"]) == 7
 
 
@@ -75,9 +73,8 @@ def test_bench_model_quick(tmp_path):
   info = result["machine"]
   got = {(r["mixing"], r["T"]): r for r in result["records"]}
   assert set(result["mixings"]) == set(bench_model.MIXINGS)
-  for mixing in bench_model.MIXINGS:
-    for t_len in info["sizes"]:
-      _check_record(got[(mixing, t_len)], bench_model.FIELDS)
+  for key in itertools.product(bench_model.MIXINGS, info["sizes"]):
+    _check_record(got[key], bench_model.FIELDS)
   ratios = result["ratios_to_softmax"][str(info["sizes"][0])]
   assert set(ratios) == set(bench_model.MIXINGS)
   for x in ratios.values():
@@ -86,8 +83,7 @@ def test_bench_model_quick(tmp_path):
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   count = common.count_flops
-  a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-  b = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+  a, b = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
   matmul = 2 * 8 * 16 * 4
   assert count(jnp.matmul, a, b) == matmul
 
@@ -118,9 +114,10 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   assert abs(count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
-def test_accelerator_check_times_both_kernel_forms():
+def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
   """On a GPU the check has a row per kernel op and form (each traced in that form), and its
-  "Kernel forms" table names the faster form per op, mode and T from the measured rows."""
+  "Kernel forms" table names the faster form per op, mode and T from the measured rows. The LM
+  targets take the faster AFT-local and name the baseline's impl."""
   from aft_jax.ops.pallas import triton
 
   rows = accelerator_check.op_rows("pallas", "gpu")
@@ -138,6 +135,17 @@ def test_accelerator_check_times_both_kernel_forms():
   got = accelerator_check.kernel_forms(recs)
   assert [(r["T"], r["faster"]) for r in got] == [(1024, "sequential"), (4096, "chunked")]
   assert "| aft_simple | fwd | 4096 |" in "\n".join(accelerator_check._form_lines(recs))
+  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
+                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
+  models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
+  checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
+  speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
+  assert speed["value"] == pytest.approx(2.0) and speed["holds"]
+  memory = checks[
+    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
+    "softmax[cudnn]"
+  ]
+  assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
 def _raise(*args, **kwargs):
@@ -224,10 +232,9 @@ def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     accelerator_check.main(["--quick", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "accelerator_check.json").read_text())
-  assert result["complete"] is False
+  assert result["complete"] is False and result["model"] == []
   assert result["kernel_checks"] == kchecks
   assert [(r["op"], r["status"]) for r in result["records"]] == [("cumsum", "ok")]
-  assert result["model"] == []
   assert "Partial" in (tmp_path / "accelerator_check.md").read_text()
   assert not (tmp_path / "accelerator_check.png").exists()
   assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # atomic writes: no leftovers
@@ -236,9 +243,8 @@ def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
 def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   table = {"fails": (_raise, None, "linear", "raises"), "cumsum": bench_ops.op_table(7)["cumsum"]}
   kw = dict(batch=1, d=8, conv_kernel=7, repeats=1, min_seconds=0.0, max_call_s=1.0)
-  recs = bench_ops.run(
-    [8, 16], names=["fails", "cumsum"], max_temp_gib=1.0, table=table, log=lambda s: None, **kw
-  )
+  kw.update(names=["fails", "cumsum"], max_temp_gib=1.0, table=table, log=lambda s: None)
+  recs = bench_ops.run([8, 16], **kw)
   got = {(r["op"], r["mode"], r["T"]): r for r in recs}
   for mode in bench_ops.MODES:
     assert _is_injected(got[("fails", mode, 8)])
@@ -247,20 +253,6 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   assert got[("cumsum", "fwd", 16)]["status"] == "ok"  # the next op is measured
   md = bench_ops.markdown(recs, [8, 16], ["fails", "cumsum"], {"batch": 1, "d": 8})
   assert "| fails | error | skipped |" in md
-
-
-def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
-  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
-                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
-  models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
-  checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
-  speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
-  assert speed["value"] == pytest.approx(2.0) and speed["holds"]
-  memory = checks[
-    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
-    "softmax[cudnn]"
-  ]
-  assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
 def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():

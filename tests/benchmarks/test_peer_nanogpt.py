@@ -51,9 +51,9 @@ def test_nanogpt_command_and_log():
     log += f"iter {i}: loss {3 - i / 100:.4f}, time {50 + i % 3}.00ms, mfu 1%\n"
   parsed = peer.parse_nanogpt_log(log)
   assert parsed == {0: (4.6021, 812.5), 1: (2.99, 51.0), 2: (2.98, 52.0), 3: (2.97, 50.0)}
-  ms = {k: v for k, (_, v) in parsed.items()}  # a short run: the median of every step but the first
+  ms = {k: v for k, (_, v) in parsed.items()}
   assert peer.median_ms(ms, (1, 3)) == 51.5
-  assert peer.median_ms(ms, (100, 300)) == 51.0
+  assert peer.median_ms(ms, (100, 300)) == 51.0  # a short run: every step but the first
 
 
 def test_runs_alternate_and_each_aft_run_is_set_against_the_nanogpt_runs_beside_it():

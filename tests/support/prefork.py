@@ -1,17 +1,13 @@
-"""The tests' Python commands (``python SCRIPT | -m MODULE | -c CODE ...``) forked from a server
-that imported jax and the trainer once (~2.5 CPU-s per command saved).
-
-``run`` and ``popen`` stand in for ``subprocess.run`` and ``subprocess.Popen``: the forked child
-gets argv, cwd, environment, stdio, signal dispositions and a new session as a subprocess
-would, and its exit status (-N for signal N). It ends with its atexit handlers and ``os._exit``
-(``AFT_TESTS_NO_PREFORK=1``: every command a subprocess). A command the server cannot give
-(another program, an environment that differs beyond ``FORKABLE_ENV``, another keyword) runs
-as a subprocess. tests/test_suite.py compares the two.
-"""
+"""``run`` and ``popen``: ``subprocess.run`` and ``subprocess.Popen`` for the tests' Python
+commands (``python SCRIPT | -m MODULE | -c CODE``), forked from a server that imported jax and
+the trainer once (~2.5 CPU-s per command saved), with a subprocess's argv, cwd, environment,
+stdio, signals, session and exit status. Other commands (another program or environment), and
+all with ``AFT_TESTS_NO_PREFORK=1``, run as subprocesses; tests/test_suite.py compares the two."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -148,9 +144,8 @@ class Forked:
 
   def communicate(self, timeout=None):
     out = {}
-    pipes = [(k, f) for k, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f]
-    readers = [threading.Thread(target=lambda k=k, f=f: out.update({k: f.read()}), daemon=True)
-               for k, f in pipes]  # fmt: skip
+    readers = [threading.Thread(target=lambda f=f: out.update({f: f.read()}), daemon=True)
+               for f in (self.stdout, self.stderr) if f]  # fmt: skip
     for t in readers:
       t.start()
     for t in readers:
@@ -158,7 +153,7 @@ class Forked:
       if t.is_alive():
         raise subprocess.TimeoutExpired(self.args, timeout)
     self.wait(timeout)
-    return out.get("stdout"), out.get("stderr")
+    return out.get(self.stdout), out.get(self.stderr)
 
   def send_signal(self, sig) -> None:
     if self.poll() is None:  # not reaped yet: the pid is still the command's
@@ -274,10 +269,8 @@ def _become(request, fds, inherited):
     traceback.print_exc()
   finally:
     for stream in (sys.stdout, sys.stderr):
-      try:
+      with contextlib.suppress(Exception):
         stream.flush()
-      except Exception:
-        pass
     if code < 0:  # died of the signal, as Python does for an uncaught KeyboardInterrupt
       signal.signal(-code, signal.SIG_DFL)
       os.kill(os.getpid(), -code)
@@ -321,10 +314,8 @@ def serve(path: str) -> None:
         "returncode": os.waitstatus_to_exitcode(status),
         "cpu": usage.ru_utime + usage.ru_stime,
       }
-      try:
+      with contextlib.suppress(OSError):
         conn.sendall(json.dumps(done).encode() + b"\n")
-      except OSError:
-        pass
       conn.close()
 
 
