@@ -14,6 +14,7 @@ import functools
 import glob
 import importlib.util
 import io
+import itertools
 import os
 import re
 import shlex
@@ -64,22 +65,19 @@ def commands():
   for page in PAGES:
     for lineno, block, _ in blocks(page, "bash"):
       for line in block.replace("\\\n", " ").splitlines():
-        segment = []
-        for tok in _tokens(line) + [";"]:
-          if tok not in SEPARATORS:
-            segment.append(tok)
-            continue
+        for is_separator, group in itertools.groupby(_tokens(line), lambda t: t in SEPARATORS):
+          segment = list(group)
           heads = [i for i, t in enumerate(segment) if t in SCRIPTS or t in ("python", "python3")]
-          if heads:
-            i = heads[0]
-            if segment[i] in SCRIPTS:
-              prog, rest = ("entry", segment[i]), segment[i + 1 :]
-            elif segment[i + 1] == "-m":
-              prog, rest = ("module", segment[i + 2]), segment[i + 3 :]
-            else:
-              prog, rest = ("script", segment[i + 1]), segment[i + 2 :]
-            out.append((f"{page}:{lineno}: {' '.join(segment)}", prog, rest))
-          segment = []
+          if is_separator or not heads:
+            continue
+          i = heads[0]
+          if segment[i] in SCRIPTS:
+            prog, rest = ("entry", segment[i]), segment[i + 1 :]
+          elif segment[i + 1] == "-m":
+            prog, rest = ("module", segment[i + 2]), segment[i + 3 :]
+          else:
+            prog, rest = ("script", segment[i + 1]), segment[i + 2 :]
+          out.append((f"{page}:{lineno}: {' '.join(segment)}", prog, rest))
   return out
 
 
