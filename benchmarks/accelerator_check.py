@@ -1,7 +1,6 @@
 """One command that measures an accelerator: the kernels against XLA, the ops (each kernel form
 on GPUs) against cuDNN attention, and LM train steps (docs/benchmarks.md; RESULTS.md, "GPU /
-TPU": its targets). Rewrites its json and md after each section and row ("complete": false
-until the end), so a run stopped at a time limit leaves what it measured.
+TPU"). Rewrites its json and md after each row ("complete": false until the end).
 
     python -u -m benchmarks.accelerator_check --out benchmarks/results/<device>  # < 8 min, 1 GPU
     python -u -m benchmarks.accelerator_check --max_minutes 7.5 --out "$OUT/h200"  # a lent device
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 import time
 
 import jax
@@ -22,22 +20,17 @@ import numpy as np
 from aft_jax.model import MIXINGS, ModelConfig
 from benchmarks import bench_model, bench_ops, common, kernel_form
 
-# Ops with a Pallas kernel (aft_jax.ops): their rows are measured with both implementations.
-KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128")
-# On TPUs only causal AFT-simple has one (Mosaic: aft_jax/ops/pallas/mosaic_simple.py).
-TPU_KERNEL_OPS = ("aft_simple",)
+# Ops with a Pallas kernel (on TPUs only AFT-simple's): rows measured with both implementations.
+KERNEL_OPS, TPU_KERNEL_OPS = ("aft_simple", "aft_local_32", "aft_local_128"), ("aft_simple",)
 XLA_OPS = ("aft_simple", "aft_local_32", "aft_local_128", "aft_full", "aft_conv1d")
 BASELINES = ("softmax_dpa", "peer_scan_simple", "cumsum")
-# The GPU kernels' two forms (aft_jax/ops/pallas/triton.py), each timed on its own beside the
-# one impl="pallas" chooses: the rows "<op>/pallas[<form>]", compared in "Kernel forms".
+# The GPU kernels' two forms (ops/pallas/triton.py), each timed beside impl="pallas"'s choice.
 KERNEL_FORMS = ("sequential", "chunked")
 # Arrays of [B, T, D] a row must read or write at least once: q, k, v, out; + ct, dq, dk, dv.
 MIN_ARRAYS = {"fwd": 4, "fwd_bwd": 7}
 # The WikiText-103 small recipe's model (configs/wikitext103.py), word-level vocabulary.
 RECIPE = dict(vocab_size=267735, num_layers=16, d_model=128, num_heads=8, mlp_dim=2048)
 RECIPE.update(max_len=256, adaptive_cutoffs=(20000, 40000, 200000))
-
-
 _cudnn = functools.partial(bench_ops._softmax_dpa, implementation="cudnn")
 
 
@@ -150,7 +143,7 @@ def model_rows(a, peak, deadline, log, on_row=lambda records: None):
     cases.append((f"wikitext103_small/{m}", cfg, a.recipe_batch, cfg.max_len))
   records = []
   for name, cfg, batch, t_len in cases:
-    rec = {"model": name, "T": t_len, "batch": batch, "layers": cfg.num_layers, "d": cfg.d_model}
+    rec = dict(model=name, T=t_len, batch=batch, layers=cfg.num_layers, d=cfg.d_model)
     rec["impl"] = cfg.impl
     if time.time() > deadline:
       rec.update(common.skipped("--max_minutes reached"))
@@ -171,11 +164,9 @@ def target_checks(op_recs, model_recs):
   out = []
 
   def check(what, num, den, field, target, holds):
-    value = (
-      num[field] / den[field] if num and den and None not in (num[field], den[field]) else None
-    )
-    out.append(common.check(what, value, target, holds))
-    if value is None:
+    measured = num and den and None not in (num[field], den[field])
+    out.append(common.check(what, num[field] / den[field] if measured else None, target, holds))
+    if not measured:
       out[-1]["note"] = "not measured"
 
   op = lambda name, mode, t: common.find(op_recs, op=name, mode=mode, T=t)
@@ -203,8 +194,7 @@ def target_checks(op_recs, model_recs):
   return out
 
 
-def _why(r) -> str:
-  """A row's status and reason, as one table cell."""
+def _why(r) -> str:  # a row's status and reason, as one table cell
   return f"{r.get('status')}: " + " ".join(str(r.get("reason", "")).split()).replace("|", "/")
 
 
@@ -235,12 +225,10 @@ def kernel_forms(op_recs) -> list[dict]:
   """Per kernel op, mode and T where both forms were measured: their times and the faster
   one (what ``triton.plan_for`` should choose there)."""
   out = []
-  for op, mode, t_len in sorted(
-    {(r["op"].split("/")[0], r["mode"], r["T"]) for r in op_recs if "/pallas[" in r["op"]}
-  ):
-    got = {
-      f: common.find(op_recs, op=f"{op}/pallas[{f}]", mode=mode, T=t_len) for f in KERNEL_FORMS
-    }
+  measured = {(r["op"].split("/")[0], r["mode"], r["T"]) for r in op_recs if "/pallas[" in r["op"]}
+  for op, mode, t_len in sorted(measured):
+    find = lambda form: common.find(op_recs, op=f"{op}/pallas[{form}]", mode=mode, T=t_len)
+    got = {form: find(form) for form in KERNEL_FORMS}
     if all(got.values()):
       times = {f: r["time_s"] for f, r in got.items()}
       out.append({"op": op, "mode": mode, "T": t_len, **times, "faster": min(times, key=times.get)})
@@ -248,15 +236,11 @@ def kernel_forms(op_recs) -> list[dict]:
 
 
 def _form_lines(op_recs) -> list[str]:
-  rows = [
-    (r["op"], r["mode"], r["T"], *(common.fmt_time(r[f]) for f in KERNEL_FORMS), r["faster"])
-    for r in kernel_forms(op_recs)
-  ]
-  if not rows:
-    return []
-  head = ("op", "mode", "T", *KERNEL_FORMS, "faster")
+  rows = [(r["op"], r["mode"], r["T"], *(common.fmt_time(r[f]) for f in KERNEL_FORMS), r["faster"])
+          for r in kernel_forms(op_recs)]  # fmt: skip
   title = "\n## Kernel forms (GPU: sequential vs chunk-parallel, `aft_jax/ops/pallas/triton.py`)\n"
-  return [title, *common.table(head, rows, "llrrrl")]
+  head = ("op", "mode", "T", *KERNEL_FORMS, "faster")
+  return [title, *common.table(head, rows, "llrrrl")] if rows else []
 
 
 def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=()):
@@ -302,8 +286,6 @@ def markdown(info, op_recs, model_recs, kchecks, tchecks, complete=True, errors=
 # Rows the targets need, measured first so that a time limit cuts the others.
 TARGET_ROWS = ("softmax_cudnn", "aft_simple/pallas", "aft_local_32/pallas", "cumsum")
 OPS_SHARE = 0.6  # the op rows stop at this share of --max_minutes: the model rows hold targets
-
-
 # The sizes: ops (T, d, batch, dtype), the LM and the recipe's batch, timing.
 QUICK = dict(sizes=[32], d=32, batch=1, dtype="float32", layers=1, d_model=32, heads=4, vocab=128,
              model_t=32, recipe_batch=2, repeats=2, min_seconds=0.0, max_call_s=2.0)  # fmt: skip
@@ -320,18 +302,17 @@ def main(argv=None):
   p.add_argument("--max_minutes", type=float, default=7.5, help=help)
   a = p.parse_args(argv)
   vars(a).update(QUICK if a.quick else FULL)
-  if a.quick and dev.platform == "tpu":
+  platform = dev.platform
+  if a.quick and platform == "tpu":
     a.d = 128  # the TPU kernel tiles 128
   t0 = time.time()
   deadline = t0 + 60 * a.max_minutes
-  platform = dev.platform
   kernel_impl = kernel_impl_for(platform)
   chip = dev.device_kind if platform != "cpu" else ""  # no peaks for a CPU
   peak_tflops, peak_gbps = common.peaks(chip)
-  info = common.machine_info()
+  info = common.machine_info("python -m benchmarks.accelerator_check", argv)
   info.update({k: v for k, v in vars(a).items() if k != "out"})
   info.update(kernel_impl=kernel_impl, peak_hbm_gbps=peak_gbps, peak_bf16_tflops=peak_tflops)
-  info["command"] = " ".join(["python -m benchmarks.accelerator_check"] + (argv or sys.argv[1:]))
   log = functools.partial(print, flush=True)  # a killed run keeps its log up to the kill
   result = dict(machine=info, complete=False, errors=[], kernel_checks=[], ops={}, records=[],
                 model=[], checks=[])  # fmt: skip
@@ -341,7 +322,7 @@ def main(argv=None):
     try:
       result["checks"] = target_checks(result["records"], result["model"])
       parts = ("records", "model", "kernel_checks", "checks", "complete", "errors")
-      md = markdown(info, *(result[k] for k in parts))
+      md = markdown(info, *map(result.get, parts))
     except Exception as e:  # pylint: disable=broad-except  # the JSON has the rows anyway
       why = common.error(e)["reason"]
       md = f"# Accelerator check\n\nThe summary failed ({why}): see the JSON.\n"

@@ -56,11 +56,9 @@ def _table(records, trees) -> str:
   from benchmarks import common
 
   before, after = trees
-  lines = [
-    "| op, batch, T | before | after | after / before | strong scan | scan / after "
-    "| temp before / after / scan |",
-    "|---|---:|---:|---:|---:|---:|---:|",
-  ]
+  head = ("op, batch, T", "before", "after", "after / before", "strong scan", "scan / after",
+          "temp before / after / scan")  # fmt: skip
+  lines = common.table(head, [], "l" + "r" * 6)
   get = lambda rec, f: rec.get(f) if rec.get("status") == "ok" else None
   for r in records:
     b, t = r[before], r[after]
@@ -83,10 +81,8 @@ def main(argv=None):
   p.add_argument("--before", help="the other source tree (e.g. a git worktree of a commit)")
   p.add_argument("--after", default=HERE, help="default: this tree")
   p.add_argument("--d", type=int, default=512)
-  p.add_argument("--worker", help=argparse.SUPPRESS)
-  p.add_argument("--op", help=argparse.SUPPRESS)
-  p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-  p.add_argument("--t", type=int, help=argparse.SUPPRESS)
+  for flag, kind in (("--worker", str), ("--op", str), ("--batch", int), ("--t", int)):
+    p.add_argument(flag, type=kind, help=argparse.SUPPRESS)  # a worker's row
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--min_seconds", type=float, default=1.0)
   a = p.parse_args(argv)
@@ -103,9 +99,7 @@ def main(argv=None):
   if a.quick:
     a.d, a.repeats, a.min_seconds = 32, 2, 0.0
   trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
-  info = common.machine_info()
-  info.update(trees=trees, d=a.d)
-  info["command"] = " ".join(["python -m benchmarks.before_after"] + (argv or sys.argv[1:]))
+  info = dict(common.machine_info("python -m benchmarks.before_after", argv), trees=trees, d=a.d)
 
   def run():
     records, peers = [], {}

@@ -9,7 +9,6 @@ on accelerators, MFU (docs/benchmarks.md; RESULTS.md, "Train step").
 
 from __future__ import annotations
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,14 +77,10 @@ def measure_step(
   kw = dict(compiled=_Chained(compiled, args), compile_s=compile_s, budget_s=max_step_s)
   m = common.measure(step, args, repeats=repeats, min_seconds=min_seconds, **kw)
   n_tok, flops = batch * t_len, m["flops"]
-  return dict(
-    status="ok",
-    **m,
-    tokens_per_s=n_tok / m["time_s"],
-    flops_per_token=None if flops is None else flops / n_tok,
-    params=n_params,
-    mfu=None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12),
-  )
+  mfu = None if (peak is None or flops is None) else flops / m["time_s"] / (peak * 1e12)
+  per_token = None if flops is None else flops / n_tok
+  return dict(status="ok", **m, tokens_per_s=n_tok / m["time_s"], flops_per_token=per_token,
+              params=n_params, mfu=mfu)  # fmt: skip
 
 
 def run(a, sizes, mixings, dtype, max_step_s, log=print):
@@ -117,13 +112,11 @@ def ratios(records, t_len):
 
 
 def markdown(records, sizes, mixings, info):
-  lines = [
-    f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
-    f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
-    "| mixing | T | step time | tokens/s | FLOPs/token | temp memory | args memory "
-    "| program memory | MFU |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
+  head = ("mixing", "T", "step time", "tokens/s", "FLOPs/token", "temp memory", "args memory",
+          "program memory", "MFU")  # fmt: skip
+  lines = [f"\n**Training step** ({info['layers']} layers, d {info['d_model']}, batch "
+           f"{info['batch']}, vocab {info['vocab']}, {info['dtype']})\n",
+           *common.table(head, [], "lr" + "r" * 7)]  # fmt: skip
   for mixing in mixings:
     for t_len in sizes:
       r = [x for x in records if x["mixing"] == mixing and x["T"] == t_len][0]
@@ -139,13 +132,10 @@ def markdown(records, sizes, mixings, info):
     rat = ratios(records, t_len)
     if not rat:
       continue
-    lines += [
-      f"\n**Ratios to the softmax Transformer at T = {t_len}**\n",
-      "| mixing | FLOPs/token | temp memory | temp + args memory | step time |",
-      "|---|---:|---:|---:|---:|",
-    ]
-    for mixing, x in rat.items():
-      lines.append(f"| {mixing} | " + " | ".join(f"{v:.2f}x" for v in x.values()) + " |")
+    head = ("mixing", "FLOPs/token", "temp memory", "temp + args memory", "step time")
+    rows = [(mixing, *(f"{v:.2f}x" for v in x.values())) for mixing, x in rat.items()]
+    lines += [f"\n**Ratios to the softmax Transformer at T = {t_len}**\n"]
+    lines += common.table(head, rows, "lrrrr")
   return "\n".join(lines) + "\n"
 
 
@@ -180,27 +170,21 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.quick:
     sizes = a.sizes or [32, 64]
-    a.layers, a.d_model, a.heads, a.vocab, a.repeats = 1, 32, 4, 128, 2
-    a.min_seconds = 0.0
+    a.layers, a.d_model, a.heads, a.vocab, a.repeats, a.min_seconds = 1, 32, 4, 128, 2, 0.0
     a.window, a.kernel_size = min(a.window, 16), min(a.kernel_size, 7)
     max_step_s = a.max_step_s or 2.0
   else:
     sizes = a.sizes or [1024, 4096]
     max_step_s = a.max_step_s or (30.0 if on_cpu else 5.0)
   mixings = a.mixings or list(MIXINGS)
-  info = common.machine_info()
+  info = common.machine_info("python -m benchmarks.bench_model", argv)
   settings = ("layers", "d_model", "heads", "vocab", "batch", "window", "kernel_size", "dtype")
   info.update({k: getattr(a, k) for k in settings})
   info.update(sizes=sizes, quick=a.quick, max_step_s=max_step_s)
   info["peak_bf16_tflops"] = common.peaks(jax.devices()[0].device_kind)[0]
-  info["command"] = " ".join(["python -m benchmarks.bench_model"] + (argv or sys.argv[1:]))
   records = common.timed_run(info, lambda: run(a, sizes, mixings, jnp.dtype(a.dtype), max_step_s))
-  result = {
-    "machine": info,
-    "mixings": mixings,
-    "records": records,
-    "ratios_to_softmax": {str(t): ratios(records, t) for t in sizes},
-  }
+  result = dict(machine=info, mixings=mixings, records=records)
+  result["ratios_to_softmax"] = {str(t): ratios(records, t) for t in sizes}
   md = markdown(records, sizes, mixings, info)
   common.write_outputs(a.out, "bench_model", result, md, lambda path: plot(records, mixings, path))
 

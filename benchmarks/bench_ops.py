@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,24 +37,21 @@ def _softmax_einsum(q, k, v):
 def _softmax_dpa(q, k, v, implementation=None):
   b, t, d = q.shape
   split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
-  out = jax.nn.dot_product_attention(
-    split(q), split(k), split(v), is_causal=True, implementation=implementation
-  )
+  out = jax.nn.dot_product_attention(*map(split, (q, k, v)), is_causal=True,
+                                     implementation=implementation)  # fmt: skip
   return out.reshape(b, t, d)
 
 
-def _conv1d(q, k, v, kernel, impl="auto"):
+def _conv1d(q, k, v, kernel, impl="auto"):  # one key per head (its first channel), as AFT-conv
   b, t, d = q.shape
   split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
-  # One key per head (the head's first channel), as in AFT-conv.
   out = ops.aft_conv1d(split(q), split(k)[..., 0], split(v), kernel, causal=True, impl=impl)
   return out.reshape(b, t, d)
 
 
 def _dense_aft(q, k, v, w, window: int):
-  """Causal AFT-local/full the way the PyTorch implementations write it: dense [T, T] exp(w)
-  matrix products, num = exp(w) @ (exp(k) v), den = exp(w) @ exp(k) (one shift per row of w
-  and per channel of k, so not exact for large logits)."""
+  """Causal AFT-local/full as the PyTorch implementations write it: num = exp(w) @ (exp(k) v),
+  den = exp(w) @ exp(k), dense [T, T] (one shift per row of w and channel of k: not exact)."""
   t = q.shape[-2]
   idx = jnp.arange(t)
   w = jnp.where(jnp.abs(idx[:, None] - idx[None, :]) < window, w, 0.0)
@@ -68,10 +64,9 @@ def _dense_aft(q, k, v, w, window: int):
 
 
 def scan_simple(q, k, v):
-  """Causal AFT-simple as the strongest ten-line recurrence a JAX user would write (how JAX
-  ports of RWKV write WKV): ``jax.lax.scan`` over T carrying a ``(max, num, den)`` tuple of
-  ``[D]`` arrays, vmapped over the batch; q, k, v ``[B, T, D]``. Exact in any float dtype.
-  (Stacking num and den into one ``[2, B, D]`` array every step is several times slower.)"""
+  """Causal AFT-simple as the strongest short recurrence a JAX user would write (as JAX ports of
+  RWKV write WKV): ``lax.scan`` over T carrying ``(max, num, den)`` ``[D]`` arrays, vmapped over
+  the batch; exact in any float dtype (num and den stacked each step: several times slower)."""
 
   def one_row(k, v):  # [T, D]
     def step(carry, kv):
@@ -181,10 +176,8 @@ def checks(records):
                    "<= ~5", lambda x: x <= 5.0),
     ]  # fmt: skip
   fr = ratio(get("aft_simple", "fwd", 4096), get("cumsum", "fwd", 4096), "time_s")
-  out.append(
-    common.check("aft_simple fwd time / cumsum floor at T=4096", fr, "<= 2", lambda x: x <= 2.0)
-  )
-  return out
+  floor = common.check("aft_simple fwd time / cumsum floor at T=4096", fr, "<= 2", lambda x: x <= 2)
+  return out + [floor]
 
 
 def markdown(records, sizes, names, info):
@@ -197,15 +190,12 @@ def markdown(records, sizes, names, info):
       ("flops", "FLOPs (loops counted per trip)", common.fmt_flops),
     ):
       lines.append(f"\n**{title}, {label}** (batch {info['batch']}, d {info['d']}, causal)\n")
-      lines.append("| op | " + " | ".join(f"T={t}" for t in sizes) + " |")
-      lines.append("|---|" + "---:|" * len(sizes))
-      for name in names:
-        if name == "cumsum" and mode == "fwd_bwd":
-          continue
-        cells = [by.get((name, mode, t), {}) for t in sizes]
-        # "skipped" or "error" (the JSON says why)
-        cells = [fmt(r[field]) if r.get("status") == "ok" else r.get("status", "") for r in cells]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+      rows = []
+      for name in (n for n in names if (n, mode) != ("cumsum", "fwd_bwd")):
+        cells = [by.get((name, mode, t), {}) for t in sizes]  # else "skipped" or "error"
+        rows.append([name] + [fmt(r[field]) if r.get("status") == "ok" else r.get("status", "")
+                              for r in cells])  # fmt: skip
+      lines += common.table(["op", *(f"T={t}" for t in sizes)], rows, "l" + "r" * len(sizes))
   return "\n".join(lines) + "\n"
 
 
@@ -250,19 +240,14 @@ def main(argv=None):
     max_call_s = a.max_call_s or (15.0 if on_cpu else 2.0)
   table = op_table(a.conv_kernel)
   names = a.ops or list(table)
-  info = common.machine_info()
+  info = common.machine_info("python -m benchmarks.bench_ops", argv)
   info.update(batch=a.batch, d=a.d, heads=HEADS, conv_kernel=a.conv_kernel, sizes=sizes)
   info.update(quick=a.quick, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
-  info["command"] = " ".join(["python -m benchmarks.bench_ops"] + (argv or sys.argv[1:]))
   kw = dict(batch=a.batch, d=a.d, conv_kernel=a.conv_kernel, names=names, repeats=a.repeats)
   kw.update(min_seconds=a.min_seconds, max_call_s=max_call_s, max_temp_gib=a.max_temp_gib)
   records = common.timed_run(info, lambda: run(sizes, **kw))
-  result = {
-    "machine": info,
-    "ops": {n: table[n][3] for n in names},
-    "records": records,
-    "checks": checks(records),
-  }
+  ops_run = {n: table[n][3] for n in names}
+  result = dict(machine=info, ops=ops_run, records=records, checks=checks(records))
   md = markdown(records, sizes, names, info)
   md += "\n" + "\n".join(common.check_line(c) for c in result["checks"]) + "\n"
   common.write_outputs(a.out, "bench_ops", result, md, lambda path: plot(records, names, path))

@@ -5,6 +5,7 @@ and the results writer (json + md [+ png]). How they measure: docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ ERROR = "error"
 
 
 def peaks(device_kind: str) -> tuple[float | None, float | None]:
-  """(peak bf16 TFLOP/s, peak HBM GB/s) of a chip (``PEAKS``), or (None, None)."""
+  """(peak bf16 TFLOP/s, peak HBM GB/s) of a chip, or (None, None)."""
   return next((p[1:] for p in PEAKS if p[0].lower() in device_kind.lower()), (None, None))
 
 
@@ -55,11 +56,15 @@ def timed_run(info: dict, fn: Callable):
   return out
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(command: str | None = None, argv=None) -> dict[str, Any]:
+  """The machine, jax and the time; given ``command`` (``python -m MODULE``), the command line
+  with ``argv`` (default: this process's)."""
   dev = jax.devices()[0]
   info = dict(platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count())
   info.update(jax_version=jax.__version__, python=platform.python_version())
   info.update(cpu_count=os.cpu_count(), machine=platform.machine())
+  if command:
+    info["command"] = " ".join([command] + (argv or sys.argv[1:]))
   return dict(info, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
@@ -67,34 +72,26 @@ def compiled_stats(compiled) -> dict[str, float | None]:
   """XLA's FLOP count (loop bodies counted once), temp and argument bytes, and program bytes:
   arguments + outputs + temp - aliased (donated), the most memory the program holds at once."""
   out = {"xla_flops": None, "temp_bytes": None, "argument_bytes": None, "program_bytes": None}
-  try:
+  with contextlib.suppress(Exception):  # pylint: disable=broad-except
     cost = compiled.cost_analysis()  # a list with one dict per program in old jax
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else cost or {}
     out["xla_flops"] = float(cost.get("flops", math.nan))
-  except Exception:  # pylint: disable=broad-except
-    pass
-  try:
+  with contextlib.suppress(Exception):  # pylint: disable=broad-except
     mem = compiled.memory_analysis()
     out["temp_bytes"] = float(mem.temp_size_in_bytes)
     out["argument_bytes"] = float(mem.argument_size_in_bytes)
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
     out["program_bytes"] = float(total - mem.alias_size_in_bytes)
-  except Exception:  # pylint: disable=broad-except
-    pass
   return out
 
 
 def peak_device_bytes() -> float | None:
   """The device's peak memory counter (accelerators): a maximum over the process' life."""
   try:
-    stats = jax.devices()[0].memory_stats()
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
   except Exception:  # pylint: disable=broad-except
     return None
-  return float(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
-
-
-def _block(x):
-  return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+  return None if peak is None else float(peak)
 
 
 def compile_fn(fn: Callable, args: tuple, donate_argnums=()):
@@ -118,24 +115,18 @@ def measure(
     compiled, compile_s = compile_fn(fn, args)
   stats = compiled_stats(compiled)
   stats["flops"] = count_flops(fn, *args)
-  _block(compiled(*args))  # warm-up
+  jax.block_until_ready(compiled(*args))  # warm-up
   times = []
   for i in range(max_repeats):
     if i >= repeats and sum(times) >= min_seconds:
       break
     t = time.perf_counter()
-    _block(compiled(*args))
+    jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t)
     if i + 1 >= min_repeats and sum(times) > max_seconds:
       break
-  return {
-    "time_s": statistics.median(times),
-    "time_min_s": min(times),
-    "repeats": len(times),
-    "compile_s": compile_s,
-    **stats,
-    "peak_bytes": peak_device_bytes(),
-  }
+  out = dict(time_s=statistics.median(times), time_min_s=min(times), repeats=len(times))
+  return dict(out, compile_s=compile_s, **stats, peak_bytes=peak_device_bytes())
 
 
 def wall_times(fn: Callable, n: int) -> list[float]:
@@ -158,32 +149,21 @@ def train(config, workdir: str):
   return train_lib.train_and_evaluate(config, workdir), time.perf_counter() - start
 
 
-def budget_exceeded(
-  last, t_len: int, cost_class: str, budget_s: float, what: str, flag: str
-) -> str | None:
-  """Why size ``t_len`` is skipped, or None: the last measured ``(T, seconds)`` extrapolated
-  (x2 per doubling of T when 'linear', x4 when 'quadratic') exceeds ``budget_s``."""
-  if last is None:
-    return None
-  est = last[1] * (4.0 if cost_class == "quadratic" else 2.0) ** math.log2(t_len / last[0])
-  if est <= budget_s:
-    return None
-  return (
-    f"estimated {est:.1f} s per {what} (from {last[1]:.2f} s at T={last[0]}, "
-    f"{cost_class} in T) > {flag} {budget_s}"
-  )
-
-
 def sweep(sizes, base: dict, cost_class: str, budget_s, what: str, measure_one, log=print):
   """A record ``dict(base, T=t)`` per size: ``measure_one(t)`` (a dict with ``time_s``, or why
-  the larger sizes are skipped), or skipped once the last time extrapolated is over ``budget_s``
-  (``--max_{what}_s``), or an error, after which the larger sizes are skipped."""
+  the larger sizes are skipped), or skipped once the last time extrapolated (x2 per doubling of
+  T when 'linear', x4 when 'quadratic') is over ``budget_s`` (``--max_{what}_s``), or an error,
+  after which the larger sizes are skipped."""
   records, last, stop = [], None, None
   for t_len in sizes:
     rec = dict(base, T=t_len)
     records.append(rec)
     where = " ".join(str(base[k]) for k in ("op", "mode", "mixing") if k in base)
-    stop = stop or budget_exceeded(last, t_len, cost_class, budget_s, what, f"--max_{what}_s")
+    if stop is None and last is not None:
+      est = last[1] * (4.0 if cost_class == "quadratic" else 2.0) ** math.log2(t_len / last[0])
+      if est > budget_s:
+        stop = (f"estimated {est:.1f} s per {what} (from {last[1]:.2f} s at T={last[0]}, "
+                f"{cost_class} in T) > --max_{what}_s {budget_s}")  # fmt: skip
     if stop is None:
       try:
         m = measure_one(t_len)
@@ -227,7 +207,7 @@ def check(what: str, value, target: str, holds: Callable) -> dict:
   return {"check": what, "value": value, "target": target, "holds": holds}
 
 
-def check_line(c) -> str:
+def check_line(c) -> str:  # a target's line in a results page
   value = "-" if c["value"] is None else f"{c['value']:.3g}"
   verdict = "n/a" if c["holds"] is None else ("holds" if c["holds"] else "FAILS")
   return f"- {c['check']}: {value} (target {c['target']}: {verdict})"
@@ -295,8 +275,7 @@ def table(head, rows, align: str) -> list[str]:
 
 
 def parser(doc: str, quick: str | None = None, out="benchmarks/results"):
-  """A benchmark's argument parser: its docstring's first line, --out and (given its help)
-  --quick."""
+  """A benchmark's argument parser: its docstring's first line, --out and (with help) --quick."""
   p = argparse.ArgumentParser(description=doc.split("\n")[0])
   p.add_argument("--out", default=out)
   if quick:
@@ -321,13 +300,13 @@ def write_outputs(
   files.atomic_write(os.path.join(out, f"{name}.md"), md)
   if plot_fn is None if partial is None else partial:
     print(f"wrote {out}/{name}.{{json,md}} (so far)", flush=True)
-    return
-  print(md)
-  if plot_fn is None:
-    return
-  with files.atomic_path(os.path.join(out, f"{name}.png"), suffix=".png") as tmp:
-    plot_fn(tmp)
-  print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")
+  elif plot_fn is None:
+    print(md)
+  else:
+    print(md)
+    with files.atomic_path(os.path.join(out, f"{name}.png"), suffix=".png") as tmp:
+      plot_fn(tmp)
+    print(f"wrote {out}/{name}.{{json,md,png}} in {result['machine']['wall_s']:.0f} s")
 
 
 def log_log_figure(ncols: int, figsize, ylabels, path: str, draw, legend_fontsize: int = 8):
@@ -341,9 +320,7 @@ def log_log_figure(ncols: int, figsize, ylabels, path: str, draw, legend_fontsiz
   draw(plt, axes)
   for ax, ylabel in zip(axes, ylabels):
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel(ylabel)
+    ax.set(yscale="log", xlabel="sequence length T", ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=legend_fontsize)
   fig.tight_layout()
@@ -352,13 +329,11 @@ def log_log_figure(ncols: int, figsize, ylabels, path: str, draw, legend_fontsiz
 
 
 # --------------------------------------------------------------------------- FLOPs
-# XLA's cost_analysis counts a while loop's body once, whatever its trip count; this counts on
-# the jaxpr: a scan costs its length times its body, a cond its first branch (aft_jax's fast
-# path, the false branch of lax.cond(recompute, exact, fast)), calls their bodies; a dot 2 x
-# output x contracted size, elementwise ops (exp, log included) 1 per output element, reductions
-# and cumulative ops 1 per input element, data movement nothing, and a slice's cotangent added
-# into a loop's accumulator (add_any of a dynamic_update_slice of zeros) the slice's size, as
-# XLA runs it in place. Loop-free programs: XLA's count within a few percent (tested).
+# XLA's cost_analysis counts a loop's body once; this counts on the jaxpr: a scan its length
+# times its body, a cond its first branch (aft_jax's fast path), calls their bodies; a dot 2 x
+# output x contracted size, elementwise ops 1 per output element, reductions and cumulative ops
+# 1 per input element, data movement nothing, and a slice's cotangent added into a loop's
+# accumulator the slice's size, as XLA runs it in place (loop-free: XLA's count, tested).
 
 ELEMENTWISE = frozenset(
   """abs add add_any and atan2 cbrt ceil clamp cos div eq erf erf_inv erfc exp exp2 expm1 floor

@@ -20,15 +20,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_JSON = os.path.join(ROOT, "benchmarks", "results", "context_memory.json")
 RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 DEVICES = 8
-ROWS = [
-  (m, t, n) for m in ("aft_simple", "aft_local") for t in (65536, 262144) for n in (1, 2, 4, 8)
-]
-ROWS += [(m, 1048576, 8) for m in ("aft_simple", "aft_local")]
+MIXINGS = ("aft_simple", "aft_local")
+ROWS = [(m, t, n) for m in MIXINGS for t in (65536, 262144) for n in (1, 2, 4, 8)]
+ROWS += [(m, 1048576, 8) for m in MIXINGS]
 START, END = "<!-- context_memory:start -->", "<!-- context_memory:end -->"
 
 
-def _config(mixing: str, t_len: int, n: int):
+def _trainer(mixing: str, t_len: int, n: int):
+  """The trainer of a 2 x 128 byte-level LM at T = ``t_len``, T split over ``n`` CPU devices."""
+  import jax
+
+  from aft_jax import sharding
+  from aft_jax.trainer import train_lib
   from aft_jax.trainer.default_config import get_config
+  from aft_jax.trainer.run_config import RunConfig
 
   c = get_config()
   c.data.tokenizer = "byte"
@@ -37,21 +42,15 @@ def _config(mixing: str, t_len: int, n: int):
   m.max_len, m.window, m.factor_dim, m.dropout_rate = t_len, 128, 64, 0.0
   c.seq_len, c.batch_size, c.eval_batch_size = t_len, 1, 1
   c.mesh.data, c.mesh.sequence = 1, n
-  return c
+  cfg = RunConfig.from_tree(c).with_vocab(256)
+  return train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:n]))
 
 
 def row(mixing: str, t_len: int, n: int) -> dict:
   """One row: the train step of ``mixing`` at T = ``t_len`` compiled for ``n`` CPU devices."""
-  import jax
-
-  from aft_jax import sharding
-  from aft_jax.trainer import train_lib
   from aft_jax.trainer.dry_run import StepMemory
-  from aft_jax.trainer.run_config import RunConfig
 
-  cfg = RunConfig.from_tree(_config(mixing, t_len, n)).with_vocab(256)
-  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:n])
-  trainer = train_lib.Trainer(cfg, mesh)
+  trainer = _trainer(mixing, t_len, n)
   start = time.perf_counter()
   mem = StepMemory.of(trainer.lower_train_step().compile())
   out = dict(mixing=mixing, T=t_len, sequence=n, temp=mem.temp, arguments=mem.argument)
@@ -64,14 +63,9 @@ def step(mixing: str, seq_len: int, seed: int = 0) -> dict:
   import jax
   import numpy as np
 
-  from aft_jax import sharding
-  from aft_jax.trainer import train_lib
-  from aft_jax.trainer.run_config import RunConfig
-
-  cfg = RunConfig.from_tree(_config(mixing, seq_len, 1)).with_vocab(256)
-  trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  trainer = _trainer(mixing, seq_len, 1)
   rng = np.random.default_rng(seed)
-  specs = trainer.specs(cfg.train.batch_size).items()
+  specs = trainer.specs(trainer.config.train.batch_size).items()
   batch = {name: rng.integers(0, 256, spec.shape).astype(spec.dtype) for name, spec in specs}
   state, times = trainer.init_state(seed), []
   for i in range(2):
@@ -95,10 +89,8 @@ def table(rows: list[dict]) -> str:
   counts = sorted({r["sequence"] for r in rows})
   keys = list(dict.fromkeys((r["mixing"], r["T"]) for r in rows))
   at = {(r["mixing"], r["T"], r["sequence"]): r for r in rows}
-  out = [
-    "| mixing | T | " + " | ".join(f"sequence = {n}" for n in counts) + " | arguments |",
-    "|---|---:|" + "---:|" * (len(counts) + 1),
-  ]
+  out = ["| mixing | T | " + " | ".join(f"sequence = {n}" for n in counts) + " | arguments |"]
+  out.append("|---|---:|" + "---:|" * (len(counts) + 1))
   for mixing, t_len in keys:
     one = at.get((mixing, t_len, 1), {}).get("temp")
     cells, args = [], []
@@ -130,13 +122,15 @@ def write_results(rows: list[dict]) -> None:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--step", action="store_true", help="one real step on one device instead")
-  p.add_argument("--mixing", default="aft_simple", choices=("aft_simple", "aft_local"))
+  p.add_argument("--mixing", default="aft_simple", choices=MIXINGS)
   p.add_argument("--seq_len", type=int, default=262144)
   a = p.parse_args(argv)
   if a.step:
     print(json.dumps(step(a.mixing, a.seq_len)), flush=True)
     return
   import jax
+
+  from aft_jax import files
 
   if jax.device_count() < DEVICES:
     sys.exit(f"context_memory: needs {DEVICES} CPU devices; run it as a module (it sets them)")
@@ -151,8 +145,6 @@ def main(argv=None) -> None:
       r = {"mixing": mixing, "T": t_len, "sequence": n, "error": f"error({type(e).__name__})"}
     print(json.dumps(r), flush=True)
     rows.append(r)
-    from aft_jax import files
-
     files.atomic_write_json(OUT_JSON, rows, indent=1)
   order = {key: i for i, key in enumerate(ROWS)}
   rows.sort(key=lambda r: order.get((r["mixing"], r["T"], r["sequence"]), len(order)))

@@ -23,12 +23,9 @@ OUT_JSON = os.path.join(ROOT, "benchmarks", "results", "fit_table.json")
 OUT_MD = os.path.join(ROOT, "docs", "what_fits.md")
 MIXINGS = ("aft_local", "aft_simple", "aft_full", "aft_conv1d", "softmax")
 # The 12 x 512 enwik8 size only for the paper's two rows at that size (Table 4).
-RECIPES = (
-  ["quickstart"]
-  + [f"enwik8:{m}" for m in MIXINGS]
-  + [f"enwik8:{m},12x512" for m in ("aft_local", "softmax")]
-  + [f"wikitext103:{m}" for m in MIXINGS]
-)
+RECIPES = ["quickstart", *(f"enwik8:{m}" for m in MIXINGS)]
+RECIPES += [f"enwik8:{m},12x512" for m in ("aft_local", "softmax")]
+RECIPES += [f"wikitext103:{m}" for m in MIXINGS]
 TARGETS = [t.name for t in deviceless.TARGETS.values() if t.kind != "cpu"]
 DEVICES = (1, 8)
 
@@ -73,8 +70,8 @@ def compile_rows(kind: str) -> None:
         row["seconds"] = round(time.time() - start, 1)
         print(json.dumps(row), flush=True)
         rows = [r for r in _load() if _row_key(r) != _row_key(row)] + [row]
-        jax_version = importlib.metadata.version("jax")
-        files.atomic_write_json(OUT_JSON, {"rows": rows, "jax_version": jax_version})
+        version = importlib.metadata.version("jax")
+        files.atomic_write_json(OUT_JSON, {"rows": rows, "jax_version": version})
 
 
 def _cell(row) -> str:
@@ -85,8 +82,7 @@ def _cell(row) -> str:
     return f">{float(refused.group(1)):.0f} ✗"
   if "error" in row:
     return "error"
-  gib = row["train_bytes"] / 2**30
-  return f"{gib:.1f} {'✓' if row['fits'] else '✗'}"
+  return f"{row['train_bytes'] / 2**30:.1f} {'✓' if row['fits'] else '✗'}"
 
 
 def render() -> str:
@@ -98,12 +94,8 @@ def render() -> str:
     cells = [_cell(rows.get((recipe, t, n))) for t in TARGETS for n in DEVICES]
     lines.append(f"| `{recipe}` | " + " | ".join(cells) + " |")
   errors = [r for r in rows.values() if "error" in r and "RESOURCE_EXHAUSTED" not in r["error"]]
-  tail = [""]
-  if errors:
-    tail += ["Rows that did not compile:", ""]
-    tail += [
-      f"- `{r['recipe']}` on {r['target']} x{r['num_devices']}: {r['error']}" for r in errors
-    ]
+  tail = ["", "Rows that did not compile:", ""] if errors else [""]
+  tail += [f"- `{r['recipe']}` on {r['target']} x{r['num_devices']}: {r['error']}" for r in errors]
   return head + "\n".join(lines + tail) + "\n"
 
 

@@ -1,20 +1,16 @@
 """Registers, spills and shared memory of every Pallas GPU kernel configuration, per GPU
-architecture, compiled on this machine without a GPU (docs/kernels.md, "Kernel resources";
-RESULTS.md, "Kernel resources per architecture"). Needs ``python -m aft_jax.deviceless install
-cuda ptxas``; restarts itself in ``deviceless.environment("cuda")`` without the caller's
-XLA_FLAGS and compilation cache (the figures are for XLA's defaults, and a cache hit dumps
-nothing).
+architecture, compiled without a GPU (docs/kernels.md, "Kernel resources"; RESULTS.md). Needs
+``python -m aft_jax.deviceless install cuda ptxas``; restarts itself in the deviceless CUDA
+environment without XLA_FLAGS and compilation cache (XLA's defaults; a cache hit dumps nothing).
 
     python -m benchmarks.kernel_resources --out benchmarks/results
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import functools
-import json
 import multiprocessing
 import os
 import re
@@ -35,23 +31,20 @@ ARCHS = (
   Arch("sm_80", "a100-80", "8.0", xla=True),
   Arch("sm_90", "h100", "9.0", xla=True),
 )
-# The lowering whose Triton IR the non-XLA archs compile (the IR reads the capability only
-# for float8 casts).
-_LOWER_ON = "h100"
+_LOWER_ON = "h100"  # whose Triton IR the non-XLA archs compile (it reads the arch for float8 only)
 _PLUGIN_CHECK_ARCH = "sm_80"  # where jaxlib's Triton compile is also run, beside XLA's
 DTYPES = ("float32", "bfloat16")
 # Each op's kernels by (kernel function, outputs): forward, forward keeping the log-normaliser
-# L (the VJP's), backward, AFT-local's dw.
+# (the VJP's), backward, AFT-local's dw.
 _SIMPLE = {("_fwd_kernel", 1): "fwd", ("_fwd_kernel", 2): "fwd+lse", ("_bwd_kernel", 2): "bwd"}
 KERNELS = {"aft_simple": _SIMPLE, "aft_local": {**_SIMPLE, ("_dw_kernel", 1): "dw"}}
 # The chunk-parallel form's segment totals of the forward and the backward, by operand count.
 TOTALS = {2: "totals k, v", 3: "totals L, g, a"}
 FORMS = ("sequential", "chunked")
 # Configurations (indices into triton.CONFIGS) per form: every one sequential; chunk-parallel,
-# the widest block (plan_for's choice where D is a multiple of 64, the most per thread).
+# plan_for's widest block. Resources do not depend on T or the batch (they bound loops); batch
+# 256 makes config_for take the widest block that divides D.
 FORM_CONFIGS = {"sequential": (0, 1, 2), "chunked": (0,)}
-# Resources do not depend on T or the batch (they only bound loops); batch 256 makes
-# config_for take the widest block that divides D.
 BATCH, T_LEN, WINDOW = 256, 256, 128
 PTXAS_FLAGS = ("--warn-on-spills", "-v")  # XLA's own (its log at VLOG 3)
 _PTXAS_FIELDS = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
@@ -84,8 +77,7 @@ def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
   return out
 
 
-def ptx_target(ptx: str) -> str:
-  """The ``.target`` of a PTX module (sm_90a for Hopper)."""
+def ptx_target(ptx: str) -> str:  # sm_90a for Hopper
   return re.search(r"^\s*\.target\s+(\w+)", ptx, re.M).group(1)
 
 
@@ -102,8 +94,7 @@ def run_ptxas(ptx: str) -> dict[str, dict[str, int]]:
 
 
 def channels_for(cfg) -> int:
-  """The smallest D for which ``config_for`` (at ``BATCH`` rows) and ``dw_config`` choose
-  ``cfg``."""
+  """The smallest D for which ``config_for`` (``BATCH`` rows) and ``dw_config`` choose ``cfg``."""
   from aft_jax.ops.pallas import triton, triton_local
 
   step = triton.CONFIGS[-1].block_d
@@ -213,10 +204,8 @@ def match(calls: list[dict], kernels: list[dict]) -> list[tuple[dict, dict]]:
   """Each custom call with XLA's kernel of the same name and parameter count; a RuntimeError
   unless one-to-one."""
   pairs, left = [], list(kernels)
-  like = lambda call, k: (
-    re.sub(r"__\d+$", "", k["entry"]) == call["name"]
-    and k["params"] == call["operands"] + call["results"]
-  )
+  same_name = lambda call, k: re.sub(r"__\d+$", "", k["entry"]) == call["name"]
+  like = lambda call, k: same_name(call, k) and k["params"] == call["operands"] + call["results"]
   for call in calls:
     same = [k for k in left if like(call, k)]
     if not same:  # a repeated call (the same kernel on the same operands) XLA compiled once
@@ -241,13 +230,14 @@ def _row(op, form, call, cfg, d, dtype, arch, compiler, kernel, ptxas_info, limi
   if kernel["threads"] != 32 * cfg.num_warps:
     raise RuntimeError(f"{op} {name}: {kernel['threads']} threads, not {cfg.num_warps} warps")
   info = ptxas_info[kernel["entry"]]
+  shared = kernel["shared_dynamic"]
   row = dict(op=op, form=form, kernel=name)
   row.update({k: getattr(cfg, k) for k in ("block_t", "block_d", "num_warps", "num_stages")})
   row.update(channels=d, dtype=dtype, arch=arch.sm, gpu=arch.target, compiler=compiler)
-  row.update(ptx_target=ptx_target(kernel["ptx"]), **info, shared_dynamic=kernel["shared_dynamic"])
-  row.update(shared_bytes=kernel["shared_dynamic"] + info["shared_static"])
-  row.update(shared_limit_default=limits["default"], shared_limit_optin=limits["optin"])
-  return dict(row, grid=grid)
+  row.update(ptx_target=ptx_target(kernel["ptx"]), **info, shared_dynamic=shared,
+             shared_bytes=shared + info["shared_static"], shared_limit_default=limits["default"],
+             shared_limit_optin=limits["optin"], grid=grid)  # fmt: skip
+  return row
 
 
 def _order(row: dict) -> tuple:
@@ -261,13 +251,9 @@ def _order(row: dict) -> tuple:
 def cases() -> list[tuple[str, int, str, str]]:
   """(op, index in ``triton.CONFIGS``, dtype, form) of every measurement, the costliest first
   (dealt out in turn, they balance the workers)."""
-  return [
-    (op, i, dtype, form)
-    for op in sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
-    for form in reversed(FORMS)
-    for i in FORM_CONFIGS[form]
-    for dtype in DTYPES
-  ]
+  costliest = sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
+  forms = [(form, i) for form in reversed(FORMS) for i in FORM_CONFIGS[form]]
+  return [(op, i, dtype, form) for op in costliest for form, i in forms for dtype in DTYPES]
 
 
 def measure_cases(selected, route_check: bool, archs) -> dict:
@@ -278,8 +264,8 @@ def measure_cases(selected, route_check: bool, archs) -> dict:
   from aft_jax.ops.pallas import triton
 
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
-  devices = {a.target: deviceless.devices(a.target)[0] for a in ARCHS if a.xla}
-  devices.setdefault(_LOWER_ON, deviceless.devices(_LOWER_ON)[0])
+  targets = {a.target for a in ARCHS if a.xla} | {_LOWER_ON}
+  devices = {target: deviceless.devices(target)[0] for target in targets}
   (check,) = [a._replace(xla=False) for a in ARCHS if a.sm == _PLUGIN_CHECK_ARCH]
   chosen = [a for a in ARCHS if a.sm in archs] + [check] * route_check
   pending = []  # (row arguments, shared-memory limits, future of ptxas' figures)
@@ -307,14 +293,14 @@ def measure_cases(selected, route_check: bool, archs) -> dict:
         args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
         pending.append((args, shared_memory_limits(arch.target), ptxas_of(kernel["ptx"])))
     took = time.time() - t0
-    print(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s")
-    sys.stdout.flush()
-  rows, plugin_check = [], []
+    print(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s",
+          flush=True)  # fmt: skip
+  out = {"rows": [], "plugin_check": []}
   for args, lim, future in pending:
     row = _row(*args, future.result(), lim)
-    (plugin_check if row["compiler"].endswith("check") else rows).append(row)
+    out["plugin_check" if row["compiler"].endswith("check") else "rows"].append(row)
   pool.shutdown()
-  return {"rows": rows, "plugin_check": plugin_check}
+  return out
 
 
 def measure(workers: int, route_check: bool, archs) -> dict:
@@ -348,16 +334,14 @@ def headline(rows: list[dict]) -> list[str]:
     spills = "no spills"
     if spilled:
       worst = max(spilled, key=lambda r: r["spill_stores"] + r["spill_loads"])
-      spills = (
-        f"{len(spilled)} kernel{'s' * (len(spilled) > 1)} spilling (most: {which(worst)}: "
-        f"{worst['spill_stores']} B stored, {worst['spill_loads']} B loaded)"
-      )
-    out.append(
-      f"{arch.sm} ({arch.target}, {rs[0]['compiler']}): at most {top['registers']} registers "
-      f"({which(top)}), {spills}, at most {_kib(big['shared_bytes'])} shared memory per block "
-      f"(limit {_kib(big['shared_limit_default'])} default, "
-      f"{_kib(big['shared_limit_optin'])} opt-in)"
+      spills = (f"{len(spilled)} kernel{'s' * (len(spilled) > 1)} spilling (most: {which(worst)}: "
+                f"{worst['spill_stores']} B stored, {worst['spill_loads']} B loaded)")  # fmt: skip
+    limits = (
+      f"{_kib(big['shared_limit_default'])} default, {_kib(big['shared_limit_optin'])} opt-in"
     )
+    out.append(f"{arch.sm} ({arch.target}, {rs[0]['compiler']}): at most {top['registers']} "
+               f"registers ({which(top)}), {spills}, at most {_kib(big['shared_bytes'])} shared "
+               f"memory per block (limit {limits})")  # fmt: skip
   return out
 
 
@@ -392,8 +376,8 @@ def markdown(result: dict) -> str:
   notes = headline(rows)
   if gap:
     notes.append(
-      f"jaxlib's Triton compile (the sm_75 route) against XLA's at {_PLUGIN_CHECK_ARCH}: "
-      f"{min(gap):+d} to {max(gap):+d} registers per kernel."
+      f"jaxlib's Triton compile (the sm_75 route) against XLA's at "
+      f"{_PLUGIN_CHECK_ARCH}: {min(gap):+d} to {max(gap):+d} registers per kernel."
     )
   lines = [
     "# Kernel resources per architecture (compiled without a device)",
@@ -416,8 +400,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="benchmarks/results")
+  p = common.parser(__doc__)
   help = "processes (default: one per core; much of a compile is single-threaded)"
   p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help=help)
   help = "skip compiling with jaxlib's Triton for sm_80 too (the comparison with XLA's build)"
@@ -428,8 +411,8 @@ def main(argv=None) -> int:
   if os.environ.get(deviceless.CHILD_ENV) != "cuda":
     for kind in ("cuda", "ptxas"):
       deviceless.install(kind)
-    cmd = [sys.executable, "-m", "benchmarks.kernel_resources"]
-    cmd += sys.argv[1:] if argv is None else list(argv)
+    flags = sys.argv[1:] if argv is None else argv
+    cmd = [sys.executable, "-m", "benchmarks.kernel_resources", *flags]
     sys.stdout.flush()
     caches = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(caches)}
@@ -440,14 +423,14 @@ def main(argv=None) -> int:
   t0 = time.time()
   print(f"Compiling every kernel configuration for {', '.join(args.archs)} (no GPU needed)")
   result = measure(args.workers, not args.no_route_check, args.archs)
-  done = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
-  m = re.search(r"release [\d.]+, V([\d.]+)", done.stdout)
-  ptxas = f"ptxas {m.group(1) if m else done.stdout.strip().splitlines()[-1]}"
-  result["meta"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, ptxas=ptxas)
-  result["meta"].update(batch=BATCH, t_len=T_LEN, window=WINDOW, wall_s=round(time.time() - t0, 1))
+  version = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
+  m = re.search(r"release [\d.]+, V([\d.]+)", version.stdout)
+  ptxas = f"ptxas {m.group(1) if m else version.stdout.strip().splitlines()[-1]}"
+  result["meta"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, ptxas=ptxas, batch=BATCH,
+                        t_len=T_LEN, window=WINDOW, wall_s=round(time.time() - t0, 1))  # fmt: skip
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "kernel_resources")
-  files.atomic_write(f"{path}.json", json.dumps(result, indent=1) + "\n")
+  common.write_json(f"{path}.json", result)
   files.atomic_write(f"{path}.md", markdown(result))
   print("\n".join(headline(result["rows"])))
   print(f"wrote {path}.{{json,md}} in {time.time() - t0:.0f} s")

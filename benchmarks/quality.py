@@ -55,12 +55,10 @@ def run_one(mixing: str, overrides: dict, seed: int, workdir: str) -> dict:
   records = Workdir(workdir).read_metrics()
   # The first logged interval includes compilation: tokens/s is the median of the others.
   speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
-  ln2 = math.log(2)
   # Validation records during training, then the final one (write_results logs it too).
-  curve = [(r["step"], r["valid_loss"] / ln2) for r in records if "valid_loss" in r]
-  curve = [c for c in curve if c[0] != results["steps"]] + [
-    (results["steps"], results["valid_bpb"])
-  ]
+  curve = [(r["step"], r["valid_loss"] / math.log(2)) for r in records if "valid_loss" in r]
+  curve = [c for c in curve if c[0] != results["steps"]]
+  curve.append((results["steps"], results["valid_bpb"]))
   rec = {"mixing": mixing, **{k: results[k] for k in ("valid_bpb", "test_bpb", "num_params")}}
   rec.update(tokens_per_s=float(np.median(speeds)) if speeds else None, wall_s=wall)
   rec.update({k: results[k] for k in ("steps", "tokens_seen", "eval_protocol")})
@@ -112,10 +110,8 @@ def main(argv=None) -> dict:
   p.add_argument("--mixings", nargs="+", default=list(ORDER), choices=ORDER)
   p.add_argument("--seed", type=int, default=0)
   a = p.parse_args(argv)
-  start = time.perf_counter()
-  info = common.machine_info()
-  overrides = settings(a.quick)
-  records = []
+  start, info = time.perf_counter(), common.machine_info()
+  overrides, records = settings(a.quick), []
   with tempfile.TemporaryDirectory() as tmp:
     for mixing in a.mixings:
       print(f"--- {mixing}", flush=True)

@@ -23,11 +23,8 @@ from aft_jax import decode
 from aft_jax.model import ModelConfig, TransformerLM
 from benchmarks import common
 
-LENGTHS = (1024, 4096, 16384, 65536)
-QUICK_LENGTHS = (64, 256)
-STREAMS = ("aft_simple", "aft_conv1d")
-SLIDING_MAX_LEN = 256
-TEMPERATURE = 0.8
+LENGTHS, QUICK_LENGTHS = (1024, 4096, 16384, 65536), (64, 256)
+STREAMS, SLIDING_MAX_LEN, TEMPERATURE = ("aft_simple", "aft_conv1d"), 256, 0.8
 
 
 def model_config(row: str, length: int, quick: bool) -> ModelConfig:
@@ -42,7 +39,7 @@ def model_config(row: str, length: int, quick: bool) -> ModelConfig:
   return ModelConfig(mixing="softmax", max_len=length, **common_kw)  # "softmax"
 
 
-def _setup(cfg: ModelConfig):
+def _setup(cfg: ModelConfig):  # the model and its initial parameters
   model = TransformerLM(cfg.validate())
   params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
   return model, params
@@ -94,7 +91,7 @@ def measure_kv_cache(length: int, window: int, piece: int, quick: bool) -> dict:
   model, params = _setup(model_config("softmax", length, quick))
   cache = decode.init_cache(model, 1)
   filled = length - window
-  at = lambda path, x: jnp.full_like(x, filled) if path[-1].key in ("pos", "index") else x  # noqa: E731
+  at = lambda path, x: jnp.full_like(x, filled) if path[-1].key in ("pos", "index") else x
   cache = jax.tree_util.tree_map_with_path(at, cache)
 
   @functools.partial(jax.jit, donate_argnums=(1,))
@@ -151,21 +148,15 @@ def to_markdown(result: dict) -> str:
       cells = ["-" if c is None else text(c) for c in cells]
       lines.append(f"| {LABELS[row]} | " + " | ".join(cells) + f" | {ratio} |")
 
-  table(
-    f"**Per-token time** (the median over pieces of {result['piece']} tokens, {result['window']}"
-    " tokens per length: a stream's continuing the state it kept at L, the others' the last "
-    "tokens before L)",
-    "per_token_s",
-    lambda c: common.fmt_time(c["per_token_s"]),
-  )
+  table(f"**Per-token time** (the median over pieces of {result['piece']} tokens, "
+        f"{result['window']} tokens per length: a stream's continuing the state it kept at L, "
+        "the others' the last tokens before L)", "per_token_s",
+        lambda c: common.fmt_time(c["per_token_s"]))  # fmt: skip
   lines.append("")
   state = lambda c: f" ({common.fmt_bytes(c['state_bytes'])})" if c.get("state_bytes") else ""
-  table(
-    "**Peak memory** (the process's resident-set high-water mark; in brackets the decoding "
-    "state carried from token to token)",
-    "peak_rss",
-    lambda c: common.fmt_bytes(c["peak_rss"]) + state(c),
-  )
+  table("**Peak memory** (the process's resident-set high-water mark; in brackets the decoding "
+        "state carried from token to token)", "peak_rss",
+        lambda c: common.fmt_bytes(c["peak_rss"]) + state(c))  # fmt: skip
   return "\n".join(lines) + "\n"
 
 
@@ -177,14 +168,12 @@ def main(argv=None) -> dict:
   p.add_argument("--piece", type=int, help="tokens per timed piece (default 64; quick 8)")
   a = p.parse_args(argv)
   a.lengths = a.lengths or (QUICK_LENGTHS if a.quick else LENGTHS)
-  a.window = a.window or (32 if a.quick else 512)
-  a.piece = a.piece or (8 if a.quick else 64)
+  a.window, a.piece = a.window or (32 if a.quick else 512), a.piece or (8 if a.quick else 64)
   if a.row is not None:
     records = _row(a)
     common.emit(records)
     return {"records": records}
-  start = time.perf_counter()
-  info = common.machine_info()
+  start, info = time.perf_counter(), common.machine_info()
   result = dict(machine=info, quick=a.quick, lengths=list(a.lengths), window=a.window)
   result.update(piece=a.piece, temperature=TEMPERATURE, records=[])
   jobs = [(row, a.lengths) for row in STREAMS]

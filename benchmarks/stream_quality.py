@@ -31,15 +31,12 @@ MULTIPLES = (1, 4, 16)  # text lengths, in training lengths
 QUICK = quality.settings(quick=True)  # a tiny model, 4 steps
 
 
-def quickstart():
+def make_config(mixing: str, positions: str, quick: bool):
+  """The quickstart recipe with ``mixing`` and ``positions`` (shrunk: ``quick``)."""
   spec = importlib.util.spec_from_file_location("quickstart", recipes.resolve("quickstart"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def make_config(mixing: str, positions: str, quick: bool):
-  config = quickstart()
+  config = module.get_config()
   config.model.mixing = mixing
   config.model.position_embedding = positions
   return override(config, QUICK if quick else {})
@@ -52,8 +49,7 @@ def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.nd
   texts = np.asarray(tokens[: n * length], np.int32).reshape(n, length)
   inputs = np.concatenate([np.full((n, 1), run.bos_id, np.int32), texts[:, :-1]], axis=1)
   apply = jax.jit(lambda p, x, y: run.model.apply({"params": p}, x, y))
-  out = [np.asarray(apply(run.params, inputs[i : i + batch], texts[i : i + batch])) for i in
-         range(0, n, batch)]  # fmt: skip
+  out = [apply(run.params, inputs[i : i + batch], texts[i : i + batch]) for i in range(0, n, batch)]
   return np.concatenate(out).astype(np.float64)
 
 
@@ -67,9 +63,8 @@ def run_one(mixing: str, positions: str, quick: bool, workdir: str) -> dict:
   multiples = MULTIPLES if run.model.cfg.streams else (1,)
   for k in multiples:
     nll = _nll_of_texts(run, valid, k * seq_len)
-    last = math.exp(nll[:, -seq_len:].mean())  # its last seq_len tokens
-    rec["texts"][str(k)] = dict(length=k * seq_len, texts=nll.shape[0], ppl=math.exp(nll.mean()))
-    rec["texts"][str(k)]["last_ppl"] = last
+    rec["texts"][str(k)] = dict(length=k * seq_len, texts=nll.shape[0], ppl=math.exp(nll.mean()),
+                                last_ppl=math.exp(nll[:, -seq_len:].mean()))  # fmt: skip
   if run.model.cfg.streams:
     whole = evaluate.evaluate_run(run, split="validation")
     rec["whole_split"] = {"ppl": whole["ppl"], "tokens": whole["tokens"]}
@@ -89,7 +84,7 @@ def to_markdown(result: dict) -> str:
     + f" | last {seq_len} of {lengths[-1]} | whole split, one text | parameters | train wall |",
     "|---|---|---:|" + "---:|" * len(lengths) + "---:|---:|---:|---:|",
   ]
-  fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+  fmt = lambda x: f"{x:.3f}" if x is not None else "-"
   for r in result["records"]:
     texts = [r["texts"].get(str(k), {}).get("ppl") for k in MULTIPLES]
     last = r["texts"].get(str(MULTIPLES[-1]), {}).get("last_ppl")
@@ -105,13 +100,10 @@ def to_markdown(result: dict) -> str:
 def main(argv=None) -> dict:
   p = common.parser(__doc__, "a tiny model and 4 steps (seconds)")
   a = p.parse_args(argv)
-  start = time.perf_counter()
-  info = common.machine_info()
-  records = []
-  result = {"machine": info, "quick": a.quick, "records": records}
+  start, info, records = time.perf_counter(), common.machine_info(), []
   config = make_config("aft_local", "learned", a.quick)
-  model = config.model
-  result.update(seq_len=config.seq_len, layers=model.num_layers, d_model=model.d_model)
+  result = {"machine": info, "quick": a.quick, "records": records, "seq_len": config.seq_len}
+  result.update(layers=config.model.num_layers, d_model=config.model.d_model)
   with tempfile.TemporaryDirectory() as tmp:
     for mixing, positions in ROWS:
       print(f"--- {mixing}, position embedding {positions}", flush=True)

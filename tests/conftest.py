@@ -1,21 +1,24 @@
 """Test session setup (a persistent compilation cache) and shared fixtures; helpers that tests
 import are in tests/support/helpers.py."""
 
+import contextlib
 import gc
+import io
 import os
+import shutil
 import sys
 
 import pytest
 
 from tests.support import shared
-from tests.support.helpers import FAST_COMPILE, STDLIB_JSON, trained_run_config
+from tests.support.helpers import FAST_COMPILE, STDLIB_JSON, tiny_config, trained_run_config
 
 # A persistent compilation cache, for the suite and the processes it starts, outside the
 # checkout (a fresh clone on the same machine starts warm).
 CACHE_DIR = os.path.expanduser("~/.cache/aft_jax/test-compilation-cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
-# No size limit for jax to keep (each write would scan the folder under a lock all the suite's
-# processes share): the folder is trimmed once per session instead (``shared.trim_cache``).
+# No size limit for jax to keep (each write would scan the folder under a shared lock): the
+# folder is trimmed once per session instead (``shared.trim_cache``).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 CACHE_KEEP_BYTES = 1 << 30  # past this, the least recently written entries go, down to half
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -33,10 +36,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-  """In every pytest process: its fork servers (tests/support/prefork.py) stopped and reaped
-  while it still ends normally; then the garbage collected once and what is alive frozen
-  (pytest's unraisable-exception check collects five times more, each collection walking jax's
-  caches, and execnet sends a worker still busy 5 s after the end a SIGINT)."""
+  """Its fork servers (tests/support/prefork.py) stopped and reaped while this process still
+  ends normally; what is alive collected once and frozen (pytest's unraisable-exception check
+  collects five times more, walking jax's caches, and execnet sends a SIGINT to a worker still
+  busy 5 s after the end)."""
   from tests.support import prefork
 
   prefork.stop_all()
@@ -50,10 +53,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _build_trained_run(folder):
-  """The trained run of ``trained_run``, its config followed (tests/support/config_flow.py)."""
-  import contextlib
-  import io
-
+  """One tiny byte-level run (4 steps, a validation at step 2, a profile of steps 2-3 and a
+  sample), its config followed (tests/support/config_flow.py)."""
   from aft_jax.trainer import train_lib
   from tests.support import config_flow
 
@@ -68,20 +69,21 @@ def _build_trained_run(folder):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-  """(workdir, results, stdout) of one tiny byte-level run, trained once per session
-  (``shared.once``): 4 steps, a validation at step 2, a profile of steps 2-3 and a sample."""
+  """(workdir, results, stdout) of ``_build_trained_run``, once per session (``shared.once``)."""
   folder, made = shared.once(tmp_path_factory, "trained_run", _build_trained_run)
   return str(folder / "run"), made["results"], made["stdout"]
 
 
-def _build_stream_run(folder):
-  """A tiny stream (AFT-conv1d, no position embedding), trained 2 steps, its max_len 16 half its
-  seq_len (a stream's max_len is only its prefill's chunk)."""
-  import contextlib
-  import io
+@pytest.fixture(scope="session")
+def trained_run_config_flow(tmp_path_factory):
+  """{"rooms": [module], "climbs": [[caller, callee]]}: where ``trained_run``'s config went."""
+  return shared.once(tmp_path_factory, "trained_run", _build_trained_run)[1]["config_flow"]
 
+
+def _build_stream_run(folder):
+  """A tiny stream (AFT-conv1d, no position embedding) trained 2 steps, its max_len 16 half its
+  seq_len (a stream's max_len is only its prefill's chunk)."""
   from aft_jax.trainer import train_lib
-  from tests.support.helpers import tiny_config
 
   overrides = {"model.mixing": "aft_conv1d", "model.position_embedding": "none"}
   config = tiny_config(num_train_steps=2, **overrides, **{"model.max_len": 16})
@@ -91,24 +93,15 @@ def _build_stream_run(folder):
 
 @pytest.fixture(scope="session")
 def stream_run(tmp_path_factory):
-  """(workdir, results) of ``_build_stream_run``, trained once per session."""
+  """(workdir, results) of ``_build_stream_run``, once per session."""
   folder, results = shared.once(tmp_path_factory, "stream_run", _build_stream_run)
   return str(folder / "run"), results
-
-
-@pytest.fixture(scope="session")
-def trained_run_config_flow(tmp_path_factory):
-  """{"rooms": [module], "climbs": [[caller, callee]]}: where ``trained_run``'s config went."""
-  return shared.once(tmp_path_factory, "trained_run", _build_trained_run)[1]["config_flow"]
 
 
 @pytest.fixture
 def docs(tmp_path):
   """A folder of real text: a copy of the standard library's json package (5 files)."""
-  import shutil
-
-  folder = tmp_path / "docs"
-  folder.mkdir()
+  (tmp_path / "docs").mkdir()
   for path in STDLIB_JSON:
-    shutil.copy(path, folder)
-  return folder
+    shutil.copy(path, tmp_path / "docs")
+  return tmp_path / "docs"

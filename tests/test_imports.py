@@ -1,7 +1,6 @@
-"""The package's imports run one way: no import cycle in ``aft_jax`` (counting imports inside
-functions and under ``TYPE_CHECKING``: every ``import`` statement in the source), and no lower
-layer imports a higher one (ops <- layers <- model <- trainer <- tools; data and sharding know
-nothing of the model)."""
+"""The package's imports run one way: no import cycle in ``aft_jax`` (counting every ``import``
+statement, inside functions and under ``TYPE_CHECKING`` too), and no lower layer imports a higher
+one (ops <- layers <- model <- trainer <- tools; data and sharding know nothing of the model)."""
 
 import ast
 import graphlib
@@ -9,26 +8,28 @@ import os
 
 from tests.support.helpers import ROOT
 
-PACKAGE = os.path.join(ROOT, "aft_jax")
-
-
-def _modules() -> dict[str, str]:
-  """{"aft_jax.trainer.train_lib": its path} for every module of the package."""
-  out = {}
-  for folder, _, names in os.walk(PACKAGE):
-    for name in names:
-      if name.endswith(".py"):
-        path = os.path.join(folder, name)
-        module = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
-        out[module.removesuffix(".__init__")] = path
-  return out
+# Layer -> the packages and modules it must not import (ever, even inside a function).
+FORBIDDEN = {
+  "aft_jax.ops": ("aft_jax.layers", "aft_jax.model", "aft_jax.data", "aft_jax.trainer"),
+  "aft_jax.layers": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.model": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.data": ("aft_jax.ops", "aft_jax.layers", "aft_jax.model", "aft_jax.trainer"),
+  "aft_jax.sharding": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.workdir": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.model"),
+  "aft_jax.trainer": ("aft_jax.tools",),
+}
 
 
 def import_graph() -> dict[str, set[str]]:
   """{module: the package's modules it imports}, from every import statement of its source.
   ``from aft_jax.x import y`` counts as importing ``aft_jax.x.y`` where that is a module, else
   ``aft_jax.x``."""
-  modules = _modules()
+  modules = {}  # "aft_jax.trainer.train_lib": its path
+  for folder, _, names in os.walk(os.path.join(ROOT, "aft_jax")):
+    for path in (os.path.join(folder, n) for n in names if n.endswith(".py")):
+      modules[os.path.relpath(path[:-3], ROOT).replace(os.sep, ".").removesuffix(".__init__")] = (
+        path
+      )
 
   def known(name):
     while name and name not in modules:
@@ -51,9 +52,7 @@ def import_graph() -> dict[str, set[str]]:
           for a in node.names:
             full = f"{base}.{a.name}"
             deps.add(full if full in modules else known(base))
-    deps.discard(module)
-    deps.discard("")
-    graph[module] = deps
+    graph[module] = deps - {module, ""}
   return graph
 
 
@@ -66,40 +65,20 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
-def test_no_import_cycle():
+def test_no_import_cycle_and_no_lower_layer_imports_a_higher_one():
+  found = cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})  # the finder finds one
+  assert sorted(found[1:]) == ["a", "b", "c"] and found[0] == found[-1]
+  assert cycle({"a": {"b"}, "b": set(), "d": {"a"}}) is None
   graph = import_graph()
   assert len(graph) > 30 and "aft_jax.trainer.train_lib" in graph  # the walk found the package
   assert {"aft_jax.workdir", "aft_jax.trainer.step_log"} <= graph["aft_jax.trainer.train_lib"]
   assert cycle(graph) is None
-
-
-def test_the_cycle_finder_finds_a_cycle():
-  found = cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
-  assert sorted(found[1:]) == ["a", "b", "c"] and found[0] == found[-1]
-  assert cycle({"a": {"b"}, "b": set(), "d": {"a"}}) is None
-
-
-# Layer -> the packages and modules it must not import (ever, even inside a function).
-FORBIDDEN = {
-  "aft_jax.ops": ("aft_jax.layers", "aft_jax.model", "aft_jax.data", "aft_jax.trainer"),
-  "aft_jax.layers": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
-  "aft_jax.model": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
-  "aft_jax.data": ("aft_jax.ops", "aft_jax.layers", "aft_jax.model", "aft_jax.trainer"),
-  "aft_jax.sharding": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
-  "aft_jax.workdir": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.model"),
-  "aft_jax.trainer": ("aft_jax.tools",),
-}
-
-
-def test_lower_layers_do_not_import_higher_ones():
-  graph = import_graph()
-  wrong = []
-  for module, deps in graph.items():
-    for layer, banned in FORBIDDEN.items():
-      if module == layer or module.startswith(layer + "."):
-        wrong += [
-          f"{module} imports {d}"
-          for d in deps
-          if any(d == b or d.startswith(b + ".") for b in banned)
-        ]
+  wrong = [
+    f"{module} imports {d}"
+    for module, deps in graph.items()
+    for layer, banned in FORBIDDEN.items()
+    if module == layer or module.startswith(layer + ".")
+    for d in deps
+    if any(d == b or d.startswith(b + ".") for b in banned)
+  ]
   assert wrong == []

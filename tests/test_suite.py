@@ -1,5 +1,4 @@
-"""The suite's own machinery (tests/support/: shared.py, cpu_probe.py, prefork.py) where it
-could go wrong unseen."""
+"""The suite's own machinery (tests/support/: shared.py, cpu_probe.py, prefork.py)."""
 
 import json
 import os
@@ -26,37 +25,26 @@ def test_trim_cache_keeps_the_newest_half_only_past_the_limit(tmp_path):
   shared.trim_cache(str(tmp_path / "missing"), keep=1)  # no folder yet: nothing to do
 
 
-def test_cpu_probe_adds_up_each_folders_tests(tmp_path):
-  """The per-folder table of docs/development.md (tests/support/cpu_probe.py): each worker's
-  file read, tests counted in their folder, the folder with the most CPU first, the totals."""
+def test_cpu_probe_adds_up_each_folders_tests_and_what_the_host_stole(tmp_path, capsys):
+  """docs/development.md's table (tests/support/cpu_probe.py): each worker's file read, tests
+  counted in their folder, the most CPU first, the totals; then the host's /proc/stat ticks
+  between the session's start and end as busy, idle (with I/O wait) and stolen shares."""
   from tests.support import cpu_probe
 
   (tmp_path / "gw0.json").write_text(
     '[["tests/ops/test_a.py::t1", 2.0, 1.5, 0.0], ["tests/test_b.py::t2", 4.0, 0.5, 3.0]]'
   )
   (tmp_path / "gw1.json").write_text('[["tests/ops/test_c.py::t3[x]", 1.0, 1.0, 0.25]]')
-  lines = cpu_probe.table(cpu_probe.read(str(tmp_path)))
-  assert lines[2:] == [
+  # user, nice, system, idle, iowait, irq, softirq, steal: 100 ticks, 70 busy, 10 idle, 20 stolen
+  start, end = [10, 0, 5, 40, 1, 0, 0, 3], [70, 0, 14, 48, 3, 1, 0, 23]
+  (tmp_path / cpu_probe.HOST_FILE).write_text(json.dumps([start, end]))
+  assert cpu_probe.main(["--dir", str(tmp_path)]) == 0
+  assert capsys.readouterr().out.splitlines()[2:] == [
     "| `(top level)` | 1 | 4 s | 0 s | 3 s |",
     "| `ops` | 2 | 3 s | 2 s | 0 s |",
     "| all | 3 | 7 s | 3 s | 3 s |",
+    "host over the session: busy 70.0%, idle 10.0%, stolen 20.0% of the cores' time",
   ]
-
-
-def test_cpu_probe_says_how_much_of_the_cores_time_the_host_stole(tmp_path, capsys):
-  """The report's last line: the host's /proc/stat ticks between the session's start and end
-  as busy, idle (with I/O wait) and stolen shares of the cores' time."""
-  from tests.support import cpu_probe
-
-  # user, nice, system, idle, iowait, irq, softirq, steal: 100 ticks, 70 busy, 10 idle, 20 stolen
-  start, end = [10, 0, 5, 40, 1, 0, 0, 3], [70, 0, 14, 48, 3, 1, 0, 23]
-  assert cpu_probe.host_line(start, end) == (
-    "host over the session: busy 70.0%, idle 10.0%, stolen 20.0% of the cores' time"
-  )
-  (tmp_path / "gw0.json").write_text('[["tests/test_b.py::t2", 4.0, 0.5, 3.0]]')
-  (tmp_path / cpu_probe.HOST_FILE).write_text(json.dumps([start, end]))
-  assert cpu_probe.main(["--dir", str(tmp_path)]) == 0
-  assert capsys.readouterr().out.splitlines()[-1] == cpu_probe.host_line(start, end)
   now = cpu_probe.host_times()  # this machine's (Linux): eight counters that only grow
   assert now is None or (len(now) == 8 and all(x >= 0 for x in now))
 
@@ -81,10 +69,9 @@ sys.exit(int(how))
 
 @pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
-  """tests/support/prefork.py: a script, a module (-m) or code (-c) that the fork server runs
-  gives what ``subprocess.run`` gives: exit status (a message, an uncaught exception, Ctrl-C's
-  -2), stdout, stderr, argv, working directory, environment, SIGINT's disposition,
-  ``__main__``, sys.path[0]; its parent the server."""
+  """A script, a module (-m) or code (-c) forked by tests/support/prefork.py gives what
+  ``subprocess.run`` gives: exit status (a message, an exception, Ctrl-C's -2), stdout, stderr,
+  argv, cwd, environment, SIGINT's disposition, ``__main__``, sys.path[0]; its parent the server."""
   from tests.support import prefork
 
   (tmp_path / "script.py").write_text(SCRIPT)
@@ -118,10 +105,8 @@ while True:
 
 @pytest.mark.parametrize("start", ["subprocess", "prefork"])
 def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, start):
-  """``prefork.popen`` (what the signal and multi-process tests start train.py with) as
-  ``subprocess.Popen``: piped stdout and stderr, a new session, poll while it runs, SIGTERM
-  handled by the command, SIGKILL's -9, ``communicate`` and ``wait``; a file as stdout with
-  stderr=STDOUT."""
+  """``prefork.popen`` as ``subprocess.Popen``: piped stdout and stderr, a new session, poll,
+  SIGTERM handled, SIGKILL's -9, ``communicate``, ``wait``; a file as stdout, stderr=STDOUT."""
   from tests.support import prefork
 
   (tmp_path / "waiter.py").write_text(WAITER)
@@ -150,8 +135,8 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
 
 
 def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
-  """A variable set in this process after its fork server started (as a library or a test
-  sets one): the next command comes from a new server started with it, still forked."""
+  """A variable set after the fork server started: the next command comes from a new server
+  started with it, still forked."""
   from tests.support import prefork
 
   prefork.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
@@ -165,21 +150,18 @@ def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
 
 @pytest.mark.parametrize("end", ["exit", "os._exit"])
 def test_a_process_that_exits_leaves_no_server_folder(tmp_path, end):
-  """Each fork server's socket folder (in the temp dir) is removed when the process that
-  started it ends: by the process at exit (``exit``: it is gone when the process is), or by the
-  server once its client is gone without running its exit handlers (``os._exit``)."""
+  """A fork server's socket folder goes when the process that started it ends: at its exit, or
+  (``os._exit``: no exit handlers) by the server once its client is gone."""
   code = (
     "import os, sys; from tests.support import prefork; "
     "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1], flush=True); "
     + ("sys.exit(0)" if end == "exit" else "os._exit(0)")
   )
   env = dict(os.environ, TMPDIR=str(tmp_path))
-  done = subprocess.run(
-    [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-  )
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)  # fmt: skip
   assert done.returncode == 0, done.stderr[-2000:]
-  socket_path = done.stdout.split()[-1]
-  assert socket_path.startswith(str(tmp_path)), socket_path  # the server's folder was there
+  assert done.stdout.split()[-1].startswith(str(tmp_path))  # the server's folder was there
   if end == "os._exit":  # the server sees its stdin close, then removes the folder and exits
     deadline = time.monotonic() + 60
     while os.listdir(tmp_path) and time.monotonic() < deadline:

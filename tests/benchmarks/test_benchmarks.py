@@ -1,5 +1,7 @@
-"""The benchmarks' quick modes run and write complete results (no timing assertions)."""
+"""The benchmarks' quick modes run and write complete results (no timing assertions); their
+parts on made-up rows."""
 
+import itertools
 import json
 import math
 import os
@@ -10,7 +12,7 @@ import pytest
 
 from aft_jax import ops
 from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common, kernel_form
-from tests.support import shared
+from benchmarks import quality
 
 
 def _finite(x):
@@ -44,12 +46,9 @@ def test_bench_ops_quick(tmp_path):
   names = list(bench_ops.op_table(7))
   assert sorted(result["ops"]) == sorted(names)
   got = {(r["op"], r["mode"], r["T"]): r for r in result["records"]}
-  for name in names:
-    for mode in bench_ops.MODES:
-      if name == "cumsum" and mode == "fwd_bwd":
-        continue
-      for t_len in sizes:
-        _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
+  for name, mode, t_len in itertools.product(names, bench_ops.MODES, sizes):
+    if (name, mode) != ("cumsum", "fwd_bwd"):
+      _check_record(got[(name, mode, t_len)], bench_ops.FIELDS)
   assert len(result["checks"]) == 7
 
 
@@ -74,9 +73,8 @@ def test_bench_model_quick(tmp_path):
   info = result["machine"]
   got = {(r["mixing"], r["T"]): r for r in result["records"]}
   assert set(result["mixings"]) == set(bench_model.MIXINGS)
-  for mixing in bench_model.MIXINGS:
-    for t_len in info["sizes"]:
-      _check_record(got[(mixing, t_len)], bench_model.FIELDS)
+  for key in itertools.product(bench_model.MIXINGS, info["sizes"]):
+    _check_record(got[key], bench_model.FIELDS)
   ratios = result["ratios_to_softmax"][str(info["sizes"][0])]
   assert set(ratios) == set(bench_model.MIXINGS)
   for x in ratios.values():
@@ -85,8 +83,7 @@ def test_bench_model_quick(tmp_path):
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   count = common.count_flops
-  a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-  b = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+  a, b = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
   matmul = 2 * 8 * 16 * 4
   assert count(jnp.matmul, a, b) == matmul
 
@@ -117,9 +114,10 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   assert abs(count(fwd, x, x, x) / cost["flops"] - 1) < 0.05
 
 
-def test_accelerator_check_times_both_kernel_forms():
+def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
   """On a GPU the check has a row per kernel op and form (each traced in that form), and its
-  "Kernel forms" table names the faster form per op, mode and T from the measured rows."""
+  "Kernel forms" table names the faster form per op, mode and T from the measured rows. The LM
+  targets take the faster AFT-local and name the baseline's impl."""
   from aft_jax.ops.pallas import triton
 
   rows = accelerator_check.op_rows("pallas", "gpu")
@@ -137,16 +135,32 @@ def test_accelerator_check_times_both_kernel_forms():
   got = accelerator_check.kernel_forms(recs)
   assert [(r["T"], r["faster"]) for r in got] == [(1024, "sequential"), (4096, "chunked")]
   assert "| aft_simple | fwd | 4096 |" in "\n".join(accelerator_check._form_lines(recs))
+  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
+                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
+  models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
+  checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
+  speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
+  assert speed["value"] == pytest.approx(2.0) and speed["holds"]
+  memory = checks[
+    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
+    "softmax[cudnn]"
+  ]
+  assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
 def _raise(*args, **kwargs):
   raise RuntimeError("injected failure")
 
 
-@pytest.fixture(scope="module")
-def quick_check(tmp_path_factory):
+def _is_injected(rec):
+  assert rec["status"] == "error" and rec["reason"] == "RuntimeError: injected failure", rec
+  return True
+
+
+@pytest.mark.slow
+def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypatch):
   """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
-  check (its aft_simple call) and the softmax LM's train step; once per session."""
+  check (its aft_simple call) and the softmax LM's train step; the rest measured."""
   op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
   measure_step = bench_model.measure_step
 
@@ -161,66 +175,45 @@ def quick_check(tmp_path_factory):
   def failing_softmax(cfg, *args):
     return (_raise if cfg.mixing == "softmax" else measure_step)(cfg, *args)
 
-  def build(out):
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(accelerator_check, "op_rows", failing_rows)
-      mp.setattr(ops, "aft_simple", failing_bf16)
-      mp.setattr(bench_model, "measure_step", failing_softmax)
-      accelerator_check.main(["--quick", "--out", str(out)])
-    return json.loads((out / "accelerator_check.json").read_text())
-
-  return shared.once(tmp_path_factory, "accelerator_check", build)
-
-
-def _is_injected(rec):
-  assert rec["status"] == "error" and rec["reason"] == "RuntimeError: injected failure", rec
-  return True
-
-
-@pytest.mark.slow
-def test_accelerator_check_quick(quick_check):
-  out, result = quick_check
+  monkeypatch.setattr(accelerator_check, "op_rows", failing_rows)
+  monkeypatch.setattr(ops, "aft_simple", failing_bf16)
+  monkeypatch.setattr(bench_model, "measure_step", failing_softmax)
+  accelerator_check.main(["--quick", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "accelerator_check.json").read_text())
   assert result["complete"] and not result["errors"]
   assert result["machine"]["kernel_impl"] == "pallas_interpret"  # CPU: the kernels interpreted
   ops_run = {r["op"] for r in result["records"]}
   assert {"aft_simple/xla", "aft_simple/pallas", "cumsum", "softmax_dpa"} <= ops_run
   for rec in result["records"]:
-    if rec["op"] != "cumsum":
+    if rec["op"] == "cumsum":
+      _is_injected(rec)
+    else:
       _check_record(rec, bench_ops.FIELDS + ("achieved_gbps",))
   models = {r["model"]: r for r in result["model"]}
   assert set(models) >= {"lm/aft_local", "lm/softmax", "wikitext103_small/aft_local"}
   for name, rec in models.items():
-    if name != "lm/softmax":
-      _check_record(rec, bench_model.FIELDS)
-      # Parameters and optimizer state donated: the step's new ones are not counted again.
-      assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
+    if name == "lm/softmax":
+      _is_injected(rec)
+      continue
+    _check_record(rec, bench_model.FIELDS)
+    # Parameters and optimizer state donated: the step's new ones are not counted again.
+    assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
   kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
-  assert kchecks["float32"]["holds"]
-  checks = {c["check"].split(",")[0]: c for c in result["checks"]}
-  assert len(checks) == 5
-  for name in ("accelerator_check.md", "accelerator_check.png"):
-    assert os.path.getsize(out / name) > 0
-
-
-def test_accelerator_check_records_failures_and_goes_on(quick_check):
-  out, result = quick_check
-  cumsum = [r for r in result["records"] if r["op"] == "cumsum"]
-  assert cumsum and all(_is_injected(r) for r in cumsum)
-  assert _is_injected({r["model"]: r for r in result["model"]}["lm/softmax"])
-  bf16 = {c["dtype"]: c for c in result["kernel_checks"]}["bfloat16"]
-  assert _is_injected(bf16) and bf16["holds"] is None and bf16["max_rel_error"] is None
+  assert kchecks["float32"]["holds"] and _is_injected(kchecks["bfloat16"])
+  assert kchecks["bfloat16"]["holds"] is None and kchecks["bfloat16"]["max_rel_error"] is None
+  assert len({c["check"].split(",")[0] for c in result["checks"]}) == 5
   # The targets that need a failed row say so; the others are evaluated.
   for c in result["checks"]:
     needs_failed = "cumsum" in c["check"] or c["check"].startswith("LM")
     assert (c["value"] is None) == (needs_failed or "softmax_cudnn" in c["check"]), c
     if c["value"] is None:
       assert c["holds"] is None and c["note"] == "not measured"
-  md = (out / "accelerator_check.md").read_text()
+  md = (tmp_path / "accelerator_check.md").read_text()
   assert "| cumsum | fwd | 32 | error: RuntimeError: injected failure |" in md
   assert "| lm/softmax | 32 | 1 | error: RuntimeError: injected failure |" in md
   assert "| aft_simple causal | bfloat16 | 1 | error: RuntimeError: injected failure |" in md
-  assert "LM tokens/s aft_local / softmax: not measured" in md
-  assert "Partial" not in md
+  assert "LM tokens/s aft_local / softmax: not measured" in md and "Partial" not in md
+  assert os.path.getsize(tmp_path / "accelerator_check.png") > 0
 
 
 def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
@@ -239,10 +232,9 @@ def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     accelerator_check.main(["--quick", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "accelerator_check.json").read_text())
-  assert result["complete"] is False
+  assert result["complete"] is False and result["model"] == []
   assert result["kernel_checks"] == kchecks
   assert [(r["op"], r["status"]) for r in result["records"]] == [("cumsum", "ok")]
-  assert result["model"] == []
   assert "Partial" in (tmp_path / "accelerator_check.md").read_text()
   assert not (tmp_path / "accelerator_check.png").exists()
   assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # atomic writes: no leftovers
@@ -251,9 +243,8 @@ def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
 def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   table = {"fails": (_raise, None, "linear", "raises"), "cumsum": bench_ops.op_table(7)["cumsum"]}
   kw = dict(batch=1, d=8, conv_kernel=7, repeats=1, min_seconds=0.0, max_call_s=1.0)
-  recs = bench_ops.run(
-    [8, 16], names=["fails", "cumsum"], max_temp_gib=1.0, table=table, log=lambda s: None, **kw
-  )
+  kw.update(names=["fails", "cumsum"], max_temp_gib=1.0, table=table, log=lambda s: None)
+  recs = bench_ops.run([8, 16], **kw)
   got = {(r["op"], r["mode"], r["T"]): r for r in recs}
   for mode in bench_ops.MODES:
     assert _is_injected(got[("fails", mode, 8)])
@@ -264,20 +255,6 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
   assert "| fails | error | skipped |" in md
 
 
-def test_lm_targets_take_the_faster_aft_local_and_name_the_baselines_impl():
-  lm = lambda name, t, impl="auto": dict(model=name, status="ok", impl=impl, time_s=t,
-                                         tokens_per_s=1000 / t, program_bytes=100 * t)  # fmt: skip
-  models = [lm("lm/aft_local", 2.0), lm("lm/aft_local/xla", 1.0), lm("lm/softmax", 2.0, "cudnn")]
-  checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
-  speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
-  assert speed["value"] == pytest.approx(2.0) and speed["holds"]
-  memory = checks[
-    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
-    "softmax[cudnn]"
-  ]
-  assert memory["value"] == pytest.approx(0.5) and memory["holds"]
-
-
 def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
   """context_memory --step at a tiny T: two real steps of its model, finite."""
   from benchmarks import context_memory
@@ -285,3 +262,20 @@ def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
   r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
+
+
+def test_quality_quick_writes_the_table_and_curves(tmp_path):
+  # Two of the five layers: every mixing layer already trains in tests/e2e/test_recipes.py, and
+  # each one here costs a train-step compilation (seconds on 2 cores).
+  mixings = ["softmax", "aft_simple"]
+  quality.main(["--quick", "--out", str(tmp_path), "--mixings", *mixings])
+  result = json.loads((tmp_path / "quality.json").read_text())
+  assert [r["mixing"] for r in result["records"]] == mixings
+  for r in result["records"]:
+    for key in ("valid_bpb", "test_bpb", "tokens_per_s", "wall_s"):
+      assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
+    assert r["num_params"] > 0 and r["steps"] == result["settings"]["num_train_steps"]
+    assert r["curve"][-1] == [r["steps"], r["valid_bpb"]]  # the curve ends at the final number
+  md = (tmp_path / "quality.md").read_text()
+  assert all(f"| {m} |" in md for m in mixings) and "| +0.0000 |" in md  # softmax: the base
+  assert os.path.getsize(tmp_path / "quality.png") > 0

@@ -42,15 +42,11 @@ def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
   assert CUDNN[1] in bwd.mlir_module()
 
 
-@pytest.mark.parametrize(
-  "mixing, impl, platform",
-  [
-    ("aft_local", "pallas", "cuda"),
-    ("aft_simple", "pallas", "cuda"),
-    ("softmax", "cudnn", "cuda"),
-    ("aft_simple", "pallas", "tpu"),
-  ],
-)
+LOWERINGS = [("aft_local", "pallas", "cuda"), ("aft_simple", "pallas", "cuda"),
+             ("softmax", "cudnn", "cuda"), ("aft_simple", "pallas", "tpu")]  # fmt: skip
+
+
+@pytest.mark.parametrize("mixing, impl, platform", LOWERINGS)
 def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   """One AdamW step (bench_model.measure_step's, as the check's model rows run it) of a tiny
   bf16 LM with the accelerator's implementation of its mixing layer (the Pallas kernels; the
@@ -65,18 +61,15 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
   # The layers refuse accelerator implementations off their target: trace as if on one (cuDNN
   # attention refuses the abstract device that would say so).
-  device = {
-    "cuda": ops.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
-    "tpu": ops.DeviceFacts("tpu", "TPU v5 lite"),
-  }
+  device = {"cuda": ops.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
+            "tpu": ops.DeviceFacts("tpu", "TPU v5 lite")}[platform]  # fmt: skip
   for module in (ops, common):  # (the layers' cuDNN check, the ops' choice)
-    monkeypatch.setattr(module, "device_facts", lambda: device[platform])
+    monkeypatch.setattr(module, "device_facts", lambda: device)
   opt_state = jax.eval_shape(tx.init, params)
   # Parameters and optimizer state donated, as measure_step compiles it.
   calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]
-  exported = export_for(
-    step, params, opt_state, tokens, tokens, platform=platform, calls=calls, donate_argnums=(0, 1)
-  )
+  args = (params, opt_state, tokens, tokens)
+  exported = export_for(step, *args, platform=platform, calls=calls, donate_argnums=(0, 1))
   module = exported.mlir_module()
   kernel = {"cudnn": None, "pallas": TRITON if platform == "cuda" else "tpu_custom_call"}[impl]
   if kernel:
@@ -92,11 +85,8 @@ def test_kernel_form_rows_lower_for_cuda(op):
   ones with the segments as their third axis (AFT-local's dw kernel aside)."""
   rows = accelerator_check.op_rows("pallas", "gpu")
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
-  args = (
-    (x, x, x)
-    if rows[f"{op}/pallas"][1] is None
-    else (x, x, x, jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
-  )
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  args = (x, x, x) if rows[f"{op}/pallas"][1] is None else (x, x, x, w)
   z = {}
   for form in accelerator_check.KERNEL_FORMS:
     fn = bench_ops.fwd_bwd(rows[f"{op}/pallas[{form}]"][0])

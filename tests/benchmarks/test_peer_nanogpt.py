@@ -1,7 +1,6 @@
-"""benchmarks.peer_nanogpt: its data, validation windows, nanoGPT command and log parsing, the
-order of runs and their table, and a --quick run of the driver with a stand-in for nanoGPT that
-checks its parent has no jax runtime. None of it needs torch: nanoGPT itself runs only in the
-benchmark."""
+"""benchmarks.peer_nanogpt without torch: its data, validation windows, nanoGPT command and log
+parsing, the order of runs and their table, and a --quick run of the driver with a stand-in for
+nanoGPT that checks its parent has no jax runtime."""
 
 import ast
 import json
@@ -23,9 +22,8 @@ def test_split_windows_and_nanogpt_data_files(tmp_path):
   chars, train, val = peer.split_text(text)
   assert chars == sorted(set(text))
   ids = [chars.index(c) for c in text]
-  n = int(len(text) * 0.9)
   np.testing.assert_array_equal(np.concatenate([train, val]), ids)
-  assert len(train) == n
+  assert len(train) == int(len(text) * 0.9)
   inputs, targets = peer.validation_windows(val, 4)
   # Reference: disjoint windows at 0, 4, 8, ..., each with its next characters as targets.
   starts = range(0, len(val) - 4, 4)
@@ -34,8 +32,7 @@ def test_split_windows_and_nanogpt_data_files(tmp_path):
   peer.write_nanogpt_data(str(tmp_path), chars, train, val)
   np.testing.assert_array_equal(np.fromfile(tmp_path / "train.bin", np.uint16), train)
   np.testing.assert_array_equal(np.fromfile(tmp_path / "val.bin", np.uint16), val)
-  with open(tmp_path / "meta.pkl", "rb") as f:
-    meta = pickle.load(f)
+  meta = pickle.load(open(tmp_path / "meta.pkl", "rb"))
   assert meta["vocab_size"] == len(chars)
   assert "".join(meta["itos"][i] for i in ids) == text and meta["stoi"]["h"] == chars.index("h")
 
@@ -50,9 +47,8 @@ def test_nanogpt_command_and_log():
   assert flags["lr_decay_iters"] == flags["eval_interval"] == flags["max_iters"] == "2000"
   assert flags["device"] == "cpu" and flags["log_interval"] == "1" and flags["dropout"] == "0.0"
   log = "step 0: train loss 4.6, val loss 4.6\niter 0: loss 4.6021, time 812.50ms, mfu -100.00%\n"
-  log += "".join(
-    f"iter {i}: loss {3 - i / 100:.4f}, time {50 + i % 3}.00ms, mfu 1%\n" for i in (1, 2, 3)
-  )
+  for i in (1, 2, 3):
+    log += f"iter {i}: loss {3 - i / 100:.4f}, time {50 + i % 3}.00ms, mfu 1%\n"
   parsed = peer.parse_nanogpt_log(log)
   assert parsed == {0: (4.6021, 812.5), 1: (2.99, 51.0), 2: (2.98, 52.0), 3: (2.97, 50.0)}
   ms = {k: v for k, (_, v) in parsed.items()}
@@ -84,8 +80,7 @@ def test_runs_alternate_and_each_aft_run_is_set_against_the_nanogpt_runs_beside_
 
 
 # A stand-in for nanoGPT's train.py: logs its iterations as train.py does, writes a checkpoint
-# file, and records whether the process that started it (the benchmark's driver) has a jax
-# runtime loaded (jaxlib's shared libraries in its memory map).
+# file, and records whether its parent (the benchmark's driver) has jaxlib in its memory map.
 FAKE_TRAIN = """
 import json, os, sys
 flags = dict(a[2:].split("=", 1) for a in sys.argv[2:])
@@ -98,8 +93,8 @@ with open(os.environ["FAKE_NANOGPT_LOG"], "a") as f:
   f.write(json.dumps({"parent_has_jax": "jaxlib" in maps}) + "\\n")
 """
 
-# A stand-in for the PyTorch environment's Python: runs train.py as a script, answers the
-# scorer with a fixed score and the version question with a fake version.
+# A stand-in for the PyTorch environment's Python: runs train.py, answers the scorer with a fixed
+# score and the version question with a fake version.
 FAKE_PYTHON = """#!{python}
 import json, runpy, sys
 args = sys.argv[1:]
@@ -117,17 +112,14 @@ def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_pat
   import jax  # the probe's control: a process with jax loaded maps jaxlib
 
   assert jax.__version__ and "jaxlib" in open(f"/proc/{os.getpid()}/maps").read()
-  nanogpt = tmp_path / "nanoGPT"
+  nanogpt, python, text = tmp_path / "nanoGPT", tmp_path / "torch_python", tmp_path / "text.txt"
   nanogpt.mkdir()
   (nanogpt / "train.py").write_text(FAKE_TRAIN)
   (nanogpt / "configurator.py").write_text("")
-  python = tmp_path / "torch_python"
   python.write_text(FAKE_PYTHON.format(python=sys.executable))
   python.chmod(0o755)
-  text = tmp_path / "text.txt"
   text.write_text(peer.__doc__ * 4)
-  log = tmp_path / "nanogpt.log"
-  out = tmp_path / "out"
+  log, out = tmp_path / "nanogpt.log", tmp_path / "out"
   # The driver as a user starts it: a plain subprocess (not the tests' fork server, which has
   # jax loaded), which starts the nanoGPT runs and the aft-jax worker as its children.
   proc = subprocess.run(
@@ -138,9 +130,7 @@ def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_pat
     timeout=600,
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert [json.loads(line) for line in log.read_text().splitlines()] == [
-    {"parent_has_jax": False}
-  ] * 2
+  assert log.read_text().splitlines() == ['{"parent_has_jax": false}'] * 2
   result = json.loads((out / "peer_nanogpt.json").read_text())
   assert [r["model"] for r in result["records"]] == ["nanoGPT", "aft-jax aft_simple", "nanoGPT"]
   first, r, last = result["records"]
@@ -162,12 +152,10 @@ def test_the_driver_imports_no_jax():
   # Only the standard library and NumPy (and, in the scorer run by the PyTorch environment's
   # Python, torch and nanoGPT's model): importing aft_jax would start jax in the driver.
   tree = ast.parse(open(peer.__file__).read())
-  imported = {
-    (n.module if isinstance(n, ast.ImportFrom) else alias.name).split(".")[0]
-    for n in ast.walk(tree)
-    if isinstance(n, (ast.Import, ast.ImportFrom))
-    for alias in n.names
-  }
+  imported = set()
+  for n in ast.walk(tree):
+    if isinstance(n, (ast.Import, ast.ImportFrom)):
+      imported |= {(getattr(n, "module", None) or a.name).split(".")[0] for a in n.names}
   assert imported <= set(sys.stdlib_module_names) | {"numpy", "__future__", "torch", "model"}
 
 

@@ -1,20 +1,20 @@
 """The README's and docs/*.md's commands, examples, links and file names are the real ones.
 
 Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
-an ``aft-*`` console script) names a script or module that exists, only flags that program
-defines (read from its ``--helpfull`` / ``--help``: cheap, nothing is trained), a recipe that
-exists, config keys (``--config.KEY=...``) that recipe has and a ``--dry_run`` target that exists.
-Every ```python block in docs/ runs, unless the line before it is ``<!-- not run: REASON -->``.
-Every relative link points at a file (and a heading, for ``#anchor``) that exists, and every
-repository path written in backticks exists. The README opens with the quickstart and the test
-command, and its example runs; notebooks/quickstart.ipynb is committed clean and agrees with the
-README, docs/ and pyproject.toml on the repository (tests/e2e/test_wheel.py runs it)."""
+an ``aft-*`` console script) names a program that exists, only flags that program defines (read
+from its ``--helpfull`` / ``--help``: nothing is trained), a recipe that exists, config keys
+that recipe has and a ``--dry_run`` target that exists. Every ```python block in docs/ runs,
+unless the line before it is ``<!-- not run: REASON -->``. Relative links, their anchors and
+repository paths in backticks exist. The README opens with the quickstart and the test command;
+notebooks/quickstart.ipynb is committed clean and agrees with the README, docs/ and
+pyproject.toml (tests/e2e/test_wheel.py runs it)."""
 
 import contextlib
 import functools
 import glob
 import importlib.util
 import io
+import itertools
 import os
 import re
 import shlex
@@ -51,8 +51,7 @@ def blocks(page, lang):
 
 
 def _tokens(line):
-  """shlex tokens of a shell line, with quoted commands (``--command "cd x && python ..."``)
-  split into their own tokens."""
+  """shlex tokens of a shell line, quoted commands (``--command "cd x && python ..."``) split."""
   out = []
   for tok in shlex.split(line, comments=True):
     out.extend(_tokens(tok) if re.search(r"\s", tok) else [tok])
@@ -66,58 +65,47 @@ def commands():
   for page in PAGES:
     for lineno, block, _ in blocks(page, "bash"):
       for line in block.replace("\\\n", " ").splitlines():
-        segment = []
-        for tok in _tokens(line) + [";"]:
-          if tok not in SEPARATORS:
-            segment.append(tok)
-            continue
+        for is_separator, group in itertools.groupby(_tokens(line), lambda t: t in SEPARATORS):
+          segment = list(group)
           heads = [i for i, t in enumerate(segment) if t in SCRIPTS or t in ("python", "python3")]
-          if heads:
-            i = heads[0]
-            if segment[i] in SCRIPTS:
-              prog, rest = ("entry", segment[i]), segment[i + 1 :]
-            elif segment[i + 1] == "-m":
-              prog, rest = ("module", segment[i + 2]), segment[i + 3 :]
-            else:
-              prog, rest = ("script", segment[i + 1]), segment[i + 2 :]
-            out.append((f"{page}:{lineno}: {' '.join(segment)}", prog, rest))
-          segment = []
+          if is_separator or not heads:
+            continue
+          i = heads[0]
+          if segment[i] in SCRIPTS:
+            prog, rest = ("entry", segment[i]), segment[i + 1 :]
+          elif segment[i + 1] == "-m":
+            prog, rest = ("module", segment[i + 2]), segment[i + 3 :]
+          else:
+            prog, rest = ("script", segment[i + 1]), segment[i + 2 :]
+          out.append((f"{page}:{lineno}: {' '.join(segment)}", prog, rest))
   return out
 
 
-def _help(kind, name, flag):
-  """(exit status, stdout and stderr) of the program run with ``flag``, forked by prefork."""
-  if kind == "entry":  # the console script's function, as its launcher calls it
+def help_text(kind, name):
+  """A program's help text (absl's --helpfull, else argparse's --help: status 2), forked by
+  tests/support/prefork.py (the console script's function as its launcher calls it)."""
+  if kind == "entry":
     module, fn = SCRIPTS[name].split(":")
-    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
-    argv = ["-c", code]
+    argv = [
+      "-c",
+      f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())",
+    ]
   else:
     argv = ["-m", name] if kind == "module" else [name]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = prefork.run([sys.executable, *argv, flag], cwd=ROOT, env=env, timeout=600)
-  return done.returncode, done.stdout + done.stderr
-
-
-def help_texts(progs) -> dict:
-  """Each program's help text (absl's --helpfull, else argparse's --help: status 2), each
-  forked from tests/support/prefork.py's server: cheap, nothing is trained."""
-  texts = {}
-  for kind, name in sorted(progs):
-    code, text = _help(kind, name, "--helpfull")
-    if code == 2:  # argparse: an unknown argument
-      code, text = _help(kind, name, "--help")
-    texts[(kind, name)] = text
-  return texts
+  for flag in ("--helpfull", "--help"):
+    done = prefork.run([sys.executable, *argv, flag], cwd=ROOT, env=env, timeout=600)
+    if done.returncode != 2:  # argparse: an unknown argument
+      break
+  return done.stdout + done.stderr
 
 
 def program_flags(text):
   """The long flags a program's help text names."""
   flags = set()
   for negatable, flag in re.findall(r"(?<![\w-])--(\[no\])?([A-Za-z][\w.-]*)", text):
-    flags.add(flag)
-    if negatable:
-      flags.add("no" + flag)
-  return frozenset(flags)
+    flags |= {flag, "no" + flag} if negatable else {flag}
+  return flags
 
 
 def _is_placeholder(value):
@@ -139,53 +127,35 @@ def recipe_config(spec):
 
 
 def _has_key(config, key):
-  node = config
   for part in key.split("."):
-    if not hasattr(node, "keys") or part not in node.keys():
+    if not hasattr(config, "keys") or part not in config.keys():
       return False
-    node = node[part]
+    config = config[part]
   return True
 
 
 def _values(rest, flag):
   """The values given to --flag in ``rest`` (``--flag X`` or ``--flag=X``)."""
-  out = []
-  for i, tok in enumerate(rest):
-    if tok == f"--{flag}" and i + 1 < len(rest):
-      out.append(rest[i + 1])
-    elif tok.startswith(f"--{flag}="):
-      out.append(tok.split("=", 1)[1])
-  return out
+  return re.findall(rf"(?<!\S)--{flag}[= ](\S+)", " ".join(rest))
 
 
-def test_the_pages_have_commands_of_every_kind():
-  kinds = {prog[0] for _, prog, _ in commands()}
-  assert kinds == {"script", "module", "entry"}, kinds
-
-
-def test_every_command_names_a_program_that_exists():
+def test_every_command_names_a_program_that_exists_and_flags_it_defines():
+  assert {prog[0] for _, prog, _ in commands()} == {"script", "module", "entry"}
   for where, (kind, name), _ in commands():
     if kind == "script":
       assert os.path.isfile(os.path.join(ROOT, name)), where
-    elif kind == "module":
-      assert importlib.util.find_spec(name) is not None, where
     else:
-      module = SCRIPTS[name].split(":")[0]
+      module = name if kind == "module" else SCRIPTS[name].split(":")[0]
       assert importlib.util.find_spec(module) is not None, where
-
-
-def test_every_flag_is_one_the_program_defines():
   todo = [(w, p, r) for w, p, r in commands() if not (p[0] == "module" and p[1] in EXTERNAL)]
-  texts = help_texts({prog for _, prog, _ in todo})
+  texts = {prog: help_text(*prog) for prog in sorted({prog for _, prog, _ in todo})}
   for prog, text in texts.items():
     assert "Traceback" not in text, (prog, text[-2000:])
     assert text.strip(), prog  # it printed its help (or its usage), not nothing
   for where, prog, rest in todo:
     for tok in rest:
-      if not tok.startswith("--") or tok.startswith("--config."):
-        continue
-      flag = tok[2:].split("=", 1)[0]
-      assert flag in program_flags(texts[prog]), (where, flag)
+      if tok.startswith("--") and not tok.startswith("--config."):
+        assert tok[2:].split("=", 1)[0] in program_flags(texts[prog]), (where, tok)
 
 
 def test_every_recipe_config_key_and_target_exists():
@@ -207,14 +177,20 @@ def test_every_recipe_config_key_and_target_exists():
   assert checked > 10
 
 
-def test_every_python_example_in_the_docs_runs(tmp_path, monkeypatch):
+def test_every_python_example_runs(tmp_path, monkeypatch):
+  """docs/'s examples, and the README's layer example, which prints its output's shape."""
   monkeypatch.chdir(tmp_path)
-  for page in PAGES[1:]:  # the README's example: test_using_the_layers_example_runs
+  for page in PAGES[1:]:
     for lineno, block, before in blocks(page, "python"):
       if re.fullmatch(r"<!-- not run: .{10,} -->", before.strip()):
         continue
       with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(block, f"{page}:{lineno}", "exec"), {})
+  (example,) = [b for _, b, _ in blocks("README.md", "python") if "AFTLocal" in b]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(example, "README.md", "exec"), {})
+  assert out.getvalue().strip() == "(4, 100, 64)"
 
 
 def _slug(heading):
@@ -223,17 +199,14 @@ def _slug(heading):
   return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def _anchors(path):
-  text = open(path).read()
-  text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-  return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+def _without_code(text):
+  return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
-def test_every_relative_link_points_at_a_file_that_exists():
+def test_every_link_and_repository_path_exists_and_the_readme_links_each_page():
   checked = 0
   for page in PAGES:
-    text = re.sub(r"^```.*?^```", "", TEXT[page], flags=re.S | re.M)
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(TEXT[page])):
       if re.match(r"[a-z]+:", target):
         continue
       file, _, anchor = target.partition("#")
@@ -241,34 +214,22 @@ def test_every_relative_link_points_at_a_file_that_exists():
       path = path if file else os.path.join(ROOT, page)
       assert os.path.exists(path), (page, target)
       if anchor and path.endswith(".md"):
-        assert anchor in _anchors(path), (page, target)
+        headings = re.findall(r"^#+ (.*)$", _without_code(open(path).read()), flags=re.M)
+        assert anchor in {_slug(h) for h in headings}, (page, target)
       checked += 1
-  assert checked > 20
-
-
-def test_every_repository_path_in_backticks_exists():
-  tops = "aft_jax|benchmarks|configs|docs|notebooks|tests|\\.ci"
-  for page in PAGES:
+    tops = "aft_jax|benchmarks|configs|docs|notebooks|tests|\\.ci"
     for path in re.findall(rf"`((?:{tops})/[^`\s]*)`", TEXT[page]):
       path = path.split(":")[0]
-      if _is_placeholder(path):
-        continue
-      assert os.path.exists(os.path.join(ROOT, path)), (page, path)
-
-
-def test_every_docs_page_is_linked_from_the_readme():
-  for page in PAGES[1:]:
-    assert f"]({page})" in TEXT["README.md"], page
-
-
-# ------------------------------------------------------------------ the README and the notebook
+      assert _is_placeholder(path) or os.path.exists(os.path.join(ROOT, path)), (page, path)
+    assert page == "README.md" or f"]({page})" in README, page
+  assert checked > 20
 
 
 def _commands(block):
   return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_readme_opens_with_the_quickstart_and_the_test_command():
+def test_readme_opens_with_the_quickstart_and_the_test_command_and_says_what_fits():
   first, second = [block for _, block, _ in blocks("README.md", "bash")[:2]]
   (install_and_train,) = _commands(first)
   (install_and_test,) = _commands(second)
@@ -280,26 +241,11 @@ def test_readme_opens_with_the_quickstart_and_the_test_command():
     'python3 -m pip install -e ".[test]" && python3 -m aft_jax.deviceless install && '
     "python3 -m pytest"
   )
-  ci = open(os.path.join(ROOT, ".ci", "run")).read()
-  assert install_and_test in ci
-
-
-def test_readme_is_a_front_page_that_says_how_to_ask_what_fits():
+  assert install_and_test in open(os.path.join(ROOT, ".ci", "run")).read()
   assert len(README.splitlines()) <= 300
   section = README[README.index("## Does it fit my GPU?") :].split("\n## ")[0]
   assert "python train.py --config " in section and "--dry_run --target NAME" in section
   assert "[--num_devices N]" in section and "(docs/what_fits.md)" in section
-
-
-def test_using_the_layers_example_runs():
-  (example,) = [b for _, b, _ in blocks("README.md", "python") if "AFTLocal" in b]
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    exec(compile(example, "README.md", "exec"), {})
-  assert out.getvalue().strip() == "(4, 100, 64)"
-
-
-def test_readme_says_the_blog_formula_is_not_aft():
   assert "`sigma(Q) * (K^T V)`; that is not\nAFT" in README or "that is not AFT" in README
 
 
@@ -315,13 +261,11 @@ def test_help_on_the_layers_reads_well():
     assert "Args:" in doc and "Returns:" in doc and "[..., " in doc, name
 
 
-def test_committed_notebook_has_no_outputs():
-  for cell in NOTEBOOK.cells:
-    if cell.cell_type == "code":
-      assert not cell.outputs and cell.execution_count is None
+def test_the_notebook_is_clean_and_agrees_on_the_repository_jax_and_recipes():
+  from aft_jax.trainer import recipes
 
-
-def test_the_repository_url_is_the_one_in_pyproject():
+  for cell in NOTEBOOK.cells:  # committed without outputs
+    assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
   owner_repo = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+)", URL).group(1)
   badge = (
     f"https://colab.research.google.com/github/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
@@ -335,25 +279,16 @@ def test_the_repository_url_is_the_one_in_pyproject():
   sources = re.findall(r"git\+(https://[^\s\"']+)", README + DOCS + install_cell)
   assert f'"aft-jax @ git+{URL}"' in install_cell
   assert sources and set(sources) == {URL}, sources
-
-
-def test_install_lines_for_each_platform_and_the_jax_the_notebook_names():
-  install = README[README.index("## Install") :]
-  first_block = install.split("```")[1]  # the section starts with the install lines
+  # The install lines for each platform, the extras they name, and the jax the cell asks for
+  # (pyproject.toml's lower bound).
+  first_block = README[README.index("## Install") :].split("```")[1]
   joined = "\n".join(line for line in first_block.splitlines() if "pip install" in line)
   for extra in ("", "[cuda12]", "[tpu]"):
     assert f'"aft-jax{extra} @ git+{URL}"' in joined, extra
   extras = PYPROJECT["project"]["optional-dependencies"]
   assert extras["cuda12"] == ["jax[cuda12]"] and extras["tpu"] == ["jax[tpu]"]
-  # The install cell's message says which jax aft-jax needs: pyproject.toml's lower bound.
   (jax_req,) = [r for r in PYPROJECT["project"]["dependencies"] if re.match(r"jax\b", r)]
-  floor = jax_req.split(">=")[1]
-  assert f"needs jax >= {floor}" in NOTEBOOK.cells[1].source
-
-
-def test_every_recipe_the_notebook_and_readme_name_exists():
-  from aft_jax.trainer import recipes
-
+  assert f"needs jax >= {jax_req.split('>=')[1]}" in install_cell
   text = README + DOCS + "".join(c.source for c in NOTEBOOK.cells)
   names = re.findall(r"aft-train --config ([\w:]+)", text)
   assert "quickstart" in names

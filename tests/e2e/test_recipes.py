@@ -1,14 +1,8 @@
 """Every enwik8 recipe variant, and WikiText-103's default (AFT-local) and baseline (softmax),
-train end to end, tiny, on fake data. (configs/wikitext103.py sets nothing per mixing but
-``model.mixing``, and every mixing layer trains in the enwik8 runs: its other three variants
-would repeat them with the same adaptive softmax and protocol.)
-
-All seven runs share one process (and so JAX's start-up and compilation cache) and one copy of
-each fake dataset: the recipe file is loaded as train.py loads it (``file.py:arg``), shrunk to
-one layer of d 16 with T = 16, and handed to ``train_lib.train_and_evaluate``, the function
-train.py runs. What is checked is what a user reads: results.json's numbers and protocol.
-One more runs train.py itself: the WikiText-103 recipe with an argument, data flags and the
-adaptive softmax.
+train end to end, tiny, on fake data (configs/wikitext103.py sets nothing per mixing but
+``model.mixing``): seven runs in one process, each recipe loaded as train.py loads it and
+shrunk, checked on what a user reads (results.json's numbers and protocol). One more runs
+train.py itself: the WikiText-103 recipe with an argument, data flags and the adaptive softmax.
 """
 
 import importlib.util
@@ -64,9 +58,8 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
   fake_wikitext.write_extracted(wikitext_dir, "v1")
   data_dir = str(tmp_path / "data")  # each dataset is prepared once, by its first run
   for mixing in MIXINGS:
-    config = recipe(
-      f"enwik8.py:{mixing}", **{"data.data_dir": data_dir, "data.manual_dir": enwik8_dir}
-    )
+    data = {"data.data_dir": data_dir, "data.manual_dir": enwik8_dir}
+    config = recipe(f"enwik8.py:{mixing}", **data)
     results = train_lib.train_and_evaluate(config, str(tmp_path / f"enwik8_{mixing}"))
     assert results["steps"] == 2 and results["mixing"] == mixing
     for split in ("valid", "test"):
@@ -78,14 +71,8 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
     if mixing not in WIKITEXT_MIXINGS:
       continue
 
-    config = recipe(
-      f"wikitext103.py:{mixing}",
-      **{
-        "data.data_dir": data_dir,
-        "data.manual_dir": wikitext_dir,
-        "model.adaptive_cutoffs": (8, 16),
-      },
-    )
+    data = {"data.data_dir": data_dir, "data.manual_dir": wikitext_dir}
+    config = recipe(f"wikitext103.py:{mixing}", **data, **{"model.adaptive_cutoffs": (8, 16)})
     workdir = str(tmp_path / f"wt103_{mixing}")
     results = train_lib.train_and_evaluate(config, workdir)
     assert results["steps"] == 2 and results["mixing"] == mixing
@@ -96,33 +83,18 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
     for split, key in (("validation", "valid"), ("test", "test")):
       assert math.isfinite(results[f"{key}_ppl"]), results
       assert results[f"{key}_tokens"] == _words(split)  # every token scored exactly once
-    with open(os.path.join(workdir, "results.json")) as f:
-      assert json.load(f)["eval_protocol"]["stride"] == 1
+    assert json.load(open(os.path.join(workdir, "results.json")))["eval_protocol"]["stride"] == 1
 
 
 @pytest.mark.slow
 def test_wikitext_recipe_trains_with_train_py_on_fake_data(tmp_path):
   manual, data_dir, workdir = (str(tmp_path / name) for name in ("manual", "data", "run"))
   fake_wikitext.write_extracted(manual, "v1")
-  flags = {
-    "data.data_dir": data_dir,
-    "data.manual_dir": manual,
-    "num_train_steps": 2,
-    "model.num_layers": 1,
-    "model.d_model": 16,
-    "model.num_heads": 2,
-    "model.mlp_dim": 32,
-    "seq_len": 32,
-    "model.max_len": 32,
-    "model.window": 8,
-    "batch_size": 4,
-    "eval_batch_size": 8,
-    "model.adaptive_cutoffs": "(8,16)",
-    "model.dtype": "float32",
-    "sample.length": 5,
-    "log_every_steps": 1,
-  }
-  flags = [f"--config.{key}={value}" for key, value in flags.items()]
+  tiny = """num_train_steps=2 model.num_layers=1 model.d_model=16 model.num_heads=2
+    model.mlp_dim=32 seq_len=32 model.max_len=32 model.window=8 batch_size=4 eval_batch_size=8
+    model.adaptive_cutoffs=(8,16) model.dtype=float32 sample.length=5 log_every_steps=1"""
+  data = [f"data.data_dir={data_dir}", f"data.manual_dir={manual}"]
+  flags = [f"--config.{setting}" for setting in data + tiny.split()]
   cmd = train_py(workdir, *flags, config="configs/wikitext103.py:aft_local")
   out = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -43,53 +43,40 @@ def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
   for name in ("run", "data"):  # the copy needs neither the workdir nor the data
     os.rename(subword_run["tmp"] / name, hidden / name)
   try:
-    _results_have_perplexity_and_bits_per_byte(path)
-    _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys)
-    _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path)
+    saved = json.load(open(os.path.join(path, "results.json")))
+    assert saved["unit"] == "subword" and saved["steps"] == 2
+    for split in ("valid", "test"):
+      assert math.isfinite(saved[f"{split}_ppl"]) and math.isfinite(saved[f"{split}_bpb"])
+      # bits per byte: the split's total NLL over ln 2 and its bytes; pieces hold > 1 byte each
+      bits = saved[f"{split}_loss"] / math.log(2)
+      assert bits / 16 < saved[f"{split}_bpb"] < bits
+    info = json.load(open(os.path.join(path, "corpus.json")))
+    assert info["tokenizer"] == "subword" and info["vocab_size"] == 400
+    assert os.path.isfile(os.path.join(path, "subword.model"))
+
+    generate.main(["--workdir", path, "--prompt", "def ", "--length", "12"])
+    assert capsys.readouterr().out.startswith("def ")
+    text = tmp_path / "some.py"  # real text the model never saw
+    text.write_text(open(os.path.join(STDLIB, "logging", "handlers.py")).read()[:3000])
+    evaluate.main(["--workdir", path, "--text_file", str(text)])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["bytes"] == 3000 and out["unit"] == "subword" and math.isfinite(out["ppl"])
+    assert out["bpb"] == pytest.approx(out["nll"] * out["tokens"] / (3000 * math.log(2)))
+    _exports_give_the_same_log_probabilities(path, tmp_path)
     _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
   finally:
     for name in ("run", "data"):
       os.rename(hidden / name, subword_run["tmp"] / name)
 
 
-def _results_have_perplexity_and_bits_per_byte(path):
-  with open(os.path.join(path, "results.json")) as f:
-    saved = json.load(f)
-  assert saved["unit"] == "subword" and saved["steps"] == 2
-  for split in ("valid", "test"):
-    assert math.isfinite(saved[f"{split}_ppl"]) and math.isfinite(saved[f"{split}_bpb"])
-    # bits per byte: the split's total NLL over ln 2 and its bytes; pieces hold > 1 byte each
-    assert saved[f"{split}_bpb"] > saved[f"{split}_loss"] / math.log(2) / 16
-    assert saved[f"{split}_bpb"] < saved[f"{split}_loss"] / math.log(2)
-  with open(os.path.join(path, "corpus.json")) as f:
-    info = json.load(f)
-  assert info["tokenizer"] == "subword" and info["vocab_size"] == 400
-  assert os.path.isfile(os.path.join(path, "subword.model"))
-
-
-def _moved_workdir_generates_and_evaluates_a_text_file(path, tmp_path, capsys):
-  generate.main(["--workdir", path, "--prompt", "def ", "--length", "12"])
-  assert capsys.readouterr().out.startswith("def ")
-  text = tmp_path / "some.py"  # real text the model never saw
-  text.write_text(open(os.path.join(STDLIB, "logging", "handlers.py")).read()[:3000])
-  evaluate.main(["--workdir", path, "--text_file", str(text)])
-  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert out["bytes"] == 3000 and out["unit"] == "subword"
-  assert math.isfinite(out["ppl"]) and out["bpb"] == pytest.approx(
-    out["nll"] * out["tokens"] / (3000 * math.log(2))
-  )
-
-
-def _safetensors_round_trip_gives_the_same_log_probabilities(path, tmp_path):
+def _exports_give_the_same_log_probabilities(path, tmp_path):
   run = trained.load_run(path)
   ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
   tokens_BT = np.asarray([ids], np.int32)
   want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
   for name in ("model.safetensors", "model.msgpack"):
-    out = str(tmp_path / name)
-    with contextlib.redirect_stdout(io.StringIO()):
-      export.main(["--workdir", path, "--out", out])
-    model, params, vocab = aft_jax.load_pretrained(out)
+    _export(path, tmp_path / name)
+    model, params, vocab = aft_jax.load_pretrained(str(tmp_path / name))
     got = np.asarray(model.apply({"params": params}, tokens_BT))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
@@ -120,17 +107,9 @@ def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
 
 
 def _subword_config(docs, data_dir, **overrides):
-  return test_recipes.recipe(
-    "text.py",
-    **{
-      "data.train_files": str(docs / "*.py"),
-      "data.vocab_size": 400,
-      "data.data_dir": str(data_dir),
-      "eval_every_steps": 1000,
-      "checkpoint_every_steps": 1000,
-      **overrides,
-    },
-  )
+  data = {"data.train_files": str(docs / "*.py"), "data.data_dir": str(data_dir)}
+  steps = {"eval_every_steps": 1000, "checkpoint_every_steps": 1000}
+  return test_recipes.recipe("text.py", **data, **steps, **{"data.vocab_size": 400, **overrides})
 
 
 def _generate(workdir) -> str:
@@ -165,35 +144,16 @@ def subword_run(tmp_path_factory):
   return run
 
 
-def _train_file(run) -> str:
-  cfg = DataConfig.of(_subword_config(run["docs"], run["data"]).data)
-  return text_lib.split_files(cfg)["train"][0]
+def _train_files(docs):
+  return text_lib.split_files(DataConfig.of(_subword_config(docs, "x").data))["train"]
 
 
-def _change(run):
-  with open(_train_file(run), "a") as f:
-    f.write("# edited after training\n")
-  return {}, r"train file {} changed".format(_train_file(run))
-
-
-def _delete(run):
-  path = _train_file(run)
-  os.remove(path)
-  return {}, f"train file {path} was deleted"
-
-
-def _add(run):
-  path = run["docs"] / "added.py"
-  path.write_text("def added():\n  return 1\n")
-  return {}, f"{path} was added"
-
-
-DATA_CHANGES = {
-  "a train file changed": _change,
-  "a train file deleted": _delete,
-  "a train file added": _add,
-  "data.vocab_size": lambda run: ({"data.vocab_size": 420}, "data.vocab_size: 400 in the workdir"),
-  "data.tokenizer": lambda run: ({"data.tokenizer": "byte"}, "data.tokenizer: 'subword' in the"),
+DATA_CHANGES = {  # case: (config overrides, what the refusal names)
+  "a train file changed": ({}, "train file {train} changed"),
+  "a train file deleted": ({}, "train file {train} was deleted"),
+  "a train file added": ({}, "{added} was added"),
+  "data.vocab_size": ({"data.vocab_size": 420}, "data.vocab_size: 400 in the workdir"),
+  "data.tokenizer": ({"data.tokenizer": "byte"}, "data.tokenizer: 'subword' in the"),
 }
 
 
@@ -201,8 +161,17 @@ DATA_CHANGES = {
 def _changed(run, case):
   """The run's data changed as ``case`` says for the block: (config overrides, what the
   refusal names); the files are put back afterwards."""
+  train, added = _train_files(run["docs"])[0], run["docs"] / "added.py"
+  if case == "a train file changed":
+    with open(train, "a") as f:
+      f.write("# edited after training\n")
+  elif case == "a train file deleted":
+    os.remove(train)
+  elif case == "a train file added":
+    added.write_text("def added():\n  return 1\n")
+  overrides, says = DATA_CHANGES[case]
   try:
-    yield DATA_CHANGES[case](run)
+    yield overrides, says.format(train=train, added=added)
   finally:
     shutil.rmtree(run["docs"])
     shutil.copytree(run["tmp"] / "original", run["docs"])
@@ -218,7 +187,8 @@ def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
   case, allow, subword_run
 ):
   """Refused before any corpus is prepared or model compiled, with or without
-  --allow_config_change, naming the file or key; the workdir and the data folder unchanged."""
+  --allow_config_change, naming the file or key (a deleted file also as a user runs train.py and
+  evaluate); the workdir and the data folder unchanged."""
   before = _listings(subword_run)
   with _changed(subword_run, case) as (overrides, says):
     config = _subword_config(subword_run["docs"], subword_run["data"], **overrides)
@@ -229,37 +199,29 @@ def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
     assert says in line and "\n" not in line, line
     if case.startswith("a train file"):
       assert line.startswith("the data changed since the checkpoint at step 2: ")
+    split = ["--workdir", subword_run["workdir"], "--split", "validation"]
     if case.startswith("a train file") and not allow:  # the tools score no rebuilt corpus
       with pytest.raises(SystemExit) as e:
-        evaluate.main(["--workdir", subword_run["workdir"], "--split", "validation"])
+        evaluate.main(split)
       line = str(e.value)
       prefix = f"evaluate: --workdir {subword_run['workdir']}: the data changed since the "
       assert line.startswith(prefix + "checkpoint at step 2 was written: "), line
       assert says in line and "--split scores the corpus" in line and "\n" not in line, line
+    if case == "a train file deleted" and not allow:  # as a user runs them: exit 1, one line
+      train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
+      for cmd in (train, [sys.executable, "-m", "aft_jax.tools.evaluate", *split]):
+        done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+        assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
+          done.stderr
+        )
   assert _listings(subword_run) == before
 
 
 def test_after_the_refused_runs_generate_and_export_give_what_they_gave(subword_run, tmp_path):
-  """Whatever ran before (the refusals above, in any order): the samples and the exported
-  file are the ones of right after training."""
+  """Whatever ran before (the refusals above, in any order): the same samples and export."""
   assert _generate(subword_run["workdir"]) == subword_run["generated"]
   assert _export(subword_run["workdir"], tmp_path / "again.msgpack") == subword_run["exported"]
-
-
-def test_as_a_user_runs_them_train_and_evaluate_say_one_line_and_exit_1(subword_run):
-  """The headline case with the commands themselves: a deleted train file."""
-  before = _listings(subword_run)
-  config = _subword_config(subword_run["docs"], subword_run["data"])
-  with _changed(subword_run, "a train file deleted") as (_, says):
-    train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
-    split = [sys.executable, "-m", "aft_jax.tools.evaluate", "--workdir", subword_run["workdir"]]
-    for cmd in (train, split + ["--split", "validation"]):
-      done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-      assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
-      assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
-        done.stderr
-      )
-  assert _listings(subword_run) == before
 
 
 @pytest.fixture
@@ -268,11 +230,9 @@ def replaced_vocabulary(subword_run, tmp_path):
   file (another model of the same 400 pieces), as a refused run of an older version left them."""
   workdir = str(tmp_path / "replaced")
   shutil.copytree(subword_run["workdir"], workdir)
-  files = text_lib.split_files(DataConfig.of(_subword_config(subword_run["docs"], "x").data))
-  docs = [open(p).read() for p in files["train"]]
+  docs = [open(p).read() for p in _train_files(subword_run["docs"])]
   other = subword.train(docs[:-1] + [docs[-1] + "\n# edited after training\n"], 400)
-  with open(os.path.join(workdir, "corpus.json")) as f:
-    info = json.load(f)
+  info = json.load(open(os.path.join(workdir, "corpus.json")))
   assert other.sha256 != info["vocab_sha256"]
   other.save(os.path.join(workdir, "subword.model"))
   with open(os.path.join(workdir, "corpus.json"), "w") as f:

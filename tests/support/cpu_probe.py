@@ -3,13 +3,10 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test (setup, call and teardown): wall seconds, CPU seconds of the process that ran it and
-of the subprocesses it reaped (with the commands tests/support/prefork.py forked for it). A
-session fixture's cost lands on the first test that asks for it. The suite is CPU-bound, so CPU
-seconds, not wall time under load, are what a change saves. Files go to ``$AFT_CPU_PROBE_DIR``
-(default: in the temp dir), emptied when a session starts. The report's last line: the host's
-busy, idle and stolen shares of the cores' time over the session (``/proc/stat``); wall times
-compare only beside their steal.
+Per test: wall seconds, CPU seconds of its process and of the subprocesses it reaped (with the
+commands tests/support/prefork.py forked for it); a session fixture's cost lands on the first
+test that asks for it. Files go to ``$AFT_CPU_PROBE_DIR`` (default: in the temp dir). The
+report's last line: the host's busy, idle and stolen shares of the cores' time (``/proc/stat``).
 """
 
 import argparse
@@ -24,9 +21,7 @@ import time
 
 import pytest
 
-FOLDER = os.environ.get("AFT_CPU_PROBE_DIR") or os.path.join(
-  tempfile.gettempdir(), "aft_jax_cpu_probe"
-)
+FOLDER = os.environ.get("AFT_CPU_PROBE_DIR") or f"{tempfile.gettempdir()}/aft_jax_cpu_probe"
 _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' tests
 
 
@@ -35,7 +30,7 @@ def _cpu() -> tuple[float, float]:
   from tests.support import prefork
 
   own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + prefork.reaped_cpu()
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + prefork.reaped_cpu
 
 
 HOST_FILE = "host.stat"  # /proc/stat's cpu line at the session's start and end
@@ -56,22 +51,17 @@ def host_times() -> list[int] | None:
 def host_line(start: list[int], end: list[int]) -> str:
   """What the cores did between two ``host_times``, in percent of their time."""
   d = [b - a for a, b in zip(start, end)]
-  total = sum(d) or 1
-  busy = d[0] + d[1] + d[2] + d[5] + d[6]
-  pct = lambda x: f"{100 * x / total:.1f}%"
-  return (
-    f"host over the session: busy {pct(busy)}, idle {pct(d[3] + d[4])}, "
-    f"stolen {pct(d[7])} of the cores' time"
-  )
+  pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
+  busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
+  return f"host over the session: busy {busy}, idle {idle}, stolen {stolen} of the cores' time"
 
 
 def pytest_configure(config):
   global _host_start
   if not hasattr(config, "workerinput"):  # the session's first process: last run's files go
     os.makedirs(FOLDER, exist_ok=True)
-    for path in glob.glob(os.path.join(FOLDER, "*.json")) + [os.path.join(FOLDER, HOST_FILE)]:
-      if os.path.exists(path):
-        os.remove(path)
+    for path in glob.glob(f"{FOLDER}/*.json") + glob.glob(f"{FOLDER}/{HOST_FILE}"):
+      os.remove(path)
     _host_start = host_times()
 
 
@@ -109,14 +99,15 @@ def table(rows) -> list[str]:
   for nodeid, *times in rows:
     s = sums[folder_of(nodeid)]
     s[:] = [s[0] + 1] + [a + b for a, b in zip(s[1:], times)]
+  total = [sum(s[i] for s in sums.values()) for i in range(4)]
   lines = [
     "| folder | tests | sum of test times | CPU in pytest's processes | CPU in subprocesses |",
     "|---|---:|---:|---:|---:|",
   ]
-  for name, (n, wall, own, children) in sorted(sums.items(), key=lambda kv: -kv[1][2] - kv[1][3]):
-    lines.append(f"| `{name}` | {n} | {wall:.0f} s | {own:.0f} s | {children:.0f} s |")
-  total = [sum(s[i] for s in sums.values()) for i in range(4)]
-  lines.append(f"| all | {total[0]} | {total[1]:.0f} s | {total[2]:.0f} s | {total[3]:.0f} s |")
+  by_cpu = sorted(sums.items(), key=lambda kv: -kv[1][2] - kv[1][3])
+  for name, (n, wall, own, children) in by_cpu + [("all", total)]:
+    name = name if name == "all" else f"`{name}`"
+    lines.append(f"| {name} | {n} | {wall:.0f} s | {own:.0f} s | {children:.0f} s |")
   return lines
 
 

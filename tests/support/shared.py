@@ -1,7 +1,6 @@
-"""Fixtures made once per pytest session, by whichever pytest-xdist worker asks first (a
-session fixture is otherwise made once per worker), and the compilation cache's trimming.
-``once`` is for what tests treat as read-only; a module whose tests change their fixture keeps
-it in one worker instead (``pytest.mark.xdist_group``)."""
+"""Fixtures made once per pytest session, by whichever pytest-xdist worker asks first (for
+what tests treat as read-only; a fixture its tests change stays in one worker with
+``pytest.mark.xdist_group``), and the compilation cache's trimming."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ def session_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
-  """(folder, value): ``build(folder)``'s JSON-able value, built once per session in
-  ``folder`` (``<session dir>/<name>``) by the first process that asks, read back by the rest.
-  A build that raised leaves nothing behind, so the next process that asks builds again (and
-  fails the same way, with its own traceback)."""
+  """(folder, value): ``build(folder)``'s JSON-able value, built in ``<session dir>/<name>`` by
+  the first process that asks, read back by the rest. A build that raised leaves nothing, so
+  the next process that asks builds again (and fails with its own traceback)."""
   root = session_dir(tmp_path_factory)
   folder, done = root / name, root / f"{name}.json"
   with open(root / f"{name}.lock", "w") as lock:
@@ -41,10 +39,9 @@ def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
 
 def trim_cache(folder: str, keep: int) -> None:
   """Past ``keep`` bytes, the least recently written files of ``folder`` deleted down to half."""
-  try:
-    files = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder)]
-  except FileNotFoundError:
+  if not os.path.isdir(folder):
     return
+  files = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder)]
   if sum(size for _, size, _ in files) <= keep:
     return
   kept = 0
