@@ -1,6 +1,5 @@
-"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax
-(README.md, "Documentation"). ``import aft_jax`` imports no module (not jax): a command can say
-in one line what is wrong with a JAX_* environment variable before jax reads it."""
+"""aft-jax: the Attention Free Transformer (Zhai et al., 2021, arXiv 2105.14103) in JAX/Flax.
+``import aft_jax`` imports no module (not jax): a command checks JAX_* variables before jax."""
 
 import importlib
 

@@ -13,8 +13,7 @@ import signal
 import sys
 import threading
 
-# The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it.
-EXIT_STATUS = 128 + signal.SIGINT
+EXIT_STATUS = 128 + signal.SIGINT  # a command stopped by Ctrl-C, as a shell reports it
 
 
 @contextlib.contextmanager
@@ -23,8 +22,7 @@ def stops_on_ctrl_c(line: str):
   running = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
   stop = running if isinstance(running, _Stop) else _Stop(line)
   old = None
-  # Where Python's own handler is in place (main thread): a SIGINT that is ignored (a
-  # background command) or someone else's stays so.
+  # Only over Python's own handler: an ignored SIGINT (a background command) stays ignored.
   main = threading.current_thread() is threading.main_thread()
   if stop is not running and main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     old = signal.signal(signal.SIGINT, stop.on_sigint)

@@ -12,27 +12,23 @@ import shutil
 import subprocess
 import sys
 
-# The environment variable that marks a process started by ``reexec`` / ``environment``.
-CHILD_ENV = "AFT_JAX_DEVICELESS"
+CHILD_ENV = "AFT_JAX_DEVICELESS"  # marks a process started in ``environment``
 _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-  """``kind``: the plugin it needs; ``spec``: the GPU description file or TPU generation."""
-
   name: str
-  kind: str
-  spec: str
+  kind: str  # the plugin it needs
+  spec: str  # the GPU description file or TPU generation
   description: str
   memory_bytes: int | None = None
 
 
 def _gpu(name: str, description: str) -> CompileTarget:
   path = os.path.join(_SPECS, f"{name}.txtpb")
-  text = open(path).read()
-  memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
-  return CompileTarget(name, "cuda", path, description, memory)
+  memory = re.search(r"device_memory_size:\s*(\d+)", open(path).read()).group(1)
+  return CompileTarget(name, "cuda", path, description, int(memory))
 
 
 GIB = 1 << 30
@@ -64,7 +60,7 @@ def _jaxlib_version() -> str:  # (a function: tests fake it)
 
 
 def plugin_packages(kind: str) -> list[str]:
-  """pip requirements: the CUDA plugin at jaxlib's version, libtpu at jax's ``tpu`` extra's."""
+  """pip requirements: the CUDA plugin at jaxlib's version, libtpu as jax's ``tpu`` extra."""
   if kind == "cuda":
     v = _jaxlib_version()
     return [f"jax-cuda12-plugin=={v}", f"jax-cuda12-pjrt=={v}"]
@@ -81,9 +77,7 @@ def plugin_packages(kind: str) -> list[str]:
 
 def plugin_dir(kind: str) -> str:
   """$AFT_JAX_PLUGIN_DIR (default ~/.cache/aft_jax/plugins)/jaxlib-<version>/<kind>."""
-  root = os.environ.get("AFT_JAX_PLUGIN_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "aft_jax", "plugins"
-  )
+  root = os.environ.get("AFT_JAX_PLUGIN_DIR") or os.path.expanduser("~/.cache/aft_jax/plugins")
   return os.path.join(root, f"jaxlib-{_jaxlib_version()}", kind)
 
 
@@ -92,8 +86,7 @@ def _name(requirement: str) -> str:  # a requirement's distribution name, normal
 
 
 def incomplete(kind: str) -> str | None:
-  """Why ``kind``'s plugin folder is no whole install, by pip's RECORD (None: whole or absent);
-  XLA would only say "topology not implemented"."""
+  """Why ``kind``'s plugin folder is no whole install, by pip's RECORD (None: whole or absent)."""
   path = plugin_dir(kind)
   if not os.path.isdir(path) or not os.listdir(path):
     return None
@@ -117,8 +110,7 @@ def installed(kind: str) -> bool:
 
 
 def install(kind: str, quiet: bool = False) -> str:
-  """``plugin_dir(kind)``, pip-installed (no dependencies) unless there; pip's last lines as a
-  RuntimeError if it fails."""
+  """``plugin_dir(kind)``, pip-installed unless there (a RuntimeError: pip's last lines)."""
   path = plugin_dir(kind)
   if installed(kind):
     return path
@@ -142,14 +134,12 @@ def ptxas() -> str:
 
 
 def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dict:
-  """A compiling process's environment: the plugin on PYTHONPATH, its switches, and
-  ``num_cpu_devices`` host devices (the 'cpu' target)."""
+  """A compiling process's environment: the plugin, its switches, ``num_cpu_devices`` hosts."""
   env = dict(os.environ if base is None else base)
   env[CHILD_ENV] = kind
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the plugin's "no CUDA driver" INFO lines
   if kind in ("cuda", "tpu"):
-    # jax's persistent cache stores these executables but cannot load them back without the
-    # device (every later run would warn that it cannot read the entry): none for them.
+    # jax's persistent cache cannot load these executables back without the device: none.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if incomplete(kind) is not None:
       raise RuntimeError(
@@ -168,8 +158,7 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
   if kind == "tpu":
     env["TPU_WORKER_HOSTNAMES"] = "localhost"  # else libtpu logs an error looking for peers
     env.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # No TPU is used, only its compiler: several compiling processes may load libtpu at once
-    # (without this, the second one stops at libtpu's single-process lock file).
+    # Only its compiler: several processes may load libtpu (else the second stops at its lock).
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   if num_cpu_devices:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
@@ -178,7 +167,7 @@ def environment(kind: str, num_cpu_devices: int | None = None, base=None) -> dic
 
 
 def reexec(kind: str, num_cpu_devices: int | None = None, argv=None) -> None:
-  """Restarts this command in ``environment(kind)`` (installing a missing plugin) unless there."""
+  """Restarts this command in ``environment(kind)`` unless there."""
   if os.environ.get(CHILD_ENV) == kind:
     return
   if kind in ("cuda", "tpu") and incomplete(kind) is None:
@@ -194,7 +183,6 @@ MAX_DEVICES = {"cpu": 512, "cuda": 65_536, "tpu": 256}
 
 
 def check_num_devices(target: CompileTarget, num_devices: int) -> None:
-  """A one-line ValueError unless ``num_devices`` of ``target`` can be compiled for."""
   if num_devices < 1:
     raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
   limit = MAX_DEVICES[target.kind]
@@ -208,7 +196,7 @@ def check_num_devices(target: CompileTarget, num_devices: int) -> None:
 
 
 def _tpu_layout(n: int) -> tuple[str, int]:
-  """A TPU slice name with at least n chips (1 or 2 from a 2x2: a 1x1 is refused) and n."""
+  """A TPU slice name with at least n chips (a 1x1 is refused) and n."""
   side = {1: "2x2", 2: "2x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16"}
   if n not in side and n != 256:
     raise ValueError(f"--num_devices: a TPU slice has 1, 2, 4, ... 256 chips, not {n}")
@@ -216,7 +204,6 @@ def _tpu_layout(n: int) -> tuple[str, int]:
 
 
 def devices(target: CompileTarget | str, num_devices: int = 1) -> list:
-  """``num_devices`` devices of ``target`` to compile for (in ``environment(target.kind)``)."""
   import jax
   from jax.experimental import topologies
 

@@ -23,15 +23,13 @@ class DiskFullError(OSError):
 
 
 def check_space(path: str, num_bytes: int) -> None:
-  """DiskFullError unless ``path``'s disk has ``num_bytes`` free (a memory-mapped file on a full
-  disk dies of SIGBUS, without a message)."""
+  """DiskFullError unless ``path``'s disk has ``num_bytes`` free (else a memmap dies of SIGBUS)."""
   if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < num_bytes:
     raise DiskFullError(path, num_bytes)
 
 
 def check_file_path(flag: str, path: str) -> None:
-  """A one-line ValueError naming ``flag`` unless ``path`` (or a symlink's target) can be
-  written as a file."""
+  """A one-line ValueError naming ``flag`` unless ``path`` can be written as a file."""
   if not path:
     raise ValueError(f"{flag} is empty: give a file name")
   real = os.path.realpath(path)
@@ -45,8 +43,7 @@ def check_file_path(flag: str, path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
-  """A temporary path beside ``path``, renamed to it if the block succeeds, removed otherwise (a
-  symlink is written through)."""
+  """A temporary path beside ``path``, renamed to it if the block succeeds, else removed."""
   path = os.path.realpath(path)
   tmp = f"{path}.tmp-{os.getpid()}{suffix}"
   try:

@@ -1,6 +1,5 @@
 """A stream's state as a file (``aft-generate --save_state`` / ``--state``; docs/training.md,
-"Streams: no length limit"): safetensors, a tensor per leaf, and as metadata the format,
-version, model ``fingerprint``, position, PRNG and a SHA-256 of all the rest."""
+"Streams: no length limit"): safetensors, its metadata's SHA-256 covering all the rest."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from aft_jax.decode import Stream, init_cache
 
 FORMAT = "aft_jax.stream"
 VERSION = 1
-_SEP = "/"
 
 
 def fingerprint(model_cfg, params) -> str:
@@ -51,8 +49,8 @@ def save(path: str, stream: Stream, model_fingerprint: str) -> None:
 
   cache = jax.device_get(stream.cache)
   tensors = {
-    f"cache{_SEP}{k}": np.array(v, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
-    for k, v in traverse_util.flatten_dict(cache, sep=_SEP).items()
+    f"cache/{k}": np.array(v, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+    for k, v in traverse_util.flatten_dict(cache, sep="/").items()
   }
   tensors["last"] = np.array(stream.last_B, np.int32, order="C")
   tensors["rng"] = np.array(jax.random.key_data(stream.rng), order="C")
@@ -97,15 +95,15 @@ def load(path: str, model, model_fingerprint: str) -> Stream:
       f"{where} is the state of another model (fingerprint {str(meta.get('model'))[:12]}..., "
       f"this one's {model_fingerprint[:12]}...): a state continues only the model that wrote it"
     )
-  prefix = f"cache{_SEP}"
+  prefix = "cache/"
   cache = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
   last, key = tensors.get("last"), tensors.get("rng")
   rows = last.shape[0] if last is not None and last.ndim == 1 else 0
   abstract = jax.eval_shape(functools.partial(init_cache, model, max(rows, 1)))
-  want = traverse_util.flatten_dict(abstract, sep=_SEP)
+  want = traverse_util.flatten_dict(abstract, sep="/")
   shapes = lambda d: {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in d.items()}  # noqa: E731
   if key is None or not rows or shapes(cache) != shapes(want):
     raise ValueError(f"{where} does not hold this model's decoding state")
-  cache = jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(cache, sep=_SEP))
+  cache = jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(cache, sep="/"))
   rng = jax.random.wrap_key_data(key, impl=meta.get("rng_impl", "threefry2x32"))
   return Stream(cache, np.asarray(last, np.int32), rng)

@@ -1,5 +1,5 @@
-"""A run's workdir: the names of its files and their reading and writing (docs/training.md, "What
-lands in the workdir"). It imports only the file helpers, vocabularies and the corpus record."""
+"""A run's workdir: its files' names, reading and writing (docs/training.md, "What lands in the
+workdir")."""
 
 from __future__ import annotations
 
@@ -90,28 +90,24 @@ class Workdir:
     file = {"word": self.vocab_file, "subword": self.subword_file}.get(info["tokenizer"])
     what = f"{os.path.basename(file)} and corpus.json" if file else "corpus.json"
     saved = {k: v for k, v in (saved or {}).items() if k in now}
-    record.check_corpus(
-      saved,
-      now,
-      since,
-      hint=f"the workdir's {what} were replaced after training (a refused run of an older "
-      "aft_jax rewrote them): put the originals back, or rerun train.py on the original data "
-      "to write them again",
+    hint = (
+      f"the workdir's {what} were replaced after training (a refused run of an older aft_jax "
+      "rewrote them): put the originals back, or rerun train.py on the original data to write "
+      "them again"
     )
+    record.check_corpus(saved, now, since, hint)
 
   def read_corpus(self) -> dict | None:
     return _read_json(self.corpus_file)
 
   def trained_corpus(self, items: dict) -> dict | None:
-    """The corpus record of the checkpoint's JSON ``items`` ({}: none), else corpus.json's, else
-    (an older run) ``record.unrecorded``'s; None: no run."""
+    """The checkpoint's corpus record, else corpus.json's, else an older run's; None: no run."""
     saved = items.get("corpus") or self.read_corpus()
     if saved is None and (items or os.path.isfile(self.config_file)):
       saved = record.unrecorded(_read_json(self.results_file), items.get("data"))
     return saved
 
   def load_vocab(self) -> tuple[dict, vocab_lib.Vocab] | None:
-    """(corpus.json's dict, vocabulary); None without them."""
     info = self.read_corpus()
     if info is None:
       return None
@@ -152,7 +148,6 @@ class Workdir:
     return sorted(int(d) for d in os.listdir(self.checkpoints_dir) if d.isdigit())
 
   def check(self, step: int | None = None) -> int:
-    """The checkpoint step to load (default: the latest), or a one-line ValueError."""
     if not os.path.isdir(self.path):
       raise ValueError(f"--workdir {self.path} does not exist")
     if not os.path.exists(self.config_file):
@@ -183,7 +178,7 @@ def _read_json(path: str) -> dict | None:
 
 
 def vocab_payload(vocab: vocab_lib.Vocab) -> list[str] | str | None:
-  """An export's vocabulary: tokens, a subword model in base64, or None (bytes)."""
+  """An export's vocabulary: tokens, a subword model in base64, or None."""
   if isinstance(vocab, vocab_lib.WordVocab):
     return vocab.tokens
   if isinstance(vocab, subword.SubwordVocab):

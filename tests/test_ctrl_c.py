@@ -1,7 +1,5 @@
 """Ctrl-C in every command (aft_jax/ctrl_c.py): one line on stderr, exit status 130, nothing
-half-written left, never a crash, a traceback or a lost Ctrl-C. Each command is stopped at a
-known point: a stand-in for one function prints ``blocked`` and waits, and the test sends SIGINT
-once it has read that line."""
+half-written, never a crash or a lost Ctrl-C; each sent at a known point, never after a delay."""
 
 import os
 import shutil
@@ -16,35 +14,29 @@ from tests.support import prefork
 from tests.support.helpers import ROOT, config_flags, listing, trained_run_config
 
 # python -c COMMAND MODE WHERE SCRIPT ENTRY ARGS...: the console script SCRIPT (entry point
-# ENTRY) with ARGS, SIGINT at Python's default, stopped by MODE at WHERE. "read": blocks once
-# the coroutine WHERE ("module.name", Orbax's read of one array) is done, other reads in flight;
-# "call": blocks before the first call of WHERE; "gc": calls WHERE, then has a garbage-collector
-# callback send SIGINT. "import-signal" and "import-gc": one SIGINT at the WHERE-th Python call
-# a C extension's initialisation makes (numpy's, jaxlib's), sent there or from a gc callback run
-# there; a process that never sends it says so.
+# ENTRY), SIGINT at Python's default. "read": prints "blocked" and waits once the coroutine WHERE
+# (Orbax's read of one array) is done; "call": the same before WHERE's first call; "gc": after
+# WHERE, a gc callback sends SIGINT. "import-signal" / "import-gc": one SIGINT (or a gc callback
+# sending it) at the WHERE-th Python call of a C extension's initialisation.
 COMMAND = r"""
-import _imp, atexit, gc, importlib, signal, sys, time
+import _imp, gc, importlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 mode, where, script, entry, *args = sys.argv[1:]
 blocked, sent, depth, calls = [], [], 0, 0
 loading = (_imp.create_dynamic, _imp.exec_dynamic)
-
 def send():
   if not sent:
     sent.append(True)
     signal.raise_signal(signal.SIGINT)
-
 def from_gc_callback():
   gc.callbacks.append(lambda phase, info: send())
   gc.collect()
-
 def block():
   if not blocked:  # once: the calls that run meanwhile (other arrays' reads) go on
     blocked.append(True)
     print("blocked", flush=True)
     while True:  # (not signal.pause(): another thread may be the one the kernel signals)
       time.sleep(0.01)
-
 def profile(frame, event, arg):
   global depth, calls
   if event in ("c_call", "c_return", "c_exception") and arg in loading:
@@ -54,35 +46,24 @@ def profile(frame, event, arg):
     if calls == int(where):
       sys.setprofile(None)
       {"import-signal": send, "import-gc": from_gc_callback}[mode]()
-
-def unsent():
-  sys.setprofile(None)
-  if not sent:
-    print(f"no SIGINT sent: only {calls} calls", file=sys.stderr)
-
 if mode.startswith("import"):
-  atexit.register(unsent)  # (a command stopped by Ctrl-C ends without atexit)
   sys.setprofile(profile)
 else:
   import orbax.checkpoint  # before one of its modules on its own (an import cycle otherwise)
   owner, _, name = where.rpartition(".")
   owner = importlib.import_module(owner)
   real = getattr(owner, name)
-
   async def read(*a, **k):
     out = await real(*a, **k)
     block()
     return out
-
   def call(*a, **k):
     block()
     return real(*a, **k)
-
   def gc_(*a, **k):
     out = real(*a, **k)
     from_gc_callback()
     return out
-
   setattr(owner, name, {"read": read, "call": call, "gc": gc_}[mode])
 module, _, function = entry.partition(":")
 sys.argv = [script, *args]
@@ -99,13 +80,11 @@ RESUMES = (
 
 
 def _command(mode, where, script, args) -> list[str]:
-  """``COMMAND`` running the console script ``script`` (pyproject.toml's) with ``args``."""
   return [sys.executable, "-c", COMMAND, mode, str(where), script, SCRIPTS[script], *map(str, args)]
 
 
 def _interrupt(mode, where, script, args, while_blocked=lambda: None):
-  """(exit status, stdout lines, stderr lines) of ``_command``, sent SIGINT once it is blocked
-  (mode "gc" sends its own); ``while_blocked()`` runs just before."""
+  """(exit status, stdout lines, stderr lines), SIGINT sent once blocked ("gc": its own)."""
   cmd = _command(mode, where, script, args)
   proc = prefork.popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   before = []
@@ -125,7 +104,6 @@ def _interrupt(mode, where, script, args, while_blocked=lambda: None):
 
 @pytest.fixture
 def run_copy(trained_run, tmp_path):
-  """A copy of the session's trained run (a Ctrl-C must leave it as it was)."""
   workdir = str(tmp_path / "run")
   shutil.copytree(trained_run[0], workdir, symlinks=True)
   return workdir
@@ -135,9 +113,8 @@ def run_copy(trained_run, tmp_path):
 def test_ctrl_c_while_a_command_reads_the_checkpoint_is_one_line_and_exit_status_130(
   tool, run_copy, tmp_path
 ):
-  """Inside Orbax's read (which wraps an interruption in its own Exception): not a damaged
-  checkpoint (nothing moved aside), no reading thread's traceback, a run that still resumes.
-  A tool three times: the reads in flight differ."""
+  """Inside Orbax's read: no damaged checkpoint, no thread's traceback; a tool 3 times (the reads
+  in flight differ)."""
   before = listing(run_copy)
   args = {
     "generate": ["--length", 2],
@@ -153,28 +130,18 @@ def test_ctrl_c_while_a_command_reads_the_checkpoint_is_one_line_and_exit_status
 
 
 def test_ctrl_c_while_aft_prepare_writes_is_one_line_and_leaves_nothing(docs, tmp_path):
-  """Inside the atomic write of a split: its temporary file removed, nothing marked prepared."""
-  data = tmp_path / "data"
-  args = ["--dataset", "text", "--tokenizer", "byte", "--train_files", docs / "*.py"]
+  data, written = tmp_path / "data", []
+  args = ["--dataset", "text", "--tokenizer", "byte", "--train_files", docs / "*.py", "--quiet"]
   files = lambda: [f for _, _, names in os.walk(data) for f in names]  # noqa: E731
-  written = []  # the files there at the SIGINT
-  status, _, err = _interrupt(
-    "call",
-    "numpy.lib.format.write_array_header_1_0",
-    "aft-prepare",
-    [*args, "--data_dir", data, "--quiet"],
-    lambda: written.extend(files()),
-  )
-  assert status == 130 and err == [
-    "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
-    "it again"
-  ], (status, err[-20:])
-  assert [f for f in written if ".tmp-" in f]  # it was stopped inside the write
+  write, at_sigint = "numpy.lib.format.write_array_header_1_0", lambda: written.extend(files())
+  status, _, err = _interrupt("call", write, "aft-prepare", [*args, "--data_dir", data], at_sigint)
+  said = "nothing was marked prepared; the same command prepares it again"
+  assert (status, err) == (130, [f"aft-prepare: interrupted (Ctrl-C): {said}"]), err[-20:]
+  assert [f for f in written if ".tmp-" in f]  # stopped inside the write
   assert not [f for f in files() if ".tmp-" in f or f == "COMPLETE"], files()
 
 
 def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
-  """Raised at the first call after the callback, where Python alone would drop it."""
   args = ["--workdir", run_copy, "--length", 2]
   got = _interrupt("gc", "aft_jax.tools.trained.load_run", "aft-generate", args)
   assert got == (130, [], [f"generate: {NOTHING_WRITTEN}"]), got
@@ -182,37 +149,26 @@ def test_a_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(run_copy):
 
 @pytest.mark.slow
 def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_status_130(tmp_path):
-  """Every command, a Ctrl-C at points spread over numpy's and jaxlib's loading, or in a gc
-  callback run there: held until the imports are done, then the command's one line, nothing
-  written. Plain processes (not forked from a server that imported jax), side by side."""
+  """A Ctrl-C at points over numpy's and jaxlib's loading, or in a gc callback there: held until
+  the imports are done, then the command's line. Plain processes (not forked), side by side."""
   gone = tmp_path / "gone"  # never created
-  tool = lambda name, *args: (
-    f"aft-{name}",
-    ["--workdir", gone, *args],
-    f"{name}: {NOTHING_WRITTEN}",
-  )  # noqa: E731
-  train = ("aft-train", ["--config", "quickstart", "--config.num_train_steps=1", "--workdir", gone])
-  prepare = ("aft-prepare", ["--dataset", "pydoc", "--data_dir", gone, "--quiet"])
-  starting = "aft-prepare: interrupted (Ctrl-C) while starting; nothing was written"
-  cases = [  # (script, args, its line), K, mode
-    (tool("generate"), 20000, "signal"),
-    (tool("evaluate", "--split", "test"), 300, "signal"),
-    (tool("export", "--out", gone / "m.msgpack"), 1, "signal"),
-    (tool("export", "--out", gone / "m.msgpack"), 3000, "signal"),
-    (tool("export", "--out", gone / "m.msgpack"), 20000, "gc"),
-    ((*train, RESUMES), 300, "signal"),
-    ((*train, RESUMES), 20000, "gc"),
-    ((*prepare, starting), 1, "signal"),
+  to = ["--out", gone / "m.msgpack"]
+  train = ["--config", "quickstart", "--config.num_train_steps=1"]
+  cases = [  # (command, args, K, mode)
+    ("generate", [], 20000, "signal"),
+    ("evaluate", ["--split", "test"], 300, "signal"),
+    ("export", to, 1, "signal"),
+    ("export", to, 3000, "signal"),
+    ("export", to, 20000, "gc"),
+    ("train", train, 300, "signal"),
+    ("train", train, 20000, "gc"),
+    ("prepare", ["--dataset", "pydoc", "--quiet"], 1, "signal"),
   ]
-  procs = [
-    subprocess.Popen(
-      _command(f"import-{mode}", k, script, args),
-      cwd=ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-    )  # fmt: skip
-    for (script, args, _), k, mode in cases
-  ]
+  procs = []
+  for name, args, k, mode in cases:
+    args = [*args, "--data_dir" if name == "prepare" else "--workdir", gone]
+    cmd = _command(f"import-{mode}", k, f"aft-{name}", args)
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
   got = []
   try:
     for p in procs:
@@ -221,12 +177,13 @@ def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_status_130(tmp_path
   finally:
     for p in procs:
       p.kill()
-  want = [(130, [], [line]) for (_, _, line), _, _ in cases]
+  starting = "aft-prepare: interrupted (Ctrl-C) while starting; nothing was written"
+  lines = {"train": RESUMES, "prepare": starting}
+  want = [(130, [], [lines.get(c[0], f"{c[0]}: {NOTHING_WRITTEN}")]) for c in cases]
   assert got == want and not gone.exists(), [g for g, w in zip(got, want) if g != w]
 
 
-# python -c HELD DIR: a module imported inside two nested command blocks sends itself SIGINT
-# $SIGINTS times, printing a line after each.
+# python -c HELD DIR: a module imported inside two nested blocks sends SIGINT $SIGINTS times.
 HELD = r"""
 import signal, sys
 from aft_jax.ctrl_c import stops_on_ctrl_c
@@ -249,8 +206,8 @@ for _ in range(int(os.environ["SIGINTS"])):
 def test_a_ctrl_c_during_an_import_is_held_until_it_returns_and_a_second_stops_at_once(
   sigints, tmp_path
 ):
-  """The import goes on to its end, the command stops as it returns; a second Ctrl-C meanwhile
-  ends the process at once. The line is the innermost block's."""
+  """The import goes on, the command stops as it returns (a second Ctrl-C: at once); the line is
+  the innermost block's."""
   (tmp_path / "sends_sigint.py").write_text(SENDS_SIGINT)
   env = {**os.environ, "SIGINTS": str(sigints)}
   cmd = [sys.executable, "-c", HELD, str(tmp_path)]

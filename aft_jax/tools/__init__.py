@@ -1,14 +1,24 @@
 """The commands for a trained run's workdir (docs/training.md, "After training") and aft-prepare's
 entry point; standard library only until a command runs (a Ctrl-C in the imports is one line)."""
 
+import argparse
 import sys
 
 from aft_jax.ctrl_c import stops_on_ctrl_c
 
 
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+  """A command's parser, with the --workdir and --step they all take."""
+  p = argparse.ArgumentParser(
+    prog=f"python -m aft_jax.tools.{name}", description=doc.split("\n")[0]
+  )
+  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
+  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
+  return p
+
+
 def run_command(name: str, command, args, *, print_json: bool = False) -> None:
-  """``command(args)``: a ValueError one line (exit status 1), Ctrl-C one line (130);
-  ``print_json``: the result printed as JSON, last."""
+  """``command(args)``: a ValueError is one line (exit status 1), a Ctrl-C one line (130)."""
   with stops_on_ctrl_c(f"{name}: interrupted (Ctrl-C): stopped; nothing was written"):
     try:
       from absl import logging  # pylint: disable=g-import-not-at-top

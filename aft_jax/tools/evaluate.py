@@ -1,8 +1,6 @@
 """Scores a trained run: aft-evaluate --workdir runs/x [--split test | --text_file F]
 
-By the trainer's evaluation, or a stream's whole past; the last stdout line is one JSON object
-(docs/training.md, "After training" and "Streams: no length limit").
-"""
+The last stdout line is one JSON object (docs/training.md, "After training")."""
 
 from __future__ import annotations
 
@@ -10,25 +8,14 @@ import argparse
 import math
 import os
 
+from aft_jax import tools
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python -m aft_jax.tools.evaluate", description=__doc__.split("\n")[0]
-  )
-  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
-  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
+  p = tools.parser("evaluate", __doc__)
   p.add_argument("--split", help="A split of the run's corpus: train, validation (default), test.")
-  p.add_argument(
-    "--text_file",
-    help="Score this UTF-8 text file instead of a split (.jsonl, .jsonl.gz, .parquet: its "
-    "records' text).",
-  )
-  p.add_argument(
-    "--stride",
-    type=int,
-    help="Sliding-window stride (default: the run's final_eval_stride, as in results.json; a "
-    "stream: the whole past).",
-  )
+  p.add_argument("--text_file", help="Score this text file (or .jsonl, .parquet) instead.")
+  p.add_argument("--stride", type=int, help="Window stride (default: final_eval_stride).")
   return p.parse_args(argv)
 
 
@@ -40,8 +27,7 @@ SPLIT_HINT = (
 
 
 def read_text(path: str, data) -> str | list[str]:
-  """A UTF-8 file's text, or a JSONL or Parquet file's documents as the corpus (``data``) reads
-  them."""
+  """A UTF-8 file's text, or a JSONL or Parquet file's documents as the corpus reads them."""
   from aft_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
 
   records = text_lib.is_records(path)
@@ -92,7 +78,6 @@ def evaluate_run(
   # results.json's numbers were scored with the final protocol: by default, the same.
   stride = cfg.eval.final_eval_stride if stride is None else stride
   result = {"step": run.step, "unit": run.vocab.unit}
-  num_bytes = None
   if text is not None:
     tokens, num_bytes, unknown = encode_text(run.vocab, text)
     result.update(bytes=num_bytes)
@@ -154,8 +139,6 @@ def evaluate_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-  from aft_jax import tools  # pylint: disable=g-import-not-at-top
-
   tools.run_command("evaluate", evaluate_main, parse_args(argv), print_json=True)
 
 

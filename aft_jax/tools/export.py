@@ -1,8 +1,6 @@
 """Exports a trained run to one file: aft-export --workdir runs/x --out model.msgpack
 
-msgpack or safetensors (``load_pretrained`` reads either back), or a stream's serving artifact
-(``--format stablehlo``): docs/training.md, "After training" and "A serving artifact".
-"""
+msgpack, safetensors or a stream's serving artifact: docs/training.md, "After training"."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import hashlib
 import json
 import os
 
-from aft_jax import files
+from aft_jax import files, tools
 
 FORMAT = "aft_jax.export"  # the name of the file format, written in every file (not a module path)
 # 3: the SHA-256 of the format name, the version and the payload (any changed byte is damage);
@@ -26,7 +24,7 @@ SAFETENSORS_META = "aft_jax"  # the safetensors metadata key holding the JSON me
 
 
 def _payload(meta: str, params) -> bytes:
-  """What an export's SHA-256 is taken of (a safetensors file rebuilds exactly these bytes)."""
+  """What an export's SHA-256 is taken of (a safetensors file rebuilds these bytes)."""
   from flax import serialization  # pylint: disable=g-import-not-at-top
 
   return serialization.msgpack_serialize(_to_numpy({"meta": meta, "params": _sorted(params)}))
@@ -55,9 +53,8 @@ def _sorted(tree):
 def export_params(
   path: str, model_cfg, params, vocab, corpus_info: dict, fmt: str = "msgpack"
 ) -> None:
-  """Writes ``params``, the model config and the vocabulary to ``path`` (atomically). msgpack:
-  {format, version, sha256, payload: msgpack of {meta, params}}; safetensors: the parameters by
-  name ("a/b/c"), {format, version, sha256, aft_jax: meta} as metadata."""
+  """msgpack: {format, version, sha256, payload: msgpack of {meta, params}}; safetensors: the
+  parameters by path ("a/b/c"), {format, version, sha256, aft_jax: meta} as metadata."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import serialization, traverse_util  # pylint: disable=g-import-not-at-top
 
@@ -79,7 +76,6 @@ def export_params(
 
 
 def _meta(model_cfg, vocab, corpus_info: dict) -> dict:
-  """The model config, what the ids mean (``CORPUS_KEYS``) and the vocabulary's contents."""
   from aft_jax.workdir import vocab_payload  # pylint: disable=g-import-not-at-top
 
   model = dataclasses.asdict(model_cfg)
@@ -151,7 +147,6 @@ def _read(path: str) -> dict:
 
 
 def _check_params(path: str, model, params) -> None:
-  """A one-line ValueError unless ``params`` is the tree (paths, shapes, dtypes) of ``model``."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -193,9 +188,7 @@ def load_pretrained(path: str):
 
 
 def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:
-  """A stream's serving artifact at ``path`` (atomically), one .npz: ``step`` and ``prefill``
-  (``jax.export``, any batch size), ``param.<i>`` (float32), ``state.<i>`` (before any token, one
-  row) and ``meta`` (JSON)."""
+  """A stream's serving artifact at ``path``, one .npz (docs/training.md, "A serving artifact")."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -233,18 +226,9 @@ def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python -m aft_jax.tools.export", description=__doc__.split("\n")[0]
-  )
-  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
+  p = tools.parser("export", __doc__)
   p.add_argument("--out", required=True, help="The file to write (e.g. model.msgpack).")
-  p.add_argument(
-    "--format",
-    choices=FORMATS,
-    help="msgpack, safetensors or stablehlo (a stream's serving artifact); default: by the --out "
-    "suffix (.safetensors, .npz), else msgpack.",
-  )
-  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
+  p.add_argument("--format", choices=FORMATS, help="Default: by the --out suffix, else msgpack.")
   return p.parse_args(argv)
 
 
@@ -274,8 +258,6 @@ def export_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-  from aft_jax import tools  # pylint: disable=g-import-not-at-top
-
   tools.run_command("export", export_main, parse_args(argv), print_json=True)
 
 

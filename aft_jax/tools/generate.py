@@ -1,42 +1,28 @@
 """Samples text from a trained run: aft-generate --workdir runs/x --prompt "The "
 
-docs/training.md, "After training" and "Streams: no length limit" (--state, --save_state).
-"""
+docs/training.md, "After training" and "Streams: no length limit" (--state, --save_state)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from aft_jax import tools
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-    prog="python -m aft_jax.tools.generate", description=__doc__.split("\n")[0]
-  )
-  p.add_argument("--workdir", required=True, help="A workdir written by train.py.")
+  p = tools.parser("generate", __doc__)
   p.add_argument("--prompt", default="", help="Text to continue ('': after an end of line).")
   p.add_argument("--prompt_file", help="Read the prompt from this UTF-8 file instead.")
   p.add_argument("--length", type=int, default=200, help="Tokens to generate (any number).")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy.")
   p.add_argument("--top_k", type=int, default=0, help="The k most likely tokens (0: all).")
-  p.add_argument(
-    "--top_p", type=float, default=1.0, help="Nucleus: the most likely tokens holding this mass."
-  )
-  p.add_argument(
-    "--num_samples", type=int, help="Samples, generated as one batch (default 1, or --state's)."
-  )
-  p.add_argument(
-    "--stop_at_eos",
-    action=argparse.BooleanOptionalAction,
-    default=False,
-    help="End each sample at its first end of line.",
-  )
-  p.add_argument(
-    "--seed", type=int, help="Sampling seed (default 0, or --state's sampling key goes on)."
-  )
+  p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling's mass.")
+  p.add_argument("--num_samples", type=int, help="Samples, one batch (default 1, or --state's).")
+  p.add_argument("--stop_at_eos", action=argparse.BooleanOptionalAction, default=False)
+  p.add_argument("--seed", type=int, help="Sampling seed (default 0, or --state's key goes on).")
   p.add_argument("--state", help="Continue the stream saved in this file (--save_state).")
   p.add_argument("--save_state", help="Write the stream's state to this file after the output.")
-  p.add_argument("--step", type=int, help="Checkpoint step (default: the latest).")
   return p.parse_args(argv)
 
 
@@ -69,17 +55,6 @@ def check_args(args) -> None:
     files.check_file_path("--save_state", args.save_state)
 
 
-def _check_stream(args, cfg) -> None:
-  flags = [f for f in ("--state", "--save_state") if getattr(args, f[2:]) is not None]
-  if flags and not cfg.streams:
-    raise ValueError(
-      f"{' and '.join(flags)}: the model of --workdir {args.workdir} (mixing {cfg.mixing!r}, "
-      f"position embedding {cfg.position_embedding!r}) is no stream: only "
-      "model.position_embedding 'none' with mixing aft_simple or aft_conv1d keeps a state that "
-      "does not grow"
-    )
-
-
 def generate_main(args: argparse.Namespace) -> list[str]:
   """Prints and returns the samples, each with the prompt."""
   from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
@@ -88,7 +63,15 @@ def generate_main(args: argparse.Namespace) -> list[str]:
   check_args(args)
   prompt = read_prompt(args.prompt, args.prompt_file)
   config = trained.run_config(args.workdir, args.step)  # before anything slow
-  _check_stream(args, config.model)
+  flags = [f for f in ("--state", "--save_state") if getattr(args, f[2:]) is not None]
+  if flags and not config.model.streams:
+    cfg = config.model
+    raise ValueError(
+      f"{' and '.join(flags)}: the model of --workdir {args.workdir} (mixing {cfg.mixing!r}, "
+      f"position embedding {cfg.position_embedding!r}) is no stream: only "
+      "model.position_embedding 'none' with mixing aft_simple or aft_conv1d keeps a state that "
+      "does not grow"
+    )
   run = trained.load_run(args.workdir, args.step, config=config)
   cfg = run.model.cfg
   stream, model_fingerprint = None, None
@@ -137,8 +120,6 @@ def generate_main(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv=None) -> None:
-  from aft_jax import tools  # pylint: disable=g-import-not-at-top
-
   tools.run_command("generate", generate_main, parse_args(argv))
 
 

@@ -37,7 +37,6 @@ def since(step: int) -> str:
 
 
 def run_config(workdir: str | Workdir, step: int | None = None) -> RunConfig:
-  """The workdir's run config, once ``--workdir`` and ``--step`` are checked (one line)."""
   wd = Workdir.of(workdir)
   wd.check(step)
   return RunConfig.from_saved(wd.read_config())
@@ -46,9 +45,8 @@ def run_config(workdir: str | Workdir, step: int | None = None) -> RunConfig:
 def load_run(
   workdir: str | Workdir, step: int | None = None, *, check=None, config: RunConfig | None = None
 ) -> TrainedRun:
-  """The run at checkpoint ``step`` (default: the latest intact one) on one device, its
-  vocabulary the one it was trained with. ``check(step, corpus record or None)`` runs before any
-  array is read, and raises to refuse; ``config``: ``run_config``'s, where the caller read it."""
+  """The run at ``step`` (default: the newest intact one) on one device; ``check(step, corpus
+  record or None)`` runs before any array is read, and raises to refuse."""
   wd = Workdir.of(workdir)
   explicit = step is not None
   config = run_config(wd, step) if config is None else config
@@ -71,8 +69,7 @@ def load_run(
   one = sharding.MeshConfig(data=1, fsdp=1, tensor=1, sequence=1)
   trainer = train_lib.Trainer(config, sharding.make_mesh(one, jax.devices()[:1]))
   mngr = checkpointing.checkpoint_manager(wd, config.checkpoint)
-  # The latest checkpoint, or the newest intact one before it (saying so); an explicit --step
-  # is that checkpoint or a one-line error that names the others.
+  # An explicit --step is that checkpoint or a one-line error that names the others.
   steps = [step] if explicit else sorted(wd.checkpoint_steps(), reverse=True)
   try:
     restored, skipped = checkpointing.restore_readable(

@@ -1,5 +1,4 @@
-"""aft_jax.tools.evaluate on tiny trained runs, and what a run shows while it trains (the console's
-validation lines, the profiler trace, the config, settings and sample on TensorBoard)."""
+"""aft_jax.tools.evaluate on tiny trained runs, and what a run shows while it trains."""
 
 import contextlib
 import io
@@ -15,42 +14,43 @@ from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 
 from tests.support import shared
 from tests.support.helpers import tiny_config
-from aft_jax.tools import evaluate
+from aft_jax import decode
+from aft_jax.tools import evaluate, trained
 from aft_jax.trainer import train_lib
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nzzqqxx is not a word of the docs.\n"
 
 
-def _train(path, **overrides):
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    results = train_lib.train_and_evaluate(tiny_config(**overrides), path)
-  return results, out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def byte_run(trained_run):
-  return trained_run
-
-
 @pytest.fixture(scope="module")
 def word_run(tmp_path_factory):
-  # The final protocol (sliding windows) differs from the training-time one (disjoint).
-  overrides = {"data.tokenizer": "word", "final_eval_stride": 16}
-  build = lambda folder: _train(str(folder / "run"), num_train_steps=2, **overrides)[0]
+  """Its final protocol (sliding windows, stride 16) differs from training's (disjoint)."""
+
+  def build(folder):
+    config = tiny_config(num_train_steps=2, final_eval_stride=16, **{"data.tokenizer": "word"})
+    with contextlib.redirect_stdout(io.StringIO()):
+      return train_lib.train_and_evaluate(config, str(folder / "run"))
+
   folder, results = shared.once(tmp_path_factory, "word_run", build)
   return str(folder / "run"), results
 
 
+@pytest.fixture
+def texts(tmp_path):
+  """TEXT as text.txt, and as text.jsonl: a record per line (a field before the text)."""
+  (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+  records = [json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(TEXT.splitlines())]
+  (tmp_path / "text.jsonl").write_text("".join(records))
+  return tmp_path
+
+
 def _evaluate(capsys, *flags):
   evaluate.main(list(flags))
-  lines = capsys.readouterr().out.strip().splitlines()
-  return json.loads(lines[-1])  # the last line on stdout is the JSON result
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("split, prefix", [("test", "test"), ("validation", "valid")])
-def test_evaluate_on_a_split_equals_the_trainers_final_number(byte_run, capsys, split, prefix):
-  path, results, _ = byte_run
+def test_evaluate_on_a_split_equals_the_trainers_final_number(trained_run, capsys, split, prefix):
+  path, results, _ = trained_run
   out = _evaluate(capsys, "--workdir", path, "--split", split)
   assert out["nll"] == pytest.approx(results[f"{prefix}_loss"], rel=1e-6)
   assert out["ppl"] == pytest.approx(results[f"{prefix}_ppl"], rel=1e-6)
@@ -59,8 +59,6 @@ def test_evaluate_on_a_split_equals_the_trainers_final_number(byte_run, capsys, 
 
 
 def test_evaluate_a_split_uses_the_final_protocol_of_results_json(word_run, capsys):
-  """results.json's final numbers (sliding windows, final_eval_stride 16; disjoint during
-  training) by default; --stride chooses another protocol."""
   path, results = word_run
   assert results["eval_protocol"]["stride"] == 16 and results["train_eval_protocol"]["stride"] == 32
   out = _evaluate(capsys, "--workdir", path, "--split", "validation")
@@ -70,75 +68,36 @@ def test_evaluate_a_split_uses_the_final_protocol_of_results_json(word_run, caps
   assert disjoint["stride"] == 0 and disjoint["nll"] != pytest.approx(out["nll"], rel=1e-6)
 
 
-def test_evaluate_a_text_file_byte_model_with_a_stride(byte_run, tmp_path, capsys):
-  path = byte_run[0]
-  text_file = tmp_path / "text.txt"
-  text_file.write_text(TEXT, encoding="utf-8")
+def test_evaluate_a_text_file_byte_model_with_a_stride(trained_run, texts, capsys):
+  path, text_file = trained_run[0], texts / "text.txt"
   disjoint = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
   assert disjoint["tokens"] == len(TEXT.encode()) == disjoint["bytes"]
   assert math.isfinite(disjoint["bpb"]) and "unk_tokens" not in disjoint
   sliding = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file), "--stride", "8")
   assert sliding["tokens"] == disjoint["tokens"] and sliding["stride"] == 8
   assert sliding["nll"] != disjoint["nll"]  # tokens after the first window see more context
-  # The same two lines as two records: their text, each then the boundary (for bytes an end of
-  # line), as the corpus reads them; not the JSON around them.
-  records = _write_records(tmp_path / "text.jsonl")
-  scored = _evaluate(capsys, "--workdir", path, "--text_file", str(records))
+  # The same lines as two records: each text then the boundary (an end of line), not the JSON.
+  scored = _evaluate(capsys, "--workdir", path, "--text_file", str(texts / "text.jsonl"))
   assert scored["tokens"] == disjoint["tokens"] and scored["bytes"] == disjoint["bytes"]
   assert scored["nll"] == pytest.approx(disjoint["nll"], rel=1e-6)
 
 
-def _write_records(path):
-  """TEXT's lines as JSONL records (a field before the text, as real corpora have)."""
-  lines = TEXT.splitlines()
-  path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(lines)))
-  return path
-
-
 # A line's end is <eos>; a record's text, as a split's document, is followed by one more.
 @pytest.mark.parametrize("name, eos", [("text.txt", 2), ("text.jsonl", 4)])
-def test_evaluate_a_text_file_word_model_counts_unknown_words(
-  word_run, tmp_path, capsys, name, eos
-):
-  path = word_run[0]
-  text_file = tmp_path / name
-  if name.endswith(".jsonl"):
-    _write_records(text_file)
-  else:
-    text_file.write_text(TEXT, encoding="utf-8")
-  out = _evaluate(capsys, "--workdir", path, "--text_file", str(text_file))
+def test_evaluate_a_text_file_word_model_counts_unknown_words(word_run, texts, capsys, name, eos):
+  out = _evaluate(capsys, "--workdir", word_run[0], "--text_file", str(texts / name))
   assert out["unit"] == "word" and "bpb" not in out
   assert out["tokens"] == len(TEXT.split()) + eos
   assert out["unk_tokens"] >= 1  # 'zzqqxx' at least; the tiny vocabulary may lack others
   assert math.isfinite(out["ppl"])
 
 
-def test_evaluate_refuses_ids_outside_the_vocabulary_in_one_line(byte_run, tmp_path, monkeypatch):
-  """Ids the model has no row for (a tokenizer that disagrees with it): one line, not a NaN."""
-  text_file = tmp_path / "text.txt"
-  text_file.write_text("abc")
-  encode = lambda vocab, text: (np.asarray([1, vocab.size, 2]), 3, 0)
-  monkeypatch.setattr(evaluate, "encode_text", encode)
-  with pytest.raises(SystemExit) as e:
-    evaluate.main(["--workdir", byte_run[0], "--text_file", str(text_file)])
-  v = json.load(open(os.path.join(byte_run[0], "corpus.json")))["vocab_size"]
-  assert str(e.value.code) == (
-    f"evaluate: Trainer.evaluate: tokens: the id {v} is outside the vocabulary [0, {v})"
-  )
-
-
-def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
-  path = byte_run[0]
+def test_a_run_is_self_contained_and_records_absolute_paths(trained_run, word_run):
+  path = trained_run[0]
   corpus = json.load(open(os.path.join(path, "corpus.json")))
   tokens = corpus.pop("tokens")  # the corpus record: what a resume and the tools check
-  assert corpus == {
-    "bos_id": 10,
-    "builder_version": 2,
-    "name": "pydoc-byte",
-    "tokenizer": "byte",
-    "unit": "byte",
-    "vocab_size": 256,
-  }
+  byte = dict(bos_id=10, builder_version=2, name="pydoc-byte", tokenizer="byte", unit="byte")
+  assert corpus == {**byte, "vocab_size": 256}
   assert set(tokens) == {"train", "validation", "test"} and min(tokens.values()) > 0
   config = json.load(open(os.path.join(path, "config.json")))
   assert os.path.isabs(config["data"]["data_dir"])
@@ -146,23 +105,17 @@ def test_a_run_is_self_contained_and_records_absolute_paths(byte_run, word_run):
   assert "<eos>" in words and "<unk>" in words
 
 
-def test_training_shows_validation_profile_config_and_sample(byte_run):
-  path, _, stdout = byte_run
+def test_training_shows_validation_profile_config_and_sample(trained_run):
+  path, _, stdout = trained_run
   assert "step 2: validation loss" in stdout and "bpb" in stdout
   tb = os.path.join(path, "tensorboard")
   traces = [f for _, _, fs in os.walk(os.path.join(tb, "plugins", "profile")) for f in fs]
   assert any(f.endswith(".xplane.pb") for f in traces), traces
-  events = b"".join(
-    open(os.path.join(tb, f), "rb").read() for f in os.listdir(tb) if "tfevents" in f
-  )
-  assert b"config" in events and b"sample" in events and b"learning_rate" in events
+  values = [v for event in _events(tb) for v in event.summary.value]
+  assert {"config", "sample", "learning_rate"} <= {v.tag.split("/")[0] for v in values}
   # The HPARAMS tab: the run's flattened settings, in the run's own event file.
-  (start,) = [
-    HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info
-    for event in _events(tb)
-    for v in event.summary.value
-    if v.tag == "_hparams_/session_start_info"
-  ]
+  (start,) = [v for v in values if v.tag == "_hparams_/session_start_info"]
+  start = HParamsPluginData.FromString(start.metadata.plugin_data.content).session_start_info
   config = json.load(open(os.path.join(path, "config.json")))
   assert start.hparams["model.mixing"].string_value == config["model"]["mixing"]
   assert start.hparams["learning_rate"].number_value == config["learning_rate"]
@@ -170,7 +123,7 @@ def test_training_shows_validation_profile_config_and_sample(byte_run):
 
 
 def _events(logdir):
-  """The Event protos of the TFRecord event files in ``logdir`` (length, CRC, record, CRC)."""
+  """The Event protos of ``logdir``'s TFRecord files (length, CRC, record, CRC)."""
   for name in sorted(f for f in os.listdir(logdir) if "tfevents" in f):
     data = open(os.path.join(logdir, name), "rb").read()
     pos = 0
@@ -181,11 +134,7 @@ def _events(logdir):
 
 
 def test_a_stream_is_scored_with_the_whole_past(stream_run, tmp_path, capsys):
-  """A stream's default: the text (8 x max_len) as one sequence, one forward pass's mean NLL, as
-  ``score_stream`` gives it in chunks with the state carried; --stride: the trainer's windows."""
-  from aft_jax import decode
-  from aft_jax.tools import trained
-
+  """By default the text (8 x max_len) as one forward pass, as ``score_stream``'s chunks give it."""
   path = stream_run[0]
   text = (TEXT * 3)[:224]
   text_file = tmp_path / "text.txt"
