@@ -175,18 +175,15 @@ def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
   return lse.gate(q.astype(dt), a.astype(dt)).astype(out_dt)
 
 
-def rows(x):
-  """[..., T, D] -> [T, R], R = prod(...) D (free when there is no batch dim)."""
+def rows(x):  # [..., T, D] -> [T, R], R = prod(...) D (free when there is no batch dim)
   return jnp.swapaxes(x.reshape((-1,) + x.shape[-2:]), 0, 1).reshape(x.shape[-2], -1)
 
 
-def unrows(a, shape):
-  """``rows``' inverse, back to ``shape`` [..., T, D]."""
+def unrows(a, shape):  # ``rows``' inverse, back to ``shape`` [..., T, D]
   return jnp.swapaxes(a.reshape(shape[-2], -1, shape[-1]), 0, 1).reshape(shape)
 
 
-def dtypes(*xs):
-  """(output dtype, compute dtype): bfloat16 and float16 are computed in float32."""
+def dtypes(*xs):  # (output dtype, compute dtype): bfloat16 and float16 are computed in float32
   dt = jnp.result_type(*xs)
   return dt, jnp.promote_types(dt, jnp.float32)
 
@@ -216,8 +213,7 @@ def check_arrays(fn, lead=None, **arrays):
       raise ValueError(f"{fn}: {name} must be {what}; got {name} {dt} {shape}")
 
 
-def check_qkv(fn, q, k, v):
-  """q, k, v ``[..., T, D]`` of one shape, real floating point; as arrays."""
+def check_qkv(fn, q, k, v):  # q, k, v ``[..., T, D]`` of one shape, real floating point; as arrays
   q, k, v = (array(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
   check_arrays(fn, q=q, k=k, v=v)
   if q.ndim < 2:

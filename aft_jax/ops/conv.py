@@ -42,15 +42,13 @@ def aft_conv1d(
   q, k, v, kernel, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
   segment_ids=None, axis_name=None,
 ):  # fmt: skip
-  """AFT-conv over a sequence, per head i a kernel w^i of size s: Y[t, i] = sigma(q[t, i]) *
-  sum_t' exp(k[t', i] + w^i[t, t']) v[t', i] / (the same without v), w^i[t, t'] = kernel[i, j]
-  for t' = t + j - s // 2 (non-causal, s odd) or t' = t - j (causal), 0 for every other t'.
+  """AFT-conv over a sequence: per head i, AFT-full with w^i[t, t'] = kernel[i, j] at t' =
+  t + j - s // 2 (non-causal, s odd) or t' = t - j (causal), 0 elsewhere.
 
   Args:
     q, v: ``[..., T, H, C]``; k: ``[..., T, H]`` (one key per head); kernel: ``[H, s]``.
-    causal, impl: as ``aft_simple`` (there is no kernel: "pallas" is refused).
-    initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``, the
-      state a ``WindowState`` of s keys and values (``aft_conv1d_step``'s).
+    causal, impl: as ``aft_simple`` ("pallas" is refused: no kernel).
+    initial_state, output_final_state, segment_ids, axis_name: causal: as ``aft_simple``.
 
   Returns:
     ``[..., T, H, C]``, or ``(Y, state)``; O(T s H C).
@@ -89,9 +87,8 @@ def _run(q, k, v, kernel, state, segment_ids, mode, causal, final, axis_name):
 
 
 def aft_conv2d(q, k, v, kernel, *, impl="auto"):
-  """AFT-conv over an image, per head i a kh x kw kernel w^i ("SAME"): Y[r, c, i] = sigma(q[r,
-  c, i]) * sum_{r', c'} exp(k[r', c', i] + w^i) v[r', c', i] / (the same without v), w^i =
-  kernel[i, a, b] at (r', c') = (r + a - kh // 2, c + b - kw // 2), 0 at every other position.
+  """AFT-conv over an image: per head i, the bias kernel[i, a, b] at (r + a - kh // 2, c + b -
+  kw // 2) ("SAME"), 0 elsewhere.
 
   Args:
     q, v: ``[..., Ht, Wd, H, C]``; k: ``[..., Ht, Wd, H]``; kernel: ``[H, kh, kw]``, odd sizes.
@@ -125,15 +122,13 @@ def _reachable(kernel, sizes, causal):
 
 
 def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
-  """The state before any token, for k_t ``[..., H]``, v_t ``[..., H, C]`` and a causal kernel
-  of ``kernel_size`` s."""
+  """The state before any token, for k_t ``[..., H]``, v_t ``[..., H, C]`` and a kernel size."""
   return lse.window_init(k_shape, v_shape, kernel_size)
 
 
 def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
-  """One token of causal AFT-conv1d: per head i, Y[t, i] = sigma(q[t, i]) * sum_{t' <= t}
-  exp(k[t', i] + b) v[t', i] / (the same without v), b = kernel[i, t - t'] for t - t' < s;
-  q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``. Returns ``(Y[t], state)``."""
+  """One token of causal AFT-conv1d: q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``.
+  Returns ``(Y[t], state)``."""
   kernel = jnp.asarray(kernel, jnp.float32)
   return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
 
@@ -266,8 +261,7 @@ def _scan_conv1d(q, k, v, kernel, causal: bool):
   return output(q, combine(inside, _outside(leaf, axis, s // 2 + 1, s // 2 + 1)))
 
 
-def _conv2d(q, k, v, kernel):
-  """sigma(q) * the AFT-conv mean over an image."""
+def _conv2d(q, k, v, kernel):  # sigma(q) * the AFT-conv mean over an image
   kh, kw = kernel.shape[1:]
   row, col = k.ndim - 3, k.ndim - 2
   leaf = lse.leaf(k, v)

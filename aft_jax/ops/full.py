@@ -12,14 +12,12 @@ def aft_full(
   q, k, v, w, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
   segment_ids=None, positions=None,
 ):  # fmt: skip
-  """AFT-full: Y[t] = sigma(q[t]) * sum_t' exp(k[t'] + w[t, t']) v[t'] / sum_t' exp(k[t'] +
-  w[t, t']) (t' <= t when causal).
+  """AFT-full: Y[t] = sigma(q[t]) * sum_t' softmax_t'(k[t'] + w[t, t']) v[t'] (causal: t' <= t).
 
   Args:
     q, k, v: ``[..., T, D]``; w: ``[T, T]``, the pairwise bias.
     causal, impl: as ``aft_simple``.
-    initial_state, output_final_state: refused: AFT-full's past is every key and value (decode
-      with ``aft_full_step``).
+    initial_state, output_final_state: refused (decode with ``aft_full_step``).
     segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
 
   Returns:
@@ -56,7 +54,6 @@ def aft_full_init(shape, max_len: int) -> lse.WindowState:
 
 
 def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
-  """One token: Y[t] = sigma(q[t]) * sum_{t' <= t} exp(k[t'] + w[t, t']) v[t'] / (the same
-  without v), t = ``state.index``; q_t, k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of the
-  bias). Returns ``(Y[t], state)``."""
+  """One token t = ``state.index``: q_t, k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of w).
+  Returns ``(Y[t], state)``."""
   return local.aft_local_step(state, q_t, k_t, v_t, w_t)

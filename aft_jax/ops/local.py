@@ -16,8 +16,7 @@ from aft_jax.ops.pallas import triton_local
 
 FN = "aft_local"
 KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupported),)
-# A long piece without its whole bias goes in sub-pieces of this many positions (>= 4 windows):
-# blocks of [SUB_PIECE + s + 1]^2 keep its memory linear.
+# Sub-pieces (>= 4 windows) of a long piece given w's factors: its memory stays linear.
 SUB_PIECE = 2048
 
 
@@ -36,27 +35,21 @@ def aft_local(
   q, k, v, w, *, window, causal=False, impl="auto", offset=None, initial_state=None,
   output_final_state=False, segment_ids=None, positions=None, axis_name=None,
 ):  # fmt: skip
-  """AFT-local: AFT-full with w[t, t'] used where |t - t'| < window and 0 elsewhere (those
-  positions still contribute, with bias 0).
+  """AFT-local: AFT-full with w[t, t'] where |t - t'| < window, bias 0 elsewhere.
 
   Args:
     q, k, v: ``[..., T, D]``.
-    w: ``[T, T]`` (entries outside the window ignored); in a piece ``[L, L]``, L >= offset + T,
-      the whole sequence's; or its factors ``(u, v)``, each ``[L, d']``: a piece or a shard then
-      forms only the block it reads, a long sequence goes in sub-pieces.
+    w: ``[T, T]``; in a piece ``[L, L]``, L >= offset + T; or its factors ``(u, v)``, ``[L, d']``.
     window: s >= 1.
     causal, impl: as ``aft_simple``.
-    offset: causal: the position of q's first row in w (an int or a traced int scalar), default
-      ``initial_state.index`` (0 without a state), which it must equal; a traced offset that is
-      wrong or past L gives NaN.
-    initial_state, output_final_state: causal: as ``aft_simple``, the state a ``WindowState``
-      (the triple of the keys older than the last s, those s keys and values, ``index``).
-    segment_ids, positions: causal: packed documents, ``[..., T]`` ints: their ids and each
-      position's index into w (per document from 0; outside w: NaN).
+    offset: causal: q's first row in w (an int or traced scalar), default
+      ``initial_state.index``; a traced offset that is wrong or past L gives NaN.
+    initial_state, output_final_state: causal: as ``aft_simple``, a ``WindowState``.
+    segment_ids, positions: causal: packed documents' ids and positions in w, ``[..., T]`` ints.
     axis_name: causal: as ``aft_simple``; w is the whole sequence's bias.
 
   Returns:
-    ``[..., T, D]``, or ``(Y, state)``; O(T s D), no T x T array.
+    ``[..., T, D]``, or ``(Y, state)``; O(T s D) (docs/long_sequences.md).
   """
   q, k, v = common.check_qkv(FN, q, k, v)
   window = common.check_window(FN, window)
@@ -107,7 +100,6 @@ def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window,
 
 
 def _whole(q, k, v, w, window, causal, impl, fn=FN, kernels=KERNELS):
-  """Y of op ``fn`` on a whole sequence, w ``[T, T]`` (window >= T: AFT-full)."""
 
   def xla(k, v, w, low):
     k2, v2 = common.rows(k), common.rows(v)
@@ -131,8 +123,7 @@ def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
 
 
 def check_bias(fn, w, t_len: int, offset=None):
-  """ValueError unless w is ``[T, T]`` (``offset`` None: a whole sequence) or (or its factors)
-  ``[L, L]`` with L >= offset + T."""
+  """w (or its factors) ``[T, T]`` (``offset`` None) or ``[L, L]``, L >= offset + T."""
   if not isinstance(w, Factors):
     common.check_arrays(fn, w=w)
   shape, least = tuple(w.shape), t_len + (offset if isinstance(offset, int) else 0)
@@ -179,8 +170,7 @@ def _in_sub_pieces(t_len: int, window: int) -> bool:
   return t_len > 2 * max(SUB_PIECE, 4 * window)
 
 
-def _dense(w: Factors, pos=None):
-  """u v^T (float32): whole, or its rows and columns ``pos``."""
+def _dense(w: Factors, pos=None):  # u v^T (float32), or its rows and columns ``pos``
   u, v = (jnp.asarray(x, jnp.float32) for x in w)
   return u @ v.T if pos is None else u[pos] @ v[pos].T
 
@@ -253,10 +243,8 @@ def band_bias(w, positions, t_len: int):
   return bias
 
 
-# Elements of the [rows, W, R] logits of one exact (fallback) row group.
-_GROUP_ELEMENTS = 1 << 20
-# exp(row max + channel max - L) < 1e25 wherever the fast path is used; capped elsewhere (where
-# its product is discarded) so that no inf can meet a zero cotangent.
+_GROUP_ELEMENTS = 1 << 20  # of the [rows, W, R] logits of one exact row group
+# exp(row max + channel max - L) < 1e25 on the fast path; capped where its product is discarded.
 _MAX_LOG_SCALE = 80.0
 
 
@@ -272,14 +260,11 @@ class BandPlan(NamedTuple):
   rows: int
   low: bool = False
 
-  def tame(self, x):
-    """A tangent's factor: causal, ``logsumexp.tame``; non-causal a NaN is NaN everywhere."""
+  def tame(self, x):  # a tangent's factor (non-causal: a NaN is NaN everywhere anyway)
     return lse.tame(x) if self.causal else x
 
 
-def _default_block(s: int, t_len: int) -> int:
-  # On CPU (T 4096, R 512): a scan step's cost dominates below ~64 rows, the masked corners of
-  # the [c, c + s - 1] rectangle above ~s rows.
+def _default_block(s: int, t_len: int) -> int:  # CPU-timed: scan steps vs masked corners
   return 256 if s >= t_len else min(128, max(64, 1 << round(math.log2(s))))
 
 
@@ -307,8 +292,7 @@ def _slice(x, start, size):
   return jax.lax.dynamic_slice_in_dim(x, start, size, 0)
 
 
-def _range_keys(k, lo, hi, c):
-  """(start, mask [c, 1]) of the c keys from min(lo, T - c): lo <= t' < hi."""
+def _range_keys(k, lo, hi, c):  # (start, mask [c, 1]) of the c keys from min(lo, T - c)
   st = jnp.clip(lo, 0, k.shape[0] - c)
   idx = st + jnp.arange(c)
   return st, ((idx >= lo) & (idx < hi))[:, None]
@@ -368,8 +352,7 @@ def _patch(p: BandPlan, bad, fast, exact):
 
 
 def _block(p: BandPlan, k, v, w, rs, ks):
-  """Block (rs, ks): biases [c, W], band, keys, values [W, R], and its split shift's factors,
-  maxima and (causal) the largest exp(k - channel max) each row sees (inf: set aside)."""
+  """Block (rs, ks): biases, band, keys, values, its split shift's factors and maxima, seen."""
   d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
   band = (jnp.abs(d) < p.s) & ((d <= 0) if p.causal else True)
   w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))
@@ -425,8 +408,7 @@ def _forward(p: BandPlan, k, v, w):
   return _unblock(p, a), _unblock(p, lse_), bad, pre.m, None if suf is None else suf.m
 
 
-def _unblock(p: BandPlan, x):
-  """[nb, c, ...] -> [T, ...], dropping the rows the last block shares with the one before."""
+def _unblock(p: BandPlan, x):  # [nb, c, ...] -> [T, ...] (the last block overlaps)
   if p.nb * p.c == p.t_len:
     return x.reshape((p.t_len,) + x.shape[2:])
   head = x[:-1].reshape(((p.nb - 1) * p.c,) + x.shape[2:])
@@ -470,9 +452,8 @@ def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
     body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
     return jax.lax.scan(body, None, (rs, ks, bad, pre, suf))[1]
 
-  # The recomputed rows are patched in a second version of the scan, chosen once: a cond per
-  # block would take its tangents as operands, whose transpose fills and adds zero cotangents
-  # per block whichever branch runs.
+  # A second version of the scan patches recomputed rows (a cond per block would transpose into
+  # zero cotangents filled and added per block).
   return _unblock(p, lse.cond(jnp.any(bad), lambda: run(True), lambda: run(False)))
 
 

@@ -20,8 +20,7 @@ _sg = jax.lax.stop_gradient
 _f32 = lambda x: jnp.asarray(x, jnp.float32)
 
 
-def finite(x):
-  """Whether x is finite, from a comparison (which every Pallas lowering has)."""
+def finite(x):  # whether x is finite, from a comparison (which every Pallas lowering has)
   return jnp.abs(x) <= float(np.finfo(np.float32).max)
 
 
@@ -30,8 +29,7 @@ def tame(x):
   return jnp.where(finite(x), x, 0.0)
 
 
-def keep(a, lse):
-  """Where a causal row has a derivative: its output a and normaliser L are finite."""
+def keep(a, lse):  # where a causal row has a derivative: its output a and normaliser L are finite
   return finite(a) & finite(lse)
 
 
@@ -57,19 +55,16 @@ class Acc(NamedTuple):
   den: jax.Array
 
 
-def empty(shape, num_shape=None) -> Acc:
-  """The float32 triple of no terms (m = NEG, num = den = 0)."""
+def empty(shape, num_shape=None) -> Acc:  # the float32 triple of no terms (m = NEG, num = den = 0)
   zeros = lambda s: jnp.zeros(s, jnp.float32)
   return Acc(zeros(shape) + NEG, zeros(shape if num_shape is None else num_shape), zeros(shape))
 
 
-def bcast(scale, num):
-  """``scale`` [..., D] broadcast against ``num`` [..., D] or [..., D, C]."""
+def bcast(scale, num):  # ``scale`` [..., D] broadcast against ``num`` [..., D] or [..., D, C]
   return scale[..., None] if num.ndim > scale.ndim else scale
 
 
-def combine(a: Acc, b: Acc) -> Acc:
-  """The triple of the union of two disjoint sets of terms."""
+def combine(a: Acc, b: Acc) -> Acc:  # the triple of the union of two disjoint sets of terms
   x = jnp.exp(-jnp.abs(a.m - b.m))
   a_big = a.m >= b.m
   sa, sb = jnp.where(a_big, 1.0, x), jnp.where(a_big, x, 1.0)
@@ -106,8 +101,7 @@ def reduce_over(acc: Acc, axis: int, valid) -> Acc:
 
 
 @jax.custom_jvp
-def gate(q, mean):
-  """Y = sigma(q) * mean; its derivative's factors ``tame``."""
+def gate(q, mean):  # Y = sigma(q) * mean; its derivative's factors ``tame``
   return jax.nn.sigmoid(q) * mean
 
 
@@ -118,8 +112,7 @@ def _gate_jvp(primals, tangents):
   return s * mean, tame(s * (1.0 - s) * mean) * dq + tame(s) * dmean
 
 
-def output(q, acc: Acc):
-  """sigma(q) * num / den."""
+def output(q, acc: Acc):  # sigma(q) * num / den
   return gate(q, acc.num / bcast(acc.den, acc.num))
 
 
@@ -149,7 +142,6 @@ class WindowState(NamedTuple):
 
 
 def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
-  """The state before any position (at ``index`` > 0: that many positions without keys)."""
   axis = len(k_shape) - 1
   ring = lambda s: jnp.zeros(tuple(s[:axis]) + (size,) + tuple(s[axis:]), jnp.float32)
   keys = ring(k_shape) + (0.0 if isinstance(index, int) and index == 0 else NEG)
@@ -157,7 +149,6 @@ def window_init(k_shape, v_shape, size: int, index=0) -> WindowState:
 
 
 def _ordered(state: WindowState, axis: int):
-  """The ring's keys and values oldest first, and which of those positions exist."""
   size = state.keys.shape[axis]
   order = (state.index + jnp.arange(size)) % size
   valid = state.index - size + jnp.arange(size) >= 0

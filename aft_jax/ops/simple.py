@@ -28,13 +28,11 @@ def aft_simple(
   Args:
     q, k, v: ``[..., T, D]``.
     causal: sum over ``t' <= t`` only (a bool).
-    impl: "auto", "xla", "pallas" or "pallas_interpret" (``aft_jax.ops``).
-    initial_state: causal: the ``Acc`` (m, num, den ``[..., D]``) of the positions before this
-      piece, as ``output_final_state=True`` or ``aft_simple_step`` returns it.
+    impl: "auto", "xla", "pallas" or "pallas_interpret" (docs/kernels.md).
+    initial_state: causal: the ``Acc`` of the positions before this piece.
     output_final_state: causal: also return the state after the piece.
     segment_ids: causal: ``[..., T]`` ints, packed documents that do not see each other.
-    axis_name: causal, inside ``jax.shard_map`` with T sharded over this mesh axis: this
-      device's shard of the output on the whole sequence.
+    axis_name: causal, in ``jax.shard_map`` with T sharded over this mesh axis.
 
   Returns:
     ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D).

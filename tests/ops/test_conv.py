@@ -1,5 +1,4 @@
-"""AFT-conv (aft_jax/ops/conv.py): the kernel's taps that reach past the input cost nothing (its
-values and derivatives: tests/ops/test_reference.py)."""
+"""AFT-conv (aft_jax/ops/conv.py): the kernel's taps that reach past the input cost nothing."""
 
 import functools
 
@@ -15,8 +14,7 @@ from tests.support.op_cases import ATOL, RTOL, cotangent, output_and_grads, rand
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_taps_that_reach_past_the_sequence_cost_nothing(causal):
-  """A kernel of 100,001 taps over T = 5: the output, gradients (0 for the taps reaching no
-  position) and flops of the kernel cut to the taps that can."""
+  """100,001 taps over T = 5: the cut kernel's output, gradients (0 past T) and flops."""
   t_len, heads, ch, wide = 5, 2, 3, 100_001
   q, v = rand(3, (2, t_len, heads, ch), (2, t_len, heads, ch))
   k, kernel = rand(4, (2, t_len, heads), (heads, wide))

@@ -1,5 +1,4 @@
-"""Property tests (hypothesis) of random shapes, dtypes, windows and magnitudes: outputs finite,
-the float64 reference's (float32), and, causal, the future ignored."""
+"""Hypothesis: random shapes, dtypes, windows, magnitudes: the reference's; the future ignored."""
 
 import functools
 
@@ -10,7 +9,6 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from aft_jax import ops
-from tests.support import numpy_reference as ref
 from tests.support.op_cases import reference
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -56,25 +54,6 @@ def test_sequence_ops(name, causal, t_len, d, lead, window, scale, dtype, seed):
     v2[..., t0 + 1 :, :] -= 5.0
     w2[:, t0 + 1 :] += scale * 3
     out2 = fn(q, k2, v2, w2)
-    # bf16: the products' factors are rounded after a shift shared by a block of keys (later
-    # ones too), so the past may move by bf16 rounding, never more.
+    # bf16: factors rounded after a shift shared by a block of keys: the past moves by rounding.
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     chex.assert_trees_all_close(out2[..., : t0 + 1, :], out[..., : t0 + 1, :], **tol)
-
-
-@SETTINGS
-@given(
-  causal=st.booleans(),
-  t_len=st.integers(1, 7),
-  size=st.sampled_from([1, 3, 5]),
-  scale=st.sampled_from([1.0, 50.0]),
-  seed=st.integers(0, 2**16),
-)
-def test_conv1d(causal, t_len, size, scale, seed):
-  rng = np.random.default_rng(seed)
-  q, v = (rng.normal(size=(t_len, 2, 2)).astype(np.float32) for _ in range(2))
-  k = (rng.normal(size=(t_len, 2)) * scale).astype(np.float32)
-  kernel = (rng.normal(size=(2, size)) * scale).astype(np.float32)
-  out = jax.jit(functools.partial(ops.aft_conv1d, causal=causal))(q, k, v, kernel)
-  chex.assert_tree_all_finite(out)
-  chex.assert_trees_all_close(out, ref.aft_conv1d(q, k, v, kernel, causal), rtol=2e-4, atol=2e-5)

@@ -1,6 +1,4 @@
-"""Every kernel configuration, forward and backward, f32 and bf16, compiled for sm_80 (the
-tightest architecture; ``benchmarks/kernel_resources.py``) fits its shared memory and registers
-and spills at most ``SPILL_ALLOWANCE`` (the other architectures: docs/kernels.md)."""
+"""Every kernel configuration compiled for sm_80 fits its shared memory and registers."""
 
 import glob
 import json
@@ -16,8 +14,7 @@ from benchmarks import kernel_resources
 from tests.support import prefork
 from tests.support.helpers import ROOT
 
-# Spill bytes (stores, and loads) allowed per kernel: what ptxas spills today and a word or two
-# more, so that anything larger fails (docs/kernels.md, "Kernel resources").
+# Spill bytes allowed per kernel: today's and a word or two (docs/kernels.md, "Kernel resources").
 SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 48, "sm_90": 24}
 # The kernels per (op, configuration, dtype, architecture); the chunk-parallel form adds the totals.
 KERNELS = {"aft_simple": {"fwd", "fwd+lse", "bwd"}, "aft_local": {"fwd", "fwd+lse", "bwd", "dw"}}
@@ -29,8 +26,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def spec_limits() -> dict[str, dict[str, int]]:
-  """Per architecture ('sm_80'), the smallest opt-in shared memory per block and registers per
-  block over ``aft_jax/gpu_specs`` (every GPU of that compute capability there)."""
+  """Per architecture, the smallest limits over ``aft_jax/gpu_specs``."""
   out = {}
   for path in glob.glob(os.path.join(ROOT, "aft_jax", "gpu_specs", "*.txtpb")):
     text = open(path).read()
@@ -45,8 +41,7 @@ def spec_limits() -> dict[str, dict[str, int]]:
 
 
 def test_the_committed_table_renders_from_its_json_for_any_architectures():
-  """The committed .md is the script's rendering of the committed .json; without sm_80 rows
-  (``--archs sm_90``) the table leaves out the comparison of compilers made there."""
+  """The committed .md renders from the .json; without sm_80 rows, no compiler comparison."""
   results = os.path.join(ROOT, "benchmarks", "results", "kernel_resources")
   result = json.load(open(f"{results}.json"))
   assert kernel_resources.markdown(result) == open(f"{results}.md").read()
@@ -63,8 +58,7 @@ def test_every_kernel_configuration_fits_every_architecture(tmp_path):
     f"compiling for a GPU without one needs aft_jax.deviceless' {need} packages: run python -m "
     "aft_jax.deviceless install (or: python -m aft_jax.deviceless install cuda ptxas)"
   )
-  # --no_route_check skips the sm_80 comparison of compilers; --workers 1: one process compiles
-  # every case, ptxas beside it on a second thread (the suite's other worker has the other core).
+  # No comparison of compilers; one process compiles every case (ptxas on a second thread).
   cmd = [sys.executable, "-m", "benchmarks.kernel_resources", "--out", str(tmp_path)]
   done = prefork.run(
     [*cmd, "--no_route_check", "--workers", "1", "--archs", *ARCHS],

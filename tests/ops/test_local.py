@@ -1,5 +1,4 @@
-"""AFT-local (aft_jax/ops/local.py) against float64 references: the banded sums (which AFT-full
-shares) block by block (pieces: tests/ops/test_modes.py; the kernel: tests/ops/test_pallas.py)."""
+"""AFT-local's banded sums (aft_jax/ops/local.py, AFT-full's too) against float64 references."""
 
 import functools
 
@@ -32,8 +31,7 @@ from tests.support.op_cases import (
   ],
 )
 def test_banded_long_sequence(causal, window, scale):
-  """Several query blocks (the last overlapping), sums outside the window, at scale 40 row groups
-  recomputed: values and both modes' derivatives against dense formulas (window None: AFT-full)."""
+  """Several blocks (the last overlapping), row groups recomputed at 40: the dense formulas."""
   t_len = 300
   q, k, v, w = qkvw(20, (2,), t_len, 4, scale)
   if window is None:
@@ -68,8 +66,7 @@ def test_banded_long_sequence(causal, window, scale):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("t_len,window", [(13, 1), (13, 3), (13, 6), (16, 2), (16, 40)])
 def test_banded_small_blocks(causal, t_len, window):
-  """Blocks of 4 rows: every layout case of the banded sums against the float64 loop reference,
-  its derivatives in both modes against finite differences."""
+  """Blocks of 4 rows: the loop reference, both modes against finite differences."""
   plan = local.make_plan(t_len, 3, window, causal, block=4)
   assert plan.nb == -(-t_len // 4)
   with jax.enable_x64(True):
@@ -85,8 +82,7 @@ def test_banded_small_blocks(causal, t_len, window):
 
 
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
-  """The backward's partial sums of dw are one [t_pad, W] per channel block (the batch summed in
-  the dw kernel): at batch 8 and D = 128, 2 x 112 x 64 floats; dk and dv grow with the batch."""
+  """dw's partial sums: one [t_pad, W] per channel block, summed over the batch in the kernel."""
   t_len, d, window = 100, 128, 40  # t_pad 112, W = 16 (ceil(39 / 16) + 1) = 64
   w = jnp.zeros((t_len, t_len))
   for batch in (1, 8):
@@ -101,9 +97,7 @@ def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
 
 
 def test_a_symbolic_batch_exports():
-  """jax.export with an unconstrained symbolic batch: the banded sums' row groups take one row
-  where the channel count is symbolic; the exported program gives the float64 reference's
-  values at batch 3."""
+  """A symbolic batch (one-row groups): the exported program's values at batch 3."""
   (b,) = jax.export.symbolic_shape("b")
   x, w = jax.ShapeDtypeStruct((b, 12, 3), jnp.float32), jax.ShapeDtypeStruct((12, 12), jnp.float32)
   q, k, v, bias = qkvw(30, (3,), 12, 3, 1.0)

@@ -1,5 +1,4 @@
-"""What the ops hold together: their identities, vmap is a batched call, bfloat16 is close to
-float32 (the causal ones ignore the future: tests/ops/test_nonfinite.py)."""
+"""What the ops hold together: their identities; bfloat16 is close to float32."""
 
 import functools
 
@@ -18,8 +17,7 @@ same = functools.partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_identities(causal):
-  """AFT-local with a wide window is AFT-full, with a zero bias AFT-simple; AFT-conv1d with a
-  zero kernel is AFT-simple per head."""
+  """Wide AFT-local is AFT-full, zero-bias AFT-simple; zero-kernel AFT-conv1d AFT-simple."""
   q, k, v, w = qkvw(7, (2,), 12, 5, 3.0)
   for window in (12, 50):
     same(
@@ -36,26 +34,7 @@ def test_identities(causal):
   same(out, ops.aft_simple(flat(q), flat(k[..., None]), flat(v), causal=causal).reshape(q.shape))
 
 
-def test_vmap_equals_batched_call():
-  q, k, v, w = qkvw(11, (3,), 8, 4, 2.0)
-  qc, vc = rand(12, (3, 8, 2, 2), (3, 8, 2, 2))
-  kc, kern = rand(13, (3, 8, 2), (2, 3))
-  q2, v2 = rand(14, (3, 4, 5, 2, 2), (3, 4, 5, 2, 2))
-  k2, kern2 = rand(15, (3, 4, 5, 2), (2, 3, 3))
-  cases = [
-    (lambda q, k, v: ops.aft_full(q, k, v, w, causal=True), (q, k, v)),
-    (lambda q, k, v: ops.aft_local(q, k, v, w, window=2), (q, k, v)),
-    (lambda q, k, v: ops.aft_simple(q, k, v, causal=True), (q, k, v)),
-    (lambda q, k, v: ops.aft_conv1d(q, k, v, kern), (qc, kc, vc)),
-    (lambda q, k, v: ops.aft_conv2d(q, k, v, kern2), (q2, k2, v2)),
-  ]
-  for fn, args in cases:
-    chex.assert_trees_all_close(jax.jit(jax.vmap(fn))(*args), jax.jit(fn)(*args), atol=1e-6)
-
-
-def _causal_ops(t_len: int, d: int, window: int) -> dict:
-  """Each causal op as a function of q, k, v [2, t_len, d] and w [t_len, t_len] (AFT-conv1d:
-  2 heads of d / 2 channels, a 3-tap kernel from w)."""
+def _causal_ops(t_len: int, d: int, window: int) -> dict:  # AFT-conv1d: 2 heads, kernel from w
 
   def conv1d(q, k, v, w):
     heads = lambda x: x.reshape(2, t_len, 2, d // 2)

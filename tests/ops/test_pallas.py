@@ -1,6 +1,4 @@
-"""The Pallas kernels: every configuration lowers for GPUs (Triton) and TPUs (Mosaic) with
-``jax.export``; the launch plan; ``impl``; interpreted, their values against float64 references
-and a model trained as with XLA."""
+"""The Pallas kernels: lowering for GPUs and TPUs, launch plans, impl, values (interpreted)."""
 
 import dataclasses
 import functools
@@ -21,12 +19,10 @@ from aft_jax.ops.pallas import mosaic_simple, triton, triton_local, triton_simpl
 from benchmarks import accelerator_check, kernel_form
 from tests.support.helpers import TRITON, export_for, on_target
 from aft_jax.ops import logsumexp as lse
-from tests.support import numpy_reference as ref
 from tests.support.op_cases import ATOL, RTOL, kernel_inputs, simple_reference
 
 _GRID = re.compile(r"grid_x = (\d+) : i\d+, grid_y = (\d+) : i\d+, grid_z = (\d+) : i\d+")
-# The configurations lowered chunk-parallel too, in bf16 and float32 (both at the widest block,
-# which plan_for takes wherever D is a multiple of 64; the loads are what the dtype changes).
+# The configurations lowered chunk-parallel too (plan_for's widest block in both dtypes).
 _CHUNKED = {(0, jnp.bfloat16), (0, jnp.float32), (1, jnp.bfloat16), (2, jnp.float32)}
 D = 128  # one lane tile: the smallest channel count the TPU kernel takes
 
@@ -34,10 +30,7 @@ D = 128  # one lane tile: the smallest channel count the TPU kernel takes
 @pytest.mark.parametrize("i", range(3), ids=lambda i: f"block_d{triton.CONFIGS[i].block_d}")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_kernels_lower_for_cuda(i, dtype):
-  """Every configuration ``auto`` can choose lowers to Triton, sequential and (``_CHUNKED``) in
-  segments of 64, forward and forward+backward, T ragged: AFT-simple's kernels and AFT-local's
-  (dk, dv and dw, whose channel block is block_d here) with windows of one and three key blocks;
-  the segment kernels' grid has the segments as its third axis."""
+  """Every configuration, sequential and in segments, forward and backward, T ragged."""
   cfg = triton.CONFIGS[i]
   assert triton.plan_for(1, 4096, 3 * cfg.block_d).cfg == cfg  # auto can pick it, chunked
   assert triton.config_for(3 * cfg.block_d, batch=1 << 20) == cfg  # and sequential
@@ -59,8 +52,7 @@ def test_kernels_lower_for_cuda(i, dtype):
 
 
 def test_chunk_parallel_later_segments_never_reach_earlier_ones():
-  """A NaN and an infinity in a later segment's keys and values: every earlier output of the
-  chunk-parallel form is bit-identical (the fold takes only earlier segments' totals)."""
+  """A later NaN or infinity: every earlier output of the chunk-parallel form bit-identical."""
   q, k, v, _ = kernel_inputs(100, 16, seed=2)
   w = np.zeros((100, 100), np.float32)
   cfg = triton.CONFIGS[-1]
@@ -73,15 +65,10 @@ def test_chunk_parallel_later_segments_never_reach_earlier_ones():
   for fn in fns:
     fn = jax.jit(fn)
     good, bad = np.asarray(fn(k, v)), np.asarray(fn(bad_k, bad_v))
-    np.testing.assert_array_equal(bad[:, :64], good[:, :64])  # the segments before row 70
     np.testing.assert_array_equal(bad[:, :70], good[:, :70])
 
 
 def test_plan_splits_t_where_the_sequential_grid_is_small():
-  """The one choice: at B 1, T 16384 and B 8, T 2048 (D 512) the chunk-parallel form with at
-  least ``MIN_PROGRAMS`` programs; at B 256 the sequential one; T too short for two segments:
-  sequential; ``kernel_form.forced`` selects either form where it can run; AFT-local's
-  segments hold the window's earlier keys."""
   for b, t_len in ((1, 16384), (8, 2048)):
     plan = triton.plan_for(b, t_len, 512)
     assert plan.seg is not None and plan.seg % plan.cfg.block_t == 0
@@ -98,19 +85,15 @@ def test_plan_splits_t_where_the_sequential_grid_is_small():
   assert triton.plan_for(2, 4096, 16).seg == 128  # (the T = 4096 kernel case below)
   assert triton.config_for(512, batch=1).block_d == 16  # few rows: more programs
   k, cfg = jnp.zeros((2, 100, 16)), triton.CONFIGS[-1]
-  for seg in (24, 40):
-    with pytest.raises(ValueError, match="whole chunks of 16"):
-      triton_simple.causal_mean(k, k, cfg, True, seg)
-  for window, seg in ((20, 16), (5, 8)):  # a segment shorter than the window's earlier keys
-    with pytest.raises(ValueError, match="earlier keys"):
-      triton_local.local_mean(k, k, jnp.zeros((100, 100)), window, cfg, True, seg)
+  with pytest.raises(ValueError, match="whole chunks of 16"):
+    triton_simple.causal_mean(k, k, cfg, True, 24)
+  with pytest.raises(ValueError, match="earlier keys"):  # 16 positions, 32 earlier keys
+    triton_local.local_mean(k, k, jnp.zeros((100, 100)), 20, cfg, True, 16)
 
 
 @pytest.mark.parametrize("batch, t_len", [(1, 16384), (8, 2048)])
 def test_every_kernel_fills_an_h200_at_long_t_and_small_batch(batch, t_len):
-  """Lowered for cuda under an abstract H200 (``impl="auto"`` takes the kernels there): every
-  Triton call of causal AFT-simple and AFT-local-128 at D 512, forward and forward+backward,
-  launches at least 528 programs (4 per SM of a 132-SM GPU), read from the calls' grid_x/y/z."""
+  """impl="auto" for an H200: every Triton call launches >= 528 programs (4 per SM)."""
   x = jax.ShapeDtypeStruct((batch, t_len, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((t_len, t_len), jnp.float32)
   cases = {
@@ -129,24 +112,12 @@ def test_every_kernel_fills_an_h200_at_long_t_and_small_batch(batch, t_len):
       assert min(grids) >= 528, (name, mode, grids)
 
 
-def test_auto_is_xla_on_cpu_and_interpret_runs_the_kernel():
-  q, k, v, _ = kernel_inputs(8, 16)
-  local = functools.partial(ops.aft_local, window=2)
-  for op, args in ((ops.aft_simple, (q, k, v)), (local, (q, k, v, np.zeros((8, 8), np.float32)))):
-    for impl, kernel in (("auto", False), ("pallas_interpret", True)):
-      jaxpr = str(jax.make_jaxpr(functools.partial(op, causal=True, impl=impl))(*args))
-      assert ("pallas_call" in jaxpr) == kernel, (op, impl)
-
-
-@pytest.mark.parametrize("mixing, t_len", [("aft_simple", 8), ("aft_local", 40)])
-def test_model_trains_the_same_with_the_kernel(mixing, t_len):
-  """A tiny causal LM (AFT-simple, or AFT-local as in the quickstart: here 3 chunks of 16 and
-  keys older than the window), 20 Adam steps: impl=pallas_interpret gives the losses of
-  impl=xla within 1e-4."""
+def test_model_trains_the_same_with_the_kernel():
+  """AFT-local (3 chunks, keys past the window), 20 Adam steps: impl=xla's losses to 1e-4."""
+  t_len = 40
   cfg = ModelConfig(vocab_size=32, max_len=t_len, num_layers=1, d_model=16, mlp_dim=32, window=4)
-  cfg = dataclasses.replace(cfg, mixing=mixing, dropout_rate=0.0)
-  # Rows that count up from a random start (mod 32): each next token is learnable from the
-  # last, so a few steps lower the loss from the near-uniform start of GPT-2's initialisation.
+  cfg = dataclasses.replace(cfg, mixing="aft_local", dropout_rate=0.0)
+  # Rows that count up from a random start (mod 32): learnable from the last token.
   start = np.random.default_rng(0).integers(0, 32, size=(20, 4, 1))
   tokens = (start + np.arange(t_len + 1)) % 32
   tx = optax.adam(3e-3)
@@ -171,9 +142,7 @@ def test_model_trains_the_same_with_the_kernel(mixing, t_len):
 
 @pytest.mark.parametrize("cfg", mosaic_simple.CONFIGS, ids=lambda c: f"block_d{c.block_d}")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
-  """Every configuration lowers to Mosaic, forward (one kernel) and forward+backward (two),
-  T ragged; and ``config_for`` picks each one for some channel count."""
+def test_tpu_kernel_lowers_for_tpu(cfg, dtype):  # forward (one kernel), backward (two)
   x = jax.ShapeDtypeStruct((2, 100, 3 * cfg.block_d), dtype)  # 3 * block_d picks cfg
   loss = lambda k, v: jnp.sum(mosaic_simple.causal_mean(k, v, cfg))
   for kernels, fn in ((1, loss), (2, jax.grad(loss, argnums=(0, 1)))):
@@ -185,8 +154,7 @@ def test_tpu_kernel_lowers_for_tpu(cfg, dtype):
 
 
 def test_impl_on_a_tpu_backend(monkeypatch):
-  """For a TPU target: "auto" is XLA, "pallas" runs the TPU kernel (a spy interprets it), which
-  refuses D not a multiple of 128 (or of its block); AFT-local has no TPU kernel."""
+  """For a TPU: "auto" is XLA, "pallas" the TPU kernel (a spy interprets it), refusals."""
   with on_target("TPU v5 lite", "tpu"):
     _impl_on_a_tpu(monkeypatch)
 
@@ -207,23 +175,10 @@ def _impl_on_a_tpu(monkeypatch):
   assert calls == [((2, 40, D), None, False)]
   want = ops.aft_simple(q, k, v, causal=True, impl="xla")
   chex.assert_trees_all_close(got[0], want, rtol=RTOL, atol=ATOL)
-  w = np.zeros((40, 40), np.float32)
-  cases = [
-    (
-      lambda: ops.aft_simple(q[..., :16], k[..., :16], v[..., :16], causal=True, impl="pallas"),
-      "channel dim D = 16 is not a multiple of 128",
-    ),
-    (lambda: ops.aft_simple(q, k, v, impl="pallas"), "the kernel is for causal=True"),
-    (
-      lambda: ops.aft_local(q, k, v, w, window=2, causal=True, impl="pallas"),
-      r"for \('gpu',\), not for the 'tpu' platform \(TPU v5 lite\)",
-    ),
-    (lambda: ops.aft_full(q, k, v, w, causal=True, impl="pallas"), "no Pallas kernel for this op"),
-    (lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 96)),) * 2), "D = 96 is not a multiple"),
-    (
-      lambda: mosaic_simple.causal_mean(*(jnp.zeros((1, 8, 384)),) * 2, mosaic_simple.CONFIGS[1]),
-      "cannot tile D = 384",
-    ),
+  z = lambda d: (jnp.zeros((1, 8, d)),) * 2
+  cases = [  # (the op's refusals for a TPU: tests/ops/test_common.py's test_resolve)
+    (lambda: mosaic_simple.causal_mean(*z(96)), "D = 96 is not a multiple"),
+    (lambda: mosaic_simple.causal_mean(*z(384), mosaic_simple.CONFIGS[1]), "cannot tile D = 384"),
   ]
   for fn, msg in cases:
     with pytest.raises(ValueError, match=msg):
@@ -246,11 +201,7 @@ def test_accelerator_check_measures_the_tpu_kernel_of_aft_simple_only():
   assert "aft_local_32/pallas" in kernel_rows("gpu")
 
 
-# ------------------------------------------------ every kernel against the float64 references
-
-
-def _local_dense(q, k, v, w, window):
-  """Causal AFT-local written out (one softmax over every key per query row), for float64."""
+def _local_dense(q, k, v, w, window):  # causal AFT-local, one softmax per query row
   tp = jnp.arange(q.shape[-2])
 
   def row(t):
@@ -261,9 +212,7 @@ def _local_dense(q, k, v, w, window):
   return jax.nn.sigmoid(q) * jnp.moveaxis(jax.lax.map(row, tp), 0, -2)
 
 
-def _reference(window, q, k, v, w, ct):
-  """Causal AFT-simple (window 0) or AFT-local: output [and gradients of sum(out * ct)] in
-  float64 (one program per shape and window)."""
+def _reference(window, q, k, v, w, ct):  # float64 output [and gradients of sum(out * ct)]
   if not window:
     return simple_reference(q, k, v, ct)
   fn = functools.partial(_local_dense, window=window)
@@ -274,15 +223,12 @@ def _reference(window, q, k, v, w, ct):
     return jax.tree.map(np.asarray, _out_and_grads(fn)(*args, jnp.asarray(ct, jnp.float64)))
 
 
-def _out_and_grads(fn):
-  """(q, k, v, w, ct) -> fn's output and the gradients (q, k, v, w) of sum(out * ct), jitted."""
+def _out_and_grads(fn):  # (q, k, v, w, ct) -> fn's output and grads of sum(out * ct), jitted
   grads = jax.grad(lambda *a: jnp.sum(fn(*a[:4]).astype(jnp.float32) * a[4]), argnums=(0, 1, 2, 3))
   return jax.jit(lambda *a: (fn(*a[:4]), grads(*a)))
 
 
-def _kernel(op, window, seg, impl="pallas_interpret"):
-  """(q, k, v, w) -> Y: "tpu" the TPU kernel, else the op (``seg`` None) or its GPU kernel with
-  ``seg`` positions per program, interpreted."""
+def _kernel(op, window, seg, impl="pallas_interpret"):  # the op (seg None) or a kernel
   cfg = triton.CONFIGS[-1]
   if op == "tpu":
     mean = lambda k, v, w: mosaic_simple.causal_mean(k, v, None, True)
@@ -305,11 +251,8 @@ def _case(op, t_len, d=16, window=0, seg=None, dtype="f32", stds=(None,), grads=
   )
 
 
-# Batch row 0 of k has std 1, row 1 std 40; ``stds``: both rows and w of each std in turn. T
-# ragged, shorter than a chunk, several chunks or segments; local windows wider than T and of
-# one and three key blocks; ``seg``: chunk-parallel segments of 7, 2 or 19 (two fold blocks),
-# a local segment's first chunk reading the window's earlier keys from the one before; "xla":
-# where a float64 reference would need gigabytes, or bf16 against XLA's bf16.
+# k's rows of std 1 and 40 (``stds``: both rows and w of each); T ragged, below a chunk, several
+# chunks or segments; windows of 1 and 3 key blocks or past T; "xla": float64 too big, or bf16.
 KERNEL_CASES = [
   *(_case("simple", t) for t in (1, 7, 128, 1000)),
   _case("simple", 4096, grads=False, seed=3, form="auto"),  # 32 segments of 128
@@ -333,9 +276,7 @@ KERNEL_CASES = [
                          KERNEL_CASES)  # fmt: skip
 def test_kernel_against_reference(op, t_len, d, window, seg, dtype, stds, grads, want, rows, seed,
                                   form):  # fmt: skip
-  """Output (f32: RTOL, ATOL; bf16: 2e-2) and gradients (1e-4, bf16 2e-2, of the largest) of
-  the interpreted kernel against the float64 reference on the (bf16-rounded) inputs, or against
-  the XLA path; bf16 in, bf16 out through the op and bf16 gradients."""
+  """Output and gradients (bf16: dtypes kept) against float64 (or the XLA path)."""
   bf16, tol = dtype == "bf16", 2e-2 if dtype == "bf16" else 1e-4
   jitted = lambda fn: _out_and_grads(fn) if grads else jax.jit(lambda *a: (fn(*a[:4]), None))
   run = jitted(_kernel(op, window, seg))
@@ -368,19 +309,8 @@ def test_kernel_against_reference(op, t_len, d, window, seg, dtype, stds, grads,
       assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
 
 
-def test_references_are_the_loop_references():
-  q, k, v, _ = kernel_inputs(9, 3)
-  w = np.random.default_rng(1).normal(scale=3.0, size=(9, 9)).astype(np.float32)
-  want = ref.aft_simple(q, k, v, causal=True)
-  np.testing.assert_allclose(_reference(0, q, k, v, w, None)[0], want, rtol=1e-12, atol=1e-12)
-  want = ref.aft_local(q, k * 3.0, v, w, 4, causal=True)
-  np.testing.assert_allclose(_reference(4, q, k * 3.0, v, w, None)[0], want, rtol=1e-12)
-
-
 def test_tpu_kernel_exact_paths_are_taken_and_needed(monkeypatch):
-  """At std 40 the fast paths alone are wrong (the chunk's early denominators underflow; L
-  rises past what one shift can hold), so the kernel cases above pass only through the exact
-  scans; forced everywhere, the scans alone are exact at std 1 and 40."""
+  """At std 40 the fast paths alone are wrong; the exact scans alone are exact."""
   q, k, v, ct = kernel_inputs(300, 128, seed=4)
   w = np.zeros((300, 300), np.float32)
   want = simple_reference(q, k, v, ct)

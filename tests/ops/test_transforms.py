@@ -1,7 +1,4 @@
-"""Every op x implementation x JAX transformation, composed so that one compile covers many,
-against the same transformation of a dense jax.numpy reference (itself against the float64 one):
-reverse mode for every form, forward mode on XLA, the kernels' refusal of it; the Flax layers'
-per-example gradients; shard_map (nn.scan over layers: tests/test_model.py)."""
+"""Every op x impl x JAX transformation, composed, against a dense jax.numpy reference."""
 
 import functools
 import sys
@@ -17,7 +14,6 @@ from aft_jax import layers, ops
 from aft_jax.ops import local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
-from tests.support.helpers import on_target
 from tests.support.op_cases import dense_mean, dense_op, key_mask, segments, tpu_simple
 
 B = 4  # nested vmap: 2 x 2
@@ -29,22 +25,17 @@ SEQ = P(None, "seq")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def small_blocks():
-  """The XLA ops in chunks and query blocks of 4 positions: several of them at T = 16."""
+def small_blocks():  # chunks and query blocks of 4 positions: several at T = 16
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(simple, "CHUNK", 4)
     mp.setattr(local, "_default_block", lambda s, t_len: 4)
     yield
 
 
-# --------------------------------------------------------------------------- the op forms
-#
-# Every form is fn(q, k, v, w) on inputs with any leading dims (w: the bias [T, T] or the
-# AFT-conv kernel, shared), and its dense reference the same function by plain jax.numpy.
+# Every form is fn(q, k, v, w) (w: the bias [T, T] or the AFT-conv kernel, shared).
 
 
-def _kernel_bias(kernel, t_len, causal):
-  """AFT-conv1d's kernel [H, s] as the bias [T, T, H] of every (query, key)."""
+def _kernel_bias(kernel, t_len, causal):  # AFT-conv1d's kernel [H, s] as the bias [T, T, H]
   t, tp = np.arange(t_len)[:, None], np.arange(t_len)[None, :]
   s = kernel.shape[-1]
   j = t - tp if causal else tp - t + s // 2
@@ -80,15 +71,11 @@ def _halves(x, axis):
   return jax.lax.slice_in_dim(x, 0, cut, axis=axis), jax.lax.slice_in_dim(x, cut, None, axis=axis)
 
 
-def _forms(impl):
-  """name -> (fn, its dense reference, its NumPy reference or None, input kind)."""
-  P = functools.partial
-  full, simple = P(ops.aft_full, impl=impl), P(ops.aft_simple, impl=impl)
-  local, conv1d = P(ops.aft_local, window=WINDOW, impl=impl), P(ops.aft_conv1d, impl=impl)
+def _forms(impl):  # name -> (fn, dense reference, NumPy reference or None, input kind)
   seg = lambda k: jnp.broadcast_to(segments(k.shape[-2])[0], k.shape[:-1])
   pos = lambda k: jnp.broadcast_to(segments(k.shape[-2])[1], k.shape[:-1])
 
-  def two_pieces(op, offset=False):  # the second piece after the first's state (at its offset)
+  def two_pieces(op, offset):  # the second piece after the first's state (at its offset)
     def fn(q, k, v, w):
       t = k.ndim - 2  # T's axis in q, k and v
       (q1, q2), (k1, k2), (v1, v2) = (_halves(x, t) for x in (q, k, v))
@@ -98,63 +85,48 @@ def _forms(impl):
 
     return fn
 
-  causal_ref = {
-    "full": lambda q, k, v, w: ref.aft_full(q, k, v, w, True),
-    "local": lambda q, k, v, w: ref.aft_local(q, k, v, w, WINDOW, True),
-    "simple": lambda q, k, v, w: ref.aft_simple(q, k, v, True),
-    "conv1d": lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True),
-  }
-  seq_packed = lambda f: (
-    lambda q, k, v, w: f(q, k, v, w, causal=True, segment_ids=seg(k), positions=pos(k))
-  )
-  simple_ = lambda **kw: lambda q, k, v, w: simple(q, k, v, **kw)
-  return {
-    "full": (full, dense_op(None, False), ref.aft_full, "seq"),
-    "full-causal": (P(full, causal=True), dense_op(None, True), causal_ref["full"], "seq"),
-    "local": (local, dense_op(WINDOW, False), lambda *a: ref.aft_local(*a, WINDOW), "seq"),
-    "local-causal": (P(local, causal=True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
-    "simple": (simple_(), dense_op(0, False), lambda q, k, v, w: ref.aft_simple(q, k, v), "seq"),
-    "simple-causal": (simple_(causal=True), dense_op(0, True), causal_ref["simple"], "seq"),
-    "conv1d": (conv1d, _conv1d_dense(False), ref.aft_conv1d, "conv1d"),
-    "conv1d-causal": (P(conv1d, causal=True), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
-    "conv2d": (P(ops.aft_conv2d, impl=impl), _conv2d_dense, ref.aft_conv2d, "conv2d"),
-    "simple-state": (
-      two_pieces(lambda q, k, v, w, **kw: simple(q, k, v, **kw)), dense_op(0, True),
-      causal_ref["simple"], "seq",
-    ),
-    "local-state": (two_pieces(local, True), dense_op(WINDOW, True), causal_ref["local"], "seq"),
-    "conv1d-state": (two_pieces(conv1d), _conv1d_dense(True), causal_ref["conv1d"], "conv1d"),
-    "full-packed": (seq_packed(full), dense_op(None, True, packed=True), None, "seq"),
-    "local-packed": (seq_packed(local), dense_op(WINDOW, True, packed=True), None, "seq"),
-    "simple-packed": (
-      lambda q, k, v, w: simple(q, k, v, causal=True, segment_ids=seg(k)),
-      dense_op(0, True, packed=True), None, "seq",
-    ),
-    "conv1d-packed": (
-      lambda q, k, v, w: conv1d(q, k, v, w, causal=True, segment_ids=seg(k)),
-      _conv1d_dense(True, packed=True), None, "conv1d",
-    ),
+  def packed(op, positions):
+    def fn(q, k, v, w):
+      ids = dict(segment_ids=seg(k), **({"positions": pos(k)} if positions else {}))
+      return op(q, k, v, w, causal=True, **ids)
+
+    return fn
+
+  ops_ = {  # name -> (op, its window for dense_op, its NumPy reference given causal)
+    "full": (functools.partial(ops.aft_full, impl=impl), None,
+             lambda c: lambda q, k, v, w: ref.aft_full(q, k, v, w, c)),
+    "local": (functools.partial(ops.aft_local, window=WINDOW, impl=impl), WINDOW,
+              lambda c: lambda q, k, v, w: ref.aft_local(q, k, v, w, WINDOW, c)),
+    "simple": (lambda q, k, v, w, **kw: ops.aft_simple(q, k, v, impl=impl, **kw), 0,
+               lambda c: lambda q, k, v, w: ref.aft_simple(q, k, v, c)),
+    "conv1d": (functools.partial(ops.aft_conv1d, impl=impl), "conv1d",
+               lambda c: lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, c)),
   }  # fmt: skip
+  conv2d = functools.partial(ops.aft_conv2d, impl=impl)
+  forms = {"conv2d": (conv2d, _conv2d_dense, ref.aft_conv2d, "conv2d")}
+  for n, (op, window, numpy) in ops_.items():
+    kind = "conv1d" if n == "conv1d" else "seq"
+    dense = lambda c, p=False: _conv1d_dense(c, p) if kind == "conv1d" else dense_op(window, c, p)
+    forms[n] = (op, dense(False), numpy(False), kind)
+    forms[n + "-causal"] = (functools.partial(op, causal=True), dense(True), numpy(True), kind)
+    if n != "full":
+      forms[n + "-state"] = (two_pieces(op, n == "local"), dense(True), numpy(True), kind)
+    forms[n + "-packed"] = (packed(op, n in ("full", "local")), dense(True, True), None, kind)
+  return forms
 
 
-# (form, impl) -> (T, D): every form on XLA, and every kernel on its plain and state forms
-# (a piece prepends the state as keys and calls the same kernel; the packed forms run
-# ``logsumexp.packed``' XLA code whatever the impl, the axis_name forms are
-# tests/support/transforms_worker.py's).
-# Each case compiles its op under the composed transformations (4-30 s of one core each).
+# (form, impl) -> (T, D): every form on XLA, every kernel on its plain and state forms (packed
+# forms run XLA whatever the impl; axis_name: tests/support/transforms_worker.py).
 CASES = {(name, "xla"): (16, 8) for name in _forms("xla")}
 KERNEL_FORMS = ("simple-causal", "local-causal", "simple-state", "local-state")
 CASES.update({(n, "pallas_interpret"): (32, 16) for n in KERNEL_FORMS})
 CASES[("simple-causal", "tpu_interpret")] = (32, 128)
-# Forward mode (XLA): the ops with a hand-written derivative (banded: AFT-full and AFT-local,
-# causal or not; causal_mean; causal AFT-conv1d) and AFT-conv2d (plain autodiff under the
-# gate's JVP, which every op has).
+# Forward mode (XLA): the hand-written derivatives, and AFT-conv2d (autodiff under the gate's JVP).
 FORWARD = ("full", "full-causal", "local", "local-causal", "simple-causal", "conv1d-causal")
 FORWARD += ("conv2d",)
 
 
-def _inputs(kind, t_len, d, seed=0):
-  """(q, k, v, w), a cotangent of the output and tangents of the inputs, float32."""
+def _inputs(kind, t_len, d, seed=0):  # (q, k, v, w), an output cotangent, input tangents
   rng = np.random.default_rng(seed)
   f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
   if kind == "seq":
@@ -168,23 +140,16 @@ def _inputs(kind, t_len, d, seed=0):
   return x, f(*shapes[0]), tuple(f(*s) for s in shapes)
 
 
-# --------------------------------------------------------------------------- the transformations
-
-
 def _grads(fn, *args):
   return jax.grad(fn, argnums=tuple(range(len(args))))(*args)
 
 
-def _nest(x):
-  """[B, ...] -> [2, S, B / 2, ...]: the batch as two vmapped axes, the inner one after the
-  first sequence (or image) axis S."""
+def _nest(x):  # [B, ...] -> [2, S, B / 2, ...]: two vmapped axes, the inner one after S
   return jnp.moveaxis(x.reshape((2, B // 2) + x.shape[1:]), 1, 2)
 
 
 def _reverse(fn):
-  """Per outer example (vmap of grad), the values and gradient of two layers (lax.scan over
-  their biases or kernels) of jax.checkpoint of ``fn`` vmapped over the inner batch axis, a
-  later one (grad of vmap): q, k, v, ct ``_nest``-ed, ws [2, ...] (shared)."""
+  """vmap of grad of a lax.scan over two layers of jax.checkpoint of fn vmapped over axis 1."""
   inner = jax.checkpoint(jax.vmap(fn, (1, 1, 1, None), 1))
 
   def loss(q, k, v, ws, ct):
@@ -196,36 +161,19 @@ def _reverse(fn):
 
 
 def _forward(fn, x, tx, ct, jacrev=True):
-  """jacfwd and (``jacrev``) jacrev of one example's output w.r.t. k and w; Hessian-vector
-  products (jvp of grad) along two tangents at once (vmap of them)."""
+  """jacfwd, jacrev (w.r.t. k and w) and vmapped Hessian-vector products."""
   q, k, v, w = x
   x1 = (q[:1], k[:1], v[:1], w)
   loss = lambda *a: jnp.sum(fn(*a) * ct)
   hvp = lambda t: jax.jvp(lambda *a: _grads(loss, *a), x, t)[1]
   two = jax.tree.map(lambda t: jnp.stack([t, -0.5 * t[::-1]]), tx)
   out = {"jacfwd": jax.jacfwd(fn, argnums=(1, 3))(*x1), "hvp": jax.vmap(hvp)(two)}
-  out["jacrev"] = (jax.jacrev if jacrev else _jacrev_in_batches)(fn, argnums=(1, 3))(*x1)
+  if jacrev:
+    out["jacrev"] = jax.jacrev(fn, argnums=(1, 3))(*x1)
   return out
 
 
-def _jacrev_in_batches(fn, argnums=(1, 3)):
-  """jax.jacrev(fn, argnums=(1, 3)) (w.r.t. k and w) with its vjps vmapped 16 cotangents at a
-  time (lax.map)."""
-  assert argnums == (1, 3)
-
-  def jac(q, k, v, w):
-    y, vjp = jax.vjp(lambda k, w: fn(q, k, v, w), k, w)
-    eye = jnp.eye(y.size, dtype=y.dtype).reshape((y.size,) + y.shape)
-    rows = jax.lax.map(vjp, eye, batch_size=16)
-    return tuple(r.reshape(y.shape + r.shape[1:]) for r in rows)
-
-  return jac
-
-
-def _close(got, want, what, whole_tree=False):
-  """Every leaf of ``got`` equals ``want``'s to 1e-5 of its largest entry (``whole_tree``: of
-  the largest entry of all of ``want``, as for a layer's parameter gradients, some of which sum
-  per-example terms that nearly cancel) and relatively."""
+def _close(got, want, what, whole_tree=False):  # to TOL of the largest entry (of the leaf)
   top = max(float(np.max(np.abs(np.asarray(w)))) for w in jax.tree.leaves(want))
   for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
     w = np.asarray(w, np.float64)
@@ -240,9 +188,6 @@ def _case_fn(name, impl):
 
 
 def test_dense_references_are_the_float64_ones():
-  """Every case's dense reference (jitted) on its inputs against the float64 NumPy reference
-  (the forms without one, the packed ones, excepted); a state form shares its causal form's
-  references and inputs, so each distinct check runs once."""
   done = set()
   for name, impl in CASES:
     _, _, numpy_ref, kind = _case_fn(name, impl)
@@ -258,9 +203,6 @@ def test_dense_references_are_the_float64_ones():
 
 @pytest.mark.parametrize("name,impl", list(CASES), ids=[f"{n}-{i}" for n, i in CASES])
 def test_reverse_mode_under_vmap_checkpoint_and_scan(name, impl):
-  """vmap (nested, over a later axis), grad of vmap, vmap of grad, jax.checkpoint and lax.scan
-  over layers, composed (``_reverse``), against the same of the dense reference (itself
-  against the float64 one: ``test_dense_references_are_the_float64_ones``)."""
   fn, dense, _, kind = _case_fn(name, impl)
   x, ct, _ = _inputs(kind, *CASES[name, impl])
 
@@ -278,72 +220,31 @@ def test_reverse_mode_under_vmap_checkpoint_and_scan(name, impl):
 
 @pytest.mark.parametrize("name", FORWARD)
 def test_forward_mode_on_the_xla_path(name):
-  """jvp (jacfwd's), jacfwd == jacrev, forward-over-reverse Hessian-vector products, against
-  the dense reference's."""
   fn, dense, _, kind = _forms("xla")[name]
   x, ct, tx = _inputs(kind, 16, 8)
-  # AFT-conv2d's jacrev (vmap of its vjp over 128 cotangents) compiled by XLA:CPU (jax 0.10.2)
-  # reads memory it never wrote (NaN and garbage, different from run to run, in the gradient
-  # w.r.t. k; its prefix scans of triples, ``conv._prefix0``, under vmap of their transpose at a
-  # batch of 32 or more; op by op, or 16 cotangents at a time, it is right): there its vjps
-  # are vmapped 16 at a time.
-  jit_rev = name != "conv2d"
-  run = jax.jit(lambda *a: (_forward(fn, *a, jit_rev), _forward(dense, *a, jit_rev)))
+  # XLA:CPU (jax 0.10.2) miscompiles conv2d's jacrev (vmap of conv._prefix0's transpose at a
+  # batch >= 32 reads unwritten memory): its reverse mode is test_reverse_mode's alone.
+  rev = name != "conv2d"
+  run = jax.jit(lambda *a: (_forward(fn, *a, rev), _forward(dense, *a, rev)))
   got, want = run(x, tx, ct)
   _close(got, want, "forward mode")
-  _close(got["jacfwd"], got["jacrev"], "jacfwd == jacrev")
+  if rev:
+    _close(got["jacfwd"], got["jacrev"], "jacfwd == jacrev")
 
 
-def test_kernels_refuse_forward_mode_in_one_line():
-  """A custom VJP has no forward mode: jvp, jacfwd and jvp of grad of an explicit kernel (GPU
-  interpreted; the TPU kernel as impl="pallas" resolves it on a TPU) are a one-line ValueError
-  that names impl='xla'; impl="auto" takes XLA there."""
+@pytest.mark.parametrize("how", ["jvp", "hvp"])  # a JVP tracer on top, or under grad's
+def test_kernels_refuse_forward_mode_in_one_line(how):
   x, _, tx = _inputs("seq", 32, 16)
-  q, k, v, w = x
-  kernels = {
-    "aft_simple": lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas_interpret"),
-    "aft_local": lambda *a: ops.aft_local(*a, window=WINDOW, causal=True, impl="pallas_interpret"),
-  }
-  for name, fn in kernels.items():
-    loss = lambda *a: jnp.sum(fn(*a))
-    for how, transform in (
-      ("jvp", lambda: jax.jvp(fn, x, tx)),
-      ("jacfwd", lambda: jax.jacfwd(fn, argnums=1)(*x)),
-      ("hvp", lambda: jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), x, tx)),
-    ):
-      with pytest.raises(ValueError) as e:
-        jax.eval_shape(transform)
-      assert "\n" not in str(e.value) and "use impl='xla'" in str(e.value), (name, how)
-      assert name in str(e.value) and "forward-mode" in str(e.value), (name, how)
-  x128, _, t128 = _inputs("seq", 32, 128)
-  with on_target("TPU v5 lite", "tpu"), pytest.raises(ValueError, match="use impl='xla'"):
-    jax.eval_shape(
-      lambda: jax.jvp(lambda *a: ops.aft_simple(*a[:3], causal=True, impl="pallas"), x128, t128)
-    )
-  auto = lambda *a: ops.aft_simple(*a[:3], causal=True, impl="auto")
-  xla = _forms("xla")["simple-causal"][0]
-  got, want = jax.jit(lambda x, tx: (jax.jvp(auto, x, tx)[1], jax.jvp(xla, x, tx)[1]))(x, tx)
-  _close(got, want, "auto")
+  fn = lambda *a: ops.aft_local(*a, window=WINDOW, causal=True, impl="pallas_interpret")
+  loss = lambda *a: jnp.sum(fn(*a))
+  transform = {"jvp": lambda: jax.jvp(fn, x, tx)}
+  transform["hvp"] = lambda: jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), x, tx)
+  with pytest.raises(ValueError, match="^aft_local: .*forward-mode.*use impl='xla'") as e:
+    jax.eval_shape(transform[how])
+  assert "\n" not in str(e.value)
 
 
-# --------------------------------------------------------------------------- the Flax layers
-
-LAYER_CASES = {
-  "AFTLocal": (
-    lambda: layers.AFTLocal(max_len=16, window=WINDOW, hidden_dim=8, causal=True, impl="xla"),
-    (B, 16, 8),
-  ),
-  "AFTSimple-pallas": (
-    lambda: layers.AFTSimple(hidden_dim=16, causal=True, impl="pallas_interpret"),
-    (B, 32, 16),
-  ),
-}
-
-
-def _params(module, shape):
-  """Unboxed parameters, every one random (so that w and the kernels take part): one
-  program."""
-
+def _params(module, shape):  # every parameter random (w takes part), in one program
   @jax.jit
   def make():
     variables = nn.meta.unbox(module.init(jax.random.key(0), jnp.zeros(shape)))
@@ -356,12 +257,10 @@ def _params(module, shape):
   return make()
 
 
-@pytest.mark.parametrize("name", LAYER_CASES)
-def test_layers_per_example_gradients(name):
-  """vmap over examples of grad of one example's loss (DP-SGD's per-example gradients): each
-  equals grad on that example alone, and their sum grad of vmap of the loss."""
-  make, shape = LAYER_CASES[name]
-  module = make()
+def test_layers_per_example_gradients():
+  """DP-SGD's vmap of grad: each example's grad alone, their sum grad of the summed loss."""
+  shape = (B, 16, 8)
+  module = layers.AFTLocal(max_len=16, window=WINDOW, hidden_dim=8, causal=True, impl="xla")
   params = _params(module, shape)
   rng = np.random.default_rng(2)
   x, ct = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
@@ -379,12 +278,7 @@ def test_layers_per_example_gradients(name):
   _close(total_each, total, "sum over examples", whole_tree=True)
 
 
-# --------------------------------------------------------------------------- shard_map
-
-
-def test_shard_map_with_its_defaults():
-  """tests/support/transforms_worker.py on 4 simulated devices (its asserts are the test)."""
-  # (The worker adds its device count to the session's XLA_FLAGS, as the sharding workers do.)
+def test_shard_map_with_its_defaults():  # tests/support/transforms_worker.py's asserts
   cmd = [sys.executable, "-m", "tests.support.transforms_worker"]
   proc = prefork.run(cmd, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -393,8 +287,7 @@ def test_shard_map_with_its_defaults():
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_inside_shard_map(platform):
-  """The grad of impl="pallas" with axis_name (aft_simple; on a GPU aft_local too) lowered for
-  an abstract 4-device H200 or TPU v5e mesh: its forward and backward kernels are there."""
+  """grad of impl="pallas" with axis_name on an abstract 4-device mesh: both kernels there."""
   kind, call, d = {"cuda": ("NVIDIA H200", "gpu", 64), "tpu": ("TPU v5 lite", "tpu", 128)}[platform]
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform=call)
   mesh = jax.sharding.AbstractMesh((4,), ("seq",), abstract_device=device)

@@ -1,7 +1,4 @@
-"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever:
-Y[t, d] = sigmoid(q[t, d]) * sum_t' exp(k[t', d] + w[t, t']) v[t', d] / sum_t' exp(k[t', d] +
-w[t, t']) over the allowed t' (causal: t' <= t), only the logits' max subtracted before exp.
-"""
+"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever."""
 
 import numpy as np
 
@@ -24,27 +21,16 @@ def aft_full(q, k, v, w, causal=False):
   y = np.zeros_like(q)
   for b in range(q.shape[0]):
     for t in range(t_len):
+      keys = [tp for tp in range(t_len) if not (causal and tp > t)]
       for c in range(d):
-        logits, values = [], []
-        for tp in range(t_len):
-          if causal and tp > t:
-            continue
-          logits.append(k[b, tp, c] + w[t, tp])
-          values.append(v[b, tp, c])
-        y[b, t, c] = _sigmoid(q[b, t, c]) * _weighted(np.array(logits), np.array(values))
+        logits = np.array([k[b, tp, c] + w[t, tp] for tp in keys])
+        y[b, t, c] = _sigmoid(q[b, t, c]) * _weighted(logits, v[b, keys, c])
   return y.reshape(lead + (t_len, d))
 
 
-def local_bias(w, window):
-  """Eq. 4: w where |t - t'| < window, 0 (not -inf) elsewhere."""
-  w = np.asarray(w, np.float64)
-  t_len = w.shape[0]
-  out = np.zeros_like(w)
-  for t in range(t_len):
-    for tp in range(t_len):
-      if abs(t - tp) < window:
-        out[t, tp] = w[t, tp]
-  return out
+def local_bias(w, window):  # Eq. 4: w where |t - t'| < window, 0 (not -inf) elsewhere
+  lag = np.subtract.outer(np.arange(len(w)), np.arange(len(w)))
+  return np.where(np.abs(lag) < window, np.asarray(w, np.float64), 0.0)
 
 
 def aft_local(q, k, v, w, window, causal=False):

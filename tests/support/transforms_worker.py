@@ -1,7 +1,4 @@
-"""``python -m tests.support.transforms_worker``, on 4 simulated CPU devices
-(tests/ops/test_transforms.py): vmap, grad and jax.checkpoint inside ``jax.shard_map`` (its
-defaults, check_vma=True) of the ops' axis_name forms, values and gradients against the unsharded
-op (mesh_worker.py checks every axis_name form itself)."""
+"""On 4 CPU devices: vmap, grad, jax.checkpoint in ``jax.shard_map`` (check_vma=True)."""
 
 import os
 

@@ -31,7 +31,6 @@ CONFIGS = tuple(MosaicConfig(block_t=128, block_d=bd) for bd in (512, 256, 128))
 
 
 def unsupported(d: int, window=None) -> str | None:
-  """Why the kernel cannot tile D = d channels, or None if it can."""
   why = f"the channel dim D = {d} is not a multiple of {LANES} (the TPU kernel's lane tile; "
   return why + "pad the channels or use impl='xla')" if d % LANES else None
 

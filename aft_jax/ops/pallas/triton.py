@@ -39,7 +39,6 @@ class LaunchPlan(NamedTuple):
 
 
 def unsupported_channels(d: int, window=None) -> str | None:
-  """Why a kernel cannot tile D = d channels, or None if it can."""
   tile = CONFIGS[-1].block_d
   return (
     f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)" if d % tile else None

@@ -20,7 +20,6 @@ _MAX_LOG_SCALE = 57.0
 
 
 def unsupported(d: int, window: int) -> str | None:
-  """Why the kernel cannot take D = d channels and this window, or None if it can."""
   if window > MAX_WINDOW:
     return f"the window {window} is larger than the kernel's {MAX_WINDOW}"
   return triton.unsupported_channels(d)
@@ -74,8 +73,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
     init = (jnp.full((bt, 1), NEG, jnp.float32), jnp.full((1, k_ref.shape[-1]), NEG, jnp.float32))
     return jax.lax.fori_loop(0, n_keys, step, init)
 
-  def shifted(j, u, mw, mk):
-    """Key block u under the split shift: exp(b - mw), exp(k - mk), v."""
+  def shifted(j, u, mw, mk):  # key block u under the split shift: exp(b - mw), exp(k - mk), v
     b, kb, vb = keys(j, u)
     return jnp.exp(b - mw), jnp.exp(kb - mk), vb
 
@@ -89,8 +87,7 @@ def _scaled_cotangent(mw, mk, lse, g, a, real):
   return all_true((log_scale <= _MAX_LOG_SCALE) | ~real), gs, gs * a
 
 
-def _real(j, bt: int, t_len: int):
-  """[bt, 1]: which rows of chunk j are positions < T (not padding)."""
+def _real(j, bt: int, t_len: int):  # [bt, 1]: which rows of chunk j are positions < T (not padding)
   return j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0) < t_len
 
 
@@ -365,7 +362,6 @@ def _overlap_add(x, front: int):
 
 
 def dw_config(d: int) -> TritonConfig:
-  """The dw kernel's configuration: the widest channel block dividing d."""
   return triton.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
 
 
@@ -390,8 +386,7 @@ def _padded(k, v, window: int, plan: LaunchPlan):
   return pad(k, triton.pad_key(k.dtype)), pad(v, 0.0)
 
 
-def _forward(k, v, w, static, with_lse: bool):
-  """a [and L] [B, t_pad, D] float32."""
+def _forward(k, v, w, static, with_lse: bool):  # a [and L] [B, t_pad, D] float32
   window, plan, interpret = static
   s, t_pad, _, front = _layout(k, window, plan)
   ins = (_slab_bias(w, s, t_pad, plan.cfg.block_t), *_padded(k, v, window, plan))
