@@ -1,4 +1,7 @@
-"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever."""
+"""The paper's AFT equations (Zhai et al., 2021) as plain float64 NumPy loops, nothing clever:
+Y[t, d] = sigmoid(q[t, d]) * sum_t' exp(k[t', d] + w[t, t']) v[t', d] / sum_t' exp(k[t', d] +
+w[t, t']) over the allowed t' (causal: t' <= t), only the logits' max subtracted before exp.
+"""
 
 import numpy as np
 
@@ -29,8 +32,12 @@ def aft_full(q, k, v, w, causal=False):
 
 
 def local_bias(w, window):  # Eq. 4: w where |t - t'| < window, 0 (not -inf) elsewhere
-  lag = np.subtract.outer(np.arange(len(w)), np.arange(len(w)))
-  return np.where(np.abs(lag) < window, np.asarray(w, np.float64), 0.0)
+  out = np.zeros_like(np.asarray(w, np.float64))
+  for t in range(len(w)):
+    for tp in range(len(w)):
+      if abs(t - tp) < window:
+        out[t, tp] = w[t, tp]
+  return out
 
 
 def aft_local(q, k, v, w, window, causal=False):
