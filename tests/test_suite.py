@@ -26,9 +26,7 @@ def test_trim_cache_keeps_the_newest_half_only_past_the_limit(tmp_path):
 
 
 def test_cpu_probe_adds_up_each_folders_tests_and_what_the_host_stole(tmp_path, capsys):
-  """docs/development.md's table (tests/support/cpu_probe.py): each worker's file read, tests
-  counted in their folder, the most CPU first, the totals; then the host's /proc/stat ticks
-  between the session's start and end as busy, idle (with I/O wait) and stolen shares."""
+  """docs/development.md's table: per folder, the most CPU first, totals, the host's shares."""
   from tests.support import cpu_probe
 
   (tmp_path / "gw0.json").write_text(
@@ -69,9 +67,8 @@ sys.exit(int(how))
 
 @pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
-  """A script, a module (-m) or code (-c) forked by tests/support/prefork.py gives what
-  ``subprocess.run`` gives: exit status (a message, an exception, Ctrl-C's -2), stdout, stderr,
-  argv, cwd, environment, SIGINT's disposition, ``__main__``, sys.path[0]; its parent the server."""
+  """A script, a module (-m) or code (-c): the status, output, argv, cwd, environment, SIGINT,
+  __main__ and sys.path[0] of a subprocess; its parent the server."""
   from tests.support import prefork
 
   (tmp_path / "script.py").write_text(SCRIPT)
@@ -105,8 +102,7 @@ while True:
 
 @pytest.mark.parametrize("start", ["subprocess", "prefork"])
 def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, start):
-  """``prefork.popen`` as ``subprocess.Popen``: piped stdout and stderr, a new session, poll,
-  SIGTERM handled, SIGKILL's -9, ``communicate``, ``wait``; a file as stdout, stderr=STDOUT."""
+  """Pipes, a new session, poll, signals, communicate, wait; a file as stdout, stderr=STDOUT."""
   from tests.support import prefork
 
   (tmp_path / "waiter.py").write_text(WAITER)
@@ -134,36 +130,30 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
       proc.wait()
 
 
-def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
-  """A variable set after the fork server started: the next command comes from a new server
-  started with it, still forked."""
-  from tests.support import prefork
-
-  prefork.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
-  first = prefork.server_pid()
-  monkeypatch.setenv("AFT_TESTS_SET_LATER", "x")
+EXITING = """
+import os, sys
+from tests.support import prefork
+prefork.run([sys.executable, "-c", "pass"])
+print(prefork._server[1], flush=True)
+if END == "exit":  # a variable set later: the next command forked by a new server that has it
+  first, os.environ["AFT_TESTS_SET_LATER"] = prefork.server_pid(), "x"
   code = "import os; print(os.getppid(), os.environ['AFT_TESTS_SET_LATER'])"
-  done = prefork.run([sys.executable, "-c", code], capture_output=True, text=True)
-  assert first is not None and prefork.server_pid() != first
-  assert done.stdout.split() == [str(prefork.server_pid()), "x"]
+  done = prefork.run([sys.executable, "-c", code])
+  assert first != prefork.server_pid() and done.stdout.split() == [str(prefork.server_pid()), "x"]
+  sys.exit(0)
+os._exit(0)
+"""
 
 
 @pytest.mark.parametrize("end", ["exit", "os._exit"])
 def test_a_process_that_exits_leaves_no_server_folder(tmp_path, end):
-  """A fork server's socket folder goes when the process that started it ends: at its exit, or
-  (``os._exit``: no exit handlers) by the server once its client is gone."""
-  code = (
-    "import os, sys; from tests.support import prefork; "
-    "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1], flush=True); "
-    + ("sys.exit(0)" if end == "exit" else "os._exit(0)")
-  )
+  """The servers' folders go at the exit, or (os._exit) once a server's client is gone."""
   env = dict(os.environ, TMPDIR=str(tmp_path))
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=120)  # fmt: skip
+  done = subprocess.run([sys.executable, "-c", f"END = {end!r}" + EXITING], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split()[-1].startswith(str(tmp_path))  # the server's folder was there
-  if end == "os._exit":  # the server sees its stdin close, then removes the folder and exits
-    deadline = time.monotonic() + 60
-    while os.listdir(tmp_path) and time.monotonic() < deadline:
-      time.sleep(0.1)
+  assert done.stdout.split()[0].startswith(str(tmp_path))  # the server's folder was there
+  deadline = time.monotonic() + (60 if end == "os._exit" else 0)  # exit: stop_all removed them
+  while os.listdir(tmp_path) and time.monotonic() < deadline:
+    time.sleep(0.1)
   assert os.listdir(tmp_path) == []
