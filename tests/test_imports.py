@@ -1,6 +1,5 @@
-"""The package's imports run one way: no import cycle in ``aft_jax`` (counting every ``import``
-statement, inside functions and under ``TYPE_CHECKING`` too), and no lower layer imports a higher
-one (ops <- layers <- model <- trainer <- tools; data and sharding know nothing of the model)."""
+"""No import cycle in ``aft_jax`` (every import statement counted, inside functions too), and
+no lower layer imports a higher one (ops <- layers <- model <- trainer <- tools)."""
 
 import ast
 import graphlib
@@ -21,15 +20,12 @@ FORBIDDEN = {
 
 
 def import_graph() -> dict[str, set[str]]:
-  """{module: the package's modules it imports}, from every import statement of its source.
-  ``from aft_jax.x import y`` counts as importing ``aft_jax.x.y`` where that is a module, else
-  ``aft_jax.x``."""
+  """{module: the package's modules it imports (``from x import y``: x.y if a module, else x)}."""
   modules = {}  # "aft_jax.trainer.train_lib": its path
   for folder, _, names in os.walk(os.path.join(ROOT, "aft_jax")):
     for path in (os.path.join(folder, n) for n in names if n.endswith(".py")):
-      modules[os.path.relpath(path[:-3], ROOT).replace(os.sep, ".").removesuffix(".__init__")] = (
-        path
-      )
+      name = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+      modules[name.removesuffix(".__init__")] = path
 
   def known(name):
     while name and name not in modules:
@@ -57,7 +53,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  """One import cycle of ``graph`` ([a, b, ..., a]), or None."""
+  """One import cycle [a, b, ..., a] of ``graph``, or None."""
   try:
     graphlib.TopologicalSorter(graph).prepare()
   except graphlib.CycleError as e:

@@ -1,5 +1,5 @@
-"""The benchmarks' quick modes run and write complete results (no timing assertions); their
-parts on made-up rows."""
+"""The benchmarks' quick modes write complete results (no timing assertions); parts on made-up
+rows."""
 
 import itertools
 import json
@@ -20,7 +20,6 @@ def _finite(x):
 
 
 def _quick_result(tmp_path, name):
-  """A quick run's JSON, its machine described, its .md and .png written."""
   result = json.loads((tmp_path / f"{name}.json").read_text())
   for key in ("device_kind", "jax_version", "cpu_count", "platform"):
     assert result["machine"][key] not in (None, ""), key
@@ -53,8 +52,7 @@ def test_bench_ops_quick(tmp_path):
 
 
 def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
-  """This tree against itself: each row's subprocess imported aft_jax from its tree, every
-  row and the peer measured; the table has a row per record."""
+  """This tree against itself: each row's subprocess imported aft_jax from its tree."""
   before_after.main(["--before", before_after.HERE, "--quick", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "before_after.json").read_text())
   assert result["machine"]["trees"]["before"] == before_after.HERE
@@ -97,8 +95,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
   assert count(branch, True, a, b) == matmul
 
-  # The gradient of a loop over slices of w accumulates each slice's cotangent in place: a
-  # trip costs the slice (8 x 16), not the accumulator (64 x 64).
+  # A loop's gradient over slices of w: a trip costs the slice, not the accumulator.
   def sliced(w):
     body = lambda c, b: (c + jnp.sum(jnp.sin(jax.lax.dynamic_slice(w, (8 * b, 0), (8, 16)))), None)
     return jax.lax.scan(body, 0.0, jnp.arange(8))[0]
@@ -106,7 +103,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
   assert count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
 
-  # A loop-free program: the same count as XLA's cost analysis (within 5%).
+  # A loop-free program: XLA's count within 5%.
   x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
   fwd = bench_ops._softmax_einsum
   cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
@@ -115,9 +112,8 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
 
 def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
-  """On a GPU the check has a row per kernel op and form (each traced in that form), and its
-  "Kernel forms" table names the faster form per op, mode and T from the measured rows. The LM
-  targets take the faster AFT-local and name the baseline's impl."""
+  """On a GPU, a row per kernel op and form and a table of the faster form per op, mode and T;
+  the LM targets take the faster AFT-local and name the baseline's impl."""
   from aft_jax.ops.pallas import triton
 
   rows = accelerator_check.op_rows("pallas", "gpu")
@@ -159,8 +155,7 @@ def _is_injected(rec):
 
 @pytest.mark.slow
 def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypatch):
-  """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
-  check (its aft_simple call) and the softmax LM's train step; the rest measured."""
+  """Injected failures: the cumsum row, the bfloat16 kernel check, the softmax LM's step."""
   op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
   measure_step = bench_model.measure_step
 
@@ -196,13 +191,12 @@ def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypa
       _is_injected(rec)
       continue
     _check_record(rec, bench_model.FIELDS)
-    # Parameters and optimizer state donated: the step's new ones are not counted again.
+    # donated parameters and optimizer state: not counted again
     assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
   kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
   assert kchecks["float32"]["holds"] and _is_injected(kchecks["bfloat16"])
   assert kchecks["bfloat16"]["holds"] is None and kchecks["bfloat16"]["max_rel_error"] is None
   assert len({c["check"].split(",")[0] for c in result["checks"]}) == 5
-  # The targets that need a failed row say so; the others are evaluated.
   for c in result["checks"]:
     needs_failed = "cumsum" in c["check"] or c["check"].startswith("LM")
     assert (c["value"] is None) == (needs_failed or "softmax_cudnn" in c["check"]), c
@@ -217,8 +211,7 @@ def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypa
 
 
 def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
-  """A run stopped in its last section (here by a KeyboardInterrupt in the model rows, as a
-  kill at a time limit) leaves the kernel checks and op rows it measured, marked incomplete."""
+  """Stopped in the model rows (as a kill at a time limit): what it measured, incomplete."""
   kchecks = [{"kernel": "k", "dtype": "float32", "logit_std": 1.0, "tolerance": 1e-4}]
   kchecks[0].update(status="ok", max_rel_error=0.0, holds=True)
   monkeypatch.setattr(accelerator_check, "kernel_checks", lambda *args: kchecks)
@@ -256,7 +249,6 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
 
 
 def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
-  """context_memory --step at a tiny T: two real steps of its model, finite."""
   from benchmarks import context_memory
 
   r = context_memory.step("aft_simple", 64)
@@ -265,8 +257,7 @@ def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
 
 
 def test_quality_quick_writes_the_table_and_curves(tmp_path):
-  # Two of the five layers: every mixing layer already trains in tests/e2e/test_recipes.py, and
-  # each one here costs a train-step compilation (seconds on 2 cores).
+  # Two mixings: each costs a compile, and all train in tests/e2e/test_recipes.py.
   mixings = ["softmax", "aft_simple"]
   quality.main(["--quick", "--out", str(tmp_path), "--mixings", *mixings])
   result = json.loads((tmp_path / "quality.json").read_text())

@@ -1,6 +1,5 @@
-"""The accelerator check's code paths lower for CUDA (and the TPU kernel's for TPU) with
-``jax.export``, no accelerator needed, so a lowering error shows here rather than in the
-check's run on the device."""
+"""The accelerator check's code paths lower for CUDA (the TPU kernel's for TPU) with
+``jax.export``: a lowering error shows here, not on the device."""
 
 import re
 
@@ -21,9 +20,8 @@ CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 @pytest.fixture
 def cudnn_h200(monkeypatch):
-  """jax's cuDNN attention asks the installed cuDNN and GPU for their versions while tracing;
-  a CPU-only jaxlib has neither. Answer as an H200 would (compute capability 9.0, cuDNN 9.10),
-  so that the lowering (jax's own checks of shapes, dtypes and layout included) runs here."""
+  """jax's cuDNN attention asks cuDNN and the GPU for their versions while tracing: answered
+  as an H200 would (compute capability 9.0, cuDNN 9.10), jax's own checks included."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
 
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
@@ -33,8 +31,7 @@ def cudnn_h200(monkeypatch):
 
 
 def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
-  """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512 in its heads), forward and
-  forward+backward."""
+  """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512), forward and backward."""
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
   fwd = export_for(accelerator_check._cudnn, x, x, x, calls=CUDNN)
   assert CUDNN[0] in fwd.mlir_module()
@@ -48,9 +45,8 @@ LOWERINGS = [("aft_local", "pallas", "cuda"), ("aft_simple", "pallas", "cuda"),
 
 @pytest.mark.parametrize("mixing, impl, platform", LOWERINGS)
 def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
-  """One AdamW step (bench_model.measure_step's, as the check's model rows run it) of a tiny
-  bf16 LM with the accelerator's implementation of its mixing layer (the Pallas kernels; the
-  softmax baseline's cuDNN flash attention), forward and backward."""
+  """The check's model rows' AdamW step (bench_model's) of a tiny bf16 LM with the
+  accelerator's implementation of its mixing layer."""
   cfg = dict(vocab_size=64, num_layers=1, d_model=128, num_heads=4, mlp_dim=128, max_len=64)
   cfg.update(window=8, mixing=mixing, dropout_rate=0.0, dtype=jnp.bfloat16, scan_layers=True)
   tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
@@ -59,14 +55,12 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
   params = nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["params"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
   step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
-  # The layers refuse accelerator implementations off their target: trace as if on one (cuDNN
-  # attention refuses the abstract device that would say so).
+  # Traced as if on the target (cuDNN attention refuses an abstract device that would say so).
   device = {"cuda": ops.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
             "tpu": ops.DeviceFacts("tpu", "TPU v5 lite")}[platform]  # fmt: skip
   for module in (ops, common):  # (the layers' cuDNN check, the ops' choice)
     monkeypatch.setattr(module, "device_facts", lambda: device)
   opt_state = jax.eval_shape(tx.init, params)
-  # Parameters and optimizer state donated, as measure_step compiles it.
   calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]
   args = (params, opt_state, tokens, tokens)
   exported = export_for(step, *args, platform=platform, calls=calls, donate_argnums=(0, 1))
@@ -80,9 +74,8 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
 
 @pytest.mark.parametrize("op", accelerator_check.KERNEL_OPS[::2])
 def test_kernel_form_rows_lower_for_cuda(op):
-  """The check's rows of each GPU kernel form (bf16, B 8, T 1024, d 512, forward+backward)
-  lower for an H200 in that form: sequential grids (batch, channel blocks, 1), chunk-parallel
-  ones with the segments as their third axis (AFT-local's dw kernel aside)."""
+  """The check's rows of each GPU kernel form lower in that form: sequential grids (batch,
+  channel blocks, 1), chunked ones with the segments as their third axis."""
   rows = accelerator_check.op_rows("pallas", "gpu")
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)

@@ -3,7 +3,6 @@
 repository paths are real ones; the README's opening and notebooks/quickstart.ipynb agree."""
 
 import contextlib
-import functools
 import glob
 import importlib.util
 import io
@@ -18,6 +17,7 @@ import tomllib
 import nbformat
 
 import aft_jax
+from tests.e2e import test_recipes
 from tests.support import prefork
 from tests.support.helpers import ROOT
 
@@ -106,19 +106,6 @@ def _is_placeholder(value):
   return bool(re.search(r"[<>$]", value))
 
 
-@functools.cache
-def recipe_config(spec):
-  from aft_jax.trainer import recipes
-
-  path, _, arg = recipes.resolve(spec).partition(":")
-  path = os.path.join(ROOT, path)
-  assert os.path.isfile(path), spec
-  module_spec = importlib.util.spec_from_file_location("_docs_recipe", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
-
-
 def _has_key(config, key):
   for part in key.split("."):
     if not hasattr(config, "keys") or part not in config.keys():
@@ -154,7 +141,7 @@ def test_every_command_names_a_program_flags_recipe_config_keys_and_target_that_
     for spec in _values(rest, "config"):
       if _is_placeholder(spec):
         continue
-      config = recipe_config(spec)
+      config = test_recipes.load(spec)
       checked += 1
       for tok in rest:
         if tok.startswith("--config."):

@@ -3,10 +3,9 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test: wall seconds, CPU seconds of its process and of the subprocesses it reaped (with the
-commands tests/support/prefork.py forked for it); a session fixture's cost lands on the first
-test that asks for it. Files go to ``$AFT_CPU_PROBE_DIR`` (default: in the temp dir). The
-report's last line: the host's busy, idle and stolen shares of the cores' time (``/proc/stat``).
+Per test: wall seconds, CPU seconds of its process and of its subprocesses (forked ones too);
+a session fixture's cost lands on its first test. Files: ``$AFT_CPU_PROBE_DIR`` (default: in the
+temp dir). The last line: the host's busy, idle and stolen shares of the cores' time.
 """
 
 import argparse
@@ -26,7 +25,6 @@ _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' test
 
 
 def _cpu() -> tuple[float, float]:
-  """CPU seconds of this process and of its children (with the commands forked for it)."""
   from tests.support import prefork
 
   own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
@@ -38,8 +36,7 @@ _host_start = None
 
 
 def host_times() -> list[int] | None:
-  """The cores' time so far in clock ticks, from ``/proc/stat``'s first line: [user, nice,
-  system, idle, iowait, irq, softirq, steal] (None where there is no such file)."""
+  """/proc/stat's [user, nice, system, idle, iowait, irq, softirq, steal] ticks, or None."""
   try:
     with open("/proc/stat") as f:
       fields = f.readline().split()
@@ -49,7 +46,6 @@ def host_times() -> list[int] | None:
 
 
 def host_line(start: list[int], end: list[int]) -> str:
-  """What the cores did between two ``host_times``, in percent of their time."""
   d = [b - a for a, b in zip(start, end)]
   pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
   busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
@@ -93,8 +89,7 @@ def folder_of(nodeid: str) -> str:
 
 
 def table(rows) -> list[str]:
-  """Markdown rows per folder, most CPU first: tests, wall, CPU in pytest's processes, CPU in
-  the subprocesses their tests started; then the totals."""
+  """Markdown rows per folder, most CPU first, then the totals."""
   sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
   for nodeid, *times in rows:
     s = sums[folder_of(nodeid)]

@@ -1,6 +1,5 @@
-"""Fixtures made once per pytest session, by whichever pytest-xdist worker asks first (for
-what tests treat as read-only; a fixture its tests change stays in one worker with
-``pytest.mark.xdist_group``), and the compilation cache's trimming."""
+"""Read-only fixtures made once per session by the first xdist worker that asks (one its tests
+change stays in one worker: ``pytest.mark.xdist_group``); the compilation cache's trimming."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ def session_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
-  """(folder, value): ``build(folder)``'s JSON-able value, built in ``<session dir>/<name>`` by
-  the first process that asks, read back by the rest. A build that raised leaves nothing, so
-  the next process that asks builds again (and fails with its own traceback)."""
+  """(folder, value): ``build(folder)``'s JSON value, built by the first process that asks, read
+  back by the rest; a build that raised leaves nothing (the next asker builds again)."""
   root = session_dir(tmp_path_factory)
   folder, done = root / name, root / f"{name}.json"
   with open(root / f"{name}.lock", "w") as lock:
