@@ -100,24 +100,23 @@ while True:
 """
 
 
-@pytest.mark.parametrize("start", ["subprocess", "prefork"])
-def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, start):
-  """Pipes, a new session, poll, signals, communicate, wait; a file as stdout, stderr=STDOUT."""
+def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path):
+  """As subprocess.Popen: pipes, a new session, poll, signals, communicate, wait, a file as
+  stdout, stderr=STDOUT."""
   from tests.support import prefork
 
   (tmp_path / "waiter.py").write_text(WAITER)
   cmd = [sys.executable, str(tmp_path / "waiter.py")]
-  popen = subprocess.Popen if start == "subprocess" else prefork.popen
   pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-  proc = popen(cmd, cwd=tmp_path, **pipe)
+  proc = prefork.popen(cmd, cwd=tmp_path, **pipe)
   try:
-    assert (start == "prefork") == isinstance(proc, prefork.Forked)
+    assert isinstance(proc, prefork.Forked)
     assert proc.stdout.readline() == "ready True\n" and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
     with open(tmp_path / "log", "w") as log:
-      proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
+      proc = prefork.popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
       while not (tmp_path / "log").read_text().endswith("ready False\n"):  # the whole line
         assert proc.poll() is None
         time.sleep(0.01)

@@ -11,6 +11,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import aft_jax
 from aft_jax.data import subword, text as text_lib
@@ -56,42 +57,34 @@ def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bytes"] == 3000 and out["unit"] == "subword" and math.isfinite(out["ppl"])
     assert out["bpb"] == pytest.approx(out["nll"] * out["tokens"] / (3000 * math.log(2)))
-    _exports_give_the_same_log_probabilities(path, tmp_path)
-    _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+
+    run = trained.load_run(path)  # the exports give the same log-probabilities
+    ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
+    tokens_BT = np.asarray([ids], np.int32)
+    want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
+    for name in ("model.safetensors", "model.msgpack"):
+      _export(path, tmp_path / name)
+      model, params, vocab = aft_jax.load_pretrained(str(tmp_path / name))
+      got = np.asarray(model.apply({"params": params}, tokens_BT))
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+      assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
+    # one tensor per parameter, named by its path in the tree
+    paths = jax.tree_util.tree_flatten_with_path(jax.device_get(run.params))[0]
+    want_names = {"/".join(k.key for k in p) for p, _ in paths}
+    assert set(safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))) == want_names
+
+    copy = str(tmp_path / "damaged_run")
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    os.symlink(os.path.join(path, "checkpoints"), os.path.join(copy, "checkpoints"))
+    model = os.path.join(copy, "subword.model")
+    data = open(model, "rb").read()
+    with open(model, "wb") as f:
+      f.write(data[:-40] + bytes(40))
+    with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is damaged"):
+      generate.main(["--workdir", copy, "--length", "2"])
   finally:
     for name in ("run", "data"):
       os.rename(hidden / name, subword_run["tmp"] / name)
-
-
-def _exports_give_the_same_log_probabilities(path, tmp_path):
-  run = trained.load_run(path)
-  ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
-  tokens_BT = np.asarray([ids], np.int32)
-  want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
-  for name in ("model.safetensors", "model.msgpack"):
-    _export(path, tmp_path / name)
-    model, params, vocab = aft_jax.load_pretrained(str(tmp_path / name))
-    got = np.asarray(model.apply({"params": params}, tokens_BT))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
-  from safetensors.numpy import load_file
-
-  # one tensor per parameter, named by its path in the tree
-  paths = jax.tree_util.tree_flatten_with_path(jax.device_get(run.params))[0]
-  want_names = {"/".join(k.key for k in p) for p, _ in paths}
-  assert set(load_file(str(tmp_path / "model.safetensors"))) == want_names
-
-
-def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
-  copy = str(tmp_path / "damaged_run")
-  shutil.copytree(path, copy, ignore=shutil.ignore_patterns("checkpoints"))
-  os.symlink(os.path.join(path, "checkpoints"), os.path.join(copy, "checkpoints"))
-  model = os.path.join(copy, "subword.model")
-  data = open(model, "rb").read()
-  with open(model, "wb") as f:
-    f.write(data[:-40] + bytes(40))
-  with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is damaged"):
-    generate.main(["--workdir", copy, "--length", "2"])
 
 
 # ------------------------------------------------------------------ the data changes after training

@@ -45,13 +45,6 @@ def host_times() -> list[int] | None:
   return [int(x) for x in fields[1:9]] if fields[:1] == ["cpu"] else None
 
 
-def host_line(start: list[int], end: list[int]) -> str:
-  d = [b - a for a, b in zip(start, end)]
-  pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
-  busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
-  return f"host over the session: busy {busy}, idle {idle}, stolen {stolen} of the cores' time"
-
-
 def pytest_configure(config):
   global _host_start
   if not hasattr(config, "workerinput"):  # the session's first process: last run's files go
@@ -82,17 +75,12 @@ def pytest_unconfigure(config):
       json.dump(_rows, f)
 
 
-def folder_of(nodeid: str) -> str:
-  """'ops' for tests/ops/test_x.py::..., '(top level)' for tests/test_x.py::..."""
-  parts = nodeid.split("::")[0].split("/")
-  return parts[1] if len(parts) > 2 else "(top level)"
-
-
 def table(rows) -> list[str]:
   """Markdown rows per folder, most CPU first, then the totals."""
   sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
   for nodeid, *times in rows:
-    s = sums[folder_of(nodeid)]
+    parts = nodeid.split("::")[0].split("/")  # tests/ops/test_x.py: "ops"
+    s = sums[parts[1] if len(parts) > 2 else "(top level)"]
     s[:] = [s[0] + 1] + [a + b for a, b in zip(s[1:], times)]
   total = [sum(s[i] for s in sums.values()) for i in range(4)]
   lines = [
@@ -106,20 +94,15 @@ def table(rows) -> list[str]:
   return lines
 
 
-def read(folder: str = FOLDER) -> list:
-  rows = []
-  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-    with open(path) as f:
-      rows += json.load(f)
-  return rows
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--dir", default=FOLDER, help="the plugin's folder (default: %(default)s)")
   p.add_argument("--top", type=int, default=0, help="also the N tests that took the most CPU")
   args = p.parse_args(argv)
-  rows = read(args.dir)
+  rows = []
+  for path in sorted(glob.glob(os.path.join(args.dir, "*.json"))):
+    with open(path) as f:
+      rows += json.load(f)
   if not rows:
     print(f"no measurements in {args.dir}: run pytest with -p tests.support.cpu_probe first")
     return 1
@@ -129,7 +112,10 @@ def main(argv=None) -> int:
   host = os.path.join(args.dir, HOST_FILE)
   if os.path.exists(host):
     with open(host) as f:
-      print(host_line(*json.load(f)))
+      d = [b - a for a, b in zip(*json.load(f))]  # the session's end minus its start
+    pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
+    busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
+    print(f"host over the session: busy {busy}, idle {idle}, stolen {stolen} of the cores' time")
   return 0
 
 

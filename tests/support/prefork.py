@@ -197,22 +197,6 @@ def run(cmd, *, timeout=None, capture_output=True, text=True, **kw):
   return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _run_argv(argv, cwd) -> None:
-  """What ``python ARGV`` runs, in this process, in a new ``__main__``."""
-  if argv[0] == "-m":
-    sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in sys.argv[0]
-    sys.path[0] = cwd
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    runpy._run_module_as_main(argv[1])
-  elif argv[0] == "-c":
-    sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-    main = sys.modules["__main__"] = types.ModuleType("__main__")
-    exec(compile(argv[1], "<string>", "exec"), main.__dict__)
-  else:
-    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
-
-
 def _become(request, fds, inherited):
   """In the forked child: the server's descriptors closed, the command run (never returns)."""
   code = 1
@@ -235,7 +219,18 @@ def _become(request, fds, inherited):
       signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else default)
     argv = request["argv"][1:]
     try:
-      _run_argv(argv, request["cwd"])
+      if argv[0] == "-m":  # what ``python ARGV`` runs, in a new ``__main__``
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in sys.argv[0]
+        sys.path[0] = request["cwd"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        runpy._run_module_as_main(argv[1])
+      elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+      else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
       code = 0
     except SystemExit as e:
       code = 0 if e.code is None else e.code
