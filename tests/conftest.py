@@ -32,8 +32,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-  """Fork servers reaped; what is alive collected once and frozen (pytest's unraisable check
-  collects five times, walking jax's caches, and execnet interrupts a worker busy 5 s later)."""
+  """Fork servers reaped; the heap collected once and frozen (pytest's exit would walk jax's
+  caches five times, and execnet interrupts a worker still busy 5 s after the end)."""
   from tests.support import prefork
 
   prefork.stop_all()

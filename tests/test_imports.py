@@ -1,5 +1,4 @@
-"""No import cycle in ``aft_jax`` (every import statement counted, inside functions too), and
-no lower layer imports a higher one (ops <- layers <- model <- trainer <- tools)."""
+"""No import cycle in ``aft_jax``, no lower layer imports a higher one (every import statement)."""
 
 import ast
 import graphlib
@@ -52,23 +51,11 @@ def import_graph() -> dict[str, set[str]]:
   return graph
 
 
-def cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  """One import cycle [a, b, ..., a] of ``graph``, or None."""
-  try:
-    graphlib.TopologicalSorter(graph).prepare()
-  except graphlib.CycleError as e:
-    return e.args[1]
-  return None
-
-
 def test_no_import_cycle_and_no_lower_layer_imports_a_higher_one():
-  found = cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})  # the finder finds one
-  assert sorted(found[1:]) == ["a", "b", "c"] and found[0] == found[-1]
-  assert cycle({"a": {"b"}, "b": set(), "d": {"a"}}) is None
   graph = import_graph()
   assert len(graph) > 30 and "aft_jax.trainer.train_lib" in graph  # the walk found the package
   assert {"aft_jax.workdir", "aft_jax.trainer.step_log"} <= graph["aft_jax.trainer.train_lib"]
-  assert cycle(graph) is None
+  graphlib.TopologicalSorter(graph).prepare()  # a CycleError names a cycle
   wrong = [
     f"{module} imports {d}"
     for module, deps in graph.items()

@@ -67,8 +67,7 @@ sys.exit(int(how))
 
 @pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
-  """A script, a module (-m) or code (-c): the status, output, argv, cwd, environment, SIGINT,
-  __main__ and sys.path[0] of a subprocess; its parent the server."""
+  """A script, a module (-m) or code (-c) as a subprocess runs it; its parent the server."""
   from tests.support import prefork
 
   (tmp_path / "script.py").write_text(SCRIPT)
@@ -101,8 +100,7 @@ while True:
 
 
 def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path):
-  """As subprocess.Popen: pipes, a new session, poll, signals, communicate, wait, a file as
-  stdout, stderr=STDOUT."""
+  """Pipes, a session, poll, signals, communicate, wait, a file as stdout, stderr=STDOUT."""
   from tests.support import prefork
 
   (tmp_path / "waiter.py").write_text(WAITER)

@@ -1,5 +1,4 @@
-"""The benchmarks' quick modes write complete results (no timing assertions); parts on made-up
-rows; the accelerator check's code paths lower for CUDA (and TPU) with ``jax.export``."""
+"""The benchmarks' quick modes and parts (no timing assertions); their lowerings for CUDA, TPU."""
 
 import itertools
 import json
@@ -118,8 +117,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
 
 def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
-  """On a GPU, a row per kernel op and form and a table of the faster form per op, mode and T;
-  the LM targets take the faster AFT-local and name the baseline's impl."""
+  """GPU rows per kernel form, the faster form per row; the LM targets' AFT-local and impl."""
   from aft_jax.ops.pallas import triton
 
   rows = accelerator_check.op_rows("pallas", "gpu")
@@ -285,8 +283,7 @@ CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 @pytest.fixture
 def cudnn_h200(monkeypatch):
-  """jax's cuDNN attention asks cuDNN and the GPU for their versions while tracing: answered
-  as an H200 would (compute capability 9.0, cuDNN 9.10), jax's own checks included."""
+  """cuDNN attention's version questions answered as an H200's (9.0, cuDNN 9.10)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
 
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
@@ -310,8 +307,7 @@ LOWERINGS = [("aft_local", "pallas", "cuda"), ("aft_simple", "pallas", "cuda"),
 
 @pytest.mark.parametrize("mixing, impl, platform", LOWERINGS)
 def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
-  """The check's model rows' AdamW step (bench_model's) of a tiny bf16 LM with the
-  accelerator's implementation of its mixing layer."""
+  """The model rows' AdamW step of a tiny bf16 LM, the accelerator's mixing implementation."""
   cfg = dict(vocab_size=64, num_layers=1, d_model=128, num_heads=4, mlp_dim=128, max_len=64)
   cfg.update(window=8, mixing=mixing, dropout_rate=0.0, dtype=jnp.bfloat16, scan_layers=True)
   tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
@@ -339,8 +335,7 @@ def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
 
 @pytest.mark.parametrize("op", accelerator_check.KERNEL_OPS[::2])
 def test_kernel_form_rows_lower_for_cuda(op):
-  """The check's rows of each GPU kernel form lower in that form: sequential grids (batch,
-  channel blocks, 1), chunked ones with the segments as their third axis."""
+  """Each GPU kernel form's rows: sequential grids (b, d blocks, 1), chunked (b, d, segments)."""
   rows = accelerator_check.op_rows("pallas", "gpu")
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)

@@ -1,5 +1,4 @@
-"""benchmarks.peer_nanogpt without torch: its parts, and a --quick run of the driver with a
-stand-in for nanoGPT that checks its parent has no jax runtime."""
+"""benchmarks.peer_nanogpt without torch, and its driver with a stand-in for nanoGPT."""
 
 import json
 import math

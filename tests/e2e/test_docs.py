@@ -1,6 +1,5 @@
-"""The README's and docs/*.md's commands (programs, flags from their --help, recipes, config keys,
---dry_run targets), python examples (unless after ``<!-- not run: REASON -->``), links and
-repository paths are real ones; the README's opening and notebooks/quickstart.ipynb agree."""
+"""The docs' commands, flags, recipes, config keys, targets, examples, links and paths are real;
+the README's opening and notebooks/quickstart.ipynb agree."""
 
 import contextlib
 import glob
@@ -54,8 +53,7 @@ def _tokens(line):
 
 
 def commands():
-  """(where, (kind, name), args) of each of this project's commands in the bash blocks; kind:
-  "script", "module" or "entry" (a console script)."""
+  """(where, (kind: script, module or entry, name), args) of this project's commands."""
   out = []
   for page in PAGES:
     for lineno, block, _ in blocks(page, "bash"):
@@ -79,11 +77,9 @@ def commands():
 def help_text(kind, name):
   """A program's absl --helpfull, else its argparse --help (status 2 for --helpfull)."""
   if kind == "entry":
-    module, fn = SCRIPTS[name].split(":")
-    argv = [
-      "-c",
-      f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())",
-    ]
+    module, fn = SCRIPTS[name].split(":")  # run as its launcher runs it
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
+    argv = ["-c", code]
   else:
     argv = ["-m", name] if kind == "module" else [name]
   env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -1,6 +1,5 @@
-"""Every enwik8 recipe variant and WikiText-103's softmax baseline train in one process, tiny, on
-fake data, each recipe loaded as train.py loads it; WikiText-103's default (AFT-local) trains
-through train.py with an argument, data flags and the adaptive softmax."""
+"""The enwik8 variants and WikiText-103's baseline train tiny on fake data in one process;
+WikiText-103's default through train.py with an argument, data flags and adaptive softmax."""
 
 import importlib.util
 import json
@@ -76,8 +75,7 @@ def test_the_enwik8_and_wikitext103_variants_train_and_report_their_protocol(tmp
 
 
 def _check_wikitext(results, window):
-  """The final numbers on sliding windows (stride 1), training-time validation on disjoint
-  ones, every token scored exactly once."""
+  """Final numbers on sliding windows (stride 1), each token scored once."""
   assert results["eval_protocol"] == {"name": "sliding_window", "window": window, "stride": 1}
   assert results["train_eval_protocol"]["name"] == "disjoint_windows"
   for split, key in (("validation", "valid"), ("test", "test")):

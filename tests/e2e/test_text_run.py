@@ -1,5 +1,5 @@
-"""configs/text.py on the standard library's json package with a subword vocabulary (one run
-for the module): a moved copy of its workdir works alone; changed data is refused in one line."""
+"""configs/text.py with a subword vocabulary (one run): a moved workdir works alone; changed data
+is refused in one line."""
 
 import contextlib
 import io
@@ -177,8 +177,7 @@ def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
 
 
 def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_the_tools(subword_run, tmp_path):
-  """subword.model and corpus.json retrained on a changed file: one line naming them, before any
-  array is read, for load_run alone (generate; export, evaluate --text_file too) and checked."""
+  """Before any array is read, by load_run (generate, export, evaluate) and evaluate --split."""
   workdir = str(tmp_path / "replaced")
   shutil.copytree(subword_run["workdir"], workdir)
   docs = [open(p).read() for p in _train_files(subword_run["docs"])]

@@ -1,7 +1,5 @@
-"""The wheel, installed out of the checkout's reach, works for a pip user: a fresh venv plays a
-notebook runtime (Colab) with the oldest supported jax; the notebook's install cell holds that
-jax, installs the wheel (AFT_JAX_SOURCE) and the notebook runs; the console script trains a
-recipe by name. Needs the package registry (or uv's and pip's caches)."""
+"""The wheel in a fresh venv playing a Colab runtime with the oldest supported jax: the notebook's
+install cell keeps that jax, the notebook runs, aft-train finds a recipe (needs the registry)."""
 
 import json
 import os

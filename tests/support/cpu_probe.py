@@ -3,10 +3,7 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test: wall seconds, CPU seconds of its process and of its subprocesses (forked ones too);
-a session fixture's cost lands on its first test. Files: ``$AFT_CPU_PROBE_DIR`` (default: in the
-temp dir). The last line: the host's busy, idle and stolen shares of the cores' time.
-"""
+Files in ``$AFT_CPU_PROBE_DIR`` (default: in the temp dir)."""
 
 import argparse
 import collections

@@ -1,7 +1,5 @@
-"""``run`` and ``popen``: ``subprocess.run`` and ``subprocess.Popen`` for the tests' commands
-``python SCRIPT | -m MODULE | -c CODE``, forked from a server that imported jax and the trainer
-once (~2.5 CPU-s saved per command). Other commands, and all with ``AFT_TESTS_NO_PREFORK=1``, run
-as subprocesses; tests/test_suite.py compares the two."""
+"""``run`` and ``popen`` as in subprocess, ``python SCRIPT | -m MODULE | -c CODE`` forked from a
+server that imported jax and the trainer once (off with ``AFT_TESTS_NO_PREFORK=1``)."""
 
 from __future__ import annotations
 

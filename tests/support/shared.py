@@ -1,5 +1,4 @@
-"""Read-only fixtures made once per session by the first xdist worker that asks (one its tests
-change stays in one worker: ``pytest.mark.xdist_group``); the compilation cache's trimming."""
+"""Read-only fixtures made once per session by the first xdist worker that asks; cache trimming."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def session_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
-  """(folder, value): ``build(folder)``'s JSON value, built by the first process that asks, read
-  back by the rest; a build that raised leaves nothing (the next asker builds again)."""
+  """(folder, ``build(folder)``'s JSON value), built by the first process that asks."""
   root = session_dir(tmp_path_factory)
   folder, done = root / name, root / f"{name}.json"
   with open(root / f"{name}.lock", "w") as lock:
