@@ -141,10 +141,8 @@ def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_loca
   checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
   speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
   assert speed["value"] == pytest.approx(2.0) and speed["holds"]
-  memory = checks[
-    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
-    "softmax[cudnn]"
-  ]
+  memory = checks["LM program memory (params + optimizer state + batch + activations) "
+                  "aft_local[xla] / softmax[cudnn]"]  # fmt: skip
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 

@@ -226,9 +226,8 @@ def test_the_notebook_is_clean_and_agrees_on_the_repository_jax_and_recipes():
   for cell in NOTEBOOK.cells:  # no outputs
     assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
   owner_repo = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+)", URL).group(1)
-  badge = (
-    f"https://colab.research.google.com/github/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
-  )
+  colab = "https://colab.research.google.com/github"
+  badge = f"{colab}/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
   install_cell = NOTEBOOK.cells[1].source
   for where, text in [("README", README), ("notebook", NOTEBOOK.cells[0].source)]:
     links = re.findall(r"https://colab\.research\.google\.com/github/[^)\s]+", text)

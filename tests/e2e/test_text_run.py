@@ -4,6 +4,7 @@ is refused in one line."""
 import contextlib
 import io
 import json
+import logging.handlers
 import math
 import os
 import shutil
@@ -23,8 +24,6 @@ from tests.support.helpers import STDLIB_JSON, listing
 
 # Its tests change the module's run and put it back: one worker, one training.
 pytestmark = pytest.mark.xdist_group("subword_run")
-
-STDLIB = os.path.dirname(os.__file__)
 
 
 @pytest.mark.slow
@@ -52,7 +51,7 @@ def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
     generate.main(["--workdir", path, "--prompt", "def ", "--length", "12"])
     assert capsys.readouterr().out.startswith("def ")
     text = tmp_path / "some.py"  # real text the model never saw
-    text.write_text(open(os.path.join(STDLIB, "logging", "handlers.py")).read()[:3000])
+    text.write_text(open(logging.handlers.__file__).read()[:3000])
     evaluate.main(["--workdir", path, "--text_file", str(text)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bytes"] == 3000 and out["unit"] == "subword" and math.isfinite(out["ppl"])

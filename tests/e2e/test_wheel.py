@@ -96,10 +96,8 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert len(images) >= 3  # the loss curve, the bias heatmap, the timing plot
 
-  show = (
-    "import importlib.metadata as m, importlib.util as u; "
-    "print(u.find_spec('aft_jax').origin, m.version('jax'), m.version('jaxlib'))"
-  )
+  show = "import importlib.metadata as m, importlib.util as u; print(u.find_spec('aft_jax')"
+  show += ".origin, m.version('jax'), m.version('jaxlib'))"
   path, jax_now, jaxlib_now = _run([py, "-c", show], "versions", cwd=tmp_path).split()
   assert (jax_now, jaxlib_now) == (jax_version, jax_version)
   assert path.startswith(str(venv)) and "site-packages" in path

@@ -289,10 +289,8 @@ def serve(path: str) -> None:
       pid, conn = children.pop(pidfd)
       os.close(pidfd)
       _, status, usage = os.wait4(pid, 0)
-      done = {
-        "returncode": os.waitstatus_to_exitcode(status),
-        "cpu": usage.ru_utime + usage.ru_stime,
-      }
+      cpu = usage.ru_utime + usage.ru_stime
+      done = {"returncode": os.waitstatus_to_exitcode(status), "cpu": cpu}
       with contextlib.suppress(OSError):
         conn.sendall(json.dumps(done).encode() + b"\n")
       conn.close()
