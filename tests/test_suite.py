@@ -55,13 +55,9 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "home": os.environ.get("
 print(os.getppid())
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
-if how == "message":
-  sys.exit("a one-line error")
-if how == "raise":
-  raise ValueError("boom")
-if how == "interrupt":
-  raise KeyboardInterrupt
-sys.exit(int(how))
+if how in ("raise", "interrupt"):
+  raise ValueError("boom") if how == "raise" else KeyboardInterrupt
+sys.exit("a one-line error" if how == "message" else int(how))
 """
 
 
@@ -85,8 +81,7 @@ def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
     assert got.returncode == want.returncode
     assert got.stdout.splitlines()[0] == want.stdout.splitlines()[0]  # all but the parent
     assert got.stderr.splitlines()[0] == "to stderr" and got.stderr == want.stderr
-    # forked by the server, not started by this process
-    assert int(got.stdout.splitlines()[1]) == prefork.server_pid() != os.getpid()
+    assert int(got.stdout.splitlines()[1]) == prefork.server_pid() != os.getpid()  # forked
 
 
 WAITER = """

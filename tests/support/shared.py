@@ -11,15 +11,10 @@ import shutil
 from collections.abc import Callable
 
 
-def session_dir(tmp_path_factory) -> pathlib.Path:
-  """A folder that every process of this pytest session sees."""
-  base = tmp_path_factory.getbasetemp()
-  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
   """(folder, ``build(folder)``'s JSON value), built by the first process that asks."""
-  root = session_dir(tmp_path_factory)
+  root = tmp_path_factory.getbasetemp()  # an xdist worker's is in the session's
+  root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
   folder, done = root / name, root / f"{name}.json"
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
