@@ -51,8 +51,7 @@ def _build_trained_run(folder):
   from aft_jax.trainer import train_lib
   from tests.support import config_flow
 
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
+  with contextlib.redirect_stdout(io.StringIO()) as out:
     results, rooms, climbs = config_flow.follow(
       train_lib.train_and_evaluate, trained_run_config(), str(folder / "run")
     )

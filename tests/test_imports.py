@@ -18,8 +18,7 @@ FORBIDDEN = {
 }
 
 
-def import_graph() -> dict[str, set[str]]:
-  """{module: the package's modules it imports (``from x import y``: x.y if a module, else x)}."""
+def test_no_import_cycle_and_no_lower_layer_imports_a_higher_one():
   modules = {}  # "aft_jax.trainer.train_lib": its path
   for folder, _, names in os.walk(os.path.join(ROOT, "aft_jax")):
     for path in (os.path.join(folder, n) for n in names if n.endswith(".py")):
@@ -47,12 +46,7 @@ def import_graph() -> dict[str, set[str]]:
           for a in node.names:
             full = f"{base}.{a.name}"
             deps.add(full if full in modules else known(base))
-    graph[module] = deps - {module, ""}
-  return graph
-
-
-def test_no_import_cycle_and_no_lower_layer_imports_a_higher_one():
-  graph = import_graph()
+    graph[module] = deps - {module, ""}  # (``from x import y``: x.y if a module, else x)
   assert len(graph) > 30 and "aft_jax.trainer.train_lib" in graph  # the walk found the package
   assert {"aft_jax.workdir", "aft_jax.trainer.step_log"} <= graph["aft_jax.trainer.train_lib"]
   graphlib.TopologicalSorter(graph).prepare()  # a CycleError names a cycle

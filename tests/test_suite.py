@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support import shared
+from tests.support import cpu_probe, prefork, shared
 from tests.support.helpers import ROOT
 
 
@@ -27,8 +27,6 @@ def test_trim_cache_keeps_the_newest_half_only_past_the_limit(tmp_path):
 
 def test_cpu_probe_adds_up_each_folders_tests_and_what_the_host_stole(tmp_path, capsys):
   """docs/development.md's table: per folder, the most CPU first, totals, the host's shares."""
-  from tests.support import cpu_probe
-
   (tmp_path / "gw0.json").write_text(
     '[["tests/ops/test_a.py::t1", 2.0, 1.5, 0.0], ["tests/test_b.py::t2", 4.0, 0.5, 3.0]]'
   )
@@ -64,8 +62,6 @@ sys.exit("a one-line error" if how == "message" else int(how))
 @pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
   """A script, a module (-m) or code (-c) as a subprocess runs it; its parent the server."""
-  from tests.support import prefork
-
   (tmp_path / "script.py").write_text(SCRIPT)
   (tmp_path / "pkg").mkdir()
   (tmp_path / "pkg" / "__init__.py").write_text("")
@@ -96,8 +92,6 @@ while True:
 
 def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path):
   """Pipes, a session, poll, signals, communicate, wait, a file as stdout, stderr=STDOUT."""
-  from tests.support import prefork
-
   (tmp_path / "waiter.py").write_text(WAITER)
   cmd = [sys.executable, str(tmp_path / "waiter.py")]
   pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -1,5 +1,6 @@
 """The benchmarks' quick modes and parts (no timing assertions); their lowerings for CUDA, TPU."""
 
+import functools
 import itertools
 import json
 import math
@@ -15,8 +16,9 @@ from flax import linen as nn
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import common as ops_common
+from aft_jax.ops.pallas import triton
 from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common, kernel_form
-from benchmarks import quality
+from benchmarks import context_memory, quality
 from tests.support.helpers import TRITON, export_for
 
 
@@ -80,8 +82,7 @@ def test_bench_model_quick(tmp_path):
     _check_record(got[key], bench_model.FIELDS)
   ratios = result["ratios_to_softmax"][str(info["sizes"][0])]
   assert set(ratios) == set(bench_model.MIXINGS)
-  for x in ratios.values():
-    assert all(_finite(v) for v in x.values()), x
+  assert all(_finite(v) for x in ratios.values() for v in x.values()), ratios
 
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
@@ -118,8 +119,6 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
 def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
   """GPU rows per kernel form, the faster form per row; the LM targets' AFT-local and impl."""
-  from aft_jax.ops.pallas import triton
-
   rows = accelerator_check.op_rows("pallas", "gpu")
   forms = accelerator_check.KERNEL_FORMS
   for op in accelerator_check.KERNEL_OPS:
@@ -146,8 +145,8 @@ def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_loca
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
-def _raise(*args, **kwargs):
-  raise RuntimeError("injected failure")
+def _raise(*args, error=RuntimeError("injected failure"), **kwargs):
+  raise error
 
 
 def _is_injected(rec):
@@ -219,10 +218,7 @@ def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
   monkeypatch.setattr(accelerator_check, "kernel_checks", lambda *args: kchecks)
   table = bench_ops.op_table(7, "xla")
   monkeypatch.setattr(accelerator_check, "op_rows", lambda *args: {"cumsum": table["cumsum"]})
-
-  def interrupt(*args):
-    raise KeyboardInterrupt
-
+  interrupt = functools.partial(_raise, error=KeyboardInterrupt())
   monkeypatch.setattr(bench_model, "measure_step", interrupt)
   with pytest.raises(KeyboardInterrupt):
     accelerator_check.main(["--quick", "--out", str(tmp_path)])
@@ -251,8 +247,6 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
 
 
 def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
-  from benchmarks import context_memory
-
   r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
@@ -293,10 +287,8 @@ def cudnn_h200(monkeypatch):
 def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
   """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512), forward and backward."""
   x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
-  fwd = export_for(accelerator_check._cudnn, x, x, x, calls=CUDNN)
-  assert CUDNN[0] in fwd.mlir_module()
   bwd = export_for(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, calls=CUDNN)
-  assert CUDNN[1] in bwd.mlir_module()
+  assert all(call in bwd.mlir_module() for call in CUDNN)
 
 
 LOWERINGS = [("aft_local", "pallas", "cuda"), ("aft_simple", "pallas", "cuda"),

@@ -16,6 +16,8 @@ import tomllib
 import nbformat
 
 import aft_jax
+from aft_jax import deviceless
+from aft_jax.trainer import recipes
 from tests.e2e import test_recipes
 from tests.support import prefork
 from tests.support.helpers import ROOT
@@ -115,8 +117,6 @@ def _values(rest, flag):
 
 
 def test_every_command_names_a_program_flags_recipe_config_keys_and_target_that_exist():
-  from aft_jax import deviceless
-
   assert {prog[0] for _, prog, _ in commands()} == {"script", "module", "entry"}
   for where, (kind, name), _ in commands():
     if kind == "script":
@@ -157,8 +157,7 @@ def test_every_python_example_runs(tmp_path, monkeypatch):
       with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(block, f"{page}:{lineno}", "exec"), {})
   (example,) = [b for _, b, _ in blocks("README.md", "python") if "AFTLocal" in b]
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
+  with contextlib.redirect_stdout(io.StringIO()) as out:
     exec(compile(example, "README.md", "exec"), {})
   assert out.getvalue().strip() == "(4, 100, 64)"
 
@@ -221,8 +220,6 @@ def test_readme_opens_with_the_quickstart_and_the_test_command_and_help_reads_we
 
 
 def test_the_notebook_is_clean_and_agrees_on_the_repository_jax_and_recipes():
-  from aft_jax.trainer import recipes
-
   for cell in NOTEBOOK.cells:  # no outputs
     assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
   owner_repo = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+)", URL).group(1)
