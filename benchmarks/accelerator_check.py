@@ -35,8 +35,7 @@ _cudnn = functools.partial(bench_ops._softmax_dpa, implementation="cudnn")
 
 
 def op_rows(kernel_impl: str | None, platform: str):
-  """name -> bench_ops table row: every op with impl="xla", the kernel rows (on GPUs also each
-  kernel form, ``KERNEL_FORMS``), the baselines."""
+  """name -> bench_ops table row: the xla rows, the kernel rows (and forms), the baselines."""
   xla = bench_ops.op_table(7, "xla")
   rows = {f"{n}/xla": xla[n] for n in XLA_OPS}
   if kernel_impl is not None:
@@ -71,9 +70,8 @@ def add_bandwidth(records, dtype, peak_gbps, log=print):
 
 
 def kernel_checks(kernel_impl, quick: bool, log=print):
-  """Pallas vs XLA for each kernel (bench_ops' causal rows): max |difference| of outputs and
-  gradients over their max magnitude, XLA computing in float32 from the same (rounded) inputs;
-  logits of std 1 and 40."""
+  """Pallas vs XLA (float32 from the same inputs) per kernel: max relative error of
+  outputs and gradients, logits of std 1 and 40."""
   if kernel_impl is None:
     return []
   backend = jax.default_backend()
@@ -118,8 +116,7 @@ def kernel_checks(kernel_impl, quick: bool, log=print):
 
 
 def model_rows(a, peak, deadline, log, on_row=lambda records: None):
-  """Train steps per mixing layer at the check's LM size, then the recipe's model;
-  ``on_row(records so far)`` after each row."""
+  """Train steps per mixing at the LM size, then the recipe's model; ``on_row`` after each."""
   base = dict(dropout_rate=0.0, dtype=jnp.dtype(a.dtype), scan_layers=True)
   lm = dict(vocab_size=a.vocab, num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
             mlp_dim=4 * a.d_model, max_len=a.model_t, window=32, **base)  # fmt: skip
@@ -222,8 +219,7 @@ def _model_cells(r):
 
 
 def kernel_forms(op_recs) -> list[dict]:
-  """Per kernel op, mode and T where both forms were measured: their times and the faster
-  one (what ``triton.plan_for`` should choose there)."""
+  """Per kernel op, mode and T with both forms measured: their times and the faster one."""
   out = []
   measured = {(r["op"].split("/")[0], r["mode"], r["T"]) for r in op_recs if "/pallas[" in r["op"]}
   for op, mode, t_len in sorted(measured):

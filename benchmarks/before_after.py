@@ -51,8 +51,7 @@ def _run_row(root, op, batch, t_len, a) -> dict:
 
 
 def _table(records, trees) -> str:
-  """Markdown: per row, each tree's time and temp memory and their ratio, and on the
-  AFT-simple rows the peer's (the same computation; the other rows are other ops)."""
+  """Markdown: per row, each tree's time and temp memory, their ratio, the peer's."""
   from benchmarks import common
 
   before, after = trees

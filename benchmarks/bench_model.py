@@ -36,8 +36,7 @@ def make_step(model, tx):
 
 
 class _Chained:
-  """The donating compiled step, called as ``common.measure`` calls a program: each call gets
-  the parameters and optimizer state the previous one returned, as in training."""
+  """The donating step, each call given the state the previous one returned, as in training."""
 
   def __init__(self, compiled, args):
     self._compiled, self._args = compiled, tuple(args)
@@ -61,8 +60,7 @@ def config_for(mixing, t_len, a, dtype):
 def measure_step(
   cfg: ModelConfig, batch: int, t_len: int, repeats: int, min_seconds: float, max_step_s, peak
 ) -> dict:
-  """One jitted AdamW step of ``TransformerLM(cfg)`` on random [batch, t_len] tokens: time,
-  tokens/s, FLOPs, memory and (given the chip's ``peak`` bf16 TFLOP/s) MFU."""
+  """One jitted AdamW step on random tokens: time, tokens/s, FLOPs, memory, MFU."""
   model = TransformerLM(cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t_len)), jnp.int32)

@@ -64,9 +64,8 @@ def _dense_aft(q, k, v, w, window: int):
 
 
 def scan_simple(q, k, v):
-  """Causal AFT-simple as the strongest short recurrence a JAX user would write (as JAX ports of
-  RWKV write WKV): ``lax.scan`` over T carrying ``(max, num, den)`` ``[D]`` arrays, vmapped over
-  the batch; exact in any float dtype (num and den stacked each step: several times slower)."""
+  """Causal AFT-simple as a JAX user would write it (as JAX ports of RWKV write WKV): a
+  vmapped ``lax.scan`` over T carrying ``(max, num, den)``; exact, several times slower."""
 
   def one_row(k, v):  # [T, D]
     def step(carry, kv):
@@ -132,9 +131,8 @@ def run(
   sizes, *, batch, d, conv_kernel, names, repeats, max_call_s, max_temp_gib, min_seconds=1.0,
   log=print, table=None, dtype=jnp.float32,
 ):  # fmt: skip
-  """Measures ``names`` (rows of ``table``, default ``op_table(conv_kernel)``) at ``sizes``
-  with ``dtype`` inputs; the records. A size over ``max_call_s`` (extrapolated) or
-  ``max_temp_gib`` is skipped; one that fails is an error and the larger ones are skipped."""
+  """Records of ``names`` at ``sizes``: a size over ``max_call_s`` (extrapolated) or
+  ``max_temp_gib`` skipped; after an error the larger ones skipped."""
   table = table or op_table(conv_kernel)
   records = []
   for name in names:

@@ -22,22 +22,12 @@ from jax.extend import core
 
 from aft_jax import files
 
-# Per chip (matched by substring of device_kind, the first match wins): peak dense bf16 TFLOP/s
-# (for MFU) and peak HBM GB/s from the vendors' data sheets (SXM figures for A100 and H100).
-PEAKS = (
-  ("H200", 989.0, 4800.0),
-  ("H100", 989.0, 3350.0),
-  ("A100", 312.0, 2039.0),
-  ("L4", 121.0, 300.0),
-  ("A10", 125.0, 600.0),
-  ("V100", 125.0, 900.0),
-  ("v6", 918.0, 1640.0),
-  ("v5p", 459.0, 2765.0),
-  ("v5 lite", 197.0, 819.0),
-  ("v5e", 197.0, 819.0),
-  ("v4", 275.0, 1200.0),
-  ("v3", 123.0, 900.0),
-)
+# Per chip (a substring of device_kind, the first match wins): peak dense bf16 TFLOP/s (for MFU)
+# and peak HBM GB/s from the vendors' data sheets (SXM figures for A100 and H100).
+PEAKS = (("H200", 989.0, 4800.0), ("H100", 989.0, 3350.0), ("A100", 312.0, 2039.0),
+         ("L4", 121.0, 300.0), ("A10", 125.0, 600.0), ("V100", 125.0, 900.0),
+         ("v6", 918.0, 1640.0), ("v5p", 459.0, 2765.0), ("v5 lite", 197.0, 819.0),
+         ("v5e", 197.0, 819.0), ("v4", 275.0, 1200.0), ("v3", 123.0, 900.0))  # fmt: skip
 
 SKIPPED = "skipped"
 ERROR = "error"
@@ -57,8 +47,7 @@ def timed_run(info: dict, fn: Callable):
 
 
 def machine_info(command: str | None = None, argv=None) -> dict[str, Any]:
-  """The machine, jax and the time; given ``command`` (``python -m MODULE``), the command line
-  with ``argv`` (default: this process's)."""
+  """The machine, jax, the time and, given ``command``, the command line."""
   dev = jax.devices()[0]
   info = dict(platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count())
   info.update(jax_version=jax.__version__, python=platform.python_version())
@@ -69,8 +58,8 @@ def machine_info(command: str | None = None, argv=None) -> dict[str, Any]:
 
 
 def compiled_stats(compiled) -> dict[str, float | None]:
-  """XLA's FLOP count (loop bodies counted once), temp and argument bytes, and program bytes:
-  arguments + outputs + temp - aliased (donated), the most memory the program holds at once."""
+  """XLA's FLOPs (loop bodies once), temp, argument and program bytes (args + outputs + temp -
+  aliased: the most memory the program holds at once)."""
   out = {"xla_flops": None, "temp_bytes": None, "argument_bytes": None, "program_bytes": None}
   with contextlib.suppress(Exception):  # pylint: disable=broad-except
     cost = compiled.cost_analysis()  # a list with one dict per program in old jax
@@ -105,10 +94,9 @@ def measure(
   fn: Callable, args: tuple, *, repeats: int = 5, min_repeats: int = 2, max_seconds: float = 10.0,
   min_seconds: float = 1.0, max_repeats: int = 50, compiled=None, compile_s=None, budget_s=None,
 ) -> dict[str, Any]:  # fmt: skip
-  """Compiles ``jax.jit(fn)`` for ``args`` (unless ``compiled`` is given) and times it: the
-  median of ``repeats`` calls or more (up to ``max_repeats``) until they used ``min_seconds``,
-  fewer (``min_repeats``) past ``max_seconds`` (given ``budget_s``, a call's budget: 2x it);
-  with FLOPs (``count_flops`` and XLA's), temp, argument, program and peak device bytes."""
+  """Compiles ``jax.jit(fn)`` (unless ``compiled``) and times it: the median of ``repeats``
+  to ``max_repeats`` calls until ``min_seconds``, ``min_repeats`` past ``max_seconds``
+  (``budget_s``: 2x it); with FLOPs, temp, argument, program and peak device bytes."""
   if budget_s is not None:
     max_seconds = max(2.0, 2 * budget_s)
   if compiled is None:
@@ -150,10 +138,9 @@ def train(config, workdir: str):
 
 
 def sweep(sizes, base: dict, cost_class: str, budget_s, what: str, measure_one, log=print):
-  """A record ``dict(base, T=t)`` per size: ``measure_one(t)`` (a dict with ``time_s``, or why
-  the larger sizes are skipped), or skipped once the last time extrapolated (x2 per doubling of
-  T when 'linear', x4 when 'quadratic') is over ``budget_s`` (``--max_{what}_s``), or an error,
-  after which the larger sizes are skipped."""
+  """A record ``dict(base, T=t)`` per size: ``measure_one(t)``, or skipped once the last
+  time extrapolated (x2 per doubling of T 'linear', x4 'quadratic') is over ``budget_s``,
+  or an error (the larger sizes skipped)."""
   records, last, stop = [], None, None
   for t_len in sizes:
     rec = dict(base, T=t_len)
@@ -217,8 +204,7 @@ RESULT = "RESULT "
 
 
 def child(module: str, args, **kwargs):
-  """One row in a fresh ``python -m module args`` (which prints its result with ``emit``):
-  the result, or an error record with the end of the child's stderr."""
+  """One row in a fresh ``python -m module args`` (``emit``), or an error with its stderr."""
   cmd = [sys.executable, "-m", module, *map(str, args)]
   proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
   lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
@@ -267,8 +253,7 @@ def fmt_flops(f):
 
 
 def table(head, rows, align: str) -> list[str]:
-  """A markdown table's lines: ``head``, then ``rows`` (cells of any type); ``align`` a letter
-  per column, l(eft) or r(ight)."""
+  """A markdown table's lines: ``head``, ``rows``, ``align`` l or r per column."""
   line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"
   rule = "|" + "".join("---:|" if x == "r" else "---|" for x in align)
   return [line(head), rule, *map(line, rows)]
@@ -293,8 +278,7 @@ def add_timing_args(parser, unit: str) -> None:
 def write_outputs(
   out: str, name: str, result: dict, md: str, plot_fn=None, *, partial: bool | None = None
 ) -> None:
-  """Writes ``out/<name>.json``, ``.md`` and, given ``plot_fn``, ``.png``, each atomically;
-  prints md. A ``partial`` result (by default one without ``plot_fn``) prints one line."""
+  """``out/<name>.json``, ``.md`` [, ``.png``] written atomically; md printed (partial: a line)."""
   os.makedirs(out, exist_ok=True)
   write_json(os.path.join(out, f"{name}.json"), result)
   files.atomic_write(os.path.join(out, f"{name}.md"), md)

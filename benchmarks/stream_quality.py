@@ -43,8 +43,7 @@ def make_config(mixing: str, positions: str, quick: bool):
 
 
 def _nll_of_texts(run, tokens: np.ndarray, length: int, batch: int = 8) -> np.ndarray:
-  """NLL ``[texts, length]`` of ``tokens`` cut into texts of ``length``, each scored from its
-  start (the corpus's ``bos_id`` before its first token), in one forward pass per text."""
+  """NLL ``[texts, length]`` of ``tokens`` cut into texts, each scored from its start (bos)."""
   n = len(tokens) // length
   texts = np.asarray(tokens[: n * length], np.int32).reshape(n, length)
   inputs = np.concatenate([np.full((n, 1), run.bos_id, np.int32), texts[:, :-1]], axis=1)

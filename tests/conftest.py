@@ -1,5 +1,4 @@
-"""Test session setup (a persistent compilation cache) and shared fixtures; helpers that tests
-import are in tests/support/helpers.py."""
+"""The session's compilation cache and shared fixtures (helpers: tests/support/helpers.py)."""
 
 import contextlib
 import gc
@@ -13,33 +12,28 @@ import pytest
 from tests.support import shared
 from tests.support.helpers import FAST_COMPILE, STDLIB_JSON, tiny_config, trained_run_config
 
-# A persistent compilation cache, for the suite and the processes it starts, outside the
-# checkout (a fresh clone on the same machine starts warm).
+# Outside the checkout: a fresh clone on the same machine starts warm.
 CACHE_DIR = os.path.expanduser("~/.cache/aft_jax/test-compilation-cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
-# No size limit for jax to keep (each write would scan the folder under a shared lock): the
-# folder is trimmed once per session instead (``shared.trim_cache``).
+# No size limit for jax (each write would scan the folder under a lock): trimmed per session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 CACHE_KEEP_BYTES = 1 << 30  # past this, the least recently written entries go, down to half
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
-# Bytecode written and reused by the suite and its subprocesses, whatever the environment says.
+# Bytecode written and reused, whatever the environment says.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
 
 def pytest_configure(config):
-  """The compilation cache trimmed, once per session (not in each xdist worker)."""
   if not hasattr(config, "workerinput"):
     shared.trim_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], CACHE_KEEP_BYTES)
 
 
 def pytest_unconfigure(config):
-  """Its fork servers (tests/support/prefork.py) stopped and reaped while this process still
-  ends normally; what is alive collected once and frozen (pytest's unraisable-exception check
-  collects five times more, walking jax's caches, and execnet sends a SIGINT to a worker still
-  busy 5 s after the end)."""
+  """Fork servers reaped; the heap collected once and frozen (pytest's exit would walk jax's
+  caches five times, and execnet interrupts a worker still busy 5 s after the end)."""
   from tests.support import prefork
 
   prefork.stop_all()
@@ -48,18 +42,16 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  """The slow tests first (stable otherwise), so that xdist's workers share them."""
+  """The slow tests first, so that xdist's workers share them."""
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _build_trained_run(folder):
-  """One tiny byte-level run (4 steps, a validation at step 2, a profile of steps 2-3 and a
-  sample), its config followed (tests/support/config_flow.py)."""
+  """A tiny byte-level run (helpers.trained_run_config), its config followed (config_flow)."""
   from aft_jax.trainer import train_lib
   from tests.support import config_flow
 
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
+  with contextlib.redirect_stdout(io.StringIO()) as out:
     results, rooms, climbs = config_flow.follow(
       train_lib.train_and_evaluate, trained_run_config(), str(folder / "run")
     )
@@ -69,7 +61,7 @@ def _build_trained_run(folder):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-  """(workdir, results, stdout) of ``_build_trained_run``, once per session (``shared.once``)."""
+  """(workdir, results, stdout) of ``_build_trained_run``, once per session."""
   folder, made = shared.once(tmp_path_factory, "trained_run", _build_trained_run)
   return str(folder / "run"), made["results"], made["stdout"]
 
@@ -81,8 +73,7 @@ def trained_run_config_flow(tmp_path_factory):
 
 
 def _build_stream_run(folder):
-  """A tiny stream (AFT-conv1d, no position embedding) trained 2 steps, its max_len 16 half its
-  seq_len (a stream's max_len is only its prefill's chunk)."""
+  """A tiny stream (AFT-conv1d, no position embedding), 2 steps, max_len half its seq_len."""
   from aft_jax.trainer import train_lib
 
   overrides = {"model.mixing": "aft_conv1d", "model.position_embedding": "none"}
@@ -100,7 +91,7 @@ def stream_run(tmp_path_factory):
 
 @pytest.fixture
 def docs(tmp_path):
-  """A folder of real text: a copy of the standard library's json package (5 files)."""
+  """A copy of the standard library's json package (5 files)."""
   (tmp_path / "docs").mkdir()
   for path in STDLIB_JSON:
     shutil.copy(path, tmp_path / "docs")

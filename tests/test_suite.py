@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support import shared
+from tests.support import cpu_probe, prefork, shared
 from tests.support.helpers import ROOT
 
 
@@ -26,11 +26,7 @@ def test_trim_cache_keeps_the_newest_half_only_past_the_limit(tmp_path):
 
 
 def test_cpu_probe_adds_up_each_folders_tests_and_what_the_host_stole(tmp_path, capsys):
-  """docs/development.md's table (tests/support/cpu_probe.py): each worker's file read, tests
-  counted in their folder, the most CPU first, the totals; then the host's /proc/stat ticks
-  between the session's start and end as busy, idle (with I/O wait) and stolen shares."""
-  from tests.support import cpu_probe
-
+  """docs/development.md's table: per folder, the most CPU first, totals, the host's shares."""
   (tmp_path / "gw0.json").write_text(
     '[["tests/ops/test_a.py::t1", 2.0, 1.5, 0.0], ["tests/test_b.py::t2", 4.0, 0.5, 3.0]]'
   )
@@ -57,23 +53,15 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "home": os.environ.get("
 print(os.getppid())
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
-if how == "message":
-  sys.exit("a one-line error")
-if how == "raise":
-  raise ValueError("boom")
-if how == "interrupt":
-  raise KeyboardInterrupt
-sys.exit(int(how))
+if how in ("raise", "interrupt"):
+  raise ValueError("boom") if how == "raise" else KeyboardInterrupt
+sys.exit("a one-line error" if how == "message" else int(how))
 """
 
 
 @pytest.mark.parametrize("how", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
-  """A script, a module (-m) or code (-c) forked by tests/support/prefork.py gives what
-  ``subprocess.run`` gives: exit status (a message, an exception, Ctrl-C's -2), stdout, stderr,
-  argv, cwd, environment, SIGINT's disposition, ``__main__``, sys.path[0]; its parent the server."""
-  from tests.support import prefork
-
+  """A script, a module (-m) or code (-c) as a subprocess runs it; its parent the server."""
   (tmp_path / "script.py").write_text(SCRIPT)
   (tmp_path / "pkg").mkdir()
   (tmp_path / "pkg" / "__init__.py").write_text("")
@@ -89,8 +77,7 @@ def test_a_forked_command_is_what_a_subprocess_would_be(tmp_path, how):
     assert got.returncode == want.returncode
     assert got.stdout.splitlines()[0] == want.stdout.splitlines()[0]  # all but the parent
     assert got.stderr.splitlines()[0] == "to stderr" and got.stderr == want.stderr
-    # forked by the server, not started by this process
-    assert int(got.stdout.splitlines()[1]) == prefork.server_pid() != os.getpid()
+    assert int(got.stdout.splitlines()[1]) == prefork.server_pid() != os.getpid()  # forked
 
 
 WAITER = """
@@ -103,25 +90,20 @@ while True:
 """
 
 
-@pytest.mark.parametrize("start", ["subprocess", "prefork"])
-def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, start):
-  """``prefork.popen`` as ``subprocess.Popen``: piped stdout and stderr, a new session, poll,
-  SIGTERM handled, SIGKILL's -9, ``communicate``, ``wait``; a file as stdout, stderr=STDOUT."""
-  from tests.support import prefork
-
+def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path):
+  """Pipes, a session, poll, signals, communicate, wait, a file as stdout, stderr=STDOUT."""
   (tmp_path / "waiter.py").write_text(WAITER)
   cmd = [sys.executable, str(tmp_path / "waiter.py")]
-  popen = subprocess.Popen if start == "subprocess" else prefork.popen
   pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-  proc = popen(cmd, cwd=tmp_path, **pipe)
+  proc = prefork.popen(cmd, cwd=tmp_path, **pipe)
   try:
-    assert (start == "prefork") == isinstance(proc, prefork.Forked)
+    assert isinstance(proc, prefork.Forked)
     assert proc.stdout.readline() == "ready True\n" and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (0, "terminated\n", "on stderr\n")
     with open(tmp_path / "log", "w") as log:
-      proc = popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
+      proc = prefork.popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
       while not (tmp_path / "log").read_text().endswith("ready False\n"):  # the whole line
         assert proc.poll() is None
         time.sleep(0.01)
@@ -134,36 +116,30 @@ def test_a_forked_process_is_signalled_piped_and_awaited_as_a_popen(tmp_path, st
       proc.wait()
 
 
-def test_a_changed_environment_gets_a_server_that_has_it(monkeypatch):
-  """A variable set after the fork server started: the next command comes from a new server
-  started with it, still forked."""
-  from tests.support import prefork
-
-  prefork.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
-  first = prefork.server_pid()
-  monkeypatch.setenv("AFT_TESTS_SET_LATER", "x")
+EXITING = """
+import os, sys
+from tests.support import prefork
+prefork.run([sys.executable, "-c", "pass"])
+print(prefork._server[1], flush=True)
+if END == "exit":  # a variable set later: the next command forked by a new server that has it
+  first, os.environ["AFT_TESTS_SET_LATER"] = prefork.server_pid(), "x"
   code = "import os; print(os.getppid(), os.environ['AFT_TESTS_SET_LATER'])"
-  done = prefork.run([sys.executable, "-c", code], capture_output=True, text=True)
-  assert first is not None and prefork.server_pid() != first
-  assert done.stdout.split() == [str(prefork.server_pid()), "x"]
+  done = prefork.run([sys.executable, "-c", code])
+  assert first != prefork.server_pid() and done.stdout.split() == [str(prefork.server_pid()), "x"]
+  sys.exit(0)
+os._exit(0)
+"""
 
 
 @pytest.mark.parametrize("end", ["exit", "os._exit"])
 def test_a_process_that_exits_leaves_no_server_folder(tmp_path, end):
-  """A fork server's socket folder goes when the process that started it ends: at its exit, or
-  (``os._exit``: no exit handlers) by the server once its client is gone."""
-  code = (
-    "import os, sys; from tests.support import prefork; "
-    "prefork.run([sys.executable, '-c', 'pass']); print(prefork._server[1], flush=True); "
-    + ("sys.exit(0)" if end == "exit" else "os._exit(0)")
-  )
+  """The servers' folders go at the exit, or (os._exit) once a server's client is gone."""
   env = dict(os.environ, TMPDIR=str(tmp_path))
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=120)  # fmt: skip
+  done = subprocess.run([sys.executable, "-c", f"END = {end!r}" + EXITING], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split()[-1].startswith(str(tmp_path))  # the server's folder was there
-  if end == "os._exit":  # the server sees its stdin close, then removes the folder and exits
-    deadline = time.monotonic() + 60
-    while os.listdir(tmp_path) and time.monotonic() < deadline:
-      time.sleep(0.1)
+  assert done.stdout.split()[0].startswith(str(tmp_path))  # the server's folder was there
+  deadline = time.monotonic() + (60 if end == "os._exit" else 0)  # exit: stop_all removed them
+  while os.listdir(tmp_path) and time.monotonic() < deadline:
+    time.sleep(0.1)
   assert os.listdir(tmp_path) == []

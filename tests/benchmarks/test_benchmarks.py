@@ -1,18 +1,25 @@
-"""The benchmarks' quick modes run and write complete results (no timing assertions); their
-parts on made-up rows."""
+"""The benchmarks' quick modes and parts (no timing assertions); their lowerings for CUDA, TPU."""
 
+import functools
 import itertools
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from flax import linen as nn
 
 from aft_jax import ops
+from aft_jax.model import ModelConfig, TransformerLM
+from aft_jax.ops import common as ops_common
+from aft_jax.ops.pallas import triton
 from benchmarks import accelerator_check, before_after, bench_model, bench_ops, common, kernel_form
-from benchmarks import quality
+from benchmarks import context_memory, quality
+from tests.support.helpers import TRITON, export_for
 
 
 def _finite(x):
@@ -20,7 +27,6 @@ def _finite(x):
 
 
 def _quick_result(tmp_path, name):
-  """A quick run's JSON, its machine described, its .md and .png written."""
   result = json.loads((tmp_path / f"{name}.json").read_text())
   for key in ("device_kind", "jax_version", "cpu_count", "platform"):
     assert result["machine"][key] not in (None, ""), key
@@ -53,8 +59,7 @@ def test_bench_ops_quick(tmp_path):
 
 
 def test_before_after_quick_measures_each_tree_in_its_own_process(tmp_path):
-  """This tree against itself: each row's subprocess imported aft_jax from its tree, every
-  row and the peer measured; the table has a row per record."""
+  """This tree against itself: each row's subprocess imported aft_jax from its tree."""
   before_after.main(["--before", before_after.HERE, "--quick", "--out", str(tmp_path)])
   result = json.loads((tmp_path / "before_after.json").read_text())
   assert result["machine"]["trees"]["before"] == before_after.HERE
@@ -77,8 +82,7 @@ def test_bench_model_quick(tmp_path):
     _check_record(got[key], bench_model.FIELDS)
   ratios = result["ratios_to_softmax"][str(info["sizes"][0])]
   assert set(ratios) == set(bench_model.MIXINGS)
-  for x in ratios.values():
-    assert all(_finite(v) for v in x.values()), x
+  assert all(_finite(v) for x in ratios.values() for v in x.values()), ratios
 
 
 def test_flop_count_multiplies_loops_and_matches_xla_without_them():
@@ -97,8 +101,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
   assert count(branch, True, a, b) == matmul
 
-  # The gradient of a loop over slices of w accumulates each slice's cotangent in place: a
-  # trip costs the slice (8 x 16), not the accumulator (64 x 64).
+  # A loop's gradient over slices of w: a trip costs the slice, not the accumulator.
   def sliced(w):
     body = lambda c, b: (c + jnp.sum(jnp.sin(jax.lax.dynamic_slice(w, (8 * b, 0), (8, 16)))), None)
     return jax.lax.scan(body, 0.0, jnp.arange(8))[0]
@@ -106,7 +109,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
   assert count(jax.grad(sliced), w) < 8 * 8 * 16 * 8  # vs 8 * 64 * 64 counted naively
 
-  # A loop-free program: the same count as XLA's cost analysis (within 5%).
+  # A loop-free program: XLA's count within 5%.
   x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
   fwd = bench_ops._softmax_einsum
   cost = jax.jit(fwd).lower(x, x, x).compile().cost_analysis()
@@ -115,11 +118,7 @@ def test_flop_count_multiplies_loops_and_matches_xla_without_them():
 
 
 def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_local():
-  """On a GPU the check has a row per kernel op and form (each traced in that form), and its
-  "Kernel forms" table names the faster form per op, mode and T from the measured rows. The LM
-  targets take the faster AFT-local and name the baseline's impl."""
-  from aft_jax.ops.pallas import triton
-
+  """GPU rows per kernel form, the faster form per row; the LM targets' AFT-local and impl."""
   rows = accelerator_check.op_rows("pallas", "gpu")
   forms = accelerator_check.KERNEL_FORMS
   for op in accelerator_check.KERNEL_OPS:
@@ -141,15 +140,13 @@ def test_accelerator_check_times_both_kernel_forms_and_takes_the_faster_aft_loca
   checks = {c["check"]: c for c in accelerator_check.target_checks([], models)}
   speed = checks["LM tokens/s aft_local[xla] / softmax[cudnn]"]
   assert speed["value"] == pytest.approx(2.0) and speed["holds"]
-  memory = checks[
-    "LM program memory (params + optimizer state + batch + activations) aft_local[xla] / "
-    "softmax[cudnn]"
-  ]
+  memory = checks["LM program memory (params + optimizer state + batch + activations) "
+                  "aft_local[xla] / softmax[cudnn]"]  # fmt: skip
   assert memory["value"] == pytest.approx(0.5) and memory["holds"]
 
 
-def _raise(*args, **kwargs):
-  raise RuntimeError("injected failure")
+def _raise(*args, error=RuntimeError("injected failure"), **kwargs):
+  raise error
 
 
 def _is_injected(rec):
@@ -159,8 +156,7 @@ def _is_injected(rec):
 
 @pytest.mark.slow
 def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypatch):
-  """One ``--quick`` run with three injected failures: the cumsum row, the bfloat16 kernel
-  check (its aft_simple call) and the softmax LM's train step; the rest measured."""
+  """Injected failures: the cumsum row, the bfloat16 kernel check, the softmax LM's step."""
   op_rows, aft_simple = accelerator_check.op_rows, ops.aft_simple
   measure_step = bench_model.measure_step
 
@@ -196,13 +192,12 @@ def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypa
       _is_injected(rec)
       continue
     _check_record(rec, bench_model.FIELDS)
-    # Parameters and optimizer state donated: the step's new ones are not counted again.
+    # donated parameters and optimizer state: not counted again
     assert rec["program_bytes"] < rec["argument_bytes"] + rec["temp_bytes"] + 1024, rec
   kchecks = {c["dtype"]: c for c in result["kernel_checks"]}
   assert kchecks["float32"]["holds"] and _is_injected(kchecks["bfloat16"])
   assert kchecks["bfloat16"]["holds"] is None and kchecks["bfloat16"]["max_rel_error"] is None
   assert len({c["check"].split(",")[0] for c in result["checks"]}) == 5
-  # The targets that need a failed row say so; the others are evaluated.
   for c in result["checks"]:
     needs_failed = "cumsum" in c["check"] or c["check"].startswith("LM")
     assert (c["value"] is None) == (needs_failed or "softmax_cudnn" in c["check"]), c
@@ -217,17 +212,13 @@ def test_accelerator_check_quick_records_failures_and_goes_on(tmp_path, monkeypa
 
 
 def test_accelerator_check_writes_partial_results(tmp_path, monkeypatch):
-  """A run stopped in its last section (here by a KeyboardInterrupt in the model rows, as a
-  kill at a time limit) leaves the kernel checks and op rows it measured, marked incomplete."""
+  """Stopped in the model rows (as a kill at a time limit): what it measured, incomplete."""
   kchecks = [{"kernel": "k", "dtype": "float32", "logit_std": 1.0, "tolerance": 1e-4}]
   kchecks[0].update(status="ok", max_rel_error=0.0, holds=True)
   monkeypatch.setattr(accelerator_check, "kernel_checks", lambda *args: kchecks)
   table = bench_ops.op_table(7, "xla")
   monkeypatch.setattr(accelerator_check, "op_rows", lambda *args: {"cumsum": table["cumsum"]})
-
-  def interrupt(*args):
-    raise KeyboardInterrupt
-
+  interrupt = functools.partial(_raise, error=KeyboardInterrupt())
   monkeypatch.setattr(bench_model, "measure_step", interrupt)
   with pytest.raises(KeyboardInterrupt):
     accelerator_check.main(["--quick", "--out", str(tmp_path)])
@@ -256,17 +247,13 @@ def test_bench_ops_records_a_failing_size_and_stops_growing_t():
 
 
 def test_context_memory_step_runs_two_steps_and_reports_time_and_memory():
-  """context_memory --step at a tiny T: two real steps of its model, finite."""
-  from benchmarks import context_memory
-
   r = context_memory.step("aft_simple", 64)
   assert r["T"] == 64 and r["finite"] and math.isfinite(r["loss"])
   assert r["step_s"] > 0 and r["first_step_s"] >= r["step_s"] and r["peak_rss_gib"] > 0
 
 
 def test_quality_quick_writes_the_table_and_curves(tmp_path):
-  # Two of the five layers: every mixing layer already trains in tests/e2e/test_recipes.py, and
-  # each one here costs a train-step compilation (seconds on 2 cores).
+  # Two mixings: each costs a compile, and all train in tests/e2e/test_recipes.py.
   mixings = ["softmax", "aft_simple"]
   quality.main(["--quick", "--out", str(tmp_path), "--mixings", *mixings])
   result = json.loads((tmp_path / "quality.json").read_text())
@@ -279,3 +266,74 @@ def test_quality_quick_writes_the_table_and_curves(tmp_path):
   md = (tmp_path / "quality.md").read_text()
   assert all(f"| {m} |" in md for m in mixings) and "| +0.0000 |" in md  # softmax: the base
   assert os.path.getsize(tmp_path / "quality.png") > 0
+
+
+# ---------------------------------------------------- lowered for the accelerators, on this CPU
+
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+
+
+@pytest.fixture
+def cudnn_h200(monkeypatch):
+  """cuDNN attention's version questions answered as an H200's (9.0, cuDNN 9.10)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  version = lambda c: tuple(int(x) for x in c.split("."))
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: version(c) <= (9, 0))
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: version(c) == (9, 0))
+
+
+def test_cudnn_softmax_row_lowers_for_cuda(cudnn_h200):
+  """The check's softmax_cudnn row (bf16, B 8, T 1024, d 512), forward and backward."""
+  x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
+  bwd = export_for(bench_ops.fwd_bwd(accelerator_check._cudnn), x, x, x, x, calls=CUDNN)
+  assert all(call in bwd.mlir_module() for call in CUDNN)
+
+
+LOWERINGS = [("aft_local", "pallas", "cuda"), ("aft_simple", "pallas", "cuda"),
+             ("softmax", "cudnn", "cuda"), ("aft_simple", "pallas", "tpu")]  # fmt: skip
+
+
+@pytest.mark.parametrize("mixing, impl, platform", LOWERINGS)
+def test_lm_train_step_lowers(mixing, impl, platform, monkeypatch, cudnn_h200):
+  """The model rows' AdamW step of a tiny bf16 LM, the accelerator's mixing implementation."""
+  cfg = dict(vocab_size=64, num_layers=1, d_model=128, num_heads=4, mlp_dim=128, max_len=64)
+  cfg.update(window=8, mixing=mixing, dropout_rate=0.0, dtype=jnp.bfloat16, scan_layers=True)
+  tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+  # The parameters do not depend on impl: their shapes from the XLA model, on this CPU.
+  init = TransformerLM(ModelConfig(**cfg, impl="xla").validate()).init
+  params = nn.meta.unbox(jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["params"])
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  step = bench_model.make_step(TransformerLM(ModelConfig(**cfg, impl=impl).validate()), tx)
+  # Traced as if on the target (cuDNN attention refuses an abstract device that would say so).
+  device = {"cuda": ops.DeviceFacts("gpu", "NVIDIA H200", (9, 0)),
+            "tpu": ops.DeviceFacts("tpu", "TPU v5 lite")}[platform]  # fmt: skip
+  for module in (ops, ops_common):  # (the layers' cuDNN check, the ops' choice)
+    monkeypatch.setattr(module, "device_facts", lambda: device)
+  opt_state = jax.eval_shape(tx.init, params)
+  calls = {"cuda": CUDNN if impl == "cudnn" else (TRITON,), "tpu": ()}[platform]
+  args = (params, opt_state, tokens, tokens)
+  exported = export_for(step, *args, platform=platform, calls=calls, donate_argnums=(0, 1))
+  module = exported.mlir_module()
+  kernel = {"cudnn": None, "pallas": TRITON if platform == "cuda" else "tpu_custom_call"}[impl]
+  if kernel:
+    assert module.count(f"custom_call @{kernel}(") >= 2  # forward, backward
+  else:
+    assert all(t in module for t in CUDNN)
+
+
+@pytest.mark.parametrize("op", accelerator_check.KERNEL_OPS[::2])
+def test_kernel_form_rows_lower_for_cuda(op):
+  """Each GPU kernel form's rows: sequential grids (b, d blocks, 1), chunked (b, d, segments)."""
+  rows = accelerator_check.op_rows("pallas", "gpu")
+  x = jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  args = (x, x, x) if rows[f"{op}/pallas"][1] is None else (x, x, x, w)
+  z = {}
+  for form in accelerator_check.KERNEL_FORMS:
+    fn = bench_ops.fwd_bwd(rows[f"{op}/pallas[{form}]"][0])
+    module = export_for(fn, *args, x).mlir_module()
+    z[form] = sorted({int(g) for g in re.findall(r"grid_z = (\d+)", module)})
+  assert z["sequential"] == [1], z
+  assert max(z["chunked"]) > 1, z

@@ -1,21 +1,13 @@
-"""The README's and docs/*.md's commands, examples, links and file names are the real ones.
-
-Every command in a ```bash block that runs this project (``python train.py``, ``python -m MODULE``,
-an ``aft-*`` console script) names a program that exists, only flags that program defines (read
-from its ``--helpfull`` / ``--help``: nothing is trained), a recipe that exists, config keys
-that recipe has and a ``--dry_run`` target that exists. Every ```python block in docs/ runs,
-unless the line before it is ``<!-- not run: REASON -->``. Relative links, their anchors and
-repository paths in backticks exist. The README opens with the quickstart and the test command;
-notebooks/quickstart.ipynb is committed clean and agrees with the README, docs/ and
-pyproject.toml (tests/e2e/test_wheel.py runs it)."""
+"""The docs' commands, flags, recipes, config keys, targets, examples, links and paths are real;
+the README's opening and notebooks/quickstart.ipynb agree."""
 
 import contextlib
-import functools
 import glob
 import importlib.util
 import io
 import itertools
 import os
+import pydoc
 import re
 import shlex
 import sys
@@ -23,6 +15,10 @@ import tomllib
 
 import nbformat
 
+import aft_jax
+from aft_jax import deviceless
+from aft_jax.trainer import recipes
+from tests.e2e import test_recipes
 from tests.support import prefork
 from tests.support.helpers import ROOT
 
@@ -41,7 +37,7 @@ SEPARATORS = {"&&", "||", ";", "|", "&"}
 
 
 def blocks(page, lang):
-  """(line number, text, the line before the fence) of each ```lang block of ``page``."""
+  """(line number, text, the line before the fence) of each ```lang block."""
   text = TEXT[page]
   out = []
   for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M):
@@ -51,7 +47,7 @@ def blocks(page, lang):
 
 
 def _tokens(line):
-  """shlex tokens of a shell line, quoted commands (``--command "cd x && python ..."``) split."""
+  """shlex tokens of a shell line, quoted commands split too."""
   out = []
   for tok in shlex.split(line, comments=True):
     out.extend(_tokens(tok) if re.search(r"\s", tok) else [tok])
@@ -59,8 +55,7 @@ def _tokens(line):
 
 
 def commands():
-  """(where, argv) of every command of this project in the pages' bash blocks; argv[0] is
-  ``("script", path)``, ``("module", name)`` or ``("entry", console script)``."""
+  """(where, (kind: script, module or entry, name), args) of this project's commands."""
   out = []
   for page in PAGES:
     for lineno, block, _ in blocks(page, "bash"):
@@ -82,14 +77,11 @@ def commands():
 
 
 def help_text(kind, name):
-  """A program's help text (absl's --helpfull, else argparse's --help: status 2), forked by
-  tests/support/prefork.py (the console script's function as its launcher calls it)."""
+  """A program's absl --helpfull, else its argparse --help (status 2 for --helpfull)."""
   if kind == "entry":
-    module, fn = SCRIPTS[name].split(":")
-    argv = [
-      "-c",
-      f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())",
-    ]
+    module, fn = SCRIPTS[name].split(":")  # run as its launcher runs it
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {fn}; sys.exit({fn}())"
+    argv = ["-c", code]
   else:
     argv = ["-m", name] if kind == "module" else [name]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -112,20 +104,6 @@ def _is_placeholder(value):
   return bool(re.search(r"[<>$]", value))
 
 
-@functools.cache
-def recipe_config(spec):
-  """The config a ``--config`` value loads (a recipe name or a config file, ``:ARG`` optional)."""
-  from aft_jax.trainer import recipes
-
-  path, _, arg = recipes.resolve(spec).partition(":")
-  path = os.path.join(ROOT, path)
-  assert os.path.isfile(path), spec
-  module_spec = importlib.util.spec_from_file_location("_docs_recipe", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
-
-
 def _has_key(config, key):
   for part in key.split("."):
     if not hasattr(config, "keys") or part not in config.keys():
@@ -135,11 +113,10 @@ def _has_key(config, key):
 
 
 def _values(rest, flag):
-  """The values given to --flag in ``rest`` (``--flag X`` or ``--flag=X``)."""
   return re.findall(rf"(?<!\S)--{flag}[= ](\S+)", " ".join(rest))
 
 
-def test_every_command_names_a_program_that_exists_and_flags_it_defines():
+def test_every_command_names_a_program_flags_recipe_config_keys_and_target_that_exist():
   assert {prog[0] for _, prog, _ in commands()} == {"script", "module", "entry"}
   for where, (kind, name), _ in commands():
     if kind == "script":
@@ -150,23 +127,17 @@ def test_every_command_names_a_program_that_exists_and_flags_it_defines():
   todo = [(w, p, r) for w, p, r in commands() if not (p[0] == "module" and p[1] in EXTERNAL)]
   texts = {prog: help_text(*prog) for prog in sorted({prog for _, prog, _ in todo})}
   for prog, text in texts.items():
-    assert "Traceback" not in text, (prog, text[-2000:])
-    assert text.strip(), prog  # it printed its help (or its usage), not nothing
+    assert "Traceback" not in text and text.strip(), (prog, text[-2000:])
   for where, prog, rest in todo:
     for tok in rest:
       if tok.startswith("--") and not tok.startswith("--config."):
         assert tok[2:].split("=", 1)[0] in program_flags(texts[prog]), (where, tok)
-
-
-def test_every_recipe_config_key_and_target_exists():
-  from aft_jax import deviceless
-
   checked = 0
   for where, _, rest in commands():
     for spec in _values(rest, "config"):
       if _is_placeholder(spec):
         continue
-      config = recipe_config(spec)
+      config = test_recipes.load(spec)
       checked += 1
       for tok in rest:
         if tok.startswith("--config."):
@@ -178,7 +149,6 @@ def test_every_recipe_config_key_and_target_exists():
 
 
 def test_every_python_example_runs(tmp_path, monkeypatch):
-  """docs/'s examples, and the README's layer example, which prints its output's shape."""
   monkeypatch.chdir(tmp_path)
   for page in PAGES[1:]:
     for lineno, block, before in blocks(page, "python"):
@@ -187,8 +157,7 @@ def test_every_python_example_runs(tmp_path, monkeypatch):
       with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(block, f"{page}:{lineno}", "exec"), {})
   (example,) = [b for _, b, _ in blocks("README.md", "python") if "AFTLocal" in b]
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
+  with contextlib.redirect_stdout(io.StringIO()) as out:
     exec(compile(example, "README.md", "exec"), {})
   assert out.getvalue().strip() == "(4, 100, 64)"
 
@@ -225,18 +194,13 @@ def test_every_link_and_repository_path_exists_and_the_readme_links_each_page():
   assert checked > 20
 
 
-def _commands(block):
-  return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-def test_readme_opens_with_the_quickstart_and_the_test_command_and_says_what_fits():
-  first, second = [block for _, block, _ in blocks("README.md", "bash")[:2]]
-  (install_and_train,) = _commands(first)
-  (install_and_test,) = _commands(second)
+def test_readme_opens_with_the_quickstart_and_the_test_command_and_help_reads_well():
+  (install_and_train,), (install_and_test,) = [
+    [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    for _, block, _ in blocks("README.md", "bash")[:2]
+  ]
   assert install_and_train.startswith("python3 -m pip install -e . && python3 train.py")
   assert "--config configs/quickstart.py" in install_and_train
-  assert os.path.exists(os.path.join(ROOT, "configs", "quickstart.py"))
-  # The deviceless compile tests need the GPU/TPU compilers, which the command installs first.
   assert install_and_test.startswith(
     'python3 -m pip install -e ".[test]" && python3 -m aft_jax.deviceless install && '
     "python3 -m pytest"
@@ -247,13 +211,7 @@ def test_readme_opens_with_the_quickstart_and_the_test_command_and_says_what_fit
   assert "python train.py --config " in section and "--dry_run --target NAME" in section
   assert "[--num_devices N]" in section and "(docs/what_fits.md)" in section
   assert "`sigma(Q) * (K^T V)`; that is not\nAFT" in README or "that is not AFT" in README
-
-
-def test_help_on_the_layers_reads_well():
-  import pydoc
-
-  import aft_jax
-
+  # help() on the layers and ops reads well
   text = pydoc.render_doc(aft_jax.layers.AFTLocal, renderer=pydoc.plaintext)
   assert "AFT-local (paper Eq. 4)" in text and "window" in text
   for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d"):
@@ -262,25 +220,19 @@ def test_help_on_the_layers_reads_well():
 
 
 def test_the_notebook_is_clean_and_agrees_on_the_repository_jax_and_recipes():
-  from aft_jax.trainer import recipes
-
-  for cell in NOTEBOOK.cells:  # committed without outputs
+  for cell in NOTEBOOK.cells:  # no outputs
     assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
   owner_repo = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+)", URL).group(1)
-  badge = (
-    f"https://colab.research.google.com/github/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
-  )
+  colab = "https://colab.research.google.com/github"
+  badge = f"{colab}/{owner_repo}/blob/main/notebooks/quickstart.ipynb"
   install_cell = NOTEBOOK.cells[1].source
   for where, text in [("README", README), ("notebook", NOTEBOOK.cells[0].source)]:
     links = re.findall(r"https://colab\.research\.google\.com/github/[^)\s]+", text)
     assert links == [badge], (where, links)
-  # Every pip source that names a repository names this one: the install cell's default and
-  # the install lines of the README and docs/.
+  # Every pip source that names a repository names this one.
   sources = re.findall(r"git\+(https://[^\s\"']+)", README + DOCS + install_cell)
   assert f'"aft-jax @ git+{URL}"' in install_cell
   assert sources and set(sources) == {URL}, sources
-  # The install lines for each platform, the extras they name, and the jax the cell asks for
-  # (pyproject.toml's lower bound).
   first_block = README[README.index("## Install") :].split("```")[1]
   joined = "\n".join(line for line in first_block.splitlines() if "pip install" in line)
   for extra in ("", "[cuda12]", "[tpu]"):

@@ -1,20 +1,18 @@
-"""Train on your own text, end to end: configs/text.py on the standard library's sources with a
-subword vocabulary (one run for the module); a copy of its workdir moved elsewhere reports,
-generates, evaluates and exports on its own. Then the data changes after training: the rerun
-and the tools refuse in one line and change nothing.
-"""
+"""configs/text.py with a subword vocabulary (one run): a moved workdir works alone; changed data
+is refused in one line."""
 
 import contextlib
 import io
 import json
+import logging.handlers
 import math
 import os
 import shutil
-import sys
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import aft_jax
 from aft_jax.data import subword, text as text_lib
@@ -22,14 +20,10 @@ from aft_jax.data.config import DataConfig
 from aft_jax.tools import evaluate, export, generate, trained
 from aft_jax.trainer import train_lib
 from tests.e2e import test_recipes
-from tests.support import prefork
-from tests.support.helpers import ROOT, STDLIB_JSON, config_flags, listing, train_py
+from tests.support.helpers import STDLIB_JSON, listing
 
-# The module's run (``subword_run``) is changed and put back by its tests: one worker runs them
-# all, so the run is trained once and no other process sees it mid-change.
+# Its tests change the module's run and put it back: one worker, one training.
 pytestmark = pytest.mark.xdist_group("subword_run")
-
-STDLIB = os.path.dirname(os.__file__)
 
 
 @pytest.mark.slow
@@ -57,50 +51,39 @@ def test_own_text_trains_then_a_moved_workdir_samples_scores_and_exports_alone(
     generate.main(["--workdir", path, "--prompt", "def ", "--length", "12"])
     assert capsys.readouterr().out.startswith("def ")
     text = tmp_path / "some.py"  # real text the model never saw
-    text.write_text(open(os.path.join(STDLIB, "logging", "handlers.py")).read()[:3000])
+    text.write_text(open(logging.handlers.__file__).read()[:3000])
     evaluate.main(["--workdir", path, "--text_file", str(text)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bytes"] == 3000 and out["unit"] == "subword" and math.isfinite(out["ppl"])
     assert out["bpb"] == pytest.approx(out["nll"] * out["tokens"] / (3000 * math.log(2)))
-    _exports_give_the_same_log_probabilities(path, tmp_path)
-    _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path)
+
+    run = trained.load_run(path)  # the exports give the same log-probabilities
+    ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
+    tokens_BT = np.asarray([ids], np.int32)
+    want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
+    for name in ("model.safetensors", "model.msgpack"):
+      _export(path, tmp_path / name)
+      model, params, vocab = aft_jax.load_pretrained(str(tmp_path / name))
+      got = np.asarray(model.apply({"params": params}, tokens_BT))
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+      assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
+    # one tensor per parameter, named by its path in the tree
+    paths = jax.tree_util.tree_flatten_with_path(jax.device_get(run.params))[0]
+    want_names = {"/".join(k.key for k in p) for p, _ in paths}
+    assert set(safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))) == want_names
+
+    copy = str(tmp_path / "damaged_run")
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    os.symlink(os.path.join(path, "checkpoints"), os.path.join(copy, "checkpoints"))
+    model = os.path.join(copy, "subword.model")
+    data = open(model, "rb").read()
+    with open(model, "wb") as f:
+      f.write(data[:-40] + bytes(40))
+    with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is damaged"):
+      generate.main(["--workdir", copy, "--length", "2"])
   finally:
     for name in ("run", "data"):
       os.rename(hidden / name, subword_run["tmp"] / name)
-
-
-def _exports_give_the_same_log_probabilities(path, tmp_path):
-  run = trained.load_run(path)
-  ids = run.vocab.encode("import json\nprint(json.dumps([1]))\n")[: run.model.cfg.max_len]
-  tokens_BT = np.asarray([ids], np.int32)
-  want = np.asarray(run.model.apply({"params": run.params}, tokens_BT))
-  for name in ("model.safetensors", "model.msgpack"):
-    _export(path, tmp_path / name)
-    model, params, vocab = aft_jax.load_pretrained(str(tmp_path / name))
-    got = np.asarray(model.apply({"params": params}, tokens_BT))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert vocab.decode(vocab.encode("héllo ☃\n  x")) == "héllo ☃\n  x"
-  from safetensors.numpy import load_file
-
-  # one tensor per parameter, named by its path in the tree
-  paths = jax.tree_util.tree_flatten_with_path(jax.device_get(run.params))[0]
-  want_names = {"/".join(k.key for k in p) for p, _ in paths}
-  assert set(load_file(str(tmp_path / "model.safetensors"))) == want_names
-
-
-def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
-  copy = str(tmp_path / "damaged_run")
-  shutil.copytree(path, copy, ignore=shutil.ignore_patterns("checkpoints"))
-  os.symlink(os.path.join(path, "checkpoints"), os.path.join(copy, "checkpoints"))
-  model = os.path.join(copy, "subword.model")
-  data = open(model, "rb").read()
-  with open(model, "wb") as f:
-    f.write(data[:-40] + bytes(40))
-  with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is damaged"):
-    generate.main(["--workdir", copy, "--length", "2"])
-  os.remove(model)
-  with pytest.raises(SystemExit, match=r"subword vocabulary .*subword.model is missing"):
-    evaluate.main(["--workdir", copy, "--text_file", __file__])
 
 
 # ------------------------------------------------------------------ the data changes after training
@@ -109,14 +92,7 @@ def _missing_or_damaged_subword_vocabulary_is_one_line(path, tmp_path):
 def _subword_config(docs, data_dir, **overrides):
   data = {"data.train_files": str(docs / "*.py"), "data.data_dir": str(data_dir)}
   steps = {"eval_every_steps": 1000, "checkpoint_every_steps": 1000}
-  return test_recipes.recipe("text.py", **data, **steps, **{"data.vocab_size": 400, **overrides})
-
-
-def _generate(workdir) -> str:
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    generate.main(["--workdir", workdir, "--prompt", "def ", "--length", "8", "--seed", "3"])
-  return out.getvalue()
+  return test_recipes.recipe("text", **data, **steps, **{"data.vocab_size": 400, **overrides})
 
 
 def _export(workdir, out) -> bytes:
@@ -128,8 +104,7 @@ def _export(workdir, out) -> bytes:
 
 @pytest.fixture(scope="module")
 def subword_run(tmp_path_factory):
-  """A tiny 400-piece subword run on a copy of the stdlib's json package (3 train files, 1
-  validation, 1 test), with what generate and export gave right after training."""
+  """A 400-piece subword run (3 train files, 1 validation, 1 test)."""
   tmp = tmp_path_factory.mktemp("subword_run")
   docs = tmp / "docs"
   docs.mkdir()
@@ -139,8 +114,6 @@ def subword_run(tmp_path_factory):
   run = {"tmp": tmp, "docs": docs, "data": tmp / "data", "workdir": str(tmp / "run")}
   with contextlib.redirect_stdout(io.StringIO()):
     train_lib.train_and_evaluate(_subword_config(docs, run["data"]), run["workdir"])
-  run["generated"] = _generate(run["workdir"])
-  run["exported"] = _export(run["workdir"], tmp / "model.msgpack")
   return run
 
 
@@ -159,8 +132,7 @@ DATA_CHANGES = {  # case: (config overrides, what the refusal names)
 
 @contextlib.contextmanager
 def _changed(run, case):
-  """The run's data changed as ``case`` says for the block: (config overrides, what the
-  refusal names); the files are put back afterwards."""
+  """The run's data changed as ``case`` says, then put back: yields (overrides, message)."""
   train, added = _train_files(run["docs"])[0], run["docs"] / "added.py"
   if case == "a train file changed":
     with open(train, "a") as f:
@@ -177,19 +149,13 @@ def _changed(run, case):
     shutil.copytree(run["tmp"] / "original", run["docs"])
 
 
-def _listings(run) -> tuple[dict, dict]:
-  return listing(run["workdir"]), listing(run["data"])
-
-
 @pytest.mark.parametrize("allow", [False, True], ids=["", "allow_config_change"])
 @pytest.mark.parametrize("case", DATA_CHANGES)
 def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
   case, allow, subword_run
 ):
-  """Refused before any corpus is prepared or model compiled, with or without
-  --allow_config_change, naming the file or key (a deleted file also as a user runs train.py and
-  evaluate); the workdir and the data folder unchanged."""
-  before = _listings(subword_run)
+  """Refused before anything is prepared or compiled, naming the file or key."""
+  before = listing(subword_run["workdir"]), listing(subword_run["data"])
   with _changed(subword_run, case) as (overrides, says):
     config = _subword_config(subword_run["docs"], subword_run["data"], **overrides)
     with pytest.raises(ValueError) as e:
@@ -199,35 +165,18 @@ def test_a_rerun_on_changed_data_is_refused_in_one_line_and_changes_nothing(
     assert says in line and "\n" not in line, line
     if case.startswith("a train file"):
       assert line.startswith("the data changed since the checkpoint at step 2: ")
-    split = ["--workdir", subword_run["workdir"], "--split", "validation"]
     if case.startswith("a train file") and not allow:  # the tools score no rebuilt corpus
       with pytest.raises(SystemExit) as e:
-        evaluate.main(split)
+        evaluate.main(["--workdir", subword_run["workdir"], "--split", "validation"])
       line = str(e.value)
       prefix = f"evaluate: --workdir {subword_run['workdir']}: the data changed since the "
       assert line.startswith(prefix + "checkpoint at step 2 was written: "), line
       assert says in line and "--split scores the corpus" in line and "\n" not in line, line
-    if case == "a train file deleted" and not allow:  # as a user runs them: exit 1, one line
-      train = train_py(subword_run["workdir"], *config_flags(config), config="configs/text.py")
-      for cmd in (train, [sys.executable, "-m", "aft_jax.tools.evaluate", *split]):
-        done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
-        assert says in done.stderr and "the data changed since the checkpoint at step 2" in (
-          done.stderr
-        )
-  assert _listings(subword_run) == before
+  assert (listing(subword_run["workdir"]), listing(subword_run["data"])) == before
 
 
-def test_after_the_refused_runs_generate_and_export_give_what_they_gave(subword_run, tmp_path):
-  """Whatever ran before (the refusals above, in any order): the same samples and export."""
-  assert _generate(subword_run["workdir"]) == subword_run["generated"]
-  assert _export(subword_run["workdir"], tmp_path / "again.msgpack") == subword_run["exported"]
-
-
-@pytest.fixture
-def replaced_vocabulary(subword_run, tmp_path):
-  """A copy of the run whose subword.model and corpus.json were rewritten for a changed train
-  file (another model of the same 400 pieces), as a refused run of an older version left them."""
+def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_the_tools(subword_run, tmp_path):
+  """Before any array is read, by load_run (generate, export, evaluate) and evaluate --split."""
   workdir = str(tmp_path / "replaced")
   shutil.copytree(subword_run["workdir"], workdir)
   docs = [open(p).read() for p in _train_files(subword_run["docs"])]
@@ -237,39 +186,13 @@ def replaced_vocabulary(subword_run, tmp_path):
   other.save(os.path.join(workdir, "subword.model"))
   with open(os.path.join(workdir, "corpus.json"), "w") as f:
     json.dump(dict(info, vocab_sha256=other.sha256), f)
-  return workdir
-
-
-# tool: (its main, its arguments after --workdir WORKDIR)
-TOOLS = {
-  "generate": (generate, ["--length", "4"]),
-  "evaluate --text_file": (evaluate, ["--text_file", __file__]),
-  "evaluate --split": (evaluate, []),
-  "export": (export, ["--out", "{tmp}/m.msgpack"]),
-}
-
-
-@pytest.mark.parametrize("tool", TOOLS)
-def test_a_workdir_whose_vocabulary_was_replaced_is_refused_by_every_tool(
-  tool, replaced_vocabulary, tmp_path
-):
-  """The vocabulary is checked against the checkpoint's record before any array is read: one
-  line naming subword.model, the workdir as it was, nothing exported."""
-  before = listing(replaced_vocabulary)
-  module, flags = TOOLS[tool]
-  argv = ["--workdir", replaced_vocabulary, *(f.format(tmp=tmp_path) for f in flags)]
-  with pytest.raises(SystemExit) as e:
-    with contextlib.redirect_stdout(io.StringIO()):
-      module.main(argv)
-  line = str(e.value)
-  assert (
-    "\n" not in line and "the data changed since the checkpoint at step 2 was written: " in line
-  )
-  assert "the subword vocabulary is another one (SHA-256" in line, line
-  assert "the workdir's subword.model and corpus.json were replaced after training" in line
-  assert listing(replaced_vocabulary) == before and not os.path.exists(tmp_path / "m.msgpack")
-  if tool == "generate":  # as a user runs it: exit status 1, that one line on stderr
-    done = prefork.run(
-      [sys.executable, "-m", module.__name__, *argv], cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 1 and done.stderr.splitlines() == [line], done.stderr[-3000:]
+  before = listing(workdir)
+  for module, flags in ((generate, ["--length", "4"]), (evaluate, ["--split", "validation"])):
+    with pytest.raises(SystemExit) as e:
+      with contextlib.redirect_stdout(io.StringIO()):
+        module.main(["--workdir", workdir, *flags])
+    line = str(e.value)
+    assert "\n" not in line and "data changed since the checkpoint at step 2 was written: " in line
+    assert "the subword vocabulary is another one (SHA-256" in line, line
+    assert "the workdir's subword.model and corpus.json were replaced after training" in line
+  assert listing(workdir) == before

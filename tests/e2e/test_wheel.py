@@ -1,12 +1,5 @@
-"""The wheel, installed where the checkout is out of reach, works for a pip user.
-
-One fresh virtual environment in a temporary folder plays a notebook runtime (Colab) whose jax is
-the oldest this project supports, beside the JAX libraries Colab comes with. The notebook's
-install cell, asked for a newer jax, is refused by pip (it holds the runtime's jax); then it
-installs the wheel built from this checkout (AFT_JAX_SOURCE), holding that jax; the notebook runs
-in quick mode, and the console script trains a recipe named the way the README names it. Needs
-the package registry (or uv's and pip's caches) for the venv's packages.
-"""
+"""The wheel in a fresh venv playing a Colab runtime with the oldest supported jax: the notebook's
+install cell keeps that jax, the notebook runs, aft-train finds a recipe (needs the registry)."""
 
 import json
 import os
@@ -34,12 +27,11 @@ def _run(cmd, name, **kw):
 
 
 def _source_tree(dest):
-  """The files a clone has (tracked, plus untracked ones git does not ignore), copied to dest,
-  so the build sees neither caches nor a stale build/ folder of this checkout."""
+  """The files a clone has (tracked, and untracked ones not ignored): no caches, no build/."""
   git = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
   files = subprocess.run(git, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
   for f in filter(None, (f.decode() for f in files)):
-    if os.path.isfile(os.path.join(ROOT, f)):  # a file deleted but not yet committed is skipped
+    if os.path.isfile(os.path.join(ROOT, f)):  # not deleted since the last commit
       os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
       shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
 
@@ -49,22 +41,17 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert not str(tmp_path).startswith(ROOT)
   deps = "\n".join(PYPROJECT["project"]["dependencies"])
   (jax_version,) = re.findall(r"^jax>=([\w.]+)", deps, re.M)  # pyproject.toml's lower bound
-  # No pip below (the notebook's too) compiles the installed files to bytecode (much of an
-  # install's time); Python compiles what it imports anyway.
   monkeypatch.setenv("PIP_NO_COMPILE", "1")
   monkeypatch.delenv("PYTHONPATH", raising=False)  # nothing from the checkout in the venv
 
-  # The wheel, built from the checkout's files, while the venv is made (both wait on pip).
+  # The wheel built (by uv: faster) while the venv is made; the install cell uses pip, as Colab.
   src, dist = tmp_path / "src", tmp_path / "dist"
   _source_tree(src)
-  # uv builds and installs the setup faster than pip; the notebook's install cell below is the
-  # user's pip, as on Colab.
   uv = [sys.executable, "-m", "uv"]
   build = [*uv, "build", "--wheel", "--out-dir", str(dist), "-q", str(src)]
   builder = subprocess.Popen(build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-  # The runtime: the oldest supported jax, what a notebook needs (a kernel, matplotlib) and the
-  # JAX libraries a Colab runtime comes with; the install cell adds the rest with pip.
+  # The runtime: the oldest supported jax, a kernel, matplotlib and Colab's JAX libraries.
   venv = tmp_path / "venv"
   _run([*uv, "venv", "-q", "--seed", "--python", sys.executable, str(venv)], "venv")
   py, bin_dir = str(venv / "bin" / "python"), venv / "bin"
@@ -75,8 +62,7 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert builder.returncode == 0, f"uv build failed:\n{log[-3000:]}"
   (wheel,) = dist.glob("aft_jax-*.whl")
 
-  # The install cell holds the runtime's jax: asked for something that needs a newer jax, pip
-  # refuses instead of upgrading it, and the cell says what to do.
+  # Asked for something that needs a newer jax, pip refuses and the cell says what to do.
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
   (tmp_path / "install_cell.py").write_text(nb.cells[1].source)
   env = dict(os.environ, AFT_JAX_SOURCE=f"jax>{jax_version}")
@@ -86,8 +72,7 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert "conflicting dependencies" in proc.stdout, proc.stdout[-3000:]  # pip's, shown by the cell
   assert f"next to this runtime's jax {jax_version}" in proc.stderr, proc.stderr[-3000:]
 
-  # The notebook in that runtime: its install cell installs the wheel (nothing from the checkout
-  # is importable: no PYTHONPATH, the kernel starts outside the repository).
+  # The notebook in that runtime, its kernel outside the repository, no PYTHONPATH.
   kernels = tmp_path / "jupyter" / "kernels" / "wheel-venv"
   kernels.mkdir(parents=True)
   argv = [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
@@ -111,18 +96,13 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert len(images) >= 3  # the loss curve, the bias heatmap, the timing plot
 
-  # The install held jax, and aft_jax comes from the venv, not the checkout.
-  show = (
-    "import importlib.metadata as m, importlib.util as u; "
-    "print(u.find_spec('aft_jax').origin, m.version('jax'), m.version('jaxlib'))"
-  )
-  # (from the temporary folder: python -c puts the working directory first on sys.path)
+  show = "import importlib.metadata as m, importlib.util as u; print(u.find_spec('aft_jax')"
+  show += ".origin, m.version('jax'), m.version('jaxlib'))"
   path, jax_now, jaxlib_now = _run([py, "-c", show], "versions", cwd=tmp_path).split()
   assert (jax_now, jaxlib_now) == (jax_version, jax_version)
   assert path.startswith(str(venv)) and "site-packages" in path
 
-  # A console script, with the recipe by name (shrunk): the recipes ship in the wheel and the
-  # entry point finds them (the other scripts: the test below).
+  # The recipes ship in the wheel and the console script finds one by name.
   workdir = tmp_path / "run"
   train = [str(bin_dir / "aft-train"), "--config", "quickstart", "--workdir", str(workdir)]
   _run(train + config_flags(tiny_config(num_train_steps=3)), "aft-train", cwd=tmp_path)
@@ -130,24 +110,13 @@ def test_wheel_in_a_fresh_venv_keeps_the_runtimes_jax(tmp_path, monkeypatch):
   assert results["steps"] == 3 and results["valid_ppl"] > 1
 
 
-def test_the_wheel_ships_every_recipe_and_console_script():
-  # What setup.py and pyproject.toml declare, against what the checkout has.
-  scripts = PYPROJECT["project"]["scripts"]
-  assert {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"} <= set(scripts)
-  for target in scripts.values():
-    module, func = target.split(":")
-    path = os.path.join(ROOT, *module.split("."))  # a module, or a package's __init__
-    path = os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
-    assert os.path.exists(path), target
-    source = open(path).read()
-    assert re.search(rf"^def {func}\((argv=None)?\)", source, flags=re.M), target
+def test_the_wheel_ships_every_recipe_and_console_script(tmp_path, monkeypatch):
+  scripts = {"aft-train", "aft-generate", "aft-evaluate", "aft-export", "aft-prepare"}
+  assert scripts <= set(PYPROJECT["project"]["scripts"])
+  # (each one's function runs in tests/e2e/test_docs.py, as the docs' commands name them all)
   assert "quickstart" in recipes.available()
   assert recipes.recipe_dir() == os.path.join(ROOT, "configs")
-
-
-def test_a_recipe_name_resolves_to_the_packaged_file_and_an_unknown_one_is_named(
-  tmp_path, monkeypatch
-):
+  # A recipe name resolves to the packaged file; an unknown one is named.
   for spec in ("quickstart", "quickstart:arg"):
     path, _, arg = recipes.resolve(spec).partition(":")
     assert path == os.path.join(ROOT, "configs", "quickstart.py") and arg == spec[11:]
@@ -155,7 +124,6 @@ def test_a_recipe_name_resolves_to_the_packaged_file_and_an_unknown_one_is_named
   assert recipes.resolve("configs/quickstart.py:x") == "configs/quickstart.py:x"  # a path stays
   with pytest.raises(ValueError, match=r"unknown recipe 'nope'; the recipes are: .*quickstart"):
     recipes.resolve("nope")
-  # A config file that is not there: named, not left to ml_collections' deferred traceback.
   missing = str(tmp_path / "nope.py")
   with pytest.raises(ValueError, match=rf"no config file '{missing}': give the path of a"):
     recipes.resolve(missing + ":arg")

@@ -3,11 +3,7 @@
     python3 -m pytest -q -n 2 -p tests.support.cpu_probe   # one JSON file per pytest process
     python3 -m tests.support.cpu_probe [--top N]             # the table of docs/development.md
 
-Per test: wall seconds, CPU seconds of its process and of the subprocesses it reaped (with the
-commands tests/support/prefork.py forked for it); a session fixture's cost lands on the first
-test that asks for it. Files go to ``$AFT_CPU_PROBE_DIR`` (default: in the temp dir). The
-report's last line: the host's busy, idle and stolen shares of the cores' time (``/proc/stat``).
-"""
+Files in ``$AFT_CPU_PROBE_DIR`` (default: in the temp dir)."""
 
 import argparse
 import collections
@@ -26,7 +22,6 @@ _rows = []  # [nodeid, wall s, self CPU s, children CPU s] of this process' test
 
 
 def _cpu() -> tuple[float, float]:
-  """CPU seconds of this process and of its children (with the commands forked for it)."""
   from tests.support import prefork
 
   own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
@@ -38,22 +33,13 @@ _host_start = None
 
 
 def host_times() -> list[int] | None:
-  """The cores' time so far in clock ticks, from ``/proc/stat``'s first line: [user, nice,
-  system, idle, iowait, irq, softirq, steal] (None where there is no such file)."""
+  """/proc/stat's [user, nice, system, idle, iowait, irq, softirq, steal] ticks, or None."""
   try:
     with open("/proc/stat") as f:
       fields = f.readline().split()
   except OSError:
     return None
   return [int(x) for x in fields[1:9]] if fields[:1] == ["cpu"] else None
-
-
-def host_line(start: list[int], end: list[int]) -> str:
-  """What the cores did between two ``host_times``, in percent of their time."""
-  d = [b - a for a, b in zip(start, end)]
-  pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
-  busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
-  return f"host over the session: busy {busy}, idle {idle}, stolen {stolen} of the cores' time"
 
 
 def pytest_configure(config):
@@ -86,18 +72,12 @@ def pytest_unconfigure(config):
       json.dump(_rows, f)
 
 
-def folder_of(nodeid: str) -> str:
-  """'ops' for tests/ops/test_x.py::..., '(top level)' for tests/test_x.py::..."""
-  parts = nodeid.split("::")[0].split("/")
-  return parts[1] if len(parts) > 2 else "(top level)"
-
-
 def table(rows) -> list[str]:
-  """Markdown rows per folder, most CPU first: tests, wall, CPU in pytest's processes, CPU in
-  the subprocesses their tests started; then the totals."""
+  """Markdown rows per folder, most CPU first, then the totals."""
   sums = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
   for nodeid, *times in rows:
-    s = sums[folder_of(nodeid)]
+    parts = nodeid.split("::")[0].split("/")  # tests/ops/test_x.py: "ops"
+    s = sums[parts[1] if len(parts) > 2 else "(top level)"]
     s[:] = [s[0] + 1] + [a + b for a, b in zip(s[1:], times)]
   total = [sum(s[i] for s in sums.values()) for i in range(4)]
   lines = [
@@ -111,20 +91,15 @@ def table(rows) -> list[str]:
   return lines
 
 
-def read(folder: str = FOLDER) -> list:
-  rows = []
-  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-    with open(path) as f:
-      rows += json.load(f)
-  return rows
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--dir", default=FOLDER, help="the plugin's folder (default: %(default)s)")
   p.add_argument("--top", type=int, default=0, help="also the N tests that took the most CPU")
   args = p.parse_args(argv)
-  rows = read(args.dir)
+  rows = []
+  for path in sorted(glob.glob(os.path.join(args.dir, "*.json"))):
+    with open(path) as f:
+      rows += json.load(f)
   if not rows:
     print(f"no measurements in {args.dir}: run pytest with -p tests.support.cpu_probe first")
     return 1
@@ -134,7 +109,10 @@ def main(argv=None) -> int:
   host = os.path.join(args.dir, HOST_FILE)
   if os.path.exists(host):
     with open(host) as f:
-      print(host_line(*json.load(f)))
+      d = [b - a for a, b in zip(*json.load(f))]  # the session's end minus its start
+    pct = lambda *i: f"{100 * sum(d[k] for k in i) / (sum(d) or 1):.1f}%"
+    busy, idle, stolen = pct(0, 1, 2, 5, 6), pct(3, 4), pct(7)
+    print(f"host over the session: busy {busy}, idle {idle}, stolen {stolen} of the cores' time")
   return 0
 
 

@@ -1,8 +1,5 @@
-"""``run`` and ``popen``: ``subprocess.run`` and ``subprocess.Popen`` for the tests' Python
-commands (``python SCRIPT | -m MODULE | -c CODE``), forked from a server that imported jax and
-the trainer once (~2.5 CPU-s per command saved), with a subprocess's argv, cwd, environment,
-stdio, signals, session and exit status. Other commands (another program or environment), and
-all with ``AFT_TESTS_NO_PREFORK=1``, run as subprocesses; tests/test_suite.py compares the two."""
+"""``run`` and ``popen`` as in subprocess, ``python SCRIPT | -m MODULE | -c CODE`` forked from a
+server that imported jax and the trainer once (off with ``AFT_TESTS_NO_PREFORK=1``)."""
 
 from __future__ import annotations
 
@@ -23,10 +20,8 @@ import time
 import traceback
 import types
 
-# Variables a child may have other than the server's: read after the imports, or (``_JAX_CONFIG``)
-# set again in the child.
+# Variables a child may have other than the server's: read after the imports, or set again.
 FORKABLE_ENV = ("XLA_FLAGS", "HOME", "AFT_JAX_DATA", "JAX_PLATFORMS", "PYTEST_CURRENT_TEST")
-_JAX_CONFIG = {"JAX_PLATFORMS": "jax_platforms"}
 # Imported once by the server: no module that defines absl flags or that a command runs.
 PRELOAD = ("aft_jax.trainer.train_lib", "aft_jax.trainer.dry_run", "aft_jax.tools.trained",
            "aft_jax.decode", "absl.app", "ml_collections.config_flags", "orbax.checkpoint",
@@ -44,7 +39,6 @@ def server_pid() -> int | None:
 
 
 def _same_env(a, b) -> bool:
-  """Whether environments ``a`` and ``b`` agree on everything but ``FORKABLE_ENV``."""
   return all(a.get(k) == b.get(k) for k in (set(a) | set(b)) - set(FORKABLE_ENV))
 
 
@@ -57,8 +51,7 @@ def _forkable(cmd, env) -> bool:
 
 
 def stop_all() -> None:
-  """Every server this process started stopped, reaped (its commands' CPU counts as this
-  process's children's) and its folder removed: at exit and from tests/conftest.py."""
+  """Every server this process started stopped, reaped and its folder removed."""
   global _server
   with _lock:
     _server = None
@@ -77,9 +70,7 @@ atexit.register(stop_all)
 
 
 def _connect() -> socket.socket:
-  """A connection to the server, started if it is not running or if the environment changed
-  since it started (a new server, whose imports see it; the old one is stopped by
-  ``stop_all``)."""
+  """A connection to the server, a new one if the environment changed since it started."""
   global _server
   if _server is None or _server[0].poll() is not None or not _same_env(_server[2], os.environ):
     path = os.path.join(tempfile.mkdtemp(prefix="aft-prefork-"), "socket")
@@ -116,8 +107,7 @@ def _recv_line(sock, buf: bytearray, timeout):
 
 
 class Forked:
-  """A forked command as a ``subprocess.Popen`` (the parts the tests use); the server reaps it
-  and sends its status."""
+  """A forked command as a ``subprocess.Popen`` (the parts the tests use)."""
 
   def __init__(self, args, sock, stdout, stderr):
     self.args, self.stdout, self.stderr, self.returncode = args, stdout, stderr, None
@@ -164,30 +154,28 @@ class Forked:
 
 
 def popen(cmd, *, env=None, stdout=None, stderr=None, text=False, **kw):
-  """``subprocess.Popen``, forked (a ``Forked``) where it can be; stdout and stderr None,
-  ``subprocess.PIPE``, a file or (stderr) ``subprocess.STDOUT``."""
+  """``subprocess.Popen``, forked (a ``Forked``) where it can be."""
   env, cmd = dict(os.environ if env is None else env), [str(c) for c in cmd]
   if set(kw) - {"cwd", "start_new_session"} or not _forkable(cmd, env):
     return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=text, **kw)
-  pipes, fds = {}, [os.open(os.devnull, os.O_RDONLY)]
-  for name, target in (("stdout", stdout), ("stderr", stderr)):
+  pipes, fds = [None, None], [os.open(os.devnull, os.O_RDONLY)]  # the child's 0, 1, 2
+  for i, target in enumerate((stdout, stderr)):
     if target is None:
-      fds.append(os.dup(1 if name == "stdout" else 2))
+      fds.append(os.dup(i + 1))
     elif target == subprocess.PIPE:
       r, w = os.pipe()
-      pipes[name] = open(r, "r" if text else "rb")  # text: universal newlines, as Popen's
+      pipes[i] = open(r, "r" if text else "rb")  # text: universal newlines, as Popen's
       fds.append(w)
     else:
       fds.append(os.dup(fds[1] if target == subprocess.STDOUT else target.fileno()))
   request = dict(argv=cmd, cwd=os.path.abspath(kw.get("cwd") or os.getcwd()), env=env)
   request["new_session"] = kw.get("start_new_session", False)
-  # ignored as a subprocess would inherit them
   request["ignored"] = [int(s) for s in _SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
   try:
     with _lock:
       sock = _connect()
       socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], fds)
-      return Forked(cmd, sock, pipes.get("stdout"), pipes.get("stderr"))
+      return Forked(cmd, sock, *pipes)
   finally:
     for fd in fds:
       os.close(fd)
@@ -207,26 +195,8 @@ def run(cmd, *, timeout=None, capture_output=True, text=True, **kw):
   return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _run_argv(argv, cwd) -> None:
-  """What ``python ARGV`` runs, in this process: a module (-m), code (-c) or a script, each in
-  a new ``__main__``."""
-  if argv[0] == "-m":
-    sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in sys.argv[0]
-    sys.path[0] = cwd
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    runpy._run_module_as_main(argv[1])
-  elif argv[0] == "-c":
-    sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-    main = sys.modules["__main__"] = types.ModuleType("__main__")
-    exec(compile(argv[1], "<string>", "exec"), main.__dict__)
-  else:
-    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
-
-
 def _become(request, fds, inherited):
-  """In the forked child: the server's ``inherited`` descriptors closed, the command run, its
-  status the exit's (never returns)."""
+  """In the forked child: the server's descriptors closed, the command run (never returns)."""
   code = 1
   try:
     for f in inherited:
@@ -241,20 +211,29 @@ def _become(request, fds, inherited):
     os.environ.update(request["env"])
     import jax
 
-    for key, name in _JAX_CONFIG.items():
-      jax.config.update(name, os.environ.get(key))
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS"))  # read at import
     for sig in _SIGNALS:  # as a new Python process has them
       default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
       signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else default)
     argv = request["argv"][1:]
     try:
-      _run_argv(argv, request["cwd"])
+      if argv[0] == "-m":  # what ``python ARGV`` runs, in a new ``__main__``
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in sys.argv[0]
+        sys.path[0] = request["cwd"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        runpy._run_module_as_main(argv[1])
+      elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+      else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
       code = 0
     except SystemExit as e:
-      if isinstance(e.code, int) or e.code is None:
-        code = e.code or 0
-      else:
-        print(e.code, file=sys.stderr)
+      code = 0 if e.code is None else e.code
+      if not isinstance(code, int):
+        print(code, file=sys.stderr)
         code = 1
     except BaseException as e:  # reported as Python reports it, from the command's own frames
       tb, mine = e.__traceback__, (__file__, "<frozen runpy>")
@@ -310,10 +289,8 @@ def serve(path: str) -> None:
       pid, conn = children.pop(pidfd)
       os.close(pidfd)
       _, status, usage = os.wait4(pid, 0)
-      done = {
-        "returncode": os.waitstatus_to_exitcode(status),
-        "cpu": usage.ru_utime + usage.ru_stime,
-      }
+      cpu = usage.ru_utime + usage.ru_stime
+      done = {"returncode": os.waitstatus_to_exitcode(status), "cpu": cpu}
       with contextlib.suppress(OSError):
         conn.sendall(json.dumps(done).encode() + b"\n")
       conn.close()

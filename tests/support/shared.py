@@ -1,6 +1,4 @@
-"""Fixtures made once per pytest session, by whichever pytest-xdist worker asks first (for
-what tests treat as read-only; a fixture its tests change stays in one worker with
-``pytest.mark.xdist_group``), and the compilation cache's trimming."""
+"""Read-only fixtures made once per session by the first xdist worker that asks; cache trimming."""
 
 from __future__ import annotations
 
@@ -13,17 +11,10 @@ import shutil
 from collections.abc import Callable
 
 
-def session_dir(tmp_path_factory) -> pathlib.Path:
-  """A folder that every process of this pytest session sees."""
-  base = tmp_path_factory.getbasetemp()
-  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 def once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], object]):
-  """(folder, value): ``build(folder)``'s JSON-able value, built in ``<session dir>/<name>`` by
-  the first process that asks, read back by the rest. A build that raised leaves nothing, so
-  the next process that asks builds again (and fails with its own traceback)."""
-  root = session_dir(tmp_path_factory)
+  """(folder, ``build(folder)``'s JSON value), built by the first process that asks."""
+  root = tmp_path_factory.getbasetemp()  # an xdist worker's is in the session's
+  root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
   folder, done = root / name, root / f"{name}.json"
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
