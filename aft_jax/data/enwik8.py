@@ -77,11 +77,9 @@ def chunks(source: sources.Source, split: str) -> Iterator[bytes]:
       )
 
 
-def locate_source(
-  *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
-) -> sources.Source:
-  """Finds (or downloads) enwik8: manual_dir's zip, manual_dir's file, an earlier download, the
-  mirrors; `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint)."""
+def locate_source(*, manual_dir, download_dir, download=True, verify=True) -> sources.Source:
+  """enwik8: manual_dir's zip or file, an earlier download, the mirrors; `verify=False` skips the
+  sha256 of a zip found locally."""
 
   def found():
     for kind, folder, name in (

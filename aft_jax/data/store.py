@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -162,30 +162,39 @@ def file_digest(path: str) -> str:
   return fingerprint([path]).removeprefix(_FINGERPRINT)[:16]
 
 
-def reusable(out: str, current_fingerprint: Callable[[], str | None], version: int) -> dict | None:
-  """The summary of a complete, whole ``out`` prepared by builder ``version`` from the source
-  found now (any, when ``current_fingerprint()`` is None: none is); None: prepare it (again)."""
-  if not is_complete(out):
-    return None
-  summary = read_summary(out)
-  if summary.get(VERSION_KEY, 1) != version:
-    log.warning("%s was prepared by another version of its builder; preparing it again.", out)
-    return None
+def _stale(out: str, summary: dict, dataset: str, fingerprint_now, needs) -> str | None:
+  """Why the complete corpus ``out`` cannot be reused; None: it can."""
+  if summary.get(VERSION_KEY, 1) != version(dataset):
+    return f"{out} was prepared by another version of its builder"
+  if needs and needs not in summary:  # (a corpus prepared before the key existed)
+    return f"{out} has no {needs}"
   try:
     for split, n in summary["tokens"].items():
       load_tokens(out, split, n)
   except DamagedCorpusError as e:
-    log.warning("%s; preparing it again.", e)
-    return None
-  current = current_fingerprint()
-  if current is None or current == summary.get(FINGERPRINT_KEY):
-    log.info("Reusing %s", out)
-    return summary
-  log.warning(
-    "%s was prepared from other source files than the ones found now (fingerprint %s, now %s); "
-    "preparing it again.",
-    out,
-    summary.get(FINGERPRINT_KEY),
-    current,
-  )
+    return str(e)
+  now, was = fingerprint_now(), summary.get(FINGERPRINT_KEY)
+  if now is not None and now != was:  # (None: no source now, the corpus is all there is)
+    return (
+      f"{out} was prepared from other source files than the ones found now (fingerprint {was}, "
+      f"now {now})"
+    )
   return None
+
+
+def prepare(out: str, what: str, dataset: str, fingerprint_now, write, needs=None) -> dict:
+  """Under ``out``'s lock, the summary of the corpus there unless it is incomplete or stale (made
+  by another builder version, damaged, from other source files, without the key ``needs``); else
+  of the one ``write()`` writes there (from ``start(out)`` on) before this marks it complete."""
+  with lock(out, what):
+    if is_complete(out):
+      summary = read_summary(out)
+      why = _stale(out, summary, dataset, fingerprint_now, needs)
+      if why is None:
+        log.info("Reusing %s", out)
+        return summary
+      log.warning("%s; preparing it again.", why)
+    summary = {**write(), VERSION_KEY: version(dataset)}
+    finish(out, summary)
+    log.info("Prepared %s: %s", out, summary["tokens"])
+    return summary
