@@ -13,6 +13,7 @@ DATASETS = ("pydoc", "wikitext103", "enwik8", "text")
 TOKENIZERS = ("byte", "word", "subword")
 OFFICIAL = ("auto", "yes", "no")
 VARIANTS = ("v1", "raw_v1")
+_CHOICES = {"dataset": DATASETS, "official": OFFICIAL, "tokenizer": TOKENIZERS, "variant": VARIANTS}
 # A subword vocabulary holds the 256 bytes (so that any text is encodable), <unk>, <eos> and
 # the pieces learned; SentencePiece keeps ids in int32.
 MIN_SUBWORD, MAX_SUBWORD = 300, 1_000_000
@@ -71,16 +72,12 @@ class DataConfig(TypedConfig):
     return cls(**values)
 
   def _value_problems(self) -> list[str]:
-    errors = []
-    if self.dataset not in DATASETS:
-      errors.append(f"{self.key('dataset')} = {self.dataset!r} is not one of {', '.join(DATASETS)}")
-    if self.official not in OFFICIAL:
-      errors.append(f"{self.key('official')} = {self.official!r} is not 'auto', 'yes' or 'no'")
-    if self.tokenizer not in TOKENIZERS:
-      errors.append(
-        f"{self.key('tokenizer')} = {self.tokenizer!r} is not 'byte', 'word' or 'subword'"
-      )
-    elif self.dataset == "enwik8" and self.tokenizer != "byte":
+    errors = [
+      f"{self.key(key)} = {getattr(self, key)!r} is not one of {', '.join(allowed)}"
+      for key, allowed in _CHOICES.items()
+      if getattr(self, key) not in allowed
+    ]
+    if self.dataset == "enwik8" and self.tokenizer in ("word", "subword"):
       errors.append(f"{self.key('tokenizer')} = {self.tokenizer!r}: enwik8 is bytes ('byte')")
     elif self.dataset == "pydoc" and self.tokenizer == "subword":
       errors.append(
@@ -92,8 +89,6 @@ class DataConfig(TypedConfig):
         f"{self.key('vocab_size')} = {self.vocab_size} must be in [{MIN_SUBWORD}, "
         f"{MAX_SUBWORD:,}] for tokenizer = 'subword' (256 of the pieces are bytes)"
       )
-    if self.variant not in VARIANTS:
-      errors.append(f"{self.key('variant')} = {self.variant!r} is not 'v1' or 'raw_v1'")
     if self.dataset != "text":
       if self.packing:
         errors.append(

@@ -142,10 +142,5 @@ def pydoc_corpus(tokenizer: str = "byte", version: int | None = None) -> Corpus:
     version = store.version("pydoc")
   vocab, splits = pydoc.pydoc_splits(tokenizer, version)
   return Corpus(
-    name=f"pydoc-{tokenizer}",
-    unit=vocab.unit,
-    vocab=vocab,
-    splits=splits,
-    bos_id=vocab.eos_id,
-    builder_version=version,
+    f"pydoc-{tokenizer}", vocab.unit, vocab, splits, vocab.eos_id, builder_version=version
   )

@@ -29,12 +29,8 @@ HELD_OUT_FRACTION = 20  # validation and test are each N // 20 bytes
 def split_ranges(num_bytes: int) -> dict[str, tuple[int, int]]:
   """[start, stop) byte offsets of each split in a file of `num_bytes` bytes."""
   held = num_bytes // HELD_OUT_FRACTION
-  train = num_bytes - 2 * held
-  return {
-    "train": (0, train),
-    "validation": (train, train + held),
-    "test": (train + held, num_bytes),
-  }
+  train, valid = num_bytes - 2 * held, num_bytes - held
+  return {"train": (0, train), "validation": (train, valid), "test": (valid, num_bytes)}
 
 
 def open_source(*, zip_path: str | None = None, path: str | None = None) -> sources.Source:

@@ -56,9 +56,8 @@ class _Plan:
 
 
 def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan:
-  """Whole documents packed in order, next-fit, into rows of ``seq_len`` pairs (a longer one in
-  row-sized pieces): an index set, shuffled and checkpointed as windows are (grain's packers
-  reorder documents and keep buffers in the iterator's state)."""
+  """Documents packed in order, next-fit, into rows of ``seq_len`` pairs (a longer one in pieces):
+  an index set, shuffled and checkpointed as windows are (grain's packers reorder and buffer)."""
   ends = np.asarray(document_ends, np.int64)
   starts = np.concatenate([[0], ends[:-1]]) if ends.ndim == 1 else ends
   sizes = ends - starts

@@ -112,9 +112,8 @@ def prepared_path(data_dir: str, cfg: DataConfig) -> str:
 
 
 def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=True):
-  """Prepares (or reuses, under its lock) the corpus ``cfg`` names under ``data_dir``; returns
-  (its folder, its summary). Raises ``sources.DataError`` for bad or missing source data,
-  ``CountMismatchError`` for real data without the published counts, ``text.TextError``."""
+  """(folder, summary) of the corpus ``cfg`` names, prepared or reused (``store.prepare``); a
+  ``sources.DataError``, ``CountMismatchError`` or ``text.TextError`` for bad sources."""
   data_dir = os.path.expanduser(data_dir)
   if cfg.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
@@ -247,10 +246,8 @@ def main(argv=None) -> dict:
     out, summary = prepare_corpus(data_dir, cfg, download=args.download, progress=not args.quiet)
     default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
     print(f"Prepared {os.path.basename(out)} in {out}{default}", file=sys.stderr)
-  summary = {
-    "vocab_size": summary["vocab_size"],
-    "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]},
-  }
+  tokens = {s: summary["tokens"][s] for s in SPLITS}
+  summary = {"vocab_size": summary["vocab_size"], "tokens": tokens}
   sys.stderr.flush()
   print(json.dumps(summary), flush=True)
   return summary

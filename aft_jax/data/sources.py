@@ -78,6 +78,8 @@ def locate(found, message: str, archive: Archive, urls, open_zip, *, download_di
   """The first local source ``found`` yields; else the first of ``urls`` downloaded to
   ``<download_dir>/<archive>`` whose sha256 and zip (``open_zip(path) -> Source``) check; else a
   MissingDataError: ``message``, then what the downloads tried."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
   for source in found:
     return source
   errors = []
@@ -86,7 +88,12 @@ def locate(found, message: str, archive: Archive, urls, open_zip, *, download_di
     dest = os.path.join(download_dir, archive.filename)
     tmp = f"{dest}.part-{os.getpid()}"
     try:
-      _fetch(url, tmp, archive.num_bytes)
+      with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
+        total = int(r.headers.get("Content-Length") or 0) or archive.num_bytes
+        with tqdm(total=total, unit="B", unit_scale=True, desc=archive.filename) as bar:
+          for chunk in iter(lambda: r.read(1 << 20), b""):
+            f.write(chunk)
+            bar.update(len(chunk))
       archive.verify(tmp)
       open_zip(tmp)
       os.replace(tmp, dest)  # only a verified archive ever gets the real name
@@ -104,17 +111,6 @@ def locate(found, message: str, archive: Archive, urls, open_zip, *, download_di
   elif not download:
     message += "\nDownloading was disabled."
   raise MissingDataError(message)
-
-
-def _fetch(url: str, path: str, expected_bytes: int) -> None:
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-  with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
-    total = int(r.headers.get("Content-Length") or 0) or expected_bytes
-    with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path)) as bar:
-      for chunk in iter(lambda: r.read(1 << 20), b""):
-        f.write(chunk)
-        bar.update(len(chunk))
 
 
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):

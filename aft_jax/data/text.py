@@ -30,9 +30,7 @@ def expand(spec: str, key: str) -> list[str]:
   """The files of a comma-separated list of globs (absolute paths, each glob's sorted), each real
   file once; a glob that matches no file is a TextError naming ``key`` and the glob."""
   out, seen = [], set()
-  for pattern in (p.strip() for p in spec.split(",")):
-    if not pattern:
-      continue
+  for pattern in [p.strip() for p in spec.split(",") if p.strip()]:
     matches = sorted(
       os.path.abspath(p) for p in _glob(os.path.expanduser(pattern)) if os.path.isfile(p)
     )
@@ -55,8 +53,7 @@ def _glob(pattern: str) -> Iterator[str]:
   i = parts.index("**")
   rest = parts[i + 1 :]
   head = os.sep.join(parts[:i]) or (os.sep if i else os.curdir)  # "/**/x" or "**/x"
-  bases = [b for b in glob.glob(head) if os.path.isdir(b)]
-  for base in bases:
+  for base in filter(os.path.isdir, glob.glob(head)):
     for folder, subfolders, names in os.walk(base):
       subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
       if rest:

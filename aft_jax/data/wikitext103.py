@@ -56,8 +56,7 @@ def is_title_line(line: str) -> bool:
 def split_articles(lines: Iterator[str]) -> Iterator[str]:
   """Lines grouped into articles, each from a title line on (what precedes the first title is in
   the first): `''.join(output) == ''.join(lines)`."""
-  buf: list[str] = []
-  seen_title = False
+  buf, seen_title = [], False
   for line in lines:
     if is_title_line(line):
       if seen_title:

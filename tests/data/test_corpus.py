@@ -109,8 +109,8 @@ def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, m
   [
     ({"dataset": "enwik9"}, "config.data.dataset = 'enwik9' is not one of pydoc, wikitext103"),
     ({"dataset": "enwik8", "tokenizer": "word"}, "tokenizer = 'word': enwik8 is bytes"),
-    ({"dataset": "enwik8", "official": "maybe"}, "official = 'maybe' is not 'auto', 'yes' or"),
-    ({"dataset": "wikitext103", "variant": "v2"}, "variant = 'v2' is not 'v1' or 'raw_v1'"),
+    ({"dataset": "enwik8", "official": "maybe"}, "official = 'maybe' is not one of auto, yes, no"),
+    ({"dataset": "wikitext103", "variant": "v2"}, "variant = 'v2' is not one of v1, raw_v1"),
     ({"dataset": "enwik8", "packing": True}, "packing = True: enwik8 is one stream of tokens"),
   ],
 )
