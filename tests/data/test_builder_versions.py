@@ -35,7 +35,6 @@ TEXT = {
   split: "".join(f"Line {i} of the {split} text: every token is scored once.\n" for i in range(n))
   for split, n in (("train", 60), ("valid", 8), ("test", 8))
 }
-SUBWORD_SIZE = 290
 
 
 def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
@@ -50,7 +49,7 @@ def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
     for split, text in TEXT.items():
       (tmp_path / f"{split}.txt").write_text(text)
       files[f"{split}_files"] = str(tmp_path / f"{split}.txt")
-    size = SUBWORD_SIZE if tokenizer == "subword" else 0
+    size = 290 if tokenizer == "subword" else 0
     return DataConfig(dataset="text", tokenizer=tokenizer, data_dir=data, vocab_size=size, **files)
   if dataset == "enwik8":
     fe.write_file(manual, fe.content(5_003))

@@ -1,5 +1,4 @@
-"""The WikiText-103 and enwik8 TFDS builders, built offline from fake official files: every byte
-in order, checksums, mirrors, rebuilds on changed sources and one table of damaged sources."""
+"""The WikiText-103 and enwik8 TFDS builders on fake files: bytes, checksums, mirrors, damage."""
 
 import dataclasses
 import os
@@ -45,13 +44,6 @@ NOT_TITLES = [" = = Gameplay = = \n", " = = = C = = = \n", " = Title =\n", "= Ti
 @pytest.mark.parametrize("line", TITLES + NOT_TITLES + [" The score was 2 = 3 . \n"])
 def test_title_lines(line):
   assert wt.is_title_line(line) is (line in TITLES)
-
-
-def test_split_articles_keeps_every_byte():
-  lines = [" \n", " \n", " = A = \n", " \n", " = = S = = \n", " a \n", " = B = \n", " b \n", " \n"]
-  arts = list(wt.split_articles(iter(lines)))
-  assert arts == [" \n \n = A = \n \n = = S = = \n a \n", " = B = \n b \n \n"]
-  assert list(wt.split_articles(iter([" x \n", " y"]))) == [" x \n y"]  # no title: one article
 
 
 @pytest.mark.parametrize("variant, form", [("v1", "zip"), ("raw_v1", "extracted")])
@@ -100,40 +92,22 @@ def test_enwik8_build_keeps_every_byte_in_order(tmp_path, form):
   assert builder.info.metadata[store.FINGERPRINT_KEY] == store.fingerprint([path])
 
 
-def test_enwik8_checksum_checked_when_the_zip_holds_the_real_size(tmp_path, monkeypatch):
-  path = fe.write_zip(str(tmp_path / "manual"), fe.content(N))
-  monkeypatch.setattr(enwik8, "NUM_BYTES", N)
-  with pytest.raises(sources.ChecksumError, match="does not match the official enwik8.zip"):
-    _build(tmp_path, "enwik8", tmp_path / "manual")
-  monkeypatch.setattr(
-    enwik8, "ZIP", dataclasses.replace(enwik8.ZIP, sha256=sources.sha256_of(path))
-  )
-  builder = _build(tmp_path, "enwik8", tmp_path / "manual")
-  assert b"".join(_records(builder, "test")) == fe.content(N)[-250:]
-
-
-def _damage_zip(path, case):
-  """Cuts the zip in half, or rewrites it uncompressed with one byte flipped (a CRC error)."""
-  data = open(path, "rb").read()
-  if case == "truncated_zip":
-    open(path, "wb").write(data[: len(data) // 2])
-    return
-  with zipfile.ZipFile(path) as zf:
-    members = {n: zf.read(n) for n in zf.namelist()}
-  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
-    for n, d in members.items():
-      zf.writestr(n, d)
-  data = bytearray(open(path, "rb").read())
-  data[data.index(b"Construction")] ^= 0x01
-  open(path, "wb").write(bytes(data))
-
-
 def _damage(variant, case, manual, monkeypatch):
   """Writes the source of ``variant`` (``DAMAGED``) damaged as ``case`` says."""
   if case == "missing":
     manual.mkdir()
-  elif case in ("truncated_zip", "bad_crc"):
-    _damage_zip(fe.write_zip(str(manual), fe.content(N)), case)
+  elif variant == "enwik8" and case == "checksum":  # checked where the zip holds the real size
+    fe.write_zip(str(manual), fe.content(N))
+    monkeypatch.setattr(enwik8, "NUM_BYTES", N)
+  elif case == "truncated_zip":
+    path = fe.write_zip(str(manual), fe.content(N))
+    os.truncate(path, os.path.getsize(path) // 2)
+  elif case == "bad_crc":  # stored, one byte of the text changed after its CRC was
+    manual.mkdir()
+    with zipfile.ZipFile(manual / "enwik8.zip", "w") as zf:
+      zf.writestr("enwik8", fe.content(N))
+    data = (manual / "enwik8.zip").read_bytes()
+    (manual / "enwik8.zip").write_bytes(data.replace(b"Construction", b"Bonstruction", 1))
   elif variant == "enwik8":
     fe.write_file(str(manual), fe.content(11))
   elif case == "checksum":
@@ -155,16 +129,12 @@ DAMAGED = {
   ("v1", "dir_missing_split"): (sources.MissingDataError, "wiki.test.tokens"),
   ("v1", "empty_file"): (sources.BadSplitFileError, "wiki.valid.tokens is empty"),
   ("v1", "not_utf8"): (sources.BadSplitFileError, "line 3 is not valid UTF-8"),
-  ("raw_v1", "missing"): (sources.MissingDataError, "WikiText-103 .raw_v1. not found"),
+  ("raw_v1", "missing"): (sources.MissingDataError, r"raw-v1\.zip .*-raw/wiki\.train\.raw"),
+  ("enwik8", "checksum"): (sources.ChecksumError, "does not match the official enwik8.zip"),
   ("enwik8", "truncated_zip"): (sources.CorruptArchiveError, "enwik8.zip is not a readable zip"),
   ("enwik8", "bad_crc"): (sources.CorruptArchiveError, "cannot be decompressed"),
   ("enwik8", "too_short"): (sources.BadSplitFileError, "has only 11 bytes"),
-  ("enwik8", "missing"): (sources.MissingDataError, "enwik8 not found"),
-}
-# What a missing source's message names: the archive, and the file that would do.
-WHERE = {
-  "enwik8": ("enwik8.zip", "enwik8"),
-  "raw_v1": ("wikitext-103-raw-v1.zip", "wikitext-103-raw/wiki.train.raw"),
+  ("enwik8", "missing"): (sources.MissingDataError, r"enwik8\.zip .*manual/enwik8 \("),
 }
 
 
@@ -185,8 +155,6 @@ def test_damaged_source_is_one_error_and_nothing_is_prepared(tmp_path, monkeypat
   assert not list((tmp_path / "data").rglob("*incomplete*"))
   assert not list((tmp_path / "data").rglob(store.MARKER))  # nothing prepared
   if case == "missing":
-    archive, file = WHERE[variant]
-    assert archive in msg and os.path.join(str(manual), file) in msg
     assert "Downloading was disabled" in msg and "--manual_dir" in msg
 
 

@@ -1,5 +1,4 @@
-"""`load_corpus`: its config, the default data folder and preparation by process 0 behind a
-barrier."""
+"""`load_corpus`: its config, the default data folder, process 0 preparing behind a barrier."""
 
 import os
 import threading
@@ -27,8 +26,7 @@ def test_default_data_dir_is_absolute_and_per_user(tmp_path, monkeypatch):
 
 
 def _two_processes(tmp_path, monkeypatch):
-  """load_corpus as processes 1 then 0 in two threads (named by ``jax.process_index()``) that
-  share a fake barrier: ({index: Corpus or exception}, [(event, index), ...] in order)."""
+  """load_corpus as processes 1, 0 in two threads: ({index: result}, [(event, index), ...])."""
   events, barrier, results = [], threading.Barrier(2, timeout=60), {}
   real_prepare, real_load = prepare.prepare_corpus, corpus_lib.load_prepared
   record = lambda event: events.append((event, int(threading.current_thread().name)))  # noqa: E731
@@ -69,7 +67,15 @@ def _two_processes(tmp_path, monkeypatch):
 
 
 @pytest.mark.usefixtures("offline")
-def test_only_process_zero_prepares_and_the_others_wait(tmp_path, monkeypatch):
+def test_only_process_zero_prepares_and_a_failure_there_leaves_no_other_waiting(
+  tmp_path, monkeypatch
+):
+  (tmp_path / "manual").mkdir()  # no data: process 0 fails to prepare
+  results, _ = _two_processes(tmp_path, monkeypatch)
+  assert isinstance(results[0], sources.MissingDataError)
+  assert isinstance(results[1], FileNotFoundError)  # not a hang, not a second prepare
+  assert "not a complete prepared corpus" in str(results[1])
+  assert not os.path.exists(tmp_path / "data" / "prepared" / "enwik8-byte")
   fe.write_file(str(tmp_path / "manual"), fe.content(2_003))
   results, events = _two_processes(tmp_path, monkeypatch)
   # Process 1 passes the barrier only after process 0 prepared, so it reads complete data.
@@ -78,16 +84,6 @@ def test_only_process_zero_prepares_and_the_others_wait(tmp_path, monkeypatch):
   for index in (0, 1):
     got = b"".join(results[index].splits[s].astype(np.uint8).tobytes() for s in enwik8.SPLITS)
     assert got == fe.content(2_003)
-
-
-@pytest.mark.usefixtures("offline")
-def test_a_failure_on_process_zero_does_not_leave_the_others_waiting(tmp_path, monkeypatch):
-  (tmp_path / "manual").mkdir()  # no data: process 0 fails to prepare
-  results, _ = _two_processes(tmp_path, monkeypatch)
-  assert isinstance(results[0], sources.MissingDataError)
-  assert isinstance(results[1], FileNotFoundError)  # not a hang, not a second prepare
-  assert "not a complete prepared corpus" in str(results[1])
-  assert not os.path.exists(os.path.join(str(tmp_path / "data"), "prepared", "enwik8-byte"))
 
 
 @pytest.mark.parametrize(

@@ -184,9 +184,7 @@ def _packed(toks, ends, **kw):
 
 
 def test_packed_rows_hold_whole_documents_in_order_with_padding_at_the_end():
-  """Each segment of a row is a whole document (or one row-sized piece of a longer one) whose
-  pairs are the stream's, its positions from 0; padding only at a row's end, weight 0; one
-  epoch holds every document's pairs exactly once, in corpus order within each row."""
+  """Segments: whole documents (or row-sized pieces), positions from 0; padding last, weight 0."""
   toks, ends = _documents()
   it = _packed(toks, ends)
   plan = pipeline.plan_rows(ends, L, int(ends[-1]))

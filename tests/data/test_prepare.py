@@ -1,5 +1,5 @@
-"""`aft-prepare` (``prepare.main`` / ``cli``) and `load_corpus` on fake WikiText-103 and enwik8:
-counts, reuse, the official checks, the store's files, its lock and damaged or killed runs."""
+"""`aft-prepare` and `load_corpus` on fake WikiText-103 and enwik8: counts, reuse, the official
+checks, the store's files, its lock and damaged or killed runs."""
 
 import errno
 import io
@@ -37,12 +37,10 @@ def _word_summary(variant):
   return {"vocab_size": len(vocab), "tokens": {s: len(_protocol_tokens(texts[s])) for s in SPLITS}}
 
 
-def _main(tmp_path, dataset, *extra, quiet=True):
+def _main(tmp_path, dataset, *extra):
   """main() in-process on the fake files in tmp_path/manual; returns the summary it printed."""
   flags = ["--manual_dir", str(tmp_path / "manual"), "--data_dir", str(tmp_path / "data")]
-  return prepare.main(
-    ["--dataset", dataset, *flags, "--nodownload", *(["--quiet"] if quiet else []), *extra]
-  )
+  return prepare.main(["--dataset", dataset, *flags, "--nodownload", *extra])
 
 
 def _path(tmp_path, name="wikitext103-v1-word", data="data"):
@@ -57,7 +55,7 @@ def _assert_bytes_right(path, data=fe.content(N)):
 @pytest.mark.parametrize("variant", ["v1", "raw_v1"])
 def test_word_ids_follow_the_protocol_and_a_rerun_reuses(tmp_path, capsys, caplog, variant):
   fw.write_extracted(str(tmp_path / "manual"), variant)
-  summary = _main(tmp_path, "wikitext103", "--variant", variant, quiet=False)
+  summary = _main(tmp_path, "wikitext103", "--variant", variant)
   out, err = capsys.readouterr()
   assert summary == _word_summary(variant) and "articles" in err  # tqdm's bars
   assert json.loads(out.strip().splitlines()[-1]) == summary  # the last line
@@ -73,35 +71,27 @@ def test_word_ids_follow_the_protocol_and_a_rerun_reuses(tmp_path, capsys, caplo
   assert "<unk>" in ref
 
 
-def test_byte_tokenizer_reads_the_raw_text_and_load_corpus_prepares_it(tmp_path):
+def test_byte_tokenizer_reads_the_raw_text_and_load_corpus_prepares_it(tmp_path, monkeypatch):
   fw.write_extracted(str(tmp_path / "manual"), "raw_v1")
   folders = dict(data_dir=str(tmp_path / "data"), manual_dir=str(tmp_path / "manual"))
   c = corpus_lib.load_corpus(DataConfig("wikitext103", "byte", variant="v1", **folders))
   assert c.name == "wikitext103-raw_v1-byte" and c.unit == "byte" and c.bos_id == ord("\n")
   raw = {s: fw.split_text(s, raw=True).encode("utf-8") for s in SPLITS}
   assert {s: c.splits[s].astype(np.uint8).tobytes() for s in SPLITS} == raw
-  assert not os.path.exists(os.path.join(_path(tmp_path, c.name), "vocab.txt"))
-  summary = _main(tmp_path, "wikitext103", "--tokenizer", "byte")  # the same folder: reused
-  assert summary == {"vocab_size": 256, "tokens": {s: len(raw[s]) for s in SPLITS}}
+  monkeypatch.setattr(sources, "build", None)  # the same folder: reused
+  assert _main(tmp_path, "wikitext103", "--tokenizer", "byte")["tokens"]["test"] == len(raw["test"])
 
 
 def test_interrupted_prepare_is_not_complete_and_is_redone(tmp_path, monkeypatch):
   fw.write_extracted(str(tmp_path / "manual"), "v1")
-  real_write = store.write_tokens
-
-  def crash_on_validation(path, split, chunks):
-    if split == "validation":
-      raise KeyboardInterrupt("simulated crash")
-    return real_write(path, split, chunks)
-
-  monkeypatch.setattr(store, "write_tokens", crash_on_validation)
-  with pytest.raises(KeyboardInterrupt):
-    _main(tmp_path, "wikitext103")
+  with monkeypatch.context() as m:
+    m.setattr(prepare, "_check_official", None)  # a crash once every split is written
+    with pytest.raises(TypeError):
+      _main(tmp_path, "wikitext103")
   path = _path(tmp_path)
-  assert os.path.exists(os.path.join(path, "train.npy")) and not store.is_complete(path)
+  assert os.path.exists(os.path.join(path, "test.npy")) and not store.is_complete(path)
   with pytest.raises(FileNotFoundError, match="not a complete prepared corpus"):
     corpus_lib.load_prepared(path)
-  monkeypatch.setattr(store, "write_tokens", real_write)
   assert _main(tmp_path, "wikitext103") == _word_summary("v1") and store.is_complete(path)
 
 
@@ -122,11 +112,6 @@ def test_a_split_is_written_as_numpy_saves_it_and_a_partial_one_is_never_visible
   assert open(os.path.join(path, "train.npy"), "rb").read() == (tmp_path / "want.npy").read_bytes()
 
 
-class _FullDisk(io.FileIO):
-  def write(self, data):  # a disk that filled meanwhile
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_a_full_disk_is_one_error_naming_the_size_and_leaves_no_temporary_file(
   tmp_path, monkeypatch, capsys
 ):
@@ -145,7 +130,12 @@ def test_a_full_disk_is_one_error_naming_the_size_and_leaves_no_temporary_file(
   assert message.startswith("error: DiskFullError: no space left on device: needs ~")
   assert "\n" not in message and not capsys.readouterr().err.strip()
   assert not [f for _, _, fs in os.walk(data) for f in fs if ".tmp-" in f]
-  monkeypatch.setattr(store, "open", _FullDisk, raising=False)
+
+  class FullDisk(io.FileIO):  # a disk that filled meanwhile
+    def write(self, data):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(store, "open", FullDisk, raising=False)
   with pytest.raises(files.DiskFullError, match=f"needs ~5 MB at {path}/train.npy") as e:
     store.write_tokens(path, "train", chunks)
   assert e.value.errno == errno.ENOSPC and os.listdir(path) == []
@@ -175,23 +165,18 @@ def test_official_counts_are_checked_where_the_files_look_official(tmp_path, mon
   with pytest.raises(prepare.CountMismatchError, match="test: .* tokens, expected 245,569"):
     _main(tmp_path, "wikitext103")
   assert not store.is_complete(path)
-
-
-def test_half_truncated_official_file_is_an_error_under_auto(tmp_path, monkeypatch):
-  """A truncated wiki.train.tokens beside intact valid/test files is not a custom corpus."""
-  fw.write_extracted(str(tmp_path / "manual"), "v1")
-  _patch_official(monkeypatch, _word_summary("v1"))  # fake == official
+  # A truncated wiki.train.tokens beside intact valid/test files is not a custom corpus.
+  _patch_official(monkeypatch, expected)
   train = tmp_path / "manual" / "wikitext-103" / "wiki.train.tokens"
   text = train.read_bytes()
   train.write_bytes(text[: text.index(b"\n", len(text) // 2) + 1])  # cut at a line end
   with pytest.raises(prepare.CountMismatchError, match="look truncated or modified") as info:
     _main(tmp_path, "wikitext103")
   assert "--official no" in str(info.value) and "train: " in str(info.value)
-  assert not store.is_complete(_path(tmp_path))
+  assert not store.is_complete(path)
   # Asked for explicitly, the same files are a custom corpus in the official layout.
-  full = _word_summary("v1")["tokens"]["train"]
-  assert 0 < _main(tmp_path, "wikitext103", "--official", "no")["tokens"]["train"] < full
-  assert store.read_summary(_path(tmp_path))["official"] is False
+  train_tokens = _main(tmp_path, "wikitext103", "--official", "no")["tokens"]["train"]
+  assert 0 < train_tokens < expected["tokens"]["train"] and not store.read_summary(path)["official"]
 
 
 def test_pydoc_cli_and_the_command_line_is_checked_as_a_config_is(tmp_path, capsys):
@@ -225,21 +210,18 @@ def test_enwik8_load_corpus_and_aft_prepare_default_to_one_data_dir_and_warn_cus
   assert json.loads(out.strip().splitlines()[-1]) == EXPECTED and path in err
 
 
-def test_real_size_is_official_and_yes_requires_it(tmp_path, monkeypatch, caplog):
+def test_real_size_is_official_and_yes_requires_it_and_a_changed_source_is_prepared_again(
+  tmp_path, monkeypatch, caplog
+):
   fe.write_file(str(tmp_path / "manual"), fe.content(N))
   with pytest.raises(prepare.CountMismatchError, match="5,003 bytes, not the 100,000,000"):
     _main(tmp_path, "enwik8", "--official", "yes")
   assert not store.is_complete(_path(tmp_path, prepare.ENWIK8_NAME))
-  monkeypatch.setattr(enwik8, "NUM_BYTES", N)  # the fake file "is" the real one
-  with caplog.at_level(logging.WARNING):
+  with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
+    m.setattr(enwik8, "NUM_BYTES", N)  # the fake file "is" the real one
     assert _main(tmp_path, "enwik8", "--official", "yes") == EXPECTED
   assert "custom" not in caplog.text
   assert store.read_summary(_path(tmp_path, prepare.ENWIK8_NAME))["official"] is True
-
-
-def test_enwik8_changed_source_is_prepared_again(tmp_path):
-  fe.write_file(str(tmp_path / "manual"), fe.content(N))
-  assert _main(tmp_path, "enwik8")["tokens"]["test"] == 250
   fe.write_file(str(tmp_path / "manual"), fe.content(2 * N))  # a new file, same place
   assert _main(tmp_path, "enwik8")["tokens"]["test"] == 2 * N // 20
   os.remove(tmp_path / "manual" / "enwik8")  # no source: the prepared data is reused

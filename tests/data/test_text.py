@@ -1,5 +1,4 @@
-"""aft_jax.data.text and aft_jax.data.subword: your own files as a corpus, a subword vocabulary
-learned on the train split, and every bad input as one line naming the file or the key."""
+"""Your own files as a corpus, subword vocabularies, and each bad input as one line naming it."""
 
 import glob
 import gzip
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from aft_jax.data import corpus as corpus_lib
-from aft_jax.data import load_corpus, prepare, store, subword, text, vocab
+from aft_jax.data import load_corpus, prepare, store, subword, text
 from aft_jax.data.config import DataConfig
 from tests.support.helpers import STDLIB_JSON, with_default_sigint
 
@@ -48,10 +47,8 @@ def test_subword_vocabulary_is_learned_on_train_only_deterministically(docs, tmp
   """Prepared by `aft-prepare` (its last line the summary), then loaded as it prepared it."""
   cfg = dict(train_files=str(docs / "*.py"), tokenizer="subword", vocab_size=400)
   assert corpus_lib.vocab_size(DataConfig("text", **cfg))[0] == 400  # the dry run's
-  flags = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "400", "--quiet"]
-  summary = prepare.main(
-    [*flags, "--train_files", str(docs / "*.py"), "--data_dir", str(tmp_path / "data")]
-  )
+  flags = ["--tokenizer", "subword", "--vocab_size", "400", "--train_files", str(docs / "*.py")]
+  summary = prepare.main(["--dataset", "text", *flags, "--data_dir", str(tmp_path / "data")])
   assert json.loads(capsys.readouterr().out.splitlines()[-1]) == summary
   corpus = _load(tmp_path, **cfg)
   assert corpus.vocab.size == summary["vocab_size"] == 400 and corpus.unit == "subword"
@@ -154,17 +151,6 @@ def test_wikitext103_takes_a_subword_vocabulary_learned_on_its_train_articles(tm
     assert corpus.num_bytes[split] == len(texts[split].encode()) + int(np.sum(ids == 1))
 
 
-def test_a_word_vocabulary_is_learned_on_train_with_unk_for_the_rest(docs, tmp_path):
-  cfg = DataConfig("text", "word", train_files=str(docs / "*.py"), data_dir=str(tmp_path / "data"))
-  size, where = corpus_lib.vocab_size(cfg)  # the dry run's: counted, nothing written
-  assert where.startswith("the text files") and not (tmp_path / "data").exists()
-  corpus = _load(tmp_path, train_files=str(docs / "*.py"), tokenizer="word")
-  assert corpus.vocab.size == size
-  unk = corpus.vocab.tokens.index(vocab.UNK)
-  assert unk not in set(corpus.splits["train"].tolist())  # every train word is in the vocabulary
-  assert unk in set(corpus.splits["test"].tolist())  # held-out words are not
-
-
 def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
   from aft_jax.data.config import absolute_globs
 
@@ -176,16 +162,14 @@ def test_globs_are_made_absolute_for_config_json(tmp_path, monkeypatch):
 
 def test_a_recursive_glob_does_not_follow_folder_links_and_holds_out_real_files(tmp_path):
   root = tmp_path / "notes"  # 14 documents in three folders, and what must add none:
-  for i in range(14):
-    folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper")
+  for i in range(15):  # doc14: in a hidden folder
+    folder = root / ("." if i < 5 else "sub" if i < 10 else "sub/deeper" if i < 14 else ".hid")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"doc{i}.md").write_text(f"document {i}\n")
   (root / "sub" / "loop").symlink_to("..")  # two loops: glob.glob would walk 2^40 paths
   (root / "sub" / "deeper" / "up").symlink_to("../..")
   (root / "alias").symlink_to("sub")
   (root / "link.md").symlink_to("doc0.md")
-  (root / ".hidden").mkdir()
-  (root / ".hidden" / "secret.md").write_text("not a document\n")
   found = text.expand(str(root / "**" / "*.md"), "train_files")
   assert sorted(os.path.basename(p) for p in found) == sorted(f"doc{i}.md" for i in range(14))
   assert len({os.path.realpath(p) for p in found}) == 14
@@ -207,17 +191,15 @@ def test_a_line_over_64_kib_is_learned_from_not_left_out():
   assert list(subword._lines(["a\n\n" + "é" * 40_000])) == pieces
 
 
+# SentencePiece's C++ training, which a Ctrl-C cannot stop (its thread is deaf to it), endless.
 SLOW_SENTENCEPIECE = """
 import signal, sys, time
 import sentencepiece as spm
-
-def train(**kwargs):  # SentencePiece's C++ training, which a Ctrl-C cannot stop, made endless
-  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the caller's thread: deaf to it
-  for _ in kwargs["sentence_iterator"]:  # reads the documents, as SentencePiece does first
-    pass
+def train(sentence_iterator, **_):
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  list(sentence_iterator)  # reads the documents, as SentencePiece does first
   print("training", flush=True)
   time.sleep(600)
-
 spm.SentencePieceTrainer.train = train
 from aft_jax.data import prepare
 sys.argv[1:] = ["--dataset", "text", "--tokenizer", "subword", "--vocab_size", "300", "--quiet",
@@ -262,8 +244,7 @@ def _write_parquet(path, columns, dictionary=False):
 
 
 def test_jsonl_and_parquet_records_give_the_tokens_of_the_same_texts_as_files(docs, tmp_path):
-  """The same texts as files and as records (a column dictionary-encoded, as pandas writes a
-  category): the same tokens, bytes and document ends."""
+  """The same texts as files and as records (a pandas category column too): the same tokens."""
   paths = sorted(str(p) for p in docs.glob("*.py"))
   texts = [open(p).read() for p in paths]
   plain = _load(
