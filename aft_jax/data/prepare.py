@@ -53,8 +53,7 @@ def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
 def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
-  ds = builder.as_data_source(split)
-  step = 256
+  ds, step = builder.as_data_source(split), 256
   with tqdm(
     total=len(ds), desc=f"{split} {unit}", unit=unit[:3], disable=not progress, file=sys.stderr
   ) as bar:

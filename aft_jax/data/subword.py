@@ -80,9 +80,6 @@ class SubwordVocab(vocab_lib.Vocab):
       )
     return cls(model, where=f"the subword vocabulary {path}")
 
-  def __repr__(self) -> str:
-    return f"SubwordVocab(size={self.size})"
-
 
 def train(documents: Iterable[str], vocab_size: int, *, seed=0, what="the train split"):
   """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines (a

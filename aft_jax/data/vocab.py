@@ -49,6 +49,9 @@ class Vocab(abc.ABC):
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Returns the text of ids int[n]."""
 
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}(size={self.size})"
+
 
 class ByteVocab(Vocab):
   """UTF-8 bytes; id = byte value."""
@@ -64,9 +67,6 @@ class ByteVocab(Vocab):
       raise ValueError(f"byte ids must be in [0, 255], got range [{ids.min()}, {ids.max()}]")
     # A window cut in the middle of a multi-byte character must still print.
     return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-  def __repr__(self) -> str:
-    return "ByteVocab(size=256)"
 
 
 class WordVocab(Vocab):
@@ -155,6 +155,3 @@ class WordVocab(Vocab):
       raise ValueError(f"vocabulary file {path} is truncated (no final newline)")
     # '\n' only: tokens may hold what str.splitlines() also splits at.
     return cls(text[:-1].split("\n"))
-
-  def __repr__(self) -> str:
-    return f"WordVocab(size={self.size})"

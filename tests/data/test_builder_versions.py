@@ -22,8 +22,7 @@ COUNTS = {
   ("wikitext103", "word", 1): (99, {"train": 194, "validation": 80, "test": 53}),
 }
 
-# pydoc_data's topics (the text differs between Python versions): tables, rule lines and grammar
-# productions among prose, which version 1 keeps and version 2 drops.
+# pydoc_data's topics (they differ between Pythons): tables, rules and grammar version 2 drops.
 TABLE = "+------+-----+\n| x    | y   |\n+------+-----+\n   list_display ::= [items]\n"
 TOPICS = {
   f"topic{i:02}": f"Topic {i}\n********\n\nItem {i} of a list is read after item {i - 1}.\n"

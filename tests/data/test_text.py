@@ -103,8 +103,7 @@ def test_encoding_reads_files_that_are_not_utf8(tmp_path):
   assert corpus.vocab.decode(corpus.splits["train"]) == "café numéro 0\n\n"
 
 
-# The settings of a text corpus that give none: (config.data, given docs/ of five .py files, {d},
-# and {t}/link.py, a link to {d}/decoder.py).
+# Settings that give no corpus (given {d}, docs/ of five .py files, and {t}/link.py -> decoder.py).
 SETTINGS = [
   ({"valid_files": "{t}/nothing*"}, r"config\.data\.valid_files: '.*nothing\*' matches no"),
   ({"train_files": "{t}/missing.txt"}, r"train_files: '.*missing\.txt' matches no file"),
