@@ -13,6 +13,7 @@ DATASETS = ("pydoc", "wikitext103", "enwik8", "text")
 TOKENIZERS = ("byte", "word", "subword")
 OFFICIAL = ("auto", "yes", "no")
 VARIANTS = ("v1", "raw_v1")
+_CHOICES = {"dataset": DATASETS, "official": OFFICIAL, "tokenizer": TOKENIZERS, "variant": VARIANTS}
 # A subword vocabulary holds the 256 bytes (so that any text is encodable), <unk>, <eos> and
 # the pieces learned; SentencePiece keeps ids in int32.
 MIN_SUBWORD, MAX_SUBWORD = 300, 1_000_000
@@ -60,8 +61,8 @@ class DataConfig(TypedConfig):
 
   @classmethod
   def of(cls, cfg) -> DataConfig:
-    """``cfg`` (a mapping or an object with these attributes) as a DataConfig, unchecked
-    (``validate()`` checks it); keys it leaves out, or sets to None, take the defaults above."""
+    """``cfg`` (a mapping or object) as an unchecked DataConfig; keys it lacks or sets to None
+    take the defaults."""
     get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else None
     values = {}
     for name in cls.defaults():
@@ -71,16 +72,12 @@ class DataConfig(TypedConfig):
     return cls(**values)
 
   def _value_problems(self) -> list[str]:
-    errors = []
-    if self.dataset not in DATASETS:
-      errors.append(f"{self.key('dataset')} = {self.dataset!r} is not one of {', '.join(DATASETS)}")
-    if self.official not in OFFICIAL:
-      errors.append(f"{self.key('official')} = {self.official!r} is not 'auto', 'yes' or 'no'")
-    if self.tokenizer not in TOKENIZERS:
-      errors.append(
-        f"{self.key('tokenizer')} = {self.tokenizer!r} is not 'byte', 'word' or 'subword'"
-      )
-    elif self.dataset == "enwik8" and self.tokenizer != "byte":
+    errors = [
+      f"{self.key(key)} = {getattr(self, key)!r} is not one of {', '.join(allowed)}"
+      for key, allowed in _CHOICES.items()
+      if getattr(self, key) not in allowed
+    ]
+    if self.dataset == "enwik8" and self.tokenizer in ("word", "subword"):
       errors.append(f"{self.key('tokenizer')} = {self.tokenizer!r}: enwik8 is bytes ('byte')")
     elif self.dataset == "pydoc" and self.tokenizer == "subword":
       errors.append(
@@ -92,8 +89,6 @@ class DataConfig(TypedConfig):
         f"{self.key('vocab_size')} = {self.vocab_size} must be in [{MIN_SUBWORD}, "
         f"{MAX_SUBWORD:,}] for tokenizer = 'subword' (256 of the pieces are bytes)"
       )
-    if self.variant not in VARIANTS:
-      errors.append(f"{self.key('variant')} = {self.variant!r} is not 'v1' or 'raw_v1'")
     if self.dataset != "text":
       if self.packing:
         errors.append(
@@ -128,8 +123,7 @@ class DataConfig(TypedConfig):
 
 
 def vocab_size_note(cfg: DataConfig) -> str | None:
-  """The line that says ``vocab_size`` is not used (None where it is, or is 0). A note, not an
-  error: a workdir that recorded such a value still reads and resumes as it ran."""
+  """The note (not an error: old workdirs have one) that ``vocab_size`` is unused; None: it is."""
   if cfg.tokenizer == "subword" or not cfg.vocab_size or cfg.tokenizer not in TOKENIZERS:
     return None
   has = {"byte": "its 256 byte values", "word": "the words of the train split"}[cfg.tokenizer]
@@ -139,28 +133,15 @@ def vocab_size_note(cfg: DataConfig) -> str | None:
   )
 
 
-def require(cfg, what: str) -> DataConfig:
-  """``cfg`` if it is a DataConfig (checked once, where the run config is built); a TypeError
-  saying how to make one otherwise."""
-  if not isinstance(cfg, DataConfig):
-    raise TypeError(
-      f"{what} takes a DataConfig (DataConfig.of(mapping) makes one, .validate() checks it), "
-      f"not a {type(cfg).__name__}"
-    )
-  return cfg
-
-
 def absolute_globs(spec: str) -> str:
-  """A comma-separated list of globs with each one absolute (``~`` expanded), so that a config
-  names the same files from any directory."""
+  """Comma-separated globs made absolute (``~`` expanded): the same files from any directory."""
   return ",".join(
     os.path.abspath(os.path.expanduser(p.strip())) for p in spec.split(",") if p.strip()
   )
 
 
 def default_data_dir() -> str:
-  """The folder for prepared data when `cfg.data_dir` is empty: `$AFT_JAX_DATA`, else
-  `~/.cache/aft_jax`, as an absolute path (docs/data.md, "Where the data goes")."""
+  """The data folder of an empty `cfg.data_dir`: `$AFT_JAX_DATA`, else `~/.cache/aft_jax`."""
   path = os.environ.get("AFT_JAX_DATA") or os.path.join("~", ".cache", "aft_jax")
   return os.path.abspath(os.path.expanduser(path))
 

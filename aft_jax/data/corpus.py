@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from aft_jax.data import pydoc, store
-from aft_jax.data.config import DataConfig, require, resolve_data_dir
+from aft_jax.data.config import DataConfig, resolve_data_dir
 from aft_jax.data import vocab as vocab_lib
 
 log = logging.getLogger(__name__)
@@ -21,37 +21,29 @@ BARRIER_NAME = "aft_jax.data.prepare"
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-  """A tokenised corpus.
-
-  Attributes:
-    unit: 'word', 'subword' or 'byte' (what perplexity is per).
-    splits: 'train', 'validation' and 'test' -> uint32[n] ids.
-    bos_id: the context of a split's first token: the vocabulary's `eos_id`.
-    num_bytes: split -> the UTF-8 bytes its tokens stand for (for bits per byte), where known.
-    fingerprint: the prepared corpus's source fingerprint, where it has one.
-    sources: text corpora: {split: {file: digest}} (``text.source_files``).
-    documents: text corpora: split -> uint32[documents], the offset past each document's
-      boundary (what packing packs); None for the corpora that are one stream.
-    builder_version: the version of the dataset's builder that made it (``store.BUILDERS``).
-  """
+  """A tokenised corpus: uint32[n] ids per split, and what a run records of it."""
 
   name: str
-  unit: str
+  unit: str  # 'word', 'subword' or 'byte': what perplexity is per
   vocab: vocab_lib.Vocab
-  splits: Mapping[str, np.ndarray]
-  bos_id: int
-  num_bytes: Mapping[str, int] | None = None
-  fingerprint: str | None = None
-  sources: Mapping[str, Mapping[str, str]] | None = None
+  splits: Mapping[str, np.ndarray]  # train, validation, test
+  bos_id: int  # the context of a split's first token: the vocabulary's eos_id
+  num_bytes: Mapping[str, int] | None = None  # the UTF-8 bytes of a split (bits per byte)
+  fingerprint: str | None = None  # of the source files
+  sources: Mapping[str, Mapping[str, str]] | None = None  # text: ``text.source_files``
+  # text: uint32[documents] per split, the offset past each document's boundary (for packing)
   documents: Mapping[str, np.ndarray] | None = None
-  builder_version: int = 1
+  builder_version: int = 1  # of the dataset's builder that made it (``store.BUILDERS``)
 
 
 def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
-  """Corpus named by `cfg` (a DataConfig, checked where it was made) as version `version` of its
-  builder made it (None: today's). Only pydoc builds its older versions; the others are prepared
-  by today's (a run recorded at another is then refused by ``record.check_corpus``)."""
-  cfg = require(cfg, "load_corpus")
+  """The corpus `cfg` names, as version `version` of its builder made it (None: today's; only
+  pydoc builds older ones: ``record.check_corpus`` refuses the others)."""
+  if not isinstance(cfg, DataConfig):
+    raise TypeError(
+      "load_corpus takes a DataConfig (DataConfig.of(mapping) makes one, .validate() checks it), "
+      f"not a {type(cfg).__name__}"
+    )
   if cfg.dataset == "pydoc":
     return pydoc_corpus(cfg.tokenizer, version)
   from aft_jax.data import prepare  # pylint: disable=g-import-not-at-top
@@ -79,8 +71,7 @@ def load_corpus(cfg: DataConfig, version: int | None = None) -> Corpus:
 
 
 def vocab_size(cfg: DataConfig) -> tuple[int, str]:
-  """(vocabulary size, where it came from) of the corpus ``cfg`` names, without preparing or
-  loading it (``--dry_run`` on a machine without the data)."""
+  """(vocabulary size, where from) of the corpus ``cfg`` names, neither prepared nor loaded."""
   dataset, tokenizer = cfg.dataset, cfg.tokenizer
   if dataset == "pydoc":
     return pydoc_corpus(tokenizer).vocab.size, "the pydoc corpus"
@@ -146,16 +137,10 @@ def load_prepared(path: str) -> Corpus:
 
 
 def pydoc_corpus(tokenizer: str = "byte", version: int | None = None) -> Corpus:
-  """The quick-start corpus as builder ``version`` made it (None, or a version this aft_jax does
-  not know: today's); no I/O."""
+  """The quick-start corpus as builder ``version`` made it (None or unknown: today's); no I/O."""
   if version not in range(1, store.version("pydoc") + 1):
     version = store.version("pydoc")
   vocab, splits = pydoc.pydoc_splits(tokenizer, version)
   return Corpus(
-    name=f"pydoc-{tokenizer}",
-    unit=vocab.unit,
-    vocab=vocab,
-    splits=splits,
-    bos_id=vocab.eos_id,
-    builder_version=version,
+    f"pydoc-{tokenizer}", vocab.unit, vocab, splits, vocab.eos_id, builder_version=version
   )

@@ -29,12 +29,8 @@ HELD_OUT_FRACTION = 20  # validation and test are each N // 20 bytes
 def split_ranges(num_bytes: int) -> dict[str, tuple[int, int]]:
   """[start, stop) byte offsets of each split in a file of `num_bytes` bytes."""
   held = num_bytes // HELD_OUT_FRACTION
-  train = num_bytes - 2 * held
-  return {
-    "train": (0, train),
-    "validation": (train, train + held),
-    "test": (train + held, num_bytes),
-  }
+  train, valid = num_bytes - 2 * held, num_bytes - held
+  return {"train": (0, train), "validation": (train, valid), "test": (valid, num_bytes)}
 
 
 def open_source(*, zip_path: str | None = None, path: str | None = None) -> sources.Source:
@@ -77,11 +73,9 @@ def chunks(source: sources.Source, split: str) -> Iterator[bytes]:
       )
 
 
-def locate_source(
-  *, manual_dir: str | None, download_dir: str | None, download: bool = True, verify: bool = True
-) -> sources.Source:
-  """Finds (or downloads) enwik8: manual_dir's zip, manual_dir's file, an earlier download, the
-  mirrors; `verify=False` skips the sha256 of a zip found locally (for a quick fingerprint)."""
+def locate_source(*, manual_dir, download_dir, download=True, verify=True) -> sources.Source:
+  """enwik8: manual_dir's zip or file, an earlier download, the mirrors; `verify=False` skips the
+  sha256 of a zip found locally."""
 
   def found():
     for kind, folder, name in (

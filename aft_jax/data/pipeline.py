@@ -56,10 +56,8 @@ class _Plan:
 
 
 def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan:
-  """Whole documents (stream ranges ending at ``document_ends``, the last at ``num_tokens``)
-  packed in order, next-fit, into rows of ``seq_len`` pairs; a longer one as row-sized pieces.
-  Rather than grain's packers, which reorder documents and keep buffers in the iterator's state:
-  the rows are an index set, shuffled per epoch and checkpointed as the windows are."""
+  """Documents packed in order, next-fit, into rows of ``seq_len`` pairs (a longer one in pieces):
+  an index set, shuffled and checkpointed as windows are (grain's packers reorder and buffer)."""
   ends = np.asarray(document_ends, np.int64)
   starts = np.concatenate([[0], ends[:-1]]) if ends.ndim == 1 else ends
   sizes = ends - starts
@@ -86,8 +84,7 @@ def plan_rows(document_ends: np.ndarray, seq_len: int, num_tokens: int) -> _Plan
 
 
 def _packed_rows(tokens, plan: _Plan, n: int, bos_id: int, mine: slice, row_ids) -> dict:
-  """This process's rows ``mine`` of the packed rows ``row_ids``: inputs, targets, segment_ids,
-  positions int32[b, n] and weights float32[b, n]."""
+  """This process's rows ``mine`` of the packed rows ``row_ids``."""
   rows = np.asarray(row_ids)[mine]
   # The pieces of these rows, flattened: which output row, where, and their pairs.
   lo, hi = plan.first[rows], plan.first[rows + 1]
@@ -110,11 +107,8 @@ def _packed_rows(tokens, plan: _Plan, n: int, bos_id: int, mine: slice, row_ids)
 
 
 class TrainIterator:
-  """Infinite iterator of `{'inputs','targets': int32[local_B, seq_len]}` (packed: more keys).
-
-  `get_state()` is a JSON dict; `set_state(state)` on an iterator built with the same arguments
-  continues with exactly the batches that would have followed, with any process_count.
-  """
+  """Infinite training batches; `set_state(get_state())` (a JSON dict) on an iterator of the same
+  arguments, any process_count, continues with exactly the batches that would have followed."""
 
   def __init__(self, dataset, fingerprint: dict, packing: dict | None = None):
     self._dataset, self._fingerprint = dataset, fingerprint
@@ -140,8 +134,7 @@ class TrainIterator:
     return {"version": _STATE_VERSION, **self._fingerprint, "grain": self._it.get_state()}
 
   def check_state(self, state: dict, since: str = "the checkpoint") -> None:
-    """Raises a one-line ValueError unless ``state`` (``get_state``'s, of ``since``) can be
-    continued by this iterator: the same train split length, seq_len, batch and seed."""
+    """A one-line ValueError unless this iterator can continue ``state`` (of ``since``)."""
     if state.get("version") != _STATE_VERSION:
       raise ValueError(
         f"the data position in {since} has format version {state.get('version')!r}, this "
@@ -183,28 +176,16 @@ def train_iterator(
   document_ends: np.ndarray | None = None,
   bos_id: int | None = None,
 ) -> TrainIterator:
-  """Shuffled, sharded, infinite, checkpointable training batches (docs/data.md, "Batches").
-
-  Args:
-    tokens: uint32/int[n] ids of the training split (a memmap is fine).
-    seed: shuffle seed in [0, 2**32); epoch e uses seed + e.
-    document_ends: packed rows of whole documents: int[documents], the stream offset just past
-      each document (``Corpus.documents``); None: windows of the stream.
-    bos_id: packed rows: the first document's first input.
-
-  Returns:
-    An iterator of dicts of int32[B // process_count, L] (packed: and weights float32).
-  """
+  """Shuffled, sharded, infinite, checkpointable batches of int32[B // process_count, L] of the
+  ids ``tokens`` (a memmap is fine); epoch e shuffles with seed + e (docs/data.md, "Batches").
+  ``document_ends`` (``Corpus.documents``): packed rows of whole documents, the first one's first
+  input ``bos_id``, with weights; None: windows of the stream."""
   rows = _check_sharding(seq_len, global_batch_size, process_index, process_count)
   tokens = np.asarray(tokens)  # a memmap stays memory-mapped
   if tokens.ndim != 1:
     raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-  fingerprint = {
-    "seed": int(seed),
-    "seq_len": int(seq_len),
-    "global_batch_size": int(global_batch_size),
-    "num_tokens": int(tokens.shape[0]),
-  }
+  fingerprint = dict(seed=int(seed), seq_len=int(seq_len), global_batch_size=int(global_batch_size))
+  fingerprint["num_tokens"] = int(tokens.shape[0])
   packing = None
   if document_ends is not None:
     if bos_id is None:
@@ -226,8 +207,7 @@ def train_iterator(
     if num_items < global_batch_size:
       raise ValueError(
         f"split too short: len(tokens)={tokens.shape[0]} gives {num_items} windows of "
-        f"seq_len+1={seq_len + 1}, "
-        f"fewer than global_batch_size={global_batch_size}"
+        f"seq_len+1={seq_len + 1}, fewer than global_batch_size={global_batch_size}"
       )
   import grain  # pylint: disable=g-import-not-at-top  (imports jax; keep `aft_jax.data` light)
 
@@ -251,9 +231,8 @@ def _eval_plan(n: int, seq_len: int, stride: int | None):
     return start, start, np.minimum(start + seq_len, n)
   if not 0 < stride < seq_len:
     raise ValueError(f"stride={stride} must be in (0, seq_len={seq_len}] or None")
-  # Sliding windows: the first counts its L targets, each later one the next
-  # `stride` targets, placed at the end of a full window so that each counted
-  # target sees at least L - stride earlier tokens.
+  # Sliding windows: each after the first counts the next `stride` targets at the end of a full
+  # window, so that each counted target sees at least L - stride earlier tokens.
   extra = max(0, n - seq_len)
   k = np.arange(1, 1 + math.ceil(extra / stride), dtype=np.int64)
   lo = np.concatenate([[0], seq_len + (k - 1) * stride])
@@ -280,17 +259,10 @@ def eval_batches(
   process_index: int = 0,
   process_count: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-  """Batches covering every token of `tokens` (int[n]) exactly once as a weighted target.
-
-  Args:
-    bos_id: context of the first token.
-    stride: None for disjoint windows; S < L for sliding windows that count
-      only their last S targets (the first window counts all of its targets).
-
-  Yields:
-    {'inputs', 'targets': int32[local_B, L], 'weights': float32[local_B, L]};
-    weights are 1 on counted targets and 0 on context and padding.
-  """
+  """Batches {'inputs', 'targets', 'weights'} of [local_B, L] in which every token of `tokens`
+  (int[n]; the first one's context ``bos_id``) is a target of weight 1 once (0: context, padding).
+  ``stride``: None for disjoint windows; S < L for sliding windows counting their last S targets
+  (the first window all of its)."""
   mine = _check_sharding(seq_len, global_batch_size, process_index, process_count)
   n = int(np.shape(tokens)[0])
   start, lo, hi = _eval_plan(n, seq_len, stride)

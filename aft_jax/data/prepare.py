@@ -53,8 +53,7 @@ def corpus_name(variant: str, tokenizer: str, vocab_size: int = 0) -> str:
 def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterator[bytes]:
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
-  ds = builder.as_data_source(split)
-  step = 256
+  ds, step = builder.as_data_source(split), 256
   with tqdm(
     total=len(ds), desc=f"{split} {unit}", unit=unit[:3], disable=not progress, file=sys.stderr
   ) as bar:
@@ -64,47 +63,35 @@ def _records(builder, split: str, key: str, unit: str, progress: bool) -> Iterat
       bar.update(min(step, len(ds) - start))
 
 
-def check_official(
-  summary: dict, lines: dict[str, int], *, variant: str, tokenizer: str, official: bool | None
-) -> bool:
-  """Checks the published counts on real data; returns whether it is real (official None:
-  real when one split has its official line count, which a custom corpus would not hit)."""
-  is_real = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS) if official is None else official
-  if not is_real:
-    if official is None:
+def _check_official(vocab_size, tokens, lines, variant, tokenizer, official) -> bool:
+  """Whether the source is the real release (official None: one split has its official line
+  count); a CountMismatchError where it is but lacks the published counts."""
+  auto = official is None
+  if auto:
+    official = any(lines[s] == OFFICIAL_LINES[s] for s in SPLITS)
+    if not official:
       log.warning(
-        "WikiText-103 (%s): no split has its official line count %s; prepared as a custom corpus.",
-        variant,
-        OFFICIAL_LINES,
+        f"WikiText-103 ({variant}): no split has its official line count {OFFICIAL_LINES}; "
+        "prepared as a custom corpus."
       )
+  if not official:
     return False
-  problems = [
-    f"{s}: {lines[s]:,} lines, expected {OFFICIAL_LINES[s]:,}"
-    for s in SPLITS
-    if lines[s] != OFFICIAL_LINES[s]
-  ]
+  checks = [(f"{s}: {{:,}} lines", lines[s], OFFICIAL_LINES[s]) for s in SPLITS]
   if variant == "v1" and tokenizer == "word":
-    if summary["vocab_size"] != OFFICIAL_VOCAB_SIZE:
-      problems.append(
-        f"vocabulary: {summary['vocab_size']:,} words, expected {OFFICIAL_VOCAB_SIZE:,}"
-      )
-    problems += [
-      f"{s}: {summary['tokens'][s]:,} tokens, expected {OFFICIAL_TOKENS[s]:,}"
-      for s in SPLITS
-      if summary["tokens"][s] != OFFICIAL_TOKENS[s]
-    ]
+    checks.append(("vocabulary: {:,} words", vocab_size, OFFICIAL_VOCAB_SIZE))
+    checks += [(f"{s}: {{:,}} tokens", tokens[s], OFFICIAL_TOKENS[s]) for s in SPLITS]
+  problems = [f"{what.format(got)}, expected {want:,}" for what, got, want in checks if got != want]
   if problems:
     hint = (
       "The files have the official names and some official counts, so they look truncated or "
       "modified: restore them (or fetch the zip again), or prepare them as a custom corpus in "
       "the same layout with --official no (cfg.official = 'no')."
-      if official is None
+      if auto
       else "The source files are not the official ones or are damaged."
     )
     raise CountMismatchError(
       f"WikiText-103 ({variant}, {tokenizer}) does not match the published statistics: "
-      + "; ".join(problems)
-      + f". {hint}"
+      f"{'; '.join(problems)}. {hint}"
     )
   return True
 
@@ -124,9 +111,8 @@ def prepared_path(data_dir: str, cfg: DataConfig) -> str:
 
 
 def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=True):
-  """Prepares (or reuses, under its lock) the corpus ``cfg`` names under ``data_dir``; returns
-  (its folder, its summary). Raises ``sources.DataError`` for bad or missing source data,
-  ``CountMismatchError`` for real data without the published counts, ``text.TextError``."""
+  """(folder, summary) of the corpus ``cfg`` names, prepared or reused (``store.prepare``); a
+  ``sources.DataError``, ``CountMismatchError`` or ``text.TextError`` for bad sources."""
   data_dir = os.path.expanduser(data_dir)
   if cfg.dataset == "text":
     from aft_jax.data import text  # pylint: disable=g-import-not-at-top
@@ -143,31 +129,27 @@ def prepare_corpus(data_dir: str, cfg: DataConfig, *, download=True, progress=Tr
     cls, config = wikitext103.Wikitext103, resolve_variant(cfg.tokenizer, cfg.variant)
     write = _write_wikitext103
   out, manual_dir = prepared_path(data_dir, cfg), cfg.manual_dir or None
-  downloads = os.path.join(data_dir, "tfds", "downloads")
-  with store.lock(out, os.path.basename(out)):
-    current = lambda: sources.current_fingerprint(cls, config, manual_dir, downloads)  # noqa: E731
-    summary = store.reusable(out, current, store.version(cfg.dataset))
-    if summary is not None:
-      return out, summary
+  tfds_dir = os.path.join(data_dir, "tfds")
+  downloads = os.path.join(tfds_dir, "downloads")
+
+  def build_and_write():
     if not progress:
       tfds.disable_progress_bar()  # TFDS's own bars
-    tfds_dir = os.path.join(data_dir, "tfds")
     builder = sources.build(
       cls, config, data_dir=tfds_dir, manual_dir=manual_dir, download=download
     )
     store.start(out)
-    summary = write(builder, out, cfg, progress)
-    key = store.FINGERPRINT_KEY
-    recorded = {key: builder.info.metadata.get(key)} if builder.info.metadata else {}
-    summary.update(recorded, **{store.VERSION_KEY: store.version(cfg.dataset)})
-    store.finish(out, summary)
-    return out, summary
+    key, metadata = store.FINGERPRINT_KEY, builder.info.metadata
+    return {**write(builder, out, cfg, progress), **({key: metadata.get(key)} if metadata else {})}
+
+  current = lambda: sources.current_fingerprint(cls, config, manual_dir, downloads)  # noqa: E731
+  return out, store.prepare(out, os.path.basename(out), cfg.dataset, current, build_and_write)
 
 
 def _write_wikitext103(builder, out, cfg, progress) -> dict:
   from aft_jax.data import text  # pylint: disable=g-import-not-at-top
 
-  tokenizer, vocab_size = cfg.tokenizer, cfg.vocab_size
+  tokenizer = cfg.tokenizer
   variant = resolve_variant(tokenizer, cfg.variant)
   articles = lambda split: (  # noqa: E731
     a.decode("utf-8") for a in _records(builder, split, "text", "articles", progress)
@@ -191,49 +173,35 @@ def _write_wikitext103(builder, out, cfg, progress) -> dict:
       lines[split] = int(sum(np.count_nonzero(c == vocab.eos_id) for c in chunks))
     tokens[split] = store.write_tokens(out, split, chunks)
     del chunks
-  summary = {"vocab_size": vocab.size, "tokens": tokens}
   official = OFFICIAL_CHOICES[cfg.official]
-  real = check_official(summary, lines, variant=variant, tokenizer=tokenizer, official=official)
-  extra = {"bytes": num_bytes} if num_bytes else {}
-  name = corpus_name(variant, tokenizer, vocab_size)
+  real = _check_official(vocab.size, tokens, lines, variant, tokenizer, official)
+  name = corpus_name(variant, tokenizer, cfg.vocab_size)
   info = {"name": name, "variant": variant, "tokenizer": tokenizer, "lines": lines}
-  return {**summary, **info, **extra, "official": real, **recorded}
+  extra = {"bytes": num_bytes} if num_bytes else {}
+  return {"vocab_size": vocab.size, "tokens": tokens, **info, **extra, "official": real, **recorded}
 
 
 def _write_enwik8(builder, out, cfg, progress) -> dict:
   from aft_jax.data import enwik8  # pylint: disable=g-import-not-at-top
 
-  official = OFFICIAL_CHOICES[cfg.official]
-  tokens = {}
+  official, tokens = OFFICIAL_CHOICES[cfg.official], {}
   for split in SPLITS:
-    chunks = (
-      np.frombuffer(c, np.uint8) for c in _records(builder, split, "bytes", "MiB", progress)
-    )
-    tokens[split] = store.write_tokens(out, split, chunks)
+    chunks = _records(builder, split, "bytes", "MiB", progress)
+    tokens[split] = store.write_tokens(out, split, (np.frombuffer(c, np.uint8) for c in chunks))
   total = sum(tokens.values())
-  real = total == enwik8.NUM_BYTES
-  if not real and official:
+  if total != enwik8.NUM_BYTES and official:
     raise CountMismatchError(
       f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: it is "
       "truncated or a different file; fetch enwik8.zip again, or drop --official yes "
       "(cfg.official = 'yes') to prepare it as a custom byte corpus."
     )
-  if not real and official is None:
+  if total != enwik8.NUM_BYTES and official is None:
     log.warning(
-      "enwik8 has %s bytes, not the %s of the real file: prepared as a custom byte corpus in the "
-      "same layout (validation and test are N // 20 bytes each: %s).",
-      f"{total:,}",
-      f"{enwik8.NUM_BYTES:,}",
-      tokens,
+      f"enwik8 has {total:,} bytes, not the {enwik8.NUM_BYTES:,} of the real file: prepared as a "
+      f"custom byte corpus in the same layout (validation and test are N // 20 bytes: {tokens})."
     )
-  official = real and official is not False
-  return {
-    "vocab_size": 256,
-    "tokens": tokens,
-    "name": ENWIK8_NAME,
-    "tokenizer": "byte",
-    "official": official,
-  }
+  real = total == enwik8.NUM_BYTES and official is not False
+  return dict(vocab_size=256, tokens=tokens, name=ENWIK8_NAME, tokenizer="byte", official=real)
 
 
 def main(argv=None) -> dict:
@@ -277,18 +245,15 @@ def main(argv=None) -> dict:
     out, summary = prepare_corpus(data_dir, cfg, download=args.download, progress=not args.quiet)
     default = "" if args.data_dir else " (the default data_dir, which the trainer reads)"
     print(f"Prepared {os.path.basename(out)} in {out}{default}", file=sys.stderr)
-  summary = {
-    "vocab_size": summary["vocab_size"],
-    "tokens": {s: summary["tokens"][s] for s in SPLITS if s in summary["tokens"]},
-  }
+  tokens = {s: summary["tokens"][s] for s in SPLITS}
+  summary = {"vocab_size": summary["vocab_size"], "tokens": tokens}
   sys.stderr.flush()
   print(json.dumps(summary), flush=True)
   return summary
 
 
 def cli() -> None:
-  """``main`` with an error as one line on stderr and exit status 1, Ctrl-C as one line and
-  status 130 (``aft_jax.ctrl_c``)."""
+  """``main``; an error is one line on stderr, status 1; Ctrl-C one line, status 130."""
   with stops_on_ctrl_c(
     "aft-prepare: interrupted (Ctrl-C): nothing was marked prepared; the same command prepares "
     "it again"

@@ -35,25 +35,18 @@ def split_at_lines(text: str, fractions: Mapping[str, float]) -> dict[str, str]:
   """Consecutive pieces of `text` of about the given fractions, cut after a '\\n' (so that the
   pieces' word streams concatenate to the text's)."""
   pieces, start, acc = {}, 0, 0.0
-  names = list(fractions)
-  for i, name in enumerate(names):
+  for i, name in enumerate(fractions):
     acc += fractions[name]
-    if i == len(names) - 1:
-      end = len(text)
-    else:
-      nl = text.find("\n", int(round(acc * len(text))))
-      end = len(text) if nl < 0 else nl + 1
+    nl = text.find("\n", int(round(acc * len(text))))
+    end = len(text) if i == len(fractions) - 1 or nl < 0 else nl + 1
     pieces[name] = text[start:end]
     start = end
   return pieces
 
 
-def pydoc_splits(
-  tokenizer: str = "byte", version: int | None = None
-) -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
-  """(vocabulary, {split: token ids}) of the pydoc text as builder ``version`` (None: today's)
-  made it: bytes, or words from train plus ``<unk>``; a ValueError for another tokenizer or an
-  empty split."""
+def pydoc_splits(tokenizer="byte", version=None) -> tuple[vocab_lib.Vocab, dict[str, np.ndarray]]:
+  """(vocabulary, {split: ids}) of the pydoc text as builder ``version`` (None: today's) made it:
+  bytes, or words of train plus ``<unk>``."""
   pieces = split_at_lines(pydoc_text(version), PYDOC_FRACTIONS)
   if tokenizer == "byte":
     vocab: vocab_lib.Vocab = vocab_lib.ByteVocab()

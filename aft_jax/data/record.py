@@ -15,16 +15,14 @@ _UNNAMED = {"pydoc": 2}
 
 
 def built_by(saved: Mapping | None, dataset: str) -> int:
-  """The version of the builder that made the corpus of the record ``saved`` (None: a new run,
-  today's)."""
+  """The builder version that made the corpus of the record ``saved`` (None: a new run's)."""
   if saved is None:
     return version(dataset)
   return saved.get("builder_version", _UNNAMED.get(dataset, 1))
 
 
 def unrecorded(results: Mapping | None, position: Mapping | None) -> dict:
-  """The record of a run trained before runs kept one: the builders' first versions, and the
-  tokens per split that its results.json scored and its data position (``position``) read."""
+  """The record of a run from before records: the tokens its results and data position read."""
   tokens = {"train": position["num_tokens"]} if position else {}
   for split, prefix in (("validation", "valid"), ("test", "test")):
     if f"{prefix}_tokens" in (results or {}):
@@ -58,8 +56,7 @@ def of_corpus(corpus) -> dict:
 
 
 def sources(cfg) -> dict | None:  # cfg: a DataConfig
-  """{split: {file: digest}} of a text corpus's files as they are now (None for the other
-  datasets, whose sources their builders check)."""
+  """A text corpus's ``text.source_files`` (None for the others: their builders check them)."""
   if cfg.dataset != "text":
     return None
   from aft_jax.data import text  # pylint: disable=g-import-not-at-top
@@ -89,10 +86,7 @@ def _source_changes(saved: Mapping, now: Mapping) -> list[str]:
 
 def _corpus_changes(saved: Mapping, now: Mapping) -> list[str]:
   """What differs, on the keys both records have (older records lack some)."""
-
-  def both(key):
-    return key in saved and key in now and saved[key] != now[key]
-
+  both = lambda key: key in saved and key in now and saved[key] != now[key]  # noqa: E731
   out = []
   if both("tokenizer"):
     out.append(f"the tokenizer is {now['tokenizer']!r}, was {saved['tokenizer']!r}")
@@ -129,30 +123,25 @@ RESUME_HINT = (
 
 
 def check_sources(saved: Mapping | None, now: Mapping | None, since: str, hint=RESUME_HINT):
-  """Refuses (``DataChanged``) when the text files ``now`` (``sources``) differ from the
-  ``saved`` record's; ``since`` names the record ("the checkpoint at step 3")."""
+  """A ``DataChanged`` where the text files ``now`` differ from the record ``saved`` (``since``)."""
   if saved is None or now is None or "sources" not in saved:
     return
   _refuse(_source_changes(saved["sources"], now), since, hint)
 
 
 def check_corpus(saved: Mapping | None, now: Mapping, since: str, hint=RESUME_HINT):
-  """Refuses (``DataChanged``) when the record ``now`` (``of_corpus``) differs from ``saved`` in
-  the builder's version, the vocabulary, the files or the number of tokens of a split."""
+  """A ``DataChanged`` where the record ``now`` (``of_corpus``) differs from ``saved`` in builder
+  version, vocabulary, files or tokens per split."""
   if saved is None:
     return
   if "builder_version" in now:  # a loaded corpus's record (a vocabulary's alone has none)
-    _check_builder(saved, now, since)
+    dataset = now["name"].split("-")[0]  # pydoc-byte, text-word-<key>, wikitext103-v1-word...
+    was, is_, known = built_by(saved, dataset), now["builder_version"], BUILDERS[dataset]
+    if was != is_:
+      what = known[was - 1] if was <= len(known) else "made by a newer aft_jax"
+      raise DataChanged(
+        f"the corpus builder changed since {since}: the {dataset} corpus was built by version "
+        f"{was} ({what}), this aft_jax builds version {is_} ({known[is_ - 1]}), from the same "
+        "files; score text with aft-evaluate --text_file, or train again in another --workdir"
+      )
   _refuse(_corpus_changes(saved, now), since, hint)
-
-
-def _check_builder(saved: Mapping, now: Mapping, since: str) -> None:
-  dataset = now["name"].split("-")[0]  # pydoc-byte, text-word-<key>, wikitext103-v1-word...
-  was, is_, known = built_by(saved, dataset), now["builder_version"], BUILDERS[dataset]
-  if was != is_:
-    what = known[was - 1] if was <= len(known) else "made by a newer aft_jax"
-    raise DataChanged(
-      f"the corpus builder changed since {since}: the {dataset} corpus was built by version "
-      f"{was} ({what}), this aft_jax builds version {is_} ({known[is_ - 1]}), from the same "
-      "files; score text with aft-evaluate --text_file, or train again in another --workdir"
-    )

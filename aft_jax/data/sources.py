@@ -16,7 +16,6 @@ import sys
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Sequence
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -75,19 +74,12 @@ class Archive:
       )
 
 
-def locate(
-  found: Iterator[Source],
-  message: str,
-  archive: Archive,
-  urls: Sequence[str],
-  open_zip: Callable[[str], Source],
-  *,
-  download_dir: str | None,
-  download: bool,
-) -> Source:
-  """The first source ``found`` yields (the local copies, in order); else the first of ``urls``
-  downloaded to ``<download_dir>/<archive>`` whose sha256 and zip (``open_zip``) check; else a
+def locate(found, message: str, archive: Archive, urls, open_zip, *, download_dir, download):
+  """The first local source ``found`` yields; else the first of ``urls`` downloaded to
+  ``<download_dir>/<archive>`` whose sha256 and zip (``open_zip(path) -> Source``) check; else a
   MissingDataError: ``message``, then what the downloads tried."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
   for source in found:
     return source
   errors = []
@@ -96,7 +88,12 @@ def locate(
     dest = os.path.join(download_dir, archive.filename)
     tmp = f"{dest}.part-{os.getpid()}"
     try:
-      _fetch(url, tmp, archive.num_bytes)
+      with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
+        total = int(r.headers.get("Content-Length") or 0) or archive.num_bytes
+        with tqdm(total=total, unit="B", unit_scale=True, desc=archive.filename) as bar:
+          for chunk in iter(lambda: r.read(1 << 20), b""):
+            f.write(chunk)
+            bar.update(len(chunk))
       archive.verify(tmp)
       open_zip(tmp)
       os.replace(tmp, dest)  # only a verified archive ever gets the real name
@@ -116,21 +113,9 @@ def locate(
   raise MissingDataError(message)
 
 
-def _fetch(url: str, path: str, expected_bytes: int) -> None:
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-  with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
-    total = int(r.headers.get("Content-Length") or 0) or expected_bytes
-    with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path)) as bar:
-      for chunk in iter(lambda: r.read(1 << 20), b""):
-        f.write(chunk)
-        bar.update(len(chunk))
-
-
 class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A builder of local source files that records their fingerprint in its metadata; a subclass
-  sets FEATURES (one feature), HOMEPAGE and CITATION, and implements `locate` and `examples`
-  (the split's values of the feature, in order)."""
+  """A builder of local files that records their fingerprint; a subclass sets FEATURES (one),
+  HOMEPAGE and CITATION, and implements `locate` and `examples` (a split's values, in order)."""
 
   # TFDS derives this through `importlib_resources`, which it does not declare.
   @tfds.core.utils.classproperty
@@ -162,7 +147,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     try:
       manual_dir = os.fspath(dl_manager.manual_dir)
     except AssertionError:
-      # Not given, missing or empty; keep a given path for the error message.
+      # Not given, missing or empty; a given path stays for the error message.
       given = getattr(dl_manager, "_manual_dir", None)
       manual_dir = os.fspath(given) if given else None
     source = self.locate(
@@ -181,8 +166,7 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 def current_fingerprint(cls, config: str, manual_dir: str | None, download_dir: str) -> str | None:
-  """Fingerprint of the source `cls.locate` finds now, without downloading or a full checksum;
-  None when there is none (it may be deleted once a dataset is built)."""
+  """Fingerprint of the source `cls.locate` finds now (no download, no checksum); None: none."""
   manual_dir = manual_dir or os.path.join(download_dir, "manual")  # TFDS's default
   try:
     source = cls.locate(
@@ -194,10 +178,8 @@ def current_fingerprint(cls, config: str, manual_dir: str | None, download_dir: 
 
 
 def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=None, download=True):
-  """Builds (or reuses) `cls`'s dataset under `data_dir`; returns the builder. A build from
-  other source files than the ones found now is built again. One build at a time (under the lock
-  `<data_dir>/<name>/<config>/<version>.lock`), after removing the `incomplete.<random>_<version>/`
-  folders of killed builds (under the lock none is live)."""
+  """Builds (or reuses, unless from other source files than the ones found now) `cls`'s dataset
+  under `data_dir`, under its lock, after removing killed builds' `incomplete.*_<version>/`."""
   download_dir = os.path.join(data_dir, "downloads")
   data_path = os.path.join(data_dir, cls.name, config, str(cls.VERSION))
   parent, version = os.path.split(data_path)
@@ -209,21 +191,16 @@ def build(cls: type[SourceBuilder], config: str, *, data_dir: str, manual_dir=No
     # Made under the lock: a builder made before it would not see a build finished meanwhile.
     builder = cls(config=config, data_dir=data_dir, download=download)
     if builder.is_prepared():
-      metadata = builder.info.metadata or {}
-      recorded = metadata.get(store.FINGERPRINT_KEY)
+      recorded = (builder.info.metadata or {}).get(store.FINGERPRINT_KEY)
       current = current_fingerprint(cls, config, manual_dir, download_dir)
       if current is not None and current != recorded:
         what = f"{data_path} was built from other source files than the ones found now"
         log.warning("%s (fingerprint %s, now %s); building it again.", what, recorded, current)
         shutil.rmtree(data_path)
         builder = cls(config=config, data_dir=data_dir, download=download)
-    builder.download_and_prepare(
-      download_dir=download_dir,
-      # try_download_gcs: never look for a prebuilt copy on GCS
-      download_config=tfds.download.DownloadConfig(
-        manual_dir=manual_dir or None, try_download_gcs=False
-      ),
-    )
+    # try_download_gcs: never look for a prebuilt copy on GCS
+    dl_config = tfds.download.DownloadConfig(manual_dir=manual_dir or None, try_download_gcs=False)
+    builder.download_and_prepare(download_dir=download_dir, download_config=dl_config)
   assert os.path.abspath(builder.data_path) == os.path.abspath(data_path), builder.data_path
   return builder
 

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -21,10 +21,8 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
 MARKER = "COMPLETE"
-# summary.json key (and TFDS metadata key) of the source files' fingerprint (``fingerprint``).
-FINGERPRINT_KEY = "source_fingerprint"
-# summary.json key of the version of the builder that made it (``BUILDERS``; absent: 1).
-VERSION_KEY = "builder_version"
+# Keys of summary.json (and TFDS metadata): the source's ``fingerprint``, the builder's version.
+FINGERPRINT_KEY, VERSION_KEY = "source_fingerprint", "builder_version"
 SUMMARY = "summary.json"
 # What each version of each dataset's builder makes, the last entry being today's: a change to a
 # builder's tokens adds a version (tests/data/test_builder_versions.py).
@@ -51,9 +49,8 @@ def prepared_dir(data_dir: str, name: str) -> str:
 
 @contextlib.contextmanager
 def lock(path: str, what: str) -> Iterator[None]:
-  """Holds the exclusive flock `<path>.lock` for the block, waiting while another holds it. The
-  kernel releases it when its holder dies; the file stays (removing it would let a waiter lock
-  the removed file while a newcomer locks a new one)."""
+  """Holds the flock `<path>.lock` for the block, waiting for another holder; the file stays (a
+  waiter would lock a removed one while a newcomer locks a new one)."""
   lock_file = f"{path}.lock"
   os.makedirs(os.path.dirname(lock_file), exist_ok=True)
   with open(lock_file, "a") as f:
@@ -74,7 +71,7 @@ def is_complete(path: str) -> bool:
 
 
 def start(path: str) -> None:
-  """Clears `path` (incomplete or being rebuilt) and creates it empty."""
+  """Clears `path` and creates it empty."""
   marker = os.path.join(path, MARKER)
   if os.path.exists(marker):
     os.remove(marker)  # first, so a crash below cannot leave a stale "done"
@@ -83,9 +80,8 @@ def start(path: str) -> None:
 
 
 def write_tokens(path: str, split: str, chunks: Iterable[np.ndarray]) -> int:
-  """Writes the concatenated chunks as `<split>.npy` (uint32[n]); returns n. Plain writes after
-  a check of the free space, not a memory map (SIGBUS on a full disk): a full disk is one
-  `files.DiskFullError`, and no temporary file is left."""
+  """Writes the chunks as `<split>.npy` (uint32[n]); returns n. Plain writes (a memory map dies of
+  SIGBUS on a full disk): a full disk is one `files.DiskFullError`, no temporary file left."""
   chunks = [np.asarray(c) for c in chunks]
   n = int(sum(c.size for c in chunks))
   file = os.path.join(path, f"{split}.npy")
@@ -117,8 +113,7 @@ def read_summary(path: str) -> dict:
 
 
 def load_tokens(path: str, split: str, expected: int | None = None) -> np.ndarray:
-  """uint32[n] ids of a split, memory-mapped; a DamagedCorpusError naming the file unless it is a
-  whole uint32[expected] array (a memory map of a cut file fails naming none)."""
+  """A split's uint32[n] ids, memory-mapped; a DamagedCorpusError naming the file unless whole."""
   file = os.path.join(path, f"{split}.npy")
   again = f"delete {path} and prepare again (a rerun of prepare rebuilds it)"
   try:
@@ -143,8 +138,7 @@ _FINGERPRINT = "size+ends-sha256:"
 
 
 def fingerprint(paths: Sequence[str]) -> str:
-  """A fast fingerprint of source files: sha256 over each file's name, size, first and last MiB
-  (cheap enough for every start; docs/data.md says what it sees)."""
+  """sha256 over each file's name, size, first and last MiB: cheap enough for every start."""
   h = hashlib.sha256()
   for path in paths:
     size = os.path.getsize(path)
@@ -162,30 +156,38 @@ def file_digest(path: str) -> str:
   return fingerprint([path]).removeprefix(_FINGERPRINT)[:16]
 
 
-def reusable(out: str, current_fingerprint: Callable[[], str | None], version: int) -> dict | None:
-  """The summary of a complete, whole ``out`` prepared by builder ``version`` from the source
-  found now (any, when ``current_fingerprint()`` is None: none is); None: prepare it (again)."""
-  if not is_complete(out):
-    return None
-  summary = read_summary(out)
-  if summary.get(VERSION_KEY, 1) != version:
-    log.warning("%s was prepared by another version of its builder; preparing it again.", out)
-    return None
+def _stale(out: str, summary: dict, dataset: str, fingerprint_now, needs) -> str | None:
+  """Why the complete corpus ``out`` cannot be reused; None: it can."""
+  if summary.get(VERSION_KEY, 1) != version(dataset):
+    return f"{out} was prepared by another version of its builder"
+  if needs and needs not in summary:  # (a corpus prepared before the key existed)
+    return f"{out} has no {needs}"
   try:
     for split, n in summary["tokens"].items():
       load_tokens(out, split, n)
   except DamagedCorpusError as e:
-    log.warning("%s; preparing it again.", e)
-    return None
-  current = current_fingerprint()
-  if current is None or current == summary.get(FINGERPRINT_KEY):
-    log.info("Reusing %s", out)
-    return summary
-  log.warning(
-    "%s was prepared from other source files than the ones found now (fingerprint %s, now %s); "
-    "preparing it again.",
-    out,
-    summary.get(FINGERPRINT_KEY),
-    current,
-  )
+    return str(e)
+  now, was = fingerprint_now(), summary.get(FINGERPRINT_KEY)
+  if now is not None and now != was:  # (None: no source now, the corpus is all there is)
+    return (
+      f"{out} was prepared from other source files than the ones found now (fingerprint {was}, "
+      f"now {now})"
+    )
   return None
+
+
+def prepare(out: str, what: str, dataset: str, fingerprint_now, write, needs=None) -> dict:
+  """Under ``out``'s lock, the summary of the corpus there unless incomplete or ``_stale``; else of
+  the one ``write()`` writes there (from ``start(out)`` on), then marked complete."""
+  with lock(out, what):
+    if is_complete(out):
+      summary = read_summary(out)
+      why = _stale(out, summary, dataset, fingerprint_now, needs)
+      if why is None:
+        log.info("Reusing %s", out)
+        return summary
+      log.warning("%s; preparing it again.", why)
+    summary = {**write(), VERSION_KEY: version(dataset)}
+    finish(out, summary)
+    log.info("Prepared %s: %s", out, summary["tokens"])
+    return summary

@@ -4,11 +4,14 @@ deterministically, and stoppable with Ctrl-C (docs/data.md, "Subword vocabulary"
 from __future__ import annotations
 
 import hashlib
+import io
 import re
+import threading
 from collections.abc import Iterable
 
 import numpy as np
 
+from aft_jax import files
 from aft_jax.data import vocab as vocab_lib
 
 MODEL_FILENAME = "subword.model"
@@ -55,25 +58,16 @@ class SubwordVocab(vocab_lib.Vocab):
     ids = [int(i) for i in np.asarray(ids).reshape(-1)]
     if ids and not 0 <= min(ids) <= max(ids) < self.size:
       raise ValueError(f"subword ids must be in [0, {self.size}), got [{min(ids)}, {max(ids)}]")
-    pieces, run = [], []
-    for i in ids + [self.eos_id]:
-      if i == self.eos_id:
-        pieces.append(self._sp.decode(run))
-        run = []
-      else:
-        run.append(i)
-    return "\n\n".join(pieces)
+    cuts = [-1] + [k for k, i in enumerate(ids) if i == self.eos_id] + [len(ids)]
+    return "\n\n".join(self._sp.decode(ids[a + 1 : b]) for a, b in zip(cuts, cuts[1:]))
 
   def save(self, path: str) -> None:
-    from aft_jax import files  # pylint: disable=g-import-not-at-top
-
     with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
       f.write(self.model)
 
   @classmethod
   def load(cls, path: str, sha256: str | None = None) -> SubwordVocab:
-    """The model in ``path``; one-line ValueErrors naming it when it is missing, unreadable,
-    not a model, or (given ``sha256``) not the bytes it was saved as."""
+    """The model in ``path``; a one-line ValueError naming it unless it reads, as ``sha256``."""
     try:
       with open(path, "rb") as f:
         model = f.read()
@@ -86,19 +80,10 @@ class SubwordVocab(vocab_lib.Vocab):
       )
     return cls(model, where=f"the subword vocabulary {path}")
 
-  def __repr__(self) -> str:
-    return f"SubwordVocab(size={self.size})"
 
-
-def train(
-  documents: Iterable[str], vocab_size: int, *, seed: int = 0, what: str = "the train split"
-) -> SubwordVocab:
-  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines; a
-  size the text cannot give is a one-line ValueError naming ``what``. It trains in a thread (its
-  C++ training does not return to Python until done): a Ctrl-C here abandons it at once."""
-  import io  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
-
+def train(documents: Iterable[str], vocab_size: int, *, seed=0, what="the train split"):
+  """A SentencePiece unigram model of ``vocab_size`` pieces learned on ``documents``' lines (a
+  size the text cannot give: a ValueError naming ``what``), in a thread that Ctrl-C abandons."""
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
 
   spm.set_random_generator_seed(seed)
@@ -184,15 +169,12 @@ def _lines(documents: Iterable[str]):
 
 
 def _size_error(e: Exception, vocab_size: int, what: str) -> ValueError:
-  text = str(e)
-  m = _SIZE_LIMIT.search(text)
-  if m:
+  if m := _SIZE_LIMIT.search(str(e)):
     return ValueError(
       f"config.data.vocab_size = {vocab_size} is more pieces than {what} supports (at most "
       f"{m.group(2)}): lower it or add text"
     )
-  m = _SIZE_LOW.search(text)
-  if m:
+  if m := _SIZE_LOW.search(str(e)):
     return ValueError(
       f"config.data.vocab_size = {vocab_size} is too small for {what}: its characters and "
       f"the 256 bytes need at least {m.group(2)} pieces"

@@ -7,7 +7,6 @@ import glob
 import gzip
 import hashlib
 import json
-import logging
 import os
 import sys
 import zlib
@@ -18,8 +17,6 @@ import numpy as np
 from aft_jax.data import store, subword
 from aft_jax.data import vocab as vocab_lib
 from aft_jax.data.config import DataConfig
-
-log = logging.getLogger(__name__)
 
 SPLITS = store.SPLITS
 _KEYS = {"train": "train_files", "validation": "valid_files", "test": "test_files"}
@@ -33,9 +30,7 @@ def expand(spec: str, key: str) -> list[str]:
   """The files of a comma-separated list of globs (absolute paths, each glob's sorted), each real
   file once; a glob that matches no file is a TextError naming ``key`` and the glob."""
   out, seen = [], set()
-  for pattern in (p.strip() for p in spec.split(",")):
-    if not pattern:
-      continue
+  for pattern in [p.strip() for p in spec.split(",") if p.strip()]:
     matches = sorted(
       os.path.abspath(p) for p in _glob(os.path.expanduser(pattern)) if os.path.isfile(p)
     )
@@ -50,8 +45,7 @@ def expand(spec: str, key: str) -> list[str]:
 
 
 def _glob(pattern: str) -> Iterator[str]:
-  """``glob.glob(pattern, recursive=True)``, but ``**`` does not follow links to folders (a
-  link loop would repeat every file below it); hidden folders skipped, as glob's ``**`` does."""
+  """A recursive glob whose ``**`` follows no folder link (a loop would repeat every file)."""
   parts = pattern.split(os.sep)
   if "**" not in parts:
     yield from glob.glob(pattern)
@@ -59,8 +53,7 @@ def _glob(pattern: str) -> Iterator[str]:
   i = parts.index("**")
   rest = parts[i + 1 :]
   head = os.sep.join(parts[:i]) or (os.sep if i else os.curdir)  # "/**/x" or "**/x"
-  bases = [b for b in glob.glob(head) if os.path.isdir(b)]
-  for base in bases:
+  for base in filter(os.path.isdir, glob.glob(head)):
     for folder, subfolders, names in os.walk(base):
       subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
       if rest:
@@ -97,7 +90,6 @@ def split_files(cfg: DataConfig) -> dict[str, list[str]]:
 
 
 def _refuse_shared(files: dict[str, list[str]], split: str, others, why: str) -> None:
-  """A TextError naming the first file of ``split`` whose real file is also in ``others``."""
   real = {os.path.realpath(p) for s in others for p in files[s]}
   shared = [p for p in files[split] if os.path.realpath(p) in real]
   if shared:
@@ -121,8 +113,7 @@ def is_records(path: str) -> bool:
 
 
 def read_documents(path: str, encoding: str = "utf-8", text_field: str = "text") -> Iterator[str]:
-  """The documents of one file, in order: a plain file is one; a JSONL file one per non-blank
-  line, a Parquet file one per row: each record's ``text_field``."""
+  """One file's documents: a plain file's text, or each JSONL line's / Parquet row's field."""
   lower = path.lower()
   if lower.endswith(JSONL):
     yield from _jsonl(path, encoding, text_field)
@@ -152,16 +143,14 @@ def _one_line(e: BaseException) -> str:
 
 
 def _json_kind(value) -> str:
-  """What a JSON value is, in JSON's words: "JSON null", "a JSON array", ..."""
-  if value is None or isinstance(value, bool):
+  if value is None or isinstance(value, bool):  # JSON's words: null, not None
     return f"JSON {json.dumps(value)}"
   kinds = {dict: "a JSON object", list: "a JSON array", str: "a JSON string"}
   return kinds.get(type(value), "a JSON number")
 
 
 def _check_text(value: str, what: str) -> None:
-  """A TextError naming ``what`` (file and line or row) for a NUL character or a lone surrogate
-  (``\\ud800``: JSON can escape one, no encoding can write it)."""
+  """A TextError naming ``what`` for a NUL or a lone surrogate (JSON escapes one, UTF-8 can't)."""
   if "\0" in value:
     raise TextError(f"{what} holds a NUL character (\\u0000): not text")
   try:
@@ -247,8 +236,7 @@ def _parquet(path: str, field: str) -> Iterator[str]:
 
 
 def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
-  """The store folder's name: the tokenizer and a key of the file lists and the settings that
-  change the tokens."""
+  """The store folder's name: the tokenizer and a key of the files and settings."""
   settings = {
     "files": files,
     "tokenizer": cfg.tokenizer,
@@ -263,7 +251,6 @@ def corpus_name(cfg: DataConfig, files: dict[str, list[str]]) -> str:
 
 
 def _fingerprint(files: dict[str, list[str]]) -> str:
-  """``store.fingerprint``'s rule (name, size, first and last MiB) over every split's files."""
   h = hashlib.sha256()
   for split in SPLITS:
     h.update(f"{split}\0{store.fingerprint(files[split])}\0".encode())
@@ -271,8 +258,7 @@ def _fingerprint(files: dict[str, list[str]]) -> str:
 
 
 def source_files(cfg: DataConfig) -> dict[str, dict[str, str]]:
-  """{split: {file: its digest}} (``store.file_digest``) of the files ``cfg`` names now: what a
-  run records of its text. Reads at most 2 MiB per file and writes nothing."""
+  """{split: {file: ``store.file_digest``}} of the files ``cfg`` names now (writes nothing)."""
   files = split_files(cfg)
   return {s: {path: store.file_digest(path) for path in files[s]} for s in SPLITS}
 
@@ -288,8 +274,7 @@ def learn_vocab(cfg: DataConfig, documents, what: str = "", add_unk=True) -> voc
 
 
 def save_vocab(vocab: vocab_lib.Vocab, path: str) -> dict:
-  """Writes a learned vocabulary into the prepared folder ``path``; returns what summary.json
-  records of it."""
+  """Writes ``vocab`` into the prepared folder ``path``; returns what summary.json records."""
   if isinstance(vocab, vocab_lib.WordVocab):
     vocab.save(os.path.join(path, vocab_lib.VOCAB_FILENAME))
   if isinstance(vocab, subword.SubwordVocab):
@@ -314,49 +299,47 @@ DOCUMENTS_KEY = "document_ends"
 
 
 def prepare_text(data_dir: str, cfg: DataConfig, *, progress: bool = True) -> tuple[str, dict]:
-  """Prepares the text corpus ``cfg`` names under ``data_dir`` (or reuses it); returns (its
-  folder, its summary)."""
+  """(folder, summary) of the text corpus ``cfg`` names, prepared or reused (``store.prepare``)."""
   files = split_files(cfg)
   out = store.prepared_dir(data_dir, corpus_name(cfg, files))
-  with store.lock(out, f"the text corpus {os.path.basename(out)}"):
-    summary = store.reusable(out, lambda: _fingerprint(files), store.version("text"))
-    if summary is not None and DOCUMENTS_KEY in summary:
-      return out, summary
-    if summary is not None:  # prepared before document ends were kept: packing needs them
-      log.warning("%s has no document ends; preparing it again.", out)
-    store.start(out)
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  what = f"the text corpus {os.path.basename(out)}"
+  write = lambda: _write(out, cfg, files, progress)  # noqa: E731
+  fingerprint = lambda: _fingerprint(files)  # noqa: E731
+  # (DOCUMENTS_KEY: packing needs the document ends, which older corpora lack)
+  return out, store.prepare(out, what, "text", fingerprint, write, needs=DOCUMENTS_KEY)
 
-    def read(split):
-      bar = tqdm(files[split], f"{split} files", unit="file", disable=not progress, file=sys.stderr)
-      return (doc for path in bar for doc in read_documents(path, cfg.encoding, cfg.text_field))
 
-    vocab = learn_vocab(cfg, read("train"))
-    recorded = save_vocab(vocab, out)
-    tokens, num_bytes, documents = {}, {}, {}
-    for split in SPLITS:
-      chunks, num_bytes[split] = encode_documents(vocab, read(split))
-      tokens[split] = store.write_tokens(out, split, chunks)
-      # chunks alternate document, boundary: a document ends after its boundary.
-      ends = np.cumsum([c.size for c in chunks], dtype=np.int64)[1::2]
-      if ends.size and ends[-1] >= 2**32:  # the store keeps offsets as uint32
-        raise TextError(
-          f"the {split} split has {ends[-1]:,} tokens, more than the 2**32 a prepared text "
-          "corpus can index: split the files into several corpora"
-        )
-      documents[split] = store.write_tokens(out, f"{split}-documents", [ends])
-    summary = {
-      "name": os.path.basename(out),
-      "tokenizer": cfg.tokenizer,
-      "vocab_size": vocab.size,
-      "tokens": tokens,
-      "bytes": num_bytes,
-      "documents": documents,
-      DOCUMENTS_KEY: True,
-      store.FINGERPRINT_KEY: _fingerprint(files),
-      store.VERSION_KEY: store.version("text"),
-      **recorded,
-    }
-    store.finish(out, summary)
-    log.info("Prepared %s: %s", out, tokens)
-  return out, summary
+def _write(out: str, cfg: DataConfig, files: dict[str, list[str]], progress: bool) -> dict:
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  store.start(out)
+
+  def read(split):
+    bar = tqdm(files[split], f"{split} files", unit="file", disable=not progress, file=sys.stderr)
+    return (doc for path in bar for doc in read_documents(path, cfg.encoding, cfg.text_field))
+
+  vocab = learn_vocab(cfg, read("train"))
+  recorded = save_vocab(vocab, out)
+  tokens, num_bytes, documents = {}, {}, {}
+  for split in SPLITS:
+    chunks, num_bytes[split] = encode_documents(vocab, read(split))
+    tokens[split] = store.write_tokens(out, split, chunks)
+    # chunks alternate document, boundary: a document ends after its boundary.
+    ends = np.cumsum([c.size for c in chunks], dtype=np.int64)[1::2]
+    if ends.size and ends[-1] >= 2**32:  # the store keeps offsets as uint32
+      raise TextError(
+        f"the {split} split has {ends[-1]:,} tokens, more than the 2**32 a prepared text "
+        "corpus can index: split the files into several corpora"
+      )
+    documents[split] = store.write_tokens(out, f"{split}-documents", [ends])
+  return {
+    "name": os.path.basename(out),
+    "tokenizer": cfg.tokenizer,
+    "vocab_size": vocab.size,
+    "tokens": tokens,
+    "bytes": num_bytes,
+    "documents": documents,
+    DOCUMENTS_KEY: True,
+    store.FINGERPRINT_KEY: _fingerprint(files),
+    **recorded,
+  }

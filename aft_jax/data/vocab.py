@@ -34,9 +34,8 @@ def count_words(texts: Iterable[str]) -> collections.Counter:
 
 
 class Vocab(abc.ABC):
-  """Maps text to 1-D uint32 ids and back: ``size`` ids (the model's output dimension), the id
-  ``eos_id`` ending a line or document; ``unit`` ('byte', 'word' or 'subword') is what
-  perplexity is per."""
+  """Text to uint32[n] ids and back: ``size`` ids, ``eos_id`` ending a line or document; ``unit``
+  ('byte', 'word' or 'subword') is what perplexity is per."""
 
   unit: str
   size: int
@@ -49,6 +48,9 @@ class Vocab(abc.ABC):
   @abc.abstractmethod
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Returns the text of ids int[n]."""
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}(size={self.size})"
 
 
 class ByteVocab(Vocab):
@@ -66,13 +68,9 @@ class ByteVocab(Vocab):
     # A window cut in the middle of a multi-byte character must still print.
     return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
-  def __repr__(self) -> str:
-    return "ByteVocab(size=256)"
-
 
 class WordVocab(Vocab):
-  """Word vocabulary; id = position in `tokens`. Unknown words are `unk` where the vocabulary
-  has one, an error otherwise (WikiText-103 v1 has none: its `<unk>` is a word)."""
+  """Words; id = position in `tokens`; an unknown word is `unk`'s id, an error where it has none."""
 
   unit = "word"
 
@@ -91,8 +89,7 @@ class WordVocab(Vocab):
 
   @classmethod
   def build(cls, counts: collections.Counter, *, add_unk: bool = False) -> "WordVocab":
-    """Vocabulary from token counts: descending frequency, ties by token string; `<eos>` always,
-    and `<unk>` (last) with `add_unk`."""
+    """Tokens by descending count, then string; `<eos>`, and `<unk>` with `add_unk`, at least."""
     counts = collections.Counter(counts)
     counts.setdefault(EOS, 0)
     if add_unk:
@@ -156,9 +153,5 @@ class WordVocab(Vocab):
       text = f.read()
     if not text.endswith("\n"):
       raise ValueError(f"vocabulary file {path} is truncated (no final newline)")
-    # Split on '\n' only: tokens never contain it, but may contain characters
-    # that str.splitlines() would also treat as line breaks.
+    # '\n' only: tokens may hold what str.splitlines() also splits at.
     return cls(text[:-1].split("\n"))
-
-  def __repr__(self) -> str:
-    return f"WordVocab(size={self.size})"

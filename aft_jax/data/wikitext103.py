@@ -54,10 +54,9 @@ def is_title_line(line: str) -> bool:
 
 
 def split_articles(lines: Iterator[str]) -> Iterator[str]:
-  """Groups lines (with their '\\n') into article texts, each from a title line on (text before
-  the first title is part of the first article): `''.join(output) == ''.join(lines)`."""
-  buf: list[str] = []
-  seen_title = False
+  """Lines grouped into articles, each from a title line on (what precedes the first title is in
+  the first): `''.join(output) == ''.join(lines)`."""
+  buf, seen_title = [], False
   for line in lines:
     if is_title_line(line):
       if seen_title:
@@ -87,16 +86,9 @@ def lines(source: sources.Source, split: str) -> Iterator[str]:
     raise sources.BadSplitFileError(f"{source.name(file)} is empty.")
 
 
-def locate_source(
-  variant: str,
-  *,
-  manual_dir: str | None,
-  download_dir: str | None,
-  download: bool = True,
-  verify: bool = True,
-) -> sources.Source:
-  """Finds (or downloads) the data of `variant`: manual_dir's zip or extracted files, an earlier
-  download, the mirrors; `verify=False` skips the sha256 of a zip found locally."""
+def locate_source(variant: str, *, manual_dir, download_dir, download=True, verify=True):
+  """The data of `variant`: manual_dir's zip or extracted files, an earlier download, the mirrors;
+  `verify=False` skips the sha256 of a zip found locally."""
   archive = ARCHIVES[variant]
   files = [archive.split_file(s) for s in SPLITS]
   source = lambda **where: sources.Source(  # noqa: E731

@@ -1,8 +1,5 @@
-"""Each version of each corpus builder (``store.BUILDERS``) makes the tokens it made when it was
-recorded: every version a builder still builds is built here from the same small files and its
-counts compared with the ones written down for it. A change to a builder's tokens fails here
-until it is a new version (a new entry in ``store.BUILDERS`` and in ``COUNTS``), which runs
-trained on the old one then read as they were written, or are refused in one line."""
+"""Each version of each corpus builder (``store.BUILDERS``) still makes the tokens recorded for it
+here: a change to a builder's tokens fails until it is a new version (in BUILDERS and COUNTS)."""
 
 import pytest
 
@@ -25,8 +22,7 @@ COUNTS = {
   ("wikitext103", "word", 1): (99, {"train": 194, "validation": 80, "test": 53}),
 }
 
-# pydoc_data's topics (the text differs between Python versions): tables, rule lines and grammar
-# productions among prose, which version 1 keeps and version 2 drops.
+# pydoc_data's topics (they differ between Pythons): tables, rules and grammar version 2 drops.
 TABLE = "+------+-----+\n| x    | y   |\n+------+-----+\n   list_display ::= [items]\n"
 TOPICS = {
   f"topic{i:02}": f"Topic {i}\n********\n\nItem {i} of a list is read after item {i - 1}.\n"
@@ -38,7 +34,6 @@ TEXT = {
   split: "".join(f"Line {i} of the {split} text: every token is scored once.\n" for i in range(n))
   for split, n in (("train", 60), ("valid", 8), ("test", 8))
 }
-SUBWORD_SIZE = 290
 
 
 def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
@@ -53,7 +48,7 @@ def _config(dataset, tokenizer, tmp_path, monkeypatch) -> DataConfig:
     for split, text in TEXT.items():
       (tmp_path / f"{split}.txt").write_text(text)
       files[f"{split}_files"] = str(tmp_path / f"{split}.txt")
-    size = SUBWORD_SIZE if tokenizer == "subword" else 0
+    size = 290 if tokenizer == "subword" else 0
     return DataConfig(dataset="text", tokenizer=tokenizer, data_dir=data, vocab_size=size, **files)
   if dataset == "enwik8":
     fe.write_file(manual, fe.content(5_003))
@@ -84,8 +79,6 @@ def test_a_corpus_prepared_by_another_version_of_its_builder_is_prepared_again(
 ):
   cfg = _config("text", "byte", tmp_path, monkeypatch)
   path = store.prepared_dir(cfg.data_dir, load_corpus(cfg).name)
-  summary = store.read_summary(path)
-  assert summary[store.VERSION_KEY] == store.version("text")
-  store.finish(path, {**summary, store.VERSION_KEY: 0})  # as another version's would read
+  store.finish(path, {**store.read_summary(path), store.VERSION_KEY: 0})  # another version's
   assert load_corpus(cfg).builder_version == store.version("text")
   assert store.read_summary(path)[store.VERSION_KEY] == store.version("text")

@@ -1,5 +1,4 @@
-"""Small enwik8 look-alikes of any size, `enwik8.zip` holding `enwik8` or the unzipped file: a
-MediaWiki XML dump's tags, wiki markup and UTF-8 text with multi-byte characters."""
+"""Small enwik8 look-alikes (a MediaWiki dump's tags, markup, multi-byte UTF-8), zipped or not."""
 
 from __future__ import annotations
 
@@ -21,12 +20,12 @@ def content(num_bytes: int) -> bytes:
   return (header + page * (num_bytes // len(page) + 1))[:num_bytes]
 
 
-def write_zip(directory: str, data: bytes, *, member: str = "enwik8") -> str:
-  """Writes `<directory>/enwik8.zip` holding `data` as `member`; returns its path."""
+def write_zip(directory: str, data: bytes) -> str:
+  """Writes `<directory>/enwik8.zip` holding `data` as `enwik8`; returns its path."""
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, "enwik8.zip")
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-    zf.writestr(member, data)
+    zf.writestr("enwik8", data)
   return path
 
 

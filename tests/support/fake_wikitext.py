@@ -1,6 +1,5 @@
-"""Small WikiText-103 look-alikes in the official file and archive layout, in the real format:
-a leading ' \\n', titles ' = Title = ', sections ' = = Sub = = ', blank lines of one space,
-paragraph lines with a leading and a trailing space, `<unk>` in v1 only, and non-ASCII text."""
+"""Small WikiText-103 look-alikes in the official layout and format: a leading ' \\n', titles
+' = Title = ', sections ' = = Sub = = ', lines of one space between, `<unk>` in v1 only."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import zipfile
 from aft_jax.data import sources, wikitext103
 
 # Each article: its title, then paragraphs, a "== " line starting a section. '{x}' is a rare word
-# that the tokenised release (v1) writes as <unk>; as in the real v1, held-out words that never
-# occur in train are <unk> there too.
+# that v1 writes as <unk> (as it does held-out words that train lacks).
 _ARTICLES = {
   "train": [
     """Valkyria Chronicles III
@@ -56,7 +54,6 @@ def _fill(text: str, raw: bool) -> str:
 
 
 def _text(split: str, raw: bool) -> str:
-  """The split file's lines: articles, section headings and paragraphs, as in the release."""
   lines = [" "]
   for article in _ARTICLES[split]:
     title, *rest = article.split("\n")
@@ -69,7 +66,6 @@ def _text(split: str, raw: bool) -> str:
 
 
 def _v1(text: str, split: str) -> str:
-  """As in the real v1: marked words and held-out words unseen in train are <unk>."""
   known = set(_text("train", raw=True).split()) if split != "train" else None
   out = []
   for word in text.split(" "):
@@ -81,13 +77,11 @@ def _v1(text: str, split: str) -> str:
 
 
 def split_text(split: str, *, raw: bool) -> str:
-  """The fake file content of one split (a str; encode as UTF-8)."""
   text = _text(split, raw)
   return text if raw else _v1(text, split)
 
 
 def titles(split: str, *, raw: bool = True) -> list[str]:
-  """Article titles as they appear in the split file."""
   return [t if raw else _v1(t, split) for t in (a.split("\n")[0] for a in _ARTICLES[split])]
 
 
@@ -97,19 +91,18 @@ def texts(variant: str) -> dict[str, str]:
 
 def _files(variant: str, contents, skip):
   """(file name, bytes) of each split not in `skip`; `contents` overrides split contents."""
-  archive = wikitext103.ARCHIVES[variant]
   contents = {**texts(variant), **(contents or {})}
-  for split in wikitext103.SPLITS:
-    if split not in skip:
-      data = contents[split]
-      yield archive.split_file(split), data.encode("utf-8") if isinstance(data, str) else data
+  for split in (s for s in wikitext103.SPLITS if s not in skip):
+    data = contents[split]
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    yield wikitext103.ARCHIVES[variant].split_file(split), data
 
 
 def write_zip(directory: str, variant: str, contents=None, *, skip=()) -> str:
   """Writes `<directory>/<official zip name>` (as `_files`); returns its path."""
   archive = wikitext103.ARCHIVES[variant]
-  os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, archive.filename)
+  os.makedirs(directory, exist_ok=True)
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
     zf.writestr(f"{archive.folder}/", b"")
     for name, data in _files(variant, contents, skip):
