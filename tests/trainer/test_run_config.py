@@ -202,7 +202,6 @@ SLICE_TAKERS = (
   "aft_jax/trainer/checkpointing.py",
   "aft_jax/trainer/evaluation.py",
   "aft_jax/trainer/step_log.py",
-  "aft_jax/trainer/wandb_log.py",
   "aft_jax/trainer/dry_run.py",
 )
 

@@ -31,7 +31,7 @@ from tests.support.helpers import (
   trained_run_config,
 )
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, checksum, train_lib, workdir_lock
+from aft_jax.trainer import checkpointing, checksum, guards, train_lib
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 
@@ -300,7 +300,7 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   "write, name",
   [
     (lambda workdir: Workdir(workdir).write_config({}), "config.json"),
-    (workdir_lock.acquire, "trainer.lock"),
+    (guards.acquire, "trainer.lock"),
   ],
 )
 def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
@@ -641,7 +641,7 @@ REFUSALS = {
     ValueError,
     "split too short",
   ),
-  "a held lock": (COMMANDS["train"], workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  "a held lock": (COMMANDS["train"], guards.WorkdirInUse, "is in use by another trainer"),
   # The only checkpoint damaged: every command refuses it, naming the step and the checksums.
   **{
     f"{command}, {how}": (
@@ -724,7 +724,7 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
   """With several processes JAX's preemption sync manager owns SIGTERM and names the stop step;
   a Ctrl-C is exchanged at log steps only."""
-  from aft_jax.trainer import preemption
+  from aft_jax.trainer import guards as preemption
 
   monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
   gathered, sync_steps = [], []
