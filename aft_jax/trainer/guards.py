@@ -33,7 +33,7 @@ def _alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # someone else's process: it exists
-    return True
+    pass
   return True
 
 

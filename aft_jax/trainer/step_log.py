@@ -213,19 +213,16 @@ class Profiler:
   """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``profile_steps``) in ``logdir``."""
 
   def __init__(self, steps, logdir: str):
-    self.steps, self.logdir = tuple(steps or ()), logdir
-    self.active = False
+    self.steps, self.logdir, self.active = tuple(steps or ()), logdir, False
 
   def __enter__(self):
     return self
 
   def at(self, step: int, state) -> None:
-    if not self.steps:
-      return
-    if step == self.steps[0] and not self.active:
+    if self.steps and step == self.steps[0] and not self.active:
       jax.profiler.start_trace(self.logdir)
       self.active = True
-    elif step >= self.steps[1] and self.active:
+    elif self.active and step >= self.steps[1]:
       jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
       self._stop()
 

@@ -357,9 +357,8 @@ def final_results(
   trainer: Trainer, state: TrainState, preemption: guards.Preemption
 ) -> dict | None:
   """results.json's dict (each split's result kept for a rerun); None where a signal stops it."""
-  cfg, corpus = trainer.config, trainer.corpus
+  cfg, corpus, step = trainer.config, trainer.corpus, int(state.step)
   seq_len = cfg.train.seq_len
-  step = int(state.step)
   results = {
     "steps": step,
     "num_params": count_params(state.params),

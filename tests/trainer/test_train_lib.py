@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.trainer import change_batches, wrap_train_step
+from tests.trainer import change_batches, run_train_in_process, wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
@@ -212,25 +212,14 @@ def _command(flags, tmp_path):
 
 @pytest.mark.parametrize("flags, message", CLI)
 def test_a_bad_command_line_is_one_line_on_stderr(flags, message, tmp_path, monkeypatch, capsys):
-  """train.py's ``run`` in this process (absl's flags defined once), from an empty folder:
-  one line, exit status 1, nothing written."""
-  from aft_jax.trainer import train
-
+  """From an empty folder: one line, exit status 1, nothing written."""
   env, argv = _command(flags, tmp_path)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
   monkeypatch.chdir(tmp_path)
-  monkeypatch.setattr(sys, "argv", argv)
-  monkeypatch.setattr(jax.config, "config_with_absl", lambda: None)  # (no JAX flags here)
-  if train.FLAGS is None:
-    train._define_flags()
-  monkeypatch.setattr(train, "_define_flags", lambda: None)
-  train.FLAGS.unparse_flags()
-  with pytest.raises(SystemExit) as e:
-    train.run()
-  said = capsys.readouterr().err if e.value.code == 1 else e.value.code  # (a str: status 1)
+  status, said = run_train_in_process(argv, monkeypatch, capsys)
   lines = [line for line in said.splitlines() if line.strip()]
-  assert len(lines) == 1 and message.format(tmp=tmp_path) in lines[0], said
+  assert status == 1 and len(lines) == 1 and message.format(tmp=tmp_path) in lines[0], said
   assert os.listdir(tmp_path) == []
 
 

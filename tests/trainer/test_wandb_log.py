@@ -1,6 +1,5 @@
-"""aft_jax.trainer.wandb_log: the optional W&B logging. Without the extra, setting
-config.wandb.project is one line saying how to install it; with it (a test dependency),
-WANDB_MODE=offline writes a W&B run folder with the run's metrics and sends nothing."""
+"""The optional W&B logging (aft_jax.trainer.step_log): without the extra, one line saying how to
+install it; with it, WANDB_MODE=offline writes a W&B run folder and sends nothing."""
 
 import contextlib
 import glob
@@ -30,8 +29,7 @@ def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(mon
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
-  """A fresh run in a workdir path used before (say, deleted and started again) must not
-  continue the old W&B run, as an id derived from the path did; a resume continues it."""
+  """A fresh run in a workdir path used before must not continue the old W&B run."""
   workdir = str(tmp_path / "run")
   first = step_log.wandb_run_id(workdir, resumed=False)
   assert step_log.wandb_run_id(workdir, resumed=True) == first
@@ -51,9 +49,7 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
   config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
   with contextlib.redirect_stdout(io.StringIO()):
     results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
-  # run.finish() (at the end of the run) only asks W&B's service to write the record; it is
-  # complete once the service is done, which teardown waits for (as the process's exit does).
-  # Read before, it held only its header on a busy machine.
+  # run.finish() only asks W&B's service to write the record: complete once teardown returns.
   import wandb
 
   wandb.teardown()
@@ -85,8 +81,7 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
 
 
 def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
-  """What the training loop writes reaches the W&B run: every record with its step, and the
-  sample as a table (the config went to ``wandb.init``)."""
+  """Every record with its step, the sample as a table (the config went to ``wandb.init``)."""
   from aft_jax.trainer.step_log import MetricWriter
 
   class Run:
