@@ -69,7 +69,6 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _intact_note(mngr: ocp.CheckpointManager) -> str:
-  """What a failed save leaves behind, as the end of its error message."""
   previous = mngr.latest_step()
   if previous is None:
     return "there is no earlier checkpoint, so a rerun starts from the beginning"
@@ -92,10 +91,8 @@ class _MainThreadOnly:
 
 
 class Quiet:
-  """The one guard for Orbax's and TensorStore's noise on stderr: a failed write or read fails in
-  several of their threads, which print tracebacks for a while (and at exit) and leave "never
-  awaited" coroutines, burying our one-line error. ``on()`` keeps it off stderr until ``off()``;
-  as a context manager, for the block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
+  """Orbax's and TensorStore's threads' noise (tracebacks, logs, never-awaited coroutines) kept off
+  stderr from ``on()`` to ``off()``, or for a block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
 
   def on(self) -> Quiet:
     self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
@@ -125,8 +122,7 @@ class Quiet:
 
   @staticmethod
   def wind_down() -> None:
-    """After a failure (its exception dropped: its frames hold the unfinished coroutines), while
-    quiet: a second for the failing threads to finish, then what they left collected."""
+    """After a failure, while quiet: a second for the failing threads, then their leftovers."""
     time.sleep(1.0)
     gc.collect()
 
@@ -140,8 +136,7 @@ def one_line(e: BaseException, limit: int = 200) -> str:
 
 
 def _quietly(read):
-  """(``read()``, None), or (None, its error's ``one_line``), quiet also after the failure. A
-  Ctrl-C is no damage: raised as the KeyboardInterrupt it is, also where Orbax wraps it."""
+  """(``read()``, None), or (None, its error's ``one_line``); a Ctrl-C, even wrapped, re-raised."""
   with Quiet():
     try:
       return read(), None
@@ -161,10 +156,8 @@ def _quietly(read):
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves the state, data position, ``config``, ``corpus`` record (None: not saved) and their
-  checksums atomically in the background: returns once Orbax holds a host copy of the state.
-  Refuses non-finite parameters. A failed write is one OSError naming the step and what is left,
-  raised here or by the next wait (``save``, ``finish_saving``), the writers ``Quiet`` till then."""
+  """Saves the state, data position, ``config``, ``corpus`` record and their checksums in the
+  background; a failed write is one OSError, raised here or by ``finish_saving``."""
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
@@ -187,8 +180,7 @@ def save(
 
 
 def finish_saving(mngr: ocp.CheckpointManager) -> None:
-  """Waits until the save in flight, if any, is on disk; where its write failed, the OSError
-  ``save`` describes, naming that save's step."""
+  """Waits until the save in flight, if any, is on disk (its failure: ``save``'s OSError)."""
   step = mngr.latest_step()  # a save in flight is the manager's latest step
   try:
     mngr.wait_until_finished()
@@ -204,7 +196,6 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
 
 
 def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
-  """The error of the save at ``step`` that failed with ``error`` (its first line)."""
   # The failed write's coroutines live as long as the error's frames: outside the except block
   # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
   # module was gone, each printed "coroutine ... was never awaited" after our error).
@@ -226,9 +217,8 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The JSON items of the checkpoint at ``step`` ("config", "data", "corpus", "checksums"),
-  verified (a DamagedCheckpointError names the first that does not match, or lost checksums);
-  without "checksums" only where it predates them. {}: none there."""
+  """The verified JSON items of the checkpoint at ``step`` (``JSON_ITEMS``, "checksums"): a
+  DamagedCheckpointError where they do not match or checksums are lost; {}: none there."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -264,8 +254,7 @@ def _raise_mismatches(bad: list[str]) -> None:
 
 
 def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
-  """(step, ``read_items``) of the newest checkpoint whose JSON items read and verify; None if
-  none does (a damaged one passed over quietly: the restore skips it and says so)."""
+  """(step, ``read_items``) of the newest checkpoint whose JSON items verify; None if none."""
   for step in sorted(mngr.all_steps(), reverse=True):
     items, _ = _quietly(lambda s=step: read_items(mngr, s))
     if items:  # None: unreadable; {}: an empty folder
@@ -274,8 +263,7 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
 
 
 def _restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state at ``step`` placed as ``abstract_state`` (its shardings: a run saved on one mesh
-  restores onto another), verified against the checksums among ``items``."""
+  """The state at ``step``, sharded as ``abstract_state``, verified against ``items``' sums."""
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
   state = mngr.restore(step, args=args)["state"]
   if "checksums" in items:
@@ -285,8 +273,7 @@ def _restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items
 
 @dataclasses.dataclass
 class Restored:
-  """A checkpoint read back: its step, verified state and JSON items (``read_items``), and the
-  newer checkpoints that could not be read: [(step, why: one line)]."""
+  """A checkpoint read back, and the newer ones that could not be: [(step, why: one line)]."""
 
   step: int
   state: object
@@ -295,17 +282,15 @@ class Restored:
 
   @property
   def unverified(self) -> str | None:
-    """Why it could not be verified (written before checkpoints carried checksums), as a clause
-    for a note; None where it was verified."""
+    """Why it is loaded unverified, as a clause for a note; None where it was verified."""
     if "checksums" in self.items:
       return None
     return "written before checkpoints carried checksums, so it is loaded unverified"
 
 
 def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | None, list]:
-  """The first of ``steps`` whose items and state restore and verify (``check(step, items)``
-  runs once its items verified, before its state is read, and raises to refuse it), and
-  [(step, why)] of the ones before it that did not."""
+  """(the first of ``steps`` that restores and verifies, [(step, why)] of those before it);
+  ``check(step, items)`` runs before a state is read and raises to refuse it."""
   failed = []
   for step in steps:
     if not os.listdir(os.path.join(str(mngr.directory), str(step))):
@@ -328,8 +313,8 @@ def _failures(failed: list) -> str:
 
 
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
-  """The newest checkpoint that restores and verifies (``_newest_readable``), or None if there
-  is none; reads only. If none restores, one error lists why each failed."""
+  """The newest checkpoint that restores and verifies, None if none; reads only. If none
+  restores, one error lists why each failed."""
   restored, failed = _newest_readable(
     mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, check
   )
@@ -354,8 +339,7 @@ def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=N
 
 
 def set_aside(mngr: ocp.CheckpointManager, restored: Restored) -> None:
-  """Moves the checkpoints newer than ``restored`` that could not be read to
-  ``damaged_checkpoints/`` (one line each), so later saves and rotation never meet them."""
+  """Moves the unreadable checkpoints newer than ``restored`` to ``damaged_checkpoints/``."""
   dst_dir = Workdir(os.path.dirname(str(mngr.directory))).damaged_checkpoints_dir
   for step, why in restored.damaged:
     dst, n = os.path.join(dst_dir, str(step)), 1

@@ -24,8 +24,7 @@ _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
 
 
 def _mix(h):
-  """MurmurHash3's 32-bit finaliser. In lax on NumPy scalars: jnp's checks made most of the
-  trace time."""
+  """MurmurHash3's 32-bit finaliser (lax on NumPy scalars: jnp's checks were slow to trace)."""
   shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
   h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))

@@ -26,8 +26,7 @@ def cores() -> int:
 
 
 def count_for(cfg: RunConfig, num_cores: int) -> int:
-  """The most devices, at most ``num_cores`` and ``MAX_DEVICES``, that split ``cfg``'s batches
-  evenly; 1 where the user laid out the mesh."""
+  """The most devices (<= cores, MAX_DEVICES) that split the batches; 1 for a user's mesh."""
   if cfg.mesh != MeshConfig():
     return 1
   batches = dict(batch_size=cfg.train.batch_size, eval_batch_size=cfg.eval.eval_batch_size)
@@ -38,8 +37,7 @@ def count_for(cfg: RunConfig, num_cores: int) -> int:
 
 
 def check_set_count() -> None:
-  """A one-line ValueError where the CPU device count is set to no number of devices (0 or below
-  -1 would fail later blaming a plugin, or be taken as unset without a word)."""
+  """A one-line ValueError where the CPU device count is set to no number of devices."""
   n = jax.config.jax_num_cpu_devices
   if n == 0 or n < -1:
     raise ValueError(
@@ -62,8 +60,7 @@ def set_by_user() -> bool:
 
 
 def apply(cfg: RunConfig) -> int | None:
-  """Sets ``jax_num_cpu_devices`` to ``count_for(cfg, cores())`` before jax's backends start,
-  unless the user set it or it would be 1; the count set, or None."""
+  """Sets ``jax_num_cpu_devices`` to ``count_for`` unless the user set it; the count, or None."""
   if set_by_user():
     return None
   n = count_for(cfg, cores())

@@ -15,8 +15,7 @@ from aft_jax.sharding import MeshConfig, RulesConfig
 from aft_jax.trainer.checkpointing import CheckpointConfig
 from aft_jax.trainer.evaluation import EvalConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
-from aft_jax.trainer.step_log import StepLogConfig
-from aft_jax.trainer.wandb_log import WandbConfig
+from aft_jax.trainer.step_log import StepLogConfig, WandbConfig
 from aft_jax.typed_config import TypedConfig, positive
 
 

@@ -48,8 +48,7 @@ def usable_bytes(target: deviceless.CompileTarget) -> int:
 
 
 def check(cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int) -> int:
-  """What a dry run refuses (one-line ValueErrors) before it restarts itself for the target;
-  returns the usable bytes per device."""
+  """The usable bytes per device, or what a dry run refuses before it restarts itself."""
   deviceless.check_num_devices(target, num_devices)
   usable = usable_bytes(target)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, num_devices)))
@@ -103,8 +102,7 @@ _REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)([KMGT])\)"
 
 
 def _compile(lowered, args) -> tuple[object | None, StepMemory]:
-  """(compiled, its memory), or where XLA's TPU compiler refuses a program larger than the chip
-  (None, the temporaries it names and ``args``' bytes)."""
+  """(compiled, its memory), or (None, what XLA's TPU compiler says it refused)."""
   try:
     compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001 (jax's runtime error type is not public)
@@ -125,8 +123,7 @@ def _gib(n: float) -> str:
 def compile_steps(
   cfg: RunConfig, target: deviceless.CompileTarget, num_devices: int, say=print
 ) -> dict:
-  """Compiles ``cfg``'s steps for ``num_devices`` of ``target`` as training builds them, with
-  the vocabulary size the data would give (nothing prepared or loaded): the report's numbers."""
+  """The report's numbers: ``cfg``'s steps compiled for ``num_devices`` of ``target``."""
   devices = deviceless.devices(target, num_devices)
   vocab, vocab_from = data_lib.vocab_size(cfg.data)
   trainer = train_lib.make_trainer(cfg, vocab, devices, say)
@@ -134,7 +131,8 @@ def compile_steps(
   state, batch = trainer.abstract_state, trainer.specs(cfg.train.batch_size)
   train, mem = _compile(trainer.lower_train_step(), (state, batch))
   eval_args = (state.params, trainer.specs(cfg.eval.eval_batch_size, True))
-  _, eval_mem = _compile(trainer.lower_eval_step(), eval_args)
+  with trainer.on_mesh():
+    _, eval_mem = _compile(trainer._eval_step.lower(*eval_args), eval_args)
   cost = None if train is None else train.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = (cost or {}).get("flops")
@@ -151,8 +149,7 @@ def compile_steps(
 
 
 def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
-  """What would fit, each compiled: remat or smaller micro-batches for activations, fsdp over
-  more devices for parameters and optimizer state."""
+  """What would fit (remat, micro-batches, fsdp), each compiled."""
   mem, mesh = res["train"], res["mesh"]
   state = mem.argument + mem.output - mem.alias
   batch_size, accum = cfg.train.batch_size, cfg.optimizer.grad_accum_steps
@@ -186,8 +183,7 @@ def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
 
 
 def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dict:
-  """Prints the report, its lines read from its JSON object (the last line), and returns that
-  object; ``usable``: ``check``'s."""
+  """Prints the report (its last line its JSON object) and returns that object."""
   res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
   need = max(mem.total, eval_mem.total)

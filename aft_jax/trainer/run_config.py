@@ -21,8 +21,7 @@ from aft_jax.trainer.checkpointing import CheckpointConfig
 from aft_jax.trainer.default_config import SLICES, TrainConfig
 from aft_jax.trainer.evaluation import EvalConfig
 from aft_jax.trainer.optimizer import OptimizerConfig
-from aft_jax.trainer.step_log import StepLogConfig
-from aft_jax.trainer.wandb_log import WandbConfig
+from aft_jax.trainer.step_log import StepLogConfig, WandbConfig
 from aft_jax.typed_config import flatten, type_problems
 from aft_jax.workdir import Workdir
 
@@ -51,8 +50,7 @@ class RunConfig:
 
   @classmethod
   def from_tree(cls, tree) -> RunConfig:
-    """The run config of ``tree`` (a ConfigDict or a mapping); ValueError "invalid config: "
-    listing every unknown or missing key, wrong type and impossible combination."""
+    """The run config of ``tree``; one ValueError listing every problem of it."""
     plain = plain_tree(tree)
     ref, cur = flatten(default_tree()), flatten(plain)
     errors = unknown_keys(sorted(set(cur) - set(ref)))
@@ -195,21 +193,9 @@ def _across_components(s: dict) -> list[str]:
 # else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
 # decay from another length, so it is a conflict like a new learning_rate.
 RESUMABLE = (
-  "log_every_steps",
-  "eval_every_steps",
-  "checkpoint_every_steps",
-  "keep_checkpoints",
-  "eval_batch_size",
-  "eval_stride",
-  "final_eval_stride",
-  "sample",
-  "mesh",
-  "logical_axis_rules",
-  "data.data_dir",
-  "data.manual_dir",
-  "nonfinite",
-  "max_consecutive_skips",
-  "profile_steps",
+  *("log_every_steps", "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints"),
+  *("eval_batch_size", "eval_stride", "final_eval_stride", "sample", "mesh", "logical_axis_rules"),
+  *("data.data_dir", "data.manual_dir", "nonfinite", "max_consecutive_skips", "profile_steps"),
 )
 SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
 # Their change no --allow_config_change resumes: the checkpoint's embedding would be read as
@@ -218,8 +204,7 @@ VOCABULARY = ("data.dataset", "data.tokenizer", "data.vocab_size", "data.variant
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
-  """Differences between two config trees that make resuming one as the other wrong (a key one
-  of them lacks: None)."""
+  """Differences between two config trees that make resuming one as the other wrong."""
   a, b = flatten(saved), flatten(current)
   out = []
   for key in sorted(set(a) | set(b)):
@@ -235,10 +220,8 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
 def check_resume(
   saved: dict | None, current: dict, workdir: str | Workdir, allow_config_change: bool
 ) -> list[str]:
-  """Refuses to continue ``saved`` (a checkpoint's config tree; None: config.json's) as
-  ``current`` where they differ in what is computed, unless ``allow_config_change``; returns the
-  differences allowed. ``saved`` is read ``as_written``: a refusal names the flags that resume a
-  run written before some keys existed as it was written."""
+  """Refuses to continue ``saved`` (None: config.json's) as ``current`` where they differ in
+  what is computed, unless allowed (the differences returned); ``saved`` read ``as_written``."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"

@@ -1,11 +1,19 @@
 """What the training loop records: ``MetricWriter`` (metrics.jsonl, TensorBoard, W&B),
-``StepLog`` (per-step metrics, the non-finite watch) and ``Profiler`` (a trace of chosen steps)."""
+``StepLog`` (per-step metrics, the non-finite watch) and ``Profiler`` (a trace of chosen steps).
+Weights & Biases is optional (``config.wandb.project``; ``pip install "aft-jax[wandb]"``); a
+resumed run continues its W&B run (the id in ``<workdir>/wandb_run_id``). Docs:
+docs/training.md, "Weights & Biases".
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.util
 import json
 import math
+import os
+import secrets
 import time
 
 import jax
@@ -13,24 +21,22 @@ import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
-from aft_jax.workdir import Workdir
+from aft_jax import files
 from aft_jax.typed_config import TypedConfig, positive
+from aft_jax.workdir import Workdir
 
 
 class MetricWriter:
   """Writes one JSON object per logged step (with at least ``step``) and TensorBoard scalars;
   after a resume, steps since the last checkpoint are logged again (the last record counts)."""
 
-  def __init__(self, workdir: str | Workdir, enabled: bool = True, wandb_run=None):
-    self.enabled, self.wandb_run = enabled, wandb_run if enabled else None
-    if enabled:
-      wd = Workdir.of(workdir)
-      self._jsonl = open(wd.metrics_file, "a")
-      self._tb = SummaryWriter(wd.tensorboard_dir)
+  def __init__(self, workdir: str | Workdir, wandb_run=None):
+    wd = Workdir.of(workdir)
+    self.wandb_run = wandb_run
+    self._jsonl = open(wd.metrics_file, "a")
+    self._tb = SummaryWriter(wd.tensorboard_dir)
 
   def write(self, record: dict) -> None:
-    if not self.enabled:
-      return
     self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
     self._jsonl.flush()
     step = record["step"]
@@ -44,19 +50,15 @@ class MetricWriter:
 
   def write_text(self, tag: str, text: str, step: int) -> None:
     """A text (the config, a sample) on TensorBoard's text tab, as a code block."""
-    if self.enabled:
-      self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
-      self._tb.flush()
+    self._tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+    self._tb.flush()
     if self.wandb_run is not None and tag != "config":  # W&B has the config as its own
       import wandb  # pylint: disable=g-import-not-at-top  (only with a W&B run)
 
       self.wandb_run.log({tag: wandb.Table(columns=[tag], data=[[text]])}, step=step)
 
   def write_hparams(self, settings: dict) -> None:
-    """The run's settings (a flat dict) on TensorBoard's HPARAMS tab, in this run's own event
-    file (one row per workdir, not a sub-run as ``add_hparams`` makes)."""
-    if not self.enabled:
-      return
+    """The run's settings on TensorBoard's HPARAMS tab, in this run's own event file."""
     # A number, string or bool as it is; anything else (a tuple of cutoffs) as its text.
     flat = {
       k: v if isinstance(v, (bool, int, float, str)) else str(v)
@@ -69,11 +71,19 @@ class MetricWriter:
     self._tb.flush()
 
   def close(self) -> None:
-    if self.enabled:
-      self._jsonl.close()
-      self._tb.close()
+    self._jsonl.close()
+    self._tb.close()
     if self.wandb_run is not None:
       self.wandb_run.finish()
+
+
+class NoMetrics:
+  """The metric writer of processes other than 0: process 0 alone writes metrics."""
+
+  def write(self, *args) -> None:
+    pass
+
+  write_text = write_hparams = close = write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +173,7 @@ class StepLog:
     return f"the last good checkpoint is step {max(steps)}"
 
   def flush(self, state, check: bool = True) -> None:
-    """Writes the mean metrics since the last flush; with ``check``, raises on a non-finite
-    step first."""
+    """Writes the mean metrics since the last flush (``check``: non-finite steps raise first)."""
     if check:
       self.settle()
     step = self.step
@@ -204,19 +213,16 @@ class Profiler:
   """A ``jax.profiler`` trace of steps ``start + 1 .. stop`` (``profile_steps``) in ``logdir``."""
 
   def __init__(self, steps, logdir: str):
-    self.steps, self.logdir = tuple(steps or ()), logdir
-    self.active = False
+    self.steps, self.logdir, self.active = tuple(steps or ()), logdir, False
 
   def __enter__(self):
     return self
 
   def at(self, step: int, state) -> None:
-    if not self.steps:
-      return
-    if step == self.steps[0] and not self.active:
+    if self.steps and step == self.steps[0] and not self.active:
       jax.profiler.start_trace(self.logdir)
       self.active = True
-    elif step >= self.steps[1] and self.active:
+    elif self.active and step >= self.steps[1]:
       jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
       self._stop()
 
@@ -232,3 +238,76 @@ class Profiler:
 
 # The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
 HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
+
+
+WANDB_INSTALL = 'pip install "aft-jax[wandb]"'
+WANDB_ID_FILE = "wandb_run_id"  # in the workdir: the W&B run a resumed run continues
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig(TypedConfig):
+  """``config.wandb.*``."""
+
+  WHERE = "wandb"
+  # Added with W&B itself: a config without them ran without W&B (TypedConfig.as_written).
+  ADDED = {"project": ("e72b922", ""), "entity": ("e72b922", ""), "name": ("e72b922", "")}
+
+  project: str = ""  # a W&B project to log to ('': no W&B); needs the 'wandb' extra
+  entity: str = ""  # the W&B team or user ('': your default)
+  name: str = ""  # the run's name on W&B ('': the workdir's folder name)
+
+  def _value_problems(self) -> list[str]:
+    if not self.project:
+      return [
+        f"{self.key(k)} = {getattr(self, k)!r} needs {self.key('project')}: without a "
+        "project W&B is off (set the project, or leave it empty)"
+        for k in ("entity", "name")
+        if getattr(self, k)
+      ]
+    if not self.project.strip():
+      return [f"{self.key('project')} = {self.project!r} is blank: name a W&B project"]
+    if importlib.util.find_spec("wandb") is None:
+      return [
+        f"config.wandb.project = {self.project!r} needs Weights & Biases, which is not "
+        f"installed: {WANDB_INSTALL}"
+      ]
+    import wandb  # pylint: disable=g-import-not-at-top  (optional, slow to import)
+
+    try:
+      wandb.Settings(project=self.project)  # W&B's own rule for the name
+    except Exception as e:  # noqa: BLE001 (W&B's UsageError, or pydantic's ValidationError)
+      return [f"{self.key('project')}: {str(e).strip().splitlines()[0]}"]
+    return []
+
+
+def wandb_run_id(workdir, resumed: bool) -> str:
+  """The W&B run id kept in ``workdir`` if ``resumed`` (else its path's), or a new one, kept."""
+  path = os.path.join(str(workdir), WANDB_ID_FILE)
+  if resumed:
+    try:
+      with open(path) as f:
+        return f.read().strip()
+    except FileNotFoundError:
+      return hashlib.sha256(str(workdir).encode()).hexdigest()[:16]
+  new = secrets.token_hex(8)
+  os.makedirs(str(workdir), exist_ok=True)
+  files.atomic_write(path, new + "\n")
+  return new
+
+
+def start_wandb(cfg: WandbConfig, tree: dict, workdir, resumed: bool = False):
+  """The W&B run of ``cfg`` (a resumed run continues its own), or None without a project."""
+  if not cfg.project:
+    return None
+  import wandb  # pylint: disable=g-import-not-at-top  (optional, slow to import)
+
+  path = str(workdir)
+  return wandb.init(
+    project=cfg.project,
+    entity=cfg.entity or None,
+    name=cfg.name or path.rstrip("/").rsplit("/", 1)[-1],
+    id=wandb_run_id(workdir, resumed),
+    resume="allow",
+    dir=path,
+    config=tree,
+  )

@@ -12,41 +12,26 @@ from aft_jax.ctrl_c import stops_on_ctrl_c
 from aft_jax.trainer import recipes
 
 FLAGS = None  # absl's flags, once ``_define_flags`` has defined the command's
+PROG = os.path.basename(sys.argv[0])  # what the command's messages start with
 
 
 def _define_flags() -> None:
-  """The command's flags (absl and ml_collections imported here: inside ``run``'s Ctrl-C guard)."""
+  # absl and ml_collections imported here: inside ``run``'s Ctrl-C guard.
   global FLAGS
   from absl import flags
   from ml_collections import config_flags
 
   config_flags.DEFINE_config_file(
-    "config",
-    None,
-    "A recipe name (quickstart, NAME:ARG) or a config file (configs/quickstart.py[:ARG]).",
-    lock_config=True,
+    "config", None, "A recipe name (quickstart, NAME:ARG) or a config file.", lock_config=True
   )
   flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and results go.")
-  flags.DEFINE_bool(
-    "allow_config_change", False, "Resume a workdir whose saved config differs from --config."
-  )
+  flags.DEFINE_bool("allow_config_change", False, "Resume a workdir whose config differs.")
   flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
   flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
-  flags.DEFINE_bool(
-    "distributed",
-    False,
-    "Call jax.distributed.initialize() with the platform's settings (TPU pods, SLURM).",
-  )
-  flags.DEFINE_bool(
-    "dry_run",
-    False,
-    "Train nothing: compile the recipe's steps for --num_devices of --target without the "
-    "device and say whether they fit; exit 0 if they fit, 1 if not, 2 if refused.",
-  )
-  flags.DEFINE_string(
-    "target", "cpu", "With --dry_run: t4, a100-40, a100-80, h100, h200, v5e, v6e or cpu."
-  )
+  flags.DEFINE_bool("distributed", False, "jax.distributed.initialize() (TPU pods, SLURM).")
+  flags.DEFINE_bool("dry_run", False, "Does it fit --target? Exit 0 fits, 1 not, 2 refused.")
+  flags.DEFINE_string("target", "cpu", "With --dry_run: t4, a100-40, h100, v5e, ... or cpu.")
   flags.DEFINE_integer("num_devices", 1, "With --dry_run: how many devices of --target.")
   flags.mark_flags_as_required(["config"])
   FLAGS = flags.FLAGS
@@ -56,7 +41,7 @@ def _fail(e: Exception, status: int = 1):
   # The project's errors say in one line what to fix; a traceback (-v 1) would bury it.
   if FLAGS["verbosity"].present:
     raise e
-  print(f"{os.path.basename(sys.argv[0])}: {type(e).__name__}: {e}", file=sys.stderr)
+  print(f"{PROG}: {type(e).__name__}: {e}", file=sys.stderr)
   sys.exit(status)
 
 
@@ -96,16 +81,12 @@ def main(argv):
     dry_run()
   if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
     given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
-    sys.exit(f"{os.path.basename(sys.argv[0])}: error: --workdir {given} (except with --dry_run)")
+    sys.exit(f"{PROG}: error: --workdir {given} (except with --dry_run)")
   if not (FLAGS.coordinator_address or FLAGS.distributed):
-    # One CPU device per core (``cpu_devices``); a config the run will refuse is left for
-    # train_and_evaluate to name.
-    try:
-      cfg = RunConfig.from_tree(FLAGS.config)
+    try:  # one CPU device per core (``cpu_devices``)
+      cpu_devices.apply(RunConfig.from_tree(FLAGS.config))
     except (ValueError, OSError):
-      cfg = None
-    if cfg is not None:
-      cpu_devices.apply(cfg)
+      pass  # a config the run will refuse: train_and_evaluate names what is wrong
   elif jax.config.jax_cpu_collectives_implementation in (None, "none"):
     # CPU processes need a collectives library: older jax defaults to none.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -129,10 +110,10 @@ def run():
   try:
     argv = recipes.resolve_flag(sys.argv)
   except ValueError as e:
-    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+    sys.exit(f"{PROG}: error: {e}")
   # Ctrl-C from here on (jax's import included): nothing half-written is left.
   with stops_on_ctrl_c(
-    f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C): stopped without saving; the "
+    f"{PROG}: interrupted (Ctrl-C): stopped without saving; the "
     "workdir's last checkpoint, if any, is intact and the same command resumes from it"
   ):
     try:
@@ -142,7 +123,7 @@ def run():
     except ValueError as e:
       flag = re.search(r"JAX flag (\w+)", str(e))
       where = f"the environment variable {flag[1].upper()}" if flag else "a JAX_* variable"
-      sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e} (set by {where})")
+      sys.exit(f"{PROG}: error: {e} (set by {where})")
     from absl import app
 
     _define_flags()
@@ -151,8 +132,7 @@ def run():
 
 
 def _parse_flags(argv):
-  """absl's flag parsing; a bad flag or ``--config.KEY=VALUE`` is one line, exit status 1 (2 with
-  --dry_run)."""
+  """absl's flag parsing; a bad flag or override is one line, exit status 1 (2 with --dry_run)."""
   from absl import flags
 
   keys, dry_run = _command_line(argv)
@@ -163,7 +143,7 @@ def _parse_flags(argv):
     why = f"{e} (see --helpshort)"
     if "Error whilst parsing config file" in why:  # get_config(ARG) raised: its traceback's end
       why = f"--config: {str(e).strip().splitlines()[-1]}"
-    print(f"{os.path.basename(sys.argv[0])}: error: {why}", file=sys.stderr)
+    print(f"{PROG}: error: {why}", file=sys.stderr)
     sys.exit(refused)
   except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
     from aft_jax.trainer import run_config
@@ -174,7 +154,7 @@ def _parse_flags(argv):
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
     lines = [p.strip().strip("'\"") for p in text.splitlines()]
     why = "; ".join(unknown or [p for p in lines if p])
-    print(f"{os.path.basename(sys.argv[0])}: error: a --config override: {why}", file=sys.stderr)
+    print(f"{PROG}: error: a --config override: {why}", file=sys.stderr)
     sys.exit(refused)
 
 

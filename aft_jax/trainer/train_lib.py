@@ -20,22 +20,17 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from aft_jax.trainer import checkpointing, optimizer
-from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
 from aft_jax import data as data_lib
-from aft_jax.data import config as data_config
-from aft_jax.data import record as data_record
 from aft_jax import decode as decode_lib
 from aft_jax import sharding
-from aft_jax.trainer import step_log
-from aft_jax.trainer import wandb_log, workdir_lock
-from aft_jax.trainer.step_log import MetricWriter
-from aft_jax.trainer import run_config
-from aft_jax.trainer.run_config import RunConfig
+from aft_jax.data import config as data_config
+from aft_jax.data import record as data_record
 from aft_jax.model import TransformerLM, check_ids, count_params
+from aft_jax.trainer import checkpointing, guards, optimizer, run_config, step_log
+from aft_jax.trainer.evaluation import bits_per_byte, eval_protocol, perplexity, unigram_ppl
+from aft_jax.trainer.run_config import RunConfig
 from aft_jax.typed_config import flatten
 from aft_jax.workdir import Workdir
-from aft_jax.trainer.preemption import Preemption
 
 
 class TrainState(train_state.TrainState):
@@ -49,8 +44,7 @@ PACKED_KEYS = ("segment_ids", "positions")
 
 
 def weighted_nll(model, params, batch, *, train, rng=None):
-  """(sum of weight * NLL, sum of weights) over a batch {'inputs', 'targets'[, 'weights']
-  [, 'segment_ids', 'positions']} (packed rows: the padding has weight 0)."""
+  """(sum of weight * NLL, sum of weights) over a batch (packed rows: padding has weight 0)."""
   nll = model.apply(
     {"params": params},
     batch["inputs"],
@@ -114,9 +108,8 @@ def compiler_options(mesh) -> dict | None:
 
 
 class Trainer:
-  """One run's state: its config (vocabulary size filled in), mesh, jitted steps and shardings;
-  in ``train_and_evaluate`` also its workdir, corpus and corpus record, and the checkpoints known
-  good (restored or saved: what a divergence message may name)."""
+  """One run's config (vocabulary size filled in), mesh, jitted steps and shardings; in
+  ``train_and_evaluate`` also its workdir, corpus, corpus record and known good checkpoints."""
 
   def __init__(self, cfg: RunConfig, mesh):
     self.config, self.mesh = cfg, mesh
@@ -174,8 +167,7 @@ class Trainer:
     )
 
   def specs(self, batch_size: int, weights: bool = False) -> dict:
-    """ShapeDtypeStructs of a global batch, sharded as the train step (or with ``weights``, the
-    evaluation step) takes it."""
+    """A global batch's ShapeDtypeStructs, for the train step (``weights``: the eval step)."""
     sh = sharding.batch_sharding(self.mesh)
     tokens = jax.ShapeDtypeStruct((batch_size, self.config.train.seq_len), jnp.int32, sharding=sh)
     out = {"inputs": tokens, "targets": tokens}
@@ -192,11 +184,6 @@ class Trainer:
     with self.on_mesh():
       batch = self.specs(self.config.train.batch_size)
       return self.step.lower(self.abstract_state, batch, rng)
-
-  def lower_eval_step(self):
-    params = self.abstract_state.params
-    with self.on_mesh():
-      return self._eval_step.lower(params, self.specs(self.config.eval.eval_batch_size, True))
 
   @contextlib.contextmanager
   def on_mesh(self):
@@ -223,10 +210,9 @@ class Trainer:
     stride: int | None = None,
     should_stop=None,
   ) -> dict | None:
-    """Exact NLL over every token of ``tokens``. ``stride`` (default ``config.eval_stride``): 0
-    scores disjoint windows of ``seq_len``; S > 0 slides the window S tokens at a time and scores
-    its S new tokens (docs/training.md, "Evaluation"). ``should_stop(i)``, asked before batch
-    ``i``: True stops it, returning None."""
+    """Exact NLL over every token of ``tokens``: ``stride`` (default ``config.eval_stride``) 0
+    scores disjoint windows, S > 0 slides them by S (docs/training.md, "Evaluation");
+    ``should_stop(i)`` True before batch ``i`` stops it, returning None."""
     ev, seq_len = self.config.eval, self.config.train.seq_len
     check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
     check_ids("Trainer.evaluate: bos_id", bos_id, self.config.model.vocab_size)
@@ -254,8 +240,7 @@ class Trainer:
 
 
 def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Trainer:
-  """The trainer that training and ``--dry_run`` build alike: the mesh over ``devices`` (default:
-  all), the batch split checked, its notes said."""
+  """The trainer that training and ``--dry_run`` build alike, over ``devices`` (default: all)."""
   cfg = cfg.with_vocab(vocab_size)
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch_split(
@@ -271,8 +256,8 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
-  """The run's trainer, its config and data checked against the newest checkpoint whose items
-  read (else config.json and corpus.json), the cheap checks first. Writes nothing."""
+  """The run's trainer, its config and data checked against the newest readable checkpoint
+  (else config.json and corpus.json). Writes nothing."""
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   newest = checkpointing.newest_items(mngr)
@@ -294,8 +279,8 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
 
 
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
-  """The newest intact checkpoint's state (and data position; its config, corpus record and data
-  position checked before its state is read), or a fresh one; the workdir written only after."""
+  """The newest intact checkpoint's state (checked before it is read), or a fresh one; the
+  workdir written only after."""
   changes = {}
 
   def check(step, items):
@@ -340,8 +325,8 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
 
 
 def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
-  """Saves the checkpoint at ``step`` unless its update was skipped as non-finite (a run of
-  skipped updates must not rotate out the last good checkpoint); whether it did."""
+  """Saves the checkpoint at ``step`` unless its update was skipped (whether it did): a run of
+  skipped updates must not rotate out the last good checkpoint."""
   log.settle()
   if log.skipped_since is not None:
     if trainer.is_main:
@@ -356,23 +341,6 @@ def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state,
   return True
 
 
-def _save_and_say_stopped(
-  trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter, sig
-):
-  """After a signal: the unlogged metrics and the checkpoint at ``step`` written, then said."""
-  if log.pending:
-    log.flush(state)  # the steps since the last log line are not lost
-  saved = mngr.latest_step() == step or _checkpoint(trainer, log, mngr, step, state, data_iter)
-  checkpointing.finish_saving(mngr)
-  if trainer.is_main:
-    what = (
-      f"saved the checkpoint at step {step}; run the same command again to resume."
-      if saved
-      else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
-    )
-    print(f"\nInterrupted (signal {sig}): {what}", flush=True)
-
-
 # results.json's "train_rows". Either way valid_* and test_* are "eval_protocol"'s, on windows
 # of each split's stream: a packed run's numbers compare with an unpacked one's.
 TRAIN_ROWS = {
@@ -385,13 +353,12 @@ TRAIN_ROWS = {
 }
 
 
-def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -> dict | None:
-  """results.json's dict: exact validation (and test) NLL and perplexity, and the run's size.
-  Each split's result is kept in the workdir, for a rerun of the same step and protocol; a
-  signal stops it, saying so: None."""
-  cfg, corpus = trainer.config, trainer.corpus
+def final_results(
+  trainer: Trainer, state: TrainState, preemption: guards.Preemption
+) -> dict | None:
+  """results.json's dict (each split's result kept for a rerun); None where a signal stops it."""
+  cfg, corpus, step = trainer.config, trainer.corpus, int(state.step)
   seq_len = cfg.train.seq_len
-  step = int(state.step)
   results = {
     "steps": step,
     "num_params": count_params(state.params),
@@ -446,23 +413,7 @@ def final_results(trainer: Trainer, state: TrainState, preemption: Preemption) -
   return results
 
 
-def write_results(trainer: Trainer, results: dict, writer: MetricWriter) -> None:
-  if trainer.is_main:
-    trainer.workdir.write_results(results)
-    test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
-    bits = "".join(f", {k} {results[k]:.4f}" for k in ("valid_bpc", "test_bpc") if k in results)
-    print(
-      f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline "
-      f"{results['unigram_valid_ppl']:.3f}){test}{bits} "
-      f"[{results['eval_protocol']['name']}, window {results['eval_protocol']['window']}, "
-      f"stride {results['eval_protocol']['stride']}]",
-      flush=True,
-    )
-  scalars = {k: v for k, v in results.items() if isinstance(v, float)}
-  writer.write({"step": results["steps"], **scalars})
-
-
-def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
+def sample(trainer: Trainer, params, writer) -> str | None:
   """The end-of-run sample (``config.sample``), printed and logged by process 0; None if none."""
   cfg = trainer.config.sample
   if cfg.length <= 0:
@@ -488,52 +439,47 @@ def sample(trainer: Trainer, params, writer: MetricWriter) -> str | None:
   return text
 
 
-def train_data(trainer: Trainer) -> data_lib.TrainIterator:
-  """The run's training batches: stream windows, or packed documents (their padding said)."""
-  cfg, corpus = trainer.config, trainer.corpus
-  packed = {}
-  if cfg.data.packing:
-    packed = dict(document_ends=corpus.documents["train"], bos_id=corpus.bos_id)
-  data_iter = data_lib.train_iterator(
-    corpus.splits["train"],
-    seq_len=cfg.train.seq_len,
-    global_batch_size=cfg.train.batch_size,
-    seed=cfg.train.seed,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-    **packed,
-  )
-  p = data_iter.packing
-  if p and trainer.is_main:
-    print(
-      f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "
-      f"{cfg.train.seq_len}, {100 * p['padding_fraction']:.1f}% padding",
-      flush=True,
-    )
-  return data_iter
-
-
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains ``config`` (a config tree or a ``RunConfig``) in ``workdir``, resuming what is there;
   results.json's dict, or after SIGTERM / Ctrl-C (a checkpoint saved) ``{"interrupted": True,
   "step": step}``."""
   cfg = config if isinstance(config, RunConfig) else RunConfig.from_tree(config)
   # The lock first: no other trainer may change the workdir between the checks and the writes.
-  with workdir_lock.hold(Workdir(workdir), enabled=jax.process_index() == 0):
+  with guards.hold(Workdir(workdir), enabled=jax.process_index() == 0):
     # Setup: every check passes before anything is written.
     trainer = setup(cfg, workdir, allow_config_change)
-    cfg, is_main = trainer.config, trainer.is_main
+    cfg, is_main, corpus = trainer.config, trainer.is_main, trainer.corpus
     train, every = cfg.train, cfg.step_log.log_every_steps
-    data_iter = train_data(trainer)
+    # The training batches: stream windows, or packed documents (their padding said).
+    packed = {}
+    if cfg.data.packing:
+      packed = dict(document_ends=corpus.documents["train"], bos_id=corpus.bos_id)
+    data_iter = data_lib.train_iterator(
+      corpus.splits["train"],
+      seq_len=train.seq_len,
+      global_batch_size=train.batch_size,
+      seed=train.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      **packed,
+    )
+    p = data_iter.packing
+    if p and is_main:
+      print(
+        f"Packing: {p['documents']:,} train documents into {p['rows']:,} rows of "
+        f"{train.seq_len}, {100 * p['padding_fraction']:.1f}% padding",
+        flush=True,
+      )
     mngr = checkpointing.checkpoint_manager(trainer.workdir, cfg.checkpoint)
 
     # Restore or init.
     state = restore_or_init(trainer, mngr, data_iter)
     step = int(state.step)
-    wandb_run = (
-      wandb_log.start(cfg.wandb, trainer.tree, trainer.workdir, step > 0) if is_main else None
-    )
-    writer = MetricWriter(trainer.workdir, enabled=is_main, wandb_run=wandb_run)
+    if is_main:
+      wandb_run = step_log.start_wandb(cfg.wandb, trainer.tree, trainer.workdir, step > 0)
+      writer = step_log.MetricWriter(trainer.workdir, wandb_run)
+    else:
+      writer = step_log.NoMetrics()
     writer.write_text("config", json.dumps(trainer.tree, indent=2), step)
     writer.write_hparams(flatten(trainer.tree))
     with contextlib.ExitStack() as cleanup:
@@ -554,9 +500,10 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
       log = step_log.StepLog(trainer, writer, bar, mngr, step)
       profile = cfg.step_log.profile_steps if is_main else ()  # process 0 writes the trace
       profiler = step_log.Profiler(profile, trainer.workdir.tensorboard_dir)
-      with bar, Preemption() as preemption, profiler:
+      with bar, guards.Preemption() as preemption, profiler:
+        stopped = False
         try:
-          while step < train.num_train_steps:
+          while step < train.num_train_steps and not stopped:
             profiler.at(step, state)
             with trainer.on_mesh():
               batch = sharding.put_batch(next(data_iter), trainer.mesh)
@@ -568,25 +515,48 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
             if step % every == 0 or last:
               log.flush(state)
             if step % cfg.eval.eval_every_steps == 0 and not last:
-              corpus = trainer.corpus
               ev = trainer.evaluate(state.params, corpus.splits["validation"], corpus.bos_id)
               log.validation(ev, byte_level=corpus.unit == "byte")
             if step % cfg.checkpoint.checkpoint_every_steps == 0 or last:
               _checkpoint(trainer, log, mngr, step, state, data_iter)
-            if preemption.should_stop(step, every):
-              _save_and_say_stopped(trainer, log, mngr, step, state, data_iter, preemption.signal)
-              return {"interrupted": True, "step": step}
+            stopped = preemption.should_stop(step, every)
         except FloatingPointError:  # divergence: the unlogged steps' metrics show how
           if log.pending:
             log.flush(state, check=False)
           raise
+        if stopped:  # by a signal: the unlogged metrics and the checkpoint at this step written
+          if log.pending:
+            log.flush(state)
+          saved = mngr.latest_step() == step
+          saved = saved or _checkpoint(trainer, log, mngr, step, state, data_iter)
+          checkpointing.finish_saving(mngr)
+          if is_main:
+            what = (
+              f"saved the checkpoint at step {step}; run the same command again to resume."
+              if saved
+              else f"step {step} was not checkpointed; a rerun resumes from the last checkpoint."
+            )
+            print(f"\nInterrupted (signal {preemption.signal}): {what}", flush=True)
+          return {"interrupted": True, "step": step}
 
       # Final evaluation, once the final checkpoint is on disk.
       checkpointing.finish_saving(mngr)
-      with Preemption() as preemption:
+      with guards.Preemption() as preemption:
         results = final_results(trainer, state, preemption)
       if results is None:  # a signal stopped it
         return {"interrupted": True, "step": step}
-      write_results(trainer, results, writer)
+      if is_main:
+        trainer.workdir.write_results(results)
+        protocol = results["eval_protocol"]
+        test = f", test perplexity {results['test_ppl']:.3f}" if "test_ppl" in results else ""
+        bits = "".join(f", {k} {results[k]:.4f}" for k in ("valid_bpc", "test_bpc") if k in results)
+        print(
+          f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline "
+          f"{results['unigram_valid_ppl']:.3f}){test}{bits} [{protocol['name']}, window "
+          f"{protocol['window']}, stride {protocol['stride']}]",
+          flush=True,
+        )
+      scalars = {k: v for k, v in results.items() if isinstance(v, float)}
+      writer.write({"step": results["steps"], **scalars})
       sample(trainer, state.params, writer)
   return results

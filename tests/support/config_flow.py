@@ -1,7 +1,5 @@
 """Follows a run's config (a ConfigDict, the RunConfig or a slice) through the calls into aft_jax
-that pass it on: the rooms (modules it visited) and the climbs (calls from a module to one of a
-higher layer, ``LAYERS``; a config's own methods are not climbs).
-"""
+that pass it on: the rooms (modules it visited) and the climbs (calls up the ``LAYERS``)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ from ml_collections import ConfigDict
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.typed_config import TypedConfig
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGE = os.path.join(PACKAGE, "aft_jax") + os.sep
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.join(ROOT, "aft_jax") + os.sep
 
 # Layer of each module (by prefix, the longest matching): 0 is the top.
 LAYERS = {
@@ -46,8 +44,7 @@ def _module(code) -> str | None:
   path = code.co_filename
   if not path.startswith(PACKAGE):
     return None
-  rel = os.path.relpath(path, os.path.dirname(PACKAGE.rstrip(os.sep)))[: -len(".py")]
-  return rel.replace(os.sep, ".").removesuffix(".__init__")
+  return os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
 
 
 def _is_config(value) -> bool:
@@ -70,10 +67,9 @@ def follow(fn, *args, **kwargs):
       return None
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     values = [frame.f_locals.get(n) for n in names]
-    if not any(_is_config(v) for v in values):
+    own_method = names and names[0] in ("self", "cls") and _is_config(values[0])
+    if own_method or not any(_is_config(v) for v in values):
       return None
-    if names and names[0] in ("self", "cls") and _is_config(values[0]):
-      return None  # the config's own method
     rooms.add(callee)
     if layer(callee) < layer(caller):
       climbs.add((f"{caller}.{frame.f_back.f_code.co_name}", f"{callee}.{code.co_name}"))

@@ -37,3 +37,26 @@ def change_batches(monkeypatch, change):
   monkeypatch.setattr(
     train_lib.data_lib, "train_iterator", lambda *a, **kw: Batches(batches(*a, **kw), change)
   )
+
+
+def run_train_in_process(argv, monkeypatch, capsys):
+  """train.py's ``run`` on ``argv`` in this process (absl's flags defined once, JAX's not): its
+  exit status, and what it said on stderr (or in its SystemExit)."""
+  import sys
+
+  import jax
+  import pytest
+
+  from aft_jax.trainer import cpu_devices, train
+
+  monkeypatch.setattr(sys, "argv", argv)
+  monkeypatch.setattr(cpu_devices, "apply", lambda cfg: None)  # (this process's jax has started)
+  monkeypatch.setattr(jax.config, "config_with_absl", lambda: None)
+  if train.FLAGS is None:
+    train._define_flags()
+  monkeypatch.setattr(train, "_define_flags", lambda: None)
+  train.FLAGS.unparse_flags()
+  with pytest.raises(SystemExit) as e:
+    train.run()
+  code = e.value.code
+  return (1, code) if isinstance(code, str) else (code, capsys.readouterr().err)

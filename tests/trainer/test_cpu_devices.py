@@ -1,9 +1,9 @@
 """aft_jax.trainer.cpu_devices: how many devices aft-train makes of a CPU host, and when it
-leaves the count alone. (The quickstart run in test_train_lib.py checks that train.py applies
-it: its mesh line; its table of train.py's one-line refusals has the counts that are no number.)"""
+leaves the count alone (train.py applying it: the quickstart run's mesh line, test_train_lib.py)."""
 
 import os
 import sys
+import types
 
 import pytest
 
@@ -34,69 +34,52 @@ def test_one_device_per_core_as_many_as_split_every_batch(cores, batch, eval_bat
   assert cpu_devices.count_for(cfg, cores) == expected
 
 
-@pytest.mark.parametrize(
-  "mesh", [{"mesh.data": 2}, {"mesh.tensor": 2}, {"mesh.data": 1, "mesh.fsdp": -1}]
-)
+@pytest.mark.parametrize("mesh", [{"mesh.data": 2}, {"mesh.tensor": 2}, {"mesh.fsdp": -1}])
 def test_a_mesh_the_user_laid_out_keeps_one_device(mesh):
-  assert cpu_devices.count_for(_cfg(batch_size=16, **mesh), 2) == 1
+  assert cpu_devices.count_for(_cfg(batch_size=16, **{"mesh.data": 1, **mesh}), 2) == 1
 
 
-def test_a_count_set_by_xla_flags_or_jax_is_the_users(monkeypatch):
+def test_a_count_set_by_xla_flags_or_jax_is_the_users_and_a_count_below_minus_1_refused(
+  monkeypatch,
+):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-  assert cpu_devices.set_by_user()
+  assert cpu_devices.set_by_user() and cpu_devices.apply(_cfg(batch_size=12)) is None
   # This session sets neither (tests/conftest.py: XLA_FLAGS without a count).
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
   assert not cpu_devices.set_by_user()
+  config = types.SimpleNamespace(jax_num_cpu_devices=-5)  # -5 was taken as unset, unsaid
+  monkeypatch.setattr(cpu_devices, "jax", types.SimpleNamespace(config=config))
+  with pytest.raises(ValueError, match=r"jax_num_cpu_devices = -5 \(JAX_NUM_CPU_DEVICES, aft"):
+    cpu_devices.check_set_count()
 
 
-def _devices_after_apply(env_flags: str, num_cores: int) -> str:
+def test_apply_sets_jaxs_count_before_its_backends_start():
+  # (tiny_config's eval batch, 512, splits over 4 as 12 does: 4 devices of 4 cores.)
   code = (
     "from aft_jax.trainer import cpu_devices\n"
     "from aft_jax.trainer.run_config import RunConfig\n"
     "from tests.support.helpers import tiny_config\n"
-    f"cpu_devices.cores = lambda: {num_cores}\n"
+    "cpu_devices.cores = lambda: 4\n"
     "n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)))\n"
     "import jax\n"
     "print(n, jax.device_count())\n"
   )
-  env = dict(os.environ, XLA_FLAGS=env_flags)
+  env = dict(os.environ, XLA_FLAGS="")
   proc = prefork.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
   )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  return proc.stdout.split()
+  assert proc.returncode == 0 and proc.stdout.split() == ["4", "4"], proc.stderr[-2000:]
 
 
-def test_apply_sets_jaxs_count_before_its_backends_start_unless_set():
-  # (tiny_config's eval batch, 512, splits over 4 as 12 does: 4 devices of 4 cores.)
-  assert _devices_after_apply("", 4) == ["4", "4"]
-  assert _devices_after_apply("--xla_force_host_platform_device_count=3", 4) == ["None", "3"]
-
-
-XLA_ABC = {"XLA_FLAGS": f"--{cpu_devices.XLA_COUNT_FLAG}=abc"}
-
-
-@pytest.mark.parametrize(
-  "count, env, message",
-  [
-    # (jax's count set as JAX_NUM_CPU_DEVICES=0 sets it, in a fork that has not started jax.)
-    (0, {}, "evaluate: jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES"),
-    (-1, XLA_ABC, "evaluate: XLA_FLAGS has --xla_force_host_platform_device_count=abc: no numb"),
-  ],
-)
-def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(
-  tmp_path, count, env, message
-):
+def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(tmp_path):
+  """(jax's count set as JAX_NUM_CPU_DEVICES=0 sets it, in a process that has not started jax.)"""
   code = (
     "import jax\n"
-    f"jax.config.update('jax_num_cpu_devices', {count})\n"
+    "jax.config.update('jax_num_cpu_devices', 0)\n"
     "from aft_jax.tools import evaluate\n"
     f"evaluate.main(['--workdir', {str(tmp_path)!r}])\n"
   )
-  environ = dict(os.environ, **env)
-  out = prefork.run(
-    [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True
-  )
+  out = prefork.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
-  assert lines[0].startswith(message), lines[0]
+  assert lines[0].startswith("evaluate: jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES"), lines[0]

@@ -25,9 +25,3 @@ def test_weight_decay_shrinks_the_chosen_parameters(decay_on):
     decayed = decay_on == "all" or np.ndim(p) >= 2
     want = -0.1 * 0.5 * np.asarray(p) if decayed else np.zeros(np.shape(p))
     np.testing.assert_allclose(updates[name], want, rtol=1e-6, err_msg=name)
-
-
-def test_weight_decay_on_names_its_choices():
-  assert OptimizerConfig().problems() == []
-  (problem,) = OptimizerConfig(weight_decay_on="vectors").problems()
-  assert "weight_decay_on" in problem and "matrices" in problem

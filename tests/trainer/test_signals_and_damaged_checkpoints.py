@@ -22,59 +22,21 @@ import pytest
 
 from tests.support import prefork, shared
 from tests.trainer import change_batches, wrap_train_step
-from tests.support.helpers import (
-  ROOT,
-  config_flags,
-  listing,
-  tiny_config,
-  train_py,
-  trained_run_config,
-)
+from tests.support.helpers import ROOT, config_flags, listing, tiny_config, train_py
+from tests.support.helpers import trained_run_config
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, checksum, train_lib, workdir_lock
-from aft_jax.trainer.run_config import RunConfig
+from aft_jax.trainer import checkpointing, checksum, guards, train_lib
+from aft_jax.trainer.run_config import SLICES, RunConfig
+from aft_jax.typed_config import TypedConfig
 from aft_jax.workdir import Workdir
 
 
 def _steps(workdir):
-  return sorted(
-    int(os.path.basename(p))
-    for p in glob.glob(os.path.join(workdir, "checkpoints", "*"))
-    if os.path.basename(p).isdigit()
-  )
+  return Workdir(workdir).checkpoint_steps()
 
 
-def _wait_for(predicate, proc, timeout=240):
-  start = time.time()
-  while not predicate():
-    if proc.poll() is not None:
-      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
-    if time.time() - start > timeout:
-      proc.kill()
-      raise AssertionError("timed out")
-    time.sleep(0.05)
-
-
-def _start_train(workdir, flags):
-  """train.py as a process of its own (tests/support/prefork.py), its output piped."""
-  return prefork.popen(
-    train_py(workdir, *flags), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-  )
-
-
-def _logged(workdir, n):
-  path = os.path.join(workdir, "metrics.jsonl")
-  return lambda: os.path.exists(path) and sum(1 for _ in open(path)) >= n
-
-
-@pytest.fixture
-def quiet_after_failure(monkeypatch):
-  """Undoes the silence a run that stopped on unreadable checkpoints leaves in its process."""
-  for name in ("stderr", "unraisablehook"):
-    monkeypatch.setattr(sys, name, getattr(sys, name))
-  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
-  for name in ("absl", "asyncio", "concurrent.futures"):
-    monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+def _records(workdir):
+  return [r for r in Workdir(workdir).read_metrics() if "loss" in r]
 
 
 def _copy(workdir, tmp_path, name="run"):
@@ -83,9 +45,11 @@ def _copy(workdir, tmp_path, name="run"):
   return dst
 
 
-def _largest_file(folder):
+def _truncate_largest_file(folder, size=None):
   paths = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
-  return max(paths, key=os.path.getsize)
+  largest = max(paths, key=os.path.getsize)
+  with open(largest, "r+b") as f:
+    f.truncate(os.path.getsize(largest) // 2 if size is None else size)
 
 
 def _flip_a_bit(data: bytearray) -> None:
@@ -100,13 +64,8 @@ def _eight_bytes_of_ff(data: bytearray) -> None:
 DAMAGE = {"a flipped bit": _flip_a_bit, "8 bytes of 0xff": _eight_bytes_of_ff}
 
 
-def _state_dir(workdir, step) -> str:
-  return os.path.join(workdir, "checkpoints", str(step), "state")
-
-
 def _read_array(state, name):
-  """The array ``name`` of a checkpoint's state as TensorStore reads it (the zarr array in the
-  OCDBT store), or the exception its read raises."""
+  """The array ``name`` of a checkpoint's state as TensorStore reads it, or its read's error."""
   import tensorstore as ts
 
   kvstore = {"driver": "ocdbt", "base": f"file://{state}", "path": f"{name}/"}
@@ -121,7 +80,7 @@ def _damage(workdir, step, how) -> str:
   changed (only the checksums see it), the largest chunk first; the parameter's name."""
   import tensorstore as ts
 
-  state = _state_dir(workdir, step)
+  state = os.path.join(workdir, "checkpoints", str(step), "state")
   store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}"}).result()
   chunks = [k.decode() for k in store.list().result() if k.startswith(b"params.")]
   chunks = [(store.read(k).result().value, k) for k in chunks if not k.endswith("/.zarray")]
@@ -146,36 +105,78 @@ def _damage(workdir, step, how) -> str:
   raise AssertionError(f"no parameter chunk of {state} could be damaged and still read")
 
 
-def _one_line(e) -> str:
-  line = str(e.value if hasattr(e, "value") else e)
-  assert line and "\n" not in line, line
-  return line
+def _held_lock(workdir):
+  """A live process (``sleep``) holding the workdir's lock."""
+  holder = subprocess.Popen(["sleep", "120"])
+  with open(Workdir(workdir).lock_file, "w") as f:
+    json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
+  return holder
+
+
+@pytest.fixture
+def quiet_after_failure(monkeypatch):
+  """Undoes the silence a run that stopped on unreadable checkpoints leaves in its process."""
+  for name in ("stderr", "unraisablehook"):
+    monkeypatch.setattr(sys, name, getattr(sys, name))
+  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+  for name in ("absl", "asyncio", "concurrent.futures"):
+    monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+
+
+TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+  """A tiny run with checkpoints at steps 2 and 4, trained once (tests damage copies)."""
+
+  def build(folder):
+    with contextlib.redirect_stdout(io.StringIO()):
+      train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), str(folder / "run"))
+
+  workdir = str(shared.once(tmp_path_factory, "two_checkpoints", build)[0] / "run")
+  assert _steps(workdir) == [2, 4]
+  return workdir
+
+
+def _wait_for(predicate, proc, timeout=240):
+  start = time.time()
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+    if time.time() - start > timeout:
+      proc.kill()
+      raise AssertionError("timed out")
+    time.sleep(0.05)
 
 
 @pytest.mark.slow
 def test_sigterm_saves_the_step_and_exits_0_and_sigkill_in_a_save_leaves_a_usable_one(
   tmp_path, capsys
 ):
-  """SIGTERM: the current step saved, exit 0. Resumed, saving every step, and SIGKILLed while a
-  checkpoint is written: the last complete one resumes."""
   workdir = str(tmp_path / "run")
-  proc = _start_train(workdir, config_flags(tiny_config(num_train_steps=100_000)))
-  _wait_for(_logged(workdir, 3), proc)
+
+  def start(**overrides):
+    flags = config_flags(tiny_config(num_train_steps=100_000, **overrides))
+    cmd = train_py(workdir, *flags, "--allow_config_change")
+    return prefork.popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+  proc = start()
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  _wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 3, proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
-  assert "Interrupted (signal 15): saved the checkpoint at step" in out
-  step = int(out.split("saved the checkpoint at step ")[1].split(";")[0])
+  step = int(out.split("Interrupted (signal 15): saved the checkpoint at step ")[1].split(";")[0])
   assert step >= 3 and _steps(workdir) == [step]
 
+  # Resumed, saving every step, and SIGKILLed while a checkpoint is written.
   every_step = dict(checkpoint_every_steps=1, log_every_steps=1000)
-  flags = config_flags(tiny_config(num_train_steps=100_000, **every_step))
-  proc = _start_train(workdir, [*flags, "--allow_config_change"])
+  proc = start(**every_step)
   saving = os.path.join(workdir, "checkpoints", "*tmp*")
   _wait_for(lambda: _steps(workdir)[-1] > step and glob.glob(saving), proc)
   proc.kill()
-  out, _ = proc.communicate(timeout=120)
-  assert f"Resuming from the checkpoint at step {step}" in out
+  assert f"Resuming from the checkpoint at step {step}" in proc.communicate(timeout=120)[0]
   complete = _steps(workdir)[-1]
   config = tiny_config(num_train_steps=complete + 1, **every_step)
   capsys.readouterr()
@@ -193,10 +194,7 @@ def _poison(monkeypatch, at_step, until=None):
 
   def nll(model, params, batch, **kw):
     total, count = orig_nll(model, params, batch, **kw)
-    bad = jnp.any(batch["inputs"] == POISON)
-    return jnp.where(bad, jnp.nan, total), count
-
-  monkeypatch.setattr(train_lib, "weighted_nll", nll)
+    return jnp.where(jnp.any(batch["inputs"] == POISON), jnp.nan, total), count
 
   def poisoned(n, batch):
     if not at_step <= n <= (until or at_step):
@@ -205,6 +203,7 @@ def _poison(monkeypatch, at_step, until=None):
     inputs[:, 0] = POISON
     return dict(batch, inputs=inputs)
 
+  monkeypatch.setattr(train_lib, "weighted_nll", nll)
   change_batches(monkeypatch, poisoned)
 
 
@@ -226,27 +225,25 @@ def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_
   assert results["skipped_steps"] == 1
   assert results["valid_ppl"] == math.inf and 1e4 < results["valid_loss"] < math.inf
   assert os.path.exists(os.path.join(workdir, "results.json"))
-  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
-  assert [r["skipped_steps"] for r in records][-1] == 1
+  records = _records(workdir)
+  assert records[-1]["skipped_steps"] == 1
   assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
 
 
 def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypatch):
   _poison(monkeypatch, at_step=3)
   workdir = str(tmp_path / "run")
+  config = tiny_config(num_train_steps=5, nonfinite="stop", checkpoint_every_steps=2)
   with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
-    train_lib.train_and_evaluate(
-      tiny_config(num_train_steps=5, nonfinite="stop", checkpoint_every_steps=2), workdir
-    )
+    train_lib.train_and_evaluate(config, workdir)
   assert _steps(workdir) == [2]  # nothing written after the bad step
 
 
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
   mngr = checkpointing.checkpoint_manager(str(tmp_path), checkpointing.CheckpointConfig())
-  state = {"w": jnp.array([1.0, jnp.nan])}
 
   class S:  # the two fields save inspects
-    params, opt_state = state, ()
+    params, opt_state = {"w": jnp.array([1.0, jnp.nan])}, ()
 
   class It:
     def get_state(self):
@@ -300,193 +297,112 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   "write, name",
   [
     (lambda workdir: Workdir(workdir).write_config({}), "config.json"),
-    (workdir_lock.acquire, "trainer.lock"),
+    (guards.acquire, "trainer.lock"),
   ],
 )
 def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
-  """A disk still full (the temporary file is /dev/full: ENOSPC names no file): the error names
-  the file, and nothing is left behind."""
+  """The temporary file is /dev/full (ENOSPC names no file): the error names the file."""
   os.symlink("/dev/full", f"{tmp_path / name}.tmp-{os.getpid()}")
   with pytest.raises(OSError, match=f"^.* cannot write {tmp_path / name}: No space left") as e:
     write(str(tmp_path))
   assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
 
 
-def test_divergence_stops_after_consecutive_skips_and_keeps_the_last_good_checkpoint(
-  tmp_path, monkeypatch
+def test_damaged_bytes_are_skipped_a_changed_config_allowed_and_a_divergence_names_the_last_good(
+  two_checkpoints, tmp_path, monkeypatch, capsys
 ):
-  """Every update from step 4 on is non-finite: the run stops at the 5th in a row, naming step 2,
-  which rotation never removed."""
-  _poison(monkeypatch, at_step=4, until=10**6)
-  workdir = str(tmp_path / "run")
+  """Step 4 damaged: the resume (a longer run, allowed) moves it aside, says the change once,
+  records the new config, saves step 4 again; every update from step 5 is non-finite: the run
+  stops at the 3rd in a row naming step 4, which rotation kept, its unlogged steps written."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  _damage(workdir, 4, "a flipped bit")
+  _poison(monkeypatch, at_step=3, until=10**6)  # resumed at step 2: batch 3 is step 5's
   config = tiny_config(
-    num_train_steps=30,
-    checkpoint_every_steps=2,
-    keep_checkpoints=1,
-    max_consecutive_skips=5,
+    **dict(TWO_CHECKPOINTS, num_train_steps=30, keep_checkpoints=1),
+    max_consecutive_skips=3,
     log_every_steps=3,
   )
-  with pytest.raises(FloatingPointError, match="steps 4-8 .* the last good checkpoint is step 2"):
-    train_lib.train_and_evaluate(config, workdir)
-  assert _steps(workdir) == [2]
-  # The steps since the last log line (step 6) are written too: they show the divergence.
-  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
-  assert [r["step"] for r in records][:2] == [3, 6] and records[-1]["step"] >= 8, records
-  assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 5
-
-
-def test_a_changed_config_is_refused_unless_allowed_and_config_json_written_only_after(
-  tmp_path, capsys, quiet_after_failure
-):
-  workdir = str(tmp_path / "run")
-  one_step = tiny_config(num_train_steps=1)
-  train_lib.train_and_evaluate(one_step, workdir)
-  refused = {
-    # Extending the run would restart the cosine schedule from another length: a conflict.
-    "num_train_steps: 1 in the workdir, 2 now .the learning": {"num_train_steps": 2},
-    "model.d_model: 16 in the workdir, 32 now": {"model.d_model": 32},
-    "learning_rate: 0.003 in the workdir, 0.001 now": {"learning_rate": 1e-3},
-  }
-  for says, overrides in refused.items():
-    with pytest.raises(ValueError, match=says):
-      train_lib.train_and_evaluate(tiny_config(**{"num_train_steps": 1, **overrides}), workdir)
-  # Without config.json the checkpoint's own config still refuses another learning rate.
-  os.remove(os.path.join(workdir, "config.json"))
-  with pytest.raises(ValueError, match="learning_rate: 0.003 in the workdir, 0.1 now"):
-    train_lib.train_and_evaluate(tiny_config(learning_rate=0.1), workdir)
-  # A change that cannot be restored fails without touching config.json. (The failure leaves
-  # background threads silenced for the rest of the process: undone by quiet_after_failure.)
-  Workdir(workdir).write_config(RunConfig.from_tree(one_step).tree)
-  with pytest.raises(RuntimeError, match="no checkpoint .* can be restored .step 1: "):
-    train_lib.train_and_evaluate(
-      tiny_config(**{"model.d_model": 32}), workdir, allow_config_change=True
-    )
-  assert json.load(open(os.path.join(workdir, "config.json")))["model"]["d_model"] == 16
-  assert _steps(workdir) == [1]  # nothing moved aside: no checkpoint is damaged
-  # --allow_config_change resumes, says so once (not per comparison: setup's and the
-  # restore's), and the workdir records the config it resumed with.
   capsys.readouterr()
-  changed = tiny_config(num_train_steps=2, learning_rate=1e-3)
-  assert train_lib.train_and_evaluate(changed, workdir, allow_config_change=True)["steps"] == 2
-  said = capsys.readouterr().out
-  assert said.count("Resuming with a changed config") == 1
-  assert "Resuming with a changed config (--allow_config_change): learning_rate: 0.003" in said
-  assert json.load(open(os.path.join(workdir, "config.json")))["learning_rate"] == 1e-3
-
-
-TWO_CHECKPOINTS = dict(num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=3)
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-  """A tiny run with checkpoints at steps 2 and 4, trained once (tests damage copies)."""
-
-  def build(folder):
-    with contextlib.redirect_stdout(io.StringIO()):
-      train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), str(folder / "run"))
-
-  workdir = str(shared.once(tmp_path_factory, "two_checkpoints", build)[0] / "run")
-  assert Workdir(workdir).checkpoint_steps() == [2, 4]
-  return workdir
-
-
-def test_resume_walks_back_from_damaged_checkpoints(two_checkpoints, tmp_path, capsys):
-  workdir = _copy(two_checkpoints, tmp_path)
-  ckpts = os.path.join(workdir, "checkpoints")
-  largest = _largest_file(os.path.join(ckpts, "4"))
-  with open(largest, "r+b") as f:
-    f.truncate(os.path.getsize(largest) // 2)
-  os.makedirs(os.path.join(ckpts, "6"))  # an empty step folder
-  capsys.readouterr()
-  results = train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), workdir)
-  out = capsys.readouterr().out
-  skipped = [line for line in out.splitlines() if line.startswith("Skipped the damaged")]
-  assert len(skipped) == 2, out
-  assert skipped[0].startswith(
-    "Skipped the damaged checkpoint at step 6 (FileNotFoundError: the folder is empty; resuming"
-  )
-  assert skipped[1].startswith("Skipped the damaged checkpoint at step 4 (")
-  assert all("resuming from step 2" in line for line in skipped)
-  assert "Resuming from the checkpoint at step 2" in out
-  assert results["steps"] == 4 and _steps(workdir) == [2, 4]
-  assert sorted(os.listdir(os.path.join(workdir, "damaged_checkpoints"))) == ["4", "6"]
-
-
-@pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_bytes_are_skipped_and_the_divergence_names_the_step_that_verified(
-  how, two_checkpoints, tmp_path, capsys, monkeypatch
-):
-  """Damaged bytes that still parse: the resume moves step 4 aside and, diverging, names step 2."""
-  workdir = _copy(two_checkpoints, tmp_path)
-  _damage(workdir, 4, how)
-  _poison(monkeypatch, at_step=1, until=10**6)  # every update from step 3 on is non-finite
-  config = tiny_config(**TWO_CHECKPOINTS, max_consecutive_skips=2)
-  with pytest.raises(FloatingPointError, match="steps 3-4 .* the last good checkpoint is step 2:"):
-    train_lib.train_and_evaluate(config, workdir)
+  with pytest.raises(FloatingPointError, match="steps 5-7 .* the last good checkpoint is step 4:"):
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
   out = capsys.readouterr().out
   assert f"Skipped the damaged checkpoint at step 4 ({MISMATCH}" in out
   assert "Resuming from the checkpoint at step 2" in out
+  assert out.count("Resuming with a changed config") == 1
+  assert "changed config (--allow_config_change): num_train_steps: 4 in the workdir, 30 now" in out
+  assert json.load(open(os.path.join(workdir, "config.json")))["num_train_steps"] == 30
   assert os.listdir(os.path.join(workdir, "damaged_checkpoints")) == ["4"]
+  assert _steps(workdir) == [4]
+  records = _records(workdir)  # the steps since the last log line (6) too: they show how
+  assert {3, 6} <= {r["step"] for r in records} and records[-1]["step"] >= 7, records
+  assert math.isnan(records[-1]["loss"]) and records[-1]["skipped_steps"] >= 3
 
 
 def _lose_checksums(step_dir):
   shutil.rmtree(os.path.join(step_dir, "checksums"))
 
 
-def _lose_checksums_and_metadata(step_dir):
-  _lose_checksums(step_dir)
+def _zero_metadata(step_dir):
   metadata = os.path.join(step_dir, "_CHECKPOINT_METADATA")
   with open(metadata, "r+b") as f:
     f.write(bytes(os.path.getsize(metadata)))
 
 
-def _change_data_position(step_dir):
-  path = os.path.join(step_dir, "data", "metadata")
+def _edit_json(path, edit):
   saved = json.load(open(path))
-  saved["global_batch_size"] += 1
+  edit(saved)
   with open(path, "w") as f:
     json.dump(saved, f)
+
+
+def _change_data_position(step_dir):
+  _edit_json(os.path.join(step_dir, "data", "metadata"), lambda d: d.update(global_batch_size=5))
 
 
 def _as_written_before_checksums(step_dir):
   for name in ("checksums", "corpus"):
     shutil.rmtree(os.path.join(step_dir, name))
-  path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
-  metadata = json.load(open(path))
-  for name in ("checksums", "corpus"):
-    del metadata["item_handlers"][name]
-  with open(path, "w") as f:
-    json.dump(metadata, f)
+  handlers = lambda m: [m["item_handlers"].pop(n) for n in ("checksums", "corpus")]  # noqa: E731
+  _edit_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"), handlers)
+
+
+def _truncate_and_an_empty_newer_step(step_dir):
+  _truncate_largest_file(step_dir)
+  os.makedirs(os.path.join(os.path.dirname(step_dir), "6"))
 
 
 MISMATCH = "DamagedCheckpointError: its contents do not match the checksums saved with them ("
 LOST = "DamagedCheckpointError: its checksums (the folder checksums/) are missing, and its"
 UNVERIFIED = "written before checkpoints carried checksums, so it is loaded unverified"
+EMPTY = "FileNotFoundError: the folder is empty"
+NOTE = "note: skipped the damaged checkpoint at step "
 VERIFIED_OR_REFUSED = {
-  # name: (what is done to step 4, the step loaded, the tools' note, the trainer's line on it)
-  "checksums/ lost": (
-    _lose_checksums,
-    2,
-    f"note: skipped the damaged checkpoint at step 4 ({LOST}",
-    f"Skipped the damaged checkpoint at step 4 ({LOST}",
-  ),
+  # name: (done to step 4, the step loaded, the tools' notes, the trainer's lines: step and why)
+  "checksums/ lost": (_lose_checksums, 2, [f"{NOTE}4 ({LOST}"], [(4, LOST)]),
   "checksums/ and metadata lost": (
-    _lose_checksums_and_metadata,
+    lambda step_dir: _lose_checksums(step_dir) or _zero_metadata(step_dir),
     2,
-    f"note: skipped the damaged checkpoint at step 4 ({LOST}",
-    f"Skipped the damaged checkpoint at step 4 ({LOST}",
+    [f"{NOTE}4 ({LOST}"],
+    [(4, LOST)],
   ),
   "data position changed": (
     _change_data_position,
     2,
-    f"note: skipped the damaged checkpoint at step 4 ({MISMATCH}data)); using step 2",
-    f"Skipped the damaged checkpoint at step 4 ({MISMATCH}data); resuming from step 2)",
+    [f"{NOTE}4 ({MISMATCH}data)); using step 2"],
+    [(4, f"{MISMATCH}data)")],
   ),
   "written before checksums": (
     _as_written_before_checksums,
     4,
-    f"note: the checkpoint at step 4 was {UNVERIFIED}",
-    None,
+    [f"note: the checkpoint at step 4 was {UNVERIFIED}"],
+    [],
+  ),
+  "zeroed metadata, verified contents": (_zero_metadata, 4, [], []),
+  "truncated, and an empty step 6": (
+    _truncate_and_an_empty_newer_step,
+    2,
+    [f"{NOTE}6 ({EMPTY}); using step 2", f"{NOTE}4 ("],
+    [(6, EMPTY), (4, "")],
   ),
 }
 
@@ -501,15 +417,15 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
 ):
   """Lost checksums are damage unless Orbax's metadata shows the step predates them (loaded with
   a note); a changed data position is damage, even allowed. The tools and a resume agree."""
-  damage, step, note, skipped = VERIFIED_OR_REFUSED[case]
+  damage, step, notes, skipped = VERIFIED_OR_REFUSED[case]
   workdir = _copy(two_checkpoints, tmp_path)
   damage(os.path.join(workdir, "checkpoints", "4"))
   capsys.readouterr()
   export.main(["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")])
   out, err = capsys.readouterr()
   assert json.loads(out.strip().splitlines()[-1])["step"] == step
-  (line,) = err.strip().splitlines()
-  assert line.startswith(note), line
+  lines = err.strip().splitlines()
+  assert len(lines) == len(notes) and all(a.startswith(b) for a, b in zip(lines, notes)), err
 
   # The resume, stopped as soon as its state is restored (the training loop is not the point).
   restore = train_lib.restore_or_init
@@ -524,53 +440,36 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   out = capsys.readouterr().out
   assert done.value.args == (step,), out
   resumed = f"Resuming from the checkpoint at step {step} in {workdir}"
-  assert resumed + ("\n" if skipped else f" ({UNVERIFIED})\n") in out, out
+  assert resumed + (f" ({UNVERIFIED})\n" if UNVERIFIED in str(notes) else "\n") in out, out
+  said = [line for line in out.splitlines() if line.startswith("Skipped the damaged")]
+  assert len(said) == len(skipped), out
+  for line, (bad, why) in zip(said, skipped):
+    assert line.startswith(f"Skipped the damaged checkpoint at step {bad} ({why}"), line
+    assert f"; resuming from step {step})" in line, line
   moved = os.path.join(workdir, "damaged_checkpoints")
-  if skipped:
-    assert skipped in out and os.listdir(moved) == ["4"], out
-  else:
-    assert not os.path.exists(moved)
+  assert sorted(os.listdir(moved) if skipped else []) == sorted(str(s) for s, _ in skipped)
+  assert os.path.exists(moved) == bool(skipped)
 
 
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
-  """export (as generate and evaluate, through trained.load_run): a damaged latest checkpoint is
-  one note; asked for it, one line naming the others; zeroed Orbax metadata with verified
-  contents is used, silently."""
-
-  def export(workdir, *flags):
-    cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, *flags]
-    out = str(tmp_path / f"{len(os.listdir(tmp_path))}.msgpack")
-    return prefork.run([*cmd, "--out", out], cwd=ROOT, capture_output=True, text=True)
-
-  for how in ("truncated", *DAMAGE):
-    workdir = _copy(two_checkpoints, tmp_path, how)
-    if how == "truncated":  # structural damage: reading fails in TensorStore's threads
-      with open(_largest_file(os.path.join(workdir, "checkpoints", "4")), "r+b") as f:
-        f.truncate(1000)
-    else:
-      _damage(workdir, 4, how)
-    done = export(workdir)
-    assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
-    says = "" if how == "truncated" else MISMATCH
-    assert done.stderr.startswith(f"note: skipped the damaged checkpoint at step 4 ({says}")
-    assert done.stderr.endswith("); using step 2, the newest one that reads\n"), done.stderr
-    assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
-    assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
-  done = export(workdir, "--step", "4")
-  lines = done.stderr.splitlines()
-  assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
-  assert "step 4:" in lines[0] and "the other checkpoints: --step 2" in lines[0], lines[0]
-
-  workdir = _copy(two_checkpoints, tmp_path, "zeroed")
-  metadata = os.path.join(workdir, "checkpoints", "4", "_CHECKPOINT_METADATA")
-  with open(metadata, "r+b") as f:
-    f.write(bytes(os.path.getsize(metadata)))
-  done = export(workdir)
-  assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
-  assert json.loads(done.stdout.splitlines()[-1])["step"] == 4
+  """export (as generate and evaluate) in a process of its own, step 4 truncated: reading fails
+  in TensorStore's threads, yet stderr is one note; asked for step 4, one line naming step 2."""
+  workdir = _copy(two_checkpoints, tmp_path)
+  _truncate_largest_file(os.path.join(workdir, "checkpoints", "4"), 1000)
+  out = str(tmp_path / "model.msgpack")
+  cmd = [sys.executable, "-m", "aft_jax.tools.export", "--workdir", workdir, "--out", out]
+  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 0 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+  assert done.stderr.startswith("note: skipped the damaged checkpoint at step 4 (")
+  assert done.stderr.endswith("); using step 2, the newest one that reads\n"), done.stderr
+  assert "\x00" not in done.stderr  # NUL bytes (a file's) are no line break: asked apart
+  assert json.loads(done.stdout.splitlines()[-1])["step"] == 2
+  done = prefork.run([*cmd, "--step", "4"], cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+  assert "step 4:" in done.stderr and "the other checkpoints: --step 2" in done.stderr
 
 
-def _train(overrides, allow=False):
+def _train(allow=False, **overrides):
   def run(workdir, tmp_path):
     config = trained_run_config()
     config.update_from_flattened_dict(overrides)
@@ -580,23 +479,13 @@ def _train(overrides, allow=False):
 
 
 COMMANDS = {  # each as a user runs it, on a workdir (tmp_path: where an export goes)
-  "train": _train({}),
+  "train": _train(),
   "generate": lambda workdir, tmp_path: generate.main(["--workdir", workdir, "--length", "4"]),
-  "evaluate": lambda workdir, tmp_path: evaluate.main(
-    ["--workdir", workdir, "--split", "validation"]
-  ),
+  "evaluate": lambda workdir, _: evaluate.main(["--workdir", workdir, "--split", "validation"]),
   "export": lambda workdir, tmp_path: export.main(
     ["--workdir", workdir, "--out", str(tmp_path / "model.msgpack")]
   ),
 }
-
-
-def _held_lock(workdir):
-  """A live process (``sleep``) holds the workdir's lock: (its pid, what stops it)."""
-  holder = subprocess.Popen(["sleep", "120"])
-  with open(Workdir(workdir).lock_file, "w") as f:
-    json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
-  return holder
 
 
 def _other_corpus(workdir):
@@ -611,44 +500,37 @@ def _other_corpus(workdir):
       json.dump(obj, f)
 
 
+DAMAGED = "step 4: DamagedCheckpointError: its contents do not match the checksums"
 REFUSALS = {
   # name: (the command, the error, what its line says)
-  "another schedule": (_train({"num_train_steps": 6}), ValueError, "num_train_steps: 4 in the"),
-  "another vocabulary, even allowed": (
-    _train({"data.tokenizer": "word"}, allow=True),
+  "another schedule": (
+    _train(num_train_steps=6),
     ValueError,
-    r"trained on another vocabulary \(data.tokenizer: 'byte' in the workdir, 'word' now",
+    "6 now .the learning.*; compared with the checkpoint",
+  ),
+  "another vocabulary, even allowed": (
+    _train(True, **{"data.tokenizer": "word"}),
+    ValueError,
+    "another vocabulary .data.tokenizer",
   ),
   "another model, allowed": (
-    _train({"model.d_model": 32}, allow=True),
+    _train(True, **{"model.d_model": 32}),
     RuntimeError,
-    r"no checkpoint in .* can be restored \(step 4: ",
+    r"no checkpoint in .* can be restored",
   ),
   "another batch, allowed": (
-    _train({"batch_size": 8}, allow=True),
+    _train(True, batch_size=8),
     ValueError,
-    r"the data position in the checkpoint at step 4 is for global_batch_size = 4 \(now 8\)",
+    r"step 4 is for global_batch_size = 4 \(now 8\)",
   ),
-  "a bad config": (_train({"learning_rate": -1.0}), ValueError, "learning_rate"),
-  "another corpus": (
-    COMMANDS["train"],
-    ValueError,
-    r"the data changed since the checkpoint at step 4: the train split has [\d,]+ tokens, had",
-  ),
-  "a mesh this machine lacks": (_train({"mesh.data": 2}), ValueError, "does not match the 1 av"),
-  "a batch larger than the data, allowed": (
-    _train({"batch_size": 40_000}, allow=True),
-    ValueError,
-    "split too short",
-  ),
-  "a held lock": (COMMANDS["train"], workdir_lock.WorkdirInUse, "is in use by another trainer"),
+  "a bad config": (_train(learning_rate=-1.0), ValueError, "learning_rate"),
+  "another corpus": (_train(), ValueError, r"step 4: the train split has [\d,]+ tokens, had"),
+  "a mesh this machine lacks": (_train(**{"mesh.data": 2}), ValueError, "does not match the"),
+  "a batch larger than the data": (_train(True, batch_size=40_000), ValueError, "split too short"),
+  "a held lock": (_train(), guards.WorkdirInUse, "is in use by another trainer .pid"),
   # The only checkpoint damaged: every command refuses it, naming the step and the checksums.
   **{
-    f"{command}, {how}": (
-      COMMANDS[command],
-      (RuntimeError, SystemExit),
-      "step 4: DamagedCheckpointError: its contents do not match the checksums",
-    )
+    f"{command}, {how}": (COMMANDS[command], (RuntimeError, SystemExit), DAMAGED)
     for command in COMMANDS
     for how in DAMAGE
   },
@@ -677,10 +559,10 @@ def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
     if holder is not None:
       holder.kill()
       holder.wait()
-  line = _one_line(e)
+  assert "\n" not in str(e.value) and str(e.value)
   assert listing(workdir) == before and not os.path.exists(tmp_path / "model.msgpack")
   if holder is not None:
-    assert f"another trainer (pid {holder.pid} on" in line, line
+    assert f"another trainer (pid {holder.pid} on" in str(e.value)
   if case == "a bad config":  # nor is a new workdir left behind
     with pytest.raises(error, match=says):
       command(str(tmp_path / "fresh"), tmp_path)
@@ -717,36 +599,29 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
   assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 5}
   for n in (4, 5):
     assert events.index(("read", n - 3)) < events.index(("dispatch", n)), events
-  records = [r for r in Workdir(workdir).read_metrics() if "loss" in r]
+  records = _records(workdir)
   assert [r["step"] for r in records] == [5] and np.isfinite(records[0]["loss"])
 
 
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
   """With several processes JAX's preemption sync manager owns SIGTERM and names the stop step;
   a Ctrl-C is exchanged at log steps only."""
-  from aft_jax.trainer import preemption
-
-  monkeypatch.setattr(preemption.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(guards.jax, "process_count", lambda: 2)
   gathered, sync_steps = [], []
-  monkeypatch.setattr(
-    preemption.multihost_utils,
-    "process_allgather",
-    lambda x: gathered.append(int(x)) or np.array([int(x), 0]),
-  )
-  monkeypatch.setattr(
-    preemption.multihost_utils,
-    "reached_preemption_sync_point",
-    lambda step: sync_steps.append(step) or step == 7,
-  )
+  utils = guards.multihost_utils
+  allgather = lambda x: gathered.append(int(x)) or np.array([int(x), 0])  # noqa: E731
+  monkeypatch.setattr(utils, "process_allgather", allgather)
+  sync_point = lambda step: sync_steps.append(step) or step == 7  # noqa: E731
+  monkeypatch.setattr(utils, "reached_preemption_sync_point", sync_point)
   sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-  with preemption.Preemption() as p:
+  with guards.Preemption() as p:
     assert signal.getsignal(signal.SIGTERM) is sigterm
     assert not p.should_stop(1, every=2) and not p.should_stop(2, every=2)
     os.kill(os.getpid(), signal.SIGINT)
     assert not p.should_stop(3, every=2)  # not a log step
     assert p.should_stop(4, every=2) and p.signal == signal.SIGINT
   assert gathered == [0, 1] and sync_steps == [1, 2, 3, 4]
-  with preemption.Preemption() as p:  # the sync manager's step, between log steps
+  with guards.Preemption() as p:  # the sync manager's step, between log steps
     assert not p.should_stop(5, every=2) and p.should_stop(7, every=2)
     assert p.signal.startswith("SIGTERM, preemption notice")
   assert signal.getsignal(signal.SIGINT) is sigint  # the handler found (SIG_IGN in background)
@@ -757,20 +632,25 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   validation kept; the rerun scores only the test split."""
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 0})
-  original, scored = train_lib.Trainer.evaluate, []
+  original, scored, once = train_lib.Trainer.evaluate, [], [True]
 
   def evaluate(self, params, tokens, bos_id, desc="eval", **kw):
     scored.append(desc)
-    if desc == "test" and signal_once:
-      signal_once.pop()
+    if desc == "test" and once and once.pop():
       os.kill(os.getpid(), signal.SIGTERM)  # recorded by the run's handler, acted on next batch
     return original(self, params, tokens, bos_id, desc, **kw)
 
-  signal_once = [True]
   monkeypatch.setattr(train_lib.Trainer, "evaluate", evaluate)
-  out = train_lib.train_and_evaluate(config, workdir)
+  # (And the run builds its config once, and checks each component once.)
+  built, checked = [], []
+  from_tree, problems = RunConfig.from_tree.__func__, TypedConfig.problems
+  monkeypatch.setattr(
+    RunConfig, "from_tree", classmethod(lambda c, t: built.append(t) or from_tree(c, t))
+  )
+  monkeypatch.setattr(TypedConfig, "problems", lambda c: checked.append(type(c)) or problems(c))
+  assert train_lib.train_and_evaluate(config, workdir) == {"interrupted": True, "step": 2}
+  assert len(built) == 1 and sorted(map(str, checked)) == sorted(map(str, SLICES.values()))
   said = capsys.readouterr().out
-  assert out == {"interrupted": True, "step": 2}, out
   assert f"signal {int(signal.SIGTERM)}) during the final evaluation of the test split" in said
   wd = Workdir(workdir)
   assert not os.path.exists(wd.results_file) and not os.path.exists(wd.lock_file)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support import prefork
-from tests.trainer import change_batches, wrap_train_step
+from tests.trainer import change_batches, run_train_in_process, wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
@@ -72,13 +72,9 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
 def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   docs, tmp_path, monkeypatch
 ):
-  """data.packing on a text corpus (the json package's files, bytes). Checkpoints are written in
-  the background: while the save at step 2 is held unfinished, step 3 trains (on the state the
-  save copied, its buffers donated to the step) and step 4's batch is drawn. That checkpoint
-  then verifies against the checksums taken before the save returned (read back as the tools
-  read it). A run stopped by SIGTERM after step 3 says it saved step 3 once that checkpoint is
-  on disk, and resumes to the same losses and results as the run straight through. The results
-  say what the training rows were; evaluation is the unpacked run's (the same splits)."""
+  """A packed text run: steps 3-4 train while the save at step 2 is held (which then verifies);
+  stopped by SIGTERM after step 3 (saved before it says so), it resumes to the same losses and
+  results as the run straight through; evaluation is the unpacked run's."""
   text = {
     "data.dataset": "text",
     "data.train_files": str(docs / "*.py"),
@@ -129,18 +125,13 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
 
 @pytest.mark.slow
 def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
-  """configs/quickstart.py as the README runs it (with JAX's and absl's own flags passed
-  through), shortened to 120 of its 1000 steps to fit CI's time budget: validation perplexity
-  already well below the unigram baseline (1.6x below it asked; 2.0x measured at step 120 of a
-  200-step run, 2.5x at 200), what a run leaves in its workdir, and aft-generate's sample from
-  it."""
+  """configs/quickstart.py as the README runs it, 120 of its 1000 steps: validation perplexity
+  1.6x below the unigram baseline (2.0x measured), its workdir, and aft-generate's sample."""
   workdir = str(tmp_path / "quick")
   steps = 120
   flags = (f"--config.num_train_steps={steps}", "--config.sample.length=20")
   cmd = train_py(workdir, *flags, "--jax_debug_nans=false", "--verbosity=0")
-  # XLA's own optimisations, as a user's run has them: the suite's FAST_COMPILE saves compile
-  # time on tiny programs, but this run's 120 steps took 2.3x as long without them (~64 against
-  # ~36 CPU-s for the whole run here).
+  # XLA's own optimisations, as a user's run has them (without them 120 steps took 2.3x as long).
   env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, ""))
   out = prefork.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -155,13 +146,10 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
 
   n = cpu_devices.count_for(RunConfig.from_tree(quickstart.get_config()), cpu_devices.cores())
   assert f"mesh {{'data': {n}, 'fsdp': 1" in out.stdout, out.stdout[:2000]
-  for key in ("valid_ppl", "test_ppl", "unigram_valid_ppl", "num_params", "tokens_seen", "steps"):
-    assert key in results, key
+  assert results["test_ppl"] > 1 and results["num_params"] > 0
   saved = json.load(open(os.path.join(workdir, "config.json")))
-  assert saved["model"]["d_model"] == 128 and saved["num_train_steps"] == steps
-  assert results["steps"] == steps
+  assert saved["model"]["d_model"] == 128 and saved["num_train_steps"] == results["steps"] == steps
   assert results["tokens_seen"] == steps * saved["batch_size"] * saved["seq_len"]
-  assert math.isfinite(results["valid_ppl"])
   every = saved["log_every_steps"]  # and the last step, whatever its remainder
   assert list(_losses(workdir)) == [*range(every, steps, every), steps]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", str(steps)))
@@ -176,8 +164,7 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-  """grad_accum_steps=2 over two batches of 4 = one step on the batch of 8 they make up (the
-  iterator cuts the same shuffled stream into batches; dropout off)."""
+  """grad_accum_steps=2 over two batches of 4 = one step on the batch of 8 they make up."""
   common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
   accum = train_lib.train_and_evaluate(
     tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
@@ -194,89 +181,91 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
 
 
-@pytest.mark.parametrize(
-  "flags, message",
-  [
-    # After --config QUICKSTART unless they start with --config, from an empty folder ({root}:
-    # the checkout, {tmp}: the folder).
-    ("--workdir run --config.seed=-1", "config.seed = -1"),
-    # A mistyped key (ml_collections raises while absl parses the flags): the whole key and
-    # the closest ones.
-    ("--workdir run --config.model.d_modle=1", "unknown config key 'model.d_modle'; did you m"),
-    ("--workdir run --num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),
-    # A recipe's argument its get_config refuses (given again: the last --config is used).
-    ("--workdir run --config=wikitext103:aft_bogus", "--config: ValueError: configs/wikitext1"),
-    ("--workdir run --config={root}/configs/wikitext103.py:aft_x", "'aft_x' is not one of ('a"),
-    # Not ml_collections' traceback at the first use of the config (with an override).
-    ("--workdir run --config=configs/nosuch.py:x --config.seed=1", "no config file 'configs/"),
-    # Not the current directory.
-    ("", "--workdir is required"),
-    ("--workdir ''", "--workdir is required"),
-    ("--workdir ' '", "--workdir = ' ' is blank"),
-    # The README's --config "text:~/notes/**/*.md" (and configs/text.py:GLOB), with an override
-    # after it: the glob reaches the recipe whole (~ is $HOME), not a config file that fails.
-    ("--config text:~/n/**/*.md --workdir run --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
-    ("--config {root}/configs/text.py:~/n/**/*.md --workdir run", "files: '{tmp}/n/**/*.md' ma"),
-    # A CPU device count that is no number of devices. jax refuses a word when imported: before
-    # the trainer is; 0 failed as jax's CPU backend started, blaming a plugin; -5 gave one device
-    # unsaid; XLA printed its 94-line flag list as the backend started (0: blamed a plugin).
-    ("JAX_NUM_CPU_DEVICES=abc --workdir run", 'Invalid value "abc" for JAX flag jax_num_cpu_de'),
-    ("--workdir run --jax_num_cpu_devices=0", "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft"),
-    ("--workdir run --jax_num_cpu_devices=-5", "jax_num_cpu_devices = -5 (JAX_NUM_CPU_DEVICES, a"),
-    (f"XLA_FLAGS={COUNT}=abc --workdir run", f"XLA_FLAGS has {COUNT}=abc: no number of"),
-    (f"XLA_FLAGS={COUNT}=0 --workdir run", "device_count=0: no num"),
-  ],
-)
-def test_a_bad_command_line_is_one_line_on_stderr_and_exit_status_1(tmp_path, flags, message):
-  """Nothing written: no workdir, nothing in the current directory."""
+CLI = [  # (the command line after --config QUICKSTART, the one line it says); {tmp}: the cwd
+  ("--workdir run --config.seed=-1", "config.seed = -1"),
+  # A mistyped key (ml_collections raises while absl parses): the whole key, the closest ones.
+  ("--workdir run --config.model.d_modle=1", "unknown config key 'model.d_modle'; did you m"),
+  ("--workdir run --num_devices=x", "error: flag --num_devices=x: invalid literal for int()"),
+  # A recipe's argument its get_config refuses (given again: the last --config is used).
+  ("--workdir run --config=wikitext103:aft_bogus", "--config: ValueError: configs/wikitext1"),
+  ("--workdir run --config={root}/configs/wikitext103.py:aft_x", "'aft_x' is not one of ('a"),
+  ("--workdir run --config=configs/nosuch.py:x --config.seed=1", "no config file 'configs/"),
+  ("", "--workdir is required"),  # not the current directory
+  ("--workdir ''", "--workdir is required"),
+  ("--workdir ' '", "--workdir = ' ' is blank"),
+  # The README's --config "text:~/notes/**/*.md": the glob reaches the recipe whole (~: $HOME).
+  ("--config text:~/n/**/*.md --workdir run --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
+  ("--config {root}/configs/text.py:~/n/**/*.md --workdir run", "files: '{tmp}/n/**/*.md' ma"),
+  (f"XLA_FLAGS={COUNT}=abc --workdir run", f"XLA_FLAGS has {COUNT}=abc: no number of"),
+  (f"XLA_FLAGS={COUNT}=0 --workdir run", "device_count=0: no num"),
+]
+
+
+def _command(flags, tmp_path):
+  """(environment variables, argv) of a ``CLI`` row."""
   flags = shlex.split(flags.format(root=ROOT))
-  env = {**os.environ, "HOME": str(tmp_path)}
-  while (
-    flags and "=" in flags[0] and not flags[0].startswith("--")
-  ):  # NAME=VALUE: the environment's
-    env.update([flags.pop(0).split("=", 1)])
+  env = dict(f.split("=", 1) for f in flags if "=" in f and not f.startswith("-"))
+  flags = [f for f in flags if "=" not in f or f.startswith("-")]
   config = [] if flags[:1] == ["--config"] else ["--config", QUICKSTART]
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"), *config, *flags]
-  out = prefork.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-  lines = [line for line in out.stderr.splitlines() if line.strip()]
-  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
-  assert message.format(tmp=tmp_path) in lines[0], lines[0]
+  return {**env, "HOME": str(tmp_path)}, ["train.py", *config, *flags]
+
+
+@pytest.mark.parametrize("flags, message", CLI)
+def test_a_bad_command_line_is_one_line_on_stderr(flags, message, tmp_path, monkeypatch, capsys):
+  """From an empty folder: one line, exit status 1, nothing written."""
+  env, argv = _command(flags, tmp_path)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.chdir(tmp_path)
+  status, said = run_train_in_process(argv, monkeypatch, capsys)
+  lines = [line for line in said.splitlines() if line.strip()]
+  assert status == 1 and len(lines) == 1 and message.format(tmp=tmp_path) in lines[0], said
   assert os.listdir(tmp_path) == []
 
 
-def test_a_warmup_longer_than_the_run_is_said_not_silently_cut():
-  from aft_jax.trainer.optimizer import OptimizerConfig, warmup_note
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    # jax refuses a word when imported: before the trainer is.
+    ("JAX_NUM_CPU_DEVICES=abc --workdir run", 'Invalid value "abc" for JAX flag jax_num_cpu_de'),
+    # JAX's own flags pass through absl; 0 failed as jax's CPU backend started, blaming a plugin.
+    ("--workdir run --jax_num_cpu_devices=0", "jax_num_cpu_devices = 0 (JAX_NUM_CPU_DEVICES, aft"),
+  ],
+)
+def test_a_bad_jax_setting_is_one_line_and_exit_status_1(tmp_path, flags, message):
+  env, argv = _command(flags, tmp_path)
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), *argv[1:]]
+  out = prefork.run(
+    cmd, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+  )
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert message in lines[0] and os.listdir(tmp_path) == [], lines[0]
 
-  note = warmup_note(OptimizerConfig(warmup_steps=100), 10)
-  assert note.startswith("note: warmup_steps = 100 is not shorter than the run's 10 updates")
-  assert "warms up over 9" in note
-  assert warmup_note(OptimizerConfig(warmup_steps=3), 10) is None
-  assert "run's 5 updates" in warmup_note(OptimizerConfig(warmup_steps=5, grad_accum_steps=2), 10)
 
-
-def test_a_vocab_size_that_bytes_and_words_do_not_use_is_said():
-  """Only a subword vocabulary is made to a size; a byte or word run that sets one is told (a
-  note, so that a workdir which recorded such a value still resumes as it ran)."""
+def test_a_warmup_longer_than_the_run_and_a_vocab_size_bytes_and_words_do_not_use_are_said():
+  """Notes, not errors: a workdir that recorded such a value still resumes as it ran."""
   from aft_jax.data.config import DataConfig, vocab_size_note
+  from aft_jax.trainer.optimizer import OptimizerConfig, warmup_note
 
   cfg = RunConfig.from_tree(tiny_config(**{"data.vocab_size": 1000, "warmup_steps": 50}))
   said = []
   train_lib.make_trainer(cfg, 256, jax.devices()[:1], say=said.append)
-  assert said[0].startswith("note: warmup_steps = 50")  # both notes, where a run says them
-  assert said[1] == (
+  assert said == [
+    "note: warmup_steps = 50 is not shorter than the run's 6 updates: the learning rate warms up "
+    "over 5 and then decays",
     "note: config.data.vocab_size = 1000 is not used: tokenizer = 'byte' has its 256 byte "
-    "values (vocab_size is the size of a 'subword' vocabulary)"
-  )
-  assert "'word' has the words of the train split" in vocab_size_note(
-    DataConfig(tokenizer="word", vocab_size=5)
-  )
-  assert vocab_size_note(DataConfig(tokenizer="byte")) is None
+    "values (vocab_size is the size of a 'subword' vocabulary)",
+  ]
+  assert warmup_note(OptimizerConfig(warmup_steps=3), 10) is None
+  assert "run's 5 updates" in warmup_note(OptimizerConfig(warmup_steps=5, grad_accum_steps=2), 10)
+  word = vocab_size_note(DataConfig(tokenizer="word", vocab_size=5))
+  assert "'word' has the words of the train split" in word
   assert vocab_size_note(DataConfig(dataset="text", tokenizer="subword", vocab_size=400)) is None
+  assert vocab_size_note(DataConfig(tokenizer="byte")) is None
 
 
 def test_cpu_compile_options_only_on_cpu_meshes_and_not_over_xla_flags(monkeypatch):
-  import jax
-
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert train_lib.compiler_options(mesh) == train_lib.CPU_COMPILER_OPTIONS

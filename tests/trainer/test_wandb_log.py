@@ -1,6 +1,5 @@
-"""aft_jax.trainer.wandb_log: the optional W&B logging. Without the extra, setting
-config.wandb.project is one line saying how to install it; with it (a test dependency),
-WANDB_MODE=offline writes a W&B run folder with the run's metrics and sends nothing."""
+"""The optional W&B logging (aft_jax.trainer.step_log): without the extra, one line saying how to
+install it; with it, WANDB_MODE=offline writes a W&B run folder and sends nothing."""
 
 import contextlib
 import glob
@@ -12,7 +11,7 @@ import os
 
 import pytest
 
-from aft_jax.trainer import train_lib, wandb_log
+from aft_jax.trainer import step_log, train_lib
 from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import tiny_config
 
@@ -25,21 +24,20 @@ def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(mon
   config = tiny_config(**{"wandb.project": "mine"})
   with pytest.raises(ValueError, match=r"wandb\.project = 'mine' needs Weights & Biases") as e:
     RunConfig.from_tree(config)
-  assert wandb_log.INSTALL in str(e.value) and "\n" not in str(e.value)
+  assert step_log.WANDB_INSTALL in str(e.value) and "\n" not in str(e.value)
   RunConfig.from_tree(tiny_config())  # no project: W&B is never asked for
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
-  """A fresh run in a workdir path used before (say, deleted and started again) must not
-  continue the old W&B run, as an id derived from the path did; a resume continues it."""
+  """A fresh run in a workdir path used before must not continue the old W&B run."""
   workdir = str(tmp_path / "run")
-  first = wandb_log.run_id(workdir, resumed=False)
-  assert wandb_log.run_id(workdir, resumed=True) == first
-  second = wandb_log.run_id(workdir, resumed=False)
-  assert second != first and wandb_log.run_id(workdir, resumed=True) == second
+  first = step_log.wandb_run_id(workdir, resumed=False)
+  assert step_log.wandb_run_id(workdir, resumed=True) == first
+  second = step_log.wandb_run_id(workdir, resumed=False)
+  assert second != first and step_log.wandb_run_id(workdir, resumed=True) == second
   # A workdir from before the id was kept resumes the run its path named.
   old = str(tmp_path / "old")
-  assert wandb_log.run_id(old, resumed=True) == hashlib.sha256(old.encode()).hexdigest()[:16]
+  assert step_log.wandb_run_id(old, resumed=True) == hashlib.sha256(old.encode()).hexdigest()[:16]
 
 
 def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_continues_it(
@@ -51,13 +49,11 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
   config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
   with contextlib.redirect_stdout(io.StringIO()):
     results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
-  # run.finish() (at the end of the run) only asks W&B's service to write the record; it is
-  # complete once the service is done, which teardown waits for (as the process's exit does).
-  # Read before, it held only its header on a busy machine.
+  # run.finish() only asks W&B's service to write the record: complete once teardown returns.
   import wandb
 
   wandb.teardown()
-  (run_id,) = open(tmp_path / "run" / wandb_log.ID_FILE).read().split()
+  (run_id,) = open(tmp_path / "run" / step_log.WANDB_ID_FILE).read().split()
   (run_dir,) = glob.glob(str(tmp_path / "run" / "wandb" / f"offline-run-*-{run_id}"))
   (record,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))  # everything the run logged
   with open(record, "rb") as f:
@@ -85,8 +81,7 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
 
 
 def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
-  """What the training loop writes reaches the W&B run: every record with its step, and the
-  sample as a table (the config went to ``wandb.init``)."""
+  """Every record with its step, the sample as a table (the config went to ``wandb.init``)."""
   from aft_jax.trainer.step_log import MetricWriter
 
   class Run:

@@ -1,5 +1,8 @@
-"""One trainer per workdir: its lock file holds the holder's pid and host; a second trainer is
-refused naming them, a lock left by a process gone from this host taken over.
+"""What guards a running trainer: the workdir's lock (one trainer per workdir: the lock file holds
+the holder's pid and host, a second trainer is refused naming them, a lock left by a process gone
+from this host taken over) and ``Preemption``, SIGTERM / Ctrl-C as a flag the training loop checks
+after each step (a second Ctrl-C stops at once). With several processes JAX's preemption sync
+manager owns SIGTERM, and SIGINT flags are compared at log steps.
 """
 
 from __future__ import annotations
@@ -7,9 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from aft_jax import files
 from aft_jax.workdir import Workdir
@@ -25,7 +33,7 @@ def _alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # someone else's process: it exists
-    return True
+    pass
   return True
 
 
@@ -99,3 +107,46 @@ def hold(workdir: str | Workdir, enabled: bool = True) -> Iterator[None]:
     if created:  # a run refused before it wrote anything leaves no empty workdir behind
       with contextlib.suppress(OSError):
         os.rmdir(workdir)
+
+
+class Preemption:
+  """A context manager that records SIGTERM / SIGINT instead of dying on them."""
+
+  def __init__(self):
+    self.signal, self._old, self._synced = None, {}, False
+
+  def __enter__(self):
+    # Whether JAX's preemption sync manager handles SIGTERM in this run (several processes).
+    self._synced = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+    # JAX's notifier installed its own SIGTERM handler; a Python one would replace it.
+    sigs = (signal.SIGINT,) if self._synced else (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    if self.signal is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.signal = signum
+
+  def should_stop(self, i: int, every: int, synced: bool = True) -> bool:
+    """Whether to stop after step ``i``: with several processes at the sync point (``synced``)
+    or at a multiple of ``every`` after a signal to any of them."""
+    if jax.process_count() == 1:
+      return self.signal is not None
+    if synced and self._synced and multihost_utils.reached_preemption_sync_point(i):
+      self.signal = "SIGTERM, preemption notice to one or more processes"
+      return True
+    if i % every:
+      return False
+    flags = multihost_utils.process_allgather(np.int32(self.signal is not None))
+    if np.any(flags) and self.signal is None:
+      self.signal = "from another process"
+    return bool(np.any(flags))
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
