@@ -1,4 +1,5 @@
-"""AFT-local (paper Eq. 4): the op, its step, and the banded XLA sums AFT-full shares; kernel in
+"""AFT-local (paper Eq. 4) and AFT-full (Eq. 2: AFT-local with a band of every key; no kernel, no
+summary state): the ops, their steps, the banded XLA sums; AFT-local's kernel in
 ``pallas.triton_local`` (docs/kernels.md, "How each module computes")."""
 
 import functools
@@ -14,8 +15,9 @@ from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
 from aft_jax.ops.pallas import triton_local
 
-FN = "aft_local"
+FN, FULL = "aft_local", "aft_full"
 KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupported),)
+FULL_KERNELS = ()  # (none: impl="pallas" is refused)
 # Sub-pieces (>= 4 windows) of a long piece given w's factors: its memory stays linear.
 SUB_PIECE = 2048
 
@@ -83,15 +85,15 @@ def aft_local(
   )  # fmt: skip
 
 
-def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window, causal, impl,
-         final, axis_name):  # fmt: skip
+def _run(q, k, v, w, segment_ids, positions, mode, window, causal, impl, fn=FN, offset=None,
+         guard=None, state=None, final=False, axis_name=None):  # fmt: skip
   if mode == "packed":
     return lse.packed(q, k, v, segment_ids, window, band_bias(w, positions, q.shape[-2]))
   if mode == "sharded":
     state = lse.shard_state(k, v, window, axis_name)
     return _piece(q, k, v, w, window, impl, state.index, state, False)
   if mode == "whole" and not isinstance(w, Factors):
-    return _whole(q, k, v, w, window, causal, impl)
+    return _whole(q, k, v, w, window, causal, impl, fn)
   out = _piece(q, k, v, w, window, impl, 0 if offset is None else offset, state, final)
   if guard is None:
     return out
@@ -99,13 +101,13 @@ def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window,
   return (y, out[1]) if final else y
 
 
-def _whole(q, k, v, w, window, causal, impl, fn=FN, kernels=KERNELS):
-
+def _whole(q, k, v, w, window, causal, impl, fn=FN):
   def xla(k, v, w, low):
     k2, v2 = common.rows(k), common.rows(v)
     plan = make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
     return common.unrows(banded_mean(plan, k2, v2, w), k.shape)
 
+  kernels = KERNELS if fn == FN else FULL_KERNELS
   return common.run(fn, kernels, impl, xla, q, k, v, w, causal=causal, window=window)
 
 
@@ -120,6 +122,50 @@ def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   w_t = jnp.asarray(w_t, jnp.float32)
   bias = lambda pos, _: w_t[jnp.clip(pos, 0, w_t.shape[-1] - 1)][:, None]
   return lse.window_step(state, q_t, k_t, v_t, bias)
+
+
+def aft_full(
+  q, k, v, w, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
+  segment_ids=None, positions=None,
+):  # fmt: skip
+  """AFT-full: Y[t] = sigma(q[t]) * sum_t' softmax_t'(k[t'] + w[t, t']) v[t'] (causal: t' <= t).
+
+  Args:
+    q, k, v: ``[..., T, D]``; w: ``[T, T]``, the pairwise bias.
+    causal, impl: as ``aft_simple``.
+    initial_state, output_final_state: refused (decode with ``aft_full_step``).
+    segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
+
+  Returns:
+    ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
+  """
+  if initial_state is not None or output_final_state:
+    raise ValueError(
+      f"{FULL}: initial_state and output_final_state are for aft_simple, aft_local and "
+      "aft_conv1d; AFT-full's past is every key and value (decode with aft_full_step)"
+    )
+  q, k, v = common.check_qkv(FULL, q, k, v)
+  mode = common.check_mode(FULL, causal, impl, segment_ids=segment_ids, positions=positions)
+  if mode == "packed":
+    common.check_arrays(FULL, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_arrays(FULL, w=w)
+  else:
+    check_bias(FULL, w, q.shape[-2])
+  return common.eager(
+    _run, q=q, k=k, v=v, w=w, segment_ids=segment_ids, positions=positions, mode=mode,
+    window=q.shape[-2], causal=bool(causal), impl=impl, fn=FULL,
+  )  # fmt: skip
+
+
+def aft_full_init(shape, max_len: int) -> lse.WindowState:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len."""
+  return aft_local_init(shape, max_len)
+
+
+def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
+  """One token t = ``state.index``: q_t, k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of w).
+  Returns ``(Y[t], state)``."""
+  return aft_local_step(state, q_t, k_t, v_t, w_t)
 
 
 def check_bias(fn, w, t_len: int, offset=None):
