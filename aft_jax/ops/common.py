@@ -39,7 +39,6 @@ class DeviceFacts(NamedTuple):
 
 
 def capability_of_kind(device_kind: str, device=None) -> tuple[int, int] | None:
-  """``device``'s compute capability, a local device of its kind's, or ``CAPABILITIES``'."""
   try:
     local = [d for d in jax.local_devices() if d.device_kind == device_kind]
   except RuntimeError:  # no backend could start
@@ -60,8 +59,7 @@ def device_facts(device=None) -> DeviceFacts:
   return DeviceFacts(platform, device.device_kind, cc)
 
 
-def triton_missing() -> str | None:
-  """Why this jax cannot build Pallas Triton kernels (deprecated from jax 0.11), or None."""
+def triton_missing() -> str | None:  # why this jax cannot build Triton kernels (jax 0.11 on)
   try:
     from jax.experimental.pallas import triton as plt
 
@@ -72,7 +70,6 @@ def triton_missing() -> str | None:
 
 
 def gpu_kernels_refused(device: DeviceFacts) -> str | None:
-  """Why Pallas' Triton kernels cannot run on the GPU ``device``, or None if they can."""
   cc = device.compute_capability
   if cc is None:
     return f"the compute capability of {device.device_kind!r} is not known"
@@ -96,7 +93,6 @@ _SAID: set[str] = set()  # the warnings given in this process (each once)
 
 
 def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
-  """Why ``kernel`` cannot run these arguments on ``device`` (None: interpreted), or None."""
   why = None if causal else "the kernel is for causal=True"
   why = why or kernel.unsupported(channels, window)
   if why is None and device is not None and kernel.platform == "gpu":
@@ -188,8 +184,7 @@ def dtypes(*xs):  # (output dtype, compute dtype): bfloat16 and float16 are comp
   return dt, jnp.promote_types(dt, jnp.float32)
 
 
-def array(fn, name, x):
-  """x as an array (an array-like converted); else a one-line ValueError naming ``name``."""
+def array(fn, name, x):  # x as an array, else a ValueError naming ``name``
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return x
   try:
@@ -238,8 +233,7 @@ def check_impl(fn: str, impl) -> None:
     raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_mode(fn, causal, impl, **given) -> str:
-  """The call's mode ("sharded", "packed", "piece", "whole"); a ValueError where ``given`` clash."""
+def check_mode(fn, causal, impl, **given) -> str:  # "sharded", "packed", "piece" or "whole"
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
@@ -265,8 +259,7 @@ def check_mode(fn, causal, impl, **given) -> str:
   return "sharded" if "axis_name" in used else "packed" if rows else "piece" if piece else "whole"
 
 
-def check_state(fn, initial_state, init):
-  """ValueError unless ``initial_state`` (or None) is shaped and typed as ``init()``'s state."""
+def check_state(fn, initial_state, init):  # ValueError unless None or shaped, typed as init()'s
   if initial_state is None:
     return
   expected = jax.eval_shape(init)

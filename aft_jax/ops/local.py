@@ -22,9 +22,7 @@ FULL_KERNELS = ()  # (none: impl="pallas" is refused)
 SUB_PIECE = 2048
 
 
-class Factors(NamedTuple):
-  """w = u v^T, u and v ``[L, d']``: a piece or a device's shard forms only the block it reads."""
-
+class Factors(NamedTuple):  # w = u v^T, u, v [L, d']: a piece forms only the block it reads
   u: jax.Array
   v: jax.Array
 
@@ -168,8 +166,7 @@ def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   return aft_local_step(state, q_t, k_t, v_t, w_t)
 
 
-def check_bias(fn, w, t_len: int, offset=None):
-  """w (or its factors) ``[T, T]`` (``offset`` None) or ``[L, L]``, L >= offset + T."""
+def check_bias(fn, w, t_len: int, offset=None):  # [T, T] (offset None) or [L, L], L >= offset + T
   if not isinstance(w, Factors):
     common.check_arrays(fn, w=w)
   shape, least = tuple(w.shape), t_len + (offset if isinstance(offset, int) else 0)
@@ -221,8 +218,7 @@ def _dense(w: Factors, pos=None):  # u v^T (float32), or its rows and columns ``
   return u @ v.T if pos is None else u[pos] @ v[pos].T
 
 
-def _piece(q, k, v, w, window, impl, offset, state, final):
-  """Causal AFT-local at positions offset.. of w ``[L, L]`` (or ``Factors``) after ``state``."""
+def _piece(q, k, v, w, window, impl, offset, state, final):  # at w's rows offset.. after ``state``
   t_len, one = q.shape[-2], q.shape[:-2] + q.shape[-1:]
   init = lambda: lse.window_init(one, one, window, offset)
   if t_len == 0:
@@ -238,7 +234,6 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
 
 
 def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
-  """``_piece`` as a scan over sub-pieces of c positions (state and offset carried), the rest."""
   t_len, axis, c = q.shape[-2], q.ndim - 2, max(SUB_PIECE, 4 * window)
   m, lead = t_len // c, q.shape[:axis]
   split = lambda x: jnp.moveaxis(
@@ -259,8 +254,7 @@ def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
   return (ys, state) if final else ys
 
 
-def _block_of(w, offset, n: int, t_len: int):
-  """w's rows and columns offset - n .. offset + T - 1 (before 0: 0), never a copy of w."""
+def _block_of(w, offset, n: int, t_len: int):  # offset - n .. offset + T - 1 (before 0: 0), no copy
   size = n + t_len
   if isinstance(w, Factors):  # that block of u v^T alone
     return _dense(w, jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1))
@@ -275,8 +269,7 @@ def _block_of(w, offset, n: int, t_len: int):
   return jnp.where(offset >= n, late, early)
 
 
-def band_bias(w, positions, t_len: int):
-  """The lag bias w[positions[t], positions[t - j]] ``[..., T, 1]``; NaN outside w."""
+def band_bias(w, positions, t_len: int):  # j -> w[pos[t], pos[t - j]] [..., T, 1]; NaN outside w
   w = jnp.asarray(w, jnp.float32)
   pos = jnp.arange(t_len) if positions is None else jnp.asarray(positions)
 
@@ -295,15 +288,13 @@ _MAX_LOG_SCALE = 80.0
 
 
 class BandPlan(NamedTuple):
-  """T, s, causal, rows per block c, blocks nb, keys per block W, rows per exact group."""
-
   t_len: int
   s: int
   causal: bool
-  c: int
-  nb: int
-  width: int
-  rows: int
+  c: int  # rows per block
+  nb: int  # blocks
+  width: int  # keys per block
+  rows: int  # rows per exact group
   low: bool = False
 
   def tame(self, x):  # a tangent's factor (non-causal: a NaN is NaN everywhere anyway)
@@ -315,7 +306,6 @@ def _default_block(s: int, t_len: int) -> int:  # CPU-timed: scan steps vs maske
 
 
 def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -> BandPlan:
-  """The layout for T, R channels (symbolic: one-row groups) and the band half-width."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
   width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
@@ -325,8 +315,7 @@ def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -
   return BandPlan(t_len, s, causal, c, -(-t_len // c), width, rows, low)
 
 
-def _layout(p: BandPlan):
-  """Per block: first row rs, first key ks, the key ranges [lo, hi) of prefix and suffix sums."""
+def _layout(p: BandPlan):  # per block: rs, ks, the prefix and suffix sums' key ranges [lo, hi)
   i32 = lambda x: np.asarray(x, np.int32)
   rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
   ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
@@ -344,8 +333,7 @@ def _range_keys(k, lo, hi, c):  # (start, mask [c, 1]) of the c keys from min(lo
   return st, ((idx >= lo) & (idx < hi))[:, None]
 
 
-def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
-  """Running exact sums (bias 0) over the blocks' key ranges, [nb, R] each."""
+def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:  # running sums (bias 0) [nb, R]
 
   def step(acc, lohi):
     st, keep = _range_keys(k, *lohi, p.c)
@@ -384,8 +372,7 @@ def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
 
-def _patch(p: BandPlan, bad, fast, exact):
-  """``fast`` [c, R] with the row groups flagged in ``bad`` replaced by ``exact(g)``."""
+def _patch(p: BandPlan, bad, fast, exact):  # the groups flagged ``bad`` replaced by ``exact(g)``
   groups = p.c // p.rows
   one = lambda args: lse.cond(args[1], lambda: exact(args[0]), lambda: args[2])
 
@@ -416,8 +403,7 @@ def _block(p: BandPlan, k, v, w, rs, ks):
   return bias, band, kw, vw, pt, e, vs, mw, mk, _slice(seen, rs - ks, p.c)
 
 
-def _forward(p: BandPlan, k, v, w):
-  """(a, L ``[T, R]``, recomputed row groups ``[nb, groups]``, the edge sums' maxima)."""
+def _forward(p: BandPlan, k, v, w):  # a, L [T, R], recomputed groups [nb, groups], edges' maxima
   r = k.shape[1]
   rs, ks, pre_r, suf_r = _layout(p)
   pre = _edge_sums(p, k, v, pre_r, False)
@@ -428,8 +414,7 @@ def _forward(p: BandPlan, k, v, w):
     bias, _, kw, vw, pt, e, vs, mw, mk, seen = _block(p, k, v, w, b_rs, b_ks)
     nd = matmul("cw,wx->cx", pt, jnp.concatenate([e * vs, e], axis=1), p.low)
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
-    # A product loses a term when exp(b - mw) underflows: den must exceed DEN_OK times the
-    # largest second factor the row sees (inf: set aside).
+    # exp(b - mw) underflowed unless den > DEN_OK * the row's largest exp(k - mk) (inf: aside).
     redo = ~(fast[2] >= DEN_OK * (1.0 if seen is None else jnp.maximum(seen, 1.0)))
     bad = jnp.any(redo.reshape(p.c // p.rows, p.rows, r), axis=(1, 2))
     sees = (jnp.arange(p.width)[None, :] + b_ks <= jnp.arange(p.c)[:, None] + b_rs)[..., None]
@@ -461,8 +446,7 @@ def _unblock(p: BandPlan, x):  # [nb, c, ...] -> [T, ...] (the last block overla
   return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
-def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
-  """da [T, R], linear in (dk, dv, dw); the rest recomputed from the primals."""
+def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):  # da [T, R], linear in (dk, dv, dw)
   r, (a, lse_, bad, pre_m, suf_m) = k.shape[1], res
   rs, ks, pre_r, suf_r = _layout(p)
   pre = (pre_m, *_edge_tangent(p, k, v, pre_m, pre_r, False, dk, dv))
@@ -498,14 +482,12 @@ def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
     body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
     return jax.lax.scan(body, None, (rs, ks, bad, pre, suf))[1]
 
-  # A second version of the scan patches recomputed rows (a cond per block would transpose into
-  # zero cotangents filled and added per block).
+  # Two scans, not a cond per block (its transpose fills and adds zero cotangents per block).
   return _unblock(p, lse.cond(jnp.any(bad), lambda: run(True), lambda: run(False)))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def banded_mean(p: BandPlan, k, v, w):
-  """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
+def banded_mean(p: BandPlan, k, v, w):  # a [T, R] for k, v [T, R], w [T, T] (module docstring)
   return _forward(p, k, v, w)[0]
 
 

@@ -96,8 +96,7 @@ def _tril_matmul(x, low: bool):  # inclusive prefix sums along axis 0 of x [c, X
   return matmul("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, low)
 
 
-def _forward(kc, vc, low: bool):
-  """a, L [n, c, R] of k, v chunks [n, c, R]; the chunk maxima [n, R], recomputed chunks [n]."""
+def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recomputed chunks [n]
   r = kc.shape[2]
 
   def sequential(carry, kk, vv):  # exact: a running maximum per position
@@ -138,8 +137,7 @@ def _forward(kc, vc, low: bool):
   return a, lse_, m, bad
 
 
-def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
-  """da [n, c, R], linear in dk, dv [T, R]; factors ``tame`` (a row after a NaN: 0)."""
+def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):  # da [n, c, R], linear in dk, dv [T, R]
   c = a.shape[1]
   empty = jnp.full_like(m[:1], NEG)
   m_prev = jnp.concatenate([empty, m[:-1]])
@@ -180,8 +178,7 @@ def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):
-  """a [T, R] (module docstring) for k, v [T, R]; ``low``: bfloat16 factors in the products."""
+def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):  # a [T, R]; low: bfloat16 factors
   c = min(chunk, k.shape[0])
   a = _forward(_chunked(k, c, NEG), _chunked(v, c), low)[0]
   return a.reshape(-1, a.shape[-1])[: k.shape[0]]
