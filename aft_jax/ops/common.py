@@ -79,14 +79,11 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
   return triton_missing()
 
 
-class Kernel(NamedTuple):
-  """An op's kernel: ``mean(k, v[, w, window], interpret=...)`` ``[B, T, D]`` float32;
-  ``unsupported(channels, window)``: why not, or None; ``auto``: whether impl="auto" takes it."""
-
+class Kernel(NamedTuple):  # an op's kernel
   platform: str
-  mean: Callable
-  unsupported: Callable
-  auto: bool = True
+  mean: Callable  # (k, v[, w, window], interpret=...) -> [B, T, D] float32
+  unsupported: Callable  # (channels, window) -> why not, or None
+  auto: bool = True  # whether impl="auto" takes it
 
 
 _SAID: set[str] = set()  # the warnings given in this process (each once)
@@ -102,8 +99,7 @@ def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
 
 
 def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, device=None):
-  """The kernel of ``kernels`` that ``impl`` runs on ``device`` (default ``device_facts()``), or
-  None for XLA; a ValueError naming why where the kernel asked for cannot run, never XLA."""
+  """The kernel ``impl`` runs on ``device`` (None: XLA); a ValueError where the one asked can't."""
   check_impl(fn, impl)
   if impl == "xla" or (impl == "auto" and (not kernels or forward)):
     return None
@@ -145,8 +141,7 @@ def _has_jvp(x) -> bool:  # whether x carries a jax.jvp tracer (a kernel's custo
 
 
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
-  """Y = sigma(q) * op ``fn``'s mean on a whole sequence by ``xla(k, v, w, low)`` or the kernel
-  ``impl`` resolves to ("auto": both, in ``jax.lax.platform_dependent``); the inputs' dtype."""
+  """Y = sigma(q) * the mean by ``xla(k, v, w, low)`` or ``impl``'s kernel ("auto": by platform)."""
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -195,8 +190,7 @@ def array(fn, name, x):  # x as an array, else a ValueError naming ``name``
 
 
 def check_arrays(fn, lead=None, **arrays):
-  """ValueError unless each of ``arrays`` is real floating point or, given ``lead``, None or an
-  int array of shape ``lead`` ``[..., T]``."""
+  """ValueError unless each is real floating point (given ``lead``: None or ints [..., T])."""
   for name, x in arrays.items():
     if x is None and lead is not None:
       continue
@@ -286,8 +280,7 @@ def check_state(fn, initial_state, init):  # ValueError unless None or shaped, t
 
 
 def eager(run, traced=(), **kwargs):
-  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device and static
-  argument (None, a bool, int or str; not the ints named in ``traced``)."""
+  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device, static argument."""
   static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
   data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):

@@ -196,8 +196,7 @@ def _causal_conv1d(q, k, v, kernel):
 
 @_causal_conv1d.defjvp
 def _causal_conv1d_jvp(primals, tangents):
-  """The derivative at the inputs with non-finite entries 0, on rows that saw none; 0 elsewhere
-  (autodiff would reach earlier inputs with 0 * NaN)."""
+  """The derivative with non-finite inputs 0, on rows that saw none; else 0 (no 0 * NaN)."""
   q, k, v, kernel = primals
   axis = k.ndim - 2
   bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
@@ -217,8 +216,7 @@ def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
 
 
 def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """Causal AFT-conv1d as one masked [T, T] sum per head; rows that see a non-finite value
-  recomputed by the scans."""
+  """One masked [T, T] sum per head; rows that see a non-finite value redone by the scans."""
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'

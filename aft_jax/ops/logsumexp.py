@@ -271,8 +271,7 @@ def shift(x, j, axis: int, fill):  # x[t - j] along axis >= 0, fill outside; j m
 
 
 def packed(q, k, v, segment_ids, size: int, lag_bias):
-  """Causal, per segment: a scan over the lags j < ``size`` (bias ``lag_bias(j)``), a segmented
-  prefix scan for older keys (bias 0). O(T size D)."""
+  """Per segment: a scan over lags j < ``size`` (bias ``lag_bias(j)``), a prefix scan (bias 0)."""
   dt = jnp.result_type(q, k, v)
   k, v = _f32(k), _f32(v)
   axis, t_len = k.ndim - 2, k.shape[-2]

@@ -99,16 +99,13 @@ def _tril_matmul(x, low: bool):  # inclusive prefix sums along axis 0 of x [c, X
 def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recomputed chunks [n]
   r = kc.shape[2]
 
-  def sequential(carry, kk, vv):  # exact: a running maximum per position
-    def add(acc, kv):
-      m0, num0, den0 = acc
-      k1, v1 = kv
-      m = jnp.maximum(m0, k1)
-      s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
-      acc = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
-      return acc, (acc[1] / acc[2], m + jnp.log(acc[2]))
-
-    return jax.lax.scan(add, carry, (kk, vv))
+  def add(acc, kv):  # exact: a running maximum per position
+    m0, num0, den0 = acc
+    k1, v1 = kv
+    m = jnp.maximum(m0, k1)
+    s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
+    acc = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
+    return acc, (acc[1] / acc[2], m + jnp.log(acc[2]))
 
   def step(carry, kv):
     m0, num0, den0 = carry
@@ -125,7 +122,7 @@ def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recompu
       return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
 
     def exact():  # the flagged rows only: the others keep the fast values, bit for bit
-      (m1, num1, den1), (a1, lse1) = sequential(carry, kk, vv)
+      (m1, num1, den1), (a1, lse1) = jax.lax.scan(add, carry, (kk, vv))
       a, lse_ = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
       return (m1, num1, den1), (a, lse_, m1)  # the carry in the scale of m1
 

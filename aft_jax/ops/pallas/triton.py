@@ -53,8 +53,7 @@ def config_for(d: int, batch: int = 1, min_programs: int = 256) -> TritonConfig:
 
 
 def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto") -> LaunchPlan:
-  """Sequential where its grid has ``MIN_PROGRAMS`` programs, else chunk-parallel where T holds
-  two segments (each >= ``min_seg``); ``form`` forces one where it can run."""
+  """Sequential if it has ``MIN_PROGRAMS`` programs, else chunked (2 segments >= min_seg)."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   seq = LaunchPlan(config_for(d, batch))
@@ -79,8 +78,7 @@ def ones(n: int, where):  # [n, n]: 1.0 where where(row, col) (greater_equal: lo
 
 
 def mean_with_vjp(forward, backward):
-  """``mean(k, v, w, static)`` with a custom VJP from ``forward(..., with_lse)`` -> a [and L] and
-  ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw (both over padded T)."""
+  """``mean(k, v, w, static)``; VJP: ``forward(..., with_lse)`` -> a [, L], ``backward``."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):
@@ -188,8 +186,7 @@ def fold(m_ref, s1_ref, s2_ref, take):  # the segment totals whose index ``take`
 
 
 def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
-  """One segment's triple of rows in [skip, limit): "keys" exp(k) (v, 1); "cotangent" exp(-L)
-  (g, g a)."""
+  """A segment's triple, rows in [skip, limit): exp(k) (v, 1), or exp(-L) (g, g a)."""
   *ins, m_ref, s1_ref, s2_ref = refs
   s = pl.program_id(2)
 
@@ -209,8 +206,7 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
 
 
 def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D]; none
-  for the sequential form."""
+  """(m, s1, s2) [B, n_pad, D] per segment of (k, v) or (L, g, a); none when sequential."""
   if not plan.seg:
     return ()
   (b, n, d), n_seg = ins[0].shape, t_pad // plan.seg

@@ -44,8 +44,7 @@ def _bias_column(bias_ref, r, u, bt: int, eye):  # row r's biases against block 
 
 
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
-  """Chunk j's slab: ``keys(j, u)`` (block u's biases, keys, values), ``maxima(j)`` (its split
-  shift) and ``shifted``; k, v refs [n, bd], or [B, n, bd] read at row ``batch``."""
+  """Chunk j's ``keys(j, u)`` (block u's bias, k, v), ``maxima(j)``, ``shifted``; row ``batch``."""
   n_keys = bias_ref.shape[1] // bt
   at = lambda idx: (idx, slice(None)) if batch is None else (batch, idx, slice(None))
 
@@ -169,8 +168,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
 
 
 def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len, n_seg, seg):
-  """One (batch row, channel block[, segment]): dk, dv in the keys' padded layout (a segment's
-  key rows and the next one's first W - bt) from a, L and the cotangent g."""
+  """dk, dv in the keys' padded layout (a segment's keys and the next one's first W - bt)."""
   j0, n_chunks, carry_in, (dk_ref, dv_ref) = _segment(
     bias_ref, refs, bt, n_seg, seg, lambda i, s: (i > s) & (i < n_seg)
   )
@@ -242,8 +240,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
 
 
 def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int, t_len: int):
-  """One (query chunk j, channel block): dw_ref [bt, W], the slab biases' gradient of the chunk's
-  rows, sum_r p g (v - a) over every batch row and the block's channels."""
+  """Query chunk j's slab-bias gradient [bt, W]: sum p g (v - a) over batch rows, channels."""
   j = pl.program_id(0)
   n_keys = bias_ref.shape[1] // bt
   out, real = rows(j, bt), _real(j, bt, t_len)
@@ -310,8 +307,7 @@ def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
 
 
 def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), keys_out=False):
-  """pallas_call over (batch, D / block_d[, segments]) of ins (biases, then columns) and the
-  totals; outputs [B, t_pad, D] or (``keys_out``) in the keys' layout (``_overlap_add``)."""
+  """ins: the biases, then columns; outputs [B, t_pad, D] or (``keys_out``) the keys' layout."""
   (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   cfg, seg = plan.cfg, plan.seg or t_pad
   bd, n_seg, front = cfg.block_d, t_pad // seg, width - cfg.block_t
