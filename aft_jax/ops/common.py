@@ -1,6 +1,5 @@
 """What every op shares besides its maths: argument checks, the implementation chosen for the
-device a program is lowered for, the kernel or XLA call, eager calls as one program
-(docs/kernels.md, "impl")."""
+device, the kernel or XLA call, eager calls as one program (docs/kernels.md, "impl")."""
 
 import functools
 import warnings
@@ -189,8 +188,7 @@ def array(fn, name, x):  # x as an array, else a ValueError naming ``name``
     raise ValueError(f"{fn}: {name} must be an array; got {type(x).__name__} ({why})") from None
 
 
-def check_arrays(fn, lead=None, **arrays):
-  """ValueError unless each is real floating point (given ``lead``: None or ints [..., T])."""
+def check_arrays(fn, lead=None, **arrays):  # real floating point, or (lead) None or ints [..., T]
   for name, x in arrays.items():
     if x is None and lead is not None:
       continue
@@ -279,8 +277,7 @@ def check_state(fn, initial_state, init):  # ValueError unless None or shaped, t
       )
 
 
-def eager(run, traced=(), **kwargs):
-  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device, static argument."""
+def eager(run, traced=(), **kwargs):  # run(**kwargs); concrete arrays: one jit per static args
   static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
   data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):

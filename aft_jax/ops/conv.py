@@ -125,8 +125,7 @@ def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
 
 
 def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
-  """One token of causal AFT-conv1d: q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``.
-  Returns ``(Y[t], state)``."""
+  """One token: q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``; ``(Y[t], state)``."""
   kernel = jnp.asarray(kernel, jnp.float32)
   return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
 
@@ -195,8 +194,7 @@ def _causal_conv1d(q, k, v, kernel):
 
 
 @_causal_conv1d.defjvp
-def _causal_conv1d_jvp(primals, tangents):
-  """The derivative with non-finite inputs 0, on rows that saw none; else 0 (no 0 * NaN)."""
+def _causal_conv1d_jvp(primals, tangents):  # non-finite inputs 0, on rows that saw none; else 0
   q, k, v, kernel = primals
   axis = k.ndim - 2
   bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
@@ -215,8 +213,7 @@ def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
   return _scan_conv1d(q, k, v, kernel, causal)
 
 
-def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """One masked [T, T] sum per head; rows that see a non-finite value redone by the scans."""
+def _dense_causal(q, k, v, kernel, finite_values: bool):  # one masked [T, T] sum per head
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'

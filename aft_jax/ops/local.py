@@ -1,6 +1,5 @@
-"""AFT-local (paper Eq. 4) and AFT-full (Eq. 2: AFT-local with a band of every key; no kernel, no
-summary state): the ops, their steps, the banded XLA sums; AFT-local's kernel in
-``pallas.triton_local`` (docs/kernels.md, "How each module computes")."""
+"""AFT-local (paper Eq. 4) and AFT-full (Eq. 2: AFT-local with a band of every key, no kernel):
+the ops, their steps, the banded XLA sums; its kernel: ``pallas.triton_local`` (docs/kernels.md)."""
 
 import functools
 import math
@@ -161,8 +160,7 @@ def aft_full_init(shape, max_len: int) -> lse.WindowState:
 
 
 def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
-  """One token t = ``state.index``: q_t, k_t, v_t ``[..., D]``, w_t ``[L]`` (row t of w).
-  Returns ``(Y[t], state)``."""
+  """One token t = ``state.index``: q_t, k_t, v_t ``[..., D]``, w_t ``[L]``; ``(Y[t], state)``."""
   return aft_local_step(state, q_t, k_t, v_t, w_t)
 
 
@@ -187,10 +185,7 @@ def _offset(offset, state, w, t_len: int):
   index = None if state is None else state.index
   given = offset is not None
   offset = offset if given else (0 if index is None else index)
-  if isinstance(offset, bool) or not (
-    isinstance(offset, int)
-    or (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0)
-  ):
+  if not (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0):
     raise ValueError(f"{FN}: offset must be an int >= 0 (or an int scalar), got {offset!r}")
   static = lambda x: None if x is None or isinstance(x, jax.core.Tracer) else int(x)
   at, known = static(offset), static(index)
@@ -384,8 +379,7 @@ def _patch(p: BandPlan, bad, fast, exact):  # the groups flagged ``bad`` replace
   return lse.cond(jnp.any(bad), run, lambda: fast)
 
 
-def _block(p: BandPlan, k, v, w, rs, ks):
-  """Block (rs, ks): biases, band, keys, values, its split shift's factors and maxima, seen."""
+def _block(p: BandPlan, k, v, w, rs, ks):  # bias, band, keys, values, shift factors, maxima, seen
   d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
   band = (jnp.abs(d) < p.s) & ((d <= 0) if p.causal else True)
   w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))

@@ -35,9 +35,8 @@ class LaunchPlan(NamedTuple):
 
 def unsupported_channels(d: int, window=None) -> str | None:
   tile = CONFIGS[-1].block_d
-  return (
-    f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)" if d % tile else None
-  )
+  why = f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)"
+  return why if d % tile else None
 
 
 def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
@@ -77,8 +76,7 @@ def ones(n: int, where):  # [n, n]: 1.0 where where(row, col) (greater_equal: lo
   return jnp.where(where(i, j), 1.0, 0.0).astype(jnp.float32)
 
 
-def mean_with_vjp(forward, backward):
-  """``mean(k, v, w, static)``; VJP: ``forward(..., with_lse)`` -> a [, L], ``backward``."""
+def mean_with_vjp(forward, backward):  # mean(k, v, w, static), its VJP by forward and backward
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):
@@ -113,8 +111,7 @@ def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, 
   )(*ins)  # fmt: skip
 
 
-def varying_like(out_shape, ins, interpret: bool):
-  """``out_shape`` varying over ``ins``' manual mesh axes; refused interpreted (jax 0.10.2)."""
+def varying_like(out_shape, ins, interpret: bool):  # out_shape varying as ins; refused interpreted
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in ins))
   if axes and interpret:
     raise ValueError(
@@ -134,16 +131,9 @@ def dot(x, y, trans_x: bool = False, trans_y: bool = False):  # float32 x @ y, n
   return jax.lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-def colsum(x):
-  return jnp.sum(x, axis=0, keepdims=True)  # [n, bd] -> [1, bd]
-
-
-def rows(j, n):
-  return pl.ds(pl.multiple_of(j * n, n), n)  # the j-th block of n rows
-
-
-def load(ref, idx):
-  return ref[idx, :].astype(jnp.float32)
+colsum = lambda x: jnp.sum(x, axis=0, keepdims=True)  # [n, bd] -> [1, bd]
+rows = lambda j, n: pl.ds(pl.multiple_of(j * n, n), n)  # the j-th block of n rows
+load = lambda ref, idx: ref[idx, :].astype(jnp.float32)
 
 
 def pad_time(x, before: int, after: int, fill):  # [B, T, D] -> [B, before + T + after, D]

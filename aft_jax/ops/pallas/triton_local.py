@@ -163,8 +163,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
     return (m, num0 * s0 + colsum(e * vb), den0 * s0 + colsum(e))
 
-  carry_in = triton.empty(bd) if carry_in is None else carry_in
-  jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in)
+  jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in or triton.empty(bd))
 
 
 def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len, n_seg, seg):
@@ -235,8 +234,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
     s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
     return (m2, c1 * s + colsum(e * g), c2 * s + colsum(e * g * a))
 
-  carry_in = triton.empty(bd) if carry_in is None else carry_in
-  jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
+  jax.lax.fori_loop(0, n_chunks, chunk, carry_in or triton.empty(bd))
 
 
 def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int, t_len: int):
