@@ -1,6 +1,5 @@
 """What every op shares besides its maths: argument checks, the implementation chosen for the
-device a program is lowered for, the kernel or XLA call, eager calls as one program
-(docs/kernels.md, "impl")."""
+device, the kernel or XLA call, eager calls as one program (docs/kernels.md, "impl")."""
 
 import functools
 import warnings
@@ -39,7 +38,6 @@ class DeviceFacts(NamedTuple):
 
 
 def capability_of_kind(device_kind: str, device=None) -> tuple[int, int] | None:
-  """``device``'s compute capability, a local device of its kind's, or ``CAPABILITIES``'."""
   try:
     local = [d for d in jax.local_devices() if d.device_kind == device_kind]
   except RuntimeError:  # no backend could start
@@ -60,8 +58,7 @@ def device_facts(device=None) -> DeviceFacts:
   return DeviceFacts(platform, device.device_kind, cc)
 
 
-def triton_missing() -> str | None:
-  """Why this jax cannot build Pallas Triton kernels (deprecated from jax 0.11), or None."""
+def triton_missing() -> str | None:  # why this jax cannot build Triton kernels (jax 0.11 on)
   try:
     from jax.experimental.pallas import triton as plt
 
@@ -72,7 +69,6 @@ def triton_missing() -> str | None:
 
 
 def gpu_kernels_refused(device: DeviceFacts) -> str | None:
-  """Why Pallas' Triton kernels cannot run on the GPU ``device``, or None if they can."""
   cc = device.compute_capability
   if cc is None:
     return f"the compute capability of {device.device_kind!r} is not known"
@@ -82,21 +78,17 @@ def gpu_kernels_refused(device: DeviceFacts) -> str | None:
   return triton_missing()
 
 
-class Kernel(NamedTuple):
-  """An op's kernel: ``mean(k, v[, w, window], interpret=...)`` ``[B, T, D]`` float32;
-  ``unsupported(channels, window)``: why not, or None; ``auto``: whether impl="auto" takes it."""
-
+class Kernel(NamedTuple):  # an op's kernel
   platform: str
-  mean: Callable
-  unsupported: Callable
-  auto: bool = True
+  mean: Callable  # (k, v[, w, window], interpret=...) -> [B, T, D] float32
+  unsupported: Callable  # (channels, window) -> why not, or None
+  auto: bool = True  # whether impl="auto" takes it
 
 
 _SAID: set[str] = set()  # the warnings given in this process (each once)
 
 
 def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
-  """Why ``kernel`` cannot run these arguments on ``device`` (None: interpreted), or None."""
   why = None if causal else "the kernel is for causal=True"
   why = why or kernel.unsupported(channels, window)
   if why is None and device is not None and kernel.platform == "gpu":
@@ -106,8 +98,7 @@ def _problem(kernel: Kernel, causal, channels, window, device) -> str | None:
 
 
 def resolve(fn, impl, kernels, *, causal, channels, window=None, forward=False, device=None):
-  """The kernel of ``kernels`` that ``impl`` runs on ``device`` (default ``device_facts()``), or
-  None for XLA; a ValueError naming why where the kernel asked for cannot run, never XLA."""
+  """The kernel ``impl`` runs on ``device`` (None: XLA); a ValueError where the one asked can't."""
   check_impl(fn, impl)
   if impl == "xla" or (impl == "auto" and (not kernels or forward)):
     return None
@@ -149,8 +140,7 @@ def _has_jvp(x) -> bool:  # whether x carries a jax.jvp tracer (a kernel's custo
 
 
 def run(fn, kernels, impl, xla, q, k, v, w=None, *, causal, window=None):
-  """Y = sigma(q) * op ``fn``'s mean on a whole sequence by ``xla(k, v, w, low)`` or the kernel
-  ``impl`` resolves to ("auto": both, in ``jax.lax.platform_dependent``); the inputs' dtype."""
+  """Y = sigma(q) * the mean by ``xla(k, v, w, low)`` or ``impl``'s kernel ("auto": by platform)."""
   out_dt, dt = dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -188,8 +178,7 @@ def dtypes(*xs):  # (output dtype, compute dtype): bfloat16 and float16 are comp
   return dt, jnp.promote_types(dt, jnp.float32)
 
 
-def array(fn, name, x):
-  """x as an array (an array-like converted); else a one-line ValueError naming ``name``."""
+def array(fn, name, x):  # x as an array, else a ValueError naming ``name``
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return x
   try:
@@ -199,9 +188,7 @@ def array(fn, name, x):
     raise ValueError(f"{fn}: {name} must be an array; got {type(x).__name__} ({why})") from None
 
 
-def check_arrays(fn, lead=None, **arrays):
-  """ValueError unless each of ``arrays`` is real floating point or, given ``lead``, None or an
-  int array of shape ``lead`` ``[..., T]``."""
+def check_arrays(fn, lead=None, **arrays):  # real floating point, or (lead) None or ints [..., T]
   for name, x in arrays.items():
     if x is None and lead is not None:
       continue
@@ -238,8 +225,7 @@ def check_impl(fn: str, impl) -> None:
     raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_mode(fn, causal, impl, **given) -> str:
-  """The call's mode ("sharded", "packed", "piece", "whole"); a ValueError where ``given`` clash."""
+def check_mode(fn, causal, impl, **given) -> str:  # "sharded", "packed", "piece" or "whole"
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"{fn}: causal must be a bool (True or False), got {causal!r}")
   check_impl(fn, impl)
@@ -265,8 +251,7 @@ def check_mode(fn, causal, impl, **given) -> str:
   return "sharded" if "axis_name" in used else "packed" if rows else "piece" if piece else "whole"
 
 
-def check_state(fn, initial_state, init):
-  """ValueError unless ``initial_state`` (or None) is shaped and typed as ``init()``'s state."""
+def check_state(fn, initial_state, init):  # ValueError unless None or shaped, typed as init()'s
   if initial_state is None:
     return
   expected = jax.eval_shape(init)
@@ -292,9 +277,7 @@ def check_state(fn, initial_state, init):
       )
 
 
-def eager(run, traced=(), **kwargs):
-  """``run(**kwargs)``; on concrete arrays one jitted program per shape, device and static
-  argument (None, a bool, int or str; not the ints named in ``traced``)."""
+def eager(run, traced=(), **kwargs):  # run(**kwargs); concrete arrays: one jit per static args
   static = lambda n, x: x is None or (n not in traced and isinstance(x, (bool, int, str)))
   data = {n: x for n, x in kwargs.items() if not static(n, x)}
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):

@@ -101,8 +101,7 @@ def aft_conv2d(q, k, v, kernel, *, impl="auto"):
   return common.eager(_whole, q=q, k=k, v=v, kernel=kernel, causal=False)
 
 
-def _whole(q, k, v, kernel, causal):
-  """Y over a sequence (kernel [H, s]) or an image (kernel [H, kh, kw]), the inputs' dtype."""
+def _whole(q, k, v, kernel, causal):  # kernel [H, s]: a sequence; [H, kh, kw]: an image
   out_dt, dt = common.dtypes(q, k, v)
   if q.size == 0 or k.size == 0:
     return jnp.zeros(q.shape, out_dt)
@@ -113,8 +112,7 @@ def _whole(q, k, v, kernel, causal):
   return (_causal_conv1d if causal else _conv1d)(q, k, v, kernel).astype(out_dt)
 
 
-def _reachable(kernel, sizes, causal):
-  """The taps of ``kernel`` [H, ...] that can reach a position over ``sizes`` (T, or Ht, Wd)."""
+def _reachable(kernel, sizes, causal):  # the taps that can reach a position over ``sizes``
   if causal:
     return kernel[:, : sizes[0]]
   cut = [slice(max(0, s // 2 - n + 1), s // 2 + n) for s, n in zip(kernel.shape[1:], sizes)]
@@ -127,21 +125,18 @@ def aft_conv1d_init(k_shape, v_shape, kernel_size: int) -> lse.WindowState:
 
 
 def aft_conv1d_step(state: lse.WindowState, q_t, k_t, v_t, kernel):
-  """One token of causal AFT-conv1d: q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``.
-  Returns ``(Y[t], state)``."""
+  """One token: q_t, v_t ``[..., H, C]``, k_t ``[..., H]``, kernel ``[H, s]``; ``(Y[t], state)``."""
   kernel = jnp.asarray(kernel, jnp.float32)
   return lse.window_step(state, q_t, k_t, v_t, lambda _, age: kernel.T[age])
 
 
-def _acc_shift(acc: Acc, offsets, axes) -> Acc:
-  """y[i] = acc[i + offset] along each axis (the empty triple past the ends)."""
+def _acc_shift(acc: Acc, offsets, axes) -> Acc:  # acc[i + offset] per axis, empty past the ends
   for offset, axis in zip(offsets, axes):
     acc = Acc(*(lse.shift(x, -offset, axis, f) for x, f in zip(acc, (NEG, 0.0, 0.0))))
   return acc
 
 
-def _prefix0(acc: Acc) -> Acc:
-  """Exact inclusive prefix sums along axis 0: scans over sqrt(T) chunks, then their totals."""
+def _prefix0(acc: Acc) -> Acc:  # exact inclusive prefix sums: scans over sqrt(T) chunks
   t_len = acc.m.shape[0]
   c = max(1, 1 << round(math.log2(max(1.0, math.sqrt(t_len)))))
   n = -(-t_len // c)
@@ -182,8 +177,7 @@ def _outside(leaf: Acc, axis: int, before: int, after: int | None = None) -> Acc
   return combine(acc, _acc_shift(_acc_scan(leaf, axis, reverse=True), (after,), (axis,)))
 
 
-def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:
-  """Exact sum over the kernel's offsets o (per-axis tuples): logits k[t + o] + kernel[:, o]."""
+def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:  # over offsets o: k[t + o] + kernel[:, o]
   shifts = [_acc_shift(leaf, o, axes) for o in offsets]
   logits = [jnp.where(s.den > 0, s.m + kernel[:, j], NEG) for j, s in enumerate(shifts)]
   m = jax.lax.stop_gradient(jnp.max(jnp.stack(logits), axis=0))
@@ -200,9 +194,7 @@ def _causal_conv1d(q, k, v, kernel):
 
 
 @_causal_conv1d.defjvp
-def _causal_conv1d_jvp(primals, tangents):
-  """The derivative at the inputs with non-finite entries 0, on rows that saw none; 0 elsewhere
-  (autodiff would reach earlier inputs with 0 * NaN)."""
+def _causal_conv1d_jvp(primals, tangents):  # non-finite inputs 0, on rows that saw none; else 0
   q, k, v, kernel = primals
   axis = k.ndim - 2
   bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
@@ -221,9 +213,7 @@ def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
   return _scan_conv1d(q, k, v, kernel, causal)
 
 
-def _dense_causal(q, k, v, kernel, finite_values: bool):
-  """Causal AFT-conv1d as one masked [T, T] sum per head; rows that see a non-finite value
-  recomputed by the scans."""
+def _dense_causal(q, k, v, kernel, finite_values: bool):  # one masked [T, T] sum per head
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
@@ -238,8 +228,7 @@ def _dense_causal(q, k, v, kernel, finite_values: bool):
   nonfinite = None if finite_values else ~finite(v)
   values = v if finite_values else jnp.where(nonfinite, 0.0, v)
   num = jnp.einsum("...tsh,...shc->...thc", p, values, precision=HIGHEST)
-  # A row with no term (every key -inf: a state's empty rows) is NaN, as the scans give it,
-  # its cotangent stopped (through the product a NaN would reach every value: 0 * NaN).
+  # A row of no term (all keys -inf) is NaN as in the scans, its cotangent stopped (0 * NaN).
   den = jnp.sum(p, axis=-2)
   empty = (den == 0.0)[..., None]
   mean = jnp.where(empty, 0.0, num) / jnp.where(empty, 1.0, den[..., None])

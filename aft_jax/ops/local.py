@@ -1,5 +1,5 @@
-"""AFT-local (paper Eq. 4): the op, its step, and the banded XLA sums AFT-full shares; kernel in
-``pallas.triton_local`` (docs/kernels.md, "How each module computes")."""
+"""AFT-local (paper Eq. 4) and AFT-full (Eq. 2: AFT-local with a band of every key, no kernel):
+the ops, their steps, the banded XLA sums; its kernel: ``pallas.triton_local`` (docs/kernels.md)."""
 
 import functools
 import math
@@ -14,15 +14,14 @@ from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, combine, matmul, set_aside
 from aft_jax.ops.pallas import triton_local
 
-FN = "aft_local"
+FN, FULL = "aft_local", "aft_full"
 KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupported),)
+FULL_KERNELS = ()  # (none: impl="pallas" is refused)
 # Sub-pieces (>= 4 windows) of a long piece given w's factors: its memory stays linear.
 SUB_PIECE = 2048
 
 
-class Factors(NamedTuple):
-  """w = u v^T, u and v ``[L, d']``: a piece or a device's shard forms only the block it reads."""
-
+class Factors(NamedTuple):  # w = u v^T, u, v [L, d']: a piece forms only the block it reads
   u: jax.Array
   v: jax.Array
 
@@ -83,15 +82,15 @@ def aft_local(
   )  # fmt: skip
 
 
-def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window, causal, impl,
-         final, axis_name):  # fmt: skip
+def _run(q, k, v, w, segment_ids, positions, mode, window, causal, impl, fn=FN, offset=None,
+         guard=None, state=None, final=False, axis_name=None):  # fmt: skip
   if mode == "packed":
     return lse.packed(q, k, v, segment_ids, window, band_bias(w, positions, q.shape[-2]))
   if mode == "sharded":
     state = lse.shard_state(k, v, window, axis_name)
     return _piece(q, k, v, w, window, impl, state.index, state, False)
   if mode == "whole" and not isinstance(w, Factors):
-    return _whole(q, k, v, w, window, causal, impl)
+    return _whole(q, k, v, w, window, causal, impl, fn)
   out = _piece(q, k, v, w, window, impl, 0 if offset is None else offset, state, final)
   if guard is None:
     return out
@@ -99,13 +98,13 @@ def _run(q, k, v, w, offset, guard, state, segment_ids, positions, mode, window,
   return (y, out[1]) if final else y
 
 
-def _whole(q, k, v, w, window, causal, impl, fn=FN, kernels=KERNELS):
-
+def _whole(q, k, v, w, window, causal, impl, fn=FN):
   def xla(k, v, w, low):
     k2, v2 = common.rows(k), common.rows(v)
     plan = make_plan(k2.shape[0], k2.shape[1], window, causal, low=low)
     return common.unrows(banded_mean(plan, k2, v2, w), k.shape)
 
+  kernels = KERNELS if fn == FN else FULL_KERNELS
   return common.run(fn, kernels, impl, xla, q, k, v, w, causal=causal, window=window)
 
 
@@ -122,8 +121,50 @@ def aft_local_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
   return lse.window_step(state, q_t, k_t, v_t, bias)
 
 
-def check_bias(fn, w, t_len: int, offset=None):
-  """w (or its factors) ``[T, T]`` (``offset`` None) or ``[L, L]``, L >= offset + T."""
+def aft_full(
+  q, k, v, w, *, causal=False, impl="auto", initial_state=None, output_final_state=False,
+  segment_ids=None, positions=None,
+):  # fmt: skip
+  """AFT-full: Y[t] = sigma(q[t]) * sum_t' softmax_t'(k[t'] + w[t, t']) v[t'] (causal: t' <= t).
+
+  Args:
+    q, k, v: ``[..., T, D]``; w: ``[T, T]``, the pairwise bias.
+    causal, impl: as ``aft_simple``.
+    initial_state, output_final_state: refused (decode with ``aft_full_step``).
+    segment_ids, positions: causal: as ``aft_local``; w ``[L, L]``, L > every position.
+
+  Returns:
+    ``[..., T, D]``; O(T^2 D) time, O(T^2 + T D) memory.
+  """
+  if initial_state is not None or output_final_state:
+    raise ValueError(
+      f"{FULL}: initial_state and output_final_state are for aft_simple, aft_local and "
+      "aft_conv1d; AFT-full's past is every key and value (decode with aft_full_step)"
+    )
+  q, k, v = common.check_qkv(FULL, q, k, v)
+  mode = common.check_mode(FULL, causal, impl, segment_ids=segment_ids, positions=positions)
+  if mode == "packed":
+    common.check_arrays(FULL, q.shape[:-1], segment_ids=segment_ids, positions=positions)
+    common.check_arrays(FULL, w=w)
+  else:
+    check_bias(FULL, w, q.shape[-2])
+  return common.eager(
+    _run, q=q, k=k, v=v, w=w, segment_ids=segment_ids, positions=positions, mode=mode,
+    window=q.shape[-2], causal=bool(causal), impl=impl, fn=FULL,
+  )  # fmt: skip
+
+
+def aft_full_init(shape, max_len: int) -> lse.WindowState:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D] and T <= max_len."""
+  return aft_local_init(shape, max_len)
+
+
+def aft_full_step(state: lse.WindowState, q_t, k_t, v_t, w_t):
+  """One token t = ``state.index``: q_t, k_t, v_t ``[..., D]``, w_t ``[L]``; ``(Y[t], state)``."""
+  return aft_local_step(state, q_t, k_t, v_t, w_t)
+
+
+def check_bias(fn, w, t_len: int, offset=None):  # [T, T] (offset None) or [L, L], L >= offset + T
   if not isinstance(w, Factors):
     common.check_arrays(fn, w=w)
   shape, least = tuple(w.shape), t_len + (offset if isinstance(offset, int) else 0)
@@ -144,10 +185,7 @@ def _offset(offset, state, w, t_len: int):
   index = None if state is None else state.index
   given = offset is not None
   offset = offset if given else (0 if index is None else index)
-  if isinstance(offset, bool) or not (
-    isinstance(offset, int)
-    or (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0)
-  ):
+  if not (jnp.issubdtype(jnp.result_type(offset), jnp.integer) and jnp.ndim(offset) == 0):
     raise ValueError(f"{FN}: offset must be an int >= 0 (or an int scalar), got {offset!r}")
   static = lambda x: None if x is None or isinstance(x, jax.core.Tracer) else int(x)
   at, known = static(offset), static(index)
@@ -175,8 +213,7 @@ def _dense(w: Factors, pos=None):  # u v^T (float32), or its rows and columns ``
   return u @ v.T if pos is None else u[pos] @ v[pos].T
 
 
-def _piece(q, k, v, w, window, impl, offset, state, final):
-  """Causal AFT-local at positions offset.. of w ``[L, L]`` (or ``Factors``) after ``state``."""
+def _piece(q, k, v, w, window, impl, offset, state, final):  # at w's rows offset.. after ``state``
   t_len, one = q.shape[-2], q.shape[:-2] + q.shape[-1:]
   init = lambda: lse.window_init(one, one, window, offset)
   if t_len == 0:
@@ -192,7 +229,6 @@ def _piece(q, k, v, w, window, impl, offset, state, final):
 
 
 def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
-  """``_piece`` as a scan over sub-pieces of c positions (state and offset carried), the rest."""
   t_len, axis, c = q.shape[-2], q.ndim - 2, max(SUB_PIECE, 4 * window)
   m, lead = t_len // c, q.shape[:axis]
   split = lambda x: jnp.moveaxis(
@@ -213,8 +249,7 @@ def _sub_pieces(q, k, v, w, window, impl, offset, state, final):
   return (ys, state) if final else ys
 
 
-def _block_of(w, offset, n: int, t_len: int):
-  """w's rows and columns offset - n .. offset + T - 1 (before 0: 0), never a copy of w."""
+def _block_of(w, offset, n: int, t_len: int):  # offset - n .. offset + T - 1 (before 0: 0), no copy
   size = n + t_len
   if isinstance(w, Factors):  # that block of u v^T alone
     return _dense(w, jnp.clip(offset - n + jnp.arange(size), 0, w.shape[0] - 1))
@@ -229,8 +264,7 @@ def _block_of(w, offset, n: int, t_len: int):
   return jnp.where(offset >= n, late, early)
 
 
-def band_bias(w, positions, t_len: int):
-  """The lag bias w[positions[t], positions[t - j]] ``[..., T, 1]``; NaN outside w."""
+def band_bias(w, positions, t_len: int):  # j -> w[pos[t], pos[t - j]] [..., T, 1]; NaN outside w
   w = jnp.asarray(w, jnp.float32)
   pos = jnp.arange(t_len) if positions is None else jnp.asarray(positions)
 
@@ -249,15 +283,13 @@ _MAX_LOG_SCALE = 80.0
 
 
 class BandPlan(NamedTuple):
-  """T, s, causal, rows per block c, blocks nb, keys per block W, rows per exact group."""
-
   t_len: int
   s: int
   causal: bool
-  c: int
-  nb: int
-  width: int
-  rows: int
+  c: int  # rows per block
+  nb: int  # blocks
+  width: int  # keys per block
+  rows: int  # rows per exact group
   low: bool = False
 
   def tame(self, x):  # a tangent's factor (non-causal: a NaN is NaN everywhere anyway)
@@ -269,7 +301,6 @@ def _default_block(s: int, t_len: int) -> int:  # CPU-timed: scan steps vs maske
 
 
 def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -> BandPlan:
-  """The layout for T, R channels (symbolic: one-row groups) and the band half-width."""
   s = min(window, t_len)
   c = min(t_len, block or _default_block(s, t_len))
   width = min(t_len, c + s - 1 if causal else c + 2 * s - 2)
@@ -279,8 +310,7 @@ def make_plan(t_len: int, r, window: int, causal: bool, block=None, low=False) -
   return BandPlan(t_len, s, causal, c, -(-t_len // c), width, rows, low)
 
 
-def _layout(p: BandPlan):
-  """Per block: first row rs, first key ks, the key ranges [lo, hi) of prefix and suffix sums."""
+def _layout(p: BandPlan):  # per block: rs, ks, the prefix and suffix sums' key ranges [lo, hi)
   i32 = lambda x: np.asarray(x, np.int32)
   rs = np.minimum(np.arange(p.nb) * p.c, p.t_len - p.c)
   ks = np.clip(rs - (p.s - 1), 0, p.t_len - p.width)
@@ -298,8 +328,7 @@ def _range_keys(k, lo, hi, c):  # (start, mask [c, 1]) of the c keys from min(lo
   return st, ((idx >= lo) & (idx < hi))[:, None]
 
 
-def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:
-  """Running exact sums (bias 0) over the blocks' key ranges, [nb, R] each."""
+def _edge_sums(p: BandPlan, k, v, ranges, reverse: bool) -> Acc:  # running sums (bias 0) [nb, R]
 
   def step(acc, lohi):
     st, keep = _range_keys(k, *lohi, p.c)
@@ -338,8 +367,7 @@ def _edge_tangent(p: BandPlan, k, v, m, ranges, reverse: bool, dk, dv):
   return jax.lax.scan(jax.checkpoint(step), (zero, zero), (*ranges, m, m_prev), reverse=reverse)[1]
 
 
-def _patch(p: BandPlan, bad, fast, exact):
-  """``fast`` [c, R] with the row groups flagged in ``bad`` replaced by ``exact(g)``."""
+def _patch(p: BandPlan, bad, fast, exact):  # the groups flagged ``bad`` replaced by ``exact(g)``
   groups = p.c // p.rows
   one = lambda args: lse.cond(args[1], lambda: exact(args[0]), lambda: args[2])
 
@@ -351,8 +379,7 @@ def _patch(p: BandPlan, bad, fast, exact):
   return lse.cond(jnp.any(bad), run, lambda: fast)
 
 
-def _block(p: BandPlan, k, v, w, rs, ks):
-  """Block (rs, ks): biases, band, keys, values, its split shift's factors and maxima, seen."""
+def _block(p: BandPlan, k, v, w, rs, ks):  # bias, band, keys, values, shift factors, maxima, seen
   d = (ks + jnp.arange(p.width))[None, :] - (rs + jnp.arange(p.c))[:, None]  # t' - t
   band = (jnp.abs(d) < p.s) & ((d <= 0) if p.causal else True)
   w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))
@@ -370,8 +397,7 @@ def _block(p: BandPlan, k, v, w, rs, ks):
   return bias, band, kw, vw, pt, e, vs, mw, mk, _slice(seen, rs - ks, p.c)
 
 
-def _forward(p: BandPlan, k, v, w):
-  """(a, L ``[T, R]``, recomputed row groups ``[nb, groups]``, the edge sums' maxima)."""
+def _forward(p: BandPlan, k, v, w):  # a, L [T, R], recomputed groups [nb, groups], edges' maxima
   r = k.shape[1]
   rs, ks, pre_r, suf_r = _layout(p)
   pre = _edge_sums(p, k, v, pre_r, False)
@@ -382,8 +408,7 @@ def _forward(p: BandPlan, k, v, w):
     bias, _, kw, vw, pt, e, vs, mw, mk, seen = _block(p, k, v, w, b_rs, b_ks)
     nd = matmul("cw,wx->cx", pt, jnp.concatenate([e * vs, e], axis=1), p.low)
     fast = (mw[:, None] + mk, nd[:, :r], nd[:, r:])
-    # A product loses a term when exp(b - mw) underflows: den must exceed DEN_OK times the
-    # largest second factor the row sees (inf: set aside).
+    # exp(b - mw) underflowed unless den > DEN_OK * the row's largest exp(k - mk) (inf: aside).
     redo = ~(fast[2] >= DEN_OK * (1.0 if seen is None else jnp.maximum(seen, 1.0)))
     bad = jnp.any(redo.reshape(p.c // p.rows, p.rows, r), axis=(1, 2))
     sees = (jnp.arange(p.width)[None, :] + b_ks <= jnp.arange(p.c)[:, None] + b_rs)[..., None]
@@ -415,8 +440,7 @@ def _unblock(p: BandPlan, x):  # [nb, c, ...] -> [T, ...] (the last block overla
   return jnp.concatenate([head, x[-1, p.nb * p.c - p.t_len :]], axis=0)
 
 
-def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
-  """da [T, R], linear in (dk, dv, dw); the rest recomputed from the primals."""
+def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):  # da [T, R], linear in (dk, dv, dw)
   r, (a, lse_, bad, pre_m, suf_m) = k.shape[1], res
   rs, ks, pre_r, suf_r = _layout(p)
   pre = (pre_m, *_edge_tangent(p, k, v, pre_m, pre_r, False, dk, dv))
@@ -452,14 +476,12 @@ def _tangent(p: BandPlan, k, v, w, res, dk, dv, dw):
     body = jax.checkpoint(lambda _, xs: (None, block(patched, xs)))
     return jax.lax.scan(body, None, (rs, ks, bad, pre, suf))[1]
 
-  # A second version of the scan patches recomputed rows (a cond per block would transpose into
-  # zero cotangents filled and added per block).
+  # Two scans, not a cond per block (its transpose fills and adds zero cotangents per block).
   return _unblock(p, lse.cond(jnp.any(bad), lambda: run(True), lambda: run(False)))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def banded_mean(p: BandPlan, k, v, w):
-  """a [T, R] (module docstring) for k, v [T, R] and w [T, T], float32 or float64."""
+def banded_mean(p: BandPlan, k, v, w):  # a [T, R] for k, v [T, R], w [T, T] (module docstring)
   return _forward(p, k, v, w)[0]
 
 

@@ -7,11 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The max of an empty sum and the logit of an excluded term: the lowest float32, finite (so
-# exp(NEG - NEG) = 1 multiplies zeros, no inf - inf) and below every finite logit.
+# An empty sum's max, an excluded logit: finite (exp(NEG - NEG) = 1, no inf - inf), the lowest.
 NEG = float(np.finfo(np.float32).min)
-# Causal fast paths shift a block by what its first row sees (a later key cannot change an earlier
-# row); a later term above this or not finite is set aside, the rows seeing it recomputed.
+# A block's shift is what its first row sees; a later term above this is set aside (rows redone).
 EXP_MAX = 1e26
 # A fast denominator below this may have lost its largest terms to underflow: recomputed.
 DEN_OK = 1e-25
@@ -24,8 +22,7 @@ def finite(x):  # whether x is finite, from a comparison (which every Pallas low
   return jnp.abs(x) <= float(np.finfo(np.float32).max)
 
 
-def tame(x):
-  """x where finite, else 0: a causal derivative's factor (no 0 * NaN in earlier gradients)."""
+def tame(x):  # x where finite, else 0: a causal derivative's factor (no 0 * NaN)
   return jnp.where(finite(x), x, 0.0)
 
 
@@ -33,14 +30,12 @@ def keep(a, lse):  # where a causal row has a derivative: its output a and norma
   return finite(a) & finite(lse)
 
 
-def set_aside(e, v):
-  """(ok, e, v): ok where e <= ``EXP_MAX`` and v is finite, e and v zeroed elsewhere."""
+def set_aside(e, v):  # (ok, e, v): ok where e <= EXP_MAX and v finite; e, v zeroed elsewhere
   ok = (e <= EXP_MAX) & finite(v)
   return ok, jnp.where(ok, e, 0.0), jnp.where(ok, v, 0.0)
 
 
-def matmul(spec: str, a, b, low: bool):
-  """``einsum`` at ``HIGHEST``; ``low`` (bfloat16 inputs): bfloat16 factors, float32 sums."""
+def matmul(spec: str, a, b, low: bool):  # einsum at HIGHEST; low: bfloat16 factors, float32 sums
   if low:
     bf = jnp.bfloat16
     return jnp.einsum(spec, a.astype(bf), b.astype(bf), preferred_element_type=jnp.float32)
@@ -72,16 +67,14 @@ def combine(a: Acc, b: Acc) -> Acc:  # the triple of the union of two disjoint s
   return Acc(jnp.maximum(a.m, b.m), num, a.den * sa + b.den * sb)
 
 
-def leaf(logit, value, valid=True) -> Acc:
-  """One term per position where ``valid`` and not -inf; den = exp(logit - sg(logit)) = 1."""
+def leaf(logit, value, valid=True) -> Acc:  # a term where valid, logit not -inf (den 1)
   none = ~jnp.asarray(valid) | (logit == -jnp.inf)
   m = jnp.where(none, NEG, _sg(logit))
   e = jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, logit - m)))
   return Acc(m, jnp.where(bcast(none, value), 0.0, value) * bcast(e, value), e)
 
 
-def reduce(logits, values, axis: int, valid=True) -> Acc:
-  """The triple along ``axis`` (>= 0) where ``valid``; a logit of ``NEG`` is no term."""
+def reduce(logits, values, axis: int, valid=True) -> Acc:  # along axis >= 0 where valid (NEG: none)
   valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
@@ -90,8 +83,7 @@ def reduce(logits, values, axis: int, valid=True) -> Acc:
   return Acc(m, jnp.sum(bcast(p, values) * values, axis=axis), jnp.sum(p, axis=axis))
 
 
-def reduce_over(acc: Acc, axis: int, valid) -> Acc:
-  """The union of the triples laid out along ``axis`` where ``valid`` ``[n]``."""
+def reduce_over(acc: Acc, axis: int, valid) -> Acc:  # union of the triples along axis, valid [n]
   valid = jnp.reshape(valid, [-1 if i == axis else 1 for i in range(acc.m.ndim)])
   m = jnp.where(valid, acc.m, NEG)
   top = _sg(jnp.max(m, axis=axis, keepdims=True))
@@ -126,8 +118,7 @@ def _shared_vmap(axis_size, in_batched, flag):
   return (_shared(jnp.any(flag, axis=0)) if in_batched[0] else flag), False
 
 
-def cond(flag, true_fn, false_fn):
-  """``lax.cond``, the flag OR-ed over any ``vmap`` axis (not ``select`` of both branches)."""
+def cond(flag, true_fn, false_fn):  # lax.cond, flag OR-ed over any vmap axis (no select of both)
   return jax.lax.cond(_shared(jnp.asarray(flag)), true_fn, false_fn)
 
 
@@ -159,14 +150,12 @@ def _along(valid, axis: int, ndim: int):
   return jnp.reshape(valid, (-1,) + (1,) * (ndim - axis - 1))
 
 
-def nothing(q, k, v, state, final: bool, init):
-  """A piece of no positions: the empty output [and the state it was given, else ``init()``]."""
+def nothing(q, k, v, state, final: bool, init):  # no positions: empty output [, state or init()]
   y = jnp.zeros(q.shape, jnp.result_type(q, k, v))
   return (y, jax.tree.map(jnp.asarray, init() if state is None else state)) if final else y
 
 
-def after_state(run, q, k, v, state, fill=NEG):
-  """``run(q, k, v)`` after ``state``, written in front as keys (the prefix, the ring)."""
+def after_state(run, q, k, v, state, fill=NEG):  # run(q, k, v), state written in front as keys
   dt, axis = jnp.result_type(q, k, v), k.ndim - 2
   if state is None:
     return run(q, k, v).astype(dt)
@@ -187,8 +176,7 @@ def after_state(run, q, k, v, state, fill=NEG):
   return jax.lax.slice_in_dim(y, n, y.shape[axis], axis=axis).astype(dt)
 
 
-def final(state, k, v, size: int | None = None):
-  """The state after k, v from ``state``: an ``Acc`` (``size`` None) or a ``WindowState``."""
+def final(state, k, v, size: int | None = None):  # after k, v: an Acc (size None) or a WindowState
   axis, t_len = k.ndim - 2, k.shape[k.ndim - 2]
   if size is None:
     acc = reduce(_f32(k), _f32(v), axis)
@@ -208,8 +196,7 @@ def final(state, k, v, size: int | None = None):
   return WindowState(combine(state.prefix, leaving), ring(keys), ring(values), index)
 
 
-def window_step(state: WindowState, q_t, k_t, v_t, bias):
-  """One token of AFT-local or AFT-conv1d; ``bias(pos, age)``: the ring slots' biases."""
+def window_step(state: WindowState, q_t, k_t, v_t, bias):  # bias(pos, age): the ring slots' biases
   axis = state.keys.ndim - 2
   size, t = state.keys.shape[axis], state.index
   slot = t % size
@@ -224,8 +211,7 @@ def window_step(state: WindowState, q_t, k_t, v_t, bias):
   return y, WindowState(prefix, keys, values, t + 1)
 
 
-def shard_state(k, v, size: int | None, axis_name):
-  """In ``jax.shard_map``, T over ``axis_name``: the state of the positions before this shard."""
+def shard_state(k, v, size: int | None, axis_name):  # in shard_map: the state before this shard
   axis, n = k.ndim - 2, k.shape[k.ndim - 2]
   k, v = _f32(k), _f32(v)
   i, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
@@ -236,8 +222,7 @@ def shard_state(k, v, size: int | None, axis_name):
   prev = lambda x, b: jax.lax.ppermute(x, axis_name, [(d, d + b) for d in range(devices - b)])
   span = lambda x: jnp.concatenate([prev(x, b) for b in range(back, 0, -1)], axis)
   last = lambda x: jax.lax.slice_in_dim(span(x), back * n - size, back * n, axis=axis)
-  # Shard i - back's keys before the ring join the prefix of every earlier shard; where there
-  # are none, an empty triple (not a sum of an all-false mask, which XLA would constant-fold).
+  # Shard i - back's keys before the ring (none: an empty triple, not an all-false mask's sum).
   edge_n = back * n - size
   zero = lambda x: jnp.zeros_like(jax.lax.index_in_dim(x, 0, axis, keepdims=False))  # x's type
   head = Acc(zero(k) + NEG, zero(v), zero(k))
@@ -252,8 +237,7 @@ def shard_state(k, v, size: int | None, axis_name):
   return WindowState(combine(before, edge), roll(last(k)), roll(last(v)), index)
 
 
-def _starts(segment_ids):
-  """Per position, its segment's first position (a new segment wherever the id changes)."""
+def _starts(segment_ids):  # per position, its segment's first (new where the id changes)
   idx = jnp.arange(segment_ids.shape[-1])
   prev = jnp.concatenate([segment_ids[..., :1], segment_ids[..., :-1]], axis=-1)
   first = (idx == 0) | (segment_ids != prev)
@@ -276,8 +260,7 @@ def same_segment(segment_ids):
   return start[..., :, None] == start[..., None, :]
 
 
-def shift(x, j, axis: int, fill):
-  """x[..., t - j, ...] along ``axis`` (>= 0), ``fill`` outside; j may be traced."""
+def shift(x, j, axis: int, fill):  # x[t - j] along axis >= 0, fill outside; j may be traced
   n = x.shape[axis]
   if isinstance(j, int):
     x = jnp.pad(x, [(max(j, 0), max(-j, 0)) if i == axis else (0, 0) for i in range(x.ndim)],
@@ -288,8 +271,7 @@ def shift(x, j, axis: int, fill):
 
 
 def packed(q, k, v, segment_ids, size: int, lag_bias):
-  """Causal, per segment: a scan over the lags j < ``size`` (bias ``lag_bias(j)``), a segmented
-  prefix scan for older keys (bias 0). O(T size D)."""
+  """Per segment: a scan over lags j < ``size`` (bias ``lag_bias(j)``), a prefix scan (bias 0)."""
   dt = jnp.result_type(q, k, v)
   k, v = _f32(k), _f32(v)
   axis, t_len = k.ndim - 2, k.shape[-2]

@@ -96,20 +96,16 @@ def _tril_matmul(x, low: bool):  # inclusive prefix sums along axis 0 of x [c, X
   return matmul("ij,jx->ix", jnp.tril(jnp.ones((c, c), x.dtype)), x, low)
 
 
-def _forward(kc, vc, low: bool):
-  """a, L [n, c, R] of k, v chunks [n, c, R]; the chunk maxima [n, R], recomputed chunks [n]."""
+def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recomputed chunks [n]
   r = kc.shape[2]
 
-  def sequential(carry, kk, vv):  # exact: a running maximum per position
-    def add(acc, kv):
-      m0, num0, den0 = acc
-      k1, v1 = kv
-      m = jnp.maximum(m0, k1)
-      s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
-      acc = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
-      return acc, (acc[1] / acc[2], m + jnp.log(acc[2]))
-
-    return jax.lax.scan(add, carry, (kk, vv))
+  def add(acc, kv):  # exact: a running maximum per position
+    m0, num0, den0 = acc
+    k1, v1 = kv
+    m = jnp.maximum(m0, k1)
+    s0, s1 = jnp.exp(m0 - m), jnp.exp(k1 - m)
+    acc = (m, num0 * s0 + v1 * s1, den0 * s0 + s1)
+    return acc, (acc[1] / acc[2], m + jnp.log(acc[2]))
 
   def step(carry, kv):
     m0, num0, den0 = carry
@@ -126,7 +122,7 @@ def _forward(kc, vc, low: bool):
       return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
 
     def exact():  # the flagged rows only: the others keep the fast values, bit for bit
-      (m1, num1, den1), (a1, lse1) = sequential(carry, kk, vv)
+      (m1, num1, den1), (a1, lse1) = jax.lax.scan(add, carry, (kk, vv))
       a, lse_ = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
       return (m1, num1, den1), (a, lse_, m1)  # the carry in the scale of m1
 
@@ -138,8 +134,7 @@ def _forward(kc, vc, low: bool):
   return a, lse_, m, bad
 
 
-def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
-  """da [n, c, R], linear in dk, dv [T, R]; factors ``tame`` (a row after a NaN: 0)."""
+def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):  # da [n, c, R], linear in dk, dv [T, R]
   c = a.shape[1]
   empty = jnp.full_like(m[:1], NEG)
   m_prev = jnp.concatenate([empty, m[:-1]])
@@ -180,8 +175,7 @@ def _tangent(low: bool, kc, vc, a, lse_, m, bad, dk, dv):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):
-  """a [T, R] (module docstring) for k, v [T, R]; ``low``: bfloat16 factors in the products."""
+def causal_mean(k, v, chunk: int = CHUNK, low: bool = False):  # a [T, R]; low: bfloat16 factors
   c = min(chunk, k.shape[0])
   a = _forward(_chunked(k, c, NEG), _chunked(v, c), low)[0]
   return a.reshape(-1, a.shape[-1])[: k.shape[0]]

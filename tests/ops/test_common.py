@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aft_jax import ops
-from aft_jax.ops import common, full, local, simple
+from aft_jax.ops import common, local, simple
 from aft_jax.ops.common import DeviceFacts
 from tests.support.helpers import TRITON, export_for, on_target
 
@@ -44,7 +44,7 @@ CASES = [
   ("aft_full", "auto", True, 128, None, H200, None),
   ("aft_full", "pallas", True, 128, None, H200, "there is no Pallas kernel for this op"),
 ]
-KERNELS = {"aft_simple": simple.KERNELS, "aft_local": local.KERNELS, "aft_full": full.KERNELS}
+KERNELS = {"aft_simple": simple.KERNELS, "aft_local": local.KERNELS, "aft_full": local.FULL_KERNELS}
 
 
 @pytest.mark.parametrize("op, impl, causal, d, window, device, want", CASES)
@@ -82,7 +82,7 @@ def fake_kernel(monkeypatch):
 
   unsupported = lambda d, window: None if d % 2 == 0 else "the fake kernel takes even channels"
   fake = common.Kernel(jax.devices()[0].platform, mean, unsupported)
-  monkeypatch.setattr(full, "KERNELS", (fake,))
+  monkeypatch.setattr(local, "FULL_KERNELS", (fake,))
   return fake, calls
 
 
@@ -99,7 +99,7 @@ def test_a_kernel_added_to_an_op_is_what_it_runs(fake_kernel):
   for impl, interpret in (("pallas", False), ("pallas_interpret", True), ("auto", False)):
     chex.assert_trees_all_close(ops.aft_full(q, k, v, w, causal=True, impl=impl), seven)
     assert calls[-1] is interpret, impl
-  assert common.resolve("aft_full", "auto", full.KERNELS, causal=True, channels=4) == fake
+  assert common.resolve("aft_full", "auto", local.FULL_KERNELS, causal=True, channels=4) == fake
   # jit: "auto" holds the kernel and XLA, one branch per platform; this one takes the kernel.
   jitted = jax.jit(functools.partial(ops.aft_full, causal=True))(q, k, v, w)
   chex.assert_trees_all_close(jitted, seven)

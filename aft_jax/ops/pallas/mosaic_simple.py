@@ -13,17 +13,14 @@ from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside
 from aft_jax.ops.pallas import triton
 from aft_jax.ops.pallas.triton import colsum, dot
 
-# Backward: beyond this rise of L in a chunk, the exact scan; forward: the smallest fast
-# denominator. Both read when the kernel is traced.
+# Backward: the exact scan beyond this rise of L in a chunk; forward: the least fast denominator.
 MAX_RISE, MIN_DEN = 40.0, DEN_OK
 LANES = 128  # a TPU vector register's minor dimension: block_d is a multiple of it
 
 
 class MosaicConfig(NamedTuple):
-  """Positions per grid step (sublanes, a multiple of 16) and channels per block (lanes)."""
-
-  block_t: int = 128
-  block_d: int = 128
+  block_t: int = 128  # positions per grid step (sublanes, a multiple of 16)
+  block_d: int = 128  # channels per block (lanes)
 
 
 # block_t 128 fills the MXU's rows; block_d as wide as the channels allow (not timed).
@@ -35,13 +32,11 @@ def unsupported(d: int, window=None) -> str | None:
   return why + "pad the channels or use impl='xla')" if d % LANES else None
 
 
-def config_for(d: int, batch: int = 1) -> MosaicConfig:
-  """The configuration for ``batch`` rows of D channels: two programs at least (megacore)."""
+def config_for(d: int, batch: int = 1) -> MosaicConfig:  # two programs at least (megacore)
   return triton.widest_config(CONFIGS, d, batch, 2, f"Pallas TPU kernel: {unsupported(d)}")
 
 
-def _prefix_triples(k, v):
-  """Per row t of a chunk k, v [n, bd], the exact triple of rows <= t (Hillis-Steele)."""
+def _prefix_triples(k, v):  # per row t of k, v [n, bd]: the triple of rows <= t
   n = k.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, k.shape, 0)  # each element's row
   m, num, den = k, v, jnp.ones_like(k)
@@ -61,22 +56,19 @@ def _prefix_triples(k, v):
   return m, num, den
 
 
-def _suffix_sums(lse, p1, p2):
-  """Per row t' of a chunk: sum_{t >= t'} exp(L[t'] - L[t]) p[t] for p1, p2 (factors <= 1)."""
+def _suffix_sums(lse, p1, p2):  # per row t': sum_{t >= t'} exp(L[t'] - L[t]) p[t], factors <= 1
   n = lse.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
   s = 1
   while s < n:
-    # roll by n - s: row t' receives row t' + s; rows past the chunk's end get factor 0 (the
-    # where also drops the overflowing exp of a wrapped, earlier L).
+    # Row t' receives row t' + s; factor 0 past the chunk's end (and for a wrapped row's exp).
     f = jnp.where(row < n - s, jnp.exp(lse - pltpu.roll(lse, n - s, 0)), 0.0)
     p1, p2 = p1 + f * pltpu.roll(p1, n - s, 0), p2 + f * pltpu.roll(p2, n - s, 0)
     s *= 2
   return p1, p2
 
 
-def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):
-  """One grid step (batch row, channel block, chunk i): a [and L] of the chunk's rows."""
+def _fwd_kernel(k_ref, v_ref, a_ref, *rest, with_lse: bool):  # per (batch, block, chunk): a [and L]
   lse_ref = rest[0] if with_lse else None
   m_ref, num_ref, den_ref = rest[-3:]  # the triple of every earlier chunk, [1, bd]
 
@@ -157,7 +149,6 @@ def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, dk_ref, dv_ref, c1_ref, c2_
 
 
 def _call(kernel, cfg: MosaicConfig, interpret: bool, reverse: bool, ins, outs):
-  """pallas_call over (batch, D / block_d, T / block_t) blocks, T forward or ``reverse``."""
   (b, t_len, d), bt, bd = ins[0].shape, cfg.block_t, cfg.block_d
   n_t = t_len // bt
   index = (lambda i, j, t: (i, n_t - 1 - t, j)) if reverse else (lambda i, j, t: (i, t, j))

@@ -11,11 +11,9 @@ from jax.experimental import pallas as pl
 from aft_jax.ops.logsumexp import HIGHEST, NEG, keep
 
 
-class TritonConfig(NamedTuple):
-  """Positions per chunk, channels per program, warps, stages (block sizes >= 16, powers of 2)."""
-
-  block_t: int = 16
-  block_d: int = 64
+class TritonConfig(NamedTuple):  # block sizes: powers of 2, >= 16
+  block_t: int = 16  # positions per chunk
+  block_d: int = 64  # channels per program
   num_warps: int = 4
   num_stages: int = 1
 
@@ -24,25 +22,21 @@ class TritonConfig(NamedTuple):
 CONFIGS = tuple(TritonConfig(block_d=bd) for bd in (64, 32, 16))
 # A memory-bound kernel wants >= 4 resident programs per SM (H100 / H200: 132 SMs).
 MIN_PROGRAMS = 4 * 132
-# Segment lengths, the longest that gives MIN_PROGRAMS first (chosen by reasoning; both forms
-# are timed by ``benchmarks.accelerator_check``).
+# Segment lengths, the longest first (both forms timed by ``benchmarks.accelerator_check``).
 SEGMENTS = (2048, 1024, 512, 256, 128)
 FOLD = 16  # segment totals folded per step
 FORMS = ("auto", "sequential", "chunked")
 
 
 class LaunchPlan(NamedTuple):
-  """The block configuration and ``seg``, positions per program (None: sequential)."""
-
   cfg: TritonConfig
-  seg: int | None = None
+  seg: int | None = None  # positions per program (None: sequential)
 
 
 def unsupported_channels(d: int, window=None) -> str | None:
   tile = CONFIGS[-1].block_d
-  return (
-    f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)" if d % tile else None
-  )
+  why = f"the channel dim D = {d} is not a multiple of {tile} (the kernel's tile)"
+  return why if d % tile else None
 
 
 def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
@@ -54,13 +48,11 @@ def widest_config(configs, d: int, batch: int, min_programs: int, why_not: str):
 
 
 def config_for(d: int, batch: int = 1, min_programs: int = 256) -> TritonConfig:
-  """The sequential form's configuration for ``batch`` rows of D = d channels."""
   return widest_config(CONFIGS, d, batch, min_programs, f"Pallas kernel: {unsupported_channels(d)}")
 
 
 def plan_for(batch: int, t_len: int, d: int, min_seg: int = 0, form: str = "auto") -> LaunchPlan:
-  """Sequential where its grid has ``MIN_PROGRAMS`` programs, else chunk-parallel where T holds
-  two segments (each >= ``min_seg``); ``form`` forces one where it can run."""
+  """Sequential if it has ``MIN_PROGRAMS`` programs, else chunked (2 segments >= min_seg)."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   seq = LaunchPlan(config_for(d, batch))
@@ -79,15 +71,12 @@ def grid(batch: int, d: int, plan: LaunchPlan, n_seg: int) -> tuple[int, ...]:
   return (batch, d // plan.cfg.block_d) + ((n_seg,) if plan.seg else ())
 
 
-def ones(n: int, where):
-  """[n, n] float32: 1 where ``where(row, column)`` (e.g. jnp.greater_equal: lower triangle)."""
+def ones(n: int, where):  # [n, n]: 1.0 where where(row, col) (greater_equal: lower triangle)
   i, j = (jax.lax.broadcasted_iota(jnp.int32, (n, n), axis) for axis in (0, 1))
   return jnp.where(where(i, j), 1.0, 0.0).astype(jnp.float32)
 
 
-def mean_with_vjp(forward, backward):
-  """``mean(k, v, w, static)`` with a custom VJP from ``forward(..., with_lse)`` -> a [and L] and
-  ``backward(k, v, w, a, L, g, static)`` -> dk, dv, dw (both over padded T)."""
+def mean_with_vjp(forward, backward):  # mean(k, v, w, static), its VJP by forward and backward
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
   def mean(k, v, w, static):
@@ -122,8 +111,7 @@ def call(kernel, cfg: TritonConfig, interpret: bool, grid, in_specs, out_specs, 
   )(*ins)  # fmt: skip
 
 
-def varying_like(out_shape, ins, interpret: bool):
-  """``out_shape`` varying over ``ins``' manual mesh axes; refused interpreted (jax 0.10.2)."""
+def varying_like(out_shape, ins, interpret: bool):  # out_shape varying as ins; refused interpreted
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in ins))
   if axes and interpret:
     raise ValueError(
@@ -134,44 +122,32 @@ def varying_like(out_shape, ins, interpret: bool):
   return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape]
 
 
-def all_true(cond):
-  """True where every element of the 2-D bool ``cond`` is (Triton has no reduce_and)."""
+def all_true(cond):  # every element of the 2-D cond (Triton has no reduce_and)
   return jnp.min(jnp.min(jnp.where(cond, 1.0, 0.0), axis=1), axis=0) > 0.5
 
 
-def dot(x, y, trans_x: bool = False, trans_y: bool = False):
-  """float32 x @ y (x^T, y^T where asked), no TF32 passes."""
+def dot(x, y, trans_x: bool = False, trans_y: bool = False):  # float32 x @ y, no TF32
   dims = (((0 if trans_x else 1,), (1 if trans_y else 0,)), ((), ()))
   return jax.lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-def colsum(x):
-  return jnp.sum(x, axis=0, keepdims=True)  # [n, bd] -> [1, bd]
+colsum = lambda x: jnp.sum(x, axis=0, keepdims=True)  # [n, bd] -> [1, bd]
+rows = lambda j, n: pl.ds(pl.multiple_of(j * n, n), n)  # the j-th block of n rows
+load = lambda ref, idx: ref[idx, :].astype(jnp.float32)
 
 
-def rows(j, n):
-  return pl.ds(pl.multiple_of(j * n, n), n)  # the j-th block of n rows
-
-
-def load(ref, idx):
-  return ref[idx, :].astype(jnp.float32)
-
-
-def pad_time(x, before: int, after: int, fill):
-  """[B, T, D] -> [B, before + T + after, D], the new rows ``fill``."""
+def pad_time(x, before: int, after: int, fill):  # [B, T, D] -> [B, before + T + after, D]
   if not (before or after):
     return x
   return jnp.pad(x, ((0, 0), (before, after), (0, 0)), constant_values=fill)
 
 
-def padded_to_chunks(k, v, block_t: int):
-  """k, v with T padded to a multiple of block_t: keys ``pad_key`` (weight 0), values 0."""
+def padded_to_chunks(k, v, block_t: int):  # T to whole chunks: keys pad_key (weight 0), values 0
   t_pad = -k.shape[1] % block_t
   return pad_time(k, 0, t_pad, pad_key(k.dtype)), pad_time(v, 0, t_pad, 0.0)
 
 
-def pad_key(dtype) -> float:
-  """A padding key: NEG, or the dtype's lowest (NEG in bfloat16 would be -inf: -inf - -inf)."""
+def pad_key(dtype) -> float:  # NEG, or the dtype's lowest (NEG in bfloat16 is -inf)
   return max(NEG, float(jnp.finfo(dtype).min))
 
 
@@ -180,8 +156,7 @@ def empty(bd: int):
   return zero + NEG, zero, zero
 
 
-def _combine_block(carry, x, y1, y2, ok):
-  """``carry`` (m, s1, s2) [1, bd] plus exp(x) y1, exp(x) y2 of the rows where ``ok``."""
+def _combine_block(carry, x, y1, y2, ok):  # carry plus exp(x) (y1, y2) of the rows where ok
   m0, a0, b0 = carry
   x = jnp.where(ok, x, NEG)
   m = jnp.maximum(m0, jnp.max(x, axis=0, keepdims=True))
@@ -190,8 +165,7 @@ def _combine_block(carry, x, y1, y2, ok):
   return m, a0 * s0 + colsum(e * y1), b0 * s0 + colsum(e * y2)
 
 
-def fold(m_ref, s1_ref, s2_ref, take):
-  """The combine of the segment totals [n_pad, bd] whose index ``take`` accepts."""
+def fold(m_ref, s1_ref, s2_ref, take):  # the segment totals whose index ``take`` accepts, combined
 
   def step(i, carry):
     idx = rows(i, FOLD)
@@ -202,8 +176,7 @@ def fold(m_ref, s1_ref, s2_ref, take):
 
 
 def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
-  """One segment's triple of rows in [skip, limit): "keys" exp(k) (v, 1); "cotangent" exp(-L)
-  (g, g a)."""
+  """A segment's triple, rows in [skip, limit): exp(k) (v, 1), or exp(-L) (g, g a)."""
   *ins, m_ref, s1_ref, s2_ref = refs
   s = pl.program_id(2)
 
@@ -223,8 +196,7 @@ def _totals_kernel(*refs, bt: int, seg: int, kind: str, skip: int, limit: int):
 
 
 def totals(ins, kind: str, plan: LaunchPlan, t_pad: int, interpret: bool, skip=0, limit=None):
-  """The segment totals (m, s1, s2) [B, n_pad, D] of ins = (k, v) or (L, g, a) [B, n, D]; none
-  for the sequential form."""
+  """(m, s1, s2) [B, n_pad, D] per segment of (k, v) or (L, g, a); none when sequential."""
   if not plan.seg:
     return ()
   (b, n, d), n_seg = ins[0].shape, t_pad // plan.seg

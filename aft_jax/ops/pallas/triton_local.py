@@ -14,8 +14,7 @@ from aft_jax.ops.pallas.triton import rows
 
 # A chunk's slab grows with the window (O(T (s + c) D)); beyond this, AFT-full's job.
 MAX_WINDOW = 1024
-# Backward fast path: the scale exp(row max + channel max - L) of the slab's products is
-# < 1 / DEN_OK wherever the forward's fast path was exact; beyond it, row by row.
+# Backward: row by row where exp(row max + channel max - L) exceeds the forward's 1 / DEN_OK.
 _MAX_LOG_SCALE = 57.0
 
 
@@ -25,8 +24,7 @@ def unsupported(d: int, window: int) -> str | None:
   return triton.unsupported_channels(d)
 
 
-def _slab_width(s: int, bt: int) -> int:
-  """Keys a chunk reads: its own bt plus s - 1 earlier ones, rounded up to key blocks of bt."""
+def _slab_width(s: int, bt: int) -> int:  # bt + s - 1 keys, rounded up to blocks of bt
   return bt * (-(-(s - 1) // bt) + 1)
 
 
@@ -41,14 +39,12 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
   return jnp.where((tk <= t) & (tk >= 0), bias, NEG)
 
 
-def _bias_column(bias_ref, r, u, bt: int, eye):
-  """Row r's biases against key block u as a [bt, 1] column (a product with ``eye``)."""
+def _bias_column(bias_ref, r, u, bt: int, eye):  # row r's biases against block u, [bt, 1]
   return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
 
 
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
-  """Chunk j's slab: ``keys(j, u)`` (block u's biases, keys, values), ``maxima(j)`` (its split
-  shift) and ``shifted``; k, v refs [n, bd], or [B, n, bd] read at row ``batch``."""
+  """Chunk j's ``keys(j, u)`` (block u's bias, k, v), ``maxima(j)``, ``shifted``; row ``batch``."""
   n_keys = bias_ref.shape[1] // bt
   at = lambda idx: (idx, slice(None)) if batch is None else (batch, idx, slice(None))
 
@@ -57,8 +53,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
     kv = (k_ref[idx].astype(jnp.float32), v_ref[idx].astype(jnp.float32))
     return (bias_ref[rows(j, bt), rows(u, bt)], *kv)
 
-  def maxima(j, first: bool = False):
-    """``first``: the keys' maxima over those the chunk's first row sees (the forward's)."""
+  def maxima(j, first: bool = False):  # first: over the keys the chunk's first row sees
 
     def step(u, mm):
       b, kb, _ = keys(j, u)
@@ -80,8 +75,7 @@ def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
   return n_keys, keys, maxima, shifted
 
 
-def _scaled_cotangent(mw, mk, lse, g, a, real):
-  """(exact?, g exp(mw + mk - L), the same times a): the backward's split shift of a chunk."""
+def _scaled_cotangent(mw, mk, lse, g, a, real):  # (exact?, g exp(mw + mk - L), that times a)
   log_scale = mw + mk - lse
   gs = g * jnp.exp(log_scale)
   return all_true((log_scale <= _MAX_LOG_SCALE) | ~real), gs, gs * a
@@ -116,27 +110,21 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
       b, kb, vb = keys(j, u)
       ok, e, vb = set_aside(jnp.exp(kb - mk), vb)
       p = jnp.exp(b - mw)
-      # Per row, over the keys it sees (bias not NEG; later keys' is): how many are set aside,
-      # and the sum of their exp(k - mk), a bound on the largest.
+      # Per row, over the keys it sees: how many set aside, and the sum of exp(k - mk).
       sees = jnp.where(b > NEG, 1.0, 0.0)
       aside = dot(sees, jnp.where(ok, 0.0, 1.0))
       return nd[0] + dot(p, e * vb), nd[1] + dot(p, e), nd[2] + aside, nd[3] + dot(sees, e)
 
     zero = jnp.zeros((bt, bd), jnp.float32)
     num, den, aside, esum = jax.lax.fori_loop(0, n_keys, sums, (zero,) * 4)
-    # Redone: the rows that see a set-aside key or whose shift lost their terms (a product
-    # exp(b - mw) exp(k - mk) loses a term when its first factor underflows, so den must exceed
-    # DEN_OK times the largest second factor). Stored as NaN (a fast value never is: finite
-    # inputs, den > 0), which the exact pass reads as "redo".
+    # Redone (stored NaN, which a fast value never is): a set-aside key seen, or a lost term.
     lost = ~(den >= DEN_OK * jnp.maximum(esum, 1.0))
     real, idx = _real(j, bt, t_len), rows(j - j0, bt)
     redo = ((aside > 0.5) | lost) & real
     m = jnp.maximum(mw + mk, m0)
     s1, s0 = jnp.exp(mw + mk - m), jnp.exp(m0 - m)
     num, den = num * s1 + num0 * s0, den * s1 + den0 * s0
-    # Padding rows (after T) are stored as 0: their shift may lose every term (their biases
-    # repeat the last row's, against padding keys of weight 0), and a NaN residual there
-    # would reach the backward's products (0 * NaN).
+    # Padding rows store 0: their shift may lose every term, and a NaN would reach 0 * NaN.
     a_ref[idx, :] = jnp.where(real, jnp.where(redo, jnp.nan, num) / den, 0.0)
     if lse_ref:
       lse_ref[0][idx, :] = jnp.where(real, m + jnp.log(den), 0.0)
@@ -175,13 +163,11 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     e, s0 = jnp.where(seen, jnp.exp(kb - m), 0.0), jnp.exp(m0 - m)
     return (m, num0 * s0 + colsum(e * vb), den0 * s0 + colsum(e))
 
-  carry_in = triton.empty(bd) if carry_in is None else carry_in
-  jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in)
+  jax.lax.fori_loop(0, n_chunks, lambda i, c: chunk(j0 + i, c), carry_in or triton.empty(bd))
 
 
 def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len, n_seg, seg):
-  """One (batch row, channel block[, segment]): dk, dv in the keys' padded layout (a segment's
-  key rows and the next one's first W - bt) from a, L and the cotangent g."""
+  """dk, dv in the keys' padded layout (a segment's keys and the next one's first W - bt)."""
   j0, n_chunks, carry_in, (dk_ref, dv_ref) = _segment(
     bias_ref, refs, bt, n_seg, seg, lambda i, s: (i > s) & (i < n_seg)
   )
@@ -239,9 +225,7 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
 
     jax.lax.cond(ok, fast, exact)
 
-    # The slab's first key block is older (bias 0) than every row of the later chunks, whose
-    # sums c1 = sum exp(-L - m) g, c2 = the same with g a are carried with m = max(-L):
-    # exp(k + m) <= 1 since such a key is one of the terms of every later L.
+    # Block 0's keys are bias-0 terms of every later L: exp(k + m) <= 1 for m = max(-L).
     m, c1, c2 = carry
     kb, vb = load(k_ref, out), load(v_ref, out)
     e = jnp.exp(kb + m)
@@ -250,13 +234,11 @@ def _bwd_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt, t_len,
     s, e = jnp.exp(m - m2), jnp.exp(-lse - m2)
     return (m2, c1 * s + colsum(e * g), c2 * s + colsum(e * g * a))
 
-  carry_in = triton.empty(bd) if carry_in is None else carry_in
-  jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
+  jax.lax.fori_loop(0, n_chunks, chunk, carry_in or triton.empty(bd))
 
 
 def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int, t_len: int):
-  """One (query chunk j, channel block): dw_ref [bt, W], the slab biases' gradient of the chunk's
-  rows, sum_r p g (v - a) over every batch row and the block's channels."""
+  """Query chunk j's slab-bias gradient [bt, W]: sum p g (v - a) over batch rows, channels."""
   j = pl.program_id(0)
   n_keys = bias_ref.shape[1] // bt
   out, real = rows(j, bt), _real(j, bt, t_len)
@@ -310,8 +292,7 @@ def _dw_kernel(bias_ref, k_ref, v_ref, a_ref, lse_ref, g_ref, dw_ref, *, bt: int
   jax.lax.fori_loop(0, k_ref.shape[0], batch_row, 0)
 
 
-def _layout(k, window: int, plan: LaunchPlan):
-  """(s, t_pad, W, front): window, T padded, slab width, the keys' front padding."""
+def _layout(k, window: int, plan: LaunchPlan):  # (s, t_pad, slab width W, keys' front padding)
   t_len, bt = k.shape[1], plan.cfg.block_t
   s = min(window, t_len)
   width = _slab_width(s, bt)
@@ -319,14 +300,12 @@ def _layout(k, window: int, plan: LaunchPlan):
 
 
 def plan_for(batch: int, t_len: int, d: int, window: int) -> LaunchPlan:
-  """``triton.plan_for``, a segment holding the W - bt keys a chunk's slab reads before it."""
   bt = CONFIGS[0].block_t
   return triton.plan_for(batch, t_len, d, min_seg=_slab_width(min(window, t_len), bt) - bt)
 
 
 def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), keys_out=False):
-  """pallas_call over (batch, D / block_d[, segments]) of ins (biases, then columns) and the
-  totals; outputs [B, t_pad, D] or (``keys_out``) in the keys' layout (``_overlap_add``)."""
+  """ins: the biases, then columns; outputs [B, t_pad, D] or (``keys_out``) the keys' layout."""
   (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   cfg, seg = plan.cfg, plan.seg or t_pad
   bd, n_seg, front = cfg.block_d, t_pad // seg, width - cfg.block_t
@@ -351,8 +330,7 @@ def _call(kernel, plan: LaunchPlan, interpret: bool, t_len, ins, outs, tots=(), 
   )
 
 
-def _overlap_add(x, front: int):
-  """Per-segment keys [B, n_seg, seg + front, D] -> the keys' layout (halos added)."""
+def _overlap_add(x, front: int):  # [B, n_seg, seg + front, D] -> keys' layout (halos added)
   b, n_seg, n, d = x.shape
   seg = n - front
   main = x[:, :, :seg].reshape(b, n_seg * seg, d)
@@ -365,8 +343,7 @@ def dw_config(d: int) -> TritonConfig:
   return triton.widest_config(CONFIGS, d, 1, 0, f"Pallas kernel: {unsupported(d, 1)}")
 
 
-def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
-  """Per channel block, the slab biases' gradient summed over the batch: [D / block_d, t_pad, W]."""
+def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):  # [D / bd, t_pad, W]
   (t_pad, width), (b, _, d) = ins[0].shape, ins[1].shape
   bt, bd = cfg.block_t, cfg.block_d
   col = lambda x: pl.BlockSpec((b, x.shape[1], bd), lambda j, c: (0, 0, c))
@@ -378,8 +355,7 @@ def _dw_partials(ins, cfg: TritonConfig, interpret: bool, t_len: int):
   return triton.call(kernel, cfg, interpret, grid, in_specs, out_specs, out, ins)[0]
 
 
-def _padded(k, v, window: int, plan: LaunchPlan):
-  """k, v with W - bt keys in front and T padded to chunks (segments); keys of weight 0."""
+def _padded(k, v, window: int, plan: LaunchPlan):  # k, v: W - bt keys in front, T padded to chunks
   _, t_pad, _, front = _layout(k, window, plan)
   t_len = k.shape[1]
   pad = lambda x, fill: triton.pad_time(x, front, t_pad - t_len, fill)
@@ -402,8 +378,7 @@ def _backward(k, v, w, a, lse, g, static):
   s, t_pad, _, front = _layout(k, window, plan)
   # A non-finite bias reaches only its own row (which then has no derivative).
   bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame(w), s, t_pad, plan.cfg.block_t), w)
-  # A NaN key would make its chunk's shift exp(k - max) NaN for every key beside it (padding
-  # fuses this in): keys and values that are not finite are 0 (their rows have no derivative).
+  # A NaN key would make its whole chunk's shift NaN: non-finite keys and values are 0 here.
   k, v = tame(k), tame(v)
   ins = (bias, *_padded(k, v, window, plan), a, lse, g)
   tots = triton.totals((lse, g, a), "cotangent", plan, t_pad, interpret, limit=t_len)

@@ -15,8 +15,7 @@ from aft_jax.ops.pallas.triton import LaunchPlan, TritonConfig, all_true, colsum
 _MAX_RISE = 40.0
 
 
-def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
-  """One (batch row, channel block[, segment]): a [and L]; chunk-parallel, refs[:3] the totals."""
+def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):  # a [and L]; refs[:3]: totals
   n_chunks = k_ref.shape[0] // bt
   tril = triton.ones(bt, jnp.greater_equal)
   carry_in = triton.empty(k_ref.shape[1])
@@ -43,8 +42,7 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
     den = s0 * den0 + dot(tril, e)
     # The rows that see a set-aside term, or whose shift lost their terms: redone below.
     redo = (dot(tril, jnp.where(ok, 0.0, 1.0)) > 0.5) | ~(den >= DEN_OK)
-    # Flagged rows are stored as NaN (a fast value never is: its inputs are finite and den > 0
-    # elsewhere), which the exact pass reads back as "redo this one".
+    # Flagged rows are stored as NaN (a fast value never is), which the exact pass redoes.
     store(idx, jnp.where(redo, jnp.nan, num / den), m + jnp.log(den))
 
     def fast():
@@ -72,15 +70,13 @@ def _fwd_kernel(k_ref, v_ref, *refs, bt: int, n_seg: int | None):
   jax.lax.fori_loop(0, n_chunks, chunk, carry_in)
 
 
-def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int | None):
-  """One (batch row, channel block[, segment]): dk, dv from k, v, a, L and the cotangent g."""
+def _bwd_kernel(k_ref, v_ref, a_ref, lse_ref, g_ref, *refs, bt: int, n_seg: int | None):  # dk, dv
   n_chunks = k_ref.shape[0] // bt
   triu = triton.ones(bt, jnp.less_equal)
   zero = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
   carry_in = (zero, zero, zero - NEG)  # nothing after
   if n_seg is not None:
-    # The later queries' sum exp(-L - m) g [g a] with m = max(-L), i.e. C1, C2 in the scale
-    # of L = -m (that of their first row).
+    # The later queries' C1, C2 = sum exp(-L - m) g [g a], m = max(-L) (their first row's).
     s = pl.program_id(2)
     m, c1, c2 = triton.fold(*refs[:3], lambda i: (i > s) & (i < n_seg))
     carry_in = (c1, c2, -m)
