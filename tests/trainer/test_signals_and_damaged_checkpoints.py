@@ -25,7 +25,7 @@ from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import ROOT, config_flags, listing, tiny_config, train_py
 from tests.support.helpers import trained_run_config
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, checksum, guards, train_lib
+from aft_jax.trainer import checkpointing, guards, train_lib
 from aft_jax.trainer.run_config import SLICES, RunConfig
 from aft_jax.typed_config import TypedConfig
 from aft_jax.workdir import Workdir
@@ -494,7 +494,7 @@ def _other_corpus(workdir):
   saved = json.load(open(os.path.join(step_dir, "corpus", "metadata")))
   saved["tokens"]["train"] += 1
   sums = json.load(open(os.path.join(step_dir, "checksums", "metadata")))
-  sums["json"]["corpus"] = checksum.of_json(saved)
+  sums["json"]["corpus"] = checkpointing.json_checksum(saved)
   for name, obj in (("corpus", saved), ("checksums", sums)):
     with open(os.path.join(step_dir, name, "metadata"), "w") as f:
       json.dump(obj, f)
