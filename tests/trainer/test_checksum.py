@@ -1,5 +1,4 @@
-"""The per-array checksums a checkpoint carries (aft_jax.trainer.checkpointing), against a NumPy
-reference of the documented sums, and every single flipped bit of an array seen."""
+"""The checkpoint checksums against a NumPy reference of the documented sums."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +15,9 @@ def _reference(x: np.ndarray) -> str:
   else:
     words = x.view(f"uint{8 * x.dtype.itemsize}").astype(np.uint64)
   i = np.arange(words.size, dtype=np.uint64).reshape(words.shape)
-  out = [int(np.sum(_mix(words ^ _mix(i ^ np.uint64(s))))) % (1 << 32) for s in checkpointing._SEEDS]
+  out = [
+    int(np.sum(_mix(words ^ _mix(i ^ np.uint64(s))))) % (1 << 32) for s in checkpointing._SEEDS
+  ]
   return f"{out[0]:08x}{out[1]:08x}"
 
 
