@@ -1,6 +1,15 @@
 """The workdir's checkpoints (Orbax, saved in the background): the state, the data position, the
-config and corpus record, and their checksums (``checksum``); a damaged checkpoint is skipped for
-the newest intact one and set aside. Docs: docs/training.md, "Reliability".
+config and corpus record, and their checksums; a damaged checkpoint is skipped for the newest
+intact one and set aside. Docs: docs/training.md, "Reliability" and "Checkpoint integrity".
+
+Checksums: one per array of the state, two 32-bit sums computed on its devices, whatever its
+sharding:
+
+    s = sum_i mix(bits_i ^ mix(i ^ seed))   (mod 2**32), for two seeds
+
+``bits_i``: element i's bit pattern as uint32 words, i its row-major position, ``mix`` the
+MurmurHash3 finaliser (a bijection: a change within one word changes both sums for certain;
+changes to several cancel with a chance of about 2**-64). JSON items: SHA-256 of canonical JSON.
 """
 
 from __future__ import annotations
@@ -8,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -19,11 +29,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jax import lax
 from jax.experimental import multihost_utils
 
-from aft_jax.trainer import checksum
 from aft_jax.typed_config import TypedConfig, positive
 from aft_jax.workdir import Workdir
 
@@ -42,14 +53,70 @@ class CheckpointConfig(TypedConfig):
 JSON_ITEMS = ("config", "data", "corpus")  # beside the state; each one's SHA-256 in "checksums"
 
 
+CHECKSUMS_VERSION = 1
+_SEEDS = (0x9E3779B9, 0x7F4A7C15)  # two lanes: 64 bits of checksum per array
+
+
+def _mix(h):
+  """MurmurHash3's 32-bit finaliser (lax on NumPy scalars: jnp's checks were slow to trace)."""
+  shr = lambda h, n: lax.shift_right_logical(h, np.uint32(n))
+  h = lax.mul(lax.bitwise_xor(h, shr(h, 16)), np.uint32(0x85EBCA6B))
+  h = lax.mul(lax.bitwise_xor(h, shr(h, 13)), np.uint32(0xC2B2AE35))
+  return lax.bitwise_xor(h, shr(h, 16))
+
+
+def _words(x):
+  """The bits of ``x`` as uint32: one word per element ([..., k] for 8-byte dtypes)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return lax.convert_element_type(x, np.uint32)
+  size = jnp.dtype(x.dtype).itemsize
+  if size < 4:
+    narrow = lax.bitcast_convert_type(x, np.dtype(f"uint{8 * size}"))
+    return lax.convert_element_type(narrow, np.uint32)
+  return lax.bitcast_convert_type(x, np.uint32)
+
+
+def _sums(x):
+  w = _words(x)
+  position = lax.full(w.shape, np.uint32(0))
+  for d, n in enumerate(w.shape):  # row-major index, built per axis: no reshape of a sharded x
+    position = lax.add(lax.mul(position, np.uint32(n)), lax.broadcasted_iota(np.uint32, w.shape, d))
+  return jnp.stack(
+    [
+      jnp.sum(
+        _mix(lax.bitwise_xor(w, _mix(lax.bitwise_xor(position, np.uint32(s))))), dtype=jnp.uint32
+      )
+      for s in _SEEDS
+    ]
+  )
+
+
+_tree_sums = jax.jit(lambda tree: jax.tree_util.tree_map(_sums, tree))
+
+
+def array_checksums(tree) -> dict[str, str]:
+  """{path: "dtype[shape]:sums"} of every array of ``tree`` (path: ``jax.tree_util.keystr``)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  sums = jax.device_get(_tree_sums([x for _, x in leaves]))
+  return {
+    jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
+    for (p, x), s in zip(leaves, sums)
+  }
+
+
+def json_checksum(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
 class DamagedCheckpointError(ValueError):
   """A checkpoint's contents do not match the checksums saved with them."""
 
 
 def checkpoint_manager(workdir: str | Workdir, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-  """The workdir's checkpoints (the latest ``keep_checkpoints`` kept); creating it writes
-  nothing. ``Quiet``: Orbax logs an ERROR for a step whose metadata does not parse."""
-  with Quiet():
+  """The workdir's checkpoints (the latest ``keep_checkpoints``); creating it writes nothing."""
+  with Quiet():  # Orbax logs an ERROR for a step whose metadata does not parse
     return ocp.CheckpointManager(
       Workdir.of(workdir).checkpoints_dir,
       options=ocp.CheckpointManagerOptions(
@@ -91,8 +158,7 @@ class _MainThreadOnly:
 
 
 class Quiet:
-  """Orbax's and TensorStore's threads' noise (tracebacks, logs, never-awaited coroutines) kept off
-  stderr from ``on()`` to ``off()``, or for a block (a Ctrl-C leaves it on: ``aft_jax.ctrl_c``)."""
+  """Orbax's and TensorStore's threads' noise off stderr, from ``on()`` to ``off()`` or a block."""
 
   def on(self) -> Quiet:
     self.loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "concurrent.futures")]
@@ -156,8 +222,7 @@ def _quietly(read):
 def save(
   mngr: ocp.CheckpointManager, step: int, state, data_iter, config=None, corpus=None
 ) -> None:
-  """Saves the state, data position, ``config``, ``corpus`` record and their checksums in the
-  background; a failed write is one OSError, raised here or by ``finish_saving``."""
+  """Saves a checkpoint in the background; a failed write: an OSError (or in ``finish_saving``)."""
   finish_saving(mngr)
   if not bool(_all_finite((state.params, state.opt_state))):
     raise FloatingPointError(
@@ -165,7 +230,11 @@ def save(
     )
   items = {"data": data_iter.get_state(), "config": config, "corpus": corpus}
   items = {k: json.loads(json.dumps(v)) for k, v in items.items() if v is not None}
-  sums = checksum.record(state, items)
+  sums = {
+    "version": CHECKSUMS_VERSION,
+    "arrays": array_checksums(state),
+    "json": {name: json_checksum(obj) for name, obj in items.items()},
+  }
   if getattr(mngr, "quiet_while_saving", None) is None:
     mngr.quiet_while_saving = Quiet().on()  # off once ``finish_saving`` saw the write succeed
   try:
@@ -196,9 +265,8 @@ def finish_saving(mngr: ocp.CheckpointManager) -> None:
 
 
 def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
-  # The failed write's coroutines live as long as the error's frames: outside the except block
-  # they are collected now (left to the interpreter's exit, on a busy machine after the warnings
-  # module was gone, each printed "coroutine ... was never awaited" after our error).
+  # Outside the except block the failed write's coroutines are collected now, not at exit (where
+  # each printed "coroutine ... was never awaited" after our error).
   if getattr(mngr, "quiet_while_saving", None) is None:
     Quiet().on()  # for good: the failed threads go on failing, and again at exit
   mngr.quiet_while_saving = None  # (stays on: the process stops with this one error)
@@ -207,8 +275,7 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
   tmp = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
   for path in glob.glob(os.path.join(glob.escape(str(mngr.directory)), tmp)):
     shutil.rmtree(path, ignore_errors=True)
-  # What is on disk: the failed step is not; a step that Orbax already dropped from its list,
-  # to be deleted once that save finished, still is.
+  # What is on disk: not the failed step; a step Orbax dropped from its list for after it, still.
   mngr.reload()
   return OSError(
     f"saving the checkpoint at step {step} failed ({error}); {_intact_note(mngr)}: "
@@ -217,8 +284,7 @@ def _save_failed(mngr: ocp.CheckpointManager, step: int, error: str) -> OSError:
 
 
 def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
-  """The verified JSON items of the checkpoint at ``step`` (``JSON_ITEMS``, "checksums"): a
-  DamagedCheckpointError where they do not match or checksums are lost; {}: none there."""
+  """The verified JSON items of the checkpoint at ``step``, {} if none (DamagedCheckpointError)."""
   folder = os.path.join(str(mngr.directory), str(step))
   names = [n for n in (*JSON_ITEMS, "checksums") if os.path.isdir(os.path.join(folder, n))]
   if not names:
@@ -227,8 +293,7 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
   items = dict(mngr.restore(step, args=args))
   saved = items.get("checksums")
   if saved is None:
-    # Whether the step predates checksums: its Orbax metadata reads and lists no "checksums"
-    # item (metadata that does not read cannot tell).
+    # Whether the step predates checksums: its Orbax metadata reads and lists no "checksums".
     try:
       handlers = ocp.metadata.get_step_metadata(folder).item_handlers
     except Exception:  # noqa: BLE001 (missing, or not JSON: Orbax raises ValueError or OSError)
@@ -239,13 +304,13 @@ def read_items(mngr: ocp.CheckpointManager, step: int) -> dict:
         "was written before checkpoints carried them"
       )
     return items
-  _raise_mismatches(
-    checksum.json_mismatches(saved, {k: items[k] for k in JSON_ITEMS if k in items})
-  )
+  now = {k: json_checksum(items[k]) for k in JSON_ITEMS if k in items}
+  _raise_mismatches(saved.get("json", {}), now)  # a lost item too
   return items
 
 
-def _raise_mismatches(bad: list[str]) -> None:
+def _raise_mismatches(was: dict, now: dict) -> None:
+  bad = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
   if bad:
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
     raise DamagedCheckpointError(
@@ -260,15 +325,6 @@ def newest_items(mngr: ocp.CheckpointManager) -> tuple[int, dict] | None:
     if items:  # None: unreadable; {}: an empty folder
       return step, items
   return None
-
-
-def _restore_state(mngr: ocp.CheckpointManager, step: int, abstract_state, items: dict):
-  """The state at ``step``, sharded as ``abstract_state``, verified against ``items``' sums."""
-  args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-  state = mngr.restore(step, args=args)["state"]
-  if "checksums" in items:
-    _raise_mismatches(checksum.array_mismatches(items["checksums"], state))
-  return state
 
 
 @dataclasses.dataclass
@@ -289,8 +345,15 @@ class Restored:
 
 
 def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | None, list]:
-  """(the first of ``steps`` that restores and verifies, [(step, why)] of those before it);
-  ``check(step, items)`` runs before a state is read and raises to refuse it."""
+  """(the first of ``steps`` that restores and verifies, [(step, why)] of those before it)."""
+
+  def restore_state(step, items):  # verified against ``items``' sums
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    state = mngr.restore(step, args=args)["state"]
+    if "checksums" in items:
+      _raise_mismatches(items["checksums"].get("arrays", {}), array_checksums(state))
+    return state
+
   failed = []
   for step in steps:
     if not os.listdir(os.path.join(str(mngr.directory), str(step))):
@@ -300,7 +363,7 @@ def _newest_readable(mngr, steps, abstract_state, check) -> tuple[Restored | Non
     if why is None:
       if check is not None:
         check(step, items)
-      state, why = _quietly(lambda s=step: _restore_state(mngr, s, abstract_state, items))
+      state, why = _quietly(lambda s=step: restore_state(s, items))
     if why is not None:
       failed.append((step, why))
       continue
@@ -313,8 +376,7 @@ def _failures(failed: list) -> str:
 
 
 def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) -> Restored | None:
-  """The newest checkpoint that restores and verifies, None if none; reads only. If none
-  restores, one error lists why each failed."""
+  """The newest checkpoint that restores and verifies (reads only); None if there is none."""
   restored, failed = _newest_readable(
     mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, check
   )
@@ -329,8 +391,7 @@ def restore_newest_intact(mngr: ocp.CheckpointManager, abstract_state, check) ->
 
 
 def restore_readable(mngr: ocp.CheckpointManager, steps, abstract_state, check=None):
-  """(Restored, [(step, why)] skipped before it) of the first of ``steps`` that restores and
-  verifies, for reading a run: nothing moved aside; a one-line ValueError if none does."""
+  """``_newest_readable`` for reading a run (nothing moved aside); a ValueError if none reads."""
   restored, failed = _newest_readable(mngr, steps, abstract_state, check)
   if restored is not None:
     return restored, failed

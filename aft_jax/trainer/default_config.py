@@ -1,6 +1,4 @@
-"""The config tree, generated from the typed config of each component that owns keys, and the
-run's own keys (``TrainConfig``); recipes start from ``get_config()`` (docs/training.md).
-"""
+"""The config tree, from each component's typed config; recipes start from ``get_config()``."""
 
 from __future__ import annotations
 

@@ -90,14 +90,6 @@ class StepMemory:
     return self.argument + self.output - self.alias + self.temp + self.code
 
 
-def _shard_bytes(tree) -> int:
-  total = 0
-  for leaf in jax.tree_util.tree_leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += math.prod(shape) * leaf.dtype.itemsize
-  return total
-
-
 _REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)([KMGT])\)")
 
 
@@ -112,7 +104,11 @@ def _compile(lowered, args) -> tuple[object | None, StepMemory]:
       raise RuntimeError(f"XLA could not compile the step: {first}") from e
     temp = int(float(found.group(1)) * 1024 ** (1 + "KMGT".index(found.group(2))))
     line = str(e).strip().splitlines()[0]
-    return None, StepMemory(_shard_bytes(args), 0, 0, temp, 0, refused=line)
+    argument = 0  # the arguments' shards: what the compiler would have given them
+    for leaf in jax.tree_util.tree_leaves(args):
+      shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+      argument += math.prod(shape) * leaf.dtype.itemsize
+    return None, StepMemory(argument, 0, 0, temp, 0, refused=line)
   return compiled, StepMemory.of(compiled)
 
 
@@ -127,7 +123,6 @@ def compile_steps(
   devices = deviceless.devices(target, num_devices)
   vocab, vocab_from = data_lib.vocab_size(cfg.data)
   trainer = train_lib.make_trainer(cfg, vocab, devices, say)
-  mesh = trainer.mesh
   state, batch = trainer.abstract_state, trainer.specs(cfg.train.batch_size)
   train, mem = _compile(trainer.lower_train_step(), (state, batch))
   eval_args = (state.params, trainer.specs(cfg.eval.eval_batch_size, True))
@@ -137,7 +132,7 @@ def compile_steps(
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = (cost or {}).get("flops")
   return {
-    "mesh": sharding.axis_sizes(mesh),
+    "mesh": sharding.axis_sizes(trainer.mesh),
     "vocab_size": vocab,
     "vocab_from": vocab_from,
     "impl": trainer.model.cfg.impl,
@@ -148,45 +143,39 @@ def compile_steps(
   }
 
 
-def _suggestions(cfg: RunConfig, target, num_devices, res, usable) -> list[str]:
-  """What would fit (remat, micro-batches, fsdp), each compiled."""
-  mem, mesh = res["train"], res["mesh"]
-  state = mem.argument + mem.output - mem.alias
-  batch_size, accum = cfg.train.batch_size, cfg.optimizer.grad_accum_steps
-  per_device = batch_size // (mesh["data"] * mesh["fsdp"])
-  tries = []  # (config change, number of devices, the flags that say it)
-  if mem.temp > usable - state:  # activations do not fit beside the state
-    if not cfg.model.remat:
-      tries.append(({"model.remat": True}, num_devices, "--config.model.remat=True"))
-    factor = 2 ** max(1, math.ceil(math.log2(mem.temp / max(usable - state, 1))))
-    if usable > state and factor <= per_device and batch_size % factor == 0:
-      b, k = batch_size // factor, accum * factor
-      flag = f"--config.batch_size={b} --config.grad_accum_steps={k} (the same global batch)"
-      tries.append(({"batch_size": b, "grad_accum_steps": k}, num_devices, flag))
-  if state > 0.5 * usable:  # parameters and optimizer state: shard them
-    n = 2 * num_devices
-    change = {"mesh.data": 1, "mesh.fsdp": n, "mesh.tensor": 1}
-    tries.append((change, n, f"--num_devices {n} --config.mesh.data=1 --config.mesh.fsdp={n}"))
-  out = []
-  for change, n, flag in tries:
-    try:
-      trial = cfg.with_changes(change)
-      got = compile_steps(trial, target, n, say=lambda line: None)
-    except (ValueError, RuntimeError) as e:
-      out.append(f"{flag}: not possible ({str(e).splitlines()[0][:160]})")
-      continue
-    need = max(got["train"].total, got["eval"].total)
-    verdict = "fits" if need <= usable else "still does not fit"
-    out.append(f"{flag}: {_gib(need)} per device, {verdict} (compiled)")
-  out.append(f"more devices: --num_devices {2 * num_devices} (the batch split over them)")
-  return out
-
-
 def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dict:
   """Prints the report (its last line its JSON object) and returns that object."""
   res = compile_steps(cfg, target, num_devices, say)
   mem, eval_mem = res["train"], res["eval"]
-  need = max(mem.total, eval_mem.total)
+  need, suggestions = max(mem.total, eval_mem.total), []
+  if need > usable:  # what would fit (remat, micro-batches, fsdp), each compiled
+    state = mem.argument + mem.output - mem.alias
+    batch_size, accum = cfg.train.batch_size, cfg.optimizer.grad_accum_steps
+    per_device = batch_size // (res["mesh"]["data"] * res["mesh"]["fsdp"])
+    tries = []  # (config change, number of devices, the flags that say it)
+    if mem.temp > usable - state:  # activations do not fit beside the state
+      if not cfg.model.remat:
+        tries.append(({"model.remat": True}, num_devices, "--config.model.remat=True"))
+      factor = 2 ** max(1, math.ceil(math.log2(mem.temp / max(usable - state, 1))))
+      if usable > state and factor <= per_device and batch_size % factor == 0:
+        b, k = batch_size // factor, accum * factor
+        flag = f"--config.batch_size={b} --config.grad_accum_steps={k} (the same global batch)"
+        tries.append(({"batch_size": b, "grad_accum_steps": k}, num_devices, flag))
+    if state > 0.5 * usable:  # parameters and optimizer state: shard them
+      n = 2 * num_devices
+      change = {"mesh.data": 1, "mesh.fsdp": n, "mesh.tensor": 1}
+      tries.append((change, n, f"--num_devices {n} --config.mesh.data=1 --config.mesh.fsdp={n}"))
+    for change, n, flag in tries:
+      try:
+        trial = cfg.with_changes(change)
+        got = compile_steps(trial, target, n, say=lambda line: None)
+      except (ValueError, RuntimeError) as e:
+        suggestions.append(f"{flag}: not possible ({str(e).splitlines()[0][:160]})")
+        continue
+      then = max(got["train"].total, got["eval"].total)
+      verdict = "fits" if then <= usable else "still does not fit"
+      suggestions.append(f"{flag}: {_gib(then)} per device, {verdict} (compiled)")
+    suggestions.append(f"more devices: --num_devices {2 * num_devices} (the batch split over them)")
   r = {
     "target": target.name,
     "device": target.description,
@@ -205,7 +194,7 @@ def run(cfg: RunConfig, target, num_devices: int, usable: int, say=print) -> dic
     "flops_per_step": res["flops_per_step"],
     "triton_kernels": res["triton_kernels"],
     "vocab_size": res["vocab_size"],
-    "suggestions": [] if need <= usable else _suggestions(cfg, target, num_devices, res, usable),
+    "suggestions": suggestions,
     "jax_version": jax.__version__,
     "compiled_without_device": target.kind != "cpu",
   }

@@ -1,6 +1,4 @@
-"""Evaluation's config keys and how its numbers are named: perplexity, the protocol, the
-unigram baseline. The evaluation itself is ``Trainer.evaluate`` (train_lib.py).
-"""
+"""Evaluation's config keys and its numbers' names (the evaluation: ``Trainer.evaluate``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What guards a running trainer: the workdir's lock (one trainer per workdir: the lock file holds
-the holder's pid and host, a second trainer is refused naming them, a lock left by a process gone
-from this host taken over) and ``Preemption``, SIGTERM / Ctrl-C as a flag the training loop checks
-after each step (a second Ctrl-C stops at once). With several processes JAX's preemption sync
-manager owns SIGTERM, and SIGINT flags are compared at log steps.
+"""What guards a running trainer: the workdir's lock (one trainer per workdir; a stale one taken
+over) and ``Preemption``, SIGTERM / Ctrl-C as a flag the training loop checks after each step
+(docs/training.md, "Reliability").
 """
 
 from __future__ import annotations
@@ -25,16 +23,6 @@ from aft_jax.workdir import Workdir
 
 class WorkdirInUse(RuntimeError):
   """Another live trainer holds the workdir."""
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # someone else's process: it exists
-    pass
-  return True
 
 
 def _read(path: str) -> dict | None:
@@ -76,10 +64,15 @@ def acquire(workdir: str) -> str:
     if holder is None:
       continue  # released in between
     pid = holder.get("pid")
-    if holder.get("host") == host and isinstance(pid, int) and not _alive(pid):
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(path)  # stale: its process is gone
-      continue
+    if holder.get("host") == host and isinstance(pid, int):
+      try:
+        os.kill(pid, 0)
+      except ProcessLookupError:  # stale: its process is gone
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(path)
+        continue
+      except PermissionError:  # someone else's process: it exists
+        pass
     raise WorkdirInUse(
       f"workdir {workdir} is in use by another trainer (pid {pid} on {holder.get('host')}, "
       f"since {holder.get('since')}); wait for it to finish, or delete {path} if that process "
@@ -133,8 +126,7 @@ class Preemption:
     self.signal = signum
 
   def should_stop(self, i: int, every: int, synced: bool = True) -> bool:
-    """Whether to stop after step ``i``: with several processes at the sync point (``synced``)
-    or at a multiple of ``every`` after a signal to any of them."""
+    """Whether to stop after step ``i`` (several processes: at a sync point, or every ``every``)."""
     if jax.process_count() == 1:
       return self.signal is not None
     if synced and self._synced and multihost_utils.reached_preemption_sync_point(i):

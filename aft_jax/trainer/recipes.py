@@ -1,6 +1,5 @@
-"""The training recipes by name: ``aft-train --config quickstart``, ``--config wikitext103:ARG``:
-``configs/NAME.py`` in a checkout, the package ``aft_jax.configs`` in a wheel; a config file path
-is accepted wherever a name is.
+"""The training recipes by name (``--config wikitext103:ARG``): ``configs/NAME.py`` in a checkout,
+the package ``aft_jax.configs`` in a wheel; a config file path is accepted wherever a name is.
 """
 
 import os
@@ -15,8 +14,7 @@ def recipe_dir() -> str:
   if os.path.isdir(installed):
     return installed
   root = os.path.dirname(_PACKAGE)
-  # Only a checkout of this project (a pyproject.toml beside aft_jax/): a folder named configs
-  # next to some other installation of the package is not ours.
+  # Only a checkout of this project (a pyproject.toml beside aft_jax/), not any folder "configs".
   if os.path.isfile(os.path.join(root, "pyproject.toml")):
     return os.path.join(root, "configs")
   raise FileNotFoundError(f"no recipes found: neither {installed} nor a checkout around {_PACKAGE}")
@@ -29,8 +27,7 @@ def available() -> list[str]:
 
 
 def resolve(spec: str) -> str:
-  """``spec`` as the config flag loads it: ``NAME[:ARG]`` becomes ``<recipe_dir>/NAME.py[:ARG]``;
-  a config file path is returned unchanged. A one-line ValueError for neither."""
+  """``spec`` as the config flag loads it: ``NAME[:ARG]`` -> ``<recipe_dir>/NAME.py[:ARG]``."""
   name, sep, arg = spec.partition(":")
   if "/" in name or os.sep in name or name.endswith(".py"):
     if not os.path.isfile(name):

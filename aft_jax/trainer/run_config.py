@@ -75,7 +75,13 @@ class RunConfig:
       errors += _across_components(slices)
     if errors:
       raise ValueError("invalid config: " + "; ".join(errors))
-    plain = absolute_paths(plain)
+    # The data folders and text globs absolute.
+    data = plain["data"]
+    data["data_dir"] = resolve_data_dir(data["data_dir"])
+    if data["manual_dir"]:
+      data["manual_dir"] = os.path.abspath(os.path.expanduser(data["manual_dir"]))
+    for key in ("train_files", "valid_files", "test_files"):  # dataset 'text': its globs
+      data[key] = absolute_globs(data[key])
     slices["data"] = DataConfig.from_config(plain)
     return cls(**slices, tree_json=json.dumps(plain))
 
@@ -104,24 +110,11 @@ def plain_tree(tree) -> dict:
   return json.loads(json.dumps(dict(tree)))
 
 
-@functools.cache
-def _default_tree_json() -> str:
-  return json.dumps(default_config.get_config().to_dict())
-
-
 def default_tree() -> dict:
-  return json.loads(_default_tree_json())
+  return json.loads(_DEFAULT_TREE_JSON())
 
 
-def absolute_paths(tree: dict) -> dict:
-  """``tree`` (changed in place) with its data folders and text globs absolute."""
-  data = tree["data"]
-  data["data_dir"] = resolve_data_dir(data["data_dir"])
-  if data["manual_dir"]:
-    data["manual_dir"] = os.path.abspath(os.path.expanduser(data["manual_dir"]))
-  for key in ("train_files", "valid_files", "test_files"):  # dataset 'text': its globs
-    data[key] = absolute_globs(data[key])
-  return tree
+_DEFAULT_TREE_JSON = functools.cache(lambda: json.dumps(default_config.get_config().to_dict()))
 
 
 def _frozen(value):
@@ -167,8 +160,7 @@ def _across_components(s: dict) -> list[str]:
     if getattr(ev, key) > train.seq_len:
       errors.append(f"config.{key} = {getattr(ev, key)} must be in [0, seq_len = {train.seq_len}]")
   if s["data"].packing and s["mesh"].sequence > 1:
-    # The layers take a packed row whole (the ops' segment forms have no axis_name): split
-    # over devices along T, a document would not see its start on the earlier shard.
+    # The ops' segment forms have no axis_name: a document would not see its start on a shard.
     errors.append(
       f"config.data.packing = True with config.mesh.sequence = {s['mesh'].sequence}: packed "
       "rows are not split along T over devices; use config.mesh.sequence = 1 (or packing off)"
@@ -189,17 +181,15 @@ def _across_components(s: dict) -> list[str]:
   return errors
 
 
-# Keys that may differ when resuming a run: they do not change what is computed. Everything
-# else does, the learning-rate schedule included: a new num_train_steps would restart the cosine
-# decay from another length, so it is a conflict like a new learning_rate.
+# Keys that may differ when resuming a run: they do not change what is computed (the schedule's,
+# num_train_steps included, do: the cosine decay would restart from another length).
 RESUMABLE = (
   *("log_every_steps", "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints"),
   *("eval_batch_size", "eval_stride", "final_eval_stride", "sample", "mesh", "logical_axis_rules"),
   *("data.data_dir", "data.manual_dir", "nonfinite", "max_consecutive_skips", "profile_steps"),
 )
 SCHEDULE = ("num_train_steps", "warmup_steps", "learning_rate", "grad_accum_steps")
-# Their change no --allow_config_change resumes: the checkpoint's embedding would be read as
-# other tokens.
+# Never resumed changed: the checkpoint's embedding would be read as other tokens.
 VOCABULARY = ("data.dataset", "data.tokenizer", "data.vocab_size", "data.variant", "data.encoding")
 
 
@@ -220,8 +210,7 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
 def check_resume(
   saved: dict | None, current: dict, workdir: str | Workdir, allow_config_change: bool
 ) -> list[str]:
-  """Refuses to continue ``saved`` (None: config.json's) as ``current`` where they differ in
-  what is computed, unless allowed (the differences returned); ``saved`` read ``as_written``."""
+  """Refuses to resume ``saved`` (None: config.json's) as ``current``; the allowed differences."""
   where = "the checkpoint"
   if saved is None:
     saved, where = Workdir.of(workdir).read_config(), "config.json"

@@ -1,8 +1,6 @@
 """What the training loop records: ``MetricWriter`` (metrics.jsonl, TensorBoard, W&B),
 ``StepLog`` (per-step metrics, the non-finite watch) and ``Profiler`` (a trace of chosen steps).
-Weights & Biases is optional (``config.wandb.project``; ``pip install "aft-jax[wandb]"``); a
-resumed run continues its W&B run (the id in ``<workdir>/wandb_run_id``). Docs:
-docs/training.md, "Weights & Biases".
+Docs: docs/training.md, "Weights & Biases".
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from aft_jax.workdir import Workdir
 
 
 class MetricWriter:
-  """Writes one JSON object per logged step (with at least ``step``) and TensorBoard scalars;
-  after a resume, steps since the last checkpoint are logged again (the last record counts)."""
+  """Writes one JSON object per logged step (with at least ``step``) and TensorBoard scalars."""
 
   def __init__(self, workdir: str | Workdir, wandb_run=None):
     wd = Workdir.of(workdir)
@@ -65,7 +62,8 @@ class MetricWriter:
       for k, v in settings.items()
       if v is not None
     }
-    experiment, session_start, _ = hparams_summaries(flat, dict.fromkeys(HPARAMS_METRICS))
+    metrics = dict.fromkeys(("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl"))
+    experiment, session_start, _ = hparams_summaries(flat, metrics)
     self._tb.file_writer.add_summary(experiment)
     self._tb.file_writer.add_summary(session_start)
     self._tb.flush()
@@ -120,8 +118,7 @@ class StepLogConfig(TypedConfig):
 
 
 class StepLog:
-  """Collects per-step metrics on the device and reads each step's finite flag two steps behind
-  (the device never idles; a signal or a run of skipped updates is acted on within two steps)."""
+  """Collects per-step metrics on the device, reading each step's finite flag two steps behind."""
 
   def __init__(self, trainer, writer: MetricWriter, bar, mngr, step: int):
     cfg, train = trainer.config.step_log, trainer.config.train
@@ -234,10 +231,6 @@ class Profiler:
   def __exit__(self, *exc):
     if self.active:  # the run ended (or stopped) inside the traced steps
       self._stop()
-
-
-# The scalars that TensorBoard's HPARAMS tab shows beside each run's settings.
-HPARAMS_METRICS = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl")
 
 
 WANDB_INSTALL = 'pip install "aft-jax[wandb]"'

@@ -45,24 +45,6 @@ def _fail(e: Exception, status: int = 1):
   sys.exit(status)
 
 
-def dry_run() -> None:
-  """--dry_run: checks what it can, restarts where the target's compiler is, reports."""
-  from aft_jax import deviceless
-  from aft_jax.trainer import dry_run as dry_run_lib
-  from aft_jax.trainer.run_config import RunConfig
-
-  try:
-    target = deviceless.get(FLAGS.target)
-    cfg = RunConfig.from_tree(FLAGS.config)  # the ConfigDict, read once
-    usable = dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
-    # The CPU target gets twice the devices asked for: the suggestions compile for more.
-    deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
-    report = dry_run_lib.run(cfg, target, FLAGS.num_devices, usable)
-  except (ValueError, OSError, RuntimeError) as e:
-    _fail(e, dry_run_lib.REFUSED)
-  sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)
-
-
 def main(argv):
   del argv
   import jax  # (run() imported it first: it says in one line why jax cannot be imported)
@@ -77,8 +59,20 @@ def main(argv):
     cpu_devices.check_set_count()
   except ValueError as e:
     _fail(e, 2 if FLAGS.dry_run else 1)
-  if FLAGS.dry_run:
-    dry_run()
+  if FLAGS.dry_run:  # checks what it can, restarts where the target's compiler is, reports
+    from aft_jax import deviceless
+    from aft_jax.trainer import dry_run as dry_run_lib
+
+    try:
+      target = deviceless.get(FLAGS.target)
+      cfg = RunConfig.from_tree(FLAGS.config)  # the ConfigDict, read once
+      usable = dry_run_lib.check(cfg, target, FLAGS.num_devices)  # before the restart
+      # The CPU target gets twice the devices asked for: the suggestions compile for more.
+      deviceless.reexec(target.kind, 2 * FLAGS.num_devices if target.kind == "cpu" else None)
+      report = dry_run_lib.run(cfg, target, FLAGS.num_devices, usable)
+    except (ValueError, OSError, RuntimeError) as e:
+      _fail(e, dry_run_lib.REFUSED)
+    sys.exit(dry_run_lib.FITS if report["fits"] else dry_run_lib.DOES_NOT_FIT)
   if not FLAGS.workdir or not FLAGS.workdir.strip():  # ' ' would train into a folder named ' '
     given = "is required" if not FLAGS.workdir else f"= {FLAGS.workdir!r} is blank"
     sys.exit(f"{PROG}: error: --workdir {given} (except with --dry_run)")
@@ -135,7 +129,18 @@ def _parse_flags(argv):
   """absl's flag parsing; a bad flag or override is one line, exit status 1 (2 with --dry_run)."""
   from absl import flags
 
-  keys, dry_run = _command_line(argv)
+  keys, dry_run = [], False  # its --config.KEY overrides' keys, and whether --dry_run
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name, _, value = arg.lstrip("-").partition("=")
+    if name == "dry_run":
+      dry_run = value.lower() not in ("false", "0")
+    elif name == "nodry_run":
+      dry_run = False
+    for prefix in ("config.", "noconfig."):
+      if arg.startswith("-") and name.startswith(prefix):
+        keys.append(name[len(prefix) :])
   refused = 2 if dry_run else 1
   try:
     return FLAGS(argv)
@@ -156,23 +161,6 @@ def _parse_flags(argv):
     why = "; ".join(unknown or [p for p in lines if p])
     print(f"{PROG}: error: a --config override: {why}", file=sys.stderr)
     sys.exit(refused)
-
-
-def _command_line(argv) -> tuple[list[str], bool]:
-  """Before absl parses ``argv``: its ``--config.KEY`` overrides' keys, and whether --dry_run."""
-  keys, dry_run = [], False
-  for arg in argv[1:]:
-    if arg == "--":
-      break
-    name, _, value = arg.lstrip("-").partition("=")
-    if name == "dry_run":
-      dry_run = value.lower() not in ("false", "0")
-    elif name == "nodry_run":
-      dry_run = False
-    for prefix in ("config.", "noconfig."):
-      if arg.startswith("-") and name.startswith(prefix):
-        keys.append(name[len(prefix) :])
-  return keys, dry_run
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ def weighted_nll(model, params, batch, *, train, rng=None):
 
 
 def train_step(state: TrainState, batch, rng, *, model, schedule, accum: int, skip: bool):
-  """One update: (new state, metrics). A non-finite loss or gradient is counted in
-  ``state.skipped`` and, with ``skip``, leaves parameters and optimizer state untouched."""
+  """One update: (new state, metrics); a non-finite one counted (and with ``skip`` dropped)."""
   rng = jax.random.fold_in(rng, state.step)  # same dropout for a step, resumed or not
 
   def loss_fn(params):
@@ -108,8 +107,7 @@ def compiler_options(mesh) -> dict | None:
 
 
 class Trainer:
-  """One run's config (vocabulary size filled in), mesh, jitted steps and shardings; in
-  ``train_and_evaluate`` also its workdir, corpus, corpus record and known good checkpoints."""
+  """One run's config (vocabulary size filled in), mesh, jitted steps, shardings (and workdir)."""
 
   def __init__(self, cfg: RunConfig, mesh):
     self.config, self.mesh = cfg, mesh
@@ -210,8 +208,7 @@ class Trainer:
     stride: int | None = None,
     should_stop=None,
   ) -> dict | None:
-    """Exact NLL over every token of ``tokens``: ``stride`` (default ``config.eval_stride``) 0
-    scores disjoint windows, S > 0 slides them by S (docs/training.md, "Evaluation");
+    """Exact NLL over every token of ``tokens`` (``stride``: docs/training.md, "Evaluation");
     ``should_stop(i)`` True before batch ``i`` stops it, returning None."""
     ev, seq_len = self.config.eval, self.config.train.seq_len
     check_ids("Trainer.evaluate: tokens", tokens, self.config.model.vocab_size)
@@ -256,8 +253,7 @@ def make_trainer(cfg: RunConfig, vocab_size: int, devices=None, say=print) -> Tr
 
 
 def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
-  """The run's trainer, its config and data checked against the newest readable checkpoint
-  (else config.json and corpus.json). Writes nothing."""
+  """The run's trainer, checked against the newest readable checkpoint's config; writes nothing."""
   workdir = Workdir(workdir)
   mngr = checkpointing.checkpoint_manager(workdir, cfg.checkpoint)
   newest = checkpointing.newest_items(mngr)
@@ -279,8 +275,7 @@ def setup(cfg: RunConfig, workdir: str, allow_config_change: bool) -> Trainer:
 
 
 def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
-  """The newest intact checkpoint's state (checked before it is read), or a fresh one; the
-  workdir written only after."""
+  """The newest intact checkpoint's state (checked before it is read), or a fresh one."""
   changes = {}
 
   def check(step, items):
@@ -295,9 +290,8 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
   allowed = trainer.config_changes if restored is None else changes[restored.step]
   if allowed and trainer.is_main:
     print(f"Resuming with a changed config (--allow_config_change): {'; '.join(allowed)}")
-  # Every check has passed (config.json and corpus.json, if nothing restored, in setup): the
-  # damaged checkpoints moved aside, then corpus.json, the vocabulary and config.json written
-  # (sampling and evaluating need no dataset).
+  # Every check has passed: the damaged checkpoints moved aside, then the corpus record, the
+  # vocabulary and config.json written (sampling and evaluating need no dataset).
   if restored is not None:
     checkpointing.set_aside(mngr, restored)
   if trainer.is_main:
@@ -325,8 +319,7 @@ def restore_or_init(trainer: Trainer, mngr, data_iter) -> TrainState:
 
 
 def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state, data_iter) -> bool:
-  """Saves the checkpoint at ``step`` unless its update was skipped (whether it did): a run of
-  skipped updates must not rotate out the last good checkpoint."""
+  """Saves the checkpoint at ``step`` unless its update was skipped (whether it did)."""
   log.settle()
   if log.skipped_since is not None:
     if trainer.is_main:
@@ -341,8 +334,7 @@ def _checkpoint(trainer: Trainer, log: step_log.StepLog, mngr, step: int, state,
   return True
 
 
-# results.json's "train_rows". Either way valid_* and test_* are "eval_protocol"'s, on windows
-# of each split's stream: a packed run's numbers compare with an unpacked one's.
+# results.json's "train_rows"; valid_* and test_* are on each split's stream either way.
 TRAIN_ROWS = {
   "stream": "stream: windows of seq_len cut from the train split's token stream",
   "packed": (
@@ -358,7 +350,7 @@ def final_results(
 ) -> dict | None:
   """results.json's dict (each split's result kept for a rerun); None where a signal stops it."""
   cfg, corpus, step = trainer.config, trainer.corpus, int(state.step)
-  seq_len = cfg.train.seq_len
+  seq_len, stride = cfg.train.seq_len, cfg.eval.final_eval_stride
   results = {
     "steps": step,
     "num_params": count_params(state.params),
@@ -367,11 +359,10 @@ def final_results(
     "mixing": cfg.model.mixing,
     "skipped_steps": int(state.skipped),
     "train_rows": TRAIN_ROWS["packed" if cfg.data.packing else "stream"],
+    # Final and training-time validation may use different protocols: both named.
+    "eval_protocol": eval_protocol(seq_len, stride),
+    "train_eval_protocol": eval_protocol(seq_len, cfg.eval.eval_stride),
   }
-  # Final and training-time validation may use different protocols: both named.
-  stride = cfg.eval.final_eval_stride
-  results["eval_protocol"] = eval_protocol(seq_len, stride)
-  results["train_eval_protocol"] = eval_protocol(seq_len, cfg.eval.eval_stride)
   key = {"step": step, "eval_protocol": results["eval_protocol"]}
   saved = trainer.workdir.read_final_eval() or {}
   done = saved.get("splits", {}) if {k: saved.get(k) for k in key} == key else {}
@@ -440,9 +431,8 @@ def sample(trainer: Trainer, params, writer) -> str | None:
 
 
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
-  """Trains ``config`` (a config tree or a ``RunConfig``) in ``workdir``, resuming what is there;
-  results.json's dict, or after SIGTERM / Ctrl-C (a checkpoint saved) ``{"interrupted": True,
-  "step": step}``."""
+  """Trains ``config`` (a tree or a ``RunConfig``) in ``workdir``, resuming what is there;
+  results.json's dict, or after SIGTERM / Ctrl-C ``{"interrupted": True, "step": step}``."""
   cfg = config if isinstance(config, RunConfig) else RunConfig.from_tree(config)
   # The lock first: no other trainer may change the workdir between the checks and the writes.
   with guards.hold(Workdir(workdir), enabled=jax.process_index() == 0):

@@ -1,5 +1,4 @@
-"""Follows a run's config (a ConfigDict, the RunConfig or a slice) through the calls into aft_jax
-that pass it on: the rooms (modules it visited) and the climbs (calls up the ``LAYERS``)."""
+"""A run's config followed through aft_jax: the rooms (modules) and climbs (calls up ``LAYERS``)."""
 
 from __future__ import annotations
 

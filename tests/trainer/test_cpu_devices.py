@@ -1,5 +1,4 @@
-"""aft_jax.trainer.cpu_devices: how many devices aft-train makes of a CPU host, and when it
-leaves the count alone (train.py applying it: the quickstart run's mesh line, test_train_lib.py)."""
+"""aft_jax.trainer.cpu_devices: how many devices aft-train makes of a CPU host, if any."""
 
 import os
 import sys

@@ -1,6 +1,4 @@
-"""Files written by older versions read as they were written: a saved config takes, for each key
-added since, the value its version ran with (``ADDED``), and a corpus is the one its builder's
-version built. The fixtures are real files of older trees (tests/fixtures/README.md)."""
+"""Files written by older versions read as they were written (tests/fixtures/README.md)."""
 
 import contextlib
 import io
@@ -36,22 +34,15 @@ ADDED = {
 }
 
 
-@pytest.fixture
-def old_workdir(tmp_path):
-  """A copy of the workdir the tree before bdcc2f1 trained (no model.init in its config)."""
-  path = str(tmp_path / "workdir")
-  shutil.copytree(os.path.join(BEFORE_INIT, "workdir"), path)
-  return path
-
-
-def test_a_workdir_from_before_model_init_evaluates_and_exports_as_it_was_written(
-  old_workdir, tmp_path, capsys
+def test_a_workdir_from_before_model_init_reads_and_resumes_only_as_it_was_written(
+  tmp_path, capsys
 ):
-  """(``model.adaptive_cutoffs: null``, as the first release wrote a plain embedding: ().)"""
-  config = _read(os.path.join(old_workdir, "config.json"))
-  config["model"]["adaptive_cutoffs"] = None
-  with open(os.path.join(old_workdir, "config.json"), "w") as f:
-    json.dump(config, f)
+  old_workdir = str(tmp_path / "workdir")  # no model.init in its config
+  shutil.copytree(os.path.join(BEFORE_INIT, "workdir"), old_workdir)
+  path = os.path.join(old_workdir, "config.json")
+  written = _read(path)
+  with open(path, "w") as f:  # model.adaptive_cutoffs: null, as the first release wrote ()
+    json.dump({**written, "model": {**written["model"], "adaptive_cutoffs": None}}, f)
   old = _read(os.path.join(BEFORE_INIT, "old_evaluate.json"))  # the old tree's aft-evaluate
   evaluate.main(["--workdir", old_workdir, "--text_file", os.path.join(BEFORE_INIT, "text.txt")])
   got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -69,14 +60,13 @@ def test_a_workdir_from_before_model_init_evaluates_and_exports_as_it_was_writte
   for a, b in zip(flatten(old_params).values(), flatten(new_params).values(), strict=True):
     np.testing.assert_array_equal(a, b)
 
-
-def test_a_workdir_from_before_model_init_resumes_only_as_it_was_written(old_workdir):
   corpus = _read(os.path.join(old_workdir, "corpus.json"))
   if record.of_corpus(pydoc_corpus("byte"))["tokens"] != corpus["tokens"]:
     pytest.skip("this Python's pydoc text is not the one the fixture was trained on")
+  with open(path, "w") as f:
+    json.dump(written, f)
   # The old run's settings, today's defaults for the keys it lacks: its command line rerun now.
-  saved = flatten(_read(os.path.join(old_workdir, "config.json")))
-  tree = _with(default_tree(), {**saved, "log_every_steps": 1, "sample.length": 0})
+  tree = _with(default_tree(), {**flatten(written), "log_every_steps": 1, "sample.length": 0})
   with pytest.raises(ValueError) as refused:
     train_lib.train_and_evaluate(tree, old_workdir)
   assert "model.init: 'glorot' in the workdir, 'gpt2' now" in str(refused.value)
@@ -89,13 +79,8 @@ def test_a_workdir_from_before_model_init_resumes_only_as_it_was_written(old_wor
   loss = {r["step"]: r["loss"] for r in Workdir(old_workdir).read_metrics() if "loss" in r}
   assert sorted(loss) == [5, 10, 11, 12]
   assert abs(loss[11] - loss[10]) < 1 and abs(loss[12] - loss[10]) < 1  # 5.39; 'gpt2': ~15
-  assert (
-    abs(
-      results["valid_loss"]
-      - _read(os.path.join(BEFORE_INIT, "workdir", "results.json"))["valid_loss"]
-    )
-    < 0.1
-  )
+  before = _read(os.path.join(BEFORE_INIT, "workdir", "results.json"))["valid_loss"]
+  assert abs(results["valid_loss"] - before) < 0.1
 
 
 @pytest.fixture
@@ -174,11 +159,8 @@ def test_the_table_lists_every_key_added_since_the_first_release():
   first = _read(os.path.join(FIXTURES, "first_release_config.json"))
   assert set(ADDED) == set(flatten(default_tree())) - set(flatten(first))
   cfg = RunConfig.from_saved(first)
-  assert (cfg.model.init, cfg.model.impl, cfg.step_log.max_consecutive_skips) == (
-    "glorot",
-    "xla",
-    0,
-  )
+  got = (cfg.model.init, cfg.model.impl, cfg.step_log.max_consecutive_skips)
+  assert got == ("glorot", "xla", 0)
   # Its model.adaptive_cutoffs: null (a plain embedding) is (): given now, no config change.
   rerun = RunConfig.from_tree(_with(as_written(first), {"model.adaptive_cutoffs": ()}))
   assert run_config.resume_conflicts(as_written(first), rerun.tree) == []

@@ -1,6 +1,4 @@
-"""aft_jax.trainer.run_config: every recipe loads and validates; the config tree read once per
-run into frozen typed slices, every invalid value one line before anything is compiled, and a
-resumed run's config compared with the workdir's."""
+"""aft_jax.trainer.run_config: the recipes, the one config check, resume conflicts."""
 
 import dataclasses
 import glob
@@ -194,8 +192,6 @@ def test_the_tree_is_named_only_where_it_is_made_or_read_and_the_model_validates
 
 
 def test_the_config_never_climbs_back_up(trained_run_config_flow):
-  """The session's trained run, followed (tests/support/config_flow.py): the config goes down
-  the layers only; the rooms are the components that take a slice (issue 34)."""
   rooms, climbs = trained_run_config_flow["rooms"], trained_run_config_flow["climbs"]
   assert climbs == [], climbs
   for component in ("model", "sharding", "data.corpus", "trainer.optimizer"):

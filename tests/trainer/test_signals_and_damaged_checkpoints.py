@@ -25,7 +25,7 @@ from tests.trainer import change_batches, wrap_train_step
 from tests.support.helpers import ROOT, config_flags, listing, tiny_config, train_py
 from tests.support.helpers import trained_run_config
 from aft_jax.tools import evaluate, export, generate
-from aft_jax.trainer import checkpointing, checksum, guards, train_lib
+from aft_jax.trainer import checkpointing, guards, train_lib
 from aft_jax.trainer.run_config import SLICES, RunConfig
 from aft_jax.typed_config import TypedConfig
 from aft_jax.workdir import Workdir
@@ -274,8 +274,6 @@ train_lib.train_and_evaluate(config, sys.argv[1])
 
 
 def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
-  """The save at step 4 fails in the background; the next wait raises, naming step 4 and step 2
-  (due to go once step 4 was written, so still there)."""
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, "-c", DISK_FULL, workdir]
   out = prefork.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
@@ -311,9 +309,6 @@ def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
 def test_damaged_bytes_are_skipped_a_changed_config_allowed_and_a_divergence_names_the_last_good(
   two_checkpoints, tmp_path, monkeypatch, capsys
 ):
-  """Step 4 damaged: the resume (a longer run, allowed) moves it aside, says the change once,
-  records the new config, saves step 4 again; every update from step 5 is non-finite: the run
-  stops at the 3rd in a row naming step 4, which rotation kept, its unlogged steps written."""
   workdir = _copy(two_checkpoints, tmp_path)
   _damage(workdir, 4, "a flipped bit")
   _poison(monkeypatch, at_step=3, until=10**6)  # resumed at step 2: batch 3 is step 5's
@@ -415,8 +410,6 @@ class _Restored(Exception):
 def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
   case, two_checkpoints, tmp_path, capsys, monkeypatch
 ):
-  """Lost checksums are damage unless Orbax's metadata shows the step predates them (loaded with
-  a note); a changed data position is damage, even allowed. The tools and a resume agree."""
   damage, step, notes, skipped = VERIFIED_OR_REFUSED[case]
   workdir = _copy(two_checkpoints, tmp_path)
   damage(os.path.join(workdir, "checkpoints", "4"))
@@ -452,8 +445,6 @@ def test_a_checkpoint_is_verified_before_it_is_compared_or_refused(
 
 
 def test_the_tools_say_one_line_on_stderr_about_a_damaged_checkpoint(two_checkpoints, tmp_path):
-  """export (as generate and evaluate) in a process of its own, step 4 truncated: reading fails
-  in TensorStore's threads, yet stderr is one note; asked for step 4, one line naming step 2."""
   workdir = _copy(two_checkpoints, tmp_path)
   _truncate_largest_file(os.path.join(workdir, "checkpoints", "4"), 1000)
   out = str(tmp_path / "model.msgpack")
@@ -494,7 +485,7 @@ def _other_corpus(workdir):
   saved = json.load(open(os.path.join(step_dir, "corpus", "metadata")))
   saved["tokens"]["train"] += 1
   sums = json.load(open(os.path.join(step_dir, "checksums", "metadata")))
-  sums["json"]["corpus"] = checksum.of_json(saved)
+  sums["json"]["corpus"] = checkpointing.json_checksum(saved)
   for name, obj in (("corpus", saved), ("checksums", sums)):
     with open(os.path.join(step_dir, name, "metadata"), "w") as f:
       json.dump(obj, f)
@@ -541,8 +532,6 @@ REFUSALS = {
 def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
   case, trained_run, tmp_path, quiet_after_failure
 ):
-  """Each refusal a command can make, on a copy of the shared run: one line, and every file and
-  folder of the workdir as it was (nothing written, moved aside or exported)."""
   command, error, says = REFUSALS[case]
   workdir = _copy(trained_run[0], tmp_path)
   holder = _held_lock(workdir) if case == "a held lock" else None
@@ -581,8 +570,6 @@ class _Flag:
 
 
 def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path, monkeypatch):
-  """Step n's finite flag is read before step n+3 is dispatched, and the unlogged metrics are
-  written before exiting on a signal."""
   events = []
 
   def step(orig, *args):
@@ -604,8 +591,6 @@ def test_a_signal_is_acted_on_within_two_steps_and_flushes_the_metrics(tmp_path,
 
 
 def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax(monkeypatch):
-  """With several processes JAX's preemption sync manager owns SIGTERM and names the stop step;
-  a Ctrl-C is exchanged at log steps only."""
   monkeypatch.setattr(guards.jax, "process_count", lambda: 2)
   gathered, sync_steps = [], []
   utils = guards.multihost_utils
@@ -628,8 +613,6 @@ def test_several_processes_agree_on_sigint_at_log_steps_and_leave_sigterm_to_jax
 
 
 def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, monkeypatch, capsys):
-  """SIGTERM while the test split is scored: one message, no results.json, the lock released,
-  validation kept; the rerun scores only the test split."""
   workdir = str(tmp_path / "run")
   config = tiny_config(num_train_steps=2, **{"sample.length": 0})
   original, scored, once = train_lib.Trainer.evaluate, [], [True]

@@ -72,9 +72,6 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
 def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   docs, tmp_path, monkeypatch
 ):
-  """A packed text run: steps 3-4 train while the save at step 2 is held (which then verifies);
-  stopped by SIGTERM after step 3 (saved before it says so), it resumes to the same losses and
-  results as the run straight through; evaluation is the unpacked run's."""
   text = {
     "data.dataset": "text",
     "data.train_files": str(docs / "*.py"),
@@ -125,8 +122,6 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
 
 @pytest.mark.slow
 def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
-  """configs/quickstart.py as the README runs it, 120 of its 1000 steps: validation perplexity
-  1.6x below the unigram baseline (2.0x measured), its workdir, and aft-generate's sample."""
   workdir = str(tmp_path / "quick")
   steps = 120
   flags = (f"--config.num_train_steps={steps}", "--config.sample.length=20")

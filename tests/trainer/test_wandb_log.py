@@ -1,5 +1,4 @@
-"""The optional W&B logging (aft_jax.trainer.step_log): without the extra, one line saying how to
-install it; with it, WANDB_MODE=offline writes a W&B run folder and sends nothing."""
+"""The optional W&B logging (aft_jax.trainer.step_log), offline."""
 
 import contextlib
 import glob
