@@ -72,7 +72,8 @@ def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
         np.testing.assert_array_equal(out[:, :pos], clean[:, :pos], err_msg=f"{arg} {value} {pos}")
         assert not np.array_equal(out[:, pos:], clean[:, pos:], equal_nan=True), (arg, value, pos)
         if arg == 1 and np.isinf(value):  # infinite keys: finite wherever float64 is
-          want = reference(*xs)
+          with np.errstate(invalid="ignore"):  # float64 too: inf - inf where a key is inf
+            want = reference(*xs)
           fin = np.isfinite(want)
           assert np.isfinite(out[fin]).all(), (value, pos)
           np.testing.assert_allclose(out[fin], want[fin], rtol=2e-4, atol=2e-5)
