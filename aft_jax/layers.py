@@ -39,8 +39,7 @@ class _Projected(nn.Module):
   causal: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...; softmax: ATTENTION_IMPLS)
-  impl: str = "auto"
+  impl: str = "auto"  # the op's implementation (aft_jax.ops.IMPLS; softmax: ATTENTION_IMPLS)
 
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
@@ -71,8 +70,7 @@ class _Projected(nn.Module):
 
 
 def _packing(module, x, segment_ids, mask, positions=None):
-  """x checked; {} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed
-  rows (the op checks them and causal); the mask, which no op takes, checked here."""
+  """x and mask checked; {} for a plain row, else the op's ``segment_ids`` and ``positions``."""
   name, lead = type(module).__name__, jnp.shape(x)[:-1]
   if jnp.ndim(x) < 2:
     raise ValueError(f"{name}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
@@ -94,16 +92,14 @@ _HEADS_QV = ("batch", "activation_length", "heads", "kv")
 
 
 def _op(module, fn, args, names, packed):
-  """``fn(*args, axis_name=...)``, T split over the mesh's ``sequence`` axis when causal (packed
-  rows are whole documents: not split)."""
+  """``fn(*args, axis_name=...)``, T split over ``sequence`` when causal and not packed."""
   if packed or not module.causal:
     return fn(*args, axis_name=None)
   return sharding.in_mesh_shards(fn, args, names)
 
 
 def _cached_step(module, init, step):
-  """``step(state) -> (y, state)`` on the "cache" collection (a variable per leaf of ``init()``):
-  y, or None while the cache is being initialised."""
+  """y of ``step(state) -> (y, state)`` on the "cache" collection, None while it is created."""
   paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
   names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
   ready = module.has_variable("cache", names[0])
@@ -118,8 +114,7 @@ def _cached_step(module, init, step):
 
 
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
-  """``step(state, q_t, k_t, v_t)`` on one token or ``chunk(state, q, k, v)`` on T > 1 on the
-  cached state; q while the cache is being initialised."""
+  """``step(state, q_t, k_t, v_t)`` on one token, ``chunk(state, q, k, v)`` on T > 1 (or q)."""
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
   if q.shape[axis] > 1:
@@ -135,8 +130,7 @@ class _AFTChannels(_Projected):
   hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
 
   def _qkv(self, x):
-    d = self.hidden_dim or x.shape[-1]
-    names = ("embed", "heads")
+    d, names = self.hidden_dim or x.shape[-1], ("embed", "heads")
     return tuple(self._proj(x.shape[-1], d, names, n)(x) for n in ("query", "key", "value"))
 
   def _out(self, y, d_model):
@@ -144,8 +138,7 @@ class _AFTChannels(_Projected):
 
 
 class _PositionBias(_AFTChannels):
-  """A learned position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2)); a
-  sequence of T < max_len uses its top-left T x T block."""
+  """A position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2))."""
 
   max_len: int = 512
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
@@ -190,7 +183,6 @@ class _PositionBias(_AFTChannels):
 
 class AFTFull(_PositionBias):
   """AFT-full (paper Eq. 2): Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)).
-
   Input ``[..., T, d_model]``, T <= max_len."""
 
   @nn.compact
@@ -302,8 +294,7 @@ class _ConvKernel(nn.Module):
 
 
 class _Heads(_Projected):
-  """q, v ``[..., H, C]`` per head (C = d_model / H), k as q or (``one_key``: AFT-conv) one per
-  head, and the output projection."""
+  """q, v ``[..., H, C = d_model / H]``, k as q or (``one_key``: AFT-conv) one per head."""
 
   num_heads: int = 8
   one_key = True
