@@ -1,6 +1,4 @@
-"""The components' typed configs (aft_jax.typed_config): the config tree is generated from
-them, each checks its own keys (types from its defaults, values by its rules), and a key of
-one component is checked in no other."""
+"""aft_jax.typed_config: the tree is the components' keys, each checked by its own component."""
 
 import dataclasses
 import re
