@@ -1,7 +1,6 @@
-"""Adaptive input (Baevski & Auli, 2019) and adaptive softmax (Grave et al., 2017): the
-frequency-sorted vocabulary split at ``cutoffs`` into clusters [0, c_0), ..., [c_{K-1}, V), cluster
-i of dimension d_model // factor**i. Replicate (or FSDP-shard) the tables: a 'vocab'-sharded one
-turns ``nll``'s ``dynamic_slice`` chunks into gathers."""
+"""Adaptive input (Baevski & Auli, 2019) and adaptive softmax (Grave et al., 2017): clusters
+[0, c_0), ..., [c_{K-1}, V) of the sorted vocabulary, cluster i of width d_model // factor**i.
+Replicate (or FSDP-shard) the tables: 'vocab'-sharded, ``nll``'s chunks would be gathers."""
 
 from __future__ import annotations
 
@@ -14,33 +13,6 @@ import jax.numpy as jnp
 __all__ = ["AdaptiveInput", "AdaptiveSoftmax", "chunked_logsumexp"]
 
 Array = jax.Array
-
-
-def _validate(vocab_size: int, d_model: int, cutoffs: Sequence[int], factor: float) -> None:
-  if int(vocab_size) != vocab_size or vocab_size < 1:
-    raise ValueError(f"vocab_size must be a positive int, got vocab_size={vocab_size!r}")
-  if int(d_model) != d_model or d_model < 1:
-    raise ValueError(f"d_model must be a positive int, got d_model={d_model!r}")
-  if not factor >= 1.0:  # also rejects NaN
-    raise ValueError(f"factor must be >= 1, got factor={factor!r}")
-  cut = list(cutoffs)
-  if any(int(c) != c for c in cut):
-    raise ValueError(f"cutoffs must be ints, got cutoffs={cut!r}")
-  if cut and cut[0] < 1:
-    raise ValueError(f"cutoffs must be >= 1 (cluster 0 cannot be empty), got cutoffs={cut!r}")
-  if any(b <= a for a, b in zip(cut, cut[1:])):
-    raise ValueError(f"cutoffs must be strictly increasing, got cutoffs={cut!r}")
-  if cut and cut[-1] >= vocab_size:
-    raise ValueError(
-      f"every cutoff must be < vocab_size, got cutoffs={cut!r} with vocab_size={vocab_size}"
-    )
-  for i in range(len(cut) + 1):
-    if _dim(d_model, factor, i) < 1:
-      raise ValueError(
-        f"cluster {i} would have dimension d_model // factor**{i} = "
-        f"{d_model} // {factor}**{i} < 1 (d_model={d_model}, factor={factor}, "
-        f"cutoffs={cut!r}); use fewer cutoffs, a smaller factor or a larger d_model"
-      )
 
 
 def _dim(d_model: int, factor: float, i: int) -> int:
@@ -93,9 +65,7 @@ def chunked_logsumexp(z: Array, table: Array, chunk_size: int) -> Array:
 
 
 def _cluster_params(module, head: str, table: str, proj: str):
-  """(tables, projections) of the clusters, each N(0, 1 / its width): head [c_0, d_model]
-  ('vocab', 'embed'), table i [|cluster i|, d_i] ('vocab', 'embed_small'), projection i [d_i,
-  d_model] ('embed_small', 'embed')."""
+  """(tables, projections) of the clusters, each N(0, 1 / its width)."""
   param = lambda name, init, names, shape: module.param(
     name, nn.with_logical_partitioning(init, names), shape, module.param_dtype
   )
@@ -121,7 +91,31 @@ class _Clusters(nn.Module):
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
-    _validate(self.vocab_size, self.d_model, self.cutoffs, self.factor)
+    vocab_size, d_model, cutoffs, factor = self.vocab_size, self.d_model, self.cutoffs, self.factor
+    if int(vocab_size) != vocab_size or vocab_size < 1:
+      raise ValueError(f"vocab_size must be a positive int, got vocab_size={vocab_size!r}")
+    if int(d_model) != d_model or d_model < 1:
+      raise ValueError(f"d_model must be a positive int, got d_model={d_model!r}")
+    if not factor >= 1.0:  # also rejects NaN
+      raise ValueError(f"factor must be >= 1, got factor={factor!r}")
+    cut = list(cutoffs)
+    if any(int(c) != c for c in cut):
+      raise ValueError(f"cutoffs must be ints, got cutoffs={cut!r}")
+    if cut and cut[0] < 1:
+      raise ValueError(f"cutoffs must be >= 1 (cluster 0 cannot be empty), got cutoffs={cut!r}")
+    if any(b <= a for a, b in zip(cut, cut[1:])):
+      raise ValueError(f"cutoffs must be strictly increasing, got cutoffs={cut!r}")
+    if cut and cut[-1] >= vocab_size:
+      raise ValueError(
+        f"every cutoff must be < vocab_size, got cutoffs={cut!r} with vocab_size={vocab_size}"
+      )
+    for i in range(len(cut) + 1):
+      if _dim(d_model, factor, i) < 1:
+        raise ValueError(
+          f"cluster {i} would have dimension d_model // factor**{i} = "
+          f"{d_model} // {factor}**{i} < 1 (d_model={d_model}, factor={factor}, "
+          f"cutoffs={cut!r}); use fewer cutoffs, a smaller factor or a larger d_model"
+        )
     super().__post_init__()
 
 
@@ -207,13 +201,9 @@ class AdaptiveSoftmax(_Clusters):
       return self.tie_to.embedding_tables(), self.tie_to.projections()
     return self._own_tables, self._own_projs
 
-  def _head_cluster_logits(self, h: Array) -> Array:  # h @ C^T, float32 [N, K]
-    return jnp.einsum(
-      "nd,kd->nk",
-      h,
-      self.cluster_logits.astype(self.dtype),
-      preferred_element_type=_acc_dtype(self.dtype),
-    )
+  def _logits(self, x: Array, table: Array) -> Array:  # x @ table^T, float32 [N, S]
+    table = table.astype(self.dtype)
+    return jnp.einsum("nd,sd->ns", x, table, preferred_element_type=_acc_dtype(self.dtype))
 
   def nll(self, h: Array, targets: Array) -> Array:
     """``-log p(targets | h)``: ``h [..., d_model]``, ``targets int[...]`` -> ``float32[...]``."""
@@ -239,7 +229,7 @@ class AdaptiveSoftmax(_Clusters):
     head_word = target_logit(x, tables[0], jnp.clip(t, 0, hi0 - 1))
     if len(bounds) == 1:
       return (head_lse - head_word).reshape(targets.shape)
-    cl = self._head_cluster_logits(x)  # [N, K]: small, materialising it is fine
+    cl = self._logits(x, self.cluster_logits)  # [N, K]: small, materialising it is fine
     head_lse = jnp.logaddexp(head_lse, jax.nn.logsumexp(cl, axis=-1))
     # Which tail cluster (0-based) the target is in; meaningless (masked) for head words.
     k_of_t = jnp.clip(
@@ -262,21 +252,15 @@ class AdaptiveSoftmax(_Clusters):
     tables, projs = self._weights()
     lead = h.shape[:-1]
     x = h.reshape(-1, self.d_model).astype(self.dtype)
-    words = jnp.einsum(
-      "nd,vd->nv", x, tables[0].astype(self.dtype), preferred_element_type=_acc_dtype(self.dtype)
-    )
+    words = self._logits(x, tables[0])
     if len(tables) == 1:
       return jax.nn.log_softmax(words, axis=-1).reshape(*lead, self.vocab_size)
-    head = jax.nn.log_softmax(
-      jnp.concatenate([words, self._head_cluster_logits(x)], axis=-1), axis=-1
-    )
+    head = jax.nn.log_softmax(jnp.concatenate([words, self._logits(x, self.cluster_logits)], -1))
     c0 = tables[0].shape[0]
     parts = [head[:, :c0]]
     for k, (table, proj) in enumerate(zip(tables[1:], projs[1:])):
       z = jnp.einsum("nd,sd->ns", x, proj.astype(self.dtype))
-      v = jnp.einsum(
-        "ns,vs->nv", z, table.astype(self.dtype), preferred_element_type=_acc_dtype(self.dtype)
-      )
+      v = self._logits(z, table)
       parts.append(head[:, c0 + k : c0 + k + 1] + jax.nn.log_softmax(v, axis=-1))
     return jnp.concatenate(parts, axis=-1).reshape(*lead, self.vocab_size)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,14 +18,12 @@ from aft_jax.typed_config import TypedConfig
 
 def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[str]:
   """One line per bad sampling argument ("top_k = -1 must be ...")."""
-  errors = []
-  if not temperature >= 0:
-    errors.append(f"temperature = {temperature} must be >= 0 (0: greedy)")
-  if top_k < 0:
-    errors.append(f"top_k = {top_k} must be >= 0 (0: all tokens)")
-  if not 0 < top_p <= 1:
-    errors.append(f"top_p = {top_p} must be in (0, 1] (1: all tokens)")
-  return errors
+  checks = (
+    (temperature >= 0, f"temperature = {temperature} must be >= 0 (0: greedy)"),
+    (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: all tokens)"),
+    (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1] (1: all tokens)"),
+  )
+  return [message for ok, message in checks if not ok]
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -55,8 +52,7 @@ class SampleConfig(TypedConfig):
 
 def sample_logits(rng, logp_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):
   """Token ids ``[B]`` from log-probabilities ``[B, V]`` (greedy at temperature 0); ``top_k`` > 0
-  keeps the k most likely, ``top_p`` < 1 the fewest most likely whose probabilities (after
-  temperature and top-k) sum to at least ``top_p``."""
+  keeps the k most likely, ``top_p`` < 1 the fewest most likely that sum to ``top_p``."""
   if temperature <= 0:
     return jnp.argmax(logp_BV, axis=-1)
   # The most likely token's logit 0: a tiny temperature (1e-45) sends the others to -inf (greedy),
@@ -83,8 +79,7 @@ _sample_jit = jax.jit(sample_logits, static_argnames=("temperature", "top_k", "t
 
 @dataclasses.dataclass
 class Stream:
-  """Where a stream stopped: the cache after all its tokens but ``last_B`` (int32 ``[B]``, not
-  yet fed), and the next sample's key."""
+  """Where a stream stopped: its cache, ``last_B`` (int32 ``[B]``, not yet fed), the next key."""
 
   cache: Any
   last_B: np.ndarray
@@ -104,7 +99,7 @@ class Stream:
   donate_argnums=(2,),
 )
 def _step_and_sample(model, params, cache, tok_B, rng, *, temperature, top_k, top_p):
-  """(new cache, the next tokens [B], the next key) after feeding ``tok_B``, in one program."""
+  """(new cache, the next tokens [B], the next key) after feeding ``tok_B``."""
   logp_B1V, mutated = model.apply(
     {"params": params, "cache": cache}, tok_B[:, None], decode=True, mutable=["cache"]
   )
@@ -143,41 +138,26 @@ def _window_logp(model, params, tokens_BT):
   return model.apply({"params": params}, tokens_BT)[:, -1]
 
 
-def _feed(model, params, cache, tokens_BT):
-  """The cache after ``tokens_BT``: chunks of ``max_len`` (``CHUNKED``), else token by token."""
-  size = model.cfg.max_len if model.cfg.mixing in CHUNKED else 1
-  for i in range(0, tokens_BT.shape[1], size):
-    cache = _prefill(model, params, cache, jnp.asarray(tokens_BT[:, i : i + size]))
-  return cache
-
-
 def _after(model, params, prompt_BP, stream: Stream | None = None):
-  """(the cache, the last token ``[B]`` not yet fed) after ``prompt_BP``, from the start or after
-  ``stream`` (left as it is)."""
-  b, p = prompt_BP.shape
+  """(cache, last token ``[B]``) after ``prompt_BP`` fed from the start or after ``stream``."""
   if stream is None:
-    return _feed(model, params, init_cache(model, b), prompt_BP[:, :-1]), prompt_BP[:, -1]
-  cache = jax.tree.map(jnp.copy, stream.cache)  # the steps donate theirs
-  if p == 0:
-    return cache, stream.last_B
-  feed = np.concatenate([stream.last_B[:, None], prompt_BP[:, :-1]], axis=1)
-  return _feed(model, params, cache, feed), prompt_BP[:, -1]
+    cache, feed_BT = init_cache(model, prompt_BP.shape[0]), prompt_BP[:, :-1]
+  else:
+    cache = jax.tree.map(jnp.copy, stream.cache)  # the steps donate theirs
+    if prompt_BP.shape[1] == 0:
+      return cache, stream.last_B
+    feed_BT = np.concatenate([stream.last_B[:, None], prompt_BP[:, :-1]], axis=1)
+  size = model.cfg.max_len if model.cfg.mixing in CHUNKED else 1  # else token by token
+  for i in range(0, feed_BT.shape[1], size):
+    cache = _prefill(model, params, cache, jnp.asarray(feed_BT[:, i : i + size]))
+  return cache, prompt_BP[:, -1]
 
 
 def generate(
-  model,
-  params,
-  prompt_BP,
-  length: int,
-  *,
-  rng=None,
-  temperature: float = 1.0,
-  top_k: int = 0,
-  top_p: float = 1.0,
-  stop_id: int | None = None,
-  stream: Stream | None = None,
+  model, params, prompt_BP, length: int, *, rng=None, temperature: float = 1.0, top_k: int = 0,
+  top_p: float = 1.0, stop_id: int | None = None, stream: Stream | None = None,
   return_stream: bool = False,
-):
+):  # fmt: skip
   """Continues ``prompt_BP`` (int ``[B, P]``, P >= 1) by ``length`` tokens: ``[B, length]``.
 
   ``stop_id``: stop once every row has produced it (cut each row at its first). Streams only:
@@ -257,8 +237,7 @@ def generate(
 
 
 def score_stream(model, params, tokens, bos_id: int, chunk: int) -> dict:
-  """{"nll": mean NLL per token, "tokens"} of a text scored by a stream with the whole past:
-  token i from ``bos_id`` and tokens 0 .. i-1, fed in chunks of ``chunk`` tokens."""
+  """{"nll": mean NLL per token, "tokens"}: token i given ``bos_id`` and tokens 0 .. i-1."""
   if not model.cfg.streams:
     raise ValueError(
       f"score_stream: mixing {model.cfg.mixing!r} with position embedding "
@@ -300,19 +279,10 @@ def encode_prompt(vocab, prompt: str) -> tuple[list[int], int]:
 
 
 def sample_texts(
-  model,
-  params,
-  vocab,
-  prompt: str,
-  length: int,
-  *,
-  num_samples: int = 1,
-  stop_at_eos: bool = False,
-  seed: int | None = None,
-  stream: Stream | None = None,
-  return_stream: bool = False,
-  **sampling,
-):
+  model, params, vocab, prompt: str, length: int, *, num_samples: int = 1,
+  stop_at_eos: bool = False, seed: int | None = None, stream: Stream | None = None,
+  return_stream: bool = False, **sampling,
+):  # fmt: skip
   """``num_samples`` texts (one batch) that continue ``prompt``, without it.
 
   ``stop_at_eos``: each ends at its first end of line, kept. ``sampling``: as ``generate``
@@ -331,13 +301,17 @@ def sample_texts(
   how = dict(rng=rng, stop_id=stop_id, stream=stream, return_stream=return_stream)
   out = generate(model, params, prompt_BP, length, **{"temperature": 0.8, **sampling}, **how)
   new_BN, after = out if return_stream else (out, None)
-  texts = [_text(vocab, row, stop_id) for row in new_BN]
+  texts = []
+  for ids in map(list, new_BN):
+    if stop_id in ids:
+      ids = ids[: ids.index(stop_id) + 1]
+    text = vocab.decode(ids)
+    texts.append(" " + text if vocab.unit == "word" and text else text)  # words: space-separated
   return (texts, after) if return_stream else texts
 
 
 def check_batch_fits(model, batch: int) -> None:
-  """A ValueError where ``batch`` sequences decoded at once need more memory than the device
-  has (caches and per-step log-probabilities)."""
+  """A ValueError where ``batch`` rows decoded at once (caches, log-probs) outgrow the device."""
   cache = jax.eval_shape(functools.partial(init_cache, model, 1))
   per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
   per_row += 3 * 4 * model.cfg.vocab_size  # the step's float32 logits, log-probs and sampling
@@ -350,14 +324,6 @@ def check_batch_fits(model, batch: int) -> None:
       f"{need / 2**30:,.1f} GiB here, more than the device's {have / 2**30:,.1f} GiB; ask for "
       "fewer"
     )
-
-
-def _text(vocab, ids: Sequence[int], stop_id: int | None) -> str:
-  ids = list(ids)
-  if stop_id is not None and stop_id in ids:
-    ids = ids[: ids.index(stop_id) + 1]
-  text = vocab.decode(ids)
-  return " " + text if vocab.unit == "word" and text else text  # words are space-separated
 
 
 def sample_text(model, params, vocab, prompt: str, length: int, **kwargs) -> str:

@@ -39,8 +39,9 @@ class _Projected(nn.Module):
   causal: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  # the op's implementation (aft_jax.ops: "auto", "xla", "pallas", ...; softmax: ATTENTION_IMPLS)
-  impl: str = "auto"
+  impl: str = "auto"  # the op's implementation (aft_jax.ops.IMPLS; softmax: ATTENTION_IMPLS)
+
+  chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
   def _proj(self, in_features, features, names, name, axis=-1):
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
@@ -53,24 +54,26 @@ class _Projected(nn.Module):
       bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
     )  # fmt: skip
 
-
-def _check_x(module, x):
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"{type(module).__name__}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
-
-
-def _check_decode_input(module, x, chunks: bool = False):
-  name = type(module).__name__
-  if not module.causal:
-    raise ValueError(f"{name}: decode=True needs causal=True")
-  if x.shape[-2] != 1 and not chunks:
-    raise ValueError(f"{name}: decode=True takes one token, x [..., 1, d_model]; got x {x.shape}")
+  def _mix(self, x, decode, mix, *extra):
+    """The output projection of ``mix(q, k, v)``, or decoding of ``_step(q, k, v, *extra)``."""
+    q, k, v = self._qkv(x)
+    if decode:
+      name = type(self).__name__
+      if not self.causal:
+        raise ValueError(f"{name}: decode=True needs causal=True")
+      if x.shape[-2] != 1 and not self.chunks:
+        raise ValueError(
+          f"{name}: decode=True takes one token, x [..., 1, d_model]; got x {x.shape}"
+        )
+      return self._out(self._step(q, k, v, *extra), x.shape[-1])
+    return self._out(mix(q, k, v), x.shape[-1])
 
 
 def _packing(module, x, segment_ids, mask, positions=None):
-  """{} for a plain row, else the op's ``segment_ids`` and ``positions`` of packed rows (the op
-  checks them and causal); the mask, which no op takes, checked here."""
-  name, lead = type(module).__name__, x.shape[:-1]
+  """x and mask checked; {} for a plain row, else the op's ``segment_ids`` and ``positions``."""
+  name, lead = type(module).__name__, jnp.shape(x)[:-1]
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"{name}: x must be [..., T, d_model]; got x {jnp.shape(x)}")
   if segment_ids is None and mask is None:
     if positions is not None:  # (else dropped: a plain row)
       raise ValueError(f"{name}: positions need segment_ids (packed rows)")
@@ -89,16 +92,14 @@ _HEADS_QV = ("batch", "activation_length", "heads", "kv")
 
 
 def _op(module, fn, args, names, packed):
-  """``fn(*args, axis_name=...)``, T split over the mesh's ``sequence`` axis when causal (packed
-  rows are whole documents: not split)."""
+  """``fn(*args, axis_name=...)``, T split over ``sequence`` when causal and not packed."""
   if packed or not module.causal:
     return fn(*args, axis_name=None)
   return sharding.in_mesh_shards(fn, args, names)
 
 
 def _cached_step(module, init, step):
-  """``step(state) -> (y, state)`` on the "cache" collection (a variable per leaf of ``init()``):
-  y, or None while the cache is being initialised."""
+  """y of ``step(state) -> (y, state)`` on the "cache" collection, None while it is created."""
   paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
   names = [jax.tree_util.keystr(path[-1:], simple=True) for path, _ in paths]
   ready = module.has_variable("cache", names[0])
@@ -112,19 +113,8 @@ def _cached_step(module, init, step):
   return y
 
 
-def _within_max_len(module, step):
-  """``step`` whose output is NaN once the cache holds ``max_len`` tokens (no slot or bias row)."""
-
-  def run(state, *qkv):
-    y, new = step(state, *qkv)
-    return jnp.where(state.index < module.max_len, y, jnp.nan).astype(y.dtype), new
-
-  return run
-
-
 def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None):
-  """``step(state, q_t, k_t, v_t)`` on one token or ``chunk(state, q, k, v)`` on T > 1 on the
-  cached state; q while the cache is being initialised."""
+  """``step(state, q_t, k_t, v_t)`` on one token, ``chunk(state, q, k, v)`` on T > 1 (or q)."""
   axis = token_axis % q.ndim
   q_t, k_t, v_t = (jax.lax.index_in_dim(x, 0, axis, keepdims=False) for x in (q, k, v))
   if q.shape[axis] > 1:
@@ -134,48 +124,21 @@ def _decode_token(module, q, k, v, init, step, token_axis: int = -2, chunk=None)
   return q if y is None else jnp.expand_dims(y, axis)
 
 
-def _head_features(module, x):
-  d_model, h = x.shape[-1], module.num_heads
-  if d_model % h:
-    raise ValueError(
-      f"{type(module).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
-      f"num_heads = {h}"
-    )
-  return (h, d_model // h)
-
-
-def _heads_out(module, y, d_model):
-  return module._proj(y.shape[-2:], d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(y)  # pylint: disable=protected-access
-
-
 class _AFTChannels(_Projected):
   """AFT-full/local/simple's per-channel q, k, v and output projection."""
 
   hidden_dim: int | None = None  # D, the channels of q, k, v (default: d_model)
 
   def _qkv(self, x):
-    d = self.hidden_dim or x.shape[-1]
-    names = ("embed", "heads")
+    d, names = self.hidden_dim or x.shape[-1], ("embed", "heads")
     return tuple(self._proj(x.shape[-1], d, names, n)(x) for n in ("query", "key", "value"))
 
   def _out(self, y, d_model):
     return self._proj(y.shape[-1], d_model, ("heads", "embed"), "out")(y)
 
-  chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
-
-  def _mix(self, x, decode, mix):
-    q, k, v = self._qkv(x)
-    if decode:
-      _check_decode_input(self, x, self.chunks)
-      y = self._step(q, k, v)
-    else:
-      y = mix(q, k, v)
-    return self._out(y, x.shape[-1])
-
 
 class _PositionBias(_AFTChannels):
-  """A learned position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2)); a
-  sequence of T < max_len uses its top-left T x T block."""
+  """A position bias w [max_len, max_len]: full (init 0) or u v^T (init N(0, 1e-2))."""
 
   max_len: int = 512
   factor_dim: int | None = None  # d' of w = u v^T; None: a full [max_len, max_len] parameter
@@ -208,15 +171,22 @@ class _PositionBias(_AFTChannels):
       return v @ u[t]
     return jnp.asarray(p[0], jnp.float32)[t]  # (p may be a NumPy array; t is traced)
 
+  def _bias_step(self, op_step):
+    """``op_step(state, q_t, k_t, v_t, w[t])``, NaN once the cache holds ``max_len`` tokens."""
+
+    def run(state, *qkv):
+      y, new = op_step(state, *qkv, self.bias_row(state.index))
+      return jnp.where(state.index < self.max_len, y, jnp.nan).astype(y.dtype), new
+
+    return run
+
 
 class AFTFull(_PositionBias):
   """AFT-full (paper Eq. 2): Y = sigma(Q) * (exp(w) @ (exp(K) * V)) / (exp(w) @ exp(K)).
-
   Input ``[..., T, d_model]``, T <= max_len."""
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     # Packed rows index w by their positions (any below max_len), a plain row by t < T.
     t_bias = self.max_len if packed else x.shape[-2]
@@ -232,8 +202,7 @@ class AFTFull(_PositionBias):
 
   def _step(self, q, k, v):
     init = lambda q_t, *_: ops.aft_full_init(q_t.shape, self.max_len)
-    step = lambda s, *qkv: ops.aft_full_step(s, *qkv, self.bias_row(s.index))
-    return _decode_token(self, q, k, v, init, _within_max_len(self, step))
+    return _decode_token(self, q, k, v, init, self._bias_step(ops.aft_full_step))
 
 
 class AFTLocal(_PositionBias):
@@ -241,10 +210,10 @@ class AFTLocal(_PositionBias):
   (not -inf). Input ``[..., T, d_model]``, T <= max_len; O(T window d) time."""
 
   window: int = 32
+  chunks = True
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     names = (_QKV, _QKV, _QKV, ("length", "length_k"))
     local = lambda q, k, v, w, axis_name: ops.aft_local(
@@ -267,41 +236,35 @@ class AFTLocal(_PositionBias):
     w = lambda: self.bias(self.max_len if packed else t_len)
     return self._mix(x, decode, lambda q, k, v: _op(self, local, (q, k, v, w()), names, packed))
 
-  chunks = True
-
   def _step(self, q, k, v):
     # The one-token steps take the window unchecked: the op's check, here (the chunks' op checks
     # it again). A window past max_len holds every position, as one of max_len does.
     window = min(ops.check_window("AFTLocal", self.window), self.max_len)
     init = lambda q_t, *_: ops.aft_local_init(q_t.shape, window)
-    step = lambda s, *qkv: ops.aft_local_step(s, *qkv, self.bias_row(s.index))
-
     # The state's index is the chunk's offset into w; as for the steps, positions past max_len
     # have no bias row: the op gives NaN there (a traced offset cannot raise).
     chunk = lambda s, q, k, v: ops.aft_local(
       q, k, v, self.bias(self.max_len), window=window, causal=True, impl=self.impl,
       initial_state=s, output_final_state=True,
     )  # fmt: skip
-
-    return _decode_token(self, q, k, v, init, _within_max_len(self, step), chunk=chunk)
+    step = self._bias_step(ops.aft_local_step)
+    return _decode_token(self, q, k, v, init, step, chunk=chunk)
 
 
 class AFTSimple(_AFTChannels):
   """AFT-simple (paper Eq. 5): w = 0, Y_t = sigma(Q_t) * sum_t' softmax_t'(K) * V_t'. Input
   ``[..., T, d_model]``, any T; O(T d) time and memory, decoding an O(d) state."""
 
+  chunks = True
+
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # no position bias
-
     simple = lambda q, k, v, axis_name: ops.aft_simple(
       q, k, v, causal=self.causal, impl=self.impl, axis_name=axis_name, **packed
     )
     return self._mix(x, decode, lambda *qkv: _op(self, simple, qkv, (_QKV,) * 3, packed))
-
-  chunks = True
 
   def _step(self, q, k, v):
     init = lambda q_t, *_: ops.aft_simple_init(q_t.shape)
@@ -330,44 +293,48 @@ class _ConvKernel(nn.Module):
     return w.reshape((self.heads,) + self.shape)
 
 
-class _AFTConvBase(_Projected):
-  num_heads: int = 8
-  kernel_size: Any = 7
+class _Heads(_Projected):
+  """q, v ``[..., H, C = d_model / H]``, k as q or (``one_key``: AFT-conv) one per head."""
 
-  def _heads_qkv(self, x):
-    feat = _head_features(self, x)  # (H, C): q and v per channel, k per head
-    dense = lambda f, n: self._proj(x.shape[-1], f, ("embed", "heads", "kv")[: len(f) + 1], n)(x)
-    return dense(feat, "query"), dense(feat[:1], "key"), dense(feat, "value")
+  num_heads: int = 8
+  one_key = True
+
+  def _qkv(self, x):
+    d_model, h = x.shape[-1], self.num_heads
+    if d_model % h:
+      raise ValueError(
+        f"{type(self).__name__}: d_model = {d_model} (x {x.shape}) is not divisible by "
+        f"num_heads = {h}"
+      )
+    feat = (h, d_model // h)
+    dense = lambda f, n: self._proj(d_model, f, ("embed", "heads", "kv")[: len(f) + 1], n)(x)
+    key_feat = feat[:1] if self.one_key else feat
+    return dense(feat, "query"), dense(key_feat, "key"), dense(feat, "value")
 
   def _out(self, y, d_model):
-    return _heads_out(self, y, d_model)
+    return self._proj(y.shape[-2:], d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(y)
 
 
-class AFTConv1D(_AFTConvBase):
+class AFTConv1D(_Heads):
   """AFT-conv over sequences (paper Eq. 6, 1-D): per head (C = d_model / H channels, one key) a
   learned kernel of ``kernel_size``, centred (odd) or, causal, entry j the bias of t' = t - j."""
 
-  chunks = True  # decode=True also takes a prompt chunk (``_decode_token``)
+  kernel_size: Any = 7
+  chunks = True
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x)
-    d_model = x.shape[-1]
-    if not isinstance(self.kernel_size, int) or self.kernel_size < 1:  # (odd: the op's rule)
-      raise ValueError(f"AFTConv1D: kernel_size must be a positive int; got {self.kernel_size!r}")
-    q, k, v = self._heads_qkv(x)
-    kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
-    if decode:
-      _check_decode_input(self, x, self.chunks)
-      return self._out(self._step(q, k, v, kernel), d_model)
     packed = _packing(self, x, segment_ids, mask, positions)
     packed.pop("positions", None)  # the kernel is by lag
-
+    if not isinstance(self.kernel_size, int) or self.kernel_size < 1:  # (odd: the op's rule)
+      raise ValueError(f"AFTConv1D: kernel_size must be a positive int; got {self.kernel_size!r}")
+    kernel = _ConvKernel(self.num_heads, (self.kernel_size,), self.param_dtype, name="bias")()
     conv = lambda q, k, v, kernel, axis_name: ops.aft_conv1d(
       q, k, v, kernel, causal=self.causal, impl=self.impl, axis_name=axis_name, **packed
     )
     names = (_HEADS_QV, _QKV, _HEADS_QV, ("heads", "kernel"))
-    return self._out(_op(self, conv, (q, k, v, kernel), names, packed), d_model)
+    mix = lambda q, k, v: _op(self, conv, (q, k, v, kernel), names, packed)
+    return self._mix(x, decode, mix, kernel)
 
   def _step(self, q, k, v, kernel):
     init = lambda _, k_t, v_t: ops.aft_conv1d_init(k_t.shape, v_t.shape, self.kernel_size)
@@ -378,22 +345,23 @@ class AFTConv1D(_AFTConvBase):
     return _decode_token(self, q, k, v, init, step, token_axis=-3, chunk=chunk)
 
 
-class AFTConv2D(_AFTConvBase):
+class AFTConv2D(_Heads):
   """AFT-conv over images (paper Eq. 6): per head a learned kh x kw kernel ("SAME"), odd sizes.
   ``[..., Ht, Wd, d_model] -> [..., Ht, Wd, d_model]``; not causal."""
 
+  kernel_size: Any = 7
+
   @nn.compact
   def __call__(self, x):
-    d_model = x.shape[-1]
     ks = self.kernel_size
     ks = (ks, ks) if isinstance(ks, int) else tuple(ks)
     if len(ks) != 2 or min(ks) < 1:  # (odd: the op's rule)
       raise ValueError(f"AFTConv2D: kernel_size must be (kh, kw) >= 1; got {self.kernel_size!r}")
     if self.causal:
       raise ValueError("AFTConv2D: there is no causal 2-D AFT-conv; use causal=False")
-    q, k, v = self._heads_qkv(x)
+    q, k, v = self._qkv(x)
     kernel = _ConvKernel(self.num_heads, ks, self.param_dtype, name="bias")()
-    return self._out(ops.aft_conv2d(q, k, v, kernel, impl=self.impl), d_model)
+    return self._out(ops.aft_conv2d(q, k, v, kernel, impl=self.impl), x.shape[-1])
 
 
 # ``jax.nn.dot_product_attention``'s: "auto" jax's choice; "cudnn" flash attention (Ampere on,
@@ -410,37 +378,33 @@ def attention_impl_problem(impl, dtype) -> str | None:
   return None
 
 
-class MultiHeadAttention(_Projected):
+def _flat(fn):
+  """``fn(q, k, v)`` with the leading dims as one (``dot_product_attention``'s rank 4)."""
+  flat = lambda a: a.reshape((-1,) + a.shape[-3:])
+  return lambda q, k, v: fn(flat(q), flat(k), flat(v)).reshape(q.shape)
+
+
+class MultiHeadAttention(_Heads):
   """Softmax multi-head attention (the baseline) with the AFT layers' interface, through
   ``jax.nn.dot_product_attention`` (``impl``: ATTENTION_IMPLS); ``max_len``: the decoding cache."""
 
-  num_heads: int = 8
   max_len: int = 512
+  one_key = False
 
   @nn.compact
   def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
-    _check_x(self, x)
-    d_model = x.shape[-1]
-    feat = _head_features(self, x)
     packed = _packing(self, x, segment_ids, mask, positions)
     if packed:  # (no op takes them here: checked as the AFT ops check theirs)
       common.check_arrays("MultiHeadAttention", x.shape[:-1], segment_ids=packed["segment_ids"])
-    q, k, v = (
-      self._proj(d_model, feat, ("embed", "heads", "kv"), n)(x) for n in ("query", "key", "value")
-    )
-    lead, t_len = x.shape[:-2], x.shape[-2]
-    flat = lambda a: a.reshape((-1,) + a.shape[-3:])
-    if decode:
-      _check_decode_input(self, x)
-      y = self._step(flat(q), flat(k), flat(v))
-    else:
-      seg_mask = None
+
+    def attend(q, k, v):
+      seg_mask, t_len = None, x.shape[-2]
       if packed:  # [B', 1, T, T]: t' of t's own segment (the causal part is is_causal's)
         seg_mask = ops.same_segment(packed["segment_ids"]).reshape((-1, 1, t_len, t_len))
       how = dict(mask=seg_mask, is_causal=self.causal, implementation=self._implementation())
-      y = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), **how)
-    y = y.reshape(lead + (t_len,) + feat)
-    return _heads_out(self, y, d_model)
+      return jax.nn.dot_product_attention(q, k, v, **how)
+
+    return self._mix(x, decode, _flat(attend))
 
   def _implementation(self) -> str | None:
     """``dot_product_attention``'s implementation; a ValueError where it cannot run."""
@@ -455,6 +419,9 @@ class MultiHeadAttention(_Projected):
     return None if self.impl == "auto" else self.impl
 
   def _step(self, q, k, v):
+    return _flat(self._cached_attention)(q, k, v)
+
+  def _cached_attention(self, q, k, v):
     b, _, h, dh = q.shape
     zeros = lambda x: jnp.zeros((b, self.max_len, h, dh), x.dtype)
 

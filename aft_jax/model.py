@@ -27,8 +27,7 @@ GPT2_STD = 0.02  # GPT-2's (and nanoGPT's) standard deviation of every weight at
 
 
 def init_std(cfg: ModelConfig, residual: bool = False) -> float:
-  """A dense kernel's init std under ``cfg.init`` (0.0: Glorot-uniform); ``residual``: a
-  projection into the residual stream."""
+  """A dense kernel's init std (0.0: Glorot-uniform); ``residual``: into the residual stream."""
   if cfg.init != "gpt2":
     return 0.0
   return GPT2_STD / (2 * cfg.num_layers) ** 0.5 if residual else GPT2_STD
@@ -54,9 +53,7 @@ class ModelConfig(TypedConfig):
   }
 
   vocab_size: int = 0  # from the data (0: not known yet)
-  # Longest sequence: the position embedding, AFT bias w, softmax's decoding cache (a stream:
-  # no limit, only the chunk a prompt is fed in)
-  max_len: int = 256
+  max_len: int = 256  # longest sequence (a stream: no limit, only a prompt chunk's)
   num_layers: int = 2
   d_model: int = 128
   num_heads: int = 4  # softmax attention and AFT-conv heads (AFT-full/local/simple: per channel)
@@ -68,24 +65,19 @@ class ModelConfig(TypedConfig):
   dropout_rate: float = 0.1  # after the embedding, each mixing layer and each MLP
   dtype: Any = "float32"  # compute dtype: 'float32' or 'bfloat16' (GPU/TPU)
   param_dtype: Any = "float32"  # parameters (and optimizer state)
-  # The mixing layer's implementation: AFT one of ops.IMPLS; softmax layers.ATTENTION_IMPLS
-  impl: str = "auto"
+  impl: str = "auto"  # the mixing's implementation: ops.IMPLS, softmax layers.ATTENTION_IMPLS
   remat: bool = False  # rematerialise each block in the backward pass (less memory)
   scan_layers: bool = False  # nn.scan over the blocks: one block compiled, not num_layers
   tie_embeddings: bool = True  # the output layer is the transposed input embedding
-  # How the parameters start (``init_std``; AFT's biases keep the paper's): 'gpt2' or 'glorot'
-  # (docs/training.md, "The softmax baseline")
-  init: str = "gpt2"
+  init: str = "gpt2"  # 'gpt2' or 'glorot' (``init_std``); AFT's own biases start as the paper's
   use_bias: bool = True  # biases in the LayerNorms and dense layers (nanoGPT's recipe: none)
   gelu_approximate: bool = True  # the MLP's GELU: the tanh approximation, or exact (erf)
   adaptive_cutoffs: tuple[int, ...] = ()  # adaptive input + softmax cluster cutoffs; (): plain
   adaptive_factor: float = 4.0  # cluster i has dimension d_model / factor**i
-  # 'learned' [max_len, d_model], or 'none' for the mixings of STREAMING, whose causal sums give
-  # the order: no length limit (``streams``)
-  position_embedding: str = "learned"
+  position_embedding: str = "learned"  # [max_len, d_model], or 'none': STREAMING, no length limit
 
   def __post_init__(self):
-    # Dtypes as names, tuples as lists (from files or JSON); another type is problems()' to name.
+    # Dtypes as names, tuples as lists (from files or JSON); another type is problems()'.
     set_ = functools.partial(object.__setattr__, self)
     for name in ("dtype", "param_dtype"):
       try:
@@ -155,10 +147,9 @@ class ModelConfig(TypedConfig):
     if not 0.0 <= self.dropout_rate < 1.0:
       errors.append(f"{self.key('dropout_rate')} = {self.dropout_rate} must be in [0, 1)")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in (jnp.float32, jnp.bfloat16):
-        errors.append(
-          f"{self.key(name)} = {getattr(self, name).name!r}: use 'float32' or 'bfloat16'"
-        )
+      value = getattr(self, name)
+      if value not in (jnp.float32, jnp.bfloat16):
+        errors.append(f"{self.key(name)} = {value.name!r}: use 'float32' or 'bfloat16'")
     return errors
 
   def _position_problems(self) -> list[str]:
@@ -178,8 +169,7 @@ class ModelConfig(TypedConfig):
 
 
 def check_ids(name: str, ids, vocab_size: int) -> None:
-  """A ValueError naming ``name`` and the first id outside [0, ``vocab_size``); traced ids pass
-  (the model gives NaN for them)."""
+  """A ValueError naming the first id outside [0, ``vocab_size``); traced ids pass (NaN)."""
   if isinstance(ids, jax.core.Tracer) or not np.size(ids):
     return
   ids = np.asarray(ids)
@@ -205,20 +195,16 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
 
 
 def gelu_exact(x):
-  """GELU with erf (torch's ``nn.GELU()``): ``nn.gelu(x, approximate=False)`` up to rounding,
-  without its erfc, dearer on XLA:CPU."""
+  """torch's ``nn.GELU()``: ``nn.gelu(x, approximate=False)`` without its erfc (dear on CPU)."""
   return x * (0.5 + 0.5 * jax.lax.erf(x * jnp.asarray(2**-0.5, x.dtype)))
 
 
 def _ln(cfg, name):
+  embed = lambda init: nn.with_logical_partitioning(init, ("embed",))
   return nn.LayerNorm(
-    dtype=cfg.dtype,
-    param_dtype=cfg.param_dtype,
-    name=name,
-    use_bias=cfg.use_bias,
-    scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-  )
+    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name, use_bias=cfg.use_bias,
+    scale_init=embed(nn.initializers.ones), bias_init=embed(nn.initializers.zeros),
+  )  # fmt: skip
 
 
 class Block(nn.Module):
@@ -235,14 +221,10 @@ class Block(nn.Module):
     h = mixing_layer(cfg)(_ln(cfg, "ln_mix")(x_BTD), decode=self.decode, **(packed or {}))
     x_BTD = x_BTD + drop(h)
     dense = lambda f, names, name: nn.Dense(
-      f,
-      dtype=cfg.dtype,
-      param_dtype=cfg.param_dtype,
-      name=name,
-      use_bias=cfg.use_bias,
+      f, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name, use_bias=cfg.use_bias,
       kernel_init=nn.with_logical_partitioning(_kernel_init(cfg, name == "mlp_out"), names),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-    )
+    )  # fmt: skip
     h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
     h = nn.gelu(h, approximate=True) if cfg.gelu_approximate else gelu_exact(h)
     h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(h))
@@ -292,9 +274,7 @@ class TransformerLM(nn.Module):
 
   def _blocks(self, x_BTD, deterministic, decode, packed):
     cfg = self.cfg
-    block = Block
-    if cfg.remat:
-      block = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+    block = nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat else Block
     if cfg.scan_layers:
       stack = nn.scan(
         block,
@@ -311,8 +291,7 @@ class TransformerLM(nn.Module):
     return x_BTD
 
   def _packed(self, tokens_BT, segment_ids_BT, positions_BT, decode):
-    """None for plain rows, else {"segment_ids", "positions"} int32 ``[B, T]`` (positions alone:
-    the mixing layer's error). Checked here: the position embedding reads them before any op."""
+    """None, or {"segment_ids", "positions"} int32 ``[B, T]``, checked (before any op reads)."""
     if segment_ids_BT is None and positions_BT is None:
       return None
     if decode:
@@ -336,12 +315,8 @@ class TransformerLM(nn.Module):
   def _position_embedding(self, t_len: int, start, packed):
     """Rows start .. start + T - 1 (decoding), the positions' (packed rows), or 0 .. T - 1."""
     cfg = self.cfg
-    pos_embed = self.param(
-      "pos_embed",
-      nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
-      (cfg.max_len, cfg.d_model),
-      cfg.param_dtype,
-    )
+    init = nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed"))
+    pos_embed = self.param("pos_embed", init, (cfg.max_len, cfg.d_model), cfg.param_dtype)
     if start is not None:
       pos_TD = jax.lax.dynamic_slice_in_dim(pos_embed, start, t_len, 0)
     elif packed is not None:
@@ -355,21 +330,13 @@ class TransformerLM(nn.Module):
 
   @nn.compact
   def __call__(
-    self,
-    tokens_BT,
-    targets_BT=None,
-    *,
-    segment_ids=None,
-    positions=None,
-    train: bool = False,
-    decode: bool = False,
+    self, tokens_BT, targets_BT=None, *, segment_ids=None, positions=None, train=False, decode=False
   ):
     """Per-token NLL ``[B, T]`` (float32) given targets, else log-probabilities ``[B, T, V]``.
 
-    ``segment_ids``, ``positions`` int ``[B, T]``: packed rows (each run of one id a document;
-    positions default to each one's from 0; past max_len: NaN). ``train``: dropout. ``decode``:
-    one step on ``tokens [B, 1]`` with a "cache" collection, or a prompt chunk (``CHUNKED``).
-    An id outside [0, vocab_size): a ValueError where concrete, NaN under jit (never another's).
+    ``segment_ids``, ``positions`` int ``[B, T]``: packed rows (positions default to each
+    document's from 0; past max_len: NaN). ``train``: dropout. ``decode``: one step on tokens
+    ``[B, 1]`` (or a ``CHUNKED`` prompt chunk) with a "cache" collection.
     """
     cfg = self.cfg
     t_len = tokens_BT.shape[-1]
@@ -383,7 +350,7 @@ class TransformerLM(nn.Module):
         f"TransformerLM: targets {targets_BT.shape} must match tokens {tokens_BT.shape}"
       )
     for name, ids in (("tokens", tokens_BT), ("targets", targets_BT)):
-      if ids is not None:
+      if ids is not None:  # (a ValueError where concrete; NaN below, under jit)
         check_ids(f"TransformerLM: {name}", ids, cfg.vocab_size)
     packed = self._packed(tokens_BT, segment_ids, positions, decode)
     start = None

@@ -11,9 +11,8 @@ from flax.nnx import bridge
 
 
 def to_nnx(module, *example_args, params=None, seed: int = 0, **example_kwargs) -> bridge.ToNNX:
-  """``module`` (a linen layer or ``TransformerLM``) as an ``nnx.Module`` initialised on the
-  example inputs; ``params``: the whole linen tree to use instead of fresh ones. Created
-  unsharded (no mesh here), the logical axis names kept as metadata."""
+  """``module`` (a linen layer or ``TransformerLM``) as an ``nnx.Module`` initialised (unsharded)
+  on the example inputs; ``params``: the whole linen tree to use instead of fresh ones."""
   nnx_module = bridge.ToNNX(module, rngs=nnx.Rngs(seed))
   # One compiled program (nnx.jit carries the new variables out), not a compile per op.
   init = nnx.jit(lambda m: bridge.lazy_init(m, *example_args, **example_kwargs))
@@ -29,8 +28,7 @@ def to_nnx(module, *example_args, params=None, seed: int = 0, **example_kwargs) 
 
 
 def _check_params(want: dict, got) -> None:
-  """ValueError unless ``got`` has exactly ``want``'s parameters and shapes (one left out would
-  stay at its random init)."""
+  """ValueError unless ``got`` has exactly ``want``'s parameters and shapes (no random ones)."""
   flat = lambda tree: {
     jax.tree_util.keystr(path, simple=True, separator="/"): jnp.shape(x)
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -47,9 +47,7 @@ class MeshConfig(TypedConfig):
   data: int = -1  # data parallelism; -1: all remaining devices
   fsdp: int = 1  # data parallelism with sharded parameters and optimizer state
   tensor: int = 1  # tensor parallelism (MLP units, AFT channels, heads, vocabulary)
-  # context parallelism: T split over devices (causal AFT-simple, AFT-local, AFT-conv1d only;
-  # docs/long_sequences.md)
-  sequence: int = 1
+  sequence: int = 1  # context parallelism: T split (causal AFT-simple/local/conv1d only)
 
   def _value_problems(self) -> list[str]:
     sizes = tuple(getattr(self, a) for a in MESH_AXES)
@@ -103,8 +101,7 @@ def uneven_batches(dp: int, **batch_sizes: int) -> list[str]:
 
 
 def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
-  """Each global batch size splits over the data-parallel devices (mesh data x fsdp, or their
-  number), and those over the processes."""
+  """Each batch size splits over the data x fsdp devices (or their number), those over hosts."""
   dp = mesh if isinstance(mesh, int) else mesh.shape["data"] * mesh.shape["fsdp"]
   uneven = uneven_batches(dp, **batch_sizes)
   if uneven:
@@ -118,8 +115,7 @@ def check_batch_split(mesh: Mesh | int, **batch_sizes: int) -> None:
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh over ``devices`` (default: every host's); on CPUs, a count that does not fit says
-  how to make enough."""
+  """The mesh over ``devices`` (default: every host's); on CPUs, how to make enough of them."""
   devices = list(jax.devices() if devices is None else devices)
   try:
     shape = mesh_shape(mesh_cfg, len(devices))
@@ -143,8 +139,7 @@ def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:  # (lists from JSON
 
 
 def logical_shardings(abstract_tree, mesh: Mesh, rules):
-  """NamedShardings of a tree of ``nn.Partitioned`` boxes; a dimension its mesh axes do not
-  divide (a vocabulary of 267,735 over tensor = 2) is replicated instead, with a warning."""
+  """NamedShardings of ``nn.Partitioned`` boxes; a dimension not divisible: replicated, warned."""
   specs = nn.get_partition_spec(abstract_tree)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
   replicated_dims = []
@@ -196,10 +191,8 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
 
 
 def in_mesh_shards(fn, args, names, splits_t: bool = True):
-  """``fn(*args, axis_name=...)`` per device's shard of ``args`` (logical axis names ``names``; T
-  split over ``sequence``: that axis name) in ``jax.shard_map``, the result laid out as the first;
-  on the whole arrays outside a multi-device mesh, where a dimension does not split evenly, or
-  where T is split and not ``splits_t`` (AFT-full)."""
+  """``fn(*args, axis_name=...)`` per device's shard (logical axes ``names``) in ``shard_map``,
+  or on the whole arrays: no mesh, an uneven split, or T split and not ``splits_t``."""
   # Also where T is whole: XLA's partitioner would reshard inside the causal ops' loop over T.
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(dict(mesh.shape).values()) == 1:

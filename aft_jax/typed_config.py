@@ -11,8 +11,7 @@ import ml_collections
 
 
 def type_ok(value, default) -> bool:
-  """Whether ``value`` may stand for ``default``: its type (an int for a float, not a bool for a
-  number, a list or tuple for either); None always."""
+  """Whether ``value`` has ``default``'s type (an int for a float, no bool for a number; None)."""
   if default is None or value is None:
     return True
   if isinstance(default, bool):
@@ -36,13 +35,11 @@ def type_problems(values: dict, defaults: dict, prefix: str) -> list[str]:
 
 
 class TypedConfig:
-  """A component's config: a frozen dataclass, each field with a default (its type) and a comment
-  (its meaning). ``WHERE``: the tree node of its keys ("" for the top)."""
+  """A component's config: a frozen dataclass, each field a default (its type) and a comment."""
 
-  WHERE: ClassVar[str] = ""
+  WHERE: ClassVar[str] = ""  # the tree node of its keys ("": the top)
   OUTSIDE_TREE: ClassVar[tuple[str, ...]] = ()  # fields the tree does not hold
-  # Every key added since the first release (3d08369): {name: (the change that added it, the
-  # value a config written before it ran with, or a function of the saved node)}.
+  # Keys added since the first release (3d08369): {name: (commit, old value or f(saved node))}.
   ADDED: ClassVar[dict[str, tuple[str, Any | Callable[[Mapping], Any]]]] = {}
 
   @classmethod

@@ -11,7 +11,7 @@ import optax
 import pytest
 from jax.test_util import check_grads
 
-from aft_jax.adaptive import AdaptiveInput, AdaptiveSoftmax, chunked_logsumexp
+from aft_jax.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tests.support.helpers import param_count
 
 V, D, CUT = 50, 16, (10, 25)
@@ -57,29 +57,14 @@ def test_nll_is_minus_the_normalised_log_probs(cutoffs, chunk_size):
     np.testing.assert_allclose(nll[0], want[0], rtol=1e-5, atol=1e-5)
 
 
-def test_chunked_logsumexp_matches_dense():
-  z = jax.random.normal(jax.random.key(0), (6, 5)) * 30.0
-  table = jax.random.normal(jax.random.key(1), (23, 5))
-  ref = jax.nn.logsumexp(z @ table.T, axis=-1)
-  for c in (1, 7, 100):  # 1 row, non-dividing (last chunk overlaps), > table
-    np.testing.assert_allclose(chunked_logsumexp(z, table, c), ref, rtol=1e-6, atol=1e-4)
-
-
-def test_grads_finite():
+def test_grads_float64_and_finite_at_large_logits():
   sm, v, h, t = _setup_softmax(CUT, chunk_size=7)
-  grad = jax.jit(jax.grad(lambda v, h: sm.apply(v, h, t).mean(), argnums=(0, 1)))
-  for scale in (1.0, 1e3):
-    g = grad(v, h * scale)
-    chex.assert_tree_all_finite(g)
-    # every table gets gradient (no param silently unused)
-    for name, leaf in nn.unbox(g[0])["params"].items():
-      assert float(jnp.abs(leaf).sum()) > 0, name
+  g = jax.jit(jax.grad(lambda v, h: sm.apply(v, h, t).mean(), argnums=(0, 1)))(v, h * 1e3)
+  chex.assert_tree_all_finite(g)
+  assert all(float(jnp.abs(x).sum()) > 0 for x in jax.tree.leaves(g))  # no table unused
   with pytest.raises(ValueError, match="targets"):
     sm.apply(v, h, t[:-1])
-
-
-def test_check_grads_float64():
-  # Params/inputs are made in float32 (reusing compiled init ops), then cast up.
+  # Params and inputs made in float32 (reusing compiled init ops), then cast up.
   _, v, h, t = _setup_softmax(CUT, chunk_size=7, n=12)
   with jax.enable_x64(True):
     sm = AdaptiveSoftmax(V, D, CUT, chunk_size=7, dtype=jnp.float64, param_dtype=jnp.float64)
@@ -131,9 +116,6 @@ def test_adaptive_input_values_and_the_axis_names():
   np.testing.assert_allclose(out[:10], p["embed_0"], rtol=1e-6)
   np.testing.assert_allclose(out[10:25], p["embed_1"] @ p["proj_1"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out[25:], p["embed_2"] @ p["proj_2"], rtol=1e-5, atol=1e-6)
-  # All rows distinct (within and across clusters).
-  dists = np.linalg.norm(out[:, None] - out[None], axis=-1) + np.eye(V)
-  assert dists.min() > 1e-4
   assert ai.apply(v, ids).dtype == jnp.float32
   assert AdaptiveInput(V, D, CUT, dtype=jnp.bfloat16).apply(v, ids).dtype == jnp.bfloat16
   one = AdaptiveInput(V, D, [])  # a single cluster: a plain embedding
@@ -175,11 +157,8 @@ def test_tying_shares_params(cutoffs):
   tied, untied = _TinyLM(True, cutoffs), _TinyLM(False, cutoffs)
   vt = jax.jit(partial(tied.init, method="log_probs"))(jax.random.key(0), ids)
   vu = jax.eval_shape(partial(untied.init, method="log_probs"), jax.random.key(0), ids)
-  n_in = param_count(vt["params"]["embed"])
-  n_cl = len(cutoffs) * D
-  n_dense = D * D + D
-  assert param_count(vt) == n_in + n_cl + n_dense
-  assert param_count(vu) == 2 * n_in + n_cl + n_dense
+  n_in, n_rest = param_count(vt["params"]["embed"]), len(cutoffs) * D + D * D + D
+  assert (param_count(vt), param_count(vu)) == (n_in + n_rest, 2 * n_in + n_rest)
   assert set(nn.unbox(vt)["params"].get("out", {})) <= {"cluster_logits"}
 
   # Tied == untied with the softmax's tables set to the input's.
@@ -191,34 +170,28 @@ def test_tying_shares_params(cutoffs):
   np.testing.assert_allclose(_apply(tied, vt, ids, method="log_probs"), lp, rtol=1e-5, atol=1e-5)
   ref = -jnp.take_along_axis(lp, tgt[..., None], axis=-1).mean()
 
-  # Tied loss (streamed nll) matches, and the gradient reaching the shared table is
-  # finite and nonzero (input-path + output-path contributions).
+  # The tied (streamed) loss matches; the shared table's gradient is finite and nonzero.
   loss, g = jax.jit(jax.value_and_grad(lambda p: tied.apply({"params": p}, ids, tgt).mean()))(pt)
   np.testing.assert_allclose(loss, ref, rtol=1e-5)
   chex.assert_tree_all_finite(g)
   assert float(jnp.abs(g["embed"]["embed_0"]).sum()) > 0
 
 
-BAD_ARGS = [
-  (dict(cutoffs=[25, 10]), "strictly increasing"),
-  (dict(cutoffs=[10, 10]), "strictly increasing"),
-  (dict(cutoffs=[10, 50]), "vocab_size"),
-  (dict(cutoffs=[0, 10]), "cutoffs"),
-  (dict(cutoffs=[2, 4, 6]), "d_model"),  # 16 // 4**3 = 0
-  (dict(cutoffs=[10], factor=0.5), "factor"),
-  (dict(cutoffs=[10], d_model=0), "d_model"),
-]
-BAD_SOFTMAX_ARGS = [
-  (dict(cutoffs=CUT, chunk_size=0), "chunk_size"),
-  (dict(cutoffs=CUT, tie_to=AdaptiveInput(V, D, (10,))), "tie_to"),
+IN, SM = AdaptiveInput, AdaptiveSoftmax
+BAD_ARGS = [  # (class, arguments, the message): the checks both share are _Clusters'
+  (IN, dict(cutoffs=[25, 10]), "strictly increasing"),
+  (IN, dict(cutoffs=[10, 10]), "strictly increasing"),
+  (IN, dict(cutoffs=[10, 50]), "vocab_size"),
+  (IN, dict(cutoffs=[0, 10]), "cutoffs"),
+  (IN, dict(cutoffs=[2, 4, 6]), "d_model"),  # 16 // 4**3 = 0
+  (IN, dict(cutoffs=[10], factor=0.5), "factor"),
+  (IN, dict(cutoffs=[10], d_model=0), "d_model"),
+  (SM, dict(cutoffs=CUT, chunk_size=0), "chunk_size"),
+  (SM, dict(cutoffs=CUT, tie_to=AdaptiveInput(V, D, (10,))), "tie_to"),
 ]
 
 
-@pytest.mark.parametrize(  # (the checks both share: _Clusters)
-  "cls, kwargs, match",
-  [(AdaptiveInput, *b) for b in BAD_ARGS] + [(AdaptiveSoftmax, *b) for b in BAD_SOFTMAX_ARGS],
-)
+@pytest.mark.parametrize("cls, kwargs, match", BAD_ARGS)
 def test_bad_arguments_raise(cls, kwargs, match):
-  args = dict(vocab_size=V, d_model=D) | kwargs
   with pytest.raises(ValueError, match=match):
-    cls(**args)
+    cls(**(dict(vocab_size=V, d_model=D) | kwargs))

@@ -1,6 +1,4 @@
-"""aft_jax.layers: shapes, dtypes, the paper's equations (float64 reference), causality, logical
-axis names, bad input. Random params fill ``jax.eval_shape(module.init)``: only the tests of
-initial values compile ``init``."""
+"""aft_jax.layers: shapes, dtypes, the paper's equations (float64), axis names, bad input."""
 
 import functools
 import re
@@ -22,8 +20,7 @@ RTOL, ATOL = 2e-4, 2e-5
 AXIS_NAMES = {"embed", "heads", "kv", "length", "length_k", "bias_factor", "kernel"}
 
 
-def _modules(causal=False, dtype=jnp.float32):
-  """One small instance of every layer (AFTConv2D only when not causal)."""
+def _modules(causal=False, dtype=jnp.float32):  # AFTConv2D only when not causal
   kw = dict(causal=causal, dtype=dtype, param_dtype=jnp.float32)
   mods = {
     "aft_full": layers.AFTFull(max_len=MAX_LEN, **kw),
@@ -54,9 +51,6 @@ def _x(shape, seed=0):
 
 def _init(module, shape, seed=0):
   return nn.unbox(jax.jit(module.init)(jax.random.key(seed), jnp.zeros(shape)))["params"]
-
-
-# ---------------------------------------------------------------- numpy (float64)
 
 
 def _np(a):
@@ -102,8 +96,7 @@ def _expected(name, module, params, x):
   return _dense_np(y, params["out"], in_axes=y.ndim - x.ndim + 1)
 
 
-def test_shapes_and_dtypes_for_leading_batch_dims():
-  """Any leading dims; bfloat16 compute with float32 params returns bfloat16."""
+def test_shapes_and_dtypes_for_leading_batch_dims():  # bfloat16 compute, float32 params
   for causal, dtype in [(False, jnp.float32), (False, jnp.bfloat16), (True, jnp.bfloat16)]:
     for name, module in _modules(causal, dtype).items():
       variables = abstract_init(module, _input_shape(name), dtype)
@@ -113,21 +106,10 @@ def test_shapes_and_dtypes_for_leading_batch_dims():
         shape = _input_shape(name, lead)
         y = jax.eval_shape(module.apply, variables, jax.ShapeDtypeStruct(shape, dtype))
         assert y.shape == shape and y.dtype == dtype, (name, causal, lead, y)
-      if causal:  # and close to float32
-        params, x = random_params(module, _input_shape(name)), _x(_input_shape(name))
-        y = _jit_apply(module)({"params": params}, x.astype(jnp.bfloat16))
-        assert y.dtype == jnp.bfloat16, (name, y.dtype)
-        y32 = _jit_apply(_modules(causal=True)[name])({"params": params}, x)
-        chex.assert_tree_all_finite(y)
-        y = y.astype(jnp.float32)
-        chex.assert_trees_all_close(y, y32, atol=0.15, rtol=0.05, custom_message=name)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_matches_numpy_reference(causal):
-  """Random params (biases past T = 6 < max_len = 8 too): the reference reads the top-left T x T
-  block of w and, when causal, no later position, so a layer reading another block or the future
-  fails here."""
+def test_matches_numpy_reference(causal):  # random params (w past T = 6 < max_len = 8 too)
   for name, module in _modules(causal).items():
     shape = _input_shape(name)
     params = random_params(module, shape, seed=3)
@@ -138,57 +120,22 @@ def test_matches_numpy_reference(causal):
     chex.assert_trees_all_close(y, want, rtol=RTOL, atol=ATOL, custom_message=name)
 
 
-# ---------------------------------------------------------------- initialisation
-
-
 def test_aft_full_bias_init():
-  p = _init(layers.AFTFull(max_len=MAX_LEN), (2, T, D))
-  assert p["pos_bias"].shape == (MAX_LEN, MAX_LEN)
-  np.testing.assert_array_equal(p["pos_bias"], 0.0)
-  assert "pos_u" not in p
-  # AFTLocal shares the bias parameters (same shapes; their values are checked above).
-  local = nn.unbox(abstract_init(layers.AFTLocal(max_len=MAX_LEN, window=2), (2, T, D)))["params"]
-  assert local["pos_bias"].shape == (MAX_LEN, MAX_LEN)
-
-  big = 64
-  p = _init(layers.AFTFull(max_len=big, factor_dim=16), (1, 2, D))
-  assert "pos_bias" not in p
+  np.testing.assert_array_equal(_init(layers.AFTFull(max_len=MAX_LEN), (2, T, D))["pos_bias"], 0)
+  p = _init(layers.AFTFull(max_len=64, factor_dim=16), (1, 2, D))
   for n in ("pos_u", "pos_v"):
     a = np.asarray(p[n])
-    assert a.shape == (big, 16), a.shape
     # 1024 samples: the std of the sample std is ~2.2% of sigma.
     assert 0.9e-2 < a.std() < 1.1e-2, (n, a.std())
     assert abs(a.mean()) < 1.5e-3, (n, a.mean())
   assert not np.allclose(p["pos_u"], p["pos_v"])
-
-
-def test_aft_conv_equals_aft_simple_at_init():
-  """gamma = beta = 0 at init (the raw kernel random): AFT-conv is AFT-simple with one key per
-  head; a non-zero gain makes them differ."""
-  conv1d = layers.AFTConv1D(num_heads=HEADS, kernel_size=3)
-  conv2d = layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5))
-  p1d = _init(conv1d, _input_shape("aft_conv1d"), seed=7)
-  p2d = _init(conv2d, _input_shape("aft_conv2d"), seed=7)
-  cases = [  # the causal and non-causal AFTConv1D have the same params
-    ("aft_conv1d", conv1d, p1d),
-    ("aft_conv1d", conv1d.clone(causal=True), p1d),
-    ("aft_conv2d", conv2d, p2d),
-  ]
-  for name, module, params in cases:
-    bias = params["bias"]
-    np.testing.assert_array_equal(bias["gamma"], 0.0)
-    np.testing.assert_array_equal(bias["beta"], 0.0)
+  # AFT-conv starts as AFT-simple with one key per head: gain gamma = beta = 0, a random kernel.
+  for name in ("aft_conv1d", "aft_conv2d"):
+    bias = _init(_modules()[name], _input_shape(name), seed=7)["bias"]
+    np.testing.assert_array_equal(np.stack([bias["gamma"], bias["beta"]]), 0.0)
     assert bias["gamma"].shape == (HEADS,) and np.asarray(bias["kernel"]).std() > 0.1
-    x = _x(_input_shape(name), seed=8)
-    y = _jit_apply(module)({"params": params}, x)
-    # The reference with a zero kernel (w = 0) is AFT-simple's, one key per head.
-    want = _expected(name, module, params, x)
-    chex.assert_trees_all_close(y, want, rtol=RTOL, atol=ATOL, custom_message=name)
-    gain = dict(params, bias=dict(bias, gamma=bias["gamma"] + 0.7, beta=bias["beta"] - 1.0))
-    assert np.abs(_jit_apply(module)({"params": gain}, x) - y).max() > 1e-2, module
 
 
-# fmt: off
 EXPECTED_NAMES = {
   "aft_full": {"query/kernel": ("embed", "heads"), "query/bias": ("heads",),
                "out/kernel": ("heads", "embed"), "out/bias": ("embed",),
@@ -199,8 +146,7 @@ EXPECTED_NAMES = {
                  "bias/gamma": ("heads",), "bias/beta": ("heads",)},
   "aft_conv2d": {"bias/kernel": ("heads", "kernel", "kernel")},
   "mha": {"key/kernel": ("embed", "heads", "kv"), "out/kernel": ("heads", "kv", "embed")},
-}
-# fmt: on
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -211,9 +157,7 @@ EXPECTED_NAMES = {
   ],
 )
 def test_logical_axis_names_of_every_param_and_under_a_mesh(mesh_shape, batch):
-  """Every param boxed with one known name per dimension (its PartitionSpec those names). Under a
-  mesh the names fit the parameters as created (DenseGeneral's flat kernels reshaped first), the
-  causal layers' ops run per sequence shard, and the values are those of no mesh."""
+  """One known name per dimension; under a mesh, the shapes of no mesh."""
   from aft_jax import sharding
 
   mesh = jax.sharding.AbstractMesh(mesh_shape, sharding.MESH_AXES)
@@ -224,19 +168,10 @@ def test_logical_axis_names_of_every_param_and_under_a_mesh(mesh_shape, batch):
       boxed = jax.tree_util.tree_leaves_with_path(
         plain["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned)
       )
-      names = {}
+      names = {"/".join(p.key for p in path): tuple(leaf.names) for path, leaf in boxed}
       for path, leaf in boxed:
-        key = "/".join(p.key for p in path)
-        assert isinstance(leaf, nn.Partitioned), (name, key, type(leaf))
-        assert len(leaf.names) == len(leaf.value.shape), (name, key, leaf.names)
-        assert set(leaf.names) <= AXIS_NAMES, (name, key, leaf.names)
-        names[key] = tuple(leaf.names)
+        assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= AXIS_NAMES, (name, path)
       assert names and EXPECTED_NAMES.get(name, {}).items() <= names.items(), (name, names)
-      specs = jax.tree_util.tree_leaves_with_path(
-        nn.get_partition_spec(plain["params"]),
-        is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec),
-      )
-      assert {"/".join(p.key for p in path): tuple(s) for path, s in specs} == names
       # Softmax attention cannot split T; AFT-conv2d's kernel names one logical axis twice
       # ("kernel"), which flax refuses under a mesh (an image layer: no model uses it).
       if name == "aft_conv2d" or causal and name == "mha":
@@ -246,39 +181,28 @@ def test_logical_axis_names_of_every_param_and_under_a_mesh(mesh_shape, batch):
       chex.assert_trees_all_equal_shapes_and_dtypes(nn.unbox(meshed), nn.unbox(plain))
 
 
-# ---------------------------------------------------------------- bad input
-
 SEG = np.zeros((1, 4), np.int32)
 Full, Local, Conv1D, Conv2D = layers.AFTFull, layers.AFTLocal, layers.AFTConv1D, layers.AFTConv2D
 MHA, Simple = layers.MultiHeadAttention, layers.AFTSimple
-BAD = [  # (module, input shape, the first line of the message, keywords): the op's where it has one
+# (module, input shape, the message's first line, keywords): an op's error once per layer path
+BAD = [
   (Full(max_len=4), (1, 6, D), r"aft_full: w must be \[T, T\] = \(6, 6\) .*got w \(4, 4\)"),
-  (Local(max_len=4, window=2), (1, 5, D), r"aft_local: w must be \[T, T\] = \(5, 5\)"),
   (Local(max_len=4, window=2, factor_dim=2, causal=True), (1, 5, D), r"aft_local: w must be \["),
-  (Local(max_len=8, window=0), (1, 4, D), r"aft_local: window must be .* >= 1, got 0"),
-  (Local(max_len=8, window=-1, causal=True), (1, 4, D), r"aft_local: window .* got -1"),
   (Local(window=0, causal=True), (1, 1, D), r"AFTLocal: window .* got 0", dict(decode=True)),
-  (Conv1D(num_heads=2, kernel_size=4), (1, 4, D), r"aft_conv1d: .*odd .*kernel \(2, 4\)"),
   (Conv1D(num_heads=2, kernel_size=0, causal=True), (1, 4, D), r"AFTConv1D: kernel_size"),
-  (Conv2D(num_heads=2, kernel_size=(3, 4)), (1, 3, 3, D), r"aft_conv2d: .*\(2, 3, 4\)"),
-  (Conv2D(num_heads=2, kernel_size=2), (1, 3, 3, D), r"aft_conv2d: kernel sizes .*odd"),
   (Conv2D(num_heads=2, kernel_size=(3,)), (1, 3, 3, D), r"AFTConv2D: kernel_size"),
   (Conv2D(num_heads=2), (3, D), r"aft_conv2d: expected q, v \[\.\.\., Ht, Wd, H, C\]"),
   (Conv1D(num_heads=3), (1, 4, D), rf"AFTConv1D: d_model = {D}.*num_heads = 3"),
-  (Conv2D(num_heads=3, kernel_size=3), (1, 3, 3, D), r"AFTConv2D: d_model = 8.*= 3"),
   (MHA(num_heads=3), (1, 4, D), r"MultiHeadAttention: d_model = 8.*= 3"),
-  # Packed rows: the op checks segment_ids, positions and causal (the mask: the padding test).
-  (Local(window=2, causal=True), (1, 4, D),
-   r"aft_local: segment_ids must be an int array \[\.\.\., T\] = \(1, 4\); got .* \(1, 3\)",
-   dict(segment_ids=SEG[:, :3])),
   (Full(max_len=8, causal=True), (1, 4, D), r"aft_full: positions must be an int array .*float32",
    dict(segment_ids=SEG, positions=SEG * 1.0)),
   (MHA(num_heads=2, causal=True), (1, 4, D),
    r"MultiHeadAttention: segment_ids must be an int .*\(1, 3\)", dict(segment_ids=SEG[:, :3])),
-  (Simple(), (1, 4, D), r"aft_simple: segment_ids need causal=True", dict(segment_ids=SEG)),
   (Conv1D(num_heads=2), (1, 4, D), r"aft_conv1d: segment_ids need causal=True", dict(mask=SEG > 0)),
   (Local(window=2, causal=True), (1, 4, D), r"AFTLocal: positions need segment_ids",
    dict(positions=SEG)),
+  (Simple(causal=True), (1, 4, D), r"AFTSimple: mask must be \[..., T\] = \(1, 4\)",
+   dict(mask=SEG[:, :3] > 0)),
 ]  # fmt: skip
 
 
@@ -307,8 +231,6 @@ def _raises(module, shape, match, **kw):
 def test_attention_impl_is_passed_on_or_refused(monkeypatch):
   bf16 = dict(num_heads=2, causal=True, dtype=jnp.bfloat16)
   _raises(layers.MultiHeadAttention(impl="cudnn", **bf16), (1, 4, D), r"cudnn.*not the 'cpu'")
-  _raises(layers.MultiHeadAttention(impl="flash", **bf16), (1, 4, D), r"takes impl 'auto'")
-  _raises(layers.MultiHeadAttention(impl="cudnn", num_heads=2), (1, 4, D), r"bfloat16 or float16")
   seen = []
   real = jax.nn.dot_product_attention
   monkeypatch.setattr(
@@ -331,8 +253,7 @@ def test_attention_impl_is_passed_on_or_refused(monkeypatch):
   ids=["local", "simple", "conv1d"],
 )
 def test_padding_mask_ignores_the_pads(module):
-  """Right padding (row 0) and left padding (row 1): the tokens' outputs are the layer's on the
-  tokens alone (bias positions from 0), whatever the pads hold; pad outputs are finite."""
+  """Right (row 0), left (row 1) padding: the tokens alone's outputs, whatever the pads hold."""
   x = np.asarray(_x((2, 7, 4)))
   mask = np.array([[1] * 5 + [0] * 2, [0] * 2 + [1] * 5], bool)
   params = {"params": random_params(module, (1, 7, 4))}
@@ -351,5 +272,3 @@ def test_padding_mask_ignores_the_pads(module):
   tokens = np.stack([padded[0, :5], padded[1, 2:]])
   np.testing.assert_allclose(tokens, alone, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(padded_junk[mask], padded[mask], rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match=r"mask must be \[..., T\] = \(2, 7\)"):
-    module.apply(params, x, mask=mask[:, :3])

@@ -21,11 +21,9 @@ def _mesh(data, fsdp, tensor, sequence=1):
     ((2, -1, 2), 8, (2, 2, 2, 1)),
     ((1, 4, -1), 8, (1, 4, 2, 1)),
     ((2, 2, 2), 8, (2, 2, 2, 1)),
-    ((-1, 1, 1), 1, (1, 1, 1, 1)),
     ((-1, 1, 1, 4), 8, (2, 1, 1, 4)),
     ((1, 2, 1, -1), 8, (1, 2, 1, 4)),
     ((2, 2, 1), 8, "2 x 2 x 1 x 1 = 4 does not match the 8 available devices"),
-    ((2, 2, 1, 3), 8, "2 x 2 x 1 x 3 = 12 does not match"),
     ((3, -1, 1), 8, "8 devices are not divisible by 3"),
   ],
 )
@@ -39,22 +37,12 @@ def test_mesh_shape(cfg, devices, expected):
 
 @pytest.mark.parametrize("cfg, n", [((-1, 2, 1), 2), ((2, 1, 1), 2), ((1, 2, 2), 4)])
 def test_a_mesh_of_more_cpu_devices_than_there_are_says_how_to_make_them(cfg, n):
-  """mesh.fsdp = 2 on one CPU device: jax makes the CPU one device unless told how many."""
   import jax
 
   with pytest.raises(ValueError) as e:
     sharding.make_mesh(_mesh(*cfg), jax.devices("cpu")[:1])
   assert f"; a CPU host makes {n} devices with --jax_num_cpu_devices={n} (or " in str(e.value)
   assert str(e.value).startswith("mesh: data")  # the mesh's own line first
-
-
-@pytest.mark.parametrize(
-  "cfg, message",
-  [((-1, -1, 1), "at most one of them may be -1"), ((0, 1, 1), "each must be a positive int")],
-)
-def test_a_bad_mesh_config_is_a_config_problem(cfg, message):
-  """Checked with the run config (``MeshConfig.problems``), not again by the mesh builder."""
-  assert any(message in p for p in _mesh(*cfg).problems())
 
 
 def test_rules_from_config_round_trips_the_default():
@@ -67,8 +55,7 @@ def test_rules_from_config_round_trips_the_default():
 @pytest.mark.slow
 @pytest.mark.parametrize("check", ["sharding", "sequence", "layouts", "collectives"])
 def test_eight_devices_match_one(check):
-  """tests/support/mesh_worker.py CHECK on 8 CPU devices (a process of its own: the device count
-  is fixed when jax starts); its asserts are the test (the checks' docstrings say what)."""
+  """tests/support/mesh_worker.py CHECK on 8 CPU devices (a process: jax fixes the count)."""
   proc = prefork.run(
     [sys.executable, "-m", "tests.support.mesh_worker", check],
     cwd=ROOT,

@@ -1,6 +1,4 @@
-"""The components' typed configs (aft_jax.typed_config): the config tree is generated from
-them, each checks its own keys (types from its defaults, values by its rules), and a key of
-one component is checked in no other."""
+"""aft_jax.typed_config: the tree is the components' keys, each checked by its own component."""
 
 import dataclasses
 import re
@@ -40,6 +38,7 @@ def test_the_tree_is_the_components_keys_each_once():
     (SampleConfig, {"top_k": -1}, "config.sample.top_k = -1 must be >= 0 (0: all tokens)"),
     (SampleConfig, {"length": -1}, "config.sample.length = -1 must be >= 0"),
     (MeshConfig, {"data": -1, "fsdp": -1}, "at most one of them may be -1"),
+    (MeshConfig, {"data": 0}, "each must be a positive int"),
     (OptimizerConfig, {"b2": 1.0}, "config.b2 = 1.0 must be in [0, 1)"),
     (OptimizerConfig, {"learning_rate": True}, "config.learning_rate = True should be a float"),
     (ModelConfig, {"window": 0}, "config.model.window = 0 must be in [1, config.model.max_len"),

@@ -1,8 +1,5 @@
-"""Mesh checks on 8 simulated CPU devices, in a process of their own (tests/test_sharding.py):
-the device count is fixed when jax's CPU backend starts. Every check is an assert.
-
-    python -m tests.support.mesh_worker sharding|sequence|layouts|collectives
-"""
+"""Mesh checks on 8 simulated CPU devices, a process of their own (tests/test_sharding.py):
+``python -m tests.support.mesh_worker sharding|sequence|layouts|collectives``."""
 
 import math
 import os
@@ -25,7 +22,6 @@ from aft_jax import data as data_lib  # noqa: E402
 from aft_jax import ops, sharding  # noqa: E402
 from aft_jax.trainer import checkpointing, train_lib  # noqa: E402
 from aft_jax.trainer.run_config import RunConfig  # noqa: E402
-from configs import quickstart  # noqa: E402
 from tests.support.helpers import tiny_config  # noqa: E402
 
 STEPS = 3
@@ -36,8 +32,7 @@ def _trainer(config, corpus, devices):
 
 
 def train_losses(trainer, train_tokens, steps: int) -> list[float]:
-  """The losses of ``trainer``'s first ``steps`` steps from seed 0 (stream batches of seed 0,
-  dropout key 1)."""
+  """The losses of ``trainer``'s first ``steps`` steps (seed 0, batches of seed 0, key 1)."""
   train = trainer.config.train
   state = trainer.init_state(0)
   it = data_lib.train_iterator(
@@ -49,12 +44,6 @@ def train_losses(trainer, train_tokens, steps: int) -> list[float]:
     losses.append(float(metrics["loss"]))
   return losses
 
-
-def _corpus(config):
-  return data_lib.load_corpus(RunConfig.from_tree(config).data)
-
-
-# ------------------------------------------------------------------ sharding
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
 
@@ -68,10 +57,6 @@ def _sharding_config(mesh=(1, 1, 1), **overrides):
   return c
 
 
-def _flat(tree):
-  return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 # AFT's key bias cancels between numerator and denominator (exp(K + b) / sum exp(K + b)), so its
 # gradient is 0 up to rounding, and Adam turns that rounding noise into updates of size ~lr whose
 # sign depends on the summation order: it cannot match across meshes, and is not compared.
@@ -79,7 +64,8 @@ NOISE_ONLY = ("['mix']['key']['bias']",)
 
 
 def _max_diff(a, b):
-  a, b = _flat(a), _flat(b)
+  flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}
+  a, b = flat(a), flat(b)
   assert a.keys() == b.keys()
 
   def diff(k):
@@ -104,8 +90,6 @@ def _check_sharded(state, mesh_shape):
     "mlp_in (adam mu)": (mu["block_0"]["mlp_in"]["kernel"], P("fsdp", "tensor"), (16, 32)),
     "mlp_out": (p["block_0"]["mlp_out"]["kernel"], P("tensor", "fsdp"), (32, 16)),
     "query": (p["block_0"]["mix"]["query"]["kernel"], P("fsdp", "tensor"), (16, 16)),
-    "key": (p["block_0"]["mix"]["key"]["kernel"], P("fsdp", "tensor"), (16, 16)),
-    "value": (p["block_0"]["mix"]["value"]["kernel"], P("fsdp", "tensor"), (16, 16)),
     "out": (p["block_0"]["mix"]["out"]["kernel"], P("tensor", "fsdp"), (16, 16)),
     "embed": (p["embed"]["embedding"], P("tensor", "fsdp"), (256, 16)),
     "pos_bias": (p["block_0"]["mix"]["pos_bias"], P(None, None), (32, 32)),
@@ -121,11 +105,10 @@ def _check_sharded(state, mesh_shape):
 
 
 def check_sharding(workdir):
-  """The tiny model trained on four (data, fsdp, tensor) meshes gives one device's losses and
-  parameters, split as DEFAULT_RULES say; a (2, 2, 2) checkpoint continues on (8, 1, 1); a batch
-  size the mesh does not divide is refused before anything is built."""
+  """Four (data, fsdp, tensor) meshes train as one device, split as DEFAULT_RULES say; a (2, 2,
+  2) checkpoint continues on (8, 1, 1); a batch the mesh does not split is refused at once."""
   base = _sharding_config()
-  corpus = _corpus(base)
+  corpus = data_lib.load_corpus(RunConfig.from_tree(base).data)
   it = data_lib.train_iterator(
     corpus.splits["train"], seq_len=base.seq_len, global_batch_size=base.batch_size, seed=0
   )
@@ -142,7 +125,6 @@ def check_sharding(workdir):
     return trainer, state, losses
 
   trainer1, s1, ref_losses = run(base, jax.devices()[:1], STEPS)
-  assert len(s1.params["block_0"]["mlp_in"]["kernel"].addressable_shards) == 1
   ref_params3 = jax.device_get(s1.params)  # after STEPS steps on one device
   _, m = trainer1.train_step(s1, batches[STEPS], rng)
   ref_losses.append(float(m["loss"]))
@@ -167,9 +149,7 @@ def check_sharding(workdir):
       mngr.close()
       assert int(restored.step) == STEPS
       _check_sharded(restored, (8, 1, 1))
-      assert restored.params["block_0"]["mlp_in"]["kernel"].sharding.mesh.shape["data"] == 8
-      restore_diff = _max_diff(jax.device_get(restored.params), jax.device_get(state.params))
-      assert restore_diff == 0.0, restore_diff
+      assert _max_diff(jax.device_get(restored.params), jax.device_get(state.params)) == 0.0
       _, m = trainer811.train_step(restored, batches[STEPS], rng)
       np.testing.assert_allclose(float(m["loss"]), ref_losses[STEPS], rtol=1e-5, atol=1e-5)
 
@@ -182,46 +162,25 @@ def check_sharding(workdir):
   sh = sharding.logical_shardings(odd, mesh, sharding.DEFAULT_RULES)
   assert sh["embed"].spec == P(None, "fsdp") and sh["mlp"].spec == P("fsdp", "tensor"), sh
 
-  # batch_size not divisible by data x fsdp: a clear error before anything is built or compiled.
-  built = []
-  orig = train_lib.Trainer.__init__
+  # A batch size data x fsdp does not divide: an error before any Trainer is built.
+  def built(*args, **kwargs):
+    raise AssertionError("a Trainer was built")
 
-  def spy(self, *a, **k):
-    built.append(1)
-    orig(self, *a, **k)
-
-  train_lib.Trainer.__init__ = spy
-  for shape, name, bad in [
-    ((8, 1, 1), "batch_size", 12),
-    ((2, 2, 2), "batch_size", 6),
-    ((2, 2, 2), "eval_batch_size", 2),
-  ]:
+  train_lib.Trainer.__init__ = built
+  bad_batches = [((8, 1, 1), "batch_size", 12, 8), ((2, 2, 2), "eval_batch_size", 2, 4)]
+  for shape, name, bad, dp in bad_batches:
     try:
-      train_lib.train_and_evaluate(
-        _sharding_config(shape, **{name: bad}), os.path.join(workdir, f"bad_{name}")
-      )
-    except ValueError as e:
-      msg = str(e)
-      assert f"{name} = {bad} is not divisible by the 4" in msg or (
-        f"{name} = {bad} is not divisible by the 8" in msg
-      ), msg
-      assert "data x fsdp" in msg, msg
-    else:
+      train_lib.train_and_evaluate(_sharding_config(shape, **{name: bad}), f"{workdir}/{name}")
       raise AssertionError(f"{name}={bad} on mesh {shape} was accepted")
-  assert not built
+    except ValueError as e:
+      want = f"{name} = {bad} is not divisible by the {dp} data-parallel devices (mesh data x fsdp)"
+      assert want in str(e), e
 
-
-# ------------------------------------------------------------------ sequence
 
 T = 16  # 4 positions per device
-# (op, window or kernel size, logit std): a window within one shard (3) and one reaching two
-# shards back (6).
-CASES = [
-  ("simple", 0, 40.0),
-  ("local", 3, 40.0),
-  ("local_factors", 6, 1.0),  # w as its factors (u, v): each device forms its block only
-  ("conv1d", 6, 40.0),
-]
+# (op, window or kernel size, logit std): a window within one shard (3), one two shards back (6);
+# AFT-local's w also as its factors (u, v): each device forms its block only.
+CASES = [("simple", 0, 40.0), ("local", 3, 40.0), ("local_factors", 6, 1.0), ("conv1d", 6, 40.0)]
 
 
 def _inputs(op, size, scale):
@@ -229,14 +188,10 @@ def _inputs(op, size, scale):
   f = lambda *s, sc=1.0: np.asarray(rng.normal(size=s) * sc, np.float32)
   if op == "conv1d":
     return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, size, sc=scale)
+  qkv = f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3)
   if op == "local_factors":  # u, v [T, 2]: w = u v^T of std ~ scale
-    return (
-      f(2, T, 3),
-      f(2, T, 3, sc=scale),
-      f(2, T, 3),
-      (f(T, 2, sc=scale**0.5), f(T, 2, sc=scale**0.5)),
-    )
-  return f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3), f(T, T, sc=scale)
+    return (*qkv, (f(T, 2, sc=scale**0.5), f(T, 2, sc=scale**0.5)))
+  return (*qkv, f(T, T, sc=scale))
 
 
 def _op(op, size, q, k, v, bias, **kw):
@@ -271,83 +226,56 @@ def _check_op(op, size, scale, mesh):  # values and gradients within 1e-5 and 1e
     assert diff < rel, (op, scale, name, diff)
 
 
-def _sequence_config(mixing, sequence):
-  c = quickstart.get_config()
-  c.model.mixing = mixing
-  c.model.num_layers = 1  # one block shows the split; the rest is the same again
-  # AFT-local's bias as factors u v^T: each device forms only its block of w (the full bias's
-  # sharded path is the ops' check above).
-  c.model.factor_dim = 8 if mixing == "aft_local" else 0
-  c.batch_size = 4
-  c.mesh.data, c.mesh.sequence = (1, sequence) if sequence > 1 else (-1, 1)
-  return c
-
-
 def check_sequence(workdir):
-  """The ops with T split over 4 devices (``axis_name`` under ``jax.shard_map``) give the
-  unsharded values and gradients; the quickstart recipe with ``mesh.sequence = 4`` trains as one
-  device; softmax attention with mesh.sequence > 1 is a config error."""
-  devices = jax.devices()[:4]
-  mesh = Mesh(np.array(devices), ("seq",))
+  """The ops with T split over 4 devices (``axis_name`` in ``jax.shard_map``) give the unsharded
+  values and gradients."""
+  mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
   for op, size, scale in CASES:
     _check_op(op, size, scale, mesh)
-  corpus = _corpus(_sequence_config("aft_local", 1))
-  for mixing in ("aft_local", "aft_simple", "aft_conv1d"):
-    one_trainer = _trainer(_sequence_config(mixing, 1), corpus, devices[:1])
-    one = train_losses(one_trainer, corpus.splits["train"], STEPS)
-    trainer = _trainer(_sequence_config(mixing, 4), corpus, devices)
-    split = train_losses(trainer, corpus.splits["train"], STEPS)
-    assert dict(trainer.mesh.shape)["sequence"] == 4, trainer.mesh
-    # The op really ran per shard: the step exchanges the shards' states.
-    hlo = trainer.lower_train_step().as_text()
-    assert "all_gather" in hlo, mixing
-    assert ("collective_permute" in hlo) == (mixing != "aft_simple"), mixing  # the last keys
-    np.testing.assert_allclose(split, one, rtol=0, atol=1e-4)
-  try:
-    RunConfig.from_tree(_sequence_config("softmax", 4))
-    raise AssertionError("softmax with mesh.sequence = 4 was accepted")
-  except ValueError as e:
-    assert "mixes every pair of positions" in str(e), e
 
 
-# ------------------------------------------------------------------ layouts
-
-# mixing: the (data, fsdp, tensor, sequence) layouts it trains on, on 4 devices (the first 4)
-# and on 8. Those that take a shard of T: T split together with the batch and the channels;
-# softmax attention: data x fsdp x tensor (AFT-full's: ``check_sharding``).
+# mixing: its (data, fsdp, tensor, sequence) layouts on 4 and 8 devices, T split with the batch
+# and channels (AFT-full's: ``check_sharding``); "_factors": AFT-local's w as u v^T.
 LAYOUTS = {
   "aft_local": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 1, 4)],
+  "aft_local_factors": [(1, 1, 1, 4)],
   "aft_simple": [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2)],
   "aft_conv1d": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2)],
   "softmax": [(2, 2, 2, 1)],
 }
 
 
-def _layout_losses(mixing, layout, corpus):
-  config = tiny_config(**{"model.mixing": mixing, "model.dropout_rate": 0.0, "warmup_steps": 0})
+def _layout_losses(name, layout, corpus):
+  mixing = name.removesuffix("_factors")
+  keys = {"model.mixing": mixing, "model.dropout_rate": 0.0, "warmup_steps": 0}
+  config = tiny_config(**keys, **({"model.factor_dim": 8} if mixing != name else {}))
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.sequence = layout
   trainer = _trainer(config, corpus, jax.devices()[: math.prod(layout)])
   assert tuple(trainer.mesh.shape.values()) == layout, trainer.mesh
+  # Where T is split (once a mixing), the op ran per shard: the step exchanges the shards' states.
+  if layout[3] > 1 and layout == LAYOUTS[name][-1]:
+    hlo = trainer.lower_train_step().as_text()
+    assert "all_gather" in hlo, name
+    assert ("collective_permute" in hlo) == (mixing != "aft_simple"), name  # the last keys
   return train_losses(trainer, corpus.splits["train"], STEPS)
 
 
 def check_layouts(workdir):
   """Each mixing layer trained on ``LAYOUTS`` (dropout 0, no warmup) gives one device's losses
   within 1e-4, step by step."""
-  corpus = _corpus(tiny_config())
-  for mixing, layouts in LAYOUTS.items():
-    one = _layout_losses(mixing, (1, 1, 1, 1), corpus)
+  corpus = data_lib.load_corpus(RunConfig.from_tree(tiny_config()).data)
+  for name, layouts in LAYOUTS.items():
+    one = _layout_losses(name, (1, 1, 1, 1), corpus)
     for layout in layouts:
-      losses = _layout_losses(mixing, layout, corpus)
-      np.testing.assert_allclose(losses, one, rtol=0, atol=1e-4, err_msg=f"{mixing} {layout}")
+      losses = _layout_losses(name, layout, corpus)
+      np.testing.assert_allclose(losses, one, rtol=0, atol=1e-4, err_msg=f"{name} {layout}")
 
 
 COLLECTIVES = ("all-reduce", "all-to-all", "collective-permute", "all-gather", "reduce-scatter")
 
 
 def check_collectives(workdir):
-  """On 2 devices (data = 2) the causal ops' train steps hold only the gradient's all-reduce, as
-  softmax's (``in_mesh_shards``)."""
+  """On data = 2 the causal ops' train steps hold only softmax's collectives (in_mesh_shards)."""
   counts = {}
   for mixing in ("softmax", "aft_simple", "aft_local", "aft_full"):
     config = tiny_config(**{"model.mixing": mixing, "model.num_heads": 2})
