@@ -56,6 +56,8 @@ def run_train_in_process(argv, monkeypatch, capsys):
     train._define_flags()
   monkeypatch.setattr(train, "_define_flags", lambda: None)
   train.FLAGS.unparse_flags()
+  for name in [n for n in train.FLAGS if n.split(".")[0] == "config"]:  # the last run's --config
+    delattr(train.FLAGS, name)
   with pytest.raises(SystemExit) as e:
     train.run()
   code = e.value.code

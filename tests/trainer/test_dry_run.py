@@ -169,6 +169,7 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
   [
     (("--target", "k80"), "unknown target 'k80'; the targets are: t4 (NVIDIA Tesla T4, 16 GB"),
     (("--config.learning_rte=1",), "override: unknown config key 'learning_rte'; did you"),
+    (("--config", "nosuch"), "unknown recipe 'nosuch'; the recipes are: enwik8, quickstart"),
   ],
 )
 def test_a_refused_dry_run_is_one_line_and_exit_status_2(flags, message, monkeypatch, capsys):

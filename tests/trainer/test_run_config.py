@@ -2,7 +2,6 @@
 
 import dataclasses
 import glob
-import importlib.util
 import os
 import re
 
@@ -10,44 +9,29 @@ import ml_collections
 import pytest
 
 from aft_jax.model import MIXINGS
-from aft_jax.trainer import default_config, run_config
+from aft_jax.trainer import default_config, recipes, run_config
 from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import ROOT, tiny_config
 
-# Recipes whose get_config takes the variant as its argument (file.py:arg).
-PER_MIXING = {
-  "wikitext103.py": MIXINGS,
-  "enwik8.py": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS),
-}
-CONFIGS = [
-  (os.path.basename(path), arg)
-  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "[!_]*.py")))
-  for arg in PER_MIXING.get(os.path.basename(path), (None,))
-]
-
-
-def load(name, arg=None):
-  path = os.path.join(ROOT, "configs", name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config() if arg is None else mod.get_config(arg)
+# Recipes whose get_config takes the variant as its argument (NAME:ARG).
+PER_MIXING = {"wikitext103": MIXINGS, "enwik8": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS)}
+SPECS = [f"{n}:{a}" if a else n for n in recipes.available() for a in PER_MIXING.get(n, [None])]
 
 
 def test_there_are_configs_for_every_mixing_layer():
-  assert ("quickstart.py", None) in CONFIGS
+  assert "quickstart" in SPECS
   for mixing in MIXINGS:
-    assert ("wikitext103.py", mixing) in CONFIGS
+    assert f"wikitext103:{mixing}" in SPECS
   with pytest.raises(ValueError, match="'linear' is not one of"):
-    load("wikitext103.py", "linear")
+    recipes.load("wikitext103:linear")
   for bad in ("linear", "aft_local,12x256"):
     with pytest.raises(ValueError, match="configs/enwik8.py:<mixing>"):
-      load("enwik8.py", bad)
+      recipes.load(f"enwik8:{bad}")
 
 
-@pytest.mark.parametrize("name, arg", CONFIGS, ids=[f"{n}:{a}" if a else n for n, a in CONFIGS])
-def test_config_loads_and_validates(name, arg):
-  config = load(name, arg)
+@pytest.mark.parametrize("spec", SPECS)
+def test_config_loads_and_validates(spec):
+  config = recipes.load(spec)
   vocab = 267_735 if config.data.dataset == "wikitext103" else 256
   cfg = RunConfig.from_tree(config).with_vocab(vocab).model
   assert cfg.mixing == config.model.mixing
@@ -56,13 +40,13 @@ def test_config_loads_and_validates(name, arg):
     assert cfg.adaptive_cutoffs == (20000, 40000, 200000)
     assert config.final_eval_stride == 1  # the small setting's sliding-window protocol
   if config.data.dataset == "enwik8":
-    size = (12, 512) if arg.endswith(",12x512") else (24, 256)
+    size = (12, 512) if spec.endswith(",12x512") else (24, 256)
     assert (cfg.num_layers, cfg.d_model, config.seq_len, config.batch_size) == (*size, 1024, 128)
     assert (cfg.window, cfg.factor_dim, cfg.mlp_dim) == (32, 256, 4 * cfg.d_model)
 
 
 def _quick():
-  return load("quickstart.py")
+  return recipes.load("quickstart")
 
 
 SOFTMAX = {"model.mixing": "softmax"}

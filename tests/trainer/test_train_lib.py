@@ -188,8 +188,9 @@ CLI = [  # (the command line after --config QUICKSTART, the one line it says); {
   ("", "--workdir is required"),  # not the current directory
   ("--workdir ''", "--workdir is required"),
   ("--workdir ' '", "--workdir = ' ' is blank"),
-  # The README's --config "text:~/notes/**/*.md": the glob reaches the recipe whole (~: $HOME).
-  ("--config text:~/n/**/*.md --workdir run --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
+  # The README's --config "text:~/notes/**/*.md": the glob reaches the recipe whole (~: $HOME);
+  # given after --config QUICKSTART, with an override: the last --config is the run's.
+  ("--workdir run --config text:~/n/**/*.md --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
   ("--config {root}/configs/text.py:~/n/**/*.md --workdir run", "files: '{tmp}/n/**/*.md' ma"),
   (f"XLA_FLAGS={COUNT}=abc --workdir run", f"XLA_FLAGS has {COUNT}=abc: no number of"),
   (f"XLA_FLAGS={COUNT}=0 --workdir run", "device_count=0: no num"),
