@@ -16,11 +16,11 @@ from tests.trainer import run_train_in_process
 KEYS = {"target", "num_devices", "fits", "temp_bytes", "argument_bytes", "device_memory_bytes"}
 
 
-def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
+def _dry_run(*flags, config="configs/quickstart.py", env=None):
   """(exit code, stdout lines, the last line's JSON or None) of train.py --dry_run."""
   cmd = [sys.executable, "train.py", "--config", config, "--dry_run", *flags]
   env = None if env is None else {**os.environ, **env}
-  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
   lines = done.stdout.strip().splitlines()
   try:
     report = json.loads(lines[-1])

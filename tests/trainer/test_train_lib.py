@@ -159,7 +159,6 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-  """grad_accum_steps=2 over two batches of 4 = one step on the batch of 8 they make up."""
   common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
   accum = train_lib.train_and_evaluate(
     tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),

@@ -28,7 +28,6 @@ def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(mon
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
-  """A fresh run in a workdir path used before must not continue the old W&B run."""
   workdir = str(tmp_path / "run")
   first = step_log.wandb_run_id(workdir, resumed=False)
   assert step_log.wandb_run_id(workdir, resumed=True) == first
