@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import types
 
 import pytest
 
@@ -29,19 +30,10 @@ def _dry_run(*flags, config="configs/quickstart.py", env=None):
   return done.returncode, lines, report, done.stderr
 
 
-def _kernels_per_aft_local_layer(config) -> int:
-  """The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes: the
-  op's jaxpr, its kernels interpreted on this host (they take the same configurations)."""
-  from tests.support.deviceless_worker import interpreted_kernels
-
-  case = {"op": "aft_local", "mode": "grad", "window": config.model.window}
-  case.update(batch=config.batch_size, t=config.seq_len, d=config.model.d_model)
-  return len(interpreted_kernels({**case, "dtype": "float32"}))
-
-
 @pytest.mark.slow
 def test_quickstart_fits_an_h100_with_the_kernels():
   from configs import quickstart
+  from tests.support.deviceless_worker import interpreted_kernels
 
   code, lines, report, err = _dry_run("--target", "h100")
   assert code == 0 and report is not None, err[-2000:]
@@ -49,7 +41,11 @@ def test_quickstart_fits_an_h100_with_the_kernels():
   assert report["fits"] and report["target"] == "h100" and report["num_devices"] == 1
   config = quickstart.get_config()
   assert config.model.mixing == "aft_local" and report["impl"] == "auto"
-  per_layer = _kernels_per_aft_local_layer(config)
+  # The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes (its
+  # kernels interpreted on this host: they take the same configurations).
+  case = {"op": "aft_local", "mode": "grad", "window": config.model.window, "dtype": "float32"}
+  case.update(batch=config.batch_size, t=config.seq_len, d=config.model.d_model)
+  per_layer = len(interpreted_kernels(case))
   assert report["triton_kernels"] == config.model.num_layers * per_layer >= 2, report
   assert report["device_memory_bytes"] == deviceless.get("h100").memory_bytes
   assert 0 < report["temp_bytes"] < report["usable_bytes"]
@@ -72,8 +68,7 @@ def test_a_step_too_large_exits_1_and_says_what_would_fit():
 
 
 def _fake_dist(folder, name, files):
-  """A pip ``--target`` install of ``name`` in ``folder`` whose RECORD lists ``files`` ({path:
-  bytes}); only the dist-info is written: the files are the caller's to make (or not)."""
+  """A pip ``--target`` install's dist-info of ``name`` whose RECORD lists ``files``."""
   info = folder / f"{name.replace('-', '_')}-1.0.dist-info"
   info.mkdir(parents=True)
   (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
@@ -110,13 +105,10 @@ def test_a_half_installed_plugin_is_named_with_the_reinstall_command(plugin_root
     "short): reinstall: python -m aft_jax.deviceless install cuda"
   )
   pip = []
-  monkeypatch.setattr(deviceless.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or _Done())
+  done = types.SimpleNamespace(returncode=0, stdout="", stderr="")
+  monkeypatch.setattr(deviceless.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or done)
   assert deviceless.install("cuda", quiet=True) == str(folder)
   assert not folder.exists() and pip and pip[0][-2:] == deviceless.plugin_packages("cuda")
-
-
-class _Done:
-  returncode, stdout, stderr = 0, "", ""
 
 
 BIG_BATCH = (

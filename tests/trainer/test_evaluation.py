@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from tests.support.helpers import tiny_config
 from aft_jax import sharding
-from aft_jax.trainer import evaluation, train_lib
+from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
 
 
@@ -42,9 +42,3 @@ def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
   # Disjoint windows give every token less context on average, hence a different number.
   disjoint = trainer.evaluate(params, tokens, bos, stride=0)
   assert disjoint["tokens"] == n and disjoint["nll"] != pytest.approx(fast["nll"], rel=1e-6)
-
-
-def test_eval_protocol_names_what_was_computed():
-  assert evaluation.eval_protocol(256, 1) == {"name": "sliding_window", "window": 256, "stride": 1}
-  for stride in (0, 256):
-    assert evaluation.eval_protocol(256, stride)["name"] == "disjoint_windows"

@@ -139,9 +139,8 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   _wait_all(again)
   assert "Resuming from the checkpoint at step 4" in open(again[0].log).read()
   again = json.load(open(two / "results.json"))
-  assert again["steps"] == 4 and again["valid_loss"] == pytest.approx(
-    before["valid_loss"], abs=1e-6
-  )
+  assert again["steps"] == 4
+  assert again["valid_loss"] == pytest.approx(before["valid_loss"], abs=1e-6)
 
 
 @pytest.mark.slow

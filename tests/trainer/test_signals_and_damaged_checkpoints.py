@@ -189,7 +189,7 @@ def _poison(monkeypatch, at_step, until=None):
   change_batches(monkeypatch, poisoned)
 
 
-def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_ppl_written(
+def test_a_nonfinite_step_is_skipped_or_stops_the_run_a_stale_lock_taken_over_an_inf_ppl_written(
   tmp_path, monkeypatch
 ):
   _poison(monkeypatch, at_step=3)
@@ -211,14 +211,12 @@ def test_a_nonfinite_step_is_skipped_and_counted_a_stale_lock_taken_over_an_inf_
   assert records[-1]["skipped_steps"] == 1
   assert [r["step"] for r in records if r["skipped_steps"] == 1][0] == 3
 
-
-def test_nonfinite_step_stops_with_its_number_when_configured(tmp_path, monkeypatch):
-  _poison(monkeypatch, at_step=3)
-  workdir = str(tmp_path / "run")
+  # With nonfinite = "stop": the run stops, naming the step, and writes nothing after it.
+  workdir = str(tmp_path / "stop")
   config = tiny_config(num_train_steps=5, nonfinite="stop", checkpoint_every_steps=2)
   with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
     train_lib.train_and_evaluate(config, workdir)
-  assert _steps(workdir) == [2]  # nothing written after the bad step
+  assert _steps(workdir) == [2]
 
 
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):

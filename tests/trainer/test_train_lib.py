@@ -159,20 +159,15 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-  common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
-  accum = train_lib.train_and_evaluate(
-    tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
-    str(tmp_path / "accum"),
-  )
-  big = train_lib.train_and_evaluate(
-    tiny_config(batch_size=8, num_train_steps=1, **common), str(tmp_path / "big")
-  )
-  untrained = train_lib.train_and_evaluate(
-    tiny_config(batch_size=8, num_train_steps=1, learning_rate=1e-12, **common),
-    str(tmp_path / "none"),
-  )
-  assert accum["valid_loss"] == pytest.approx(big["valid_loss"], rel=1e-5)
-  assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
+  def valid_loss(name, **overrides):
+    config = tiny_config(**{"model.dropout_rate": 0.0, "warmup_steps": 0}, **overrides)
+    return train_lib.train_and_evaluate(config, str(tmp_path / name))["valid_loss"]
+
+  accum = valid_loss("accum", batch_size=4, grad_accum_steps=2, num_train_steps=2)
+  big = valid_loss("big", batch_size=8, num_train_steps=1)
+  assert accum == pytest.approx(big, rel=1e-5)
+  untrained = valid_loss("none", batch_size=8, num_train_steps=1, learning_rate=1e-12)
+  assert abs(big - untrained) > 1e-3  # the update did something
 
 
 CLI = [  # (the command line after --config QUICKSTART, the one line it says); {tmp}: the cwd
