@@ -117,19 +117,15 @@ def test_unknown_keys_and_wrong_types_fail():
 
 def test_resume_conflicts_ignore_only_harmless_keys():
   a = _quick().to_dict()
-  b = _quick()
-  b.log_every_steps = 1
-  b.max_consecutive_skips = 0
-  assert run_config.resume_conflicts(a, b.to_dict()) == []
-  b.model.d_model = 64
-  b.seed = 3
-  conflicts = run_config.resume_conflicts(a, b.to_dict())
-  assert any(c.startswith("model.d_model: 128") for c in conflicts)
-  assert any(c.startswith("seed: 0") for c in conflicts)
+
+  def conflicts(values):
+    return run_config.resume_conflicts(a, default_config.override(_quick(), values).to_dict())
+
+  assert conflicts({"log_every_steps": 1, "max_consecutive_skips": 0}) == []
+  changed = conflicts({"model.d_model": 64, "seed": 3})
+  assert changed[0].startswith("model.d_model: 128") and changed[1].startswith("seed: 0")
   # A new num_train_steps would restart the cosine decay from another length.
-  b = _quick()
-  b.num_train_steps = 5000
-  assert run_config.resume_conflicts(a, b.to_dict()) == [
+  assert conflicts({"num_train_steps": 5000}) == [
     "num_train_steps: 1000 in the workdir, 5000 now (the learning-rate schedule is built from it)"
   ]
 
@@ -182,17 +178,14 @@ def test_the_config_never_climbs_back_up(trained_run_config_flow):
 def test_a_climb_is_a_call_from_a_lower_layer_with_the_config():
   from tests.support import config_flow
 
-  cfg = RunConfig.from_tree(tiny_config())
-  assert config_flow.layer("aft_jax.data.corpus") > config_flow.layer("aft_jax.trainer.train_lib")
-  # data.config's module calling train_lib with a slice would be a climb; measured here on a
-  # call made from a function compiled as if it lived in aft_jax/data/corpus.py.
-  namespace = {"target": lambda data_cfg: data_cfg}
-  source = "def caller(cfg):\n  return target(cfg.data)\n"
-  corpus_file = os.path.join(ROOT, "aft_jax", "data", "corpus.py")
-  exec(compile(source, corpus_file, "exec"), namespace)
-  lib_file = os.path.join(ROOT, "aft_jax", "trainer", "train_lib.py")
-  exec(compile("def target(data_cfg):\n  return data_cfg\n", lib_file, "exec"), namespace)
-  _, rooms, climbs = config_flow.follow(namespace["caller"], cfg)
+  # A function compiled as if in aft_jax/data/corpus.py calls one "in" train_lib with a slice.
+  namespace = {}
+  for module, source in [
+    ("trainer/train_lib.py", "def target(data_cfg):\n  return data_cfg\n"),
+    ("data/corpus.py", "def caller(cfg):\n  return target(cfg.data)\n"),
+  ]:
+    exec(compile(source, os.path.join(ROOT, "aft_jax", module), "exec"), namespace)
+  _, rooms, climbs = config_flow.follow(namespace["caller"], RunConfig.from_tree(tiny_config()))
   assert climbs == {("aft_jax.data.corpus.caller", "aft_jax.trainer.train_lib.target")}
   assert rooms == {"aft_jax.trainer.train_lib"}
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -179,11 +180,10 @@ def _poison(monkeypatch, at_step, until=None):
     return jnp.where(jnp.any(batch["inputs"] == POISON), jnp.nan, total), count
 
   def poisoned(n, batch):
-    if not at_step <= n <= (until or at_step):
-      return batch
-    inputs = np.array(batch["inputs"])
-    inputs[:, 0] = POISON
-    return dict(batch, inputs=inputs)
+    if at_step <= n <= (until or at_step):
+      batch = dict(batch, inputs=np.array(batch["inputs"]))
+      batch["inputs"][:, 0] = POISON
+    return batch
 
   monkeypatch.setattr(train_lib, "weighted_nll", nll)
   change_batches(monkeypatch, poisoned)
@@ -203,8 +203,7 @@ def test_a_nonfinite_step_is_skipped_or_stops_the_run_a_stale_lock_taken_over_an
   holder.kill()
   holder.wait()  # its process gone: the lock is stale, taken over, and released at the end
   results = train_lib.train_and_evaluate(tiny_config(num_train_steps=5), workdir)
-  assert not os.path.exists(Workdir(workdir).lock_file)
-  assert results["skipped_steps"] == 1
+  assert not os.path.exists(Workdir(workdir).lock_file) and results["skipped_steps"] == 1
   assert results["valid_ppl"] == math.inf and 1e4 < results["valid_loss"] < math.inf
   assert os.path.exists(os.path.join(workdir, "results.json"))
   records = _records(workdir)
@@ -222,15 +221,9 @@ def test_a_nonfinite_step_is_skipped_or_stops_the_run_a_stale_lock_taken_over_an
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path):
   mngr = checkpointing.checkpoint_manager(str(tmp_path), checkpointing.CheckpointConfig())
 
-  class S:  # the two fields save inspects
-    params, opt_state = {"w": jnp.array([1.0, jnp.nan])}, ()
-
-  class It:
-    def get_state(self):
-      return {}
-
+  state = types.SimpleNamespace(params={"w": jnp.array([1.0, jnp.nan])}, opt_state=())
   with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite") as err:
-    checkpointing.save(mngr, 1, S(), It(), {})
+    checkpointing.save(mngr, 1, state, types.SimpleNamespace(get_state=dict), {})
   assert mngr.latest_step() is None
   assert "there is no earlier checkpoint" in str(err.value)  # not "step None is intact"
 
@@ -265,10 +258,8 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert "ERROR:absl" not in out.stderr and "Event loop is closed" not in out.stderr
   assert out.stderr.rstrip().splitlines()[-1].startswith("OSError: saving the checkpoint")
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]  # no temporary folder left
-  results = train_lib.train_and_evaluate(
-    tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1), workdir
-  )
-  assert results["steps"] == 6 and _steps(workdir) == [6]
+  config = tiny_config(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=1)
+  assert train_lib.train_and_evaluate(config, workdir)["steps"] == 6 and _steps(workdir) == [6]
 
 
 @pytest.mark.parametrize(
@@ -292,11 +283,8 @@ def test_damaged_bytes_are_skipped_a_changed_config_allowed_and_a_divergence_nam
   workdir = _copy(two_checkpoints, tmp_path)
   _damage(workdir, 4)
   _poison(monkeypatch, at_step=3, until=10**6)  # resumed at step 2: batch 3 is step 5's
-  config = tiny_config(
-    **dict(TWO_CHECKPOINTS, num_train_steps=30, keep_checkpoints=1),
-    max_consecutive_skips=3,
-    log_every_steps=3,
-  )
+  steps = dict(TWO_CHECKPOINTS, num_train_steps=30, keep_checkpoints=1, log_every_steps=3)
+  config = tiny_config(**steps, max_consecutive_skips=3)
   capsys.readouterr()
   with pytest.raises(FloatingPointError, match="steps 5-7 .* the last good checkpoint is step 4:"):
     train_lib.train_and_evaluate(config, workdir, allow_config_change=True)
@@ -496,10 +484,6 @@ def test_every_refused_run_leaves_the_workdir_byte_for_byte_as_it_was(
   assert listing(workdir) == before and not os.path.exists(tmp_path / "model.msgpack")
   if holder is not None:
     assert f"another trainer (pid {holder.pid} on" in str(e.value)
-  if case == "a bad config":  # nor is a new workdir left behind
-    with pytest.raises(error, match=says):
-      command(str(tmp_path / "fresh"), tmp_path)
-    assert not os.path.exists(tmp_path / "fresh")
 
 
 class _Flag:
@@ -588,5 +572,4 @@ def test_sigterm_in_the_final_evaluation_keeps_the_finished_splits(tmp_path, mon
   results = train_lib.train_and_evaluate(config, workdir)
   assert scored == ["test"]  # the validation split was not scored again
   assert results["valid_loss"] == kept["splits"]["validation"]["nll"]
-  with open(wd.results_file) as f:
-    assert json.load(f)["test_tokens"] == results["test_tokens"] > 0
+  assert json.load(open(wd.results_file))["test_tokens"] == results["test_tokens"] > 0

@@ -43,9 +43,8 @@ def _interrupt_after(monkeypatch, n):
 
 
 def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
-  """Holds the save at step 2 unfinished (Orbax's post-finalization callback waits) until the
-  run draws batch ``until_batch``. Returns (the batches from 3 on drawn while its folder was not
-  in place; whether the callback was released rather than timed out), filled as the run goes."""
+  """Holds the save at step 2 unfinished until the run draws batch ``until_batch``: (batches from
+  3 on drawn while its folder was not in place, [whether released, not timed out]), filled live."""
   import orbax.checkpoint as ocp
 
   release, released, during = threading.Event(), [], []
@@ -72,18 +71,10 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
 def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   docs, tmp_path, monkeypatch
 ):
-  text = {
-    "data.dataset": "text",
-    "data.train_files": str(docs / "*.py"),
-    "data.data_dir": str(tmp_path / "data"),
-  }
-  config = tiny_config(
-    num_train_steps=6,
-    checkpoint_every_steps=2,
-    keep_checkpoints=3,
-    **text,
-    **{"data.packing": True},
-  )
+  text = {"data.dataset": "text", "data.train_files": str(docs / "*.py")}
+  text["data.data_dir"] = str(tmp_path / "data")
+  steps = dict(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=3)
+  config = tiny_config(**steps, **text, **{"data.packing": True})
   during, released = _hold_the_save_at_2(monkeypatch, tmp_path / "a", until_batch=4)
   straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
   assert during == [3, 4] and released == [True]
@@ -101,11 +92,8 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   )
   first = train_lib.train_and_evaluate(config, resumed_dir)
   assert first == {"interrupted": True, "step": 3}
-  assert (
-    "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command "
-    "again to resume.",
-    True,
-  ) in said
+  interrupted = "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command"
+  assert (interrupted + " again to resume.", True) in said
   monkeypatch.undo()
   resumed = train_lib.train_and_evaluate(config, resumed_dir)
 

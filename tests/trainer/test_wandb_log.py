@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import types
 
 import pytest
 
@@ -66,14 +67,9 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
   # Each record with its step, the sample as a table, the config not twice (wandb.init has it).
   ids, logged = [], []
 
-  class Run:
-    def log(self, values, step):
-      logged.append((step, values))
-
-    def finish(self):
-      logged.append("finished")
-
-  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or Run())
+  run = types.SimpleNamespace(log=lambda values, step: logged.append((step, values)))
+  run.finish = lambda: logged.append("finished")
+  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or run)
   with contextlib.redirect_stdout(io.StringIO()):
     train_lib.train_and_evaluate(config, str(tmp_path / "run"))
   assert ids == [run_id] and logged[-1] == "finished"
