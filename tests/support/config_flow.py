@@ -1,7 +1,5 @@
 """A run's config followed through aft_jax: the rooms (modules) and climbs (calls up ``LAYERS``)."""
 
-from __future__ import annotations
-
 import os
 import sys
 

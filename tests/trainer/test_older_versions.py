@@ -102,13 +102,10 @@ def test_a_workdir_from_before_corpus_records_scores_its_own_split(unrecorded_wo
   assert got["ppl"] == pytest.approx(old["valid_ppl"], rel=1e-5)
 
   # What it is checked against: the counts results.json scored...
-  results = os.path.join(unrecorded_workdir, "results.json")
-  with open(results, "w") as f:
+  with open(os.path.join(unrecorded_workdir, "results.json"), "w") as f:
     json.dump({**old, "valid_tokens": 41_091}, f)
-  with pytest.raises(SystemExit) as refused:
+  with pytest.raises(SystemExit, match=f"split has {old['valid_tokens']:,} tokens, had 41,091"):
     evaluate.main(["--workdir", unrecorded_workdir, "--split", "validation"])
-  line = str(refused.value)
-  assert f"the validation split has {old['valid_tokens']:,} tokens, had 41,091" in line
   # ... and a version of the builder this aft_jax cannot build: refused in one line.
   with open(os.path.join(unrecorded_workdir, "corpus.json"), "w") as f:
     json.dump({**record.of_corpus(pydoc_corpus("byte")), "builder_version": 3}, f)

@@ -142,8 +142,7 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   flags = ["--prompt", "class ", "--length", "12", "--temperature", "0"]
   gen = prefork.run(generate + flags, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert gen.returncode == 0, gen.stderr[-3000:]
-  assert gen.stdout.startswith("class ")
-  assert len(gen.stdout.rstrip("\n")) > len("class ")
+  assert gen.stdout.startswith("class ") and len(gen.stdout.rstrip("\n")) > len("class ")
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):

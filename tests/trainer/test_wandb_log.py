@@ -42,9 +42,8 @@ def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
 def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_continues_it(
   tmp_path, monkeypatch
 ):
-  monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
-  monkeypatch.setenv("WANDB_SILENT", "true")
-  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
+  for name, value in [("MODE", "offline"), ("SILENT", "true"), ("DIR", str(tmp_path / "run"))]:
+    monkeypatch.setenv(f"WANDB_{name}", value)  # offline: nothing leaves the machine
   config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
   with contextlib.redirect_stdout(io.StringIO()):
     results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
