@@ -77,8 +77,7 @@ def _fake_dist(folder, name, files):
 
 
 @pytest.fixture
-def plugin_root(tmp_path, monkeypatch):
-  """A plugin folder of its own ($AFT_JAX_PLUGIN_DIR): the real one is never touched."""
+def plugin_root(tmp_path, monkeypatch):  # its own $AFT_JAX_PLUGIN_DIR: the real one untouched
   monkeypatch.setenv("AFT_JAX_PLUGIN_DIR", str(tmp_path / "plugins"))
   return tmp_path / "plugins"
 
@@ -87,9 +86,8 @@ def test_a_half_installed_plugin_is_named_with_the_reinstall_command(plugin_root
   folder = plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda"
   assert not deviceless.installed("cuda") and deviceless.incomplete("cuda") is None  # absent
   (folder / "jax_plugins" / "xla_cuda12").mkdir(parents=True)  # (then: the refused dry run's row)
-  plugin, pjrt = {"jax_plugins/xla_cuda12/x.so": b"12345"}, {"jax_plugins/p.so": b"678"}
-  _fake_dist(folder, "jax-cuda12-plugin", plugin)
-  _fake_dist(folder, "jax_cuda12_pjrt", pjrt)
+  _fake_dist(folder, "jax-cuda12-plugin", {"jax_plugins/xla_cuda12/x.so": b"12345"})
+  _fake_dist(folder, "jax_cuda12_pjrt", {"jax_plugins/p.so": b"678"})
   assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
   (folder / "jax_plugins" / "xla_cuda12" / "x.so").write_bytes(b"1234")  # cut short
   assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
@@ -167,9 +165,8 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
 def test_a_refused_dry_run_is_one_line_and_exit_status_2(
   flags, message, plugin_root, monkeypatch, capsys
 ):
-  (plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda" / "jax_plugins").mkdir(
-    parents=True
-  )
+  plugins = plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda" / "jax_plugins"
+  plugins.mkdir(parents=True)  # half installed: the t4 row's
   argv = ["train.py", "--config", "configs/quickstart.py", "--dry_run", *flags]
   status, said = run_train_in_process(argv, monkeypatch, capsys)
   lines = [line for line in said.splitlines() if line.strip()]

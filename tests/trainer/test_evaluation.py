@@ -15,11 +15,8 @@ from aft_jax.trainer.run_config import RunConfig
 @pytest.mark.parametrize("mixing", ["aft_local", "softmax"])
 def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
   seq_len, n, vocab, bos = 8, 37, 11, 3
-  config = tiny_config(
-    seq_len=seq_len,
-    eval_batch_size=4,  # windows per batch: 37 windows, so the last batch is padded
-    **{"model.mixing": mixing, "model.max_len": seq_len, "model.window": 3},
-  )
+  model = {"model.mixing": mixing, "model.max_len": seq_len, "model.window": 3}
+  config = tiny_config(seq_len=seq_len, eval_batch_size=4, **model)  # 37 windows: last padded
   cfg = RunConfig.from_tree(config).with_vocab(vocab)
   trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh))
   params = trainer.init_state(0).params

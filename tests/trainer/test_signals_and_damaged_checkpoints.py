@@ -48,8 +48,7 @@ def _copy(workdir, tmp_path):
 def _truncate_largest_file(folder, size=None):
   paths = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
   largest = max(paths, key=os.path.getsize)
-  with open(largest, "r+b") as f:
-    f.truncate(os.path.getsize(largest) // 2 if size is None else size)
+  os.truncate(largest, os.path.getsize(largest) // 2 if size is None else size)
 
 
 def _damage(workdir, step) -> str:
@@ -116,16 +115,13 @@ def two_checkpoints(tmp_path_factory):
     with contextlib.redirect_stdout(io.StringIO()):
       train_lib.train_and_evaluate(tiny_config(**TWO_CHECKPOINTS), str(folder / "run"))
 
-  workdir = str(shared.once(tmp_path_factory, "two_checkpoints", build)[0] / "run")
-  assert _steps(workdir) == [2, 4]
-  return workdir
+  return str(shared.once(tmp_path_factory, "two_checkpoints", build)[0] / "run")  # steps 2, 4
 
 
 def _wait_for(predicate, proc, timeout=240):
   start = time.time()
   while not predicate():
-    if proc.poll() is not None:
-      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+    assert proc.poll() is None, f"training exited early: {proc.stderr.read()[-3000:]}"
     if time.time() - start > timeout:
       proc.kill()
       raise AssertionError("timed out")
@@ -233,8 +229,7 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, "-c", DISK_FULL, workdir]
   out = prefork.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300)
-  assert out.returncode != 0
-  assert "OSError: saving the checkpoint at step 4 failed" in out.stderr
+  assert out.returncode != 0 and "OSError: saving the checkpoint at step 4 failed" in out.stderr
   assert "the previous checkpoint (step 2) is intact" in out.stderr
   # Our error alone: not Orbax's threads' tracebacks, logs and asyncio shutdown noise.
   assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
@@ -245,15 +240,10 @@ def test_disk_full_during_a_save_is_an_error_and_keeps_the_previous_checkpoint(t
   assert train_lib.train_and_evaluate(config, workdir)["steps"] == 6 and _steps(workdir) == [6]
 
 
-@pytest.mark.parametrize(
-  "write, name",
-  [
-    (lambda workdir: Workdir(workdir).write_config({}), "config.json"),
-    (guards.acquire, "trainer.lock"),
-  ],
-)
-def test_a_full_disk_is_one_error_naming_the_file(tmp_path, write, name):
+@pytest.mark.parametrize("name", ["config.json", "trainer.lock"])
+def test_a_full_disk_is_one_error_naming_the_file(tmp_path, name):
   """The temporary file is /dev/full (ENOSPC names no file): the error names the file."""
+  write = guards.acquire if name == "trainer.lock" else lambda w: Workdir(w).write_config({})
   os.symlink("/dev/full", f"{tmp_path / name}.tmp-{os.getpid()}")
   with pytest.raises(OSError, match=f"^.* cannot write {tmp_path / name}: No space left") as e:
     write(str(tmp_path))
