@@ -8,7 +8,6 @@ length from their start (docs/training.md, "Streams"; RESULTS.md, "Streams").
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import tempfile
@@ -33,10 +32,7 @@ QUICK = quality.settings(quick=True)  # a tiny model, 4 steps
 
 def make_config(mixing: str, positions: str, quick: bool):
   """The quickstart recipe with ``mixing`` and ``positions`` (shrunk: ``quick``)."""
-  spec = importlib.util.spec_from_file_location("quickstart", recipes.resolve("quickstart"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = recipes.load("quickstart")
   config.model.mixing = mixing
   config.model.position_embedding = positions
   return override(config, QUICK if quick else {})

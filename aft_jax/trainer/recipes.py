@@ -2,10 +2,10 @@
 the package ``aft_jax.configs`` in a wheel; a config file path is accepted wherever a name is.
 """
 
+import importlib.util
 import os
 
-# aft_jax/, the package this module is in (aft_jax/trainer/recipes.py).
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # aft_jax/
 
 
 def recipe_dir() -> str:
@@ -46,16 +46,10 @@ def resolve(spec: str) -> str:
   return os.path.join(recipe_dir(), name + ".py") + sep + arg
 
 
-def resolve_flag(argv: list[str], flag: str = "config") -> list[str]:
-  """``argv`` with ``--flag``'s value passed through resolve(), before absl parses it."""
-  out = list(argv)
-  names = (f"-{flag}", f"--{flag}")
-  for i, a in enumerate(out):
-    if a == "--":  # absl: everything after it is a positional argument
-      break
-    if a in names and i + 1 < len(out):
-      out[i + 1] = resolve(out[i + 1])
-    elif a.split("=", 1)[0] in names and "=" in a:
-      key, value = a.split("=", 1)
-      out[i] = f"{key}={resolve(value)}"
-  return out
+def load(spec: str):
+  """``spec``'s config: its file's get_config(ARG), or get_config() if no ``:ARG`` is given."""
+  path, sep, arg = resolve(spec).partition(":")
+  module_spec = importlib.util.spec_from_file_location("config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if sep else module.get_config()

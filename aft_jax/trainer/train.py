@@ -16,14 +16,10 @@ PROG = os.path.basename(sys.argv[0])  # what the command's messages start with
 
 
 def _define_flags() -> None:
-  # absl and ml_collections imported here: inside ``run``'s Ctrl-C guard.
+  # absl imported here: inside ``run``'s Ctrl-C guard.
   global FLAGS
   from absl import flags
-  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file(
-    "config", None, "A recipe name (quickstart, NAME:ARG) or a config file.", lock_config=True
-  )
   flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and results go.")
   flags.DEFINE_bool("allow_config_change", False, "Resume a workdir whose config differs.")
   flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
@@ -33,7 +29,6 @@ def _define_flags() -> None:
   flags.DEFINE_bool("dry_run", False, "Does it fit --target? Exit 0 fits, 1 not, 2 refused.")
   flags.DEFINE_string("target", "cpu", "With --dry_run: t4, a100-40, h100, v5e, ... or cpu.")
   flags.DEFINE_integer("num_devices", 1, "With --dry_run: how many devices of --target.")
-  flags.mark_flags_as_required(["config"])
   FLAGS = flags.FLAGS
 
 
@@ -45,8 +40,7 @@ def _fail(e: Exception, status: int = 1):
   sys.exit(status)
 
 
-def main(argv):
-  del argv
+def main(_argv):
   import jax  # (run() imported it first: it says in one line why jax cannot be imported)
   from absl import logging
 
@@ -101,10 +95,6 @@ def main(argv):
 
 def run():
   """The ``aft-train`` console script (and the checkout's train.py)."""
-  try:
-    argv = recipes.resolve_flag(sys.argv)
-  except ValueError as e:
-    sys.exit(f"{PROG}: error: {e}")
   # Ctrl-C from here on (jax's import included): nothing half-written is left.
   with stops_on_ctrl_c(
     f"{PROG}: interrupted (Ctrl-C): stopped without saving; the "
@@ -122,34 +112,54 @@ def run():
 
     _define_flags()
     jax.config.config_with_absl()  # JAX's own flags: --jax_debug_nans, --jax_platforms, ...
-    app.run(main, argv=argv, flags_parser=_parse_flags)
+    app.run(main, flags_parser=_parse_flags)
+
+
+def _refuse(why, status):
+  print(f"{PROG}: error: {why}", file=sys.stderr)
+  sys.exit(status)
 
 
 def _parse_flags(argv):
-  """absl's flag parsing; a bad flag or override is one line, exit status 1 (2 with --dry_run)."""
+  """absl's flag parsing, the last --config loaded by recipes.load; errors: one line, status 1."""
   from absl import flags
+  from ml_collections import config_flags
 
+  spec, rest = None, argv[:1]  # --config's value, and argv without it
   keys, dry_run = [], False  # its --config.KEY overrides' keys, and whether --dry_run
-  for arg in argv[1:]:
-    if arg == "--":
+  args = iter(argv[1:])
+  for arg in args:
+    if arg == "--":  # absl: everything after it is a positional argument
+      rest += [arg, *args]
       break
-    name, _, value = arg.lstrip("-").partition("=")
-    if name == "dry_run":
-      dry_run = value.lower() not in ("false", "0")
-    elif name == "nodry_run":
-      dry_run = False
-    for prefix in ("config.", "noconfig."):
-      if arg.startswith("-") and name.startswith(prefix):
-        keys.append(name[len(prefix) :])
-  refused = 2 if dry_run else 1
+    name, eq, value = arg.lstrip("-").partition("=")
+    if arg.startswith("-") and name == "config":
+      spec = value if eq else next(args, None)
+      continue
+    rest.append(arg)
+    if name in ("dry_run", "nodry_run"):
+      dry_run = name == "dry_run" and value.lower() not in ("false", "0")
+    if arg.startswith("-") and name.removeprefix("no").startswith("config."):
+      keys.append(name.removeprefix("no")[len("config.") :])
+  refused = 2 if dry_run else 1  # a refused dry run's status
+  about = "A recipe name (quickstart, NAME:ARG) or a config file."
+  if spec is None:  # absl refuses it (and --helpfull lists it)
+    flags.DEFINE_string("config", None, about, required=True)
+  else:
+    try:
+      path = recipes.resolve(spec)
+    except ValueError as e:
+      _refuse(e, refused)
+    try:
+      config = recipes.load(path)
+    except (TypeError, ValueError, OSError) as e:  # get_config(ARG) refused ARG
+      _refuse(f"--config: {type(e).__name__}: {e}", refused)
   try:
-    return FLAGS(argv)
+    if spec is not None:  # its overrides (--config.KEY) are absl flags from here on
+      config_flags.DEFINE_config_dict("config", config, about, lock_config=True, sys_argv=rest)
+    return FLAGS(rest)
   except flags.Error as e:  # absl's own: a flag it does not know, a value of the wrong type
-    why = f"{e} (see --helpshort)"
-    if "Error whilst parsing config file" in why:  # get_config(ARG) raised: its traceback's end
-      why = f"--config: {str(e).strip().splitlines()[-1]}"
-    print(f"{PROG}: error: {why}", file=sys.stderr)
-    sys.exit(refused)
+    _refuse(f"{e} (see --helpshort)", refused)
   except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
     from aft_jax.trainer import run_config
 
@@ -158,9 +168,7 @@ def _parse_flags(argv):
     unknown = run_config.unknown_keys(keys)
     text = str(e).replace("\\n", "\n").replace("\\'", "'")
     lines = [p.strip().strip("'\"") for p in text.splitlines()]
-    why = "; ".join(unknown or [p for p in lines if p])
-    print(f"{PROG}: error: a --config override: {why}", file=sys.stderr)
-    sys.exit(refused)
+    _refuse(f"a --config override: {'; '.join(unknown or [p for p in lines if p])}", refused)
 
 
 if __name__ == "__main__":

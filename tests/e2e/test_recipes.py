@@ -1,7 +1,6 @@
 """The enwik8 variants and WikiText-103's baseline train tiny on fake data in one process;
 WikiText-103's default through train.py with an argument, data flags and adaptive softmax."""
 
-import importlib.util
 import json
 import math
 import os
@@ -11,7 +10,8 @@ import pytest
 from tests.support import fake_enwik8, fake_wikitext, prefork
 from benchmarks import quality
 from tests.support.helpers import ROOT, train_py
-from aft_jax.trainer import recipes, train_lib
+from aft_jax.trainer import train_lib
+from aft_jax.trainer.recipes import load
 from aft_jax.trainer.default_config import override
 from aft_jax.model import MIXINGS
 
@@ -30,15 +30,6 @@ TINY["sample.length"] = 0
 def _words(split):
   """A fake WikiText-103 split's tokens: its words and one <eos> per line."""
   return sum(len(line.split()) + 1 for line in fake_wikitext.texts("v1")[split].split("\n")[:-1])
-
-
-def load(spec: str):
-  """The config a --config value (a recipe name or a file, ``:ARG`` optional) loads."""
-  path, _, arg = recipes.resolve(spec).partition(":")
-  module_spec = importlib.util.spec_from_file_location("recipe", os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def recipe(spec: str, **overrides):

@@ -127,6 +127,3 @@ def test_the_wheel_ships_every_recipe_and_console_script(tmp_path, monkeypatch):
   missing = str(tmp_path / "nope.py")
   with pytest.raises(ValueError, match=rf"no config file '{missing}': give the path of a"):
     recipes.resolve(missing + ":arg")
-  argv = ["aft-train", "--config=quickstart", "--config.seed=3", "--workdir", "w"]
-  quickstart = os.path.join(ROOT, "configs", "quickstart.py")
-  assert recipes.resolve_flag(argv) == [argv[0], f"--config={quickstart}", *argv[2:]]

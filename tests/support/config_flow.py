@@ -1,7 +1,5 @@
 """A run's config followed through aft_jax: the rooms (modules) and climbs (calls up ``LAYERS``)."""
 
-from __future__ import annotations
-
 import os
 import sys
 
@@ -55,13 +53,9 @@ def follow(fn, *args, **kwargs):
   rooms, climbs = set(), set()
 
   def trace(frame, event, arg):
-    if event != "call":
-      return None
     code = frame.f_code
-    callee = _module(code)
-    if callee is None or frame.f_back is None:
-      return None
-    caller = _module(frame.f_back.f_code)
+    callee = _module(code) if event == "call" else None
+    caller = _module(frame.f_back.f_code) if callee and frame.f_back else None
     if caller is None:
       return None
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]

@@ -1,9 +1,13 @@
+import sys
+
+import jax
+import pytest
+
 from aft_jax.trainer import train_lib
 
 
 def wrap_train_step(monkeypatch, wrapper):
-  """Has ``train_and_evaluate``'s loop call ``wrapper(step, state, batch, rng)`` instead of the
-  jitted train step ``step``."""
+  """Has the training loop call ``wrapper(step, state, batch, rng)`` for the jitted ``step``."""
   init = train_lib.Trainer.__init__
 
   def patched(self, *args, **kwargs):
@@ -40,13 +44,7 @@ def change_batches(monkeypatch, change):
 
 
 def run_train_in_process(argv, monkeypatch, capsys):
-  """train.py's ``run`` on ``argv`` in this process (absl's flags defined once, JAX's not): its
-  exit status, and what it said on stderr (or in its SystemExit)."""
-  import sys
-
-  import jax
-  import pytest
-
+  """(exit status, stderr or the SystemExit's text) of train.py's ``run`` on argv, in-process."""
   from aft_jax.trainer import cpu_devices, train
 
   monkeypatch.setattr(sys, "argv", argv)
@@ -56,6 +54,8 @@ def run_train_in_process(argv, monkeypatch, capsys):
     train._define_flags()
   monkeypatch.setattr(train, "_define_flags", lambda: None)
   train.FLAGS.unparse_flags()
+  for name in [n for n in train.FLAGS if n.split(".")[0] == "config"]:  # the last run's --config
+    delattr(train.FLAGS, name)
   with pytest.raises(SystemExit) as e:
     train.run()
   code = e.value.code

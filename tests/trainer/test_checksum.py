@@ -10,10 +10,7 @@ from aft_jax.trainer.checkpointing import array_checksums
 
 def _reference(x: np.ndarray) -> str:
   """The module doc's two sums, in NumPy (uint64 holding 32-bit values)."""
-  if x.dtype == np.bool_:
-    words = x.astype(np.uint64)
-  else:
-    words = x.view(f"uint{8 * x.dtype.itemsize}").astype(np.uint64)
+  words = (x if x.dtype == np.bool_ else x.view(f"uint{8 * x.dtype.itemsize}")).astype(np.uint64)
   i = np.arange(words.size, dtype=np.uint64).reshape(words.shape)
   out = [
     int(np.sum(_mix(words ^ _mix(i ^ np.uint64(s))))) % (1 << 32) for s in checkpointing._SEEDS

@@ -1,6 +1,5 @@
 """aft_jax.trainer.cpu_devices: how many devices aft-train makes of a CPU host, if any."""
 
-import os
 import sys
 import types
 
@@ -50,24 +49,6 @@ def test_a_count_set_by_xla_flags_or_jax_is_the_users_and_a_count_below_minus_1_
   monkeypatch.setattr(cpu_devices, "jax", types.SimpleNamespace(config=config))
   with pytest.raises(ValueError, match=r"jax_num_cpu_devices = -5 \(JAX_NUM_CPU_DEVICES, aft"):
     cpu_devices.check_set_count()
-
-
-def test_apply_sets_jaxs_count_before_its_backends_start():
-  # (tiny_config's eval batch, 512, splits over 4 as 12 does: 4 devices of 4 cores.)
-  code = (
-    "from aft_jax.trainer import cpu_devices\n"
-    "from aft_jax.trainer.run_config import RunConfig\n"
-    "from tests.support.helpers import tiny_config\n"
-    "cpu_devices.cores = lambda: 4\n"
-    "n = cpu_devices.apply(RunConfig.from_tree(tiny_config(batch_size=12)))\n"
-    "import jax\n"
-    "print(n, jax.device_count())\n"
-  )
-  env = dict(os.environ, XLA_FLAGS="")
-  proc = prefork.run(
-    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
-  )
-  assert proc.returncode == 0 and proc.stdout.split() == ["4", "4"], proc.stderr[-2000:]
 
 
 def test_the_tools_refuse_a_device_count_that_is_no_number_of_devices(tmp_path):

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import types
 
 import pytest
 
@@ -16,11 +17,11 @@ from tests.trainer import run_train_in_process
 KEYS = {"target", "num_devices", "fits", "temp_bytes", "argument_bytes", "device_memory_bytes"}
 
 
-def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
+def _dry_run(*flags, config="configs/quickstart.py", env=None):
   """(exit code, stdout lines, the last line's JSON or None) of train.py --dry_run."""
   cmd = [sys.executable, "train.py", "--config", config, "--dry_run", *flags]
   env = None if env is None else {**os.environ, **env}
-  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  done = prefork.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
   lines = done.stdout.strip().splitlines()
   try:
     report = json.loads(lines[-1])
@@ -29,19 +30,10 @@ def _dry_run(*flags, config="configs/quickstart.py", env=None, timeout=600):
   return done.returncode, lines, report, done.stderr
 
 
-def _kernels_per_aft_local_layer(config) -> int:
-  """The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes: the
-  op's jaxpr, its kernels interpreted on this host (they take the same configurations)."""
-  from tests.support.deviceless_worker import interpreted_kernels
-
-  case = {"op": "aft_local", "mode": "grad", "window": config.model.window}
-  case.update(batch=config.batch_size, t=config.seq_len, d=config.model.d_model)
-  return len(interpreted_kernels({**case, "dtype": "float32"}))
-
-
 @pytest.mark.slow
 def test_quickstart_fits_an_h100_with_the_kernels():
   from configs import quickstart
+  from tests.support.deviceless_worker import interpreted_kernels
 
   code, lines, report, err = _dry_run("--target", "h100")
   assert code == 0 and report is not None, err[-2000:]
@@ -49,7 +41,11 @@ def test_quickstart_fits_an_h100_with_the_kernels():
   assert report["fits"] and report["target"] == "h100" and report["num_devices"] == 1
   config = quickstart.get_config()
   assert config.model.mixing == "aft_local" and report["impl"] == "auto"
-  per_layer = _kernels_per_aft_local_layer(config)
+  # The Pallas calls of one AFT-local layer's forward and backward at the recipe's shapes (its
+  # kernels interpreted on this host: they take the same configurations).
+  case = {"op": "aft_local", "mode": "grad", "window": config.model.window, "dtype": "float32"}
+  case.update(batch=config.batch_size, t=config.seq_len, d=config.model.d_model)
+  per_layer = len(interpreted_kernels(case))
   assert report["triton_kernels"] == config.model.num_layers * per_layer >= 2, report
   assert report["device_memory_bytes"] == deviceless.get("h100").memory_bytes
   assert 0 < report["temp_bytes"] < report["usable_bytes"]
@@ -72,8 +68,7 @@ def test_a_step_too_large_exits_1_and_says_what_would_fit():
 
 
 def _fake_dist(folder, name, files):
-  """A pip ``--target`` install of ``name`` in ``folder`` whose RECORD lists ``files`` ({path:
-  bytes}); only the dist-info is written: the files are the caller's to make (or not)."""
+  """A pip ``--target`` install's dist-info of ``name`` whose RECORD lists ``files``."""
   info = folder / f"{name.replace('-', '_')}-1.0.dist-info"
   info.mkdir(parents=True)
   (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
@@ -82,8 +77,7 @@ def _fake_dist(folder, name, files):
 
 
 @pytest.fixture
-def plugin_root(tmp_path, monkeypatch):
-  """A plugin folder of its own ($AFT_JAX_PLUGIN_DIR): the real one is never touched."""
+def plugin_root(tmp_path, monkeypatch):  # its own $AFT_JAX_PLUGIN_DIR: the real one untouched
   monkeypatch.setenv("AFT_JAX_PLUGIN_DIR", str(tmp_path / "plugins"))
   return tmp_path / "plugins"
 
@@ -91,11 +85,9 @@ def plugin_root(tmp_path, monkeypatch):
 def test_a_half_installed_plugin_is_named_with_the_reinstall_command(plugin_root, monkeypatch):
   folder = plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda"
   assert not deviceless.installed("cuda") and deviceless.incomplete("cuda") is None  # absent
-  (folder / "jax_plugins" / "xla_cuda12").mkdir(parents=True)  # what an interrupted pip leaves
-  assert deviceless.incomplete("cuda") == "jax-cuda12-plugin is not in it"
-  plugin, pjrt = {"jax_plugins/xla_cuda12/x.so": b"12345"}, {"jax_plugins/p.so": b"678"}
-  _fake_dist(folder, "jax-cuda12-plugin", plugin)
-  _fake_dist(folder, "jax_cuda12_pjrt", pjrt)
+  (folder / "jax_plugins" / "xla_cuda12").mkdir(parents=True)  # (then: the refused dry run's row)
+  _fake_dist(folder, "jax-cuda12-plugin", {"jax_plugins/xla_cuda12/x.so": b"12345"})
+  _fake_dist(folder, "jax_cuda12_pjrt", {"jax_plugins/p.so": b"678"})
   assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
   (folder / "jax_plugins" / "xla_cuda12" / "x.so").write_bytes(b"1234")  # cut short
   assert deviceless.incomplete("cuda") == "jax_plugins/xla_cuda12/x.so is missing or cut short"
@@ -110,13 +102,10 @@ def test_a_half_installed_plugin_is_named_with_the_reinstall_command(plugin_root
     "short): reinstall: python -m aft_jax.deviceless install cuda"
   )
   pip = []
-  monkeypatch.setattr(deviceless.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or _Done())
+  done = types.SimpleNamespace(returncode=0, stdout="", stderr="")
+  monkeypatch.setattr(deviceless.subprocess, "run", lambda cmd, **kw: pip.append(cmd) or done)
   assert deviceless.install("cuda", quiet=True) == str(folder)
   assert not folder.exists() and pip and pip[0][-2:] == deviceless.plugin_packages("cuda")
-
-
-class _Done:
-  returncode, stdout, stderr = 0, "", ""
 
 
 BIG_BATCH = (
@@ -169,22 +158,19 @@ def test_an_xla_error_in_a_dry_run_compile_is_one_line():
   [
     (("--target", "k80"), "unknown target 'k80'; the targets are: t4 (NVIDIA Tesla T4, 16 GB"),
     (("--config.learning_rte=1",), "override: unknown config key 'learning_rte'; did you"),
+    (("--config", "nosuch"), "unknown recipe 'nosuch'; the recipes are: enwik8, quickstart"),
+    (("--target", "t4"), "incomplete (jax-cuda12-plugin is not"),  # a half-installed plugin
   ],
 )
-def test_a_refused_dry_run_is_one_line_and_exit_status_2(flags, message, monkeypatch, capsys):
+def test_a_refused_dry_run_is_one_line_and_exit_status_2(
+  flags, message, plugin_root, monkeypatch, capsys
+):
+  plugins = plugin_root / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda" / "jax_plugins"
+  plugins.mkdir(parents=True)  # half installed: the t4 row's
   argv = ["train.py", "--config", "configs/quickstart.py", "--dry_run", *flags]
   status, said = run_train_in_process(argv, monkeypatch, capsys)
   lines = [line for line in said.splitlines() if line.strip()]
   assert status == dry_run.REFUSED and len(lines) == 1 and message in lines[0], said
-
-
-def test_a_half_installed_plugin_refuses_a_dry_run_in_one_line_and_exit_status_2(tmp_path):
-  (tmp_path / f"jaxlib-{deviceless._jaxlib_version()}" / "cuda" / "jax_plugins").mkdir(parents=True)
-  env = {"AFT_JAX_PLUGIN_DIR": str(tmp_path)}
-  code, lines, _, err = _dry_run("--target", "t4", env=env, timeout=120)
-  err_lines = [line for line in err.splitlines() if line.strip()]
-  assert code == dry_run.REFUSED and len(err_lines) == 1 and not lines, err[-2000:]
-  assert "incomplete (jax-cuda12-plugin is not" in err_lines[0], err_lines[0]
 
 
 @pytest.mark.slow

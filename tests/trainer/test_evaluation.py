@@ -8,18 +8,15 @@ import jax.numpy as jnp
 
 from tests.support.helpers import tiny_config
 from aft_jax import sharding
-from aft_jax.trainer import evaluation, train_lib
+from aft_jax.trainer import train_lib
 from aft_jax.trainer.run_config import RunConfig
 
 
 @pytest.mark.parametrize("mixing", ["aft_local", "softmax"])
 def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
   seq_len, n, vocab, bos = 8, 37, 11, 3
-  config = tiny_config(
-    seq_len=seq_len,
-    eval_batch_size=4,  # windows per batch: 37 windows, so the last batch is padded
-    **{"model.mixing": mixing, "model.max_len": seq_len, "model.window": 3},
-  )
+  model = {"model.mixing": mixing, "model.max_len": seq_len, "model.window": 3}
+  config = tiny_config(seq_len=seq_len, eval_batch_size=4, **model)  # 37 windows: last padded
   cfg = RunConfig.from_tree(config).with_vocab(vocab)
   trainer = train_lib.Trainer(cfg, sharding.make_mesh(cfg.mesh))
   params = trainer.init_state(0).params
@@ -42,9 +39,3 @@ def test_sliding_window_stride_1_is_the_mean_of_one_window_per_token(mixing):
   # Disjoint windows give every token less context on average, hence a different number.
   disjoint = trainer.evaluate(params, tokens, bos, stride=0)
   assert disjoint["tokens"] == n and disjoint["nll"] != pytest.approx(fast["nll"], rel=1e-6)
-
-
-def test_eval_protocol_names_what_was_computed():
-  assert evaluation.eval_protocol(256, 1) == {"name": "sliding_window", "window": 256, "stride": 1}
-  for stride in (0, 256):
-    assert evaluation.eval_protocol(256, stride)["name"] == "disjoint_windows"

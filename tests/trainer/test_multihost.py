@@ -25,12 +25,6 @@ def _config(mesh, **overrides):
   return c
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 _STARTED = []  # every process a test starts; the fixture below kills any still running
 
 
@@ -67,7 +61,9 @@ def _start(workdir, config, devices, log, *extra):
 
 def _two(workdir, config, name):
   """Two processes of 2 devices, one run coordinated on 127.0.0.1: logs NAME_0.log, NAME_1.log."""
-  dist = [f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2"]
+  with socket.socket() as s:  # a free port
+    s.bind(("127.0.0.1", 0))
+    dist = [f"--coordinator_address=127.0.0.1:{s.getsockname()[1]}", "--num_processes=2"]
   log = os.path.join(os.path.dirname(workdir), name)
   return [
     _start(workdir, config, 2, f"{log}_{i}.log", *dist, f"--process_id={i}") for i in range(2)
@@ -139,18 +135,15 @@ def test_mesh_and_multiprocess_losses_match_one_device(tmp_path):
   _wait_all(again)
   assert "Resuming from the checkpoint at step 4" in open(again[0].log).read()
   again = json.load(open(two / "results.json"))
-  assert again["steps"] == 4 and again["valid_loss"] == pytest.approx(
-    before["valid_loss"], abs=1e-6
-  )
+  assert again["steps"] == 4
+  assert again["valid_loss"] == pytest.approx(before["valid_loss"], abs=1e-6)
 
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
-  config = _config(
-    (1, 2, 2), num_train_steps=10**5, log_every_steps=2, checkpoint_every_steps=10**5
-  )
+  steps = dict(num_train_steps=10**5, log_every_steps=2, checkpoint_every_steps=10**5)
   workdir = str(tmp_path / "run")
-  procs = _two(workdir, config, "p")
+  procs = _two(workdir, _config((1, 2, 2), **steps), "p")
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + TIMEOUT_S
   while not (os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import glob
-import importlib.util
 import os
 import re
 
@@ -10,44 +9,26 @@ import ml_collections
 import pytest
 
 from aft_jax.model import MIXINGS
-from aft_jax.trainer import default_config, run_config
+from aft_jax.trainer import default_config, recipes, run_config
 from aft_jax.trainer.run_config import RunConfig
 from tests.support.helpers import ROOT, tiny_config
 
-# Recipes whose get_config takes the variant as its argument (file.py:arg).
-PER_MIXING = {
-  "wikitext103.py": MIXINGS,
-  "enwik8.py": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS),
-}
-CONFIGS = [
-  (os.path.basename(path), arg)
-  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "[!_]*.py")))
-  for arg in PER_MIXING.get(os.path.basename(path), (None,))
-]
+# Recipes whose get_config takes the variant as its argument (NAME:ARG).
+PER_MIXING = {"wikitext103": MIXINGS, "enwik8": MIXINGS + tuple(f"{m},12x512" for m in MIXINGS)}
+SPECS = [f"{n}:{a}" if a else n for n in recipes.available() for a in PER_MIXING.get(n, [None])]
 
 
-def load(name, arg=None):
-  path = os.path.join(ROOT, "configs", name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config() if arg is None else mod.get_config(arg)
-
-
-def test_there_are_configs_for_every_mixing_layer():
-  assert ("quickstart.py", None) in CONFIGS
-  for mixing in MIXINGS:
-    assert ("wikitext103.py", mixing) in CONFIGS
+def test_a_recipe_argument_that_is_no_mixing_is_refused():
   with pytest.raises(ValueError, match="'linear' is not one of"):
-    load("wikitext103.py", "linear")
+    recipes.load("wikitext103:linear")
   for bad in ("linear", "aft_local,12x256"):
     with pytest.raises(ValueError, match="configs/enwik8.py:<mixing>"):
-      load("enwik8.py", bad)
+      recipes.load(f"enwik8:{bad}")
 
 
-@pytest.mark.parametrize("name, arg", CONFIGS, ids=[f"{n}:{a}" if a else n for n, a in CONFIGS])
-def test_config_loads_and_validates(name, arg):
-  config = load(name, arg)
+@pytest.mark.parametrize("spec", SPECS)
+def test_config_loads_and_validates(spec):
+  config = recipes.load(spec)
   vocab = 267_735 if config.data.dataset == "wikitext103" else 256
   cfg = RunConfig.from_tree(config).with_vocab(vocab).model
   assert cfg.mixing == config.model.mixing
@@ -56,13 +37,13 @@ def test_config_loads_and_validates(name, arg):
     assert cfg.adaptive_cutoffs == (20000, 40000, 200000)
     assert config.final_eval_stride == 1  # the small setting's sliding-window protocol
   if config.data.dataset == "enwik8":
-    size = (12, 512) if arg.endswith(",12x512") else (24, 256)
+    size = (12, 512) if spec.endswith(",12x512") else (24, 256)
     assert (cfg.num_layers, cfg.d_model, config.seq_len, config.batch_size) == (*size, 1024, 128)
     assert (cfg.window, cfg.factor_dim, cfg.mlp_dim) == (32, 256, 4 * cfg.d_model)
 
 
 def _quick():
-  return load("quickstart.py")
+  return recipes.load("quickstart")
 
 
 SOFTMAX = {"model.mixing": "softmax"}
@@ -109,7 +90,6 @@ CUDNN = "impl = 'cudnn': cuDNN flash attention needs dtype bfloat16 or float16, 
   ],
 )
 def test_an_invalid_config_is_one_line_naming_each_key(values, message):
-  """Checked with the run config, before anything is built or written."""
   with pytest.raises(ValueError, match=message) as e:
     RunConfig.from_tree(default_config.override(_quick(), values))
   assert "\n" not in str(e.value)
@@ -137,19 +117,15 @@ def test_unknown_keys_and_wrong_types_fail():
 
 def test_resume_conflicts_ignore_only_harmless_keys():
   a = _quick().to_dict()
-  b = _quick()
-  b.log_every_steps = 1
-  b.max_consecutive_skips = 0
-  assert run_config.resume_conflicts(a, b.to_dict()) == []
-  b.model.d_model = 64
-  b.seed = 3
-  conflicts = run_config.resume_conflicts(a, b.to_dict())
-  assert any(c.startswith("model.d_model: 128") for c in conflicts)
-  assert any(c.startswith("seed: 0") for c in conflicts)
+
+  def conflicts(values):
+    return run_config.resume_conflicts(a, default_config.override(_quick(), values).to_dict())
+
+  assert conflicts({"log_every_steps": 1, "max_consecutive_skips": 0}) == []
+  changed = conflicts({"model.d_model": 64, "seed": 3})
+  assert changed[0].startswith("model.d_model: 128") and changed[1].startswith("seed: 0")
   # A new num_train_steps would restart the cosine decay from another length.
-  b = _quick()
-  b.num_train_steps = 5000
-  assert run_config.resume_conflicts(a, b.to_dict()) == [
+  assert conflicts({"num_train_steps": 5000}) == [
     "num_train_steps: 1000 in the workdir, 5000 now (the learning-rate schedule is built from it)"
   ]
 
@@ -202,17 +178,14 @@ def test_the_config_never_climbs_back_up(trained_run_config_flow):
 def test_a_climb_is_a_call_from_a_lower_layer_with_the_config():
   from tests.support import config_flow
 
-  cfg = RunConfig.from_tree(tiny_config())
-  assert config_flow.layer("aft_jax.data.corpus") > config_flow.layer("aft_jax.trainer.train_lib")
-  # data.config's module calling train_lib with a slice would be a climb; measured here on a
-  # call made from a function compiled as if it lived in aft_jax/data/corpus.py.
-  namespace = {"target": lambda data_cfg: data_cfg}
-  source = "def caller(cfg):\n  return target(cfg.data)\n"
-  corpus_file = os.path.join(ROOT, "aft_jax", "data", "corpus.py")
-  exec(compile(source, corpus_file, "exec"), namespace)
-  lib_file = os.path.join(ROOT, "aft_jax", "trainer", "train_lib.py")
-  exec(compile("def target(data_cfg):\n  return data_cfg\n", lib_file, "exec"), namespace)
-  _, rooms, climbs = config_flow.follow(namespace["caller"], cfg)
+  # A function compiled as if in aft_jax/data/corpus.py calls one "in" train_lib with a slice.
+  namespace = {}
+  for module, source in [
+    ("trainer/train_lib.py", "def target(data_cfg):\n  return data_cfg\n"),
+    ("data/corpus.py", "def caller(cfg):\n  return target(cfg.data)\n"),
+  ]:
+    exec(compile(source, os.path.join(ROOT, "aft_jax", module), "exec"), namespace)
+  _, rooms, climbs = config_flow.follow(namespace["caller"], RunConfig.from_tree(tiny_config()))
   assert climbs == {("aft_jax.data.corpus.caller", "aft_jax.trainer.train_lib.target")}
   assert rooms == {"aft_jax.trainer.train_lib"}
 

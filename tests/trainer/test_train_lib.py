@@ -16,9 +16,11 @@ import pytest
 from tests.support import prefork
 from tests.trainer import change_batches, run_train_in_process, wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
-from aft_jax.trainer import train_lib
+from aft_jax.tools import trained
+from aft_jax.trainer import cpu_devices, train_lib
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
+from configs import quickstart
 
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 COUNT = "--xla_force_host_platform_device_count"
@@ -43,9 +45,8 @@ def _interrupt_after(monkeypatch, n):
 
 
 def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
-  """Holds the save at step 2 unfinished (Orbax's post-finalization callback waits) until the
-  run draws batch ``until_batch``. Returns (the batches from 3 on drawn while its folder was not
-  in place; whether the callback was released rather than timed out), filled as the run goes."""
+  """Holds the save at step 2 unfinished until the run draws batch ``until_batch``: (batches from
+  3 on drawn while its folder was not in place, [whether released, not timed out]), filled live."""
   import orbax.checkpoint as ocp
 
   release, released, during = threading.Event(), [], []
@@ -72,24 +73,14 @@ def _hold_the_save_at_2(monkeypatch, workdir, until_batch):
 def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   docs, tmp_path, monkeypatch
 ):
-  text = {
-    "data.dataset": "text",
-    "data.train_files": str(docs / "*.py"),
-    "data.data_dir": str(tmp_path / "data"),
-  }
-  config = tiny_config(
-    num_train_steps=6,
-    checkpoint_every_steps=2,
-    keep_checkpoints=3,
-    **text,
-    **{"data.packing": True},
-  )
+  text = {"data.dataset": "text", "data.train_files": str(docs / "*.py")}
+  text["data.data_dir"] = str(tmp_path / "data")
+  steps = dict(num_train_steps=6, checkpoint_every_steps=2, keep_checkpoints=3)
+  config = tiny_config(**steps, **text, **{"data.packing": True})
   during, released = _hold_the_save_at_2(monkeypatch, tmp_path / "a", until_batch=4)
   straight = train_lib.train_and_evaluate(config, str(tmp_path / "a"))
   assert during == [3, 4] and released == [True]
   monkeypatch.undo()
-  from aft_jax.tools import trained
-
   assert trained.load_run(str(tmp_path / "a"), step=2).step == 2  # verified, else an error
 
   resumed_dir = str(tmp_path / "b")
@@ -99,13 +90,9 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   monkeypatch.setattr(
     train_lib, "print", lambda *a, **kw: said.append((" ".join(a), on_disk())), False
   )
-  first = train_lib.train_and_evaluate(config, resumed_dir)
-  assert first == {"interrupted": True, "step": 3}
-  assert (
-    "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command "
-    "again to resume.",
-    True,
-  ) in said
+  assert train_lib.train_and_evaluate(config, resumed_dir) == {"interrupted": True, "step": 3}
+  interrupted = "\nInterrupted (signal 15): saved the checkpoint at step 3; run the same command"
+  assert (interrupted + " again to resume.", True) in said
   monkeypatch.undo()
   resumed = train_lib.train_and_evaluate(config, resumed_dir)
 
@@ -116,8 +103,7 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   assert resumed["steps"] == straight["steps"] == 6
   assert math.isfinite(straight["valid_bpb"]) and straight["train_rows"].startswith("packed")
   stream = train_lib.train_and_evaluate(tiny_config(num_train_steps=1, **text), str(tmp_path / "c"))
-  assert stream["valid_tokens"] == straight["valid_tokens"]
-  assert stream["train_rows"].startswith("stream")
+  assert (stream["valid_tokens"], stream["train_rows"][:6]) == (straight["valid_tokens"], "stream")
 
 
 @pytest.mark.slow
@@ -136,9 +122,6 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   assert f"validation perplexity {results['valid_ppl']:.3f} (unigram baseline" in out.stdout
   assert "Sample:\nThe " in out.stdout
   # train.py made the CPU one device per core (as many as split the batches) and trained on all.
-  from aft_jax.trainer import cpu_devices
-  from configs import quickstart
-
   n = cpu_devices.count_for(RunConfig.from_tree(quickstart.get_config()), cpu_devices.cores())
   assert f"mesh {{'data': {n}, 'fsdp': 1" in out.stdout, out.stdout[:2000]
   assert results["test_ppl"] > 1 and results["num_params"] > 0
@@ -154,26 +137,19 @@ def test_quickstart_recipe_learns_then_generate_continues_it(tmp_path):
   flags = ["--prompt", "class ", "--length", "12", "--temperature", "0"]
   gen = prefork.run(generate + flags, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert gen.returncode == 0, gen.stderr[-3000:]
-  assert gen.stdout.startswith("class ")
-  assert len(gen.stdout.rstrip("\n")) > len("class ")
+  assert gen.stdout.startswith("class ") and len(gen.stdout.rstrip("\n")) > len("class ")
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-  """grad_accum_steps=2 over two batches of 4 = one step on the batch of 8 they make up."""
-  common = {"model.dropout_rate": 0.0, "warmup_steps": 0}
-  accum = train_lib.train_and_evaluate(
-    tiny_config(batch_size=4, grad_accum_steps=2, num_train_steps=2, **common),
-    str(tmp_path / "accum"),
-  )
-  big = train_lib.train_and_evaluate(
-    tiny_config(batch_size=8, num_train_steps=1, **common), str(tmp_path / "big")
-  )
-  untrained = train_lib.train_and_evaluate(
-    tiny_config(batch_size=8, num_train_steps=1, learning_rate=1e-12, **common),
-    str(tmp_path / "none"),
-  )
-  assert accum["valid_loss"] == pytest.approx(big["valid_loss"], rel=1e-5)
-  assert abs(big["valid_loss"] - untrained["valid_loss"]) > 1e-3  # the update did something
+  def valid_loss(name, **overrides):
+    config = tiny_config(**{"model.dropout_rate": 0.0, "warmup_steps": 0}, **overrides)
+    return train_lib.train_and_evaluate(config, str(tmp_path / name))["valid_loss"]
+
+  accum = valid_loss("accum", batch_size=4, grad_accum_steps=2, num_train_steps=2)
+  big = valid_loss("big", batch_size=8, num_train_steps=1)
+  assert accum == pytest.approx(big, rel=1e-5)
+  untrained = valid_loss("none", batch_size=8, num_train_steps=1, learning_rate=1e-12)
+  assert abs(big - untrained) > 1e-3  # the update did something
 
 
 CLI = [  # (the command line after --config QUICKSTART, the one line it says); {tmp}: the cwd
@@ -188,8 +164,9 @@ CLI = [  # (the command line after --config QUICKSTART, the one line it says); {
   ("", "--workdir is required"),  # not the current directory
   ("--workdir ''", "--workdir is required"),
   ("--workdir ' '", "--workdir = ' ' is blank"),
-  # The README's --config "text:~/notes/**/*.md": the glob reaches the recipe whole (~: $HOME).
-  ("--config text:~/n/**/*.md --workdir run --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
+  # The README's --config "text:~/notes/**/*.md": the glob reaches the recipe whole (~: $HOME);
+  # given after --config QUICKSTART, with an override: the last --config is the run's.
+  ("--workdir run --config text:~/n/**/*.md --config.num_train_steps=2", "'{tmp}/n/**/*.md"),
   ("--config {root}/configs/text.py:~/n/**/*.md --workdir run", "files: '{tmp}/n/**/*.md' ma"),
   (f"XLA_FLAGS={COUNT}=abc --workdir run", f"XLA_FLAGS has {COUNT}=abc: no number of"),
   (f"XLA_FLAGS={COUNT}=0 --workdir run", "device_count=0: no num"),
@@ -230,9 +207,8 @@ def test_a_bad_command_line_is_one_line_on_stderr(flags, message, tmp_path, monk
 def test_a_bad_jax_setting_is_one_line_and_exit_status_1(tmp_path, flags, message):
   env, argv = _command(flags, tmp_path)
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), *argv[1:]]
-  out = prefork.run(
-    cmd, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300
-  )
+  env = {**os.environ, **env}
+  out = prefork.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
   assert message in lines[0] and os.listdir(tmp_path) == [], lines[0]

@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import types
 
 import pytest
 
@@ -28,7 +29,6 @@ def test_the_project_key_without_the_extra_is_one_line_saying_how_to_install(mon
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
-  """A fresh run in a workdir path used before must not continue the old W&B run."""
   workdir = str(tmp_path / "run")
   first = step_log.wandb_run_id(workdir, resumed=False)
   assert step_log.wandb_run_id(workdir, resumed=True) == first
@@ -42,9 +42,8 @@ def test_a_fresh_run_gets_a_new_wandb_id_and_a_resume_keeps_it(tmp_path):
 def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_continues_it(
   tmp_path, monkeypatch
 ):
-  monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
-  monkeypatch.setenv("WANDB_SILENT", "true")
-  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
+  for name, value in [("MODE", "offline"), ("SILENT", "true"), ("DIR", str(tmp_path / "run"))]:
+    monkeypatch.setenv(f"WANDB_{name}", value)  # offline: nothing leaves the machine
   config = tiny_config(num_train_steps=2, **{"wandb.project": "aft-jax-test", "sample.length": 8})
   with contextlib.redirect_stdout(io.StringIO()):
     results = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
@@ -64,40 +63,15 @@ def test_an_offline_run_writes_the_metrics_to_a_local_wandb_run_and_a_rerun_cont
   assert b"aft-jax-test" in data and b"num_train_steps" in data  # the project and the config
   # The id is new (not the path's), and the rerun of the finished run continues its W&B run.
   assert run_id != hashlib.sha256(str(tmp_path / "run").encode()).hexdigest()[:16]
-  ids = []
+  # Each record with its step, the sample as a table, the config not twice (wandb.init has it).
+  ids, logged = [], []
 
-  class Run:
-    def log(self, values, step):
-      pass
-
-    def finish(self):
-      pass
-
-  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or Run())
+  run = types.SimpleNamespace(log=lambda values, step: logged.append((step, values)))
+  run.finish = lambda: logged.append("finished")
+  monkeypatch.setattr(wandb, "init", lambda **kw: ids.append(kw["id"]) or run)
   with contextlib.redirect_stdout(io.StringIO()):
     train_lib.train_and_evaluate(config, str(tmp_path / "run"))
-  assert ids == [run_id]
-
-
-def test_the_metric_writer_sends_records_and_the_sample_but_not_the_config_twice(tmp_path):
-  """Every record with its step, the sample as a table (the config went to ``wandb.init``)."""
-  from aft_jax.trainer.step_log import MetricWriter
-
-  class Run:
-    logged, finished = [], False
-
-    def log(self, values, step):
-      self.logged.append((step, values))
-
-    def finish(self):
-      self.finished = True
-
-  run = Run()
-  writer = MetricWriter(str(tmp_path), wandb_run=run)
-  writer.write({"step": 3, "loss": 2.5, "valid_ppl": 7.0})
-  writer.write_text("config", "{}", 3)
-  writer.write_text("sample", "def f():", 4)
-  writer.close()
-  assert run.logged[0] == (3, {"loss": 2.5, "valid_ppl": 7.0})
-  assert [(step, list(values)) for step, values in run.logged[1:]] == [(4, ["sample"])]
-  assert run.logged[1][1]["sample"].data == [["def f():"]] and run.finished
+  assert ids == [run_id] and logged[-1] == "finished"
+  (sample,) = [values["sample"] for step, values in logged[:-1] if "sample" in values]
+  assert sample.data[0][0].startswith(config.sample.prompt) and all(s == 2 for s, _ in logged[:-1])
+  assert not any("config" in values for _, values in logged[:-1])
