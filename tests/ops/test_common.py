@@ -230,3 +230,38 @@ def test_pieces_called_eagerly_are_one_program():  # the offset (the state's ind
   assert common._program._cache_size() == before + 1
   whole = ops.aft_local(q, k, v, w, window=3, causal=True)
   np.testing.assert_allclose(np.concatenate(ys, 1), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_traced_call_enters_at_most_three_modules():
+  """A reader's path to the maths: one XLA call of an op or AFTLocal.apply, traced, enters at most
+  3 modules of aft_jax/ops (the op's, the triple's, common.py)."""
+  import os
+
+  from aft_jax import layers
+
+  root = os.path.dirname(os.path.abspath(ops.__file__)) + os.sep
+  x = jax.ShapeDtypeStruct((2, 13, 5), jnp.float32)  # shapes no other test traces (jax's caches)
+  w = jax.ShapeDtypeStruct((13, 13), jnp.float32)
+  layer = layers.AFTLocal(max_len=13, window=4, hidden_dim=5, causal=True)
+  cases = {
+    "aft_simple": (lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="xla"), (x, x, x)),
+    "aft_local": (
+      lambda q, k, v, w: ops.aft_local(q, k, v, w, window=4, causal=True, impl="xla"),
+      (x, x, x, w),
+    ),
+    "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, impl="xla"), (x, x, x, w)),
+    "AFTLocal.apply": (layer.apply, (jax.eval_shape(layer.init, jax.random.key(0), x), x)),
+  }
+  for name, (fn, args) in cases.items():
+    seen = set()
+
+    def hook(frame, event, _):
+      if event == "call" and frame.f_code.co_filename.startswith(root):
+        seen.add(frame.f_code.co_filename[len(root) :])
+
+    sys.setprofile(hook)
+    try:
+      jax.jit(fn).lower(*args)
+    finally:
+      sys.setprofile(None)
+    assert "common.py" in seen and len(seen) <= 3, (name, sorted(seen))
