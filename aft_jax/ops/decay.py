@@ -10,11 +10,9 @@ from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import NEG, Acc
 
 FN = "aft_decay"
-CHUNK = 8  # positions per chunk: on CPU the fastest of 4 to 32, forward and backward
-FAST = True  # chunks summed with one shift per channel first (``_fast_chunk``)
-# A one-shift denominator below this is redone: its lost terms (< ~1e-38) could matter, and the
-# derivative of num / den takes den squared (1e-15 squared is still a normal float32).
-DEN_FAST = 1e-15
+# Positions per chunk: on CPU the fastest of 1 to 32 forward and backward (the pairwise terms,
+# O(T D CHUNK), against a scan step per chunk); a one-shift sum per chunk was slower still.
+CHUNK = 2
 _sg = jax.lax.stop_gradient
 
 
@@ -118,11 +116,20 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
   q_t, k_t, v_t ``[..., D]``; decay, bonus ``[D]``. Returns ``(Y[t], state)`` (float32)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   dt = jnp.result_type(q_t, k_t, v_t)
-  k_t, v_t = f32(k_t), f32(v_t)
-  past = Acc(state.m - f32(decay), state.num, state.den)
-  new = lse.combine(past, lse.leaf(k_t, v_t))
-  seen = new if bonus is None else lse.combine(past, lse.leaf(k_t + f32(bonus), v_t))
-  return lse.output(f32(q_t), seen).astype(dt), new
+  k_t, v_t, lam = f32(k_t), f32(v_t), f32(decay)
+  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
+  # m - 1e-6 rounds to m), the max rounded as it may be.
+  m = _sg(jnp.maximum(state.m - lam, k_t))
+  old, new = jnp.exp(state.m - m - lam), jnp.exp(k_t - m)
+  after = Acc(m, state.num * old + v_t * new, state.den * old + new)
+  if bonus is None:
+    return lse.output(f32(q_t), after).astype(dt), after
+  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
+  u = f32(bonus)
+  scale = jnp.exp(-jnp.abs(u))
+  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
+  seen = Acc(m, state.num * past + v_t * now, state.den * past + now)
+  return lse.output(f32(q_t), seen).astype(dt), after
 
 
 def _chunk_tables(c: int):
@@ -142,78 +149,41 @@ def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
   terms, the carried state's among them, are shifted by that row's own maximum."""
   c = kc.shape[0]
   dist, counts, own, carried, row_pos = _chunk_tables(c)
-  logits = kc[None] - lam * dist[..., None] + jnp.where(own[..., None], u, 0.0)  # [c+1, c, R]
-  ok = jnp.broadcast_to(counts[..., None], logits.shape)
+  bias = -lam * dist[..., None] + jnp.where(own[..., None], u, 0.0)  # [c+1, c, R]
+  ok = jnp.broadcast_to(counts[..., None], bias.shape)
   carried_ok = True
   if sc is not None:  # a key counts from its row's segment start on; the state only before it
     row_start = sc[row_pos]  # [c+1, R]
     ok = ok & (row_start[:, None, :] <= start + np.arange(c)[None, :, None])
     carried_ok = row_start < start
-  logits = jnp.where(ok, logits, NEG)
-  old = jnp.where(carried_ok, carry.m[None] - lam * carried[:, None], NEG)  # [c+1, R]
-  m = _sg(jnp.maximum(old, jnp.max(logits, axis=1)))
-  p, p_old = jnp.where(ok, jnp.exp(logits - m[:, None]), 0.0), jnp.exp(old - m)
+  old_bias = -lam * carried[:, None]  # [c+1, R]
+  # The rows' maxima (a shift: rounding is harmless), then exp((logit - max) + bias): a decay
+  # below the rounding of a large logit (1e-6 at 60) still counts, and is not lost over chunks.
+  top = jnp.max(jnp.where(ok, kc[None] + bias, NEG), axis=1)
+  m = _sg(jnp.maximum(jnp.where(carried_ok, carry.m[None] + old_bias, NEG), top))
+  p = jnp.where(ok, jnp.exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
+  p_old = jnp.where(carried_ok, jnp.exp(carry.m[None] - m + old_bias), 0.0)
   num = p_old * carry.num + jnp.sum(p * vc[None], axis=1)
   den = p_old * carry.den + jnp.sum(p, axis=1)
   return num[:c] / den[:c], Acc(m[c], num[c], den[c])
 
 
-def _fast_chunk(carry: Acc, kc, vc, lam, u, start, sc, powers):
-  """``_chunk`` with one shift per channel, the chunk's largest logit (the carried state's
-  included): every factor is <= 1, so a term loses precision only below ~1e-38 of the shift, and
-  rows whose denominator stays above ``DEN_FAST`` are exact. ``bad``: some row's is not."""
-  c = kc.shape[0]
-  dist, counts, own, carried, row_pos = _chunk_tables(c)
-  w, w_old = powers  # exp(-lam dist) where a key counts (the own one apart) [c+1, c, R]; [c+1, R]
-  old_ok = True
-  if sc is not None:
-    row_start = sc[row_pos]
-    w = jnp.where(row_start[:, None, :] <= start + np.arange(c)[None, :, None], w, 0.0)
-    old_ok = row_start < start
-  shift = _sg(jnp.maximum(jnp.maximum(jnp.max(kc, 0), jnp.max(kc + u, 0)), carry.m - lam))
-  e, e_own = jnp.exp(kc - shift), jnp.exp(kc + u - shift)
-  e_old = jnp.where(old_ok, jnp.exp(carry.m - lam - shift) * w_old, 0.0)  # [c+1, R]
-  num = e_old * carry.num + jnp.sum(w * (e * vc)[None], axis=1)
-  den = e_old * carry.den + jnp.sum(w * e[None], axis=1)
-  num, den = num.at[:c].add(e_own * vc), den.at[:c].add(e_own)
-  m = _sg(shift + jnp.log(jnp.maximum(den[c], DEN_FAST)))
-  scale = _sg(jnp.exp(shift - m))
-  ok = den >= DEN_FAST
-  den = jnp.where(ok, den, 1.0)  # (a bad chunk's values are redone: no 0 / 0, even in a gradient)
-  return num[:c] / den[:c], Acc(m, num[c] * scale, den[c] * scale), ~jnp.all(ok)
-
-
-def _powers(c: int, lam):  # exp(-lam dist) of the keys that count (not the own one), [c+1, c, R]
-  dist, counts, own, carried, _ = _chunk_tables(c)
-  keys = counts & ~own
-  w = jnp.where(keys[..., None], jnp.exp(-lam * np.where(keys, dist, 0)[..., None]), 0.0)
-  return w, jnp.exp(-lam * (carried[:, None] - 1))
-
-
 def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):
   """The weighted means a [T, R] of k, v [T, R] (decay ``lam``, bonus ``u`` [R]) after ``carry``
   (the state before position 0), and the state after T; ``starts`` [T, R]: each position's
-  segment start (None: one segment). Chunks of ``chunk`` positions in a scan, the rest after:
-  each by ``_fast_chunk`` unless one of its rows needs ``_chunk``'s exact shifts."""
+  segment start (None: one segment). Chunks of ``chunk`` positions in a scan, the rest after."""
   t_len, r = k.shape
   c = min(chunk, t_len)
   whole = t_len // c * c
-
-  def one(acc, kc, vc, start, sc, powers):
-    a, new, bad = _fast_chunk(acc, kc, vc, lam, u, start, sc, powers)
-    exact = lambda: _chunk(acc, kc, vc, lam, u, start, sc)
-    return lse.cond(bad, exact, lambda: (a, new)) if FAST else exact()
-
-  body = jax.checkpoint(lambda acc, xs, powers: one(acc, *xs, powers)[::-1])
+  body = jax.checkpoint(lambda acc, xs: _chunk(acc, *xs[:2], lam, u, *xs[2:])[::-1])
   outs = []
   if whole:
     split = lambda x: None if x is None else x[:whole].reshape(-1, c, r)
     xs = (split(k), split(v), jnp.arange(0, whole, c), split(starts))
-    powers = _powers(c, lam)  # outside the scan: once, not per chunk
-    carry, a = jax.lax.scan(lambda acc, xs: body(acc, xs, powers), carry, xs)
+    carry, a = jax.lax.scan(body, carry, xs)
     outs.append(a.reshape(whole, r))
   if whole < t_len:
     rest = lambda x: None if x is None else x[whole:]
-    a, carry = one(carry, rest(k), rest(v), whole, rest(starts), _powers(t_len - whole, lam))
+    a, carry = _chunk(carry, rest(k), rest(v), lam, u, whole, rest(starts))
     outs.append(a)
   return (outs[0] if len(outs) == 1 else jnp.concatenate(outs)), carry

@@ -14,7 +14,7 @@ from aft_jax.ops import decay as decay_mod
 from tests.support import numpy_reference as ref
 from tests.support.op_cases import close, cotangent
 
-B, T, D = 2, 19, 4  # T: two chunks of 8 and a rest of 3
+B, T, D = 2, 19, 4  # T: odd, chunks and a rest
 DECAYS = {
   "zero": np.zeros(D),
   "tiny": np.full(D, 1e-6),
@@ -45,23 +45,6 @@ def test_values_against_the_loop_reference(decay, keys):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"bonus {u}")
 
 
-@pytest.mark.parametrize("keys, lam, bad", [("std1", 0.5, False), ("extreme", 30.0, True)])
-def test_a_chunk_is_redone_exactly_only_where_one_shift_loses_terms(keys, lam, bad, monkeypatch):
-  """The one-shift sums flag a chunk at +-60 keys and decay 30; the exact shifts alone (every
-  chunk redone) give the reference's values."""
-  q, k, v = _inputs(9, 8, keys)
-  rows = lambda x: jnp.asarray(np.swapaxes(x, 0, 1).reshape(8, -1))
-  lam_r, u_r = jnp.full(B * D, lam), jnp.zeros(B * D)
-  empty = ops.aft_decay_init((B * D,))
-  powers = decay_mod._powers(8, lam_r)
-  got = decay_mod._fast_chunk(empty, rows(k), rows(v), lam_r, u_r, 0, None, powers)[2]
-  assert bool(got) == bad
-  monkeypatch.setattr(decay_mod, "FAST", False)
-  lam = np.full(D, lam, np.float32)
-  y = jax.jit(lambda *a: ops.aft_decay(*a))(q, k, v, lam)  # traced now, with FAST off
-  np.testing.assert_allclose(y, ref.aft_decay(q, k, v, lam), rtol=1e-5, atol=1e-6)
-
-
 def test_decay_zero_is_causal_aft_simple():
   q, k, v = _inputs(3)
   k = k * 40.0
@@ -83,11 +66,15 @@ def _same_state(got, want):  # equal sums: log den + m and num / den (m is only 
   np.testing.assert_allclose(got.num / got.den, want.num / want.den, rtol=1e-5, atol=1e-6)
 
 
-def test_chunks_equal_steps_over_eight_chunks():
-  """8 x CHUNK + 3 positions: the op's outputs and final state are the scanned steps'."""
-  t_len = 8 * decay_mod.CHUNK + 3
-  q, k, v = _inputs(4, t_len)
-  k = k * 5.0
+@pytest.mark.parametrize("chunk, keys", [(decay_mod.CHUNK, "std5"), (8, "std5"),
+                                         (decay_mod.CHUNK, "extreme")])  # fmt: skip
+def test_chunks_equal_steps_over_eight_chunks(chunk, keys, monkeypatch):
+  """8 x 8 + 3 positions: the op's outputs and final state are the scanned steps' and the
+  reference's (at keys of +-60 a decay of 1e-6 is below a logit's rounding: it still counts)."""
+  monkeypatch.setattr(decay_mod, "CHUNK", chunk)  # read when the op is traced (below)
+  t_len = 8 * 8 + 3
+  q, k, v = _inputs(4, t_len, keys="extreme" if keys == "extreme" else "std1")
+  k = k * (1.0 if keys == "extreme" else 5.0)
   lam = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)
   u = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
 
@@ -167,7 +154,7 @@ def test_each_packed_document_as_if_alone():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_gradients_match_finite_differences(packed):
-  """float64, both modes, in q, k, v, decay and bonus (T 11: a chunk of 8 and a rest of 3)."""
+  """float64, both modes, in q, k, v, decay and bonus (T 11: chunks and a rest)."""
   seg = np.array([[0] * 4 + [1] * 7, [3] * 11]) if packed else None
   fn = jax.jit(functools.partial(ops.aft_decay, segment_ids=seg))
   with jax.enable_x64(True):
