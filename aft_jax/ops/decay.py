@@ -7,7 +7,7 @@ import numpy as np
 
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
-from aft_jax.ops.logsumexp import NEG, Acc
+from aft_jax.ops.logsumexp import NEG, Acc, tame
 
 FN = "aft_decay"
 # Positions per chunk: on CPU the fastest of 1 to 32 forward and backward (the pairwise terms,
@@ -132,6 +132,15 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
   return lse.output(f32(q_t), seen).astype(dt), after
 
 
+# exp, a * b and a / b whose derivatives' factors are ``tame``d: a later NaN's zero cotangent
+# times its NaN factor is 0, not NaN, so earlier positions' derivatives stay finite (as the
+# other ops' custom derivatives). Values and finite derivatives are unchanged.
+_exp, _mul, _div = (jax.custom_jvp(f) for f in (jnp.exp, jnp.multiply, jnp.divide))
+_exp.defjvp(lambda x, t: (jnp.exp(x[0]), tame(jnp.exp(x[0])) * t[0]))
+_mul.defjvp(lambda x, t: (x[0] * x[1], tame(x[1]) * t[0] + tame(x[0]) * t[1]))
+_div.defjvp(lambda x, t: (x[0] / x[1], tame(1 / x[1]) * t[0] - tame(x[0] / x[1] ** 2) * t[1]))
+
+
 def _chunk_tables(c: int):
   """Rows 0..c-1: the chunk's outputs; row c: its final state. (distance of key j from row i,
   j counts, j is row i's own position, the carried state's distance) as NumPy constants."""
@@ -161,11 +170,13 @@ def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
   # below the rounding of a large logit (1e-6 at 60) still counts, and is not lost over chunks.
   top = jnp.max(jnp.where(ok, kc[None] + bias, NEG), axis=1)
   m = _sg(jnp.maximum(jnp.where(carried_ok, carry.m[None] + old_bias, NEG), top))
-  p = jnp.where(ok, jnp.exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
-  p_old = jnp.where(carried_ok, jnp.exp(carry.m[None] - m + old_bias), 0.0)
-  num = p_old * carry.num + jnp.sum(p * vc[None], axis=1)
-  den = p_old * carry.den + jnp.sum(p, axis=1)
-  return num[:c] / den[:c], Acc(m[c], num[c], den[c])
+  # Masked terms are exact zeros before exp and before the product (0 * NaN is NaN): a later
+  # non-finite key or value leaves the earlier rows of its chunk bit-identical.
+  p = jnp.where(ok, _exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
+  p_old = jnp.where(carried_ok, _exp(carry.m[None] - m + old_bias), 0.0)
+  num = _mul(p_old, carry.num) + jnp.sum(_mul(p, jnp.where(ok, vc[None], 0.0)), axis=1)
+  den = _mul(p_old, carry.den) + jnp.sum(p, axis=1)
+  return _div(num[:c], den[:c]), Acc(m[c], num[c], den[c])
 
 
 def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):

@@ -145,7 +145,7 @@ def test_each_packed_document_as_if_alone():
 
   grads = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
   (l1, g1), (l2, g2) = jax.jit(lambda *a: (grads(packed)(*a), grads(alone)(*a)))(q, k, v, lam, u)
-  np.testing.assert_allclose(l1, l2, rtol=1e-5)
+  np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5)  # a sum that cancels
   close(g1, g2, 1e-4)
   want = ref.aft_decay(q, k, v, lam, u, segment_ids=seg)
   got = ops.aft_decay(q, k, v, lam, u, segment_ids=seg)
