@@ -15,43 +15,31 @@ from tests.support import numpy_reference as ref
 from tests.support.op_cases import close, cotangent
 
 B, T, D = 2, 19, 4  # T: odd, chunks and a rest
-DECAYS = {
-  "zero": np.zeros(D),
-  "tiny": np.full(D, 1e-6),
-  "large": np.full(D, 30.0),
-  "mixed": np.array([0.0, 1e-6, 0.7, 30.0]),
-}
+LAM = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)  # decays: none, below rounding, some, huge
+U = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
+DECAYS = {"zero": np.zeros(D), "tiny": np.full(D, 1e-6), "large": np.full(D, 30.0), "mixed": LAM}
 
 
-def _inputs(seed, t_len=T, keys="std1", d=D):
-  rng = np.random.default_rng(seed)
-  f = lambda *s: np.asarray(rng.normal(size=s), np.float32)
-  q, k, v = f(B, t_len, d), f(B, t_len, d), f(B, t_len, d)
-  if keys == "extreme":  # +-60: exp overflows float32 above ~88 once a decay is added back
-    k = np.asarray(60.0 * np.sign(k), np.float32)
-  return q, k, v
+def _inputs(seed, t_len=T, scale=1.0, extreme=False):  # extreme keys: +-60 (exp(88) overflows)
+  q, k, v = np.asarray(np.random.default_rng(seed).normal(size=(3, B, t_len, D)), np.float32)
+  return q, np.float32(60.0) * np.sign(k) if extreme else k * np.float32(scale), v
 
 
 @pytest.mark.parametrize("keys", ["std1", "extreme"])
 @pytest.mark.parametrize("decay", DECAYS)
 def test_values_against_the_loop_reference(decay, keys):
   """With and without a bonus; eagerly, so one program per form for every case."""
-  q, k, v = _inputs(1, keys=keys)
+  q, k, v = _inputs(1, extreme=keys == "extreme")
   lam = np.asarray(DECAYS[decay], np.float32)
-  bonus = np.asarray(np.random.default_rng(2).normal(size=D) * 3, np.float32)
-  for u in (None, bonus):
-    got = ops.aft_decay(q, k, v, lam, u)
+  for u in (None, U):
     want = ref.aft_decay(q, k, v, lam, u)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"bonus {u}")
+    np.testing.assert_allclose(ops.aft_decay(q, k, v, lam, u), want, 1e-5, 1e-6, err_msg=f"{u}")
 
 
 def test_decay_zero_is_causal_aft_simple():
-  q, k, v = _inputs(3)
-  k = k * 40.0
-  run = jax.jit(lambda q, k, v: (ops.aft_decay(q, k, v, jnp.zeros(D)),
-                                 ops.aft_simple(q, k, v, causal=True)))  # fmt: skip
-  got, want = run(q, k, v)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  q, k, v = _inputs(3, scale=40.0)
+  got = jax.jit(lambda *a: ops.aft_decay(*a, jnp.zeros(D)))(q, k, v)
+  np.testing.assert_allclose(got, ops.aft_simple(q, k, v, causal=True), rtol=1e-5, atol=1e-6)
 
 
 def _steps(state, q, k, v, lam, u):  # the one-token step scanned along T (axis 1)
@@ -69,45 +57,27 @@ def _same_state(got, want):  # equal sums: log den + m and num / den (m is only 
 @pytest.mark.parametrize("chunk, keys", [(decay_mod.CHUNK, "std5"), (8, "std5"),
                                          (decay_mod.CHUNK, "extreme")])  # fmt: skip
 def test_chunks_equal_steps_over_eight_chunks(chunk, keys, monkeypatch):
-  """8 x 8 + 3 positions: the op's outputs and final state are the scanned steps' and the
-  reference's (at keys of +-60 a decay of 1e-6 is below a logit's rounding: it still counts)."""
+  """8 x 8 + 3 positions: outputs and final state == the scanned steps' == the reference's."""
   monkeypatch.setattr(decay_mod, "CHUNK", chunk)  # read when the op is traced (below)
-  t_len = 8 * 8 + 3
-  q, k, v = _inputs(4, t_len, keys="extreme" if keys == "extreme" else "std1")
-  k = k * (1.0 if keys == "extreme" else 5.0)
-  lam = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)
-  u = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
-
-  @jax.jit
-  def run(q, k, v):
-    y, state = ops.aft_decay(q, k, v, lam, u, output_final_state=True)
-    return (y, state), _steps(ops.aft_decay_init((B, D)), q, k, v, lam, u)
-
+  q, k, v = _inputs(4, 8 * 8 + 3, scale=5.0, extreme=keys == "extreme")
+  run = jax.jit(lambda q, k, v: (ops.aft_decay(q, k, v, LAM, U, output_final_state=True),
+                                 _steps(ops.aft_decay_init((B, D)), q, k, v, LAM, U)))  # fmt: skip
   (y, state), (y_steps, state_steps) = run(q, k, v)
   np.testing.assert_allclose(y, y_steps, rtol=1e-5, atol=1e-6)
   _same_state(state, state_steps)
-  np.testing.assert_allclose(y, ref.aft_decay(q, k, v, lam, u), rtol=1e-5, atol=1e-6)
-
-
-CUTS = (5, 1, 13)  # uneven pieces, one of length 1
+  np.testing.assert_allclose(y, ref.aft_decay(q, k, v, LAM, U), rtol=1e-5, atol=1e-6)
 
 
 def test_pieces_equal_one_call():
   """Values and gradients (q, k, v, decay, bonus; through the states) at key std 1 and 40."""
-  lam = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)
-  u = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
-
-  def one(q, k, v, params):
-    return ops.aft_decay(q, k, v, *params)
+  one = lambda q, k, v, params: ops.aft_decay(q, k, v, *params)
 
   def chained(q, k, v, params):
     ys, state, start = [], None, 0
-    for n in CUTS:
-      piece = lambda x: x[:, start : start + n]
-      y, state = ops.aft_decay(piece(q), piece(k), piece(v), *params, initial_state=state,
-                               output_final_state=True)  # fmt: skip
-      ys.append(y)
-      start += n
+    for n in (5, 1, 13):  # uneven pieces, one of length 1
+      qkv = (x[:, start : start + n] for x in (q, k, v))
+      y, state = ops.aft_decay(*qkv, *params, initial_state=state, output_final_state=True)
+      ys, start = ys + [y], start + n
     return jnp.concatenate(ys, axis=1)
 
   def out_and_grads(fn, q, k, v, params, ct):
@@ -115,9 +85,9 @@ def test_pieces_equal_one_call():
     return out, vjp(ct)
 
   run = jax.jit(lambda *a: (out_and_grads(one, *a), out_and_grads(chained, *a)))
+  q, k, v = _inputs(5)
   for scale in (1.0, 40.0):
-    q, k, v = _inputs(5)
-    (y1, g1), (y2, g2) = run(q, k * scale, v, (lam, u), cotangent(q.shape))
+    (y1, g1), (y2, g2) = run(q, k * scale, v, (LAM, U), cotangent(q.shape))
     close(y2, y1, 1e-5)
     close(g2, g1, 1e-4)
 
@@ -126,10 +96,7 @@ def test_each_packed_document_as_if_alone():
   """Rows [doc of 5 | doc of 14] and [doc of 12 | doc of 7]: values and gradients."""
   splits = (5, 12)
   seg = np.array([[1] * n + [2] * (T - n) for n in splits], np.int32)
-  q, k, v = _inputs(6)
-  k = k * 5.0
-  lam = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)
-  u = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
+  q, k, v = _inputs(6, scale=5.0)
   ct = cotangent(q.shape)
 
   def packed(q, k, v, lam, u):
@@ -144,12 +111,11 @@ def test_each_packed_document_as_if_alone():
     return total
 
   grads = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
-  (l1, g1), (l2, g2) = jax.jit(lambda *a: (grads(packed)(*a), grads(alone)(*a)))(q, k, v, lam, u)
+  (l1, g1), (l2, g2) = jax.jit(lambda *a: (grads(packed)(*a), grads(alone)(*a)))(q, k, v, LAM, U)
   np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5)  # a sum that cancels
   close(g1, g2, 1e-4)
-  want = ref.aft_decay(q, k, v, lam, u, segment_ids=seg)
-  got = ops.aft_decay(q, k, v, lam, u, segment_ids=seg)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  want = ref.aft_decay(q, k, v, LAM, U, segment_ids=seg)
+  np.testing.assert_allclose(ops.aft_decay(q, k, v, LAM, U, segment_ids=seg), want, 1e-5, 1e-6)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -165,49 +131,43 @@ def test_gradients_match_finite_differences(packed):
 
 
 def test_jit_and_vmap():
-  q, k, v = _inputs(8)
-  lam = np.array([0.0, 0.1, 1.0, 30.0], np.float32)
+  """jit; vmap over the batch, and over per-example decays (the same decay in each)."""
+  q, k, v, lam = *_inputs(8), LAM
   want = ops.aft_decay(q, k, v, lam)
-  np.testing.assert_allclose(jax.jit(ops.aft_decay)(q, k, v, lam), want, rtol=1e-6, atol=1e-7)
-  # vmap over the batch and over per-example decays (the same decay in each).
-  mapped = jax.vmap(ops.aft_decay, in_axes=(0, 0, 0, None))(q, k, v, lam)
-  np.testing.assert_allclose(mapped, want, rtol=1e-6, atol=1e-7)
-  lams = np.stack([lam, lam])
-  mapped = jax.jit(jax.vmap(ops.aft_decay))(q, k, v, lams)
-  np.testing.assert_allclose(mapped, want, rtol=1e-6, atol=1e-7)
+  for got in (jax.jit(ops.aft_decay)(q, k, v, lam),
+              jax.vmap(ops.aft_decay, in_axes=(0, 0, 0, None))(q, k, v, lam),
+              jax.jit(jax.vmap(ops.aft_decay))(q, k, v, np.stack([lam, lam]))):  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_steps_keep_the_inputs_dtype():
-  x = jnp.zeros((2, 3), jnp.bfloat16)
+  x, xs = jnp.zeros((2, 3), jnp.bfloat16), jnp.zeros((2, 5, 3), jnp.bfloat16)
   y, state = ops.aft_decay_step(ops.aft_decay_init((2, 3)), x, x, x, jnp.ones(3), jnp.ones(3))
   assert y.dtype == jnp.bfloat16 and state.m.dtype == jnp.float32
-  y = ops.aft_decay(jnp.zeros((2, 5, 3), jnp.bfloat16), x[:, None].repeat(5, 1),
-                    x[:, None].repeat(5, 1), jnp.ones(3))  # fmt: skip
-  assert y.dtype == jnp.bfloat16
+  assert ops.aft_decay(xs, xs, xs, jnp.ones(3)).dtype == jnp.bfloat16
 
 
-X = np.zeros((2, 6, 4), np.float32)
-LAM = np.zeros(4, np.float32)
+X, Z = np.zeros((2, 6, 4), np.float32), np.zeros(4, np.float32)
 SEG = np.array([[1] * 3 + [2] * 3] * 2, np.int32)
 
 # (args, kwargs, the message's regex)
 ERRORS = [
-  ((X, X, X, LAM), dict(causal=False), r"aft_decay: causal=False is not supported.*one-sided"),
-  ((X, X, X, LAM), dict(impl="pallas"), r"aft_decay: impl='pallas' is not available"),
-  ((X, X, X, LAM), dict(impl="pallas_interpret"), r"impl='pallas_interpret' is not available"),
-  ((X, X, X, LAM), dict(impl="triton"), r"aft_decay: impl must be one of"),
-  ((X, X, X, LAM), dict(axis_name="seq"), r"aft_decay: axis_name .* not supported yet"),
-  ((X, X[:, :5], X, LAM), {}, r"aft_decay: q, k and v must have the same shape.*k \(2, 5, 4\)"),
-  ((X, X, X, LAM[:3]), {}, r"aft_decay: decay must be \[D\] = \(4,\); got decay \(3,\)"),
+  ((X, X, X, Z), dict(causal=False), r"aft_decay: causal=False is not supported.*one-sided"),
+  ((X, X, X, Z), dict(impl="pallas"), r"aft_decay: impl='pallas' is not available"),
+  ((X, X, X, Z), dict(impl="pallas_interpret"), r"impl='pallas_interpret' is not available"),
+  ((X, X, X, Z), dict(impl="triton"), r"aft_decay: impl must be one of"),
+  ((X, X, X, Z), dict(axis_name="seq"), r"aft_decay: axis_name .* not supported yet"),
+  ((X, X[:, :5], X, Z), {}, r"aft_decay: q, k and v must have the same shape.*k \(2, 5, 4\)"),
+  ((X, X, X, Z[:3]), {}, r"aft_decay: decay must be \[D\] = \(4,\); got decay \(3,\)"),
   ((X, X, X, np.zeros((2, 4))), {}, r"decay must be \[D\] = \(4,\); got decay \(2, 4\)"),
-  ((X, X, X, LAM - 1), {}, r"aft_decay: decay must be >= 0 .*got min -1"),
-  ((X, X, X, LAM + np.nan), {}, r"aft_decay: decay must be >= 0 \(and not NaN\)"),
-  ((X, X, X, LAM.astype(np.int32)), {}, r"decay must be a real floating-point array"),
-  ((X, X, X, LAM, LAM[:2]), {}, r"aft_decay: bonus must be \[D\] = \(4,\); got bonus \(2,\)"),
-  ((X, X, X, LAM), dict(segment_ids=SEG[:, :4]), r"segment_ids must be an int array \[..., T\]"),
-  ((X, X, X, LAM), dict(initial_state=ops.aft_decay_init((3, 4))),
+  ((X, X, X, Z - 1), {}, r"aft_decay: decay must be >= 0 .*got min -1"),
+  ((X, X, X, Z + np.nan), {}, r"aft_decay: decay must be >= 0 \(and not NaN\)"),
+  ((X, X, X, Z.astype(np.int32)), {}, r"decay must be a real floating-point array"),
+  ((X, X, X, Z, Z[:2]), {}, r"aft_decay: bonus must be \[D\] = \(4,\); got bonus \(2,\)"),
+  ((X, X, X, Z), dict(segment_ids=SEG[:, :4]), r"segment_ids must be an int array \[..., T\]"),
+  ((X, X, X, Z), dict(initial_state=ops.aft_decay_init((3, 4))),
    r"aft_decay: initial_state must be the state of these inputs"),
-  ((X, X, X, LAM), dict(segment_ids=SEG, output_final_state=True),
+  ((X, X, X, Z), dict(segment_ids=SEG, output_final_state=True),
    r"do not take initial_state, output_final_state"),
 ]  # fmt: skip
 
