@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from aft_jax import ops
+from aft_jax.ops import decay
 from benchmarks import common
 
 HEADS = 8
 MODES = ("fwd", "fwd_bwd")
+FWD_ONLY = ("cumsum", "aft_simple_steps", "aft_decay_steps")  # no backward pass timed
 FIELDS = ("time_s", "flops", "xla_flops", "temp_bytes", "program_bytes", "compile_s", "repeats")
 
 
@@ -47,6 +49,26 @@ def _conv1d(q, k, v, kernel, impl="auto"):  # one key per head (its first channe
   split = lambda x: x.reshape(b, t, HEADS, d // HEADS)
   out = ops.aft_conv1d(split(q), split(k)[..., 0], split(v), kernel, causal=True, impl=impl)
   return out.reshape(b, t, d)
+
+
+def _per_head(w, d):  # w [2, HEADS] -> aft_decay's decay (>= 0) and bonus [D], one per head
+  return jnp.repeat(jnp.abs(w[0]), d // HEADS), jnp.repeat(w[1], d // HEADS)
+
+
+def _decay(q, k, v, w):
+  return ops.aft_decay(q, k, v, *_per_head(w, q.shape[-1]), impl="xla")  # its only impl
+
+
+def _steps(step):
+  """T one-token steps (``step(state, q_t, k_t, v_t, *params)``) in a ``lax.scan``: the decode
+  loop's cost per token, [B, T, D] -> [B, T, D]."""
+
+  def run(q, k, v, *params):
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+    body = lambda s, x: step(s, *x, *params)[::-1]
+    return jnp.swapaxes(jax.lax.scan(body, ops.aft_simple_init(xs[0].shape[1:]), xs)[1], 0, 1)
+
+  return run
 
 
 def _dense_aft(q, k, v, w, window: int):
@@ -97,6 +119,12 @@ def op_table(conv_kernel: int, impl: str = "auto"):
                    "linear", "causal AFT-simple"),
     "aft_conv1d": (functools.partial(_conv1d, impl=impl), lambda t: (HEADS, conv_kernel),
                    "linear", f"causal AFT-conv1d, {HEADS} heads, kernel {conv_kernel}"),
+    "aft_decay": (_decay, lambda t: (2, HEADS), "linear",
+                  f"causal AFT with a learned decay and bonus per head, chunk {decay.CHUNK}"),
+    "aft_simple_steps": (_steps(ops.aft_simple_step), None, "linear",
+                         "T one-token aft_simple_step calls in a lax.scan (forward only)"),
+    "aft_decay_steps": (lambda q, k, v, w: _steps(ops.aft_decay_step)(q, k, v, *_per_head(
+      w, q.shape[-1])), lambda t: (2, HEADS), "linear", "the same for aft_decay_step"),
     "peer_scan_simple": (scan_simple, None, "linear", "peer: causal AFT-simple as a lax.scan "
                          "carrying (max, num, den), vmapped over B"),
     "peer_dense_local_32": (dense(32), tt, "quadratic",
@@ -137,7 +165,7 @@ def run(
   records = []
   for name in names:
     fn, extra, cost_class, _ = table[name]
-    for mode in MODES[: 1 if name == "cumsum" else 2]:
+    for mode in MODES[: 1 if name in FWD_ONLY else 2]:
 
       def measure_one(t_len):
         args, ct = make_inputs(batch, t_len, d, extra, dtype=dtype)
@@ -175,7 +203,15 @@ def checks(records):
     ]  # fmt: skip
   fr = ratio(get("aft_simple", "fwd", 4096), get("cumsum", "fwd", 4096), "time_s")
   floor = common.check("aft_simple fwd time / cumsum floor at T=4096", fr, "<= 2", lambda x: x <= 2)
-  return out + [floor]
+  # the decay op's targets: its fwd+bwd and its one-token steps against aft_simple's
+  dr = ratio(get("aft_decay", "fwd_bwd", 4096), get("aft_simple", "fwd_bwd", 4096), "time_s")
+  sr = ratio(get("aft_decay_steps", "fwd", 4096), get("aft_simple_steps", "fwd", 4096), "time_s")
+  return out + [
+    floor,
+    common.check("aft_decay fwd+bwd time / aft_simple at T=4096", dr, "<= 1.5", lambda x: x <= 1.5),
+    common.check("aft_decay_steps time / aft_simple_steps at T=4096", sr, "<= 1.2",
+                 lambda x: x <= 1.2),
+  ]  # fmt: skip
 
 
 def markdown(records, sizes, names, info):
@@ -189,7 +225,7 @@ def markdown(records, sizes, names, info):
     ):
       lines.append(f"\n**{title}, {label}** (batch {info['batch']}, d {info['d']}, causal)\n")
       rows = []
-      for name in (n for n in names if (n, mode) != ("cumsum", "fwd_bwd")):
+      for name in (n for n in names if mode == "fwd" or n not in FWD_ONLY):
         cells = [by.get((name, mode, t), {}) for t in sizes]  # else "skipped" or "error"
         rows.append([name] + [fmt(r[field]) if r.get("status") == "ok" else r.get("status", "")
                               for r in cells])  # fmt: skip

@@ -214,7 +214,7 @@ def test_readme_opens_with_the_quickstart_and_the_test_command_and_help_reads_we
   # help() on the layers and ops reads well
   text = pydoc.render_doc(aft_jax.layers.AFTLocal, renderer=pydoc.plaintext)
   assert "AFT-local (paper Eq. 4)" in text and "window" in text
-  for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d"):
+  for name in ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_conv2d", "aft_decay"):
     doc = getattr(aft_jax.ops, name).__doc__
     assert "Args:" in doc and "Returns:" in doc and "[..., " in doc, name
 

@@ -250,6 +250,7 @@ def test_a_traced_call_enters_at_most_three_modules():
       (x, x, x, w),
     ),
     "aft_full": (lambda q, k, v, w: ops.aft_full(q, k, v, w, impl="xla"), (x, x, x, w)),
+    "aft_decay": (lambda q, k, v: ops.aft_decay(q, k, v, jnp.ones(5), impl="xla"), (x, x, x)),
     "AFTLocal.apply": (layer.apply, (jax.eval_shape(layer.init, jax.random.key(0), x), x)),
   }
   for name, (fn, args) in cases.items():

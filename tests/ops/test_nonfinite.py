@@ -20,6 +20,7 @@ Q, K, V = rand(0, (2, T, D), (2, T, D), (2, T, D))
 (W,) = rand(1, (T, T))
 QC, VC = rand(2, (2, T, 2, 8), (2, T, 2, 8))
 KC, KER = rand(3, (2, T, 2), (2, 3))
+LAM, BONUS = (np.abs(x) for x in rand(4, (D,), (D,)))  # aft_decay's decay (its "w") and bonus
 
 
 # name -> (op(q, k, v, w), inputs, float64 reference, names of the inputs)
@@ -33,10 +34,12 @@ OPS = {
                  (Q, K, V, W), lambda q, k, v, w: ref.aft_simple(q, k, v, True)),
   "aft_conv1d": (lambda impl: lambda q, k, v, w: ops.aft_conv1d(q, k, v, w, causal=True, impl=impl),
                  (QC, KC, VC, KER), lambda q, k, v, w: ref.aft_conv1d(q, k, v, w, True)),
+  "aft_decay": (lambda impl: lambda q, k, v, w: ops.aft_decay(q, k, v, w, BONUS, impl=impl),
+                (Q, K, V, LAM), lambda q, k, v, w: ref.aft_decay(q, k, v, w, BONUS)),
 }  # fmt: skip
 CASES = [("aft_full", "xla"), ("aft_local", "xla"), ("aft_local", "pallas_interpret"),
          ("aft_simple", "xla"), ("aft_simple", "pallas_interpret"),
-         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla")]  # fmt: skip
+         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla"), ("aft_decay", "xla")]  # fmt: skip
 
 
 QT, KT, VT = rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes
@@ -113,7 +116,7 @@ def test_logits_around_the_sentinel(name, impl):
   for scale in (1e30, 1e35):
     q, k, v, w = inputs
     k = k * np.float32(scale)
-    w = w * np.float32(scale if name != "aft_conv1d" else 1.0)
+    w = w * np.float32(scale if name not in ("aft_conv1d", "aft_decay") else 1.0)  # parameters
     out = np.asarray(fn(q, k, v, w))
     np.testing.assert_allclose(
       out, reference(q, k, v, w), rtol=2e-4, atol=2e-5, err_msg=f"scale {scale}"

@@ -98,3 +98,27 @@ def aft_conv2d(q, k, v, kernel):
       vf = v[..., h, c].reshape(lead + (n, 1))
       y[..., h, c] = aft_full(qf, kf, vf, w).reshape(lead + (ht, wd))
   return y
+
+
+def aft_decay(q, k, v, decay, bonus=None, segment_ids=None):
+  """Causal, w[t, t'] = -decay (t - t') for t' < t, bonus at t' = t, per channel; q, k, v:
+  [..., T, D]; decay, bonus: [D]; segment_ids [..., T]: t' only from t's document."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  lead, (t_len, d) = q.shape[:-2], q.shape[-2:]
+  decay = np.asarray(decay, np.float64)
+  bonus = np.zeros(d) if bonus is None else np.asarray(bonus, np.float64)
+  seg = np.zeros(lead + (t_len,)) if segment_ids is None else np.asarray(segment_ids)
+  q, k, v = (x.reshape((-1, t_len, d)) for x in (q, k, v))
+  seg = np.broadcast_to(seg, lead + (t_len,)).reshape(-1, t_len)
+  y = np.zeros_like(q)
+  for b in range(q.shape[0]):
+    for t in range(t_len):
+      first = t
+      while first > 0 and seg[b, first - 1] == seg[b, t]:
+        first -= 1
+      keys = list(range(first, t + 1))
+      for c in range(d):
+        w = [bonus[c] if tp == t else -decay[c] * (t - tp) for tp in keys]
+        logits = np.array([k[b, tp, c] + w[i] for i, tp in enumerate(keys)])
+        y[b, t, c] = _sigmoid(q[b, t, c]) * _weighted(logits, v[b, keys, c])
+  return y.reshape(lead + (t_len, d))

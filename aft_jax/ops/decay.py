@@ -1,0 +1,200 @@
+"""AFT with a learned decay (RWKV-4's WKV form of AFT): the op, its step and its chunked XLA
+sums; no kernel yet (docs/kernels.md, "How each module computes")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aft_jax.ops import common
+from aft_jax.ops import logsumexp as lse
+from aft_jax.ops.logsumexp import NEG, Acc, tame
+
+FN = "aft_decay"
+# Positions per chunk: on CPU the fastest of 1 to 32 forward and backward (the pairwise terms,
+# O(T D CHUNK), against a scan step per chunk); a one-shift sum per chunk was slower still.
+CHUNK = 2
+_sg = jax.lax.stop_gradient
+
+
+def aft_decay(
+  q, k, v, decay, bonus=None, *, causal=True, impl="auto", initial_state=None,
+  output_final_state=False, segment_ids=None, axis_name=None,
+):  # fmt: skip
+  """AFT with a decaying bias, w[t, t'] = -decay (t - t') for t' < t and ``bonus`` for t' = t:
+
+      Y[t] = sigma(q[t]) * (sum_{t' < t} exp(k[t'] - decay (t - t')) v[t'] + exp(k[t] + bonus)
+             v[t]) / (the same sums without v)
+
+  per channel. With decay 0 and no bonus it is causal ``aft_simple``. A decay per head is the
+  caller's ``decay_H`` broadcast to ``[H, C]`` and flattened to D = H C.
+
+  Args:
+    q, k, v: ``[..., T, D]``.
+    decay: ``[D]``, >= 0 (checked where concrete): the bias falls by this per position of
+      distance.
+    bonus: ``[D]``, the bias of t' = t; None: 0.
+    causal: True (the decay is one-sided: causal=False is refused).
+    impl: "auto" or "xla" (XLA, the only implementation for now).
+    initial_state, output_final_state: as ``aft_simple``: an ``Acc``, the decayed triple of the
+      positions before this piece (the state of ``aft_decay_step``).
+    segment_ids: ``[..., T]`` ints, packed documents that do not see each other.
+    axis_name: not supported yet (a ValueError).
+
+  Returns:
+    ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D CHUNK) time, O(T D) memory.
+  """
+  q, k, v = common.check_qkv(FN, q, k, v)
+  if isinstance(causal, (bool, np.bool_)) and not causal:
+    raise ValueError(
+      f"{FN}: causal={causal!r} is not supported: the decay is one-sided (use causal=True)"
+    )
+  if impl in ("pallas", "pallas_interpret"):
+    raise ValueError(f"{FN}: impl={impl!r} is not available: there is no Pallas kernel for this "
+                     "op yet; use impl='xla'")  # fmt: skip
+  if axis_name is not None:
+    raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported yet; got "
+                     f"axis_name={axis_name!r}")  # fmt: skip
+  common.check_mode(
+    FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
+    segment_ids=segment_ids,
+  )  # fmt: skip
+  common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids)
+  decay, bonus = check_params(FN, decay, bonus, q.shape[-1])
+  shape = q.shape[:-2] + q.shape[-1:]
+  common.check_state(FN, initial_state, lambda: aft_decay_init(shape))
+  return common.eager(
+    _run, q=q, k=k, v=v, decay=decay, bonus=bonus, state=initial_state,
+    segment_ids=segment_ids, final=output_final_state,
+  )  # fmt: skip
+
+
+def check_params(fn, decay, bonus, d: int):  # decay [D] >= 0 (where concrete), bonus None or [D]
+  decay = common.array(fn, "decay", decay)
+  bonus = None if bonus is None else common.array(fn, "bonus", bonus)
+  common.check_arrays(fn, decay=decay, **({} if bonus is None else {"bonus": bonus}))
+  for name, x in (("decay", decay), ("bonus", bonus)):
+    if x is not None and x.shape != (d,):
+      raise ValueError(f"{fn}: {name} must be [D] = ({d},); got {name} {x.shape}")
+  if not isinstance(decay, jax.core.Tracer) and not bool(np.all(np.asarray(decay) >= 0)):
+    raise ValueError(f"{fn}: decay must be >= 0 (and not NaN); got min {np.min(decay)}")
+  return decay, bonus
+
+
+def _run(q, k, v, decay, bonus, state, segment_ids, final):
+  out_dt, dt = common.dtypes(q, k, v)
+  shape = q.shape[:-2] + q.shape[-1:]
+  if q.shape[-2] == 0:
+    return lse.nothing(q, k, v, state, final, lambda: aft_decay_init(shape))
+  lam = jnp.asarray(decay, dt)
+  u = jnp.zeros_like(lam) if bonus is None else jnp.asarray(bonus, dt)
+  n = int(np.prod(q.shape[:-2], dtype=np.int64))
+  per_row = lambda x: jnp.tile(x, n)  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out
+  k2, v2 = common.rows(k.astype(dt)), common.rows(v.astype(dt))
+  starts = None
+  if segment_ids is not None:
+    seg = jnp.broadcast_to(segment_ids, q.shape[:-1])
+    starts = common.rows(jnp.broadcast_to(lse._starts(seg)[..., None], q.shape))
+  carry = lse.empty(k2.shape[1:]) if state is None else Acc(*(common.rows(x[..., None, :])[0]
+                                                              for x in state))  # fmt: skip
+  carry = Acc(*(x.astype(dt) for x in carry))
+  a, carry = decayed_mean(k2, v2, per_row(lam), per_row(u), carry, starts, CHUNK)
+  y = lse.gate(q.astype(dt), common.unrows(a, q.shape)).astype(out_dt)
+  if not final:
+    return y
+  back = lambda x: common.unrows(x[None], shape[:-1] + (1, shape[-1]))[..., 0, :]
+  return y, Acc(*(back(x) for x in carry))
+
+
+def aft_decay_init(shape) -> Acc:
+  """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D]."""
+  return lse.empty(shape)
+
+
+def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
+  """One token: Y[t] = sigma(q[t]) * (exp(-decay) S + exp(k[t] + bonus) v[t]) / (the same
+  without v), S the decayed sum of the past (``state``); then S = exp(-decay) S + exp(k[t]) v[t].
+  q_t, k_t, v_t ``[..., D]``; decay, bonus ``[D]``. Returns ``(Y[t], state)`` (float32)."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  dt = jnp.result_type(q_t, k_t, v_t)
+  k_t, v_t, lam = f32(k_t), f32(v_t), f32(decay)
+  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
+  # m - 1e-6 rounds to m), the max rounded as it may be.
+  m = _sg(jnp.maximum(state.m - lam, k_t))
+  old, new = jnp.exp(state.m - m - lam), jnp.exp(k_t - m)
+  after = Acc(m, state.num * old + v_t * new, state.den * old + new)
+  if bonus is None:
+    return lse.output(f32(q_t), after).astype(dt), after
+  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
+  u = f32(bonus)
+  scale = jnp.exp(-jnp.abs(u))
+  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
+  seen = Acc(m, state.num * past + v_t * now, state.den * past + now)
+  return lse.output(f32(q_t), seen).astype(dt), after
+
+
+# exp, a * b and a / b whose derivatives' factors are ``tame``d: a later NaN's zero cotangent
+# times its NaN factor is 0, not NaN, so earlier positions' derivatives stay finite (as the
+# other ops' custom derivatives). Values and finite derivatives are unchanged.
+_exp, _mul, _div = (jax.custom_jvp(f) for f in (jnp.exp, jnp.multiply, jnp.divide))
+_exp.defjvp(lambda x, t: (jnp.exp(x[0]), tame(jnp.exp(x[0])) * t[0]))
+_mul.defjvp(lambda x, t: (x[0] * x[1], tame(x[1]) * t[0] + tame(x[0]) * t[1]))
+_div.defjvp(lambda x, t: (x[0] / x[1], tame(1 / x[1]) * t[0] - tame(x[0] / x[1] ** 2) * t[1]))
+
+
+def _chunk_tables(c: int):
+  """Rows 0..c-1: the chunk's outputs; row c: its final state. (distance of key j from row i,
+  j counts, j is row i's own position, the carried state's distance) as NumPy constants."""
+  i, j = np.arange(c + 1)[:, None], np.arange(c)[None, :]
+  last = i == c
+  dist = np.where(last, c - 1 - j, i - j)
+  counts = np.where(last, True, j <= i)
+  own = (i == j) & ~last
+  carried = np.minimum(np.arange(c + 1) + 1, c)
+  return dist, counts, own, carried, np.minimum(np.arange(c + 1), c - 1)
+
+
+def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
+  """One chunk of c positions from ``start``: a [c, R], the state after it. Exact: every row's
+  terms, the carried state's among them, are shifted by that row's own maximum."""
+  c = kc.shape[0]
+  dist, counts, own, carried, row_pos = _chunk_tables(c)
+  bias = -lam * dist[..., None] + jnp.where(own[..., None], u, 0.0)  # [c+1, c, R]
+  ok = jnp.broadcast_to(counts[..., None], bias.shape)
+  carried_ok = True
+  if sc is not None:  # a key counts from its row's segment start on; the state only before it
+    row_start = sc[row_pos]  # [c+1, R]
+    ok = ok & (row_start[:, None, :] <= start + np.arange(c)[None, :, None])
+    carried_ok = row_start < start
+  old_bias = -lam * carried[:, None]  # [c+1, R]
+  # The rows' maxima (a shift: rounding is harmless), then exp((logit - max) + bias): a decay
+  # below the rounding of a large logit (1e-6 at 60) still counts, and is not lost over chunks.
+  top = jnp.max(jnp.where(ok, kc[None] + bias, NEG), axis=1)
+  m = _sg(jnp.maximum(jnp.where(carried_ok, carry.m[None] + old_bias, NEG), top))
+  # Masked terms are exact zeros before exp and before the product (0 * NaN is NaN): a later
+  # non-finite key or value leaves the earlier rows of its chunk bit-identical.
+  p = jnp.where(ok, _exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
+  p_old = jnp.where(carried_ok, _exp(carry.m[None] - m + old_bias), 0.0)
+  num = _mul(p_old, carry.num) + jnp.sum(_mul(p, jnp.where(ok, vc[None], 0.0)), axis=1)
+  den = _mul(p_old, carry.den) + jnp.sum(p, axis=1)
+  return _div(num[:c], den[:c]), Acc(m[c], num[c], den[c])
+
+
+def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):
+  """The weighted means a [T, R] of k, v [T, R] (decay ``lam``, bonus ``u`` [R]) after ``carry``
+  (the state before position 0), and the state after T; ``starts`` [T, R]: each position's
+  segment start (None: one segment). Chunks of ``chunk`` positions in a scan, the rest after."""
+  t_len, r = k.shape
+  c = min(chunk, t_len)
+  whole = t_len // c * c
+  body = jax.checkpoint(lambda acc, xs: _chunk(acc, *xs[:2], lam, u, *xs[2:])[::-1])
+  outs = []
+  if whole:
+    split = lambda x: None if x is None else x[:whole].reshape(-1, c, r)
+    xs = (split(k), split(v), jnp.arange(0, whole, c), split(starts))
+    carry, a = jax.lax.scan(body, carry, xs)
+    outs.append(a.reshape(whole, r))
+  if whole < t_len:
+    rest = lambda x: None if x is None else x[whole:]
+    a, carry = _chunk(carry, rest(k), rest(v), lam, u, whole, rest(starts))
+    outs.append(a)
+  return (outs[0] if len(outs) == 1 else jnp.concatenate(outs)), carry
