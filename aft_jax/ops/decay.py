@@ -1,5 +1,5 @@
 """AFT with a learned decay (RWKV-4's WKV form of AFT): the op, its step and its chunked XLA
-sums; no kernel yet (docs/kernels.md, "How each module computes")."""
+sums; XLA only, no Pallas kernel (docs/kernels.md, "How each module computes")."""
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ def aft_decay(
     initial_state, output_final_state: as ``aft_simple``: an ``Acc``, the decayed triple of the
       positions before this piece (the state of ``aft_decay_step``).
     segment_ids: ``[..., T]`` ints, packed documents that do not see each other.
-    axis_name: not supported yet (a ValueError).
+    axis_name: not supported (a ValueError): T is not sharded over devices.
 
   Returns:
     ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D CHUNK) time, O(T D) memory.
@@ -49,10 +49,10 @@ def aft_decay(
       f"{FN}: causal={causal!r} is not supported: the decay is one-sided (use causal=True)"
     )
   if impl in ("pallas", "pallas_interpret"):
-    raise ValueError(f"{FN}: impl={impl!r} is not available: there is no Pallas kernel for this "
-                     "op yet; use impl='xla'")  # fmt: skip
+    raise ValueError(f"{FN}: impl={impl!r} is not available: this op has no Pallas kernel; "
+                     "use impl='xla'")  # fmt: skip
   if axis_name is not None:
-    raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported yet; got "
+    raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported; got "
                      f"axis_name={axis_name!r}")  # fmt: skip
   common.check_mode(
     FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,

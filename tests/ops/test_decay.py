@@ -156,7 +156,7 @@ ERRORS = [
   ((X, X, X, Z), dict(impl="pallas"), r"aft_decay: impl='pallas' is not available"),
   ((X, X, X, Z), dict(impl="pallas_interpret"), r"impl='pallas_interpret' is not available"),
   ((X, X, X, Z), dict(impl="triton"), r"aft_decay: impl must be one of"),
-  ((X, X, X, Z), dict(axis_name="seq"), r"aft_decay: axis_name .* not supported yet"),
+  ((X, X, X, Z), dict(axis_name="seq"), r"aft_decay: axis_name .* not supported"),
   ((X, X[:, :5], X, Z), {}, r"aft_decay: q, k and v must have the same shape.*k \(2, 5, 4\)"),
   ((X, X, X, Z[:3]), {}, r"aft_decay: decay must be \[D\] = \(4,\); got decay \(3,\)"),
   ((X, X, X, np.zeros((2, 4))), {}, r"decay must be \[D\] = \(4,\); got decay \(2, 4\)"),
