@@ -10,8 +10,8 @@ from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import NEG, Acc, tame
 
 FN = "aft_decay"
-# Positions per chunk: on CPU the fastest of 1 to 32 forward and backward (the pairwise terms,
-# O(T D CHUNK), against a scan step per chunk); a one-shift sum per chunk was slower still.
+# Positions per chunk: small, as the pairwise terms cost O(T D CHUNK) exponentials against one
+# scan step per chunk (its speed: benchmarks/results/decay/).
 CHUNK = 2
 _sg = jax.lax.stop_gradient
 
