@@ -1,5 +1,4 @@
-"""AFT with a learned decay (aft_jax/ops/decay.py) against the float64 loop reference: extreme
-decays and keys, chunks == steps, pieces, packed rows, derivatives, refusals."""
+"""AFT with a learned decay (aft_jax/ops/decay.py) against the float64 loop reference and more."""
 
 import functools
 
@@ -12,6 +11,7 @@ from jax.test_util import check_grads
 from aft_jax import ops
 from aft_jax.ops import decay as decay_mod
 from tests.support import numpy_reference as ref
+from tests.support.helpers import export_for
 from tests.support.op_cases import close, cotangent
 
 B, T, D = 2, 19, 4  # T: odd, chunks and a rest
@@ -98,9 +98,7 @@ def test_each_packed_document_as_if_alone():
   seg = np.array([[1] * n + [2] * (T - n) for n in splits], np.int32)
   q, k, v = _inputs(6, scale=5.0)
   ct = cotangent(q.shape)
-
-  def packed(q, k, v, lam, u):
-    return jnp.sum(ops.aft_decay(q, k, v, lam, u, segment_ids=seg) * ct)
+  packed = lambda q, k, v, lam, u: jnp.sum(ops.aft_decay(q, k, v, lam, u, segment_ids=seg) * ct)
 
   def alone(q, k, v, lam, u):
     total = 0.0
@@ -130,14 +128,18 @@ def test_gradients_match_finite_differences(packed):
     check_grads(fn, (*qkv, lam, u), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
-def test_jit_and_vmap():
-  """jit; vmap over the batch, and over per-example decays (the same decay in each)."""
+def test_jit_vmap_and_export_for_gpu_and_tpu():
+  """jit; vmap (batch, per-example decays); fwd+bwd exported for GPU and TPU: no custom call."""
   q, k, v, lam = *_inputs(8), LAM
   want = ops.aft_decay(q, k, v, lam)
   for got in (jax.jit(ops.aft_decay)(q, k, v, lam),
               jax.vmap(ops.aft_decay, in_axes=(0, 0, 0, None))(q, k, v, lam),
               jax.jit(jax.vmap(ops.aft_decay))(q, k, v, np.stack([lam, lam]))):  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  x, d = jax.ShapeDtypeStruct((2, 8, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)
+  fwd_bwd = jax.grad(lambda *a: jnp.sum(ops.aft_decay(*a, a[3])), argnums=(0, 1, 2, 3))
+  for platform in ("cuda", "tpu"):
+    assert "custom_call" not in export_for(fwd_bwd, x, x, x, d, platform=platform).mlir_module()
 
 
 def test_steps_keep_the_inputs_dtype():
