@@ -18,7 +18,7 @@ from tests.support.helpers import ROOT
 SPILL_ALLOWANCE = {"sm_75": 16, "sm_80": 48, "sm_90": 24}
 # The kernels per (op, configuration, dtype, architecture); the chunk-parallel form adds the totals.
 KERNELS = {"aft_simple": {"fwd", "fwd+lse", "bwd"}, "aft_local": {"fwd", "fwd+lse", "bwd", "dw"},
-           "aft_decay": {"fwd", "fwd+lse", "bwd"}}  # (sequential only)
+           "aft_decay": {"fwd", "fwd+lse", "bwd"}}  # (sequential only)  # fmt: skip
 TOTALS = {"totals k, v", "totals L, g, a"}
 # Configurations per form: sequential every one, chunk-parallel the widest (plan_for's).
 FORM_CONFIGS = {"sequential": set(triton.CONFIGS), "chunked": {triton.CONFIGS[0]}}

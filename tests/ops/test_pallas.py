@@ -332,9 +332,11 @@ def test_decay_kernel_against_reference(keys):
     want = jax.grad(loss("xla"), argnums=range(5))(*(np.float64(x) for x in args))
   for g, x in zip(grads, want):
     np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
-  # Two pieces, keys std 1 or +-60 (the state enters the kernel as one float32 key, m + log(den))
-  piece = lambda lo, hi, **kw: ops.aft_decay(*(x[:1, lo:hi] for x in args[:3]), lam, u,
-                                             impl="pallas_interpret", output_final_state=True, **kw)
+
+  def piece(lo, hi, **kw):  # keys std 1 or +-60 (the state enters as one float32 key)
+    qkv = (x[:1, lo:hi] for x in args[:3])
+    return ops.aft_decay(*qkv, lam, u, impl="pallas_interpret", output_final_state=True, **kw)
+
   y1, state = piece(0, 20)
   y2, state = piece(20, 37, initial_state=state)
   np.testing.assert_allclose(np.concatenate([y1, y2], 1), y[:1], rtol=1e-5, atol=1e-6)
