@@ -333,16 +333,22 @@ def test_decay_kernel_against_reference(keys):
   for g, x in zip(grads, want):
     np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
 
-  def piece(lo, hi, **kw):  # keys std 1 or +-60 (the state enters as one float32 key)
-    qkv = (x[:1, lo:hi] for x in args[:3])
-    return ops.aft_decay(*qkv, lam, u, impl="pallas_interpret", output_final_state=True, **kw)
+  def pieces(impl, q, k, v, lam, u):  # keys std 1 or +-60 (the state enters as one float32 key)
+    piece = lambda s, **kw: ops.aft_decay(q[:1, s], k[:1, s], v[:1, s], lam, u, impl=impl,
+                                          output_final_state=True, **kw)  # fmt: skip
+    y1, state = piece(slice(0, 20))
+    y2, state = piece(slice(20, None), initial_state=state)
+    y, lse_ = jnp.concatenate([y1, y2], 1), state.m + jnp.log(state.den)
+    return jnp.sum(y * ct[:1]) + jnp.sum(lse_ + state.num / state.den), (y, lse_, state)
 
-  y1, state = piece(0, 20)
-  y2, state = piece(20, 37, initial_state=state)
-  np.testing.assert_allclose(np.concatenate([y1, y2], 1), y[:1], rtol=1e-5, atol=1e-6)
-  want = ops.aft_decay(*(x[:1] for x in args[:3]), lam, u, output_final_state=True)[1]
-  np.testing.assert_allclose(state.m + np.log(state.den), want.m + np.log(want.den), rtol=1e-6)
-  np.testing.assert_allclose(state.num / state.den, want.num / want.den, rtol=1e-5, atol=1e-6)
+  run = lambda impl: jax.jit(jax.value_and_grad(functools.partial(pieces, impl), range(5), True))
+  (_, (y1, lse1, s1)), g1 = run("pallas_interpret")(*args)
+  (_, (_, lse2, s2)), g2 = run("xla")(*args)
+  np.testing.assert_allclose(y1, y[:1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse1, lse2, rtol=1e-6)
+  np.testing.assert_allclose(s1.num / s1.den, s2.num / s2.den, rtol=1e-5, atol=1e-6)
+  for g, x in zip(g1, g2):
+    np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
 
 
 def test_tpu_kernel_exact_paths_are_taken_and_needed(monkeypatch):
