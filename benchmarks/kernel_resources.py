@@ -35,9 +35,10 @@ _LOWER_ON = "h100"  # whose Triton IR the non-XLA archs compile (it reads the ar
 _PLUGIN_CHECK_ARCH = "sm_80"  # where jaxlib's Triton compile is also run, beside XLA's
 DTYPES = ("float32", "bfloat16")
 # Each op's kernels by (kernel function, outputs): forward, forward keeping the log-normaliser
-# (the VJP's), backward, AFT-local's dw.
+# (the VJP's), backward, AFT-local's dw; the decay's (sequential only) keep one more output each.
 _SIMPLE = {("_fwd_kernel", 1): "fwd", ("_fwd_kernel", 2): "fwd+lse", ("_bwd_kernel", 2): "bwd"}
-KERNELS = {"aft_simple": _SIMPLE, "aft_local": {**_SIMPLE, ("_dw_kernel", 1): "dw"}}
+KERNELS = {"aft_simple": _SIMPLE, "aft_local": {**_SIMPLE, ("_dw_kernel", 1): "dw"},
+           "aft_decay": {(f, n + (n > 1)): k for (f, n), k in _SIMPLE.items()}}  # fmt: skip
 # The chunk-parallel form's segment totals of the forward and the backward, by operand count.
 TOTALS = {2: "totals k, v", 3: "totals L, g, a"}
 FORMS = ("sequential", "chunked")
@@ -76,8 +77,7 @@ def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
   return out
 
 
-def ptx_target(ptx: str) -> str:  # sm_90a for Hopper
-  return re.search(r"^\s*\.target\s+(\w+)", ptx, re.M).group(1)
+ptx_target = lambda ptx: re.search(r"^\s*\.target\s+(\w+)", ptx, re.M).group(1)  # sm_90a: Hopper
 
 
 def run_ptxas(ptx: str) -> dict[str, dict[str, int]]:
@@ -116,10 +116,10 @@ def lower(op: str, form: str, d: int, dtype: str, device):
 
   from benchmarks import kernel_form
 
-  if op == "aft_simple":
-    f = lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl="pallas")
-  else:
-    f = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=WINDOW, causal=True, impl="pallas")
+  kw = dict(causal=True, impl="pallas")
+  f = {"aft_simple": functools.partial(ops.aft_simple, **kw),
+       "aft_decay": functools.partial(ops.aft_decay, **kw),
+       "aft_local": functools.partial(ops.aft_local, window=WINDOW, **kw)}[op]  # fmt: skip
 
   @kernel_form.forced(form)
   def fwd_and_vjp(*args):
@@ -128,9 +128,10 @@ def lower(op: str, form: str, d: int, dtype: str, device):
 
   sharding = jax.sharding.SingleDeviceSharding(device)
   x = jax.ShapeDtypeStruct((BATCH, T_LEN, d), dtype, sharding=sharding)
-  w = jax.ShapeDtypeStruct((T_LEN, T_LEN), "float32", sharding=sharding)
+  shapes = {"aft_simple": [], "aft_local": [(T_LEN, T_LEN)], "aft_decay": [(d,)]}[op]
+  w = [jax.ShapeDtypeStruct(s, "float32", sharding=sharding) for s in shapes]
   with jax.set_mesh(jax.sharding.Mesh([device], ("x",))):
-    return jax.jit(fwd_and_vjp).lower(x, x, x, *[w] * (op != "aft_simple"))
+    return jax.jit(fwd_and_vjp).lower(x, x, x, *w)
 
 
 def triton_calls(lowered) -> list[dict]:
@@ -248,7 +249,8 @@ def cases() -> list[tuple[str, int, str, str]]:
   """(op, ``triton.CONFIGS`` index, dtype, form) per measurement, the costliest first."""
   costliest = sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
   forms = [(form, i) for form in reversed(FORMS) for i in FORM_CONFIGS[form]]
-  return [(op, i, dtype, form) for op in costliest for form, i in forms for dtype in DTYPES]
+  return [(op, i, dtype, form) for op in costliest for form, i in forms for dtype in DTYPES
+          if form == "sequential" or op != "aft_decay"]  # fmt: skip
 
 
 def measure_cases(selected, route_check: bool, archs) -> dict:
@@ -286,9 +288,8 @@ def measure_cases(selected, route_check: bool, archs) -> dict:
       for call, kernel in unique.values():
         args = (op, form, call, cfg, d, dtype, arch, compiler, kernel)
         pending.append((args, shared_memory_limits(arch.target), ptxas_of(kernel["ptx"])))
-    took = time.time() - t0
-    print(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, {took:.1f} s",
-          flush=True)  # fmt: skip
+    print(f"  {op} {form} block_d {cfg.block_d} {dtype}: {len(calls)} kernels, "
+          f"{time.time() - t0:.1f} s", flush=True)  # fmt: skip
   out = {"rows": [], "plugin_check": []}
   for args, lim, future in pending:
     row = _row(*args, future.result(), lim)
@@ -310,8 +311,7 @@ def measure(workers: int, route_check: bool, archs) -> dict:
   return {k: sorted(sum((s[k] for s in shards), []), key=_order) for k in ("rows", "plugin_check")}
 
 
-def _kib(b: int) -> str:
-  return f"{b / 1024:g} KiB"
+_kib = lambda b: f"{b / 1024:g} KiB"
 
 
 def headline(rows: list[dict]) -> list[str]:

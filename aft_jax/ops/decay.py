@@ -1,5 +1,5 @@
 """AFT with a learned decay (RWKV-4's WKV form of AFT): the op, its step and its chunked XLA
-sums; XLA only, no Pallas kernel (docs/kernels.md, "How each module computes")."""
+sums; its kernel: ``pallas.triton_decay`` (docs/kernels.md, "How each module computes")."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +8,10 @@ import numpy as np
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import NEG, Acc, tame
+from aft_jax.ops.pallas import triton_decay
 
 FN = "aft_decay"
+KERNELS = (common.Kernel("gpu", triton_decay.decay_mean, triton_decay.unsupported),)
 # Positions per chunk: small, as the pairwise terms cost O(T D CHUNK) exponentials against one
 # scan step per chunk (its speed: benchmarks/results/decay/).
 CHUNK = 2
@@ -34,7 +36,7 @@ def aft_decay(
       distance.
     bonus: ``[D]``, the bias of t' = t; None: 0.
     causal: True (the decay is one-sided: causal=False is refused).
-    impl: "auto" or "xla" (XLA, the only implementation for now).
+    impl: as ``aft_simple``; the kernel runs the whole sequence and a piece (packed rows: XLA).
     initial_state, output_final_state: as ``aft_simple``: an ``Acc``, the decayed triple of the
       positions before this piece (the state of ``aft_decay_step``).
     segment_ids: ``[..., T]`` ints, packed documents that do not see each other.
@@ -48,9 +50,6 @@ def aft_decay(
     raise ValueError(
       f"{FN}: causal={causal!r} is not supported: the decay is one-sided (use causal=True)"
     )
-  if impl in ("pallas", "pallas_interpret"):
-    raise ValueError(f"{FN}: impl={impl!r} is not available: this op has no Pallas kernel; "
-                     "use impl='xla'")  # fmt: skip
   if axis_name is not None:
     raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported; got "
                      f"axis_name={axis_name!r}")  # fmt: skip
@@ -64,7 +63,7 @@ def aft_decay(
   common.check_state(FN, initial_state, lambda: aft_decay_init(shape))
   return common.eager(
     _run, q=q, k=k, v=v, decay=decay, bonus=bonus, state=initial_state,
-    segment_ids=segment_ids, final=output_final_state,
+    segment_ids=segment_ids, final=output_final_state, impl=impl,
   )  # fmt: skip
 
 
@@ -80,13 +79,15 @@ def check_params(fn, decay, bonus, d: int):  # decay [D] >= 0 (where concrete), 
   return decay, bonus
 
 
-def _run(q, k, v, decay, bonus, state, segment_ids, final):
+def _run(q, k, v, decay, bonus, state, segment_ids, final, impl):
   out_dt, dt = common.dtypes(q, k, v)
   shape = q.shape[:-2] + q.shape[-1:]
   if q.shape[-2] == 0:
     return lse.nothing(q, k, v, state, final, lambda: aft_decay_init(shape))
   lam = jnp.asarray(decay, dt)
   u = jnp.zeros_like(lam) if bonus is None else jnp.asarray(bonus, dt)
+  if segment_ids is None and common.resolve(FN, impl, KERNELS, causal=True, channels=shape[-1]):
+    return _by_kernel(q, k, v, jnp.stack([lam, u]), state, final, impl)
   n = int(np.prod(q.shape[:-2], dtype=np.int64))
   per_row = lambda x: jnp.tile(x, n)  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out
   k2, v2 = common.rows(k.astype(dt)), common.rows(v.astype(dt))
@@ -103,6 +104,31 @@ def _run(q, k, v, decay, bonus, state, segment_ids, final):
     return y
   back = lambda x: common.unrows(x[None], shape[:-1] + (1, shape[-1]))[..., 0, :]
   return y, Acc(*(back(x) for x in carry))
+
+
+def _by_kernel(q, k, v, w, state, final, impl):  # the state as a key before the piece
+  def xla(k, v, w, _):  # where the kernel does not run (common.run)
+    k2, v2 = common.rows(k), common.rows(v)
+    tile = lambda x: jnp.tile(x, k2.shape[1] // x.shape[0])
+    a = decayed_mean(k2, v2, tile(w[0]), tile(w[1]), lse.empty(k2.shape[1:]), None, CHUNK)[0]
+    return common.unrows(a, k.shape)
+
+  run = lambda q, k, v: common.run(FN, KERNELS, impl, xla, q, k, v, w, causal=True)
+  y = lse.after_state(run, q, k, v, state)
+  if not final:
+    return y
+  # The decayed triple after the piece: each term shifted by the max, then decayed.
+  k, v, lam, t_len = k.astype(w.dtype), v.astype(w.dtype), w[0], k.shape[-2]
+  to_end = lam * jnp.arange(t_len - 1, -1, -1, dtype=w.dtype)[:, None]  # [T, D]
+  m = _sg(jnp.max(k - to_end, axis=-2))
+  if state is not None:
+    m = _sg(jnp.maximum(m, state.m - lam * t_len))
+  e = jnp.exp((k - m[..., None, :]) - to_end)
+  acc = Acc(m, jnp.sum(e * v, axis=-2), jnp.sum(e, axis=-2))
+  if state is None:
+    return y, acc
+  s = jnp.exp((state.m - m) - lam * t_len)
+  return y, Acc(m, acc.num + s * state.num, acc.den + s * state.den)
 
 
 def aft_decay_init(shape) -> Acc:

@@ -39,7 +39,8 @@ OPS = {
 }  # fmt: skip
 CASES = [("aft_full", "xla"), ("aft_local", "xla"), ("aft_local", "pallas_interpret"),
          ("aft_simple", "xla"), ("aft_simple", "pallas_interpret"),
-         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla"), ("aft_decay", "xla")]  # fmt: skip
+         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla"), ("aft_decay", "xla"),
+         ("aft_decay", "pallas_interpret")]  # fmt: skip
 
 
 QT, KT, VT = rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes

@@ -15,10 +15,11 @@ import pytest
 from aft_jax import ops
 from aft_jax.model import ModelConfig, TransformerLM
 from aft_jax.ops import simple
-from aft_jax.ops.pallas import mosaic_simple, triton, triton_local, triton_simple
+from aft_jax.ops.pallas import mosaic_simple, triton, triton_decay, triton_local, triton_simple
 from benchmarks import accelerator_check, kernel_form
 from tests.support.helpers import TRITON, export_for, on_target
 from aft_jax.ops import logsumexp as lse
+from tests.support import numpy_reference
 from tests.support.op_cases import ATOL, RTOL, kernel_inputs, simple_reference
 
 _GRID = re.compile(r"grid_x = (\d+) : i\d+, grid_y = (\d+) : i\d+, grid_z = (\d+) : i\d+")
@@ -49,6 +50,10 @@ def test_kernels_lower_for_cuda(i, dtype):
         # [B, D / block_d, 2 segments]; dw: [query chunks (T padded to 128), D / block_d, 1].
         grids = {tuple(map(int, g)) for g in _GRID.findall(module)}
         assert not seg or grids <= {(2, 3, 2), (8, 3, 1)}, grids
+  decay = lambda k, v, w: jnp.sum(triton_decay.decay_mean(k, v, w, None, cfg))
+  w = jax.ShapeDtypeStruct((2, 3 * cfg.block_d), jnp.float32)  # (decay, bonus)
+  for n, fn in ((1, decay), (2, jax.value_and_grad(decay, argnums=(0, 1, 2)))):
+    assert export_for(fn, x, x, w).mlir_module().count(f"custom_call @{TRITON}(") == n
 
 
 def test_chunk_parallel_later_segments_never_reach_earlier_ones():
@@ -307,6 +312,43 @@ def test_kernel_against_reference(op, t_len, d, window, seg, dtype, stds, grads,
       np.testing.assert_allclose(g, x, rtol=0 if bf16 else tol, atol=atol, err_msg=f"std {std}")
     if bf16 and grads:
       assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
+
+
+@pytest.mark.parametrize("keys", ["std1_std40", "extreme"])
+def test_decay_kernel_against_reference(keys):
+  """T 37 (chunks and a rest), decays 0, 1e-6, 0.7, 30, a bonus: the output against the float64
+  loop reference, gradients in q, k, v, decay, bonus against the float64 XLA form; two pieces."""
+  q, k, v, ct = kernel_inputs(37, 16, seed=11)
+  if keys == "extreme":  # exp overflows past 88 (float32)
+    k = np.sign(k) * np.array([60.0, 1e4], np.float32)[:, None, None]
+  lam = np.repeat(np.array([0.0, 1e-6, 0.7, 30.0], np.float32), 4)
+  u = np.float32(2.0) * ct[0, 0]
+  args = (q, k, v, lam, u)
+  loss = lambda impl: lambda *a: jnp.sum(ops.aft_decay(*a, impl=impl) * ct)
+  grads = jax.jit(jax.grad(loss("pallas_interpret"), argnums=range(5)))(*args)
+  y = ops.aft_decay(*args, impl="pallas_interpret")
+  np.testing.assert_allclose(y, numpy_reference.aft_decay(*args), rtol=1e-5, atol=1e-6)
+  with jax.enable_x64(True):
+    want = jax.grad(loss("xla"), argnums=range(5))(*(np.float64(x) for x in args))
+  for g, x in zip(grads, want):
+    np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+
+  def pieces(impl, q, k, v, lam, u):  # keys std 1 or +-60 (the state enters as one float32 key)
+    piece = lambda s, **kw: ops.aft_decay(q[:1, s], k[:1, s], v[:1, s], lam, u, impl=impl,
+                                          output_final_state=True, **kw)  # fmt: skip
+    y1, state = piece(slice(0, 20))
+    y2, state = piece(slice(20, None), initial_state=state)
+    y, lse_ = jnp.concatenate([y1, y2], 1), state.m + jnp.log(state.den)
+    return jnp.sum(y * ct[:1]) + jnp.sum(lse_ + state.num / state.den), (y, lse_, state)
+
+  run = lambda impl: jax.jit(jax.value_and_grad(functools.partial(pieces, impl), range(5), True))
+  (_, (y1, lse1, s1)), g1 = run("pallas_interpret")(*args)
+  (_, (_, lse2, s2)), g2 = run("xla")(*args)
+  np.testing.assert_allclose(y1, y[:1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse1, lse2, rtol=1e-6)
+  np.testing.assert_allclose(s1.num / s1.den, s2.num / s2.den, rtol=1e-5, atol=1e-6)
+  for g, x in zip(g1, g2):
+    np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
 
 
 def test_tpu_kernel_exact_paths_are_taken_and_needed(monkeypatch):

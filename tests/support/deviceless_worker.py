@@ -111,6 +111,7 @@ def kernel_cases() -> list[dict]:
         shape = {"d": d, "batch": b, "t": T_GPU, "dtype": dtype, "mode": mode}
         cases.append({"op": "aft_simple", "window": None, **shape})
         cases.append({"op": "aft_local", "window": WINDOWS[i % len(WINDOWS)], **shape})
+        cases.append({"op": "aft_decay", "window": None, **shape})
   return cases
 
 
@@ -125,6 +126,8 @@ def representatives(cases) -> list[int]:
 def _case_fn(case, impl: str):
   if case["op"] == "aft_simple":
     op = lambda q, k, v: ops.aft_simple(q, k, v, causal=True, impl=impl)
+  elif case["op"] == "aft_decay":
+    op = lambda q, k, v, decay: ops.aft_decay(q, k, v, decay, decay, impl=impl)
   else:
     op = lambda q, k, v, w: ops.aft_local(q, k, v, w, window=case["window"], causal=True, impl=impl)
   if case["mode"] == "fwd":
@@ -135,7 +138,8 @@ def _case_fn(case, impl: str):
 
 def _case_args(case, mesh):
   qkv = _specs(mesh, [(case["batch"], case["t"], case["d"])] * 3, case["dtype"])
-  return qkv if case["op"] == "aft_simple" else qkv + _specs(mesh, [(case["t"],) * 2], jnp.float32)
+  w = {"aft_simple": [], "aft_local": [(case["t"],) * 2], "aft_decay": [(case["d"],)]}[case["op"]]
+  return qkv + _specs(mesh, w, jnp.float32)
 
 
 def _lower(fn, args, mesh):

@@ -83,14 +83,14 @@ def mean_with_vjp(forward, backward):  # mean(k, v, w, static), its VJP by forwa
     return forward(k, v, w, static, False)[0][:, : k.shape[1]]
 
   def fwd(k, v, w, static):
-    a, lse = forward(k, v, w, static, True)
-    return a[:, : k.shape[1]], (k, v, w, a, jnp.where(keep(a, lse), lse, -NEG))
+    a, lse, *more = forward(k, v, w, static, True)  # more: the kernel's other residuals
+    return a[:, : k.shape[1]], (k, v, w, a, jnp.where(keep(a, lse), lse, -NEG), *more)
 
   def bwd(static, res, g):
-    k, v, w, a, lse = res  # L: the largest float32 on rows without derivative (weight 0)
+    k, v, w, a, lse, *more = res  # L: the largest float32 on rows without derivative (weight 0)
     g = pad_time(g.astype(jnp.float32), 0, a.shape[1] - k.shape[1], 0.0)  # padding: 0
     a, g = jnp.where(lse < -NEG, a, 0.0), jnp.where(lse < -NEG, g, 0.0)
-    return backward(k, v, w, a, lse, g, static)
+    return backward(k, v, w, a, lse, g, static, *more)
 
   mean.defvjp(fwd, bwd)
   return mean
