@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aft_jax.model import CHUNKED, check_ids
+from aft_jax.model import CHUNKED, STREAM, check_ids
 from aft_jax.typed_config import TypedConfig
 
 
@@ -175,9 +175,8 @@ def generate(
   check_ids("generate: prompt", prompt_BP, cfg.vocab_size)
   if (stream is not None or return_stream) and not cfg.streams:
     raise ValueError(
-      f"generate: a Stream is the state of a stream (config.model.position_embedding = 'none' "
-      f"with mixing aft_simple or aft_conv1d), not of mixing {cfg.mixing!r} with position "
-      f"embedding {cfg.position_embedding!r}"
+      f"generate: a Stream is the state of a stream ({STREAM}), not of mixing "
+      f"{cfg.mixing!r} with position embedding {cfg.position_embedding!r}"
     )
   b, p = prompt_BP.shape
   if stream is not None and stream.last_B.shape != (b,):

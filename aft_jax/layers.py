@@ -274,6 +274,43 @@ class AFTSimple(_AFTChannels):
     return _decode_token(self, q, k, v, init, ops.aft_simple_step, chunk=chunk)
 
 
+class AFTDecay(_AFTChannels):
+  """AFT with a learned decay (``ops.aft_decay``): w[t, t'] = -decay (t - t') for t' < t and a
+  learned bonus for t' = t, per channel; decay = exp(``decay`` parameter), initialised from
+  ``init_decay``'s range (log-spaced over the channels). Input ``[..., T, d_model]``, any T;
+  O(T d) time, decoding an O(d) state."""
+
+  init_decay: tuple[float, float] = (1e-3, 1.0)
+  chunks = True
+
+  def _params(self, d):
+    low, high = (jnp.log(x) for x in self.init_decay)
+    spread = lambda key, shape, dtype: jnp.linspace(low, high, shape[0], dtype=dtype)
+    raw = _param(self, "decay", spread, ("heads",), (d,))
+    bonus = _param(self, "bonus", nn.initializers.zeros_init(), ("heads",), (d,))
+    return jnp.exp(jnp.asarray(raw, jnp.float32)), jnp.asarray(bonus, jnp.float32)
+
+  @nn.compact
+  def __call__(self, x, *, decode: bool = False, segment_ids=None, mask=None, positions=None):
+    packed = _packing(self, x, segment_ids, mask, positions)
+    packed.pop("positions", None)  # the bias is by lag
+    decay, bonus = self._params(self.hidden_dim or x.shape[-1])
+    op = lambda q, k, v, decay, bonus, axis_name: ops.aft_decay(
+      q, k, v, decay, bonus, causal=self.causal, impl=self.impl, axis_name=axis_name, **packed
+    )
+    names = (_QKV,) * 3 + (("heads",),) * 2
+    mix = lambda q, k, v: _op(self, op, (q, k, v, decay, bonus), names, packed)
+    return self._mix(x, decode, mix, decay, bonus)
+
+  def _step(self, q, k, v, decay, bonus):
+    init = lambda q_t, *_: ops.aft_decay_init(q_t.shape)
+    step = lambda s, *qkv: ops.aft_decay_step(s, *qkv, decay, bonus)
+    chunk = lambda s, q, k, v: ops.aft_decay(
+      q, k, v, decay, bonus, impl=self.impl, initial_state=s, output_final_state=True
+    )
+    return _decode_token(self, q, k, v, init, step, chunk=chunk)
+
+
 class _ConvKernel(nn.Module):
   """w = gamma (w - mean w) / std w + beta per head; gamma = beta = 0 at init (paper Sec. 3.4)."""
 

@@ -16,12 +16,13 @@ import optax
 from aft_jax import adaptive, layers, ops
 from aft_jax.typed_config import TypedConfig
 
-MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "softmax")
+MIXINGS = ("aft_full", "aft_local", "aft_simple", "aft_conv1d", "aft_decay", "softmax")
 POSITION_EMBEDDINGS = ("learned", "none")  # ModelConfig.position_embedding
 # No position embedding needed, a decoding state that does not grow: with 'none', streams.
-STREAMING = ("aft_simple", "aft_conv1d")
+STREAMING = ("aft_simple", "aft_conv1d", "aft_decay")
+STREAM = f"model.position_embedding 'none' with mixing {', '.join(STREAMING)}"  # what streams
 # The recurrent mixings: decode=True also takes a chunk of tokens (a prompt) in one pass.
-CHUNKED = ("aft_local", "aft_simple", "aft_conv1d")
+CHUNKED = ("aft_local", "aft_simple", "aft_conv1d", "aft_decay")
 INITS = ("gpt2", "glorot")  # ModelConfig.init
 GPT2_STD = 0.02  # GPT-2's (and nanoGPT's) standard deviation of every weight at init
 
@@ -189,6 +190,7 @@ def mixing_layer(cfg: ModelConfig, name: str = "mix") -> nn.Module:
     "aft_local": (layers.AFTLocal, dict(window=cfg.window, **bias)),
     "aft_simple": (layers.AFTSimple, {}),
     "aft_conv1d": (layers.AFTConv1D, dict(num_heads=cfg.num_heads, kernel_size=cfg.kernel_size)),
+    "aft_decay": (layers.AFTDecay, {}),
     "softmax": (layers.MultiHeadAttention, dict(num_heads=cfg.num_heads, max_len=cfg.max_len)),
   }[cfg.mixing]
   return layer(**own, **kw)

@@ -20,8 +20,8 @@ from aft_jax.model import MIXINGS
 from aft_jax.workdir import Workdir
 from benchmarks import common
 
-# The paper's order (Table 4: Transformer, AFT-local-32, AFT-simple), then the other two.
-ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d")
+# The paper's order (Table 4: Transformer, AFT-local-32, AFT-simple), then the others.
+ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d", "aft_decay")
 assert sorted(ORDER) == sorted(MIXINGS)
 
 

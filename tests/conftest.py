@@ -73,10 +73,10 @@ def trained_run_config_flow(tmp_path_factory):
 
 
 def _build_stream_run(folder):
-  """A tiny stream (AFT-conv1d, no position embedding), 2 steps, max_len half its seq_len."""
+  """A tiny stream (configs/stream.py's mixing), 2 steps, max_len half its seq_len."""
   from aft_jax.trainer import train_lib
 
-  overrides = {"model.mixing": "aft_conv1d", "model.position_embedding": "none"}
+  overrides = {"model.mixing": "aft_decay", "model.position_embedding": "none"}
   config = tiny_config(num_train_steps=2, **overrides, **{"model.max_len": 16})
   with contextlib.redirect_stdout(io.StringIO()):
     return train_lib.train_and_evaluate(config, str(folder / "run"))

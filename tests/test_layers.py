@@ -31,6 +31,8 @@ def _modules(causal=False, dtype=jnp.float32):  # AFTConv2D only when not causal
     "aft_conv1d": layers.AFTConv1D(num_heads=HEADS, kernel_size=3, **kw),
     "mha": layers.MultiHeadAttention(num_heads=HEADS, max_len=MAX_LEN, **kw),
   }
+  if causal:
+    mods["aft_decay"] = layers.AFTDecay(**kw)
   if not causal:
     mods["aft_conv2d"] = layers.AFTConv2D(num_heads=HEADS, kernel_size=(3, 5), **kw)
   return mods
@@ -83,6 +85,8 @@ def _expected(name, module, params, x):
       y = ref.aft_conv1d(q, k, v, kernel, module.causal)
     else:
       y = ref.aft_conv2d(q, k, v, kernel)
+  elif name == "aft_decay":  # decay = exp(its parameter)
+    y = ref.aft_decay(q, k, v, np.exp(_np(params["decay"])), _np(params["bonus"]))
   else:
     if name == "aft_simple":
       w = np.zeros((t_len, t_len))
@@ -145,6 +149,7 @@ EXPECTED_NAMES = {
                  "out/kernel": ("heads", "kv", "embed"), "bias/kernel": ("heads", "kernel"),
                  "bias/gamma": ("heads",), "bias/beta": ("heads",)},
   "aft_conv2d": {"bias/kernel": ("heads", "kernel", "kernel")},
+  "aft_decay": {"decay": ("heads",), "bonus": ("heads",)},
   "mha": {"key/kernel": ("embed", "heads", "kv"), "out/kernel": ("heads", "kv", "embed")},
 }  # fmt: skip
 
@@ -249,8 +254,9 @@ def test_attention_impl_is_passed_on_or_refused(monkeypatch):
     layers.AFTLocal(window=2, max_len=8, causal=True, factor_dim=2),
     layers.AFTSimple(causal=True),
     layers.AFTConv1D(num_heads=2, kernel_size=2, causal=True),
+    layers.AFTDecay(causal=True),
   ],
-  ids=["local", "simple", "conv1d"],
+  ids=["local", "simple", "conv1d", "decay"],
 )
 def test_padding_mask_ignores_the_pads(module):
   """Right (row 0), left (row 1) padding: the tokens alone's outputs, whatever the pads hold."""

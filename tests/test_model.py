@@ -47,6 +47,8 @@ def _expected_count(cfg):
     mix = 4 * dense + (2 * cfg.max_len * cfg.factor_dim if cfg.factor_dim else cfg.max_len**2)
   elif cfg.mixing in ("aft_simple", "softmax"):
     mix = 4 * dense
+  elif cfg.mixing == "aft_decay":  # + decay and bonus [d]
+    mix = 4 * dense + 2 * d
   else:  # aft_conv1d: q, v [d, H, d/H] + bias; k [d, H] + bias; out; kernel [H, s], gamma, beta
     mix = 3 * dense + (d * h + h) + h * cfg.kernel_size + 2 * h
   total = v * d + cfg.max_len * d + cfg.num_layers * (2 * ln + mix + mlp) + ln
@@ -121,7 +123,7 @@ def _all_paths(cfg, params, tokens, targets):  # log-probs of forward, decode; u
 DECODE_CASES = [
   _cfg(mixing="aft_full"),
   _cfg(mixing="aft_local", factor_dim=3),
-  _cfg(mixing="aft_simple", position_embedding="none", max_len=4),
+  _cfg(mixing="aft_decay", position_embedding="none", max_len=4),
   _cfg(mixing="aft_conv1d", position_embedding="none", max_len=4),
   _cfg(mixing="softmax"),
   _cfg(mixing="aft_simple", tie_embeddings=False, d_model=16, max_len=10, **ADAPTIVE),

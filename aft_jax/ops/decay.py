@@ -88,8 +88,8 @@ def _run(q, k, v, decay, bonus, state, segment_ids, final, impl):
   u = jnp.zeros_like(lam) if bonus is None else jnp.asarray(bonus, dt)
   if segment_ids is None and common.resolve(FN, impl, KERNELS, causal=True, channels=shape[-1]):
     return _by_kernel(q, k, v, jnp.stack([lam, u]), state, final, impl)
-  n = int(np.prod(q.shape[:-2], dtype=np.int64))
-  per_row = lambda x: jnp.tile(x, n)  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out
+  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out (batch may be symbolic: export)
+  per_row = lambda x: common.rows(jnp.broadcast_to(x, q.shape[:-2] + (1, x.shape[-1])))[0]
   k2, v2 = common.rows(k.astype(dt)), common.rows(v.astype(dt))
   starts = None
   if segment_ids is not None:
@@ -210,6 +210,7 @@ def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):
   (the state before position 0), and the state after T; ``starts`` [T, R]: each position's
   segment start (None: one segment). Chunks of ``chunk`` positions in a scan, the rest after."""
   t_len, r = k.shape
+  carry = Acc(*(x + jnp.zeros_like(k[0]) for x in carry))  # k's type: varying in shard_map
   c = min(chunk, t_len)
   whole = t_len // c * c
   body = jax.checkpoint(lambda acc, xs: _chunk(acc, *xs[:2], lam, u, *xs[2:])[::-1])

@@ -234,6 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def export_main(args: argparse.Namespace) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
+  from aft_jax.model import STREAM  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
   files.check_file_path("--out", args.out)
@@ -244,9 +245,9 @@ def export_main(args: argparse.Namespace) -> dict:
   cfg = config.model
   if fmt == "stablehlo" and not cfg.streams:  # before anything slow
     raise ValueError(
-      f"--format stablehlo exports a stream's decoding step (model.position_embedding 'none' "
-      f"with mixing aft_simple or aft_conv1d), not mixing {cfg.mixing!r} with position "
-      f"embedding {cfg.position_embedding!r}, whose decoding ends at max_len = {cfg.max_len}"
+      f"--format stablehlo exports a stream's decoding step ({STREAM}), not mixing "
+      f"{cfg.mixing!r} with position embedding {cfg.position_embedding!r}, whose decoding ends "
+      f"at max_len = {cfg.max_len}"
     )
   run = trained.load_run(args.workdir, args.step, config=config)
   params = jax.device_get(run.params)

@@ -58,6 +58,7 @@ def check_args(args) -> None:
 def generate_main(args: argparse.Namespace) -> list[str]:
   """Prints and returns the samples, each with the prompt."""
   from aft_jax import decode, stream_file  # pylint: disable=g-import-not-at-top
+  from aft_jax.model import STREAM  # pylint: disable=g-import-not-at-top
   from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
 
   check_args(args)
@@ -69,8 +70,7 @@ def generate_main(args: argparse.Namespace) -> list[str]:
     raise ValueError(
       f"{' and '.join(flags)}: the model of --workdir {args.workdir} (mixing {cfg.mixing!r}, "
       f"position embedding {cfg.position_embedding!r}) is no stream: only "
-      "model.position_embedding 'none' with mixing aft_simple or aft_conv1d keeps a state that "
-      "does not grow"
+      f"{STREAM} keeps a state that does not grow"
     )
   run = trained.load_run(args.workdir, args.step, config=config)
   cfg = run.model.cfg

@@ -171,7 +171,7 @@ def _across_components(s: dict) -> list[str]:
     errors.append(
       f"config.mesh.sequence = {n} with config.model.mixing = {mixing!r}: {mixing} mixes every "
       "pair of positions, so a device's outputs need every other device's keys, not a small "
-      "state; context parallelism is for aft_simple, aft_local and aft_conv1d (or use "
+      "state; context parallelism is for the other mixings (or use "
       "config.mesh.sequence = 1)"
     )
   elif n > 1 and train.seq_len % n:

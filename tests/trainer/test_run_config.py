@@ -40,6 +40,10 @@ def test_config_loads_and_validates(spec):
     size = (12, 512) if spec.endswith(",12x512") else (24, 256)
     assert (cfg.num_layers, cfg.d_model, config.seq_len, config.batch_size) == (*size, 1024, 128)
     assert (cfg.window, cfg.factor_dim, cfg.mlp_dim) == (32, 256, 4 * cfg.d_model)
+  if spec == "stream":  # its docstring's two overrides give the softmax baseline, no stream
+    baseline = {"model.mixing": "softmax", "model.position_embedding": "learned"}
+    softmax = RunConfig.from_tree(default_config.override(config, baseline)).with_vocab(vocab)
+    assert cfg.streams and not softmax.model.streams
 
 
 def _quick():
