@@ -5,8 +5,9 @@ Sec. 5.2, Table 4), one mixing layer and one of the paper's two sizes per run.
     python train.py --config configs/enwik8.py:softmax,12x512 --workdir runs/enwik8_tf_12
 
 The argument is ``<mixing>[,<size>]``: mixing is aft_local (default; AFT-local-32), aft_simple,
-aft_full, aft_conv1d, aft_decay or softmax (the Transformer baseline); size is 24x256 (default: 24 layers,
-d 256, the paper's best AFT) or 12x512 (12 layers, d 512, the paper's base Transformer).
+aft_full, aft_conv1d, aft_decay or softmax (the Transformer baseline); size is 24x256 (default:
+24 layers, d 256, the paper's best AFT) or 12x512 (12 layers, d 512, the paper's base
+Transformer).
 Context T = 1024 bytes. results.json reports ``valid_bpc`` and ``test_bpc`` (bits per character,
 which on enwik8 are bits per byte, as the paper reports them).
 

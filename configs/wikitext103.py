@@ -4,8 +4,8 @@ Fast Weight Programmers" (ICML; arXiv 2102.11174), one mixing layer each.
     python train.py --config configs/wikitext103.py:aft_local --workdir runs/wt103_local
 
 The argument is the mixing layer: aft_local (default; the AFT paper's AFT-local-32), aft_simple,
-aft_full, aft_conv1d (8 heads, kernel 31), aft_decay or softmax (the Transformer baseline). Needs the data
-(python -m aft_jax.data.prepare --dataset wikitext103) and a GPU/TPU.
+aft_full, aft_conv1d (8 heads, kernel 31), aft_decay or softmax (the Transformer baseline). Needs
+the data (python -m aft_jax.data.prepare --dataset wikitext103) and a GPU/TPU.
 
 How many devices (compiled for the target without a device, docs/what_fits.md; check yours with
 ``--dry_run --target NAME [--num_devices N]``): the train step needs ~24 GiB on one device
