@@ -30,17 +30,32 @@ def _attach(node: nnx.Module, tree: dict) -> nnx.Module:
   return node
 
 
+def _shapes(tree) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): jnp.shape(x) for path, x in flat}
+
+
 class Linen(nnx.Module):
   """The linen module ``definition`` as an ``nnx.Module``, its parameters initialised on
   ``example`` (an input) with ``rngs``, or ``params`` (a linen tree, e.g. a trained run's)."""
 
   def __init__(self, definition: nn.Module, example, *, rngs: nnx.Rngs | None = None, params=None):
+    if (rngs is None) == (params is None):
+      raise ValueError(f"{type(definition).__name__}: give rngs (new parameters) or params, one")
     self.definition = definition
     init = lambda key, x: definition.init(key, x)["params"]
     if params is None:
       tree = jax.jit(init)(rngs.params(), example)
     else:
-      tree = meta.replace_boxed(jax.eval_shape(init, jax.random.key(0), example), params)
+      tree = jax.eval_shape(init, jax.random.key(0), example)
+      want, got = _shapes(nn.unbox(tree)), _shapes(params)
+      if want != got:
+        keys = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise ValueError(
+          f"{type(definition).__name__}: params must be its whole tree; these differ (given, "
+          f"wanted; None: absent): { {k: (got.get(k), want.get(k)) for k in keys} }"
+        )
+      tree = meta.replace_boxed(tree, params)
     _attach(self, jax.tree.map(jnp.asarray, tree))
 
   def linen_params(self) -> dict:

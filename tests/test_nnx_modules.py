@@ -77,6 +77,11 @@ def test_the_model_is_its_linen_model_and_decodes_a_prompt_chunk_then_tokens():
   logp_BTV = _same_as_linen(model, tokens_BT)
   assert logp_BTV.shape == (2, T, 20) and model.block_1.mix.pos_bias.shape == (T, T)
   chex.assert_trees_all_close(_decoded(model, tokens_BT, 2), logp_BTV, atol=1e-5)
+  bad = {**model.linen_params(), "ln_final": {"scale": jnp.ones(D)}}
+  with pytest.raises(ValueError, match=r"differ .*: \{'ln_final/bias': \(None, \(8,\)\)\}$"):
+    nnx_modules.TransformerLM(cfg, params=bad)
+  with pytest.raises(ValueError, match=r"^TransformerLM: give rngs \(new parameters\) or params"):
+    nnx_modules.TransformerLM(cfg)
 
 
 def test_a_stack_of_layers_under_nnx_vmap_scan_remat_and_a_vmapped_decoding_state():
