@@ -19,7 +19,8 @@ class _Params(nnx.Module):
 
 
 def _attach(node: nnx.Module, tree: dict) -> nnx.Module:
-  eager = meta.get_global_mesh() is not None  # placed by the mesh's rules, as linen's init
+  # Placed on the mesh by its logical axis rules where both are set (as the trainer places them).
+  eager = meta.get_global_mesh() is not None and bool(nn.get_logical_axis_rules())
   for name, x in tree.items():
     if isinstance(x, dict):
       setattr(node, name, _attach(_Params(), x))

@@ -119,6 +119,8 @@ def test_parameters_are_placed_by_the_mesh_and_the_logical_axis_rules():
   kernel, gamma = layer.query.kernel[...], layer.bias.gamma[...]
   assert kernel.sharding.spec == nn.logical_to_mesh_axes(("embed", "heads", "kv"), rules)
   assert gamma.sharding.spec == nn.logical_to_mesh_axes(("heads",), rules)
+  with jax.set_mesh(mesh):  # no rules: nothing to place by (not an error)
+    assert nnx_modules.AFTSimple(D, rngs=nnx.Rngs(0))(X_BTD).shape == X_BTD.shape
 
 
 def test_a_trained_workdir_and_its_export_load_as_nnx_score_as_aft_evaluate_and_fine_tune(
