@@ -3,7 +3,7 @@
 
 import importlib
 
-_SUBMODULES = ("adaptive", "layers", "model", "ops")
+_SUBMODULES = ("adaptive", "layers", "model", "nnx_modules", "ops")
 
 
 def __getattr__(name: str):
@@ -12,13 +12,14 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'aft_jax' has no attribute {name!r}")
 
 
-def load_pretrained(path: str):
-  """(TransformerLM, params, Vocab) from a file written by ``aft-export`` (no Orbax needed)."""
+def load_pretrained(path: str, api: str = "linen"):
+  """(TransformerLM, params, Vocab) from a file written by ``aft-export`` (no Orbax needed) or
+  a workdir (its newest checkpoint); ``api="nnx"``: (the model as an ``nnx.Module``, Vocab)."""
   # Imported here, not at the top, so that `python -m aft_jax.tools.export` runs a fresh module.
   from aft_jax.tools import export  # pylint: disable=g-import-not-at-top
 
-  return export.load_pretrained(path)
+  return export.load_pretrained(path, api)
 
 
 __version__ = "0.1.0"
-__all__ = ["adaptive", "layers", "load_pretrained", "model", "ops"]
+__all__ = ["adaptive", "layers", "load_pretrained", "model", "nnx_modules", "ops"]

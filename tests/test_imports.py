@@ -11,6 +11,7 @@ FORBIDDEN = {
   "aft_jax.ops": ("aft_jax.layers", "aft_jax.model", "aft_jax.data", "aft_jax.trainer"),
   "aft_jax.layers": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
   "aft_jax.model": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
+  "aft_jax.nnx_modules": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
   "aft_jax.data": ("aft_jax.ops", "aft_jax.layers", "aft_jax.model", "aft_jax.trainer"),
   "aft_jax.sharding": ("aft_jax.model", "aft_jax.trainer", "aft_jax.tools", "aft_jax.data"),
   "aft_jax.workdir": ("aft_jax.trainer", "aft_jax.tools", "aft_jax.model"),

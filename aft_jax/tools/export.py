@@ -170,21 +170,36 @@ def _check_params(path: str, model, params) -> None:
       )
 
 
-def load_pretrained(path: str):
+def load_pretrained(path: str, api: str = "linen"):
   """(model, params, vocab) from an ``aft-export`` file (msgpack or safetensors, told apart by
-  their contents), or a one-line ValueError; a model key added since takes its old value."""
+  their contents) or a workdir (its newest checkpoint), or a one-line ValueError; a model key
+  added since takes its old value. ``api="nnx"``: (``nnx_modules.TransformerLM``, vocab)."""
   from aft_jax.model import ModelConfig, TransformerLM  # pylint: disable=g-import-not-at-top
   from aft_jax.workdir import vocab_from_info  # pylint: disable=g-import-not-at-top
 
-  body = _read(path)
-  try:
-    meta = json.loads(body["meta"])
-    vocab = vocab_from_info(meta["corpus"], meta["vocab"])
-    model = TransformerLM(ModelConfig(**ModelConfig.as_written(meta["model"])).validate())
-  except (KeyError, TypeError, ValueError) as e:
-    raise ValueError(f"load_pretrained: {path}: its model config cannot be read ({e})") from None
-  _check_params(path, model, body["params"])
-  return model, body["params"], vocab
+  if api not in ("linen", "nnx"):
+    raise ValueError(f"load_pretrained: api must be 'linen' or 'nnx'; got {api!r}")
+  if os.path.isdir(path):
+    import jax  # pylint: disable=g-import-not-at-top
+    from aft_jax.tools import trained  # pylint: disable=g-import-not-at-top
+
+    run = trained.load_run(path)
+    model, params, vocab = run.model, jax.device_get(run.params), run.vocab
+  else:
+    body = _read(path)
+    try:
+      meta = json.loads(body["meta"])
+      vocab = vocab_from_info(meta["corpus"], meta["vocab"])
+      model = TransformerLM(ModelConfig(**ModelConfig.as_written(meta["model"])).validate())
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"load_pretrained: {path}: its model config cannot be read ({e})") from None
+    _check_params(path, model, body["params"])
+    params = body["params"]
+  if api == "linen":
+    return model, params, vocab
+  from aft_jax import nnx_modules  # pylint: disable=g-import-not-at-top
+
+  return nnx_modules.TransformerLM(model.cfg, params=params), vocab
 
 
 def export_stablehlo(path: str, model, params, vocab, corpus_info: dict) -> None:

@@ -148,8 +148,9 @@ def test_every_command_names_a_program_flags_recipe_config_keys_and_target_that_
   assert checked > 10
 
 
-def test_every_python_example_runs(tmp_path, monkeypatch):
+def test_every_python_example_runs(tmp_path, monkeypatch, trained_run):
   monkeypatch.chdir(tmp_path)
+  os.symlink(trained_run[0], "run")  # the workdir docs/nnx.md loads
   for page in PAGES[1:]:
     for lineno, block, before in blocks(page, "python"):
       if re.fullmatch(r"<!-- not run: .{10,} -->", before.strip()):
