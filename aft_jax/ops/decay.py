@@ -7,12 +7,11 @@ import numpy as np
 
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
-from aft_jax.ops.logsumexp import NEG, Acc, tame
+from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, tame
 
 FN = "aft_decay"
-# Positions per chunk: small, as the pairwise terms cost O(T D CHUNK) exponentials against one
-# scan step per chunk (its speed: benchmarks/results/decay/).
-CHUNK = 2
+# Positions per chunk: matmuls of CHUNK x CHUNK (its speed: benchmarks/results/decay/).
+CHUNK = 16
 _sg = jax.lax.stop_gradient
 
 
@@ -115,21 +114,8 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
   without v), S the decayed sum of the past (``state``); then S = exp(-decay) S + exp(k[t]) v[t].
   q_t, k_t, v_t ``[..., D]``; decay, bonus ``[D]``. Returns ``(Y[t], state)`` (float32)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  dt = jnp.result_type(q_t, k_t, v_t)
-  k_t, v_t, lam = f32(k_t), f32(v_t), f32(decay)
-  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
-  # m - 1e-6 rounds to m), the max rounded as it may be.
-  m = _sg(jnp.maximum(state.m - lam, k_t))
-  old, new = jnp.exp(state.m - m - lam), jnp.exp(k_t - m)
-  after = Acc(m, state.num * old + v_t * new, state.den * old + new)
-  if bonus is None:
-    return lse.output(f32(q_t), after).astype(dt), after
-  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
-  u = f32(bonus)
-  scale = jnp.exp(-jnp.abs(u))
-  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
-  seen = Acc(m, state.num * past + v_t * now, state.den * past + now)
-  return lse.output(f32(q_t), seen).astype(dt), after
+  a, after = _step(state, f32(k_t), f32(v_t), f32(decay), f32(0.0 if bonus is None else bonus))
+  return lse.gate(f32(q_t), a).astype(jnp.result_type(q_t, k_t, v_t)), after
 
 
 # exp, a * b and a / b whose derivatives' factors are ``tame``d: a later NaN's zero cotangent
@@ -138,45 +124,58 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
 _exp, _mul, _div = (jax.custom_jvp(f) for f in (jnp.exp, jnp.multiply, jnp.divide))
 _exp.defjvp(lambda x, t: (jnp.exp(x[0]), tame(jnp.exp(x[0])) * t[0]))
 _mul.defjvp(lambda x, t: (x[0] * x[1], tame(x[1]) * t[0] + tame(x[0]) * t[1]))
-_div.defjvp(lambda x, t: (x[0] / x[1], tame(1 / x[1]) * t[0] - tame(x[0] / x[1] ** 2) * t[1]))
+_div.defjvp(lambda x, t: (x[0] / x[1], _div_tangent(x[0], 1 / x[1], *t)))
+# Products of 1 / b: XLA would rewrite a / b / b as a / (b * b), which overflows past 1e19.
+_div_tangent = lambda a, r, ta, tb: tame(r) * ta - tame(a * r * r) * tb
 
 
-def _chunk_tables(c: int):
-  """Rows 0..c-1: the chunk's outputs; row c: its final state. (distance of key j from row i,
-  j counts, j is row i's own position, the carried state's distance) as NumPy constants."""
-  i, j = np.arange(c + 1)[:, None], np.arange(c)[None, :]
-  last = i == c
-  dist = np.where(last, c - 1 - j, i - j)
-  counts = np.where(last, True, j <= i)
-  own = (i == j) & ~last
-  carried = np.minimum(np.arange(c + 1) + 1, c)
-  return dist, counts, own, carried, np.minimum(np.arange(c + 1), c - 1)
+def _step(state: Acc, k, v, lam, u):  # (the mean at this position, the state after it)
+  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
+  # m - 1e-6 rounds to m), the max rounded as it may be.
+  m = _sg(jnp.maximum(state.m - lam, k))
+  old, new = _exp((state.m - m) - lam), _exp(k - m)
+  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
+  scale = jnp.exp(-jnp.abs(u))
+  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
+  seen = _div(_mul(state.num, past) + _mul(v, now), _mul(state.den, past) + now)
+  return seen, Acc(m, _mul(state.num, old) + _mul(v, new), _mul(state.den, old) + new)
 
 
 def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
-  """One chunk of c positions from ``start``: a [c, R], the state after it. Exact: every row's
-  terms, the carried state's among them, are shifted by that row's own maximum."""
-  c = kc.shape[0]
-  dist, counts, own, carried, row_pos = _chunk_tables(c)
-  bias = -lam * dist[..., None] + jnp.where(own[..., None], u, 0.0)  # [c+1, c, R]
-  ok = jnp.broadcast_to(counts[..., None], bias.shape)
-  carried_ok = True
-  if sc is not None:  # a key counts from its row's segment start on; the state only before it
-    row_start = sc[row_pos]  # [c+1, R]
-    ok = ok & (row_start[:, None, :] <= start + np.arange(c)[None, :, None])
-    carried_ok = row_start < start
-  old_bias = -lam * carried[:, None]  # [c+1, R]
-  # The rows' maxima (a shift: rounding is harmless), then exp((logit - max) + bias): a decay
-  # below the rounding of a large logit (1e-6 at 60) still counts, and is not lost over chunks.
-  top = jnp.max(jnp.where(ok, kc[None] + bias, NEG), axis=1)
-  m = _sg(jnp.maximum(jnp.where(carried_ok, carry.m[None] + old_bias, NEG), top))
-  # Masked terms are exact zeros before exp and before the product (0 * NaN is NaN): a later
-  # non-finite key or value leaves the earlier rows of its chunk bit-identical.
-  p = jnp.where(ok, _exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
-  p_old = jnp.where(carried_ok, _exp(carry.m[None] - m + old_bias), 0.0)
-  num = _mul(p_old, carry.num) + jnp.sum(_mul(p, jnp.where(ok, vc[None], 0.0)), axis=1)
-  den = _mul(p_old, carry.den) + jnp.sum(p, axis=1)
-  return _div(num[:c], den[:c]), Acc(m[c], num[c], den[c])
+  """One chunk of c positions from ``start``: the means a [c, R], the state after it. Fast: every
+  term scaled to the chunk's end (a row factor that cancels) and shifted by one max per channel,
+  the first row's, exp((k[j] - max) - lam (c - 1 - j)), summed by matmuls. The steps' instead
+  from a term set aside (over ``EXP_MAX``, non-finite), a sum that may have lost its terms to
+  underflow and a document that starts inside the chunk on."""
+  c, r = kc.shape
+  fresh = None if sc is None else sc == start + np.arange(c)[:, None]  # documents' first rows
+  carried = True if sc is None else ~fresh[0]
+  back = lam * np.arange(c - 1, -1, -1)[:, None]  # [c, R]: each position's decay to the end
+  m = _sg(jnp.maximum(jnp.where(carried, carry.m - lam * c, NEG), kc[0] - back[0]))
+  ok, e, vs = lse.set_aside(_exp((kc - m) - back), vc)
+  okd, ed, _ = lse.set_aside(_mul(e, jnp.exp(u)), vs)
+  s0 = jnp.where(carried, _exp((carry.m - m) - lam * c), 0.0)
+  ev, tri = e * vs, np.tril(np.ones((c, c), np.float32), -1)  # tri: the sums of j < i
+  num = _mul(carry.num, s0) + lse.matmul("ij,jx->ix", tri, ev, False)
+  den = _mul(carry.den, s0) + lse.matmul("ij,jx->ix", tri, e, False)
+  a = _div(num + ed * vs, den + ed)
+  after = Acc(m, num[-1] + ev[-1], den[-1] + e[-1])
+  bad = ~(ok & okd)
+  small = ~(den + ed >= DEN_OK)
+  inside = False if sc is None else sc != sc[0]  # rows of a document that starts in the chunk
+
+  def steps():  # the flagged rows only: the others keep the fast values, bit for bit
+    def one(acc, xs):
+      k1, v1, new_doc = xs
+      if new_doc is not None:
+        acc = Acc(*(jnp.where(new_doc, f, x) for x, f in zip(acc, (NEG, 0.0, 0.0))))
+      return _step(acc, k1, v1, lam, u)[::-1]
+
+    end, exact = jax.lax.scan(one, carry, (kc, vc, fresh))
+    redo = (jax.lax.cummax(bad.astype(jnp.int32), axis=0) > 0) | small | inside
+    return jnp.where(redo, exact, a), end
+
+  return lse.cond(jnp.any(bad | small | inside), steps, lambda: (a, after))
 
 
 def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):
