@@ -151,7 +151,7 @@ def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
   fresh = None if sc is None else sc == start + np.arange(c)[:, None]  # documents' first rows
   carried = True if sc is None else ~fresh[0]
   back = lam * np.arange(c - 1, -1, -1)[:, None]  # [c, R]: each position's decay to the end
-  m = _sg(jnp.maximum(jnp.where(carried, carry.m - lam * c, NEG), kc[0] - back[0]))
+  m = _sg(jnp.maximum(jnp.where(carried, carry.m - lam, NEG), kc[0]))
   ok, e, vs = lse.set_aside(_exp((kc - m) - back), vc)
   okd, ed, _ = lse.set_aside(_mul(e, jnp.exp(u)), vs)
   s0 = jnp.where(carried, _exp((carry.m - m) - lam * c), 0.0)
@@ -159,9 +159,13 @@ def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
   num = _mul(carry.num, s0) + lse.matmul("ij,jx->ix", tri, ev, False)
   den = _mul(carry.den, s0) + lse.matmul("ij,jx->ix", tri, e, False)
   a = _div(num + ed * vs, den + ed)
-  after = Acc(m, num[-1] + ev[-1], den[-1] + e[-1])
+  # The state after the chunk in the scale of its own largest term (else its den, at exp(60)
+  # after rising keys, would meet a factor exp(-100) that underflows).
+  top = _sg(jnp.maximum(jnp.where(carried, carry.m - lam * c, NEG), jnp.max(kc - back, axis=0)))
+  scale = _exp(m - top)
+  after = Acc(top, _mul(num[-1] + ev[-1], scale), _mul(den[-1] + e[-1], scale))
   bad = ~(ok & okd)
-  small = ~(den + ed >= DEN_OK)
+  small = ~(jnp.minimum(den + ed, den + e) >= DEN_OK)
   inside = False if sc is None else sc != sc[0]  # rows of a document that starts in the chunk
 
   def steps():  # the flagged rows only: the others keep the fast values, bit for bit

@@ -15,7 +15,7 @@ from tests.support.helpers import export_for
 from tests.support.op_cases import close, cotangent
 
 B, T, D = 2, 19, 4  # T: odd, chunks and a rest
-LAM = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)  # decays: none, below rounding, some, huge
+LAM = np.array([0.0, 1e-6, 3.5, 30.0], np.float32)  # decays: none, below rounding, some, huge
 U = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
 DECAYS = {"zero": np.zeros(D), "tiny": np.full(D, 1e-6), "large": np.full(D, 30.0), "mixed": LAM}
 
@@ -25,12 +25,16 @@ def _inputs(seed, t_len=T, scale=1.0, extreme=False):  # extreme keys: +-60 (exp
   return q, np.float32(60.0) * np.sign(k) if extreme else k * np.float32(scale), v
 
 
-@pytest.mark.parametrize("keys", ["std1", "extreme"])
+@pytest.mark.parametrize("keys", ["std1", "extreme", "1e4", "ramps"])
 @pytest.mark.parametrize("decay", DECAYS)
 def test_values_against_the_loop_reference(decay, keys):
-  """With and without a bonus; eagerly, so one program per form for every case."""
-  q, k, v = _inputs(1, extreme=keys == "extreme")
+  """With and without a bonus; eagerly, so one program per form for every case. Ramps: keys
+  that rise (row 0) or fall (row 1) by the decay per position, so every term counts."""
+  t_len, scale = (35 if keys == "ramps" else T), (1e4 if keys == "1e4" else 1.0)
+  q, k, v = _inputs(1, t_len, scale, extreme=keys == "extreme")
   lam = np.asarray(DECAYS[decay], np.float32)
+  if keys == "ramps":
+    k = (k + np.array([1, -1])[:, None, None] * np.arange(t_len)[:, None] * lam).astype(np.float32)
   for u in (None, U):
     want = ref.aft_decay(q, k, v, lam, u)
     np.testing.assert_allclose(ops.aft_decay(q, k, v, lam, u), want, 1e-5, 1e-6, err_msg=f"{u}")
