@@ -37,7 +37,8 @@ def aft_decay(
     initial_state, output_final_state: as ``aft_simple``: an ``Acc``, the decayed triple of the
       positions before this piece (the state of ``aft_decay_step``).
     segment_ids: ``[..., T]`` ints, packed documents that do not see each other.
-    axis_name: not supported (a ValueError): T is not sharded over devices.
+    axis_name: in ``jax.shard_map`` with T sharded over this mesh axis (the devices' pieces in
+      order, of one length).
 
   Returns:
     ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D CHUNK) time, O(T D) memory.
@@ -50,12 +51,9 @@ def aft_decay(
   if impl in ("pallas", "pallas_interpret"):
     raise ValueError(f"{FN}: impl={impl!r} is not available: this op has no Pallas kernel; "
                      "use impl='xla'")  # fmt: skip
-  if axis_name is not None:
-    raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported; got "
-                     f"axis_name={axis_name!r}")  # fmt: skip
   common.check_mode(
     FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
-    segment_ids=segment_ids,
+    segment_ids=segment_ids, axis_name=axis_name,
   )  # fmt: skip
   common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids)
   decay, bonus = check_params(FN, decay, bonus, q.shape[-1])
@@ -63,7 +61,7 @@ def aft_decay(
   common.check_state(FN, initial_state, lambda: aft_decay_init(shape))
   return common.eager(
     _run, q=q, k=k, v=v, decay=decay, bonus=bonus, state=initial_state,
-    segment_ids=segment_ids, final=output_final_state,
+    segment_ids=segment_ids, final=output_final_state, axis_name=axis_name,
   )  # fmt: skip
 
 
@@ -79,13 +77,15 @@ def check_params(fn, decay, bonus, d: int):  # decay [D] >= 0 (where concrete), 
   return decay, bonus
 
 
-def _run(q, k, v, decay, bonus, state, segment_ids, final):
+def _run(q, k, v, decay, bonus, state, segment_ids, final, axis_name):
   out_dt, dt = common.dtypes(q, k, v)
   shape = q.shape[:-2] + q.shape[-1:]
   if q.shape[-2] == 0:
     return lse.nothing(q, k, v, state, final, lambda: aft_decay_init(shape))
   lam = jnp.asarray(decay, dt)
   u = jnp.zeros_like(lam) if bonus is None else jnp.asarray(bonus, dt)
+  if axis_name is not None:
+    state = _shard_state(k.astype(dt), v.astype(dt), lam, axis_name)
   n = int(np.prod(q.shape[:-2], dtype=np.int64))
   per_row = lambda x: jnp.tile(x, n)  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out
   k2, v2 = common.rows(k.astype(dt)), common.rows(v.astype(dt))
@@ -102,6 +102,22 @@ def _run(q, k, v, decay, bonus, state, segment_ids, final):
     return y
   back = lambda x: common.unrows(x[None], shape[:-1] + (1, shape[-1]))[..., 0, :]
   return y, Acc(*(back(x) for x in carry))
+
+
+def _shard_state(k, v, lam, axis_name):  # in shard_map: the state before this device's piece
+  n = k.shape[-2]
+  back = lam * np.arange(n - 1, -1, -1)[:, None]  # [T, D]: each position's decay to the end
+  top = _sg(jnp.max(k - back, axis=-2, keepdims=True))
+  w = _exp((k - top) - back)
+  piece = Acc(top[..., 0, :], jnp.sum(_mul(w, v), axis=-2), jnp.sum(w, axis=-2))
+  # Each earlier piece's state decays by lam n per piece between them.
+  pieces = jax.lax.all_gather(piece, axis_name)  # [devices, ..., D]
+  i, j = jax.lax.axis_index(axis_name), np.arange(jax.lax.axis_size(axis_name))
+  before = jnp.reshape(j < i, (-1,) + (1,) * piece.m.ndim)
+  gap = lam * jnp.reshape((i - 1 - j) * n, before.shape).astype(lam.dtype)
+  top = _sg(jnp.max(jnp.where(before, pieces.m - gap, NEG), axis=0))
+  f = jnp.where(before, _exp((pieces.m - top) - gap), 0.0)
+  return Acc(top, jnp.sum(_mul(f, pieces.num), axis=0), jnp.sum(_mul(f, pieces.den), axis=0))
 
 
 def aft_decay_init(shape) -> Acc:
@@ -187,6 +203,7 @@ def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):
   (the state before position 0), and the state after T; ``starts`` [T, R]: each position's
   segment start (None: one segment). Chunks of ``chunk`` positions in a scan, the rest after."""
   t_len, r = k.shape
+  carry = Acc(*(x + jnp.zeros_like(k[0]) for x in carry))  # k's type: varying in shard_map
   c = min(chunk, t_len)
   whole = t_len // c * c
   body = jax.checkpoint(lambda acc, xs: _chunk(acc, *xs[:2], lam, u, *xs[2:])[::-1])
