@@ -61,9 +61,9 @@ def _same_state(got, want):  # equal sums: log den + m and num / den (m is only 
 @pytest.mark.parametrize("chunk, keys", [(decay_mod.CHUNK, "std5"), (8, "std5"),
                                          (decay_mod.CHUNK, "extreme")])  # fmt: skip
 def test_chunks_equal_steps_over_eight_chunks(chunk, keys, monkeypatch):
-  """8 x 8 + 3 positions: outputs and final state == the scanned steps' == the reference's."""
+  """8 chunks + 3 positions: outputs and final state == the scanned steps' == the reference's."""
   monkeypatch.setattr(decay_mod, "CHUNK", chunk)  # read when the op is traced (below)
-  q, k, v = _inputs(4, 8 * 8 + 3, scale=5.0, extreme=keys == "extreme")
+  q, k, v = _inputs(4, 8 * chunk + 3, scale=5.0, extreme=keys == "extreme")
   run = jax.jit(lambda q, k, v: (ops.aft_decay(q, k, v, LAM, U, output_final_state=True),
                                  _steps(ops.aft_decay_init((B, D)), q, k, v, LAM, U)))  # fmt: skip
   (y, state), (y_steps, state_steps) = run(q, k, v)
@@ -92,6 +92,7 @@ def test_pieces_equal_one_call():
   q, k, v = _inputs(5)
   for scale in (1.0, 40.0):
     (y1, g1), (y2, g2) = run(q, k * scale, v, (LAM, U), cotangent(q.shape))
+    np.testing.assert_allclose(y2, ref.aft_decay(q, k * scale, v, LAM, U), 1e-5, 1e-6)
     close(y2, y1, 1e-5)
     close(g2, g1, 1e-4)
 
