@@ -7,14 +7,13 @@ import numpy as np
 
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
-from aft_jax.ops.logsumexp import NEG, Acc, tame
+from aft_jax.ops.logsumexp import DEN_OK, NEG, Acc, tame
 from aft_jax.ops.pallas import triton_decay
 
 FN = "aft_decay"
 KERNELS = (common.Kernel("gpu", triton_decay.decay_mean, triton_decay.unsupported),)
-# Positions per chunk: small, as the pairwise terms cost O(T D CHUNK) exponentials against one
-# scan step per chunk (its speed: benchmarks/results/decay/).
-CHUNK = 2
+# Positions per chunk: matmuls of CHUNK x CHUNK (its speed: benchmarks/results/decay/).
+CHUNK = 16
 _sg = jax.lax.stop_gradient
 
 
@@ -40,7 +39,8 @@ def aft_decay(
     initial_state, output_final_state: as ``aft_simple``: an ``Acc``, the decayed triple of the
       positions before this piece (the state of ``aft_decay_step``).
     segment_ids: ``[..., T]`` ints, packed documents that do not see each other.
-    axis_name: not supported (a ValueError): T is not sharded over devices.
+    axis_name: in ``jax.shard_map`` with T sharded over this mesh axis (the devices' pieces in
+      order, of one length).
 
   Returns:
     ``[..., T, D]`` (the inputs' dtype), or ``(Y, state)``; O(T D CHUNK) time, O(T D) memory.
@@ -50,12 +50,9 @@ def aft_decay(
     raise ValueError(
       f"{FN}: causal={causal!r} is not supported: the decay is one-sided (use causal=True)"
     )
-  if axis_name is not None:
-    raise ValueError(f"{FN}: axis_name (T sharded over devices) is not supported; got "
-                     f"axis_name={axis_name!r}")  # fmt: skip
   common.check_mode(
     FN, causal, impl, initial_state=initial_state, output_final_state=output_final_state,
-    segment_ids=segment_ids,
+    segment_ids=segment_ids, axis_name=axis_name,
   )  # fmt: skip
   common.check_arrays(FN, q.shape[:-1], segment_ids=segment_ids)
   decay, bonus = check_params(FN, decay, bonus, q.shape[-1])
@@ -63,7 +60,7 @@ def aft_decay(
   common.check_state(FN, initial_state, lambda: aft_decay_init(shape))
   return common.eager(
     _run, q=q, k=k, v=v, decay=decay, bonus=bonus, state=initial_state,
-    segment_ids=segment_ids, final=output_final_state, impl=impl,
+    segment_ids=segment_ids, final=output_final_state, impl=impl, axis_name=axis_name,
   )  # fmt: skip
 
 
@@ -79,13 +76,15 @@ def check_params(fn, decay, bonus, d: int):  # decay [D] >= 0 (where concrete), 
   return decay, bonus
 
 
-def _run(q, k, v, decay, bonus, state, segment_ids, final, impl):
+def _run(q, k, v, decay, bonus, state, segment_ids, final, impl, axis_name):
   out_dt, dt = common.dtypes(q, k, v)
   shape = q.shape[:-2] + q.shape[-1:]
   if q.shape[-2] == 0:
     return lse.nothing(q, k, v, state, final, lambda: aft_decay_init(shape))
   lam = jnp.asarray(decay, dt)
   u = jnp.zeros_like(lam) if bonus is None else jnp.asarray(bonus, dt)
+  if axis_name is not None:
+    state = _shard_state(k.astype(dt), v.astype(dt), lam, axis_name)
   if segment_ids is None and common.resolve(FN, impl, KERNELS, causal=True, channels=shape[-1]):
     return _by_kernel(q, k, v, jnp.stack([lam, u]), state, final, impl)
   # [D] -> [R], R = (batch) D as ``common.rows`` lays it out (batch may be symbolic: export)
@@ -131,6 +130,22 @@ def _by_kernel(q, k, v, w, state, final, impl):  # the state as a key before the
   return y, Acc(m, acc.num + s * state.num, acc.den + s * state.den)
 
 
+def _shard_state(k, v, lam, axis_name):  # in shard_map: the state before this device's piece
+  n = k.shape[-2]
+  back = lam * np.arange(n - 1, -1, -1)[:, None]  # [T, D]: each position's decay to the end
+  top = _sg(jnp.max(k - back, axis=-2, keepdims=True))
+  w = _exp((k - top) - back)
+  piece = Acc(top[..., 0, :], jnp.sum(_mul(w, v), axis=-2), jnp.sum(w, axis=-2))
+  # Each earlier piece's state decays by lam n per piece between them.
+  pieces = jax.lax.all_gather(piece, axis_name)  # [devices, ..., D]
+  i, j = jax.lax.axis_index(axis_name), np.arange(jax.lax.axis_size(axis_name))
+  before = jnp.reshape(j < i, (-1,) + (1,) * piece.m.ndim)
+  gap = lam * jnp.reshape((i - 1 - j) * n, before.shape).astype(lam.dtype)
+  top = _sg(jnp.max(jnp.where(before, pieces.m - gap, NEG), axis=0))
+  f = jnp.where(before, _exp((pieces.m - top) - gap), 0.0)
+  return Acc(top, jnp.sum(_mul(f, pieces.num), axis=0), jnp.sum(_mul(f, pieces.den), axis=0))
+
+
 def aft_decay_init(shape) -> Acc:
   """The state before any token, for q_t, k_t, v_t of ``shape`` [..., D]."""
   return lse.empty(shape)
@@ -141,21 +156,8 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
   without v), S the decayed sum of the past (``state``); then S = exp(-decay) S + exp(k[t]) v[t].
   q_t, k_t, v_t ``[..., D]``; decay, bonus ``[D]``. Returns ``(Y[t], state)`` (float32)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  dt = jnp.result_type(q_t, k_t, v_t)
-  k_t, v_t, lam = f32(k_t), f32(v_t), f32(decay)
-  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
-  # m - 1e-6 rounds to m), the max rounded as it may be.
-  m = _sg(jnp.maximum(state.m - lam, k_t))
-  old, new = jnp.exp(state.m - m - lam), jnp.exp(k_t - m)
-  after = Acc(m, state.num * old + v_t * new, state.den * old + new)
-  if bonus is None:
-    return lse.output(f32(q_t), after).astype(dt), after
-  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
-  u = f32(bonus)
-  scale = jnp.exp(-jnp.abs(u))
-  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
-  seen = Acc(m, state.num * past + v_t * now, state.den * past + now)
-  return lse.output(f32(q_t), seen).astype(dt), after
+  a, after = _step(state, f32(k_t), f32(v_t), f32(decay), f32(0.0 if bonus is None else bonus))
+  return lse.gate(f32(q_t), a).astype(jnp.result_type(q_t, k_t, v_t)), after
 
 
 # exp, a * b and a / b whose derivatives' factors are ``tame``d: a later NaN's zero cotangent
@@ -164,45 +166,62 @@ def aft_decay_step(state: Acc, q_t, k_t, v_t, decay, bonus=None):
 _exp, _mul, _div = (jax.custom_jvp(f) for f in (jnp.exp, jnp.multiply, jnp.divide))
 _exp.defjvp(lambda x, t: (jnp.exp(x[0]), tame(jnp.exp(x[0])) * t[0]))
 _mul.defjvp(lambda x, t: (x[0] * x[1], tame(x[1]) * t[0] + tame(x[0]) * t[1]))
-_div.defjvp(lambda x, t: (x[0] / x[1], tame(1 / x[1]) * t[0] - tame(x[0] / x[1] ** 2) * t[1]))
+_div.defjvp(lambda x, t: (x[0] / x[1], _div_tangent(x[0], 1 / x[1], *t)))
+# Products of 1 / b: XLA would rewrite a / b / b as a / (b * b), which overflows past 1e19.
+_div_tangent = lambda a, r, ta, tb: tame(r) * ta - tame(a * r * r) * tb
 
 
-def _chunk_tables(c: int):
-  """Rows 0..c-1: the chunk's outputs; row c: its final state. (distance of key j from row i,
-  j counts, j is row i's own position, the carried state's distance) as NumPy constants."""
-  i, j = np.arange(c + 1)[:, None], np.arange(c)[None, :]
-  last = i == c
-  dist = np.where(last, c - 1 - j, i - j)
-  counts = np.where(last, True, j <= i)
-  own = (i == j) & ~last
-  carried = np.minimum(np.arange(c + 1) + 1, c)
-  return dist, counts, own, carried, np.minimum(np.arange(c + 1), c - 1)
+def _step(state: Acc, k, v, lam, u):  # (the mean at this position, the state after it)
+  # exp(-lam) S + exp(k) [v, 1]: lam is subtracted from m - max, not from m (at m = 60,
+  # m - 1e-6 rounds to m), the max rounded as it may be.
+  m = _sg(jnp.maximum(state.m - lam, k))
+  old, new = _exp((state.m - m) - lam), _exp(k - m)
+  # The bonus' factor exp(u) on the new term, or exp(-u) on the past: every factor <= 1.
+  scale = jnp.exp(-jnp.abs(u))
+  past, now = old * jnp.where(u >= 0, scale, 1.0), new * jnp.where(u >= 0, 1.0, scale)
+  seen = _div(_mul(state.num, past) + _mul(v, now), _mul(state.den, past) + now)
+  return seen, Acc(m, _mul(state.num, old) + _mul(v, new), _mul(state.den, old) + new)
 
 
 def _chunk(carry: Acc, kc, vc, lam, u, start, sc):
-  """One chunk of c positions from ``start``: a [c, R], the state after it. Exact: every row's
-  terms, the carried state's among them, are shifted by that row's own maximum."""
-  c = kc.shape[0]
-  dist, counts, own, carried, row_pos = _chunk_tables(c)
-  bias = -lam * dist[..., None] + jnp.where(own[..., None], u, 0.0)  # [c+1, c, R]
-  ok = jnp.broadcast_to(counts[..., None], bias.shape)
-  carried_ok = True
-  if sc is not None:  # a key counts from its row's segment start on; the state only before it
-    row_start = sc[row_pos]  # [c+1, R]
-    ok = ok & (row_start[:, None, :] <= start + np.arange(c)[None, :, None])
-    carried_ok = row_start < start
-  old_bias = -lam * carried[:, None]  # [c+1, R]
-  # The rows' maxima (a shift: rounding is harmless), then exp((logit - max) + bias): a decay
-  # below the rounding of a large logit (1e-6 at 60) still counts, and is not lost over chunks.
-  top = jnp.max(jnp.where(ok, kc[None] + bias, NEG), axis=1)
-  m = _sg(jnp.maximum(jnp.where(carried_ok, carry.m[None] + old_bias, NEG), top))
-  # Masked terms are exact zeros before exp and before the product (0 * NaN is NaN): a later
-  # non-finite key or value leaves the earlier rows of its chunk bit-identical.
-  p = jnp.where(ok, _exp(jnp.where(ok, kc[None] - m[:, None] + bias, NEG)), 0.0)
-  p_old = jnp.where(carried_ok, _exp(carry.m[None] - m + old_bias), 0.0)
-  num = _mul(p_old, carry.num) + jnp.sum(_mul(p, jnp.where(ok, vc[None], 0.0)), axis=1)
-  den = _mul(p_old, carry.den) + jnp.sum(p, axis=1)
-  return _div(num[:c], den[:c]), Acc(m[c], num[c], den[c])
+  """One chunk of c positions from ``start``: the means a [c, R], the state after it. Fast: every
+  term scaled to the chunk's end (a row factor that cancels) and shifted by one max per channel,
+  the first row's, exp((k[j] - max) - lam (c - 1 - j)), summed by matmuls. The steps' instead
+  from a term set aside (over ``EXP_MAX``, non-finite), a sum that may have lost its terms to
+  underflow and a document that starts inside the chunk on."""
+  c, r = kc.shape
+  fresh = None if sc is None else sc == start + np.arange(c)[:, None]  # documents' first rows
+  carried = True if sc is None else ~fresh[0]
+  back = lam * np.arange(c - 1, -1, -1)[:, None]  # [c, R]: each position's decay to the end
+  m = _sg(jnp.maximum(jnp.where(carried, carry.m - lam, NEG), kc[0]))
+  ok, e, vs = lse.set_aside(_exp((kc - m) - back), vc)
+  okd, ed, _ = lse.set_aside(_mul(e, jnp.exp(u)), vs)
+  s0 = jnp.where(carried, _exp((carry.m - m) - lam * c), 0.0)
+  ev, tri = e * vs, np.tril(np.ones((c, c), np.float32), -1)  # tri: the sums of j < i
+  num = _mul(carry.num, s0) + lse.matmul("ij,jx->ix", tri, ev, False)
+  den = _mul(carry.den, s0) + lse.matmul("ij,jx->ix", tri, e, False)
+  a = _div(num + ed * vs, den + ed)
+  # The state after the chunk in the scale of its own largest term (else its den, at exp(60)
+  # after rising keys, would meet a factor exp(-100) that underflows).
+  top = _sg(jnp.maximum(jnp.where(carried, carry.m - lam * c, NEG), jnp.max(kc - back, axis=0)))
+  scale = _exp(m - top)
+  after = Acc(top, _mul(num[-1] + ev[-1], scale), _mul(den[-1] + e[-1], scale))
+  bad = ~(ok & okd)
+  small = ~(jnp.minimum(den + ed, den + e) >= DEN_OK)
+  inside = False if sc is None else sc != sc[0]  # rows of a document that starts in the chunk
+
+  def steps():  # the flagged rows only: the others keep the fast values, bit for bit
+    def one(acc, xs):
+      k1, v1, new_doc = xs
+      if new_doc is not None:
+        acc = Acc(*(jnp.where(new_doc, f, x) for x, f in zip(acc, (NEG, 0.0, 0.0))))
+      return _step(acc, k1, v1, lam, u)[::-1]
+
+    end, exact = jax.lax.scan(one, carry, (kc, vc, fresh))
+    redo = (jax.lax.cummax(bad.astype(jnp.int32), axis=0) > 0) | small | inside
+    return jnp.where(redo, exact, a), end
+
+  return lse.cond(jnp.any(bad | small | inside), steps, lambda: (a, after))
 
 
 def decayed_mean(k, v, lam, u, carry: Acc, starts, chunk: int):

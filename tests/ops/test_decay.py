@@ -15,7 +15,7 @@ from tests.support.helpers import export_for
 from tests.support.op_cases import close, cotangent
 
 B, T, D = 2, 19, 4  # T: odd, chunks and a rest
-LAM = np.array([0.0, 1e-6, 0.7, 30.0], np.float32)  # decays: none, below rounding, some, huge
+LAM = np.array([0.0, 1e-6, 3.5, 30.0], np.float32)  # decays: none, below rounding, some, huge
 U = np.array([1.0, -2.0, 0.0, 5.0], np.float32)
 DECAYS = {"zero": np.zeros(D), "tiny": np.full(D, 1e-6), "large": np.full(D, 30.0), "mixed": LAM}
 
@@ -25,12 +25,16 @@ def _inputs(seed, t_len=T, scale=1.0, extreme=False):  # extreme keys: +-60 (exp
   return q, np.float32(60.0) * np.sign(k) if extreme else k * np.float32(scale), v
 
 
-@pytest.mark.parametrize("keys", ["std1", "extreme"])
+@pytest.mark.parametrize("keys", ["std1", "extreme", "1e4", "ramps"])
 @pytest.mark.parametrize("decay", DECAYS)
 def test_values_against_the_loop_reference(decay, keys):
-  """With and without a bonus; eagerly, so one program per form for every case."""
-  q, k, v = _inputs(1, extreme=keys == "extreme")
+  """With and without a bonus; eagerly, so one program per form for every case. Ramps: keys
+  that rise (row 0) or fall (row 1) by the decay per position, so every term counts."""
+  t_len, scale = (35 if keys == "ramps" else T), (1e4 if keys == "1e4" else 1.0)
+  q, k, v = _inputs(1, t_len, scale, extreme=keys == "extreme")
   lam = np.asarray(DECAYS[decay], np.float32)
+  if keys == "ramps":
+    k = (k + np.array([1, -1])[:, None, None] * np.arange(t_len)[:, None] * lam).astype(np.float32)
   for u in (None, U):
     want = ref.aft_decay(q, k, v, lam, u)
     np.testing.assert_allclose(ops.aft_decay(q, k, v, lam, u), want, 1e-5, 1e-6, err_msg=f"{u}")
@@ -57,9 +61,9 @@ def _same_state(got, want):  # equal sums: log den + m and num / den (m is only 
 @pytest.mark.parametrize("chunk, keys", [(decay_mod.CHUNK, "std5"), (8, "std5"),
                                          (decay_mod.CHUNK, "extreme")])  # fmt: skip
 def test_chunks_equal_steps_over_eight_chunks(chunk, keys, monkeypatch):
-  """8 x 8 + 3 positions: outputs and final state == the scanned steps' == the reference's."""
+  """8 chunks + 3 positions: outputs and final state == the scanned steps' == the reference's."""
   monkeypatch.setattr(decay_mod, "CHUNK", chunk)  # read when the op is traced (below)
-  q, k, v = _inputs(4, 8 * 8 + 3, scale=5.0, extreme=keys == "extreme")
+  q, k, v = _inputs(4, 8 * chunk + 3, scale=5.0, extreme=keys == "extreme")
   run = jax.jit(lambda q, k, v: (ops.aft_decay(q, k, v, LAM, U, output_final_state=True),
                                  _steps(ops.aft_decay_init((B, D)), q, k, v, LAM, U)))  # fmt: skip
   (y, state), (y_steps, state_steps) = run(q, k, v)
@@ -88,6 +92,7 @@ def test_pieces_equal_one_call():
   q, k, v = _inputs(5)
   for scale in (1.0, 40.0):
     (y1, g1), (y2, g2) = run(q, k * scale, v, (LAM, U), cotangent(q.shape))
+    np.testing.assert_allclose(y2, ref.aft_decay(q, k * scale, v, LAM, U), 1e-5, 1e-6)
     close(y2, y1, 1e-5)
     close(g2, g1, 1e-4)
 
@@ -138,8 +143,9 @@ def test_jit_vmap_and_export_for_gpu_and_tpu():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   x, d = jax.ShapeDtypeStruct((2, 8, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)
   fwd_bwd = jax.grad(lambda *a: jnp.sum(ops.aft_decay(*a, a[3])), argnums=(0, 1, 2, 3))
-  for platform in ("cuda", "tpu"):
-    assert "custom_call" not in export_for(fwd_bwd, x, x, x, d, platform=platform).mlir_module()
+  for platform in ("cuda", "tpu"):  # the chunks' sums are matmuls
+    mlir = export_for(fwd_bwd, x, x, x, d, platform=platform).mlir_module()
+    assert "custom_call" not in mlir and "dot_general" in mlir
 
 
 def test_steps_keep_the_inputs_dtype():
@@ -158,7 +164,8 @@ ERRORS = [
   ((X, X, X, Z), dict(impl="pallas"), r"aft_decay: impl='pallas' is not available: the channel"),
   ((X, X, X, Z), dict(impl="pallas_interpret"), r"'pallas_interpret' is not .* D = 4 is not a"),
   ((X, X, X, Z), dict(impl="triton"), r"aft_decay: impl must be one of"),
-  ((X, X, X, Z), dict(axis_name="seq"), r"aft_decay: axis_name .* not supported"),
+  ((X, X, X, Z), dict(axis_name="seq", output_final_state=True),
+   r"aft_decay: axis_name \(T sharded over devices\) does not take output_final_state"),
   ((X, X[:, :5], X, Z), {}, r"aft_decay: q, k and v must have the same shape.*k \(2, 5, 4\)"),
   ((X, X, X, Z[:3]), {}, r"aft_decay: decay must be \[D\] = \(4,\); got decay \(3,\)"),
   ((X, X, X, np.zeros((2, 4))), {}, r"decay must be \[D\] = \(4,\); got decay \(2, 4\)"),

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax import layers, ops
-from aft_jax.ops import local, simple
+from aft_jax.ops import decay, local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.op_cases import dense_mean, dense_op, key_mask, segments, tpu_simple
@@ -28,6 +28,7 @@ SEQ = P(None, "seq")
 def small_blocks():  # chunks and query blocks of 4 positions: several at T = 16
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(simple, "CHUNK", 4)
+    mp.setattr(decay, "CHUNK", 4)
     mp.setattr(local, "_default_block", lambda s, t_len: 4)
     yield
 
@@ -48,6 +49,16 @@ def _conv1d_dense(causal, packed=False):
     t_len = k.shape[-2]
     mask = key_mask(t_len, causal, packed)[..., None]
     return jax.nn.sigmoid(q) * dense_mean(k, v, _kernel_bias(kernel, t_len, causal), mask, True)
+
+  return dense
+
+
+def _decay_dense(packed):  # w [2, D]: the decay |w[0]| per position back, the bonus w[1] at 0
+  def dense(q, k, v, w):
+    lag = np.arange(k.shape[-2])[:, None] - np.arange(k.shape[-2])[None, :]
+    bias = jnp.where((lag == 0)[..., None], w[1], -jnp.abs(w[0]) * lag[..., None])
+    mask = key_mask(k.shape[-2], True, packed)[..., None]
+    return jax.nn.sigmoid(q) * dense_mean(k, v, bias, mask)
 
   return dense
 
@@ -104,6 +115,11 @@ def _forms(impl):  # name -> (fn, dense reference, NumPy reference or None, inpu
   }  # fmt: skip
   conv2d = functools.partial(ops.aft_conv2d, impl=impl)
   forms = {"conv2d": (conv2d, _conv2d_dense, ref.aft_conv2d, "conv2d")}
+  dec = lambda q, k, v, w, **kw: ops.aft_decay(q, k, v, jnp.abs(w[0]), w[1], impl=impl, **kw)
+  dec_ref = lambda q, k, v, w: ref.aft_decay(q, k, v, np.abs(w[0]), w[1])
+  forms["decay-causal"] = (dec, _decay_dense(False), dec_ref, "decay")
+  forms["decay-state"] = (two_pieces(dec, False), _decay_dense(False), dec_ref, "decay")
+  forms["decay-packed"] = (packed(dec, False), _decay_dense(True), None, "decay")
   for n, (op, window, numpy) in ops_.items():
     kind = "conv1d" if n == "conv1d" else "seq"
     dense = lambda c, p=False: _conv1d_dense(c, p) if kind == "conv1d" else dense_op(window, c, p)
@@ -123,14 +139,14 @@ CASES.update({(n, "pallas_interpret"): (32, 16) for n in KERNEL_FORMS})
 CASES[("simple-causal", "tpu_interpret")] = (32, 128)
 # Forward mode (XLA): the hand-written derivatives, and AFT-conv2d (autodiff under the gate's JVP).
 FORWARD = ("full", "full-causal", "local", "local-causal", "simple-causal", "conv1d-causal")
-FORWARD += ("conv2d",)
+FORWARD += ("conv2d", "decay-causal")
 
 
 def _inputs(kind, t_len, d, seed=0):  # (q, k, v, w), an output cotangent, input tangents
   rng = np.random.default_rng(seed)
   f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
-  if kind == "seq":
-    shapes = [(B, t_len, d)] * 3 + [(t_len, t_len)]
+  if kind in ("seq", "decay"):
+    shapes = [(B, t_len, d)] * 3 + [(t_len, t_len) if kind == "seq" else (2, d)]
   elif kind == "conv1d":
     shapes = [(B, t_len, HEADS, CH), (B, t_len, HEADS), (B, t_len, HEADS, CH), (HEADS, KERNEL)]
   else:
@@ -198,7 +214,7 @@ def test_dense_references_are_the_float64_ones():
     dense = _forms("xla")[base][1]
     x = _inputs(kind, *CASES[name, impl])[0]
     _close(jax.jit(dense)(*x), numpy_ref(*x), f"dense reference {name} {impl}")
-  assert len(done) == 12, done
+  assert len(done) == 13, done
 
 
 @pytest.mark.parametrize("name,impl", list(CASES), ids=[f"{n}-{i}" for n, i in CASES])
@@ -282,7 +298,7 @@ def test_shard_map_with_its_defaults():  # tests/support/transforms_worker.py's 
   cmd = [sys.executable, "-m", "tests.support.transforms_worker"]
   proc = prefork.run(cmd, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert proc.stdout.split() == ["checked", "simple", "local"], proc.stdout
+  assert proc.stdout.split() == ["checked", "simple", "local", "decay"], proc.stdout
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

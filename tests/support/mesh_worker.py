@@ -181,6 +181,7 @@ T = 16  # 4 positions per device
 # (op, window or kernel size, logit std): a window within one shard (3), one two shards back (6);
 # AFT-local's w also as its factors (u, v): each device forms its block only.
 CASES = [("simple", 0, 40.0), ("local", 3, 40.0), ("local_factors", 6, 1.0), ("conv1d", 6, 40.0)]
+CASES += [("decay", 0, 1.0), ("decay", 0, 40.0)]  # decays 0, 1e-6, 30 per step and a bonus
 
 
 def _inputs(op, size, scale):
@@ -189,6 +190,8 @@ def _inputs(op, size, scale):
   if op == "conv1d":
     return f(2, T, 2, 2), f(2, T, 2, sc=scale), f(2, T, 2, 2), f(2, size, sc=scale)
   qkv = f(2, T, 3), f(2, T, 3, sc=scale), f(2, T, 3)
+  if op == "decay":
+    return (*qkv, (np.array([0.0, 1e-6, 30.0], np.float32), f(3)))
   if op == "local_factors":  # u, v [T, 2]: w = u v^T of std ~ scale
     return (*qkv, (f(T, 2, sc=scale**0.5), f(T, 2, sc=scale**0.5)))
   return (*qkv, f(T, T, sc=scale))
@@ -197,6 +200,8 @@ def _inputs(op, size, scale):
 def _op(op, size, q, k, v, bias, **kw):
   if op == "simple":
     return ops.aft_simple(q, k, v, causal=True, **kw)
+  if op == "decay":
+    return ops.aft_decay(q, k, v, *bias, **kw)
   if op.startswith("local"):
     return ops.aft_local(q, k, v, bias, window=size, causal=True, **kw)
   return ops.aft_conv1d(q, k, v, bias, causal=True, **kw)

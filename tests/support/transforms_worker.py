@@ -27,9 +27,11 @@ def main():
     "local": lambda q, k, v, w, **kw: ops.aft_local(
       q, k, v, w, window=6, causal=True, impl="xla", **kw
     ),
+    "decay": lambda q, k, v, w, **kw: ops.aft_decay(q, k, v, jnp.abs(w[0]), w[1], **kw),
   }
   for name, run in runs.items():
-    args = (f(2, 16, 3), f(2, 16, 3), f(2, 16, 3), f(16, 16))  # 4 positions per device
+    w = f(2, 3) if name == "decay" else f(16, 16)  # decay and bonus, or the bias
+    args = (f(2, 16, 3), f(2, 16, 3), f(2, 16, 3), w)  # 4 positions per device
     # The batch vmapped inside the shard_map (the op sees [T / 4, D] per device), checkpointed.
     body = jax.checkpoint(
       jax.vmap(lambda q, k, v, w: run(q, k, v, w, axis_name="seq"), (0, 0, 0, None))
