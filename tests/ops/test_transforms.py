@@ -134,7 +134,7 @@ def _forms(impl):  # name -> (fn, dense reference, NumPy reference or None, inpu
 # (form, impl) -> (T, D): every form on XLA, every kernel on its plain and state forms (packed
 # forms run XLA whatever the impl; axis_name: tests/support/transforms_worker.py).
 CASES = {(name, "xla"): (16, 8) for name in _forms("xla")}
-KERNEL_FORMS = ("simple-causal", "local-causal", "simple-state", "local-state")
+KERNEL_FORMS = [f"{n}-{form}" for n in ("simple", "local", "decay") for form in ("causal", "state")]
 CASES.update({(n, "pallas_interpret"): (32, 16) for n in KERNEL_FORMS})
 CASES[("simple-causal", "tpu_interpret")] = (32, 128)
 # Forward mode (XLA): the hand-written derivatives, and AFT-conv2d (autodiff under the gate's JVP).
