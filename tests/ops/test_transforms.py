@@ -214,7 +214,7 @@ def test_dense_references_are_the_float64_ones():
     dense = _forms("xla")[base][1]
     x = _inputs(kind, *CASES[name, impl])[0]
     _close(jax.jit(dense)(*x), numpy_ref(*x), f"dense reference {name} {impl}")
-  assert len(done) == 13, done
+  assert len(done) == 14, done
 
 
 @pytest.mark.parametrize("name,impl", list(CASES), ids=[f"{n}-{i}" for n, i in CASES])
