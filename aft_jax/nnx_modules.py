@@ -90,33 +90,16 @@ class _Layer(Linen):
     super().__init__(self.linen(**settings), example, rngs=rngs)
 
 
-class AFTFull(_Layer):
-  linen = layers.AFTFull
+def _layer(linen: type[nn.Module], lead: int = 2) -> type[_Layer]:
+  doc = f"``layers.{linen.__name__}`` as an ``nnx.Module``: ``(d_model, *, rngs, **settings)``."
+  body = {"linen": linen, "lead": lead, "__doc__": doc, "__module__": __name__}
+  return type(linen.__name__, (_Layer,), body)
 
 
-class AFTLocal(_Layer):
-  linen = layers.AFTLocal
-
-
-class AFTSimple(_Layer):
-  linen = layers.AFTSimple
-
-
-class AFTDecay(_Layer):
-  linen = layers.AFTDecay
-
-
-class AFTConv1D(_Layer):
-  linen = layers.AFTConv1D
-
-
-class AFTConv2D(_Layer):
-  linen = layers.AFTConv2D
-  lead = 3
-
-
-class MultiHeadAttention(_Layer):
-  linen = layers.MultiHeadAttention
+AFTFull, AFTLocal = _layer(layers.AFTFull), _layer(layers.AFTLocal)
+AFTSimple, AFTDecay = _layer(layers.AFTSimple), _layer(layers.AFTDecay)
+AFTConv1D, AFTConv2D = _layer(layers.AFTConv1D), _layer(layers.AFTConv2D, lead=3)
+MultiHeadAttention = _layer(layers.MultiHeadAttention)
 
 
 class TransformerLM(Linen):
