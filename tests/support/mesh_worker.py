@@ -246,6 +246,7 @@ LAYOUTS = {
   "aft_local_factors": [(1, 1, 1, 4)],
   "aft_simple": [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2)],
   "aft_conv1d": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2)],
+  "aft_decay": [(2, 1, 1, 2)],
   "softmax": [(2, 2, 2, 1)],
 }
 
@@ -261,7 +262,8 @@ def _layout_losses(name, layout, corpus):
   if layout[3] > 1 and layout == LAYOUTS[name][-1]:
     hlo = trainer.lower_train_step().as_text()
     assert "all_gather" in hlo, name
-    assert ("collective_permute" in hlo) == (mixing != "aft_simple"), name  # the last keys
+    last_keys = mixing not in ("aft_simple", "aft_decay")  # exchanged with collective_permute
+    assert ("collective_permute" in hlo) == last_keys, name
   return train_losses(trainer, corpus.splits["train"], STEPS)
 
 
