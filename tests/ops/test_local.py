@@ -81,6 +81,16 @@ def test_banded_small_blocks(causal, t_len, window):
     check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
+def test_causal_block_running_max_spans_its_rows_not_its_keys():
+  """The keys a causal block's rows have seen: the keys before its first row reduced once, a
+  running max over its c rows only (AFT-full's blocks hold all T keys)."""
+  plan = local.make_plan(1024, 8, 1024, causal=True)
+  x, w = jnp.zeros((1024, 8)), jnp.zeros((1024, 1024))
+  jaxpr = jax.make_jaxpr(lambda k, v, w: local._forward(plan, k, v, w))(x, x, w).jaxpr
+  rows = {e.invars[0].aval.shape[0] for e in equations(jaxpr, "cummax")}
+  assert plan.width == 1024 > plan.c and rows == {plan.c}
+
+
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
   """dw's partial sums: one [t_pad, W] per channel block, summed over the batch in the kernel."""
   t_len, d, window = 100, 128, 40  # t_pad 112, W = 16 (ceil(39 / 16) + 1) = 64
