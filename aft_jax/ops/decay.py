@@ -87,8 +87,7 @@ def _run(q, k, v, decay, bonus, state, segment_ids, final, impl, axis_name):
     state = _shard_state(k.astype(dt), v.astype(dt), lam, axis_name)
   if segment_ids is None and common.resolve(FN, impl, KERNELS, causal=True, channels=shape[-1]):
     return _by_kernel(q, k, v, jnp.stack([lam, u]), state, final, impl)
-  # [D] -> [R], R = (batch) D as ``common.rows`` lays it out (batch may be symbolic: export)
-  per_row = lambda x: common.rows(jnp.broadcast_to(x, q.shape[:-2] + (1, x.shape[-1])))[0]
+  per_row = lambda x: _per_row(x, q.shape[:-2])
   k2, v2 = common.rows(k.astype(dt)), common.rows(v.astype(dt))
   starts = None
   if segment_ids is not None:
@@ -105,37 +104,39 @@ def _run(q, k, v, decay, bonus, state, segment_ids, final, impl, axis_name):
   return y, Acc(*(back(x) for x in carry))
 
 
+def _per_row(x, lead):  # [D] -> [R], R = (lead) D as ``common.rows`` lays it out (lead: symbolic)
+  return common.rows(jnp.broadcast_to(x, lead + (1, x.shape[-1])))[0]
+
+
 def _by_kernel(q, k, v, w, state, final, impl):  # the state as a key before the piece
   def xla(k, v, w, _):  # where the kernel does not run (common.run)
-    k2, v2 = common.rows(k), common.rows(v)
-    tile = lambda x: jnp.tile(x, k2.shape[1] // x.shape[0])
-    a = decayed_mean(k2, v2, tile(w[0]), tile(w[1]), lse.empty(k2.shape[1:]), None, CHUNK)[0]
+    k2, v2, lam, u = common.rows(k), common.rows(v), *(_per_row(x, k.shape[:-2]) for x in w)
+    a = decayed_mean(k2, v2, lam, u, lse.empty(k2.shape[1:]), None, CHUNK)[0]
     return common.unrows(a, k.shape)
 
   run = lambda q, k, v: common.run(FN, KERNELS, impl, xla, q, k, v, w, causal=True)
   y = lse.after_state(run, q, k, v, state)
   if not final:
     return y
-  # The decayed triple after the piece: each term shifted by the max, then decayed.
-  k, v, lam, t_len = k.astype(w.dtype), v.astype(w.dtype), w[0], k.shape[-2]
-  to_end = lam * jnp.arange(t_len - 1, -1, -1, dtype=w.dtype)[:, None]  # [T, D]
-  m = _sg(jnp.max(k - to_end, axis=-2))
-  if state is not None:
-    m = _sg(jnp.maximum(m, state.m - lam * t_len))
-  e = jnp.exp((k - m[..., None, :]) - to_end)
-  acc = Acc(m, jnp.sum(e * v, axis=-2), jnp.sum(e, axis=-2))
-  if state is None:
-    return y, acc
-  s = jnp.exp((state.m - m) - lam * t_len)
-  return y, Acc(m, acc.num + s * state.num, acc.den + s * state.den)
+  piece = _piece(k.astype(w.dtype), v.astype(w.dtype), w[0])
+  return y, piece if state is None else _join(state, piece, w[0] * k.shape[-2])
+
+
+def _piece(k, v, lam) -> Acc:  # the decayed triple of a piece k, v [..., n, D] at its end
+  back = lam * np.arange(k.shape[-2] - 1, -1, -1)[:, None]  # [n, D]: each position's decay to it
+  top = _sg(jnp.max(k - back, axis=-2, keepdims=True))
+  e = _exp((k - top) - back)
+  return Acc(top[..., 0, :], jnp.sum(_mul(e, v), axis=-2), jnp.sum(e, axis=-2))
+
+
+def _join(before: Acc, after: Acc, gap) -> Acc:  # ``before`` decayed by ``gap``, then ``after``
+  m = _sg(jnp.maximum(before.m - gap, after.m))
+  f, g = _exp((before.m - m) - gap), _exp(after.m - m)
+  return Acc(m, _mul(f, before.num) + _mul(g, after.num), _mul(f, before.den) + _mul(g, after.den))
 
 
 def _shard_state(k, v, lam, axis_name):  # in shard_map: the state before this device's piece
-  n = k.shape[-2]
-  back = lam * np.arange(n - 1, -1, -1)[:, None]  # [T, D]: each position's decay to the end
-  top = _sg(jnp.max(k - back, axis=-2, keepdims=True))
-  w = _exp((k - top) - back)
-  piece = Acc(top[..., 0, :], jnp.sum(_mul(w, v), axis=-2), jnp.sum(w, axis=-2))
+  n, piece = k.shape[-2], _piece(k, v, lam)
   # Each earlier piece's state decays by lam n per piece between them.
   pieces = jax.lax.all_gather(piece, axis_name)  # [devices, ..., D]
   i, j = jax.lax.axis_index(axis_name), np.arange(jax.lax.axis_size(axis_name))
