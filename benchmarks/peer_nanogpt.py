@@ -131,9 +131,9 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
   out = os.path.join(run_dir, "out")
   cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, data["dataset"], out)
-  wall = time.perf_counter()
+  start = time.perf_counter()
   proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - wall
+  wall = time.perf_counter() - start
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
   iters = parse_nanogpt_log(proc.stdout)
@@ -294,7 +294,8 @@ def main(argv=None) -> dict:
   if a.mixings is None:
     a.mixings = [m for m in ORDER if m != "aft_full" or recipe["block_size"] <= FULL_MAX_BLOCK]
   if a.text_package:
-    name, text = TEXT_PACKAGES[a.text_package][0], TEXT_PACKAGES[a.text_package][1]()
+    name, read = TEXT_PACKAGES[a.text_package]
+    text = read()
   elif a.text:
     text, name = open(a.text, encoding="utf-8").read(), os.path.basename(a.text)
   else:

@@ -84,14 +84,13 @@ def to_markdown(result: dict) -> str:
   ]  # fmt: skip
   for r in result["records"]:
     texts = [r["texts"].get(str(k), {}) for k in MULTIPLES]
-    cells = [fmt(x.get("nll")) for x in texts]
+    cells = [r["mixing"], r["position_embedding"]] + [fmt(x.get("nll")) for x in texts]
     for k in PAST:
       x = r["texts"].get(str(k), {})
       diff = x["last"] - x["alone"] if x else None
       cells += [fmt(x.get("last")), fmt(x.get("alone")), fmt(diff, "+.3f")]
     cells += [fmt(r.get("whole_split", {}).get("ppl")), fmt(r["valid_ppl"])]
-    head = f"| {r['mixing']} | {r['position_embedding']} | "
-    lines.append(head + " | ".join(cells) + f" | {common.fmt_time(r['wall_s'])} |")
+    lines.append("| " + " | ".join(cells + [common.fmt_time(r["wall_s"])]) + " |")
   return "\n".join(lines) + "\n"
 
 
