@@ -284,6 +284,9 @@ class AFTDecay(_AFTChannels):
   chunks = True
 
   def _params(self, d):
+    if not (len(self.init_decay) == 2 and 0 < self.init_decay[0] <= self.init_decay[1]):
+      raise ValueError(f"AFTDecay: init_decay must be (low, high), 0 < low <= high; got "
+                       f"{self.init_decay!r}")  # fmt: skip
     low, high = (jnp.log(x) for x in self.init_decay)
     spread = lambda key, shape, dtype: jnp.linspace(low, high, shape[0], dtype=dtype)
     raw = _param(self, "decay", spread, ("heads",), (d,))

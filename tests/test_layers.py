@@ -208,6 +208,7 @@ BAD = [
    dict(positions=SEG)),
   (Simple(causal=True), (1, 4, D), r"AFTSimple: mask must be \[..., T\] = \(1, 4\)",
    dict(mask=SEG[:, :3] > 0)),
+  (layers.AFTDecay(init_decay=(-1.0, 1.0), causal=True), (1, 4, D), r"AFTDecay: init_decay .*-1"),
 ]  # fmt: skip
 
 
