@@ -132,7 +132,7 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   out = os.path.join(run_dir, "out")
   cmd = nanogpt_command(a.torch_python, a.nanogpt_dir, recipe, data["dataset"], out)
   start = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, check=False)
+  proc, peak = measured(cmd, cwd=run_dir, env=env)
   wall = time.perf_counter() - start
   if proc.returncode:
     raise RuntimeError(f"nanoGPT's train.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -144,7 +144,7 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   rec = dict(model=NANOGPT, valid_loss=scored["nll"], valid_tokens=scored["tokens"])
   rec["ms_per_step"] = median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed)
   rec["final_train_loss"] = iters[max(iters)][0] if iters else None
-  return dict(rec, steps=scored["iter_num"], wall_s=wall)
+  return dict(rec, steps=scored["iter_num"], wall_s=wall, peak_mib=peak)
 
 
 def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
@@ -155,11 +155,22 @@ def run_aft(mixing: str, a, recipe: dict, data: dict, work: str) -> dict:
   spec_path, out_path = (os.path.join(work, f"{mixing}.{x}.json") for x in ("spec", "record"))
   _write(spec_path, json.dumps(spec))
   cmd = [sys.executable, "-m", "benchmarks.peer_nanogpt_worker", spec_path, out_path]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+  proc, peak = measured(cmd, cwd=ROOT)
   if proc.returncode:
     raise RuntimeError(f"aft-jax {mixing} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
   with open(out_path, encoding="utf-8") as f:
-    return json.load(f)
+    return dict(json.load(f), peak_mib=peak)
+
+
+def measured(cmd, **kw) -> tuple[subprocess.CompletedProcess, float]:
+  """``cmd`` run to its end, and its peak resident memory in MiB (``os.wait4``'s ``ru_maxrss``)."""
+  with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, **kw)
+    status, usage = os.wait4(proc.pid, 0)[1:]
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out.seek(0), err.seek(0)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+  return done, usage.ru_maxrss / 1024
 
 
 def score_batch(inputs: np.ndarray) -> int:
@@ -211,11 +222,14 @@ def to_markdown(result: dict) -> str:
     f"per character over the validation split's disjoint {r0['block_size']}-character windows; "
     f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]}; each run a process "
     f"of its own, in this order; torch on {result['threads']} threads, aft-jax on "
-    f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it)",
+    f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it; "
+    f"peak memory: the training process' resident set)",
     "",
-    "| run | model | valid loss | vs nanoGPT | ms/step | nanoGPT beside it | vs nanoGPT | wall |",
-    "|---:|---|---:|---:|---:|---:|---:|---:|",
+    "| run | model | valid loss | vs nanoGPT | ms/step | nanoGPT beside it | vs nanoGPT | tokens/s "
+    "| peak memory | wall |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
+  tokens = r0["batch_size"] * r0["block_size"] * 1e3
   for i, r in enumerate(result["records"], 1):
     dl, near, dt = "-", "-", "-"
     if "vs_nanogpt" in r:
@@ -224,20 +238,21 @@ def to_markdown(result: dict) -> str:
       dt = f"{r['vs_nanogpt']:.2f}x"
     lines.append(
       f"| {i} | {r['model']} | {r['valid_loss']:.4f} | {dl} | {r['ms_per_step']:.1f} | {near} | "
-      f"{dt} | {r['wall_s']:.0f} s |"
+      f"{dt} | {tokens / r['ms_per_step']:,.0f} | {r['peak_mib']:,.0f} MiB | {r['wall_s']:.0f} s |"
     )
   return "\n".join(lines) + "\n"
 
 
 def parse_sets(items) -> dict:
   """``KEY=VALUE`` strings as a dict (values as JSON where they parse)."""
-  out = {}
-  for key, _, value in (item.partition("=") for item in items):
-    try:
-      out[key] = json.loads(value)
-    except json.JSONDecodeError:
-      out[key] = value
-  return out
+  return {key: _json_or_str(value) for key, _, value in (item.partition("=") for item in items)}
+
+
+def _json_or_str(value: str):
+  try:
+    return json.loads(value)
+  except json.JSONDecodeError:
+    return value
 
 
 def machine(a) -> dict:
@@ -252,10 +267,9 @@ def machine(a) -> dict:
 
 def _write(path: str, text: str) -> None:
   """``text`` into ``path`` atomically (``aft_jax.files`` would start jax here)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
+  with open(f"{path}.tmp", "w", encoding="utf-8") as f:
     f.write(text)
-  os.replace(tmp, path)
+  os.replace(f"{path}.tmp", path)
 
 
 def main(argv=None) -> dict:

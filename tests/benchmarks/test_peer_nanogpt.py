@@ -53,7 +53,7 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   ]  # fmt: skip
   assert peer.schedule(["aft_local"], with_nanogpt=False) == ["aft_local"]
   records = [
-    {"model": m, "valid_loss": loss, "ms_per_step": ms, "wall_s": 9.0}
+    {"model": m, "valid_loss": loss, "ms_per_step": ms, "wall_s": 9.0, "peak_mib": 1234.4}
     for m, loss, ms in [("nanoGPT", 2.0, 50.0), ("aft-jax softmax", 2.1, 66.0),
                         ("nanoGPT", 2.2, 60.0), ("aft-jax aft_local", 1.9, 30.0)]
   ]  # fmt: skip
@@ -65,9 +65,13 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   result = {"text": "t", "recipe": peer.RECIPE, "timed": [100, 300], "seed": 0, "threads": 2,
             "cpu_devices": 2, "records": records}  # fmt: skip
   md = peer.to_markdown(result)
-  assert "| 2 | aft-jax softmax | 2.1000 | +0.0000 | 66.0 | 50.0, 60.0 | 1.20x | 9 s |" in md
-  assert "| 4 | aft-jax aft_local | 1.9000 | -0.3000 | 30.0 | 60.0 | 0.50x | 9 s |" in md
-  assert "| 1 | nanoGPT | 2.0000 | - | 50.0 | - | - | 9 s |" in md
+  # tokens/s: 12 x 64 tokens a step
+  row = (
+    "| 2 | aft-jax softmax | 2.1000 | +0.0000 | 66.0 | 50.0, 60.0 | 1.20x | 11,636 | 1,234 MiB |"
+  )
+  assert row in md
+  assert "| 4 | aft-jax aft_local | 1.9000 | -0.3000 | 30.0 | 60.0 | 0.50x | 25,600 |" in md
+  assert "| 1 | nanoGPT | 2.0000 | - | 50.0 | - | - | 15,360 | 1,234 MiB | 9 s |" in md
 
 
 # nanoGPT's train.py: its log and checkpoint, and whether its parent (the driver) maps jaxlib.
@@ -130,6 +134,8 @@ def test_quick_run_at_a_block_and_batch_alternates_and_nanogpt_runs_with_no_jax_
   assert first["ms_per_step"] == last["ms_per_step"] == 53.0  # the median of steps 1-5
   assert first["valid_loss"] == 3.5 and r["nanogpt_ms"] == [53.0, 53.0]
   assert r["steps"] == peer.QUICK["max_iters"] and r["machine"]["platform"] == "cpu"
+  # Each training process' own peak memory: jax's well above the stand-in Python's.
+  assert 0 < first["peak_mib"] < 100 < r["peak_mib"] < 4096
   for key in ("valid_loss", "ms_per_step", "final_train_loss", "wall_s"):
     assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
   # 6 steps from a near-uniform start: the loss near log(vocabulary).
