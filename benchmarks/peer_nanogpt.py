@@ -245,14 +245,13 @@ def to_markdown(result: dict) -> str:
 
 def parse_sets(items) -> dict:
   """``KEY=VALUE`` strings as a dict (values as JSON where they parse)."""
-  return {key: _json_or_str(value) for key, _, value in (item.partition("=") for item in items)}
-
-
-def _json_or_str(value: str):
-  try:
-    return json.loads(value)
-  except json.JSONDecodeError:
-    return value
+  out = {}
+  for key, _, value in (item.partition("=") for item in items):
+    try:
+      out[key] = json.loads(value)
+    except json.JSONDecodeError:
+      out[key] = value
+  return out
 
 
 def machine(a) -> dict:
