@@ -215,12 +215,14 @@ def against_nanogpt(records: list[dict]) -> None:
 
 def to_markdown(result: dict) -> str:
   r0 = result["recipe"]
+  t0, t1 = result["timed"][0], min(result["timed"][1], r0["max_iters"])
+  span = f"steps {t0}-{t1 - 1}" if t0 < t1 else "every step but the first"
   lines = [
     f"**aft-jax beside nanoGPT at nanoGPT's CPU recipe** ({result['text']}; {r0['n_layer']} "
     f"layers, {r0['n_head']} heads, d {r0['n_embd']}, block {r0['block_size']}, batch "
     f"{r0['batch_size']}, {r0['max_iters']} steps, seed {result['seed']}; validation loss: nats "
     f"per character over the validation split's disjoint {r0['block_size']}-character windows; "
-    f"ms/step: median over steps {result['timed'][0]}-{result['timed'][1]}; each run a process "
+    f"ms/step: median over {span}; each run a process "
     f"of its own, in this order; torch on {result['threads']} threads, aft-jax on "
     f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it; "
     f"peak memory: the training process' resident set)",

@@ -72,6 +72,10 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   assert row in md
   assert "| 4 | aft-jax aft_local | 1.9000 | -0.3000 | 30.0 | 60.0 | 0.50x | 25,600 |" in md
   assert "| 1 | nanoGPT | 2.0000 | - | 50.0 | - | - | 15,360 | 1,234 MiB | 9 s |" in md
+  assert "median over steps 100-299;" in md  # the steps the median reads, a short run's too
+  short = peer.to_markdown(dict(result, recipe=dict(peer.RECIPE, max_iters=200)))
+  assert "median over steps 100-199;" in short
+  assert "every step but the first" in peer.to_markdown(dict(result, timed=[2000, 2100]))
 
 
 # nanoGPT's train.py: its log and checkpoint, and whether its parent (the driver) maps jaxlib.

@@ -122,8 +122,9 @@ def test_each_packed_document_as_if_alone():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_gradients_match_finite_differences(packed):
-  """float64, both modes, in q, k, v, decay and bonus (T 11: chunks and a rest)."""
+def test_gradients_match_finite_differences(packed, monkeypatch):
+  """float64, both modes, in q, k, v, decay and bonus (T 11: two chunks of 4 and a rest)."""
+  monkeypatch.setattr(decay_mod, "CHUNK", 4)
   seg = np.array([[0] * 4 + [1] * 7, [3] * 11]) if packed else None
   fn = jax.jit(functools.partial(ops.aft_decay, segment_ids=seg))
   with jax.enable_x64(True):
