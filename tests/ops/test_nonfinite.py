@@ -65,6 +65,7 @@ def _with(inputs, arg, pos, value):
 
 @pytest.mark.parametrize("name,impl", CASES)
 def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
+  """... and exactly the outputs that see a NaN are NaN, those of the float64 reference."""
   fn, inputs, reference = _op(name, impl)
   clean = np.asarray(fn(*inputs))
   args = (0, 1, 2) + ((3,) if name in ("aft_full", "aft_local") else ())
@@ -75,9 +76,12 @@ def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
         out = np.asarray(fn(*xs))
         np.testing.assert_array_equal(out[:, :pos], clean[:, :pos], err_msg=f"{arg} {value} {pos}")
         assert not np.array_equal(out[:, pos:], clean[:, pos:], equal_nan=True), (arg, value, pos)
-        if arg == 1 and np.isinf(value):  # infinite keys: finite wherever float64 is
+        if np.isnan(value) or arg == 1:
           with np.errstate(invalid="ignore"):  # float64 too: inf - inf where a key is inf
             want = reference(*xs)
+        if np.isnan(value):  # exactly the outputs that see a NaN are NaN, as in float64
+          np.testing.assert_array_equal(np.isnan(out), np.isnan(want), err_msg=f"{arg} {pos}")
+        elif arg == 1:  # infinite keys: finite wherever float64 is
           fin = np.isfinite(want)
           assert np.isfinite(out[fin]).all(), (value, pos)
           np.testing.assert_allclose(out[fin], want[fin], rtol=2e-4, atol=2e-5)

@@ -8,6 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 from aft_jax import ops
+from aft_jax.ops import conv
 from tests.support.op_cases import ATOL, RTOL, qkvw, rand, reference
 
 
@@ -41,6 +42,20 @@ def test_values(name, kw, args):  # eagerly: one program (tests/ops/test_common.
   out = getattr(ops, name)(*args, **kw)
   chex.assert_tree_all_finite(out)
   chex.assert_trees_all_close(out, reference(name, args, kw), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n, scale", [(2, 1.0), (5, 40.0)])
+def test_causal_conv1d_past_its_dense_length(n, scale, monkeypatch):
+  """Causal AFT-conv1d at T > ``DENSE_MAX_T`` (its scans: a model's long rows) against the
+  reference, and its derivatives against finite differences."""
+  monkeypatch.setattr(conv, "DENSE_MAX_T", 4)  # read when traced: a program of its own below
+  fn = jax.jit(lambda q, k, v, kern: ops.aft_conv1d(q, k, v, kern, causal=True))
+  args = _conv(4, (2,), (11,), (n,), scale)
+  chex.assert_trees_all_close(fn(*args), reference("aft_conv1d", args, dict(causal=True)),
+                              rtol=RTOL, atol=ATOL)  # fmt: skip
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in _conv(5, (), (7,), (n,), 2.0, ch=2))
+    check_grads(fn, args, order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
 
 
 # name -> (fn of [6, 4] q, k, v and [6, 6] w, the arguments it is differentiated in)

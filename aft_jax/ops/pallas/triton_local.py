@@ -111,7 +111,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
       ok, e, vb = set_aside(jnp.exp(kb - mk), vb)
       p = jnp.exp(b - mw)
       # Per row, over the keys it sees: how many set aside, and the sum of exp(k - mk).
-      sees = jnp.where(b > NEG, 1.0, 0.0)
+      sees = jnp.where(b <= NEG, 0.0, 1.0)  # NEG: a later key; a NaN bias is a term
       aside = dot(sees, jnp.where(ok, 0.0, 1.0))
       return nd[0] + dot(p, e * vb), nd[1] + dot(p, e), nd[2] + aside, nd[3] + dot(sees, e)
 
@@ -137,7 +137,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
           m1, num1, den1 = c
           _, kb, vb = keys(j, u)
           bias = _bias_column(bias_ref, r, u, bt, eye)
-          sees = bias > NEG  # later keys masked before exp and the products
+          sees = ~(bias <= NEG)  # later keys masked before exp and the products (NaN seen)
           logits = jnp.where(sees, bias + kb, NEG)
           m2 = jnp.maximum(m1, jnp.max(logits, axis=0, keepdims=True))
           e, s1 = jnp.where(sees, jnp.exp(logits - m2), 0.0), jnp.exp(m1 - m2)
