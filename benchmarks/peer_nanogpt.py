@@ -110,12 +110,15 @@ def parse_nanogpt_log(log: str) -> dict[int, tuple[float, float]]:
   return {int(i): (float(loss), float(ms)) for i, loss, ms in _ITER.findall(log)}
 
 
-def median_ms(ms_by_step: dict[int, float], timed: tuple[int, int]) -> float:
-  """The median step time in [timed[0], timed[1]) (a shorter run: every step but the first)."""
-  sel = [v for k, v in ms_by_step.items() if timed[0] <= k < timed[1]]
-  if not sel:
-    sel = [v for k, v in sorted(ms_by_step.items())[1:]] or list(ms_by_step.values())
-  return float(np.median(sel))
+def timed_steps(timed: tuple[int, int], max_iters: int) -> range:
+  """The steps whose median is a run's ms/step: ``timed[0] <= step < timed[1]`` within the run,
+  or every step but the first where the run ends before ``timed[0]``."""
+  return range(timed[0], min(timed[1], max_iters)) or range(1, max_iters)
+
+
+def median_ms(ms_by_step: dict[int, float], steps: range) -> float:
+  """The median step time over ``steps`` (``timed_steps``)."""
+  return float(np.median([ms_by_step[k] for k in steps if k in ms_by_step]))
 
 
 def schedule(mixings, with_nanogpt: bool) -> list[str]:
@@ -142,7 +145,8 @@ def run_nanogpt(a, recipe: dict, data: dict, work: str) -> dict:
   score = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
   scored = json.loads(score.stdout.strip().splitlines()[-1])
   rec = dict(model=NANOGPT, valid_loss=scored["nll"], valid_tokens=scored["tokens"])
-  rec["ms_per_step"] = median_ms({k: ms for k, (_, ms) in iters.items()}, a.timed)
+  steps = timed_steps(a.timed, recipe["max_iters"])
+  rec["ms_per_step"] = median_ms({k: ms for k, (_, ms) in iters.items()}, steps)
   rec["final_train_loss"] = iters[max(iters)][0] if iters else None
   return dict(rec, steps=scored["iter_num"], wall_s=wall, peak_mib=peak)
 
@@ -215,14 +219,13 @@ def against_nanogpt(records: list[dict]) -> None:
 
 def to_markdown(result: dict) -> str:
   r0 = result["recipe"]
-  t0, t1 = result["timed"][0], min(result["timed"][1], r0["max_iters"])
-  span = f"steps {t0}-{t1 - 1}" if t0 < t1 else "every step but the first"
+  steps = timed_steps(result["timed"], r0["max_iters"])
   lines = [
     f"**aft-jax beside nanoGPT at nanoGPT's CPU recipe** ({result['text']}; {r0['n_layer']} "
     f"layers, {r0['n_head']} heads, d {r0['n_embd']}, block {r0['block_size']}, batch "
     f"{r0['batch_size']}, {r0['max_iters']} steps, seed {result['seed']}; validation loss: nats "
     f"per character over the validation split's disjoint {r0['block_size']}-character windows; "
-    f"ms/step: median over {span}; each run a process "
+    f"ms/step: median over steps {steps.start}-{steps.stop - 1}; each run a process "
     f"of its own, in this order; torch on {result['threads']} threads, aft-jax on "
     f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it; "
     f"peak memory: the training process' resident set)",

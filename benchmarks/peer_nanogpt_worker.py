@@ -19,7 +19,7 @@ from aft_jax.trainer import recipes, train_lib
 from aft_jax.trainer.default_config import get_config, override
 from aft_jax.trainer.run_config import RunConfig
 from benchmarks import common
-from benchmarks.peer_nanogpt import median_ms, score_batch
+from benchmarks.peer_nanogpt import median_ms, score_batch, timed_steps
 
 
 # nanoGPT's recipe keys and aft-jax's config keys for them.
@@ -88,7 +88,10 @@ def run(spec: dict) -> dict:
   wall = time.perf_counter() - start
   loss = score(trainer, state.params, windows["inputs"], windows["targets"])
   rec = dict(model=f"aft-jax {mixing}", mixing=mixing, valid_loss=loss)
-  rec.update(valid_tokens=int(windows["targets"].size), ms_per_step=median_ms(ms, spec["timed"]))
+  rec.update(
+    valid_tokens=int(windows["targets"].size),
+    ms_per_step=median_ms(ms, timed_steps(spec["timed"], recipe["max_iters"])),
+  )
   rec.update(final_train_loss=losses[-1], steps=recipe["max_iters"], wall_s=wall)
   return dict(rec, machine=common.machine_info())
 

@@ -46,7 +46,9 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
     log += f"iter {i}: loss {3 - i / 100:.4f}, time {50 + i % 3}.00ms, mfu 1%\n"
   parsed = peer.parse_nanogpt_log(log)
   assert parsed == {0: (4.6021, 812.5), 1: (2.99, 51.0), 2: (2.98, 52.0), 3: (2.97, 50.0)}
-  assert peer.median_ms({k: v for k, (_, v) in parsed.items()}, (1, 3)) == 51.5
+  assert peer.median_ms({k: v for k, (_, v) in parsed.items()}, peer.timed_steps((1, 3), 4)) == 51.5
+  assert peer.timed_steps((100, 300), 200) == range(100, 200)
+  assert peer.timed_steps((2000, 2100), 2000) == range(1, 2000)  # a shorter run
   # Runs alternate; each aft-jax run is set against the nanoGPT runs beside it.
   assert peer.schedule(["softmax", "aft_local"], with_nanogpt=True) == [
     "nanoGPT", "softmax", "nanoGPT", "aft_local", "nanoGPT"
@@ -75,7 +77,7 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   assert "median over steps 100-299;" in md  # the steps the median reads, a short run's too
   short = peer.to_markdown(dict(result, recipe=dict(peer.RECIPE, max_iters=200)))
   assert "median over steps 100-199;" in short
-  assert "every step but the first" in peer.to_markdown(dict(result, timed=[2000, 2100]))
+  assert "median over steps 1-1999;" in peer.to_markdown(dict(result, timed=[2000, 2100]))
 
 
 # nanoGPT's train.py: its log and checkpoint, and whether its parent (the driver) maps jaxlib.
