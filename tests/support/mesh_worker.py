@@ -240,12 +240,13 @@ def check_sequence(workdir):
 
 
 # mixing: its (data, fsdp, tensor, sequence) layouts on 4 and 8 devices, T split with the batch
-# and channels (AFT-full's: ``check_sharding``); "_factors": AFT-local's w as u v^T.
+# and the parameters (data and fsdp) or the channels (tensor), and T alone over 4 (AFT-full's:
+# ``check_sharding``); "_factors": AFT-local's w as u v^T.
 LAYOUTS = {
-  "aft_local": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 1, 4)],
+  "aft_local": [(2, 2, 1, 2), (2, 1, 1, 4)],
   "aft_local_factors": [(1, 1, 1, 4)],
-  "aft_simple": [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2)],
-  "aft_conv1d": [(2, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2)],
+  "aft_simple": [(2, 2, 1, 2)],
+  "aft_conv1d": [(2, 1, 2, 2)],
   "aft_decay": [(2, 1, 1, 2)],
   "softmax": [(2, 2, 2, 1)],
 }
