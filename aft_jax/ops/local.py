@@ -385,7 +385,8 @@ def _block(p: BandPlan, k, v, w, rs, ks):  # bias, band, keys, values, shift fac
   w_blk = jax.lax.dynamic_slice(w, (rs, ks), (p.c, p.width))
   bias = jnp.where(band, w_blk, jnp.where(d < 0, 0.0, NEG) if p.causal else 0.0)
   kw, vw = _slice(k, ks, p.width), _slice(v, ks, p.width)
-  mw = jnp.max(bias, axis=1)
+  # The largest bias a row sees (causal: not a later key's NEG; a row with no term, -inf: NaN).
+  mw = jnp.max(jnp.where(d > 0, -jnp.inf, bias) if p.causal else bias, axis=1)
   pt = jnp.exp(bias - mw[:, None])
   if not p.causal:
     mk = jnp.max(kw, axis=0)

@@ -10,7 +10,7 @@ import pytest
 from aft_jax import ops
 from aft_jax.ops import local
 from tests.support import numpy_reference as ref
-from tests.support.op_cases import rand, tpu_simple
+from tests.support.op_cases import dense_op, rand, tpu_simple
 
 T, D, POS = 40, 16, (6, 39)
 BAD = (np.nan, np.inf, -np.inf)
@@ -126,3 +126,35 @@ def test_logits_around_the_sentinel(name, impl):
     np.testing.assert_allclose(
       out, reference(q, k, v, w), rtol=2e-4, atol=2e-5, err_msg=f"scale {scale}"
     )
+
+
+@pytest.mark.parametrize("name,impl", [c for c in GRAD_CASES if c[0] in ("aft_full", "aft_local")])
+def test_a_bias_of_minus_infinity_is_no_term(name, impl, monkeypatch):
+  """w = -inf drops its term: the float64 reference's values and derivatives; a row with no term
+  left is NaN, as the reference's, and no later key reaches it."""
+  if impl == "xla-blocks":
+    monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
+    fn, (q, k, v, w), reference = _op.__wrapped__(name, "xla")
+  else:
+    fn, (q, k, v, w), reference = _op(name, impl)
+  w = w.copy()
+  w[20, 17:21] = -np.inf  # some of row 20's terms
+  none = w.copy()
+  none[2, :3] = -np.inf  # every term of row 2 (AFT-local's window, 5, holds them all)
+  out = np.asarray(fn(q, k, v, none))
+  with np.errstate(invalid="ignore"):
+    want = reference(q, k, v, none)
+  assert np.isnan(want[:, 2]).all() and np.array_equal(np.isnan(out), np.isnan(want))
+  np.testing.assert_allclose(out[:, 3:], want[:, 3:], rtol=2e-4, atol=2e-5)
+  later = k.copy()
+  later[:, 5] += 5.0
+  np.testing.assert_array_equal(np.asarray(fn(q, later, v, none))[:, :3], out[:, :3])
+
+  window = 5 if name == "aft_local" else None
+  loss = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))
+  got = jax.jit(loss(fn))(q, k, v, w)
+  with jax.enable_x64(True):
+    want = loss(dense_op(window, True))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v, w)))
+  for g, e, x in zip(got, want, "qkvw"):
+    fin = np.isfinite(w) if x == "w" else np.ones(g.shape, bool)
+    np.testing.assert_allclose(np.asarray(g)[fin], np.asarray(e)[fin], 1e-4, 1e-5, err_msg=x)

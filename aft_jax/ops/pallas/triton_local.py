@@ -40,7 +40,7 @@ def _slab_bias(w, s: int, t_pad: int, bt: int):
 
 
 def _bias_column(bias_ref, r, u, bt: int, eye):  # row r's biases against block u, [bt, 1]
-  return jnp.sum(eye * bias_ref[r, rows(u, bt)], axis=1, keepdims=True)
+  return jnp.sum(jnp.where(eye > 0.5, bias_ref[r, rows(u, bt)], 0.0), axis=1, keepdims=True)
 
 
 def _slab(bias_ref, k_ref, v_ref, bt: int, batch=None):
@@ -109,7 +109,7 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     def sums(u, nd):
       b, kb, vb = keys(j, u)
       ok, e, vb = set_aside(jnp.exp(kb - mk), vb)
-      p = jnp.exp(b - mw)
+      p = jnp.where(b <= NEG, 0.0, jnp.exp(b - mw))  # a later key: 0 (a row of no term: mw NEG)
       # Per row, over the keys it sees: how many set aside, and the sum of exp(k - mk).
       sees = jnp.where(b <= NEG, 0.0, 1.0)  # NEG: a later key; a NaN bias is a term
       aside = dot(sees, jnp.where(ok, 0.0, 1.0))
@@ -376,8 +376,9 @@ def _backward(k, v, w, a, lse, g, static):
   window, plan, interpret = static
   t_len = k.shape[1]
   s, t_pad, _, front = _layout(k, window, plan)
-  # A non-finite bias reaches only its own row (which then has no derivative).
-  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame(w), s, t_pad, plan.cfg.block_t), w)
+  # A NaN or +inf bias reaches only its own row (which then has no derivative); -inf: no term.
+  masked = lambda w: jnp.where(w == -jnp.inf, w, tame(w))
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(masked(w), s, t_pad, plan.cfg.block_t), w)
   # A NaN key would make its whole chunk's shift NaN: non-finite keys and values are 0 here.
   k, v = tame(k), tame(v)
   ins = (bias, *_padded(k, v, window, plan), a, lse, g)
