@@ -9,7 +9,7 @@ import numpy as np
 
 from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
-from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame
+from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame, tame_bias
 
 DENSE_MAX_T = 256  # causal T summed densely (faster than the scans; B H T^2 floats of memory)
 
@@ -180,7 +180,8 @@ def _outside(leaf: Acc, axis: int, before: int, after: int | None = None) -> Acc
 def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:  # over offsets o: k[t + o] + kernel[:, o]
   shifts = [_acc_shift(leaf, o, axes) for o in offsets]
   logits = [jnp.where(s.den > 0, s.m + kernel[:, j], NEG) for j, s in enumerate(shifts)]
-  m = jax.lax.stop_gradient(jnp.max(jnp.stack(logits), axis=0))
+  # At least NEG: taps of -inf are no terms (exp(-inf - NEG) = 0), not a shift of -inf (NaN).
+  m = jax.lax.stop_gradient(jnp.maximum(jnp.max(jnp.stack(logits), axis=0), NEG))
   num, den = jnp.zeros_like(leaf.num), jnp.zeros_like(leaf.den)
   for s, logit in zip(shifts, logits):
     p = jnp.exp(logit - m)  # s.num, s.den carry the leaf's k-gradient factor
@@ -199,7 +200,7 @@ def _causal_conv1d_jvp(primals, tangents):  # non-finite inputs 0, on rows that 
   axis = k.ndim - 2
   bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
   seen = jax.lax.cummax((bad_k[..., None] | ~finite(v)).astype(jnp.int32), axis=axis) > 0
-  clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame(kernel))
+  clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame_bias(kernel))
   y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
   anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
   y = lse.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)

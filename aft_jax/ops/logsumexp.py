@@ -26,6 +26,10 @@ def tame(x):  # x where finite, else 0: a causal derivative's factor (no 0 * NaN
   return jnp.where(finite(x), x, 0.0)
 
 
+def tame_bias(w):  # w where finite or -inf (no term), else 0: a bias inside a derivative
+  return jnp.where(finite(w) | (w == -jnp.inf), w, 0.0)
+
+
 def keep(a, lse):  # where a causal row has a derivative: its output a and normaliser L are finite
   return finite(a) & finite(lse)
 

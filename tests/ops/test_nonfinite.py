@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 from aft_jax import ops
-from aft_jax.ops import local
+from aft_jax.ops import conv, local
 from tests.support import numpy_reference as ref
 from tests.support.op_cases import dense_op, rand, tpu_simple
 
@@ -158,3 +159,26 @@ def test_a_bias_of_minus_infinity_is_no_term(name, impl, monkeypatch):
   for g, e, x in zip(got, want, "qkvw"):
     fin = np.isfinite(w) if x == "w" else np.ones(g.shape, bool)
     np.testing.assert_allclose(np.asarray(g)[fin], np.asarray(e)[fin], 1e-4, 1e-5, err_msg=x)
+
+
+@pytest.mark.parametrize("dense_max_t", [conv.DENSE_MAX_T, 4])  # T = 20: dense, the scans
+def test_a_kernel_tap_of_minus_infinity_is_no_term(dense_max_t, monkeypatch):
+  """Causal AFT-conv1d with taps of -inf: the reference's values (rows with no term left: NaN),
+  derivatives against finite differences."""
+  monkeypatch.setattr(conv, "DENSE_MAX_T", dense_max_t)  # read when traced: programs of their own
+  fn = jax.jit(lambda q, k, v, kern: ops.aft_conv1d(q, k, v, kern, causal=True))
+  q, k, v = (x[:, :20] for x in (QC, KC, VC))
+  kern = KER.copy()
+  kern[0, :], kern[1, 1] = -np.inf, -np.inf  # head 0: rows 0-2 have no term
+  out = np.asarray(fn(q, k, v, kern))
+  with np.errstate(invalid="ignore"):
+    want = ref.aft_conv1d(q, k, v, kern, True)
+  assert np.isnan(want[:, :3, 0]).all() and np.array_equal(np.isnan(out), np.isnan(want))
+  fin = ~np.isnan(want)
+  np.testing.assert_allclose(out[fin], want[fin], rtol=2e-4, atol=2e-5)
+  kern = KER.copy()
+  kern[0, 1], kern[1, 2] = -np.inf, -np.inf  # every row keeps a term
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x[0, :10], jnp.float64) for x in (q, k, v))
+    kern = jnp.asarray(kern, jnp.float64)
+    check_grads(lambda *a: fn(*a, kern), args, 1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)

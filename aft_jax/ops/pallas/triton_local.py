@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame
+from aft_jax.ops.logsumexp import DEN_OK, NEG, set_aside, tame, tame_bias
 from aft_jax.ops.pallas import triton
 from aft_jax.ops.pallas.triton import CONFIGS, LaunchPlan, TritonConfig, all_true, colsum, dot, load
 from aft_jax.ops.pallas.triton import rows
@@ -377,8 +377,7 @@ def _backward(k, v, w, a, lse, g, static):
   t_len = k.shape[1]
   s, t_pad, _, front = _layout(k, window, plan)
   # A NaN or +inf bias reaches only its own row (which then has no derivative); -inf: no term.
-  masked = lambda w: jnp.where(w == -jnp.inf, w, tame(w))
-  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(masked(w), s, t_pad, plan.cfg.block_t), w)
+  bias, bias_vjp = jax.vjp(lambda w: _slab_bias(tame_bias(w), s, t_pad, plan.cfg.block_t), w)
   # A NaN key would make its whole chunk's shift NaN: non-finite keys and values are 0 here.
   k, v = tame(k), tame(v)
   ins = (bias, *_padded(k, v, window, plan), a, lse, g)
