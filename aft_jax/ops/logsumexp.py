@@ -78,8 +78,8 @@ def leaf(logit, value, valid=True) -> Acc:  # a term where valid, logit not -inf
   return Acc(m, jnp.where(bcast(none, value), 0.0, value) * bcast(e, value), e)
 
 
-def reduce(logits, values, axis: int, valid=True) -> Acc:  # along axis >= 0 where valid (NEG: none)
-  valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG)
+def reduce(logits, values, axis: int, valid=True) -> Acc:  # along axis, where valid (not -inf)
+  valid = jnp.broadcast_to(valid, logits.shape) & (logits != NEG) & (logits != -jnp.inf)
   logits = jnp.where(valid, logits, NEG)
   m = _sg(jnp.max(logits, axis=axis))
   p = jnp.where(valid, jnp.exp(logits - jnp.expand_dims(m, axis)), 0.0)

@@ -182,3 +182,30 @@ def test_a_kernel_tap_of_minus_infinity_is_no_term(dense_max_t, monkeypatch):
     args = tuple(jnp.asarray(x[0, :10], jnp.float64) for x in (q, k, v))
     kern = jnp.asarray(kern, jnp.float64)
     check_grads(lambda *a: fn(*a, kern), args, 1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+def test_one_token_steps_with_biases_of_minus_infinity():
+  """The steps decoding uses, with biases of -inf: the float64 reference's values, NaN rows
+  alike (a window whose every bias is -inf keeps the older keys' terms)."""
+  w = W.copy()
+  w[2, :3], w[20, 16:21] = -np.inf, -np.inf  # row 2: no term; row 20: its window's 5 masked
+  kern = KER.copy()
+  kern[0, :] = -np.inf  # head 0: rows 0-2 have no term
+  runs = [
+    (ops.aft_local_step, ops.aft_local_init(Q.shape[:1] + Q.shape[2:], 5), (Q, K, V), w,
+     lambda: ref.aft_local(Q, K, V, w, 5, True)),
+    (functools.partial(ops.aft_conv1d_step, kernel=kern),
+     ops.aft_conv1d_init(KC.shape[:1] + KC.shape[2:], VC.shape[:1] + VC.shape[2:], 3),
+     (QC, KC, VC), None, lambda: ref.aft_conv1d(QC, KC, VC, kern, True)),
+  ]  # fmt: skip
+  for step, state, (q, k, v), bias, reference in runs:
+    step, ys = jax.jit(step), []
+    for t in range(T):
+      y, state = step(state, q[:, t], k[:, t], v[:, t], *(() if bias is None else (bias[t],)))
+      ys.append(np.asarray(y))
+    out = np.stack(ys, axis=1)
+    with np.errstate(invalid="ignore"):
+      want = reference()
+    assert np.isnan(want).any() and np.array_equal(np.isnan(out), np.isnan(want))
+    fin = ~np.isnan(want)
+    np.testing.assert_allclose(out[fin], want[fin], rtol=2e-4, atol=2e-5)
