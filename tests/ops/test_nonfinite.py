@@ -92,14 +92,17 @@ def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
 GRAD_CASES = CASES + [("aft_full", "xla-blocks"), ("aft_local", "xla-blocks")]
 
 
+def _grad_case_op(name, impl, monkeypatch):  # _op, "xla-blocks" a program of its own (not cached)
+  if impl != "xla-blocks":
+    return _op(name, impl)
+  monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
+  return _op.__wrapped__(name, "xla")
+
+
 @pytest.mark.parametrize("name,impl", GRAD_CASES)
 def test_gradients_of_earlier_outputs_stay_finite(name, impl, monkeypatch):
   """The gradients of the outputs before a later NaN or infinity: finite, the clean ones."""
-  if impl == "xla-blocks":
-    monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
-    fn, inputs, _ = _op.__wrapped__(name, "xla")  # a program of its own, not the cached one
-  else:
-    fn, inputs, _ = _op(name, impl)
+  fn, inputs, _ = _grad_case_op(name, impl, monkeypatch)
   pos, bias = 29, name in ("aft_full", "aft_local")
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[:, :pos] ** 2), argnums=(0, 1, 2, 3)))
   clean = grads(*inputs)
@@ -133,11 +136,7 @@ def test_logits_around_the_sentinel(name, impl):
 def test_a_bias_of_minus_infinity_is_no_term(name, impl, monkeypatch):
   """w = -inf drops its term: the float64 reference's values and derivatives; a row with no term
   left is NaN, as the reference's, and no later key reaches it."""
-  if impl == "xla-blocks":
-    monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
-    fn, (q, k, v, w), reference = _op.__wrapped__(name, "xla")
-  else:
-    fn, (q, k, v, w), reference = _op(name, impl)
+  fn, (q, k, v, w), reference = _grad_case_op(name, impl, monkeypatch)
   w = w.copy()
   w[20, 17:21] = -np.inf  # some of row 20's terms
   none = w.copy()
