@@ -109,9 +109,9 @@ def _fwd_kernel(bias_ref, k_ref, v_ref, *refs, bt: int, t_len: int, n_seg, seg: 
     def sums(u, nd):
       b, kb, vb = keys(j, u)
       ok, e, vb = set_aside(jnp.exp(kb - mk), vb)
-      sees = jnp.where(b <= NEG, 0.0, 1.0)  # NEG: a later key; a NaN bias is a term
-      p = sees * jnp.exp(b - mw)  # a later key: 0, also in a row of no term (mw NEG)
+      p = jnp.where(b <= NEG, 0.0, jnp.exp(b - mw))  # a later key: 0 (a row of no term: mw NEG)
       # Per row, over the keys it sees: how many set aside, and the sum of exp(k - mk).
+      sees = jnp.where(b <= NEG, 0.0, 1.0)  # NEG: a later key; a NaN bias is a term
       aside = dot(sees, jnp.where(ok, 0.0, 1.0))
       return nd[0] + dot(p, e * vb), nd[1] + dot(p, e), nd[2] + aside, nd[3] + dot(sees, e)
 
