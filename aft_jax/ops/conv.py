@@ -11,7 +11,8 @@ from aft_jax.ops import common
 from aft_jax.ops import logsumexp as lse
 from aft_jax.ops.logsumexp import HIGHEST, NEG, Acc, combine, finite, gate, output, tame, tame_bias
 
-DENSE_MAX_T = 256  # causal T summed densely (faster than the scans; B H T^2 floats of memory)
+DENSE_MAX_T = 64  # causal T summed densely (there faster than the band; B H T^2 floats)
+BAND_CHUNK = 32  # rows per product of the in-kernel sum (``_band_sum``)
 
 
 def _check(fn, q, k, v, kernel, n_spatial, causal, impl):
@@ -189,6 +190,44 @@ def _kernel_sum(leaf: Acc, kernel, offsets, axes) -> Acc:  # over offsets o: k[t
   return Acc(m, num, den)
 
 
+def _band_sum(leaf: Acc, kernel, first: int, axis: int) -> Acc:
+  """``_kernel_sum`` along ``axis`` (heads after it), tap j at offset first + j, as one product
+  per head and chunk of c rows: the band of the kernel's biases (0 off the band) times the
+  chunk's c + s - 1 keys. Finite leaves: a key off a row's band meets it there (0 * NaN)."""
+  s, t_len = kernel.shape[-1], leaf.m.shape[axis]
+  c = max(min(BAND_CHUNK, t_len), s - 1)
+  n = -(-t_len // c)
+
+  def windows(x, fill):  # [..., T, H, ...] -> [..., H, n, c + s - 1, ...]: chunk i's keys
+    x = jnp.swapaxes(x, axis, axis + 1)
+    pad = [(0, 0)] * x.ndim
+    pad[axis + 1] = (-first, (n + 1) * c - t_len + first)
+    x = jnp.pad(x, pad, constant_values=fill)
+    x = x.reshape(x.shape[: axis + 1] + (n + 1, c) + x.shape[axis + 2 :])
+    cut = lambda lo, hi, size: jax.lax.slice_in_dim(x, lo, hi, axis=axis + 1)[
+      (slice(None),) * (axis + 2) + (slice(0, size),)
+    ]
+    return jnp.concatenate([cut(0, n, c), cut(1, n + 1, s - 1)], axis=axis + 2)
+
+  m, num, den = (windows(x, f) for x, f in zip(leaf, (NEG, 0.0, 0.0)))
+  tap = np.arange(c + s - 1)[None, :] - np.arange(c)[:, None]  # row i, key i + j: tap j
+  band = (tap >= 0) & (tap < s)
+  bias = kernel[:, None, np.clip(tap, 0, s - 1)]  # [H, 1, c, c + s - 1]
+  ok = band & (den > 0)[..., None, :]  # [..., H, n, c, c + s - 1]
+  logits = jnp.where(ok, m[..., None, :] + bias, NEG)
+  # At least NEG: taps of -inf are no terms (exp(-inf - NEG) = 0), not a shift of -inf (NaN).
+  mx = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1), NEG))  # [..., H, n, c]
+  p = jnp.where(ok, jnp.exp(logits - mx[..., None]), 0.0)  # num, den carry the k-gradient
+  out = Acc(mx, jnp.einsum("...ck,...kd->...cd", p, num, precision=HIGHEST),
+            jnp.sum(p * den[..., None, :], axis=-1))  # fmt: skip
+
+  def rows(x):  # [..., H, n, c, ...] -> [..., T, H, ...]
+    x = x.reshape(x.shape[: axis + 1] + (n * c,) + x.shape[axis + 3 :])
+    return jnp.swapaxes(jax.lax.slice_in_dim(x, 0, t_len, axis=axis + 1), axis, axis + 1)
+
+  return Acc(*(rows(x) for x in out))
+
+
 @jax.custom_jvp
 def _causal_conv1d(q, k, v, kernel):
   return _conv1d(q, k, v, kernel, True)
@@ -197,58 +236,71 @@ def _causal_conv1d(q, k, v, kernel):
 @_causal_conv1d.defjvp
 def _causal_conv1d_jvp(primals, tangents):  # non-finite inputs 0, on rows that saw none; else 0
   q, k, v, kernel = primals
-  axis = k.ndim - 2
-  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
-  seen = jax.lax.cummax((bad_k[..., None] | ~finite(v)).astype(jnp.int32), axis=axis) > 0
-  clean = (tame(q), jnp.where(bad_k, 0.0, k), tame(v), tame_bias(kernel))
+  bad, k_clean, v_clean = _tamed(k, v)
+  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=k.ndim - 2) > 0
+  clean = (tame(q), k_clean, v_clean, tame_bias(kernel))
   y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
   anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
   y = lse.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
   return y, jnp.where(~seen & finite(y), dy, 0.0)
 
 
+def _tamed(k, v):  # (where a key or value is not finite [..., T, H, C], k and v with those 0)
+  bad_k = ~finite(k) & (k != -jnp.inf)  # a key of -inf is no term (``logsumexp.leaf``)
+  return bad_k[..., None] | ~finite(v), jnp.where(bad_k, 0.0, k), tame(v)
+
+
 def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
-  """sigma(q) * the mean; ``finite_values``: v is known finite (the JVP's tamed inputs)."""
-  if causal and k.shape[k.ndim - 2] <= DENSE_MAX_T:
-    return _dense_causal(q, k, v, kernel, finite_values)
-  return _scan_conv1d(q, k, v, kernel, causal)
+  """sigma(q) * the mean; ``finite_values``: k, v are known finite, or keys of -inf (the JVP's
+  tamed inputs). The rows that see a non-finite key or value take the shifted sums (exact); the
+  others keep the fast form's values, bit for bit."""
+  dense = causal and k.shape[k.ndim - 2] <= DENSE_MAX_T
+  fast = lambda k, v: (
+    _dense_causal(q, k, v, kernel) if dense else _sums_conv1d(q, k, v, kernel, causal)
+  )
+  if finite_values:
+    return fast(k, v)
+  bad, k_clean, v_clean = _tamed(k, v)
+  if causal:
+    seen = jax.lax.cummax(bad.astype(jnp.int32), axis=k.ndim - 2) > 0
+  else:
+    seen = jnp.any(bad, axis=k.ndim - 2, keepdims=True)
+  y = fast(k_clean, v_clean)
+  shifted = lambda: jnp.where(seen, _sums_conv1d(q, k, v, kernel, causal, banded=False), y)
+  return lse.cond(jnp.any(bad), shifted, lambda: y)
 
 
-def _dense_causal(q, k, v, kernel, finite_values: bool):  # one masked [T, T] sum per head
+def _dense_causal(q, k, v, kernel):  # one masked [T, T] sum per head; finite v
   t_len, s = k.shape[-2], kernel.shape[-1]
   t = np.arange(t_len)
   d = t[:, None] - t[None, :]  # t - t'
   bias = jnp.where((d < s)[None], kernel[:, np.clip(d, 0, s - 1)], 0.0)  # [H, T, T']
   logits = k[..., None, :, :] + jnp.moveaxis(bias, 0, -1)  # [..., T, T', H]
-  term = k != -jnp.inf
-  valid = (d >= 0)[:, :, None] & term[..., None, :, :]
+  valid = (d >= 0)[:, :, None] & (k != -jnp.inf)[..., None, :, :]
   # Masked before the exponential: a later key above a row's max would overflow (0 * inf).
   logits = jnp.where(valid, logits, NEG)
   m = jax.lax.stop_gradient(jnp.max(logits, axis=-2))  # [..., T, H]
   p = jnp.where(valid, jnp.exp(logits - m[..., None, :]), 0.0)
-  nonfinite = None if finite_values else ~finite(v)
-  values = v if finite_values else jnp.where(nonfinite, 0.0, v)
-  num = jnp.einsum("...tsh,...shc->...thc", p, values, precision=HIGHEST)
-  # A row of no term (all keys -inf) is NaN as in the scans, its cotangent stopped (0 * NaN).
+  num = jnp.einsum("...tsh,...shc->...thc", p, v, precision=HIGHEST)
+  # A row of no term (all keys -inf) is NaN as in the band form, its cotangent stopped (0 * NaN).
   den = jnp.sum(p, axis=-2)
   empty = (den == 0.0)[..., None]
   mean = jnp.where(empty, 0.0, num) / jnp.where(empty, 1.0, den[..., None])
-  y = gate(q, jnp.where(empty, jnp.nan, mean))
-  if finite_values:
-    return y
-  seen = jax.lax.cummax((nonfinite & term[..., None]).astype(jnp.int32), axis=v.ndim - 3) > 0
-  scan = lambda: jnp.where(seen, _scan_conv1d(q, k, v, kernel, True), y)
-  return lse.cond(jnp.any(seen), scan, lambda: y)
+  return gate(q, jnp.where(empty, jnp.nan, mean))
 
 
-def _scan_conv1d(q, k, v, kernel, causal: bool):
+def _sums_conv1d(q, k, v, kernel, causal: bool, banded: bool = True):
+  """sigma(q) * the mean: the kernel's taps (``banded``: a product per chunk, for finite k and
+  v; else one shifted copy of the keys per tap) and the positions past them (scans)."""
   s, axis = kernel.shape[-1], k.ndim - 2
   leaf = lse.leaf(k, v)
-  if causal:
-    inside = _kernel_sum(leaf, kernel, [(-j,) for j in range(s)], (axis,))
-    return output(q, combine(inside, _outside(leaf, axis, s)))
-  inside = _kernel_sum(leaf, kernel, [(j - s // 2,) for j in range(s)], (axis,))
-  return output(q, combine(inside, _outside(leaf, axis, s // 2 + 1, s // 2 + 1)))
+  kernel, first = (kernel[:, ::-1], 1 - s) if causal else (kernel, -(s // 2))
+  if banded:
+    inside = _band_sum(leaf, kernel, first, axis)
+  else:
+    inside = _kernel_sum(leaf, kernel, [(first + j,) for j in range(s)], (axis,))
+  rest = _outside(leaf, axis, s) if causal else _outside(leaf, axis, s // 2 + 1, s // 2 + 1)
+  return output(q, combine(inside, rest))
 
 
 def _conv2d(q, k, v, kernel):  # sigma(q) * the AFT-conv mean over an image

@@ -40,8 +40,8 @@ OPS = {
 }  # fmt: skip
 CASES = [("aft_full", "xla"), ("aft_local", "xla"), ("aft_local", "pallas_interpret"),
          ("aft_simple", "xla"), ("aft_simple", "pallas_interpret"),
-         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla"), ("aft_decay", "xla"),
-         ("aft_decay", "pallas_interpret")]  # fmt: skip
+         ("aft_simple", "tpu_interpret"), ("aft_conv1d", "xla"), ("aft_conv1d", "xla-band"),
+         ("aft_decay", "xla"), ("aft_decay", "pallas_interpret")]  # fmt: skip
 
 
 QT, KT, VT = rand(5, (1, T, 128), (1, T, 128), (1, T, 128))  # the TPU kernel's 128 lanes
@@ -65,9 +65,9 @@ def _with(inputs, arg, pos, value):
 
 
 @pytest.mark.parametrize("name,impl", CASES)
-def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
+def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl, monkeypatch):
   """... and exactly the outputs that see a NaN are NaN, those of the float64 reference."""
-  fn, inputs, reference = _op(name, impl)
+  fn, inputs, reference = _case_op(name, impl, monkeypatch)
   clean = np.asarray(fn(*inputs))
   args = (0, 1, 2) + ((3,) if name in ("aft_full", "aft_local") else ())
   for arg in args:
@@ -92,17 +92,19 @@ def test_later_non_finite_leaves_earlier_outputs_bit_identical(name, impl):
 GRAD_CASES = CASES + [("aft_full", "xla-blocks"), ("aft_local", "xla-blocks")]
 
 
-def _grad_case_op(name, impl, monkeypatch):  # _op, "xla-blocks" a program of its own (not cached)
-  if impl != "xla-blocks":
+def _case_op(name, impl, monkeypatch):  # _op; "xla-blocks", "xla-band": 5 chunks of 8 rows
+  if impl not in ("xla-blocks", "xla-band"):
     return _op(name, impl)
   monkeypatch.setattr(local, "_default_block", lambda s, t_len: 8)
-  return _op.__wrapped__(name, "xla")
+  monkeypatch.setattr(conv, "DENSE_MAX_T", 4)  # AFT-conv1d's band past it
+  monkeypatch.setattr(conv, "BAND_CHUNK", 8)
+  return _op.__wrapped__(name, "xla")  # read when traced: a program of its own (not cached)
 
 
 @pytest.mark.parametrize("name,impl", GRAD_CASES)
 def test_gradients_of_earlier_outputs_stay_finite(name, impl, monkeypatch):
   """The gradients of the outputs before a later NaN or infinity: finite, the clean ones."""
-  fn, inputs, _ = _grad_case_op(name, impl, monkeypatch)
+  fn, inputs, _ = _case_op(name, impl, monkeypatch)
   pos, bias = 29, name in ("aft_full", "aft_local")
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[:, :pos] ** 2), argnums=(0, 1, 2, 3)))
   clean = grads(*inputs)
@@ -119,9 +121,9 @@ def test_gradients_of_earlier_outputs_stay_finite(name, impl, monkeypatch):
 
 
 @pytest.mark.parametrize("name,impl", [c for c in CASES if c[1] != "tpu_interpret"])
-def test_logits_around_the_sentinel(name, impl):
+def test_logits_around_the_sentinel(name, impl, monkeypatch):
   """Keys and biases of std 1e30 (the old sentinel's size) and 1e35: the float64 reference's."""
-  fn, inputs, reference = _op(name, impl)
+  fn, inputs, reference = _case_op(name, impl, monkeypatch)
   for scale in (1e30, 1e35):
     q, k, v, w = inputs
     k = k * np.float32(scale)
@@ -136,7 +138,7 @@ def test_logits_around_the_sentinel(name, impl):
 def test_a_bias_of_minus_infinity_is_no_term(name, impl, monkeypatch):
   """w = -inf drops its term: the float64 reference's values and derivatives; a row with no term
   left is NaN, as the reference's, and no later key reaches it."""
-  fn, (q, k, v, w), reference = _grad_case_op(name, impl, monkeypatch)
+  fn, (q, k, v, w), reference = _case_op(name, impl, monkeypatch)
   w = w.copy()
   w[20, 17:21] = -np.inf  # some of row 20's terms
   none = w.copy()
@@ -160,11 +162,12 @@ def test_a_bias_of_minus_infinity_is_no_term(name, impl, monkeypatch):
     np.testing.assert_allclose(np.asarray(g)[fin], np.asarray(e)[fin], 1e-4, 1e-5, err_msg=x)
 
 
-@pytest.mark.parametrize("dense_max_t", [conv.DENSE_MAX_T, 4])  # T = 20: dense, the scans
+@pytest.mark.parametrize("dense_max_t", [conv.DENSE_MAX_T, 4])  # T = 20: dense, the band
 def test_a_kernel_tap_of_minus_infinity_is_no_term(dense_max_t, monkeypatch):
   """Causal AFT-conv1d with taps of -inf: the reference's values (rows with no term left: NaN),
   derivatives against finite differences."""
   monkeypatch.setattr(conv, "DENSE_MAX_T", dense_max_t)  # read when traced: programs of their own
+  monkeypatch.setattr(conv, "BAND_CHUNK", 8)  # the band over three chunks
   fn = jax.jit(lambda q, k, v, kern: ops.aft_conv1d(q, k, v, kern, causal=True))
   q, k, v = (x[:, :20] for x in (QC, KC, VC))
   kern = KER.copy()

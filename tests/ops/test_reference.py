@@ -44,14 +44,15 @@ def test_values(name, kw, args):  # eagerly: one program (tests/ops/test_common.
   chex.assert_trees_all_close(out, reference(name, args, kw), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("n, scale", [(2, 1.0), (5, 40.0)])
-def test_causal_conv1d_past_its_dense_length(n, scale, monkeypatch):
-  """Causal AFT-conv1d at T > ``DENSE_MAX_T`` (its scans: a model's long rows) against the
-  reference, and its derivatives against finite differences."""
+@pytest.mark.parametrize("n, scale, causal", [(2, 1.0, True), (5, 40.0, True), (5, 1.0, False)])
+def test_conv1d_band_over_several_chunks(n, scale, causal, monkeypatch):
+  """AFT-conv1d's in-kernel sum as band products over chunks (causal: T > ``DENSE_MAX_T``, a
+  model's long rows) against the reference, and its derivatives against finite differences."""
   monkeypatch.setattr(conv, "DENSE_MAX_T", 4)  # read when traced: a program of its own below
-  fn = jax.jit(lambda q, k, v, kern: ops.aft_conv1d(q, k, v, kern, causal=True))
+  monkeypatch.setattr(conv, "BAND_CHUNK", 4)  # T = 11 and 7: three and two chunks
+  fn = jax.jit(lambda q, k, v, kern: ops.aft_conv1d(q, k, v, kern, causal=causal))
   args = _conv(4, (2,), (11,), (n,), scale)
-  chex.assert_trees_all_close(fn(*args), reference("aft_conv1d", args, dict(causal=True)),
+  chex.assert_trees_all_close(fn(*args), reference("aft_conv1d", args, dict(causal=causal)),
                               rtol=RTOL, atol=ATOL)  # fmt: skip
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in _conv(5, (), (7,), (n,), 2.0, ch=2))
