@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import glob
+import hashlib
 import multiprocessing
 import os
 import re
@@ -47,6 +49,8 @@ FORMS = ("sequential", "chunked")
 # 256 makes config_for take the widest block that divides D.
 FORM_CONFIGS = {"sequential": (0, 1, 2), "chunked": (0,)}
 BATCH, T_LEN, WINDOW = 256, 256, 128
+# The kernels' sources: the results name their digest (a test asks that it is today's).
+SOURCES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "aft_jax", "ops", "pallas")
 PTXAS_FLAGS = ("--warn-on-spills", "-v")  # XLA's own (its log at VLOG 3)
 _PTXAS_FIELDS = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
                      spill_loads=r"(\d+) bytes spill loads", stack_frame=r"(\d+) bytes stack frame",
@@ -245,12 +249,20 @@ def _order(row: dict) -> tuple:
           at(DTYPES, "dtype"), at((a.sm for a in ARCHS), "arch"))  # fmt: skip
 
 
-def cases() -> list[tuple[str, int, str, str]]:
+def source_digest() -> str:
+  """sha256 over the kernels' sources (``SOURCES``), by file name and bytes."""
+  h = hashlib.sha256()
+  for path in sorted(glob.glob(os.path.join(SOURCES, "*.py"))):
+    h.update(os.path.basename(path).encode() + b"\0" + open(path, "rb").read())
+  return h.hexdigest()
+
+
+def cases(ops=tuple(KERNELS), dtypes=DTYPES) -> list[tuple[str, int, str, str]]:
   """(op, ``triton.CONFIGS`` index, dtype, form) per measurement, the costliest first."""
   costliest = sorted(KERNELS, key=lambda op: -len(KERNELS[op]))
   forms = [(form, i) for form in reversed(FORMS) for i in FORM_CONFIGS[form]]
-  return [(op, i, dtype, form) for op in costliest for form, i in forms for dtype in DTYPES
-          if form == "sequential" or op != "aft_decay"]  # fmt: skip
+  return [(op, i, dtype, form) for op in costliest if op in ops for form, i in forms
+          if form == "sequential" or op != "aft_decay" for dtype in dtypes]  # fmt: skip
 
 
 def measure_cases(selected, route_check: bool, archs) -> dict:
@@ -298,15 +310,15 @@ def measure_cases(selected, route_check: bool, archs) -> dict:
   return out
 
 
-def measure(workers: int, route_check: bool, archs) -> dict:
-  """Every case on ``archs``, dealt out to ``workers`` processes."""
-  n = max(1, min(workers, len(cases())))
+def measure(workers: int, route_check: bool, archs, selected) -> dict:
+  """The ``selected`` cases on ``archs``, dealt out to ``workers`` processes."""
+  n = max(1, min(workers, len(selected)))
   if n == 1:
-    shards = [measure_cases(cases(), route_check, archs)]
+    shards = [measure_cases(selected, route_check, archs)]
   else:
     spawn = multiprocessing.get_context("spawn")  # each worker its own jax
     with concurrent.futures.ProcessPoolExecutor(n, mp_context=spawn) as pool:
-      jobs = [pool.submit(measure_cases, cases()[i::n], route_check, archs) for i in range(n)]
+      jobs = [pool.submit(measure_cases, selected[i::n], route_check, archs) for i in range(n)]
       shards = [job.result() for job in jobs]
   return {k: sorted(sum((s[k] for s in shards), []), key=_order) for k in ("rows", "plugin_check")}
 
@@ -345,13 +357,15 @@ def markdown(result: dict) -> str:
   # Per (op, form, kernel, block_d): registers and shared memory, float32 / bfloat16.
   by = {(key(r), r["arch"], r["dtype"]): r for r in rows}
   archs = [a.sm for a in ARCHS if any(r["arch"] == a.sm for r in rows)]
+  dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
   head = ["op", "form", "kernel", "block (t x d)"]
-  head += [f"{a} regs f32 / bf16" for a in archs] + [f"{a} smem f32 / bf16" for a in archs]
+  short = " / ".join({"float32": "f32", "bfloat16": "bf16"}[d] for d in dtypes)
+  head += [f"{a} regs {short}" for a in archs] + [f"{a} smem {short}" for a in archs]
   compact = [head]
   for k in dict.fromkeys(map(key, rows)):
-    cells = [*k[:3], f"{by[(k, archs[0], DTYPES[0])]['block_t']} x {k[3]}"]
+    cells = [*k[:3], f"{by[(k, archs[0], dtypes[0])]['block_t']} x {k[3]}"]
     for field, fmt in (("registers", str), ("shared_bytes", _kib)):
-      cells += [" / ".join(fmt(by[(k, a, dt)][field]) for dt in DTYPES) for a in archs]
+      cells += [" / ".join(fmt(by[(k, a, dt)][field]) for dt in dtypes) for a in archs]
     compact.append(cells)
   full = [
     (r["op"], r["form"], r["kernel"], f"{r['block_t']} x {r['block_d']}, {r['num_warps']}, "
@@ -401,6 +415,10 @@ def main(argv=None) -> int:
   p.add_argument("--no_route_check", action="store_true", help=help)
   archs = [a.sm for a in ARCHS]
   p.add_argument("--archs", nargs="+", choices=archs, default=archs, help="only these")
+  p.add_argument(
+    "--ops", nargs="+", choices=list(KERNELS), default=list(KERNELS), help="only these"
+  )
+  p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES, help="only these")
   args = p.parse_args(argv)
   if os.environ.get(deviceless.CHILD_ENV) != "cuda":
     for kind in ("cuda", "ptxas"):
@@ -416,12 +434,13 @@ def main(argv=None) -> int:
 
   t0 = time.time()
   print(f"Compiling every kernel configuration for {', '.join(args.archs)} (no GPU needed)")
-  result = measure(args.workers, not args.no_route_check, args.archs)
+  result = measure(args.workers, not args.no_route_check, args.archs, cases(args.ops, args.dtypes))
   version = subprocess.run([deviceless.ptxas(), "--version"], capture_output=True, text=True)
   m = re.search(r"release [\d.]+, V([\d.]+)", version.stdout)
   ptxas = f"ptxas {m.group(1) if m else version.stdout.strip().splitlines()[-1]}"
   result["meta"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, ptxas=ptxas, batch=BATCH,
-                        t_len=T_LEN, window=WINDOW, wall_s=round(time.time() - t0, 1))  # fmt: skip
+                        t_len=T_LEN, window=WINDOW, sources=source_digest(),
+                        wall_s=round(time.time() - t0, 1))  # fmt: skip
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "kernel_resources")
   common.write_json(f"{path}.json", result)
