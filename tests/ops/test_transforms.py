@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aft_jax import layers, ops
-from aft_jax.ops import decay, local, simple
+from aft_jax.ops import conv, decay, local, simple
 from tests.support import prefork
 from tests.support import numpy_reference as ref
 from tests.support.op_cases import dense_mean, dense_op, key_mask, segments, tpu_simple
@@ -30,6 +30,8 @@ def small_blocks():  # chunks and query blocks of 4 positions: several at T = 16
     mp.setattr(simple, "CHUNK", 4)
     mp.setattr(decay, "CHUNK", 4)
     mp.setattr(local, "_default_block", lambda s, t_len: 4)
+    mp.setattr(conv, "BAND_CHUNK", 4)
+    mp.setattr(conv, "DENSE_MAX_T", 8)  # causal AFT-conv1d: T = 16 the band, its halves dense
     yield
 
 
