@@ -237,12 +237,17 @@ def _causal_conv1d(q, k, v, kernel):
 def _causal_conv1d_jvp(primals, tangents):  # non-finite inputs 0, on rows that saw none; else 0
   q, k, v, kernel = primals
   bad, k_clean, v_clean = _tamed(k, v)
-  seen = jax.lax.cummax(bad.astype(jnp.int32), axis=k.ndim - 2) > 0
   clean = (tame(q), k_clean, v_clean, tame_bias(kernel))
   y_clean, dy = jax.jvp(lambda *a: _conv1d(*a, True, finite_values=True), clean, tangents)
-  anything = jnp.any(seen) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
+  anything = jnp.any(bad) | ~jnp.all(finite(q)) | ~jnp.all(finite(kernel))
   y = lse.cond(anything, lambda: _conv1d(q, k, v, kernel, True), lambda: y_clean)
+  # The rows that saw a non-finite key or value (a running maximum: only where there is one).
+  seen = lse.cond(jnp.any(bad), lambda: _seen(bad, k.ndim - 2), lambda: jnp.zeros_like(bad))
   return y, jnp.where(~seen & finite(y), dy, 0.0)
+
+
+def _seen(bad, axis: int):  # causal: where a row has seen a True of ``bad`` along ``axis``
+  return jax.lax.cummax(bad.astype(jnp.int32), axis=axis) > 0
 
 
 def _tamed(k, v):  # (where a key or value is not finite [..., T, H, C], k and v with those 0)
@@ -261,12 +266,12 @@ def _conv1d(q, k, v, kernel, causal: bool = False, finite_values: bool = False):
   if finite_values:
     return fast(k, v)
   bad, k_clean, v_clean = _tamed(k, v)
-  if causal:
-    seen = jax.lax.cummax(bad.astype(jnp.int32), axis=k.ndim - 2) > 0
-  else:
-    seen = jnp.any(bad, axis=k.ndim - 2, keepdims=True)
-  y = fast(k_clean, v_clean)
-  shifted = lambda: jnp.where(seen, _sums_conv1d(q, k, v, kernel, causal, banded=False), y)
+  axis, y = k.ndim - 2, fast(k_clean, v_clean)
+
+  def shifted():
+    seen = _seen(bad, axis) if causal else jnp.any(bad, axis=axis, keepdims=True)
+    return jnp.where(seen, _sums_conv1d(q, k, v, kernel, causal, banded=False), y)
+
   return lse.cond(jnp.any(bad), shifted, lambda: y)
 
 

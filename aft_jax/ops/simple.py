@@ -115,8 +115,9 @@ def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recompu
     s0 = jnp.exp(m0 - m)
     nd = _tril_matmul(jnp.concatenate([e * vs, e], axis=1), low)
     num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
-    # The rows (and channels) that see a set-aside term, or whose shift lost their terms.
-    redo = (jax.lax.cummax(jnp.where(ok, 0, 1), axis=0) > 0) | ~(den >= DEN_OK)
+    # The rows (and channels) that see a set-aside term (counted as the sums are: on CPU a
+    # product is cheaper than a running maximum), or whose shift lost their terms.
+    redo = (_tril_matmul(jnp.where(ok, 0.0, 1.0), low) > 0) | ~(den >= DEN_OK)
 
     def fast():
       return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
