@@ -115,20 +115,20 @@ def _forward(kc, vc, low: bool):  # a, L [n, c, R], chunk maxima [n, R], recompu
     s0 = jnp.exp(m0 - m)
     nd = _tril_matmul(jnp.concatenate([e * vs, e], axis=1), low)
     num, den = num0 * s0 + nd[:, :r], den0 * s0 + nd[:, r:]
-    # The rows (and channels) that see a set-aside term (counted as the sums are: on CPU a
-    # product is cheaper than a running maximum), or whose shift lost their terms.
-    redo = (_tril_matmul(jnp.where(ok, 0.0, 1.0), low) > 0) | ~(den >= DEN_OK)
+    bad = jnp.any(~ok) | jnp.any(~(den >= DEN_OK))  # a set-aside term, or a shift lost terms
 
     def fast():
       return (m, num[-1], den[-1]), (num / den, m + jnp.log(den), m)
 
     def exact():  # the flagged rows only: the others keep the fast values, bit for bit
+      # The rows (and channels) that see a set-aside term, or whose shift lost their terms.
+      redo = (jax.lax.cummax(jnp.where(ok, 0, 1), axis=0) > 0) | ~(den >= DEN_OK)
       (m1, num1, den1), (a1, lse1) = jax.lax.scan(add, carry, (kk, vv))
       a, lse_ = jnp.where(redo, a1, num / den), jnp.where(redo, lse1, m + jnp.log(den))
       return (m1, num1, den1), (a, lse_, m1)  # the carry in the scale of m1
 
-    carry, (a, lse_, m) = lse.cond(jnp.any(redo), exact, fast)
-    return carry, (a, lse_, m, jnp.any(redo))
+    carry, (a, lse_, m) = lse.cond(bad, exact, fast)
+    return carry, (a, lse_, m, bad)
 
   zero = jnp.zeros_like(kc[0, 0])  # k's type: in shard_map, varying where k does
   _, (a, lse_, m, bad) = jax.lax.scan(step, (zero + NEG, zero, zero), (kc, vc))
