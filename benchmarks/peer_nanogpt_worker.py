@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from aft_jax import files
-from aft_jax.trainer import recipes, train_lib
+from aft_jax.trainer import recipes, train, train_lib
 from aft_jax.trainer.default_config import get_config, override
 from aft_jax.trainer.run_config import RunConfig
 from benchmarks import common
@@ -97,6 +97,7 @@ def run(spec: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+  train.restart_with_huge_pages()  # as aft-train does
   spec_path, out_path = argv or sys.argv[1:]
   spec = json.load(open(spec_path, encoding="utf-8"))
   if spec["cpu_devices"] != 1:  # before anything starts jax's backends (the count is fixed then)

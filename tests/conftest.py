@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from aft_jax.trainer import train
 from tests.support import shared
 from tests.support.helpers import FAST_COMPILE, STDLIB_JSON, tiny_config, trained_run_config
 
@@ -21,6 +22,8 @@ CACHE_KEEP_BYTES = 1 << 30  # past this, the least recently written entries go, 
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
+# Commands started here run as aft-train restarts itself (train.restart_with_huge_pages).
+os.environ.update(train.with_huge_pages(os.environ) or {})
 # Bytecode written and reused, whatever the environment says.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False

@@ -5,6 +5,7 @@ overridden (--config.num_train_steps=10); rerunning resumes. JAX's flags and -v 
 """
 
 import os
+import platform
 import re
 import sys
 
@@ -93,8 +94,44 @@ def main(_argv):
     _fail(e)
 
 
+# glibc's tunable (2.35 and later; earlier ones ignore it): huge pages for what malloc maps.
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def with_huge_pages(env) -> dict | None:
+  """``env`` with ``HUGE_PAGES`` added to its GLIBC_TUNABLES; None where it has it or where
+  nothing would use it: a C library other than glibc, the kernel's huge pages off."""
+  tunables = env.get("GLIBC_TUNABLES", "")
+  if "glibc.malloc.hugetlb" in tunables or platform.libc_ver()[0] != "glibc":
+    return None
+  try:
+    with open(THP_MODE, encoding="ascii") as f:
+      if "[never]" in f.read():
+        return None
+  except OSError:
+    return None
+  return dict(env, GLIBC_TUNABLES=":".join(filter(None, (tunables, HUGE_PAGES))))
+
+
+def restart_with_huge_pages() -> None:
+  """Restarts this command (``sys.orig_argv``) in ``with_huge_pages(os.environ)``, if not None.
+
+  XLA:CPU allocates a step's temporaries as one block of tens or hundreds of MiB, which glibc
+  maps for the step and unmaps after it: each step, the kernel faults the block in again and
+  zeroes it, 4 KiB a fault. With the tunable, glibc asks the kernel for transparent huge pages
+  on such a mapping (madvise): 2 MiB a fault (the time it saves:
+  benchmarks/results/peer_length/profile.md). glibc reads its tunables when a process starts,
+  hence the restart.
+  """
+  env = with_huge_pages(os.environ)
+  if env is not None:
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def run():
   """The ``aft-train`` console script (and the checkout's train.py)."""
+  restart_with_huge_pages()  # first: nothing done yet is lost
   # Ctrl-C from here on (jax's import included): nothing half-written is left.
   with stops_on_ctrl_c(
     f"{PROG}: interrupted (Ctrl-C): stopped without saving; the "

@@ -6,6 +6,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 
@@ -17,7 +18,7 @@ from tests.support import prefork
 from tests.trainer import change_batches, run_train_in_process, wrap_train_step
 from tests.support.helpers import FAST_COMPILE, ROOT, tiny_config, train_py
 from aft_jax.tools import trained
-from aft_jax.trainer import cpu_devices, train_lib
+from aft_jax.trainer import cpu_devices, train, train_lib
 from aft_jax.trainer.run_config import RunConfig
 from aft_jax.workdir import Workdir
 from configs import quickstart
@@ -104,6 +105,34 @@ def test_steps_run_while_a_save_is_written_and_a_packed_run_resumes_exactly(
   assert math.isfinite(straight["valid_bpb"]) and straight["train_rows"].startswith("packed")
   stream = train_lib.train_and_evaluate(tiny_config(num_train_steps=1, **text), str(tmp_path / "c"))
   assert (stream["valid_tokens"], stream["train_rows"][:6]) == (straight["valid_tokens"], "stream")
+
+
+_TEMPORARIES = """
+import os, resource
+from aft_jax.trainer import train
+train.restart_with_huge_pages()
+import jax, jax.numpy as jnp
+a = jnp.ones((4096, 8))
+f = jax.jit(lambda a: jnp.tanh(a @ a.T) @ a)  # a [4096, 4096] temporary: 64 MiB
+pages = f.lower(a).compile().memory_analysis().temp_size_in_bytes / 4096
+for _ in range(3):
+  f(a).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+  f(a).block_until_ready()
+share = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10 / pages
+print(os.environ.get("GLIBC_TUNABLES"), share)
+"""
+
+
+@pytest.mark.skipif(train.with_huge_pages({}) is None, reason="not glibc, or no huge pages")
+def test_a_restarted_command_faults_its_temporaries_in_by_huge_pages():
+  """Page faults a call, as a share of its temporary's 4 KiB pages: without the restart, all."""
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  cmd = [sys.executable, "-c", _TEMPORARIES]
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+  tunables, share = out.stdout.split()
+  assert tunables == train.HUGE_PAGES and float(share) < 0.25, out.stdout
 
 
 @pytest.mark.slow
