@@ -97,7 +97,6 @@ def run(spec: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-  train.restart_with_huge_pages()  # as aft-train does
   spec_path, out_path = argv or sys.argv[1:]
   spec = json.load(open(spec_path, encoding="utf-8"))
   if spec["cpu_devices"] != 1:  # before anything starts jax's backends (the count is fixed then)
@@ -108,4 +107,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+  train.restart_with_huge_pages()  # as aft-train does
   main()

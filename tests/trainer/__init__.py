@@ -48,9 +48,7 @@ def run_train_in_process(argv, monkeypatch, capsys):
   from aft_jax.trainer import cpu_devices, train
 
   monkeypatch.setattr(sys, "argv", argv)
-  # (this process's jax has started)
-  monkeypatch.setattr(cpu_devices, "apply", lambda cfg: None)
-  monkeypatch.setattr(train, "restart_with_huge_pages", lambda: None)
+  monkeypatch.setattr(cpu_devices, "apply", lambda cfg: None)  # (this process's jax has started)
   monkeypatch.setattr(jax.config, "config_with_absl", lambda: None)
   if train.FLAGS is None:
     train._define_flags()
