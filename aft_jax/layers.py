@@ -4,6 +4,7 @@ and the argument checks are the ops' (``aft_jax.ops``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -26,6 +27,28 @@ def _shaped(init, names, shape):
   return nn.with_logical_partitioning(shaped, names)
 
 
+def over_rows(fn, x, n_in=1):
+  """``fn`` on x [..., *inner] (its last ``n_in`` axes) with the leading axes as one row axis,
+  [N, *inner]: a dense layer's product is then 2-D, and XLA:CPU takes the kernel's gradient as
+  one product over N, not after writing an activation or its gradient transposed
+  (benchmarks/results/peer_length/profile.md)."""
+  y = fn(x.reshape((-1,) + x.shape[x.ndim - n_in :]))
+  return y.reshape(x.shape[: x.ndim - n_in] + y.shape[1:])
+
+
+def _matmul(x, kernel, dimension_numbers, precision=None, preferred_element_type=None):
+  """DenseGeneral's product, x [..., *inner] . kernel [*inner, *features], with the inner and
+  feature axes each as one (a 2-D product on ``over_rows``' rows)."""
+  n_in = len(dimension_numbers[0][0])
+  inner = math.prod(kernel.shape[:n_in])
+  y = jax.lax.dot_general(
+    x.reshape(x.shape[: x.ndim - n_in] + (inner,)), kernel.reshape(inner, -1),
+    (((x.ndim - n_in,), (0,)), ((), ())), precision=precision,
+    preferred_element_type=preferred_element_type,
+  )  # fmt: skip
+  return y.reshape(x.shape[: x.ndim - n_in] + kernel.shape[n_in:])
+
+
 def _param(module, name, init, names, shape):
   return module.param(name, nn.with_logical_partitioning(init, names), shape, module.param_dtype)
 
@@ -43,16 +66,19 @@ class _Projected(nn.Module):
 
   chunks = False  # whether decode=True takes a chunk of T > 1 tokens (``_decode_token``)
 
-  def _proj(self, in_features, features, names, name, axis=-1):
+  def _proj(self, x, features, names, name, n_in=1):
+    """x [..., *inner] -> [..., *features], a DenseGeneral over x's last ``n_in`` axes."""
     std = self.out_init_std if name == "out" and self.out_init_std else self.init_std
     init = nn.initializers.normal(std) if std > 0 else nn.initializers.xavier_uniform()
-    tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)
-    n_in = len(tup(in_features))
-    return nn.DenseGeneral(
-      features, axis=axis, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
-      use_bias=self.use_bias, kernel_init=_shaped(init, names, tup(in_features) + tup(features)),
-      bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], tup(features)),
+    inner = x.shape[x.ndim - n_in :]
+    features = tuple(features) if isinstance(features, (tuple, list)) else (features,)
+    dense = nn.DenseGeneral(
+      features, axis=tuple(range(-n_in, 0)), dtype=self.dtype, param_dtype=self.param_dtype,
+      name=name, use_bias=self.use_bias, kernel_init=_shaped(init, names, inner + features),
+      bias_init=_shaped(nn.initializers.zeros_init(), names[n_in:], features),
+      dot_general=_matmul,
     )  # fmt: skip
+    return over_rows(dense, x, n_in)
 
   def _mix(self, x, decode, mix, *extra):
     """The output projection of ``mix(q, k, v)``, or decoding of ``_step(q, k, v, *extra)``."""
@@ -131,10 +157,10 @@ class _AFTChannels(_Projected):
 
   def _qkv(self, x):
     d, names = self.hidden_dim or x.shape[-1], ("embed", "heads")
-    return tuple(self._proj(x.shape[-1], d, names, n)(x) for n in ("query", "key", "value"))
+    return tuple(self._proj(x, d, names, n) for n in ("query", "key", "value"))
 
   def _out(self, y, d_model):
-    return self._proj(y.shape[-1], d_model, ("heads", "embed"), "out")(y)
+    return self._proj(y, d_model, ("heads", "embed"), "out")
 
 
 class _PositionBias(_AFTChannels):
@@ -347,12 +373,12 @@ class _Heads(_Projected):
         f"num_heads = {h}"
       )
     feat = (h, d_model // h)
-    dense = lambda f, n: self._proj(d_model, f, ("embed", "heads", "kv")[: len(f) + 1], n)(x)
+    dense = lambda f, n: self._proj(x, f, ("embed", "heads", "kv")[: len(f) + 1], n)
     key_feat = feat[:1] if self.one_key else feat
     return dense(feat, "query"), dense(key_feat, "key"), dense(feat, "value")
 
   def _out(self, y, d_model):
-    return self._proj(y.shape[-2:], d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(y)
+    return self._proj(y, d_model, ("heads", "kv", "embed"), "out", n_in=2)
 
 
 class AFTConv1D(_Heads):

@@ -227,10 +227,13 @@ class Block(nn.Module):
       kernel_init=nn.with_logical_partitioning(_kernel_init(cfg, name == "mlp_out"), names),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
     )  # fmt: skip
-    h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(_ln(cfg, "ln_mlp")(x_BTD))
-    h = nn.gelu(h, approximate=True) if cfg.gelu_approximate else gelu_exact(h)
-    h = dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(h))
-    x_BTD = x_BTD + drop(h)
+
+    def mlp(x_ND):
+      h = dense(cfg.mlp_dim, ("embed", "mlp"), "mlp_in")(x_ND)
+      h = nn.gelu(h, approximate=True) if cfg.gelu_approximate else gelu_exact(h)
+      return dense(cfg.d_model, ("mlp", "embed"), "mlp_out")(drop(h))
+
+    x_BTD = x_BTD + drop(layers.over_rows(mlp, _ln(cfg, "ln_mlp")(x_BTD)))
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "activation_length", "embed"))
     return (x_BTD, None) if self.cfg.scan_layers else x_BTD
 
@@ -267,7 +270,7 @@ class TransformerLM(nn.Module):
       unembed = nn.Dense(cfg.vocab_size, use_bias=False, **dtypes, name="unembed", kernel_init=init)
 
     def head(h_BTD, targets_BT):
-      logits_BTV = unembed(h_BTD).astype(jnp.float32)
+      logits_BTV = layers.over_rows(unembed, h_BTD).astype(jnp.float32)
       if targets_BT is None:
         return jax.nn.log_softmax(logits_BTV, axis=-1)
       return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)

@@ -351,3 +351,26 @@ def test_exact_gelu_is_jaxs_exact_gelu():
   np.testing.assert_allclose(M.gelu_exact(x), exact(x), rtol=0, atol=2e-6)
   d = lambda f: jax.vmap(jax.grad(f))(x)
   np.testing.assert_allclose(d(M.gelu_exact), d(exact), rtol=0, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("mixing", ["aft_simple", "aft_conv1d"])
+def test_kernel_gradients_need_no_transposed_activations(mixing, monkeypatch):
+  # layers.over_rows: the dense products take B T rows as one axis, and XLA:CPU takes each
+  # kernel's gradient as one product; on [B, T, .] it first writes activations or their
+  # gradients transposed, [F, B T] or [F, B, T] (F: d_model, mlp_dim or the vocabulary).
+  cfg = _cfg(mixing=mixing, max_len=48, d_model=32, mlp_dim=128, num_heads=4, num_layers=1)
+  tokens, params = _tokens(shape=(3, 48)), {"params": _params(cfg)}
+  loss = lambda p: M.TransformerLM(cfg).apply(p, tokens, tokens).mean()
+
+  def compiled():
+    grad = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    shapes = re.findall(r"= f32\[(\d+),(\d+(?:,\d+)?)\]", grad.as_text())
+    rows_last = {(f, n) for f, n in shapes if int(f) in (32, 128, V) and n in ("144", "3,48")}
+    return rows_last, grad(params)
+
+  rows_last, got = compiled()
+  monkeypatch.setattr(M.layers, "over_rows", lambda fn, x, n_in=1: fn(x))
+  rows_last_direct, want = compiled()
+  assert rows_last == set() and rows_last_direct  # (the check finds them where they are)
+  chex.assert_trees_all_close(got, want, atol=1e-6)
