@@ -353,7 +353,6 @@ def test_exact_gelu_is_jaxs_exact_gelu():
   np.testing.assert_allclose(d(M.gelu_exact), d(exact), rtol=0, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("mixing", ["aft_simple", "aft_conv1d"])
 def test_kernel_gradients_need_no_transposed_activations(mixing, monkeypatch):
   # layers.over_rows: the dense products take B T rows as one axis, and XLA:CPU takes each
