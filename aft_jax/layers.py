@@ -31,7 +31,11 @@ def over_rows(fn, x, n_in=1):
   """``fn`` on x [..., *inner] (its last ``n_in`` axes) with the leading axes as one row axis,
   [N, *inner]: a dense layer's product is then 2-D, and XLA:CPU takes the kernel's gradient as
   one product over N, not after writing an activation or its gradient transposed
-  (benchmarks/results/peer_length/profile.md)."""
+  (benchmarks/results/peer_length/profile.md). Where a mesh splits T, x as it is: XLA's
+  partitioner would gather T's shards for the one axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and dict(mesh.shape).get(sharding.SEQUENCE, 1) > 1:
+    return fn(x)
   y = fn(x.reshape((-1,) + x.shape[x.ndim - n_in :]))
   return y.reshape(x.shape[: x.ndim - n_in] + y.shape[1:])
 

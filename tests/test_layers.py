@@ -112,6 +112,18 @@ def test_shapes_and_dtypes_for_leading_batch_dims():  # bfloat16 compute, float3
         assert y.shape == shape and y.dtype == dtype, (name, causal, lead, y)
 
 
+def test_rows_are_one_axis_unless_a_mesh_splits_t():
+  # layers.over_rows: [..., d] as [N, d] (test_model.py: what it buys); with T split over a
+  # mesh's sequence axis, as it is (one axis would gather T's shards).
+  x, seen = jnp.arange(24.0).reshape(2, 3, 4), []
+  fn = lambda z: seen.append(z.shape) or z[..., :3] * 2
+  np.testing.assert_array_equal(layers.over_rows(fn, x), x[..., :3] * 2)
+  for sizes in [(2, 1), (1, 2)]:  # (data, sequence)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(sizes, ("data", "sequence"))):
+      np.testing.assert_array_equal(layers.over_rows(fn, x), x[..., :3] * 2)
+  assert seen == [(6, 4), (6, 4), (2, 3, 4)]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_numpy_reference(causal):  # random params (w past T = 6 < max_len = 8 too)
   for name, module in _modules(causal).items():
