@@ -81,14 +81,20 @@ def test_banded_small_blocks(causal, t_len, window):
     check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
-def test_causal_block_running_max_spans_its_rows_not_its_keys():
-  """The keys a causal block's rows have seen: the keys before its first row reduced once, a
-  running max over its c rows only (AFT-full's blocks hold all T keys)."""
+def test_causal_full_blocks_read_the_keys_up_to_their_last_row():
+  """AFT-full's causal block b: products over the keys up to its last row, (b + 1) c of them,
+  forward and backward; the keys a block's rows have seen: those before its first row reduced
+  once, a running max over its c rows only."""
   plan = local.make_plan(1024, 8, 1024, causal=True)
   x, w = jnp.zeros((1024, 8)), jnp.zeros((1024, 1024))
   jaxpr = jax.make_jaxpr(lambda k, v, w: local._forward(plan, k, v, w))(x, x, w).jaxpr
   rows = {e.invars[0].aval.shape[0] for e in equations(jaxpr, "cummax")}
-  assert plan.width == 1024 > plan.c and rows == {plan.c}
+  assert plan.width == 1024 > plan.c == 256 and rows == {plan.c}
+  loss = lambda k, v, w: jnp.sum(local.banded_mean(plan, k, v, w))
+  for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
+    jaxpr = jax.make_jaxpr(fn)(x, x, w).jaxpr
+    shapes = {v.aval.shape for e in equations(jaxpr, "dot_general") for v in e.invars}
+    assert {s[1] for s in shapes if s[0] == plan.c and s[1] >= plan.c} == {256, 512, 768, 1024}
 
 
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
