@@ -10,6 +10,7 @@ in its own ``benchmarks.peer_nanogpt_worker`` process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import json
@@ -228,7 +229,8 @@ def to_markdown(result: dict) -> str:
     f"ms/step: median over steps {steps.start}-{steps.stop - 1}; each run a process "
     f"of its own, in this order; torch on {result['threads']} threads, aft-jax on "
     f"{result['cpu_devices']} CPU device(s); an aft-jax run against the nanoGPT runs beside it; "
-    f"peak memory: the training process' resident set)",
+    f"peak memory: the training process' resident set; {result['machine'].get('cpu', '?')}, "
+    f"{result['machine']['cpu_count']} cores)",
     "",
     "| run | model | valid loss | vs nanoGPT | ms/step | nanoGPT beside it | vs nanoGPT | tokens/s "
     "| peak memory | wall |",
@@ -259,9 +261,19 @@ def parse_sets(items) -> dict:
   return out
 
 
+def cpu_model() -> str:
+  """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``): the same
+  recipe's step ratios differ between CPU models."""
+  with contextlib.suppress(OSError):
+    for line in open("/proc/cpuinfo", encoding="utf-8"):
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  return platform.processor() or platform.machine()
+
+
 def machine(a) -> dict:
   """Where and when the runs ran (the workers add jax's devices)."""
-  info = dict(python=platform.python_version(), cpu_count=os.cpu_count())
+  info = dict(python=platform.python_version(), cpu=cpu_model(), cpu_count=os.cpu_count())
   info.update(machine=platform.machine(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
   if a.nanogpt_dir:
     cmd = [a.torch_python, "-c", "import torch; print(torch.__version__)"]

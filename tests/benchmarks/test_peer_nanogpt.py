@@ -65,7 +65,8 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   assert records[3]["nanogpt_ms"] == [60.0] and records[3]["vs_nanogpt"] == 0.5
   assert "vs_nanogpt" not in records[0] and "vs_nanogpt" not in records[2]
   result = {"text": "t", "recipe": peer.RECIPE, "timed": [100, 300], "seed": 0, "threads": 2,
-            "cpu_devices": 2, "records": records}  # fmt: skip
+            "cpu_devices": 2, "records": records,
+            "machine": {"cpu": "Some CPU", "cpu_count": 2}}  # fmt: skip
   md = peer.to_markdown(result)
   # tokens/s: 12 x 64 tokens a step
   row = (
@@ -75,6 +76,7 @@ def test_data_windows_nanogpt_command_log_schedule_and_table(tmp_path):
   assert "| 4 | aft-jax aft_local | 1.9000 | -0.3000 | 30.0 | 60.0 | 0.50x | 25,600 |" in md
   assert "| 1 | nanoGPT | 2.0000 | - | 50.0 | - | - | 15,360 | 1,234 MiB | 9 s |" in md
   assert "median over steps 100-299;" in md  # the steps the median reads, a short run's too
+  assert "resident set; Some CPU, 2 cores)" in md  # ratios differ between CPU models
   short = peer.to_markdown(dict(result, recipe=dict(peer.RECIPE, max_iters=200)))
   assert "median over steps 100-199;" in short
   assert "median over steps 1-1999;" in peer.to_markdown(dict(result, timed=[2000, 2100]))
@@ -140,6 +142,7 @@ def test_quick_run_at_a_block_and_batch_alternates_and_nanogpt_runs_with_no_jax_
   assert first["ms_per_step"] == last["ms_per_step"] == 53.0  # the median of steps 1-5
   assert first["valid_loss"] == 3.5 and r["nanogpt_ms"] == [53.0, 53.0]
   assert r["steps"] == peer.QUICK["max_iters"] and r["machine"]["platform"] == "cpu"
+  assert result["machine"]["cpu"] == peer.cpu_model() != ""
   # Each training process' own peak memory: jax's well above the stand-in Python's.
   assert 0 < first["peak_mib"] < 100 < r["peak_mib"] < 4096
   for key in ("valid_loss", "ms_per_step", "final_train_loss", "wall_s"):
