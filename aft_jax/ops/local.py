@@ -19,6 +19,8 @@ KERNELS = (common.Kernel("gpu", triton_local.local_mean, triton_local.unsupporte
 FULL_KERNELS = ()  # (none: impl="pallas" is refused)
 # Sub-pieces (>= 4 windows) of a long piece given w's factors: its memory stays linear.
 SUB_PIECE = 2048
+# AFT-full's causal blocks: this many scans, each over the keys its blocks need (_over_blocks).
+KEY_GROUPS = 2
 
 
 class Factors(NamedTuple):  # w = u v^T, u, v [L, d']: a piece forms only the block it reads
@@ -438,19 +440,22 @@ def _forward(p: BandPlan, k, v, w):  # a, L [T, R], recomputed groups [nb, group
 
 
 def _over_blocks(p: BandPlan, body, xs, remat=False):
-  """``body(plan, xs[b])`` for each block b, stacked: a scan over the blocks, except where a
-  causal plan's blocks read all T keys (AFT-full): there block b reads only the keys up to its
-  last row, a block at a time (about half the products: (nb + 1) / (2 nb) of them)."""
+  """``body(plan, xs[b])`` for each block b, stacked: a scan over the blocks. Where a causal
+  plan's blocks read all T keys (AFT-full), ``KEY_GROUPS`` scans over consecutive blocks, each
+  over the keys up to its last block's last row: 3/4 of the products where nb is even, each
+  group's body compiled once (more groups cut fewer products and compile slower)."""
   once = jax.checkpoint if remat else lambda f: f
-  if not (p.causal and p.width == p.t_len and p.nb > 1):
-    fn = once(functools.partial(body, p))
-    return jax.lax.scan(lambda _, x: (None, fn(x)), None, xs)[1]
-  rs = _layout(p)[0]  # with every ks 0
-  outs = [
-    once(functools.partial(body, p._replace(width=int(r) + p.c)))(jax.tree.map(lambda x: x[b], xs))
-    for b, r in enumerate(rs)
-  ]
-  return jax.tree.map(lambda *x: jnp.stack(x), *outs)
+  groups = [(0, p.nb, p)]
+  if p.causal and p.width == p.t_len and p.nb > 1:
+    rs = _layout(p)[0]  # with every ks 0
+    cut = np.round(np.linspace(0, p.nb, min(p.nb, KEY_GROUPS) + 1)).astype(int)
+    groups = [(a, b, p._replace(width=int(rs[b - 1]) + p.c)) for a, b in zip(cut[:-1], cut[1:])]
+  outs = []
+  for a, b, plan in groups:
+    fn = once(functools.partial(body, plan))
+    part = jax.tree.map(lambda x, a=a, b=b: x[a:b], xs)
+    outs.append(jax.lax.scan(lambda _, x, fn=fn: (None, fn(x)), None, part)[1])
+  return outs[0] if len(outs) == 1 else jax.tree.map(lambda *x: jnp.concatenate(x), *outs)
 
 
 def _unblock(p: BandPlan, x):  # [nb, c, ...] -> [T, ...] (the last block overlaps)

@@ -64,9 +64,10 @@ def test_banded_long_sequence(causal, window, scale):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("t_len,window", [(13, 1), (13, 3), (13, 6), (16, 2), (16, 40)])
+@pytest.mark.parametrize("t_len,window", [(13, 1), (13, 3), (13, 6), (16, 2), (16, 40), (26, 40)])
 def test_banded_small_blocks(causal, t_len, window):
-  """Blocks of 4 rows: the loop reference, both modes against finite differences."""
+  """Blocks of 4 rows: the loop reference, both modes against finite differences (causal, a
+  window over every key: 4 blocks, two to a key range; 7, in groups of 4 and 3)."""
   plan = local.make_plan(t_len, 3, window, causal, block=4)
   assert plan.nb == -(-t_len // 4)
   with jax.enable_x64(True):
@@ -81,20 +82,22 @@ def test_banded_small_blocks(causal, t_len, window):
     check_grads(fn, (k, v, w), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
-def test_causal_full_blocks_read_the_keys_up_to_their_last_row():
-  """AFT-full's causal block b: products over the keys up to its last row, (b + 1) c of them,
-  forward and backward; the keys a block's rows have seen: those before its first row reduced
-  once, a running max over its c rows only."""
-  plan = local.make_plan(1024, 8, 1024, causal=True)
-  x, w = jnp.zeros((1024, 8)), jnp.zeros((1024, 1024))
+@pytest.mark.parametrize("t_len", [1024, 2048])
+def test_causal_full_blocks_read_the_keys_up_to_their_last_row(t_len):
+  """AFT-full's causal blocks (4 and 8 of 256 rows) in two scans, each over the keys up to its
+  last row, forward and backward; the keys a block's rows have seen: those before its first row
+  reduced once, a running max over its c rows only."""
+  plan = local.make_plan(t_len, 8, t_len, causal=True)
+  x, w = jnp.zeros((t_len, 8)), jnp.zeros((t_len, t_len))
   jaxpr = jax.make_jaxpr(lambda k, v, w: local._forward(plan, k, v, w))(x, x, w).jaxpr
   rows = {e.invars[0].aval.shape[0] for e in equations(jaxpr, "cummax")}
-  assert plan.width == 1024 > plan.c == 256 and rows == {plan.c}
+  assert plan.width == t_len > plan.c == 256 and rows == {plan.c}
   loss = lambda k, v, w: jnp.sum(local.banded_mean(plan, k, v, w))
   for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
     jaxpr = jax.make_jaxpr(fn)(x, x, w).jaxpr
     shapes = {v.aval.shape for e in equations(jaxpr, "dot_general") for v in e.invars}
-    assert {s[1] for s in shapes if s[0] == plan.c and s[1] >= plan.c} == {256, 512, 768, 1024}
+    widths = {s[1] for s in shapes if s[0] == plan.c and s[1] >= plan.c}
+    assert local.KEY_GROUPS == 2 and widths == {t_len // 2, t_len}, widths
 
 
 def test_triton_kernel_dw_partials_do_not_grow_with_the_batch():
