@@ -443,7 +443,8 @@ def _over_blocks(p: BandPlan, body, xs, remat=False):
   """``body(plan, xs[b])`` for each block b, stacked: a scan over the blocks. Where a causal
   plan's blocks read all T keys (AFT-full), ``KEY_GROUPS`` scans over consecutive blocks, each
   over the keys up to its last block's last row: 3/4 of the products where nb is even, each
-  group's body compiled once (more groups cut fewer products and compile slower)."""
+  group's body compiled once (more groups: fewer products, a slower compile; measured in
+  benchmarks/results/peer_length/profile.md)."""
   once = jax.checkpoint if remat else lambda f: f
   groups = [(0, p.nb, p)]
   if p.causal and p.width == p.t_len and p.nb > 1:
