@@ -264,8 +264,8 @@ def parse_sets(items) -> dict:
 def cpu_model() -> str:
   """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``): the same
   recipe's step ratios differ between CPU models."""
-  with contextlib.suppress(OSError):
-    for line in open("/proc/cpuinfo", encoding="utf-8"):
+  with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+    for line in f:
       if line.startswith("model name"):
         return line.split(":", 1)[1].strip()
   return platform.processor() or platform.machine()

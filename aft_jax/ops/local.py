@@ -448,9 +448,9 @@ def _over_blocks(p: BandPlan, body, xs, remat=False):
   once = jax.checkpoint if remat else lambda f: f
   groups = [(0, p.nb, p)]
   if p.causal and p.width == p.t_len and p.nb > 1:
-    rs = _layout(p)[0]  # with every ks 0
-    cut = np.round(np.linspace(0, p.nb, min(p.nb, KEY_GROUPS) + 1)).astype(int)
-    groups = [(a, b, p._replace(width=int(rs[b - 1]) + p.c)) for a, b in zip(cut[:-1], cut[1:])]
+    cut = np.round(np.linspace(0, p.nb, min(p.nb, KEY_GROUPS) + 1)).astype(int).tolist()
+    # Every ks is 0; block b - 1 ends at row min(b c, T) (the last moved back to end at T).
+    groups = [(a, b, p._replace(width=min(b * p.c, p.t_len))) for a, b in zip(cut[:-1], cut[1:])]
   outs = []
   for a, b, plan in groups:
     fn = once(functools.partial(body, plan))
